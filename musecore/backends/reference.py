@@ -1,0 +1,68 @@
+"""The reference backend: every op from ``musecore.ops.reference``, on the CPU (or any torch device).
+
+It is registered through the same ``musecore.backends`` entry point as the hardware plugins, runs
+every format by dequantizing weights once at load to fp32 (exact: every format's values are
+representable in fp32), and fake-quantizes activations for W4A4 targets, which is what makes
+emulation of another device bit-faithful to that device's numerics.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from musecore.backends.base import Backend, Probe, Support, WeightIn
+from musecore.ops import ExpertWeights, OpSpec, Weight
+from musecore.ops import reference as ref
+
+
+def weight_format_of(weight: WeightIn) -> str:
+    if isinstance(weight, torch.Tensor):
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(weight.dtype, str(weight.dtype))
+    return weight.format
+
+
+def dense_values(weight: WeightIn, dtype: torch.dtype) -> torch.Tensor:
+    """A dense tensor with the weight's exact values: quantized formats dequantize to fp32."""
+    if isinstance(weight, torch.Tensor):
+        return weight.to(dtype)
+    from musecore_quant import dequantize
+    return dequantize(weight, torch.float32)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def probe(self) -> Probe:
+        return Probe(available=True, score=1, devices=["cpu"],
+                     reason="plain PyTorch with fp32 math; runs anywhere, slowly")
+
+    def supports(self, op: str, spec: OpSpec) -> Support:
+        return Support.native("plain PyTorch reference (fp32 math)")
+
+    def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
+                       dtype: torch.dtype = torch.bfloat16) -> Weight:
+        data = dense_values(weight, dtype).to(self.device)
+        input_scale = getattr(weight, "input_scale", None)
+        return Weight(data=data, format=weight_format_of(weight), out_features=data.shape[-2] if data.dim() > 1 else 1,
+                      in_features=data.shape[-1], act_format=act_format, input_scale=input_scale)
+
+    def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
+                        act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
+        values = [dense_values(w, dtype).to(self.device) for w in (gate, up, down)]
+        return ExpertWeights(gate=values[0], up=values[1], down=values[2], format=weight_format_of(gate),
+                             num_experts=values[0].shape[0], act_format=act_format,
+                             gate_up_input_scale=getattr(gate, "input_scale", None),
+                             down_input_scale=getattr(down, "input_scale", None))
+
+    embedding = staticmethod(ref.embedding)
+    rms_norm = staticmethod(ref.rms_norm)
+    residual_norm = staticmethod(ref.residual_norm)
+    qk_norm_rope = staticmethod(ref.qk_norm_rope)
+    attention = staticmethod(ref.attention)
+    head_norm_gate = staticmethod(ref.head_norm_gate)
+    linear = staticmethod(ref.linear)
+    router_topk = staticmethod(ref.router_topk)
+    moe = staticmethod(ref.moe)
+    sample = staticmethod(ref.sample)

@@ -1,0 +1,93 @@
+"""The KV cache: all positions for full-attention layers, a ring buffer of W for sliding ones.
+
+Each layer's cache keeps keys, values and the absolute position held in every slot (``-1`` for an
+empty slot), so the attention op needs no other bookkeeping: its mask is computed from positions
+alone, which makes ring buffers, left-padded batches and prefill chunks one case. A step attends
+over ``[cached, new]`` and only then writes the new entries, so a prefill longer than the window
+still sees every key it needs. FP8 caches hold E4M3 with one fixed per-tensor scale for keys and one for
+values (1.0 unless given, as vLLM does for checkpoints without KV scales; keys are RMS-normed so
+they sit well inside E4M3's range), and new entries are quantized before attention, so
+incremental decode sees exactly what a whole-sequence pass through the same cache sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from musecore.config import SLIDING, MuseConfig
+
+FP8_MAX = 448.0
+KV_FORMATS = ("bf16", "fp8")
+
+
+@dataclass
+class KVView:
+    k: torch.Tensor  # [B,S,nkv,d]
+    v: torch.Tensor
+    positions: torch.Tensor  # [B,S] long, -1 = empty
+    k_scale: Optional[float] = None
+    v_scale: Optional[float] = None
+
+
+class LayerCache:
+    def __init__(self, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *, ring: bool,
+                 kv_format: str, dtype: torch.dtype, device: torch.device,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        if kv_format not in KV_FORMATS:
+            raise ValueError(f"unknown KV cache format {kv_format!r}; choose one of {KV_FORMATS}")
+        store = torch.float8_e4m3fn if kv_format == "fp8" else dtype
+        self.ring, self.capacity, self.kv_format = ring, capacity, kv_format
+        self.k = torch.zeros(batch, capacity, num_kv_heads, head_dim, dtype=store, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.positions = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
+        self.used = 0  # slots [0, used) may hold entries (full layers); ring layers use all
+        fp8 = kv_format == "fp8"
+        self.k_scale: Optional[float] = k_scale if fp8 else None
+        self.v_scale: Optional[float] = v_scale if fp8 else None
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New keys/values in the cache's storage format."""
+        if self.kv_format != "fp8":
+            return k.to(self.k.dtype), v.to(self.v.dtype)
+        quant = lambda x, s: (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # noqa: E731
+        return quant(k, self.k_scale), quant(v, self.v_scale)
+
+    def view_with(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> KVView:
+        """Cached entries followed by the (encoded) new ones: what this step's attention reads."""
+        limit = self.capacity if self.ring else self.used
+        return KVView(torch.cat([self.k[:, :limit], k_new], 1), torch.cat([self.v[:, :limit], v_new], 1),
+                      torch.cat([self.positions[:, :limit], pos_new], 1), self.k_scale, self.v_scale)
+
+    def write(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> None:
+        if self.ring and k_new.shape[1] > self.capacity:  # older entries would be overwritten anyway
+            k_new, v_new, pos_new = (t[:, -self.capacity:] for t in (k_new, v_new, pos_new))
+        b, t = (pos_new >= 0).nonzero(as_tuple=True)
+        pos = pos_new[b, t]
+        if not self.ring and pos.numel() and int(pos.max()) >= self.capacity:
+            raise ValueError(f"sequence position {int(pos.max())} exceeds the KV cache capacity {self.capacity}; "
+                             "create the cache with a larger max_length")
+        slots = pos % self.capacity if self.ring else pos
+        self.k[b, slots], self.v[b, slots], self.positions[b, slots] = k_new[b, t], v_new[b, t], pos
+        if not self.ring and pos.numel():
+            self.used = max(self.used, int(pos.max()) + 1)
+
+
+class KVCache:
+    """One :class:`LayerCache` per layer, sized by the config: ``KVCache(config, batch, max_length)``."""
+
+    def __init__(self, config: MuseConfig, batch: int, max_length: int, *, kv_format: str = "bf16",
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+        device = torch.device(device)
+        self.layers = []
+        for kind in config.layer_types:
+            ring = kind == SLIDING
+            capacity = min(config.sliding_window, max_length) if ring else max_length
+            self.layers.append(LayerCache(batch, capacity, config.num_key_value_heads, config.head_dim,
+                                          ring=ring, kv_format=kv_format, dtype=dtype, device=device))
+        self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]

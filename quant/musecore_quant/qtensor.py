@@ -1,0 +1,95 @@
+"""The one container in which quantized weights travel between checkpoint readers, the loader
+and backends.
+
+A ``QTensor`` holds the bytes as a producer stores them (packed codes, block scales in their
+on-disk dtype) plus the logical shape, so nothing is lost in transit and every backend can turn
+it into its own resident layout once, at load.
+
+Canonical in-memory layouts (the checkpoint readers convert producer layouts to these):
+
+=========  ===========================  ==============================  ===================  =====================
+format     data                         scale                           global_scale         zero
+=========  ===========================  ==============================  ===================  =====================
+nvfp4      uint8 ``[..., out, in/2]``   float8_e4m3fn ``[..., out, in/16]``  fp32 ``[...]`` (weight_scale_2)  None
+mxfp4      uint8 ``[..., out, in/2]``   uint8 E8M0 ``[..., out, in/32]``     None                  None
+int4       uint8 ``[..., out, in/2]``   fp16 ``[..., out, in/g]``            None                  uint8 ``[..., out, in/g]`` (true zero 0..15) or None (symmetric, zero 8)
+fp8        float8_e4m3fn ``[..., out, in]``  fp32 ``[]``/``[...]`` per tensor, or ``[..., ceil(out/128), ceil(in/128)]`` for 128x128 blocks
+=========  ===========================  ==============================  ===================  =====================
+
+FP4 and INT4 codes are packed two per byte along the input (K) dimension, element ``2i`` in the
+low nibble. A leading ``...`` dimension stacks experts (``[E, out, in]`` logical shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+FORMATS = ("nvfp4", "mxfp4", "int4", "fp8")
+
+
+@dataclass
+class QTensor:
+    """A quantized weight: packed data, block scales as stored on disk, logical shape.
+
+    Example::
+
+        qt = musecore_quant.quantize(w, "nvfp4")     # w: [out, in] bf16
+        w_hat = musecore_quant.dequantize(qt)        # fp32 [out, in]
+    """
+
+    format: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, ...]
+    group_size: int
+    global_scale: Optional[torch.Tensor] = None
+    zero: Optional[torch.Tensor] = None
+    input_scale: Optional[torch.Tensor] = None  # NVFP4 static activation global scale (W4A4)
+    layout: str = "canonical"  # a backend's prepare_weight may re-tag its own resident layout
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown quantized format {self.format!r}; expected one of {FORMATS}")
+        self.shape = tuple(int(s) for s in self.shape)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every tensor of the container (what a decode step must read)."""
+        parts = (self.data, self.scale, self.global_scale, self.zero, self.input_scale)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def to(self, device: torch.device | str) -> "QTensor":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, data=move(self.data), scale=move(self.scale),
+                       global_scale=move(self.global_scale), zero=move(self.zero),
+                       input_scale=move(self.input_scale))
+
+    def __repr__(self) -> str:
+        return (f"QTensor(format={self.format!r}, shape={list(self.shape)}, group_size={self.group_size}, "
+                f"data={self.data.dtype}{list(self.data.shape)}, scale={self.scale.dtype}{list(self.scale.shape)})")
+
+
+def stack_qtensors(parts: list[QTensor]) -> QTensor:
+    """Stack same-format, same-shape QTensors (e.g. the experts of one layer) along a new dim 0."""
+    first = parts[0]
+    for i, p in enumerate(parts):
+        if (p.format, p.shape, p.group_size) != (first.format, first.shape, first.group_size):
+            raise ValueError(f"cannot stack QTensor {i} ({p!r}) with QTensor 0 ({first!r}): "
+                             "format, shape and group size must match")
+    stack = lambda name: (None if getattr(first, name) is None  # noqa: E731
+                          else torch.stack([getattr(p, name) for p in parts]))
+    return QTensor(format=first.format, data=stack("data"), scale=stack("scale"),
+                   shape=(len(parts), *first.shape), group_size=first.group_size,
+                   global_scale=stack("global_scale"), zero=stack("zero"),
+                   input_scale=stack("input_scale"), layout=first.layout)

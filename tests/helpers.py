@@ -1,0 +1,47 @@
+"""Small configs and checkpoints for the core tests."""
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from musecore.config import MuseConfig
+from musecore.model import init_weights
+
+SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, num_experts=6, num_experts_per_tok=2, moe_latent_size=32, moe_intermediate_size=48,
+             sliding_window=5, global_layer_period=2, rms_norm_eps=1e-6, max_position_embeddings=512,
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})
+
+
+def small_config(**overrides) -> MuseConfig:
+    return MuseConfig(**{**SMALL, **overrides})
+
+
+def random_tensors(config: MuseConfig, seed: int = 0, dtype=torch.float32) -> dict:
+    """Random weights with non-trivial norm weights and residual gates (ones would hide mix-ups)."""
+    tensors = init_weights(config, seed=seed, std=0.15, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, t in tensors.items():
+        if t.dim() == 1:
+            tensors[name] = (1 + 0.2 * torch.randn(t.shape, generator=gen)).to(dtype)
+    return tensors
+
+
+def write_checkpoint(folder: Path, config: MuseConfig, tensors: dict, shards: int = 1) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return folder
+    names = list(tensors)
+    weight_map = {}
+    for s in range(shards):
+        part = names[s::shards]
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(folder / file))
+        weight_map.update({n: file for n in part})
+    import json
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder

@@ -1,0 +1,124 @@
+"""The graph against an independent implementation of MODEL.md, decode against forward, errors."""
+
+import pytest
+import torch
+
+import musecore
+from musecore.backends.reference import ReferenceBackend
+from musecore.config import MuseConfig
+from musecore.loader import CheckpointMismatch
+from tests.conftest import nmse
+from tests.helpers import random_tensors, small_config, write_checkpoint
+from tests.independent_muse import muse_logits
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    config = small_config()
+    tensors = random_tensors(config)
+    folder = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", config, tensors)
+    return folder, config, tensors
+
+
+def test_forward_matches_independent_implementation_of_model_md(small_checkpoint):
+    folder, config, tensors = small_checkpoint
+    model = musecore.load(folder, device="cpu", dtype=torch.float32)
+    ids = [3, 17, 42, 8, 8, 91, 0, 5, 66, 23, 11, 4]  # longer than the sliding window (5)
+    got = model.forward(torch.tensor([ids]))[0].double()
+    want = muse_logits(tensors, config.to_dict(), ids)
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 1e-4, f"relative error vs the independent MODEL.md implementation: {rel:.3e} (tolerance 1e-4)"
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_incremental_decode_equals_whole_sequence_beyond_the_window(small_checkpoint, kv_format):
+    folder, config, _ = small_checkpoint
+    model = musecore.load(folder, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (2, 14))  # 14 > window 5: the ring buffer wraps
+    cache = model.new_cache(batch=2, max_length=32, kv_format=kv_format)
+    whole = model.forward(ids, cache=cache)
+    cache = model.new_cache(batch=2, max_length=32, kv_format=kv_format)
+    steps = [model.forward(ids[:, :4], cache=cache)]  # prefill 4, then one token at a time
+    steps += [model.forward(ids[:, t:t + 1], cache=cache) for t in range(4, 14)]
+    incremental = torch.cat(steps, dim=1)
+    err = nmse(whole, incremental)
+    assert err < 1e-10, f"NMSE between incremental decode and one pass: {err:.3e} (tolerance 1e-10)"
+    if kv_format == "bf16":
+        no_cache = model.forward(ids)
+        err = nmse(no_cache, whole)
+        assert err < 1e-10, f"NMSE with and without a KV cache: {err:.3e}"
+
+
+def test_round_trip_config_checkpoint_load_sharded(tmp_path):
+    config = small_config()
+    tensors = random_tensors(config, seed=3)
+    one = musecore.load(write_checkpoint(tmp_path / "one", config, tensors), dtype=torch.float32)
+    three = musecore.load(write_checkpoint(tmp_path / "three", config, tensors, shards=3), dtype=torch.float32)
+    assert MuseConfig.from_pretrained(tmp_path / "three").to_dict() == config.to_dict()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(one.forward(ids), three.forward(ids))
+
+
+def test_loader_rejects_missing_and_misshapen_tensors(tmp_path):
+    config = small_config()
+    tensors = random_tensors(config)
+    name = "model.language_model.layers.1.mlp.experts.2.up_proj.weight"
+    bad = dict(tensors)
+    del bad[name]
+    with pytest.raises(CheckpointMismatch, match="missing 1 tensor.*experts.2.up_proj"):
+        musecore.load(write_checkpoint(tmp_path / "missing", config, bad))
+    bad = dict(tensors)
+    bad[name] = bad[name][:, :-1].contiguous()
+    with pytest.raises(CheckpointMismatch, match=r"experts.2.up_proj.weight.*shape \[48, 31\].*\[48, 32\]"):
+        musecore.load(write_checkpoint(tmp_path / "shape", config, bad))
+    bad = dict(tensors)
+    bad["model.language_model.layers.9.extra.weight"] = torch.zeros(2)
+    with pytest.raises(CheckpointMismatch, match="unexpected tensor"):
+        musecore.load(write_checkpoint(tmp_path / "extra", config, bad))
+
+
+def test_model_uses_per_expert_norm_before_routing_weight(small_checkpoint):
+    """Normalising each expert's output before weighting is a different model from a norm of the sum."""
+    folder, config, tensors = small_checkpoint
+    model = musecore.load(folder, device="cpu", dtype=torch.float32)
+    mlp = model.layers[1].mlp
+    m = torch.randn(5, config.hidden_size)
+    weights, ids = model.ops.router_topk(model.ops.linear(m, mlp.router), config.num_experts_per_tok, True)
+    z = model.ops.rms_norm(model.ops.linear(m, mlp.fc1_latent_proj), mlp.latent_norm, config.rms_norm_eps)
+    got = model.ops.moe(z, weights, ids, mlp.experts, mlp.output_norm, config.rms_norm_eps)
+    p = "model.language_model.layers.1.mlp.experts."
+    per_expert, sum_then_norm = torch.zeros_like(got), torch.zeros_like(got)
+    for t in range(5):
+        raw = torch.zeros(config.moe_latent_size)
+        for w, e in zip(weights[t], ids[t].tolist()):
+            h = torch.nn.functional.silu(z[t] @ tensors[f"{p}{e}.gate_proj.weight"].T) * (z[t] @ tensors[f"{p}{e}.up_proj.weight"].T)
+            out = h @ tensors[f"{p}{e}.down_proj.weight"].T
+            normed = out * torch.rsqrt(out.pow(2).mean() + config.rms_norm_eps) * tensors[f"{p}{e}.output_norm.weight"]
+            per_expert[t] += w * normed
+            raw += w * out
+        sum_then_norm[t] = raw * torch.rsqrt(raw.pow(2).mean() + config.rms_norm_eps) * tensors[f"{p}{ids[t, 0]}.output_norm.weight"]
+    assert nmse(per_expert, got) < 1e-10, f"moe vs per-expert-norm formula: NMSE {nmse(per_expert, got):.3e}"
+    assert nmse(sum_then_norm, got) > 1e-3, "a norm of the weighted sum must give a different result"
+
+
+def test_gqa_maps_query_head_to_kv_head_by_integer_division():
+    B, T, nq, nkv, d = 1, 3, 4, 2, 8
+    q = torch.randn(B, T, nq, d)
+    k = torch.zeros(B, T, nkv, d)
+    v = torch.zeros(B, T, nkv, d)
+    v[:, :, 0], v[:, :, 1] = 1.0, 2.0  # kv head 0 carries 1s, kv head 1 carries 2s
+    pos = torch.arange(T)[None]
+    out = ReferenceBackend().attention(q, k, v, pos, pos, None, d ** -0.5)
+    assert torch.allclose(out[:, :, :2], torch.ones(1)) and torch.allclose(out[:, :, 2:], torch.full((1,), 2.0))
+
+
+def test_sliding_window_query_sees_exactly_w_keys_including_itself():
+    W, T = 4, 10
+    q = torch.zeros(1, T, 1, T)  # zero scores: uniform weight over the visible keys
+    k = torch.zeros(1, T, 1, T)
+    v = torch.eye(T)[None, :, None, :]  # value j is the one-hot e_j
+    pos = torch.arange(T)[None]
+    out = ReferenceBackend().attention(q, k, v, pos, pos, W, 1.0)[0, :, 0]  # [T, T]
+    for i in range(T):
+        seen = (out[i] > 0).nonzero().flatten().tolist()
+        assert seen == list(range(max(0, i - W + 1), i + 1)), f"query {i} sees keys {seen}"
