@@ -1,0 +1,112 @@
+"""FP8 E4M3 weights, per tensor (ModelOpt FP8) or per 128x128 block (DeepSeek-V3 style).
+
+Hopper runs FP8 natively and many checkpoints ship in it. Both producers store
+``W / scale`` cast to float8_e4m3fn and dequantize with a MULTIPLY (DeepSeek's ``weight_scale_inv``
+is a multiplier despite its name):
+
+- per tensor: ``scale = amax / 448`` (per matrix; ``[E]`` for stacked experts), ``group_size = 0``;
+- 128x128 blocks: ``scale`` fp32 ``[..., ceil(M/128), ceil(N/128)]`` of ``block_amax / 448``,
+  ``group_size = block_size``; ragged edge blocks are allowed, as in DeepSeek-V3.
+
+The quotient is computed in fp32 and clamped to +-448 before the cast, always: older eager casts
+turn values >= 480 into NaN instead of saturating. An all-zero tensor or block gets scale 1.0
+rather than the producers' 0 (which divides 0 by 0).
+
+Example::
+
+    qt = fp8_quantize(w)                    # per tensor
+    qb = fp8_quantize(w, block_size=128)    # DeepSeek-V3 blocks
+    w_hat = fp8_dequantize(qb)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ..qtensor import QTensor
+from ._validate import require_float_tensor, require_weight
+
+E4M3_MAX = 448.0
+FP8_PER_TENSOR = 0                  # QTensor.group_size of a per-tensor FP8 weight
+_LABEL = "FP8"
+
+
+def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    amax = amax.float()
+    return torch.where(amax == 0, 1.0, amax / E4M3_MAX)
+
+
+def _expand_blocks(scale: torch.Tensor, block_size: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Block scales ``[..., Mb, Nb]`` repeated to the element grid ``[..., M, N]`` (edges cropped)."""
+    rows, cols = shape[-2], shape[-1]
+    expanded = scale.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
+    return expanded[..., :rows, :cols]
+
+
+def fp8_quantize(w: torch.Tensor, block_size: Optional[int] = None) -> QTensor:
+    """FP8 E4M3 of ``w`` ``[..., out, in]``: per tensor (``block_size=None``) or per square block.
+
+    Example::
+
+        qt = fp8_quantize(torch.randn(300, 200), block_size=128)
+        qt.data.dtype, qt.scale.shape          # torch.float8_e4m3fn, [3, 2]
+    """
+    w = require_weight(w, _LABEL)
+    x = w.float()
+    if block_size is None:
+        scale = _scale_from_amax(x.abs().amax(dim=(-2, -1)))                 # [...]
+        data = _to_e4m3(x / scale[..., None, None])
+        group_size = FP8_PER_TENSOR
+    else:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"FP8 block_size must be None (per tensor) or a positive int such as 128; "
+                             f"got {block_size!r}")
+        rows, cols = x.shape[-2], x.shape[-1]
+        pad_rows, pad_cols = -rows % block_size, -cols % block_size
+        padded = torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows))      # zeros do not change an amax
+        blocks = padded.unflatten(-1, (-1, block_size)).unflatten(-3, (-1, block_size))  # [..., Mb, b, Nb, b]
+        scale = _scale_from_amax(blocks.abs().amax(dim=(-3, -1)))           # [..., Mb, Nb]
+        data = _to_e4m3(x / _expand_blocks(scale, block_size, tuple(x.shape)))
+        group_size = block_size
+    return QTensor(format="fp8", data=data, scale=scale, shape=tuple(w.shape), group_size=group_size)
+
+
+def fp8_dequantize(qt: QTensor) -> torch.Tensor:
+    """fp32 weights ``[..., out, in]`` of an FP8 QTensor (``data * scale``, per tensor or per block)."""
+    if qt.format != "fp8" or qt.layout != "canonical":
+        raise ValueError(f"fp8_dequantize expects a canonical fp8 QTensor; got format {qt.format!r}, "
+                         f"layout {qt.layout!r}")
+    values = qt.data.float()
+    scale = qt.scale.float()
+    if qt.group_size == FP8_PER_TENSOR:
+        return values * scale[..., None, None]
+    return values * _expand_blocks(scale, qt.group_size, qt.shape)
+
+
+def fp8_fake_quantize_activation(x: torch.Tensor,
+                                 input_scale: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
+    """FP8 E4M3 round trip of activations ``x`` in ``x.dtype``.
+
+    With ``input_scale`` (ModelOpt's static ``amax / 448``) the scale is that; with None it is
+    dynamic per tensor (``amax(|x|) / 448``), as FP8 runtimes do without calibration. Values
+    beyond the static range saturate at 448 * input_scale.
+
+    Example::
+
+        x_hat = fp8_fake_quantize_activation(x, input_scale=torch.tensor(0.02))
+    """
+    x = require_float_tensor(x, _LABEL, "activation")
+    xf = x.float()
+    if input_scale is None:
+        scale = _scale_from_amax(xf.abs().amax())
+    else:
+        scale = torch.as_tensor(input_scale, dtype=torch.float32, device=x.device)
+        if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+            raise ValueError(f"input_scale must be finite and > 0 (amax / 448); got {scale.tolist()}")
+    return (_to_e4m3(xf / scale).float() * scale).to(x.dtype)
