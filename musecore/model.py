@@ -146,6 +146,11 @@ class MuseModel:
     def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16") -> KVCache:
         return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device)
 
+    def generate(self, prompt: Any, **kwargs: Any) -> Any:
+        """str -> str, list[int] -> list[int], or a batch of either; see :func:`musecore.generate.generate`."""
+        from musecore.generate import generate
+        return generate(self, prompt, **kwargs)
+
     # -- where checkpoint tensors go --------------------------------------------------------------
 
     def weight_slots(self) -> dict[str, Slot]:

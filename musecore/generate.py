@@ -1,0 +1,304 @@
+"""Autoregressive generation: prefill once, then one token per step through the KV cache.
+
+Why it looks like this:
+
+- One code path for one prompt and for a batch. A batch of prompts of different lengths is
+  left-padded; padding tokens get position ``-1``, which the attention op treats as "attends to
+  nothing, seen by nothing" and the cache never stores, so every row computes exactly what it
+  would alone (a test checks greedy ids are identical). Each row then continues from its own
+  next position; a finished row is fed position ``-1`` so it stops touching the cache.
+- One KV cache sized ``longest prompt + max_new_tokens``: no reallocation while decoding.
+- Token choice always goes through ``model.ops.sample`` (greedy at temperature 0), so a backend
+  that fuses sampling gets it for free, and a seeded ``torch.Generator`` makes sampling
+  reproducible without touching the global RNG.
+- Streaming never shows text it may have to take back: text that could still become a stop
+  string, or an unfinished UTF-8 character, is held until it is settled, so the streamed pieces
+  always concatenate to exactly the returned text.
+
+Timing of the last call is kept on ``model.last_generation_stats`` (a :class:`GenerationStats`),
+so ``generate`` keeps the plain "str in -> str out" signature of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]]]
+Stop = Union[str, int, Sequence[Union[str, int]], None]
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
+
+
+@dataclass
+class GenerationStats:
+    """What the last :func:`generate` call did, for throughput reports (``musecore generate``).
+
+    ``new_tokens`` counts every token the model produced, including an EOS or stop token that
+    ended a sequence (it is not returned, but it was computed). ``decode_tokens`` are those that
+    came from decode steps (the first token of each sequence comes from the prefill).
+    """
+
+    batch_size: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+                "decode_tokens": self.decode_tokens, "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _normalise_prompt(prompt: Prompt) -> tuple[list[Union[str, list[int]]], bool, bool]:
+    """-> (prompts, is_text, is_batch). Raises on anything but str / ids / a list of either."""
+    usage = "prompt must be a str, a list[int] of token ids, a list[str] or a list[list[int]]"
+    if isinstance(prompt, str):
+        return [prompt], True, False
+    if isinstance(prompt, torch.Tensor):
+        raise TypeError(f"{usage}; got a tensor: pass prompt.tolist()")
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"{usage}; got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError("prompt is empty: give at least one token (or one prompt in a batch)")
+    if all(_is_token_id(x) for x in prompt):
+        return [list(prompt)], False, False
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt), True, True
+    if all(isinstance(x, (list, tuple)) and all(_is_token_id(t) for t in x) for x in prompt):
+        return [list(x) for x in prompt], False, True
+    kinds = sorted({type(x).__name__ for x in prompt})
+    raise TypeError(f"{usage}; got a list mixing {kinds}")
+
+
+def _validate_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    if not _is_token_id(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+    if not temperature >= 0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off); got {top_p!r}")
+    if not _is_token_id(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off); got {top_k!r}")
+
+
+def _eos_ids(model: Any) -> set[int]:
+    ids: set[int] = set()
+    configured = getattr(model.config, "eos_token_id", None)
+    if configured is not None:
+        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    if model.tokenizer is not None:
+        ids.update(model.tokenizer.eos_ids)
+    return {int(i) for i in ids}
+
+
+def _split_stop(stop: Stop, tokenizer: Any, is_text: bool) -> tuple[set[int], list[str]]:
+    """Stop ids and stop strings. With id prompts a stop string must be one vocabulary token."""
+    if stop is None:
+        return set(), []
+    items = [stop] if isinstance(stop, (str, int)) else stop
+    if not isinstance(items, (list, tuple, set)):
+        raise TypeError(f"stop must be a str, an int token id, or a list of them; got {type(stop).__name__}")
+    ids: set[int] = set()
+    strings: list[str] = []
+    for item in items:
+        if _is_token_id(item):
+            ids.add(int(item))
+        elif isinstance(item, str) and item:
+            if is_text:
+                strings.append(item)
+            elif tokenizer is not None and tokenizer.has_token(item):
+                ids.add(tokenizer.token_id(item))
+            else:
+                raise ValueError(f"stop string {item!r} with a token-id prompt: it is not a single token of the "
+                                 "vocabulary, so it cannot be matched on ids; pass a str prompt or stop token ids")
+        else:
+            raise TypeError(f"each stop must be a non-empty str or an int token id; got {item!r}")
+    return ids, strings
+
+
+def _check_lengths(prompts: list[list[int]], max_new_tokens: int, config: Any) -> None:
+    limit, vocab = config.max_position_embeddings, config.vocab_size
+    for i, ids in enumerate(prompts):
+        where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+        if not ids:
+            raise ValueError(f"{where} is empty: give at least one token")
+        if len(ids) > limit:
+            raise ValueError(f"{where} has {len(ids)} tokens, longer than max_position_embeddings {limit}; "
+                             "shorten it")
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(f"{where} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} the sequence "
+                             f"would exceed max_position_embeddings {limit}; "
+                             f"lower max_new_tokens to at most {limit - len(ids)}")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{where} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+
+# -- one sequence's output ------------------------------------------------------------------------
+
+class _Sequence:
+    """The tokens, text and streaming state of one row of the batch."""
+
+    def __init__(self, index: int, tokenizer: Any, stop_strings: list[str],
+                 emit: Optional[Callable[[int, Any], None]]) -> None:
+        self.index, self.tokenizer, self.stop_strings, self.emit = index, tokenizer, stop_strings, emit
+        self.ids: list[int] = []
+        self.text = ""      # text mode: decoded new tokens, cut before a stop string once one appears
+        self.emitted = 0    # text mode: characters of self.text already streamed
+        self.done = False
+
+    def add(self, token: int) -> None:
+        """Append a token that is part of the output (not EOS / a stop id)."""
+        self.ids.append(token)
+        if self.tokenizer is None:
+            if self.emit is not None:
+                self.emit(self.index, token)
+            return
+        full = self.tokenizer.decode(self.ids)
+        cut = min((i for i in (full.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.done = full[:cut], True
+            return
+        self.text = full
+        self._stream(len(full) - self._unsettled(full))
+
+    def finish(self) -> None:
+        self.done = True
+        if self.tokenizer is not None:
+            self._stream(len(self.text))
+
+    def _unsettled(self, text: str) -> int:
+        """Trailing characters that may still change: a partial stop string or a partial character."""
+        hold = 0
+        for s in self.stop_strings:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        stripped = len(text) - len(text.rstrip(REPLACEMENT_CHAR))
+        return max(hold, stripped)
+
+    def _stream(self, upto: int) -> None:
+        # Relies on decode(ids[:n]) being a prefix of decode(ids) up to trailing partial characters,
+        # true of byte-level BPE (the Muse tokenizer); text already streamed is never revised.
+        if upto > self.emitted:
+            piece, self.emitted = self.text[self.emitted:upto], upto
+            if self.emit is not None:
+                self.emit(self.index, piece)
+
+
+# -- the loop -------------------------------------------------------------------------------------
+
+def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None, stop: Stop = None,
+             stream: Optional[Callable[..., None]] = None, kv_format: str = "bf16") -> Any:
+    """Continue ``prompt`` with up to ``max_new_tokens`` new tokens; return only the new part.
+
+    - ``str`` -> ``str`` (needs ``model.tokenizer``); ``list[int]`` -> ``list[int]``;
+      ``list[str]`` -> ``list[str]`` and ``list[list[int]]`` -> ``list[list[int]]`` (a batch).
+    - ``temperature=0`` is greedy; otherwise sampling with ``top_k`` (0 = off) and ``top_p``
+      (1 = off). ``seed`` seeds a private ``torch.Generator``: same seed, same output. Without a
+      seed, sampling draws from torch's global RNG.
+    - A sequence ends at an EOS id (config ``eos_token_id``, tokenizer ``<|eot|>``/``<|eom|>``)
+      or a ``stop``: token ids and/or strings (one, or a list). The EOS / stop token is not
+      returned, and the text is cut just before a stop string. With id prompts a stop string must
+      be one vocabulary token (e.g. ``"<|eot|>"``).
+    - ``stream(piece)`` gets each new text piece (str prompts) or token id (id prompts) as soon as
+      it is settled; for a batch, ``stream(index, piece)``. The pieces join to the return value.
+    - Timing is left on ``model.last_generation_stats`` (:class:`GenerationStats`).
+
+    Example::
+
+        text = generate(model, "def fib(n):", max_new_tokens=32, stop="\\n\\n")
+        ids = generate(model, [1, 2, 3], temperature=0.8, top_p=0.95, seed=0)
+        outs = generate(model, ["a short one", "a much longer prompt"], stream=lambda i, s: print(i, s))
+    """
+    _validate_options(max_new_tokens, temperature, top_p, top_k)
+    prompts, is_text, is_batch = _normalise_prompt(prompt)
+    tokenizer = model.tokenizer
+    if is_text and tokenizer is None:
+        raise ValueError("this model has no tokenizer (its checkpoint has no tokenizer.json), so it cannot take "
+                         "text: pass token ids (list[int]) instead, or add tokenizer.json to the checkpoint")
+    stop_ids, stop_strings = _split_stop(stop, tokenizer, is_text)
+    prompt_ids = [tokenizer.encode(p) for p in prompts] if is_text else prompts
+    _check_lengths(prompt_ids, max_new_tokens, model.config)
+    ends = _eos_ids(model) | stop_ids
+
+    emit = None
+    if stream is not None:
+        emit = (lambda i, piece: stream(i, piece)) if is_batch else (lambda i, piece: stream(piece))
+    rows = [_Sequence(i, tokenizer if is_text else None, stop_strings, emit) for i in range(len(prompt_ids))]
+    stats = GenerationStats(batch_size=len(rows), prompt_tokens=sum(map(len, prompt_ids)))
+    model.last_generation_stats = stats
+    if max_new_tokens > 0:
+        with torch.inference_mode():
+            _decode_loop(model, prompt_ids, rows, ends, max_new_tokens, temperature, top_p, top_k, seed,
+                         kv_format, stats)
+    for row in rows:
+        row.finish()
+    outputs = [row.text if is_text else row.ids for row in rows]
+    return outputs if is_batch else outputs[0]
+
+
+def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence], ends: set[int],
+                 max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: Optional[int],
+                 kv_format: str, stats: GenerationStats) -> None:
+    device, B = model.device, len(prompt_ids)
+    longest = max(map(len, prompt_ids))
+    pad = model.tokenizer.pad_id if model.tokenizer is not None and model.tokenizer.pad_id is not None else 0
+    ids = torch.full((B, longest), pad, dtype=torch.long)
+    positions = torch.full((B, longest), -1, dtype=torch.long)  # -1: padding, attends to nothing
+    for b, p in enumerate(prompt_ids):
+        ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+        positions[b, longest - len(p):] = torch.arange(len(p))
+    next_position = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(int(seed))
+    cache = model.new_cache(B, longest + max_new_tokens, kv_format=kv_format)
+
+    start = time.perf_counter()
+    logits = model.forward(ids, positions=positions, cache=cache)[:, -1]  # [B,V]
+    for step in range(max_new_tokens):
+        tokens = model.ops.sample(logits, temperature, top_k, top_p, generator).tolist()  # syncs the device
+        active = [row for row in rows if not row.done]
+        for row in active:
+            token = int(tokens[row.index])
+            if token in ends:
+                row.done = True
+            else:
+                row.add(token)
+        stats.new_tokens += len(active)
+        now = time.perf_counter()
+        if step == 0:
+            stats.prefill_seconds = now - start
+        else:
+            stats.decode_seconds += now - start
+            stats.decode_tokens += len(active)
+        if step + 1 == max_new_tokens or all(row.done for row in rows):
+            return
+        start = time.perf_counter()
+        live = torch.tensor([not row.done for row in rows])
+        step_positions = torch.where(live, next_position, torch.full_like(next_position, -1))  # [B]
+        next_position += live.long()
+        step_ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [B,1]
+        logits = model.forward(step_ids, positions=step_positions[:, None], cache=cache)[:, -1]
