@@ -1,0 +1,282 @@
+"""Write a checkpoint in a producer's own layout, atomically and resumably.
+
+``CheckpointWriter`` turns logical weights (plain tensors and ``QTensor``s) into the keys and
+configs the producer of the target format writes (ModelOpt for NVFP4/FP8, Quark for MXFP4,
+AutoRound for INT4, plain HF for BF16), so vLLM, SGLang, TensorRT-LLM or transformers load the
+result as if that producer had made it.
+
+Crash safety: everything goes into a sibling folder ``DST.partial-<key>`` holding a ``.partial``
+marker; each shard is fsynced, hashed (sha256) and appended to ``journal.jsonl`` only once
+complete. ``close`` writes the index (with ``metadata.sha256 = {shard: hex}``) and configs, removes
+the journal and marker and renames the folder to ``DST``: a reader never sees a half-written
+checkpoint (``open_checkpoint`` refuses ``.partial`` folders). With a stable ``resume_key`` a
+rerun reopens the partial folder, keeps the journaled shards whose sha256 still matches, and
+reports their weights in ``completed`` so the caller skips them.
+
+Example::
+
+    with CheckpointWriter("out", config=cfg, format="nvfp4") as w:
+        w.add("model.layers.1.mlp.experts.0.up_proj.weight", quantize(w_up, "nvfp4"))
+        w.add("model.norm.weight", norm)
+    # leaving the block calls close(); an exception leaves the .partial folder for resume
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from ..qtensor import QTensor
+from . import autoround, modelopt, quark
+from .errors import CheckpointError
+from .reader import INDEX_NAME, PARTIAL_MARKER
+from .safetensors_io import (DTYPE_NAMES, fsync_path, sha256_file, write_json, write_safetensors)
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+JOURNAL = "journal.jsonl"
+TARGET_PRODUCERS = {"nvfp4": "modelopt", "fp8": "modelopt", "mxfp4": "quark", "int4": "auto-round",
+                    "bf16": "none"}
+_ACCEPTED = {"modelopt": {"nvfp4", "fp8"}, "quark": {"mxfp4"}, "auto-round": {"int4"}, "none": set()}
+_TORCH_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+                torch.float8_e4m3fn: "F8_E4M3"}
+
+
+class CheckpointWriter:
+    """Write weights into ``folder`` in the layout of ``format``'s producer; see the module doc.
+
+    ``config`` is the model's config.json content (any ``quantization_config`` is replaced);
+    ``producer_config`` holds keys merged into the producer's quantization config (e.g.
+    ``{"producer": {"version": ...}}`` for ModelOpt, ``{"iters": 200}`` for AutoRound).
+    """
+
+    def __init__(self, folder: Union[str, Path], *, config: Mapping[str, Any], format: str,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 producer_config: Optional[Mapping[str, Any]] = None,
+                 resume_key: Optional[str] = None, resume: bool = True) -> None:
+        if format not in TARGET_PRODUCERS:
+            raise CheckpointError(f"unknown target format {format!r}; expected one of {sorted(TARGET_PRODUCERS)}")
+        if max_shard_bytes <= 0:
+            raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.folder = Path(folder)
+        if self.folder.exists():
+            raise CheckpointError(f"{self.folder}: destination already exists; choose a new folder or "
+                                  "delete it first (the writer never overwrites a checkpoint)", path=self.folder)
+        self.format = format
+        self.producer = TARGET_PRODUCERS[format]
+        self.config = dict(config)
+        self.producer_config = dict(producer_config or {})
+        self.max_shard_bytes = int(max_shard_bytes)
+        key = resume_key or uuid.uuid4().hex[:12]
+        self.partial_folder = self.folder.parent / f"{self.folder.name}.partial-{key}"
+        self.completed: dict[str, dict[str, Any]] = {}  # logical name -> record, from finished shards
+        self._shards: list[dict[str, Any]] = []         # journal entries of finished shards
+        self._keys: set[str] = set()
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_records: list[dict[str, Any]] = []
+        self._buffer_bytes = 0
+        self._closed = False
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        if self.partial_folder.exists() and resume_key is not None and resume:
+            self._resume()
+        else:
+            if self.partial_folder.exists():
+                shutil.rmtree(self.partial_folder)
+            self.partial_folder.mkdir()
+            (self.partial_folder / PARTIAL_MARKER).write_text("musecore-quant writer: incomplete\n")
+            self._append_journal({"writer": 1, "format": format})
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        # on error the partial folder stays: rerun with the same resume_key to continue
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Tensor bytes written or queued so far (the index's ``total_size`` at close)."""
+        return sum(e["tensor_bytes"] for e in self._shards) + self._buffer_bytes
+
+    @property
+    def shard_count(self) -> int:
+        """Shards finished so far."""
+        return len(self._shards)
+
+    # ------------------------------------------------------------------ adding weights
+    def accepts(self, value: Union[torch.Tensor, QTensor]) -> bool:
+        """Whether ``add`` can store ``value`` as is in this target's producer layout."""
+        if not isinstance(value, QTensor):
+            return True
+        if value.format == "fp8" and value.scale.numel() != 1:
+            return False  # ModelOpt FP8 is per-tensor
+        return value.format in _ACCEPTED[self.producer] and len(value.shape) == 2
+
+    def add(self, name: str, value: Union[torch.Tensor, QTensor], meta: Optional[Mapping[str, Any]] = None) -> None:
+        """Queue one logical weight (``X.weight`` for a QTensor); ``meta`` goes to the journal."""
+        if self._closed:
+            raise CheckpointError(f"{self.folder}: writer is closed; create a new one")
+        if name in self.completed or any(r["name"] == name for r in self._buffer_records):
+            raise CheckpointError(f"weight {name!r} was already added to {self.folder}", tensor=name)
+        tensors, record = self._encode(name, value)
+        record["meta"] = dict(meta or {})
+        clash = sorted(self._keys.intersection(tensors))
+        if clash:
+            raise CheckpointError(f"weight {name!r} writes tensor {clash[0]!r}, which another weight "
+                                  "already wrote; names must be unique", tensor=clash[0])
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self._keys.update(tensors)
+        self._buffer.update(tensors)
+        self._buffer_records.append(record)
+        self._buffer_bytes += nbytes
+
+    def add_file(self, source: Union[str, Path], name: Optional[str] = None) -> None:
+        """Copy a side file (tokenizer, generation config...) into the checkpoint."""
+        target = self.partial_folder / (name or Path(source).name)
+        shutil.copyfile(source, target)
+        fsync_path(target)
+
+    def _encode(self, name: str, value: Union[torch.Tensor, QTensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        if not isinstance(value, QTensor):
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"weight {name!r} is a {type(value).__name__}; expected a torch.Tensor "
+                                      "or a QTensor", tensor=name)
+            fmt = DTYPE_NAMES.get(_TORCH_NAMES.get(value.dtype, ""), str(value.dtype).replace("torch.", ""))
+            return {name: value}, {"name": name, "format": fmt, "keys": [name], "ndim": value.dim()}
+        if value.layout != "canonical":
+            raise CheckpointError(f"weight {name!r} is a QTensor in backend layout {value.layout!r}; write "
+                                  "the canonical QTensor a reader or quantize() returned", tensor=name)
+        if not name.endswith(".weight"):
+            raise CheckpointError(f"quantized weight {name!r} must be named '<module>.weight' so that its "
+                                  "companions can be named after the module", tensor=name)
+        if not self.accepts(value):
+            raise CheckpointError(
+                f"weight {name!r} is {value.format}{list(value.shape)}; the {self.format} target "
+                f"({self.producer} layout) stores {sorted(_ACCEPTED[self.producer]) or 'no quantized'} "
+                "[out, in] weights (FP8 per-tensor only): requantize or dequantize it first", tensor=name)
+        record: dict[str, Any] = {"name": name, "format": value.format, "ndim": len(value.shape),
+                                  "group_size": value.group_size}
+        if self.producer == "modelopt":
+            tensors = modelopt.encode(name, value)
+            record["algo"] = modelopt.quant_algo(value)
+        elif self.producer == "quark":
+            tensors = quark.encode(name, value)
+        else:
+            tensors = autoround.encode_int4(name, value)
+            record["sym"] = value.zero is None
+        record["keys"] = list(tensors)
+        return tensors, record
+
+    # ------------------------------------------------------------------ shards and journal
+    def flush(self) -> None:
+        """Write the queued weights as one shard, fsync and journal it."""
+        if not self._buffer:
+            return
+        name = f"shard-{len(self._shards) + 1:05d}.safetensors"
+        sha = write_safetensors(self.partial_folder / name, self._buffer)
+        entry = {"shard": name, "sha256": sha, "tensor_bytes": self._buffer_bytes,
+                 "weights": self._buffer_records}
+        self._append_journal(entry)
+        self._shards.append(entry)
+        self.completed.update((r["name"], r) for r in self._buffer_records)
+        self._buffer, self._buffer_records, self._buffer_bytes = {}, [], 0
+
+    def _append_journal(self, entry: Mapping[str, Any]) -> None:
+        with open(self.partial_folder / JOURNAL, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _resume(self) -> None:
+        journal = self.partial_folder / JOURNAL
+        lines = journal.read_text(encoding="utf-8").splitlines() if journal.exists() else []
+        entries = []
+        for line in lines:
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line: the shard it described is redone
+        if not entries or entries[0].get("format") != self.format:
+            found = entries[0].get("format") if entries else None
+            raise CheckpointError(
+                f"{self.partial_folder}: partial conversion was to {found!r}, not {self.format!r}; delete "
+                "it or rerun with resume disabled", path=self.partial_folder)
+        kept = [entries[0]]
+        for entry in entries[1:]:
+            path = self.partial_folder / entry["shard"]
+            if not path.is_file() or sha256_file(path) != entry["sha256"]:
+                break  # this and later shards are redone
+            kept.append(entry)
+            self._shards.append(entry)
+            self.completed.update((r["name"], r) for r in entry["weights"])
+            self._keys.update(k for r in entry["weights"] for k in r["keys"])
+        keep_files = {e["shard"] for e in self._shards}
+        for stray in self.partial_folder.glob("shard-*.safetensors"):
+            if stray.name not in keep_files:
+                stray.unlink()
+        journal.write_text("".join(json.dumps(e) + "\n" for e in kept), encoding="utf-8")
+        fsync_path(journal)
+
+    # ------------------------------------------------------------------ finishing
+    def close(self, extra_json: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+        """Finish: index with sha256, configs, ``extra_json`` files, then rename to ``folder``."""
+        if self._closed:
+            raise CheckpointError(f"{self.folder}: writer already closed")
+        self.flush()
+        if not self._shards:
+            raise CheckpointError(f"{self.folder}: no weights were added; nothing to write")
+        n = len(self._shards)
+        weight_map: dict[str, str] = {}
+        sha: dict[str, str] = {}
+        for i, entry in enumerate(self._shards, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            os.replace(self.partial_folder / entry["shard"], self.partial_folder / final)
+            sha[final] = entry["sha256"]
+            for record in entry["weights"]:
+                weight_map.update((k, final) for k in record["keys"])
+        records = [r for e in self._shards for r in e["weights"]]
+        index = {"metadata": {"total_size": sum(e["tensor_bytes"] for e in self._shards), "sha256": sha,
+                              "format": self.format, "writer": "musecore-quant"},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        write_json(self.partial_folder / INDEX_NAME, index)
+        config, hf_quant = self._configs(records)
+        write_json(self.partial_folder / "config.json", config)
+        if hf_quant is not None:
+            write_json(self.partial_folder / "hf_quant_config.json", hf_quant)
+        for file_name, obj in (extra_json or {}).items():
+            write_json(self.partial_folder / file_name, obj)
+        (self.partial_folder / JOURNAL).unlink()
+        (self.partial_folder / PARTIAL_MARKER).unlink()
+        fsync_path(self.partial_folder)
+        os.rename(self.partial_folder, self.folder)
+        fsync_path(self.folder.parent)
+        self._closed = True
+        return index
+
+    def _configs(self, records: list[dict[str, Any]]) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+        config = {k: v for k, v in self.config.items() if k not in ("quantization_config", "compression_config")}
+        quantized = [r for r in records if "group_size" in r]  # only QTensor records carry one
+        if not quantized:
+            return config, None
+        module = lambda r: r["name"][: -len(".weight")]  # noqa: E731
+        unquantized = [module(r) for r in records
+                       if r not in quantized and r["ndim"] == 2 and r["name"].endswith(".weight")]
+        hf_quant = None
+        if self.producer == "modelopt":
+            qc, hf_quant = modelopt.quantization_configs({module(r): r["algo"] for r in quantized},
+                                                         unquantized, self.producer_config)
+        elif self.producer == "quark":
+            qc = quark.quantization_config(unquantized, self.producer_config)
+        else:
+            qc = autoround.autoround_quantization_config(
+                {module(r): (r["group_size"], r["sym"]) for r in quantized}, unquantized, self.producer_config)
+        config["quantization_config"] = qc
+        return config, hf_quant

@@ -1,0 +1,355 @@
+"""The streaming checkpoint converter: any supported checkpoint in, one target format out.
+
+One checkpoint should serve every device (DESIGN.md), so checkpoints must convert between
+formats without a model graph: BF16 -> NVFP4/MXFP4/INT4/FP8, NVFP4 -> MXFP4 (what MI355X runs),
+anything -> BF16. ``convert`` reads the source one shard at a time (peak memory near one shard),
+converts the weights the caller selects, keeps everything else, writes the target producer's
+layout through ``CheckpointWriter`` (atomic, sha256 per shard, resumable after a crash) and
+reports the error of every converted tensor against the source values.
+
+Which weights get quantized is the caller's decision: a weight is selected when it is a 2-D
+``*.weight`` matching one of the ``include`` regexes (all, when None) and none of ``exclude``.
+musecore supplies the Muse rule (routed experts of layers 1..L-2); the CLI defaults to routed
+experts (``CLI_DEFAULT_INCLUDE``). NVFP4 siblings that runtimes fuse (an expert's gate/up; q/k/v)
+share one ``weight_scale_2``, as ModelOpt exports them.
+
+Example::
+
+    from musecore_quant.convert import convert
+    report = convert("Muse-Spark-Open-BF16", "Muse-Spark-Open-MXFP4", to="mxfp4",
+                     include=[r"layers\\.([1-9]|[1-5]\\d|60)\\.mlp\\.experts\\.\\d+\\..*_proj\\.weight$"])
+    print(report.summary()["min_sqnr_db"])
+
+``method="autoround"`` tunes weights on calibration data, which needs the model graph; pass
+``calibrated_quantizer(name, fp32_weight) -> QTensor`` (musecore provides one) to use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+from tqdm import tqdm
+
+from .api import dequantize, quantize, requantize
+from .checkpoint import CheckpointError, CheckpointWriter, open_checkpoint
+from .checkpoint.reader import INDEX_NAME, CheckpointReader
+from .checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, TARGET_PRODUCERS
+from .formats.nvfp4 import nvfp4_shared_global_amax
+from .formats.requant import nvfp4_exact_weight_scale_2
+from .metrics import quant_error
+from .qtensor import QTensor
+
+TARGETS = tuple(TARGET_PRODUCERS)  # nvfp4, fp8, mxfp4, int4, bf16
+METHODS = ("rtn", "autoround")
+DEFAULT_EXCLUDE = (r"embed", r"(^|\.)lm_head\.", r"norm")
+CLI_DEFAULT_INCLUDE = r".*experts\.\d+\.(gate|up|down)_proj\.weight$"
+DEFAULT_SIBLINGS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("w1", "w3"))
+REPORT_NAME = "conversion_report.json"
+_NOT_COPIED = {"config.json", "hf_quant_config.json", INDEX_NAME, REPORT_NAME}
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".pkl", ".ckpt", ".gguf"}
+
+CalibratedQuantizer = Callable[[str, torch.Tensor], QTensor]
+Weight = Union[torch.Tensor, QTensor]
+
+
+@dataclass
+class TensorRecord:
+    """What happened to one weight, with its error against the source values when it changed."""
+
+    name: str
+    action: str  # quantize | requantize | dequantize | copy
+    source_format: str
+    target_format: str
+    shape: list[int]
+    sqnr_db: Optional[float] = None
+    max_abs_error: Optional[float] = None
+    rmse: Optional[float] = None
+    nmse: Optional[float] = None
+
+
+@dataclass
+class ConversionReport:
+    """The outcome of ``convert``; ``to_dict()`` is what ``conversion_report.json`` holds."""
+
+    src: str
+    dst: str
+    to: str
+    method: str
+    include: Optional[list[str]]
+    exclude: list[str]
+    quantize_options: dict[str, Any]
+    tensors: list[TensorRecord] = field(default_factory=list)
+    source_bytes_read: int = 0
+    output_bytes: int = 0
+    seconds: float = 0.0
+    throughput_mb_s: float = 0.0
+    resumed_weights: int = 0
+    shards: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def measured(self) -> list[TensorRecord]:
+        return [t for t in self.tensors if t.sqnr_db is not None]
+
+    def worst(self, n: int = 10) -> list[TensorRecord]:
+        """The ``n`` converted tensors with the lowest SQNR."""
+        return sorted(self.measured(), key=lambda t: t.sqnr_db)[:n]
+
+    def summary(self) -> dict[str, Any]:
+        actions: dict[str, int] = {}
+        for t in self.tensors:
+            actions[t.action] = actions.get(t.action, 0) + 1
+        sqnr = [t.sqnr_db for t in self.measured() if t.sqnr_db is not None and math.isfinite(t.sqnr_db)]
+        return {"weights": len(self.tensors), "actions": actions,
+                "min_sqnr_db": min(sqnr) if sqnr else None,
+                "mean_sqnr_db": sum(sqnr) / len(sqnr) if sqnr else None,
+                "max_abs_error": max((t.max_abs_error for t in self.measured()), default=None),
+                "throughput_mb_s": self.throughput_mb_s, "resumed_weights": self.resumed_weights}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["summary"] = self.summary()
+        return _json_safe(d)
+
+
+def _json_safe(obj: Any) -> Any:
+    """inf/NaN are not JSON: exact conversions (SQNR inf) are written as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def select_weight(name: str, shape: Sequence[int], include: Optional[Sequence[re.Pattern]],
+                  exclude: Sequence[re.Pattern]) -> bool:
+    """The default rule: a 2-D ``*.weight`` matching an include regex (all if None) and no exclude."""
+    if len(shape) != 2 or not name.endswith(".weight"):
+        return False
+    if include is not None and not any(p.search(name) for p in include):
+        return False
+    return not any(p.search(name) for p in exclude)
+
+
+def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", method: str = "rtn",
+            exclude: Sequence[str] = DEFAULT_EXCLUDE, include: Optional[Sequence[str]] = None,
+            quantize_options: Optional[Mapping[str, Any]] = None, progress: bool = True, resume: bool = True,
+            *, calibrated_quantizer: Optional[CalibratedQuantizer] = None,
+            siblings: Sequence[Sequence[str]] = DEFAULT_SIBLINGS,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ConversionReport:
+    """Convert the checkpoint ``src`` into ``dst`` in format ``to``; see the module doc.
+
+    - ``include``/``exclude``: regexes (``re.search``) over logical weight names choosing what
+      is quantized; unselected weights are copied (a quantized one the target cannot store is
+      dequantized to BF16). ``to="bf16"`` dequantizes every quantized weight.
+    - ``quantize_options``: passed to ``quantize``/``requantize`` (e.g. ``{"rounding": "away"}``,
+      ``{"group_size": 128, "sym": True}``, ``{"block_size": 128}``).
+    - ``method="autoround"`` requires ``calibrated_quantizer(name, w_fp32) -> QTensor`` (in format
+      ``to``, shape of ``w``), called for every selected weight instead of round-to-nearest.
+    - ``resume``: a rerun with the same arguments continues an interrupted conversion from its
+      ``dst.partial-<key>`` folder, keeping the shards whose sha256 still matches.
+    - ``siblings``: groups of module suffixes sharing the NVFP4 global scale under one parent.
+    """
+    started = time.perf_counter()
+    if to not in TARGETS:
+        raise CheckpointError(f"unknown target format {to!r}; expected one of {list(TARGETS)}")
+    if method not in METHODS:
+        raise CheckpointError(f"unknown method {method!r}; expected one of {list(METHODS)}")
+    if method == "autoround" and calibrated_quantizer is None:
+        raise NotImplementedError(
+            "method='autoround' tunes rounding on calibration activations, which needs the model graph; "
+            "musecore_quant alone cannot run it. Pass calibrated_quantizer=(name, fp32 weight) -> QTensor "
+            "(musecore provides one), or use method='rtn'.")
+    if method == "rtn" and calibrated_quantizer is not None:
+        raise CheckpointError("calibrated_quantizer is used only with method='autoround'; drop it or set method")
+    if to == "bf16" and calibrated_quantizer is not None:
+        raise CheckpointError("to='bf16' dequantizes; a calibrated_quantizer makes no sense there")
+    include_res = None if include is None else [_compile(p, "include") for p in include]
+    exclude_res = [_compile(p, "exclude") for p in exclude]
+    options = dict(quantize_options or {})
+    src, dst = Path(src), Path(dst)
+
+    reader = open_checkpoint(src)
+    key = _resume_key(reader, to, method, include, exclude, options, calibrated_quantizer, siblings)
+    writer = CheckpointWriter(dst, config=reader.config, format=to, max_shard_bytes=max_shard_bytes,
+                              resume_key=key, resume=resume)
+    report = ConversionReport(str(src), str(dst), to, method, None if include is None else list(include),
+                              list(exclude), options)
+    names = reader.weight_names()
+    selected = {n for n in names if to != "bf16" and select_weight(n, reader.weight_shape(n), include_res, exclude_res)}
+    if to != "bf16" and not selected:
+        report.warnings.append("no weight matched include/exclude: nothing was quantized")
+    groups = _sibling_groups(selected, siblings) if to == "nvfp4" else {}
+    done = set(writer.completed)
+    report.resumed_weights = len(done & set(names))
+    needed = [n for n in names if n not in done or any(m not in done for m in groups.get(n, (n,)))]
+    converter = _Converter(writer, to, options, calibrated_quantizer)
+
+    bar = tqdm(total=sum(reader.tensor_nbytes(n) for n in needed), unit="B", unit_scale=True,
+               desc=f"convert -> {to}", disable=not progress)
+    pending: dict[str, Weight] = {}
+    with reader, bar:
+        for _, weights in reader.iter_shards(needed):
+            for name, value in weights.items():
+                pending[name] = value
+                members = groups.get(name, (name,))
+                if not all(m in pending for m in members):
+                    continue
+                batch = [(m, pending.pop(m)) for m in members]
+                converter.run(batch, selected, done)
+                nbytes = sum(reader.tensor_nbytes(m) for m, _ in batch)
+                report.source_bytes_read += nbytes
+                bar.update(nbytes)
+                if converter.last_sqnr is not None:
+                    bar.set_postfix(sqnr_db=f"{converter.last_sqnr:.1f}")
+    assert not pending, f"sibling groups never completed: {sorted(pending)[:3]}"
+
+    for path in sorted(src.iterdir()):
+        if (path.is_file() and not path.name.startswith(".") and path.name not in _NOT_COPIED
+                and path.suffix not in _WEIGHT_SUFFIXES):
+            writer.add_file(path)
+    writer.flush()
+    records = {n: TensorRecord(**r["meta"]["record"]) for n, r in writer.completed.items() if "record" in r["meta"]}
+    report.tensors = [records[n] for n in names]
+    report.output_bytes = writer.tensor_bytes
+    report.shards = writer.shard_count
+    report.seconds = time.perf_counter() - started
+    report.throughput_mb_s = report.source_bytes_read / 1e6 / max(report.seconds, 1e-9)
+    writer.close(extra_json={REPORT_NAME: report.to_dict()})
+    return report
+
+
+class _Converter:
+    """Turns one weight, or one group of NVFP4 siblings, into the target and records the error."""
+
+    def __init__(self, writer: CheckpointWriter, to: str, options: dict[str, Any],
+                 calibrated: Optional[CalibratedQuantizer]) -> None:
+        self.writer, self.to, self.options, self.calibrated = writer, to, options, calibrated
+        self.last_sqnr: Optional[float] = None
+
+    def run(self, batch: list[tuple[str, Weight]], selected: set[str], done: set[str]) -> None:
+        requant = []
+        for name, value in batch:
+            if name in selected and not (isinstance(value, QTensor) and value.format == self.to
+                                         and self.writer.accepts(value)):
+                requant.append((name, value))
+            elif name not in done:
+                self._keep(name, value)
+        if requant:
+            for (name, value), qt in zip(requant, self._quantize(requant)):
+                if name not in done:
+                    action = "quantize" if not isinstance(value, QTensor) else "requantize"
+                    self._add(name, value, qt, action)
+
+    def _keep(self, name: str, value: Weight) -> None:
+        if isinstance(value, QTensor) and (self.to == "bf16" or not self.writer.accepts(value)):
+            self._add(name, value, dequantize(value, torch.bfloat16), "dequantize")
+        else:
+            self._add(name, value, value, "copy")
+
+    def _quantize(self, items: list[tuple[str, Weight]]) -> list[QTensor]:
+        try:
+            if self.calibrated is not None:
+                return [self._calibrated(name, _fp32(value)) for name, value in items]
+            values = [v for _, v in items]
+            if self.to == "nvfp4" and len(items) > 1:
+                if all(isinstance(v, QTensor) and v.format == "mxfp4" for v in values) and not self.options:
+                    ws2 = nvfp4_exact_weight_scale_2(*values)  # exact, as MXFP4 -> NVFP4 allows
+                    return [requantize(v, "nvfp4", weight_scale_2=ws2) for v in values]
+                refs = [_fp32(v) for v in values]
+                amax = nvfp4_shared_global_amax(*refs)
+                return [quantize(r, "nvfp4", global_amax=amax, **self.options) for r in refs]
+            return [requantize(v, self.to, **self.options) if isinstance(v, QTensor)
+                    else quantize(v, self.to, **self.options) for v in values]
+        except (ValueError, TypeError) as e:
+            names = [n for n, _ in items]
+            raise CheckpointError(f"cannot convert {names[0] if len(names) == 1 else names} to {self.to}: {e}",
+                                  tensor=names[0]) from e
+
+    def _calibrated(self, name: str, w: torch.Tensor) -> QTensor:
+        qt = self.calibrated(name, w)
+        if not isinstance(qt, QTensor) or qt.format != self.to or tuple(qt.shape) != tuple(w.shape):
+            got = qt if not isinstance(qt, QTensor) else f"{qt.format}{list(qt.shape)}"
+            raise CheckpointError(f"calibrated_quantizer returned {got!r} for {name!r}; expected a "
+                                  f"{self.to} QTensor of shape {list(w.shape)}", tensor=name)
+        return qt
+
+    def _add(self, name: str, source: Weight, out: Weight, action: str) -> None:
+        record = TensorRecord(name, action, _format(source), _format(out), list(_shape(source)))
+        if action != "copy":
+            err = quant_error(_fp32(source), _fp32(out))
+            record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
+                err.sqnr_db, err.max_abs_error, err.rmse, err.nmse)
+            self.last_sqnr = err.sqnr_db if math.isfinite(err.sqnr_db) else self.last_sqnr
+        self.writer.add(name, out, meta={"record": asdict(record)})
+
+
+def _fp32(value: Weight) -> torch.Tensor:
+    return dequantize(value) if isinstance(value, QTensor) else value.to(torch.float32)
+
+
+def _format(value: Weight) -> str:
+    if isinstance(value, QTensor):
+        return value.format
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        value.dtype, str(value.dtype).replace("torch.", ""))
+
+
+def _shape(value: Weight) -> tuple[int, ...]:
+    return tuple(value.shape)
+
+
+def _compile(pattern: str, what: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise CheckpointError(f"invalid --{what} pattern {pattern!r}: {e}; pass a Python regular expression") from e
+
+
+def _sibling_groups(selected: Iterable[str], siblings: Sequence[Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    """name -> all selected names of its sibling group (same parent), for groups of two or more."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name in sorted(selected):
+        for i, group in enumerate(siblings):
+            m = re.fullmatch(rf"(.*)\.({'|'.join(map(re.escape, group))})\.weight", name)
+            if m:
+                groups.setdefault((m.group(1), i), []).append(name)
+    return {n: tuple(members) for members in groups.values() if len(members) > 1 for n in members}
+
+
+def _resume_key(reader: CheckpointReader, to: str, method: str, include: Optional[Sequence[str]],
+                exclude: Sequence[str], options: Mapping[str, Any], calibrated: Optional[Callable],
+                siblings: Sequence[Sequence[str]]) -> str:
+    """Identifies a conversion: a rerun with the same inputs and arguments resumes its partial folder."""
+    ident = {"src": str(reader.folder.resolve()), "to": to, "method": method,
+             "include": None if include is None else list(include), "exclude": list(exclude),
+             "options": {k: repr(v) for k, v in sorted(options.items())},
+             "quantizer": None if calibrated is None else getattr(calibrated, "__qualname__", repr(type(calibrated))),
+             "siblings": [list(s) for s in siblings],
+             "shards": [(s.name, s.stat().st_size) for s in reader.shards]}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _CallableModule(types.ModuleType):
+    """``musecore_quant.convert(...)`` keeps working once this submodule is imported.
+
+    The package exposes ``convert`` lazily; importing the submodule binds the package attribute
+    ``convert`` to this module, so the module forwards calls to the function.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ConversionReport:
+        return convert(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
