@@ -1,35 +1,174 @@
-"""``musecore.load``: checkpoint folder or preset name -> a ready :class:`MuseModel`."""
+"""``musecore.load`` and ``musecore.plan``: a checkpoint and a device in, a ready model or a plan out.
+
+Example::
+
+    import musecore
+    print(musecore.plan("path/to/Muse-NVFP4", device="mi355x", emulate=True))   # no weights read
+    model = musecore.load("path/to/Muse-NVFP4", device="mi355x", emulate=True)  # NVFP4 -> MXFP4 on load
+"""
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from musecore.backends.reference import ReferenceBackend
+from musecore.backends.registry import discover
 from musecore.config import MuseConfig
-from musecore.loader import fill_model, iter_safetensors
-from musecore.model import MuseModel
+from musecore.devices import CATALOG
+from musecore.loader import Placer, fill_model
+from musecore.model import MuseModel, checkpoint_shapes
 from musecore.ops import Ops
+from musecore.plan import REFERENCE, CheckpointSummary, Plan, PlanError, make_plan
+
+BUNDLED = Path(__file__).parent / "data"
+TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "xla", "xeon": "cpu", REFERENCE: "cpu"}
+DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+def resolve_model(model: Union[str, Path]) -> tuple[str, Optional[Path]]:
+    """(display name, checkpoint folder or None for a preset without weights)."""
+    path = Path(model)
+    if path.is_dir():
+        return str(model), path
+    if isinstance(model, str) and (BUNDLED / model / "config.json").is_file():
+        return model, BUNDLED / model
+    from musecore.config import PRESETS
+    if isinstance(model, str) and model in PRESETS:
+        return model, None
+    raise FileNotFoundError(f"no checkpoint folder at {str(model)!r} and no preset of that name; pass a folder "
+                            f"holding config.json and *.safetensors, or a preset: {sorted(PRESETS)}")
 
 
-def load(model: Union[str, Path], device: str = "cpu", *, dtype: Optional[torch.dtype] = None) -> MuseModel:
-    folder = Path(model)
-    config = MuseConfig.from_pretrained(folder)
+def summarize(model: Union[str, Path], checkpoint_format: str = "bf16") -> tuple[CheckpointSummary, Any]:
+    """The plan's view of a checkpoint (config, formats, shapes) and its reader (None for presets)."""
+    name, folder = resolve_model(model)
+    if folder is None:
+        config = MuseConfig.from_name(name)
+        shapes = checkpoint_shapes(config)
+        quantized_layers = set(range(config.num_hidden_layers)) - set(config.bf16_expert_layers)
+        formats = {}
+        for tensor in shapes:
+            expert_layer = int(tensor.split(".layers.")[1].split(".")[0]) if ".mlp.experts." in tensor else -1
+            quantized = expert_layer in quantized_layers and not tensor.endswith("output_norm.weight")
+            formats[tensor] = checkpoint_format if quantized else "bf16"
+        return CheckpointSummary(name, config, formats, shapes), None
+    from musecore_quant.checkpoint import open_checkpoint
+    reader = open_checkpoint(folder)
+    config = MuseConfig.from_dict(reader.config, source=str(folder / "config.json"))
+    names = reader.weight_names()
+    return CheckpointSummary(name, config, {n: reader.weight_format(n) for n in names},
+                             {n: tuple(reader.weight_shape(n)) for n in names}), reader
+
+
+def resolve_device(device: str, records: Optional[dict] = None) -> tuple[str, torch.device]:
+    """A catalog name, ``auto`` or a torch device string -> (catalog name, torch device)."""
+    if device in CATALOG:
+        return device, torch.device(TORCH_DEVICE_TYPE.get(CATALOG[device].backend, "cpu"))
+    records = discover() if records is None else records
+    if device == "auto":
+        ready = [r for r in records.values() if r.loaded and r.probe and r.probe.available and r.probe.devices]
+        best = max(ready, key=lambda r: r.probe.score)  # the reference backend is always ready
+        return resolve_device(best.probe.devices[0], records)
+    try:
+        tdev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; choose one of {sorted(CATALOG)}, 'auto', or a torch "
+                         "device string such as 'cuda:0'") from None
+    if tdev.type == "cpu":
+        return "cpu", tdev
+    wanted = {"cuda": "rocm" if torch.version.hip else "cuda"}.get(tdev.type, tdev.type)
+    record = records.get(wanted)
+    if record is None or not (record.loaded and record.probe and record.probe.available):
+        why = record.error or (record.probe.reason if record.probe else "") if record else f"backend {wanted!r} not installed"
+        raise ValueError(f"device {device!r} is not usable here: {why}")
+    return record.probe.devices[0], tdev
+
+
+def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch.dtype] = None,
+         emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
+         kv_format: str = "bf16", checkpoint_format: str = "bf16") -> Plan:
+    """Resolve what would run where, in which format and why; reads config and headers only."""
+    summary, _ = summarize(model, checkpoint_format)
+    records = discover()
+    name = device if (emulate and device in CATALOG) else resolve_device(device, records)[0]
+    return make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation, allow_reference=allow_reference,
+                     dtype_label=DTYPE_LABELS[dtype or torch.bfloat16], kv_format=kv_format, records=records)
+
+
+def bind_ops(the_plan: Plan, backends: dict[str, Any]) -> Ops:
+    """An op table from the plan; ``linear`` and ``moe`` dispatch on the weight's (format, activations)."""
+    table, sources = {}, {}
+    keyed: dict[str, dict[tuple, Any]] = {"linear": {}, "moe": {}}
+    for choice in the_plan.ops:
+        impl = getattr(backends[choice.implementation], choice.op)
+        if choice.op in keyed:
+            keyed[choice.op][(choice.weight_format, choice.act_format)] = impl
+        else:
+            table[choice.op], sources[choice.op] = impl, f"{choice.implementation}.{choice.op}"
+    for op, impls in keyed.items():
+        table[op], sources[op] = _dispatcher(op, impls), op + ": " + ", ".join(f"{k}" for k in impls)
+    return Ops(table, sources)
+
+
+def _dispatcher(op: str, impls: dict[tuple, Any]):
+    if len(impls) == 1:
+        return next(iter(impls.values()))
+
+    def dispatch(x, w, *args, **kwargs):
+        fn = impls.get((w.format, w.act_format))
+        if fn is None:
+            raise RuntimeError(f"{op}: the plan has no implementation for {w.format} weights with "
+                               f"{w.act_format or '16-bit'} activations (it has {sorted(impls, key=str)})")
+        return fn(x, w, *args, **kwargs)
+
+    def dispatch_moe(z, weights, ids, experts, *args, **kwargs):
+        fn = impls.get((experts.format, experts.act_format))
+        if fn is None:
+            raise RuntimeError(f"moe: the plan has no implementation for {experts.format} experts")
+        return fn(z, weights, ids, experts, *args, **kwargs)
+
+    return dispatch_moe if op == "moe" else dispatch
+
+
+def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: Optional[torch.dtype] = None,
+         emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
+         kv_format: str = "bf16", progress: Optional[bool] = None) -> MuseModel:
+    """Load a checkpoint folder (or the bundled ``muse-tiny``) onto ``device``, executing its plan.
+
+    ``device`` is a catalog name (``musecore devices``), ``auto`` or a torch device string.
+    ``emulate=True`` runs the named device's numerics (weight conversion, activation quantization)
+    on the local reference kernels. Raises :class:`~musecore.plan.PlanError` listing every gap.
+    """
     dtype = dtype or torch.bfloat16
-    backend = ReferenceBackend(device)
-    muse = MuseModel(config, Ops.from_backend(backend), dtype=dtype, device=backend.device)
-    fill_model(muse, iter_safetensors(weight_files(folder)), backend, source=str(folder))
+    summary, reader = summarize(model)
+    if reader is None:
+        raise FileNotFoundError(f"{model!r} is a preset without weights; pass a checkpoint folder "
+                                "(musecore.plan works on presets)")
+    records = discover()
+    if emulate:
+        if device not in CATALOG:
+            raise ValueError(f"emulate=True needs a catalog device name (one of {sorted(CATALOG)}), got {device!r}")
+        name, torch_device = device, torch.device("cpu")
+    else:
+        name, torch_device = resolve_device(device, records)
+    the_plan = make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation,
+                         allow_reference=allow_reference, dtype_label=DTYPE_LABELS[dtype], kv_format=kv_format,
+                         records=records)
+    if the_plan.gaps:
+        raise PlanError(the_plan)
+    backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}
+    if the_plan.backend != REFERENCE:
+        backends[the_plan.backend] = records[the_plan.backend].backend_class(torch_device)
+    ops = bind_ops(the_plan, backends)
+    muse = MuseModel(summary.config, ops, dtype=dtype, device=torch_device)
+    placer = Placer(the_plan, backends, dtype)
+    show = sys.stderr.isatty() if progress is None else progress
+    fill_model(muse, placer.stream(reader, show), placer, source=str(reader.folder))
+    muse.plan, muse.conversion_report, muse.kv_format = the_plan, placer.report, kv_format
+    from musecore.tokenizer import load_tokenizer
+    muse.tokenizer = load_tokenizer(reader.folder)
     return muse

@@ -135,6 +135,14 @@ def _split_stop(stop: Stop, tokenizer: Any, is_text: bool) -> tuple[set[int], li
     return ids, strings
 
 
+def _encode_text(model: Any, text: str) -> list[int]:
+    """A text prompt framed as training documents were: BOS first, unless the text starts with it."""
+    tokenizer = model.tokenizer
+    ids = tokenizer.encode(text)
+    bos = tokenizer.bos_id if tokenizer.bos_id is not None else model.config.bos_token_id
+    return [int(bos)] + ids if bos is not None and ids[:1] != [bos] else ids
+
+
 def _check_lengths(prompts: list[list[int]], max_new_tokens: int, config: Any) -> None:
     limit, vocab = config.max_position_embeddings, config.vocab_size
     for i, ids in enumerate(prompts):
@@ -215,6 +223,8 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
 
     - ``str`` -> ``str`` (needs ``model.tokenizer``); ``list[int]`` -> ``list[int]``;
       ``list[str]`` -> ``list[str]`` and ``list[list[int]]`` -> ``list[list[int]]`` (a batch).
+      A text prompt gets the BOS id (``bos_token_id``) first, as training documents did, unless
+      it already starts with it; token-id prompts are used exactly as given.
     - ``temperature=0`` is greedy; otherwise sampling with ``top_k`` (0 = off) and ``top_p``
       (1 = off). ``seed`` seeds a private ``torch.Generator``: same seed, same output. Without a
       seed, sampling draws from torch's global RNG.
@@ -239,7 +249,7 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
         raise ValueError("this model has no tokenizer (its checkpoint has no tokenizer.json), so it cannot take "
                          "text: pass token ids (list[int]) instead, or add tokenizer.json to the checkpoint")
     stop_ids, stop_strings = _split_stop(stop, tokenizer, is_text)
-    prompt_ids = [tokenizer.encode(p) for p in prompts] if is_text else prompts
+    prompt_ids = [_encode_text(model, p) for p in prompts] if is_text else prompts
     _check_lengths(prompt_ids, max_new_tokens, model.config)
     ends = _eos_ids(model) | stop_ids
 

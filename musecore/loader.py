@@ -9,15 +9,14 @@ so host memory stays near one shard plus one layer's experts.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from musecore.model import MuseModel, Slot, checkpoint_shapes
-
-Converter = Callable[[str, Any], Any]  # (tensor name, Tensor | QTensor) -> Tensor | QTensor
-
+from musecore.model import MuseModel, checkpoint_shapes
 
 class CheckpointMismatch(ValueError):
     """The checkpoint's tensors do not match what the config says the model has."""
@@ -54,15 +53,13 @@ def stack(values: list[Any]) -> Any:
     return stack_qtensors(values)
 
 
-def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], backend: Any, *,
-               convert: Optional[Converter] = None, act_format_of: Optional[Callable[[Slot], Optional[str]]] = None,
+def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Placer", *,
                source: str = "checkpoint") -> None:
-    """Place every tensor of ``tensors`` into ``model``, prepared by ``backend``."""
+    """Place every tensor of ``tensors`` into ``model``, converted and prepared by ``placer``."""
     slots = model.weight_slots()
     expected = checkpoint_shapes(model.config)
     collector = ExpertCollector(model.config.num_experts)
     seen: set[str] = set()
-    dtype = model.dtype
     for name, value in tensors:
         slot = slots.get(name)
         if slot is None:
@@ -75,36 +72,92 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], backend: An
             raise CheckpointMismatch(f"{source}: tensor {name!r} has shape {list(shape)} but config.json implies "
                                      f"{list(expected[name])}")
         seen.add(name)
-        if convert is not None:
-            value = convert(name, value)
-        act_format = act_format_of(slot) if act_format_of else None
-        place(slot, name, value, backend, collector, dtype, act_format)
+        value = placer.convert(name, value)
+        if slot.role == "vector":
+            setattr(slot.owner, slot.attr, placer.place_vector(value))
+        elif slot.role in ("linear", "embedding"):
+            setattr(slot.owner, slot.attr, placer.prepare(name, slot.role, value))
+        else:
+            done = collector.add(slot.layer, name, value)
+            if done is not None:
+                mlp = slot.owner
+                mlp.experts = placer.prepare_experts(name, stack(done["gate_proj"]), stack(done["up_proj"]),
+                                                     stack(done["down_proj"]))
+                mlp.output_norm = placer.place_vector(torch.stack(done["output_norm"]))
     missing = sorted(set(slots) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointMismatch(f"{source}: missing {len(missing)} tensor(s): {shown}")
 
 
-def place(slot: Slot, name: str, value: Any, backend: Any, collector: ExpertCollector,
-          dtype: torch.dtype, act_format: Optional[str]) -> None:
-    if slot.role == "vector":
-        setattr(slot.owner, slot.attr, value.to(dtype).to(backend.device))
-    elif slot.role in ("linear", "embedding"):
-        setattr(slot.owner, slot.attr, backend.prepare_weight(value, slot.role, act_format=act_format, dtype=dtype))
-    elif slot.role == "expert":
-        done = collector.add(slot.layer, name, value)
-        if done is not None:
-            mlp = slot.owner
-            mlp.experts = backend.prepare_experts(stack(done["gate_proj"]), stack(done["up_proj"]),
-                                                  stack(done["down_proj"]), act_format=act_format, dtype=dtype)
-            mlp.output_norm = torch.stack(done["output_norm"]).to(dtype).to(backend.device)
-    else:  # pragma: no cover - Slot roles are fixed in model.py
-        raise AssertionError(slot.role)
+@dataclass
+class ConversionRecord:
+    name: str
+    source: str
+    target: str
+    sqnr_db: float
+    max_abs_error: float
 
 
-def iter_safetensors(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+class Placer:
+    """Executes a plan's weight decisions: converts each tensor, then has the right backend prepare it."""
+
+    def __init__(self, plan: Any, backends: dict[str, Any], dtype: torch.dtype) -> None:
+        self.plan, self.backends, self.dtype = plan, backends, dtype
+        self.device = next(iter(backends.values())).device
+        self.report: list[ConversionRecord] = []
+
+    def stream(self, reader: Any, progress: bool) -> Iterator[tuple[str, Any]]:
+        from tqdm import tqdm
+        names = reader.weight_names()
+        with tqdm(total=len(names), desc="loading", unit="tensor", disable=not progress, file=sys.stderr) as bar:
+            for _shard, weights in reader.iter_shards():
+                for name, value in weights.items():
+                    yield name, value
+                    bar.update(1)
+
+    def convert(self, name: str, value: Any) -> Any:
+        target, _act = self.plan.weight_targets[name]
+        if isinstance(value, torch.Tensor):
+            if target in ("bf16", "fp16", "fp32"):
+                return value
+            return self._record(name, value, quantize_for_target(value, target), "bf16")
+        if value.format == target:
+            return value
+        from musecore_quant import dequantize, requantize
+        if target in ("bf16", "fp16", "fp32"):
+            return dequantize(value, torch.float32)
+        return self._record(name, dequantize(value, torch.float32), requantize(value, target, **DEFAULT_OPTIONS.get(target, {})),
+                            value.format)
+
+    def _record(self, name: str, before: torch.Tensor, after: Any, source: str) -> Any:
+        from musecore_quant import dequantize, quant_error
+        err = quant_error(before.float(), dequantize(after, torch.float32))
+        self.report.append(ConversionRecord(name, source, after.format, err.sqnr_db, err.max_abs_error))
+        return after
+
+    def place_vector(self, value: torch.Tensor) -> torch.Tensor:
+        return value.to(self.dtype).to(self.device)
+
+    def _backend(self, op: str, name: str) -> Any:
+        fmt, act = self.plan.weight_targets[name]
+        return self.backends[self.plan.implementation(op, fmt, act)], act
+
+    def prepare(self, name: str, role: str, value: Any) -> Any:
+        backend, act = self._backend("linear" if role == "linear" else "embedding", name)
+        return backend.prepare_weight(value, role, act_format=act, dtype=self.dtype)
+
+    def prepare_experts(self, name: str, gate: Any, up: Any, down: Any) -> Any:
+        backend, act = self._backend("moe", name.rsplit(".", 2)[0] + ".gate_proj.weight")
+        return backend.prepare_experts(gate, up, down, act_format=act, dtype=self.dtype)
+
+
+# The quantizer settings a device's own producer uses (FORMATS.md): INT4 g128 symmetric like the
+# AutoRound export, MXFP4 with EVEN scales and RNE like Quark, FP8 per tensor like ModelOpt.
+DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {"int4": {"group_size": 128, "sym": True},
+                                             "mxfp4": {"scale_mode": "even", "rounding": "rne"}, "fp8": {}}
+
+
+def quantize_for_target(value: torch.Tensor, target: str) -> Any:
+    from musecore_quant import quantize
+    return quantize(value.float(), target, **DEFAULT_OPTIONS.get(target, {}))

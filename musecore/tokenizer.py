@@ -34,11 +34,12 @@ class MuseTokenizer:
     """
 
     def __init__(self, tokenizer: Any, eos_ids: Sequence[int] = (), pad_id: Optional[int] = None,
-                 source: str = TOKENIZER_FILE) -> None:
+                 bos_id: Optional[int] = None, source: str = TOKENIZER_FILE) -> None:
         self._tokenizer = tokenizer
         self.source = source
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_ids))  # ordered, unique
         self.pad_id: Optional[int] = pad_id
+        self.bos_id: Optional[int] = bos_id  # generation puts it before a text prompt (training framing)
 
     @property
     def vocab_size(self) -> int:
@@ -66,13 +67,16 @@ class MuseTokenizer:
         return self._tokenizer.token_to_id(token) is not None
 
     def __repr__(self) -> str:
-        return f"MuseTokenizer({self.source}, vocab={self.vocab_size}, eos_ids={list(self.eos_ids)}, pad_id={self.pad_id})"
+        return (f"MuseTokenizer({self.source}, vocab={self.vocab_size}, bos_id={self.bos_id}, "
+                f"eos_ids={list(self.eos_ids)}, pad_id={self.pad_id})")
 
 
-def _config_ids(folder: Path) -> tuple[list[int], Optional[int]]:
-    """``eos_token_id`` (int or list) and ``pad_token_id`` from config.json and generation_config.json."""
+def _config_ids(folder: Path) -> tuple[list[int], Optional[int], Optional[int]]:
+    """``eos_token_id`` (int or list), ``pad_token_id`` and ``bos_token_id`` from config.json and
+    generation_config.json (the first file that sets a single id wins)."""
     eos: list[int] = []
     pad: Optional[int] = None
+    bos: Optional[int] = None
     for name in ("config.json", "generation_config.json"):
         path = folder / name
         if not path.is_file():
@@ -81,12 +85,16 @@ def _config_ids(folder: Path) -> tuple[list[int], Optional[int]]:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); fix or re-export the file") from e
-        value = data.get("eos_token_id") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            continue
+        value = data.get("eos_token_id")
         if value is not None:
             eos.extend(value if isinstance(value, list) else [value])
-        if isinstance(data, dict) and pad is None and data.get("pad_token_id") is not None:
+        if pad is None and data.get("pad_token_id") is not None:
             pad = int(data["pad_token_id"])
-    return [int(i) for i in eos], pad
+        if bos is None and data.get("bos_token_id") is not None:
+            bos = int(data["bos_token_id"])
+    return [int(i) for i in eos], pad, bos
 
 
 def load_tokenizer(folder: Union[str, Path], eos_token_id: Union[int, Sequence[int], None] = None
@@ -95,7 +103,8 @@ def load_tokenizer(folder: Union[str, Path], eos_token_id: Union[int, Sequence[i
 
     EOS ids: ``eos_token_id`` if given, else those in the folder's ``config.json`` /
     ``generation_config.json``, plus ``<|eot|>`` and ``<|eom|>`` when the vocabulary has them.
-    The pad id is ``pad_token_id`` from the config, else ``<|pad|>`` when present, else ``None``.
+    The pad id is ``pad_token_id`` from the config, else ``<|pad|>`` when present, else ``None``;
+    the BOS id is the config's ``bos_token_id`` (``None`` when unset).
 
     Example::
 
@@ -112,11 +121,11 @@ def load_tokenizer(folder: Union[str, Path], eos_token_id: Union[int, Sequence[i
     except Exception as e:  # tokenizers raises a bare Exception for every parse failure
         raise ValueError(f"{path} is not a valid tokenizer.json ({e}); re-export it with "
                          "tokenizers.Tokenizer.save(), or remove it to generate from token ids only") from e
-    config_eos, pad = _config_ids(folder)
+    config_eos, pad, bos = _config_ids(folder)
     if eos_token_id is not None:
         config_eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [int(eos_token_id)]
     special = [inner.token_to_id(t) for t in EOS_SPECIAL_TOKENS]
     eos = config_eos + [i for i in special if i is not None]
     if pad is None:
         pad = inner.token_to_id(PAD_TOKEN)
-    return MuseTokenizer(inner, eos_ids=eos, pad_id=pad, source=str(path))
+    return MuseTokenizer(inner, eos_ids=eos, pad_id=pad, bos_id=bos, source=str(path))

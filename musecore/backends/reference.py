@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from musecore_quant import QTensor
 
 from musecore.backends.base import Backend, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
@@ -45,13 +46,14 @@ class ReferenceBackend(Backend):
                        dtype: torch.dtype = torch.bfloat16) -> Weight:
         data = dense_values(weight, dtype).to(self.device)
         input_scale = getattr(weight, "input_scale", None)
-        return Weight(data=data, format=weight_format_of(weight), out_features=data.shape[-2] if data.dim() > 1 else 1,
+        return Weight(data=data, format=weight_format_of(weight if isinstance(weight, QTensor) else data), out_features=data.shape[-2] if data.dim() > 1 else 1,
                       in_features=data.shape[-1], act_format=act_format, input_scale=input_scale)
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
                         act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
         values = [dense_values(w, dtype).to(self.device) for w in (gate, up, down)]
-        return ExpertWeights(gate=values[0], up=values[1], down=values[2], format=weight_format_of(gate),
+        return ExpertWeights(gate=values[0], up=values[1], down=values[2],
+                             format=weight_format_of(gate if isinstance(gate, QTensor) else values[0]),
                              num_experts=values[0].shape[0], act_format=act_format,
                              gate_up_input_scale=getattr(gate, "input_scale", None),
                              down_input_scale=getattr(down, "input_scale", None))

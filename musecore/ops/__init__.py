@@ -85,6 +85,7 @@ class OpSpec:
     dtype: torch.dtype = torch.bfloat16
     kv_format: str = "bf16"
     shape: tuple[tuple[str, int], ...] = ()
+    device: str = ""  # the catalog device planned for (e.g. "h200"), so one backend can answer per target
 
     def __post_init__(self) -> None:
         if self.op not in OPS:

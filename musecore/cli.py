@@ -1,0 +1,42 @@
+"""The ``musecore`` command line: one subcommand per module in ``musecore/commands/``.
+
+Each command module defines ``add_parser(subparsers)`` and ``run(args) -> int``. Read commands
+take ``--json``; errors a user can fix print one line (no traceback) and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = ("generate", "plan", "devices", "doctor", "matrix", "bench")
+
+
+class UsageError(Exception):
+    """A problem with the user's input: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="musecore", description="Run Muse Spark Open on whatever hardware you have.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"musecore.commands.{name}")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (UsageError, FileNotFoundError, ValueError) as e:
+        print(f"musecore {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""``musecore devices``: the catalog of named targets, their backends, memory and number formats."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("devices", help="list the device catalog")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from musecore.devices import CATALOG
+
+    if args.json:
+        print(json.dumps([p.to_dict() for p in CATALOG.values()], indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="musecore devices")
+    for col in ("device", "backend", "arch", "memory", "weights", "activations", "NVFP4 checkpoint", "BF16 checkpoint"):
+        table.add_column(col)
+    for p in CATALOG.values():
+        nv, bf = p.conversion("nvfp4"), p.conversion("bf16")
+        table.add_row(p.name, p.backend, p.arch, f"{p.memory_gib:g} GiB" if p.memory_gib else "host",
+                      ", ".join(p.weight_formats), ", ".join(p.activation_formats) or "16-bit",
+                      f"{nv.action('nvfp4')}, {'W4A' + ('4' if nv.act_format else '16') if nv.target != 'bf16' else 'BF16'}",
+                      bf.action("bf16"))
+    Console().print(table)
+    return 0

@@ -1,0 +1,117 @@
+"""The device catalog: every named target, its backend, memory and native number formats.
+
+A profile says, for each checkpoint format, what loading does to the quantized weight groups
+(the routed experts of layers 1..L-2, MODEL.md section 2): keep them, requantize them to the
+device's own 4-bit format, quantize BF16 to it, or dequantize; and which activation format the
+device's matmuls use for them (``None`` = 16-bit activations, i.e. weight-only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+CHECKPOINT_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4")
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What loading does to the quantized weight group of one checkpoint format."""
+
+    target: str                 # format the weights have in memory
+    act_format: Optional[str]   # activation format of their matmuls (None = 16-bit)
+    note: str = ""
+
+    def action(self, source: str) -> str:
+        if source == self.target:
+            return "keep"
+        if self.target == "bf16":
+            return f"dequantize {source}->bf16"
+        if source == "bf16":
+            return f"quantize bf16->{self.target}"
+        return f"requantize {source}->{self.target}"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    vendor: str
+    backend: str
+    arch: str
+    memory_gib: float
+    weight_formats: tuple[str, ...]       # formats its kernels run natively
+    activation_formats: tuple[str, ...]   # low-precision activation formats it computes in
+    conversions: dict[str, Conversion] = field(default_factory=dict)
+    description: str = ""
+
+    def conversion(self, checkpoint_format: str) -> Conversion:
+        if checkpoint_format not in self.conversions:
+            raise ValueError(f"device {self.name!r} has no rule for {checkpoint_format!r} checkpoints; "
+                             f"it takes {sorted(self.conversions)}")
+        return self.conversions[checkpoint_format]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["conversions"] = {fmt: {"action": c.action(fmt), **asdict(c)} for fmt, c in self.conversions.items()}
+        return data
+
+
+def _rules(**rules: tuple[str, Optional[str]] | tuple[str, Optional[str], str]) -> dict[str, Conversion]:
+    return {fmt: Conversion(*rule) for fmt, rule in rules.items()}
+
+
+_BLACKWELL = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"), nvfp4=("nvfp4", "nvfp4", "W4A4 on FP4 tensor cores"),
+                    mxfp4=("mxfp4", "mxfp4", "W4A4 on FP4 tensor cores"),
+                    int4=("bf16", None, "no INT4 kernels: dequantized to BF16"))
+_HOPPER = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"), nvfp4=("nvfp4", None, "W4A16: FP4 upcast in registers"),
+                 mxfp4=("mxfp4", None, "W4A16: FP4 upcast in registers"),
+                 int4=("bf16", None, "no INT4 kernels: dequantized to BF16"))
+_GFX950 = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"),
+                 nvfp4=("mxfp4", "mxfp4", "NVFP4 requantized to MXFP4 (EVEN scales) at load; W4A4"),
+                 mxfp4=("mxfp4", "mxfp4", "W4A4 on MXFP4 matrix cores"),
+                 int4=("bf16", None, "no INT4 kernels: dequantized to BF16"))
+_GFX942 = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"),
+                 nvfp4=("mxfp4", None, "no FP4 matrix cores: requantized to MXFP4, W4A16"),
+                 mxfp4=("mxfp4", None, "no FP4 matrix cores: W4A16"),
+                 int4=("bf16", None, "no INT4 kernels: dequantized to BF16"))
+_XEON = _rules(bf16=("int4", None, "experts quantized to INT4 g128 (RTN) at load"),
+               fp8=("int4", None, "experts requantized to INT4 g128 at load"),
+               nvfp4=("int4", None, "experts requantized to INT4 g128 at load"),
+               mxfp4=("int4", None, "experts requantized to INT4 g128 at load"),
+               int4=("int4", None, "INT4 weight-only"))
+_TPU = _rules(bf16=("bf16", None), fp8=("bf16", None, "dequantized to BF16"),
+              nvfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),
+              mxfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),
+              int4=("bf16", None, "dequantized to BF16"))
+_TPU7 = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"), nvfp4=("fp8", "fp8", "NVFP4 requantized to FP8 at load"),
+               mxfp4=("fp8", "fp8", "MXFP4 requantized to FP8 at load"), int4=("bf16", None, "dequantized to BF16"))
+_REFERENCE = _rules(**{fmt: (fmt, None, "reference kernels: exact values, fp32 math") for fmt in CHECKPOINT_FORMATS})
+
+
+def _profile(name, vendor, backend, arch, memory, weights, acts, conversions, description):
+    return DeviceProfile(name, vendor, backend, arch, memory, weights, acts, conversions, description)
+
+
+CATALOG: dict[str, DeviceProfile] = {p.name: p for p in [
+    _profile("b300", "nvidia", "cuda", "sm100", 288, ("bf16", "fp8", "nvfp4", "mxfp4"), ("fp8", "nvfp4", "mxfp4"), _BLACKWELL, "NVIDIA B300 (Blackwell Ultra)"),
+    _profile("gb300", "nvidia", "cuda", "sm100", 288, ("bf16", "fp8", "nvfp4", "mxfp4"), ("fp8", "nvfp4", "mxfp4"), _BLACKWELL, "NVIDIA GB300 (Grace Blackwell Ultra)"),
+    _profile("b200", "nvidia", "cuda", "sm100", 192, ("bf16", "fp8", "nvfp4", "mxfp4"), ("fp8", "nvfp4", "mxfp4"), _BLACKWELL, "NVIDIA B200 (Blackwell)"),
+    _profile("gb200", "nvidia", "cuda", "sm100", 192, ("bf16", "fp8", "nvfp4", "mxfp4"), ("fp8", "nvfp4", "mxfp4"), _BLACKWELL, "NVIDIA GB200 (Grace Blackwell)"),
+    _profile("h200", "nvidia", "cuda", "sm90", 141, ("bf16", "fp8", "nvfp4", "mxfp4"), ("fp8",), _HOPPER, "NVIDIA H200 (Hopper)"),
+    _profile("h100", "nvidia", "cuda", "sm90", 80, ("bf16", "fp8", "nvfp4", "mxfp4"), ("fp8",), _HOPPER, "NVIDIA H100 (Hopper)"),
+    _profile("mi355x", "amd", "rocm", "gfx950", 288, ("bf16", "fp8", "mxfp4"), ("fp8", "mxfp4"), _GFX950, "AMD Instinct MI355X (CDNA4)"),
+    _profile("mi350x", "amd", "rocm", "gfx950", 288, ("bf16", "fp8", "mxfp4"), ("fp8", "mxfp4"), _GFX950, "AMD Instinct MI350X (CDNA4)"),
+    _profile("mi300x", "amd", "rocm", "gfx942", 192, ("bf16", "fp8", "mxfp4"), ("fp8",), _GFX942, "AMD Instinct MI300X (CDNA3)"),
+    _profile("xeon6", "intel", "xeon", "x86-64 amx", 512, ("bf16", "int4"), (), _XEON, "Intel Xeon 6 with AMX (host memory)"),
+    _profile("xeon", "intel", "xeon", "x86-64 avx512/avx2", 256, ("bf16", "int4"), (), _XEON, "x86-64 CPU without AMX (host memory)"),
+    _profile("tpu-v6e", "google", "tpu", "v6e", 32, ("bf16", "int8"), (), _TPU, "Google TPU v6e (Trillium)"),
+    _profile("tpu-v7", "google", "tpu", "v7", 192, ("bf16", "fp8"), ("fp8",), _TPU7, "Google TPU v7 (Ironwood)"),
+    _profile("cpu", "any", "reference", "any", 0, CHECKPOINT_FORMATS, ("fp8", "nvfp4", "mxfp4"), _REFERENCE, "reference kernels on the local CPU (host memory)"),
+]}
+
+
+def get_profile(name: str) -> DeviceProfile:
+    if name not in CATALOG:
+        raise ValueError(f"unknown device {name!r}; choose one of {sorted(CATALOG)}, 'auto', or a torch device "
+                         "string such as 'cuda:0' (run `musecore devices` for the catalog)")
+    return CATALOG[name]

@@ -1,0 +1,299 @@
+"""The plan: what runs where, in which format, and why, resolved before any weight byte is read.
+
+``musecore.plan(model, device)`` reads ``config.json`` and the safetensors headers, picks the
+device profile and its backend, decides per weight group the conversion (keep, requantize,
+quantize, dequantize) and the activation format, chooses for every op the implementation and tier
+with its reason, and estimates memory against the device. Policy is strict: an op without a native
+implementation is a gap unless ``allow_emulation`` / ``allow_reference`` opt in to a slower path;
+all gaps are listed at once. ``musecore.load`` executes a plan that has none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from musecore.backends.base import Support, Tier
+from musecore.config import MuseConfig
+from musecore.devices import CATALOG, DeviceProfile, get_profile
+from musecore.ops import OPS, OpSpec
+
+QUANTIZED = ("fp8", "nvfp4", "mxfp4", "int4")
+DENSE = ("bf16", "fp16", "fp32")
+REFERENCE = "reference"
+DEFAULT_CONTEXT = 8192  # tokens of KV cache counted in the memory estimate (batch 1)
+
+
+class PlanError(RuntimeError):
+    """The plan has gaps: ops with no allowed implementation, or hardware that is not here."""
+
+    def __init__(self, plan: "Plan") -> None:
+        self.plan = plan
+        lines = [f"cannot run {plan.model!r} on device {plan.device!r}:"] + [f"  - {g}" for g in plan.gaps]
+        super().__init__("\n".join(lines))
+
+
+@dataclass
+class GroupPlan:
+    """One weight group (e.g. the experts of the quantized layers) and what loading does to it."""
+
+    group: str
+    tensors: int
+    parameters: int
+    source_format: str
+    target_format: str
+    act_format: Optional[str]
+    action: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class OpChoice:
+    op: str
+    weight_format: Optional[str]
+    act_format: Optional[str]
+    implementation: str  # backend name, or "" when there is none
+    tier: str
+    reason: str
+    candidates: list[str] = field(default_factory=list)  # every candidate's answer, for gaps
+
+
+@dataclass
+class Plan:
+    model: str
+    device: str
+    profile: DeviceProfile
+    backend: str
+    mode: str                    # "native", "emulated" or "reference"
+    checkpoint_format: str
+    groups: list[GroupPlan]
+    ops: list[OpChoice]
+    memory_bytes: int
+    device_memory_bytes: int
+    kv_context: int
+    gaps: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    weight_targets: dict[str, tuple[str, Optional[str]]] = field(default_factory=dict, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= 0.9 * self.device_memory_bytes
+
+    @property
+    def devices_needed(self) -> int:
+        return max(1, math.ceil(self.memory_bytes / (0.9 * self.device_memory_bytes)))
+
+    def implementation(self, op: str, weight_format: Optional[str] = None, act_format: Optional[str] = None) -> str:
+        for c in self.ops:
+            if c.op == op and (op not in ("linear", "moe") or (c.weight_format, c.act_format) == (weight_format, act_format)):
+                return c.implementation
+        raise KeyError(f"plan has no choice for op {op!r} with weight {weight_format!r}, activations {act_format!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "device": self.device, "backend": self.backend, "mode": self.mode,
+                "checkpoint_format": self.checkpoint_format, "profile": self.profile.to_dict(),
+                "groups": [asdict(g) for g in self.groups], "ops": [asdict(o) for o in self.ops],
+                "memory": {"bytes": self.memory_bytes, "device_bytes": self.device_memory_bytes,
+                           "kv_context_tokens": self.kv_context, "fits": self.fits,
+                           "devices_needed": self.devices_needed},
+                "gaps": self.gaps, "notes": self.notes, "ok": not self.gaps}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        from musecore.plan_render import render_text
+        return render_text(self)
+
+
+# -- weight groups ---------------------------------------------------------------------------------
+
+def weight_group(name: str, config: MuseConfig) -> tuple[str, bool]:
+    """(group label, whether it is a routed-expert projection of a quantized layer)."""
+    if ".mlp.experts." in name:
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        if name.endswith("output_norm.weight"):
+            return "norms and gates", False
+        if layer in config.bf16_expert_layers:
+            return "experts (BF16 layers)", False
+        return "experts (quantized layers)", True
+    if "embed_tokens" in name:
+        return "embedding", False
+    if name.startswith("lm_head"):
+        return "lm_head", False
+    if ".self_attn." in name and name.endswith("_proj.weight"):
+        return "attention", False
+    if ".mlp.router." in name:
+        return "router", False
+    if "latent_proj" in name:
+        return "pooler/unpooler", False
+    return "norms and gates", False
+
+
+def format_bytes(fmt: str, numel: int, dtype_bytes: int) -> int:
+    per_value = {"fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 128}
+    return int(numel * per_value.get(fmt, dtype_bytes))
+
+
+@dataclass
+class CheckpointSummary:
+    """What the plan needs of a checkpoint: its config and every tensor's format and shape."""
+
+    name: str
+    config: MuseConfig
+    formats: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def format(self) -> str:
+        quantized = Counter(f for f in self.formats.values() if f in QUANTIZED)
+        return quantized.most_common(1)[0][0] if quantized else "bf16"
+
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_label: str
+                   ) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
+    """Per tensor the in-memory format and activation format; per group a summary row.
+
+    Dense tensors take the model dtype (``dtype_label``); quantized tensors, and the routed experts
+    of quantized layers whatever their checkpoint format, follow the device profile's conversion.
+    """
+    config, dtype_bytes = summary.config, DTYPE_BYTES[dtype_label]
+    targets: dict[str, tuple[str, Optional[str]]] = {}
+    rows: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, ""])
+    for name, src in summary.formats.items():
+        group, quantizable = weight_group(name, config)
+        numel = math.prod(summary.shapes[name])
+        if len(summary.shapes[name]) == 2 and (src in QUANTIZED or quantizable):
+            conv = profile.conversion(src if src in QUANTIZED else "bf16")
+            target, act, action, note = conv.target, conv.act_format, conv.action(src), conv.note
+            if conv.target == "bf16":  # dense in memory: the model dtype
+                target = dtype_label
+                action = "keep" if src == dtype_label else (f"cast {src}->{dtype_label}" if src in DENSE
+                                                             else f"dequantize {src}->{dtype_label}")
+        else:
+            target, act, note = (src if src in QUANTIZED else dtype_label), None, ""
+            action = "keep" if target == src else f"cast {src}->{target}"
+        targets[name] = (target, act)
+        row = rows[(group, src, target, act, action)]
+        row[0] += 1
+        row[1] += numel
+        row[2] += format_bytes(target, numel, dtype_bytes)
+        row[3] = note
+    groups = [GroupPlan(g, n, p, s, t, a, action, b, note)
+              for (g, s, t, a, action), (n, p, b, note) in sorted(rows.items(), key=lambda kv: kv[0][0])]
+    return groups, targets
+
+
+# -- op choices ------------------------------------------------------------------------------------
+
+def needed_specs(targets: dict[str, tuple[str, Optional[str]]], kv_format: str, device: str) -> list[OpSpec]:
+    linear, moe = set(), set()
+    for name, (fmt, act) in targets.items():
+        if ".mlp.experts." in name and not name.endswith("output_norm.weight"):
+            moe.add((fmt, act))
+        elif name.endswith("_proj.weight") or ".router." in name or name.startswith("lm_head"):
+            linear.add((fmt, act))
+    specs = [OpSpec(op, device=device) for op in OPS if op not in ("linear", "moe", "attention")]
+    specs.append(OpSpec("attention", kv_format=kv_format, device=device))
+    specs += [OpSpec("linear", weight_format=f, act_format=a, device=device) for f, a in sorted(linear, key=str)]
+    specs += [OpSpec("moe", weight_format=f, act_format=a, device=device) for f, a in sorted(moe, key=str)]
+    return specs
+
+
+def choose(spec: OpSpec, backend: Any, backend_name: str, mode: str, allow_emulation: bool,
+           allow_reference: bool, hardware_gap: Optional[str]) -> OpChoice:
+    keyed = spec.op in ("linear", "moe")
+    wf, af = (spec.weight_format, spec.act_format) if keyed else (None, None)
+    if mode == "emulated":
+        return OpChoice(spec.op, wf, af, REFERENCE, Tier.EMULATED.value,
+                        "target numerics (weight conversion, activation quantization) on reference kernels")
+    if backend_name == REFERENCE:
+        return OpChoice(spec.op, wf, af, REFERENCE, Tier.NATIVE.value, "plain PyTorch reference (fp32 math)")
+    if backend is None:
+        return OpChoice(spec.op, wf, af, "", Tier.NO.value, f"backend {backend_name!r} unavailable (see gaps)")
+    try:
+        answer = backend.supports(spec.op, spec)
+    except Exception as err:  # a plugin bug: shown in the plan, never hidden
+        answer = Support.no(f"supports() raised {type(err).__name__}: {err}")
+    candidates = [f"{backend_name}: {answer.tier.value} ({answer.reason})"]
+    if hardware_gap:  # what the backend would do on that device, but the device is not here
+        return OpChoice(spec.op, wf, af, "", Tier.NO.value if not answer.ok else answer.tier.value,
+                        f"would be {answer.tier.value} on {spec.device}: {answer.reason} (device not here)", candidates)
+    if answer.ok and answer.tier == Tier.NATIVE:
+        return OpChoice(spec.op, wf, af, backend_name, Tier.NATIVE.value, answer.reason, candidates)
+    if answer.ok and answer.tier == Tier.EMULATED and allow_emulation:
+        return OpChoice(spec.op, wf, af, backend_name, Tier.EMULATED.value, answer.reason, candidates)
+    if allow_reference:
+        return OpChoice(spec.op, wf, af, REFERENCE, "reference", "allow_reference=True: plain PyTorch reference",
+                        candidates + ["reference: native"])
+    hint = "pass allow_emulation=True" if answer.tier == Tier.EMULATED else "pass allow_reference=True"
+    return OpChoice(spec.op, wf, af, "", Tier.NO.value, f"no allowed implementation ({hint})", candidates)
+
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def kv_bytes(config: MuseConfig, context: int, kv_format: str) -> int:
+    per_token_layer = 2 * config.num_key_value_heads * config.head_dim * (1 if kv_format == "fp8" else 2)
+    return sum(per_token_layer * (min(context, config.sliding_window) if t == "sliding_attention" else context)
+               for t in config.layer_types)
+
+
+def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False, allow_emulation: bool = False,
+              allow_reference: bool = False, dtype_label: str = "bf16", kv_format: str = "bf16",
+              kv_context: int = DEFAULT_CONTEXT, records: Optional[dict] = None) -> Plan:
+    """Resolve the plan for ``summary`` on the catalog device ``device`` (no weights read)."""
+    from musecore.backends.registry import discover
+
+    profile = get_profile(device)
+    backend_name = profile.backend
+    mode, backend, hardware_gap = ("emulated" if emulate else "native"), None, None
+    notes: list[str] = []
+    if not emulate and backend_name != REFERENCE:
+        records = discover() if records is None else records
+        record = records.get(backend_name)
+        if record is None:
+            hardware_gap = (f"backend {backend_name!r} for {device} is not installed (pip install musecore-{backend_name}); "
+                            f"to predict {device}'s numerics here, pass emulate=True")
+        elif not record.loaded:
+            hardware_gap = f"backend {backend_name!r} failed to load: {record.error}"
+        else:
+            backend = record.backend_class()  # constructing a backend touches no hardware
+            if not (record.probe and record.probe.available and device in record.probe.devices):
+                found = record.probe.reason if record.probe else "not probed"
+                hardware_gap = (f"no {device} here ({backend_name} backend: {found}); "
+                                f"pass emulate=True to run {device}'s numerics on the local reference kernels")
+    if emulate:
+        notes.append(f"emulating {device}: its weight conversions and activation quantization, bit for bit, "
+                     "computed by the reference kernels on this machine")
+    groups, targets = resolve_groups(summary, profile, dtype_label)
+    ops = [choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
+           for spec in needed_specs(targets, kv_format, device)]
+    gaps = [f"{hardware_gap}"] if hardware_gap else []
+    for c in ops:
+        if c.tier == Tier.NO.value and not hardware_gap:
+            what = f"{c.op}" + (f" [{c.weight_format} weights, {c.act_format or '16-bit'} activations]" if c.weight_format else "")
+            gaps.append(f"{what}: " + "; ".join(c.candidates) + f" -> {c.reason}")
+    if any(c.tier == "reference" for c in ops):
+        mode = "reference" if all(c.implementation == REFERENCE for c in ops) else mode
+        notes.append("some ops run on the plain PyTorch reference because allow_reference=True (slow)")
+    memory = sum(g.bytes for g in groups) + kv_bytes(summary.config, kv_context, kv_format)
+    device_memory = int(profile.memory_gib * 2**30) if profile.memory_gib else host_memory_bytes()
+    plan = Plan(summary.name, device, profile, REFERENCE if emulate else backend_name, mode, summary.format,
+                groups, ops, memory, device_memory, kv_context, gaps, notes, targets)
+    if not plan.fits:
+        plan.notes.append(f"does not fit: needs {memory / 2**30:.1f} GiB, one {device} has "
+                          f"{device_memory / 2**30:.0f} GiB (90% usable): needs {plan.devices_needed} devices")
+    return plan

@@ -1,0 +1,71 @@
+"""The plan: per-device conversions, op choices, memory, gaps; loading executes it."""
+
+import json
+
+import pytest
+import torch
+
+import musecore
+from musecore.api import plan
+from musecore.cli import main
+from musecore.devices import CATALOG
+from musecore.plan import PlanError
+from tests.helpers import random_tensors, small_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    config = small_config(hidden_size=128, moe_latent_size=128, moe_intermediate_size=128, head_dim=32)
+    return write_checkpoint(tmp_path_factory.mktemp("plan") / "bf16", config,
+                            random_tensors(config, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", sorted(CATALOG))
+def test_plan_json_for_every_catalog_device_without_hardware(bf16_checkpoint, device, capsys):
+    code = main(["plan", "--model", str(bf16_checkpoint), "--device", device, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == device and out["profile"]["backend"] == CATALOG[device].backend
+    assert {o["op"] for o in out["ops"]} >= {"linear", "moe", "attention", "rms_norm"}
+    assert code == (1 if out["gaps"] else 0), "exit code must say whether the plan has gaps"
+    if device != "cpu" and CATALOG[device].backend not in ("xeon",):
+        assert out["gaps"], f"no {device} hardware here: the plan must have a gap"
+
+
+def test_emulated_plan_has_no_gaps_and_applies_the_device_conversion(bf16_checkpoint):
+    p = plan(bf16_checkpoint, "xeon6", emulate=True)
+    assert not p.gaps and p.mode == "emulated"
+    experts = [g for g in p.groups if g.group == "experts (quantized layers)"]
+    assert experts and experts[0].action == "quantize bf16->int4"
+    bf16_layers = [g for g in p.groups if g.group == "experts (BF16 layers)"]
+    assert bf16_layers[0].target_format == "bf16", "first/last layer experts stay BF16"
+
+
+def test_816b_preset_on_one_h200_does_not_fit_and_says_how_many_devices():
+    p = plan("muse-spark-open-816b-a42b", "h200", emulate=True, checkpoint_format="nvfp4")
+    assert not p.fits and p.devices_needed == 4, (p.memory_bytes / 2**30, p.devices_needed)
+    assert "needs 4 devices" in str(p)
+    bf16 = plan("muse-spark-open-816b-a42b", "h200", emulate=True)
+    assert bf16.devices_needed > 10
+
+
+def test_missing_hardware_is_a_clear_error_pointing_to_emulate(bf16_checkpoint):
+    with pytest.raises(PlanError, match="emulate=True"):
+        musecore.load(bf16_checkpoint, device="mi355x")
+
+
+def test_unknown_device_lists_the_catalog(bf16_checkpoint):
+    with pytest.raises(ValueError, match="unknown device 'mi999'.*mi355x"):
+        musecore.load(bf16_checkpoint, device="mi999")
+
+
+def test_emulated_xeon_load_quantizes_experts_to_int4_and_reports_error(bf16_checkpoint):
+    ref = musecore.load(bf16_checkpoint, device="cpu")
+    emu = musecore.load(bf16_checkpoint, device="xeon6", emulate=True)
+    assert emu.layers[1].mlp.experts.format == "int4" and emu.layers[0].mlp.experts.format == "bf16"
+    assert emu.conversion_report and all(r.target == "int4" for r in emu.conversion_report)
+    assert min(r.sqnr_db for r in emu.conversion_report) > 15, [r.sqnr_db for r in emu.conversion_report][:3]
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    a, b = ref.forward(ids), emu.forward(ids)
+    assert not torch.equal(a, b), "INT4 experts must change the numbers"
+    rel = float((a - b).norm() / a.norm())
+    assert rel < 0.2, f"relative logit change from INT4 experts: {rel:.3f}"
