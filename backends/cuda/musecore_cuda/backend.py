@@ -1,0 +1,207 @@
+"""``CudaBackend``: musecore's NVIDIA plugin (Hopper W4A16 FP4, grouped MoE, flash attention).
+
+What is native here, and why (``supports`` answers from this table, never optimistically):
+
+* NVFP4 / MXFP4 weights with 16-bit activations (W4A16): Triton kernels that upcast FP4 in
+  registers and run bf16/fp16 tensor-core dots. Run and measured on SM90 (H200); on SM100 the
+  same kernel would run but has not been, so it is reported as emulated there.
+* W4A4 (FP4 activations): needs FP4 tensor cores. SM90 has none, and no SM100 kernel exists
+  here, so it is ``no``: a caller wanting those numerics should use the reference backend's
+  emulation, not a silent slow path here.
+* BF16/FP16/FP32 weights: cuBLAS through ``torch.nn.functional.linear``.
+* INT4 and FP8 weights: not implemented (``no``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from musecore.backends.base import Backend, Probe, Support, WeightIn
+from musecore.ops import ExpertWeights, OpSpec, Weight
+from musecore.ops import reference as ref
+from musecore_cuda.kernels import attention as _attention
+from musecore_cuda.kernels import norms as _norms
+from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
+from musecore_cuda.kernels.moe import moe_forward
+from musecore_cuda.layouts import Fp4Resident, prepare_fp4
+
+FP4_FORMATS = ("nvfp4", "mxfp4")
+DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+SM_DEVICES = {9: ["h200", "h100"], 10: ["b200", "gb200", "b300", "gb300"]}
+VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
+
+
+def _format_of(weight: WeightIn) -> str:
+    if isinstance(weight, torch.Tensor):
+        for name, dtype in DENSE_FORMATS.items():
+            if weight.dtype == dtype:
+                return name
+        raise TypeError(f"dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
+    return weight.format
+
+
+def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
+    """``x @ W.T`` for an FP4 resident weight; split-K accumulates in fp32 then rounds once."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != w.in_features):
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    n = w.out_features
+    if m == 0:
+        return x.new_empty(*lead, n)
+    cfg = pick_config(m, n, w.in_features, None, x.device, allow_split=True)
+    if cfg.split_k > 1:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch_gemm(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
+                n=n, k=w.in_features, out=out, cfg=cfg)
+    return out.to(x.dtype).reshape(*lead, n)
+
+
+class CudaBackend(Backend):
+    """NVIDIA GPUs through Triton and cuBLAS.
+
+    Example::
+
+        be = CudaBackend("cuda")
+        w = be.prepare_weight(musecore_quant.quantize(w_bf16, "nvfp4"), "q_proj")
+        y = be.linear(x_bf16, w)
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:
+        super().__init__(device if device is not None else "cuda")
+
+    # --- discovery -------------------------------------------------------------------------
+    def probe(self) -> Probe:
+        try:
+            if torch.version.hip is not None:
+                return Probe(False, reason=f"no CUDA device: this torch is a ROCm build (hip {torch.version.hip})")
+            if not torch.cuda.is_available():
+                return Probe(False, reason="no CUDA device: torch.cuda.is_available() is False")
+            index = self.device.index if self.device.type == "cuda" and self.device.index is not None else 0
+            major, minor = torch.cuda.get_device_capability(index)
+            name = torch.cuda.get_device_name(index)
+        except Exception as exc:  # probe never raises: the failure becomes the reason
+            return Probe(False, reason=f"no CUDA device: probing failed with {type(exc).__name__}: {exc}")
+        devices = SM_DEVICES.get(major, [])
+        if not devices:
+            return Probe(False, reason=f"{name} is SM{major}{minor}; this backend targets SM90 and SM100",
+                         details={"sm": (major, minor), "name": name})
+        return Probe(True, score=100 if major in VERIFIED_SM else 50, devices=devices,
+                     reason=f"{name} (SM{major}{minor})", details={"sm": (major, minor), "name": name})
+
+    def _sm_major(self) -> Optional[int]:
+        probe = self.probe()
+        return probe.details["sm"][0] if probe.available else None
+
+    def supports(self, op: str, spec: OpSpec) -> Support:
+        sm = self._sm_major()
+        if sm is None:
+            return Support.no(self.probe().reason)
+        unverified = f"Triton kernel not yet run on SM{sm}0 hardware" if sm not in VERIFIED_SM else ""
+        if op in ("linear", "moe"):
+            return self._supports_matmul(op, spec, sm, unverified)
+        if op == "attention" and spec.kv_format not in ("bf16", "fp16", "fp8"):
+            return Support.no(f"KV cache format {spec.kv_format!r} is not implemented (bf16, fp16, fp8 are)")
+        if op in ("embedding", "router_topk", "sample"):
+            return Support.native("PyTorch CUDA ops")
+        if unverified:
+            return Support.emulated(unverified)
+        return Support.native("Triton kernel")
+
+    def _supports_matmul(self, op: str, spec: OpSpec, sm: int, unverified: str) -> Support:
+        fmt, act = spec.weight_format, spec.act_format
+        if act in FP4_FORMATS:
+            return Support.no(f"W4A4 ({act} activations) needs FP4 tensor cores: SM90 has none and no SM100 "
+                              "FP4 kernel is implemented here; use the reference backend's emulation")
+        if act is not None:
+            return Support.no(f"{act} activation quantization is not implemented in the CUDA backend")
+        if fmt in DENSE_FORMATS:
+            how = "cuBLAS" if op == "linear" else "Triton grouped GEMM"
+            return Support.emulated(unverified) if unverified else Support.native(how)
+        if fmt in FP4_FORMATS:
+            if spec.dtype not in ACT_DTYPES:
+                return Support.no(f"W4A16 kernels take bf16/fp16 activations; got {spec.dtype}")
+            if unverified:
+                return Support.emulated(f"{fmt} as W4A16 (FP4 upcast in registers); {unverified}; "
+                                        "native FP4 tensor-core kernels are not implemented")
+            return Support.native(f"{fmt} as W4A16: FP4 upcast in registers, bf16 tensor cores (SM90 has no FP4 MMA)")
+        return Support.no(f"{fmt} weights are not implemented in the CUDA backend (nvfp4, mxfp4, bf16, fp16 are)")
+
+    # --- weights ---------------------------------------------------------------------------
+    def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
+                       dtype: torch.dtype = torch.bfloat16) -> Weight:
+        fmt = _format_of(weight)
+        if act_format is not None:
+            raise NotImplementedError(f"{role}: activation format {act_format!r} is not supported by the CUDA "
+                                      "backend (W4A4 needs FP4 tensor cores); see supports()")
+        if fmt in FP4_FORMATS:
+            resident = prepare_fp4(weight, self.device)
+            return Weight(data=resident, format=fmt, out_features=resident.out_features,
+                          in_features=resident.in_features)
+        if fmt in DENSE_FORMATS:
+            data = weight.to(device=self.device, dtype=dtype).contiguous()
+            return Weight(data=data, format=fmt, out_features=data.shape[0] if data.dim() > 1 else 1,
+                          in_features=data.shape[-1])
+        raise NotImplementedError(f"{role}: {fmt} weights are not implemented in the CUDA backend")
+
+    def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
+                        act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
+        fmts = {_format_of(w) for w in (gate, up, down)}
+        if len(fmts) != 1:
+            raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
+        fmt = fmts.pop()
+        if act_format is not None:
+            raise NotImplementedError(f"experts: activation format {act_format!r} is not supported (see supports())")
+        if fmt in FP4_FORMATS:
+            stacks = [prepare_fp4(w, self.device) for w in (gate, up, down)]
+        elif fmt in DENSE_FORMATS:
+            stacks = [w.to(device=self.device, dtype=dtype).contiguous() for w in (gate, up, down)]
+        else:
+            raise NotImplementedError(f"experts: {fmt} weights are not implemented in the CUDA backend")
+        num_experts = stacks[0].packed.shape[0] if fmt in FP4_FORMATS else stacks[0].shape[0]
+        return ExpertWeights(gate=stacks[0], up=stacks[1], down=stacks[2], format=fmt, num_experts=num_experts)
+
+    # --- ops -------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        if w.act_format is not None:
+            raise NotImplementedError(f"linear: activation format {w.act_format!r} is not supported (see supports())")
+        if isinstance(w.data, Fp4Resident):
+            return fp4_linear(x, w.data)
+        if w.data.dtype != x.dtype:
+            raise TypeError(f"linear: weight prepared as {w.data.dtype} but x is {x.dtype}; prepare it with "
+                            f"dtype={x.dtype} (converting per call would be a hidden slow path)")
+        return F.linear(x, w.data)
+
+    def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
+            output_norm: torch.Tensor, eps: float) -> torch.Tensor:
+        if experts.act_format is not None:
+            raise NotImplementedError(f"moe: activation format {experts.act_format!r} is not supported")
+        if experts.format in DENSE_FORMATS and experts.gate.dtype != z.dtype:
+            raise TypeError(f"moe: dense experts are {experts.gate.dtype} but z is {z.dtype}; prepare them with "
+                            f"dtype={z.dtype}")
+        return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
+                           output_norm, eps)
+
+    @staticmethod
+    def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.router_topk(logits, k, renormalize)  # three fused-enough torch kernels on [T, E]
+
+    @staticmethod
+    def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
+        return F.embedding(ids, table.data)
+
+    rms_norm = staticmethod(_norms.rms_norm)
+    residual_norm = staticmethod(_norms.residual_norm)
+    qk_norm_rope = staticmethod(_norms.qk_norm_rope)
+    head_norm_gate = staticmethod(_norms.head_norm_gate)
+    attention = staticmethod(_attention.attention)
+    sample = staticmethod(ref.sample)

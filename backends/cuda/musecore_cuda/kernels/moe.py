@@ -1,0 +1,121 @@
+"""Routed-expert MoE on CUDA: align assignments by expert, two grouped GEMMs, fused finalize.
+
+Only routed experts run, and each expert's weight is streamed once per block of its tokens:
+
+1. ``align_assignments`` sorts the ``T*k`` token-expert assignments by expert and pads each
+   expert's segment to the GEMM's BLOCK_M, entirely with device ops (no host sync, so the layer
+   can be captured in a CUDA graph). Each M block then belongs to exactly one expert.
+2. gate and up in one grouped GEMM (rows gathered from ``z``), SwiGLU in its epilogue -> ``h``.
+3. down in a second grouped GEMM over ``h`` (already in sorted order) -> fp32 ``o``.
+4. ``moe_finalize_kernel``: per token, each of its k expert rows gets that expert's RMSNorm,
+   then its routing weight, summed in fp32 (MODEL.md: norm before weight, fp32 sum). Deterministic:
+   a token's rows are read back through the inverse permutation, no atomics.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import triton
+import triton.language as tl
+
+from musecore_cuda.kernels.fp4_gemm import WFMT_DENSE, launch_gemm, pick_config
+from musecore_cuda.layouts import Fp4Resident
+
+ExpertStack = Union[Fp4Resident, torch.Tensor]
+
+
+def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted, block-padded assignment order.
+
+    Returns ``sorted_ids`` int32 ``[max_blocks*block_m]`` (assignment ``t*k+j`` per row, ``T*k`` for
+    padding), ``blk_expert`` int32 ``[max_blocks]`` (-1 past the last used block) and ``position``
+    int32 ``[T*k]`` (the row of each assignment). ``max_blocks`` is an upper bound known without a
+    sync: every expert wastes less than one block.
+    """
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    device = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    blk_end = torch.cumsum(blocks, 0)
+    blk_start = blk_end - blocks
+    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    blk_expert = torch.searchsorted(blk_end, torch.arange(max_blocks, device=device), right=True)
+    blk_expert = torch.where(blk_expert < num_experts, blk_expert, -1).to(torch.int32)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    seg_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n, device=device) - seg_start[sorted_experts]
+    pos = blk_start[sorted_experts] * block_m + rank
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=device)
+    sorted_ids[pos] = order.to(torch.int32)
+    position = torch.empty(n, dtype=torch.int32, device=device)
+    position[order] = pos.to(torch.int32)
+    return sorted_ids, blk_expert, position
+
+
+@triton.jit
+def moe_finalize_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, norm_ptr, y_ptr, L, eps,
+                        TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """y[t] = sum_j w[t,j] * rms_norm(o[pos[t,j]], norm[ids[t,j]]), fp32."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < L
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = tl.load(pos_ptr + t * TOPK + j).to(tl.int64)
+        e = tl.load(ids_ptr + t * TOPK + j).to(tl.int64)
+        wt = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
+        row = tl.load(o_ptr + p * L + offs, mask=mask, other=0.0)
+        r = 1.0 / tl.sqrt(tl.sum(row * row, axis=0) / L + eps)
+        nw = tl.load(norm_ptr + e * L + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += wt * (row * r * nw)
+    tl.store(y_ptr + t.to(tl.int64) * L + offs, acc, mask=mask)
+
+
+def _gemm_args(stack: ExpertStack) -> dict:
+    if isinstance(stack, Fp4Resident):
+        return dict(w=stack.packed, scales=stack.scales, out_scale=stack.out_scale, wfmt=stack.wfmt,
+                    group=stack.group, fold_log2=stack.fold_log2)
+    return dict(w=stack, scales=None, out_scale=None, wfmt=WFMT_DENSE, group=16, fold_log2=0)
+
+
+def _out_features(stack: ExpertStack) -> int:
+    return stack.out_features if isinstance(stack, Fp4Resident) else stack.shape[1]
+
+
+def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: ExpertStack,
+                up: ExpertStack, down: ExpertStack, num_experts: int, output_norm: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """The ``moe`` op over resident expert stacks; returns fp32 ``[T, l]``."""
+    T, topk = ids.shape
+    latent = z.shape[-1]
+    inter = _out_features(gate)
+    n_assign = T * topk
+    y = torch.empty(T, latent, dtype=torch.float32, device=z.device)
+    if T == 0:
+        return y
+    z = z.contiguous()
+    rows_per_expert = max(1, n_assign // min(num_experts, n_assign))
+    active = min(num_experts, n_assign)
+    cfg_up = pick_config(rows_per_expert, inter, latent, active, z.device, allow_split=False)
+    sorted_ids, blk_expert, position = align_assignments(ids, num_experts, cfg_up.block_m)
+    rows = sorted_ids.numel()
+    h = torch.empty(rows, inter, dtype=z.dtype, device=z.device)
+    g_args, u_args = _gemm_args(gate), _gemm_args(up)
+    launch_gemm(z, **g_args, n=inter, k=latent, out=h, cfg=cfg_up, a_idx=sorted_ids, n_assign=n_assign,
+                a_div=topk, blk_expert=blk_expert, m_rows=rows, w2=u_args["w"], scales2=u_args["scales"],
+                out_scale2=u_args["out_scale"])
+    cfg_down = pick_config(rows_per_expert, latent, inter, active, z.device, allow_split=True)
+    cfg_down = type(cfg_down)(cfg_up.block_m, cfg_down.block_n, cfg_down.split_k, cfg_up.group_m,
+                              cfg_down.num_warps, cfg_down.num_stages)
+    alloc = torch.zeros if cfg_down.split_k > 1 else torch.empty
+    o = alloc(rows, latent, dtype=torch.float32, device=z.device)
+    launch_gemm(h, **_gemm_args(down), n=latent, k=inter, out=o, cfg=cfg_down, a_idx=sorted_ids,
+                n_assign=n_assign, a_div=0, blk_expert=blk_expert, m_rows=rows)
+    moe_finalize_kernel[(T,)](o, position, ids.contiguous(), weights.contiguous(), output_norm.contiguous(), y,
+                              latent, eps, TOPK=topk, BLOCK=triton.next_power_of_2(latent))
+    return y

@@ -1,0 +1,134 @@
+"""Fused row-wise kernels: RMSNorm, residual add + norm, q/k norm + RoPE, head norm + gate.
+
+Each is one pass over its rows in fp32 (one program per row), which is what makes them worth a
+kernel: the unfused PyTorch versions read and write the hidden state several times. Rounding
+follows the reference exactly where it rounds (the new residual is rounded to its dtype before
+the next norm reads it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms(x, mask, n, eps):
+    x = tl.where(mask, x, 0.0)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * _rms(x, mask, n, eps) * w
+    tl.store(y_ptr + row * n + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, gate_ptr, next_w_ptr, new_res_ptr, normed_ptr,
+                         n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    o = tl.load(out_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    post = tl.load(post_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    new_res = (res + gate * (o * _rms(o, mask, n, eps) * post)).to(new_res_ptr.dtype.element_ty)
+    tl.store(new_res_ptr + row * n + offs, new_res, mask=mask)
+    r = new_res.to(tl.float32)
+    nxt = tl.load(next_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + row * n + offs, (r * _rms(r, mask, n, eps) * nxt).to(normed_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, eps, D: tl.constexpr):
+    """One head row of q or k: RMSNorm over d, then x*cos + rotate_half(x)*sin (HF halves)."""
+    row = tl.program_id(0).to(tl.int64)  # (b*T + t) * heads + h
+    bt = row // heads
+    offs = tl.arange(0, D)
+    rot = (offs + D // 2) % D  # rotate_half reads the other half...
+    sign = tl.where(offs < D // 2, -1.0, 1.0)  # ...negating the second half moved to the front
+    x = tl.load(x_ptr + row * D + offs).to(tl.float32)
+    x_rot = tl.load(x_ptr + row * D + rot).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    xn = x * r * tl.load(w_ptr + offs).to(tl.float32)
+    xn_rot = x_rot * r * tl.load(w_ptr + rot).to(tl.float32) * sign
+    cos = tl.load(cos_ptr + bt * D + offs).to(tl.float32)
+    sin = tl.load(sin_ptr + bt * D + offs).to(tl.float32)
+    tl.store(y_ptr + row * D + offs, (xn * cos + xn_rot * sin).to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def head_norm_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, eps, D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b*T + t) * nq + h
+    offs = tl.arange(0, D)
+    o = tl.load(o_ptr + row * D + offs).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / D + eps)
+    g = tl.load(g_ptr + row).to(tl.float32)
+    y = o * r * tl.load(w_ptr + offs).to(tl.float32) * (1.0 / (1.0 + tl.exp(-g)))
+    tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty))
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.numel() else 0
+
+
+def _check_head_dim(d: int) -> None:
+    if d & (d - 1):
+        raise ValueError(f"the fused head kernels need a power-of-two head dim; got {d}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        n = x.shape[-1]
+        rms_norm_kernel[(_rows(x),)](x, weight.contiguous(), y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return y
+
+
+def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.Tensor, gate: torch.Tensor,
+                  next_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual, out = residual.contiguous(), out.contiguous()
+    new_residual = torch.empty_like(residual)
+    normed = torch.empty_like(residual)
+    if residual.numel():
+        n = residual.shape[-1]
+        residual_norm_kernel[(_rows(residual),)](residual, out, post_weight.contiguous(), gate.contiguous(),
+                                                 next_weight.contiguous(), new_residual, normed, n, eps,
+                                                 BLOCK=triton.next_power_of_2(n))
+    return new_residual, normed
+
+
+def _norm_rope_one(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        B, T, heads, d = x.shape
+        qk_norm_rope_kernel[(B * T * heads,)](x, weight.contiguous(), cos, sin, y, heads, eps, D=d)
+    return y
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_head_dim(q.shape[-1])
+    cos, sin = cos.contiguous(), sin.contiguous()
+    return _norm_rope_one(q, q_weight, cos, sin, eps), _norm_rope_one(k, k_weight, cos, sin, eps)
+
+
+def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_head_dim(o.shape[-1])
+    o = o.contiguous()
+    y = torch.empty_like(o)
+    if o.numel():
+        head_norm_gate_kernel[(_rows(o),)](o, weight.contiguous(), gate_logits.contiguous(), y, eps, D=o.shape[-1])
+    return y
