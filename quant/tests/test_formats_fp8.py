@@ -80,3 +80,8 @@ def test_dynamic_activation_fake_quant_keeps_dtype():
     x_hat = fp8_fake_quantize_activation(x)
     assert x_hat.dtype == torch.bfloat16
     assert ((x_hat.float() - x.float()).abs() <= x.float().abs() / 16 + 1e-2).all()
+
+
+def test_an_amax_whose_scale_underflows_fp32_gets_scale_one_not_zero():
+    qt = fp8_quantize(torch.full((2, 2), 1e-45))
+    assert qt.scale.item() == 1.0 and torch.isfinite(fp8_dequantize(qt)).all()

@@ -38,6 +38,8 @@ def test_all_zero_block_gets_scale_one_and_zero_matrix_stays_finite():
     zero = nvfp4_quantize(torch.zeros(4, 16))
     assert torch.isfinite(zero.global_scale).all() and torch.isfinite(zero.scale.float()).all()
     assert torch.equal(nvfp4_dequantize(zero), torch.zeros(4, 16))
+    subnormal = nvfp4_quantize(torch.full((1, 16), 1e-45))              # amax / 2688 underflows fp32
+    assert subnormal.global_scale.item() > 0 and torch.isfinite(nvfp4_dequantize(subnormal)).all()
 
 
 def test_stacked_experts_get_one_global_scale_each_and_match_per_expert_quantization():

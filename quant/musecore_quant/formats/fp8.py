@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 
 from ..qtensor import QTensor
-from ._validate import require_float_tensor, require_weight
+from ._common import divide, require_float_tensor, require_weight
 
 E4M3_MAX = 448.0
 FP8_PER_TENSOR = 0                  # QTensor.group_size of a per-tensor FP8 weight
@@ -38,8 +38,9 @@ def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    amax = amax.float()
-    return torch.where(amax == 0, 1.0, amax / E4M3_MAX)
+    # amax 0, or so small that amax/448 underflows fp32, would give scale 0 and 0/0; use 1.0 there.
+    scale = divide(amax.float(), E4M3_MAX)
+    return torch.where(scale == 0, 1.0, scale)
 
 
 def _expand_blocks(scale: torch.Tensor, block_size: int, shape: tuple[int, ...]) -> torch.Tensor:

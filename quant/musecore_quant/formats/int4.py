@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from ..qtensor import QTensor
-from ._validate import require_divisible, require_weight
+from ._common import divide, require_divisible, require_weight, row_chunks
 from .fp4 import pack_nibbles, unpack_nibbles
 
 INT4_SYMMETRIC_ZERO = 8
@@ -73,22 +73,36 @@ def int4_quantize(w: torch.Tensor, group_size: int = 128, sym: bool = True) -> Q
     g = _resolve_group_size(group_size, w.shape[-1])
     require_divisible(w.shape, g, _LABEL, why="the group size")
     require_divisible(w.shape, 2, _LABEL, why="two codes per byte")
-    groups = w.float().unflatten(-1, (-1, g))                               # [..., out, in/g, g]
+    in_features = w.shape[-1]
+    rows = w.reshape(-1, in_features)                                       # [R, K]
+    data = torch.empty(rows.shape[0], in_features // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(rows.shape[0], in_features // g, dtype=torch.float16, device=w.device)
+    zero = torch.empty(rows.shape[0], in_features // g, dtype=torch.uint8, device=w.device)
+    for chunk in row_chunks(rows.shape[0], in_features):
+        codes, scale[chunk], zero[chunk] = _round_to_nearest(rows[chunk].float(), g, sym)
+        data[chunk] = pack_nibbles(codes)
+    lead = w.shape[:-1]
+    return QTensor(format="int4", data=data.reshape(*lead, -1), scale=scale.reshape(*lead, -1),
+                   shape=tuple(w.shape), group_size=g, zero=None if sym else zero.reshape(*lead, -1))
+
+
+def _round_to_nearest(rows: torch.Tensor, g: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``[R, K]`` uint8, fp16 scales and uint8 zeros ``[R, K/g]`` of fp32 ``rows`` (AutoRound RTN)."""
+    groups = rows.unflatten(-1, (-1, g))                                    # [R, K/g, g]
     group_min = groups.amin(dim=-1).clamp(max=0)
     group_max = groups.amax(dim=-1).clamp(min=0)
     if sym:
         # The extreme of larger magnitude, with its sign; it is sent to q - 8 = -8.
         extreme = torch.where(group_max < -group_min, group_min, group_max)
-        scale = (-extreme / INT4_SYMMETRIC_ZERO).to(torch.float16)
+        scale = (-extreme / INT4_SYMMETRIC_ZERO).to(torch.float16)            # / 8 is exact on every device
         scale = torch.where(scale < 0, scale.clamp(max=-Q_SCALE_THRESHOLD), scale.clamp(min=Q_SCALE_THRESHOLD))
         zero = torch.full_like(scale, INT4_SYMMETRIC_ZERO, dtype=torch.float32)
     else:
-        scale = ((group_max - group_min) / INT4_MAX_CODE).to(torch.float16).clamp(min=Q_SCALE_THRESHOLD)
+        scale = divide(group_max - group_min, INT4_MAX_CODE).to(torch.float16).clamp(min=Q_SCALE_THRESHOLD)
         zero = torch.round(-group_min / scale.float()).clamp(0, INT4_MAX_CODE)
     q = torch.round(groups / scale.float().unsqueeze(-1)) + zero.unsqueeze(-1)
     codes = q.clamp(0, INT4_MAX_CODE).to(torch.uint8).flatten(-2)
-    return QTensor(format="int4", data=pack_nibbles(codes), scale=scale, shape=tuple(w.shape), group_size=g,
-                   zero=None if sym else zero.to(torch.uint8))
+    return codes, scale, zero.to(torch.uint8)
 
 
 def _zero_points(qt: QTensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..qtensor import QTensor
-from ._validate import require_divisible, require_float_tensor, require_weight
+from ._common import divide, require_divisible, require_float_tensor, require_weight, row_chunks
 from .fp4 import check_rounding, fp4_decode, fp4_encode, pack_nibbles, unpack_nibbles
 
 MXFP4_BLOCK_SIZE = 32
@@ -61,7 +61,7 @@ def shared_exponent(block_amax: torch.Tensor, scale_mode: str = "even") -> torch
     _check_scale_mode(scale_mode)
     amax = block_amax.float().contiguous()
     if scale_mode == "ceil":
-        mantissa, exponent = torch.frexp(amax / 6.0)       # y = m * 2^e, m in [0.5, 1)
+        mantissa, exponent = torch.frexp(divide(amax, 6.0))  # y = m * 2^e, m in [0.5, 1)
         exp = torch.where(mantissa == 0.5, exponent - 1, exponent)
     else:
         if scale_mode == "even":
@@ -111,9 +111,15 @@ def mxfp4_quantize(w: torch.Tensor, scale_mode: str = "even", rounding: str = "r
     require_divisible(w.shape, MXFP4_BLOCK_SIZE, _LABEL)
     _check_scale_mode(scale_mode)
     check_rounding(rounding)
-    codes, scale = _encode_blocks(w.float(), scale_mode, rounding)
-    return QTensor(format="mxfp4", data=pack_nibbles(codes), scale=scale, shape=tuple(w.shape),
-                   group_size=MXFP4_BLOCK_SIZE)
+    in_features = w.shape[-1]
+    rows = w.reshape(-1, in_features)                                      # [R, K]
+    data = torch.empty(rows.shape[0], in_features // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(rows.shape[0], in_features // MXFP4_BLOCK_SIZE, dtype=torch.uint8, device=w.device)
+    for chunk in row_chunks(rows.shape[0], in_features):
+        codes, scale[chunk] = _encode_blocks(rows[chunk].float(), scale_mode, rounding)
+        data[chunk] = pack_nibbles(codes)
+    return QTensor(format="mxfp4", data=data.reshape(*w.shape[:-1], -1), scale=scale.reshape(*w.shape[:-1], -1),
+                   shape=tuple(w.shape), group_size=MXFP4_BLOCK_SIZE)
 
 
 def mxfp4_dequantize(qt: QTensor) -> torch.Tensor:

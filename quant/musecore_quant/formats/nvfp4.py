@@ -16,7 +16,8 @@ The order of every fp32 operation follows ModelOpt's ``NVFP4QTensor``, because a
 Two deliberate departures, both where ModelOpt produces NaN scales or junk codes that decode to
 the same values anyway: an all-zero matrix gets ``weight_scale_2 = 1/2688`` (as if its amax were
 1) instead of 0, and a block whose scale underflows E4M3 to zero (its amax below ~2e-6 of the
-tensor's) is written with codes 0 instead of ModelOpt's ``fp4(+-inf)``.
+tensor's) is written with codes 0 instead of ModelOpt's ``fp4(+-inf)``. (An amax so small that
+``amax / 2688`` underflows fp32 is treated like zero.)
 
 Example::
 
@@ -33,7 +34,8 @@ from typing import Optional, Union
 import torch
 
 from ..qtensor import QTensor
-from ._validate import leading_shape, require_divisible, require_finite, require_float_tensor, require_weight
+from ._common import (divide, leading_shape, require_divisible, require_finite, require_float_tensor, require_weight,
+                      row_chunks)
 from .fp4 import FP4_MAX, check_rounding, fp4_decode, fp4_encode, pack_nibbles, unpack_nibbles
 
 NVFP4_BLOCK_SIZE = 16
@@ -44,7 +46,12 @@ _LABEL = "NVFP4"
 def nvfp4_global_amax(w: torch.Tensor) -> torch.Tensor:
     """amax(|W|) per matrix as fp32: a scalar for ``[out, in]``, ``[E]`` for stacked ``[E, out, in]``."""
     w = require_weight(w, _LABEL)
-    return w.abs().amax(dim=(-2, -1)).float()
+    return _matrix_amax(w)
+
+
+def _matrix_amax(w: torch.Tensor) -> torch.Tensor:
+    low, high = w.flatten(-2).aminmax(dim=-1)          # no full-size |w| temporary
+    return torch.maximum(-low, high).float()
 
 
 def nvfp4_shared_global_amax(*tensors: torch.Tensor) -> torch.Tensor:
@@ -59,7 +66,7 @@ def nvfp4_shared_global_amax(*tensors: torch.Tensor) -> torch.Tensor:
     if len(leads) != 1:
         raise ValueError("nvfp4_shared_global_amax needs siblings with the same stacking dims before "
                          f"[out, in]; got {[list(t.shape) for t in tensors]}")
-    amaxes = torch.stack([nvfp4_global_amax(t).to(tensors[0].device) for t in tensors])
+    amaxes = torch.stack([_matrix_amax(t).to(tensors[0].device) for t in tensors])
     return amaxes.amax(dim=0)
 
 
@@ -114,8 +121,8 @@ def nvfp4_quantize(w: torch.Tensor, global_amax: Optional[Union[float, torch.Ten
     w = require_weight(w, _LABEL)
     require_divisible(w.shape, NVFP4_BLOCK_SIZE, _LABEL)
     check_rounding(rounding)
-    lead = leading_shape(w)
-    own_amax = w.abs().amax(dim=(-2, -1)).float()
+    lead, (out_features, in_features) = leading_shape(w), w.shape[-2:]
+    own_amax = _matrix_amax(w)
     if global_amax is None:
         amax = own_amax
     else:
@@ -124,11 +131,19 @@ def nvfp4_quantize(w: torch.Tensor, global_amax: Optional[Union[float, torch.Ten
             raise ValueError(f"global_amax {amax.tolist()} is below the tensor's own amax {own_amax.tolist()}: "
                              "a shared global amax must be the max over all siblings "
                              "(use nvfp4_shared_global_amax).")
-    # An all-zero matrix would get weight_scale_2 = 0 and NaN block scales; pretend its amax is 1.
-    amax = torch.where(amax == 0, 1.0, amax)
-    weight_scale_2 = amax / (6.0 * E4M3_MAX)                              # [...]
-    codes, scale, _ = _encode_blocks(w.float(), weight_scale_2[..., None, None], rounding)
-    return QTensor(format="nvfp4", data=pack_nibbles(codes), scale=scale, shape=tuple(w.shape),
+    # An all-zero matrix (or one so tiny that amax/2688 underflows) would get weight_scale_2 = 0
+    # and NaN block scales; pretend its amax is 1.
+    amax = torch.where(divide(amax, 6.0 * E4M3_MAX) == 0, 1.0, amax)
+    weight_scale_2 = divide(amax, 6.0 * E4M3_MAX)                          # [...]
+    rows = w.reshape(-1, in_features)                                      # [R, K], R = prod(lead) * out
+    row_scale_2 = weight_scale_2.unsqueeze(-1).expand(*lead, out_features).reshape(-1, 1)
+    data = torch.empty(rows.shape[0], in_features // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(rows.shape[0], in_features // NVFP4_BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
+    for chunk in row_chunks(rows.shape[0], in_features):
+        codes, scale[chunk], _ = _encode_blocks(rows[chunk].float(), row_scale_2[chunk], rounding)
+        data[chunk] = pack_nibbles(codes)
+    return QTensor(format="nvfp4", data=data.reshape(*lead, out_features, -1),
+                   scale=scale.reshape(*lead, out_features, -1), shape=tuple(w.shape),
                    group_size=NVFP4_BLOCK_SIZE, global_scale=weight_scale_2)
 
 
@@ -152,7 +167,7 @@ def nvfp4_dequantize(qt: QTensor) -> torch.Tensor:
 
 def nvfp4_input_scale(activation_amax: Union[float, torch.Tensor]) -> torch.Tensor:
     """The static activation global scale ModelOpt calibrates: ``amax / (6 * 448)`` (fp32)."""
-    return torch.as_tensor(activation_amax, dtype=torch.float32) / (FP4_MAX * E4M3_MAX)
+    return divide(torch.as_tensor(activation_amax, dtype=torch.float32), FP4_MAX * E4M3_MAX)
 
 
 def nvfp4_fake_quantize_activation(x: torch.Tensor, input_scale: Union[float, torch.Tensor],

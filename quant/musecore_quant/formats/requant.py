@@ -33,6 +33,7 @@ from typing import Optional, Union
 import torch
 
 from ..qtensor import QTensor
+from ._common import divide
 from .fp4 import pack_nibbles, unpack_nibbles
 from .mxfp4 import E8M0_BIAS, MXFP4_BLOCK_SIZE, mxfp4_dequantize, mxfp4_quantize
 from .nvfp4 import NVFP4_BLOCK_SIZE, _encode_blocks, nvfp4_dequantize
@@ -83,7 +84,7 @@ def nvfp4_exact_weight_scale_2(*qts: QTensor) -> torch.Tensor:
         k_max = this if k_max is None else torch.maximum(k_max, this)
     empty = k_max == torch.iinfo(torch.int32).min
     scale = _pow2(k_max.clamp(min=-E8M0_BIAS) - _E4M3_MAX_POW2)
-    return torch.where(empty, 1.0 / 2688.0, scale)
+    return torch.where(empty, divide(torch.ones_like(scale), 2688.0), scale)
 
 
 def requantize_mxfp4_to_nvfp4(qt: QTensor,

@@ -1,13 +1,35 @@
-"""Input checks shared by the format codecs, so every format rejects bad weights with the same words.
+"""What every format codec shares: input checks, device-independent division, row chunking.
 
-A quantizer that silently accepts NaN, a ragged last block or a 1-D tensor writes a checkpoint that
-fails far away (a kernel, a perplexity run). These checks fail at the tensor, saying what was
-expected and what to do (STYLE.md rule 6).
+- Checks: a quantizer that silently accepts NaN, a ragged last block or a 1-D tensor writes a
+  checkpoint that fails far away (a kernel, a perplexity run). These fail at the tensor, saying
+  what was expected and what to do (STYLE.md rule 6), in the same words for every format.
+- Division: PyTorch's CUDA kernel divides by a Python scalar as a multiply by its reciprocal,
+  which can differ from the CPU's correctly rounded quotient in the last bit (seen on
+  ``amax / 2688``: one ulp of weight_scale_2). ``divide`` always divides by a tensor, so CPU and
+  CUDA write the same bytes, equal to ModelOpt's on CPU (the FORMATS.md vector).
+- Chunking: encoding makes several full-size fp32/int32 temporaries; quantizing a stacked expert
+  tensor row block by row block keeps the peak near the input plus the output.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
+
+CHUNK_ELEMENTS = 1 << 24   # elements per encoding pass: a few hundred MB of temporaries at most
+
+
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device (never a multiply by the reciprocal)."""
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
+def row_chunks(rows: int, row_length: int) -> Iterator[slice]:
+    """Slices over ``rows`` rows of ``row_length`` elements, each about CHUNK_ELEMENTS in size."""
+    step = max(1, CHUNK_ELEMENTS // max(1, row_length))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
 
 FORMAT_LABELS = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "int4": "INT4", "fp8": "FP8"}
 
