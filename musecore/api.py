@@ -19,10 +19,10 @@ from musecore.backends.reference import ReferenceBackend
 from musecore.backends.registry import discover
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
-from musecore.loader import Placer, fill_model
+from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes
 from musecore.ops import Ops
-from musecore.plan import REFERENCE, CheckpointSummary, Plan, PlanError, make_plan
+from musecore.plan import DENSE, QUANTIZED, REFERENCE, CheckpointSummary, Plan, PlanError, make_plan
 
 BUNDLED = Path(__file__).parent / "data"
 TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "xla", "xeon": "cpu", REFERENCE: "cpu"}
@@ -60,6 +60,11 @@ def summarize(model: Union[str, Path], checkpoint_format: str = "bf16") -> tuple
     reader = open_checkpoint(folder)
     config = MuseConfig.from_dict(reader.config, source=str(folder / "config.json"))
     names = reader.weight_names()
+    for n in names:
+        fmt = reader.weight_format(n)
+        if fmt not in QUANTIZED + DENSE:
+            raise CheckpointMismatch(f"{folder}: tensor {n!r} is stored as {fmt}, but Muse weights are bf16, fp16 or "
+                                     f"fp32 (or a quantized format: {', '.join(QUANTIZED)}); re-export the checkpoint")
     return CheckpointSummary(name, config, {n: reader.weight_format(n) for n in names},
                              {n: tuple(reader.weight_shape(n)) for n in names}), reader
 
