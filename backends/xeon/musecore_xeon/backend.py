@@ -1,0 +1,206 @@
+"""``XeonBackend``: Muse Spark Open on x86-64 CPUs with INT4 weight-only experts.
+
+Every kernel is PyTorch's own (intel-extension-for-pytorch is end-of-life): INT4 linear layers run
+``_weight_int4pack_mm_for_cpu`` on BF16 activations up to a crossover M measured on this machine
+and a tiled dense GEMM above it (:mod:`musecore_xeon.kernels.int4`); BF16 weights stay BF16
+(:mod:`musecore_xeon.kernels.dense`); the MoE groups tokens per expert
+(:mod:`musecore_xeon.kernels.moe`). FP4 checkpoints are not run here: the plan converts their
+experts to INT4 at load for xeon devices.
+
+Example::
+
+    backend = XeonBackend(num_threads=4)
+    print(backend.probe().reason)
+    w = backend.prepare_weight(musecore_quant.quantize(w_bf16, "int4", group_size=128), "expert")
+    y = backend.linear(x_bf16, w)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from musecore.backends.base import Backend, Probe, Support, WeightIn
+from musecore.ops import ExpertWeights, OpSpec, Weight
+from musecore_quant.qtensor import QTensor
+from musecore_xeon import ops as xops
+from musecore_xeon.cpu import CpuInfo, configure_threads, read_cpu_info
+from musecore_xeon.kernels.dense import DenseLinear, dense_compute_dtype, prepare_dense
+from musecore_xeon.kernels.int4 import Int4Linear, int4_crossover, pack_int4, prepare_int4
+from musecore_xeon.kernels.moe import XeonExperts, moe_forward
+
+DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+CONVERT_FP4 = "convert to INT4 at load (the plan does this for xeon devices)"
+NO_ACT_QUANT = ("xeon runs weight-only quantization (W4A16 INT4): {fmt} activations need FP4/FP8 "
+                "tensor hardware; load with act_format=None")
+PROBE_SCORES = {"amx": 60, "avx512_bf16": 40, "avx512": 30, "avx2": 20}
+
+
+def probe_cpu(info: CpuInfo) -> Probe:
+    """What this CPU serves: ``xeon6`` needs AMX; ``xeon`` and ``cpu-x86`` need x86-64 with AVX2."""
+    details: dict[str, Any] = {"vendor": info.vendor, "model": info.model_name, "arch": info.arch,
+                               "logical_cores": info.logical_cores, "isa_tier": info.isa_tier,
+                               "torch_cpu_capability": info.torch_capability,
+                               "flags": sorted(f for f in ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f",
+                                                           "avx512_vnni", "avx2") if info.has(f)),
+                               "threads": torch.get_num_threads()}
+    if info.error is not None:
+        return Probe(False, 0, [], f"cannot read CPU features: {info.error}", details)
+    if not info.is_x86_64:
+        return Probe(False, 0, [], f"not an x86-64 CPU (machine {info.arch!r}); the xeon backend needs x86-64 "
+                                   "with AVX2", details)
+    if not info.has("avx2"):
+        return Probe(False, 0, [], f"no AVX2 on {info.summary()}; the xeon backend needs AVX2 or newer", details)
+    devices = (["xeon6"] if info.has_amx else []) + ["xeon", "cpu-x86"]
+    if info.has_amx:
+        note = "AMX present (amx_bf16): serves xeon6"
+    else:
+        note = "no AMX (amx_bf16 absent): xeon6 needs AMX; use device='xeon' or emulate=True"
+    return Probe(True, PROBE_SCORES[info.isa_tier], devices, f"{info.summary()}; {note}", details)
+
+
+class XeonBackend(Backend):
+    """INT4 weight-only and BF16 inference on x86-64 CPUs with PyTorch's CPU kernels."""
+
+    name = "xeon"
+
+    def __init__(self, device: Optional[Union[str, torch.device]] = None, *,
+                 num_threads: Optional[int] = None) -> None:
+        super().__init__(device)
+        if self.device.type != "cpu":
+            raise ValueError(f"the xeon backend runs on the CPU; got device {self.device}")
+        self.num_threads = configure_threads(num_threads)
+        self.cpu = read_cpu_info()
+        self.dense_dtype = dense_compute_dtype(self.cpu.native_bf16_dot)
+
+    # -- discovery -------------------------------------------------------------------------------
+    def probe(self) -> Probe:
+        try:
+            return probe_cpu(read_cpu_info())
+        except Exception as exc:  # probe() must never raise; the cause is returned, not hidden
+            return Probe(False, 0, [], f"xeon probe failed: {type(exc).__name__}: {exc}")
+
+    def supports(self, op: str, spec: OpSpec) -> Support:
+        if spec.act_format is not None:
+            return Support.no(NO_ACT_QUANT.format(fmt=spec.act_format))
+        if op in ("linear", "moe"):
+            fmt = spec.weight_format
+            if fmt in ("nvfp4", "mxfp4"):
+                return Support.no(CONVERT_FP4)
+            if fmt == "fp8":
+                return Support.no("FP8 weights: convert to INT4 or BF16 at load")
+            if fmt == "int4":
+                return Support.native("INT4 weight-only: _weight_int4pack_mm_for_cpu on bf16 activations, "
+                                      "tiled dense GEMM above the measured crossover M")
+            return Support.native(f"{fmt} weights via PyTorch matmul ({self.dense_dtype} tiles at large M)")
+        if op == "attention":
+            if spec.kv_format not in ("bf16", "fp16", "fp32", "fp8"):
+                return Support.no(f"KV format {spec.kv_format!r} unknown to xeon (bf16, fp32 or fp8)")
+            return Support.native("scaled_dot_product_attention with the reference visibility mask"
+                                  + ("; FP8 KV dequantized per tensor first" if spec.kv_format == "fp8" else ""))
+        return Support.native("PyTorch CPU ops (fp32 math)")
+
+    # -- weights -----------------------------------------------------------------------------------
+    def _check_format(self, weight: WeightIn, act_format: Optional[str]) -> str:
+        if act_format is not None:
+            raise ValueError(NO_ACT_QUANT.format(fmt=act_format))
+        if isinstance(weight, torch.Tensor):
+            if weight.dtype not in DENSE_FORMATS:
+                raise ValueError(f"xeon dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
+            return DENSE_FORMATS[weight.dtype]
+        if weight.format in ("nvfp4", "mxfp4"):
+            raise ValueError(f"xeon cannot run {weight.format} weights: {CONVERT_FP4}")
+        if weight.format != "int4":
+            raise ValueError(f"xeon cannot run {weight.format} weights: convert to INT4 or BF16 at load")
+        return "int4"
+
+    def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
+                       dtype: torch.dtype = torch.bfloat16) -> Weight:
+        """INT4 QTensor -> packed for the CPU kernel; dense -> ``dtype`` (bf16 or fp32).
+
+        ``Weight.data`` is the resident payload (a dense tensor, or :class:`Int4Linear`);
+        ``Weight.extra["linear"]`` is the callable that ``linear`` runs.
+        """
+        fmt = self._check_format(weight, act_format)
+        if fmt == "int4":
+            resident: Union[Int4Linear, DenseLinear] = prepare_int4(weight, self.dense_dtype)
+            data: Any = resident
+        else:
+            resident = prepare_dense(weight, dtype, self.cpu.native_bf16_dot, calibrate=role != "embedding")
+            data = resident.weight
+        return Weight(data=data, format=fmt, out_features=resident.out_features, in_features=resident.in_features,
+                      extra={"linear": resident, "role": role})
+
+    def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
+                        act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
+        """Stacked ``[E, out, in]`` experts -> per-expert resident weights with gate and up fused.
+
+        The returned ``ExpertWeights.gate`` holds the fused ``[gate; up]`` per expert (``up`` is None)
+        and ``extra["xeon"]`` the :class:`XeonExperts` that ``moe`` runs.
+        """
+        fmts = {self._check_format(w, act_format) for w in (gate, up, down)}
+        if len(fmts) != 1:
+            raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
+        fmt = fmts.pop()
+        shape = lambda w: tuple(w.shape)  # noqa: E731  (QTensor.shape is the logical shape too)
+        (E, inter, latent), down_shape = shape(gate), shape(down)
+        if shape(up) != (E, inter, latent) or down_shape != (E, latent, inter):
+            raise ValueError(f"expert shapes gate {shape(gate)}, up {shape(up)}, down {down_shape}: expected "
+                             f"[E, I, l], [E, I, l], [E, l, I]")
+        if fmt == "int4":
+            gate_up, downs = self._prepare_int4_experts(gate, up, down)
+        else:
+            gate_up = [prepare_dense(torch.cat((gate[e], up[e])), dtype, self.cpu.native_bf16_dot) for e in range(E)]
+            downs = [prepare_dense(down[e], dtype, self.cpu.native_bf16_dot) for e in range(E)]
+        experts = XeonExperts(gate_up, downs, inter, latent)
+        return ExpertWeights(gate=gate_up, up=None, down=downs, format=fmt, num_experts=E,
+                             extra={"xeon": experts})
+
+    def _prepare_int4_experts(self, gate: QTensor, up: QTensor, down: QTensor
+                              ) -> tuple[list[Int4Linear], list[Int4Linear]]:
+        E, inter, latent = gate.shape
+        g = gate.group_size
+        if up.group_size != g:
+            raise ValueError(f"gate and up must share a group size to be fused; got {g} and {up.group_size}")
+        with_zero = lambda qt, e: (qt.zero[e] if qt.zero is not None  # noqa: E731
+                                   else torch.full_like(qt.scale[e], 8, dtype=torch.uint8))
+        fused_zero = gate.zero is not None or up.zero is not None
+        gate_up, downs = [], []
+        for e in range(E):
+            zero = torch.cat((with_zero(gate, e), with_zero(up, e))) if fused_zero else None
+            gate_up.append(pack_int4(torch.cat((gate.data[e], up.data[e])), torch.cat((gate.scale[e], up.scale[e])),
+                                     zero, g, self.dense_dtype))
+            downs.append(pack_int4(down.data[e], down.scale[e], None if down.zero is None else down.zero[e],
+                                   down.group_size, self.dense_dtype))
+        for resident in (gate_up, downs):  # one measurement per shape class, shared by every expert
+            first = resident[0]
+            calibration = int4_crossover(first.in_features, first.out_features, first.group_size, self.dense_dtype)
+            for lin in resident:
+                lin.calibration, lin.crossover = calibration, calibration.crossover
+        return gate_up, downs
+
+    # -- ops -----------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        resident = w.extra.get("linear")
+        if resident is None:
+            raise TypeError("xeon linear got a Weight that XeonBackend.prepare_weight did not make "
+                            f"(format {w.format!r}, no extra['linear']); prepare it with this backend")
+        return resident(x)
+
+    def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
+            output_norm: torch.Tensor, eps: float) -> torch.Tensor:
+        resident = experts.extra.get("xeon")
+        if resident is None:
+            raise TypeError("xeon moe got ExpertWeights that XeonBackend.prepare_experts did not make; "
+                            "prepare them with this backend")
+        return moe_forward(z, weights, ids, resident, output_norm, eps)
+
+    embedding = staticmethod(xops.embedding)
+    rms_norm = staticmethod(xops.rms_norm)
+    residual_norm = staticmethod(xops.residual_norm)
+    qk_norm_rope = staticmethod(xops.qk_norm_rope)
+    attention = staticmethod(xops.attention)
+    head_norm_gate = staticmethod(xops.head_norm_gate)
+    router_topk = staticmethod(xops.router_topk)
+    sample = staticmethod(xops.sample)

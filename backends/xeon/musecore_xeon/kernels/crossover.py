@@ -1,0 +1,129 @@
+"""Where the weight-streaming kernel stops paying off: the crossover M, measured, never guessed.
+
+At small M a linear layer is bound by weight bytes, so PyTorch's INT4 kernel
+(``_weight_int4pack_mm_for_cpu``) wins by reading a quarter of BF16's bytes. As M grows it turns
+compute-bound (its inner loop dequantizes every weight for every block of rows), and a GEMM on
+dequantized tiles can overtake it. Where that happens depends on the ISA, the thread count and K,
+so it is measured on this machine for each *shape class* on a proxy weight (at most
+``PROXY_MAX_ROWS`` output rows: both paths are linear in N) and cached per process.
+
+``MUSECORE_XEON_INT4_CROSSOVER`` / ``MUSECORE_XEON_BF16_CROSSOVER`` override the measurement:
+an integer M (rows >= M take the dense path) or ``none`` (never leave the small-M kernel).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable, Optional
+
+import torch
+
+INT4_CROSSOVER_ENV = "MUSECORE_XEON_INT4_CROSSOVER"
+BF16_CROSSOVER_ENV = "MUSECORE_XEON_BF16_CROSSOVER"
+CALIBRATION_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROXY_MAX_ROWS = 1024
+
+_CACHE: dict[Hashable, "CrossoverCalibration"] = {}
+
+
+@dataclass(frozen=True)
+class CrossoverCalibration:
+    """The measured (or overridden) crossover of one shape class, with the timings behind it."""
+
+    kind: str
+    in_features: int
+    proxy_out_features: int
+    threads: int
+    crossover: Optional[int]  # rows >= crossover take the dense path; None: never
+    source: str  # "measured" or "env NAME=VALUE"
+    ms: tuple[int, ...] = ()
+    small_m_us: tuple[float, ...] = ()
+    dense_us: tuple[float, ...] = ()
+
+    def table(self) -> str:
+        lines = [f"{self.kind} K={self.in_features} proxy N={self.proxy_out_features} threads={self.threads}: "
+                 f"crossover={self.crossover} ({self.source})"]
+        for m, a, b in zip(self.ms, self.small_m_us, self.dense_us):
+            lines.append(f"  M={m:4d}  kernel {a:10.1f} us  dense {b:10.1f} us  {'dense' if b < a else 'kernel'}")
+        return "\n".join(lines)
+
+
+def env_crossover(name: str) -> tuple[bool, Optional[int]]:
+    """``(set, value)`` from environment variable ``name``: an integer M >= 1, or ``none``."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return False, None
+    if raw.strip().lower() in ("none", "never", "off"):
+        return True, None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer M (rows >= M use the dense path) or 'none'") from None
+    if value < 1:
+        raise ValueError(f"{name}={raw!r}: the crossover M must be >= 1 (or 'none')")
+    return True, value
+
+
+def pick_crossover(ms: tuple[int, ...], small_m_us: tuple[float, ...], dense_us: tuple[float, ...]) -> Optional[int]:
+    """The smallest measured M from which the dense path is faster at every larger measured M too.
+
+    Requiring a win at every larger M keeps one noisy point from flipping the decision, and makes
+    the choice monotone: the kernel is used below, the dense path at and above.
+    """
+    crossover: Optional[int] = None
+    for m, small, dense in sorted(zip(ms, small_m_us, dense_us), reverse=True):
+        if dense < small:
+            crossover = m
+        else:
+            break
+    return crossover
+
+
+def time_us(fn: Callable[[], object], repeats: int) -> float:
+    """Best-of-``repeats`` wall time after one warm-up call; the minimum resists other load on the host."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def measure_crossover(kind: str, in_features: int, proxy_out_features: int,
+                      small_m_path: Callable[[torch.Tensor], torch.Tensor],
+                      dense_path: Callable[[torch.Tensor], torch.Tensor], act_dtype: torch.dtype,
+                      ms: tuple[int, ...] = CALIBRATION_MS, repeats: int = 2) -> CrossoverCalibration:
+    """Time both paths on random activations ``[M, in_features]`` for every M in ``ms``."""
+    small, dense = [], []
+    for m in ms:
+        x = torch.randn(m, in_features, dtype=act_dtype)
+        small.append(time_us(lambda: small_m_path(x), repeats))
+        dense.append(time_us(lambda: dense_path(x), repeats))
+    return CrossoverCalibration(kind, in_features, proxy_out_features, torch.get_num_threads(),
+                                pick_crossover(ms, tuple(small), tuple(dense)), "measured",
+                                tuple(ms), tuple(small), tuple(dense))
+
+
+def cached_crossover(key: Hashable, env_name: str, kind: str, in_features: int, proxy_out_features: int,
+                     measure: Callable[[], CrossoverCalibration]) -> CrossoverCalibration:
+    """The environment override if set, else the cached measurement of this shape class (measured once)."""
+    is_set, value = env_crossover(env_name)
+    if is_set:
+        return CrossoverCalibration(kind, in_features, proxy_out_features, torch.get_num_threads(), value,
+                                    f"env {env_name}={os.environ[env_name]}")
+    full_key = (key, torch.get_num_threads())
+    if full_key not in _CACHE:
+        _CACHE[full_key] = measure()
+    return _CACHE[full_key]
+
+
+def calibrations() -> list[CrossoverCalibration]:
+    """Every crossover measured so far in this process (for the benchmark report and debugging)."""
+    return list(_CACHE.values())
+
+
+def clear_calibrations() -> None:
+    _CACHE.clear()

@@ -1,0 +1,120 @@
+"""Dense linear layers on the CPU, and the tiled GEMM that large-M INT4 falls back to.
+
+PyTorch's BF16 matmul is only fast where oneDNN has a hardware BF16 dot product (AVX-512 BF16 or
+AMX). Elsewhere (AVX2, e.g. AMD EPYC Milan) it runs about one GEMV per row: fine for decode, where
+the weight read dominates, but ~5x slower than fp32 SGEMM at M=256. So a BF16 weight keeps its
+BF16 bytes (half the memory and bandwidth of fp32) and, from a measured crossover M on, is
+upcast tile by tile (a few MiB at a time, never the whole weight) into fp32 for SGEMM. INT4 weights
+reuse the same tiled GEMM with a dequantizing tile producer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from musecore_xeon.kernels.crossover import (BF16_CROSSOVER_ENV, PROXY_MAX_ROWS, CrossoverCalibration,
+                                             cached_crossover, measure_crossover)
+
+# Elements per dense tile: 2 Mi (8 MiB in fp32). Measured on the 2-core EPYC at K=8192, M=64..256:
+# 256-row tiles ran 1.3-2x faster than 64-row (GEMM too thin) or 1024-row (tile falls out of cache).
+DENSE_TILE_ELEMENTS = 2 * 1024 * 1024
+
+
+def dense_compute_dtype(native_bf16_dot: bool) -> torch.dtype:
+    """BF16 where the hardware multiplies it natively, else fp32 (SGEMM beats emulated BF16 GEMM)."""
+    return torch.bfloat16 if native_bf16_dot else torch.float32
+
+
+def tile_rows_for(in_features: int, out_features: int, multiple: int) -> int:
+    """Output rows per tile: ``DENSE_TILE_ELEMENTS / K``, a multiple of ``multiple``, at most N."""
+    rows = max(multiple, (DENSE_TILE_ELEMENTS // max(in_features, 1)) // multiple * multiple)
+    return min(rows, out_features)
+
+
+def tiled_matmul(x: torch.Tensor, out_features: int, tile_rows: int,
+                 tile_t: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """``x [M,K] @ W.T`` where ``tile_t(n0, n1)`` yields ``W[n0:n1].T`` as a ``[K, n1-n0]`` tensor.
+
+    Only one tile of the dense weight exists at a time; the GEMM writes straight into the output.
+    """
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    for n0 in range(0, out_features, tile_rows):
+        n1 = min(n0 + tile_rows, out_features)
+        torch.mm(x, tile_t(n0, n1), out=out[:, n0:n1])
+    return out
+
+
+@dataclass
+class DenseLinear:
+    """A resident dense weight ``[N, K]`` (BF16 or fp32) and how ``x @ W.T`` runs for each M.
+
+    ``crossover`` is None for fp32 weights and on CPUs with native BF16 (one path is best there);
+    for BF16 weights on other CPUs it is the measured M from which tiles are upcast to fp32.
+    """
+
+    weight: torch.Tensor
+    crossover: Optional[int] = None
+    calibration: Optional[CrossoverCalibration] = None
+    tile_rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tile_rows = tile_rows_for(self.in_features, self.out_features, 64)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def uses_dense_tiles(self, m: int) -> bool:
+        return self.crossover is not None and m >= self.crossover
+
+    def run_direct(self, x2d: torch.Tensor) -> torch.Tensor:
+        """PyTorch's own matmul in the weight's dtype (the bandwidth-bound path)."""
+        return F.linear(x2d.to(self.weight.dtype), self.weight)
+
+    def run_tiles(self, x2d: torch.Tensor) -> torch.Tensor:
+        """fp32 SGEMM on weight tiles upcast one at a time (the compute-bound path)."""
+        return tiled_matmul(x2d.float(), self.out_features, self.tile_rows,
+                            lambda n0, n1: self.weight[n0:n1].float().T)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_direct(x2d)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def bf16_crossover(in_features: int, out_features: int) -> CrossoverCalibration:
+    """Measured M from which upcasting BF16 tiles to fp32 beats PyTorch's BF16 matmul (cached per K, N class)."""
+    proxy_rows = min(out_features, PROXY_MAX_ROWS)
+
+    def measure() -> CrossoverCalibration:
+        proxy = DenseLinear(torch.randn(proxy_rows, in_features, dtype=torch.bfloat16))
+        return measure_crossover("bf16", in_features, proxy_rows, proxy.run_direct, proxy.run_tiles, torch.bfloat16)
+
+    return cached_crossover(("bf16", in_features, proxy_rows), BF16_CROSSOVER_ENV, "bf16", in_features,
+                            proxy_rows, measure)
+
+
+def prepare_dense(weight: torch.Tensor, dtype: torch.dtype, native_bf16_dot: bool, *,
+                  calibrate: bool = True) -> DenseLinear:
+    """Keep ``weight`` as ``dtype`` (bf16 or fp32) and decide its large-M path.
+
+    ``calibrate=False`` skips the measurement (tables that are only gathered, e.g. embeddings).
+    """
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"xeon dense weights are kept in bfloat16 or float32; got {dtype}. "
+                         "Pass dtype=torch.bfloat16 (fp16 weights are converted to it).")
+    if weight.dim() != 2:
+        raise ValueError(f"a linear weight must be 2-D [out, in]; got shape {tuple(weight.shape)}")
+    resident = DenseLinear(weight.to(dtype).contiguous())
+    if calibrate and dtype == torch.bfloat16 and not native_bf16_dot:
+        resident.calibration = bf16_crossover(resident.in_features, resident.out_features)
+        resident.crossover = resident.calibration.crossover
+    return resident

@@ -1,0 +1,183 @@
+"""INT4 weight-only linear layers on PyTorch's CPU kernel ``_weight_int4pack_mm_for_cpu``.
+
+The kernel reads 4-bit codes in its own ISA-specific packing (``_convert_weight_to_int4pack_for_cpu``)
+with per-group ``scales_and_zeros [K/g, N, 2]`` and computes ``(q - 8) * scale + zero`` with a float
+zero. From the canonical QTensor (``w = (q - z) * scale``, z = 8 when symmetric) the codes are kept
+as they are and ``zero = (8 - z) * scale`` (FORMATS.md). Scales keep their sign: AutoRound writes
+negative ones. Only BF16 activations take the kernel's vectorised path, so activations are cast to
+BF16 and scales/zeros stored in BF16 (the kernel requires the activation dtype there).
+
+Above a measured crossover M the kernel is compute-bound; there the weight is dequantized a tile at a
+time from the same packed bytes (no second copy of the weight is kept) and multiplied by a dense GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from musecore_quant.qtensor import QTensor
+from musecore_xeon.kernels.crossover import (INT4_CROSSOVER_ENV, PROXY_MAX_ROWS, CrossoverCalibration,
+                                             cached_crossover, measure_crossover)
+from musecore_xeon.kernels.dense import tile_rows_for, tiled_matmul
+
+KERNEL_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+
+
+@functools.cache
+def int4pack_block_n() -> int:
+    """Rows per block of this build's int4 packing, found by packing a known matrix.
+
+    PyTorch packs full blocks of ``BLOCK_N`` output rows (64 with AVX-512, 32 with AVX2) as
+    ``[N/BLOCK_N, K, BLOCK_N/2]`` bytes whose low nibble is row ``d`` and high nibble row
+    ``d + BLOCK_N/2``. The dense fallback unpacks that layout, so it is checked here, not assumed.
+    """
+    n, k = 128, 64
+    codes = (torch.arange(n * k, dtype=torch.int32).view(n, k) * 7 + torch.arange(n, dtype=torch.int32)[:, None]) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    for block_n in (64, 32, 16):
+        blocks = codes.view(n // block_n, block_n, k).permute(0, 2, 1)  # [nb, K, BLOCK_N]
+        half = block_n // 2
+        expect = (blocks[..., :half] | (blocks[..., half:] << 4)).to(torch.uint8)
+        if torch.equal(expect.flatten(), packed.flatten()):
+            return block_n
+    raise RuntimeError(f"torch {torch.__version__}: _convert_weight_to_int4pack_for_cpu uses a packing this "
+                       "backend does not know (not [N/B, K, B/2] with B in 64/32/16); the INT4 dense fallback "
+                       "cannot unpack it. Report this with the torch version.")
+
+
+def unpack_codes(data: torch.Tensor) -> torch.Tensor:
+    """Canonical uint8 ``[..., N, K/2]`` (low nibble = even k) -> int32 codes ``[..., N, K]``."""
+    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).to(torch.int32)
+
+
+def kernel_scales_and_zeros(scale: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp16 ``scale [N, K/g]`` and true ``zero [N, K/g]`` (None = 8) -> bf16 ``[K/g, N, 2]`` for the kernel."""
+    s = scale.float()
+    offset = torch.zeros_like(s) if zero is None else (8.0 - zero.float()) * s  # (q-z)s = (q-8)s + (8-z)s
+    return torch.stack((s, offset), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+@dataclass
+class Int4Linear:
+    """One INT4 weight ``[N, K]`` in the kernel's resident layout, and the path taken for each M.
+
+    ``crossover``: rows M >= crossover run the tiled dense path (None: always the INT4 kernel).
+    """
+
+    packed: torch.Tensor             # uint8 [N, K/2] in the kernel's packing
+    scales_and_zeros: torch.Tensor   # bf16 [K/g, N, 2]
+    group_size: int
+    out_features: int
+    in_features: int
+    dense_dtype: torch.dtype = torch.float32
+    crossover: Optional[int] = None
+    calibration: Optional[CrossoverCalibration] = None
+
+    @property
+    def tile_rows(self) -> int:
+        return tile_rows_for(self.in_features, self.out_features, int4pack_block_n())
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_and_zeros.numel() * 2
+
+    def uses_dense_tiles(self, m: int) -> bool:
+        return self.crossover is not None and m >= self.crossover
+
+    def run_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        """PyTorch's INT4 kernel on BF16 activations (the bandwidth-bound path); returns bf16."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(torch.bfloat16).contiguous(), self.packed,
+                                                          self.group_size, self.scales_and_zeros)
+
+    def dequantized_tile_t(self, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
+        """``W[n0:n1].T`` as ``[K, n1-n0]`` in ``dtype``, unpacked from the kernel's packing.
+
+        Uses the very scales/zeros the kernel reads, so both paths compute the same weight values.
+        """
+        block_n, k, g = int4pack_block_n(), self.in_features, self.group_size
+        rows = n1 - n0
+        blocks = self.packed[n0:n1].reshape(rows // block_n, k, block_n // 2)  # contiguous bytes of the tile
+        half = block_n // 2
+        codes = torch.empty(k, rows // block_n, block_n, dtype=dtype)
+        codes[:, :, :half] = (blocks & 0xF).transpose(0, 1)
+        codes[:, :, half:] = (blocks >> 4).transpose(0, 1)
+        sz = self.scales_and_zeros[:, n0:n1].to(dtype)  # [K/g, rows, 2]
+        scale, zero = sz[..., 0], sz[..., 1] - 8.0 * sz[..., 0]  # (q-8)s + z0 = q*s + (z0 - 8s)
+        w_t = codes.view(k // g, g, rows)
+        w_t.mul_(scale[:, None, :]).add_(zero[:, None, :])
+        return w_t.view(k, rows)
+
+    def run_tiles(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Dense GEMM on tiles dequantized one at a time (the compute-bound path)."""
+        return tiled_matmul(x2d.to(self.dense_dtype), self.out_features, self.tile_rows,
+                            lambda n0, n1: self.dequantized_tile_t(n0, n1, self.dense_dtype))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight ``[N, K]`` as the kernel sees it (tests and debugging)."""
+        return self.dequantized_tile_t(0, self.out_features, dtype).T.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_kernel(x2d)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+    """Raise with what to do when PyTorch's INT4 CPU kernel cannot take this weight."""
+    if group_size not in KERNEL_GROUP_SIZES:
+        raise ValueError(f"INT4 group size {group_size} is not supported by _weight_int4pack_mm_for_cpu "
+                         f"(supported: {KERNEL_GROUP_SIZES}); requantize with group_size=128")
+    if in_features % group_size:
+        raise ValueError(f"INT4 in_features {in_features} is not a multiple of group size {group_size}")
+    if out_features % 64:
+        raise ValueError(f"xeon INT4 needs out_features to be a multiple of 64 (the kernel's packing block); "
+                         f"got {out_features}. Keep this layer in BF16.")
+
+
+def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], group_size: int,
+              dense_dtype: torch.dtype) -> Int4Linear:
+    """Canonical INT4 tensors of one weight (``data [N, K/2]``, ``scale``/``zero [N, K/g]``) -> resident."""
+    n, k = data.shape[0], data.shape[1] * 2
+    check_int4_shape(n, k, group_size)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(data), 1)
+    return Int4Linear(packed, kernel_scales_and_zeros(scale, zero), group_size, n, k, dense_dtype)
+
+
+def int4_crossover(in_features: int, out_features: int, group_size: int,
+                   dense_dtype: torch.dtype) -> CrossoverCalibration:
+    """Measured M from which the tiled dense path beats the INT4 kernel (cached per shape class)."""
+    proxy_rows = min(out_features, PROXY_MAX_ROWS)
+
+    def measure() -> CrossoverCalibration:
+        g = torch.Generator().manual_seed(0)
+        data = torch.randint(0, 256, (proxy_rows, in_features // 2), dtype=torch.uint8, generator=g)
+        scale = (torch.rand(proxy_rows, in_features // group_size, generator=g) * 0.02).half()
+        proxy = pack_int4(data, scale, None, group_size, dense_dtype)
+        return measure_crossover("int4", in_features, proxy_rows, proxy.run_kernel, proxy.run_tiles, torch.bfloat16)
+
+    key = ("int4", in_features, proxy_rows, group_size, dense_dtype)
+    return cached_crossover(key, INT4_CROSSOVER_ENV, "int4", in_features, proxy_rows, measure)
+
+
+def prepare_int4(qt: QTensor, dense_dtype: torch.dtype, *, calibrate: bool = True) -> Int4Linear:
+    """A 2-D canonical INT4 QTensor -> :class:`Int4Linear` with its measured crossover.
+
+    Example::
+
+        lin = prepare_int4(musecore_quant.quantize(w, "int4", group_size=128), torch.float32)
+        y = lin(x_bf16)                     # [M, N]
+    """
+    if qt.format != "int4":
+        raise ValueError(f"prepare_int4 takes an int4 QTensor; got format {qt.format!r}")
+    if len(qt.shape) != 2:
+        raise ValueError(f"prepare_int4 takes one [out, in] weight; got logical shape {qt.shape} "
+                         "(stacked experts go through prepare_experts)")
+    resident = pack_int4(qt.data, qt.scale, qt.zero, qt.group_size, dense_dtype)
+    if calibrate:
+        resident.calibration = int4_crossover(resident.in_features, resident.out_features, qt.group_size, dense_dtype)
+        resident.crossover = resident.calibration.crossover
+    return resident

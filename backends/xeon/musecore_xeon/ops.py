@@ -1,0 +1,79 @@
+"""The non-GEMM ops of the Xeon backend: norms, RoPE, attention, and the ops the reference already
+does the CPU way.
+
+Norms use PyTorch's fused ``F.rms_norm`` on fp32 (one pass instead of the reference's five), and
+attention uses ``F.scaled_dot_product_attention`` (a flash kernel on CPU) with the reference's own
+visibility mask, so the mask contract (causal, sliding window, ``k_pos = -1`` empty slots) is the
+reference's by construction. ``embedding``, ``router_topk`` and ``sample`` are taken from the
+reference as they are: each is already a couple of vectorised PyTorch calls, and sharing
+``sample`` keeps the random stream identical to the reference's for a given generator.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from musecore.ops import reference as ref
+
+embedding = ref.embedding
+router_topk = ref.router_topk
+sample = ref.sample
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_f32(x, weight, eps).to(x.dtype)
+
+
+def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.Tensor,
+                  gate: torch.Tensor, next_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual' = residual + gate * rms_norm(out)``; ``normed = rms_norm(residual')``."""
+    new_residual = torch.addcmul(residual.float(), gate.float(), _rms_norm_f32(out, post_weight, eps)).to(residual.dtype)
+    return new_residual, rms_norm(new_residual, next_weight, eps)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm over d, then HF-convention RoPE (halves, not interleaved pairs)."""
+    cos, sin = cos.float()[:, :, None, :], sin.float()[:, :, None, :]  # [B,T,1,d]
+    qn, kn = _rms_norm_f32(q, q_weight, eps), _rms_norm_f32(k, k_weight, eps)
+    q_out = torch.addcmul(qn * cos, ref.rotate_half(qn), sin)
+    k_out = torch.addcmul(kn * cos, ref.rotate_half(kn), sin)
+    return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
+    return (_rms_norm_f32(o, weight, eps) * torch.sigmoid(gate_logits.float())[..., None]).to(o.dtype)
+
+
+def _dequantize_kv(t: torch.Tensor, scale: Optional[float], dtype: torch.dtype) -> torch.Tensor:
+    if scale is None and t.dtype not in FP8_DTYPES:
+        return t.to(dtype)
+    return (t.float() * (1.0 if scale is None else scale)).to(dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              window: Optional[int], scale: float, k_scale: Optional[float] = None,
+              v_scale: Optional[float] = None) -> torch.Tensor:
+    """Causal GQA attention ``[B,T,nq,d]`` over cached keys, prefill or decode, full or sliding window.
+
+    Computes in the query's dtype (BF16 SDPA accumulates and normalises in fp32 on CPU); FP8 K/V are
+    dequantized with their per-tensor scales first. Queries that see no key return zeros.
+    """
+    nq, nkv = q.shape[2], k.shape[2]
+    if nq % nkv:
+        raise ValueError(f"attention: {nq} query heads are not a multiple of {nkv} kv heads")
+    kd, vd = _dequantize_kv(k, k_scale, q.dtype), _dequantize_kv(v, v_scale, q.dtype)
+    visible = ref.visibility_mask(q_pos, k_pos, window)  # [B,T,S]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
+                                         attn_mask=visible[:, None], scale=scale, enable_gqa=nq != nkv)
+    out = out.transpose(1, 2)  # [B,T,nq,d]
+    return out.masked_fill(~visible.any(-1)[:, :, None, None], 0.0)
