@@ -129,8 +129,9 @@ def _build_entries(headers: dict[str, TensorHeader], scheme: Scheme) -> dict[str
             raise CheckpointError(f"{h.file}: tensor {name!r} collides with the logical name of a "
                                   f"{rule.name} weight; re-export the checkpoint", path=h.file, tensor=name)
         entries[name] = _CLASSIFIERS[rule.name](name, parts, scheme.options)
-    first = lambda e: min((h.file.name, h.offsets[0]) for h in e.parts.values())  # noqa: E731
-    return dict(sorted(entries.items(), key=lambda kv: first(kv[1])))
+    # the order in which iter_shards completes them: by the last of their parts on disk
+    last = lambda e: max((h.file.name, h.offsets[0]) for h in e.parts.values())  # noqa: E731
+    return dict(sorted(entries.items(), key=lambda kv: last(kv[1])))
 
 
 class CheckpointReader:

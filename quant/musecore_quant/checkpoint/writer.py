@@ -157,6 +157,9 @@ class CheckpointWriter:
         if not name.endswith(".weight"):
             raise CheckpointError(f"quantized weight {name!r} must be named '<module>.weight' so that its "
                                   "companions can be named after the module", tensor=name)
+        if len(value.shape) != 2:
+            raise CheckpointError(f"weight {name!r} is a stacked QTensor {list(value.shape)}; checkpoints keep "
+                                  "one [out, in] tensor per expert: add each expert separately", tensor=name)
         if not self.accepts(value):
             raise CheckpointError(
                 f"weight {name!r} is {value.format}{list(value.shape)}; the {self.format} target "
