@@ -1,0 +1,71 @@
+"""Discovery and honesty: probe never raises, supports() says no/emulated where it must."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from musecore.backends.base import API_VERSION, Tier
+from musecore.ops import OPS, OpSpec
+
+from musecore_cuda import CudaBackend
+
+
+def test_probe_never_raises_and_explains_absence():
+    probe = CudaBackend().probe()
+    if torch.cuda.is_available():
+        assert probe.available and probe.devices
+    else:
+        assert not probe.available
+        assert probe.reason == "no CUDA device: torch.cuda.is_available() is False"
+
+
+def test_identity_and_every_op_is_implemented():
+    be = CudaBackend()
+    assert be.name == "cuda" and be.api_version == API_VERSION
+    assert all(callable(getattr(be, op, None)) for op in OPS)
+
+
+def test_entry_point_is_declared():
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert 'cuda = "musecore_cuda:CudaBackend"' in text
+
+
+@pytest.fixture
+def on_sm(monkeypatch):
+    def set_sm(major):
+        monkeypatch.setattr(CudaBackend, "_sm_major", lambda self: major)
+        return CudaBackend()
+    return set_sm
+
+
+def test_sm90_runs_fp4_weights_with_16bit_activations_natively(on_sm):
+    be = on_sm(9)
+    for fmt in ("nvfp4", "mxfp4"):
+        for op in ("linear", "moe"):
+            assert be.supports(op, OpSpec(op, weight_format=fmt)).tier is Tier.NATIVE
+
+
+def test_w4a4_is_not_native_on_sm90(on_sm):
+    support = on_sm(9).supports("linear", OpSpec("linear", weight_format="nvfp4", act_format="nvfp4"))
+    assert support.tier is Tier.NO and "FP4 tensor cores" in support.reason
+
+
+def test_sm100_fp4_is_not_claimed_native_before_it_ran_there(on_sm):
+    be = on_sm(10)
+    assert be.supports("linear", OpSpec("linear", weight_format="nvfp4")).tier is Tier.EMULATED
+    assert be.supports("moe", OpSpec("moe", weight_format="mxfp4", act_format="mxfp4")).tier is Tier.NO
+
+
+def test_int4_and_fp8_weights_are_refused_with_a_reason(on_sm):
+    be = on_sm(9)
+    for fmt in ("int4", "fp8"):
+        support = be.supports("linear", OpSpec("linear", weight_format=fmt))
+        assert support.tier is Tier.NO and fmt in support.reason
+
+
+def test_without_a_device_nothing_is_supported(on_sm):
+    be = on_sm(None)
+    assert be.supports("rms_norm", OpSpec("rms_norm")).tier is Tier.NO

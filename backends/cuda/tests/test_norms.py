@@ -1,0 +1,72 @@
+"""Fused row kernels (rms_norm, residual_norm, qk_norm_rope, head_norm_gate) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musecore.ops import reference as ref
+from musecore.ops import tolerance
+
+from conftest import DEVICE, SMALL_DTYPES, assert_nmse
+
+from musecore_cuda import CudaBackend
+
+DTYPES = SMALL_DTYPES + [torch.float32]
+
+
+def rope_tables(B: int, T: int, d: int):
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2).float() / d)
+    pos = torch.arange(T).float()[None, :, None] + torch.arange(B).float()[:, None, None] * 3
+    angles = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)  # [B,T,d]
+    return angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(dtype):
+    x = (torch.randn(3, 5, 200, device=DEVICE) * 3).to(dtype)  # 200: not a power of two
+    w = torch.randn(200, device=DEVICE)
+    y = CudaBackend(DEVICE).rms_norm(x, w, 1e-6)
+    assert y.dtype == dtype
+    assert_nmse(ref.rms_norm(x, w, 1e-6), y, tolerance("rms_norm"), f"rms_norm {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_norm_rounds_the_new_residual_before_the_next_norm(dtype):
+    res = torch.randn(4, 256, device=DEVICE).to(dtype)
+    out = torch.randn(4, 256, device=DEVICE).to(dtype)
+    post, gate, nxt = (torch.randn(256, device=DEVICE) for _ in range(3))
+    new_res, normed = CudaBackend(DEVICE).residual_norm(res, out, post, gate, nxt, 1e-6)
+    exp_res, exp_normed = ref.residual_norm(res, out, post, gate, nxt, 1e-6)
+    assert_nmse(exp_res, new_res, tolerance("residual_norm"), "residual")
+    assert_nmse(exp_normed, normed, tolerance("residual_norm"), "normed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_matches_reference(dtype):
+    B, T, nq, nkv, d = 2, 3, 4, 2, 64
+    q = torch.randn(B, T, nq, d, device=DEVICE).to(dtype)
+    k = torch.randn(B, T, nkv, d, device=DEVICE).to(dtype)
+    qw, kw = torch.randn(d, device=DEVICE), torch.randn(d, device=DEVICE)
+    cos, sin = rope_tables(B, T, d)
+    q2, k2 = CudaBackend(DEVICE).qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6)
+    eq, ek = ref.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6)
+    assert_nmse(eq, q2, tolerance("qk_norm_rope"), "q")
+    assert_nmse(ek, k2, tolerance("qk_norm_rope"), "k")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_norm_gate_matches_reference(dtype):
+    o = torch.randn(2, 3, 4, 64, device=DEVICE).to(dtype)
+    w = torch.randn(64, device=DEVICE)
+    g = torch.randn(2, 3, 4, device=DEVICE).to(dtype)
+    y = CudaBackend(DEVICE).head_norm_gate(o, w, g, 1e-6)
+    assert_nmse(ref.head_norm_gate(o, w, g, 1e-6), y, tolerance("head_norm_gate"), "head_norm_gate")
+
+
+def test_router_topk_renormalises_fp32_weights():
+    logits = torch.randn(5, 16, device=DEVICE).half()
+    w, ids = CudaBackend(DEVICE).router_topk(logits, 4, True)
+    ew, eids = ref.router_topk(logits, 4, True)
+    assert torch.equal(ids, eids) and w.dtype == torch.float32
+    assert_nmse(ew, w, tolerance("router_topk"), "router weights")
