@@ -30,10 +30,11 @@ LOG2E = 1.4426950408889634
 def _e4m3_to(b, MODE: tl.constexpr):
     """e4m3 bytes (int32) -> exact values in the dot type (bits shifted into place, then rescaled)."""
     if MODE == 0:
-        return (((b & 127) << 7) | ((b & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+        x = (((b & 127) << 7) | ((b & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        return (x * 256.0).to(tl.float16)
     elif MODE == 1:
         x = (((b & 127) << 4) | ((b & 128) << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return x * 1.329227995784916e36  # 2**120
+        return (x * 1.329227995784916e36).to(tl.bfloat16)  # 2**120
     else:
         return (((b & 127) << 20) | ((b & 128) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36
 

@@ -1,0 +1,234 @@
+"""Kernel benchmarks of the CUDA backend, measured the way PERF.md asks.
+
+Every time is the median of CUDA-graph replays after warm-up (launch overhead removed), and every
+ratio is taken in the same process: against BF16 cuBLAS on the same shape, and against the memory
+ceiling measured here (the larger of a big device copy and cuBLAS's BF16 GEMV weight bandwidth).
+Weights smaller than a few L2s are rotated among copies so that the numbers are HBM, not L2.
+
+``benchmarks()`` maps case name -> callable returning JSON rows; ``benchmarks/cuda_bench.py`` runs
+them, prints a table and saves the JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from musecore_cuda.backend import CudaBackend, fp4_linear
+from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
+from musecore_cuda.layouts import Fp4Resident
+
+LINEAR_SHAPES = {  # name: (N, K) of the 816B preset
+    "q_proj": (10240, 8192), "k_proj": (1024, 8192), "o_proj": (8192, 10240),
+    "pooler": (2048, 8192), "expert_up": (8192, 2048), "expert_down": (2048, 8192),
+}
+M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+ROTATE_BYTES = 512 << 20  # rotate weight copies until this much is touched per replay (L2 is 50-60 MB)
+
+
+def time_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median microseconds of one ``fn()`` call, replayed from a CUDA graph."""
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+@functools.lru_cache(maxsize=1)
+def memory_ceiling_gbps() -> dict[str, float]:
+    """Device copy (read + write bytes) and cuBLAS BF16 GEMV (weight bytes) bandwidth, GB/s."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / time_us(lambda: dst.copy_(src)) / 1e3
+    del src, dst
+    w = torch.randn(28672, 8192, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    gemv = w.numel() * 2 / time_us(lambda: F.linear(x, w)) / 1e3
+    return {"copy_gbps": copy, "gemv_gbps": gemv, "ceiling_gbps": max(copy, gemv)}
+
+
+def _rotating(make: Callable[[], object], nbytes: int) -> list:
+    return [make() for _ in range(max(1, math.ceil(ROTATE_BYTES / max(nbytes, 1))))]
+
+
+def _cycle(objs: list, call: Callable[[object], object]) -> Callable[[], None]:
+    def run() -> None:
+        for o in objs:
+            call(o)
+    return run
+
+
+def random_fp4(fmt: str, shape: tuple[int, ...]) -> "QTensor":  # noqa: F821
+    """A synthetic QTensor with random codes and scales (speed does not depend on the values)."""
+    from musecore_quant import QTensor
+    *lead, n, k = shape
+    group = 16 if fmt == "nvfp4" else 32
+    data = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device="cuda")
+    if fmt == "nvfp4":
+        scale = (torch.rand(*lead, n, k // group, device="cuda") * 400 + 8).to(torch.float8_e4m3fn)
+        glob = torch.full(tuple(lead), 1e-4, device="cuda")
+    else:
+        scale = torch.randint(118, 124, (*lead, n, k // group), dtype=torch.uint8, device="cuda")
+        glob = None
+    return QTensor(format=fmt, data=data, scale=scale, shape=tuple(shape), group_size=group, global_scale=glob)
+
+
+def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWEEP,
+                 formats: tuple[str, ...] = ("nvfp4", "mxfp4")) -> list[dict]:
+    be = CudaBackend("cuda")
+    ceiling = memory_ceiling_gbps()
+    rows = []
+    for name in shapes or list(LINEAR_SHAPES):
+        n, k = LINEAR_SHAPES[name]
+        bf16_ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
+        fp4 = {fmt: _rotating(lambda: be.prepare_weight(random_fp4(fmt, (n, k)), name).data, n * k // 2)
+               for fmt in formats}
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = time_us(_cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
+            act_bytes = (m * k + m * n) * 2
+            rows.append(_linear_row("bf16", name, n, k, m, t_bf16, t_bf16, n * k * 2 + act_bytes, ceiling))
+            for fmt, ws in fp4.items():
+                t = time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
+                rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling))
+        del bf16_ws, fp4
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _linear_row(fmt: str, name: str, n: int, k: int, m: int, t: float, t_bf16: float, nbytes: int,
+                ceiling: dict) -> dict:
+    return {"backend": "cuda", "case": "linear", "format": fmt, "shape": f"{name} {k}->{n}", "M": m,
+            "time_us": round(t, 2), "speedup_vs_bf16": round(t_bf16 / t, 3),
+            "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling["ceiling_gbps"], 1),
+            "tflops": round(2 * m * n * k / t / 1e6, 1), "ceiling_gbps": round(ceiling["ceiling_gbps"])}
+
+
+def sweep_linear_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down"),
+                         ms: tuple[int, ...] = (1, 16, 64, 256, 4096)) -> list[dict]:
+    """Time candidate tile configs per M regime (used to choose ``pick_config``'s table)."""
+    rows = []
+    for name in shapes:
+        n, k = LINEAR_SHAPES[name]
+        ws = _rotating(lambda: CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), name).data,
+                       n * k // 2)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for cfg in _candidates(m, n, k):
+                out = torch.zeros(m, n, device="cuda", dtype=torch.float32 if cfg.split_k > 1 else torch.bfloat16)
+
+                def call(w: Fp4Resident, cfg=cfg, out=out) -> None:
+                    launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group,
+                                fold_log2=w.fold_log2, n=n, k=k, out=out, cfg=cfg)
+                try:
+                    t = time_us(_cycle(ws, call)) / len(ws)
+                except Exception as exc:  # a config that does not compile is a row, not a crash
+                    rows.append({"case": "sweep", "shape": name, "M": m, "config": str(cfg), "error": repr(exc)[:200]})
+                    continue
+                rows.append({"backend": "cuda", "case": "sweep", "shape": name, "M": m, "config": cfg.__dict__,
+                             "time_us": round(t, 2),
+                             "pct_memory_ceiling_of_4300": round(100 * ws[0].nbytes / t / 1e3 / 4300, 1)})
+        del ws
+    return rows
+
+
+def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
+    chunks = k // 128
+    splits = [s for s in (1, 2, 4, 8, 16) if chunks % s == 0 and chunks // s >= 2]
+    if m <= 16:
+        return [GemmConfig(16, bn, s, 1, w, st) for bn in (64, 128) for s in splits
+                for w, st in ((4, 4), (8, 3)) if triton.cdiv(n, bn) * s <= 2048]
+    if m <= 64:
+        return [GemmConfig(bm, bn, s, 1, 4, 4) for bm in (32, 64) for bn in (64, 128) for s in splits[:3]]
+    if m <= 256:
+        return [GemmConfig(bm, bn, s, 8, w, 3) for bm, bn in ((64, 128), (128, 128)) for s in (1, 2)
+                for w in (4, 8)]
+    return [GemmConfig(bm, bn, 1, 8, w, st) for bm, bn in ((128, 128), (128, 256), (256, 128))
+            for w, st in ((8, 3), (8, 4), (4, 3))]
+
+
+def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int = 8192,
+              experts: int = 256, topk: int = 8, latent: int = 2048, inter: int = 8192) -> list[dict]:
+    """One full-size MoE layer (NVFP4, ~7 GB) at decode batches and one prefill; vs BF16 experts."""
+    be = CudaBackend("cuda")
+    ceiling = memory_ceiling_gbps()
+    fp4 = be.prepare_experts(random_fp4("nvfp4", (experts, inter, latent)),
+                             random_fp4("nvfp4", (experts, inter, latent)),
+                             random_fp4("nvfp4", (experts, latent, inter)))
+    per_expert = sum(s.nbytes for s in (fp4.gate, fp4.up, fp4.down)) // experts
+    bf16 = be.prepare_experts(*(torch.randn(experts, a, b, device="cuda", dtype=torch.bfloat16) * 0.02
+                                for a, b in ((inter, latent), (inter, latent), (latent, inter))))
+    norm = torch.ones(experts, latent, device="cuda")
+    rows = []
+    for t in (*batches, prefill):
+        logits = torch.randn(t, experts, device="cuda")
+        weights, ids = be.router_topk(logits, topk, True)
+        z = torch.randn(t, latent, device="cuda", dtype=torch.bfloat16)
+        routed = int(ids.unique().numel())
+        nbytes = routed * per_expert + t * latent * (2 + 4)
+        t_fp4 = time_us(lambda: be.moe(z, weights, ids, fp4, norm, 1e-6), reps=10)
+        t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, norm, 1e-6), reps=10)
+        flops = 2 * t * topk * 3 * latent * inter
+        rows.append({"backend": "cuda", "case": "moe", "format": "nvfp4",
+                     "shape": f"E{experts} top{topk} {latent}x{inter}", "M": t, "routed_experts": routed,
+                     "time_us": round(t_fp4, 1), "bf16_experts_time_us": round(t_bf16, 1),
+                     "speedup_vs_bf16": round(t_bf16 / t_fp4, 3),
+                     "pct_memory_ceiling": round(100 * nbytes / t_fp4 / 1e3 / ceiling["ceiling_gbps"], 1),
+                     "tflops": round(flops / t_fp4 / 1e6, 1)})
+    return rows
+
+
+def bench_attention(contexts: tuple[int, ...] = (4096, 32768, 131072), batch: int = 1) -> list[dict]:
+    """Decode attention (one token, 80/8 heads x 128) over bf16 KV; vs torch SDPA with the same mask."""
+    be = CudaBackend("cuda")
+    ceiling = memory_ceiling_gbps()
+    nq, nkv, d = 80, 8, 128
+    rows = []
+    for s in contexts:
+        q = torch.randn(batch, 1, nq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, s, nkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        k_pos = torch.arange(s, device="cuda").repeat(batch, 1)
+        q_pos = torch.full((batch, 1), s - 1, device="cuda")
+        t = time_us(lambda: be.attention(q, k, v, q_pos, k_pos, None, d ** -0.5))
+        mask = (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
+
+        def sdpa() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  attn_mask=mask, enable_gqa=True)
+        t_sdpa = time_us(sdpa)
+        nbytes = 2 * k.numel() * 2
+        rows.append({"backend": "cuda", "case": "attention", "shape": f"decode nq{nq}/nkv{nkv}x{d} S={s}",
+                     "M": batch, "time_us": round(t, 1), "sdpa_time_us": round(t_sdpa, 1),
+                     "speedup_vs_bf16": None, "speedup_vs_sdpa": round(t_sdpa / t, 2),
+                     "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling["ceiling_gbps"], 1)})
+    return rows
+
+
+def benchmarks() -> dict[str, Callable[..., list[dict]]]:
+    """Case name -> benchmark callable (``e2e`` comes once the model runs on this backend)."""
+    return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "sweep": sweep_linear_configs}
