@@ -164,15 +164,25 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, config: Any) -
 # -- one sequence's output ------------------------------------------------------------------------
 
 class _Sequence:
-    """The tokens, text and streaming state of one row of the batch."""
+    """The tokens, text and streaming state of one row of the batch.
+
+    Text is detokenized incrementally, as vLLM does: each step decodes only the tokens since the
+    last settled point plus a few before them (starting with the prompt's last tokens, so decoders
+    that drop a leading space see context), which keeps a long generation O(length), not O(length^2).
+    """
+
+    CONTEXT_TOKENS = 5
 
     def __init__(self, index: int, tokenizer: Any, stop_strings: list[str],
-                 emit: Optional[Callable[[int, Any], None]]) -> None:
+                 emit: Optional[Callable[[int, Any], None]], context: Sequence[int] = ()) -> None:
         self.index, self.tokenizer, self.stop_strings, self.emit = index, tokenizer, stop_strings, emit
         self.ids: list[int] = []
         self.text = ""      # text mode: decoded new tokens, cut before a stop string once one appears
         self.emitted = 0    # text mode: characters of self.text already streamed
         self.done = False
+        self._window = list(context[-self.CONTEXT_TOKENS:])  # context + new ids: what gets decoded
+        self._prefix_offset, self._read_offset = 0, len(self._window)
+        self._settled = ""  # text of the new ids up to _read_offset, which will not change
 
     def add(self, token: int) -> None:
         """Append a token that is part of the output (not EOS / a stop id)."""
@@ -181,13 +191,29 @@ class _Sequence:
             if self.emit is not None:
                 self.emit(self.index, token)
             return
-        full = self.tokenizer.decode(self.ids)
-        cut = min((i for i in (full.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        full = self._detokenize(token)
+        cut = min((i for i in (full.find(s, self.emitted) for s in self.stop_strings) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.done = full[:cut], True
             return
         self.text = full
         self._stream(len(full) - self._unsettled(full))
+
+    def _detokenize(self, token: int) -> str:
+        """The text of all new ids, decoding only the window since the last settled point."""
+        self._window.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self._window[self._prefix_offset:self._read_offset])
+        after = decode(self._window[self._prefix_offset:])
+        new = after[len(before):]
+        if not new or new.endswith(REPLACEMENT_CHAR):  # nothing yet, or an unfinished character
+            return self._settled + new
+        self._settled += new
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
+        if self._prefix_offset > 64:  # tokens before the prefix are never decoded again
+            del self._window[:self._prefix_offset]
+            self._prefix_offset, self._read_offset = 0, self._read_offset - self._prefix_offset
+        return self._settled
 
     def finish(self) -> None:
         self.done = True
@@ -206,8 +232,7 @@ class _Sequence:
         return max(hold, stripped)
 
     def _stream(self, upto: int) -> None:
-        # Relies on decode(ids[:n]) being a prefix of decode(ids) up to trailing partial characters,
-        # true of byte-level BPE (the Muse tokenizer); text already streamed is never revised.
+        # Text already streamed is never revised: only settled text (see _unsettled) is sent.
         if upto > self.emitted:
             piece, self.emitted = self.text[self.emitted:upto], upto
             if self.emit is not None:
@@ -218,7 +243,7 @@ class _Sequence:
 
 def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None, stop: Stop = None,
-             stream: Optional[Callable[..., None]] = None, kv_format: str = "bf16") -> Any:
+             stream: Optional[Callable[..., None]] = None, kv_format: Optional[str] = None) -> Any:
     """Continue ``prompt`` with up to ``max_new_tokens`` new tokens; return only the new part.
 
     - ``str`` -> ``str`` (needs ``model.tokenizer``); ``list[int]`` -> ``list[int]``;
@@ -234,6 +259,7 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
       be one vocabulary token (e.g. ``"<|eot|>"``).
     - ``stream(piece)`` gets each new text piece (str prompts) or token id (id prompts) as soon as
       it is settled; for a batch, ``stream(index, piece)``. The pieces join to the return value.
+    - ``kv_format`` (``"bf16"`` / ``"fp8"``) defaults to the one the plan chose (``model.kv_format``).
     - Timing is left on ``model.last_generation_stats`` (:class:`GenerationStats`).
 
     Example::
@@ -252,11 +278,13 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
     prompt_ids = [_encode_text(model, p) for p in prompts] if is_text else prompts
     _check_lengths(prompt_ids, max_new_tokens, model.config)
     ends = _eos_ids(model) | stop_ids
+    kv_format = kv_format or getattr(model, "kv_format", None) or "bf16"
 
     emit = None
     if stream is not None:
         emit = (lambda i, piece: stream(i, piece)) if is_batch else (lambda i, piece: stream(piece))
-    rows = [_Sequence(i, tokenizer if is_text else None, stop_strings, emit) for i in range(len(prompt_ids))]
+    rows = [_Sequence(i, tokenizer if is_text else None, stop_strings, emit, context=p)
+            for i, p in enumerate(prompt_ids)]
     stats = GenerationStats(batch_size=len(rows), prompt_tokens=sum(map(len, prompt_ids)))
     model.last_generation_stats = stats
     if max_new_tokens > 0:
@@ -274,7 +302,8 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
                  kv_format: str, stats: GenerationStats) -> None:
     device, B = model.device, len(prompt_ids)
     longest = max(map(len, prompt_ids))
-    pad = model.tokenizer.pad_id if model.tokenizer is not None and model.tokenizer.pad_id is not None else 0
+    pad = getattr(model.tokenizer, "pad_id", None)
+    pad = pad if pad is not None and 0 <= pad < model.config.vocab_size else 0  # position -1 hides it anyway
     ids = torch.full((B, longest), pad, dtype=torch.long)
     positions = torch.full((B, longest), -1, dtype=torch.long)  # -1: padding, attends to nothing
     for b, p in enumerate(prompt_ids):

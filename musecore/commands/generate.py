@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL = "muse-tiny"
@@ -53,14 +52,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _load(args: argparse.Namespace) -> Any:
     import musecore
     from musecore.cli import UsageError
-    from musecore.tokenizer import load_tokenizer
 
-    options: dict[str, Any] = {"device": args.device}
-    if args.emulate:
-        options["emulate"] = True
-    model = musecore.load(args.model, **options)
-    if model.tokenizer is None and Path(args.model).is_dir():
-        model.tokenizer = load_tokenizer(args.model)  # for loaders that do not attach it themselves
+    model = musecore.load(args.model, device=args.device, emulate=args.emulate)
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer.json, so it cannot take a text prompt; "
                          "use model.generate(list_of_token_ids) from Python instead")

@@ -42,8 +42,7 @@ def write_text_checkpoint(folder, ascii_only: bool):
 
 def load_with_tokenizer(folder, **kwargs):
     model = musecore.load(folder, device="cpu", **kwargs)
-    if model.tokenizer is None:  # until musecore.load attaches it itself
-        model.tokenizer = load_tokenizer(folder)
+    assert model.tokenizer is not None, f"musecore.load did not attach {folder}/tokenizer.json"
     return model
 
 
@@ -175,6 +174,16 @@ def test_text_in_gives_text_out_equal_to_decoded_ids(text_model):
     stats = text_model.last_generation_stats
     assert stats.prompt_tokens == len(tok.encode("def fib(n):")) + 1, stats  # BOS put first
     assert text_model.generate("def fib(n):", max_new_tokens=0) == ""
+
+
+def test_incremental_detokenization_of_a_long_output_equals_decoding_it_whole(bytes_model):
+    model = copy.copy(bytes_model)  # a tokenizer without EOS ids: all 100 steps run
+    model.tokenizer = copy.copy(bytes_model.tokenizer)
+    model.tokenizer.eos_ids = ()
+    tok = model.tokenizer
+    text = model.generate("x = ", max_new_tokens=100)  # > 64: the decode window gets trimmed
+    ids = model.generate([tok.bos_id] + tok.encode("x = "), max_new_tokens=100)
+    assert text == tok.decode(ids), f"incremental {text!r}\nwhole       {tok.decode(ids)!r}"
 
 
 def test_eos_token_ends_generation(ids_model):
