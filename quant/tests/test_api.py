@@ -11,7 +11,14 @@ from musecore_quant import stack_qtensors
 from musecore_quant.formats import (fp8_quantize, int4_quantize, mxfp4_dequantize, mxfp4_quantize, nvfp4_input_scale,
                                     nvfp4_quantize)
 
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # fixed data; the assertions hold for any seed, a failure must reproduce
+
+
 ALL_FORMAT_OPTIONS = [("nvfp4", {}), ("nvfp4", {"rounding": "away"}), ("mxfp4", {}), ("mxfp4", {"scale_mode": "floor"}),
+                      ("mxfp4", {"scale_mode": "ceil", "rounding": "away"}),
                       ("int4", {}), ("int4", {"group_size": 32, "sym": False}), ("fp8", {}), ("fp8", {"block_size": 128})]
 
 
@@ -181,3 +188,23 @@ def test_cuda_gives_the_same_bytes_as_cpu(fmt, opts):
     if fmt in ("nvfp4", "mxfp4"):
         requantized = requantize(on_gpu, "mxfp4" if fmt == "nvfp4" else "nvfp4")
         assert _same_qtensor(requantized.to("cpu"), requantize(on_cpu, requantized.format))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False")
+def test_cuda_activation_fake_quant_matches_cpu():
+    x = torch.randn(8, 256, dtype=torch.bfloat16) * 3
+    scale = nvfp4_input_scale(2.0)
+    for fmt, kwargs in (("nvfp4", {"input_scale": scale}), ("mxfp4", {}), ("fp8", {}), ("fp8", {"input_scale": 0.01})):
+        on_cpu = fake_quantize_activation(x, fmt, **kwargs)
+        gpu_kwargs = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        on_gpu = fake_quantize_activation(x.cuda(), fmt, **gpu_kwargs)
+        assert torch.equal(on_gpu.cpu(), on_cpu), f"{fmt}: max difference {(on_gpu.cpu() - on_cpu).abs().max()}"
+
+
+@pytest.mark.parametrize("fmt,opts", ALL_FORMAT_OPTIONS + [("fp8", {"block_size": 4})])
+def test_chunked_encoding_gives_the_same_bytes_as_one_pass(fmt, opts, monkeypatch):
+    from musecore_quant.formats import _common
+    w = torch.randn(2, 40, 256) * torch.logspace(-2, 2, 40).view(1, 40, 1)
+    one_pass = quantize(w, fmt, **opts)
+    monkeypatch.setattr(_common, "CHUNK_ELEMENTS", 700)          # a few rows (or 4-row blocks) per pass
+    assert _same_qtensor(quantize(w, fmt, **opts), one_pass)

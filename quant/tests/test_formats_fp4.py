@@ -9,6 +9,12 @@ from hypothesis.extra import numpy as hnp
 
 from musecore_quant.formats.fp4 import e2m1_table, fp4_decode, fp4_encode, pack_nibbles, unpack_nibbles
 
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # fixed data; the assertions hold for any seed, a failure must reproduce
+
+
 MIDPOINTS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 
 

@@ -1,12 +1,18 @@
 """FP8 E4M3 weights: per tensor and 128x128 blocks, clamping before the cast, error bound."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from musecore_quant.formats.fp8 import fp8_dequantize, fp8_fake_quantize_activation, fp8_quantize
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # fixed data; the assertions hold for any seed, a failure must reproduce
 
 
 def test_per_tensor_scale_is_amax_over_448_and_dequant_multiplies():
@@ -23,8 +29,10 @@ def test_block_scales_have_ceil_shape_and_ragged_edges_dequantize():
     qt = fp8_quantize(w, block_size=128)
     assert qt.scale.shape == (3, 2) and qt.group_size == 128
     assert abs(qt.scale[2, 1].item() - w[256:, 128:].abs().max().item() / 448) < 1e-6 * qt.scale[2, 1].item()
-    err = (fp8_dequantize(qt) - w).abs() / w.abs().clamp(min=1e-3)
-    assert err.max().item() < 0.07, f"max relative error {err.max().item():.3g}"
+    scale = qt.scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200]
+    # E4M3 keeps 3 mantissa bits (relative error <= 2^-4) down to its subnormals (step 2^-9 of the scale).
+    excess = (fp8_dequantize(qt) - w).abs() - (w.abs() / 16 + scale / 2 ** 10) * (1 + 1e-6)
+    assert excess.max().item() <= 0, f"error exceeds the E4M3 bound by {excess.max().item():.3g}"
 
 
 def test_quotients_are_clamped_before_the_cast_so_nothing_becomes_nan():

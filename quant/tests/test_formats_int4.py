@@ -13,6 +13,11 @@ from musecore_quant.formats.int4 import (int4_dequantize, int4_from_awq, int4_fr
                                          int4_to_awq, int4_to_gptq)
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # fixed data; the assertions hold for any seed, a failure must reproduce
+
+
 def _qtensor(codes: torch.Tensor, group_size: int, zero=None, scale=None) -> QTensor:
     out, k = codes.shape[-2:]
     if scale is None:

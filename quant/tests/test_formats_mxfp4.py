@@ -12,6 +12,12 @@ from hypothesis.extra import numpy as hnp
 from musecore_quant.formats.mxfp4 import (e8m0_to_float, mxfp4_dequantize, mxfp4_fake_quantize_activation,
                                           mxfp4_from_gpt_oss, mxfp4_quantize, mxfp4_to_gpt_oss, shared_exponent)
 
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # fixed data; the assertions hold for any seed, a failure must reproduce
+
+
 TORCHAO_BLOCK = torch.tensor([[7.0, -3.3, 1.25, 0.3, 2.5, 5.0, -0.75, 0.1] + [0.0] * 24])
 
 

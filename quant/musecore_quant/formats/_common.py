@@ -25,13 +25,15 @@ def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
     return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
 
 
-def row_chunks(rows: int, row_length: int) -> Iterator[slice]:
-    """Slices over ``rows`` rows of ``row_length`` elements, each about CHUNK_ELEMENTS in size."""
-    step = max(1, CHUNK_ELEMENTS // max(1, row_length))
+def row_chunks(rows: int, row_length: int, multiple: int = 1) -> Iterator[slice]:
+    """Slices over ``rows`` rows of ``row_length`` elements, each about CHUNK_ELEMENTS in size.
+
+    Every slice but the last spans a multiple of ``multiple`` rows (whole 128-row FP8 blocks).
+    """
+    step = multiple * max(1, CHUNK_ELEMENTS // max(1, row_length * multiple))
     for start in range(0, rows, step):
         yield slice(start, min(rows, start + step))
 
-FORMAT_LABELS = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "int4": "INT4", "fp8": "FP8"}
 
 
 def require_float_tensor(x: object, label: str, what: str = "weight") -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 
 from ..qtensor import QTensor
-from ._common import divide, require_float_tensor, require_weight
+from ._common import divide, require_float_tensor, require_weight, row_chunks
 
 E4M3_MAX = 448.0
 FP8_PER_TENSOR = 0                  # QTensor.group_size of a per-tensor FP8 weight
@@ -59,23 +59,42 @@ def fp8_quantize(w: torch.Tensor, block_size: Optional[int] = None) -> QTensor:
         qt.data.dtype, qt.scale.shape          # torch.float8_e4m3fn, [3, 2]
     """
     w = require_weight(w, _LABEL)
-    x = w.float()
     if block_size is None:
-        scale = _scale_from_amax(x.abs().amax(dim=(-2, -1)))                 # [...]
-        data = _to_e4m3(x / scale[..., None, None])
-        group_size = FP8_PER_TENSOR
-    else:
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"FP8 block_size must be None (per tensor) or a positive int such as 128; "
-                             f"got {block_size!r}")
-        rows, cols = x.shape[-2], x.shape[-1]
-        pad_rows, pad_cols = -rows % block_size, -cols % block_size
-        padded = torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows))      # zeros do not change an amax
-        blocks = padded.unflatten(-1, (-1, block_size)).unflatten(-3, (-1, block_size))  # [..., Mb, b, Nb, b]
-        scale = _scale_from_amax(blocks.abs().amax(dim=(-3, -1)))           # [..., Mb, Nb]
-        data = _to_e4m3(x / _expand_blocks(scale, block_size, tuple(x.shape)))
-        group_size = block_size
-    return QTensor(format="fp8", data=data, scale=scale, shape=tuple(w.shape), group_size=group_size)
+        data, scale = _quantize_per_tensor(w)
+        return QTensor(format="fp8", data=data, scale=scale, shape=tuple(w.shape), group_size=FP8_PER_TENSOR)
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"FP8 block_size must be None (per tensor) or a positive int such as 128; got {block_size!r}")
+    data, scale = _quantize_blocks(w, block_size)
+    return QTensor(format="fp8", data=data, scale=scale, shape=tuple(w.shape), group_size=block_size)
+
+
+def _quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out_features, in_features = w.shape[-2:]
+    low, high = w.flatten(-2).aminmax(dim=-1)
+    scale = _scale_from_amax(torch.maximum(-low, high))                     # [...]
+    rows = w.reshape(-1, in_features)                                        # [R, N]
+    row_scale = scale.unsqueeze(-1).expand(*scale.shape, out_features).reshape(-1, 1)
+    data = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    for chunk in row_chunks(rows.shape[0], in_features):
+        data[chunk] = _to_e4m3(rows[chunk].float() / row_scale[chunk])
+    return data.reshape(w.shape), scale
+
+
+def _quantize_blocks(w: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out_features, in_features = w.shape[-2:]
+    matrices = w.reshape(-1, out_features, in_features)                     # [L, M, N]
+    data = torch.empty(matrices.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(matrices.shape[0], -(-out_features // block_size), -(-in_features // block_size),
+                        dtype=torch.float32, device=w.device)                # [L, Mb, Nb]
+    for m in range(matrices.shape[0]):
+        for chunk in row_chunks(out_features, in_features, multiple=block_size):
+            rows = matrices[m, chunk].float()
+            pad = (0, -in_features % block_size, 0, -rows.shape[0] % block_size)  # zeros keep every amax
+            blocks = torch.nn.functional.pad(rows, pad).unflatten(-1, (-1, block_size)).unflatten(0, (-1, block_size))
+            block_rows = slice(chunk.start // block_size, chunk.start // block_size + blocks.shape[0])
+            scale[m, block_rows] = _scale_from_amax(blocks.abs().amax(dim=(1, 3)))
+            data[m, chunk] = _to_e4m3(rows / _expand_blocks(scale[m, block_rows], block_size, tuple(rows.shape)))
+    return data.reshape(w.shape), scale.reshape((*w.shape[:-2], *scale.shape[1:]))
 
 
 def fp8_dequantize(qt: QTensor) -> torch.Tensor:
