@@ -35,7 +35,6 @@ def row_chunks(rows: int, row_length: int, multiple: int = 1) -> Iterator[slice]
         yield slice(start, min(rows, start + step))
 
 
-
 def require_float_tensor(x: object, label: str, what: str = "weight") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{label} quantization expects a torch.Tensor {what}; got {type(x).__name__}")
