@@ -1,0 +1,49 @@
+"""Shared helpers of the xeon backend tests: NMSE against the reference, printed, and a backend
+whose crossover calibration is real but cheap (small shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musecore.backends.reference import ReferenceBackend
+from musecore_xeon import XeonBackend
+from musecore_xeon.kernels.crossover import BF16_CROSSOVER_ENV, INT4_CROSSOVER_ENV
+
+
+def nmse(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    reference, actual = reference.double(), actual.double()
+    return float(((reference - actual) ** 2).sum() / (reference ** 2).sum().clamp_min(1e-30))
+
+
+def assert_close_nmse(reference: torch.Tensor, actual: torch.Tensor, tol: float, what: str) -> float:
+    """Shape, finiteness and NMSE <= tol; prints the measured NMSE so a passing run shows the margin."""
+    assert actual.shape == reference.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(reference.shape)}"
+    assert torch.isfinite(actual.float()).all(), f"{what}: output has NaN/Inf"
+    err = nmse(reference.float(), actual.float())
+    print(f"{what}: NMSE {err:.3e} (tolerance {tol:.1e})")
+    assert err <= tol, f"{what}: NMSE {err:.3e} > tolerance {tol:.1e}"
+    return err
+
+
+@pytest.fixture(scope="session")
+def xeon():
+    """One thread: the tests time nothing, and on a shared 2-core host two OpenMP threads stall
+    each other behind other processes (a 40 ms MoE call took 0.5-1.8 s at load average 9)."""
+    before = torch.get_num_threads()
+    yield XeonBackend(num_threads=1)
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def reference() -> ReferenceBackend:
+    return ReferenceBackend()
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_fixed_crossover(monkeypatch: pytest.MonkeyPatch):
+    """Seeded, and a fixed crossover M=64 so tests reach both paths without timing anything;
+    the calibration itself is tested where a test deletes these variables."""
+    torch.manual_seed(0)
+    monkeypatch.setenv(INT4_CROSSOVER_ENV, "64")
+    monkeypatch.setenv(BF16_CROSSOVER_ENV, "64")

@@ -1,0 +1,115 @@
+"""INT4 linear against the reference dequantized matmul, on both sides of the crossover M."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import musecore_quant
+from conftest import assert_close_nmse
+from musecore.backends.reference import ReferenceBackend
+from musecore.ops import reference as ref
+from musecore.ops import tolerance
+from musecore_quant.qtensor import QTensor
+from musecore_xeon import XeonBackend
+from musecore_xeon.kernels.crossover import INT4_CROSSOVER_ENV, pick_crossover
+from musecore_xeon.kernels.int4 import Int4Linear, int4_crossover, int4pack_block_n, prepare_int4
+
+SHAPES = [(256, 512), (512, 256), (128, 1024)]  # (out, in): expert-like and projection-like
+
+
+def random_int4(out_features: int, in_features: int, group_size: int = 128, *, negative_scales: bool,
+                asymmetric: bool) -> QTensor:
+    """A canonical INT4 QTensor with random codes, scales of both signs and (optionally) random zeros."""
+    g = torch.Generator().manual_seed(out_features * 7 + in_features)
+    data = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=g)
+    scale = torch.rand(out_features, in_features // group_size, generator=g) * 0.02 + 0.001
+    if negative_scales:
+        scale = scale * torch.where(torch.rand(scale.shape, generator=g) < 0.5, -1.0, 1.0)
+    zero = torch.randint(0, 16, scale.shape, dtype=torch.uint8, generator=g) if asymmetric else None
+    return QTensor("int4", data, scale.half(), (out_features, in_features), group_size, zero=zero)
+
+
+def reference_linear(x: torch.Tensor, qt: QTensor) -> torch.Tensor:
+    return ref.linear(x.float(), ReferenceBackend().prepare_weight(qt, "linear", dtype=torch.float32))
+
+
+def both_paths(lin: Int4Linear, crossover: int) -> Int4Linear:
+    lin.crossover = crossover
+    return lin
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("negative_scales,asymmetric", [(False, False), (True, False), (True, True), (False, True)])
+def test_int4_linear_matches_reference_on_both_sides_of_crossover(shape, negative_scales, asymmetric) -> None:
+    qt = random_int4(*shape, negative_scales=negative_scales, asymmetric=asymmetric)
+    lin = both_paths(prepare_int4(qt, torch.float32, calibrate=False), crossover=8)
+    for m in (1, 3, 8, 33):
+        x = torch.randn(m, shape[1], dtype=torch.bfloat16)
+        path = "dense tiles" if lin.uses_dense_tiles(m) else "int4 kernel"
+        assert path == ("dense tiles" if m >= 8 else "int4 kernel")
+        assert_close_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"),
+                          f"int4 {shape} neg={negative_scales} asym={asymmetric} M={m} ({path})")
+
+
+def test_quantizer_output_with_negative_scales_runs_through_the_backend(xeon: XeonBackend) -> None:
+    w = torch.randn(512, 1024)
+    for sym in (True, False):
+        qt = musecore_quant.quantize(w, "int4", group_size=128, sym=sym)
+        if sym:
+            assert (qt.scale < 0).any(), "AutoRound full-range symmetric RTN should give negative scales"
+        weight = xeon.prepare_weight(qt, "linear")
+        for m in (1, 300):
+            x = torch.randn(2, (m + 1) // 2, 1024, dtype=torch.bfloat16)  # leading dims are kept
+            y = xeon.linear(x, weight)
+            assert y.dtype == x.dtype and y.shape == (2, (m + 1) // 2, 512)
+            assert_close_nmse(reference_linear(x, qt), y.float(), tolerance("linear"), f"quantize(sym={sym}) M={m}")
+
+
+def test_dense_tile_dequantization_equals_the_quantizer_dequantization() -> None:
+    qt = random_int4(256, 512, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    # Scales travel as bf16 for the kernel, so the match is to bf16 precision, not bit-exact.
+    assert_close_nmse(musecore_quant.dequantize(qt), lin.dequantize(), 1e-5, "tile dequant vs dequantize")
+
+
+def test_packing_block_is_detected() -> None:
+    assert int4pack_block_n() in (16, 32, 64)
+
+
+def test_crossover_is_measured_and_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(INT4_CROSSOVER_ENV, raising=False)
+    first = int4_crossover(256, 128, 128, torch.float32)
+    print(first.table())
+    assert first.source == "measured" and len(first.ms) == len(first.small_m_us) == len(first.dense_us) > 0
+    assert first.crossover is None or first.crossover in first.ms
+    assert int4_crossover(256, 128, 128, torch.float32) is first
+
+
+def test_crossover_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(INT4_CROSSOVER_ENV, "48")
+    assert int4_crossover(256, 128, 128, torch.float32).crossover == 48
+    monkeypatch.setenv(INT4_CROSSOVER_ENV, "none")
+    assert int4_crossover(256, 128, 128, torch.float32).crossover is None
+    monkeypatch.setenv(INT4_CROSSOVER_ENV, "soon")
+    with pytest.raises(ValueError, match=INT4_CROSSOVER_ENV):
+        int4_crossover(256, 128, 128, torch.float32)
+
+
+def test_pick_crossover_needs_a_win_at_every_larger_m() -> None:
+    ms = (1, 2, 4, 8)
+    assert pick_crossover(ms, (1, 1, 5, 5), (2, 2, 4, 4)) == 4
+    assert pick_crossover(ms, (1, 5, 1, 5), (2, 4, 2, 4)) == 8   # an isolated early win does not count
+    assert pick_crossover(ms, (1, 1, 1, 1), (2, 2, 2, 2)) is None
+
+
+def test_unsupported_int4_shapes_and_formats_raise_with_advice(xeon: XeonBackend) -> None:
+    with pytest.raises(ValueError, match="group size 16"):
+        prepare_int4(random_int4(128, 256, 16, negative_scales=False, asymmetric=False), torch.float32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        prepare_int4(random_int4(96, 256, negative_scales=False, asymmetric=False), torch.float32)
+    with pytest.raises(ValueError, match="convert to INT4 at load"):
+        xeon.prepare_weight(musecore_quant.quantize(torch.randn(64, 64), "nvfp4"), "linear")
+    with pytest.raises(ValueError, match="weight-only"):
+        xeon.prepare_weight(random_int4(128, 256, negative_scales=False, asymmetric=False), "linear",
+                            act_format="nvfp4")

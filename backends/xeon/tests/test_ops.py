@@ -1,0 +1,106 @@
+"""The non-GEMM ops against the reference with the interface's NMSE tolerances."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close_nmse
+from musecore.ops import reference as ref
+from musecore.ops import tolerance
+from musecore_xeon import XeonBackend
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(xeon: XeonBackend, dtype) -> None:
+    x, w = torch.randn(5, 7, 256, dtype=dtype) * 3, 1 + 0.2 * torch.randn(256)
+    y = xeon.rms_norm(x, w, 1e-6)
+    assert y.dtype == dtype
+    assert_close_nmse(ref.rms_norm(x, w, 1e-6), y, tolerance("rms_norm"), f"rms_norm {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_norm(xeon: XeonBackend, dtype) -> None:
+    args = (torch.randn(3, 9, 128, dtype=dtype), torch.randn(3, 9, 128, dtype=dtype), 1 + 0.2 * torch.randn(128),
+            1 + 0.2 * torch.randn(128), 1 + 0.2 * torch.randn(128), 1e-6)
+    for i, (want, got) in enumerate(zip(ref.residual_norm(*args), xeon.residual_norm(*args))):
+        assert got.dtype == dtype
+        assert_close_nmse(want, got, tolerance("residual_norm"), f"residual_norm[{i}] {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope(xeon: XeonBackend, dtype) -> None:
+    B, T, nq, nkv, d = 2, 5, 4, 2, 64
+    q, k = torch.randn(B, T, nq, d, dtype=dtype), torch.randn(B, T, nkv, d, dtype=dtype)
+    pos = torch.arange(T)[None].expand(B, T).float() + torch.tensor([[0.0], [17.0]])
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2).float() / d)
+    angles = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)  # [B,T,d]
+    args = (q, k, 1 + 0.2 * torch.randn(d), 1 + 0.2 * torch.randn(d), angles.cos(), angles.sin(), 1e-6)
+    for name, want, got in zip("qk", ref.qk_norm_rope(*args), xeon.qk_norm_rope(*args)):
+        assert_close_nmse(want, got, tolerance("qk_norm_rope"), f"qk_norm_rope {name} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_norm_gate(xeon: XeonBackend, dtype) -> None:
+    args = (torch.randn(2, 3, 4, 32, dtype=dtype), 1 + 0.2 * torch.randn(32), torch.randn(2, 3, 4, dtype=dtype), 1e-6)
+    assert_close_nmse(ref.head_norm_gate(*args), xeon.head_norm_gate(*args), tolerance("head_norm_gate"),
+                      f"head_norm_gate {dtype}")
+
+
+def test_router_topk_and_sample_are_exact(xeon: XeonBackend) -> None:
+    logits = torch.randn(7, 64)
+    for renorm in (True, False):
+        (w0, i0), (w1, i1) = ref.router_topk(logits, 8, renorm), xeon.router_topk(logits, 8, renorm)
+        assert torch.equal(i0, i1)
+        assert_close_nmse(w0, w1, tolerance("router_topk"), f"router_topk renormalize={renorm}")
+    vocab_logits = torch.randn(3, 500)
+    assert torch.equal(xeon.sample(vocab_logits), ref.sample(vocab_logits))
+    for kwargs in ({"temperature": 0.8, "top_k": 20}, {"temperature": 1.0, "top_p": 0.9}):
+        a = xeon.sample(vocab_logits, generator=torch.Generator().manual_seed(3), **kwargs)
+        b = ref.sample(vocab_logits, generator=torch.Generator().manual_seed(3), **kwargs)
+        assert torch.equal(a, b), kwargs
+
+
+def attention_case(B: int, T: int, S: int, nq: int, nkv: int, d: int, dtype: torch.dtype):
+    q = torch.randn(B, T, nq, d, dtype=dtype)
+    k, v = torch.randn(B, S, nkv, d, dtype=dtype), torch.randn(B, S, nkv, d, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("nq,nkv", [(4, 4), (8, 2)])
+def test_attention_prefill(xeon: XeonBackend, dtype, window, nq, nkv) -> None:
+    B, T, d = 2, 11, 32
+    q, k, v = attention_case(B, T, T, nq, nkv, d, dtype)
+    pos = torch.arange(T)[None].repeat(B, 1)
+    pos[1, :3] = -1  # left padding: empty key slots, and padded queries that see nothing
+    args = (q, k, v, pos, pos, window, d ** -0.5)
+    out = xeon.attention(*args)
+    assert out.dtype == dtype
+    assert torch.all(out[1, :3] == 0), "queries that see no key must return zeros"
+    assert_close_nmse(ref.attention(*args), out, tolerance("attention"), f"prefill {dtype} window={window} {nq}/{nkv}")
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_decode_over_ring_buffer(xeon: XeonBackend, window) -> None:
+    """One new token per sequence over a cache whose slots hold positions out of order (ring buffer)."""
+    B, S, nq, nkv, d = 3, 8, 8, 2, 64
+    q, k, v = attention_case(B, 1, S, nq, nkv, d, torch.bfloat16)
+    k_pos = torch.tensor([[8, 9, 10, 11, 4, 5, 6, 7],      # wrapped ring: slot order != position order
+                          [0, 1, 2, -1, -1, -1, -1, -1],   # short sequence: empty slots
+                          [3, 4, 5, 6, 7, 8, 9, 10]])
+    q_pos = torch.tensor([[11], [2], [10]])
+    args = (q, k, v, q_pos, k_pos, window, d ** -0.5)
+    assert_close_nmse(ref.attention(*args), xeon.attention(*args), tolerance("attention"), f"decode window={window}")
+
+
+def test_attention_fp8_kv_with_scales(xeon: XeonBackend) -> None:
+    B, T, nq, nkv, d = 1, 6, 4, 2, 32
+    q, k, v = attention_case(B, T, T, nq, nkv, d, torch.bfloat16)
+    k8, v8 = (k.float() / 0.05).to(torch.float8_e4m3fn), (v.float() / 0.07).to(torch.float8_e4m3fn)
+    pos = torch.arange(T)[None]
+    args = (q, k8, v8, pos, pos, None, d ** -0.5, 0.05, 0.07)
+    assert_close_nmse(ref.attention(*args), xeon.attention(*args), tolerance("attention"), "fp8 kv")
