@@ -54,8 +54,8 @@ def open_checkpoint(folder: str | Path) -> "CheckpointReader":
         raise CheckpointError(f"{folder}: not a checkpoint folder (it does not exist or is not a "
                               "directory); pass the folder holding config.json and *.safetensors", path=folder)
     if is_partial(folder):
-        raise CheckpointError(f"{folder}: incomplete conversion (a .partial folder left by an interrupted "
-                              "writer); rerun the converter to resume, or delete it", path=folder)
+        raise CheckpointError(f"{folder}: incomplete conversion; rerun the converter to resume (this .partial "
+                              "folder was left by an interrupted writer), or delete it", path=folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: config.json is missing; a Hugging Face checkpoint folder "
