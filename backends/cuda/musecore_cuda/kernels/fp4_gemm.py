@@ -66,9 +66,40 @@ def _fp4_bits(c, MODE: tl.constexpr):
 
 
 @triton.jit
-def _group_mult(s, fold_log2, WFMT: tl.constexpr, MODE: tl.constexpr, EB: tl.constexpr):
+def _fp4x2_bf16_scaled(b, m_lo, m_hi):
+    """Packed E2M1 bytes -> (low-nibble, high-nibble) bf16 values times their group multipliers.
+
+    Inline PTX on 4 bytes at a time: ``prmt`` spreads two bytes into the 16-bit lanes of a
+    register, shift+mask put sign and magnitude bits in place (bf16 bits of value * 2**-126), and
+    one ``mul.rn.bf16x2`` applies two multipliers: about 2 instructions per weight instead of ~10
+    for the element-wise Triton path (which the interpreter and fp16 activations still use).
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, a, s, c;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shl.b32 a, t0, 6;  and.b32 a, a, 0x01C001C0; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000;
+        or.b32 c, a, s; mul.rn.bf16x2 $0, c, $5;
+        shl.b32 a, t1, 6;  and.b32 a, a, 0x01C001C0; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000;
+        or.b32 c, a, s; mul.rn.bf16x2 $1, c, $6;
+        shl.b32 a, t0, 2;  and.b32 a, a, 0x01C001C0; shl.b32 s, t0, 8;  and.b32 s, s, 0x80008000;
+        or.b32 c, a, s; mul.rn.bf16x2 $2, c, $7;
+        shl.b32 a, t1, 2;  and.b32 a, a, 0x01C001C0; shl.b32 s, t1, 8;  and.b32 s, s, 0x80008000;
+        or.b32 c, a, s; mul.rn.bf16x2 $3, c, $8;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[b, m_lo, m_hi], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _group_mult(s, fold_log2, WFMT: tl.constexpr, MODE: tl.constexpr, EB: tl.constexpr, HW: tl.constexpr):
     """Scale bytes (int32) -> scale * 2**EB / 2**fold_log2 in the dot type (exact: <= 4 significant bits)."""
-    if WFMT == 1:  # e4m3: s eeee mmm, bias 7
+    if WFMT == 1 and HW:  # hardware e4m3 -> fp32 conversion (GPU)
+        v = s.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * _pow2(EB - fold_log2)
+    elif WFMT == 1:  # e4m3: s eeee mmm, bias 7, decoded with integer ops (interpreter)
         e = (s >> 3) & 15
         m = s & 7
         normal = (8 + m).to(tl.float32) * _pow2(e - 10 + EB - fold_log2)
@@ -88,7 +119,7 @@ def _group_mult(s, fold_log2, WFMT: tl.constexpr, MODE: tl.constexpr, EB: tl.con
 @triton.jit
 def _load_w_halves(w_ptr, s_ptr, w_row, s_row, n_mask, kc, fold_log2,
                    WFMT: tl.constexpr, MODE: tl.constexpr, EB: tl.constexpr,
-                   BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+                   BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HW: tl.constexpr):
     """The weight tile of chunk ``kc`` as two [BLOCK_N, 64] halves in the dot type."""
     if WFMT == 0:
         offs = tl.arange(0, 64)
@@ -101,14 +132,21 @@ def _load_w_halves(w_ptr, s_ptr, w_row, s_row, n_mask, kc, fold_log2,
         offs_g = tl.arange(0, NG)
         offs_b = tl.arange(0, GB)
         byte_off = kc * 64 + offs_g[None, :, None] * GB + offs_b[None, None, :]
-        b = tl.load(w_ptr + w_row[:, None, None] + byte_off, mask=n_mask[:, None, None], other=0).to(tl.int32)
+        b = tl.load(w_ptr + w_row[:, None, None] + byte_off, mask=n_mask[:, None, None], other=0)
         s_base = s_ptr + s_row[:, None] + kc * (2 * NG) + offs_g[None, :]
         s_lo = tl.load(s_base, mask=n_mask[:, None], other=0).to(tl.int32)
         s_hi = tl.load(s_base + NG, mask=n_mask[:, None], other=0).to(tl.int32)
-        m_lo = _group_mult(s_lo, fold_log2, WFMT, MODE, EB)
-        m_hi = _group_mult(s_hi, fold_log2, WFMT, MODE, EB)
-        w_lo = tl.reshape(_fp4_bits(b & 15, MODE) * m_lo[:, :, None], (BLOCK_N, 64))
-        w_hi = tl.reshape(_fp4_bits(b >> 4, MODE) * m_hi[:, :, None], (BLOCK_N, 64))
+        m_lo = _group_mult(s_lo, fold_log2, WFMT, MODE, EB, HW)
+        m_hi = _group_mult(s_hi, fold_log2, WFMT, MODE, EB, HW)
+        if HW and MODE == 1:
+            v_lo, v_hi = _fp4x2_bf16_scaled(b, tl.broadcast_to(m_lo[:, :, None], b.shape),
+                                            tl.broadcast_to(m_hi[:, :, None], b.shape))
+            w_lo = tl.reshape(v_lo, (BLOCK_N, 64))
+            w_hi = tl.reshape(v_hi, (BLOCK_N, 64))
+        else:
+            b = b.to(tl.int32)
+            w_lo = tl.reshape(_fp4_bits(b & 15, MODE) * m_lo[:, :, None], (BLOCK_N, 64))
+            w_hi = tl.reshape(_fp4_bits(b >> 4, MODE) * m_hi[:, :, None], (BLOCK_N, 64))
     return w_lo, w_hi
 
 
@@ -122,6 +160,7 @@ def w4a16_gemm_kernel(
     WFMT: tl.constexpr, MODE: tl.constexpr, EB: tl.constexpr, GROUP: tl.constexpr,
     GATHER: tl.constexpr, A_DIV: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    HW: tl.constexpr,
 ):
     """C[M, N] (+)= A[M, K] @ W[e, N, K]^T; see the module docstring for the three uses."""
     pid = tl.program_id(0)
@@ -165,12 +204,12 @@ def w4a16_gemm_kernel(
             a_lo = tl.load(a_base + kc * 128, mask=a_valid[:, None], other=0.0)
             a_hi = tl.load(a_base + kc * 128 + 64, mask=a_valid[:, None], other=0.0)
             w_lo, w_hi = _load_w_halves(w_ptr, s_ptr, w_row, s_row, n_mask, kc, fold_log2,
-                                        WFMT, MODE, EB, BLOCK_N, GROUP)
+                                        WFMT, MODE, EB, BLOCK_N, GROUP, HW)
             acc = tl.dot(a_lo, tl.trans(w_lo), acc)
             acc = tl.dot(a_hi, tl.trans(w_hi), acc)
             if SWIGLU:
                 u_lo, u_hi = _load_w_halves(w2_ptr, s2_ptr, w_row, s_row, n_mask, kc, fold_log2,
-                                            WFMT, MODE, EB, BLOCK_N, GROUP)
+                                            WFMT, MODE, EB, BLOCK_N, GROUP, HW)
                 acc2 = tl.dot(a_lo, tl.trans(u_lo), acc2)
                 acc2 = tl.dot(a_hi, tl.trans(u_hi), acc2)
 
@@ -262,6 +301,6 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor]
         WFMT=wfmt, MODE=mode, EB=EXP_OFFSET[mode], GROUP=group,
         GATHER=a_idx is not None, A_DIV=a_div, EXPERTS=blk_expert is not None, SWIGLU=w2 is not None,
         SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HW=a.device.type == "cuda", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -14,6 +14,7 @@ Only routed experts run, and each expert's weight is streamed once per block of 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Union
 
 import torch
@@ -102,6 +103,8 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
     rows_per_expert = max(1, n_assign // min(num_experts, n_assign))
     active = min(num_experts, n_assign)
     cfg_up = pick_config(rows_per_expert, inter, latent, active, z.device, allow_split=False)
+    if not isinstance(gate, Fp4Resident):  # two dense 16-bit weight tiles per stage: fewer stages fit
+        cfg_up = replace(cfg_up, num_stages=2)
     sorted_ids, blk_expert, position = align_assignments(ids, num_experts, cfg_up.block_m)
     rows = sorted_ids.numel()
     h = torch.empty(rows, inter, dtype=z.dtype, device=z.device)
@@ -110,8 +113,7 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
                 a_div=topk, blk_expert=blk_expert, m_rows=rows, w2=u_args["w"], scales2=u_args["scales"],
                 out_scale2=u_args["out_scale"])
     cfg_down = pick_config(rows_per_expert, latent, inter, active, z.device, allow_split=True)
-    cfg_down = type(cfg_down)(cfg_up.block_m, cfg_down.block_n, cfg_down.split_k, cfg_up.group_m,
-                              cfg_down.num_warps, cfg_down.num_stages)
+    cfg_down = replace(cfg_down, block_m=cfg_up.block_m, group_m=cfg_up.group_m)  # one alignment for both
     alloc = torch.zeros if cfg_down.split_k > 1 else torch.empty
     o = alloc(rows, latent, dtype=torch.float32, device=z.device)
     launch_gemm(h, **_gemm_args(down), n=latent, k=inter, out=o, cfg=cfg_down, a_idx=sorted_ids,
