@@ -201,8 +201,8 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     pending: dict[str, Weight] = {}
     with reader, bar:
         for _, weights in reader.iter_shards(needed):
-            for name, value in weights.items():
-                pending[name] = value
+            for name in list(weights):
+                pending[name] = weights.pop(name)  # drop the shard's reference as each weight is done
                 members = groups.get(name, (name,))
                 if not all(m in pending for m in members):
                     continue

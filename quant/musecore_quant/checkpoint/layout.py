@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Mapping, Union
 
 import torch
 
@@ -52,10 +51,6 @@ class WeightEntry:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
-    def files(self) -> set[Path]:
-        return {h.file for h in self.parts.values()}
-
-    @property
     def nbytes(self) -> int:
         return sum(h.nbytes for h in self.parts.values())
 
@@ -63,14 +58,6 @@ class WeightEntry:
     def quantized(self) -> bool:
         return self.kind != "plain"
 
-    def header(self, role: str) -> TensorHeader:
-        return self.parts[role]
-
-
-# kind -> function(entry, tensors by role) -> Tensor | QTensor
-Decoder = Callable[[WeightEntry, dict[str, torch.Tensor]], Weight]
-# rule name -> function(logical name, parts by role, scheme options) -> WeightEntry
-Classifier = Callable[[str, dict[str, TensorHeader], Mapping[str, Any]], WeightEntry]
 
 
 def group_tensors(headers: Mapping[str, TensorHeader], rules: tuple[GroupingRule, ...],
@@ -185,13 +172,5 @@ def check_finite(entry: WeightEntry, tensors: dict[str, torch.Tensor]) -> None:
                                       "corrupt (or the export overflowed): re-download or re-export it")
 
 
-def expand_shape(lead: tuple[int, ...], out: int, inner: int) -> tuple[int, ...]:
-    return (*lead, out, inner)
-
-
 def to_fp32_scalar(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(()).to(torch.float32)
-
-
-def as_dict(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    return dict(options or {})

@@ -59,10 +59,6 @@ class TensorHeader:
     def nbytes(self) -> int:
         return self.offsets[1] - self.offsets[0]
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return SAFETENSORS_DTYPES[self.dtype][0]
-
 
 def _fail(path: Path, what: str, tensor: str | None = None) -> CheckpointError:
     where = f"{path}" + (f", tensor {tensor!r}" if tensor else "")
