@@ -35,14 +35,17 @@ class KVView:
 class LayerCache:
     def __init__(self, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *, ring: bool,
                  kv_format: str, dtype: torch.dtype, device: torch.device,
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 k_scale: float = 1.0, v_scale: float = 1.0, static: bool = False) -> None:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"unknown KV cache format {kv_format!r}; choose one of {KV_FORMATS}")
         store = torch.float8_e4m3fn if kv_format == "fp8" else dtype
-        self.ring, self.capacity, self.kv_format = ring, capacity, kv_format
-        self.k = torch.zeros(batch, capacity, num_kv_heads, head_dim, dtype=store, device=device)
+        self.ring, self.capacity, self.kv_format, self.static = ring, capacity, kv_format, static
+        # A static cache has one extra "trash" slot that padding entries are written to, so a write
+        # never needs to know on the host which entries are real (no device sync: graph-capturable).
+        slots = capacity + 1 if static else capacity
+        self.k = torch.zeros(batch, slots, num_kv_heads, head_dim, dtype=store, device=device)
         self.v = torch.zeros_like(self.k)
-        self.positions = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
+        self.positions = torch.full((batch, slots), -1, dtype=torch.long, device=device)
         self.used = 0  # slots [0, used) may hold entries (full layers); ring layers use all
         fp8 = kv_format == "fp8"
         self.k_scale: Optional[float] = k_scale if fp8 else None
@@ -57,13 +60,16 @@ class LayerCache:
 
     def view_with(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> KVView:
         """Cached entries followed by the (encoded) new ones: what this step's attention reads."""
-        limit = self.capacity if self.ring else self.used
+        limit = self.capacity if (self.ring or self.static) else self.used
         return KVView(torch.cat([self.k[:, :limit], k_new], 1), torch.cat([self.v[:, :limit], v_new], 1),
                       torch.cat([self.positions[:, :limit], pos_new], 1), self.k_scale, self.v_scale)
 
     def write(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> None:
         if self.ring and k_new.shape[1] > self.capacity:  # older entries would be overwritten anyway
             k_new, v_new, pos_new = (t[:, -self.capacity:] for t in (k_new, v_new, pos_new))
+        if self.static:
+            self._write_static(k_new, v_new, pos_new)
+            return
         b, t = (pos_new >= 0).nonzero(as_tuple=True)
         pos = pos_new[b, t]
         if not self.ring and pos.numel() and int(pos.max()) >= self.capacity:
@@ -74,19 +80,40 @@ class LayerCache:
         if not self.ring and pos.numel():
             self.used = max(self.used, int(pos.max()) + 1)
 
+    def _write_static(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> None:
+        """Scatter without host syncs: padding (-1) and out-of-range positions go to the trash slot.
+
+        Positions beyond a full layer's capacity cannot be reported here without a sync; the caller
+        (``generate``) sizes the cache for the prompt plus ``max_new_tokens`` up front.
+        """
+        B, T = pos_new.shape
+        trash = self.capacity
+        slot = pos_new % self.capacity if self.ring else pos_new
+        slot = torch.where((pos_new >= 0) & (slot < self.capacity), slot, torch.full_like(slot, trash))
+        b = torch.arange(B, device=pos_new.device)[:, None].expand(B, T)
+        self.k[b, slot], self.v[b, slot], self.positions[b, slot] = k_new, v_new, pos_new
+        self.positions[:, trash] = -1
+
 
 class KVCache:
-    """One :class:`LayerCache` per layer, sized by the config: ``KVCache(config, batch, max_length)``."""
+    """One :class:`LayerCache` per layer, sized by the config: ``KVCache(config, batch, max_length)``.
+
+    ``static=True`` keeps every shape fixed and every write free of host syncs (attention reads the
+    whole capacity, masked by positions), which is what CUDA-graph capture of a decode step needs;
+    the default trims full layers to the filled length, which is faster on the CPU.
+    """
 
     def __init__(self, config: MuseConfig, batch: int, max_length: int, *, kv_format: str = "bf16",
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 static: bool = False) -> None:
         device = torch.device(device)
         self.layers = []
         for kind in config.layer_types:
             ring = kind == SLIDING
             capacity = min(config.sliding_window, max_length) if ring else max_length
             self.layers.append(LayerCache(batch, capacity, config.num_key_value_heads, config.head_dim,
-                                          ring=ring, kv_format=kv_format, dtype=dtype, device=device))
+                                          ring=ring, kv_format=kv_format, dtype=dtype, device=device,
+                                          static=static))
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
 
     def __getitem__(self, layer: int) -> LayerCache:

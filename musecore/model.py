@@ -112,6 +112,9 @@ class MuseModel:
         self.embed_tokens = self.norm = self.lm_head = None
         self.plan = None       # set by musecore.load
         self.tokenizer = None  # set by musecore.load when the checkpoint has tokenizer.json
+        self.conversion_report: list = []  # per-tensor error of every conversion done while loading
+        self.kv_format = "bf16"
+        self.last_generation_stats = None  # set by generate()
 
     # -- the computation --------------------------------------------------------------------------
 
@@ -143,8 +146,9 @@ class MuseModel:
 
     __call__ = forward
 
-    def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16") -> KVCache:
-        return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device)
+    def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16", static: bool = False) -> KVCache:
+        return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device,
+                       static=static)
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """str -> str, list[int] -> list[int], or a batch of either; see :func:`musecore.generate.generate`."""

@@ -156,6 +156,19 @@ class CheckpointSummary:
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+BLOCK = {"nvfp4": 16, "mxfp4": 32, "int4": 128}  # in_features must be a multiple of the format's block
+
+
+def unquantizable(summary: CheckpointSummary, targets: dict[str, tuple[str, Optional[str]]]) -> list[str]:
+    """Gaps for tensors converted at load to a format whose block does not divide their width."""
+    gaps = []
+    for name, (target, _act) in targets.items():
+        block, shape = BLOCK.get(target), summary.shapes[name]
+        if block and summary.formats[name] != target and shape[-1] % block:
+            gaps.append(f"{name} {list(shape)}: {target} needs in_features divisible by {block}, got {shape[-1]}; "
+                        "this device cannot take this checkpoint (use device='cpu' or a checkpoint whose expert "
+                        f"widths are multiples of {block})")
+    return gaps
 
 
 def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_label: str
@@ -281,7 +294,7 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     groups, targets = resolve_groups(summary, profile, dtype_label)
     ops = [choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
            for spec in needed_specs(targets, kv_format, device)]
-    gaps = [f"{hardware_gap}"] if hardware_gap else []
+    gaps = ([f"{hardware_gap}"] if hardware_gap else []) + unquantizable(summary, targets)
     for c in ops:
         if c.tier == Tier.NO.value and not hardware_gap:
             what = f"{c.op}" + (f" [{c.weight_format} weights, {c.act_format or '16-bit'} activations]" if c.weight_format else "")

@@ -75,10 +75,17 @@ def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Ten
 
 def fake_quantize_activation(x: torch.Tensor, act_format: Optional[str],
                              input_scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """What a W4A4 / W8A8 target does to activations before its matmul, as dequantized values."""
+    """What a W4A4 / W8A8 target does to activations before its matmul, as dequantized values.
+
+    NVFP4 activations need a global scale: the checkpoint's calibrated ``input_scale`` when it has
+    one (ModelOpt exports do); otherwise a dynamic per-token one, ``amax(|x|) / (6*448)`` per row,
+    so a token's numerics never depend on the other tokens of its batch.
+    """
     if act_format is None:
         return x
     from musecore_quant import fake_quantize_activation as fq
+    if act_format == "nvfp4" and input_scale is None:
+        input_scale = (x.float().abs().amax(-1) / (6 * 448)).clamp_min(torch.finfo(torch.float32).tiny)
     return fq(x, act_format, input_scale=input_scale)
 
 

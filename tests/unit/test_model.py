@@ -30,14 +30,15 @@ def test_forward_matches_independent_implementation_of_model_md(small_checkpoint
     assert rel < 1e-4, f"relative error vs the independent MODEL.md implementation: {rel:.3e} (tolerance 1e-4)"
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["trimmed", "static"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_incremental_decode_equals_whole_sequence_beyond_the_window(small_checkpoint, kv_format):
+def test_incremental_decode_equals_whole_sequence_beyond_the_window(small_checkpoint, kv_format, static):
     folder, config, _ = small_checkpoint
     model = musecore.load(folder, device="cpu", dtype=torch.float32)
     ids = torch.randint(0, config.vocab_size, (2, 14))  # 14 > window 5: the ring buffer wraps
     cache = model.new_cache(batch=2, max_length=32, kv_format=kv_format)
     whole = model.forward(ids, cache=cache)
-    cache = model.new_cache(batch=2, max_length=32, kv_format=kv_format)
+    cache = model.new_cache(batch=2, max_length=32, kv_format=kv_format, static=static)
     steps = [model.forward(ids[:, :4], cache=cache)]  # prefill 4, then one token at a time
     steps += [model.forward(ids[:, t:t + 1], cache=cache) for t in range(4, 14)]
     incremental = torch.cat(steps, dim=1)
@@ -52,8 +53,8 @@ def test_incremental_decode_equals_whole_sequence_beyond_the_window(small_checkp
 def test_round_trip_config_checkpoint_load_sharded(tmp_path):
     config = small_config()
     tensors = random_tensors(config, seed=3)
-    one = musecore.load(write_checkpoint(tmp_path / "one", config, tensors), dtype=torch.float32)
-    three = musecore.load(write_checkpoint(tmp_path / "three", config, tensors, shards=3), dtype=torch.float32)
+    one = musecore.load(write_checkpoint(tmp_path / "one", config, tensors), device="cpu", dtype=torch.float32)
+    three = musecore.load(write_checkpoint(tmp_path / "three", config, tensors, shards=3), device="cpu", dtype=torch.float32)
     assert MuseConfig.from_pretrained(tmp_path / "three").to_dict() == config.to_dict()
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(one.forward(ids), three.forward(ids))
@@ -66,15 +67,15 @@ def test_loader_rejects_missing_and_misshapen_tensors(tmp_path):
     bad = dict(tensors)
     del bad[name]
     with pytest.raises(CheckpointMismatch, match="missing 1 tensor.*experts.2.up_proj"):
-        musecore.load(write_checkpoint(tmp_path / "missing", config, bad))
+        musecore.load(write_checkpoint(tmp_path / "missing", config, bad), device="cpu")
     bad = dict(tensors)
     bad[name] = bad[name][:, :-1].contiguous()
     with pytest.raises(CheckpointMismatch, match=r"experts.2.up_proj.weight.*shape \[48, 31\].*\[48, 32\]"):
-        musecore.load(write_checkpoint(tmp_path / "shape", config, bad))
+        musecore.load(write_checkpoint(tmp_path / "shape", config, bad), device="cpu")
     bad = dict(tensors)
     bad["model.language_model.layers.9.extra.weight"] = torch.zeros(2)
     with pytest.raises(CheckpointMismatch, match="unexpected tensor"):
-        musecore.load(write_checkpoint(tmp_path / "extra", config, bad))
+        musecore.load(write_checkpoint(tmp_path / "extra", config, bad), device="cpu")
 
 
 def test_model_uses_per_expert_norm_before_routing_weight(small_checkpoint):

@@ -1,0 +1,313 @@
+"""AutoRound on one routed expert at a time, mapped onto the canonical INT4 layout.
+
+auto-round (Intel) tunes the rounding (and the group min/max) of every Linear of a *block* by
+sign-gradient descent on the block's output error over captured inputs. It knows Hugging Face
+decoder layers, not Muse experts, so we hand it a block of our own through its public
+single-block API (``CompressionOrchestrator.quantize_block``, the entry point llm-compressor
+uses, FORMATS.md): :class:`ExpertBlock` is one expert exactly as the MoE uses it (MODEL.md
+section 1), ``routing_weight * RMSNorm(down(silu(gate(z)) * up(z)), output_norm)``, so the loss
+AutoRound minimises is the expert's error as it enters the layer's weighted sum, on the pooled
+latents ``z`` that the router really sent to it. The expert's own output norm makes the loss blind
+to a uniform rescaling of the output, exactly as the model is.
+
+After tuning, auto-round leaves each Linear's fake-quantized weight and its fp16 ``scale`` (and
+``zp``); the codes are recovered exactly (``scale * q`` is exact in fp32 for fp16 scales and
+|q| <= 8) and checked by dequantizing (:func:`canonical_int4_from_autoround`). auto-round's
+symmetric grid is the one ``musecore_quant``'s INT4 RTN uses (full range, signed scales, code
+``q + 8``), so iteration 0 of the tuning *is* our RTN and AutoRound keeps the best iteration.
+
+Example::
+
+    tuner = ExpertTuner(latent=128, intermediate=256, eps=1e-6, options=AutoRoundOptions(iters=200))
+    result = tuner.tune(gate, up, down, output_norm, z, routing_weights)
+    result.qtensors["down_proj"]              # canonical int4 QTensor
+    result.loss_autoround <= result.loss_rtn  # on these tokens
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+from dataclasses import asdict, dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from musecore_quant import QTensor, quantize
+from musecore_quant.formats.fp4 import pack_nibbles
+from musecore_quant.formats.int4 import INT4_MAX_CODE, INT4_SYMMETRIC_ZERO, int4_dequantize
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+TESTED_AUTO_ROUND = "0.16.1"
+INSTALL_HINT = ("pip install 'auto-round==0.16.1' (or pip install -e '.[autoround]'); if pip wants another torch, "
+                "install auto-round with --no-deps and add its pure-Python dependencies by hand")
+
+
+def auto_round_version() -> Optional[str]:
+    """The installed auto-round version, or None when it is not installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version("auto-round")
+    except PackageNotFoundError:
+        return None
+
+
+def require_auto_round() -> None:
+    """Import auto-round or raise an ImportError that says how to install it."""
+    try:
+        import auto_round  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"AutoRound calibration needs the auto-round package ({e}); {INSTALL_HINT}") from e
+
+
+@dataclass(frozen=True)
+class AutoRoundOptions:
+    """How each expert is tuned. Defaults follow auto-round (200 iterations, lr 1/iters, min/max
+    tuning on) and the INT4 export (4 bits, group 128, symmetric).
+
+    An expert's calibration tokens are cut into at most ``nsamples`` samples of
+    ``tokens_per_sample`` tokens (so at most ``nsamples * tokens_per_sample`` tokens per expert);
+    ``batch_size`` samples make one optimiser step (None: all of the expert's samples, i.e. full
+    batch, which also makes "keep the best iteration" compare whole-set losses).
+    """
+
+    iters: int = 200
+    nsamples: int = 32
+    tokens_per_sample: int = 16
+    batch_size: Optional[int] = None
+    group_size: int = 128
+    sym: bool = True
+    lr: Optional[float] = None
+    seed: int = 42
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("iters", "nsamples", "tokens_per_sample", "group_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"AutoRoundOptions.{name} must be a positive int; got {getattr(self, name)!r}")
+        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size <= 0):
+            raise ValueError(f"AutoRoundOptions.batch_size must be a positive int or None; got {self.batch_size!r}")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.nsamples * self.tokens_per_sample
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class ExpertBlock(torch.nn.Module):
+    """One routed expert as its MoE layer sees it (MODEL.md section 1), in fp32:
+    ``routing_weight * RMSNorm(down(silu(gate(z)) * up(z)), output_norm)``."""
+
+    def __init__(self, latent: int, intermediate: int, eps: float) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(latent, intermediate, bias=False)
+        self.up_proj = torch.nn.Linear(latent, intermediate, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate, latent, bias=False)
+        self.register_buffer("output_norm", torch.ones(latent))
+        self.eps = eps
+
+    @torch.no_grad()
+    def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, output_norm: torch.Tensor) -> None:
+        for linear, w in ((self.gate_proj, gate), (self.up_proj, up), (self.down_proj, down)):
+            if tuple(w.shape) != tuple(linear.weight.shape):
+                raise ValueError(f"expert weight of shape {list(w.shape)} does not fit {list(linear.weight.shape)}")
+            linear.weight.data.copy_(w.float())
+        self.output_norm.copy_(output_norm.float())
+
+    def forward(self, hidden_states: torch.Tensor, routing_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        z = hidden_states.float()
+        y = self.down_proj(F.silu(self.gate_proj(z)) * self.up_proj(z))                 # [..., l]
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.output_norm  # the expert's own norm
+        return y if routing_weight is None else y * routing_weight.float()[..., None]
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([block])
+
+
+class _SingleBlockModel(torch.nn.Module):
+    """The smallest model auto-round accepts: ``model.layers[0]`` is the block, a config without a
+    hub name (so auto-round never tries to download anything)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+        self.model = _Decoder(block)
+        self.config = PretrainedConfig(architectures=["MuseRoutedExpert"], model_type="muse_routed_expert")
+        self.dtype = torch.float32
+
+    def forward(self, *args, **kwargs):
+        return self.model.layers[0](*args, **kwargs)
+
+
+@dataclass
+class ExpertResult:
+    """One tuned expert: its three INT4 weights and the routed-output error before/after tuning."""
+
+    qtensors: dict[str, QTensor]
+    loss_rtn: float          # weighted MSE of the expert's routed output, RTN weights, on its tokens
+    loss_autoround: float    # the same with the tuned weights
+    tokens: int
+
+
+def weighted_output_mse(block: ExpertBlock, weights: dict[str, torch.Tensor], z: torch.Tensor,
+                        routing_weight: torch.Tensor, reference: torch.Tensor) -> float:
+    """MSE between ``reference`` and the block's routed output with ``weights`` swapped in."""
+    saved = {p: getattr(block, p).weight.data.clone() for p in PROJECTIONS}
+    try:
+        with torch.no_grad():
+            for p in PROJECTIONS:
+                getattr(block, p).weight.data.copy_(weights[p])
+            out = block(z, routing_weight)
+        return float(F.mse_loss(out, reference))
+    finally:
+        with torch.no_grad():
+            for p in PROJECTIONS:
+                getattr(block, p).weight.data.copy_(saved[p])
+
+
+def canonical_int4_from_autoround(qdq_weight: torch.Tensor, scale: torch.Tensor, zero_point, group_size: int,
+                                  sym: bool) -> QTensor:
+    """The canonical INT4 QTensor of a Linear that auto-round has tuned.
+
+    auto-round leaves ``weight = scale * q`` (fp32, ``q`` in -8..7 for symmetric; asymmetric:
+    ``scale * (q - zp)`` with ``q`` in 0..15) and ``scale`` fp16 ``[out, in/g]``. Our codes are
+    ``q + 8`` (symmetric) or ``q`` with zero ``zp``. Raises when the weights are not exactly on
+    that grid (another auto-round version changing its conventions must not pass silently).
+    """
+    out_features, in_features = qdq_weight.shape
+    groups = in_features // group_size
+    if scale is None or tuple(scale.shape) != (out_features, groups):
+        raise RuntimeError(f"auto-round left scale {None if scale is None else list(scale.shape)}; expected "
+                           f"[{out_features}, {groups}] (group_size {group_size}); auto-round {auto_round_version()} "
+                           f"may not match the tested {TESTED_AUTO_ROUND}")
+    scale16 = scale.to(torch.float16)
+    if not torch.equal(scale16.float(), scale.float()):
+        raise RuntimeError("auto-round scales are not fp16 values; INT4 stores fp16 scales")
+    w = qdq_weight.float().unflatten(-1, (groups, group_size))                    # [out, in/g, g]
+    s = scale16.float().unsqueeze(-1)
+    if sym:
+        zero = torch.full((out_features, groups), INT4_SYMMETRIC_ZERO, dtype=torch.float32)
+    else:
+        if not isinstance(zero_point, torch.Tensor):
+            raise RuntimeError(f"asymmetric auto-round result without per-group zero points (zp={zero_point!r})")
+        zero = zero_point.float().reshape(out_features, groups)
+    codes = torch.round(w / s) + zero.unsqueeze(-1)
+    if codes.min() < 0 or codes.max() > INT4_MAX_CODE:
+        raise RuntimeError(f"auto-round codes fall outside 0..15 ({codes.min().item()}..{codes.max().item()})")
+    qt = QTensor(format="int4", data=pack_nibbles(codes.to(torch.uint8).flatten(-2)), scale=scale16.contiguous(),
+                 shape=(out_features, in_features), group_size=group_size,
+                 zero=None if sym else zero.to(torch.uint8).contiguous())
+    error = (int4_dequantize(qt) - qdq_weight.float()).abs().max().item()
+    if error != 0.0:
+        raise RuntimeError(f"canonical INT4 does not reproduce auto-round's weights (max |diff| {error:.3g})")
+    return qt
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool) -> Iterator[None]:
+    logger = logging.getLogger("autoround")
+    level = logger.level
+    if not verbose:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """auto-round draws batches from Python's ``random`` and initialises through torch's RNG:
+    seed both for a reproducible expert, and give the caller its RNG states back."""
+    state = random.getstate()
+    with torch.random.fork_rng():
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(state)
+
+
+class ExpertTuner:
+    """Tunes experts of one shape with one auto-round compressor (built once: its set-up costs
+    seconds, a tuning step milliseconds). Each expert is loaded into the same :class:`ExpertBlock`."""
+
+    def __init__(self, latent: int, intermediate: int, eps: float, options: AutoRoundOptions = AutoRoundOptions()):
+        require_auto_round()
+        for dim, what in ((latent, "latent (gate/up input)"), (intermediate, "intermediate (down input)")):
+            if dim % options.group_size:
+                raise ValueError(f"INT4 group_size {options.group_size} must divide the expert's {what} width {dim}; "
+                                 "pass a group_size that divides both")
+        self.options = options
+        self.block = ExpertBlock(latent, intermediate, eps)
+        for p in self.block.parameters():
+            p.requires_grad_(False)
+        self._model = _SingleBlockModel(self.block)
+        from auto_round import AutoRound
+        from auto_round.algorithms.quantization.sign_round.config import SignRoundConfig
+        from auto_round.schemes import QuantizationScheme
+        scheme = QuantizationScheme(bits=4, group_size=options.group_size, sym=options.sym, data_type="int",
+                                    act_bits=16)
+        with _quiet(options.verbose), _seeded(options.seed):
+            self._compressor = AutoRound(
+                model=self._model, tokenizer=None, scheme=scheme,
+                alg_configs=SignRoundConfig(iters=options.iters, lr=options.lr),
+                nsamples=options.nsamples, seqlen=options.tokens_per_sample,
+                batch_size=options.batch_size or options.nsamples,
+                enable_torch_compile=False, device_map="cpu", amp=False, seed=options.seed)
+            self._compressor.batch_dim = 0
+
+    def samples(self, z: torch.Tensor, routing_weight: torch.Tensor) -> list:
+        """auto-round's captured-input form: one ``((args, kwargs),)`` per sample of ``[1, S, l]``."""
+        S = self.options.tokens_per_sample
+        return [(((z[i:i + S][None],), {"routing_weight": routing_weight[i:i + S][None]}),)
+                for i in range(0, len(z), S)]
+
+    def tune(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, output_norm: torch.Tensor,
+             z: torch.Tensor, routing_weight: torch.Tensor, seed: Optional[int] = None) -> ExpertResult:
+        """Tune one expert on its routed tokens ``z [n, l]`` with routing weights ``[n]`` (n >= 1)."""
+        if len(z) == 0:
+            raise ValueError("an expert with no calibration tokens cannot be tuned; quantize it with RTN")
+        z, routing_weight = z.float().contiguous(), routing_weight.float().contiguous()
+        opts, block = self.options, self.block
+        source = {"gate_proj": gate.float(), "up_proj": up.float(), "down_proj": down.float()}
+        block.load(gate, up, down, output_norm)
+        with torch.no_grad():
+            reference = block(z, routing_weight)
+        rtn = {p: quantize(w, "int4", group_size=opts.group_size, sym=opts.sym) for p, w in source.items()}
+        loss_rtn = weighted_output_mse(block, {p: int4_dequantize(q) for p, q in rtn.items()}, z, routing_weight,
+                                       reference)
+        with _quiet(opts.verbose), _seeded(opts.seed if seed is None else seed), torch.enable_grad():
+            self._compressor.quantize_block(block=block, inputs=self.samples(z, routing_weight), q_input=None,
+                                            device="cpu", auto_offload=False)
+        qtensors = {}
+        for p in PROJECTIONS:
+            linear = getattr(block, p)
+            qtensors[p] = canonical_int4_from_autoround(linear.weight.data, getattr(linear, "scale", None),
+                                                        getattr(linear, "zp", None), opts.group_size, opts.sym)
+            for attr in ("scale", "zp"):  # leave nothing of this expert on the shared block
+                if hasattr(linear, attr):
+                    delattr(linear, attr)
+        tuned = {p: int4_dequantize(q) for p, q in qtensors.items()}
+        block.load(source["gate_proj"], source["up_proj"], source["down_proj"], output_norm)
+        loss_ar = weighted_output_mse(block, tuned, z, routing_weight, reference)
+        return ExpertResult(qtensors, loss_rtn, loss_ar, len(z))
+
+
+def rtn_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, options: AutoRoundOptions) -> dict[str, QTensor]:
+    """Round-to-nearest INT4 of an expert (the fallback for one that received no calibration token)."""
+    return {p: quantize(w.float(), "int4", group_size=options.group_size, sym=options.sym)
+            for p, w in zip(PROJECTIONS, (gate, up, down))}
+
+
+def relative_gain(loss_rtn: float, loss_autoround: float) -> float:
+    """How much of RTN's routed-output error AutoRound removed (0.3 = 30 % less)."""
+    return 0.0 if loss_rtn == 0 or math.isnan(loss_rtn) else 1.0 - loss_autoround / loss_rtn

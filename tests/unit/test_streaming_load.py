@@ -1,0 +1,39 @@
+"""Streaming load: peak host memory stays near one shard beyond the model itself."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from tests.helpers import random_tensors, small_config, write_checkpoint
+
+PROBE = textwrap.dedent("""
+    import json, resource, sys, torch
+    import musecore, musecore.api, musecore_quant.checkpoint  # imports before the baseline
+    torch.zeros(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = musecore.load(sys.argv[1], device="cpu", dtype=torch.bfloat16, progress=False)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"before": before, "peak": peak}))
+""")
+
+
+def test_peak_host_memory_is_the_model_plus_about_one_shard(tmp_path):
+    config = small_config(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_experts=8,
+                          moe_latent_size=256, moe_intermediate_size=512, head_dim=64, num_attention_heads=8,
+                          num_key_value_heads=2)
+    tensors = random_tensors(config, dtype=torch.bfloat16)
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    shards = 16
+    folder = write_checkpoint(tmp_path / "big", config, tensors, shards=shards)
+    del tensors
+    shard_bytes = max(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert model_bytes > 8 * shard_bytes, "the checkpoint must be several times larger than one shard"
+    out = subprocess.run([sys.executable, "-c", PROBE, str(folder)], capture_output=True, text=True, check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    transient = m["peak"] - m["before"] - model_bytes
+    budget = 2 * shard_bytes + 16 * 2**20
+    assert transient < budget, (f"load used {transient / 2**20:.1f} MiB beyond the {model_bytes / 2**20:.1f} MiB model; "
+                                f"budget {budget / 2**20:.1f} MiB (one shard is {shard_bytes / 2**20:.1f} MiB)")
