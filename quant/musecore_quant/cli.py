@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--include", action="append", metavar="REGEX",
                    help=r"weights to quantize (default: routed experts, '.*experts\.\d+\.(gate|up|down)_proj\.weight$')")
     s.add_argument("--exclude", action="append", metavar="REGEX", help="weights never quantized "
-                   "(default: embeddings, lm_head, norms)")
+                   "(default: embeddings, lm_head, norms; giving --exclude replaces the defaults)")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="quantizer option, e.g. rounding=away, group_size=128, block_size=128")
     s.add_argument("--max-shard-bytes", type=int, default=None)

@@ -154,7 +154,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
       is quantized; unselected weights are copied (a quantized one the target cannot store is
       dequantized to BF16). ``to="bf16"`` dequantizes every quantized weight.
     - ``quantize_options``: passed to ``quantize``/``requantize`` (e.g. ``{"rounding": "away"}``,
-      ``{"group_size": 128, "sym": True}``, ``{"block_size": 128}``).
+      ``{"group_size": 128, "sym": True}``, ``{"scale_mode": "floor"}``).
     - ``method="autoround"`` requires ``calibrated_quantizer(name, w_fp32) -> QTensor`` (in format
       ``to``, shape of ``w``), called for every selected weight instead of round-to-nearest.
     - ``resume``: a rerun with the same arguments continues an interrupted conversion from its
@@ -175,6 +175,9 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
         raise CheckpointError("calibrated_quantizer is used only with method='autoround'; drop it or set method")
     if to == "bf16" and calibrated_quantizer is not None:
         raise CheckpointError("to='bf16' dequantizes; a calibrated_quantizer makes no sense there")
+    if to == "fp8" and (quantize_options or {}).get("block_size") is not None:
+        raise CheckpointError("the fp8 target is ModelOpt FP8, which stores one scale per tensor; drop "
+                              "block_size from the quantize options")
     include_res = None if include is None else [_compile(p, "include") for p in include]
     exclude_res = [_compile(p, "exclude") for p in exclude]
     options = dict(quantize_options or {})

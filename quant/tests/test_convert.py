@@ -207,3 +207,44 @@ def test_resume_redoes_a_shard_whose_sha256_no_longer_matches(tmp_path, bf16_che
     report = convert(src, tmp_path / "f", **kwargs)
     assert report.resumed_weights == 0, "a corrupt first shard invalidates it and every later shard"
     assert verify_checkpoint(tmp_path / "f").ok
+
+
+def test_package_level_convert_is_callable_as_designed(tmp_path, bf16_checkpoint):
+    import musecore_quant
+    import musecore_quant.checkpoint
+
+    src, _ = bf16_checkpoint
+    assert musecore_quant.checkpoint.convert is convert
+    report = musecore_quant.convert(src, tmp_path / "f", to="fp8", include=[MUSE_EXPERT_RULE], progress=False)
+    assert report.to == "fp8" and open_checkpoint(tmp_path / "f").format == "fp8"
+
+
+def test_crash_while_finishing_leaves_no_stale_shards_after_resume(tmp_path, bf16_checkpoint, monkeypatch):
+    import musecore_quant.checkpoint.writer as writer_module
+
+    src, _ = bf16_checkpoint
+    kwargs = dict(to="mxfp4", include=[MUSE_EXPERT_RULE], progress=False, max_shard_bytes=200_000)
+    real_write_json = writer_module.write_json
+
+    def failing_write_json(path, obj):
+        if path.name == "model.safetensors.index.json":
+            raise OSError("disk full while writing the index")
+        real_write_json(path, obj)
+
+    with monkeypatch.context() as m:
+        m.setattr(writer_module, "write_json", failing_write_json)
+        with pytest.raises(OSError, match="disk full"):
+            convert(src, tmp_path / "mx", **kwargs)
+    partial = next(tmp_path.glob("mx.partial-*"))
+    assert list(partial.glob("model-*-of-*.safetensors")), "shards were renamed before the crash"
+    convert(src, tmp_path / "mx", **kwargs)
+    index = json.loads((tmp_path / "mx" / "model.safetensors.index.json").read_text())
+    on_disk = {p.name for p in (tmp_path / "mx").glob("*.safetensors")}
+    assert on_disk == set(index["weight_map"].values()) == set(index["metadata"]["sha256"]), "no stale shard"
+    assert verify_checkpoint(tmp_path / "mx").ok
+
+
+def test_fp8_target_refuses_block_scales_upfront(tmp_path, bf16_checkpoint):
+    src, _ = bf16_checkpoint
+    with pytest.raises(CheckpointError, match="one scale per tensor"):
+        convert(src, tmp_path / "f", to="fp8", quantize_options={"block_size": 128}, progress=False)

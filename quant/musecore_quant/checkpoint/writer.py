@@ -82,9 +82,7 @@ class CheckpointWriter:
         self._buffer_bytes = 0
         self._closed = False
         self.folder.parent.mkdir(parents=True, exist_ok=True)
-        if self.partial_folder.exists() and resume_key is not None and resume:
-            self._resume()
-        else:
+        if not (self.partial_folder.exists() and resume_key is not None and resume and self._resume()):
             if self.partial_folder.exists():
                 shutil.rmtree(self.partial_folder)
             self.partial_folder.mkdir()
@@ -198,7 +196,8 @@ class CheckpointWriter:
             f.flush()
             os.fsync(f.fileno())
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
+        """Reload the journal of an interrupted run; False when there is nothing to resume."""
         journal = self.partial_folder / JOURNAL
         lines = journal.read_text(encoding="utf-8").splitlines() if journal.exists() else []
         entries = []
@@ -207,11 +206,12 @@ class CheckpointWriter:
                 entries.append(json.loads(line))
             except json.JSONDecodeError:
                 break  # a torn last line: the shard it described is redone
-        if not entries or entries[0].get("format") != self.format:
-            found = entries[0].get("format") if entries else None
+        if not entries:
+            return False  # crashed before the journal was written: start over
+        if entries[0].get("format") != self.format:
             raise CheckpointError(
-                f"{self.partial_folder}: partial conversion was to {found!r}, not {self.format!r}; delete "
-                "it or rerun with resume disabled", path=self.partial_folder)
+                f"{self.partial_folder}: partial conversion was to {entries[0].get('format')!r}, not "
+                f"{self.format!r}; delete it or rerun with resume disabled", path=self.partial_folder)
         kept = [entries[0]]
         for entry in entries[1:]:
             path = self.partial_folder / entry["shard"]
@@ -222,11 +222,12 @@ class CheckpointWriter:
             self.completed.update((r["name"], r) for r in entry["weights"])
             self._keys.update(k for r in entry["weights"] for k in r["keys"])
         keep_files = {e["shard"] for e in self._shards}
-        for stray in self.partial_folder.glob("shard-*.safetensors"):
+        for stray in self.partial_folder.glob("*.safetensors"):
             if stray.name not in keep_files:
-                stray.unlink()
+                stray.unlink()  # unjournaled: half-written, or renamed by an interrupted close
         journal.write_text("".join(json.dumps(e) + "\n" for e in kept), encoding="utf-8")
         fsync_path(journal)
+        return True
 
     # ------------------------------------------------------------------ finishing
     def close(self, extra_json: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
