@@ -1,0 +1,209 @@
+"""Benchmarks of the xeon backend: linear (INT4 vs BF16 over M), MoE, attention, end to end.
+
+Every case returns rows with ``backend, case, shape, M, time_us, speedup_vs_bf16,
+pct_memory_ceiling`` (plus case-specific keys). The memory ceiling is measured first, in the same
+process (PERF.md): the higher of a large-copy and a large-read bandwidth. Times are the best of
+``repeats`` after a warm-up: on a shared host the minimum is the least disturbed by other load.
+``speedup_vs_bf16`` compares with PyTorch's own BF16 ``F.linear`` on the same shape (what a user
+gets without this backend); ``speedup_vs_xeon_bf16`` with this backend's BF16 path.
+
+Example::
+
+    from musecore_xeon.bench import benchmarks
+    rows = benchmarks()["linear"](shapes=[(4096, 8192)], ms=[1, 32])
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from musecore_xeon.backend import XeonBackend
+from musecore_xeon.kernels.crossover import time_us
+from musecore_xeon.kernels.dense import DenseLinear
+from musecore_xeon.kernels.int4 import Int4Linear
+
+BACKEND = "xeon"
+# (out, in) = N x K: expert gate/up and down of the full model, pooler/unpooler, muse-small experts, a projection
+LINEAR_SHAPES: tuple[tuple[int, int], ...] = ((8192, 2048), (2048, 8192), (512, 1536), (768, 512), (512, 768),
+                                              (4096, 8192))
+LINEAR_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@functools.cache
+def memory_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> dict[str, float]:
+    """Host memory bandwidth in GB/s: a large copy (read + write counted) and a large read (sum)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy = 2 * nbytes / (time_us(lambda: dst.copy_(src), repeats) * 1e3)
+    read = nbytes / (time_us(lambda: src.sum(), repeats) * 1e3)
+    return {"copy_gbs": copy, "read_gbs": read, "ceiling_gbs": max(copy, read)}
+
+
+def pct_ceiling(nbytes: int, us: float) -> float:
+    return 100.0 * nbytes / (us * 1e3) / memory_bandwidth_gbs()["ceiling_gbs"]
+
+
+def random_int4_linear(backend: XeonBackend, out_features: int, in_features: int, group_size: int = 128) -> Int4Linear:
+    """An INT4 weight with random codes and signed scales, through the backend's own prepare path."""
+    from musecore_quant.qtensor import QTensor
+    g = torch.Generator().manual_seed(out_features + in_features)
+    data = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=g)
+    scale = ((torch.rand(out_features, in_features // group_size, generator=g) - 0.5) * 0.04).half()
+    qt = QTensor("int4", data, scale, (out_features, in_features), group_size)
+    return backend.prepare_weight(qt, "linear").extra["linear"]
+
+
+def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence[int] = LINEAR_MS,
+                 repeats: int = 3, backend: Optional[XeonBackend] = None) -> list[dict[str, Any]]:
+    """INT4 (kernel / dense tiles by the calibrated crossover) vs BF16 at every (shape, M)."""
+    backend = backend or XeonBackend()
+    rows = []
+    for n, k in shapes:
+        w_bf16 = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+        xeon_bf16: DenseLinear = backend.prepare_weight(w_bf16, "linear").extra["linear"]
+        int4 = random_int4_linear(backend, n, k)
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            act_bytes = 2 * m * (k + n)
+            t_torch = time_us(lambda: F.linear(x, w_bf16), repeats)
+            t_xbf16 = time_us(lambda: xeon_bf16(x), repeats)
+            t_kernel = time_us(lambda: int4.run_kernel(x), repeats)
+            t_tiles = time_us(lambda: int4.run_tiles(x), repeats)
+            t_int4 = t_tiles if int4.uses_dense_tiles(m) else t_kernel
+            common = {"backend": BACKEND, "case": "linear", "shape": f"{n}x{k}", "M": m}
+            rows.append({**common, "impl": "torch-bf16", "path": "F.linear", "time_us": t_torch, "speedup_vs_bf16": 1.0,
+                         "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_torch)})
+            rows.append({**common, "impl": "xeon-bf16", "path": "tiles" if xeon_bf16.uses_dense_tiles(m) else "F.linear",
+                         "crossover": xeon_bf16.crossover, "time_us": t_xbf16, "speedup_vs_bf16": t_torch / t_xbf16,
+                         "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_xbf16)})
+            rows.append({**common, "impl": "xeon-int4", "path": "tiles" if int4.uses_dense_tiles(m) else "kernel",
+                         "crossover": int4.crossover, "time_us": t_int4, "speedup_vs_bf16": t_torch / t_int4,
+                         "speedup_vs_xeon_bf16": t_xbf16 / t_int4, "int4_kernel_us": t_kernel,
+                         "int4_tiles_us": t_tiles, "pct_memory_ceiling": pct_ceiling(int4.nbytes + act_bytes, t_int4)})
+    return rows
+
+
+def routed_expert_bytes(ids: torch.Tensor, bytes_per_expert: int) -> int:
+    return int(ids.unique().numel()) * bytes_per_expert
+
+
+def bench_moe(tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), num_experts: int = 64, top_k: int = 8,
+              latent: int = 512, intermediate: int = 768, repeats: int = 3,
+              backend: Optional[XeonBackend] = None) -> list[dict[str, Any]]:
+    """One muse-small MoE layer (64 experts top-8, l=512, I=768): INT4 vs BF16 experts.
+
+    Only the experts actually routed to are counted in the bytes (PERF.md).
+    """
+    import musecore_quant
+    from musecore.ops import reference as ref
+    backend = backend or XeonBackend()
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(num_experts, intermediate, latent, generator=gen) * 0.05,
+             torch.randn(num_experts, intermediate, latent, generator=gen) * 0.05,
+             torch.randn(num_experts, latent, intermediate, generator=gen) * 0.05]
+    int4 = backend.prepare_experts(*[musecore_quant.quantize(w, "int4", group_size=128, sym=True) for w in dense])
+    bf16 = backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense])
+    torch_bf16 = backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense])
+    for lin in torch_bf16.gate + torch_bf16.down:  # PyTorch's BF16 matmul at every M: the plain baseline
+        lin.crossover = None
+    per_expert = {"int4": int4.gate[0].nbytes + int4.down[0].nbytes, "bf16": 2 * 3 * latent * intermediate}
+    norm = torch.ones(num_experts, latent)
+    shape = f"E{num_experts} top{top_k} l{latent} I{intermediate}"
+    rows = []
+    for t in tokens:
+        z = torch.randn(t, latent, dtype=torch.bfloat16, generator=gen)
+        weights, ids = ref.router_topk(torch.randn(t, num_experts, generator=gen), top_k, True)
+        run = lambda experts: time_us(lambda: backend.moe(z, weights, ids, experts, norm, 1e-6), repeats)  # noqa: E731
+        t_torch, t_bf16, t_int4 = run(torch_bf16), run(bf16), run(int4)
+        common = {"backend": BACKEND, "case": "moe", "shape": shape, "M": t, "routed_experts": int(ids.unique().numel())}
+        for impl, us, fmt in (("torch-bf16", t_torch, "bf16"), ("xeon-bf16", t_bf16, "bf16"), ("xeon-int4", t_int4, "int4")):
+            rows.append({**common, "impl": impl, "time_us": us, "speedup_vs_bf16": t_torch / us,
+                         "speedup_vs_xeon_bf16": t_bf16 / us,
+                         "pct_memory_ceiling": pct_ceiling(routed_expert_bytes(ids, per_expert[fmt]), us)})
+    return rows
+
+
+def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024, None), (1, 4096, None),
+                                                                       (1, 4096, 1024), (256, 256, None)),
+                    heads: tuple[int, int, int] = (16, 4, 128), repeats: int = 3) -> list[dict[str, Any]]:
+    """SDPA attention (muse-small heads 16/4 x 128) for decode and prefill vs the reference op.
+
+    ``speedup_vs_bf16`` here is against ``musecore.ops.reference.attention`` on the same BF16 inputs.
+    """
+    from musecore.ops import reference as ref
+    from musecore_xeon import ops as xops
+    nq, nkv, d = heads
+    rows = []
+    for t, s, window in cases:
+        q = torch.randn(1, t, nq, d, dtype=torch.bfloat16)
+        k, v = torch.randn(1, s, nkv, d, dtype=torch.bfloat16), torch.randn(1, s, nkv, d, dtype=torch.bfloat16)
+        k_pos = torch.arange(s)[None]
+        q_pos = k_pos[:, s - t:]
+        args = (q, k, v, q_pos, k_pos, window, d ** -0.5)
+        t_ref, t_x = time_us(lambda: ref.attention(*args), repeats), time_us(lambda: xops.attention(*args), repeats)
+        kv_bytes = 2 * 2 * s * nkv * d
+        rows.append({"backend": BACKEND, "case": "attention", "shape": f"T{t} S{s} {nq}/{nkv}x{d} window={window}",
+                     "M": t, "impl": "xeon-sdpa", "time_us": t_x, "reference_us": t_ref, "speedup_vs_bf16": t_ref / t_x,
+                     "baseline": "musecore.ops.reference.attention", "pct_memory_ceiling": pct_ceiling(kv_bytes, t_x)})
+    return rows
+
+
+def _write_checkpoint(folder: Path, config: Any, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8,
+              workdir: Optional[str] = None) -> list[dict[str, Any]]:
+    """Greedy decode tokens/s on random weights: INT4 experts (the xeon plan) vs all-BF16 experts.
+
+    The BF16 run is the same tensors with ``bf16_expert_layers`` listing every layer, so the plan
+    keeps every expert in BF16; everything else is identical.
+    """
+    import dataclasses
+    import tempfile
+
+    import musecore
+    from musecore.config import MuseConfig
+    from musecore.model import init_weights
+    rows = []
+    root = Path(workdir or tempfile.mkdtemp(prefix="xeon-bench-"))
+    for preset in presets:
+        config = MuseConfig.from_name(preset)
+        tensors = init_weights(config, seed=0, std=0.02, dtype=torch.bfloat16)
+        variants = {"xeon-int4": config,
+                    "xeon-bf16": dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers)))}
+        results = {}
+        for impl, cfg in variants.items():
+            folder = root / f"{preset}-{impl}"
+            _write_checkpoint(folder, cfg, tensors)
+            start = time.perf_counter()
+            model = musecore.load(str(folder), device="xeon", progress=False)
+            load_s = time.perf_counter() - start
+            prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
+            model.generate(prompt.tolist(), max_new_tokens=2)  # warm-up
+            model.generate(prompt.tolist(), max_new_tokens=new_tokens)
+            stats = model.last_generation_stats
+            results[impl] = (stats.decode_tokens_per_s, load_s, stats)
+            del model
+        for impl, (tps, load_s, stats) in results.items():
+            rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
+                         "time_us": 1e6 / tps if tps else float("nan"), "decode_tokens_per_s": tps,
+                         "prefill_tokens_per_s": stats.prefill_tokens_per_s, "load_s": load_s,
+                         "speedup_vs_bf16": tps / results["xeon-bf16"][0] if results["xeon-bf16"][0] else None,
+                         "pct_memory_ceiling": None})
+        del tensors
+    return rows
+
+
+def benchmarks() -> dict[str, Callable[..., list[dict[str, Any]]]]:
+    """The benchmark cases of this backend, by name (``musecore bench`` and ``benchmarks/xeon_bench.py``)."""
+    return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e}
