@@ -43,6 +43,7 @@ from tqdm import tqdm
 from .api import dequantize, quantize, requantize
 from .checkpoint import CheckpointError, CheckpointWriter, open_checkpoint
 from .checkpoint.reader import INDEX_NAME, CheckpointReader
+from .checkpoint.safetensors_io import dtype_name
 from .checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, TARGET_PRODUCERS
 from .formats.nvfp4 import nvfp4_shared_global_amax
 from .formats.requant import nvfp4_exact_weight_scale_2
@@ -289,7 +290,7 @@ class _Converter:
         return qt
 
     def _add(self, name: str, source: Weight, out: Weight, action: str) -> None:
-        record = TensorRecord(name, action, _format(source), _format(out), list(_shape(source)))
+        record = TensorRecord(name, action, _format(source), _format(out), list(source.shape))
         if action != "copy":
             err = quant_error(_fp32(source), _fp32(out))
             record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
@@ -303,14 +304,7 @@ def _fp32(value: Weight) -> torch.Tensor:
 
 
 def _format(value: Weight) -> str:
-    if isinstance(value, QTensor):
-        return value.format
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        value.dtype, str(value.dtype).replace("torch.", ""))
-
-
-def _shape(value: Weight) -> tuple[int, ...]:
-    return tuple(value.shape)
+    return value.format if isinstance(value, QTensor) else dtype_name(value.dtype)
 
 
 def _compile(pattern: str, what: str) -> re.Pattern:

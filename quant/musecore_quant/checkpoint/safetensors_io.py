@@ -45,6 +45,14 @@ DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "F8_
                "F8_E5M2": "fp8_e5m2"}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name formats and reports give a plain dtype (``bf16``, ``fp32``, ``u8``...)."""
+    for key, (torch_dtype, _) in SAFETENSORS_DTYPES.items():
+        if torch_dtype == dtype:
+            return DTYPE_NAMES.get(key, key.lower())
+    return str(dtype).replace("torch.", "")
+
+
 @dataclass(frozen=True)
 class TensorHeader:
     """One tensor as its safetensors header describes it (no bytes read)."""

@@ -36,15 +36,13 @@ from ..qtensor import QTensor
 from . import autoround, modelopt, quark
 from .errors import CheckpointError
 from .reader import INDEX_NAME, PARTIAL_MARKER
-from .safetensors_io import (DTYPE_NAMES, fsync_path, sha256_file, write_json, write_safetensors)
+from .safetensors_io import dtype_name, fsync_path, sha256_file, write_json, write_safetensors
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 JOURNAL = "journal.jsonl"
 TARGET_PRODUCERS = {"nvfp4": "modelopt", "fp8": "modelopt", "mxfp4": "quark", "int4": "auto-round",
                     "bf16": "none"}
 _ACCEPTED = {"modelopt": {"nvfp4", "fp8"}, "quark": {"mxfp4"}, "auto-round": {"int4"}, "none": set()}
-_TORCH_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-                torch.float8_e4m3fn: "F8_E4M3"}
 
 
 class CheckpointWriter:
@@ -76,6 +74,7 @@ class CheckpointWriter:
         self.partial_folder = self.folder.parent / f"{self.folder.name}.partial-{key}"
         self.completed: dict[str, dict[str, Any]] = {}  # logical name -> record, from finished shards
         self._shards: list[dict[str, Any]] = []         # journal entries of finished shards
+        self._names: set[str] = set()  # logical names added (finished or queued)
         self._keys: set[str] = set()
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_records: list[dict[str, Any]] = []
@@ -120,7 +119,7 @@ class CheckpointWriter:
         """Queue one logical weight (``X.weight`` for a QTensor); ``meta`` goes to the journal."""
         if self._closed:
             raise CheckpointError(f"{self.folder}: writer is closed; create a new one")
-        if name in self.completed or any(r["name"] == name for r in self._buffer_records):
+        if name in self._names:
             raise CheckpointError(f"weight {name!r} was already added to {self.folder}", tensor=name)
         tensors, record = self._encode(name, value)
         record["meta"] = dict(meta or {})
@@ -131,6 +130,7 @@ class CheckpointWriter:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
             self.flush()
+        self._names.add(name)
         self._keys.update(tensors)
         self._buffer.update(tensors)
         self._buffer_records.append(record)
@@ -147,8 +147,8 @@ class CheckpointWriter:
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"weight {name!r} is a {type(value).__name__}; expected a torch.Tensor "
                                       "or a QTensor", tensor=name)
-            fmt = DTYPE_NAMES.get(_TORCH_NAMES.get(value.dtype, ""), str(value.dtype).replace("torch.", ""))
-            return {name: value}, {"name": name, "format": fmt, "keys": [name], "ndim": value.dim()}
+            return {name: value}, {"name": name, "format": dtype_name(value.dtype), "keys": [name],
+                                   "ndim": value.dim()}
         if value.layout != "canonical":
             raise CheckpointError(f"weight {name!r} is a QTensor in backend layout {value.layout!r}; write "
                                   "the canonical QTensor a reader or quantize() returned", tensor=name)
@@ -220,6 +220,7 @@ class CheckpointWriter:
             kept.append(entry)
             self._shards.append(entry)
             self.completed.update((r["name"], r) for r in entry["weights"])
+            self._names.update(r["name"] for r in entry["weights"])
             self._keys.update(k for r in entry["weights"] for k in r["keys"])
         keep_files = {e["shard"] for e in self._shards}
         for stray in self.partial_folder.glob("*.safetensors"):
