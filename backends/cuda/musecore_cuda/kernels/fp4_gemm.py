@@ -250,22 +250,26 @@ def pick_config(m_rows: int, n: int, k: int, m_blocks: Optional[int], device: to
     ``m_rows`` is the rows one weight sees (M for linear, tokens per expert for MoE); ``m_blocks``
     the number of M blocks launched when it is not ``cdiv(m_rows, block_m)`` (MoE).
     """
+    # From the H200 tile sweep (benchmarks/results/cuda_sweep.json), NVFP4 q_proj and expert_down.
     if m_rows <= 16:
-        bm, bn, warps, stages, group = 16, 64, 4, 4, 1
+        bm, bn, warps, stages, group, max_split = 16, 64, 8, 3, 1, 8
     elif m_rows <= 64:
-        bm, bn, warps, stages, group = 64, 64, 4, 4, 1
+        bm, bn, warps, stages, group, max_split = 64, 64, 4, 4, 1, 4
+    elif m_rows <= 128:
+        bm, bn, warps, stages, group, max_split = 64, 128, 4, 3, 8, 2
     elif m_rows <= 256:
-        bm, bn, warps, stages, group = 64, 128, 4, 3, 8
+        bm, bn, warps, stages, group, max_split = 128, 128, 8, 3, 8, 2
     else:
-        bm, bn, warps, stages, group = 128, 128, 8, 3, 8
+        bm, bn, warps, stages, group, max_split = 128, 256, 8, 3, 8, 1
     if device.type != "cuda":  # the interpreter pays per program: fewer, larger tiles
         bn = min(bn, 64)
     blocks = (m_blocks if m_blocks is not None else triton.cdiv(m_rows, bm)) * triton.cdiv(n, bn)
     split = 1
     chunks = k // CHUNK_K
     if allow_split:
-        target = 2 * _num_sms(device)
-        while blocks * split < target and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4:
+        target = 4 * _num_sms(device)
+        while (split < max_split and blocks * split < target and chunks % (split * 2) == 0
+               and chunks // (split * 2) >= 4):
             split *= 2
     return GemmConfig(bm, bn, split, group, warps, stages)
 

@@ -103,6 +103,7 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
     rows_per_expert = max(1, n_assign // min(num_experts, n_assign))
     active = min(num_experts, n_assign)
     cfg_up = pick_config(rows_per_expert, inter, latent, active, z.device, allow_split=False)
+    cfg_up = replace(cfg_up, block_n=min(cfg_up.block_n, 128))  # gate and up tiles both live in smem
     if not isinstance(gate, Fp4Resident):  # two dense 16-bit weight tiles per stage: fewer stages fit
         cfg_up = replace(cfg_up, num_stages=2)
     sorted_ids, blk_expert, position = align_assignments(ids, num_experts, cfg_up.block_m)
