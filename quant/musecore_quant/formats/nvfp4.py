@@ -5,19 +5,20 @@ write what nvidia-modelopt writes, byte for byte, and read it back exactly. The 
 
 - ``weight_scale_2 = amax(|W|) / (6 * 448)`` per matrix (per expert when experts are stacked);
   fused siblings (q/k/v, an expert's gate/up) share the largest one (``nvfp4_shared_global_amax``);
-- block scale ``s = e4m3_rne(block_amax / (6 * weight_scale_2))``, an all-zero block gets 1.0;
+- block scale ``s = e4m3_rne(clamp(block_amax / (6 * weight_scale_2), 2^-9, 448))``, an all-zero
+  block gets 1.0. The clamp is ModelOpt 0.47's: a block far below the tensor's amax gets the
+  smallest E4M3 subnormal instead of underflowing to a zero scale;
 - codes ``fp4(W / (fp32(s) * weight_scale_2))``: division by the *rounded* scale, so a block's
   largest element can land above 6 and saturate;
 - dequantization ``E2M1(code) * (fp32(s) * weight_scale_2)``, in that order (as ModelOpt).
 
 The order of every fp32 operation follows ModelOpt's ``NVFP4QTensor``, because a different order
-(``W / s / weight_scale_2``) rounds differently and changes bytes.
+(``W / s / weight_scale_2``) rounds differently and changes bytes. Divisions are correctly rounded
+on every device (``_common.divide``), so CPU and CUDA write the same bytes; ModelOpt run on CUDA
+can differ from its own CPU result in the last bit of ``weight_scale_2``.
 
-Two deliberate departures, both where ModelOpt produces NaN scales or junk codes that decode to
-the same values anyway: an all-zero matrix gets ``weight_scale_2 = 1/2688`` (as if its amax were
-1) instead of 0, and a block whose scale underflows E4M3 to zero (its amax below ~2e-6 of the
-tensor's) is written with codes 0 instead of ModelOpt's ``fp4(+-inf)``. (An amax so small that
-``amax / 2688`` underflows fp32 is treated like zero.)
+One deliberate departure, where ModelOpt writes NaN scales: an all-zero matrix (or one whose
+``amax / 2688`` underflows fp32) gets ``weight_scale_2 = 1/2688``, as if its amax were 1.
 
 Example::
 
@@ -40,6 +41,7 @@ from .fp4 import FP4_MAX, check_rounding, fp4_decode, fp4_encode, pack_nibbles, 
 
 NVFP4_BLOCK_SIZE = 16
 E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0 ** -9
 _LABEL = "NVFP4"
 
 
@@ -80,14 +82,11 @@ def _encode_blocks(x: torch.Tensor, global_scale: torch.Tensor,
     block_amax = blocks.abs().amax(dim=-1)                                # [..., K/16]
     scale = block_amax / (6.0 * global_scale)
     scale = torch.where(scale == 0, 1.0, scale)
-    # ModelOpt's ratio never exceeds 448 for its own amax; clamping keeps a calibrated (static)
-    # activation scale from overflowing E4M3 to NaN when a block exceeds the calibration amax.
-    scale = scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    # As ModelOpt: never underflow to a zero scale, never overflow E4M3 to NaN (a static activation
+    # scale meets blocks beyond the calibrated amax).
+    scale = scale.clamp(min=E4M3_MIN_SUBNORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
     divisor = (scale.float() * global_scale).unsqueeze(-1)                # [..., K/16, 1]
-    scaled = blocks / divisor
-    # A block whose scale underflowed E4M3 to 0 decodes to 0 whatever its codes; write 0, not fp4(inf).
-    scaled = torch.where(divisor == 0, 0.0, scaled)
-    codes = fp4_encode(scaled, rounding).flatten(-2)
+    codes = fp4_encode(blocks / divisor, rounding).flatten(-2)
     return codes, scale, divisor
 
 
