@@ -246,8 +246,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         print(_dump(result))
         return EXIT_FAILED if failed else EXIT_OK
     s = result["summary"]
-    print(f"compared {s['compared']} weights: {s['identical']} identical"
-          + (f", min SQNR {s['min_sqnr_db']:.2f} dB, mean {s['mean_sqnr_db']:.2f} dB" if s["min_sqnr_db"] is not None else ""))
+    sqnr = (f", min SQNR {s['min_sqnr_db']:.2f} dB, mean {s['mean_sqnr_db']:.2f} dB"
+            if s["min_sqnr_db"] is not None else "")
+    print(f"compared {s['compared']} weights: {s['identical']} identical{sqnr}")
     for t in sorted(result["tensors"], key=lambda t: t["sqnr_db"])[: args.top]:
         if t["sqnr_db"] != math.inf:
             print(f"  {t['sqnr_db']:7.2f} dB  max|err| {t['max_abs_error']:.3g}  "
@@ -264,7 +265,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------ main
 def build_parser() -> argparse.ArgumentParser:
-    from .convert import METHODS, TARGETS
+    from .convert import CLI_DEFAULT_INCLUDE, METHODS, TARGETS
     p = argparse.ArgumentParser(prog="musecore-quant", description="Inspect, convert, verify and diff "
                                 "quantized safetensors checkpoints (NVFP4, MXFP4, INT4, FP8, BF16).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", required=True, choices=TARGETS)
     s.add_argument("--method", default="rtn", choices=METHODS)
     s.add_argument("--include", action="append", metavar="REGEX",
-                   help=r"weights to quantize (default: routed experts, '.*experts\.\d+\.(gate|up|down)_proj\.weight$')")
+                   help=f"weights to quantize (default: routed experts, '{CLI_DEFAULT_INCLUDE}')")
     s.add_argument("--exclude", action="append", metavar="REGEX", help="weights never quantized "
                    "(default: embeddings, lm_head, norms; giving --exclude replaces the defaults)")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

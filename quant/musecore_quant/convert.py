@@ -191,14 +191,16 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     report = ConversionReport(str(src), str(dst), to, method, None if include is None else list(include),
                               list(exclude), options)
     names = reader.weight_names()
-    selected = {n for n in names if to != "bf16" and select_weight(n, reader.weight_shape(n), include_res, exclude_res)}
+    selected = set() if to == "bf16" else {
+        n for n in names if select_weight(n, reader.weight_shape(n), include_res, exclude_res)}
     if to != "bf16" and not selected:
         report.warnings.append("no weight matched include/exclude: nothing was quantized")
     groups = _sibling_groups(selected, siblings) if to == "nvfp4" else {}
     done = set(writer.completed)
     report.resumed_weights = len(done & set(names))
-    needed = [n for n in names if n not in done or any(m not in done for m in groups.get(n, (n,)))]
-    converter = _Converter(writer, to, options, calibrated_quantizer)
+    # a finished weight is read again only when an unfinished sibling needs it for the shared scale
+    needed = [n for n in names if any(m not in done for m in groups.get(n, (n,)))]
+    converter = _Converter(writer, to, options, calibrated_quantizer, selected, done)
 
     bar = tqdm(total=sum(reader.tensor_nbytes(n) for n in needed), unit="B", unit_scale=True,
                desc=f"convert -> {to}", disable=not progress)
@@ -211,7 +213,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
                 if not all(m in pending for m in members):
                     continue
                 batch = [(m, pending.pop(m)) for m in members]
-                converter.run(batch, selected, done)
+                converter.run(batch)
                 nbytes = sum(reader.tensor_nbytes(m) for m, _ in batch)
                 report.source_bytes_read += nbytes
                 bar.update(nbytes)
@@ -238,21 +240,22 @@ class _Converter:
     """Turns one weight, or one group of NVFP4 siblings, into the target and records the error."""
 
     def __init__(self, writer: CheckpointWriter, to: str, options: dict[str, Any],
-                 calibrated: Optional[CalibratedQuantizer]) -> None:
+                 calibrated: Optional[CalibratedQuantizer], selected: set[str], done: set[str]) -> None:
         self.writer, self.to, self.options, self.calibrated = writer, to, options, calibrated
+        self.selected, self.done = selected, done  # done: already in finished shards (resume)
         self.last_sqnr: Optional[float] = None
 
-    def run(self, batch: list[tuple[str, Weight]], selected: set[str], done: set[str]) -> None:
+    def run(self, batch: list[tuple[str, Weight]]) -> None:
         requant = []
         for name, value in batch:
-            if name in selected and not (isinstance(value, QTensor) and value.format == self.to
-                                         and self.writer.accepts(value)):
+            if name in self.selected and not (isinstance(value, QTensor) and value.format == self.to
+                                              and self.writer.accepts(value)):
                 requant.append((name, value))
-            elif name not in done:
+            elif name not in self.done:
                 self._keep(name, value)
         if requant:
             for (name, value), qt in zip(requant, self._quantize(requant)):
-                if name not in done:
+                if name not in self.done:
                     action = "quantize" if not isinstance(value, QTensor) else "requantize"
                     self._add(name, value, qt, action)
 

@@ -64,7 +64,8 @@ def test_modelopt_nvfp4_layout_and_configs_match_what_modelopt_writes(tmp_path):
     module = gate[: -len(".weight")]
     assert {module + s for s in (".weight", ".weight_scale", ".weight_scale_2", ".input_scale")} <= keys
     with safe_open(str(folder / index["weight_map"][gate]), "pt") as f:
-        assert f.get_tensor(gate).dtype == torch.uint8 and f.get_tensor(module + ".weight_scale").dtype == torch.float8_e4m3fn
+        assert f.get_tensor(gate).dtype == torch.uint8
+        assert f.get_tensor(module + ".weight_scale").dtype == torch.float8_e4m3fn
         assert f.get_tensor(module + ".weight_scale_2").shape == ()
     hf_quant = json.loads((folder / "hf_quant_config.json").read_text())
     assert hf_quant["producer"]["name"] == "modelopt"
