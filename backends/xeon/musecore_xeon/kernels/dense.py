@@ -80,9 +80,14 @@ class DenseLinear:
         return F.linear(x2d.to(self.weight.dtype), self.weight)
 
     def run_tiles(self, x2d: torch.Tensor) -> torch.Tensor:
-        """fp32 SGEMM on weight tiles upcast one at a time (the compute-bound path)."""
-        return tiled_matmul(x2d.float(), self.out_features, self.tile_rows,
-                            lambda n0, n1: self.weight[n0:n1].float().T)
+        """fp32 SGEMM on weight tiles upcast one at a time into one reused buffer (the compute-bound path)."""
+        workspace = torch.empty(self.tile_rows * self.in_features, dtype=torch.float32)
+
+        def upcast_tile_t(n0: int, n1: int) -> torch.Tensor:
+            tile = workspace[: (n1 - n0) * self.in_features].view(n1 - n0, self.in_features)
+            return tile.copy_(self.weight[n0:n1]).T
+
+        return tiled_matmul(x2d.float(), self.out_features, self.tile_rows, upcast_tile_t)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)

@@ -93,28 +93,33 @@ class Int4Linear:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(torch.bfloat16).contiguous(), self.packed,
                                                           self.group_size, self.scales_and_zeros)
 
-    def dequantized_tile_t(self, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
+    def dequantized_tile_t(self, n0: int, n1: int, dtype: torch.dtype,
+                           workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``W[n0:n1].T`` as ``[K, n1-n0]`` in ``dtype``, unpacked from the kernel's packing.
 
         Uses the very scales/zeros the kernel reads, so both paths compute the same weight values.
+        ``workspace`` (at least ``K * (n1-n0)`` elements of ``dtype``) is reused across tiles: a
+        fresh multi-MiB buffer per tile costs page faults on every call.
         """
         block_n, k, g = int4pack_block_n(), self.in_features, self.group_size
         rows = n1 - n0
         blocks = self.packed[n0:n1].reshape(rows // block_n, k, block_n // 2)  # contiguous bytes of the tile
-        half = block_n // 2
-        codes = torch.empty(k, rows // block_n, block_n, dtype=dtype)
-        codes[:, :, :half] = (blocks & 0xF).transpose(0, 1)
-        codes[:, :, half:] = (blocks >> 4).transpose(0, 1)
+        codes = torch.cat((blocks & 0xF, blocks >> 4), dim=-1)  # [nb, K, BLOCK_N] uint8, rows in order
+        buffer = workspace[: k * rows] if workspace is not None else torch.empty(k * rows, dtype=dtype)
+        w_t = buffer.view(k, rows // block_n, block_n)
+        w_t.copy_(codes.transpose(0, 1))  # one pass: transpose and convert to dtype
         sz = self.scales_and_zeros[:, n0:n1].to(dtype)  # [K/g, rows, 2]
         scale, zero = sz[..., 0], sz[..., 1] - 8.0 * sz[..., 0]  # (q-8)s + z0 = q*s + (z0 - 8s)
-        w_t = codes.view(k // g, g, rows)
-        w_t.mul_(scale[:, None, :]).add_(zero[:, None, :])
+        grouped = w_t.view(k // g, g, rows)
+        grouped.mul_(scale[:, None, :]).add_(zero[:, None, :])
         return w_t.view(k, rows)
 
     def run_tiles(self, x2d: torch.Tensor) -> torch.Tensor:
-        """Dense GEMM on tiles dequantized one at a time (the compute-bound path)."""
-        return tiled_matmul(x2d.to(self.dense_dtype), self.out_features, self.tile_rows,
-                            lambda n0, n1: self.dequantized_tile_t(n0, n1, self.dense_dtype))
+        """Dense GEMM on tiles dequantized one at a time into one reused buffer (the compute-bound path)."""
+        tile_rows = self.tile_rows
+        workspace = torch.empty(self.in_features * tile_rows, dtype=self.dense_dtype)
+        return tiled_matmul(x2d.to(self.dense_dtype), self.out_features, tile_rows,
+                            lambda n0, n1: self.dequantized_tile_t(n0, n1, self.dense_dtype, workspace))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight ``[N, K]`` as the kernel sees it (tests and debugging)."""
