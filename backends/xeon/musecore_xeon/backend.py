@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from musecore.backends.base import Backend, Probe, Support, WeightIn
+from musecore.backends.reference import weight_format_of
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_quant.qtensor import QTensor
 from musecore_xeon import ops as xops
@@ -30,7 +31,7 @@ from musecore_xeon.kernels.dense import DenseLinear, dense_compute_dtype, prepar
 from musecore_xeon.kernels.int4 import Int4Linear, int4_crossover, pack_int4, prepare_int4
 from musecore_xeon.kernels.moe import XeonExperts, moe_forward
 
-DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONVERT_FP4 = "convert to INT4 at load (the plan does this for xeon devices)"
 NO_ACT_QUANT = ("xeon runs weight-only quantization (W4A16 INT4): {fmt} activations need FP4/FP8 "
                 "tensor hardware; load with act_format=None")
@@ -106,9 +107,9 @@ class XeonBackend(Backend):
         if act_format is not None:
             raise ValueError(NO_ACT_QUANT.format(fmt=act_format))
         if isinstance(weight, torch.Tensor):
-            if weight.dtype not in DENSE_FORMATS:
+            if weight.dtype not in DENSE_DTYPES:
                 raise ValueError(f"xeon dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
-            return DENSE_FORMATS[weight.dtype]
+            return weight_format_of(weight)
         if weight.format in ("nvfp4", "mxfp4"):
             raise ValueError(f"xeon cannot run {weight.format} weights: {CONVERT_FP4}")
         if weight.format != "int4":
