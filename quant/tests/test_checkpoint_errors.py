@@ -232,3 +232,21 @@ def test_partial_folders_are_rejected(tmp_path):
     (folder / ".partial").write_text("")
     _raises(folder, "incomplete conversion")
     assert not verify_checkpoint(folder).ok
+
+
+def test_hugging_face_cache_snapshot_links_into_its_blobs_are_allowed(tmp_path):
+    repo = tmp_path / "models--org--muse"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "abc123"
+    built = _sharded(tmp_path)
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in built.iterdir():
+        os.replace(path, blobs / f"sha-{path.name}")
+        os.symlink(f"../../blobs/sha-{path.name}", snapshot / path.name)
+    assert len(open_checkpoint(snapshot).weight_names()) == 3
+    os.symlink(tmp_path / "elsewhere.safetensors", snapshot / "model-00009-of-00009.safetensors")
+    index = _index(snapshot)
+    index["weight_map"]["t1.weight"] = "model-00009-of-00009.safetensors"
+    (snapshot / "model.safetensors.index.json").unlink()
+    _set_index(snapshot, index)
+    _raises(snapshot, "a symlink escapes it")  # anywhere but the repo's blobs/ is still refused

@@ -78,11 +78,9 @@ def detect_scheme(folder: Path, config: Mapping[str, Any], hf_quant: Optional[Ma
             f"{sorted(set(QUANT_METHODS))}. Use a checkpoint from one of these producers or the BF16 one",
             path=config_path)
     if producer == "modelopt":
-        declared = modelopt.declared_quantization(qc, hf_quant, config_path if hf_quant is None
-                                                  else folder / "hf_quant_config.json")
-        return Scheme(producer, method, (DENSE,), {},
-                      lambda e: modelopt.cross_check(e, declared, folder / "hf_quant_config.json"
-                                                     if hf_quant is not None else config_path))
+        source = config_path if hf_quant is None else folder / "hf_quant_config.json"
+        declared = modelopt.declared_quantization(qc, hf_quant, source)
+        return Scheme(producer, method, (DENSE,), {}, lambda e: modelopt.cross_check(e, declared, source))
     if producer == "quark":
         declared = quark.declared_quantization(qc, config_path)
         return Scheme(producer, method, (DENSE,), {}, lambda e: quark.cross_check(e, declared, config_path))

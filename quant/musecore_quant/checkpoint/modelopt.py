@@ -34,7 +34,8 @@ def declared_quantization(config_qc: Mapping[str, Any] | None, hf_quant: Mapping
     """The quantization ModelOpt declares: quant_algo, quantized_layers, exclude_modules."""
     section = dict((hf_quant or {}).get("quantization") or {})
     if not section and config_qc:
-        section = dict(config_qc)
+        # config.json holds either the flattened form or a copy of hf_quant_config.json
+        section = dict(config_qc.get("quantization") or config_qc)
         section.setdefault("exclude_modules", config_qc.get("ignore", []))
     algo = section.get("quant_algo")
     if algo not in ALGO_FORMATS and algo != "MIXED_PRECISION":

@@ -113,6 +113,7 @@ def _read_headers(folder: Path) -> tuple[list[Path], dict[str, TensorHeader]]:
         return sorted(by_file, key=lambda p: p.name), headers
     single = folder / SINGLE_NAME
     if single.is_file():
+        single = resolve_inside(folder, SINGLE_NAME, source=single)
         return [single], read_header(single)
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
     hint = (f" Found {pickles[:3]}: pickle weights are never read (they can run code); convert them to "

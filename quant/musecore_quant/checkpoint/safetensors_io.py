@@ -155,7 +155,8 @@ def resolve_inside(folder: Path, relative: str, *, source: Path, tensor: str | N
     """Resolve a file name taken from an index, refusing anything outside ``folder``.
 
     Rejects absolute paths, ``..`` components, names that are not ``*.safetensors`` (pickle
-    files are never read) and symlinks whose target leaves the folder.
+    files are never read) and symlinks whose target leaves the folder, except the links of a
+    Hugging Face hub cache snapshot (``<repo>/snapshots/<rev>/x -> <repo>/blobs/<sha>``).
     """
     what = f"index entry {relative!r}"
     if not isinstance(relative, str) or not relative:
@@ -169,7 +170,10 @@ def resolve_inside(folder: Path, relative: str, *, source: Path, tensor: str | N
                             "(never pickle): convert the weights to safetensors", tensor)
     base = folder.resolve()
     target = (folder / rel).resolve()
-    if target != base and base not in target.parents:
+    allowed = [base]
+    if folder.parent.name == "snapshots":
+        allowed.append((folder.parent.parent / "blobs").resolve())
+    if not any(root in target.parents for root in allowed):
         raise _fail(source, f"{what} resolves to {target}, outside the checkpoint folder {base} "
                             "(a symlink escapes it); copy the file into the folder", tensor)
     return folder / rel
