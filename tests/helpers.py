@@ -35,10 +35,10 @@ def write_checkpoint(folder: Path, config: MuseConfig, tensors: dict, shards: in
     if shards == 1:
         save_file(tensors, str(folder / "model.safetensors"))
         return folder
-    names = list(tensors)
+    names = list(tensors)  # model order, cut into contiguous runs as HF writers shard
     weight_map = {}
     for s in range(shards):
-        part = names[s::shards]
+        part = names[s * len(names) // shards:(s + 1) * len(names) // shards]
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: tensors[n] for n in part}, str(folder / file))
         weight_map.update({n: file for n in part})
