@@ -17,9 +17,11 @@ def _seeded():
     torch.manual_seed(0)  # fixed data; the assertions hold for any seed, a failure must reproduce
 
 
-ALL_FORMAT_OPTIONS = [("nvfp4", {}), ("nvfp4", {"rounding": "away"}), ("mxfp4", {}), ("mxfp4", {"scale_mode": "floor"}),
+ALL_FORMAT_OPTIONS = [("nvfp4", {}), ("nvfp4", {"rounding": "away"}), ("mxfp4", {}),
+                      ("mxfp4", {"scale_mode": "floor"}),
                       ("mxfp4", {"scale_mode": "ceil", "rounding": "away"}),
-                      ("int4", {}), ("int4", {"group_size": 32, "sym": False}), ("fp8", {}), ("fp8", {"block_size": 128})]
+                      ("int4", {}), ("int4", {"group_size": 32, "sym": False}),
+                      ("fp8", {}), ("fp8", {"block_size": 128})]
 
 
 def _same_qtensor(a: QTensor, b: QTensor) -> bool:
@@ -75,7 +77,8 @@ def test_unknown_option_names_the_options_the_format_offers():
 
 
 @pytest.mark.parametrize("fmt,opts,message", [
-    ("nvfp4", {}, r"NVFP4 needs in_features divisible by 16; got 100 \(shape \[8, 100\]\)\. Exclude this layer \(--exclude\)\."),
+    ("nvfp4", {},
+     r"NVFP4 needs in_features divisible by 16; got 100 \(shape \[8, 100\]\)\. Exclude this layer \(--exclude\)\."),
     ("mxfp4", {}, r"MXFP4 needs in_features divisible by 32; got 100 .*Exclude this layer \(--exclude\)"),
     ("int4", {"group_size": 64}, r"INT4 needs in_features divisible by 64 \(the group size\); got 100 .*--exclude"),
 ])

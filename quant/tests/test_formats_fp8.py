@@ -62,7 +62,8 @@ def _e4m3_half_ulp(y: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=50, deadline=None)
-@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 20), st.integers(1, 20)), elements=st.floats(-1e4, 1e4, width=32)),
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 20), st.integers(1, 20)),
+                  elements=st.floats(-1e4, 1e4, width=32)),
        st.sampled_from([None, 4, 8]))
 def test_every_element_is_within_half_an_e4m3_step_of_its_scale(values, block_size):
     w = torch.from_numpy(values)

@@ -9,8 +9,11 @@ is a multiplier despite its name):
   ``group_size = block_size``; ragged edge blocks are allowed, as in DeepSeek-V3.
 
 The quotient is computed in fp32 and clamped to +-448 before the cast, always: older eager casts
-turn values >= 480 into NaN instead of saturating. An all-zero tensor or block gets scale 1.0
-rather than the producers' 0 (which divides 0 by 0).
+turn values >= 480 into NaN instead of saturating. (ModelOpt's export divides a bf16 weight by a
+0-dim fp32 scale, which PyTorch computes in bf16, rounding twice; for bf16 weights its FP8 bytes
+can therefore differ from these, which are the single rounding of the exact quotient.)
+
+An all-zero tensor or block gets scale 1.0 rather than the producers' 0 (which divides 0 by 0).
 
 Example::
 

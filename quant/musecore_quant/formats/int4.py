@@ -16,6 +16,11 @@ GPTQ kernels read), computed in fp32 with ``torch.round`` (half to even):
 - scale magnitudes are floored at 1e-5 (AutoRound's ``q_scale_thresh``), so an all-zero group is
   representable without dividing by zero.
 
+This equals AutoRound's ``quant_tensor_sym`` / ``quant_tensor_asym`` on fp32 weights (checked in
+tests/interop). AutoRound does its min/max arithmetic in the weight's dtype, so on bf16 weights
+its asymmetric scales can differ from these in the last fp16 bit; the symmetric ones cannot
+(dividing by 8 is exact).
+
 Producers store other layouts; conversions are pure functions here (FORMATS.md):
 
 - GPTQ v1 (``auto_round:auto_gptq``): ``qweight`` int32 ``[in/8, out]`` (nibble ``k%8`` of word
@@ -178,7 +183,8 @@ def int4_to_gptq(qt: QTensor) -> dict[str, torch.Tensor]:
     codes = unpack_nibbles(qt.data).transpose(-1, -2)                          # [..., in, out]
     qweight = _pack_words(codes.unflatten(-2, (-1, _NIBBLES_PER_WORD)).transpose(-1, -2))  # [..., in/8, out]
     stored_zeros = (_zero_points(qt).to(torch.int64) - 1) & 0xF                 # GPTQ v1 writes z - 1
-    qzeros = _pack_words(stored_zeros.transpose(-1, -2).unflatten(-1, (-1, _NIBBLES_PER_WORD)))  # [..., in/g, out/8]
+    # [..., out, in/g] -> [..., in/g, out/8, 8] -> [..., in/g, out/8]
+    qzeros = _pack_words(stored_zeros.transpose(-1, -2).unflatten(-1, (-1, _NIBBLES_PER_WORD)))
     g_idx = (torch.arange(in_features, device=qt.data.device, dtype=torch.int32) // qt.group_size)
     g_idx = g_idx.expand(*qt.shape[:-2], in_features).contiguous()
     return {"qweight": qweight, "qzeros": qzeros, "scales": qt.scale.transpose(-1, -2).contiguous(),
@@ -187,7 +193,7 @@ def int4_to_gptq(qt: QTensor) -> dict[str, torch.Tensor]:
 
 def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                    g_idx: Optional[torch.Tensor] = None, zero_minus_one: bool = True) -> QTensor:
-    """INT4 QTensor from GPTQ-packed ``qweight [.., in/8, out]``, ``qzeros [.., in/g, out/8]``, ``scales [.., in/g, out]``.
+    """INT4 QTensor from GPTQ ``qweight [.., in/8, out]``, ``qzeros [.., in/g, out/8]``, ``scales [.., in/g, out]``.
 
     ``zero_minus_one=True`` reads GPTQ v1 / ``auto_round:auto_gptq`` zeros (stored ``z-1``; the
     reader adds 1 back modulo 16); ``False`` reads true zeros (AutoRound's asymmetric
@@ -231,7 +237,10 @@ def int4_to_awq(qt: QTensor) -> dict[str, torch.Tensor]:
 
 
 def int4_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> QTensor:
-    """INT4 QTensor from AWQ GEMM ``qweight [.., in, out/8]``, ``qzeros [.., in/g, out/8]`` (true zeros), ``scales [.., in/g, out]``."""
+    """INT4 QTensor from AWQ GEMM tensors (true zeros, nibble order [0,2,4,6,1,3,5,7]).
+
+    ``qweight`` int32 ``[.., in, out/8]``, ``qzeros`` int32 ``[.., in/g, out/8]``, ``scales`` ``[.., in/g, out]``.
+    """
     if qweight.dim() < 2 or qzeros.dim() != qweight.dim() or scales.dim() != qweight.dim():
         raise ValueError(f"AWQ tensors must share their leading dims: qweight [..., in, out/8], qzeros "
                          f"[..., in/g, out/8], scales [..., in/g, out]; got {list(qweight.shape)}, "
