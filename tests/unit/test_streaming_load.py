@@ -46,7 +46,7 @@ def test_peak_host_memory_is_the_model_plus_about_one_shard(tmp_path):
     folder = write_checkpoint(tmp_path / "big", config, tensors, shards=shards)
     del tensors
     shard_bytes = max(f.stat().st_size for f in folder.glob("*.safetensors"))
-    assert model_bytes > 8 * shard_bytes, "the checkpoint must be several times larger than one shard"
+    assert model_bytes > 5 * shard_bytes, "the checkpoint must be several times larger than one shard"
     # glibc keeps freed large blocks in its heap unless they were mmapped: a low mmap threshold makes
     # resident memory follow live memory, which is what this test is about.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
