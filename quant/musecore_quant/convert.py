@@ -190,6 +190,9 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
                               resume_key=key, resume=resume)
     report = ConversionReport(str(src), str(dst), to, method, None if include is None else list(include),
                               list(exclude), options)
+    for other in sorted(dst.parent.glob(f"{dst.name}.partial-*")):
+        if other != writer.partial_folder:
+            report.warnings.append(f"{other} is a partial conversion with other arguments; delete it if unneeded")
     names = reader.weight_names()
     selected = set() if to == "bf16" else {
         n for n in names if select_weight(n, reader.weight_shape(n), include_res, exclude_res)}
