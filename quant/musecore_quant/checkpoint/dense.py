@@ -50,32 +50,32 @@ def classify_dense(name: str, parts: dict[str, TensorHeader], options: Mapping[s
                         "a weight is either quantized (uint8 or float8 codes) or plain: re-export it")
 
 
-def _nvfp4(name: str, parts: dict[str, TensorHeader], w: TensorHeader, scale: TensorHeader) -> WeightEntry:
+def _fp4_shape(name: str, w: TensorHeader, scale: TensorHeader, group: int, label: str) -> tuple[int, ...]:
+    """Logical ``[..., out, in]`` of packed FP4 codes ``[..., out, in/2]`` with one scale per ``group``."""
     if len(w.shape) < 2:
-        raise fail(name, w, f"has shape {list(w.shape)}; NVFP4 codes are [..., out, in/2]")
+        raise fail(name, w, f"has shape {list(w.shape)}; {label} codes are [..., out, in/2]")
     *lead, out, half = w.shape
     k = 2 * half
-    if k % NVFP4_GROUP:
-        raise fail(name, w, f"stores {k} inputs, not a multiple of the NVFP4 group {NVFP4_GROUP}")
-    expect_shape(name, scale, (*lead, out, k // NVFP4_GROUP), "one E4M3 scale per 16 inputs")
+    if k % group:
+        raise fail(name, w, f"stores {k} inputs, not a multiple of the {label} block of {group}")
+    expect_shape(name, scale, (*lead, out, k // group), f"one {label} block scale per {group} inputs")
+    return (*lead, out, k)
+
+
+def _nvfp4(name: str, parts: dict[str, TensorHeader], w: TensorHeader, scale: TensorHeader) -> WeightEntry:
+    shape = _fp4_shape(name, w, scale, NVFP4_GROUP, "NVFP4")
     gs = require(name, parts, "weight_scale_2", ".weight_scale_2", "NVFP4 needs its per-tensor global scale")
     expect_scalar(name, gs, "NVFP4 weight_scale_2 is one fp32 value")
     if "input_scale" in parts:
         expect_scalar(name, parts["input_scale"], "NVFP4 input_scale is one fp32 value")
     _no_extra(name, parts, {"weight", "weight_scale", "weight_scale_2", "input_scale"})
-    return WeightEntry(name, "dense-nvfp4", "nvfp4", (*lead, out, k), parts, NVFP4_GROUP)
+    return WeightEntry(name, "dense-nvfp4", "nvfp4", shape, parts, NVFP4_GROUP)
 
 
 def _mxfp4(name: str, parts: dict[str, TensorHeader], w: TensorHeader, scale: TensorHeader) -> WeightEntry:
-    if len(w.shape) < 2:
-        raise fail(name, w, f"has shape {list(w.shape)}; MXFP4 codes are [..., out, in/2]")
-    *lead, out, half = w.shape
-    k = 2 * half
-    if k % MXFP4_GROUP:
-        raise fail(name, w, f"stores {k} inputs, not a multiple of the MXFP4 block {MXFP4_GROUP}")
-    expect_shape(name, scale, (*lead, out, k // MXFP4_GROUP), "one E8M0 scale per 32 inputs")
+    shape = _fp4_shape(name, w, scale, MXFP4_GROUP, "MXFP4")
     _no_extra(name, parts, {"weight", "weight_scale"})
-    return WeightEntry(name, "dense-mxfp4", "mxfp4", (*lead, out, k), parts, MXFP4_GROUP,
+    return WeightEntry(name, "dense-mxfp4", "mxfp4", shape, parts, MXFP4_GROUP,
                        {"e8m0_roles": ("weight_scale",)})
 
 
