@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -154,11 +155,15 @@ def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024,
     return rows
 
 
-def _write_checkpoint(folder: Path, config: Any, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
+def _write_variant(folder: Path, config: Any, weights_file: Path) -> None:
+    """A checkpoint folder: its own config.json, the shared weights file hard-linked (written once;
+    the reader refuses symlinks that leave the folder)."""
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
-    save_file(tensors, str(folder / "model.safetensors"))
+    link = folder / "model.safetensors"
+    if link.exists():
+        link.unlink()
+    os.link(weights_file, link)
 
 
 def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8,
@@ -174,17 +179,19 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
     import musecore
     from musecore.config import MuseConfig
     from musecore.model import init_weights
+    from safetensors.torch import save_file
     rows = []
     root = Path(workdir or tempfile.mkdtemp(prefix="xeon-bench-"))
     for preset in presets:
         config = MuseConfig.from_name(preset)
-        tensors = init_weights(config, seed=0, std=0.02, dtype=torch.bfloat16)
+        weights_file = root / f"{preset}.safetensors"
+        save_file(init_weights(config, seed=0, std=0.02, dtype=torch.bfloat16), str(weights_file))
         variants = {"xeon-int4": config,
                     "xeon-bf16": dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers)))}
         results = {}
         for impl, cfg in variants.items():
             folder = root / f"{preset}-{impl}"
-            _write_checkpoint(folder, cfg, tensors)
+            _write_variant(folder, cfg, weights_file)
             start = time.perf_counter()
             model = musecore.load(str(folder), device="xeon", progress=False)
             load_s = time.perf_counter() - start
@@ -200,7 +207,7 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
                          "prefill_tokens_per_s": stats.prefill_tokens_per_s, "load_s": load_s,
                          "speedup_vs_bf16": tps / results["xeon-bf16"][0] if results["xeon-bf16"][0] else None,
                          "pct_memory_ceiling": None})
-        del tensors
+        weights_file.unlink()
     return rows
 
 

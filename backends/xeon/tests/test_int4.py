@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from musecore.ops import reference as ref
 from musecore.ops import tolerance
 from musecore_quant.qtensor import QTensor
 from musecore_xeon import XeonBackend
-from musecore_xeon.kernels.crossover import INT4_CROSSOVER_ENV, pick_crossover
+from musecore_xeon.kernels.crossover import INT4_CROSSOVER_ENV, measure_crossover, pick_crossover
 from musecore_xeon.kernels.int4 import Int4Linear, int4_crossover, int4pack_block_n, prepare_int4
 
 SHAPES = [(256, 512), (512, 256), (128, 1024)]  # (out, in): expert-like and projection-like
@@ -101,6 +103,16 @@ def test_pick_crossover_needs_a_win_at_every_larger_m() -> None:
     assert pick_crossover(ms, (1, 1, 5, 5), (2, 2, 4, 4)) == 4
     assert pick_crossover(ms, (1, 5, 1, 5), (2, 4, 2, 4)) == 8   # an isolated early win does not count
     assert pick_crossover(ms, (1, 1, 1, 1), (2, 2, 2, 2)) is None
+
+
+def test_calibration_scans_down_from_the_largest_m_and_stops_at_the_first_kernel_win() -> None:
+    """Synthetic paths: the 'kernel' costs 40 us per row, the 'dense' path a flat 2 ms."""
+    small = lambda x: time.sleep(40e-6 * x.shape[0])  # noqa: E731
+    dense = lambda x: time.sleep(2e-3)  # noqa: E731
+    calibration = measure_crossover("synthetic", 8, 8, small, dense, torch.float32)
+    print(calibration.table())
+    assert calibration.crossover == 64
+    assert calibration.ms == (32, 64, 128, 256)  # 1..16 never timed: the scan stopped at 32
 
 
 def test_unsupported_int4_shapes_and_formats_raise_with_advice(xeon: XeonBackend) -> None:

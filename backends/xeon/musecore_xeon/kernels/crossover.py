@@ -96,20 +96,27 @@ def measure_crossover(kind: str, in_features: int, proxy_out_features: int,
                       small_m_path: Callable[[torch.Tensor], torch.Tensor],
                       dense_path: Callable[[torch.Tensor], torch.Tensor], act_dtype: torch.dtype,
                       ms: tuple[int, ...] = CALIBRATION_MS, repeats: int = 3) -> CrossoverCalibration:
-    """Time both paths on random activations ``[M, in_features]`` for every M in ``ms``.
+    """Time both paths on random activations ``[M, in_features]``, from the largest M down.
 
-    Every M where the dense path looked faster is timed again and each path keeps its best time:
-    one stall of the kernel (another process took the core) must not move the crossover.
+    The scan stops at the first M where the kernel wins, which is all :func:`pick_crossover` needs
+    (a win at every larger M), so a shape whose kernel wins at M=256 costs one point, not nine.
+    A dense win is timed again and each path keeps its best time: one stall of the kernel (another
+    process took the core) must not move the crossover.
     """
-    xs = {m: torch.randn(m, in_features, dtype=act_dtype) for m in ms}
-    small = {m: time_us(lambda: small_m_path(xs[m]), repeats) for m in ms}
-    dense = {m: time_us(lambda: dense_path(xs[m]), repeats) for m in ms}
-    for m in [m for m in ms if dense[m] < small[m]]:
-        small[m] = min(small[m], time_us(lambda: small_m_path(xs[m]), repeats))
-        dense[m] = min(dense[m], time_us(lambda: dense_path(xs[m]), repeats))
-    small_us, dense_us = tuple(small[m] for m in ms), tuple(dense[m] for m in ms)
+    measured: list[tuple[int, float, float]] = []
+    for m in sorted(ms, reverse=True):
+        x = torch.randn(m, in_features, dtype=act_dtype)
+        small, dense = time_us(lambda: small_m_path(x), repeats), time_us(lambda: dense_path(x), repeats)
+        if dense < small:
+            small = min(small, time_us(lambda: small_m_path(x), repeats))
+            dense = min(dense, time_us(lambda: dense_path(x), repeats))
+        measured.append((m, small, dense))
+        if dense >= small:
+            break
+    measured.reverse()
+    m_seen, small_us, dense_us = (tuple(col) for col in zip(*measured))
     return CrossoverCalibration(kind, in_features, proxy_out_features, torch.get_num_threads(),
-                                pick_crossover(tuple(ms), small_us, dense_us), "measured", tuple(ms), small_us, dense_us)
+                                pick_crossover(m_seen, small_us, dense_us), "measured", m_seen, small_us, dense_us)
 
 
 def cached_crossover(key: Hashable, env_name: str, kind: str, in_features: int, proxy_out_features: int,
