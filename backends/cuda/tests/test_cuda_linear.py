@@ -9,7 +9,7 @@ import musecore_quant
 from musecore.ops import Weight, tolerance
 from musecore.ops import reference as ref
 
-from conftest import DEVICE, SMALL_DTYPES, assert_nmse
+from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.layouts import repack_chunk_halves

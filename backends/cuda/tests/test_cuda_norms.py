@@ -8,7 +8,7 @@ import torch
 from musecore.ops import reference as ref
 from musecore.ops import tolerance
 
-from conftest import DEVICE, SMALL_DTYPES, assert_nmse
+from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
 

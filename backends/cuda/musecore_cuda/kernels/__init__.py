@@ -1,1 +1,3 @@
-"""Triton kernels of the CUDA backend (each also runs under ``TRITON_INTERPRET=1`` on CPU)."""
+"""Triton kernels of the CUDA backend. Without a GPU they run only under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before Triton is imported; the tests' conftest does that), on CPU
+tensors, without bf16: a test facility, never a fallback the plan could pick."""

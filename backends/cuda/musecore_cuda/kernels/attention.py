@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 from musecore_cuda.kernels.fp4_gemm import _num_sms, dot_mode
 
 LOG2E = 1.4426950408889634

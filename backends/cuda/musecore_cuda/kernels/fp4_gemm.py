@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 CHUNK_K = 128  # elements of K per resident chunk (and per kernel iteration)
 WFMT_DENSE, WFMT_NVFP4, WFMT_MXFP4 = 0, 1, 2
 MODE_FP16, MODE_BF16, MODE_FP32 = 0, 1, 2

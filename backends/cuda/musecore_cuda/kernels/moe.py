@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 from musecore_cuda.kernels.fp4_gemm import WFMT_DENSE, launch_gemm, pick_config
 from musecore_cuda.layouts import Fp4Resident
 
