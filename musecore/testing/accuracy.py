@@ -4,7 +4,7 @@ These are the columns of the accuracy matrix (``musecore matrix``) and what end-
 assert: a quantized or emulated model is judged by how far its next-token distributions move
 from the BF16 reference on held-out text, not only by its own perplexity, which can hide errors
 that happen to cancel. Logits are compared position by position, so both models must see the
-same token windows (:func:`token_windows`).
+same token windows (:func:`eval_batches`).
 """
 
 from __future__ import annotations
@@ -17,23 +17,36 @@ import torch
 import torch.nn.functional as F
 
 
-def token_windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Cut a 1-D token stream into ``[N, seq_len]`` windows (the last partial window is dropped,
-    unless the stream is shorter than one window, which then becomes the only window)."""
-    tokens = tokens.reshape(-1).long()
-    if tokens.numel() < 2:
-        raise ValueError(f"need at least 2 evaluation tokens to predict one; got {tokens.numel()}")
-    if tokens.numel() <= seq_len:
-        return tokens[None]
-    n = tokens.numel() // seq_len
-    return tokens[: n * seq_len].view(n, seq_len)
+def eval_batches(stream: torch.Tensor, seq_len: int, batch_size: int = 8
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(inputs [b,T], targets [b,T])`` batches predicting every token of ``stream`` but the first.
+
+    Windows of ``seq_len`` inputs step by ``seq_len`` and overlap their targets by one token, as the
+    training run's evaluation does (so the BF16 perplexity here is the one it reports); a shorter
+    last window is a batch of its own.
+    """
+    stream = stream.reshape(-1).long()
+    n = stream.numel() - 1
+    if n < 1:
+        raise ValueError(f"need at least 2 evaluation tokens to predict one; got {stream.numel()}")
+    starts = list(range(0, n, seq_len))
+    full = [s for s in starts if s + seq_len <= n]
+    batches = []
+    for i in range(0, len(full), batch_size):
+        idx = torch.tensor(full[i:i + batch_size])[:, None] + torch.arange(seq_len + 1)
+        chunk = stream[idx]
+        batches.append((chunk[:, :-1], chunk[:, 1:]))
+    for s in starts[len(full):]:
+        chunk = stream[s:n + 1][None]
+        batches.append((chunk[:, :-1], chunk[:, 1:]))
+    return batches
 
 
-def batched_logits(model: Any, windows: torch.Tensor, batch_size: int = 8) -> Iterator[torch.Tensor]:
-    """``model.forward`` over ``windows`` in batches, as fp32 CPU logits ``[b, T, V]``."""
+def batched_logits(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    """``model.forward`` on each batch's inputs, as fp32 CPU logits ``[b, T, V]``."""
     with torch.inference_mode():
-        for start in range(0, windows.shape[0], batch_size):
-            yield model.forward(windows[start:start + batch_size]).float().cpu()
+        for inputs, _ in batches:
+            yield model.forward(inputs).float().cpu()
 
 
 @dataclass
@@ -57,8 +70,8 @@ class AccuracyMeter:
     Example::
 
         meter = AccuracyMeter()
-        for base, logits, window in zip(baseline_batches, model_batches, windows_batches):
-            meter.update(window, logits, base)
+        for (inputs, targets), logits, base in zip(batches, batched_logits(model, batches), baseline):
+            meter.update(targets, logits, base)
         print(meter.result())
     """
 
@@ -70,14 +83,12 @@ class AccuracyMeter:
         self.positions = 0
         self.max_abs = 0.0
 
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, baseline: Optional[torch.Tensor] = None) -> None:
-        """``tokens [b,T]``, ``logits`` and ``baseline`` ``[b,T,V]``; position t predicts token t+1."""
+    def update(self, targets: torch.Tensor, logits: torch.Tensor, baseline: Optional[torch.Tensor] = None) -> None:
+        """``targets [b,T]`` (the next token of each input position), ``logits``/``baseline`` ``[b,T,V]``."""
         logits = logits.float()
-        if tokens.shape[1] > 1:
-            nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
-                                  reduction="sum")
-            self.nll += float(nll)
-            self.predicted += tokens[:, 1:].numel()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        self.nll += float(nll)
+        self.predicted += targets.numel()
         if baseline is None:
             return
         baseline = baseline.float()
@@ -93,7 +104,7 @@ class AccuracyMeter:
 
     def result(self) -> Accuracy:
         if not self.predicted:
-            raise ValueError("no predicted tokens were evaluated (windows of one token?)")
+            raise ValueError("no tokens were evaluated")
         positions = max(self.positions, 1)
         return Accuracy(perplexity=math.exp(self.nll / self.predicted), kl=self.kl / positions,
                         top1_agreement=self.agree / positions, max_abs_logit_error=self.max_abs,

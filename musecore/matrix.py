@@ -1,0 +1,445 @@
+"""The cross-backend accuracy matrix: every target's numerics on one machine, against BF16.
+
+One BF16 checkpoint is converted into each format a target ships (``musecore_quant.convert``,
+cached), each row loads it as that device would (``musecore.load(ckpt, device, emulate=True)``:
+the device's own weight conversion and activation quantization, bit for bit, on reference
+kernels) and, where the device's backend is here, natively as well. Every row is judged on the
+same held-out token windows against the BF16 reference: perplexity and its change, mean
+KL(BF16 || row), top-1 agreement and the largest logit error. ``musecore matrix`` prints it and
+writes the Markdown table and PNG heatmap (``docs/accuracy-matrix.md``).
+
+Example::
+
+    from musecore.matrix import run_matrix
+    report = run_matrix("muse-tiny", tokens=4096)
+    for row in report.rows:
+        print(row.device, row.format, row.mode, row.kl)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from musecore.devices import CATALOG
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_EVAL_TEXT = REPO_ROOT / "tests" / "data" / "stdlib_heldout_slice.jsonl"
+DEFAULT_CACHE = Path(os.environ.get("MUSECORE_CACHE", Path.home() / ".cache" / "musecore")) / "matrix"
+RECIPE_VERSION = 1  # bump when a recipe changes, so cached checkpoints are rebuilt
+JSON_KEYS = ("device", "format", "mode", "perplexity", "delta_perplexity_pct", "kl", "top1_agreement",
+             "max_abs_logit_error", "status", "note")
+METRICS = ("perplexity", "delta_perplexity_pct", "kl", "top1_agreement", "max_abs_logit_error")
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """A target profile and the checkpoint it loads: ``id`` is what ``--rows`` selects."""
+
+    device: str
+    format: str        # as shown in the table and the JSON
+    checkpoint: str    # key of RECIPES
+    explanation: str   # what the device does with that checkpoint
+
+    @property
+    def id(self) -> str:
+        return f"{self.device}/{self.checkpoint}"
+
+
+ROWS: tuple[RowSpec, ...] = (
+    RowSpec("cpu", "bf16", "bf16", "the reference: BF16 weights, fp32 math"),
+    RowSpec("b300", "nvfp4 (W4A4)", "nvfp4", "NVFP4 experts and NVFP4 activations (calibrated static scales)"),
+    RowSpec("h200", "nvfp4 (W4A16)", "nvfp4", "NVFP4 experts upcast in registers, BF16 activations"),
+    RowSpec("mi355x", "mxfp4 (requantized from nvfp4)", "nvfp4",
+            "the NVFP4 checkpoint requantized to MXFP4 at load; MXFP4 activations"),
+    RowSpec("mi355x", "mxfp4 (from bf16)", "mxfp4", "BF16 quantized straight to MXFP4 (Quark rule); MXFP4 activations"),
+    RowSpec("xeon6", "int4 (RTN)", "int4-rtn", "INT4 g128 symmetric, round to nearest; BF16 activations"),
+    RowSpec("xeon6", "int4 (AutoRound)", "int4-autoround", "INT4 g128 symmetric with AutoRound-tuned rounding"),
+    RowSpec("tpu-v6e", "bf16", "bf16", "BF16 weights and activations"),
+)
+
+
+@dataclass
+class MatrixRow:
+    """One row of the matrix; ``to_json`` gives exactly ``JSON_KEYS``."""
+
+    device: str
+    format: str
+    mode: str                                  # emulated | native
+    perplexity: Optional[float] = None
+    delta_perplexity_pct: Optional[float] = None
+    kl: Optional[float] = None
+    top1_agreement: Optional[float] = None
+    max_abs_logit_error: Optional[float] = None
+    status: str = "ok"                         # ok | unavailable | error
+    note: str = ""
+    row_id: str = ""
+    weight_sqnr_db: Optional[float] = None     # in-memory quantized expert weights vs the BF16 source
+    activation_sqnr_db: Optional[float] = None  # activation quantization on calibration samples (W4A4)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: _finite(getattr(self, k)) for k in JSON_KEYS}
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+@dataclass
+class MatrixReport:
+    model: str
+    eval_source: str
+    tokens: int
+    seq_len: int
+    rows: list[MatrixRow]
+    op_results: dict[str, list[Any]] = field(default_factory=dict)  # backend -> [CaseResult]
+    op_skipped: dict[str, str] = field(default_factory=dict)        # backend -> why it was not run
+    checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [row.to_json() for row in self.rows]
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+def quantized_expert_pattern(config: Any) -> str:
+    """The regex of MODEL.md section 2: routed-expert projections of every layer not kept in BF16."""
+    layers = [i for i in range(config.num_hidden_layers) if i not in set(config.bf16_expert_layers)]
+    if not layers:
+        raise ValueError("this config keeps every layer's experts in BF16: nothing to quantize")
+    return (r"^model\.language_model\.layers\.(" + "|".join(map(str, layers)) +
+            r")\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def source_fingerprint(folder: Path, calibration: torch.Tensor) -> str:
+    digest = hashlib.sha256(f"recipe-v{RECIPE_VERSION}".encode())
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and (path.suffix == ".safetensors" or path.name == "config.json"):
+            digest.update(path.name.encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    digest.update(calibration.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def find_autoround() -> tuple[Optional[Callable], str]:
+    """musecore's AutoRound converter (``musecore.calibrate.convert_autoround``) if this musecore has
+    one, else why not: a row then says ``unavailable`` instead of showing a number it did not measure."""
+    import importlib
+
+    try:
+        module = importlib.import_module("musecore.calibrate")
+    except ModuleNotFoundError as err:
+        if err.name != "musecore.calibrate":
+            raise
+        module = None
+    if module is not None and hasattr(module, "convert_autoround"):
+        return module.convert_autoround, ""
+    return None, ("AutoRound needs a calibrated quantizer (musecore_quant.convert(method='autoround', "
+                  "calibrated_quantizer=...)) and this musecore provides none (no musecore.calibrate.convert_autoround)")
+
+
+class CheckpointCache:
+    """Builds (once) and finds the converted checkpoints of one BF16 source under ``root``."""
+
+    def __init__(self, source: Path, config: Any, root: Path, calibration: torch.Tensor, seq_len: int,
+                 progress: bool, autoround_iters: int = 200) -> None:
+        from musecore.testing.accuracy import eval_batches
+        self.source, self.config, self.progress = source, config, progress
+        self.calibration_stream, self.seq_len, self.autoround_iters = calibration, seq_len, autoround_iters
+        self.calibration = eval_batches(calibration, seq_len)
+        key = source_fingerprint(source, calibration)
+        self.root = Path(root) / f"{source.name}-{key}"
+        self.info: dict[str, dict[str, Any]] = {"bf16": {"folder": str(source), "how": "the source checkpoint"}}
+        self.stats: Any = None
+
+    def _convert(self, name: str, to: str, make: Optional[Callable[[Path], Any]] = None, **options: Any) -> Path:
+        from musecore_quant import convert
+        dst = self.root / name
+        if not (dst / "config.json").is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if make is not None:
+                make(dst)
+            else:
+                convert(self.source, dst, to=to, include=[quantized_expert_pattern(self.config)],
+                        progress=self.progress, **options)
+        report = json.loads((dst / "conversion_report.json").read_text())
+        summary = report.get("summary", {})
+        self.info[name] = {"folder": str(dst), "how": f"musecore_quant.convert(to={to!r}, "
+                           f"method={report.get('method')!r})", "min_sqnr_db": summary.get("min_sqnr_db"),
+                           "mean_sqnr_db": summary.get("mean_sqnr_db")}
+        return dst
+
+    def calibration_stats(self) -> Any:
+        if self.stats is None:
+            import musecore
+            from musecore.testing.calibration import calibrate_expert_inputs
+            bf16 = musecore.load(self.source, device="cpu", progress=False)
+            self.stats = calibrate_expert_inputs(bf16, self.calibration)
+        return self.stats
+
+    def get(self, recipe: str) -> Path:
+        """The folder of ``recipe``'s checkpoint; raises :class:`RowUnavailable` when it cannot exist."""
+        if recipe == "bf16":
+            return self.source
+        if recipe == "mxfp4":
+            return self._convert("mxfp4", "mxfp4")
+        if recipe == "int4-rtn":
+            return self._convert("int4-rtn", "int4", quantize_options={"group_size": 128, "sym": True})
+        if recipe == "nvfp4":
+            rtn = self._convert("nvfp4-weights", "nvfp4")
+            dst = self.root / "nvfp4"
+            if not (dst / "config.json").is_file():
+                from musecore.testing.calibration import write_with_input_scales
+                write_with_input_scales(rtn, dst, self.calibration_stats())
+            self.info["nvfp4"] = {**self.info["nvfp4-weights"], "folder": str(dst),
+                                  "how": self.info["nvfp4-weights"]["how"] + " + static activation scales "
+                                  "(input_scale) calibrated on the calibration tokens"}
+            return dst
+        if recipe == "int4-autoround":
+            convert_autoround, why = find_autoround()
+            if convert_autoround is None:
+                raise RowUnavailable(why)
+            stream = self.calibration_stream
+            seq_len = min(self.seq_len, stream.numel())
+            make = lambda dst: convert_autoround(self.source, dst, stream, tokens=stream.numel(),  # noqa: E731
+                                                 seq_len=seq_len, progress=self.progress, iters=self.autoround_iters)
+            return self._convert(f"int4-autoround-i{self.autoround_iters}", "int4", make)
+        raise ValueError(f"unknown checkpoint recipe {recipe!r}; known: bf16, nvfp4, mxfp4, int4-rtn, int4-autoround")
+
+
+class RowUnavailable(RuntimeError):
+    """A row cannot be measured here (its checkpoint or backend is missing); the row says why."""
+
+
+# -- evaluation tokens -----------------------------------------------------------------------------
+
+def load_eval_tokens(folder: Path, eval_text: Optional[Union[str, Path]], tokens: Optional[int],
+                     vocab_size: int, random_tokens: bool = False, seed: int = 0) -> tuple[torch.Tensor, str]:
+    """The evaluation stream and a description of where it came from.
+
+    ``eval_text``: a ``.jsonl`` of ``{"text": ...}`` documents (each framed BOS + text + EOS, as the
+    training run frames them) or a plain text file; ``random_tokens`` for checkpoints without a
+    tokenizer (development only: random tokens measure numerics, not language modelling).
+    """
+    if random_tokens:
+        gen = torch.Generator().manual_seed(seed)
+        n = tokens or 1024
+        return torch.randint(0, vocab_size, (n,), generator=gen), f"{n} random token ids (seed {seed})"
+    path = Path(eval_text) if eval_text is not None else DEFAULT_EVAL_TEXT
+    if not path.is_file():
+        raise FileNotFoundError(f"no evaluation text at {path}; pass --eval-text FILE (.jsonl of {{\"text\": ...}} "
+                                "or plain text), or --random-tokens for a checkpoint without a tokenizer")
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{folder} has no tokenizer.json to encode {path.name}; pass --random-tokens")
+    from musecore.tokenizer import load_tokenizer
+    tok = load_tokenizer(folder)
+    bos = [tok.bos_id] if tok.bos_id is not None else []
+    eos = list(tok.eos_ids[:1])
+    ids: list[int] = []
+    if path.suffix == ".jsonl":
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                ids += bos + tok.encode(json.loads(line)["text"], add_special_tokens=False) + eos
+    else:
+        ids = bos + tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+    stream = torch.tensor(ids[: tokens + 1] if tokens else ids)
+    return stream, f"{path.name}: {stream.numel()} tokens" + (f" (first {tokens} + 1)" if tokens else "")
+
+
+def calibration_tokens(vocab_size: int, folder: Path, tokens: int = 2048, seed: int = 1) -> torch.Tensor:
+    """Calibration text, never the evaluation text: musecore's own Python sources when the model has
+    a tokenizer (code, like the training corpus, but not part of it), else random ids."""
+    if (folder / "tokenizer.json").is_file():
+        from musecore.tokenizer import load_tokenizer
+        tok = load_tokenizer(folder)
+        text = "\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO_ROOT / "musecore").glob("*.py")))
+        ids = tok.encode(text, add_special_tokens=False)[:tokens]
+        if len(ids) >= tokens // 2:
+            return torch.tensor(ids)
+    return torch.randint(0, vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
+
+
+# -- rows ------------------------------------------------------------------------------------------
+
+def select_rows(selectors: Optional[Sequence[str]] = None) -> list[RowSpec]:
+    """Rows by id (``mi355x/mxfp4``) or device (``xeon6``: all its rows); all rows when None."""
+    if not selectors:
+        return list(ROWS)
+    chosen: list[RowSpec] = []
+    for sel in selectors:
+        found = [r for r in ROWS if sel in (r.id, r.device)]
+        if not found:
+            raise ValueError(f"unknown matrix row {sel!r}; choose row ids {[r.id for r in ROWS]} or devices "
+                             f"{sorted({r.device for r in ROWS})}")
+        chosen += [r for r in found if r not in chosen]
+    return chosen
+
+
+def native_backend_here(device: str, records: dict) -> Optional[str]:
+    """The reason a native row is impossible, or None when the device's backend serves it here."""
+    backend = CATALOG[device].backend
+    record = records.get(backend)
+    if record is None:
+        return f"backend {backend!r} is not installed"
+    if not record.loaded:
+        return f"backend {backend!r} failed to load: {record.error}"
+    if not (record.probe and record.probe.available and device in record.probe.devices):
+        return f"no {device} here ({backend}: {record.probe.reason if record.probe else 'not probed'})"
+    return None
+
+
+def expert_weight_sqnr(model: Any, source: Path) -> Optional[float]:
+    """SQNR (dB) of the model's in-memory quantized-layer expert weights against the BF16 source,
+    over all of them; None when the backend's layout is not dense (native kernels)."""
+    from musecore_quant.checkpoint import open_checkpoint
+    config = model.config
+    signal = noise = 0.0
+    with open_checkpoint(source) as reader:
+        for i, layer in enumerate(model.layers):
+            if i in config.bf16_expert_layers:
+                continue
+            experts = layer.mlp.experts
+            for proj, stack in (("gate_proj", experts.gate), ("up_proj", experts.up), ("down_proj", experts.down)):
+                if not isinstance(stack, torch.Tensor):
+                    return None
+                for e in range(config.num_experts):
+                    ref = reader.read(f"model.language_model.layers.{i}.mlp.experts.{e}.{proj}.weight").double()
+                    signal += float((ref ** 2).sum())
+                    noise += float(((stack[e].double().cpu() - ref) ** 2).sum())
+    if noise == 0.0:
+        return math.inf
+    return 10 * math.log10(signal / noise)
+
+
+def evaluate(model: Any, batches: list, baseline: Optional[list]) -> Any:
+    from musecore.testing.accuracy import AccuracyMeter, batched_logits
+    meter = AccuracyMeter()
+    for i, ((_, targets), logits) in enumerate(zip(batches, batched_logits(model, batches))):
+        meter.update(targets, logits, None if baseline is None else baseline[i])
+    return meter.result()
+
+
+def _row(spec: RowSpec, mode: str, status: str = "ok", note: str = "") -> MatrixRow:
+    return MatrixRow(spec.device, spec.format, mode, status=status, note=note, row_id=spec.id)
+
+
+def measure_row(spec: RowSpec, mode: str, cache: CheckpointCache, batches: list, baseline: list,
+                bf16_perplexity: float) -> MatrixRow:
+    """Load ``spec``'s checkpoint on its device (emulated or native) and measure it against ``baseline``."""
+    import musecore
+    from musecore.plan import PlanError
+
+    started = time.perf_counter()
+    row = _row(spec, mode, note=spec.explanation)
+    try:
+        folder = cache.get(spec.checkpoint)
+    except (RowUnavailable, NotImplementedError) as err:
+        return _row(spec, mode, "unavailable", str(err))
+    try:
+        model = musecore.load(folder, device=spec.device, emulate=(mode == "emulated"), progress=False)
+    except PlanError as err:
+        return _row(spec, mode, "unavailable", str(err).replace("\n", " "))
+    acc = evaluate(model, batches, baseline)
+    row.perplexity, row.kl, row.top1_agreement = acc.perplexity, acc.kl, acc.top1_agreement
+    row.max_abs_logit_error = acc.max_abs_logit_error
+    row.delta_perplexity_pct = 100.0 * (acc.perplexity / bf16_perplexity - 1.0)
+    if spec.checkpoint != "bf16" or CATALOG[spec.device].conversion("bf16").target != "bf16":
+        row.weight_sqnr_db = expert_weight_sqnr(model, cache.source)
+    act = model.plan.profile.conversion(model.plan.checkpoint_format).act_format
+    if act in ("nvfp4", "mxfp4") and mode == "emulated":
+        from musecore.testing.calibration import activation_sqnr_db
+        quantized = [i for i in range(model.config.num_hidden_layers) if i not in model.config.bf16_expert_layers]
+        row.activation_sqnr_db = activation_sqnr_db(cache.calibration_stats(), act, quantized)
+    row.seconds = time.perf_counter() - started
+    return row
+
+
+# -- the whole matrix ------------------------------------------------------------------------------
+
+def op_conformance(sizes: Sequence[str], records: dict, progress: bool = False
+                   ) -> tuple[dict[str, list[Any]], dict[str, str]]:
+    """The conformance suite on every backend installed and available here (per-op NMSE table)."""
+    from musecore.testing import run_conformance
+    results, skipped = {}, {}
+    for name, record in sorted(records.items()):
+        if not record.loaded:
+            skipped[name] = f"failed to load: {record.error}"
+        elif not (record.probe and record.probe.available):
+            skipped[name] = f"not available here: {record.probe.reason if record.probe else 'not probed'}"
+        else:
+            results[name] = run_conformance(record.backend_class(), sizes=sizes, progress=progress)
+    return results, skipped
+
+
+def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence[str]] = None,
+               tokens: Optional[int] = None, seq_len: int = 512, batch_size: int = 8,
+               eval_text: Optional[Union[str, Path]] = None, random_tokens: bool = False,
+               cache_dir: Optional[Union[str, Path]] = None, native: bool = True,
+               op_sizes: Sequence[str] = ("tiny",), autoround_iters: int = 200, progress: bool = False,
+               log: Optional[Callable[[str], None]] = None) -> MatrixReport:
+    """Measure every selected row (see the module doc) on the BF16 checkpoint ``model``.
+
+    ``tokens`` caps the evaluation tokens; ``seq_len`` is the window; ``cache_dir`` holds the
+    converted checkpoints (default ``~/.cache/musecore/matrix``); ``native=False`` skips native
+    rows; ``op_sizes`` are the conformance sizes of the per-op table (``()`` skips it);
+    ``autoround_iters`` the tuning steps per expert of the AutoRound row (auto-round's default 200).
+    """
+    import musecore
+    from musecore.api import resolve_model, summarize
+    from musecore.backends.registry import discover
+    from musecore.testing.accuracy import AccuracyMeter, batched_logits, eval_batches
+
+    say = log or (lambda msg: None)
+    started = time.perf_counter()
+    name, folder = resolve_model(model)
+    if folder is None:
+        raise FileNotFoundError(f"{model!r} is a preset without weights; the matrix needs a BF16 checkpoint folder")
+    summary, _ = summarize(folder)
+    if summary.format != "bf16":
+        raise ValueError(f"{folder} is a {summary.format} checkpoint; the matrix converts from BF16, so pass the "
+                         "BF16 checkpoint (musecore-quant convert SRC DST --to bf16 makes one)")
+    specs = select_rows(rows)
+    config = summary.config
+    stream, source = load_eval_tokens(folder, eval_text, tokens, config.vocab_size, random_tokens)
+    batches = eval_batches(stream, seq_len, batch_size)
+    calibration = calibration_tokens(config.vocab_size, folder, seed=1)
+    cache = CheckpointCache(folder, config, Path(cache_dir) if cache_dir else DEFAULT_CACHE, calibration, seq_len,
+                            progress, autoround_iters)
+    records = discover()
+
+    say(f"baseline: {name} BF16 on the reference backend, {source}")
+    reference = musecore.load(folder, device="cpu", progress=False)
+    baseline = list(batched_logits(reference, batches))
+    del reference
+    meter = AccuracyMeter()  # the reference against itself: KL 0, agreement 1, by construction
+    for (_, targets), logits in zip(batches, baseline):
+        meter.update(targets, logits, logits)
+    bf16 = meter.result()
+    out: list[MatrixRow] = []
+    for spec in specs:
+        modes = ["native"] if CATALOG[spec.device].backend == "reference" else ["emulated"]
+        if native and "emulated" in modes and native_backend_here(spec.device, records) is None:
+            modes.append("native")
+        for mode in modes:
+            say(f"{spec.id} ({mode})")
+            if spec.id == "cpu/bf16":
+                row = _row(spec, mode, note=spec.explanation)
+                row.perplexity, row.delta_perplexity_pct, row.kl = bf16.perplexity, 0.0, bf16.kl
+                row.top1_agreement, row.max_abs_logit_error = bf16.top1_agreement, bf16.max_abs_logit_error
+            else:
+                row = measure_row(spec, mode, cache, batches, baseline, bf16.perplexity)
+            out.append(row)
+    op_results, op_skipped = op_conformance(op_sizes, records, progress) if op_sizes else ({}, {})
+    return MatrixReport(name, source, int(sum(t.numel() for _, t in batches)), seq_len, out, op_results,
+                        op_skipped, cache.info, time.perf_counter() - started)
