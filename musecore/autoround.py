@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import random
@@ -41,6 +42,7 @@ from musecore_quant.formats.int4 import INT4_MAX_CODE, INT4_SYMMETRIC_ZERO, int4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 TESTED_AUTO_ROUND = "0.16.1"
+AUTO_ROUND_INT_MULTIPLE = 32  # auto-round leaves INT Linears with other dims unquantized
 INSTALL_HINT = ("pip install 'auto-round==0.16.1' (or pip install -e '.[autoround]'); if pip wants another torch, "
                 "install auto-round with --no-deps and add its pure-Python dependencies by hand")
 
@@ -223,6 +225,18 @@ def _quiet(verbose: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """auto-round calls ``gc.collect()`` several times per block; with torch and transformers
+    loaded that walks a large heap and costs more than tuning a small expert. Objects that exist
+    before the call are moved out of the collector's sight meanwhile (``gc.freeze``), then back."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """auto-round draws batches from Python's ``random`` and initialises through torch's RNG:
     seed both for a reproducible expert, and give the caller its RNG states back."""
@@ -246,6 +260,10 @@ class ExpertTuner:
             if dim % options.group_size:
                 raise ValueError(f"INT4 group_size {options.group_size} must divide the expert's {what} width {dim}; "
                                  "pass a group_size that divides both")
+            if dim % AUTO_ROUND_INT_MULTIPLE:
+                raise ValueError(f"auto-round keeps INT Linears whose dims are not multiples of "
+                                 f"{AUTO_ROUND_INT_MULTIPLE} in 16 bits; the expert's {what} width is {dim}. "
+                                 "Quantize this model with RTN (every Muse preset is a multiple of 128)")
         self.options = options
         self.block = ExpertBlock(latent, intermediate, eps)
         for p in self.block.parameters():
@@ -258,7 +276,7 @@ class ExpertTuner:
                                     act_bits=16)
         with _quiet(options.verbose), _seeded(options.seed):
             self._compressor = AutoRound(
-                model=self._model, tokenizer=None, scheme=scheme,
+                model=self._model, tokenizer="", scheme=scheme,  # "": no tokenizer (inputs are given)
                 alg_configs=SignRoundConfig(iters=options.iters, lr=options.lr),
                 nsamples=options.nsamples, seqlen=options.tokens_per_sample,
                 batch_size=options.batch_size or options.nsamples,
@@ -266,8 +284,16 @@ class ExpertTuner:
             self._compressor.batch_dim = 0
 
     def samples(self, z: torch.Tensor, routing_weight: torch.Tensor) -> list:
-        """auto-round's captured-input form: one ``((args, kwargs),)`` per sample of ``[1, S, l]``."""
+        """auto-round's captured-input form: one ``((args, kwargs),)`` per sample of ``[1, S, l]``.
+
+        auto-round concatenates samples, so all have ``S`` tokens: the last is padded with zero
+        latents of routing weight 0, whose routed output is 0 with any weights (no loss, no gradient).
+        """
         S = self.options.tokens_per_sample
+        pad = -len(z) % S
+        if pad:
+            z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
+            routing_weight = torch.cat([routing_weight, routing_weight.new_zeros(pad)])
         return [(((z[i:i + S][None],), {"routing_weight": routing_weight[i:i + S][None]}),)
                 for i in range(0, len(z), S)]
 
@@ -285,7 +311,7 @@ class ExpertTuner:
         rtn = {p: quantize(w, "int4", group_size=opts.group_size, sym=opts.sym) for p, w in source.items()}
         loss_rtn = weighted_output_mse(block, {p: int4_dequantize(q) for p, q in rtn.items()}, z, routing_weight,
                                        reference)
-        with _quiet(opts.verbose), _seeded(opts.seed if seed is None else seed), torch.enable_grad():
+        with _quiet(opts.verbose), _seeded(opts.seed if seed is None else seed), _frozen_heap(), torch.enable_grad():
             self._compressor.quantize_block(block=block, inputs=self.samples(z, routing_weight), q_input=None,
                                             device="cpu", auto_offload=False)
         qtensors = {}

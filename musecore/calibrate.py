@@ -1,0 +1,493 @@
+"""Calibration on the Muse graph: what the router sends each expert, and AutoRound INT4 from it.
+
+``musecore_quant.convert(..., method="autoround")`` tunes weights on activations, which needs the
+model graph; ``musecore_quant`` knows no graph (DESIGN.md), so it takes a
+``calibrated_quantizer(name, fp32 weight) -> QTensor`` and this module provides one.
+
+An expert only ever sees the pooled latents ``z`` of the tokens the router picked for it, each
+weighted by its routing weight (MODEL.md section 1), so that is what each expert is calibrated on:
+
+1. :class:`LayerwiseRun` runs ``MuseModel.forward`` one decoder layer at a time through the
+   model's own modules and ops (a test checks it gives ``model.forward``'s logits bit for bit), so
+   calibration can act between layers and later layers see earlier layers' (quantized) outputs.
+2. At each MoE the ``moe`` op is observed (:func:`observing_ops`, on a shallow copy of the layer's
+   MoE; the model is not modified): the ``z``, routing weights and expert ids that ``MoE.__call__``
+   computed are recorded, and each expert keeps at most ``max_tokens`` of its routed rows
+   (:func:`routed_inputs`, a seeded random subset when it got more).
+3. :class:`AutoRoundQuantizer` tunes each expert of the quantized layers with auto-round
+   (``musecore/autoround.py``), then continues with the quantized experts in place, as auto-round
+   does with its own blocks (``propagate_quantized``). An expert that received no calibration token
+   is quantized with RTN and counted in the report (``rtn_fallback``).
+
+Example::
+
+    import musecore, torch
+    from musecore.calibrate import autoround_quantizer, convert_autoround
+    from musecore_quant.convert import convert
+
+    model = musecore.load("Muse-BF16", device="cpu", dtype=torch.float32)
+    quantizer = autoround_quantizer(model, ids, iters=200)          # ids: LongTensor [B, T]
+    convert("Muse-BF16", "Muse-INT4-AR", to="int4", method="autoround",
+            include=quantizer.include_patterns(), calibrated_quantizer=quantizer)
+
+    # or in one call, from text or token ids:
+    convert_autoround("Muse-BF16", "Muse-INT4-AR", open("calib.txt").read())
+
+Command line (``musecore-quant convert --method autoround`` has no way to receive a quantizer)::
+
+    python -m musecore.calibrate SRC DST --calibration calib.txt [--iters 200] [--tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from musecore_quant import QTensor, dequantize
+
+from musecore.autoround import (PROJECTIONS, AutoRoundOptions, ExpertTuner, auto_round_version, relative_gain,
+                                rtn_expert)
+from musecore.model import PREFIX, MuseModel
+from musecore.ops import OPS, Ops
+
+EXPERT_WEIGHT = re.compile(rf"{re.escape(PREFIX)}layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+REPORT_FILE = "calibration_report.json"
+
+MoEObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running the graph one layer at a time, observing the router
+
+
+def observing_ops(ops: Ops, observer: MoEObserver) -> Ops:
+    """A copy of ``ops`` whose ``moe`` first hands ``(z, weights, ids)`` to ``observer``."""
+    table = {op: getattr(ops, op) for op in OPS}
+    inner = table["moe"]
+
+    def moe(z, weights, ids, experts, *args, **kwargs):
+        observer(z, weights, ids)
+        return inner(z, weights, ids, experts, *args, **kwargs)
+
+    table["moe"] = moe
+    return Ops(table, {**ops.sources, "moe": f"observed({ops.sources.get('moe', 'moe')})"})
+
+
+class LayerwiseRun:
+    """``MuseModel.forward`` (no KV cache) cut at every decoder layer, over calibration ids ``[B, T]``.
+
+    Per layer: ``attention(i)`` gives the MoE inputs, ``moe(i, inputs, mlp)`` runs the MoE sublayer
+    (with ``mlp``, e.g. a copy with quantized experts or observed ops) and advances the residual
+    stream. ``logits()`` after the last layer equals ``model.forward(ids)``.
+    """
+
+    def __init__(self, model: MuseModel, ids: torch.Tensor, batch_size: int = 8) -> None:
+        if ids.dim() != 2 or ids.dtype != torch.long:
+            raise ValueError(f"calibration ids must be a LongTensor [B, T]; got {ids.dtype} {list(ids.shape)}")
+        self.model, self.ops, self.eps = model, model.ops, model.config.rms_norm_eps
+        self.chunks = [c.to(model.device) for c in ids.split(batch_size)]
+        self.positions = [torch.arange(c.shape[1], device=model.device)[None, :].expand(c.shape) for c in self.chunks]
+        self.rope = [{kind: table(p) for kind, table in model.rope.items()} for p in self.positions]
+        self.x = [self.ops.embedding(c, model.embed_tokens).to(model.dtype) for c in self.chunks]   # [b,T,H]
+        self.a = [self.ops.rms_norm(x, model.layers[0].input_layernorm, self.eps) for x in self.x]
+        self.next_layer = 0
+
+    def attention(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(h, m) per chunk: the residual after attention and the MoE input of layer ``i``."""
+        if i != self.next_layer:
+            raise RuntimeError(f"layers run in order: expected layer {self.next_layer}, got {i}")
+        layer = self.model.layers[i]
+        out = []
+        for a, x, positions, rope in zip(self.a, self.x, self.positions, self.rope):
+            attn_out = layer.self_attn(a, positions, rope[layer.layer_type], None)
+            out.append(self.ops.residual_norm(x, attn_out, layer.post_attention_layernorm, layer.attn_residual_gate,
+                                              layer.pre_feedforward_layernorm, self.eps))
+        return out
+
+    def moe(self, i: int, hm: list[tuple[torch.Tensor, torch.Tensor]], mlp: Any = None, *,
+            advance: bool = True) -> None:
+        """The MoE sublayer of layer ``i`` on ``hm`` (from :meth:`attention`) with ``mlp`` (default the
+        layer's own); ``advance=False`` only runs it (e.g. to observe the router)."""
+        layer, model = self.model.layers[i], self.model
+        mlp = layer.mlp if mlp is None else mlp
+        next_norm = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
+        results = [self.ops.residual_norm(h, mlp(m), layer.post_feedforward_layernorm, layer.ffn_residual_gate,
+                                          next_norm, self.eps) for h, m in hm]
+        if advance:
+            self.x, self.a = [r[0] for r in results], [r[1] for r in results]
+            self.next_layer = i + 1
+
+    def logits(self) -> torch.Tensor:
+        if self.next_layer != len(self.model.layers):
+            raise RuntimeError(f"logits() needs every layer run; {self.next_layer} of {len(self.model.layers)} done")
+        return torch.cat([self.ops.linear(a, self.model.lm_head).float() for a in self.a])
+
+
+@dataclass
+class RoutedInputs:
+    """What the router sent one expert: rows of ``z`` and their routing weights, capped."""
+
+    z: torch.Tensor          # [n, l] fp32, pooled + normed latents
+    weights: torch.Tensor    # [n] fp32, renormalised top-k routing weights
+    tokens: torch.Tensor     # [n] long, flat calibration token index (row of ids.reshape(-1))
+    routed: int              # tokens the router picked for this expert before the cap
+
+
+@dataclass
+class RouterRecord:
+    """One layer's routing over all calibration tokens, as ``MoE.__call__`` computed it."""
+
+    z: torch.Tensor = None        # [N, l]
+    weights: torch.Tensor = None  # [N, k]
+    ids: torch.Tensor = None      # [N, k]
+    parts: list = field(default_factory=list)
+
+    def __call__(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+        self.parts.append((z.detach().float().cpu(), weights.detach().float().cpu(), ids.detach().cpu()))
+
+    def finish(self) -> "RouterRecord":
+        self.z, self.weights, self.ids = (torch.cat(t) for t in zip(*self.parts))
+        self.parts = []
+        return self
+
+
+def record_routing(run: LayerwiseRun, i: int, hm: list) -> RouterRecord:
+    """The router's choices and the pooled latents of layer ``i`` for every calibration token."""
+    mlp = run.model.layers[i].mlp
+    record = RouterRecord()
+    observed = copy.copy(mlp)  # shallow: same weights, its own ops table
+    observed.ops = observing_ops(mlp.ops, record)
+    run.moe(i, hm, observed, advance=False)
+    return record.finish()
+
+
+def routed_inputs(record: RouterRecord, expert: int, max_tokens: int, seed: int = 0) -> RoutedInputs:
+    """Expert ``expert``'s routed rows of ``record``; a seeded random subset (in token order) when
+    the router picked more than ``max_tokens``."""
+    tokens, slot = (record.ids == expert).nonzero(as_tuple=True)
+    routed = len(tokens)
+    if routed > max_tokens:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + expert)
+        keep = torch.randperm(routed, generator=gen)[:max_tokens].sort().values
+        tokens, slot = tokens[keep], slot[keep]
+    return RoutedInputs(record.z[tokens], record.weights[tokens, slot], tokens, routed)
+
+
+def capture_routed_inputs(model: MuseModel, ids: torch.Tensor, max_tokens: int = 512, layers: Optional[Sequence[int]] = None,
+                          seed: int = 0, batch_size: int = 8) -> dict[int, list[RoutedInputs]]:
+    """For every MoE layer (or ``layers``), what the router sends each expert on ``ids [B, T]``,
+    with the unquantized model: ``{layer: [RoutedInputs per expert]}``.
+
+    Example::
+
+        routed = capture_routed_inputs(musecore.load(ckpt, device="cpu"), ids)
+        routed[1][5].z.shape        # [n, l]: the latents expert 5 of layer 1 received
+    """
+    wanted = set(range(model.config.num_hidden_layers) if layers is None else layers)
+    run, out = LayerwiseRun(model, ids, batch_size), {}
+    for i in range(model.config.num_hidden_layers):
+        hm = run.attention(i)
+        if i in wanted:
+            record = record_routing(run, i, hm)
+            out[i] = [routed_inputs(record, e, max_tokens, seed) for e in range(model.config.num_experts)]
+        run.moe(i, hm)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AutoRound per expert, as a calibrated_quantizer for musecore_quant.convert
+
+
+@dataclass
+class ExpertReport:
+    layer: int
+    expert: int
+    method: str            # "autoround", or "rtn" (no calibration token reached it)
+    routed_tokens: int     # tokens the router picked for it in the calibration set
+    tuned_tokens: int      # tokens it was tuned on (capped)
+    loss_rtn: Optional[float] = None
+    loss_autoround: Optional[float] = None
+
+
+@dataclass
+class CalibrationReport:
+    """What :class:`AutoRoundQuantizer` did, expert by expert; ``to_dict()`` is the JSON written beside
+    the converted checkpoint."""
+
+    layers: list[int]
+    calibration_tokens: int
+    options: dict
+    auto_round_version: Optional[str]
+    propagate_quantized: bool
+    experts: list[ExpertReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def rtn_fallback(self) -> list[tuple[int, int]]:
+        """(layer, expert) of every expert quantized with RTN because no calibration token reached it."""
+        return [(r.layer, r.expert) for r in self.experts if r.method == "rtn"]
+
+    def summary(self) -> dict:
+        tuned = [r for r in self.experts if r.method == "autoround"]
+        gains = [relative_gain(r.loss_rtn, r.loss_autoround) for r in tuned]
+        return {"experts": len(self.experts), "autoround": len(tuned), "rtn_fallback": len(self.rtn_fallback),
+                "rtn_fallback_experts": [f"layer {l} expert {e}" for l, e in self.rtn_fallback],
+                "mean_routed_error_reduction": sum(gains) / len(gains) if gains else None,
+                "experts_worse_than_rtn": sum(r.loss_autoround > r.loss_rtn for r in tuned),
+                "seconds": self.seconds}
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["summary"] = self.summary()
+        return d
+
+
+class AutoRoundQuantizer:
+    """``calibrated_quantizer(name, fp32 weight) -> QTensor`` for ``musecore_quant.convert``: every
+    routed expert projection of ``layers`` tuned with auto-round on its routed calibration tokens.
+
+    Tuning runs when the quantizer is built (layer by layer, see the module doc); calling it only
+    looks the result up, after checking that the converted checkpoint's weight is the one that was
+    tuned. Names it did not tune raise, naming the layers it covers (no silent RTN).
+    """
+
+    def __init__(self, model: MuseModel, calibration_ids: torch.Tensor, *, layers: Optional[Sequence[int]] = None,
+                 options: AutoRoundOptions = AutoRoundOptions(), propagate_quantized: bool = True,
+                 sequences_per_pass: int = 8, progress: bool = False) -> None:
+        cfg = model.config
+        self.model, self.options = model, options
+        self.layers = sorted(set(range(cfg.num_hidden_layers)) - set(cfg.bf16_expert_layers)
+                             if layers is None else set(layers))
+        bad = [i for i in self.layers if not 0 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"layers {bad} are outside 0..{cfg.num_hidden_layers - 1}")
+        for i in self.layers:
+            _dense_experts(model, i)
+        started = time.perf_counter()
+        self.report = CalibrationReport(self.layers, int(calibration_ids.numel()), options.as_dict(),
+                                        auto_round_version(), propagate_quantized)
+        self.results: dict[str, QTensor] = {}
+        tuner = ExpertTuner(cfg.moe_latent_size, cfg.moe_intermediate_size, cfg.rms_norm_eps, options) if self.layers else None
+        run = LayerwiseRun(model, calibration_ids, sequences_per_pass)
+        for i in range(cfg.num_hidden_layers):
+            hm = run.attention(i)
+            if i not in self.layers:
+                run.moe(i, hm)
+                continue
+            record = record_routing(run, i, hm)
+            quantized = self._quantize_layer(i, record, tuner, progress)
+            run.moe(i, hm, _with_experts(model.layers[i].mlp, quantized) if propagate_quantized else None)
+        self.report.seconds = time.perf_counter() - started
+        digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
+        # convert()'s resume key reads __qualname__: make it name this calibration, not just the class.
+        self.__qualname__ = (f"musecore.calibrate.AutoRoundQuantizer(ids={digest}, layers={self.layers}, "
+                             f"options={json.dumps(options.as_dict(), sort_keys=True)})")
+
+    def _quantize_layer(self, i: int, record: RouterRecord, tuner: ExpertTuner, progress: bool) -> list[dict]:
+        experts, mlp = self.model.layers[i].mlp.experts, self.model.layers[i].mlp
+        per_expert = []
+        for e in range(self.model.config.num_experts):
+            gate, up, down = experts.gate[e].float(), experts.up[e].float(), experts.down[e].float()
+            routed = routed_inputs(record, e, self.options.max_tokens, self.options.seed)
+            if len(routed.tokens) == 0:
+                qts = rtn_expert(gate, up, down, self.options)
+                entry = ExpertReport(i, e, "rtn", 0, 0)
+            else:
+                result = tuner.tune(gate, up, down, mlp.output_norm[e], routed.z, routed.weights,
+                                    seed=self.options.seed + 1000 * i + e)
+                qts = result.qtensors
+                entry = ExpertReport(i, e, "autoround", routed.routed, result.tokens, result.loss_rtn,
+                                     result.loss_autoround)
+            self.report.experts.append(entry)
+            if progress:
+                gain = "" if entry.loss_rtn is None else \
+                    f"  routed-output MSE rtn {entry.loss_rtn:.3e} -> autoround {entry.loss_autoround:.3e}"
+                print(f"layer {i} expert {e}: {entry.method} on {entry.tuned_tokens}/{entry.routed_tokens} tokens{gain}",
+                      file=sys.stderr, flush=True)
+            for p in PROJECTIONS:
+                self.results[f"{PREFIX}layers.{i}.mlp.experts.{e}.{p}.weight"] = qts[p]
+            per_expert.append(qts)
+        return per_expert
+
+    def include_patterns(self) -> list[str]:
+        """``include`` regexes for ``convert`` that select exactly the weights this quantizer tuned."""
+        layers = "|".join(str(i) for i in self.layers)
+        return [rf"{re.escape(PREFIX)}layers\.({layers})\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"]
+
+    def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
+        match = EXPERT_WEIGHT.fullmatch(name)
+        if match is None:
+            raise ValueError(f"{name!r} is not a routed expert projection; the AutoRound quantizer tunes only those. "
+                             f"Restrict include to {self.include_patterns()}")
+        qt = self.results.get(name)
+        if qt is None:
+            raise ValueError(f"{name!r}: layer {match.group(1)} was not calibrated (layers {self.layers}); pass "
+                             f"layers=... to autoround_quantizer or restrict include to {self.include_patterns()}")
+        layer, expert, proj = int(match.group(1)), int(match.group(2)), match.group(3)
+        tuned = getattr(self.model.layers[layer].mlp.experts, proj.split("_")[0])[expert].float()
+        if tuple(weight.shape) != tuple(tuned.shape) or not torch.equal(weight.float(), tuned):
+            diff = "shape" if tuple(weight.shape) != tuple(tuned.shape) else \
+                f"max |diff| {(weight.float() - tuned).abs().max().item():.3g}"
+            raise ValueError(f"{name!r} differs from the weight that was calibrated ({diff}): load the calibration "
+                             "model from the checkpoint being converted (dtype=torch.float32 for an fp32 checkpoint)")
+        return qt
+
+
+def _dense_experts(model: MuseModel, layer: int) -> Any:
+    experts, cfg = model.layers[layer].mlp.experts, model.config
+    want = (cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_latent_size)
+    if not isinstance(experts.gate, torch.Tensor) or tuple(experts.gate.shape) != want:
+        raise ValueError(f"layer {layer}: calibration needs dense reference experts [E, I, l] = {list(want)}; load the "
+                         "model with musecore.load(checkpoint, device='cpu', dtype=torch.float32)")
+    return experts
+
+
+def _with_experts(mlp: Any, quantized: list[dict]) -> Any:
+    """A shallow copy of ``mlp`` whose experts hold the dequantized INT4 weights (the model is untouched)."""
+    dtype = mlp.experts.gate.dtype
+    stacked = {p: torch.stack([dequantize(q[p], torch.float32) for q in quantized]).to(dtype) for p in PROJECTIONS}
+    out = copy.copy(mlp)
+    out.experts = dataclasses.replace(mlp.experts, gate=stacked["gate_proj"], up=stacked["up_proj"],
+                                      down=stacked["down_proj"])
+    return out
+
+
+def autoround_quantizer(model: MuseModel, calibration_ids: torch.Tensor, *, layers: Optional[Sequence[int]] = None,
+                        iters: int = 200, nsamples: int = 32, tokens_per_sample: int = 16,
+                        batch_size: Optional[int] = None, group_size: int = 128, sym: bool = True,
+                        lr: Optional[float] = None, seed: int = 42, propagate_quantized: bool = True,
+                        progress: bool = False, verbose: bool = False) -> AutoRoundQuantizer:
+    """Tune every routed expert of ``layers`` (default: all but ``config.bf16_expert_layers``) with
+    auto-round on ``calibration_ids [B, T]``; returns the ``calibrated_quantizer`` for
+    ``musecore_quant.convert(..., to="int4", method="autoround")``. Options: see
+    :class:`~musecore.autoround.AutoRoundOptions` (each expert sees at most
+    ``nsamples * tokens_per_sample`` of its routed tokens)."""
+    options = AutoRoundOptions(iters=iters, nsamples=nsamples, tokens_per_sample=tokens_per_sample,
+                               batch_size=batch_size, group_size=group_size, sym=sym, lr=lr, seed=seed, verbose=verbose)
+    return AutoRoundQuantizer(model, calibration_ids, layers=layers, options=options,
+                              propagate_quantized=propagate_quantized, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One call and a command line
+
+
+def calibration_windows(stream: Union[Sequence[int], torch.Tensor], tokens: int, seq_len: int) -> torch.Tensor:
+    """The first ``tokens`` ids of ``stream`` as ``[tokens // seq_len, seq_len]`` windows."""
+    stream = torch.as_tensor(stream, dtype=torch.long).flatten()[:tokens]
+    if len(stream) < seq_len:
+        raise ValueError(f"calibration has {len(stream)} tokens; it needs at least seq_len={seq_len}")
+    n = len(stream) // seq_len
+    return stream[:n * seq_len].view(n, seq_len)
+
+
+def read_calibration(path: Union[str, Path], tokenizer: Any) -> torch.Tensor:
+    """Token ids from a calibration file: ``.txt`` (text), ``.jsonl`` (one ``{"text": ...}`` per line,
+    each framed with the tokenizer's BOS/EOS like training) or ``.i16`` (raw int16 ids, the training
+    corpus format)."""
+    path = Path(path)
+    if path.suffix == ".i16":
+        import numpy as np
+        return torch.from_numpy(np.fromfile(path, dtype=np.int16).astype(np.int64))
+    if tokenizer is None:
+        raise ValueError(f"{path}: text calibration needs the checkpoint's tokenizer.json; pass token ids (.i16)")
+    if path.suffix == ".jsonl":
+        ids: list[int] = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+                ids += bos + tokenizer.encode(json.loads(line)["text"], add_special_tokens=False) + list(tokenizer.eos_ids[:1])
+        return torch.tensor(ids)
+    if path.suffix == ".txt":
+        return torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")))
+    raise ValueError(f"{path}: unknown calibration file type {path.suffix!r}; use .txt, .jsonl or .i16")
+
+
+def convert_autoround(src: Union[str, Path], dst: Union[str, Path], calibration: Union[str, Sequence[int], torch.Tensor],
+                      *, tokens: int = 8192, seq_len: int = 512, layers: Optional[Sequence[int]] = None,
+                      progress: bool = True, resume: bool = True, **options: Any) -> tuple[Any, CalibrationReport]:
+    """BF16 checkpoint ``src`` -> INT4 AutoRound checkpoint ``dst`` (routed experts of ``layers``).
+
+    ``calibration`` is text (tokenized with the checkpoint's tokenizer) or token ids; its first
+    ``tokens`` ids are cut into windows of ``seq_len``. ``options`` go to :func:`autoround_quantizer`.
+    Returns ``(conversion report, calibration report)``; the latter is also written to
+    ``dst/calibration_report.json``.
+
+    Example::
+
+        conv, calib = convert_autoround("muse-bf16", "muse-int4-ar", text, iters=200)
+        calib.summary()["rtn_fallback"]
+    """
+    import musecore
+    from musecore_quant.convert import convert
+    model = musecore.load(src, device="cpu", dtype=torch.float32, progress=False)
+    if isinstance(calibration, str):
+        if model.tokenizer is None:
+            raise ValueError(f"{src} has no tokenizer.json; pass calibration token ids instead of text")
+        calibration = model.tokenizer.encode(calibration)
+    ids = calibration_windows(calibration, tokens, seq_len)
+    quantizer = autoround_quantizer(model, ids, layers=layers, progress=progress, **options)
+    opts = quantizer.options
+    report = convert(src, dst, to="int4", method="autoround", include=quantizer.include_patterns(),
+                     quantize_options={"group_size": opts.group_size, "sym": opts.sym}, progress=progress,
+                     resume=resume, calibrated_quantizer=quantizer)
+    (Path(dst) / REPORT_FILE).write_text(json.dumps(quantizer.report.to_dict(), indent=2) + "\n")
+    return report, quantizer.report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m musecore.calibrate",
+                                description="BF16 Muse checkpoint -> INT4 (group 128, symmetric) with AutoRound "
+                                            "tuned per routed expert on the tokens the router sends it.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--calibration", required=True, type=Path, help=".txt, .jsonl ({'text'} per line) or .i16 ids")
+    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens used (default 8192)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--layers", type=int, nargs="+", default=None, help="layers whose experts are quantized "
+                   "(default: all but config.bf16_expert_layers)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--nsamples", type=int, default=32, help="auto-round samples per expert")
+    p.add_argument("--tokens-per-sample", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--asym", action="store_true", help="asymmetric INT4 (default symmetric)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the calibration report as JSON")
+    args = p.parse_args(argv)
+    import musecore
+    from musecore.tokenizer import load_tokenizer
+    from musecore.api import resolve_model
+    _, folder = resolve_model(args.src)
+    if folder is None:
+        raise SystemExit(f"{args.src} is a preset without weights; pass a checkpoint folder")
+    stream = read_calibration(args.calibration, load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None)
+    conv, calib = convert_autoround(folder, args.dst, stream, tokens=args.tokens, seq_len=args.seq_len,
+                                    layers=args.layers, progress=not args.json, resume=not args.no_resume,
+                                    iters=args.iters, nsamples=args.nsamples, tokens_per_sample=args.tokens_per_sample,
+                                    group_size=args.group_size, sym=not args.asym, seed=args.seed)
+    if args.json:
+        print(json.dumps(calib.to_dict(), indent=2))
+        return 0
+    s, c = calib.summary(), conv.summary()
+    print(f"wrote {conv.dst}: {s['autoround']} experts tuned with auto-round {calib.auto_round_version}, "
+          f"{s['rtn_fallback']} RTN fallback (no calibration token){': ' + ', '.join(s['rtn_fallback_experts']) if s['rtn_fallback'] else ''}")
+    if s["mean_routed_error_reduction"] is not None:
+        print(f"routed-output MSE vs RTN: {100 * s['mean_routed_error_reduction']:.1f}% lower on average, "
+              f"{s['experts_worse_than_rtn']} experts worse; weight SQNR min {c['min_sqnr_db']:.2f} dB "
+              f"mean {c['mean_sqnr_db']:.2f} dB; {calib.seconds:.0f} s calibration")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

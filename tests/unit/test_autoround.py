@@ -1,0 +1,262 @@
+"""Calibration capture (what the router sends each expert) and AutoRound INT4 per expert.
+
+The capture tests run without auto-round; the tuning tests skip, with the reason, when it is not
+installed (``pip install -e '.[autoround]'``). Tuning uses few iterations on a small random model:
+the properties checked (valid canonical INT4, the error bound, no worse than RTN on the routed
+tokens) hold for any number of iterations.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import musecore
+from musecore.autoround import PROJECTIONS, AutoRoundOptions, ExpertBlock, canonical_int4_from_autoround
+from musecore.calibrate import LayerwiseRun, calibration_windows, capture_routed_inputs
+from musecore.model import PREFIX
+from musecore.ops import reference as ref
+from musecore_quant import QTensor, dequantize, quantize
+from musecore_quant.formats.int4 import int4_dequantize
+from tests.helpers import random_tensors, small_config, write_checkpoint
+
+# auto-round leaves INT Linears whose dims are not multiples of 32 unquantized: latent 32, intermediate 64.
+CONFIG = dict(moe_latent_size=32, moe_intermediate_size=64)
+GROUP = 32
+ITERS = 12
+
+
+def needs_auto_round():
+    return pytest.importorskip("auto_round", reason="auto-round is not installed (pip install -e '.[autoround]')")
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    config = small_config(**CONFIG)
+    tensors = random_tensors(config, seed=5, dtype=torch.bfloat16)
+    folder = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", config, tensors)
+    model = musecore.load(folder, device="cpu", dtype=torch.float32, progress=False)
+    ids = torch.randint(0, config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(7))
+    return folder, config, tensors, model, ids
+
+
+def router_choices(model, ids, layer):
+    """The router's top-k and the pooled latents at ``layer``, from the model's own ops on the MoE input."""
+    run = LayerwiseRun(model, ids)
+    for i in range(layer):
+        run.moe(i, run.attention(i))
+    m = torch.cat([m for _, m in run.attention(layer)]).reshape(-1, model.config.hidden_size)
+    mlp, ops = model.layers[layer].mlp, model.ops
+    weights, chosen = ops.router_topk(ops.linear(m, mlp.router), model.config.num_experts_per_tok, mlp.renormalize)
+    z = ops.rms_norm(ops.linear(m, mlp.fc1_latent_proj), mlp.latent_norm, model.config.rms_norm_eps)
+    return weights, chosen, z.float()
+
+
+def routed_output(z, w, gate, up, down, norm, eps):
+    """``w * RMSNorm(expert(z), norm)`` with the reference ops (what the expert adds to the MoE sum)."""
+    out = (F.silu(z @ gate.T) * (z @ up.T)) @ down.T
+    return w[:, None] * ref.rms_norm(out, norm, eps)
+
+
+# ---------------------------------------------------------------------------------------- capture
+
+
+def test_layerwise_run_gives_model_forward_logits(small):
+    _, config, _, model, ids = small
+    whole = model.forward(ids)
+    for batch_size in (len(ids), 2):
+        run = LayerwiseRun(model, ids, batch_size=batch_size)
+        for i in range(config.num_hidden_layers):
+            run.moe(i, run.attention(i))
+        got = run.logits().view(whole.shape)
+        if batch_size == len(ids):  # the same matmuls as forward: bit for bit
+            assert torch.equal(got, whole)
+        else:                       # other batch shapes may block the matmuls differently
+            torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_capture_sends_each_expert_exactly_the_tokens_the_router_picked(small):
+    _, config, _, model, ids = small
+    captured = capture_routed_inputs(model, ids, max_tokens=10_000)
+    assert sorted(captured) == list(range(config.num_hidden_layers))
+    for layer in range(config.num_hidden_layers):
+        weights, chosen, z = router_choices(model, ids, layer)
+        for e, got in enumerate(captured[layer]):
+            tokens, slot = (chosen == e).nonzero(as_tuple=True)
+            assert torch.equal(got.tokens, tokens), f"layer {layer} expert {e}: tokens differ from router_topk's"
+            assert got.routed == len(tokens)
+            assert torch.equal(got.weights, weights[tokens, slot])
+            assert torch.equal(got.z, z[tokens])
+        assert sum(r.routed for r in captured[layer]) == ids.numel() * config.num_experts_per_tok
+
+
+def test_capture_keeps_at_most_max_tokens_of_what_the_router_picked(small):
+    _, config, _, model, ids = small
+    full = capture_routed_inputs(model, ids, max_tokens=10_000, layers=[1])[1]
+    capped = capture_routed_inputs(model, ids, max_tokens=5, layers=[1])[1]
+    for e, (a, b) in enumerate(zip(full, capped)):
+        assert b.routed == a.routed and len(b.tokens) == min(5, a.routed)
+        keep = torch.isin(a.tokens, b.tokens)
+        assert torch.equal(a.tokens[keep], b.tokens), f"expert {e}: capped tokens are not a subset in order"
+        assert torch.equal(a.weights[keep], b.weights) and torch.equal(a.z[keep], b.z)
+
+
+def test_calibration_windows_cut_a_stream_into_sequences():
+    ids = calibration_windows(list(range(100)), tokens=90, seq_len=20)
+    assert ids.shape == (4, 20) and ids[1, 0].item() == 20
+    with pytest.raises(ValueError, match="at least seq_len"):
+        calibration_windows([1, 2, 3], tokens=10, seq_len=8)
+
+
+# ---------------------------------------------------------------------- mapping to canonical INT4
+
+
+def test_autoround_grid_maps_onto_canonical_int4_with_negative_scales():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (16, 64), generator=gen).float()
+    scale = (torch.randn(16, 2, generator=gen) * 0.01).to(torch.float16)       # signed, as auto-round leaves it
+    qdq = q * scale.float().repeat_interleave(32, dim=-1)
+    qt = canonical_int4_from_autoround(qdq, scale, 8, group_size=32, sym=True)
+    assert qt.zero is None and qt.scale.dtype == torch.float16 and bool((qt.scale < 0).any())
+    assert torch.equal(int4_dequantize(qt), qdq)
+    with pytest.raises(RuntimeError, match="does not reproduce"):
+        canonical_int4_from_autoround(qdq + 1e-4, scale, 8, group_size=32, sym=True)
+
+
+# ----------------------------------------------------------------------------- AutoRound tuning
+
+
+@pytest.fixture(scope="module")
+def tuned(small):
+    needs_auto_round()
+    from musecore.calibrate import autoround_quantizer
+    _, _, _, model, ids = small
+    # nsamples * tokens_per_sample covers every routed token, so each expert is tuned on exactly
+    # the tokens the error is measured on below (full batch).
+    return autoround_quantizer(model, ids, layers=[1], iters=ITERS, group_size=GROUP, nsamples=16,
+                               tokens_per_sample=8)
+
+
+def test_autoround_quantizer_returns_canonical_int4_within_its_error_bound(small, tuned):
+    _, config, tensors, _, _ = small
+    # sign-SGD with lr 1/iters decaying linearly to 0 moves a parameter by at most (iters+1)/(2 iters):
+    # the rounding offset v stays within that, and min/max tuning shrinks a group's range by at most it.
+    drift = (ITERS + 1) / (2 * ITERS)
+    for e in range(config.num_experts):
+        for p in PROJECTIONS:
+            name = f"{PREFIX}layers.1.mlp.experts.{e}.{p}.weight"
+            w = tensors[name].float()
+            qt = tuned(name, w)
+            out_f, in_f = w.shape
+            assert isinstance(qt, QTensor) and qt.format == "int4" and qt.layout == "canonical"
+            assert qt.shape == (out_f, in_f) and qt.group_size == GROUP and qt.zero is None
+            assert qt.data.dtype == torch.uint8 and qt.data.shape == (out_f, in_f // 2)
+            assert qt.scale.dtype == torch.float16 and qt.scale.shape == (out_f, in_f // GROUP)
+            w_hat = dequantize(qt, torch.float32)
+            step = qt.scale.float().abs().repeat_interleave(GROUP, dim=-1)
+            ends = torch.stack([-8 * qt.scale.float(), 7 * qt.scale.float()]).repeat_interleave(GROUP, dim=-1)
+            beyond = (ends.amin(0) - w).clamp(min=0) + (w - ends.amax(0)).clamp(min=0)
+            excess = (w - w_hat).abs() - ((0.5 + drift) * step + beyond) * (1 + 1e-5)
+            assert excess.max().item() <= 1e-7, f"{name}: error exceeds the bound by {excess.max().item():.3g}"
+            rtn = quantize(w, "int4", group_size=GROUP, sym=True).scale.float().abs()
+            ratio = qt.scale.float().abs() / rtn
+            assert ratio.max().item() <= 1 + 1e-3 and ratio.min().item() >= 1 - drift - 1e-3, \
+                f"{name}: scale / RTN scale in [{ratio.min().item():.3f}, {ratio.max().item():.3f}]"
+
+
+def test_autoround_error_on_each_experts_routed_tokens_is_at_most_rtns(small, tuned):
+    _, config, tensors, model, ids = small
+    eps = config.rms_norm_eps
+    routed = capture_routed_inputs(model, ids, max_tokens=10_000, layers=[1])[1]
+    lines = []
+    for e in range(config.num_experts):
+        prefix = f"{PREFIX}layers.1.mlp.experts.{e}."
+        w = {p: tensors[prefix + p + ".weight"].float() for p in PROJECTIONS}
+        norm = tensors[prefix + "output_norm.weight"].float()
+        z, rw = routed[e].z, routed[e].weights
+        assert len(z) <= 16 * 8, "the test needs every routed token inside the tuning set"
+        target = routed_output(z, rw, w["gate_proj"], w["up_proj"], w["down_proj"], norm, eps)
+
+        def mse(weights):
+            return F.mse_loss(routed_output(z, rw, *(weights[p] for p in PROJECTIONS), norm, eps), target).item()
+
+        rtn = mse({p: int4_dequantize(quantize(w[p], "int4", group_size=GROUP, sym=True)) for p in PROJECTIONS})
+        ar = mse({p: dequantize(tuned(prefix + p + ".weight", w[p])) for p in PROJECTIONS})
+        lines.append(f"expert {e}: {len(z):3d} tokens  RTN {rtn:.4e}  AutoRound {ar:.4e}")
+        assert ar <= rtn * (1 + 1e-5), "\n".join(lines)
+    print("\nrouted-output MSE, layer 1 (random model):\n" + "\n".join(lines))
+    report = tuned.report.summary()
+    assert report["autoround"] == config.num_experts and report["experts_worse_than_rtn"] == 0
+
+
+def test_the_quantizer_refuses_weights_it_did_not_tune(small, tuned):
+    _, _, tensors, _, _ = small
+    other_layer = f"{PREFIX}layers.2.mlp.experts.0.up_proj.weight"
+    with pytest.raises(ValueError, match="layer 2 was not calibrated"):
+        tuned(other_layer, tensors[other_layer].float())
+    with pytest.raises(ValueError, match="not a routed expert projection"):
+        tuned(f"{PREFIX}layers.1.mlp.router.weight", tensors[f"{PREFIX}layers.1.mlp.router.weight"].float())
+    name = f"{PREFIX}layers.1.mlp.experts.0.up_proj.weight"
+    with pytest.raises(ValueError, match="differs from the weight that was calibrated"):
+        tuned(name, tensors[name].float() * 1.01)
+
+
+def test_experts_without_calibration_tokens_fall_back_to_rtn_and_are_counted(tmp_path):
+    needs_auto_round()
+    from musecore.calibrate import autoround_quantizer
+    config = small_config(num_experts_per_tok=1, **CONFIG)
+    tensors = random_tensors(config, seed=2, dtype=torch.bfloat16)
+    model = musecore.load(write_checkpoint(tmp_path / "k1", config, tensors), device="cpu", dtype=torch.float32,
+                          progress=False)
+    ids = torch.tensor([[5, 9, 5]])                                   # 3 tokens, one expert each: most get none
+    reached = {e for e, r in enumerate(capture_routed_inputs(model, ids, layers=[1])[1]) if r.routed}
+    q = autoround_quantizer(model, ids, layers=[1], iters=2, group_size=GROUP, tokens_per_sample=4)
+    fallback = {e for _, e in q.report.rtn_fallback}
+    assert fallback == set(range(config.num_experts)) - reached and len(fallback) >= config.num_experts - 3
+    assert q.report.summary()["rtn_fallback"] == len(fallback)
+    for e in fallback:
+        name = f"{PREFIX}layers.1.mlp.experts.{e}.down_proj.weight"
+        rtn = quantize(tensors[name].float(), "int4", group_size=GROUP, sym=True)
+        assert torch.equal(dequantize(q(name, tensors[name].float())), dequantize(rtn))
+
+
+def test_convert_autoround_writes_a_checkpoint_that_loads_with_the_tuned_weights(small, tmp_path):
+    needs_auto_round()
+    from musecore.calibrate import REPORT_FILE, autoround_quantizer, convert_autoround
+    folder, config, tensors, model, ids = small
+    opts = dict(layers=[2], iters=4, group_size=GROUP, nsamples=4, tokens_per_sample=8)
+    conv, calib = convert_autoround(folder, tmp_path / "int4", ids.flatten(), tokens=ids.numel(), seq_len=40,
+                                    progress=False, **opts)
+    assert conv.summary()["actions"] == {"copy": len(tensors) - 3 * config.num_experts,
+                                         "quantize": 3 * config.num_experts}
+    saved = json.loads((tmp_path / "int4" / REPORT_FILE).read_text())
+    assert saved["summary"]["experts"] == config.num_experts and saved["layers"] == [2]
+    assert [r.method for r in calib.experts] == ["autoround"] * config.num_experts
+    again = autoround_quantizer(model, calibration_windows(ids.flatten(), ids.numel(), 40), **opts)  # seeded
+    loaded = musecore.load(tmp_path / "int4", device="cpu", dtype=torch.float32, progress=False)
+    for e in range(config.num_experts):
+        for p, stacked in zip(PROJECTIONS, ("gate", "up", "down")):
+            name = f"{PREFIX}layers.2.mlp.experts.{e}.{p}.weight"
+            want = dequantize(again(name, tensors[name].float()))
+            assert torch.equal(getattr(loaded.layers[2].mlp.experts, stacked)[e], want), name
+    untouched = loaded.layers[1].mlp.experts.up[0]
+    assert torch.equal(untouched, tensors[f"{PREFIX}layers.1.mlp.experts.0.up_proj.weight"].float())
+
+
+def test_expert_block_is_the_experts_routed_contribution_to_the_moe_sum(small):
+    _, config, tensors, model, ids = small
+    e, eps = 3, config.rms_norm_eps
+    prefix = f"{PREFIX}layers.1.mlp.experts.{e}."
+    w = [tensors[prefix + p + ".weight"].float() for p in PROJECTIONS]
+    norm = tensors[prefix + "output_norm.weight"].float()
+    block = ExpertBlock(config.moe_latent_size, config.moe_intermediate_size, eps)
+    block.load(*w, norm)
+    z, rw = torch.randn(9, config.moe_latent_size), torch.rand(9)
+    torch.testing.assert_close(block(z, rw), routed_output(z, rw, *w, norm, eps), rtol=1e-6, atol=1e-7)
+
+
+def test_options_reject_nonsense():
+    with pytest.raises(ValueError, match="iters"):
+        AutoRoundOptions(iters=0)
+    assert AutoRoundOptions(nsamples=4, tokens_per_sample=8).max_tokens == 32
