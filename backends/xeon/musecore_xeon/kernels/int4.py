@@ -25,6 +25,7 @@ from musecore_xeon.kernels.crossover import (INT4_CROSSOVER_ENV, PROXY_MAX_ROWS,
 from musecore_xeon.kernels.dense import tile_rows_for, tiled_matmul
 
 KERNEL_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+PACK_ROWS = 64  # the largest packing block (AVX-512); rows are padded to it so every block is full
 
 
 @functools.cache
@@ -66,10 +67,12 @@ class Int4Linear:
     """One INT4 weight ``[N, K]`` in the kernel's resident layout, and the path taken for each M.
 
     ``crossover``: rows M >= crossover run the tiled dense path (None: always the INT4 kernel).
+    Rows are padded to a multiple of ``PACK_ROWS`` (zero scales) so every packing block is full;
+    outputs are cut back to ``out_features``.
     """
 
-    packed: torch.Tensor             # uint8 [N, K/2] in the kernel's packing
-    scales_and_zeros: torch.Tensor   # bf16 [K/g, N, 2]
+    packed: torch.Tensor             # uint8 [N_padded, K/2] in the kernel's packing
+    scales_and_zeros: torch.Tensor   # bf16 [K/g, N_padded, 2]
     group_size: int
     out_features: int
     in_features: int
@@ -78,8 +81,12 @@ class Int4Linear:
     calibration: Optional[CrossoverCalibration] = None
 
     @property
+    def padded_out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
     def tile_rows(self) -> int:
-        return tile_rows_for(self.in_features, self.out_features, int4pack_block_n())
+        return tile_rows_for(self.in_features, self.padded_out_features, int4pack_block_n())
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +97,9 @@ class Int4Linear:
 
     def run_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
         """PyTorch's INT4 kernel on BF16 activations (the bandwidth-bound path); returns bf16."""
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(torch.bfloat16).contiguous(), self.packed,
-                                                          self.group_size, self.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(torch.bfloat16).contiguous(), self.packed,
+                                                       self.group_size, self.scales_and_zeros)
+        return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
 
     def dequantized_tile_t(self, n0: int, n1: int, dtype: torch.dtype,
                            workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -118,12 +126,13 @@ class Int4Linear:
         """Dense GEMM on tiles dequantized one at a time into one reused buffer (the compute-bound path)."""
         tile_rows = self.tile_rows
         workspace = torch.empty(self.in_features * tile_rows, dtype=self.dense_dtype)
-        return tiled_matmul(x2d.to(self.dense_dtype), self.out_features, tile_rows,
-                            lambda n0, n1: self.dequantized_tile_t(n0, n1, self.dense_dtype, workspace))
+        y = tiled_matmul(x2d.to(self.dense_dtype), self.padded_out_features, tile_rows,
+                         lambda n0, n1: self.dequantized_tile_t(n0, n1, self.dense_dtype, workspace))
+        return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight ``[N, K]`` as the kernel sees it (tests and debugging)."""
-        return self.dequantized_tile_t(0, self.out_features, dtype).T.contiguous()
+        return self.dequantized_tile_t(0, self.padded_out_features, dtype)[:, :self.out_features].T.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
@@ -131,31 +140,33 @@ class Int4Linear:
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+def check_int4_shape(in_features: int, group_size: int) -> None:
     """Raise with what to do when PyTorch's INT4 CPU kernel cannot take this weight."""
     if group_size not in KERNEL_GROUP_SIZES:
         raise ValueError(f"INT4 group size {group_size} is not supported by _weight_int4pack_mm_for_cpu "
                          f"(supported: {KERNEL_GROUP_SIZES}); requantize with group_size=128")
     if in_features % group_size:
         raise ValueError(f"INT4 in_features {in_features} is not a multiple of group size {group_size}")
-    if out_features % 64:
-        raise ValueError(f"xeon INT4 needs out_features to be a multiple of 64 (the kernel's packing block); "
-                         f"got {out_features}. Keep this layer in BF16.")
 
 
 def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], group_size: int,
               dense_dtype: torch.dtype) -> Int4Linear:
     """Canonical INT4 tensors of one weight (``data [N, K/2]``, ``scale``/``zero [N, K/g]``) -> resident."""
     n, k = data.shape[0], data.shape[1] * 2
-    check_int4_shape(n, k, group_size)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(data), 1)
-    return Int4Linear(packed, kernel_scales_and_zeros(scale, zero), group_size, n, k, dense_dtype)
+    check_int4_shape(k, group_size)
+    codes, sz = unpack_codes(data), kernel_scales_and_zeros(scale, zero)
+    pad = -n % PACK_ROWS
+    if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, and every packing block is full
+        codes = torch.cat((codes, torch.full((pad, k), 8, dtype=torch.int32)))
+        sz = torch.cat((sz, torch.zeros(sz.shape[0], pad, 2, dtype=sz.dtype)), dim=1)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return Int4Linear(packed, sz, group_size, n, k, dense_dtype)
 
 
 def int4_crossover(in_features: int, out_features: int, group_size: int,
                    dense_dtype: torch.dtype) -> CrossoverCalibration:
     """Measured M from which the tiled dense path beats the INT4 kernel (cached per shape class)."""
-    proxy_rows = min(out_features, PROXY_MAX_ROWS)
+    proxy_rows = min(out_features + -out_features % PACK_ROWS, PROXY_MAX_ROWS)
 
     def measure() -> CrossoverCalibration:
         g = torch.Generator().manual_seed(0)
