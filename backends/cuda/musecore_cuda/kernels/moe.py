@@ -105,8 +105,8 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
     active = min(num_experts, n_assign)
     cfg_up = pick_config(rows_per_expert, inter, latent, active, z.device, allow_split=False)
     cfg_up = replace(cfg_up, block_n=min(cfg_up.block_n, 128))  # gate and up tiles both live in smem
-    if not isinstance(gate, Fp4Resident):  # two dense 16-bit weight tiles per stage: fewer stages fit
-        cfg_up = replace(cfg_up, num_stages=2)
+    if not isinstance(gate, Fp4Resident):  # two dense 16-bit weight tiles per stage: 128x128 x 2 stages
+        cfg_up = replace(cfg_up, block_n=64, num_stages=2)  # asked for 288 KB of shared memory on SM90
     sorted_ids, blk_expert, position = align_assignments(ids, num_experts, cfg_up.block_m)
     rows = sorted_ids.numel()
     h = torch.empty(rows, inter, dtype=z.dtype, device=z.device)
