@@ -171,17 +171,25 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
     """Greedy decode tokens/s on random weights: INT4 experts (the xeon plan) vs all-BF16 experts.
 
     The BF16 run is the same tensors with ``bf16_expert_layers`` listing every layer, so the plan
-    keeps every expert in BF16; everything else is identical.
+    keeps every expert in BF16; everything else is identical. Checkpoints go to a temporary folder
+    (removed afterwards) unless ``workdir`` is given.
     """
-    import dataclasses
     import tempfile
+
+    if workdir is not None:
+        return _bench_e2e(presets, new_tokens, prompt_tokens, Path(workdir))
+    with tempfile.TemporaryDirectory(prefix="xeon-bench-") as root:
+        return _bench_e2e(presets, new_tokens, prompt_tokens, Path(root))
+
+
+def _bench_e2e(presets: Sequence[str], new_tokens: int, prompt_tokens: int, root: Path) -> list[dict[str, Any]]:
+    import dataclasses
 
     import musecore
     from musecore.config import MuseConfig
     from musecore.model import init_weights
     from safetensors.torch import save_file
     rows = []
-    root = Path(workdir or tempfile.mkdtemp(prefix="xeon-bench-"))
     for preset in presets:
         config = MuseConfig.from_name(preset)
         weights_file = root / f"{preset}.safetensors"
@@ -201,13 +209,14 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
             stats = model.last_generation_stats
             results[impl] = (stats.decode_tokens_per_s, load_s, stats)
             del model
+            (folder / "model.safetensors").unlink()
+        weights_file.unlink()
         for impl, (tps, load_s, stats) in results.items():
             rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
                          "time_us": 1e6 / tps if tps else float("nan"), "decode_tokens_per_s": tps,
                          "prefill_tokens_per_s": stats.prefill_tokens_per_s, "load_s": load_s,
                          "speedup_vs_bf16": tps / results["xeon-bf16"][0] if results["xeon-bf16"][0] else None,
                          "pct_memory_ceiling": None})
-        weights_file.unlink()
     return rows
 
 
