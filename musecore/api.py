@@ -174,6 +174,58 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     show = sys.stderr.isatty() if progress is None else progress
     fill_model(muse, placer.stream(reader, show), placer, source=str(reader.folder))
     muse.plan, muse.conversion_report, muse.kv_format = the_plan, placer.report, kv_format
+    muse.backend = backends[the_plan.backend]
     from musecore.tokenizer import load_tokenizer
     muse.tokenizer = load_tokenizer(reader.folder)
+    return muse
+
+
+def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpoint_format: str = "bf16",
+                dtype: Optional[torch.dtype] = None, emulate: bool = False, seed: int = 0, std: float = 0.02,
+                allow_reference: bool = False, progress: bool = False) -> MuseModel:
+    """A model with random weights (MODEL.md initialisation) through the same plan and placement as
+    :func:`load`, made tensor by tensor on the target device: for benchmarks of presets that have no
+    checkpoint (``muse-small``). Quantized experts are produced with the producers' quantizers.
+
+    Example::
+
+        model = musecore.api.load_random("muse-small", device="h200", checkpoint_format="nvfp4")
+    """
+    from musecore_quant import quantize
+
+    config = preset if isinstance(preset, MuseConfig) else MuseConfig.from_name(preset)
+    dtype = dtype or torch.bfloat16
+    shapes = checkpoint_shapes(config)
+    quantized_layers = set(range(config.num_hidden_layers)) - set(config.bf16_expert_layers)
+
+    def source_format(name: str) -> str:
+        layer = int(name.split(".layers.")[1].split(".")[0]) if ".mlp.experts." in name else -1
+        return checkpoint_format if layer in quantized_layers and not name.endswith("output_norm.weight") else "bf16"
+
+    summary = CheckpointSummary(config.to_dict().get("model_type", "muse") if isinstance(preset, MuseConfig) else preset,
+                                config, {n: source_format(n) for n in shapes}, shapes)
+    records = discover()
+    name, torch_device = (device, torch.device("cpu")) if emulate else resolve_device(device, records)
+    the_plan = make_plan(summary, name, emulate=emulate, allow_reference=allow_reference,
+                         dtype_label=DTYPE_LABELS[dtype], records=records)
+    if the_plan.gaps:
+        raise PlanError(the_plan)
+    backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}
+    if the_plan.backend != REFERENCE:
+        backends[the_plan.backend] = records[the_plan.backend].backend_class(torch_device)
+    muse = MuseModel(config, bind_ops(the_plan, backends), dtype=dtype, device=torch_device)
+    gen = torch.Generator(device=torch_device).manual_seed(seed)
+
+    def tensors():
+        for tensor_name, shape in shapes.items():
+            if len(shape) == 1:
+                yield tensor_name, torch.ones(shape, dtype=dtype, device=torch_device)
+                continue
+            w = torch.randn(shape, generator=gen, device=torch_device, dtype=torch.float32) * std
+            fmt = source_format(tensor_name)
+            yield tensor_name, (w.to(dtype) if fmt == "bf16" else quantize(w, fmt))
+
+    placer = Placer(the_plan, backends, dtype)
+    fill_model(muse, tensors(), placer, source=f"random {summary.name}")
+    muse.plan, muse.conversion_report, muse.backend = the_plan, placer.report, backends[the_plan.backend]
     return muse

@@ -313,7 +313,8 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(seed))
-    cache = model.new_cache(B, longest + max_new_tokens, kv_format=kv_format)
+    cache = model.new_cache(B, longest + max_new_tokens, kv_format=kv_format, static=model.wants_static_cache)
+    step_fn = None  # made after the prefill: a backend may capture the decode step (CUDA graphs)
 
     start = time.perf_counter()
     logits = model.forward(ids, positions=positions, cache=cache)[:, -1]  # [B,V]
@@ -340,4 +341,7 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
         step_positions = torch.where(live, next_position, torch.full_like(next_position, -1))  # [B]
         next_position += live.long()
         step_ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [B,1]
-        logits = model.forward(step_ids, positions=step_positions[:, None], cache=cache)[:, -1]
+        if step_fn is None:
+            step_fn = model.decode_step(cache)
+        device_ids, device_positions = step_ids.to(device), step_positions[:, None].to(device)
+        logits = step_fn(device_ids, device_positions)[:, -1]

@@ -9,7 +9,7 @@ resident layout. Read :class:`MoE.__call__` for the MoE order of operations.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -107,8 +107,9 @@ class MuseModel:
                  device: torch.device | str = "cpu") -> None:
         self.config, self.ops, self.dtype, self.device = config, ops, dtype, torch.device(device)
         self.layers = [DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers)]
-        self.rope = {kind: RotaryTable(config.head_dim, config.rope_parameters[kind], config.max_position_embeddings)
-                     for kind in (SLIDING, FULL)}
+        self.rope = {kind: RotaryTable(config.head_dim, config.rope_parameters[kind], config.max_position_embeddings,
+                                       device=self.device) for kind in (SLIDING, FULL)}
+        self.backend = None    # the plan's main backend; it may offer a faster decode step
         self.embed_tokens = self.norm = self.lm_head = None
         self.plan = None       # set by musecore.load
         self.tokenizer = None  # set by musecore.load when the checkpoint has tokenizer.json
@@ -129,8 +130,8 @@ class MuseModel:
             start = cache.next_position[:, None] if cache is not None else 0
             positions = start + torch.arange(T, device=self.device)[None, :].expand(B, T)
         positions = positions.to(self.device)
-        if cache is not None:
-            cache.next_position = torch.maximum(cache.next_position, positions.max(-1).values + 1)
+        if cache is not None:  # in place: a captured decode step keeps updating the same tensor
+            cache.next_position.copy_(torch.maximum(cache.next_position, positions.max(-1).values + 1))
         rope = {kind: table(positions) for kind, table in self.rope.items()}
 
         x = ops.embedding(input_ids, self.embed_tokens).to(self.dtype)  # [B,T,H], not scaled
@@ -145,6 +146,21 @@ class MuseModel:
         return ops.linear(a, self.lm_head).float()  # a = final RMSNorm(x); lm_head is untied
 
     __call__ = forward
+
+    def decode_step(self, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``step(ids [B,1], positions [B,1]) -> logits [B,1,V]`` for one decode step through ``cache``.
+
+        A backend may replace the plain ``forward`` with something faster for repeated steps of one
+        batch shape (the CUDA backend replays a captured CUDA graph); the numbers are the same.
+        """
+        make = getattr(self.backend, "make_decode_step", None)
+        if make is not None and cache.static:
+            return make(self, cache)
+        return lambda ids, positions: self.forward(ids, positions=positions, cache=cache)
+
+    @property
+    def wants_static_cache(self) -> bool:
+        return bool(getattr(self.backend, "wants_static_cache", False))
 
     def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16", static: bool = False) -> KVCache:
         return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device,

@@ -37,7 +37,8 @@ def yarn_inv_freq(dim: int, params: dict[str, Any], max_positions: int) -> tuple
 class RotaryTable:
     """``cos, sin = table(positions [B,T])`` -> ``[B,T,d]`` each, fp32; negative positions give 0."""
 
-    def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int) -> None:
+    def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int,
+                 device: torch.device | str = "cpu") -> None:
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             self.inv_freq = 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float()
@@ -46,8 +47,9 @@ class RotaryTable:
             self.inv_freq, self.attention_factor = yarn_inv_freq(head_dim, params, max_positions)
         else:
             raise ValueError(f"unsupported rope_type {rope_type!r}; musecore implements 'default' and 'yarn'")
+        self.inv_freq = self.inv_freq.to(device)  # resident: no host copy per step (graph-capturable)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.clamp(min=0).float()[..., None] * self.inv_freq.to(positions.device)  # [B,T,d/2]
+        angles = positions.clamp(min=0).float()[..., None] * self.inv_freq.to(positions.device)  # no-op when resident  # [B,T,d/2]
         emb = torch.cat((angles, angles), dim=-1)  # duplicated over the two halves
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor

@@ -1,14 +1,65 @@
-"""``musecore bench``: not built yet (see the open issues); registered so the CLI's verbs are stable."""
+"""``musecore bench --backend B [--case C] [--json]``: one command shape for every backend.
+
+A backend offers benchmarks through an optional ``benchmarks()`` method returning
+``{case: callable -> list of rows}``; rows carry ``backend, case, shape, M, time_us,
+speedup_vs_bf16, pct_memory_ceiling`` (ratios measured in the same process, never absolute claims).
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 from musecore.cli import UsageError
+
+COLUMNS = ("case", "format", "shape", "M", "time_us", "speedup_vs_bf16", "pct_memory_ceiling")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="(not available yet)")
+    p = sub.add_parser("bench", help="run a backend's kernel and end-to-end benchmarks")
+    p.add_argument("--backend", required=True, help="backend name (musecore doctor lists them)")
+    p.add_argument("--case", action="append", help="case to run (repeatable; default: all but 'sweep')")
+    p.add_argument("--out-dir", default="benchmarks/results", help="where <backend>_<case>.json is saved")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    raise UsageError("'musecore bench' is not implemented yet")
+    from musecore.backends.registry import get_backend_class
+
+    backend = get_backend_class(args.backend)()
+    if not hasattr(backend, "benchmarks"):
+        raise UsageError(f"backend {args.backend!r} offers no benchmarks")
+    table = backend.benchmarks()
+    cases = args.case or [c for c in table if c != "sweep"]
+    unknown = [c for c in cases if c not in table]
+    if unknown:
+        raise UsageError(f"unknown case(s) {unknown} for backend {args.backend!r}; choose from {sorted(table)}")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    all_rows = []
+    for case in cases:
+        started = time.time()
+        rows = table[case]()
+        all_rows += rows
+        (out_dir / f"{args.backend}_{case}.json").write_text(json.dumps(
+            {"command": f"musecore bench --backend {args.backend} --case {case}",
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}, indent=1))
+        if not args.json:
+            print_table(f"{args.backend} {case} ({time.time() - started:.0f} s)", rows)
+    if args.json:
+        print(json.dumps(all_rows, indent=1))
+    return 0
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*[f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in COLUMNS])
+    Console().print(table)

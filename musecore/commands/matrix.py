@@ -165,7 +165,8 @@ def render_markdown(report: Any, command: str, png: Optional[str] = None) -> str
         sqnr = (f"{info['min_sqnr_db']:.1f} / {info['mean_sqnr_db']:.1f} dB" if info.get("min_sqnr_db") is not None
                 else "—")
         out.append(f"| `{key}` | {info['how']} | {sqnr} |")
-    out += ["", "Rows: " + "; ".join(f"{r.device} {r.format}: {r.note}" for r in report.rows if r.status == "ok"), ""]
+    out += ["", "## What each row runs", ""]
+    out += [f"- **{r.device} {r.format}** ({r.mode}): {r.note}" for r in report.rows if r.status == "ok"] + [""]
     out += render_op_tables(report)
     return "\n".join(out) + "\n"
 

@@ -14,6 +14,7 @@ What is native here, and why (``supports`` answers from this table, never optimi
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Union
 
 import torch
@@ -75,6 +76,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    wants_static_cache = True  # decode steps are captured as CUDA graphs (musecore_cuda.graphs)
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:
         super().__init__(device if device is not None else "cuda")
@@ -102,10 +104,23 @@ class CudaBackend(Backend):
         probe = self.probe()
         return probe.details["sm"][0] if probe.available else None
 
+    @property
+    def interpreted(self) -> bool:
+        """Kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 on a "cpu" backend): for tests."""
+        return self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
     def supports(self, op: str, spec: OpSpec) -> Support:
+        if self.interpreted:  # the SM90 code paths, run by the interpreter: correct but never fast
+            answer = self._supports_on(9, op, spec)
+            if answer.ok:
+                return Support.emulated(f"Triton interpreter on the CPU (correctness only): {answer.reason}")
+            return answer
         sm = self._sm_major()
         if sm is None:
             return Support.no(self.probe().reason)
+        return self._supports_on(sm, op, spec)
+
+    def _supports_on(self, sm: int, op: str, spec: OpSpec) -> Support:
         unverified = f"Triton kernel not yet run on SM{sm}0 hardware" if sm not in VERIFIED_SM else ""
         if op in ("linear", "moe"):
             return self._supports_matmul(op, spec, sm, unverified)
@@ -169,6 +184,16 @@ class CudaBackend(Backend):
             raise NotImplementedError(f"experts: {fmt} weights are not implemented in the CUDA backend")
         num_experts = stacks[0].packed.shape[0] if fmt in FP4_FORMATS else stacks[0].shape[0]
         return ExpertWeights(gate=stacks[0], up=stacks[1], down=stacks[2], format=fmt, num_experts=num_experts)
+
+    def benchmarks(self):
+        """Benchmark cases for ``musecore bench --backend cuda``."""
+        from musecore_cuda.bench import benchmarks
+        return benchmarks()
+
+    def make_decode_step(self, model, cache):
+        """One decode step of ``model`` through ``cache``, replayed from a captured CUDA graph."""
+        from musecore_cuda.graphs import make_graphed_decode_step
+        return make_graphed_decode_step(model, cache)
 
     # --- ops -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -229,6 +229,54 @@ def bench_attention(contexts: tuple[int, ...] = (4096, 32768, 131072), batch: in
     return rows
 
 
+def _decode_bytes_per_step(model, batch: int) -> float:
+    """Weight bytes one decode step reads: every dense weight, plus the experts the batch routes to
+    (expected distinct experts per layer for ``batch`` tokens spread uniformly over top-k)."""
+    cfg = model.config
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** batch)
+    total = 0.0
+    for g in model.plan.groups:
+        if g.group.startswith("experts"):
+            total += g.bytes * touched / E
+        elif g.group != "embedding":  # one embedding row per token: negligible
+            total += g.bytes
+    return total
+
+
+def bench_e2e(batches: tuple[int, ...] = (1, 32), new_tokens: int = 64, prompt_tokens: int = 32,
+              preset: str = "muse-small") -> list[dict]:
+    """End-to-end greedy decode tokens/s of a random-weight ``preset`` on this GPU, NVFP4 vs BF16
+    experts, decode steps replayed from CUDA graphs; the bandwidth limit is weight bytes per step
+    over the memory ceiling measured here."""
+    from musecore.api import load_random
+
+    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
+    rows, bf16_tps = [], {}
+    for fmt in ("bf16", "nvfp4"):
+        model = load_random(preset, "h200", checkpoint_format=fmt)
+        for graphs in ((True, False) if fmt == "nvfp4" else (True,)):
+            model.backend.wants_static_cache = graphs
+            for batch in batches:
+                gen = torch.Generator().manual_seed(batch)
+                prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), generator=gen).tolist()
+                model.generate(prompts, max_new_tokens=4)  # warm-up: Triton compiles, graph captured once
+                model.generate(prompts, max_new_tokens=new_tokens)
+                tps = model.last_generation_stats.decode_tokens_per_s
+                if graphs:
+                    bf16_tps.setdefault((fmt, batch), tps)
+                limit = ceiling * 1e9 / _decode_bytes_per_step(model, batch) * batch
+                rows.append({"backend": "cuda", "case": "e2e", "format": fmt, "shape": f"{preset} decode",
+                             "M": batch, "cuda_graphs": graphs, "tokens_per_s": tps,
+                             "time_us": 1e6 * batch / tps if tps else float("nan"),
+                             "speedup_vs_bf16": tps / bf16_tps[("bf16", batch)] if ("bf16", batch) in bf16_tps else 1.0,
+                             "pct_memory_ceiling": 100 * tps / limit, "bandwidth_limit_tokens_per_s": limit})
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:
     """Case name -> benchmark callable (``e2e`` comes once the model runs on this backend)."""
-    return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "sweep": sweep_linear_configs}
+    return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e,
+            "sweep": sweep_linear_configs}
