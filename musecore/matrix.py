@@ -105,6 +105,7 @@ class MatrixReport:
     op_results: dict[str, list[Any]] = field(default_factory=dict)  # backend -> [CaseResult]
     op_skipped: dict[str, str] = field(default_factory=dict)        # backend -> why it was not run
     checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    native_skipped: dict[str, str] = field(default_factory=dict)    # device -> why no native row
     seconds: float = 0.0
 
     def to_json(self) -> list[dict[str, Any]]:
@@ -427,10 +428,14 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
         meter.update(targets, logits, logits)
     bf16 = meter.result()
     out: list[MatrixRow] = []
+    native_skipped: dict[str, str] = {}
     for spec in specs:
         modes = ["native"] if CATALOG[spec.device].backend == "reference" else ["emulated"]
-        if native and "emulated" in modes and native_backend_here(spec.device, records) is None:
+        why_not = native_backend_here(spec.device, records) if native and "emulated" in modes else None
+        if native and "emulated" in modes and why_not is None:
             modes.append("native")
+        elif why_not:
+            native_skipped[spec.device] = why_not
         for mode in modes:
             say(f"{spec.id} ({mode})")
             if spec.id == "cpu/bf16":
@@ -442,4 +447,4 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
             out.append(row)
     op_results, op_skipped = op_conformance(op_sizes, records, progress) if op_sizes else ({}, {})
     return MatrixReport(name, source, int(sum(t.numel() for _, t in batches)), seq_len, out, op_results,
-                        op_skipped, cache.info, time.perf_counter() - started)
+                        op_skipped, cache.info, native_skipped, time.perf_counter() - started)

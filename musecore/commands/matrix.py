@@ -118,11 +118,12 @@ def explain(row: Any, rows: list) -> str:
         parts.append(f"and every expert matmul also quantizes its input activations, at "
                      f"{row.activation_sqnr_db:.1f} dB SQNR on the calibration samples")
     text = ": ".join(parts[:2]) + (", " + parts[2] if len(parts) > 2 else "") + "."
-    same_weights = [r for r in rows if r is not row and r.status == "ok" and r.row_id == row.row_id.replace(
-        row.device, r.device) and r.activation_sqnr_db is None and r.mode == row.mode]
+    same_weights = [r for r in rows if r is not row and r.status == "ok" and r.mode == row.mode
+                    and r.activation_sqnr_db is None and r.weight_sqnr_db is not None
+                    and row.weight_sqnr_db is not None and abs(r.weight_sqnr_db - row.weight_sqnr_db) < 1e-6]
     if row.activation_sqnr_db is not None and same_weights:
         other = same_weights[0]
-        text += (f" The {other.device} row runs the same checkpoint with 16-bit activations and moves "
+        text += (f" The {other.device} row runs the same weights with 16-bit activations and moves "
                  f"{other.delta_perplexity_pct:+.1f}%, so the rest is the cost of activation quantization.")
     if "requantized" in row.format:
         direct = [r for r in rows if r.device == row.device and r is not row and r.status == "ok"
@@ -153,13 +154,20 @@ def render_markdown(report: Any, command: str, png: Optional[str] = None) -> str
     for r in report.rows:
         out.append("| " + " | ".join(_cells(r) + [_num(r.weight_sqnr_db, ".1f") + (" dB" if r.weight_sqnr_db else "")])
                    + " |")
+    if report.native_skipped:
+        out += ["", "No native row where the device's backend is not here: " + "; ".join(
+            f"{device}: {why}" for device, why in report.native_skipped.items()) + "."]
     notes = [r for r in report.rows if r.status != "ok"]
     if notes:
         out += ["", "Rows without numbers:", ""] + [f"- {r.device} {r.format} ({r.mode}): {r.status}: {r.note}"
                                                     for r in notes]
     moved = [r for r in report.rows if r.status == "ok" and abs(r.delta_perplexity_pct or 0) > EXPLAIN_ABOVE_PCT]
     out += ["", f"## Rows whose perplexity moved more than {EXPLAIN_ABOVE_PCT:.0f}%", ""]
-    out += [f"- {explain(r, report.rows)}" for r in moved] or ["None."]
+    out += [f"- {explain(r, report.rows)}" for r in moved]
+    if not moved:
+        measured = [r for r in report.rows if r.status == "ok" and r.weight_sqnr_db is not None]
+        largest = max(measured, key=lambda r: abs(r.delta_perplexity_pct or 0), default=None)
+        out += ["None. " + (f"The largest change, for scale: {explain(largest, report.rows)}" if largest else "")]
     out += ["", "## Checkpoints", "", "| checkpoint | made by | min / mean SQNR of converted tensors |", "|---|---|---|"]
     for key, info in report.checkpoints.items():
         sqnr = (f"{info['min_sqnr_db']:.1f} / {info['mean_sqnr_db']:.1f} dB" if info.get("min_sqnr_db") is not None
@@ -188,13 +196,16 @@ def render_op_tables(report: Any) -> list[str]:
             groups.setdefault((c.op, fmt), []).append(r)
         sizes = sorted({r.case.size for r in results})
         out += [f"### `{backend}` ({', '.join(sizes)} shapes)", "",
-                "| op | format | cases | passed | failed | skipped | worst NMSE | tolerance |", "|---|---|---|---|---|---|---|---|"]
+                "| op | format | cases | passed | failed | skipped | worst NMSE | tolerance | why skipped |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for (op, fmt), rs in groups.items():
             measured = [r.nmse for r in rs if r.nmse is not None]
             worst = f"{max(measured):.2e}" if measured else "—"
             count = lambda s: sum(r.status == s for r in rs)  # noqa: E731
+            why = next((r.reason for r in rs if r.status == "skipped"), "")
+            why = (why[:100] + "…" if len(why) > 100 else why).replace("|", "/")
             out.append(f"| {op} | {fmt} | {len(rs)} | {count('passed')} | {count('failed')} | {count('skipped')} | "
-                       f"{worst} | {rs[0].tolerance:.0e} |")
+                       f"{worst} | {rs[0].tolerance:.0e} | {why} |")
         failures = [r.message() for r in results if r.status == "failed"]
         out += [""] + ([f"Failures: " + "; ".join(failures), ""] if failures else [])
     for backend, why in report.op_skipped.items():
@@ -204,12 +215,16 @@ def render_op_tables(report: Any) -> list[str]:
 
 # -- the heatmap -----------------------------------------------------------------------------------
 
-PNG_COLUMNS = (("delta_perplexity_pct", "Δ perplexity %", "{:+.2f}"), ("kl", "KL(bf16‖row)", "{:.2e}"),
-               ("top1_disagreement", "top-1 disagreement", "{:.2%}"), ("max_abs_logit_error", "max |Δlogit|", "{:.2f}"))
+# (metric, column title, cell format, value at which a cell is fully red): fixed scales, so a colour
+# means the same in every report; red for perplexity is the 5% that the Markdown report explains.
+PNG_COLUMNS = (("delta_perplexity_pct", "Δ perplexity %\n(red at ±5%)", "{:+.2f}", 5.0),
+               ("kl", "KL(bf16‖row), nats\n(red at 0.1)", "{:.2e}", 0.1),
+               ("top1_disagreement", "top-1 disagreement\n(red at 20%)", "{:.2%}", 0.2),
+               ("max_abs_logit_error", "max |Δlogit|\n(red at 10)", "{:.2f}", 10.0))
 
 
 def render_png(report: Any, path: Path) -> None:
-    """Rows x metrics; each column coloured from 0 (green) to its worst row (red), cells annotated."""
+    """Rows x metrics, cells annotated; each column coloured from 0 (green) to its threshold (red)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -220,17 +235,14 @@ def render_png(report: Any, path: Path) -> None:
         labels.append(f"{r.device}  {r.format}  [{r.mode}]")
         raw = {"delta_perplexity_pct": r.delta_perplexity_pct, "kl": r.kl, "max_abs_logit_error": r.max_abs_logit_error,
                "top1_disagreement": None if r.top1_agreement is None else 1.0 - r.top1_agreement}
-        values.append([abs(raw[k]) if r.status == "ok" and raw[k] is not None else np.nan for k, _, _ in PNG_COLUMNS])
+        values.append([abs(raw[k]) if r.status == "ok" and raw[k] is not None else np.nan for k, _, _, _ in PNG_COLUMNS])
         texts.append([fmt.format(raw[k]) if r.status == "ok" and raw[k] is not None else r.status
-                      for k, _, fmt in PNG_COLUMNS])
-    data = np.array(values, dtype=float)
-    scale = np.nanmax(np.where(np.isnan(data), 0, data), axis=0)
-    scale[scale == 0] = 1.0
-    norm = data / scale
+                      for k, _, fmt, _ in PNG_COLUMNS])
+    norm = np.clip(np.array(values, dtype=float) / np.array([red for *_, red in PNG_COLUMNS]), 0, 1)
     fig, ax = plt.subplots(figsize=(2.2 * len(PNG_COLUMNS) + 4.2, 0.55 * len(labels) + 1.8), dpi=130)
     cmap = matplotlib.colormaps["RdYlGn_r"].with_extremes(bad="#d9d9d9")
     ax.imshow(np.ma.masked_invalid(norm), cmap=cmap, vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(PNG_COLUMNS)), [title for _, title, _ in PNG_COLUMNS], fontsize=10)
+    ax.set_xticks(range(len(PNG_COLUMNS)), [title for _, title, _, _ in PNG_COLUMNS], fontsize=10)
     ax.xaxis.tick_top()
     ax.set_yticks(range(len(labels)), labels, fontsize=10)
     for i in range(len(labels)):
@@ -241,8 +253,8 @@ def render_png(report: Any, path: Path) -> None:
     ax.set_yticks(np.arange(-0.5, len(labels)), minor=True)
     ax.grid(which="minor", color="white", linewidth=2)
     ax.tick_params(which="minor", length=0)
-    ax.set_title(f"{report.model} vs BF16 reference: {report.tokens} tokens "
-                 "(each column: green = 0, red = its worst row)", fontsize=10, pad=28)
+    ax.set_title(f"{report.model} against its BF16 reference: {report.tokens} predicted tokens of "
+                 f"{report.eval_source.split(':')[0]}", fontsize=11, pad=36)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
