@@ -197,6 +197,11 @@ class XeonBackend(Backend):
                             "prepare them with this backend")
         return moe_forward(z, weights, ids, resident, output_norm, eps)
 
+    def benchmarks(self) -> dict[str, Any]:
+        """``{case: callable -> rows}`` for ``musecore bench --backend xeon`` (see :mod:`musecore_xeon.bench`)."""
+        from musecore_xeon.bench import benchmarks
+        return benchmarks(self)
+
     embedding = staticmethod(xops.embedding)
     rms_norm = staticmethod(xops.rms_norm)
     residual_norm = staticmethod(xops.residual_norm)

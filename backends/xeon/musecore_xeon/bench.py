@@ -16,9 +16,7 @@ Example::
 from __future__ import annotations
 
 import functools
-import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -155,53 +153,26 @@ def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024,
     return rows
 
 
-def _write_variant(folder: Path, config: Any, weights_file: Path) -> None:
-    """A checkpoint folder: its own config.json, the shared weights file hard-linked (written once;
-    the reader refuses symlinks that leave the folder)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(folder)
-    link = folder / "model.safetensors"
-    if link.exists():
-        link.unlink()
-    os.link(weights_file, link)
-
-
-def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8,
-              workdir: Optional[str] = None) -> list[dict[str, Any]]:
+def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8
+              ) -> list[dict[str, Any]]:
     """Greedy decode tokens/s on random weights: INT4 experts (the xeon plan) vs all-BF16 experts.
 
-    The BF16 run is the same tensors with ``bf16_expert_layers`` listing every layer, so the plan
-    keeps every expert in BF16; everything else is identical. Checkpoints go to a temporary folder
-    (removed afterwards) unless ``workdir`` is given.
+    The BF16 run is the same preset with ``bf16_expert_layers`` listing every layer, so the plan
+    keeps every expert in BF16; everything else (weights by seed, plan, kernels) is identical.
     """
-    import tempfile
-
-    if workdir is not None:
-        return _bench_e2e(presets, new_tokens, prompt_tokens, Path(workdir))
-    with tempfile.TemporaryDirectory(prefix="xeon-bench-") as root:
-        return _bench_e2e(presets, new_tokens, prompt_tokens, Path(root))
-
-
-def _bench_e2e(presets: Sequence[str], new_tokens: int, prompt_tokens: int, root: Path) -> list[dict[str, Any]]:
     import dataclasses
 
-    import musecore
+    from musecore.api import load_random
     from musecore.config import MuseConfig
-    from musecore.model import init_weights
-    from safetensors.torch import save_file
     rows = []
     for preset in presets:
         config = MuseConfig.from_name(preset)
-        weights_file = root / f"{preset}.safetensors"
-        save_file(init_weights(config, seed=0, std=0.02, dtype=torch.bfloat16), str(weights_file))
         variants = {"xeon-int4": config,
                     "xeon-bf16": dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers)))}
         results = {}
         for impl, cfg in variants.items():
-            folder = root / f"{preset}-{impl}"
-            _write_variant(folder, cfg, weights_file)
             start = time.perf_counter()
-            model = musecore.load(str(folder), device="xeon", progress=False)
+            model = load_random(cfg, device="xeon", seed=0)
             load_s = time.perf_counter() - start
             prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
             model.generate(prompt.tolist(), max_new_tokens=2)  # warm-up
@@ -209,8 +180,6 @@ def _bench_e2e(presets: Sequence[str], new_tokens: int, prompt_tokens: int, root
             stats = model.last_generation_stats
             results[impl] = (stats.decode_tokens_per_s, load_s, stats)
             del model
-            (folder / "model.safetensors").unlink()
-        weights_file.unlink()
         for impl, (tps, load_s, stats) in results.items():
             rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
                          "time_us": 1e6 / tps if tps else float("nan"), "decode_tokens_per_s": tps,
@@ -220,6 +189,9 @@ def _bench_e2e(presets: Sequence[str], new_tokens: int, prompt_tokens: int, root
     return rows
 
 
-def benchmarks() -> dict[str, Callable[..., list[dict[str, Any]]]]:
-    """The benchmark cases of this backend, by name (``musecore bench`` and ``benchmarks/xeon_bench.py``)."""
-    return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e}
+def benchmarks(backend: Optional[XeonBackend] = None) -> dict[str, Callable[..., list[dict[str, Any]]]]:
+    """The benchmark cases of this backend, by name (``musecore bench --backend xeon`` and
+    ``benchmarks/xeon_bench.py``); ``backend`` (default: a new one) runs the kernel cases."""
+    return {"linear": functools.partial(bench_linear, backend=backend),
+            "moe": functools.partial(bench_moe, backend=backend),
+            "attention": bench_attention, "e2e": bench_e2e}

@@ -48,6 +48,14 @@ def tiled_matmul(x: torch.Tensor, out_features: int, tile_rows: int,
     return out
 
 
+def restore_shape(y: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``y [M, N]`` back to ``x``'s leading dims and dtype (each step skipped when already so: decode
+    makes thousands of these calls per token, and every no-op dispatch costs microseconds)."""
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
+
+
 @dataclass
 class DenseLinear:
     """A resident dense weight ``[N, K]`` (BF16 or fp32) and how ``x @ W.T`` runs for each M.
@@ -77,7 +85,7 @@ class DenseLinear:
 
     def run_direct(self, x2d: torch.Tensor) -> torch.Tensor:
         """PyTorch's own matmul in the weight's dtype (the bandwidth-bound path)."""
-        return F.linear(x2d.to(self.weight.dtype), self.weight)
+        return F.linear(x2d if x2d.dtype == self.weight.dtype else x2d.to(self.weight.dtype), self.weight)
 
     def run_tiles(self, x2d: torch.Tensor) -> torch.Tensor:
         """fp32 SGEMM on weight tiles upcast one at a time into one reused buffer (the compute-bound path)."""
@@ -90,9 +98,9 @@ class DenseLinear:
         return tiled_matmul(x2d.float(), self.out_features, self.tile_rows, upcast_tile_t)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.in_features)
+        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_direct(x2d)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return restore_shape(y, x, self.out_features)
 
 
 def bf16_crossover(in_features: int, out_features: int) -> CrossoverCalibration:

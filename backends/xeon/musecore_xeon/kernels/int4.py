@@ -22,7 +22,7 @@ import torch
 from musecore_quant.qtensor import QTensor
 from musecore_xeon.kernels.crossover import (INT4_CROSSOVER_ENV, PROXY_MAX_ROWS, CrossoverCalibration,
                                              cached_crossover, measure_crossover)
-from musecore_xeon.kernels.dense import tile_rows_for, tiled_matmul
+from musecore_xeon.kernels.dense import restore_shape, tile_rows_for, tiled_matmul
 
 KERNEL_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 PACK_ROWS = 64  # the largest packing block (AVX-512); rows are padded to it so every block is full
@@ -97,7 +97,9 @@ class Int4Linear:
 
     def run_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
         """PyTorch's INT4 kernel on BF16 activations (the bandwidth-bound path); returns bf16."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(torch.bfloat16).contiguous(), self.packed,
+        if x2d.dtype != torch.bfloat16 or not x2d.is_contiguous():
+            x2d = x2d.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed,
                                                        self.group_size, self.scales_and_zeros)
         return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
 
@@ -135,9 +137,9 @@ class Int4Linear:
         return self.dequantized_tile_t(0, self.padded_out_features, dtype)[:, :self.out_features].T.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.in_features)
+        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_kernel(x2d)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return restore_shape(y, x, self.out_features)
 
 
 def check_int4_shape(in_features: int, group_size: int) -> None:
