@@ -107,6 +107,7 @@ class KVCache:
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                  static: bool = False) -> None:
         device = torch.device(device)
+        self.static = static
         self.layers = []
         for kind in config.layer_types:
             ring = kind == SLIDING

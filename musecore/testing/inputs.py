@@ -240,7 +240,8 @@ def _build_embedding(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> C
 
 def _build_router_topk(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
     T, E, k = case.dim("tokens"), case.dim("experts"), case.dim("top_k")
-    logits = (2.0 * rnd.normal(T, E)).to(dtype)
+    # Distinct values on a 1/16 grid (exact in bf16): with ties, top-k order is implementation-defined.
+    logits = ((torch.argsort(rnd.normal(T, E), dim=-1) - E // 2).float() / 16).to(dtype)
     renormalize = case.option("renormalize")
     return lambda backend: backend.router_topk(logits.to(backend.device), k, renormalize)
 

@@ -116,6 +116,8 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
                 out_scale2=u_args["out_scale"])
     cfg_down = pick_config(rows_per_expert, latent, inter, active, z.device, allow_split=True)
     cfg_down = replace(cfg_down, block_m=cfg_up.block_m, group_m=cfg_up.group_m)  # one alignment for both
+    if not isinstance(down, Fp4Resident):  # a 16-bit 128x256 weight tile x 3 stages needs 288 KB of smem
+        cfg_down = replace(cfg_down, block_n=min(cfg_down.block_n, 128), num_stages=2)
     alloc = torch.zeros if cfg_down.split_k > 1 else torch.empty
     o = alloc(rows, latent, dtype=torch.float32, device=z.device)
     launch_gemm(h, **_gemm_args(down), n=latent, k=inter, out=o, cfg=cfg_down, a_idx=sorted_ids,
