@@ -156,6 +156,9 @@ class ExpertResult:
     loss_rtn: float          # weighted MSE of the expert's routed output, RTN weights, on its tokens
     loss_autoround: float    # the same with the tuned weights
     tokens: int
+    heldout_loss_rtn: Optional[float] = None        # the same two on routed tokens it was not tuned on
+    heldout_loss_autoround: Optional[float] = None
+    heldout_tokens: int = 0
 
 
 def weighted_output_mse(block: ExpertBlock, weights: dict[str, torch.Tensor], z: torch.Tensor,
@@ -298,8 +301,10 @@ class ExpertTuner:
                 for i in range(0, len(z), S)]
 
     def tune(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, output_norm: torch.Tensor,
-             z: torch.Tensor, routing_weight: torch.Tensor, seed: Optional[int] = None) -> ExpertResult:
-        """Tune one expert on its routed tokens ``z [n, l]`` with routing weights ``[n]`` (n >= 1)."""
+             z: torch.Tensor, routing_weight: torch.Tensor, seed: Optional[int] = None,
+             heldout: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> ExpertResult:
+        """Tune one expert on its routed tokens ``z [n, l]`` with routing weights ``[n]`` (n >= 1);
+        ``heldout`` (z, weights) of other routed tokens measures RTN and AutoRound off the tuning set."""
         if len(z) == 0:
             raise ValueError("an expert with no calibration tokens cannot be tuned; quantize it with RTN")
         z, routing_weight = z.float().contiguous(), routing_weight.float().contiguous()
@@ -325,10 +330,20 @@ class ExpertTuner:
         tuned = {p: int4_dequantize(q) for p, q in qtensors.items()}
         block.load(source["gate_proj"], source["up_proj"], source["down_proj"], output_norm)
         loss_ar = weighted_output_mse(block, tuned, z, routing_weight, reference)
-        return ExpertResult(qtensors, loss_rtn, loss_ar, len(z))
+        result = ExpertResult(qtensors, loss_rtn, loss_ar, len(z))
+        if heldout is not None and len(heldout[0]):
+            hz, hw = heldout[0].float(), heldout[1].float()
+            with torch.no_grad():
+                href = block(hz, hw)
+            result.heldout_loss_rtn = weighted_output_mse(block, {p: int4_dequantize(q) for p, q in rtn.items()},
+                                                          hz, hw, href)
+            result.heldout_loss_autoround = weighted_output_mse(block, tuned, hz, hw, href)
+            result.heldout_tokens = len(hz)
+        return result
 
 
-def rtn_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, options: AutoRoundOptions) -> dict[str, QTensor]:
+def rtn_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               options: AutoRoundOptions) -> dict[str, QTensor]:
     """Round-to-nearest INT4 of an expert (the fallback for one that received no calibration token)."""
     return {p: quantize(w.float(), "int4", group_size=options.group_size, sym=options.sym)
             for p, w in zip(PROJECTIONS, (gate, up, down))}

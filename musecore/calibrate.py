@@ -60,7 +60,8 @@ from musecore.autoround import (PROJECTIONS, AutoRoundOptions, ExpertTuner, auto
 from musecore.model import PREFIX, MuseModel
 from musecore.ops import OPS, Ops
 
-EXPERT_WEIGHT = re.compile(rf"{re.escape(PREFIX)}layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+EXPERT_WEIGHT = re.compile(rf"{re.escape(PREFIX)}layers\.(\d+)\.mlp\.experts\.(\d+)\."
+                           r"(gate_proj|up_proj|down_proj)\.weight")
 REPORT_FILE = "calibration_report.json"
 
 MoEObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -141,6 +142,7 @@ class RoutedInputs:
     weights: torch.Tensor    # [n] fp32, renormalised top-k routing weights
     tokens: torch.Tensor     # [n] long, flat calibration token index (row of ids.reshape(-1))
     routed: int              # tokens the router picked for this expert before the cap
+    rest: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (z, weights) of up to n routed tokens left out
 
 
 @dataclass
@@ -175,16 +177,19 @@ def routed_inputs(record: RouterRecord, expert: int, max_tokens: int, seed: int 
     """Expert ``expert``'s routed rows of ``record``; a seeded random subset (in token order) when
     the router picked more than ``max_tokens``."""
     tokens, slot = (record.ids == expert).nonzero(as_tuple=True)
-    routed = len(tokens)
+    routed, rest = len(tokens), None
     if routed > max_tokens:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + expert)
-        keep = torch.randperm(routed, generator=gen)[:max_tokens].sort().values
+        order = torch.randperm(routed, generator=gen)
+        keep, left = order[:max_tokens].sort().values, order[max_tokens:2 * max_tokens].sort().values
+        rest = (record.z[tokens[left]], record.weights[tokens[left], slot[left]])
         tokens, slot = tokens[keep], slot[keep]
-    return RoutedInputs(record.z[tokens], record.weights[tokens, slot], tokens, routed)
+    return RoutedInputs(record.z[tokens], record.weights[tokens, slot], tokens, routed, rest)
 
 
-def capture_routed_inputs(model: MuseModel, ids: torch.Tensor, max_tokens: int = 512, layers: Optional[Sequence[int]] = None,
-                          seed: int = 0, batch_size: int = 8) -> dict[int, list[RoutedInputs]]:
+def capture_routed_inputs(model: MuseModel, ids: torch.Tensor, max_tokens: int = 512,
+                          layers: Optional[Sequence[int]] = None, seed: int = 0,
+                          batch_size: int = 8) -> dict[int, list[RoutedInputs]]:
     """For every MoE layer (or ``layers``), what the router sends each expert on ``ids [B, T]``,
     with the unquantized model: ``{layer: [RoutedInputs per expert]}``.
 
@@ -215,8 +220,11 @@ class ExpertReport:
     method: str            # "autoround", or "rtn" (no calibration token reached it)
     routed_tokens: int     # tokens the router picked for it in the calibration set
     tuned_tokens: int      # tokens it was tuned on (capped)
-    loss_rtn: Optional[float] = None
+    loss_rtn: Optional[float] = None        # routed-output MSE on the tuning tokens
     loss_autoround: Optional[float] = None
+    heldout_tokens: int = 0                 # routed tokens beyond the cap, not tuned on
+    heldout_loss_rtn: Optional[float] = None
+    heldout_loss_autoround: Optional[float] = None
 
 
 @dataclass
@@ -240,10 +248,15 @@ class CalibrationReport:
     def summary(self) -> dict:
         tuned = [r for r in self.experts if r.method == "autoround"]
         gains = [relative_gain(r.loss_rtn, r.loss_autoround) for r in tuned]
+        checked = [r for r in tuned if r.heldout_loss_rtn is not None]
+        heldout = [relative_gain(r.heldout_loss_rtn, r.heldout_loss_autoround) for r in checked]
         return {"experts": len(self.experts), "autoround": len(tuned), "rtn_fallback": len(self.rtn_fallback),
                 "rtn_fallback_experts": [f"layer {l} expert {e}" for l, e in self.rtn_fallback],
                 "mean_routed_error_reduction": sum(gains) / len(gains) if gains else None,
                 "experts_worse_than_rtn": sum(r.loss_autoround > r.loss_rtn for r in tuned),
+                "heldout_experts": len(checked),
+                "mean_heldout_routed_error_reduction": sum(heldout) / len(heldout) if heldout else None,
+                "experts_worse_than_rtn_heldout": sum(r.heldout_loss_autoround > r.heldout_loss_rtn for r in checked),
                 "seconds": self.seconds}
 
     def to_dict(self) -> dict:
@@ -277,7 +290,8 @@ class AutoRoundQuantizer:
         self.report = CalibrationReport(self.layers, int(calibration_ids.numel()), options.as_dict(),
                                         auto_round_version(), propagate_quantized)
         self.results: dict[str, QTensor] = {}
-        tuner = ExpertTuner(cfg.moe_latent_size, cfg.moe_intermediate_size, cfg.rms_norm_eps, options) if self.layers else None
+        tuner = (ExpertTuner(cfg.moe_latent_size, cfg.moe_intermediate_size, cfg.rms_norm_eps, options)
+                 if self.layers else None)
         run = LayerwiseRun(model, calibration_ids, sequences_per_pass)
         for i in range(cfg.num_hidden_layers):
             hm = run.attention(i)
@@ -304,16 +318,20 @@ class AutoRoundQuantizer:
                 entry = ExpertReport(i, e, "rtn", 0, 0)
             else:
                 result = tuner.tune(gate, up, down, mlp.output_norm[e], routed.z, routed.weights,
-                                    seed=self.options.seed + 1000 * i + e)
+                                    seed=self.options.seed + 1000 * i + e, heldout=routed.rest)
                 qts = result.qtensors
                 entry = ExpertReport(i, e, "autoround", routed.routed, result.tokens, result.loss_rtn,
-                                     result.loss_autoround)
+                                     result.loss_autoround, result.heldout_tokens, result.heldout_loss_rtn,
+                                     result.heldout_loss_autoround)
             self.report.experts.append(entry)
             if progress:
                 gain = "" if entry.loss_rtn is None else \
                     f"  routed-output MSE rtn {entry.loss_rtn:.3e} -> autoround {entry.loss_autoround:.3e}"
-                print(f"layer {i} expert {e}: {entry.method} on {entry.tuned_tokens}/{entry.routed_tokens} tokens{gain}",
-                      file=sys.stderr, flush=True)
+                if entry.heldout_loss_rtn is not None:
+                    gain += (f"; on {entry.heldout_tokens} routed tokens not tuned on: rtn {entry.heldout_loss_rtn:.3e}"
+                             f" -> autoround {entry.heldout_loss_autoround:.3e}")
+                print(f"layer {i} expert {e}: {entry.method} on {entry.tuned_tokens}/{entry.routed_tokens} "
+                      f"tokens{gain}", file=sys.stderr, flush=True)
             for p in PROJECTIONS:
                 self.results[f"{PREFIX}layers.{i}.mlp.experts.{e}.{p}.weight"] = qts[p]
             per_expert.append(qts)
@@ -406,15 +424,17 @@ def read_calibration(path: Union[str, Path], tokenizer: Any) -> torch.Tensor:
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-                ids += bos + tokenizer.encode(json.loads(line)["text"], add_special_tokens=False) + list(tokenizer.eos_ids[:1])
+                text = tokenizer.encode(json.loads(line)["text"], add_special_tokens=False)
+                ids += bos + text + list(tokenizer.eos_ids[:1])
         return torch.tensor(ids)
     if path.suffix == ".txt":
         return torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")))
     raise ValueError(f"{path}: unknown calibration file type {path.suffix!r}; use .txt, .jsonl or .i16")
 
 
-def convert_autoround(src: Union[str, Path], dst: Union[str, Path], calibration: Union[str, Sequence[int], torch.Tensor],
-                      *, tokens: int = 8192, seq_len: int = 512, layers: Optional[Sequence[int]] = None,
+def convert_autoround(src: Union[str, Path], dst: Union[str, Path],
+                      calibration: Union[str, Sequence[int], torch.Tensor], *, tokens: int = 8192,
+                      seq_len: int = 512, layers: Optional[Sequence[int]] = None,
                       progress: bool = True, resume: bool = True, **options: Any) -> tuple[Any, CalibrationReport]:
     """BF16 checkpoint ``src`` -> INT4 AutoRound checkpoint ``dst`` (routed experts of ``layers``).
 
@@ -471,7 +491,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _, folder = resolve_model(args.src)
     if folder is None:
         raise SystemExit(f"{args.src} is a preset without weights; pass a checkpoint folder")
-    stream = read_calibration(args.calibration, load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None)
+    tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    stream = read_calibration(args.calibration, tokenizer)
     conv, calib = convert_autoround(folder, args.dst, stream, tokens=args.tokens, seq_len=args.seq_len,
                                     layers=args.layers, progress=not args.json, resume=not args.no_resume,
                                     iters=args.iters, nsamples=args.nsamples, tokens_per_sample=args.tokens_per_sample,
@@ -480,12 +501,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(calib.to_dict(), indent=2))
         return 0
     s, c = calib.summary(), conv.summary()
+    fallback = ": " + ", ".join(s["rtn_fallback_experts"]) if s["rtn_fallback"] else ""
     print(f"wrote {conv.dst}: {s['autoround']} experts tuned with auto-round {calib.auto_round_version}, "
-          f"{s['rtn_fallback']} RTN fallback (no calibration token){': ' + ', '.join(s['rtn_fallback_experts']) if s['rtn_fallback'] else ''}")
+          f"{s['rtn_fallback']} RTN fallback (no calibration token){fallback}")
     if s["mean_routed_error_reduction"] is not None:
-        print(f"routed-output MSE vs RTN: {100 * s['mean_routed_error_reduction']:.1f}% lower on average, "
-              f"{s['experts_worse_than_rtn']} experts worse; weight SQNR min {c['min_sqnr_db']:.2f} dB "
+        print(f"routed-output MSE vs RTN on the tuning tokens: {100 * s['mean_routed_error_reduction']:.1f}% lower "
+              f"on average, {s['experts_worse_than_rtn']} experts worse; weight SQNR min {c['min_sqnr_db']:.2f} dB "
               f"mean {c['mean_sqnr_db']:.2f} dB; {calib.seconds:.0f} s calibration")
+    if s["mean_heldout_routed_error_reduction"] is not None:
+        print(f"on routed tokens left out of tuning ({s['heldout_experts']} experts): "
+              f"{100 * s['mean_heldout_routed_error_reduction']:.1f}% lower on average, "
+              f"{s['experts_worse_than_rtn_heldout']} experts worse than RTN")
     return 0
 
 

@@ -100,6 +100,14 @@ def test_capture_keeps_at_most_max_tokens_of_what_the_router_picked(small):
         keep = torch.isin(a.tokens, b.tokens)
         assert torch.equal(a.tokens[keep], b.tokens), f"expert {e}: capped tokens are not a subset in order"
         assert torch.equal(a.weights[keep], b.weights) and torch.equal(a.z[keep], b.z)
+        if a.routed > 5:  # the rest: other routed rows, kept for measuring off the tuning set
+            rest_z, rest_w = b.rest
+            assert len(rest_z) == min(5, a.routed - 5)
+            match = (rest_z[:, None, :] == a.z[~keep][None]).all(-1)          # [rest, not kept]
+            assert bool(match.any(1).all()), f"expert {e}: a left-out row is not a routed, unkept row"
+            assert torch.equal(rest_w, a.weights[~keep][match.float().argmax(1)])
+        else:
+            assert b.rest is None
 
 
 def test_calibration_windows_cut_a_stream_into_sequences():
@@ -233,6 +241,10 @@ def test_convert_autoround_writes_a_checkpoint_that_loads_with_the_tuned_weights
     saved = json.loads((tmp_path / "int4" / REPORT_FILE).read_text())
     assert saved["summary"]["experts"] == config.num_experts and saved["layers"] == [2]
     assert [r.method for r in calib.experts] == ["autoround"] * config.num_experts
+    for r in calib.experts:  # tokens beyond the cap (32) measure the error off the tuning set
+        assert r.tuned_tokens == min(r.routed_tokens, 32)
+        assert r.heldout_tokens == min(r.routed_tokens - r.tuned_tokens, r.tuned_tokens)
+        assert (r.heldout_loss_rtn is None) == (r.heldout_tokens == 0)
     again = autoround_quantizer(model, calibration_windows(ids.flatten(), ids.numel(), 40), **opts)  # seeded
     loaded = musecore.load(tmp_path / "int4", device="cpu", dtype=torch.float32, progress=False)
     for e in range(config.num_experts):
