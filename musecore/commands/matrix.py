@@ -8,6 +8,7 @@ by more than 5%, so a reader sees why and not only that.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -49,11 +50,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from musecore.matrix import run_matrix
 
-    if args.png is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--png needs matplotlib: pip install 'musecore[matrix]' (or pip install matplotlib)") from None
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--png needs matplotlib: pip install 'musecore[matrix]' (or pip install matplotlib)")
     if args.tokens is not None and args.tokens < 2:
         raise UsageError(f"--tokens must be at least 2 (one prediction); got {args.tokens}")
     sizes = tuple(s.strip() for s in args.op_sizes.split(",") if s.strip())
@@ -207,7 +205,7 @@ def render_op_tables(report: Any) -> list[str]:
             out.append(f"| {op} | {fmt} | {len(rs)} | {count('passed')} | {count('failed')} | {count('skipped')} | "
                        f"{worst} | {rs[0].tolerance:.0e} | {why} |")
         failures = [r.message() for r in results if r.status == "failed"]
-        out += [""] + ([f"Failures: " + "; ".join(failures), ""] if failures else [])
+        out += [""] + (["Failures: " + "; ".join(failures), ""] if failures else [])
     for backend, why in report.op_skipped.items():
         out.append(f"- `{backend}` not run here: {why}")
     return out + [""]
