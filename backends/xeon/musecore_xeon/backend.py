@@ -98,7 +98,7 @@ class XeonBackend(Backend):
         if op == "attention":
             if spec.kv_format not in ("bf16", "fp16", "fp32", "fp8"):
                 return Support.no(f"KV format {spec.kv_format!r} unknown to xeon (bf16, fp32 or fp8)")
-            return Support.native("scaled_dot_product_attention with the reference visibility mask"
+            return Support.native(f"scaled_dot_product_attention in {self.dense_dtype} with the reference visibility mask"
                                   + ("; FP8 KV dequantized per tensor first" if spec.kv_format == "fp8" else ""))
         return Support.native("PyTorch CPU ops (fp32 math)")
 
@@ -202,11 +202,16 @@ class XeonBackend(Backend):
         from musecore_xeon.bench import benchmarks
         return benchmarks(self)
 
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  window: Optional[int], scale: float, k_scale: Optional[float] = None,
+                  v_scale: Optional[float] = None) -> torch.Tensor:
+        """SDPA in this CPU's dense compute dtype (fp32 without native BF16), see :func:`xops.attention`."""
+        return xops.attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, compute_dtype=self.dense_dtype)
+
     embedding = staticmethod(xops.embedding)
     rms_norm = staticmethod(xops.rms_norm)
     residual_norm = staticmethod(xops.residual_norm)
     qk_norm_rope = staticmethod(xops.qk_norm_rope)
-    attention = staticmethod(xops.attention)
     head_norm_gate = staticmethod(xops.head_norm_gate)
     router_topk = staticmethod(xops.router_topk)
     sample = staticmethod(xops.sample)

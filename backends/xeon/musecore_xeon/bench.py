@@ -136,7 +136,7 @@ def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024,
     ``speedup_vs_bf16`` here is against ``musecore.ops.reference.attention`` on the same BF16 inputs.
     """
     from musecore.ops import reference as ref
-    from musecore_xeon import ops as xops
+    backend = XeonBackend()
     nq, nkv, d = heads
     rows = []
     for t, s, window in cases:
@@ -145,7 +145,7 @@ def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024,
         k_pos = torch.arange(s)[None]
         q_pos = k_pos[:, s - t:]
         args = (q, k, v, q_pos, k_pos, window, d ** -0.5)
-        t_ref, t_x = time_us(lambda: ref.attention(*args), repeats), time_us(lambda: xops.attention(*args), repeats)
+        t_ref, t_x = time_us(lambda: ref.attention(*args), repeats), time_us(lambda: backend.attention(*args), repeats)
         kv_bytes = 2 * 2 * s * nkv * d
         rows.append({"backend": BACKEND, "case": "attention", "shape": f"T{t} S{s} {nq}/{nkv}x{d} window={window}",
                      "M": t, "impl": "xeon-sdpa", "time_us": t_x, "reference_us": t_ref, "speedup_vs_bf16": t_ref / t_x,

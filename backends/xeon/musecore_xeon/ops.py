@@ -22,9 +22,6 @@ embedding = ref.embedding
 router_topk = ref.router_topk
 sample = ref.sample
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
 
@@ -54,26 +51,29 @@ def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Ten
     return (_rms_norm_f32(o, weight, eps) * torch.sigmoid(gate_logits.float())[..., None]).to(o.dtype)
 
 
-def _dequantize_kv(t: torch.Tensor, scale: Optional[float], dtype: torch.dtype) -> torch.Tensor:
-    if scale is None and t.dtype not in FP8_DTYPES:
+def _to_compute(t: torch.Tensor, scale: Optional[float], dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
         return t.to(dtype)
-    return (t.float() * (1.0 if scale is None else scale)).to(dtype)
+    return (t.float() * scale).to(dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               window: Optional[int], scale: float, k_scale: Optional[float] = None,
-              v_scale: Optional[float] = None) -> torch.Tensor:
+              v_scale: Optional[float] = None, *, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Causal GQA attention ``[B,T,nq,d]`` over cached keys, prefill or decode, full or sliding window.
 
-    Computes in the query's dtype (BF16 SDPA accumulates and normalises in fp32 on CPU); FP8 K/V are
-    dequantized with their per-tensor scales first. Queries that see no key return zeros.
+    Runs SDPA in ``compute_dtype``: fp32 on CPUs without native BF16, where it is both exact
+    (NMSE ~1e-9 against the reference instead of ~6e-6) and 1-6x faster than BF16 SDPA (measured on
+    the AVX2 EPYC, muse-small heads, T=1..1024). FP8 K/V are dequantized with their per-tensor
+    scales first. Queries that see no key return zeros.
     """
     nq, nkv = q.shape[2], k.shape[2]
     if nq % nkv:
         raise ValueError(f"attention: {nq} query heads are not a multiple of {nkv} kv heads")
-    kd, vd = _dequantize_kv(k, k_scale, q.dtype), _dequantize_kv(v, v_scale, q.dtype)
+    qc = q.to(compute_dtype)
+    kc, vc = _to_compute(k, k_scale, compute_dtype), _to_compute(v, v_scale, compute_dtype)
     visible = ref.visibility_mask(q_pos, k_pos, window)  # [B,T,S]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
+    out = F.scaled_dot_product_attention(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
                                          attn_mask=visible[:, None], scale=scale, enable_gqa=nq != nkv)
-    out = out.transpose(1, 2)  # [B,T,nq,d]
-    return out.masked_fill(~visible.any(-1)[:, :, None, None], 0.0)
+    out = out.transpose(1, 2).masked_fill(~visible.any(-1)[:, :, None, None], 0.0)  # [B,T,nq,d]
+    return out.to(q.dtype)
