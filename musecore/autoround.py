@@ -76,7 +76,7 @@ class AutoRoundOptions:
     """
 
     iters: int = 200
-    nsamples: int = 32
+    nsamples: int = 128  # auto-round's default; 2048 tokens per expert generalise much better than 512
     tokens_per_sample: int = 16
     batch_size: Optional[int] = None
     group_size: int = 128

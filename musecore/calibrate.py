@@ -35,7 +35,7 @@ Example::
 
 Command line (``musecore-quant convert --method autoround`` has no way to receive a quantizer)::
 
-    python -m musecore.calibrate SRC DST --calibration calib.txt [--iters 200] [--tokens 8192]
+    python -m musecore.calibrate SRC DST --calibration calib.txt [--iters 200] [--tokens 16384]
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def routed_inputs(record: RouterRecord, expert: int, max_tokens: int, seed: int 
     return RoutedInputs(record.z[tokens], record.weights[tokens, slot], tokens, routed, rest)
 
 
-def capture_routed_inputs(model: MuseModel, ids: torch.Tensor, max_tokens: int = 512,
+def capture_routed_inputs(model: MuseModel, ids: torch.Tensor, max_tokens: int = 2048,
                           layers: Optional[Sequence[int]] = None, seed: int = 0,
                           batch_size: int = 8) -> dict[int, list[RoutedInputs]]:
     """For every MoE layer (or ``layers``), what the router sends each expert on ``ids [B, T]``,
@@ -381,7 +381,7 @@ def _with_experts(mlp: Any, quantized: list[dict]) -> Any:
 
 
 def autoround_quantizer(model: MuseModel, calibration_ids: torch.Tensor, *, layers: Optional[Sequence[int]] = None,
-                        iters: int = 200, nsamples: int = 32, tokens_per_sample: int = 16,
+                        iters: int = 200, nsamples: int = 128, tokens_per_sample: int = 16,
                         batch_size: Optional[int] = None, group_size: int = 128, sym: bool = True,
                         lr: Optional[float] = None, seed: int = 42, propagate_quantized: bool = True,
                         progress: bool = False, verbose: bool = False) -> AutoRoundQuantizer:
@@ -433,7 +433,7 @@ def read_calibration(path: Union[str, Path], tokenizer: Any) -> torch.Tensor:
 
 
 def convert_autoround(src: Union[str, Path], dst: Union[str, Path],
-                      calibration: Union[str, Sequence[int], torch.Tensor], *, tokens: int = 8192,
+                      calibration: Union[str, Sequence[int], torch.Tensor], *, tokens: int = 16384,
                       seq_len: int = 512, layers: Optional[Sequence[int]] = None,
                       progress: bool = True, resume: bool = True, **options: Any) -> tuple[Any, CalibrationReport]:
     """BF16 checkpoint ``src`` -> INT4 AutoRound checkpoint ``dst`` (routed experts of ``layers``).
@@ -472,31 +472,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--calibration", required=True, type=Path, help=".txt, .jsonl ({'text'} per line) or .i16 ids")
-    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens used (default 8192)")
+    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens used (default 16384)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--layers", type=int, nargs="+", default=None, help="layers whose experts are quantized "
                    "(default: all but config.bf16_expert_layers)")
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--nsamples", type=int, default=32, help="auto-round samples per expert")
+    p.add_argument("--nsamples", type=int, default=128, help="auto-round samples per expert (of --tokens-per-sample "
+                   "tokens each; default 128, so at most 2048 routed tokens per expert)")
     p.add_argument("--tokens-per-sample", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=None, help="samples per tuning step (default: all of "
+                   "the expert's samples; fewer is faster and noisier)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asym", action="store_true", help="asymmetric INT4 (default symmetric)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--json", action="store_true", help="print the calibration report as JSON")
     args = p.parse_args(argv)
-    import musecore
-    from musecore.tokenizer import load_tokenizer
     from musecore.api import resolve_model
-    _, folder = resolve_model(args.src)
-    if folder is None:
-        raise SystemExit(f"{args.src} is a preset without weights; pass a checkpoint folder")
-    tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-    stream = read_calibration(args.calibration, tokenizer)
-    conv, calib = convert_autoround(folder, args.dst, stream, tokens=args.tokens, seq_len=args.seq_len,
-                                    layers=args.layers, progress=not args.json, resume=not args.no_resume,
-                                    iters=args.iters, nsamples=args.nsamples, tokens_per_sample=args.tokens_per_sample,
-                                    group_size=args.group_size, sym=not args.asym, seed=args.seed)
+    from musecore.tokenizer import load_tokenizer
+    from musecore_quant.checkpoint import CheckpointError
+    try:
+        _, folder = resolve_model(args.src)
+        if folder is None:
+            raise ValueError(f"{args.src} is a preset without weights; pass a checkpoint folder")
+        tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+        stream = read_calibration(args.calibration, tokenizer)
+        conv, calib = convert_autoround(folder, args.dst, stream, tokens=args.tokens, seq_len=args.seq_len,
+                                        layers=args.layers, progress=not args.json, resume=not args.no_resume,
+                                        iters=args.iters, nsamples=args.nsamples,
+                                        tokens_per_sample=args.tokens_per_sample, batch_size=args.batch_size,
+                                        group_size=args.group_size, sym=not args.asym, seed=args.seed)
+    except (ValueError, ImportError, FileNotFoundError, CheckpointError) as e:
+        print(f"python -m musecore.calibrate: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(calib.to_dict(), indent=2))
         return 0

@@ -229,23 +229,28 @@ def test_experts_without_calibration_tokens_fall_back_to_rtn_and_are_counted(tmp
         assert torch.equal(dequantize(q(name, tensors[name].float())), dequantize(rtn))
 
 
-def test_convert_autoround_writes_a_checkpoint_that_loads_with_the_tuned_weights(small, tmp_path):
+def test_calibrate_command_writes_a_checkpoint_that_loads_with_the_tuned_weights(small, tmp_path, capsys):
     needs_auto_round()
-    from musecore.calibrate import REPORT_FILE, autoround_quantizer, convert_autoround
+    from musecore.calibrate import REPORT_FILE, autoround_quantizer, main
     folder, config, tensors, model, ids = small
-    opts = dict(layers=[2], iters=4, group_size=GROUP, nsamples=4, tokens_per_sample=8)
-    conv, calib = convert_autoround(folder, tmp_path / "int4", ids.flatten(), tokens=ids.numel(), seq_len=40,
-                                    progress=False, **opts)
-    assert conv.summary()["actions"] == {"copy": len(tensors) - 3 * config.num_experts,
-                                         "quantize": 3 * config.num_experts}
+    ids.flatten().to(torch.int16).numpy().tofile(tmp_path / "calib.i16")
+    argv = [str(folder), str(tmp_path / "int4"), "--calibration", str(tmp_path / "calib.i16"), "--tokens",
+            str(ids.numel()), "--seq-len", "40", "--layers", "2", "--iters", "4", "--group-size", str(GROUP),
+            "--nsamples", "4", "--tokens-per-sample", "8", "--json"]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
     saved = json.loads((tmp_path / "int4" / REPORT_FILE).read_text())
-    assert saved["summary"]["experts"] == config.num_experts and saved["layers"] == [2]
-    assert [r.method for r in calib.experts] == ["autoround"] * config.num_experts
-    for r in calib.experts:  # tokens beyond the cap (32) measure the error off the tuning set
-        assert r.tuned_tokens == min(r.routed_tokens, 32)
-        assert r.heldout_tokens == min(r.routed_tokens - r.tuned_tokens, r.tuned_tokens)
-        assert (r.heldout_loss_rtn is None) == (r.heldout_tokens == 0)
-    again = autoround_quantizer(model, calibration_windows(ids.flatten(), ids.numel(), 40), **opts)  # seeded
+    assert printed == saved and saved["layers"] == [2] and saved["summary"]["experts"] == config.num_experts
+    conversion = json.loads((tmp_path / "int4" / "conversion_report.json").read_text())
+    assert conversion["method"] == "autoround"
+    assert conversion["summary"]["actions"] == {"copy": len(tensors) - 3 * config.num_experts,
+                                                "quantize": 3 * config.num_experts}
+    for r in saved["experts"]:  # tokens beyond the cap (32) measure the error off the tuning set
+        assert r["method"] == "autoround" and r["tuned_tokens"] == min(r["routed_tokens"], 32)
+        assert r["heldout_tokens"] == min(r["routed_tokens"] - r["tuned_tokens"], r["tuned_tokens"])
+        assert (r["heldout_loss_rtn"] is None) == (r["heldout_tokens"] == 0)
+    again = autoround_quantizer(model, calibration_windows(ids.flatten(), ids.numel(), 40), layers=[2], iters=4,
+                                group_size=GROUP, nsamples=4, tokens_per_sample=8)    # seeded: the same result
     loaded = musecore.load(tmp_path / "int4", device="cpu", dtype=torch.float32, progress=False)
     for e in range(config.num_experts):
         for p, stacked in zip(PROJECTIONS, ("gate", "up", "down")):
