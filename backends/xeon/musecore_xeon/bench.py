@@ -76,12 +76,12 @@ def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence
             t_tiles = time_us(lambda: int4.run_tiles(x), repeats)
             t_int4 = t_tiles if int4.uses_dense_tiles(m) else t_kernel
             common = {"backend": BACKEND, "case": "linear", "shape": f"{n}x{k}", "M": m}
-            rows.append({**common, "impl": "torch-bf16", "path": "F.linear", "time_us": t_torch, "speedup_vs_bf16": 1.0,
+            rows.append({**common, "impl": "torch-bf16", "format": "bf16", "path": "F.linear", "time_us": t_torch, "speedup_vs_bf16": 1.0,
                          "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_torch)})
-            rows.append({**common, "impl": "xeon-bf16", "path": "tiles" if xeon_bf16.uses_dense_tiles(m) else "F.linear",
+            rows.append({**common, "impl": "xeon-bf16", "format": "bf16", "path": "tiles" if xeon_bf16.uses_dense_tiles(m) else "F.linear",
                          "crossover": xeon_bf16.crossover, "time_us": t_xbf16, "speedup_vs_bf16": t_torch / t_xbf16,
                          "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_xbf16)})
-            rows.append({**common, "impl": "xeon-int4", "path": "tiles" if int4.uses_dense_tiles(m) else "kernel",
+            rows.append({**common, "impl": "xeon-int4", "format": "int4", "path": "tiles" if int4.uses_dense_tiles(m) else "kernel",
                          "crossover": int4.crossover, "time_us": t_int4, "speedup_vs_bf16": t_torch / t_int4,
                          "speedup_vs_xeon_bf16": t_xbf16 / t_int4, "int4_kernel_us": t_kernel,
                          "int4_tiles_us": t_tiles, "pct_memory_ceiling": pct_ceiling(int4.nbytes + act_bytes, t_int4)})
@@ -122,7 +122,7 @@ def bench_moe(tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), num_ex
         t_torch, t_bf16, t_int4 = run(torch_bf16), run(bf16), run(int4)
         common = {"backend": BACKEND, "case": "moe", "shape": shape, "M": t, "routed_experts": int(ids.unique().numel())}
         for impl, us, fmt in (("torch-bf16", t_torch, "bf16"), ("xeon-bf16", t_bf16, "bf16"), ("xeon-int4", t_int4, "int4")):
-            rows.append({**common, "impl": impl, "time_us": us, "speedup_vs_bf16": t_torch / us,
+            rows.append({**common, "impl": impl, "format": fmt, "time_us": us, "speedup_vs_bf16": t_torch / us,
                          "speedup_vs_xeon_bf16": t_bf16 / us,
                          "pct_memory_ceiling": pct_ceiling(routed_expert_bytes(ids, per_expert[fmt]), us)})
     return rows
@@ -148,7 +148,7 @@ def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024,
         t_ref, t_x = time_us(lambda: ref.attention(*args), repeats), time_us(lambda: backend.attention(*args), repeats)
         kv_bytes = 2 * 2 * s * nkv * d
         rows.append({"backend": BACKEND, "case": "attention", "shape": f"T{t} S{s} {nq}/{nkv}x{d} window={window}",
-                     "M": t, "impl": "xeon-sdpa", "time_us": t_x, "reference_us": t_ref, "speedup_vs_bf16": t_ref / t_x,
+                     "M": t, "impl": "xeon-sdpa", "format": "bf16", "time_us": t_x, "reference_us": t_ref, "speedup_vs_bf16": t_ref / t_x,
                      "baseline": "musecore.ops.reference.attention", "pct_memory_ceiling": pct_ceiling(kv_bytes, t_x)})
     return rows
 
@@ -182,6 +182,7 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
             del model
         for impl, (tps, load_s, stats) in results.items():
             rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
+                         "format": impl.split("-")[1],
                          "time_us": 1e6 / tps if tps else float("nan"), "decode_tokens_per_s": tps,
                          "prefill_tokens_per_s": stats.prefill_tokens_per_s, "load_s": load_s,
                          "speedup_vs_bf16": tps / results["xeon-bf16"][0] if results["xeon-bf16"][0] else None,
