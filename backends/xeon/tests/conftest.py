@@ -7,13 +7,9 @@ import pytest
 import torch
 
 from musecore.backends.reference import ReferenceBackend
+from musecore.testing import nmse
 from musecore_xeon import XeonBackend
 from musecore_xeon.kernels.crossover import BF16_CROSSOVER_ENV, INT4_CROSSOVER_ENV
-
-
-def nmse(reference: torch.Tensor, actual: torch.Tensor) -> float:
-    reference, actual = reference.double(), actual.double()
-    return float(((reference - actual) ** 2).sum() / (reference ** 2).sum().clamp_min(1e-30))
 
 
 def assert_close_nmse(reference: torch.Tensor, actual: torch.Tensor, tol: float, what: str) -> float:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import musecore
-from conftest import nmse
+from musecore.testing import nmse
 from musecore.config import MuseConfig
 from musecore.model import init_weights
 from safetensors.torch import save_file
