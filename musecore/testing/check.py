@@ -68,6 +68,17 @@ class CaseResult:
                 "seconds": round(self.seconds, 4)}
 
 
+def assert_nmse(reference: torch.Tensor, actual: torch.Tensor, tol: float, what: str) -> float:
+    """Shape, finiteness and NMSE <= ``tol``; prints the measured NMSE so a passing run shows its margin."""
+    assert tuple(actual.shape) == tuple(reference.shape), \
+        f"{what}: shape {tuple(actual.shape)} != {tuple(reference.shape)}"
+    assert torch.isfinite(actual.float()).all(), f"{what}: output has NaN/Inf"
+    err = nmse(reference.float(), actual.float())
+    print(f"{what}: NMSE {err:.3e} (tolerance {tol:.1e})")
+    assert err <= tol, f"{what}: NMSE {err:.3e} > tolerance {tol:.1e}"
+    return err
+
+
 def _outputs(value: Any) -> tuple[torch.Tensor, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 

@@ -1,5 +1,5 @@
-"""Shared helpers of the xeon backend tests: NMSE against the reference, printed, and a backend
-whose crossover calibration is real but cheap (small shapes)."""
+"""Fixtures of the xeon backend tests: a one-thread backend, the reference, and a fixed crossover
+(NMSE checks come from ``musecore.testing.assert_nmse``)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,8 @@ import pytest
 import torch
 
 from musecore.backends.reference import ReferenceBackend
-from musecore.testing import nmse
 from musecore_xeon import XeonBackend
 from musecore_xeon.kernels.crossover import BF16_CROSSOVER_ENV, INT4_CROSSOVER_ENV
-
-
-def assert_close_nmse(reference: torch.Tensor, actual: torch.Tensor, tol: float, what: str) -> float:
-    """Shape, finiteness and NMSE <= tol; prints the measured NMSE so a passing run shows the margin."""
-    assert actual.shape == reference.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(reference.shape)}"
-    assert torch.isfinite(actual.float()).all(), f"{what}: output has NaN/Inf"
-    err = nmse(reference.float(), actual.float())
-    print(f"{what}: NMSE {err:.3e} (tolerance {tol:.1e})")
-    assert err <= tol, f"{what}: NMSE {err:.3e} > tolerance {tol:.1e}"
-    return err
 
 
 @pytest.fixture(scope="session")

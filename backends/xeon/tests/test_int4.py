@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import musecore_quant
-from conftest import assert_close_nmse
+from musecore.testing import assert_nmse
 from musecore.backends.reference import ReferenceBackend
 from musecore.ops import reference as ref
 from musecore.ops import tolerance
@@ -50,7 +50,7 @@ def test_int4_linear_matches_reference_on_both_sides_of_crossover(shape, negativ
         x = torch.randn(m, shape[1], dtype=torch.bfloat16)
         path = "dense tiles" if lin.uses_dense_tiles(m) else "int4 kernel"
         assert path == ("dense tiles" if m >= 8 else "int4 kernel")
-        assert_close_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"),
+        assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"),
                           f"int4 {shape} neg={negative_scales} asym={asymmetric} M={m} ({path})")
 
 
@@ -65,14 +65,14 @@ def test_quantizer_output_with_negative_scales_runs_through_the_backend(xeon: Xe
             x = torch.randn(2, (m + 1) // 2, 1024, dtype=torch.bfloat16)  # leading dims are kept
             y = xeon.linear(x, weight)
             assert y.dtype == x.dtype and y.shape == (2, (m + 1) // 2, 512)
-            assert_close_nmse(reference_linear(x, qt), y.float(), tolerance("linear"), f"quantize(sym={sym}) M={m}")
+            assert_nmse(reference_linear(x, qt), y.float(), tolerance("linear"), f"quantize(sym={sym}) M={m}")
 
 
 def test_dense_tile_dequantization_equals_the_quantizer_dequantization() -> None:
     qt = random_int4(256, 512, negative_scales=True, asymmetric=True)
     lin = prepare_int4(qt, torch.float32, calibrate=False)
     # Scales travel as bf16 for the kernel, so the match is to bf16 precision, not bit-exact.
-    assert_close_nmse(musecore_quant.dequantize(qt), lin.dequantize(), 1e-5, "tile dequant vs dequantize")
+    assert_nmse(musecore_quant.dequantize(qt), lin.dequantize(), 1e-5, "tile dequant vs dequantize")
 
 
 def test_packing_block_is_detected() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_close_nmse
+from musecore.testing import assert_nmse
 from musecore.ops import reference as ref
 from musecore.ops import tolerance
 from musecore_xeon import XeonBackend
@@ -18,7 +18,7 @@ def test_rms_norm(xeon: XeonBackend, dtype) -> None:
     x, w = torch.randn(5, 7, 256, dtype=dtype) * 3, 1 + 0.2 * torch.randn(256)
     y = xeon.rms_norm(x, w, 1e-6)
     assert y.dtype == dtype
-    assert_close_nmse(ref.rms_norm(x, w, 1e-6), y, tolerance("rms_norm"), f"rms_norm {dtype}")
+    assert_nmse(ref.rms_norm(x, w, 1e-6), y, tolerance("rms_norm"), f"rms_norm {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -27,7 +27,7 @@ def test_residual_norm(xeon: XeonBackend, dtype) -> None:
             1 + 0.2 * torch.randn(128), 1 + 0.2 * torch.randn(128), 1e-6)
     for i, (want, got) in enumerate(zip(ref.residual_norm(*args), xeon.residual_norm(*args))):
         assert got.dtype == dtype
-        assert_close_nmse(want, got, tolerance("residual_norm"), f"residual_norm[{i}] {dtype}")
+        assert_nmse(want, got, tolerance("residual_norm"), f"residual_norm[{i}] {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -39,13 +39,13 @@ def test_qk_norm_rope(xeon: XeonBackend, dtype) -> None:
     angles = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)  # [B,T,d]
     args = (q, k, 1 + 0.2 * torch.randn(d), 1 + 0.2 * torch.randn(d), angles.cos(), angles.sin(), 1e-6)
     for name, want, got in zip("qk", ref.qk_norm_rope(*args), xeon.qk_norm_rope(*args)):
-        assert_close_nmse(want, got, tolerance("qk_norm_rope"), f"qk_norm_rope {name} {dtype}")
+        assert_nmse(want, got, tolerance("qk_norm_rope"), f"qk_norm_rope {name} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_norm_gate(xeon: XeonBackend, dtype) -> None:
     args = (torch.randn(2, 3, 4, 32, dtype=dtype), 1 + 0.2 * torch.randn(32), torch.randn(2, 3, 4, dtype=dtype), 1e-6)
-    assert_close_nmse(ref.head_norm_gate(*args), xeon.head_norm_gate(*args), tolerance("head_norm_gate"),
+    assert_nmse(ref.head_norm_gate(*args), xeon.head_norm_gate(*args), tolerance("head_norm_gate"),
                       f"head_norm_gate {dtype}")
 
 
@@ -54,7 +54,7 @@ def test_router_topk_and_sample_are_exact(xeon: XeonBackend) -> None:
     for renorm in (True, False):
         (w0, i0), (w1, i1) = ref.router_topk(logits, 8, renorm), xeon.router_topk(logits, 8, renorm)
         assert torch.equal(i0, i1)
-        assert_close_nmse(w0, w1, tolerance("router_topk"), f"router_topk renormalize={renorm}")
+        assert_nmse(w0, w1, tolerance("router_topk"), f"router_topk renormalize={renorm}")
     vocab_logits = torch.randn(3, 500)
     assert torch.equal(xeon.sample(vocab_logits), ref.sample(vocab_logits))
     for kwargs in ({"temperature": 0.8, "top_k": 20}, {"temperature": 1.0, "top_p": 0.9}):
@@ -81,7 +81,7 @@ def test_attention_prefill(xeon: XeonBackend, dtype, window, nq, nkv) -> None:
     out = xeon.attention(*args)
     assert out.dtype == dtype
     assert torch.all(out[1, :3] == 0), "queries that see no key must return zeros"
-    assert_close_nmse(ref.attention(*args), out, tolerance("attention"), f"prefill {dtype} window={window} {nq}/{nkv}")
+    assert_nmse(ref.attention(*args), out, tolerance("attention"), f"prefill {dtype} window={window} {nq}/{nkv}")
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -94,7 +94,7 @@ def test_attention_decode_over_ring_buffer(xeon: XeonBackend, window) -> None:
                           [3, 4, 5, 6, 7, 8, 9, 10]])
     q_pos = torch.tensor([[11], [2], [10]])
     args = (q, k, v, q_pos, k_pos, window, d ** -0.5)
-    assert_close_nmse(ref.attention(*args), xeon.attention(*args), tolerance("attention"), f"decode window={window}")
+    assert_nmse(ref.attention(*args), xeon.attention(*args), tolerance("attention"), f"decode window={window}")
 
 
 def test_attention_fp8_kv_with_scales(xeon: XeonBackend) -> None:
@@ -103,4 +103,4 @@ def test_attention_fp8_kv_with_scales(xeon: XeonBackend) -> None:
     k8, v8 = (k.float() / 0.05).to(torch.float8_e4m3fn), (v.float() / 0.07).to(torch.float8_e4m3fn)
     pos = torch.arange(T)[None]
     args = (q, k8, v8, pos, pos, None, d ** -0.5, 0.05, 0.07)
-    assert_close_nmse(ref.attention(*args), xeon.attention(*args), tolerance("attention"), "fp8 kv")
+    assert_nmse(ref.attention(*args), xeon.attention(*args), tolerance("attention"), "fp8 kv")
