@@ -8,12 +8,14 @@ An expert only ever sees the pooled latents ``z`` of the tokens the router picke
 weighted by its routing weight (MODEL.md section 1), so that is what each expert is calibrated on:
 
 1. :class:`LayerwiseRun` runs ``MuseModel.forward`` one decoder layer at a time through the
-   model's own modules and ops (a test checks it gives ``model.forward``'s logits bit for bit), so
-   calibration can act between layers and later layers see earlier layers' (quantized) outputs.
+   model's own modules and ops (a test checks it gives ``model.forward``'s logits, bit for bit on
+   the same batch), so calibration can act between layers and later layers see earlier layers'
+   (quantized) outputs.
 2. At each MoE the ``moe`` op is observed (:func:`observing_ops`, on a shallow copy of the layer's
    MoE; the model is not modified): the ``z``, routing weights and expert ids that ``MoE.__call__``
    computed are recorded, and each expert keeps at most ``max_tokens`` of its routed rows
-   (:func:`routed_inputs`, a seeded random subset when it got more).
+   (:func:`routed_inputs`, a seeded random subset when it got more; up to as many of the rows left
+   out measure the tuned expert off its tuning set, in the report).
 3. :class:`AutoRoundQuantizer` tunes each expert of the quantized layers with auto-round
    (``musecore/autoround.py``), then continues with the quantized experts in place, as auto-round
    does with its own blocks (``propagate_quantized``). An expert that received no calibration token
