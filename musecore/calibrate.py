@@ -467,6 +467,21 @@ def convert_autoround(src: Union[str, Path], dst: Union[str, Path],
     return report, quantizer.report
 
 
+def cli_calibrator(src: Union[str, Path], dst: Union[str, Path], *, calibration: Union[str, Path],
+                   progress: bool = True, resume: bool = True) -> Any:
+    """``musecore-quant convert SRC DST --to int4 --method autoround --calibration FILE``: the calibrator
+    that musecore registers under the ``musecore_quant.calibrators`` entry point (default options)."""
+    from musecore.api import resolve_model
+    from musecore.tokenizer import load_tokenizer
+    _, folder = resolve_model(src)
+    if folder is None:
+        raise ValueError(f"{src} is a preset without weights; pass a checkpoint folder")
+    tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    conversion, _ = convert_autoround(folder, dst, read_calibration(calibration, tokenizer), progress=progress,
+                                      resume=resume)
+    return conversion
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m musecore.calibrate",
                                 description="BF16 Muse checkpoint -> INT4 (group 128, symmetric) with AutoRound "

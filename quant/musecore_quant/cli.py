@@ -157,14 +157,39 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return key, raw
 
 
+CALIBRATORS = "musecore_quant.calibrators"  # entry-point group: methods that need a model to calibrate
+
+
+def _calibrated_convert(args: argparse.Namespace) -> Any:
+    """``--method autoround``: tuning needs the model's own activations, which this model-agnostic
+    package cannot compute; a package that knows the model registers a calibrator under
+    ``musecore_quant.calibrators`` (musecore does: ``musecore.calibrate:cli_calibrator``)."""
+    from importlib.metadata import entry_points
+    found = [ep for ep in entry_points(group=CALIBRATORS) if ep.name == args.method]
+    if not found:
+        raise CheckpointError(f"--method {args.method} tunes weights on the model's own activations and needs a "
+                              f"calibrator plugin ({CALIBRATORS!r} entry point); install musecore with its "
+                              "[autoround] extra (pip install -e '.[autoround]'), which registers one")
+    if args.to != "int4":
+        raise CheckpointError(f"--method {args.method} produces INT4; use --to int4 (got --to {args.to})")
+    if args.calibration is None:
+        raise CheckpointError(f"--method {args.method} needs --calibration FILE (.txt, .jsonl or .i16 token ids)")
+    calibrate = found[0].load()
+    return calibrate(args.src, args.dst, calibration=args.calibration, progress=not args.no_progress,
+                     resume=not args.no_resume)
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert import CLI_DEFAULT_INCLUDE, DEFAULT_EXCLUDE, convert
     include = args.include if args.include else ([CLI_DEFAULT_INCLUDE] if args.to != "bf16" else None)
-    report = convert(args.src, args.dst, to=args.to, method=args.method,
-                     exclude=args.exclude if args.exclude is not None else DEFAULT_EXCLUDE, include=include,
-                     quantize_options=dict(_parse_option(o) for o in args.option), progress=not args.no_progress,
-                     resume=not args.no_resume,
-                     **({"max_shard_bytes": args.max_shard_bytes} if args.max_shard_bytes else {}))
+    if args.method != "rtn":
+        report = _calibrated_convert(args)
+    else:
+        report = convert(args.src, args.dst, to=args.to, method=args.method,
+                         exclude=args.exclude if args.exclude is not None else DEFAULT_EXCLUDE, include=include,
+                         quantize_options=dict(_parse_option(o) for o in args.option),
+                         progress=not args.no_progress, resume=not args.no_resume,
+                         **({"max_shard_bytes": args.max_shard_bytes} if args.max_shard_bytes else {}))
     if args.json:
         print(_dump(report.to_dict()))
         return EXIT_OK
@@ -278,7 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src")
     s.add_argument("dst")
     s.add_argument("--to", required=True, choices=TARGETS)
-    s.add_argument("--method", default="rtn", choices=METHODS)
+    s.add_argument("--method", default="rtn", choices=METHODS,
+                   help="rtn (round to nearest) or autoround (tuned per routed expert; needs --calibration and "
+                        "musecore's calibrator plugin)")
+    s.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                   help="calibration text for --method autoround: .txt, .jsonl ({'text': ...} per line) or .i16 ids")
     s.add_argument("--include", action="append", metavar="REGEX",
                    help=f"weights to quantize (default: routed experts, '{CLI_DEFAULT_INCLUDE}')")
     s.add_argument("--exclude", action="append", metavar="REGEX", help="weights never quantized "

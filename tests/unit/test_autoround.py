@@ -277,3 +277,31 @@ def test_options_reject_nonsense():
     with pytest.raises(ValueError, match="iters"):
         AutoRoundOptions(iters=0)
     assert AutoRoundOptions(nsamples=4, tokens_per_sample=8).max_tokens == 32
+
+
+def test_musecore_quant_convert_method_autoround_runs_through_musecores_calibrator(small, tmp_path, monkeypatch):
+    """`musecore-quant convert --method autoround` finds musecore's calibrator by entry point."""
+    needs_auto_round()
+    import functools
+
+    import musecore.calibrate as calibrate
+    from musecore_quant.cli import main as quant_main
+    folder, config, tensors, model, ids = small
+    ids.flatten().to(torch.int16).numpy().tofile(tmp_path / "calib.i16")
+    small_options = dict(tokens=ids.numel(), seq_len=40, layers=[2], iters=2, group_size=GROUP, nsamples=4,
+                         tokens_per_sample=8)  # the CLI's defaults are sized for real models: keep the test fast
+    monkeypatch.setattr(calibrate, "convert_autoround", functools.partial(calibrate.convert_autoround, **small_options))
+    dst = tmp_path / "int4-cli"
+    code = quant_main(["convert", str(folder), str(dst), "--to", "int4", "--method", "autoround",
+                       "--calibration", str(tmp_path / "calib.i16"), "--no-progress"])
+    assert code == 0
+    report = json.loads((dst / "conversion_report.json").read_text())
+    assert report["method"] == "autoround" and report["summary"]["actions"]["quantize"] == 3 * config.num_experts
+    assert (dst / calibrate.REPORT_FILE).is_file()
+
+
+def test_musecore_quant_autoround_without_calibration_is_a_one_line_error(small, tmp_path, capsys):
+    from musecore_quant.cli import main as quant_main
+    folder = small[0]
+    code = quant_main(["convert", str(folder), str(tmp_path / "x"), "--to", "int4", "--method", "autoround"])
+    assert code == 2 and "--calibration" in capsys.readouterr().err
