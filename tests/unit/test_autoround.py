@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import musecore
+from tests.conftest import nmse
 from musecore.autoround import PROJECTIONS, AutoRoundOptions, ExpertBlock, canonical_int4_from_autoround
 from musecore.calibrate import LayerwiseRun, calibration_windows, capture_routed_inputs
 from musecore.model import PREFIX
@@ -300,8 +301,31 @@ def test_musecore_quant_convert_method_autoround_runs_through_musecores_calibrat
     assert (dst / calibrate.REPORT_FILE).is_file()
 
 
+
 def test_musecore_quant_autoround_without_calibration_is_a_one_line_error(small, tmp_path, capsys):
     from musecore_quant.cli import main as quant_main
     folder = small[0]
     code = quant_main(["convert", str(folder), str(tmp_path / "x"), "--to", "int4", "--method", "autoround"])
     assert code == 2 and "--calibration" in capsys.readouterr().err
+
+
+def test_autoround_int4_checkpoint_generates_natively_on_the_xeon_backend(tmp_path):
+    """The AutoRound INT4 checkpoint (group 128, every quantized layer) runs through the xeon kernels."""
+    needs_auto_round()
+    from musecore.backends.registry import discover
+    from musecore.calibrate import convert_autoround
+    xeon = discover().get("xeon")
+    if xeon is None or not (xeon.loaded and xeon.probe.available and "xeon" in xeon.probe.devices):
+        pytest.skip(f"xeon backend not usable here: {xeon.error or xeon.probe.reason if xeon else 'not installed'}")
+    config = small_config(hidden_size=128, head_dim=32, moe_latent_size=128, moe_intermediate_size=128)
+    src = write_checkpoint(tmp_path / "bf16", config, random_tensors(config, seed=3, dtype=torch.bfloat16))
+    ids = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    convert_autoround(src, tmp_path / "int4", ids.flatten(), tokens=ids.numel(), seq_len=40, iters=2,
+                      nsamples=4, tokens_per_sample=8, progress=False)
+    native = musecore.load(tmp_path / "int4", device="xeon", progress=False)
+    emulated = musecore.load(tmp_path / "int4", device="xeon", emulate=True, progress=False)
+    assert native.backend.name == "xeon" and native.layers[1].mlp.experts.format == "int4"
+    assert not any(r.source != "int4" for r in native.conversion_report), "nothing should be requantized"
+    err = nmse(emulated.forward(ids[:1, :12]), native.forward(ids[:1, :12]))
+    assert err < 1e-2, f"AutoRound INT4 on the xeon backend vs its emulation: logits NMSE {err:.3e} (tolerance 1e-2)"
+    assert len(native.generate(ids[0, :12].tolist(), max_new_tokens=4)) == 4
