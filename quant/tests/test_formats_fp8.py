@@ -94,3 +94,20 @@ def test_dynamic_activation_fake_quant_keeps_dtype():
 def test_an_amax_whose_scale_underflows_fp32_gets_scale_one_not_zero():
     qt = fp8_quantize(torch.full((2, 2), 1e-45))
     assert qt.scale.item() == 1.0 and torch.isfinite(fp8_dequantize(qt)).all()
+
+
+def test_a_bf16_matrix_rounds_its_quotient_to_bf16_first_as_modelopt_export_does():
+    # amax 320 -> scale 5/7. Quotients 7.2625 and 6.7375 lie just off E4M3's midpoints 7.25 and
+    # 6.75; ModelOpt's bf16 weight / 0-dim fp32 scale is a bf16 quotient, which lands ON the
+    # midpoint, and the cast breaks that tie to even (7.0). One rounding goes the other way.
+    w = torch.tensor([[320.0, 5.1875, 4.8125, -5.1875]])
+    assert torch.equal(w.bfloat16().float(), w)
+    twice = fp8_quantize(w.bfloat16())
+    assert twice.scale.item() == torch.tensor(320.0 / 448.0).item()
+    assert twice.data.float().tolist() == [[448.0, 7.0, 7.0, -7.0]]
+    assert twice.data.view(torch.uint8).tolist() == [[0x7E, 0x4E, 0x4E, 0xCE]]
+    once = fp8_quantize(w)                                    # fp32 weight: one rounding
+    assert once.data.float().tolist() == [[448.0, 7.5, 6.5, -7.5]]
+    # Stacked experts and blocks divide by a dimensioned fp32 scale in ModelOpt: one rounding.
+    assert fp8_quantize(w.bfloat16().unsqueeze(0)).data.float().tolist() == [[[448.0, 7.5, 6.5, -7.5]]]
+    assert fp8_quantize(w.bfloat16(), block_size=4).data.float().tolist() == [[448.0, 7.5, 6.5, -7.5]]

@@ -171,3 +171,18 @@ def test_inconsistent_gptq_shapes_are_an_error():
     with pytest.raises(ValueError, match="inconsistent GPTQ shapes"):
         int4_from_gptq(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32),
                        torch.ones(1, 16, dtype=torch.float16))
+
+
+def test_asymmetric_bf16_scale_is_computed_in_bf16_as_autoround_does():
+    # AutoRound's quant_tensor_asym on a bf16 weight: (max - min) / 15 rounded to bf16, then fp16.
+    # 2 / 15 = 0.13333: bf16 0.1337890625 (exact in fp16), where fp16 of the fp32 quotient is
+    # 0.13330078125. The zero point follows: round(1 / 0.13379) = round(7.474) = 7, not round(7.502) = 8.
+    w = torch.tensor([[1.0, -1.0, 0.5, -0.25] + [0.0] * 12])
+    bf16 = int4_quantize(w.bfloat16(), group_size=16, sym=False)
+    assert bf16.scale.item() == 0.1337890625 and bf16.zero.item() == 7
+    assert unpack_nibbles(bf16.data)[0, :4].tolist() == [14, 0, 11, 5]
+    fp32 = int4_quantize(w, group_size=16, sym=False)
+    assert fp32.scale.item() == 0.13330078125 and fp32.zero.item() == 8
+    assert unpack_nibbles(fp32.data)[0, :4].tolist() == [15, 0, 12, 6]
+    # Symmetric scales are extreme / 8, exact in any dtype: bf16 and fp32 agree.
+    assert torch.equal(int4_quantize(w.bfloat16(), group_size=16).scale, int4_quantize(w, group_size=16).scale)

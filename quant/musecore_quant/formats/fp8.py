@@ -9,9 +9,20 @@ is a multiplier despite its name):
   ``group_size = block_size``; ragged edge blocks are allowed, as in DeepSeek-V3.
 
 The quotient is computed in fp32 and clamped to +-448 before the cast, always: older eager casts
-turn values >= 480 into NaN instead of saturating. (ModelOpt's export divides a bf16 weight by a
-0-dim fp32 scale, which PyTorch computes in bf16, rounding twice; for bf16 weights its FP8 bytes
-can therefore differ from these, which are the single rounding of the exact quotient.)
+turn values >= 480 into NaN instead of saturating.
+
+Per tensor, a single bf16 or fp16 matrix ``[out, in]`` is rounded twice, as ModelOpt's export
+does (``to_quantized_weight``: ``(weight / weight_scale).to(float8_e4m3fn)`` with a 0-dim fp32
+``weight_scale``). A 0-dim tensor does not promote a dimensioned one, so that quotient is the
+weight's dtype: PyTorch divides in fp32 and rounds the quotient to bf16/fp16 (nearest even), then
+the cast rounds that to E4M3. Double rounding can differ from one rounding: with amax 320 (scale
+5/7), the bf16 weight 5.1875 has quotient 7.2625, just above E4M3's midpoint 7.25 between 7.0 and
+7.5; bf16 rounds it to 7.25, a tie the cast sends to the even 7.0, where one rounding gives 7.5.
+Here the fp32 quotient is rounded to the weight's dtype before the E4M3 cast, so the bytes
+equal ModelOpt's for bf16, fp16 and fp32 weights (checked in tests/interop). Stacked experts
+``[E, out, in]`` are divided by a dimensioned scale there (fp32 result), so they, fp32 weights
+and the 128x128 blocks (``FP8QTensor.quantize``, fp32 scales) are one rounding of the fp32
+quotient.
 
 An all-zero tensor or block gets scale 1.0 rather than the producers' 0 (which divides 0 by 0).
 
@@ -36,7 +47,13 @@ FP8_PER_TENSOR = 0                  # QTensor.group_size of a per-tensor FP8 wei
 _LABEL = "FP8"
 
 
-def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
+def _to_e4m3(scaled: torch.Tensor, via: torch.dtype = torch.float32) -> torch.Tensor:
+    """E4M3 of the fp32 quotient ``scaled``, first rounded to ``via`` (ModelOpt's bf16/fp16 quotient).
+
+    448 is exact in bf16 and fp16, so clamping after that rounding saturates as before.
+    """
+    if via != torch.float32:
+        scaled = scaled.to(via)
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -77,9 +94,11 @@ def _quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = _scale_from_amax(torch.maximum(-low, high))                     # [...]
     rows = w.reshape(-1, in_features)                                        # [R, N]
     row_scale = scale.unsqueeze(-1).expand(*scale.shape, out_features).reshape(-1, 1)
+    # ModelOpt's quotient is in the weight's dtype for one bf16/fp16 matrix (0-dim scale), fp32 otherwise.
+    via = w.dtype if w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16) else torch.float32
     data = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=w.device)
     for chunk in row_chunks(rows.shape[0], in_features):
-        data[chunk] = _to_e4m3(rows[chunk].float() / row_scale[chunk])
+        data[chunk] = _to_e4m3(rows[chunk].float() / row_scale[chunk], via)
     return data.reshape(w.shape), scale
 
 

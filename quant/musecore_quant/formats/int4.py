@@ -5,7 +5,8 @@ fp16 ``[..., out, in/g]``, zeros uint8 ``[..., out, in/g]`` holding the true zer
 for symmetric (zero 8). Dequantization is ``(q - z) * scale``.
 
 Round-to-nearest follows AutoRound (the INT4 producer this project drives, and whose RTN output
-GPTQ kernels read), computed in fp32 with ``torch.round`` (half to even):
+GPTQ kernels read), with ``torch.round`` (half to even); divisions and rounding are fp32 except
+where noted:
 
 - symmetric, "full range": the group's extreme of larger magnitude (ties: the positive one) maps
   to ``q = 0``, i.e. ``-8``: ``scale = fp16(-extreme / 8)``, so the scale is NEGATIVE when the
@@ -13,13 +14,25 @@ GPTQ kernels read), computed in fp32 with ``torch.round`` (half to even):
   GPTQ's ``2*amax/15`` grid, and a negative scale must be kept: never ``abs()`` a scale.
 - asymmetric: with ``min <= 0 <= max`` of the group (so 0 is exact), ``scale = fp16((max-min)/15)``,
   ``zero = clamp(round(-min / scale), 0, 15)``, ``q = clamp(round(w / scale) + zero, 0, 15)``.
+  For bf16 and fp16 weights ``max - min`` and ``/ 15`` are each rounded to the weight's dtype
+  before the fp16 cast, as AutoRound computes them (below).
+- for fp16 weights the quotients ``w / scale`` and ``-min / scale`` are rounded to fp16 before
+  ``round`` (AutoRound's fp16 / fp16); for bf16 and fp32 weights they are fp32.
 - scale magnitudes are floored at 1e-5 (AutoRound's ``q_scale_thresh``), so an all-zero group is
   representable without dividing by zero.
 
-This equals AutoRound's ``quant_tensor_sym`` / ``quant_tensor_asym`` on fp32 weights (checked in
-tests/interop). AutoRound does its min/max arithmetic in the weight's dtype, so on bf16 weights
-its asymmetric scales can differ from these in the last fp16 bit; the symmetric ones cannot
-(dividing by 8 is exact).
+This equals AutoRound's ``quant_tensor_sym`` / ``quant_tensor_asym`` on fp32, bf16 and fp16
+weights (checked in tests/interop). Those functions compute in the weight's dtype, and PyTorch
+does each bf16/fp16 op in fp32 and rounds the result to that dtype, so for a bf16 weight
+``(wmax - wmin) / 15`` is rounded to bf16 twice before ``.to(float16)``: bf16 keeps 8
+significant bits and fp16 11, so the scale can sit several fp16 ulps (up to 8 seen) from the one
+rounding of the fp32 quotient, in about a quarter of the groups of a random bf16 weight. The zero
+point and codes divide the weight by the fp16 scale: bf16 / fp16 promotes to fp32, but fp16 /
+fp16 is rounded to fp16 before ``round``, and that is reproduced too. The symmetric scale needs
+no such care (``extreme / 8`` is exact). This is the path AutoRound's model-based RTN takes
+(``WrapperLinear`` with ``iters=0`` calls ``quant_tensor_asym`` on the layer's bf16 weight);
+its ``ModelFreeCompressor`` (``quantize_weight_rtn``) casts each weight to fp32 first, so for
+bf16 checkpoints its asymmetric scales are ``int4_quantize(w.float(), sym=False)``'s.
 
 Producers store other layouts; conversions are pure functions here (FORMATS.md):
 
@@ -84,15 +97,28 @@ def int4_quantize(w: torch.Tensor, group_size: int = 128, sym: bool = True) -> Q
     scale = torch.empty(rows.shape[0], in_features // g, dtype=torch.float16, device=w.device)
     zero = torch.empty(rows.shape[0], in_features // g, dtype=torch.uint8, device=w.device)
     for chunk in row_chunks(rows.shape[0], in_features):
-        codes, scale[chunk], zero[chunk] = _round_to_nearest(rows[chunk].float(), g, sym)
+        codes, scale[chunk], zero[chunk] = _round_to_nearest(rows[chunk].float(), g, sym, w.dtype)
         data[chunk] = pack_nibbles(codes)
     lead = w.shape[:-1]
     return QTensor(format="int4", data=data.reshape(*lead, -1), scale=scale.reshape(*lead, -1),
                    shape=tuple(w.shape), group_size=g, zero=None if sym else zero.reshape(*lead, -1))
 
 
-def _round_to_nearest(rows: torch.Tensor, g: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes ``[R, K]`` uint8, fp16 scales and uint8 zeros ``[R, K/g]`` of fp32 ``rows`` (AutoRound RTN)."""
+def _round_to_nearest(rows: torch.Tensor, g: int, sym: bool,
+                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``[R, K]`` uint8, fp16 scales and uint8 zeros ``[R, K/g]`` of fp32 ``rows`` (AutoRound RTN).
+
+    ``dtype`` is the weight's own dtype, in which AutoRound computes: each bf16/fp16 operation is
+    the fp32 result rounded to that dtype, reproduced here by rounding the fp32 result with
+    ``.to(dtype)`` (a no-op for fp32 weights).
+    """
+    via = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    # AutoRound divides the weight by the fp16 scale: bf16 / fp16 promotes to fp32, fp16 / fp16 stays fp16.
+    quotient_dtype = torch.promote_types(via, torch.float16)
+
+    def quotient(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (x / scale.float()).to(quotient_dtype).float()
+
     groups = rows.unflatten(-1, (-1, g))                                    # [R, K/g, g]
     group_min = groups.amin(dim=-1).clamp(max=0)
     group_max = groups.amax(dim=-1).clamp(min=0)
@@ -103,9 +129,11 @@ def _round_to_nearest(rows: torch.Tensor, g: int, sym: bool) -> tuple[torch.Tens
         scale = torch.where(scale < 0, scale.clamp(max=-Q_SCALE_THRESHOLD), scale.clamp(min=Q_SCALE_THRESHOLD))
         zero = torch.full_like(scale, INT4_SYMMETRIC_ZERO, dtype=torch.float32)
     else:
-        scale = divide(group_max - group_min, INT4_MAX_CODE).to(torch.float16).clamp(min=Q_SCALE_THRESHOLD)
-        zero = torch.round(-group_min / scale.float()).clamp(0, INT4_MAX_CODE)
-    q = torch.round(groups / scale.float().unsqueeze(-1)) + zero.unsqueeze(-1)
+        # AutoRound: ((wmax - wmin) / 15).to(float16), both ops in the weight's dtype.
+        span = (group_max - group_min).to(via).float()
+        scale = divide(span, INT4_MAX_CODE).to(via).to(torch.float16).clamp(min=Q_SCALE_THRESHOLD)
+        zero = torch.round(quotient(-group_min, scale)).clamp(0, INT4_MAX_CODE)
+    q = torch.round(quotient(groups, scale.unsqueeze(-1))) + zero.unsqueeze(-1)
     codes = q.clamp(0, INT4_MAX_CODE).to(torch.uint8).flatten(-2)
     return codes, scale, zero.to(torch.uint8)
 
