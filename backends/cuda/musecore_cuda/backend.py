@@ -9,7 +9,8 @@ What is native here, and why (``supports`` answers from this table, never optimi
   here, so it is ``no``: a caller wanting those numerics should use the reference backend's
   emulation, not a silent slow path here.
 * BF16/FP16/FP32 weights: cuBLAS through ``torch.nn.functional.linear``.
-* INT4 and FP8 weights: not implemented (``no``).
+* FP8 (per-tensor, ModelOpt layout) weights: W8A8 through ``torch._scaled_mm``; INT4 and block-scaled
+  FP8: not implemented (``no``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from musecore_cuda.kernels import attention as _attention
 from musecore_cuda.kernels import norms as _norms
 from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_cuda.kernels.moe import moe_forward
+from musecore_cuda.fp8 import Fp8Resident, fp8_linear, prepare_fp8
 from musecore_cuda.layouts import Fp4Resident, prepare_fp4
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
@@ -134,6 +136,14 @@ class CudaBackend(Backend):
 
     def _supports_matmul(self, op: str, spec: OpSpec, sm: int, unverified: str) -> Support:
         fmt, act = spec.weight_format, spec.act_format
+        if fmt == "fp8":
+            if op != "linear" or act != "fp8":
+                return Support.no("FP8 weights run as W8A8 linear only (FP8 activations, torch._scaled_mm); "
+                                  f"got {op} with {act or '16-bit'} activations")
+            if sm < 9:
+                return Support.no(f"FP8 tensor cores need SM89+; this is SM{sm}0")
+            return Support.emulated(unverified) if unverified else Support.native(
+                "W8A8: per-tensor FP8 weights and activations through cuBLASLt (torch._scaled_mm)")
         if act in FP4_FORMATS:
             return Support.no(f"W4A4 ({act} activations) needs FP4 tensor cores: SM90 has none and no SM100 "
                               "FP4 kernel is implemented here; use the reference backend's emulation")
@@ -155,6 +165,11 @@ class CudaBackend(Backend):
     def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
                        dtype: torch.dtype = torch.bfloat16) -> Weight:
         fmt = _format_of(weight)
+        if fmt == "fp8" and act_format == "fp8":
+            resident = prepare_fp8(weight, self.device)
+            return Weight(data=resident, format="fp8", out_features=resident.out_features,
+                          in_features=resident.in_features, act_format="fp8",
+                          input_scale=getattr(weight, "input_scale", None))
         if act_format is not None:
             raise NotImplementedError(f"{role}: activation format {act_format!r} is not supported by the CUDA "
                                       "backend (W4A4 needs FP4 tensor cores); see supports()")
@@ -197,6 +212,8 @@ class CudaBackend(Backend):
 
     # --- ops -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        if isinstance(w.data, Fp8Resident):
+            return fp8_linear(x, w.data, w.input_scale)
         if w.act_format is not None:
             raise NotImplementedError(f"linear: activation format {w.act_format!r} is not supported (see supports())")
         if isinstance(w.data, Fp4Resident):
