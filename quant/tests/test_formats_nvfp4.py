@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from formats_md_vectors import FORMATS_MD_ROW
 from musecore_quant.formats.nvfp4 import (nvfp4_dequantize, nvfp4_fake_quantize_activation, nvfp4_global_amax,
                                           nvfp4_input_scale, nvfp4_quantize, nvfp4_shared_global_amax)
 
@@ -14,11 +15,6 @@ from musecore_quant.formats.nvfp4 import (nvfp4_dequantize, nvfp4_fake_quantize_
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)  # fixed data; the assertions hold for any seed, a failure must reproduce
-
-
-B0 = [0.5, -0.25, 0.125, 0.3, -0.0625, 0.0, 0.01, -0.49] + [0.2] * 8
-B1 = [0.1, -0.05, 0.025, 0.0125, 0.07, -0.09, 0.0, 0.03] + [0.04] * 8
-FORMATS_MD_ROW = torch.tensor([B0 + B1], dtype=torch.float32)
 
 
 def test_formats_md_modelopt_vector_is_reproduced_byte_for_byte():

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from formats_md_vectors import FORMATS_MD_ROW
 from musecore_quant.formats.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from musecore_quant.formats.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from musecore_quant.formats.requant import (nvfp4_exact_weight_scale_2, requantize_mxfp4_to_nvfp4,
@@ -13,11 +14,6 @@ from musecore_quant.metrics import quant_error
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)  # fixed data; the assertions hold for any seed, a failure must reproduce
-
-
-B0 = [0.5, -0.25, 0.125, 0.3, -0.0625, 0.0, 0.01, -0.49] + [0.2] * 8
-B1 = [0.1, -0.05, 0.025, 0.0125, 0.07, -0.09, 0.0, 0.03] + [0.04] * 8
-FORMATS_MD_ROW = torch.tensor([B0 + B1], dtype=torch.float32)
 
 
 def test_formats_md_rmse_row_nvfp4_requantized_and_straight_mxfp4():
