@@ -22,7 +22,7 @@ from musecore.devices import CATALOG
 from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes
 from musecore.ops import Ops
-from musecore.plan import DENSE, QUANTIZED, REFERENCE, CheckpointSummary, Plan, PlanError, make_plan
+from musecore.planning import DENSE, QUANTIZED, REFERENCE, CheckpointSummary, Plan, PlanError, make_plan
 
 BUNDLED = Path(__file__).parent / "data"
 TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "xla", "xeon": "cpu", REFERENCE: "cpu"}
@@ -146,7 +146,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
 
     ``device`` is a catalog name (``musecore devices``), ``auto`` or a torch device string.
     ``emulate=True`` runs the named device's numerics (weight conversion, activation quantization)
-    on the local reference kernels. Raises :class:`~musecore.plan.PlanError` listing every gap.
+    on the local reference kernels. Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16
     summary, reader = summarize(model)

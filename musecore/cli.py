@@ -1,13 +1,15 @@
 """The ``musecore`` command line: one subcommand per module in ``musecore/commands/``.
 
 Each command module defines ``add_parser(subparsers)`` and ``run(args) -> int``. Read commands
-take ``--json``; errors a user can fix print one line (no traceback) and exit 2.
+take ``--json``; errors a user can fix print one line (no traceback) and exit 2
+(``MUSECORE_DEBUG=1`` shows the traceback instead).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -32,6 +34,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.run(args) or 0)
     except (UsageError, FileNotFoundError, ValueError) as e:
+        if os.environ.get("MUSECORE_DEBUG"):  # the full traceback, for bug reports
+            raise
         print(f"musecore {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

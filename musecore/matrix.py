@@ -338,7 +338,7 @@ def measure_row(spec: RowSpec, mode: str, cache: CheckpointCache, batches: list,
                 bf16_perplexity: float) -> MatrixRow:
     """Load ``spec``'s checkpoint on its device (emulated or native) and measure it against ``baseline``."""
     import musecore
-    from musecore.plan import PlanError
+    from musecore.planning import PlanError
 
     started = time.perf_counter()
     row = _row(spec, mode, note=spec.explanation)

@@ -9,7 +9,7 @@ import musecore
 from musecore.api import plan
 from musecore.cli import main
 from musecore.devices import CATALOG
-from musecore.plan import PlanError
+from musecore.planning import PlanError
 from tests.helpers import random_tensors, small_config, write_checkpoint
 
 
@@ -41,7 +41,7 @@ def test_emulated_plan_has_no_gaps_and_applies_the_device_conversion(bf16_checkp
 
 
 def test_816b_preset_on_one_h200_does_not_fit_and_says_how_many_devices():
-    p = plan("muse-spark-open-816b-a42b", "h200", emulate=True, checkpoint_format="nvfp4")
+    p = musecore.plan("muse-spark-open-816b-a42b", "h200", emulate=True, checkpoint_format="nvfp4")
     assert not p.fits and p.devices_needed == 4, (p.memory_bytes / 2**30, p.devices_needed)
     assert "needs 4 devices" in str(p)
     bf16 = plan("muse-spark-open-816b-a42b", "h200", emulate=True)

@@ -107,7 +107,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        from musecore.plan_render import render_text
+        from musecore.planning_render import render_text
         return render_text(self)
 
 

@@ -1,4 +1,4 @@
-"""Printing a :class:`~musecore.plan.Plan` as tables (rich), for ``print(model.plan)`` and the CLI."""
+"""Printing a :class:`~musecore.planning.Plan` as tables (rich), for ``print(model.plan)`` and the CLI."""
 
 from __future__ import annotations
 
