@@ -59,11 +59,19 @@ def test_sm100_fp4_is_not_claimed_native_before_it_ran_there(on_sm):
     assert be.supports("moe", OpSpec("moe", weight_format="mxfp4", act_format="mxfp4")).tier is Tier.NO
 
 
-def test_int4_and_fp8_weights_are_refused_with_a_reason(on_sm):
+def test_int4_weights_and_weight_only_fp8_are_refused_with_a_reason(on_sm):
     be = on_sm(9)
-    for fmt in ("int4", "fp8"):
-        support = be.supports("linear", OpSpec("linear", weight_format=fmt))
-        assert support.tier is Tier.NO and fmt in support.reason
+    support = be.supports("linear", OpSpec("linear", weight_format="int4"))
+    assert support.tier is Tier.NO and "int4" in support.reason
+    support = be.supports("linear", OpSpec("linear", weight_format="fp8"))  # 16-bit activations
+    assert support.tier is Tier.NO and "W8A8" in support.reason, support.reason
+    support = be.supports("moe", OpSpec("moe", weight_format="fp8", act_format="fp8"))
+    assert support.tier is Tier.NO and "linear only" in support.reason, support.reason
+
+
+def test_fp8_w8a8_linear_is_native_on_sm90_only_with_fp8_activations(on_sm):
+    support = on_sm(9).supports("linear", OpSpec("linear", weight_format="fp8", act_format="fp8"))
+    assert support.tier is Tier.NATIVE and "_scaled_mm" in support.reason, support.reason
 
 
 def test_without_a_device_nothing_is_supported(on_sm):
