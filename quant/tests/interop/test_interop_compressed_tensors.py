@@ -11,7 +11,7 @@ RNE ``cast_to_fp4``) and ``pack_fp4_to_uint8``.
 What matches exactly, on ordinary weights: the E4M3 block-scale bytes, the nibble packing and
 element rounding (RNE, same sign rule), and ``1 / weight_global_scale`` is our ``weight_scale_2``
 within one fp32 ulp (their ``448 * 6 / amax`` is evaluated by torch as ``2688 * fp32(1 / amax)``;
-bit-equal on four of the five tensors here). Our reader turns their tensors
+not always bit-equal to ``amax / 2688``). Our reader turns their tensors
 into the QTensor whose bf16 dequantization equals their ``decompress`` bit for bit.
 
 Differences by design, pinned below (neither violates FORMATS.md, whose NVFP4 rule is ModelOpt's):
