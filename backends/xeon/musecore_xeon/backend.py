@@ -178,7 +178,7 @@ class XeonBackend(Backend):
             first = resident[0]
             calibration = int4_crossover(first.in_features, first.out_features, first.group_size, self.dense_dtype)
             for lin in resident:
-                lin.calibration, lin.crossover = calibration, calibration.crossover
+                lin.set_crossover(calibration.crossover, calibration)
         return gate_up, downs
 
     # -- ops -----------------------------------------------------------------------------------------

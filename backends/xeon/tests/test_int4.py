@@ -123,3 +123,33 @@ def test_unsupported_int4_shapes_and_formats_raise_with_advice(xeon: XeonBackend
     with pytest.raises(ValueError, match="weight-only"):
         xeon.prepare_weight(random_int4(128, 256, negative_scales=False, asymmetric=False), "linear",
                             act_format="nvfp4")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_dense_copy_dequantizes_exactly_like_the_int4pack_path(shape, group_size) -> None:
+    """The dense path's split-K copy + fp32 scale/offset gives bit-identical weights to unpacking the
+    kernel's own packing with its bf16 scales/zeros (negative scales, asymmetric zeros, padded rows)."""
+    if shape[1] % group_size:
+        pytest.skip("in_features not a multiple of the group size")
+    for negative_scales, asymmetric in [(True, True), (True, False), (False, True)]:
+        qt = random_int4(*shape, group_size, negative_scales=negative_scales, asymmetric=asymmetric)
+        lin = prepare_int4(qt, torch.float32, calibrate=False)
+        assert lin.dense_codes is not None and lin.dense_nbytes > 0
+        from_copy, from_int4pack = lin.dequantize(), lin.dequantize_int4pack()
+        assert from_copy.shape == from_int4pack.shape == shape
+        assert torch.equal(from_copy, from_int4pack), f"{shape} g={group_size} neg={negative_scales} asym={asymmetric}"
+        # the copy rebuilt from the packing (after being dropped) is the same copy
+        codes = lin.dense_codes.clone()
+        lin.drop_dense_copy()
+        lin.keep_dense_copy()
+        assert torch.equal(lin.dense_codes, codes)
+
+
+def test_dense_copy_is_kept_only_when_the_dense_path_can_run() -> None:
+    qt = random_int4(256, 512, negative_scales=True, asymmetric=False)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    lin.set_crossover(None)
+    assert lin.dense_codes is None and lin.dense_nbytes == 0
+    lin.set_crossover(32)
+    assert lin.dense_codes is not None and lin.dense_nbytes >= 256 * 512 // 2

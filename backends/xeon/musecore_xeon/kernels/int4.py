@@ -8,7 +8,10 @@ negative ones. Only BF16 activations take the kernel's vectorised path, so activ
 BF16 and scales/zeros stored in BF16 (the kernel requires the activation dtype there).
 
 Above a measured crossover M the kernel is compute-bound; there the weight is dequantized a tile at a
-time from the same packed bytes (no second copy of the weight is kept) and multiplied by a dense GEMM.
+time and multiplied by a dense GEMM. PyTorch's packing interleaves rows K-major and costs ~6x a BF16
+tile upcast to unpack, so weights that take the dense path at some M keep a second, unpack-friendly
+copy of the codes (+0.5 byte/weight, see :func:`split_k_halves`) and fp32 per-group scales/offsets;
+weights whose crossover is None (the kernel wins at every M <= 256) drop it.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from typing import Optional
 import torch
 
 from musecore_quant.qtensor import QTensor
-from musecore_xeon.kernels.crossover import (INT4_CROSSOVER_ENV, PROXY_MAX_ROWS, CrossoverCalibration,
+from musecore_xeon.kernels.crossover import (CALIBRATION_MS, INT4_CROSSOVER_ENV, PROXY_MAX_ROWS, CrossoverCalibration,
                                              cached_crossover, measure_crossover)
 from musecore_xeon.kernels.dense import restore_shape, tile_rows_for, tiled_matmul
 
 KERNEL_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 PACK_ROWS = 64  # the largest packing block (AVX-512); rows are padded to it so every block is full
 LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F  # the low nibble of each byte of an int64 word
+DENSE_COPY_MAX_M = max(CALIBRATION_MS)  # a crossover above this M never uses the dense copy in the measured range
 
 
 @functools.cache
@@ -56,6 +60,30 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
     return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).to(torch.int32)
 
 
+def split_k_halves(codes: torch.Tensor) -> torch.Tensor:
+    """int codes ``[N, K]`` -> uint8 ``[N, K/2]``: low nibble = column k, high nibble = column k + K/2.
+
+    The dense-tile path's copy of the codes. Unpacking it is two contiguous half-row writes per
+    nibble (``& 0xF`` and ``>> 4`` into the two halves of each row, converted to the GEMM dtype on
+    the way), where the canonical layout (even/odd k in one byte) or the kernel's packing would need
+    strided or transposed writes.
+    """
+    half = codes.shape[1] // 2
+    return (codes[:, :half] | (codes[:, half:] << 4)).to(torch.uint8)
+
+
+def dense_scales_and_offsets(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 ``[K/g, N, 2]`` kernel scales/zeros -> fp32 ``scale [N, K/g, 1]`` and ``offset [N, K/g]``.
+
+    ``w = q * scale + offset`` with ``offset = zero - 8 * scale`` equals the kernel's
+    ``(q - 8) * scale + zero``: ``q * scale`` is exact in fp32 (4-bit times 8-bit mantissas) and
+    ``offset`` is an exact difference of two bf16 values, so both round the same real number once.
+    """
+    sz = scales_and_zeros.float()
+    scale, zero = sz[..., 0], sz[..., 1]
+    return scale.T.contiguous().unsqueeze(-1), (zero - 8.0 * scale).T.contiguous()
+
+
 def kernel_scales_and_zeros(scale: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Tensor:
     """fp16 ``scale [N, K/g]`` and true ``zero [N, K/g]`` (None = 8) -> bf16 ``[K/g, N, 2]`` for the kernel."""
     s = scale.float()
@@ -80,6 +108,10 @@ class Int4Linear:
     dense_dtype: torch.dtype = torch.float32
     crossover: Optional[int] = None
     calibration: Optional[CrossoverCalibration] = None
+    # The dense-tile path's own copy (None until needed, dropped when the crossover is None):
+    dense_codes: Optional[torch.Tensor] = None    # uint8 [N_padded, K/2], see split_k_halves
+    dense_scale: Optional[torch.Tensor] = None    # fp32 [N_padded, K/g, 1]
+    dense_offset: Optional[torch.Tensor] = None   # fp32 [N_padded, K/g]: w = q * scale + offset
 
     @property
     def padded_out_features(self) -> int:
@@ -91,7 +123,33 @@ class Int4Linear:
 
     @property
     def nbytes(self) -> int:
+        """Resident bytes of the kernel's copy (what a decode step streams)."""
         return self.packed.numel() + self.scales_and_zeros.numel() * 2
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Extra resident bytes of the dense-tile copy (0 when it is not kept)."""
+        return sum(t.numel() * t.element_size() for t in (self.dense_codes, self.dense_scale, self.dense_offset)
+                   if t is not None)
+
+    def keep_dense_copy(self) -> None:
+        """Build the dense-tile copy from the kernel's packing (no-op when it exists)."""
+        if self.dense_codes is None:
+            codes = self.int4pack_codes_t(0, self.padded_out_features).T  # [N, K] uint8
+            self.dense_codes = split_k_halves(codes)
+        if self.dense_scale is None:
+            self.dense_scale, self.dense_offset = dense_scales_and_offsets(self.scales_and_zeros)
+
+    def drop_dense_copy(self) -> None:
+        self.dense_codes = self.dense_scale = self.dense_offset = None
+
+    def set_crossover(self, crossover: Optional[int], calibration: Optional[CrossoverCalibration] = None) -> None:
+        """Use the dense path from ``crossover`` on; keep its copy only when it can be used."""
+        self.crossover, self.calibration = crossover, calibration
+        if crossover is None or crossover > DENSE_COPY_MAX_M:
+            self.drop_dense_copy()
+        else:
+            self.keep_dense_copy()
 
     def uses_dense_tiles(self, m: int) -> bool:
         return self.crossover is not None and m >= self.crossover
@@ -104,44 +162,80 @@ class Int4Linear:
                                                        self.group_size, self.scales_and_zeros)
         return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
 
-    def dequantized_tile_t(self, n0: int, n1: int, dtype: torch.dtype,
-                           workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``W[n0:n1].T`` as ``[K, n1-n0]`` in ``dtype``, unpacked from the kernel's packing.
+    def int4pack_codes_t(self, n0: int, n1: int) -> torch.Tensor:
+        """Codes ``[K, n1-n0]`` (uint8, view of a fresh buffer) unpacked from the kernel's packing.
 
-        Uses the very scales/zeros the kernel reads, so both paths compute the same weight values.
-        The nibbles are split and transposed as int64 words (8 codes at a time): byte-wise, the
-        packing's 16-row half-blocks make PyTorch copy 16-byte runs (measured on a 256x8192 tile,
-        1 thread: split + transpose 1.8 ms as bytes, 0.7 ms as words).
-        ``workspace`` (at least ``K * (n1-n0)`` elements of ``dtype``) is reused across tiles: a
-        fresh multi-MiB buffer per tile costs page faults on every call.
+        Only used to build the dense copy and as the reference it is tested against. The nibbles are
+        split and transposed as int64 words (8 codes at a time): byte-wise, the packing's 16-row
+        half-blocks make PyTorch copy 16-byte runs.
         """
-        block_n, k, g = int4pack_block_n(), self.in_features, self.group_size
+        block_n, k = int4pack_block_n(), self.in_features
         rows, words = n1 - n0, block_n // 16  # int64 words per half-block of packed bytes
         packed = self.packed[n0:n1].reshape(-1).view(torch.int64).view(rows // block_n, k, words)
         codes = torch.empty(k, rows // block_n, 2 * words, dtype=torch.int64)  # bytes [K, nb, BLOCK_N]
         codes[:, :, :words].copy_((packed & LOW_NIBBLES).transpose(0, 1))         # rows d
         codes[:, :, words:].copy_(((packed >> 4) & LOW_NIBBLES).transpose(0, 1))  # rows d + BLOCK_N/2
-        buffer = workspace[: k * rows] if workspace is not None else torch.empty(k * rows, dtype=dtype)
-        w_t = buffer.view(k, rows)
-        w_t.copy_(codes.view(torch.uint8).view(k, rows))
-        sz = self.scales_and_zeros[:, n0:n1].to(dtype)  # [K/g, rows, 2]
-        # contiguous [K/g, rows]: a strided (every other element) broadcast operand slows mul_/add_ down
-        scale = sz[..., 0].contiguous()
-        zero = sz[..., 1] - 8.0 * scale  # (q-8)s + z0 = q*s + (z0 - 8s)
-        w_t.view(k // g, g, rows).mul_(scale[:, None, :]).add_(zero[:, None, :])
-        return w_t
+        return codes.view(torch.uint8).view(k, rows)
+
+    def scaled_codes_tile(self, n0: int, n1: int, workspace: torch.Tensor, scratch: torch.Tensor,
+                          with_offset: bool) -> torch.Tensor:
+        """``q * scale`` (+ ``offset`` if ``with_offset``) of rows ``n0:n1`` as ``[n1-n0, K]`` in
+        ``workspace``'s dtype, from the dense copy: four vectorised passes, the fp32 write done once.
+
+        ``workspace`` (>= ``(n1-n0) * K`` elements) and ``scratch`` (uint8, >= ``(n1-n0) * K/2``)
+        are reused across tiles: a fresh multi-MiB buffer per tile costs page faults on every call.
+        """
+        k, g = self.in_features, self.group_size
+        rows, half = n1 - n0, k // 2
+        codes = self.dense_codes[n0:n1]
+        nibbles = scratch[: rows * half].view(rows, half)
+        tile = workspace[: rows * k].view(rows, k)
+        torch.bitwise_and(codes, 0xF, out=nibbles)
+        tile[:, :half].copy_(nibbles)
+        torch.bitwise_right_shift(codes, 4, out=nibbles)
+        tile[:, half:].copy_(nibbles)
+        groups = tile.view(rows, k // g, g)
+        groups.mul_(self.dense_scale[n0:n1].to(tile.dtype))
+        if with_offset:
+            groups.add_(self.dense_offset[n0:n1, :, None].to(tile.dtype))
+        return tile
 
     def run_tiles(self, x2d: torch.Tensor) -> torch.Tensor:
-        """Dense GEMM on tiles dequantized one at a time into one reused buffer (the compute-bound path)."""
-        tile_rows = self.tile_rows
-        workspace = torch.empty(self.in_features * tile_rows, dtype=self.dense_dtype)
-        y = tiled_matmul(x2d.to(self.dense_dtype), self.padded_out_features, tile_rows,
-                         lambda n0, n1: self.dequantized_tile_t(n0, n1, self.dense_dtype, workspace))
+        """Dense GEMM on tiles dequantized one at a time into one reused buffer (the compute-bound path).
+
+        In fp32 the per-group offsets are not added to the tiles (a full pass over each tile) but once
+        to the output: ``x @ (q*s + o).T = x @ (q*s).T + xsum_g @ o.T`` with ``xsum_g`` the activation
+        sums over each group (a ``[M, K/g] x [K/g, N]`` GEMM).
+        """
+        self.keep_dense_copy()
+        k, g, tile_rows = self.in_features, self.group_size, self.tile_rows
+        fold_offset = self.dense_dtype == torch.float32
+        workspace = torch.empty(k * tile_rows, dtype=self.dense_dtype)
+        scratch = torch.empty(k // 2 * tile_rows, dtype=torch.uint8)
+        x = x2d.to(self.dense_dtype)
+        y = tiled_matmul(x, self.padded_out_features, tile_rows,
+                         lambda n0, n1: self.scaled_codes_tile(n0, n1, workspace, scratch, not fold_offset).T)
+        if fold_offset:
+            y.addmm_(x.view(x.shape[0], k // g, g).sum(-1), self.dense_offset.T)
         return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole weight ``[N, K]`` as the kernel sees it (tests and debugging)."""
-        return self.dequantized_tile_t(0, self.padded_out_features, dtype)[:, :self.out_features].T.contiguous()
+        """The whole weight ``[N, K]`` from the dense copy, as the dense path sees it (tests, debugging)."""
+        self.keep_dense_copy()
+        n, k = self.padded_out_features, self.in_features
+        w = self.scaled_codes_tile(0, n, torch.empty(n * k, dtype=dtype), torch.empty(n * k // 2, dtype=torch.uint8),
+                                   with_offset=True)
+        return w[:self.out_features]
+
+    def dequantize_int4pack(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight ``[N, K]`` from the kernel's packing and scales (the reference for the copy)."""
+        n, k, g = self.padded_out_features, self.in_features, self.group_size
+        q = self.int4pack_codes_t(0, n).T.to(dtype)  # [N, K]
+        sz = self.scales_and_zeros.to(dtype)  # [K/g, N, 2]
+        scale = sz[..., 0].T.contiguous()
+        offset = (sz[..., 1] - 8.0 * sz[..., 0]).T.contiguous()
+        w = q.view(n, k // g, g).mul_(scale[..., None]).add_(offset[..., None]).view(n, k)
+        return w[:self.out_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -159,8 +253,12 @@ def check_int4_shape(in_features: int, group_size: int) -> None:
 
 
 def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], group_size: int,
-              dense_dtype: torch.dtype) -> Int4Linear:
-    """Canonical INT4 tensors of one weight (``data [N, K/2]``, ``scale``/``zero [N, K/g]``) -> resident."""
+              dense_dtype: torch.dtype, keep_dense_copy: bool = True) -> Int4Linear:
+    """Canonical INT4 tensors of one weight (``data [N, K/2]``, ``scale``/``zero [N, K/g]``) -> resident.
+
+    ``keep_dense_copy``: also build the dense-tile copy (dropped later by
+    :meth:`Int4Linear.set_crossover` when the measured crossover is None).
+    """
     n, k = data.shape[0], data.shape[1] * 2
     check_int4_shape(k, group_size)
     codes, sz = unpack_codes(data), kernel_scales_and_zeros(scale, zero)
@@ -169,7 +267,11 @@ def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tens
         codes = torch.cat((codes, torch.full((pad, k), 8, dtype=torch.int32)))
         sz = torch.cat((sz, torch.zeros(sz.shape[0], pad, 2, dtype=sz.dtype)), dim=1)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    return Int4Linear(packed, sz, group_size, n, k, dense_dtype)
+    lin = Int4Linear(packed, sz, group_size, n, k, dense_dtype)
+    if keep_dense_copy:
+        lin.dense_codes = split_k_halves(codes)
+        lin.dense_scale, lin.dense_offset = dense_scales_and_offsets(sz)
+    return lin
 
 
 def int4_crossover(in_features: int, out_features: int, group_size: int,
@@ -203,6 +305,6 @@ def prepare_int4(qt: QTensor, dense_dtype: torch.dtype, *, calibrate: bool = Tru
                          "(stacked experts go through prepare_experts)")
     resident = pack_int4(qt.data, qt.scale, qt.zero, qt.group_size, dense_dtype)
     if calibrate:
-        resident.calibration = int4_crossover(resident.in_features, resident.out_features, qt.group_size, dense_dtype)
-        resident.crossover = resident.calibration.crossover
+        calibration = int4_crossover(resident.in_features, resident.out_features, qt.group_size, dense_dtype)
+        resident.set_crossover(calibration.crossover, calibration)
     return resident
