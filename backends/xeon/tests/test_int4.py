@@ -14,6 +14,7 @@ from musecore.ops import reference as ref
 from musecore.ops import tolerance
 from musecore_quant.qtensor import QTensor
 from musecore_xeon import XeonBackend
+from musecore_xeon.kernels import native
 from musecore_xeon.kernels.crossover import INT4_CROSSOVER_ENV, measure_crossover, pick_crossover
 from musecore_xeon.kernels.int4 import Int4Linear, int4_crossover, int4pack_block_n, prepare_int4
 
@@ -125,9 +126,19 @@ def test_unsupported_int4_shapes_and_formats_raise_with_advice(xeon: XeonBackend
                             act_format="nvfp4")
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.fixture(params=["native", "torch-ops"])
+def dequantizer(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both tile dequantizers: the one-pass C loop (skipped without a compiler) and PyTorch ops."""
+    if request.param == "native" and not native.available():
+        pytest.skip("no C compiler: the native dequantizer is not built")
+    if request.param == "torch-ops":
+        monkeypatch.setattr(native, "available", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(64, 384), (130, 96)])  # K/2 not a multiple of the group
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_dense_copy_dequantizes_exactly_like_the_int4pack_path(shape, group_size) -> None:
+def test_dense_copy_dequantizes_exactly_like_the_int4pack_path(shape, group_size, dequantizer) -> None:
     """The dense path's split-K copy + fp32 scale/offset gives bit-identical weights to unpacking the
     kernel's own packing with its bf16 scales/zeros (negative scales, asymmetric zeros, padded rows)."""
     if shape[1] % group_size:
@@ -153,3 +164,13 @@ def test_dense_copy_is_kept_only_when_the_dense_path_can_run() -> None:
     assert lin.dense_codes is None and lin.dense_nbytes == 0
     lin.set_crossover(32)
     assert lin.dense_codes is not None and lin.dense_nbytes >= 256 * 512 // 2
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (96, 384), (600, 4096)])  # 600 x 4096: two tiles, the second partial
+def test_dense_tiles_match_the_kernel_with_either_dequantizer(shape, dequantizer) -> None:
+    qt = random_int4(*shape, 32, negative_scales=True, asymmetric=True)
+    lin = both_paths(prepare_int4(qt, torch.float32, calibrate=False), crossover=1)
+    for m in (1, 5, 64):
+        x = torch.randn(m, shape[1], dtype=torch.bfloat16)
+        assert_nmse(lin.run_kernel(x).float(), lin(x).float(), 1e-5, f"{shape} M={m} {dequantizer}")
+        assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"{shape} M={m} {dequantizer}")

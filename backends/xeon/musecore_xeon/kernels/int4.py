@@ -11,7 +11,8 @@ Above a measured crossover M the kernel is compute-bound; there the weight is de
 time and multiplied by a dense GEMM. PyTorch's packing interleaves rows K-major and costs ~6x a BF16
 tile upcast to unpack, so weights that take the dense path at some M keep a second, unpack-friendly
 copy of the codes (+0.5 byte/weight, see :func:`split_k_halves`) and fp32 per-group scales/offsets;
-weights whose crossover is None (the kernel wins at every M <= 256) drop it.
+weights whose crossover is None (the kernel wins at every M <= 256) drop it. The tile is written in
+one pass by a small C loop (:mod:`musecore_xeon.kernels.native`), or by PyTorch ops without a compiler.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from musecore_quant.qtensor import QTensor
 from musecore_xeon.kernels.crossover import (CALIBRATION_MS, INT4_CROSSOVER_ENV, PROXY_MAX_ROWS, CrossoverCalibration,
                                              cached_crossover, measure_crossover)
+from musecore_xeon.kernels import native
 from musecore_xeon.kernels.dense import restore_shape, tile_rows_for, tiled_matmul
 
 KERNEL_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
@@ -177,6 +179,16 @@ class Int4Linear:
         codes[:, :, words:].copy_(((packed >> 4) & LOW_NIBBLES).transpose(0, 1))  # rows d + BLOCK_N/2
         return codes.view(torch.uint8).view(k, rows)
 
+    def use_native(self) -> bool:
+        """The one-pass C dequantizer (fp32 tiles only; :mod:`musecore_xeon.kernels.native`)."""
+        return self.dense_dtype == torch.float32 and native.available()
+
+    def native_tile(self, n0: int, n1: int, workspace: torch.Tensor) -> torch.Tensor:
+        """``q * scale + offset`` of rows ``n0:n1`` as fp32 ``[n1-n0, K]`` in ``workspace``, in one pass."""
+        rows, k = n1 - n0, self.in_features
+        return native.dequant_split_k(self.dense_codes[n0:n1], self.dense_scale[n0:n1], self.dense_offset[n0:n1],
+                                      workspace[: rows * k].view(rows, k), self.group_size)
+
     def scaled_codes_tile(self, n0: int, n1: int, workspace: torch.Tensor, scratch: torch.Tensor,
                           with_offset: bool) -> torch.Tensor:
         """``q * scale`` (+ ``offset`` if ``with_offset``) of rows ``n0:n1`` as ``[n1-n0, K]`` in
@@ -209,8 +221,12 @@ class Int4Linear:
         """
         self.keep_dense_copy()
         k, g, tile_rows = self.in_features, self.group_size, self.tile_rows
-        fold_offset = self.dense_dtype == torch.float32
         workspace = torch.empty(k * tile_rows, dtype=self.dense_dtype)
+        if self.use_native():
+            y = tiled_matmul(x2d.to(torch.float32), self.padded_out_features, tile_rows,
+                             lambda n0, n1: self.native_tile(n0, n1, workspace).T)
+            return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
+        fold_offset = self.dense_dtype == torch.float32
         scratch = torch.empty(k // 2 * tile_rows, dtype=torch.uint8)
         x = x2d.to(self.dense_dtype)
         y = tiled_matmul(x, self.padded_out_features, tile_rows,
@@ -223,6 +239,8 @@ class Int4Linear:
         """The whole weight ``[N, K]`` from the dense copy, as the dense path sees it (tests, debugging)."""
         self.keep_dense_copy()
         n, k = self.padded_out_features, self.in_features
+        if dtype == torch.float32 and self.use_native():
+            return self.native_tile(0, n, torch.empty(n * k))[:self.out_features]
         w = self.scaled_codes_tile(0, n, torch.empty(n * k, dtype=dtype), torch.empty(n * k // 2, dtype=torch.uint8),
                                    with_offset=True)
         return w[:self.out_features]
