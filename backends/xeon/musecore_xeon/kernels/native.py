@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -77,10 +78,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "musecore_xeon")
 
 
+UNAVAILABLE: list[str] = []  # why the native dequantizer is not used, once known (shown by probe details)
+
+
+def _unavailable(reason: str) -> None:
+    """Not a silent fallback: the slower PyTorch-op dequantization is announced once, with the reason."""
+    UNAVAILABLE.append(reason)
+    warnings.warn(f"musecore-xeon: {reason}; INT4 dense tiles use the slower PyTorch-op dequantization "
+                  f"(same values). Set {NATIVE_ENV}=0 to choose that explicitly.", RuntimeWarning, stacklevel=3)
+
+
 @functools.cache
 def load() -> Optional[ctypes.CDLL]:
     """The compiled dequantizer, or None (disabled, no compiler, or the build failed)."""
     if os.environ.get(NATIVE_ENV, "").strip().lower() in ("0", "off", "no", "false"):
+        UNAVAILABLE.append(f"disabled by {NATIVE_ENV}")
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     try:
@@ -89,6 +101,7 @@ def load() -> Optional[ctypes.CDLL]:
         target = cache_dir() / f"dequant-{digest}.so"
         if not target.exists():
             if compiler is None:
+                _unavailable("no C compiler (cc/gcc) to build the native INT4 dequantizer")
                 return None
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -98,7 +111,8 @@ def load() -> Optional[ctypes.CDLL]:
                                timeout=120)
                 os.replace(obj, target)  # atomic: concurrent processes never load a half-written file
         lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as err:
+        _unavailable(f"building/loading the native INT4 dequantizer failed ({type(err).__name__}: {err})")
         return None
     fn = lib.musecore_dequant_split_k
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
