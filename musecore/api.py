@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
@@ -47,15 +47,7 @@ def summarize(model: Union[str, Path], checkpoint_format: str = "bf16") -> tuple
     """The plan's view of a checkpoint (config, formats, shapes) and its reader (None for presets)."""
     name, folder = resolve_model(model)
     if folder is None:
-        config = MuseConfig.from_name(name)
-        shapes = checkpoint_shapes(config)
-        quantized_layers = set(range(config.num_hidden_layers)) - set(config.bf16_expert_layers)
-        formats = {}
-        for tensor in shapes:
-            expert_layer = int(tensor.split(".layers.")[1].split(".")[0]) if ".mlp.experts." in tensor else -1
-            quantized = expert_layer in quantized_layers and not tensor.endswith("output_norm.weight")
-            formats[tensor] = checkpoint_format if quantized else "bf16"
-        return CheckpointSummary(name, config, formats, shapes), None
+        return preset_summary(name, MuseConfig.from_name(name), checkpoint_format), None
     from musecore_quant.checkpoint import open_checkpoint
     reader = open_checkpoint(folder)
     config = MuseConfig.from_dict(reader.config, source=str(folder / "config.json"))
@@ -67,6 +59,19 @@ def summarize(model: Union[str, Path], checkpoint_format: str = "bf16") -> tuple
                                      f"fp32 (or a quantized format: {', '.join(QUANTIZED)}); re-export the checkpoint")
     return CheckpointSummary(name, config, {n: reader.weight_format(n) for n in names},
                              {n: tuple(reader.weight_shape(n)) for n in names}), reader
+
+
+def preset_summary(name: str, config: MuseConfig, checkpoint_format: str) -> CheckpointSummary:
+    """A checkpoint as MODEL.md section 2 ships it: routed experts of the quantized layers in
+    ``checkpoint_format``, everything else BF16 (for presets, which have no files to read)."""
+    shapes = checkpoint_shapes(config)
+    quantized_layers = set(range(config.num_hidden_layers)) - set(config.bf16_expert_layers)
+    formats = {}
+    for tensor in shapes:
+        expert_layer = int(tensor.split(".layers.")[1].split(".")[0]) if ".mlp.experts." in tensor else -1
+        quantized = expert_layer in quantized_layers and not tensor.endswith("output_norm.weight")
+        formats[tensor] = checkpoint_format if quantized else "bf16"
+    return CheckpointSummary(name, config, formats, shapes)
 
 
 def resolve_device(device: str, records: Optional[dict] = None) -> tuple[str, torch.device]:
@@ -153,6 +158,52 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     if reader is None:
         raise FileNotFoundError(f"{model!r} is a preset without weights; pass a checkpoint folder "
                                 "(musecore.plan works on presets)")
+    show = sys.stderr.isatty() if progress is None else progress
+    muse = assemble(summary, device, lambda placer, _device: placer.stream(reader, show), emulate=emulate,
+                    allow_emulation=allow_emulation, allow_reference=allow_reference, dtype=dtype,
+                    kv_format=kv_format, source=str(reader.folder))
+    from musecore.tokenizer import load_tokenizer
+    muse.tokenizer = load_tokenizer(reader.folder)
+    return muse
+
+
+def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpoint_format: str = "bf16",
+                dtype: Optional[torch.dtype] = None, emulate: bool = False, seed: int = 0, std: float = 0.02,
+                allow_reference: bool = False) -> MuseModel:
+    """A model with random weights (MODEL.md initialisation) through the same plan and placement as
+    :func:`load`, made tensor by tensor on the target device: for benchmarks of presets that have no
+    checkpoint (``muse-small``). Quantized experts are produced with the producers' quantizers.
+
+    Example::
+
+        model = musecore.api.load_random("muse-small", device="h200", checkpoint_format="nvfp4")
+    """
+    from musecore_quant import quantize
+
+    config = preset if isinstance(preset, MuseConfig) else MuseConfig.from_name(preset)
+    dtype = dtype or torch.bfloat16
+    summary = preset_summary(preset if isinstance(preset, str) else config.model_type, config, checkpoint_format)
+
+    def tensors(_placer: Placer, torch_device: torch.device):
+        gen = torch.Generator(device=torch_device).manual_seed(seed)
+        for tensor_name, shape in summary.shapes.items():
+            if len(shape) == 1:
+                yield tensor_name, torch.ones(shape, dtype=dtype, device=torch_device)
+                continue
+            w = torch.randn(shape, generator=gen, device=torch_device, dtype=torch.float32) * std
+            fmt = summary.formats[tensor_name]
+            yield tensor_name, (w.to(dtype) if fmt == "bf16" else quantize(w, fmt))
+
+    return assemble(summary, device, tensors, emulate=emulate, allow_reference=allow_reference, dtype=dtype,
+                    source=f"random {summary.name}")
+
+
+def assemble(summary: CheckpointSummary, device: str,
+             tensors: Callable[[Placer, torch.device], Iterable[tuple[str, Any]]], *, emulate: bool = False,
+             allow_emulation: bool = False, allow_reference: bool = False, dtype: torch.dtype = torch.bfloat16,
+             kv_format: str = "bf16", source: str = "checkpoint") -> MuseModel:
+    """Plan ``summary`` on ``device`` (raising on gaps), make the backends, and fill a model with
+    ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares."""
     records = discover()
     if emulate:
         if device not in CATALOG:
@@ -168,64 +219,9 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}
     if the_plan.backend != REFERENCE:
         backends[the_plan.backend] = records[the_plan.backend].backend_class(torch_device)
-    ops = bind_ops(the_plan, backends)
-    muse = MuseModel(summary.config, ops, dtype=dtype, device=torch_device)
+    muse = MuseModel(summary.config, bind_ops(the_plan, backends), dtype=dtype, device=torch_device)
     placer = Placer(the_plan, backends, dtype)
-    show = sys.stderr.isatty() if progress is None else progress
-    fill_model(muse, placer.stream(reader, show), placer, source=str(reader.folder))
+    fill_model(muse, tensors(placer, torch_device), placer, source=source)
     muse.plan, muse.conversion_report, muse.kv_format = the_plan, placer.report, kv_format
     muse.backend = backends[the_plan.backend]
-    from musecore.tokenizer import load_tokenizer
-    muse.tokenizer = load_tokenizer(reader.folder)
-    return muse
-
-
-def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpoint_format: str = "bf16",
-                dtype: Optional[torch.dtype] = None, emulate: bool = False, seed: int = 0, std: float = 0.02,
-                allow_reference: bool = False, progress: bool = False) -> MuseModel:
-    """A model with random weights (MODEL.md initialisation) through the same plan and placement as
-    :func:`load`, made tensor by tensor on the target device: for benchmarks of presets that have no
-    checkpoint (``muse-small``). Quantized experts are produced with the producers' quantizers.
-
-    Example::
-
-        model = musecore.api.load_random("muse-small", device="h200", checkpoint_format="nvfp4")
-    """
-    from musecore_quant import quantize
-
-    config = preset if isinstance(preset, MuseConfig) else MuseConfig.from_name(preset)
-    dtype = dtype or torch.bfloat16
-    shapes = checkpoint_shapes(config)
-    quantized_layers = set(range(config.num_hidden_layers)) - set(config.bf16_expert_layers)
-
-    def source_format(name: str) -> str:
-        layer = int(name.split(".layers.")[1].split(".")[0]) if ".mlp.experts." in name else -1
-        return checkpoint_format if layer in quantized_layers and not name.endswith("output_norm.weight") else "bf16"
-
-    summary = CheckpointSummary(config.to_dict().get("model_type", "muse") if isinstance(preset, MuseConfig) else preset,
-                                config, {n: source_format(n) for n in shapes}, shapes)
-    records = discover()
-    name, torch_device = (device, torch.device("cpu")) if emulate else resolve_device(device, records)
-    the_plan = make_plan(summary, name, emulate=emulate, allow_reference=allow_reference,
-                         dtype_label=DTYPE_LABELS[dtype], records=records)
-    if the_plan.gaps:
-        raise PlanError(the_plan)
-    backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}
-    if the_plan.backend != REFERENCE:
-        backends[the_plan.backend] = records[the_plan.backend].backend_class(torch_device)
-    muse = MuseModel(config, bind_ops(the_plan, backends), dtype=dtype, device=torch_device)
-    gen = torch.Generator(device=torch_device).manual_seed(seed)
-
-    def tensors():
-        for tensor_name, shape in shapes.items():
-            if len(shape) == 1:
-                yield tensor_name, torch.ones(shape, dtype=dtype, device=torch_device)
-                continue
-            w = torch.randn(shape, generator=gen, device=torch_device, dtype=torch.float32) * std
-            fmt = source_format(tensor_name)
-            yield tensor_name, (w.to(dtype) if fmt == "bf16" else quantize(w, fmt))
-
-    placer = Placer(the_plan, backends, dtype)
-    fill_model(muse, tensors(), placer, source=f"random {summary.name}")
-    muse.plan, muse.conversion_report, muse.backend = the_plan, placer.report, backends[the_plan.backend]
     return muse

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -23,7 +23,7 @@ class CheckpointMismatch(ValueError):
 
 
 def logical_shape(value: Any) -> tuple[int, ...]:
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(value.shape)
+    return tuple(value.shape)  # a QTensor's shape is its logical (unpacked) shape
 
 
 class ExpertCollector:
