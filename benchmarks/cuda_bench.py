@@ -17,7 +17,7 @@ import torch
 
 from musecore_cuda.bench import benchmarks, memory_ceiling_gbps
 
-COLUMNS = ("case", "format", "shape", "M", "time_us", "speedup_vs_bf16", "pct_memory_ceiling")
+COLUMNS = ("case", "format", "path", "shape", "M", "config", "time_us", "speedup_vs_bf16", "pct_memory_ceiling")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="linear,moe,attention", help=f"comma list of {sorted(benchmarks())}")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--ms", default=None, help="linear only: comma list of M (default: the full sweep)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_bench needs a CUDA GPU: torch.cuda.is_available() is False")
@@ -43,7 +44,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for case in args.cases.split(","):
         started = time.time()
-        rows = table[case]()
+        kwargs = {"ms": tuple(int(m) for m in args.ms.split(","))} if args.ms and case == "linear" else {}
+        rows = table[case](**kwargs)
         print(f"\n== {case} ({time.time() - started:.0f} s) ceiling {meta['ceiling_gbps']:.0f} GB/s")
         print_table(rows)
         (out_dir / f"cuda_{case}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

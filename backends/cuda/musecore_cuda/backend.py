@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from musecore.backends.base import Backend, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
@@ -27,9 +28,10 @@ from musecore.ops import reference as ref
 from musecore_cuda.kernels import attention as _attention
 from musecore_cuda.kernels import norms as _norms
 from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
+from musecore_cuda.kernels.fp4_gemv import GEMV_MAX_M, gemv_block_n, gemv_split_k, launch_gemv
 from musecore_cuda.kernels.moe import moe_forward
 from musecore_cuda.fp8 import Fp8Resident, fp8_linear, prepare_fp8
-from musecore_cuda.layouts import Fp4Resident, prepare_fp4
+from musecore_cuda.layouts import Fp4Resident, prepare_fp4, share_fold
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -48,22 +50,27 @@ def _format_of(weight: WeightIn) -> str:
 
 
 def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
-    """``x @ W.T`` for an FP4 resident weight; split-K accumulates in fp32 then rounds once."""
+    """``x @ W.T`` for an FP4 resident weight: the FMA GEMV for M <= GEMV_MAX_M, else the tensor-core
+    GEMM; split-K accumulates in fp32 then rounds once."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != w.in_features):
         x2 = x2.contiguous()
     m = x2.shape[0]
-    n = w.out_features
+    n, k = w.out_features, w.in_features
     if m == 0:
         return x.new_empty(*lead, n)
-    cfg = pick_config(m, n, w.in_features, None, x.device, allow_split=True)
-    if cfg.split_k > 1:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    args = dict(wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2, n=n, k=k)
+    if m <= GEMV_MAX_M:
+        split = gemv_split_k(triton.cdiv(n, gemv_block_n(n, x.device)), k, x.device)
+        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1
+               else torch.empty(m, n, dtype=x.dtype, device=x.device))
+        launch_gemv(x2, w.packed, w.scales, w.out_scale, **args, out=out, split_k=split)
     else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    launch_gemm(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
-                n=n, k=w.in_features, out=out, cfg=cfg)
+        cfg = pick_config(m, n, k, None, x.device, allow_split=True)
+        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1
+               else torch.empty(m, n, dtype=x.dtype, device=x.device))
+        launch_gemm(x2, w.packed, w.scales, w.out_scale, **args, out=out, cfg=cfg)
     return out.to(x.dtype).reshape(*lead, n)
 
 
@@ -193,6 +200,7 @@ class CudaBackend(Backend):
             raise NotImplementedError(f"experts: activation format {act_format!r} is not supported (see supports())")
         if fmt in FP4_FORMATS:
             stacks = [prepare_fp4(w, self.device) for w in (gate, up, down)]
+            share_fold(stacks[0], stacks[1])  # gate and up run in one launch with one fold
         elif fmt in DENSE_FORMATS:
             stacks = [w.to(device=self.device, dtype=dtype).contiguous() for w in (gate, up, down)]
         else:

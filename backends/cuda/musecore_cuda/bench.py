@@ -20,7 +20,9 @@ import torch.nn.functional as F
 import triton
 
 from musecore_cuda.backend import CudaBackend, fp4_linear
-from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
+from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm, pick_config
+from musecore_cuda.kernels.fp4_gemv import GEMV_MAX_M, launch_gemv
+from musecore_cuda.kernels.moe import use_gemv
 from musecore_cuda.layouts import Fp4Resident
 
 LINEAR_SHAPES = {  # name: (N, K) of the 816B preset
@@ -114,15 +116,30 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             rows.append(_linear_row("bf16", name, n, k, m, t_bf16, t_bf16, n * k * 2 + act_bytes, ceiling))
             for fmt, ws in fp4.items():
                 t = time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
-                rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling))
+                path = "gemv" if m <= GEMV_MAX_M else "tiled"
+                rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
+                if path == "gemv" and fmt == "nvfp4":  # the tensor-core path at the same M, for comparison
+                    t = time_us(_cycle(ws, lambda w: _tiled_linear(x, w))) / len(ws)
+                    rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
+                                            "tiled"))
         del bf16_ws, fp4
         torch.cuda.empty_cache()
     return rows
 
 
+def _tiled_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
+    """The tensor-core GEMM at any M (what ``fp4_linear`` runs above ``GEMV_MAX_M``)."""
+    m, n, k = x.shape[0], w.out_features, w.in_features
+    cfg = pick_config(m, n, k, None, x.device, allow_split=True)
+    out = torch.zeros(m, n, dtype=torch.float32 if cfg.split_k > 1 else x.dtype, device=x.device)
+    launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
+                n=n, k=k, out=out, cfg=cfg)
+    return out.to(x.dtype)
+
+
 def _linear_row(fmt: str, name: str, n: int, k: int, m: int, t: float, t_bf16: float, nbytes: int,
-                ceiling: dict) -> dict:
-    return {"backend": "cuda", "case": "linear", "format": fmt, "shape": f"{name} {k}->{n}", "M": m,
+                ceiling: dict, path: str = "") -> dict:
+    return {"backend": "cuda", "case": "linear", "format": fmt, "path": path, "shape": f"{name} {k}->{n}", "M": m,
             "time_us": round(t, 2), "speedup_vs_bf16": round(t_bf16 / t, 3),
             "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling["ceiling_gbps"], 1),
             "tflops": round(2 * m * n * k / t / 1e6, 1), "ceiling_gbps": round(ceiling["ceiling_gbps"])}
@@ -152,6 +169,42 @@ def sweep_linear_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down"),
                 rows.append({"backend": "cuda", "case": "sweep", "shape": name, "M": m, "config": cfg.__dict__,
                              "time_us": round(t, 2),
                              "pct_memory_ceiling_of_4300": round(100 * ws[0].nbytes / t / 1e3 / 4300, 1)})
+        del ws
+    return rows
+
+
+def sweep_gemv_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down", "expert_up", "k_proj"),
+                       ms: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Time GEMV tile shapes (rows per program, warps, split-K) to choose the defaults."""
+    rows = []
+    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
+    for name in shapes:
+        n, k = LINEAR_SHAPES[name]
+        ws = _rotating(lambda: CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), name).data,
+                       n * k // 2)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for bn in (16, 32, 64, 128):
+                for warps in (4, 8):
+                    for split in (1, 2, 4, 8):
+                        if (k // 128) % split or triton.cdiv(n, bn) * split > 8192:
+                            continue
+                        out = torch.zeros(m, n, device="cuda", dtype=torch.float32)
+
+                        def call(w: Fp4Resident, bn=bn, warps=warps, split=split, out=out) -> None:
+                            launch_gemv(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group,
+                                        fold_log2=w.fold_log2, n=n, k=k, out=out, split_k=split, block_n=bn,
+                                        num_warps=warps)
+                        try:
+                            t = time_us(_cycle(ws, call)) / len(ws)
+                        except Exception as exc:
+                            rows.append({"case": "sweep_gemv", "shape": name, "M": m, "error": repr(exc)[:200],
+                                         "config": {"block_n": bn, "warps": warps, "split": split}})
+                            continue
+                        rows.append({"backend": "cuda", "case": "sweep_gemv", "shape": name, "M": m,
+                                     "config": {"block_n": bn, "warps": warps, "split": split},
+                                     "time_us": round(t, 2),
+                                     "pct_memory_ceiling": round(100 * ws[0].nbytes / t / 1e3 / ceiling, 1)})
         del ws
     return rows
 
@@ -194,6 +247,7 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
         t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, norm, 1e-6), reps=10)
         flops = 2 * t * topk * 3 * latent * inter
         rows.append({"backend": "cuda", "case": "moe", "format": "nvfp4",
+                     "path": "gemv" if use_gemv(fp4.gate, t * topk, experts) else "grouped",
                      "shape": f"E{experts} top{topk} {latent}x{inter}", "M": t, "routed_experts": routed,
                      "time_us": round(t_fp4, 1), "bf16_experts_time_us": round(t_bf16, 1),
                      "speedup_vs_bf16": round(t_bf16 / t_fp4, 3),
@@ -279,4 +333,4 @@ def bench_e2e(batches: tuple[int, ...] = (1, 32), new_tokens: int = 64, prompt_t
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:
     """Case name -> benchmark callable (``e2e`` comes once the model runs on this backend)."""
     return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e,
-            "sweep": sweep_linear_configs}
+            "sweep": sweep_linear_configs, "sweep_gemv": sweep_gemv_configs}

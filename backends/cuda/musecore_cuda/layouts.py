@@ -85,3 +85,19 @@ def prepare_fp4(qt, device: torch.device) -> Fp4Resident:
     return Fp4Resident(format=qt.format, packed=packed, scales=scales, out_scale=out_scale.contiguous(),
                        fold_log2=fold_log2, group=qt.group_size, out_features=n, in_features=k)
 
+
+
+def share_fold(*stacks: Fp4Resident) -> None:
+    """Give resident weights that one kernel launch reads together (gate and up) one ``fold_log2``.
+
+    The GEMM and GEMV take a single fold per launch. NVFP4 folds are a constant; an MXFP4 fold is
+    the tensor's largest block exponent, so gate and up may differ: both take the larger one (the
+    smaller tensor's multipliers only get smaller, and stay exact above 2**-126).
+    """
+    fold = max(s.fold_log2 for s in stacks)
+    for s in stacks:
+        if s.fold_log2 != fold:
+            if s.format != "mxfp4":
+                raise ValueError(f"{s.format} weights have a fixed fold; got {s.fold_log2} and {fold}")
+            s.out_scale = s.out_scale * 2.0 ** (fold - s.fold_log2)
+            s.fold_log2 = fold

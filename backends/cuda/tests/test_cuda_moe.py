@@ -12,7 +12,7 @@ from musecore.ops import reference as ref
 from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
-from musecore_cuda.kernels.moe import align_assignments
+from musecore_cuda.kernels.moe import align_assignments, use_gemv
 
 
 def make_layer(fmt: str, experts: int, latent: int, inter: int, dtype: torch.dtype, device):
@@ -59,6 +59,32 @@ def test_moe_matches_reference(fmt, tokens, dtype):
     assert y.dtype == torch.float32
     expected = ref.moe(z.float(), weights, ids, reference, norm, 1e-6)
     assert_nmse(expected, y, tolerance("moe"), f"moe {fmt} T={tokens} {dtype}")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_decode_gemv_matches_reference(fmt, tokens):
+    """The per-assignment GEMV path (few assignments per expert); MXFP4 up weights 2**10 larger than
+    gate, so the two stacks start with different folds and must share one."""
+    experts, topk = 16, 2
+    be, prepared, reference, norm = make_layer(fmt, experts=experts, latent=128, inter=256, dtype=torch.float16,
+                                               device=DEVICE)
+    if fmt == "mxfp4":
+        up = musecore_quant.quantize(reference.up.cpu() * 1024, fmt)
+        gate = musecore_quant.quantize(reference.gate.cpu(), fmt)
+        down = musecore_quant.quantize(reference.down.cpu(), fmt)
+        prepared = be.prepare_experts(gate, up, down, dtype=torch.float16)
+        reference = ExpertWeights(gate=musecore_quant.dequantize(gate).to(DEVICE),
+                                  up=musecore_quant.dequantize(up).to(DEVICE),
+                                  down=musecore_quant.dequantize(down).to(DEVICE), format=fmt, num_experts=experts)
+        assert prepared.gate.fold_log2 == prepared.up.fold_log2
+    assert use_gemv(prepared.gate, tokens * topk, experts)
+    weights, ids = route(tokens, experts, topk, DEVICE)
+    ids[0] = torch.tensor([5, 5 if tokens == 1 else 7])  # the same expert twice in one token's routing
+    z = torch.randn(tokens, 128, device=DEVICE).half()
+    y = be.moe(z, weights, ids, prepared, norm, 1e-6)
+    expected = ref.moe(z.float(), weights, ids, reference, norm, 1e-6)
+    assert_nmse(expected, y, tolerance("moe"), f"moe GEMV {fmt} T={tokens}")
 
 
 def test_per_expert_norm_is_applied_before_routing_weight():
