@@ -1,8 +1,9 @@
 """``XeonBackend``: Muse Spark Open on x86-64 CPUs with INT4 weight-only experts.
 
-Every kernel is PyTorch's own (intel-extension-for-pytorch is end-of-life): INT4 linear layers run
-``_weight_int4pack_mm_for_cpu`` on BF16 activations up to a crossover M measured on this machine
-and a tiled dense GEMM above it (:mod:`musecore_xeon.kernels.int4`); BF16 weights stay BF16
+INT4 linear layers run a small C GEMV compiled at first use (AVX2/FMA; PyTorch's
+``_weight_int4pack_mm_for_cpu`` without a compiler) up to a crossover M measured on this machine and
+a tiled dense GEMM above it; everything else is PyTorch's own (intel-extension-for-pytorch is
+end-of-life) (:mod:`musecore_xeon.kernels.int4`); BF16 weights stay BF16
 (:mod:`musecore_xeon.kernels.dense`); the MoE groups tokens per expert
 (:mod:`musecore_xeon.kernels.moe`). FP4 checkpoints are not run here: the plan converts their
 experts to INT4 at load for xeon devices.
@@ -92,8 +93,9 @@ class XeonBackend(Backend):
             if fmt == "fp8":
                 return Support.no("FP8 weights: convert to INT4 or BF16 at load")
             if fmt == "int4":
-                return Support.native("INT4 weight-only: _weight_int4pack_mm_for_cpu on bf16 activations, "
-                                      "tiled dense GEMM above the measured crossover M")
+                return Support.native("INT4 weight-only: native AVX2 GEMV (nibble-planar codes; "
+                                      "_weight_int4pack_mm_for_cpu without a C compiler) below the measured "
+                                      "crossover M, SGEMM on dequantized tiles above it")
             return Support.native(f"{fmt} weights via PyTorch matmul ({self.dense_dtype} tiles at large M)")
         if op == "attention":
             if spec.kv_format not in ("bf16", "fp16", "fp32", "fp8"):
@@ -176,7 +178,8 @@ class XeonBackend(Backend):
                                    down.group_size, self.dense_dtype))
         for resident in (gate_up, downs):  # one measurement per shape class, shared by every expert
             first = resident[0]
-            calibration = int4_crossover(first.in_features, first.out_features, first.group_size, self.dense_dtype)
+            calibration = int4_crossover(first.in_features, first.out_features, first.group_size, self.dense_dtype,
+                                         first.kernel)
             for lin in resident:
                 lin.set_crossover(calibration.crossover, calibration)
         return gate_up, downs

@@ -18,7 +18,7 @@ import torch
 
 # Flags the backend reports and decides on; everything else in /proc/cpuinfo is ignored.
 REPORTED_FLAGS: tuple[str, ...] = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512f",
-                                   "avx512_vnni", "avx512vl", "avx_vnni", "avx2", "fma")
+                                   "avx512_vnni", "avx512vl", "avx_vnni", "avx2", "fma", "f16c")
 
 NUM_THREADS_ENV = "MUSECORE_NUM_THREADS"
 

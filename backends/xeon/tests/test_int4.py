@@ -16,7 +16,8 @@ from musecore_quant.qtensor import QTensor
 from musecore_xeon import XeonBackend
 from musecore_xeon.kernels import native
 from musecore_xeon.kernels.crossover import INT4_CROSSOVER_ENV, measure_crossover, pick_crossover
-from musecore_xeon.kernels.int4 import Int4Linear, int4_crossover, int4pack_block_n, prepare_int4
+from musecore_xeon.kernels.int4 import (INT4_KERNEL_ENV, Int4Linear, from_planar, int4_crossover,
+                                        int4pack_block_n, prepare_int4, to_planar)
 
 SHAPES = [(256, 512), (512, 256), (128, 1024), (96, 256), (4, 128)]  # (out, in); 96 and 4 rows are padded
 
@@ -67,13 +68,6 @@ def test_quantizer_output_with_negative_scales_runs_through_the_backend(xeon: Xe
             y = xeon.linear(x, weight)
             assert y.dtype == x.dtype and y.shape == (2, (m + 1) // 2, 512)
             assert_nmse(reference_linear(x, qt), y.float(), tolerance("linear"), f"quantize(sym={sym}) M={m}")
-
-
-def test_dense_tile_dequantization_equals_the_quantizer_dequantization() -> None:
-    qt = random_int4(256, 512, negative_scales=True, asymmetric=True)
-    lin = prepare_int4(qt, torch.float32, calibrate=False)
-    # Scales travel as bf16 for the kernel, so the match is to bf16 precision, not bit-exact.
-    assert_nmse(musecore_quant.dequantize(qt), lin.dequantize(), 1e-5, "tile dequant vs dequantize")
 
 
 def test_packing_block_is_detected() -> None:
@@ -128,49 +122,153 @@ def test_unsupported_int4_shapes_and_formats_raise_with_advice(xeon: XeonBackend
 
 @pytest.fixture(params=["native", "torch-ops"])
 def dequantizer(request, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both tile dequantizers: the one-pass C loop (skipped without a compiler) and PyTorch ops."""
+    """Both tile dequantizers: the compiled C loop (skipped without a compiler) and PyTorch ops."""
     if request.param == "native" and not native.available():
-        pytest.skip("no C compiler: the native dequantizer is not built")
+        pytest.skip("no C compiler: the native kernels are not built")
     if request.param == "torch-ops":
         monkeypatch.setattr(native, "available", lambda: False)
     return request.param
 
 
-@pytest.mark.parametrize("shape", SHAPES + [(64, 384), (130, 96)])  # K/2 not a multiple of the group
-@pytest.mark.parametrize("group_size", [32, 128])
-def test_dense_copy_dequantizes_exactly_like_the_int4pack_path(shape, group_size, dequantizer) -> None:
-    """The dense path's split-K copy + fp32 scale/offset gives bit-identical weights to unpacking the
-    kernel's own packing with its bf16 scales/zeros (negative scales, asymmetric zeros, padded rows)."""
-    if shape[1] % group_size:
-        pytest.skip("in_features not a multiple of the group size")
-    for negative_scales, asymmetric in [(True, True), (True, False), (False, True)]:
+def fp64_reference(x: torch.Tensor, qt: QTensor) -> torch.Tensor:
+    """``x @ W.T`` in fp64 with ``W = (q - z) * scale`` straight from the QTensor."""
+    return x.double() @ musecore_quant.dequantize(qt).double().T
+
+
+def rel_err(want: torch.Tensor, got: torch.Tensor) -> float:
+    return (((got.double() - want) ** 2).sum() / (want ** 2).sum().clamp_min(1e-300)).item()
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler: the native INT4 kernels are not built")
+
+# fp32 accumulation of exact weights, the zero term subtracted per group (s*sum(xq) - z*s*sum(x)): NMSE
+# ~1e-13 measured over many outputs, up to ~2e-10 on a single output where the two terms cancel.
+NATIVE_FP32_NMSE = 1e-8
+
+
+@needs_native
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("out_features", [1, 7, 37])  # odd, padded to a multiple of native.ROWS
+def test_native_gemv_matches_the_fp64_reference_for_every_small_m(group_size, out_features) -> None:
+    for negative_scales, asymmetric in [(True, True), (False, False), (True, False)]:
+        qt = random_int4(out_features, 512, group_size, negative_scales=negative_scales, asymmetric=asymmetric)
+        lin = prepare_int4(qt, torch.float32, calibrate=False)
+        assert lin.kernel == "native" and lin.codes.shape[0] % native.ROWS == 0
+        for m in range(1, 17):
+            x = torch.randn(m, 512)
+            y = lin(x)
+            assert y.dtype == torch.float32 and y.shape == (m, out_features)
+            err = rel_err(fp64_reference(x, qt), y)
+            assert err <= NATIVE_FP32_NMSE, f"g={group_size} N={out_features} M={m} neg={negative_scales} " \
+                                            f"asym={asymmetric}: NMSE {err:.3e} > {NATIVE_FP32_NMSE:.0e}"
+
+
+@needs_native
+def test_native_gemv_takes_bf16_activations_and_returns_bf16() -> None:
+    qt = random_int4(64, 1024, 128, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    for m in (1, 2, 5):
+        x = torch.randn(m, 1024, dtype=torch.bfloat16)
+        y = lin(x)
+        assert y.dtype == torch.bfloat16
+        err = rel_err(fp64_reference(x, qt), y)
+        assert err <= 1e-5, f"M={m}: NMSE {err:.3e} (bf16 output rounding, expected ~1e-6)"
+
+
+@needs_native
+def test_native_gemv_uses_several_threads_with_the_same_result() -> None:
+    qt = random_int4(260, 512, 64, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    x = torch.randn(3, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        two = lin(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two), "row blocks are independent: the thread count must not change the result"
+
+
+def test_planar_layout_round_trips_and_puts_nibble_j_at_column_j_times_w_plus_q() -> None:
+    g = torch.Generator().manual_seed(1)
+    for group_size in (32, 64, 128, 256):
+        codes = torch.randint(0, 16, (5, 512), generator=g, dtype=torch.int32)
+        planar = to_planar(codes, group_size)
+        assert planar.dtype == torch.int32 and planar.shape == (5, 64)
+        assert torch.equal(from_planar(planar, group_size), codes)
+    # g = 128: 16 words per group, word q nibble j = column 16 j + q
+    codes = (torch.arange(128, dtype=torch.int32) // 16).view(1, 128)  # column c has code c // 16 = j
+    words = to_planar(codes, 128)
+    assert words[0, 0].item() == 0x76543210
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (96, 256), (5, 128), (130, 192)])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_dense_tiles_dequantize_exactly_to_the_quantizer_weights(shape, group_size, dequantizer) -> None:
+    """(q - z) * fp16 scale is exact in fp32: the tiles equal musecore_quant.dequantize bit for bit."""
+    for negative_scales, asymmetric in [(True, True), (False, True)]:
         qt = random_int4(*shape, group_size, negative_scales=negative_scales, asymmetric=asymmetric)
         lin = prepare_int4(qt, torch.float32, calibrate=False)
-        assert lin.dense_codes is not None and lin.dense_nbytes > 0
-        from_copy, from_int4pack = lin.dequantize(), lin.dequantize_int4pack()
-        assert from_copy.shape == from_int4pack.shape == shape
-        assert torch.equal(from_copy, from_int4pack), f"{shape} g={group_size} neg={negative_scales} asym={asymmetric}"
-        # the copy rebuilt from the packing (after being dropped) is the same copy
-        codes = lin.dense_codes.clone()
-        lin.drop_dense_copy()
-        lin.keep_dense_copy()
-        assert torch.equal(lin.dense_codes, codes)
+        assert torch.equal(lin.dequantize(), musecore_quant.dequantize(qt).float()), \
+            f"{shape} g={group_size} neg={negative_scales} asym={asymmetric} ({dequantizer})"
 
 
-def test_dense_copy_is_kept_only_when_the_dense_path_can_run() -> None:
+def test_one_copy_of_the_codes_with_the_native_kernel() -> None:
+    if not native.available():
+        pytest.skip("no C compiler: the native INT4 kernels are not built")
     qt = random_int4(256, 512, negative_scales=True, asymmetric=False)
     lin = prepare_int4(qt, torch.float32, calibrate=False)
-    lin.set_crossover(None)
-    assert lin.dense_codes is None and lin.dense_nbytes == 0
     lin.set_crossover(32)
-    assert lin.dense_codes is not None and lin.dense_nbytes >= 256 * 512 // 2
+    assert lin.packed is None and lin.dense_nbytes == 0
+    assert lin.nbytes == 256 * 512 // 2 + 256 * 4 * 4  # codes + fp16 (scale, zero) per group
+
+
+def test_int4pack_kernel_on_request_keeps_the_planar_copy_only_when_tiles_can_run(monkeypatch) -> None:
+    monkeypatch.setenv(INT4_KERNEL_ENV, "int4pack")
+    qt = random_int4(96, 512, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    assert lin.kernel == "int4pack" and lin.packed is not None
+    codes = lin.codes.clone()
+    lin.set_crossover(None)
+    assert lin.codes is None and lin.dense_nbytes == 0
+    lin.set_crossover(8)  # rebuilt from PyTorch's packing: the same planar codes
+    assert torch.equal(lin.codes, codes)
+    for m in (1, 3, 8, 20):
+        x = torch.randn(m, 512, dtype=torch.bfloat16)
+        assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"int4pack M={m}")
+    monkeypatch.setenv(INT4_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match=INT4_KERNEL_ENV):
+        prepare_int4(qt, torch.float32, calibrate=False)
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (96, 384), (600, 4096)])  # 600 x 4096: two tiles, the second partial
-def test_dense_tiles_match_the_kernel_with_either_dequantizer(shape, dequantizer) -> None:
+def test_dense_tiles_match_the_small_m_kernel_with_either_dequantizer(shape, dequantizer) -> None:
     qt = random_int4(*shape, 32, negative_scales=True, asymmetric=True)
     lin = both_paths(prepare_int4(qt, torch.float32, calibrate=False), crossover=1)
     for m in (1, 5, 64):
         x = torch.randn(m, shape[1], dtype=torch.bfloat16)
-        assert_nmse(lin.run_kernel(x).float(), lin(x).float(), 1e-5, f"{shape} M={m} {dequantizer}")
+        assert_nmse(lin.run_small_m(x).float(), lin(x).float(), 1e-5, f"{shape} M={m} {dequantizer}")
         assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"{shape} M={m} {dequantizer}")
+
+
+def test_without_a_compiler_int4_falls_back_to_int4pack_with_a_warning(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither cc nor gcc on PATH
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))  # nothing cached there
+    native.load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler"):
+            assert not native.available()
+        qt = random_int4(96, 512, negative_scales=True, asymmetric=True)
+        lin = prepare_int4(qt, torch.float32, calibrate=False)
+        assert lin.kernel == "int4pack"
+        lin.set_crossover(16)
+        for m in (1, 20):  # int4pack below, PyTorch-op tiles above
+            x = torch.randn(m, 512, dtype=torch.bfloat16)
+            assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"no compiler M={m}")
+    finally:
+        native.load.cache_clear()
+        monkeypatch.undo()
+    assert native.available() or native.UNAVAILABLE

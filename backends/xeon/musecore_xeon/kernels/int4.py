@@ -1,23 +1,23 @@
-"""INT4 weight-only linear layers on PyTorch's CPU kernel ``_weight_int4pack_mm_for_cpu``.
+"""INT4 weight-only linear layers: a native C GEMV for small M, SGEMM on dequantized tiles above the crossover.
 
-The kernel reads 4-bit codes in its own ISA-specific packing (``_convert_weight_to_int4pack_for_cpu``)
-with per-group ``scales_and_zeros [K/g, N, 2]`` and computes ``(q - 8) * scale + zero`` with a float
-zero. From the canonical QTensor (``w = (q - z) * scale``, z = 8 when symmetric) the codes are kept
-as they are and ``zero = (8 - z) * scale`` (FORMATS.md). Scales keep their sign: AutoRound writes
-negative ones. Only BF16 activations take the kernel's vectorised path, so activations are cast to
-BF16 and scales/zeros stored in BF16 (the kernel requires the activation dtype there).
+Resident layout (one copy of the codes): nibble-planar int32 codes ``[N, K/8]`` and the QTensor's fp16
+``(scale, zero)`` pairs ``[N, K/g, 2]`` (:mod:`musecore_xeon.kernels.native` explains the layout).
+Small M runs the native GEMV (``int4_gemv``); from a crossover M measured on this machine, the weight is
+dequantized one tile at a time (``int4_dequant``, exact fp32) and multiplied by SGEMM.
+Numerics: the weights are exactly ``(q - z) * scale`` of the QTensor; only the fp32 summation order
+differs from a dequantize-then-matmul.
 
-Above a measured crossover M the kernel is compute-bound; there the weight is dequantized a tile at a
-time and multiplied by a dense GEMM. PyTorch's packing interleaves rows K-major and costs ~6x a BF16
-tile upcast to unpack, so weights that take the dense path at some M keep a second, unpack-friendly
-copy of the codes (+0.5 byte/weight, see :func:`split_k_halves`) and fp32 per-group scales/offsets;
-weights whose crossover is None (the kernel wins at every M <= 256) drop it. The tile is written in
-one pass by a small C loop (:mod:`musecore_xeon.kernels.native`), or by PyTorch ops without a compiler.
+PyTorch's ``_weight_int4pack_mm_for_cpu`` (its own packing, bf16 ``scales_and_zeros [K/g, N, 2]``,
+``(q - 8) * scale + zero`` with ``zero = (8 - z) * scale``, FORMATS.md) remains the small-M kernel when
+the native kernels cannot be built (no compiler, announced by a RuntimeWarning), when
+``MUSECORE_XEON_INT4_KERNEL=int4pack`` asks for it, or when K is not a multiple of 64 (g = 32 only).
+Then the planar codes are a second copy, kept only while the dense-tile path can be used.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,9 +30,45 @@ from musecore_xeon.kernels import native
 from musecore_xeon.kernels.dense import restore_shape, tile_rows_for, tile_workspace, tiled_matmul
 
 KERNEL_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
-PACK_ROWS = 64  # the largest packing block (AVX-512); rows are padded to it so every block is full
+PACK_ROWS = 64  # the largest int4pack block (AVX-512); its rows are padded to it so every block is full
 LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F  # the low nibble of each byte of an int64 word
 DENSE_COPY_MAX_M = max(CALIBRATION_MS)  # a crossover above this M never uses the dense copy in the measured range
+INT4_KERNEL_ENV = "MUSECORE_XEON_INT4_KERNEL"
+SMALL_M_KERNELS = ("native", "int4pack")
+
+
+def small_m_kernel(in_features: int, group_size: int) -> str:
+    """``native`` (the C GEMV) unless asked for ``int4pack`` by env, K does not fit the planar layout,
+    or the native kernels are unavailable (announced by :mod:`native`)."""
+    choice = os.environ.get(INT4_KERNEL_ENV, "").strip().lower() or "native"
+    if choice not in SMALL_M_KERNELS:
+        raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: expected one of {SMALL_M_KERNELS}")
+    if choice == "int4pack" or in_features % planar_chunk(group_size) or not native.available():
+        return "int4pack"
+    return "native"
+
+
+def planar_chunk(group_size: int) -> int:
+    return max(group_size, 64)
+
+
+def to_planar(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int codes ``[N, K]`` (0..15) -> nibble-planar int32 ``[N, K/8]``: per chunk of C = max(g, 64)
+    columns, W = C/8 words, nibble j of word q = column ``j*W + q`` of the chunk."""
+    n, k = codes.shape
+    c = planar_chunk(group_size)
+    parts = codes.to(torch.int64).view(n, k // c, 8, c // 8) << (4 * torch.arange(8, dtype=torch.int64)).view(8, 1)
+    words = parts.sum(2)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # the int32 with the same bits
+    return words.to(torch.int32).reshape(n, k // 8).contiguous()
+
+
+def from_planar(words: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Nibble-planar int32 ``[N, K/8]`` -> int32 codes ``[N, K]`` (the inverse of :func:`to_planar`)."""
+    n, kw = words.shape
+    c = planar_chunk(group_size)
+    shifts = (4 * torch.arange(8, dtype=torch.int32)).view(1, 1, 8, 1)
+    return ((words.view(n, kw * 8 // c, 1, c // 8) >> shifts) & 15).reshape(n, kw * 8)
 
 
 @functools.cache
@@ -62,114 +98,110 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
     return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).to(torch.int32)
 
 
-def split_k_halves(codes: torch.Tensor) -> torch.Tensor:
-    """int codes ``[N, K]`` -> uint8 ``[N, K/2]``: low nibble = column k, high nibble = column k + K/2.
-
-    The dense-tile path's copy of the codes. Unpacking it is two contiguous half-row writes per
-    nibble (``& 0xF`` and ``>> 4`` into the two halves of each row, converted to the GEMM dtype on
-    the way), where the canonical layout (even/odd k in one byte) or the kernel's packing would need
-    strided or transposed writes.
-    """
-    half = codes.shape[1] // 2
-    return (codes[:, :half] | (codes[:, half:] << 4)).to(torch.uint8)
-
-
-def dense_scales_and_offsets(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 ``[K/g, N, 2]`` kernel scales/zeros -> fp32 ``scale [N, K/g, 1]`` and ``offset [N, K/g]``.
-
-    ``w = q * scale + offset`` with ``offset = zero - 8 * scale`` equals the kernel's
-    ``(q - 8) * scale + zero``: ``q * scale`` is exact in fp32 (4-bit times 8-bit mantissas) and
-    ``offset`` is an exact difference of two bf16 values, so both round the same real number once.
-    """
-    sz = scales_and_zeros.float()
-    scale, zero = sz[..., 0], sz[..., 1]
-    return scale.T.contiguous().unsqueeze(-1), (zero - 8.0 * scale).T.contiguous()
-
-
-def kernel_scales_and_zeros(scale: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp16 ``scale [N, K/g]`` and true ``zero [N, K/g]`` (None = 8) -> bf16 ``[K/g, N, 2]`` for the kernel."""
-    s = scale.float()
-    offset = torch.zeros_like(s) if zero is None else (8.0 - zero.float()) * s  # (q-z)s = (q-8)s + (8-z)s
-    return torch.stack((s, offset), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+def kernel_scales_and_zeros(scale_zero: torch.Tensor) -> torch.Tensor:
+    """fp16 ``(scale, z)`` ``[N, K/g, 2]`` -> bf16 ``[K/g, N, 2]`` for ``_weight_int4pack_mm_for_cpu``."""
+    s, z = scale_zero[..., 0].float(), scale_zero[..., 1].float()
+    return torch.stack((s, (8.0 - z) * s), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
 @dataclass
 class Int4Linear:
-    """One INT4 weight ``[N, K]`` in the kernel's resident layout, and the path taken for each M.
+    """One INT4 weight ``[N, K]`` resident for this CPU, and the path taken for each M.
 
-    ``crossover``: rows M >= crossover run the tiled dense path (None: always the INT4 kernel).
-    Rows are padded to a multiple of ``PACK_ROWS`` (zero scales) so every packing block is full;
-    outputs are cut back to ``out_features``.
+    ``codes`` (nibble-planar) and ``scale_zero`` serve the native GEMV and the dense tiles; with the
+    ``int4pack`` small-M kernel, ``packed``/``scales_and_zeros`` hold PyTorch's packing and ``codes`` is
+    kept only while the dense path can be used. ``crossover``: rows M >= crossover run the dense tiles
+    (None: always the small-M kernel). Rows are padded with zero-scale rows; outputs are cut back.
     """
 
-    packed: torch.Tensor             # uint8 [N_padded, K/2] in the kernel's packing
-    scales_and_zeros: torch.Tensor   # bf16 [K/g, N_padded, 2]
+    codes: Optional[torch.Tensor]    # int32 [N_padded, K/8], see native.py
+    scale_zero: torch.Tensor         # fp16 [N_padded, K/g, 2]: (scale, zero), w = (q - zero) * scale
     group_size: int
     out_features: int
     in_features: int
     dense_dtype: torch.dtype = torch.float32
+    kernel: str = "native"           # the small-M kernel: "native" or "int4pack"
+    packed: Optional[torch.Tensor] = None            # uint8, PyTorch's int4pack (kernel == "int4pack")
+    scales_and_zeros: Optional[torch.Tensor] = None  # bf16 [K/g, N_pad64, 2]   (kernel == "int4pack")
     crossover: Optional[int] = None
     calibration: Optional[CrossoverCalibration] = None
-    # The dense-tile path's own copy (None until needed, dropped when the crossover is None):
-    dense_codes: Optional[torch.Tensor] = None    # uint8 [N_padded, K/2], see split_k_halves
-    dense_scale: Optional[torch.Tensor] = None    # fp32 [N_padded, K/g, 1]
-    dense_offset: Optional[torch.Tensor] = None   # fp32 [N_padded, K/g]: w = q * scale + offset
 
     @property
     def padded_out_features(self) -> int:
-        return self.packed.shape[0]
+        return self.scale_zero.shape[0]
 
     @property
     def tile_rows(self) -> int:
-        return tile_rows_for(self.in_features, self.padded_out_features, int4pack_block_n())
+        return tile_rows_for(self.in_features, self.padded_out_features, native.ROWS)
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes of the kernel's copy (what a decode step streams)."""
-        return self.packed.numel() + self.scales_and_zeros.numel() * 2
+        """Resident bytes the small-M kernel streams per call."""
+        if self.kernel == "int4pack":
+            return self.packed.numel() + self.scales_and_zeros.numel() * 2
+        return self.codes.numel() * 4 + self.scale_zero.numel() * 2
 
     @property
     def dense_nbytes(self) -> int:
-        """Extra resident bytes of the dense-tile copy (0 when it is not kept)."""
-        return sum(t.numel() * t.element_size() for t in (self.dense_codes, self.dense_scale, self.dense_offset)
-                   if t is not None)
+        """Extra resident bytes kept for the dense tiles (0 with the native kernel: one copy serves both)."""
+        return self.codes.numel() * 4 if self.kernel == "int4pack" and self.codes is not None else 0
 
     def keep_dense_copy(self) -> None:
-        """Build the dense-tile copy from the kernel's packing (no-op when it exists)."""
-        if self.dense_codes is None:
-            codes = self.int4pack_codes_t(0, self.padded_out_features).T  # [N, K] uint8
-            self.dense_codes = split_k_halves(codes)
-        if self.dense_scale is None:
-            self.dense_scale, self.dense_offset = dense_scales_and_offsets(self.scales_and_zeros)
-
-    def drop_dense_copy(self) -> None:
-        self.dense_codes = self.dense_scale = self.dense_offset = None
+        """With int4pack: rebuild the planar codes from the packing (no-op when they exist)."""
+        if self.codes is None:
+            codes = self.int4pack_codes_t(0, self.packed.shape[0]).T[:self.padded_out_features]  # [N, K]
+            self.codes = to_planar(codes, self.group_size)
 
     def set_crossover(self, crossover: Optional[int], calibration: Optional[CrossoverCalibration] = None) -> None:
-        """Use the dense path from ``crossover`` on; keep its copy only when it can be used."""
+        """Use the dense path from ``crossover`` on; with int4pack, keep the planar copy only when it can be used."""
+        if self.in_features % planar_chunk(self.group_size):
+            crossover = None  # no planar layout for this K (g = 32, K not a multiple of 64): int4pack at every M
         self.crossover, self.calibration = crossover, calibration
-        if crossover is None or crossover > DENSE_COPY_MAX_M:
-            self.drop_dense_copy()
+        if self.kernel == "int4pack" and (crossover is None or crossover > DENSE_COPY_MAX_M):
+            self.codes = None
         else:
             self.keep_dense_copy()
 
     def uses_dense_tiles(self, m: int) -> bool:
         return self.crossover is not None and m >= self.crossover
 
-    def run_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
-        """PyTorch's INT4 kernel on BF16 activations (the small-M path); returns bf16."""
+    def run_small_m(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The small-M kernel; returns ``x2d``'s dtype for bf16/fp32 input (bf16 for the int4pack kernel)."""
+        if self.kernel == "int4pack":
+            return self.run_int4pack(x2d)
+        if x2d.dtype not in (torch.bfloat16, torch.float32) or not x2d.is_contiguous():
+            x2d = x2d.to(torch.bfloat16 if x2d.dtype != torch.float32 else x2d.dtype).contiguous()
+        return native.int4_gemv(self.codes, self.scale_zero, x2d, self.group_size, self.out_features)
+
+    def build_int4pack(self, codes: Optional[torch.Tensor] = None) -> None:
+        """PyTorch's packing of the same codes (rows padded to :data:`PACK_ROWS`), bf16 scales/zeros."""
+        if self.packed is not None:
+            return
+        codes = from_planar(self.codes, self.group_size) if codes is None else codes
+        sz = self.scale_zero
+        pad = -codes.shape[0] % PACK_ROWS
+        if pad:  # padded rows: code 8, scale 0, zero 8 -> weight 0, and every packing block is full
+            codes = torch.cat((codes, torch.full((pad, codes.shape[1]), 8, dtype=torch.int32)))
+            sz = torch.cat((sz, torch.zeros(pad, *sz.shape[1:], dtype=sz.dtype)))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.scales_and_zeros = kernel_scales_and_zeros(sz)
+
+    def run_int4pack(self, x2d: torch.Tensor) -> torch.Tensor:
+        """PyTorch's INT4 kernel on BF16 activations (bf16 scales: the weights differ by that rounding)."""
+        self.build_int4pack()
         if x2d.dtype != torch.bfloat16 or not x2d.is_contiguous():
             x2d = x2d.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed,
-                                                       self.group_size, self.scales_and_zeros)
-        return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size, self.scales_and_zeros)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+    # the name the benchmark and the calibration use for "the small-M path"
+    run_kernel = run_small_m
 
     def int4pack_codes_t(self, n0: int, n1: int) -> torch.Tensor:
-        """Codes ``[K, n1-n0]`` (uint8, view of a fresh buffer) unpacked from the kernel's packing.
+        """Codes ``[K, n1-n0]`` (uint8, view of a fresh buffer) unpacked from the int4pack packing.
 
-        Only used to build the dense copy and as the reference it is tested against. The nibbles are
-        split and transposed as int64 words (8 codes at a time): byte-wise, the packing's 16-row
-        half-blocks make PyTorch copy 16-byte runs.
+        The nibbles are split and transposed as int64 words (8 codes at a time): byte-wise, the packing's
+        16-row half-blocks make PyTorch copy 16-byte runs.
         """
         block_n, k = int4pack_block_n(), self.in_features
         rows, words = n1 - n0, block_n // 16  # int64 words per half-block of packed bytes
@@ -179,142 +211,112 @@ class Int4Linear:
         codes[:, :, words:].copy_(((packed >> 4) & LOW_NIBBLES).transpose(0, 1))  # rows d + BLOCK_N/2
         return codes.view(torch.uint8).view(k, rows)
 
-    def use_native(self) -> bool:
-        """The one-pass C dequantizer (fp32 tiles only; :mod:`musecore_xeon.kernels.native`)."""
-        return self.dense_dtype == torch.float32 and native.available()
-
-    def native_tile(self, n0: int, n1: int, workspace: torch.Tensor) -> torch.Tensor:
-        """``q * scale + offset`` of rows ``n0:n1`` as fp32 ``[n1-n0, K]`` in ``workspace``, in one pass."""
-        rows, k = n1 - n0, self.in_features
-        return native.dequant_split_k(self.dense_codes[n0:n1], self.dense_scale[n0:n1], self.dense_offset[n0:n1],
-                                      workspace[: rows * k].view(rows, k), self.group_size)
-
-    def scaled_codes_tile(self, n0: int, n1: int, workspace: torch.Tensor, scratch: torch.Tensor,
-                          with_offset: bool) -> torch.Tensor:
-        """``q * scale`` (+ ``offset`` if ``with_offset``) of rows ``n0:n1`` as ``[n1-n0, K]`` in
-        ``workspace``'s dtype, from the dense copy: four vectorised passes, the fp32 write done once.
-
-        ``workspace`` (>= ``(n1-n0) * K`` elements) and ``scratch`` (uint8, >= ``(n1-n0) * K/2``)
-        are reused across tiles: a fresh multi-MiB buffer per tile costs page faults on every call.
-        """
-        k, g = self.in_features, self.group_size
-        rows, half = n1 - n0, k // 2
-        codes = self.dense_codes[n0:n1]
-        nibbles = scratch[: rows * half].view(rows, half)
+    def torch_ops_tile(self, n0: int, n1: int, workspace: torch.Tensor) -> torch.Tensor:
+        """``(q - z) * scale`` of rows ``n0:n1`` as ``[n1-n0, K]`` fp32 with PyTorch ops (no compiler)."""
+        rows, k, g = n1 - n0, self.in_features, self.group_size
         tile = workspace[: rows * k].view(rows, k)
-        torch.bitwise_and(codes, 0xF, out=nibbles)
-        tile[:, :half].copy_(nibbles)
-        torch.bitwise_right_shift(codes, 4, out=nibbles)
-        tile[:, half:].copy_(nibbles)
+        tile.copy_(from_planar(self.codes[n0:n1], g))
+        sz = self.scale_zero[n0:n1].float()
         groups = tile.view(rows, k // g, g)
-        groups.mul_(self.dense_scale[n0:n1].to(tile.dtype))
-        if with_offset:
-            groups.add_(self.dense_offset[n0:n1, :, None].to(tile.dtype))
-        return tile
+        return groups.sub_(sz[..., 1:]).mul_(sz[..., :1]).view(rows, k)
+
+    def tile(self, n0: int, n1: int, workspace: torch.Tensor) -> torch.Tensor:
+        """Rows ``n0:n1`` of the dequantized weight, fp32 ``[n1-n0, K]`` in ``workspace`` (exact)."""
+        rows, k = n1 - n0, self.in_features
+        if native.available():
+            return native.int4_dequant(self.codes[n0:n1], self.scale_zero[n0:n1], workspace[: rows * k].view(rows, k),
+                                       self.group_size)
+        return self.torch_ops_tile(n0, n1, workspace)
 
     def run_tiles(self, x2d: torch.Tensor) -> torch.Tensor:
-        """Dense GEMM on tiles dequantized one at a time into one reused buffer (the compute-bound path).
-
-        In fp32 the per-group offsets are not added to the tiles (a full pass over each tile) but once
-        to the output: ``x @ (q*s + o).T = x @ (q*s).T + xsum_g @ o.T`` with ``xsum_g`` the activation
-        sums over each group (a ``[M, K/g] x [K/g, N]`` GEMM).
-        """
+        """Dense GEMM on tiles dequantized one at a time into one reused buffer (the compute-bound path)."""
         self.keep_dense_copy()
-        k, g, tile_rows = self.in_features, self.group_size, self.tile_rows
-        workspace = tile_workspace(k * tile_rows, self.dense_dtype)
-        if self.use_native():
-            # the C loop called directly on row offsets: per-tile Python overhead was ~10 us of a 50 us tile
-            fn, groups = native.load().musecore_dequant_split_k, k // g
-            codes, scale, offset = (t.data_ptr() for t in (self.dense_codes, self.dense_scale, self.dense_offset))
-            full = workspace[: tile_rows * k].view(tile_rows, k)
-
-            def tile_t(n0: int, n1: int) -> torch.Tensor:
-                rows = n1 - n0
-                fn(codes + n0 * (k // 2), scale + 4 * n0 * groups, offset + 4 * n0 * groups, full.data_ptr(), rows, k, g)
-                return (full if rows == tile_rows else workspace[: rows * k].view(rows, k)).T
-
-            y = tiled_matmul(x2d.to(torch.float32), self.padded_out_features, tile_rows, tile_t)
-            return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
-        fold_offset = self.dense_dtype == torch.float32
-        scratch = tile_workspace(k // 2 * tile_rows, torch.uint8, slot=1)
-        x = x2d.to(self.dense_dtype)
-        y = tiled_matmul(x, self.padded_out_features, tile_rows,
-                         lambda n0, n1: self.scaled_codes_tile(n0, n1, workspace, scratch, not fold_offset).T)
-        if fold_offset:
-            y.addmm_(x.view(x.shape[0], k // g, g).sum(-1), self.dense_offset.T)
+        k, tile_rows = self.in_features, self.tile_rows
+        workspace = tile_workspace(k * tile_rows, torch.float32)
+        if self.dense_dtype == torch.float32:
+            tile_t = lambda n0, n1: self.tile(n0, n1, workspace).T  # noqa: E731
+        else:  # native BF16 GEMM (AMX / AVX-512 BF16): the exact fp32 tile rounded to bf16
+            low = tile_workspace(k * tile_rows, self.dense_dtype, slot=1)
+            tile_t = lambda n0, n1: low[: (n1 - n0) * k].view(n1 - n0, k).copy_(self.tile(n0, n1, workspace)).T  # noqa: E731
+        y = tiled_matmul(x2d.to(self.dense_dtype), self.padded_out_features, tile_rows, tile_t)
         return y if self.padded_out_features == self.out_features else y[:, :self.out_features]
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole weight ``[N, K]`` from the dense copy, as the dense path sees it (tests, debugging)."""
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight ``[N, K]`` fp32 as the dense path sees it (tests, debugging)."""
         self.keep_dense_copy()
         n, k = self.padded_out_features, self.in_features
-        if dtype == torch.float32 and self.use_native():
-            return self.native_tile(0, n, torch.empty(n * k))[:self.out_features]
-        w = self.scaled_codes_tile(0, n, torch.empty(n * k, dtype=dtype), torch.empty(n * k // 2, dtype=torch.uint8),
-                                   with_offset=True)
-        return w[:self.out_features]
-
-    def dequantize_int4pack(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole weight ``[N, K]`` from the kernel's packing and scales (the reference for the copy)."""
-        n, k, g = self.padded_out_features, self.in_features, self.group_size
-        q = self.int4pack_codes_t(0, n).T.to(dtype)  # [N, K]
-        sz = self.scales_and_zeros.to(dtype)  # [K/g, N, 2]
-        scale = sz[..., 0].T.contiguous()
-        offset = (sz[..., 1] - 8.0 * sz[..., 0]).T.contiguous()
-        w = q.view(n, k // g, g).mul_(scale[..., None]).add_(offset[..., None]).view(n, k)
-        return w[:self.out_features]
+        return self.tile(0, n, torch.empty(n * k))[:self.out_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_kernel(x2d)
+        y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_small_m(x2d)
         return restore_shape(y, x, self.out_features)
 
 
 def check_int4_shape(in_features: int, group_size: int) -> None:
-    """Raise with what to do when PyTorch's INT4 CPU kernel cannot take this weight."""
+    """Raise with what to do when this backend cannot take this weight."""
     if group_size not in KERNEL_GROUP_SIZES:
-        raise ValueError(f"INT4 group size {group_size} is not supported by _weight_int4pack_mm_for_cpu "
+        raise ValueError(f"INT4 group size {group_size} is not supported by the xeon INT4 kernels "
                          f"(supported: {KERNEL_GROUP_SIZES}); requantize with group_size=128")
     if in_features % group_size:
         raise ValueError(f"INT4 in_features {in_features} is not a multiple of group size {group_size}")
 
 
+def fp16_scales(scale: torch.Tensor) -> torch.Tensor:
+    """The QTensor's scales as fp16 (the canonical dtype); other dtypes must convert exactly."""
+    if scale.dtype == torch.float16:
+        return scale
+    half = scale.to(torch.float16)
+    if not torch.equal(half.to(scale.dtype), scale):
+        raise ValueError(f"INT4 scales of dtype {scale.dtype} are not exactly representable in fp16 (the canonical "
+                         "int4 scale dtype, musecore_quant.qtensor); convert them to fp16 when reading the checkpoint")
+    return half
+
+
 def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], group_size: int,
-              dense_dtype: torch.dtype, keep_dense_copy: bool = True) -> Int4Linear:
+              dense_dtype: torch.dtype, kernel: Optional[str] = None) -> Int4Linear:
     """Canonical INT4 tensors of one weight (``data [N, K/2]``, ``scale``/``zero [N, K/g]``) -> resident.
 
-    ``keep_dense_copy``: also build the dense-tile copy (dropped later by
-    :meth:`Int4Linear.set_crossover` when the measured crossover is None).
+    ``kernel``: the small-M kernel (default :func:`small_m_kernel`). With ``int4pack`` the planar copy is
+    built too and dropped later by :meth:`Int4Linear.set_crossover` when the dense path is never used.
     """
     n, k = data.shape[0], data.shape[1] * 2
     check_int4_shape(k, group_size)
-    codes, sz = unpack_codes(data), kernel_scales_and_zeros(scale, zero)
-    pad = -n % PACK_ROWS
-    if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0, and every packing block is full
+    kernel = kernel or small_m_kernel(k, group_size)
+    if kernel == "native" and k % planar_chunk(group_size):
+        raise ValueError(f"the native INT4 kernel needs K a multiple of {planar_chunk(group_size)}; got {k}")
+    codes = unpack_codes(data)
+    sz = torch.stack((fp16_scales(scale), (torch.full_like(scale, 8, dtype=torch.float16) if zero is None
+                                           else zero.to(torch.float16))), dim=-1)
+    pad = -n % native.ROWS
+    if pad:  # padded rows: code 8, scale 0, zero 8 -> weight 0
         codes = torch.cat((codes, torch.full((pad, k), 8, dtype=torch.int32)))
-        sz = torch.cat((sz, torch.zeros(sz.shape[0], pad, 2, dtype=sz.dtype)), dim=1)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    lin = Int4Linear(packed, sz, group_size, n, k, dense_dtype)
-    if keep_dense_copy:
-        lin.dense_codes = split_k_halves(codes)
-        lin.dense_scale, lin.dense_offset = dense_scales_and_offsets(sz)
+        sz = torch.cat((sz, torch.zeros(pad, *sz.shape[1:], dtype=sz.dtype)))
+    planar = to_planar(codes, group_size) if k % planar_chunk(group_size) == 0 else None
+    lin = Int4Linear(planar, sz.contiguous(), group_size, n, k, dense_dtype, kernel)
+    if kernel == "int4pack":
+        lin.build_int4pack(codes)
     return lin
 
 
-def int4_crossover(in_features: int, out_features: int, group_size: int,
-                   dense_dtype: torch.dtype) -> CrossoverCalibration:
-    """Measured M from which the tiled dense path beats the INT4 kernel (cached per shape class)."""
+def int4_crossover(in_features: int, out_features: int, group_size: int, dense_dtype: torch.dtype,
+                   kernel: str = "native") -> CrossoverCalibration:
+    """Measured M from which the tiled dense path beats the small-M kernel (cached per shape class)."""
     proxy_rows = min(out_features + -out_features % PACK_ROWS, PROXY_MAX_ROWS)
+    if in_features % planar_chunk(group_size):
+        return CrossoverCalibration("int4-" + kernel, in_features, proxy_rows, torch.get_num_threads(), None,
+                                    f"K={in_features} not a multiple of {planar_chunk(group_size)}: no dense tiles")
 
     def measure() -> CrossoverCalibration:
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, 256, (proxy_rows, in_features // 2), dtype=torch.uint8, generator=g)
         scale = (torch.rand(proxy_rows, in_features // group_size, generator=g) * 0.02).half()
-        proxy = pack_int4(data, scale, None, group_size, dense_dtype)
-        return measure_crossover("int4", in_features, proxy_rows, proxy.run_kernel, proxy.run_tiles, torch.bfloat16)
+        proxy = pack_int4(data, scale, None, group_size, dense_dtype, kernel)
+        return measure_crossover("int4-" + kernel, in_features, proxy_rows, proxy.run_small_m, proxy.run_tiles,
+                                 torch.bfloat16)
 
-    key = ("int4", in_features, proxy_rows, group_size, dense_dtype)
-    return cached_crossover(key, INT4_CROSSOVER_ENV, "int4", in_features, proxy_rows, measure)
+    key = ("int4", kernel, in_features, proxy_rows, group_size, dense_dtype)
+    return cached_crossover(key, INT4_CROSSOVER_ENV, "int4-" + kernel, in_features, proxy_rows, measure)
 
 
 def prepare_int4(qt: QTensor, dense_dtype: torch.dtype, *, calibrate: bool = True) -> Int4Linear:
@@ -332,6 +334,7 @@ def prepare_int4(qt: QTensor, dense_dtype: torch.dtype, *, calibrate: bool = Tru
                          "(stacked experts go through prepare_experts)")
     resident = pack_int4(qt.data, qt.scale, qt.zero, qt.group_size, dense_dtype)
     if calibrate:
-        calibration = int4_crossover(resident.in_features, resident.out_features, qt.group_size, dense_dtype)
+        calibration = int4_crossover(resident.in_features, resident.out_features, qt.group_size, dense_dtype,
+                                     resident.kernel)
         resident.set_crossover(calibration.crossover, calibration)
     return resident

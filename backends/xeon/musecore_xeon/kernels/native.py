@@ -1,20 +1,34 @@
-"""A one-pass INT4 -> fp32 tile dequantizer in C, compiled at first use and called through ctypes.
+"""The INT4 kernels in C: a GEMV / skinny GEMM for small M and the dense-tile dequantizer, compiled at
+first use and called through ctypes.
 
-Why: the dense-tile path costs one SGEMM plus one dequantization per tile, and the BF16 path it is
-compared with costs the same SGEMM plus one BF16 -> fp32 copy (one write of the fp32 tile). With
-PyTorch ops the INT4 tile takes four passes (``& 0xF``, ``>> 4``, two converting copies, ``mul_``),
-measured 0.5-0.7 ms per 2 Mi-element tile against 0.25-0.3 ms for the BF16 upcast on the 2-core
-EPYC, which left INT4 at 0.85-0.95x of BF16 above the crossover. This loop writes each fp32 weight
-once (``fma(q, scale, offset)``, auto-vectorised by the compiler) and measured 0.27 ms: parity.
+Why: PyTorch's ``_weight_int4pack_mm_for_cpu`` is compute-bound on AVX2 (~6 Gweights/s per core, 15-20%
+of the memory bandwidth at M=1 on the 2-core EPYC), so INT4 decode was only 1.15-1.5x BF16. This GEMV
+decodes 8 codes with two vector ops (AND or shift, int32 -> fp32) and one FMA, on a layout made for it:
 
-It needs a C compiler (``cc``/``gcc``, no PyTorch headers, <1 s) the first time; the shared
-object is cached under ``$MUSECORE_XEON_CACHE`` (default ``~/.cache/musecore_xeon``) by a hash
-of the source and flags. Without a compiler, or with ``MUSECORE_XEON_NATIVE_DEQUANT=0``, the
-backend uses the PyTorch-op dequantization (same values, slower). Single-threaded: the GEMM that
-follows is PyTorch's and uses every intra-op thread.
+**Nibble-planar layout.** A row of K codes is cut into chunks of C = max(g, 64) columns, each stored as
+W = C/8 int32 words; nibble j of word q holds column ``j*W + q`` of the chunk (for g = 128: 16 words,
+nibble j = columns 16j..16j+15). ``w & (0xF << 4j)`` converted to fp32 is ``q * 2^(4j)`` exactly, so the
+activation is pre-scaled once per call (``x * 2^-4j``, a power of two: exact) and the inner loop is
+AND, CVT, FMA per 8 weights (nibble 7 is shifted down instead: bit 31 is the sign). The scales are the
+QTensor's own fp16 values with the zero, ``(scale, z)`` fp16 pairs ``[N, K/g, 2]``: 4 bytes per group,
+the same as PyTorch's bf16 (scale, zero) pairs, and the weights are exact (``(q - z) * scale`` fits
+fp32). Per group and row, ``sum x*(q-z)*s = s*sum(x*q) - z*s*sum_group(x)``: the raw sum is a vector
+accumulator, then one FMA with the scale; the zero term uses group sums of x computed once per call.
+Only the summation order differs from a dequantize-then-matmul (fp32 accumulation throughout).
 
-Exactness: ``q * scale`` is exact in fp32 (a 4-bit code times a bf16 scale), so the fused
-multiply-add rounds the same real number once, exactly as ``mul_`` then ``add_`` do.
+The same codes feed the dense-tile path above the crossover M (``musecore_int4_dequant``: fp32 tiles
+for SGEMM), so there is one resident copy of the codes (0.53 byte/weight at g = 128).
+
+**Threads.** Row blocks are split with OpenMP over ``torch.get_num_threads()`` threads, linked against
+PyTorch's own ``libgomp`` (``torch/lib``): one thread pool for PyTorch and these kernels (a second
+OpenMP runtime spins and fights PyTorch's on a 2-core host). Without that library the code is built
+without OpenMP (one thread), and :data:`UNAVAILABLE` says so.
+
+Build: the system C compiler (``$CC``, ``cc`` or ``gcc``; no PyTorch headers, ~1 s) the first time; the
+shared object is cached under ``$MUSECORE_XEON_CACHE`` (default ``~/.cache/musecore_xeon``) keyed by a
+hash of the source and flags. ``-mavx2 -mfma -mf16c`` where the CPU has them; elsewhere the portable C
+path (``#ifndef __AVX2__``) is compiled. Without a compiler, or with ``MUSECORE_XEON_NATIVE_DEQUANT=0``,
+the backend runs PyTorch's int4pack kernel and PyTorch-op dequantization, announced by a RuntimeWarning.
 """
 
 from __future__ import annotations
@@ -34,89 +48,371 @@ import torch
 
 NATIVE_ENV = "MUSECORE_XEON_NATIVE_DEQUANT"
 CACHE_ENV = "MUSECORE_XEON_CACHE"
+ROWS = 4  # rows per GEMV block (ROWS in the C source): the nibble-planar codes are padded to a multiple
 
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-/* out[j] = ((codes[j - c0] >> shift) & 15) * scale[j / g] + offset[j / g] for columns c0 <= j < c1 */
-static void columns(const uint8_t *codes, int shift, const float *scale, const float *offset, float *out,
-                    int64_t c0, int64_t c1, int64_t g) {
-    for (int64_t a = c0; a < c1;) {
-        int64_t b = (a / g + 1) * g;
-        if (b > c1) b = c1;
-        const float s = scale[a / g], o = offset[a / g];
-        const uint8_t *c = codes - c0;
-        for (int64_t j = a; j < b; ++j) out[j] = (float)((c[j] >> shift) & 15) * s + o;
-        a = b;
+/* Nibble-planar INT4 layout (see musecore_xeon/kernels/native.py): a row of K codes is cut into chunks of
+   C = max(g, 64) columns, each stored as W = C/8 int32 words; nibble j of word q holds column j*W + q of the
+   chunk, so one nibble of W consecutive words is W consecutive columns. */
+#define ROWS 4 /* rows per block of the GEMV; codes are padded to a multiple of it */
+
+static inline int64_t chunk_of(int64_t g) { return g >= 64 ? g : 64; }
+
+static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, man = h & 1023u;
+    if (e == 0) { float f = (float)man * 5.9604644775390625e-8f; return sign ? -f : f; }
+    if (e == 31) return bits_to_float(sign | 0x7F800000u | (man << 13));
+    return bits_to_float(sign | ((e + 112u) << 23) | (man << 13));
+#endif
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t b; memcpy(&b, &f, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 64);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+static inline float load_x(const void *x, int bf16, int64_t i) {
+    return bf16 ? bits_to_float((uint32_t)((const uint16_t *)x)[i] << 16) : ((const float *)x)[i];
+}
+
+/* Per-thread scratch, grown as needed (a fresh large malloc per call would be a fresh mmap: page faults). */
+static __thread float *scratch_buf;
+static __thread size_t scratch_cap;
+static float *scratch(size_t n) {
+    if (n > scratch_cap) {
+        free(scratch_buf);
+        scratch_buf = (float *)malloc(n * sizeof(float));
+        scratch_cap = scratch_buf ? n : 0;
+    }
+    return scratch_buf;
+}
+
+/* xs[m, c] = x[m, c] * 2^(-4j) where j < 7 is the nibble holding column c (j = 7 is shifted down, factor 1);
+   xsum[m, grp] = the sum of x[m, :] over each group. */
+static void prepare_x(const void *x, int x_bf16, int64_t m_rows, int64_t k, int64_t g, float *xs, float *xsum) {
+    const int64_t chunk = chunk_of(g), words = chunk / 8, groups = k / g;
+    for (int64_t m = 0; m < m_rows; ++m) {
+        for (int64_t grp = 0; grp < groups; ++grp) xsum[m * groups + grp] = 0.0f;
+        for (int64_t c0 = 0; c0 < k; c0 += chunk)
+            for (int j = 0; j < 8; ++j) {
+                const float factor = j == 7 ? 1.0f : bits_to_float((uint32_t)(127 - 4 * j) << 23);
+                const int64_t base = c0 + j * words;
+                float sum = 0.0f;
+                for (int64_t q = 0; q < words; ++q) {
+                    const float v = load_x(x, x_bf16, m * k + base + q);
+                    xs[m * k + base + q] = v * factor;
+                    sum += v;
+                }
+                xsum[m * groups + base / g] += sum;
+            }
     }
 }
 
-/* out[r, c] = q * scale[r, c / g] + offset[r, c / g] for r < rows, c < k, where the codes are
-   uint8 [rows, k/2] in split-K halves: low nibble = column c, high nibble = column c + k/2. */
-void musecore_dequant_split_k(const uint8_t *codes, const float *scale, const float *offset, float *out,
-                              int64_t rows, int64_t k, int64_t g) {
-    const int64_t half = k / 2, groups = k / g;
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t *c = codes + r * half;
-        const float *s = scale + r * groups, *o = offset + r * groups;
-        float *row = out + r * k;
-        columns(c, 0, s, o, row, 0, half, g);
-        columns(c, 4, s, o, row, half, k, g);
+static inline void store_y(void *y, int y_bf16, int64_t i, float v) {
+    if (y_bf16) ((uint16_t *)y)[i] = float_to_bf16(v);
+    else ((float *)y)[i] = v;
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One activation row, ROWS rows of W: the codes are decoded once per 8 columns (AND or shift, int -> float,
+   exact) into fp32 FMAs against the pre-scaled activation. Per group: acc = sum xs * (q << 4j), then
+   tot += scale * acc; the zero term -z*scale*sum_group(x) is a scalar added once per group. */
+static inline __attribute__((always_inline)) void gemv_rows(
+        const int32_t *codes, const uint16_t *sz, const float *xs, const float *xsum, float out[ROWS],
+        int64_t n, int64_t k, const int64_t g) {
+    const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8, vecs = words / 8;
+    __m256 acc[ROWS], tot[ROWS];
+    float off[ROWS];
+    const int32_t *row[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+        acc[r] = tot[r] = _mm256_setzero_ps(); off[r] = 0.0f; row[r] = codes + (n + r) * kw;
     }
+#define FLUSH(GRP)                                                                              \
+    for (int r = 0; r < ROWS; ++r) {                                                            \
+        const uint16_t *p = sz + ((n + r) * groups + (GRP)) * 2;                                \
+        const float s = half_to_float(p[0]);                                                    \
+        tot[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(s), tot[r]);                            \
+        acc[r] = _mm256_setzero_ps();                                                           \
+        off[r] -= half_to_float(p[1]) * s * xsum[GRP];                                          \
+    }
+    for (int64_t c = 0; c < k / chunk; ++c) {
+        for (int64_t v = 0; v < vecs; ++v) {
+            __m256i w[ROWS];
+            for (int r = 0; r < ROWS; ++r) {
+                w[r] = _mm256_loadu_si256((const __m256i *)(row[r] + c * words + v * 8));
+                _mm_prefetch((const char *)(row[r] + c * words + v * 8) + 512, _MM_HINT_T0);
+            }
+            const float *xc = xs + c * chunk + v * 8;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j) {
+                const __m256 xv = _mm256_loadu_ps(xc + j * words);
+                for (int r = 0; r < ROWS; ++r) {
+                    const __m256i bits = j == 7 ? _mm256_srli_epi32(w[r], 28)
+                                                : _mm256_and_si256(w[r], _mm256_set1_epi32(15 << (4 * j)));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bits), xv, acc[r]);
+                }
+                if (chunk != g && j == 3) { FLUSH(2 * c) } /* g = 32: nibbles 0-3 are one group, 4-7 the next */
+            }
+        }
+        if (chunk != g) { FLUSH(2 * c + 1) } else { FLUSH(c) }
+    }
+#undef FLUSH
+    for (int r = 0; r < ROWS; ++r) out[r] = hsum(tot[r]) + off[r];
+}
+
+/* ROWS rows decoded once per group into an L1 buffer of q << 4j floats, then multiplied into the
+   activation rows two at a time (8 accumulators: 4 rows x 2 activations). */
+static inline __attribute__((always_inline)) void gemm_rows(
+        const int32_t *codes, const uint16_t *sz, const float *xs, const float *xsum, void *y, int y_bf16,
+        int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, const int64_t g) {
+    const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8;
+    float dq[ROWS][256] __attribute__((aligned(32)));
+    float tot[16][ROWS];  /* the caller passes at most 16 activation rows at a time */
+    for (int64_t m = 0; m < m_rows; ++m)
+        for (int r = 0; r < ROWS; ++r) tot[m][r] = 0.0f;
+    for (int64_t c = 0; c < k / chunk; ++c) {
+        for (int r = 0; r < ROWS; ++r) {
+            const int32_t *src = codes + (n + r) * kw + c * words;
+            for (int64_t v = 0; v < words / 8; ++v) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(src + v * 8));
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; ++j) {
+                    const __m256i bits = j == 7 ? _mm256_srli_epi32(w, 28)
+                                                : _mm256_and_si256(w, _mm256_set1_epi32(15 << (4 * j)));
+                    _mm256_store_ps(dq[r] + j * words + v * 8, _mm256_cvtepi32_ps(bits));
+                }
+            }
+        }
+        for (int64_t h = 0; h < chunk / g; ++h) {  /* the groups of this chunk (2 when g = 32) */
+            const int64_t grp = c * (chunk / g) + h;
+            float s[ROWS], o[ROWS];
+            for (int r = 0; r < ROWS; ++r) {
+                const uint16_t *p = sz + ((n + r) * groups + grp) * 2;
+                s[r] = half_to_float(p[0]);
+                o[r] = -half_to_float(p[1]) * s[r];
+            }
+            for (int64_t m = 0; m < m_rows; m += 2) {
+                const int pair = m + 1 < m_rows;
+                const float *x0 = xs + m * k + c * chunk + h * g, *x1 = pair ? x0 + k : x0;
+                __m256 acc[ROWS][2];
+                for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+                for (int64_t e = 0; e < g; e += 8) {
+                    const __m256 a = _mm256_loadu_ps(x0 + e), b = _mm256_loadu_ps(x1 + e);
+                    for (int r = 0; r < ROWS; ++r) {
+                        const __m256 d = _mm256_load_ps(dq[r] + h * g + e);
+                        acc[r][0] = _mm256_fmadd_ps(d, a, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(d, b, acc[r][1]);
+                    }
+                }
+                for (int r = 0; r < ROWS; ++r) {
+                    tot[m][r] += s[r] * hsum(acc[r][0]) + o[r] * xsum[m * groups + grp];
+                    if (pair) tot[m + 1][r] += s[r] * hsum(acc[r][1]) + o[r] * xsum[(m + 1) * groups + grp];
+                }
+            }
+        }
+    }
+    for (int64_t m = 0; m < m_rows; ++m)
+        for (int r = 0; r < ROWS; ++r)
+            if (n + r < n_valid) store_y(y, y_bf16, m * n_valid + n + r, tot[m][r]);
+}
+
+static inline __attribute__((always_inline)) void row_block_g(
+        const int32_t *codes, const uint16_t *sz, const float *xs, const float *xsum, void *y, int y_bf16,
+        int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, const int64_t g) {
+    if (m_rows == 1) {
+        float out[ROWS];
+        gemv_rows(codes, sz, xs, xsum, out, n, k, g);
+        for (int r = 0; r < ROWS; ++r)
+            if (n + r < n_valid) store_y(y, y_bf16, n + r, out[r]);
+        return;
+    }
+    for (int64_t m = 0; m < m_rows; m += 16) {
+        const int64_t mb = m_rows - m < 16 ? m_rows - m : 16;
+        gemm_rows(codes, sz, xs + m * k, xsum + m * (k / g), (char *)y + m * n_valid * (y_bf16 ? 2 : 4), y_bf16,
+                  n, n_valid, mb, k, g);
+    }
+}
+
+static void row_block(const int32_t *codes, const uint16_t *sz, const float *xs, const float *xsum, void *y,
+                      int y_bf16, int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, int64_t g) {
+    switch (g) {  /* the group size as a constant: the loops over a group unroll */
+    case 32: row_block_g(codes, sz, xs, xsum, y, y_bf16, n, n_valid, m_rows, k, 32); break;
+    case 64: row_block_g(codes, sz, xs, xsum, y, y_bf16, n, n_valid, m_rows, k, 64); break;
+    case 128: row_block_g(codes, sz, xs, xsum, y, y_bf16, n, n_valid, m_rows, k, 128); break;
+    default: row_block_g(codes, sz, xs, xsum, y, y_bf16, n, n_valid, m_rows, k, 256); break;
+    }
+}
+#else
+/* Portable C (no AVX2): the same decoding and the same per-group sums, one row and one activation row at a time. */
+static void row_block(const int32_t *codes, const uint16_t *sz, const float *xs, const float *xsum, void *y,
+                      int y_bf16, int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, int64_t g) {
+    const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8;
+    for (int64_t r = n; r < n + ROWS && r < n_valid; ++r)
+        for (int64_t m = 0; m < m_rows; ++m) {
+            float tot = 0.0f, off = 0.0f;
+            for (int64_t grp = 0; grp < groups; ++grp) {
+                const uint16_t *p = sz + (r * groups + grp) * 2;
+                const float s = half_to_float(p[0]), o = -half_to_float(p[1]) * s;
+                float acc = 0.0f;
+                for (int64_t col = grp * g; col < (grp + 1) * g; ++col) {
+                    const int64_t c0 = col / chunk * chunk, j = (col - c0) / words, q = (col - c0) % words;
+                    const uint32_t w = (uint32_t)codes[r * kw + c0 / 8 + q];
+                    const float d = j == 7 ? (float)(w >> 28) : (float)(w & (15u << (4 * j)));
+                    acc += d * xs[m * k + col];
+                }
+                tot += s * acc;
+                off += o * xsum[m * groups + grp];
+            }
+            store_y(y, y_bf16, m * n_valid + r, tot + off);
+        }
+}
+#endif
+
+/* y[M, n_valid] = x[M, K] @ W.T with W = (q - z) * scale from nibble-planar codes int32 [n_rows, K/8] and
+   fp16 (scale, zero) pairs [n_rows, K/g, 2]; n_rows is a multiple of ROWS (padded rows are never stored).
+   x and y are fp32 or bf16. Row blocks are split over `threads` OpenMP threads (PyTorch's own runtime). */
+void musecore_int4_gemv(const int32_t *codes, const uint16_t *sz, const void *x, int x_bf16, void *y, int y_bf16,
+                        int64_t m_rows, int64_t k, int64_t g, int64_t n_rows, int64_t n_valid, int threads) {
+    const int64_t groups = k / g;
+    float *xs = scratch((size_t)(m_rows * k + m_rows * groups));
+    if (xs == NULL) return;
+    float *xsum = xs + m_rows * k;
+    prepare_x(x, x_bf16, m_rows, k, g, xs, xsum);
+    const int64_t blocks = n_rows / ROWS;
+#ifdef _OPENMP
+    if (threads > blocks) threads = (int)blocks;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t blk = 0; blk < blocks; ++blk)
+        row_block(codes, sz, xs, xsum, y, y_bf16, blk * ROWS, n_valid, m_rows, k, g);
+}
+
+/* out[r, c] = (q - z) * scale of rows r < rows (fp32 [rows, K]), exact: (q - z) * an fp16 scale fits fp32. */
+void musecore_int4_dequant(const int32_t *codes, const uint16_t *sz, float *out, int64_t rows, int64_t k, int64_t g,
+                           int threads) {
+    const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 8)
+#endif
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c0 = 0; c0 < k; c0 += chunk) {
+            const uint32_t *w = (const uint32_t *)codes + r * kw + c0 / 8;
+            for (int j = 0; j < 8; ++j) {
+                const uint16_t *p = sz + (r * groups + (c0 + j * words) / g) * 2;
+                const float s = half_to_float(p[0]), o = -half_to_float(p[1]) * s;
+                float *dst = out + r * k + c0 + j * words;
+                for (int64_t q = 0; q < words; ++q) dst[q] = (float)((w[q] >> (4 * j)) & 15u) * s + o;
+            }
+        }
+}
+
+int musecore_int4_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
 """
+
+
+def torch_libgomp() -> Optional[Path]:
+    """PyTorch's bundled OpenMP runtime, if it has one (pip wheels on Linux ship ``torch/lib/libgomp.so.1``)."""
+    lib = Path(torch.__file__).parent / "lib"
+    candidates = sorted(lib.glob("libgomp*.so*"))
+    return candidates[0] if candidates else None
 
 
 def compile_flags() -> list[str]:
     from musecore_xeon.cpu import read_cpu_info
     info = read_cpu_info()
     isa = ["-mavx2", "-mfma"] if info.has("avx2") and info.has("fma") else []
-    return ["-O3", "-fPIC", "-shared", *isa]
+    if isa and info.has("f16c"):
+        isa.append("-mf16c")
+    gomp = torch_libgomp()
+    # -fopenmp links "libgomp.so.1"; -L/-rpath make that PyTorch's copy, already loaded by `import torch`
+    omp = ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []
+    return ["-O3", "-fPIC", "-shared", *isa, *omp]
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "musecore_xeon")
 
 
-UNAVAILABLE: list[str] = []  # why the native dequantizer is not used, once known (shown by probe details)
+UNAVAILABLE: list[str] = []  # why the native kernels are not used (or run single-threaded), once known
 
 
 def _unavailable(reason: str) -> None:
-    """Not a silent fallback: the slower PyTorch-op dequantization is announced once, with the reason."""
+    """Not a silent fallback: the slower PyTorch paths are announced once, with the reason."""
     UNAVAILABLE.append(reason)
-    warnings.warn(f"musecore-xeon: {reason}; INT4 dense tiles use the slower PyTorch-op dequantization "
-                  f"(same values). Set {NATIVE_ENV}=0 to choose that explicitly.", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"musecore-xeon: {reason}; INT4 runs PyTorch's _weight_int4pack_mm_for_cpu at small M and "
+                  f"PyTorch-op dequantization for dense tiles (same values, slower). Set {NATIVE_ENV}=0 to "
+                  "choose that explicitly.", RuntimeWarning, stacklevel=3)
+
+
+def disabled() -> bool:
+    return os.environ.get(NATIVE_ENV, "").strip().lower() in ("0", "off", "no", "false")
 
 
 @functools.cache
 def load() -> Optional[ctypes.CDLL]:
-    """The compiled dequantizer, or None (disabled, no compiler, or the build failed)."""
-    if os.environ.get(NATIVE_ENV, "").strip().lower() in ("0", "off", "no", "false"):
+    """The compiled kernels, or None (disabled, no compiler, or the build failed)."""
+    if disabled():
         UNAVAILABLE.append(f"disabled by {NATIVE_ENV}")
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     try:
         flags = compile_flags()
         digest = hashlib.sha256((SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
-        target = cache_dir() / f"dequant-{digest}.so"
+        target = cache_dir() / f"int4-{digest}.so"
         if not target.exists():
             if compiler is None:
-                _unavailable("no C compiler (cc/gcc) to build the native INT4 dequantizer")
+                _unavailable("no C compiler (cc/gcc) to build the native INT4 kernels")
                 return None
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                src, obj = Path(tmp) / "dequant.c", Path(tmp) / "dequant.so"
+                src, obj = Path(tmp) / "int4.c", Path(tmp) / "int4.so"
                 src.write_text(SOURCE)
                 subprocess.run([compiler, *flags, "-o", str(obj), str(src)], check=True, capture_output=True,
                                timeout=120)
                 os.replace(obj, target)  # atomic: concurrent processes never load a half-written file
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as err:
-        _unavailable(f"building/loading the native INT4 dequantizer failed ({type(err).__name__}: {err})")
+        detail = getattr(err, "stderr", b"") or b""
+        _unavailable(f"building/loading the native INT4 kernels failed ({type(err).__name__}: {err} "
+                     f"{detail.decode(errors='replace')[-500:]})")
         return None
-    fn = lib.musecore_dequant_split_k
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    fn.restype = None
+    lib.musecore_int4_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] \
+        + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    lib.musecore_int4_gemv.restype = None
+    lib.musecore_int4_dequant.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.musecore_int4_dequant.restype = None
+    lib.musecore_int4_openmp.restype = ctypes.c_int
+    if not lib.musecore_int4_openmp():
+        UNAVAILABLE.append("built without OpenMP (PyTorch bundles no libgomp here): the INT4 kernels run on one thread")
     return lib
 
 
@@ -124,22 +420,58 @@ def available() -> bool:
     return load() is not None
 
 
-def dequant_split_k(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, out: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
-    """``out [rows, K] = q * scale + offset`` (fp32) from split-K codes ``[rows, K/2]`` and fp32
-    ``scale``/``offset`` ``[rows, K/g]`` (each contiguous, e.g. a row slice); returns ``out``."""
+def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in dtypes or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor of {dtypes}, got {t.dtype} "
+                         f"(contiguous={t.is_contiguous()})")
+
+
+def _check_layout(codes: torch.Tensor, scale_zero: torch.Tensor, k: int, group_size: int) -> None:
+    _check("codes", codes, (torch.int32,))
+    _check("scale_zero", scale_zero, (torch.float16,))
+    rows = codes.shape[0]
+    if k % max(group_size, 64) or group_size not in (32, 64, 128, 256) or codes.shape != (rows, k // 8) \
+            or scale_zero.shape != (rows, k // group_size, 2):
+        raise ValueError(f"nibble-planar INT4: codes {tuple(codes.shape)}, scale_zero {tuple(scale_zero.shape)}, "
+                         f"K={k}, group size {group_size} do not match (expected codes [N, K/8], "
+                         "scale_zero [N, K/g, 2], g in 32/64/128/256, K a multiple of max(g, 64))")
+
+
+def int4_gemv(codes: torch.Tensor, scale_zero: torch.Tensor, x: torch.Tensor, group_size: int,
+              out_features: int) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, out_features]`` in ``x``'s dtype (bf16 or fp32; fp32 accumulation) from
+    nibble-planar ``codes`` int32 ``[N, K/8]`` (N a multiple of :data:`ROWS`) and fp16 ``scale_zero``
+    ``[N, K/g, 2]``.
+
+    Example::
+
+        y = int4_gemv(lin.codes, lin.scale_zero, x_bf16, 128, lin.out_features)
+    """
     lib = load()
     if lib is None:
-        raise RuntimeError("the native INT4 dequantizer is not available (see musecore_xeon.kernels.native)")
+        raise RuntimeError("the native INT4 kernels are not available (see musecore_xeon.kernels.native.UNAVAILABLE)")
+    m, k = x.shape
+    _check_layout(codes, scale_zero, k, group_size)
+    _check("x", x, (torch.bfloat16, torch.float32))
+    if codes.shape[0] % ROWS or not 0 < out_features <= codes.shape[0]:
+        raise ValueError(f"int4_gemv: {codes.shape[0]} code rows (a multiple of {ROWS}) for {out_features} outputs")
+    y = torch.empty(m, out_features, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib.musecore_int4_gemv(codes.data_ptr(), scale_zero.data_ptr(), x.data_ptr(), bf16, y.data_ptr(), bf16,
+                           m, k, group_size, codes.shape[0], out_features, torch.get_num_threads())
+    return y
+
+
+def int4_dequant(codes: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``out [rows, K] = (q - z) * scale`` (fp32, exact) from nibble-planar codes; returns ``out``."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native INT4 kernels are not available (see musecore_xeon.kernels.native.UNAVAILABLE)")
     rows, k = out.shape
-    for t, dtype in ((codes, torch.uint8), (scale, torch.float32), (offset, torch.float32), (out, torch.float32)):
-        if t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"dequant_split_k: expected contiguous {dtype}, got {t.dtype} "
-                             f"(contiguous={t.is_contiguous()})")
-    if k % group_size or k % 2 or codes.shape != (rows, k // 2) \
-            or not scale.numel() == offset.numel() == rows * (k // group_size):
-        raise ValueError(f"dequant_split_k: shapes codes {tuple(codes.shape)}, scale {tuple(scale.shape)}, "
-                         f"out {tuple(out.shape)}, group size {group_size} do not match")
-    lib.musecore_dequant_split_k(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), out.data_ptr(),
-                                 rows, k, group_size)
+    _check_layout(codes, scale_zero, k, group_size)
+    _check("out", out, (torch.float32,))
+    if codes.shape[0] != rows:
+        raise ValueError(f"int4_dequant: {codes.shape[0]} code rows for an output of {rows} rows")
+    lib.musecore_int4_dequant(codes.data_ptr(), scale_zero.data_ptr(), out.data_ptr(), rows, k, group_size,
+                              torch.get_num_threads())
     return out
