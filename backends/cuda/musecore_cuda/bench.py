@@ -21,7 +21,7 @@ import triton
 
 from musecore_cuda.backend import CudaBackend, fp4_linear
 from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm, pick_config
-from musecore_cuda.kernels.fp4_gemv import GEMV_MAX_M, launch_gemv
+from musecore_cuda.kernels.fp4_gemv import COMPILED_STATS, GEMV_MAX_M, launch_gemv
 from musecore_cuda.kernels.moe import use_gemv
 from musecore_cuda.layouts import Fp4Resident
 
@@ -201,8 +201,10 @@ def sweep_gemv_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down", "expe
                             rows.append({"case": "sweep_gemv", "shape": name, "M": m, "error": repr(exc)[:200],
                                          "config": {"block_n": bn, "warps": warps, "split": split}})
                             continue
+                        regs, spills = COMPILED_STATS.get((bn, warps, split, m, False), (None, None))
                         rows.append({"backend": "cuda", "case": "sweep_gemv", "shape": name, "M": m,
-                                     "config": {"block_n": bn, "warps": warps, "split": split},
+                                     "config": {"block_n": bn, "warps": warps, "split": split, "regs": regs,
+                                                "spills": spills},
                                      "time_us": round(t, 2),
                                      "pct_memory_ceiling": round(100 * ws[0].nbytes / t / 1e3 / ceiling, 1)})
         del ws

@@ -40,6 +40,7 @@ from musecore_cuda.kernels.fp4_gemm import CHUNK_K, EXP_OFFSET, MODE_FP32, WFMT_
 
 GEMV_MAX_M = 8  # rows per weight up to which decode takes this kernel (FMA count grows with M)
 WORDS_PER_CHUNK = CHUNK_K // 8  # int32 words per row per 128-element chunk
+COMPILED_STATS: dict[tuple, tuple[int, int]] = {}  # (block_n, warps, split, M, swiglu) -> (registers, spills)
 
 
 @triton.jit
@@ -82,23 +83,23 @@ def _x_nibble(x_rows, kc, n: tl.constexpr, word, x_mask):
 
 
 @triton.jit
-def _gemv_weights(w_ptr, s_ptr, w_row, s_row, n_mask, kc, fold_log2,
-                  WFMT: tl.constexpr, G: tl.constexpr, WPG: tl.constexpr, HW: tl.constexpr):
-    """Words [BN, G, WPG] of chunk ``kc`` and their fp32 group multipliers [BN, G, 1] (low, high half)."""
+def _gemv_load(w_ptr, s_ptr, w_row, s_row, n_mask, kc, G: tl.constexpr, WPG: tl.constexpr):
+    """Words [BN, G, WPG] of chunk ``kc`` and their scale bytes [BN, G, 1] (low half, high half)."""
     g = tl.arange(0, G)[None, :, None]
     i = tl.arange(0, WPG)[None, None, :]
     words = tl.load(w_ptr + w_row[:, None, None] + kc * 16 + g * WPG + i, mask=n_mask[:, None, None], other=0)
     s_base = s_ptr + s_row[:, None, None] + kc * (2 * G) + g
-    s_lo = tl.load(s_base, mask=n_mask[:, None, None], other=0).to(tl.int32)
-    s_hi = tl.load(s_base + G, mask=n_mask[:, None, None], other=0).to(tl.int32)
-    m_lo = _group_mult(s_lo, fold_log2, WFMT, 2, 126, HW)
-    m_hi = _group_mult(s_hi, fold_log2, WFMT, 2, 126, HW)
-    return words, m_lo, m_hi
+    s_lo = tl.load(s_base, mask=n_mask[:, None, None], other=0)
+    s_hi = tl.load(s_base + G, mask=n_mask[:, None, None], other=0)
+    return words, s_lo, s_hi
 
 
 @triton.jit
-def _gemv_chunk(acc, words, m_lo, m_hi, x_rows, kc, word, x_mask, HW: tl.constexpr):
+def _gemv_chunk(acc, words, s_lo, s_hi, fold_log2, x_rows, kc, word, x_mask,
+                WFMT: tl.constexpr, HW: tl.constexpr):
     """acc [BM, BN, G, WPG] += (upcast words) * activations, for one 128-element chunk."""
+    m_lo = _group_mult(s_lo.to(tl.int32), fold_log2, WFMT, 2, 126, HW)
+    m_hi = _group_mult(s_hi.to(tl.int32), fold_log2, WFMT, 2, 126, HW)
     if HW:
         f0, f1, f2, f3, f4, f5, f6, f7 = _decode_word(words, tl.broadcast_to(m_lo, words.shape),
                                                       tl.broadcast_to(m_hi, words.shape))
@@ -159,14 +160,22 @@ def fp4_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, G, WPG), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N, G, WPG), dtype=tl.float32)
     chunks = K // 128 // SPLIT_K
+    k0 = pid_k * chunks
+    # Register double buffer: chunk c+1's bytes are requested before chunk c is computed, so each
+    # program keeps two chunks of loads in flight (the loop is memory-latency bound otherwise).
+    words, s_lo, s_hi = _gemv_load(w_ptr, s_ptr, w_row, s_row, n_mask, k0, G, WPG)
+    if SWIGLU:
+        words2, s2_lo, s2_hi = _gemv_load(w2_ptr, s2_ptr, w_row, s_row, n_mask, k0, G, WPG)
     for c in range(0, chunks):
-        kc = pid_k * chunks + c
-        words, m_lo, m_hi = _gemv_weights(w_ptr, s_ptr, w_row, s_row, n_mask, kc, fold_log2, WFMT, G, WPG, HW)
-        acc = _gemv_chunk(acc, words, m_lo, m_hi, x_rows, kc, word, x_mask, HW)
+        kc = k0 + c
+        nxt = k0 + tl.minimum(c + 1, chunks - 1)
+        words_n, s_lo_n, s_hi_n = _gemv_load(w_ptr, s_ptr, w_row, s_row, n_mask, nxt, G, WPG)
+        acc = _gemv_chunk(acc, words, s_lo, s_hi, fold_log2, x_rows, kc, word, x_mask, WFMT, HW)
+        words, s_lo, s_hi = words_n, s_lo_n, s_hi_n
         if SWIGLU:
-            words2, m2_lo, m2_hi = _gemv_weights(w2_ptr, s2_ptr, w_row, s_row, n_mask, kc, fold_log2,
-                                                 WFMT, G, WPG, HW)
-            acc2 = _gemv_chunk(acc2, words2, m2_lo, m2_hi, x_rows, kc, word, x_mask, HW)
+            words2_n, s2_lo_n, s2_hi_n = _gemv_load(w2_ptr, s2_ptr, w_row, s_row, n_mask, nxt, G, WPG)
+            acc2 = _gemv_chunk(acc2, words2, s2_lo, s2_hi, fold_log2, x_rows, kc, word, x_mask, WFMT, HW)
+            words2, s2_lo, s2_hi = words2_n, s2_lo_n, s2_hi_n
 
     y = tl.sum(tl.sum(acc, axis=3), axis=2) * tl.load(out_scale_ptr + expert)
     if SWIGLU:
@@ -222,7 +231,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out
     bn = block_n or gemv_block_n(n, x.device)
     grid = (triton.cdiv(n, bn), split_k, 1 if ids is None else ids.numel())
     w2 = _words(packed2) if packed2 is not None else words
-    fp4_gemv_kernel[grid](
+    compiled = fp4_gemv_kernel[grid](
         x, x.stride(0), ids if ids is not None else out_scale,
         words, scales, w2, scales2 if scales2 is not None else scales,
         words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
@@ -232,4 +241,6 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out
         SWIGLU=packed2 is not None, SPLIT_K=split_k, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn,
         HW=x.device.type == "cuda", num_warps=num_warps,
     )
+    if compiled is not None and hasattr(compiled, "n_regs"):  # registers/spills per config, for the sweep
+        COMPILED_STATS[(bn, num_warps, split_k, m, packed2 is not None)] = (compiled.n_regs, compiled.n_spills)
     return out
