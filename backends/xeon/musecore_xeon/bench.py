@@ -32,6 +32,7 @@ BACKEND = "xeon"
 LINEAR_SHAPES: tuple[tuple[int, int], ...] = ((8192, 2048), (2048, 8192), (512, 1536), (768, 512), (512, 768),
                                               (4096, 8192))
 LINEAR_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+INT4PACK_MAX_M = 16  # PyTorch's int4pack kernel is timed up to this M (for the record)
 
 
 @functools.cache
@@ -78,7 +79,8 @@ def random_int4_linear(backend: XeonBackend, out_features: int, in_features: int
 
 def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence[int] = LINEAR_MS,
                  repeats: int = 3, backend: Optional[XeonBackend] = None) -> list[dict[str, Any]]:
-    """INT4 (kernel / dense tiles by the calibrated crossover) vs BF16 at every (shape, M)."""
+    """INT4 (native GEMV / dense tiles by the calibrated crossover) vs BF16 at every (shape, M), and
+    PyTorch's int4pack kernel at M <= ``INT4PACK_MAX_M``."""
     backend = backend or XeonBackend()
     rows = []
     for n, k in shapes:
@@ -89,9 +91,11 @@ def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence
             x = torch.randn(m, k, dtype=torch.bfloat16)
             act_bytes = 2 * m * (k + n)
             # the two dense-tile paths (same SGEMM, so near-equal at large M) are timed back to back
-            t_torch, t_kernel, t_xbf16, t_tiles = time_interleaved_us(
-                (lambda: F.linear(x, w_bf16), lambda: int4.run_kernel(x), lambda: xeon_bf16(x),
-                 lambda: int4.run_tiles(x)), repeats)
+            fns = [lambda: F.linear(x, w_bf16), lambda: int4.run_small_m(x), lambda: xeon_bf16(x),
+                   lambda: int4.run_tiles(x)]
+            if m <= INT4PACK_MAX_M:  # PyTorch's INT4 kernel, for the record (the pre-native small-M path)
+                fns.append(lambda: int4.run_int4pack(x))
+            t_torch, t_kernel, t_xbf16, t_tiles, *t_int4pack = time_interleaved_us(fns, repeats)
             t_int4 = t_tiles if int4.uses_dense_tiles(m) else t_kernel
             common = {"backend": BACKEND, "case": "linear", "shape": f"{n}x{k}", "M": m}
             rows.append({**common, "impl": "torch-bf16", "format": "bf16", "path": "F.linear", "time_us": t_torch, "speedup_vs_bf16": 1.0,
@@ -99,10 +103,18 @@ def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence
             rows.append({**common, "impl": "xeon-bf16", "format": "bf16", "path": "tiles" if xeon_bf16.uses_dense_tiles(m) else "F.linear",
                          "crossover": xeon_bf16.crossover, "time_us": t_xbf16, "speedup_vs_bf16": t_torch / t_xbf16,
                          "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_xbf16)})
-            rows.append({**common, "impl": "xeon-int4", "format": "int4", "path": "tiles" if int4.uses_dense_tiles(m) else "kernel",
+            rows.append({**common, "impl": "xeon-int4", "format": "int4", "path": "tiles" if int4.uses_dense_tiles(m) else int4.kernel,
                          "crossover": int4.crossover, "time_us": t_int4, "speedup_vs_bf16": t_torch / t_int4,
                          "speedup_vs_xeon_bf16": t_xbf16 / t_int4, "int4_kernel_us": t_kernel,
-                         "int4_tiles_us": t_tiles, "pct_memory_ceiling": pct_ceiling(int4.nbytes + act_bytes, t_int4)})
+                         "int4_tiles_us": t_tiles, "resident_bytes": int4.nbytes,
+                         "pct_memory_ceiling": pct_ceiling(int4.nbytes + act_bytes, t_int4)})
+            if t_int4pack:
+                packed_bytes = int4.packed.numel() + int4.scales_and_zeros.numel() * 2
+                rows.append({**common, "impl": "torch-int4pack", "format": "int4", "path": "_weight_int4pack_mm_for_cpu",
+                             "time_us": t_int4pack[0], "speedup_vs_bf16": t_torch / t_int4pack[0],
+                             "speedup_vs_xeon_bf16": t_xbf16 / t_int4pack[0],
+                             "pct_memory_ceiling": pct_ceiling(packed_bytes + act_bytes, t_int4pack[0])})
+        int4.packed = int4.scales_and_zeros = None  # the record's extra copy is not kept
     return rows
 
 
