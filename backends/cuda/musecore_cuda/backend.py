@@ -28,7 +28,7 @@ from musecore.ops import reference as ref
 from musecore_cuda.kernels import attention as _attention
 from musecore_cuda.kernels import norms as _norms
 from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
-from musecore_cuda.kernels.fp4_gemv import GEMV_MAX_M, gemv_block_n, gemv_split_k, launch_gemv
+from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.kernels.moe import moe_forward
 from musecore_cuda.fp8 import Fp8Resident, fp8_linear, prepare_fp8
 from musecore_cuda.layouts import Fp4Resident, prepare_fp4, share_fold
@@ -50,8 +50,8 @@ def _format_of(weight: WeightIn) -> str:
 
 
 def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
-    """``x @ W.T`` for an FP4 resident weight: the FMA GEMV for M <= GEMV_MAX_M, else the tensor-core
-    GEMM; split-K accumulates in fp32 then rounds once."""
+    """``x @ W.T`` for an FP4 resident weight: the CUDA C++ GEMV for M <= 4 (decode), else the
+    tensor-core GEMM; split-K accumulates in fp32 then rounds once."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != w.in_features):
@@ -60,17 +60,19 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     n, k = w.out_features, w.in_features
     if m == 0:
         return x.new_empty(*lead, n)
-    args = dict(wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2, n=n, k=k)
-    if m <= GEMV_MAX_M:
-        split = gemv_split_k(triton.cdiv(n, gemv_block_n(n, x.device)), k, x.device)
+    if m <= fp4_gemv_cuda.MAX_M and fp4_gemv_cuda.available(x.device):
+        blocks = triton.cdiv(n, fp4_gemv_cuda.WARPS * fp4_gemv_cuda.rows_per_warp(m))
+        split = fp4_gemv_cuda.split_for(blocks, k, m, x.device)
         out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1
                else torch.empty(m, n, dtype=x.dtype, device=x.device))
-        launch_gemv(x2, w.packed, w.scales, w.out_scale, **args, out=out, split_k=split)
+        fp4_gemv_cuda.launch(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                             out=out, split_k=split)
     else:
         cfg = pick_config(m, n, k, None, x.device, allow_split=True)
         out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1
                else torch.empty(m, n, dtype=x.dtype, device=x.device))
-        launch_gemm(x2, w.packed, w.scales, w.out_scale, **args, out=out, cfg=cfg)
+        launch_gemm(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
+                    n=n, k=k, out=out, cfg=cfg)
     return out.to(x.dtype).reshape(*lead, n)
 
 

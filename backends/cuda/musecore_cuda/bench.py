@@ -21,7 +21,8 @@ import triton
 
 from musecore_cuda.backend import CudaBackend, fp4_linear
 from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm, pick_config
-from musecore_cuda.kernels.fp4_gemv import COMPILED_STATS, GEMV_MAX_M, launch_gemv
+from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels.fp4_gemv import COMPILED_STATS, launch_gemv
 from musecore_cuda.kernels.moe import use_gemv
 from musecore_cuda.layouts import Fp4Resident
 
@@ -116,12 +117,13 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             rows.append(_linear_row("bf16", name, n, k, m, t_bf16, t_bf16, n * k * 2 + act_bytes, ceiling))
             for fmt, ws in fp4.items():
                 t = time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
-                path = "gemv" if m <= GEMV_MAX_M else "tiled"
+                path = "cuda-gemv" if m <= fp4_gemv_cuda.MAX_M and fp4_gemv_cuda.available(x.device) else "tiled"
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
-                if path == "gemv" and fmt == "nvfp4":  # the tensor-core path at the same M, for comparison
-                    t = time_us(_cycle(ws, lambda w: _tiled_linear(x, w))) / len(ws)
-                    rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
-                                            "tiled"))
+                if path != "tiled" and fmt == "nvfp4":  # the Triton paths at the same M, for comparison
+                    for other, fn in (("tiled", _tiled_linear), ("triton-gemv", _triton_gemv)):
+                        t = time_us(_cycle(ws, lambda w: fn(x, w))) / len(ws)
+                        rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
+                                                other))
         del bf16_ws, fp4
         torch.cuda.empty_cache()
     return rows
@@ -134,6 +136,17 @@ def _tiled_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     out = torch.zeros(m, n, dtype=torch.float32 if cfg.split_k > 1 else x.dtype, device=x.device)
     launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
                 n=n, k=k, out=out, cfg=cfg)
+    return out.to(x.dtype)
+
+
+def _triton_gemv(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
+    """The Triton FMA GEMV (kept for comparison: layout conversions through shared memory limit it)."""
+    from musecore_cuda.kernels.fp4_gemv import gemv_block_n, gemv_split_k
+    m, n, k = x.shape[0], w.out_features, w.in_features
+    split = gemv_split_k(triton.cdiv(n, gemv_block_n(n, x.device)), k, x.device)
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    launch_gemv(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
+                n=n, k=k, out=out, split_k=split)
     return out.to(x.dtype)
 
 

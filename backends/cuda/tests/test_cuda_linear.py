@@ -12,6 +12,7 @@ from musecore.ops import reference as ref
 from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
+from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.kernels.fp4_gemv import GEMV_MAX_M, launch_gemv
 from musecore_cuda.layouts import prepare_fp4, repack_chunk_halves
 
@@ -138,3 +139,43 @@ def test_fp4_linear_at_model_shapes_on_gpu(fmt, shape, m):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = be.linear(x, be.prepare_weight(qt, "test"))
     assert_nmse(reference_linear(x, qt), y, tolerance("linear"), f"{fmt} {shape} M={m}")
+
+
+def _cuda_gemv(x, w, n, k, out, split=1):
+    return fp4_gemv_cuda.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                                out=out, split_k=split)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_cuda_gemv_upcasts_every_code_exactly(fmt):
+    """As the Triton test above: every code at every nibble position, one-hot rows (1e-6 relative)."""
+    assert fp4_gemv_cuda.available(torch.device("cuda")), fp4_gemv_cuda.UNAVAILABLE
+    n, k = 16, 1024
+    codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16
+    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])[codes]
+    qt = musecore_quant.quantize(values, fmt)
+    dense = musecore_quant.dequantize(qt).float().cuda()
+    w = prepare_fp4(qt, torch.device("cuda"))
+    for start in range(0, k, 4):
+        x = torch.eye(k, device="cuda")[start:start + 4].to(torch.bfloat16)
+        out = _cuda_gemv(x, w, n, k, torch.empty(4, n, device="cuda", dtype=torch.float32))
+        expected = dense[:, start:start + 4].T
+        err = ((out - expected).abs() / expected.abs().clamp_min(1e-30)).max()
+        assert err <= 1e-6, f"columns {start}..{start + 3}: max relative error {err:.3g} > 1e-6"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", range(1, fp4_gemv_cuda.MAX_M + 1))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_gemv_rows_splits_and_dtypes_match_reference(fmt, m, dtype):
+    n, k = 1000, 4096  # a partial block of rows
+    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+    w = prepare_fp4(qt, torch.device("cuda"))
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    expected = reference_linear(x, qt)
+    for split in (1, 2, 8):
+        out = _cuda_gemv(x, w, n, k, torch.zeros(m, n, device="cuda", dtype=torch.float32 if split > 1 else dtype),
+                         split)
+        assert_nmse(expected, out.float(), tolerance("linear"), f"{fmt} CUDA GEMV M={m} split {split} {dtype}")

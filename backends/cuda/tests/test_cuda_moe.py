@@ -61,6 +61,7 @@ def test_moe_matches_reference(fmt, tokens, dtype):
     assert_nmse(expected, y, tolerance("moe"), f"moe {fmt} T={tokens} {dtype}")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_moe_decode_gemv_matches_reference(fmt, tokens):

@@ -23,7 +23,7 @@ import triton.language as tl
 
 
 from musecore_cuda.kernels.fp4_gemm import WFMT_DENSE, launch_gemm, pick_config
-from musecore_cuda.kernels.fp4_gemv import launch_gemv
+from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.layouts import Fp4Resident
 
 ExpertStack = Union[Fp4Resident, torch.Tensor]
@@ -140,7 +140,8 @@ def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int) -> bool:
     twice; with at most half as many assignments as experts that waste is small, and the routing
     needs no sort, no alignment and no gathers (about 15 fewer kernels per layer at batch 1).
     """
-    return isinstance(stack, Fp4Resident) and n_assign <= max(1, num_experts // 2)
+    return (isinstance(stack, Fp4Resident) and n_assign <= max(1, num_experts // 2)
+            and fp4_gemv_cuda.available(stack.packed.device))
 
 
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
@@ -151,12 +152,12 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     flat = ids.reshape(-1).contiguous()
     z = z.contiguous()
     h = torch.empty(flat.numel(), inter, dtype=z.dtype, device=z.device)
-    common = dict(wfmt=gate.wfmt, group=gate.group, fold_log2=gate.fold_log2, ids=flat)
-    launch_gemv(z, gate.packed, gate.scales, gate.out_scale, **common, n=inter, k=latent, out=h, a_div=topk,
-                packed2=up.packed, scales2=up.scales, out_scale2=up.out_scale)
+    fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
+                         n=inter, k=latent, out=h, ids=flat, a_div=topk, packed2=up.packed, scales2=up.scales,
+                         out_scale2=up.out_scale)
     o = torch.empty(flat.numel(), latent, dtype=torch.float32, device=z.device)
-    launch_gemv(h, down.packed, down.scales, down.out_scale, **{**common, "fold_log2": down.fold_log2},
-                n=latent, k=inter, out=o, a_div=1)
+    fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
+                         n=latent, k=inter, out=o, ids=flat, a_div=1)
     y = torch.empty(T, latent, dtype=torch.float32, device=z.device)
     moe_finalize_kernel[(T,)](o, flat, flat, weights.contiguous(), output_norm.contiguous(), y, latent, eps,
                               TOPK=topk, BLOCK=triton.next_power_of_2(latent), SORTED=False)
