@@ -61,8 +61,9 @@ __device__ __forceinline__ void store_out(void *out, long long i, float v, int o
 }
 
 // Scale byte -> scale * 2**(62 - fold) as fp32 (e4m3 for NVFP4, e8m0 for MXFP4).
-__device__ __forceinline__ float group_mult(u32 s, int fold, int wfmt) {
-    if (wfmt == 1) {
+template <int WFMT>
+__device__ __forceinline__ float group_mult(u32 s, int fold) {
+    if (WFMT == 1) {
         u32 e = (s >> 3) & 15u, m = s & 7u;
         float v = e ? (float)(8u + m) * __uint_as_float((e + 117u) << 23)   // (8+m) * 2**(e-10)
                     : (float)m * __uint_as_float(118u << 23);                    // m * 2**-9
@@ -128,11 +129,26 @@ __device__ __forceinline__ void step(const uint4 (&wv)[R], const float (&ml)[R],
         for (int m = 0; m < M; ++m) acc[r][m] = fmaf(lo[r][m], ml[r], fmaf(hi[r][m], mh[r], acc[r][m]));
 }
 
-template <int R, int M, int WARPS>
+template <int R, int WFMT>
+__device__ __forceinline__ void load_step(const u32 *const (&wrow)[R], const u8 *const (&srow)[R], int c, int v,
+                                          uint4 (&wv)[R], u32 (&sl)[R], u32 (&sh)[R]) {
+    const int gpc = WFMT == 1 ? 8 : 4;  // scale groups per chunk
+    const int sg_lo = WFMT == 1 ? c * gpc + v : c * gpc + (v >> 1);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        wv[r] = __ldg(reinterpret_cast<const uint4 *>(wrow[r] + c * 16 + v * 4));
+        sl[r] = __ldg(srow[r] + sg_lo);
+        sh[r] = __ldg(srow[r] + sg_lo + gpc / 2);
+    }
+}
+
+// Rows n0..n0+R-1 of one weight: each lane streams its 16-byte slices, one step ahead (the next
+// step's loads are issued before the current step is computed), then the warp sums its lanes.
+template <int R, int M, int WFMT>
 __device__ __forceinline__ void gemv_rows(const u32 *__restrict__ wbase, const u8 *__restrict__ sbase,
                                           int wstride, int sstride, int n0, int N,
                                           const float *__restrict__ xs, int ks, int c_begin, int c_end,
-                                          int fold, int wfmt, float (&acc)[R][M]) {
+                                          int fold, float (&acc)[R][M]) {
     const int lane = threadIdx.x & 31, v = lane & 3;
     const u32 *wrow[R];
     const u8 *srow[R];
@@ -144,27 +160,29 @@ __device__ __forceinline__ void gemv_rows(const u32 *__restrict__ wbase, const u
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
     }
-    const int gpc = wfmt == 1 ? 8 : 4;  // scale groups per chunk
     int c = c_begin + (lane >> 2);
-#pragma unroll 2
+    if (c >= c_end) c = c_end;  // (lanes past the end skip the loop below)
+    uint4 wv[R];
+    u32 sl[R], sh[R];
+    if (c < c_end) load_step<R, WFMT>(wrow, srow, c, v, wv, sl, sh);
     for (; c < c_end; c += 8) {
-        uint4 wv[R];
-        u32 sl[R], sh[R];
-        const int sg_lo = wfmt == 1 ? c * gpc + v : c * gpc + (v >> 1);
-        const int sg_hi = sg_lo + gpc / 2;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            wv[r] = __ldg(reinterpret_cast<const uint4 *>(wrow[r] + c * 16 + v * 4));
-            sl[r] = __ldg(srow[r] + sg_lo);
-            sh[r] = __ldg(srow[r] + sg_hi);
-        }
+        uint4 wn[R];
+        u32 sln[R], shn[R];
+        const int cn = c + 8 < c_end ? c + 8 : c;  // the last step reloads itself (cached, never used)
+        load_step<R, WFMT>(wrow, srow, cn, v, wn, sln, shn);
         float ml[R], mh[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            ml[r] = group_mult(sl[r], fold, wfmt);
-            mh[r] = group_mult(sh[r], fold, wfmt);
+            ml[r] = group_mult<WFMT>(sl[r], fold);
+            mh[r] = group_mult<WFMT>(sh[r], fold);
         }
         step<R, M>(wv, ml, mh, xs, ks, (c - c_begin) * 128 + v * 16, acc);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            wv[r] = wn[r];
+            sl[r] = sln[r];
+            sh[r] = shn[r];
+        }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -176,12 +194,12 @@ __device__ __forceinline__ void gemv_rows(const u32 *__restrict__ wbase, const u
 
 // y[m, n] (+)= x[m, :] @ W[e, n, :]^T.  Grid (row blocks, split, assignments); block WARPS * 32.
 // experts: program z is assignment a, expert ids[a], activation row a / a_div, output row a.
-template <int R, int M, int WARPS, bool EXPERTS, bool SWIGLU>
+template <int R, int M, int WARPS, int WFMT, bool EXPERTS, bool SWIGLU>
 __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
         const u16 *__restrict__ x, int x_stride, int xt, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
         int w_e, int w_n, int s_e, int s_n,
-        const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold, int wfmt,
+        const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split) {
     extern __shared__ float xs[];
     const int chunks = K / 128 / split;
@@ -195,21 +213,36 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
         y_row = a;
     }
     const float two64 = 18446744073709551616.f;
-    for (int i = threadIdx.x; i < M * ks; i += WARPS * 32) {
+    for (int i = threadIdx.x * 8; i < M * ks; i += WARPS * 32 * 8) {  // 8 activations (16 bytes) per load
         const int m = i / ks, k = i - m * ks;
-        xs[i] = m < m_rows ? load_act(x + (x_row + m) * (long long)x_stride + c_begin * 128 + k, xt) * two64 : 0.f;
+        float f[8];
+        if (m < m_rows) {
+            const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(x + (x_row + m) * (long long)x_stride
+                                                                     + c_begin * 128 + k));
+            const u32 h[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                f[2 * j] = load_act(reinterpret_cast<const u16 *>(&h[j]), xt) * two64;
+                f[2 * j + 1] = load_act(reinterpret_cast<const u16 *>(&h[j]) + 1, xt) * two64;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f[j] = 0.f;
+        }
+        *reinterpret_cast<float4 *>(xs + i) = make_float4(f[0], f[1], f[2], f[3]);
+        *reinterpret_cast<float4 *>(xs + i + 4) = make_float4(f[4], f[5], f[6], f[7]);
     }
     __syncthreads();
     const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;
     if (n0 >= N) return;
     float acc[R][M];
-    gemv_rows<R, M, WARPS>(w + e * (long long)w_e, s + e * (long long)s_e, w_n, s_n, n0, N, xs, ks, c_begin, c_end,
-                           fold, wfmt, acc);
+    gemv_rows<R, M, WFMT>(w + e * (long long)w_e, s + e * (long long)s_e, w_n, s_n, n0, N, xs, ks, c_begin, c_end,
+                          fold, acc);
     const float os = out_scale[e];
     if (SWIGLU) {
         float acc2[R][M];
-        gemv_rows<R, M, WARPS>(w2 + e * (long long)w_e, s2 + e * (long long)s_e, w_n, s_n, n0, N, xs, ks, c_begin,
-                               c_end, fold, wfmt, acc2);
+        gemv_rows<R, M, WFMT>(w2 + e * (long long)w_e, s2 + e * (long long)s_e, w_n, s_n, n0, N, xs, ks, c_begin,
+                              c_end, fold, acc2);
         const float os2 = out_scale2[e];
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -240,19 +273,19 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
 """
 
 WARPS = 8
-MAX_M = 4  # FMA count grows with M; above this the tensor-core GEMM is faster
+MAX_M = 2  # measured: M = 3-4 (shared-memory activation reads per row step) lose to the tensor-core GEMM
 SMEM_LIMIT = 48 * 1024  # staged activations per block without the opt-in
 UNAVAILABLE: list[str] = []
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def rows_per_warp(m: int) -> int:
-    return 4 if m <= 2 else 2
+    return 8 if m == 1 else 4
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(r: int, m: int, experts: bool, swiglu: bool):
-    name = f"fp4_gemv<{r}, {m}, {WARPS}, {str(experts).lower()}, {str(swiglu).lower()}>"
+def _kernel(r: int, m: int, wfmt: int, experts: bool, swiglu: bool):
+    name = f"fp4_gemv<{r}, {m}, {WARPS}, {wfmt}, {str(experts).lower()}, {str(swiglu).lower()}>"
     return torch.cuda._compile_kernel(SOURCE, name)
 
 
@@ -267,7 +300,7 @@ def _probe() -> bool:
         reason = f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC; PyTorch >= 2.8)"
     else:
         try:
-            _kernel(4, 1, False, False)
+            _kernel(rows_per_warp(1), 1, WFMT_NVFP4, False, False)
             return True
         except Exception as exc:  # NVRTC missing or a compile error: say why, use the Triton GEMV
             reason = f"compiling the CUDA C++ GEMV with NVRTC failed ({type(exc).__name__}: {str(exc)[:300]})"
@@ -282,9 +315,9 @@ def split_for(blocks: int, k: int, m: int, device: torch.device) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     chunks, split = k // CHUNK_K, 1
     while chunks % (split * 2) == 0 and chunks // (split * 2) >= 8 and (
-            blocks * split < 2 * sms or m * (k // split) * 4 > SMEM_LIMIT):
+            blocks * split < 2 * sms or m * (k // split) * 4 >= SMEM_LIMIT):
         split *= 2
-    if m * (k // split) * 4 > SMEM_LIMIT:
+    if m * (k // split) * 4 >= SMEM_LIMIT:
         raise ValueError(f"the CUDA GEMV cannot stage {m} x {k} activations in shared memory")
     return split
 
@@ -307,14 +340,14 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     words = packed.view(torch.int32)
     blocks = -(-n // (WARPS * r))
     smem = m * (k // split_k) * 4
-    kern = _kernel(r, m, ids is not None, packed2 is not None)
-    if smem > SMEM_LIMIT:
+    kern = _kernel(r, m, wfmt, ids is not None, packed2 is not None)
+    if smem >= SMEM_LIMIT:
         raise ValueError(f"{smem} bytes of staged activations exceed {SMEM_LIMIT}; raise split_k")
     w2 = packed2.view(torch.int32) if packed2 is not None else words
     kern(grid=(blocks, split_k, 1 if ids is None else ids.numel()), block=(WARPS * 32, 1, 1), shared_mem=smem,
          args=[x, x.stride(0), _DTYPE_CODE[x.dtype], ids if ids is not None else out_scale, a_div,
                words, scales, w2, scales2 if scales2 is not None else scales,
                words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
-               out_scale, out_scale2 if out_scale2 is not None else out_scale, fold_log2, wfmt,
+               out_scale, out_scale2 if out_scale2 is not None else out_scale, fold_log2,
                out, out.stride(0), _DTYPE_CODE[out.dtype], m, n, k, split_k])
     return out
