@@ -60,3 +60,33 @@ def test_moe_rejects_experts_it_did_not_prepare(xeon: XeonBackend, reference) ->
     with pytest.raises(TypeError, match="prepare_experts"):
         xeon.moe(torch.randn(1, LATENT), *routing(1), reference.prepare_experts(gate, up, down),
                  torch.ones(E, LATENT), 1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_int4_decode_moe_runs_as_one_native_call_and_matches_reference(xeon: XeonBackend, reference,
+                                                                      tokens: int) -> None:
+    from musecore_xeon.kernels import native
+    if not native.available():
+        pytest.skip(f"native INT4 kernels unavailable: {native.UNAVAILABLE}")
+    gate, up, down = expert_weights("int4")
+    mine = xeon.prepare_experts(gate, up, down)
+    resident = mine.extra["xeon"]
+    assert resident.native_pointers is not None and resident.native_fits(tokens, torch.zeros(tokens, K_TOP, dtype=torch.int64))
+    z = torch.randn(tokens, LATENT, dtype=torch.bfloat16)
+    weights, ids = routing(tokens)
+    ids[0] = ids[0, 0]  # one expert chosen twice by one token: two rows of the same expert in one call
+    output_norm = (1 + 0.3 * torch.randn(E, LATENT)).to(torch.bfloat16)
+    expected = ref.moe(z, weights, ids, reference.prepare_experts(gate, up, down), output_norm, 1e-6)
+    actual = xeon.moe(z, weights, ids, mine, output_norm, 1e-6)
+    assert_nmse(expected, actual, 1e-8, f"fused native moe T={tokens} (fp32 throughout, exact weights)")
+
+
+def test_int4_native_moe_rejects_out_of_range_expert_ids(xeon: XeonBackend) -> None:
+    from musecore_xeon.kernels import native
+    if not native.available():
+        pytest.skip(f"native INT4 kernels unavailable: {native.UNAVAILABLE}")
+    mine = xeon.prepare_experts(*expert_weights("int4"))
+    weights, ids = routing(1)
+    ids[0, 0] = E
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\)"):
+        xeon.moe(torch.randn(1, LATENT, dtype=torch.bfloat16), weights, ids, mine, torch.ones(E, LATENT), 1e-6)

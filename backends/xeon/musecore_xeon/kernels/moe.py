@@ -6,16 +6,23 @@ rows, so each expert's weights are streamed once per call however many tokens ch
 reads only the routed experts' bytes). Gate and up are fused into one ``[2I, l]`` weight per expert
 at load, which halves the kernel launches. The norm, weighting and sum run once over all
 ``T * k`` rows instead of once per expert.
+
+INT4 experts at decode sizes (every expert's token count below the measured dense-tile crossover) take
+one native call for the whole layer (``native.int4_moe``): grouping, gate/up, SwiGLU, down, norm, weight
+and sum in C under one OpenMP region. Per expert, the Python path costs ~16 small calls per layer with
+an OpenMP fork/join, a few torch ops and allocations each (measured ~60 us per call on the 2-core EPYC,
+more than the 0.2-0.4 MB of codes take to stream), which made INT4 MoE run at 2-5 GB/s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
+from musecore_xeon.kernels import native
 from musecore_xeon.kernels.dense import DenseLinear
 from musecore_xeon.kernels.int4 import Int4Linear
 
@@ -35,6 +42,31 @@ class XeonExperts:
     def num_experts(self) -> int:
         return len(self.down)
 
+    def __post_init__(self) -> None:
+        self.native_pointers: Optional[torch.Tensor] = None  # int64 [4, E], see native.int4_moe
+        self.native_max_tokens = 0  # the fused native call is taken while every expert has fewer tokens
+        linears = self.gate_up + self.down
+        if all(isinstance(lin, Int4Linear) and lin.kernel == "native" and lin.codes is not None for lin in linears):
+            one_shape = lambda ls: len({(l.codes.shape, l.scale_zero.shape, l.group_size) for l in ls}) == 1  # noqa: E731
+            if one_shape(self.gate_up) and one_shape(self.down):
+                self.native_pointers = torch.tensor(
+                    [[lin.codes.data_ptr() for lin in self.gate_up], [lin.scale_zero.data_ptr() for lin in self.gate_up],
+                     [lin.codes.data_ptr() for lin in self.down], [lin.scale_zero.data_ptr() for lin in self.down]],
+                    dtype=torch.int64)
+                self.refresh_native_limit()
+
+    def refresh_native_limit(self) -> None:
+        """Tokens per expert below which the fused native call runs: the smaller dense-tile crossover."""
+        crossovers = [lin.crossover for lin in (self.gate_up[0], self.down[0]) if lin.crossover is not None]
+        self.native_max_tokens = min(crossovers, default=1 << 62) - 1
+
+    def native_fits(self, tokens: int, ids: torch.Tensor) -> bool:
+        if self.native_pointers is None:
+            return False
+        if tokens <= self.native_max_tokens:
+            return True
+        return int(torch.bincount(ids.reshape(-1), minlength=self.num_experts).max()) <= self.native_max_tokens
+
 
 def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: XeonExperts,
                 output_norm: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,6 +75,12 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     l, inter = experts.latent, experts.intermediate
     if z.shape != (T, l):
         raise ValueError(f"moe: z has shape {tuple(z.shape)}; expected [T={T}, l={l}] for these ids and experts")
+    if experts.native_fits(T, ids):
+        gu, dn = experts.gate_up[0], experts.down[0]
+        return native.int4_moe(experts.native_pointers, z if z.is_contiguous() else z.contiguous(),
+                               ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous(),
+                               output_norm.contiguous(), eps, inter, (gu.group_size, dn.group_size),
+                               (gu.padded_out_features, dn.padded_out_features))
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert
     sorted_ids = flat_ids[order]

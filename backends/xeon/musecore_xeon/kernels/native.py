@@ -54,6 +54,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -310,6 +311,132 @@ void musecore_int4_gemv(const int32_t *codes, const uint16_t *sz, const void *x,
         row_block(codes, sz, xs, xsum, y, y_bf16, blk * ROWS, n_valid, m_rows, k, g);
 }
 
+/* silu(g) * u for n values, fp32; AVX2: exp from a degree-5 polynomial on the reduced argument
+   (Cephes expf, relative error ~2e-7), so the SwiGLU of a decode call is a few microseconds. */
+#ifdef __AVX2__
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+static void swiglu(const float *gate, const float *up, float *h, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                                              exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; ++i) h[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* The routed experts of one MoE call in ONE native call (decode sizes, below the dense-tile crossover):
+     y[t] = sum_j w[t,j] * rms_norm(down_e(silu(gate_e(z_t)) * up_e(z_t))) * out_norm[e],  e = ids[t,j]
+   gu_* / dn_* are arrays of E pointers to each expert's nibble-planar codes and fp16 (scale, zero) pairs
+   (fused [gate; up] rows 0..2I-1, then down [l, I]). The (t, j) pairs are grouped by expert (counting sort,
+   stable), so an expert's bytes are read once per call for all its tokens; the gate/up row blocks of all
+   routed experts are one parallel loop, then the SwiGLU, the down row blocks, and the norm + weighted sum,
+   all in one OpenMP region (3 barriers instead of a fork/join per expert and projection). fp32 throughout:
+   the intermediate h is not rounded to bf16 (the reference does not round it either). */
+int musecore_int4_moe(const int64_t *gu_codes, const int64_t *gu_sz, const int64_t *dn_codes, const int64_t *dn_sz,
+                       const void *z, int z_bf16, const int64_t *ids, const float *weights, const void *out_norm,
+                       int norm_bf16, float eps, float *y, int64_t T, int64_t k_top, int64_t E, int64_t l,
+                       int64_t inter, int64_t g_gu, int64_t g_dn, int64_t gu_rows, int64_t dn_rows, int threads) {
+    const int64_t P = T * k_top, gu_groups = l / g_gu, dn_groups = inter / g_dn, two_i = 2 * inter;
+    const size_t ints = (size_t)(2 * E + 1 + 3 * P),
+                 floats = (size_t)(P * (l + gu_groups + two_i + inter + dn_groups + l) + 1) & ~(size_t)1; /* 8-byte aligned ints */
+    for (int64_t p = 0; p < P; ++p)
+        if (ids[p] < 0 || ids[p] >= E) return -1;
+    float *buf = scratch(floats + ints * 2);  /* int64 counters at the end: 2 floats each */
+    if (buf == NULL) return -2;
+    float *xs_gu = buf, *xsum_gu = xs_gu + P * l, *gu_out = xsum_gu + P * gu_groups, *xs_dn = gu_out + P * two_i,
+          *xsum_dn = xs_dn + P * inter, *dn_out = xsum_dn + P * dn_groups;
+    int64_t *start = (int64_t *)(dn_out + P * l), *count = start + E + 1, *sorted = count + E, *row_of = sorted + P,
+            *expert_list = row_of + P;
+    for (int64_t e = 0; e < E; ++e) count[e] = 0;
+    for (int64_t p = 0; p < P; ++p) count[ids[p]]++;
+    int64_t routed = 0;
+    start[0] = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        start[e + 1] = start[e] + count[e];
+        if (count[e]) expert_list[routed++] = e;
+        count[e] = 0;
+    }
+    for (int64_t p = 0; p < P; ++p) {  /* stable: pairs keep their order within an expert */
+        const int64_t r = start[ids[p]] + count[ids[p]]++;
+        sorted[r] = p; row_of[p] = r;
+    }
+    const size_t zsize = z_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < P; ++r)
+        prepare_x((const char *)z + (sorted[r] / k_top) * l * zsize, z_bf16, 1, l, g_gu, xs_gu + r * l,
+                  xsum_gu + r * gu_groups);
+    const int64_t gu_blocks = gu_rows / ROWS, dn_blocks = dn_rows / ROWS;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < routed * gu_blocks; ++item) {
+            const int64_t e = expert_list[item / gu_blocks], blk = item % gu_blocks, r0 = start[e];
+            row_block((const int32_t *)gu_codes[e], (const uint16_t *)gu_sz[e], xs_gu + r0 * l,
+                      xsum_gu + r0 * gu_groups, gu_out + r0 * two_i, 0, blk * ROWS, two_i, start[e + 1] - r0, l, g_gu);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < P; ++r) {
+            float *g = gu_out + r * two_i;
+            swiglu(g, g + inter, g, inter);  /* h overwrites the gate half */
+            prepare_x(g, 0, 1, inter, g_dn, xs_dn + r * inter, xsum_dn + r * dn_groups);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < routed * dn_blocks; ++item) {
+            const int64_t e = expert_list[item / dn_blocks], blk = item % dn_blocks, r0 = start[e];
+            row_block((const int32_t *)dn_codes[e], (const uint16_t *)dn_sz[e], xs_dn + r0 * inter,
+                      xsum_dn + r0 * dn_groups, dn_out + r0 * l, 0, blk * ROWS, l, start[e + 1] - r0, inter, g_dn);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < T; ++t) {  /* per-expert RMSNorm, then the routing weight, then the fp32 sum */
+            float *yt = y + t * l;
+            for (int64_t c = 0; c < l; ++c) yt[c] = 0.0f;
+            for (int64_t j = 0; j < k_top; ++j) {
+                const int64_t p = t * k_top + j, e = ids[p];
+                const float *o = dn_out + row_of[p] * l;
+                float ss = 0.0f;
+                for (int64_t c = 0; c < l; ++c) ss += o[c] * o[c];
+                const float f = weights[p] / sqrtf(ss / (float)l + eps);
+                for (int64_t c = 0; c < l; ++c) {
+                    const float nw = norm_bf16 ? bits_to_float((uint32_t)((const uint16_t *)out_norm)[e * l + c] << 16)
+                                               : ((const float *)out_norm)[e * l + c];
+                    yt[c] += o[c] * f * nw;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* out[r, c] = (q - z) * scale of rows r < rows (fp32 [rows, K]), exact: (q - z) * an fp16 scale fits fp32. */
 void musecore_int4_dequant(const int32_t *codes, const uint16_t *sz, float *out, int64_t rows, int64_t k, int64_t g,
                            int threads) {
@@ -355,7 +482,7 @@ def compile_flags() -> list[str]:
     gomp = torch_libgomp()
     # -fopenmp links "libgomp.so.1"; -L/-rpath make that PyTorch's copy, already loaded by `import torch`
     omp = ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []
-    return ["-O3", "-fPIC", "-shared", *isa, *omp]
+    return ["-O3", "-fPIC", "-shared", *isa, *omp, "-lm"]
 
 
 def cache_dir() -> Path:
@@ -408,6 +535,9 @@ def load() -> Optional[ctypes.CDLL]:
     lib.musecore_int4_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] \
         + [ctypes.c_int64] * 5 + [ctypes.c_int]
     lib.musecore_int4_gemv.restype = None
+    lib.musecore_int4_moe.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 \
+        + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int64] * 9 + [ctypes.c_int]
+    lib.musecore_int4_moe.restype = ctypes.c_int
     lib.musecore_int4_dequant.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.musecore_int4_dequant.restype = None
     lib.musecore_int4_openmp.restype = ctypes.c_int
@@ -475,3 +605,35 @@ def int4_dequant(codes: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tenso
     lib.musecore_int4_dequant(codes.data_ptr(), scale_zero.data_ptr(), out.data_ptr(), rows, k, group_size,
                               torch.get_num_threads())
     return out
+
+
+def int4_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             output_norm: torch.Tensor, eps: float, intermediate: int, group_sizes: tuple[int, int],
+             padded_rows: tuple[int, int]) -> torch.Tensor:
+    """The routed INT4 experts of one MoE call in one native call -> fp32 ``[T, l]``
+    (``musecore_int4_moe``: gate/up GEMV, SwiGLU, down GEMV, per-expert RMSNorm, routing weight, sum).
+
+    ``pointers`` int64 ``[4, E]``: per expert the data pointers of the fused gate/up codes, its scale/zero
+    pairs, the down codes and its pairs (the tensors must stay alive: :class:`XeonExperts` holds them).
+    ``z`` bf16/fp32 ``[T, l]``, ``ids`` int64 ``[T, k]``, ``weights`` fp32 ``[T, k]``, ``output_norm``
+    bf16/fp32 ``[E, l]``, all contiguous. Meant for decode sizes: every expert's rows go through the
+    GEMV / skinny-GEMM row blocks (no dense tiles).
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native INT4 kernels are not available (see musecore_xeon.kernels.native.UNAVAILABLE)")
+    (t, l), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
+    if z.dtype not in (torch.bfloat16, torch.float32):
+        z = z.to(torch.bfloat16)
+    if output_norm.dtype not in (torch.bfloat16, torch.float32):
+        output_norm = output_norm.float()
+    y = torch.empty(t, l, dtype=torch.float32)
+    status = lib.musecore_int4_moe(*(pointers[i].data_ptr() for i in range(4)), z.data_ptr(), int(z.dtype == torch.bfloat16),
+                          ids.data_ptr(), weights.data_ptr(), output_norm.data_ptr(),
+                          int(output_norm.dtype == torch.bfloat16), eps, y.data_ptr(), t, k_top, e, l, intermediate,
+                          group_sizes[0], group_sizes[1], padded_rows[0], padded_rows[1], torch.get_num_threads())
+    if status == -1:
+        raise ValueError(f"int4_moe: expert ids must lie in [0, {e}); got {ids.min().item()}..{ids.max().item()}")
+    if status:
+        raise MemoryError(f"int4_moe: no memory for the scratch buffers of {t}x{k_top} routed rows")
+    return y
