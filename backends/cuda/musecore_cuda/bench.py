@@ -22,7 +22,6 @@ import triton
 from musecore_cuda.backend import CudaBackend, fp4_linear
 from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm, pick_config
 from musecore_cuda.kernels import fp4_gemv_cuda
-from musecore_cuda.kernels.fp4_gemv import COMPILED_STATS, launch_gemv
 from musecore_cuda.kernels.moe import use_gemv
 from musecore_cuda.layouts import Fp4Resident
 
@@ -119,11 +118,10 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
                 t = time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
                 path = "cuda-gemv" if m <= fp4_gemv_cuda.MAX_M and fp4_gemv_cuda.available(x.device) else "tiled"
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
-                if path != "tiled" and fmt == "nvfp4":  # the Triton paths at the same M, for comparison
-                    for other, fn in (("tiled", _tiled_linear), ("triton-gemv", _triton_gemv)):
-                        t = time_us(_cycle(ws, lambda w: fn(x, w))) / len(ws)
-                        rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
-                                                other))
+                if path != "tiled" and fmt == "nvfp4":  # the Triton tensor-core path at the same M
+                    t = time_us(_cycle(ws, lambda w: _tiled_linear(x, w))) / len(ws)
+                    rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
+                                            "tiled"))
         del bf16_ws, fp4
         torch.cuda.empty_cache()
     return rows
@@ -136,17 +134,6 @@ def _tiled_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     out = torch.zeros(m, n, dtype=torch.float32 if cfg.split_k > 1 else x.dtype, device=x.device)
     launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
                 n=n, k=k, out=out, cfg=cfg)
-    return out.to(x.dtype)
-
-
-def _triton_gemv(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
-    """The Triton FMA GEMV (kept for comparison: layout conversions through shared memory limit it)."""
-    from musecore_cuda.kernels.fp4_gemv import gemv_block_n, gemv_split_k
-    m, n, k = x.shape[0], w.out_features, w.in_features
-    split = gemv_split_k(triton.cdiv(n, gemv_block_n(n, x.device)), k, x.device)
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    launch_gemv(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
-                n=n, k=k, out=out, split_k=split)
     return out.to(x.dtype)
 
 
@@ -182,44 +169,6 @@ def sweep_linear_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down"),
                 rows.append({"backend": "cuda", "case": "sweep", "shape": name, "M": m, "config": cfg.__dict__,
                              "time_us": round(t, 2),
                              "pct_memory_ceiling_of_4300": round(100 * ws[0].nbytes / t / 1e3 / 4300, 1)})
-        del ws
-    return rows
-
-
-def sweep_gemv_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down", "expert_up", "k_proj"),
-                       ms: tuple[int, ...] = (1, 8)) -> list[dict]:
-    """Time GEMV tile shapes (rows per program, warps, split-K) to choose the defaults."""
-    rows = []
-    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
-    for name in shapes:
-        n, k = LINEAR_SHAPES[name]
-        ws = _rotating(lambda: CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), name).data,
-                       n * k // 2)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            for bn in (16, 32, 64, 128):
-                for warps in (4, 8):
-                    for split in (1, 2, 4, 8):
-                        if (k // 128) % split or triton.cdiv(n, bn) * split > 8192:
-                            continue
-                        out = torch.zeros(m, n, device="cuda", dtype=torch.float32)
-
-                        def call(w: Fp4Resident, bn=bn, warps=warps, split=split, out=out) -> None:
-                            launch_gemv(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group,
-                                        fold_log2=w.fold_log2, n=n, k=k, out=out, split_k=split, block_n=bn,
-                                        num_warps=warps)
-                        try:
-                            t = time_us(_cycle(ws, call)) / len(ws)
-                        except Exception as exc:
-                            rows.append({"case": "sweep_gemv", "shape": name, "M": m, "error": repr(exc)[:200],
-                                         "config": {"block_n": bn, "warps": warps, "split": split}})
-                            continue
-                        regs, spills = COMPILED_STATS.get((bn, warps, split, m, False), (None, None))
-                        rows.append({"backend": "cuda", "case": "sweep_gemv", "shape": name, "M": m,
-                                     "config": {"block_n": bn, "warps": warps, "split": split, "regs": regs,
-                                                "spills": spills},
-                                     "time_us": round(t, 2),
-                                     "pct_memory_ceiling": round(100 * ws[0].nbytes / t / 1e3 / ceiling, 1)})
         del ws
     return rows
 
@@ -348,4 +297,4 @@ def bench_e2e(batches: tuple[int, ...] = (1, 32), new_tokens: int = 64, prompt_t
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:
     """Case name -> benchmark callable (``e2e`` comes once the model runs on this backend)."""
     return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e,
-            "sweep": sweep_linear_configs, "sweep_gemv": sweep_gemv_configs}
+            "sweep": sweep_linear_configs}

@@ -1,13 +1,13 @@
 """FP4 decode GEMV in CUDA C++ (NVRTC through ``torch.cuda._compile_kernel``): the fast path on GPUs.
 
-Why not Triton: the Triton GEMV in :mod:`musecore_cuda.kernels.fp4_gemv` is correct, but Triton
+Why not Triton: a Triton FMA GEMV with the same upcast (commit 10aaac7, removed) was correct, but Triton
 puts the activation vector and the decoded weights in different register layouts and converts
 between them through shared memory with barriers inside the K loop (45 ``BAR.SYNC`` in its SASS):
 it streams the weights at ~25% of HBM bandwidth whatever the tile shape. Here the layout is ours:
 
 * a warp owns ``R`` weight rows; lane ``L`` reads 16 bytes of each row per step (the 4 words of
   quarter ``L % 4`` of chunk ``L / 4``), so a warp step is 512 contiguous bytes per row, and the
-  ``R`` loads of a step are independent (bytes in flight) and unrolled twice;
+  next step's ``R`` loads are issued before the current step is computed;
 * the activations of the block's K range are staged once in shared memory as fp32 times 2**64
   (exact), and each lane reads the 32 values its 16 bytes meet as eight 16-byte loads shared by
   all ``R`` rows;
