@@ -20,7 +20,6 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from musecore.backends.base import Backend, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
@@ -50,8 +49,8 @@ def _format_of(weight: WeightIn) -> str:
 
 
 def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
-    """``x @ W.T`` for an FP4 resident weight: the CUDA C++ GEMV for M <= 4 (decode), else the
-    tensor-core GEMM; split-K accumulates in fp32 then rounds once."""
+    """``x @ W.T`` for an FP4 resident weight: the CUDA C++ decode kernels for M <= 8 (bf16; M <= 2
+    for fp16), else the Triton tensor-core GEMM; split-K accumulates in fp32 then rounds once."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != w.in_features):
@@ -60,13 +59,12 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     n, k = w.out_features, w.in_features
     if m == 0:
         return x.new_empty(*lead, n)
-    if m <= fp4_gemv_cuda.MAX_M and fp4_gemv_cuda.available(x.device):
-        blocks = triton.cdiv(n, fp4_gemv_cuda.WARPS * fp4_gemv_cuda.rows_per_warp(m))
-        split = fp4_gemv_cuda.split_for(blocks, k, m, x.device)
-        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1
+    if fp4_gemv_cuda.kind_for(m, x.dtype) and fp4_gemv_cuda.available(x.device):
+        plan = fp4_gemv_cuda.make_plan(m, n, k, x.dtype, x.device)
+        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if plan.split_k > 1
                else torch.empty(m, n, dtype=x.dtype, device=x.device))
         fp4_gemv_cuda.launch(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
-                             out=out, split_k=split)
+                             out=out, plan=plan)
     else:
         cfg = pick_config(m, n, k, None, x.device, allow_split=True)
         out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1

@@ -116,12 +116,17 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             rows.append(_linear_row("bf16", name, n, k, m, t_bf16, t_bf16, n * k * 2 + act_bytes, ceiling))
             for fmt, ws in fp4.items():
                 t = time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
-                path = "cuda-gemv" if m <= fp4_gemv_cuda.MAX_M and fp4_gemv_cuda.available(x.device) else "tiled"
+                kind = fp4_gemv_cuda.kind_for(m, x.dtype) if fp4_gemv_cuda.available(x.device) else None
+                path = f"cuda-{kind}" if kind else "tiled"
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
-                if path != "tiled" and fmt == "nvfp4":  # the Triton tensor-core path at the same M
-                    t = time_us(_cycle(ws, lambda w: _tiled_linear(x, w))) / len(ws)
-                    rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
-                                            "tiled"))
+                if kind and fmt == "nvfp4":  # the other decode paths at the same M, for comparison
+                    others = [("tiled", _tiled_linear)]
+                    if kind == "mma" and m <= fp4_gemv_cuda.FMA_MAX_M:
+                        others.append(("cuda-fma", functools.partial(_cuda_decode, kind="fma")))
+                    for other, fn in others:
+                        t = time_us(_cycle(ws, lambda w: fn(x, w))) / len(ws)
+                        rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
+                                                other))
         del bf16_ws, fp4
         torch.cuda.empty_cache()
     return rows
@@ -134,6 +139,16 @@ def _tiled_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     out = torch.zeros(m, n, dtype=torch.float32 if cfg.split_k > 1 else x.dtype, device=x.device)
     launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
                 n=n, k=k, out=out, cfg=cfg)
+    return out.to(x.dtype)
+
+
+def _cuda_decode(x: torch.Tensor, w: Fp4Resident, kind: str) -> torch.Tensor:
+    """One of the CUDA C++ decode kernels, forced (``fp4_linear`` picks by M and dtype)."""
+    m, n, k = x.shape[0], w.out_features, w.in_features
+    plan = fp4_gemv_cuda.make_plan(m, n, k, x.dtype, x.device, kind=kind)
+    out = torch.zeros(m, n, dtype=torch.float32 if plan.split_k > 1 else x.dtype, device=x.device)
+    fp4_gemv_cuda.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                         out=out, plan=plan)
     return out.to(x.dtype)
 
 

@@ -90,45 +90,63 @@ def test_fp4_linear_at_model_shapes_on_gpu(fmt, shape, m):
     assert_nmse(reference_linear(x, qt), y, tolerance("linear"), f"{fmt} {shape} M={m}")
 
 
-def _cuda_gemv(x, w, n, k, out, split=1):
+def _cuda_decode(x, w, n, k, kind, split=None):
+    plan = fp4_gemv_cuda.make_plan(x.shape[0], n, k, x.dtype, x.device, kind=kind)
+    if split is not None:
+        plan = fp4_gemv_cuda.GemvPlan(plan.kind, plan.m, plan.tile, plan.rows_per_block, split)
+    out = torch.zeros(x.shape[0], n, device="cuda", dtype=torch.float32 if plan.split_k > 1 else x.dtype)
     return fp4_gemv_cuda.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
-                                out=out, split_k=split)
+                                out=out, plan=plan)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mma", "fma"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_cuda_gemv_upcasts_every_code_exactly(fmt):
+def test_cuda_decode_upcasts_every_code_exactly(fmt, kind):
     """All 16 E2M1 codes (0.5 is subnormal in the upcast) at every nibble position, one-hot inputs.
 
     Tolerance: 1e-6 relative per weight (the per-tensor factor is applied to the fp32 sum, so the
     result may differ from the dequantized weight by an ulp); a flushed 0.5 or a lost sign is off by
     far more."""
     assert fp4_gemv_cuda.available(torch.device("cuda")), fp4_gemv_cuda.UNAVAILABLE
-    n, k = 16, 1024
+    n, k = 40, 1024
     codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16
     values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])[codes]
     qt = musecore_quant.quantize(values, fmt)
     dense = musecore_quant.dequantize(qt).float().cuda()
     w = prepare_fp4(qt, torch.device("cuda"))
-    for start in range(0, k, 4):
-        x = torch.eye(k, device="cuda")[start:start + 4].to(torch.bfloat16)
-        out = _cuda_gemv(x, w, n, k, torch.empty(4, n, device="cuda", dtype=torch.float32))
-        expected = dense[:, start:start + 4].T
+    rows = 2 if kind == "fma" else 8
+    for start in range(0, k, rows):
+        x = torch.eye(k, device="cuda")[start:start + rows].to(torch.bfloat16)
+        out = _cuda_decode(x, w, n, k, kind).float()
+        expected = dense[:, start:start + rows].T
         err = ((out - expected).abs() / expected.abs().clamp_min(1e-30)).max()
-        assert err <= 1e-6, f"columns {start}..{start + 3}: max relative error {err:.3g} > 1e-6"
+        assert err <= 1e-6, f"{kind} columns {start}..{start + rows - 1}: max relative error {err:.3g} > 1e-6"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("m", range(1, fp4_gemv_cuda.MAX_M + 1))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_gemv_rows_splits_and_dtypes_match_reference(fmt, m, dtype):
+@pytest.mark.parametrize("kind,m,dtype", [("fma", 1, torch.bfloat16), ("fma", 2, torch.float16),
+                                          ("mma", 1, torch.bfloat16), ("mma", 3, torch.bfloat16),
+                                          ("mma", 8, torch.bfloat16)])
+def test_cuda_decode_rows_splits_and_dtypes_match_reference(fmt, kind, m, dtype):
     n, k = 1000, 4096  # a partial block of rows
     qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
     w = prepare_fp4(qt, torch.device("cuda"))
     x = torch.randn(m, k, device="cuda").to(dtype)
     expected = reference_linear(x, qt)
     for split in (1, 2, 8):
-        out = _cuda_gemv(x, w, n, k, torch.zeros(m, n, device="cuda", dtype=torch.float32 if split > 1 else dtype),
-                         split)
-        assert_nmse(expected, out.float(), tolerance("linear"), f"{fmt} CUDA GEMV M={m} split {split} {dtype}")
+        out = _cuda_decode(x, w, n, k, kind, split)
+        assert_nmse(expected, out.float(), tolerance("linear"), f"{fmt} CUDA {kind} M={m} split {split} {dtype}")
+
+
+@pytest.mark.gpu
+def test_cuda_decode_refuses_what_it_cannot_run():
+    w = prepare_fp4(musecore_quant.quantize(torch.randn(64, 256), "nvfp4"), torch.device("cuda"))
+    with pytest.raises(ValueError, match="no CUDA decode kernel"):
+        fp4_gemv_cuda.make_plan(fp4_gemv_cuda.MAX_M + 1, 64, 256, torch.bfloat16, torch.device("cuda"))
+    plan = fp4_gemv_cuda.make_plan(1, 64, 256, torch.bfloat16, torch.device("cuda"), kind="mma")
+    with pytest.raises(ValueError, match="cannot take"):
+        fp4_gemv_cuda.launch(torch.randn(1, 256, device="cuda").half(), w.packed, w.scales, w.out_scale,
+                             wfmt=w.wfmt, fold_log2=w.fold_log2, n=64, k=256,
+                             out=torch.empty(1, 64, device="cuda").half(), plan=plan)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -270,27 +271,261 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core decode GEMM for bf16 activations, M <= 8: out^T[16 rows, 8 tokens] per mma.m16n8k16,
+// weights as operand A (upcast in registers, never through shared memory), activations as B.
+// Thread (g = lane / 4, t = lane % 4) of a warp loads 16 bytes (words 4t..4t+3 of a chunk) of rows
+// g and g + 8 of each 16-row tile; word i of those feeds mmas 2i and 2i + 1: pairs 2j and 2j + 1 of
+// the word (bf16x2 of two nibbles, see decode_bf16x2) are the A registers for logical k {2t, 2t+1}
+// and {2t+8, 2t+9} of mma 2i + j. The activations are staged in shared memory in that same pair
+// order ([token][chunk][word][pair] as bf16x2), so B is one 16-byte load per word.
+
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+    u32 d; asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d;
+}
+
+// Scale byte -> (scale * 2**(126 - fold)) as bf16x2, exact (at most 4 significant bits).
+template <int WFMT>
+__device__ __forceinline__ u32 group_mult_bf16x2(u32 s, int fold) {
+    float v;
+    if (WFMT == 1) {
+        u32 e = (s >> 3) & 15u, m = s & 7u;
+        v = e ? (float)(8u + m) * __uint_as_float((e + 117u) << 23) : (float)m * __uint_as_float(118u << 23);
+        v *= __uint_as_float((u32)(127 + 126 - fold) << 23);
+        if (s & 128u) v = -v;
+    } else {
+        int e = (int)s - 127 + 126 - fold;
+        e = e < -126 ? -126 : (e > 127 ? 127 : e);
+        v = __uint_as_float((u32)(e + 127) << 23);
+    }
+    u32 b = __float_as_uint(v) >> 16;
+    return b | (b << 16);
+}
+
+// Word -> 4 bf16x2 pairs (low half, high half) = nibbles (3,7), (2,6), (1,5), (0,4), each exactly
+// code * 2**-126 times its half's multiplier (nibbles 7,3,5,1 are the chunk's high half).
+__device__ __forceinline__ void decode_bf16x2(u32 w, u32 ml, u32 mh, u32 (&a)[4]) {
+    a[0] = bmul2(((w >> 6) & 0x01C001C0u) | (w & 0x80008000u), mh);
+    a[1] = bmul2(((w >> 2) & 0x01C001C0u) | ((w << 4) & 0x80008000u), ml);
+    a[2] = bmul2(((w << 2) & 0x01C001C0u) | ((w << 8) & 0x80008000u), mh);
+    a[3] = bmul2(((w << 6) & 0x01C001C0u) | ((w << 12) & 0x80008000u), ml);
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int RT, int WFMT>
+__device__ __forceinline__ void mma_load(const u32 *const (&wrow)[RT][2], const u8 *const (&srow)[RT][2], int c,
+                                         int t, uint4 (&wv)[RT][2], u32 (&sl)[RT][2], u32 (&sh)[RT][2]) {
+    const int gpc = WFMT == 1 ? 8 : 4;
+    const int sg = WFMT == 1 ? c * gpc + t : c * gpc + (t >> 1);
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            wv[rt][h] = __ldg(reinterpret_cast<const uint4 *>(wrow[rt][h] + c * 16 + t * 4));
+            sl[rt][h] = __ldg(srow[rt][h] + sg);
+            sh[rt][h] = __ldg(srow[rt][h] + sg + gpc / 2);
+        }
+}
+
+template <int RT, int WFMT>
+__device__ __forceinline__ void mma_rows(const u32 *__restrict__ wbase, const u8 *__restrict__ sbase, int wstride,
+                                         int sstride, int n0, int N, const u32 *__restrict__ xp, bool has_token,
+                                         int c_begin, int c_end, int fold, float (&acc)[RT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 *wrow[RT][2];
+    const u8 *srow[RT][2];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int n = n0 + rt * 16 + h * 8 + g;
+            n = n < N ? n : N - 1;  // rows past N compute a copy of the last row, never stored
+            wrow[rt][h] = wbase + (long long)n * wstride;
+            srow[rt][h] = sbase + (long long)n * sstride;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+    }
+    uint4 wv[RT][2];
+    u32 sl[RT][2], sh[RT][2];
+    mma_load<RT, WFMT>(wrow, srow, c_begin, t, wv, sl, sh);
+    for (int c = c_begin; c < c_end; ++c) {
+        uint4 wn[RT][2];
+        u32 sln[RT][2], shn[RT][2];
+        mma_load<RT, WFMT>(wrow, srow, c + 1 < c_end ? c + 1 : c, t, wn, sln, shn);
+        uint4 b[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            b[i] = has_token ? *reinterpret_cast<const uint4 *>(xp + ((c - c_begin) * 16 + 4 * t + i) * 4)
+                             : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            const u32 ml0 = group_mult_bf16x2<WFMT>(sl[rt][0], fold), mh0 = group_mult_bf16x2<WFMT>(sh[rt][0], fold);
+            const u32 ml1 = group_mult_bf16x2<WFMT>(sl[rt][1], fold), mh1 = group_mult_bf16x2<WFMT>(sh[rt][1], fold);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 w0 = i == 0 ? wv[rt][0].x : i == 1 ? wv[rt][0].y : i == 2 ? wv[rt][0].z : wv[rt][0].w;
+                const u32 w1 = i == 0 ? wv[rt][1].x : i == 1 ? wv[rt][1].y : i == 2 ? wv[rt][1].z : wv[rt][1].w;
+                u32 a0[4], a1[4];
+                decode_bf16x2(w0, ml0, mh0, a0);
+                decode_bf16x2(w1, ml1, mh1, a1);
+                mma16816(acc[rt], a0[0], a1[0], a0[1], a1[1], b[i].x, b[i].y);
+                mma16816(acc[rt], a0[2], a1[2], a0[3], a1[3], b[i].z, b[i].w);
+            }
+        }
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                wv[rt][h] = wn[rt][h];
+                sl[rt][h] = sln[rt][h];
+                sh[rt][h] = shn[rt][h];
+            }
+    }
+}
+
+// Same contract as fp4_gemv (bf16 activations only, M <= 8); rows per block = WARPS * 16 * RT.
+template <int RT, int WARPS, int WFMT, bool EXPERTS, bool SWIGLU>
+__global__ void __launch_bounds__(WARPS * 32) fp4_gemv_mma(
+        const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
+        const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
+        int w_e, int w_n, int s_e, int s_n,
+        const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
+        void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split) {
+    extern __shared__ u32 xp[];  // [m_rows][chunks][16 words][4 pairs] bf16x2
+    const int chunks = K / 128 / split;
+    const int c_begin = blockIdx.y * chunks, c_end = c_begin + chunks;
+    const int pairs = chunks * 64;  // per token
+    long long e = 0, x_row = 0, y_row = 0;
+    if (EXPERTS) {
+        const int a = blockIdx.z;
+        e = ids[a];
+        x_row = a / a_div;
+        y_row = a;
+    }
+    for (int i = threadIdx.x; i < m_rows * pairs; i += WARPS * 32) {
+        const int m = i / pairs, r = i - m * pairs;
+        const int q = (r >> 2) & 15, p = r & 3;
+        const int lo = (p & 1 ? 0 : 64) + 4 * q + (p < 2 ? 1 : 0);  // pair p: nibbles (3-p, 7-p)
+        const u16 *base = x + (x_row + m) * (long long)x_stride + (c_begin + (r >> 6)) * 128;
+        xp[i] = (u32)base[lo] | ((u32)base[lo + 2] << 16);
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 16 * RT;
+    if (n0 >= N) return;
+    const int g = lane >> 2, t = lane & 3;
+    const bool has_token = g < m_rows;
+    const u32 *xt = xp + (has_token ? g : 0) * pairs;
+    float acc[RT][4];
+    mma_rows<RT, WFMT>(w + e * (long long)w_e, s + e * (long long)s_e, w_n, s_n, n0, N, xt, has_token,
+                       c_begin, c_end, fold, acc);
+    const float os = out_scale[e];
+    if (SWIGLU) {
+        float acc2[RT][4];
+        mma_rows<RT, WFMT>(w2 + e * (long long)w_e, s2 + e * (long long)s_e, w_n, s_n, n0, N, xt, has_token,
+                           c_begin, c_end, fold, acc2);
+        const float os2 = out_scale2[e];
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float gt = acc[rt][i] * os, u = acc2[rt][i] * os2;
+                acc[rt][i] = gt / (1.f + __expf(-gt)) * u;
+            }
+    } else {
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[rt][i] *= os;
+    }
+    // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8, same tokens.
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = n0 + rt * 16 + g + (i >= 2 ? 8 : 0), token = 2 * t + (i & 1);
+            if (row >= N || token >= m_rows) continue;
+            const long long o = (y_row + token) * (long long)y_stride + row;
+            if (split > 1) atomicAdd((float *)y + o, acc[rt][i]);
+            else store_out(y, o, acc[rt][i], ot);
+        }
+}
 """
 
-WARPS = 8
-MAX_M = 2  # measured: M = 3-4 (shared-memory activation reads per row step) lose to the tensor-core GEMM
+FMA_WARPS, MMA_WARPS = 8, 4
+FMA_MAX_M = 2  # fp32 FMA kernel (bf16 or fp16 activations); its FMA count grows with M
+MAX_M = 8      # tensor-core kernel (bf16 activations): one mma n8 covers up to 8 tokens
 SMEM_LIMIT = 48 * 1024  # staged activations per block without the opt-in
 UNAVAILABLE: list[str] = []
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def rows_per_warp(m: int) -> int:
-    return 8 if m == 1 else 4
+@dataclass(frozen=True)
+class GemvPlan:
+    """Which decode kernel runs a weight at ``m`` rows, and how it is cut into blocks."""
+
+    kind: str            # "mma" (tensor cores, bf16) or "fma" (fp32 FMA, bf16/fp16)
+    m: int
+    tile: int            # FMA: rows per warp; MMA: 16-row tiles per warp
+    rows_per_block: int
+    split_k: int
+
+    def smem(self, k: int) -> int:
+        per_token = 2 if self.kind == "mma" else 4  # bf16 pairs / fp32 activations
+        return self.m * (k // self.split_k) * per_token
+
+
+def kind_for(m: int, dtype: torch.dtype) -> Optional[str]:
+    if dtype == torch.bfloat16 and m <= MAX_M:
+        return "mma"
+    if dtype in (torch.bfloat16, torch.float16) and m <= FMA_MAX_M:
+        return "fma"
+    return None
+
+
+def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *, allow_split: bool = True,
+              kind: Optional[str] = None) -> GemvPlan:
+    """Tile and split-K for ``m`` activation rows against an ``[n, k]`` weight (``kind`` forces a kernel)."""
+    kind = kind or kind_for(m, dtype)
+    if kind is None:
+        raise ValueError(f"no CUDA decode kernel for M={m} with {dtype} activations (see kind_for)")
+    if kind == "mma":
+        tile = 2 if n > 4096 else 1
+        rows = MMA_WARPS * 16 * tile
+    else:
+        tile = 8 if m == 1 else 4
+        rows = FMA_WARPS * tile
+    blocks = -(-n // rows)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    chunks, split = k // CHUNK_K, 1
+    plan = GemvPlan(kind, m, tile, rows, split)
+    while chunks % (split * 2) == 0 and chunks // (split * 2) >= 4 and (
+            (allow_split and blocks * split < 2 * sms) or plan.smem(k) >= SMEM_LIMIT):
+        split *= 2
+        plan = GemvPlan(kind, m, tile, rows, split)
+    if plan.smem(k) >= SMEM_LIMIT:
+        raise ValueError(f"the CUDA decode kernel cannot stage {m} x {k} activations in shared memory")
+    return plan
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(r: int, m: int, wfmt: int, experts: bool, swiglu: bool):
-    name = f"fp4_gemv<{r}, {m}, {WARPS}, {wfmt}, {str(experts).lower()}, {str(swiglu).lower()}>"
+def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool):
+    flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
+    name = (f"fp4_gemv_mma<{tile}, {MMA_WARPS}, {flags}>" if kind == "mma"
+            else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}>")
     return torch.cuda._compile_kernel(SOURCE, name)
 
 
 def available(device: torch.device) -> bool:
-    """True when the CUDA C++ GEMV compiles here (checked once per process, reason kept)."""
+    """True when the CUDA C++ decode kernels compile here (checked once per process, reason kept)."""
     return device.type == "cuda" and _probe()
 
 
@@ -300,54 +535,44 @@ def _probe() -> bool:
         reason = f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC; PyTorch >= 2.8)"
     else:
         try:
-            _kernel(rows_per_warp(1), 1, WFMT_NVFP4, False, False)
+            _kernel("mma", 1, 1, WFMT_NVFP4, False, False)
+            _kernel("fma", 8, 1, WFMT_NVFP4, False, False)
             return True
-        except Exception as exc:  # NVRTC missing or a compile error: say why, use the Triton GEMV
-            reason = f"compiling the CUDA C++ GEMV with NVRTC failed ({type(exc).__name__}: {str(exc)[:300]})"
+        except Exception as exc:  # NVRTC missing or a compile error: say why, use the Triton GEMM
+            reason = f"compiling the CUDA C++ decode kernels with NVRTC failed ({type(exc).__name__}: {str(exc)[:300]})"
     UNAVAILABLE.append(reason)
-    warnings.warn(f"musecore-cuda: {reason}; decode linears use the slower Triton GEMV", RuntimeWarning,
-                  stacklevel=3)
+    warnings.warn(f"musecore-cuda: {reason}; decode linears use the slower Triton tensor-core GEMM",
+                  RuntimeWarning, stacklevel=3)
     return False
 
 
-def split_for(blocks: int, k: int, m: int, device: torch.device) -> int:
-    """Split K until there are ~2 blocks per SM and the staged activations fit in shared memory."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    chunks, split = k // CHUNK_K, 1
-    while chunks % (split * 2) == 0 and chunks // (split * 2) >= 8 and (
-            blocks * split < 2 * sms or m * (k // split) * 4 >= SMEM_LIMIT):
-        split *= 2
-    if m * (k // split) * 4 >= SMEM_LIMIT:
-        raise ValueError(f"the CUDA GEMV cannot stage {m} x {k} activations in shared memory")
-    return split
-
-
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *,
-           wfmt: int, fold_log2: int, n: int, k: int, out: torch.Tensor, split_k: int = 1,
+           wfmt: int, fold_log2: int, n: int, k: int, out: torch.Tensor, plan: GemvPlan,
            ids: Optional[torch.Tensor] = None, a_div: int = 1, packed2: Optional[torch.Tensor] = None,
            scales2: Optional[torch.Tensor] = None, out_scale2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``out (+)= x @ W^T`` for ``x [M<=4, K]``, or per assignment when ``ids`` (int64 ``[A]``) is given."""
+    """``out (+)= x @ W^T`` for ``x [M, K]`` (``plan.m == M``), or one row per assignment when ``ids``
+    (int64 ``[A]``) is given (expert ``ids[a]``, activation row ``a // a_div``, output row ``a``)."""
     m = x.shape[0] if ids is None else 1
-    if m > MAX_M:
-        raise ValueError(f"the CUDA GEMV takes at most {MAX_M} rows; got {m}")
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(-1) != 1:
-        raise ValueError(f"the CUDA GEMV takes contiguous bf16/fp16 activations; got {x.dtype}")
-    if split_k > 1 and (ids is not None or packed2 is not None or out.dtype != torch.float32):
+    if m != plan.m:
+        raise ValueError(f"plan for M={plan.m} used with M={m}")
+    if kind_for(m, x.dtype) is None or (plan.kind == "mma" and x.dtype != torch.bfloat16) or x.stride(-1) != 1:
+        raise ValueError(f"the {plan.kind} decode kernel cannot take M={m} contiguous={x.stride(-1) == 1} {x.dtype}")
+    if plan.split_k > 1 and (ids is not None or packed2 is not None or out.dtype != torch.float32):
         raise ValueError("split-K accumulates with fp32 atomics: linear only, into an fp32 output")
     if ids is not None and ids.dtype != torch.int64:
         ids = ids.to(torch.int64)
-    r = rows_per_warp(m)
-    words = packed.view(torch.int32)
-    blocks = -(-n // (WARPS * r))
-    smem = m * (k // split_k) * 4
-    kern = _kernel(r, m, wfmt, ids is not None, packed2 is not None)
+    smem = plan.smem(k)
     if smem >= SMEM_LIMIT:
         raise ValueError(f"{smem} bytes of staged activations exceed {SMEM_LIMIT}; raise split_k")
+    words = packed.view(torch.int32)
     w2 = packed2.view(torch.int32) if packed2 is not None else words
-    kern(grid=(blocks, split_k, 1 if ids is None else ids.numel()), block=(WARPS * 32, 1, 1), shared_mem=smem,
-         args=[x, x.stride(0), _DTYPE_CODE[x.dtype], ids if ids is not None else out_scale, a_div,
+    kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None)
+    head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
+    kern(grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
+         block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem,
+         args=[*head, ids if ids is not None else out_scale, a_div,
                words, scales, w2, scales2 if scales2 is not None else scales,
                words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
                out_scale, out_scale2 if out_scale2 is not None else out_scale, fold_log2,
-               out, out.stride(0), _DTYPE_CODE[out.dtype], m, n, k, split_k])
+               out, out.stride(0), _DTYPE_CODE[out.dtype], m, n, k, plan.split_k])
     return out

@@ -141,7 +141,7 @@ def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int) -> bool:
     needs no sort, no alignment and no gathers (about 15 fewer kernels per layer at batch 1).
     """
     return (isinstance(stack, Fp4Resident) and n_assign <= max(1, num_experts // 2)
-            and fp4_gemv_cuda.available(stack.packed.device))
+            and fp4_gemv_cuda.available(stack.packed.device))  # (both decode kernels take M = 1)
 
 
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
@@ -152,12 +152,14 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     flat = ids.reshape(-1).contiguous()
     z = z.contiguous()
     h = torch.empty(flat.numel(), inter, dtype=z.dtype, device=z.device)
+    plan_up = fp4_gemv_cuda.make_plan(1, inter, latent, z.dtype, z.device, allow_split=False)
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
-                         n=inter, k=latent, out=h, ids=flat, a_div=topk, packed2=up.packed, scales2=up.scales,
-                         out_scale2=up.out_scale)
+                         n=inter, k=latent, out=h, plan=plan_up, ids=flat, a_div=topk, packed2=up.packed,
+                         scales2=up.scales, out_scale2=up.out_scale)
     o = torch.empty(flat.numel(), latent, dtype=torch.float32, device=z.device)
+    plan_down = fp4_gemv_cuda.make_plan(1, latent, inter, z.dtype, z.device, allow_split=False)
     fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
-                         n=latent, k=inter, out=o, ids=flat, a_div=1)
+                         n=latent, k=inter, out=o, plan=plan_down, ids=flat, a_div=1)
     y = torch.empty(T, latent, dtype=torch.float32, device=z.device)
     moe_finalize_kernel[(T,)](o, flat, flat, weights.contiguous(), output_norm.contiguous(), y, latent, eps,
                               TOPK=topk, BLOCK=triton.next_power_of_2(latent), SORTED=False)
