@@ -61,7 +61,7 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
         return x.new_empty(*lead, n)
     if fp4_gemv_cuda.kind_for(m, x.dtype) and fp4_gemv_cuda.available(x.device):
         plan = fp4_gemv_cuda.make_plan(m, n, k, x.dtype, x.device)
-        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if plan.split_k > 1
+        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if plan.atomic
                else torch.empty(m, n, dtype=x.dtype, device=x.device))
         fp4_gemv_cuda.launch(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
                              out=out, plan=plan)

@@ -146,7 +146,7 @@ def _cuda_decode(x: torch.Tensor, w: Fp4Resident, kind: str) -> torch.Tensor:
     """One of the CUDA C++ decode kernels, forced (``fp4_linear`` picks by M and dtype)."""
     m, n, k = x.shape[0], w.out_features, w.in_features
     plan = fp4_gemv_cuda.make_plan(m, n, k, x.dtype, x.device, kind=kind)
-    out = torch.zeros(m, n, dtype=torch.float32 if plan.split_k > 1 else x.dtype, device=x.device)
+    out = torch.zeros(m, n, dtype=torch.float32 if plan.atomic else x.dtype, device=x.device)
     fp4_gemv_cuda.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
                          out=out, plan=plan)
     return out.to(x.dtype)

@@ -92,9 +92,9 @@ def test_fp4_linear_at_model_shapes_on_gpu(fmt, shape, m):
 
 def _cuda_decode(x, w, n, k, kind, split=None):
     plan = fp4_gemv_cuda.make_plan(x.shape[0], n, k, x.dtype, x.device, kind=kind)
-    if split is not None:
-        plan = fp4_gemv_cuda.GemvPlan(plan.kind, plan.m, plan.tile, plan.rows_per_block, split)
-    out = torch.zeros(x.shape[0], n, device="cuda", dtype=torch.float32 if plan.split_k > 1 else x.dtype)
+    if split is not None:  # at least the split the staged activations need
+        plan = fp4_gemv_cuda.GemvPlan(plan.kind, plan.m, plan.tile, plan.rows_per_block, max(split, plan.split_k))
+    out = torch.zeros(x.shape[0], n, device="cuda", dtype=torch.float32 if plan.atomic else x.dtype)
     return fp4_gemv_cuda.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
                                 out=out, plan=plan)
 

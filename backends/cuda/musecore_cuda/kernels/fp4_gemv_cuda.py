@@ -391,16 +391,36 @@ __device__ __forceinline__ void mma_rows(const u32 *__restrict__ wbase, const u8
     }
 }
 
-// Same contract as fp4_gemv (bf16 activations only, M <= 8); rows per block = WARPS * 16 * RT.
-template <int RT, int WARPS, int WFMT, bool EXPERTS, bool SWIGLU>
-__global__ void __launch_bounds__(WARPS * 32) fp4_gemv_mma(
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Float at shared-memory address `p` of block `rank` of this cluster.
+__device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
+    u32 local = (u32)__cvta_generic_to_shared(p), remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// Same contract as fp4_gemv, for bf16 activations and M <= 8; rows per block = WARPS * 16 * RT.
+// Split-K runs as a thread-block cluster of SPLIT blocks along y: each block sums its K range, the
+// partial sums meet in block 0's registers through distributed shared memory, and block 0 writes the
+// output once in its final dtype (no zero-filled fp32 buffer, no atomics, no conversion kernel).
+template <int RT, int WARPS, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT>
+__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
         int w_e, int w_n, int s_e, int s_n,
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split) {
-    extern __shared__ u32 xp[];  // [m_rows][chunks][16 words][4 pairs] bf16x2
-    const int chunks = K / 128 / split;
+    extern __shared__ u32 xp[];  // [m_rows][chunks][16 words][4 pairs] bf16x2; later the partial sums
+    const int chunks = K / 128 / SPLIT;
     const int c_begin = blockIdx.y * chunks, c_end = c_begin + chunks;
     const int pairs = chunks * 64;  // per token
     long long e = 0, x_row = 0, y_row = 0;
@@ -410,37 +430,67 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv_mma(
         x_row = a / a_div;
         y_row = a;
     }
-    for (int i = threadIdx.x; i < m_rows * pairs; i += WARPS * 32) {
-        const int m = i / pairs, r = i - m * pairs;
-        const int q = (r >> 2) & 15, p = r & 3;
-        const int lo = (p & 1 ? 0 : 64) + 4 * q + (p < 2 ? 1 : 0);  // pair p: nibbles (3-p, 7-p)
-        const u16 *base = x + (x_row + m) * (long long)x_stride + (c_begin + (r >> 6)) * 128;
-        xp[i] = (u32)base[lo] | ((u32)base[lo + 2] << 16);
+    // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
+    // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
+    for (int i = threadIdx.x; i < m_rows * chunks * 16; i += WARPS * 32) {
+        const int m = i / (chunks * 16), r = i - m * (chunks * 16), c = r >> 4, v = r & 15;
+        const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(
+            x + (x_row + m) * (long long)x_stride + (c_begin + c) * 128 + v * 8));
+        const int hi = v >> 3, q0 = 2 * (v & 7);
+        const int pe = hi ? 2 : 3, po = hi ? 0 : 1;
+        u32 *dst = xp + m * pairs + c * 64;
+        dst[q0 * 4 + pe] = prmt(raw.x, raw.y, 0x5410u);
+        dst[q0 * 4 + po] = prmt(raw.x, raw.y, 0x7632u);
+        dst[q0 * 4 + 4 + pe] = prmt(raw.z, raw.w, 0x5410u);
+        dst[q0 * 4 + 4 + po] = prmt(raw.z, raw.w, 0x7632u);
     }
     __syncthreads();
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 16 * RT;
-    if (n0 >= N) return;
     const int g = lane >> 2, t = lane & 3;
     const bool has_token = g < m_rows;
     const u32 *xt = xp + (has_token ? g : 0) * pairs;
     float acc[RT][4];
-    mma_rows<RT, WFMT>(w + e * (long long)w_e, s + e * (long long)s_e, w_n, s_n, n0, N, xt, has_token,
-                       c_begin, c_end, fold, acc);
-    const float os = out_scale[e];
-    if (SWIGLU) {
-        float acc2[RT][4];
-        mma_rows<RT, WFMT>(w2 + e * (long long)w_e, s2 + e * (long long)s_e, w_n, s_n, n0, N, xt, has_token,
-                           c_begin, c_end, fold, acc2);
-        const float os2 = out_scale2[e];
+    if (n0 < N) {  // (no early return: every block takes part in the cluster barriers below)
+        mma_rows<RT, WFMT>(w + e * (long long)w_e, s + e * (long long)s_e, w_n, s_n, n0, N, xt, has_token,
+                           c_begin, c_end, fold, acc);
+        if (SWIGLU) {
+            float acc2[RT][4];
+            mma_rows<RT, WFMT>(w2 + e * (long long)w_e, s2 + e * (long long)s_e, w_n, s_n, n0, N, xt, has_token,
+                               c_begin, c_end, fold, acc2);
+            const float os = out_scale[e], os2 = out_scale2[e];
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float gt = acc[rt][i] * os, u = acc2[rt][i] * os2;
+                    acc[rt][i] = gt / (1.f + __expf(-gt)) * u;
+                }
+        }
+    }
+    if (SPLIT > 1) {
+        float *red = reinterpret_cast<float *>(xp);
+        __syncthreads();  // every warp is done with the staged activations
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float gt = acc[rt][i] * os, u = acc2[rt][i] * os2;
-                acc[rt][i] = gt / (1.f + __expf(-gt)) * u;
-            }
-    } else {
+            for (int i = 0; i < 4; ++i) red[(rt * 4 + i) * WARPS * 32 + threadIdx.x] = n0 < N ? acc[rt][i] : 0.f;
+        cluster_sync();
+        if (blockIdx.y == 0 && n0 < N) {
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int r = 1; r < SPLIT; ++r)
+                        acc[rt][i] += cluster_load(red + (rt * 4 + i) * WARPS * 32 + threadIdx.x, (u32)r);
+        }
+        cluster_sync();  // the other blocks' shared memory stays alive until block 0 has read it
+        if (blockIdx.y != 0) return;
+    }
+    if (n0 >= N) return;
+    if (!SWIGLU) {
+        const float os = out_scale[e];
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -453,9 +503,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv_mma(
         for (int i = 0; i < 4; ++i) {
             const int row = n0 + rt * 16 + g + (i >= 2 ? 8 : 0), token = 2 * t + (i & 1);
             if (row >= N || token >= m_rows) continue;
-            const long long o = (y_row + token) * (long long)y_stride + row;
-            if (split > 1) atomicAdd((float *)y + o, acc[rt][i]);
-            else store_out(y, o, acc[rt][i], ot);
+            store_out(y, (y_row + token) * (long long)y_stride + row, acc[rt][i], ot);
         }
 }
 """
@@ -464,6 +512,7 @@ FMA_WARPS, MMA_WARPS = 8, 4
 FMA_MAX_M = 2  # fp32 FMA kernel (bf16 or fp16 activations); its FMA count grows with M
 MAX_M = 8      # tensor-core kernel (bf16 activations): one mma n8 covers up to 8 tokens
 SMEM_LIMIT = 48 * 1024  # staged activations per block without the opt-in
+MAX_CLUSTER = 8  # portable thread-block cluster size: the MMA kernel's largest split-K
 UNAVAILABLE: list[str] = []
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -478,9 +527,16 @@ class GemvPlan:
     rows_per_block: int
     split_k: int
 
+    @property
+    def atomic(self) -> bool:
+        """Split-K through fp32 atomics into a zeroed fp32 output (FMA kernel); the MMA kernel reduces
+        its splits inside a thread-block cluster and writes the final dtype."""
+        return self.kind == "fma" and self.split_k > 1
+
     def smem(self, k: int) -> int:
-        per_token = 2 if self.kind == "mma" else 4  # bf16 pairs / fp32 activations
-        return self.m * (k // self.split_k) * per_token
+        if self.kind == "mma":  # bf16 pairs; then the cluster reduction's partial sums
+            return max(self.m * (k // self.split_k) * 2, self.tile * 4 * MMA_WARPS * 32 * 4 if self.split_k > 1 else 0)
+        return self.m * (k // self.split_k) * 4
 
 
 def kind_for(m: int, dtype: torch.dtype) -> Optional[str]:
@@ -506,8 +562,9 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
     blocks = -(-n // rows)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     chunks, split = k // CHUNK_K, 1
+    max_split = MAX_CLUSTER if kind == "mma" else 16
     plan = GemvPlan(kind, m, tile, rows, split)
-    while chunks % (split * 2) == 0 and chunks // (split * 2) >= 4 and (
+    while split < max_split and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4 and (
             (allow_split and blocks * split < 2 * sms) or plan.smem(k) >= SMEM_LIMIT):
         split *= 2
         plan = GemvPlan(kind, m, tile, rows, split)
@@ -517,9 +574,9 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool):
+def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1):
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    name = (f"fp4_gemv_mma<{tile}, {MMA_WARPS}, {flags}>" if kind == "mma"
+    name = (f"fp4_gemv_mma<{tile}, {MMA_WARPS}, {flags}, {split}>" if kind == "mma"
             else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}>")
     return torch.cuda._compile_kernel(SOURCE, name)
 
@@ -557,8 +614,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError(f"plan for M={plan.m} used with M={m}")
     if kind_for(m, x.dtype) is None or (plan.kind == "mma" and x.dtype != torch.bfloat16) or x.stride(-1) != 1:
         raise ValueError(f"the {plan.kind} decode kernel cannot take M={m} contiguous={x.stride(-1) == 1} {x.dtype}")
-    if plan.split_k > 1 and (ids is not None or packed2 is not None or out.dtype != torch.float32):
-        raise ValueError("split-K accumulates with fp32 atomics: linear only, into an fp32 output")
+    if plan.atomic and (ids is not None or packed2 is not None or out.dtype != torch.float32):
+        raise ValueError("FMA split-K accumulates with fp32 atomics: linear only, into a zeroed fp32 output")
     if ids is not None and ids.dtype != torch.int64:
         ids = ids.to(torch.int64)
     smem = plan.smem(k)
@@ -566,7 +623,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError(f"{smem} bytes of staged activations exceed {SMEM_LIMIT}; raise split_k")
     words = packed.view(torch.int32)
     w2 = packed2.view(torch.int32) if packed2 is not None else words
-    kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None)
+    kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
+                   plan.split_k if plan.kind == "mma" else 1)
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     kern(grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
          block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem,
