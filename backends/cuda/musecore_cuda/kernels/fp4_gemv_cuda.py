@@ -339,6 +339,7 @@ __device__ __forceinline__ void mma_rows(const u32 *__restrict__ wbase, const u8
                                          int sstride, int n0, int N, const u32 *__restrict__ xp, bool has_token,
                                          int c_begin, int c_end, int fold, float (&acc)[RT][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float acc2[RT][4];  // a second accumulator per tile: two independent mma chains
     const u32 *wrow[RT][2];
     const u8 *srow[RT][2];
 #pragma unroll
@@ -351,7 +352,7 @@ __device__ __forceinline__ void mma_rows(const u32 *__restrict__ wbase, const u8
             srow[rt][h] = sbase + (long long)n * sstride;
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+        for (int i = 0; i < 4; ++i) acc[rt][i] = acc2[rt][i] = 0.f;
     }
     uint4 wv[RT][2];
     u32 sl[RT][2], sh[RT][2];
@@ -377,7 +378,7 @@ __device__ __forceinline__ void mma_rows(const u32 *__restrict__ wbase, const u8
                 decode_bf16x2(w0, ml0, mh0, a0);
                 decode_bf16x2(w1, ml1, mh1, a1);
                 mma16816(acc[rt], a0[0], a1[0], a0[1], a1[1], b[i].x, b[i].y);
-                mma16816(acc[rt], a0[2], a1[2], a0[3], a1[3], b[i].z, b[i].w);
+                mma16816(acc2[rt], a0[2], a1[2], a0[3], a1[3], b[i].z, b[i].w);
             }
         }
 #pragma unroll
@@ -389,6 +390,10 @@ __device__ __forceinline__ void mma_rows(const u32 *__restrict__ wbase, const u8
                 sh[rt][h] = shn[rt][h];
             }
     }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[rt][i] += acc2[rt][i];
 }
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
@@ -403,8 +408,8 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
     u32 local = (u32)__cvta_generic_to_shared(p), remote;
     float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote));  // ordered by the cluster barriers
     return v;
 }
 
@@ -565,7 +570,7 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
     max_split = MAX_CLUSTER if kind == "mma" else 16
     plan = GemvPlan(kind, m, tile, rows, split)
     while split < max_split and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4 and (
-            (allow_split and blocks * split < 2 * sms) or plan.smem(k) >= SMEM_LIMIT):
+            (allow_split and blocks * split < 4 * sms) or plan.smem(k) >= SMEM_LIMIT):
         split *= 2
         plan = GemvPlan(kind, m, tile, rows, split)
     if plan.smem(k) >= SMEM_LIMIT:
