@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -125,6 +125,7 @@ class Int4Linear:
     scales_and_zeros: Optional[torch.Tensor] = None  # bf16 [K/g, N_pad64, 2]   (kernel == "int4pack")
     crossover: Optional[int] = None
     calibration: Optional[CrossoverCalibration] = None
+    gemv: Optional[native.Int4Gemv] = field(default=None, repr=False)  # the native call bound to these codes
 
     @property
     def padded_out_features(self) -> int:
@@ -171,7 +172,10 @@ class Int4Linear:
             return self.run_int4pack(x2d)
         if x2d.dtype not in (torch.bfloat16, torch.float32) or not x2d.is_contiguous():
             x2d = x2d.to(torch.bfloat16 if x2d.dtype != torch.float32 else x2d.dtype).contiguous()
-        return native.int4_gemv(self.codes, self.scale_zero, x2d, self.group_size, self.out_features)
+        gemv = self.gemv
+        if gemv is None or gemv.codes is not self.codes:  # bound once (the codes of a native weight never change)
+            gemv = self.gemv = native.Int4Gemv(self.codes, self.scale_zero, self.group_size, self.out_features)
+        return gemv(x2d)
 
     def build_int4pack(self, codes: Optional[torch.Tensor] = None) -> None:
         """PyTorch's packing of the same codes (rows padded to :data:`PACK_ROWS`), bf16 scales/zeros."""

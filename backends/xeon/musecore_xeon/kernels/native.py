@@ -164,7 +164,9 @@ static inline __attribute__((always_inline)) void gemv_rows(
             __m256i w[ROWS];
             for (int r = 0; r < ROWS; ++r) {
                 w[r] = _mm256_loadu_si256((const __m256i *)(row[r] + c * words + v * 8));
-                _mm_prefetch((const char *)(row[r] + c * words + v * 8) + 512, _MM_HINT_T0);
+                /* the same columns of the next row block (ROWS rows further): a block's rows are 4 short
+                   streams (1 KiB each at K = 2048) that the hardware prefetcher picks up too late */
+                _mm_prefetch((const char *)(row[r] + c * words + v * 8 + ROWS * kw), _MM_HINT_T0);
             }
             const float *xc = xs + c * chunk + v * 8;
 #pragma GCC unroll 8
@@ -590,6 +592,46 @@ def int4_gemv(codes: torch.Tensor, scale_zero: torch.Tensor, x: torch.Tensor, gr
     lib.musecore_int4_gemv(codes.data_ptr(), scale_zero.data_ptr(), x.data_ptr(), bf16, y.data_ptr(), bf16,
                            m, k, group_size, codes.shape[0], out_features, torch.get_num_threads())
     return y
+
+
+class Int4Gemv:
+    """:func:`int4_gemv` bound to one weight: the layout is checked and the pointers read once, so a call
+    costs the ctypes call, one ``torch.empty`` and a dtype check (~4 us instead of ~10 us per call; decode
+    makes ~100 of these per token). The weight tensors must stay alive and unmoved (the owner keeps them).
+
+    Example::
+
+        gemv = Int4Gemv(lin.codes, lin.scale_zero, 128, lin.out_features)
+        y = gemv(x_bf16)                      # [M, N]
+    """
+
+    def __init__(self, codes: torch.Tensor, scale_zero: torch.Tensor, group_size: int, out_features: int) -> None:
+        lib = load()
+        if lib is None:
+            raise RuntimeError("the native INT4 kernels are not available "
+                               "(see musecore_xeon.kernels.native.UNAVAILABLE)")
+        self.in_features = codes.shape[1] * 8
+        _check_layout(codes, scale_zero, self.in_features, group_size)
+        if codes.shape[0] % ROWS or not 0 < out_features <= codes.shape[0]:
+            raise ValueError(f"int4_gemv: {codes.shape[0]} code rows (a multiple of {ROWS}) for {out_features} outputs")
+        self.codes, self.scale_zero = codes, scale_zero  # kept alive with the pointers
+        self.fn, self.out_features = lib.musecore_int4_gemv, out_features
+        self.weight_ptrs = (codes.data_ptr(), scale_zero.data_ptr())
+        self.shape_args = (self.in_features, group_size, codes.shape[0], out_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if (dtype is not torch.bfloat16 and dtype is not torch.float32) or not x.is_contiguous() \
+                or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"int4_gemv: x must be a contiguous bf16/fp32 [M, {self.in_features}] tensor; got "
+                             f"{dtype} {tuple(x.shape)} (contiguous={x.is_contiguous()})")
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features, dtype=dtype)
+        bf16 = int(dtype is torch.bfloat16)
+        k, g, n_rows, n_valid = self.shape_args
+        self.fn(*self.weight_ptrs, x.data_ptr(), bf16, y.data_ptr(), bf16, m, k, g, n_rows, n_valid,
+                torch.get_num_threads())
+        return y
 
 
 def int4_dequant(codes: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tensor, group_size: int) -> torch.Tensor:
