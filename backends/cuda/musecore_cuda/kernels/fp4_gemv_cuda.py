@@ -570,7 +570,7 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
     max_split = MAX_CLUSTER if kind == "mma" else 16
     plan = GemvPlan(kind, m, tile, rows, split)
     while split < max_split and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4 and (
-            (allow_split and blocks * split < 4 * sms) or plan.smem(k) >= SMEM_LIMIT):
+            (allow_split and blocks * split < (4 if kind == "mma" else 2) * sms) or plan.smem(k) >= SMEM_LIMIT):
         split *= 2
         plan = GemvPlan(kind, m, tile, rows, split)
     if plan.smem(k) >= SMEM_LIMIT:
