@@ -183,12 +183,37 @@ def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024,
     return rows
 
 
-def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8
-              ) -> list[dict[str, Any]]:
+def decode_bytes_per_token(config: Any, int4_group_size: int = 128) -> dict[str, float]:
+    """Weight bytes one decode token reads under the xeon plan, INT4 experts vs all-BF16 experts.
+
+    Per layer: attention (q, k, v, o, head gates), router, pooler/unpooler in BF16 (the plan keeps them),
+    the k routed experts (INT4 in the quantized layers: codes 0.5 byte + a 4-byte fp16 (scale, zero) pair per
+    group; BF16 in ``bf16_expert_layers``), plus the lm_head (embedding: one row). The KV cache and
+    activations are left out (small at these contexts). ``ideal_speedup`` = BF16 bytes / INT4-plan bytes:
+    the end-to-end ratio if every byte streamed at the same bandwidth.
+    """
+    H, l, E, L = config.hidden_size, config.moe_latent_size, config.num_experts, config.num_hidden_layers
+    dense_layer = 2 * (config.attention_parameters() + E * H + 2 * l * H)
+    expert_params = config.num_experts_per_tok * 3 * l * config.moe_intermediate_size
+    int4_layers = L - len(set(config.bf16_expert_layers))
+    lm_head = 2 * config.vocab_size * H
+    bf16 = L * (dense_layer + 2 * expert_params) + lm_head
+    int4_expert_bytes = int4_layers * expert_params * (0.5 + 4 / int4_group_size)
+    int4 = bf16 - int4_layers * 2 * expert_params + int4_expert_bytes
+    return {"bf16_bytes": bf16, "int4_plan_bytes": int4, "int4_expert_fraction_of_plan": int4_expert_bytes / int4,
+            "bf16_expert_fraction": L * 2 * expert_params / bf16, "ideal_speedup": bf16 / int4}
+
+
+def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8,
+              rounds: int = 3) -> list[dict[str, Any]]:
     """Greedy decode tokens/s on random weights: INT4 experts (the xeon plan) vs all-BF16 experts.
 
     The BF16 run is the same preset with ``bf16_expert_layers`` listing every layer, so the plan
-    keeps every expert in BF16; everything else (weights by seed, plan, kernels) is identical.
+    keeps every expert in BF16; everything else (weights by seed, plan, kernels) is identical. Both
+    models stay loaded and generate in alternating rounds (best of ``rounds``): one slow phase of a
+    shared host then cannot land on one variant only (a single sequential run each, on a busy 2-core
+    host, once showed INT4 at 0.87x of BF16). ``ideal_speedup_from_bytes`` is
+    :func:`decode_bytes_per_token`'s ratio.
     """
     import dataclasses
 
@@ -199,24 +224,34 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
         config = MuseConfig.from_name(preset)
         variants = {"xeon-int4": config,
                     "xeon-bf16": dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers)))}
-        results = {}
+        prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
+        models, load_s, best = {}, {}, {}
         for impl, cfg in variants.items():
             start = time.perf_counter()
-            model = load_random(cfg, device="xeon", seed=0)
-            load_s = time.perf_counter() - start
-            prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
-            model.generate(prompt.tolist(), max_new_tokens=2)  # warm-up
-            model.generate(prompt.tolist(), max_new_tokens=new_tokens)
-            stats = model.last_generation_stats
-            results[impl] = (stats.decode_tokens_per_s, load_s, stats)
-            del model
-        for impl, (tps, load_s, stats) in results.items():
+            models[impl] = load_random(cfg, device="xeon", seed=0)
+            load_s[impl] = time.perf_counter() - start
+            models[impl].generate(prompt.tolist(), max_new_tokens=2)  # warm-up
+        for _ in range(rounds):
+            for impl, model in models.items():
+                model.generate(prompt.tolist(), max_new_tokens=new_tokens)
+                stats = model.last_generation_stats
+                if impl not in best or stats.decode_tokens_per_s > best[impl].decode_tokens_per_s:
+                    best[impl] = stats
+        del models
+        ideal = decode_bytes_per_token(config)
+        bf16_tps = best["xeon-bf16"].decode_tokens_per_s
+        for impl, stats in best.items():
+            tps = stats.decode_tokens_per_s
+            nbytes = ideal["int4_plan_bytes" if impl == "xeon-int4" else "bf16_bytes"]
             rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
-                         "format": impl.split("-")[1],
+                         "format": impl.split("-")[1], "path": f"best of {rounds} rounds",
                          "time_us": 1e6 / tps if tps else float("nan"), "decode_tokens_per_s": tps,
-                         "prefill_tokens_per_s": stats.prefill_tokens_per_s, "load_s": load_s,
-                         "speedup_vs_bf16": tps / results["xeon-bf16"][0] if results["xeon-bf16"][0] else None,
-                         "pct_memory_ceiling": None})
+                         "prefill_tokens_per_s": stats.prefill_tokens_per_s, "load_s": load_s[impl],
+                         "speedup_vs_bf16": tps / bf16_tps if bf16_tps else None,
+                         "ideal_speedup_from_bytes": ideal["ideal_speedup"] if impl == "xeon-int4" else 1.0,
+                         "weight_bytes_per_token": nbytes,
+                         "int4_expert_fraction_of_plan_bytes": ideal["int4_expert_fraction_of_plan"],
+                         "pct_memory_ceiling": pct_ceiling(int(nbytes), 1e6 / tps) if tps else None})
     return rows
 
 
