@@ -484,7 +484,7 @@ def compile_flags() -> list[str]:
     gomp = torch_libgomp()
     # -fopenmp links "libgomp.so.1"; -L/-rpath make that PyTorch's copy, already loaded by `import torch`
     omp = ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []
-    return ["-O3", "-fPIC", "-shared", *isa, *omp, "-lm"]
+    return ["-O3", "-fPIC", "-shared", *isa, *omp]
 
 
 def cache_dir() -> Path:
@@ -515,7 +515,7 @@ def load() -> Optional[ctypes.CDLL]:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     try:
         flags = compile_flags()
-        digest = hashlib.sha256((SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
+        digest = hashlib.sha256((SOURCE + " ".join(flags) + " libs: -lm").encode()).hexdigest()[:16]
         target = cache_dir() / f"int4-{digest}.so"
         if not target.exists():
             if compiler is None:
@@ -525,7 +525,7 @@ def load() -> Optional[ctypes.CDLL]:
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 src, obj = Path(tmp) / "int4.c", Path(tmp) / "int4.so"
                 src.write_text(SOURCE)
-                subprocess.run([compiler, *flags, "-o", str(obj), str(src)], check=True, capture_output=True,
+                subprocess.run([compiler, *flags, "-o", str(obj), str(src), "-lm"], check=True, capture_output=True,
                                timeout=120)
                 os.replace(obj, target)  # atomic: concurrent processes never load a half-written file
         lib = ctypes.CDLL(str(target))
