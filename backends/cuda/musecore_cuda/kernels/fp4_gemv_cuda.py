@@ -418,7 +418,7 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // partial sums meet in block 0's registers through distributed shared memory, and block 0 writes the
 // output once in its final dtype (no zero-filled fp32 buffer, no atomics, no conversion kernel).
 template <int RT, int WARPS, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT>
-__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32) fp4_gemv_mma(
+__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32, 8) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
         int w_e, int w_n, int s_e, int s_n,
@@ -559,7 +559,7 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
     if kind is None:
         raise ValueError(f"no CUDA decode kernel for M={m} with {dtype} activations (see kind_for)")
     if kind == "mma":
-        tile = 2 if n > 4096 else 1
+        tile = 1
         rows = MMA_WARPS * 16 * tile
     else:
         tile = 8 if m == 1 else 4
