@@ -66,6 +66,9 @@ SOURCE = r"""
    C = max(g, 64) columns, each stored as W = C/8 int32 words; nibble j of word q holds column j*W + q of the
    chunk, so one nibble of W consecutive words is W consecutive columns. */
 #define ROWS 4 /* rows per block of the GEMV; codes are padded to a multiple of it */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048 /* how far ahead (at least) the GEMV prefetches its codes; 2 KiB measured best of 0/2/4/8 KiB */
+#endif
 
 static inline int64_t chunk_of(int64_t g) { return g >= 64 ? g : 64; }
 
@@ -145,6 +148,8 @@ static inline __attribute__((always_inline)) void gemv_rows(
         const int32_t *codes, const uint16_t *sz, const float *xs, const float *xsum, float out[ROWS],
         int64_t n, int64_t k, const int64_t g) {
     const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8, vecs = words / 8;
+    /* whole row blocks ahead, at least PREFETCH_BYTES (short rows: K = 512 is 1 KiB per block) */
+    const int64_t block_bytes = ROWS * kw * 4, prefetch_words = ROWS * kw * ((PREFETCH_BYTES + block_bytes - 1) / block_bytes);
     __m256 acc[ROWS], tot[ROWS];
     float off[ROWS];
     const int32_t *row[ROWS];
@@ -166,7 +171,7 @@ static inline __attribute__((always_inline)) void gemv_rows(
                 w[r] = _mm256_loadu_si256((const __m256i *)(row[r] + c * words + v * 8));
                 /* the same columns of the next row block (ROWS rows further): a block's rows are 4 short
                    streams (1 KiB each at K = 2048) that the hardware prefetcher picks up too late */
-                _mm_prefetch((const char *)(row[r] + c * words + v * 8 + ROWS * kw), _MM_HINT_T0);
+                _mm_prefetch((const char *)(row[r] + c * words + v * 8 + prefetch_words), _MM_HINT_T0);
             }
             const float *xc = xs + c * chunk + v * 8;
 #pragma GCC unroll 8
