@@ -29,6 +29,7 @@ router_topk = ref.router_topk
 sample = ref.sample
 
 NATIVE_NORM_MAX_ELEMENTS = 1 << 16  # decode sizes; above this the PyTorch ops (vectorised, threaded) win
+NATIVE_ATTENTION_MAX_QUERIES = 8  # decode: per-query C loop; prefill keeps SDPA (a flash kernel)
 _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -127,6 +128,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     nq, nkv = q.shape[2], k.shape[2]
     if nq % nkv:
         raise ValueError(f"attention: {nq} query heads are not a multiple of {nkv} kv heads")
+    B, T, _, d = q.shape
+    if T <= NATIVE_ATTENTION_MAX_QUERIES and k_scale is None and v_scale is None and k.dtype == v.dtype \
+            and k.shape == v.shape and k.shape[0] == B and k.shape[3] == d and (window is None or window > 0):
+        lib = _native_norms(q, k, v)
+        if lib is not None and q_pos.shape == (B, T) and k_pos.shape == (B, k.shape[1]):
+            out = torch.empty_like(q)
+            q_pos64, k_pos64 = q_pos.to(torch.int64).contiguous(), k_pos.to(torch.int64).contiguous()
+            lib.musecore_attention(q.data_ptr(), _bf16(q), k.data_ptr(), v.data_ptr(), _bf16(k), q_pos64.data_ptr(),
+                                   k_pos64.data_ptr(), -1 if window is None else window, scale, out.data_ptr(),
+                                   B, T, k.shape[1], nq, nkv, d, torch.get_num_threads())
+            return out
     qc = q.to(compute_dtype)
     kc, vc = _to_compute(k, k_scale, compute_dtype), _to_compute(v, v_scale, compute_dtype)
     visible = ref.visibility_mask(q_pos, k_pos, window)  # [B,T,S]

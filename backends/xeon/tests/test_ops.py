@@ -104,3 +104,23 @@ def test_attention_fp8_kv_with_scales(xeon: XeonBackend) -> None:
     pos = torch.arange(T)[None]
     args = (q, k8, v8, pos, pos, None, d ** -0.5, 0.05, 0.07)
     assert_nmse(ref.attention(*args), xeon.attention(*args), tolerance("attention"), "fp8 kv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,d,window", [(1, 128, None), (4, 36, 3)])  # d = 36: the dot product's scalar tail
+def test_attention_few_queries_native_path_matches_reference(xeon: XeonBackend, dtype, T: int, d: int,
+                                                            window) -> None:
+    """T <= NATIVE_ATTENTION_MAX_QUERIES runs the C loop: GQA, windows, empty slots, a query that sees nothing."""
+    from musecore_xeon import ops as xops
+    assert T <= xops.NATIVE_ATTENTION_MAX_QUERIES
+    B, S, nq, nkv = 2, 13, 8, 2
+    q, k, v = attention_case(B, T, S, nq, nkv, d, dtype)
+    k_pos = torch.arange(S)[None].repeat(B, 1)
+    k_pos[1, 5:] = -1
+    q_pos = torch.arange(S - T, S)[None].repeat(B, 1)
+    q_pos[1, 0] = -1  # sees nothing
+    args = (q, k, v, q_pos, k_pos, window, d ** -0.5)
+    out = xeon.attention(*args)
+    assert out.dtype == dtype and torch.all(out[1, 0] == 0)
+    assert_nmse(ref.attention(*args), out, 1e-10 if dtype == torch.float32 else tolerance("attention"),
+                f"native attention {dtype} T={T} d={d} window={window}")

@@ -505,6 +505,76 @@ void musecore_head_norm_gate(const void *o, int ob, const void *w, int wb, const
     }
 }
 
+/* Decode attention (few queries): per (batch, query, head) the scores over the visible keys (causal, optional
+   sliding window, k_pos >= 0), an fp32 softmax, and the weighted sum of the values of its kv head (GQA: head h
+   reads kv head h / (nq / nkv)). q, k, v bf16 or fp32 (k and v alike), contiguous [B, T|S, heads, d]; a query
+   that sees no key gets zeros. The PyTorch path (mask, casts, SDPA, masked_fill) costs ~0.4-0.5 ms per call at
+   T = 1 on this host, more than the keys take to read at short contexts. */
+static inline float dot_qk(const float *q, const void *k, int kb, int64_t off, int64_t d) {
+    int64_t c = 0;
+    float tail = 0.0f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; c + 8 <= d; c += 8) {
+        const __m256 kv = kb ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                   _mm_loadu_si128((const __m128i *)((const uint16_t *)k + off + c))), 16))
+                             : _mm256_loadu_ps((const float *)k + off + c);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), kv, acc);
+    }
+    tail = hsum(acc);
+#endif
+    for (; c < d; ++c) tail += q[c] * load_x(k, kb, off + c);
+    return tail;
+}
+
+static inline void axpy_v(float *acc, float p, const void *v, int vb, int64_t off, int64_t d) {
+    int64_t c = 0;
+#ifdef __AVX2__
+    const __m256 pv = _mm256_set1_ps(p);
+    for (; c + 8 <= d; c += 8) {
+        const __m256 vv = vb ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                   _mm_loadu_si128((const __m128i *)((const uint16_t *)v + off + c))), 16))
+                             : _mm256_loadu_ps((const float *)v + off + c);
+        _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(acc + c)));
+    }
+#endif
+    for (; c < d; ++c) acc[c] += p * load_x(v, vb, off + c);
+}
+
+void musecore_attention(const void *q, int qb, const void *k, const void *v, int kvb, const int64_t *q_pos,
+                        const int64_t *k_pos, int64_t window, float scale, void *out, int64_t B, int64_t T, int64_t S,
+                        int64_t nq, int64_t nkv, int64_t d, int threads) {
+    const int64_t group = nq / nkv, items = B * T * nq;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && items * S * d >= (1 << 18))
+#endif
+    for (int64_t it = 0; it < items; ++it) {
+        const int64_t b = it / (T * nq), t = (it / nq) % T, h = it % nq, kvh = h / group;
+        float *buf = scratch((size_t)(S + 2 * d));  /* this thread's: scores, the query in fp32, the output */
+        float *sc = buf, *qf = buf + S, *acc = qf + d;
+        const int64_t qoff = it * d, qp = q_pos[b * T + t];
+        for (int64_t c = 0; c < d; ++c) { qf[c] = load_x(q, qb, qoff + c); acc[c] = 0.0f; }
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < S; ++j) {
+            const int64_t kp = k_pos[b * S + j];
+            if (kp < 0 || kp > qp || (window > 0 && qp - kp >= window)) { sc[j] = -INFINITY; continue; }
+            sc[j] = dot_qk(qf, k, kvb, ((b * S + j) * nkv + kvh) * d, d) * scale;
+            if (sc[j] > mx) mx = sc[j];
+        }
+        float denom = 0.0f;
+        if (mx != -INFINITY) {
+            for (int64_t j = 0; j < S; ++j) {
+                if (sc[j] == -INFINITY) continue;
+                const float p = expf(sc[j] - mx);
+                denom += p;
+                axpy_v(acc, p, v, kvb, ((b * S + j) * nkv + kvh) * d, d);
+            }
+        }
+        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+        for (int64_t c = 0; c < d; ++c) store_y(out, qb, qoff + c, acc[c] * inv);
+    }
+}
+
 /* out[r, c] = (q - z) * scale of rows r < rows (fp32 [rows, K]), exact: (q - z) * an fp16 scale fits fp32. */
 void musecore_int4_dequant(const int32_t *codes, const uint16_t *sz, float *out, int64_t rows, int64_t k, int64_t g,
                            int threads) {
@@ -611,7 +681,8 @@ def load() -> Optional[ctypes.CDLL]:
     lib.musecore_residual_norm.argtypes = [vp, vp, i, vp, i, vp, i, vp, i, vp, vp, i, i64, i64, f32]
     lib.musecore_norm_rope.argtypes = [vp, i, vp, i, vp, vp, vp, i64, i64, i64, f32]
     lib.musecore_head_norm_gate.argtypes = [vp, i, vp, i, vp, i, vp, i64, i64, f32]
-    for name in ("rms_norm", "residual_norm", "norm_rope", "head_norm_gate"):
+    lib.musecore_attention.argtypes = [vp, i, vp, vp, i, vp, vp, i64, f32, vp] + [i64] * 6 + [i]
+    for name in ("rms_norm", "residual_norm", "norm_rope", "head_norm_gate", "attention"):
         getattr(lib, f"musecore_{name}").restype = None
     lib.musecore_int4_dequant.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.musecore_int4_dequant.restype = None
