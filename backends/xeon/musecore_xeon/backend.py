@@ -100,7 +100,8 @@ class XeonBackend(Backend):
         if op == "attention":
             if spec.kv_format not in ("bf16", "fp16", "fp32", "fp8"):
                 return Support.no(f"KV format {spec.kv_format!r} unknown to xeon (bf16, fp32 or fp8)")
-            return Support.native(f"scaled_dot_product_attention in {self.dense_dtype} with the reference visibility mask"
+            return Support.native(f"decode (T <= 8): one C loop, fp32 softmax; prefill: scaled_dot_product_attention in "
+                                  f"{self.dense_dtype} with the reference visibility mask"
                                   + ("; FP8 KV dequantized per tensor first" if spec.kv_format == "fp8" else ""))
         return Support.native("PyTorch CPU ops (fp32 math)")
 

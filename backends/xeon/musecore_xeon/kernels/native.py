@@ -46,6 +46,8 @@ from typing import Optional
 
 import torch
 
+from musecore_xeon.kernels.native_ops_source import OPS_SOURCE
+
 NATIVE_ENV = "MUSECORE_XEON_NATIVE_DEQUANT"
 CACHE_ENV = "MUSECORE_XEON_CACHE"
 ROWS = 4  # rows per GEMV block (ROWS in the C source): the nibble-planar codes are padded to a multiple
@@ -444,137 +446,6 @@ int musecore_int4_moe(const int64_t *gu_codes, const int64_t *gu_sz, const int64
     return 0;
 }
 
-/* The decode-size norms of the graph (musecore/ops: rms_norm, residual_norm, qk_norm_rope, head_norm_gate), fp32
-   math on bf16 or fp32 tensors (a flag per pointer). PyTorch's F.rms_norm plus casts costs ~25 us per call on a
-   1536-vector here; ~80 such calls per muse-small token took ~12 ms of a ~65 ms decode step. */
-static inline void store_x(void *p, int bf16, int64_t i, float v) { store_y(p, bf16, i, v); }
-
-static inline float inv_rms(const void *x, int xb, int64_t off, int64_t n, float eps) {
-    float ss = 0.0f;
-    for (int64_t c = 0; c < n; ++c) { const float v = load_x(x, xb, off + c); ss += v * v; }
-    return 1.0f / sqrtf(ss / (float)n + eps);
-}
-
-void musecore_rms_norm(const void *x, int xb, const void *w, int wb, void *out, int ob, int64_t rows, int64_t n,
-                       float eps) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(x, xb, r * n, n, eps);
-        for (int64_t c = 0; c < n; ++c) store_x(out, ob, r * n + c, load_x(x, xb, r * n + c) * f * load_x(w, wb, c));
-    }
-}
-
-/* residual' = residual + gate * rms_norm(out, post_w) (rounded to the residual's dtype), normed = rms_norm(residual',
-   next_w) in the residual's dtype. */
-void musecore_residual_norm(const void *res, const void *out, int outb, const void *post_w, int pwb, const void *gate,
-                            int gb, const void *next_w, int nwb, void *new_res, void *normed, int rb, int64_t rows,
-                            int64_t n, float eps) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(out, outb, r * n, n, eps);
-        for (int64_t c = 0; c < n; ++c)
-            store_x(new_res, rb, r * n + c, load_x(res, rb, r * n + c)
-                    + load_x(gate, gb, c) * (load_x(out, outb, r * n + c) * f * load_x(post_w, pwb, c)));
-        const float f2 = inv_rms(new_res, rb, r * n, n, eps);
-        for (int64_t c = 0; c < n; ++c)
-            store_x(normed, rb, r * n + c, load_x(new_res, rb, r * n + c) * f2 * load_x(next_w, nwb, c));
-    }
-}
-
-/* Per head (rows of d): RMSNorm over d, then RoPE with the halves convention (rotate_half = [-x2, x1]);
-   cos/sin fp32 [rows / heads, d]. */
-void musecore_norm_rope(const void *x, int xb, const void *w, int wb, const float *cos_t, const float *sin_t,
-                        void *out, int64_t rows, int64_t heads, int64_t d, float eps) {
-    const int64_t half = d / 2;
-    float buf[1024];
-    for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(x, xb, r * d, d, eps);
-        const float *cs = cos_t + (r / heads) * d, *sn = sin_t + (r / heads) * d;
-        for (int64_t c = 0; c < d; ++c) buf[c] = load_x(x, xb, r * d + c) * f * load_x(w, wb, c);
-        for (int64_t c = 0; c < d; ++c) {
-            const float rot = c < half ? -buf[c + half] : buf[c - half];
-            store_x(out, xb, r * d + c, buf[c] * cs[c] + rot * sn[c]);
-        }
-    }
-}
-
-/* o[row] = rms_norm(o[row], w) * sigmoid(gate[row]) per head row of d. */
-void musecore_head_norm_gate(const void *o, int ob, const void *w, int wb, const void *gate, int gb, void *out,
-                             int64_t rows, int64_t d, float eps) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(o, ob, r * d, d, eps) / (1.0f + expf(-load_x(gate, gb, r)));
-        for (int64_t c = 0; c < d; ++c) store_x(out, ob, r * d + c, load_x(o, ob, r * d + c) * f * load_x(w, wb, c));
-    }
-}
-
-/* Decode attention (few queries): per (batch, query, head) the scores over the visible keys (causal, optional
-   sliding window, k_pos >= 0), an fp32 softmax, and the weighted sum of the values of its kv head (GQA: head h
-   reads kv head h / (nq / nkv)). q, k, v bf16 or fp32 (k and v alike), contiguous [B, T|S, heads, d]; a query
-   that sees no key gets zeros. The PyTorch path (mask, casts, SDPA, masked_fill) costs ~0.4-0.5 ms per call at
-   T = 1 on this host, more than the keys take to read at short contexts. */
-static inline float dot_qk(const float *q, const void *k, int kb, int64_t off, int64_t d) {
-    int64_t c = 0;
-    float tail = 0.0f;
-#ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
-    for (; c + 8 <= d; c += 8) {
-        const __m256 kv = kb ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                                   _mm_loadu_si128((const __m128i *)((const uint16_t *)k + off + c))), 16))
-                             : _mm256_loadu_ps((const float *)k + off + c);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), kv, acc);
-    }
-    tail = hsum(acc);
-#endif
-    for (; c < d; ++c) tail += q[c] * load_x(k, kb, off + c);
-    return tail;
-}
-
-static inline void axpy_v(float *acc, float p, const void *v, int vb, int64_t off, int64_t d) {
-    int64_t c = 0;
-#ifdef __AVX2__
-    const __m256 pv = _mm256_set1_ps(p);
-    for (; c + 8 <= d; c += 8) {
-        const __m256 vv = vb ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                                   _mm_loadu_si128((const __m128i *)((const uint16_t *)v + off + c))), 16))
-                             : _mm256_loadu_ps((const float *)v + off + c);
-        _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(acc + c)));
-    }
-#endif
-    for (; c < d; ++c) acc[c] += p * load_x(v, vb, off + c);
-}
-
-void musecore_attention(const void *q, int qb, const void *k, const void *v, int kvb, const int64_t *q_pos,
-                        const int64_t *k_pos, int64_t window, float scale, void *out, int64_t B, int64_t T, int64_t S,
-                        int64_t nq, int64_t nkv, int64_t d, int threads) {
-    const int64_t group = nq / nkv, items = B * T * nq;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && items * S * d >= (1 << 18))
-#endif
-    for (int64_t it = 0; it < items; ++it) {
-        const int64_t b = it / (T * nq), t = (it / nq) % T, h = it % nq, kvh = h / group;
-        float *buf = scratch((size_t)(S + 2 * d));  /* this thread's: scores, the query in fp32, the output */
-        float *sc = buf, *qf = buf + S, *acc = qf + d;
-        const int64_t qoff = it * d, qp = q_pos[b * T + t];
-        for (int64_t c = 0; c < d; ++c) { qf[c] = load_x(q, qb, qoff + c); acc[c] = 0.0f; }
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < S; ++j) {
-            const int64_t kp = k_pos[b * S + j];
-            if (kp < 0 || kp > qp || (window > 0 && qp - kp >= window)) { sc[j] = -INFINITY; continue; }
-            sc[j] = dot_qk(qf, k, kvb, ((b * S + j) * nkv + kvh) * d, d) * scale;
-            if (sc[j] > mx) mx = sc[j];
-        }
-        float denom = 0.0f;
-        if (mx != -INFINITY) {
-            for (int64_t j = 0; j < S; ++j) {
-                if (sc[j] == -INFINITY) continue;
-                const float p = expf(sc[j] - mx);
-                denom += p;
-                axpy_v(acc, p, v, kvb, ((b * S + j) * nkv + kvh) * d, d);
-            }
-        }
-        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-        for (int64_t c = 0; c < d; ++c) store_y(out, qb, qoff + c, acc[c] * inv);
-    }
-}
-
 /* out[r, c] = (q - z) * scale of rows r < rows (fp32 [rows, K]), exact: (q - z) * an fp16 scale fits fp32. */
 void musecore_int4_dequant(const int32_t *codes, const uint16_t *sz, float *out, int64_t rows, int64_t k, int64_t g,
                            int threads) {
@@ -601,7 +472,7 @@ int musecore_int4_openmp(void) {
     return 0;
 #endif
 }
-"""
+""" + OPS_SOURCE
 
 
 def torch_libgomp() -> Optional[Path]:
