@@ -2,9 +2,10 @@
 
 What is native here, and why (``supports`` answers from this table, never optimistically):
 
-* NVFP4 / MXFP4 weights with 16-bit activations (W4A16): Triton kernels that upcast FP4 in
-  registers and run bf16/fp16 tensor-core dots. Run and measured on SM90 (H200); on SM100 the
-  same kernel would run but has not been, so it is reported as emulated there.
+* NVFP4 / MXFP4 weights with 16-bit activations (W4A16): FP4 is upcast in registers and fed to
+  bf16/fp16 tensor cores. Decode (M <= 8) runs CUDA C++ kernels compiled with NVRTC
+  (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`), larger M the Triton GEMM. Run and measured on SM90
+  (H200); on SM100 the same kernels would run but have not been, so they are reported as emulated.
 * W4A4 (FP4 activations): needs FP4 tensor cores. SM90 has none, and no SM100 kernel exists
   here, so it is ``no``: a caller wanting those numerics should use the reference backend's
   emulation, not a silent slow path here.
