@@ -61,6 +61,15 @@ __device__ __forceinline__ void store_out(void *out, long long i, float v, int o
     ((u16 *)out)[i] = b;
 }
 
+// Expert mode: program z is assignment a, expert ids[a], activation row a / a_div, output row a.
+__device__ __forceinline__ void assignment(const long long *ids, int a_div, long long &e, long long &x_row,
+                                           long long &y_row) {
+    const int a = blockIdx.z;
+    e = ids[a];
+    x_row = a / a_div;
+    y_row = a;
+}
+
 // Scale byte -> scale * 2**(62 - fold) as fp32 (e4m3 for NVFP4, e8m0 for MXFP4).
 template <int WFMT>
 __device__ __forceinline__ float group_mult(u32 s, int fold) {
@@ -207,12 +216,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
     const int c_begin = blockIdx.y * chunks, c_end = c_begin + chunks;
     const int ks = chunks * 128;  // staged activations per row
     long long e = 0, x_row = 0, y_row = 0;
-    if (EXPERTS) {
-        const int a = blockIdx.z;
-        e = ids[a];
-        x_row = a / a_div;
-        y_row = a;
-    }
+    if (EXPERTS) assignment(ids, a_div, e, x_row, y_row);
     const float two64 = 18446744073709551616.f;
     for (int i = threadIdx.x * 8; i < M * ks; i += WARPS * 32 * 8) {  // 8 activations (16 bytes) per load
         const int m = i / ks, k = i - m * ks;
@@ -429,12 +433,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32, 8) f
     const int c_begin = blockIdx.y * chunks, c_end = c_begin + chunks;
     const int pairs = chunks * 64;  // per token
     long long e = 0, x_row = 0, y_row = 0;
-    if (EXPERTS) {
-        const int a = blockIdx.z;
-        e = ids[a];
-        x_row = a / a_div;
-        y_row = a;
-    }
+    if (EXPERTS) assignment(ids, a_div, e, x_row, y_row);
     // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
     // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
     for (int i = threadIdx.x; i < m_rows * chunks * 16; i += WARPS * 32) {
