@@ -68,9 +68,12 @@ SOURCE = r"""
    C = max(g, 64) columns, each stored as W = C/8 int32 words; nibble j of word q holds column j*W + q of the
    chunk, so one nibble of W consecutive words is W consecutive columns. */
 #define ROWS 4 /* rows per block of the GEMV; codes are padded to a multiple of it */
-/* Calls streaming fewer code bytes than this run on the calling thread: an OpenMP fork/join and barriers
-   (~5-20 us on 2 cores, more when a sibling thread is descheduled) cost more than a second core saves. */
-#define PARALLEL_MIN_BYTES (256 * 1024)
+/* Calls streaming fewer code bytes than these run on the calling thread: an OpenMP fork/join and barriers
+   (~5-20 us on 2 cores, more when a sibling thread is descheduled) cost more than a second core saves.
+   Measured on the 2-core EPYC: a 512x768 GEMV (196 KiB) still gains from 2 threads (47 vs 65 us); the fused
+   MoE of muse-tiny (4 experts, 196 KiB, 3 barriers) loses (INT4/BF16 decode 0.96x with 2 threads, 1.24x with one). */
+#define GEMV_PARALLEL_MIN_BYTES (64 * 1024)
+#define MOE_PARALLEL_MIN_BYTES (256 * 1024)
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048 /* how far ahead (at least) the GEMV prefetches its codes; 2 KiB measured best of 0/2/4/8 KiB */
 #endif
@@ -317,7 +320,7 @@ void musecore_int4_gemv(const int32_t *codes, const uint16_t *sz, const void *x,
     const int64_t blocks = n_rows / ROWS;
 #ifdef _OPENMP
     if (threads > blocks) threads = (int)blocks;
-    if (n_rows * k / 2 * m_rows < PARALLEL_MIN_BYTES) threads = 1;
+    if (n_rows * k / 2 * m_rows < GEMV_PARALLEL_MIN_BYTES) threads = 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
     for (int64_t blk = 0; blk < blocks; ++blk)
@@ -399,7 +402,7 @@ int musecore_int4_moe(const int64_t *gu_codes, const int64_t *gu_sz, const int64
         prepare_x((const char *)z + (sorted[r] / k_top) * l * zsize, z_bf16, 1, l, g_gu, xs_gu + r * l,
                   xsum_gu + r * gu_groups);
     const int64_t gu_blocks = gu_rows / ROWS, dn_blocks = dn_rows / ROWS;
-    if (routed * (gu_rows * l + dn_rows * inter) / 2 < PARALLEL_MIN_BYTES) threads = 1;
+    if (routed * (gu_rows * l + dn_rows * inter) / 2 < MOE_PARALLEL_MIN_BYTES) threads = 1;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #endif
