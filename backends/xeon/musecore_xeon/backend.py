@@ -103,7 +103,7 @@ class XeonBackend(Backend):
             return Support.native(f"decode (T <= 8): one C loop, fp32 softmax; prefill: scaled_dot_product_attention in "
                                   f"{self.dense_dtype} with the reference visibility mask"
                                   + ("; FP8 KV dequantized per tensor first" if spec.kv_format == "fp8" else ""))
-        return Support.native("PyTorch CPU ops (fp32 math)")
+        return Support.native("fp32 math: one C call at decode sizes (norms, RoPE, head gate), PyTorch CPU ops otherwise")
 
     # -- weights -----------------------------------------------------------------------------------
     def _check_format(self, weight: WeightIn, act_format: Optional[str]) -> str:
