@@ -1,29 +1,32 @@
-"""FP4 decode GEMV in CUDA C++ (NVRTC through ``torch.cuda._compile_kernel``): the fast path on GPUs.
+"""FP4 decode kernels in CUDA C++ (NVRTC through ``torch.cuda._compile_kernel``): M <= 8 on GPUs.
 
-Why not Triton: a Triton FMA GEMV with the same upcast (commit 10aaac7, removed) was correct, but Triton
-puts the activation vector and the decoded weights in different register layouts and converts
-between them through shared memory with barriers inside the K loop (45 ``BAR.SYNC`` in its SASS):
-it streams the weights at ~25% of HBM bandwidth whatever the tile shape. Here the layout is ours:
+Both kernels read the resident FP4 bytes of :mod:`musecore_cuda.layouts` (no second copy) as int32
+words; nibble ``n`` of word ``q`` of a 128-element chunk is element ``(n % 2) * 64 + 4q + n / 2``.
 
-* a warp owns ``R`` weight rows; lane ``L`` reads 16 bytes of each row per step (the 4 words of
-  quarter ``L % 4`` of chunk ``L / 4``), so a warp step is 512 contiguous bytes per row, and the
-  next step's ``R`` loads are issued before the current step is computed;
-* the activations of the block's K range are staged once in shared memory as fp32 times 2**64
-  (exact), and each lane reads the 32 values its 16 bytes meet as eight 16-byte loads shared by
-  all ``R`` rows;
-* the upcast is the bit trick of the Triton kernel (E2M1 -> fp32 bits of ``code * 2**-126``, about
-  2.75 integer instructions per weight, no conversions), one FMA per weight and activation row
-  into a per-group sum (a lane's 16 low-half and 16 high-half weights are exactly one NVFP4 group
-  each, half of an MXFP4 group), then one FMA per group with ``scale * 2**(62 - fold)``;
-  the per-tensor ``out_scale`` (global scale times ``2**fold``) is applied to the warp's sum.
+* ``fp4_gemv_mma`` (bf16 activations, M <= 8, the default): ``mma.m16n8k16`` with the weights as
+  operand A, upcast in registers (shift/LOP3 into bf16x2 pairs holding ``code * 2**-126`` exactly,
+  then ``mul.bf16x2`` by ``scale * 2**(126 - fold)``, also exact: about 3 instructions per weight)
+  and the activations as operand B, staged once per block in shared memory in the same pair order,
+  so B is one 16-byte load per word. Split-K runs as a thread-block cluster whose partial sums meet
+  in block 0 through distributed shared memory: the output is written once, in its own dtype.
+* ``fp4_gemv`` (bf16 or fp16, M <= 2; fp16 activations use it): fp32 FMA. Each lane reads 16
+  bytes of each of ``R`` rows per step (next step's loads issued first); activations are staged as
+  fp32 times 2**64; the upcast gives the fp32 bits of ``code * 2**-126``; sums per group, one FMA
+  per group with ``scale * 2**(62 - fold)``; split-K through fp32 atomics.
 
-Products are exact in fp32 (2-bit code times 8-bit activation) and sums are fp32: the numerics
-are the Triton kernel's (tested against the same reference). Only ``mul``/``fma`` without
-``--use_fast_math``, so the subnormal ``0.5 * 2**-126`` is kept.
+Numerics: products are exact (2-bit code times a 16-bit activation) and sums are fp32, as in the
+Triton GEMM; no ``--use_fast_math``, so the subnormal ``0.5 * 2**-126`` is kept (tested for every
+code at every nibble position). The per-tensor ``out_scale`` (NVFP4 global scale times
+``2**fold``) is applied to the sums.
+
+Why not Triton: a Triton FMA GEMV with the same upcast (commit 10aaac7, removed) was correct, but
+Triton converted the activations and the decoded weights between register layouts through shared
+memory inside the K loop (45 ``BAR.SYNC`` in its SASS) and streamed at ~25% of HBM bandwidth.
+Measurements and the ncu profile: ``backends/cuda/NOTES.md``.
 
 Availability: needs ``torch.cuda._compile_kernel`` (PyTorch >= 2.8) and NVRTC. When either is
 missing or compilation fails, :func:`available` is False with the reason in :data:`UNAVAILABLE`
-and the backend uses the Triton GEMV (announced once as a RuntimeWarning).
+and the backend uses the Triton GEMM (announced once as a RuntimeWarning).
 """
 
 from __future__ import annotations
