@@ -100,13 +100,17 @@ def resolve_device(device: str, records: Optional[dict] = None) -> tuple[str, to
 
 def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
-         kv_format: str = "bf16", checkpoint_format: str = "bf16") -> Plan:
-    """Resolve what would run where, in which format and why; reads config and headers only."""
+         kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: bool = False) -> Plan:
+    """Resolve what would run where, in which format and why; reads config and headers only.
+
+    ``quantize_dense`` converts the attention, pooler/unpooler and lm_head projections like the
+    routed experts (see :func:`musecore.planning.make_plan`)."""
     summary, _ = summarize(model, checkpoint_format)
     records = discover()
     name = device if (emulate and device in CATALOG) else resolve_device(device, records)[0]
     return make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation, allow_reference=allow_reference,
-                     dtype_label=DTYPE_LABELS[dtype or torch.bfloat16], kv_format=kv_format, records=records)
+                     dtype_label=DTYPE_LABELS[dtype or torch.bfloat16], kv_format=kv_format, records=records,
+                     quantize_dense=quantize_dense)
 
 
 def bind_ops(the_plan: Plan, backends: dict[str, Any]) -> Ops:
@@ -146,12 +150,14 @@ def _dispatcher(op: str, impls: dict[tuple, Any]):
 
 def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
-         kv_format: str = "bf16", progress: Optional[bool] = None) -> MuseModel:
+         kv_format: str = "bf16", progress: Optional[bool] = None, quantize_dense: bool = False) -> MuseModel:
     """Load a checkpoint folder (or the bundled ``muse-tiny``) onto ``device``, executing its plan.
 
     ``device`` is a catalog name (``musecore devices``), ``auto`` or a torch device string.
     ``emulate=True`` runs the named device's numerics (weight conversion, activation quantization)
-    on the local reference kernels. Raises :class:`~musecore.planning.PlanError` listing every gap.
+    on the local reference kernels. ``quantize_dense=True`` also converts the attention,
+    pooler/unpooler and lm_head projections with the device's expert rule (e.g. INT4 on ``xeon``).
+    Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16
     summary, reader = summarize(model)
@@ -161,7 +167,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     show = sys.stderr.isatty() if progress is None else progress
     muse = assemble(summary, device, lambda placer, _device: placer.stream(reader, show), emulate=emulate,
                     allow_emulation=allow_emulation, allow_reference=allow_reference, dtype=dtype,
-                    kv_format=kv_format, source=str(reader.folder))
+                    kv_format=kv_format, source=str(reader.folder), quantize_dense=quantize_dense)
     from musecore.tokenizer import load_tokenizer
     muse.tokenizer = load_tokenizer(reader.folder)
     return muse
@@ -169,7 +175,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
 
 def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpoint_format: str = "bf16",
                 dtype: Optional[torch.dtype] = None, emulate: bool = False, seed: int = 0, std: float = 0.02,
-                allow_reference: bool = False) -> MuseModel:
+                allow_reference: bool = False, quantize_dense: bool = False) -> MuseModel:
     """A model with random weights (MODEL.md initialisation) through the same plan and placement as
     :func:`load`, made tensor by tensor on the target device: for benchmarks of presets that have no
     checkpoint (``muse-small``). Quantized experts are produced with the producers' quantizers.
@@ -195,13 +201,13 @@ def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpo
             yield tensor_name, (w.to(dtype) if fmt == "bf16" else quantize(w, fmt))
 
     return assemble(summary, device, tensors, emulate=emulate, allow_reference=allow_reference, dtype=dtype,
-                    source=f"random {summary.name}")
+                    source=f"random {summary.name}", quantize_dense=quantize_dense)
 
 
 def assemble(summary: CheckpointSummary, device: str,
              tensors: Callable[[Placer, torch.device], Iterable[tuple[str, Any]]], *, emulate: bool = False,
              allow_emulation: bool = False, allow_reference: bool = False, dtype: torch.dtype = torch.bfloat16,
-             kv_format: str = "bf16", source: str = "checkpoint") -> MuseModel:
+             kv_format: str = "bf16", source: str = "checkpoint", quantize_dense: bool = False) -> MuseModel:
     """Plan ``summary`` on ``device`` (raising on gaps), make the backends, and fill a model with
     ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares."""
     records = discover()
@@ -213,7 +219,7 @@ def assemble(summary: CheckpointSummary, device: str,
         name, torch_device = resolve_device(device, records)
     the_plan = make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation,
                          allow_reference=allow_reference, dtype_label=DTYPE_LABELS[dtype], kv_format=kv_format,
-                         records=records)
+                         records=records, quantize_dense=quantize_dense)
     if the_plan.gaps:
         raise PlanError(the_plan)
     backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}

@@ -171,22 +171,31 @@ def unquantizable(summary: CheckpointSummary, targets: dict[str, tuple[str, Opti
     return gaps
 
 
-def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_label: str
-                   ) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
+# Dense projections that ``quantize_dense=True`` converts like the routed experts (the router, the
+# embedding, norms and the BF16 expert layers stay as they are: small, or sensitive to rounding).
+DENSE_QUANTIZABLE = ("attention", "pooler/unpooler", "lm_head")
+
+
+def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_label: str,
+                   quantize_dense: bool = False) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
     """Per tensor the in-memory format and activation format; per group a summary row.
 
     Dense tensors take the model dtype (``dtype_label``); quantized tensors, and the routed experts
     of quantized layers whatever their checkpoint format, follow the device profile's conversion.
+    With ``quantize_dense`` the attention, pooler/unpooler and lm_head projections follow it too.
     """
     config, dtype_bytes = summary.config, DTYPE_BYTES[dtype_label]
     targets: dict[str, tuple[str, Optional[str]]] = {}
     rows: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, ""])
     for name, src in summary.formats.items():
         group, quantizable = weight_group(name, config)
+        quantizable = quantizable or (quantize_dense and group in DENSE_QUANTIZABLE)
         numel = math.prod(summary.shapes[name])
         if len(summary.shapes[name]) == 2 and (src in QUANTIZED or quantizable):
             conv = profile.conversion(src if src in QUANTIZED else "bf16")
             target, act, action, note = conv.target, conv.act_format, conv.action(src), conv.note
+            if group in DENSE_QUANTIZABLE:
+                note = f"quantize_dense: converted like the experts ({target})"
             if conv.target == "bf16":  # dense in memory: the model dtype
                 target = dtype_label
                 action = "keep" if src == dtype_label else (f"cast {src}->{dtype_label}" if src in DENSE
@@ -266,8 +275,12 @@ def kv_bytes(config: MuseConfig, context: int, kv_format: str) -> int:
 
 def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False, allow_emulation: bool = False,
               allow_reference: bool = False, dtype_label: str = "bf16", kv_format: str = "bf16",
-              kv_context: int = DEFAULT_CONTEXT, records: Optional[dict] = None) -> Plan:
-    """Resolve the plan for ``summary`` on the catalog device ``device`` (no weights read)."""
+              kv_context: int = DEFAULT_CONTEXT, records: Optional[dict] = None, quantize_dense: bool = False) -> Plan:
+    """Resolve the plan for ``summary`` on the catalog device ``device`` (no weights read).
+
+    ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections with the
+    device's rule for experts (e.g. INT4 g128 on ``xeon``): fewer bytes per token, more error.
+    """
     from musecore.backends.registry import discover
 
     profile = get_profile(device)
@@ -291,7 +304,10 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     if emulate:
         notes.append(f"emulating {device}: its weight conversions and activation quantization, bit for bit, "
                      "computed by the reference kernels on this machine")
-    groups, targets = resolve_groups(summary, profile, dtype_label)
+    if quantize_dense:
+        notes.append(f"quantize_dense: {', '.join(DENSE_QUANTIZABLE)} projections follow the device's "
+                     "expert conversion (see the groups below and the conversion report for the error)")
+    groups, targets = resolve_groups(summary, profile, dtype_label, quantize_dense)
     ops = [choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
            for spec in needed_specs(targets, kv_format, device)]
     gaps = ([f"{hardware_gap}"] if hardware_gap else []) + unquantizable(summary, targets)

@@ -69,3 +69,26 @@ def test_emulated_xeon_load_quantizes_experts_to_int4_and_reports_error(bf16_che
     assert not torch.equal(a, b), "INT4 experts must change the numbers"
     rel = float((a - b).norm() / a.norm())
     assert rel < 0.2, f"relative logit change from INT4 experts: {rel:.3f}"
+
+
+def test_quantize_dense_converts_attention_pooler_and_lm_head_like_the_experts(bf16_checkpoint):
+    default = {g.group: g for g in plan(bf16_checkpoint, "xeon6", emulate=True).groups}
+    dense = {g.group: g for g in plan(bf16_checkpoint, "xeon6", emulate=True, quantize_dense=True).groups}
+    for group in ("attention", "pooler/unpooler", "lm_head"):
+        assert default[group].target_format == "bf16" and dense[group].target_format == "int4", group
+        assert dense[group].bytes < default[group].bytes / 3
+    for group in ("embedding", "router", "norms and gates", "experts (BF16 layers)"):
+        assert dense[group].target_format == default[group].target_format == "bf16", group
+    # a device whose rule keeps BF16 (the reference CPU) is unchanged by the option
+    cpu = {g.group: g.target_format for g in plan(bf16_checkpoint, "cpu", quantize_dense=True).groups}
+    assert set(cpu.values()) == {"bf16"}
+
+
+def test_quantize_dense_load_reports_every_converted_projection(bf16_checkpoint):
+    emu = musecore.load(bf16_checkpoint, device="xeon6", emulate=True, quantize_dense=True)
+    converted = {r.name for r in emu.conversion_report}
+    assert "lm_head.weight" in converted
+    assert any(".self_attn.q_proj." in n for n in converted) and any("latent_proj" in n for n in converted)
+    assert not any(".router." in n or "embed_tokens" in n for n in converted)
+    assert emu.lm_head.format == "int4"
+    assert min(r.sqnr_db for r in emu.conversion_report) > 15, [r.sqnr_db for r in emu.conversion_report][:3]

@@ -200,13 +200,18 @@ def decode_bytes_per_token(config: Any, int4_group_size: int = 128) -> dict[str,
     bf16 = L * (dense_layer + 2 * expert_params) + lm_head
     int4_expert_bytes = int4_layers * expert_params * (0.5 + 4 / int4_group_size)
     int4 = bf16 - int4_layers * 2 * expert_params + int4_expert_bytes
+    # quantize_dense=True: attention (counted whole), pooler/unpooler and lm_head in INT4 too; router BF16
+    dense_params = L * (config.attention_parameters() + 2 * l * H) + config.vocab_size * H
+    int4_dense = int4 - 2 * dense_params + dense_params * (0.5 + 4 / int4_group_size)
     return {"bf16_bytes": bf16, "int4_plan_bytes": int4, "int4_expert_fraction_of_plan": int4_expert_bytes / int4,
-            "bf16_expert_fraction": L * 2 * expert_params / bf16, "ideal_speedup": bf16 / int4}
+            "bf16_expert_fraction": L * 2 * expert_params / bf16, "ideal_speedup": bf16 / int4,
+            "int4_dense_bytes": int4_dense, "ideal_speedup_dense": bf16 / int4_dense}
 
 
 def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8,
               rounds: int = 3) -> list[dict[str, Any]]:
-    """Greedy decode tokens/s on random weights: INT4 experts (the xeon plan) vs all-BF16 experts.
+    """Greedy decode tokens/s on random weights: INT4 experts (the xeon plan), INT4 experts plus
+    ``quantize_dense`` (attention, pooler/unpooler, lm_head in INT4 too) and all-BF16 experts.
 
     The BF16 run is the same preset with ``bf16_expert_layers`` listing every layer, so the plan
     keeps every expert in BF16; everything else (weights by seed, plan, kernels) is identical. Both
@@ -222,13 +227,14 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
     rows = []
     for preset in presets:
         config = MuseConfig.from_name(preset)
-        variants = {"xeon-int4": config,
-                    "xeon-bf16": dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers)))}
+        variants = {"xeon-int4": (config, False), "xeon-int4-dense": (config, True),
+                    "xeon-bf16": (dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers))),
+                                  False)}
         prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
         models, load_s, best = {}, {}, {}
-        for impl, cfg in variants.items():
+        for impl, (cfg, dense) in variants.items():
             start = time.perf_counter()
-            models[impl] = load_random(cfg, device="xeon", seed=0)
+            models[impl] = load_random(cfg, device="xeon", seed=0, quantize_dense=dense)
             load_s[impl] = time.perf_counter() - start
             models[impl].generate(prompt.tolist(), max_new_tokens=2)  # warm-up
         for _ in range(rounds):
@@ -242,13 +248,14 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
         bf16_tps = best["xeon-bf16"].decode_tokens_per_s
         for impl, stats in best.items():
             tps = stats.decode_tokens_per_s
-            nbytes = ideal["int4_plan_bytes" if impl == "xeon-int4" else "bf16_bytes"]
+            nbytes = ideal[{"xeon-int4": "int4_plan_bytes", "xeon-int4-dense": "int4_dense_bytes"}.get(impl, "bf16_bytes")]
             rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
                          "format": impl.split("-")[1], "path": f"best of {rounds} rounds",
                          "time_us": 1e6 / tps if tps else float("nan"), "decode_tokens_per_s": tps,
                          "prefill_tokens_per_s": stats.prefill_tokens_per_s, "load_s": load_s[impl],
                          "speedup_vs_bf16": tps / bf16_tps if bf16_tps else None,
-                         "ideal_speedup_from_bytes": ideal["ideal_speedup"] if impl == "xeon-int4" else 1.0,
+                         "ideal_speedup_from_bytes": {"xeon-int4": ideal["ideal_speedup"],
+                                                      "xeon-int4-dense": ideal["ideal_speedup_dense"]}.get(impl, 1.0),
                          "weight_bytes_per_token": nbytes,
                          "int4_expert_fraction_of_plan_bytes": ideal["int4_expert_fraction_of_plan"],
                          "pct_memory_ceiling": pct_ceiling(int(nbytes), 1e6 / tps) if tps else None})

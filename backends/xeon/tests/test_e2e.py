@@ -42,3 +42,17 @@ def test_muse_tiny_logits_match_the_emulated_xeon_device(xeon, tiny_checkpoint: 
     print(f"muse-tiny logits NMSE {err:.3e} (bound {LOGITS_NMSE_BOUND:.0e}), top-1 agreement {top1:.3f}")
     assert torch.isfinite(got).all()
     assert err <= LOGITS_NMSE_BOUND
+
+
+def test_quantize_dense_logits_match_the_emulated_xeon_device(xeon, tiny_checkpoint: Path) -> None:
+    """Attention, pooler/unpooler and lm_head in INT4 too (``quantize_dense``): the native kernels
+    against the reference kernels on the same converted weights, under the same bound."""
+    native = musecore.load(str(tiny_checkpoint), device="xeon", progress=False, quantize_dense=True)
+    emulated = musecore.load(str(tiny_checkpoint), device="xeon", emulate=True, progress=False, quantize_dense=True)
+    assert native.lm_head.format == "int4" and native.layers[0].self_attn.q_proj.format == "int4"
+    ids = torch.randint(0, native.config.vocab_size, (2, 12))
+    got, want = native.forward(ids), emulated.forward(ids)
+    err = nmse(want.float(), got.float())
+    print(f"muse-tiny quantize_dense logits NMSE {err:.3e} (bound {LOGITS_NMSE_BOUND:.0e})")
+    assert torch.isfinite(got).all()
+    assert err <= LOGITS_NMSE_BOUND

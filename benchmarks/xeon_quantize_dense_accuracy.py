@@ -1,0 +1,40 @@
+"""Accuracy of ``quantize_dense`` on the bundled muse-tiny (held-out CI slice): the reference BF16
+model as baseline, then the xeon backend with INT4 experts only (the default plan) and with the
+attention, pooler/unpooler and lm_head projections in INT4 as well.
+
+    python benchmarks/xeon_quantize_dense_accuracy.py [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import musecore
+from musecore.api import resolve_model
+from musecore.matrix import evaluate, load_eval_tokens
+from musecore.testing.accuracy import batched_logits, eval_batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    _, folder = resolve_model("muse-tiny")
+    reference = musecore.load(folder, device="cpu", progress=False)
+    stream, source = load_eval_tokens(folder, None, args.tokens, reference.config.vocab_size)
+    batches = eval_batches(stream, args.seq_len, 4)
+    baseline = list(batched_logits(reference, batches))
+    rows = [{"model": "bf16 reference", **vars(evaluate(reference, batches, baseline))}]
+    for dense in (False, True):
+        model = musecore.load(folder, device="xeon", progress=False, quantize_dense=dense)
+        label = "xeon int4 experts" + (" + attention/pooler/lm_head" if dense else "")
+        rows.append({"model": label, **vars(evaluate(model, batches, baseline))})
+    print(source)
+    for row in rows:
+        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}))
+
+
+if __name__ == "__main__":
+    main()
