@@ -279,7 +279,8 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     """Resolve the plan for ``summary`` on the catalog device ``device`` (no weights read).
 
     ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections with the
-    device's rule for experts (e.g. INT4 g128 on ``xeon``): fewer bytes per token, more error.
+    device's rule for BF16 weights (INT4 g128 on ``xeon``; profiles that keep BF16 as BF16 are
+    unchanged): fewer bytes per token, more error.
     """
     from musecore.backends.registry import discover
 
