@@ -92,3 +92,10 @@ def test_quantize_dense_load_reports_every_converted_projection(bf16_checkpoint)
     assert not any(".router." in n or "embed_tokens" in n for n in converted)
     assert emu.lm_head.format == "int4"
     assert min(r.sqnr_db for r in emu.conversion_report) > 15, [r.sqnr_db for r in emu.conversion_report][:3]
+
+
+def test_plan_cli_quantize_dense_flag(capsys):
+    main(["plan", "--model", "muse-tiny", "--device", "xeon", "--emulate", "--quantize-dense", "--json"])
+    groups = {g["group"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    assert groups["attention"]["target_format"] == groups["lm_head"]["target_format"] == "int4"
+    assert groups["router"]["target_format"] == "bf16"
