@@ -103,8 +103,8 @@ def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch
          kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: bool = False) -> Plan:
     """Resolve what would run where, in which format and why; reads config and headers only.
 
-    ``quantize_dense`` converts the attention, pooler/unpooler and lm_head projections like the
-    routed experts (see :func:`musecore.planning.make_plan`)."""
+    ``quantize_dense`` converts the attention, pooler/unpooler and lm_head projections with the
+    device's rule for BF16 weights (see :func:`musecore.planning.make_plan`)."""
     summary, _ = summarize(model, checkpoint_format)
     records = discover()
     name = device if (emulate and device in CATALOG) else resolve_device(device, records)[0]
@@ -156,7 +156,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     ``device`` is a catalog name (``musecore devices``), ``auto`` or a torch device string.
     ``emulate=True`` runs the named device's numerics (weight conversion, activation quantization)
     on the local reference kernels. ``quantize_dense=True`` also converts the attention,
-    pooler/unpooler and lm_head projections with the device's expert rule (e.g. INT4 on ``xeon``).
+    pooler/unpooler and lm_head projections with the device's rule for BF16 weights (INT4 on ``xeon``).
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16

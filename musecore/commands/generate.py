@@ -13,6 +13,8 @@ import json
 import sys
 from typing import Any
 
+from musecore.commands import QUANTIZE_DENSE_HELP
+
 DEFAULT_MODEL = "muse-tiny"
 
 
@@ -25,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
     parser.add_argument("--emulate", action="store_true",
                         help="run the device's numerics with reference kernels on this machine")
-    parser.add_argument("--quantize-dense", action="store_true", help="also convert the attention, pooler/unpooler and lm_head projections with the device's expert rule (e.g. INT4 on xeon): faster decode, more error")
+    parser.add_argument("--quantize-dense", action="store_true", help=QUANTIZE_DENSE_HELP)
     parser.add_argument("--prompt", help="the text to continue (default: read from stdin)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")

@@ -56,23 +56,33 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     x2 = x.reshape(-1, w.in_features)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != w.in_features):
         x2 = x2.contiguous()
-    m = x2.shape[0]
-    n, k = w.out_features, w.in_features
-    if m == 0:
-        return x.new_empty(*lead, n)
-    if fp4_gemv_cuda.kind_for(m, x.dtype) and fp4_gemv_cuda.available(x.device):
-        plan = fp4_gemv_cuda.make_plan(m, n, k, x.dtype, x.device)
-        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if plan.atomic
-               else torch.empty(m, n, dtype=x.dtype, device=x.device))
-        fp4_gemv_cuda.launch(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
-                             out=out, plan=plan)
-    else:
-        cfg = pick_config(m, n, k, None, x.device, allow_split=True)
-        out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1
-               else torch.empty(m, n, dtype=x.dtype, device=x.device))
-        launch_gemm(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
-                    n=n, k=k, out=out, cfg=cfg)
-    return out.to(x.dtype).reshape(*lead, n)
+    if x2.shape[0] == 0:
+        return x.new_empty(*lead, w.out_features)
+    kind = fp4_gemv_cuda.kind_for(x2.shape[0], x.dtype) if fp4_gemv_cuda.available(x.device) else None
+    y = fp4_decode_linear(x2, w, kind) if kind else fp4_tiled_linear(x2, w)
+    return y.reshape(*lead, w.out_features)
+
+
+def fp4_decode_linear(x2: torch.Tensor, w: Fp4Resident, kind: str) -> torch.Tensor:
+    """2-D ``x2 @ W.T`` through one of the CUDA C++ decode kernels (``kind``: "mma" or "fma")."""
+    m, n, k = x2.shape[0], w.out_features, w.in_features
+    plan = fp4_gemv_cuda.make_plan(m, n, k, x2.dtype, x2.device, kind=kind)
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x2.device) if plan.atomic
+           else torch.empty(m, n, dtype=x2.dtype, device=x2.device))
+    fp4_gemv_cuda.launch(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                         out=out, plan=plan)
+    return out.to(x2.dtype)
+
+
+def fp4_tiled_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
+    """2-D ``x2 @ W.T`` through the Triton tensor-core GEMM (any M)."""
+    m, n, k = x2.shape[0], w.out_features, w.in_features
+    cfg = pick_config(m, n, k, None, x2.device, allow_split=True)
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x2.device) if cfg.split_k > 1
+           else torch.empty(m, n, dtype=x2.dtype, device=x2.device))
+    launch_gemm(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
+                n=n, k=k, out=out, cfg=cfg)
+    return out.to(x2.dtype)
 
 
 class CudaBackend(Backend):

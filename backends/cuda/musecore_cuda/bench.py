@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from musecore_cuda.backend import CudaBackend, fp4_linear
-from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm, pick_config
+from musecore_cuda.backend import CudaBackend, fp4_decode_linear, fp4_linear, fp4_tiled_linear
+from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
 from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.kernels.moe import use_gemv
 from musecore_cuda.layouts import Fp4Resident
@@ -120,9 +120,9 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
                 path = f"cuda-{kind}" if kind else "tiled"
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
                 if kind and fmt == "nvfp4":  # the other decode paths at the same M, for comparison
-                    others = [("tiled", _tiled_linear)]
+                    others = [("tiled", fp4_tiled_linear)]
                     if kind == "mma" and m <= fp4_gemv_cuda.FMA_MAX_M:
-                        others.append(("cuda-fma", functools.partial(_cuda_decode, kind="fma")))
+                        others.append(("cuda-fma", functools.partial(fp4_decode_linear, kind="fma")))
                     for other, fn in others:
                         t = time_us(_cycle(ws, lambda w: fn(x, w))) / len(ws)
                         rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
@@ -130,26 +130,6 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
         del bf16_ws, fp4
         torch.cuda.empty_cache()
     return rows
-
-
-def _tiled_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
-    """The tensor-core GEMM at any M (what ``fp4_linear`` runs above ``GEMV_MAX_M``)."""
-    m, n, k = x.shape[0], w.out_features, w.in_features
-    cfg = pick_config(m, n, k, None, x.device, allow_split=True)
-    out = torch.zeros(m, n, dtype=torch.float32 if cfg.split_k > 1 else x.dtype, device=x.device)
-    launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
-                n=n, k=k, out=out, cfg=cfg)
-    return out.to(x.dtype)
-
-
-def _cuda_decode(x: torch.Tensor, w: Fp4Resident, kind: str) -> torch.Tensor:
-    """One of the CUDA C++ decode kernels, forced (``fp4_linear`` picks by M and dtype)."""
-    m, n, k = x.shape[0], w.out_features, w.in_features
-    plan = fp4_gemv_cuda.make_plan(m, n, k, x.dtype, x.device, kind=kind)
-    out = torch.zeros(m, n, dtype=torch.float32 if plan.atomic else x.dtype, device=x.device)
-    fp4_gemv_cuda.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
-                         out=out, plan=plan)
-    return out.to(x.dtype)
 
 
 def _linear_row(fmt: str, name: str, n: int, k: int, m: int, t: float, t_bf16: float, nbytes: int,
