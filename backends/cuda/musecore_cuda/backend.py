@@ -38,6 +38,7 @@ DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 SM_DEVICES = {9: ["h200", "h100"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
+DEQUANT_MIN_M = 128  # from this many rows, dequantize + cuBLAS beats the W4A16 GEMM (benchmarks/cuda_gemv_sweep.py)
 
 
 def _format_of(weight: WeightIn) -> str:
@@ -58,9 +59,39 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*lead, w.out_features)
-    kind = fp4_gemv_cuda.kind_for(x2.shape[0], x.dtype) if fp4_gemv_cuda.available(x.device) else None
-    y = fp4_decode_linear(x2, w, kind) if kind else fp4_tiled_linear(x2, w)
+    path = fp4_linear_path(x2.shape[0], x.dtype, x.device)
+    if path in ("mma", "fma"):
+        y = fp4_decode_linear(x2, w, path)
+    elif path == "dequant":
+        y = fp4_dequant_linear(x2, w)
+    else:
+        y = fp4_tiled_linear(x2, w)
     return y.reshape(*lead, w.out_features)
+
+
+def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device) -> str:
+    """Which kernel ``fp4_linear`` runs for ``m`` rows: "mma" / "fma" (CUDA C++ decode kernels),
+    "dequant" (bf16 copy + cuBLAS, large M) or "tiled" (Triton W4A16 GEMM; also without NVRTC)."""
+    if not fp4_gemv_cuda.available(device):
+        return "tiled"
+    kind = fp4_gemv_cuda.kind_for(m, dtype)
+    if kind:
+        return kind
+    return "dequant" if dtype == torch.bfloat16 and m >= DEQUANT_MIN_M else "tiled"
+
+
+def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
+    """2-D ``x2 @ W.T`` for large M: W dequantized to a transient bf16 copy, then cuBLAS.
+
+    At M >= ``DEQUANT_MIN_M`` the GEMM is compute-bound and cuBLAS's BF16 tensor-core kernel beats
+    the Triton W4A16 GEMM by more than the dequantization costs (one read of the FP4 bytes, one
+    write of 2 bytes per weight); vLLM's AWQ path makes the same switch at 256 tokens.
+    """
+    n, k = w.out_features, w.in_features
+    dense = torch.empty(n, k, dtype=torch.bfloat16, device=x2.device)
+    fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                             out=dense)
+    return F.linear(x2, dense)
 
 
 def fp4_decode_linear(x2: torch.Tensor, w: Fp4Resident, kind: str) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from musecore_cuda.backend import CudaBackend, fp4_decode_linear, fp4_linear, fp4_tiled_linear
+from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_linear, fp4_linear_path,
+                                   fp4_tiled_linear)
 from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
 from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.kernels.moe import use_gemv
@@ -116,14 +117,16 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             rows.append(_linear_row("bf16", name, n, k, m, t_bf16, t_bf16, n * k * 2 + act_bytes, ceiling))
             for fmt, ws in fp4.items():
                 t = time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
-                kind = fp4_gemv_cuda.kind_for(m, x.dtype) if fp4_gemv_cuda.available(x.device) else None
-                path = f"cuda-{kind}" if kind else "tiled"
+                path = fp4_linear_path(m, x.dtype, x.device)
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
-                if kind and fmt == "nvfp4":  # the other decode paths at the same M, for comparison
-                    others = [("tiled", fp4_tiled_linear)]
-                    if kind == "mma" and m <= fp4_gemv_cuda.FMA_MAX_M:
-                        others.append(("cuda-fma", functools.partial(fp4_decode_linear, kind="fma")))
-                    for other, fn in others:
+                if fmt == "nvfp4":  # the other paths at the same M, for comparison
+                    others = {"tiled": fp4_tiled_linear, "dequant": fp4_dequant_linear}
+                    if path == "mma" and m <= fp4_gemv_cuda.FMA_MAX_M:
+                        others["fma"] = functools.partial(fp4_decode_linear, kind="fma")
+                    if path in ("mma", "fma"):
+                        others.pop("dequant")
+                    others.pop(path, None)
+                    for other, fn in others.items():
                         t = time_us(_cycle(ws, lambda w: fn(x, w))) / len(ws)
                         rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
                                                 other))
@@ -171,14 +174,19 @@ def sweep_linear_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down"),
 def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     chunks = k // 128
     splits = [s for s in (1, 2, 4, 8, 16) if chunks % s == 0 and chunks // s >= 2]
+    swapped = []
+    if 16 <= m <= 256:  # weights as the left operand: BLOCK_M is the MMA's N
+        bms = (64, 128) if m > 128 else (max(16, m),)
+        swapped = [GemmConfig(bm, bn, s, 1 if m <= 64 else 8, w, 3, swap_ab=True) for bm in bms
+                   for bn in (64, 128) for s in splits[:3 if m <= 64 else 2] for w in (4, 8)]
     if m <= 16:
-        return [GemmConfig(16, bn, s, 1, w, st) for bn in (64, 128) for s in splits
-                for w, st in ((4, 4), (8, 3)) if triton.cdiv(n, bn) * s <= 2048]
+        return swapped + [GemmConfig(16, bn, s, 1, w, st) for bn in (64, 128) for s in splits
+                          for w, st in ((4, 4), (8, 3)) if triton.cdiv(n, bn) * s <= 2048]
     if m <= 64:
-        return [GemmConfig(bm, bn, s, 1, 4, 4) for bm in (32, 64) for bn in (64, 128) for s in splits[:3]]
+        return swapped + [GemmConfig(bm, bn, s, 1, 4, 4) for bm in (32, 64) for bn in (64, 128) for s in splits[:3]]
     if m <= 256:
-        return [GemmConfig(bm, bn, s, 8, w, 3) for bm, bn in ((64, 128), (128, 128)) for s in (1, 2)
-                for w in (4, 8)]
+        return swapped + [GemmConfig(bm, bn, s, 8, w, 3) for bm, bn in ((64, 128), (128, 128)) for s in (1, 2)
+                          for w in (4, 8)]
     return [GemmConfig(bm, bn, 1, 8, w, st) for bm, bn in ((128, 128), (128, 256), (256, 128))
             for w, st in ((8, 3), (8, 4), (4, 3))]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,6 +62,21 @@ def test_fp4_linear_split_k_accumulates_every_split(fmt):
     assert_nmse(reference_linear(x.reshape(6, k), qt).reshape(2, 3, n), y, tolerance("linear"), f"{fmt} split-K")
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_tiled_gemm_with_swapped_operands_matches_reference(fmt, split):
+    """``swap_ab`` (weights as the dot's left operand): same result, rows and columns masked."""
+    from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
+    n, k, m = 80, 512, 24
+    qt = musecore_quant.quantize(torch.randn(n, k) * 0.05, fmt)
+    w = prepare_fp4(qt, DEVICE)
+    x = torch.randn(m, k, device=DEVICE).to(SMALL_DTYPES[-1])
+    out = torch.zeros(m, n, device=DEVICE, dtype=torch.float32 if split > 1 else x.dtype)
+    launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2, n=n, k=k,
+                out=out, cfg=GemmConfig(32, 64, split, 1, 4, 2, swap_ab=True))
+    assert_nmse(reference_linear(x, qt), out.float(), tolerance("linear"), f"{fmt} swap_ab split {split}")
+
+
 def test_dense_linear_uses_prepared_dtype_and_refuses_a_mismatch():
     be = CudaBackend(DEVICE)
     w = torch.randn(32, 64)
@@ -90,10 +107,10 @@ def test_fp4_linear_at_model_shapes_on_gpu(fmt, shape, m):
     assert_nmse(reference_linear(x, qt), y, tolerance("linear"), f"{fmt} {shape} M={m}")
 
 
-def _cuda_decode(x, w, n, k, kind, split=None):
+def _cuda_decode(x, w, n, k, kind, split=None, **cut):
     plan = fp4_gemv_cuda.make_plan(x.shape[0], n, k, x.dtype, x.device, kind=kind)
     if split is not None:  # at least the split the staged activations need
-        plan = fp4_gemv_cuda.GemvPlan(plan.kind, plan.m, plan.tile, plan.rows_per_block, max(split, plan.split_k))
+        plan = dataclasses.replace(plan, split_k=max(split, plan.split_k), **cut)
     out = torch.zeros(x.shape[0], n, device="cuda", dtype=torch.float32 if plan.atomic else x.dtype)
     return fp4_gemv_cuda.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
                                 out=out, plan=plan)
@@ -135,9 +152,33 @@ def test_cuda_decode_rows_splits_and_dtypes_match_reference(fmt, kind, m, dtype)
     w = prepare_fp4(qt, torch.device("cuda"))
     x = torch.randn(m, k, device="cuda").to(dtype)
     expected = reference_linear(x, qt)
-    for split in (1, 2, 8):
-        out = _cuda_decode(x, w, n, k, kind, split)
-        assert_nmse(expected, out.float(), tolerance("linear"), f"{fmt} CUDA {kind} M={m} split {split} {dtype}")
+    # MMA: cluster split x warps splitting a block's K range x chunks in flight (every reduction path)
+    cuts = ([(1, 1, 1), (2, 2, 2), (8, 4, 3), (1, 4, 4), (4, 1, 2), (1, 2, 1)] if kind == "mma"
+            else [(1, 1, 2), (2, 1, 2), (8, 1, 2)])
+    for split, k_warps, prefetch in cuts:
+        out = _cuda_decode(x, w, n, k, kind, split, k_warps=k_warps, prefetch=prefetch)
+        assert_nmse(expected, out.float(), tolerance("linear"),
+                    f"{fmt} CUDA {kind} M={m} split {split} k_warps {k_warps} prefetch {prefetch} {dtype}")
+    out = _cuda_decode(x, w, n, k, kind)  # the plan make_plan picks
+    assert_nmse(expected, out.float(), tolerance("linear"), f"{fmt} CUDA {kind} M={m} default plan {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_dequantize_matches_the_reference_dequantization(fmt):
+    """The large-M path's bf16 copy of the weight: each element within one bf16 rounding (2**-8
+    relative) of ``musecore_quant.dequantize`` in fp32 (both round code * scale * global once; the
+    reference may round ``scale * global`` first), and exactly zero where the code is zero."""
+    n, k = 300, 1024
+    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+    w = prepare_fp4(qt, torch.device("cuda"))
+    out = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+    fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                             out=out)
+    expected = musecore_quant.dequantize(qt).float().cuda()
+    err = ((out.float() - expected).abs() / expected.abs().clamp_min(1e-30)).max().item()
+    assert err <= 2.0 ** -8, f"{fmt} dequantize: max relative error {err:.3g} > 2**-8"
+    assert torch.equal(out.float() == 0, expected == 0), f"{fmt} dequantize: zeros differ"
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -326,81 +326,110 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int RT, int WFMT>
-__device__ __forceinline__ void mma_load(const u32 *const (&wrow)[RT][2], const u8 *const (&srow)[RT][2], int c,
-                                         int t, uint4 (&wv)[RT][2], u32 (&sl)[RT][2], u32 (&sh)[RT][2]) {
-    const int gpc = WFMT == 1 ? 8 : 4;
-    const int sg = WFMT == 1 ? c * gpc + t : c * gpc + (t >> 1);
+// One pipeline stage: chunk c of every weight tile a thread reads (16 bytes of rows g and g + 8
+// each) and the scale bytes of those two rows for the chunk (8 bytes NVFP4, 4 bytes MXFP4).
+template <int NT>
+struct Stage {
+    uint4 w[NT][2];
+    u32 s[NT][2][2];  // scale bytes 0-3 and 4-7 of the row's chunk (MXFP4: 0-3 only)
+};
+
+// 16 weight bytes, streamed once: no L1 allocation; L2 fetches the 256-byte block around them
+// (the next chunks of the same row) so each row is read from HBM in long bursts.
+__device__ __forceinline__ uint4 ld_stream(const u32 *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+template <int NT, int WFMT>
+__device__ __forceinline__ void stage_load(const u32 *const (&wrow)[NT][2], const u8 *const (&srow)[NT][2], int c,
+                                           int t, Stage<NT> &st) {
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
+    for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            wv[rt][h] = __ldg(reinterpret_cast<const uint4 *>(wrow[rt][h] + c * 16 + t * 4));
-            sl[rt][h] = __ldg(srow[rt][h] + sg);
-            sh[rt][h] = __ldg(srow[rt][h] + sg + gpc / 2);
+            st.w[i][h] = ld_stream(wrow[i][h] + c * 16 + t * 4);
+            if (WFMT == 1) {
+                const uint2 s = __ldg(reinterpret_cast<const uint2 *>(srow[i][h] + c * 8));
+                st.s[i][h][0] = s.x;
+                st.s[i][h][1] = s.y;
+            } else {
+                st.s[i][h][0] = __ldg(reinterpret_cast<const u32 *>(srow[i][h] + c * 4));
+            }
         }
 }
 
-template <int RT, int WFMT>
-__device__ __forceinline__ void mma_rows(const u32 *__restrict__ wbase, const u8 *__restrict__ sbase, int wstride,
-                                         int sstride, int n0, int N, const u32 *__restrict__ xp, bool has_token,
-                                         int c_begin, int c_end, int fold, float (&acc)[RT][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    float acc2[RT][4];  // a second accumulator per tile: two independent mma chains
-    const u32 *wrow[RT][2];
-    const u8 *srow[RT][2];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            int n = n0 + rt * 16 + h * 8 + g;
-            n = n < N ? n : N - 1;  // rows past N compute a copy of the last row, never stored
-            wrow[rt][h] = wbase + (long long)n * wstride;
-            srow[rt][h] = sbase + (long long)n * sstride;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[rt][i] = acc2[rt][i] = 0.f;
+// The chunk's low/high-half group multipliers of a thread: NVFP4 groups t and t + 4 (16 elements
+// each), MXFP4 groups t / 2 and t / 2 + 2 (32 elements each).
+template <int WFMT>
+__device__ __forceinline__ void half_mults(const u32 (&s)[2], int t, int fold, u32 &ml, u32 &mh) {
+    if (WFMT == 1) {
+        ml = group_mult_bf16x2<WFMT>((s[0] >> (8 * t)) & 255u, fold);
+        mh = group_mult_bf16x2<WFMT>((s[1] >> (8 * t)) & 255u, fold);
+    } else {
+        ml = group_mult_bf16x2<WFMT>((s[0] >> (8 * (t >> 1))) & 255u, fold);
+        mh = group_mult_bf16x2<WFMT>((s[0] >> (8 * (t >> 1) + 16)) & 255u, fold);
     }
-    uint4 wv[RT][2];
-    u32 sl[RT][2], sh[RT][2];
-    mma_load<RT, WFMT>(wrow, srow, c_begin, t, wv, sl, sh);
-    for (int c = c_begin; c < c_end; ++c) {
-        uint4 wn[RT][2];
-        u32 sln[RT][2], shn[RT][2];
-        mma_load<RT, WFMT>(wrow, srow, c + 1 < c_end ? c + 1 : c, t, wn, sln, shn);
-        uint4 b[4];
+}
+
+template <int NT, int WFMT>
+__device__ __forceinline__ void stage_mma(const Stage<NT> &st, const uint4 (&b)[4], int t, int fold,
+                                          float (&acc)[NT][4], float (&acc2)[NT][4]) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            b[i] = has_token ? *reinterpret_cast<const uint4 *>(xp + ((c - c_begin) * 16 + 4 * t + i) * 4)
-                             : make_uint4(0u, 0u, 0u, 0u);
+    for (int i = 0; i < NT; ++i) {
+        u32 ml0, mh0, ml1, mh1;
+        half_mults<WFMT>(st.s[i][0], t, fold, ml0, mh0);
+        half_mults<WFMT>(st.s[i][1], t, fold, ml1, mh1);
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-            const u32 ml0 = group_mult_bf16x2<WFMT>(sl[rt][0], fold), mh0 = group_mult_bf16x2<WFMT>(sh[rt][0], fold);
-            const u32 ml1 = group_mult_bf16x2<WFMT>(sl[rt][1], fold), mh1 = group_mult_bf16x2<WFMT>(sh[rt][1], fold);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 w0 = i == 0 ? wv[rt][0].x : i == 1 ? wv[rt][0].y : i == 2 ? wv[rt][0].z : wv[rt][0].w;
-                const u32 w1 = i == 0 ? wv[rt][1].x : i == 1 ? wv[rt][1].y : i == 2 ? wv[rt][1].z : wv[rt][1].w;
-                u32 a0[4], a1[4];
-                decode_bf16x2(w0, ml0, mh0, a0);
-                decode_bf16x2(w1, ml1, mh1, a1);
-                mma16816(acc[rt], a0[0], a1[0], a0[1], a1[1], b[i].x, b[i].y);
-                mma16816(acc2[rt], a0[2], a1[2], a0[3], a1[3], b[i].z, b[i].w);
-            }
+        for (int q = 0; q < 4; ++q) {
+            const uint4 &v0 = st.w[i][0], &v1 = st.w[i][1];
+            const u32 w0 = q == 0 ? v0.x : q == 1 ? v0.y : q == 2 ? v0.z : v0.w;
+            const u32 w1 = q == 0 ? v1.x : q == 1 ? v1.y : q == 2 ? v1.z : v1.w;
+            u32 a0[4], a1[4];
+            decode_bf16x2(w0, ml0, mh0, a0);
+            decode_bf16x2(w1, ml1, mh1, a1);
+            mma16816(acc[i], a0[0], a1[0], a0[1], a1[1], b[q].x, b[q].y);
+            mma16816(acc2[i], a0[2], a1[2], a0[3], a1[3], b[q].z, b[q].w);
         }
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                wv[rt][h] = wn[rt][h];
-                sl[rt][h] = sln[rt][h];
-                sh[rt][h] = shn[rt][h];
-            }
     }
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[rt][i] += acc2[rt][i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization for large M (the caller then runs the BF16 GEMM): W[e, n, :] as bf16 times
+// out_scale[e], rows [n_begin, n_begin + rows). One thread per int32 word: its 8 weights are
+// elements 4q..4q+3 (low half) and 64+4q..64+4q+3 (high half) of the word's 128-element chunk.
+__device__ __forceinline__ u32 bf16x2_scaled(u32 lo, u32 hi, float os) {  // two bf16 * os, each rounded once
+    u32 d;
+    const float a = __uint_as_float(lo << 16) * os, b = __uint_as_float(hi << 16) * os;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(b), "f"(a));
+    return d;
+}
+
+template <int WFMT>
+__global__ void __launch_bounds__(256) fp4_dequant(const u32 *__restrict__ w, const u8 *__restrict__ s, int w_n,
+                                                   int s_n, const float *__restrict__ out_scale, int fold,
+                                                   u16 *__restrict__ out, int out_stride, int rows, int K) {
+    const long long i = blockIdx.x * 256ll + threadIdx.x;  // word index within the rows
+    const int words = K / 8;
+    if (i >= (long long)rows * words) return;
+    const int n = (int)(i / words), wi = (int)(i - (long long)n * words), c = wi >> 4, q = wi & 15;
+    const u32 word = __ldg(w + (long long)n * w_n + wi);
+    const u8 *srow = s + (long long)n * s_n;
+    const int lo_group = WFMT == 1 ? c * 8 + (q >> 2) : c * 4 + (q >> 3);
+    const int hi_group = lo_group + (WFMT == 1 ? 4 : 2);
+    u32 a[4];
+    decode_bf16x2(word, group_mult_bf16x2<WFMT>(srow[lo_group], fold), group_mult_bf16x2<WFMT>(srow[hi_group], fold),
+                  a);
+    const float os = out_scale[0];
+    // a[0] = nibbles (3, 7), a[1] = (2, 6), a[2] = (1, 5), a[3] = (0, 4); nibble p is element
+    // (p % 2) * 64 + 4q + p / 2: low half = nibbles 0, 2, 4, 6; high half = nibbles 1, 3, 5, 7.
+    u16 *row = out + (long long)n * out_stride + c * 128 + 4 * q;
+    *reinterpret_cast<uint2 *>(row) = make_uint2(bf16x2_scaled(a[3] & 0xFFFFu, a[1] & 0xFFFFu, os),
+                                                 bf16x2_scaled(a[3] >> 16, a[1] >> 16, os));
+    *reinterpret_cast<uint2 *>(row + 64) = make_uint2(bf16x2_scaled(a[2] & 0xFFFFu, a[0] & 0xFFFFu, os),
+                                                      bf16x2_scaled(a[2] >> 16, a[0] >> 16, os));
 }
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
@@ -420,23 +449,58 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
     return v;
 }
 
-// Same contract as fp4_gemv, for bf16 activations and M <= 8; rows per block = WARPS * 16 * RT.
-// Split-K runs as a thread-block cluster of SPLIT blocks along y: each block sums its K range, the
-// partial sums meet in block 0's registers through distributed shared memory, and block 0 writes the
-// output once in its final dtype (no zero-filled fp32 buffer, no atomics, no conversion kernel).
-template <int RT, int WARPS, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT>
-__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32, 8) fp4_gemv_mma(
+// Same contract as fp4_gemv, for bf16 activations and M <= 8.
+// Block: 4 warps = (4 / KW) row groups x KW slices of the block's K range; a warp owns RT 16-row
+// output tiles (with SWIGLU: RT gate tiles and the same RT up tiles), so rows per block =
+// 4 / KW * 16 * RT. Each thread keeps PF chunks of its tiles in flight (loads issued PF chunks
+// ahead), and the first PF are issued before the activations are staged, so that staging hides
+// under them. Split-K: KW warps of a block meet in shared memory, and the SPLIT blocks of a
+// thread-block cluster along y through distributed shared memory; block 0's first K slice applies
+// SwiGLU / the output scale and writes the output once in its final dtype (no atomics, no zeroed
+// fp32 buffer, no conversion kernel).
+template <int RT, int KW, int PF, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT>
+__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
         int w_e, int w_n, int s_e, int s_n,
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split) {
-    extern __shared__ u32 xp[];  // [m_rows][chunks][16 words][4 pairs] bf16x2; later the partial sums
+    constexpr int WARPS = 4, NT = SWIGLU ? 2 * RT : RT;
+    extern __shared__ u32 smem[];  // staged activations [m_rows][chunks][16 words][4 pairs] bf16x2;
+                                   // then the partial sums [WARPS][NT * 4][32] fp32
     const int chunks = K / 128 / SPLIT;
-    const int c_begin = blockIdx.y * chunks, c_end = c_begin + chunks;
+    const int c_begin = blockIdx.y * chunks;
     const int pairs = chunks * 64;  // per token
     long long e = 0, x_row = 0, y_row = 0;
     if (EXPERTS) assignment(ids, a_div, e, x_row, y_row);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int kw = warp % KW;
+    const int n0 = (blockIdx.x * (WARPS / KW) + warp / KW) * 16 * RT;
+    const int per_warp = chunks / KW;
+    const int cw_begin = c_begin + kw * per_warp, cw_end = cw_begin + per_warp;
+    const bool rows_valid = n0 < N;
+
+    const u32 *wrow[NT][2];
+    const u8 *srow[NT][2];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        const bool second = SWIGLU && i >= RT;
+        const u32 *wb = (second ? w2 : w) + e * (long long)w_e;
+        const u8 *sb = (second ? s2 : s) + e * (long long)s_e;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int n = n0 + (i % RT) * 16 + h * 8 + g;
+            n = n < N ? n : N - 1;  // rows past N compute a copy of the last row, never stored
+            wrow[i][h] = wb + (long long)n * w_n;
+            srow[i][h] = sb + (long long)n * s_n;
+        }
+    }
+    Stage<NT> st[PF];
+    if (rows_valid) {
+#pragma unroll
+        for (int p = 0; p < PF; ++p) stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
+    }
+
     // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
     // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
     for (int i = threadIdx.x; i < m_rows * chunks * 16; i += WARPS * 32) {
@@ -445,72 +509,90 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32, 8) f
             x + (x_row + m) * (long long)x_stride + (c_begin + c) * 128 + v * 8));
         const int hi = v >> 3, q0 = 2 * (v & 7);
         const int pe = hi ? 2 : 3, po = hi ? 0 : 1;
-        u32 *dst = xp + m * pairs + c * 64;
+        u32 *dst = smem + m * pairs + c * 64;
         dst[q0 * 4 + pe] = prmt(raw.x, raw.y, 0x5410u);
         dst[q0 * 4 + po] = prmt(raw.x, raw.y, 0x7632u);
         dst[q0 * 4 + 4 + pe] = prmt(raw.z, raw.w, 0x5410u);
         dst[q0 * 4 + 4 + po] = prmt(raw.z, raw.w, 0x7632u);
     }
     __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 16 * RT;
-    const int g = lane >> 2, t = lane & 3;
+
     const bool has_token = g < m_rows;
-    const u32 *xt = xp + (has_token ? g : 0) * pairs;
-    float acc[RT][4];
-    if (n0 < N) {  // (no early return: every block takes part in the cluster barriers below)
-        mma_rows<RT, WFMT>(w + e * (long long)w_e, s + e * (long long)s_e, w_n, s_n, n0, N, xt, has_token,
-                           c_begin, c_end, fold, acc);
-        if (SWIGLU) {
-            float acc2[RT][4];
-            mma_rows<RT, WFMT>(w2 + e * (long long)w_e, s2 + e * (long long)s_e, w_n, s_n, n0, N, xt, has_token,
-                               c_begin, c_end, fold, acc2);
-            const float os = out_scale[e], os2 = out_scale2[e];
+    const u32 *xt = smem + (has_token ? g : 0) * pairs;
+    float acc[NT][4], acc2[NT][4];  // two independent mma chains per tile
 #pragma unroll
-            for (int rt = 0; rt < RT; ++rt)
+    for (int i = 0; i < NT; ++i)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float gt = acc[rt][i] * os, u = acc2[rt][i] * os2;
-                    acc[rt][i] = gt / (1.f + __expf(-gt)) * u;
+        for (int j = 0; j < 4; ++j) acc[i][j] = acc2[i][j] = 0.f;
+    if (rows_valid) {
+        for (int c = cw_begin; c < cw_end; ++c) {
+            Stage<NT> next;
+            if (c + PF < cw_end) stage_load<NT, WFMT>(wrow, srow, c + PF, t, next);
+            uint4 b[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                b[q] = has_token ? *reinterpret_cast<const uint4 *>(xt + ((c - c_begin) * 16 + 4 * t + q) * 4)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+            stage_mma<NT, WFMT>(st[0], b, t, fold, acc, acc2);
+#pragma unroll
+            for (int p = 0; p + 1 < PF; ++p) st[p] = st[p + 1];
+            st[PF - 1] = next;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += acc2[i][j];
+
+    if (KW > 1 || SPLIT > 1) {
+        float *red = reinterpret_cast<float *>(smem) + m_rows * pairs;
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) red[(warp * NT * 4 + i * 4 + j) * 32 + lane] = acc[i][j];
+        if (SPLIT > 1) cluster_sync(); else __syncthreads();
+        if (blockIdx.y == 0 && kw == 0) {
+#pragma unroll
+            for (int i = 0; i < NT; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float v = acc[i][j];
+#pragma unroll
+                    for (int r = 0; r < SPLIT; ++r)
+#pragma unroll
+                        for (int k2 = 0; k2 < KW; ++k2) {
+                            if (r == 0 && k2 == 0) continue;
+                            const float *p = red + ((warp + k2) * NT * 4 + i * 4 + j) * 32 + lane;
+                            v += r == 0 ? *p : cluster_load(p, (u32)r);
+                        }
+                    acc[i][j] = v;
                 }
         }
+        if (SPLIT > 1) cluster_sync();  // the other blocks' shared memory stays alive until block 0 has read it
+        if (blockIdx.y != 0 || kw != 0) return;
     }
-    if (SPLIT > 1) {
-        float *red = reinterpret_cast<float *>(xp);
-        __syncthreads();  // every warp is done with the staged activations
+    if (!rows_valid) return;
+    float out[RT][4];
+    const float os = out_scale[e];
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
+    for (int i = 0; i < RT; ++i)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) red[(rt * 4 + i) * WARPS * 32 + threadIdx.x] = n0 < N ? acc[rt][i] : 0.f;
-        cluster_sync();
-        if (blockIdx.y == 0 && n0 < N) {
-#pragma unroll
-            for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int r = 1; r < SPLIT; ++r)
-                        acc[rt][i] += cluster_load(red + (rt * 4 + i) * WARPS * 32 + threadIdx.x, (u32)r);
+        for (int j = 0; j < 4; ++j) {
+            if (SWIGLU) {
+                const float gt = acc[i][j] * os, u = acc[RT + i][j] * out_scale2[e];
+                out[i][j] = gt / (1.f + __expf(-gt)) * u;
+            } else {
+                out[i][j] = acc[i][j] * os;
+            }
         }
-        cluster_sync();  // the other blocks' shared memory stays alive until block 0 has read it
-        if (blockIdx.y != 0) return;
-    }
-    if (n0 >= N) return;
-    if (!SWIGLU) {
-        const float os = out_scale[e];
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[rt][i] *= os;
-    }
     // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8, same tokens.
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
+    for (int i = 0; i < RT; ++i)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = n0 + rt * 16 + g + (i >= 2 ? 8 : 0), token = 2 * t + (i & 1);
+        for (int j = 0; j < 4; ++j) {
+            const int row = n0 + i * 16 + g + (j >= 2 ? 8 : 0), token = 2 * t + (j & 1);
             if (row >= N || token >= m_rows) continue;
-            store_out(y, (y_row + token) * (long long)y_stride + row, acc[rt][i], ot);
+            store_out(y, (y_row + token) * (long long)y_stride + row, out[i][j], ot);
         }
 }
 """
@@ -520,29 +602,45 @@ FMA_MAX_M = 2  # fp32 FMA kernel (bf16 or fp16 activations); its FMA count grows
 MAX_M = 8      # tensor-core kernel (bf16 activations): one mma n8 covers up to 8 tokens
 SMEM_LIMIT = 48 * 1024  # staged activations per block without the opt-in
 MAX_CLUSTER = 8  # portable thread-block cluster size: the MMA kernel's largest split-K
+MMA_TARGET_WARPS = 2048  # ~16 warps per SM of an H200 streaming at once: enough loads in flight
+MMA_MIN_CHUNKS = 4       # fewest 128-element chunks a warp streams (its prologue must pay off)
 UNAVAILABLE: list[str] = []
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 @dataclass(frozen=True)
 class GemvPlan:
-    """Which decode kernel runs a weight at ``m`` rows, and how it is cut into blocks."""
+    """Which decode kernel runs a weight at ``m`` rows, and how it is cut into blocks.
+
+    MMA kernel: a block is 4 warps = ``4 / k_warps`` row groups x ``k_warps`` slices of the block's
+    K range; a warp owns ``tile`` 16-row output tiles and keeps ``prefetch`` chunks in flight;
+    ``split_k`` blocks of a cluster share a row block. FMA kernel: ``tile`` rows per warp, 8 warps.
+    """
 
     kind: str            # "mma" (tensor cores, bf16) or "fma" (fp32 FMA, bf16/fp16)
     m: int
     tile: int            # FMA: rows per warp; MMA: 16-row tiles per warp
-    rows_per_block: int
-    split_k: int
+    split_k: int = 1
+    k_warps: int = 1     # MMA: warps of a block splitting its K range
+    prefetch: int = 2    # MMA: chunks each thread keeps in flight
+
+    @property
+    def rows_per_block(self) -> int:
+        if self.kind == "mma":
+            return MMA_WARPS // self.k_warps * 16 * self.tile
+        return FMA_WARPS * self.tile
 
     @property
     def atomic(self) -> bool:
         """Split-K through fp32 atomics into a zeroed fp32 output (FMA kernel); the MMA kernel reduces
-        its splits inside a thread-block cluster and writes the final dtype."""
+        its splits inside the block and the thread-block cluster and writes the final dtype."""
         return self.kind == "fma" and self.split_k > 1
 
-    def smem(self, k: int) -> int:
-        if self.kind == "mma":  # bf16 pairs; then the cluster reduction's partial sums
-            return max(self.m * (k // self.split_k) * 2, self.tile * 4 * MMA_WARPS * 32 * 4 if self.split_k > 1 else 0)
+    def smem(self, k: int, swiglu: bool = False) -> int:
+        if self.kind == "mma":  # bf16 pairs, then the partial sums of every warp
+            tiles = self.tile * (2 if swiglu else 1)
+            reduce = tiles * 4 * MMA_WARPS * 32 * 4 if self.k_warps > 1 or self.split_k > 1 else 0
+            return self.m * (k // self.split_k) * 2 + reduce
         return self.m * (k // self.split_k) * 4
 
 
@@ -555,35 +653,53 @@ def kind_for(m: int, dtype: torch.dtype) -> Optional[str]:
 
 
 def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *, allow_split: bool = True,
-              kind: Optional[str] = None) -> GemvPlan:
-    """Tile and split-K for ``m`` activation rows against an ``[n, k]`` weight (``kind`` forces a kernel)."""
+              kind: Optional[str] = None, programs: int = 1, swiglu: bool = False) -> GemvPlan:
+    """Tile and split-K for ``m`` activation rows against an ``[n, k]`` weight (``kind`` forces a kernel).
+
+    ``programs`` is the number of independent launches along z (expert assignments). The MMA plan
+    splits K until about ``MMA_TARGET_WARPS`` warps stream at once, keeping at least
+    ``MMA_MIN_CHUNKS`` chunks per warp. At M = 1 it splits across the warps of a block first (no
+    cluster barrier); at M > 1 across the cluster first, because every block stages its K range of
+    all M activation rows, and a block of fewer rows (warps splitting K) pays more staging per
+    weight byte (H200 sweep: ``benchmarks/results/cuda_gemv_sweep.json``).
+    """
     kind = kind or kind_for(m, dtype)
     if kind is None:
         raise ValueError(f"no CUDA decode kernel for M={m} with {dtype} activations (see kind_for)")
+    chunks = k // CHUNK_K
     if kind == "mma":
-        tile = 1
-        rows = MMA_WARPS * 16 * tile
+        plan = GemvPlan(kind, m, 1)
+        while allow_split or plan.smem(k, swiglu) >= SMEM_LIMIT:
+            warps = -(-n // plan.rows_per_block) * plan.split_k * MMA_WARPS * programs
+            per_warp = chunks // (plan.split_k * plan.k_warps)
+            target = MMA_TARGET_WARPS * (2 if m > 1 else 1)  # M > 1: more work per weight byte
+            if (warps >= target and plan.smem(k, swiglu) < SMEM_LIMIT) or per_warp < 2 * MMA_MIN_CHUNKS:
+                break
+            cuts = [replace(plan, k_warps=plan.k_warps * 2)] if plan.k_warps < MMA_WARPS else []
+            if plan.split_k < MAX_CLUSTER:
+                cuts.insert(0 if m > 1 else len(cuts), replace(plan, split_k=plan.split_k * 2))
+            cuts = [c for c in cuts if chunks % (c.split_k * c.k_warps) == 0]
+            if not cuts:
+                break
+            plan = cuts[0]
     else:
-        tile = 8 if m == 1 else 4
-        rows = FMA_WARPS * tile
-    blocks = -(-n // rows)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    chunks, split = k // CHUNK_K, 1
-    max_split = MAX_CLUSTER if kind == "mma" else 16
-    plan = GemvPlan(kind, m, tile, rows, split)
-    while split < max_split and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4 and (
-            (allow_split and blocks * split < (4 if kind == "mma" else 2) * sms) or plan.smem(k) >= SMEM_LIMIT):
-        split *= 2
-        plan = GemvPlan(kind, m, tile, rows, split)
-    if plan.smem(k) >= SMEM_LIMIT:
+        plan = GemvPlan(kind, m, 8 if m == 1 else 4)
+        blocks, split = -(-n // plan.rows_per_block) * programs, 1
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        while split < 16 and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4 and (
+                (allow_split and blocks * split < 2 * sms) or plan.smem(k) >= SMEM_LIMIT):
+            split *= 2
+            plan = replace(plan, split_k=split)
+    if plan.smem(k, swiglu) >= SMEM_LIMIT:
         raise ValueError(f"the CUDA decode kernel cannot stage {m} x {k} activations in shared memory")
     return plan
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1):
+def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
+            k_warps: int = 1, prefetch: int = 2):
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    name = (f"fp4_gemv_mma<{tile}, {MMA_WARPS}, {flags}, {split}>" if kind == "mma"
+    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {flags}, {split}>" if kind == "mma"
             else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}>")
     return torch.cuda._compile_kernel(SOURCE, name)
 
@@ -625,13 +741,14 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError("FMA split-K accumulates with fp32 atomics: linear only, into a zeroed fp32 output")
     if ids is not None and ids.dtype != torch.int64:
         ids = ids.to(torch.int64)
-    smem = plan.smem(k)
+    smem = plan.smem(k, swiglu=packed2 is not None)
     if smem >= SMEM_LIMIT:
         raise ValueError(f"{smem} bytes of staged activations exceed {SMEM_LIMIT}; raise split_k")
     words = packed.view(torch.int32)
     w2 = packed2.view(torch.int32) if packed2 is not None else words
+    mma = plan.kind == "mma"
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
-                   plan.split_k if plan.kind == "mma" else 1)
+                   plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2)
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     kern(grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
          block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem,
@@ -641,3 +758,23 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                out_scale, out_scale2 if out_scale2 is not None else out_scale, fold_log2,
                out, out.stride(0), _DTYPE_CODE[out.dtype], m, n, k, plan.split_k])
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _dequant_kernel(wfmt: int):
+    return torch.cuda._compile_kernel(SOURCE, f"fp4_dequant<{wfmt}>")
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *, wfmt: int, fold_log2: int,
+               n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """``out [n, k]`` bf16 = the resident FP4 weight (one expert: ``packed [n, k/2]``) times ``out_scale``,
+    each element rounded once to bf16 (for large M, where a BF16 GEMM on the result beats W4A16)."""
+    if out.dtype != torch.bfloat16 or out.shape != (n, k) or out.stride(-1) != 1:
+        raise ValueError(f"dequantize writes a bf16 [{n}, {k}] row-major tensor; got {out.dtype} {tuple(out.shape)}")
+    words = packed.view(torch.int32)
+    total = n * (k // 8)
+    _dequant_kernel(wfmt)(grid=(-(-total // 256), 1, 1), block=(256, 1, 1),
+                          args=[words, scales, words.stride(0), scales.stride(0), out_scale, fold_log2, out,
+                                out.stride(0), n, k])
+    return out
+

@@ -152,12 +152,16 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     flat = ids.reshape(-1).contiguous()
     z = z.contiguous()
     h = torch.empty(flat.numel(), inter, dtype=z.dtype, device=z.device)
-    plan_up = fp4_gemv_cuda.make_plan(1, inter, latent, z.dtype, z.device, allow_split=False)
+    # The tensor-core kernel reduces its K splits before SwiGLU; the FMA kernel's fp32 atomics cannot.
+    split = fp4_gemv_cuda.kind_for(1, z.dtype) == "mma"
+    plan_up = fp4_gemv_cuda.make_plan(1, inter, latent, z.dtype, z.device, allow_split=split, programs=flat.numel(),
+                                      swiglu=True)
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
                          n=inter, k=latent, out=h, plan=plan_up, ids=flat, a_div=topk, packed2=up.packed,
                          scales2=up.scales, out_scale2=up.out_scale)
     o = torch.empty(flat.numel(), latent, dtype=torch.float32, device=z.device)
-    plan_down = fp4_gemv_cuda.make_plan(1, latent, inter, z.dtype, z.device, allow_split=False)
+    plan_down = fp4_gemv_cuda.make_plan(1, latent, inter, z.dtype, z.device, allow_split=split,
+                                        programs=flat.numel())
     fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
                          n=latent, k=inter, out=o, plan=plan_down, ids=flat, a_div=1)
     y = torch.empty(T, latent, dtype=torch.float32, device=z.device)

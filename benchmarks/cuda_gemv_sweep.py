@@ -1,0 +1,105 @@
+"""Sweep the CUDA tensor-core decode kernel's cuts (split-K, warps per K range, chunks in flight,
+tiles per warp) against the plan ``make_plan`` picks, at the 816B linear shapes and as experts.
+
+Every configuration is first checked against the reference linear (NMSE within the op tolerance),
+then timed like ``musecore bench`` (CUDA-graph replays, weights rotated past L2), next to BF16
+cuBLAS and the memory ceiling measured in the same process. Prints a table and saves JSON::
+
+    python benchmarks/cuda_gemv_sweep.py [--ms 1,4,8] [--out benchmarks/results/cuda_gemv_sweep.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import musecore_quant
+from musecore.ops import tolerance
+from musecore_cuda.bench import LINEAR_SHAPES, _cycle, _rotating, memory_ceiling_gbps, random_fp4, time_us
+from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.layouts import prepare_fp4
+
+CUTS = [(split, kw, pf) for split in (1, 2, 4, 8) for kw in (1, 2, 4) for pf in (1, 2, 3, 4)]
+
+
+def nmse(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).pow(2).mean() / ref.float().pow(2).mean().clamp_min(1e-30)).item()
+
+
+def run(x, w, n, k, plan):
+    out = torch.empty(x.shape[0], n, device="cuda", dtype=x.dtype)
+    return fp4_gemv_cuda.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                                out=out, plan=plan)
+
+
+def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
+    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
+    rows = []
+    for name in shapes:
+        n, k = LINEAR_SHAPES[name]
+        qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+        w_check = prepare_fp4(qt, torch.device("cuda"))
+        dense = musecore_quant.dequantize(qt).float().cuda()
+        ws = _rotating(lambda: prepare_fp4(random_fp4(fmt, (n, k)), torch.device("cuda")), n * k // 2)
+        bf16 = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
+        nbytes = ws[0].nbytes
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ dense.T
+            t_bf16 = time_us(_cycle(bf16, lambda w: F.linear(x, w))) / len(bf16)
+            chosen = fp4_gemv_cuda.make_plan(m, n, k, x.dtype, x.device)
+            plans = {chosen}
+            chunks = k // fp4_gemv_cuda.CHUNK_K
+            for split, kw, pf in CUTS:
+                if chunks % (split * kw) == 0 and chunks // (split * kw) >= 2:
+                    plan = dataclasses.replace(chosen, split_k=split, k_warps=kw, prefetch=pf)
+                    if plan.smem(k) < fp4_gemv_cuda.SMEM_LIMIT:
+                        plans.add(plan)
+            results = []
+            for plan in sorted(plans, key=lambda p: (p.split_k, p.k_warps, p.prefetch, p.tile)):
+                err = nmse(ref, run(x, w_check, n, k, plan))
+                if err > tolerance("linear"):
+                    raise SystemExit(f"{name} M={m} {plan}: NMSE {err:.3g} > {tolerance('linear')}")
+                t = time_us(_cycle(ws, lambda w: run(x, w, n, k, plan))) / len(ws)
+                results.append((t, plan, err))
+            best = min(results, key=lambda r: r[0])
+            t_chosen = next(r[0] for r in results if r[1] == chosen)
+            for t, plan, err in results:
+                rows.append({"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "split_k": plan.split_k,
+                             "k_warps": plan.k_warps, "prefetch": plan.prefetch, "tile": plan.tile,
+                             "chosen": plan == chosen, "best": plan == best[1], "time_us": round(t, 2),
+                             "speedup_vs_bf16": round(t_bf16 / t, 3),
+                             "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), "nmse": err})
+            print(f"{name:12s} M={m}: bf16 {t_bf16:7.2f} us | chosen {t_chosen:7.2f} us "
+                  f"({t_bf16 / t_chosen:.2f}x, {100 * nbytes / t_chosen / 1e3 / ceiling:.0f}%) "
+                  f"split {chosen.split_k} kw {chosen.k_warps} pf {chosen.prefetch} | best {best[0]:7.2f} us "
+                  f"({t_bf16 / best[0]:.2f}x, {100 * nbytes / best[0] / 1e3 / ceiling:.0f}%) "
+                  f"split {best[1].split_k} kw {best[1].k_warps} pf {best[1].prefetch}", flush=True)
+        del ws, bf16
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ms", default="1,4,8")
+    parser.add_argument("--shapes", default=",".join(LINEAR_SHAPES))
+    parser.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cuda_gemv_sweep.json"))
+    args = parser.parse_args()
+    started = time.time()
+    rows = sweep([int(m) for m in args.ms.split(",")], args.shapes.split(","), args.format)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(time.time() - started), **memory_ceiling_gbps()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
