@@ -141,9 +141,43 @@ def rel_err(want: torch.Tensor, got: torch.Tensor) -> float:
 
 needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler: the native INT4 kernels are not built")
 
-# fp32 accumulation of exact weights, the zero term subtracted per group (s*sum(xq) - z*s*sum(x)): NMSE
-# ~1e-13 measured over many outputs, up to ~2e-10 on a single output where the two terms cancel.
-NATIVE_FP32_NMSE = 1e-8
+# The native GEMV quantizes each activation group to int16 (sx = max|x_group| / 32767, xq = round(x / sx)) and
+# sums xq * (q - z) exactly in int32; each activation is then off by at most half a step (0.5 sx, plus the fp32
+# rounding of x * 32767/max: 0.51 sx), so per output |y - y_exact| <= sum_groups 0.51 sx sum_group |w|, plus fp32
+# rounding of the per-group float terms (1e-6 sum |x w| covers them). Measured: |err| <= 0.23x this bound on these
+# shapes; a wrong nibble, column or group order gives errors of the size of sum |x w| itself (~1e4x the bound).
+INT16_STEP = 0.51
+FP32_SLACK = 1e-6
+# NMSE over all outputs of an M sweep: the rounding error is uniform in +-sx/2 (variance sx^2/12) and sx ~ 3 sigma /
+# 32767 for Gaussian groups, ~7e-10 expected; measured 4-6e-10 (the fp32 kernel before it: ~1e-13). One element 100x
+# the rest per group makes sx 100x larger for the others: ~7e-9 measured, bounded at 5e-8.
+NATIVE_INT16_NMSE = 3e-9
+NATIVE_INT16_NMSE_OUTLIERS = 5e-8
+
+
+def int16_error_ratio(x: torch.Tensor, qt: QTensor, y: torch.Tensor) -> float:
+    """max over outputs of |y - fp64 reference| / the int16-activation error bound above."""
+    w = musecore_quant.dequantize(qt).double()  # [N, K]
+    xd, g = x.double(), qt.group_size
+    m, k = xd.shape
+    sx = xd.abs().view(m, k // g, g).amax(-1) / 32767  # [M, K/g]
+    bound = INT16_STEP * sx @ w.abs().view(w.shape[0], k // g, g).sum(-1).T + FP32_SLACK * (xd.abs() @ w.abs().T)
+    err = (y.double() - fp64_reference(x, qt)).abs()
+    return (err / bound.clamp_min(1e-300)).max().item()
+
+
+def sweep_nmse(lin: Int4Linear, qt: QTensor, xs: list[torch.Tensor], what: str) -> float:
+    """Runs every x, checks the per-output bound, returns the NMSE over all outputs of the sweep."""
+    num = den = 0.0
+    for x in xs:
+        y = lin(x)
+        assert y.dtype == x.dtype and y.shape == (x.shape[0], qt.shape[0])
+        ratio = int16_error_ratio(x, qt, y)
+        assert ratio <= 1.0, f"{what} M={x.shape[0]}: error {ratio:.3g}x the int16-activation bound"
+        ref = fp64_reference(x, qt)
+        num += ((y.double() - ref) ** 2).sum().item()
+        den += (ref ** 2).sum().item()
+    return num / max(den, 1e-300)
 
 
 @needs_native
@@ -154,13 +188,61 @@ def test_native_gemv_matches_the_fp64_reference_for_every_small_m(group_size, ou
         qt = random_int4(out_features, 512, group_size, negative_scales=negative_scales, asymmetric=asymmetric)
         lin = prepare_int4(qt, torch.float32, calibrate=False)
         assert lin.kernel == "native" and lin.codes.shape[0] % native.ROWS == 0
-        for m in range(1, 17):
-            x = torch.randn(m, 512)
-            y = lin(x)
-            assert y.dtype == torch.float32 and y.shape == (m, out_features)
-            err = rel_err(fp64_reference(x, qt), y)
-            assert err <= NATIVE_FP32_NMSE, f"g={group_size} N={out_features} M={m} neg={negative_scales} " \
-                                            f"asym={asymmetric}: NMSE {err:.3e} > {NATIVE_FP32_NMSE:.0e}"
+        what = f"g={group_size} N={out_features} neg={negative_scales} asym={asymmetric}"
+        err = sweep_nmse(lin, qt, [torch.randn(m, 512) for m in range(1, 17)], what)
+        assert err <= NATIVE_INT16_NMSE, f"{what}: NMSE {err:.3e} > {NATIVE_INT16_NMSE:.0e}"
+
+
+@needs_native
+@pytest.mark.parametrize("group_size", [32, 128, 256])
+def test_native_gemv_with_outliers_and_all_zero_groups(group_size) -> None:
+    """One activation 100x the rest in every group, every other group all zero, and an all-zero row (-> exact 0)."""
+    qt = random_int4(37, 1024, group_size, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    xs = []
+    for m in (1, 2, 5, 16):
+        x = torch.randn(m, 1024)
+        x.view(m, -1, group_size)[:, :, 5] *= 100
+        x.view(m, -1, group_size)[:, 1::2] = 0
+        x[-1] = 0 if m > 1 else x[-1]
+        xs.append(x)
+    err = sweep_nmse(lin, qt, xs, f"outliers g={group_size}")
+    assert err <= NATIVE_INT16_NMSE_OUTLIERS, f"g={group_size}: NMSE {err:.3e} > {NATIVE_INT16_NMSE_OUTLIERS:.0e}"
+    assert torch.equal(lin(torch.zeros(3, 1024)), torch.zeros(3, 37))
+
+
+@needs_native
+def test_int16_bound_fails_on_a_wrong_nibble_order() -> None:
+    """The bound is tight enough to catch a layout bug: codes written in the previous order (nibble j = column
+    j*W + q, not the int16-pair order) must fail it by orders of magnitude."""
+    qt = random_int4(36, 512, 128, negative_scales=True, asymmetric=False)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    x = torch.randn(3, 512)
+    assert int16_error_ratio(x, qt, lin(x)) <= 1.0
+    codes = from_planar(lin.codes, 128).view(36, 4, 8, 16)  # [N, chunk, column block p, q]
+    wrong = (codes.to(torch.int64) << (4 * torch.arange(8)).view(8, 1)).sum(2)  # nibble p = column block p
+    lin.codes.copy_(torch.where(wrong >= 2 ** 31, wrong - 2 ** 32, wrong).to(torch.int32).view(36, 64))
+    ratio = int16_error_ratio(x, qt, lin(x))
+    assert ratio > 100, f"a wrong nibble order stayed within {ratio:.3g}x the bound: the test would miss it"
+
+
+@needs_native
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_portable_c_path_gives_the_same_bits_as_avx2(group_size) -> None:
+    """The ``#ifndef __AVX2__`` path (built without ISA flags) does the same integer sums and float operations."""
+    portable = native.load_portable()
+    if native.compile_flags() == [f for f in native.compile_flags() if not f.startswith("-m")]:
+        pytest.skip("this CPU has no AVX2: the default build is already the portable path")
+    qt = random_int4(37, 512, group_size, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    for m, dtype in ((1, torch.float32), (1, torch.bfloat16), (5, torch.float32), (16, torch.bfloat16)):
+        x = torch.randn(m, 512).to(dtype)
+        x.view(m, -1, group_size)[:, 0, 3] *= 100
+        y = torch.empty(m, 37, dtype=dtype)
+        bf16 = int(dtype == torch.bfloat16)
+        portable.musecore_int4_gemv(lin.codes.data_ptr(), lin.scale_zero.data_ptr(), x.data_ptr(), bf16, y.data_ptr(),
+                                    bf16, m, 512, group_size, lin.codes.shape[0], 37, 1)
+        assert torch.equal(y, lin(x)), f"g={group_size} M={m} {dtype}: portable and AVX2 results differ"
 
 
 @needs_native
@@ -191,17 +273,18 @@ def test_native_gemv_uses_several_threads_with_the_same_result() -> None:
     assert torch.equal(one, two), "row blocks are independent: the thread count must not change the result"
 
 
-def test_planar_layout_round_trips_and_puts_nibble_j_at_column_j_times_w_plus_q() -> None:
+def test_planar_layout_round_trips_and_pairs_columns_2j_w_and_2j_plus_1_w_in_nibbles_j_and_j_plus_4() -> None:
     g = torch.Generator().manual_seed(1)
     for group_size in (32, 64, 128, 256):
         codes = torch.randint(0, 16, (5, 512), generator=g, dtype=torch.int32)
         planar = to_planar(codes, group_size)
         assert planar.dtype == torch.int32 and planar.shape == (5, 64)
         assert torch.equal(from_planar(planar, group_size), codes)
-    # g = 128: 16 words per group, word q nibble j = column 16 j + q
-    codes = (torch.arange(128, dtype=torch.int32) // 16).view(1, 128)  # column c has code c // 16 = j
+    # g = 128: 16 words per group, column 16 p + q in word q, nibble p/2 + 4 (p%2): nibbles j, j+4 = columns
+    # 16 (2j) + q, 16 (2j+1) + q, the two int16 halves of the GEMV's madd
+    codes = (torch.arange(128, dtype=torch.int32) // 16).view(1, 128)  # column c has code c // 16 = p
     words = to_planar(codes, 128)
-    assert words[0, 0].item() == 0x76543210
+    assert words[0, 0].item() == 0x75316420
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (96, 256), (5, 128), (130, 192)])

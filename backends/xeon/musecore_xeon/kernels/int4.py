@@ -52,13 +52,18 @@ def planar_chunk(group_size: int) -> int:
     return max(group_size, 64)
 
 
+# Nibble of each position p = 0..7 of a planar word: p/2 + 4*(p%2), so positions 2j, 2j+1 are nibbles j, j+4 (the two
+# 16-bit halves: one int16 pair of the GEMV's madd). native_int4_source.py explains why.
+POSITION_NIBBLES: tuple[int, ...] = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
 def to_planar(codes: torch.Tensor, group_size: int) -> torch.Tensor:
     """int codes ``[N, K]`` (0..15) -> nibble-planar int32 ``[N, K/8]``: per chunk of C = max(g, 64)
-    columns, W = C/8 words, nibble j of word q = column ``j*W + q`` of the chunk."""
+    columns, W = C/8 words; column ``p*W + q`` of the chunk is word q, nibble ``POSITION_NIBBLES[p]``."""
     n, k = codes.shape
     c = planar_chunk(group_size)
-    parts = codes.to(torch.int64).view(n, k // c, 8, c // 8) << (4 * torch.arange(8, dtype=torch.int64)).view(8, 1)
-    words = parts.sum(2)
+    shifts = 4 * torch.tensor(POSITION_NIBBLES, dtype=torch.int64).view(8, 1)
+    words = (codes.to(torch.int64).view(n, k // c, 8, c // 8) << shifts).sum(2)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # the int32 with the same bits
     return words.to(torch.int32).reshape(n, k // 8).contiguous()
 
@@ -67,7 +72,7 @@ def from_planar(words: torch.Tensor, group_size: int) -> torch.Tensor:
     """Nibble-planar int32 ``[N, K/8]`` -> int32 codes ``[N, K]`` (the inverse of :func:`to_planar`)."""
     n, kw = words.shape
     c = planar_chunk(group_size)
-    shifts = (4 * torch.arange(8, dtype=torch.int32)).view(1, 1, 8, 1)
+    shifts = 4 * torch.tensor(POSITION_NIBBLES, dtype=torch.int32).view(1, 1, 8, 1)
     return ((words.view(n, kw * 8 // c, 1, c // 8) >> shifts) & 15).reshape(n, kw * 8)
 
 
@@ -98,6 +103,19 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
     return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).to(torch.int32)
 
 
+def block_scale_zero(pairs: torch.Tensor) -> torch.Tensor:
+    """fp16 ``(scale, z)`` pairs ``[N, K/g, 2]`` (N a multiple of ROWS) -> the resident ``[N/ROWS, K/g, 2, ROWS]``:
+    per row block and group the ROWS scales, then the ROWS zeros (one 16-byte load in the GEMV)."""
+    n, groups, _ = pairs.shape
+    return pairs.view(n // native.ROWS, native.ROWS, groups, 2).permute(0, 2, 3, 1).contiguous()
+
+
+def row_scale_zero(blocked: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`block_scale_zero`: ``[N/ROWS, K/g, 2, ROWS]`` -> ``(scale, z)`` pairs ``[N, K/g, 2]``."""
+    blocks, groups, _, rows = blocked.shape
+    return blocked.permute(0, 3, 1, 2).reshape(blocks * rows, groups, 2)
+
+
 def kernel_scales_and_zeros(scale_zero: torch.Tensor) -> torch.Tensor:
     """fp16 ``(scale, z)`` ``[N, K/g, 2]`` -> bf16 ``[K/g, N, 2]`` for ``_weight_int4pack_mm_for_cpu``."""
     s, z = scale_zero[..., 0].float(), scale_zero[..., 1].float()
@@ -115,7 +133,7 @@ class Int4Linear:
     """
 
     codes: Optional[torch.Tensor]    # int32 [N_padded, K/8], see native.py
-    scale_zero: torch.Tensor         # fp16 [N_padded, K/g, 2]: (scale, zero), w = (q - zero) * scale
+    scale_zero: torch.Tensor         # fp16 [N_padded/ROWS, K/g, 2, ROWS]: scales, zeros; w = (q - zero) * scale
     group_size: int
     out_features: int
     in_features: int
@@ -129,7 +147,7 @@ class Int4Linear:
 
     @property
     def padded_out_features(self) -> int:
-        return self.scale_zero.shape[0]
+        return self.scale_zero.shape[0] * native.ROWS
 
     @property
     def tile_rows(self) -> int:
@@ -182,7 +200,7 @@ class Int4Linear:
         if self.packed is not None:
             return
         codes = from_planar(self.codes, self.group_size) if codes is None else codes
-        sz = self.scale_zero
+        sz = row_scale_zero(self.scale_zero)
         pad = -codes.shape[0] % PACK_ROWS
         if pad:  # padded rows: code 8, scale 0, zero 8 -> weight 0, and every packing block is full
             codes = torch.cat((codes, torch.full((pad, codes.shape[1]), 8, dtype=torch.int32)))
@@ -220,7 +238,7 @@ class Int4Linear:
         rows, k, g = n1 - n0, self.in_features, self.group_size
         tile = workspace[: rows * k].view(rows, k)
         tile.copy_(from_planar(self.codes[n0:n1], g))
-        sz = self.scale_zero[n0:n1].float()
+        sz = row_scale_zero(self.scale_zero[n0 // native.ROWS:n1 // native.ROWS]).float()
         groups = tile.view(rows, k // g, g)
         return groups.sub_(sz[..., 1:]).mul_(sz[..., :1]).view(rows, k)
 
@@ -228,8 +246,8 @@ class Int4Linear:
         """Rows ``n0:n1`` of the dequantized weight, fp32 ``[n1-n0, K]`` in ``workspace`` (exact)."""
         rows, k = n1 - n0, self.in_features
         if native.available():
-            return native.int4_dequant(self.codes[n0:n1], self.scale_zero[n0:n1], workspace[: rows * k].view(rows, k),
-                                       self.group_size)
+            return native.int4_dequant(self.codes[n0:n1], self.scale_zero[n0 // native.ROWS:n1 // native.ROWS],
+                                       workspace[: rows * k].view(rows, k), self.group_size)
         return self.torch_ops_tile(n0, n1, workspace)
 
     def run_tiles(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -297,7 +315,7 @@ def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tens
         codes = torch.cat((codes, torch.full((pad, k), 8, dtype=torch.int32)))
         sz = torch.cat((sz, torch.zeros(pad, *sz.shape[1:], dtype=sz.dtype)))
     planar = to_planar(codes, group_size) if k % planar_chunk(group_size) == 0 else None
-    lin = Int4Linear(planar, sz.contiguous(), group_size, n, k, dense_dtype, kernel)
+    lin = Int4Linear(planar, block_scale_zero(sz), group_size, n, k, dense_dtype, kernel)
     if kernel == "int4pack":
         lin.build_int4pack(codes)
     return lin

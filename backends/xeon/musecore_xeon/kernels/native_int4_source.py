@@ -1,0 +1,575 @@
+"""C source of the INT4 kernels (GEMV / skinny GEMM, fused decode MoE, dense-tile dequantizer), built, cached and
+called by :mod:`musecore_xeon.kernels.native` (which explains the layout, the numerics and the build).
+
+Why a module of its own: the C source is ~500 lines; kept apart, the Python that binds it stays short.
+"""
+
+INT4_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <float.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Nibble-planar INT4 layout (see musecore_xeon/kernels/native.py): a row of K codes is cut into chunks of
+   C = max(g, 64) columns, each stored as W = C/8 int32 words. Position p = 0..7 of word q holds column p*W + q of
+   the chunk, in nibble nib(p) = p/2 + 4*(p%2): positions 2j and 2j+1 are nibbles j and j+4, the two 16-bit halves
+   of the word at the same offset, so (w >> 4j) & 0x000F000F puts the codes of columns 2jW+q and (2j+1)W+q side by
+   side as two int16 lanes: one operand of _mm256_madd_epi16. For g = 32 (C = 64, two groups per chunk) positions
+   0-3 are the first group and 4-7 the second: no int16 pair straddles a group.
+   Scales and zeros: fp16 [N/ROWS, K/g, 2, ROWS], per row block and group the ROWS scales then the ROWS zeros (the
+   QTensor's fp16 scale; the zero an integer 0..15), read by one 16-byte load. */
+#define ROWS 4 /* rows per block of the GEMV; codes are padded to a multiple of it */
+/* Calls streaming fewer code bytes than these run on the calling thread: an OpenMP fork/join and barriers
+   (~5-20 us on 2 cores, more when a sibling thread is descheduled) cost more than a second core saves.
+   Measured on the 2-core EPYC: a 512x768 GEMV (196 KiB) still gains from 2 threads (47 vs 65 us); the fused
+   MoE of muse-tiny (4 experts, 196 KiB, 3 barriers) loses (INT4/BF16 decode 0.96x with 2 threads, 1.24x with one). */
+#define GEMV_PARALLEL_MIN_BYTES (64 * 1024)
+#define MOE_PARALLEL_MIN_BYTES (256 * 1024)
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048 /* how far ahead (at least) the GEMV prefetches its codes; 2 KiB measured best of 0/2/4/8 KiB */
+#endif
+/* Activations are int16 per group: xq = round(x / sx), sx = max|x_group| / XQ_MAX. The error is at most sx/2 =
+   max|x_group| * 2^-16 per element: no more than the bf16 rounding (2^-9 relative) of every element within 2^7 of
+   the group's largest, i.e. of the elements that carry the dot product. The integer sums are exact:
+   |sum_group xq (q - z)| <= 2 * g * 15 * XQ_MAX = 251,652,096 for g = 256, below INT32_MAX (every partial sum of
+   the accumulator lanes is bounded by the same sum of absolute values). */
+#define XQ_MAX 32767
+#define MAX_GROUP 256
+_Static_assert((int64_t)2 * MAX_GROUP * 15 * XQ_MAX <= INT32_MAX, "int32 group sums of xq * (q - z) must not overflow");
+#define TINY_GROUP_MAX 0x1p-100f /* a group whose max |x| is below this is taken as zero (32767 / max would overflow) */
+
+static inline int64_t chunk_of(int64_t g) { return g >= 64 ? g : 64; }
+static inline int nibble_of(int p) { return (p >> 1) + 4 * (p & 1); }
+
+static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, man = h & 1023u;
+    if (e == 0) { float f = (float)man * 5.9604644775390625e-8f; return sign ? -f : f; }
+    if (e == 31) return bits_to_float(sign | 0x7F800000u | (man << 13));
+    return bits_to_float(sign | ((e + 112u) << 23) | (man << 13));
+#endif
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t b; memcpy(&b, &f, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 64);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+static inline float load_x(const void *x, int bf16, int64_t i) {
+    return bf16 ? bits_to_float((uint32_t)((const uint16_t *)x)[i] << 16) : ((const float *)x)[i];
+}
+
+static inline void store_y(void *y, int y_bf16, int64_t i, float v) {
+    if (y_bf16) ((uint16_t *)y)[i] = float_to_bf16(v);
+    else ((float *)y)[i] = v;
+}
+
+/* Per-thread scratch, grown as needed (a fresh large malloc per call would be a fresh mmap: page faults). */
+static __thread float *scratch_buf;
+static __thread size_t scratch_cap;
+static float *scratch(size_t n) {
+    if (n > scratch_cap) {
+        free(scratch_buf);
+        scratch_buf = (float *)aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63);
+        scratch_cap = scratch_buf ? n : 0;
+    }
+    return scratch_buf;
+}
+
+/* The quantized activations of m_rows rows: int16 [m, K] in the GEMV's order, fp32 sx and int32 sum(xq) [m, K/g]. */
+typedef struct { int16_t *xq; float *sx; int32_t *xqsum; } qx_t;
+
+/* Floats of scratch for a qx_t of m rows (each part 32-byte aligned). */
+static inline size_t qx_floats(int64_t m, int64_t k, int64_t g) {
+    return (size_t)(((m * k / 2 + 7) & ~7) + 2 * ((m * (k / g) + 7) & ~7));
+}
+static inline qx_t qx_at(float *buf, int64_t m, int64_t k, int64_t g) {
+    qx_t q;
+    q.xq = (int16_t *)buf;
+    q.sx = buf + ((m * k / 2 + 7) & ~7);
+    q.xqsum = (int32_t *)(q.sx + ((m * (k / g) + 7) & ~7));
+    return q;
+}
+static inline qx_t qx_row(qx_t q, int64_t r, int64_t k, int64_t g) {
+    q.xq += r * k; q.sx += r * (k / g); q.xqsum += r * (k / g);
+    return q;
+}
+
+static inline void group_scale(float amax, int bad, float *sx, float *inv) {
+    if (bad) { *sx = NAN; *inv = 0.0f; }            /* inf/NaN in the group: NaN out, as the float math would give */
+    else if (amax < TINY_GROUP_MAX) { *sx = 0.0f; *inv = 0.0f; }
+    else { *sx = amax / (float)XQ_MAX; *inv = (float)XQ_MAX / amax; }
+}
+
+#ifdef __AVX2__
+static inline __m256 load8_x(const void *x, int bf16, int64_t i) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
+/* One activation row, one chunk: the group maxima, then xq in the GEMV's order: for vector v (words 8v..8v+7) and
+   pair j (0..3), 16 int16 at xq[(4v + j) * 16 + 2q + h] = the column at position 2j + h of word 8v + q. The AVX2
+   and scalar versions give the same bits (max is exact, x * inv one rounding, round-to-nearest-even to int). */
+static void prepare_chunk(const void *x, int x_bf16, int64_t base, int64_t chunk, int64_t g, int16_t *xq, float *sx,
+                          int32_t *xqsum) {
+    const int64_t words = chunk / 8, per = chunk / g;
+    float inv[2];
+    for (int64_t h = 0; h < per; ++h) {
+        float amax = 0.0f;
+        int bad = 0;
+        int64_t i = 0;
+#ifdef __AVX2__
+        __m256 mx = _mm256_setzero_ps(), nonfinite = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), big = _mm256_set1_ps(FLT_MAX);
+        for (; i + 8 <= g; i += 8) {
+            const __m256 a = _mm256_and_ps(load8_x(x, x_bf16, base + h * g + i), abs_mask);
+            nonfinite = _mm256_or_ps(nonfinite, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
+            mx = _mm256_max_ps(mx, a);
+        }
+        bad = _mm256_movemask_ps(nonfinite) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        for (int l = 0; l < 8; ++l) amax = lanes[l] > amax ? lanes[l] : amax;
+#endif
+        for (; i < g; ++i) {
+            const float a = fabsf(load_x(x, x_bf16, base + h * g + i));
+            if (!(a <= FLT_MAX)) bad = 1;
+            else if (a > amax) amax = a;
+        }
+        group_scale(amax, bad, sx + h, inv + h);
+    }
+    for (int64_t h = 0; h < per; ++h) xqsum[h] = 0;
+    for (int64_t v = 0; v < words / 8; ++v)
+        for (int j = 0; j < 4; ++j) {
+            const int64_t h = (2 * j * words) / g, col = base + 2 * j * words + 8 * v;  /* h: the group in the chunk */
+            int16_t *dst = xq + (4 * v + j) * 16;
+#ifdef __AVX2__
+            const __m256 iv = _mm256_set1_ps(inv[h]);
+            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, x_bf16, col), iv)),
+                          b = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, x_bf16, col + words), iv));
+            _mm256_storeu_si256((__m256i *)dst, _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xFFFF)),
+                                                                _mm256_slli_epi32(b, 16)));
+            xqsum[h] += hsum_epi32(_mm256_add_epi32(a, b));
+#else
+            for (int q = 0; q < 8; ++q)
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int32_t v16 = (int32_t)lrintf(load_x(x, x_bf16, col + hh * words + q) * inv[h]);
+                    dst[2 * q + hh] = (int16_t)v16;
+                    xqsum[h] += v16;
+                }
+#endif
+        }
+}
+
+static void prepare_x(const void *x, int x_bf16, int64_t m_rows, int64_t k, int64_t g, qx_t out) {
+    const int64_t chunk = chunk_of(g), groups = k / g;
+    for (int64_t m = 0; m < m_rows; ++m)
+        for (int64_t c0 = 0; c0 < k; c0 += chunk)
+            prepare_chunk(x, x_bf16, m * k + c0, chunk, g, out.xq + m * k + c0, out.sx + m * groups + c0 / g,
+                          out.xqsum + m * groups + c0 / g);
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The two codes of pair J of each 16-bit half as int16 lanes: nibbles J and J+4 of every word. */
+#define NIB_PAIR(W, J) ((J) == 0 ? _mm256_and_si256((W), low4) :                                      \
+                        (J) == 3 ? _mm256_srli_epi16((W), 12) :                                        \
+                                   _mm256_and_si256(_mm256_srli_epi16((W), 4 * (J)), low4))
+
+/* The scales (s0..s3) and integer zeros (z0..z3) of a row block for one group: 8 fp16 at sz, one 16-byte load
+   (gathering them from 4 rows cost ~13% of the GEMV). */
+static inline __attribute__((always_inline)) void load_sz4(const uint16_t *sz, __m128 *s, __m128i *z) {
+#ifdef __F16C__
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sz));
+    *s = _mm256_castps256_ps128(f);
+    *z = _mm_cvtps_epi32(_mm256_extractf128_ps(f, 1));
+#else
+    *s = _mm_setr_ps(half_to_float(sz[0]), half_to_float(sz[1]), half_to_float(sz[2]), half_to_float(sz[3]));
+    *z = _mm_cvtps_epi32(_mm_setr_ps(half_to_float(sz[4]), half_to_float(sz[5]), half_to_float(sz[6]), half_to_float(sz[7])));
+#endif
+}
+
+/* One group of ROWS rows: the exact int32 sums of xq * q (one accumulator vector per row) reduced to 4 integers,
+   minus z * sum(xq) (exact), then tot += float(dot) * (s * sx): the scalar path does the same operations per row. */
+static inline __attribute__((always_inline)) __m128 flush4(__m256i a0, __m256i a1, __m256i a2, __m256i a3, __m128 s,
+                                                          __m128i z, float sx, int32_t xqsum, __m128 tot) {
+    const __m256i s01 = _mm256_hadd_epi32(a0, a1), s23 = _mm256_hadd_epi32(a2, a3);
+    const __m256i both = _mm256_hadd_epi32(s01, s23);  /* [r0 r1 r2 r3] low half + the same of the high half */
+    __m128i dot = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+    dot = _mm_sub_epi32(dot, _mm_mullo_epi32(z, _mm_set1_epi32(xqsum)));
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(dot), _mm_mul_ps(s, _mm_set1_ps(sx)), tot);
+}
+
+/* One activation row, ROWS rows of W: per 8 words (64 weights) and row, 4 x (shift/AND, madd_epi16, add_epi32)
+   against the int16 activation, int32 accumulators per group, then flush4 per group. */
+static inline __attribute__((always_inline)) void gemv_rows(
+        const int32_t *codes, const uint16_t *sz, qx_t x, float out[ROWS], int64_t n, int64_t k, const int64_t g) {
+    const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8, vecs = words / 8;
+    /* whole row blocks ahead, at least PREFETCH_BYTES (short rows: K = 512 is 1 KiB per block) */
+    const int64_t block_bytes = ROWS * kw * 4, prefetch_words = ROWS * kw * ((PREFETCH_BYTES + block_bytes - 1) / block_bytes);
+    const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+    const uint16_t *szr = sz + (n / ROWS) * groups * 2 * ROWS;
+    __m256i acc[ROWS], acc2[ROWS];  /* acc2: the second group of a chunk when g = 32 */
+    __m128 tot = _mm_setzero_ps();
+    const int32_t *row[ROWS];
+    for (int r = 0; r < ROWS; ++r) { acc[r] = acc2[r] = _mm256_setzero_si256(); row[r] = codes + (n + r) * kw; }
+#define FLUSH(ACC, GRP) {                                                                                   \
+        __m128 s_; __m128i z_;                                                                              \
+        load_sz4(szr + (GRP) * 2 * ROWS, &s_, &z_);                                                          \
+        tot = flush4(ACC[0], ACC[1], ACC[2], ACC[3], s_, z_, x.sx[GRP], x.xqsum[GRP], tot);                 \
+        for (int r = 0; r < ROWS; ++r) ACC[r] = _mm256_setzero_si256();                                     \
+    }
+    for (int64_t c = 0; c < k / chunk; ++c) {
+#pragma GCC unroll 1
+        for (int64_t v = 0; v < vecs; ++v) {
+            const int16_t *xc = x.xq + c * chunk + v * 64;
+            /* the 4 activation pairs stay in registers; each row's word is loaded and used at once (with the
+               4 words loaded first, gcc spilled to the stack) */
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xc), x1 = _mm256_loadu_si256((const __m256i *)(xc + 16)),
+                          x2 = _mm256_loadu_si256((const __m256i *)(xc + 32)), x3 = _mm256_loadu_si256((const __m256i *)(xc + 48));
+            for (int r = 0; r < ROWS; ++r) {
+                const int32_t *src = row[r] + c * words + v * 8;
+                const __m256i w = _mm256_loadu_si256((const __m256i *)src);
+                /* the same columns of the next row block (ROWS rows further): a block's rows are 4 short
+                   streams (1 KiB each at K = 2048) that the hardware prefetcher picks up too late */
+                _mm_prefetch((const char *)(src + prefetch_words), _MM_HINT_T0);
+                if (chunk != g) {  /* g = 32: pairs 0-1 are one group, 2-3 the next */
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 0), x0),
+                                                                       _mm256_madd_epi16(NIB_PAIR(w, 1), x1)));
+                    acc2[r] = _mm256_add_epi32(acc2[r], _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 2), x2),
+                                                                         _mm256_madd_epi16(NIB_PAIR(w, 3), x3)));
+                } else {
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(
+                        _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 0), x0), _mm256_madd_epi16(NIB_PAIR(w, 1), x1)),
+                        _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 2), x2), _mm256_madd_epi16(NIB_PAIR(w, 3), x3))));
+                }
+                /* an empty asm pins each update here: otherwise gcc reassociates a group's integer sum into all
+                   its madds first and the adds last, spilling the madd results to the stack (~25% slower) */
+                __asm__("" : "+x"(acc[r]));
+            }
+        }
+        if (chunk != g) {
+            FLUSH(acc, 2 * c)
+            FLUSH(acc2, 2 * c + 1)
+        } else {
+            FLUSH(acc, c)
+        }
+    }
+#undef STEP
+#undef FLUSH
+    _mm_storeu_ps(out, tot);
+}
+
+/* ROWS rows decoded once per chunk into an L1 buffer of int16 code pairs, then multiplied into the activation rows
+   two at a time (8 accumulators: 4 rows x 2 activations), flushed per group like the GEMV. */
+static inline __attribute__((always_inline)) void gemm_rows(
+        const int32_t *codes, const uint16_t *sz, qx_t x, void *y, int y_bf16,
+        int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, const int64_t g) {
+    const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8;
+    const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+    const uint16_t *szr = sz + (n / ROWS) * groups * 2 * ROWS;
+    int16_t dq[ROWS][MAX_GROUP] __attribute__((aligned(32)));
+    __m128 tot[16];  /* the caller passes at most 16 activation rows at a time */
+    for (int64_t m = 0; m < m_rows; ++m) tot[m] = _mm_setzero_ps();
+    for (int64_t c = 0; c < k / chunk; ++c) {
+        for (int r = 0; r < ROWS; ++r) {
+            const int32_t *src = codes + (n + r) * kw + c * words;
+            for (int64_t v = 0; v < words / 8; ++v) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(src + v * 8));
+                __m256i *d = (__m256i *)(dq[r] + v * 64);
+                _mm256_store_si256(d, NIB_PAIR(w, 0));
+                _mm256_store_si256(d + 1, NIB_PAIR(w, 1));
+                _mm256_store_si256(d + 2, NIB_PAIR(w, 2));
+                _mm256_store_si256(d + 3, NIB_PAIR(w, 3));
+            }
+        }
+        for (int64_t h = 0; h < chunk / g; ++h) {  /* the groups of this chunk (2 when g = 32) */
+            const int64_t grp = c * (chunk / g) + h;
+            __m128 s;
+            __m128i z;
+            load_sz4(szr + grp * 2 * ROWS, &s, &z);
+            for (int64_t m = 0; m < m_rows; m += 2) {
+                const int pair = m + 1 < m_rows;
+                const int16_t *x0 = x.xq + m * k + c * chunk + h * g, *x1 = pair ? x0 + k : x0;
+                __m256i acc0[ROWS], acc1[ROWS];
+                for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = _mm256_setzero_si256();
+                for (int64_t e = 0; e < g; e += 16) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(x0 + e)),
+                                  b = _mm256_loadu_si256((const __m256i *)(x1 + e));
+                    for (int r = 0; r < ROWS; ++r) {
+                        const __m256i d = _mm256_load_si256((const __m256i *)(dq[r] + h * g + e));
+                        acc0[r] = _mm256_add_epi32(acc0[r], _mm256_madd_epi16(d, a));
+                        acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(d, b));
+                    }
+                }
+                tot[m] = flush4(acc0[0], acc0[1], acc0[2], acc0[3], s, z, x.sx[m * groups + grp], x.xqsum[m * groups + grp], tot[m]);
+                if (pair)
+                    tot[m + 1] = flush4(acc1[0], acc1[1], acc1[2], acc1[3], s, z, x.sx[(m + 1) * groups + grp], x.xqsum[(m + 1) * groups + grp],
+                                        tot[m + 1]);
+            }
+        }
+    }
+    for (int64_t m = 0; m < m_rows; ++m) {
+        float t[ROWS];
+        _mm_storeu_ps(t, tot[m]);
+        for (int r = 0; r < ROWS; ++r)
+            if (n + r < n_valid) store_y(y, y_bf16, m * n_valid + n + r, t[r]);
+    }
+}
+#undef NIB_PAIR
+
+static inline __attribute__((always_inline)) void row_block_g(
+        const int32_t *codes, const uint16_t *sz, qx_t x, void *y, int y_bf16,
+        int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, const int64_t g) {
+    if (m_rows == 1) {
+        float out[ROWS];
+        gemv_rows(codes, sz, x, out, n, k, g);
+        for (int r = 0; r < ROWS; ++r)
+            if (n + r < n_valid) store_y(y, y_bf16, n + r, out[r]);
+        return;
+    }
+    for (int64_t m = 0; m < m_rows; m += 16) {
+        const int64_t mb = m_rows - m < 16 ? m_rows - m : 16;
+        gemm_rows(codes, sz, qx_row(x, m, k, g), (char *)y + m * n_valid * (y_bf16 ? 2 : 4), y_bf16,
+                  n, n_valid, mb, k, g);
+    }
+}
+
+static void row_block(const int32_t *codes, const uint16_t *sz, qx_t x, void *y,
+                      int y_bf16, int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, int64_t g) {
+    switch (g) {  /* the group size as a constant: the loops over a group unroll */
+    case 32: row_block_g(codes, sz, x, y, y_bf16, n, n_valid, m_rows, k, 32); break;
+    case 64: row_block_g(codes, sz, x, y, y_bf16, n, n_valid, m_rows, k, 64); break;
+    case 128: row_block_g(codes, sz, x, y, y_bf16, n, n_valid, m_rows, k, 128); break;
+    default: row_block_g(codes, sz, x, y, y_bf16, n, n_valid, m_rows, k, 256); break;
+    }
+}
+#else
+/* Portable C (no AVX2): the same integer group sums and the same float operations in the same order as flush4,
+   one row and one activation row at a time, so both paths give the same bits. */
+static void row_block(const int32_t *codes, const uint16_t *sz, qx_t x, void *y,
+                      int y_bf16, int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, int64_t g) {
+    const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8;
+    for (int64_t r = n; r < n + ROWS && r < n_valid; ++r)
+        for (int64_t m = 0; m < m_rows; ++m) {
+            float tot = 0.0f;
+            for (int64_t grp = 0; grp < groups; ++grp) {
+                const int64_t c = grp * g / chunk, e0 = grp * g - c * chunk;  /* e0: the group's start in the chunk */
+                int32_t isum = 0;
+                for (int64_t e = e0; e < e0 + g; ++e) {  /* xq order: e = 64 v + 16 j + 2 q + h */
+                    const int64_t v = e / 64, j = (e / 16) % 4, q = (e % 16) / 2, h = e % 2;
+                    const uint32_t w = (uint32_t)codes[r * kw + c * words + v * 8 + q];
+                    isum += (int32_t)x.xq[m * k + c * chunk + e] * (int32_t)((w >> (4 * (j + 4 * h))) & 15u);
+                }
+                const uint16_t *p = sz + ((r / ROWS) * groups + grp) * 2 * ROWS;
+                const int32_t dot = isum - (int32_t)half_to_float(p[ROWS + r % ROWS]) * x.xqsum[m * groups + grp];
+                tot = fmaf((float)dot, half_to_float(p[r % ROWS]) * x.sx[m * groups + grp], tot);
+            }
+            store_y(y, y_bf16, m * n_valid + r, tot);
+        }
+}
+#endif
+
+/* y[M, n_valid] = x[M, K] @ W.T with W = (q - z) * scale from nibble-planar codes int32 [n_rows, K/8] and
+   fp16 scales and zeros [n_rows/ROWS, K/g, 2, ROWS] (zero an integer 0..15); n_rows is a multiple of ROWS (padded rows are
+   never stored). x and y are fp32 or bf16. Row blocks are split over `threads` OpenMP threads (PyTorch's runtime). */
+void musecore_int4_gemv(const int32_t *codes, const uint16_t *sz, const void *x, int x_bf16, void *y, int y_bf16,
+                        int64_t m_rows, int64_t k, int64_t g, int64_t n_rows, int64_t n_valid, int threads) {
+    float *buf = scratch(qx_floats(m_rows, k, g));
+    if (buf == NULL) return;
+    const qx_t xq = qx_at(buf, m_rows, k, g);
+    prepare_x(x, x_bf16, m_rows, k, g, xq);
+    const int64_t blocks = n_rows / ROWS;
+#ifdef _OPENMP
+    if (threads > blocks) threads = (int)blocks;
+    if (n_rows * k / 2 * m_rows < GEMV_PARALLEL_MIN_BYTES) threads = 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t blk = 0; blk < blocks; ++blk)
+        row_block(codes, sz, xq, y, y_bf16, blk * ROWS, n_valid, m_rows, k, g);
+}
+
+/* silu(g) * u for n values, fp32; AVX2: exp from a degree-5 polynomial on the reduced argument
+   (Cephes expf, relative error ~2e-7), so the SwiGLU of a decode call is a few microseconds. */
+#ifdef __AVX2__
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+static void swiglu(const float *gate, const float *up, float *h, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                                              exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; ++i) h[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* The routed experts of one MoE call in ONE native call (decode sizes, below the dense-tile crossover):
+     y[t] = sum_j w[t,j] * rms_norm(down_e(silu(gate_e(z_t)) * up_e(z_t))) * out_norm[e],  e = ids[t,j]
+   gu_* / dn_* are arrays of E pointers to each expert's nibble-planar codes and fp16 (scale, zero) pairs
+   (fused [gate; up] rows 0..2I-1, then down [l, I]). The (t, j) pairs are grouped by expert (counting sort,
+   stable), so an expert's bytes are read once per call for all its tokens; the gate/up row blocks of all
+   routed experts are one parallel loop, then the SwiGLU, the down row blocks, and the norm + weighted sum,
+   all in one OpenMP region (3 barriers instead of a fork/join per expert and projection). fp32 throughout:
+   the intermediate h is not rounded to bf16 (the reference does not round it either); the GEMV inputs z and h
+   are quantized to int16 per group like every GEMV's. */
+int musecore_int4_moe(const int64_t *gu_codes, const int64_t *gu_sz, const int64_t *dn_codes, const int64_t *dn_sz,
+                       const void *z, int z_bf16, const int64_t *ids, const float *weights, const void *out_norm,
+                       int norm_bf16, float eps, float *y, int64_t T, int64_t k_top, int64_t E, int64_t l,
+                       int64_t inter, int64_t g_gu, int64_t g_dn, int64_t gu_rows, int64_t dn_rows, int threads) {
+    const int64_t P = T * k_top, two_i = 2 * inter;
+    const size_t qgu = qx_floats(P, l, g_gu), qdn = qx_floats(P, inter, g_dn),
+                 outs = (size_t)((P * two_i + P * l + 7) & ~7), ints = (size_t)(2 * E + 1 + 3 * P);
+    for (int64_t p = 0; p < P; ++p)
+        if (ids[p] < 0 || ids[p] >= E) return -1;
+    float *buf = scratch(qgu + qdn + outs + ints * 2);  /* int64 counters at the end: 2 floats each */
+    if (buf == NULL) return -2;
+    const qx_t x_gu = qx_at(buf, P, l, g_gu), x_dn = qx_at(buf + qgu, P, inter, g_dn);
+    float *gu_out = buf + qgu + qdn, *dn_out = gu_out + P * two_i;
+    int64_t *start = (int64_t *)(buf + qgu + qdn + outs), *count = start + E + 1, *sorted = count + E,
+            *row_of = sorted + P, *expert_list = row_of + P;
+    for (int64_t e = 0; e < E; ++e) count[e] = 0;
+    for (int64_t p = 0; p < P; ++p) count[ids[p]]++;
+    int64_t routed = 0;
+    start[0] = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        start[e + 1] = start[e] + count[e];
+        if (count[e]) expert_list[routed++] = e;
+        count[e] = 0;
+    }
+    for (int64_t p = 0; p < P; ++p) {  /* stable: pairs keep their order within an expert */
+        const int64_t r = start[ids[p]] + count[ids[p]]++;
+        sorted[r] = p; row_of[p] = r;
+    }
+    const size_t zsize = z_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < P; ++r)
+        prepare_x((const char *)z + (sorted[r] / k_top) * l * zsize, z_bf16, 1, l, g_gu, qx_row(x_gu, r, l, g_gu));
+    const int64_t gu_blocks = gu_rows / ROWS, dn_blocks = dn_rows / ROWS;
+    if (routed * (gu_rows * l + dn_rows * inter) / 2 < MOE_PARALLEL_MIN_BYTES) threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < routed * gu_blocks; ++item) {
+            const int64_t e = expert_list[item / gu_blocks], blk = item % gu_blocks, r0 = start[e];
+            row_block((const int32_t *)gu_codes[e], (const uint16_t *)gu_sz[e], qx_row(x_gu, r0, l, g_gu),
+                      gu_out + r0 * two_i, 0, blk * ROWS, two_i, start[e + 1] - r0, l, g_gu);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < P; ++r) {
+            float *g = gu_out + r * two_i;
+            swiglu(g, g + inter, g, inter);  /* h overwrites the gate half */
+            prepare_x(g, 0, 1, inter, g_dn, qx_row(x_dn, r, inter, g_dn));
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < routed * dn_blocks; ++item) {
+            const int64_t e = expert_list[item / dn_blocks], blk = item % dn_blocks, r0 = start[e];
+            row_block((const int32_t *)dn_codes[e], (const uint16_t *)dn_sz[e], qx_row(x_dn, r0, inter, g_dn),
+                      dn_out + r0 * l, 0, blk * ROWS, l, start[e + 1] - r0, inter, g_dn);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < T; ++t) {  /* per-expert RMSNorm, then the routing weight, then the fp32 sum */
+            float *yt = y + t * l;
+            for (int64_t c = 0; c < l; ++c) yt[c] = 0.0f;
+            for (int64_t j = 0; j < k_top; ++j) {
+                const int64_t p = t * k_top + j, e = ids[p];
+                const float *o = dn_out + row_of[p] * l;
+                float ss = 0.0f;
+                for (int64_t c = 0; c < l; ++c) ss += o[c] * o[c];
+                const float f = weights[p] / sqrtf(ss / (float)l + eps);
+                for (int64_t c = 0; c < l; ++c) {
+                    const float nw = norm_bf16 ? bits_to_float((uint32_t)((const uint16_t *)out_norm)[e * l + c] << 16)
+                                               : ((const float *)out_norm)[e * l + c];
+                    yt[c] += o[c] * f * nw;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[r, c] = (q - z) * scale of rows r < rows (fp32 [rows, K]; rows a multiple of ROWS), exact: (q - z) * an
+   fp16 scale fits fp32. */
+void musecore_int4_dequant(const int32_t *codes, const uint16_t *sz, float *out, int64_t rows, int64_t k, int64_t g,
+                           int threads) {
+    const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 8)
+#endif
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c0 = 0; c0 < k; c0 += chunk) {
+            const uint32_t *w = (const uint32_t *)codes + r * kw + c0 / 8;
+            for (int p = 0; p < 8; ++p) {  /* position p: columns p*W .. p*W + W-1 of the chunk, nibble nib(p) */
+                const int shift = 4 * nibble_of(p);
+                const uint16_t *pz = sz + ((r / ROWS) * groups + (c0 + p * words) / g) * 2 * ROWS + r % ROWS;
+                const float s = half_to_float(pz[0]), o = -half_to_float(pz[ROWS]) * s;
+                float *dst = out + r * k + c0 + p * words;
+                for (int64_t q = 0; q < words; ++q) dst[q] = (float)((w[q] >> shift) & 15u) * s + o;
+            }
+        }
+}
+
+int musecore_int4_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+"""
