@@ -47,6 +47,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_tokens: int = 0
+    setup_seconds: float = 0.0  # making the decode step (a CUDA-graph capture), not in decode_seconds
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -59,7 +60,8 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
                 "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
-                "decode_tokens": self.decode_tokens, "decode_tokens_per_s": self.decode_tokens_per_s}
+                "decode_tokens": self.decode_tokens, "decode_tokens_per_s": self.decode_tokens_per_s,
+                "setup_seconds": self.setup_seconds}
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -313,7 +315,9 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(seed))
-    cache = model.new_cache(B, longest + max_new_tokens, kv_format=kv_format, static=model.wants_static_cache)
+    make_cache = getattr(model, "generation_cache", None)
+    cache = (make_cache(B, longest + max_new_tokens, kv_format=kv_format) if make_cache is not None
+             else model.new_cache(B, longest + max_new_tokens, kv_format=kv_format, static=model.wants_static_cache))
     step_fn = None  # made after the prefill: a backend may capture the decode step (CUDA graphs)
 
     start = time.perf_counter()
@@ -341,7 +345,10 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
         step_positions = torch.where(live, next_position, torch.full_like(next_position, -1))  # [B]
         next_position += live.long()
         step_ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [B,1]
-        if step_fn is None:
+        if step_fn is None:  # one-time setup (a CUDA-graph capture): timed apart from the decode steps
+            setup_start = time.perf_counter()
             step_fn = model.decode_step(cache)
+            stats.setup_seconds = time.perf_counter() - setup_start
+            start += stats.setup_seconds
         device_ids, device_positions = step_ids.to(device), step_positions[:, None].to(device)
         logits = step_fn(device_ids, device_positions)[:, -1]

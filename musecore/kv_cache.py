@@ -119,3 +119,11 @@ class KVCache:
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
+
+    def reset(self) -> None:
+        """Empty the cache in place (every entry invisible, next position 0), keeping its buffers, so a
+        decode step captured on it (a CUDA graph holds their addresses) stays valid."""
+        for layer in self.layers:
+            layer.positions.fill_(-1)
+            layer.used = 0
+        self.next_position.zero_()

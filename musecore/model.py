@@ -116,6 +116,9 @@ class MuseModel:
         self.conversion_report: list = []  # per-tensor error of every conversion done while loading
         self.kv_format = "bf16"
         self.last_generation_stats = None  # set by generate()
+        # The last static generation cache and the decode step captured on it, kept for the next
+        # generate() call of the same shape: (batch, capacity, kv_format), cache, step or None.
+        self._generation_cache: Optional[tuple[tuple, KVCache, Optional[Callable]]] = None
 
     # -- the computation --------------------------------------------------------------------------
 
@@ -155,8 +158,41 @@ class MuseModel:
         """
         make = getattr(self.backend, "make_decode_step", None)
         if make is not None and cache.static:
+            kept = self._generation_cache
+            if kept is not None and kept[1] is cache:
+                if kept[2] is None:  # captured once, replayed by every later generate() of this shape
+                    self._generation_cache = (kept[0], cache, make(self, cache))
+                return self._generation_cache[2]
             return make(self, cache)
         return lambda ids, positions: self.forward(ids, positions=positions, cache=cache)
+
+    GENERATION_CACHE_ROUND = 256  # static generation caches are sized in multiples of this many tokens
+
+    def generation_cache(self, batch: int, max_length: int, kv_format: str = "bf16") -> KVCache:
+        """The KV cache for one ``generate()`` call.
+
+        When the backend wants static caches (CUDA graphs), the cache is sized up to a multiple of
+        ``GENERATION_CACHE_ROUND`` tokens and kept, with the decode step captured on it, for the next
+        call of the same batch size, rounded length and KV format: that call resets it in place and
+        replays the same graph instead of capturing a new one (a capture costs hundreds of decode
+        steps' time). Only the last such cache is kept; ``release_generation_cache()`` frees it.
+        """
+        if not self.wants_static_cache:
+            return self.new_cache(batch, max_length, kv_format=kv_format)
+        capacity = -(-max_length // self.GENERATION_CACHE_ROUND) * self.GENERATION_CACHE_ROUND
+        key = (batch, capacity, kv_format)
+        kept = self._generation_cache
+        if kept is not None and kept[0] == key:
+            kept[1].reset()
+            return kept[1]
+        self._generation_cache = None  # the old cache and graph go before the new cache is allocated
+        cache = self.new_cache(batch, capacity, kv_format=kv_format, static=True)
+        self._generation_cache = (key, cache, None)
+        return cache
+
+    def release_generation_cache(self) -> None:
+        """Free the KV cache (and captured decode step) kept between ``generate()`` calls."""
+        self._generation_cache = None
 
     @property
     def wants_static_cache(self) -> bool:

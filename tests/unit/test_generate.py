@@ -252,3 +252,34 @@ def test_cli_streams_text_to_stdout_and_throughput_to_stderr(checkpoint, capsys)
     assert "tokens/s" in err and out.endswith("\n"), (out, err)
     rc = main(["generate", "--model", str(checkpoint), "--device", "cpu", "--prompt", "x", "--top-p", "0"])
     assert rc == 2 and "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+class _GraphLikeBackend:
+    """Wants static caches and counts decode-step captures, like the CUDA backend (which captures a
+    CUDA graph on the cache); its "captured" step is the plain forward through that cache."""
+
+    wants_static_cache = True
+
+    def __init__(self):
+        self.captures = 0
+
+    def make_decode_step(self, model, cache):
+        self.captures += 1
+        return lambda ids, positions: model.forward(ids, positions=positions, cache=cache)
+
+
+def test_static_generation_cache_and_its_decode_step_are_reused_and_reset(checkpoint, ids_model):
+    model = musecore.load(checkpoint, device="cpu", dtype=torch.float32)
+    model.tokenizer = None
+    backend = _GraphLikeBackend()
+    model.backend = backend
+    prompts = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3]]  # the second is longer than the sliding window 5
+    first = [model.generate(p, max_new_tokens=12) for p in prompts]
+    assert first == [ids_model.generate(p, max_new_tokens=12) for p in prompts], "static cache changed the output"
+    assert backend.captures == 1, f"two calls of one shape captured {backend.captures} decode steps"
+    again = model.generate(prompts[0], max_new_tokens=12)  # after a longer prompt filled the cache
+    assert again == first[0], f"a reused cache leaked the previous call's entries: {again} vs {first[0]}"
+    model.generate([[1, 2], [3, 4]], max_new_tokens=4)  # another batch size: a new cache and capture
+    assert backend.captures == 2
+    model.release_generation_cache()
+    assert model._generation_cache is None

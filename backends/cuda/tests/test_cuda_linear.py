@@ -132,7 +132,7 @@ def test_cuda_decode_upcasts_every_code_exactly(fmt, kind):
     qt = musecore_quant.quantize(values, fmt)
     dense = musecore_quant.dequantize(qt).float().cuda()
     w = prepare_fp4(qt, torch.device("cuda"))
-    rows = 2 if kind == "fma" else 8
+    rows = 2 if kind == "fma" else 16
     for start in range(0, k, rows):
         x = torch.eye(k, device="cuda")[start:start + rows].to(torch.bfloat16)
         out = _cuda_decode(x, w, n, k, kind).float()
@@ -145,7 +145,8 @@ def test_cuda_decode_upcasts_every_code_exactly(fmt, kind):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("kind,m,dtype", [("fma", 1, torch.bfloat16), ("fma", 2, torch.float16),
                                           ("mma", 1, torch.bfloat16), ("mma", 3, torch.bfloat16),
-                                          ("mma", 8, torch.bfloat16)])
+                                          ("mma", 8, torch.bfloat16), ("mma", 11, torch.bfloat16),
+                                          ("mma", 16, torch.bfloat16)])
 def test_cuda_decode_rows_splits_and_dtypes_match_reference(fmt, kind, m, dtype):
     n, k = 1000, 4096  # a partial block of rows
     qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)

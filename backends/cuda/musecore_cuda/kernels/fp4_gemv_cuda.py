@@ -296,11 +296,11 @@ __device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
 template <int WFMT>
 __device__ __forceinline__ u32 group_mult_bf16x2(u32 s, int fold) {
     float v;
-    if (WFMT == 1) {
-        u32 e = (s >> 3) & 15u, m = s & 7u;
-        v = e ? (float)(8u + m) * __uint_as_float((e + 117u) << 23) : (float)m * __uint_as_float(118u << 23);
+    if (WFMT == 1) {  // e4m3 -> f16 in hardware (sm_89+; exact, subnormals included), then f32
+        u32 h2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((u16)s));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((u16)h2));
         v *= __uint_as_float((u32)(127 + 126 - fold) << 23);
-        if (s & 128u) v = -v;
     } else {
         int e = (int)s - 127 + 126 - fold;
         e = e < -126 ? -126 : (e > 127 ? 127 : e);
@@ -343,14 +343,14 @@ __device__ __forceinline__ uint4 ld_stream(const u32 *p) {
     return v;
 }
 
-template <int NT, int WFMT>
+template <int NT, int WFMT, int CS>
 __device__ __forceinline__ void stage_load(const u32 *const (&wrow)[NT][2], const u8 *const (&srow)[NT][2], int c,
                                            int t, Stage<NT> &st) {
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            st.w[i][h] = ld_stream(wrow[i][h] + c * 16 + t * 4);
+            st.w[i][h] = ld_stream(wrow[i][h] + c * CS + t * 4);
             if (WFMT == 1) {
                 const uint2 s = __ldg(reinterpret_cast<const uint2 *>(srow[i][h] + c * 8));
                 st.s[i][h][0] = s.x;
@@ -374,9 +374,11 @@ __device__ __forceinline__ void half_mults(const u32 (&s)[2], int t, int fold, u
     }
 }
 
-template <int NT, int WFMT>
-__device__ __forceinline__ void stage_mma(const Stage<NT> &st, const uint4 (&b)[4], int t, int fold,
-                                          float (&acc)[NT][4], float (&acc2)[NT][4]) {
+// Four independent accumulator chains per tile (word parity x mma of the word), so consecutive
+// mmas of a warp do not wait on each other.
+template <int NG, int NT, int WFMT>
+__device__ __forceinline__ void stage_mma(const Stage<NT> &st, const uint4 (&b)[NG][4], int t, int fold,
+                                          float (&acc)[4][NG][NT][4]) {
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
         u32 ml0, mh0, ml1, mh1;
@@ -390,8 +392,11 @@ __device__ __forceinline__ void stage_mma(const Stage<NT> &st, const uint4 (&b)[
             u32 a0[4], a1[4];
             decode_bf16x2(w0, ml0, mh0, a0);
             decode_bf16x2(w1, ml1, mh1, a1);
-            mma16816(acc[i], a0[0], a1[0], a0[1], a1[1], b[q].x, b[q].y);
-            mma16816(acc2[i], a0[2], a1[2], a0[3], a1[3], b[q].z, b[q].w);
+#pragma unroll
+            for (int ng = 0; ng < NG; ++ng) {  // one upcast feeds every group of 8 tokens
+                mma16816(acc[2 * (q & 1)][ng][i], a0[0], a1[0], a0[1], a1[1], b[ng][q].x, b[ng][q].y);
+                mma16816(acc[2 * (q & 1) + 1][ng][i], a0[2], a1[2], a0[3], a1[3], b[ng][q].z, b[ng][q].w);
+            }
         }
     }
 }
@@ -449,7 +454,8 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
     return v;
 }
 
-// Same contract as fp4_gemv, for bf16 activations and M <= 8.
+// Same contract as fp4_gemv, for bf16 activations and M <= 8 * NG (NG groups of 8 tokens share
+// each upcast weight fragment: mma n8 per group).
 // Block: 4 warps = (4 / KW) row groups x KW slices of the block's K range; a warp owns RT 16-row
 // output tiles (with SWIGLU: RT gate tiles and the same RT up tiles), so rows per block =
 // 4 / KW * 16 * RT. Each thread keeps PF chunks of its tiles in flight (loads issued PF chunks
@@ -458,7 +464,7 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // thread-block cluster along y through distributed shared memory; block 0's first K slice applies
 // SwiGLU / the output scale and writes the output once in its final dtype (no atomics, no zeroed
 // fp32 buffer, no conversion kernel).
-template <int RT, int KW, int PF, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT>
+template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool TILES>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
@@ -466,11 +472,13 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split) {
     constexpr int WARPS = 4, NT = SWIGLU ? 2 * RT : RT;
-    extern __shared__ u32 smem[];  // staged activations [m_rows][chunks][16 words][4 pairs] bf16x2;
-                                   // then the partial sums [WARPS][NT * 4][32] fp32
+    constexpr int CS = TILES ? 256 : 16;  // words from one chunk of a row to the next (tiles: 16 rows x 64 bytes)
+    extern __shared__ u32 smem[];  // staged activations [m_rows][chunks][16 words][4 pairs] bf16x2 (+pad);
+                                   // then the partial sums [WARPS][NG * NT * 4][32] fp32
     const int chunks = K / 128 / SPLIT;
     const int c_begin = blockIdx.y * chunks;
-    const int pairs = chunks * 64;  // per token
+    const int pairs = chunks * 64 + 16;  // per token, padded by 64 bytes: token rows g = 0..7 read by one
+                                         // load instruction fall in alternate halves of the banks
     long long e = 0, x_row = 0, y_row = 0;
     if (EXPERTS) assignment(ids, a_div, e, x_row, y_row);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -491,14 +499,15 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
         for (int h = 0; h < 2; ++h) {
             int n = n0 + (i % RT) * 16 + h * 8 + g;
             n = n < N ? n : N - 1;  // rows past N compute a copy of the last row, never stored
-            wrow[i][h] = wb + (long long)n * w_n;
+            wrow[i][h] = TILES ? wb + (long long)(n >> 4) * 16 * w_n + (n & 15) * 16 : wb + (long long)n * w_n;
             srow[i][h] = sb + (long long)n * s_n;
         }
     }
-    Stage<NT> st[PF];
+    constexpr int SLOTS = PF + 1;  // ring: chunk x lives in slot (x - cw_begin) % SLOTS
+    Stage<NT> st[SLOTS];
     if (rows_valid) {
 #pragma unroll
-        for (int p = 0; p < PF; ++p) stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
+        for (int p = 0; p < PF; ++p) stage_load<NT, WFMT, CS>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
     }
 
     // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
@@ -517,89 +526,89 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
     }
     __syncthreads();
 
-    const bool has_token = g < m_rows;
-    const u32 *xt = smem + (has_token ? g : 0) * pairs;
-    float acc[NT][4], acc2[NT][4];  // two independent mma chains per tile
+    bool has_token[NG];
+    const u32 *xt[NG];
 #pragma unroll
-    for (int i = 0; i < NT; ++i)
+    for (int ng = 0; ng < NG; ++ng) {
+        has_token[ng] = ng * 8 + g < m_rows;
+        xt[ng] = smem + (has_token[ng] ? ng * 8 + g : 0) * pairs;
+    }
+    float acc[4][NG][NT][4];
+    float *sums = &acc[0][0][0][0];  // chain 0, then the final sums
+    constexpr int PER = NG * NT * 4;  // accumulators per chain and thread
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = acc2[i][j] = 0.f;
+    for (int i = 0; i < 4 * PER; ++i) sums[i] = 0.f;
     if (rows_valid) {
-        for (int c = cw_begin; c < cw_end; ++c) {
-            Stage<NT> next;
-            if (c + PF < cw_end) stage_load<NT, WFMT>(wrow, srow, c + PF, t, next);
-            uint4 b[4];
+        for (int c0 = cw_begin; c0 < cw_end; c0 += SLOTS) {
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                b[q] = has_token ? *reinterpret_cast<const uint4 *>(xt + ((c - c_begin) * 16 + 4 * t + q) * 4)
-                                 : make_uint4(0u, 0u, 0u, 0u);
-            stage_mma<NT, WFMT>(st[0], b, t, fold, acc, acc2);
+            for (int p = 0; p < SLOTS; ++p) {  // unrolled: slot indices are static, no register copies
+                const int c = c0 + p;
+                if (c >= cw_end) break;
+                if (c + PF < cw_end) stage_load<NT, WFMT, CS>(wrow, srow, c + PF, t, st[(p + PF) % SLOTS]);
+                uint4 b[NG][4];
 #pragma unroll
-            for (int p = 0; p + 1 < PF; ++p) st[p] = st[p + 1];
-            st[PF - 1] = next;
+                for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        b[ng][q] = has_token[ng]
+                            ? *reinterpret_cast<const uint4 *>(xt[ng] + ((c - c_begin) * 16 + 4 * t + q) * 4)
+                            : make_uint4(0u, 0u, 0u, 0u);
+                stage_mma<NG, NT, WFMT>(st[p], b, t, fold, acc);
+            }
         }
     }
 #pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] += acc2[i][j];
+    for (int i = 0; i < PER; ++i) sums[i] += sums[PER + i] + sums[2 * PER + i] + sums[3 * PER + i];
 
     if (KW > 1 || SPLIT > 1) {
         float *red = reinterpret_cast<float *>(smem) + m_rows * pairs;
 #pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) red[(warp * NT * 4 + i * 4 + j) * 32 + lane] = acc[i][j];
+        for (int i = 0; i < PER; ++i) red[(warp * PER + i) * 32 + lane] = sums[i];
         if (SPLIT > 1) cluster_sync(); else __syncthreads();
         if (blockIdx.y == 0 && kw == 0) {
 #pragma unroll
-            for (int i = 0; i < NT; ++i)
+            for (int i = 0; i < PER; ++i) {
+                float v = sums[i];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    float v = acc[i][j];
+                for (int r = 0; r < SPLIT; ++r)
 #pragma unroll
-                    for (int r = 0; r < SPLIT; ++r)
-#pragma unroll
-                        for (int k2 = 0; k2 < KW; ++k2) {
-                            if (r == 0 && k2 == 0) continue;
-                            const float *p = red + ((warp + k2) * NT * 4 + i * 4 + j) * 32 + lane;
-                            v += r == 0 ? *p : cluster_load(p, (u32)r);
-                        }
-                    acc[i][j] = v;
-                }
+                    for (int k2 = 0; k2 < KW; ++k2) {
+                        if (r == 0 && k2 == 0) continue;
+                        const float *p = red + ((warp + k2) * PER + i) * 32 + lane;
+                        v += r == 0 ? *p : cluster_load(p, (u32)r);
+                    }
+                sums[i] = v;
+            }
         }
         if (SPLIT > 1) cluster_sync();  // the other blocks' shared memory stays alive until block 0 has read it
         if (blockIdx.y != 0 || kw != 0) return;
     }
     if (!rows_valid) return;
-    float out[RT][4];
     const float os = out_scale[e];
+    // c0, c1: row g, tokens 2t, 2t+1 of the group; c2, c3: row g + 8, same tokens.
 #pragma unroll
-    for (int i = 0; i < RT; ++i)
+    for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (SWIGLU) {
-                const float gt = acc[i][j] * os, u = acc[RT + i][j] * out_scale2[e];
-                out[i][j] = gt / (1.f + __expf(-gt)) * u;
-            } else {
-                out[i][j] = acc[i][j] * os;
+        for (int i = 0; i < RT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float out;
+                if (SWIGLU) {
+                    const float gt = acc[0][ng][i][j] * os, u = acc[0][ng][RT + i][j] * out_scale2[e];
+                    out = gt / (1.f + __expf(-gt)) * u;
+                } else {
+                    out = acc[0][ng][i][j] * os;
+                }
+                const int row = n0 + i * 16 + g + (j >= 2 ? 8 : 0), token = ng * 8 + 2 * t + (j & 1);
+                if (row >= N || token >= m_rows) continue;
+                store_out(y, (y_row + token) * (long long)y_stride + row, out, ot);
             }
-        }
-    // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8, same tokens.
-#pragma unroll
-    for (int i = 0; i < RT; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int row = n0 + i * 16 + g + (j >= 2 ? 8 : 0), token = 2 * t + (j & 1);
-            if (row >= N || token >= m_rows) continue;
-            store_out(y, (y_row + token) * (long long)y_stride + row, out[i][j], ot);
-        }
 }
 """
 
 FMA_WARPS, MMA_WARPS = 8, 4
 FMA_MAX_M = 2  # fp32 FMA kernel (bf16 or fp16 activations); its FMA count grows with M
-MAX_M = 8      # tensor-core kernel (bf16 activations): one mma n8 covers up to 8 tokens
+MAX_M = 16     # tensor-core kernel (bf16 activations): one or two mma n8 token groups
 SMEM_LIMIT = 48 * 1024  # staged activations per block without the opt-in
 MAX_CLUSTER = 8  # portable thread-block cluster size: the MMA kernel's largest split-K
 MMA_TARGET_WARPS = 2048  # ~16 warps per SM of an H200 streaming at once: enough loads in flight
@@ -623,6 +632,11 @@ class GemvPlan:
     split_k: int = 1
     k_warps: int = 1     # MMA: warps of a block splitting its K range
     prefetch: int = 2    # MMA: chunks each thread keeps in flight
+    tiles: bool = False  # MMA: weight bytes in 16-row tiles (16 rows x 64 bytes per chunk contiguous)
+
+    @property
+    def token_groups(self) -> int:  # MMA: groups of 8 activation rows (mma n8 each)
+        return -(-self.m // 8)
 
     @property
     def rows_per_block(self) -> int:
@@ -638,9 +652,9 @@ class GemvPlan:
 
     def smem(self, k: int, swiglu: bool = False) -> int:
         if self.kind == "mma":  # bf16 pairs, then the partial sums of every warp
-            tiles = self.tile * (2 if swiglu else 1)
+            tiles = self.tile * (2 if swiglu else 1) * self.token_groups
             reduce = tiles * 4 * MMA_WARPS * 32 * 4 if self.k_warps > 1 or self.split_k > 1 else 0
-            return self.m * (k // self.split_k) * 2 + reduce
+            return self.m * ((k // self.split_k) * 2 + 64) + reduce
         return self.m * (k // self.split_k) * 4
 
 
@@ -697,9 +711,10 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-            k_warps: int = 1, prefetch: int = 2):
+            k_warps: int = 1, prefetch: int = 2, tiles: bool = False):
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {flags}, {split}>" if kind == "mma"
+    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(tiles).lower()}>"
+            if kind == "mma"
             else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}>")
     return torch.cuda._compile_kernel(SOURCE, name)
 
@@ -748,7 +763,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     w2 = packed2.view(torch.int32) if packed2 is not None else words
     mma = plan.kind == "mma"
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
-                   plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2)
+                   plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
+                   plan.tiles and mma)
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     kern(grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
          block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem,

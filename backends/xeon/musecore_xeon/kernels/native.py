@@ -1,28 +1,38 @@
 """The INT4 kernels in C: a GEMV / skinny GEMM for small M and the dense-tile dequantizer, compiled at
-first use and called through ctypes.
+first use and called through ctypes (the C source is in :mod:`native_int4_source`).
 
 Why: PyTorch's ``_weight_int4pack_mm_for_cpu`` is compute-bound on AVX2 (~6 Gweights/s per core, 15-20%
-of the memory bandwidth at M=1 on the 2-core EPYC), so INT4 decode was only 1.15-1.5x BF16. This GEMV
-decodes 8 codes with two vector ops (AND or shift, int32 -> fp32) and one FMA, on a layout made for it:
+of the memory bandwidth at M=1 on the 2-core EPYC), and so was a float GEMV (int -> float conversion per
+weight, ~9.5 GB/s per core). This GEMV works in integers on a layout made for ``_mm256_madd_epi16``:
 
 **Nibble-planar layout.** A row of K codes is cut into chunks of C = max(g, 64) columns, each stored as
-W = C/8 int32 words; nibble j of word q holds column ``j*W + q`` of the chunk (for g = 128: 16 words,
-nibble j = columns 16j..16j+15). ``w & (0xF << 4j)`` converted to fp32 is ``q * 2^(4j)`` exactly, so the
-activation is pre-scaled once per call (``x * 2^-4j``, a power of two: exact) and the inner loop is
-AND, CVT, FMA per 8 weights (nibble 7 is shifted down instead: bit 31 is the sign). The scales are the
-QTensor's own fp16 values with the zero, ``(scale, z)`` fp16 pairs ``[N, K/g, 2]``: 4 bytes per group,
-the same as PyTorch's bf16 (scale, zero) pairs, and the weights are exact (``(q - z) * scale`` fits
-fp32). Per group and row, ``sum x*(q-z)*s = s*sum(x*q) - z*s*sum_group(x)``: the raw sum is a vector
-accumulator, then one FMA with the scale; the zero term uses group sums of x computed once per call.
-Only the summation order differs from a dequantize-then-matmul (fp32 accumulation throughout).
+W = C/8 int32 words; column ``p*W + q`` of the chunk is word q, nibble ``p/2 + 4*(p%2)``: nibbles j and j+4
+(the two 16-bit halves of a word) hold columns ``2j*W + q`` and ``(2j+1)*W + q``, so
+``(w >> 4j) & 0x000F000F`` is a vector of int16 code pairs (nibble 3/7: one 16-bit shift). For g = 32 the
+first 4 positions are one group and the last 4 the next: no pair straddles a group. Scales and zeros are the
+QTensor's fp16 scale and the integer zero, blocked per 4-row block ``[N/4, K/g, 2, 4]`` (4 scales then 4
+zeros: one 16-byte load per group and block). 4 bytes per group, the same as PyTorch's bf16 (scale, zero).
 
-The same codes feed the dense-tile path above the crossover M (``musecore_int4_dequant``: fp32 tiles
+**int16 activations.** Each call quantizes every activation group to int16, ``sx = max|x_group| / 32767``,
+``xq = round(x / sx)`` (an all-zero group: sx = 0, xq = 0), stored in the order of the code pairs. The
+rounding error is at most ``sx/2 = max|x_group| * 2^-16``: no more than the bf16 rounding (2^-9 relative) of
+every element within 2^7 of the group's largest, the elements that carry the dot product. The inner loop is
+per 8 words (64 weights) and row 4 x (shift/AND, ``madd_epi16``, ``add_epi32``) into an int32 accumulator per
+group (|sum| <= 2 g 15 32767 < 2^31 for g <= 256); per group the 4 rows' sums are reduced, the zero term
+``z * sum(xq)`` is subtracted in int32 (exact; with the quantized sum, the result is exactly the dot product
+of the rounded activation with the exact weight ``(q - z) * s``; its error ``sum e (q - z)`` has a smaller
+variance than the ``sum e q`` left by an exact float sum of x: 21.5 vs 77.5 per term for codes spread over 0..15
+with z = 8), then one conversion and one FMA with ``s * sx`` into an
+fp32 total. The portable C path does the same integer sums and float operations (the same bits).
+
+The same codes feed the dense-tile path above the crossover M (``musecore_int4_dequant``: exact fp32 tiles
 for SGEMM), so there is one resident copy of the codes (0.53 byte/weight at g = 128).
 
-**Threads.** Row blocks are split with OpenMP over ``torch.get_num_threads()`` threads, linked against
-PyTorch's own ``libgomp`` (``torch/lib``): one thread pool for PyTorch and these kernels (a second
-OpenMP runtime spins and fights PyTorch's on a 2-core host). Without that library the code is built
-without OpenMP (one thread), and :data:`UNAVAILABLE` says so.
+**Threads.** Row blocks are split with OpenMP over PyTorch's thread count, linked against PyTorch's own
+``libgomp`` (``torch/lib``): one thread pool for PyTorch and these kernels (a second OpenMP runtime spins and
+fights PyTorch's on a 2-core host); the bound call reads ``omp_get_max_threads()`` of that runtime, which is
+what ``torch.get_num_threads()`` returns. Without that library the code is built without OpenMP (one
+thread), and :data:`UNAVAILABLE` says so.
 
 Build: the system C compiler (``$CC``, ``cc`` or ``gcc``; no PyTorch headers, ~1 s) the first time; the
 shared object is cached under ``$MUSECORE_XEON_CACHE`` (default ``~/.cache/musecore_xeon``) keyed by a
