@@ -319,11 +319,29 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
     cache = (make_cache(B, longest + max_new_tokens, kv_format=kv_format) if make_cache is not None
              else model.new_cache(B, longest + max_new_tokens, kv_format=kv_format, static=model.wants_static_cache))
     step_fn = None  # made after the prefill: a backend may capture the decode step (CUDA graphs)
+    sample = lambda logits: model.ops.sample(logits, temperature, top_k, top_p, generator)  # noqa: E731
+    fetch = _TokenFetch(B, torch.device(device))
 
     start = time.perf_counter()
-    logits = model.forward(ids, positions=positions, cache=cache)[:, -1]  # [B,V]
+    sampled = sample(model.forward(ids, positions=positions, cache=cache)[:, -1])  # [B] on the device
+    live = torch.ones(B, dtype=torch.bool, device=device)
+    next_position = next_position.to(device)
     for step in range(max_new_tokens):
-        tokens = model.ops.sample(logits, temperature, top_k, top_p, generator).tolist()  # syncs the device
+        fetch.start(sampled)  # this step's tokens start their trip to the host
+        if step + 1 < max_new_tokens:
+            # The next decode step is launched before this step's tokens reach the host: its inputs
+            # (the sampled ids, the positions, the rows live as of the previous step) are already on
+            # the device, so the host work below overlaps the GPU. A row that ends at this step is
+            # computed once more, with its real position, and that result is never read.
+            if step_fn is None:  # one-time setup (a CUDA-graph capture): timed apart from the steps
+                setup_start = time.perf_counter()
+                step_fn = model.decode_step(cache)
+                stats.setup_seconds = time.perf_counter() - setup_start
+                start += stats.setup_seconds
+            step_positions = torch.where(live, next_position, torch.full_like(next_position, -1))[:, None]
+            next_position += live.long()
+            next_sampled = sample(step_fn(sampled[:, None], step_positions)[:, -1])
+        tokens = fetch.wait()
         active = [row for row in rows if not row.done]
         for row in active:
             token = int(tokens[row.index])
@@ -339,16 +357,28 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
             stats.decode_seconds += now - start
             stats.decode_tokens += len(active)
         if step + 1 == max_new_tokens or all(row.done for row in rows):
-            return
-        start = time.perf_counter()
-        live = torch.tensor([not row.done for row in rows])
-        step_positions = torch.where(live, next_position, torch.full_like(next_position, -1))  # [B]
-        next_position += live.long()
-        step_ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [B,1]
-        if step_fn is None:  # one-time setup (a CUDA-graph capture): timed apart from the decode steps
-            setup_start = time.perf_counter()
-            step_fn = model.decode_step(cache)
-            stats.setup_seconds = time.perf_counter() - setup_start
-            start += stats.setup_seconds
-        device_ids, device_positions = step_ids.to(device), step_positions[:, None].to(device)
-        logits = step_fn(device_ids, device_positions)[:, -1]
+            return  # (a launched step may still run: its cache writes are reset by the next call)
+        start = now
+        if len(active) != sum(not row.done for row in rows):  # a row ended: later steps feed it position -1
+            live = torch.tensor([not row.done for row in rows]).to(device)
+        sampled = next_sampled
+
+
+class _TokenFetch:
+    """Sampled token ids copied to the host without waiting for later work on the device: into pinned
+    memory with an event on CUDA, so the next decode step can be queued before the copy is read."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty(batch, dtype=torch.long, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def start(self, tokens: torch.Tensor) -> None:
+        self.host.copy_(tokens, non_blocking=self.cuda)
+        if self.event is not None:
+            self.event.record()
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
