@@ -46,6 +46,7 @@ class LayerCache:
         self.k = torch.zeros(batch, slots, num_kv_heads, head_dim, dtype=store, device=device)
         self.v = torch.zeros_like(self.k)
         self.positions = torch.full((batch, slots), -1, dtype=torch.long, device=device)
+        self._rows = torch.arange(batch, device=device)[:, None]  # row index of static writes
         self.used = 0  # slots [0, used) may hold entries (full layers); ring layers use all
         fp8 = kv_format == "fp8"
         self.k_scale: Optional[float] = k_scale if fp8 else None
@@ -63,6 +64,23 @@ class LayerCache:
         limit = self.capacity if (self.ring or self.static) else self.used
         return KVView(torch.cat([self.k[:, :limit], k_new], 1), torch.cat([self.v[:, :limit], v_new], 1),
                       torch.cat([self.positions[:, :limit], pos_new], 1), self.k_scale, self.v_scale)
+
+    def update(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> KVView:
+        """Store this step's (encoded) entries and return what its attention reads.
+
+        A static cache at decode (one new entry per row) is written first and then read in place, with
+        no copy of the cache: the slot the new entry takes in a ring held the position one window
+        back, which the window no longer sees. Otherwise (prefill, where new entries may overwrite
+        ring slots that earlier queries of the same step still need) the view is a concatenation
+        made before the write.
+        """
+        if self.static and k_new.shape[1] == 1:
+            self.write(k_new, v_new, pos_new)
+            c = self.capacity  # (the trash slot past it is never read)
+            return KVView(self.k[:, :c], self.v[:, :c], self.positions[:, :c], self.k_scale, self.v_scale)
+        view = self.view_with(k_new, v_new, pos_new)
+        self.write(k_new, v_new, pos_new)
+        return view
 
     def write(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> None:
         if self.ring and k_new.shape[1] > self.capacity:  # older entries would be overwritten anyway
@@ -87,12 +105,13 @@ class LayerCache:
         (``generate``) sizes the cache for the prompt plus ``max_new_tokens`` up front.
         """
         B, T = pos_new.shape
-        trash = self.capacity
-        slot = pos_new % self.capacity if self.ring else pos_new
-        slot = torch.where((pos_new >= 0) & (slot < self.capacity), slot, torch.full_like(slot, trash))
-        b = torch.arange(B, device=pos_new.device)[:, None].expand(B, T)
+        trash = self.capacity  # never read: every view stops at the capacity
+        if self.ring:
+            slot = torch.where(pos_new >= 0, pos_new % self.capacity, trash)
+        else:
+            slot = torch.where((pos_new >= 0) & (pos_new < self.capacity), pos_new, trash)
+        b = self._rows.expand(B, T)
         self.k[b, slot], self.v[b, slot], self.positions[b, slot] = k_new, v_new, pos_new
-        self.positions[:, trash] = -1
 
 
 class KVCache:

@@ -44,11 +44,9 @@ class Attention:
         else:
             layer_cache = cache[self.layer]
             k, v = layer_cache.encode(k, v)
-            view = layer_cache.view_with(k, v, positions)
+            view = layer_cache.update(k, v, positions)
             keys, values, key_pos, k_scale, v_scale = view.k, view.v, view.positions, view.k_scale, view.v_scale
         o = ops.attention(q, keys, values, positions, key_pos, self.window, self.scale, k_scale, v_scale)
-        if cache is not None:
-            layer_cache.write(k, v, positions)
         gate = ops.linear(a, self.gate_proj)  # [B,T,nq], one gate per head
         o = ops.head_norm_gate(o, self.o_norm, gate, self.eps)  # [B,T,nq,d]
         return ops.linear(o.reshape(B, T, self.nq * self.d), self.o_proj)  # [B,T,H]

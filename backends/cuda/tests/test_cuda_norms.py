@@ -64,9 +64,14 @@ def test_head_norm_gate_matches_reference(dtype):
     assert_nmse(ref.head_norm_gate(o, w, g, 1e-6), y, tolerance("head_norm_gate"), "head_norm_gate")
 
 
-def test_router_topk_renormalises_fp32_weights():
-    logits = torch.randn(5, 16, device=DEVICE).half()
-    w, ids = CudaBackend(DEVICE).router_topk(logits, 4, True)
-    ew, eids = ref.router_topk(logits, 4, True)
-    assert torch.equal(ids, eids) and w.dtype == torch.float32
-    assert_nmse(ew, w, tolerance("router_topk"), "router weights")
+@pytest.mark.parametrize("e,k,renormalize", [(16, 4, True), (12, 3, True), (256, 8, True), (64, 8, False),
+                                               (40, 6, False)])
+def test_router_topk_matches_reference(e, k, renormalize):
+    """Same ids in the same order (descending weight) and fp32 weights within the op tolerance.
+    Logits are distinct (a permutation / 16, exact in fp16): the order of tied experts is not defined."""
+    logits = (torch.stack([torch.randperm(e) for _ in range(5)]).float() / 16).to(DEVICE).half()
+    w, ids = CudaBackend(DEVICE).router_topk(logits, k, renormalize)
+    ew, eids = ref.router_topk(logits, k, renormalize)
+    assert torch.equal(ids, eids), f"E={e} k={k}: ids {ids.tolist()} vs reference {eids.tolist()}"
+    assert w.dtype == torch.float32 and w.shape == (5, k)
+    assert_nmse(ew, w, tolerance("router_topk"), f"router weights E={e} k={k}")

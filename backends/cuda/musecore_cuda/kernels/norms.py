@@ -132,3 +132,47 @@ def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Ten
     if o.numel():
         head_norm_gate_kernel[(_rows(o),)](o, weight.contiguous(), gate_logits.contiguous(), y, eps, D=o.shape[-1])
     return y
+
+
+@triton.jit
+def router_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride, k, K: tl.constexpr, RENORM: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """One row: fp32 softmax over E experts, the k largest by k rounds of max (lowest index first on
+    ties), optionally renormalised to sum 1. Replaces softmax + topk (two sorts) + sum + divide."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < E
+    x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(mask, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    left = tl.where(mask, p, -1.0)
+    kk = tl.arange(0, K)
+    weights = tl.zeros((K,), dtype=tl.float32)
+    ids = tl.zeros((K,), dtype=tl.int64)
+    for j in tl.static_range(K):  # K = k rounded up to a power of two; rounds past k are not stored
+        best = tl.max(left, axis=0)
+        idx = tl.min(tl.where(left == best, offs, BLOCK), axis=0)
+        weights = tl.where(kk == j, best, weights)
+        ids = tl.where(kk == j, idx.to(tl.int64), ids)
+        left = tl.where(offs == idx, -1.0, left)
+    weights = tl.where(kk < k, weights, 0.0)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(w_ptr + row * k + kk, weights, mask=kk < k)
+    tl.store(ids_ptr + row * k + kk, ids, mask=kk < k)
+
+
+def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``router_topk`` op in one kernel (``k`` up to 64; larger k takes the reference's torch ops)."""
+    T, E = logits.shape
+    if k > E or k > 64 or logits.stride(-1) != 1:
+        from musecore.ops import reference as ref
+        return ref.router_topk(logits, k, renormalize)
+    weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    if T:
+        router_topk_kernel[(T,)](logits, weights, ids, E, logits.stride(0), k, K=triton.next_power_of_2(k),
+                                 RENORM=renormalize,
+                                 BLOCK=triton.next_power_of_2(E))
+    return weights, ids
