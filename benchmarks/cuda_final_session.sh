@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One GPU call for the committed CUDA results: the whole GPU test suite, then every `musecore bench`
+# case (linear over the full M sweep, MoE, attention, e2e), the native h200 matrix row and a generate.
+#   device run: bash benchmarks/cuda_final_session.sh   (carry: .whl)
+# Outputs under $OUT (copy them to benchmarks/results/): cuda_gpu_tests.log, cuda_{linear,moe,attention,e2e}.json,
+# cuda_bench.txt (the tables), matrix_h200_native.json.
+set -u
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .whl/*.whl \
+  -e ./quant -e . -e ./backends/cuda 2>&1 | grep -v -i warning | tail -3
+timeout ${TEST_S:-170} python3 -m pytest -q -m gpu -p no:cacheprovider backends/cuda/tests 2>&1 \
+  | tee "$OUT/cuda_gpu_tests.log" | tail -3
+for case in linear moe e2e attention; do
+  timeout ${BENCH_S:-150} python3 benchmarks/cuda_bench.py --cases $case --ms ${MS:-1,2,4,8,16,32,64,128,256,1024,4096} \
+    --out-dir "$OUT" >> "$OUT/cuda_bench.txt" 2>&1
+done
+grep -A12 "== moe\|== e2e" "$OUT/cuda_bench.txt"
+timeout ${MATRIX_S:-90} python3 -m musecore.cli matrix --rows h200 --tokens 4096 --op-sizes '' --json \
+  > "$OUT/matrix_h200_native.json" 2> "$OUT/matrix.err"; tail -2 "$OUT/matrix.err"
+timeout 60 python3 -m musecore.cli generate --device h200 --prompt "def fibonacci(n):" --max-new-tokens 48 2>&1 | tail -4
