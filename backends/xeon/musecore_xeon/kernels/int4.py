@@ -1,7 +1,7 @@
 """INT4 weight-only linear layers: a native C GEMV for small M, SGEMM on dequantized tiles above the crossover.
 
 Resident layout (one copy of the codes): nibble-planar int32 codes ``[N, K/8]`` and the QTensor's fp16
-``(scale, zero)`` pairs ``[N, K/g, 2]`` (:mod:`musecore_xeon.kernels.native` explains the layout).
+scales and zeros blocked per 4 rows ``[N/4, K/g, 2, 4]`` (:mod:`musecore_xeon.kernels.native` explains the layout).
 Small M runs the native GEMV (``int4_gemv``); from a crossover M measured on this machine, the weight is
 dequantized one tile at a time (``int4_dequant``, exact fp32) and multiplied by SGEMM.
 Numerics: the weights are exactly ``(q - z) * scale`` of the QTensor. The dense tiles differ from a
