@@ -3,8 +3,9 @@
 What is native here, and why (``supports`` answers from this table, never optimistically):
 
 * NVFP4 / MXFP4 weights with 16-bit activations (W4A16): FP4 is upcast in registers and fed to
-  bf16/fp16 tensor cores. Decode (M <= 8) runs CUDA C++ kernels compiled with NVRTC
-  (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`), larger M the Triton GEMM. Run and measured on SM90
+  bf16/fp16 tensor cores. Decode (M <= 16 bf16, M <= 2 fp16) runs CUDA C++ kernels compiled with
+  NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`), M up to ``DEQUANT_MIN_M`` the Triton GEMM, and
+  larger M a bf16 copy of the weight made per call and cuBLAS (see ``fp4_linear_path``). Run and measured on SM90
   (H200); on SM100 the same kernels would run but have not been, so they are reported as emulated.
 * W4A4 (FP4 activations): needs FP4 tensor cores. SM90 has none, and no SM100 kernel exists
   here, so it is ``no``: a caller wanting those numerics should use the reference backend's
@@ -51,8 +52,7 @@ def _format_of(weight: WeightIn) -> str:
 
 
 def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
-    """``x @ W.T`` for an FP4 resident weight: the CUDA C++ decode kernels for M <= 8 (bf16; M <= 2
-    for fp16), else the Triton tensor-core GEMM; split-K accumulates in fp32 then rounds once."""
+    """``x @ W.T`` for an FP4 resident weight through the kernel ``fp4_linear_path`` picks for its M."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != w.in_features):

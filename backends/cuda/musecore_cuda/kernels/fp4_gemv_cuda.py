@@ -1,14 +1,19 @@
-"""FP4 decode kernels in CUDA C++ (NVRTC through ``torch.cuda._compile_kernel``): M <= 8 on GPUs.
+"""FP4 kernels in CUDA C++ (NVRTC through ``torch.cuda._compile_kernel``): decode (M <= 16) and dequantize.
 
-Both kernels read the resident FP4 bytes of :mod:`musecore_cuda.layouts` (no second copy) as int32
+The kernels read the resident FP4 bytes of :mod:`musecore_cuda.layouts` (no second copy) as int32
 words; nibble ``n`` of word ``q`` of a 128-element chunk is element ``(n % 2) * 64 + 4q + n / 2``.
 
-* ``fp4_gemv_mma`` (bf16 activations, M <= 8, the default): ``mma.m16n8k16`` with the weights as
+* ``fp4_gemv_mma`` (bf16 activations, M <= 16, the default): ``mma.m16n8k16`` with the weights as
   operand A, upcast in registers (shift/LOP3 into bf16x2 pairs holding ``code * 2**-126`` exactly,
-  then ``mul.bf16x2`` by ``scale * 2**(126 - fold)``, also exact: about 3 instructions per weight)
-  and the activations as operand B, staged once per block in shared memory in the same pair order,
-  so B is one 16-byte load per word. Split-K runs as a thread-block cluster whose partial sums meet
-  in block 0 through distributed shared memory: the output is written once, in its own dtype.
+  then ``mul.bf16x2`` by ``scale * 2**(126 - fold)``, also exact; e4m3 scales decoded by the
+  hardware ``cvt.rn.f16x2.e4m3x2``) and the activations as operand B, staged once per block in
+  shared memory in the same pair order (one 16-byte load per word; token rows padded apart so the
+  8 rows a load instruction reads fall in different banks). Up to 16 tokens share each upcast (two
+  mma n8 groups). A block's 4 warps may split its K range, and the blocks of a thread-block cluster
+  split it further; partial sums meet in shared memory and, across the cluster, through distributed
+  shared memory, so the output is written once in its own dtype (SwiGLU after the reduction). Each
+  thread keeps ``prefetch`` chunks in flight in a ring of registers (the first ones issued before
+  the activations are staged) and accumulates into 4 independent mma chains.
 * ``fp4_gemv`` (bf16 or fp16, M <= 2; fp16 activations use it): fp32 FMA. Each lane reads 16
   bytes of each of ``R`` rows per step (next step's loads issued first); activations are staged as
   fp32 times 2**64; the upcast gives the fp32 bits of ``code * 2**-126``; sums per group, one FMA
@@ -23,6 +28,9 @@ Why not Triton: a Triton FMA GEMV with the same upcast (commit 10aaac7, removed)
 Triton converted the activations and the decoded weights between register layouts through shared
 memory inside the K loop (45 ``BAR.SYNC`` in its SASS) and streamed at ~25% of HBM bandwidth.
 Measurements and the ncu profile: ``backends/cuda/NOTES.md``.
+
+* ``fp4_dequant``: the weight as bf16 times its per-tensor scale (each element rounded once), for
+  large M, where cuBLAS's BF16 GEMM on it beats the W4A16 GEMM (``fp4_dequant_linear``).
 
 Availability: needs ``torch.cuda._compile_kernel`` (PyTorch >= 2.8) and NVRTC. When either is
 missing or compilation fails, :func:`available` is False with the reason in :data:`UNAVAILABLE`
@@ -280,7 +288,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core decode GEMM for bf16 activations, M <= 8: out^T[16 rows, 8 tokens] per mma.m16n8k16,
+// Tensor-core decode GEMM for bf16 activations, M <= 16: out^T[16 rows, 8 tokens] per mma.m16n8k16,
 // weights as operand A (upcast in registers, never through shared memory), activations as B.
 // Thread (g = lane / 4, t = lane % 4) of a warp loads 16 bytes (words 4t..4t+3 of a chunk) of rows
 // g and g + 8 of each 16-row tile; word i of those feeds mmas 2i and 2i + 1: pairs 2j and 2j + 1 of
