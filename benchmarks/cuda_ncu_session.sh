@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# GPU call: kernel benchmarks (linear full M sweep, MoE, attention) into $OUT, then an ncu profile of the
-# decode kernel (stall reasons).   device run: bash benchmarks/cuda_final_bench.sh   (carry: .whl)
+# GPU call: an ncu profile of the CUDA decode kernel (speed of light, warp stalls, occupancy).
+#   device run: bash benchmarks/cuda_ncu_session.sh   (carry: .whl); output in $OUT/ncu_gemv.txt
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .whl/*.whl \
   -e ./quant -e . -e ./backends/cuda 2>&1 | grep -v -i warning | tail -3
-timeout ${BENCH_S:-300} python3 benchmarks/cuda_bench.py --cases linear,moe,attention --out-dir "$OUT" > "$OUT/cuda_bench.txt" 2>&1
-tail -5 "$OUT/cuda_bench.txt"
 timeout ${NCU_S:-150} ncu --clock-control none -k regex:fp4_gemv --launch-skip 3 --launch-count 1 \
   --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
   python3 benchmarks/cuda_profile_gemv.py > "$OUT/ncu_gemv.txt" 2>&1
