@@ -4,8 +4,8 @@ What is native here, and why (``supports`` answers from this table, never optimi
 
 * NVFP4 / MXFP4 weights with 16-bit activations (W4A16): FP4 is upcast in registers and fed to
   bf16/fp16 tensor cores. Decode (M <= 16 bf16, M <= 2 fp16) runs CUDA C++ kernels compiled with
-  NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`), M up to ``DEQUANT_MIN_M`` the Triton GEMM, and
-  larger M a bf16 copy of the weight made per call and cuBLAS (see ``fp4_linear_path``). Run and measured on SM90
+  NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`), mid-size M the Triton GEMM, and large M a
+  bf16 copy of the weight made per call and cuBLAS (thresholds measured: ``fp4_linear_path``). Run and measured on SM90
   (H200); on SM100 the same kernels would run but have not been, so they are reported as emulated.
 * W4A4 (FP4 activations): needs FP4 tensor cores. SM90 has none, and no SM100 kernel exists
   here, so it is ``no``: a caller wanting those numerics should use the reference backend's
@@ -39,7 +39,11 @@ DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 SM_DEVICES = {9: ["h200", "h100"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
-DEQUANT_MIN_M = 128  # from this many rows, dequantize + cuBLAS beats the W4A16 GEMM (benchmarks/cuda_gemv_sweep.py)
+# From this many rows dequantize + cuBLAS beats the Triton W4A16 GEMM; from DEQUANT_SMALL_MIN_M already
+# for weights of at most DEQUANT_SMALL_WEIGHTS elements (their dequantize pass is short). H200,
+# benchmarks/results/cuda_linear.json: at M=32-64 2048x8192 and 1024x8192 weights run 0.51-0.64x
+# dequantized vs 0.37-0.55x tiled; 10240x8192 ones 0.39-0.44x vs 0.43-0.55x.
+DEQUANT_MIN_M, DEQUANT_SMALL_MIN_M, DEQUANT_SMALL_WEIGHTS = 128, 32, 2048 * 8192
 
 
 def _format_of(weight: WeightIn) -> str:
@@ -59,7 +63,7 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*lead, w.out_features)
-    path = fp4_linear_path(x2.shape[0], x.dtype, x.device)
+    path = fp4_linear_path(x2.shape[0], x.dtype, x.device, w.out_features * w.in_features)
     if path in ("mma", "fma"):
         y = fp4_decode_linear(x2, w, path)
     elif path == "dequant":
@@ -69,15 +73,17 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     return y.reshape(*lead, w.out_features)
 
 
-def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device) -> str:
-    """Which kernel ``fp4_linear`` runs for ``m`` rows: "mma" / "fma" (CUDA C++ decode kernels),
-    "dequant" (bf16 copy + cuBLAS, large M) or "tiled" (Triton W4A16 GEMM; also without NVRTC)."""
+def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int) -> str:
+    """Which kernel ``fp4_linear`` runs for ``m`` rows against a weight of ``weights`` elements: "mma" /
+    "fma" (CUDA C++ decode kernels), "dequant" (bf16 copy + cuBLAS) or "tiled" (Triton W4A16 GEMM;
+    also without NVRTC)."""
     if not fp4_gemv_cuda.available(device):
         return "tiled"
     kind = fp4_gemv_cuda.kind_for(m, dtype)
     if kind:
         return kind
-    return "dequant" if dtype == torch.bfloat16 and m >= DEQUANT_MIN_M else "tiled"
+    big_m = m >= DEQUANT_MIN_M or (m >= DEQUANT_SMALL_MIN_M and weights <= DEQUANT_SMALL_WEIGHTS)
+    return "dequant" if dtype == torch.bfloat16 and big_m else "tiled"
 
 
 def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:

@@ -117,7 +117,7 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             rows.append(_linear_row("bf16", name, n, k, m, t_bf16, t_bf16, n * k * 2 + act_bytes, ceiling))
             for fmt, ws in fp4.items():
                 t = time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
-                path = fp4_linear_path(m, x.dtype, x.device)
+                path = fp4_linear_path(m, x.dtype, x.device, n * k)
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
                 if fmt == "nvfp4":  # the other paths at the same M, for comparison
                     others = {"tiled": fp4_tiled_linear, "dequant": fp4_dequant_linear}
