@@ -27,7 +27,7 @@ from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.layouts import prepare_fp4
 
 CUTS = [(split, kw, pf) for split in (1, 2, 4, 8) for kw in (1, 2, 4) for pf in (1, 2, 3, 4)]
-if os.environ.get("SWEEP_CUTS") == "0":  # only the chosen plan (and its tiled-layout timing)
+if os.environ.get("SWEEP_CUTS") == "0":  # only the plan make_plan chooses
     CUTS = []
 
 
@@ -71,14 +71,6 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
                     raise SystemExit(f"{name} M={m} {plan}: NMSE {err:.3g} > {tolerance('linear')}")
                 t = time_us(_cycle(ws, lambda w: run(x, w, n, k, plan))) / len(ws)
                 results.append((t, plan, err))
-            # Timing only (the bytes are read as 16-row tiles but are not laid out so): how the
-            # chosen cut would stream from a tiled resident layout.
-            tiled = dataclasses.replace(chosen, tiles=True)
-            t_tiled = time_us(_cycle(ws, lambda w: run(x, w, n, k, tiled))) / len(ws)
-            rows.append({"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "layout": "tiles (timing only)",
-                         "split_k": chosen.split_k, "k_warps": chosen.k_warps, "prefetch": chosen.prefetch,
-                         "time_us": round(t_tiled, 2), "speedup_vs_bf16": round(t_bf16 / t_tiled, 3),
-                         "pct_memory_ceiling": round(100 * nbytes / t_tiled / 1e3 / ceiling, 1)})
             best = min(results, key=lambda r: r[0])
             t_chosen = next(r[0] for r in results if r[1] == chosen)
             for t, plan, err in results:
@@ -91,8 +83,7 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
                   f"({t_bf16 / t_chosen:.2f}x, {100 * nbytes / t_chosen / 1e3 / ceiling:.0f}%) "
                   f"split {chosen.split_k} kw {chosen.k_warps} pf {chosen.prefetch} | best {best[0]:7.2f} us "
                   f"({t_bf16 / best[0]:.2f}x, {100 * nbytes / best[0] / 1e3 / ceiling:.0f}%) "
-                  f"split {best[1].split_k} kw {best[1].k_warps} pf {best[1].prefetch} | tiled layout "
-                  f"{t_tiled:7.2f} us ({t_bf16 / t_tiled:.2f}x)", flush=True)
+                  f"split {best[1].split_k} kw {best[1].k_warps} pf {best[1].prefetch}", flush=True)
         del ws, bf16
         torch.cuda.empty_cache()
     return rows

@@ -174,19 +174,14 @@ def sweep_linear_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down"),
 def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     chunks = k // 128
     splits = [s for s in (1, 2, 4, 8, 16) if chunks % s == 0 and chunks // s >= 2]
-    swapped = []
-    if 16 <= m <= 256:  # weights as the left operand: BLOCK_M is the MMA's N
-        bms = (64, 128) if m > 128 else (max(16, m),)
-        swapped = [GemmConfig(bm, bn, s, 1 if m <= 64 else 8, w, 3, swap_ab=True) for bm in bms
-                   for bn in (64, 128) for s in splits[:3 if m <= 64 else 2] for w in (4, 8)]
     if m <= 16:
-        return swapped + [GemmConfig(16, bn, s, 1, w, st) for bn in (64, 128) for s in splits
-                          for w, st in ((4, 4), (8, 3)) if triton.cdiv(n, bn) * s <= 2048]
+        return [GemmConfig(16, bn, s, 1, w, st) for bn in (64, 128) for s in splits
+                for w, st in ((4, 4), (8, 3)) if triton.cdiv(n, bn) * s <= 2048]
     if m <= 64:
-        return swapped + [GemmConfig(bm, bn, s, 1, 4, 4) for bm in (32, 64) for bn in (64, 128) for s in splits[:3]]
+        return [GemmConfig(bm, bn, s, 1, 4, 4) for bm in (32, 64) for bn in (64, 128) for s in splits[:3]]
     if m <= 256:
-        return swapped + [GemmConfig(bm, bn, s, 8, w, 3) for bm, bn in ((64, 128), (128, 128)) for s in (1, 2)
-                          for w in (4, 8)]
+        return [GemmConfig(bm, bn, s, 8, w, 3) for bm, bn in ((64, 128), (128, 128)) for s in (1, 2)
+                for w in (4, 8)]
     return [GemmConfig(bm, bn, 1, 8, w, st) for bm, bn in ((128, 128), (128, 256), (256, 128))
             for w, st in ((8, 3), (8, 4), (4, 3))]
 

@@ -62,21 +62,6 @@ def test_fp4_linear_split_k_accumulates_every_split(fmt):
     assert_nmse(reference_linear(x.reshape(6, k), qt).reshape(2, 3, n), y, tolerance("linear"), f"{fmt} split-K")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("split", [1, 2])
-def test_tiled_gemm_with_swapped_operands_matches_reference(fmt, split):
-    """``swap_ab`` (weights as the dot's left operand): same result, rows and columns masked."""
-    from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
-    n, k, m = 80, 512, 24
-    qt = musecore_quant.quantize(torch.randn(n, k) * 0.05, fmt)
-    w = prepare_fp4(qt, DEVICE)
-    x = torch.randn(m, k, device=DEVICE).to(SMALL_DTYPES[-1])
-    out = torch.zeros(m, n, device=DEVICE, dtype=torch.float32 if split > 1 else x.dtype)
-    launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2, n=n, k=k,
-                out=out, cfg=GemmConfig(32, 64, split, 1, 4, 2, swap_ab=True))
-    assert_nmse(reference_linear(x, qt), out.float(), tolerance("linear"), f"{fmt} swap_ab split {split}")
-
-
 def test_dense_linear_uses_prepared_dtype_and_refuses_a_mismatch():
     be = CudaBackend(DEVICE)
     w = torch.randn(32, 64)

@@ -161,14 +161,9 @@ def w4a16_gemm_kernel(
     WFMT: tl.constexpr, MODE: tl.constexpr, EB: tl.constexpr, GROUP: tl.constexpr,
     GATHER: tl.constexpr, A_DIV: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    HW: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    HW: tl.constexpr,
 ):
-    """C[M, N] (+)= A[M, K] @ W[e, N, K]^T; see the module docstring for the three uses.
-
-    ``SWAP_AB`` computes the transposed tile ``W_tile @ A_tile^T`` instead: the upcast weight is
-    then the dot's left operand, which SM90's wgmma can read from registers, and the activations
-    (loaded as they are) the right one, read from shared memory; BLOCK_M becomes the MMA's N.
-    """
+    """C[M, N] (+)= A[M, K] @ W[e, N, K]^T; see the module docstring for the three uses."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -202,12 +197,8 @@ def w4a16_gemm_kernel(
         w_row = expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
         s_row = expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
 
-        if SWAP_AB:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         chunks = K // 128 // SPLIT_K
         for i in range(0, chunks):
             kc = pid_k * chunks + i
@@ -215,24 +206,13 @@ def w4a16_gemm_kernel(
             a_hi = tl.load(a_base + kc * 128 + 64, mask=a_valid[:, None], other=0.0)
             w_lo, w_hi = _load_w_halves(w_ptr, s_ptr, w_row, s_row, n_mask, kc, fold_log2,
                                         WFMT, MODE, EB, BLOCK_N, GROUP, HW)
-            if SWAP_AB:
-                acc = tl.dot(w_lo, tl.trans(a_lo), acc)
-                acc = tl.dot(w_hi, tl.trans(a_hi), acc)
-            else:
-                acc = tl.dot(a_lo, tl.trans(w_lo), acc)
-                acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+            acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+            acc = tl.dot(a_hi, tl.trans(w_hi), acc)
             if SWIGLU:
                 u_lo, u_hi = _load_w_halves(w2_ptr, s2_ptr, w_row, s_row, n_mask, kc, fold_log2,
                                             WFMT, MODE, EB, BLOCK_N, GROUP, HW)
-                if SWAP_AB:
-                    acc2 = tl.dot(u_lo, tl.trans(a_lo), acc2)
-                    acc2 = tl.dot(u_hi, tl.trans(a_hi), acc2)
-                else:
-                    acc2 = tl.dot(a_lo, tl.trans(u_lo), acc2)
-                    acc2 = tl.dot(a_hi, tl.trans(u_hi), acc2)
-        if SWAP_AB:
-            acc = tl.trans(acc)
-            acc2 = tl.trans(acc2)
+                acc2 = tl.dot(a_lo, tl.trans(u_lo), acc2)
+                acc2 = tl.dot(a_hi, tl.trans(u_hi), acc2)
 
         if WFMT != 0:
             acc = acc * tl.load(out_scale_ptr + expert)
@@ -256,7 +236,6 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    swap_ab: bool = False  # weights as the left operand (see w4a16_gemm_kernel)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -327,6 +306,6 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor]
         WFMT=wfmt, MODE=mode, EB=EXP_OFFSET[mode], GROUP=group,
         GATHER=a_idx is not None, A_DIV=a_div, EXPERTS=blk_expert is not None, SWIGLU=w2 is not None,
         SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        HW=a.device.type == "cuda", SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HW=a.device.type == "cuda", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -351,14 +351,14 @@ __device__ __forceinline__ uint4 ld_stream(const u32 *p) {
     return v;
 }
 
-template <int NT, int WFMT, int CS>
+template <int NT, int WFMT>
 __device__ __forceinline__ void stage_load(const u32 *const (&wrow)[NT][2], const u8 *const (&srow)[NT][2], int c,
                                            int t, Stage<NT> &st) {
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            st.w[i][h] = ld_stream(wrow[i][h] + c * CS + t * 4);
+            st.w[i][h] = ld_stream(wrow[i][h] + c * 16 + t * 4);
             if (WFMT == 1) {
                 const uint2 s = __ldg(reinterpret_cast<const uint2 *>(srow[i][h] + c * 8));
                 st.s[i][h][0] = s.x;
@@ -472,7 +472,7 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // thread-block cluster along y through distributed shared memory; block 0's first K slice applies
 // SwiGLU / the output scale and writes the output once in its final dtype (no atomics, no zeroed
 // fp32 buffer, no conversion kernel).
-template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool TILES>
+template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
@@ -480,7 +480,6 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split) {
     constexpr int WARPS = 4, NT = SWIGLU ? 2 * RT : RT;
-    constexpr int CS = TILES ? 256 : 16;  // words from one chunk of a row to the next (tiles: 16 rows x 64 bytes)
     extern __shared__ u32 smem[];  // staged activations [m_rows][chunks][16 words][4 pairs] bf16x2 (+pad);
                                    // then the partial sums [WARPS][NG * NT * 4][32] fp32
     const int chunks = K / 128 / SPLIT;
@@ -507,7 +506,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
         for (int h = 0; h < 2; ++h) {
             int n = n0 + (i % RT) * 16 + h * 8 + g;
             n = n < N ? n : N - 1;  // rows past N compute a copy of the last row, never stored
-            wrow[i][h] = TILES ? wb + (long long)(n >> 4) * 16 * w_n + (n & 15) * 16 : wb + (long long)n * w_n;
+            wrow[i][h] = wb + (long long)n * w_n;
             srow[i][h] = sb + (long long)n * s_n;
         }
     }
@@ -515,7 +514,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
     Stage<NT> st[SLOTS];
     if (rows_valid) {
 #pragma unroll
-        for (int p = 0; p < PF; ++p) stage_load<NT, WFMT, CS>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
+        for (int p = 0; p < PF; ++p) stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
     }
 
     // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
@@ -552,7 +551,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
             for (int p = 0; p < SLOTS; ++p) {  // unrolled: slot indices are static, no register copies
                 const int c = c0 + p;
                 if (c >= cw_end) break;
-                if (c + PF < cw_end) stage_load<NT, WFMT, CS>(wrow, srow, c + PF, t, st[(p + PF) % SLOTS]);
+                if (c + PF < cw_end) stage_load<NT, WFMT>(wrow, srow, c + PF, t, st[(p + PF) % SLOTS]);
                 uint4 b[NG][4];
 #pragma unroll
                 for (int ng = 0; ng < NG; ++ng)
@@ -640,7 +639,6 @@ class GemvPlan:
     split_k: int = 1
     k_warps: int = 1     # MMA: warps of a block splitting its K range
     prefetch: int = 2    # MMA: chunks each thread keeps in flight
-    tiles: bool = False  # MMA: weight bytes in 16-row tiles (16 rows x 64 bytes per chunk contiguous)
 
     @property
     def token_groups(self) -> int:  # MMA: groups of 8 activation rows (mma n8 each)
@@ -719,10 +717,9 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-            k_warps: int = 1, prefetch: int = 2, tiles: bool = False):
+            k_warps: int = 1, prefetch: int = 2):
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(tiles).lower()}>"
-            if kind == "mma"
+    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}>" if kind == "mma"
             else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}>")
     return torch.cuda._compile_kernel(SOURCE, name)
 
@@ -771,8 +768,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     w2 = packed2.view(torch.int32) if packed2 is not None else words
     mma = plan.kind == "mma"
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
-                   plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
-                   plan.tiles and mma)
+                   plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2)
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     kern(grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
          block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem,
