@@ -30,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="linear,moe,attention", help=f"comma list of {sorted(benchmarks())}")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--ms", default=None, help="linear and sweep: comma list of M (default: the full sweep)")
+    parser.add_argument("--ms", default=None, help="linear, sweep, gemlite: comma list of M (default: each case's own)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_bench needs a CUDA GPU: torch.cuda.is_available() is False")
@@ -44,7 +44,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for case in args.cases.split(","):
         started = time.time()
-        kwargs = {"ms": tuple(int(m) for m in args.ms.split(","))} if args.ms and case in ("linear", "sweep") else {}
+        kwargs = {"ms": tuple(int(m) for m in args.ms.split(","))} if args.ms and case in ("linear", "sweep", "gemlite") else {}
         rows = table[case](**kwargs)
         print(f"\n== {case} ({time.time() - started:.0f} s) ceiling {meta['ceiling_gbps']:.0f} GB/s")
         print_table(rows)

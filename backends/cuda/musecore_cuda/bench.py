@@ -135,6 +135,52 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
     return rows
 
 
+def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = (1, 16, 256, 4096)) -> list[dict]:
+    """The peer PERF.md names, side by side: gemlite's A16W4 MXFP4 (Triton; carried as a package, never
+    copied) next to this backend's MXFP4 and BF16 cuBLAS, same shapes, same process, same timing.
+    A case gemlite cannot run (not installed, a kernel that does not compile) is a row with its error."""
+    try:
+        from gemlite.helper import A16W4_MXFP
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
+        return [{"backend": "gemlite", "case": "linear", "error": f"gemlite is not importable: {exc!r}"[:300]}]
+    be = CudaBackend("cuda")
+    ceiling = memory_ceiling_gbps()
+    rows = []
+    for name in shapes or ["q_proj", "expert_down"]:
+        n, k = LINEAR_SHAPES[name]
+
+        def make_gemlite() -> torch.nn.Module:
+            linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            return A16W4_MXFP(device="cuda", dtype=torch.bfloat16).from_linear(linear)
+        try:
+            peers = _rotating(make_gemlite, n * k // 2)
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"backend": "gemlite", "case": "linear", "shape": f"{name} {k}->{n}",
+                         "error": f"A16W4_MXFP.from_linear failed: {exc!r}"[:300]})
+            continue
+        ours = _rotating(lambda: be.prepare_weight(random_fp4("mxfp4", (n, k)), name).data, n * k // 2)
+        bf16_ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = time_us(_cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
+            act_bytes = (m * k + m * n) * 2
+            nbytes = ours[0].nbytes + act_bytes  # both hold MXFP4: 4.25 bits per weight
+            t = time_us(_cycle(ours, lambda w: fp4_linear(x, w))) / len(ours)
+            rows.append(_linear_row("mxfp4", name, n, k, m, t, t_bf16, nbytes, ceiling,
+                                    fp4_linear_path(m, x.dtype, x.device, n * k)))
+            try:
+                t = time_us(_cycle(peers, lambda layer: layer(x))) / len(peers)
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"backend": "gemlite", "case": "linear", "shape": f"{name} {k}->{n}", "M": m,
+                             "error": f"{exc!r}"[:300]})
+                continue
+            rows.append({**_linear_row("mxfp4", name, n, k, m, t, t_bf16, nbytes, ceiling, "gemlite A16W4_MXFP"),
+                         "backend": "gemlite"})
+        del peers, ours, bf16_ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _linear_row(fmt: str, name: str, n: int, k: int, m: int, t: float, t_bf16: float, nbytes: int,
                 ceiling: dict, path: str = "") -> dict:
     return {"backend": "cuda", "case": "linear", "format": fmt, "path": path, "shape": f"{name} {k}->{n}", "M": m,
@@ -295,4 +341,4 @@ def bench_e2e(batches: tuple[int, ...] = (1, 32), new_tokens: int = 64, prompt_t
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:
     """Case name -> benchmark callable (``e2e`` comes once the model runs on this backend)."""
     return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e,
-            "sweep": sweep_linear_configs}
+            "gemlite": bench_gemlite, "sweep": sweep_linear_configs}
