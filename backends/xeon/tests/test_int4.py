@@ -16,7 +16,7 @@ from musecore_quant.qtensor import QTensor
 from musecore_xeon import XeonBackend
 from musecore_xeon.kernels import native
 from musecore_xeon.kernels.crossover import INT4_CROSSOVER_ENV, measure_crossover, pick_crossover
-from musecore_xeon.kernels.int4 import (INT4_KERNEL_ENV, Int4Linear, from_planar, int4_crossover,
+from musecore_xeon.kernels.int4 import (INT4_KERNEL_ENV, Int4Linear, from_planar, int4_crossover, interleave_row_blocks,
                                         int4pack_block_n, prepare_int4, to_planar)
 
 SHAPES = [(256, 512), (512, 256), (128, 1024), (96, 256), (4, 128)]  # (out, in); 96 and 4 rows are padded
@@ -221,7 +221,7 @@ def test_int16_bound_fails_on_a_wrong_nibble_order() -> None:
     assert int16_error_ratio(x, qt, lin(x)) <= 1.0
     codes = from_planar(lin.codes, 128).view(36, 4, 8, 16)  # [N, chunk, column block p, q]
     wrong = (codes.to(torch.int64) << (4 * torch.arange(8)).view(8, 1)).sum(2)  # nibble p = column block p
-    lin.codes.copy_(torch.where(wrong >= 2 ** 31, wrong - 2 ** 32, wrong).to(torch.int32).view(36, 64))
+    lin.codes.copy_(interleave_row_blocks(torch.where(wrong >= 2 ** 31, wrong - 2 ** 32, wrong).to(torch.int32).view(36, 64), 128))
     ratio = int16_error_ratio(x, qt, lin(x))
     assert ratio > 100, f"a wrong nibble order stayed within {ratio:.3g}x the bound: the test would miss it"
 
@@ -276,15 +276,24 @@ def test_native_gemv_uses_several_threads_with_the_same_result() -> None:
 def test_planar_layout_round_trips_and_pairs_columns_2j_w_and_2j_plus_1_w_in_nibbles_j_and_j_plus_4() -> None:
     g = torch.Generator().manual_seed(1)
     for group_size in (32, 64, 128, 256):
-        codes = torch.randint(0, 16, (5, 512), generator=g, dtype=torch.int32)
+        codes = torch.randint(0, 16, (8, 512), generator=g, dtype=torch.int32)
         planar = to_planar(codes, group_size)
-        assert planar.dtype == torch.int32 and planar.shape == (5, 64)
+        assert planar.dtype == torch.int32 and planar.shape == (8, 64)
         assert torch.equal(from_planar(planar, group_size), codes)
     # g = 128: 16 words per group, column 16 p + q in word q, nibble p/2 + 4 (p%2): nibbles j, j+4 = columns
     # 16 (2j) + q, 16 (2j+1) + q, the two int16 halves of the GEMV's madd
-    codes = (torch.arange(128, dtype=torch.int32) // 16).view(1, 128)  # column c has code c // 16 = p
+    codes = (torch.arange(128, dtype=torch.int32) // 16).view(1, 128).repeat(4, 1)  # column c: code c // 16 = p
     words = to_planar(codes, 128)
     assert words[0, 0].item() == 0x75316420
+
+
+def test_row_blocks_are_interleaved_chunk_by_chunk() -> None:
+    """Resident order: per block of ROWS rows, chunk c of row 0, of row 1, ..., then chunk c + 1 (one sequential
+    stream per block); g = 64: 8 words per chunk."""
+    rows = torch.arange(8, dtype=torch.int32).view(8, 1).expand(8, 256)  # row r has code r everywhere
+    words = to_planar(rows, 64).view(2, 4, 4, 8)  # [block, chunk, row in block, word]
+    expect = torch.arange(8, dtype=torch.int64).view(2, 1, 4, 1) * 0x11111111
+    assert torch.equal(words.to(torch.int64), expect.expand(2, 4, 4, 8))
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (96, 256), (5, 128), (130, 192)])

@@ -23,6 +23,8 @@ INT4_SOURCE = r"""
    of the word at the same offset, so (w >> 4j) & 0x000F000F puts the codes of columns 2jW+q and (2j+1)W+q side by
    side as two int16 lanes: one operand of _mm256_madd_epi16. For g = 32 (C = 64, two groups per chunk) positions
    0-3 are the first group and 4-7 the second: no int16 pair straddles a group.
+   Row blocks are interleaved by chunk: word q of chunk c of row r (0..ROWS-1) of the block starting at row n is at
+   codes[n * K/8 + (c * ROWS + r) * W + q], so a block is one sequential stream for the hardware prefetcher.
    Scales and zeros: fp16 [N/ROWS, K/g, 2, ROWS], per row block and group the ROWS scales then the ROWS zeros (the
    QTensor's fp16 scale; the zero an integer 0..15), read by one 16-byte load. */
 #define ROWS 4 /* rows per block of the GEMV; codes are padded to a multiple of it */
@@ -240,7 +242,7 @@ static inline __attribute__((always_inline)) void gemv_rows(
     __m256i acc[ROWS], acc2[ROWS];  /* acc2: the second group of a chunk when g = 32 */
     __m128 tot = _mm_setzero_ps();
     const int32_t *row[ROWS];
-    for (int r = 0; r < ROWS; ++r) { acc[r] = acc2[r] = _mm256_setzero_si256(); row[r] = codes + (n + r) * kw; }
+    for (int r = 0; r < ROWS; ++r) { acc[r] = acc2[r] = _mm256_setzero_si256(); row[r] = codes + n * kw + r * words; }
 #define FLUSH(ACC, GRP) {                                                                                   \
         __m128 s_; __m128i z_;                                                                              \
         load_sz4(szr + (GRP) * 2 * ROWS, &s_, &z_);                                                          \
@@ -256,7 +258,7 @@ static inline __attribute__((always_inline)) void gemv_rows(
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)xc), x1 = _mm256_loadu_si256((const __m256i *)(xc + 16)),
                           x2 = _mm256_loadu_si256((const __m256i *)(xc + 32)), x3 = _mm256_loadu_si256((const __m256i *)(xc + 48));
             for (int r = 0; r < ROWS; ++r) {
-                const int32_t *src = row[r] + c * words + v * 8;
+                const int32_t *src = row[r] + c * ROWS * words + v * 8;
                 const __m256i w = _mm256_loadu_si256((const __m256i *)src);
                 /* the same columns of the next row block (ROWS rows further): a block's rows are 4 short
                    streams (1 KiB each at K = 2048) that the hardware prefetcher picks up too late */
@@ -301,7 +303,7 @@ static inline __attribute__((always_inline)) void gemm_rows(
     for (int64_t m = 0; m < m_rows; ++m) tot[m] = _mm_setzero_ps();
     for (int64_t c = 0; c < k / chunk; ++c) {
         for (int r = 0; r < ROWS; ++r) {
-            const int32_t *src = codes + (n + r) * kw + c * words;
+            const int32_t *src = codes + n * kw + (c * ROWS + r) * words;
             for (int64_t v = 0; v < words / 8; ++v) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(src + v * 8));
                 __m256i *d = (__m256i *)(dq[r] + v * 64);
@@ -386,7 +388,7 @@ static void row_block(const int32_t *codes, const uint16_t *sz, qx_t x, void *y,
                 int32_t isum = 0;
                 for (int64_t e = e0; e < e0 + g; ++e) {  /* xq order: e = 64 v + 16 j + 2 q + h */
                     const int64_t v = e / 64, j = (e / 16) % 4, q = (e % 16) / 2, h = e % 2;
-                    const uint32_t w = (uint32_t)codes[r * kw + c * words + v * 8 + q];
+                    const uint32_t w = (uint32_t)codes[(r - r % ROWS) * kw + (c * ROWS + r % ROWS) * words + v * 8 + q];
                     isum += (int32_t)x.xq[m * k + c * chunk + e] * (int32_t)((w >> (4 * (j + 4 * h))) & 15u);
                 }
                 const uint16_t *p = sz + ((r / ROWS) * groups + grp) * 2 * ROWS;
@@ -577,7 +579,7 @@ void musecore_int4_dequant(const int32_t *codes, const uint16_t *sz, float *out,
 #endif
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t c0 = 0; c0 < k; c0 += chunk) {
-            const uint32_t *w = (const uint32_t *)codes + r * kw + c0 / 8;
+            const uint32_t *w = (const uint32_t *)codes + (r - r % ROWS) * kw + ((c0 / chunk) * ROWS + r % ROWS) * words;
             for (int p = 0; p < 8; ++p) {  /* position p: columns p*W .. p*W + W-1 of the chunk, nibble nib(p) */
                 const int shift = 4 * nibble_of(p);
                 const uint16_t *pz = sz + ((r / ROWS) * groups + (c0 + p * words) / g) * 2 * ROWS + r % ROWS;
