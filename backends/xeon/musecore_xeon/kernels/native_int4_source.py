@@ -30,9 +30,13 @@ INT4_SOURCE = r"""
 #define ROWS 4 /* rows per block of the GEMV; codes are padded to a multiple of it */
 /* Calls streaming fewer code bytes than these run on the calling thread: an OpenMP fork/join and barriers
    (~5-20 us on 2 cores, more when a sibling thread is descheduled) cost more than a second core saves.
-   Measured on the 2-core EPYC: a 512x768 GEMV (196 KiB) still gains from 2 threads (47 vs 65 us); the fused
-   MoE of muse-tiny (4 experts, 196 KiB, 3 barriers) loses (INT4/BF16 decode 0.96x with 2 threads, 1.24x with one). */
-#define GEMV_PARALLEL_MIN_BYTES (64 * 1024)
+   Measured on the 2-core EPYC with the int16 GEMV (weight in cache, back-to-back ctypes calls, median): 2 threads
+   win from 32 KiB of codes (256x256: 7 vs 10 us; 512x768: 11 vs 18 us), tie at 24 KiB (192x256, 8 us) and lose
+   below (64x512: 8 vs 6 us); the fused MoE of muse-tiny (4 experts, 196 KiB, 3 barriers) loses (INT4/BF16 decode
+   0.96x with 2 threads, 1.24x with one). */
+#ifndef GEMV_PARALLEL_MIN_BYTES
+#define GEMV_PARALLEL_MIN_BYTES (32 * 1024)
+#endif
 #define MOE_PARALLEL_MIN_BYTES (256 * 1024)
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048 /* how far ahead (at least) the GEMV prefetches its codes; 2 KiB measured best of 0/2/4/8 KiB */
