@@ -100,6 +100,13 @@ def test_pick_crossover_needs_a_win_at_every_larger_m() -> None:
     assert pick_crossover(ms, (1, 1, 1, 1), (2, 2, 2, 2)) is None
 
 
+def test_pick_crossover_gives_a_tie_within_the_margin_to_the_dense_path() -> None:
+    ms = (1, 2, 4, 8)
+    assert pick_crossover(ms, (1, 1, 10, 10), (2, 2, 10.5, 10.5)) is None
+    assert pick_crossover(ms, (1, 1, 10, 10), (2, 2, 10.5, 10.5), dense_margin=0.1) == 4
+    assert pick_crossover(ms, (1, 1, 10, 10), (2, 2, 10.5, 11.5), dense_margin=0.1) is None  # 15% slower at M=8
+
+
 def test_calibration_scans_down_from_the_largest_m_and_stops_at_the_first_kernel_win() -> None:
     """Synthetic paths: the 'kernel' costs 40 us per row, the 'dense' path a flat 2 ms."""
     small = lambda x: time.sleep(40e-6 * x.shape[0])  # noqa: E731

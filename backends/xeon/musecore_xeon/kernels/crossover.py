@@ -66,15 +66,21 @@ def env_crossover(name: str) -> tuple[bool, Optional[int]]:
     return True, value
 
 
-def pick_crossover(ms: tuple[int, ...], small_m_us: tuple[float, ...], dense_us: tuple[float, ...]) -> Optional[int]:
-    """The smallest measured M from which the dense path is faster at every larger measured M too.
+def dense_wins(small_us: float, dense_us: float, dense_margin: float = 0.0) -> bool:
+    """The dense path is taken when it is faster, or slower by less than ``dense_margin`` (a fraction)."""
+    return dense_us < small_us * (1.0 + dense_margin)
+
+
+def pick_crossover(ms: tuple[int, ...], small_m_us: tuple[float, ...], dense_us: tuple[float, ...],
+                   dense_margin: float = 0.0) -> Optional[int]:
+    """The smallest measured M from which the dense path wins (:func:`dense_wins`) at every larger measured M too.
 
     Requiring a win at every larger M keeps one noisy point from flipping the decision, and makes
     the choice monotone: the kernel is used below, the dense path at and above.
     """
     crossover: Optional[int] = None
     for m, small, dense in sorted(zip(ms, small_m_us, dense_us), reverse=True):
-        if dense < small:
+        if dense_wins(small, dense, dense_margin):
             crossover = m
         else:
             break
@@ -95,7 +101,8 @@ def time_us(fn: Callable[[], object], repeats: int) -> float:
 def measure_crossover(kind: str, in_features: int, proxy_out_features: int,
                       small_m_path: Callable[[torch.Tensor], torch.Tensor],
                       dense_path: Callable[[torch.Tensor], torch.Tensor], act_dtype: torch.dtype,
-                      ms: tuple[int, ...] = CALIBRATION_MS, repeats: int = 3) -> CrossoverCalibration:
+                      ms: tuple[int, ...] = CALIBRATION_MS, repeats: int = 3,
+                      dense_margin: float = 0.0) -> CrossoverCalibration:
     """Time both paths on random activations ``[M, in_features]``, from the largest M down.
 
     The scan stops at the first M where the kernel wins, which is all :func:`pick_crossover` needs
@@ -107,16 +114,17 @@ def measure_crossover(kind: str, in_features: int, proxy_out_features: int,
     for m in sorted(ms, reverse=True):
         x = torch.randn(m, in_features, dtype=act_dtype)
         small, dense = time_us(lambda: small_m_path(x), repeats), time_us(lambda: dense_path(x), repeats)
-        if dense < small:
+        if dense_wins(small, dense, dense_margin):
             small = min(small, time_us(lambda: small_m_path(x), repeats))
             dense = min(dense, time_us(lambda: dense_path(x), repeats))
         measured.append((m, small, dense))
-        if dense >= small:
+        if not dense_wins(small, dense, dense_margin):
             break
     measured.reverse()
     m_seen, small_us, dense_us = (tuple(col) for col in zip(*measured))
     return CrossoverCalibration(kind, in_features, proxy_out_features, torch.get_num_threads(),
-                                pick_crossover(m_seen, small_us, dense_us), "measured", m_seen, small_us, dense_us)
+                                pick_crossover(m_seen, small_us, dense_us, dense_margin), "measured", m_seen, small_us,
+                                dense_us)
 
 
 def cached_crossover(key: Hashable, env_name: str, kind: str, in_features: int, proxy_out_features: int,

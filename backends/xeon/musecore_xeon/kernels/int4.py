@@ -349,6 +349,13 @@ def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tens
     return lin
 
 
+# Near the crossover the two INT4 paths are within noise on the proxy (at most 1024 rows), and at full size the
+# wrong pick cost up to 17%: 4096x8192, M = 128, 2 threads, the native GEMM 96.6 ms on the full weight against
+# 82.0 ms for the tiles, after the proxy timed 24.6 vs 25.1 ms. The tiles are the BF16 path's own SGEMM on exact
+# weights, so a tie goes to them: the dense path is taken when it is at most this much slower on the proxy.
+INT4_DENSE_MARGIN = 0.10
+
+
 def int4_crossover(in_features: int, out_features: int, group_size: int, dense_dtype: torch.dtype,
                    kernel: str = "native") -> CrossoverCalibration:
     """Measured M from which the tiled dense path beats the small-M kernel (cached per shape class)."""
@@ -363,7 +370,7 @@ def int4_crossover(in_features: int, out_features: int, group_size: int, dense_d
         scale = (torch.rand(proxy_rows, in_features // group_size, generator=g) * 0.02).half()
         proxy = pack_int4(data, scale, None, group_size, dense_dtype, kernel)
         return measure_crossover("int4-" + kernel, in_features, proxy_rows, proxy.run_small_m, proxy.run_tiles,
-                                 torch.bfloat16)
+                                 torch.bfloat16, dense_margin=INT4_DENSE_MARGIN)
 
     key = ("int4", kernel, in_features, proxy_rows, group_size, dense_dtype)
     return cached_crossover(key, INT4_CROSSOVER_ENV, "int4-" + kernel, in_features, proxy_rows, measure)
