@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from musecore.ops import reference as ref
+
 
 @triton.jit
 def _rms(x, mask, n, eps):
@@ -167,7 +169,6 @@ def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.
     """The ``router_topk`` op in one kernel (``k`` up to 64; larger k takes the reference's torch ops)."""
     T, E = logits.shape
     if k > E or k > 64 or logits.stride(-1) != 1:
-        from musecore.ops import reference as ref
         return ref.router_topk(logits, k, renormalize)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
