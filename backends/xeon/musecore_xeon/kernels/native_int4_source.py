@@ -224,7 +224,8 @@ static inline __attribute__((always_inline)) void load_sz4(const uint16_t *sz, _
 }
 
 /* One group of ROWS rows: the exact int32 sums of xq * q (one accumulator vector per row) reduced to 4 integers,
-   minus z * sum(xq) (exact), then tot += float(dot) * (s * sx): the scalar path does the same operations per row. */
+   minus z * sum(xq) (exact), then tot += float(dot) * (s * sx): the scalar path does the same operations per row.
+   Used by the skinny GEMM and for the last group of an odd group count in the GEMV. */
 static inline __attribute__((always_inline)) __m128 flush4(__m256i a0, __m256i a1, __m256i a2, __m256i a3, __m128 s,
                                                           __m128i z, float sx, int32_t xqsum, __m128 tot) {
     const __m256i s01 = _mm256_hadd_epi32(a0, a1), s23 = _mm256_hadd_epi32(a2, a3);
@@ -232,6 +233,39 @@ static inline __attribute__((always_inline)) __m128 flush4(__m256i a0, __m256i a
     __m128i dot = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
     dot = _mm_sub_epi32(dot, _mm_mullo_epi32(z, _mm_set1_epi32(xqsum)));
     return _mm_fmadd_ps(_mm_cvtepi32_ps(dot), _mm_mul_ps(s, _mm_set1_ps(sx)), tot);
+}
+
+/* The ROWS accumulators of one group transposed into [r0 r1 r2 r3 | r0 r1 r2 r3] (each row's lanes 0-3 summed in
+   the low half, 4-7 in the high half; exact int32) by unpack and add: no horizontal add, and one vector per group. */
+static inline __attribute__((always_inline)) __m256i transpose_sum4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+    const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(a0, a1), _mm256_unpackhi_epi32(a0, a1));
+    const __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(a2, a3), _mm256_unpackhi_epi32(a2, a3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+}
+
+/* Two consecutive groups (even group G, G + 1) of ROWS rows flushed by one 8-lane vector of each kind: the halves
+   of the transposed sums combined into [dot_G r0..r3 | dot_G+1 r0..r3] (exact, the same integers as flush4), minus
+   z * sum(xq), converted once and FMA'd with s * sx into tot = [even groups' total | odd groups' total] (the two
+   are added once per row block). sz: the scales and zeros of both groups (32 contiguous bytes). */
+static inline __attribute__((always_inline)) __m256 flush_pair(__m256i da, __m256i db, const uint16_t *sz,
+                                                              const float *sx, const int32_t *xqsum, __m256 tot) {
+    const __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(da, db, 0x20), _mm256_permute2x128_si256(da, db, 0x31));
+    const __m256i pair_index = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256 sx2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)sx))), pair_index);
+    const __m256i xs2 = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)xqsum)), pair_index);
+#ifdef __F16C__
+    /* 64-bit quarters [s_G z_G s_G+1 z_G+1] -> [s_G s_G+1 z_G z_G+1] */
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)sz), 0xD8);
+    const __m256 s = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    const __m256i z = _mm256_cvtps_epi32(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+#else
+    __m128 s0, s1; __m128i z0, z1;
+    load_sz4(sz, &s0, &z0); load_sz4(sz + 2 * ROWS, &s1, &z1);
+    const __m256 s = _mm256_setr_m128(s0, s1);
+    const __m256i z = _mm256_setr_m128i(z0, z1);
+#endif
+    const __m256i d = _mm256_sub_epi32(dot, _mm256_mullo_epi32(z, xs2));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s, sx2), tot);
 }
 
 /* One activation row, ROWS rows of W: per 8 words (64 weights) and row, 4 x (shift/AND, madd_epi16, add_epi32)
@@ -243,16 +277,36 @@ static inline __attribute__((always_inline)) void gemv_rows(
     const int64_t block_bytes = ROWS * kw * 4, prefetch_words = ROWS * kw * ((PREFETCH_BYTES + block_bytes - 1) / block_bytes);
     const __m256i low4 = _mm256_set1_epi32(0x000F000F);
     const uint16_t *szr = sz + (n / ROWS) * groups * 2 * ROWS;
-    __m256i acc[ROWS], acc2[ROWS];  /* acc2: the second group of a chunk when g = 32 */
-    __m128 tot = _mm_setzero_ps();
-    const int32_t *row[ROWS];
-    for (int r = 0; r < ROWS; ++r) { acc[r] = acc2[r] = _mm256_setzero_si256(); row[r] = codes + n * kw + r * words; }
-#define FLUSH(ACC, GRP) {                                                                                   \
-        __m128 s_; __m128i z_;                                                                              \
-        load_sz4(szr + (GRP) * 2 * ROWS, &s_, &z_);                                                          \
-        tot = flush4(ACC[0], ACC[1], ACC[2], ACC[3], s_, z_, x.sx[GRP], x.xqsum[GRP], tot);                 \
-        for (int r = 0; r < ROWS; ++r) ACC[r] = _mm256_setzero_si256();                                     \
+    /* one int32 accumulator per row as a named variable (acc2*: the second group of a chunk when g = 32): with
+       arrays indexed in the row loop, gcc kept them on the stack and each update was a load, add and store */
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m256i acc20 = acc0, acc21 = acc0, acc22 = acc0, acc23 = acc0;
+    __m256i held = acc0;                 /* the transposed sums of an even group, flushed with the next one */
+    __m256 tot = _mm256_setzero_ps();    /* [even groups | odd groups], 4 rows each */
+    const int32_t *block = codes + n * kw;
+#define ROW_STEP(R, ACC, ACC2) {                                                                             \
+        const int32_t *src = block + (c * ROWS + (R)) * words + v * 8;                                         \
+        const __m256i w = _mm256_loadu_si256((const __m256i *)src);                                            \
+        /* the same columns of the next row block(s): a block's rows are short streams that the hardware      \
+           prefetcher picks up too late */                                                                     \
+        _mm_prefetch((const char *)(src + prefetch_words), _MM_HINT_T0);                                       \
+        if (chunk != g) {  /* g = 32: pairs 0-1 are one group, 2-3 the next */                                 \
+            ACC = _mm256_add_epi32(ACC, _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 0), x0),                \
+                                                         _mm256_madd_epi16(NIB_PAIR(w, 1), x1)));              \
+            ACC2 = _mm256_add_epi32(ACC2, _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 2), x2),              \
+                                                           _mm256_madd_epi16(NIB_PAIR(w, 3), x3)));            \
+            __asm__("" : "+x"(ACC2));                                                                          \
+        } else {                                                                                               \
+            ACC = _mm256_add_epi32(ACC, _mm256_add_epi32(                                                      \
+                _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 0), x0), _mm256_madd_epi16(NIB_PAIR(w, 1), x1)), \
+                _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 2), x2), _mm256_madd_epi16(NIB_PAIR(w, 3), x3)))); \
+        }                                                                                                      \
+        /* an empty asm pins each update here: otherwise gcc reassociates a group's integer sum into all its    \
+           madds first and the adds last, spilling the madd results to the stack (~25% slower) */              \
+        __asm__("" : "+x"(ACC));                                                                               \
     }
+#define FLUSH_PAIR(DA, DB, GRP) \
+        tot = flush_pair((DA), (DB), szr + (GRP) * 2 * ROWS, x.sx + (GRP), x.xqsum + (GRP), tot);
     for (int64_t c = 0; c < k / chunk; ++c) {
 #pragma GCC unroll 1
         for (int64_t v = 0; v < vecs; ++v) {
@@ -261,37 +315,34 @@ static inline __attribute__((always_inline)) void gemv_rows(
                4 words loaded first, gcc spilled to the stack) */
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)xc), x1 = _mm256_loadu_si256((const __m256i *)(xc + 16)),
                           x2 = _mm256_loadu_si256((const __m256i *)(xc + 32)), x3 = _mm256_loadu_si256((const __m256i *)(xc + 48));
-            for (int r = 0; r < ROWS; ++r) {
-                const int32_t *src = row[r] + c * ROWS * words + v * 8;
-                const __m256i w = _mm256_loadu_si256((const __m256i *)src);
-                /* the same columns of the next row block (ROWS rows further): a block's rows are 4 short
-                   streams (1 KiB each at K = 2048) that the hardware prefetcher picks up too late */
-                _mm_prefetch((const char *)(src + prefetch_words), _MM_HINT_T0);
-                if (chunk != g) {  /* g = 32: pairs 0-1 are one group, 2-3 the next */
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 0), x0),
-                                                                       _mm256_madd_epi16(NIB_PAIR(w, 1), x1)));
-                    acc2[r] = _mm256_add_epi32(acc2[r], _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 2), x2),
-                                                                         _mm256_madd_epi16(NIB_PAIR(w, 3), x3)));
-                } else {
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(
-                        _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 0), x0), _mm256_madd_epi16(NIB_PAIR(w, 1), x1)),
-                        _mm256_add_epi32(_mm256_madd_epi16(NIB_PAIR(w, 2), x2), _mm256_madd_epi16(NIB_PAIR(w, 3), x3))));
-                }
-                /* an empty asm pins each update here: otherwise gcc reassociates a group's integer sum into all
-                   its madds first and the adds last, spilling the madd results to the stack (~25% slower) */
-                __asm__("" : "+x"(acc[r]));
-            }
+            ROW_STEP(0, acc0, acc20)
+            ROW_STEP(1, acc1, acc21)
+            ROW_STEP(2, acc2, acc22)
+            ROW_STEP(3, acc3, acc23)
         }
-        if (chunk != g) {
-            FLUSH(acc, 2 * c)
-            FLUSH(acc2, 2 * c + 1)
+        if (chunk != g) {  /* g = 32: groups 2c and 2c + 1 */
+            FLUSH_PAIR(transpose_sum4(acc0, acc1, acc2, acc3), transpose_sum4(acc20, acc21, acc22, acc23), 2 * c)
+            acc20 = acc21 = acc22 = acc23 = _mm256_setzero_si256();
+        } else if (c % 2 == 0) {
+            held = transpose_sum4(acc0, acc1, acc2, acc3);
         } else {
-            FLUSH(acc, c)
+            FLUSH_PAIR(held, transpose_sum4(acc0, acc1, acc2, acc3), c - 1)
         }
+        acc0 = acc1 = acc2 = acc3 = _mm256_setzero_si256();
     }
-#undef STEP
-#undef FLUSH
-    _mm_storeu_ps(out, tot);
+#undef ROW_STEP
+    __m128 sum = _mm256_extractf128_ps(tot, 1);  /* the odd groups */
+    if (chunk == g && (k / chunk) % 2) {  /* an odd group count: the last (even) group alone */
+        const int64_t last = k / chunk - 1;
+        __m128 s_; __m128i z_;
+        load_sz4(szr + last * 2 * ROWS, &s_, &z_);
+        const __m128i dot = _mm_sub_epi32(_mm_add_epi32(_mm256_castsi256_si128(held), _mm256_extracti128_si256(held, 1)),
+                                          _mm_mullo_epi32(z_, _mm_set1_epi32(x.xqsum[last])));
+        tot = _mm256_castps128_ps256(_mm_fmadd_ps(_mm_cvtepi32_ps(dot), _mm_mul_ps(s_, _mm_set1_ps(x.sx[last])),
+                                                  _mm256_castps256_ps128(tot)));
+    }
+#undef FLUSH_PAIR
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(tot), sum));
 }
 
 /* ROWS rows decoded once per chunk into an L1 buffer of int16 code pairs, then multiplied into the activation rows
@@ -303,8 +354,8 @@ static inline __attribute__((always_inline)) void gemm_rows(
     const __m256i low4 = _mm256_set1_epi32(0x000F000F);
     const uint16_t *szr = sz + (n / ROWS) * groups * 2 * ROWS;
     int16_t dq[ROWS][MAX_GROUP] __attribute__((aligned(32)));
-    __m128 tot[16];  /* the caller passes at most 16 activation rows at a time */
-    for (int64_t m = 0; m < m_rows; ++m) tot[m] = _mm_setzero_ps();
+    __m128 tot[2][16];  /* even and odd groups (as in the GEMV); the caller passes at most 16 activation rows */
+    for (int64_t m = 0; m < m_rows; ++m) tot[0][m] = tot[1][m] = _mm_setzero_ps();
     for (int64_t c = 0; c < k / chunk; ++c) {
         for (int r = 0; r < ROWS; ++r) {
             const int32_t *src = codes + n * kw + (c * ROWS + r) * words;
@@ -336,16 +387,17 @@ static inline __attribute__((always_inline)) void gemm_rows(
                         acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(d, b));
                     }
                 }
-                tot[m] = flush4(acc0[0], acc0[1], acc0[2], acc0[3], s, z, x.sx[m * groups + grp], x.xqsum[m * groups + grp], tot[m]);
+                __m128 *t = tot[grp & 1];
+                t[m] = flush4(acc0[0], acc0[1], acc0[2], acc0[3], s, z, x.sx[m * groups + grp], x.xqsum[m * groups + grp], t[m]);
                 if (pair)
-                    tot[m + 1] = flush4(acc1[0], acc1[1], acc1[2], acc1[3], s, z, x.sx[(m + 1) * groups + grp], x.xqsum[(m + 1) * groups + grp],
-                                        tot[m + 1]);
+                    t[m + 1] = flush4(acc1[0], acc1[1], acc1[2], acc1[3], s, z, x.sx[(m + 1) * groups + grp],
+                                      x.xqsum[(m + 1) * groups + grp], t[m + 1]);
             }
         }
     }
     for (int64_t m = 0; m < m_rows; ++m) {
         float t[ROWS];
-        _mm_storeu_ps(t, tot[m]);
+        _mm_storeu_ps(t, _mm_add_ps(tot[0][m], tot[1][m]));
         for (int r = 0; r < ROWS; ++r)
             if (n + r < n_valid) store_y(y, y_bf16, m * n_valid + n + r, t[r]);
     }
@@ -379,14 +431,15 @@ static void row_block(const int32_t *codes, const uint16_t *sz, qx_t x, void *y,
     }
 }
 #else
-/* Portable C (no AVX2): the same integer group sums and the same float operations in the same order as flush4,
-   one row and one activation row at a time, so both paths give the same bits. */
+/* Portable C (no AVX2): the same integer group sums and the same float operations in the same order as flush_pair /
+   flush4 (even and odd groups summed apart, added at the end), one row and one activation row at a time, so both
+   paths give the same bits. */
 static void row_block(const int32_t *codes, const uint16_t *sz, qx_t x, void *y,
                       int y_bf16, int64_t n, int64_t n_valid, int64_t m_rows, int64_t k, int64_t g) {
     const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8;
     for (int64_t r = n; r < n + ROWS && r < n_valid; ++r)
         for (int64_t m = 0; m < m_rows; ++m) {
-            float tot = 0.0f;
+            float tot[2] = {0.0f, 0.0f};  /* even and odd groups */
             for (int64_t grp = 0; grp < groups; ++grp) {
                 const int64_t c = grp * g / chunk, e0 = grp * g - c * chunk;  /* e0: the group's start in the chunk */
                 int32_t isum = 0;
@@ -397,9 +450,9 @@ static void row_block(const int32_t *codes, const uint16_t *sz, qx_t x, void *y,
                 }
                 const uint16_t *p = sz + ((r / ROWS) * groups + grp) * 2 * ROWS;
                 const int32_t dot = isum - (int32_t)half_to_float(p[ROWS + r % ROWS]) * x.xqsum[m * groups + grp];
-                tot = fmaf((float)dot, half_to_float(p[r % ROWS]) * x.sx[m * groups + grp], tot);
+                tot[grp & 1] = fmaf((float)dot, half_to_float(p[r % ROWS]) * x.sx[m * groups + grp], tot[grp & 1]);
             }
-            store_y(y, y_bf16, m * n_valid + r, tot);
+            store_y(y, y_bf16, m * n_valid + r, tot[0] + tot[1]);
         }
 }
 #endif
