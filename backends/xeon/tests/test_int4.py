@@ -246,7 +246,8 @@ def test_portable_c_path_gives_the_same_bits_as_avx2(group_size) -> None:
             continue
         qt = random_int4(37, k, group_size, negative_scales=True, asymmetric=True)
         lin = prepare_int4(qt, torch.float32, calibrate=False)
-        for m, dtype in ((1, torch.float32), (1, torch.bfloat16), (5, torch.float32), (16, torch.bfloat16)):
+        for m, dtype in ((1, torch.float32), (1, torch.bfloat16), (2, torch.float32), (2, torch.bfloat16), (5, torch.float32),
+                         (16, torch.bfloat16)):
             x = torch.randn(m, k).to(dtype)
             x.view(m, -1, group_size)[:, 0, 3] *= 100
             y = torch.empty(m, 37, dtype=dtype)

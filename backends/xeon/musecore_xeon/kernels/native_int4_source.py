@@ -345,6 +345,78 @@ static inline __attribute__((always_inline)) void gemv_rows(
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(tot), sum));
 }
 
+/* Two activation rows (M = 2), g >= 64: the GEMV with each word's 4 code pairs decoded once and multiplied into
+   both activation rows (8 accumulators: 4 rows x 2 activations, named variables), flushed in pairs of groups like
+   the GEMV. The same integer sums and float operations as gemm_rows (the same bits); M = 2 used to cost ~2x M = 1
+   through the L1 decode buffer. */
+static inline __attribute__((always_inline)) void gemv2_rows(
+        const int32_t *codes, const uint16_t *sz, qx_t x, float out0[ROWS], float out1[ROWS], int64_t n, int64_t k,
+        const int64_t g) {
+    const int64_t kw = k / 8, groups = k / g, words = g / 8, vecs = words / 8;
+    const int64_t block_bytes = ROWS * kw * 4, prefetch_words = ROWS * kw * ((PREFETCH_BYTES + block_bytes - 1) / block_bytes);
+    const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+    const uint16_t *szr = sz + (n / ROWS) * groups * 2 * ROWS;
+    const qx_t x1q = qx_row(x, 1, k, g);
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a02 = a00, a03 = a00;  /* activation row 0, rows 0..3 of W */
+    __m256i a10 = a00, a11 = a00, a12 = a00, a13 = a00;                     /* activation row 1 */
+    __m256i held0 = a00, held1 = a00;
+    __m256 tot0 = _mm256_setzero_ps(), tot1 = tot0;
+    const int32_t *block = codes + n * kw;
+#define PAIR_STEP(J, S0, S1) {                                                                                 \
+        const __m256i p_ = NIB_PAIR(w, J);                                                                     \
+        S0 = _mm256_add_epi32(S0, _mm256_madd_epi16(p_, _mm256_loadu_si256((const __m256i *)(xa + 16 * (J))))); \
+        S1 = _mm256_add_epi32(S1, _mm256_madd_epi16(p_, _mm256_loadu_si256((const __m256i *)(xb + 16 * (J))))); \
+    }
+#define ROW2_STEP(R, ACC0, ACC1) {                                                                             \
+        const int32_t *src = block + (c * ROWS + (R)) * words + v * 8;                                         \
+        const __m256i w = _mm256_loadu_si256((const __m256i *)src);                                            \
+        _mm_prefetch((const char *)(src + prefetch_words), _MM_HINT_T0);                                       \
+        __m256i s0 = _mm256_madd_epi16(NIB_PAIR(w, 0), _mm256_loadu_si256((const __m256i *)xa)),              \
+                s1 = _mm256_madd_epi16(NIB_PAIR(w, 0), _mm256_loadu_si256((const __m256i *)xb));              \
+        PAIR_STEP(1, s0, s1) PAIR_STEP(2, s0, s1) PAIR_STEP(3, s0, s1)                                         \
+        ACC0 = _mm256_add_epi32(ACC0, s0);                                                                     \
+        ACC1 = _mm256_add_epi32(ACC1, s1);                                                                     \
+        __asm__("" : "+x"(ACC0), "+x"(ACC1));                                                                  \
+    }
+    for (int64_t c = 0; c < groups; ++c) {
+#pragma GCC unroll 1
+        for (int64_t v = 0; v < vecs; ++v) {
+            const int16_t *xa = x.xq + c * g + v * 64, *xb = x1q.xq + c * g + v * 64;
+            ROW2_STEP(0, a00, a10)
+            ROW2_STEP(1, a01, a11)
+            ROW2_STEP(2, a02, a12)
+            ROW2_STEP(3, a03, a13)
+        }
+        if (c % 2 == 0) {
+            held0 = transpose_sum4(a00, a01, a02, a03);
+            held1 = transpose_sum4(a10, a11, a12, a13);
+        } else {
+            tot0 = flush_pair(held0, transpose_sum4(a00, a01, a02, a03), szr + (c - 1) * 2 * ROWS, x.sx + c - 1,
+                              x.xqsum + c - 1, tot0);
+            tot1 = flush_pair(held1, transpose_sum4(a10, a11, a12, a13), szr + (c - 1) * 2 * ROWS, x1q.sx + c - 1,
+                              x1q.xqsum + c - 1, tot1);
+        }
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _mm256_setzero_si256();
+    }
+#undef ROW2_STEP
+#undef PAIR_STEP
+    __m128 sum0 = _mm256_extractf128_ps(tot0, 1), sum1 = _mm256_extractf128_ps(tot1, 1);
+    __m128 even0 = _mm256_castps256_ps128(tot0), even1 = _mm256_castps256_ps128(tot1);
+    if (groups % 2) {  /* an odd group count: the last (even) group alone, as flush4 */
+        const int64_t last = groups - 1;
+        __m128 s_; __m128i z_;
+        load_sz4(szr + last * 2 * ROWS, &s_, &z_);
+        const __m128i d0 = _mm_sub_epi32(_mm_add_epi32(_mm256_castsi256_si128(held0), _mm256_extracti128_si256(held0, 1)),
+                                         _mm_mullo_epi32(z_, _mm_set1_epi32(x.xqsum[last]))),
+                      d1 = _mm_sub_epi32(_mm_add_epi32(_mm256_castsi256_si128(held1), _mm256_extracti128_si256(held1, 1)),
+                                         _mm_mullo_epi32(z_, _mm_set1_epi32(x1q.xqsum[last])));
+        even0 = _mm_fmadd_ps(_mm_cvtepi32_ps(d0), _mm_mul_ps(s_, _mm_set1_ps(x.sx[last])), even0);
+        even1 = _mm_fmadd_ps(_mm_cvtepi32_ps(d1), _mm_mul_ps(s_, _mm_set1_ps(x1q.sx[last])), even1);
+    }
+    _mm_storeu_ps(out0, _mm_add_ps(even0, sum0));
+    _mm_storeu_ps(out1, _mm_add_ps(even1, sum1));
+}
+
 /* ROWS rows decoded once per chunk into an L1 buffer of int16 code pairs, then multiplied into the activation rows
    two at a time (8 accumulators: 4 rows x 2 activations), flushed per group like the GEMV. */
 static inline __attribute__((always_inline)) void gemm_rows(
@@ -412,6 +484,14 @@ static inline __attribute__((always_inline)) void row_block_g(
         gemv_rows(codes, sz, x, out, n, k, g);
         for (int r = 0; r < ROWS; ++r)
             if (n + r < n_valid) store_y(y, y_bf16, n + r, out[r]);
+        return;
+    }
+    if (m_rows == 2 && g >= 64) {
+        float out[2][ROWS];
+        gemv2_rows(codes, sz, x, out[0], out[1], n, k, g);
+        for (int m = 0; m < 2; ++m)
+            for (int r = 0; r < ROWS; ++r)
+                if (n + r < n_valid) store_y(y, y_bf16, m * n_valid + n + r, out[m][r]);
         return;
     }
     for (int64_t m = 0; m < m_rows; m += 16) {
