@@ -448,17 +448,21 @@ static inline __attribute__((always_inline)) void gemm_rows(
             for (int64_t m = 0; m < m_rows; m += 2) {
                 const int pair = m + 1 < m_rows;
                 const int16_t *x0 = x.xq + m * k + c * chunk + h * g, *x1 = pair ? x0 + k : x0;
-                __m256i acc0[ROWS], acc1[ROWS];
-                for (int r = 0; r < ROWS; ++r) acc0[r] = acc1[r] = _mm256_setzero_si256();
+                /* named accumulators (arrays indexed in the row loop stayed on the stack) */
+                __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00,
+                        c13 = c00;
                 for (int64_t e = 0; e < g; e += 16) {
                     const __m256i a = _mm256_loadu_si256((const __m256i *)(x0 + e)),
                                   b = _mm256_loadu_si256((const __m256i *)(x1 + e));
-                    for (int r = 0; r < ROWS; ++r) {
-                        const __m256i d = _mm256_load_si256((const __m256i *)(dq[r] + h * g + e));
-                        acc0[r] = _mm256_add_epi32(acc0[r], _mm256_madd_epi16(d, a));
-                        acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(d, b));
+#define DQ_STEP(R, C0, C1) {                                                                   \
+                        const __m256i d = _mm256_load_si256((const __m256i *)(dq[R] + h * g + e)); \
+                        C0 = _mm256_add_epi32(C0, _mm256_madd_epi16(d, a));                   \
+                        C1 = _mm256_add_epi32(C1, _mm256_madd_epi16(d, b));                   \
                     }
+                    DQ_STEP(0, c00, c10) DQ_STEP(1, c01, c11) DQ_STEP(2, c02, c12) DQ_STEP(3, c03, c13)
+#undef DQ_STEP
                 }
+                const __m256i acc0[ROWS] = {c00, c01, c02, c03}, acc1[ROWS] = {c10, c11, c12, c13};
                 __m128 *t = tot[grp & 1];
                 t[m] = flush4(acc0[0], acc0[1], acc0[2], acc0[3], s, z, x.sx[m * groups + grp], x.xqsum[m * groups + grp], t[m]);
                 if (pair)
