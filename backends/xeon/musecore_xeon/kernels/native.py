@@ -21,12 +21,14 @@ zeros: one 16-byte load per group and block). 4 bytes per group, the same as PyT
 rounding error is at most ``sx/2 = max|x_group| * 2^-16``: no more than the bf16 rounding (2^-9 relative) of
 every element within 2^7 of the group's largest, the elements that carry the dot product. The inner loop is
 per 8 words (64 weights) and row 4 x (shift/AND, ``madd_epi16``, ``add_epi32``) into an int32 accumulator per
-group (|sum| <= 2 g 15 32767 < 2^31 for g <= 256); per group the 4 rows' sums are reduced, the zero term
-``z * sum(xq)`` is subtracted in int32 (exact; with the quantized sum, the result is exactly the dot product
+group (|sum| <= 2 g 15 32767 < 2^31 for g <= 256), one named variable per row (arrays stayed on the stack);
+groups are flushed in pairs: the 4 rows' sums transposed by unpack/add (no hadd), two groups in one vector, the
+zero term ``z * sum(xq)`` subtracted in int32 (exact; with the quantized sum, the result is exactly the dot product
 of the rounded activation with the exact weight ``(q - z) * s``; its error ``sum e (q - z)`` has a smaller
 variance than the ``sum e q`` left by an exact float sum of x: 21.5 vs 77.5 per term for codes spread over 0..15
 with z = 8), then one conversion and one FMA with ``s * sx`` into an
-fp32 total. The portable C path does the same integer sums and float operations (the same bits).
+fp32 total kept as even and odd groups (added at the end). M = 2 decodes each word once for both activation rows.
+The portable C path does the same integer sums and float operations (the same bits).
 
 The same codes feed the dense-tile path above the crossover M (``musecore_int4_dequant``: exact fp32 tiles
 for SGEMM), so there is one resident copy of the codes (0.53 byte/weight at g = 128).

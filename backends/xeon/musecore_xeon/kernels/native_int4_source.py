@@ -269,7 +269,7 @@ static inline __attribute__((always_inline)) __m256 flush_pair(__m256i da, __m25
 }
 
 /* One activation row, ROWS rows of W: per 8 words (64 weights) and row, 4 x (shift/AND, madd_epi16, add_epi32)
-   against the int16 activation, int32 accumulators per group, then flush4 per group. */
+   against the int16 activation, int32 accumulators per group, flushed two groups at a time (flush_pair). */
 static inline __attribute__((always_inline)) void gemv_rows(
         const int32_t *codes, const uint16_t *sz, qx_t x, float out[ROWS], int64_t n, int64_t k, const int64_t g) {
     const int64_t kw = k / 8, groups = k / g, chunk = chunk_of(g), words = chunk / 8, vecs = words / 8;
