@@ -315,9 +315,7 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(seed))
-    make_cache = getattr(model, "generation_cache", None)
-    cache = (make_cache(B, longest + max_new_tokens, kv_format=kv_format) if make_cache is not None
-             else model.new_cache(B, longest + max_new_tokens, kv_format=kv_format, static=model.wants_static_cache))
+    cache = model.generation_cache(B, longest + max_new_tokens, kv_format=kv_format)
     step_fn = None  # made after the prefill: a backend may capture the decode step (CUDA graphs)
     sample = lambda logits: model.ops.sample(logits, temperature, top_k, top_p, generator)  # noqa: E731
     fetch = _TokenFetch(B, torch.device(device))
