@@ -208,6 +208,10 @@ class Int4Linear:
 
     def run_small_m(self, x2d: torch.Tensor) -> torch.Tensor:
         """The small-M kernel; returns ``x2d``'s dtype for bf16/fp32 input (bf16 for the int4pack kernel)."""
+        gemv = self.gemv
+        if gemv is not None and gemv.codes is self.codes and x2d.is_contiguous() \
+                and (x2d.dtype is torch.bfloat16 or x2d.dtype is torch.float32):
+            return gemv.call(x2d)  # the bound native GEMV, checked first: each Python step costs ~0.2-0.5 us here
         if self.kernel == "int4pack":
             return self.run_int4pack(x2d)
         if x2d.dtype not in (torch.bfloat16, torch.float32) or not x2d.is_contiguous():
@@ -215,7 +219,7 @@ class Int4Linear:
         gemv = self.gemv
         if gemv is None or gemv.codes is not self.codes:  # bound once (the codes of a native weight never change)
             gemv = self.gemv = native.Int4Gemv(self.codes, self.scale_zero, self.group_size, self.out_features)
-        return gemv(x2d)
+        return gemv.call(x2d)
 
     def build_int4pack(self, codes: Optional[torch.Tensor] = None) -> None:
         """PyTorch's packing of the same codes (rows padded to :data:`PACK_ROWS`), bf16 scales/zeros."""
@@ -295,7 +299,7 @@ class Int4Linear:
         gemv = self.gemv
         if gemv is not None and (self.crossover is None or x.numel() < self.crossover * self.in_features) \
                 and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and x.is_contiguous():
-            return gemv(x)  # the decode path: any leading dims, no reshape (~1-4 us of the per-call cost)
+            return gemv.call(x)  # the decode path: any leading dims, no reshape
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_small_m(x2d)
         return restore_shape(y, x, self.out_features)

@@ -57,10 +57,12 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import torch
 
+from musecore_xeon.kernels import binding
 from musecore_xeon.kernels.native_int4_source import INT4_SOURCE
 from musecore_xeon.kernels.native_ops_source import OPS_SOURCE
 
@@ -233,18 +235,28 @@ class Int4WeightArgs(ctypes.Structure):
                 ("n_rows", ctypes.c_int64), ("n_valid", ctypes.c_int64)]
 
 
+def int4_binding() -> Optional[ModuleType]:
+    """The CPython extension that calls the bound GEMV (:mod:`musecore_xeon.kernels.binding`), or None: then
+    :class:`Int4Gemv` calls it through ctypes."""
+    lib = load()
+    if lib is None:
+        return None
+    return binding.load(cache_dir(), ctypes.cast(lib.musecore_int4_linear, ctypes.c_void_p).value)
+
+
 class Int4Gemv:
     """:func:`int4_gemv` bound to one weight: the layout is checked and the pointers and shape packed into a C
-    struct once, so a call costs a dtype/contiguity check, one ``torch.empty`` and a 5-argument ctypes call
-    (~4-5 us of Python per call; decode makes ~100 of these per token). ``x`` may have any leading dims (no
-    reshape: the output is allocated in ``x``'s shape). The thread count is PyTorch's, read in C
-    (``omp_get_max_threads`` of the shared libgomp). The weight tensors must stay alive and unmoved (the owner
-    keeps them).
+    struct once. A call goes through the CPython extension of :mod:`~musecore_xeon.kernels.binding` (tensor
+    checks, ``at::empty``, the kernel: ~2 us around it) or, where that cannot be built, through ctypes (a
+    dtype/contiguity check, one ``torch.empty`` and a 5-argument ctypes call: ~9-14 us around it in the benchmark's
+    sequence on the 2-core EPYC). ``x`` may have any leading dims (no reshape: the output is allocated in ``x``'s
+    shape). The thread count is PyTorch's, read in C (``omp_get_max_threads`` of the shared libgomp). The weight
+    tensors must stay alive and unmoved (the owner keeps them).
 
     Example::
 
         gemv = Int4Gemv(lin.codes, lin.scale_zero, 128, lin.out_features)
-        y = gemv(x_bf16)                      # [..., M, N]
+        y = gemv(x_bf16)                      # [..., M, N]; gemv.call(x_bf16) skips one Python frame
     """
 
     def __init__(self, codes: torch.Tensor, scale_zero: torch.Tensor, group_size: int, out_features: int) -> None:
@@ -262,8 +274,16 @@ class Int4Gemv:
                                    codes.shape[0], out_features)
         self.args_ptr = ctypes.addressof(self.args)
         self.fn = lib.musecore_int4_linear
+        fast = int4_binding()
+        # the hot call: the extension's METH_FASTCALL function with this weight's address bound (a C-level partial)
+        self.call = functools.partial(fast.int4_linear, self.args_ptr) if fast is not None else self.call_ctypes
+        self.binding = "extension" if fast is not None else "ctypes"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(x)
+
+    def call_ctypes(self, x: torch.Tensor) -> torch.Tensor:
+        """The same call through ctypes (without the extension; tests compare both)."""
         dtype, shape, k, n = x.dtype, x.shape, self.in_features, self.out_features
         if (dtype is not torch.bfloat16 and dtype is not torch.float32) or shape[-1] != k or not x.is_contiguous():
             raise ValueError(f"int4_gemv: x must be a contiguous bf16/fp32 [..., {k}] tensor; got "

@@ -1,0 +1,187 @@
+"""The bound INT4 GEMV called from Python without ctypes: a small CPython extension (C++, PyTorch's headers) that
+takes ``x``, allocates ``y`` with ``at::empty`` and calls the C kernel (``musecore_int4_linear``) by its address.
+
+Why: at decode sizes the call around the kernel cost as much as the kernel. Measured on the 2-core EPYC in the
+benchmark's sequence (each INT4 call after a BF16 ``F.linear`` and the dense-tile call, so caches are cold for the
+Python and PyTorch code too), 768x512, 2 threads, medians: the kernel 8.8 us inside C (fork/join ~1 us of it), the
+ctypes call ~2-3 us plus 2.5 us of argument conversion, ``torch.empty`` from Python 4.5-6 us, the Python checks and
+frames ~2 us: 19-23 us per call. Through this extension (one METH_FASTCALL function: unpack the tensor, check it,
+``at::empty``, release the GIL, call) the same call takes 10.4-11 us.
+
+Build: the C++ compiler (``$CXX``, ``c++`` or ``g++``) with PyTorch's and Python's headers, linked against
+``libtorch_python`` (~17 s, once; the shared object is cached beside the C kernels, keyed by a hash of the
+source, the flags, the PyTorch and Python versions). When it cannot be built (no C++ compiler, no ``Python.h``,
+headers missing from the PyTorch install) a RuntimeWarning gives the reason and the GEMV is called through ctypes
+(same results, ~7 us more per call); ``MUSECORE_XEON_BINDING=0`` chooses ctypes explicitly.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+BINDING_ENV = "MUSECORE_XEON_BINDING"
+MODULE_NAME = "musecore_xeon_binding"
+
+BINDING_SOURCE = r"""
+#include <Python.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+/* int4_weight_t of the C source (native_int4_source.py); the Python side passes the address of its ctypes copy. */
+typedef struct { const void *codes; const void *sz; int64_t k, g, n_rows, n_valid; } int4_weight_t;
+typedef void (*int4_linear_fn)(const int4_weight_t *, const void *, void *, int64_t, int);
+static int4_linear_fn int4_linear_kernel;
+
+static PyObject *set_kernel(PyObject *, PyObject *address) {
+    int4_linear_kernel = (int4_linear_fn)PyLong_AsVoidPtr(address);
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+}
+
+/* int4_linear(weight_address, x) -> y [..., n_valid] in x's dtype: the checks of Int4Gemv's ctypes path, one
+   at::empty, and the kernel with the GIL released (as ctypes does). */
+static PyObject *int4_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "int4_linear(weight_address, x) takes 2 arguments; got %zd", nargs);
+        return nullptr;
+    }
+    if (int4_linear_kernel == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "int4_linear: set_kernel() was not called with the kernel's address");
+        return nullptr;
+    }
+    const int4_weight_t *w = (const int4_weight_t *)PyLong_AsVoidPtr(args[0]);
+    if (w == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "int4_linear: the weight address is null");
+        return nullptr;
+    }
+    if (!THPVariable_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "int4_linear: x must be a torch.Tensor; got %s", Py_TYPE(args[1])->tp_name);
+        return nullptr;
+    }
+    try {
+        const at::Tensor &x = THPVariable_Unpack(args[1]);
+        const at::ScalarType dtype = x.scalar_type();
+        const bool bf16 = dtype == at::kBFloat16;
+        if ((!bf16 && dtype != at::kFloat) || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) != w->k
+                || !x.is_contiguous()) {
+            const std::string got = std::string(c10::toString(dtype)) + " " + c10::str(x.sizes()) + " on "
+                                    + x.device().str() + " (contiguous=" + (x.is_contiguous() ? "True" : "False") + ")";
+            PyErr_Format(PyExc_ValueError, "int4_gemv: x must be a contiguous bf16/fp32 CPU [..., %lld] tensor; got %s",
+                         (long long)w->k, got.c_str());
+            return nullptr;
+        }
+        c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
+        sizes.back() = w->n_valid;
+        at::Tensor y = at::empty(sizes, x.options());
+        const int64_t m = x.numel() / w->k;
+        const void *xp = x.const_data_ptr();
+        void *yp = y.mutable_data_ptr();
+        Py_BEGIN_ALLOW_THREADS
+        int4_linear_kernel(w, xp, yp, m, bf16);
+        Py_END_ALLOW_THREADS
+        return THPVariable_Wrap(std::move(y));
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
+}
+
+static PyMethodDef methods[] = {
+    {"int4_linear", (PyCFunction)(void (*)(void))int4_linear, METH_FASTCALL, "y = x @ W.T for a bound INT4 weight"},
+    {"set_kernel", set_kernel, METH_O, "the address of musecore_int4_linear"},
+    {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, "musecore_xeon_binding", nullptr, -1, methods};
+PyMODINIT_FUNC PyInit_musecore_xeon_binding(void) { return PyModule_Create(&module); }
+"""
+
+UNAVAILABLE: list[str] = []  # why the GEMV is called through ctypes, once known
+
+
+def disabled() -> bool:
+    return os.environ.get(BINDING_ENV, "").strip().lower() in ("0", "off", "no", "false", "ctypes")
+
+
+def cxx_compiler() -> Optional[str]:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def build_command(cxx: str, source: Path, target: Path) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    include = torch_dir / "include"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
+            "-o", str(target), str(source), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch_python",
+            f"-Wl,-rpath,{torch_dir / 'lib'}"]
+
+
+def build(cache_dir: Path) -> Optional[Path]:
+    """The extension's shared object (cached under ``cache_dir``), or None without a C++ compiler or ``Python.h``.
+    Raises ``OSError`` / ``SubprocessError`` when the build fails."""
+    cxx = cxx_compiler()
+    if cxx is None:
+        return None
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return None
+    key = BINDING_SOURCE + " ".join(build_command(cxx, Path("s"), Path("t"))) + torch.__version__ + sys.version
+    target = cache_dir / f"binding-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, obj = Path(tmp) / "binding.cpp", Path(tmp) / "binding.so"
+            src.write_text(BINDING_SOURCE)
+            subprocess.run(build_command(cxx, src, obj), check=True, capture_output=True, timeout=600)
+            os.replace(obj, target)  # atomic: concurrent processes never load a half-written file
+    return target
+
+
+def _unavailable(reason: str) -> None:
+    UNAVAILABLE.append(reason)
+    warnings.warn(f"musecore-xeon: {reason}; the INT4 GEMV is called through ctypes (same results, ~7 us more per "
+                  f"call). Set {BINDING_ENV}=0 to choose that explicitly.", RuntimeWarning, stacklevel=3)
+
+
+@functools.cache
+def load(cache_dir: Path, kernel_address: int) -> Optional[ModuleType]:
+    """The extension calling the C kernel at ``kernel_address`` (``musecore_int4_linear``), or None (disabled, no
+    compiler or headers, or the build failed: announced once). Called by
+    :func:`musecore_xeon.kernels.native.binding`.
+
+    Example::
+
+        fast = load(native.cache_dir(), ctypes.cast(lib.musecore_int4_linear, ctypes.c_void_p).value)
+        y = fast.int4_linear(ctypes.addressof(weight_args), x_bf16)
+    """
+    if disabled():
+        UNAVAILABLE.append(f"disabled by {BINDING_ENV}")
+        return None
+    try:
+        target = build(cache_dir)
+        if target is None:
+            _unavailable("no C++ compiler or no Python.h to build the INT4 GEMV binding")
+            return None
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, target)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (OSError, ImportError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", b"") or b""
+        _unavailable(f"building/loading the INT4 GEMV binding failed ({type(err).__name__}: {err} "
+                     f"{detail.decode(errors='replace')[-500:]})")
+        return None
+    module.set_kernel(kernel_address)
+    return module
