@@ -3,9 +3,10 @@
 What is native here, and why (``supports`` answers from this table, never optimistically):
 
 * NVFP4 / MXFP4 weights with 16-bit activations (W4A16): FP4 is upcast in registers and fed to
-  bf16/fp16 tensor cores. Decode (M <= 16 bf16, M <= 2 fp16) runs CUDA C++ kernels compiled with
-  NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`), mid-size M the Triton GEMM, and large M a
-  bf16 copy of the weight made per call and cuBLAS (thresholds measured: ``fp4_linear_path``). Run and measured on SM90
+  bf16/fp16 tensor cores. Decode (M < 16 bf16, M <= 2 fp16) and mid-size M (bf16) run CUDA C++
+  kernels compiled with NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`, ``fp4_gemm_cuda``), large M
+  a bf16 copy of the weight made per call and cuBLAS, fp16 beyond decode the Triton GEMM (thresholds
+  measured: ``fp4_linear_path``). Run and measured on SM90
   (H200); on SM100 the same kernels would run but have not been, so they are reported as emulated.
 * W4A4 (FP4 activations): needs FP4 tensor cores. SM90 has none, and no SM100 kernel exists
   here, so it is ``no``: a caller wanting those numerics should use the reference backend's
@@ -29,7 +30,7 @@ from musecore.ops import reference as ref
 from musecore_cuda.kernels import attention as _attention
 from musecore_cuda.kernels import norms as _norms
 from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
-from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
 from musecore_cuda.kernels.moe import moe_forward
 from musecore_cuda.fp8 import Fp8Resident, fp8_linear, prepare_fp8
 from musecore_cuda.layouts import Fp4Resident, prepare_fp4, share_fold
@@ -39,12 +40,9 @@ DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 SM_DEVICES = {9: ["h200", "h100"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
-# From this many rows dequantize + cuBLAS beats the Triton W4A16 GEMM; from DEQUANT_SMALL_MIN_M already
-# for weights of at most DEQUANT_SMALL_WEIGHTS elements (their dequantize pass is short). H200,
-# benchmarks/results/cuda_linear.json: at M=32-64 2048x8192 and 1024x8192 weights run 0.51-0.64x
-# dequantized vs 0.37-0.55x tiled; 10240x8192 ones 0.39-0.44x vs 0.43-0.55x.
-DEQUANT_MIN_M, DEQUANT_SMALL_MIN_M, DEQUANT_SMALL_WEIGHTS = 128, 32, 2048 * 8192
-
+# The tiled CUDA GEMM (fp4_gemm_cuda) from GEMM_MIN_M rows up to DEQUANT_MIN_M, from where dequantize +
+# cuBLAS wins (H200, benchmarks/results/cuda_gemm_sweep.json).
+GEMM_MIN_M, DEQUANT_MIN_M = 16, 128
 
 def _format_of(weight: WeightIn) -> str:
     if isinstance(weight, torch.Tensor):
@@ -68,6 +66,8 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
         y = fp4_decode_linear(x2, w, path)
     elif path == "dequant":
         y = fp4_dequant_linear(x2, w)
+    elif path == "gemm":
+        y = fp4_gemm_linear(x2, w)
     else:
         y = fp4_tiled_linear(x2, w)
     return y.reshape(*lead, w.out_features)
@@ -75,15 +75,13 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
 
 def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int) -> str:
     """Which kernel ``fp4_linear`` runs for ``m`` rows against a weight of ``weights`` elements: "mma" /
-    "fma" (CUDA C++ decode kernels), "dequant" (bf16 copy + cuBLAS) or "tiled" (Triton W4A16 GEMM;
-    also without NVRTC)."""
+    "fma" (CUDA C++ decode kernels), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
+    "tiled" (Triton W4A16 GEMM: fp16 activations beyond the decode kernels, or no NVRTC)."""
     if not fp4_gemv_cuda.available(device):
         return "tiled"
-    kind = fp4_gemv_cuda.kind_for(m, dtype)
-    if kind:
-        return kind
-    big_m = m >= DEQUANT_MIN_M or (m >= DEQUANT_SMALL_MIN_M and weights <= DEQUANT_SMALL_WEIGHTS)
-    return "dequant" if dtype == torch.bfloat16 and big_m else "tiled"
+    if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
+        return "dequant" if m >= DEQUANT_MIN_M else "gemm"
+    return fp4_gemv_cuda.kind_for(m, dtype) or "tiled"
 
 
 def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
@@ -98,6 +96,13 @@ def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
                              out=dense)
     return F.linear(x2, dense)
+
+
+def fp4_gemm_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
+    """2-D ``x2 @ W.T`` (bf16) through the CUDA C++ tiled tensor-core GEMM."""
+    out = torch.empty(x2.shape[0], w.out_features, dtype=x2.dtype, device=x2.device)
+    return fp4_gemm_cuda.launch(x2, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2,
+                                n=w.out_features, k=w.in_features, out=out)
 
 
 def fp4_decode_linear(x2: torch.Tensor, w: Fp4Resident, kind: str) -> torch.Tensor:

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_linear, fp4_linear_path,
-                                   fp4_tiled_linear)
+from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear, fp4_linear,
+                                   fp4_linear_path, fp4_tiled_linear)
 from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
 from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.kernels.moe import use_gemv
@@ -120,11 +120,13 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
                 path = fp4_linear_path(m, x.dtype, x.device, n * k)
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
                 if fmt == "nvfp4":  # the other paths at the same M, for comparison
-                    others = {"tiled": fp4_tiled_linear, "dequant": fp4_dequant_linear}
+                    others = {"tiled": fp4_tiled_linear, "dequant": fp4_dequant_linear, "gemm": fp4_gemm_linear}
                     if path == "mma" and m <= fp4_gemv_cuda.FMA_MAX_M:
                         others["fma"] = functools.partial(fp4_decode_linear, kind="fma")
                     if path in ("mma", "fma"):
                         others.pop("dequant")
+                    if m < 8:
+                        others.pop("gemm")
                     others.pop(path, None)
                     for other, fn in others.items():
                         t = time_us(_cycle(ws, lambda w: fn(x, w))) / len(ws)
