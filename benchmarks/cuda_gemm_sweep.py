@@ -39,9 +39,9 @@ def gemm(x, w, n, k, plan):
 def candidates(m: int, n: int, k: int) -> list[fp4_gemm_cuda.GemmPlan]:
     chosen = fp4_gemm_cuda.make_plan(m, n, k, torch.device("cuda"))
     plans = {chosen}
-    for tile, split, stages in itertools.product((1, 2), range(1, 9), (2, 3)):
+    for tile, split in itertools.product((1, 2), range(1, 9)):
         if k // fp4_gemm_cuda.CHUNK_K // split >= 4:
-            plans.add(dataclasses.replace(chosen, tile=tile, split=split, stages=stages, prefetch=1))
+            plans.add(dataclasses.replace(chosen, tile=tile, split=split))
     return [chosen] + sorted(plans - {chosen}, key=lambda p: (p.tile, p.split, p.stages, p.prefetch))
 
 
