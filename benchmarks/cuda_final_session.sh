@@ -3,7 +3,7 @@
 # case (linear over the full M sweep, MoE, attention, e2e), the native h200 matrix row and a generate.
 #   device run: bash benchmarks/cuda_final_session.sh   (carry: .whl)
 # Outputs under $OUT (copy them to benchmarks/results/): cuda_gpu_tests.log, cuda_{linear,moe,attention,e2e}.json,
-# cuda_bench.txt (the tables), matrix_h200_native.json.
+# cuda_bench.txt (the tables), matrix_h200_native.json, cuda_gemm_sweep.json (the tiled GEMM's cuts).
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -16,6 +16,8 @@ for case in linear moe e2e attention; do
     --out-dir "$OUT" >> "$OUT/cuda_bench.txt" 2>&1
 done
 grep -A12 "== moe\|== e2e" "$OUT/cuda_bench.txt"
+timeout ${SWEEP_S:-150} python3 benchmarks/cuda_gemm_sweep.py --ms 16,32,64,128 \
+  --shapes q_proj,k_proj,o_proj,expert_down,expert_up --out "$OUT/cuda_gemm_sweep.json" 2>&1 | cut -c1-200
 timeout ${MATRIX_S:-90} python3 -m musecore.cli matrix --rows h200 --tokens 4096 --op-sizes '' --json \
   > "$OUT/matrix_h200_native.json" 2> "$OUT/matrix.err"; tail -2 "$OUT/matrix.err"
 timeout 60 python3 -m musecore.cli generate --device h200 --prompt "def fibonacci(n):" --max-new-tokens 48 2>&1 | tail -4
