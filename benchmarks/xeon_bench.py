@@ -4,7 +4,8 @@
     python benchmarks/xeon_bench.py --cases linear --ms 1 8 64 --shapes 4096x8192
     python benchmarks/xeon_bench.py --cases e2e --presets muse-tiny muse-small
 
-The host's load average is recorded before and after: on a shared machine the numbers move with it.
+The host's load average is recorded before and after: on a shared machine the numbers move with it. The memory
+ceiling is measured at the start and again at the end; ``pct_memory_ceiling`` is against the higher of the two.
 """
 
 from __future__ import annotations
@@ -76,12 +77,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {case} ({time.perf_counter() - start:.0f} s)")
         print_table(case_rows)
         rows.extend(case_rows)
+    # the ceiling again at the end: on a shared host one measurement can land in a busy phase (a 2-thread run once
+    # measured 22.8 GB/s against 32-36 in the runs around it, and reported INT4 at 103-121% of it); the higher of the
+    # two is the ceiling, and every row's percentage is rescaled to it (never raised)
+    bandwidth_after = memory_bandwidth_gbs.__wrapped__()
+    ceiling = max(bandwidth["ceiling_gbs"], bandwidth_after["ceiling_gbs"])
+    for row in rows:
+        if row.get("pct_memory_ceiling") is not None:
+            row["pct_memory_ceiling"] *= bandwidth["ceiling_gbs"] / ceiling
+    print(f"\nmemory at the end: copy {bandwidth_after['copy_gbs']:.1f} GB/s, read {bandwidth_after['read_gbs']:.1f} GB/s; "
+          f"ceiling used for pct_memory_ceiling: {ceiling:.1f} GB/s (the higher of start and end)")
+    if ceiling != bandwidth["ceiling_gbs"]:
+        print_table([r for r in rows if r["case"] == "linear" and r["M"] == 1])
     crossovers = [c.table() for c in calibrations()]
     print("\n== measured crossovers\n" + "\n".join(crossovers))
     report = {"machine": {"cpu": cpu.summary(), "isa_tier": cpu.isa_tier, "threads": threads,
                           "torch": torch.__version__, "python": platform.python_version(),
                           "load_average_before": load_before, "load_average_after": os.getloadavg()},
-              "memory_bandwidth_gbs": bandwidth, "crossovers": crossovers, "command": " ".join(sys.argv),
+              "memory_bandwidth_gbs": {**bandwidth, "ceiling_gbs": ceiling, "ceiling_at_start_gbs": bandwidth["ceiling_gbs"]},
+              "memory_bandwidth_at_end_gbs": bandwidth_after, "crossovers": crossovers, "command": " ".join(sys.argv),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1, default=str))

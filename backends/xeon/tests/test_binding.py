@@ -80,3 +80,12 @@ def test_binding_env_chooses_ctypes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gemv.binding == "ctypes"
     x = torch.randn(2, 512, dtype=torch.bfloat16)
     assert torch.equal(gemv(x), gemv.call_ctypes(x))
+
+
+@needs_native
+def test_without_a_cxx_compiler_the_gemv_goes_through_ctypes_with_a_warning(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv(binding.BINDING_ENV, raising=False)
+    monkeypatch.setattr(binding, "cxx_compiler", lambda: None)
+    address = ctypes.cast(native.load().musecore_int4_linear, ctypes.c_void_p).value
+    with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler .* called through ctypes"):
+        assert binding.load.__wrapped__(tmp_path, address) is None

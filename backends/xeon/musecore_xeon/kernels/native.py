@@ -1,5 +1,6 @@
 """The INT4 kernels in C: a GEMV / skinny GEMM for small M and the dense-tile dequantizer, compiled at
-first use and called through ctypes (the C source is in :mod:`native_int4_source`).
+first use and called through ctypes (the C source is in :mod:`native_int4_source`), except the bound GEMV of
+:class:`Int4Gemv`, called through the CPython extension of :mod:`musecore_xeon.kernels.binding`.
 
 Why: PyTorch's ``_weight_int4pack_mm_for_cpu`` is compute-bound on AVX2 (~6 Gweights/s per core, 15-20%
 of the memory bandwidth at M=1 on the 2-core EPYC), and so was a float GEMV (int -> float conversion per
