@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .whl/*.whl \
   -e ./quant -e . -e ./backends/cuda 2>&1 | grep -v -i warning | tail -3
-timeout ${TEST_S:-170} python3 -m pytest -q -m gpu -p no:cacheprovider backends/cuda/tests 2>&1 \
+timeout ${TEST_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider backends/cuda/tests 2>&1 \
   | tee "$OUT/cuda_gpu_tests.log" | tail -3
 for case in linear moe e2e attention; do
   timeout ${BENCH_S:-150} python3 benchmarks/cuda_bench.py --cases $case --ms ${MS:-1,2,4,8,16,32,64,128,256,1024,4096} \
