@@ -6,7 +6,7 @@ benchmark's sequence (each INT4 call after a BF16 ``F.linear`` and the dense-til
 Python and PyTorch code too), 768x512, 2 threads, medians: the kernel 8.8 us inside C (fork/join ~1 us of it), the
 ctypes call ~2-3 us plus 2.5 us of argument conversion, ``torch.empty`` from Python 4.5-6 us, the Python checks and
 frames ~2 us: 19-23 us per call. Through this extension (one METH_FASTCALL function: unpack the tensor, check it,
-``at::empty``, release the GIL, call) the same call takes 10.4-11 us.
+``at::empty``, release the GIL, call) the same call takes 10.4-11.7 us.
 
 Build: the C++ compiler (``$CXX``, ``c++`` or ``g++``) with PyTorch's and Python's headers, linked against
 ``libtorch_python`` (~17 s, once; the shared object is cached beside the C kernels, keyed by a hash of the
@@ -125,7 +125,8 @@ def build_command(cxx: str, source: Path, target: Path) -> list[str]:
     include = torch_dir / "include"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
+            f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}",
             "-o", str(target), str(source), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch_python",
             f"-Wl,-rpath,{torch_dir / 'lib'}"]
 
@@ -160,7 +161,8 @@ def _unavailable(reason: str) -> None:
 def load(cache_dir: Path, kernel_address: int) -> Optional[ModuleType]:
     """The extension calling the C kernel at ``kernel_address`` (``musecore_int4_linear``), or None (disabled, no
     compiler or headers, or the build failed: announced once). Called by
-    :func:`musecore_xeon.kernels.native.binding`.
+    :func:`musecore_xeon.kernels.native.int4_binding` (one kernel per process: the address is a global of the
+    extension).
 
     Example::
 
