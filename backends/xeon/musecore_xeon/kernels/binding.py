@@ -18,20 +18,20 @@ headers missing from the PyTorch install) a RuntimeWarning gives the reason and 
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
 import torch
+
+from musecore_xeon.kernels.compile import compile_cached
 
 BINDING_ENV = "MUSECORE_XEON_BINDING"
 MODULE_NAME = "musecore_xeon_binding"
@@ -139,16 +139,9 @@ def build(cache_dir: Path) -> Optional[Path]:
         return None
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         return None
-    key = BINDING_SOURCE + " ".join(build_command(cxx, Path("s"), Path("t"))) + torch.__version__ + sys.version
-    target = cache_dir / f"binding-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, obj = Path(tmp) / "binding.cpp", Path(tmp) / "binding.so"
-            src.write_text(BINDING_SOURCE)
-            subprocess.run(build_command(cxx, src, obj), check=True, capture_output=True, timeout=600)
-            os.replace(obj, target)  # atomic: concurrent processes never load a half-written file
-    return target
+    key = " ".join(build_command(cxx, Path("s"), Path("t"))) + torch.__version__ + sys.version
+    return compile_cached(cache_dir, "binding", BINDING_SOURCE, key, ".cpp",
+                          lambda src, obj: build_command(cxx, src, obj))
 
 
 def _unavailable(reason: str) -> None:

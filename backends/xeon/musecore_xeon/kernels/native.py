@@ -51,11 +51,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -64,6 +62,7 @@ from typing import Optional
 import torch
 
 from musecore_xeon.kernels import binding
+from musecore_xeon.kernels.compile import compile_cached
 from musecore_xeon.kernels.native_int4_source import INT4_SOURCE
 from musecore_xeon.kernels.native_ops_source import OPS_SOURCE
 
@@ -119,19 +118,11 @@ def compiler() -> Optional[str]:
 def build(flags: list[str]) -> Optional[Path]:
     """The shared object of :data:`SOURCE` compiled with ``flags`` (cached by a hash of both), or None without a
     compiler. Raises ``OSError`` / ``SubprocessError`` when the build fails."""
-    digest = hashlib.sha256((SOURCE + " ".join(flags) + " libs: -lm").encode()).hexdigest()[:16]
-    target = cache_dir() / f"int4-{digest}.so"
-    if not target.exists():
+    def command(src: Path, obj: Path) -> Optional[list[str]]:
         cc = compiler()
-        if cc is None:
-            return None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, obj = Path(tmp) / "int4.c", Path(tmp) / "int4.so"
-            src.write_text(SOURCE)
-            subprocess.run([cc, *flags, "-o", str(obj), str(src), "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(obj, target)  # atomic: concurrent processes never load a half-written file
-    return target
+        return None if cc is None else [cc, *flags, "-o", str(obj), str(src), "-lm"]
+
+    return compile_cached(cache_dir(), "int4", SOURCE, " ".join(flags) + " libs: -lm", ".c", command, timeout=120)
 
 
 def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
