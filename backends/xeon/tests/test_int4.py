@@ -117,6 +117,22 @@ def test_calibration_scans_down_from_the_largest_m_and_stops_at_the_first_kernel
     assert calibration.ms == (32, 64, 128, 256)  # 1..16 never timed: the scan stopped at 32
 
 
+def test_calibration_retimes_a_stalled_dense_path() -> None:
+    """The dense path stalls (5 ms instead of 1 ms) for its first warm-up + 3 timed calls: the kernel
+    (2 ms) seems to win at M=256, which would stop the scan and keep the kernel at every M. The close
+    call is timed again, so the dense path still wins at the largest M."""
+    calls = {"dense": 0}
+
+    def dense(x: torch.Tensor) -> None:
+        calls["dense"] += 1
+        time.sleep(5e-3 if calls["dense"] <= 4 else 1e-3)
+
+    calibration = measure_crossover("synthetic", 8, 8, lambda x: time.sleep(2e-3), dense, torch.float32,
+                                    ms=(128, 256))
+    print(calibration.table())
+    assert calibration.crossover == 128, calibration.table()
+
+
 def test_unsupported_int4_shapes_and_formats_raise_with_advice(xeon: XeonBackend) -> None:
     with pytest.raises(ValueError, match="group size 16"):
         prepare_int4(random_int4(128, 256, 16, negative_scales=False, asymmetric=False), torch.float32)

@@ -24,6 +24,7 @@ INT4_CROSSOVER_ENV = "MUSECORE_XEON_INT4_CROSSOVER"
 BF16_CROSSOVER_ENV = "MUSECORE_XEON_BF16_CROSSOVER"
 CALIBRATION_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROXY_MAX_ROWS = 1024
+RETIME_RATIO = 3.0  # a point where one path is within this factor of the other is timed twice
 
 _CACHE: dict[Hashable, "CrossoverCalibration"] = {}
 
@@ -107,14 +108,16 @@ def measure_crossover(kind: str, in_features: int, proxy_out_features: int,
 
     The scan stops at the first M where the kernel wins, which is all :func:`pick_crossover` needs
     (a win at every larger M), so a shape whose kernel wins at M=256 costs one point, not nine.
-    A dense win is timed again and each path keeps its best time: one stall of the kernel (another
-    process took the core) must not move the crossover.
+    Every point that is not a clear win (the two within ``RETIME_RATIO`` of each other) is timed
+    again and each path keeps its best time, whichever path won: one stall of either path (another
+    process took the core) must not move the crossover, and a stalled dense path must not stop the
+    scan early (the kernel would then run every M, far slower than BF16 at large M).
     """
     measured: list[tuple[int, float, float]] = []
     for m in sorted(ms, reverse=True):
         x = torch.randn(m, in_features, dtype=act_dtype)
         small, dense = time_us(lambda: small_m_path(x), repeats), time_us(lambda: dense_path(x), repeats)
-        if dense_wins(small, dense, dense_margin):
+        if max(small, dense) < RETIME_RATIO * min(small, dense):
             small = min(small, time_us(lambda: small_m_path(x), repeats))
             dense = min(dense, time_us(lambda: dense_path(x), repeats))
         measured.append((m, small, dense))
