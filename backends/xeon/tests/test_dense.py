@@ -10,7 +10,7 @@ from musecore.ops import reference as ref
 from musecore.ops import tolerance
 from musecore_xeon import XeonBackend
 from musecore_xeon.kernels.crossover import BF16_CROSSOVER_ENV
-from musecore_xeon.kernels.dense import bf16_crossover, prepare_dense
+from musecore_xeon.kernels.dense import DenseLinear, bf16_crossover, prepare_dense, tile_workspace
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -44,3 +44,15 @@ def test_bf16_crossover_is_measured_where_bf16_is_emulated(monkeypatch: pytest.M
 def test_dense_dtype_must_be_bf16_or_fp32() -> None:
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         prepare_dense(torch.randn(4, 4), torch.float16, native_bf16_dot=False)
+
+
+def test_tile_workspace_made_under_inference_mode_serves_calls_outside_it() -> None:
+    """Generation runs under inference mode; a model loaded afterwards calibrates outside it and
+    writes the same cached tile buffer (this raised 'Inplace update to inference tensor')."""
+    with torch.inference_mode():
+        tile_workspace(1 << 22, torch.float32)  # larger than any buffer cached so far: a new one
+    dense = DenseLinear(torch.randn(64, 256, dtype=torch.bfloat16))
+    x = torch.randn(4, 256)
+    assert_nmse(x @ dense.weight.float().T, dense.run_tiles(x), tolerance("linear"), "tiles after inference mode")
+    with torch.inference_mode():
+        assert_nmse(x @ dense.weight.float().T, dense.run_tiles(x), tolerance("linear"), "tiles inside it")

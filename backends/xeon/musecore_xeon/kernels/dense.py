@@ -46,11 +46,14 @@ def tile_workspace(numel: int, dtype: torch.dtype, slot: int = 0) -> torch.Tenso
     page (measured 170 us for an 8 MiB tile at K=2048, ~40% of the tile's dequantization), so the
     tiled paths keep their largest tile buffer per thread (at most one 8 MiB tile per dtype).
     Valid until the next call with the same key on this thread: callers use it within one call.
+    Always a normal tensor, even when first asked for under ``torch.inference_mode`` (generation):
+    an inference tensor could not be written by a later call outside it (loading a model calibrates).
     """
     buffers = _WORKSPACES.__dict__.setdefault("buffers", {})
     buf = buffers.get((dtype, slot))
     if buf is None or buf.numel() < numel:
-        buf = buffers[(dtype, slot)] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):
+            buf = buffers[(dtype, slot)] = torch.empty(numel, dtype=dtype)
     return buf
 
 
