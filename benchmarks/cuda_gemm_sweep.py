@@ -11,18 +11,14 @@ shape and M and saves every row as JSON::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import json
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import musecore_quant
-from cuda_gemv_sweep import nmse
+from cuda_gemv_sweep import nmse, sweep_main
 from musecore.ops import tolerance
 from musecore_cuda.backend import fp4_dequant_linear, fp4_linear, fp4_linear_path
 from musecore_cuda.bench import LINEAR_SHAPES, _cycle, _rotating, memory_ceiling_gbps, random_fp4, time_us
@@ -90,21 +86,5 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ms", default="16,32,64,128,256,1024")
-    parser.add_argument("--shapes", default=",".join(LINEAR_SHAPES))
-    parser.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cuda_gemm_sweep.json"))
-    args = parser.parse_args()
-    started = time.time()
-    rows = sweep([int(m) for m in args.ms.split(",")], args.shapes.split(","), args.format)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(time.time() - started),
-            **memory_ceiling_gbps()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    sweep_main(__doc__.splitlines()[0], "16,32,64,128,256,1024", "cuda_gemm_sweep.json", sweep)

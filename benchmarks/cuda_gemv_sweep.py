@@ -16,6 +16,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,15 +90,17 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ms", default="1,4,8")
+def sweep_main(description: str, default_ms: str, out_name: str,
+               run: Callable[[list[int], list[str], str], list[dict]]) -> None:
+    """The command line both sweeps share: ``--ms --shapes --format --out``, then the JSON with its meta."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--ms", default=default_ms)
     parser.add_argument("--shapes", default=",".join(LINEAR_SHAPES))
     parser.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cuda_gemv_sweep.json"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / out_name))
     args = parser.parse_args()
     started = time.time()
-    rows = sweep([int(m) for m in args.ms.split(",")], args.shapes.split(","), args.format)
+    rows = run([int(m) for m in args.ms.split(",")], args.shapes.split(","), args.format)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(time.time() - started), **memory_ceiling_gbps()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -105,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sweep_main(__doc__.splitlines()[0], "1,4,8", "cuda_gemv_sweep.json", sweep)

@@ -111,19 +111,25 @@ def test_cuda_decode_upcasts_every_code_exactly(fmt, kind):
     result may differ from the dequantized weight by an ulp); a flushed 0.5 or a lost sign is off by
     far more."""
     assert fp4_gemv_cuda.available(torch.device("cuda")), fp4_gemv_cuda.UNAVAILABLE
+    rows = 2 if kind == "fma" else 16
+    _check_every_code(fmt, rows, lambda x, w, n, k: _cuda_decode(x, w, n, k, kind), kind)
+
+
+def _check_every_code(fmt, rows, run, what):
+    """``run(x, w, n, k)`` on one-hot rows ``x`` (``rows`` at a time) against a weight holding every
+    E2M1 code at every nibble position: each output within 1e-6 relative of the dequantized weight."""
     n, k = 40, 1024
     codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16
     values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])[codes]
     qt = musecore_quant.quantize(values, fmt)
     dense = musecore_quant.dequantize(qt).float().cuda()
     w = prepare_fp4(qt, torch.device("cuda"))
-    rows = 2 if kind == "fma" else 16
     for start in range(0, k, rows):
         x = torch.eye(k, device="cuda")[start:start + rows].to(torch.bfloat16)
-        out = _cuda_decode(x, w, n, k, kind).float()
+        out = run(x, w, n, k).float()
         expected = dense[:, start:start + rows].T
         err = ((out - expected).abs() / expected.abs().clamp_min(1e-30)).max()
-        assert err <= 1e-6, f"{kind} columns {start}..{start + rows - 1}: max relative error {err:.3g} > 1e-6"
+        assert err <= 1e-6, f"{what} columns {start}..{start + rows - 1}: max relative error {err:.3g} > 1e-6"
 
 
 @pytest.mark.gpu
@@ -184,20 +190,12 @@ def test_cuda_decode_refuses_what_it_cannot_run():
 def test_cuda_tiled_gemm_upcasts_every_code_exactly(fmt):
     """Every E2M1 code at every nibble position through the tiled GEMM (one-hot rows, 64 per call).
     Tolerance 1e-6 relative per weight, as for the decode kernels."""
-    n, k = 40, 1024
-    codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16
-    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])[codes]
-    qt = musecore_quant.quantize(values, fmt)
-    dense = musecore_quant.dequantize(qt).float().cuda()
-    w = prepare_fp4(qt, torch.device("cuda"))
-    for start in range(0, k, 64):
-        x = torch.eye(k, device="cuda")[start:start + 64].to(torch.bfloat16)
-        out = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
-        fp4_gemm_cuda.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2,
-                             n=n, k=k, out=out, plan=fp4_gemm_cuda.GemmPlan(groups=8, tile=1))
-        expected = dense[:, start:start + 64].T
-        err = ((out.float() - expected).abs() / expected.abs().clamp_min(1e-30)).max()
-        assert err <= 1e-6, f"tiled GEMM columns {start}..{start + 63}: max relative error {err:.3g} > 1e-6"
+    def run(x, w, n, k):
+        out = torch.empty(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
+        return fp4_gemm_cuda.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2,
+                                    n=n, k=k, out=out, plan=fp4_gemm_cuda.GemmPlan(groups=8, tile=1))
+
+    _check_every_code(fmt, 64, run, "tiled GEMM")
 
 
 @pytest.mark.gpu
