@@ -15,15 +15,11 @@ import dataclasses
 import itertools
 
 import torch
-import torch.nn.functional as F
 
-import musecore_quant
-from cuda_gemv_sweep import nmse, sweep_main
-from musecore.ops import tolerance
+from cuda_gemv_sweep import checked_time, sweep_main, sweep_points
 from musecore_cuda.backend import fp4_dequant_linear, fp4_linear, fp4_linear_path
-from musecore_cuda.bench import LINEAR_SHAPES, _cycle, _rotating, memory_ceiling_gbps, random_fp4, time_us
+from musecore_cuda.bench import memory_ceiling_gbps
 from musecore_cuda.kernels import fp4_gemm_cuda
-from musecore_cuda.layouts import prepare_fp4
 
 
 def gemm(x, w, n, k, plan):
@@ -44,45 +40,30 @@ def candidates(m: int, n: int, k: int) -> list[fp4_gemm_cuda.GemmPlan]:
 def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
     ceiling = memory_ceiling_gbps()["ceiling_gbps"]
     rows = []
-    for name in shapes:
-        n, k = LINEAR_SHAPES[name]
-        qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
-        w_check = prepare_fp4(qt, torch.device("cuda"))
-        dense = musecore_quant.dequantize(qt).float().cuda()
-        ws = _rotating(lambda: prepare_fp4(random_fp4(fmt, (n, k)), torch.device("cuda")), n * k // 2)
-        bf16 = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
-        nbytes = ws[0].nbytes
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = x.float() @ dense.T
+    for p in sweep_points(ms, shapes, fmt):
+        name, n, k, m, x, t_bf16, nbytes = p.case.name, p.case.n, p.case.k, p.m, p.x, p.t_bf16, p.case.nbytes
 
-            def row(impl: str, t: float, **extra) -> dict:
-                r = {"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "impl": impl, "time_us": round(t, 2),
-                     "speedup_vs_bf16": round(t_bf16 / t, 3),
-                     "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), **extra}
-                rows.append(r)
-                return r
+        def row(impl: str, t: float, **extra) -> dict:
+            r = {"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "impl": impl, "time_us": round(t, 2),
+                 "speedup_vs_bf16": round(t_bf16 / t, 3),
+                 "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), **extra}
+            rows.append(r)
+            return r
 
-            t_bf16 = time_us(_cycle(bf16, lambda w: F.linear(x, w))) / len(bf16)
-            row("bf16", t_bf16)
-            path = fp4_linear_path(m, x.dtype, x.device, n * k)
-            now = row(f"fp4_linear ({path})", time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws))
-            deq = row("dequant", time_us(_cycle(ws, lambda w: fp4_dequant_linear(x, w))) / len(ws))
-            results = []
-            for i, plan in enumerate(candidates(m, n, k)):
-                err = nmse(ref, gemm(x, w_check, n, k, plan))
-                if err > tolerance("linear"):
-                    raise SystemExit(f"{name} M={m} {plan}: NMSE {err:.3g} > {tolerance('linear')}")
-                t = time_us(_cycle(ws, lambda w: gemm(x, w, n, k, plan))) / len(ws)
-                results.append(row("gemm", t, plan=plan.__dict__, chosen=i == 0, nmse=err))
-            best = min(results, key=lambda r: r["time_us"])
-            print(f"{name:12s} M={m:5d}: bf16 {t_bf16:8.2f} us | now {now['time_us']:8.2f} "
-                  f"({now['speedup_vs_bf16']:.2f}x {now['impl']}) | dequant {deq['speedup_vs_bf16']:.2f}x | "
-                  f"gemm chosen {results[0]['time_us']:8.2f} ({results[0]['speedup_vs_bf16']:.2f}x, "
-                  f"{results[0]['pct_memory_ceiling']:.0f}%) | best {best['time_us']:8.2f} "
-                  f"({best['speedup_vs_bf16']:.2f}x) {best['plan']}", flush=True)
-        del ws, bf16
-        torch.cuda.empty_cache()
+        row("bf16", t_bf16)
+        path = fp4_linear_path(m, x.dtype, x.device, n * k)
+        now = row(f"fp4_linear ({path})", checked_time(p, lambda x, w: fp4_linear(x, w), path)[0])
+        deq = row("dequant", checked_time(p, lambda x, w: fp4_dequant_linear(x, w), "dequant")[0])
+        results = []
+        for i, plan in enumerate(candidates(m, n, k)):
+            t, err = checked_time(p, lambda x, w: gemm(x, w, n, k, plan), str(plan))
+            results.append(row("gemm", t, plan=plan.__dict__, chosen=i == 0, nmse=err))
+        best = min(results, key=lambda r: r["time_us"])
+        print(f"{name:12s} M={m:5d}: bf16 {t_bf16:8.2f} us | now {now['time_us']:8.2f} "
+              f"({now['speedup_vs_bf16']:.2f}x {now['impl']}) | dequant {deq['speedup_vs_bf16']:.2f}x | "
+              f"gemm chosen {results[0]['time_us']:8.2f} ({results[0]['speedup_vs_bf16']:.2f}x, "
+              f"{results[0]['pct_memory_ceiling']:.0f}%) | best {best['time_us']:8.2f} "
+              f"({best['speedup_vs_bf16']:.2f}x) {best['plan']}", flush=True)
     return rows
 
 
