@@ -1,8 +1,9 @@
 """Accuracy of ``quantize_dense`` on the bundled muse-tiny (held-out CI slice): the reference BF16
-model as baseline, then the xeon backend with INT4 experts only (the default plan) and with the
-attention, pooler/unpooler and lm_head projections in INT4 as well.
+model as baseline, then the xeon backend with INT4 experts only (the default plan), with the
+attention, pooler/unpooler and lm_head projections in INT4 as well, and (``--per-group``) with each
+of those groups alone.
 
-    python benchmarks/xeon_quantize_dense_accuracy.py [--tokens 4096]
+    python benchmarks/xeon_quantize_dense_accuracy.py [--tokens 4096] [--per-group]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import musecore
 from musecore.api import resolve_model
 from musecore.matrix import evaluate, load_eval_tokens
+from musecore.planning import DENSE_QUANTIZABLE, dense_groups
 from musecore.testing.accuracy import batched_logits, eval_batches
 
 
@@ -20,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--per-group", action="store_true", help="also each dense group alone")
     args = parser.parse_args()
     _, folder = resolve_model("muse-tiny")
     reference = musecore.load(folder, device="cpu", progress=False)
@@ -27,9 +30,10 @@ def main() -> None:
     batches = eval_batches(stream, args.seq_len, 4)
     baseline = list(batched_logits(reference, batches))
     rows = [{"model": "bf16 reference", **vars(evaluate(reference, batches, baseline))}]
-    for dense in (False, True):
+    variants = [False, True] + ([(group,) for group in DENSE_QUANTIZABLE] if args.per_group else [])
+    for dense in variants:
         model = musecore.load(folder, device="xeon", progress=False, quantize_dense=dense)
-        label = "xeon int4 experts" + (" + attention/pooler/lm_head" if dense else "")
+        label = "xeon int4 experts" + (f" + {', '.join(dense_groups(dense))}" if dense else "")
         rows.append({"model": label, **vars(evaluate(model, batches, baseline))})
     print(source)
     for row in rows:

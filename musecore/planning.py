@@ -15,7 +15,7 @@ import math
 import os
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Collection, Optional, Union
 
 from musecore.backends.base import Support, Tier
 from musecore.config import MuseConfig
@@ -174,27 +174,42 @@ def unquantizable(summary: CheckpointSummary, targets: dict[str, tuple[str, Opti
 # Dense projections that ``quantize_dense=True`` converts like the routed experts (the router, the
 # embedding, norms and the BF16 expert layers stay as they are: small, or sensitive to rounding).
 DENSE_QUANTIZABLE = ("attention", "pooler/unpooler", "lm_head")
+DenseGroups = Union[bool, str, Collection[str]]
+
+
+def dense_groups(quantize_dense: DenseGroups) -> tuple[str, ...]:
+    """The groups of :data:`DENSE_QUANTIZABLE` that ``quantize_dense`` names: all for True, none for
+    False, else the given names (a collection, or one string, comma-separated)."""
+    if isinstance(quantize_dense, bool):
+        return DENSE_QUANTIZABLE if quantize_dense else ()
+    names = [n.strip() for n in quantize_dense.split(",")] if isinstance(quantize_dense, str) else list(quantize_dense)
+    unknown = [n for n in names if n not in DENSE_QUANTIZABLE]
+    if unknown:
+        raise ValueError(f"quantize_dense: unknown group(s) {unknown}; choose from {list(DENSE_QUANTIZABLE)} "
+                         "(or True for all of them)")
+    return tuple(g for g in DENSE_QUANTIZABLE if g in names)
 
 
 def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_label: str,
-                   quantize_dense: bool = False) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
+                   quantize_dense: DenseGroups = False) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
     """Per tensor the in-memory format and activation format; per group a summary row.
 
     Dense tensors take the model dtype (``dtype_label``); quantized tensors, and the routed experts
     of quantized layers whatever their checkpoint format, follow the device profile's conversion.
-    With ``quantize_dense`` the attention, pooler/unpooler and lm_head projections follow it too.
+    The dense groups ``quantize_dense`` names (:func:`dense_groups`) follow it too.
     """
+    converted_dense = dense_groups(quantize_dense)
     config, dtype_bytes = summary.config, DTYPE_BYTES[dtype_label]
     targets: dict[str, tuple[str, Optional[str]]] = {}
     rows: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, ""])
     for name, src in summary.formats.items():
         group, quantizable = weight_group(name, config)
-        quantizable = quantizable or (quantize_dense and group in DENSE_QUANTIZABLE)
+        quantizable = quantizable or group in converted_dense
         numel = math.prod(summary.shapes[name])
         if len(summary.shapes[name]) == 2 and (src in QUANTIZED or quantizable):
             conv = profile.conversion(src if src in QUANTIZED else "bf16")
             target, act, action, note = conv.target, conv.act_format, conv.action(src), conv.note
-            if group in DENSE_QUANTIZABLE:
+            if group in converted_dense:
                 note = f"quantize_dense: converted like the experts ({target})"
             if conv.target == "bf16":  # dense in memory: the model dtype
                 target = dtype_label
@@ -275,12 +290,13 @@ def kv_bytes(config: MuseConfig, context: int, kv_format: str) -> int:
 
 def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False, allow_emulation: bool = False,
               allow_reference: bool = False, dtype_label: str = "bf16", kv_format: str = "bf16",
-              kv_context: int = DEFAULT_CONTEXT, records: Optional[dict] = None, quantize_dense: bool = False) -> Plan:
+              kv_context: int = DEFAULT_CONTEXT, records: Optional[dict] = None,
+              quantize_dense: DenseGroups = False) -> Plan:
     """Resolve the plan for ``summary`` on the catalog device ``device`` (no weights read).
 
-    ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections with the
-    device's rule for BF16 weights (INT4 g128 on ``xeon``; profiles that keep BF16 as BF16 are
-    unchanged): fewer bytes per token, more error.
+    ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections (True),
+    or the named ones of them (e.g. ``("lm_head",)``), with the device's rule for BF16 weights (INT4
+    g128 on ``xeon``; profiles that keep BF16 as BF16 are unchanged): fewer bytes per token, more error.
     """
     from musecore.backends.registry import discover
 
@@ -305,8 +321,8 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     if emulate:
         notes.append(f"emulating {device}: its weight conversions and activation quantization, bit for bit, "
                      "computed by the reference kernels on this machine")
-    if quantize_dense:
-        notes.append(f"quantize_dense: {', '.join(DENSE_QUANTIZABLE)} projections follow the device's "
+    if dense_groups(quantize_dense):
+        notes.append(f"quantize_dense: {', '.join(dense_groups(quantize_dense))} projections follow the device's "
                      "expert conversion (see the groups below and the conversion report for the error)")
     groups, targets = resolve_groups(summary, profile, dtype_label, quantize_dense)
     ops = [choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)

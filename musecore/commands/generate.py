@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from musecore.commands import QUANTIZE_DENSE_HELP
+from musecore.commands import add_quantize_dense
 
 DEFAULT_MODEL = "muse-tiny"
 
@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
     parser.add_argument("--emulate", action="store_true",
                         help="run the device's numerics with reference kernels on this machine")
-    parser.add_argument("--quantize-dense", action="store_true", help=QUANTIZE_DENSE_HELP)
+    add_quantize_dense(parser)
     parser.add_argument("--prompt", help="the text to continue (default: read from stdin)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")

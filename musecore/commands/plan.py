@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from musecore.cli import UsageError
-from musecore.commands import QUANTIZE_DENSE_HELP
+from musecore.commands import add_quantize_dense
 
 
 def add_parser(sub) -> None:
@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="catalog device (musecore devices), 'auto' or a torch device")
     p.add_argument("--emulate", action="store_true", help="plan the device's numerics on local reference kernels")
     p.add_argument("--allow-emulation", action="store_true", help="accept a backend's emulated ops")
-    p.add_argument("--quantize-dense", action="store_true", help=QUANTIZE_DENSE_HELP)
+    add_quantize_dense(p)
     p.add_argument("--allow-reference", action="store_true", help="accept the plain PyTorch reference for missing ops")
     p.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8"))
     p.add_argument("--checkpoint-format", default="bf16", choices=("bf16", "fp8", "nvfp4", "mxfp4", "int4"),

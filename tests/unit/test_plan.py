@@ -84,6 +84,18 @@ def test_quantize_dense_converts_attention_pooler_and_lm_head_like_the_experts(b
     assert set(cpu.values()) == {"bf16"}
 
 
+def test_quantize_dense_can_name_the_groups_it_converts(bf16_checkpoint):
+    only_head = {g.group: g.target_format for g in plan(bf16_checkpoint, "xeon6", emulate=True,
+                                                         quantize_dense=("lm_head",)).groups}
+    assert only_head["lm_head"] == "int4"
+    assert only_head["attention"] == only_head["pooler/unpooler"] == "bf16"
+    two = {g.group: g.target_format for g in plan(bf16_checkpoint, "xeon6", emulate=True,
+                                                   quantize_dense="attention, pooler/unpooler").groups}
+    assert two["attention"] == two["pooler/unpooler"] == "int4" and two["lm_head"] == "bf16"
+    with pytest.raises(ValueError, match="unknown group.*'router'.*choose from"):
+        plan(bf16_checkpoint, "xeon6", emulate=True, quantize_dense=("router",))
+
+
 def test_quantize_dense_load_reports_every_converted_projection(bf16_checkpoint):
     emu = musecore.load(bf16_checkpoint, device="xeon6", emulate=True, quantize_dense=True)
     converted = {r.name for r in emu.conversion_report}
@@ -99,3 +111,6 @@ def test_plan_cli_quantize_dense_flag(capsys):
     groups = {g["group"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
     assert groups["attention"]["target_format"] == groups["lm_head"]["target_format"] == "int4"
     assert groups["router"]["target_format"] == "bf16"
+    main(["plan", "--model", "muse-tiny", "--device", "xeon", "--emulate", "--quantize-dense", "lm_head", "--json"])
+    groups = {g["group"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    assert groups["lm_head"]["target_format"] == "int4" and groups["attention"]["target_format"] == "bf16"
