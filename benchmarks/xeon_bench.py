@@ -27,7 +27,7 @@ from musecore_xeon.kernels.crossover import calibrations
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = ("case", "shape", "M", "impl", "path", "time_us", "speedup_vs_bf16", "speedup_vs_xeon_bf16",
-           "pct_memory_ceiling")
+           "speedup_vs_f_linear", "pct_memory_ceiling")
 
 
 def fmt(value: Any) -> str:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from musecore_xeon.backend import XeonBackend
-from musecore_xeon.kernels.crossover import time_us
+from musecore_xeon.kernels.crossover import BF16_GEMV_CROSSOVER_ENV, time_us
 from musecore_xeon.kernels.dense import DenseLinear
 from musecore_xeon.kernels.int4 import Int4Linear
 
@@ -100,8 +100,8 @@ def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence
             common = {"backend": BACKEND, "case": "linear", "shape": f"{n}x{k}", "M": m}
             rows.append({**common, "impl": "torch-bf16", "format": "bf16", "path": "F.linear", "time_us": t_torch, "speedup_vs_bf16": 1.0,
                          "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_torch)})
-            rows.append({**common, "impl": "xeon-bf16", "format": "bf16", "path": "tiles" if xeon_bf16.uses_dense_tiles(m) else "F.linear",
-                         "crossover": xeon_bf16.crossover, "time_us": t_xbf16, "speedup_vs_bf16": t_torch / t_xbf16,
+            rows.append({**common, "impl": "xeon-bf16", "format": "bf16", "path": xeon_bf16.path(m),
+                         "crossover": xeon_bf16.crossover, "gemv_crossover": xeon_bf16.gemv_crossover, "time_us": t_xbf16, "speedup_vs_bf16": t_torch / t_xbf16,
                          "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_xbf16)})
             rows.append({**common, "impl": "xeon-int4", "format": "int4", "path": "tiles" if int4.uses_dense_tiles(m) else int4.kernel,
                          "crossover": int4.crossover, "time_us": t_int4, "speedup_vs_bf16": t_torch / t_int4,
@@ -218,8 +218,11 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
     models stay loaded and generate in alternating rounds (best of ``rounds``): one slow phase of a
     shared host then cannot land on one variant only (a single sequential run each, on a busy 2-core
     host, once showed INT4 at 0.87x of BF16). ``ideal_speedup_from_bytes`` is
-    :func:`decode_bytes_per_token`'s ratio.
+    :func:`decode_bytes_per_token`'s ratio. The ``-f-linear`` variants load the same model with the native BF16
+    GEMV switched off (``MUSECORE_XEON_BF16_GEMV_CROSSOVER=1``: every BF16 weight on ``F.linear`` at decode), so
+    ``speedup_vs_f_linear`` is the GEMV's end-to-end effect, measured in the same alternating rounds.
     """
+    import os
     import dataclasses
 
     from musecore.api import load_random
@@ -227,14 +230,24 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
     rows = []
     for preset in presets:
         config = MuseConfig.from_name(preset)
-        variants = {"xeon-int4": (config, False), "xeon-int4-dense": (config, True),
-                    "xeon-bf16": (dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers))),
-                                  False)}
+        all_bf16 = dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers)))
+        variants = {"xeon-int4": (config, False, True), "xeon-int4-dense": (config, True, True),
+                    "xeon-bf16": (all_bf16, False, True), "xeon-int4-f-linear": (config, False, False),
+                    "xeon-bf16-f-linear": (all_bf16, False, False)}
         prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
         models, load_s, best = {}, {}, {}
-        for impl, (cfg, dense) in variants.items():
+        for impl, (cfg, dense, bf16_gemv) in variants.items():
+            saved = os.environ.get(BF16_GEMV_CROSSOVER_ENV)
+            if not bf16_gemv:
+                os.environ[BF16_GEMV_CROSSOVER_ENV] = "1"  # read at load (prepare_dense): F.linear for every BF16 M
             start = time.perf_counter()
-            models[impl] = load_random(cfg, device="xeon", seed=0, quantize_dense=dense)
+            try:
+                models[impl] = load_random(cfg, device="xeon", seed=0, quantize_dense=dense)
+            finally:
+                if saved is None:
+                    os.environ.pop(BF16_GEMV_CROSSOVER_ENV, None)
+                else:
+                    os.environ[BF16_GEMV_CROSSOVER_ENV] = saved
             load_s[impl] = time.perf_counter() - start
             models[impl].generate(prompt.tolist(), max_new_tokens=2)  # warm-up
         for _ in range(rounds):
@@ -248,14 +261,18 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
         bf16_tps = best["xeon-bf16"].decode_tokens_per_s
         for impl, stats in best.items():
             tps = stats.decode_tokens_per_s
-            nbytes = ideal[{"xeon-int4": "int4_plan_bytes", "xeon-int4-dense": "int4_dense_bytes"}.get(impl, "bf16_bytes")]
+            plan = impl.removesuffix("-f-linear")
+            nbytes = ideal[{"xeon-int4": "int4_plan_bytes", "xeon-int4-dense": "int4_dense_bytes"}.get(plan, "bf16_bytes")]
             rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
-                         "format": impl.split("-")[1], "path": f"best of {rounds} rounds",
+                         "format": impl.split("-")[1],
+                         "path": f"best of {rounds} rounds" + (", BF16 on F.linear" if "f-linear" in impl else ""),
                          "time_us": 1e6 / tps if tps else float("nan"), "decode_tokens_per_s": tps,
                          "prefill_tokens_per_s": stats.prefill_tokens_per_s, "load_s": load_s[impl],
                          "speedup_vs_bf16": tps / bf16_tps if bf16_tps else None,
+                         "speedup_vs_f_linear": (tps / best[impl + "-f-linear"].decode_tokens_per_s
+                                                 if impl + "-f-linear" in best else None),
                          "ideal_speedup_from_bytes": {"xeon-int4": ideal["ideal_speedup"],
-                                                      "xeon-int4-dense": ideal["ideal_speedup_dense"]}.get(impl, 1.0),
+                                                      "xeon-int4-dense": ideal["ideal_speedup_dense"]}.get(plan, 1.0),
                          "weight_bytes_per_token": nbytes,
                          "int4_expert_fraction_of_plan_bytes": ideal["int4_expert_fraction_of_plan"],
                          "pct_memory_ceiling": pct_ceiling(int(nbytes), 1e6 / tps) if tps else None})

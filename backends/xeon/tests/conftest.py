@@ -8,7 +8,7 @@ import torch
 
 from musecore.backends.reference import ReferenceBackend
 from musecore_xeon import XeonBackend
-from musecore_xeon.kernels.crossover import BF16_CROSSOVER_ENV, INT4_CROSSOVER_ENV
+from musecore_xeon.kernels.crossover import BF16_CROSSOVER_ENV, BF16_GEMV_CROSSOVER_ENV, INT4_CROSSOVER_ENV
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +27,10 @@ def reference() -> ReferenceBackend:
 
 @pytest.fixture(autouse=True)
 def _seed_and_fixed_crossover(monkeypatch: pytest.MonkeyPatch):
-    """Seeded, and a fixed crossover M=64 so tests reach both paths without timing anything;
-    the calibration itself is tested where a test deletes these variables."""
+    """Seeded, and fixed crossovers so tests reach every path without timing anything (BF16: the native GEMV
+    below M=16, F.linear up to 63, tiles from 64); the calibration itself is tested where a test deletes these
+    variables."""
     torch.manual_seed(0)
     monkeypatch.setenv(INT4_CROSSOVER_ENV, "64")
     monkeypatch.setenv(BF16_CROSSOVER_ENV, "64")
+    monkeypatch.setenv(BF16_GEMV_CROSSOVER_ENV, "16")

@@ -29,7 +29,7 @@ def test_the_extension_is_built_wherever_the_c_kernels_are() -> None:
     """No silent fallback: with a C compiler (the native kernels) the binding is expected too; say why if not."""
     if binding.cxx_compiler() is None:
         pytest.skip("no C++ compiler: the GEMV is called through ctypes (announced by a RuntimeWarning)")
-    assert native.int4_binding() is not None, f"binding not built: {binding.UNAVAILABLE}"
+    assert native.linear_binding() is not None, f"binding not built: {binding.UNAVAILABLE}"
     assert bound_gemv().binding == "extension"
 
 
@@ -73,9 +73,9 @@ def test_every_call_returns_a_fresh_output() -> None:
 def test_binding_env_chooses_ctypes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(binding.BINDING_ENV, "0")
     address = ctypes.cast(native.load().musecore_int4_linear, ctypes.c_void_p).value
-    assert binding.load.__wrapped__(native.cache_dir(), address) is None  # uncached: the environment is read again
+    assert binding.load.__wrapped__(native.cache_dir(), address, address) is None  # uncached: the environment is read again
     assert binding.UNAVAILABLE[-1] == f"disabled by {binding.BINDING_ENV}"
-    monkeypatch.setattr(native, "int4_binding", lambda: None)
+    monkeypatch.setattr(native, "linear_binding", lambda: None)
     gemv = bound_gemv()
     assert gemv.binding == "ctypes"
     x = torch.randn(2, 512, dtype=torch.bfloat16)
@@ -88,4 +88,4 @@ def test_without_a_cxx_compiler_the_gemv_goes_through_ctypes_with_a_warning(monk
     monkeypatch.setattr(binding, "cxx_compiler", lambda: None)
     address = ctypes.cast(native.load().musecore_int4_linear, ctypes.c_void_p).value
     with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler .* called through ctypes"):
-        assert binding.load.__wrapped__(tmp_path, address) is None
+        assert binding.load.__wrapped__(tmp_path, address, address) is None

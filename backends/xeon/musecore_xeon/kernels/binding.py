@@ -1,5 +1,7 @@
-"""The bound INT4 GEMV called from Python without ctypes: a small CPython extension (C++, PyTorch's headers) that
-takes ``x``, allocates ``y`` with ``at::empty`` and calls the C kernel (``musecore_int4_linear``) by its address.
+"""The bound GEMVs (INT4 and BF16 weights) called from Python without ctypes: a small CPython extension (C++,
+PyTorch's headers) that takes ``x``, allocates ``y`` with ``at::empty`` and calls the C kernel
+(``musecore_int4_linear`` / ``musecore_bf16_linear``) by its address. Both go through one shared C++ call
+(``call_linear``: checks, ``at::empty``, the kernel without the GIL); they differ only in the weight struct.
 
 Why: at decode sizes the call around the kernel cost as much as the kernel. Measured on the 2-core EPYC in the
 benchmark's sequence (each INT4 call after a BF16 ``F.linear`` and the dense-tile call, so caches are cold for the
@@ -11,7 +13,7 @@ frames ~2 us: 19-23 us per call. Through this extension (one METH_FASTCALL funct
 Build: the C++ compiler (``$CXX``, ``c++`` or ``g++``) with PyTorch's and Python's headers, linked against
 ``libtorch_python`` (~17 s, once; the shared object is cached beside the C kernels, keyed by a hash of the
 source, the flags, the PyTorch and Python versions). When it cannot be built (no C++ compiler, no ``Python.h``,
-headers missing from the PyTorch install) a RuntimeWarning gives the reason and the GEMV is called through ctypes
+headers missing from the PyTorch install) a RuntimeWarning gives the reason and the GEMVs are called through ctypes
 (same results, ~7 us more per call); ``MUSECORE_XEON_BINDING=0`` chooses ctypes explicitly.
 """
 
@@ -42,57 +44,61 @@ BINDING_SOURCE = r"""
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-/* int4_weight_t of the C source (native_int4_source.py); the Python side passes the address of its ctypes copy. */
+/* The bound weights of the C source (native_int4_source.py, native_bf16_source.py); the Python side passes the
+   address of its ctypes copy. Each kernel is called as fn(weight, x, y, m_rows, x_is_bf16). */
 typedef struct { const void *codes; const void *sz; int64_t k, g, n_rows, n_valid; } int4_weight_t;
-typedef void (*int4_linear_fn)(const int4_weight_t *, const void *, void *, int64_t, int);
-static int4_linear_fn int4_linear_kernel;
+typedef struct { const void *w; int64_t k, n; } bf16_weight_t;
+typedef void (*linear_fn)(const void *, const void *, void *, int64_t, int);
+static linear_fn int4_linear_kernel, bf16_linear_kernel;
 
-static PyObject *set_kernel(PyObject *, PyObject *address) {
-    int4_linear_kernel = (int4_linear_fn)PyLong_AsVoidPtr(address);
+static PyObject *set_kernels(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "set_kernels(int4_address, bf16_address) takes 2 arguments; got %zd", nargs);
+        return nullptr;
+    }
+    int4_linear_kernel = (linear_fn)PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred()) return nullptr;
+    bf16_linear_kernel = (linear_fn)PyLong_AsVoidPtr(args[1]);
     if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
 }
 
-/* int4_linear(weight_address, x) -> y [..., n_valid] in x's dtype: the checks of Int4Gemv's ctypes path, one
-   at::empty, and the kernel with the GIL released (as ctypes does). */
-static PyObject *int4_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+/* The call shared by every bound kernel: unpack x, check it against K, at::empty(..., n) in x's dtype, the kernel
+   with the GIL released (as ctypes does). `name` prefixes the errors. */
+static PyObject *call_linear(const char *name, linear_fn kernel, const void *w, int64_t k, int64_t n,
+                             PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "int4_linear(weight_address, x) takes 2 arguments; got %zd", nargs);
+        PyErr_Format(PyExc_TypeError, "%s(weight_address, x) takes 2 arguments; got %zd", name, nargs);
         return nullptr;
     }
-    if (int4_linear_kernel == nullptr) {
-        PyErr_SetString(PyExc_RuntimeError, "int4_linear: set_kernel() was not called with the kernel's address");
-        return nullptr;
-    }
-    const int4_weight_t *w = (const int4_weight_t *)PyLong_AsVoidPtr(args[0]);
-    if (w == nullptr) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "int4_linear: the weight address is null");
+    if (kernel == nullptr) {
+        PyErr_Format(PyExc_RuntimeError, "%s: set_kernels() was not called with the kernels' addresses", name);
         return nullptr;
     }
     if (!THPVariable_Check(args[1])) {
-        PyErr_Format(PyExc_TypeError, "int4_linear: x must be a torch.Tensor; got %s", Py_TYPE(args[1])->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s: x must be a torch.Tensor; got %s", name, Py_TYPE(args[1])->tp_name);
         return nullptr;
     }
     try {
         const at::Tensor &x = THPVariable_Unpack(args[1]);
         const at::ScalarType dtype = x.scalar_type();
         const bool bf16 = dtype == at::kBFloat16;
-        if ((!bf16 && dtype != at::kFloat) || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) != w->k
+        if ((!bf16 && dtype != at::kFloat) || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) != k
                 || !x.is_contiguous()) {
             const std::string got = std::string(c10::toString(dtype)) + " " + c10::str(x.sizes()) + " on "
                                     + x.device().str() + " (contiguous=" + (x.is_contiguous() ? "True" : "False") + ")";
-            PyErr_Format(PyExc_ValueError, "int4_gemv: x must be a contiguous bf16/fp32 CPU [..., %lld] tensor; got %s",
-                         (long long)w->k, got.c_str());
+            PyErr_Format(PyExc_ValueError, "%s: x must be a contiguous bf16/fp32 CPU [..., %lld] tensor; got %s",
+                         name, (long long)k, got.c_str());
             return nullptr;
         }
         c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
-        sizes.back() = w->n_valid;
+        sizes.back() = n;
         at::Tensor y = at::empty(sizes, x.options());
-        const int64_t m = x.numel() / w->k;
+        const int64_t m = x.numel() / k;
         const void *xp = x.const_data_ptr();
         void *yp = y.mutable_data_ptr();
         Py_BEGIN_ALLOW_THREADS
-        int4_linear_kernel(w, xp, yp, m, bf16);
+        kernel(w, xp, yp, m, bf16);
         Py_END_ALLOW_THREADS
         return THPVariable_Wrap(std::move(y));
     } catch (const std::exception &err) {
@@ -101,15 +107,40 @@ static PyObject *int4_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs
     }
 }
 
+template <typename Weight>
+static const Weight *weight_at(const char *name, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1) {
+        PyErr_Format(PyExc_TypeError, "%s(weight_address, x) takes 2 arguments; got %zd", name, nargs);
+        return nullptr;
+    }
+    const Weight *w = (const Weight *)PyLong_AsVoidPtr(args[0]);
+    if (w == nullptr && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: the weight address is null", name);
+    return w;
+}
+
+/* int4_linear(weight_address, x) -> y [..., n_valid] in x's dtype */
+static PyObject *int4_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    const int4_weight_t *w = weight_at<int4_weight_t>("int4_gemv", args, nargs);
+    return w == nullptr ? nullptr : call_linear("int4_gemv", int4_linear_kernel, w, w->k, w->n_valid, args, nargs);
+}
+
+/* bf16_linear(weight_address, x) -> y [..., n] in x's dtype */
+static PyObject *bf16_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    const bf16_weight_t *w = weight_at<bf16_weight_t>("bf16_gemv", args, nargs);
+    return w == nullptr ? nullptr : call_linear("bf16_gemv", bf16_linear_kernel, w, w->k, w->n, args, nargs);
+}
+
 static PyMethodDef methods[] = {
     {"int4_linear", (PyCFunction)(void (*)(void))int4_linear, METH_FASTCALL, "y = x @ W.T for a bound INT4 weight"},
-    {"set_kernel", set_kernel, METH_O, "the address of musecore_int4_linear"},
+    {"bf16_linear", (PyCFunction)(void (*)(void))bf16_linear, METH_FASTCALL, "y = x @ W.T for a bound BF16 weight"},
+    {"set_kernels", (PyCFunction)(void (*)(void))set_kernels, METH_FASTCALL,
+     "the addresses of musecore_int4_linear and musecore_bf16_linear"},
     {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "musecore_xeon_binding", nullptr, -1, methods};
 PyMODINIT_FUNC PyInit_musecore_xeon_binding(void) { return PyModule_Create(&module); }
 """
 
-UNAVAILABLE: list[str] = []  # why the GEMV is called through ctypes, once known
+UNAVAILABLE: list[str] = []  # why the GEMVs are called through ctypes, once known
 
 
 def disabled() -> bool:
@@ -146,20 +177,21 @@ def build(cache_dir: Path) -> Optional[Path]:
 
 def _unavailable(reason: str) -> None:
     UNAVAILABLE.append(reason)
-    warnings.warn(f"musecore-xeon: {reason}; the INT4 GEMV is called through ctypes (same results, ~7 us more per "
+    warnings.warn(f"musecore-xeon: {reason}; the INT4 and BF16 GEMVs are called through ctypes (same results, ~7 us more per "
                   f"call). Set {BINDING_ENV}=0 to choose that explicitly.", RuntimeWarning, stacklevel=3)
 
 
 @functools.cache
-def load(cache_dir: Path, kernel_address: int) -> Optional[ModuleType]:
-    """The extension calling the C kernel at ``kernel_address`` (``musecore_int4_linear``), or None (disabled, no
-    compiler or headers, or the build failed: announced once). Called by
-    :func:`musecore_xeon.kernels.native.int4_binding` (one kernel per process: the address is a global of the
-    extension).
+def load(cache_dir: Path, int4_address: int, bf16_address: int) -> Optional[ModuleType]:
+    """The extension calling the C kernels at ``int4_address`` (``musecore_int4_linear``) and ``bf16_address``
+    (``musecore_bf16_linear``), or None (disabled, no compiler or headers, or the build failed: announced once).
+    Called by :func:`musecore_xeon.kernels.native.linear_binding` (one pair of kernels per process: the addresses
+    are globals of the extension).
 
     Example::
 
-        fast = load(native.cache_dir(), ctypes.cast(lib.musecore_int4_linear, ctypes.c_void_p).value)
+        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value
+        fast = load(native.cache_dir(), address(lib.musecore_int4_linear), address(lib.musecore_bf16_linear))
         y = fast.int4_linear(ctypes.addressof(weight_args), x_bf16)
     """
     if disabled():
@@ -168,15 +200,15 @@ def load(cache_dir: Path, kernel_address: int) -> Optional[ModuleType]:
     try:
         target = build(cache_dir)
         if target is None:
-            _unavailable("no C++ compiler or no Python.h to build the INT4 GEMV binding")
+            _unavailable("no C++ compiler or no Python.h to build the GEMV binding")
             return None
         spec = importlib.util.spec_from_file_location(MODULE_NAME, target)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except (OSError, ImportError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", b"") or b""
-        _unavailable(f"building/loading the INT4 GEMV binding failed ({type(err).__name__}: {err} "
+        _unavailable(f"building/loading the GEMV binding failed ({type(err).__name__}: {err} "
                      f"{detail.decode(errors='replace')[-500:]})")
         return None
-    module.set_kernel(kernel_address)
+    module.set_kernels(int4_address, bf16_address)
     return module

@@ -9,6 +9,8 @@ so it is measured on this machine for each *shape class* on a proxy weight (at m
 
 ``MUSECORE_XEON_INT4_CROSSOVER`` / ``MUSECORE_XEON_BF16_CROSSOVER`` override the measurement:
 an integer M (rows >= M take the dense path) or ``none`` (never leave the small-M kernel).
+``MUSECORE_XEON_BF16_GEMV_CROSSOVER`` does the same for the native BF16 GEMV against ``F.linear`` / the BF16
+tiles: rows M below it take the GEMV (``1``: never; ``none``: every M).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 INT4_CROSSOVER_ENV = "MUSECORE_XEON_INT4_CROSSOVER"
 BF16_CROSSOVER_ENV = "MUSECORE_XEON_BF16_CROSSOVER"
+BF16_GEMV_CROSSOVER_ENV = "MUSECORE_XEON_BF16_GEMV_CROSSOVER"
 CALIBRATION_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROXY_MAX_ROWS = 1024
 RETIME_RATIO = 3.0  # a point where one path is within this factor of the other is timed twice

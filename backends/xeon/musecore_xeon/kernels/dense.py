@@ -6,10 +6,17 @@ the weight read dominates, but ~5x slower than fp32 SGEMM at M=256. So a BF16 we
 BF16 bytes (half the memory and bandwidth of fp32) and, from a measured crossover M on, is
 upcast tile by tile (a few MiB at a time, never the whole weight) into fp32 for SGEMM. INT4 weights
 reuse the same tiled GEMM with a dequantizing tile producer.
+
+At decode sizes a BF16 weight runs the native BF16 GEMV (:class:`musecore_xeon.kernels.native.Bf16Gemv`) wherever it
+was measured faster than the path it replaces: PyTorch's BF16 ``F.linear`` streams the weight at ~50-55% of the
+memory bandwidth at M = 1 on AVX2 and costs twice that at M = 2 (README: numbers). Order of the paths by M: the
+native GEMV below ``gemv_crossover``, ``F.linear`` below ``crossover``, fp32 tiles from there on; both crossovers
+are measured on this machine (:mod:`crossover`), never guessed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -17,8 +24,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from musecore_xeon.kernels.crossover import (BF16_CROSSOVER_ENV, PROXY_MAX_ROWS, CrossoverCalibration,
-                                             cached_crossover, measure_crossover)
+from musecore_xeon.kernels import native
+from musecore_xeon.kernels.crossover import (BF16_CROSSOVER_ENV, BF16_GEMV_CROSSOVER_ENV, PROXY_MAX_ROWS,
+                                             CrossoverCalibration, cached_crossover, measure_crossover)
+
+# M at which the native BF16 GEMV is timed against the other paths (M above the largest never takes it: not
+# measured). Its time grows with M (every pair of activation rows re-reads the weight, from L1 after the first
+# pair), so the tiles' SGEMM overtakes it somewhere in this range or above it.
+BF16_GEMV_CALIBRATION_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 # Elements per dense tile: 2 Mi (8 MiB in fp32). Measured on the 2-core EPYC at K=8192, M=64..256:
 # 256-row tiles ran 1.3-2x faster than 64-row (GEMM too thin) or 1024-row (tile falls out of cache).
@@ -84,15 +97,34 @@ class DenseLinear:
 
     ``crossover`` is None for fp32 weights and on CPUs with native BF16 (one path is best there);
     for BF16 weights on other CPUs it is the measured M from which tiles are upcast to fp32.
+    ``gemv`` (BF16 weights, native kernels built) runs rows M < ``gemv_crossover`` (None: every M), set by
+    :meth:`set_gemv_crossover` from a measurement; without it the native GEMV is never used.
     """
 
     weight: torch.Tensor
     crossover: Optional[int] = None
     calibration: Optional[CrossoverCalibration] = None
+    gemv: Optional[native.Bf16Gemv] = field(default=None, repr=False)
+    gemv_crossover: Optional[int] = None
+    gemv_calibration: Optional[CrossoverCalibration] = None
     tile_rows: int = field(init=False)
+    gemv_below_numel: int = field(init=False, default=0)  # x.numel() below which the native GEMV runs (0: never)
 
     def __post_init__(self) -> None:
         self.tile_rows = tile_rows_for(self.in_features, self.out_features, 64)
+
+    def set_gemv_crossover(self, crossover: Optional[int], calibration: Optional[CrossoverCalibration] = None) -> None:
+        """Run the native BF16 GEMV for M < ``crossover`` (None: every M; 1: never) and bind it to the weight."""
+        self.gemv_crossover, self.gemv_calibration = crossover, calibration
+        if crossover is not None and crossover <= 1:
+            self.gemv, self.gemv_below_numel = None, 0
+            return
+        if self.gemv is None:
+            self.gemv = native.Bf16Gemv(self.weight)
+        self.gemv_below_numel = (1 << 62) if crossover is None else crossover * self.in_features
+
+    def uses_gemv(self, m: int) -> bool:
+        return m * self.in_features < self.gemv_below_numel
 
     @property
     def out_features(self) -> int:
@@ -104,6 +136,17 @@ class DenseLinear:
 
     def uses_dense_tiles(self, m: int) -> bool:
         return self.crossover is not None and m >= self.crossover
+
+    def run_gemv(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The native BF16 GEMV (bound on first use; bf16/fp32 x, output in x's dtype)."""
+        if self.gemv is None:
+            self.gemv = native.Bf16Gemv(self.weight)
+        x2d = x2d if x2d.dtype in (torch.bfloat16, torch.float32) else x2d.to(torch.bfloat16)
+        return self.gemv.call(x2d.contiguous())
+
+    def run_large_m(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The path without the native GEMV: ``F.linear`` below ``crossover``, the fp32 tiles from it on."""
+        return self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_direct(x2d)
 
     def run_direct(self, x2d: torch.Tensor) -> torch.Tensor:
         """PyTorch's own matmul in the weight's dtype (the bandwidth-bound path)."""
@@ -119,9 +162,17 @@ class DenseLinear:
 
         return tiled_matmul(x2d.float(), self.out_features, self.tile_rows, upcast_tile_t)
 
+    def path(self, m: int) -> str:
+        """The path rows ``m`` take (benchmark tables, tests)."""
+        return "native" if self.uses_gemv(m) else "tiles" if self.uses_dense_tiles(m) else "F.linear"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < self.gemv_below_numel and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) \
+                and x.is_contiguous():
+            return self.gemv.call(x)  # the decode path: any leading dims, no reshape, output in x's dtype
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_direct(x2d)
+        m = x2d.shape[0]
+        y = self.run_gemv(x2d) if self.uses_gemv(m) else self.run_large_m(x2d)
         return restore_shape(y, x, self.out_features)
 
 
@@ -137,11 +188,31 @@ def bf16_crossover(in_features: int, out_features: int) -> CrossoverCalibration:
                             proxy_rows, measure)
 
 
+def bf16_gemv_crossover(in_features: int, out_features: int, tiles_crossover: Optional[int]) -> CrossoverCalibration:
+    """Measured M from which the native BF16 GEMV stops beating the path it replaces (``F.linear``, or the fp32
+    tiles from ``tiles_crossover`` on), on a proxy of at most ``PROXY_MAX_ROWS`` rows; cached per (K, N class,
+    tiles crossover). Where the GEMV wins at every measured M, the crossover is one past the largest (never
+    extrapolated); where it loses at M = 1, it is 1 (never used)."""
+    proxy_rows = min(out_features, PROXY_MAX_ROWS)
+
+    def measure() -> CrossoverCalibration:
+        proxy = DenseLinear(torch.randn(proxy_rows, in_features, dtype=torch.bfloat16), crossover=tiles_crossover)
+        calibration = measure_crossover("bf16-gemv", in_features, proxy_rows, proxy.run_gemv, proxy.run_large_m,
+                                        torch.bfloat16, ms=BF16_GEMV_CALIBRATION_MS)
+        if calibration.crossover is None:  # won at every measured M: used up to the largest, not beyond
+            calibration = dataclasses.replace(calibration, crossover=max(BF16_GEMV_CALIBRATION_MS) + 1)
+        return calibration
+
+    return cached_crossover(("bf16-gemv", in_features, proxy_rows, tiles_crossover), BF16_GEMV_CROSSOVER_ENV,
+                            "bf16-gemv", in_features, proxy_rows, measure)
+
+
 def prepare_dense(weight: torch.Tensor, dtype: torch.dtype, native_bf16_dot: bool, *,
                   calibrate: bool = True) -> DenseLinear:
-    """Keep ``weight`` as ``dtype`` (bf16 or fp32) and decide its large-M path.
+    """Keep ``weight`` as ``dtype`` (bf16 or fp32) and decide its paths by M (measured).
 
-    ``calibrate=False`` skips the measurement (tables that are only gathered, e.g. embeddings).
+    ``calibrate=False`` skips the measurements (tables that are only gathered, e.g. embeddings): such a weight
+    never takes the native GEMV or the tiles.
     """
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"xeon dense weights are kept in bfloat16 or float32; got {dtype}. "
@@ -152,4 +223,7 @@ def prepare_dense(weight: torch.Tensor, dtype: torch.dtype, native_bf16_dot: boo
     if calibrate and dtype == torch.bfloat16 and not native_bf16_dot:
         resident.calibration = bf16_crossover(resident.in_features, resident.out_features)
         resident.crossover = resident.calibration.crossover
+    if calibrate and dtype == torch.bfloat16 and native.available():
+        calibration = bf16_gemv_crossover(resident.in_features, resident.out_features, resident.crossover)
+        resident.set_gemv_crossover(calibration.crossover, calibration)
     return resident

@@ -63,6 +63,7 @@ import torch
 
 from musecore_xeon.kernels import binding
 from musecore_xeon.kernels.compile import compile_cached
+from musecore_xeon.kernels.native_bf16_source import BF16_SOURCE
 from musecore_xeon.kernels.native_int4_source import INT4_SOURCE
 from musecore_xeon.kernels.native_ops_source import OPS_SOURCE
 
@@ -70,7 +71,7 @@ NATIVE_ENV = "MUSECORE_XEON_NATIVE_DEQUANT"
 CACHE_ENV = "MUSECORE_XEON_CACHE"
 ROWS = 4  # rows per GEMV block (ROWS in the C source): the nibble-planar codes are padded to a multiple
 
-SOURCE = INT4_SOURCE + OPS_SOURCE
+SOURCE = INT4_SOURCE + OPS_SOURCE + BF16_SOURCE
 
 
 def torch_libgomp() -> Optional[Path]:
@@ -103,8 +104,8 @@ def _unavailable(reason: str) -> None:
     """Not a silent fallback: the slower PyTorch paths are announced once, with the reason."""
     UNAVAILABLE.append(reason)
     warnings.warn(f"musecore-xeon: {reason}; INT4 runs PyTorch's _weight_int4pack_mm_for_cpu at small M and "
-                  f"PyTorch-op dequantization for dense tiles (same values, slower). Set {NATIVE_ENV}=0 to "
-                  "choose that explicitly.", RuntimeWarning, stacklevel=3)
+                  f"PyTorch-op dequantization for dense tiles, BF16 weights PyTorch's F.linear at every small M (same "
+                  f"values, slower). Set {NATIVE_ENV}=0 to choose that explicitly.", RuntimeWarning, stacklevel=3)
 
 
 def disabled() -> bool:
@@ -139,8 +140,10 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_attention.argtypes = [vp, i, vp, vp, i, vp, vp, i64, f32, vp] + [i64] * 6 + [i]
     lib.musecore_int4_linear.argtypes = [vp, vp, vp, i64, i]
     lib.musecore_int4_dequant.argtypes = [vp] * 3 + [i64] * 3 + [i]
+    lib.musecore_bf16_gemv.argtypes = [vp, vp, i, vp, i] + [i64] * 3 + [i]
+    lib.musecore_bf16_linear.argtypes = [vp, vp, vp, i64, i]
     lib.musecore_max_threads.restype = ctypes.c_int
-    for name in ("int4_gemv", "int4_linear", "int4_dequant", "rms_norm", "residual_norm", "norm_rope", "head_norm_gate", "attention"):
+    for name in ("int4_gemv", "int4_linear", "int4_dequant", "bf16_gemv", "bf16_linear", "rms_norm", "residual_norm", "norm_rope", "head_norm_gate", "attention"):
         getattr(lib, f"musecore_{name}").restype = None
     lib.musecore_int4_openmp.restype = ctypes.c_int
     return lib
@@ -227,48 +230,37 @@ class Int4WeightArgs(ctypes.Structure):
                 ("n_rows", ctypes.c_int64), ("n_valid", ctypes.c_int64)]
 
 
-def int4_binding() -> Optional[ModuleType]:
-    """The CPython extension that calls the bound GEMV (:mod:`musecore_xeon.kernels.binding`), or None: then
-    :class:`Int4Gemv` calls it through ctypes."""
+def linear_binding() -> Optional[ModuleType]:
+    """The CPython extension that calls the bound GEMVs (:mod:`musecore_xeon.kernels.binding`), or None: then
+    :class:`Int4Gemv` and :class:`Bf16Gemv` call them through ctypes."""
     lib = load()
     if lib is None:
         return None
-    return binding.load(cache_dir(), ctypes.cast(lib.musecore_int4_linear, ctypes.c_void_p).value)
+    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    return binding.load(cache_dir(), address(lib.musecore_int4_linear), address(lib.musecore_bf16_linear))
 
 
-class Int4Gemv:
-    """:func:`int4_gemv` bound to one weight: the layout is checked and the pointers and shape packed into a C
-    struct once. A call goes through the CPython extension of :mod:`~musecore_xeon.kernels.binding` (tensor
-    checks, ``at::empty``, the kernel: ~2 us around it) or, where that cannot be built, through ctypes (a
-    dtype/contiguity check, one ``torch.empty`` and a 5-argument ctypes call: ~9-14 us around it in the benchmark's
-    sequence on the 2-core EPYC). ``x`` may have any leading dims (no reshape: the output is allocated in ``x``'s
-    shape). The thread count is PyTorch's, read in C (``omp_get_max_threads`` of the shared libgomp). The weight
-    tensors must stay alive and unmoved (the owner keeps them).
+class BoundGemv:
+    """A native GEMV bound to one weight: its pointers and shape packed once into a C struct (``self.args``), called
+    through the CPython extension of :mod:`~musecore_xeon.kernels.binding` (tensor checks, ``at::empty``, the
+    kernel: ~2 us around it) or, where that cannot be built, through ctypes (a dtype/contiguity check, one
+    ``torch.empty`` and a 5-argument ctypes call: ~9-14 us around it in the benchmark's sequence on the 2-core EPYC).
+    ``x`` (bf16 or fp32, contiguous) may have any leading dims (no reshape: the output is allocated in ``x``'s shape,
+    in ``x``'s dtype). The thread count is PyTorch's, read in C (``omp_get_max_threads`` of the shared libgomp).
+    The weight tensors must stay alive and unmoved (the subclass keeps them)."""
 
-    Example::
+    name = "gemv"  # prefixes the errors; the extension's function of the same kind is ``<kind>_linear``
+    kind = ""
 
-        gemv = Int4Gemv(lin.codes, lin.scale_zero, 128, lin.out_features)
-        y = gemv(x_bf16)                      # [..., M, N]; gemv.call(x_bf16) skips one Python frame
-    """
-
-    def __init__(self, codes: torch.Tensor, scale_zero: torch.Tensor, group_size: int, out_features: int) -> None:
-        lib = load()
-        if lib is None:
-            raise RuntimeError("the native INT4 kernels are not available "
-                               "(see musecore_xeon.kernels.native.UNAVAILABLE)")
-        self.in_features = codes.shape[1] * 8
-        _check_layout(codes, scale_zero, self.in_features, group_size)
-        if codes.shape[0] % ROWS or not 0 < out_features <= codes.shape[0]:
-            raise ValueError(f"int4_gemv: {codes.shape[0]} code rows (a multiple of {ROWS}) for {out_features} outputs")
-        self.codes, self.scale_zero = codes, scale_zero  # kept alive with the pointers
-        self.out_features = out_features
-        self.args = Int4WeightArgs(codes.data_ptr(), scale_zero.data_ptr(), self.in_features, group_size,
-                                   codes.shape[0], out_features)
+    def bind(self, lib: ctypes.CDLL, args: ctypes.Structure, in_features: int, out_features: int) -> None:
+        self.in_features, self.out_features = in_features, out_features
+        self.args = args
         self.args_ptr = ctypes.addressof(self.args)
-        self.fn = lib.musecore_int4_linear
-        fast = int4_binding()
+        self.fn = getattr(lib, f"musecore_{self.kind}_linear")
+        fast = linear_binding()
         # the hot call: the extension's METH_FASTCALL function with this weight's address bound (a C-level partial)
-        self.call = functools.partial(fast.int4_linear, self.args_ptr) if fast is not None else self.call_ctypes
+        self.call = functools.partial(getattr(fast, f"{self.kind}_linear"), self.args_ptr) if fast is not None \
+            else self.call_ctypes
         self.binding = "extension" if fast is not None else "ctypes"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,7 +270,7 @@ class Int4Gemv:
         """The same call through ctypes (without the extension; tests compare both)."""
         dtype, shape, k, n = x.dtype, x.shape, self.in_features, self.out_features
         if (dtype is not torch.bfloat16 and dtype is not torch.float32) or shape[-1] != k or not x.is_contiguous():
-            raise ValueError(f"int4_gemv: x must be a contiguous bf16/fp32 [..., {k}] tensor; got "
+            raise ValueError(f"{self.name}: x must be a contiguous bf16/fp32 [..., {k}] tensor; got "
                              f"{dtype} {tuple(shape)} (contiguous={x.is_contiguous()})")
         # each torch call from Python costs 0.1-0.4 us here: the output shape is built without slicing x.shape
         if len(shape) == 2:
@@ -289,6 +281,83 @@ class Int4Gemv:
             m, y = x.numel() // k, torch.empty(*shape[:-1], n, dtype=dtype)
         self.fn(self.args_ptr, x.data_ptr(), y.data_ptr(), m, dtype is torch.bfloat16)
         return y
+
+
+def _require_native(what: str) -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the native {what} kernels are not available (see musecore_xeon.kernels.native.UNAVAILABLE)")
+    return lib
+
+
+class Int4Gemv(BoundGemv):
+    """:func:`int4_gemv` bound to one weight (:class:`BoundGemv`): the layout is checked once.
+
+    Example::
+
+        gemv = Int4Gemv(lin.codes, lin.scale_zero, 128, lin.out_features)
+        y = gemv(x_bf16)                      # [..., M, N]; gemv.call(x_bf16) skips one Python frame
+    """
+
+    name, kind = "int4_gemv", "int4"
+
+    def __init__(self, codes: torch.Tensor, scale_zero: torch.Tensor, group_size: int, out_features: int) -> None:
+        lib = _require_native("INT4")
+        in_features = codes.shape[1] * 8
+        _check_layout(codes, scale_zero, in_features, group_size)
+        if codes.shape[0] % ROWS or not 0 < out_features <= codes.shape[0]:
+            raise ValueError(f"int4_gemv: {codes.shape[0]} code rows (a multiple of {ROWS}) for {out_features} outputs")
+        self.codes, self.scale_zero = codes, scale_zero  # kept alive with the pointers
+        self.bind(lib, Int4WeightArgs(codes.data_ptr(), scale_zero.data_ptr(), in_features, group_size,
+                                      codes.shape[0], out_features), in_features, out_features)
+
+
+class Bf16WeightArgs(ctypes.Structure):
+    """``bf16_weight_t`` in the C source: one BF16 weight's pointer and shape."""
+    _fields_ = [("w", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64)]
+
+
+class Bf16Gemv(BoundGemv):
+    """The native BF16 weight GEMV (:mod:`native_bf16_source`) bound to one contiguous bf16 weight ``[N, K]``
+    (:class:`BoundGemv`): ``x [..., K]`` bf16 or fp32 -> ``[..., N]`` in ``x``'s dtype, fp32 accumulation.
+
+    Example::
+
+        gemv = Bf16Gemv(w_bf16)               # w [N, K], kept alive by the Bf16Gemv
+        y = gemv(x_bf16)                      # [..., N]
+    """
+
+    name, kind = "bf16_gemv", "bf16"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        lib = _require_native("BF16")
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() or weight.numel() == 0:
+            raise ValueError(f"bf16_gemv: the weight must be a non-empty contiguous bf16 [N, K] tensor; got "
+                             f"{weight.dtype} {tuple(weight.shape)} (contiguous={weight.is_contiguous()})")
+        self.weight = weight  # kept alive with the pointer
+        n, k = weight.shape
+        self.bind(lib, Bf16WeightArgs(weight.data_ptr(), k, n), k, n)
+
+
+def bf16_gemv(weight: torch.Tensor, x: torch.Tensor, threads: Optional[int] = None) -> torch.Tensor:
+    """``x [M, K] @ weight.T`` (weight bf16 ``[N, K]``, x bf16/fp32) -> ``[M, N]`` in ``x``'s dtype, through ctypes with
+    an explicit thread count (default PyTorch's): tests and measurements; decode calls use :class:`Bf16Gemv`.
+    """
+    return bf16_gemv_with(_require_native("BF16"), weight, x, threads)
+
+
+def bf16_gemv_with(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor, threads: Optional[int] = None) -> torch.Tensor:
+    """:func:`bf16_gemv` on a given build of the kernels (e.g. :func:`load_portable`)."""
+    _check("weight", weight, (torch.bfloat16,))
+    _check("x", x, (torch.bfloat16, torch.float32))
+    (m, k), (n, kw) = x.shape, weight.shape
+    if k != kw:
+        raise ValueError(f"bf16_gemv: x [{m}, {k}] does not match the weight [{n}, {kw}]")
+    y = torch.empty(m, n, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib.musecore_bf16_gemv(weight.data_ptr(), x.data_ptr(), bf16, y.data_ptr(), bf16, m, n, k,
+                           torch.get_num_threads() if threads is None else threads)
+    return y
 
 
 def int4_dequant(codes: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tensor, group_size: int) -> torch.Tensor:
