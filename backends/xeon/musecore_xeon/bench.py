@@ -141,6 +141,7 @@ def bench_moe(tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), num_ex
     torch_bf16 = backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense])
     for lin in torch_bf16.gate + torch_bf16.down:  # PyTorch's BF16 matmul at every M: the plain baseline
         lin.crossover = None
+        lin.set_gemv_crossover(1)  # no native BF16 GEMV either
     per_expert = {"int4": int4.gate[0].nbytes + int4.down[0].nbytes, "bf16": 2 * 3 * latent * intermediate}
     norm = torch.ones(num_experts, latent)
     shape = f"E{num_experts} top{top_k} l{latent} I{intermediate}"

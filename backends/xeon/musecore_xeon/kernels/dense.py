@@ -32,6 +32,10 @@ from musecore_xeon.kernels.crossover import (BF16_CROSSOVER_ENV, BF16_GEMV_CROSS
 # measured). Its time grows with M (every pair of activation rows re-reads the weight, from L1 after the first
 # pair), so the tiles' SGEMM overtakes it somewhere in this range or above it.
 BF16_GEMV_CALIBRATION_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+# A near-tie on the proxy goes to the path the GEMV would replace (as INT4_DENSE_MARGIN does for the INT4 tiles): the
+# GEMV must be more than this much faster. Without it, 2048x8192 at M=64 (1 thread) took the GEMV after the 1024-row
+# proxy timed 19.2 vs 20.0 ms, and measured 0.83x of the tiles at full size.
+BF16_GEMV_DENSE_MARGIN = 0.10
 
 # Elements per dense tile: 2 Mi (8 MiB in fp32). Measured on the 2-core EPYC at K=8192, M=64..256:
 # 256-row tiles ran 1.3-2x faster than 64-row (GEMM too thin) or 1024-row (tile falls out of cache).
@@ -198,7 +202,8 @@ def bf16_gemv_crossover(in_features: int, out_features: int, tiles_crossover: Op
     def measure() -> CrossoverCalibration:
         proxy = DenseLinear(torch.randn(proxy_rows, in_features, dtype=torch.bfloat16), crossover=tiles_crossover)
         calibration = measure_crossover("bf16-gemv", in_features, proxy_rows, proxy.run_gemv, proxy.run_large_m,
-                                        torch.bfloat16, ms=BF16_GEMV_CALIBRATION_MS)
+                                        torch.bfloat16, ms=BF16_GEMV_CALIBRATION_MS,
+                                        dense_margin=BF16_GEMV_DENSE_MARGIN)
         if calibration.crossover is None:  # won at every measured M: used up to the largest, not beyond
             calibration = dataclasses.replace(calibration, crossover=max(BF16_GEMV_CALIBRATION_MS) + 1)
         return calibration
