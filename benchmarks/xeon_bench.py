@@ -4,7 +4,9 @@
     python benchmarks/xeon_bench.py --cases linear --ms 1 8 64 --shapes 4096x8192
     python benchmarks/xeon_bench.py --cases e2e --presets muse-tiny muse-small
 
-The host's load average is recorded before and after: on a shared machine the numbers move with it. The memory
+Linear and MoE weights are timed cold from DRAM: each implementation cycles through copies of its weight
+totalling at least twice the L3 (``musecore_xeon.bench.rotating``), one call = cycle time / copies; the rows carry
+``cold_copies`` and ``cold_bytes``. The host's load average is recorded before and after: on a shared machine the numbers move with it. The memory
 ceiling is measured at the start and again at the end; ``pct_memory_ceiling`` is against the higher of the two.
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from musecore_xeon.bench import LINEAR_MS, LINEAR_SHAPES, benchmarks, memory_bandwidth_gbs
+from musecore_xeon.bench import LINEAR_MS, LINEAR_SHAPES, benchmarks, l3_cache_bytes, memory_bandwidth_gbs, rotation_bytes
 from musecore_xeon.cpu import configure_threads, read_cpu_info
 from musecore_xeon.kernels.crossover import calibrations
 
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = memory_bandwidth_gbs()
     print(f"{cpu.summary()}\nthreads {threads}, torch {torch.__version__}, load average {load_before}")
     print(f"memory: copy {bandwidth['copy_gbs']:.1f} GB/s, read {bandwidth['read_gbs']:.1f} GB/s")
+    cold = (f"weights cold from DRAM: each implementation cycles through copies of its weight totalling >= "
+            f"{rotation_bytes() >> 20} MiB (2x the {l3_cache_bytes() >> 20} MiB L3); time = cycle / copies")
+    print(cold)
     cases = benchmarks()
     options = {"linear": {"shapes": [tuple(int(v) for v in s.split("x")) for s in args.shapes], "ms": args.ms,
                           "repeats": args.repeats},
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases:
         start = time.perf_counter()
         case_rows = cases[case](**options[case])
-        print(f"\n== {case} ({time.perf_counter() - start:.0f} s)")
+        note = f"; {cold}" if case in ("linear", "moe") else ""
+        print(f"\n== {case} ({time.perf_counter() - start:.0f} s{note})")
         print_table(case_rows)
         rows.extend(case_rows)
     # the ceiling again at the end: on a shared host one measurement can land in a busy phase (a 2-thread run once
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                           "torch": torch.__version__, "python": platform.python_version(),
                           "load_average_before": load_before, "load_average_after": os.getloadavg()},
               "memory_bandwidth_gbs": {**bandwidth, "ceiling_gbs": ceiling, "ceiling_at_start_gbs": bandwidth["ceiling_gbs"]},
-              "memory_bandwidth_at_end_gbs": bandwidth_after, "crossovers": crossovers, "command": " ".join(sys.argv),
+              "memory_bandwidth_at_end_gbs": bandwidth_after,
+              "cold_weights": {"l3_bytes": l3_cache_bytes(), "rotation_bytes": rotation_bytes(), "note": cold}, "crossovers": crossovers, "command": " ".join(sys.argv),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1, default=str))

@@ -7,6 +7,13 @@ process (PERF.md): the higher of a large-copy and a large-read bandwidth. Times 
 ``speedup_vs_bf16`` compares with PyTorch's own BF16 ``F.linear`` on the same shape (what a user
 gets without this backend); ``speedup_vs_xeon_bf16`` with this backend's BF16 path.
 
+The linear and MoE weights are timed cold from DRAM: every implementation cycles through independent
+copies of its weight totalling at least twice the last-level cache (:func:`rotating`, :func:`cycle`),
+and a call's time is the cycle's time over the number of copies. Called back to back on one weight, an
+8-64 MB weight stays partly in the 32 MiB L3 of the EPYC this was written on (BF16 GEMV rows read
+94-118% of the DRAM ceiling), and a 0.2 MB one entirely, which a decode step (every layer's weights
+evicting the others') never sees.
+
 Example::
 
     from musecore_xeon.bench import benchmarks
@@ -16,7 +23,9 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -43,6 +52,48 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> dict[str, f
     copy = 2 * nbytes / (time_us(lambda: dst.copy_(src), repeats) * 1e3)
     read = nbytes / (time_us(lambda: src.sum(), repeats) * 1e3)
     return {"copy_gbs": copy, "read_gbs": read, "ceiling_gbs": max(copy, read)}
+
+
+DEFAULT_L3_BYTES = 32 << 20
+L3_SIZE_PATH = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+
+
+@functools.cache
+def l3_cache_bytes() -> int:
+    """The last-level cache size from sysfs (``32768K``), or :data:`DEFAULT_L3_BYTES` when it is not there."""
+    try:
+        text = L3_SIZE_PATH.read_text().strip().upper()
+    except OSError:
+        return DEFAULT_L3_BYTES
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+    except ValueError:
+        return DEFAULT_L3_BYTES
+
+
+def rotation_bytes() -> int:
+    """Bytes each implementation's weight copies must total: twice the L3, so none is still cached when reused."""
+    return 2 * l3_cache_bytes()
+
+
+def copies_needed(nbytes_per_copy: int, total_bytes: Optional[int] = None) -> int:
+    """How many copies of ``nbytes_per_copy`` reach ``total_bytes`` (default :func:`rotation_bytes`); at least 2."""
+    total = rotation_bytes() if total_bytes is None else total_bytes
+    return max(2, math.ceil(total / max(nbytes_per_copy, 1)))
+
+
+def rotating(make: Callable[[], Any], nbytes_per_copy: int, total_bytes: Optional[int] = None) -> list[Any]:
+    """Independent objects from ``make()`` (each must own its memory), :func:`copies_needed` of them."""
+    return [make() for _ in range(copies_needed(nbytes_per_copy, total_bytes))]
+
+
+def cycle(objs: Sequence[Any], call: Callable[[Any], object]) -> Callable[[], None]:
+    """One call on each object in turn: time it and divide by ``len(objs)`` for one cold call."""
+    def run() -> None:
+        for obj in objs:
+            call(obj)
+    return run
 
 
 def pct_ceiling(nbytes: int, us: float) -> float:
@@ -78,43 +129,65 @@ def random_int4_linear(backend: XeonBackend, out_features: int, in_features: int
 
 
 def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence[int] = LINEAR_MS,
-                 repeats: int = 3, backend: Optional[XeonBackend] = None) -> list[dict[str, Any]]:
+                 repeats: int = 3, backend: Optional[XeonBackend] = None,
+                 rotate_bytes: Optional[int] = None) -> list[dict[str, Any]]:
     """INT4 (native GEMV / dense tiles by the calibrated crossover) vs BF16 at every (shape, M), and
-    PyTorch's int4pack kernel at M <= ``INT4PACK_MAX_M``."""
+    PyTorch's int4pack kernel at M <= ``INT4PACK_MAX_M``.
+
+    Cold from DRAM: each implementation cycles through copies of its weight totalling at least
+    ``rotate_bytes`` (default twice the L3), prepared the same way; one call = cycle time / copies.
+    """
     backend = backend or XeonBackend()
     rows = []
     for n, k in shapes:
-        w_bf16 = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
-        xeon_bf16: DenseLinear = backend.prepare_weight(w_bf16, "linear").extra["linear"]
+        # BF16: PyTorch's F.linear and the backend's DenseLinear each cycle over their own copies
+        torch_ws = rotating(lambda: (torch.randn(n, k) * 0.02).to(torch.bfloat16), 2 * n * k, rotate_bytes)
+        xeon_ws: list[DenseLinear] = rotating(
+            lambda: backend.prepare_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), "linear").extra["linear"],
+            2 * n * k, rotate_bytes)
         int4 = random_int4_linear(backend, n, k)
+        int4s = [int4] + rotating(lambda: random_int4_linear(backend, n, k), int4.nbytes, rotate_bytes)[1:]
+        int4packs: list[Int4Linear] = []
+        if any(m <= INT4PACK_MAX_M for m in ms):  # its own copies (PyTorch's packing is its own memory)
+            int4.build_int4pack()
+            packed_bytes = int4.packed.numel() + int4.scales_and_zeros.numel() * 2
+            int4packs = rotating(lambda: random_int4_linear(backend, n, k), packed_bytes, rotate_bytes)
+            for lin in int4packs:
+                lin.build_int4pack()
+            int4.packed = int4.scales_and_zeros = None
+        xeon_bf16 = xeon_ws[0]
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             act_bytes = 2 * m * (k + n)
             # the two dense-tile paths (same SGEMM, so near-equal at large M) are timed back to back
-            fns = [lambda: F.linear(x, w_bf16), lambda: int4.run_small_m(x), lambda: xeon_bf16(x),
-                   lambda: int4.run_tiles(x)]
+            cycles = [(torch_ws, lambda w: F.linear(x, w)), (int4s, lambda lin: lin.run_small_m(x)),
+                      (xeon_ws, lambda lin: lin(x)), (int4s, lambda lin: lin.run_tiles(x))]
             if m <= INT4PACK_MAX_M:  # PyTorch's INT4 kernel, for the record (the pre-native small-M path)
-                fns.append(lambda: int4.run_int4pack(x))
-            t_torch, t_kernel, t_xbf16, t_tiles, *t_int4pack = time_interleaved_us(fns, repeats)
+                cycles.append((int4packs, lambda lin: lin.run_int4pack(x)))
+            cycle_us = time_interleaved_us([cycle(objs, call) for objs, call in cycles], repeats)
+            t_torch, t_kernel, t_xbf16, t_tiles, *t_int4pack = [t / len(objs) for t, (objs, _) in zip(cycle_us, cycles)]
             t_int4 = t_tiles if int4.uses_dense_tiles(m) else t_kernel
             common = {"backend": BACKEND, "case": "linear", "shape": f"{n}x{k}", "M": m}
+            cold = {"cold_copies": len(torch_ws), "cold_bytes": len(torch_ws) * 2 * n * k}
             rows.append({**common, "impl": "torch-bf16", "format": "bf16", "path": "F.linear", "time_us": t_torch, "speedup_vs_bf16": 1.0,
-                         "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_torch)})
+                         "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_torch), **cold})
+            cold = {"cold_copies": len(xeon_ws), "cold_bytes": len(xeon_ws) * 2 * n * k}
             rows.append({**common, "impl": "xeon-bf16", "format": "bf16", "path": xeon_bf16.path(m),
                          "crossover": xeon_bf16.crossover, "gemv_crossover": xeon_bf16.gemv_crossover, "time_us": t_xbf16, "speedup_vs_bf16": t_torch / t_xbf16,
-                         "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_xbf16)})
+                         "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_xbf16), **cold})
+            cold = {"cold_copies": len(int4s), "cold_bytes": len(int4s) * int4.nbytes}
             rows.append({**common, "impl": "xeon-int4", "format": "int4", "path": "tiles" if int4.uses_dense_tiles(m) else int4.kernel,
                          "crossover": int4.crossover, "time_us": t_int4, "speedup_vs_bf16": t_torch / t_int4,
                          "speedup_vs_xeon_bf16": t_xbf16 / t_int4, "int4_kernel_us": t_kernel,
                          "int4_tiles_us": t_tiles, "resident_bytes": int4.nbytes,
-                         "pct_memory_ceiling": pct_ceiling(int4.nbytes + act_bytes, t_int4)})
+                         "pct_memory_ceiling": pct_ceiling(int4.nbytes + act_bytes, t_int4), **cold})
             if t_int4pack:
-                packed_bytes = int4.packed.numel() + int4.scales_and_zeros.numel() * 2
+                cold = {"cold_copies": len(int4packs), "cold_bytes": len(int4packs) * packed_bytes}
                 rows.append({**common, "impl": "torch-int4pack", "format": "int4", "path": "_weight_int4pack_mm_for_cpu",
                              "time_us": t_int4pack[0], "speedup_vs_bf16": t_torch / t_int4pack[0],
                              "speedup_vs_xeon_bf16": t_xbf16 / t_int4pack[0],
-                             "pct_memory_ceiling": pct_ceiling(packed_bytes + act_bytes, t_int4pack[0])})
-        int4.packed = int4.scales_and_zeros = None  # the record's extra copy is not kept
+                             "pct_memory_ceiling": pct_ceiling(packed_bytes + act_bytes, t_int4pack[0]), **cold})
+        del torch_ws, xeon_ws, int4s, int4packs, int4, xeon_bf16  # the next shape's copies replace these
     return rows
 
 
@@ -124,10 +197,12 @@ def routed_expert_bytes(ids: torch.Tensor, bytes_per_expert: int) -> int:
 
 def bench_moe(tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), num_experts: int = 64, top_k: int = 8,
               latent: int = 512, intermediate: int = 768, repeats: int = 3,
-              backend: Optional[XeonBackend] = None) -> list[dict[str, Any]]:
+              backend: Optional[XeonBackend] = None, rotate_bytes: Optional[int] = None) -> list[dict[str, Any]]:
     """One muse-small MoE layer (64 experts top-8, l=512, I=768): INT4 vs BF16 experts.
 
-    Only the experts actually routed to are counted in the bytes (PERF.md).
+    Only the experts actually routed to are counted in the bytes (PERF.md). Cold from DRAM: the routed
+    experts of one call (5 MB INT4, 19 MB BF16 at T=1) fit the L3, so each variant cycles through whole
+    copies of the layer's experts until the routed bytes total ``rotate_bytes`` (default twice the L3).
     """
     import musecore_quant
     from musecore.ops import reference as ref
@@ -136,26 +211,44 @@ def bench_moe(tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), num_ex
     dense = [torch.randn(num_experts, intermediate, latent, generator=gen) * 0.05,
              torch.randn(num_experts, intermediate, latent, generator=gen) * 0.05,
              torch.randn(num_experts, latent, intermediate, generator=gen) * 0.05]
-    int4 = backend.prepare_experts(*[musecore_quant.quantize(w, "int4", group_size=128, sym=True) for w in dense])
-    bf16 = backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense])
-    torch_bf16 = backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense])
-    for lin in torch_bf16.gate + torch_bf16.down:  # PyTorch's BF16 matmul at every M: the plain baseline
-        lin.crossover = None
-        lin.set_gemv_crossover(1)  # no native BF16 GEMV either
+    quantized = [musecore_quant.quantize(w, "int4", group_size=128, sym=True) for w in dense]
+    int4 = backend.prepare_experts(*quantized)
     per_expert = {"int4": int4.gate[0].nbytes + int4.down[0].nbytes, "bf16": 2 * 3 * latent * intermediate}
+
+    def torch_bf16_experts():  # PyTorch's BF16 matmul at every M: the plain baseline
+        experts = backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense])
+        for lin in experts.gate + experts.down:
+            lin.crossover = None
+            lin.set_gemv_crossover(1)  # no native BF16 GEMV either
+        return experts
+
+    fewest_routed = min(num_experts, top_k)  # T = 1 routes to the fewest experts: it needs the most copies
+    variants = {"torch-bf16": rotating(torch_bf16_experts, fewest_routed * per_expert["bf16"], rotate_bytes),
+                "xeon-bf16": rotating(lambda: backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense]),
+                                      fewest_routed * per_expert["bf16"], rotate_bytes),
+                "xeon-int4": [int4] + rotating(lambda: backend.prepare_experts(*quantized),
+                                               fewest_routed * per_expert["int4"], rotate_bytes)[1:]}
+    del dense, quantized
     norm = torch.ones(num_experts, latent)
     shape = f"E{num_experts} top{top_k} l{latent} I{intermediate}"
     rows = []
     for t in tokens:
         z = torch.randn(t, latent, dtype=torch.bfloat16, generator=gen)
         weights, ids = ref.router_topk(torch.randn(t, num_experts, generator=gen), top_k, True)
-        run = lambda experts: time_us(lambda: backend.moe(z, weights, ids, experts, norm, 1e-6), repeats)  # noqa: E731
-        t_torch, t_bf16, t_int4 = run(torch_bf16), run(bf16), run(int4)
+        times, copies = {}, {}
+        for impl, experts in variants.items():
+            fmt = impl.split("-")[1]
+            used = experts[:copies_needed(routed_expert_bytes(ids, per_expert[fmt]), rotate_bytes)]
+            copies[impl] = len(used)
+            times[impl] = time_us(cycle(used, lambda e: backend.moe(z, weights, ids, e, norm, 1e-6)), repeats) / len(used)
+        t_torch, t_bf16 = times["torch-bf16"], times["xeon-bf16"]
         common = {"backend": BACKEND, "case": "moe", "shape": shape, "M": t, "routed_experts": int(ids.unique().numel())}
-        for impl, us, fmt in (("torch-bf16", t_torch, "bf16"), ("xeon-bf16", t_bf16, "bf16"), ("xeon-int4", t_int4, "int4")):
+        for impl, us in times.items():
+            fmt = impl.split("-")[1]
+            routed = routed_expert_bytes(ids, per_expert[fmt])
             rows.append({**common, "impl": impl, "format": fmt, "time_us": us, "speedup_vs_bf16": t_torch / us,
-                         "speedup_vs_xeon_bf16": t_bf16 / us,
-                         "pct_memory_ceiling": pct_ceiling(routed_expert_bytes(ids, per_expert[fmt]), us)})
+                         "speedup_vs_xeon_bf16": t_bf16 / us, "pct_memory_ceiling": pct_ceiling(routed, us),
+                         "cold_copies": copies[impl], "cold_bytes": copies[impl] * routed})
     return rows
 
 
