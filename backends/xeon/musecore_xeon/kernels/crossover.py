@@ -5,7 +5,8 @@ At small M a linear layer is bound by weight bytes, so PyTorch's INT4 kernel
 compute-bound (its inner loop dequantizes every weight for every block of rows), and a GEMM on
 dequantized tiles can overtake it. Where that happens depends on the ISA, the thread count and K,
 so it is measured on this machine for each *shape class* on a proxy weight (at most
-``PROXY_MAX_ROWS`` output rows: both paths are linear in N) and cached per process.
+``PROXY_MAX_ROWS`` output rows, ``int4.INT4_PROXY_MAX_ROWS`` for INT4: both paths are linear in N, but
+cache effects are not, so the proxy cannot be too small) and cached per process.
 
 ``MUSECORE_XEON_INT4_CROSSOVER`` / ``MUSECORE_XEON_BF16_CROSSOVER`` override the measurement:
 an integer M (rows >= M take the dense path) or ``none`` (never leave the small-M kernel).
