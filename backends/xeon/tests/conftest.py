@@ -8,6 +8,7 @@ import torch
 
 from musecore.backends.reference import ReferenceBackend
 from musecore_xeon import XeonBackend
+from musecore_xeon.kernels import native
 from musecore_xeon.kernels.crossover import BF16_CROSSOVER_ENV, BF16_GEMV_CROSSOVER_ENV, INT4_CROSSOVER_ENV
 
 
@@ -34,3 +35,17 @@ def _seed_and_fixed_crossover(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(INT4_CROSSOVER_ENV, "64")
     monkeypatch.setenv(BF16_CROSSOVER_ENV, "64")
     monkeypatch.setenv(BF16_GEMV_CROSSOVER_ENV, "16")
+
+
+@pytest.fixture
+def no_c_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """Neither cc nor gcc on PATH and an empty kernel cache: the native library cannot be built (loaded again
+    afterwards with the real environment)."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    native.load.cache_clear()
+    yield
+    native.load.cache_clear()
+    monkeypatch.undo()
+    assert native.available() or native.UNAVAILABLE

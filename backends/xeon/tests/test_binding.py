@@ -1,4 +1,4 @@
-"""The INT4 GEMV's CPython extension (musecore_xeon.kernels.binding) against the ctypes call it replaces."""
+"""The GEMVs' CPython extension (musecore_xeon.kernels.binding) against the ctypes calls it replaces."""
 
 from __future__ import annotations
 
@@ -34,14 +34,16 @@ def test_the_extension_is_built_wherever_the_c_kernels_are() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("leading", [(), (1,), (3,), (2, 2), (0,)])
-def test_extension_call_gives_the_same_bits_and_shape_as_the_ctypes_call(dtype, leading) -> None:
-    gemv = bound_gemv()
-    x = torch.randn(*leading, 512).to(dtype)
+def test_extension_call_gives_the_same_bits_and_shape_as_the_ctypes_call(kind, dtype, leading) -> None:
+    """Both bound GEMVs (INT4: 37 x 512; BF16: 37 x 83, odd K) through the extension and through ctypes."""
+    gemv, k = (bound_gemv(), 512) if kind == "int4" else (native.Bf16Gemv(torch.randn(37, 83).to(torch.bfloat16)), 83)
+    x = torch.randn(*leading, k).to(dtype)
     y_fast, y_ctypes = gemv(x), gemv.call_ctypes(x)
     assert y_fast.dtype == dtype and y_fast.shape == (*leading, 37) == y_ctypes.shape
-    assert torch.equal(y_fast, y_ctypes), f"{dtype} {leading}: extension and ctypes results differ"
+    assert torch.equal(y_fast, y_ctypes), f"{kind} {dtype} {leading}: extension and ctypes results differ"
 
 
 @needs_native

@@ -376,22 +376,13 @@ def test_dense_tiles_match_the_small_m_kernel_with_either_dequantizer(shape, deq
         assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"{shape} M={m} {dequantizer}")
 
 
-def test_without_a_compiler_int4_falls_back_to_int4pack_with_a_warning(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("PATH", str(tmp_path))  # neither cc nor gcc on PATH
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))  # nothing cached there
-    native.load.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="no C compiler"):
-            assert not native.available()
-        qt = random_int4(96, 512, negative_scales=True, asymmetric=True)
-        lin = prepare_int4(qt, torch.float32, calibrate=False)
-        assert lin.kernel == "int4pack"
-        lin.set_crossover(16)
-        for m in (1, 20):  # int4pack below, PyTorch-op tiles above
-            x = torch.randn(m, 512, dtype=torch.bfloat16)
-            assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"no compiler M={m}")
-    finally:
-        native.load.cache_clear()
-        monkeypatch.undo()
-    assert native.available() or native.UNAVAILABLE
+def test_without_a_compiler_int4_falls_back_to_int4pack_with_a_warning(no_c_compiler) -> None:
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert not native.available()
+    qt = random_int4(96, 512, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    assert lin.kernel == "int4pack"
+    lin.set_crossover(16)
+    for m in (1, 20):  # int4pack below, PyTorch-op tiles above
+        x = torch.randn(m, 512, dtype=torch.bfloat16)
+        assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"no compiler M={m}")
