@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 import musecore_quant
 from musecore.ops import tolerance
-from musecore_cuda.bench import LINEAR_SHAPES, _cycle, _rotating, memory_ceiling_gbps, random_fp4, time_us
+from musecore.benchmarking import cycle
+from musecore_cuda.bench import LINEAR_SHAPES, _rotating, memory_ceiling_gbps, random_fp4, time_us
 from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.layouts import prepare_fp4
 
@@ -80,7 +81,7 @@ def sweep_points(ms: list[int], shapes: list[str], fmt: str) -> Iterator[Point]:
                          _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2))
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = time_us(_cycle(case.bf16, lambda w: F.linear(x, w))) / len(case.bf16)
+            t_bf16 = time_us(cycle(case.bf16, lambda w: F.linear(x, w))) / len(case.bf16)
             yield Point(case, m, x, x.float() @ case.dense.T, t_bf16)
         del case
         torch.cuda.empty_cache()
@@ -92,7 +93,7 @@ def checked_time(p: Point, fn: Callable[[torch.Tensor, object], torch.Tensor], w
     err = nmse(p.ref, fn(p.x, p.case.w_check))
     if err > tolerance("linear"):
         raise SystemExit(f"{p.case.name} M={p.m} {what}: NMSE {err:.3g} > {tolerance('linear')}")
-    return time_us(_cycle(p.case.ws, lambda w: fn(p.x, w))) / len(p.case.ws), err
+    return time_us(cycle(p.case.ws, lambda w: fn(p.x, w))) / len(p.case.ws), err
 
 
 def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:

@@ -12,13 +12,13 @@ them, prints a table and saves the JSON.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from musecore.benchmarking import cycle, rotating
 from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear, fp4_linear,
                                    fp4_linear_path, fp4_tiled_linear)
 from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
@@ -75,14 +75,8 @@ def memory_ceiling_gbps() -> dict[str, float]:
 
 
 def _rotating(make: Callable[[], object], nbytes: int) -> list:
-    return [make() for _ in range(max(1, math.ceil(ROTATE_BYTES / max(nbytes, 1))))]
-
-
-def _cycle(objs: list, call: Callable[[object], object]) -> Callable[[], None]:
-    def run() -> None:
-        for o in objs:
-            call(o)
-    return run
+    """Copies of a weight touching at least ``ROTATE_BYTES`` per cycle (:func:`musecore.benchmarking.rotating`)."""
+    return rotating(make, nbytes, ROTATE_BYTES)
 
 
 def random_fp4(fmt: str, shape: tuple[int, ...]) -> "QTensor":  # noqa: F821
@@ -112,11 +106,11 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
                for fmt in formats}
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = time_us(_cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
+            t_bf16 = time_us(cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
             act_bytes = (m * k + m * n) * 2
             rows.append(_linear_row("bf16", name, n, k, m, t_bf16, t_bf16, n * k * 2 + act_bytes, ceiling))
             for fmt, ws in fp4.items():
-                t = time_us(_cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
+                t = time_us(cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
                 path = fp4_linear_path(m, x.dtype, x.device, n * k)
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
                 if fmt == "nvfp4":  # the other paths at the same M, for comparison
@@ -129,7 +123,7 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
                         others.pop("gemm")
                     others.pop(path, None)
                     for other, fn in others.items():
-                        t = time_us(_cycle(ws, lambda w: fn(x, w))) / len(ws)
+                        t = time_us(cycle(ws, lambda w: fn(x, w))) / len(ws)
                         rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling,
                                                 other))
         del bf16_ws, fp4
@@ -164,14 +158,14 @@ def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = (1, 
         bf16_ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = time_us(_cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
+            t_bf16 = time_us(cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
             act_bytes = (m * k + m * n) * 2
             nbytes = ours[0].nbytes + act_bytes  # both hold MXFP4: 4.25 bits per weight
-            t = time_us(_cycle(ours, lambda w: fp4_linear(x, w))) / len(ours)
+            t = time_us(cycle(ours, lambda w: fp4_linear(x, w))) / len(ours)
             rows.append(_linear_row("mxfp4", name, n, k, m, t, t_bf16, nbytes, ceiling,
                                     fp4_linear_path(m, x.dtype, x.device, n * k)))
             try:
-                t = time_us(_cycle(peers, lambda layer: layer(x))) / len(peers)
+                t = time_us(cycle(peers, lambda layer: layer(x))) / len(peers)
             except Exception as exc:  # noqa: BLE001
                 rows.append({"backend": "gemlite", "case": "linear", "shape": f"{name} {k}->{n}", "M": m,
                              "error": f"{exc!r}"[:300]})
@@ -208,7 +202,7 @@ def sweep_linear_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down"),
                     launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group,
                                 fold_log2=w.fold_log2, n=n, k=k, out=out, cfg=cfg)
                 try:
-                    t = time_us(_cycle(ws, call)) / len(ws)
+                    t = time_us(cycle(ws, call)) / len(ws)
                 except Exception as exc:  # a config that does not compile is a row, not a crash
                     rows.append({"case": "sweep", "shape": name, "M": m, "config": str(cfg), "error": repr(exc)[:200]})
                     continue

@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -31,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from musecore import benchmarking
+from musecore.benchmarking import cycle
 from musecore_xeon.backend import XeonBackend
 from musecore_xeon.kernels.crossover import BF16_GEMV_CROSSOVER_ENV, time_us
 from musecore_xeon.kernels.dense import DenseLinear
@@ -79,21 +80,12 @@ def rotation_bytes() -> int:
 
 def copies_needed(nbytes_per_copy: int, total_bytes: Optional[int] = None) -> int:
     """How many copies of ``nbytes_per_copy`` reach ``total_bytes`` (default :func:`rotation_bytes`); at least 2."""
-    total = rotation_bytes() if total_bytes is None else total_bytes
-    return max(2, math.ceil(total / max(nbytes_per_copy, 1)))
+    return benchmarking.copies_needed(nbytes_per_copy, rotation_bytes() if total_bytes is None else total_bytes, 2)
 
 
 def rotating(make: Callable[[], Any], nbytes_per_copy: int, total_bytes: Optional[int] = None) -> list[Any]:
     """Independent objects from ``make()`` (each must own its memory), :func:`copies_needed` of them."""
     return [make() for _ in range(copies_needed(nbytes_per_copy, total_bytes))]
-
-
-def cycle(objs: Sequence[Any], call: Callable[[Any], object]) -> Callable[[], None]:
-    """One call on each object in turn: time it and divide by ``len(objs)`` for one cold call."""
-    def run() -> None:
-        for obj in objs:
-            call(obj)
-    return run
 
 
 def pct_ceiling(nbytes: int, us: float) -> float:

@@ -1,0 +1,30 @@
+"""Helpers the backends' benchmarks share (``musecore bench``): timing weights cold.
+
+A weight called back to back stays in the last-level cache (a GPU's L2, a CPU's L3), so a
+bandwidth-bound kernel would look faster than it runs in a model, where every layer's weights evict
+the others'. The benchmarks therefore cycle through independent copies of each weight whose bytes
+together exceed the cache, and take one call's time as the cycle's time over the number of copies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+
+def copies_needed(nbytes_per_copy: int, total_bytes: int, min_copies: int = 1) -> int:
+    """How many copies of ``nbytes_per_copy`` bytes reach ``total_bytes``; at least ``min_copies``."""
+    return max(min_copies, math.ceil(total_bytes / max(nbytes_per_copy, 1)))
+
+
+def rotating(make: Callable[[], Any], nbytes_per_copy: int, total_bytes: int, min_copies: int = 1) -> list[Any]:
+    """Independent objects from ``make()`` (each must own its memory), :func:`copies_needed` of them."""
+    return [make() for _ in range(copies_needed(nbytes_per_copy, total_bytes, min_copies))]
+
+
+def cycle(objs: Sequence[Any], call: Callable[[Any], object]) -> Callable[[], None]:
+    """One ``call`` on each object in turn: time it and divide by ``len(objs)`` for one cold call."""
+    def run() -> None:
+        for obj in objs:
+            call(obj)
+    return run
