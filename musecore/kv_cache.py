@@ -13,7 +13,7 @@ incremental decode sees exactly what a whole-sequence pass through the same cach
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -21,6 +21,28 @@ from musecore.config import SLIDING, MuseConfig
 
 FP8_MAX = 448.0
 KV_FORMATS = ("bf16", "fp8")
+
+
+def write_static(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor,
+                 v_new: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool) -> None:
+    """Scatter new entries ``[B,T,...]`` into a static layer cache of ``capacity + 1`` slots, no host sync.
+
+    Entry ``(b, t)`` goes to slot ``pos % capacity`` (ring) or ``pos`` (full layer); padding (-1) and
+    out-of-range positions go to the trash slot ``capacity``, which no view reads. Positions beyond
+    a full layer's capacity cannot be reported here without a sync; the caller (``generate``) sizes
+    the cache for the prompt plus ``max_new_tokens`` up front. This is the reference for a backend's
+    ``kv_write`` (same signature), which a static cache calls instead when the backend has one.
+    """
+    B, T = pos_new.shape
+    if ring:
+        slot = torch.where(pos_new >= 0, pos_new % capacity, capacity)
+    else:
+        slot = torch.where((pos_new >= 0) & (pos_new < capacity), pos_new, capacity)
+    b = torch.arange(B, device=pos_new.device)[:, None].expand(B, T)
+    k[b, slot], v[b, slot], positions[b, slot] = k_new, v_new, pos_new
+
+
+KVWriter = Callable[..., None]  # write_static's signature
 
 
 @dataclass
@@ -35,7 +57,8 @@ class KVView:
 class LayerCache:
     def __init__(self, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *, ring: bool,
                  kv_format: str, dtype: torch.dtype, device: torch.device,
-                 k_scale: float = 1.0, v_scale: float = 1.0, static: bool = False) -> None:
+                 k_scale: float = 1.0, v_scale: float = 1.0, static: bool = False,
+                 writer: Optional[KVWriter] = None) -> None:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"unknown KV cache format {kv_format!r}; choose one of {KV_FORMATS}")
         store = torch.float8_e4m3fn if kv_format == "fp8" else dtype
@@ -46,7 +69,7 @@ class LayerCache:
         self.k = torch.zeros(batch, slots, num_kv_heads, head_dim, dtype=store, device=device)
         self.v = torch.zeros_like(self.k)
         self.positions = torch.full((batch, slots), -1, dtype=torch.long, device=device)
-        self._rows = torch.arange(batch, device=device)[:, None]  # row index of static writes
+        self.writer = writer or write_static  # static writes: a backend's fused kernel, or the reference
         self.used = 0  # slots [0, used) may hold entries (full layers); ring layers use all
         fp8 = kv_format == "fp8"
         self.k_scale: Optional[float] = k_scale if fp8 else None
@@ -86,7 +109,7 @@ class LayerCache:
         if self.ring and k_new.shape[1] > self.capacity:  # older entries would be overwritten anyway
             k_new, v_new, pos_new = (t[:, -self.capacity:] for t in (k_new, v_new, pos_new))
         if self.static:
-            self._write_static(k_new, v_new, pos_new)
+            self.writer(self.k, self.v, self.positions, k_new, v_new, pos_new, self.capacity, self.ring)
             return
         b, t = (pos_new >= 0).nonzero(as_tuple=True)
         pos = pos_new[b, t]
@@ -97,21 +120,6 @@ class LayerCache:
         self.k[b, slots], self.v[b, slots], self.positions[b, slots] = k_new[b, t], v_new[b, t], pos
         if not self.ring and pos.numel():
             self.used = max(self.used, int(pos.max()) + 1)
-
-    def _write_static(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> None:
-        """Scatter without host syncs: padding (-1) and out-of-range positions go to the trash slot.
-
-        Positions beyond a full layer's capacity cannot be reported here without a sync; the caller
-        (``generate``) sizes the cache for the prompt plus ``max_new_tokens`` up front.
-        """
-        B, T = pos_new.shape
-        trash = self.capacity  # never read: every view stops at the capacity
-        if self.ring:
-            slot = torch.where(pos_new >= 0, pos_new % self.capacity, trash)
-        else:
-            slot = torch.where((pos_new >= 0) & (pos_new < self.capacity), pos_new, trash)
-        b = self._rows.expand(B, T)
-        self.k[b, slot], self.v[b, slot], self.positions[b, slot] = k_new, v_new, pos_new
 
 
 class KVCache:
@@ -124,7 +132,7 @@ class KVCache:
 
     def __init__(self, config: MuseConfig, batch: int, max_length: int, *, kv_format: str = "bf16",
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 static: bool = False) -> None:
+                 static: bool = False, writer: Optional[KVWriter] = None) -> None:
         device = torch.device(device)
         self.static = static
         self.layers = []
@@ -133,7 +141,7 @@ class KVCache:
             capacity = min(config.sliding_window, max_length) if ring else max_length
             self.layers.append(LayerCache(batch, capacity, config.num_key_value_heads, config.head_dim,
                                           ring=ring, kv_format=kv_format, dtype=dtype, device=device,
-                                          static=static))
+                                          static=static, writer=writer if static else None))
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
 
     def __getitem__(self, layer: int) -> LayerCache:

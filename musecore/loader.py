@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from musecore.model import MuseModel, checkpoint_shapes
+from musecore.model import FusedLinear, MuseModel, Slot, checkpoint_shapes
 
 class CheckpointMismatch(ValueError):
     """The checkpoint's tensors do not match what the config says the model has."""
@@ -53,12 +53,44 @@ def stack(values: list[Any]) -> Any:
     return stack_qtensors(values)
 
 
+class GroupCollector:
+    """Holds the ``INPUT_PROJECTIONS`` of one attention or MoE block until all have arrived."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, dict[str, tuple[str, Any]]] = defaultdict(dict)
+
+    def add(self, slot: Slot, name: str, value: Any) -> Optional[list[tuple[str, Any]]]:
+        got = self.parts[id(slot.owner)]
+        got[slot.attr] = (name, value)
+        if len(got) < len(slot.owner.INPUT_PROJECTIONS):
+            return None
+        del self.parts[id(slot.owner)]
+        return [got[attr] for attr in slot.owner.INPUT_PROJECTIONS]
+
+
+def fuse_group(owner: Any, members: list[tuple[str, Any]], placer: "Placer") -> None:
+    """Place one block's input projections: stacked into one :class:`FusedLinear` when they are all
+    plain (unquantized) tensors of one dtype that the same backend prepares for the same activation
+    format, else one by one. Quantized members stay apart: NVFP4's per-tensor global scale differs
+    between them, and no backend here prepares a stacked quantized weight."""
+    names = [name for name, _ in members]
+    values = [value for _, value in members]
+    routes = {placer.route("linear", name) for name in names}
+    if placer.fuse_projections and len(routes) == 1 and all(isinstance(v, torch.Tensor) and v.dtype == values[0].dtype for v in values):
+        widths = tuple(v.shape[0] for v in values)
+        owner.in_proj = FusedLinear(placer.prepare(names[0], "linear", torch.cat(values)), widths)
+        return
+    for attr, name, value in zip(owner.INPUT_PROJECTIONS, names, values):
+        setattr(owner, attr, placer.prepare(name, "linear", value))
+
+
 def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Placer", *,
                source: str = "checkpoint") -> None:
     """Place every tensor of ``tensors`` into ``model``, converted and prepared by ``placer``."""
     slots = model.weight_slots()
     expected = checkpoint_shapes(model.config)
     collector = ExpertCollector(model.config.num_experts)
+    groups = GroupCollector()
     seen: set[str] = set()
     for name, value in tensors:
         slot = slots.get(name)
@@ -75,6 +107,10 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
         value = placer.convert(name, value)
         if slot.role == "vector":
             setattr(slot.owner, slot.attr, placer.place_vector(value))
+        elif slot.fused:
+            members = groups.add(slot, name, value)
+            if members is not None:
+                fuse_group(slot.owner, members, placer)
         elif slot.role in ("linear", "embedding"):
             setattr(slot.owner, slot.attr, placer.prepare(name, slot.role, value))
         else:
@@ -101,6 +137,8 @@ class ConversionRecord:
 
 class Placer:
     """Executes a plan's weight decisions: converts each tensor, then has the right backend prepare it."""
+
+    fuse_projections = True  # stack each block's input projections when they allow it (:func:`fuse_group`)
 
     def __init__(self, plan: Any, backends: dict[str, Any], dtype: torch.dtype) -> None:
         self.plan, self.backends, self.dtype = plan, backends, dtype
@@ -139,9 +177,14 @@ class Placer:
     def place_vector(self, value: torch.Tensor) -> torch.Tensor:
         return value.to(self.dtype).to(self.device)
 
-    def _backend(self, op: str, name: str) -> Any:
+    def route(self, op: str, name: str) -> tuple[str, str, Optional[str]]:
+        """(backend, weight format, activation format) that ``op`` on weight ``name`` runs with."""
         fmt, act = self.plan.weight_targets[name]
-        return self.backends[self.plan.implementation(op, fmt, act)], act
+        return self.plan.implementation(op, fmt, act), fmt, act
+
+    def _backend(self, op: str, name: str) -> Any:
+        backend, _fmt, act = self.route(op, name)
+        return self.backends[backend], act
 
     def prepare(self, name: str, role: str, value: Any) -> Any:
         backend, act = self._backend("linear" if role == "linear" else "embedding", name)

@@ -21,8 +21,35 @@ from musecore.rope import RotaryTable
 PREFIX = "model.language_model."
 
 
+@dataclass
+class FusedLinear:
+    """Linears that read one input, run as one: ``weight`` is their weights stacked along the output
+    dimension (prepared by the backend like any linear), ``widths`` splits the output back.
+
+    The loader builds one for an ``INPUT_PROJECTIONS`` group when every member stays unquantized on
+    one backend (see :func:`musecore.loader.fuse_group`): one weight pass and one launch instead of
+    several small ones, which is most of a decode step's linear time on small models. Every output
+    element is the same dot product as before; the pieces come back as views of one tensor.
+    """
+
+    weight: Any
+    widths: tuple[int, ...]
+
+    def __call__(self, ops: Ops, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ops.linear(x, self.weight).split(self.widths, dim=-1)
+
+
+def project(owner: Any, ops: Ops, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``owner.INPUT_PROJECTIONS`` applied to ``x``: through the fused weight when the loader made one."""
+    if owner.in_proj is not None:
+        return owner.in_proj(ops, x)
+    return tuple(ops.linear(x, getattr(owner, name)) for name in owner.INPUT_PROJECTIONS)
+
+
 class Attention:
     """GQA with q/k norm + RoPE, sliding or full window, per-head output norm and sigmoid gate."""
+
+    INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj")  # all read the normed input ``a``
 
     def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
         self.ops, self.layer = ops, layer
@@ -30,14 +57,14 @@ class Attention:
         self.window, self.eps, self.scale = config.window(layer), config.rms_norm_eps, config.head_dim ** -0.5
         self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.gate_proj = None
         self.q_norm = self.k_norm = self.o_norm = None
+        self.in_proj: Optional[FusedLinear] = None  # q/k/v/gate as one linear, when the loader fused them
 
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  cache: Optional[KVCache]) -> torch.Tensor:
         ops = self.ops
         B, T, _ = a.shape
-        q = ops.linear(a, self.q_proj).view(B, T, self.nq, self.d)
-        k = ops.linear(a, self.k_proj).view(B, T, self.nkv, self.d)
-        v = ops.linear(a, self.v_proj).view(B, T, self.nkv, self.d)
+        q, k, v, gate = project(self, ops, a)  # gate: [B,T,nq], one gate per head
+        q, k, v = q.view(B, T, self.nq, self.d), k.view(B, T, self.nkv, self.d), v.view(B, T, self.nkv, self.d)
         q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, rope[0], rope[1], self.eps)
         if cache is None:
             keys, values, key_pos, k_scale, v_scale = k, v, positions, None, None
@@ -47,7 +74,6 @@ class Attention:
             view = layer_cache.update(k, v, positions)
             keys, values, key_pos, k_scale, v_scale = view.k, view.v, view.positions, view.k_scale, view.v_scale
         o = ops.attention(q, keys, values, positions, key_pos, self.window, self.scale, k_scale, v_scale)
-        gate = ops.linear(a, self.gate_proj)  # [B,T,nq], one gate per head
         o = ops.head_norm_gate(o, self.o_norm, gate, self.eps)  # [B,T,nq,d]
         return ops.linear(o.reshape(B, T, self.nq * self.d), self.o_proj)  # [B,T,H]
 
@@ -55,11 +81,14 @@ class Attention:
 class MoE:
     """Router over the full width; pooler H->l; SwiGLU experts; per-expert norm; unpooler l->H."""
 
+    INPUT_PROJECTIONS = ("router", "fc1_latent_proj")  # both read the MoE input ``m``
+
     def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
         self.ops, self.layer = ops, layer
         self.top_k, self.renormalize, self.eps = config.num_experts_per_tok, config.norm_topk_prob, config.rms_norm_eps
         self.router = self.fc1_latent_proj = self.fc2_latent_proj = None
         self.latent_norm = None
+        self.in_proj: Optional[FusedLinear] = None  # router + pooler as one linear, when the loader fused them
         self.experts = None       # ExpertWeights: stacked gate/up/down in the backend's layout
         self.output_norm = None   # [E, l]: each expert's own RMSNorm weight
 
@@ -67,11 +96,16 @@ class MoE:
         ops = self.ops
         B, T, H = m.shape
         m = m.reshape(B * T, H)
-        weights, ids = ops.router_topk(ops.linear(m, self.router), self.top_k, self.renormalize)  # [N,k] fp32
-        z = ops.rms_norm(ops.linear(m, self.fc1_latent_proj), self.latent_norm, self.eps)  # [N,l] pooler + norm
+        weights, ids, z = self.route(m)
         y = ops.moe(z, weights, ids, self.experts, self.output_norm, self.eps)  # [N,l] fp32: norm, weight, sum
         u = ops.linear(y.to(m.dtype), self.fc2_latent_proj)  # [N,H] unpooler
         return u.view(B, T, H)
+
+    def route(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``m [N,H]`` -> routing weights ``[N,k]`` fp32, expert ids ``[N,k]``, pooled and normed latents ``[N,l]``."""
+        logits, pooled = project(self, self.ops, m)
+        weights, ids = self.ops.router_topk(logits, self.top_k, self.renormalize)
+        return weights, ids, self.ops.rms_norm(pooled, self.latent_norm, self.eps)
 
 
 class DecoderLayer:
@@ -90,6 +124,7 @@ class Slot:
     attr: str
     role: str   # "linear", "embedding", "vector" (norms, gates), "expert" (collected, then stacked)
     layer: int = -1
+    fused: bool = False  # one of ``owner.INPUT_PROJECTIONS``: the loader may fuse it into ``owner.in_proj``
 
 
 class MuseModel:
@@ -198,7 +233,7 @@ class MuseModel:
 
     def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16", static: bool = False) -> KVCache:
         return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device,
-                       static=static)
+                       static=static, writer=getattr(self.backend, "kv_write", None))
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """str -> str, list[int] -> list[int], or a batch of either; see :func:`musecore.generate.generate`."""
@@ -220,11 +255,11 @@ class MuseModel:
             for name in ("attn_residual_gate", "ffn_residual_gate"):
                 slots[f"{p}{name}"] = Slot(layer, name, "vector", i)
             for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"):
-                slots[f"{p}self_attn.{name}.weight"] = Slot(attn, name, "linear", i)
+                slots[f"{p}self_attn.{name}.weight"] = Slot(attn, name, "linear", i, name in attn.INPUT_PROJECTIONS)
             for name in ("q_norm", "k_norm", "o_norm"):
                 slots[f"{p}self_attn.{name}.weight"] = Slot(attn, name, "vector", i)
             for name in ("router", "fc1_latent_proj", "fc2_latent_proj"):
-                slots[f"{p}mlp.{name}.weight"] = Slot(mlp, name, "linear", i)
+                slots[f"{p}mlp.{name}.weight"] = Slot(mlp, name, "linear", i, name in mlp.INPUT_PROJECTIONS)
             slots[f"{p}mlp.latent_norm.weight"] = Slot(mlp, "latent_norm", "vector", i)
             for e in range(self.config.num_experts):
                 for name in ("gate_proj", "up_proj", "down_proj", "output_norm"):

@@ -48,9 +48,7 @@ def router_choices(model, ids, layer):
     for i in range(layer):
         run.moe(i, run.attention(i))
     m = torch.cat([m for _, m in run.attention(layer)]).reshape(-1, model.config.hidden_size)
-    mlp, ops = model.layers[layer].mlp, model.ops
-    weights, chosen = ops.router_topk(ops.linear(m, mlp.router), model.config.num_experts_per_tok, mlp.renormalize)
-    z = ops.rms_norm(ops.linear(m, mlp.fc1_latent_proj), mlp.latent_norm, model.config.rms_norm_eps)
+    weights, chosen, z = model.layers[layer].mlp.route(m)
     return weights, chosen, z.float()
 
 

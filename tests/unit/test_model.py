@@ -84,8 +84,7 @@ def test_model_uses_per_expert_norm_before_routing_weight(small_checkpoint):
     model = musecore.load(folder, device="cpu", dtype=torch.float32)
     mlp = model.layers[1].mlp
     m = torch.randn(5, config.hidden_size)
-    weights, ids = model.ops.router_topk(model.ops.linear(m, mlp.router), config.num_experts_per_tok, True)
-    z = model.ops.rms_norm(model.ops.linear(m, mlp.fc1_latent_proj), mlp.latent_norm, config.rms_norm_eps)
+    weights, ids, z = mlp.route(m)
     got = model.ops.moe(z, weights, ids, mlp.experts, mlp.output_norm, config.rms_norm_eps)
     p = "model.language_model.layers.1.mlp.experts."
     per_expert, sum_then_norm = torch.zeros_like(got), torch.zeros_like(got)
@@ -123,3 +122,34 @@ def test_sliding_window_query_sees_exactly_w_keys_including_itself():
     for i in range(T):
         seen = (out[i] > 0).nonzero().flatten().tolist()
         assert seen == list(range(max(0, i - W + 1), i + 1)), f"query {i} sees keys {seen}"
+
+
+def test_input_projections_are_fused_and_give_the_same_logits(small_checkpoint, monkeypatch):
+    """q/k/v/gate and router/pooler are stacked into one linear each when they stay unquantized; the
+    logits match loading them one by one (fp32: only the GEMM's summation order may differ)."""
+    folder, config, _ = small_checkpoint
+    fused = musecore.load(folder, device="cpu", dtype=torch.float32, progress=False)
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert attn.in_proj is not None and attn.q_proj is None and attn.o_proj is not None
+    assert attn.in_proj.widths == (config.num_attention_heads * config.head_dim,
+                                   config.num_key_value_heads * config.head_dim,
+                                   config.num_key_value_heads * config.head_dim, config.num_attention_heads)
+    assert mlp.in_proj is not None and mlp.in_proj.widths == (config.num_experts, config.moe_latent_size)
+    monkeypatch.setattr(musecore.loader.Placer, "fuse_projections", False)
+    apart = musecore.load(folder, device="cpu", dtype=torch.float32, progress=False)
+    assert apart.layers[0].self_attn.in_proj is None and apart.layers[0].self_attn.q_proj is not None
+    ids = torch.tensor([[3, 17, 42, 8, 8, 91, 0, 5, 66, 23, 11, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+    got, want = fused.forward(ids), apart.forward(ids)
+    err = (got - want).abs().max().item()
+    print(f"fused vs separate projections: max |logit difference| {err:.2e} (bound 1e-4)")
+    assert err <= 1e-4
+
+
+def test_quantized_input_projections_stay_separate():
+    """INT4 dense projections (``quantize_dense``) are prepared one by one: each keeps its own scales."""
+    model = musecore.load("muse-tiny", device="xeon", emulate=True, progress=False, quantize_dense=("attention",))
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.in_proj is None and attn.q_proj.format == "int4"
+    assert mlp.in_proj is not None  # the router and pooler are not in the "attention" group: still fused
+    ids = torch.tensor([[3, 17, 42, 8]])
+    assert torch.isfinite(model.forward(ids)).all()

@@ -28,6 +28,7 @@ from musecore.backends.base import Backend, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore.ops import reference as ref
 from musecore_cuda.kernels import attention as _attention
+from musecore_cuda.kernels import kv_cache as _kv_cache
 from musecore_cuda.kernels import norms as _norms
 from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
@@ -307,4 +308,5 @@ class CudaBackend(Backend):
     qk_norm_rope = staticmethod(_norms.qk_norm_rope)
     head_norm_gate = staticmethod(_norms.head_norm_gate)
     attention = staticmethod(_attention.attention)
+    kv_write = staticmethod(_kv_cache.kv_write)  # static KV cache writes (musecore.kv_cache.write_static)
     sample = staticmethod(ref.sample)

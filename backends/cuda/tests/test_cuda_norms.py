@@ -64,6 +64,27 @@ def test_head_norm_gate_matches_reference(dtype):
     assert_nmse(ref.head_norm_gate(o, w, g, 1e-6), y, tolerance("head_norm_gate"), "head_norm_gate")
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 3), (2, 3)])
+def test_head_kernels_read_slices_of_a_fused_projection(B, T):
+    """q, k and the gates as views into one ``[B,T,(nq+nkv)*d + nq]`` projection output (how the
+    model's fused q/k/v/gate linear hands them over), and a k that is not token-evenly spaced."""
+    nq, nkv, d = 4, 2, 64
+    fused = torch.randn(B, T, (nq + 2 * nkv) * d + nq, device=DEVICE).half()
+    q, k, _v, g = fused.split((nq * d, nkv * d, nkv * d, nq), dim=-1)
+    q, k = q.view(B, T, nq, d), k.view(B, T, nkv, d)
+    qw, kw, ow = (torch.randn(d, device=DEVICE) for _ in range(3))
+    cos, sin = rope_tables(B, T, d)
+    be = CudaBackend(DEVICE)
+    for name, kk in (("k slice", k), ("k transposed", torch.randn(B, nkv, T, d, device=DEVICE).half().transpose(1, 2))):
+        q2, k2 = be.qk_norm_rope(q, kk, qw, kw, cos, sin, 1e-6)
+        eq, ek = ref.qk_norm_rope(q, kk, qw, kw, cos, sin, 1e-6)
+        assert_nmse(eq, q2, tolerance("qk_norm_rope"), f"q ({name}, B={B} T={T})")
+        assert_nmse(ek, k2, tolerance("qk_norm_rope"), f"k ({name}, B={B} T={T})")
+    o = torch.randn(B, T, nq, d, device=DEVICE).half()
+    assert_nmse(ref.head_norm_gate(o, ow, g, 1e-6), be.head_norm_gate(o, ow, g, 1e-6), tolerance("head_norm_gate"),
+                f"head_norm_gate, gates sliced (B={B} T={T})")
+
+
 @pytest.mark.parametrize("e,k,renormalize", [(16, 4, True), (12, 3, True), (256, 8, True), (64, 8, False),
                                                (40, 6, False)])
 def test_router_topk_matches_reference(e, k, renormalize):

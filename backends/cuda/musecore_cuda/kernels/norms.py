@@ -51,30 +51,45 @@ def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, gate_ptr, next_w_ptr, new
 
 
 @triton.jit
-def qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, eps, D: tl.constexpr):
-    """One head row of q or k: RMSNorm over d, then x*cos + rotate_half(x)*sin (HF halves)."""
-    row = tl.program_id(0).to(tl.int64)  # (b*T + t) * heads + h
-    bt = row // heads
+def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, src, dst, bt, eps, D: tl.constexpr):
+    """One head row: RMSNorm over d, then x*cos + rotate_half(x)*sin (HF halves)."""
     offs = tl.arange(0, D)
     rot = (offs + D // 2) % D  # rotate_half reads the other half...
     sign = tl.where(offs < D // 2, -1.0, 1.0)  # ...negating the second half moved to the front
-    x = tl.load(x_ptr + row * D + offs).to(tl.float32)
-    x_rot = tl.load(x_ptr + row * D + rot).to(tl.float32)
+    x = tl.load(x_ptr + src + offs).to(tl.float32)
+    x_rot = tl.load(x_ptr + src + rot).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     xn = x * r * tl.load(w_ptr + offs).to(tl.float32)
     xn_rot = x_rot * r * tl.load(w_ptr + rot).to(tl.float32) * sign
     cos = tl.load(cos_ptr + bt * D + offs).to(tl.float32)
     sin = tl.load(sin_ptr + bt * D + offs).to(tl.float32)
-    tl.store(y_ptr + row * D + offs, (xn * cos + xn_rot * sin).to(y_ptr.dtype.element_ty))
+    tl.store(y_ptr + dst + offs, (xn * cos + xn_rot * sin).to(y_ptr.dtype.element_ty))
 
 
 @triton.jit
-def head_norm_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, eps, D: tl.constexpr):
+def qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, nq, nkv,
+                        q_stride, k_stride, eps, D: tl.constexpr):
+    """q's head rows then k's, one launch. Inputs may be slices of a fused projection: token
+    ``bt``'s heads start at ``bt * stride`` (heads contiguous within it); outputs are contiguous."""
+    row = tl.program_id(0).to(tl.int64)
+    if row < q_rows:  # (b*T + t) * nq + h
+        bt = row // nq
+        _norm_rope_row(q_ptr, qw_ptr, cos_ptr, sin_ptr, qy_ptr, bt * q_stride + (row % nq) * D, row * D, bt,
+                       eps, D)
+    else:
+        row -= q_rows
+        bt = row // nkv
+        _norm_rope_row(k_ptr, kw_ptr, cos_ptr, sin_ptr, ky_ptr, bt * k_stride + (row % nkv) * D, row * D, bt,
+                       eps, D)
+
+
+@triton.jit
+def head_norm_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, nq, g_stride, eps, D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b*T + t) * nq + h
     offs = tl.arange(0, D)
     o = tl.load(o_ptr + row * D + offs).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / D + eps)
-    g = tl.load(g_ptr + row).to(tl.float32)
+    g = tl.load(g_ptr + (row // nq) * g_stride + row % nq).to(tl.float32)  # gates may be a fused projection's slice
     y = o * r * tl.load(w_ptr + offs).to(tl.float32) * (1.0 / (1.0 + tl.exp(-g)))
     tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty))
 
@@ -110,29 +125,47 @@ def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.
     return new_residual, normed
 
 
-def _norm_rope_one(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   eps: float) -> torch.Tensor:
+def _token_rows(x: torch.Tensor, inner: int) -> tuple[torch.Tensor, int]:
+    """``x [B,T,...]`` and the distance between consecutive tokens' rows, where each token's trailing
+    ``inner`` elements are contiguous and tokens are evenly spaced (a fused projection's slice is);
+    otherwise a contiguous copy."""
+    B, T = x.shape[:2]
+    if x.numel() and x[0, 0].is_contiguous() and x[0, 0].numel() == inner:
+        if T == 1:
+            return x, x.stride(0)
+        if B == 1 or x.stride(0) == T * x.stride(1):
+            return x, x.stride(1)
     x = x.contiguous()
-    y = torch.empty_like(x)
-    if x.numel():
-        B, T, heads, d = x.shape
-        qk_norm_rope_kernel[(B * T * heads,)](x, weight.contiguous(), cos, sin, y, heads, eps, D=d)
-    return y
+    return x, inner
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     _check_head_dim(q.shape[-1])
-    cos, sin = cos.contiguous(), sin.contiguous()
-    return _norm_rope_one(q, q_weight, cos, sin, eps), _norm_rope_one(k, k_weight, cos, sin, eps)
+    B, T, nq, d = q.shape
+    nkv = k.shape[2]
+    if k.shape[:2] != (B, T) or k.shape[3] != d:
+        raise ValueError(f"qk_norm_rope: q {list(q.shape)} and k {list(k.shape)} need the same B, T and head dim")
+    (q, q_stride), (k, k_stride) = _token_rows(q, nq * d), _token_rows(k, nkv * d)
+    q_out = torch.empty(B, T, nq, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(B, T, nkv, d, dtype=k.dtype, device=k.device)
+    if B * T:
+        qk_norm_rope_kernel[(B * T * (nq + nkv),)](q, k, q_weight.contiguous(), k_weight.contiguous(),
+                                                   cos.contiguous(), sin.contiguous(), q_out, k_out, B * T * nq,
+                                                   nq, nkv, q_stride, k_stride, eps, D=d)
+    return q_out, k_out
 
 
 def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
     _check_head_dim(o.shape[-1])
     o = o.contiguous()
     y = torch.empty_like(o)
+    B, T, nq, d = o.shape
+    if gate_logits.shape != (B, T, nq):
+        raise ValueError(f"head_norm_gate: gate logits {list(gate_logits.shape)} must be [B,T,nq] = {[B, T, nq]}")
+    g, g_stride = _token_rows(gate_logits, nq)
     if o.numel():
-        head_norm_gate_kernel[(_rows(o),)](o, weight.contiguous(), gate_logits.contiguous(), y, eps, D=o.shape[-1])
+        head_norm_gate_kernel[(_rows(o),)](o, weight.contiguous(), g, y, nq, g_stride, eps, D=d)
     return y
 
 
