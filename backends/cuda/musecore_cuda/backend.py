@@ -11,7 +11,8 @@ What is native here, and why (``supports`` answers from this table, never optimi
 * W4A4 (FP4 activations): needs FP4 tensor cores. SM90 has none, and no SM100 kernel exists
   here, so it is ``no``: a caller wanting those numerics should use the reference backend's
   emulation, not a silent slow path here.
-* BF16/FP16/FP32 weights: cuBLAS through ``torch.nn.functional.linear``.
+* BF16/FP16/FP32 weights: cuBLAS through ``torch.nn.functional.linear``, except one token on a small
+  16-bit weight, which takes a Triton GEMV (``kernels.dense_gemv``: measured faster there).
 * FP8 (per-tensor, ModelOpt layout) weights: W8A8 through ``torch._scaled_mm``; INT4 and block-scaled
   FP8: not implemented (``no``).
 """
@@ -29,6 +30,7 @@ from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore.ops import reference as ref
 from musecore_cuda.kernels import attention as _attention
 from musecore_cuda.kernels import kv_cache as _kv_cache
+from musecore_cuda.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_cuda.kernels import norms as _norms
 from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
@@ -283,6 +285,9 @@ class CudaBackend(Backend):
         if w.data.dtype != x.dtype:
             raise TypeError(f"linear: weight prepared as {w.data.dtype} but x is {x.dtype}; prepare it with "
                             f"dtype={x.dtype} (converting per call would be a hidden slow path)")
+        x2 = x.reshape(-1, x.shape[-1])
+        if use_dense_gemv(x2, w.data):  # one token, small weight: cuBLAS's M=1 tiles are launch-bound here
+            return dense_gemv(x2, w.data).view(*x.shape[:-1], w.data.shape[0])
         return F.linear(x, w.data)
 
     def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,

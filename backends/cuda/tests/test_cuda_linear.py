@@ -15,6 +15,7 @@ from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
+from musecore_cuda.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv, use_dense_gemv
 from musecore_cuda.layouts import prepare_fp4, repack_chunk_halves
 
 
@@ -70,6 +71,36 @@ def test_dense_linear_uses_prepared_dtype_and_refuses_a_mismatch():
     assert_nmse(x @ w.to(DEVICE).T, be.linear(x, prepared), tolerance("linear"), "fp32 linear")
     with pytest.raises(TypeError, match="prepare it with dtype"):
         be.linear(x.half(), prepared)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,blocks", [(37, 100, None), (130, 257, (4, 128)), (64, 2100, None), (9, 64, (1, 64)),
+                                        (50, 1536, (16, 512))])
+def test_dense_gemv_matches_reference(dtype, n, k, blocks):
+    """Partial row blocks, K not a power of two, K beyond one chunk (2100 > 2048), one row per program."""
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    got = dense_gemv(x, w, blocks=blocks)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert_nmse(x.float() @ w.float().T, got, tolerance("linear"), f"dense_gemv {n}x{k} {blocks} {dtype}")
+    with pytest.raises(ValueError, match="dense_gemv takes"):
+        dense_gemv(torch.randn(2, k, device=DEVICE).to(dtype), w)
+
+
+@pytest.mark.gpu
+def test_dense_linear_takes_the_gemv_for_one_token_on_small_weights():
+    """The backend's linear at M = 1 on a small bf16 weight goes through dense_gemv (and matches the
+    reference); M = 2 and large weights stay on cuBLAS."""
+    be = CudaBackend(DEVICE)
+    small = be.prepare_weight(torch.randn(576, 1536) * 0.02, "test", dtype=torch.bfloat16)
+    x = torch.randn(1, 1, 1536, device=DEVICE, dtype=torch.bfloat16)
+    assert use_dense_gemv(x.reshape(1, -1), small.data)
+    assert not use_dense_gemv(torch.randn(2, 1536, device=DEVICE, dtype=torch.bfloat16), small.data)
+    big = torch.empty(DENSE_GEMV_MAX_BYTES // 2 // 1536 + 1, 1536, device=DEVICE, dtype=torch.bfloat16)
+    assert not use_dense_gemv(x.reshape(1, -1), big)
+    y = be.linear(x, small)
+    assert y.shape == (1, 1, 576)
+    assert_nmse(x.float() @ small.data.float().T, y, tolerance("linear"), "linear M=1 through dense_gemv")
 
 
 def test_activation_quantization_is_refused_not_emulated():

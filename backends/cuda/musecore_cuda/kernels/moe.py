@@ -62,24 +62,41 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
 
 @triton.jit
 def moe_finalize_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, norm_ptr, y_ptr, L, eps,
-                        TOPK: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr):
-    """y[t] = sum_j w[t,j] * rms_norm(o[pos[t,j]], norm[ids[t,j]]), fp32 (pos = identity unless SORTED)."""
-    t = tl.program_id(0)
+                        TOPK: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr):
+    """y[t] = sum_j w[t,j] * rms_norm(o[pos[t,j]], norm[ids[t,j]]), fp32 (pos = identity unless SORTED).
+
+    A token's k rows are loaded as one [KP, BLOCK] tile and their norms reduced together: one memory
+    round trip per token instead of k dependent ones (the k-step loop took ~4.8 us at batch 1)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, KP)
+    jm = j < TOPK
     offs = tl.arange(0, BLOCK)
-    mask = offs < L
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        if SORTED:
-            p = tl.load(pos_ptr + t * TOPK + j).to(tl.int64)
-        else:
-            p = (t * TOPK + j).to(tl.int64)
-        e = tl.load(ids_ptr + t * TOPK + j).to(tl.int64)
-        wt = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
-        row = tl.load(o_ptr + p * L + offs, mask=mask, other=0.0)
-        r = 1.0 / tl.sqrt(tl.sum(row * row, axis=0) / L + eps)
-        nw = tl.load(norm_ptr + e * L + offs, mask=mask, other=0.0).to(tl.float32)
-        acc += wt * (row * r * nw)
-    tl.store(y_ptr + t.to(tl.int64) * L + offs, acc, mask=mask)
+    mask = jm[:, None] & (offs < L)[None, :]
+    if SORTED:
+        p = tl.load(pos_ptr + t * TOPK + j, mask=jm, other=0).to(tl.int64)
+    else:
+        p = t * TOPK + j
+    e = tl.load(ids_ptr + t * TOPK + j, mask=jm, other=0).to(tl.int64)
+    wt = tl.load(w_ptr + t * TOPK + j, mask=jm, other=0.0).to(tl.float32)
+    rows = tl.load(o_ptr + p[:, None] * L + offs[None, :], mask=mask, other=0.0)
+    r = 1.0 / tl.sqrt(tl.sum(rows * rows, axis=1) / L + eps)
+    nw = tl.load(norm_ptr + e[:, None] * L + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * L + offs, tl.sum(rows * (wt * r)[:, None] * nw, axis=0), mask=offs < L)
+
+
+def finalize(o: torch.Tensor, position: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             output_norm: torch.Tensor, eps: float, sorted_rows: bool) -> torch.Tensor:
+    """Step 4 of the module docstring: fp32 ``[T, l]`` from the expert rows ``o`` (``position`` maps a
+    token's j-th assignment to its row when ``sorted_rows``)."""
+    T, topk = ids.shape
+    latent = o.shape[-1]
+    y = torch.empty(T, latent, dtype=torch.float32, device=o.device)
+    if T:
+        kp, block = triton.next_power_of_2(topk), triton.next_power_of_2(latent)
+        moe_finalize_kernel[(T,)](o, position, ids.contiguous(), weights.contiguous(), output_norm.contiguous(), y,
+                                  latent, eps, TOPK=topk, KP=kp, BLOCK=block, SORTED=sorted_rows,
+                                  num_warps=max(4, min(16, kp * block // 1024)))
+    return y
 
 
 def _gemm_args(stack: ExpertStack) -> dict:
@@ -101,9 +118,8 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
     latent = z.shape[-1]
     inter = _out_features(gate)
     n_assign = T * topk
-    y = torch.empty(T, latent, dtype=torch.float32, device=z.device)
     if T == 0:
-        return y
+        return torch.empty(T, latent, dtype=torch.float32, device=z.device)
     if use_gemv(gate, n_assign, num_experts):
         return moe_decode_gemv(z, weights, ids, gate, up, down, output_norm, eps)
     z = z.contiguous()
@@ -128,9 +144,7 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
     o = alloc(rows, latent, dtype=torch.float32, device=z.device)
     launch_gemm(h, **_gemm_args(down), n=latent, k=inter, out=o, cfg=cfg_down, a_idx=sorted_ids,
                 n_assign=n_assign, a_div=0, blk_expert=blk_expert, m_rows=rows)
-    moe_finalize_kernel[(T,)](o, position, ids.contiguous(), weights.contiguous(), output_norm.contiguous(), y,
-                              latent, eps, TOPK=topk, BLOCK=triton.next_power_of_2(latent), SORTED=True)
-    return y
+    return finalize(o, position, ids, weights, output_norm, eps, sorted_rows=True)
 
 
 def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int) -> bool:
@@ -164,7 +178,4 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
                                         programs=flat.numel())
     fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
                          n=latent, k=inter, out=o, plan=plan_down, ids=flat, a_div=1)
-    y = torch.empty(T, latent, dtype=torch.float32, device=z.device)
-    moe_finalize_kernel[(T,)](o, flat, flat, weights.contiguous(), output_norm.contiguous(), y, latent, eps,
-                              TOPK=topk, BLOCK=triton.next_power_of_2(latent), SORTED=False)
-    return y
+    return finalize(o, flat, ids, weights, output_norm, eps, sorted_rows=False)
