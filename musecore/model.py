@@ -167,7 +167,8 @@ class MuseModel:
             positions = start + torch.arange(T, device=self.device)[None, :].expand(B, T)
         positions = positions.to(self.device)
         if cache is not None:  # in place: a captured decode step keeps updating the same tensor
-            cache.next_position.copy_(torch.maximum(cache.next_position, positions.max(-1).values + 1))
+            last = positions[:, 0] if T == 1 else positions.max(-1).values  # (no reduction kernel at decode)
+            cache.next_position.copy_(torch.maximum(cache.next_position, last + 1))
         rope = {kind: table(positions) for kind, table in self.rope.items()}
 
         x = ops.embedding(input_ids, self.embed_tokens).to(self.dtype)  # [B,T,H], not scaled

@@ -12,7 +12,7 @@ from musecore.ops import reference as ref
 from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
-from musecore_cuda.kernels.moe import align_assignments, use_gemv
+from musecore_cuda.kernels.moe import align_assignments, moe_decode_dense, use_gemv
 
 
 def make_layer(fmt: str, experts: int, latent: int, inter: int, dtype: torch.dtype, device):
@@ -49,7 +49,7 @@ def test_alignment_gives_each_block_one_expert_and_inverts():
     assert int(blk_expert[-1]) == -1  # the bound leaves spare blocks, marked unused
 
 
-@pytest.mark.parametrize("fmt,tokens", [("nvfp4", 1), ("nvfp4", 6), ("mxfp4", 6), ("dense", 6)])
+@pytest.mark.parametrize("fmt,tokens", [("nvfp4", 1), ("nvfp4", 6), ("mxfp4", 6), ("dense", 1), ("dense", 6)])
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
 def test_moe_matches_reference(fmt, tokens, dtype):
     be, prepared, reference, norm = make_layer(fmt, experts=6, latent=128, inter=128, dtype=dtype, device=DEVICE)
@@ -86,6 +86,23 @@ def test_moe_decode_gemv_matches_reference(fmt, tokens):
     y = be.moe(z, weights, ids, prepared, norm, 1e-6)
     expected = ref.moe(z.float(), weights, ids, reference, norm, 1e-6)
     assert_nmse(expected, y, tolerance("moe"), f"moe GEMV {fmt} T={tokens}")
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_decode_dense_matches_reference(dtype, tokens):
+    """16-bit experts at decode (few assignments): one GEMV per assignment, gate+up+SwiGLU fused, the
+    same expert twice in one token; the backend's moe takes this path (same bits as calling it)."""
+    experts, topk = 16, 2
+    be, prepared, reference, norm = make_layer("dense", experts=experts, latent=96, inter=200, dtype=dtype,
+                                               device=DEVICE)
+    weights, ids = route(tokens, experts, topk, DEVICE)
+    ids[0] = torch.tensor([5, 5 if tokens == 1 else 7])
+    z = torch.randn(tokens, 96, device=DEVICE).to(dtype)
+    y = moe_decode_dense(z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-6)
+    expected = ref.moe(z.float(), weights, ids, reference, norm, 1e-6)
+    assert_nmse(expected, y, tolerance("moe"), f"dense decode moe {dtype} T={tokens}")
+    assert torch.equal(be.moe(z, weights, ids, prepared, norm, 1e-6), y)
 
 
 def test_per_expert_norm_is_applied_before_routing_weight():

@@ -31,19 +31,37 @@ def use_dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 @triton.jit
-def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stride_e, a_div,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr):
+    """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1``: one token's ``x`` row against one weight.
+
+    With ``EXPERTS``, GEMV ``a`` is token-expert assignment ``a``: weight ``ids[a]`` of a stack, token
+    row ``a // a_div``; with ``SWIGLU`` a second stack ``w2`` (up) is read alongside and the output is
+    ``silu(x @ w.T) * (x @ w2.T)``."""
+    a = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    if EXPERTS:
+        e = tl.load(ids_ptr + a).to(tl.int64)
+        w_ptr += e * stride_e
+        w2_ptr += e * stride_e
+    x_ptr += (a // a_div).to(tl.int64) * K
     offs = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs
         kmask = kk < K
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + kk[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0)
-        x = tl.load(x_ptr + kk, mask=kmask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rmask)
+        wo = rows[:, None].to(tl.int64) * stride_w + kk[None, :]
+        wm = rmask[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(w_ptr + wo, mask=wm, other=0.0).to(tl.float32) * x
+        if SWIGLU:
+            acc2 += tl.load(w2_ptr + wo, mask=wm, other=0.0).to(tl.float32) * x
+    y = tl.sum(acc, axis=1)
+    if SWIGLU:
+        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc2, axis=1)
+    tl.store(y_ptr + a.to(tl.int64) * N + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
 def gemv_blocks(k: int) -> tuple[int, int]:
@@ -61,6 +79,28 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None 
     n, k = w.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k = blocks or gemv_blocks(k)
-    dense_gemv_kernel[(triton.cdiv(n, block_n),)](x.contiguous(), w, y, n, k, w.stride(0), BLOCK_N=block_n,
-                                                  BLOCK_K=block_k, num_warps=num_warps)
+    dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1,
+                                                     BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS=False, SWIGLU=False,
+                                                     num_warps=num_warps)
+    return y
+
+
+def expert_gemv(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, a_div: int,
+                up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One GEMV per token-expert assignment over a contiguous 16-bit stack ``[E, N, K]``: row ``a`` of
+    the result is ``x[a // a_div] @ stack[ids[a]].T``, or with ``up`` ``silu(that) * x[a // a_div] @
+    up[ids[a]].T`` (gate+up+SwiGLU in one pass). Only the routed experts' rows are read."""
+    E, n, k = stack.shape
+    flat = ids.reshape(-1).contiguous()
+    x = x.contiguous()
+    if x.shape[-1] != k or x.dtype != stack.dtype or not stack.is_contiguous() \
+            or (up is not None and (up.shape != stack.shape or not up.is_contiguous())):
+        raise ValueError(f"expert_gemv: x {x.dtype} {list(x.shape)} against stack {stack.dtype} {list(stack.shape)}"
+                         f"{'' if up is None else f' and up {list(up.shape)}'}: needs contiguous stacks of x's dtype")
+    y = torch.empty(flat.numel(), n, dtype=out_dtype or x.dtype, device=x.device)
+    if flat.numel():
+        block_n, block_k = gemv_blocks(k)
+        dense_gemv_kernel[(triton.cdiv(n, block_n), flat.numel())](
+            x, stack, up if up is not None else stack, flat, y, n, k, k, n * k, a_div, BLOCK_N=block_n,
+            BLOCK_K=block_k, EXPERTS=True, SWIGLU=up is not None, num_warps=NUM_WARPS)
     return y

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from musecore_cuda.kernels.fp4_gemm import WFMT_DENSE, launch_gemm, pick_config
 from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels.dense_gemv import expert_gemv
 from musecore_cuda.layouts import Fp4Resident
 
 ExpertStack = Union[Fp4Resident, torch.Tensor]
@@ -122,6 +123,8 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
         return torch.empty(T, latent, dtype=torch.float32, device=z.device)
     if use_gemv(gate, n_assign, num_experts):
         return moe_decode_gemv(z, weights, ids, gate, up, down, output_norm, eps)
+    if isinstance(gate, torch.Tensor) and n_assign <= max(1, num_experts // 2):  # BF16 expert layers at decode
+        return moe_decode_dense(z, weights, ids, gate, up, down, output_norm, eps)
     z = z.contiguous()
     rows_per_expert = max(1, n_assign // min(num_experts, n_assign))
     active = min(num_experts, n_assign)
@@ -179,3 +182,14 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
                          n=latent, k=inter, out=o, plan=plan_down, ids=flat, a_div=1)
     return finalize(o, flat, ids, weights, output_norm, eps, sorted_rows=False)
+
+
+def moe_decode_dense(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor,
+                     up: torch.Tensor, down: torch.Tensor, output_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """The ``moe`` op at decode on 16-bit expert stacks (the first and last layers): gate+up+SwiGLU and
+    down as one GEMV per token-expert assignment (:func:`expert_gemv`), then the finalize. Three
+    launches instead of the grouped path's sort, alignment, gathers and two GEMMs (~20)."""
+    topk = ids.shape[1]
+    h = expert_gemv(z, gate, ids, topk, up=up)
+    o = expert_gemv(h, down, ids, 1, out_dtype=torch.float32)
+    return finalize(o, ids.reshape(-1), ids, weights, output_norm, eps, sorted_rows=False)
