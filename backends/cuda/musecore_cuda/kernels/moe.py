@@ -15,7 +15,7 @@ Only routed experts run, and each expert's weight is streamed once per block of 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import triton
@@ -162,8 +162,10 @@ def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int) -> bool:
 
 
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
-                    up: Fp4Resident, down: Fp4Resident, output_norm: torch.Tensor, eps: float) -> torch.Tensor:
-    """The ``moe`` op at decode: gate+up+SwiGLU and down as one FP4 GEMV per token-expert assignment."""
+                    up: Fp4Resident, down: Fp4Resident, output_norm: torch.Tensor, eps: float,
+                    plans: Optional[tuple[fp4_gemv_cuda.GemvPlan, fp4_gemv_cuda.GemvPlan]] = None) -> torch.Tensor:
+    """The ``moe`` op at decode: gate+up+SwiGLU and down as one FP4 GEMV per token-expert assignment
+    (``plans`` overrides ``make_plan``'s cuts for the two launches, for sweeps)."""
     T, topk = ids.shape
     latent, inter = z.shape[-1], gate.out_features
     flat = ids.reshape(-1).contiguous()
@@ -171,14 +173,14 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     h = torch.empty(flat.numel(), inter, dtype=z.dtype, device=z.device)
     # The tensor-core kernel reduces its K splits before SwiGLU; the FMA kernel's fp32 atomics cannot.
     split = fp4_gemv_cuda.kind_for(1, z.dtype) == "mma"
-    plan_up = fp4_gemv_cuda.make_plan(1, inter, latent, z.dtype, z.device, allow_split=split, programs=flat.numel(),
-                                      swiglu=True)
+    plan_up, plan_down = plans or (
+        fp4_gemv_cuda.make_plan(1, inter, latent, z.dtype, z.device, allow_split=split, programs=flat.numel(),
+                                swiglu=True),
+        fp4_gemv_cuda.make_plan(1, latent, inter, z.dtype, z.device, allow_split=split, programs=flat.numel()))
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
                          n=inter, k=latent, out=h, plan=plan_up, ids=flat, a_div=topk, packed2=up.packed,
                          scales2=up.scales, out_scale2=up.out_scale)
     o = torch.empty(flat.numel(), latent, dtype=torch.float32, device=z.device)
-    plan_down = fp4_gemv_cuda.make_plan(1, latent, inter, z.dtype, z.device, allow_split=split,
-                                        programs=flat.numel())
     fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
                          n=latent, k=inter, out=o, plan=plan_down, ids=flat, a_div=1)
     return finalize(o, flat, ids, weights, output_norm, eps, sorted_rows=False)

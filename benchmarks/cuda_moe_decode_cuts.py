@@ -1,0 +1,90 @@
+"""Cuts of the FP4 decode MoE (``moe_decode_gemv``: gate+up+SwiGLU, down, finalize) against the plans
+``make_plan`` picks, with the 16-bit expert decode path (``moe_decode_dense``) on BF16 experts of the
+same shape beside them, at batch 1. Small experts (muse-small: 768x512) have only 4-6 128-wide K chunks,
+so ``make_plan`` does not split them and a step runs few warps; this measures whether splitting helps.
+Every cut is checked against the default plan's output first. Weights rotate past L2::
+
+    python benchmarks/cuda_moe_decode_cuts.py [--out benchmarks/results/cuda_moe_decode_cuts.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from musecore.benchmarking import cycle
+from musecore.ops import reference as ref
+from musecore_cuda import CudaBackend
+from musecore_cuda.bench import _rotating, memory_ceiling_gbps, random_fp4, time_us
+from musecore_cuda.kernels.fp4_gemm import CHUNK_K
+from musecore_cuda.kernels.fp4_gemv_cuda import GemvPlan, make_plan
+from musecore_cuda.kernels.moe import moe_decode_dense, moe_decode_gemv
+
+LAYERS = {"muse-small": (64, 8, 512, 768), "816b": (256, 8, 2048, 8192)}  # E, top-k, latent, intermediate
+
+
+def cuts(k: int) -> list[GemvPlan]:
+    chunks = k // CHUNK_K
+    return [GemvPlan("mma", 1, 1, split_k=s, k_warps=kw, prefetch=pf) for s in (1, 2, 4) for kw in (1, 2, 4)
+            for pf in (1, 2) if chunks % (s * kw) == 0 and chunks // (s * kw) >= pf]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results/cuda_moe_decode_cuts.json")
+    p.add_argument("--layers", default="muse-small,816b")
+    args = p.parse_args()
+    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
+    be = CudaBackend("cuda")
+    rows = []
+    for name in args.layers.split(","):
+        E, topk, latent, inter = LAYERS[name]
+        make = lambda: be.prepare_experts(random_fp4("nvfp4", (E, inter, latent)), random_fp4("nvfp4", (E, inter, latent)),
+                                          random_fp4("nvfp4", (E, latent, inter)))  # noqa: E731
+        stacks = _rotating(make, E * 3 * inter * latent // 2)
+        dense = _rotating(lambda: be.prepare_experts(*(torch.randn(E, *s, device="cuda", dtype=torch.bfloat16) * 0.02
+                                                       for s in ((inter, latent), (inter, latent), (latent, inter)))),
+                          E * 3 * inter * latent * 2)
+        norm = torch.ones(E, latent, device="cuda")
+        z = torch.randn(1, latent, device="cuda", dtype=torch.bfloat16)
+        weights, ids = ref.router_topk(torch.randn(1, E, device="cuda"), topk, True)
+        routed = topk * 3 * inter * latent
+        fp4_bytes, bf16_bytes = routed * 4.5 / 8, routed * 2
+
+        def fp4(plans=None):
+            return cycle(stacks, lambda w: moe_decode_gemv(z, weights, ids, w.gate, w.up, w.down, norm, 1e-6, plans))
+
+        want = moe_decode_gemv(z, weights, ids, stacks[0].gate, stacks[0].up, stacks[0].down, norm, 1e-6)
+        t_default = time_us(fp4()) / len(stacks)
+        t_dense = time_us(cycle(dense, lambda w: moe_decode_dense(z, weights, ids, w.gate, w.up, w.down, norm,
+                                                                   1e-6))) / len(dense)
+        default = (make_plan(1, inter, latent, z.dtype, z.device, programs=topk, swiglu=True),
+                   make_plan(1, latent, inter, z.dtype, z.device, programs=topk))
+        print(f"{name}: default {default[0]} / {default[1]}: {t_default:.2f} us "
+              f"({100 * fp4_bytes / t_default / 1e3 / ceiling:.0f}% of {ceiling:.0f} GB/s); "
+              f"BF16 experts through moe_decode_dense {t_dense:.2f} us")
+        timed = []
+        for up_plan in cuts(latent):
+            for down_plan in cuts(inter):
+                got = moe_decode_gemv(z, weights, ids, stacks[0].gate, stacks[0].up, stacks[0].down, norm, 1e-6,
+                                      (up_plan, down_plan))
+                err = ((got - want).pow(2).mean() / want.pow(2).mean()).item()
+                if err > 1e-5:
+                    raise AssertionError(f"{name} cut {up_plan} / {down_plan}: NMSE {err:.2e} against the default")
+                timed.append((time_us(fp4((up_plan, down_plan))) / len(stacks), up_plan, down_plan))
+        timed.sort(key=lambda r: r[0])
+        for t, u, d in timed[:5]:
+            print(f"  {t:7.2f} us  up (split {u.split_k}, k_warps {u.k_warps}, prefetch {u.prefetch})  "
+                  f"down (split {d.split_k}, k_warps {d.k_warps}, prefetch {d.prefetch})")
+        rows.append({"layer": name, "E": E, "topk": topk, "latent": latent, "inter": inter, "ceiling_gbps": ceiling,
+                     "default_us": t_default, "default": [str(p) for p in default], "bf16_dense_us": t_dense,
+                     "fp4_routed_bytes": fp4_bytes, "bf16_routed_bytes": bf16_bytes,
+                     "cuts": [{"us": t, "up": str(u), "down": str(d)} for t, u, d in timed]})
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
