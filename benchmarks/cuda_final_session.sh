@@ -3,7 +3,8 @@
 # case (linear over the full M sweep, MoE, attention, e2e), the native h200 matrix row and a generate.
 #   device run: bash benchmarks/cuda_final_session.sh   (carry: .whl)
 # Outputs under $OUT (copy them to benchmarks/results/): cuda_gpu_tests.log, cuda_{linear,moe,attention,e2e}.json,
-# cuda_bench.txt (the tables), matrix_h200_native.json, cuda_gemm_sweep.json (the tiled GEMM's cuts).
+# cuda_bench.txt (the tables), matrix_h200_native.json, cuda_gemm_sweep.json (the tiled GEMM's cuts),
+# cuda_dense_gemv_sweep.json, cuda_moe_decode_cuts.json, cuda_profile_decode_nvfp4_b1.txt.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,6 +19,10 @@ done
 grep -A12 "== moe\|== e2e" "$OUT/cuda_bench.txt"
 timeout ${SWEEP_S:-150} python3 benchmarks/cuda_gemm_sweep.py --ms 16,32,64,128 \
   --shapes q_proj,k_proj,o_proj,expert_down,expert_up --out "$OUT/cuda_gemm_sweep.json" 2>&1 | cut -c1-200
+timeout ${SWEEP_S:-150} python3 benchmarks/cuda_dense_gemv_sweep.py --out "$OUT/cuda_dense_gemv_sweep.json" 2>&1 | tail -11
+timeout ${SWEEP_S:-150} python3 benchmarks/cuda_moe_decode_cuts.py --layers muse-small \
+  --out "$OUT/cuda_moe_decode_cuts.json" 2>&1 | head -3
+timeout 90 python3 benchmarks/cuda_profile_decode.py > "$OUT/cuda_profile_decode_nvfp4_b1.txt" 2>&1
 timeout ${MATRIX_S:-90} python3 -m musecore.cli matrix --rows h200 --tokens 4096 --op-sizes '' --json \
   > "$OUT/matrix_h200_native.json" 2> "$OUT/matrix.err"; tail -2 "$OUT/matrix.err"
 timeout 60 python3 -m musecore.cli generate --device h200 --prompt "def fibonacci(n):" --max-new-tokens 48 2>&1 | tail -4

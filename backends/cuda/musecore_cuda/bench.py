@@ -325,7 +325,8 @@ def bench_e2e(batches: tuple[int, ...] = (1, 32), new_tokens: int = 64, prompt_t
                     bf16_tps.setdefault((fmt, batch), tps)
                 limit = ceiling * 1e9 / _decode_bytes_per_step(model, batch) * batch
                 rows.append({"backend": "cuda", "case": "e2e", "format": fmt, "shape": f"{preset} decode",
-                             "M": batch, "cuda_graphs": graphs, "tokens_per_s": tps,
+                             "M": batch, "config": "cuda graphs" if graphs else "eager, no graphs",
+                             "cuda_graphs": graphs, "tokens_per_s": tps,
                              "time_us": 1e6 * batch / tps if tps else float("nan"),
                              "speedup_vs_bf16": tps / bf16_tps[("bf16", batch)] if ("bf16", batch) in bf16_tps else 1.0,
                              "pct_memory_ceiling": 100 * tps / limit, "bandwidth_limit_tokens_per_s": limit})
