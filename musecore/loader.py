@@ -69,16 +69,22 @@ class GroupCollector:
 
 
 def fuse_group(owner: Any, members: list[tuple[str, Any]], placer: "Placer") -> None:
-    """Place one block's input projections: stacked into one :class:`FusedLinear` when they are all
-    plain (unquantized) tensors of one dtype that the same backend prepares for the same activation
-    format, else one by one. Quantized members stay apart: NVFP4's per-tensor global scale differs
-    between them, and no backend here prepares a stacked quantized weight."""
+    """Place one block's input projections: stacked into one :class:`FusedLinear` when one backend
+    prepares them all for the same activation format and they can be joined row-wise without
+    changing a value (plain tensors of one dtype, or MXFP4/INT4 QTensors alike: every scale per row
+    block), else one by one. NVFP4 members stay apart: each has its own per-tensor global scale."""
     names = [name for name, _ in members]
     values = [value for _, value in members]
-    routes = {placer.route("linear", name) for name in names}
-    if placer.fuse_projections and len(routes) == 1 and all(isinstance(v, torch.Tensor) and v.dtype == values[0].dtype for v in values):
-        widths = tuple(v.shape[0] for v in values)
-        owner.in_proj = FusedLinear(placer.prepare(names[0], "linear", torch.cat(values)), widths)
+    stacked = None
+    if placer.fuse_projections and len({placer.route("linear", name) for name in names}) == 1:
+        if all(isinstance(v, torch.Tensor) and v.dtype == values[0].dtype for v in values):
+            stacked = torch.cat(values)
+        elif all(not isinstance(v, torch.Tensor) for v in values):
+            from musecore_quant import concat_problem, concat_qtensors
+            if concat_problem(values) is None:
+                stacked = concat_qtensors(values)
+    if stacked is not None:
+        owner.in_proj = FusedLinear(placer.prepare(names[0], "linear", stacked), tuple(v.shape[0] for v in values))
         return
     for attr, name, value in zip(owner.INPUT_PROJECTIONS, names, values):
         setattr(owner, attr, placer.prepare(name, "linear", value))

@@ -93,3 +93,38 @@ def stack_qtensors(parts: list[QTensor]) -> QTensor:
                    shape=(len(parts), *first.shape), group_size=first.group_size,
                    global_scale=stack("global_scale"), zero=stack("zero"),
                    input_scale=stack("input_scale"), layout=first.layout)
+
+
+ROW_SCALED = ("mxfp4", "int4")  # formats whose every scale belongs to one row block: rows can be concatenated
+
+
+def concat_problem(parts: list[QTensor]) -> Optional[str]:
+    """Why :func:`concat_qtensors` cannot join ``parts`` (``None`` when it can)."""
+    first = parts[0]
+    if first.format not in ROW_SCALED:
+        return (f"cannot concatenate {first.format} QTensors without requantizing: only {ROW_SCALED} keep every "
+                "scale per row block")
+    for i, p in enumerate(parts):
+        if (p.format, p.group_size, p.layout, len(p.shape), p.in_features) != \
+                (first.format, first.group_size, first.layout, 2, first.in_features) \
+                or (p.zero is None) != (first.zero is None) or p.input_scale is not None:
+            return (f"cannot concatenate QTensor {i} ({p!r}) with QTensor 0 ({first!r}): format, group size, layout, "
+                    "in_features and zero points must match (2-D, no activation scale)")
+    return None
+
+
+def concat_qtensors(parts: list[QTensor]) -> QTensor:
+    """Concatenate 2-D QTensors of one format along the output dimension, codes and scales unchanged
+    (``dequantize`` of the result is the members' dequantizations stacked row-wise).
+
+    Only for formats whose scales are all per row block (MXFP4, INT4): NVFP4's per-tensor global
+    scale and per-tensor FP8 differ between tensors, and merging them would mean requantizing.
+    """
+    problem = concat_problem(parts)
+    if problem:
+        raise ValueError(problem)
+    first = parts[0]
+    cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+    return QTensor(format=first.format, data=cat("data"), scale=cat("scale"),
+                   shape=(sum(p.out_features for p in parts), first.in_features), group_size=first.group_size,
+                   zero=cat("zero"), layout=first.layout)

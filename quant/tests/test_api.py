@@ -7,7 +7,7 @@ import torch
 
 import musecore_quant
 from musecore_quant import QTensor, QuantError, dequantize, fake_quantize_activation, quant_error, quantize, requantize
-from musecore_quant import stack_qtensors
+from musecore_quant import concat_qtensors, stack_qtensors
 from musecore_quant.formats import (fp8_quantize, int4_quantize, mxfp4_dequantize, mxfp4_quantize, nvfp4_input_scale,
                                     nvfp4_quantize)
 
@@ -56,6 +56,25 @@ def test_quantizing_stacked_experts_equals_stacking_each_expert(fmt, opts):
     one_by_one = stack_qtensors([quantize(experts[e], fmt, **opts) for e in range(3)])
     assert _same_qtensor(stacked, one_by_one)
     assert torch.equal(dequantize(stacked), dequantize(one_by_one))
+
+
+@pytest.mark.parametrize("fmt,opts", [("mxfp4", {}), ("int4", {"group_size": 128, "sym": True}),
+                                      ("int4", {"group_size": 64, "sym": False})])
+def test_concatenating_row_scaled_qtensors_keeps_every_row(fmt, opts):
+    """Rows of differently scaled tensors side by side: the concatenation dequantizes to the parts'
+    dequantizations stacked (codes and scales untouched)."""
+    parts = [quantize(torch.randn(n, 256) * scale, fmt, **opts) for n, scale in ((32, 1.0), (8, 40.0), (16, 0.01))]
+    cat = concat_qtensors(parts)
+    assert cat.shape == (56, 256) and cat.format == fmt
+    assert torch.equal(dequantize(cat), torch.cat([dequantize(p) for p in parts]))
+
+
+def test_concatenation_refuses_what_it_would_have_to_requantize():
+    with pytest.raises(ValueError, match="nvfp4 QTensors without requantizing"):
+        concat_qtensors([quantize(torch.randn(16, 128), "nvfp4"), quantize(torch.randn(16, 128), "nvfp4")])
+    with pytest.raises(ValueError, match="in_features and zero points must match"):
+        concat_qtensors([quantize(torch.randn(16, 128), "int4", group_size=64),
+                         quantize(torch.randn(16, 256), "int4", group_size=64)])
 
 
 def test_direct_functions_and_the_api_agree():

@@ -145,11 +145,38 @@ def test_input_projections_are_fused_and_give_the_same_logits(small_checkpoint, 
     assert err <= 1e-4
 
 
-def test_quantized_input_projections_stay_separate():
-    """INT4 dense projections (``quantize_dense``) are prepared one by one: each keeps its own scales."""
-    model = musecore.load("muse-tiny", device="xeon", emulate=True, progress=False, quantize_dense=("attention",))
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    assert attn.in_proj is None and attn.q_proj.format == "int4"
-    assert mlp.in_proj is not None  # the router and pooler are not in the "attention" group: still fused
-    ids = torch.tensor([[3, 17, 42, 8]])
-    assert torch.isfinite(model.forward(ids)).all()
+def test_nvfp4_input_projections_stay_separate():
+    """NVFP4 members keep their own per-tensor global scales: ``fuse_group`` prepares them one by one
+    (no device's plan makes NVFP4 dense projections from a BF16 checkpoint, so a stub placer stands in)."""
+    from musecore_quant import quantize
+
+    from musecore.loader import Placer, fuse_group
+    from musecore.model import Attention
+
+    class StubPlacer:
+        fuse_projections = Placer.fuse_projections
+        route = staticmethod(lambda op, name: ("reference", "nvfp4", None))
+        prepare = staticmethod(lambda name, role, value: value)
+
+    attn = Attention(small_config(), 0, ops=None)
+    members = [(n, quantize(torch.randn(32, 64) * s, "nvfp4")) for n, s in zip(attn.INPUT_PROJECTIONS, (1, 5, 0.1, 2))]
+    fuse_group(attn, members, StubPlacer())
+    assert attn.in_proj is None and [attn.q_proj, attn.k_proj, attn.v_proj, attn.gate_proj] == [v for _, v in members]
+
+
+def test_int4_input_projections_are_fused_without_changing_a_code(monkeypatch):
+    """INT4 (every scale per row block) is joined row-wise with codes and scales untouched: the same
+    logits as the projections one by one; the pooler alone is INT4, so router + pooler stay apart."""
+    fused = musecore.load("muse-tiny", device="xeon", emulate=True, progress=False,
+                          quantize_dense=("attention", "pooler/unpooler"))
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert attn.in_proj is not None and attn.in_proj.weight.format == "int4" and attn.q_proj is None
+    assert mlp.in_proj is None and mlp.fc1_latent_proj.format == "int4" and mlp.router.format == "bf16"
+    monkeypatch.setattr(musecore.loader.Placer, "fuse_projections", False)
+    apart = musecore.load("muse-tiny", device="xeon", emulate=True, progress=False,
+                          quantize_dense=("attention", "pooler/unpooler"))
+    ids = torch.tensor([[3, 17, 42, 8, 99, 5]])
+    got, want = fused.forward(ids), apart.forward(ids)
+    err = nmse(want, got)
+    print(f"INT4 fused vs separate q/k/v/gate: logits NMSE {err:.2e} (bound 1e-6)")
+    assert err <= 1e-6

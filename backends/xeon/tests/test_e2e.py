@@ -49,7 +49,7 @@ def test_quantize_dense_logits_match_the_emulated_xeon_device(xeon, tiny_checkpo
     against the reference kernels on the same converted weights, under the same bound."""
     native = musecore.load(str(tiny_checkpoint), device="xeon", progress=False, quantize_dense=True)
     emulated = musecore.load(str(tiny_checkpoint), device="xeon", emulate=True, progress=False, quantize_dense=True)
-    assert native.lm_head.format == "int4" and native.layers[0].self_attn.q_proj.format == "int4"
+    assert native.lm_head.format == "int4" and native.layers[0].self_attn.in_proj.weight.format == "int4"
     ids = torch.randint(0, native.config.vocab_size, (2, 12))
     got, want = native.forward(ids), emulated.forward(ids)
     err = nmse(want.float(), got.float())
