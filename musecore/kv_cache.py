@@ -127,6 +127,7 @@ class KVCache:
 
     ``static=True`` keeps every shape fixed and every write free of host syncs (attention reads the
     whole capacity, masked by positions), which is what CUDA-graph capture of a decode step needs;
+    its writes go through ``writer`` (a backend's ``kv_write``) when given, else :func:`write_static`;
     the default trims full layers to the filled length, which is faster on the CPU.
     """
 

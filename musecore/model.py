@@ -26,10 +26,11 @@ class FusedLinear:
     """Linears that read one input, run as one: ``weight`` is their weights stacked along the output
     dimension (prepared by the backend like any linear), ``widths`` splits the output back.
 
-    The loader builds one for an ``INPUT_PROJECTIONS`` group when every member stays unquantized on
-    one backend (see :func:`musecore.loader.fuse_group`): one weight pass and one launch instead of
-    several small ones, which is most of a decode step's linear time on small models. Every output
-    element is the same dot product as before; the pieces come back as views of one tensor.
+    The loader builds one for an ``INPUT_PROJECTIONS`` group when one backend prepares every member
+    and they join row-wise unchanged (unquantized, or MXFP4/INT4; see :func:`musecore.loader.fuse_group`):
+    one weight pass and one launch instead of several small ones, which was most of a decode step's
+    linear time on small models. Every output element is the same dot product as before; the pieces
+    come back as views of one tensor (backends' ops accept such strided slices).
     """
 
     weight: Any

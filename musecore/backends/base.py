@@ -85,5 +85,12 @@ class Backend:
         """Stacked ``[E, out, in]`` expert projections (dense or QTensor) -> the layout ``moe`` takes."""
         raise NotImplementedError
 
+    # Optional, looked up with getattr by the core (a backend without them runs the reference path):
+    #   wants_static_cache = True     generate() gives it fixed-shape, sync-free KV caches;
+    #   make_decode_step(model, cache) -> step(ids, positions): a faster repeated decode step (CUDA graphs);
+    #   kv_write(k, v, positions, k_new, v_new, pos_new, capacity, ring): a static cache's write, same
+    #       semantics as musecore.kv_cache.write_static (its reference);
+    #   benchmarks() -> {case: callable}: the cases of ``musecore bench --backend NAME``.
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} api {self.api_version[0]}.{self.api_version[1]} on {self.device}>"
