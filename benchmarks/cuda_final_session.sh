@@ -4,7 +4,7 @@
 #   device run: bash benchmarks/cuda_final_session.sh   (carry: .whl)
 # Outputs under $OUT (copy them to benchmarks/results/): cuda_gpu_tests.log, cuda_{linear,moe,attention,e2e}.json,
 # cuda_bench.txt (the tables), matrix_h200_native.json, cuda_gemm_sweep.json (the tiled GEMM's cuts),
-# cuda_dense_gemv_sweep.json, cuda_moe_decode_cuts.json, cuda_profile_decode_nvfp4_b1.txt.
+# cuda_dense_gemv_sweep.json, cuda_moe_decode_cuts.json, cuda_norm_warps_sweep.json, cuda_profile_decode_nvfp4_b1.txt.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,6 +22,7 @@ timeout ${SWEEP_S:-150} python3 benchmarks/cuda_gemm_sweep.py --ms 16,32,64,128 
 timeout ${SWEEP_S:-150} python3 benchmarks/cuda_dense_gemv_sweep.py --out "$OUT/cuda_dense_gemv_sweep.json" 2>&1 | tail -11
 timeout ${SWEEP_S:-150} python3 benchmarks/cuda_moe_decode_cuts.py --layers muse-small \
   --out "$OUT/cuda_moe_decode_cuts.json" 2>&1 | head -3
+timeout 90 python3 benchmarks/cuda_norm_warps_sweep.py --out "$OUT/cuda_norm_warps_sweep.json" 2>&1 | tail -16
 timeout 90 python3 benchmarks/cuda_profile_decode.py > "$OUT/cuda_profile_decode_nvfp4_b1.txt" 2>&1
 timeout ${MATRIX_S:-90} python3 -m musecore.cli matrix --rows h200 --tokens 4096 --op-sizes '' --json \
   > "$OUT/matrix_h200_native.json" 2> "$OUT/matrix.err"; tail -2 "$OUT/matrix.err"
