@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import musecore
+from musecore.kv_cache import write_static
 from musecore.tokenizer import load_tokenizer
 from tests.helpers import random_tensors, small_config, write_checkpoint
 from tests.unit.test_tokenizer import train_small_tokenizer
@@ -256,12 +257,18 @@ def test_cli_streams_text_to_stdout_and_throughput_to_stderr(checkpoint, capsys)
 
 class _GraphLikeBackend:
     """Wants static caches and counts decode-step captures, like the CUDA backend (which captures a
-    CUDA graph on the cache); its "captured" step is the plain forward through that cache."""
+    CUDA graph on the cache); its "captured" step is the plain forward through that cache. Its
+    ``kv_write`` counts the static writes it is handed and does them with the reference."""
 
     wants_static_cache = True
 
     def __init__(self):
         self.captures = 0
+        self.kv_writes = 0
+
+    def kv_write(self, *args):
+        self.kv_writes += 1
+        write_static(*args)
 
     def make_decode_step(self, model, cache):
         self.captures += 1
@@ -277,6 +284,8 @@ def test_static_generation_cache_and_its_decode_step_are_reused_and_reset(checkp
     first = [model.generate(p, max_new_tokens=12) for p in prompts]
     assert first == [ids_model.generate(p, max_new_tokens=12) for p in prompts], "static cache changed the output"
     assert backend.captures == 1, f"two calls of one shape captured {backend.captures} decode steps"
+    layers = model.config.num_hidden_layers
+    assert backend.kv_writes >= 2 * 12 * layers, f"the backend's kv_write took {backend.kv_writes} static writes"
     again = model.generate(prompts[0], max_new_tokens=12)  # after a longer prompt filled the cache
     assert again == first[0], f"a reused cache leaked the previous call's entries: {again} vs {first[0]}"
     model.generate([[1, 2], [3, 4]], max_new_tokens=4)  # another batch size: a new cache and capture
