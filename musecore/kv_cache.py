@@ -91,15 +91,15 @@ class LayerCache:
     def update(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> KVView:
         """Store this step's (encoded) entries and return what its attention reads.
 
-        A static cache at decode (one new entry per row) is written first and then read in place, with
-        no copy of the cache: the slot the new entry takes in a ring held the position one window
-        back, which the window no longer sees. Otherwise (prefill, where new entries may overwrite
-        ring slots that earlier queries of the same step still need) the view is a concatenation
-        made before the write.
+        At decode (one new entry per row) the cache is written first and then read in place, with no
+        copy of it: the slot the new entry takes in a ring held the position one window back, which
+        the window no longer sees. Otherwise (prefill, where new entries may overwrite ring slots
+        that earlier queries of the same step still need) the view is a concatenation made before
+        the write.
         """
-        if self.static and k_new.shape[1] == 1:
+        if k_new.shape[1] == 1:
             self.write(k_new, v_new, pos_new)
-            c = self.capacity  # (the trash slot past it is never read)
+            c = self.capacity if (self.ring or self.static) else self.used  # (a static trash slot is never read)
             return KVView(self.k[:, :c], self.v[:, :c], self.positions[:, :c], self.k_scale, self.v_scale)
         view = self.view_with(k_new, v_new, pos_new)
         self.write(k_new, v_new, pos_new)
