@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from musecore.benchmarking import cycle
 from musecore.ops import tolerance
+from musecore.testing import nmse
 from musecore_cuda.bench import _rotating, memory_ceiling_gbps, time_us
 from musecore_cuda.kernels.dense_gemv import NUM_WARPS, dense_gemv, gemv_blocks
 
@@ -50,7 +51,7 @@ def main() -> None:
             if bn * bk > 16384 or (bn, bk, nw) in timed:
                 continue
             got = dense_gemv(x, w0, blocks=(bn, bk), num_warps=nw).float()
-            err = ((got - want).pow(2).mean() / want.pow(2).mean()).item()
+            err = nmse(want, got)
             if err > tolerance("linear"):
                 raise AssertionError(f"{name} BLOCK_N={bn} BLOCK_K={bk} warps={nw}: NMSE {err:.2e} > {tolerance('linear')}")
             timed[(bn, bk, nw)] = time_us(cycle(ws, lambda w, c=(bn, bk), nw=nw: dense_gemv(x, w, blocks=c,

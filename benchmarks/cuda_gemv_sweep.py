@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import musecore_quant
 from musecore.ops import tolerance
+from musecore.testing import nmse
 from musecore.benchmarking import cycle
 from musecore_cuda.bench import LINEAR_SHAPES, _rotating, memory_ceiling_gbps, random_fp4, time_us
 from musecore_cuda.kernels import fp4_gemv_cuda
@@ -31,10 +32,6 @@ from musecore_cuda.layouts import prepare_fp4
 CUTS = [(split, kw, pf) for split in (1, 2, 4, 8) for kw in (1, 2, 4) for pf in (1, 2, 3, 4)]
 if os.environ.get("SWEEP_CUTS") == "0":  # only the plan make_plan chooses
     CUTS = []
-
-
-def nmse(ref: torch.Tensor, out: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).pow(2).mean() / ref.float().pow(2).mean().clamp_min(1e-30)).item()
 
 
 def run(x, w, n, k, plan):

@@ -82,9 +82,14 @@ class LayerCache:
         quant = lambda x, s: (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # noqa: E731
         return quant(k, self.k_scale), quant(v, self.v_scale)
 
+    @property
+    def readable(self) -> int:
+        """Slots attention reads: the whole ring or static capacity (never a static trash slot), else the filled ones."""
+        return self.capacity if (self.ring or self.static) else self.used
+
     def view_with(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> KVView:
         """Cached entries followed by the (encoded) new ones: what this step's attention reads."""
-        limit = self.capacity if (self.ring or self.static) else self.used
+        limit = self.readable
         return KVView(torch.cat([self.k[:, :limit], k_new], 1), torch.cat([self.v[:, :limit], v_new], 1),
                       torch.cat([self.positions[:, :limit], pos_new], 1), self.k_scale, self.v_scale)
 
@@ -99,7 +104,7 @@ class LayerCache:
         """
         if k_new.shape[1] == 1:
             self.write(k_new, v_new, pos_new)
-            c = self.capacity if (self.ring or self.static) else self.used  # (a static trash slot is never read)
+            c = self.readable
             return KVView(self.k[:, :c], self.v[:, :c], self.positions[:, :c], self.k_scale, self.v_scale)
         view = self.view_with(k_new, v_new, pos_new)
         self.write(k_new, v_new, pos_new)
