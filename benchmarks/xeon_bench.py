@@ -26,6 +26,7 @@ import torch
 from musecore_xeon.bench import LINEAR_MS, LINEAR_SHAPES, benchmarks, l3_cache_bytes, memory_bandwidth_gbs, rotation_bytes
 from musecore_xeon.cpu import configure_threads, read_cpu_info
 from musecore_xeon.kernels.crossover import calibrations
+from musecore_xeon.kernels.native import ISA_ENV, compile_flags
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = ("case", "shape", "M", "impl", "path", "time_us", "speedup_vs_bf16", "speedup_vs_xeon_bf16",
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu = read_cpu_info()
     load_before = os.getloadavg()
     bandwidth = memory_bandwidth_gbs()
+    isa_flags = [f for f in compile_flags() if f.startswith("-m")]
     print(f"{cpu.summary()}\nthreads {threads}, torch {torch.__version__}, load average {load_before}")
+    print(f"native isa: {' '.join(isa_flags) or 'portable C'} ({ISA_ENV}={os.environ.get(ISA_ENV, '')!r})")
     print(f"memory: copy {bandwidth['copy_gbs']:.1f} GB/s, read {bandwidth['read_gbs']:.1f} GB/s")
     cold = (f"weights cold from DRAM: each implementation cycles through copies of its weight totalling >= "
             f"{rotation_bytes() >> 20} MiB (2x the {l3_cache_bytes() >> 20} MiB L3); time = cycle / copies")
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table([r for r in rows if r["case"] == "linear" and r["M"] == 1])
     crossovers = [c.table() for c in calibrations()]
     print("\n== measured crossovers\n" + "\n".join(crossovers))
-    report = {"machine": {"cpu": cpu.summary(), "isa_tier": cpu.isa_tier, "threads": threads,
+    report = {"machine": {"cpu": cpu.summary(), "isa_tier": cpu.isa_tier, "native_isa_flags": isa_flags, "threads": threads,
                           "torch": torch.__version__, "python": platform.python_version(),
                           "load_average_before": load_before, "load_average_after": os.getloadavg()},
               "memory_bandwidth_gbs": {**bandwidth, "ceiling_gbs": ceiling, "ceiling_at_start_gbs": bandwidth["ceiling_gbs"]},

@@ -276,6 +276,32 @@ def test_portable_c_path_gives_the_same_bits_as_avx2(group_size) -> None:
                 assert ratio <= 1.0, f"g={group_size} K={k} M={m}: error {ratio:.3g}x the int16-activation bound"
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_avx512_vnni_build_gives_the_same_bits_as_the_avx2_build(group_size) -> None:
+    """Where the CPU has AVX-512 VNNI the default build reads 512 bits per load and accumulates with vpdpwssd
+    (g >= 128 in the GEMVs, every g in the skinny GEMM); its integer sums are the AVX2 build's, so the outputs
+    are equal bit for bit: M = 1 (GEMV), 2 (two-row GEMV), 5 and 16 (skinny GEMM), odd group counts included."""
+    if native.compile_flags() == native.compile_flags("avx2"):
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni): the default build is the AVX2 build")
+    avx2 = native.load_variant("avx2")
+    for n, k in ((37, 512), (64, 384), (8, 2048)):
+        if k % max(group_size, 64):
+            continue
+        qt = random_int4(n, k, group_size, negative_scales=True, asymmetric=True)
+        lin = prepare_int4(qt, torch.float32, calibrate=False)
+        for m, dtype in ((1, torch.float32), (1, torch.bfloat16), (2, torch.float32), (5, torch.bfloat16),
+                         (16, torch.float32)):
+            x = torch.randn(m, k).to(dtype)
+            x.view(m, -1, group_size)[:, 0, 3] *= 100
+            y = torch.empty(m, n, dtype=dtype)
+            bf16 = int(dtype == torch.bfloat16)
+            avx2.musecore_int4_gemv(lin.codes.data_ptr(), lin.scale_zero.data_ptr(), x.data_ptr(), bf16,
+                                    y.data_ptr(), bf16, m, k, group_size, lin.codes.shape[0], n, 1)
+            fast = native.int4_gemv(lin.codes, lin.scale_zero, x, group_size, n)
+            diff = (fast.float() - y.float()).abs().max().item()
+            assert torch.equal(fast, y), f"g={group_size} {n}x{k} M={m} {dtype}: AVX-512 and AVX2 differ by {diff:.3g}"
+
+
 @needs_native
 def test_native_gemv_takes_bf16_activations_and_returns_bf16() -> None:
     qt = random_int4(64, 1024, 128, negative_scales=True, asymmetric=True)
@@ -386,3 +412,11 @@ def test_without_a_compiler_int4_falls_back_to_int4pack_with_a_warning(no_c_comp
     for m in (1, 20):  # int4pack below, PyTorch-op tiles above
         x = torch.randn(m, 512, dtype=torch.bfloat16)
         assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"no compiler M={m}")
+
+
+def test_isa_cap_limits_the_build_and_rejects_unknown_levels(monkeypatch) -> None:
+    assert not any(f.startswith("-mavx512") for f in native.compile_flags("avx2"))
+    assert not any(f.startswith("-m") for f in native.compile_flags("portable"))
+    monkeypatch.setenv(native.ISA_ENV, "avx9")
+    with pytest.raises(ValueError, match="MUSECORE_XEON_ISA='avx9'"):
+        native.compile_flags()

@@ -81,12 +81,30 @@ def torch_libgomp() -> Optional[Path]:
     return candidates[0] if candidates else None
 
 
-def compile_flags() -> list[str]:
+ISA_ENV = "MUSECORE_XEON_ISA"
+ISA_LEVELS = ("avx512_vnni", "avx2", "portable")  # best first; the env var caps the level (A/B runs, tests)
+AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+def isa_cap() -> str:
+    """The highest ISA level the build may use: ``MUSECORE_XEON_ISA`` (one of :data:`ISA_LEVELS`), else the best."""
+    raw = os.environ.get(ISA_ENV, "").strip().lower()
+    if raw and raw not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={raw!r}: choose one of {list(ISA_LEVELS)} (or unset it to use what the CPU has)")
+    return raw or ISA_LEVELS[0]
+
+
+def compile_flags(cap: Optional[str] = None) -> list[str]:
+    """The compiler flags for this CPU, up to ``cap`` (default :func:`isa_cap`): ``-mavx2 -mfma -mf16c`` where the
+    CPU has AVX2, plus the AVX-512 VNNI flags where it has those (the GEMVs then read 512 bits per load)."""
     from musecore_xeon.cpu import read_cpu_info
     info = read_cpu_info()
-    isa = ["-mavx2", "-mfma"] if info.has("avx2") and info.has("fma") else []
+    level = ISA_LEVELS.index(cap or isa_cap())
+    isa = ["-mavx2", "-mfma"] if info.has("avx2") and info.has("fma") and level <= 1 else []
     if isa and info.has("f16c"):
         isa.append("-mf16c")
+    if isa and level == 0 and all(info.has(f) for f in AVX512_VNNI_FLAGS):
+        isa += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     gomp = torch_libgomp()
     # -fopenmp links "libgomp.so.1"; -L/-rpath make that PyTorch's copy, already loaded by `import torch`
     omp = ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []
@@ -149,10 +167,16 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def load_variant(cap: str) -> Optional[ctypes.CDLL]:
+    """The same source built up to ISA level ``cap`` (``"portable"``: the ``#ifndef __AVX2__`` paths), for tests
+    that compare builds; None without a compiler."""
+    path = build(compile_flags(cap))
+    return None if path is None else declare_signatures(ctypes.CDLL(str(path)))
+
+
 def load_portable() -> Optional[ctypes.CDLL]:
     """The same source built without ISA flags (the ``#ifndef __AVX2__`` paths), for tests that compare both."""
-    path = build([f for f in compile_flags() if not f.startswith("-m")])
-    return None if path is None else declare_signatures(ctypes.CDLL(str(path)))
+    return load_variant("portable")
 
 
 @functools.cache
