@@ -20,7 +20,7 @@ for isa in avx512_vnni avx2; do
     --out "$OUT/linear_$isa.json" > "$OUT/linear_$isa.txt" 2>&1
   grep -E "^linear .* 1 +xeon-int4|^memory|native isa" "$OUT/linear_$isa.txt"
 done
-timeout ${E2E_S:-200} python3 benchmarks/xeon_bench.py --cases moe e2e --presets muse-small --ms 1 4 16 64 --repeats 3 \
+[ -n "${SKIP_E2E:-}" ] || timeout ${E2E_S:-200} python3 benchmarks/xeon_bench.py --cases moe e2e --presets muse-small --ms 1 4 16 64 --repeats 3 \
   --threads $THREADS --out "$OUT/moe_e2e.json" > "$OUT/moe_e2e.txt" 2>&1; grep -A8 "== e2e" "$OUT/moe_e2e.txt"
 timeout ${MATRIX_S:-90} python3 -m musecore.cli matrix --rows xeon6 --tokens 2048 --op-sizes '' --json \
   > "$OUT/matrix_xeon6_native.json" 2> "$OUT/matrix.err"; tail -2 "$OUT/matrix.err"

@@ -56,12 +56,16 @@ def auto_round_version() -> Optional[str]:
         return None
 
 
+class AutoRoundMissing(ImportError):
+    """auto-round is not installed (the message says how to install it)."""
+
+
 def require_auto_round() -> None:
-    """Import auto-round or raise an ImportError that says how to install it."""
+    """Import auto-round or raise :class:`AutoRoundMissing` (an ImportError) that says how to install it."""
     try:
         import auto_round  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"AutoRound calibration needs the auto-round package ({e}); {INSTALL_HINT}") from e
+        raise AutoRoundMissing(f"AutoRound calibration needs the auto-round package ({e}); {INSTALL_HINT}") from e
 
 
 @dataclass(frozen=True)

@@ -342,9 +342,11 @@ def measure_row(spec: RowSpec, mode: str, cache: CheckpointCache, batches: list,
 
     started = time.perf_counter()
     row = _row(spec, mode, note=spec.explanation)
+    from musecore.autoround import AutoRoundMissing
+
     try:
         folder = cache.get(spec.checkpoint)
-    except (RowUnavailable, NotImplementedError) as err:
+    except (RowUnavailable, NotImplementedError, AutoRoundMissing) as err:
         return _row(spec, mode, "unavailable", str(err))
     try:
         model = musecore.load(folder, device=spec.device, emulate=(mode == "emulated"), progress=False)

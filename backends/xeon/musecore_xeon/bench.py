@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -120,6 +121,22 @@ def random_int4_linear(backend: XeonBackend, out_features: int, in_features: int
     return backend.prepare_weight(qt, "linear").extra["linear"]
 
 
+def clone_int4(lin: Int4Linear) -> Int4Linear:
+    """A copy of a native INT4 weight in memory of its own (codes and scales cloned; the GEMV binds on first use):
+    the cold-weight copies cost a memcpy each instead of a quantize-and-pack (a 600 MiB rotation on a 300 MiB-L3
+    host took minutes to prepare)."""
+    return dataclasses.replace(lin, codes=lin.codes.clone(), scale_zero=lin.scale_zero.clone(), packed=None,
+                               scales_and_zeros=None, gemv=None)
+
+
+def clone_dense(lin: DenseLinear) -> DenseLinear:
+    """A copy of a prepared BF16 weight in memory of its own, with the same measured crossovers."""
+    copy = DenseLinear(lin.weight.clone(), lin.crossover, lin.calibration)
+    if lin.gemv is not None:
+        copy.set_gemv_crossover(lin.gemv_crossover, lin.gemv_calibration)
+    return copy
+
+
 def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence[int] = LINEAR_MS,
                  repeats: int = 3, backend: Optional[XeonBackend] = None,
                  rotate_bytes: Optional[int] = None) -> list[dict[str, Any]]:
@@ -133,21 +150,20 @@ def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence
     rows = []
     for n, k in shapes:
         # BF16: PyTorch's F.linear and the backend's DenseLinear each cycle over their own copies
-        torch_ws = rotating(lambda: (torch.randn(n, k) * 0.02).to(torch.bfloat16), 2 * n * k, rotate_bytes)
-        xeon_ws: list[DenseLinear] = rotating(
-            lambda: backend.prepare_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16), "linear").extra["linear"],
-            2 * n * k, rotate_bytes)
+        bf16 = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+        torch_ws = [bf16] + rotating(bf16.clone, 2 * n * k, rotate_bytes)[1:]
+        xeon_bf16: DenseLinear = backend.prepare_weight(bf16.clone(), "linear").extra["linear"]
+        xeon_ws = [xeon_bf16] + rotating(lambda: clone_dense(xeon_bf16), 2 * n * k, rotate_bytes)[1:]
         int4 = random_int4_linear(backend, n, k)
-        int4s = [int4] + rotating(lambda: random_int4_linear(backend, n, k), int4.nbytes, rotate_bytes)[1:]
+        int4s = [int4] + rotating(lambda: clone_int4(int4), int4.nbytes, rotate_bytes)[1:]
         int4packs: list[Int4Linear] = []
         if any(m <= INT4PACK_MAX_M for m in ms):  # its own copies (PyTorch's packing is its own memory)
             int4.build_int4pack()
             packed_bytes = int4.packed.numel() + int4.scales_and_zeros.numel() * 2
-            int4packs = rotating(lambda: random_int4_linear(backend, n, k), packed_bytes, rotate_bytes)
+            int4packs = rotating(lambda: clone_int4(int4), packed_bytes, rotate_bytes)
             for lin in int4packs:
                 lin.build_int4pack()
             int4.packed = int4.scales_and_zeros = None
-        xeon_bf16 = xeon_ws[0]
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             act_bytes = 2 * m * (k + n)

@@ -85,10 +85,15 @@ static PyObject *call_linear(const char *name, linear_fn kernel, const void *w, 
         const bool bf16 = dtype == at::kBFloat16;
         if ((!bf16 && dtype != at::kFloat) || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) != k
                 || !x.is_contiguous()) {
-            const std::string got = std::string(c10::toString(dtype)) + " " + c10::str(x.sizes()) + " on "
-                                    + x.device().str() + " (contiguous=" + (x.is_contiguous() ? "True" : "False") + ")";
-            PyErr_Format(PyExc_ValueError, "%s: x must be a contiguous bf16/fp32 CPU [..., %lld] tensor; got %s",
-                         name, (long long)k, got.c_str());
+            /* the message from the tensor's Python attributes: c10's string helpers crashed on this path with
+               torch 2.11 (a segfault on the GPU machine's host), and Python's repr is what users read anyway */
+            PyObject *dt = PyObject_GetAttrString(args[1], "dtype"), *shape = PyObject_GetAttrString(args[1], "shape"),
+                     *device = PyObject_GetAttrString(args[1], "device");
+            if (dt != nullptr && shape != nullptr && device != nullptr)
+                PyErr_Format(PyExc_ValueError, "%s: x must be a contiguous bf16/fp32 CPU [..., %lld] tensor; got %R %R on "
+                             "%R (contiguous=%s)", name, (long long)k, dt, shape, device,
+                             x.is_contiguous() ? "True" : "False");
+            Py_XDECREF(dt); Py_XDECREF(shape); Py_XDECREF(device);
             return nullptr;
         }
         c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
