@@ -1,22 +1,27 @@
 """Where the time of a small INT4 linear goes on this CPU: the same call with its weight hot (one copy, called
-back to back: in cache) and cold (300 copies cycled: from DRAM), at 1 and 2 threads, M = 1::
+back to back: in cache) and cold (copies totalling twice the L3, cycled: from DRAM), per thread count, M = 1::
 
-    python3 benchmarks/xeon_small_shape_probe.py
+    python3 benchmarks/xeon_small_shape_probe.py                         # 1 and 2 threads, muse-small's shapes
+    python3 benchmarks/xeon_small_shape_probe.py --threads 1 2 4 8 16 --shapes 768x512 2048x2048
 
-If hot is close to cold, the call is bound by the kernel's own rate and per-call cost, not by memory.
+If hot is close to cold, the call is bound by the kernel's own rate and per-call cost, not by memory. On a
+many-core host the thread sweep shows from which size each extra thread pays for its share of the fork/join.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
-import musecore_quant
 from musecore_xeon import XeonBackend
+from musecore_xeon.bench import clone_int4, random_int4_linear, rotating
 
-SHAPES = ((768, 512), (512, 768), (512, 1536))  # (N, K): muse-small's expert and projection shapes
-COPIES, CALLS, ROUNDS = 300, 2000, 5
+SHAPES = ("768x512", "512x768", "512x1536")  # (N x K): muse-small's expert and projection shapes
+CALLS, ROUNDS = 2000, 5
 
 
 def best_us(fn, calls: int) -> float:
@@ -29,22 +34,28 @@ def best_us(fn, calls: int) -> float:
 
 
 def main() -> None:
-    be = XeonBackend()
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for n, k in SHAPES:
-            make = lambda: be.prepare_weight(musecore_quant.quantize(torch.randn(n, k) * 0.02, "int4", group_size=128,  # noqa: E731
-                                                                     sym=True), "linear")
-            copies = [make() for _ in range(COPIES)]
-            x = torch.randn(1, k, dtype=torch.bfloat16)
-            hot = copies[0]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="NxK (out x in)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    be, rows = XeonBackend(), []
+    for n, k in (tuple(int(v) for v in s.split("x")) for s in args.shapes):
+        hot = random_int4_linear(be, n, k)
+        copies = [hot] + rotating(lambda: clone_int4(hot), hot.nbytes)[1:]
+        x = torch.randn(1, k, dtype=torch.bfloat16)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
             for _ in range(200):
-                be.linear(x, hot)
-            t_hot = best_us(lambda: [be.linear(x, hot) for _ in range(CALLS)], CALLS)
-            t_cold = best_us(lambda: [be.linear(x, w) for w in copies], COPIES)
-            nbytes = n * k // 2 + n * (k // 128) * 2 * 2  # codes + fp16 scales and zeros
-            print(f"threads {threads} {n}x{k}: hot {t_hot:.2f} us, cold {t_cold:.2f} us "
-                  f"({nbytes / 1e3:.0f} KB: {nbytes / t_cold / 1e3:.1f} GB/s cold)")
+                hot(x)
+            t_hot = best_us(lambda: [hot(x) for _ in range(CALLS)], CALLS)
+            t_cold = best_us(lambda: [w(x) for w in copies], len(copies))
+            rows.append({"shape": f"{n}x{k}", "threads": threads, "hot_us": t_hot, "cold_us": t_cold,
+                         "bytes": hot.nbytes, "cold_gbs": hot.nbytes / t_cold / 1e3, "copies": len(copies)})
+            print(f"threads {threads:2d} {n}x{k}: hot {t_hot:7.2f} us, cold {t_cold:7.2f} us "
+                  f"({hot.nbytes / 1e3:.0f} KB: {hot.nbytes / t_cold / 1e3:.1f} GB/s cold)", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
