@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from musecore_xeon import XeonBackend
 from musecore_xeon.bench import random_int4_linear
-from musecore_xeon.kernels import dense, native
+from musecore_xeon.kernels import dense, int4, native
 
 TILE_ELEMENTS = (2 << 20, 8 << 20, 32 << 20)
 
@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--ms", nargs="+", type=int, default=[16, 64, 256])
     args = parser.parse_args()
     be = XeonBackend()
+    default, native_default = dense.DENSE_TILE_ELEMENTS, int4.NATIVE_BF16_TILE_ELEMENTS
     print(f"{be.cpu.summary()}; threads {torch.get_num_threads()}; dense dtype {be.dense_dtype}")
     for n, k in (tuple(int(v) for v in s.split("x")) for s in args.shapes):
         lin = random_int4_linear(be, n, k)
@@ -53,10 +54,10 @@ def main() -> None:
             t_lin = best_us(lambda: F.linear(x, w16))
             cells = []
             for elements in TILE_ELEMENTS:
-                dense.DENSE_TILE_ELEMENTS = elements
+                dense.DENSE_TILE_ELEMENTS = int4.NATIVE_BF16_TILE_ELEMENTS = elements
                 cells.append(f"{elements >> 20}Mi {best_us(lambda: lin.run_tiles(x)):.0f}")
             t_whole = best_us(lambda: F.linear(x, lin.dequantize().to(torch.bfloat16)))
-            dense.DENSE_TILE_ELEMENTS = 2 << 20
+            dense.DENSE_TILE_ELEMENTS, int4.NATIVE_BF16_TILE_ELEMENTS = default, native_default
             print(f"  M={m:4d}: tile mm {t_mm:.0f} us | F.linear bf16 {t_lin:.0f} us | tiles {' '.join(cells)} us | "
                   f"whole dequant + F.linear {t_whole:.0f} us | kernel {best_us(lambda: lin.run_small_m(x)):.0f} us",
                   flush=True)

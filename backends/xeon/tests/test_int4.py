@@ -420,3 +420,10 @@ def test_isa_cap_limits_the_build_and_rejects_unknown_levels(monkeypatch) -> Non
     monkeypatch.setenv(native.ISA_ENV, "avx9")
     with pytest.raises(ValueError, match="MUSECORE_XEON_ISA='avx9'"):
         native.compile_flags()
+
+
+def test_int4_tiles_are_larger_where_the_dense_gemm_is_native_bf16() -> None:
+    from musecore_xeon.kernels.dense import DENSE_TILE_ELEMENTS, NATIVE_BF16_TILE_ELEMENTS
+    qt = random_int4(8192, 2048, 128, negative_scales=False, asymmetric=False)
+    assert prepare_int4(qt, torch.float32, calibrate=False).tile_rows == DENSE_TILE_ELEMENTS // 2048
+    assert prepare_int4(qt, torch.bfloat16, calibrate=False).tile_rows == NATIVE_BF16_TILE_ELEMENTS // 2048

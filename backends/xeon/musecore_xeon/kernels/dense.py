@@ -40,6 +40,12 @@ BF16_GEMV_DENSE_MARGIN = 0.10
 # Elements per dense tile: 2 Mi (8 MiB in fp32). Measured on the 2-core EPYC at K=8192, M=64..256:
 # 256-row tiles ran 1.3-2x faster than 64-row (GEMM too thin) or 1024-row (tile falls out of cache).
 DENSE_TILE_ELEMENTS = 2 * 1024 * 1024
+# Where the tiles feed a native BF16 GEMM (AMX / AVX-512 BF16: oneDNN), its per-call cost favours larger ones.
+# Measured on a 5th-gen Xeon, 16 threads (benchmarks/xeon_tile_probe.py, results/xeon_amx_host/): INT4 8192x2048
+# at M = 64 / 256 took 2.39 / 4.81 ms with 2 Mi-element tiles, 2.11 / 3.36 with 8 Mi, 1.84 / 3.12 with 32 Mi
+# (2048x8192 at M = 256: 7.81 / 3.53 / 3.31). 8 Mi takes most of the gain with a quarter of 32 Mi's workspace
+# (32 MiB fp32 + 16 MiB bf16 per thread).
+NATIVE_BF16_TILE_ELEMENTS = 8 * 1024 * 1024
 
 
 def dense_compute_dtype(native_bf16_dot: bool) -> torch.dtype:
@@ -47,9 +53,11 @@ def dense_compute_dtype(native_bf16_dot: bool) -> torch.dtype:
     return torch.bfloat16 if native_bf16_dot else torch.float32
 
 
-def tile_rows_for(in_features: int, out_features: int, multiple: int) -> int:
-    """Output rows per tile: ``DENSE_TILE_ELEMENTS / K``, a multiple of ``multiple``, at most N."""
-    rows = max(multiple, (DENSE_TILE_ELEMENTS // max(in_features, 1)) // multiple * multiple)
+def tile_rows_for(in_features: int, out_features: int, multiple: int, elements: Optional[int] = None) -> int:
+    """Output rows per tile: ``elements / K`` (default :data:`DENSE_TILE_ELEMENTS`), a multiple of ``multiple``,
+    at most N."""
+    elements = DENSE_TILE_ELEMENTS if elements is None else elements
+    rows = max(multiple, (elements // max(in_features, 1)) // multiple * multiple)
     return min(rows, out_features)
 
 

@@ -29,7 +29,8 @@ from musecore_quant.qtensor import QTensor
 from musecore_xeon.kernels.crossover import (CALIBRATION_MS, INT4_CROSSOVER_ENV, CrossoverCalibration,
                                              cached_crossover, measure_crossover)
 from musecore_xeon.kernels import native
-from musecore_xeon.kernels.dense import restore_shape, tile_rows_for, tile_workspace, tiled_matmul
+from musecore_xeon.kernels.dense import (NATIVE_BF16_TILE_ELEMENTS, restore_shape, tile_rows_for, tile_workspace,
+                                          tiled_matmul)
 
 KERNEL_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 PACK_ROWS = 64  # the largest int4pack block (AVX-512); its rows are padded to it so every block is full
@@ -173,7 +174,8 @@ class Int4Linear:
 
     @property
     def tile_rows(self) -> int:
-        return tile_rows_for(self.in_features, self.padded_out_features, native.ROWS)
+        elements = NATIVE_BF16_TILE_ELEMENTS if self.dense_dtype == torch.bfloat16 else None
+        return tile_rows_for(self.in_features, self.padded_out_features, native.ROWS, elements)
 
     @property
     def nbytes(self) -> int:
