@@ -279,8 +279,9 @@ def test_portable_c_path_gives_the_same_bits_as_avx2(group_size) -> None:
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 def test_avx512_vnni_build_gives_the_same_bits_as_the_avx2_build(group_size) -> None:
     """Where the CPU has AVX-512 VNNI the default build reads 512 bits per load and accumulates with vpdpwssd
-    (g >= 128 in the GEMVs, every g in the skinny GEMM); its integer sums are the AVX2 build's, so the outputs
-    are equal bit for bit: M = 1 (GEMV), 2 (two-row GEMV), 5 and 16 (skinny GEMM), odd group counts included."""
+    (g >= 128 in the GEMVs, every g in the skinny GEMM, four activation rows at a time); its integer sums are the
+    AVX2 build's, so the outputs are equal bit for bit: M = 1 (GEMV), 2 (two-row GEMV), 4, 5, 7 and 16 (skinny
+    GEMM: whole blocks of four and the pairs left over), odd group counts included."""
     if native.compile_flags() == native.compile_flags("avx2"):
         pytest.skip("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni): the default build is the AVX2 build")
     avx2 = native.load_variant("avx2")
@@ -289,8 +290,8 @@ def test_avx512_vnni_build_gives_the_same_bits_as_the_avx2_build(group_size) -> 
             continue
         qt = random_int4(n, k, group_size, negative_scales=True, asymmetric=True)
         lin = prepare_int4(qt, torch.float32, calibrate=False)
-        for m, dtype in ((1, torch.float32), (1, torch.bfloat16), (2, torch.float32), (5, torch.bfloat16),
-                         (16, torch.float32)):
+        for m, dtype in ((1, torch.float32), (1, torch.bfloat16), (2, torch.float32), (4, torch.float32),
+                         (5, torch.bfloat16), (7, torch.float32), (16, torch.float32)):
             x = torch.randn(m, k).to(dtype)
             x.view(m, -1, group_size)[:, 0, 3] *= 100
             y = torch.empty(m, n, dtype=dtype)

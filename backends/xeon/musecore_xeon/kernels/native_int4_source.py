@@ -158,6 +158,24 @@ static inline __m256i fold512(__m512i a, __m512i b) {
     const __m512i s = _mm512_add_epi32(a, b);
     return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
+/* 16 accumulators -> one vector whose lane i is the (exact int32) sum of a[i]'s 16 lanes: unpack/add within
+   128-bit lanes twice, then two rounds of 128-bit block shuffles and adds. */
+static inline __attribute__((always_inline)) __m512i pair_sum32(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+static inline __attribute__((always_inline)) __m512i pair_sum64(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+static inline __attribute__((always_inline)) __m512i block_sum(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+static inline __attribute__((always_inline)) __m512i reduce16(const __m512i a[16]) {
+    __m512i q[4];
+    for (int j = 0; j < 4; ++j)  /* q[j], 128-bit lane l: the sums over lane l of a[4j] .. a[4j+3] */
+        q[j] = pair_sum64(pair_sum32(a[4 * j], a[4 * j + 1]), pair_sum32(a[4 * j + 2], a[4 * j + 3]));
+    return block_sum(block_sum(q[0], q[1]), block_sum(q[2], q[3]));  /* block j: the totals of a[4j] .. a[4j+3] */
+}
 #define NIB_PAIR512(W, J) ((J) == 0 ? _mm512_and_si512((W), low4x) :                                  \
                            (J) == 3 ? _mm512_srli_epi16((W), 12) :                                    \
                                       _mm512_and_si512(_mm512_srli_epi16((W), 4 * (J)), low4x))
@@ -537,7 +555,45 @@ static inline __attribute__((always_inline)) void gemm_rows(
             __m128 s;
             __m128i z;
             load_sz4(szr + grp * 2 * ROWS, &s, &z);
-            for (int64_t m = 0; m < m_rows; m += 2) {
+            int64_t m_start = 0;
+#ifdef HAVE_VNNI512
+            /* four activation rows at a time: 16 accumulators (acc[4 i + r]: activation row m + i, weight row r)
+               reduced by one tree into 16 exact sums, then flush4's operations lane by lane (the same bits):
+               half the flush work per vpdpwssd of the pair loop below, which folds and flushes 8 accumulators */
+            for (; m_start + 4 <= m_rows; m_start += 4) {
+                const int64_t m = m_start;
+                const int16_t *xr = x.xq + m * k + c * chunk + h * g;
+                __m512i acc[16];
+                for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+                for (int64_t e = 0; e < g; e += 32) {
+                    const __m512i v0 = _mm512_loadu_si512((const void *)(xr + e)),
+                                  v1 = _mm512_loadu_si512((const void *)(xr + k + e)),
+                                  v2 = _mm512_loadu_si512((const void *)(xr + 2 * k + e)),
+                                  v3 = _mm512_loadu_si512((const void *)(xr + 3 * k + e));
+                    for (int r = 0; r < ROWS; ++r) {
+                        const __m512i d = _mm512_load_si512((const void *)(dq[r] + h * g + e));
+                        acc[r] = _mm512_dpwssd_epi32(acc[r], d, v0);
+                        acc[4 + r] = _mm512_dpwssd_epi32(acc[4 + r], d, v1);
+                        acc[8 + r] = _mm512_dpwssd_epi32(acc[8 + r], d, v2);
+                        acc[12 + r] = _mm512_dpwssd_epi32(acc[12 + r], d, v3);
+                    }
+                }
+                int32_t xs4[4];
+                float sx4[4];
+                for (int i = 0; i < 4; ++i) {
+                    xs4[i] = x.xqsum[(m + i) * groups + grp];
+                    sx4[i] = x.sx[(m + i) * groups + grp];
+                }
+                const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+                const __m512i xs = _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)xs4)));
+                const __m512 sxv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sx4)));
+                const __m512i dot = _mm512_sub_epi32(reduce16(acc), _mm512_mullo_epi32(_mm512_broadcast_i32x4(z), xs));
+                float *tp = (float *)&tot[grp & 1][m];  /* tot[.][m .. m+3]: 16 contiguous floats, lane 4 i + r */
+                _mm512_storeu_ps(tp, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_broadcast_f32x4(s), sxv),
+                                                     _mm512_loadu_ps(tp)));
+            }
+#endif
+            for (int64_t m = m_start; m < m_rows; m += 2) {
                 const int pair = m + 1 < m_rows;
                 const int16_t *x0 = x.xq + m * k + c * chunk + h * g, *x1 = pair ? x0 + k : x0;
                 /* named accumulators (arrays indexed in the row loop stayed on the stack) */
