@@ -4,18 +4,22 @@ does the CPU way.
 Norms use PyTorch's fused ``F.rms_norm`` on fp32 (one pass instead of the reference's five), and
 attention uses ``F.scaled_dot_product_attention`` (a flash kernel on CPU) with the reference's own
 visibility mask, so the mask contract (causal, sliding window, ``k_pos = -1`` empty slots) is the
-reference's by construction. ``embedding``, ``router_topk`` and ``sample`` are taken from the
-reference as they are: each is already a couple of vectorised PyTorch calls, and sharing
-``sample`` keeps the random stream identical to the reference's for a given generator.
+reference's by construction. ``embedding`` and ``sample`` are taken from the reference as they are:
+each is already a couple of vectorised PyTorch calls, and sharing ``sample`` keeps the random stream
+identical to the reference's for a given generator.
 
 At decode sizes (at most :data:`NATIVE_NORM_MAX_ELEMENTS` elements, contiguous bf16/fp32 tensors) the four
-norm ops run one C call each (``musecore_xeon.kernels.native``; same fp32 math): PyTorch's ``F.rms_norm`` plus
-the dtype casts cost ~25 us per call on a 1536-vector on the 2-core EPYC, and a muse-small token makes ~80 of
-them. Larger inputs (prefill) keep the PyTorch path, which is vectorised and multi-threaded.
+norm ops and ``router_topk`` run one C call each (``musecore_xeon.kernels.native``; same fp32 math), through the
+CPython extension of :mod:`musecore_xeon.kernels.binding` where it is built (one call: checks, ``at::empty``, the
+kernel) and through ctypes otherwise (the router then keeps the reference's PyTorch calls): PyTorch's
+``F.rms_norm`` plus the dtype casts cost ~25 us per call on a 1536-vector on the 2-core EPYC, the ctypes call with
+its Python checks 7-15 us, and a muse-small token makes ~100 of them. Larger inputs (prefill) keep the PyTorch
+path, which is vectorised and multi-threaded.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -25,12 +29,27 @@ from musecore.ops import reference as ref
 from musecore_xeon.kernels import native
 
 embedding = ref.embedding
-router_topk = ref.router_topk
 sample = ref.sample
 
 NATIVE_NORM_MAX_ELEMENTS = 1 << 16  # decode sizes; above this the PyTorch ops (vectorised, threaded) win
 NATIVE_ATTENTION_MAX_QUERIES = 8  # decode: per-query C loop; prefill keeps SDPA (a flash kernel)
 _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _fast():
+    """The extension's norm and router calls (None without it): each returns None where its fast path does not apply."""
+    return native.ops_binding(NATIVE_NORM_MAX_ELEMENTS)
+
+
+def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in fp32, the ``k`` largest (descending), renormalized if asked: the reference's."""
+    fast = _fast()
+    if fast is not None:
+        picked = fast.router_topk(logits, k, renormalize)
+        if picked is not None:
+            return picked
+    return ref.router_topk(logits, k, renormalize)
 
 
 def _native_norms(*tensors: torch.Tensor):
@@ -51,6 +70,11 @@ def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    fast = _fast()
+    if fast is not None:
+        out = fast.rms_norm(x, weight, eps)
+        if out is not None:
+            return out
     lib = _native_norms(x, weight)
     n = x.shape[-1]
     if lib is None or weight.numel() != n:
@@ -64,6 +88,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.Tensor,
                   gate: torch.Tensor, next_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual' = residual + gate * rms_norm(out)``; ``normed = rms_norm(residual')``."""
+    fast = _fast()
+    if fast is not None:
+        pair = fast.residual_norm(residual, out, post_weight, gate, next_weight, eps)
+        if pair is not None:
+            return pair
     lib = _native_norms(residual, out, post_weight, gate, next_weight)
     n = residual.shape[-1]
     if lib is not None and out.shape == residual.shape and post_weight.numel() == gate.numel() == next_weight.numel() == n:
@@ -80,6 +109,11 @@ def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm over d, then HF-convention RoPE (halves, not interleaved pairs)."""
+    fast = _fast()
+    if fast is not None:
+        pair = fast.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
+        if pair is not None:
+            return pair
     lib = _native_norms(q, k, q_weight, k_weight)
     B, T, nq, d = q.shape
     if lib is not None and k.numel() <= NATIVE_NORM_MAX_ELEMENTS and d <= 1024 and q_weight.numel() == k_weight.numel() == d \
@@ -100,6 +134,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 
 
 def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
+    fast = _fast()
+    if fast is not None:
+        out = fast.head_norm_gate(o, weight, gate_logits, eps)
+        if out is not None:
+            return out
     lib = _native_norms(o, weight, gate_logits)
     if lib is not None and gate_logits.shape == o.shape[:-1] and weight.numel() == o.shape[-1]:
         out = torch.empty_like(o)

@@ -124,3 +124,42 @@ def test_attention_few_queries_native_path_matches_reference(xeon: XeonBackend, 
     assert out.dtype == dtype and torch.all(out[1, 0] == 0)
     assert_nmse(ref.attention(*args), out, 1e-10 if dtype == torch.float32 else tolerance("attention"),
                 f"native attention {dtype} T={T} d={d} window={window}")
+
+
+def test_decode_ops_go_through_the_extension_and_match_the_ctypes_kernels(xeon: XeonBackend) -> None:
+    """The extension calls the same C kernels as ctypes (the same bits); what it cannot take returns None (the op then
+    takes its other path): fp16, non-contiguous, more than NATIVE_NORM_MAX_ELEMENTS elements, mismatched shapes."""
+    from musecore_xeon import ops as xops
+    from musecore_xeon.kernels import native
+    fast = xops._fast()
+    if fast is None:
+        pytest.skip(f"no extension here: {native.binding.UNAVAILABLE or native.UNAVAILABLE}")
+    x, w = torch.randn(1, 1, 1536, dtype=torch.bfloat16), 1 + 0.2 * torch.randn(1536)
+    y = fast.rms_norm(x, w, 1e-6)
+    lib, want = native.load(), torch.empty_like(x)
+    lib.musecore_rms_norm(x.data_ptr(), 1, w.data_ptr(), 0, want.data_ptr(), 1, 1, 1536, 1e-6)
+    assert y is not None and torch.equal(y, want)
+    gate = torch.rand(1536)
+    new_res, normed = fast.residual_norm(x, x * 2, w, gate, w, 1e-6)
+    for got, ref_out in zip((new_res, normed), ref.residual_norm(x, x * 2, w, gate, w, 1e-6)):
+        assert_nmse(ref_out, got, tolerance("residual_norm"), "extension residual_norm")
+    assert fast.rms_norm(x.half(), w, 1e-6) is None
+    assert fast.rms_norm(torch.randn(1536, 2).T, w[:2], 1e-6) is None
+    assert fast.rms_norm(torch.randn(xops.NATIVE_NORM_MAX_ELEMENTS + 1), torch.ones(xops.NATIVE_NORM_MAX_ELEMENTS + 1),
+                         1e-6) is None
+    assert fast.residual_norm(x, torch.randn(1, 2, 1536, dtype=torch.bfloat16), w, gate, w, 1e-6) is None
+    assert fast.head_norm_gate(torch.randn(2, 4, 32), torch.ones(32), torch.randn(2, 5), 1e-6) is None
+    assert fast.router_topk(torch.randn(3, 8), 9, True) is None
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        fast.rms_norm(x, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_router_topk_picks_the_reference_experts(xeon: XeonBackend, dtype) -> None:
+    for T, E, k in ((1, 64, 8), (5, 256, 8), (3, 12, 12)):
+        logits = ((torch.argsort(torch.randn(T, E), dim=-1) - E // 2).float() / 16).to(dtype)  # distinct values
+        for renorm in (True, False):
+            (w0, i0), (w1, i1) = ref.router_topk(logits, k, renorm), xeon.router_topk(logits, k, renorm)
+            assert torch.equal(i0, i1), f"T={T} E={E} k={k} {dtype}: ids {i1.tolist()} != {i0.tolist()}"
+            assert w1.dtype == torch.float32 and w1.shape == (T, k)
+            assert_nmse(w0, w1, tolerance("router_topk"), f"router_topk T={T} E={E} k={k} renormalize={renorm} {dtype}")

@@ -135,11 +135,214 @@ static PyObject *bf16_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs
     return w == nullptr ? nullptr : call_linear("bf16_gemv", bf16_linear_kernel, w, w->k, w->n, args, nargs);
 }
 
+/* The decode-size norms and the router of native_ops_source.py, called without ctypes (each ctypes call with its
+   Python checks and torch.empty_like cost 7-15 us on the 2-core EPYC; a muse-small token makes ~100 of them). Each
+   returns None when its fast path does not apply (a tensor that is not a contiguous bf16/fp32 CPU tensor, more
+   than max_elements, shapes that do not match): the Python op then takes its other path. */
+typedef void (*rms_fn)(const void *, int, const void *, int, void *, int, int64_t, int64_t, float);
+typedef void (*residual_fn)(const void *, const void *, int, const void *, int, const void *, int, const void *, int,
+                            void *, void *, int, int64_t, int64_t, float);
+typedef void (*rope_fn)(const void *, int, const void *, int, const float *, const float *, void *, int64_t, int64_t,
+                        int64_t, float);
+typedef void (*gate_fn)(const void *, int, const void *, int, const void *, int, void *, int64_t, int64_t, float);
+typedef void (*router_fn)(const void *, int, int64_t, int64_t, int64_t, int, float *, int64_t *);
+static rms_fn rms_kernel;
+static residual_fn residual_kernel;
+static rope_fn rope_kernel;
+static gate_fn gate_kernel;
+static router_fn router_kernel;
+static int64_t max_elements;
+
+static PyObject *set_ops(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "set_ops(rms, residual, rope, gate, router, max_elements) takes 6 arguments; got %zd",
+                     nargs);
+        return nullptr;
+    }
+    void *a[5];
+    for (int i = 0; i < 5; ++i) {
+        a[i] = PyLong_AsVoidPtr(args[i]);
+        if (PyErr_Occurred()) return nullptr;
+    }
+    const long long limit = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred()) return nullptr;
+    rms_kernel = (rms_fn)a[0];
+    residual_kernel = (residual_fn)a[1];
+    rope_kernel = (rope_fn)a[2];
+    gate_kernel = (gate_fn)a[3];
+    router_kernel = (router_fn)a[4];
+    max_elements = limit;
+    Py_RETURN_NONE;
+}
+
+/* The tensor behind obj if it is a contiguous CPU tensor of fp32 (or bf16, unless f32_only) with at least one dim and
+   at most max_elements elements, else nullptr. */
+static const at::Tensor *operand(PyObject *obj, bool f32_only = false) {
+    if (!THPVariable_Check(obj)) return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    const at::ScalarType s = t.scalar_type();
+    if ((s != at::kFloat && (f32_only || s != at::kBFloat16)) || !t.device().is_cpu() || !t.is_contiguous()
+            || t.dim() == 0 || t.numel() > max_elements)
+        return nullptr;
+    return &t;
+}
+
+static inline int bf(const at::Tensor *t) { return t->scalar_type() == at::kBFloat16; }
+
+/* argument count and registration, then eps (the last argument) as a float */
+static bool op_call(const char *name, Py_ssize_t nargs, Py_ssize_t want, const void *kernel) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments; got %zd", name, want, nargs);
+        return false;
+    }
+    if (kernel == nullptr) {
+        PyErr_Format(PyExc_RuntimeError, "%s: set_ops() was not called with the kernels' addresses", name);
+        return false;
+    }
+    return true;
+}
+
+static PyObject *pair(at::Tensor a, at::Tensor b) {
+    PyObject *tuple = PyTuple_New(2);
+    if (tuple == nullptr) return nullptr;
+    PyTuple_SET_ITEM(tuple, 0, THPVariable_Wrap(std::move(a)));
+    PyTuple_SET_ITEM(tuple, 1, THPVariable_Wrap(std::move(b)));
+    return tuple;
+}
+
+/* rms_norm(x, w, eps) -> rms_norm(x) * w in x's dtype, or None */
+static PyObject *rms_norm(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("rms_norm", nargs, 3, (const void *)rms_kernel)) return nullptr;
+    const double eps = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *x = operand(args[0]), *w = operand(args[1]);
+    if (x == nullptr || w == nullptr || x->size(-1) == 0 || w->numel() != x->size(-1)) Py_RETURN_NONE;
+    try {
+        const int64_t n = x->size(-1);
+        at::Tensor out = at::empty(x->sizes(), x->options());
+        rms_kernel(x->const_data_ptr(), bf(x), w->const_data_ptr(), bf(w), out.mutable_data_ptr(), bf(x), x->numel() / n,
+                   n, (float)eps);
+        return THPVariable_Wrap(std::move(out));
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
+}
+
+/* residual_norm(residual, out, post_w, gate, next_w, eps) -> (residual', normed), or None */
+static PyObject *residual_norm(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("residual_norm", nargs, 6, (const void *)residual_kernel)) return nullptr;
+    const double eps = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *res = operand(args[0]), *out = operand(args[1]), *pw = operand(args[2]), *gate = operand(args[3]),
+                     *nw = operand(args[4]);
+    if (res == nullptr || out == nullptr || pw == nullptr || gate == nullptr || nw == nullptr) Py_RETURN_NONE;
+    const int64_t n = res->size(-1);
+    if (n == 0 || out->sizes() != res->sizes() || pw->numel() != n || gate->numel() != n || nw->numel() != n)
+        Py_RETURN_NONE;
+    try {
+        at::Tensor new_res = at::empty(res->sizes(), res->options()), normed = at::empty(res->sizes(), res->options());
+        residual_kernel(res->const_data_ptr(), out->const_data_ptr(), bf(out), pw->const_data_ptr(), bf(pw),
+                        gate->const_data_ptr(), bf(gate), nw->const_data_ptr(), bf(nw), new_res.mutable_data_ptr(),
+                        normed.mutable_data_ptr(), bf(res), res->numel() / n, n, (float)eps);
+        return pair(std::move(new_res), std::move(normed));
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
+}
+
+/* qk_norm_rope(q, k, q_w, k_w, cos, sin, eps) with q [B,T,nq,d], k [B,T,nkv,d], cos/sin fp32 [B,T,d] -> (q', k'),
+   or None */
+static PyObject *qk_norm_rope(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("qk_norm_rope", nargs, 7, (const void *)rope_kernel)) return nullptr;
+    const double eps = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *q = operand(args[0]), *k = operand(args[1]), *qw = operand(args[2]), *kw = operand(args[3]),
+                     *cs = operand(args[4], true), *sn = operand(args[5], true);
+    if (q == nullptr || k == nullptr || qw == nullptr || kw == nullptr || cs == nullptr || sn == nullptr
+            || q->dim() != 4 || k->dim() != 4)
+        Py_RETURN_NONE;
+    const int64_t B = q->size(0), T = q->size(1), d = q->size(3);
+    if (d == 0 || d > 1024 || k->size(0) != B || k->size(1) != T || k->size(3) != d || qw->numel() != d
+            || kw->numel() != d || cs->dim() != 3 || cs->size(0) != B || cs->size(1) != T || cs->size(2) != d
+            || sn->sizes() != cs->sizes())
+        Py_RETURN_NONE;
+    try {
+        at::Tensor qo = at::empty(q->sizes(), q->options()), ko = at::empty(k->sizes(), k->options());
+        const float *cp = cs->const_data_ptr<float>(), *sp = sn->const_data_ptr<float>();
+        rope_kernel(q->const_data_ptr(), bf(q), qw->const_data_ptr(), bf(qw), cp, sp, qo.mutable_data_ptr(),
+                    q->numel() / d, q->size(2), d, (float)eps);
+        rope_kernel(k->const_data_ptr(), bf(k), kw->const_data_ptr(), bf(kw), cp, sp, ko.mutable_data_ptr(),
+                    k->numel() / d, k->size(2), d, (float)eps);
+        return pair(std::move(qo), std::move(ko));
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
+}
+
+/* head_norm_gate(o, w, gate_logits, eps) with o [..., d], gate_logits [...] -> rms_norm(o) * w * sigmoid(gate), or None */
+static PyObject *head_norm_gate(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("head_norm_gate", nargs, 4, (const void *)gate_kernel)) return nullptr;
+    const double eps = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *o = operand(args[0]), *w = operand(args[1]), *g = operand(args[2]);
+    if (o == nullptr || w == nullptr || g == nullptr || g->dim() != o->dim() - 1
+            || g->sizes() != o->sizes().slice(0, o->dim() - 1) || o->size(-1) == 0 || w->numel() != o->size(-1))
+        Py_RETURN_NONE;
+    try {
+        const int64_t d = o->size(-1);
+        at::Tensor out = at::empty(o->sizes(), o->options());
+        gate_kernel(o->const_data_ptr(), bf(o), w->const_data_ptr(), bf(w), g->const_data_ptr(), bf(g),
+                    out.mutable_data_ptr(), g->numel(), d, (float)eps);
+        return THPVariable_Wrap(std::move(out));
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
+}
+
+/* router_topk(logits [..., E], k, renormalize) -> (weights fp32 [..., k], ids int64 [..., k]), or None */
+static PyObject *router_topk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("router_topk", nargs, 3, (const void *)router_kernel)) return nullptr;
+    const long long k = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return nullptr;
+    const int renormalize = PyObject_IsTrue(args[2]);
+    if (renormalize < 0) return nullptr;
+    const at::Tensor *logits = operand(args[0]);
+    if (logits == nullptr || k <= 0 || k > logits->size(-1)) Py_RETURN_NONE;
+    try {
+        const int64_t E = logits->size(-1);
+        c10::SmallVector<int64_t, 4> sizes(logits->sizes().begin(), logits->sizes().end());
+        sizes.back() = k;
+        at::Tensor weights = at::empty(sizes, logits->options().dtype(at::kFloat)),
+                   ids = at::empty(sizes, logits->options().dtype(at::kLong));
+        router_kernel(logits->const_data_ptr(), bf(logits), logits->numel() / E, E, k, renormalize,
+                      weights.mutable_data_ptr<float>(), ids.mutable_data_ptr<int64_t>());
+        return pair(std::move(weights), std::move(ids));
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
+}
+
 static PyMethodDef methods[] = {
     {"int4_linear", (PyCFunction)(void (*)(void))int4_linear, METH_FASTCALL, "y = x @ W.T for a bound INT4 weight"},
     {"bf16_linear", (PyCFunction)(void (*)(void))bf16_linear, METH_FASTCALL, "y = x @ W.T for a bound BF16 weight"},
     {"set_kernels", (PyCFunction)(void (*)(void))set_kernels, METH_FASTCALL,
      "the addresses of musecore_int4_linear and musecore_bf16_linear"},
+    {"set_ops", (PyCFunction)(void (*)(void))set_ops, METH_FASTCALL,
+     "the addresses of the norm and router kernels, and the largest input they take"},
+    {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL, "rms_norm(x, w, eps), or None"},
+    {"residual_norm", (PyCFunction)(void (*)(void))residual_norm, METH_FASTCALL,
+     "residual_norm(residual, out, post_w, gate, next_w, eps), or None"},
+    {"qk_norm_rope", (PyCFunction)(void (*)(void))qk_norm_rope, METH_FASTCALL,
+     "qk_norm_rope(q, k, q_w, k_w, cos, sin, eps), or None"},
+    {"head_norm_gate", (PyCFunction)(void (*)(void))head_norm_gate, METH_FASTCALL,
+     "head_norm_gate(o, w, gate_logits, eps), or None"},
+    {"router_topk", (PyCFunction)(void (*)(void))router_topk, METH_FASTCALL,
+     "router_topk(logits, k, renormalize) -> (weights, ids), or None"},
     {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "musecore_xeon_binding", nullptr, -1, methods};
 PyMODINIT_FUNC PyInit_musecore_xeon_binding(void) { return PyModule_Create(&module); }

@@ -155,13 +155,15 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_residual_norm.argtypes = [vp, vp, i, vp, i, vp, i, vp, i, vp, vp, i, i64, i64, f32]
     lib.musecore_norm_rope.argtypes = [vp, i, vp, i, vp, vp, vp, i64, i64, i64, f32]
     lib.musecore_head_norm_gate.argtypes = [vp, i, vp, i, vp, i, vp, i64, i64, f32]
+    lib.musecore_router_topk.argtypes = [vp, i, i64, i64, i64, i, vp, vp]
     lib.musecore_attention.argtypes = [vp, i, vp, vp, i, vp, vp, i64, f32, vp] + [i64] * 6 + [i]
     lib.musecore_int4_linear.argtypes = [vp, vp, vp, i64, i]
     lib.musecore_int4_dequant.argtypes = [vp] * 3 + [i64] * 3 + [i]
     lib.musecore_bf16_gemv.argtypes = [vp, vp, i, vp, i] + [i64] * 3 + [i]
     lib.musecore_bf16_linear.argtypes = [vp, vp, vp, i64, i]
     lib.musecore_max_threads.restype = ctypes.c_int
-    for name in ("int4_gemv", "int4_linear", "int4_dequant", "bf16_gemv", "bf16_linear", "rms_norm", "residual_norm", "norm_rope", "head_norm_gate", "attention"):
+    for name in ("int4_gemv", "int4_linear", "int4_dequant", "bf16_gemv", "bf16_linear", "rms_norm", "residual_norm",
+                 "norm_rope", "head_norm_gate", "router_topk", "attention"):
         getattr(lib, f"musecore_{name}").restype = None
     lib.musecore_int4_openmp.restype = ctypes.c_int
     return lib
@@ -429,3 +431,18 @@ def int4_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights
     if status:
         raise MemoryError(f"int4_moe: no memory for the scratch buffers of {t}x{k_top} routed rows")
     return y
+
+
+@functools.cache
+def ops_binding(max_elements: int) -> Optional[ModuleType]:
+    """The CPython extension with its norm and router functions bound to this library's kernels, taking inputs of at
+    most ``max_elements`` elements (:mod:`musecore_xeon.ops` calls them, falling back when one returns None), or
+    None without the extension: the ops then call the kernels through ctypes."""
+    fast = linear_binding()
+    if fast is None:
+        return None
+    lib = load()
+    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    fast.set_ops(address(lib.musecore_rms_norm), address(lib.musecore_residual_norm), address(lib.musecore_norm_rope),
+                 address(lib.musecore_head_norm_gate), address(lib.musecore_router_topk), max_elements)
+    return fast

@@ -14,18 +14,48 @@ OPS_SOURCE = r"""
    1536-vector here; ~80 such calls per muse-small token took ~12 ms of a ~65 ms decode step. */
 static inline void store_x(void *p, int bf16, int64_t i, float v) { store_y(p, bf16, i, v); }
 
+#ifdef __AVX2__
+/* 8 floats stored as fp32 or as bf16 rounded to nearest even (NaN stays NaN), as float_to_bf16 does one by one */
+static inline void store8_x(void *p, int bf16, int64_t i, __m256 v) {
+    if (!bf16) { _mm256_storeu_ps((float *)p + i, v); return; }
+    const __m256i b = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+    const __m256i h = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(64)), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);  /* values <= 0xFFFF: exact */
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
+}
+#endif
+
+/* 1 / rms of n values: the squares summed in 8 fp32 lanes (AVX2) then the tail */
 static inline float inv_rms(const void *x, int xb, int64_t off, int64_t n, float eps) {
     float ss = 0.0f;
-    for (int64_t c = 0; c < n; ++c) { const float v = load_x(x, xb, off + c); ss += v * v; }
+    int64_t c = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; c + 8 <= n; c += 8) { const __m256 v = load8_x(x, xb, off + c); acc = _mm256_fmadd_ps(v, v, acc); }
+    ss = hsum(acc);
+#endif
+    for (; c < n; ++c) { const float v = load_x(x, xb, off + c); ss += v * v; }
     return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* out[c] = x[c] * f * w[c] for c < n (offsets ox, oo into x and out) */
+static inline void scale_mul(const void *x, int xb, int64_t ox, float f, const void *w, int wb, void *out, int ob,
+                             int64_t oo, int64_t n) {
+    int64_t c = 0;
+#ifdef __AVX2__
+    const __m256 fv = _mm256_set1_ps(f);
+    for (; c + 8 <= n; c += 8)
+        store8_x(out, ob, oo + c, _mm256_mul_ps(_mm256_mul_ps(load8_x(x, xb, ox + c), fv), load8_x(w, wb, c)));
+#endif
+    for (; c < n; ++c) store_x(out, ob, oo + c, load_x(x, xb, ox + c) * f * load_x(w, wb, c));
 }
 
 void musecore_rms_norm(const void *x, int xb, const void *w, int wb, void *out, int ob, int64_t rows, int64_t n,
                        float eps) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(x, xb, r * n, n, eps);
-        for (int64_t c = 0; c < n; ++c) store_x(out, ob, r * n + c, load_x(x, xb, r * n + c) * f * load_x(w, wb, c));
-    }
+    for (int64_t r = 0; r < rows; ++r) scale_mul(x, xb, r * n, inv_rms(x, xb, r * n, n, eps), w, wb, out, ob, r * n, n);
 }
 
 /* residual' = residual + gate * rms_norm(out, post_w) (rounded to the residual's dtype), normed = rms_norm(residual',
@@ -35,12 +65,18 @@ void musecore_residual_norm(const void *res, const void *out, int outb, const vo
                             int64_t n, float eps) {
     for (int64_t r = 0; r < rows; ++r) {
         const float f = inv_rms(out, outb, r * n, n, eps);
-        for (int64_t c = 0; c < n; ++c)
+        int64_t c = 0;
+#ifdef __AVX2__
+        const __m256 fv = _mm256_set1_ps(f);
+        for (; c + 8 <= n; c += 8) {
+            const __m256 normed_out = _mm256_mul_ps(_mm256_mul_ps(load8_x(out, outb, r * n + c), fv), load8_x(post_w, pwb, c));
+            store8_x(new_res, rb, r * n + c, _mm256_fmadd_ps(load8_x(gate, gb, c), normed_out, load8_x(res, rb, r * n + c)));
+        }
+#endif
+        for (; c < n; ++c)
             store_x(new_res, rb, r * n + c, load_x(res, rb, r * n + c)
                     + load_x(gate, gb, c) * (load_x(out, outb, r * n + c) * f * load_x(post_w, pwb, c)));
-        const float f2 = inv_rms(new_res, rb, r * n, n, eps);
-        for (int64_t c = 0; c < n; ++c)
-            store_x(normed, rb, r * n + c, load_x(new_res, rb, r * n + c) * f2 * load_x(next_w, nwb, c));
+        scale_mul(new_res, rb, r * n, inv_rms(new_res, rb, r * n, n, eps), next_w, nwb, normed, rb, r * n, n);
     }
 }
 
@@ -53,8 +89,20 @@ void musecore_norm_rope(const void *x, int xb, const void *w, int wb, const floa
     for (int64_t r = 0; r < rows; ++r) {
         const float f = inv_rms(x, xb, r * d, d, eps);
         const float *cs = cos_t + (r / heads) * d, *sn = sin_t + (r / heads) * d;
-        for (int64_t c = 0; c < d; ++c) buf[c] = load_x(x, xb, r * d + c) * f * load_x(w, wb, c);
-        for (int64_t c = 0; c < d; ++c) {
+        scale_mul(x, xb, r * d, f, w, wb, buf, 0, 0, d);
+        int64_t c = 0;
+#ifdef __AVX2__
+        if (half % 8 == 0) {
+            for (; c < half; c += 8) {  /* rotate_half: -x2 in the first half, x1 in the second */
+                const __m256 x1 = _mm256_loadu_ps(buf + c), x2 = _mm256_loadu_ps(buf + c + half);
+                store8_x(out, xb, r * d + c, _mm256_fnmadd_ps(x2, _mm256_loadu_ps(sn + c), _mm256_mul_ps(x1, _mm256_loadu_ps(cs + c))));
+                store8_x(out, xb, r * d + c + half,
+                         _mm256_fmadd_ps(x1, _mm256_loadu_ps(sn + c + half), _mm256_mul_ps(x2, _mm256_loadu_ps(cs + c + half))));
+            }
+            c = d;
+        }
+#endif
+        for (; c < d; ++c) {
             const float rot = c < half ? -buf[c + half] : buf[c - half];
             store_x(out, xb, r * d + c, buf[c] * cs[c] + rot * sn[c]);
         }
@@ -66,7 +114,35 @@ void musecore_head_norm_gate(const void *o, int ob, const void *w, int wb, const
                              int64_t rows, int64_t d, float eps) {
     for (int64_t r = 0; r < rows; ++r) {
         const float f = inv_rms(o, ob, r * d, d, eps) / (1.0f + expf(-load_x(gate, gb, r)));
-        for (int64_t c = 0; c < d; ++c) store_x(out, ob, r * d + c, load_x(o, ob, r * d + c) * f * load_x(w, wb, c));
+        scale_mul(o, ob, r * d, f, w, wb, out, ob, r * d, d);
+    }
+}
+
+/* Router: per row of E logits, fp32 softmax (max subtracted), the k largest probabilities in descending order
+   (equal values: the lower expert id first), renormalized to sum 1 if asked. weights fp32 [T, k], ids int64 [T, k].
+   The reference's softmax + topk are ~20-50 us of PyTorch calls per decode token and layer on this host. */
+void musecore_router_topk(const void *logits, int lb, int64_t T, int64_t E, int64_t k, int renormalize,
+                          float *weights, int64_t *ids) {
+    float *p = scratch((size_t)E * 2);
+    if (p == NULL) return;
+    float *taken = p + E;
+    for (int64_t t = 0; t < T; ++t) {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; ++e) { const float v = load_x(logits, lb, t * E + e); mx = v > mx ? v : mx; }
+        for (int64_t e = 0; e < E; ++e) { p[e] = expf(load_x(logits, lb, t * E + e) - mx); sum += p[e]; taken[e] = 0.0f; }
+        for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+        float picked = 0.0f;
+        for (int64_t j = 0; j < k; ++j) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; ++e)
+                if (taken[e] == 0.0f && (best < 0 || p[e] > p[best] || (p[e] != p[e] && p[best] == p[best]))) best = e;
+            taken[best] = 1.0f;
+            weights[t * k + j] = p[best];
+            ids[t * k + j] = best;
+            picked += p[best];
+        }
+        if (renormalize)
+            for (int64_t j = 0; j < k; ++j) weights[t * k + j] /= picked;
     }
 }
 
