@@ -180,3 +180,29 @@ def test_int4_input_projections_are_fused_without_changing_a_code(monkeypatch):
     err = nmse(want, got)
     print(f"INT4 fused vs separate q/k/v/gate: logits NMSE {err:.2e} (bound 1e-6)")
     assert err <= 1e-6
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_cpu_decode_write_matches_the_indexed_write_and_skips_padding(ring) -> None:
+    """One entry per row (decode) is written by narrowing on the CPU (all rows at one position: one copy for the
+    batch; else row by row); the state must equal the indexed write's (which
+    every other write takes), padding rows (-1) untouched, and a position past a full layer's capacity rejected
+    before anything is written."""
+    from musecore.kv_cache import LayerCache
+
+    def cache() -> LayerCache:
+        return LayerCache(3, 4, 2, 8, ring=ring, kv_format="bf16", dtype=torch.bfloat16, device=torch.device("cpu"))
+    one, indexed = cache(), cache()
+    positions = [[0, 1, 2, 3, 4, 5, 6], [0, 1, -1, 2, 3, -1, 6], [-1, -1, -1, -1, -1, -1, 6]]  # last: all rows alike
+    for step in range(4 if not ring else 7):
+        pos = torch.tensor([[row[step]] for row in positions])
+        k, v = torch.randn(3, 1, 2, 8).to(torch.bfloat16), torch.randn(3, 1, 2, 8).to(torch.bfloat16)
+        one.write(k, v, pos)
+        indexed.write(torch.cat([k, k], 1), torch.cat([v, v], 1), torch.cat([torch.full_like(pos, -1), pos], 1))
+        assert torch.equal(one.k, indexed.k) and torch.equal(one.v, indexed.v), f"step {step}"
+        assert torch.equal(one.positions, indexed.positions) and one.used == indexed.used, f"step {step}"
+    if not ring:
+        before = one.k.clone()
+        with pytest.raises(ValueError, match="exceeds the KV cache capacity 4"):
+            one.write(torch.ones(3, 1, 2, 8), torch.ones(3, 1, 2, 8), torch.tensor([[1], [4], [-1]]))
+        assert torch.equal(one.k, before)
