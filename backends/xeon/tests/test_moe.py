@@ -62,30 +62,40 @@ def test_moe_rejects_experts_it_did_not_prepare(xeon: XeonBackend, reference) ->
                  torch.ones(E, LATENT), 1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_int4_decode_moe_runs_as_one_native_call_and_matches_reference(xeon: XeonBackend, reference,
-                                                                      tokens: int) -> None:
+def test_decode_moe_runs_as_one_native_call_and_matches_reference(xeon: XeonBackend, reference, fmt: str,
+                                                                  tokens: int, monkeypatch) -> None:
+    """INT4 experts through musecore_int4_moe, BF16 experts through musecore_bf16_moe (the same driver with the BF16
+    GEMV's rows): fp32 throughout against the reference's fp32 math on the same weights."""
     from musecore_xeon.kernels import native
     if not native.available():
-        pytest.skip(f"native INT4 kernels unavailable: {native.UNAVAILABLE}")
-    gate, up, down = expert_weights("int4")
+        pytest.skip(f"native kernels unavailable: {native.UNAVAILABLE}")
+    gate, up, down = expert_weights(fmt)
     mine = xeon.prepare_experts(gate, up, down)
     resident = mine.extra["xeon"]
+    assert resident.native_kind == fmt
     assert resident.native_pointers is not None and resident.native_fits(tokens, torch.zeros(tokens, K_TOP, dtype=torch.int64))
+    calls = []
+    fused = getattr(native, f"{fmt}_moe")
+    monkeypatch.setattr(native, f"{fmt}_moe", lambda *a, **k: calls.append(1) or fused(*a, **k))
     z = torch.randn(tokens, LATENT, dtype=torch.bfloat16)
     weights, ids = routing(tokens)
     ids[0] = ids[0, 0]  # one expert chosen twice by one token: two rows of the same expert in one call
     output_norm = (1 + 0.3 * torch.randn(E, LATENT)).to(torch.bfloat16)
     expected = ref.moe(z, weights, ids, reference.prepare_experts(gate, up, down), output_norm, 1e-6)
     actual = xeon.moe(z, weights, ids, mine, output_norm, 1e-6)
-    assert_nmse(expected, actual, 1e-8, f"fused native moe T={tokens} (fp32 throughout, exact weights)")
+    assert calls == [1], f"{fmt} decode MoE did not take the fused native call"
+    assert_nmse(expected, actual, 1e-8 if fmt == "int4" else 1e-6,
+                f"fused native {fmt} moe T={tokens} (fp32 throughout; bf16 activations into the BF16 GEMV)")
 
 
-def test_int4_native_moe_rejects_out_of_range_expert_ids(xeon: XeonBackend) -> None:
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_native_moe_rejects_out_of_range_expert_ids(xeon: XeonBackend, fmt: str) -> None:
     from musecore_xeon.kernels import native
     if not native.available():
-        pytest.skip(f"native INT4 kernels unavailable: {native.UNAVAILABLE}")
-    mine = xeon.prepare_experts(*expert_weights("int4"))
+        pytest.skip(f"native kernels unavailable: {native.UNAVAILABLE}")
+    mine = xeon.prepare_experts(*expert_weights(fmt))
     weights, ids = routing(1)
     ids[0, 0] = E
     with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\)"):

@@ -43,21 +43,33 @@ class XeonExperts:
         return len(self.down)
 
     def __post_init__(self) -> None:
-        self.native_pointers: Optional[torch.Tensor] = None  # int64 [4, E], see native.int4_moe
+        self.native_pointers: Optional[torch.Tensor] = None  # int64 [4, E] (int4) or [2, E] (bf16), see native
+        self.native_kind: Optional[str] = None  # "int4" or "bf16": which fused native call runs the layer
         self.native_max_tokens = 0  # the fused native call is taken while every expert has fewer tokens
         linears = self.gate_up + self.down
         if all(isinstance(lin, Int4Linear) and lin.kernel == "native" and lin.codes is not None for lin in linears):
             one_shape = lambda ls: len({(l.codes.shape, l.scale_zero.shape, l.group_size) for l in ls}) == 1  # noqa: E731
             if one_shape(self.gate_up) and one_shape(self.down):
+                self.native_kind = "int4"
                 self.native_pointers = torch.tensor(
                     [[lin.codes.data_ptr() for lin in self.gate_up], [lin.scale_zero.data_ptr() for lin in self.gate_up],
                      [lin.codes.data_ptr() for lin in self.down], [lin.scale_zero.data_ptr() for lin in self.down]],
                     dtype=torch.int64)
-                self.refresh_native_limit()
+        elif all(isinstance(lin, DenseLinear) and lin.gemv is not None and lin.weight.dtype == torch.bfloat16
+                 and lin.weight.is_contiguous() for lin in linears):  # the BF16 GEMV is built and used here
+            shapes = {tuple(lin.weight.shape) for lin in self.gate_up}, {tuple(lin.weight.shape) for lin in self.down}
+            if shapes == ({(2 * self.intermediate, self.latent)}, {(self.latent, self.intermediate)}):
+                self.native_kind = "bf16"
+                self.native_pointers = torch.tensor([[lin.weight.data_ptr() for lin in self.gate_up],
+                                                     [lin.weight.data_ptr() for lin in self.down]], dtype=torch.int64)
+        if self.native_kind is not None:
+            self.refresh_native_limit()
 
     def refresh_native_limit(self) -> None:
-        """Tokens per expert below which the fused native call runs: the smaller dense-tile crossover."""
-        crossovers = [lin.crossover for lin in (self.gate_up[0], self.down[0]) if lin.crossover is not None]
+        """Tokens per expert below which the fused native call runs: the smaller measured crossover of the first
+        expert's two projections (INT4: to the dense tiles; BF16: away from the native GEMV)."""
+        pick = (lambda lin: lin.crossover) if self.native_kind == "int4" else (lambda lin: lin.gemv_crossover)
+        crossovers = [pick(lin) for lin in (self.gate_up[0], self.down[0]) if pick(lin) is not None]
         self.native_max_tokens = min(crossovers, default=1 << 62) - 1
 
     def native_fits(self, tokens: int, ids: torch.Tensor) -> bool:
@@ -76,6 +88,10 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if z.shape != (T, l):
         raise ValueError(f"moe: z has shape {tuple(z.shape)}; expected [T={T}, l={l}] for these ids and experts")
     if experts.native_fits(T, ids):
+        if experts.native_kind == "bf16":
+            return native.bf16_moe(experts.native_pointers, z if z.is_contiguous() else z.contiguous(),
+                                   ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous(),
+                                   output_norm.contiguous(), eps, inter)
         gu, dn = experts.gate_up[0], experts.down[0]
         return native.int4_moe(experts.native_pointers, z if z.is_contiguous() else z.contiguous(),
                                ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous(),

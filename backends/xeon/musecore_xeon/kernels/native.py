@@ -65,13 +65,14 @@ from musecore_xeon.kernels import binding
 from musecore_xeon.kernels.compile import compile_cached
 from musecore_xeon.kernels.native_bf16_source import BF16_SOURCE
 from musecore_xeon.kernels.native_int4_source import INT4_SOURCE
+from musecore_xeon.kernels.native_moe_source import MOE_SOURCE
 from musecore_xeon.kernels.native_ops_source import OPS_SOURCE
 
 NATIVE_ENV = "MUSECORE_XEON_NATIVE_DEQUANT"
 CACHE_ENV = "MUSECORE_XEON_CACHE"
 ROWS = 4  # rows per GEMV block (ROWS in the C source): the nibble-planar codes are padded to a multiple
 
-SOURCE = INT4_SOURCE + OPS_SOURCE + BF16_SOURCE
+SOURCE = INT4_SOURCE + OPS_SOURCE + BF16_SOURCE + MOE_SOURCE
 
 
 def torch_libgomp() -> Optional[Path]:
@@ -151,6 +152,8 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_int4_gemv.argtypes = [vp] * 3 + [i, vp, i] + [i64] * 5 + [i]
     lib.musecore_int4_moe.argtypes = [vp] * 5 + [i] + [vp] * 3 + [i, f32, vp] + [i64] * 9 + [i]
     lib.musecore_int4_moe.restype = ctypes.c_int
+    lib.musecore_bf16_moe.argtypes = [vp] * 3 + [i] + [vp] * 3 + [i, f32, vp] + [i64] * 5 + [i]
+    lib.musecore_bf16_moe.restype = ctypes.c_int
     lib.musecore_rms_norm.argtypes = [vp, i, vp, i, vp, i, i64, i64, f32]
     lib.musecore_residual_norm.argtypes = [vp, vp, i, vp, i, vp, i, vp, i, vp, vp, i, i64, i64, f32]
     lib.musecore_norm_rope.argtypes = [vp, i, vp, i, vp, vp, vp, i64, i64, i64, f32]
@@ -413,23 +416,49 @@ def int4_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights
     bf16/fp32 ``[E, l]``, all contiguous. Meant for decode sizes: every expert's rows go through the
     GEMV / skinny-GEMM row blocks (no dense tiles).
     """
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the native INT4 kernels are not available (see musecore_xeon.kernels.native.UNAVAILABLE)")
+    lib, z, output_norm = _moe_inputs(z, output_norm)
     (t, l), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
-    if z.dtype not in (torch.bfloat16, torch.float32):
-        z = z.to(torch.bfloat16)
-    if output_norm.dtype not in (torch.bfloat16, torch.float32):
-        output_norm = output_norm.float()
     y = torch.empty(t, l, dtype=torch.float32)
     status = lib.musecore_int4_moe(*(pointers[i].data_ptr() for i in range(4)), z.data_ptr(), int(z.dtype == torch.bfloat16),
                           ids.data_ptr(), weights.data_ptr(), output_norm.data_ptr(),
                           int(output_norm.dtype == torch.bfloat16), eps, y.data_ptr(), t, k_top, e, l, intermediate,
                           group_sizes[0], group_sizes[1], padded_rows[0], padded_rows[1], torch.get_num_threads())
+    return _moe_result("int4_moe", status, y, ids, e)
+
+
+def bf16_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             output_norm: torch.Tensor, eps: float, intermediate: int) -> torch.Tensor:
+    """The routed BF16 experts of one MoE call in one native call -> fp32 ``[T, l]`` (``musecore_bf16_moe``: the
+    same driver as :func:`int4_moe`, with the BF16 GEMV's row kernel). ``pointers`` int64 ``[2, E]``: per expert
+    the data pointers of its contiguous bf16 fused gate/up ``[2I, l]`` and down ``[l, I]`` weights (kept alive by
+    :class:`XeonExperts`); the other arguments as for :func:`int4_moe`.
+    """
+    lib, z, output_norm = _moe_inputs(z, output_norm)
+    (t, l), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
+    y = torch.empty(t, l, dtype=torch.float32)
+    status = lib.musecore_bf16_moe(pointers[0].data_ptr(), pointers[1].data_ptr(), z.data_ptr(),
+                                   int(z.dtype == torch.bfloat16), ids.data_ptr(), weights.data_ptr(),
+                                   output_norm.data_ptr(), int(output_norm.dtype == torch.bfloat16), eps, y.data_ptr(),
+                                   t, k_top, e, l, intermediate, torch.get_num_threads())
+    return _moe_result("bf16_moe", status, y, ids, e)
+
+
+def _moe_inputs(z: torch.Tensor, output_norm: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available (see musecore_xeon.kernels.native.UNAVAILABLE)")
+    if z.dtype not in (torch.bfloat16, torch.float32):
+        z = z.to(torch.bfloat16)
+    if output_norm.dtype not in (torch.bfloat16, torch.float32):
+        output_norm = output_norm.float()
+    return lib, z, output_norm
+
+
+def _moe_result(name: str, status: int, y: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
     if status == -1:
-        raise ValueError(f"int4_moe: expert ids must lie in [0, {e}); got {ids.min().item()}..{ids.max().item()}")
+        raise ValueError(f"{name}: expert ids must lie in [0, {experts}); got {ids.min().item()}..{ids.max().item()}")
     if status:
-        raise MemoryError(f"int4_moe: no memory for the scratch buffers of {t}x{k_top} routed rows")
+        raise MemoryError(f"{name}: no memory for the scratch buffers of {tuple(ids.shape)} routed rows")
     return y
 
 

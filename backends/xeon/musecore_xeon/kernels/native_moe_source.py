@@ -1,0 +1,146 @@
+"""C source of the fused decode MoE (one native call per layer), shared by INT4 and BF16 experts; appended after the
+INT4, ops and BF16 sources (:mod:`musecore_xeon.kernels.native`), whose row kernels it calls.
+
+Why one driver for both formats: the grouping, the phases and the barriers are the same; only how an activation
+row is prepared (int16 per group for INT4, fp32 in the BF16 kernel's order) and which row kernel runs differ.
+"""
+
+MOE_SOURCE = r"""
+/* The routed experts of one MoE call in ONE native call (decode sizes, below the dense-tile crossover):
+     y[t] = sum_j w[t,j] * rms_norm(down_e(silu(gate_e(z_t)) * up_e(z_t))) * out_norm[e],  e = ids[t,j]
+   gu_w / dn_w are arrays of E pointers to each expert's weights (fused [gate; up] rows 0..2I-1, then down [l, I]):
+   INT4 nibble-planar codes with gu_sz / dn_sz their fp16 (scale, zero) pairs, or BF16 [N, K] row-major (sz unused).
+   The (t, j) pairs are grouped by expert (counting sort, stable), so an expert's bytes are read once per call for
+   all its tokens; the gate/up row blocks of all routed experts are one parallel loop, then the SwiGLU, the down row
+   blocks, and the norm + weighted sum, all in one OpenMP region (3 barriers instead of a fork/join per expert and
+   projection). fp32 throughout: the intermediate h is not rounded to bf16 (the reference does not round it
+   either); the GEMV inputs z and h are prepared per row as each format's GEMV prepares them. */
+enum { MOE_INT4 = 0, MOE_BF16 = 1 };
+
+typedef struct { int kind; int64_t rows, k, g; float *buf; } moe_act_t;  /* the prepared input rows of one projection */
+
+static size_t moe_act_floats(int kind, int64_t rows, int64_t k, int64_t g) {
+    return kind == MOE_INT4 ? qx_floats(rows, k, g) : (size_t)((rows * k + 7) & ~7);
+}
+
+static void moe_prepare(const moe_act_t *a, const void *src, int src_bf16, int64_t r) {
+    if (a->kind == MOE_INT4)
+        prepare_x(src, src_bf16, 1, a->k, a->g, qx_row(qx_at(a->buf, a->rows, a->k, a->g), r, a->k, a->g));
+    else
+        bf16_prepare_x(src, src_bf16, 1, a->k, a->buf + r * a->k);
+}
+
+/* Output rows [blk * block, +block) of weight w for the `count` prepared rows from r0, into out[(r0 + m) * n + row]. */
+static void moe_rows(const moe_act_t *a, const void *w, const void *sz, int64_t r0, int64_t count, float *out,
+                     int64_t blk, int64_t n) {
+    if (a->kind == MOE_INT4) {
+        row_block((const int32_t *)w, (const uint16_t *)sz, qx_row(qx_at(a->buf, a->rows, a->k, a->g), r0, a->k, a->g),
+                  out + r0 * n, 0, blk * ROWS, n, count, a->k, a->g);
+    } else {
+        const int64_t n0 = blk * BF16_ROWS, n1 = n0 + BF16_ROWS < n ? n0 + BF16_ROWS : n;
+        bf16_row_range((const uint16_t *)w, a->buf + r0 * a->k, out + r0 * n, 0, n0, n1, n, a->k, count);
+    }
+}
+
+static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const int64_t *dn_w, const int64_t *dn_sz,
+                      const void *z, int z_bf16, const int64_t *ids, const float *weights, const void *out_norm,
+                      int norm_bf16, float eps, float *y, int64_t T, int64_t k_top, int64_t E, int64_t l, int64_t inter,
+                      int64_t g_gu, int64_t g_dn, int64_t gu_blocks, int64_t dn_blocks, int64_t weight_bytes,
+                      int threads) {
+    const int64_t P = T * k_top, two_i = 2 * inter;
+    const size_t qgu = moe_act_floats(kind, P, l, g_gu), qdn = moe_act_floats(kind, P, inter, g_dn),
+                 outs = (size_t)((P * two_i + P * l + 7) & ~7), ints = (size_t)(2 * E + 1 + 3 * P);
+    for (int64_t p = 0; p < P; ++p)
+        if (ids[p] < 0 || ids[p] >= E) return -1;
+    float *buf = scratch(qgu + qdn + outs + ints * 2);  /* int64 counters at the end: 2 floats each */
+    if (buf == NULL) return -2;
+    const moe_act_t x_gu = {kind, P, l, g_gu, buf}, x_dn = {kind, P, inter, g_dn, buf + qgu};
+    float *gu_out = buf + qgu + qdn, *dn_out = gu_out + P * two_i;
+    int64_t *start = (int64_t *)(buf + qgu + qdn + outs), *count = start + E + 1, *sorted = count + E,
+            *row_of = sorted + P, *expert_list = row_of + P;
+    for (int64_t e = 0; e < E; ++e) count[e] = 0;
+    for (int64_t p = 0; p < P; ++p) count[ids[p]]++;
+    int64_t routed = 0;
+    start[0] = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        start[e + 1] = start[e] + count[e];
+        if (count[e]) expert_list[routed++] = e;
+        count[e] = 0;
+    }
+    for (int64_t p = 0; p < P; ++p) {  /* stable: pairs keep their order within an expert */
+        const int64_t r = start[ids[p]] + count[ids[p]]++;
+        sorted[r] = p; row_of[p] = r;
+    }
+    const size_t zsize = z_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < P; ++r) moe_prepare(&x_gu, (const char *)z + (sorted[r] / k_top) * l * zsize, z_bf16, r);
+    if (routed * weight_bytes < MOE_PARALLEL_MIN_BYTES) threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < routed * gu_blocks; ++item) {
+            const int64_t e = expert_list[item / gu_blocks], r0 = start[e];
+            moe_rows(&x_gu, (const void *)gu_w[e], gu_sz ? (const void *)gu_sz[e] : NULL, r0, start[e + 1] - r0, gu_out,
+                     item % gu_blocks, two_i);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < P; ++r) {
+            float *g = gu_out + r * two_i;
+            swiglu(g, g + inter, g, inter);  /* h overwrites the gate half */
+            moe_prepare(&x_dn, g, 0, r);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t item = 0; item < routed * dn_blocks; ++item) {
+            const int64_t e = expert_list[item / dn_blocks], r0 = start[e];
+            moe_rows(&x_dn, (const void *)dn_w[e], dn_sz ? (const void *)dn_sz[e] : NULL, r0, start[e + 1] - r0, dn_out,
+                     item % dn_blocks, l);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < T; ++t) {  /* per-expert RMSNorm, then the routing weight, then the fp32 sum */
+            float *yt = y + t * l;
+            for (int64_t c = 0; c < l; ++c) yt[c] = 0.0f;
+            for (int64_t j = 0; j < k_top; ++j) {
+                const int64_t p = t * k_top + j, e = ids[p];
+                const float *o = dn_out + row_of[p] * l;
+                float ss = 0.0f;
+                for (int64_t c = 0; c < l; ++c) ss += o[c] * o[c];
+                const float f = weights[p] / sqrtf(ss / (float)l + eps);
+                for (int64_t c = 0; c < l; ++c) {
+                    const float nw = norm_bf16 ? bits_to_float((uint32_t)((const uint16_t *)out_norm)[e * l + c] << 16)
+                                               : ((const float *)out_norm)[e * l + c];
+                    yt[c] += o[c] * f * nw;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* INT4 experts: gu_rows / dn_rows the padded code rows (multiples of ROWS), g_gu / g_dn the group sizes. */
+int musecore_int4_moe(const int64_t *gu_codes, const int64_t *gu_sz, const int64_t *dn_codes, const int64_t *dn_sz,
+                      const void *z, int z_bf16, const int64_t *ids, const float *weights, const void *out_norm,
+                      int norm_bf16, float eps, float *y, int64_t T, int64_t k_top, int64_t E, int64_t l,
+                      int64_t inter, int64_t g_gu, int64_t g_dn, int64_t gu_rows, int64_t dn_rows, int threads) {
+    return moe_decode(MOE_INT4, gu_codes, gu_sz, dn_codes, dn_sz, z, z_bf16, ids, weights, out_norm, norm_bf16, eps, y,
+                      T, k_top, E, l, inter, g_gu, g_dn, gu_rows / ROWS, dn_rows / ROWS,
+                      (gu_rows * l + dn_rows * inter) / 2, threads);
+}
+
+/* BF16 experts: gate/up [2I, l] and down [l, I], each contiguous row-major bf16. */
+int musecore_bf16_moe(const int64_t *gu_w, const int64_t *dn_w, const void *z, int z_bf16, const int64_t *ids,
+                      const float *weights, const void *out_norm, int norm_bf16, float eps, float *y, int64_t T,
+                      int64_t k_top, int64_t E, int64_t l, int64_t inter, int threads) {
+    return moe_decode(MOE_BF16, gu_w, NULL, dn_w, NULL, z, z_bf16, ids, weights, out_norm, norm_bf16, eps, y, T, k_top,
+                      E, l, inter, 0, 0, (2 * inter + BF16_ROWS - 1) / BF16_ROWS, (l + BF16_ROWS - 1) / BF16_ROWS,
+                      (3 * inter * l) * 2, threads);
+}
+"""
