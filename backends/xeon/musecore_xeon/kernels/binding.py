@@ -189,8 +189,9 @@ static const at::Tensor *operand(PyObject *obj, bool f32_only = false) {
 
 static inline int bf(const at::Tensor *t) { return t->scalar_type() == at::kBFloat16; }
 
-/* argument count and registration, then eps (the last argument) as a float */
-static bool op_call(const char *name, Py_ssize_t nargs, Py_ssize_t want, const void *kernel) {
+/* The argument count and the kernel's registration, then (eps != nullptr) the last argument as a float. */
+static bool op_call(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const void *kernel,
+                    double *eps) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments; got %zd", name, want, nargs);
         return false;
@@ -199,7 +200,18 @@ static bool op_call(const char *name, Py_ssize_t nargs, Py_ssize_t want, const v
         PyErr_Format(PyExc_RuntimeError, "%s: set_ops() was not called with the kernels' addresses", name);
         return false;
     }
-    return true;
+    if (eps != nullptr) *eps = PyFloat_AsDouble(args[want - 1]);
+    return !PyErr_Occurred();
+}
+
+/* f() with a C++ exception turned into a RuntimeError */
+template <typename F> static PyObject *guarded(F &&f) {
+    try {
+        return f();
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
 }
 
 static PyObject *pair(at::Tensor a, at::Tensor b) {
@@ -212,52 +224,43 @@ static PyObject *pair(at::Tensor a, at::Tensor b) {
 
 /* rms_norm(x, w, eps) -> rms_norm(x) * w in x's dtype, or None */
 static PyObject *rms_norm(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!op_call("rms_norm", nargs, 3, (const void *)rms_kernel)) return nullptr;
-    const double eps = PyFloat_AsDouble(args[2]);
-    if (PyErr_Occurred()) return nullptr;
+    double eps;
+    if (!op_call("rms_norm", args, nargs, 3, (const void *)rms_kernel, &eps)) return nullptr;
     const at::Tensor *x = operand(args[0]), *w = operand(args[1]);
     if (x == nullptr || w == nullptr || x->size(-1) == 0 || w->numel() != x->size(-1)) Py_RETURN_NONE;
-    try {
+    return guarded([&]() -> PyObject * {
         const int64_t n = x->size(-1);
         at::Tensor out = at::empty(x->sizes(), x->options());
         rms_kernel(x->const_data_ptr(), bf(x), w->const_data_ptr(), bf(w), out.mutable_data_ptr(), bf(x), x->numel() / n,
                    n, (float)eps);
         return THPVariable_Wrap(std::move(out));
-    } catch (const std::exception &err) {
-        PyErr_SetString(PyExc_RuntimeError, err.what());
-        return nullptr;
-    }
+    });
 }
 
 /* residual_norm(residual, out, post_w, gate, next_w, eps) -> (residual', normed), or None */
 static PyObject *residual_norm(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!op_call("residual_norm", nargs, 6, (const void *)residual_kernel)) return nullptr;
-    const double eps = PyFloat_AsDouble(args[5]);
-    if (PyErr_Occurred()) return nullptr;
+    double eps;
+    if (!op_call("residual_norm", args, nargs, 6, (const void *)residual_kernel, &eps)) return nullptr;
     const at::Tensor *res = operand(args[0]), *out = operand(args[1]), *pw = operand(args[2]), *gate = operand(args[3]),
                      *nw = operand(args[4]);
     if (res == nullptr || out == nullptr || pw == nullptr || gate == nullptr || nw == nullptr) Py_RETURN_NONE;
     const int64_t n = res->size(-1);
     if (n == 0 || out->sizes() != res->sizes() || pw->numel() != n || gate->numel() != n || nw->numel() != n)
         Py_RETURN_NONE;
-    try {
+    return guarded([&]() -> PyObject * {
         at::Tensor new_res = at::empty(res->sizes(), res->options()), normed = at::empty(res->sizes(), res->options());
         residual_kernel(res->const_data_ptr(), out->const_data_ptr(), bf(out), pw->const_data_ptr(), bf(pw),
                         gate->const_data_ptr(), bf(gate), nw->const_data_ptr(), bf(nw), new_res.mutable_data_ptr(),
                         normed.mutable_data_ptr(), bf(res), res->numel() / n, n, (float)eps);
         return pair(std::move(new_res), std::move(normed));
-    } catch (const std::exception &err) {
-        PyErr_SetString(PyExc_RuntimeError, err.what());
-        return nullptr;
-    }
+    });
 }
 
 /* qk_norm_rope(q, k, q_w, k_w, cos, sin, eps) with q [B,T,nq,d], k [B,T,nkv,d], cos/sin fp32 [B,T,d] -> (q', k'),
    or None */
 static PyObject *qk_norm_rope(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!op_call("qk_norm_rope", nargs, 7, (const void *)rope_kernel)) return nullptr;
-    const double eps = PyFloat_AsDouble(args[6]);
-    if (PyErr_Occurred()) return nullptr;
+    double eps;
+    if (!op_call("qk_norm_rope", args, nargs, 7, (const void *)rope_kernel, &eps)) return nullptr;
     const at::Tensor *q = operand(args[0]), *k = operand(args[1]), *qw = operand(args[2]), *kw = operand(args[3]),
                      *cs = operand(args[4], true), *sn = operand(args[5], true);
     if (q == nullptr || k == nullptr || qw == nullptr || kw == nullptr || cs == nullptr || sn == nullptr
@@ -268,7 +271,7 @@ static PyObject *qk_norm_rope(PyObject *, PyObject *const *args, Py_ssize_t narg
             || kw->numel() != d || cs->dim() != 3 || cs->size(0) != B || cs->size(1) != T || cs->size(2) != d
             || sn->sizes() != cs->sizes())
         Py_RETURN_NONE;
-    try {
+    return guarded([&]() -> PyObject * {
         at::Tensor qo = at::empty(q->sizes(), q->options()), ko = at::empty(k->sizes(), k->options());
         const float *cp = cs->const_data_ptr<float>(), *sp = sn->const_data_ptr<float>();
         rope_kernel(q->const_data_ptr(), bf(q), qw->const_data_ptr(), bf(qw), cp, sp, qo.mutable_data_ptr(),
@@ -276,43 +279,36 @@ static PyObject *qk_norm_rope(PyObject *, PyObject *const *args, Py_ssize_t narg
         rope_kernel(k->const_data_ptr(), bf(k), kw->const_data_ptr(), bf(kw), cp, sp, ko.mutable_data_ptr(),
                     k->numel() / d, k->size(2), d, (float)eps);
         return pair(std::move(qo), std::move(ko));
-    } catch (const std::exception &err) {
-        PyErr_SetString(PyExc_RuntimeError, err.what());
-        return nullptr;
-    }
+    });
 }
 
 /* head_norm_gate(o, w, gate_logits, eps) with o [..., d], gate_logits [...] -> rms_norm(o) * w * sigmoid(gate), or None */
 static PyObject *head_norm_gate(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!op_call("head_norm_gate", nargs, 4, (const void *)gate_kernel)) return nullptr;
-    const double eps = PyFloat_AsDouble(args[3]);
-    if (PyErr_Occurred()) return nullptr;
+    double eps;
+    if (!op_call("head_norm_gate", args, nargs, 4, (const void *)gate_kernel, &eps)) return nullptr;
     const at::Tensor *o = operand(args[0]), *w = operand(args[1]), *g = operand(args[2]);
     if (o == nullptr || w == nullptr || g == nullptr || g->dim() != o->dim() - 1
             || g->sizes() != o->sizes().slice(0, o->dim() - 1) || o->size(-1) == 0 || w->numel() != o->size(-1))
         Py_RETURN_NONE;
-    try {
+    return guarded([&]() -> PyObject * {
         const int64_t d = o->size(-1);
         at::Tensor out = at::empty(o->sizes(), o->options());
         gate_kernel(o->const_data_ptr(), bf(o), w->const_data_ptr(), bf(w), g->const_data_ptr(), bf(g),
                     out.mutable_data_ptr(), g->numel(), d, (float)eps);
         return THPVariable_Wrap(std::move(out));
-    } catch (const std::exception &err) {
-        PyErr_SetString(PyExc_RuntimeError, err.what());
-        return nullptr;
-    }
+    });
 }
 
 /* router_topk(logits [..., E], k, renormalize) -> (weights fp32 [..., k], ids int64 [..., k]), or None */
 static PyObject *router_topk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!op_call("router_topk", nargs, 3, (const void *)router_kernel)) return nullptr;
+    if (!op_call("router_topk", args, nargs, 3, (const void *)router_kernel, nullptr)) return nullptr;
     const long long k = PyLong_AsLongLong(args[1]);
     if (PyErr_Occurred()) return nullptr;
     const int renormalize = PyObject_IsTrue(args[2]);
     if (renormalize < 0) return nullptr;
     const at::Tensor *logits = operand(args[0]);
     if (logits == nullptr || k <= 0 || k > logits->size(-1)) Py_RETURN_NONE;
-    try {
+    return guarded([&]() -> PyObject * {
         const int64_t E = logits->size(-1);
         c10::SmallVector<int64_t, 4> sizes(logits->sizes().begin(), logits->sizes().end());
         sizes.back() = k;
@@ -321,10 +317,7 @@ static PyObject *router_topk(PyObject *, PyObject *const *args, Py_ssize_t nargs
         router_kernel(logits->const_data_ptr(), bf(logits), logits->numel() / E, E, k, renormalize,
                       weights.mutable_data_ptr<float>(), ids.mutable_data_ptr<int64_t>());
         return pair(std::move(weights), std::move(ids));
-    } catch (const std::exception &err) {
-        PyErr_SetString(PyExc_RuntimeError, err.what());
-        return nullptr;
-    }
+    });
 }
 
 static PyMethodDef methods[] = {
