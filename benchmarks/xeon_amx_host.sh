@@ -3,7 +3,7 @@
 # 5th-gen Xeon), in one call: the backend's tests, the AVX2 build against the AVX-512 VNNI build on the same
 # linear shapes (MUSECORE_XEON_ISA caps the build), the muse-small MoE layer and end-to-end decode, the native
 # xeon6 matrix rows and a generate on device="xeon6".
-#   device run: bash benchmarks/xeon_amx_host.sh   (carry: .whl)
+#   device run: bash benchmarks/xeon_amx_host.sh   (carry: .whl; ISAS, SHAPES, MS, SKIP_E2E, SKIP_MATRIX narrow it)
 # Outputs under $OUT (copied to benchmarks/results/xeon_amx_host/): tests.log, linear_{avx2,avx512_vnni}.{json,txt},
 # moe_e2e.{json,txt}, matrix_xeon6_native.json, generate.txt.
 set -u
@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
   -e ./quant -e . -e ./backends/xeon 2>&1 | grep -v -i warning | tail -3
 timeout ${TEST_S:-120} python3 -m pytest -q -p no:cacheprovider -rs backends/xeon/tests 2>&1 \
   | grep -v "conformance.py:55" > "$OUT/tests.log"; tail -3 "$OUT/tests.log"
-for isa in avx512_vnni avx2; do
+for isa in ${ISAS:-avx512_vnni avx2}; do
   MUSECORE_XEON_ISA=$isa timeout ${LINEAR_S:-150} python3 benchmarks/xeon_bench.py --cases linear --threads $THREADS \
     --shapes ${SHAPES:-8192x2048 2048x8192 768x512 512x768} --ms ${MS:-1 2 4 16 64 256} --repeats 3 \
     --out "$OUT/linear_$isa.json" > "$OUT/linear_$isa.txt" 2>&1
@@ -22,7 +22,7 @@ for isa in avx512_vnni avx2; do
 done
 [ -n "${SKIP_E2E:-}" ] || timeout ${E2E_S:-200} python3 benchmarks/xeon_bench.py --cases moe e2e --presets muse-small --ms 1 4 16 64 --repeats 3 \
   --threads $THREADS --out "$OUT/moe_e2e.json" > "$OUT/moe_e2e.txt" 2>&1; grep -A8 "== e2e" "$OUT/moe_e2e.txt"
-timeout ${MATRIX_S:-90} python3 -m musecore.cli matrix --rows xeon6 --tokens 2048 --op-sizes '' --json \
+[ -n "${SKIP_MATRIX:-}" ] || timeout ${MATRIX_S:-90} python3 -m musecore.cli matrix --rows xeon6 --tokens 2048 --op-sizes '' --json \
   > "$OUT/matrix_xeon6_native.json" 2> "$OUT/matrix.err"; tail -2 "$OUT/matrix.err"
 timeout 60 python3 -m musecore.cli generate --device xeon6 --prompt "def fibonacci(n):" --max-new-tokens 48 \
   > "$OUT/generate.txt" 2>&1; tail -4 "$OUT/generate.txt"
