@@ -134,6 +134,8 @@ class LayerCache:
         index_put) cost ~90-150 us per layer on the 2-core EPYC (~2 ms of a muse-small token); when every row is at
         one position (one sequence, or a batch in step) three narrow copies take ~10 us, else one write per row."""
         positions = pos_new[:, 0].tolist()
+        if not positions:
+            return
         if not self.ring and max(positions) >= self.capacity:  # checked before any write: nothing half-written
             raise ValueError(f"sequence position {max(positions)} exceeds the KV cache capacity {self.capacity}; "
                              "create the cache with a larger max_length")

@@ -42,14 +42,16 @@ def _fast():
     return native.ops_binding(NATIVE_NORM_MAX_ELEMENTS)
 
 
+def _fast_call(name: str, *args):
+    """The extension's ``name(*args)``, or None (no extension, or its fast path does not take these inputs)."""
+    fast = _fast()
+    return None if fast is None else getattr(fast, name)(*args)
+
+
 def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts in fp32, the ``k`` largest (descending), renormalized if asked: the reference's."""
-    fast = _fast()
-    if fast is not None:
-        picked = fast.router_topk(logits, k, renormalize)
-        if picked is not None:
-            return picked
-    return ref.router_topk(logits, k, renormalize)
+    picked = _fast_call("router_topk", logits, k, renormalize)
+    return picked if picked is not None else ref.router_topk(logits, k, renormalize)
 
 
 def _native_norms(*tensors: torch.Tensor):
@@ -70,11 +72,9 @@ def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    fast = _fast()
-    if fast is not None:
-        out = fast.rms_norm(x, weight, eps)
-        if out is not None:
-            return out
+    out = _fast_call("rms_norm", x, weight, eps)
+    if out is not None:
+        return out
     lib = _native_norms(x, weight)
     n = x.shape[-1]
     if lib is None or weight.numel() != n:
@@ -88,11 +88,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.Tensor,
                   gate: torch.Tensor, next_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual' = residual + gate * rms_norm(out)``; ``normed = rms_norm(residual')``."""
-    fast = _fast()
-    if fast is not None:
-        pair = fast.residual_norm(residual, out, post_weight, gate, next_weight, eps)
-        if pair is not None:
-            return pair
+    pair = _fast_call("residual_norm", residual, out, post_weight, gate, next_weight, eps)
+    if pair is not None:
+        return pair
     lib = _native_norms(residual, out, post_weight, gate, next_weight)
     n = residual.shape[-1]
     if lib is not None and out.shape == residual.shape and post_weight.numel() == gate.numel() == next_weight.numel() == n:
@@ -109,11 +107,9 @@ def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm over d, then HF-convention RoPE (halves, not interleaved pairs)."""
-    fast = _fast()
-    if fast is not None:
-        pair = fast.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
-        if pair is not None:
-            return pair
+    pair = _fast_call("qk_norm_rope", q, k, q_weight, k_weight, cos, sin, eps)
+    if pair is not None:
+        return pair
     lib = _native_norms(q, k, q_weight, k_weight)
     B, T, nq, d = q.shape
     if lib is not None and k.numel() <= NATIVE_NORM_MAX_ELEMENTS and d <= 1024 and q_weight.numel() == k_weight.numel() == d \
@@ -134,11 +130,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 
 
 def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
-    fast = _fast()
-    if fast is not None:
-        out = fast.head_norm_gate(o, weight, gate_logits, eps)
-        if out is not None:
-            return out
+    out = _fast_call("head_norm_gate", o, weight, gate_logits, eps)
+    if out is not None:
+        return out
     lib = _native_norms(o, weight, gate_logits)
     if lib is not None and gate_logits.shape == o.shape[:-1] and weight.numel() == o.shape[-1]:
         out = torch.empty_like(o)
