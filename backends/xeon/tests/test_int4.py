@@ -277,6 +277,23 @@ def test_portable_c_path_gives_the_same_bits_as_avx2(group_size) -> None:
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_dense_tiles_are_exact_and_the_same_in_every_build(group_size) -> None:
+    """The tile dequantizer gives (q - z) * scale exactly (fp32 holds it), with its vector path (AVX2, one scale per
+    chunk) and the portable loop alike."""
+    qt = random_int4(36, 512, group_size, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    rows, k = lin.padded_out_features, 512
+    fast = native.int4_dequant(lin.codes, lin.scale_zero, torch.empty(rows, k), group_size)
+    portable = native.load_portable()
+    slow = torch.empty(rows, k)
+    portable.musecore_int4_dequant(lin.codes.data_ptr(), lin.scale_zero.data_ptr(), slow.data_ptr(), rows, k,
+                                   group_size, 1)
+    assert torch.equal(fast, slow), f"g={group_size}: vector and portable tiles differ by {(fast - slow).abs().max():.3g}"
+    exact = reference_linear(torch.eye(k), qt).T  # rows of W as the reference dequantizes them, fp32
+    assert torch.equal(fast[:36], exact), f"g={group_size}: tiles differ from the reference weight"
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 def test_avx512_vnni_build_gives_the_same_bits_as_the_avx2_build(group_size) -> None:
     """Where the CPU has AVX-512 VNNI the default build reads 512 bits per load and accumulates with vpdpwssd
     (g >= 128 in the GEMVs, every g in the skinny GEMM, four activation rows at a time); its integer sums are the

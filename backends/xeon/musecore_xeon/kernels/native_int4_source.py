@@ -799,12 +799,30 @@ void musecore_int4_dequant(const int32_t *codes, const uint16_t *sz, float *out,
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t c0 = 0; c0 < k; c0 += chunk) {
             const uint32_t *w = (const uint32_t *)codes + (r - r % ROWS) * kw + ((c0 / chunk) * ROWS + r % ROWS) * words;
+#ifdef __AVX2__
+            if (chunk == g) {  /* one group per chunk: one scale; 8 words loaded once for all 8 positions */
+                const uint16_t *pz = sz + ((r / ROWS) * groups + c0 / g) * 2 * ROWS + r % ROWS;
+                const float s = half_to_float(pz[0]), o = -half_to_float(pz[ROWS]) * s;
+                const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(o);
+                const __m256i low = _mm256_set1_epi32(15);
+                for (int64_t q = 0; q < words; q += 8) {  /* words = g / 8: a multiple of 8 */
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + q));
+                    for (int p = 0; p < 8; ++p) {  /* the same exact values as the loop below: (q - z) * s fits fp32 */
+                        const __m256i code = _mm256_and_si256(_mm256_srl_epi32(wv, _mm_cvtsi32_si128(4 * nibble_of(p))), low);
+                        _mm256_storeu_ps(out + r * k + c0 + p * words + q, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), sv, ov));
+                    }
+                }
+                continue;
+            }
+#endif
             for (int p = 0; p < 8; ++p) {  /* position p: columns p*W .. p*W + W-1 of the chunk, nibble nib(p) */
                 const int shift = 4 * nibble_of(p);
                 const uint16_t *pz = sz + ((r / ROWS) * groups + (c0 + p * words) / g) * 2 * ROWS + r % ROWS;
                 const float s = half_to_float(pz[0]), o = -half_to_float(pz[ROWS]) * s;
                 float *dst = out + r * k + c0 + p * words;
-                for (int64_t q = 0; q < words; ++q) dst[q] = (float)((w[q] >> shift) & 15u) * s + o;
+                /* int32 before float: AVX2 converts signed ints in one instruction (an unsigned source kept gcc
+                   from vectorizing this loop: 2.5x slower than the BF16 upcast of the same tile) */
+                for (int64_t q = 0; q < words; ++q) dst[q] = (float)(int32_t)((w[q] >> shift) & 15u) * s + o;
             }
         }
 }
