@@ -121,13 +121,18 @@ class LayerCache:
             return
         b, t = (pos_new >= 0).nonzero(as_tuple=True)
         pos = pos_new[b, t]
-        if not self.ring and pos.numel() and int(pos.max()) >= self.capacity:
-            raise ValueError(f"sequence position {int(pos.max())} exceeds the KV cache capacity {self.capacity}; "
-                             "create the cache with a larger max_length")
+        if pos.numel():
+            self._check_capacity(int(pos.max()))
         slots = pos % self.capacity if self.ring else pos
         self.k[b, slots], self.v[b, slots], self.positions[b, slots] = k_new[b, t], v_new[b, t], pos
         if not self.ring and pos.numel():
             self.used = max(self.used, int(pos.max()) + 1)
+
+    def _check_capacity(self, last: int) -> None:
+        """A full (non-ring) layer cannot hold position ``last`` past its capacity."""
+        if not self.ring and last >= self.capacity:
+            raise ValueError(f"sequence position {last} exceeds the KV cache capacity {self.capacity}; "
+                             "create the cache with a larger max_length")
 
     def _write_one(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> None:
         """Decode on the CPU: one entry per batch row, written by narrowing. The indexed writes above (nonzero, three
@@ -136,9 +141,7 @@ class LayerCache:
         positions = pos_new[:, 0].tolist()
         if not positions:
             return
-        if not self.ring and max(positions) >= self.capacity:  # checked before any write: nothing half-written
-            raise ValueError(f"sequence position {max(positions)} exceeds the KV cache capacity {self.capacity}; "
-                             "create the cache with a larger max_length")
+        self._check_capacity(max(positions))  # before any write: nothing half-written
         first = positions[0]
         if first >= 0 and positions.count(first) == len(positions):
             slot = first % self.capacity if self.ring else first

@@ -145,7 +145,7 @@ typedef void (*residual_fn)(const void *, const void *, int, const void *, int, 
 typedef void (*rope_fn)(const void *, int, const void *, int, const float *, const float *, void *, int64_t, int64_t,
                         int64_t, float);
 typedef void (*gate_fn)(const void *, int, const void *, int, const void *, int, void *, int64_t, int64_t, float);
-typedef void (*router_fn)(const void *, int, int64_t, int64_t, int64_t, int, float *, int64_t *);
+typedef int (*router_fn)(const void *, int, int64_t, int64_t, int64_t, int, float *, int64_t *);
 static rms_fn rms_kernel;
 static residual_fn residual_kernel;
 static rope_fn rope_kernel;
@@ -314,8 +314,11 @@ static PyObject *router_topk(PyObject *, PyObject *const *args, Py_ssize_t nargs
         sizes.back() = k;
         at::Tensor weights = at::empty(sizes, logits->options().dtype(at::kFloat)),
                    ids = at::empty(sizes, logits->options().dtype(at::kLong));
-        router_kernel(logits->const_data_ptr(), bf(logits), logits->numel() / E, E, k, renormalize,
-                      weights.mutable_data_ptr<float>(), ids.mutable_data_ptr<int64_t>());
+        if (router_kernel(logits->const_data_ptr(), bf(logits), logits->numel() / E, E, k, renormalize,
+                          weights.mutable_data_ptr<float>(), ids.mutable_data_ptr<int64_t>()) != 0) {
+            PyErr_Format(PyExc_MemoryError, "router_topk: no memory for the scratch of %lld experts", (long long)E);
+            return (PyObject *)nullptr;
+        }
         return pair(std::move(weights), std::move(ids));
     });
 }

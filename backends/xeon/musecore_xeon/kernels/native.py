@@ -159,6 +159,7 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_norm_rope.argtypes = [vp, i, vp, i, vp, vp, vp, i64, i64, i64, f32]
     lib.musecore_head_norm_gate.argtypes = [vp, i, vp, i, vp, i, vp, i64, i64, f32]
     lib.musecore_router_topk.argtypes = [vp, i, i64, i64, i64, i, vp, vp]
+    lib.musecore_router_topk.restype = ctypes.c_int
     lib.musecore_attention.argtypes = [vp, i, vp, vp, i, vp, vp, i64, f32, vp] + [i64] * 6 + [i]
     lib.musecore_int4_linear.argtypes = [vp, vp, vp, i64, i]
     lib.musecore_int4_dequant.argtypes = [vp] * 3 + [i64] * 3 + [i]
@@ -166,7 +167,7 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_bf16_linear.argtypes = [vp, vp, vp, i64, i]
     lib.musecore_max_threads.restype = ctypes.c_int
     for name in ("int4_gemv", "int4_linear", "int4_dequant", "bf16_gemv", "bf16_linear", "rms_norm", "residual_norm",
-                 "norm_rope", "head_norm_gate", "router_topk", "attention"):
+                 "norm_rope", "head_norm_gate", "attention"):
         getattr(lib, f"musecore_{name}").restype = None
     lib.musecore_int4_openmp.restype = ctypes.c_int
     return lib

@@ -120,11 +120,12 @@ void musecore_head_norm_gate(const void *o, int ob, const void *w, int wb, const
 
 /* Router: per row of E logits, fp32 softmax (max subtracted), the k largest probabilities in descending order
    (equal values: the lower expert id first), renormalized to sum 1 if asked. weights fp32 [T, k], ids int64 [T, k].
-   The reference's softmax + topk are ~20-50 us of PyTorch calls per decode token and layer on this host. */
-void musecore_router_topk(const void *logits, int lb, int64_t T, int64_t E, int64_t k, int renormalize,
-                          float *weights, int64_t *ids) {
+   The reference's softmax + topk are ~20-50 us of PyTorch calls per decode token and layer on this host.
+   Returns 0, or -2 when there is no memory for its scratch (nothing written). */
+int musecore_router_topk(const void *logits, int lb, int64_t T, int64_t E, int64_t k, int renormalize,
+                         float *weights, int64_t *ids) {
     float *p = scratch((size_t)E * 2);
-    if (p == NULL) return;
+    if (p == NULL) return -2;
     float *taken = p + E;
     for (int64_t t = 0; t < T; ++t) {
         float mx = -INFINITY, sum = 0.0f;
@@ -144,6 +145,7 @@ void musecore_router_topk(const void *logits, int lb, int64_t T, int64_t E, int6
         if (renormalize)
             for (int64_t j = 0; j < k; ++j) weights[t * k + j] /= picked;
     }
+    return 0;
 }
 
 /* Decode attention (few queries): per (batch, query, head) the scores over the visible keys (causal, optional
