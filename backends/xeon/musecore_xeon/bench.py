@@ -140,8 +140,9 @@ def clone_dense(lin: DenseLinear) -> DenseLinear:
 def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence[int] = LINEAR_MS,
                  repeats: int = 3, backend: Optional[XeonBackend] = None,
                  rotate_bytes: Optional[int] = None) -> list[dict[str, Any]]:
-    """INT4 (native GEMV / dense tiles by the calibrated crossover) vs BF16 at every (shape, M), and
-    PyTorch's int4pack kernel at M <= ``INT4PACK_MAX_M``.
+    """INT4 (native GEMV / the dense path, AMX GEMM or dense tiles, by the calibrated crossover) vs BF16 at every
+    (shape, M), and PyTorch's int4pack kernel at M <= ``INT4PACK_MAX_M``. Where the dense path is the AMX GEMM, the
+    dense tiles are timed too (``int4_tiles_us``), for the record.
 
     Cold from DRAM: each implementation cycles through copies of its weight totalling at least
     ``rotate_bytes`` (default twice the L3), prepared the same way; one call = cycle time / copies.
@@ -167,14 +168,18 @@ def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             act_bytes = 2 * m * (k + n)
-            # the two dense-tile paths (same SGEMM, so near-equal at large M) are timed back to back
+            # the BF16 path and INT4's dense path (near-equal at large M where both are dense tiles) back to back
             cycles = [(torch_ws, lambda w: F.linear(x, w)), (int4s, lambda lin: lin.run_small_m(x)),
-                      (xeon_ws, lambda lin: lin(x)), (int4s, lambda lin: lin.run_tiles(x))]
+                      (xeon_ws, lambda lin: lin(x)), (int4s, lambda lin: lin.run_dense(x))]
+            if int4.amx:  # the tiles AMX replaces, for the record
+                cycles.append((int4s, lambda lin: lin.run_tiles(x)))
             if m <= INT4PACK_MAX_M:  # PyTorch's INT4 kernel, for the record (the pre-native small-M path)
                 cycles.append((int4packs, lambda lin: lin.run_int4pack(x)))
             cycle_us = time_interleaved_us([cycle(objs, call) for objs, call in cycles], repeats)
-            t_torch, t_kernel, t_xbf16, t_tiles, *t_int4pack = [t / len(objs) for t, (objs, _) in zip(cycle_us, cycles)]
-            t_int4 = t_tiles if int4.uses_dense_tiles(m) else t_kernel
+            t_torch, t_kernel, t_xbf16, t_dense, *extra = [t / len(objs) for t, (objs, _) in zip(cycle_us, cycles)]
+            t_tiles = extra.pop(0) if int4.amx else t_dense
+            t_int4pack = extra
+            t_int4 = t_dense if int4.uses_dense_tiles(m) else t_kernel
             common = {"backend": BACKEND, "case": "linear", "shape": f"{n}x{k}", "M": m}
             cold = {"cold_copies": len(torch_ws), "cold_bytes": len(torch_ws) * 2 * n * k}
             rows.append({**common, "impl": "torch-bf16", "format": "bf16", "path": "F.linear", "time_us": t_torch, "speedup_vs_bf16": 1.0,
@@ -184,10 +189,11 @@ def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence
                          "crossover": xeon_bf16.crossover, "gemv_crossover": xeon_bf16.gemv_crossover, "time_us": t_xbf16, "speedup_vs_bf16": t_torch / t_xbf16,
                          "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_xbf16), **cold})
             cold = {"cold_copies": len(int4s), "cold_bytes": len(int4s) * int4.nbytes}
-            rows.append({**common, "impl": "xeon-int4", "format": "int4", "path": "tiles" if int4.uses_dense_tiles(m) else int4.kernel,
+            rows.append({**common, "impl": "xeon-int4", "format": "int4", "path": int4.path(m),
                          "crossover": int4.crossover, "time_us": t_int4, "speedup_vs_bf16": t_torch / t_int4,
                          "speedup_vs_xeon_bf16": t_xbf16 / t_int4, "int4_kernel_us": t_kernel,
-                         "int4_tiles_us": t_tiles, "resident_bytes": int4.nbytes,
+                         "int4_dense_path": int4.dense_path, "int4_dense_us": t_dense, "int4_tiles_us": t_tiles,
+                         "resident_bytes": int4.nbytes,
                          "pct_memory_ceiling": pct_ceiling(int4.nbytes + act_bytes, t_int4), **cold})
             if t_int4pack:
                 cold = {"cold_copies": len(int4packs), "cold_bytes": len(int4packs) * packed_bytes}

@@ -3,8 +3,10 @@
 Resident layout (one copy of the codes): nibble-planar int32 codes ``[N, K/8]`` (4-row blocks interleaved by
 chunk) and the QTensor's fp16
 scales and zeros blocked per 4 rows ``[N/4, K/g, 2, 4]`` (:mod:`musecore_xeon.kernels.native` explains the layout).
-Small M runs the native GEMV (``int4_gemv``); from a crossover M measured on this machine, the weight is
-dequantized one tile at a time (``int4_dequant``, exact fp32) and multiplied by SGEMM.
+Small M runs the native GEMV (``int4_gemv``); from a crossover M measured on this machine, the dense path:
+on CPUs with AMX the INT4 GEMM of :mod:`native_amx_source` (weight panels dequantized to bf16 in L2 and multiplied
+by ``tdpbf16ps``), elsewhere the weight dequantized one tile at a time (``int4_dequant``, exact fp32) and
+multiplied by SGEMM (or oneDNN's BF16 GEMM where the CPU has a BF16 dot product).
 Numerics: the weights are exactly ``(q - z) * scale`` of the QTensor. The dense tiles differ from a
 dequantize-then-matmul only in the fp32 summation order; the GEMV rounds the activations to int16 per group
 (error <= max|x_group| * 2^-16 per element, NMSE ~5e-10 for Gaussian activations, see :mod:`native`).
@@ -167,6 +169,7 @@ class Int4Linear:
     crossover: Optional[int] = None
     calibration: Optional[CrossoverCalibration] = None
     gemv: Optional[native.Int4Gemv] = field(default=None, repr=False)  # the native call bound to these codes
+    amx: bool = False                # the dense path is the AMX GEMM (else dequantized tiles)
 
     @property
     def padded_out_features(self) -> int:
@@ -208,6 +211,23 @@ class Int4Linear:
     def uses_dense_tiles(self, m: int) -> bool:
         return self.crossover is not None and m >= self.crossover
 
+    @property
+    def dense_path(self) -> str:
+        """The dense path's name: ``amx`` or ``tiles``."""
+        return "amx" if self.amx else "tiles"
+
+    def path(self, m: int) -> str:
+        """The path M rows take: the small-M kernel's name, ``amx`` or ``tiles``."""
+        return self.dense_path if self.uses_dense_tiles(m) else self.kernel
+
+    def run_dense(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The dense path: the AMX GEMM where it runs, else :meth:`run_tiles`."""
+        if self.amx:
+            if x2d.dtype is not torch.bfloat16 and x2d.dtype is not torch.float32 or not x2d.is_contiguous():
+                x2d = x2d.to(torch.bfloat16).contiguous()
+            return native.int4_amx(self.bound_gemv(), x2d)
+        return self.run_tiles(x2d)
+
     def run_small_m(self, x2d: torch.Tensor) -> torch.Tensor:
         """The small-M kernel; returns ``x2d``'s dtype for bf16/fp32 input (bf16 for the int4pack kernel)."""
         gemv = self.gemv
@@ -218,10 +238,14 @@ class Int4Linear:
             return self.run_int4pack(x2d)
         if x2d.dtype not in (torch.bfloat16, torch.float32) or not x2d.is_contiguous():
             x2d = x2d.to(torch.bfloat16 if x2d.dtype != torch.float32 else x2d.dtype).contiguous()
+        return self.bound_gemv().call(x2d)
+
+    def bound_gemv(self) -> native.Int4Gemv:
+        """The native call bound to these codes, bound once (the codes of a native weight never change)."""
         gemv = self.gemv
-        if gemv is None or gemv.codes is not self.codes:  # bound once (the codes of a native weight never change)
+        if gemv is None or gemv.codes is not self.codes:
             gemv = self.gemv = native.Int4Gemv(self.codes, self.scale_zero, self.group_size, self.out_features)
-        return gemv.call(x2d)
+        return gemv
 
     def build_int4pack(self, codes: Optional[torch.Tensor] = None) -> None:
         """PyTorch's packing of the same codes (rows padded to :data:`PACK_ROWS`), bf16 scales/zeros."""
@@ -303,7 +327,7 @@ class Int4Linear:
                 and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and x.is_contiguous():
             return gemv.call(x)  # the decode path: any leading dims, no reshape
         x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self.run_tiles(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_small_m(x2d)
+        y = self.run_dense(x2d) if self.uses_dense_tiles(x2d.shape[0]) else self.run_small_m(x2d)
         return restore_shape(y, x, self.out_features)
 
 
@@ -352,7 +376,13 @@ def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tens
         lin.build_int4pack(codes)
     else:
         lin.gemv = native.Int4Gemv(lin.codes, lin.scale_zero, group_size, n)
+        lin.amx = uses_amx(group_size, dense_dtype)
     return lin
+
+
+def uses_amx(group_size: int, dense_dtype: torch.dtype) -> bool:
+    """The AMX GEMM is the dense path of native INT4 weights with g a multiple of 128 where it runs (BF16 compute)."""
+    return dense_dtype == torch.bfloat16 and group_size % 128 == 0 and native.amx_ready()
 
 
 # Near the crossover the two INT4 paths are within noise on the proxy (at most 1024 rows), and at full size the
@@ -383,10 +413,10 @@ def int4_crossover(in_features: int, out_features: int, group_size: int, dense_d
         data = torch.randint(0, 256, (proxy_rows, in_features // 2), dtype=torch.uint8, generator=g)
         scale = (torch.rand(proxy_rows, in_features // group_size, generator=g) * 0.02).half()
         proxy = pack_int4(data, scale, None, group_size, dense_dtype, kernel)
-        return measure_crossover("int4-" + kernel, in_features, proxy_rows, proxy.run_small_m, proxy.run_tiles,
+        return measure_crossover("int4-" + kernel, in_features, proxy_rows, proxy.run_small_m, proxy.run_dense,
                                  torch.bfloat16, dense_margin=INT4_DENSE_MARGIN)
 
-    key = ("int4", kernel, in_features, proxy_rows, group_size, dense_dtype)
+    key = ("int4", kernel, in_features, proxy_rows, group_size, dense_dtype, uses_amx(group_size, dense_dtype))
     return cached_crossover(key, INT4_CROSSOVER_ENV, "int4-" + kernel, in_features, proxy_rows, measure)
 
 

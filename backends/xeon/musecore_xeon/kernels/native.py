@@ -63,6 +63,7 @@ import torch
 
 from musecore_xeon.kernels import binding
 from musecore_xeon.kernels.compile import compile_cached
+from musecore_xeon.kernels.native_amx_source import AMX_SOURCE
 from musecore_xeon.kernels.native_bf16_source import BF16_SOURCE
 from musecore_xeon.kernels.native_int4_source import INT4_SOURCE
 from musecore_xeon.kernels.native_moe_source import MOE_SOURCE
@@ -72,7 +73,7 @@ NATIVE_ENV = "MUSECORE_XEON_NATIVE_DEQUANT"
 CACHE_ENV = "MUSECORE_XEON_CACHE"
 ROWS = 4  # rows per GEMV block (ROWS in the C source): the nibble-planar codes are padded to a multiple
 
-SOURCE = INT4_SOURCE + OPS_SOURCE + BF16_SOURCE + MOE_SOURCE
+SOURCE = INT4_SOURCE + AMX_SOURCE + OPS_SOURCE + BF16_SOURCE + MOE_SOURCE
 
 
 def torch_libgomp() -> Optional[Path]:
@@ -83,8 +84,9 @@ def torch_libgomp() -> Optional[Path]:
 
 
 ISA_ENV = "MUSECORE_XEON_ISA"
-ISA_LEVELS = ("avx512_vnni", "avx2", "portable")  # best first; the env var caps the level (A/B runs, tests)
+ISA_LEVELS = ("amx", "avx512_vnni", "avx2", "portable")  # best first; the env var caps the level (A/B runs, tests)
 AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
 
 
 def isa_cap() -> str:
@@ -97,15 +99,18 @@ def isa_cap() -> str:
 
 def compile_flags(cap: Optional[str] = None) -> list[str]:
     """The compiler flags for this CPU, up to ``cap`` (default :func:`isa_cap`): ``-mavx2 -mfma -mf16c`` where the
-    CPU has AVX2, plus the AVX-512 VNNI flags where it has those (the GEMVs then read 512 bits per load)."""
+    CPU has AVX2, plus the AVX-512 VNNI flags where it has those (the GEMVs then read 512 bits per load), plus AMX-BF16
+    and AVX-512 BF16 where it has those (the INT4 GEMM of :mod:`native_amx_source`)."""
     from musecore_xeon.cpu import read_cpu_info
     info = read_cpu_info()
     level = ISA_LEVELS.index(cap or isa_cap())
-    isa = ["-mavx2", "-mfma"] if info.has("avx2") and info.has("fma") and level <= 1 else []
+    isa = ["-mavx2", "-mfma"] if info.has("avx2") and info.has("fma") and level <= ISA_LEVELS.index("avx2") else []
     if isa and info.has("f16c"):
         isa.append("-mf16c")
-    if isa and level == 0 and all(info.has(f) for f in AVX512_VNNI_FLAGS):
+    if isa and level <= ISA_LEVELS.index("avx512_vnni") and all(info.has(f) for f in AVX512_VNNI_FLAGS):
         isa += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+        if level == ISA_LEVELS.index("amx") and all(info.has(f) for f in AMX_FLAGS):
+            isa += ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
     gomp = torch_libgomp()
     # -fopenmp links "libgomp.so.1"; -L/-rpath make that PyTorch's copy, already loaded by `import torch`
     omp = ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []
@@ -170,6 +175,11 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
                  "norm_rope", "head_norm_gate", "attention"):
         getattr(lib, f"musecore_{name}").restype = None
     lib.musecore_int4_openmp.restype = ctypes.c_int
+    lib.musecore_amx_ready.restype = ctypes.c_int
+    lib.musecore_int4_amx_linear.argtypes = [vp, vp, i, vp, i, i64]
+    lib.musecore_int4_amx_linear.restype = ctypes.c_int
+    lib.musecore_int4_amx_panel.argtypes = [vp, i64, i64, i64, vp]
+    lib.musecore_int4_amx_panel.restype = ctypes.c_int
     return lib
 
 
@@ -388,6 +398,57 @@ def bf16_gemv_with(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor, thre
     lib.musecore_bf16_gemv(weight.data_ptr(), x.data_ptr(), bf16, y.data_ptr(), bf16, m, n, k,
                            torch.get_num_threads() if threads is None else threads)
     return y
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """Whether the INT4 AMX GEMM (:mod:`native_amx_source`) can run here: built (ISA level ``amx``: the CPU has AMX-BF16
+    and AVX-512 BF16, and ``MUSECORE_XEON_ISA`` does not cap it) and the tile state granted by Linux."""
+    lib = load()
+    return lib is not None and bool(lib.musecore_amx_ready())
+
+
+def int4_amx(gemv: Int4Gemv, x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype (bf16 or fp32) on AMX for the weight bound in ``gemv`` (group
+    size a multiple of 128): the weight dequantized to bf16 tile by tile in L2, products and sums in fp32."""
+    if not amx_ready():
+        raise RuntimeError("int4_amx: no AMX here (see musecore_xeon.kernels.native.amx_ready)")
+    _check("x", x, (torch.bfloat16, torch.float32))
+    if x.dim() != 2 or x.shape[1] != gemv.in_features:
+        raise ValueError(f"int4_amx: x must be [M, {gemv.in_features}]; got {tuple(x.shape)}")
+    y = torch.empty(x.shape[0], gemv.out_features, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    status = load().musecore_int4_amx_linear(gemv.args_ptr, x.data_ptr(), bf16, y.data_ptr(), bf16, x.shape[0])
+    if status == -1:
+        raise ValueError(f"int4_amx: group size {gemv.args.g} is not a multiple of 128 (the AMX kernel's chunk)")
+    if status:
+        raise MemoryError(f"int4_amx: no memory for the AMX buffers of a [{x.shape[0]}, {gemv.in_features}] input")
+    return y
+
+
+def amx_column_order(k: int, group_size: int) -> torch.Tensor:
+    """The column of each k-slot of the AMX kernel's tiles (int64 ``[K]``; slot ``32 * tile + 2q + h``): within a
+    chunk of g columns (W = g/8 planar words), chunk tile ``tau = j * W/16 + u`` holds column ``(2j + h) * W + 16u + q``
+    (nibble pair j of planar words ``16u .. 16u+15``), so one shift, AND and table lookup make a tile row."""
+    w = group_size // 8
+    slot = torch.arange(group_size)
+    tau, q, h = slot // 32, slot % 32 // 2, slot % 2
+    j, u = tau // (w // 16), tau % (w // 16)
+    return (torch.arange(0, k, group_size)[:, None] + (2 * j + h) * w + 16 * u + q).reshape(-1)
+
+
+def int4_amx_panel(gemv: Int4Gemv, n0: int, k0: int, kb: int) -> torch.Tensor:
+    """The AMX kernel's A tiles of weight rows ``n0 .. n0+31`` and k-slots ``k0 .. k0+kb-1`` as bf16
+    ``[2, kb/32, 16, 32]`` (``[t, s, i, slot]`` holds ``W[n0 + 16t + i, order[k0 + 32s + slot]]`` with
+    ``order = amx_column_order(K, g)``): the layout test's view."""
+    lib = _require_native("INT4 AMX")
+    out = torch.empty(2 * kb * 16 + 32, dtype=torch.int16)
+    offset = (-out.data_ptr() % 64) // 2  # 64-byte aligned, as the kernel's stores need
+    tiles = out[offset:offset + 2 * kb * 16]
+    status = lib.musecore_int4_amx_panel(gemv.args_ptr, n0, k0, kb, tiles.data_ptr())
+    if status:
+        raise ValueError(f"int4_amx_panel: n0={n0}, k0={k0}, kb={kb} rejected (status {status}; -2: not an AMX build)")
+    return tiles.view(torch.bfloat16).view(2, kb // 32, 16, 32).clone()
 
 
 def int4_dequant(codes: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tensor, group_size: int) -> torch.Tensor:
