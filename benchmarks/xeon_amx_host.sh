@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The xeon backend on an Intel Xeon with AVX-512 VNNI and AMX (the GPU machine's host CPU: 16 vCPUs of a
-# 5th-gen Xeon), in one call: the backend's tests, the AVX2 build against the AVX-512 VNNI build on the same
-# linear shapes (MUSECORE_XEON_ISA caps the build), the muse-small MoE layer and end-to-end decode, the native
-# xeon6 matrix rows and a generate on device="xeon6".
+# The xeon backend on an Intel Xeon with AVX-512 VNNI and AMX (the GPU machine's host CPU: 16 cores of a
+# 5th-gen Xeon), in one call: the backend's tests, the linear shapes for each ISA level in ISAS (MUSECORE_XEON_ISA
+# caps the build: amx = the INT4 AMX GEMM above the crossover, avx512_vnni / avx2 = dequantized tiles there), the
+# muse-small MoE layer and end-to-end decode, the native xeon6 matrix rows and a generate on device="xeon6".
 #   device run: bash benchmarks/xeon_amx_host.sh   (carry: .whl; ISAS, SHAPES, MS, SKIP_E2E, SKIP_MATRIX narrow it)
-# Outputs under $OUT (copied to benchmarks/results/xeon_amx_host/): tests.log, linear_{avx2,avx512_vnni}.{json,txt},
+# Outputs under $OUT (copied to benchmarks/results/xeon_amx_host/): tests.log, linear_<isa>.{json,txt},
 # moe_e2e.{json,txt}, matrix_xeon6_native.json, generate.txt.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} MUSECORE_XEON_CACHE=${MUSECORE_XEON_CACHE:-/tmp/musecore_xeon_cache}
@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
   -e ./quant -e . -e ./backends/xeon 2>&1 | grep -v -i warning | tail -3
 timeout ${TEST_S:-120} python3 -m pytest -q -p no:cacheprovider -rs backends/xeon/tests 2>&1 \
   | grep -v "conformance.py:55" > "$OUT/tests.log"; tail -3 "$OUT/tests.log"
-for isa in ${ISAS:-avx512_vnni avx2}; do
+for isa in ${ISAS:-amx avx512_vnni}; do
   MUSECORE_XEON_ISA=$isa timeout ${LINEAR_S:-150} python3 benchmarks/xeon_bench.py --cases linear --threads $THREADS \
     --shapes ${SHAPES:-8192x2048 2048x8192 768x512 512x768} --ms ${MS:-1 2 4 16 64 256} --repeats 3 \
     --out "$OUT/linear_$isa.json" > "$OUT/linear_$isa.txt" 2>&1

@@ -153,11 +153,12 @@ static inline __m512i load_x512(const int16_t *xc, int j) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xc + 16 * j))),
                               _mm256_loadu_si256((const __m256i *)(xc + 64 + 16 * j)), 1);
 }
-/* Exact int32 lane sums of two 512-bit accumulators folded into one 256-bit vector (for the AVX2 flush). */
-static inline __m256i fold512(__m512i a, __m512i b) {
-    const __m512i s = _mm512_add_epi32(a, b);
+/* Exact int32 lane sums of one 512-bit accumulator folded into one 256-bit vector (for the AVX2 flush). */
+static inline __m256i fold1_512(__m512i s) {
     return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
+/* ... and of two accumulators. */
+static inline __m256i fold512(__m512i a, __m512i b) { return fold1_512(_mm512_add_epi32(a, b)); }
 /* 16 accumulators -> one vector whose lane i is the (exact int32) sum of a[i]'s 16 lanes: unpack/add within
    128-bit lanes twice, then two rounds of 128-bit block shuffles and adds. */
 static inline __attribute__((always_inline)) __m512i pair_sum32(__m512i a, __m512i b) {
@@ -481,9 +482,8 @@ static inline __attribute__((always_inline)) void gemv2_rows(
                 ROW2_STEP512(2, c02, c12)
                 ROW2_STEP512(3, c03, c13)
             }
-            const __m512i zero = _mm512_setzero_si512();
-            a00 = fold512(c00, zero); a01 = fold512(c01, zero); a02 = fold512(c02, zero); a03 = fold512(c03, zero);
-            a10 = fold512(c10, zero); a11 = fold512(c11, zero); a12 = fold512(c12, zero); a13 = fold512(c13, zero);
+            a00 = fold1_512(c00); a01 = fold1_512(c01); a02 = fold1_512(c02); a03 = fold1_512(c03);
+            a10 = fold1_512(c10); a11 = fold1_512(c11); a12 = fold1_512(c12); a13 = fold1_512(c13);
         } else
 #endif
 #pragma GCC unroll 1
@@ -613,11 +613,8 @@ static inline __attribute__((always_inline)) void gemm_rows(
                     DQ_STEP512(0, d00, d10) DQ_STEP512(1, d01, d11) DQ_STEP512(2, d02, d12) DQ_STEP512(3, d03, d13)
 #undef DQ_STEP512
                 }
-                {
-                    const __m512i zero = _mm512_setzero_si512();
-                    c00 = fold512(d00, zero); c01 = fold512(d01, zero); c02 = fold512(d02, zero); c03 = fold512(d03, zero);
-                    c10 = fold512(d10, zero); c11 = fold512(d11, zero); c12 = fold512(d12, zero); c13 = fold512(d13, zero);
-                }
+                c00 = fold1_512(d00); c01 = fold1_512(d01); c02 = fold1_512(d02); c03 = fold1_512(d03);
+                c10 = fold1_512(d10); c11 = fold1_512(d11); c12 = fold1_512(d12); c13 = fold1_512(d13);
 #else
                 for (int64_t e = 0; e < g; e += 16) {
                     const __m256i a = _mm256_loadu_si256((const __m256i *)(x0 + e)),
