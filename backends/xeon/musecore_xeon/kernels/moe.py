@@ -29,6 +29,15 @@ from musecore_xeon.kernels.int4 import Int4Linear
 ExpertLinear = Union[Int4Linear, DenseLinear]
 
 
+# The crossover of one INT4 linear compares one call with one call; leaving the fused MoE call costs two calls per
+# routed expert plus the Python between them. With AMX the dense path's crossover fell to M = 8 on muse-small's expert
+# shapes (768x512: GEMV 21 us, AMX 25 us at M = 8, cold, 16 cores), and the layer at T = 64 (about 8 tokens per expert)
+# went from 1.9 ms in the fused call to 6.9 ms in 128 AMX calls (0.71x BF16). At 32 tokens one GEMV call costs about
+# 50-60 us against 35 us for AMX plus the per-expert Python (benchmarks/results/xeon_amx_host/amx_linear.txt): about
+# even, so the fused call is kept below 32 tokens per expert.
+INT4_FUSED_MIN_TOKENS = 32
+
+
 @dataclass
 class XeonExperts:
     """Per-expert resident weights of one MoE layer: fused ``[gate; up]`` ``[2I, l]`` and ``down [l, I]``."""
@@ -67,10 +76,14 @@ class XeonExperts:
 
     def refresh_native_limit(self) -> None:
         """Tokens per expert below which the fused native call runs: the smaller measured crossover of the first
-        expert's two projections (INT4: to the dense tiles; BF16: away from the native GEMV)."""
+        expert's two projections (INT4: to the dense path; BF16: away from the native GEMV), and for INT4 at least
+        :data:`INT4_FUSED_MIN_TOKENS`."""
         pick = (lambda lin: lin.crossover) if self.native_kind == "int4" else (lambda lin: lin.gemv_crossover)
         crossovers = [pick(lin) for lin in (self.gate_up[0], self.down[0]) if pick(lin) is not None]
-        self.native_max_tokens = min(crossovers, default=1 << 62) - 1
+        limit = min(crossovers, default=1 << 62)
+        if self.native_kind == "int4":
+            limit = max(limit, INT4_FUSED_MIN_TOKENS)
+        self.native_max_tokens = limit - 1
 
     def native_fits(self, tokens: int, ids: torch.Tensor) -> bool:
         if self.native_pointers is None:
