@@ -1,7 +1,8 @@
 """Where a muse-small decode step goes on the xeon backend: each op of the graph wrapped with a timer, 32 decode
 steps after a 32-token prefill (NVFP4 checkpoint, experts converted to INT4 as the plan does; random weights)::
 
-    python3 benchmarks/xeon_decode_breakdown.py [--threads 2] [--preset muse-small]
+    python3 benchmarks/xeon_decode_breakdown.py [--threads 2] [--preset muse-small] [--quantize-dense]
+        [--checkpoint-format bf16]
 
 Prints the step time without and with the timers, then per op: ms per token, calls per token and us per call,
 and the time spent outside the ops (the graph's own Python and tensor bookkeeping).
@@ -38,9 +39,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--preset", default="muse-small")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--checkpoint-format", default="nvfp4", choices=("nvfp4", "bf16"),
+                   help="bf16: every weight BF16 (the baseline the INT4 ratios are taken against)")
+    p.add_argument("--quantize-dense", action="store_true",
+                   help="also convert attention, pooler/unpooler and lm_head to INT4 (the opt-in)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_random(args.preset, "xeon", checkpoint_format="nvfp4")
+    model = load_random(args.preset, "xeon", checkpoint_format=args.checkpoint_format,
+                        quantize_dense=args.quantize_dense)
     decode_steps(model, 4)
     plain = decode_steps(model, args.steps)
     spent, calls = collections.defaultdict(float), collections.Counter()
@@ -56,7 +62,8 @@ def main() -> None:
         setattr(model.ops, name, timed)
     decode_steps(model, 2)
     wrapped = decode_steps(model, args.steps, after_prefill=lambda: (spent.clear(), calls.clear()))
-    print(f"{args.preset}, {args.threads} threads: decode step {plain * 1e3:.2f} ms ({wrapped * 1e3:.2f} ms with timers)")
+    label = args.checkpoint_format + (" + quantize_dense" if args.quantize_dense else "")
+    print(f"{args.preset} ({label}), {args.threads} threads: decode step {plain * 1e3:.2f} ms ({wrapped * 1e3:.2f} ms with timers)")
     n = args.steps
     inside = 0.0
     for name, total in sorted(spent.items(), key=lambda kv: -kv[1]):
