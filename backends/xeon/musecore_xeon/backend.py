@@ -28,6 +28,7 @@ from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_quant.qtensor import QTensor
 from musecore_xeon import ops as xops
 from musecore_xeon.cpu import CpuInfo, configure_threads, read_cpu_info
+from musecore_xeon.kernels import native
 from musecore_xeon.kernels.dense import DenseLinear, dense_compute_dtype, prepare_dense
 from musecore_xeon.kernels.int4 import Int4Linear, int4_crossover, pack_int4, prepare_int4
 from musecore_xeon.kernels.moe import XeonExperts, moe_forward
@@ -46,7 +47,8 @@ def probe_cpu(info: CpuInfo) -> Probe:
                                "torch_cpu_capability": info.torch_capability,
                                "flags": sorted(f for f in ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f",
                                                            "avx512_vnni", "avx2") if info.has(f)),
-                               "threads": torch.get_num_threads()}
+                               "threads": torch.get_num_threads(),
+                               "int4_dense_path": "amx" if native.amx_planned(info) else "dequantized tiles"}
     if info.error is not None:
         return Probe(False, 0, [], f"cannot read CPU features: {info.error}", details)
     if not info.is_x86_64:
@@ -93,9 +95,11 @@ class XeonBackend(Backend):
             if fmt == "fp8":
                 return Support.no("FP8 weights: convert to INT4 or BF16 at load")
             if fmt == "int4":
-                return Support.native("INT4 weight-only: native AVX2 GEMV (nibble-planar codes; "
+                dense = ("the INT4 GEMM on AMX (weight panels dequantized into AMX tiles)" if native.amx_planned(self.cpu)
+                         else "SGEMM on dequantized tiles")
+                return Support.native("INT4 weight-only: native GEMV (nibble-planar codes; "
                                       "_weight_int4pack_mm_for_cpu without a C compiler) below the measured "
-                                      "crossover M, SGEMM on dequantized tiles above it")
+                                      f"crossover M, {dense} above it")
             return Support.native(f"{fmt} weights via PyTorch matmul ({self.dense_dtype} tiles at large M)")
         if op == "attention":
             if spec.kv_format not in ("bf16", "fp16", "fp32", "fp8"):

@@ -41,6 +41,20 @@ def test_probe_with_amx_serves_xeon6(tmp_path: Path) -> None:
     assert probe.score > probe_cpu(read_cpu_info(str(fake_cpuinfo(tmp_path, "avx2 avx512f")))).score
 
 
+def test_probe_reports_the_int4_dense_path_that_the_build_will_take(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX-BF16 with AVX-512 BF16 and VNNI: the INT4 GEMM on AMX above the crossover; capped by MUSECORE_XEON_ISA or
+    without those flags: dequantized tiles."""
+    amx = read_cpu_info(str(fake_cpuinfo(tmp_path, "fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni "
+                                                   "avx512_bf16 amx_tile amx_bf16 amx_int8")))
+    monkeypatch.delenv("MUSECORE_XEON_ISA", raising=False)
+    assert probe_cpu(amx).details["int4_dense_path"] == "amx"
+    assert probe_cpu(read_cpu_info(str(fake_cpuinfo(tmp_path, "avx2 fma avx512f avx512_vnni")))
+                     ).details["int4_dense_path"] == "dequantized tiles"
+    monkeypatch.setenv("MUSECORE_XEON_ISA", "avx512_vnni")
+    assert probe_cpu(amx).details["int4_dense_path"] == "dequantized tiles"
+
+
 def test_probe_without_avx2_is_unavailable_with_reason(tmp_path: Path) -> None:
     probe = probe_cpu(read_cpu_info(str(fake_cpuinfo(tmp_path, "fpu sse4_2 avx"))))
     assert not probe.available and probe.devices == [] and "AVX2" in probe.reason

@@ -400,6 +400,15 @@ def bf16_gemv_with(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor, thre
     return y
 
 
+def amx_planned(info=None) -> bool:
+    """Whether the build will include the INT4 AMX GEMM (the CPU, ``info`` or this one, has :data:`AMX_FLAGS` and
+    ``MUSECORE_XEON_ISA`` does not cap it): the plan's and the probe's answer, known without compiling
+    (:func:`amx_ready` also needs the build and Linux's permission)."""
+    from musecore_xeon.cpu import read_cpu_info
+    info = info or read_cpu_info()
+    return isa_cap() == "amx" and all(info.has(f) for f in AVX512_VNNI_FLAGS + AMX_FLAGS + ("avx2", "fma"))
+
+
 @functools.cache
 def amx_ready() -> bool:
     """Whether the INT4 AMX GEMM (:mod:`native_amx_source`) can run here: built (ISA level ``amx``: the CPU has AMX-BF16
