@@ -461,3 +461,15 @@ def test_int4_tiles_are_larger_where_the_dense_gemm_is_native_bf16() -> None:
     qt = random_int4(8192, 2048, 128, negative_scales=False, asymmetric=False)
     assert prepare_int4(qt, torch.float32, calibrate=False).tile_rows == DENSE_TILE_ELEMENTS // 2048
     assert prepare_int4(qt, torch.bfloat16, calibrate=False).tile_rows == NATIVE_BF16_TILE_ELEMENTS // 2048
+
+
+def test_the_native_kernels_build_wherever_a_c_compiler_exists() -> None:
+    """The backend falls back to slower PyTorch paths (with a warning) when the build fails, and the tests of the
+    native kernels skip without them: so a source that no longer compiles would pass the suite. Where a compiler
+    exists and nothing disables the kernels, the build must succeed; the error shows the compiler's message."""
+    if native.disabled():
+        pytest.skip(f"{native.NATIVE_ENV} disables the native kernels")
+    if native.compiler() is None:
+        pytest.skip("no C compiler (cc/gcc) here: the native kernels cannot be built")
+    assert native.available(), f"the native kernels failed to build: {native.UNAVAILABLE}"
+    assert native.linear_binding() is not None, "the CPython extension failed to build (see the RuntimeWarning)"

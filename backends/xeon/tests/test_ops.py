@@ -126,6 +126,35 @@ def test_attention_few_queries_native_path_matches_reference(xeon: XeonBackend, 
                 f"native attention {dtype} T={T} d={d} window={window}")
 
 
+@pytest.mark.parametrize("nq,nkv", [(8, 2), (8, 8), (8, 1)])  # GQA, MHA, MQA
+def test_native_attention_gives_the_same_bits_for_every_thread_count(nq: int, nkv: int) -> None:
+    """The C loop takes all query heads of a kv head per item (each K/V row converted once), or fewer where that
+    leaves fewer items than threads: the per-head arithmetic is the same either way, so the outputs are equal bit for
+    bit at 1, 2, 8 and 64 threads (64: one head per item), and match the reference."""
+    from musecore_xeon import ops as xops
+    from musecore_xeon.kernels import native
+    lib = native.load()
+    if lib is None:
+        pytest.skip(f"the native kernels are not built here: {native.UNAVAILABLE}")
+    B, T, S, d = 1, 1, 40, 64
+    q, k, v = attention_case(B, T, S, nq, nkv, d, torch.bfloat16)
+    k_pos = torch.arange(S)[None].clone()
+    k_pos[0, 30:] = -1
+    q_pos = torch.tensor([[29]])
+    outs = []
+    for threads in (1, 2, 8, 64):
+        out = torch.empty_like(q)
+        lib.musecore_attention(q.data_ptr(), 1, k.data_ptr(), v.data_ptr(), 1, q_pos.data_ptr(), k_pos.data_ptr(), 7,
+                               d ** -0.5, out.data_ptr(), B, T, S, nq, nkv, d, threads)
+        outs.append(out)
+    for threads, out in zip((2, 8, 64), outs[1:]):
+        diff = (out.float() - outs[0].float()).abs().max().item()
+        assert torch.equal(out, outs[0]), f"nq={nq} nkv={nkv}: {threads} threads differ from 1 by {diff:.3g}"
+    assert_nmse(ref.attention(q, k, v, q_pos, k_pos, 7, d ** -0.5), outs[0], tolerance("attention"),
+                f"native attention nq={nq} nkv={nkv}")
+    assert xops.NATIVE_ATTENTION_MAX_QUERIES >= T
+
+
 def test_decode_ops_go_through_the_extension_and_match_the_ctypes_kernels(xeon: XeonBackend) -> None:
     """The extension calls the same C kernels as ctypes (the same bits); what it cannot take returns None (the op then
     takes its other path): fp16, non-contiguous, more than NATIVE_NORM_MAX_ELEMENTS elements, mismatched shapes."""

@@ -184,37 +184,74 @@ static inline void axpy_v(float *acc, float p, const void *v, int vb, int64_t of
     for (; c < d; ++c) acc[c] += p * load_x(v, vb, off + c);
 }
 
+/* Row off..off+d-1 of a bf16 or fp32 tensor as fp32: dst for bf16 (converted once), the row itself for fp32. */
+static inline const float *row_f32(const void *src, int bf16, int64_t off, int64_t d, float *dst) {
+    if (!bf16) return (const float *)src + off;
+    int64_t c = 0;
+#ifdef __AVX2__
+    for (; c + 8 <= d; c += 8) _mm256_storeu_ps(dst + c, load8_x(src, 1, off + c));
+#endif
+    for (; c < d; ++c) dst[c] = load_x(src, 1, off + c);
+    return dst;
+}
+
+/* An item is hp query heads of one kv head (GQA: heads h .. h+hp-1 read kv head h / (nq / nkv)) at one (batch,
+   query): each visible key and value row is converted to fp32 once and used by the hp heads (one conversion per kv
+   head instead of one per query head). hp is the whole group unless that leaves fewer items than threads. */
 void musecore_attention(const void *q, int qb, const void *k, const void *v, int kvb, const int64_t *q_pos,
                         const int64_t *k_pos, int64_t window, float scale, void *out, int64_t B, int64_t T, int64_t S,
                         int64_t nq, int64_t nkv, int64_t d, int threads) {
-    const int64_t group = nq / nkv, items = B * T * nq;
+    const int64_t group = nq / nkv;
+    int64_t hp = group;
+    while (hp % 2 == 0 && B * T * (nq / hp) < threads) hp /= 2;
+    const int64_t items = B * T * (nq / hp);
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && items * S * d >= (1 << 18))
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && B * T * nq * S * d >= (1 << 18))
 #endif
     for (int64_t it = 0; it < items; ++it) {
-        const int64_t b = it / (T * nq), t = (it / nq) % T, h = it % nq, kvh = h / group;
-        float *buf = scratch((size_t)(S + 2 * d));  /* this thread's: scores, the query in fp32, the output */
-        float *sc = buf, *qf = buf + S, *acc = qf + d;
-        const int64_t qoff = it * d, qp = q_pos[b * T + t];
-        for (int64_t c = 0; c < d; ++c) { qf[c] = load_x(q, qb, qoff + c); acc[c] = 0.0f; }
-        float mx = -INFINITY;
+        const int64_t bt = it / (nq / hp), h0 = (it % (nq / hp)) * hp, kvh = h0 / group;
+        const int64_t b = bt / T, qp = q_pos[bt];
+        /* this thread's: scores [hp, S], queries and outputs [hp, d], one converted row [d] */
+        float *buf = scratch((size_t)(hp * S + 2 * hp * d + d));
+        if (buf == NULL) continue;
+        float *sc = buf, *qf = sc + hp * S, *acc = qf + hp * d, *row = acc + hp * d;
+        float mx[hp], denom[hp];
+        for (int64_t g = 0; g < hp; ++g) {
+            for (int64_t c = 0; c < d; ++c) {
+                qf[g * d + c] = load_x(q, qb, (bt * nq + h0 + g) * d + c);
+                acc[g * d + c] = 0.0f;
+            }
+            mx[g] = -INFINITY;
+            denom[g] = 0.0f;
+        }
+        int any = 0;
         for (int64_t j = 0; j < S; ++j) {
             const int64_t kp = k_pos[b * S + j];
-            if (kp < 0 || kp > qp || (window > 0 && qp - kp >= window)) { sc[j] = -INFINITY; continue; }
-            sc[j] = dot_qk(qf, k, kvb, ((b * S + j) * nkv + kvh) * d, d) * scale;
-            if (sc[j] > mx) mx = sc[j];
-        }
-        float denom = 0.0f;
-        if (mx != -INFINITY) {
-            for (int64_t j = 0; j < S; ++j) {
-                if (sc[j] == -INFINITY) continue;
-                const float p = expf(sc[j] - mx);
-                denom += p;
-                axpy_v(acc, p, v, kvb, ((b * S + j) * nkv + kvh) * d, d);
+            if (kp < 0 || kp > qp || (window > 0 && qp - kp >= window)) continue;
+            any = 1;
+            const float *kr = row_f32(k, kvb, ((b * S + j) * nkv + kvh) * d, d, row);
+            for (int64_t g = 0; g < hp; ++g) {
+                const float s = dot_qk(qf + g * d, kr, 0, 0, d) * scale;
+                sc[g * S + j] = s;
+                if (s > mx[g]) mx[g] = s;
             }
         }
-        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-        for (int64_t c = 0; c < d; ++c) store_y(out, qb, qoff + c, acc[c] * inv);
+        if (any)
+            for (int64_t j = 0; j < S; ++j) {
+                const int64_t kp = k_pos[b * S + j];
+                if (kp < 0 || kp > qp || (window > 0 && qp - kp >= window)) continue;
+                const float *vr = row_f32(v, kvb, ((b * S + j) * nkv + kvh) * d, d, row);
+                for (int64_t g = 0; g < hp; ++g) {
+                    if (mx[g] == -INFINITY) continue;  /* a head whose every score is -inf: zeros, as the reference */
+                    const float p = expf(sc[g * S + j] - mx[g]);
+                    denom[g] += p;
+                    axpy_v(acc + g * d, p, vr, 0, 0, d);
+                }
+            }
+        for (int64_t g = 0; g < hp; ++g) {
+            const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f;
+            for (int64_t c = 0; c < d; ++c) store_y(out, qb, (bt * nq + h0 + g) * d + c, acc[g * d + c] * inv);
+        }
     }
 }
 
