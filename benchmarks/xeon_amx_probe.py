@@ -10,24 +10,17 @@ how the fixed part scales. Reference rows: the INT4 GEMV at M = 1 and PyTorch's 
 from __future__ import annotations
 
 import argparse
-import time
-
 import torch
 import torch.nn.functional as F
 
 from musecore_xeon import XeonBackend
 from musecore_xeon.bench import random_int4_linear
 from musecore_xeon.kernels import native
+from musecore_xeon.kernels.crossover import time_us
 
 
-def best_us(fn, repeats: int = 20) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
+def best_us(fn) -> float:
+    return time_us(fn, repeats=20)
 
 
 def main() -> None:

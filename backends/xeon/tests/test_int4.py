@@ -121,32 +121,34 @@ def test_calibration_retimes_a_stalled_dense_path() -> None:
     """The dense path stalls (5 ms instead of 1 ms) for its first warm-up + 3 timed calls: the kernel
     (2 ms) seems to win at M=256, which would stop the scan and keep the kernel at every M. The close
     call is timed again, so the dense path still wins at the largest M."""
-    calls = {"dense": 0}
-
-    def dense(x: torch.Tensor) -> None:
-        calls["dense"] += 1
-        time.sleep(5e-3 if calls["dense"] <= 4 else 1e-3)
-
+    dense, _ = stalling_path(stalled_calls=4, stalled_s=5e-3, then_s=1e-3)
     calibration = measure_crossover("synthetic", 8, 8, lambda x: time.sleep(2e-3), dense, torch.float32,
                                     ms=(128, 256))
     print(calibration.table())
     assert calibration.crossover == 128, calibration.table()
 
 
+def stalling_path(stalled_calls: int, stalled_s: float, then_s: float):
+    """A synthetic path that sleeps ``stalled_s`` for its first ``stalled_calls`` calls, then ``then_s``; and its call
+    counter."""
+    calls = {"n": 0}
+
+    def path(x: torch.Tensor) -> None:
+        calls["n"] += 1
+        time.sleep(stalled_s if calls["n"] <= stalled_calls else then_s)
+
+    return path, calls
+
+
 def test_calibration_gives_a_close_call_more_alternating_rounds() -> None:
     """A close call (the paths within CLOSE_CALL_RATIO): the dense path is 18% slow for its first two timings (8
     calls: a burst of other work), then the faster of the two (2.0 ms against the kernel's 2.2 ms). Two rounds
     would keep the kernel; the extra alternating rounds find the dense path's real time."""
-    calls = {"dense": 0}
-
-    def dense(x: torch.Tensor) -> None:
-        calls["dense"] += 1
-        time.sleep(2.6e-3 if calls["dense"] <= 8 else 2.0e-3)
-
+    dense, calls = stalling_path(stalled_calls=8, stalled_s=2.6e-3, then_s=2.0e-3)
     calibration = measure_crossover("synthetic", 8, 8, lambda x: time.sleep(2.2e-3), dense, torch.float32,
                                     ms=(128, 256))
     print(calibration.table())
-    assert calls["dense"] > 8 and calibration.crossover == 128, calibration.table()
+    assert calls["n"] > 8 and calibration.crossover == 128, calibration.table()
 
 
 def test_unsupported_int4_shapes_and_formats_raise_with_advice(xeon: XeonBackend) -> None:
