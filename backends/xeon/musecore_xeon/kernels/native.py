@@ -97,12 +97,12 @@ def isa_cap() -> str:
     return raw or ISA_LEVELS[0]
 
 
-def compile_flags(cap: Optional[str] = None) -> list[str]:
-    """The compiler flags for this CPU, up to ``cap`` (default :func:`isa_cap`): ``-mavx2 -mfma -mf16c`` where the
-    CPU has AVX2, plus the AVX-512 VNNI flags where it has those (the GEMVs then read 512 bits per load), plus AMX-BF16
-    and AVX-512 BF16 where it has those (the INT4 GEMM of :mod:`native_amx_source`)."""
+def compile_flags(cap: Optional[str] = None, info=None) -> list[str]:
+    """The compiler flags for this CPU (or ``info``'s), up to ``cap`` (default :func:`isa_cap`): ``-mavx2 -mfma
+    -mf16c`` where the CPU has AVX2, plus the AVX-512 VNNI flags where it has those (the GEMVs then read 512 bits per
+    load), plus AMX-BF16 and AVX-512 BF16 where it has those (the INT4 GEMM of :mod:`native_amx_source`)."""
     from musecore_xeon.cpu import read_cpu_info
-    info = read_cpu_info()
+    info = info or read_cpu_info()
     level = ISA_LEVELS.index(cap or isa_cap())
     isa = ["-mavx2", "-mfma"] if info.has("avx2") and info.has("fma") and level <= ISA_LEVELS.index("avx2") else []
     if isa and info.has("f16c"):
@@ -404,9 +404,7 @@ def amx_planned(info=None) -> bool:
     """Whether the build will include the INT4 AMX GEMM (the CPU, ``info`` or this one, has :data:`AMX_FLAGS` and
     ``MUSECORE_XEON_ISA`` does not cap it): the plan's and the probe's answer, known without compiling
     (:func:`amx_ready` also needs the build and Linux's permission)."""
-    from musecore_xeon.cpu import read_cpu_info
-    info = info or read_cpu_info()
-    return isa_cap() == "amx" and all(info.has(f) for f in AVX512_VNNI_FLAGS + AMX_FLAGS + ("avx2", "fma"))
+    return "-mamx-bf16" in compile_flags(info=info)
 
 
 @functools.cache

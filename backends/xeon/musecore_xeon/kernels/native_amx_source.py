@@ -56,18 +56,6 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Per-thread buffers, grown as needed and kept (a fresh mmap per call would page-fault every time). */
-static __thread void *amx_bufs[3];
-static __thread size_t amx_caps[3];
-static void *amx_buffer(int which, size_t bytes) {
-    if (bytes > amx_caps[which]) {
-        free(amx_bufs[which]);
-        amx_bufs[which] = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-        amx_caps[which] = amx_bufs[which] ? bytes : 0;
-    }
-    return amx_bufs[which];
-}
-
 /* r[c] <- column c of the 16 x 16 matrix of dwords whose row i is r[i] (unpack 32, unpack 64, two block shuffles). */
 static inline __attribute__((always_inline)) void amx_transpose16(__m512i r[16]) {
     __m512i t[16], u[16];
@@ -238,7 +226,7 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
     int threads = 1;
 #endif
     const int64_t mp = (m + 15) / 16 * 16, x_tiles = (mp / 16) * (k / 32);
-    uint16_t *xp = (uint16_t *)amx_buffer(2, (size_t)mp * k * 2);  /* the calling thread's: not a worker's 0 or 1 */
+    uint16_t *xp = (uint16_t *)thread_buffer(3, (size_t)mp * k * 2);  /* the calling thread's: not a worker's 1 or 2 */
     if (xp == NULL) return 1;
     __m512i interleave;  /* lane 2q + h <- element 16h + q of [lo 16, hi 16] */
     {
@@ -260,8 +248,8 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
 #endif
         for (int64_t i = 0; i < x_tiles; ++i)
             amx_pack_tile(x, x_bf16, m, k, g, i / (k / 32), i % (k / 32), interleave, xp);
-        uint16_t *ap = (uint16_t *)amx_buffer(0, (size_t)(nb / 16) * (AMX_K_BLOCK / 32) * AMX_TILE_U16 * 2);
-        float *acc = (float *)amx_buffer(1, (size_t)AMX_M_BLOCK * nb * 4);
+        uint16_t *ap = (uint16_t *)thread_buffer(1, (size_t)(nb / 16) * (AMX_K_BLOCK / 32) * AMX_TILE_U16 * 2);
+        float *acc = (float *)thread_buffer(2, (size_t)AMX_M_BLOCK * nb * 4);
         if (ap == NULL || acc == NULL) {
 #ifdef _OPENMP
 #pragma omp atomic write

@@ -87,17 +87,20 @@ static inline void store_y(void *y, int y_bf16, int64_t i, float v) {
     else ((float *)y)[i] = v;
 }
 
-/* Per-thread scratch, grown as needed (a fresh large malloc per call would be a fresh mmap: page faults). */
-static __thread float *scratch_buf;
-static __thread size_t scratch_cap;
-static float *scratch(size_t n) {
-    if (n > scratch_cap) {
-        free(scratch_buf);
-        scratch_buf = (float *)aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63);
-        scratch_cap = scratch_buf ? n : 0;
+/* Per-thread buffers, 64-byte aligned, grown as needed and kept (a fresh large malloc per call would be a fresh
+   mmap: page faults). Slot 0 is scratch(); the AMX GEMM uses 1-3. */
+#define THREAD_BUFFERS 4
+static __thread void *thread_bufs[THREAD_BUFFERS];
+static __thread size_t thread_caps[THREAD_BUFFERS];
+static void *thread_buffer(int which, size_t bytes) {
+    if (bytes > thread_caps[which]) {
+        free(thread_bufs[which]);
+        thread_bufs[which] = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        thread_caps[which] = thread_bufs[which] ? bytes : 0;
     }
-    return scratch_buf;
+    return thread_bufs[which];
 }
+static float *scratch(size_t n) { return (float *)thread_buffer(0, n * sizeof(float)); }
 
 /* The quantized activations of m_rows rows: int16 [m, K] in the GEMV's order, fp32 sx and int32 sum(xq) [m, K/g]. */
 typedef struct { int16_t *xq; float *sx; int32_t *xqsum; } qx_t;
