@@ -39,7 +39,7 @@ _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 @functools.cache
 def _fast():
     """The extension's norm and router calls (None without it): each returns None where its fast path does not apply."""
-    return native.ops_binding(NATIVE_NORM_MAX_ELEMENTS)
+    return native.ops_binding(NATIVE_NORM_MAX_ELEMENTS, NATIVE_ATTENTION_MAX_QUERIES)
 
 
 def _fast_call(name: str, *args):
@@ -162,6 +162,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if nq % nkv:
         raise ValueError(f"attention: {nq} query heads are not a multiple of {nkv} kv heads")
     B, T, _, d = q.shape
+    if k_scale is None and v_scale is None and (window is None or window > 0):
+        out = _fast_call("attention", q, k, v, q_pos, k_pos, -1 if window is None else window, scale,
+                         torch.get_num_threads())
+        if out is not None:
+            return out
     if T <= NATIVE_ATTENTION_MAX_QUERIES and k_scale is None and v_scale is None and k.dtype == v.dtype \
             and k.shape == v.shape and k.shape[0] == B and k.shape[3] == d and (window is None or window > 0):
         lib = _native_norms(q, k, v)

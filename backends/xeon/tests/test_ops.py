@@ -181,6 +181,23 @@ def test_decode_ops_go_through_the_extension_and_match_the_ctypes_kernels(xeon: 
     assert fast.router_topk(torch.randn(3, 8), 9, True) is None
     with pytest.raises(TypeError, match="takes 3 arguments"):
         fast.rms_norm(x, w)
+    # decode attention: the same bits as the ctypes call; a KV cache larger than NATIVE_NORM_MAX_ELEMENTS is taken;
+    # int32 positions, fp16, more than NATIVE_ATTENTION_MAX_QUERIES queries and mismatched K/V are not
+    q, k, v = attention_case(1, 1, 300, 16, 4, 128, torch.bfloat16)
+    assert k.numel() > xops.NATIVE_NORM_MAX_ELEMENTS
+    k_pos = torch.arange(300)[None].clone()
+    k_pos[0, 200:] = -1
+    q_pos = torch.tensor([[199]])
+    got = fast.attention(q, k, v, q_pos, k_pos, 64, 0.088, 2)
+    want = torch.empty_like(q)
+    lib.musecore_attention(q.data_ptr(), 1, k.data_ptr(), v.data_ptr(), 1, q_pos.data_ptr(), k_pos.data_ptr(), 64,
+                           0.088, want.data_ptr(), 1, 1, 300, 16, 4, 128, 2)
+    assert got is not None and torch.equal(got, want)
+    assert fast.attention(q, k, v, q_pos.int(), k_pos, 64, 0.088, 2) is None
+    assert fast.attention(q.half(), k.half(), v.half(), q_pos, k_pos, 64, 0.088, 2) is None
+    assert fast.attention(q, k, v.float(), q_pos, k_pos, 64, 0.088, 2) is None
+    many = torch.randn(1, xops.NATIVE_ATTENTION_MAX_QUERIES + 1, 16, 128, dtype=torch.bfloat16)
+    assert fast.attention(many, k, v, q_pos.repeat(1, many.shape[1]), k_pos, 64, 0.088, 2) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

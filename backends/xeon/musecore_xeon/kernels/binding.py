@@ -146,43 +146,58 @@ typedef void (*rope_fn)(const void *, int, const void *, int, const float *, con
                         int64_t, float);
 typedef void (*gate_fn)(const void *, int, const void *, int, const void *, int, void *, int64_t, int64_t, float);
 typedef int (*router_fn)(const void *, int, int64_t, int64_t, int64_t, int, float *, int64_t *);
+typedef void (*attention_fn)(const void *, int, const void *, const void *, int, const int64_t *, const int64_t *,
+                             int64_t, float, void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int);
 static rms_fn rms_kernel;
 static residual_fn residual_kernel;
 static rope_fn rope_kernel;
 static gate_fn gate_kernel;
 static router_fn router_kernel;
-static int64_t max_elements;
+static attention_fn attention_kernel;
+static int64_t max_elements, max_queries;
 
 static PyObject *set_ops(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "set_ops(rms, residual, rope, gate, router, max_elements) takes 6 arguments; got %zd",
-                     nargs);
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "set_ops(rms, residual, rope, gate, router, attention, max_elements, max_queries) "
+                     "takes 8 arguments; got %zd", nargs);
         return nullptr;
     }
-    void *a[5];
-    for (int i = 0; i < 5; ++i) {
+    void *a[6];
+    for (int i = 0; i < 6; ++i) {
         a[i] = PyLong_AsVoidPtr(args[i]);
         if (PyErr_Occurred()) return nullptr;
     }
-    const long long limit = PyLong_AsLongLong(args[5]);
+    const long long limit = PyLong_AsLongLong(args[6]), queries = PyLong_AsLongLong(args[7]);
     if (PyErr_Occurred()) return nullptr;
     rms_kernel = (rms_fn)a[0];
     residual_kernel = (residual_fn)a[1];
     rope_kernel = (rope_fn)a[2];
     gate_kernel = (gate_fn)a[3];
     router_kernel = (router_fn)a[4];
+    attention_kernel = (attention_fn)a[5];
     max_elements = limit;
+    max_queries = queries;
     Py_RETURN_NONE;
 }
 
 /* The tensor behind obj if it is a contiguous CPU tensor of fp32 (or bf16, unless f32_only) with at least one dim and
-   at most max_elements elements, else nullptr. */
-static const at::Tensor *operand(PyObject *obj, bool f32_only = false) {
+   at most max_elements elements (any size when !bounded: a KV cache), else nullptr. */
+static const at::Tensor *operand(PyObject *obj, bool f32_only = false, bool bounded = true) {
     if (!THPVariable_Check(obj)) return nullptr;
     const at::Tensor &t = THPVariable_Unpack(obj);
     const at::ScalarType s = t.scalar_type();
     if ((s != at::kFloat && (f32_only || s != at::kBFloat16)) || !t.device().is_cpu() || !t.is_contiguous()
-            || t.dim() == 0 || t.numel() > max_elements)
+            || t.dim() == 0 || (bounded && t.numel() > max_elements))
+        return nullptr;
+    return &t;
+}
+
+/* The tensor behind obj if it is a contiguous int64 CPU tensor of the given 2-D shape, else nullptr. */
+static const at::Tensor *positions(PyObject *obj, int64_t rows, int64_t cols) {
+    if (!THPVariable_Check(obj)) return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    if (t.scalar_type() != at::kLong || !t.device().is_cpu() || !t.is_contiguous() || t.dim() != 2
+            || t.size(0) != rows || t.size(1) != cols)
         return nullptr;
     return &t;
 }
@@ -323,6 +338,37 @@ static PyObject *router_topk(PyObject *, PyObject *const *args, Py_ssize_t nargs
     });
 }
 
+/* attention(q, k, v, q_pos, k_pos, window, scale, threads) with q [B,T,nq,d] (T <= max_queries), k and v [B,S,nkv,d] of
+   one dtype, int64 positions [B,T] and [B,S], window an int (<= 0: none) -> the decode attention of
+   native_ops_source.py in q's dtype, or None */
+static PyObject *attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("attention", args, nargs, 8, (const void *)attention_kernel, nullptr)) return nullptr;
+    const long long window = PyLong_AsLongLong(args[5]), threads = PyLong_AsLongLong(args[7]);
+    const double scale = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *q = operand(args[0]), *k = operand(args[1], false, false), *v = operand(args[2], false, false);
+    if (q == nullptr || k == nullptr || v == nullptr || q->dim() != 4 || k->dim() != 4 || k->sizes() != v->sizes()
+            || k->scalar_type() != v->scalar_type())
+        Py_RETURN_NONE;
+    const int64_t B = q->size(0), T = q->size(1), nq = q->size(2), d = q->size(3), S = k->size(1), nkv = k->size(2);
+    if (T > max_queries || k->size(0) != B || k->size(3) != d || nkv == 0 || nq % nkv || d == 0 || threads < 1)
+        Py_RETURN_NONE;
+    const at::Tensor *qp = positions(args[3], B, T), *kp = positions(args[4], B, S);
+    if (qp == nullptr || kp == nullptr) Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        at::Tensor out = at::empty(q->sizes(), q->options());
+        const void *qd = q->const_data_ptr(), *kd = k->const_data_ptr(), *vd = v->const_data_ptr();
+        const int64_t *qpd = qp->const_data_ptr<int64_t>(), *kpd = kp->const_data_ptr<int64_t>();
+        void *od = out.mutable_data_ptr();
+        const int qb = bf(q), kvb = bf(k);
+        Py_BEGIN_ALLOW_THREADS
+        attention_kernel(qd, qb, kd, vd, kvb, qpd, kpd, window > 0 ? window : -1, (float)scale, od, B, T, S, nq, nkv, d,
+                         (int)threads);
+        Py_END_ALLOW_THREADS
+        return THPVariable_Wrap(std::move(out));
+    });
+}
+
 static PyMethodDef methods[] = {
     {"int4_linear", (PyCFunction)(void (*)(void))int4_linear, METH_FASTCALL, "y = x @ W.T for a bound INT4 weight"},
     {"bf16_linear", (PyCFunction)(void (*)(void))bf16_linear, METH_FASTCALL, "y = x @ W.T for a bound BF16 weight"},
@@ -339,6 +385,8 @@ static PyMethodDef methods[] = {
      "head_norm_gate(o, w, gate_logits, eps), or None"},
     {"router_topk", (PyCFunction)(void (*)(void))router_topk, METH_FASTCALL,
      "router_topk(logits, k, renormalize) -> (weights, ids), or None"},
+    {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL,
+     "attention(q, k, v, q_pos, k_pos, window, scale, threads), or None"},
     {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "musecore_xeon_binding", nullptr, -1, methods};
 PyMODINIT_FUNC PyInit_musecore_xeon_binding(void) { return PyModule_Create(&module); }

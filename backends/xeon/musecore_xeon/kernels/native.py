@@ -532,15 +532,17 @@ def _moe_result(name: str, status: int, y: torch.Tensor, ids: torch.Tensor, expe
 
 
 @functools.cache
-def ops_binding(max_elements: int) -> Optional[ModuleType]:
-    """The CPython extension with its norm and router functions bound to this library's kernels, taking inputs of at
-    most ``max_elements`` elements (:mod:`musecore_xeon.ops` calls them, falling back when one returns None), or
-    None without the extension: the ops then call the kernels through ctypes."""
+def ops_binding(max_elements: int, max_queries: int) -> Optional[ModuleType]:
+    """The CPython extension with its norm, router and decode-attention functions bound to this library's kernels,
+    taking inputs of at most ``max_elements`` elements (K/V caches excepted) and attention of at most ``max_queries``
+    queries (:mod:`musecore_xeon.ops` calls them, falling back when one returns None), or None without the
+    extension: the ops then call the kernels through ctypes."""
     fast = linear_binding()
     if fast is None:
         return None
     lib = load()
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
     fast.set_ops(address(lib.musecore_rms_norm), address(lib.musecore_residual_norm), address(lib.musecore_norm_rope),
-                 address(lib.musecore_head_norm_gate), address(lib.musecore_router_topk), max_elements)
+                 address(lib.musecore_head_norm_gate), address(lib.musecore_router_topk), address(lib.musecore_attention),
+                 max_elements, max_queries)
     return fast
