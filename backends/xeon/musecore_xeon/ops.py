@@ -9,7 +9,7 @@ each is already a couple of vectorised PyTorch calls, and sharing ``sample`` kee
 identical to the reference's for a given generator.
 
 At decode sizes (at most :data:`NATIVE_NORM_MAX_ELEMENTS` elements, contiguous bf16/fp32 tensors) the four
-norm ops and ``router_topk`` run one C call each (``musecore_xeon.kernels.native``; same fp32 math), through the
+norm ops, ``router_topk`` and decode attention run one C call each (``musecore_xeon.kernels.native``; same fp32 math), through the
 CPython extension of :mod:`musecore_xeon.kernels.binding` where it is built (one call: checks, ``at::empty``, the
 kernel) and through ctypes otherwise (the router then keeps the reference's PyTorch calls): PyTorch's
 ``F.rms_norm`` plus the dtype casts cost ~25 us per call on a 1536-vector on the 2-core EPYC, the ctypes call with
@@ -38,7 +38,8 @@ _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 @functools.cache
 def _fast():
-    """The extension's norm and router calls (None without it): each returns None where its fast path does not apply."""
+    """The extension's norm, router and decode-attention calls (None without it): each returns None where its fast
+    path does not apply."""
     return native.ops_binding(NATIVE_NORM_MAX_ELEMENTS, NATIVE_ATTENTION_MAX_QUERIES)
 
 
@@ -162,13 +163,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if nq % nkv:
         raise ValueError(f"attention: {nq} query heads are not a multiple of {nkv} kv heads")
     B, T, _, d = q.shape
-    if k_scale is None and v_scale is None and (window is None or window > 0):
+    unscaled = k_scale is None and v_scale is None and (window is None or window > 0)  # what the C loop takes
+    if unscaled:
         out = _fast_call("attention", q, k, v, q_pos, k_pos, -1 if window is None else window, scale,
                          torch.get_num_threads())
         if out is not None:
             return out
-    if T <= NATIVE_ATTENTION_MAX_QUERIES and k_scale is None and v_scale is None and k.dtype == v.dtype \
-            and k.shape == v.shape and k.shape[0] == B and k.shape[3] == d and (window is None or window > 0):
+    if unscaled and T <= NATIVE_ATTENTION_MAX_QUERIES and k.dtype == v.dtype and k.shape == v.shape \
+            and k.shape[0] == B and k.shape[3] == d:
         lib = _native_norms(q, k, v)
         if lib is not None and q_pos.shape == (B, T) and k_pos.shape == (B, k.shape[1]):
             out = torch.empty_like(q)
