@@ -26,7 +26,7 @@ AMX_SOURCE = r"""
 
    k-slot order: within a chunk of g columns (W = g/8 planar words), chunk tile tau = j * W/16 + u holds, in slot
    2q + h (q = 0..15, h = 0..1), column (2j + h) * W + 16u + q of the chunk: nibble pair j of the planar words
-   16u..16u+15 (positions 2j and 2j+1). The activations are packed in the same order (amx_pack_x), so every product
+   16u..16u+15 (positions 2j and 2j+1). The activations are packed in the same order (amx_pack_tile), so every product
    pairs the right column; only the order of the fp32 sums differs from the natural one. */
 #if defined(HAVE_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
@@ -122,7 +122,7 @@ static void amx_dequant_panel(const int4_weight_t *w, int64_t n0, int64_t nb, in
                               ap + (t * steps + (c0 - k0) / 32) * AMX_TILE_U16);
 }
 
-/* acc[nb, mb] (+)= the panel's A tiles times the activation tiles of rows [0, mb) (xp: packed by amx_pack_x, K/32
+/* acc[nb, mb] (+)= the panel's A tiles times the activation tiles of rows [0, mb) (xp: packed by amx_pack_tile, K/32
    tiles per 16 rows), columns [k0, k0 + kb); mb a multiple of 16. */
 static void amx_block(const uint16_t *xp, int64_t k, int64_t k0, int64_t kb, int first, const uint16_t *ap, int64_t nb,
                       float *acc, int64_t mb) {
