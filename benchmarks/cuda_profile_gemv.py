@@ -1,5 +1,6 @@
 """One NVFP4 linear (q_proj 8192->10240) at ``--m`` tokens for a profiler to look at, through the path
-``fp4_linear`` picks or, with ``--gemm-plan``, through the tiled CUDA GEMM cut so.
+``fp4_linear`` picks or, with ``--gemm-plan``, through the tiled CUDA GEMM cut so (``--wgmma-plan``: the
+wgmma GEMM).
 
     ncu --clock-control none -k regex:fp4_gem --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section Occupancy python3 benchmarks/cuda_profile_gemv.py
@@ -12,22 +13,28 @@ import torch
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_linear
 from musecore_cuda.bench import LINEAR_SHAPES, random_fp4
-from musecore_cuda.kernels import fp4_gemm_cuda
+from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemm_wgmma
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--m", type=int, default=1)
 parser.add_argument("--shape", default="q_proj", choices=list(LINEAR_SHAPES))
 parser.add_argument("--gemm-plan", help="tile,split,stages,prefetch of fp4_gemm_cuda.GemmPlan")
+parser.add_argument("--wgmma-plan", help="tokens,split,prefetch,stages,groups of fp4_gemm_wgmma.WgmmaPlan")
 args = parser.parse_args()
 
 n, k = LINEAR_SHAPES[args.shape]
 w = CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), args.shape).data
 x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
-if args.gemm_plan:
+out = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
+if args.wgmma_plan:
+    tokens, split, prefetch, stages, groups = (int(v) for v in args.wgmma_plan.split(","))
+    plan = fp4_gemm_wgmma.WgmmaPlan(tokens=tokens, split=split, prefetch=prefetch, stages=stages, groups=groups)
+    call = lambda: fp4_gemm_wgmma.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt,  # noqa: E731
+                                         fold_log2=w.fold_log2, n=n, k=k, out=out, plan=plan)
+elif args.gemm_plan:
     tile, split, stages, prefetch = (int(v) for v in args.gemm_plan.split(","))
     plan = fp4_gemm_cuda.GemmPlan(groups=min(8, -(-args.m // 8)), tile=tile, split=split, stages=stages,
                                   prefetch=prefetch)
-    out = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
     call = lambda: fp4_gemm_cuda.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt,  # noqa: E731
                                         fold_log2=w.fold_log2, n=n, k=k, out=out, plan=plan)
 else:
