@@ -1,21 +1,29 @@
 """W4A16 GEMM on Hopper's warpgroup tensor-core instruction (``wgmma``, sm_90a) for bf16 activations.
 
+**Status: correct, measured, and not selected by** ``fp4_linear``: on the H200 it runs 0.35-0.62x
+BF16 cuBLAS at M = 64-256, about the mma.sync GEMM and below dequantize + cuBLAS at M = 256
+(``benchmarks/cuda_wgmma_sweep.py``, ``benchmarks/results/cuda_wgmma_sweep*.json``; what was tried
+and what the leave-one-stage-out timings showed: ``backends/cuda/NOTES.md``, session 6). It stays as
+the base of the next step (a warp-specialized version, NOTES.md) with its GPU tests.
+
 This is the design the session-4 notes called for (Machete's, on our resident FP4 bytes): the legacy
 ``mma.sync`` of :mod:`fp4_gemm_cuda` runs below the tensor cores' ``wgmma`` rate on Hopper, which
 capped that kernel near 0.5-0.7x BF16 cuBLAS at M = 64 and kept M >= 128 on dequantize + cuBLAS.
 
-* **Weights: operand A, from registers.** A block is one warpgroup (4 warps) over 64 weight rows;
-  warp ``w`` owns rows ``16w .. 16w + 15``, whose A fragment for ``wgmma.m64nNk16`` has the layout of
+* **Weights: operand A, from registers.** A warpgroup (4 warps) owns 64 weight rows; warp ``w``
+  owns rows ``16w .. 16w + 15``, whose A fragment for ``wgmma.m64nNk16`` has the layout of
   ``mma.m16n8k16``'s. So the weights stream global -> registers and are upcast exactly as in the
   decode kernel (``stage_load``, ``half_mults``, ``decode_bf16x2`` of :mod:`fp4_gemv_cuda`: one
   word gives two k16 steps' fragments), never through shared memory. The upcast fragments are
   double-buffered: the next pair of steps is decoded while the tensor cores run the previous one.
+  A block holds ``groups`` warpgroups (64 rows each) that share every staged activation chunk.
 * **Activations: operand B, from shared memory.** ``wgmma`` reads B through a matrix descriptor in
   the canonical K-major layout (8 tokens x 16 bytes per core matrix, no swizzle), so the hardware
   cannot pair elements the way the FP4 bytes do (``decode_bf16x2`` pairs elements ``e, e + 2`` of a
   word's half). The activations are therefore permuted once per call (:func:`slot_order`, one
-  gather kernel ``wgmma_slot_order`` over M x K x 2 bytes) into the order of the A fragments' k slots, and then each
-  128-element chunk streams into a ring of ``stages`` shared-memory slots by 16-byte ``cp.async``.
+  gather kernel ``wgmma_slot_order`` over M x K x 2 bytes) into the order of the A fragments' k
+  slots, and then each 128-element chunk streams into a ring of ``stages`` shared-memory slots by
+  16-byte ``cp.async`` (made visible to the tensor cores by ``fence.proxy.async``).
 * ``split`` blocks of a thread-block cluster divide K and meet through distributed shared memory,
   as in :mod:`fp4_gemm_cuda` (output written once, in its dtype).
 
