@@ -7,7 +7,8 @@ then timed like ``musecore bench`` (CUDA-graph replays, weights rotated past L2)
 permutation the kernel needs is timed inside each wgmma figure, and alone (``permute_us``; the GEMM
 on permuted activations: ``gemm_alone_us``)::
 
-    python benchmarks/cuda_wgmma_sweep.py [--ms 16,32,64,128,256,1024,4096] [--out benchmarks/results/cuda_wgmma_sweep.json]
+    python benchmarks/cuda_wgmma_sweep.py [--ms 16,32,64,128,256,1024,4096] [--shapes q_proj,...]
+        [--out benchmarks/results/cuda_wgmma_sweep.json]
 
 ``WGMMA_CUTS="split,stages,groups;..."`` times only those cuts (of the chosen token tile).
 """
@@ -90,7 +91,8 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
         print(f"{name:12s} M={m:5d}: bf16 {t_bf16:8.2f} us | now {now['speedup_vs_bf16']:.2f}x ({path}) | "
               f"mma {mma['speedup_vs_bf16']:.2f}x | dequant {deq['speedup_vs_bf16']:.2f}x | "
               f"wgmma chosen {results[0]['time_us']:8.2f} ({results[0]['speedup_vs_bf16']:.2f}x, "
-              f"{results[0]['pct_memory_ceiling']:.0f}%, alone {results[0]['gemm_alone_us']:.1f}) | best {best['time_us']:8.2f} "
+              f"{results[0]['pct_memory_ceiling']:.0f}%, alone {results[0]['gemm_alone_us']:.1f}) | "
+              f"best {best['time_us']:8.2f} "
               f"({best['speedup_vs_bf16']:.2f}x) {best['plan']} | permute {permute:.1f} us", flush=True)
     return rows
 

@@ -272,6 +272,11 @@ def test_wgmma_slot_order_pairs_what_the_fp4_bytes_pair():
     assert step[0].item() == 64 + 1 and step[8].item() == 1, step
 
 
+def _needs_wgmma():
+    if not fp4_gemm_wgmma.available(torch.device("cuda")):
+        pytest.skip(f"the wgmma GEMM needs an SM90 GPU; this one is {torch.cuda.get_device_name()}")
+
+
 def _wgmma(x, w, n, k, plan=None, offsets=None, dtype=torch.bfloat16):
     out = torch.full((x.shape[0], n), float("nan"), device="cuda", dtype=dtype)
     return fp4_gemm_wgmma.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2,
@@ -283,6 +288,7 @@ def _wgmma(x, w, n, k, plan=None, offsets=None, dtype=torch.bfloat16):
 def test_cuda_wgmma_gemm_upcasts_every_code_exactly(fmt):
     """Every E2M1 code at every nibble position through the wgmma GEMM (one-hot rows, 64 per call).
     Tolerance 1e-6 relative per weight, as for the other FP4 kernels."""
+    _needs_wgmma()
     _check_every_code(fmt, 64, lambda x, w, n, k: _wgmma(x, w, n, k, fp4_gemm_wgmma.WgmmaPlan(tokens=64)),
                       "wgmma GEMM")
 
@@ -294,6 +300,7 @@ def test_cuda_wgmma_gemm_tiles_splits_and_stages_match_reference(fmt, m):
     """Partial token tiles and row blocks (1000 rows: a partial block for 1, 2 and 4 warpgroups), every
     token tile, even and uneven cluster splits, 1-3 chunks in flight, 3-8 stages, bf16 and fp32 outputs;
     tolerance: the linear op's NMSE."""
+    _needs_wgmma()
     n, k = 1000, 4096
     qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
     w = prepare_fp4(qt, torch.device("cuda"))
@@ -314,6 +321,7 @@ def test_cuda_wgmma_gemm_tiles_splits_and_stages_match_reference(fmt, m):
 
 @pytest.mark.gpu
 def test_cuda_wgmma_slot_order_kernel_matches_the_permutation():
+    _needs_wgmma()
     x = torch.randn(5, 1024, device="cuda").to(torch.bfloat16)
     wide = torch.randn(5, 1536, device="cuda").to(torch.bfloat16)[:, :1024]  # a row stride past K
     for a in (x, wide):
@@ -324,6 +332,7 @@ def test_cuda_wgmma_slot_order_kernel_matches_the_permutation():
 def test_cuda_wgmma_gemm_depends_on_its_shared_memory_layout():
     """The descriptor's offsets are what make B right: a wrong one must break the product (so the
     tests above cannot pass by accident of layout)."""
+    _needs_wgmma()
     n, k, m = 256, 1024, 64
     qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
     w = prepare_fp4(qt, torch.device("cuda"))

@@ -61,7 +61,8 @@ def _wgmma_source(n: int) -> str:
         f'                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));\n'
         f"}}\n"
         f"template <> struct Wgmma<{n}> {{\n"
-        f"    static __device__ __forceinline__ void run(float (&d)[{regs}], const u32 (&a)[4], unsigned long long desc) {{\n"
+        f"    static __device__ __forceinline__ void run(float (&d)[{regs}], const u32 (&a)[4],\n"
+        f"                                               unsigned long long desc) {{\n"
         f"        wgmma_n{n}(d, a[0], a[1], a[2], a[3], desc);\n"
         f"    }}\n"
         f"}};\n")
@@ -193,7 +194,8 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128 * WG) fp4_ge
             __syncthreads();  // chunk ci visible to all; chunk ci - 2's wgmmas are complete (waited below)
             if (ci + STAGES - 2 < chunks) stage_x(ci + STAGES - 2);
             cp_async_commit();
-            if (LEAVE_OUT != 2 && ci + PF < chunks) stage_load<1, WFMT>(wrow, srow, c_begin + ci + PF, t, st[(p + PF) % SLOTS]);
+            if (LEAVE_OUT != 2 && ci + PF < chunks)
+                stage_load<1, WFMT>(wrow, srow, c_begin + ci + PF, t, st[(p + PF) % SLOTS]);
             const u32 base = ring + (ci % STAGES) * STAGE_BYTES;
             u32 ml[2], mh[2];
 #pragma unroll
@@ -275,8 +277,21 @@ def slot_order(k: int) -> torch.Tensor:
     return (torch.arange(k // CHUNK_K).repeat_interleave(CHUNK_K) * CHUNK_K).view(-1, CHUNK_K).add(chunk).view(-1)
 
 
+def available(device: torch.device) -> bool:
+    """wgmma needs an sm_90 device (and NVRTC, as every CUDA C++ kernel here)."""
+    return torch.cuda.get_device_capability(device) == (9, 0) and fp4_gemv_cuda.available(device)
+
+
+def _require(device: torch.device) -> None:
+    if not available(device):
+        why = "; ".join(fp4_gemv_cuda.UNAVAILABLE) or f"compute capability {torch.cuda.get_device_capability(device)}"
+        raise ValueError(f"the wgmma GEMM runs on SM90 (Hopper) GPUs with NVRTC; {device} "
+                         f"({torch.cuda.get_device_name(device)}) cannot: {why}")
+
+
 def to_slot_order(x: torch.Tensor) -> torch.Tensor:
     """``x[:, slot_order(K)]`` for bf16 ``x [M, K]`` on the GPU (one gather kernel)."""
+    _require(x.device)
     m, k = x.shape
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or k % CHUNK_K:
         raise ValueError(f"slot order takes row-major bf16 [M, K] with K a multiple of {CHUNK_K}; "
@@ -346,11 +361,6 @@ def _kernel(plan: WgmmaPlan, wfmt: int):
     return kern
 
 
-def available(device: torch.device) -> bool:
-    """wgmma needs an sm_90 device (and NVRTC, as every CUDA C++ kernel here)."""
-    return torch.cuda.get_device_capability(device) == (9, 0) and fp4_gemv_cuda.available(device)
-
-
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *, wfmt: int,
            fold_log2: int, n: int, k: int, out: torch.Tensor, plan: Optional[WgmmaPlan] = None,
            offsets: Optional[tuple[int, int]] = None, ordered: bool = False) -> torch.Tensor:
@@ -360,6 +370,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     that the layout matters (a wrong one gives a wrong product). ``ordered``: ``x`` is already in
     slot order (benchmarks time the GEMM alone so)."""
     m = x.shape[0]
+    _require(x.device)
     if x.dtype != torch.bfloat16 or out.stride(-1) != 1:
         raise ValueError(f"the wgmma GEMM takes bf16 activations and a row-major output; got {x.dtype}")
     plan = plan or make_plan(m, n, k, x.device)
