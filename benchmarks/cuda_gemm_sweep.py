@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Callable
 
 import torch
 
@@ -37,23 +38,32 @@ def candidates(m: int, n: int, k: int) -> list[fp4_gemm_cuda.GemmPlan]:
     return [chosen] + sorted(plans - {chosen}, key=lambda p: (p.tile, p.split, p.stages, p.prefetch))
 
 
+def point_rows(p, fmt: str, ceiling: float, rows: list[dict]) -> tuple[Callable[..., dict], dict, dict]:
+    """For one sweep point: a recorder of rows (appended to ``rows``, with the ratio to BF16 and the share of
+    the memory ceiling), after the baselines it records first: BF16 cuBLAS, the path ``fp4_linear`` takes
+    (returned as ``now``) and dequantize + cuBLAS (``deq``)."""
+    name, n, k, m, x, t_bf16, nbytes = p.case.name, p.case.n, p.case.k, p.m, p.x, p.t_bf16, p.case.nbytes
+
+    def row(impl: str, t: float, **extra) -> dict:
+        r = {"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "impl": impl, "time_us": round(t, 2),
+             "speedup_vs_bf16": round(t_bf16 / t, 3),
+             "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), **extra}
+        rows.append(r)
+        return r
+
+    row("bf16", t_bf16)
+    path = fp4_linear_path(m, x.dtype, x.device, n * k)
+    now = row(f"fp4_linear ({path})", checked_time(p, lambda x, w: fp4_linear(x, w), path)[0])
+    deq = row("dequant", checked_time(p, lambda x, w: fp4_dequant_linear(x, w), "dequant")[0])
+    return row, now, deq
+
+
 def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
     ceiling = memory_ceiling_gbps()["ceiling_gbps"]
     rows = []
     for p in sweep_points(ms, shapes, fmt):
-        name, n, k, m, x, t_bf16, nbytes = p.case.name, p.case.n, p.case.k, p.m, p.x, p.t_bf16, p.case.nbytes
-
-        def row(impl: str, t: float, **extra) -> dict:
-            r = {"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "impl": impl, "time_us": round(t, 2),
-                 "speedup_vs_bf16": round(t_bf16 / t, 3),
-                 "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), **extra}
-            rows.append(r)
-            return r
-
-        row("bf16", t_bf16)
-        path = fp4_linear_path(m, x.dtype, x.device, n * k)
-        now = row(f"fp4_linear ({path})", checked_time(p, lambda x, w: fp4_linear(x, w), path)[0])
-        deq = row("dequant", checked_time(p, lambda x, w: fp4_dequant_linear(x, w), "dequant")[0])
+        name, n, k, m, t_bf16 = p.case.name, p.case.n, p.case.k, p.m, p.t_bf16
+        row, now, deq = point_rows(p, fmt, ceiling, rows)
         results = []
         for i, plan in enumerate(candidates(m, n, k)):
             t, err = checked_time(p, lambda x, w: gemm(x, w, n, k, plan), str(plan))

@@ -21,9 +21,9 @@ import os
 
 import torch
 
+from cuda_gemm_sweep import point_rows
 from cuda_gemv_sweep import checked_time, sweep_main, sweep_points
 from musecore.benchmarking import cycle
-from musecore_cuda.backend import fp4_dequant_linear, fp4_linear, fp4_linear_path
 from musecore_cuda.bench import memory_ceiling_gbps, time_us
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemm_wgmma
 
@@ -59,20 +59,9 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
     ceiling = memory_ceiling_gbps()["ceiling_gbps"]
     rows = []
     for p in sweep_points(ms, shapes, fmt):
-        name, n, k, m, x, t_bf16, nbytes = p.case.name, p.case.n, p.case.k, p.m, p.x, p.t_bf16, p.case.nbytes
-
-        def row(impl: str, t: float, **extra) -> dict:
-            r = {"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "impl": impl, "time_us": round(t, 2),
-                 "speedup_vs_bf16": round(t_bf16 / t, 3),
-                 "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), **extra}
-            rows.append(r)
-            return r
-
-        row("bf16", t_bf16)
-        path = fp4_linear_path(m, x.dtype, x.device, n * k)
-        now = row(f"fp4_linear ({path})", checked_time(p, lambda x, w: fp4_linear(x, w), path)[0])
+        name, n, k, m, x, t_bf16 = p.case.name, p.case.n, p.case.k, p.m, p.x, p.t_bf16
+        row, now, deq = point_rows(p, fmt, ceiling, rows)
         mma = row("mma_gemm", checked_time(p, lambda x, w: mma_gemm(x, w, n, k), "mma gemm")[0])
-        deq = row("dequant", checked_time(p, lambda x, w: fp4_dequant_linear(x, w), "dequant")[0])
         permute = time_us(lambda: fp4_gemm_wgmma.to_slot_order(x))
         xo = fp4_gemm_wgmma.to_slot_order(x)
         results = []
@@ -88,7 +77,7 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
             rows.append({"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "impl": "wgmma_without",
                          "plan": plan.__dict__, "time_us": round(t, 2)})
             print(f"    best cut without {('the wgmmas', 'the weight loads')[leave_out - 1]}: {t:.2f} us", flush=True)
-        print(f"{name:12s} M={m:5d}: bf16 {t_bf16:8.2f} us | now {now['speedup_vs_bf16']:.2f}x ({path}) | "
+        print(f"{name:12s} M={m:5d}: bf16 {t_bf16:8.2f} us | now {now['speedup_vs_bf16']:.2f}x {now['impl']} | "
               f"mma {mma['speedup_vs_bf16']:.2f}x | dequant {deq['speedup_vs_bf16']:.2f}x | "
               f"wgmma chosen {results[0]['time_us']:8.2f} ({results[0]['speedup_vs_bf16']:.2f}x, "
               f"{results[0]['pct_memory_ceiling']:.0f}%, alone {results[0]['gemm_alone_us']:.1f}) | "
