@@ -272,6 +272,14 @@ def test_wgmma_slot_order_pairs_what_the_fp4_bytes_pair():
     assert step[0].item() == 64 + 1 and step[8].item() == 1, step
 
 
+def test_wgmma_plan_refuses_cuts_it_cannot_build():
+    for bad in (dict(tokens=48), dict(tokens=64, stages=2), dict(tokens=128, stages=8), dict(tokens=64, groups=3),
+                dict(tokens=64, split=9)):
+        with pytest.raises(ValueError, match="cannot be built"):
+            fp4_gemm_wgmma.WgmmaPlan(**bad)
+    assert fp4_gemm_wgmma.WgmmaPlan(tokens=128, stages=7).smem == 7 * 128 * 128 * 2  # the largest ring that fits
+
+
 def _needs_wgmma():
     if not fp4_gemm_wgmma.available(torch.device("cuda")):
         pytest.skip(f"the wgmma GEMM needs an SM90 GPU; this one is {torch.cuda.get_device_name()}")

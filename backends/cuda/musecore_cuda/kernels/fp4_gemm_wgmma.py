@@ -44,6 +44,7 @@ from musecore_cuda.kernels.fp4_gemm import CHUNK_K
 
 TOKEN_TILES = (16, 32, 64, 128)   # wgmma N per block (accumulators: N / 2 fp32 registers per thread)
 ARCH = "90a"                      # wgmma exists on sm_90a only
+SMEM_LIMIT = 227 * 1024           # shared memory a block may opt into on Hopper
 
 
 def _wgmma_source(n: int) -> str:
@@ -134,6 +135,8 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128 * WG) fp4_ge
         int m_rows, int N, int K, int lead, int stride) {
     constexpr int NB = TOK / 8, STEP_BYTES = 2 * NB * 128, STAGE_BYTES = 8 * STEP_BYTES, SLOTS = PF + 1;
     constexpr int ACC = TOK / 2;
+    // the ring holds the chunk in use, the one the previous wgmmas may still read, and at least one ahead
+    static_assert(STAGES >= 3, "STAGES >= 3");
     extern __shared__ __align__(128) unsigned char gsm[];  // activation ring; after the loop, partial sums
     constexpr int THREADS = 128 * WG;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, g = lane >> 2, t = lane & 3;
@@ -153,7 +156,6 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128 * WG) fp4_ge
     Stage<1> st[SLOTS];  // chunk c_begin + x lives in slot x % SLOTS
 #pragma unroll
     for (int p = 0; p < PF; ++p) stage_load<1, WFMT>(wrow, srow, c_begin + min(p, chunks - 1), t, st[p]);
-
 
     const u32 ring = (u32)__cvta_generic_to_shared(gsm);
     // Token rows past M are zero in every slot and never copied (no branch on the token count below).
@@ -318,6 +320,14 @@ class WgmmaPlan:
     stages: int = 4
     groups: int = 1      # warpgroups per block (64 rows each), sharing each staged activation chunk
     leave_out: int = 0   # timing experiments only (wrong results): 1 without the wgmmas, 2 without weight loads
+
+    def __post_init__(self) -> None:
+        if (self.tokens not in TOKEN_TILES or not 1 <= self.split <= fp4_gemv_cuda.MAX_CLUSTER or self.stages < 3
+                or self.groups not in (1, 2, 4) or self.prefetch < 1 or self.leave_out not in (0, 1, 2)
+                or self.smem > SMEM_LIMIT):
+            raise ValueError(f"{self} cannot be built: tokens in {TOKEN_TILES}, split 1..{fp4_gemv_cuda.MAX_CLUSTER}, "
+                             f"stages >= 3, groups 1, 2 or 4, prefetch >= 1, at most {SMEM_LIMIT} bytes of shared "
+                             f"memory (this cut needs {self.smem})")
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         return -(-m // self.tokens), self.split, -(-n // (64 * self.groups))
