@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
 from musecore_cuda.kernels.fp4_gemm import CHUNK_K
 
 TOKEN_TILES = (16, 32, 64, 128)   # wgmma N per block (accumulators: N / 2 fp32 registers per thread)
@@ -69,16 +69,10 @@ def _wgmma_source(n: int) -> str:
         f"}};\n")
 
 
-SOURCE = fp4_gemv_cuda.SOURCE + r"""
+# On the tiled GEMM's source: the decode kernel's upcast and loads, and its cp.async helpers.
+SOURCE = fp4_gemm_cuda.SOURCE + r"""
 // ---------------------------------------------------------------------------------------------
 // W4A16 GEMM on wgmma (sm_90a): see the docstring of fp4_gemm_wgmma.py.
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
