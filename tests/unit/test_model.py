@@ -183,6 +183,36 @@ def test_int4_input_projections_are_fused_without_changing_a_code(monkeypatch):
 
 
 @pytest.mark.parametrize("ring", [False, True])
+def test_cpu_decode_update_of_one_row_and_the_views_it_returns(ring) -> None:
+    """Batch 1 (its position read by int()): the state of the indexed write, a padding step skipped, the capacity
+    checked before anything is written; the view a decode step reads: every slot of a ring layer, as one view made
+    once that sees every later write, and the filled slots of a full layer."""
+    from musecore.kv_cache import LayerCache
+
+    def cache() -> LayerCache:
+        return LayerCache(1, 4, 2, 8, ring=ring, kv_format="bf16", dtype=torch.bfloat16, device=torch.device("cpu"))
+    one, indexed = cache(), cache()
+    views = []
+    for step, p in enumerate([0, 1, -1, 2, 3, 4, 5] if ring else [0, 1, -1, 2, 3]):
+        pos = torch.tensor([[p]])
+        k, v = torch.randn(1, 1, 2, 8).to(torch.bfloat16), torch.randn(1, 1, 2, 8).to(torch.bfloat16)
+        views.append(one.update(k, v, pos))
+        indexed.write(torch.cat([k, k], 1), torch.cat([v, v], 1), torch.cat([torch.full_like(pos, -1), pos], 1))
+        assert torch.equal(one.k, indexed.k) and torch.equal(one.positions, indexed.positions), f"step {step}"
+        assert one.used == indexed.used, f"step {step}"
+        seen = views[-1]
+        slots = seen.k.shape[1]
+        assert slots == (4 if ring else one.used) and torch.equal(seen.positions, one.positions[:, :slots])
+    if ring:
+        assert all(view is views[0] for view in views)
+    else:
+        before = one.k.clone()
+        with pytest.raises(ValueError, match="exceeds the KV cache capacity 4"):
+            one.write(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), torch.tensor([[4]]))
+        assert torch.equal(one.k, before)
+
+
+@pytest.mark.parametrize("ring", [False, True])
 def test_cpu_decode_write_matches_the_indexed_write_and_skips_padding(ring) -> None:
     """One entry per row (decode) is written by narrowing on the CPU (all rows at one position: one copy for the
     batch; else row by row); the state must equal the indexed write's (which
