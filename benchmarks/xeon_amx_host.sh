@@ -4,7 +4,8 @@
 # caps the build: amx = the INT4 AMX GEMM above the crossover, avx512_vnni / avx2 = dequantized tiles there), the
 # muse-small MoE layer and end-to-end decode, the native xeon6 matrix rows and a generate on device="xeon6".
 #   device run: bash benchmarks/xeon_amx_host.sh   (carry: .whl; ISAS, SHAPES, MS, SKIP_E2E, SKIP_MATRIX narrow it)
-# Outputs under $OUT (copied to benchmarks/results/xeon_amx_host/): tests.log, linear_<isa>.{json,txt},
+# Outputs: $OUT/xeon_amx_host.tgz (one archive: the device tool returns at most 8 files; unpack it into
+# benchmarks/results/xeon_amx_host/) holding tests.log, linear_<isa>.{json,txt},
 # moe_e2e.{json,txt}, matrix_xeon6_native.json, generate.txt.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} MUSECORE_XEON_CACHE=${MUSECORE_XEON_CACHE:-/tmp/musecore_xeon_cache}
@@ -26,3 +27,4 @@ done
   > "$OUT/matrix_xeon6_native.json" 2> "$OUT/matrix.err"; tail -2 "$OUT/matrix.err"
 timeout 60 python3 -m musecore.cli generate --device xeon6 --prompt "def fibonacci(n):" --max-new-tokens 48 \
   > "$OUT/generate.txt" 2>&1; tail -4 "$OUT/generate.txt"
+tar czf /tmp/xeon_amx_host.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/xeon_amx_host.tgz "$OUT/"
