@@ -92,13 +92,13 @@ class LayerCache:
         """The slots attention reads, as views of the cache (no copy). A ring or static layer reads every slot,
         so its view never changes and is made once (each slice costs a few microseconds on the CPU, per layer
         and token); a full layer's grows with ``used``."""
-        if self.ring or self.static:
-            if self._whole is None:
-                c = self.capacity
-                self._whole = KVView(self.k[:, :c], self.v[:, :c], self.positions[:, :c], self.k_scale, self.v_scale)
+        if self._whole is not None:
             return self._whole
-        c = self.used
-        return KVView(self.k[:, :c], self.v[:, :c], self.positions[:, :c], self.k_scale, self.v_scale)
+        c = self.readable
+        view = KVView(self.k[:, :c], self.v[:, :c], self.positions[:, :c], self.k_scale, self.v_scale)
+        if self.ring or self.static:
+            self._whole = view
+        return view
 
     def view_with(self, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor) -> KVView:
         """Cached entries followed by the (encoded) new ones: what this step's attention reads."""
