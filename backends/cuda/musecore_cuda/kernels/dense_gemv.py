@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from musecore_cuda.kernels import pdl
+
 MAX_BLOCK_K = 2048
 DENSE_GEMV_MAX_BYTES = 64 << 20
 BLOCK_N, NUM_WARPS = 2, 2
@@ -32,16 +34,21 @@ def use_dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> bool:
 
 @triton.jit
 def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stride_e, a_div,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
+                      PDL: tl.constexpr, EARLY: tl.constexpr):
     """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1``: one token's ``x`` row against one weight.
 
     With ``EXPERTS``, GEMV ``a`` is token-expert assignment ``a``: weight ``ids[a]`` of a stack, token
     row ``a // a_div``; with ``SWIGLU`` a second stack ``w2`` (up) is read alongside and the output is
-    ``silu(x @ w.T) * (x @ w2.T)``."""
+    ``silu(x @ w.T) * (x @ w2.T)``.
+
+    With ``PDL`` (:mod:`musecore_cuda.kernels.pdl`) a plain GEMV loads its first weight chunk before it
+    waits for the kernel before it; with ``EXPERTS`` the expert id is an input, so it waits first."""
     a = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     if EXPERTS:
+        pdl.enter(PDL)
         e = tl.load(ids_ptr + a).to(tl.int64)
         w_ptr += e * stride_e
         w2_ptr += e * stride_e
@@ -54,10 +61,17 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
         kmask = kk < K
         wo = rows[:, None].to(tl.int64) * stride_w + kk[None, :]
         wm = rmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        acc += tl.load(w_ptr + wo, mask=wm, other=0.0).to(tl.float32) * x
+        wv = tl.load(w_ptr + wo, mask=wm, other=0.0).to(tl.float32)
         if SWIGLU:
-            acc2 += tl.load(w2_ptr + wo, mask=wm, other=0.0).to(tl.float32) * x
+            w2v = tl.load(w2_ptr + wo, mask=wm, other=0.0).to(tl.float32)
+        if not EXPERTS:  # after the first chunk's weight loads; a no-op once the kernel before has finished
+            pdl.trigger(EARLY)
+            pdl.wait(PDL)
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        acc += wv * x
+        if SWIGLU:
+            acc2 += w2v * x
+    pdl.wait(PDL)  # (a no-op after the first; K = 0 runs no chunk)
     y = tl.sum(acc, axis=1)
     if SWIGLU:
         y = y / (1.0 + tl.exp(-y)) * tl.sum(acc2, axis=1)
@@ -81,7 +95,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None 
     block_n, block_k = blocks or gemv_blocks(k)
     dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1,
                                                      BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS=False, SWIGLU=False,
-                                                     num_warps=num_warps)
+                                                     num_warps=num_warps, EARLY=pdl.early(x.device, "dense_gemv"),
+                                                     **pdl.triton_options(x.device, "dense_gemv"))
     return y
 
 
@@ -102,5 +117,6 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, a_div: 
         block_n, block_k = gemv_blocks(k)
         dense_gemv_kernel[(triton.cdiv(n, block_n), flat.numel())](
             x, stack, up if up is not None else stack, flat, y, n, k, k, n * k, a_div, BLOCK_N=block_n,
-            BLOCK_K=block_k, EXPERTS=True, SWIGLU=up is not None, num_warps=NUM_WARPS)
+            BLOCK_K=block_k, EXPERTS=True, SWIGLU=up is not None, num_warps=NUM_WARPS,
+            EARLY=False, **pdl.triton_options(x.device, "expert_gemv"))
     return y

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from musecore_cuda.kernels import pdl
 
 CHUNK_K = 128  # elements of K per resident chunk (and per kernel iteration)
 WFMT_DENSE, WFMT_NVFP4, WFMT_MXFP4 = 0, 1, 2
@@ -162,8 +163,10 @@ def w4a16_gemm_kernel(
     GATHER: tl.constexpr, A_DIV: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """C[M, N] (+)= A[M, K] @ W[e, N, K]^T; see the module docstring for the three uses."""
+    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -307,5 +310,6 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor]
         GATHER=a_idx is not None, A_DIV=a_div, EXPERTS=blk_expert is not None, SWIGLU=w2 is not None,
         SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         HW=a.device.type == "cuda", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.triton_options(a.device, "w4a16_gemm"),
     )
     return out

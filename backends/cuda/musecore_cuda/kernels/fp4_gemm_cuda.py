@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels import fp4_gemv_cuda, pdl
 from musecore_cuda.kernels.fp4_gemm import CHUNK_K, WFMT_NVFP4
 
 SOURCE = fp4_gemv_cuda.SOURCE + r"""
@@ -79,6 +79,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32) fp4_
 #pragma unroll
         for (int p = 0; p < PF; ++p) stage_load<RT, WFMT>(wrow, srow, c_begin + min(p, chunks - 1), t, st[p]);
     }
+    pdl_wait();  // the activations are the previous kernel's output (the weights above are not)
     const u32 ring = (u32)__cvta_generic_to_shared(gsm);
     // Token rows past M (a partial last tile) are zero in every slot and never copied, so the mma
     // loop has no branch on the token count (straight-line code that ptxas can schedule freely).
@@ -297,7 +298,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     if k % CHUNK_K or k // CHUNK_K < plan.split:
         raise ValueError(f"K={k} is not a multiple of {CHUNK_K} with at least one chunk per split ({plan.split})")
     words = packed.view(torch.int32)
-    _kernel(plan, wfmt)(grid=plan.grid(m, n), block=(plan.warps * 32, 1, 1), shared_mem=plan.smem,
-                        args=[x, x.stride(0), words, scales, words.stride(-2), scales.stride(-2), out_scale,
-                              fold_log2, out, out.stride(0), fp4_gemv_cuda._DTYPE_CODE[out.dtype], m, n, k])
+    pdl.launch(_kernel(plan, wfmt), grid=plan.grid(m, n), block=(plan.warps * 32, 1, 1), shared_mem=plan.smem,
+               device=x.device, name="fp4_gemm_mma",
+               args=[x, x.stride(0), words, scales, words.stride(-2), scales.stride(-2), out_scale, fold_log2, out,
+                     out.stride(0), fp4_gemv_cuda._DTYPE_CODE[out.dtype], m, n, k])
     return out

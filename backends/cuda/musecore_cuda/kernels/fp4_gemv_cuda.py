@@ -46,9 +46,10 @@ from typing import Optional
 
 import torch
 
+from musecore_cuda.kernels import pdl
 from musecore_cuda.kernels.fp4_gemm import CHUNK_K, WFMT_NVFP4
 
-SOURCE = r"""
+SOURCE = pdl.CUDA_SOURCE + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -215,7 +216,7 @@ __device__ __forceinline__ void gemv_rows(const u32 *__restrict__ wbase, const u
 
 // y[m, n] (+)= x[m, :] @ W[e, n, :]^T.  Grid (row blocks, split, assignments); block WARPS * 32.
 // experts: program z is assignment a, expert ids[a], activation row a / a_div, output row a.
-template <int R, int M, int WARPS, int WFMT, bool EXPERTS, bool SWIGLU>
+template <int R, int M, int WARPS, int WFMT, bool EXPERTS, bool SWIGLU, bool EARLY>
 __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
         const u16 *__restrict__ x, int x_stride, int xt, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
@@ -223,6 +224,8 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split) {
     extern __shared__ float xs[];
+    if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
+    pdl_wait();  // the activations (and with EXPERTS the ids) are the previous kernels' outputs
     const int chunks = K / 128 / split;
     const int c_begin = blockIdx.y * chunks, c_end = c_begin + chunks;
     const int ks = chunks * 128;  // staged activations per row
@@ -424,6 +427,7 @@ template <int WFMT>
 __global__ void __launch_bounds__(256) fp4_dequant(const u32 *__restrict__ w, const u8 *__restrict__ s, int w_n,
                                                    int s_n, const float *__restrict__ out_scale, int fold,
                                                    u16 *__restrict__ out, int out_stride, int rows, int K) {
+    pdl_wait();  // the output buffer may still be read by the previous kernel
     const long long i = blockIdx.x * 256ll + threadIdx.x;  // word index within the rows
     const int words = K / 8;
     if (i >= (long long)rows * words) return;
@@ -472,7 +476,7 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // thread-block cluster along y through distributed shared memory; block 0's first K slice applies
 // SwiGLU / the output scale and writes the output once in its final dtype (no atomics, no zeroed
 // fp32 buffer, no conversion kernel).
-template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT>
+template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
@@ -487,7 +491,11 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
     const int pairs = chunks * 64 + 16;  // per token, padded by 64 bytes: token rows g = 0..7 read by one
                                          // load instruction fall in alternate halves of the banks
     long long e = 0, x_row = 0, y_row = 0;
-    if (EXPERTS) assignment(ids, a_div, e, x_row, y_row);
+    if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
+    if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
+        pdl_wait();
+        assignment(ids, a_div, e, x_row, y_row);
+    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int kw = warp % KW;
     const int n0 = (blockIdx.x * (WARPS / KW) + warp / KW) * 16 * RT;
@@ -516,6 +524,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
 #pragma unroll
         for (int p = 0; p < PF; ++p) stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
     }
+    if (!EXPERTS) pdl_wait();  // the first weight chunks are in flight under the previous kernel's tail
 
     // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
     // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
@@ -723,10 +732,10 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-            k_warps: int = 1, prefetch: int = 2):
+            k_warps: int = 1, prefetch: int = 2, early: bool = False):
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}>" if kind == "mma"
-            else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}>")
+    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}>"
+            if kind == "mma" else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}, {str(early).lower()}>")
     return torch.cuda._compile_kernel(SOURCE, name)
 
 
@@ -774,15 +783,17 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     w2 = packed2.view(torch.int32) if packed2 is not None else words
     mma = plan.kind == "mma"
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
-                   plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2)
+                   plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
+                   pdl.early(x.device, f"fp4_gemv_{plan.kind}"))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
-    kern(grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
-         block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem,
-         args=[*head, ids if ids is not None else out_scale, a_div,
-               words, scales, w2, scales2 if scales2 is not None else scales,
-               words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
-               out_scale, out_scale2 if out_scale2 is not None else out_scale, fold_log2,
-               out, out.stride(0), _DTYPE_CODE[out.dtype], m, n, k, plan.split_k])
+    pdl.launch(kern, grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
+               block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem, device=x.device,
+               name=f"fp4_gemv_{plan.kind}",
+               args=[*head, ids if ids is not None else out_scale, a_div,
+                     words, scales, w2, scales2 if scales2 is not None else scales,
+                     words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
+                     out_scale, out_scale2 if out_scale2 is not None else out_scale, fold_log2,
+                     out, out.stride(0), _DTYPE_CODE[out.dtype], m, n, k, plan.split_k])
     return out
 
 
@@ -799,8 +810,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tens
         raise ValueError(f"dequantize writes a bf16 [{n}, {k}] row-major tensor; got {out.dtype} {tuple(out.shape)}")
     words = packed.view(torch.int32)
     total = n * (k // 8)
-    _dequant_kernel(wfmt)(grid=(-(-total // 256), 1, 1), block=(256, 1, 1),
-                          args=[words, scales, words.stride(0), scales.stride(0), out_scale, fold_log2, out,
-                                out.stride(0), n, k])
+    pdl.launch(_dequant_kernel(wfmt), grid=(-(-total // 256), 1, 1), block=(256, 1, 1), device=out.device,
+               name="fp4_dequant",
+               args=[words, scales, words.stride(0), scales.stride(0), out_scale, fold_log2, out, out.stride(0), n, k])
     return out
 

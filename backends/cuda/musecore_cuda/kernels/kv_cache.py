@@ -14,12 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from musecore_cuda.kernels import pdl
+
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 @triton.jit
 def kv_write_kernel(k_ptr, v_ptr, pos_ptr, kn_ptr, vn_ptr, pn_ptr, T, slots, capacity,
-                    kn_sb, kn_st, vn_sb, vn_st, ROW: tl.constexpr, BLOCK: tl.constexpr, RING: tl.constexpr):
+                    kn_sb, kn_st, vn_sb, vn_st, ROW: tl.constexpr, BLOCK: tl.constexpr, RING: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
     i = tl.program_id(0).to(tl.int64)  # entry b * T + t
     b, t = i // T, i % T
     p = tl.load(pn_ptr + i)
@@ -62,4 +66,5 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_new: t
     kn, vn = k_new.view(words), v_new.view(words)
     kv_write_kernel[(B * T,)](k.view(words), v.view(words), positions, kn, vn, pos_new.contiguous(), T, k.shape[1],
                               capacity, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), ROW=row,
-                              BLOCK=triton.next_power_of_2(row), RING=ring, num_warps=4)
+                              BLOCK=triton.next_power_of_2(row), RING=ring, num_warps=4,
+                              **pdl.triton_options(k.device, "kv_write"))

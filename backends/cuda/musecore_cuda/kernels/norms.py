@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from musecore.ops import reference as ref
+from musecore_cuda.kernels import pdl
 
 
 @triton.jit
@@ -22,7 +23,8 @@ def _rms(x, mask, n, eps):
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -34,7 +36,8 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
 
 @triton.jit
 def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, gate_ptr, next_w_ptr, new_res_ptr, normed_ptr,
-                         n, eps, BLOCK: tl.constexpr):
+                         n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -68,9 +71,10 @@ def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, src, dst, bt, eps, D: 
 
 @triton.jit
 def qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, nq, nkv,
-                        q_stride, k_stride, eps, D: tl.constexpr):
+                        q_stride, k_stride, eps, D: tl.constexpr, PDL: tl.constexpr):
     """q's head rows then k's, one launch. Inputs may be slices of a fused projection: token
     ``bt``'s heads start at ``bt * stride`` (heads contiguous within it); outputs are contiguous."""
+    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     if row < q_rows:  # (b*T + t) * nq + h
         bt = row // nq
@@ -84,7 +88,8 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qy_ptr, 
 
 
 @triton.jit
-def head_norm_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, nq, g_stride, eps, D: tl.constexpr):
+def head_norm_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, nq, g_stride, eps, D: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)  # (b*T + t) * nq + h
     offs = tl.arange(0, D)
     o = tl.load(o_ptr + row * D + offs).to(tl.float32)
@@ -120,7 +125,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.numel():
         n = x.shape[-1]
         rms_norm_kernel[(_rows(x),)](x, weight.contiguous(), y, n, eps, BLOCK=triton.next_power_of_2(n),
-                                     **_warps("rms_norm"))
+                                     **_warps("rms_norm"), **pdl.triton_options(x.device, "rms_norm"))
     return y
 
 
@@ -133,7 +138,8 @@ def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.
         n = residual.shape[-1]
         residual_norm_kernel[(_rows(residual),)](residual, out, post_weight.contiguous(), gate.contiguous(),
                                                  next_weight.contiguous(), new_residual, normed, n, eps,
-                                                 BLOCK=triton.next_power_of_2(n), **_warps("residual_norm"))
+                                                 BLOCK=triton.next_power_of_2(n), **_warps("residual_norm"),
+                                                 **pdl.triton_options(out.device, "residual_norm"))
     return new_residual, normed
 
 
@@ -164,7 +170,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     if B * T:
         qk_norm_rope_kernel[(B * T * (nq + nkv),)](q, k, q_weight.contiguous(), k_weight.contiguous(),
                                                    cos.contiguous(), sin.contiguous(), q_out, k_out, B * T * nq,
-                                                   nq, nkv, q_stride, k_stride, eps, D=d, **_warps("qk_norm_rope"))
+                                                   nq, nkv, q_stride, k_stride, eps, D=d, **_warps("qk_norm_rope"),
+                                                   **pdl.triton_options(q.device, "qk_norm_rope"))
     return q_out, k_out
 
 
@@ -178,15 +185,16 @@ def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Ten
     g, g_stride = _token_rows(gate_logits, nq)
     if o.numel():
         head_norm_gate_kernel[(_rows(o),)](o, weight.contiguous(), g, y, nq, g_stride, eps, D=d,
-                                           **_warps("head_norm_gate"))
+                                           **_warps("head_norm_gate"), **pdl.triton_options(o.device, "head_norm_gate"))
     return y
 
 
 @triton.jit
 def router_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride, k, K: tl.constexpr, RENORM: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: fp32 softmax over E experts, the k largest by k rounds of max (lowest index first on
     ties), optionally renormalised to sum 1. Replaces softmax + topk (two sorts) + sum + divide."""
+    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < E
@@ -223,5 +231,6 @@ def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.
         # k + 3 dependent reductions per row: within one warp they are shuffles, across warps each is
         # a shared-memory round trip and a barrier (4 warps took ~3 us per row at E = 64).
         router_topk_kernel[(T,)](logits, weights, ids, E, logits.stride(0), k, K=triton.next_power_of_2(k),
-                                 RENORM=renormalize, BLOCK=block, num_warps=1 if block <= 512 else 4)
+                                 RENORM=renormalize, BLOCK=block, num_warps=1 if block <= 512 else 4,
+                                 **pdl.triton_options(logits.device, "router_topk"))
     return weights, ids

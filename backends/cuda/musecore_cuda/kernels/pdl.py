@@ -1,0 +1,173 @@
+"""Programmatic dependent launch (PDL): a kernel starts while the one before it finishes.
+
+A decode step is a few hundred dependent kernels of 1.5-5 us each (``backends/cuda/NOTES.md``,
+session 5), so each one's launch, block scheduling and first weight loads are a large part of its
+time. With PDL (SM90+) a kernel is launched with the attribute *programmatic stream
+serialization*: its blocks may start as soon as every block of the previous kernel has executed
+``griddepcontrol.launch_dependents`` (or exited), and it must execute ``griddepcontrol.wait`` (which
+returns once the previous kernel has completed and its writes are visible) before it reads anything
+an earlier kernel wrote, or writes anything. Until that wait a kernel may only read what no kernel
+of the step writes: its weights.
+
+Every musecore kernel that is launched with PDL follows one contract, so the chain stays ordered:
+
+* before ``wait`` it reads only weights (resident parameters, written once at load);
+* every block executes ``wait`` (none returns before it), so a kernel completes only after the
+  one before it: kernels further back are ordered through the chain;
+* only the kernels named *early* (by default the decode GEMVs, whose long weight streams leave a
+  tail worth overlapping) signal ``launch_dependents`` at their top; every other kernel signals
+  implicitly when its blocks exit. So at most a GEMV and the kernel after it are resident at once.
+  Session 7 triggered early in every kernel: the whole GPU suite passed, but one generate sequence
+  hit an illegal address with six or more early-triggering kernels chained (any pair passed), and
+  passed with waits only (NOTES.md, sessions 7 and 8).
+
+A kernel launched without the attribute (PyTorch's, cuBLAS's) is ordered as usual, and both
+instructions are no-ops in a kernel launched without it, so the kernels stay correct whichever
+way they are launched. ``MUSECORE_CUDA_PDL=0`` launches everything the ordinary way (for A/B runs);
+``MUSECORE_CUDA_PDL_EARLY`` = ``1`` (the default set), ``0`` (none) or a comma list names the
+kernels that trigger early.
+
+Triton kernels take a ``PDL`` constexpr and call :func:`enter` / :func:`wait`; they are launched with
+``launch_pdl=`` :func:`enabled`. The NVRTC kernels (CUDA C++) call ``pdl_trigger()`` / ``pdl_wait()``
+from :data:`CUDA_SOURCE` and are launched through :func:`launch` (``cuLaunchKernelEx``), since
+``torch.cuda._compile_kernel``'s launcher takes no launch attributes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Any, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+ENV = "MUSECORE_CUDA_PDL"
+DEFAULT = "0"  # off until the A/B and the generate bisect of session 8 have run on the H200
+
+# griddepcontrol is PTX ISA 7.8, sm_90+; older targets compile the calls away.
+CUDA_SOURCE = r"""
+__device__ __forceinline__ void pdl_trigger() {  // the next kernel may be scheduled now
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {  // the previous kernel has completed; its writes are visible
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+"""
+
+
+def _triton_has_gdc() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(index: int) -> bool:
+    return (torch.cuda.get_device_capability(index) >= (9, 0) and _triton_has_gdc()
+            and hasattr(getattr(torch.cuda, "_utils", None), "_get_gpu_runtime_library"))
+
+
+def enabled(device: torch.device, name: str = "") -> bool:
+    """Whether kernel ``name`` on ``device`` is launched with PDL: SM90+, a Triton with grid dependency
+    control, and ``MUSECORE_CUDA_PDL`` = ``1`` or a comma list naming it; ``0`` for none (:data:`DEFAULT`).
+    Read at each launch, so one process can A/B (a captured CUDA graph keeps how it was captured)."""
+    setting = os.environ.get(ENV, DEFAULT)
+    if device.type != "cuda" or setting == "0" or (setting != "1" and name not in setting.split(",")):
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+EARLY_ENV = "MUSECORE_CUDA_PDL_EARLY"
+EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv")
+
+
+def early(device: torch.device, name: str) -> bool:
+    """Whether kernel ``name`` (launched with PDL) signals ``launch_dependents`` at its top rather than
+    when its blocks exit: ``MUSECORE_CUDA_PDL_EARLY`` = ``1`` (:data:`EARLY_DEFAULT`), ``0`` or names."""
+    setting = os.environ.get(EARLY_ENV, "1")
+    names = EARLY_DEFAULT if setting == "1" else () if setting == "0" else tuple(setting.split(","))
+    return name in names and enabled(device, name)
+
+
+def triton_options(device: torch.device, name: str) -> dict:
+    """Launch keywords of a Triton kernel that takes ``PDL``: the constexpr, and ``launch_pdl`` when on
+    (left out when off, so the CPU interpreter of the tests never sees it)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device, name) else {"PDL": False}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """Top of a Triton kernel that reads no weights before its inputs: wait for the kernel before
+    (the next one is signalled when this one's blocks exit)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def trigger(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _c_args(args: Sequence[Any]) -> tuple[list, Any]:
+    """The kernel parameters as ``torch.cuda._compile_kernel`` passes them: a tensor as its data
+    pointer, an int as a C int, a float as a C double (kept alive with the pointer array)."""
+    keep = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            keep.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, bool) or not isinstance(a, (int, float)):
+            raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+        else:
+            keep.append(ctypes.c_int(a) if isinstance(a, int) else ctypes.c_double(a))
+    array = (ctypes.c_void_p * len(keep))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep))
+    return keep, array
+
+
+def launch(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], shared_mem: int = 0,
+           device: torch.device | None = None, name: str = "") -> None:
+    """Launch an NVRTC kernel (``torch.cuda._compile_kernel``'s result) on the current stream, with
+    PDL where :func:`enabled`, else through the kernel's own launcher."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    if not enabled(device, name):
+        kernel(grid=tuple(grid), block=tuple(block), args=list(args), shared_mem=shared_mem)
+        return
+    if shared_mem >= 48 * 1024 and shared_mem > getattr(kernel, "_max_shared_mem_bytes", 0):
+        raise RuntimeError(f"kernel needs {shared_mem} bytes of shared memory; call set_shared_memory_config first")
+    keep, array = _c_args(args)
+    attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                     ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), ctypes.pointer(attr), 1)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    status = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.func, array, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+    del keep
