@@ -1,8 +1,9 @@
 """Which kernels break bench_e2e's generate sequence with PDL on: one process per setting ``PDL[/EARLY]``
 (``MUSECORE_CUDA_PDL``: 1 or a comma list of kernel names; ``MUSECORE_CUDA_PDL_EARLY``: 1, 0 or names; see
-``musecore_cuda/kernels/pdl.py``), printing the last run reached and the error::
+``musecore_cuda/kernels/pdl.py``; ``default`` sets neither, as shipped), printing the last run reached, the error
+and whether the generated tokens equal the first setting's::
 
-    python benchmarks/cuda_pdl_bisect.py 1 1/0 fp4_gemv_mma,moe_finalize/fp4_gemv_mma
+    python benchmarks/cuda_pdl_bisect.py 0 default 1 1/0 fp4_gemv_mma,moe_finalize/fp4_gemv_mma
 """
 import os, subprocess, sys
 SETS = sys.argv[1:]
@@ -32,7 +33,9 @@ print("OK")
 reference = None
 for s in SETS:
     pdl, _, early = s.partition("/")
-    env = {**os.environ, "MUSECORE_CUDA_PDL": pdl, "MUSECORE_CUDA_PDL_EARLY": early or "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSECORE_CUDA_PDL")}
+    if s != "default":  # "default": neither variable set, as shipped
+        env.update({"MUSECORE_CUDA_PDL": pdl, "MUSECORE_CUDA_PDL_EARLY": early or "1"})
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     lines = (r.stdout + r.stderr).strip().splitlines()
     runs = [l for l in lines if l.startswith("RUN")]

@@ -19,7 +19,6 @@ What is native here, and why (``supports`` answers from this table, never optimi
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional, Union
 
@@ -100,50 +99,6 @@ def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
                              out=dense)
     return F.linear(x2, dense)
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
-def fp4_slab_linear(x2: torch.Tensor, w: Fp4Resident, rows: int = 1024, depth: int = 2,
-                    streams: int = 2) -> torch.Tensor:
-    """2-D ``x2 @ W.T`` for large M: W dequantized ``rows`` output rows at a time into a ring of ``depth``
-    bf16 slabs, each followed by cuBLAS on that slab.
-
-    Unlike :func:`fp4_dequant_linear`, the bf16 copy never exists whole: a slab (``rows * K * 2`` bytes,
-    16 MB for 1024 x 8192) is written and read back while it is still in L2 (50 MB on the H200), so the
-    GEMM reads the weight from HBM only as FP4. With ``streams=2`` the dequantization of slab ``i + 1``
-    runs on a side stream under the GEMM of slab ``i`` (memory-bound next to compute-bound).
-    """
-    m = x2.shape[0]
-    n, k = w.out_features, w.in_features
-    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    ring = [torch.empty(min(rows, n), k, dtype=torch.bfloat16, device=x2.device) for _ in range(depth)]
-    main = torch.cuda.current_stream(x2.device)
-    side = _side_stream(x2.device) if streams > 1 else main
-    side.wait_stream(main)
-    done_mm: list = [None] * depth
-    for i, n0 in enumerate(range(0, n, rows)):
-        r = min(rows, n - n0)
-        slot = i % depth
-        buf = ring[slot][:r]
-        with torch.cuda.stream(side):
-            if done_mm[slot] is not None:
-                side.wait_event(done_mm[slot])
-            fp4_gemv_cuda.dequantize(w.packed[0, n0:n0 + r], w.scales[0, n0:n0 + r], w.out_scale,
-                                     wfmt=w.wfmt, fold_log2=w.fold_log2, n=r, k=k, out=buf)
-        if side is not main:
-            ready = torch.cuda.Event()
-            ready.record(side)
-            main.wait_event(ready)
-        torch.mm(x2, buf.t(), out=y[:, n0:n0 + r])
-        if side is not main:
-            done_mm[slot] = torch.cuda.Event()
-            done_mm[slot].record(main)
-    main.wait_stream(side)
-    return y
 
 
 def fp4_gemm_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:

@@ -5,7 +5,9 @@ more than running them. The step is captured once per generation (one batch shap
 cache) and replayed each token. Capture needs a step free of host syncs: the static KV cache
 (``KVCache(static=True)``) writes padding to a trash slot instead of filtering it on the host,
 and the MoE kernels sort tokens on the device. Warm-up and capture run with every position at -1,
-so they write only to the trash slots and leave the cache as the prefill left it.
+so they write only to the trash slots and leave the cache as the prefill left it. Up to
+``pdl.MAX_BATCH`` sequences, the step is captured with programmatic dependent launch (each kernel
+starts under the previous one's tail; ``kernels/pdl.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+
+from musecore_cuda.kernels import pdl
 
 
 def make_graphed_decode_step(model: Any, cache: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -24,14 +28,15 @@ def make_graphed_decode_step(model: Any, cache: Any) -> Callable[[torch.Tensor, 
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up: lets Triton compile and the allocator settle
-        for _ in range(2):
-            model.forward(static_ids, positions=static_positions, cache=cache)
-    torch.cuda.current_stream(device).wait_stream(side)
+    with pdl.scope(batch <= pdl.MAX_BATCH):  # programmatic dependent launch (kernels/pdl.py)
+        with torch.cuda.stream(side):  # warm-up: lets Triton compile and the allocator settle
+            for _ in range(2):
+                model.forward(static_ids, positions=static_positions, cache=cache)
+        torch.cuda.current_stream(device).wait_stream(side)
 
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_logits = model.forward(static_ids, positions=static_positions, cache=cache)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = model.forward(static_ids, positions=static_positions, cache=cache)
     cache.next_position.copy_(saved_next)
 
     def step(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -784,11 +784,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     mma = plan.kind == "mma"
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
                    plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
-                   pdl.early(x.device, f"fp4_gemv_{plan.kind}"))
+                   pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     pdl.launch(kern, grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
                block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem, device=x.device,
-               name=f"fp4_gemv_{plan.kind}",
+               name=f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}",
                args=[*head, ids if ids is not None else out_scale, a_div,
                      words, scales, w2, scales2 if scales2 is not None else scales,
                      words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),

@@ -23,7 +23,9 @@ Every musecore kernel that is launched with PDL follows one contract, so the cha
 
 A kernel launched without the attribute (PyTorch's, cuBLAS's) is ordered as usual, and both
 instructions are no-ops in a kernel launched without it, so the kernels stay correct whichever
-way they are launched. ``MUSECORE_CUDA_PDL=0`` launches everything the ordinary way (for A/B runs);
+way they are launched. Where PDL is used: the decode step's CUDA graph of up to :data:`MAX_BATCH`
+sequences is captured with it (:func:`scope`); everything else launches the ordinary way.
+``MUSECORE_CUDA_PDL`` (``1``, ``0`` or kernel names) overrides that for A/B runs, and
 ``MUSECORE_CUDA_PDL_EARLY`` = ``1`` (the default set), ``0`` (none) or a comma list names the
 kernels that trigger early.
 
@@ -37,15 +39,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import contextlib
 import os
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 ENV = "MUSECORE_CUDA_PDL"
-DEFAULT = "0"  # off until the A/B and the generate bisect of session 8 have run on the H200
+# Decode graphs of up to this many sequences are captured with PDL (muse-small on the H200, session 8:
+# 1.09x NVFP4 / 1.06x BF16 at batch 1, 0.98x at batch 32; benchmarks/results/cuda_pdl_ab_*.json).
+MAX_BATCH = 16
+_scope: list[bool] = []  # innermost :func:`scope` last
 
 # griddepcontrol is PTX ISA 7.8, sm_90+; older targets compile the calls away.
 CUDA_SOURCE = r"""
@@ -76,17 +82,34 @@ def _supported(index: int) -> bool:
             and hasattr(getattr(torch.cuda, "_utils", None), "_get_gpu_runtime_library"))
 
 
+@contextlib.contextmanager
+def scope(on: bool) -> Iterator[None]:
+    """Launch with PDL inside this block (``on``) or not; outside every scope, kernels launch the
+    ordinary way. ``make_graphed_decode_step`` opens one around its capture (``batch <= MAX_BATCH``)."""
+    _scope.append(on)
+    try:
+        yield
+    finally:
+        _scope.pop()
+
+
 def enabled(device: torch.device, name: str = "") -> bool:
     """Whether kernel ``name`` on ``device`` is launched with PDL: SM90+, a Triton with grid dependency
-    control, and ``MUSECORE_CUDA_PDL`` = ``1`` or a comma list naming it; ``0`` for none (:data:`DEFAULT`).
-    Read at each launch, so one process can A/B (a captured CUDA graph keeps how it was captured)."""
-    setting = os.environ.get(ENV, DEFAULT)
+    control, and either ``MUSECORE_CUDA_PDL`` (``1``, ``0`` or a comma list of kernel names; it overrides
+    everything, for A/B runs) or, when it is unset, the innermost :func:`scope`. Read at each launch (a
+    captured CUDA graph keeps how it was captured)."""
+    setting = os.environ.get(ENV)
+    if setting is None:
+        setting = "1" if _scope and _scope[-1] else "0"
     if device.type != "cuda" or setting == "0" or (setting != "1" and name not in setting.split(",")):
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
 EARLY_ENV = "MUSECORE_CUDA_PDL_EARLY"
+# The plain decode GEMVs: back-to-back calls ran 1.07-1.26x faster with an early signal (session 7), and
+# muse-small decode 1.09x against 1.03x with waits only. Not the expert GEMVs (``*_experts``): the
+# 816B MoE layer at batch 1 ran 0.94x with their early signal and 1.015x with waits only (session 8).
 EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv")
 
 

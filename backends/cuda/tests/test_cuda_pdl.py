@@ -1,0 +1,59 @@
+"""Where programmatic dependent launch is used (``musecore_cuda.kernels.pdl``): the policy, on any machine.
+
+Whether PDL itself keeps the kernels ordered is tested on the GPU by the whole suite run with
+``MUSECORE_CUDA_PDL=1`` and by ``benchmarks/cuda_pdl_bisect.py`` (the generated tokens match PDL off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musecore_cuda.kernels import pdl
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Pretend the device supports PDL, and start with neither variable set."""
+    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.delenv(pdl.EARLY_ENV, raising=False)
+    return monkeypatch
+
+
+def test_off_outside_a_scope_and_on_inside(sm90):
+    assert not pdl.enabled(GPU, "rms_norm")
+    with pdl.scope(True):
+        assert pdl.enabled(GPU, "rms_norm")
+        with pdl.scope(False):
+            assert not pdl.enabled(GPU, "rms_norm")
+        assert pdl.enabled(GPU, "rms_norm")
+    assert not pdl.enabled(GPU, "rms_norm")
+
+
+def test_the_variable_overrides_the_scope(sm90):
+    sm90.setenv(pdl.ENV, "0")
+    with pdl.scope(True):
+        assert not pdl.enabled(GPU, "rms_norm")
+    sm90.setenv(pdl.ENV, "1")
+    assert pdl.enabled(GPU, "rms_norm")
+    sm90.setenv(pdl.ENV, "dense_gemv,moe_finalize")
+    assert pdl.enabled(GPU, "moe_finalize") and not pdl.enabled(GPU, "rms_norm")
+
+
+def test_only_plain_decode_gemvs_trigger_early(sm90):
+    with pdl.scope(True):
+        assert pdl.early(GPU, "fp4_gemv_mma") and pdl.early(GPU, "dense_gemv")
+        assert not pdl.early(GPU, "fp4_gemv_mma_experts")  # 0.94x on the 816B MoE layer at batch 1
+        assert not pdl.early(GPU, "rms_norm")
+        sm90.setenv(pdl.EARLY_ENV, "0")
+        assert not pdl.early(GPU, "fp4_gemv_mma")
+    assert not pdl.early(GPU, "fp4_gemv_mma")  # never early without PDL
+
+
+def test_never_on_a_cpu_or_without_sm90(monkeypatch):
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert not pdl.enabled(torch.device("cpu"), "rms_norm")
+    monkeypatch.setattr(pdl, "_supported", lambda index: False)
+    assert not pdl.enabled(GPU, "rms_norm")
