@@ -48,9 +48,10 @@ import triton
 import triton.language as tl
 
 ENV = "MUSECORE_CUDA_PDL"
-# Decode graphs of up to this many sequences are captured with PDL (muse-small on the H200, session 8:
-# 1.09x NVFP4 / 1.06x BF16 at batch 1, 0.98x at batch 32; benchmarks/results/cuda_pdl_ab_*.json).
-MAX_BATCH = 16
+# Decode graphs of up to this many sequences are captured with PDL. muse-small on the H200 (session 8,
+# benchmarks/results/cuda_pdl_ab_default.json): 1.06x NVFP4 and BF16 at batch 1, but 0.97-0.98x at 8
+# and 16 and 0.98x at 32 (cuda_pdl_ab_e2e_v2.json); batches 2-4 were not measured.
+MAX_BATCH = 1
 _scope: list[bool] = []  # innermost :func:`scope` last
 
 # griddepcontrol is PTX ISA 7.8, sm_90+; older targets compile the calls away.
