@@ -1,6 +1,6 @@
 """One NVFP4 linear (q_proj 8192->10240) at ``--m`` tokens for a profiler to look at, through the path
 ``fp4_linear`` picks or, with ``--gemm-plan``, through the tiled CUDA GEMM cut so (``--wgmma-plan``: the
-wgmma GEMM).
+wgmma GEMM); with ``--moe-batch B`` the 816B MoE layer at decode batch B instead.
 
     ncu --clock-control none -k regex:fp4_gem --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section Occupancy python3 benchmarks/cuda_profile_gemv.py
@@ -20,25 +20,34 @@ parser.add_argument("--m", type=int, default=1)
 parser.add_argument("--shape", default="q_proj", choices=list(LINEAR_SHAPES))
 parser.add_argument("--gemm-plan", help="tile,split,stages,prefetch of fp4_gemm_cuda.GemmPlan")
 parser.add_argument("--wgmma-plan", help="tokens,split,prefetch,stages,groups of fp4_gemm_wgmma.WgmmaPlan")
+parser.add_argument("--moe-batch", type=int, help="instead: the 816B MoE layer (NVFP4) at this decode batch")
 args = parser.parse_args()
 
 n, k = LINEAR_SHAPES[args.shape]
-w = CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), args.shape).data
-x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
-out = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
-if args.wgmma_plan:
-    tokens, split, prefetch, stages, groups = (int(v) for v in args.wgmma_plan.split(","))
-    plan = fp4_gemm_wgmma.WgmmaPlan(tokens=tokens, split=split, prefetch=prefetch, stages=stages, groups=groups)
-    call = lambda: fp4_gemm_wgmma.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt,  # noqa: E731
-                                         fold_log2=w.fold_log2, n=n, k=k, out=out, plan=plan)
-elif args.gemm_plan:
-    tile, split, stages, prefetch = (int(v) for v in args.gemm_plan.split(","))
-    plan = fp4_gemm_cuda.GemmPlan(groups=min(8, -(-args.m // 8)), tile=tile, split=split, stages=stages,
-                                  prefetch=prefetch)
-    call = lambda: fp4_gemm_cuda.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt,  # noqa: E731
-                                        fold_log2=w.fold_log2, n=n, k=k, out=out, plan=plan)
+if args.moe_batch:  # 256 experts, top-8, latent 2048, intermediate 8192: the MoE case of `musecore bench`
+    be = CudaBackend("cuda")
+    experts = be.prepare_experts(*(random_fp4("nvfp4", shape) for shape in ((256, 8192, 2048), (256, 8192, 2048),
+                                                                             (256, 2048, 8192))))
+    weights, ids = be.router_topk(torch.randn(args.moe_batch, 256, device="cuda"), 8, True)
+    z = torch.randn(args.moe_batch, 2048, device="cuda", dtype=torch.bfloat16)
+    norm = torch.ones(256, 2048, device="cuda")
+    call = lambda: be.moe(z, weights, ids, experts, norm, 1e-6)  # noqa: E731
 else:
+    w = CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), args.shape).data
+    x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
     call = lambda: fp4_linear(x, w)  # noqa: E731
+    if args.wgmma_plan:
+        tokens, split, prefetch, stages, groups = (int(v) for v in args.wgmma_plan.split(","))
+        plan = fp4_gemm_wgmma.WgmmaPlan(tokens=tokens, split=split, prefetch=prefetch, stages=stages, groups=groups)
+        call = lambda: fp4_gemm_wgmma.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt,  # noqa: E731
+                                             fold_log2=w.fold_log2, n=n, k=k, out=out, plan=plan)
+    elif args.gemm_plan:
+        tile, split, stages, prefetch = (int(v) for v in args.gemm_plan.split(","))
+        plan = fp4_gemm_cuda.GemmPlan(groups=min(8, -(-args.m // 8)), tile=tile, split=split, stages=stages,
+                                      prefetch=prefetch)
+        call = lambda: fp4_gemm_cuda.launch(x, w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt,  # noqa: E731
+                                            fold_log2=w.fold_log2, n=n, k=k, out=out, plan=plan)
 for _ in range(6):
     call()
 torch.cuda.synchronize()
