@@ -29,13 +29,9 @@ from musecore_cuda.bench import LINEAR_SHAPES, _rotating, memory_ceiling_gbps, r
 from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.layouts import prepare_fp4
 
-CUTS = [(split, kw, pf, 0) for split in (1, 2, 4, 8) for kw in (1, 2, 4) for pf in (1, 2, 3, 4)]
+CUTS = [(split, kw, pf) for split in (1, 2, 4, 8) for kw in (1, 2, 4) for pf in (1, 2, 3, 4)]
 if os.environ.get("SWEEP_CUTS") == "0":  # only the plan make_plan chooses
     CUTS = []
-# SWEEP_RINGS=3,4,6: also every split and k_warps with the weights streamed through a shared-memory ring of
-# that many slots per warp (GemvPlan.ring)
-CUTS += [(split, kw, 1, ring) for ring in (int(r) for r in os.environ.get("SWEEP_RINGS", "").split(",") if r)
-         for split in (1, 2, 4) for kw in (1, 2, 4)]
 
 
 def run(x, w, n, k, plan):
@@ -105,20 +101,20 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
         chosen = fp4_gemv_cuda.make_plan(m, n, k, x.dtype, x.device)
         plans = {chosen}
         chunks = k // fp4_gemv_cuda.CHUNK_K
-        for split, kw, pf, ring in CUTS:
+        for split, kw, pf in CUTS:
             if chunks % (split * kw) == 0 and chunks // (split * kw) >= 2:
-                plan = dataclasses.replace(chosen, split_k=split, k_warps=kw, prefetch=pf, ring=ring)
-                if plan.smem(k) < plan.smem_limit():
+                plan = dataclasses.replace(chosen, split_k=split, k_warps=kw, prefetch=pf)
+                if plan.smem(k) < fp4_gemv_cuda.SMEM_LIMIT:
                     plans.add(plan)
         results = []
-        for plan in sorted(plans, key=lambda p: (p.ring, p.split_k, p.k_warps, p.prefetch, p.tile)):
+        for plan in sorted(plans, key=lambda p: (p.split_k, p.k_warps, p.prefetch, p.tile)):
             t, err = checked_time(p, lambda x, w: run(x, w, n, k, plan), str(plan))
             results.append((t, plan, err))
         best = min(results, key=lambda r: r[0])
         t_chosen = next(r[0] for r in results if r[1] == chosen)
         for t, plan, err in results:
             rows.append({"shape": f"{name} {k}->{n}", "format": fmt, "M": m, "split_k": plan.split_k,
-                         "k_warps": plan.k_warps, "prefetch": plan.prefetch, "ring": plan.ring, "tile": plan.tile,
+                         "k_warps": plan.k_warps, "prefetch": plan.prefetch, "tile": plan.tile,
                          "chosen": plan == chosen, "best": plan == best[1], "time_us": round(t, 2),
                          "speedup_vs_bf16": round(t_bf16 / t, 3),
                          "pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), "nmse": err})
@@ -126,7 +122,7 @@ def sweep(ms: list[int], shapes: list[str], fmt: str) -> list[dict]:
               f"({t_bf16 / t_chosen:.2f}x, {100 * nbytes / t_chosen / 1e3 / ceiling:.0f}%) "
               f"split {chosen.split_k} kw {chosen.k_warps} pf {chosen.prefetch} | best {best[0]:7.2f} us "
               f"({t_bf16 / best[0]:.2f}x, {100 * nbytes / best[0] / 1e3 / ceiling:.0f}%) "
-              f"split {best[1].split_k} kw {best[1].k_warps} pf {best[1].prefetch} ring {best[1].ring}", flush=True)
+              f"split {best[1].split_k} kw {best[1].k_warps} pf {best[1].prefetch}", flush=True)
     return rows
 
 

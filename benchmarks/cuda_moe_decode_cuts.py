@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 
 import torch
 
@@ -37,11 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/cuda_moe_decode_cuts.json")
     p.add_argument("--layers", default="muse-small,816b")
-    p.add_argument("--rings", default="", help="also the default cuts with a shared-memory weight ring of these "
-                                                "slots per warp (GemvPlan.ring), e.g. 3,4,6; with --rings-only nothing else")
-    p.add_argument("--rings-only", action="store_true")
     args = p.parse_args()
-    rings = [int(r) for r in args.rings.split(",") if r]
     ceiling = memory_ceiling_gbps()["ceiling_gbps"]
     be = CudaBackend("cuda")
     rows = []
@@ -72,21 +67,18 @@ def main() -> None:
               f"({100 * fp4_bytes / t_default / 1e3 / ceiling:.0f}% of {ceiling:.0f} GB/s); "
               f"BF16 experts through moe_decode_dense {t_dense:.2f} us")
         timed = []
-        pairs = [] if args.rings_only else [(u, d) for u in cuts(latent) for d in cuts(inter)]
-        pairs += [(replace(default[0], ring=r), replace(default[1], ring=r)) for r in rings]
-        pairs += [(replace(default[0], ring=r), default[1]) for r in rings]
-        pairs += [(default[0], replace(default[1], ring=r)) for r in rings]
-        for up_plan, down_plan in pairs:
-            got = moe_decode_gemv(z, weights, ids, stacks[0].gate, stacks[0].up, stacks[0].down, norm, 1e-6,
-                                  (up_plan, down_plan))
-            err = nmse(want, got)
-            if err > 1e-5:
-                raise AssertionError(f"{name} cut {up_plan} / {down_plan}: NMSE {err:.2e} against the default")
-            timed.append((time_us(fp4((up_plan, down_plan))) / len(stacks), up_plan, down_plan))
+        for up_plan in cuts(latent):
+            for down_plan in cuts(inter):
+                got = moe_decode_gemv(z, weights, ids, stacks[0].gate, stacks[0].up, stacks[0].down, norm, 1e-6,
+                                      (up_plan, down_plan))
+                err = nmse(want, got)
+                if err > 1e-5:
+                    raise AssertionError(f"{name} cut {up_plan} / {down_plan}: NMSE {err:.2e} against the default")
+                timed.append((time_us(fp4((up_plan, down_plan))) / len(stacks), up_plan, down_plan))
         timed.sort(key=lambda r: r[0])
         for t, u, d in timed[:5]:
-            print(f"  {t:7.2f} us  up (split {u.split_k}, k_warps {u.k_warps}, prefetch {u.prefetch}, ring {u.ring})  "
-                  f"down (split {d.split_k}, k_warps {d.k_warps}, prefetch {d.prefetch}, ring {d.ring})")
+            print(f"  {t:7.2f} us  up (split {u.split_k}, k_warps {u.k_warps}, prefetch {u.prefetch})  "
+                  f"down (split {d.split_k}, k_warps {d.k_warps}, prefetch {d.prefetch})")
         rows.append({"layer": name, "E": E, "topk": topk, "latent": latent, "inter": inter, "ceiling_gbps": ceiling,
                      "default_us": t_default, "default": [str(p) for p in default], "bf16_dense_us": t_dense,
                      "fp4_routed_bytes": fp4_bytes, "bf16_routed_bytes": bf16_bytes,

@@ -42,6 +42,12 @@ SOURCE = fp4_gemv_cuda.SOURCE + r"""
 
 constexpr int GEMM_ROW_BYTES = 128 * 2 + 16;  // one token's 128 activations of a chunk, padded
 
+__device__ __forceinline__ void cp_async16(u32 dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // y[m, n] = x[m, :] @ W[n, :]^T * out_scale, bf16 activations. Grid (token tiles, SPLIT, row blocks),
 // block WARPS * 32; warp w owns rows n0 .. n0 + 16 * RT of its block and all 8 * NG tokens of the tile.

@@ -40,7 +40,6 @@ and the backend uses the Triton GEMM (announced once as a RuntimeWarning).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -338,13 +337,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // One pipeline stage: chunk c of every weight tile a thread reads (16 bytes of rows g and g + 8
 // each) and the scale bytes of those two rows for the chunk (8 bytes NVFP4, 4 bytes MXFP4).
 template <int NT>
@@ -376,50 +368,6 @@ __device__ __forceinline__ void stage_load(const u32 *const (&wrow)[NT][2], cons
                 st.s[i][h][1] = s.y;
             } else {
                 st.s[i][h][0] = __ldg(reinterpret_cast<const u32 *>(srow[i][h] + c * 4));
-            }
-        }
-}
-
-// Shared-memory weight ring (RING > 0): a thread copies the same bytes stage_load would load (its 16 bytes of
-// rows g and g + 8 of each tile, and those rows' scale bytes) into its own slots with cp.async, and reads
-// back only what it copied, so the ring needs no barrier: cp.async.wait_group orders a thread's own copies.
-// Slot layout per warp: [NT][2][32 lanes] x 16 weight bytes, then [NT][2][32] x 8 scale bytes.
-template <int NT>
-__device__ __forceinline__ constexpr int ring_slot_bytes() { return NT * 2 * 32 * (16 + 8); }
-
-template <int NT, int WFMT>
-__device__ __forceinline__ void ring_issue(const u32 *const (&wrow)[NT][2], const u8 *const (&srow)[NT][2], int c,
-                                           int t, int lane, u32 slot) {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int j = (i * 2 + h) * 32 + lane;
-            asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;"
-                         ::"r"(slot + j * 16), "l"(wrow[i][h] + c * 16 + t * 4) : "memory");
-            const u32 sdst = slot + NT * 2 * 32 * 16 + j * 8;
-            if (WFMT == 1)
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(sdst), "l"(srow[i][h] + c * 8) : "memory");
-            else
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sdst), "l"(srow[i][h] + c * 4) : "memory");
-        }
-}
-
-template <int NT, int WFMT>
-__device__ __forceinline__ void ring_read(const unsigned char *slot, int lane, Stage<NT> &st) {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int j = (i * 2 + h) * 32 + lane;
-            st.w[i][h] = *reinterpret_cast<const uint4 *>(slot + j * 16);
-            const unsigned char *sp = slot + NT * 2 * 32 * 16 + j * 8;
-            if (WFMT == 1) {
-                const uint2 v = *reinterpret_cast<const uint2 *>(sp);
-                st.s[i][h][0] = v.x;
-                st.s[i][h][1] = v.y;
-            } else {
-                st.s[i][h][0] = *reinterpret_cast<const u32 *>(sp);
             }
         }
 }
@@ -528,7 +476,7 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // thread-block cluster along y through distributed shared memory; block 0's first K slice applies
 // SwiGLU / the output scale and writes the output once in its final dtype (no atomics, no zeroed
 // fp32 buffer, no conversion kernel).
-template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY, int RING>
+template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
@@ -570,25 +518,11 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
             srow[i][h] = sb + (long long)n * s_n;
         }
     }
-    constexpr int SLOTS = RING ? 1 : PF + 1;  // register ring: chunk x lives in slot (x - cw_begin) % SLOTS
+    constexpr int SLOTS = PF + 1;  // ring: chunk x lives in slot (x - cw_begin) % SLOTS
     Stage<NT> st[SLOTS];
-    // Shared-memory ring (RING > 0): RING slots per warp after the staged activations and the partial sums;
-    // chunk x lives in slot (x - cw_begin) % RING, RING - 1 chunks in flight ahead of the one in use.
-    const int ring_offset = m_rows * pairs * 4 + ((KW > 1 || SPLIT > 1) ? WARPS * NG * NT * 4 * 32 * 4 : 0);
-    const unsigned char *ring = reinterpret_cast<const unsigned char *>(smem) + ring_offset +
-                                warp * RING * ring_slot_bytes<NT>();
-    const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
     if (rows_valid) {
-        if (RING) {
 #pragma unroll
-            for (int p = 0; p < (RING ? RING - 1 : 0); ++p) {
-                if (cw_begin + p < cw_end) ring_issue<NT, WFMT>(wrow, srow, cw_begin + p, t, lane, ring_s + p * ring_slot_bytes<NT>());
-                cp_async_commit();  // one group per chunk, empty past the end: the wait count stays uniform
-            }
-        } else {
-#pragma unroll
-            for (int p = 0; p < PF; ++p) stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
-        }
+        for (int p = 0; p < PF; ++p) stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
     }
     if (!EXPERTS) pdl_wait();  // the first weight chunks are in flight under the previous kernel's tail
 
@@ -620,26 +554,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
     constexpr int PER = NG * NT * 4;  // accumulators per chain and thread
 #pragma unroll
     for (int i = 0; i < 4 * PER; ++i) sums[i] = 0.f;
-    if (rows_valid && RING) {
-        for (int c = cw_begin; c < cw_end; ++c) {
-            const int x = c - cw_begin;
-            cp_async_wait<(RING > 1 ? RING - 2 : 0)>();  // chunk c's group has landed (groups complete in order)
-            ring_read<NT, WFMT>(ring + (x % RING) * ring_slot_bytes<NT>(), lane, st[0]);
-            // refill the slot of chunk c - 1 (read into registers and used last iteration) with chunk c + RING - 1
-            if (c + RING - 1 < cw_end)
-                ring_issue<NT, WFMT>(wrow, srow, c + RING - 1, t, lane, ring_s + ((x + RING - 1) % RING) * ring_slot_bytes<NT>());
-            cp_async_commit();
-            uint4 b[NG][4];
-#pragma unroll
-            for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    b[ng][q] = has_token[ng]
-                        ? *reinterpret_cast<const uint4 *>(xt[ng] + ((c - c_begin) * 16 + 4 * t + q) * 4)
-                        : make_uint4(0u, 0u, 0u, 0u);
-            stage_mma<NG, NT, WFMT>(st[0], b, t, fold, acc);
-        }
-    } else if (rows_valid) {
+    if (rows_valid) {
         for (int c0 = cw_begin; c0 < cw_end; c0 += SLOTS) {
 #pragma unroll
             for (int p = 0; p < SLOTS; ++p) {  // unrolled: slot indices are static, no register copies
@@ -711,9 +626,6 @@ FMA_WARPS, MMA_WARPS = 8, 4
 FMA_MAX_M = 2  # fp32 FMA kernel (bf16 or fp16 activations); its FMA count grows with M
 MAX_M = 16     # tensor-core kernel (bf16 activations): one or two mma n8 token groups
 SMEM_LIMIT = 48 * 1024  # staged activations per block without the opt-in
-SMEM_RING_LIMIT = 227 * 1024  # with a weight ring (opt-in; SM90's maximum per block)
-RING_ENV = "MUSECORE_CUDA_GEMV_RING"  # slots of the shared-memory weight ring (0: registers); overrides the plan
-DEFAULT_RING = 0
 MAX_CLUSTER = 8  # portable thread-block cluster size: the MMA kernel's largest split-K
 MMA_TARGET_WARPS = 2048  # ~16 warps per SM of an H200 streaming at once: enough loads in flight
 MMA_MIN_CHUNKS = 4       # fewest 128-element chunks a warp streams (its prologue must pay off)
@@ -735,9 +647,7 @@ class GemvPlan:
     tile: int            # FMA: rows per warp; MMA: 16-row tiles per warp
     split_k: int = 1
     k_warps: int = 1     # MMA: warps of a block splitting its K range
-    prefetch: int = 2    # MMA: chunks each thread keeps in flight (in registers)
-    ring: int = 0        # MMA: > 0 streams the weights through a shared-memory ring of this many slots per warp
-                         # instead (cp.async, ring - 1 chunks in flight; ``prefetch`` is then unused)
+    prefetch: int = 2    # MMA: chunks each thread keeps in flight
 
     @property
     def token_groups(self) -> int:  # MMA: groups of 8 activation rows (mma n8 each)
@@ -756,16 +666,11 @@ class GemvPlan:
         return self.kind == "fma" and self.split_k > 1
 
     def smem(self, k: int, swiglu: bool = False) -> int:
-        if self.kind == "mma":  # bf16 pairs, then the partial sums of every warp, then the weight ring
-            nt = self.tile * (2 if swiglu else 1)
-            reduce = nt * self.token_groups * 4 * MMA_WARPS * 32 * 4 if self.k_warps > 1 or self.split_k > 1 else 0
-            ring = MMA_WARPS * self.ring * nt * 2 * 32 * (16 + 8)
-            return self.m * ((k // self.split_k) * 2 + 64) + reduce + ring
+        if self.kind == "mma":  # bf16 pairs, then the partial sums of every warp
+            tiles = self.tile * (2 if swiglu else 1) * self.token_groups
+            reduce = tiles * 4 * MMA_WARPS * 32 * 4 if self.k_warps > 1 or self.split_k > 1 else 0
+            return self.m * ((k // self.split_k) * 2 + 64) + reduce
         return self.m * (k // self.split_k) * 4
-
-    def smem_limit(self) -> int:
-        """Shared memory a block of this plan may use: 48 KB, or the opt-in maximum with a weight ring."""
-        return SMEM_RING_LIMIT if self.ring else SMEM_LIMIT
 
 
 def kind_for(m: int, dtype: torch.dtype) -> Optional[str]:
@@ -812,11 +717,6 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
                 break
             plan = cuts[0]
         plan = replace(plan, prefetch=min(plan.prefetch, chunks // (plan.split_k * plan.k_warps)))
-        ring = int(os.environ.get(RING_ENV, DEFAULT_RING))
-        while ring >= 2 and replace(plan, ring=ring).smem(k, swiglu) >= SMEM_RING_LIMIT:
-            ring -= 1
-        if ring >= 2:
-            plan = replace(plan, ring=ring)
     else:
         plan = GemvPlan(kind, m, 8 if m == 1 else 4)
         blocks, split = -(-n // plan.rows_per_block) * programs, 1
@@ -825,23 +725,18 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
                 (allow_split and blocks * split < 2 * sms) or plan.smem(k) >= SMEM_LIMIT):
             split *= 2
             plan = replace(plan, split_k=split)
-    if plan.smem(k, swiglu) >= plan.smem_limit():
+    if plan.smem(k, swiglu) >= SMEM_LIMIT:
         raise ValueError(f"the CUDA decode kernel cannot stage {m} x {k} activations in shared memory")
     return plan
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-            k_warps: int = 1, prefetch: int = 2, early: bool = False, ring: int = 0):
+            k_warps: int = 1, prefetch: int = 2, early: bool = False):
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}, "
-            f"{ring}>" if kind == "mma" else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}, {str(early).lower()}>")
-    kern = torch.cuda._compile_kernel(SOURCE, name)
-    if ring:
-        if not hasattr(kern, "set_shared_memory_config"):
-            raise ValueError("a shared-memory weight ring needs more than 48 KB per block; this torch cannot opt in")
-        kern.set_shared_memory_config(SMEM_RING_LIMIT)
-    return kern
+    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}>"
+            if kind == "mma" else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}, {str(early).lower()}>")
+    return torch.cuda._compile_kernel(SOURCE, name)
 
 
 def available(device: torch.device) -> bool:
@@ -882,15 +777,14 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     if ids is not None and ids.dtype != torch.int64:
         ids = ids.to(torch.int64)
     smem = plan.smem(k, swiglu=packed2 is not None)
-    if smem >= plan.smem_limit():
-        raise ValueError(f"{smem} bytes of shared memory exceed {plan.smem_limit()}; raise split_k or shrink the ring")
+    if smem >= SMEM_LIMIT:
+        raise ValueError(f"{smem} bytes of staged activations exceed {SMEM_LIMIT}; raise split_k")
     words = packed.view(torch.int32)
     w2 = packed2.view(torch.int32) if packed2 is not None else words
     mma = plan.kind == "mma"
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
                    plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
-                   pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"),
-                   plan.ring if mma else 0)
+                   pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     pdl.launch(kern, grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
                block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem, device=x.device,
