@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import contextlib
+import contextvars
 import os
 from typing import Any, Iterator, Sequence
 
@@ -52,7 +53,7 @@ ENV = "MUSECORE_CUDA_PDL"
 # benchmarks/results/cuda_pdl_ab_default.json): 1.06x NVFP4 and BF16 at batch 1, but 0.97-0.98x at 8
 # and 16 and 0.98x at 32 (cuda_pdl_ab_e2e_v2.json); batches 2-4 were not measured.
 MAX_BATCH = 1
-_scope: list[bool] = []  # innermost :func:`scope` last
+_scope: contextvars.ContextVar[bool] = contextvars.ContextVar("musecore_cuda_pdl_scope", default=False)
 
 # griddepcontrol is PTX ISA 7.8, sm_90+; older targets compile the calls away.
 CUDA_SOURCE = r"""
@@ -87,11 +88,11 @@ def _supported(index: int) -> bool:
 def scope(on: bool) -> Iterator[None]:
     """Launch with PDL inside this block (``on``) or not; outside every scope, kernels launch the
     ordinary way. ``make_graphed_decode_step`` opens one around its capture (``batch <= MAX_BATCH``)."""
-    _scope.append(on)
+    token = _scope.set(on)
     try:
         yield
     finally:
-        _scope.pop()
+        _scope.reset(token)
 
 
 def enabled(device: torch.device, name: str = "") -> bool:
@@ -101,7 +102,7 @@ def enabled(device: torch.device, name: str = "") -> bool:
     captured CUDA graph keeps how it was captured)."""
     setting = os.environ.get(ENV)
     if setting is None:
-        setting = "1" if _scope and _scope[-1] else "0"
+        setting = "1" if _scope.get() else "0"
     if device.type != "cuda" or setting == "0" or (setting != "1" and name not in setting.split(",")):
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
