@@ -48,7 +48,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      SPLIT: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
+    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -163,7 +163,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         v_scale if v_scale is not None else 1.0, keys_per_split,
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, KV_FP8=kv_fp8,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, num_warps=4,
-        num_stages=1 if kv_fp8 else 2, **pdl.triton_options(q.device, "attention"))  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
+        num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
+        **pdl.triton_options(q.device, "attention"))
     if splits > 1:
         merged = _merge_splits(partial, ml)[:, :rows]  # [B*nkv, T*G, d]
         out.copy_(merged.reshape(B, nkv, T, group, d).permute(0, 2, 1, 3, 4).reshape(B, T, nq, d))

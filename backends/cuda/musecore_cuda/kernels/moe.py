@@ -63,12 +63,13 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
 
 @triton.jit
 def moe_finalize_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, norm_ptr, y_ptr, L, eps,
-                        TOPK: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr, PDL: tl.constexpr):
+                        TOPK: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr,
+                        PDL: tl.constexpr):
     """y[t] = sum_j w[t,j] * rms_norm(o[pos[t,j]], norm[ids[t,j]]), fp32 (pos = identity unless SORTED).
 
     A token's k rows are loaded as one [KP, BLOCK] tile and their norms reduced together: one memory
     round trip per token instead of k dependent ones (the k-step loop took ~4.8 us at batch 1)."""
-    pdl.enter(PDL)  # signal the next kernel, wait for the one before (kernels/pdl.py)
+    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, KP)
     jm = j < TOPK
@@ -97,7 +98,8 @@ def finalize(o: torch.Tensor, position: torch.Tensor, ids: torch.Tensor, weights
         kp, block = triton.next_power_of_2(topk), triton.next_power_of_2(latent)
         moe_finalize_kernel[(T,)](o, position, ids.contiguous(), weights.contiguous(), output_norm.contiguous(), y,
                                   latent, eps, TOPK=topk, KP=kp, BLOCK=block, SORTED=sorted_rows,
-                                  num_warps=max(4, min(16, kp * block // 1024)), **pdl.triton_options(o.device, "moe_finalize"))
+                                  num_warps=max(4, min(16, kp * block // 1024)),
+                                  **pdl.triton_options(o.device, "moe_finalize"))
     return y
 
 
