@@ -80,7 +80,8 @@ def _triton_has_gdc() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
-    return (torch.cuda.get_device_capability(index) >= (9, 0) and _triton_has_gdc()
+    """SM90+ NVIDIA (a ROCm build reports gfx9 as capability 9.x: griddepcontrol is PTX, not for it)."""
+    return (torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0) and _triton_has_gdc()
             and hasattr(getattr(torch.cuda, "_utils", None), "_get_gpu_runtime_library"))
 
 
