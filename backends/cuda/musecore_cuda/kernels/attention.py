@@ -48,7 +48,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      SPLIT: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)

@@ -48,7 +48,7 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     if EXPERTS:
-        pdl.enter(PDL)
+        pdl.wait(PDL)
         e = tl.load(ids_ptr + a).to(tl.int64)
         w_ptr += e * stride_e
         w2_ptr += e * stride_e

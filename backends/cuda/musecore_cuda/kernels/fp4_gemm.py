@@ -166,7 +166,7 @@ def w4a16_gemm_kernel(
     PDL: tl.constexpr,
 ):
     """C[M, N] (+)= A[M, K] @ W[e, N, K]^T; see the module docstring for the three uses."""
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)

@@ -23,7 +23,7 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 def kv_write_kernel(k_ptr, v_ptr, pos_ptr, kn_ptr, vn_ptr, pn_ptr, T, slots, capacity,
                     kn_sb, kn_st, vn_sb, vn_st, ROW: tl.constexpr, BLOCK: tl.constexpr, RING: tl.constexpr,
                     PDL: tl.constexpr):
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     i = tl.program_id(0).to(tl.int64)  # entry b * T + t
     b, t = i // T, i % T
     p = tl.load(pn_ptr + i)

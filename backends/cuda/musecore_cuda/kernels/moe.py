@@ -69,7 +69,7 @@ def moe_finalize_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, norm_ptr, y_ptr, L, eps,
 
     A token's k rows are loaded as one [KP, BLOCK] tile and their norms reduced together: one memory
     round trip per token instead of k dependent ones (the k-step loop took ~4.8 us at batch 1)."""
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, KP)
     jm = j < TOPK

@@ -24,7 +24,7 @@ def _rms(x, mask, n, eps):
 
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -37,7 +37,7 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr, PDL: tl.co
 @triton.jit
 def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, gate_ptr, next_w_ptr, new_res_ptr, normed_ptr,
                          n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -74,7 +74,7 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qy_ptr, 
                         q_stride, k_stride, eps, D: tl.constexpr, PDL: tl.constexpr):
     """q's head rows then k's, one launch. Inputs may be slices of a fused projection: token
     ``bt``'s heads start at ``bt * stride`` (heads contiguous within it); outputs are contiguous."""
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     if row < q_rows:  # (b*T + t) * nq + h
         bt = row // nq
@@ -89,7 +89,7 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qy_ptr, 
 
 @triton.jit
 def head_norm_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, nq, g_stride, eps, D: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)  # (b*T + t) * nq + h
     offs = tl.arange(0, D)
     o = tl.load(o_ptr + row * D + offs).to(tl.float32)
@@ -194,7 +194,7 @@ def router_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride, k, K: tl.constexpr
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: fp32 softmax over E experts, the k largest by k rounds of max (lowest index first on
     ties), optionally renormalised to sum 1. Replaces softmax + topk (two sorts) + sum + divide."""
-    pdl.enter(PDL)  # wait for the kernel before (kernels/pdl.py)
+    pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < E

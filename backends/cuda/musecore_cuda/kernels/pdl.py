@@ -29,7 +29,7 @@ sequences is captured with it (:func:`scope`); everything else launches the ordi
 ``MUSECORE_CUDA_PDL_EARLY`` = ``1`` (the default set), ``0`` (none) or a comma list names the
 kernels that trigger early.
 
-Triton kernels take a ``PDL`` constexpr and call :func:`enter` / :func:`wait`; they are launched with
+Triton kernels take a ``PDL`` constexpr and call :func:`wait` (and :func:`trigger`); they are launched with
 ``launch_pdl=`` :func:`enabled`. The NVRTC kernels (CUDA C++) call ``pdl_trigger()`` / ``pdl_wait()``
 from :data:`CUDA_SOURCE` and are launched through :func:`launch` (``cuLaunchKernelEx``), since
 ``torch.cuda._compile_kernel``'s launcher takes no launch attributes.
@@ -37,10 +37,10 @@ from :data:`CUDA_SOURCE` and are launched through :func:`launch` (``cuLaunchKern
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import contextlib
 import contextvars
+import ctypes
+import functools
 import os
 from typing import Any, Iterator, Sequence
 
@@ -131,21 +131,15 @@ def triton_options(device: torch.device, name: str) -> dict:
 
 
 @triton.jit
-def enter(PDL: tl.constexpr):
-    """Top of a Triton kernel that reads no weights before its inputs: wait for the kernel before
-    (the next one is signalled when this one's blocks exit)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
 def trigger(PDL: tl.constexpr):
+    """Signal the next kernel now (only the early GEMVs); otherwise it is signalled as this one's blocks exit."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def wait(PDL: tl.constexpr):
+    """Wait for the kernel before: at the top of a kernel, or after the weight loads that may precede it."""
     if PDL:
         tl.extra.cuda.gdc_wait()
 
