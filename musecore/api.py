@@ -101,11 +101,13 @@ def resolve_device(device: str, records: Optional[dict] = None) -> tuple[str, to
 
 def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
-         kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: DenseGroups = False) -> Plan:
+         kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: DenseGroups = None) -> Plan:
     """Resolve what would run where, in which format and why; reads config and headers only.
 
     ``quantize_dense`` converts the attention, pooler/unpooler and lm_head projections (True) or the
-    named ones of them with the device's rule for BF16 weights (see :func:`musecore.planning.make_plan`)."""
+    named ones of them with the device's rule for BF16 weights, or keeps them (False); None, the
+    default, takes the device's choice: all of them on ``xeon``/``xeon6`` (see
+    :func:`musecore.planning.make_plan`)."""
     summary, _ = summarize(model, checkpoint_format)
     records = discover()
     name = device if (emulate and device in CATALOG) else resolve_device(device, records)[0]
@@ -151,14 +153,16 @@ def _dispatcher(op: str, impls: dict[tuple, Any]):
 
 def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
-         kv_format: str = "bf16", progress: Optional[bool] = None, quantize_dense: DenseGroups = False) -> MuseModel:
+         kv_format: str = "bf16", progress: Optional[bool] = None, quantize_dense: DenseGroups = None) -> MuseModel:
     """Load a checkpoint folder (or the bundled ``muse-tiny``) onto ``device``, executing its plan.
 
     ``device`` is a catalog name (``musecore devices``), ``auto`` or a torch device string.
     ``emulate=True`` runs the named device's numerics (weight conversion, activation quantization)
     on the local reference kernels. ``quantize_dense=True`` also converts the attention,
     pooler/unpooler and lm_head projections with the device's rule for BF16 weights (INT4 on ``xeon``);
-    a collection of those group names converts only them (e.g. ``quantize_dense=("lm_head",)``).
+    a collection of those group names converts only them (e.g. ``quantize_dense=("lm_head",)``);
+    False keeps them as the checkpoint has them. The default, None, is the device's choice: on
+    ``xeon``/``xeon6`` all three are INT4 (decode there is bound by the bytes read per token).
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16
@@ -177,7 +181,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
 
 def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpoint_format: str = "bf16",
                 dtype: Optional[torch.dtype] = None, emulate: bool = False, seed: int = 0, std: float = 0.02,
-                allow_reference: bool = False, quantize_dense: DenseGroups = False) -> MuseModel:
+                allow_reference: bool = False, quantize_dense: DenseGroups = None) -> MuseModel:
     """A model with random weights (MODEL.md initialisation) through the same plan and placement as
     :func:`load`, made tensor by tensor on the target device: for benchmarks of presets that have no
     checkpoint (``muse-small``). Quantized experts are produced with the producers' quantizers.
@@ -209,7 +213,7 @@ def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpo
 def assemble(summary: CheckpointSummary, device: str,
              tensors: Callable[[Placer, torch.device], Iterable[tuple[str, Any]]], *, emulate: bool = False,
              allow_emulation: bool = False, allow_reference: bool = False, dtype: torch.dtype = torch.bfloat16,
-             kv_format: str = "bf16", source: str = "checkpoint", quantize_dense: DenseGroups = False) -> MuseModel:
+             kv_format: str = "bf16", source: str = "checkpoint", quantize_dense: DenseGroups = None) -> MuseModel:
     """Plan ``summary`` on ``device`` (raising on gaps), make the backends, and fill a model with
     ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares."""
     records = discover()

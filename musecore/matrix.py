@@ -48,10 +48,13 @@ class RowSpec:
     format: str        # as shown in the table and the JSON
     checkpoint: str    # key of RECIPES
     explanation: str   # what the device does with that checkpoint
+    # passed to ``musecore.load``: False (every row but one) converts only what the checkpoint quantized,
+    # so the rows compare formats on the same weights; None is the device's own default
+    quantize_dense: Optional[bool] = False
 
     @property
     def id(self) -> str:
-        return f"{self.device}/{self.checkpoint}"
+        return f"{self.device}/{self.checkpoint}" + ("" if self.quantize_dense is False else "+dense")
 
 
 ROWS: tuple[RowSpec, ...] = (
@@ -61,8 +64,11 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("mi355x", "mxfp4 (requantized from nvfp4)", "nvfp4",
             "the NVFP4 checkpoint requantized to MXFP4 at load; MXFP4 activations"),
     RowSpec("mi355x", "mxfp4 (from bf16)", "mxfp4", "BF16 quantized straight to MXFP4 (Quark rule); MXFP4 activations"),
-    RowSpec("xeon6", "int4 (RTN)", "int4-rtn", "INT4 g128 symmetric, round to nearest; BF16 activations"),
-    RowSpec("xeon6", "int4 (AutoRound)", "int4-autoround", "INT4 g128 symmetric with AutoRound-tuned rounding"),
+    RowSpec("xeon6", "int4 (RTN)", "int4-rtn", "INT4 g128 symmetric experts, round to nearest; BF16 activations and dense weights"),
+    RowSpec("xeon6", "int4 (AutoRound)", "int4-autoround", "INT4 g128 symmetric experts with AutoRound-tuned rounding"),
+    RowSpec("xeon6", "int4 (RTN) + dense INT4 (default plan)", "int4-rtn",
+            "the RTN checkpoint as xeon6 loads it by default: attention, pooler/unpooler and lm_head also "
+            "quantized to INT4 g128 (RTN) at load", quantize_dense=None),
     RowSpec("tpu-v6e", "bf16", "bf16", "BF16 weights and activations"),
 )
 
@@ -349,7 +355,8 @@ def measure_row(spec: RowSpec, mode: str, cache: CheckpointCache, batches: list,
     except (RowUnavailable, NotImplementedError, AutoRoundMissing) as err:
         return _row(spec, mode, "unavailable", str(err))
     try:
-        model = musecore.load(folder, device=spec.device, emulate=(mode == "emulated"), progress=False)
+        model = musecore.load(folder, device=spec.device, emulate=(mode == "emulated"), progress=False,
+                              quantize_dense=spec.quantize_dense)
     except PlanError as err:
         return _row(spec, mode, "unavailable", str(err).replace("\n", " "))
     acc = evaluate(model, batches, baseline)

@@ -174,12 +174,15 @@ def unquantizable(summary: CheckpointSummary, targets: dict[str, tuple[str, Opti
 # Dense projections that ``quantize_dense=True`` converts like the routed experts (the router, the
 # embedding, norms and the BF16 expert layers stay as they are: small, or sensitive to rounding).
 DENSE_QUANTIZABLE = ("attention", "pooler/unpooler", "lm_head")
-DenseGroups = Union[bool, str, Collection[str]]
+DenseGroups = Union[None, bool, str, Collection[str]]
 
 
-def dense_groups(quantize_dense: DenseGroups) -> tuple[str, ...]:
+def dense_groups(quantize_dense: DenseGroups, profile: Optional[DeviceProfile] = None) -> tuple[str, ...]:
     """The groups of :data:`DENSE_QUANTIZABLE` that ``quantize_dense`` names: all for True, none for
-    False, else the given names (a collection, or one string, comma-separated)."""
+    False, the device's default (``profile.quantize_dense``) for None, else the given names (a
+    collection, or one string, comma-separated)."""
+    if quantize_dense is None:
+        quantize_dense = bool(profile and profile.quantize_dense)
     if isinstance(quantize_dense, bool):
         return DENSE_QUANTIZABLE if quantize_dense else ()
     names = [n.strip() for n in quantize_dense.split(",")] if isinstance(quantize_dense, str) else list(quantize_dense)
@@ -191,14 +194,14 @@ def dense_groups(quantize_dense: DenseGroups) -> tuple[str, ...]:
 
 
 def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_label: str,
-                   quantize_dense: DenseGroups = False) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
+                   quantize_dense: DenseGroups = None) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
     """Per tensor the in-memory format and activation format; per group a summary row.
 
     Dense tensors take the model dtype (``dtype_label``); quantized tensors, and the routed experts
     of quantized layers whatever their checkpoint format, follow the device profile's conversion.
     The dense groups ``quantize_dense`` names (:func:`dense_groups`) follow it too.
     """
-    converted_dense = dense_groups(quantize_dense)
+    converted_dense = dense_groups(quantize_dense, profile)
     config, dtype_bytes = summary.config, DTYPE_BYTES[dtype_label]
     targets: dict[str, tuple[str, Optional[str]]] = {}
     rows: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, ""])
@@ -291,12 +294,14 @@ def kv_bytes(config: MuseConfig, context: int, kv_format: str) -> int:
 def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False, allow_emulation: bool = False,
               allow_reference: bool = False, dtype_label: str = "bf16", kv_format: str = "bf16",
               kv_context: int = DEFAULT_CONTEXT, records: Optional[dict] = None,
-              quantize_dense: DenseGroups = False) -> Plan:
+              quantize_dense: DenseGroups = None) -> Plan:
     """Resolve the plan for ``summary`` on the catalog device ``device`` (no weights read).
 
     ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections (True),
     or the named ones of them (e.g. ``("lm_head",)``), with the device's rule for BF16 weights (INT4
     g128 on ``xeon``; profiles that keep BF16 as BF16 are unchanged): fewer bytes per token, more error.
+    None (the default) takes the device's own choice (``DeviceProfile.quantize_dense``: all of them
+    on ``xeon``/``xeon6``, none elsewhere); False keeps them as the checkpoint has them.
     """
     from musecore.backends.registry import discover
 
@@ -321,9 +326,12 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     if emulate:
         notes.append(f"emulating {device}: its weight conversions and activation quantization, bit for bit, "
                      "computed by the reference kernels on this machine")
-    if dense_groups(quantize_dense):
-        notes.append(f"quantize_dense: {', '.join(dense_groups(quantize_dense))} projections follow the device's "
-                     "expert conversion (see the groups below and the conversion report for the error)")
+    converted_dense = dense_groups(quantize_dense, profile)
+    if converted_dense:
+        why = (f"{device}'s default (quantize_dense=False keeps them as the checkpoint has them)"
+               if quantize_dense is None else "quantize_dense")
+        notes.append(f"{', '.join(converted_dense)} projections follow the device's expert conversion: {why}; "
+                     "see the groups below and the conversion report for the error")
     groups, targets = resolve_groups(summary, profile, dtype_label, quantize_dense)
     ops = [choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
            for spec in needed_specs(targets, kv_format, device)]

@@ -1,11 +1,16 @@
 """The ``musecore`` subcommands; options shared by several of them."""
 
-QUANTIZE_DENSE_HELP = ("also convert the attention, pooler/unpooler and lm_head projections (or only the ones named, "
+QUANTIZE_DENSE_HELP = ("convert the attention, pooler/unpooler and lm_head projections (or only the ones named, "
                        "comma-separated, e.g. --quantize-dense lm_head) with the device's rule for BF16 weights "
-                       "(INT4 g128 on xeon; a no-op where BF16 stays BF16): faster decode, more error")
+                       "(INT4 g128 on xeon; a no-op where BF16 stays BF16): faster decode, more error. Without this "
+                       "option or --no-quantize-dense the device chooses: xeon and xeon6 convert all three")
 
 
 def add_quantize_dense(parser) -> None:
-    """``--quantize-dense [GROUPS]``: True without a value, else the comma-separated group names."""
-    parser.add_argument("--quantize-dense", nargs="?", const=True, default=False, metavar="GROUPS",
+    """``--quantize-dense [GROUPS]`` (True without a value, else the comma-separated group names) and
+    ``--no-quantize-dense`` (False); neither: None, the device's default."""
+    parser.add_argument("--quantize-dense", nargs="?", const=True, default=None, metavar="GROUPS",
                         help=QUANTIZE_DENSE_HELP)
+    parser.add_argument("--no-quantize-dense", dest="quantize_dense", action="store_const", const=False,
+                        help="keep the attention, pooler/unpooler and lm_head projections as the checkpoint has "
+                             "them (MODEL.md's plan: only the routed experts are converted)")

@@ -321,9 +321,14 @@ def test_autoround_int4_checkpoint_generates_natively_on_the_xeon_backend(tmp_pa
     convert_autoround(src, tmp_path / "int4", ids.flatten(), tokens=ids.numel(), seq_len=40, iters=2,
                       nsamples=4, tokens_per_sample=8, progress=False)
     native = musecore.load(tmp_path / "int4", device="xeon", progress=False)
-    emulated = musecore.load(tmp_path / "int4", device="xeon", emulate=True, progress=False)
     assert native.backend.name == "xeon" and native.layers[1].mlp.experts.format == "int4"
-    assert not any(r.source != "int4" for r in native.conversion_report), "nothing should be requantized"
+    # the tuned INT4 experts are used as they are; only the BF16 dense projections are quantized (xeon's default)
+    assert not any(".mlp.experts." in r.name for r in native.conversion_report), "no expert should be requantized"
+    assert {r.source for r in native.conversion_report} == {"bf16"} and native.lm_head.format == "int4"
+    assert len(native.generate(ids[0, :12].tolist(), max_new_tokens=4)) == 4
+    # the checkpoint's own weights, natively and emulated (this random model amplifies the small kernel
+    # differences of INT4 attention: NMSE ~1e-2 with the dense projections in INT4 too)
+    native = musecore.load(tmp_path / "int4", device="xeon", progress=False, quantize_dense=False)
+    emulated = musecore.load(tmp_path / "int4", device="xeon", emulate=True, progress=False, quantize_dense=False)
     err = nmse(emulated.forward(ids[:1, :12]), native.forward(ids[:1, :12]))
     assert err < 1e-2, f"AutoRound INT4 on the xeon backend vs its emulation: logits NMSE {err:.3e} (tolerance 1e-2)"
-    assert len(native.generate(ids[0, :12].tolist(), max_new_tokens=4)) == 4

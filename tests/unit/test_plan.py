@@ -60,9 +60,11 @@ def test_unknown_device_lists_the_catalog(bf16_checkpoint):
 
 def test_emulated_xeon_load_quantizes_experts_to_int4_and_reports_error(bf16_checkpoint):
     ref = musecore.load(bf16_checkpoint, device="cpu")
-    emu = musecore.load(bf16_checkpoint, device="xeon6", emulate=True)
+    emu = musecore.load(bf16_checkpoint, device="xeon6", emulate=True, quantize_dense=False)
     assert emu.layers[1].mlp.experts.format == "int4" and emu.layers[0].mlp.experts.format == "bf16"
+    assert emu.lm_head.format == "bf16" and emu.layers[1].self_attn.o_proj.format == "bf16"
     assert emu.conversion_report and all(r.target == "int4" for r in emu.conversion_report)
+    assert all(".mlp.experts." in r.name for r in emu.conversion_report)
     assert min(r.sqnr_db for r in emu.conversion_report) > 15, [r.sqnr_db for r in emu.conversion_report][:3]
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     a, b = ref.forward(ids), emu.forward(ids)
@@ -72,16 +74,29 @@ def test_emulated_xeon_load_quantizes_experts_to_int4_and_reports_error(bf16_che
 
 
 def test_quantize_dense_converts_attention_pooler_and_lm_head_like_the_experts(bf16_checkpoint):
-    default = {g.group: g for g in plan(bf16_checkpoint, "xeon6", emulate=True).groups}
+    kept = {g.group: g for g in plan(bf16_checkpoint, "xeon6", emulate=True, quantize_dense=False).groups}
     dense = {g.group: g for g in plan(bf16_checkpoint, "xeon6", emulate=True, quantize_dense=True).groups}
     for group in ("attention", "pooler/unpooler", "lm_head"):
-        assert default[group].target_format == "bf16" and dense[group].target_format == "int4", group
-        assert dense[group].bytes < default[group].bytes / 3
+        assert kept[group].target_format == "bf16" and dense[group].target_format == "int4", group
+        assert dense[group].bytes < kept[group].bytes / 3
     for group in ("embedding", "router", "norms and gates", "experts (BF16 layers)"):
-        assert dense[group].target_format == default[group].target_format == "bf16", group
+        assert dense[group].target_format == kept[group].target_format == "bf16", group
     # a device whose rule keeps BF16 (the reference CPU) is unchanged by the option
     cpu = {g.group: g.target_format for g in plan(bf16_checkpoint, "cpu", quantize_dense=True).groups}
     assert set(cpu.values()) == {"bf16"}
+
+
+@pytest.mark.parametrize("device", ["xeon", "xeon6"])
+def test_cpu_profiles_convert_the_dense_projections_by_default_and_say_so(bf16_checkpoint, device):
+    """quantize_dense=None (the default) is the profile's choice: INT4 attention, pooler/unpooler and
+    lm_head on the CPU profiles, which the plan's notes state with the way back (False)."""
+    the_plan = plan(bf16_checkpoint, device, emulate=True)
+    explicit = plan(bf16_checkpoint, device, emulate=True, quantize_dense=True)
+    assert {g.group: g.target_format for g in the_plan.groups} == {g.group: g.target_format for g in explicit.groups}
+    assert any("default (quantize_dense=False keeps them" in n for n in the_plan.notes), the_plan.notes
+    for gpu in ("h200", "b300", "mi355x"):
+        formats = {g.group: g.target_format for g in plan(bf16_checkpoint, gpu, emulate=True).groups}
+        assert formats["attention"] == formats["lm_head"] == "bf16", (gpu, formats)
 
 
 def test_quantize_dense_can_name_the_groups_it_converts(bf16_checkpoint):
@@ -114,3 +129,9 @@ def test_plan_cli_quantize_dense_flag(capsys):
     main(["plan", "--model", "muse-tiny", "--device", "xeon", "--emulate", "--quantize-dense", "lm_head", "--json"])
     groups = {g["group"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
     assert groups["lm_head"]["target_format"] == "int4" and groups["attention"]["target_format"] == "bf16"
+    main(["plan", "--model", "muse-tiny", "--device", "xeon", "--emulate", "--no-quantize-dense", "--json"])
+    groups = {g["group"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    assert groups["lm_head"]["target_format"] == groups["attention"]["target_format"] == "bf16"
+    main(["plan", "--model", "muse-tiny", "--device", "xeon", "--emulate", "--json"])
+    groups = {g["group"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    assert groups["lm_head"]["target_format"] == groups["attention"]["target_format"] == "int4"

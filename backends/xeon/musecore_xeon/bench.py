@@ -292,13 +292,15 @@ def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024,
 
 
 def decode_bytes_per_token(config: Any, int4_group_size: int = 128) -> dict[str, float]:
-    """Weight bytes one decode token reads under the xeon plan, INT4 experts vs all-BF16 experts.
+    """Weight bytes one decode token reads: all-BF16, INT4 experts only, and the xeon plan (INT4 dense too).
 
-    Per layer: attention (q, k, v, o, head gates), router, pooler/unpooler in BF16 (the plan keeps them),
-    the k routed experts (INT4 in the quantized layers: codes 0.5 byte + a 4-byte fp16 (scale, zero) pair per
-    group; BF16 in ``bf16_expert_layers``), plus the lm_head (embedding: one row). The KV cache and
-    activations are left out (small at these contexts). ``ideal_speedup`` = BF16 bytes / INT4-plan bytes:
-    the end-to-end ratio if every byte streamed at the same bandwidth.
+    Per layer: attention (q, k, v, o, head gates), router, pooler/unpooler, the k routed experts (INT4 in
+    the quantized layers: codes 0.5 byte + a 4-byte fp16 (scale, zero) pair per group; BF16 in
+    ``bf16_expert_layers``), plus the lm_head (embedding: one row). ``int4_plan_bytes``: only the experts in
+    INT4 (``quantize_dense=False``); ``int4_dense_bytes``: attention, pooler/unpooler and lm_head in INT4
+    too (the xeon default; the router stays BF16). The KV cache and activations are left out (small at
+    these contexts). ``ideal_speedup`` / ``ideal_speedup_dense`` = BF16 bytes / those bytes: the
+    end-to-end ratio if every byte streamed at the same bandwidth.
     """
     H, l, E, L = config.hidden_size, config.moe_latent_size, config.num_experts, config.num_hidden_layers
     dense_layer = 2 * (config.attention_parameters() + E * H + 2 * l * H)
@@ -318,8 +320,9 @@ def decode_bytes_per_token(config: Any, int4_group_size: int = 128) -> dict[str,
 
 def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8,
               rounds: int = 3) -> list[dict[str, Any]]:
-    """Greedy decode tokens/s on random weights: INT4 experts (the xeon plan), INT4 experts plus
-    ``quantize_dense`` (attention, pooler/unpooler, lm_head in INT4 too) and all-BF16 experts.
+    """Greedy decode tokens/s on random weights: the xeon plan (``xeon-int4``: INT4 experts, attention,
+    pooler/unpooler and lm_head), INT4 experts only (``xeon-int4-experts``, ``quantize_dense=False``:
+    MODEL.md section 2's INT4 export as it is) and all-BF16 (``xeon-bf16``).
 
     The BF16 run is the same preset with ``bf16_expert_layers`` listing every layer, so the plan
     keeps every expert in BF16; everything else (weights by seed, plan, kernels) is identical. Both
@@ -339,8 +342,9 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
     for preset in presets:
         config = MuseConfig.from_name(preset)
         all_bf16 = dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers)))
-        variants = {"xeon-int4": (config, False, True), "xeon-int4-dense": (config, True, True),
-                    "xeon-bf16": (all_bf16, False, True), "xeon-int4-f-linear": (config, False, False),
+        # name: (config, quantize_dense, native BF16 GEMV); None is the device's default (xeon: True)
+        variants = {"xeon-int4": (config, None, True), "xeon-int4-experts": (config, False, True),
+                    "xeon-bf16": (all_bf16, False, True), "xeon-int4-experts-f-linear": (config, False, False),
                     "xeon-bf16-f-linear": (all_bf16, False, False)}
         prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
         models, load_s, best = {}, {}, {}
@@ -370,7 +374,7 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
         for impl, stats in best.items():
             tps = stats.decode_tokens_per_s
             plan = impl.removesuffix("-f-linear")
-            nbytes = ideal[{"xeon-int4": "int4_plan_bytes", "xeon-int4-dense": "int4_dense_bytes"}.get(plan, "bf16_bytes")]
+            nbytes = ideal[{"xeon-int4": "int4_dense_bytes", "xeon-int4-experts": "int4_plan_bytes"}.get(plan, "bf16_bytes")]
             rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
                          "format": impl.split("-")[1],
                          "path": f"best of {rounds} rounds" + (", BF16 on F.linear" if "f-linear" in impl else ""),
@@ -379,8 +383,8 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
                          "speedup_vs_bf16": tps / bf16_tps if bf16_tps else None,
                          "speedup_vs_f_linear": (tps / best[impl + "-f-linear"].decode_tokens_per_s
                                                  if impl + "-f-linear" in best else None),
-                         "ideal_speedup_from_bytes": {"xeon-int4": ideal["ideal_speedup"],
-                                                      "xeon-int4-dense": ideal["ideal_speedup_dense"]}.get(plan, 1.0),
+                         "ideal_speedup_from_bytes": {"xeon-int4": ideal["ideal_speedup_dense"],
+                                                      "xeon-int4-experts": ideal["ideal_speedup"]}.get(plan, 1.0),
                          "weight_bytes_per_token": nbytes,
                          "int4_expert_fraction_of_plan_bytes": ideal["int4_expert_fraction_of_plan"],
                          "pct_memory_ceiling": pct_ceiling(int(nbytes), 1e6 / tps) if tps else None})
