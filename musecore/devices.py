@@ -5,7 +5,8 @@ A profile says, for each checkpoint format, what loading does to the quantized w
 device's own 4-bit format, quantize BF16 to it, or dequantize; and which activation format the
 device's matmuls use for them (``None`` = 16-bit activations, i.e. weight-only). A profile may
 also convert the BF16 attention, pooler/unpooler and lm_head projections by default
-(``quantize_dense``: the CPU profiles, where decode speed is the bytes read per token).
+(``quantize_dense``: attention and lm_head on the CPU profiles, where decode speed is the bytes
+read per token).
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ class DeviceProfile:
     activation_formats: tuple[str, ...]   # low-precision activation formats it computes in
     conversions: dict[str, Conversion] = field(default_factory=dict)
     description: str = ""
-    # Whether loading also converts the BF16 attention, pooler/unpooler and lm_head projections with
-    # the BF16 rule (``quantize_dense``'s default here). True on the CPU profiles: CPU decode is bound
-    # by the bytes read per token, and the routed experts alone are too small a share of them
-    # (muse-small 1.32x at best, the 816B model 1.8x; with the dense projections 3.3x both).
-    quantize_dense: bool = False
+    # The dense projection groups (planning.DENSE_QUANTIZABLE) that loading also converts with the BF16
+    # rule: ``quantize_dense``'s default on this device. The CPU profiles take attention and lm_head:
+    # CPU decode is bound by the bytes read per token, and the routed experts alone are too small a
+    # share of them (byte-ideal speed-up over BF16: muse-small 1.32x, the 816B model 1.8x; with
+    # attention and lm_head 2.9x and 3.1x). The pooler/unpooler stay BF16: the most rounding-sensitive
+    # group per byte (muse-tiny held-out perplexity +3.6% alone, for 6% of muse-small's bytes).
+    quantize_dense: tuple[str, ...] = ()
 
     def conversion(self, checkpoint_format: str) -> Conversion:
         if checkpoint_format not in self.conversions:
@@ -86,6 +89,7 @@ _XEON = _rules(bf16=("int4", None, "quantized to INT4 g128 (RTN) at load"),
                nvfp4=("int4", None, "experts requantized to INT4 g128 at load"),
                mxfp4=("int4", None, "experts requantized to INT4 g128 at load"),
                int4=("int4", None, "INT4 weight-only"))
+_CPU_DENSE = ("attention", "lm_head")
 _TPU = _rules(bf16=("bf16", None), fp8=("bf16", None, "dequantized to BF16"),
               nvfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),
               mxfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),
@@ -95,7 +99,7 @@ _TPU7 = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"), nvfp4=("fp8", "fp8", "NV
 _REFERENCE = _rules(**{fmt: (fmt, None, "reference kernels: exact values, fp32 math") for fmt in CHECKPOINT_FORMATS})
 
 
-def _profile(name, vendor, backend, arch, memory, weights, acts, conversions, description, quantize_dense=False):
+def _profile(name, vendor, backend, arch, memory, weights, acts, conversions, description, quantize_dense=()):
     return DeviceProfile(name, vendor, backend, arch, memory, weights, acts, conversions, description, quantize_dense)
 
 
@@ -110,9 +114,9 @@ CATALOG: dict[str, DeviceProfile] = {p.name: p for p in [
     _profile("mi350x", "amd", "rocm", "gfx950", 288, ("bf16", "fp8", "mxfp4"), ("fp8", "mxfp4"), _GFX950, "AMD Instinct MI350X (CDNA4)"),
     _profile("mi300x", "amd", "rocm", "gfx942", 192, ("bf16", "fp8", "mxfp4"), ("fp8",), _GFX942, "AMD Instinct MI300X (CDNA3)"),
     _profile("xeon6", "intel", "xeon", "x86-64 amx", 512, ("bf16", "int4"), (), _XEON, "Intel Xeon 6 with AMX (host memory)",
-             quantize_dense=True),
+             quantize_dense=_CPU_DENSE),
     _profile("xeon", "intel", "xeon", "x86-64 avx512/avx2", 256, ("bf16", "int4"), (), _XEON, "x86-64 CPU without AMX (host memory)",
-             quantize_dense=True),
+             quantize_dense=_CPU_DENSE),
     _profile("tpu-v6e", "google", "tpu", "v6e", 32, ("bf16", "int8"), (), _TPU, "Google TPU v6e (Trillium)"),
     _profile("tpu-v7", "google", "tpu", "v7", 192, ("bf16", "fp8"), ("fp8",), _TPU7, "Google TPU v7 (Ironwood)"),
     _profile("cpu", "any", "reference", "any", 0, CHECKPOINT_FORMATS, ("fp8", "nvfp4", "mxfp4"), _REFERENCE, "reference kernels on the local CPU (host memory)"),

@@ -182,7 +182,7 @@ def dense_groups(quantize_dense: DenseGroups, profile: Optional[DeviceProfile] =
     False, the device's default (``profile.quantize_dense``) for None, else the given names (a
     collection, or one string, comma-separated)."""
     if quantize_dense is None:
-        quantize_dense = bool(profile and profile.quantize_dense)
+        quantize_dense = profile.quantize_dense if profile else ()
     if isinstance(quantize_dense, bool):
         return DENSE_QUANTIZABLE if quantize_dense else ()
     names = [n.strip() for n in quantize_dense.split(",")] if isinstance(quantize_dense, str) else list(quantize_dense)
@@ -300,8 +300,8 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections (True),
     or the named ones of them (e.g. ``("lm_head",)``), with the device's rule for BF16 weights (INT4
     g128 on ``xeon``; profiles that keep BF16 as BF16 are unchanged): fewer bytes per token, more error.
-    None (the default) takes the device's own choice (``DeviceProfile.quantize_dense``: all of them
-    on ``xeon``/``xeon6``, none elsewhere); False keeps them as the checkpoint has them.
+    None (the default) takes the device's own choice (``DeviceProfile.quantize_dense``: attention and
+    lm_head on ``xeon``/``xeon6``, none elsewhere); False keeps them as the checkpoint has them.
     """
     from musecore.backends.registry import discover
 

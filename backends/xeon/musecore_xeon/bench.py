@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from musecore import benchmarking
 from musecore.benchmarking import cycle
+from musecore.devices import CATALOG
 from musecore_xeon.backend import XeonBackend
 from musecore_xeon.kernels.crossover import BF16_GEMV_CROSSOVER_ENV, time_us
 from musecore_xeon.kernels.dense import DenseLinear
@@ -291,14 +292,15 @@ def bench_attention(cases: Sequence[tuple[int, int, Optional[int]]] = ((1, 1024,
     return rows
 
 
-def decode_bytes_per_token(config: Any, int4_group_size: int = 128) -> dict[str, float]:
+def decode_bytes_per_token(config: Any, int4_group_size: int = 128,
+                           dense_groups: Sequence[str] = CATALOG["xeon"].quantize_dense) -> dict[str, float]:
     """Weight bytes one decode token reads: all-BF16, INT4 experts only, and the xeon plan (INT4 dense too).
 
     Per layer: attention (q, k, v, o, head gates), router, pooler/unpooler, the k routed experts (INT4 in
     the quantized layers: codes 0.5 byte + a 4-byte fp16 (scale, zero) pair per group; BF16 in
     ``bf16_expert_layers``), plus the lm_head (embedding: one row). ``int4_plan_bytes``: only the experts in
-    INT4 (``quantize_dense=False``); ``int4_dense_bytes``: attention, pooler/unpooler and lm_head in INT4
-    too (the xeon default; the router stays BF16). The KV cache and activations are left out (small at
+    INT4 (``quantize_dense=False``); ``int4_dense_bytes``: ``dense_groups`` in INT4 too (default: the xeon
+    profile's, attention and lm_head; the router stays BF16). The KV cache and activations are left out (small at
     these contexts). ``ideal_speedup`` / ``ideal_speedup_dense`` = BF16 bytes / those bytes: the
     end-to-end ratio if every byte streamed at the same bandwidth.
     """
@@ -310,8 +312,10 @@ def decode_bytes_per_token(config: Any, int4_group_size: int = 128) -> dict[str,
     bf16 = L * (dense_layer + 2 * expert_params) + lm_head
     int4_expert_bytes = int4_layers * expert_params * (0.5 + 4 / int4_group_size)
     int4 = bf16 - int4_layers * 2 * expert_params + int4_expert_bytes
-    # quantize_dense=True: attention (counted whole), pooler/unpooler and lm_head in INT4 too; router BF16
-    dense_params = L * (config.attention_parameters() + 2 * l * H) + config.vocab_size * H
+    # the dense groups in INT4 too (attention counted whole, head gates included); the router stays BF16
+    group_params = {"attention": L * config.attention_parameters(), "pooler/unpooler": L * 2 * l * H,
+                    "lm_head": config.vocab_size * H}
+    dense_params = sum(group_params[g] for g in dense_groups)
     int4_dense = int4 - 2 * dense_params + dense_params * (0.5 + 4 / int4_group_size)
     return {"bf16_bytes": bf16, "int4_plan_bytes": int4, "int4_expert_fraction_of_plan": int4_expert_bytes / int4,
             "bf16_expert_fraction": L * 2 * expert_params / bf16, "ideal_speedup": bf16 / int4,
