@@ -17,7 +17,7 @@ evicting the others') never sees.
 Example::
 
     from musecore_xeon.bench import benchmarks
-    rows = benchmarks()["linear"](shapes=[(4096, 8192)], ms=[1, 32])
+    rows = benchmarks()["linear"](shapes=[(10240, 8192)], ms=[1, 32])
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ from musecore_xeon.kernels.dense import DenseLinear
 from musecore_xeon.kernels.int4 import Int4Linear
 
 BACKEND = "xeon"
-# (out, in) = N x K: expert gate/up and down of the full model, pooler/unpooler, muse-small experts, a projection
-LINEAR_SHAPES: tuple[tuple[int, int], ...] = ((8192, 2048), (2048, 8192), (512, 1536), (768, 512), (512, 768),
-                                              (4096, 8192))
+# (out, in) = N x K. The full model: expert gate/up and down (also the unpooler and pooler shapes), q_proj and
+# k_proj / v_proj; then muse-small: pooler, expert gate/up, expert down
+LINEAR_SHAPES: tuple[tuple[int, int], ...] = ((8192, 2048), (2048, 8192), (10240, 8192), (1024, 8192), (512, 1536),
+                                              (768, 512), (512, 768))
 LINEAR_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 INT4PACK_MAX_M = 16  # PyTorch's int4pack kernel is timed up to this M (for the record)
 
