@@ -1,7 +1,7 @@
 """Accuracy of ``quantize_dense`` on the bundled muse-tiny: the reference BF16 model as baseline, then
 the xeon backend with INT4 experts only (``quantize_dense=False``, MODEL.md's INT4 export as it is),
-with the xeon default (attention and lm_head in INT4 as well), with all three dense groups
-(``quantize_dense=True``: the pooler/unpooler too), and (``--per-group``) with each group alone.
+with attention and lm_head in INT4 as well, with all three dense groups (the xeon default,
+``quantize_dense=None`` or ``True``: the pooler/unpooler too), and (``--per-group``) with each group alone.
 
     python benchmarks/xeon_quantize_dense_accuracy.py [--tokens 4096] [--per-group] [--eval-text FILE]
 
@@ -35,7 +35,7 @@ def main() -> None:
     batches = eval_batches(stream, args.seq_len, 4)
     baseline = list(batched_logits(reference, batches))
     rows = [{"model": "bf16 reference", **vars(evaluate(reference, batches, baseline))}]
-    variants = [False, None, True] + ([(group,) for group in DENSE_QUANTIZABLE] if args.per_group else [])
+    variants = [False, ("attention", "lm_head"), None] + ([(group,) for group in DENSE_QUANTIZABLE] if args.per_group else [])
     for dense in variants:
         model = musecore.load(folder, device="xeon", progress=False, quantize_dense=dense)
         label = ("xeon default plan: int4 experts + " + ", ".join(dense_groups(None, CATALOG["xeon"])) if dense is None else

@@ -106,7 +106,7 @@ def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch
 
     ``quantize_dense`` converts the attention, pooler/unpooler and lm_head projections (True) or the
     named ones of them with the device's rule for BF16 weights, or keeps them (False); None, the
-    default, takes the device's choice: attention and lm_head on ``xeon``/``xeon6`` (see
+    default, takes the device's choice: all three on ``xeon``/``xeon6`` (see
     :func:`musecore.planning.make_plan`)."""
     summary, _ = summarize(model, checkpoint_format)
     records = discover()
@@ -162,8 +162,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     pooler/unpooler and lm_head projections with the device's rule for BF16 weights (INT4 on ``xeon``);
     a collection of those group names converts only them (e.g. ``quantize_dense=("lm_head",)``);
     False keeps them as the checkpoint has them. The default, None, is the device's choice: on
-    ``xeon``/``xeon6`` attention and lm_head are INT4 too (decode there is bound by the bytes read
-    per token; the pooler/unpooler, the most rounding-sensitive per byte, stay BF16).
+    ``xeon``/``xeon6`` all three are INT4 too (decode there is bound by the bytes read per token).
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16

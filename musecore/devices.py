@@ -5,8 +5,8 @@ A profile says, for each checkpoint format, what loading does to the quantized w
 device's own 4-bit format, quantize BF16 to it, or dequantize; and which activation format the
 device's matmuls use for them (``None`` = 16-bit activations, i.e. weight-only). A profile may
 also convert the BF16 attention, pooler/unpooler and lm_head projections by default
-(``quantize_dense``: attention and lm_head on the CPU profiles, where decode speed is the bytes
-read per token).
+(``quantize_dense``: all of them on the CPU profiles, where decode speed is the bytes read per
+token).
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ class DeviceProfile:
     conversions: dict[str, Conversion] = field(default_factory=dict)
     description: str = ""
     # The dense projection groups (planning.DENSE_QUANTIZABLE) that loading also converts with the BF16
-    # rule: ``quantize_dense``'s default on this device. The CPU profiles take attention and lm_head:
-    # CPU decode is bound by the bytes read per token, and the routed experts alone are too small a
-    # share of them (byte-ideal speed-up over BF16: muse-small 1.32x, the 816B model 1.8x; with
-    # attention and lm_head 2.9x and 3.1x). The pooler/unpooler stay BF16: the most rounding-sensitive
-    # group per byte (muse-tiny held-out perplexity +3.6% alone, for 6% of muse-small's bytes).
+    # rule: ``quantize_dense``'s default on this device. The CPU profiles take all three (attention,
+    # pooler/unpooler, lm_head): CPU decode is bound by the bytes read per token, and the routed
+    # experts alone are too small a share of them (byte-ideal speed-up over BF16: muse-small 1.32x,
+    # the 816B model 1.79x; with the dense projections 3.30x and 3.54x).
     quantize_dense: tuple[str, ...] = ()
 
     def conversion(self, checkpoint_format: str) -> Conversion:
@@ -89,7 +88,7 @@ _XEON = _rules(bf16=("int4", None, "quantized to INT4 g128 (RTN) at load"),
                nvfp4=("int4", None, "experts requantized to INT4 g128 at load"),
                mxfp4=("int4", None, "experts requantized to INT4 g128 at load"),
                int4=("int4", None, "INT4 weight-only"))
-_CPU_DENSE = ("attention", "lm_head")
+_CPU_DENSE = ("attention", "pooler/unpooler", "lm_head")
 _TPU = _rules(bf16=("bf16", None), fp8=("bf16", None, "dequantized to BF16"),
               nvfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),
               mxfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),

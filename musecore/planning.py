@@ -300,8 +300,8 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections (True),
     or the named ones of them (e.g. ``("lm_head",)``), with the device's rule for BF16 weights (INT4
     g128 on ``xeon``; profiles that keep BF16 as BF16 are unchanged): fewer bytes per token, more error.
-    None (the default) takes the device's own choice (``DeviceProfile.quantize_dense``: attention and
-    lm_head on ``xeon``/``xeon6``, none elsewhere); False keeps them as the checkpoint has them.
+    None (the default) takes the device's own choice (``DeviceProfile.quantize_dense``: all three on
+    ``xeon``/``xeon6``, none elsewhere); False keeps them as the checkpoint has them.
     """
     from musecore.backends.registry import discover
 

@@ -3,7 +3,7 @@
 QUANTIZE_DENSE_HELP = ("convert the attention, pooler/unpooler and lm_head projections (or only the ones named, "
                        "comma-separated, e.g. --quantize-dense lm_head) with the device's rule for BF16 weights "
                        "(INT4 g128 on xeon; a no-op where BF16 stays BF16): faster decode, more error. Without this "
-                       "option or --no-quantize-dense the device chooses: xeon and xeon6 convert attention and lm_head")
+                       "option or --no-quantize-dense the device chooses: xeon and xeon6 convert all three")
 
 
 def add_quantize_dense(parser) -> None:

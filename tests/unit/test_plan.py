@@ -88,13 +88,14 @@ def test_quantize_dense_converts_attention_pooler_and_lm_head_like_the_experts(b
 
 @pytest.mark.parametrize("device", ["xeon", "xeon6"])
 def test_cpu_profiles_convert_the_dense_projections_by_default_and_say_so(bf16_checkpoint, device):
-    """quantize_dense=None (the default) is the profile's choice: INT4 attention and lm_head on the CPU
-    profiles (the pooler/unpooler stay BF16), which the plan's notes state with the way back (False)."""
+    """quantize_dense=None (the default) is the profile's choice: INT4 attention, pooler/unpooler and
+    lm_head on the CPU profiles, which the plan's notes state with the way back (False)."""
     the_plan = plan(bf16_checkpoint, device, emulate=True)
-    explicit = plan(bf16_checkpoint, device, emulate=True, quantize_dense=("attention", "lm_head"))
+    explicit = plan(bf16_checkpoint, device, emulate=True, quantize_dense=True)
     formats = {g.group: g.target_format for g in the_plan.groups}
     assert formats == {g.group: g.target_format for g in explicit.groups}
-    assert formats["attention"] == formats["lm_head"] == "int4" and formats["pooler/unpooler"] == "bf16", formats
+    assert formats["attention"] == formats["pooler/unpooler"] == formats["lm_head"] == "int4", formats
+    assert formats["router"] == formats["embedding"] == "bf16", formats
     assert any("default (quantize_dense=False keeps them" in n for n in the_plan.notes), the_plan.notes
     for gpu in ("h200", "b300", "mi355x"):
         formats = {g.group: g.target_format for g in plan(bf16_checkpoint, gpu, emulate=True).groups}

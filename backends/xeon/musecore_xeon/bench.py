@@ -301,7 +301,7 @@ def decode_bytes_per_token(config: Any, int4_group_size: int = 128,
     the quantized layers: codes 0.5 byte + a 4-byte fp16 (scale, zero) pair per group; BF16 in
     ``bf16_expert_layers``), plus the lm_head (embedding: one row). ``int4_plan_bytes``: only the experts in
     INT4 (``quantize_dense=False``); ``int4_dense_bytes``: ``dense_groups`` in INT4 too (default: the xeon
-    profile's, attention and lm_head; the router stays BF16). The KV cache and activations are left out (small at
+    profile's: attention, pooler/unpooler and lm_head; the router stays BF16). The KV cache and activations are left out (small at
     these contexts). ``ideal_speedup`` / ``ideal_speedup_dense`` = BF16 bytes / those bytes: the
     end-to-end ratio if every byte streamed at the same bandwidth.
     """
@@ -375,11 +375,13 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
                     best[impl] = stats
         del models
         ideal = decode_bytes_per_token(config)
+        plan_bytes = {"xeon-int4": ideal["int4_dense_bytes"], "xeon-int4-experts": ideal["int4_plan_bytes"],
+                      "xeon-bf16": ideal["bf16_bytes"]}
         bf16_tps = best["xeon-bf16"].decode_tokens_per_s
         for impl, stats in best.items():
             tps = stats.decode_tokens_per_s
             plan = impl.removesuffix("-f-linear")
-            nbytes = ideal[{"xeon-int4": "int4_dense_bytes", "xeon-int4-experts": "int4_plan_bytes"}.get(plan, "bf16_bytes")]
+            nbytes = plan_bytes[plan]
             rows.append({"backend": BACKEND, "case": "e2e", "shape": preset, "M": 1, "impl": impl,
                          "format": impl.split("-")[1],
                          "path": f"best of {rounds} rounds" + (", BF16 on F.linear" if "f-linear" in impl else ""),
@@ -388,8 +390,7 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
                          "speedup_vs_bf16": tps / bf16_tps if bf16_tps else None,
                          "speedup_vs_f_linear": (tps / best[impl + "-f-linear"].decode_tokens_per_s
                                                  if impl + "-f-linear" in best else None),
-                         "ideal_speedup_from_bytes": {"xeon-int4": ideal["ideal_speedup_dense"],
-                                                      "xeon-int4-experts": ideal["ideal_speedup"]}.get(plan, 1.0),
+                         "ideal_speedup_from_bytes": ideal["bf16_bytes"] / nbytes,
                          "weight_bytes_per_token": nbytes,
                          "int4_expert_fraction_of_plan_bytes": ideal["int4_expert_fraction_of_plan"],
                          "pct_memory_ceiling": pct_ceiling(int(nbytes), 1e6 / tps) if tps else None})
