@@ -134,6 +134,22 @@ def test_a_row_that_moved_more_than_5_percent_is_explained_from_its_sqnr(report)
     assert "The h200 row runs the same weights with 16-bit activations" in section, section
 
 
+def test_the_default_plan_row_is_explained_against_its_experts_only_row(report):
+    """xeon6's default plan also quantizes the dense projections; the report says how much of its move
+    the same checkpoint's experts alone account for."""
+    from dataclasses import replace
+
+    from musecore.commands.matrix import render_markdown
+    rows = [replace(r) for r in report.rows]
+    dense = next(r for r in rows if r.row_id == "xeon6/int4-rtn+dense")
+    experts = next(r for r in rows if r.row_id == "xeon6/int4-rtn")
+    dense.delta_perplexity_pct, experts.delta_perplexity_pct = 6.2, 0.7
+    md = render_markdown(replace(report, rows=rows), "musecore matrix", None)
+    section = md.split("more than 5%")[1].split("## Checkpoints")[0]
+    assert "+6.2%" in section and "only its experts in INT4 moves +0.7%" in section, section
+    assert "quantize_dense=False" in section, section
+
+
 def test_an_unavailable_autoround_row_says_why_instead_of_a_number(checkpoint, tmp_path, monkeypatch, single_thread):
     import musecore.matrix as matrix
     monkeypatch.setattr(matrix, "find_autoround", lambda: (None, "no calibrated quantizer here"))
