@@ -35,11 +35,14 @@ def main() -> None:
     batches = eval_batches(stream, args.seq_len, 4)
     baseline = list(batched_logits(reference, batches))
     rows = [{"model": "bf16 reference", **vars(evaluate(reference, batches, baseline))}]
-    variants = [False, ("attention", "lm_head"), None] + ([(group,) for group in DENSE_QUANTIZABLE] if args.per_group else [])
+    variants = [False, ("attention", "lm_head"), None]
+    variants += [(group,) for group in DENSE_QUANTIZABLE] if args.per_group else []
     for dense in variants:
         model = musecore.load(folder, device="xeon", progress=False, quantize_dense=dense)
-        label = ("xeon default plan: int4 experts + " + ", ".join(dense_groups(None, CATALOG["xeon"])) if dense is None else
-                 "xeon int4 experts" + (f" + {', '.join(dense_groups(dense))}" if dense else " only"))
+        if dense is None:
+            label = "xeon default plan: int4 experts + " + ", ".join(dense_groups(None, CATALOG["xeon"]))
+        else:
+            label = "xeon int4 experts" + (f" + {', '.join(dense_groups(dense))}" if dense else " only")
         rows.append({"model": label, **vars(evaluate(model, batches, baseline))})
     print(source)
     for row in rows:

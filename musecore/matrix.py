@@ -64,7 +64,8 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("mi355x", "mxfp4 (requantized from nvfp4)", "nvfp4",
             "the NVFP4 checkpoint requantized to MXFP4 at load; MXFP4 activations"),
     RowSpec("mi355x", "mxfp4 (from bf16)", "mxfp4", "BF16 quantized straight to MXFP4 (Quark rule); MXFP4 activations"),
-    RowSpec("xeon6", "int4 (RTN)", "int4-rtn", "INT4 g128 symmetric experts, round to nearest; BF16 activations and dense weights"),
+    RowSpec("xeon6", "int4 (RTN)", "int4-rtn",
+            "INT4 g128 symmetric experts, round to nearest; BF16 activations and dense weights"),
     RowSpec("xeon6", "int4 (AutoRound)", "int4-autoround", "INT4 g128 symmetric experts with AutoRound-tuned rounding"),
     RowSpec("xeon6", "int4 (RTN) + dense INT4 (default plan)", "int4-rtn",
             "the RTN checkpoint as xeon6 loads it by default: attention, pooler/unpooler and lm_head also "

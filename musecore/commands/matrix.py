@@ -126,8 +126,8 @@ def explain(row: Any, rows: list) -> str:
     if row.row_id.endswith("+dense"):
         experts_only = [r for r in rows if r.row_id == row.row_id.removesuffix("+dense") and r.status == "ok"]
         if experts_only:
-            text += (f" The same checkpoint with only its experts in INT4 moves {experts_only[0].delta_perplexity_pct:+.1f}%: "
-                     "the rest is the attention, pooler/unpooler and lm_head projections quantized at load, "
+            text += (f" The same checkpoint with only its experts in INT4 moves "
+                     f"{experts_only[0].delta_perplexity_pct:+.1f}%: the rest is the attention, pooler/unpooler and lm_head projections quantized at load, "
                      "which this device does by default (quantize_dense=False keeps them BF16).")
     if "requantized" in row.format:
         direct = [r for r in rows if r.device == row.device and r is not row and r.status == "ok"

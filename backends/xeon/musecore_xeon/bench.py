@@ -301,8 +301,8 @@ def decode_bytes_per_token(config: Any, int4_group_size: int = 128,
     the quantized layers: codes 0.5 byte + a 4-byte fp16 (scale, zero) pair per group; BF16 in
     ``bf16_expert_layers``), plus the lm_head (embedding: one row). ``int4_plan_bytes``: only the experts in
     INT4 (``quantize_dense=False``); ``int4_dense_bytes``: ``dense_groups`` in INT4 too (default: the xeon
-    profile's: attention, pooler/unpooler and lm_head; the router stays BF16). The KV cache and activations are left out (small at
-    these contexts). ``ideal_speedup`` / ``ideal_speedup_dense`` = BF16 bytes / those bytes: the
+    profile's: attention, pooler/unpooler and lm_head; the router stays BF16). The KV cache and
+    activations are left out (small at these contexts). ``ideal_speedup`` / ``ideal_speedup_dense`` = BF16 bytes / those bytes: the
     end-to-end ratio if every byte streamed at the same bandwidth.
     """
     H, l, E, L = config.hidden_size, config.moe_latent_size, config.num_experts, config.num_hidden_layers
