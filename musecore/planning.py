@@ -332,7 +332,7 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
                if quantize_dense is None else "quantize_dense")
         notes.append(f"{', '.join(converted_dense)} projections follow the device's expert conversion: {why}; "
                      "see the groups below and the conversion report for the error")
-    groups, targets = resolve_groups(summary, profile, dtype_label, quantize_dense)
+    groups, targets = resolve_groups(summary, profile, dtype_label, converted_dense)
     ops = [choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
            for spec in needed_specs(targets, kv_format, device)]
     gaps = ([f"{hardware_gap}"] if hardware_gap else []) + unquantizable(summary, targets)
