@@ -1,115 +1,211 @@
-"""``MuseConfig``: the Muse Spark Open text backbone's hyperparameters, as in an HF ``config.json``.
+"""``MuseConfig``: Muse Spark Open's configuration, read and written as transformers' nested ``config.json``.
 
-One dataclass validated in ``__post_init__``, read and written as the HF-style JSON of MODEL.md
-section 4, with the named presets of MODEL.md and the parameter counts that tie the 816B preset
-to the public figures. Unknown keys are kept (``extra``) and written back unchanged.
+The model is the one Hugging Face transformers 5.24 defines (``muse_spark``; MODEL.md): a
+``MuseSparkConfig`` holding a ``text_config`` (the decoder musecore runs), a ``vision_config``, an
+``audio_config`` and the multimodal token ids. ``MuseConfig`` keeps the text decoder's fields flat
+(``config.hidden_size``: every part of musecore reads them) and the towers' configs as dicts with
+transformers' defaults filled in; ``to_dict`` writes the nested layout back, so a config that
+musecore writes loads in transformers and the reverse. Unknown keys are kept and written back
+unchanged, at the level they came from. Every default below is transformers'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+DENSE_MLP, SPARSE_MLP = "dense", "sparse"
 
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
-                 "moe_latent_size", "moe_intermediate_size")
+# transformers' MuseSparkVisionConfig / MuseSparkAudioConfig defaults (the towers are not run yet;
+# their configs are kept so that a checkpoint's config.json survives a round trip unchanged).
+VISION_DEFAULTS: dict[str, Any] = {
+    "model_type": "muse_spark_vision", "patch_size": 14, "pos_emb_height": 32, "pos_emb_width": 32,
+    "num_attention_heads": 16, "num_hidden_layers": 50, "hidden_size": 1536, "intermediate_size": 8960,
+    "hidden_act": "gelu", "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+    "patch_temporal": 2, "merge_size": 2, "max_position_embeddings": 1024, "layer_norm_eps": 1e-5,
+}
+AUDIO_DEFAULTS: dict[str, Any] = {
+    "model_type": "muse_spark_audio", "patch_sizes": [16, 6, 5, 4], "hidden_sizes": [256, 512, 1024, 2048],
+    "depths": [2, 2, 2, 2], "num_hidden_layers": 4, "mlp_ratio": 4.0, "conv_kernel_size": 7,
+    "hidden_act": "gelu", "rms_norm_eps": 1e-6, "out_hidden_size": 8192, "initializer_range": 0.02,
+}
+# Keys of the outer MuseSparkConfig (besides the three sub-configs) and their defaults.
+OUTER_DEFAULTS: dict[str, Any] = {
+    "image_token_id": 200092, "video_token_id": 200091, "audio_token_id": 200038,
+    "out_hidden_size": 6144, "projector_hidden_size": 4096, "projector_hidden_act": "gelu",
+}
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
 @dataclass
 class MuseConfig:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_latent_size: int
-    moe_intermediate_size: int
+    """The text decoder's hyperparameters (transformers' ``MuseSparkTextConfig``) plus the outer config.
+
+    Example::
+
+        config = MuseConfig.from_pretrained("path/to/checkpoint")    # nested config.json
+        config = MuseConfig.from_name("muse-tiny")                   # a preset
+        config.num_parameters(), config.num_active_parameters()
+    """
+
+    vocab_size: int = 202_048
+    hidden_size: int = 8192
+    intermediate_size: int = 16384          # dense-MLP layers
+    num_hidden_layers: int = 62
+    num_attention_heads: int = 128
+    num_key_value_heads: int = 16
+    head_dim: int = 64
     max_position_embeddings: int = 1_048_576
-    rms_norm_eps: float = 1e-6
-    sliding_window: int = 4096
-    global_layer_period: int = 4
-    layer_types: Optional[list[str]] = None
-    rope_parameters: dict[str, dict[str, Any]] = field(default_factory=lambda: {
-        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-        FULL: {"rope_type": "default", "rope_theta": 1_000_000.0},
-    })
-    norm_topk_prob: bool = True
-    bf16_expert_layers: Optional[list[int]] = None
-    tie_word_embeddings: bool = False
-    model_type: str = "muse_spark"
-    bos_token_id: Optional[int] = None
-    eos_token_id: Optional[Union[int, list[int]]] = None
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    use_cache: bool = True
     pad_token_id: Optional[int] = None
+    eos_token_id: Optional[Union[int, list[int]]] = 200_001
+    bos_token_id: Optional[int] = 200_000
+    tie_word_embeddings: bool = False
+    rope_parameters: Optional[dict[str, Any]] = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    sliding_window: int = 2048
+    layer_types: Optional[list[str]] = None
+    final_logit_softcapping: float = 20.0
+    qk_scale_factor: float = 5.4730064863875
+    output_multiplier: float = 0.1767766952966369
+    post_norm_eps: float = 1e-8
+    layer_rope_theta: Optional[list[float]] = None
+    hidden_act: str = "silu"
+    moe_intermediate_size: int = 4096
+    num_local_experts: int = 256
+    num_experts_per_tok: int = 8
+    routed_scaling_factor: float = 1.0
+    moe_hidden_size: int = 4096
+    mlp_layer_types: Optional[list[str]] = None
+    residual_gate_temperature: float = 0.3
+    output_router_logits: bool = False
+    # -- the outer MuseSparkConfig ---------------------------------------------------------------
+    image_token_id: int = OUTER_DEFAULTS["image_token_id"]
+    video_token_id: int = OUTER_DEFAULTS["video_token_id"]
+    audio_token_id: int = OUTER_DEFAULTS["audio_token_id"]
+    out_hidden_size: int = OUTER_DEFAULTS["out_hidden_size"]
+    projector_hidden_size: int = OUTER_DEFAULTS["projector_hidden_size"]
+    projector_hidden_act: str = OUTER_DEFAULTS["projector_hidden_act"]
+    vision_config: dict[str, Any] = field(default_factory=dict)
+    audio_config: dict[str, Any] = field(default_factory=dict)
     quantization_config: Optional[dict[str, Any]] = None
-    extra: dict[str, Any] = field(default_factory=dict)  # unknown keys, kept verbatim
+    extra: dict[str, Any] = field(default_factory=dict)       # unknown outer keys, kept verbatim
+    text_extra: dict[str, Any] = field(default_factory=dict)  # unknown text_config keys, kept verbatim
 
     def __post_init__(self) -> None:
         L = self.num_hidden_layers
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 500_000.0}
+        if self.mlp_layer_types is None:
+            self.mlp_layer_types = [SPARSE_MLP] * L if isinstance(L, int) else []
+        # Full attention (and NoPE) on every 4th layer counted back from the last, sliding otherwise.
         if self.layer_types is None:
-            self.layer_types = [FULL if (i + 1) % self.global_layer_period == 0 or i == L - 1 else SLIDING
-                                for i in range(L)]
-        if self.bf16_expert_layers is None:
-            self.bf16_expert_layers = sorted({0, L - 1})
+            self.layer_types = [FULL if (L - 1 - i) % 4 == 0 else SLIDING for i in range(L)] if isinstance(L, int) else []
+        if self.layer_rope_theta is None and isinstance(L, int):
+            theta = self.rope_parameters.get("rope_theta", 500_000.0)
+            self.layer_rope_theta = [0 if (L - 1 - i) % 4 == 0 else theta for i in range(L)]
+        self.vision_config = {**VISION_DEFAULTS, **self.vision_config}
+        if "layer_types" not in self.vision_config:
+            n = self.vision_config["num_hidden_layers"]
+            self.vision_config["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 or i == n - 1
+                                                 else "window_attention" for i in range(n)]
+        self.audio_config = {**AUDIO_DEFAULTS, **self.audio_config}
         self.validate()
 
     def validate(self) -> None:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid Muse config: {msg}")
-        for name in REQUIRED_KEYS:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
+                     "moe_hidden_size", "moe_intermediate_size", "sliding_window", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise bad(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "post_norm_eps", "qk_scale_factor", "output_multiplier",
+                     "final_logit_softcapping", "residual_gate_temperature", "routed_scaling_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise bad(f"{name} must be a positive finite number, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise bad(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                      f"({self.num_attention_heads}), as transformers requires")
         if self.num_attention_heads % self.num_key_value_heads:
             raise bad(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                       f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
         if self.head_dim % 2:
             raise bad(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise bad(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise bad(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
-        unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
-        if unknown:
-            raise bad(f"unknown layer types {unknown}; expected {FULL!r} or {SLIDING!r}")
-        for kind in set(self.layer_types):
-            if "rope_theta" not in self.rope_parameters.get(kind, {}):
-                raise bad(f"rope_parameters[{kind!r}] needs a rope_theta")
-        if self.rope_parameters.get(SLIDING, {}).get("rope_type", "default") != "default":
-            raise bad("sliding-attention layers never scale RoPE; rope_parameters['sliding_attention'] must be 'default'")
-        if self.sliding_window <= 0:
-            raise bad(f"sliding_window must be positive, got {self.sliding_window}")
+        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
+            raise bad(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_local_experts "
+                      f"({self.num_local_experts})")
+        L = self.num_hidden_layers
+        for name, allowed in (("layer_types", (FULL, SLIDING)), ("mlp_layer_types", (DENSE_MLP, SPARSE_MLP)),
+                              ("layer_rope_theta", None)):
+            values = getattr(self, name)
+            if not isinstance(values, list) or len(values) != L:
+                raise bad(f"{name} has {len(values) if isinstance(values, list) else values!r} entries but "
+                          f"num_hidden_layers is {L}")
+            unknown = sorted({v for v in values if allowed is not None and v not in allowed}, key=str)
+            if unknown:
+                raise bad(f"unknown {name} {unknown}; expected one of {list(allowed)}")
+        if any(not isinstance(t, (int, float)) or t < 0 for t in self.layer_rope_theta):
+            raise bad(f"layer_rope_theta entries must be >= 0 (0 = no RoPE), got {self.layer_rope_theta}")
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise bad(f"rope_parameters.rope_type {rope_type!r} is not supported; musecore implements "
+                      f"{list(SUPPORTED_ROPE_TYPES)}")
+        if not self.rope_parameters.get("rope_theta", 0) > 0:
+            raise bad(f"rope_parameters needs a positive rope_theta, got {self.rope_parameters}")
         if self.tie_word_embeddings:
-            raise bad("Muse does not tie embeddings (tie_word_embeddings must be false)")
-        out_of_range = [i for i in self.bf16_expert_layers if not 0 <= i < self.num_hidden_layers]
-        if out_of_range:
-            raise bad(f"bf16_expert_layers {out_of_range} are outside 0..{self.num_hidden_layers - 1}")
+            raise bad("Muse Spark does not tie embeddings (tie_word_embeddings must be false)")
+        if self.attention_bias:
+            raise bad("attention_bias=true is not part of Muse Spark; musecore's attention has no biases")
+        if self.hidden_act != "silu":
+            raise bad(f"hidden_act {self.hidden_act!r} is not supported; Muse Spark's experts use 'silu'")
+        if self.audio_config.get("out_hidden_size") != self.hidden_size:
+            raise bad(f"audio_config.out_hidden_size ({self.audio_config.get('out_hidden_size')}) must equal "
+                      f"hidden_size ({self.hidden_size}): audio features are spliced into the text embeddings")
 
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "MuseConfig":
+        """From transformers' nested layout (``text_config`` inside); a flat text config is accepted too."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
         data = dict(data)
-        if "text_config" in data:  # multimodal wrapper: the backbone's fields live in text_config
-            outer = {k: v for k, v in data.items() if k != "text_config"}
-            data = {**data["text_config"], "extra_outer": outer}
-        missing = [k for k in REQUIRED_KEYS if k not in data]
-        if missing:
-            raise ValueError(f"{source} is missing required keys {missing}; a Muse config.json needs "
-                             f"{list(REQUIRED_KEYS)} (see MODEL.md section 4)")
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in data.items() if k in names}
-        extra = {k: v for k, v in data.items() if k not in names}
+        model_type = data.get("model_type")
+        if model_type not in ("muse_spark", "muse_spark_text"):
+            raise ValueError(f"{source}: model_type is {model_type!r}, not 'muse_spark'; this is not a Muse Spark "
+                             "config.json (musecore runs transformers' muse_spark model)")
+        if model_type == "muse_spark":
+            text = data.pop("text_config", None)
+            if not isinstance(text, dict):
+                raise ValueError(f"{source}: a muse_spark config.json needs a text_config object (transformers' "
+                                 "nested layout)")
+            outer = data
+        else:  # a bare text config
+            text, outer = data, {}
+        text = {k: v for k, v in text.items() if k != "model_type"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "text_extra"}
+        outer_names = set(OUTER_DEFAULTS) | {"vision_config", "audio_config", "quantization_config"}
+        known = {k: v for k, v in text.items() if k in names and k not in outer_names}
+        text_extra = {k: v for k, v in text.items() if k not in known}
+        known.update({k: v for k, v in outer.items() if k in outer_names and v is not None})
+        extra = {k: v for k, v in outer.items() if k not in outer_names and k != "model_type"}
+        for sub in ("vision_config", "audio_config"):
+            if sub in known and not isinstance(known[sub], dict):
+                raise ValueError(f"{source}: {sub} must be an object, got {type(known[sub]).__name__}")
         try:
-            return cls(**known, extra=extra)
-        except ValueError as e:
+            return cls(**known, extra=extra, text_extra=text_extra)
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
 
     @classmethod
@@ -121,7 +217,7 @@ class MuseConfig:
             raise FileNotFoundError(f"no config.json at {file}; a checkpoint folder needs config.json")
         try:
             data = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{file} is not valid JSON ({e}); re-download or re-export the checkpoint") from None
         return cls.from_dict(data, source=str(file))
 
@@ -132,9 +228,18 @@ class MuseConfig:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**PRESETS[name])
 
+    def text_dict(self) -> dict[str, Any]:
+        outer = set(OUTER_DEFAULTS) | {"vision_config", "audio_config", "quantization_config", "extra", "text_extra"}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in outer}
+        return {"model_type": "muse_spark_text", **data, **self.text_extra}
+
     def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        data = {k: v for k, v in data.items() if v is not None}
+        """transformers' nested ``MuseSparkConfig`` layout."""
+        data: dict[str, Any] = {"model_type": "muse_spark", "text_config": self.text_dict(),
+                                "vision_config": dict(self.vision_config), "audio_config": dict(self.audio_config)}
+        data.update({k: getattr(self, k) for k in OUTER_DEFAULTS})
+        if self.quantization_config is not None:
+            data["quantization_config"] = self.quantization_config
         return {**data, **self.extra}
 
     def save_pretrained(self, folder: Union[str, Path]) -> Path:
@@ -147,60 +252,83 @@ class MuseConfig:
     # -- derived quantities ------------------------------------------------------------------------
 
     @property
+    def num_experts(self) -> int:
+        """``num_local_experts``: the routed experts of each sparse layer."""
+        return self.num_local_experts
+
+    @property
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
+    def uses_rope(self, layer: int) -> bool:
+        """transformers 5.24: a non-zero ``layer_rope_theta`` switches RoPE on (with the global theta)."""
+        return bool(self.layer_rope_theta[layer])
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == SPARSE_MLP
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_sparse(i)]
+
+    @property
+    def bf16_expert_layers(self) -> list[int]:
+        """Sparse layers whose routed experts the quantised releases keep in BF16: the first and last layer."""
+        ends = {0, self.num_hidden_layers - 1}
+        return [i for i in self.sparse_layers if i in ends]
+
     def attention_parameters(self) -> int:
         H, d, nq, nkv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
-        return H * nq * d + 2 * H * nkv * d + nq * d * H + H * nq + 3 * d
+        return 3 * H * nq * d + 2 * H * nkv * d  # q, gate, o + k, v
 
     def expert_parameters(self) -> int:
-        l, inter = self.moe_latent_size, self.moe_intermediate_size
-        return 3 * l * inter + l
+        h, inter = self.moe_hidden_size, self.moe_intermediate_size
+        return 3 * h * inter  # gate_up [2I, h] + down [h, I]
 
-    def dense_layer_parameters(self) -> int:
-        """Everything in a layer except the routed experts: attention, router, pooler, norms, gates."""
-        H, l, E = self.hidden_size, self.moe_latent_size, self.num_experts
-        mlp = E * H + l * H + l + H * l
-        norms = 4 * H + 2 * H  # input/post-attn/pre-ffn/post-ffn norms + two residual gates
-        return self.attention_parameters() + mlp + norms
+    def mlp_parameters(self, layer: int, experts: int) -> int:
+        """One layer's MLP with ``experts`` routed experts counted (sparse), or the dense MLP."""
+        H = self.hidden_size
+        if not self.is_sparse(layer):
+            return 3 * H * self.intermediate_size
+        h, E = self.moe_hidden_size, self.num_local_experts
+        return E * H + 2 * H * h + 2 * h + experts * self.expert_parameters()  # router, pooler/unpooler, 2 norms
+
+    def _count(self, experts: int) -> int:
+        H = self.hidden_size
+        per_layer_fixed = self.attention_parameters() + 3 * H + 2 * H  # 3 norms with weights, 2 residual gates
+        layers = sum(per_layer_fixed + self.mlp_parameters(i, experts) for i in range(self.num_hidden_layers))
+        return 2 * self.vocab_size * H + layers + H
 
     def num_parameters(self) -> int:
-        """Text-backbone parameters: embeddings, every layer with all experts, final norm, lm_head."""
-        per_layer = self.dense_layer_parameters() + self.num_experts * self.expert_parameters()
-        return 2 * self.vocab_size * self.hidden_size + self.num_hidden_layers * per_layer + self.hidden_size
+        """Text-decoder parameters (as transformers counts them: the correction bias is a buffer):
+        embeddings, every layer with all experts, final norm, lm_head."""
+        return self._count(self.num_local_experts)
 
     def num_active_parameters(self) -> int:
-        """Parameters that one token touches: embeddings/lm_head, dense parts, k routed experts."""
-        per_layer = self.dense_layer_parameters() + self.num_experts_per_tok * self.expert_parameters()
-        return 2 * self.vocab_size * self.hidden_size + self.num_hidden_layers * per_layer + self.hidden_size
+        """Parameters that one token touches: embeddings/lm_head, dense parts, ``num_experts_per_tok`` experts."""
+        return self._count(self.num_experts_per_tok)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "muse-spark-open-816b-a42b": dict(
-        vocab_size=202048, hidden_size=8192, num_hidden_layers=62, num_attention_heads=80,
-        num_key_value_heads=8, head_dim=128, num_experts=256, num_experts_per_tok=8,
-        moe_latent_size=2048, moe_intermediate_size=8192, sliding_window=4096, global_layer_period=4,
-        max_position_embeddings=1_048_576,
-        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-                         FULL: {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 8.0,
-                                "original_max_position_embeddings": 131072,
-                                "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # transformers' MuseSparkConfig() defaults.
+    "muse-spark-open-816b-a42b": {},
     "muse-small": dict(
-        vocab_size=65536, hidden_size=1536, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
-        moe_latent_size=512, moe_intermediate_size=768, sliding_window=1024, global_layer_period=4,
-        max_position_embeddings=131072),
+        vocab_size=65536, hidden_size=1536, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=24,
+        num_key_value_heads=3, head_dim=64, num_local_experts=64, num_experts_per_tok=8, moe_hidden_size=768,
+        moe_intermediate_size=768, sliding_window=1024, max_position_embeddings=131072,
+        output_multiplier=1 / math.sqrt(1536 / 256), audio_config={"out_hidden_size": 1536},
+        out_hidden_size=1024, projector_hidden_size=1024,
+        vision_config={"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4}),
+    # The bundled trained model (musecore/data/muse-tiny; training/README.md).
     "muse-tiny": dict(
-        # 12 experts (MODEL.md's table says 16) and V=4096 keep the bundled BF16 checkpoint under
-        # the 25 MB package limit: 10.8M parameters = 21.6 MB.
-        vocab_size=4096, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, num_experts=12, num_experts_per_tok=4,
-        moe_latent_size=128, moe_intermediate_size=256, sliding_window=64, global_layer_period=3,
-        max_position_embeddings=4096,
-        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-                         FULL: {"rope_type": "default", "rope_theta": 100_000.0}}),
+        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, sliding_window=64, num_local_experts=12,
+        num_experts_per_tok=4, moe_hidden_size=128, moe_intermediate_size=256, output_multiplier=1.0,
+        bos_token_id=0, eos_token_id=3, pad_token_id=7, image_token_id=4, video_token_id=5, audio_token_id=6,
+        out_hidden_size=256, projector_hidden_size=256,
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2},
+        audio_config={"hidden_sizes": [32, 32, 32, 32], "depths": [1, 1, 1, 1], "out_hidden_size": 256}),
 }

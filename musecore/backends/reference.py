@@ -67,4 +67,6 @@ class ReferenceBackend(Backend):
     linear = staticmethod(ref.linear)
     router_topk = staticmethod(ref.router_topk)
     moe = staticmethod(ref.moe)
+    silu_mul = staticmethod(ref.silu_mul)
+    logit_softcap = staticmethod(ref.logit_softcap)
     sample = staticmethod(ref.sample)

@@ -6,33 +6,52 @@ all of them in plain PyTorch with fp32 math; it is the living definition that ev
 tested against (``musecore.testing``), and each op's tolerance lives here, beside its signature.
 
 Shapes use ``B`` batch, ``T`` new tokens, ``S`` cached keys, ``H`` hidden, ``nq``/``nkv`` heads,
-``d`` head dim, ``E`` experts, ``k`` experts per token, ``l`` latent width, ``V`` vocabulary.
+``d`` head dim, ``E`` experts, ``k`` experts per token, ``h`` the experts' width
+(``moe_hidden_size``), ``V`` vocabulary.
 
 ==================  =========================================================================
 op                  signature and semantics (MODEL.md section 1)
 ==================  =========================================================================
-embedding           ``(ids [B,T] long, table: Weight) -> [B,T,H]``
-rms_norm            ``(x [...,n], weight [n], eps) -> [...,n]``; fp32 math, output in x.dtype
-residual_norm       ``(residual, out, post_weight, gate, next_weight, eps) -> (residual', normed)``:
-                    ``residual' = residual + gate * rms_norm(out, post_weight)``;
-                    ``normed = rms_norm(residual', next_weight)``
-qk_norm_rope        ``(q [B,T,nq,d], k [B,T,nkv,d], q_weight [d], k_weight [d], cos [B,T,d],
-                    sin [B,T,d], eps) -> (q, k)``: per-head RMSNorm, then HF-convention RoPE
+embedding           ``(ids [B,T] long, table: Weight) -> [B,T,H]`` (the lookup; the graph then
+                    applies the weightless embedding norm with ``rms_norm``)
+rms_norm            ``(x [...,n], weight [n] | None, eps, scale_first=False) -> [...,n]``; fp32 math,
+                    output in x.dtype. ``rms(x) = x * (mean(x^2) + eps)^-1/2``.
+                    ``scale_first=False``: ``rms(x) * weight`` (``rms(x)`` when weight is None);
+                    ``scale_first=True``: ``rms(round(x * weight))``, the product rounded to
+                    x.dtype before the norm (transformers' InputScaledRMSNorm).
+                    Centred norms (``1 + w``) reach the ops with ``1 + w`` already folded into
+                    the weight by the loader (computed in the model dtype, as transformers does).
+residual_norm       ``(residual, out, post_weight | None, alpha [H] fp32, beta [H] fp32,
+                    next_weight, post_eps, eps) -> (residual', normed)``:
+                    ``h = rms_norm(out, post_weight, post_eps, scale_first=True)`` (weightless
+                    ``rms(out)`` when post_weight is None), rounded to out.dtype;
+                    ``residual' = alpha * residual + beta * h`` in fp32, rounded to residual.dtype;
+                    ``normed = rms_norm(residual', next_weight, eps)``. ``alpha, beta`` are the
+                    residual gate's coefficients (:func:`musecore.ops.reference.residual_gate_coefficients`).
+qk_norm_rope        ``(q [B,T,nq,d], k [B,T,nkv,d], cos [B,T,d] | None, sin | None, eps, q_scale)
+                    -> (q, k)``: weightless per-head RMSNorm, ``q *= q_scale``, then HF-convention
+                    RoPE (rotate_half) when cos/sin are given (None: a NoPE layer)
 attention           ``(q [B,T,nq,d], k [B,S,nkv,d], v [B,S,nkv,d], q_pos [B,T], k_pos [B,S],
                     window, scale, k_scale=None, v_scale=None) -> [B,T,nq,d]``: causal GQA;
                     key j is visible to query i iff ``0 <= k_pos[j] <= q_pos[i]`` and, with a
                     window W, ``q_pos[i] - k_pos[j] < W``; ``k_pos = -1`` marks an empty slot.
                     fp8 k/v are dequantized with their per-tensor scales; fp32 softmax. A query
                     that sees no key (padding) returns zeros.
-head_norm_gate      ``(o [B,T,nq,d], weight [d], gate_logits [B,T,nq], eps) -> [B,T,nq,d]``:
-                    ``rms_norm(o) * sigmoid(gate)``
+head_norm_gate      ``(o [B,T,nq,d], gate_logits [B,T,nq,d], eps) -> [B,T,nq,d]``:
+                    ``rms(o) * sigmoid(gate)``, element-wise (weightless norm per head)
 linear              ``(x [...,K], w: Weight) -> [...,N]``: ``x @ W.T`` for a prepared weight in
                     any format; W4A4 targets fake- or really-quantize x per ``w.act_format``
-router_topk         ``(logits [T,E], k, renormalize) -> (weights fp32 [T,k], ids long [T,k])``:
-                    fp32 softmax over all experts, top-k, optional renormalisation
-moe                 ``(z [T,l], weights [T,k], ids [T,k], experts: ExpertWeights,
-                    output_norm [E,l], eps) -> y fp32 [T,l]``:
-                    ``y[t] = sum_j w[t,j] * rms_norm(down(silu(gate(z)) * up(z)), norm[id])``
+router_topk         ``(x [T,H], weight [E,H] fp32, bias [E] fp32, k, multiplier, scaling)
+                    -> (weights fp32 [T,k], ids long [T,k])``: ``s = sigmoid(fp32(x) @ W^T *
+                    multiplier)``; ids = top-k of ``s + bias`` (the bias only chooses);
+                    ``weights = s[ids] / (sum s[ids] + 1e-15) * scaling``
+moe                 ``(z [T,h], weights [T,k], ids [T,k], experts: ExpertWeights,
+                    post_norm [h], post_eps) -> y fp32 [T,h]``: for each chosen expert
+                    ``e = down(silu(gate(z)) * up(z))`` rounded to z.dtype, then the post-expert
+                    norm ``rms_norm(e, post_norm, post_eps, scale_first=True)`` (one weight,
+                    shared by all experts), then ``y[t] += w[t,j] * that`` summed in fp32
+silu_mul            ``(gate [...,n], up [...,n]) -> silu(gate) * up`` (dense-MLP layers), x.dtype
+logit_softcap       ``(logits [...,V], multiplier, cap) -> fp32 cap * tanh(logits * multiplier / cap)``
 sample              ``(logits [B,V], temperature, top_k, top_p, generator) -> ids [B]``
 ==================  =========================================================================
 """
@@ -45,7 +64,7 @@ from typing import Any, Callable, Optional
 import torch
 
 OPS: tuple[str, ...] = ("embedding", "rms_norm", "residual_norm", "qk_norm_rope", "attention",
-                        "head_norm_gate", "linear", "router_topk", "moe", "sample")
+                        "head_norm_gate", "linear", "router_topk", "moe", "silu_mul", "logit_softcap", "sample")
 
 WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8", "nvfp4", "mxfp4", "int4")
 ACTIVATION_FORMATS: tuple[Optional[str], ...] = (None, "fp8", "nvfp4", "mxfp4")
@@ -63,6 +82,8 @@ TOLERANCE_NMSE: dict[str, float] = {
     "linear": 1e-4,
     "router_topk": 1e-6,
     "moe": 2e-4,
+    "silu_mul": 1e-5,
+    "logit_softcap": 1e-6,
     "sample": 0.0,
 }
 
@@ -112,7 +133,10 @@ class Weight:
 
 @dataclass
 class ExpertWeights:
-    """The routed experts of one MoE layer, stacked ``[E, out, in]`` in a backend's layout."""
+    """The routed experts of one MoE layer, stacked ``[E, out, in]`` in a backend's layout.
+
+    ``gate`` and ``up`` are the two halves of the checkpoint's fused ``gate_up_proj [E, 2I, h]``
+    (rows ``0..I-1`` and ``I..2I-1``); ``down`` is ``down_proj [E, h, I]``."""
 
     gate: Any
     up: Any

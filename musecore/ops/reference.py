@@ -15,16 +15,37 @@ import torch.nn.functional as F
 from musecore.ops import ExpertWeights, Weight
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * (mean(x^2) + eps)^-1/2`` over the last dim, in fp32."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, scale_first: bool = False) -> torch.Tensor:
+    if scale_first:  # transformers' InputScaledRMSNorm: scale, round to the activation dtype, normalise
+        scaled = (x.float() * weight.float()).to(x.dtype)
+        return rms(scaled, eps).to(x.dtype)
+    y = rms(x, eps)
+    if weight is not None:
+        y = y * weight.float()
     return y.to(x.dtype)
 
 
-def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.Tensor,
-                  gate: torch.Tensor, next_weight: torch.Tensor, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    new_residual = (residual.float() + gate.float() * rms_norm(out.float(), post_weight, eps)).to(residual.dtype)
+def residual_gate_coefficients(gate: torch.Tensor, temperature: float,
+                               eps: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(alpha, beta)`` of a residual gate parameter, fp32: ``w = g / T``, ``beta = sigmoid(w)``,
+    ``alpha = sqrt(max(sigmoid(-w) * (1 + beta), eps))``. The loader computes them once per layer."""
+    w = gate.float() / temperature
+    beta = torch.sigmoid(w)
+    alpha = torch.sqrt(torch.clamp(torch.sigmoid(-w) * (1.0 + beta), min=eps))
+    return alpha, beta
+
+
+def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: Optional[torch.Tensor],
+                  alpha: torch.Tensor, beta: torch.Tensor, next_weight: torch.Tensor, post_eps: float,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = rms_norm(out, post_weight, post_eps, scale_first=post_weight is not None)
+    new_residual = (alpha.float() * residual.float() + beta.float() * h.float()).to(residual.dtype)
     return new_residual, rms_norm(new_residual, next_weight, eps)
 
 
@@ -33,13 +54,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos.float()[:, :, None, :], sin.float()[:, :, None, :]  # [B,T,1,d]
-    qn, kn = rms_norm(q.float(), q_weight, eps), rms_norm(k.float(), k_weight, eps)
-    q_out = qn * cos + rotate_half(qn) * sin
-    k_out = kn * cos + rotate_half(kn) * sin
-    return q_out.to(q.dtype), k_out.to(k.dtype)
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+                 eps: float, q_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    qn, kn = rms(q, eps) * q_scale, rms(k, eps)
+    if cos is not None:
+        cos, sin = cos.float()[:, :, None, :], sin.float()[:, :, None, :]  # [B,T,1,d]
+        qn = qn * cos + rotate_half(qn) * sin
+        kn = kn * cos + rotate_half(kn) * sin
+    return qn.to(q.dtype), kn.to(k.dtype)
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -69,8 +91,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out.to(q.dtype)
 
 
-def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
-    return (rms_norm(o.float(), weight, eps) * torch.sigmoid(gate_logits.float())[..., None]).to(o.dtype)
+def head_norm_gate(o: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
+    return (rms(o, eps) * torch.sigmoid(gate_logits.float())).to(o.dtype)
 
 
 def fake_quantize_activation(x: torch.Tensor, act_format: Optional[str],
@@ -98,16 +120,16 @@ def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
     return F.embedding(ids, table.data)
 
 
-def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(logits.float(), dim=-1)  # [T,E]
-    weights, ids = torch.topk(probs, k, dim=-1)  # [T,k]
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
+                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.sigmoid((x.float() @ weight.float().T) * multiplier)  # [T,E]
+    ids = torch.topk(scores + bias.float(), k, dim=-1).indices  # the bias only chooses  # [T,k]
+    weights = scores.gather(-1, ids)
+    return weights / (weights.sum(-1, keepdim=True) + 1e-15) * scaling, ids
 
 
 def expert_forward(z: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Tensor:
-    """SwiGLU expert ``e`` on tokens ``z [n,l]``: ``down(silu(gate(z)) * up(z))``, fp32 math."""
+    """SwiGLU expert ``e`` on tokens ``z [n,h]``: ``down(silu(gate(z)) * up(z))``, fp32 math."""
     pick = lambda s: None if s is None else s[e]  # noqa: E731
     zq = fake_quantize_activation(z.float(), experts.act_format, pick(experts.gate_up_input_scale))
     h = F.silu(zq @ experts.gate[e].float().T) * (zq @ experts.up[e].float().T)
@@ -116,14 +138,22 @@ def expert_forward(z: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Ten
 
 
 def moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
-        output_norm: torch.Tensor, eps: float) -> torch.Tensor:
-    T, k = ids.shape
-    y = torch.zeros(T, z.shape[-1], dtype=torch.float32, device=z.device)
+        post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
+    y = torch.zeros(z.shape[0], z.shape[-1], dtype=torch.float32, device=z.device)
     for e in ids.unique().tolist():  # only routed experts run
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        out = rms_norm(expert_forward(z[tok], experts, e), output_norm[e], eps)  # per-expert norm first
-        y.index_add_(0, tok, weights[tok, slot, None].float() * out)  # then routing weight, fp32 sum
+        out = expert_forward(z[tok], experts, e).to(z.dtype)  # the expert's output, as a kernel writes it
+        out = rms_norm(out, post_norm, post_eps, scale_first=True)  # the shared post-expert norm first
+        y.index_add_(0, tok, weights[tok, slot, None].float() * out.float())  # then routing weight, fp32 sum
     return y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def logit_softcap(logits: torch.Tensor, multiplier: float, cap: float) -> torch.Tensor:
+    return torch.tanh(logits.float() * multiplier / cap) * cap
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
