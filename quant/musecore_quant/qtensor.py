@@ -128,3 +128,27 @@ def concat_qtensors(parts: list[QTensor]) -> QTensor:
     return QTensor(format=first.format, data=cat("data"), scale=cat("scale"),
                    shape=(sum(p.out_features for p in parts), first.in_features), group_size=first.group_size,
                    zero=cat("zero"), layout=first.layout)
+
+
+def slice_rows(qt: QTensor, start: int, stop: int) -> QTensor:
+    """Output rows ``start:stop`` of a (possibly stacked) QTensor, codes and scales unchanged.
+
+    This is how a fused ``gate_up_proj [E, 2I, h]`` splits into its gate and up halves without
+    requantizing: every format's block scales belong to row blocks (FP8's 128x128 blocks need
+    ``start`` and ``stop`` on a block edge), and the per-tensor scales (NVFP4's ``weight_scale_2``,
+    FP8's per-tensor scale, the activation scale) are shared by both halves, as producers fuse them.
+    """
+    rows = qt.out_features
+    if not 0 <= start < stop <= rows:
+        raise ValueError(f"row slice {start}:{stop} is outside the {rows} output rows of {qt!r}")
+    cut = lambda t: None if t is None else t[..., start:stop, :]  # noqa: E731
+    scale = qt.scale
+    if qt.format == "fp8" and qt.group_size:  # 128x128 blocks: [..., out/b, in/b]
+        b = qt.group_size
+        if start % b or (stop % b and stop != rows):
+            raise ValueError(f"row slice {start}:{stop} of a {b}x{b}-block FP8 weight must fall on block edges")
+        scale = scale[..., start // b:-(-stop // b), :]
+    elif qt.format != "fp8":
+        scale = cut(scale)
+    return replace(qt, data=cut(qt.data), scale=scale, zero=cut(qt.zero),
+                   shape=(*qt.shape[:-2], stop - start, qt.in_features))
