@@ -20,7 +20,7 @@ from musecore.backends.registry import discover
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
 from musecore.loader import CheckpointMismatch, Placer, fill_model
-from musecore.model import MuseModel, checkpoint_shapes
+from musecore.model import FP32_TENSORS, MuseModel, checkpoint_shapes, initial_value
 from musecore.ops import Ops
 from musecore.planning import (DENSE, QUANTIZED, REFERENCE, CheckpointSummary, DenseGroups, Plan, PlanError,
                                make_plan)
@@ -66,12 +66,12 @@ def preset_summary(name: str, config: MuseConfig, checkpoint_format: str) -> Che
     """A checkpoint as MODEL.md section 2 ships it: routed experts of the quantized layers in
     ``checkpoint_format``, everything else BF16 (for presets, which have no files to read)."""
     shapes = checkpoint_shapes(config)
-    quantized_layers = set(range(config.num_hidden_layers)) - set(config.bf16_expert_layers)
+    quantized_layers = set(config.sparse_layers) - set(config.bf16_expert_layers)
     formats = {}
     for tensor in shapes:
         expert_layer = int(tensor.split(".layers.")[1].split(".")[0]) if ".mlp.experts." in tensor else -1
-        quantized = expert_layer in quantized_layers and not tensor.endswith("output_norm.weight")
-        formats[tensor] = checkpoint_format if quantized else "bf16"
+        quantized = expert_layer in quantized_layers and tensor.endswith(("gate_up_proj", "down_proj"))
+        formats[tensor] = checkpoint_format if quantized else ("fp32" if tensor.endswith(FP32_TENSORS) else "bf16")
     return CheckpointSummary(name, config, formats, shapes)
 
 
@@ -104,7 +104,7 @@ def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch
          kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: DenseGroups = None) -> Plan:
     """Resolve what would run where, in which format and why; reads config and headers only.
 
-    ``quantize_dense`` converts the attention, pooler/unpooler and lm_head projections (True) or the
+    ``quantize_dense`` converts the attention, pooler/unpooler, lm_head and dense-MLP projections (True) or the
     named ones of them with the device's rule for BF16 weights, or keeps them (False); None, the
     default, takes the device's choice: all three on ``xeon``/``xeon6`` (see
     :func:`musecore.planning.make_plan`)."""
@@ -199,12 +199,9 @@ def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpo
     def tensors(_placer: Placer, torch_device: torch.device):
         gen = torch.Generator(device=torch_device).manual_seed(seed)
         for tensor_name, shape in summary.shapes.items():
-            if len(shape) == 1:
-                yield tensor_name, torch.ones(shape, dtype=dtype, device=torch_device)
-                continue
-            w = torch.randn(shape, generator=gen, device=torch_device, dtype=torch.float32) * std
+            w = initial_value(tensor_name, shape, gen, std, torch_device)
             fmt = summary.formats[tensor_name]
-            yield tensor_name, (w.to(dtype) if fmt == "bf16" else quantize(w, fmt))
+            yield tensor_name, (w if fmt == "fp32" else w.to(dtype) if fmt == "bf16" else quantize(w, fmt))
 
     return assemble(summary, device, tensors, emulate=emulate, allow_reference=allow_reference, dtype=dtype,
                     source=f"random {summary.name}", quantize_dense=quantize_dense)

@@ -9,6 +9,7 @@ so host memory stays near one shard plus one layer's experts.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -26,24 +27,21 @@ def logical_shape(value: Any) -> tuple[int, ...]:
     return tuple(value.shape)  # a QTensor's shape is its logical (unpacked) shape
 
 
-class ExpertCollector:
-    """Holds one layer's per-expert tensors until all ``E`` have arrived, then stacks them."""
+# The multimodal towers (issue: multimodal). Their tensors are part of every Muse Spark checkpoint;
+# until the towers run, the loader accepts them and skips their bytes.
+TOWER_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.", "model.audio_tower.")
+# A producer's per-expert key for a routed expert (ModelOpt and AutoRound unfuse experts on export).
+_PER_EXPERT = re.compile(r"^(?P<layer>.*\.layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
-    PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "output_norm")
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
-        self.parts: dict[int, dict[str, dict[int, Any]]] = defaultdict(lambda: defaultdict(dict))
+def is_tower_tensor(name: str) -> bool:
+    return name.startswith(TOWER_PREFIXES)
 
-    def add(self, layer: int, name: str, value: Any) -> Optional[dict[str, list[Any]]]:
-        expert = int(name.split(".experts.")[1].split(".")[0])
-        proj = name.rsplit(".", 2)[-2]
-        self.parts[layer][proj][expert] = value
-        got = self.parts[layer]
-        if all(len(got[p]) == self.num_experts for p in self.PROJECTIONS):
-            done = self.parts.pop(layer)
-            return {p: [done[p][e] for e in range(self.num_experts)] for p in self.PROJECTIONS}
-        return None
+
+def expert_key(name: str) -> Optional[tuple[str, int, str]]:
+    """``(experts prefix, expert, "gate"|"up"|"down")`` for a per-expert key, else None."""
+    m = _PER_EXPERT.match(name)
+    return (m["layer"], int(m["expert"]), m["proj"]) if m else None
 
 
 def stack(values: list[Any]) -> Any:
@@ -53,8 +51,54 @@ def stack(values: list[Any]) -> Any:
     return stack_qtensors(values)
 
 
+def split_rows(value: Any, rows: int) -> tuple[Any, Any]:
+    """The two halves of a fused ``gate_up_proj [E, 2I, h]``: rows ``:I`` (gate) and ``I:`` (up), no copy."""
+    if isinstance(value, torch.Tensor):
+        return value[..., :rows, :], value[..., rows:, :]
+    from musecore_quant import slice_rows
+    return slice_rows(value, 0, rows), slice_rows(value, rows, 2 * rows)
+
+
+class ExpertCollector:
+    """Holds one layer's routed experts until they are complete, in either layout a checkpoint uses:
+    transformers' fused ``experts.gate_up_proj`` + ``experts.down_proj``, or a producer's per-expert
+    ``experts.{e}.{gate,up,down}_proj.weight`` (stacked once all ``E`` have arrived)."""
+
+    def __init__(self, num_experts: int, intermediate: int) -> None:
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.fused: dict[str, dict[str, Any]] = defaultdict(dict)
+        self.parts: dict[str, dict[str, dict[int, Any]]] = defaultdict(lambda: defaultdict(dict))
+
+    def add_fused(self, prefix: str, proj: str, value: Any) -> Optional[tuple[Any, Any, Any]]:
+        got = self.fused[prefix]
+        if proj == "gate_up_proj":
+            got["gate"], got["up"] = split_rows(value, self.intermediate)
+        else:
+            got["down"] = value
+        return self._done(prefix, got)
+
+    def add_expert(self, prefix: str, expert: int, proj: str, value: Any) -> Optional[tuple[Any, Any, Any]]:
+        got = self.parts[prefix]
+        got[proj][expert] = value
+        if all(len(got[p]) == self.num_experts for p in ("gate", "up", "down")):
+            del self.parts[prefix]
+            done = {p: stack([got[p][e] for e in range(self.num_experts)]) for p in ("gate", "up", "down")}
+            return self._done(prefix, done)
+        return None
+
+    def _done(self, prefix: str, got: dict[str, Any]) -> Optional[tuple[Any, Any, Any]]:
+        merged = {**self.fused.pop(prefix, {}), **got}
+        if all(p in merged for p in ("gate", "up", "down")):
+            return merged["gate"], merged["up"], merged["down"]
+        self.fused[prefix] = merged
+        return None
+
+    def incomplete(self) -> list[str]:
+        return sorted(set(self.fused) | set(self.parts))
+
+
 class GroupCollector:
-    """Holds the ``INPUT_PROJECTIONS`` of one attention or MoE block until all have arrived."""
+    """Holds the ``INPUT_PROJECTIONS`` of one attention or dense-MLP block until all have arrived."""
 
     def __init__(self) -> None:
         self.parts: dict[int, dict[str, tuple[str, Any]]] = defaultdict(dict)
@@ -93,16 +137,44 @@ def fuse_group(owner: Any, members: list[tuple[str, Any]], placer: "Placer") -> 
 def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Placer", *,
                source: str = "checkpoint") -> None:
     """Place every tensor of ``tensors`` into ``model``, converted and prepared by ``placer``."""
+    config = model.config
     slots = model.weight_slots()
-    expected = checkpoint_shapes(model.config)
-    collector = ExpertCollector(model.config.num_experts)
+    expected = checkpoint_shapes(config)
+    experts = ExpertCollector(config.num_local_experts, config.moe_intermediate_size)
     groups = GroupCollector()
     seen: set[str] = set()
     for name, value in tensors:
+        if is_tower_tensor(name):
+            continue
+        per_expert = expert_key(name)
+        if per_expert is not None:  # a producer's per-expert key: checked against its fused tensor's shape
+            prefix, e, proj = per_expert
+            fused_name = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
+            if fused_name not in slots:
+                raise CheckpointMismatch(f"{source}: unexpected tensor {name!r}; layer has no routed experts in "
+                                         "this config (check mlp_layer_types / num_hidden_layers in config.json)")
+            E, rows, cols = expected[fused_name]
+            want = (rows // 2, cols) if proj != "down" else (rows, cols)
+            if not 0 <= e < E:
+                raise CheckpointMismatch(f"{source}: tensor {name!r} names expert {e}, but config.json has "
+                                         f"num_local_experts={E}")
+            if name in seen:
+                raise CheckpointMismatch(f"{source}: tensor {name!r} appears twice")
+            if logical_shape(value) != want:
+                raise CheckpointMismatch(f"{source}: tensor {name!r} has shape {list(logical_shape(value))} but "
+                                         f"config.json implies {list(want)}")
+            if fused_name in seen:
+                raise CheckpointMismatch(f"{source}: {fused_name!r} is stored both fused and per expert ({name!r})")
+            seen.add(name)
+            done = experts.add_expert(prefix, e, proj, placer.convert(name, value))
+            if done is not None:
+                seen.update((f"{prefix}.gate_up_proj", f"{prefix}.down_proj"))
+                place_experts(slots[fused_name], fused_name, done, placer)
+            continue
         slot = slots.get(name)
         if slot is None:
-            raise CheckpointMismatch(f"{source}: unexpected tensor {name!r}; it is not part of a Muse model with this "
-                                     "config (check that config.json matches the weights)")
+            raise CheckpointMismatch(f"{source}: unexpected tensor {name!r}; it is not part of a Muse Spark model "
+                                     "with this config (check that config.json matches the weights)")
         if name in seen:
             raise CheckpointMismatch(f"{source}: tensor {name!r} appears twice")
         shape = logical_shape(value)
@@ -111,25 +183,29 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
                                      f"{list(expected[name])}")
         seen.add(name)
         value = placer.convert(name, value)
-        if slot.role == "vector":
-            setattr(slot.owner, slot.attr, placer.place_vector(value))
+        if slot.role == "experts":
+            prefix, proj = name.rsplit(".", 1)
+            done = experts.add_fused(prefix, proj, value)
+            if done is not None:
+                place_experts(slot, name, done, placer)
         elif slot.fused:
             members = groups.add(slot, name, value)
             if members is not None:
                 fuse_group(slot.owner, members, placer)
         elif slot.role in ("linear", "embedding"):
             setattr(slot.owner, slot.attr, placer.prepare(name, slot.role, value))
+        elif slot.role == "residual_gate":
+            setattr(slot.owner, slot.attr, placer.place_residual_gate(value, config.residual_gate_temperature))
         else:
-            done = collector.add(slot.layer, name, value)
-            if done is not None:
-                mlp = slot.owner
-                mlp.experts = placer.prepare_experts(name, stack(done["gate_proj"]), stack(done["up_proj"]),
-                                                     stack(done["down_proj"]))
-                mlp.output_norm = placer.place_vector(torch.stack(done["output_norm"]))
+            setattr(slot.owner, slot.attr, placer.place_vector(slot.role, value))
     missing = sorted(set(slots) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointMismatch(f"{source}: missing {len(missing)} tensor(s): {shown}")
+
+
+def place_experts(slot: Slot, name: str, parts: tuple[Any, Any, Any], placer: "Placer") -> None:
+    slot.owner.experts = placer.prepare_experts(name, *parts)
 
 
 @dataclass
@@ -153,9 +229,9 @@ class Placer:
 
     def stream(self, reader: Any, progress: bool) -> Iterator[tuple[str, Any]]:
         from tqdm import tqdm
-        names = reader.weight_names()
+        names = [name for name in reader.weight_names() if not is_tower_tensor(name)]  # towers: not read
         with tqdm(total=len(names), desc="loading", unit="tensor", disable=not progress, file=sys.stderr) as bar:
-            for _shard, weights in reader.iter_shards():
+            for _shard, weights in reader.iter_shards(names):
                 for name, value in weights.items():
                     yield name, value
                     bar.update(1)
@@ -180,8 +256,21 @@ class Placer:
         self.report.append(ConversionRecord(name, source, after.format, err.sqnr_db, err.max_abs_error))
         return after
 
-    def place_vector(self, value: torch.Tensor) -> torch.Tensor:
-        return value.to(self.dtype).to(self.device)
+    def place_vector(self, role: str, value: torch.Tensor) -> Any:
+        """Norm weights and the router, as the ops take them (``musecore.ops``)."""
+        if role in ("router", "router_bias"):  # kept fp32, as transformers keeps them
+            return value.float().to(self.device)
+        value = value.to(self.dtype)
+        if role == "centered":  # stored centred at 0; ``1 + w`` in the model dtype, as transformers rounds it
+            value = 1.0 + value
+        return value.to(self.device)
+
+    def place_residual_gate(self, gate: torch.Tensor, temperature: float) -> Any:
+        """The fp32 gate parameter -> its ``(alpha, beta)`` coefficients, computed once."""
+        from musecore.model import ResidualGate
+        from musecore.ops.reference import residual_gate_coefficients
+        alpha, beta = residual_gate_coefficients(gate.float(), temperature)
+        return ResidualGate(alpha.to(self.device), beta.to(self.device))
 
     def route(self, op: str, name: str) -> tuple[str, str, Optional[str]]:
         """(backend, weight format, activation format) that ``op`` on weight ``name`` runs with."""
@@ -197,7 +286,7 @@ class Placer:
         return backend.prepare_weight(value, role, act_format=act, dtype=self.dtype)
 
     def prepare_experts(self, name: str, gate: Any, up: Any, down: Any) -> Any:
-        backend, act = self._backend("moe", name.rsplit(".", 2)[0] + ".gate_proj.weight")
+        backend, act = self._backend("moe", name)
         return backend.prepare_experts(gate, up, down, act_format=act, dtype=self.dtype)
 
 

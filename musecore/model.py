@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from musecore.config import FULL, SLIDING, MuseConfig
+from musecore.config import MuseConfig
 from musecore.kv_cache import KVCache
 from musecore.ops import Ops
 from musecore.rope import RotaryTable
@@ -48,7 +48,8 @@ def project(owner: Any, ops: Ops, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 class Attention:
-    """GQA with q/k norm + RoPE, sliding or full window, per-head output norm and sigmoid gate."""
+    """GQA with weightless q/k norms (q scaled), RoPE or NoPE, sliding or full window, then a weightless
+    per-head output norm times an element-wise sigmoid gate."""
 
     INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj")  # all read the normed input ``a``
 
@@ -56,17 +57,18 @@ class Attention:
         self.ops, self.layer = ops, layer
         self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.window, self.eps, self.scale = config.window(layer), config.rms_norm_eps, config.head_dim ** -0.5
+        self.q_scale, self.rope = config.qk_scale_factor, config.uses_rope(layer)
         self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.gate_proj = None
-        self.q_norm = self.k_norm = self.o_norm = None
         self.in_proj: Optional[FusedLinear] = None  # q/k/v/gate as one linear, when the loader fused them
 
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  cache: Optional[KVCache]) -> torch.Tensor:
         ops = self.ops
         B, T, _ = a.shape
-        q, k, v, gate = project(self, ops, a)  # gate: [B,T,nq], one gate per head
+        q, k, v, gate = project(self, ops, a)  # gate: [B,T,nq*d], one gate per output element
         q, k, v = q.view(B, T, self.nq, self.d), k.view(B, T, self.nkv, self.d), v.view(B, T, self.nkv, self.d)
-        q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, rope[0], rope[1], self.eps)
+        cos, sin = rope if self.rope else (None, None)  # NoPE on the full-attention layers
+        q, k = ops.qk_norm_rope(q, k, cos, sin, self.eps, self.q_scale)
         if cache is None:
             keys, values, key_pos, k_scale, v_scale = k, v, positions, None, None
         else:
@@ -75,46 +77,74 @@ class Attention:
             view = layer_cache.update(k, v, positions)
             keys, values, key_pos, k_scale, v_scale = view.k, view.v, view.positions, view.k_scale, view.v_scale
         o = ops.attention(q, keys, values, positions, key_pos, self.window, self.scale, k_scale, v_scale)
-        o = ops.head_norm_gate(o, self.o_norm, gate, self.eps)  # [B,T,nq,d]
+        o = ops.head_norm_gate(o, gate.view(B, T, self.nq, self.d), self.eps)  # [B,T,nq,d]
         return ops.linear(o.reshape(B, T, self.nq * self.d), self.o_proj)  # [B,T,H]
 
 
 class MoE:
-    """Router over the full width; pooler H->l; SwiGLU experts; per-expert norm; unpooler l->H."""
-
-    INPUT_PROJECTIONS = ("router", "fc1_latent_proj")  # both read the MoE input ``m``
+    """Sigmoid router over the full width; pooler H->h and its centred norm; SwiGLU experts, each
+    output through the shared post-expert norm, weighted and summed; unpooler h->H."""
 
     def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
         self.ops, self.layer = ops, layer
-        self.top_k, self.renormalize, self.eps = config.num_experts_per_tok, config.norm_topk_prob, config.rms_norm_eps
-        self.router = self.fc1_latent_proj = self.fc2_latent_proj = None
-        self.latent_norm = None
-        self.in_proj: Optional[FusedLinear] = None  # router + pooler as one linear, when the loader fused them
-        self.experts = None       # ExpertWeights: stacked gate/up/down in the backend's layout
-        self.output_norm = None   # [E, l]: each expert's own RMSNorm weight
+        self.top_k, self.eps, self.post_eps = config.num_experts_per_tok, config.rms_norm_eps, config.post_norm_eps
+        self.multiplier, self.scaling = config.output_multiplier, config.routed_scaling_factor
+        self.router = self.correction_bias = None  # [E,H] fp32, [E] fp32
+        self.pre_expert_proj = self.post_expert_proj = None
+        self.pre_expert_norm = None   # [h], 1 + w (centred)
+        self.experts = None           # ExpertWeights: gate/up/down stacked in the backend's layout
+        self.post_expert_norm = None  # [h], 1 + w: one weight shared by every expert, applied scale-first
 
     def __call__(self, m: torch.Tensor) -> torch.Tensor:
         ops = self.ops
         B, T, H = m.shape
         m = m.reshape(B * T, H)
-        weights, ids, z = self.route(m)
-        y = ops.moe(z, weights, ids, self.experts, self.output_norm, self.eps)  # [N,l] fp32: norm, weight, sum
-        u = ops.linear(y.to(m.dtype), self.fc2_latent_proj)  # [N,H] unpooler
-        return u.view(B, T, H)
+        weights, ids = ops.router_topk(m, self.router, self.correction_bias, self.top_k, self.multiplier,
+                                       self.scaling)  # [N,k] fp32, [N,k]
+        z = ops.rms_norm(ops.linear(m, self.pre_expert_proj), self.pre_expert_norm, self.eps)  # [N,h]
+        y = ops.moe(z, weights, ids, self.experts, self.post_expert_norm, self.post_eps)  # [N,h] fp32
+        return ops.linear(y.to(m.dtype), self.post_expert_proj).view(B, T, H)  # unpooler
 
-    def route(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``m [N,H]`` -> routing weights ``[N,k]`` fp32, expert ids ``[N,k]``, pooled and normed latents ``[N,l]``."""
-        logits, pooled = project(self, self.ops, m)
-        weights, ids = self.ops.router_topk(logits, self.top_k, self.renormalize)
-        return weights, ids, self.ops.rms_norm(pooled, self.latent_norm, self.eps)
+
+class DenseMLP:
+    """``down(silu(gate(m)) * up(m))``: the MLP of the ``"dense"`` layers."""
+
+    INPUT_PROJECTIONS = ("gate_proj", "up_proj")
+
+    def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
+        self.ops, self.layer = ops, layer
+        self.gate_proj = self.up_proj = self.down_proj = None
+        self.in_proj: Optional[FusedLinear] = None
+
+    def __call__(self, m: torch.Tensor) -> torch.Tensor:
+        gate, up = project(self, self.ops, m)
+        return self.ops.linear(self.ops.silu_mul(gate, up), self.down_proj)
+
+
+@dataclass
+class ResidualGate:
+    """``alpha * residual + beta * h``; the fp32 coefficients are computed from the gate once at load."""
+
+    alpha: torch.Tensor  # [H] fp32
+    beta: torch.Tensor   # [H] fp32
 
 
 class DecoderLayer:
     def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
         self.layer_type = config.layer_types[layer]
-        self.self_attn, self.mlp = Attention(config, layer, ops), MoE(config, layer, ops)
-        self.input_layernorm = self.post_attention_layernorm = self.pre_feedforward_layernorm = None
-        self.post_feedforward_layernorm = self.attn_residual_gate = self.ffn_residual_gate = None
+        self.self_attn = Attention(config, layer, ops)
+        self.mlp = MoE(config, layer, ops) if config.is_sparse(layer) else DenseMLP(config, layer, ops)
+        self.input_layernorm = self.pre_feedforward_layernorm = None  # 1 + w (centred)
+        self.post_feedforward_layernorm = None                       # 1 + w, applied scale-first
+        self.post_attention_residual_gate: Optional[ResidualGate] = None
+        self.post_feedforward_residual_gate: Optional[ResidualGate] = None
+
+
+# How the loader places each kind of tensor: "linear"/"embedding" (prepared by a backend), "vector"
+# (a norm weight, model dtype), "centered" (a norm weight stored centred at 0: placed as ``1 + w``),
+# "residual_gate" (fp32 gate -> ResidualGate coefficients), "router" / "router_bias" (kept fp32),
+# "experts" (fused ``gate_up_proj [E,2I,h]`` / ``down_proj [E,h,I]``, or per-expert keys).
+SLOT_ROLES = ("linear", "embedding", "vector", "centered", "residual_gate", "router", "router_bias", "experts")
 
 
 @dataclass
@@ -123,7 +153,7 @@ class Slot:
 
     owner: Any
     attr: str
-    role: str   # "linear", "embedding", "vector" (norms, gates), "expert" (collected, then stacked)
+    role: str   # one of SLOT_ROLES
     layer: int = -1
     fused: bool = False  # one of ``owner.INPUT_PROJECTIONS``: the loader may fuse it into ``owner.in_proj``
 
@@ -141,8 +171,11 @@ class MuseModel:
                  device: torch.device | str = "cpu") -> None:
         self.config, self.ops, self.dtype, self.device = config, ops, dtype, torch.device(device)
         self.layers = [DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers)]
-        self.rope = {kind: RotaryTable(config.head_dim, config.rope_parameters[kind], config.max_position_embeddings,
-                                       device=self.device) for kind in (SLIDING, FULL)}
+        # One table (the global theta): transformers 5.24 switches RoPE on per layer, never changes its theta.
+        self.rope = RotaryTable(config.head_dim, config.rope_parameters, config.max_position_embeddings,
+                                device=self.device)
+        self.multimodal_ids = torch.tensor([config.image_token_id, config.video_token_id, config.audio_token_id],
+                                           device=self.device)
         self.backend = None    # the plan's main backend; it may offer a faster decode step
         self.embed_tokens = self.norm = self.lm_head = None
         self.plan = None       # set by musecore.load
@@ -170,18 +203,24 @@ class MuseModel:
         if cache is not None:  # in place: a captured decode step keeps updating the same tensor
             last = positions[:, 0] if T == 1 else positions.max(-1).values  # (no reduction kernel at decode)
             cache.next_position.copy_(torch.maximum(cache.next_position, last + 1))
-        rope = {kind: table(positions) for kind, table in self.rope.items()}
+        rope = self.rope(positions)  # (cos, sin) [B,T,d]; NoPE layers ignore it
 
-        x = ops.embedding(input_ids, self.embed_tokens).to(self.dtype)  # [B,T,H], not scaled
+        # Multimodal placeholders embed as token 0 (their rows are replaced by features when there are any).
+        input_ids = input_ids.masked_fill(torch.isin(input_ids, self.multimodal_ids), 0)
+        x = ops.embedding(input_ids, self.embed_tokens).to(self.dtype)  # [B,T,H]
+        x = ops.rms_norm(x, None, cfg.rms_norm_eps)  # the embedding's weightless norm
         a = ops.rms_norm(x, self.layers[0].input_layernorm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            attn_out = layer.self_attn(a, positions, rope[layer.layer_type], cache)
-            h, m = ops.residual_norm(x, attn_out, layer.post_attention_layernorm, layer.attn_residual_gate,
-                                     layer.pre_feedforward_layernorm, cfg.rms_norm_eps)
+            attn_out = layer.self_attn(a, positions, rope, cache)
+            gate = layer.post_attention_residual_gate  # weightless post-attention norm, then the gated residual
+            h, m = ops.residual_norm(x, attn_out, None, gate.alpha, gate.beta, layer.pre_feedforward_layernorm,
+                                     cfg.post_norm_eps, cfg.rms_norm_eps)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, a = ops.residual_norm(h, layer.mlp(m), layer.post_feedforward_layernorm, layer.ffn_residual_gate,
-                                     next_norm, cfg.rms_norm_eps)
-        return ops.linear(a, self.lm_head).float()  # a = final RMSNorm(x); lm_head is untied
+            gate = layer.post_feedforward_residual_gate
+            x, a = ops.residual_norm(h, layer.mlp(m), layer.post_feedforward_layernorm, gate.alpha, gate.beta,
+                                     next_norm, cfg.post_norm_eps, cfg.rms_norm_eps)
+        logits = ops.linear(a, self.lm_head)  # a = final RMSNorm(x); lm_head is untied
+        return ops.logit_softcap(logits, cfg.output_multiplier, cfg.final_logit_softcapping)  # fp32
 
     __call__ = forward
 
@@ -245,63 +284,84 @@ class MuseModel:
     # -- where checkpoint tensors go --------------------------------------------------------------
 
     def weight_slots(self) -> dict[str, Slot]:
-        """Checkpoint tensor name (MODEL.md section 3) -> slot. Expert tensors are listed per expert."""
+        """Checkpoint tensor name (transformers' layout, MODEL.md section 3) -> slot.
+
+        Routed experts are listed under their fused names (``experts.gate_up_proj`` / ``down_proj``);
+        the loader also takes producers' per-expert keys for them (:func:`musecore.loader.expert_key`).
+        The vision and audio towers are not run yet: their tensors are checked and skipped by the loader.
+        """
         slots = {PREFIX + "embed_tokens.weight": Slot(self, "embed_tokens", "embedding"),
                  PREFIX + "norm.weight": Slot(self, "norm", "vector"),
                  "lm_head.weight": Slot(self, "lm_head", "linear")}
         for i, layer in enumerate(self.layers):
             p, attn, mlp = f"{PREFIX}layers.{i}.", layer.self_attn, layer.mlp
-            for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                         "post_feedforward_layernorm"):
-                slots[f"{p}{name}.weight"] = Slot(layer, name, "vector", i)
-            for name in ("attn_residual_gate", "ffn_residual_gate"):
-                slots[f"{p}{name}"] = Slot(layer, name, "vector", i)
+            for name in ("input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                slots[f"{p}{name}.weight"] = Slot(layer, name, "centered", i)
+            for name in ("post_attention_residual_gate", "post_feedforward_residual_gate"):
+                slots[f"{p}{name}.gate"] = Slot(layer, name, "residual_gate", i)
             for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"):
                 slots[f"{p}self_attn.{name}.weight"] = Slot(attn, name, "linear", i, name in attn.INPUT_PROJECTIONS)
-            for name in ("q_norm", "k_norm", "o_norm"):
-                slots[f"{p}self_attn.{name}.weight"] = Slot(attn, name, "vector", i)
-            for name in ("router", "fc1_latent_proj", "fc2_latent_proj"):
-                slots[f"{p}mlp.{name}.weight"] = Slot(mlp, name, "linear", i, name in mlp.INPUT_PROJECTIONS)
-            slots[f"{p}mlp.latent_norm.weight"] = Slot(mlp, "latent_norm", "vector", i)
-            for e in range(self.config.num_experts):
-                for name in ("gate_proj", "up_proj", "down_proj", "output_norm"):
-                    slots[f"{p}mlp.experts.{e}.{name}.weight"] = Slot(mlp, name, "expert", i)
+            if isinstance(mlp, DenseMLP):
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    slots[f"{p}mlp.{name}.weight"] = Slot(mlp, name, "linear", i, name in mlp.INPUT_PROJECTIONS)
+                continue
+            slots[f"{p}mlp.gate.weight"] = Slot(mlp, "router", "router", i)
+            slots[f"{p}mlp.gate.e_score_correction_bias"] = Slot(mlp, "correction_bias", "router_bias", i)
+            for name in ("pre_expert_proj", "post_expert_proj"):
+                slots[f"{p}mlp.{name}.weight"] = Slot(mlp, name, "linear", i)
+            slots[f"{p}mlp.pre_expert_norm.weight"] = Slot(mlp, "pre_expert_norm", "centered", i)
+            slots[f"{p}mlp.experts.post_expert_norm.weight"] = Slot(mlp, "post_expert_norm", "centered", i)
+            for name in ("gate_up_proj", "down_proj"):
+                slots[f"{p}mlp.experts.{name}"] = Slot(mlp, name, "experts", i)
         return slots
 
 
 def checkpoint_shapes(config: MuseConfig) -> dict[str, tuple[int, ...]]:
-    """The logical shape of every tensor of a Muse checkpoint (MODEL.md section 3)."""
+    """The logical shape of every text-decoder tensor of a Muse Spark checkpoint (transformers' layout)."""
     H, V, d = config.hidden_size, config.vocab_size, config.head_dim
-    nq, nkv, E = config.num_attention_heads, config.num_key_value_heads, config.num_experts
-    l, inter = config.moe_latent_size, config.moe_intermediate_size
+    nq, nkv, E = config.num_attention_heads, config.num_key_value_heads, config.num_local_experts
+    h, inter = config.moe_hidden_size, config.moe_intermediate_size
     shapes = {PREFIX + "embed_tokens.weight": (V, H), PREFIX + "norm.weight": (H,), "lm_head.weight": (V, H)}
     for i in range(config.num_hidden_layers):
         p = f"{PREFIX}layers.{i}."
-        for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "attn_residual_gate",
-                     "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight", "ffn_residual_gate"):
+        for name in ("input_layernorm.weight", "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+                     "post_attention_residual_gate.gate", "post_feedforward_residual_gate.gate"):
             shapes[p + name] = (H,)
         shapes.update({p + "self_attn.q_proj.weight": (nq * d, H), p + "self_attn.k_proj.weight": (nkv * d, H),
                        p + "self_attn.v_proj.weight": (nkv * d, H), p + "self_attn.o_proj.weight": (H, nq * d),
-                       p + "self_attn.gate_proj.weight": (nq, H), p + "self_attn.q_norm.weight": (d,),
-                       p + "self_attn.k_norm.weight": (d,), p + "self_attn.o_norm.weight": (d,),
-                       p + "mlp.router.weight": (E, H), p + "mlp.fc1_latent_proj.weight": (l, H),
-                       p + "mlp.latent_norm.weight": (l,), p + "mlp.fc2_latent_proj.weight": (H, l)})
-        for e in range(E):
-            q = f"{p}mlp.experts.{e}."
-            shapes.update({q + "gate_proj.weight": (inter, l), q + "up_proj.weight": (inter, l),
-                           q + "down_proj.weight": (l, inter), q + "output_norm.weight": (l,)})
+                       p + "self_attn.gate_proj.weight": (nq * d, H)})
+        if not config.is_sparse(i):
+            I = config.intermediate_size
+            shapes.update({p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                           p + "mlp.down_proj.weight": (H, I)})
+            continue
+        shapes.update({p + "mlp.gate.weight": (E, H), p + "mlp.gate.e_score_correction_bias": (E,),
+                       p + "mlp.pre_expert_proj.weight": (h, H), p + "mlp.pre_expert_norm.weight": (h,),
+                       p + "mlp.experts.gate_up_proj": (E, 2 * inter, h), p + "mlp.experts.down_proj": (E, h, inter),
+                       p + "mlp.experts.post_expert_norm.weight": (h,), p + "mlp.post_expert_proj.weight": (H, h)})
     return shapes
+
+
+# Tensors kept in fp32 whatever the checkpoint dtype (transformers' _keep_in_fp32_modules_strict).
+FP32_TENSORS = (".post_attention_residual_gate.gate", ".post_feedforward_residual_gate.gate", ".mlp.gate.weight",
+                ".mlp.gate.e_score_correction_bias")
+
+
+def initial_value(name: str, shape: tuple[int, ...], generator: torch.Generator, std: float = 0.02,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """One tensor initialised as transformers' ``_init_weights`` does, in fp32: projections, experts,
+    router and residual gates normal(0, std), centred norms 0, the final norm 1, the correction bias 0."""
+    if name == PREFIX + "norm.weight":
+        return torch.ones(shape, device=device)
+    if name.endswith("e_score_correction_bias") or (len(shape) == 1 and name.endswith("norm.weight")):
+        return torch.zeros(shape, device=device)
+    return torch.randn(shape, generator=generator, device=device) * std
 
 
 def init_weights(config: MuseConfig, seed: int = 0, std: float = 0.02,
                  dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Random weights for a checkpoint written from MODEL.md alone: norms and residual gates are
-    ones (their initialisation), projections normal(0, std)."""
+    """Random text-decoder weights (:func:`initial_value`); the residual gates, router and correction
+    bias in fp32, as transformers keeps them, everything else in ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in checkpoint_shapes(config).items():
-        if len(shape) == 1:
-            tensors[name] = torch.ones(shape, dtype=dtype)
-        else:
-            tensors[name] = (torch.randn(shape, generator=gen) * std).to(dtype)
-    return tensors
+    return {name: initial_value(name, shape, gen, std).to(torch.float32 if name.endswith(FP32_TENSORS) else dtype)
+            for name, shape in checkpoint_shapes(config).items()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Collection, Optional, Union
@@ -20,6 +21,8 @@ from typing import Any, Collection, Optional, Union
 from musecore.backends.base import Support, Tier
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG, DeviceProfile, get_profile
+from musecore.loader import expert_key, is_tower_tensor
+from musecore.model import FP32_TENSORS
 from musecore.ops import OPS, OpSpec
 
 QUANTIZED = ("fp8", "nvfp4", "mxfp4", "int4")
@@ -114,11 +117,17 @@ class Plan:
 # -- weight groups ---------------------------------------------------------------------------------
 
 def weight_group(name: str, config: MuseConfig) -> tuple[str, bool]:
-    """(group label, whether it is a routed-expert projection of a quantized layer)."""
+    """(group label, whether it is a routed-expert projection of a quantized layer).
+
+    Routed experts come fused (``experts.gate_up_proj`` / ``experts.down_proj``, transformers' layout)
+    or per expert (``experts.{e}.gate_proj.weight``, how some producers export them).
+    """
+    if is_tower_tensor(name):
+        return TOWERS, False
     if ".mlp.experts." in name:
-        layer = int(name.split(".layers.")[1].split(".")[0])
-        if name.endswith("output_norm.weight"):
+        if name.endswith("post_expert_norm.weight"):
             return "norms and gates", False
+        layer = int(name.split(".layers.")[1].split(".")[0])
         if layer in config.bf16_expert_layers:
             return "experts (BF16 layers)", False
         return "experts (quantized layers)", True
@@ -128,11 +137,16 @@ def weight_group(name: str, config: MuseConfig) -> tuple[str, bool]:
         return "lm_head", False
     if ".self_attn." in name and name.endswith("_proj.weight"):
         return "attention", False
-    if ".mlp.router." in name:
+    if ".mlp.gate." in name:
         return "router", False
-    if "latent_proj" in name:
+    if name.endswith(("pre_expert_proj.weight", "post_expert_proj.weight")):
         return "pooler/unpooler", False
+    if re.search(r"\.mlp\.(gate|up|down)_proj\.weight$", name):
+        return "dense MLP", False
     return "norms and gates", False
+
+
+TOWERS = "vision/audio towers (not run)"
 
 
 def format_bytes(fmt: str, numel: int, dtype_bytes: int) -> int:
@@ -173,7 +187,7 @@ def unquantizable(summary: CheckpointSummary, targets: dict[str, tuple[str, Opti
 
 # Dense projections that ``quantize_dense=True`` converts like the routed experts (the router, the
 # embedding, norms and the BF16 expert layers stay as they are: small, or sensitive to rounding).
-DENSE_QUANTIZABLE = ("attention", "pooler/unpooler", "lm_head")
+DENSE_QUANTIZABLE = ("attention", "pooler/unpooler", "lm_head", "dense MLP")
 DenseGroups = Union[None, bool, str, Collection[str]]
 
 
@@ -207,9 +221,13 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
     rows: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, ""])
     for name, src in summary.formats.items():
         group, quantizable = weight_group(name, config)
+        if group == TOWERS:  # read past, not loaded: nothing to convert, no memory
+            continue
         quantizable = quantizable or group in converted_dense
         numel = math.prod(summary.shapes[name])
-        if len(summary.shapes[name]) == 2 and (src in QUANTIZED or quantizable):
+        if name.endswith(FP32_TENSORS):  # router, correction bias, residual gates: kept fp32 (transformers)
+            target, act, action, note = "fp32", None, ("keep" if src == "fp32" else f"cast {src}->fp32"), ""
+        elif len(summary.shapes[name]) in (2, 3) and (src in QUANTIZED or quantizable):
             conv = profile.conversion(src if src in QUANTIZED else "bf16")
             target, act, action, note = conv.target, conv.act_format, conv.action(src), conv.note
             if group in converted_dense:
@@ -227,6 +245,11 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
         row[1] += numel
         row[2] += format_bytes(target, numel, dtype_bytes)
         row[3] = note
+    for name in list(targets):  # per-expert keys: the layer's experts are prepared under their fused names
+        per_expert = expert_key(name)
+        if per_expert is not None:
+            prefix, _e, proj = per_expert
+            targets.setdefault(f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}", targets[name])
     groups = [GroupPlan(g, n, p, s, t, a, action, b, note)
               for (g, s, t, a, action), (n, p, b, note) in sorted(rows.items(), key=lambda kv: kv[0][0])]
     return groups, targets
@@ -237,9 +260,9 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
 def needed_specs(targets: dict[str, tuple[str, Optional[str]]], kv_format: str, device: str) -> list[OpSpec]:
     linear, moe = set(), set()
     for name, (fmt, act) in targets.items():
-        if ".mlp.experts." in name and not name.endswith("output_norm.weight"):
+        if ".mlp.experts." in name and not name.endswith("post_expert_norm.weight"):
             moe.add((fmt, act))
-        elif name.endswith("_proj.weight") or ".router." in name or name.startswith("lm_head"):
+        elif name.endswith("_proj.weight") or name.startswith("lm_head"):
             linear.add((fmt, act))
     specs = [OpSpec(op, device=device) for op in OPS if op not in ("linear", "moe", "attention")]
     specs.append(OpSpec("attention", kv_format=kv_format, device=device))
@@ -333,6 +356,10 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
         notes.append(f"{', '.join(converted_dense)} projections follow the device's expert conversion: {why}; "
                      "see the groups below and the conversion report for the error")
     groups, targets = resolve_groups(summary, profile, dtype_label, converted_dense)
+    towers = sum(1 for name in summary.formats if is_tower_tensor(name))
+    if towers:
+        notes.append(f"{towers} vision/audio tower tensors are in the checkpoint and skipped: musecore runs the text "
+                     "decoder (the towers are not implemented yet)")
     ops = [choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
            for spec in needed_specs(targets, kv_format, device)]
     gaps = ([f"{hardware_gap}"] if hardware_gap else []) + unquantizable(summary, targets)

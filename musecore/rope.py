@@ -1,7 +1,9 @@
-"""Rotary position tables per layer type (MODEL.md section 1): HF Llama convention, YaRN optional.
+"""The rotary position table (MODEL.md section 1): HF Llama convention, YaRN optional.
 
-Sliding layers use plain RoPE with their own theta; full-attention layers may use YaRN scaling
-(``rope_type: "yarn"``), computed as Hugging Face's ``_compute_yarn_parameters`` does.
+One table with the global ``rope_parameters``: in transformers 5.24 a layer's ``layer_rope_theta``
+only switches RoPE on (non-zero) or off (0, NoPE). Default frequencies are computed in fp32 exactly
+as transformers' ``compute_default_rope_parameters`` does; YaRN (``rope_type: "yarn"``) as its
+``_compute_yarn_parameters``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class RotaryTable:
                  device: torch.device | str = "cpu") -> None:
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
-            self.inv_freq = 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float()
+            self.inv_freq = 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             self.attention_factor = 1.0
         elif rope_type == "yarn":
             self.inv_freq, self.attention_factor = yarn_inv_freq(head_dim, params, max_positions)
