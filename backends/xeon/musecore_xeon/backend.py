@@ -37,6 +37,24 @@ DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONVERT_FP4 = "convert to INT4 at load (the plan does this for xeon devices)"
 NO_ACT_QUANT = ("xeon runs weight-only quantization (W4A16 INT4): {fmt} activations need FP4/FP8 "
                 "tensor hardware; load with act_format=None")
+NORM_PATH = (f"one C call through the CPython extension at decode sizes (<= {xops.NATIVE_NORM_MAX_ELEMENTS} elements, "
+             "contiguous bf16/fp32), PyTorch ops with the same math otherwise")
+OP_REASONS = {
+    "rms_norm": f"fp32 math, weightless / scale-after / scale-first (product rounded to x's dtype): {NORM_PATH}",
+    "residual_norm": f"post norm (weightless or scale-first) + fp32 gated residual alpha*res + beta*h + next norm: "
+                     f"{NORM_PATH}",
+    "qk_norm_rope": f"weightless per-head norms, q scale, RoPE or NoPE: {NORM_PATH}",
+    "head_norm_gate": f"weightless per-head norm times element-wise sigmoid gate: {NORM_PATH}",
+    "router_topk": "fp32 router logits by PyTorch's matmul (the reference's); sigmoid, top-k of scores + bias and "
+                   "renormalisation in one C call at decode sizes, PyTorch ops otherwise",
+    "silu_mul": "the reference's PyTorch ops (fp32 math)",
+    "logit_softcap": "the reference's PyTorch ops (fp32 math)",
+    "embedding": "the reference's PyTorch lookup",
+    "sample": "the reference's PyTorch sampler (same random stream)",
+}
+MOE_REASON = ("{fmt} experts: one fused native call per layer at decode sizes (gate/up and down GEMV row blocks, "
+              "SwiGLU, the shared post-expert norm scale first, routing weight, fp32 sum), per routed expert "
+              "linear calls and PyTorch ops for the norm and sum above the measured crossover")
 PROBE_SCORES = {"amx": 60, "avx512_bf16": 40, "avx512": 30, "avx2": 20}
 
 
@@ -94,6 +112,8 @@ class XeonBackend(Backend):
                 return Support.no(CONVERT_FP4)
             if fmt == "fp8":
                 return Support.no("FP8 weights: convert to INT4 or BF16 at load")
+            if op == "moe":
+                return Support.native(MOE_REASON.format(fmt=fmt.upper() if fmt == "int4" else fmt))
             if fmt == "int4":
                 dense = ("the INT4 GEMM on AMX (weight panels dequantized into AMX tiles)" if native.amx_planned(self.cpu)
                          else "SGEMM on dequantized tiles")
@@ -107,7 +127,7 @@ class XeonBackend(Backend):
             return Support.native(f"decode (T <= 8): one C loop, fp32 softmax; prefill: scaled_dot_product_attention in "
                                   f"{self.dense_dtype} with the reference visibility mask"
                                   + ("; FP8 KV dequantized per tensor first" if spec.kv_format == "fp8" else ""))
-        return Support.native("fp32 math: one C call at decode sizes (norms, RoPE, head gate), PyTorch CPU ops otherwise")
+        return Support.native(OP_REASONS[op])
 
     # -- weights -----------------------------------------------------------------------------------
     def _check_format(self, weight: WeightIn, act_format: Optional[str]) -> str:
@@ -152,22 +172,22 @@ class XeonBackend(Backend):
             raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
         fmt = fmts.pop()
         shape = lambda w: tuple(w.shape)  # noqa: E731  (QTensor.shape is the logical shape too)
-        (E, inter, latent), down_shape = shape(gate), shape(down)
-        if shape(up) != (E, inter, latent) or down_shape != (E, latent, inter):
+        (E, inter, hidden), down_shape = shape(gate), shape(down)
+        if shape(up) != (E, inter, hidden) or down_shape != (E, hidden, inter):
             raise ValueError(f"expert shapes gate {shape(gate)}, up {shape(up)}, down {down_shape}: expected "
-                             f"[E, I, l], [E, I, l], [E, l, I]")
+                             f"[E, I, h], [E, I, h], [E, h, I]")
         if fmt == "int4":
             gate_up, downs = self._prepare_int4_experts(gate, up, down)
         else:
             gate_up = [prepare_dense(torch.cat((gate[e], up[e])), dtype, self.cpu.native_bf16_dot) for e in range(E)]
             downs = [prepare_dense(down[e], dtype, self.cpu.native_bf16_dot) for e in range(E)]
-        experts = XeonExperts(gate_up, downs, inter, latent)
+        experts = XeonExperts(gate_up, downs, inter, hidden)
         return ExpertWeights(gate=gate_up, up=None, down=downs, format=fmt, num_experts=E,
                              extra={"xeon": experts})
 
     def _prepare_int4_experts(self, gate: QTensor, up: QTensor, down: QTensor
                               ) -> tuple[list[Int4Linear], list[Int4Linear]]:
-        E, inter, latent = gate.shape
+        E = gate.shape[0]
         g = gate.group_size
         if up.group_size != g:
             raise ValueError(f"gate and up must share a group size to be fused; got {g} and {up.group_size}")
@@ -198,12 +218,14 @@ class XeonBackend(Backend):
         return resident(x)
 
     def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
-            output_norm: torch.Tensor, eps: float) -> torch.Tensor:
+            post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
+        """Routed SwiGLU experts, each output rounded to z's dtype, the shared post-expert norm (scale first), the
+        routing weight, an fp32 sum -> fp32 ``[T, h]`` (:func:`musecore_xeon.kernels.moe.moe_forward`)."""
         resident = experts.extra.get("xeon")
         if resident is None:
             raise TypeError("xeon moe got ExpertWeights that XeonBackend.prepare_experts did not make; "
                             "prepare them with this backend")
-        return moe_forward(z, weights, ids, resident, output_norm, eps)
+        return moe_forward(z, weights, ids, resident, post_norm, post_eps)
 
     def benchmarks(self) -> dict[str, Any]:
         """``{case: callable -> rows}`` for ``musecore bench --backend xeon`` (see :mod:`musecore_xeon.bench`)."""
@@ -222,4 +244,6 @@ class XeonBackend(Backend):
     qk_norm_rope = staticmethod(xops.qk_norm_rope)
     head_norm_gate = staticmethod(xops.head_norm_gate)
     router_topk = staticmethod(xops.router_topk)
+    silu_mul = staticmethod(xops.silu_mul)
+    logit_softcap = staticmethod(xops.logit_softcap)
     sample = staticmethod(xops.sample)

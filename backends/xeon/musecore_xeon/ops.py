@@ -1,20 +1,19 @@
-"""The non-GEMM ops of the Xeon backend: norms, RoPE, attention, and the ops the reference already
+"""The non-GEMM ops of the Xeon backend: norms, RoPE, the router, attention, and the ops the reference already
 does the CPU way.
 
-Norms use PyTorch's fused ``F.rms_norm`` on fp32 (one pass instead of the reference's five), and
-attention uses ``F.scaled_dot_product_attention`` (a flash kernel on CPU) with the reference's own
-visibility mask, so the mask contract (causal, sliding window, ``k_pos = -1`` empty slots) is the
-reference's by construction. ``embedding`` and ``sample`` are taken from the reference as they are:
-each is already a couple of vectorised PyTorch calls, and sharing ``sample`` keeps the random stream
-identical to the reference's for a given generator.
+Each op computes the contract of :mod:`musecore.ops` (the reference's fp32 math and its roundings to the activation
+dtype). Attention uses ``F.scaled_dot_product_attention`` (a flash kernel on CPU) with the reference's own visibility
+mask, so the mask contract (causal, sliding window, ``k_pos = -1`` empty slots) is the reference's by construction.
+``embedding``, ``sample``, ``silu_mul`` and ``logit_softcap`` are taken from the reference as they are: each is
+already a few vectorised PyTorch calls (``silu_mul`` runs only in dense-MLP layers, ``logit_softcap`` once per
+step), and sharing ``sample`` keeps the random stream identical to the reference's for a given generator.
 
-At decode sizes (at most :data:`NATIVE_NORM_MAX_ELEMENTS` elements, contiguous bf16/fp32 tensors) the four
-norm ops, ``router_topk`` and decode attention run one C call each (``musecore_xeon.kernels.native``; same fp32 math), through the
-CPython extension of :mod:`musecore_xeon.kernels.binding` where it is built (one call: checks, ``at::empty``, the
-kernel) and through ctypes otherwise (the router then keeps the reference's PyTorch calls): PyTorch's
-``F.rms_norm`` plus the dtype casts cost ~25 us per call on a 1536-vector on the 2-core EPYC, the ctypes call with
-its Python checks 7-15 us, and a muse-small token makes ~100 of them. Larger inputs (prefill) keep the PyTorch
-path, which is vectorised and multi-threaded.
+At decode sizes (at most :data:`NATIVE_NORM_MAX_ELEMENTS` elements, contiguous bf16/fp32 tensors) the four norm ops,
+the router's selection and decode attention run one C call each (``musecore_xeon.kernels.native``, the same fp32 math
+and roundings) through the CPython extension of :mod:`musecore_xeon.kernels.binding` (one call: checks, ``at::empty``,
+the kernel): PyTorch's ``F.rms_norm`` plus the dtype casts cost ~25 us per call on a 1536-vector on the 2-core EPYC,
+and a muse-small token makes ~100 of them. Larger inputs (prefill), other dtypes, and hosts where the extension cannot
+be built run the PyTorch path below each fast call, which computes the same math.
 """
 
 from __future__ import annotations
@@ -30,10 +29,11 @@ from musecore_xeon.kernels import native
 
 embedding = ref.embedding
 sample = ref.sample
+silu_mul = ref.silu_mul
+logit_softcap = ref.logit_softcap
 
 NATIVE_NORM_MAX_ELEMENTS = 1 << 16  # decode sizes; above this the PyTorch ops (vectorised, threaded) win
 NATIVE_ATTENTION_MAX_QUERIES = 8  # decode: per-query C loop; prefill keeps SDPA (a flash kernel)
-_NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
@@ -49,98 +49,84 @@ def _fast_call(name: str, *args):
     return None if fast is None else getattr(fast, name)(*args)
 
 
-def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in fp32, the ``k`` largest (descending), renormalized if asked: the reference's."""
-    picked = _fast_call("router_topk", logits, k, renormalize)
-    return picked if picked is not None else ref.router_topk(logits, k, renormalize)
+def _rms_f32(x: torch.Tensor, eps: float, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``rms(x) * weight`` (``rms(x)`` without a weight) in fp32: PyTorch's fused ``F.rms_norm``, one pass."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps)
 
 
-def _native_norms(*tensors: torch.Tensor):
-    """The C library when every tensor is contiguous bf16/fp32 and the first is decode-sized, else None."""
-    if tensors[0].numel() > NATIVE_NORM_MAX_ELEMENTS:
-        return None
-    for t in tensors:
-        if t.dtype not in _NATIVE_DTYPES or not t.is_contiguous():
-            return None
-    return native.load()
-
-
-def _bf16(t: torch.Tensor) -> int:
-    return int(t.dtype == torch.bfloat16)
-
-def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out = _fast_call("rms_norm", x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, scale_first: bool = False) -> torch.Tensor:
+    """``rms(x) * weight`` (weightless when None), or with ``scale_first`` ``rms(round(x * weight))``: the product
+    rounded to x's dtype first (transformers' InputScaledRMSNorm). Output in x's dtype."""
+    if scale_first and weight is None:
+        raise ValueError("rms_norm: scale_first=True needs a weight (the input-scaled norm multiplies before it "
+                         "normalises); pass weight=None with scale_first=False for a weightless norm")
+    out = _fast_call("rms_norm", x, weight, eps, scale_first)
     if out is not None:
         return out
-    lib = _native_norms(x, weight)
-    n = x.shape[-1]
-    if lib is None or weight.numel() != n:
-        return _rms_norm_f32(x, weight, eps).to(x.dtype)
-    out = torch.empty_like(x)
-    lib.musecore_rms_norm(x.data_ptr(), _bf16(x), weight.data_ptr(), _bf16(weight), out.data_ptr(), _bf16(out),
-                          x.numel() // n, n, eps)
-    return out
+    if scale_first:
+        return _rms_f32((x.float() * weight.float()).to(x.dtype), eps).to(x.dtype)
+    return _rms_f32(x, eps, weight).to(x.dtype)
 
 
-def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: torch.Tensor,
-                  gate: torch.Tensor, next_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual' = residual + gate * rms_norm(out)``; ``normed = rms_norm(residual')``."""
-    pair = _fast_call("residual_norm", residual, out, post_weight, gate, next_weight, eps)
+def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: Optional[torch.Tensor],
+                  alpha: torch.Tensor, beta: torch.Tensor, next_weight: Optional[torch.Tensor], post_eps: float,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = rms(round(out * post_weight))`` (``rms(out)`` when post_weight is None) in out's dtype;
+    ``residual' = alpha * residual + beta * h`` in fp32, rounded to the residual's dtype;
+    ``normed = rms(residual') * next_weight``."""
+    pair = _fast_call("residual_norm", residual, out, post_weight, alpha, beta, next_weight, post_eps, eps)
     if pair is not None:
         return pair
-    lib = _native_norms(residual, out, post_weight, gate, next_weight)
-    n = residual.shape[-1]
-    if lib is not None and out.shape == residual.shape and post_weight.numel() == gate.numel() == next_weight.numel() == n:
-        new_residual, normed = torch.empty_like(residual), torch.empty_like(residual)
-        lib.musecore_residual_norm(residual.data_ptr(), out.data_ptr(), _bf16(out), post_weight.data_ptr(),
-                                   _bf16(post_weight), gate.data_ptr(), _bf16(gate), next_weight.data_ptr(),
-                                   _bf16(next_weight), new_residual.data_ptr(), normed.data_ptr(), _bf16(residual),
-                                   residual.numel() // n, n, eps)
-        return new_residual, normed
-    new_residual = torch.addcmul(residual.float(), gate.float(), _rms_norm_f32(out, post_weight, eps)).to(residual.dtype)
+    h = rms_norm(out, post_weight, post_eps, scale_first=post_weight is not None)
+    new_residual = (alpha.float() * residual.float() + beta.float() * h.float()).to(residual.dtype)
     return new_residual, rms_norm(new_residual, next_weight, eps)
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm over d, then HF-convention RoPE (halves, not interleaved pairs)."""
-    pair = _fast_call("qk_norm_rope", q, k, q_weight, k_weight, cos, sin, eps)
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+                 eps: float, q_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weightless per-head RMSNorm over d, q times ``q_scale``, then HF-convention RoPE (halves, not interleaved
+    pairs) when cos/sin are given (None: a NoPE layer)."""
+    if (cos is None) != (sin is None):
+        raise ValueError("qk_norm_rope: pass both cos and sin (a RoPE layer) or neither (a NoPE layer)")
+    pair = _fast_call("qk_norm_rope", q, k, cos, sin, eps, q_scale)
     if pair is not None:
         return pair
-    lib = _native_norms(q, k, q_weight, k_weight)
-    B, T, nq, d = q.shape
-    if lib is not None and k.numel() <= NATIVE_NORM_MAX_ELEMENTS and d <= 1024 and q_weight.numel() == k_weight.numel() == d \
-            and k.shape[:2] == (B, T) and cos.shape == sin.shape == (B, T, d) \
-            and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous():
-        outs = []
-        for x, w in ((q, q_weight), (k, k_weight)):
-            out = torch.empty_like(x)
-            lib.musecore_norm_rope(x.data_ptr(), _bf16(x), w.data_ptr(), _bf16(w), cos.data_ptr(), sin.data_ptr(),
-                                   out.data_ptr(), x.numel() // d, x.shape[2], d, eps)
-            outs.append(out)
-        return outs[0], outs[1]
-    cos, sin = cos.float()[:, :, None, :], sin.float()[:, :, None, :]  # [B,T,1,d]
-    qn, kn = _rms_norm_f32(q, q_weight, eps), _rms_norm_f32(k, k_weight, eps)
-    q_out = torch.addcmul(qn * cos, ref.rotate_half(qn), sin)
-    k_out = torch.addcmul(kn * cos, ref.rotate_half(kn), sin)
-    return q_out.to(q.dtype), k_out.to(k.dtype)
+    qn, kn = _rms_f32(q, eps) * q_scale, _rms_f32(k, eps)
+    if cos is not None:
+        cos, sin = cos.float()[:, :, None, :], sin.float()[:, :, None, :]  # [B,T,1,d]
+        qn = torch.addcmul(qn * cos, ref.rotate_half(qn), sin)
+        kn = torch.addcmul(kn * cos, ref.rotate_half(kn), sin)
+    return qn.to(q.dtype), kn.to(k.dtype)
 
 
-def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
-    out = _fast_call("head_norm_gate", o, weight, gate_logits, eps)
+def head_norm_gate(o: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms(o) * sigmoid(gate_logits)`` element-wise (weightless norm per head row of d), in o's dtype."""
+    if gate_logits.shape != o.shape:
+        raise ValueError(f"head_norm_gate: gate_logits {tuple(gate_logits.shape)} must have o's shape "
+                         f"{tuple(o.shape)} (one gate per element)")
+    out = _fast_call("head_norm_gate", o, gate_logits, eps)
     if out is not None:
         return out
-    lib = _native_norms(o, weight, gate_logits)
-    if lib is not None and gate_logits.shape == o.shape[:-1] and weight.numel() == o.shape[-1]:
-        out = torch.empty_like(o)
-        lib.musecore_head_norm_gate(o.data_ptr(), _bf16(o), weight.data_ptr(), _bf16(weight), gate_logits.data_ptr(),
-                                    _bf16(gate_logits), out.data_ptr(), gate_logits.numel(), o.shape[-1], eps)
-        return out
-    return (_rms_norm_f32(o, weight, eps) * torch.sigmoid(gate_logits.float())[..., None]).to(o.dtype)
+    return (_rms_f32(o, eps) * torch.sigmoid(gate_logits.float())).to(o.dtype)
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], k: int, multiplier: float,
+                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = sigmoid(fp32(x) @ W^T * multiplier)``; the top-k of ``s + bias`` (the bias only chooses);
+    ``weights = s[ids] / (sum s[ids] + 1e-15) * scaling``.
+
+    The logits are PyTorch's fp32 matmul, as in the reference (the same bits); the selection runs in C at decode
+    sizes (sigmoid, top-k, renormalisation: ~8 PyTorch calls otherwise)."""
+    logits = x.float() @ weight.float().T  # [T,E]
+    if bias is not None:
+        bias = bias.float()
+    picked = _fast_call("router_topk", logits, bias, k, multiplier, scaling) if logits.dim() == 2 else None
+    if picked is not None:
+        return picked
+    scores = torch.sigmoid(logits * multiplier)
+    ids = torch.topk(scores if bias is None else scores + bias, k, dim=-1).indices  # [T,k]
+    weights = scores.gather(-1, ids)
+    return weights / (weights.sum(-1, keepdim=True) + 1e-15) * scaling, ids
 
 
 def _to_compute(t: torch.Tensor, scale: Optional[float], dtype: torch.dtype) -> torch.Tensor:
@@ -170,14 +156,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         if out is not None:
             return out
     if unscaled and T <= NATIVE_ATTENTION_MAX_QUERIES and k.dtype == v.dtype and k.shape == v.shape \
-            and k.shape[0] == B and k.shape[3] == d:
-        lib = _native_norms(q, k, v)
-        if lib is not None and q_pos.shape == (B, T) and k_pos.shape == (B, k.shape[1]):
+            and k.shape[0] == B and k.shape[3] == d and q_pos.shape == (B, T) and k_pos.shape == (B, k.shape[1]) \
+            and all(t.dtype in (torch.bfloat16, torch.float32) and t.is_contiguous() for t in (q, k, v)):
+        lib = native.load()  # no extension here: the same C loop through ctypes
+        if lib is not None:
             out = torch.empty_like(q)
             q_pos64, k_pos64 = q_pos.to(torch.int64).contiguous(), k_pos.to(torch.int64).contiguous()
-            lib.musecore_attention(q.data_ptr(), _bf16(q), k.data_ptr(), v.data_ptr(), _bf16(k), q_pos64.data_ptr(),
-                                   k_pos64.data_ptr(), -1 if window is None else window, scale, out.data_ptr(),
-                                   B, T, k.shape[1], nq, nkv, d, torch.get_num_threads())
+            lib.musecore_attention(q.data_ptr(), int(q.dtype == torch.bfloat16), k.data_ptr(), v.data_ptr(),
+                                   int(k.dtype == torch.bfloat16), q_pos64.data_ptr(), k_pos64.data_ptr(),
+                                   -1 if window is None else window, scale, out.data_ptr(), B, T, k.shape[1], nq, nkv,
+                                   d, torch.get_num_threads())
             return out
     qc = q.to(compute_dtype)
     kc, vc = _to_compute(k, k_scale, compute_dtype), _to_compute(v, v_scale, compute_dtype)

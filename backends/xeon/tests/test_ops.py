@@ -11,50 +11,142 @@ from musecore.ops import tolerance
 from musecore_xeon import XeonBackend
 
 DTYPES = [torch.bfloat16, torch.float32]
+# decode sizes run one C call through the extension; prefill sizes (more than NATIVE_NORM_MAX_ELEMENTS) run PyTorch
+SIZES = {"decode": (2, 3), "prefill": (4, 80)}  # leading dims; the prefill ones reach 320 rows x 256 = 81920 elements
+
+
+def rows(size: str, n: int, dtype: torch.dtype, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(*SIZES[size], n, dtype=dtype) * scale
+
+
+@pytest.fixture(params=list(SIZES))
+def size(request) -> str:
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm(xeon: XeonBackend, dtype) -> None:
-    x, w = torch.randn(5, 7, 256, dtype=dtype) * 3, 1 + 0.2 * torch.randn(256)
-    y = xeon.rms_norm(x, w, 1e-6)
-    assert y.dtype == dtype
-    assert_nmse(ref.rms_norm(x, w, 1e-6), y, tolerance("rms_norm"), f"rms_norm {dtype}")
+@pytest.mark.parametrize("variant", ["scale_after", "weightless", "scale_first"])
+def test_rms_norm_matches_reference(xeon: XeonBackend, dtype, variant: str, size: str) -> None:
+    n = 256
+    x = rows(size, n, dtype)
+    w = None if variant == "weightless" else (1 + 0.5 * torch.randn(n)).to(dtype)  # centred weights arrive as 1 + w
+    scale_first = variant == "scale_first"
+    y = xeon.rms_norm(x, w, 1e-6, scale_first)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_nmse(ref.rms_norm(x, w, 1e-6, scale_first), y, tolerance("rms_norm"), f"rms_norm {variant} {dtype} {size}")
+
+
+def test_scale_first_norm_rounds_the_product_before_normalising(xeon: XeonBackend, size: str) -> None:
+    """InputScaledRMSNorm: rms(round(x * w)), the product rounded to x's dtype (bf16 here, where the rounding is
+    visible): the outputs are the reference's bf16 values (all but a few last-bit differences of the fp32 sum order),
+    and the case tells that apart from rms(x * w) with one rounding at the end."""
+    n = 256
+    x, w = rows(size, n, torch.bfloat16), (1 + 0.5 * torch.randn(n)).to(torch.bfloat16)
+    y, want = xeon.rms_norm(x, w, 1e-6, True), ref.rms_norm(x, w, 1e-6, True)
+    unrounded = ref.rms(x.float() * w.float(), 1e-6).to(torch.bfloat16)
+    differ = lambda a, b: (a != b).float().mean().item()  # noqa: E731
+    assert differ(y, want) < 0.01, f"{differ(y, want):.2%} of the outputs differ from the reference's bf16 values"
+    assert differ(unrounded, want) > 5 * differ(y, want), (
+        f"the case does not tell a rounded product from an unrounded one ({differ(unrounded, want):.2%} differ)")
+
+
+def test_scale_first_without_weight_is_an_error(xeon: XeonBackend) -> None:
+    with pytest.raises(ValueError, match="scale_first=True needs a weight"):
+        xeon.rms_norm(torch.randn(2, 8), None, 1e-6, True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_residual_norm(xeon: XeonBackend, dtype) -> None:
-    args = (torch.randn(3, 9, 128, dtype=dtype), torch.randn(3, 9, 128, dtype=dtype), 1 + 0.2 * torch.randn(128),
-            1 + 0.2 * torch.randn(128), 1 + 0.2 * torch.randn(128), 1e-6)
+@pytest.mark.parametrize("post", ["weightless", "scale_first"])
+def test_residual_norm_matches_reference(xeon: XeonBackend, dtype, post: str, size: str) -> None:
+    n = 256
+    residual, out = rows(size, n, dtype), rows(size, n, dtype, 40.0)
+    post_weight = None if post == "weightless" else (1 + 0.5 * torch.randn(n)).to(dtype)
+    alpha, beta = ref.residual_gate_coefficients(torch.randn(n), 0.3)
+    args = (residual, out, post_weight, alpha, beta, (1 + 0.2 * torch.randn(n)).to(dtype), 1e-8, 1e-5)
     for i, (want, got) in enumerate(zip(ref.residual_norm(*args), xeon.residual_norm(*args))):
-        assert got.dtype == dtype
-        assert_nmse(want, got, tolerance("residual_norm"), f"residual_norm[{i}] {dtype}")
+        assert got.dtype == dtype and got.shape == residual.shape
+        assert_nmse(want, got, tolerance("residual_norm"), f"residual_norm[{i}] post={post} {dtype} {size}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope(xeon: XeonBackend, dtype) -> None:
-    B, T, nq, nkv, d = 2, 5, 4, 2, 64
-    q, k = torch.randn(B, T, nq, d, dtype=dtype), torch.randn(B, T, nkv, d, dtype=dtype)
-    pos = torch.arange(T)[None].expand(B, T).float() + torch.tensor([[0.0], [17.0]])
-    inv_freq = 10000.0 ** (-torch.arange(0, d, 2).float() / d)
+def rope_tables(B: int, T: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(T)[None].expand(B, T).float() + torch.arange(B)[:, None].float() * 17.0
+    inv_freq = 500000.0 ** (-torch.arange(0, d, 2).float() / d)
     angles = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)  # [B,T,d]
-    args = (q, k, 1 + 0.2 * torch.randn(d), 1 + 0.2 * torch.randn(d), angles.cos(), angles.sin(), 1e-6)
-    for name, want, got in zip("qk", ref.qk_norm_rope(*args), xeon.qk_norm_rope(*args)):
-        assert_nmse(want, got, tolerance("qk_norm_rope"), f"qk_norm_rope {name} {dtype}")
+    return angles.cos(), angles.sin()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_head_norm_gate(xeon: XeonBackend, dtype) -> None:
-    args = (torch.randn(2, 3, 4, 32, dtype=dtype), 1 + 0.2 * torch.randn(32), torch.randn(2, 3, 4, dtype=dtype), 1e-6)
-    assert_nmse(ref.head_norm_gate(*args), xeon.head_norm_gate(*args), tolerance("head_norm_gate"),
-                      f"head_norm_gate {dtype}")
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "nope"])
+def test_qk_norm_rope_matches_reference(xeon: XeonBackend, dtype, rope: bool, size: str) -> None:
+    B, T, nq, nkv, d = (2, 3, 8, 2, 64) if size == "decode" else (2, 160, 8, 2, 64)
+    q, k = torch.randn(B, T, nq, d, dtype=dtype) * 3, torch.randn(B, T, nkv, d, dtype=dtype) * 3
+    cos, sin = rope_tables(B, T, d) if rope else (None, None)
+    args = (q, k, cos, sin, 1e-5, 5.4730064863875)
+    got = xeon.qk_norm_rope(*args)
+    for name, want, mine in zip("qk", ref.qk_norm_rope(*args), got):
+        assert mine.dtype == dtype
+        assert_nmse(want, mine, tolerance("qk_norm_rope"), f"qk_norm_rope {name} rope={rope} {dtype} {size}")
 
 
-def test_router_topk_and_sample_are_exact(xeon: XeonBackend) -> None:
-    logits = torch.randn(7, 64)
-    for renorm in (True, False):
-        (w0, i0), (w1, i1) = ref.router_topk(logits, 8, renorm), xeon.router_topk(logits, 8, renorm)
-        assert torch.equal(i0, i1)
-        assert_nmse(w0, w1, tolerance("router_topk"), f"router_topk renormalize={renorm}")
+def test_qk_norm_rope_scales_only_q(xeon: XeonBackend) -> None:
+    q, k = torch.randn(1, 2, 4, 64), torch.randn(1, 2, 2, 64)
+    q1, k1 = xeon.qk_norm_rope(q, k, None, None, 1e-5, 1.0)
+    q5, k5 = xeon.qk_norm_rope(q, k, None, None, 1e-5, 5.0)
+    assert torch.allclose(q5, 5 * q1, rtol=1e-6) and torch.equal(k5, k1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_norm_gate_is_element_wise(xeon: XeonBackend, dtype, size: str) -> None:
+    shape = (2, 3, 4, 64) if size == "decode" else (2, 80, 8, 64)
+    o, gate = torch.randn(*shape, dtype=dtype) * 3, torch.randn(*shape, dtype=dtype) * 2
+    got = xeon.head_norm_gate(o, gate, 1e-5)
+    assert got.dtype == dtype
+    assert_nmse(ref.head_norm_gate(o, gate, 1e-5), got, tolerance("head_norm_gate"), f"head_norm_gate {dtype} {size}")
+    with pytest.raises(ValueError, match="one gate per element"):
+        xeon.head_norm_gate(o, gate[..., 0], 1e-5)
+
+
+def router_case(T: int, H: int, E: int, dtype: torch.dtype, bias_scale: float = 0.05):
+    x = torch.randn(T, H, dtype=dtype)
+    weight = torch.randn(E, H) * H ** -0.5 * 4  # fp32, as the checkpoint stores it
+    bias = torch.randn(E) * bias_scale
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,E,k", [(1, 256, 64, 8), (5, 256, 256, 8), (3, 128, 12, 12), (300, 128, 16, 4)])
+def test_router_topk_matches_reference(xeon: XeonBackend, dtype, T: int, H: int, E: int, k: int) -> None:
+    x, weight, bias = router_case(T, H, E, dtype)
+    for multiplier, scaling in ((0.1767766952966369, 1.0), (1.0, 2.5)):
+        (w0, i0), (w1, i1) = (ref.router_topk(x, weight, bias, k, multiplier, scaling),
+                              xeon.router_topk(x, weight, bias, k, multiplier, scaling))
+        assert torch.equal(i0, i1), f"T={T} E={E} k={k} {dtype}: ids {i1.tolist()} != {i0.tolist()}"
+        assert w1.dtype == torch.float32 and w1.shape == (T, k) and i1.dtype == torch.int64
+        assert_nmse(w0, w1, tolerance("router_topk"), f"router_topk T={T} E={E} k={k} mult={multiplier} {dtype}")
+
+
+def test_router_bias_chooses_but_does_not_weight(xeon: XeonBackend) -> None:
+    """A large correction bias on expert 3 puts it in every token's top-k; its weight is still its own sigmoid score
+    (renormalised), never score + bias."""
+    x, weight, bias = router_case(4, 128, 16, torch.float32, 0.0)
+    bias[3] = 100.0
+    weights, ids = xeon.router_topk(x, weight, bias, 4, 0.5, 1.0)
+    assert torch.all(ids[:, 0] == 3), ids
+    scores = torch.sigmoid(x @ weight.T * 0.5)
+    chosen = scores.gather(-1, ids)
+    assert_nmse(chosen / chosen.sum(-1, keepdim=True), weights, 1e-10, "bias-chosen expert weighted by its score")
+
+
+def test_silu_mul_and_logit_softcap_match_reference(xeon: XeonBackend) -> None:
+    gate, up = torch.randn(3, 512, dtype=torch.bfloat16), torch.randn(3, 512, dtype=torch.bfloat16)
+    assert torch.equal(xeon.silu_mul(gate, up), ref.silu_mul(gate, up))
+    logits = torch.randn(2, 1000, dtype=torch.bfloat16) * 50
+    capped = xeon.logit_softcap(logits, 0.1767766952966369, 20.0)
+    assert capped.dtype == torch.float32 and capped.abs().max() <= 20.0
+    assert_nmse(ref.logit_softcap(logits, 0.1767766952966369, 20.0), capped, tolerance("logit_softcap"), "softcap")
+
+
+def test_sample_is_the_reference_sampler(xeon: XeonBackend) -> None:
     vocab_logits = torch.randn(3, 500)
     assert torch.equal(xeon.sample(vocab_logits), ref.sample(vocab_logits))
     for kwargs in ({"temperature": 0.8, "top_k": 20}, {"temperature": 1.0, "top_p": 0.9}):
@@ -157,30 +249,38 @@ def test_native_attention_gives_the_same_bits_for_every_thread_count(nq: int, nk
 
 def test_decode_ops_go_through_the_extension_and_match_the_ctypes_kernels(xeon: XeonBackend) -> None:
     """The extension calls the same C kernels as ctypes (the same bits); what it cannot take returns None (the op then
-    takes its other path): fp16, non-contiguous, more than NATIVE_NORM_MAX_ELEMENTS elements, mismatched shapes."""
+    takes its PyTorch path): fp16, non-contiguous, more than NATIVE_NORM_MAX_ELEMENTS elements, mismatched shapes."""
     from musecore_xeon import ops as xops
     from musecore_xeon.kernels import native
     fast = xops._fast()
     if fast is None:
         pytest.skip(f"no extension here: {native.binding.UNAVAILABLE or native.UNAVAILABLE}")
     x, w = torch.randn(1, 1, 1536, dtype=torch.bfloat16), 1 + 0.2 * torch.randn(1536)
-    y = fast.rms_norm(x, w, 1e-6)
-    lib, want = native.load(), torch.empty_like(x)
-    lib.musecore_rms_norm(x.data_ptr(), 1, w.data_ptr(), 0, want.data_ptr(), 1, 1, 1536, 1e-6)
-    assert y is not None and torch.equal(y, want)
-    gate = torch.rand(1536)
-    new_res, normed = fast.residual_norm(x, x * 2, w, gate, w, 1e-6)
-    for got, ref_out in zip((new_res, normed), ref.residual_norm(x, x * 2, w, gate, w, 1e-6)):
-        assert_nmse(ref_out, got, tolerance("residual_norm"), "extension residual_norm")
-    assert fast.rms_norm(x.half(), w, 1e-6) is None
-    assert fast.rms_norm(torch.randn(1536, 2).T, w[:2], 1e-6) is None
+    lib = native.load()
+    for scale_first in (0, 1):
+        y = fast.rms_norm(x, w, 1e-6, bool(scale_first))
+        want = torch.empty_like(x)
+        lib.musecore_rms_norm(x.data_ptr(), 1, w.data_ptr(), 0, want.data_ptr(), 1, 1, 1536, 1e-6, scale_first)
+        assert y is not None and torch.equal(y, want), f"scale_first={scale_first}"
+    assert torch.equal(fast.rms_norm(x, None, 1e-6, False), ref.rms_norm(x, None, 1e-6))
+    alpha, beta = ref.residual_gate_coefficients(torch.randn(1536), 0.3)
+    for post in (None, w):
+        pair = fast.residual_norm(x, x * 2, post, alpha, beta, w, 1e-8, 1e-6)
+        for got, ref_out in zip(pair, ref.residual_norm(x, x * 2, post, alpha, beta, w, 1e-8, 1e-6)):
+            assert_nmse(ref_out, got, tolerance("residual_norm"), f"extension residual_norm post={post is not None}")
+    assert fast.rms_norm(x.half(), w, 1e-6, False) is None
+    assert fast.rms_norm(x, None, 1e-6, True) is None  # scale first needs a weight: the op raises on its own path
+    assert fast.rms_norm(torch.randn(1536, 2).T, w[:2], 1e-6, False) is None
     assert fast.rms_norm(torch.randn(xops.NATIVE_NORM_MAX_ELEMENTS + 1), torch.ones(xops.NATIVE_NORM_MAX_ELEMENTS + 1),
-                         1e-6) is None
-    assert fast.residual_norm(x, torch.randn(1, 2, 1536, dtype=torch.bfloat16), w, gate, w, 1e-6) is None
-    assert fast.head_norm_gate(torch.randn(2, 4, 32), torch.ones(32), torch.randn(2, 5), 1e-6) is None
-    assert fast.router_topk(torch.randn(3, 8), 9, True) is None
-    with pytest.raises(TypeError, match="takes 3 arguments"):
-        fast.rms_norm(x, w)
+                         1e-6, False) is None
+    assert fast.residual_norm(x, torch.randn(1, 2, 1536, dtype=torch.bfloat16), w, alpha, beta, w, 1e-8, 1e-6) is None
+    assert fast.residual_norm(x, x, w, alpha.bfloat16(), beta, w, 1e-8, 1e-6) is None  # alpha, beta are fp32
+    assert fast.head_norm_gate(torch.randn(2, 4, 32), torch.randn(2, 4), 1e-6) is None
+    assert fast.qk_norm_rope(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 1, 8), torch.ones(1, 1, 8), None, 1e-6, 1.0) is None
+    assert fast.router_topk(torch.randn(3, 8), None, 9, 1.0, 1.0) is None
+    assert fast.router_topk(torch.randn(3, 8).bfloat16(), None, 2, 1.0, 1.0) is None  # the logits are fp32
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        fast.rms_norm(x, w, 1e-6)
     # decode attention: the same bits as the ctypes call; a KV cache larger than NATIVE_NORM_MAX_ELEMENTS is taken;
     # int32 positions, fp16, more than NATIVE_ATTENTION_MAX_QUERIES queries and mismatched K/V are not
     q, k, v = attention_case(1, 1, 300, 16, 4, 128, torch.bfloat16)
@@ -198,14 +298,3 @@ def test_decode_ops_go_through_the_extension_and_match_the_ctypes_kernels(xeon: 
     assert fast.attention(q, k, v.float(), q_pos, k_pos, 64, 0.088, 2) is None
     many = torch.randn(1, xops.NATIVE_ATTENTION_MAX_QUERIES + 1, 16, 128, dtype=torch.bfloat16)
     assert fast.attention(many, k, v, q_pos.repeat(1, many.shape[1]), k_pos, 64, 0.088, 2) is None
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_native_router_topk_picks_the_reference_experts(xeon: XeonBackend, dtype) -> None:
-    for T, E, k in ((1, 64, 8), (5, 256, 8), (3, 12, 12)):
-        logits = ((torch.argsort(torch.randn(T, E), dim=-1) - E // 2).float() / 16).to(dtype)  # distinct values
-        for renorm in (True, False):
-            (w0, i0), (w1, i1) = ref.router_topk(logits, k, renorm), xeon.router_topk(logits, k, renorm)
-            assert torch.equal(i0, i1), f"T={T} E={E} k={k} {dtype}: ids {i1.tolist()} != {i0.tolist()}"
-            assert w1.dtype == torch.float32 and w1.shape == (T, k)
-            assert_nmse(w0, w1, tolerance("router_topk"), f"router_topk T={T} E={E} k={k} renormalize={renorm} {dtype}")

@@ -135,17 +135,17 @@ static PyObject *bf16_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs
     return w == nullptr ? nullptr : call_linear("bf16_gemv", bf16_linear_kernel, w, w->k, w->n, args, nargs);
 }
 
-/* The decode-size norms and the router of native_ops_source.py, called without ctypes (each ctypes call with its
-   Python checks and torch.empty_like cost 7-15 us on the 2-core EPYC; a muse-small token makes ~100 of them). Each
-   returns None when its fast path does not apply (a tensor that is not a contiguous bf16/fp32 CPU tensor, more
-   than max_elements, shapes that do not match): the Python op then takes its other path. */
-typedef void (*rms_fn)(const void *, int, const void *, int, void *, int, int64_t, int64_t, float);
-typedef void (*residual_fn)(const void *, const void *, int, const void *, int, const void *, int, const void *, int,
-                            void *, void *, int, int64_t, int64_t, float);
-typedef void (*rope_fn)(const void *, int, const void *, int, const float *, const float *, void *, int64_t, int64_t,
-                        int64_t, float);
-typedef void (*gate_fn)(const void *, int, const void *, int, const void *, int, void *, int64_t, int64_t, float);
-typedef int (*router_fn)(const void *, int, int64_t, int64_t, int64_t, int, float *, int64_t *);
+/* The decode-size norms and the router's selection of native_ops_source.py, called without ctypes (each ctypes call
+   with its Python checks and torch.empty_like cost 7-15 us on the 2-core EPYC; a muse-small token makes ~100 of them).
+   Each returns None when its fast path does not apply (a tensor that is not a contiguous bf16/fp32 CPU tensor, more
+   than max_elements, shapes that do not match): the Python op then takes its PyTorch path (the same math). */
+typedef void (*rms_fn)(const void *, int, const void *, int, void *, int, int64_t, int64_t, float, int);
+typedef void (*residual_fn)(const void *, const void *, int, const void *, int, const float *, const float *,
+                            const void *, int, void *, void *, int, int64_t, int64_t, float, float);
+typedef void (*rope_fn)(const void *, int, float, const float *, const float *, void *, int64_t, int64_t, int64_t,
+                        float);
+typedef void (*gate_fn)(const void *, int, const void *, int, void *, int64_t, int64_t, float);
+typedef int (*router_fn)(const float *, const float *, int64_t, int64_t, int64_t, float, float, float *, int64_t *);
 typedef void (*attention_fn)(const void *, int, const void *, const void *, int, const int64_t *, const int64_t *,
                              int64_t, float, void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int);
 static rms_fn rms_kernel;
@@ -192,6 +192,13 @@ static const at::Tensor *operand(PyObject *obj, bool f32_only = false, bool boun
     return &t;
 }
 
+/* An optional operand: *present says whether obj is not None; the tensor as operand() takes it (nullptr: None, or not
+   taken: then *present is true). */
+static const at::Tensor *optional_operand(PyObject *obj, bool *present, bool f32_only = false) {
+    *present = obj != Py_None;
+    return *present ? operand(obj, f32_only) : nullptr;
+}
+
 /* The tensor behind obj if it is a contiguous int64 CPU tensor of the given 2-D shape, else nullptr. */
 static const at::Tensor *positions(PyObject *obj, int64_t rows, int64_t cols) {
     if (!THPVariable_Check(obj)) return nullptr;
@@ -202,11 +209,11 @@ static const at::Tensor *positions(PyObject *obj, int64_t rows, int64_t cols) {
     return &t;
 }
 
-static inline int bf(const at::Tensor *t) { return t->scalar_type() == at::kBFloat16; }
+static inline int bf(const at::Tensor *t) { return t != nullptr && t->scalar_type() == at::kBFloat16; }
+static inline const void *data(const at::Tensor *t) { return t == nullptr ? nullptr : t->const_data_ptr(); }
 
-/* The argument count and the kernel's registration, then (eps != nullptr) the last argument as a float. */
-static bool op_call(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const void *kernel,
-                    double *eps) {
+/* The argument count and the kernel's registration. */
+static bool op_call(const char *name, Py_ssize_t nargs, Py_ssize_t want, const void *kernel) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments; got %zd", name, want, nargs);
         return false;
@@ -215,8 +222,16 @@ static bool op_call(const char *name, PyObject *const *args, Py_ssize_t nargs, P
         PyErr_Format(PyExc_RuntimeError, "%s: set_ops() was not called with the kernels' addresses", name);
         return false;
     }
-    if (eps != nullptr) *eps = PyFloat_AsDouble(args[want - 1]);
-    return !PyErr_Occurred();
+    return true;
+}
+
+/* Python floats (or ints) args[from .. from + n - 1] into out; false with a TypeError set otherwise. */
+static bool numbers(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, double *out) {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        out[i] = PyFloat_AsDouble(args[from + i]);
+        if (PyErr_Occurred()) return false;
+    }
+    return true;
 }
 
 /* f() with a C++ exception turned into a RuntimeError */
@@ -237,100 +252,115 @@ static PyObject *pair(at::Tensor a, at::Tensor b) {
     return tuple;
 }
 
-/* rms_norm(x, w, eps) -> rms_norm(x) * w in x's dtype, or None */
+/* rms_norm(x, w | None, eps, scale_first) -> the rms_norm of musecore/ops in x's dtype, or None */
 static PyObject *rms_norm(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     double eps;
-    if (!op_call("rms_norm", args, nargs, 3, (const void *)rms_kernel, &eps)) return nullptr;
-    const at::Tensor *x = operand(args[0]), *w = operand(args[1]);
-    if (x == nullptr || w == nullptr || x->size(-1) == 0 || w->numel() != x->size(-1)) Py_RETURN_NONE;
+    if (!op_call("rms_norm", nargs, 4, (const void *)rms_kernel) || !numbers(args, 2, 1, &eps)) return nullptr;
+    const int scale_first = PyObject_IsTrue(args[3]);
+    if (scale_first < 0) return nullptr;
+    bool has_w;
+    const at::Tensor *x = operand(args[0]), *w = optional_operand(args[1], &has_w);
+    if (x == nullptr || (has_w && w == nullptr) || x->size(-1) == 0 || (has_w && w->numel() != x->size(-1))
+            || (scale_first && !has_w))
+        Py_RETURN_NONE;
     return guarded([&]() -> PyObject * {
         const int64_t n = x->size(-1);
         at::Tensor out = at::empty(x->sizes(), x->options());
-        rms_kernel(x->const_data_ptr(), bf(x), w->const_data_ptr(), bf(w), out.mutable_data_ptr(), bf(x), x->numel() / n,
-                   n, (float)eps);
+        rms_kernel(x->const_data_ptr(), bf(x), data(w), bf(w), out.mutable_data_ptr(), bf(x), x->numel() / n, n,
+                   (float)eps, scale_first);
         return THPVariable_Wrap(std::move(out));
     });
 }
 
-/* residual_norm(residual, out, post_w, gate, next_w, eps) -> (residual', normed), or None */
+/* residual_norm(residual, out, post_w | None, alpha, beta, next_w | None, post_eps, eps) -> (residual', normed), or
+   None; alpha and beta fp32 [n] */
 static PyObject *residual_norm(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    double eps;
-    if (!op_call("residual_norm", args, nargs, 6, (const void *)residual_kernel, &eps)) return nullptr;
-    const at::Tensor *res = operand(args[0]), *out = operand(args[1]), *pw = operand(args[2]), *gate = operand(args[3]),
-                     *nw = operand(args[4]);
-    if (res == nullptr || out == nullptr || pw == nullptr || gate == nullptr || nw == nullptr) Py_RETURN_NONE;
+    double eps[2];
+    if (!op_call("residual_norm", nargs, 8, (const void *)residual_kernel) || !numbers(args, 6, 2, eps)) return nullptr;
+    bool has_pw, has_nw;
+    const at::Tensor *res = operand(args[0]), *out = operand(args[1]), *pw = optional_operand(args[2], &has_pw),
+                     *alpha = operand(args[3], true), *beta = operand(args[4], true),
+                     *nw = optional_operand(args[5], &has_nw);
+    if (res == nullptr || out == nullptr || (has_pw && pw == nullptr) || alpha == nullptr || beta == nullptr
+            || (has_nw && nw == nullptr))
+        Py_RETURN_NONE;
     const int64_t n = res->size(-1);
-    if (n == 0 || out->sizes() != res->sizes() || pw->numel() != n || gate->numel() != n || nw->numel() != n)
+    if (n == 0 || out->sizes() != res->sizes() || (has_pw && pw->numel() != n) || alpha->numel() != n
+            || beta->numel() != n || (has_nw && nw->numel() != n))
         Py_RETURN_NONE;
     return guarded([&]() -> PyObject * {
         at::Tensor new_res = at::empty(res->sizes(), res->options()), normed = at::empty(res->sizes(), res->options());
-        residual_kernel(res->const_data_ptr(), out->const_data_ptr(), bf(out), pw->const_data_ptr(), bf(pw),
-                        gate->const_data_ptr(), bf(gate), nw->const_data_ptr(), bf(nw), new_res.mutable_data_ptr(),
-                        normed.mutable_data_ptr(), bf(res), res->numel() / n, n, (float)eps);
+        residual_kernel(res->const_data_ptr(), out->const_data_ptr(), bf(out), data(pw), bf(pw),
+                        alpha->const_data_ptr<float>(), beta->const_data_ptr<float>(), data(nw), bf(nw),
+                        new_res.mutable_data_ptr(), normed.mutable_data_ptr(), bf(res), res->numel() / n, n,
+                        (float)eps[0], (float)eps[1]);
         return pair(std::move(new_res), std::move(normed));
     });
 }
 
-/* qk_norm_rope(q, k, q_w, k_w, cos, sin, eps) with q [B,T,nq,d], k [B,T,nkv,d], cos/sin fp32 [B,T,d] -> (q', k'),
-   or None */
+/* qk_norm_rope(q, k, cos | None, sin | None, eps, q_scale) with q [B,T,nq,d], k [B,T,nkv,d], cos/sin fp32 [B,T,d]
+   (both None: a NoPE layer) -> (q', k'), or None */
 static PyObject *qk_norm_rope(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    double eps;
-    if (!op_call("qk_norm_rope", args, nargs, 7, (const void *)rope_kernel, &eps)) return nullptr;
-    const at::Tensor *q = operand(args[0]), *k = operand(args[1]), *qw = operand(args[2]), *kw = operand(args[3]),
-                     *cs = operand(args[4], true), *sn = operand(args[5], true);
-    if (q == nullptr || k == nullptr || qw == nullptr || kw == nullptr || cs == nullptr || sn == nullptr
+    double num[2];
+    if (!op_call("qk_norm_rope", nargs, 6, (const void *)rope_kernel) || !numbers(args, 4, 2, num)) return nullptr;
+    bool has_cos, has_sin;
+    const at::Tensor *q = operand(args[0]), *k = operand(args[1]), *cs = optional_operand(args[2], &has_cos, true),
+                     *sn = optional_operand(args[3], &has_sin, true);
+    if (q == nullptr || k == nullptr || has_cos != has_sin || (has_cos && (cs == nullptr || sn == nullptr))
             || q->dim() != 4 || k->dim() != 4)
         Py_RETURN_NONE;
     const int64_t B = q->size(0), T = q->size(1), d = q->size(3);
-    if (d == 0 || d > 1024 || k->size(0) != B || k->size(1) != T || k->size(3) != d || qw->numel() != d
-            || kw->numel() != d || cs->dim() != 3 || cs->size(0) != B || cs->size(1) != T || cs->size(2) != d
-            || sn->sizes() != cs->sizes())
+    if (d == 0 || d > 1024 || k->size(0) != B || k->size(1) != T || k->size(3) != d)
+        Py_RETURN_NONE;
+    if (has_cos && (cs->dim() != 3 || cs->size(0) != B || cs->size(1) != T || cs->size(2) != d
+                    || sn->sizes() != cs->sizes()))
         Py_RETURN_NONE;
     return guarded([&]() -> PyObject * {
         at::Tensor qo = at::empty(q->sizes(), q->options()), ko = at::empty(k->sizes(), k->options());
-        const float *cp = cs->const_data_ptr<float>(), *sp = sn->const_data_ptr<float>();
-        rope_kernel(q->const_data_ptr(), bf(q), qw->const_data_ptr(), bf(qw), cp, sp, qo.mutable_data_ptr(),
-                    q->numel() / d, q->size(2), d, (float)eps);
-        rope_kernel(k->const_data_ptr(), bf(k), kw->const_data_ptr(), bf(kw), cp, sp, ko.mutable_data_ptr(),
-                    k->numel() / d, k->size(2), d, (float)eps);
+        const float *cp = has_cos ? cs->const_data_ptr<float>() : nullptr, *sp = has_cos ? sn->const_data_ptr<float>() : nullptr;
+        rope_kernel(q->const_data_ptr(), bf(q), (float)num[1], cp, sp, qo.mutable_data_ptr(), q->numel() / d, q->size(2),
+                    d, (float)num[0]);
+        rope_kernel(k->const_data_ptr(), bf(k), 1.0f, cp, sp, ko.mutable_data_ptr(), k->numel() / d, k->size(2), d,
+                    (float)num[0]);
         return pair(std::move(qo), std::move(ko));
     });
 }
 
-/* head_norm_gate(o, w, gate_logits, eps) with o [..., d], gate_logits [...] -> rms_norm(o) * w * sigmoid(gate), or None */
+/* head_norm_gate(o, gate_logits, eps) with o and gate_logits [..., d] of one shape -> rms(o) * sigmoid(gate) in o's
+   dtype, or None */
 static PyObject *head_norm_gate(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     double eps;
-    if (!op_call("head_norm_gate", args, nargs, 4, (const void *)gate_kernel, &eps)) return nullptr;
-    const at::Tensor *o = operand(args[0]), *w = operand(args[1]), *g = operand(args[2]);
-    if (o == nullptr || w == nullptr || g == nullptr || g->dim() != o->dim() - 1
-            || g->sizes() != o->sizes().slice(0, o->dim() - 1) || o->size(-1) == 0 || w->numel() != o->size(-1))
-        Py_RETURN_NONE;
+    if (!op_call("head_norm_gate", nargs, 3, (const void *)gate_kernel) || !numbers(args, 2, 1, &eps)) return nullptr;
+    const at::Tensor *o = operand(args[0]), *g = operand(args[1]);
+    if (o == nullptr || g == nullptr || g->sizes() != o->sizes() || o->size(-1) == 0) Py_RETURN_NONE;
     return guarded([&]() -> PyObject * {
         const int64_t d = o->size(-1);
         at::Tensor out = at::empty(o->sizes(), o->options());
-        gate_kernel(o->const_data_ptr(), bf(o), w->const_data_ptr(), bf(w), g->const_data_ptr(), bf(g),
-                    out.mutable_data_ptr(), g->numel(), d, (float)eps);
+        gate_kernel(o->const_data_ptr(), bf(o), g->const_data_ptr(), bf(g), out.mutable_data_ptr(), o->numel() / d, d,
+                    (float)eps);
         return THPVariable_Wrap(std::move(out));
     });
 }
 
-/* router_topk(logits [..., E], k, renormalize) -> (weights fp32 [..., k], ids int64 [..., k]), or None */
+/* router_topk(logits fp32 [T, E], bias fp32 [E] | None, k, multiplier, scaling) -> (weights fp32 [T, k], ids int64
+   [T, k]): the selection of the router_topk contract from the router's logits, or None */
 static PyObject *router_topk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!op_call("router_topk", args, nargs, 3, (const void *)router_kernel, nullptr)) return nullptr;
-    const long long k = PyLong_AsLongLong(args[1]);
+    double num[2];
+    if (!op_call("router_topk", nargs, 5, (const void *)router_kernel) || !numbers(args, 3, 2, num)) return nullptr;
+    const long long k = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred()) return nullptr;
-    const int renormalize = PyObject_IsTrue(args[2]);
-    if (renormalize < 0) return nullptr;
-    const at::Tensor *logits = operand(args[0]);
-    if (logits == nullptr || k <= 0 || k > logits->size(-1)) Py_RETURN_NONE;
+    bool has_bias;
+    const at::Tensor *logits = operand(args[0], true), *bias = optional_operand(args[1], &has_bias, true);
+    if (logits == nullptr || logits->dim() != 2 || (has_bias && (bias == nullptr || bias->numel() != logits->size(1)))
+            || k <= 0 || k > logits->size(1))
+        Py_RETURN_NONE;
     return guarded([&]() -> PyObject * {
-        const int64_t E = logits->size(-1);
-        c10::SmallVector<int64_t, 4> sizes(logits->sizes().begin(), logits->sizes().end());
-        sizes.back() = k;
-        at::Tensor weights = at::empty(sizes, logits->options().dtype(at::kFloat)),
-                   ids = at::empty(sizes, logits->options().dtype(at::kLong));
-        if (router_kernel(logits->const_data_ptr(), bf(logits), logits->numel() / E, E, k, renormalize,
-                          weights.mutable_data_ptr<float>(), ids.mutable_data_ptr<int64_t>()) != 0) {
+        const int64_t T = logits->size(0), E = logits->size(1);
+        at::Tensor weights = at::empty({T, (int64_t)k}, logits->options().dtype(at::kFloat)),
+                   ids = at::empty({T, (int64_t)k}, logits->options().dtype(at::kLong));
+        if (router_kernel(logits->const_data_ptr<float>(), has_bias ? bias->const_data_ptr<float>() : nullptr, T, E, k,
+                          (float)num[0], (float)num[1], weights.mutable_data_ptr<float>(),
+                          ids.mutable_data_ptr<int64_t>()) != 0) {
             PyErr_Format(PyExc_MemoryError, "router_topk: no memory for the scratch of %lld experts", (long long)E);
             return (PyObject *)nullptr;
         }
@@ -342,7 +372,7 @@ static PyObject *router_topk(PyObject *, PyObject *const *args, Py_ssize_t nargs
    one dtype, int64 positions [B,T] and [B,S], window an int (<= 0: none) -> the decode attention of
    native_ops_source.py in q's dtype, or None */
 static PyObject *attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!op_call("attention", args, nargs, 8, (const void *)attention_kernel, nullptr)) return nullptr;
+    if (!op_call("attention", nargs, 8, (const void *)attention_kernel)) return nullptr;
     const long long window = PyLong_AsLongLong(args[5]), threads = PyLong_AsLongLong(args[7]);
     const double scale = PyFloat_AsDouble(args[6]);
     if (PyErr_Occurred()) return nullptr;
@@ -376,15 +406,15 @@ static PyMethodDef methods[] = {
      "the addresses of musecore_int4_linear and musecore_bf16_linear"},
     {"set_ops", (PyCFunction)(void (*)(void))set_ops, METH_FASTCALL,
      "the addresses of the norm and router kernels, and the largest input they take"},
-    {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL, "rms_norm(x, w, eps), or None"},
+    {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL, "rms_norm(x, w | None, eps, scale_first), or None"},
     {"residual_norm", (PyCFunction)(void (*)(void))residual_norm, METH_FASTCALL,
-     "residual_norm(residual, out, post_w, gate, next_w, eps), or None"},
+     "residual_norm(residual, out, post_w | None, alpha, beta, next_w | None, post_eps, eps), or None"},
     {"qk_norm_rope", (PyCFunction)(void (*)(void))qk_norm_rope, METH_FASTCALL,
-     "qk_norm_rope(q, k, q_w, k_w, cos, sin, eps), or None"},
+     "qk_norm_rope(q, k, cos | None, sin | None, eps, q_scale), or None"},
     {"head_norm_gate", (PyCFunction)(void (*)(void))head_norm_gate, METH_FASTCALL,
-     "head_norm_gate(o, w, gate_logits, eps), or None"},
+     "head_norm_gate(o, gate_logits, eps), or None"},
     {"router_topk", (PyCFunction)(void (*)(void))router_topk, METH_FASTCALL,
-     "router_topk(logits, k, renormalize) -> (weights, ids), or None"},
+     "router_topk(logits, bias | None, k, multiplier, scaling) -> (weights, ids), or None"},
     {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL,
      "attention(q, k, v, q_pos, k_pos, window, scale, threads), or None"},
     {nullptr, nullptr, 0, nullptr}};

@@ -1,15 +1,16 @@
 """The routed-expert MoE on CPU: tokens grouped per expert, one fused gate/up GEMM and one down GEMM
-per routed expert, then per-expert RMSNorm, routing weight and an fp32 sum (MODEL.md section 1).
+per routed expert, then the shared post-expert norm (scale first), the routing weight and an fp32 sum
+(the ``moe`` contract of :mod:`musecore.ops`, MODEL.md section 1).
 
 Grouping by a stable sort of the ``[T, k]`` expert ids gives each expert a contiguous block of
 rows, so each expert's weights are streamed once per call however many tokens chose it (decode
-reads only the routed experts' bytes). Gate and up are fused into one ``[2I, l]`` weight per expert
+reads only the routed experts' bytes). Gate and up are fused into one ``[2I, h]`` weight per expert
 at load, which halves the kernel launches. The norm, weighting and sum run once over all
 ``T * k`` rows instead of once per expert.
 
 INT4 experts at decode sizes (every expert's token count below the measured dense-tile crossover) take
 one native call for the whole layer (``native.int4_moe``): grouping, gate/up, SwiGLU, down, norm, weight
-and sum in C under one OpenMP region. Per expert, the Python path costs ~16 small calls per layer with
+and sum in C under one OpenMP region (BF16 experts likewise, ``native.bf16_moe``). Per expert, the Python path costs ~16 small calls per layer with
 an OpenMP fork/join, a few torch ops and allocations each (measured ~60 us per call on the 2-core EPYC,
 more than the 0.2-0.4 MB of codes take to stream), which made INT4 MoE run at 2-5 GB/s.
 """
@@ -40,12 +41,13 @@ INT4_FUSED_MIN_TOKENS = 32
 
 @dataclass
 class XeonExperts:
-    """Per-expert resident weights of one MoE layer: fused ``[gate; up]`` ``[2I, l]`` and ``down [l, I]``."""
+    """Per-expert resident weights of one MoE layer: fused ``[gate; up]`` ``[2I, h]`` and ``down [h, I]``
+    (``hidden`` is the experts' width h, ``moe_hidden_size``)."""
 
     gate_up: list[ExpertLinear]
     down: list[ExpertLinear]
     intermediate: int
-    latent: int
+    hidden: int
 
     @property
     def num_experts(self) -> int:
@@ -67,7 +69,7 @@ class XeonExperts:
         elif all(isinstance(lin, DenseLinear) and lin.gemv is not None and lin.weight.dtype == torch.bfloat16
                  and lin.weight.is_contiguous() for lin in linears):  # the BF16 GEMV is built and used here
             shapes = {tuple(lin.weight.shape) for lin in self.gate_up}, {tuple(lin.weight.shape) for lin in self.down}
-            if shapes == ({(2 * self.intermediate, self.latent)}, {(self.latent, self.intermediate)}):
+            if shapes == ({(2 * self.intermediate, self.hidden)}, {(self.hidden, self.intermediate)}):
                 self.native_kind = "bf16"
                 self.native_pointers = torch.tensor([[lin.weight.data_ptr() for lin in self.gate_up],
                                                      [lin.weight.data_ptr() for lin in self.down]], dtype=torch.int64)
@@ -94,41 +96,44 @@ class XeonExperts:
 
 
 def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: XeonExperts,
-                output_norm: torch.Tensor, eps: float) -> torch.Tensor:
-    """``y[t] = sum_j w[t,j] * rms_norm(down(silu(gate(z)) * up(z)), output_norm[id])`` -> fp32 ``[T, l]``."""
+                post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
+    """``y[t] = sum_j w[t,j] * rms_norm(round(down(silu(gate(z)) * up(z))), post_norm, scale_first=True)`` -> fp32
+    ``[T, h]``: each expert's output rounded to z's dtype, then the ONE post-expert norm weight ``[h]`` shared by all
+    experts, applied scale first (product rounded, then normalised, output rounded), then the routing weight."""
     T, k = ids.shape
-    l, inter = experts.latent, experts.intermediate
-    if z.shape != (T, l):
-        raise ValueError(f"moe: z has shape {tuple(z.shape)}; expected [T={T}, l={l}] for these ids and experts")
-    if experts.native_fits(T, ids):
+    h, inter = experts.hidden, experts.intermediate
+    if z.shape != (T, h):
+        raise ValueError(f"moe: z has shape {tuple(z.shape)}; expected [T={T}, h={h}] for these ids and experts")
+    if post_norm.shape != (h,):
+        raise ValueError(f"moe: the post-expert norm weight must be [h={h}] (one weight shared by all experts); "
+                         f"got {tuple(post_norm.shape)}")
+    if z.dtype in (torch.bfloat16, torch.float32) and experts.native_fits(T, ids):
+        z = z if z.is_contiguous() else z.contiguous()
+        ids64, w32 = ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
         if experts.native_kind == "bf16":
-            return native.bf16_moe(experts.native_pointers, z if z.is_contiguous() else z.contiguous(),
-                                   ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous(),
-                                   output_norm.contiguous(), eps, inter)
+            return native.bf16_moe(experts.native_pointers, z, ids64, w32, post_norm, post_eps, inter)
         gu, dn = experts.gate_up[0], experts.down[0]
-        return native.int4_moe(experts.native_pointers, z if z.is_contiguous() else z.contiguous(),
-                               ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous(),
-                               output_norm.contiguous(), eps, inter, (gu.group_size, dn.group_size),
-                               (gu.padded_out_features, dn.padded_out_features))
+        return native.int4_moe(experts.native_pointers, z, ids64, w32, post_norm, post_eps, inter,
+                               (gu.group_size, dn.group_size), (gu.padded_out_features, dn.padded_out_features))
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert
-    sorted_ids = flat_ids[order]
     token = order // k  # [T*k] token of each grouped row
     counts = torch.bincount(flat_ids, minlength=experts.num_experts).tolist()
-    z_rows = z.to(torch.bfloat16)[token]  # [T*k, l]; the INT4 kernel takes bf16 activations
-    expert_out = torch.empty(T * k, l, dtype=torch.float32)
+    z_rows = z.to(torch.bfloat16)[token]  # [T*k, h]; the INT4 kernel takes bf16 activations
+    expert_out = torch.empty(T * k, h, dtype=z.dtype)  # each expert's output rounded to z's dtype, as the contract has it
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         rows = slice(start, start + n)
         gu = experts.gate_up[e](z_rows[rows]).float()  # [n, 2I]
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]  # SwiGLU in fp32
-        expert_out[rows] = experts.down[e](h.to(torch.bfloat16))
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # SwiGLU in fp32
+        expert_out[rows] = experts.down[e](act.to(torch.bfloat16))
         start += n
-    # Per-expert norm first, then the routing weight, then the fp32 sum (never a norm of the sum).
-    normed = F.rms_norm(expert_out, (l,), eps=eps)
-    scale = output_norm.float()[sorted_ids] * weights.reshape(-1)[order].float()[:, None]  # [T*k, l]
-    y = torch.zeros(T, l, dtype=torch.float32)
-    y.index_add_(0, token, normed * scale)
+    # The shared post-expert norm first (scale first, rounded to z's dtype twice), then the routing weight, then the
+    # fp32 sum (never a norm of the sum).
+    scaled = (expert_out.float() * post_norm.float()).to(z.dtype)
+    normed = F.rms_norm(scaled.float(), (h,), eps=post_eps).to(z.dtype)
+    y = torch.zeros(T, h, dtype=torch.float32)
+    y.index_add_(0, token, normed.float() * weights.reshape(-1)[order].float()[:, None])
     return y

@@ -159,11 +159,11 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_int4_moe.restype = ctypes.c_int
     lib.musecore_bf16_moe.argtypes = [vp] * 3 + [i] + [vp] * 3 + [i, f32, vp] + [i64] * 5 + [i]
     lib.musecore_bf16_moe.restype = ctypes.c_int
-    lib.musecore_rms_norm.argtypes = [vp, i, vp, i, vp, i, i64, i64, f32]
-    lib.musecore_residual_norm.argtypes = [vp, vp, i, vp, i, vp, i, vp, i, vp, vp, i, i64, i64, f32]
-    lib.musecore_norm_rope.argtypes = [vp, i, vp, i, vp, vp, vp, i64, i64, i64, f32]
-    lib.musecore_head_norm_gate.argtypes = [vp, i, vp, i, vp, i, vp, i64, i64, f32]
-    lib.musecore_router_topk.argtypes = [vp, i, i64, i64, i64, i, vp, vp]
+    lib.musecore_rms_norm.argtypes = [vp, i, vp, i, vp, i, i64, i64, f32, i]
+    lib.musecore_residual_norm.argtypes = [vp, vp, i, vp, i, vp, vp, vp, i, vp, vp, i, i64, i64, f32, f32]
+    lib.musecore_norm_rope.argtypes = [vp, i, f32, vp, vp, vp, i64, i64, i64, f32]
+    lib.musecore_head_norm_gate.argtypes = [vp, i, vp, i, vp, i64, i64, f32]
+    lib.musecore_router_topk.argtypes = [vp, vp, i64, i64, i64, f32, f32, vp, vp]
     lib.musecore_router_topk.restype = ctypes.c_int
     lib.musecore_attention.argtypes = [vp, i, vp, vp, i, vp, vp, i64, f32, vp] + [i64] * 6 + [i]
     lib.musecore_int4_linear.argtypes = [vp, vp, vp, i64, i]
@@ -474,53 +474,57 @@ def int4_dequant(codes: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tenso
 
 
 def int4_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             output_norm: torch.Tensor, eps: float, intermediate: int, group_sizes: tuple[int, int],
+             post_norm: torch.Tensor, post_eps: float, intermediate: int, group_sizes: tuple[int, int],
              padded_rows: tuple[int, int]) -> torch.Tensor:
-    """The routed INT4 experts of one MoE call in one native call -> fp32 ``[T, l]``
-    (``musecore_int4_moe``: gate/up GEMV, SwiGLU, down GEMV, per-expert RMSNorm, routing weight, sum).
+    """The routed INT4 experts of one MoE call in one native call -> fp32 ``[T, h]`` (``musecore_int4_moe``: gate/up
+    GEMV, SwiGLU, down GEMV, the expert's output rounded to ``z``'s dtype, the shared post-expert norm scale first,
+    the routing weight, the fp32 sum: the ``moe`` contract of :mod:`musecore.ops`).
 
     ``pointers`` int64 ``[4, E]``: per expert the data pointers of the fused gate/up codes, its scale/zero
     pairs, the down codes and its pairs (the tensors must stay alive: :class:`XeonExperts` holds them).
-    ``z`` bf16/fp32 ``[T, l]``, ``ids`` int64 ``[T, k]``, ``weights`` fp32 ``[T, k]``, ``output_norm``
-    bf16/fp32 ``[E, l]``, all contiguous. Meant for decode sizes: every expert's rows go through the
-    GEMV / skinny-GEMM row blocks (no dense tiles).
+    ``z`` bf16/fp32 ``[T, h]``, ``ids`` int64 ``[T, k]``, ``weights`` fp32 ``[T, k]``, ``post_norm``
+    bf16/fp32 ``[h]`` (one weight shared by all experts), all contiguous. Meant for decode sizes: every expert's rows
+    go through the GEMV / skinny-GEMM row blocks (no dense tiles).
     """
-    lib, z, output_norm = _moe_inputs(z, output_norm)
-    (t, l), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
-    y = torch.empty(t, l, dtype=torch.float32)
+    lib, post_norm = _moe_inputs(z, post_norm)
+    (t, h), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
+    y = torch.empty(t, h, dtype=torch.float32)
     status = lib.musecore_int4_moe(*(pointers[i].data_ptr() for i in range(4)), z.data_ptr(), int(z.dtype == torch.bfloat16),
-                          ids.data_ptr(), weights.data_ptr(), output_norm.data_ptr(),
-                          int(output_norm.dtype == torch.bfloat16), eps, y.data_ptr(), t, k_top, e, l, intermediate,
-                          group_sizes[0], group_sizes[1], padded_rows[0], padded_rows[1], torch.get_num_threads())
+                                   ids.data_ptr(), weights.data_ptr(), post_norm.data_ptr(),
+                                   int(post_norm.dtype == torch.bfloat16), post_eps, y.data_ptr(), t, k_top, e, h,
+                                   intermediate, group_sizes[0], group_sizes[1], padded_rows[0], padded_rows[1],
+                                   torch.get_num_threads())
     return _moe_result("int4_moe", status, y, ids, e)
 
 
 def bf16_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             output_norm: torch.Tensor, eps: float, intermediate: int) -> torch.Tensor:
-    """The routed BF16 experts of one MoE call in one native call -> fp32 ``[T, l]`` (``musecore_bf16_moe``: the
+             post_norm: torch.Tensor, post_eps: float, intermediate: int) -> torch.Tensor:
+    """The routed BF16 experts of one MoE call in one native call -> fp32 ``[T, h]`` (``musecore_bf16_moe``: the
     same driver as :func:`int4_moe`, with the BF16 GEMV's row kernel). ``pointers`` int64 ``[2, E]``: per expert
-    the data pointers of its contiguous bf16 fused gate/up ``[2I, l]`` and down ``[l, I]`` weights (kept alive by
+    the data pointers of its contiguous bf16 fused gate/up ``[2I, h]`` and down ``[h, I]`` weights (kept alive by
     :class:`XeonExperts`); the other arguments as for :func:`int4_moe`.
     """
-    lib, z, output_norm = _moe_inputs(z, output_norm)
-    (t, l), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
-    y = torch.empty(t, l, dtype=torch.float32)
+    lib, post_norm = _moe_inputs(z, post_norm)
+    (t, h), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
+    y = torch.empty(t, h, dtype=torch.float32)
     status = lib.musecore_bf16_moe(pointers[0].data_ptr(), pointers[1].data_ptr(), z.data_ptr(),
                                    int(z.dtype == torch.bfloat16), ids.data_ptr(), weights.data_ptr(),
-                                   output_norm.data_ptr(), int(output_norm.dtype == torch.bfloat16), eps, y.data_ptr(),
-                                   t, k_top, e, l, intermediate, torch.get_num_threads())
+                                   post_norm.data_ptr(), int(post_norm.dtype == torch.bfloat16), post_eps, y.data_ptr(),
+                                   t, k_top, e, h, intermediate, torch.get_num_threads())
     return _moe_result("bf16_moe", status, y, ids, e)
 
 
-def _moe_inputs(z: torch.Tensor, output_norm: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+def _moe_inputs(z: torch.Tensor, post_norm: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor]:
     lib = load()
     if lib is None:
         raise RuntimeError("the native kernels are not available (see musecore_xeon.kernels.native.UNAVAILABLE)")
-    if z.dtype not in (torch.bfloat16, torch.float32):
-        z = z.to(torch.bfloat16)
-    if output_norm.dtype not in (torch.bfloat16, torch.float32):
-        output_norm = output_norm.float()
-    return lib, z, output_norm
+    _check("z", z, (torch.bfloat16, torch.float32))  # the roundings to z's dtype are done in C for these two only
+    if post_norm.shape != (z.shape[1],):
+        raise ValueError(f"moe: the post-expert norm weight must be [{z.shape[1]}] (one, shared by all experts); "
+                         f"got {tuple(post_norm.shape)}")
+    if post_norm.dtype not in (torch.bfloat16, torch.float32):
+        post_norm = post_norm.float()
+    return lib, post_norm.contiguous()
 
 
 def _moe_result(name: str, status: int, y: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
@@ -535,8 +539,8 @@ def _moe_result(name: str, status: int, y: torch.Tensor, ids: torch.Tensor, expe
 def ops_binding(max_elements: int, max_queries: int) -> Optional[ModuleType]:
     """The CPython extension with its norm, router and decode-attention functions bound to this library's kernels,
     taking inputs of at most ``max_elements`` elements (K/V caches excepted) and attention of at most ``max_queries``
-    queries (:mod:`musecore_xeon.ops` calls them, falling back when one returns None), or None without the
-    extension: the ops then call the kernels through ctypes."""
+    queries (:mod:`musecore_xeon.ops` calls them, taking its PyTorch path when one returns None), or None without the
+    extension or without the library: the ops then run their PyTorch path (the same math)."""
     fast = linear_binding()
     if fast is None:
         return None

@@ -7,7 +7,9 @@ row is prepared (int16 per group for INT4, fp32 in the BF16 kernel's order) and 
 
 MOE_SOURCE = r"""
 /* The routed experts of one MoE call in ONE native call (decode sizes, below the dense-tile crossover):
-     y[t] = sum_j w[t,j] * rms_norm(down_e(silu(gate_e(z_t)) * up_e(z_t))) * out_norm[e],  e = ids[t,j]
+     y[t] = sum_j w[t,j] * rms(round(round(down_e(silu(gate_e(z_t)) * up_e(z_t))) * post_norm)),  e = ids[t,j]
+   (musecore/ops moe: the expert's output rounded to z's dtype, then the post-expert norm with ONE weight [l] shared by
+   all experts, scale first and rounded, its output rounded too, then the routing weight and the fp32 sum)
    gu_w / dn_w are arrays of E pointers to each expert's weights (fused [gate; up] rows 0..2I-1, then down [l, I]):
    INT4 nibble-planar codes with gu_sz / dn_sz their fp16 (scale, zero) pairs, or BF16 [N, K] row-major (sz unused).
    The (t, j) pairs are grouped by expert (counting sort, stable), so an expert's bytes are read once per call for
@@ -42,9 +44,44 @@ static void moe_rows(const moe_act_t *a, const void *w, const void *sz, int64_t 
     }
 }
 
+/* The post-expert norm of one expert output row o (fp32, l values), as the reference rounds it: the expert's output
+   rounded to z's dtype, times the shared weight and rounded again (scale first), in place; returns 1 / rms of those. */
+static float post_expert_scale(float *o, int z_bf16, const void *post_norm, int norm_bf16, int64_t l, float eps) {
+    float ss = 0.0f;
+    int64_t c = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; c + 8 <= l; c += 8) {
+        const __m256 v = round8_to(z_bf16, _mm256_mul_ps(round8_to(z_bf16, _mm256_loadu_ps(o + c)),
+                                                         load8_x(post_norm, norm_bf16, c)));
+        _mm256_storeu_ps(o + c, v);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    ss = hsum(acc);
+#endif
+    for (; c < l; ++c) {
+        const float v = round_to(z_bf16, round_to(z_bf16, o[c]) * load_x(post_norm, norm_bf16, c));
+        o[c] = v;
+        ss += v * v;
+    }
+    return 1.0f / sqrtf(ss / (float)l + eps);
+}
+
+/* yt += w * round(o * f): the normed row (rounded to z's dtype, as the norm's output) times its routing weight */
+static void post_expert_add(const float *o, int z_bf16, float f, float w, float *yt, int64_t l) {
+    int64_t c = 0;
+#ifdef __AVX2__
+    const __m256 fv = _mm256_set1_ps(f), wv = _mm256_set1_ps(w);
+    for (; c + 8 <= l; c += 8)
+        _mm256_storeu_ps(yt + c, _mm256_fmadd_ps(wv, round8_to(z_bf16, _mm256_mul_ps(_mm256_loadu_ps(o + c), fv)),
+                                                 _mm256_loadu_ps(yt + c)));
+#endif
+    for (; c < l; ++c) yt[c] += w * round_to(z_bf16, o[c] * f);
+}
+
 static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const int64_t *dn_w, const int64_t *dn_sz,
-                      const void *z, int z_bf16, const int64_t *ids, const float *weights, const void *out_norm,
-                      int norm_bf16, float eps, float *y, int64_t T, int64_t k_top, int64_t E, int64_t l, int64_t inter,
+                      const void *z, int z_bf16, const int64_t *ids, const float *weights, const void *post_norm,
+                      int norm_bf16, float post_eps, float *y, int64_t T, int64_t k_top, int64_t E, int64_t l, int64_t inter,
                       int64_t g_gu, int64_t g_dn, int64_t gu_blocks, int64_t dn_blocks, int64_t weight_bytes,
                       int threads) {
     const int64_t P = T * k_top, two_i = 2 * inter;
@@ -105,20 +142,14 @@ static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t t = 0; t < T; ++t) {  /* per-expert RMSNorm, then the routing weight, then the fp32 sum */
+        for (int64_t t = 0; t < T; ++t) {  /* the shared post-expert norm (scale first), then the routing weight, then the fp32 sum */
             float *yt = y + t * l;
             for (int64_t c = 0; c < l; ++c) yt[c] = 0.0f;
             for (int64_t j = 0; j < k_top; ++j) {
-                const int64_t p = t * k_top + j, e = ids[p];
-                const float *o = dn_out + row_of[p] * l;
-                float ss = 0.0f;
-                for (int64_t c = 0; c < l; ++c) ss += o[c] * o[c];
-                const float f = weights[p] / sqrtf(ss / (float)l + eps);
-                for (int64_t c = 0; c < l; ++c) {
-                    const float nw = norm_bf16 ? bits_to_float((uint32_t)((const uint16_t *)out_norm)[e * l + c] << 16)
-                                               : ((const float *)out_norm)[e * l + c];
-                    yt[c] += o[c] * f * nw;
-                }
+                const int64_t p = t * k_top + j;
+                float *o = dn_out + row_of[p] * l;  /* this pair's own row: overwritten with the scaled values */
+                const float f = post_expert_scale(o, z_bf16, post_norm, norm_bf16, l, post_eps);
+                post_expert_add(o, z_bf16, f, weights[p], yt, l);
             }
         }
     }
@@ -127,19 +158,19 @@ static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const
 
 /* INT4 experts: gu_rows / dn_rows the padded code rows (multiples of ROWS), g_gu / g_dn the group sizes. */
 int musecore_int4_moe(const int64_t *gu_codes, const int64_t *gu_sz, const int64_t *dn_codes, const int64_t *dn_sz,
-                      const void *z, int z_bf16, const int64_t *ids, const float *weights, const void *out_norm,
-                      int norm_bf16, float eps, float *y, int64_t T, int64_t k_top, int64_t E, int64_t l,
+                      const void *z, int z_bf16, const int64_t *ids, const float *weights, const void *post_norm,
+                      int norm_bf16, float post_eps, float *y, int64_t T, int64_t k_top, int64_t E, int64_t l,
                       int64_t inter, int64_t g_gu, int64_t g_dn, int64_t gu_rows, int64_t dn_rows, int threads) {
-    return moe_decode(MOE_INT4, gu_codes, gu_sz, dn_codes, dn_sz, z, z_bf16, ids, weights, out_norm, norm_bf16, eps, y,
+    return moe_decode(MOE_INT4, gu_codes, gu_sz, dn_codes, dn_sz, z, z_bf16, ids, weights, post_norm, norm_bf16, post_eps, y,
                       T, k_top, E, l, inter, g_gu, g_dn, gu_rows / ROWS, dn_rows / ROWS,
                       (gu_rows * l + dn_rows * inter) / 2, threads);
 }
 
 /* BF16 experts: gate/up [2I, l] and down [l, I], each contiguous row-major bf16. */
 int musecore_bf16_moe(const int64_t *gu_w, const int64_t *dn_w, const void *z, int z_bf16, const int64_t *ids,
-                      const float *weights, const void *out_norm, int norm_bf16, float eps, float *y, int64_t T,
+                      const float *weights, const void *post_norm, int norm_bf16, float post_eps, float *y, int64_t T,
                       int64_t k_top, int64_t E, int64_t l, int64_t inter, int threads) {
-    return moe_decode(MOE_BF16, gu_w, NULL, dn_w, NULL, z, z_bf16, ids, weights, out_norm, norm_bf16, eps, y, T, k_top,
+    return moe_decode(MOE_BF16, gu_w, NULL, dn_w, NULL, z, z_bf16, ids, weights, post_norm, norm_bf16, post_eps, y, T, k_top,
                       E, l, inter, 0, 0, (2 * inter + BF16_ROWS - 1) / BF16_ROWS, (l + BF16_ROWS - 1) / BF16_ROWS,
                       (3 * inter * l) * 2, threads);
 }

@@ -9,8 +9,9 @@ source (``load_x``, ``store_y``, ``hsum``, ``scratch``).
 """
 
 OPS_SOURCE = r"""
-/* The decode-size norms of the graph (musecore/ops: rms_norm, residual_norm, qk_norm_rope, head_norm_gate), fp32
-   math on bf16 or fp32 tensors (a flag per pointer). PyTorch's F.rms_norm plus casts costs ~25 us per call on a
+/* The decode-size norms of the graph (musecore/ops: rms_norm, residual_norm, qk_norm_rope, head_norm_gate) and the
+   router's selection, fp32 math on bf16 or fp32 tensors (a flag per pointer), with the reference's roundings to the
+   activation dtype. PyTorch's F.rms_norm plus casts costs ~25 us per call on a
    1536-vector here; ~80 such calls per muse-small token took ~12 ms of a ~65 ms decode step. */
 static inline void store_x(void *p, int bf16, int64_t i, float v) { store_y(p, bf16, i, v); }
 
@@ -28,68 +29,129 @@ static inline void store8_x(void *p, int bf16, int64_t i, __m256 v) {
 }
 #endif
 
-/* 1 / rms of n values: the squares summed in 8 fp32 lanes (AVX2) then the tail */
-static inline float inv_rms(const void *x, int xb, int64_t off, int64_t n, float eps) {
+/* v rounded to bf16 precision (nearest even, NaN stays NaN) and widened back: what `.to(bfloat16)` keeps */
+static inline float round_bf16(float v) { return bits_to_float((uint32_t)float_to_bf16(v) << 16); }
+static inline float round_to(int bf16, float v) { return bf16 ? round_bf16(v) : v; }
+
+#ifdef __AVX2__
+static inline __m256 round8_bf16(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+    const __m256i rounded =
+        _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(b, 16), one)));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+    const __m256i h = _mm256_blendv_epi8(rounded, _mm256_or_si256(b, _mm256_set1_epi32(0x00400000)), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline __m256 round8_to(int bf16, __m256 v) { return bf16 ? round8_bf16(v) : v; }
+
+/* x[i..i+7] (times w[c..c+7] when w is not NULL, the product rounded to x's dtype: the scale-first norm's input) */
+static inline __m256 load8_scaled(const void *x, int xb, int64_t i, const void *w, int wb, int64_t c) {
+    const __m256 v = load8_x(x, xb, i);
+    return w == NULL ? v : round8_to(xb, _mm256_mul_ps(v, load8_x(w, wb, c)));
+}
+#endif
+
+static inline float load_scaled(const void *x, int xb, int64_t i, const void *w, int wb, int64_t c) {
+    const float v = load_x(x, xb, i);
+    return w == NULL ? v : round_to(xb, v * load_x(w, wb, c));
+}
+
+/* 1 / rms of n values (each first multiplied by w and rounded to x's dtype when w is not NULL: the scale-first norm):
+   the squares summed in 8 fp32 lanes (AVX2) then the tail */
+static inline float inv_rms_scaled(const void *x, int xb, int64_t off, const void *w, int wb, int64_t n, float eps) {
     float ss = 0.0f;
     int64_t c = 0;
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
-    for (; c + 8 <= n; c += 8) { const __m256 v = load8_x(x, xb, off + c); acc = _mm256_fmadd_ps(v, v, acc); }
+    for (; c + 8 <= n; c += 8) { const __m256 v = load8_scaled(x, xb, off + c, w, wb, c); acc = _mm256_fmadd_ps(v, v, acc); }
     ss = hsum(acc);
 #endif
-    for (; c < n; ++c) { const float v = load_x(x, xb, off + c); ss += v * v; }
+    for (; c < n; ++c) { const float v = load_scaled(x, xb, off + c, w, wb, c); ss += v * v; }
     return 1.0f / sqrtf(ss / (float)n + eps);
 }
 
-/* out[c] = x[c] * f * w[c] for c < n (offsets ox, oo into x and out) */
+static inline float inv_rms(const void *x, int xb, int64_t off, int64_t n, float eps) {
+    return inv_rms_scaled(x, xb, off, NULL, 0, n, eps);
+}
+
+/* out[c] = x[c] * f * w[c] (x[c] * f when w is NULL) for c < n (offsets ox, oo into x and out) */
 static inline void scale_mul(const void *x, int xb, int64_t ox, float f, const void *w, int wb, void *out, int ob,
                              int64_t oo, int64_t n) {
     int64_t c = 0;
 #ifdef __AVX2__
     const __m256 fv = _mm256_set1_ps(f);
-    for (; c + 8 <= n; c += 8)
-        store8_x(out, ob, oo + c, _mm256_mul_ps(_mm256_mul_ps(load8_x(x, xb, ox + c), fv), load8_x(w, wb, c)));
+    for (; c + 8 <= n; c += 8) {
+        const __m256 v = _mm256_mul_ps(load8_x(x, xb, ox + c), fv);
+        store8_x(out, ob, oo + c, w == NULL ? v : _mm256_mul_ps(v, load8_x(w, wb, c)));
+    }
 #endif
-    for (; c < n; ++c) store_x(out, ob, oo + c, load_x(x, xb, ox + c) * f * load_x(w, wb, c));
+    for (; c < n; ++c) {
+        const float v = load_x(x, xb, ox + c) * f;
+        store_x(out, ob, oo + c, w == NULL ? v : v * load_x(w, wb, c));
+    }
 }
 
+/* out[c] = round(x[c] * w[c]) * f: the scale-first norm's output, given f from inv_rms_scaled */
+static inline void scaled_norm_out(const void *x, int xb, int64_t ox, float f, const void *w, int wb, void *out,
+                                   int ob, int64_t oo, int64_t n) {
+    int64_t c = 0;
+#ifdef __AVX2__
+    const __m256 fv = _mm256_set1_ps(f);
+    for (; c + 8 <= n; c += 8) store8_x(out, ob, oo + c, _mm256_mul_ps(load8_scaled(x, xb, ox + c, w, wb, c), fv));
+#endif
+    for (; c < n; ++c) store_x(out, ob, oo + c, load_scaled(x, xb, ox + c, w, wb, c) * f);
+}
+
+/* rms_norm (musecore/ops): scale_first = 0: rms(x) * w (rms(x) when w is NULL); scale_first = 1: rms(round(x * w)),
+   the product rounded to x's dtype (transformers' InputScaledRMSNorm). The output has x's dtype (ob = xb). */
 void musecore_rms_norm(const void *x, int xb, const void *w, int wb, void *out, int ob, int64_t rows, int64_t n,
-                       float eps) {
-    for (int64_t r = 0; r < rows; ++r) scale_mul(x, xb, r * n, inv_rms(x, xb, r * n, n, eps), w, wb, out, ob, r * n, n);
+                       float eps, int scale_first) {
+    for (int64_t r = 0; r < rows; ++r) {
+        if (scale_first && w != NULL)
+            scaled_norm_out(x, xb, r * n, inv_rms_scaled(x, xb, r * n, w, wb, n, eps), w, wb, out, ob, r * n, n);
+        else
+            scale_mul(x, xb, r * n, inv_rms(x, xb, r * n, n, eps), w, wb, out, ob, r * n, n);
+    }
 }
 
-/* residual' = residual + gate * rms_norm(out, post_w) (rounded to the residual's dtype), normed = rms_norm(residual',
-   next_w) in the residual's dtype. */
-void musecore_residual_norm(const void *res, const void *out, int outb, const void *post_w, int pwb, const void *gate,
-                            int gb, const void *next_w, int nwb, void *new_res, void *normed, int rb, int64_t rows,
-                            int64_t n, float eps) {
+/* residual_norm (musecore/ops): h = rms(round(out * post_w)) (rms(out) when post_w is NULL) with post_eps, rounded to
+   out's dtype; residual' = alpha * residual + beta * h in fp32 (alpha, beta fp32 [n]), rounded to the residual's
+   dtype; normed = rms(residual') * next_w (rms(residual') when next_w is NULL) with eps, in the residual's dtype. */
+void musecore_residual_norm(const void *res, const void *out, int outb, const void *post_w, int pwb, const float *alpha,
+                            const float *beta, const void *next_w, int nwb, void *new_res, void *normed, int rb,
+                            int64_t rows, int64_t n, float post_eps, float eps) {
     for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(out, outb, r * n, n, eps);
+        const float f = inv_rms_scaled(out, outb, r * n, post_w, pwb, n, post_eps);
         int64_t c = 0;
 #ifdef __AVX2__
         const __m256 fv = _mm256_set1_ps(f);
         for (; c + 8 <= n; c += 8) {
-            const __m256 normed_out = _mm256_mul_ps(_mm256_mul_ps(load8_x(out, outb, r * n + c), fv), load8_x(post_w, pwb, c));
-            store8_x(new_res, rb, r * n + c, _mm256_fmadd_ps(load8_x(gate, gb, c), normed_out, load8_x(res, rb, r * n + c)));
+            const __m256 h = round8_to(outb, _mm256_mul_ps(load8_scaled(out, outb, r * n + c, post_w, pwb, c), fv));
+            const __m256 sum = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(alpha + c), load8_x(res, rb, r * n + c)),
+                                             _mm256_mul_ps(_mm256_loadu_ps(beta + c), h));
+            store8_x(new_res, rb, r * n + c, sum);
         }
 #endif
-        for (; c < n; ++c)
-            store_x(new_res, rb, r * n + c, load_x(res, rb, r * n + c)
-                    + load_x(gate, gb, c) * (load_x(out, outb, r * n + c) * f * load_x(post_w, pwb, c)));
+        for (; c < n; ++c) {
+            const float h = round_to(outb, load_scaled(out, outb, r * n + c, post_w, pwb, c) * f);
+            store_x(new_res, rb, r * n + c, alpha[c] * load_x(res, rb, r * n + c) + beta[c] * h);
+        }
         scale_mul(new_res, rb, r * n, inv_rms(new_res, rb, r * n, n, eps), next_w, nwb, normed, rb, r * n, n);
     }
 }
 
-/* Per head (rows of d): RMSNorm over d, then RoPE with the halves convention (rotate_half = [-x2, x1]);
-   cos/sin fp32 [rows / heads, d]. */
-void musecore_norm_rope(const void *x, int xb, const void *w, int wb, const float *cos_t, const float *sin_t,
-                        void *out, int64_t rows, int64_t heads, int64_t d, float eps) {
+/* qk_norm_rope's half (musecore/ops): per head (rows of d) the weightless RMSNorm over d times scale, then, when cos_t
+   is not NULL, RoPE with the halves convention (rotate_half = [-x2, x1]); cos/sin fp32 [rows / heads, d]. NULL cos_t:
+   a NoPE layer. */
+void musecore_norm_rope(const void *x, int xb, float scale, const float *cos_t, const float *sin_t, void *out,
+                        int64_t rows, int64_t heads, int64_t d, float eps) {
     const int64_t half = d / 2;
     float buf[1024];
     for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(x, xb, r * d, d, eps);
+        const float f = inv_rms(x, xb, r * d, d, eps) * scale;
+        if (cos_t == NULL) { scale_mul(x, xb, r * d, f, NULL, 0, out, xb, r * d, d); continue; }
         const float *cs = cos_t + (r / heads) * d, *sn = sin_t + (r / heads) * d;
-        scale_mul(x, xb, r * d, f, w, wb, buf, 0, 0, d);
+        scale_mul(x, xb, r * d, f, NULL, 0, buf, 0, 0, d);
         int64_t c = 0;
 #ifdef __AVX2__
         if (half % 8 == 0) {
@@ -109,41 +171,54 @@ void musecore_norm_rope(const void *x, int xb, const void *w, int wb, const floa
     }
 }
 
-/* o[row] = rms_norm(o[row], w) * sigmoid(gate[row]) per head row of d. */
-void musecore_head_norm_gate(const void *o, int ob, const void *w, int wb, const void *gate, int gb, void *out,
-                             int64_t rows, int64_t d, float eps) {
+/* head_norm_gate (musecore/ops): out = rms(o) * sigmoid(gate), element-wise, per head row of d (gate [rows, d]). */
+void musecore_head_norm_gate(const void *o, int ob, const void *gate, int gb, void *out, int64_t rows, int64_t d,
+                             float eps) {
     for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(o, ob, r * d, d, eps) / (1.0f + expf(-load_x(gate, gb, r)));
-        scale_mul(o, ob, r * d, f, w, wb, out, ob, r * d, d);
+        const float f = inv_rms(o, ob, r * d, d, eps);
+        int64_t c = 0;
+#ifdef __AVX2__
+        const __m256 fv = _mm256_set1_ps(f), one = _mm256_set1_ps(1.0f);
+        for (; c + 8 <= d; c += 8) {
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(),
+                                                                                          load8_x(gate, gb, r * d + c)))));
+            store8_x(out, ob, r * d + c, _mm256_mul_ps(_mm256_mul_ps(load8_x(o, ob, r * d + c), fv), sig));
+        }
+#endif
+        for (; c < d; ++c)
+            store_x(out, ob, r * d + c, load_x(o, ob, r * d + c) * f / (1.0f + expf(-load_x(gate, gb, r * d + c))));
     }
 }
 
-/* Router: per row of E logits, fp32 softmax (max subtracted), the k largest probabilities in descending order
-   (equal values: the lower expert id first), renormalized to sum 1 if asked. weights fp32 [T, k], ids int64 [T, k].
-   The reference's softmax + topk are ~20-50 us of PyTorch calls per decode token and layer on this host.
-   Returns 0, or -2 when there is no memory for its scratch (nothing written). */
-int musecore_router_topk(const void *logits, int lb, int64_t T, int64_t E, int64_t k, int renormalize,
-                         float *weights, int64_t *ids) {
-    float *p = scratch((size_t)E * 2);
-    if (p == NULL) return -2;
-    float *taken = p + E;
+/* router_topk's selection (musecore/ops), from the fp32 router logits [T, E] (x @ W^T, computed by PyTorch as the
+   reference does): s = sigmoid(logit * multiplier); the k experts of largest s + bias in descending order (equal
+   values: the lower expert id first; NaN counts as largest, as torch.topk has it); weights = s[ids] / (sum s[ids] +
+   1e-15) * scaling. weights fp32 [T, k], ids int64 [T, k]. Returns 0, or -2 when there is no memory for its scratch
+   (nothing written). */
+int musecore_router_topk(const float *logits, const float *bias, int64_t T, int64_t E, int64_t k, float multiplier,
+                         float scaling, float *weights, int64_t *ids) {
+    float *s = scratch((size_t)E * 3);
+    if (s == NULL) return -2;
+    float *key = s + E, *taken = key + E;
     for (int64_t t = 0; t < T; ++t) {
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t e = 0; e < E; ++e) { const float v = load_x(logits, lb, t * E + e); mx = v > mx ? v : mx; }
-        for (int64_t e = 0; e < E; ++e) { p[e] = expf(load_x(logits, lb, t * E + e) - mx); sum += p[e]; taken[e] = 0.0f; }
-        for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+        for (int64_t e = 0; e < E; ++e) {
+            s[e] = 1.0f / (1.0f + expf(-(logits[t * E + e] * multiplier)));
+            key[e] = s[e] + (bias != NULL ? bias[e] : 0.0f);
+            taken[e] = 0.0f;
+        }
         float picked = 0.0f;
         for (int64_t j = 0; j < k; ++j) {
             int64_t best = -1;
             for (int64_t e = 0; e < E; ++e)
-                if (taken[e] == 0.0f && (best < 0 || p[e] > p[best] || (p[e] != p[e] && p[best] == p[best]))) best = e;
+                if (taken[e] == 0.0f && (best < 0 || key[e] > key[best] || (key[e] != key[e] && key[best] == key[best])))
+                    best = e;
             taken[best] = 1.0f;
-            weights[t * k + j] = p[best];
+            weights[t * k + j] = s[best];
             ids[t * k + j] = best;
-            picked += p[best];
+            picked += s[best];
         }
-        if (renormalize)
-            for (int64_t j = 0; j < k; ++j) weights[t * k + j] /= picked;
+        const float denom = picked + 1e-15f;
+        for (int64_t j = 0; j < k; ++j) weights[t * k + j] = weights[t * k + j] / denom * scaling;
     }
     return 0;
 }
