@@ -5,9 +5,9 @@ are built from it deterministically (``musecore.testing.inputs``), seeded by the
 backend package, the reference and the accuracy matrix all see the same numbers.
 
 Shapes come from the presets, not from a list typed here: ``tiny`` is ``muse-tiny``, ``small`` is
-``muse-small`` and ``816b`` is the full model's layer (q 8192->10240, k/v 8192->1024, o 10240->8192,
-gate 8192->80, router 8192->256, pooler 8192->2048, unpooler 2048->8192, experts 2048->8192 and
-8192->2048), always at small token counts. Tensors that would be large without testing anything
+``muse-small`` and ``816b`` is the full model's layer (q and the attention gate 8192->8192, k/v
+8192->1024, o 8192->8192, router 8192->256, pooler 8192->4096, unpooler 4096->8192, experts'
+gate_up 4096->8192 and down 4096->4096), always at small token counts. Tensors that would be large without testing anything
 more (an lm_head or embedding with the full vocabulary, all 256 experts) keep their real widths
 with fewer rows or experts; the case's ``note`` says so. The ``816b`` cases need a few GiB of
 memory and seconds each on a CPU; select sizes with ``MUSECORE_CONFORMANCE_SIZES`` or ``sizes=``.
@@ -96,10 +96,9 @@ def projection_shapes(size: str) -> dict[str, tuple[int, int]]:
     """Every linear projection of one layer of the preset: role -> (in_features, out_features)."""
     c = preset(size)
     H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"q_proj": (H, q), "kv_proj": (H, kv), "o_proj": (q, H), "gate_proj": (H, c.num_attention_heads),
-              "router": (H, c.num_experts), "pooler": (H, c.moe_latent_size), "unpooler": (c.moe_latent_size, H),
-              "expert_gate_up": (c.moe_latent_size, c.moe_intermediate_size),
-              "expert_down": (c.moe_intermediate_size, c.moe_latent_size)}
+    h, inter = c.moe_hidden_size, c.moe_intermediate_size
+    shapes = {"q_proj": (H, q), "kv_proj": (H, kv), "o_proj": (q, H), "gate_proj": (H, q),
+              "pooler": (H, h), "unpooler": (h, H), "expert_gate_up": (h, 2 * inter), "expert_down": (inter, h)}
     if MAX_VOCAB_ROWS[size] is None:
         shapes["lm_head"] = (H, c.vocab_size)
     return shapes
@@ -136,7 +135,7 @@ def moe_cases(size: str) -> list[ConformanceCase]:
     E = min(c.num_experts, MAX_EXPERTS[size] or c.num_experts)
     k = min(c.num_experts_per_tok, MAX_TOP_K[size] or c.num_experts_per_tok, E)
     note = f"{E} of the preset's {c.num_experts} experts, top-{k}" if E < c.num_experts else ""
-    dims = dict(experts=E, top_k=k, latent=c.moe_latent_size, intermediate=c.moe_intermediate_size)
+    dims = dict(experts=E, top_k=k, moe_hidden=c.moe_hidden_size, intermediate=c.moe_intermediate_size)
     out = [ConformanceCase("moe", size, "prefill", fmt, act, dims=_dims(tokens=6, **dims), note=note)
            for fmt, act in MATMUL_FORMATS]
     out += [ConformanceCase("moe", size, "decode", fmt, act, dims=_dims(tokens=1, **dims), note=note)
@@ -174,22 +173,27 @@ def attention_cases(size: str) -> list[ConformanceCase]:
 
 def elementwise_cases(size: str) -> list[ConformanceCase]:
     c = preset(size)
-    H, d, nq, nkv, l = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.moe_latent_size
+    H, d, nq, nkv, h = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.moe_hidden_size
     V, vnote = _vocab(size)
-    out = [ConformanceCase("rms_norm", size, name, dims=_dims(batch=2, tokens=5, width=w))
-           for name, w in (("hidden", H), ("head", d), ("latent", l))]
-    out.append(ConformanceCase("residual_norm", size, "hidden", dims=_dims(batch=2, tokens=5, width=H)))
-    for kind in ("sliding_attention", "full_attention"):
-        rope = c.rope_parameters[kind]
-        out.append(ConformanceCase("qk_norm_rope", size, f"{kind.split('_')[0]}-{rope.get('rope_type', 'default')}",
+    out = [ConformanceCase("rms_norm", size, name, dims=_dims(batch=2, tokens=5, width=w), options=_opts(**opts))
+           for name, w, opts in (("hidden", H, dict(weight=True)), ("hidden-weightless", H, dict(weight=False)),
+                                 ("moe_hidden", h, dict(weight=True)),
+                                 ("moe_hidden-scale_first", h, dict(weight=True, scale_first=True)))]
+    out += [ConformanceCase("residual_norm", size, name, dims=_dims(batch=2, tokens=5, width=H),
+                            options=_opts(post_weight=post)) for name, post in (("post_attention", False),
+                                                                                ("post_feedforward", True))]
+    for name, rope in (("rope", True), ("nope", False)):
+        out.append(ConformanceCase("qk_norm_rope", size, name,
                                    dims=_dims(batch=2, tokens=5, q_heads=nq, kv_heads=nkv, head_dim=d),
-                                   options=_opts(layer_type=kind, start=1000)))
+                                   options=_opts(rope=rope, start=1000)))
     out.append(ConformanceCase("head_norm_gate", size, "heads", dims=_dims(batch=2, tokens=5, q_heads=nq, head_dim=d)))
     out.append(ConformanceCase("embedding", size, "table", dims=_dims(batch=2, tokens=7, vocab=V, width=H), note=vnote))
-    for renorm in (True, False):
-        out.append(ConformanceCase("router_topk", size, "renormalized" if renorm else "raw",
-                                   dims=_dims(tokens=6, experts=c.num_experts, top_k=c.num_experts_per_tok),
-                                   options=_opts(renormalize=renorm)))
+    for name, bias in (("bias", True), ("tiebreak_only", False)):
+        out.append(ConformanceCase("router_topk", size, name,
+                                   dims=_dims(tokens=6, width=H, experts=c.num_experts, top_k=c.num_experts_per_tok),
+                                   options=_opts(bias=bias, scaling=2.5)))
+    out.append(ConformanceCase("silu_mul", size, "experts", dims=_dims(tokens=5, width=c.moe_intermediate_size)))
+    out.append(ConformanceCase("logit_softcap", size, "logits", dims=_dims(batch=2, tokens=3, vocab=V), note=vnote))
     for name, opts in (("greedy", dict(temperature=0.0, top_k=0, top_p=1.0)),
                        ("top_k1", dict(temperature=0.8, top_k=1, top_p=1.0)),
                        ("top_p-min", dict(temperature=1.0, top_k=0, top_p=1e-9))):

@@ -113,25 +113,26 @@ def _build_linear(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Call
 
 def _build_moe(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
     t, E, k = case.dim("tokens"), case.dim("experts"), case.dim("top_k")
-    l, inter = case.dim("latent"), case.dim("intermediate")
-    eps = preset(case.size).rms_norm_eps
-    z = ref.rms_norm(rnd.activation(t, l), torch.ones(l), eps).to(dtype)  # the model feeds normed latents
-    weights, ids = ref.router_topk(rnd.normal(t, E, std=2.0), k, True)
-    gate, up, down = rnd.weight(E, inter, l), rnd.weight(E, inter, l), rnd.weight(E, l, inter)
-    output_norm = torch.stack([rnd.norm_weight(l) for _ in range(E)]).to(dtype)
+    h, inter = case.dim("moe_hidden"), case.dim("intermediate")
+    config = preset(case.size)
+    z = ref.rms_norm(rnd.activation(t, h), None, config.rms_norm_eps).to(dtype)  # the model feeds normed inputs
+    ids = torch.topk(rnd.normal(t, E), k, dim=-1).indices  # k distinct experts per token
+    weights = torch.softmax(rnd.normal(t, k), dim=-1)  # [t,k] fp32, positive, as the router gives
+    gate, up, down = rnd.weight(E, inter, h), rnd.weight(E, inter, h), rnd.weight(E, h, inter)
+    post_norm = rnd.norm_weight(h).to(dtype)  # 1 + w: one weight shared by the experts
     stacks = [checkpoint_weight(w, case.weight_format) for w in (gate, up, down)]
     if case.act_format in ("nvfp4", "fp8"):  # static per-expert scales, calibrated on these tokens
         zf = z.float()
-        h = torch.stack([torch.nn.functional.silu(zf @ gate[e].T) * (zf @ up[e].T) for e in range(E)])  # [E,t,I]
+        act = torch.stack([torch.nn.functional.silu(zf @ gate[e].T) * (zf @ up[e].T) for e in range(E)])  # [E,t,I]
         gate_up_scale = static_input_scale(case.act_format, zf.abs().amax().expand(E).clone())
-        down_scale = static_input_scale(case.act_format, h.abs().flatten(1).amax(1))
+        down_scale = static_input_scale(case.act_format, act.abs().flatten(1).amax(1))
         stacks = [_with_input_scale(stacks[0], gate_up_scale), _with_input_scale(stacks[1], gate_up_scale),
                   _with_input_scale(stacks[2], down_scale)]
 
     def run(backend: Any) -> Any:
         dev = backend.device
         experts = backend.prepare_experts(*[_to(s, dev) for s in stacks], act_format=case.act_format, dtype=dtype)
-        return backend.moe(z.to(dev), weights.to(dev), ids.to(dev), experts, output_norm.to(dev), eps)
+        return backend.moe(z.to(dev), weights.to(dev), ids.to(dev), experts, post_norm.to(dev), config.post_norm_eps)
     return run
 
 
@@ -180,20 +181,28 @@ def _build_attention(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> C
 def _build_rms_norm(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
     B, T, n = case.dim("batch"), case.dim("tokens"), case.dim("width")
     x = (3.0 * rnd.activation(B, T, n) + 0.5).to(dtype)
-    w, eps = rnd.norm_weight(n).to(dtype), preset(case.size).rms_norm_eps
-    return lambda backend: backend.rms_norm(x.to(backend.device), w.to(backend.device), eps)
+    w = rnd.norm_weight(n).to(dtype) if case.option("weight") else None
+    eps, scale_first = preset(case.size).rms_norm_eps, case.option("scale_first", False)
+
+    def run(backend: Any) -> Any:
+        dev = backend.device
+        return backend.rms_norm(x.to(dev), None if w is None else w.to(dev), eps, scale_first=scale_first)
+    return run
 
 
 def _build_residual_norm(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
     B, T, n = case.dim("batch"), case.dim("tokens"), case.dim("width")
+    config = preset(case.size)
     residual, out = (4.0 * rnd.activation(B, T, n)).to(dtype), rnd.activation(B, T, n).to(dtype)
-    post, nxt = rnd.norm_weight(n).to(dtype), rnd.norm_weight(n).to(dtype)
-    gate = (0.5 + 0.5 * rnd.normal(n).abs()).to(dtype)
-    eps = preset(case.size).rms_norm_eps
+    post = rnd.norm_weight(n).to(dtype) if case.option("post_weight") else None
+    nxt = rnd.norm_weight(n).to(dtype)
+    alpha, beta = ref.residual_gate_coefficients(0.3 * rnd.normal(n), config.residual_gate_temperature)
 
     def run(backend: Any) -> Any:
         dev = backend.device
-        return backend.residual_norm(residual.to(dev), out.to(dev), post.to(dev), gate.to(dev), nxt.to(dev), eps)
+        return backend.residual_norm(residual.to(dev), out.to(dev), None if post is None else post.to(dev),
+                                     alpha.to(dev), beta.to(dev), nxt.to(dev), config.post_norm_eps,
+                                     config.rms_norm_eps)
     return run
 
 
@@ -201,29 +210,25 @@ def _build_qk_norm_rope(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -
     B, T, nq, nkv, d = (case.dim(n) for n in ("batch", "tokens", "q_heads", "kv_heads", "head_dim"))
     config = preset(case.size)
     q, k = rnd.activation(B, T, nq, d).to(dtype), rnd.activation(B, T, nkv, d).to(dtype)
-    qw, kw = rnd.norm_weight(d).to(dtype), rnd.norm_weight(d).to(dtype)
     positions = case.option("start", 0) + torch.arange(T)[None].expand(B, T).clone()
     positions[0, 0] = -1  # a padding slot: the table gives position 0
-    table = RotaryTable(d, config.rope_parameters[case.option("layer_type")], config.max_position_embeddings)
-    cos, sin = table(positions)  # fp32, as the model passes them
+    cos = sin = None
+    if case.option("rope"):
+        cos, sin = RotaryTable(d, config.rope_parameters, config.max_position_embeddings)(positions)  # fp32
 
     def run(backend: Any) -> Any:
         dev = backend.device
-        return backend.qk_norm_rope(q.to(dev), k.to(dev), qw.to(dev), kw.to(dev), cos.to(dev), sin.to(dev),
-                                    config.rms_norm_eps)
+        move = lambda t: None if t is None else t.to(dev)  # noqa: E731
+        return backend.qk_norm_rope(q.to(dev), k.to(dev), move(cos), move(sin), config.rms_norm_eps,
+                                    config.qk_scale_factor)
     return run
 
 
 def _build_head_norm_gate(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
     B, T, nq, d = (case.dim(n) for n in ("batch", "tokens", "q_heads", "head_dim"))
-    o, w = rnd.activation(B, T, nq, d).to(dtype), rnd.norm_weight(d).to(dtype)
-    gate = (2.0 * rnd.normal(B, T, nq)).to(dtype)
+    o, gate = rnd.activation(B, T, nq, d).to(dtype), (2.0 * rnd.normal(B, T, nq, d)).to(dtype)
     eps = preset(case.size).rms_norm_eps
-
-    def run(backend: Any) -> Any:
-        dev = backend.device
-        return backend.head_norm_gate(o.to(dev), w.to(dev), gate.to(dev), eps)
-    return run
+    return lambda backend: backend.head_norm_gate(o.to(backend.device), gate.to(backend.device), eps)
 
 
 def _build_embedding(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
@@ -239,11 +244,31 @@ def _build_embedding(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> C
 
 
 def _build_router_topk(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
-    T, E, k = case.dim("tokens"), case.dim("experts"), case.dim("top_k")
-    # Distinct values on a 1/16 grid (exact in bf16): with ties, top-k order is implementation-defined.
-    logits = ((torch.argsort(rnd.normal(T, E), dim=-1) - E // 2).float() / 16).to(dtype)
-    renormalize = case.option("renormalize")
-    return lambda backend: backend.router_topk(logits.to(backend.device), k, renormalize)
+    T, H, E, k = case.dim("tokens"), case.dim("width"), case.dim("experts"), case.dim("top_k")
+    config = preset(case.size)
+    # x in {-1, 0, 1} and W on a 1/64 grid: every product and partial sum is exact in fp32, so the
+    # scores do not depend on the summation order and the top-k is the same on every backend.
+    x = torch.randint(-1, 2, (T, H), generator=rnd.gen).to(dtype)
+    weight = torch.randint(-32, 33, (E, H), generator=rnd.gen).float() / 64
+    tiebreak = torch.randperm(E, generator=rnd.gen).float() / (E * 4096)  # exact ties broken the same way
+    bias = tiebreak + (0.05 * rnd.normal(E) if case.option("bias") else 0.0)
+    scaling = case.option("scaling", 1.0)
+    return lambda backend: backend.router_topk(x.to(backend.device), weight.to(backend.device),
+                                               bias.to(backend.device), k, config.output_multiplier, scaling)
+
+
+def _build_silu_mul(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
+    T, n = case.dim("tokens"), case.dim("width")
+    gate, up = (2.0 * rnd.activation(T, n)).to(dtype), rnd.activation(T, n).to(dtype)
+    return lambda backend: backend.silu_mul(gate.to(backend.device), up.to(backend.device))
+
+
+def _build_logit_softcap(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
+    B, T, V = case.dim("batch"), case.dim("tokens"), case.dim("vocab")
+    config = preset(case.size)
+    logits = (30.0 * rnd.normal(B, T, V)).to(dtype)  # beyond the cap, so tanh saturates somewhere
+    return lambda backend: backend.logit_softcap(logits.to(backend.device), config.output_multiplier,
+                                                 config.final_logit_softcapping)
 
 
 def _build_sample(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
@@ -261,5 +286,5 @@ _BUILDERS: dict[str, Callable[[ConformanceCase, torch.dtype, _Rand], Callable]] 
     "linear": _build_linear, "moe": _build_moe, "attention": _build_attention, "rms_norm": _build_rms_norm,
     "residual_norm": _build_residual_norm, "qk_norm_rope": _build_qk_norm_rope,
     "head_norm_gate": _build_head_norm_gate, "embedding": _build_embedding, "router_topk": _build_router_topk,
-    "sample": _build_sample,
+    "silu_mul": _build_silu_mul, "logit_softcap": _build_logit_softcap, "sample": _build_sample,
 }
