@@ -31,7 +31,9 @@ from musecore.ops import reference as ref
 from musecore_cuda.kernels import attention as _attention
 from musecore_cuda.kernels import kv_cache as _kv_cache
 from musecore_cuda.kernels.dense_gemv import dense_gemv, use_dense_gemv
+from musecore_cuda.kernels import elementwise as _elementwise
 from musecore_cuda.kernels import norms as _norms
+from musecore_cuda.kernels import router as _router
 from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
 from musecore_cuda.kernels.moe import moe_forward
@@ -41,6 +43,7 @@ from musecore_cuda.layouts import Fp4Resident, prepare_fp4, share_fold
 FP4_FORMATS = ("nvfp4", "mxfp4")
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ACT_DTYPES = (torch.bfloat16, torch.float16)
+HEAD_OPS = ("attention", "qk_norm_rope", "head_norm_gate")  # one program holds one power-of-two head row
 SM_DEVICES = {9: ["h200", "h100"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
 # The tiled CUDA GEMM (fp4_gemm_cuda) from GEMM_MIN_M rows up to DEQUANT_MIN_M, from where dequantize +
@@ -191,11 +194,20 @@ class CudaBackend(Backend):
             return self._supports_matmul(op, spec, sm, unverified)
         if op == "attention" and spec.kv_format not in ("bf16", "fp16", "fp8"):
             return Support.no(f"KV cache format {spec.kv_format!r} is not implemented (bf16, fp16, fp8 are)")
-        if op in ("embedding", "router_topk", "sample"):
+        head_dim = dict(spec.shape).get("head_dim")
+        if op in HEAD_OPS and head_dim is not None and (head_dim & (head_dim - 1) or head_dim < 16):
+            return Support.no(f"the {op} kernel needs a power-of-two head dim >= 16; got {head_dim}")
+        if op in ("embedding", "sample"):
             return Support.native("PyTorch CUDA ops")
+        if op == "router_topk":
+            how = "fp32 cuBLAS product, then a Triton top-k kernel"
+        elif op in ("silu_mul", "logit_softcap"):
+            how = "Triton element-wise kernel, fp32 math"
+        else:
+            how = "Triton kernel"
         if unverified:
-            return Support.emulated(unverified)
-        return Support.native("Triton kernel")
+            return Support.emulated(f"{how}; {unverified}")
+        return Support.native(how)
 
     def _supports_matmul(self, op: str, spec: OpSpec, sm: int, unverified: str) -> Support:
         fmt, act = spec.weight_format, spec.act_format
@@ -291,18 +303,14 @@ class CudaBackend(Backend):
         return F.linear(x, w.data)
 
     def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
-            output_norm: torch.Tensor, eps: float) -> torch.Tensor:
+            post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
         if experts.act_format is not None:
             raise NotImplementedError(f"moe: activation format {experts.act_format!r} is not supported")
         if experts.format in DENSE_FORMATS and experts.gate.dtype != z.dtype:
             raise TypeError(f"moe: dense experts are {experts.gate.dtype} but z is {z.dtype}; prepare them with "
                             f"dtype={z.dtype}")
         return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
-                           output_norm, eps)
-
-    @staticmethod
-    def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return _norms.router_topk(logits, k, renormalize)  # one kernel instead of about six torch ones
+                           post_norm, post_eps)
 
     @staticmethod
     def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
@@ -312,6 +320,9 @@ class CudaBackend(Backend):
     residual_norm = staticmethod(_norms.residual_norm)
     qk_norm_rope = staticmethod(_norms.qk_norm_rope)
     head_norm_gate = staticmethod(_norms.head_norm_gate)
+    router_topk = staticmethod(_router.router_topk)
+    silu_mul = staticmethod(_elementwise.silu_mul)
+    logit_softcap = staticmethod(_elementwise.logit_softcap)
     attention = staticmethod(_attention.attention)
     kv_write = staticmethod(_kv_cache.kv_write)  # static KV cache writes (musecore.kv_cache.write_static)
     sample = staticmethod(ref.sample)

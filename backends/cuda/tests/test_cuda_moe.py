@@ -9,16 +9,16 @@ import musecore_quant
 from musecore.ops import ExpertWeights, tolerance
 from musecore.ops import reference as ref
 
-from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse
+from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse, nmse
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.kernels.moe import align_assignments, moe_decode_dense, use_gemv
 
 
-def make_layer(fmt: str, experts: int, latent: int, inter: int, dtype: torch.dtype, device):
-    gate = torch.randn(experts, inter, latent, device=device) * latent ** -0.5
-    up = torch.randn(experts, inter, latent, device=device) * latent ** -0.5
-    down = torch.randn(experts, latent, inter, device=device) * inter ** -0.5
+def make_layer(fmt: str, experts: int, width: int, inter: int, dtype: torch.dtype, device):
+    gate = torch.randn(experts, inter, width, device=device) * width ** -0.5
+    up = torch.randn(experts, inter, width, device=device) * width ** -0.5
+    down = torch.randn(experts, width, inter, device=device) * inter ** -0.5
     be = CudaBackend(device)
     if fmt == "dense":
         ws = [w.to(dtype) for w in (gate, up, down)]
@@ -28,13 +28,15 @@ def make_layer(fmt: str, experts: int, latent: int, inter: int, dtype: torch.dty
         dense = [musecore_quant.dequantize(q).to(device) for q in ws]
     prepared = be.prepare_experts(*ws, dtype=dtype)
     reference = ExpertWeights(gate=dense[0], up=dense[1], down=dense[2], format=fmt, num_experts=experts)
-    norm = 1.0 + 0.1 * torch.randn(experts, latent, device=device)
+    norm = (1.0 + 0.5 * torch.randn(width, device=device)).to(dtype)  # the shared post-expert norm, 1 + w folded
     return be, prepared, reference, norm
 
 
 def route(tokens: int, experts: int, topk: int, device):
-    logits = torch.randn(tokens, experts, device=device)
-    return ref.router_topk(logits, topk, True)
+    """Sigmoid router weights and ids from random logits (uncorrelated with z)."""
+    x = torch.randn(tokens, 32, device=device)
+    return ref.router_topk(x, torch.randn(experts, 32, device=device), torch.zeros(experts, device=device), topk,
+                           1.0, 1.0)
 
 
 def test_alignment_gives_each_block_one_expert_and_inverts():
@@ -52,12 +54,12 @@ def test_alignment_gives_each_block_one_expert_and_inverts():
 @pytest.mark.parametrize("fmt,tokens", [("nvfp4", 1), ("nvfp4", 6), ("mxfp4", 6), ("dense", 1), ("dense", 6)])
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
 def test_moe_matches_reference(fmt, tokens, dtype):
-    be, prepared, reference, norm = make_layer(fmt, experts=6, latent=128, inter=128, dtype=dtype, device=DEVICE)
+    be, prepared, reference, norm = make_layer(fmt, experts=6, width=128, inter=128, dtype=dtype, device=DEVICE)
     weights, ids = route(tokens, 6, 2, DEVICE)
     z = torch.randn(tokens, 128, device=DEVICE).to(dtype)
-    y = be.moe(z, weights, ids, prepared, norm, 1e-6)
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)
     assert y.dtype == torch.float32
-    expected = ref.moe(z.float(), weights, ids, reference, norm, 1e-6)
+    expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
     assert_nmse(expected, y, tolerance("moe"), f"moe {fmt} T={tokens} {dtype}")
 
 
@@ -68,7 +70,7 @@ def test_moe_decode_gemv_matches_reference(fmt, tokens):
     """The per-assignment GEMV path (few assignments per expert); MXFP4 up weights 2**10 larger than
     gate, so the two stacks start with different folds and must share one."""
     experts, topk = 16, 2
-    be, prepared, reference, norm = make_layer(fmt, experts=experts, latent=128, inter=256, dtype=torch.float16,
+    be, prepared, reference, norm = make_layer(fmt, experts=experts, width=128, inter=256, dtype=torch.float16,
                                                device=DEVICE)
     if fmt == "mxfp4":
         up = musecore_quant.quantize(reference.up.cpu() * 1024, fmt)
@@ -83,8 +85,8 @@ def test_moe_decode_gemv_matches_reference(fmt, tokens):
     weights, ids = route(tokens, experts, topk, DEVICE)
     ids[0] = torch.tensor([5, 5 if tokens == 1 else 7])  # the same expert twice in one token's routing
     z = torch.randn(tokens, 128, device=DEVICE).half()
-    y = be.moe(z, weights, ids, prepared, norm, 1e-6)
-    expected = ref.moe(z.float(), weights, ids, reference, norm, 1e-6)
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
     assert_nmse(expected, y, tolerance("moe"), f"moe GEMV {fmt} T={tokens}")
 
 
@@ -94,39 +96,54 @@ def test_moe_decode_dense_matches_reference(dtype, tokens):
     """16-bit experts at decode (few assignments): one GEMV per assignment, gate+up+SwiGLU fused, the
     same expert twice in one token; the backend's moe takes this path (same bits as calling it)."""
     experts, topk = 16, 2
-    be, prepared, reference, norm = make_layer("dense", experts=experts, latent=96, inter=200, dtype=dtype,
+    be, prepared, reference, norm = make_layer("dense", experts=experts, width=96, inter=200, dtype=dtype,
                                                device=DEVICE)
     weights, ids = route(tokens, experts, topk, DEVICE)
     ids[0] = torch.tensor([5, 5 if tokens == 1 else 7])
     z = torch.randn(tokens, 96, device=DEVICE).to(dtype)
-    y = moe_decode_dense(z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-6)
-    expected = ref.moe(z.float(), weights, ids, reference, norm, 1e-6)
+    y = moe_decode_dense(z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-8)
+    expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
     assert_nmse(expected, y, tolerance("moe"), f"dense decode moe {dtype} T={tokens}")
-    assert torch.equal(be.moe(z, weights, ids, prepared, norm, 1e-6), y)
+    assert torch.equal(be.moe(z, weights, ids, prepared, norm, 1e-8), y)
 
 
-def test_per_expert_norm_is_applied_before_routing_weight():
-    be, prepared, reference, norm = make_layer("nvfp4", experts=4, latent=128, inter=128, dtype=torch.float16,
+def test_shared_post_expert_norm_is_applied_scale_first_before_routing_weight():
+    """Spelled out per token: each expert's output rounded to z's dtype, ``rms(round(e * w))`` with the one
+    shared weight, rounded, then its routing weight."""
+    be, prepared, reference, norm = make_layer("nvfp4", experts=4, width=128, inter=128, dtype=torch.float16,
                                                device=DEVICE)
     z = torch.randn(3, 128, device=DEVICE).half()
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], device=DEVICE)
     weights = torch.tensor([[0.9, 0.1], [0.5, 0.5], [0.25, 0.75]], device=DEVICE)
-    y = be.moe(z, weights, ids, prepared, norm, 1e-6)
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    scale_after = torch.zeros_like(y)  # the old per-expert order (rms(e) * w): must be told apart
     for t in range(3):
-        rows = [ref.rms_norm(ref.expert_forward(z[t:t + 1].float(), reference, int(e)), norm[e], 1e-6)
-                for e in ids[t]]
+        rows = []
+        for j, e in enumerate(ids[t].tolist()):
+            out = ref.expert_forward(z[t:t + 1], reference, e).half()
+            rows.append(ref.rms((out.float() * norm.float()).half(), 1e-8).half().float())
+            scale_after[t] += weights[t, j] * (ref.rms(out, 1e-8) * norm.float())[0]
         expected = weights[t, 0] * rows[0] + weights[t, 1] * rows[1]
         assert_nmse(expected[0], y[t], tolerance("moe"), f"token {t}")
+    assert nmse(scale_after, y) > 10 * tolerance("moe"), "a scale-after norm is indistinguishable here"
+
+
+def test_moe_rejects_a_norm_weight_per_expert():
+    be, prepared, _, norm = make_layer("dense", experts=4, width=64, inter=64, dtype=torch.float16, device=DEVICE)
+    weights, ids = route(2, 4, 2, DEVICE)
+    with pytest.raises(ValueError, match="shared by every expert"):
+        be.moe(torch.randn(2, 64, device=DEVICE).half(), weights, ids, prepared, norm.expand(4, 64), 1e-8)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "dense"])
 @pytest.mark.parametrize("tokens", [1, 16, 64, 600])
 def test_moe_at_model_width_on_gpu(fmt, tokens):
-    be, prepared, reference, norm = make_layer(fmt, experts=16, latent=2048, inter=8192, dtype=torch.bfloat16,
+    """The 816B expert shapes (h = I = 4096), 16 of its 256 experts, top-8."""
+    be, prepared, reference, norm = make_layer(fmt, experts=16, width=4096, inter=4096, dtype=torch.bfloat16,
                                                device="cuda")
     weights, ids = route(tokens, 16, 8, "cuda")
-    z = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
-    y = be.moe(z, weights, ids, prepared, norm, 1e-6)
-    expected = ref.moe(z.float(), weights, ids, reference, norm, 1e-6)
+    z = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
     assert_nmse(expected, y, tolerance("moe"), f"moe {fmt} T={tokens}")

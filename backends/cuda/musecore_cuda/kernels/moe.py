@@ -7,9 +7,11 @@ Only routed experts run, and each expert's weight is streamed once per block of 
    can be captured in a CUDA graph). Each M block then belongs to exactly one expert.
 2. gate and up in one grouped GEMM (rows gathered from ``z``), SwiGLU in its epilogue -> ``h``.
 3. down in a second grouped GEMM over ``h`` (already in sorted order) -> fp32 ``o``.
-4. ``moe_finalize_kernel``: per token, each of its k expert rows gets that expert's RMSNorm,
-   then its routing weight, summed in fp32 (MODEL.md: norm before weight, fp32 sum). Deterministic:
-   a token's rows are read back through the inverse permutation, no atomics.
+4. ``moe_finalize_kernel``: per token, each of its k expert rows is rounded to the activation
+   dtype (the expert's output as the reference writes it), goes through the shared post-expert
+   norm (scale first: ``rms(round(e * w))``), then gets its routing weight; the k rows are summed
+   in fp32 (MODEL.md: norm before weight, fp32 sum). Deterministic: a token's rows are read back
+   through the inverse permutation, no atomics.
 """
 
 from __future__ import annotations
@@ -61,44 +63,56 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, blk_expert, position
 
 
+ACT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
 @triton.jit
 def moe_finalize_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, norm_ptr, y_ptr, L, eps,
                         TOPK: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, SORTED: tl.constexpr,
-                        PDL: tl.constexpr):
-    """y[t] = sum_j w[t,j] * rms_norm(o[pos[t,j]], norm[ids[t,j]]), fp32 (pos = identity unless SORTED).
+                        ACT: tl.constexpr, PDL: tl.constexpr):
+    """y[t] = sum_j w[t,j] * rms(round(round(o[pos[t,j]]) * norm)), fp32 (pos = identity unless SORTED;
+    round = to the activation dtype ``ACT``, as the reference rounds the expert output and the norm's).
 
     A token's k rows are loaded as one [KP, BLOCK] tile and their norms reduced together: one memory
     round trip per token instead of k dependent ones (the k-step loop took ~4.8 us at batch 1)."""
+    offs = tl.arange(0, BLOCK)
+    nw = tl.load(norm_ptr + offs, mask=offs < L, other=0.0).to(tl.float32)  # a weight: read before the wait
     pdl.wait(PDL)  # wait for the kernel before (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, KP)
     jm = j < TOPK
-    offs = tl.arange(0, BLOCK)
     mask = jm[:, None] & (offs < L)[None, :]
     if SORTED:
         p = tl.load(pos_ptr + t * TOPK + j, mask=jm, other=0).to(tl.int64)
     else:
         p = t * TOPK + j
-    e = tl.load(ids_ptr + t * TOPK + j, mask=jm, other=0).to(tl.int64)
     wt = tl.load(w_ptr + t * TOPK + j, mask=jm, other=0.0).to(tl.float32)
-    rows = tl.load(o_ptr + p[:, None] * L + offs[None, :], mask=mask, other=0.0)
-    r = 1.0 / tl.sqrt(tl.sum(rows * rows, axis=1) / L + eps)
-    nw = tl.load(norm_ptr + e[:, None] * L + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * L + offs, tl.sum(rows * (wt * r)[:, None] * nw, axis=0), mask=offs < L)
+    rows = tl.load(o_ptr + p[:, None] * L + offs[None, :], mask=mask, other=0.0).to(ACT).to(tl.float32)
+    s = (rows * nw[None, :]).to(ACT).to(tl.float32)  # the post-expert norm scales first, then rounds
+    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / L + eps)
+    normed = (s * r[:, None]).to(ACT).to(tl.float32)
+    tl.store(y_ptr + t * L + offs, tl.sum(normed * wt[:, None], axis=0), mask=offs < L)
+
+
+def check_post_norm(post_norm: torch.Tensor, width: int) -> None:
+    if post_norm.shape != (width,):
+        raise ValueError(f"moe: the post-expert norm is one weight [h] = [{width}] shared by every expert; got "
+                         f"{list(post_norm.shape)}")
 
 
 def finalize(o: torch.Tensor, position: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             output_norm: torch.Tensor, eps: float, sorted_rows: bool) -> torch.Tensor:
-    """Step 4 of the module docstring: fp32 ``[T, l]`` from the expert rows ``o`` (``position`` maps a
-    token's j-th assignment to its row when ``sorted_rows``)."""
+             post_norm: torch.Tensor, post_eps: float, sorted_rows: bool, act_dtype: torch.dtype) -> torch.Tensor:
+    """Step 4 of the module docstring: fp32 ``[T, h]`` from the expert rows ``o`` (``position`` maps a
+    token's j-th assignment to its row when ``sorted_rows``); ``act_dtype`` is the activations' dtype."""
     T, topk = ids.shape
-    latent = o.shape[-1]
-    y = torch.empty(T, latent, dtype=torch.float32, device=o.device)
+    width = o.shape[-1]
+    check_post_norm(post_norm, width)
+    y = torch.empty(T, width, dtype=torch.float32, device=o.device)
     if T:
-        kp, block = triton.next_power_of_2(topk), triton.next_power_of_2(latent)
-        moe_finalize_kernel[(T,)](o, position, ids.contiguous(), weights.contiguous(), output_norm.contiguous(), y,
-                                  latent, eps, TOPK=topk, KP=kp, BLOCK=block, SORTED=sorted_rows,
-                                  num_warps=max(4, min(16, kp * block // 1024)),
+        kp, block = triton.next_power_of_2(topk), triton.next_power_of_2(width)
+        moe_finalize_kernel[(T,)](o, position, ids.contiguous(), weights.contiguous(), post_norm.contiguous(), y,
+                                  width, post_eps, TOPK=topk, KP=kp, BLOCK=block, SORTED=sorted_rows,
+                                  ACT=ACT_DTYPES[act_dtype], num_warps=max(4, min(16, kp * block // 1024)),
                                   **pdl.triton_options(o.device, "moe_finalize"))
     return y
 
@@ -115,23 +129,24 @@ def _out_features(stack: ExpertStack) -> int:
 
 
 def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: ExpertStack,
-                up: ExpertStack, down: ExpertStack, num_experts: int, output_norm: torch.Tensor,
-                eps: float) -> torch.Tensor:
-    """The ``moe`` op over resident expert stacks; returns fp32 ``[T, l]``."""
+                up: ExpertStack, down: ExpertStack, num_experts: int, post_norm: torch.Tensor,
+                post_eps: float) -> torch.Tensor:
+    """The ``moe`` op over resident expert stacks; returns fp32 ``[T, h]``."""
     T, topk = ids.shape
-    latent = z.shape[-1]
+    width = z.shape[-1]
+    check_post_norm(post_norm, width)
     inter = _out_features(gate)
     n_assign = T * topk
     if T == 0:
-        return torch.empty(T, latent, dtype=torch.float32, device=z.device)
+        return torch.empty(T, width, dtype=torch.float32, device=z.device)
     if use_gemv(gate, n_assign, num_experts):
-        return moe_decode_gemv(z, weights, ids, gate, up, down, output_norm, eps)
+        return moe_decode_gemv(z, weights, ids, gate, up, down, post_norm, post_eps)
     if isinstance(gate, torch.Tensor) and n_assign <= max(1, num_experts // 2):  # BF16 expert layers at decode
-        return moe_decode_dense(z, weights, ids, gate, up, down, output_norm, eps)
+        return moe_decode_dense(z, weights, ids, gate, up, down, post_norm, post_eps)
     z = z.contiguous()
     rows_per_expert = max(1, n_assign // min(num_experts, n_assign))
     active = min(num_experts, n_assign)
-    cfg_up = pick_config(rows_per_expert, inter, latent, active, z.device, allow_split=False)
+    cfg_up = pick_config(rows_per_expert, inter, width, active, z.device, allow_split=False)
     cfg_up = replace(cfg_up, block_n=min(cfg_up.block_n, 128))  # gate and up tiles both live in smem
     if not isinstance(gate, Fp4Resident):  # two dense 16-bit weight tiles per stage: 128x128 x 2 stages
         cfg_up = replace(cfg_up, block_n=64, num_stages=2)  # asked for 288 KB of shared memory on SM90
@@ -139,18 +154,18 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate:
     rows = sorted_ids.numel()
     h = torch.empty(rows, inter, dtype=z.dtype, device=z.device)
     g_args, u_args = _gemm_args(gate), _gemm_args(up)
-    launch_gemm(z, **g_args, n=inter, k=latent, out=h, cfg=cfg_up, a_idx=sorted_ids, n_assign=n_assign,
+    launch_gemm(z, **g_args, n=inter, k=width, out=h, cfg=cfg_up, a_idx=sorted_ids, n_assign=n_assign,
                 a_div=topk, blk_expert=blk_expert, m_rows=rows, w2=u_args["w"], scales2=u_args["scales"],
                 out_scale2=u_args["out_scale"])
-    cfg_down = pick_config(rows_per_expert, latent, inter, active, z.device, allow_split=True)
+    cfg_down = pick_config(rows_per_expert, width, inter, active, z.device, allow_split=True)
     cfg_down = replace(cfg_down, block_m=cfg_up.block_m, group_m=cfg_up.group_m)  # one alignment for both
     if not isinstance(down, Fp4Resident):  # a 16-bit 128x256 weight tile x 3 stages needs 288 KB of smem
         cfg_down = replace(cfg_down, block_n=min(cfg_down.block_n, 128), num_stages=2)
     alloc = torch.zeros if cfg_down.split_k > 1 else torch.empty
-    o = alloc(rows, latent, dtype=torch.float32, device=z.device)
-    launch_gemm(h, **_gemm_args(down), n=latent, k=inter, out=o, cfg=cfg_down, a_idx=sorted_ids,
+    o = alloc(rows, width, dtype=torch.float32, device=z.device)
+    launch_gemm(h, **_gemm_args(down), n=width, k=inter, out=o, cfg=cfg_down, a_idx=sorted_ids,
                 n_assign=n_assign, a_div=0, blk_expert=blk_expert, m_rows=rows)
-    return finalize(o, position, ids, weights, output_norm, eps, sorted_rows=True)
+    return finalize(o, position, ids, weights, post_norm, post_eps, sorted_rows=True, act_dtype=z.dtype)
 
 
 def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int) -> bool:
@@ -167,36 +182,36 @@ def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int) -> bool:
 
 
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
-                    up: Fp4Resident, down: Fp4Resident, output_norm: torch.Tensor, eps: float,
+                    up: Fp4Resident, down: Fp4Resident, post_norm: torch.Tensor, post_eps: float,
                     plans: Optional[tuple[fp4_gemv_cuda.GemvPlan, fp4_gemv_cuda.GemvPlan]] = None) -> torch.Tensor:
     """The ``moe`` op at decode: gate+up+SwiGLU and down as one FP4 GEMV per token-expert assignment
     (``plans`` overrides ``make_plan``'s cuts for the two launches, for sweeps)."""
     T, topk = ids.shape
-    latent, inter = z.shape[-1], gate.out_features
+    width, inter = z.shape[-1], gate.out_features
     flat = ids.reshape(-1).contiguous()
     z = z.contiguous()
     h = torch.empty(flat.numel(), inter, dtype=z.dtype, device=z.device)
     # The tensor-core kernel reduces its K splits before SwiGLU; the FMA kernel's fp32 atomics cannot.
     split = fp4_gemv_cuda.kind_for(1, z.dtype) == "mma"
     plan_up, plan_down = plans or (
-        fp4_gemv_cuda.make_plan(1, inter, latent, z.dtype, z.device, allow_split=split, programs=flat.numel(),
+        fp4_gemv_cuda.make_plan(1, inter, width, z.dtype, z.device, allow_split=split, programs=flat.numel(),
                                 swiglu=True),
-        fp4_gemv_cuda.make_plan(1, latent, inter, z.dtype, z.device, allow_split=split, programs=flat.numel()))
+        fp4_gemv_cuda.make_plan(1, width, inter, z.dtype, z.device, allow_split=split, programs=flat.numel()))
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
-                         n=inter, k=latent, out=h, plan=plan_up, ids=flat, a_div=topk, packed2=up.packed,
+                         n=inter, k=width, out=h, plan=plan_up, ids=flat, a_div=topk, packed2=up.packed,
                          scales2=up.scales, out_scale2=up.out_scale)
-    o = torch.empty(flat.numel(), latent, dtype=torch.float32, device=z.device)
+    o = torch.empty(flat.numel(), width, dtype=torch.float32, device=z.device)
     fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
-                         n=latent, k=inter, out=o, plan=plan_down, ids=flat, a_div=1)
-    return finalize(o, flat, ids, weights, output_norm, eps, sorted_rows=False)
+                         n=width, k=inter, out=o, plan=plan_down, ids=flat, a_div=1)
+    return finalize(o, flat, ids, weights, post_norm, post_eps, sorted_rows=False, act_dtype=z.dtype)
 
 
 def moe_decode_dense(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor,
-                     up: torch.Tensor, down: torch.Tensor, output_norm: torch.Tensor, eps: float) -> torch.Tensor:
+                     up: torch.Tensor, down: torch.Tensor, post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
     """The ``moe`` op at decode on 16-bit expert stacks (the first and last layers): gate+up+SwiGLU and
     down as one GEMV per token-expert assignment (:func:`expert_gemv`), then the finalize. Three
     launches instead of the grouped path's sort, alignment, gathers and two GEMMs (~20)."""
     topk = ids.shape[1]
     h = expert_gemv(z, gate, ids, topk, up=up)
     o = expert_gemv(h, down, ids, 1, out_dtype=torch.float32)
-    return finalize(o, ids.reshape(-1), ids, weights, output_norm, eps, sorted_rows=False)
+    return finalize(o, ids.reshape(-1), ids, weights, post_norm, post_eps, sorted_rows=False, act_dtype=z.dtype)
