@@ -88,6 +88,33 @@ def test_qk_norm_rope_matches_reference(xeon: XeonBackend, dtype, rope: bool, si
         assert_nmse(want, mine, tolerance("qk_norm_rope"), f"qk_norm_rope {name} rope={rope} {dtype} {size}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (2, 3)])
+def test_views_of_the_fused_projection_take_the_native_path(xeon: XeonBackend, dtype, B: int, T: int) -> None:
+    """q, k and the gate come from one fused q/k/v/gate projection as non-contiguous views: the extension reads their head
+    rows in place (no copy, no PyTorch fallback) and returns contiguous results equal to the reference's."""
+    from musecore_xeon import ops as xops
+    fast = xops._fast()
+    if fast is None:
+        pytest.skip("no extension here")
+    nq, nkv, d = 8, 2, 64
+    fused = torch.randn(B, T, (2 * nq + 2 * nkv) * d, dtype=dtype) * 3
+    q, k, _, gate = fused.split([nq * d, nkv * d, nkv * d, nq * d], dim=-1)
+    q, k, gate = q.view(B, T, nq, d), k.view(B, T, nkv, d), gate.view(B, T, nq, d)
+    assert B * T == 1 or not gate.is_contiguous()  # one token: a slice is contiguous (at an offset)
+    for cos, sin in (rope_tables(B, T, d), (None, None)):
+        got = fast.qk_norm_rope(q, k, cos, sin, 1e-5, 5.47)
+        assert got is not None, "the native path declined a view of the fused projection"
+        for name, want, mine in zip("qk", ref.qk_norm_rope(q, k, cos, sin, 1e-5, 5.47), got):
+            assert mine.is_contiguous()
+            assert_nmse(want, mine, tolerance("qk_norm_rope"), f"fused-view qk_norm_rope {name} {dtype} B={B} T={T}")
+    o = torch.randn(B, T, nq, d, dtype=dtype)
+    got = fast.head_norm_gate(o, gate, 1e-5)
+    assert got is not None, "the native path declined a view of the fused projection"
+    assert_nmse(ref.head_norm_gate(o, gate, 1e-5), got, tolerance("head_norm_gate"), f"fused-view gate {dtype}")
+    assert fast.head_norm_gate(o, torch.randn(B, T, nq, 2 * d, dtype=dtype)[..., ::2], 1e-5) is None  # strided rows
+
+
 def test_qk_norm_rope_scales_only_q(xeon: XeonBackend) -> None:
     q, k = torch.randn(1, 2, 4, 64), torch.randn(1, 2, 2, 64)
     q1, k1 = xeon.qk_norm_rope(q, k, None, None, 1e-5, 1.0)

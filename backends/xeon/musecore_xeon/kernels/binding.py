@@ -142,9 +142,9 @@ static PyObject *bf16_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs
 typedef void (*rms_fn)(const void *, int, const void *, int, void *, int, int64_t, int64_t, float, int);
 typedef void (*residual_fn)(const void *, const void *, int, const void *, int, const float *, const float *,
                             const void *, int, void *, void *, int, int64_t, int64_t, float, float);
-typedef void (*rope_fn)(const void *, int, float, const float *, const float *, void *, int64_t, int64_t, int64_t,
-                        float);
-typedef void (*gate_fn)(const void *, int, const void *, int, void *, int64_t, int64_t, float);
+typedef void (*rope_fn)(const void *, int, int64_t, float, const float *, const float *, void *, int64_t, int64_t,
+                        int64_t, float);
+typedef void (*gate_fn)(const void *, int, const void *, int, int64_t, void *, int64_t, int64_t, int64_t, float);
 typedef int (*router_fn)(const float *, const float *, int64_t, int64_t, int64_t, float, float, float *, int64_t *);
 typedef void (*attention_fn)(const void *, int, const void *, const void *, int, const int64_t *, const int64_t *,
                              int64_t, float, void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int);
@@ -197,6 +197,30 @@ static const at::Tensor *operand(PyObject *obj, bool f32_only = false, bool boun
 static const at::Tensor *optional_operand(PyObject *obj, bool *present, bool f32_only = false) {
     *present = obj != Py_None;
     return *present ? operand(obj, f32_only) : nullptr;
+}
+
+/* The tensor behind obj if it is a 4-D [B, T, heads, d] fp32/bf16 CPU tensor of at most max_elements elements whose
+   head rows are contiguous and whose (B, T) collapse to one token index (a contiguous tensor, or a view of the heads of
+   a wider projection output, as a split of the fused q/k/v/gate projection gives), else nullptr; *tok_stride is the
+   elements between tokens. */
+static const at::Tensor *head_rows(PyObject *obj, int64_t *tok_stride) {
+    if (!THPVariable_Check(obj)) return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    const at::ScalarType s = t.scalar_type();
+    if ((s != at::kFloat && s != at::kBFloat16) || !t.device().is_cpu() || t.dim() != 4 || t.numel() > max_elements
+            || t.numel() == 0)
+        return nullptr;
+    const int64_t d = t.size(3);
+    if ((t.size(3) > 1 && t.stride(3) != 1) || (t.size(2) > 1 && t.stride(2) != d))
+        return nullptr;
+    if (t.size(1) > 1) {  /* token stride of T; B must follow it */
+        if (t.size(0) > 1 && t.stride(0) != t.size(1) * t.stride(1)) return nullptr;
+        *tok_stride = t.stride(1);
+    } else {
+        *tok_stride = t.size(0) > 1 ? t.stride(0) : t.size(2) * d;
+    }
+    if (*tok_stride < t.size(2) * d) return nullptr;
+    return &t;
 }
 
 /* The tensor behind obj if it is a contiguous int64 CPU tensor of the given 2-D shape, else nullptr. */
@@ -298,46 +322,49 @@ static PyObject *residual_norm(PyObject *, PyObject *const *args, Py_ssize_t nar
     });
 }
 
-/* qk_norm_rope(q, k, cos | None, sin | None, eps, q_scale) with q [B,T,nq,d], k [B,T,nkv,d], cos/sin fp32 [B,T,d]
-   (both None: a NoPE layer) -> (q', k'), or None */
+/* qk_norm_rope(q, k, cos | None, sin | None, eps, q_scale) with q [B,T,nq,d], k [B,T,nkv,d] (contiguous or views of
+   the fused projection, see head_rows), cos/sin fp32 [B,T,d] (both None: a NoPE layer) -> contiguous (q', k'), or
+   None */
 static PyObject *qk_norm_rope(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     double num[2];
     if (!op_call("qk_norm_rope", nargs, 6, (const void *)rope_kernel) || !numbers(args, 4, 2, num)) return nullptr;
     bool has_cos, has_sin;
-    const at::Tensor *q = operand(args[0]), *k = operand(args[1]), *cs = optional_operand(args[2], &has_cos, true),
-                     *sn = optional_operand(args[3], &has_sin, true);
-    if (q == nullptr || k == nullptr || has_cos != has_sin || (has_cos && (cs == nullptr || sn == nullptr))
-            || q->dim() != 4 || k->dim() != 4)
+    int64_t q_stride = 0, k_stride = 0;
+    const at::Tensor *q = head_rows(args[0], &q_stride), *k = head_rows(args[1], &k_stride),
+                     *cs = optional_operand(args[2], &has_cos, true), *sn = optional_operand(args[3], &has_sin, true);
+    if (q == nullptr || k == nullptr || has_cos != has_sin || (has_cos && (cs == nullptr || sn == nullptr)))
         Py_RETURN_NONE;
     const int64_t B = q->size(0), T = q->size(1), d = q->size(3);
-    if (d == 0 || d > 1024 || k->size(0) != B || k->size(1) != T || k->size(3) != d)
+    if (d > 1024 || k->size(0) != B || k->size(1) != T || k->size(3) != d)
         Py_RETURN_NONE;
     if (has_cos && (cs->dim() != 3 || cs->size(0) != B || cs->size(1) != T || cs->size(2) != d
                     || sn->sizes() != cs->sizes()))
         Py_RETURN_NONE;
     return guarded([&]() -> PyObject * {
-        at::Tensor qo = at::empty(q->sizes(), q->options()), ko = at::empty(k->sizes(), k->options());
+        at::Tensor qo = at::empty(q->sizes(), q->options().memory_format(at::MemoryFormat::Contiguous)),
+                   ko = at::empty(k->sizes(), k->options().memory_format(at::MemoryFormat::Contiguous));
         const float *cp = has_cos ? cs->const_data_ptr<float>() : nullptr, *sp = has_cos ? sn->const_data_ptr<float>() : nullptr;
-        rope_kernel(q->const_data_ptr(), bf(q), (float)num[1], cp, sp, qo.mutable_data_ptr(), q->numel() / d, q->size(2),
-                    d, (float)num[0]);
-        rope_kernel(k->const_data_ptr(), bf(k), 1.0f, cp, sp, ko.mutable_data_ptr(), k->numel() / d, k->size(2), d,
-                    (float)num[0]);
+        rope_kernel(q->const_data_ptr(), bf(q), q_stride, (float)num[1], cp, sp, qo.mutable_data_ptr(), q->numel() / d,
+                    q->size(2), d, (float)num[0]);
+        rope_kernel(k->const_data_ptr(), bf(k), k_stride, 1.0f, cp, sp, ko.mutable_data_ptr(), k->numel() / d,
+                    k->size(2), d, (float)num[0]);
         return pair(std::move(qo), std::move(ko));
     });
 }
 
-/* head_norm_gate(o, gate_logits, eps) with o and gate_logits [..., d] of one shape -> rms(o) * sigmoid(gate) in o's
-   dtype, or None */
+/* head_norm_gate(o, gate_logits, eps) with o contiguous [B,T,nq,d] and gate_logits of o's shape (contiguous or a view
+   of the fused projection, see head_rows) -> rms(o) * sigmoid(gate) in o's dtype, or None */
 static PyObject *head_norm_gate(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     double eps;
     if (!op_call("head_norm_gate", nargs, 3, (const void *)gate_kernel) || !numbers(args, 2, 1, &eps)) return nullptr;
-    const at::Tensor *o = operand(args[0]), *g = operand(args[1]);
-    if (o == nullptr || g == nullptr || g->sizes() != o->sizes() || o->size(-1) == 0) Py_RETURN_NONE;
+    int64_t g_stride = 0;
+    const at::Tensor *o = operand(args[0]), *g = head_rows(args[1], &g_stride);
+    if (o == nullptr || g == nullptr || g->sizes() != o->sizes()) Py_RETURN_NONE;
     return guarded([&]() -> PyObject * {
         const int64_t d = o->size(-1);
         at::Tensor out = at::empty(o->sizes(), o->options());
-        gate_kernel(o->const_data_ptr(), bf(o), g->const_data_ptr(), bf(g), out.mutable_data_ptr(), o->numel() / d, d,
-                    (float)eps);
+        gate_kernel(o->const_data_ptr(), bf(o), g->const_data_ptr(), bf(g), g_stride, out.mutable_data_ptr(),
+                    o->numel() / d, o->size(2), d, (float)eps);
         return THPVariable_Wrap(std::move(out));
     });
 }

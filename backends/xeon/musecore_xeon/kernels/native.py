@@ -161,8 +161,8 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_bf16_moe.restype = ctypes.c_int
     lib.musecore_rms_norm.argtypes = [vp, i, vp, i, vp, i, i64, i64, f32, i]
     lib.musecore_residual_norm.argtypes = [vp, vp, i, vp, i, vp, vp, vp, i, vp, vp, i, i64, i64, f32, f32]
-    lib.musecore_norm_rope.argtypes = [vp, i, f32, vp, vp, vp, i64, i64, i64, f32]
-    lib.musecore_head_norm_gate.argtypes = [vp, i, vp, i, vp, i64, i64, f32]
+    lib.musecore_norm_rope.argtypes = [vp, i, i64, f32, vp, vp, vp, i64, i64, i64, f32]
+    lib.musecore_head_norm_gate.argtypes = [vp, i, vp, i, i64, vp, i64, i64, i64, f32]
     lib.musecore_router_topk.argtypes = [vp, vp, i64, i64, i64, f32, f32, vp, vp]
     lib.musecore_router_topk.restype = ctypes.c_int
     lib.musecore_attention.argtypes = [vp, i, vp, vp, i, vp, vp, i64, f32, vp] + [i64] * 6 + [i]

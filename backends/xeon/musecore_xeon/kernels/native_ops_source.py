@@ -142,16 +142,18 @@ void musecore_residual_norm(const void *res, const void *out, int outb, const vo
 
 /* qk_norm_rope's half (musecore/ops): per head (rows of d) the weightless RMSNorm over d times scale, then, when cos_t
    is not NULL, RoPE with the halves convention (rotate_half = [-x2, x1]); cos/sin fp32 [rows / heads, d]. NULL cos_t:
-   a NoPE layer. */
-void musecore_norm_rope(const void *x, int xb, float scale, const float *cos_t, const float *sin_t, void *out,
-                        int64_t rows, int64_t heads, int64_t d, float eps) {
+   a NoPE layer. x's rows may be a view of a wider projection output: row r (token r / heads, head r % heads) starts at
+   (r / heads) * tok_stride + (r % heads) * d; out is contiguous [rows, d]. */
+void musecore_norm_rope(const void *x, int xb, int64_t tok_stride, float scale, const float *cos_t,
+                        const float *sin_t, void *out, int64_t rows, int64_t heads, int64_t d, float eps) {
     const int64_t half = d / 2;
     float buf[1024];
     for (int64_t r = 0; r < rows; ++r) {
-        const float f = inv_rms(x, xb, r * d, d, eps) * scale;
-        if (cos_t == NULL) { scale_mul(x, xb, r * d, f, NULL, 0, out, xb, r * d, d); continue; }
+        const int64_t off = (r / heads) * tok_stride + (r % heads) * d;
+        const float f = inv_rms(x, xb, off, d, eps) * scale;
+        if (cos_t == NULL) { scale_mul(x, xb, off, f, NULL, 0, out, xb, r * d, d); continue; }
         const float *cs = cos_t + (r / heads) * d, *sn = sin_t + (r / heads) * d;
-        scale_mul(x, xb, r * d, f, NULL, 0, buf, 0, 0, d);
+        scale_mul(x, xb, off, f, NULL, 0, buf, 0, 0, d);
         int64_t c = 0;
 #ifdef __AVX2__
         if (half % 8 == 0) {
@@ -171,22 +173,24 @@ void musecore_norm_rope(const void *x, int xb, float scale, const float *cos_t, 
     }
 }
 
-/* head_norm_gate (musecore/ops): out = rms(o) * sigmoid(gate), element-wise, per head row of d (gate [rows, d]). */
-void musecore_head_norm_gate(const void *o, int ob, const void *gate, int gb, void *out, int64_t rows, int64_t d,
-                             float eps) {
+/* head_norm_gate (musecore/ops): out = rms(o) * sigmoid(gate), element-wise, per head row of d; o and out contiguous
+   [rows, d], gate's row r at (r / heads) * gate_tok_stride + (r % heads) * d (a view of the fused projection output). */
+void musecore_head_norm_gate(const void *o, int ob, const void *gate, int gb, int64_t gate_tok_stride, void *out,
+                             int64_t rows, int64_t heads, int64_t d, float eps) {
     for (int64_t r = 0; r < rows; ++r) {
         const float f = inv_rms(o, ob, r * d, d, eps);
+        const int64_t go = (r / heads) * gate_tok_stride + (r % heads) * d;
         int64_t c = 0;
 #ifdef __AVX2__
         const __m256 fv = _mm256_set1_ps(f), one = _mm256_set1_ps(1.0f);
         for (; c + 8 <= d; c += 8) {
             const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(),
-                                                                                          load8_x(gate, gb, r * d + c)))));
+                                                                                          load8_x(gate, gb, go + c)))));
             store8_x(out, ob, r * d + c, _mm256_mul_ps(_mm256_mul_ps(load8_x(o, ob, r * d + c), fv), sig));
         }
 #endif
         for (; c < d; ++c)
-            store_x(out, ob, r * d + c, load_x(o, ob, r * d + c) * f / (1.0f + expf(-load_x(gate, gb, r * d + c))));
+            store_x(out, ob, r * d + c, load_x(o, ob, r * d + c) * f / (1.0f + expf(-load_x(gate, gb, go + c))));
     }
 }
 
