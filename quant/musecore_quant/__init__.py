@@ -22,7 +22,7 @@ from .qtensor import FORMATS, QTensor, concat_problem, concat_qtensors, slice_ro
 
 __all__ = [
     "FORMATS", "QTensor", "QuantError", "dequantize", "fake_quantize_activation", "quant_error",
-    "quantize", "requantize", "stack_qtensors", "concat_qtensors", "concat_problem", "slice_rows",
+    "quantize", "requantize", "stack_qtensors", "concat_qtensors", "concat_problem", "slice_rows", "muse_rule",
 ]
 
 
@@ -32,4 +32,7 @@ def __getattr__(name: str) -> Any:
     if name == "convert":
         from .checkpoint import convert
         return convert
+    if name == "muse_rule":
+        from .checkpoint.experts import muse_rule
+        return muse_rule
     raise AttributeError(f"module 'musecore_quant' has no attribute {name!r}")

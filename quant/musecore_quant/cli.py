@@ -63,9 +63,19 @@ def _mb(n: int) -> str:
 # ------------------------------------------------------------------------------------ inspect
 def inspect_checkpoint(reader: CheckpointReader, scale_stats: bool = True) -> dict[str, Any]:
     """Format, producer, sizes, per-layer formats and scale statistics of an open checkpoint."""
-    weights, formats, layers = {}, {}, {}
+    from .checkpoint.experts import FUSED_EXPERT, PER_EXPERT
+    weights, formats, layers, experts = {}, {}, {}, {}
     for name in reader.weight_names():
         e = reader.entry(name)
+        m = FUSED_EXPERT.match(name) or PER_EXPERT.match(name)
+        if m:  # routed experts per MoE layer: fused [E, 2I, h] / [E, h, I] tensors, or per-expert Linears
+            x = experts.setdefault(m["prefix"], {"layout": set(), "experts": 0, "formats": {}})
+            fused = "e" not in m.groupdict()
+            x["layout"].add("fused" if fused else "per-expert")
+            x["experts"] = max(x["experts"], e.shape[0] if fused else int(m["e"]) + 1)
+            proj = x["formats"].setdefault(m["proj"], [])
+            if e.format not in proj:
+                proj.append(e.format)
         weights[name] = {"format": e.format, "shape": list(e.shape), "bytes": e.nbytes,
                          "group_size": e.group_size if e.quantized else None,
                          "tensors": sorted(h.key for h in e.parts.values())}
@@ -78,7 +88,8 @@ def inspect_checkpoint(reader: CheckpointReader, scale_stats: bool = True) -> di
     info = {"folder": str(reader.folder), "format": reader.format, "producer": reader.producer,
             "quant_method": reader.quant_method, "total_bytes": reader.tensor_nbytes(),
             "shards": [{"name": s.name, "bytes": s.stat().st_size} for s in reader.shards],
-            "formats": formats, "layers": layers, "weights": weights}
+            "formats": formats, "layers": layers, "weights": weights,
+            "experts": {p: {**x, "layout": "+".join(sorted(x["layout"]))} for p, x in experts.items()}}
     if scale_stats:
         info["scale_stats"] = _scale_stats(reader)
     return info
@@ -136,6 +147,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print("per layer")
     for layer, counts in info["layers"].items():
         print(f"  {layer:<40} " + "  ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    if info["experts"]:
+        print("routed experts")
+    for prefix, x in info["experts"].items():
+        print(f"  {prefix:<40} {x['layout']:<10} E={x['experts']:<4} "
+              + "  ".join(f"{p} {'/'.join(f)}" for p, f in x["formats"].items()))
     for fmt, s in info.get("scale_stats", {}).items():
         print(f"scales {fmt} ({s['weights']} weights)")
         for key, acc in s.items():
@@ -180,15 +196,24 @@ def _calibrated_convert(args: argparse.Namespace) -> Any:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from .checkpoint.experts import muse_rule, num_hidden_layers
+    from .checkpoint.safetensors_io import read_json
     from .convert import CLI_DEFAULT_INCLUDE, DEFAULT_EXCLUDE, convert
     include = args.include if args.include else ([CLI_DEFAULT_INCLUDE] if args.to != "bf16" else None)
+    if args.muse_rule:
+        if args.include:
+            raise CheckpointError("--muse-rule and --include both choose the weights to quantize; pass one")
+        config_path = Path(args.src) / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path}: config.json is missing; --muse-rule reads num_hidden_layers from it")
+        include = muse_rule(num_hidden_layers(read_json(config_path, "config.json")))
     if args.method != "rtn":
         report = _calibrated_convert(args)
     else:
         report = convert(args.src, args.dst, to=args.to, method=args.method,
                          exclude=args.exclude if args.exclude is not None else DEFAULT_EXCLUDE, include=include,
                          quantize_options=dict(_parse_option(o) for o in args.option),
-                         progress=not args.no_progress, resume=not args.no_resume,
+                         progress=not args.no_progress, resume=not args.no_resume, fuse_experts=args.fuse_experts,
                          **({"max_shard_bytes": args.max_shard_bytes} if args.max_shard_bytes else {}))
     if args.json:
         print(_dump(report.to_dict()))
@@ -309,7 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibration", type=Path, default=None, metavar="FILE",
                    help="calibration text for --method autoround: .txt, .jsonl ({'text': ...} per line) or .i16 ids")
     s.add_argument("--include", action="append", metavar="REGEX",
-                   help=f"weights to quantize (default: routed experts, '{CLI_DEFAULT_INCLUDE}')")
+                   help=f"weights to quantize (default: routed experts, fused or per-expert, '{CLI_DEFAULT_INCLUDE}')")
+    s.add_argument("--muse-rule", action="store_true",
+                   help="quantize the routed experts of layers 1..L-2 only (L = num_hidden_layers of the source "
+                        "config); layers 0 and L-1 keep BF16 experts")
+    s.add_argument("--fuse-experts", dest="fuse_experts", action="store_true", default=None,
+                   help="with --to bf16: stack per-expert weights into fused experts.gate_up_proj/down_proj "
+                        "(transformers 5 layout; default when the source already holds fused experts)")
+    s.add_argument("--no-fuse-experts", dest="fuse_experts", action="store_false",
+                   help="with --to bf16: keep per-expert weights as they are")
     s.add_argument("--exclude", action="append", metavar="REGEX", help="weights never quantized "
                    "(default: embeddings, lm_head, norms; giving --exclude replaces the defaults)")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

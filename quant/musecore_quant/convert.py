@@ -8,16 +8,24 @@ layout through ``CheckpointWriter`` (atomic, sha256 per shard, resumable after a
 reports the error of every converted tensor against the source values.
 
 Which weights get quantized is the caller's decision: a weight is selected when it is a 2-D
-``*.weight`` matching one of the ``include`` regexes (all, when None) and none of ``exclude``.
-musecore supplies the Muse rule (routed experts of layers 1..L-2); the CLI defaults to routed
-experts (``CLI_DEFAULT_INCLUDE``). NVFP4 siblings that runtimes fuse (an expert's gate/up; q/k/v)
-share one ``weight_scale_2``, as ModelOpt exports them.
+``*.weight`` or a fused 3-D expert tensor (``*.experts.gate_up_proj`` ``[E, 2I, h]``,
+``*.experts.down_proj`` ``[E, h, I]``, transformers 5) matching one of the ``include`` regexes (all,
+when None) and none of ``exclude``. ``muse_rule(num_hidden_layers)`` gives the Muse rule (routed
+experts of layers 1..L-2, fused or per-expert names); the CLI defaults to all routed experts
+(``CLI_DEFAULT_INCLUDE``). NVFP4 siblings that runtimes fuse (an expert's gate/up; q/k/v) share one
+``weight_scale_2``, as ModelOpt exports them; a fused ``gate_up_proj`` is quantized as one stacked
+tensor, so each expert gets one ``weight_scale_2`` over its gate and up rows (``[E]``).
+
+A quantized fused expert tensor is written in the target producer's layout, which for ModelOpt,
+Quark and AutoRound is per-expert keys (``checkpoint/experts.py`` cites their export code); BF16
+ones are copied unchanged. Writing BF16, ``fuse_experts`` stacks per-expert weights back into the
+fused tensors transformers 5 loads (by default when the source already holds fused experts).
 
 Example::
 
     from musecore_quant.convert import convert
     report = convert("Muse-Spark-Open-BF16", "Muse-Spark-Open-MXFP4", to="mxfp4",
-                     include=[r"layers\\.([1-9]|[1-5]\\d|60)\\.mlp\\.experts\\.\\d+\\..*_proj\\.weight$"])
+                     include=muse_rule(62))
     print(report.summary()["min_sqnr_db"])
 
 ``method="autoround"`` tunes weights on calibration data, which needs the model graph; pass
@@ -42,6 +50,7 @@ from tqdm import tqdm
 
 from .api import dequantize, quantize, requantize
 from .checkpoint import CheckpointError, CheckpointWriter, open_checkpoint
+from .checkpoint.experts import FUSED_EXPERT, check_fused_shape, fuse, fuse_groups, muse_rule  # noqa: F401
 from .checkpoint.reader import INDEX_NAME, CheckpointReader
 from .checkpoint.safetensors_io import dtype_name
 from .checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, TARGET_PRODUCERS
@@ -53,7 +62,7 @@ from .qtensor import QTensor
 TARGETS = tuple(TARGET_PRODUCERS)  # nvfp4, fp8, mxfp4, int4, bf16
 METHODS = ("rtn", "autoround")
 DEFAULT_EXCLUDE = (r"embed", r"(^|\.)lm_head\.", r"norm")
-CLI_DEFAULT_INCLUDE = r".*experts\.\d+\.(gate|up|down)_proj\.weight$"
+CLI_DEFAULT_INCLUDE = r".*experts\.(\d+\.(gate|up|down)_proj\.weight|gate_up_proj|down_proj)$"
 DEFAULT_SIBLINGS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("w1", "w3"))
 REPORT_NAME = "conversion_report.json"
 _NOT_COPIED = {"config.json", "hf_quant_config.json", INDEX_NAME, REPORT_NAME}
@@ -68,7 +77,7 @@ class TensorRecord:
     """What happened to one weight, with its error against the source values when it changed."""
 
     name: str
-    action: str  # quantize | requantize | dequantize | copy
+    action: str  # quantize | requantize | dequantize | copy | fuse (per-expert BF16 stacked, bit for bit)
     source_format: str
     target_format: str
     shape: list[int]
@@ -135,8 +144,11 @@ def _json_safe(obj: Any) -> Any:
 
 def select_weight(name: str, shape: Sequence[int], include: Optional[Sequence[re.Pattern]],
                   exclude: Sequence[re.Pattern]) -> bool:
-    """The default rule: a 2-D ``*.weight`` matching an include regex (all if None) and no exclude."""
-    if len(shape) != 2 or not name.endswith(".weight"):
+    """The default rule: a 2-D ``*.weight`` or a fused 3-D expert tensor matching an include regex (all if
+    None) and no exclude."""
+    if FUSED_EXPERT.match(name):
+        check_fused_shape(name, shape)
+    elif len(shape) != 2 or not name.endswith(".weight"):
         return False
     if include is not None and not any(p.search(name) for p in include):
         return False
@@ -148,7 +160,8 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
             quantize_options: Optional[Mapping[str, Any]] = None, progress: bool = True, resume: bool = True,
             *, calibrated_quantizer: Optional[CalibratedQuantizer] = None,
             siblings: Sequence[Sequence[str]] = DEFAULT_SIBLINGS,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ConversionReport:
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            fuse_experts: Optional[bool] = None) -> ConversionReport:
     """Convert the checkpoint ``src`` into ``dst`` in format ``to``; see the module doc.
 
     - ``include``/``exclude``: regexes (``re.search``) over logical weight names choosing what
@@ -161,6 +174,9 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     - ``resume``: a rerun with the same arguments continues an interrupted conversion from its
       ``dst.partial-<key>`` folder, keeping the shards whose sha256 still matches.
     - ``siblings``: groups of module suffixes sharing the NVFP4 global scale under one parent.
+    - ``fuse_experts`` (``to="bf16"`` only): stack per-expert ``P.{e}.{gate,up,down}_proj.weight`` into
+      ``P.gate_up_proj`` / ``P.down_proj`` (the transformers 5 layout). None: when the source already
+      holds a fused expert tensor (a quantized checkpoint whose BF16 layers kept them fused).
     """
     started = time.perf_counter()
     if to not in TARGETS:
@@ -185,7 +201,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     src, dst = Path(src), Path(dst)
 
     reader = open_checkpoint(src)
-    key = _resume_key(reader, to, method, include, exclude, options, calibrated_quantizer, siblings)
+    key = _resume_key(reader, to, method, include, exclude, options, calibrated_quantizer, siblings, fuse_experts)
     writer = CheckpointWriter(dst, config=reader.config, format=to, max_shard_bytes=max_shard_bytes,
                               resume_key=key, resume=resume)
     report = ConversionReport(str(src), str(dst), to, method, None if include is None else list(include),
@@ -196,10 +212,29 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     names = reader.weight_names()
     selected = set() if to == "bf16" else {
         n for n in names if select_weight(n, reader.weight_shape(n), include_res, exclude_res)}
+    if reader.producer == "gpt-oss":  # interleaved gate/up rows: not the gate-then-up split of experts.py
+        skipped = sorted(n for n in selected if FUSED_EXPERT.match(n))
+        selected -= set(skipped)
+        if skipped:
+            report.warnings.append(f"GPT-OSS fused experts ({len(skipped)}, e.g. {skipped[0]}) interleave gate and "
+                                   "up rows; they were dequantized to BF16, not requantized")
+    if fuse_experts and to != "bf16":
+        raise CheckpointError("fuse_experts writes the BF16 fused layout; producers of quantized formats write "
+                              "per-expert keys (see musecore_quant/checkpoint/experts.py): use to='bf16'")
+    if fuse_experts is None:
+        fuse_experts = to == "bf16" and any(FUSED_EXPERT.match(n) for n in names)
+    files = {n: str(next(iter(reader.entry(n).parts.values())).file) for n in names}
+    fused_groups = fuse_groups(names, files) if fuse_experts else {}
+    owner = {m: f for f, members in fused_groups.items() for m in members}  # per-expert name -> fused name
+    clash = sorted(set(fused_groups) & set(names))
+    if clash:
+        raise CheckpointError(f"{files[clash[0]]}: {clash[0]!r} exists both fused and as per-expert weights; the "
+                              "checkpoint mixes layouts for one layer: re-export it", tensor=clash[0])
     if to != "bf16" and not selected:
         report.warnings.append("no weight matched include/exclude: nothing was quantized")
     groups = _sibling_groups(selected, siblings) if to == "nvfp4" else {}
-    done = set(writer.completed)
+    groups.update((m, tuple(fused_groups[f])) for m, f in owner.items())
+    done = set(writer.completed) | {m for m, f in owner.items() if f in writer.completed}
     report.resumed_weights = len(done & set(names))
     # a finished weight is read again only when an unfinished sibling needs it for the shared scale
     needed = [n for n in names if any(m not in done for m in groups.get(n, (n,)))]
@@ -216,7 +251,10 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
                 if not all(m in pending for m in members):
                     continue
                 batch = [(m, pending.pop(m)) for m in members]
-                converter.run(batch)
+                if name in owner:
+                    converter.fuse(owner[name], batch, files)
+                else:
+                    converter.run(batch)
                 nbytes = sum(reader.tensor_nbytes(m) for m, _ in batch)
                 report.source_bytes_read += nbytes
                 bar.update(nbytes)
@@ -230,7 +268,8 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
             writer.add_file(path)
     writer.flush()
     records = {n: TensorRecord(**r["meta"]["record"]) for n, r in writer.completed.items() if "record" in r["meta"]}
-    report.tensors = [records[n] for n in names]
+    ordered = dict.fromkeys(owner.get(n, n) for n in names)
+    report.tensors = [records[n] for n in ordered]
     report.output_bytes = writer.tensor_bytes
     report.shards = writer.shard_count
     report.seconds = time.perf_counter() - started
@@ -252,7 +291,7 @@ class _Converter:
         requant = []
         for name, value in batch:
             if name in self.selected and not (isinstance(value, QTensor) and value.format == self.to
-                                              and self.writer.accepts(value)):
+                                              and self.writer.accepts(value, name)):
                 requant.append((name, value))
             elif name not in self.done:
                 self._keep(name, value)
@@ -262,8 +301,25 @@ class _Converter:
                     action = "quantize" if not isinstance(value, QTensor) else "requantize"
                     self._add(name, value, qt, action)
 
+    def fuse(self, name: str, batch: list[tuple[str, Weight]], files: Mapping[str, str]) -> None:
+        """Per-expert weights stacked into the fused tensor ``name`` (BF16 target; quantized ones dequantized)."""
+        if name in self.done:
+            return
+        quantized = any(isinstance(v, QTensor) for _, v in batch)
+        plain = [(n, dequantize(v, torch.bfloat16) if isinstance(v, QTensor) else v) for n, v in batch]
+        out = fuse(name, plain, files)
+        if not quantized:
+            self._add(name, out, out, "fuse")
+            return
+        source = fuse(name, [(n, _fp32(v)) for n, v in batch], files)
+        record = TensorRecord(name, "dequantize", _format(batch[0][1]), _format(out), list(out.shape))
+        err = quant_error(source, out.to(torch.float32))
+        record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
+            err.sqnr_db, err.max_abs_error, err.rmse, err.nmse)
+        self.writer.add(name, out, meta={"record": asdict(record)})
+
     def _keep(self, name: str, value: Weight) -> None:
-        if isinstance(value, QTensor) and (self.to == "bf16" or not self.writer.accepts(value)):
+        if isinstance(value, QTensor) and (self.to == "bf16" or not self.writer.accepts(value, name)):
             self._add(name, value, dequantize(value, torch.bfloat16), "dequantize")
         else:
             self._add(name, value, value, "copy")
@@ -297,7 +353,7 @@ class _Converter:
 
     def _add(self, name: str, source: Weight, out: Weight, action: str) -> None:
         record = TensorRecord(name, action, _format(source), _format(out), list(source.shape))
-        if action != "copy":
+        if action not in ("copy", "fuse"):
             err = quant_error(_fp32(source), _fp32(out))
             record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
                 err.sqnr_db, err.max_abs_error, err.rmse, err.nmse)
@@ -333,13 +389,13 @@ def _sibling_groups(selected: Iterable[str], siblings: Sequence[Sequence[str]]) 
 
 def _resume_key(reader: CheckpointReader, to: str, method: str, include: Optional[Sequence[str]],
                 exclude: Sequence[str], options: Mapping[str, Any], calibrated: Optional[Callable],
-                siblings: Sequence[Sequence[str]]) -> str:
+                siblings: Sequence[Sequence[str]], fuse_experts: Optional[bool] = None) -> str:
     """Identifies a conversion: a rerun with the same inputs and arguments resumes its partial folder."""
     ident = {"src": str(reader.folder.resolve()), "to": to, "method": method,
              "include": None if include is None else list(include), "exclude": list(exclude),
              "options": {k: repr(v) for k, v in sorted(options.items())},
              "quantizer": None if calibrated is None else getattr(calibrated, "__qualname__", repr(type(calibrated))),
-             "siblings": [list(s) for s in siblings],
+             "siblings": [list(s) for s in siblings], **({"fuse_experts": fuse_experts} if fuse_experts is not None else {}),
              "shards": [(s.name, s.stat().st_size) for s in reader.shards]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

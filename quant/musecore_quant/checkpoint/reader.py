@@ -28,6 +28,7 @@ from safetensors import safe_open
 from . import autoround, compressed_tensors, dense, gpt_oss
 from .detect import Scheme, check_entries, detect_scheme
 from .errors import CheckpointError
+from .experts import check_fused_headers
 from .layout import Weight, WeightEntry, check_finite, decode_plain, group_tensors, plain_entry
 from .safetensors_io import TensorHeader, read_header, read_json, resolve_inside
 
@@ -71,6 +72,7 @@ def open_checkpoint(folder: str | Path) -> "CheckpointReader":
             raise CheckpointError(f"{folder / 'hf_quant_config.json'}: expected a JSON object",
                                   path=folder / "hf_quant_config.json")
     shards, headers = _read_headers(folder)
+    check_fused_headers(headers)
     scheme = detect_scheme(folder, config, hf_quant)
     entries = _build_entries(headers, scheme)
     check_entries(scheme, entries, folder)

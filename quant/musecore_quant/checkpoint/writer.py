@@ -35,6 +35,7 @@ import torch
 from ..qtensor import QTensor
 from . import autoround, modelopt, quark
 from .errors import CheckpointError
+from .experts import FUSED_EXPERT, check_fused_qtensor, unfuse
 from .reader import INDEX_NAME, PARTIAL_MARKER
 from .safetensors_io import dtype_name, fsync_path, sha256_file, write_json, write_safetensors
 
@@ -107,13 +108,18 @@ class CheckpointWriter:
         return len(self._shards)
 
     # ------------------------------------------------------------------ adding weights
-    def accepts(self, value: Union[torch.Tensor, QTensor]) -> bool:
-        """Whether ``add`` can store ``value`` as is in this target's producer layout."""
+    def accepts(self, value: Union[torch.Tensor, QTensor], name: Optional[str] = None) -> bool:
+        """Whether ``add`` can store ``value`` as is in this target's producer layout.
+
+        A stacked ``[E, out, in]`` QTensor is accepted under a fused expert name (``*.experts.gate_up_proj``
+        / ``*.experts.down_proj``): it is written as the producer's per-expert keys (see ``experts.py``).
+        """
         if not isinstance(value, QTensor):
             return True
-        if value.format == "fp8" and value.scale.numel() != 1:
-            return False  # ModelOpt FP8 is per-tensor
-        return value.format in _ACCEPTED[self.producer] and len(value.shape) == 2
+        fused = name is not None and FUSED_EXPERT.match(name) is not None and len(value.shape) == 3
+        if value.format == "fp8" and value.scale.numel() != (value.shape[0] if fused else 1):
+            return False  # ModelOpt FP8 is per-tensor (per expert)
+        return value.format in _ACCEPTED[self.producer] and (len(value.shape) == 2 or fused)
 
     def add(self, name: str, value: Union[torch.Tensor, QTensor], meta: Optional[Mapping[str, Any]] = None) -> None:
         """Queue one logical weight (``X.weight`` for a QTensor); ``meta`` goes to the journal."""
@@ -149,6 +155,8 @@ class CheckpointWriter:
                                       "or a QTensor", tensor=name)
             return {name: value}, {"name": name, "format": dtype_name(value.dtype), "keys": [name],
                                    "ndim": value.dim()}
+        if FUSED_EXPERT.match(name) and len(value.shape) == 3:
+            return self._encode_fused(name, value)
         if value.layout != "canonical":
             raise CheckpointError(f"weight {name!r} is a QTensor in backend layout {value.layout!r}; write "
                                   "the canonical QTensor a reader or quantize() returned", tensor=name)
@@ -173,6 +181,28 @@ class CheckpointWriter:
         else:
             tensors = autoround.encode_int4(name, value)
             record["sym"] = value.zero is None
+        record["keys"] = list(tensors)
+        return tensors, record
+
+    def _encode_fused(self, name: str, value: QTensor) -> tuple[dict[str, torch.Tensor], dict]:
+        """A quantized fused expert tensor, written as the producer's per-expert keys (``experts.unfuse``)."""
+        check_fused_qtensor(name, value)
+        if not self.accepts(value, name):
+            raise CheckpointError(
+                f"fused expert weight {name!r} is {value.format}{list(value.shape)}; the {self.format} target "
+                f"({self.producer} layout) stores {sorted(_ACCEPTED[self.producer]) or 'no quantized'} experts "
+                "(FP8 one scale per expert): requantize or dequantize it first", tensor=name)
+        tensors: dict[str, torch.Tensor] = {}
+        modules: dict[str, Any] = {}
+        record: dict[str, Any] = {"name": name, "format": value.format, "ndim": 3, "group_size": value.group_size}
+        for sub, qt in unfuse(name, value):
+            sub_tensors, sub_record = self._encode(sub, qt)
+            tensors.update(sub_tensors)
+            modules[sub[: -len(".weight")]] = sub_record.get("algo", sub_record.get("sym"))
+            for k in ("algo", "sym"):
+                if k in sub_record:
+                    record[k] = sub_record[k]
+        record["modules"] = modules
         record["keys"] = list(tensors)
         return tensors, record
 
@@ -272,16 +302,23 @@ class CheckpointWriter:
         if not quantized:
             return config, None
         module = lambda r: r["name"][: -len(".weight")]  # noqa: E731
+        # a quantized fused expert record covers its per-expert modules (``modules``)
+        modules = lambda r: list(r["modules"]) if "modules" in r else [module(r)]  # noqa: E731
         unquantized = [module(r) for r in records
                        if r not in quantized and r["ndim"] == 2 and r["name"].endswith(".weight")]
+        # BF16 fused experts (layers kept unquantized): the experts module is excluded, as vLLM's FusedMoE
+        # checks its prefix ``...mlp.experts`` against the exclude list
+        unquantized += sorted({FUSED_EXPERT.match(r["name"])["prefix"] for r in records
+                               if r not in quantized and FUSED_EXPERT.match(r["name"])})
         hf_quant = None
         if self.producer == "modelopt":
-            qc, hf_quant = modelopt.quantization_configs({module(r): r["algo"] for r in quantized},
+            qc, hf_quant = modelopt.quantization_configs({m: r["algo"] for r in quantized for m in modules(r)},
                                                          unquantized, self.producer_config)
         elif self.producer == "quark":
             qc = quark.quantization_config(unquantized, self.producer_config)
         else:
             qc = autoround.autoround_quantization_config(
-                {module(r): (r["group_size"], r["sym"]) for r in quantized}, unquantized, self.producer_config)
+                {m: (r["group_size"], r["sym"]) for r in quantized for m in modules(r)}, unquantized,
+                self.producer_config)
         config["quantization_config"] = qc
         return config, hf_quant
