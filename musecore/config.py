@@ -117,7 +117,8 @@ class MuseConfig:
             n = self.vision_config["num_hidden_layers"]
             self.vision_config["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 or i == n - 1
                                                  else "window_attention" for i in range(n)]
-        self.audio_config = {**AUDIO_DEFAULTS, **self.audio_config}
+        # The audio features are spliced into the text embeddings: their width defaults to the text width.
+        self.audio_config = {**AUDIO_DEFAULTS, "out_hidden_size": self.hidden_size, **self.audio_config}
         self.validate()
 
     def validate(self) -> None:
@@ -319,8 +320,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=65536, hidden_size=1536, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=24,
         num_key_value_heads=3, head_dim=64, num_local_experts=64, num_experts_per_tok=8, moe_hidden_size=768,
         moe_intermediate_size=768, sliding_window=1024, max_position_embeddings=131072,
-        output_multiplier=1 / math.sqrt(1536 / 256), audio_config={"out_hidden_size": 1536},
-        out_hidden_size=1024, projector_hidden_size=1024,
+        output_multiplier=1 / math.sqrt(1536 / 256), out_hidden_size=1024, projector_hidden_size=1024,
         vision_config={"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4}),
     # The bundled trained model (musecore/data/muse-tiny; training/README.md).
     "muse-tiny": dict(
@@ -330,5 +330,5 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=0, eos_token_id=3, pad_token_id=7, image_token_id=4, video_token_id=5, audio_token_id=6,
         out_hidden_size=256, projector_hidden_size=256,
         vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2},
-        audio_config={"hidden_sizes": [32, 32, 32, 32], "depths": [1, 1, 1, 1], "out_hidden_size": 256}),
+        audio_config={"hidden_sizes": [32, 32, 32, 32], "depths": [1, 1, 1, 1]}),
 }

@@ -8,11 +8,10 @@ from safetensors.torch import save_file
 from musecore.config import MuseConfig
 from musecore.model import init_weights
 
-SMALL = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, num_experts=6, num_experts_per_tok=2, moe_latent_size=32, moe_intermediate_size=48,
-             sliding_window=5, global_layer_period=2, rms_norm_eps=1e-6, max_position_embeddings=512,
-             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                              "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, moe_hidden_size=32,
+             moe_intermediate_size=48, sliding_window=5, max_position_embeddings=512, output_multiplier=0.7,
+             bos_token_id=0, eos_token_id=1, pad_token_id=2, image_token_id=94, video_token_id=95, audio_token_id=96)
 
 
 def small_config(**overrides) -> MuseConfig:
@@ -20,12 +19,14 @@ def small_config(**overrides) -> MuseConfig:
 
 
 def random_tensors(config: MuseConfig, seed: int = 0, dtype=torch.float32) -> dict:
-    """Random weights with non-trivial norm weights and residual gates (ones would hide mix-ups)."""
+    """Random weights with non-trivial norms, residual gates and correction bias (their zero or
+    one initialisation would hide mix-ups)."""
     tensors = init_weights(config, seed=seed, std=0.15, dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     for name, t in tensors.items():
         if t.dim() == 1:
-            tensors[name] = (1 + 0.2 * torch.randn(t.shape, generator=gen)).to(dtype)
+            offset = 1.0 if name == "model.language_model.norm.weight" else 0.0  # the final norm is not centred
+            tensors[name] = (offset + 0.3 * torch.randn(t.shape, generator=gen)).to(t.dtype)
     return tensors
 
 
