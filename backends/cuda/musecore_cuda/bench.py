@@ -26,9 +26,9 @@ from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.kernels.moe import use_gemv
 from musecore_cuda.layouts import Fp4Resident
 
-LINEAR_SHAPES = {  # name: (N, K) of the 816B preset
-    "q_proj": (10240, 8192), "k_proj": (1024, 8192), "o_proj": (8192, 10240),
-    "pooler": (2048, 8192), "expert_up": (8192, 2048), "expert_down": (2048, 8192),
+LINEAR_SHAPES = {  # name: (N, K) of the 816B preset (H 8192, 128 q heads and 16 kv heads x 64, h = I = 4096)
+    "q_proj": (8192, 8192), "k_proj": (1024, 8192), "o_proj": (8192, 8192),
+    "pooler": (4096, 8192), "unpooler": (8192, 4096), "expert_up": (8192, 4096), "expert_down": (4096, 4096),
 }
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 ROTATE_BYTES = 512 << 20  # rotate weight copies until this much is touched per replay (L2 is 50-60 MB)
@@ -229,42 +229,49 @@ def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
 
 
 def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int = 8192,
-              experts: int = 256, topk: int = 8, latent: int = 2048, inter: int = 8192) -> list[dict]:
-    """One full-size MoE layer (NVFP4, ~7 GB) at decode batches and one prefill; vs BF16 experts."""
+              experts: int = 256, topk: int = 8, width: int = 4096, inter: int = 4096,
+              hidden: int = 8192) -> list[dict]:
+    """One full-size MoE layer of the 816B preset (NVFP4, ~6.5 GB) at decode batches and one prefill, vs BF16
+    experts; the router (fp32 product over the hidden width, then top-k) timed beside it."""
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
-    fp4 = be.prepare_experts(random_fp4("nvfp4", (experts, inter, latent)),
-                             random_fp4("nvfp4", (experts, inter, latent)),
-                             random_fp4("nvfp4", (experts, latent, inter)))
+    fp4 = be.prepare_experts(random_fp4("nvfp4", (experts, inter, width)),
+                             random_fp4("nvfp4", (experts, inter, width)),
+                             random_fp4("nvfp4", (experts, width, inter)))
     per_expert = sum(s.nbytes for s in (fp4.gate, fp4.up, fp4.down)) // experts
     bf16 = be.prepare_experts(*(torch.randn(experts, a, b, device="cuda", dtype=torch.bfloat16) * 0.02
-                                for a, b in ((inter, latent), (inter, latent), (latent, inter))))
-    norm = torch.ones(experts, latent, device="cuda")
+                                for a, b in ((inter, width), (inter, width), (width, inter))))
+    post_norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
+    router = torch.randn(experts, hidden, device="cuda") * hidden ** -0.5  # fp32, as the checkpoint keeps it
+    bias = torch.randn(experts, device="cuda") * 0.01
+    multiplier = (hidden / 256) ** -0.5
     rows = []
     for t in (*batches, prefill):
-        logits = torch.randn(t, experts, device="cuda")
-        weights, ids = be.router_topk(logits, topk, True)
-        z = torch.randn(t, latent, device="cuda", dtype=torch.bfloat16)
+        m = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = be.router_topk(m, router, bias, topk, multiplier, 1.0)
+        z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
         routed = int(ids.unique().numel())
-        nbytes = routed * per_expert + t * latent * (2 + 4)
-        t_fp4 = time_us(lambda: be.moe(z, weights, ids, fp4, norm, 1e-6), reps=10)
-        t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, norm, 1e-6), reps=10)
-        flops = 2 * t * topk * 3 * latent * inter
+        nbytes = routed * per_expert + t * width * (2 + 4)
+        t_router = time_us(lambda: be.router_topk(m, router, bias, topk, multiplier, 1.0))
+        t_fp4 = time_us(lambda: be.moe(z, weights, ids, fp4, post_norm, 1e-8), reps=10)
+        t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, post_norm, 1e-8), reps=10)
+        flops = 2 * t * topk * 3 * width * inter
         rows.append({"backend": "cuda", "case": "moe", "format": "nvfp4",
                      "path": "gemv" if use_gemv(fp4.gate, t * topk, experts) else "grouped",
-                     "shape": f"E{experts} top{topk} {latent}x{inter}", "M": t, "routed_experts": routed,
+                     "shape": f"E{experts} top{topk} {width}x{inter}", "M": t, "routed_experts": routed,
                      "time_us": round(t_fp4, 1), "bf16_experts_time_us": round(t_bf16, 1),
-                     "speedup_vs_bf16": round(t_bf16 / t_fp4, 3),
+                     "router_time_us": round(t_router, 1), "speedup_vs_bf16": round(t_bf16 / t_fp4, 3),
                      "pct_memory_ceiling": round(100 * nbytes / t_fp4 / 1e3 / ceiling["ceiling_gbps"], 1),
                      "tflops": round(flops / t_fp4 / 1e6, 1)})
     return rows
 
 
 def bench_attention(contexts: tuple[int, ...] = (4096, 32768, 131072), batch: int = 1) -> list[dict]:
-    """Decode attention (one token, 80/8 heads x 128) over bf16 KV; vs torch SDPA with the same mask."""
+    """Decode attention (one token, the 816B preset's 128/16 heads x 64) over bf16 KV; vs torch SDPA with the
+    same mask."""
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
-    nq, nkv, d = 80, 8, 128
+    nq, nkv, d = 128, 16, 64
     rows = []
     for s in contexts:
         q = torch.randn(batch, 1, nq, d, device="cuda", dtype=torch.bfloat16)
@@ -291,7 +298,7 @@ def _decode_bytes_per_step(model, batch: int) -> float:
     """Weight bytes one decode step reads: every dense weight, plus the experts the batch routes to
     (expected distinct experts per layer for ``batch`` tokens spread uniformly over top-k)."""
     cfg = model.config
-    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    E, k = cfg.num_local_experts, cfg.num_experts_per_tok
     touched = E * (1 - (1 - k / E) ** batch)
     total = 0.0
     for g in model.plan.groups:

@@ -77,3 +77,19 @@ def test_fp8_w8a8_linear_is_native_on_sm90_only_with_fp8_activations(on_sm):
 def test_without_a_device_nothing_is_supported(on_sm):
     be = on_sm(None)
     assert be.supports("rms_norm", OpSpec("rms_norm")).tier is Tier.NO
+
+
+def test_every_op_of_the_new_contract_is_claimed_on_sm90_with_its_kernel(on_sm):
+    be = on_sm(9)
+    for op in ("rms_norm", "residual_norm", "qk_norm_rope", "head_norm_gate", "router_topk", "silu_mul",
+               "logit_softcap"):
+        support = be.supports(op, OpSpec(op))
+        assert support.tier is Tier.NATIVE and "Triton" in support.reason, (op, support.reason)
+
+
+def test_head_kernels_refuse_a_head_dim_they_cannot_hold(on_sm):
+    be = on_sm(9)
+    assert be.supports("attention", OpSpec("attention", shape=(("head_dim", 64),))).tier is Tier.NATIVE
+    for op in ("attention", "qk_norm_rope", "head_norm_gate"):
+        support = be.supports(op, OpSpec(op, shape=(("head_dim", 96),)))
+        assert support.tier is Tier.NO and "96" in support.reason, (op, support.reason)

@@ -18,13 +18,14 @@ def empty_cache(B: int, capacity: int, heads: int, d: int, dtype: torch.dtype):
     return k, v, torch.full((B, capacity + 1), -1, dtype=torch.long, device=DEVICE)
 
 
+@pytest.mark.parametrize("heads,d", [(2, 16), (16, 64)], ids=["2x16", "816b-16x64"])
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("ring", [True, False], ids=["ring", "full"])
-def test_kv_write_matches_the_reference_scatter(dtype, ring):
+def test_kv_write_matches_the_reference_scatter(dtype, ring, heads, d):
     """Padding (-1) and positions past a full layer's capacity go to the trash slot; ring positions
     wrap; the new keys are a strided slice of a fused q/k/v projection, the values not even row-contiguous.
     Copies must be exact."""
-    B, T, heads, d, capacity = 2, 4, 2, 16, 6
+    B, T, capacity = 2, 4, 6
     pos_new = torch.tensor([[-1, 3, 7, 8], [0, 1, 2, 5]], device=DEVICE)
     if not ring:
         pos_new[0, 3] = 9  # beyond the full layer's capacity: trash
