@@ -177,6 +177,8 @@ def unquantizable(summary: CheckpointSummary, targets: dict[str, tuple[str, Opti
     """Gaps for tensors converted at load to a format whose block does not divide their width."""
     gaps = []
     for name, (target, _act) in targets.items():
+        if name not in summary.shapes:  # a layer's fused expert name standing for its per-expert keys
+            continue
         block, shape = BLOCK.get(target), summary.shapes[name]
         if block and summary.formats[name] != target and shape[-1] % block:
             gaps.append(f"{name} {list(shape)}: {target} needs in_features divisible by {block}, got {shape[-1]}; "

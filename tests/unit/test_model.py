@@ -1,4 +1,5 @@
-"""The graph against an independent implementation of MODEL.md, decode against forward, errors."""
+"""The graph's own invariants (decode against forward, the MoE order, fused projections) and loader errors;
+the comparison with transformers is tests/unit/test_transformers_oracle.py."""
 
 import pytest
 import torch
@@ -9,7 +10,6 @@ from musecore.config import MuseConfig
 from musecore.loader import CheckpointMismatch
 from tests.conftest import nmse
 from tests.helpers import random_tensors, small_config, write_checkpoint
-from tests.independent_muse import muse_logits
 
 
 @pytest.fixture(scope="module")
@@ -18,16 +18,6 @@ def small_checkpoint(tmp_path_factory):
     tensors = random_tensors(config)
     folder = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", config, tensors)
     return folder, config, tensors
-
-
-def test_forward_matches_independent_implementation_of_model_md(small_checkpoint):
-    folder, config, tensors = small_checkpoint
-    model = musecore.load(folder, device="cpu", dtype=torch.float32)
-    ids = [3, 17, 42, 8, 8, 91, 0, 5, 66, 23, 11, 4]  # longer than the sliding window (5)
-    got = model.forward(torch.tensor([ids]))[0].double()
-    want = muse_logits(tensors, config.to_dict(), ids)
-    rel = float((got - want).norm() / want.norm())
-    assert rel < 1e-4, f"relative error vs the independent MODEL.md implementation: {rel:.3e} (tolerance 1e-4)"
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["trimmed", "static"])
@@ -63,14 +53,15 @@ def test_round_trip_config_checkpoint_load_sharded(tmp_path):
 def test_loader_rejects_missing_and_misshapen_tensors(tmp_path):
     config = small_config()
     tensors = random_tensors(config)
-    name = "model.language_model.layers.1.mlp.experts.2.up_proj.weight"
+    name = "model.language_model.layers.1.mlp.experts.gate_up_proj"
     bad = dict(tensors)
     del bad[name]
-    with pytest.raises(CheckpointMismatch, match="missing 1 tensor.*experts.2.up_proj"):
+    with pytest.raises(CheckpointMismatch, match="missing 1 tensor.*layers.1.mlp.experts.gate_up_proj"):
         musecore.load(write_checkpoint(tmp_path / "missing", config, bad), device="cpu")
     bad = dict(tensors)
+    name = "model.language_model.layers.1.mlp.pre_expert_proj.weight"
     bad[name] = bad[name][:, :-1].contiguous()
-    with pytest.raises(CheckpointMismatch, match=r"experts.2.up_proj.weight.*shape \[48, 31\].*\[48, 32\]"):
+    with pytest.raises(CheckpointMismatch, match=r"pre_expert_proj.weight.*shape \[32, 63\].*\[32, 64\]"):
         musecore.load(write_checkpoint(tmp_path / "shape", config, bad), device="cpu")
     bad = dict(tensors)
     bad["model.language_model.layers.9.extra.weight"] = torch.zeros(2)
@@ -78,27 +69,65 @@ def test_loader_rejects_missing_and_misshapen_tensors(tmp_path):
         musecore.load(write_checkpoint(tmp_path / "extra", config, bad), device="cpu")
 
 
-def test_model_uses_per_expert_norm_before_routing_weight(small_checkpoint):
-    """Normalising each expert's output before weighting is a different model from a norm of the sum."""
+def per_expert(tensors: dict, config) -> dict:
+    """``tensors`` with every fused expert tensor written per expert, as some producers export them."""
+    out = {}
+    inter = config.moe_intermediate_size
+    for name, t in tensors.items():
+        prefix, _, proj = name.rpartition(".")
+        if proj == "gate_up_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].contiguous()
+        elif proj == "down_proj" and prefix.endswith(".experts"):
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+def test_per_expert_keys_load_like_the_fused_tensors(tmp_path):
+    config = small_config()
+    tensors = random_tensors(config, seed=5)
+    fused = musecore.load(write_checkpoint(tmp_path / "fused", config, tensors), device="cpu", dtype=torch.float32)
+    split = per_expert(tensors, config)
+    assert "model.language_model.layers.0.mlp.experts.3.up_proj.weight" in split
+    apart = musecore.load(write_checkpoint(tmp_path / "apart", config, split), device="cpu", dtype=torch.float32)
+    ids = torch.tensor([[3, 17, 42, 8, 8, 91, 0, 5]])
+    assert torch.equal(fused.forward(ids), apart.forward(ids))
+    del split["model.language_model.layers.2.mlp.experts.5.down_proj.weight"]
+    with pytest.raises(CheckpointMismatch, match="missing 2 tensor.*layers.2.mlp.experts.down_proj"):
+        musecore.load(write_checkpoint(tmp_path / "short", config, split), device="cpu")
+
+
+def test_shared_post_expert_norm_is_applied_to_each_expert_scale_first_before_its_routing_weight(small_checkpoint):
+    """One post-expert norm weight for all experts, scaling before normalising, on each expert's own
+    output, then the routing weight: norming the weighted sum, or scaling after, are other models."""
     folder, config, tensors = small_checkpoint
     model = musecore.load(folder, device="cpu", dtype=torch.float32)
-    mlp = model.layers[1].mlp
+    mlp, p = model.layers[1].mlp, "model.language_model.layers.1.mlp."
     m = torch.randn(5, config.hidden_size)
-    weights, ids, z = mlp.route(m)
-    got = model.ops.moe(z, weights, ids, mlp.experts, mlp.output_norm, config.rms_norm_eps)
-    p = "model.language_model.layers.1.mlp.experts."
-    per_expert, sum_then_norm = torch.zeros_like(got), torch.zeros_like(got)
+    weights, ids = model.ops.router_topk(m, mlp.router, mlp.correction_bias, config.num_experts_per_tok,
+                                         config.output_multiplier, config.routed_scaling_factor)
+    z = model.ops.rms_norm(m @ tensors[p + "pre_expert_proj.weight"].T, mlp.pre_expert_norm, config.rms_norm_eps)
+    got = model.ops.moe(z, weights, ids, mlp.experts, mlp.post_expert_norm, config.post_norm_eps)
+    scale = 1 + tensors[p + "experts.post_expert_norm.weight"]  # stored centred at 0
+    gate_up, down = tensors[p + "experts.gate_up_proj"], tensors[p + "experts.down_proj"]
+    inter = config.moe_intermediate_size
+    rms = lambda x: x * torch.rsqrt(x.pow(2).mean() + config.post_norm_eps)  # noqa: E731
+    want, norm_of_sum, scale_after = (torch.zeros_like(got) for _ in range(3))
     for t in range(5):
-        raw = torch.zeros(config.moe_latent_size)
+        raw = torch.zeros(config.moe_hidden_size)
         for w, e in zip(weights[t], ids[t].tolist()):
-            h = torch.nn.functional.silu(z[t] @ tensors[f"{p}{e}.gate_proj.weight"].T) * (z[t] @ tensors[f"{p}{e}.up_proj.weight"].T)
-            out = h @ tensors[f"{p}{e}.down_proj.weight"].T
-            normed = out * torch.rsqrt(out.pow(2).mean() + config.rms_norm_eps) * tensors[f"{p}{e}.output_norm.weight"]
-            per_expert[t] += w * normed
+            out = (torch.nn.functional.silu(z[t] @ gate_up[e, :inter].T) * (z[t] @ gate_up[e, inter:].T)) @ down[e].T
+            want[t] += w * rms(out * scale)
+            scale_after[t] += w * rms(out) * scale
             raw += w * out
-        sum_then_norm[t] = raw * torch.rsqrt(raw.pow(2).mean() + config.rms_norm_eps) * tensors[f"{p}{ids[t, 0]}.output_norm.weight"]
-    assert nmse(per_expert, got) < 1e-10, f"moe vs per-expert-norm formula: NMSE {nmse(per_expert, got):.3e}"
-    assert nmse(sum_then_norm, got) > 1e-3, "a norm of the weighted sum must give a different result"
+        norm_of_sum[t] = rms(raw * scale)
+    assert nmse(want, got) < 1e-10, f"moe vs the shared scale-first post-expert norm: NMSE {nmse(want, got):.3e}"
+    assert nmse(norm_of_sum, got) > 1e-3, "a norm of the weighted sum must give a different result"
+    assert nmse(scale_after, got) > 1e-4, "scaling after the norm must give a different result"
 
 
 def test_gqa_maps_query_head_to_kv_head_by_integer_division():
@@ -125,16 +154,16 @@ def test_sliding_window_query_sees_exactly_w_keys_including_itself():
 
 
 def test_input_projections_are_fused_and_give_the_same_logits(small_checkpoint, monkeypatch):
-    """q/k/v/gate and router/pooler are stacked into one linear each when they stay unquantized; the
-    logits match loading them one by one (fp32: only the GEMM's summation order may differ)."""
+    """q/k/v/gate (and a dense layer's gate/up) are stacked into one linear when they stay unquantized;
+    the logits match loading them one by one (fp32: only the GEMM's summation order may differ)."""
     folder, config, _ = small_checkpoint
     fused = musecore.load(folder, device="cpu", dtype=torch.float32, progress=False)
-    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    attn = fused.layers[0].self_attn
     assert attn.in_proj is not None and attn.q_proj is None and attn.o_proj is not None
     assert attn.in_proj.widths == (config.num_attention_heads * config.head_dim,
                                    config.num_key_value_heads * config.head_dim,
-                                   config.num_key_value_heads * config.head_dim, config.num_attention_heads)
-    assert mlp.in_proj is not None and mlp.in_proj.widths == (config.num_experts, config.moe_latent_size)
+                                   config.num_key_value_heads * config.head_dim,
+                                   config.num_attention_heads * config.head_dim)
     monkeypatch.setattr(musecore.loader.Placer, "fuse_projections", False)
     apart = musecore.load(folder, device="cpu", dtype=torch.float32, progress=False)
     assert apart.layers[0].self_attn.in_proj is None and apart.layers[0].self_attn.q_proj is not None
@@ -166,12 +195,12 @@ def test_nvfp4_input_projections_stay_separate():
 
 def test_int4_input_projections_are_fused_without_changing_a_code(monkeypatch):
     """INT4 (every scale per row block) is joined row-wise with codes and scales untouched: the same
-    logits as the projections one by one; the pooler alone is INT4, so router + pooler stay apart."""
+    logits as the projections one by one; the router stays fp32 beside the INT4 pooler."""
     fused = musecore.load("muse-tiny", device="xeon", emulate=True, progress=False,
                           quantize_dense=("attention", "pooler/unpooler"))
     attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
     assert attn.in_proj is not None and attn.in_proj.weight.format == "int4" and attn.q_proj is None
-    assert mlp.in_proj is None and mlp.fc1_latent_proj.format == "int4" and mlp.router.format == "bf16"
+    assert mlp.pre_expert_proj.format == "int4" and mlp.router.dtype == torch.float32
     monkeypatch.setattr(musecore.loader.Placer, "fuse_projections", False)
     apart = musecore.load("muse-tiny", device="xeon", emulate=True, progress=False,
                           quantize_dense=("attention", "pooler/unpooler"))
