@@ -5,10 +5,11 @@ sign-gradient descent on the block's output error over captured inputs. It knows
 decoder layers, not Muse experts, so we hand it a block of our own through its public
 single-block API (``CompressionOrchestrator.quantize_block``, the entry point llm-compressor
 uses, FORMATS.md): :class:`ExpertBlock` is one expert exactly as the MoE uses it (MODEL.md
-section 1), ``routing_weight * RMSNorm(down(silu(gate(z)) * up(z)), output_norm)``, so the loss
-AutoRound minimises is the expert's error as it enters the layer's weighted sum, on the pooled
-latents ``z`` that the router really sent to it. The expert's own output norm makes the loss blind
-to a uniform rescaling of the output, exactly as the model is.
+section 1), ``routing_weight * InputScaledRMSNorm(down(silu(gate(z)) * up(z)), post_expert_norm)``
+with the layer's one post-expert norm (shared by all experts, scale first), so the loss AutoRound
+minimises is the expert's error as it enters the layer's weighted sum, on the pooled latents ``z``
+that the router really sent to it. The norm makes the loss blind to a uniform rescaling of the
+output, exactly as the model is.
 
 After tuning, auto-round leaves each Linear's fake-quantized weight and its fp16 ``scale`` (and
 ``zp``); the codes are recovered exactly (``scale * q`` is exact in fp32 for fp16 scales and
@@ -18,8 +19,8 @@ symmetric grid is the one ``musecore_quant``'s INT4 RTN uses (full range, signed
 
 Example::
 
-    tuner = ExpertTuner(latent=128, intermediate=256, eps=1e-6, options=AutoRoundOptions(iters=200))
-    result = tuner.tune(gate, up, down, output_norm, z, routing_weights)
+    tuner = ExpertTuner(hidden=128, intermediate=256, post_eps=1e-8, options=AutoRoundOptions(iters=200))
+    result = tuner.tune(gate, up, down, post_expert_norm, z, routing_weights)  # post_expert_norm: 1 + w
     result.qtensors["down_proj"]              # canonical int4 QTensor
     result.loss_autoround <= result.loss_rtn  # on these tokens, with the default full batch
 """
@@ -106,28 +107,34 @@ class AutoRoundOptions:
 
 class ExpertBlock(torch.nn.Module):
     """One routed expert as its MoE layer sees it (MODEL.md section 1), in fp32:
-    ``routing_weight * RMSNorm(down(silu(gate(z)) * up(z)), output_norm)``."""
+    ``routing_weight * rms(down(silu(gate(z)) * up(z)) * post_norm)``.
 
-    def __init__(self, latent: int, intermediate: int, eps: float) -> None:
+    ``post_norm`` is the layer's shared post-expert norm as the model holds it (``1 + w``), applied
+    before normalising (transformers' ``InputScaledRMSNorm``) and before the routing weight."""
+
+    def __init__(self, hidden: int, intermediate: int, post_eps: float) -> None:
         super().__init__()
-        self.gate_proj = torch.nn.Linear(latent, intermediate, bias=False)
-        self.up_proj = torch.nn.Linear(latent, intermediate, bias=False)
-        self.down_proj = torch.nn.Linear(intermediate, latent, bias=False)
-        self.register_buffer("output_norm", torch.ones(latent))
-        self.eps = eps
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
+        self.register_buffer("post_norm", torch.ones(hidden))
+        self.post_eps = post_eps
 
     @torch.no_grad()
-    def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, output_norm: torch.Tensor) -> None:
+    def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, post_norm: torch.Tensor) -> None:
         for linear, w in ((self.gate_proj, gate), (self.up_proj, up), (self.down_proj, down)):
             if tuple(w.shape) != tuple(linear.weight.shape):
                 raise ValueError(f"expert weight of shape {list(w.shape)} does not fit {list(linear.weight.shape)}")
             linear.weight.data.copy_(w.float())
-        self.output_norm.copy_(output_norm.float())
+        if tuple(post_norm.shape) != tuple(self.post_norm.shape):
+            raise ValueError(f"post-expert norm of shape {list(post_norm.shape)} does not fit "
+                             f"{list(self.post_norm.shape)}")
+        self.post_norm.copy_(post_norm.float())
 
     def forward(self, hidden_states: torch.Tensor, routing_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         z = hidden_states.float()
-        y = self.down_proj(F.silu(self.gate_proj(z)) * self.up_proj(z))                 # [..., l]
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.output_norm  # the expert's own norm
+        y = self.down_proj(F.silu(self.gate_proj(z)) * self.up_proj(z)) * self.post_norm  # [..., h], scale first
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.post_eps)               # then normalise
         return y if routing_weight is None else y * routing_weight.float()[..., None]
 
 
@@ -261,9 +268,9 @@ class ExpertTuner:
     """Tunes experts of one shape with one auto-round compressor (built once: its set-up costs
     seconds, a tuning step milliseconds). Each expert is loaded into the same :class:`ExpertBlock`."""
 
-    def __init__(self, latent: int, intermediate: int, eps: float, options: AutoRoundOptions = AutoRoundOptions()):
+    def __init__(self, hidden: int, intermediate: int, post_eps: float, options: AutoRoundOptions = AutoRoundOptions()):
         require_auto_round()
-        for dim, what in ((latent, "latent (gate/up input)"), (intermediate, "intermediate (down input)")):
+        for dim, what in ((hidden, "hidden (gate/up input)"), (intermediate, "intermediate (down input)")):
             if dim % options.group_size:
                 raise ValueError(f"INT4 group_size {options.group_size} must divide the expert's {what} width {dim}; "
                                  "pass a group_size that divides both")
@@ -272,7 +279,7 @@ class ExpertTuner:
                                  f"{AUTO_ROUND_INT_MULTIPLE} in 16 bits; the expert's {what} width is {dim}. "
                                  "Quantize this model with RTN (every Muse preset is a multiple of 128)")
         self.options = options
-        self.block = ExpertBlock(latent, intermediate, eps)
+        self.block = ExpertBlock(hidden, intermediate, post_eps)
         for p in self.block.parameters():
             p.requires_grad_(False)
         self._model = _SingleBlockModel(self.block)
@@ -291,7 +298,7 @@ class ExpertTuner:
             self._compressor.batch_dim = 0
 
     def samples(self, z: torch.Tensor, routing_weight: torch.Tensor) -> list:
-        """auto-round's captured-input form: one ``((args, kwargs),)`` per sample of ``[1, S, l]``.
+        """auto-round's captured-input form: one ``((args, kwargs),)`` per sample of ``[1, S, h]``.
 
         auto-round concatenates samples, so all have ``S`` tokens: the last is padded with zero
         latents of routing weight 0, whose routed output is 0 with any weights (no loss, no gradient).
@@ -304,17 +311,19 @@ class ExpertTuner:
         return [(((z[i:i + S][None],), {"routing_weight": routing_weight[i:i + S][None]}),)
                 for i in range(0, len(z), S)]
 
-    def tune(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, output_norm: torch.Tensor,
+    def tune(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, post_norm: torch.Tensor,
              z: torch.Tensor, routing_weight: torch.Tensor, seed: Optional[int] = None,
              heldout: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> ExpertResult:
-        """Tune one expert on its routed tokens ``z [n, l]`` with routing weights ``[n]`` (n >= 1);
-        ``heldout`` (z, weights) of other routed tokens measures RTN and AutoRound off the tuning set."""
+        """Tune one expert (``gate``/``up`` ``[I, h]``, ``down`` ``[h, I]``) on its routed tokens ``z [n, h]``
+        with routing weights ``[n]`` (n >= 1); ``post_norm`` is the layer's shared post-expert norm
+        (``1 + w``). ``heldout`` (z, weights) of other routed tokens measures RTN and AutoRound off the
+        tuning set."""
         if len(z) == 0:
             raise ValueError("an expert with no calibration tokens cannot be tuned; quantize it with RTN")
         z, routing_weight = z.float().contiguous(), routing_weight.float().contiguous()
         opts, block = self.options, self.block
         source = {"gate_proj": gate.float(), "up_proj": up.float(), "down_proj": down.float()}
-        block.load(gate, up, down, output_norm)
+        block.load(gate, up, down, post_norm)
         with torch.no_grad():
             reference = block(z, routing_weight)
         rtn = {p: quantize(w, "int4", group_size=opts.group_size, sym=opts.sym) for p, w in source.items()}
@@ -332,7 +341,7 @@ class ExpertTuner:
                 if hasattr(linear, attr):
                     delattr(linear, attr)
         tuned = {p: int4_dequantize(q) for p, q in qtensors.items()}
-        block.load(source["gate_proj"], source["up_proj"], source["down_proj"], output_norm)
+        block.load(source["gate_proj"], source["up_proj"], source["down_proj"], post_norm)
         loss_ar = weighted_output_mse(block, tuned, z, routing_weight, reference)
         result = ExpertResult(qtensors, loss_rtn, loss_ar, len(z))
         if heldout is not None and len(heldout[0]):
