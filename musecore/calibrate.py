@@ -4,22 +4,30 @@
 model graph; ``musecore_quant`` knows no graph (DESIGN.md), so it takes a
 ``calibrated_quantizer(name, fp32 weight) -> QTensor`` and this module provides one.
 
-An expert only ever sees the pooled latents ``z`` of the tokens the router picked for it, each
-weighted by its routing weight (MODEL.md section 1), so that is what each expert is calibrated on:
+An expert only ever sees the pooled latents ``z`` (``pre_expert_norm(pre_expert_proj(m))``, width
+``moe_hidden_size``) of the tokens the router picked for it; its output goes through the layer's
+shared post-expert norm and is weighted by its routing weight (MODEL.md section 1). So that is
+what each expert is calibrated on:
 
 1. :class:`LayerwiseRun` runs ``MuseModel.forward`` one decoder layer at a time through the
    model's own modules and ops (a test checks it gives ``model.forward``'s logits, bit for bit on
    the same batch), so calibration can act between layers and later layers see earlier layers'
    (quantized) outputs.
-2. At each MoE the ``moe`` op is observed (:func:`observing_ops`, on a shallow copy of the layer's
+2. At each sparse (MoE) layer the ``moe`` op is observed (:func:`observing_ops`, on a shallow copy of the layer's
    MoE; the model is not modified): the ``z``, routing weights and expert ids that ``MoE.__call__``
    computed are recorded, and each expert keeps at most ``max_tokens`` of its routed rows
    (:func:`routed_inputs`, a seeded random subset when it got more; up to as many of the rows left
    out measure the tuned expert off its tuning set, in the report).
-3. :class:`AutoRoundQuantizer` tunes each expert of the quantized layers with auto-round
+3. :class:`AutoRoundQuantizer` tunes each routed expert of the quantized layers (the sparse layers
+   but ``config.bf16_expert_layers``, by default) with auto-round
    (``musecore/autoround.py``), then continues with the quantized experts in place, as auto-round
    does with its own blocks (``propagate_quantized``). An expert that received no calibration token
    is quantized with RTN and counted in the report (``rtn_fallback``).
+
+The quantizer answers for the names ``convert`` hands it: transformers' fused
+``experts.gate_up_proj [E, 2I, h]`` / ``experts.down_proj [E, h, I]`` (a stacked INT4 QTensor; the
+AutoRound writer stores it as per-expert keys, as auto-round exports) or producers' per-expert
+``experts.{e}.{gate,up,down}_proj.weight``.
 
 Example::
 
@@ -55,15 +63,17 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-from musecore_quant import QTensor, dequantize
+from musecore_quant import QTensor, concat_qtensors, dequantize, stack_qtensors
 
 from musecore.autoround import (PROJECTIONS, AutoRoundOptions, ExpertTuner, auto_round_version, relative_gain,
                                 rtn_expert)
 from musecore.model import PREFIX, MuseModel
 from musecore.ops import OPS, Ops
 
-EXPERT_WEIGHT = re.compile(rf"{re.escape(PREFIX)}layers\.(\d+)\.mlp\.experts\.(\d+)\."
-                           r"(gate_proj|up_proj|down_proj)\.weight")
+# A routed expert weight: per expert (``experts.3.up_proj.weight``) or fused (``experts.gate_up_proj``).
+EXPERT_WEIGHT = re.compile(rf"{re.escape(PREFIX)}layers\.(?P<layer>\d+)\.mlp\.experts\."
+                           r"(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
+                           r"|(?P<fused>gate_up_proj|down_proj))")
 REPORT_FILE = "calibration_report.json"
 
 MoEObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -89,43 +99,51 @@ def observing_ops(ops: Ops, observer: MoEObserver) -> Ops:
 class LayerwiseRun:
     """``MuseModel.forward`` (no KV cache) cut at every decoder layer, over calibration ids ``[B, T]``.
 
-    Per layer: ``attention(i)`` gives the MoE inputs, ``moe(i, inputs, mlp)`` runs the MoE sublayer
-    (with ``mlp``, e.g. a copy with quantized experts or observed ops) and advances the residual
-    stream. ``logits()`` after the last layer equals ``model.forward(ids)``.
+    Per layer: ``attention(i)`` gives ``(h, m)`` per chunk (the residual after attention and the
+    feed-forward input), ``feedforward(i, hm, mlp)`` runs the feed-forward sublayer (the MoE of a
+    sparse layer, the dense MLP otherwise; with ``mlp``, e.g. a copy with quantized experts or
+    observed ops) and advances the residual stream. ``logits()`` after the last layer equals
+    ``model.forward(ids)``.
     """
 
     def __init__(self, model: MuseModel, ids: torch.Tensor, batch_size: int = 8) -> None:
         if ids.dim() != 2 or ids.dtype != torch.long:
             raise ValueError(f"calibration ids must be a LongTensor [B, T]; got {ids.dtype} {list(ids.shape)}")
-        self.model, self.ops, self.eps = model, model.ops, model.config.rms_norm_eps
-        self.chunks = [c.to(model.device) for c in ids.split(batch_size)]
+        cfg, ops = model.config, model.ops
+        self.model, self.ops, self.eps, self.post_eps = model, ops, cfg.rms_norm_eps, cfg.post_norm_eps
+        # multimodal placeholders embed as token 0, as in forward (no features are spliced here)
+        self.chunks = [c.to(model.device).masked_fill(torch.isin(c.to(model.device), model.multimodal_ids), 0)
+                       for c in ids.split(batch_size)]
         self.positions = [torch.arange(c.shape[1], device=model.device)[None, :].expand(c.shape) for c in self.chunks]
-        self.rope = [{kind: table(p) for kind, table in model.rope.items()} for p in self.positions]
-        self.x = [self.ops.embedding(c, model.embed_tokens).to(model.dtype) for c in self.chunks]   # [b,T,H]
-        self.a = [self.ops.rms_norm(x, model.layers[0].input_layernorm, self.eps) for x in self.x]
+        self.rope = [model.rope(p) for p in self.positions]  # NoPE layers ignore it
+        embedded = [ops.embedding(c, model.embed_tokens).to(model.dtype) for c in self.chunks]    # [b,T,H]
+        self.x = [ops.rms_norm(x, None, self.eps) for x in embedded]  # the embedding's weightless norm
+        self.a = [ops.rms_norm(x, model.layers[0].input_layernorm, self.eps) for x in self.x]
         self.next_layer = 0
 
     def attention(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(h, m) per chunk: the residual after attention and the MoE input of layer ``i``."""
+        """(h, m) per chunk: the residual after attention and the feed-forward input of layer ``i``."""
         if i != self.next_layer:
             raise RuntimeError(f"layers run in order: expected layer {self.next_layer}, got {i}")
         layer = self.model.layers[i]
+        gate = layer.post_attention_residual_gate  # weightless post-attention norm, then the gated residual
         out = []
         for a, x, positions, rope in zip(self.a, self.x, self.positions, self.rope):
-            attn_out = layer.self_attn(a, positions, rope[layer.layer_type], None)
-            out.append(self.ops.residual_norm(x, attn_out, layer.post_attention_layernorm, layer.attn_residual_gate,
-                                              layer.pre_feedforward_layernorm, self.eps))
+            attn_out = layer.self_attn(a, positions, rope, None)
+            out.append(self.ops.residual_norm(x, attn_out, None, gate.alpha, gate.beta,
+                                              layer.pre_feedforward_layernorm, self.post_eps, self.eps))
         return out
 
-    def moe(self, i: int, hm: list[tuple[torch.Tensor, torch.Tensor]], mlp: Any = None, *,
-            advance: bool = True) -> None:
-        """The MoE sublayer of layer ``i`` on ``hm`` (from :meth:`attention`) with ``mlp`` (default the
-        layer's own); ``advance=False`` only runs it (e.g. to observe the router)."""
+    def feedforward(self, i: int, hm: list[tuple[torch.Tensor, torch.Tensor]], mlp: Any = None, *,
+                    advance: bool = True) -> None:
+        """The feed-forward sublayer of layer ``i`` on ``hm`` (from :meth:`attention`) with ``mlp``
+        (default the layer's own); ``advance=False`` only runs it (e.g. to observe the router)."""
         layer, model = self.model.layers[i], self.model
         mlp = layer.mlp if mlp is None else mlp
+        gate = layer.post_feedforward_residual_gate
         next_norm = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
-        results = [self.ops.residual_norm(h, mlp(m), layer.post_feedforward_layernorm, layer.ffn_residual_gate,
-                                          next_norm, self.eps) for h, m in hm]
+        results = [self.ops.residual_norm(h, mlp(m), layer.post_feedforward_layernorm, gate.alpha, gate.beta,
+                                          next_norm, self.post_eps, self.eps) for h, m in hm]
         if advance:
             self.x, self.a = [r[0] for r in results], [r[1] for r in results]
             self.next_layer = i + 1
@@ -133,14 +151,16 @@ class LayerwiseRun:
     def logits(self) -> torch.Tensor:
         if self.next_layer != len(self.model.layers):
             raise RuntimeError(f"logits() needs every layer run; {self.next_layer} of {len(self.model.layers)} done")
-        return torch.cat([self.ops.linear(a, self.model.lm_head).float() for a in self.a])
+        cfg = self.model.config
+        return torch.cat([self.ops.logit_softcap(self.ops.linear(a, self.model.lm_head), cfg.output_multiplier,
+                                                 cfg.final_logit_softcapping) for a in self.a])
 
 
 @dataclass
 class RoutedInputs:
     """What the router sent one expert: rows of ``z`` and their routing weights, capped."""
 
-    z: torch.Tensor          # [n, l] fp32, pooled + normed latents
+    z: torch.Tensor          # [n, h] fp32, pooled + normed latents (pre_expert_norm(pre_expert_proj(m)))
     weights: torch.Tensor    # [n] fp32, renormalised top-k routing weights
     tokens: torch.Tensor     # [n] long, flat calibration token index (row of ids.reshape(-1))
     routed: int              # tokens the router picked for this expert before the cap
@@ -151,7 +171,7 @@ class RoutedInputs:
 class RouterRecord:
     """One layer's routing over all calibration tokens, as ``MoE.__call__`` computed it."""
 
-    z: torch.Tensor = None        # [N, l]
+    z: torch.Tensor = None        # [N, h]
     weights: torch.Tensor = None  # [N, k]
     ids: torch.Tensor = None      # [N, k]
     parts: list = field(default_factory=list)
@@ -171,7 +191,7 @@ def record_routing(run: LayerwiseRun, i: int, hm: list) -> RouterRecord:
     record = RouterRecord()
     observed = copy.copy(mlp)  # shallow: same weights, its own ops table
     observed.ops = observing_ops(mlp.ops, record)
-    run.moe(i, hm, observed, advance=False)
+    run.feedforward(i, hm, observed, advance=False)
     return record.finish()
 
 
@@ -192,23 +212,37 @@ def routed_inputs(record: RouterRecord, expert: int, max_tokens: int, seed: int 
 def capture_routed_inputs(model: MuseModel, ids: torch.Tensor, max_tokens: int = 2048,
                           layers: Optional[Sequence[int]] = None, seed: int = 0,
                           batch_size: int = 8) -> dict[int, list[RoutedInputs]]:
-    """For every MoE layer (or ``layers``), what the router sends each expert on ``ids [B, T]``,
-    with the unquantized model: ``{layer: [RoutedInputs per expert]}``.
+    """For every sparse (MoE) layer (or ``layers``, all sparse), what the router sends each expert on
+    ``ids [B, T]``, with the unquantized model: ``{layer: [RoutedInputs per expert]}``.
 
     Example::
 
         routed = capture_routed_inputs(musecore.load(ckpt, device="cpu"), ids)
-        routed[1][5].z.shape        # [n, l]: the latents expert 5 of layer 1 received
+        routed[1][5].z.shape        # [n, h]: the pooled latents expert 5 of layer 1 received
     """
-    wanted = set(range(model.config.num_hidden_layers) if layers is None else layers)
+    cfg = model.config
+    wanted = set(cfg.sparse_layers if layers is None else _sparse(cfg, layers))
     run, out = LayerwiseRun(model, ids, batch_size), {}
-    for i in range(model.config.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers):
         hm = run.attention(i)
         if i in wanted:
             record = record_routing(run, i, hm)
-            out[i] = [routed_inputs(record, e, max_tokens, seed) for e in range(model.config.num_experts)]
-        run.moe(i, hm)
+            out[i] = [routed_inputs(record, e, max_tokens, seed) for e in range(cfg.num_local_experts)]
+        run.feedforward(i, hm)
     return out
+
+
+def _sparse(cfg: Any, layers: Sequence[int]) -> list[int]:
+    """``layers`` sorted, checked to be sparse (MoE) layers of ``cfg``."""
+    layers = sorted(set(layers))
+    outside = [i for i in layers if not 0 <= i < cfg.num_hidden_layers]
+    if outside:
+        raise ValueError(f"layers {outside} are outside 0..{cfg.num_hidden_layers - 1}")
+    dense = [i for i in layers if not cfg.is_sparse(i)]
+    if dense:
+        raise ValueError(f"layers {dense} are dense-MLP layers (mlp_layer_types) and have no routed experts; "
+                         f"choose among the sparse layers {cfg.sparse_layers}")
+    return layers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,7 +307,10 @@ class AutoRoundQuantizer:
 
     Tuning runs when the quantizer is built (layer by layer, see the module doc); calling it only
     looks the result up, after checking that the converted checkpoint's weight is the one that was
-    tuned. Names it did not tune raise, naming the layers it covers (no silent RTN).
+    tuned. It answers a per-expert name (``experts.{e}.up_proj.weight``: that expert's ``[I, h]``
+    INT4) or a fused one (``experts.gate_up_proj``: ``[E, 2I, h]``, each expert's gate rows then its
+    up rows, stacked without requantizing; ``experts.down_proj``: ``[E, h, I]``). Names it did not
+    tune raise, naming the layers it covers (no silent RTN).
     """
 
     def __init__(self, model: MuseModel, calibration_ids: torch.Tensor, *, layers: Optional[Sequence[int]] = None,
@@ -281,28 +318,26 @@ class AutoRoundQuantizer:
                  sequences_per_pass: int = 8, progress: bool = False) -> None:
         cfg = model.config
         self.model, self.options = model, options
-        self.layers = sorted(set(range(cfg.num_hidden_layers)) - set(cfg.bf16_expert_layers)
-                             if layers is None else set(layers))
-        bad = [i for i in self.layers if not 0 <= i < cfg.num_hidden_layers]
-        if bad:
-            raise ValueError(f"layers {bad} are outside 0..{cfg.num_hidden_layers - 1}")
+        self.layers = ([i for i in cfg.sparse_layers if i not in cfg.bf16_expert_layers] if layers is None
+                       else _sparse(cfg, layers))
         for i in self.layers:
             _dense_experts(model, i)
         started = time.perf_counter()
         self.report = CalibrationReport(self.layers, int(calibration_ids.numel()), options.as_dict(),
                                         auto_round_version(), propagate_quantized)
-        self.results: dict[str, QTensor] = {}
-        tuner = (ExpertTuner(cfg.moe_latent_size, cfg.moe_intermediate_size, cfg.rms_norm_eps, options)
+        self.results: dict[int, list[dict[str, QTensor]]] = {}  # layer -> per expert {projection: INT4}
+        tuner = (ExpertTuner(cfg.moe_hidden_size, cfg.moe_intermediate_size, cfg.post_norm_eps, options)
                  if self.layers else None)
         run = LayerwiseRun(model, calibration_ids, sequences_per_pass)
         for i in range(cfg.num_hidden_layers):
             hm = run.attention(i)
             if i not in self.layers:
-                run.moe(i, hm)
+                run.feedforward(i, hm)
                 continue
             record = record_routing(run, i, hm)
-            quantized = self._quantize_layer(i, record, tuner, progress)
-            run.moe(i, hm, _with_experts(model.layers[i].mlp, quantized) if propagate_quantized else None)
+            self.results[i] = self._quantize_layer(i, record, tuner, progress)
+            run.feedforward(i, hm, _with_experts(model.layers[i].mlp, self.results[i]) if propagate_quantized
+                            else None)
         self.report.seconds = time.perf_counter() - started
         digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
         # convert()'s resume key reads __qualname__: make it name this calibration, not just the class.
@@ -312,14 +347,14 @@ class AutoRoundQuantizer:
     def _quantize_layer(self, i: int, record: RouterRecord, tuner: ExpertTuner, progress: bool) -> list[dict]:
         experts, mlp = self.model.layers[i].mlp.experts, self.model.layers[i].mlp
         per_expert = []
-        for e in range(self.model.config.num_experts):
+        for e in range(self.model.config.num_local_experts):
             gate, up, down = experts.gate[e].float(), experts.up[e].float(), experts.down[e].float()
             routed = routed_inputs(record, e, self.options.max_tokens, self.options.seed)
             if len(routed.tokens) == 0:
                 qts = rtn_expert(gate, up, down, self.options)
                 entry = ExpertReport(i, e, "rtn", 0, 0)
             else:
-                result = tuner.tune(gate, up, down, mlp.output_norm[e], routed.z, routed.weights,
+                result = tuner.tune(gate, up, down, mlp.post_expert_norm, routed.z, routed.weights,
                                     seed=self.options.seed + 1000 * i + e, heldout=routed.rest)
                 qts = result.qtensors
                 entry = ExpertReport(i, e, "autoround", routed.routed, result.tokens, result.loss_rtn,
@@ -334,30 +369,42 @@ class AutoRoundQuantizer:
                              f" -> autoround {entry.heldout_loss_autoround:.3e}")
                 print(f"layer {i} expert {e}: {entry.method} on {entry.tuned_tokens}/{entry.routed_tokens} "
                       f"tokens{gain}", file=sys.stderr, flush=True)
-            for p in PROJECTIONS:
-                self.results[f"{PREFIX}layers.{i}.mlp.experts.{e}.{p}.weight"] = qts[p]
             per_expert.append(qts)
         return per_expert
 
     def include_patterns(self) -> list[str]:
-        """``include`` regexes for ``convert`` that select exactly the weights this quantizer tuned."""
+        """``include`` regexes for ``convert`` that select exactly the weights this quantizer tuned
+        (fused or per-expert names)."""
         layers = "|".join(str(i) for i in self.layers)
-        return [rf"{re.escape(PREFIX)}layers\.({layers})\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"]
+        return [rf"{re.escape(PREFIX)}layers\.({layers})\.mlp\.experts\."
+                r"(gate_up_proj|down_proj|\d+\.(gate|up|down)_proj\.weight)$"]
 
     def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
         match = EXPERT_WEIGHT.fullmatch(name)
         if match is None:
             raise ValueError(f"{name!r} is not a routed expert projection; the AutoRound quantizer tunes only those. "
                              f"Restrict include to {self.include_patterns()}")
-        qt = self.results.get(name)
-        if qt is None:
-            raise ValueError(f"{name!r}: layer {match.group(1)} was not calibrated (layers {self.layers}); pass "
+        layer = int(match["layer"])
+        per_expert = self.results.get(layer)
+        if per_expert is None:
+            raise ValueError(f"{name!r}: layer {layer} was not calibrated (layers {self.layers}); pass "
                              f"layers=... to autoround_quantizer or restrict include to {self.include_patterns()}")
-        layer, expert, proj = int(match.group(1)), int(match.group(2)), match.group(3)
-        tuned = getattr(self.model.layers[layer].mlp.experts, proj.split("_")[0])[expert].float()
+        experts = self.model.layers[layer].mlp.experts
+        if match["fused"] == "gate_up_proj":  # [E, 2I, h]: each expert's gate rows, then its up rows
+            qt = stack_qtensors([concat_qtensors([q["gate_proj"], q["up_proj"]]) for q in per_expert])
+            tuned = torch.cat([experts.gate, experts.up], dim=1).float()
+        elif match["fused"] == "down_proj":   # [E, h, I]
+            qt = stack_qtensors([q["down_proj"] for q in per_expert])
+            tuned = experts.down.float()
+        else:
+            expert, proj = int(match["expert"]), match["proj"]
+            if expert >= len(per_expert):
+                raise ValueError(f"{name!r} names expert {expert}; layer {layer} has {len(per_expert)} experts")
+            qt = per_expert[expert][proj]
+            tuned = getattr(experts, proj.split("_")[0])[expert].float()
         if tuple(weight.shape) != tuple(tuned.shape) or not torch.equal(weight.float(), tuned):
-            diff = "shape" if tuple(weight.shape) != tuple(tuned.shape) else \
-                f"max |diff| {(weight.float() - tuned).abs().max().item():.3g}"
+            diff = f"shape {list(weight.shape)}, not {list(tuned.shape)}" if tuple(weight.shape) != tuple(tuned.shape) \
+                else f"max |diff| {(weight.float() - tuned).abs().max().item():.3g}"
             raise ValueError(f"{name!r} differs from the weight that was calibrated ({diff}): load the calibration "
                              "model from the checkpoint being converted (dtype=torch.float32 for an fp32 checkpoint)")
         return qt
@@ -365,9 +412,9 @@ class AutoRoundQuantizer:
 
 def _dense_experts(model: MuseModel, layer: int) -> Any:
     experts, cfg = model.layers[layer].mlp.experts, model.config
-    want = (cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_latent_size)
+    want = (cfg.num_local_experts, cfg.moe_intermediate_size, cfg.moe_hidden_size)
     if not isinstance(experts.gate, torch.Tensor) or tuple(experts.gate.shape) != want:
-        raise ValueError(f"layer {layer}: calibration needs dense reference experts [E, I, l] = {list(want)}; load the "
+        raise ValueError(f"layer {layer}: calibration needs dense reference experts [E, I, h] = {list(want)}; load the "
                          "model with musecore.load(checkpoint, device='cpu', dtype=torch.float32)")
     return experts
 
@@ -387,8 +434,8 @@ def autoround_quantizer(model: MuseModel, calibration_ids: torch.Tensor, *, laye
                         batch_size: Optional[int] = None, group_size: int = 128, sym: bool = True,
                         lr: Optional[float] = None, seed: int = 42, propagate_quantized: bool = True,
                         progress: bool = False, verbose: bool = False) -> AutoRoundQuantizer:
-    """Tune every routed expert of ``layers`` (default: all but ``config.bf16_expert_layers``) with
-    auto-round on ``calibration_ids [B, T]``; returns the ``calibrated_quantizer`` for
+    """Tune every routed expert of ``layers`` (default: the sparse layers but ``config.bf16_expert_layers``)
+    with auto-round on ``calibration_ids [B, T]``; returns the ``calibrated_quantizer`` for
     ``musecore_quant.convert(..., to="int4", method="autoround")``. Options: see
     :class:`~musecore.autoround.AutoRoundOptions` (each expert sees at most
     ``nsamples * tokens_per_sample`` of its routed tokens)."""
@@ -492,7 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens used (default 16384)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--layers", type=int, nargs="+", default=None, help="layers whose experts are quantized "
-                   "(default: all but config.bf16_expert_layers)")
+                   "(default: the sparse layers but config.bf16_expert_layers)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--nsamples", type=int, default=128, help="auto-round samples per expert (of --tokens-per-sample "
                    "tokens each; default 128, so at most 2048 routed tokens per expert)")

@@ -34,14 +34,14 @@ class _ExpertInputRecorder:
         return getattr(self._ops, name)
 
     def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Any,
-            output_norm: torch.Tensor, eps: float) -> torch.Tensor:
+            post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
         zf = z.float()
         for e in ids.unique().tolist():
             tokens = (ids == e).any(-1)
             ze = zf[tokens]
             h = F.silu(ze @ experts.gate[e].float().T) * (ze @ experts.up[e].float().T)
             self._stats.record(self._layer, e, ze, h)
-        return self._ops.moe(z, weights, ids, experts, output_norm, eps)
+        return self._ops.moe(z, weights, ids, experts, post_norm, post_eps)
 
 
 class ActivationStats:
@@ -81,7 +81,8 @@ def calibrate_expert_inputs(model: Any, batches: list[tuple[torch.Tensor, torch.
     saved = [layer.mlp.ops for layer in model.layers]
     try:
         for i, layer in enumerate(model.layers):
-            layer.mlp.ops = _ExpertInputRecorder(saved[i], i, stats)
+            if model.config.is_sparse(i):  # dense-MLP layers have no routed experts
+                layer.mlp.ops = _ExpertInputRecorder(saved[i], i, stats)
         with torch.inference_mode():
             for inputs, _ in batches:
                 model.forward(inputs)
