@@ -17,13 +17,15 @@ from tests.conftest import nmse
 from musecore.autoround import PROJECTIONS, AutoRoundOptions, ExpertBlock, canonical_int4_from_autoround
 from musecore.calibrate import LayerwiseRun, calibration_windows, capture_routed_inputs
 from musecore.model import PREFIX
+from musecore.ops import ExpertWeights
 from musecore.ops import reference as ref
 from musecore_quant import QTensor, dequantize, quantize
 from musecore_quant.formats.int4 import int4_dequantize
 from tests.helpers import random_tensors, small_config, write_checkpoint
 
-# auto-round leaves INT Linears whose dims are not multiples of 32 unquantized: latent 32, intermediate 64.
-CONFIG = dict(moe_latent_size=32, moe_intermediate_size=64)
+# auto-round leaves INT Linears whose dims are not multiples of 32 unquantized: hidden 32, intermediate 64.
+# Layer 0 is a dense-MLP layer (no experts), layer 3 keeps BF16 experts: layers 1 and 2 are calibrated.
+CONFIG = dict(moe_hidden_size=32, moe_intermediate_size=64, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
 GROUP = 32
 ITERS = 12
 
@@ -35,7 +37,7 @@ def needs_auto_round():
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     config = small_config(**CONFIG)
-    tensors = random_tensors(config, seed=5, dtype=torch.bfloat16)
+    tensors = random_tensors(config, seed=14, dtype=torch.bfloat16)  # its router reaches every expert of layers 1, 2
     folder = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", config, tensors)
     model = musecore.load(folder, device="cpu", dtype=torch.float32, progress=False)
     ids = torch.randint(0, config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(7))
@@ -43,19 +45,36 @@ def small(tmp_path_factory):
 
 
 def router_choices(model, ids, layer):
-    """The router's top-k and the pooled latents at ``layer``, from the model's own ops on the MoE input."""
+    """The router's top-k and the pooled latents at ``layer``, from the model's own ops on the MoE input
+    (``MoE.__call__``'s first two lines)."""
     run = LayerwiseRun(model, ids)
     for i in range(layer):
-        run.moe(i, run.attention(i))
+        run.feedforward(i, run.attention(i))
     m = torch.cat([m for _, m in run.attention(layer)]).reshape(-1, model.config.hidden_size)
-    weights, chosen, z = model.layers[layer].mlp.route(m)
+    mlp, ops = model.layers[layer].mlp, model.ops
+    weights, chosen = ops.router_topk(m, mlp.router, mlp.correction_bias, mlp.top_k, mlp.multiplier, mlp.scaling)
+    z = ops.rms_norm(ops.linear(m, mlp.pre_expert_proj), mlp.pre_expert_norm, mlp.eps)
     return weights, chosen, z.float()
 
 
-def routed_output(z, w, gate, up, down, norm, eps):
-    """``w * RMSNorm(expert(z), norm)`` with the reference ops (what the expert adds to the MoE sum)."""
+def expert_weights(tensors, config, layer, e):
+    """Expert ``e`` of ``layer`` from transformers' fused tensors: {projection: fp32 [out, in]}."""
+    prefix, inter = f"{PREFIX}layers.{layer}.mlp.experts.", config.moe_intermediate_size
+    gate_up = tensors[prefix + "gate_up_proj"][e].float()
+    down = tensors[prefix + "down_proj"][e].float()
+    return {"gate_proj": gate_up[:inter], "up_proj": gate_up[inter:], "down_proj": down}
+
+
+def post_expert_norm(tensors, layer):
+    """The layer's shared post-expert norm as the model applies it: ``1 + w`` (stored centred)."""
+    return 1.0 + tensors[f"{PREFIX}layers.{layer}.mlp.experts.post_expert_norm.weight"].float()
+
+
+def routed_output(z, w, gate, up, down, post_norm, post_eps):
+    """``w * InputScaledRMSNorm(expert(z), post_norm)`` with the reference ops: what the expert adds to
+    the MoE sum (the shared post-expert norm, scale first, then the routing weight)."""
     out = (F.silu(z @ gate.T) * (z @ up.T)) @ down.T
-    return w[:, None] * ref.rms_norm(out, norm, eps)
+    return w[:, None] * ref.rms_norm(out, post_norm, post_eps, scale_first=True)
 
 
 # ---------------------------------------------------------------------------------------- capture
@@ -67,7 +86,7 @@ def test_layerwise_run_gives_model_forward_logits(small):
     for batch_size in (len(ids), 2):
         run = LayerwiseRun(model, ids, batch_size=batch_size)
         for i in range(config.num_hidden_layers):
-            run.moe(i, run.attention(i))
+            run.feedforward(i, run.attention(i))
         got = run.logits().view(whole.shape)
         if batch_size == len(ids):  # the same matmuls as forward: bit for bit
             assert torch.equal(got, whole)
@@ -78,8 +97,8 @@ def test_layerwise_run_gives_model_forward_logits(small):
 def test_capture_sends_each_expert_exactly_the_tokens_the_router_picked(small):
     _, config, _, model, ids = small
     captured = capture_routed_inputs(model, ids, max_tokens=10_000)
-    assert sorted(captured) == list(range(config.num_hidden_layers))
-    for layer in range(config.num_hidden_layers):
+    assert sorted(captured) == config.sparse_layers == [1, 2, 3]
+    for layer in config.sparse_layers:
         weights, chosen, z = router_choices(model, ids, layer)
         for e, got in enumerate(captured[layer]):
             tokens, slot = (chosen == e).nonzero(as_tuple=True)
@@ -116,6 +135,18 @@ def test_calibration_windows_cut_a_stream_into_sequences():
         calibration_windows([1, 2, 3], tokens=10, seq_len=8)
 
 
+def test_dense_mlp_layers_are_refused_for_expert_calibration(small):
+    from musecore.calibrate import AutoRoundQuantizer
+    _, config, _, model, ids = small
+    assert not config.is_sparse(0)
+    with pytest.raises(ValueError, match=r"layers \[0\] are dense-MLP layers.*sparse layers \[1, 2, 3\]"):
+        capture_routed_inputs(model, ids, layers=[0, 1])
+    with pytest.raises(ValueError, match=r"layers \[0\] are dense-MLP layers"):
+        AutoRoundQuantizer(model, ids, layers=[0])   # refused before auto-round is needed
+    with pytest.raises(ValueError, match=r"outside 0\.\.3"):
+        capture_routed_inputs(model, ids, layers=[4])
+
+
 # ---------------------------------------------------------------------- mapping to canonical INT4
 
 
@@ -150,10 +181,11 @@ def test_autoround_quantizer_returns_canonical_int4_within_its_error_bound(small
     # sign-SGD with lr 1/iters decaying linearly to 0 moves a parameter by at most (iters+1)/(2 iters):
     # the rounding offset v stays within that, and min/max tuning shrinks a group's range by at most it.
     drift = (ITERS + 1) / (2 * ITERS)
-    for e in range(config.num_experts):
+    for e in range(config.num_local_experts):
+        weights = expert_weights(tensors, config, 1, e)
         for p in PROJECTIONS:
             name = f"{PREFIX}layers.1.mlp.experts.{e}.{p}.weight"
-            w = tensors[name].float()
+            w = weights[p]
             qt = tuned(name, w)
             out_f, in_f = w.shape
             assert isinstance(qt, QTensor) and qt.format == "int4" and qt.layout == "canonical"
@@ -172,21 +204,37 @@ def test_autoround_quantizer_returns_canonical_int4_within_its_error_bound(small
                 f"{name}: scale / RTN scale in [{ratio.min().item():.3f}, {ratio.max().item():.3f}]"
 
 
+def test_fused_expert_names_get_every_experts_tuned_int4_stacked_without_requantizing(small, tuned):
+    """transformers' fused ``gate_up_proj [E, 2I, h]`` / ``down_proj [E, h, I]``: the per-expert results,
+    gate rows then up rows, codes and scales unchanged."""
+    _, config, tensors, _, _ = small
+    prefix, E = f"{PREFIX}layers.1.mlp.experts.", config.num_local_experts
+    for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        w = tensors[prefix + fused].float()
+        qt = tuned(prefix + fused, w)
+        assert isinstance(qt, QTensor) and qt.format == "int4" and qt.shape == tuple(w.shape)
+        assert qt.group_size == GROUP and qt.zero is None and qt.scale.shape == (*w.shape[:2], w.shape[2] // GROUP)
+        for e in range(E):
+            weights = expert_weights(tensors, config, 1, e)
+            each = [tuned(f"{prefix}{e}.{p}.weight", weights[p]) for p in parts]
+            assert torch.equal(qt.data[e], torch.cat([q.data for q in each])), f"{fused}[{e}]: codes differ"
+            assert torch.equal(qt.scale[e], torch.cat([q.scale for q in each])), f"{fused}[{e}]: scales differ"
+
+
 def test_autoround_error_on_each_experts_routed_tokens_is_at_most_rtns(small, tuned):
     _, config, tensors, model, ids = small
-    eps = config.rms_norm_eps
+    post_eps, norm = config.post_norm_eps, post_expert_norm(tensors, 1)
     routed = capture_routed_inputs(model, ids, max_tokens=10_000, layers=[1])[1]
     lines = []
-    for e in range(config.num_experts):
+    for e in range(config.num_local_experts):
         prefix = f"{PREFIX}layers.1.mlp.experts.{e}."
-        w = {p: tensors[prefix + p + ".weight"].float() for p in PROJECTIONS}
-        norm = tensors[prefix + "output_norm.weight"].float()
+        w = expert_weights(tensors, config, 1, e)
         z, rw = routed[e].z, routed[e].weights
         assert len(z) <= 16 * 8, "the test needs every routed token inside the tuning set"
-        target = routed_output(z, rw, w["gate_proj"], w["up_proj"], w["down_proj"], norm, eps)
+        target = routed_output(z, rw, w["gate_proj"], w["up_proj"], w["down_proj"], norm, post_eps)
 
         def mse(weights):
-            return F.mse_loss(routed_output(z, rw, *(weights[p] for p in PROJECTIONS), norm, eps), target).item()
+            return F.mse_loss(routed_output(z, rw, *(weights[p] for p in PROJECTIONS), norm, post_eps), target).item()
 
         rtn = mse({p: int4_dequantize(quantize(w[p], "int4", group_size=GROUP, sym=True)) for p in PROJECTIONS})
         ar = mse({p: dequantize(tuned(prefix + p + ".weight", w[p])) for p in PROJECTIONS})
@@ -194,19 +242,27 @@ def test_autoround_error_on_each_experts_routed_tokens_is_at_most_rtns(small, tu
         assert ar <= rtn * (1 + 1e-5), "\n".join(lines)
     print("\nrouted-output MSE, layer 1 (random model):\n" + "\n".join(lines))
     report = tuned.report.summary()
-    assert report["autoround"] == config.num_experts and report["experts_worse_than_rtn"] == 0
+    assert report["autoround"] == config.num_local_experts and report["experts_worse_than_rtn"] == 0
 
 
 def test_the_quantizer_refuses_weights_it_did_not_tune(small, tuned):
-    _, _, tensors, _, _ = small
-    other_layer = f"{PREFIX}layers.2.mlp.experts.0.up_proj.weight"
-    with pytest.raises(ValueError, match="layer 2 was not calibrated"):
-        tuned(other_layer, tensors[other_layer].float())
-    with pytest.raises(ValueError, match="not a routed expert projection"):
-        tuned(f"{PREFIX}layers.1.mlp.router.weight", tensors[f"{PREFIX}layers.1.mlp.router.weight"].float())
+    _, config, tensors, _, _ = small
+    for other_layer in (f"{PREFIX}layers.2.mlp.experts.0.up_proj.weight", f"{PREFIX}layers.2.mlp.experts.down_proj"):
+        w = expert_weights(tensors, config, 2, 0)["up_proj"] if other_layer.endswith(".weight") else \
+            tensors[other_layer].float()
+        with pytest.raises(ValueError, match="layer 2 was not calibrated"):
+            tuned(other_layer, w)
+    for not_expert in (f"{PREFIX}layers.1.mlp.gate.weight", f"{PREFIX}layers.1.mlp.pre_expert_proj.weight"):
+        with pytest.raises(ValueError, match="not a routed expert projection"):
+            tuned(not_expert, tensors[not_expert].float())
     name = f"{PREFIX}layers.1.mlp.experts.0.up_proj.weight"
     with pytest.raises(ValueError, match="differs from the weight that was calibrated"):
-        tuned(name, tensors[name].float() * 1.01)
+        tuned(name, expert_weights(tensors, config, 1, 0)["up_proj"] * 1.01)
+    fused = f"{PREFIX}layers.1.mlp.experts.gate_up_proj"
+    with pytest.raises(ValueError, match="differs from the weight that was calibrated"):
+        tuned(fused, tensors[fused].float().flip(1))  # up rows before gate rows
+    with pytest.raises(ValueError, match=r"differs from the weight that was calibrated \(shape"):
+        tuned(fused, tensors[fused].float()[:, :config.moe_intermediate_size])
 
 
 def test_experts_without_calibration_tokens_fall_back_to_rtn_and_are_counted(tmp_path):
@@ -220,17 +276,37 @@ def test_experts_without_calibration_tokens_fall_back_to_rtn_and_are_counted(tmp
     reached = {e for e, r in enumerate(capture_routed_inputs(model, ids, layers=[1])[1]) if r.routed}
     q = autoround_quantizer(model, ids, layers=[1], iters=2, group_size=GROUP, tokens_per_sample=4)
     fallback = {e for _, e in q.report.rtn_fallback}
-    assert fallback == set(range(config.num_experts)) - reached and len(fallback) >= config.num_experts - 3
+    assert fallback == set(range(config.num_local_experts)) - reached
+    assert len(fallback) >= config.num_local_experts - 3
     assert q.report.summary()["rtn_fallback"] == len(fallback)
     for e in fallback:
-        name = f"{PREFIX}layers.1.mlp.experts.{e}.down_proj.weight"
-        rtn = quantize(tensors[name].float(), "int4", group_size=GROUP, sym=True)
-        assert torch.equal(dequantize(q(name, tensors[name].float())), dequantize(rtn))
+        w = expert_weights(tensors, config, 1, e)["down_proj"]
+        rtn = quantize(w, "int4", group_size=GROUP, sym=True)
+        assert torch.equal(dequantize(q(f"{PREFIX}layers.1.mlp.experts.{e}.down_proj.weight", w)), dequantize(rtn))
+
+
+def unfused(tensors):
+    """The same weights with every fused expert tensor split into a producer's per-expert keys."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t
+    return out
 
 
 def test_calibrate_command_writes_a_checkpoint_that_loads_with_the_tuned_weights(small, tmp_path, capsys):
     needs_auto_round()
-    from musecore.calibrate import REPORT_FILE, autoround_quantizer, main
+    from musecore.calibrate import REPORT_FILE, _with_experts, autoround_quantizer, main
+    from musecore_quant.convert import convert
     folder, config, tensors, model, ids = small
     ids.flatten().to(torch.int16).numpy().tofile(tmp_path / "calib.i16")
     argv = [str(folder), str(tmp_path / "int4"), "--calibration", str(tmp_path / "calib.i16"), "--tokens",
@@ -239,37 +315,75 @@ def test_calibrate_command_writes_a_checkpoint_that_loads_with_the_tuned_weights
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads((tmp_path / "int4" / REPORT_FILE).read_text())
-    assert printed == saved and saved["layers"] == [2] and saved["summary"]["experts"] == config.num_experts
+    assert printed == saved and saved["layers"] == [2] and saved["summary"]["experts"] == config.num_local_experts
     conversion = json.loads((tmp_path / "int4" / "conversion_report.json").read_text())
     assert conversion["method"] == "autoround"
-    assert conversion["summary"]["actions"] == {"copy": len(tensors) - 3 * config.num_experts,
-                                                "quantize": 3 * config.num_experts}
+    # the source holds transformers' fused experts: one gate_up_proj and one down_proj per layer
+    assert conversion["summary"]["actions"] == {"copy": len(tensors) - 2, "quantize": 2}
     for r in saved["experts"]:  # tokens beyond the cap (32) measure the error off the tuning set
         assert r["method"] == "autoround" and r["tuned_tokens"] == min(r["routed_tokens"], 32)
         assert r["heldout_tokens"] == min(r["routed_tokens"] - r["tuned_tokens"], r["tuned_tokens"])
         assert (r["heldout_loss_rtn"] is None) == (r["heldout_tokens"] == 0)
     again = autoround_quantizer(model, calibration_windows(ids.flatten(), ids.numel(), 40), layers=[2], iters=4,
                                 group_size=GROUP, nsamples=4, tokens_per_sample=8)    # seeded: the same result
-    loaded = musecore.load(tmp_path / "int4", device="cpu", dtype=torch.float32, progress=False)
-    for e in range(config.num_experts):
-        for p, stacked in zip(PROJECTIONS, ("gate", "up", "down")):
-            name = f"{PREFIX}layers.2.mlp.experts.{e}.{p}.weight"
-            want = dequantize(again(name, tensors[name].float()))
-            assert torch.equal(getattr(loaded.layers[2].mlp.experts, stacked)[e], want), name
-    untouched = loaded.layers[1].mlp.experts.up[0]
-    assert torch.equal(untouched, tensors[f"{PREFIX}layers.1.mlp.experts.0.up_proj.weight"].float())
+    # a producer's per-expert source converts through the same quantizer (per-expert names)
+    per_expert_src = write_checkpoint(tmp_path / "per-expert", config, unfused(tensors))
+    convert(per_expert_src, tmp_path / "int4-per-expert", to="int4", method="autoround",
+            include=again.include_patterns(), quantize_options={"group_size": GROUP, "sym": True}, progress=False,
+            calibrated_quantizer=again)
+    for dst in ("int4", "int4-per-expert"):
+        loaded = musecore.load(tmp_path / dst, device="cpu", dtype=torch.float32, progress=False)
+        for e in range(config.num_local_experts):
+            weights = expert_weights(tensors, config, 2, e)
+            for p, stacked in zip(PROJECTIONS, ("gate", "up", "down")):
+                name = f"{PREFIX}layers.2.mlp.experts.{e}.{p}.weight"
+                want = dequantize(again(name, weights[p]))
+                assert torch.equal(getattr(loaded.layers[2].mlp.experts, stacked)[e], want), f"{dst}: {name}"
+        untouched = loaded.layers[1].mlp.experts.up[0]
+        assert torch.equal(untouched, expert_weights(tensors, config, 1, 0)["up_proj"]), dst
+        # the loaded model computes what calibration propagated: the BF16 model with layer 2's tuned experts
+        run = LayerwiseRun(model, ids[:1, :12])
+        for i in range(config.num_hidden_layers):
+            hm = run.attention(i)
+            run.feedforward(i, hm, _with_experts(model.layers[i].mlp, again.results[i]) if i == 2 else None)
+        assert torch.equal(loaded.forward(ids[:1, :12]).flatten(), run.logits().flatten()), dst
 
 
 def test_expert_block_is_the_experts_routed_contribution_to_the_moe_sum(small):
-    _, config, tensors, model, ids = small
-    e, eps = 3, config.rms_norm_eps
-    prefix = f"{PREFIX}layers.1.mlp.experts.{e}."
-    w = [tensors[prefix + p + ".weight"].float() for p in PROJECTIONS]
-    norm = tensors[prefix + "output_norm.weight"].float()
-    block = ExpertBlock(config.moe_latent_size, config.moe_intermediate_size, eps)
-    block.load(*w, norm)
-    z, rw = torch.randn(9, config.moe_latent_size), torch.rand(9)
-    torch.testing.assert_close(block(z, rw), routed_output(z, rw, *w, norm, eps), rtol=1e-6, atol=1e-7)
+    _, config, tensors, model, _ = small
+    e, post_eps = 3, config.post_norm_eps
+    w = expert_weights(tensors, config, 1, e)
+    norm = post_expert_norm(tensors, 1)
+    block = ExpertBlock(config.moe_hidden_size, config.moe_intermediate_size, post_eps)
+    block.load(w["gate_proj"], w["up_proj"], w["down_proj"], norm)
+    z, rw = torch.randn(9, config.moe_hidden_size), torch.rand(9)
+    torch.testing.assert_close(block(z, rw), routed_output(z, rw, *w.values(), norm, post_eps), rtol=1e-6, atol=1e-7)
+    assert torch.equal(model.layers[1].mlp.post_expert_norm, norm), "the model holds the shared norm as 1 + w"
+
+
+def test_expert_blocks_with_the_shared_post_norm_sum_to_the_moe_op(small):
+    """Each expert's block, summed over the experts the router picked, is the reference ``moe`` op: one
+    post-expert norm for all experts, applied scale first to each expert's output, before its routing weight."""
+    _, config, tensors, model, _ = small
+    mlp, post_eps = model.layers[1].mlp, config.post_norm_eps
+    E, k = config.num_local_experts, config.num_experts_per_tok
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(11, config.moe_hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(len(z))])            # [N, k]
+    weights = torch.rand(len(z), k, generator=gen)
+    want = ref.moe(z, weights, ids, mlp.experts, mlp.post_expert_norm, post_eps)                 # [N, h] fp32
+    block = ExpertBlock(config.moe_hidden_size, config.moe_intermediate_size, post_eps)
+    got = torch.zeros_like(want)
+    for e in range(E):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        block.load(mlp.experts.gate[e], mlp.experts.up[e], mlp.experts.down[e], mlp.post_expert_norm)
+        got.index_add_(0, tok, block(z[tok], weights[tok, slot]).detach())
+    err = (got - want).abs().max().item()
+    assert err <= 1e-6 * want.abs().max().item(), f"blocks vs reference moe: max |diff| {err:.3g}"
+    # an expert's own norm after its output (the old per-expert norm) is a different computation
+    plain = ExpertWeights(mlp.experts.gate, mlp.experts.up, mlp.experts.down, "fp32", E)
+    unnormed = ref.moe(z, weights, ids, plain, torch.ones(config.moe_hidden_size), post_eps)
+    assert (unnormed * mlp.post_expert_norm - want).abs().max().item() > 100 * err + 1e-4
 
 
 def test_options_reject_nonsense():
@@ -295,7 +409,7 @@ def test_musecore_quant_convert_method_autoround_runs_through_musecores_calibrat
                        "--calibration", str(tmp_path / "calib.i16"), "--no-progress"])
     assert code == 0
     report = json.loads((dst / "conversion_report.json").read_text())
-    assert report["method"] == "autoround" and report["summary"]["actions"]["quantize"] == 3 * config.num_experts
+    assert report["method"] == "autoround" and report["summary"]["actions"]["quantize"] == 2  # fused gate_up, down
     assert (dst / calibrate.REPORT_FILE).is_file()
 
 
@@ -315,7 +429,7 @@ def test_autoround_int4_checkpoint_generates_natively_on_the_xeon_backend(tmp_pa
     xeon = discover().get("xeon")
     if xeon is None or not (xeon.loaded and xeon.probe.available and "xeon" in xeon.probe.devices):
         pytest.skip(f"xeon backend not usable here: {xeon.error or xeon.probe.reason if xeon else 'not installed'}")
-    config = small_config(hidden_size=128, head_dim=32, moe_latent_size=128, moe_intermediate_size=128)
+    config = small_config(hidden_size=128, head_dim=32, moe_hidden_size=128, moe_intermediate_size=128)
     src = write_checkpoint(tmp_path / "bf16", config, random_tensors(config, seed=3, dtype=torch.bfloat16))
     ids = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     convert_autoround(src, tmp_path / "int4", ids.flatten(), tokens=ids.numel(), seq_len=40, iters=2,
