@@ -395,7 +395,8 @@ def _resume_key(reader: CheckpointReader, to: str, method: str, include: Optiona
              "include": None if include is None else list(include), "exclude": list(exclude),
              "options": {k: repr(v) for k, v in sorted(options.items())},
              "quantizer": None if calibrated is None else getattr(calibrated, "__qualname__", repr(type(calibrated))),
-             "siblings": [list(s) for s in siblings], **({"fuse_experts": fuse_experts} if fuse_experts is not None else {}),
+             "siblings": [list(s) for s in siblings],
+             **({"fuse_experts": fuse_experts} if fuse_experts is not None else {}),
              "shards": [(s.name, s.stat().st_size) for s in reader.shards]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

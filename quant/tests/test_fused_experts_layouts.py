@@ -26,7 +26,8 @@ NORM = {"model.language_model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
 
 def _fused(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(E, 2 * I, H, generator=g) * 0.02).bfloat16(), (torch.randn(E, H, I, generator=g) * 0.02).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.02).bfloat16()
+    return gate_up, (torch.randn(E, H, I, generator=g) * 0.02).bfloat16()
 
 
 def _per_expert(layer, gate_up, down):

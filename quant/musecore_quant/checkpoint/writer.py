@@ -5,6 +5,11 @@ configs the producer of the target format writes (ModelOpt for NVFP4/FP8, Quark 
 AutoRound for INT4, plain HF for BF16), so vLLM, SGLang, TensorRT-LLM or transformers load the
 result as if that producer had made it.
 
+Fused MoE experts (transformers 5 ``P.experts.gate_up_proj [E, 2I, h]`` / ``P.experts.down_proj``) added
+as stacked QTensors are written the way ModelOpt, Quark and AutoRound export them: per-expert keys
+``P.experts.{e}.{gate,up,down}_proj.*`` (``experts.py`` cites their code); BF16 fused tensors stay fused,
+and their ``P.experts`` module is listed among the unquantized modules of the producer config.
+
 Crash safety: everything goes into a sibling folder ``DST.partial-<key>`` holding a ``.partial``
 marker; each shard is fsynced, hashed (sha256) and appended to ``journal.jsonl`` only once
 complete. ``close`` writes the index (with ``metadata.sha256 = {shard: hex}``) and configs, removes
