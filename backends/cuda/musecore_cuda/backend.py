@@ -15,6 +15,9 @@ What is native here, and why (``supports`` answers from this table, never optimi
   16-bit weight, which takes a Triton GEMV (``kernels.dense_gemv``: measured faster there).
 * FP8 (per-tensor, ModelOpt layout) weights: W8A8 through ``torch._scaled_mm``; INT4 and block-scaled
   FP8: not implemented (``no``).
+* The row ops (norms, residual gate, q/k norms + RoPE, head gate, MoE finalize, silu_mul, logit_softcap)
+  and the router's top-k are Triton kernels in fp32 that round exactly where the reference rounds
+  (``kernels/norms.py``, ``router.py``, ``elementwise.py``, ``moe.py``); the router's fp32 product is cuBLAS.
 """
 
 from __future__ import annotations

@@ -208,9 +208,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], 
     if (cos is None) != (sin is None):
         raise ValueError("qk_norm_rope: give both cos and sin (a RoPE layer) or neither (a NoPE layer)")
     rope = cos is not None
-    if rope and (cos.shape != (B, T, d) or sin.shape != (B, T, d)):
-        raise ValueError(f"qk_norm_rope: cos/sin must be [B,T,d] = {[B, T, d]}; got {list(cos.shape)}, "
-                         f"{list(sin.shape)}")
+    if rope:  # [B,T,d], or a table that broadcasts to it (one row set for the whole batch)
+        try:
+            cos, sin = cos.expand(B, T, d), sin.expand(B, T, d)
+        except RuntimeError as exc:
+            raise ValueError(f"qk_norm_rope: cos/sin must broadcast to [B,T,d] = {[B, T, d]}; got "
+                             f"{list(cos.shape)}, {list(sin.shape)}") from exc
     (q, q_stride), (k, k_stride) = _token_rows(q, nq * d), _token_rows(k, nkv * d)
     q_out = torch.empty(B, T, nq, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(B, T, nkv, d, dtype=k.dtype, device=k.device)
