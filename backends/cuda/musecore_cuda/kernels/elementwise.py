@@ -71,7 +71,7 @@ def logit_softcap(logits: torch.Tensor, multiplier: float, cap: float) -> torch.
     if logits.numel():
         x2 = _rows2d(logits)
         n = x2.shape[1]
-        logit_softcap_kernel[(x2.shape[0], triton.cdiv(n, BLOCK))](x2, y, n, x2.stride(0), float(multiplier), float(cap),
-                                                                   BLOCK=BLOCK,
-                                                                   **pdl.triton_options(logits.device, "logit_softcap"))
+        grid = (x2.shape[0], triton.cdiv(n, BLOCK))
+        logit_softcap_kernel[grid](x2, y, n, x2.stride(0), float(multiplier), float(cap), BLOCK=BLOCK,
+                                   **pdl.triton_options(logits.device, "logit_softcap"))
     return y
