@@ -211,25 +211,27 @@ def routed_expert_bytes(ids: torch.Tensor, bytes_per_expert: int) -> int:
     return int(ids.unique().numel()) * bytes_per_expert
 
 
-def bench_moe(tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), num_experts: int = 64, top_k: int = 8,
-              latent: int = 512, intermediate: int = 768, repeats: int = 3,
+def bench_moe(tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), num_local_experts: int = 64, top_k: int = 8,
+              moe_hidden_size: int = 768, intermediate: int = 768, repeats: int = 3,
               backend: Optional[XeonBackend] = None, rotate_bytes: Optional[int] = None) -> list[dict[str, Any]]:
-    """One muse-small MoE layer (64 experts top-8, l=512, I=768): INT4 vs BF16 experts.
+    """One muse-small MoE layer (64 experts top-8, h=768, I=768): INT4 vs BF16 experts, with the shared post-expert
+    norm (one ``[h]`` weight, scale first) and a sigmoid router with correction bias choosing the experts.
 
     Only the experts actually routed to are counted in the bytes (PERF.md). Cold from DRAM: the routed
-    experts of one call (5 MB INT4, 19 MB BF16 at T=1) fit the L3, so each variant cycles through whole
-    copies of the layer's experts until the routed bytes total ``rotate_bytes`` (default twice the L3).
+    experts of one call (~7 MB INT4, ~28 MB BF16 at T=1) fit the L3 of large hosts, so each variant cycles through
+    whole copies of the layer's experts until the routed bytes total ``rotate_bytes`` (default twice the L3).
     """
     import musecore_quant
     from musecore.ops import reference as ref
     backend = backend or XeonBackend()
     gen = torch.Generator().manual_seed(0)
-    dense = [torch.randn(num_experts, intermediate, latent, generator=gen) * 0.05,
-             torch.randn(num_experts, intermediate, latent, generator=gen) * 0.05,
-             torch.randn(num_experts, latent, intermediate, generator=gen) * 0.05]
+    E, h = num_local_experts, moe_hidden_size
+    dense = [torch.randn(E, intermediate, h, generator=gen) * 0.05,
+             torch.randn(E, intermediate, h, generator=gen) * 0.05,
+             torch.randn(E, h, intermediate, generator=gen) * 0.05]
     quantized = [musecore_quant.quantize(w, "int4", group_size=128, sym=True) for w in dense]
     int4 = backend.prepare_experts(*quantized)
-    per_expert = {"int4": int4.gate[0].nbytes + int4.down[0].nbytes, "bf16": 2 * 3 * latent * intermediate}
+    per_expert = {"int4": int4.gate[0].nbytes + int4.down[0].nbytes, "bf16": 2 * 3 * h * intermediate}
 
     def torch_bf16_experts():  # PyTorch's BF16 matmul at every M: the plain baseline
         experts = backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense])
@@ -238,25 +240,26 @@ def bench_moe(tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), num_ex
             lin.set_gemv_crossover(1)  # no native BF16 GEMV either
         return experts
 
-    fewest_routed = min(num_experts, top_k)  # T = 1 routes to the fewest experts: it needs the most copies
+    fewest_routed = min(E, top_k)  # T = 1 routes to the fewest experts: it needs the most copies
     variants = {"torch-bf16": rotating(torch_bf16_experts, fewest_routed * per_expert["bf16"], rotate_bytes),
                 "xeon-bf16": rotating(lambda: backend.prepare_experts(*[w.to(torch.bfloat16) for w in dense]),
                                       fewest_routed * per_expert["bf16"], rotate_bytes),
                 "xeon-int4": [int4] + rotating(lambda: backend.prepare_experts(*quantized),
                                                fewest_routed * per_expert["int4"], rotate_bytes)[1:]}
     del dense, quantized
-    norm = torch.ones(num_experts, latent)
-    shape = f"E{num_experts} top{top_k} l{latent} I{intermediate}"
+    post_norm = (1 + 0.1 * torch.randn(h, generator=gen)).to(torch.bfloat16)  # one weight, shared by every expert
+    router, bias = torch.randn(E, h, generator=gen) * h ** -0.5, torch.randn(E, generator=gen) * 0.01  # fp32
+    shape = f"E{E} top{top_k} h{h} I{intermediate}"
     rows = []
     for t in tokens:
-        z = torch.randn(t, latent, dtype=torch.bfloat16, generator=gen)
-        weights, ids = ref.router_topk(torch.randn(t, num_experts, generator=gen), top_k, True)
+        z = torch.randn(t, h, dtype=torch.bfloat16, generator=gen)
+        weights, ids = ref.router_topk(z, router, bias, top_k, 1.0, 1.0)  # the router input stands in for the layer's
         times, copies = {}, {}
         for impl, experts in variants.items():
             fmt = impl.split("-")[1]
             used = experts[:copies_needed(routed_expert_bytes(ids, per_expert[fmt]), rotate_bytes)]
             copies[impl] = len(used)
-            times[impl] = time_us(cycle(used, lambda e: backend.moe(z, weights, ids, e, norm, 1e-6)), repeats) / len(used)
+            times[impl] = time_us(cycle(used, lambda e: backend.moe(z, weights, ids, e, post_norm, 1e-8)), repeats) / len(used)
         t_torch, t_bf16 = times["torch-bf16"], times["xeon-bf16"]
         common = {"backend": BACKEND, "case": "moe", "shape": shape, "M": t, "routed_experts": int(ids.unique().numel())}
         for impl, us in times.items():
@@ -297,30 +300,44 @@ def decode_bytes_per_token(config: Any, int4_group_size: int = 128,
                            dense_groups: Sequence[str] = CATALOG["xeon"].quantize_dense) -> dict[str, float]:
     """Weight bytes one decode token reads: all-BF16, INT4 experts only, and the xeon plan (INT4 dense too).
 
-    Per layer: attention (q, k, v, o, head gates), router, pooler/unpooler, the k routed experts (INT4 in
-    the quantized layers: codes 0.5 byte + a 4-byte fp16 (scale, zero) pair per group; BF16 in
-    ``bf16_expert_layers``), plus the lm_head (embedding: one row). ``int4_plan_bytes``: only the experts in
-    INT4 (``quantize_dense=False``); ``int4_dense_bytes``: ``dense_groups`` in INT4 too (default: the xeon
-    profile's: attention, pooler/unpooler and lm_head; the router stays BF16). The KV cache and
-    activations are left out (small at these contexts). ``ideal_speedup`` / ``ideal_speedup_dense`` = BF16 bytes / those bytes: the
-    end-to-end ratio if every byte streamed at the same bandwidth.
+    Per layer: attention (q, k, v, o and the element-wise gate projection), then for a sparse layer the fp32 router,
+    the pooler/unpooler and the k routed experts (INT4 in the quantized layers: codes 0.5 byte + a 4-byte fp16 (scale,
+    zero) pair per group; BF16 in ``bf16_expert_layers``), for a dense layer its gate/up/down MLP; plus the lm_head
+    (embedding: one row). ``int4_plan_bytes``: only the experts in INT4 (``quantize_dense=False``);
+    ``int4_dense_bytes``: ``dense_groups`` in INT4 too (default: the xeon profile's: attention, pooler/unpooler and
+    lm_head; the router stays fp32). Norm weights, the KV cache and activations are left out (small at these contexts).
+    ``ideal_speedup`` / ``ideal_speedup_dense`` = BF16 bytes / those bytes: the end-to-end ratio if every byte streamed
+    at the same bandwidth.
     """
-    H, l, E, L = config.hidden_size, config.moe_latent_size, config.num_experts, config.num_hidden_layers
-    dense_layer = 2 * (config.attention_parameters() + E * H + 2 * l * H)
-    expert_params = config.num_experts_per_tok * 3 * l * config.moe_intermediate_size
-    int4_layers = L - len(set(config.bf16_expert_layers))
-    lm_head = 2 * config.vocab_size * H
-    bf16 = L * (dense_layer + 2 * expert_params) + lm_head
+    H, h, E = config.hidden_size, config.moe_hidden_size, config.num_local_experts
+    sparse = config.sparse_layers
+    dense_layers = config.num_hidden_layers - len(sparse)
+    attention = config.attention_parameters()
+    expert_params = config.num_experts_per_tok * config.expert_parameters()  # the routed experts of one token
+    int4_layers = len(set(sparse) - set(config.bf16_expert_layers))
+    group_params = {"attention": config.num_hidden_layers * attention, "pooler/unpooler": len(sparse) * 2 * h * H,
+                    "lm_head": config.vocab_size * H, "dense MLP": dense_layers * 3 * H * config.intermediate_size}
+    bf16 = (2 * sum(group_params.values()) + len(sparse) * (4 * E * H + 2 * expert_params))
     int4_expert_bytes = int4_layers * expert_params * (0.5 + 4 / int4_group_size)
     int4 = bf16 - int4_layers * 2 * expert_params + int4_expert_bytes
-    # the dense groups in INT4 too (attention counted whole, head gates included); the router stays BF16
-    group_params = {"attention": L * config.attention_parameters(), "pooler/unpooler": L * 2 * l * H,
-                    "lm_head": config.vocab_size * H}
     dense_params = sum(group_params[g] for g in dense_groups)
     int4_dense = int4 - 2 * dense_params + dense_params * (0.5 + 4 / int4_group_size)
     return {"bf16_bytes": bf16, "int4_plan_bytes": int4, "int4_expert_fraction_of_plan": int4_expert_bytes / int4,
-            "bf16_expert_fraction": L * 2 * expert_params / bf16, "ideal_speedup": bf16 / int4,
+            "bf16_expert_fraction": len(sparse) * 2 * expert_params / bf16, "ideal_speedup": bf16 / int4,
             "int4_dense_bytes": int4_dense, "ideal_speedup_dense": bf16 / int4_dense}
+
+
+def all_experts_bf16(config: Any) -> Any:
+    """``config`` with every sparse layer's routed experts kept in BF16 by the plan (``bf16_expert_layers`` is a
+    property of :class:`~musecore.config.MuseConfig`, the first and last layer, so the baseline overrides it in a
+    subclass with the same fields)."""
+    @dataclasses.dataclass
+    class AllExpertsBf16(type(config)):
+        @property
+        def bf16_expert_layers(self) -> list[int]:
+            return list(self.sparse_layers)
+
+    return AllExpertsBf16(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
 
 def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, prompt_tokens: int = 8,
@@ -329,8 +346,8 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
     pooler/unpooler and lm_head), INT4 experts only (``xeon-int4-experts``, ``quantize_dense=False``:
     MODEL.md section 2's INT4 export as it is) and all-BF16 (``xeon-bf16``).
 
-    The BF16 run is the same preset with ``bf16_expert_layers`` listing every layer, so the plan
-    keeps every expert in BF16; everything else (weights by seed, plan, kernels) is identical. Both
+    The BF16 run is the same preset with every sparse layer in ``bf16_expert_layers`` (:func:`all_experts_bf16`), so
+    the plan keeps every expert in BF16; everything else (weights by seed, plan, kernels) is identical. Both
     models stay loaded and generate in alternating rounds (best of ``rounds``): one slow phase of a
     shared host then cannot land on one variant only (a single sequential run each, on a busy 2-core
     host, once showed INT4 at 0.87x of BF16). ``ideal_speedup_from_bytes`` is
@@ -339,14 +356,13 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
     ``speedup_vs_f_linear`` is the GEMV's end-to-end effect, measured in the same alternating rounds.
     """
     import os
-    import dataclasses
 
     from musecore.api import load_random
     from musecore.config import MuseConfig
     rows = []
     for preset in presets:
         config = MuseConfig.from_name(preset)
-        all_bf16 = dataclasses.replace(config, bf16_expert_layers=list(range(config.num_hidden_layers)))
+        all_bf16 = all_experts_bf16(config)
         # name: (config, quantize_dense, native BF16 GEMV); None is the device's default (xeon: True)
         variants = {"xeon-int4": (config, None, True), "xeon-int4-experts": (config, False, True),
                     "xeon-bf16": (all_bf16, False, True), "xeon-int4-experts-f-linear": (config, False, False),

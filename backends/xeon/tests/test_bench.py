@@ -53,3 +53,26 @@ def test_missing_sysfs_entry_falls_back_to_the_default(tmp_path: Path, monkeypat
         assert bench.l3_cache_bytes() == bench.DEFAULT_L3_BYTES
     finally:
         bench.l3_cache_bytes.cache_clear()
+
+
+@pytest.mark.parametrize("preset", ["muse-tiny", "muse-small", "muse-spark-open-816b-a42b"])
+def test_decode_bytes_count_every_active_weight_once(preset: str) -> None:
+    """All-BF16 bytes per token = 2 bytes per active parameter, less the embedding table (one row read) and the norm
+    and residual-gate vectors, plus 2 more bytes per router weight (the router is fp32)."""
+    from musecore.config import MuseConfig
+    config = MuseConfig.from_name(preset)
+    H, L, sparse = config.hidden_size, config.num_hidden_layers, len(config.sparse_layers)
+    vectors = L * 5 * H + sparse * 2 * config.moe_hidden_size + H  # 3 norms + 2 gates per layer, 2 MoE norms, final
+    expected = 2 * (config.num_active_parameters() - config.vocab_size * H - vectors) \
+        + 2 * sparse * config.num_local_experts * H
+    got = bench.decode_bytes_per_token(config)
+    assert got["bf16_bytes"] == expected, (got["bf16_bytes"], expected)
+    assert got["int4_dense_bytes"] < got["int4_plan_bytes"] < got["bf16_bytes"]
+
+
+def test_all_bf16_baseline_keeps_every_sparse_layer_in_bf16() -> None:
+    from musecore.config import MuseConfig
+    config = MuseConfig.from_name("muse-tiny")
+    baseline = bench.all_experts_bf16(config)
+    assert baseline.bf16_expert_layers == config.sparse_layers != config.bf16_expert_layers
+    assert baseline.hidden_size == config.hidden_size and baseline.layer_types == config.layer_types
