@@ -325,3 +325,53 @@ def test_decode_ops_go_through_the_extension_and_match_the_ctypes_kernels(xeon: 
     assert fast.attention(q, k, v.float(), q_pos, k_pos, 64, 0.088, 2) is None
     many = torch.randn(1, xops.NATIVE_ATTENTION_MAX_QUERIES + 1, 16, 128, dtype=torch.bfloat16)
     assert fast.attention(many, k, v, q_pos.repeat(1, many.shape[1]), k_pos, 64, 0.088, 2) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_widths_take_the_scalar_tails(xeon: XeonBackend, dtype) -> None:
+    """Widths that are not multiples of 8 (norms) or whose half is not (RoPE): the C loops' scalar tails."""
+    n, d = 100, 36
+    x, w = torch.randn(3, n, dtype=dtype) * 3, (1 + 0.5 * torch.randn(n)).to(dtype)
+    for weight, scale_first in ((w, False), (None, False), (w, True)):
+        assert_nmse(ref.rms_norm(x, weight, 1e-6, scale_first), xeon.rms_norm(x, weight, 1e-6, scale_first),
+                    tolerance("rms_norm"), f"rms_norm n={n} scale_first={scale_first} {dtype}")
+    alpha, beta = ref.residual_gate_coefficients(torch.randn(n), 0.3)
+    args = (x, x * 7, w, alpha, beta, w, 1e-8, 1e-5)
+    for want, got in zip(ref.residual_norm(*args), xeon.residual_norm(*args)):
+        assert_nmse(want, got, tolerance("residual_norm"), f"residual_norm n={n} {dtype}")
+    q, k = torch.randn(1, 2, 4, d, dtype=dtype), torch.randn(1, 2, 2, d, dtype=dtype)
+    cos, sin = rope_tables(1, 2, d)
+    for want, got in zip(ref.qk_norm_rope(q, k, cos, sin, 1e-5, 2.0), xeon.qk_norm_rope(q, k, cos, sin, 1e-5, 2.0)):
+        assert_nmse(want, got, tolerance("qk_norm_rope"), f"qk_norm_rope d={d} {dtype}")
+    gate = torch.randn_like(q)
+    assert_nmse(ref.head_norm_gate(q, gate, 1e-5), xeon.head_norm_gate(q, gate, 1e-5), tolerance("head_norm_gate"),
+                f"head_norm_gate d={d} {dtype}")
+
+
+def test_portable_build_of_the_norm_and_router_kernels_matches_reference() -> None:
+    """The ``#ifndef __AVX2__`` paths (built without ISA flags) compute the same contracts."""
+    from musecore_xeon.kernels import native
+    lib = native.load_portable()
+    if lib is None:
+        pytest.skip(f"no C compiler here: {native.UNAVAILABLE}")
+    n = 256
+    x, w = torch.randn(4, n, dtype=torch.bfloat16) * 3, (1 + 0.5 * torch.randn(n)).to(torch.bfloat16)
+    for scale_first in (0, 1):
+        out = torch.empty_like(x)
+        lib.musecore_rms_norm(x.data_ptr(), 1, w.data_ptr(), 1, out.data_ptr(), 1, 4, n, 1e-6, scale_first)
+        assert_nmse(ref.rms_norm(x, w, 1e-6, bool(scale_first)), out, tolerance("rms_norm"),
+                    f"portable rms_norm scale_first={scale_first}")
+    alpha, beta = ref.residual_gate_coefficients(torch.randn(n), 0.3)
+    new_res, normed, out = torch.empty_like(x), torch.empty_like(x), x * 5  # out kept alive across the call
+    lib.musecore_residual_norm(x.data_ptr(), out.data_ptr(), 1, w.data_ptr(), 1, alpha.data_ptr(), beta.data_ptr(),
+                               w.data_ptr(), 1, new_res.data_ptr(), normed.data_ptr(), 1, 4, n, 1e-8, 1e-5)
+    for want, got in zip(ref.residual_norm(x, out, w, alpha, beta, w, 1e-8, 1e-5), (new_res, normed)):
+        assert_nmse(want, got, tolerance("residual_norm"), "portable residual_norm")
+    x, weight, bias = router_case(3, 128, 32, torch.float32)
+    logits = x @ weight.T
+    weights, ids = torch.empty(3, 8), torch.empty(3, 8, dtype=torch.int64)
+    assert lib.musecore_router_topk(logits.data_ptr(), bias.data_ptr(), 3, 32, 8, 0.5, 2.0, weights.data_ptr(),
+                                    ids.data_ptr()) == 0
+    w0, i0 = ref.router_topk(x, weight, bias, 8, 0.5, 2.0)
+    assert torch.equal(i0, ids)
+    assert_nmse(w0, weights, tolerance("router_topk"), "portable router_topk")
