@@ -257,13 +257,14 @@ class Placer:
         return after
 
     def place_vector(self, role: str, value: torch.Tensor) -> Any:
-        """Norm weights and the router, as the ops take them (``musecore.ops``)."""
+        """Norm weights and the router, as the ops take them (``musecore.ops``), in memory of their own
+        (a checkpoint tensor may be a view into its shard's read buffer, which it would keep alive)."""
         if role in ("router", "router_bias"):  # kept fp32, as transformers keeps them
-            return value.float().to(self.device)
+            return value.to(self.device, torch.float32, copy=True)
         value = value.to(self.dtype)
         if role == "centered":  # stored centred at 0; ``1 + w`` in the model dtype, as transformers rounds it
-            value = 1.0 + value
-        return value.to(self.device)
+            return (1.0 + value).to(self.device)
+        return value.to(self.device, copy=True)
 
     def place_residual_gate(self, gate: torch.Tensor, temperature: float) -> Any:
         """The fp32 gate parameter -> its ``(alpha, beta)`` coefficients, computed once."""

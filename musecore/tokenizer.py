@@ -72,7 +72,8 @@ class MuseTokenizer:
 
 
 def _config_ids(folder: Path) -> tuple[list[int], Optional[int], Optional[int]]:
-    """``eos_token_id`` (int or list), ``pad_token_id`` and ``bos_token_id`` from config.json and
+    """``eos_token_id`` (int or list), ``pad_token_id`` and ``bos_token_id`` from config.json (its
+    ``text_config`` in transformers' nested layout) and
     generation_config.json (the first file that sets a single id wins)."""
     eos: list[int] = []
     pad: Optional[int] = None
@@ -87,6 +88,8 @@ def _config_ids(folder: Path) -> tuple[list[int], Optional[int], Optional[int]]:
             raise ValueError(f"{path} is not valid JSON ({e}); fix or re-export the file") from e
         if not isinstance(data, dict):
             continue
+        if isinstance(data.get("text_config"), dict):  # transformers' nested config: the ids are the text model's
+            data = {**data["text_config"], **{k: v for k, v in data.items() if v is not None}}
         value = data.get("eos_token_id")
         if value is not None:
             eos.extend(value if isinstance(value, list) else [value])

@@ -27,12 +27,12 @@ def weight_format_of(weight: WeightIn) -> str:
 def dense_values(weight: WeightIn, dtype: torch.dtype) -> torch.Tensor:
     """A dense tensor with the weight's exact values: quantized formats dequantize to fp32.
 
-    Always contiguous and 64-byte aligned: a checkpoint tensor can be a view at any byte offset of a
-    shard (a fused expert tensor's halves, say), and CPU GEMMs round differently at other alignments,
-    which would make the same weights give different last bits depending on how a checkpoint is sharded."""
+    Always a fresh contiguous allocation: a checkpoint tensor can be a view into its shard's read
+    buffer (keeping the whole shard alive) at any byte offset, and CPU GEMMs round differently at
+    other alignments, which would make the same weights give other last bits in another sharding."""
     if isinstance(weight, torch.Tensor):
         values = weight.to(dtype).contiguous()
-        return values.clone() if values.data_ptr() % 64 else values
+        return values.clone() if values.data_ptr() == weight.data_ptr() else values
     from musecore_quant import dequantize
     return dequantize(weight, torch.float32)
 

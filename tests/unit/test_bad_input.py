@@ -9,7 +9,7 @@ import torch
 import musecore
 from tests.helpers import random_tensors, small_config, write_checkpoint
 
-EXPERT = "model.language_model.layers.1.mlp.experts.0.gate_proj.weight"
+EXPERT = "model.language_model.layers.1.mlp.experts.gate_up_proj"
 
 
 @pytest.fixture
@@ -72,9 +72,9 @@ def test_missing_shard_listed_in_the_index(good):
 def test_nan_in_a_weight_names_the_tensor(tmp_path):
     config = small_config()
     tensors = random_tensors(config)
-    tensors[EXPERT][3, 5] = float("nan")
+    tensors[EXPERT][0, 3, 5] = float("nan")
     folder = write_checkpoint(tmp_path / "nan", config, tensors)
-    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj.*(NaN|non-finite)"):
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.gate_up_proj.*(NaN|non-finite)"):
         musecore.load(folder, device="cpu")
 
 
@@ -83,7 +83,7 @@ def test_wrong_dtype_for_a_weight_is_named(tmp_path):
     tensors = random_tensors(config)
     tensors[EXPERT] = torch.zeros_like(tensors[EXPERT], dtype=torch.int32)
     folder = write_checkpoint(tmp_path / "dtype", config, tensors)
-    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj.*(int32|i32|I32|dtype)"):
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.gate_up_proj.*(int32|i32|I32|dtype)"):
         musecore.load(folder, device="cpu")
 
 

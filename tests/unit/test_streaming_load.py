@@ -37,8 +37,8 @@ PROBE = textwrap.dedent("""
 
 
 def test_peak_host_memory_is_the_model_plus_about_one_shard(tmp_path):
-    config = small_config(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_experts=8,
-                          moe_latent_size=256, moe_intermediate_size=512, head_dim=64, num_attention_heads=8,
+    config = small_config(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_local_experts=8,
+                          moe_hidden_size=256, moe_intermediate_size=512, head_dim=64, num_attention_heads=8,
                           num_key_value_heads=2)
     tensors = random_tensors(config, dtype=torch.bfloat16)
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
