@@ -194,7 +194,7 @@ def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpo
 
     config = preset if isinstance(preset, MuseConfig) else MuseConfig.from_name(preset)
     dtype = dtype or torch.bfloat16
-    summary = preset_summary(preset if isinstance(preset, str) else config.model_type, config, checkpoint_format)
+    summary = preset_summary(preset if isinstance(preset, str) else "custom config", config, checkpoint_format)
 
     def tensors(_placer: Placer, torch_device: torch.device):
         gen = torch.Generator(device=torch_device).manual_seed(seed)

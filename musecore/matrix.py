@@ -313,17 +313,24 @@ def expert_weight_sqnr(model: Any, source: Path) -> Optional[float]:
     config = model.config
     signal = noise = 0.0
     with open_checkpoint(source) as reader:
-        for i, layer in enumerate(model.layers):
+        names = set(reader.weight_names())
+        for i in config.sparse_layers:
             if i in config.bf16_expert_layers:
                 continue
-            experts = layer.mlp.experts
-            for proj, stack in (("gate_proj", experts.gate), ("up_proj", experts.up), ("down_proj", experts.down)):
+            experts, prefix = model.layers[i].mlp.experts, f"model.language_model.layers.{i}.mlp.experts"
+            if f"{prefix}.gate_up_proj" in names:  # transformers' fused layout
+                gate_up = reader.read(f"{prefix}.gate_up_proj").double()
+                half = gate_up.shape[1] // 2
+                refs = {"gate": gate_up[:, :half], "up": gate_up[:, half:], "down": reader.read(f"{prefix}.down_proj")}
+            else:  # a producer's per-expert keys
+                refs = {proj: torch.stack([reader.read(f"{prefix}.{e}.{proj}_proj.weight")
+                                           for e in range(config.num_local_experts)]) for proj in ("gate", "up", "down")}
+            for proj, stack in (("gate", experts.gate), ("up", experts.up), ("down", experts.down)):
                 if not isinstance(stack, torch.Tensor):
                     return None
-                for e in range(config.num_experts):
-                    ref = reader.read(f"model.language_model.layers.{i}.mlp.experts.{e}.{proj}.weight").double()
-                    signal += float((ref ** 2).sum())
-                    noise += float(((stack[e].double().cpu() - ref) ** 2).sum())
+                ref = refs[proj].double()
+                signal += float((ref ** 2).sum())
+                noise += float(((stack.double().cpu() - ref) ** 2).sum())
     if noise == 0.0:
         return math.inf
     return 10 * math.log10(signal / noise)

@@ -16,7 +16,7 @@ EXPERT = "model.language_model.layers.1.mlp.experts.3.up_proj.weight"
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("emu")
-    config = small_config(hidden_size=128, moe_latent_size=128, moe_intermediate_size=128, head_dim=32)
+    config = small_config(hidden_size=128, moe_hidden_size=128, moe_intermediate_size=128, head_dim=32)
     bf16 = write_checkpoint(root / "bf16", config, random_tensors(config, dtype=torch.bfloat16))
     nvfp4 = root / "nvfp4"
     convert_muse_checkpoint(bf16, nvfp4, to="nvfp4", progress=False)

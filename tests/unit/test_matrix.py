@@ -33,7 +33,7 @@ def single_thread():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A small random BF16 Muse with the bundled tokenizer, so the held-out slice can be encoded."""
-    config = small_config(vocab_size=4096, hidden_size=128, moe_latent_size=128, moe_intermediate_size=128,
+    config = small_config(vocab_size=4096, hidden_size=128, moe_hidden_size=128, moe_intermediate_size=128,
                           head_dim=32, bos_token_id=0, eos_token_id=3, pad_token_id=7)
     folder = write_checkpoint(tmp_path_factory.mktemp("matrix") / "bf16", config,
                               random_tensors(config, dtype=torch.bfloat16))

@@ -15,7 +15,7 @@ from tests.helpers import random_tensors, small_config, write_checkpoint
 
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory):
-    config = small_config(hidden_size=128, moe_latent_size=128, moe_intermediate_size=128, head_dim=32)
+    config = small_config(hidden_size=128, moe_hidden_size=128, moe_intermediate_size=128, head_dim=32)
     return write_checkpoint(tmp_path_factory.mktemp("plan") / "bf16", config,
                             random_tensors(config, dtype=torch.bfloat16))
 
