@@ -82,6 +82,8 @@ class Plan:
     gaps: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     weight_targets: dict[str, tuple[str, Optional[str]]] = field(default_factory=dict, repr=False)
+    parameters: int = 0         # the text decoder's, from the config (MuseConfig.num_parameters)
+    active_parameters: int = 0  # per token (MuseConfig.num_active_parameters)
 
     @property
     def fits(self) -> bool:
@@ -104,6 +106,7 @@ class Plan:
                 "memory": {"bytes": self.memory_bytes, "device_bytes": self.device_memory_bytes,
                            "kv_context_tokens": self.kv_context, "fits": self.fits,
                            "devices_needed": self.devices_needed},
+                "parameters": {"total": self.parameters, "active": self.active_parameters},
                 "gaps": self.gaps, "notes": self.notes, "ok": not self.gaps}
 
     def to_json(self) -> str:
@@ -375,7 +378,8 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     memory = sum(g.bytes for g in groups) + kv_bytes(summary.config, kv_context, kv_format)
     device_memory = int(profile.memory_gib * 2**30) if profile.memory_gib else host_memory_bytes()
     plan = Plan(summary.name, device, profile, REFERENCE if emulate else backend_name, mode, summary.format,
-                groups, ops, memory, device_memory, kv_context, gaps, notes, targets)
+                groups, ops, memory, device_memory, kv_context, gaps, notes, targets,
+                summary.config.num_parameters(), summary.config.num_active_parameters())
     if not plan.fits:
         plan.notes.append(f"does not fit: needs {memory / 2**30:.1f} GiB, one {device} has "
                           f"{device_memory / 2**30:.0f} GiB (90% usable): needs {plan.devices_needed} devices")

@@ -12,12 +12,18 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.1f} MiB"
 
 
+def count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def render_text(plan, width: int = 140) -> str:
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, force_terminal=False, color_system=None)
     p = plan.profile
     console.print(f"plan: {plan.model} on {plan.device} ({p.description}) via backend {plan.backend!r}, "
                   f"mode {plan.mode}, checkpoint {plan.checkpoint_format}")
+    console.print(f"model: {count(plan.parameters)} parameters, {count(plan.active_parameters)} active per token "
+                  "(text decoder, from config.json)")
     groups = Table(title="weights", title_justify="left")
     for col in ("group", "tensors", "params", "checkpoint", "in memory", "activations", "action", "bytes"):
         groups.add_column(col)
