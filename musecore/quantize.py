@@ -1,7 +1,8 @@
 """The Muse quantization rule, applied to ``musecore_quant``'s model-agnostic converter.
 
-MODEL.md section 2: only the routed experts of the layers not listed in ``bf16_expert_layers``
-(by default every layer but the first and the last) are quantized; everything else stays BF16.
+MODEL.md section 3: only the routed experts of the sparse layers other than the first and the last
+are quantized (fused ``experts.gate_up_proj`` / ``down_proj`` or per-expert keys); everything else
+stays as it is. The rule itself lives once, in ``musecore_quant.muse_rule``.
 
 Example::
 
@@ -18,9 +19,9 @@ from musecore.config import MuseConfig
 
 
 def quantized_expert_patterns(config: MuseConfig) -> list[str]:
-    """Regexes selecting the expert projections MODEL.md quantizes (one per quantized layer)."""
-    layers = [i for i in range(config.num_hidden_layers) if i not in set(config.bf16_expert_layers)]
-    return [rf"\.layers\.{i}\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$" for i in layers]
+    """Regexes selecting the expert tensors MODEL.md quantizes: layers 1..L-2 (dense layers have none)."""
+    from musecore_quant import muse_rule
+    return muse_rule(config.num_hidden_layers)
 
 
 def convert_muse_checkpoint(src: Union[str, Path], dst: Union[str, Path], to: str, method: str = "rtn",
