@@ -11,6 +11,9 @@ from musecore.model import init_weights
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, moe_hidden_size=32,
              moe_intermediate_size=48, sliding_window=5, max_position_embeddings=512, output_multiplier=0.7,
+             # The released scale (5.47) sharpens attention so much that a random model's logits swing on
+             # one rounding; tests that compare two numerics paths on random weights need a calmer model.
+             qk_scale_factor=1.0,
              bos_token_id=0, eos_token_id=1, pad_token_id=2, image_token_id=94, video_token_id=95, audio_token_id=96)
 
 

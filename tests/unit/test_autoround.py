@@ -440,9 +440,20 @@ def test_autoround_int4_checkpoint_generates_natively_on_the_xeon_backend(tmp_pa
     assert not any(".mlp.experts." in r.name for r in native.conversion_report), "no expert should be requantized"
     assert {r.source for r in native.conversion_report} == {"bf16"} and native.lm_head.format == "int4"
     assert len(native.generate(ids[0, :12].tolist(), max_new_tokens=4)) == 4
-    # the checkpoint's own weights, natively and emulated (this random model amplifies the small kernel
-    # differences of INT4 attention: NMSE ~1e-2 with the dense projections in INT4 too)
+    # the checkpoint's own tuned experts, natively and emulated, op by op on the same inputs: a random model's
+    # logits swing on a last-bit difference (a routing choice flips: NMSE 1e-4 to 5e-2 between runs), so the
+    # comparison is made where the kernels act, each within its op tolerance (musecore.ops.TOLERANCE_NMSE)
+    from musecore.ops import tolerance
     native = musecore.load(tmp_path / "int4", device="xeon", progress=False, quantize_dense=False)
     emulated = musecore.load(tmp_path / "int4", device="xeon", emulate=True, progress=False, quantize_dense=False)
-    err = nmse(emulated.forward(ids[:1, :12]), native.forward(ids[:1, :12]))
-    assert err < 1e-2, f"AutoRound INT4 on the xeon backend vs its emulation: logits NMSE {err:.3e} (tolerance 1e-2)"
+    gen = torch.Generator().manual_seed(2)
+    for i in config.sparse_layers:
+        mine, theirs = native.layers[i].mlp, emulated.layers[i].mlp
+        z = torch.randn(7, config.moe_hidden_size, generator=gen).to(torch.bfloat16)
+        m = torch.randn(7, config.hidden_size, generator=gen)
+        w, e = emulated.ops.router_topk(m, theirs.router, theirs.correction_bias, config.num_experts_per_tok,
+                                        config.output_multiplier, config.routed_scaling_factor)
+        got = native.ops.moe(z, w, e, mine.experts, mine.post_expert_norm, config.post_norm_eps)
+        want = emulated.ops.moe(z, w, e, theirs.experts, theirs.post_expert_norm, config.post_norm_eps)
+        err = nmse(want, got)
+        assert err < tolerance("moe"), f"layer {i} {mine.experts.format} moe: xeon vs emulated NMSE {err:.3e}"

@@ -29,21 +29,26 @@ def model():
     return musecore.load("muse-tiny", device="cpu")
 
 
-def test_bundled_checkpoint_is_at_most_25_mb_of_bf16_per_expert_tensors():
+def test_bundled_checkpoint_is_transformers_layout_bf16_under_25_mb():
     files = sorted(p for p in FOLDER.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
     assert total <= MAX_BYTES, f"musecore/data/muse-tiny holds {total / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB limit"
     config = json.loads((FOLDER / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (0, 3, 7)
+    assert config["model_type"] == "muse_spark" and config["architectures"] == ["MuseSparkForConditionalGeneration"]
+    text = config["text_config"]
+    assert (text["bos_token_id"], text["eos_token_id"], text["pad_token_id"]) == (0, 3, 7)
     from safetensors import safe_open
     with safe_open(str(FOLDER / "model.safetensors"), framework="pt") as f:
-        names = list(f.keys())
-        assert {f.get_slice(n).get_dtype() for n in names} == {"BF16"}
-    assert "model.language_model.layers.0.mlp.experts.11.output_norm.weight" in names
+        dtypes = {n: f.get_slice(n).get_dtype() for n in f.keys()}
+    fp32 = {n for n, d in dtypes.items() if d == "F32"}
+    assert set(dtypes.values()) == {"BF16", "F32"}
+    assert fp32 == {n for n in dtypes if n.endswith(("residual_gate.gate", "mlp.gate.weight", "e_score_correction_bias"))}
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in dtypes
+    assert any(n.startswith("model.vision_tower.") for n in dtypes) and any(n.startswith("model.audio_tower.") for n in dtypes)
 
 
 def test_bundled_model_loads_by_preset_name_with_its_tokenizer(model):
-    assert model.config.num_experts == 12 and model.config.vocab_size == 4096
+    assert model.config.num_local_experts == 12 and model.config.vocab_size == 4096
     assert model.tokenizer is not None
     text = "def f(x):\n\tif x:\n        return  x  # two spaces\n\n"
     assert model.tokenizer.decode(model.tokenizer.encode(text, add_special_tokens=False)) == text
@@ -75,3 +80,37 @@ def test_greedy_completion_of_def_is_python_looking_text(model):
     print(repr(text))
     assert text.strip(), "greedy completion of 'def ' is empty"
     assert "(" in text and ":" in text, f"greedy completion of 'def ' does not look like a function header: {text!r}"
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers", reason="transformers 5.24 is the oracle (a test dependency)")
+    model, info = transformers.MuseSparkForConditionalGeneration.from_pretrained(
+        FOLDER, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), f"transformers found missing/unexpected keys in muse-tiny: {info}"
+    return model.eval()
+
+
+def test_transformers_loads_muse_tiny_unchanged_and_gives_our_logits(hf_model):
+    ids = torch.tensor([[0, 414, 286, 1290, 17, 9, 300, 41, 12, 2000, 77, 5] * 8])  # 96 tokens > window 64
+    ours = musecore.load("muse-tiny", device="cpu", dtype=torch.float32).forward(ids)
+    with torch.no_grad():
+        theirs = hf_model(input_ids=ids).logits.float()
+    err = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    assert err <= 1e-4, f"muse-tiny fp32 logits differ from transformers' by {err:.2e} of max |logit| (tolerance 1e-4)"
+
+
+def test_greedy_generate_equals_transformers_token_for_token_on_muse_tiny(hf_model):
+    muse = musecore.load("muse-tiny", device="cpu", dtype=torch.float32)
+    prompt = [0] + muse.tokenizer.encode("def fibonacci(n):", add_special_tokens=False)
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=80, do_sample=False, eos_token_id=None,
+                                   pad_token_id=7)[0, len(prompt):].tolist()
+    assert muse.generate(prompt, max_new_tokens=80, stop=[]) == theirs
+
+
+def test_chat_template_frames_a_conversation_with_the_special_tokens():
+    transformers = pytest.importorskip("transformers", reason="transformers' tokenizer renders the chat template")
+    tok = transformers.AutoTokenizer.from_pretrained(FOLDER)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert "hi" in text and "<|message|>" in text, text

@@ -35,7 +35,7 @@ TOWERS = dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidde
 # Tiny configs that between them cover GQA ratios 1/2/4, sliding and full (NoPE) layers, dense and
 # sparse MLP layers, top-1 and top-3 routing with a routed scaling factor, and the multipliers.
 CONFIGS = {
-    "gqa2-sparse": dict(num_attention_heads=4, num_key_value_heads=2),
+    "gqa2-sparse": dict(num_attention_heads=4, num_key_value_heads=2, qk_scale_factor=5.4730064863875),
     "gqa4-dense-layers": dict(num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
                               mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"]),
     "mha-top3-scaled": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_experts_per_tok=3,
