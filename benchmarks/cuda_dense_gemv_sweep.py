@@ -1,6 +1,8 @@
 """The Triton 16-bit GEMV (``musecore_cuda.kernels.dense_gemv``) against cuBLAS at M = 1, on the dense
-projections of a decode step (muse-small and the 816B preset, after the model's input-projection
-fusion), over its block sizes and warps. Each configuration is checked against an fp32 product first;
+projections of a decode step (muse-small and the 816B preset, shapes from ``MuseConfig.from_name``, after the
+model's input-projection fusion: q/k/v/gate as one linear; the pooler H->h and unpooler h->H of the MoE; the
+dense-MLP layers' gate/up and down where a preset has any; the router is an fp32 product of its own), over its
+block sizes and warps. Each configuration is checked against an fp32 product first;
 times are CUDA-graph replays with weights rotated past L2 (as ``musecore bench``). Prints a table and
 saves JSON; ``DENSE_GEMV_MAX_BYTES`` in the kernel module is read off it::
 
@@ -16,17 +18,37 @@ import torch
 import torch.nn.functional as F
 
 from musecore.benchmarking import cycle
+from musecore.config import MuseConfig
 from musecore.ops import tolerance
 from musecore.testing import nmse
 from musecore_cuda.bench import _rotating, memory_ceiling_gbps, time_us
 from musecore_cuda.kernels.dense_gemv import NUM_WARPS, dense_gemv, gemv_blocks
 
-SHAPES = {  # name: (N, K)
-    "small attn q/k/v/gate": (3088, 1536), "small o_proj": (1536, 2048), "small router+pooler": (576, 1536),
-    "small unpooler": (1536, 512), "small lm_head": (65536, 1536),
-    "816b k_proj": (1024, 8192), "816b router+pooler": (2304, 8192), "816b unpooler": (8192, 2048),
-    "816b attn q/k/v/gate": (12368, 8192),
-}
+PRESETS = {"small": "muse-small", "816b": "muse-spark-open-816b-a42b"}
+
+
+def decode_shapes() -> dict[str, tuple[int, int]]:
+    """name: (N, K) of each dense projection a decode step runs, per preset."""
+    shapes = {}
+    for label, preset in PRESETS.items():
+        cfg = MuseConfig.from_name(preset)
+        H, h = cfg.hidden_size, cfg.moe_hidden_size
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        shapes[f"{label} attn q/k/v/gate"] = (2 * q + 2 * kv, H)
+        if label == "816b":
+            shapes[f"{label} k_proj"] = (kv, H)  # unfused (a quantized q/k/v/gate that does not stack)
+        shapes[f"{label} o_proj"] = (H, q)
+        shapes[f"{label} pooler"] = (h, H)
+        shapes[f"{label} unpooler"] = (H, h)
+        if any(not cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)):
+            shapes[f"{label} mlp gate/up"] = (2 * cfg.intermediate_size, H)
+            shapes[f"{label} mlp down"] = (H, cfg.intermediate_size)
+        if label == "small":
+            shapes[f"{label} lm_head"] = (cfg.vocab_size, H)
+    return shapes
+
+
+SHAPES = decode_shapes()
 CONFIGS = [(bn, bk, nw) for bn in (1, 2, 4, 8, 16) for bk in (512, 1024, 2048) for nw in (2, 4, 8)]
 
 
@@ -53,7 +75,8 @@ def main() -> None:
             got = dense_gemv(x, w0, blocks=(bn, bk), num_warps=nw).float()
             err = nmse(want, got)
             if err > tolerance("linear"):
-                raise AssertionError(f"{name} BLOCK_N={bn} BLOCK_K={bk} warps={nw}: NMSE {err:.2e} > {tolerance('linear')}")
+                raise AssertionError(f"{name} BLOCK_N={bn} BLOCK_K={bk} warps={nw}: NMSE {err:.2e} > "
+                                     f"{tolerance('linear')}")
             timed[(bn, bk, nw)] = time_us(cycle(ws, lambda w, c=(bn, bk), nw=nw: dense_gemv(x, w, blocks=c,
                                                                                           num_warps=nw))) / len(ws)
         best = min(timed, key=timed.get)

@@ -1,6 +1,7 @@
-"""One NVFP4 linear (q_proj 8192->10240) at ``--m`` tokens for a profiler to look at, through the path
-``fp4_linear`` picks or, with ``--gemm-plan``, through the tiled CUDA GEMM cut so (``--wgmma-plan``: the
-wgmma GEMM); with ``--moe-batch B`` the 816B MoE layer at decode batch B instead.
+"""One NVFP4 linear (q_proj 8192->8192 of the 816B preset) at ``--m`` tokens for a profiler to look at, through
+the path ``fp4_linear`` picks or, with ``--gemm-plan``, through the tiled CUDA GEMM cut so (``--wgmma-plan``: the
+wgmma GEMM); with ``--moe-batch B`` the 816B MoE layer at decode batch B instead (its shapes from
+``MuseConfig.from_name``: 256 experts top-8, h = I = 4096, routed by the sigmoid router with its correction bias).
 
     ncu --clock-control none -k regex:fp4_gem --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section Occupancy python3 benchmarks/cuda_profile_gemv.py
@@ -10,6 +11,7 @@ import argparse
 
 import torch
 
+from musecore.config import MuseConfig
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_linear
 from musecore_cuda.bench import LINEAR_SHAPES, random_fp4
@@ -24,14 +26,20 @@ parser.add_argument("--moe-batch", type=int, help="instead: the 816B MoE layer (
 args = parser.parse_args()
 
 n, k = LINEAR_SHAPES[args.shape]
-if args.moe_batch:  # 256 experts, top-8, latent 2048, intermediate 8192: the MoE case of `musecore bench`
+if args.moe_batch:  # the MoE case of `musecore bench`: experts gate/up [E, I, h], down [E, h, I], one shared post norm
+    cfg = MuseConfig.from_name("muse-spark-open-816b-a42b")
+    E, topk, H = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    width, inter = cfg.moe_hidden_size, cfg.moe_intermediate_size
     be = CudaBackend("cuda")
-    experts = be.prepare_experts(*(random_fp4("nvfp4", shape) for shape in ((256, 8192, 2048), (256, 8192, 2048),
-                                                                             (256, 2048, 8192))))
-    weights, ids = be.router_topk(torch.randn(args.moe_batch, 256, device="cuda"), 8, True)
-    z = torch.randn(args.moe_batch, 2048, device="cuda", dtype=torch.bfloat16)
-    norm = torch.ones(256, 2048, device="cuda")
-    call = lambda: be.moe(z, weights, ids, experts, norm, 1e-6)  # noqa: E731
+    experts = be.prepare_experts(*(random_fp4("nvfp4", (E, *shape)) for shape in ((inter, width), (inter, width),
+                                                                                   (width, inter))))
+    router = torch.randn(E, H, device="cuda") * H ** -0.5  # fp32, as the checkpoint keeps it
+    bias = torch.randn(E, device="cuda") * 0.01
+    weights, ids = be.router_topk(torch.randn(args.moe_batch, H, device="cuda", dtype=torch.bfloat16), router, bias,
+                                  topk, cfg.output_multiplier, cfg.routed_scaling_factor)
+    z = torch.randn(args.moe_batch, width, device="cuda", dtype=torch.bfloat16)
+    norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
+    call = lambda: be.moe(z, weights, ids, experts, norm, cfg.post_norm_eps)  # noqa: E731
 else:
     w = CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), args.shape).data
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)

@@ -17,7 +17,7 @@ timeout ${TEST_S:-120} python3 -m pytest -q -p no:cacheprovider -rs backends/xeo
   | grep -v "conformance.py:55" > "$OUT/tests.log"; tail -3 "$OUT/tests.log"
 for isa in ${ISAS:-amx avx512_vnni}; do
   MUSECORE_XEON_ISA=$isa timeout ${LINEAR_S:-150} python3 benchmarks/xeon_bench.py --cases linear --threads $THREADS \
-    --shapes ${SHAPES:-8192x2048 2048x8192 768x512 512x768} --ms ${MS:-1 2 4 16 64 256} --repeats 3 \
+    --shapes ${SHAPES:-4096x8192 8192x4096 4096x4096 768x768 768x1536} --ms ${MS:-1 2 4 16 64 256} --repeats 3 \
     --out "$OUT/linear_$isa.json" > "$OUT/linear_$isa.txt" 2>&1
   grep -E "^linear .* 1 +xeon-int4|^memory|native isa" "$OUT/linear_$isa.txt"
 done

@@ -4,7 +4,10 @@ t(M) = a fixed part (the dequantization of the weight into B tiles, the activati
 a part that grows with M (the tile products): the M sweep at one thread separates them, the thread sweep shows
 how the fixed part scales. Reference rows: the INT4 GEMV at M = 1 and PyTorch's BF16 F.linear, same process.
 
-    python3 benchmarks/xeon_amx_probe.py --shapes 2048x8192 8192x2048 768x512 --threads 1 16 --out probe.txt
+    python3 benchmarks/xeon_amx_probe.py --shapes 4096x8192 8192x4096 4096x4096 768x768 --threads 1 16 --out probe.txt
+
+The default shapes are the 816B preset's pooler [h, H], unpooler [H, h] and expert [I, h] and muse-small's expert
+(``MuseConfig.from_name``; h = ``moe_hidden_size``, I = ``moe_intermediate_size``).
 """
 
 from __future__ import annotations
@@ -13,10 +16,18 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from musecore.config import MuseConfig
 from musecore_xeon import XeonBackend
 from musecore_xeon.bench import random_int4_linear
 from musecore_xeon.kernels import native
 from musecore_xeon.kernels.crossover import time_us
+
+
+def default_shapes() -> list[str]:
+    big, small = MuseConfig.from_name("muse-spark-open-816b-a42b"), MuseConfig.from_name("muse-small")
+    H, h, inter = big.hidden_size, big.moe_hidden_size, big.moe_intermediate_size
+    return list(dict.fromkeys(f"{n}x{k}" for n, k in ((h, H), (H, h), (inter, h),
+                                                      (small.moe_intermediate_size, small.moe_hidden_size))))
 
 
 def best_us(fn) -> float:
@@ -25,7 +36,7 @@ def best_us(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["2048x8192", "8192x2048", "768x512"])
+    parser.add_argument("--shapes", nargs="+", default=default_shapes(), help="NxK (out x in)")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--ms", nargs="+", type=int, default=[16, 32, 64, 128, 256])
     parser.add_argument("--out", default=None)

@@ -1,7 +1,7 @@
 """Run the xeon backend's benchmarks, print a table and save JSON under benchmarks/results/.
 
     python benchmarks/xeon_bench.py                       # linear, moe, attention, e2e (muse-tiny)
-    python benchmarks/xeon_bench.py --cases linear --ms 1 8 64 --shapes 10240x8192
+    python benchmarks/xeon_bench.py --cases linear --ms 1 8 64 --shapes 18432x8192
     python benchmarks/xeon_bench.py --cases e2e --presets muse-tiny muse-small
 
 Linear and MoE weights are timed cold from DRAM: each implementation cycles through copies of its weight

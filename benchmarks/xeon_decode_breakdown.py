@@ -1,8 +1,11 @@
-"""Where a muse-small decode step goes on the xeon backend: each op of the graph wrapped with a timer, 32 decode
-steps after a 32-token prefill (NVFP4 checkpoint, experts converted to INT4 as the plan does; random weights)::
+"""Where a muse-small decode step goes on the xeon backend: each op of the graph (every op of the operator
+interface but ``sample``, ``musecore.ops.OPS``: the router, the pooler's norm, the shared post-expert norm inside
+``moe``, the gated residual norms, ``silu_mul`` of dense-MLP layers, the logit softcap) wrapped with a timer,
+32 decode steps after a 32-token prefill (NVFP4 checkpoint, experts converted to INT4 as the plan does; random
+weights)::
 
     python3 benchmarks/xeon_decode_breakdown.py [--threads 2] [--preset muse-small] [--quantize-dense]
-        [--checkpoint-format bf16]
+        [--checkpoint-format bf16] [--steps 32]
 
 Prints the step time without and with the timers, then per op: ms per token, calls per token and us per call,
 and the time spent outside the ops (the graph's own Python and tensor bookkeeping).
@@ -17,9 +20,9 @@ import time
 import torch
 
 from musecore.api import load_random
+from musecore.ops import OPS as ALL_OPS
 
-OPS = ("linear", "moe", "attention", "qk_norm_rope", "head_norm_gate", "residual_norm", "rms_norm", "router_topk",
-       "embedding")
+OPS = tuple(op for op in ALL_OPS if op != "sample")  # the ops one forward calls (sampling is generate's)
 
 
 def decode_steps(model, steps: int, after_prefill=lambda: None) -> float:
@@ -42,7 +45,7 @@ def main() -> None:
     p.add_argument("--checkpoint-format", default="nvfp4", choices=("nvfp4", "bf16"),
                    help="bf16: every weight BF16 (the baseline the INT4 ratios are taken against)")
     p.add_argument("--quantize-dense", action="store_true",
-                   help="also convert attention, pooler/unpooler and lm_head to INT4 (the opt-in)")
+                   help="also convert the dense groups (attention, pooler/unpooler, lm_head, dense MLP) to INT4")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = load_random(args.preset, "xeon", checkpoint_format=args.checkpoint_format,

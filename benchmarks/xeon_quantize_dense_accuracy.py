@@ -1,7 +1,8 @@
 """Accuracy of ``quantize_dense`` on the bundled muse-tiny: the reference BF16 model as baseline, then
 the xeon backend with INT4 experts only (``quantize_dense=False``, MODEL.md's INT4 export as it is),
-with attention and lm_head in INT4 as well, with all three dense groups (the xeon default,
-``quantize_dense=None`` or ``True``: the pooler/unpooler too), and (``--per-group``) with each group alone.
+with attention and lm_head in INT4 as well, with the xeon default plan (``quantize_dense=None``: the
+device's dense groups, ``musecore.planning.dense_groups``), and (``--per-group``) with each group of
+``DENSE_QUANTIZABLE`` alone (attention, pooler/unpooler, lm_head, the dense-MLP layers' projections).
 
     python benchmarks/xeon_quantize_dense_accuracy.py [--tokens 4096] [--per-group] [--eval-text FILE]
 

@@ -2,7 +2,8 @@
 back to back: in cache) and cold (copies totalling twice the L3, cycled: from DRAM), per thread count, M = 1::
 
     python3 benchmarks/xeon_small_shape_probe.py                         # 1 and 2 threads, muse-small's shapes
-    python3 benchmarks/xeon_small_shape_probe.py --threads 1 2 4 8 16 --shapes 768x512 2048x2048
+    python3 benchmarks/xeon_small_shape_probe.py --threads 1 2 4 8 16 --shapes 768x768 4096x4096
+    python3 benchmarks/xeon_small_shape_probe.py --preset muse-spark-open-816b-a42b
 
 If hot is close to cold, the call is bound by the kernel's own rate and per-call cost, not by memory. On a
 many-core host the thread sweep shows from which size each extra thread pays for its share of the fork/join.
@@ -17,11 +18,19 @@ from pathlib import Path
 
 import torch
 
+from musecore.config import MuseConfig
 from musecore_xeon import XeonBackend
 from musecore_xeon.bench import clone_int4, random_int4_linear, rotating
 
-SHAPES = ("768x512", "512x768", "512x1536")  # (N x K): muse-small's expert and projection shapes
 CALLS, ROUNDS = 2000, 5
+
+
+def preset_shapes(preset: str) -> list[str]:
+    """``NxK`` (out x in) of a preset's INT4 linears at decode: the experts' gate/up ``[I, h]`` and down ``[h, I]``,
+    the pooler ``[h, H]`` and unpooler ``[H, h]`` (h = ``moe_hidden_size``, I = ``moe_intermediate_size``)."""
+    cfg = MuseConfig.from_name(preset)
+    H, h, inter = cfg.hidden_size, cfg.moe_hidden_size, cfg.moe_intermediate_size
+    return list(dict.fromkeys(f"{n}x{k}" for n, k in ((inter, h), (h, inter), (h, H), (H, h))))
 
 
 def best_us(fn, calls: int) -> float:
@@ -36,11 +45,12 @@ def best_us(fn, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="NxK (out x in)")
+    parser.add_argument("--preset", default="muse-small", help="whose shapes (without --shapes)")
+    parser.add_argument("--shapes", nargs="+", default=None, help="NxK (out x in); default: the preset's")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
     be, rows = XeonBackend(), []
-    for n, k in (tuple(int(v) for v in s.split("x")) for s in args.shapes):
+    for n, k in (tuple(int(v) for v in s.split("x")) for s in args.shapes or preset_shapes(args.preset)):
         hot = random_int4_linear(be, n, k)
         copies = [hot] + rotating(lambda: clone_int4(hot), hot.nbytes)[1:]
         x = torch.randn(1, k, dtype=torch.bfloat16)

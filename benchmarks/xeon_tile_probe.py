@@ -3,7 +3,9 @@ tile size moves it: per tile the C dequantization (fp32), the copy to bf16 and `
 at several tile sizes against ``F.linear`` on the BF16 weight. Weights hot (one copy; the comparison is between
 paths on the same cached data)::
 
-    python3 benchmarks/xeon_tile_probe.py [--shapes 8192x2048 2048x8192] [--ms 16 64 256]
+    python3 benchmarks/xeon_tile_probe.py [--shapes 4096x8192 8192x4096] [--ms 16 64 256]
+
+The default shapes are the 816B preset's pooler [h, H] and unpooler [H, h] (``MuseConfig.from_name``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,18 @@ import time
 import torch
 import torch.nn.functional as F
 
+from musecore.config import MuseConfig
 from musecore_xeon import XeonBackend
 from musecore_xeon.bench import random_int4_linear
 from musecore_xeon.kernels import dense, int4, native
 
 TILE_ELEMENTS = (2 << 20, 8 << 20, 32 << 20)
+
+
+def default_shapes() -> list[str]:
+    cfg = MuseConfig.from_name("muse-spark-open-816b-a42b")
+    H, h = cfg.hidden_size, cfg.moe_hidden_size
+    return [f"{h}x{H}", f"{H}x{h}"]
 
 
 def best_us(fn, repeats: int = 7) -> float:
@@ -33,7 +42,7 @@ def best_us(fn, repeats: int = 7) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["8192x2048", "2048x8192"])
+    parser.add_argument("--shapes", nargs="+", default=default_shapes(), help="NxK (out x in)")
     parser.add_argument("--ms", nargs="+", type=int, default=[16, 64, 256])
     args = parser.parse_args()
     be = XeonBackend()
