@@ -30,11 +30,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from musecore.devices import CATALOG
+from musecore.quantize import quantized_expert_patterns
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EVAL_TEXT = REPO_ROOT / "tests" / "data" / "stdlib_heldout_slice.jsonl"
 DEFAULT_CACHE = Path(os.environ.get("MUSECORE_CACHE", Path.home() / ".cache" / "musecore")) / "matrix"
-RECIPE_VERSION = 1  # bump when a recipe changes, so cached checkpoints are rebuilt
+RECIPE_VERSION = 2  # bump when a recipe changes, so cached checkpoints are rebuilt
 JSON_KEYS = ("device", "format", "mode", "perplexity", "delta_perplexity_pct", "kl", "top1_agreement",
              "max_abs_logit_error", "status", "note")
 METRICS = ("perplexity", "delta_perplexity_pct", "kl", "top1_agreement", "max_abs_logit_error")
@@ -120,15 +121,6 @@ class MatrixReport:
 
 # -- checkpoints ---------------------------------------------------------------------------------
 
-def quantized_expert_pattern(config: Any) -> str:
-    """The regex of MODEL.md section 2: routed-expert projections of every layer not kept in BF16."""
-    layers = [i for i in range(config.num_hidden_layers) if i not in set(config.bf16_expert_layers)]
-    if not layers:
-        raise ValueError("this config keeps every layer's experts in BF16: nothing to quantize")
-    return (r"^model\.language_model\.layers\.(" + "|".join(map(str, layers)) +
-            r")\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-
-
 def source_fingerprint(folder: Path, calibration: torch.Tensor) -> str:
     digest = hashlib.sha256(f"recipe-v{RECIPE_VERSION}".encode())
     for path in sorted(folder.iterdir()):
@@ -178,7 +170,7 @@ class CheckpointCache:
             if make is not None:
                 make(dst)
             else:
-                convert(self.source, dst, to=to, include=[quantized_expert_pattern(self.config)],
+                convert(self.source, dst, to=to, include=quantized_expert_patterns(self.config),
                         progress=self.progress, **options)
         report = json.loads((dst / "conversion_report.json").read_text())
         summary = report.get("summary", {})
