@@ -58,15 +58,17 @@ def test_unknown_device_lists_the_catalog(bf16_checkpoint):
         musecore.load(bf16_checkpoint, device="mi999")
 
 
-def test_emulated_xeon_load_quantizes_experts_to_int4_and_reports_error(bf16_checkpoint):
-    ref = musecore.load(bf16_checkpoint, device="cpu")
-    emu = musecore.load(bf16_checkpoint, device="xeon6", emulate=True, quantize_dense=False)
+def test_emulated_xeon_load_quantizes_experts_to_int4_and_reports_error():
+    """On the trained muse-tiny: "a little" is a property of a trained model (a random one flips
+    routing choices on any rounding)."""
+    ref = musecore.load("muse-tiny", device="cpu")
+    emu = musecore.load("muse-tiny", device="xeon6", emulate=True, quantize_dense=False)
     assert emu.layers[1].mlp.experts.format == "int4" and emu.layers[0].mlp.experts.format == "bf16"
     assert emu.lm_head.format == "bf16" and emu.layers[1].self_attn.o_proj.format == "bf16"
     assert emu.conversion_report and all(r.target == "int4" for r in emu.conversion_report)
     assert all(".mlp.experts." in r.name for r in emu.conversion_report)
     assert min(r.sqnr_db for r in emu.conversion_report) > 15, [r.sqnr_db for r in emu.conversion_report][:3]
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    ids = torch.tensor([[0, 414, 286, 1290, 17, 9, 300, 41, 12, 2000]])
     a, b = ref.forward(ids), emu.forward(ids)
     assert not torch.equal(a, b), "INT4 experts must change the numbers"
     rel = float((a - b).norm() / a.norm())
@@ -79,11 +81,14 @@ def test_quantize_dense_converts_attention_pooler_and_lm_head_like_the_experts(b
     for group in ("attention", "pooler/unpooler", "lm_head"):
         assert kept[group].target_format == "bf16" and dense[group].target_format == "int4", group
         assert dense[group].bytes < kept[group].bytes / 3
-    for group in ("embedding", "router", "norms and gates", "experts (BF16 layers)"):
+    for group in ("embedding", "experts (BF16 layers)"):
         assert dense[group].target_format == kept[group].target_format == "bf16", group
+    assert dense["router"].target_format == kept["router"].target_format == "fp32"  # kept fp32, as transformers does
+    norms = lambda p: sorted(g.target_format for g in p.groups if g.group == "norms and gates")  # noqa: E731
+    assert norms(plan(bf16_checkpoint, "xeon6", emulate=True, quantize_dense=True)) == ["bf16", "fp32"]
     # a device whose rule keeps BF16 (the reference CPU) is unchanged by the option
     cpu = {g.group: g.target_format for g in plan(bf16_checkpoint, "cpu", quantize_dense=True).groups}
-    assert set(cpu.values()) == {"bf16"}
+    assert set(cpu.values()) == {"bf16", "fp32"} and cpu["router"] == "fp32"
 
 
 @pytest.mark.parametrize("device", ["xeon", "xeon6"])
@@ -95,7 +100,7 @@ def test_cpu_profiles_convert_the_dense_projections_by_default_and_say_so(bf16_c
     formats = {g.group: g.target_format for g in the_plan.groups}
     assert formats == {g.group: g.target_format for g in explicit.groups}
     assert formats["attention"] == formats["pooler/unpooler"] == formats["lm_head"] == "int4", formats
-    assert formats["router"] == formats["embedding"] == "bf16", formats
+    assert formats["embedding"] == "bf16" and formats["router"] == "fp32", formats
     assert any("default (quantize_dense=False keeps them" in n for n in the_plan.notes), the_plan.notes
     for gpu in ("h200", "b300", "mi355x"):
         formats = {g.group: g.target_format for g in plan(bf16_checkpoint, gpu, emulate=True).groups}
@@ -118,8 +123,8 @@ def test_quantize_dense_load_reports_every_converted_projection(bf16_checkpoint)
     emu = musecore.load(bf16_checkpoint, device="xeon6", emulate=True, quantize_dense=True)
     converted = {r.name for r in emu.conversion_report}
     assert "lm_head.weight" in converted
-    assert any(".self_attn.q_proj." in n for n in converted) and any("latent_proj" in n for n in converted)
-    assert not any(".router." in n or "embed_tokens" in n for n in converted)
+    assert any(".self_attn.q_proj." in n for n in converted) and any("pre_expert_proj" in n for n in converted)
+    assert not any(".mlp.gate." in n or "embed_tokens" in n for n in converted)
     assert emu.lm_head.format == "int4"
     assert min(r.sqnr_db for r in emu.conversion_report) > 15, [r.sqnr_db for r in emu.conversion_report][:3]
 
