@@ -178,9 +178,10 @@ class XeonBackend(Backend):
                              f"[E, I, h], [E, I, h], [E, h, I]")
         if fmt == "int4":
             gate_up, downs = self._prepare_int4_experts(gate, up, down)
-        else:
+        else:  # dense experts run in the model dtype, which is the format the plan keyed them by
             gate_up = [prepare_dense(torch.cat((gate[e], up[e])), dtype, self.cpu.native_bf16_dot) for e in range(E)]
             downs = [prepare_dense(down[e], dtype, self.cpu.native_bf16_dot) for e in range(E)]
+            fmt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, fmt)
         experts = XeonExperts(gate_up, downs, inter, hidden)
         return ExpertWeights(gate=gate_up, up=None, down=downs, format=fmt, num_experts=E,
                              extra={"xeon": experts})
