@@ -1,4 +1,4 @@
-"""Train muse-tiny's byte-level BPE tokenizer on the train split, and encode both splits with it.
+"""Encode both corpus splits with muse-tiny's byte-level BPE tokenizer (or, with ``--retrain``, train it first).
 
 Byte-level BPE (GPT-2 style pre-tokenizer and decoder) so that any text, every space, tab and
 newline of Python source included, decodes back to itself; the script checks that on every file
@@ -10,9 +10,14 @@ Documents are framed ``<|start|>`` + file text + ``<|eot|>`` (bos = ``<|start|>`
 ``<corpus>/heldout.i16`` (raw little-endian int16, every id < 4096), with ``tokens.json`` holding
 the counts and the tokenizer's sha256 so training can check it reads what this run wrote.
 
+The shipped tokenizer (``musecore/data/muse-tiny/tokenizer.json``) is kept as it is: by default the
+script loads it and only encodes the splits. ``--retrain`` trains a new one on the train split and
+writes it to ``--out`` first (on this corpus that reproduces the shipped file byte for byte).
+
 Usage::
 
-    python training/train_tokenizer.py --corpus .corpus --out musecore/data/muse-tiny/tokenizer.json
+    python training/train_tokenizer.py --corpus .corpus                 # encode with the shipped tokenizer
+    python training/train_tokenizer.py --corpus .corpus --retrain --out /tmp/tokenizer.json
 """
 
 from __future__ import annotations
@@ -66,11 +71,16 @@ def encode_documents(tokenizer: Tokenizer, docs: list[dict]) -> tuple[array.arra
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=Path(".corpus"))
-    parser.add_argument("--out", type=Path, default=Path("musecore/data/muse-tiny/tokenizer.json"))
+    parser.add_argument("--out", type=Path, default=Path("musecore/data/muse-tiny/tokenizer.json"),
+                        help="the tokenizer to encode with (and, with --retrain, the file to write)")
+    parser.add_argument("--retrain", action="store_true", help="train a new tokenizer and write it to --out")
     args = parser.parse_args()
 
     train_docs, heldout_docs = read_docs(args.corpus / "train.jsonl"), read_docs(args.corpus / "heldout.jsonl")
-    tokenizer = train([d["text"] for d in train_docs])
+    if args.retrain:
+        tokenizer = train([d["text"] for d in train_docs])
+    else:
+        tokenizer = Tokenizer.from_file(str(args.out))
     got = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
     assert got == list(range(len(SPECIAL_TOKENS))), got
     assert tokenizer.get_vocab_size() == VOCAB_SIZE, tokenizer.get_vocab_size()
@@ -85,12 +95,13 @@ def main() -> None:
         summary[name] = {"files": len(docs), "bytes": size, "tokens": len(stream), "bytes_per_token": round(size / len(stream), 3)}
         print(f"{name}: {len(docs)} files, {len(stream):,} tokens, {size / len(stream):.2f} bytes/token, all round-trip")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(args.out))
+    if args.retrain:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(args.out))
     summary["tokenizer_sha256"] = hashlib.sha256(args.out.read_bytes()).hexdigest()
     summary["special_tokens"] = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     (args.corpus / "tokens.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"tokenizer -> {args.out} (sha256 {summary['tokenizer_sha256'][:16]}...)")
+    print(f"tokenizer {args.out} (sha256 {summary['tokenizer_sha256'][:16]}...){' written' if args.retrain else ''}")
 
 
 if __name__ == "__main__":
