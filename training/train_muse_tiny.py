@@ -337,6 +337,7 @@ def main() -> None:
     interval_counts = torch.zeros_like(tap.counts)
     started = time.perf_counter()
     t_calib = started
+    per_step = None
     step = 0
     last_ce = float("nan")
     tap.want_loss = args.seq_balance_coef > 0
@@ -462,6 +463,7 @@ def main() -> None:
                         "e_score_correction_bias": final_biases,
                         "note": "fraction of a layer's routed slots (tokens x top-4) per expert; 1/12 = 0.0833 is even"},
         "training": {"steps": steps_done, "planned_steps": total, "seconds": round(train_seconds, 1),
+                     "time_budget": args.time_budget, "calibrated_seconds_per_step": per_step,
                      "final_train_ce": last_ce, "tokens_seen": steps_done * args.batch_size * args.seq_len,
                      "epochs": round(steps_done * args.batch_size * args.seq_len / len(train_stream), 2),
                      "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr,
