@@ -20,8 +20,8 @@ SLICE = Path(__file__).resolve().parents[1] / "data" / "stdlib_heldout_slice.jso
 MAX_BYTES = 25 * 1000 * 1000
 # Measured on this slice with the shipped BF16 checkpoint on a CPU: see eval.json
 # ("heldout_slice"). The threshold leaves 10% for other CPUs' BF16 rounding.
-MEASURED_SLICE_PERPLEXITY = 17.47  # CPU, torch 2.13; 17.49 on the H200 (eval.json)
-PERPLEXITY_THRESHOLD = 19.2  # measured * 1.1
+MEASURED_SLICE_PERPLEXITY = 17.84  # CPU, torch 2.13, bf16 and fp32; 17.88 on the H200 (eval.json)
+PERPLEXITY_THRESHOLD = 19.6  # measured * 1.1
 
 
 @pytest.fixture(scope="module")
