@@ -93,9 +93,6 @@ class ExpertCollector:
         self.fused[prefix] = merged
         return None
 
-    def incomplete(self) -> list[str]:
-        return sorted(set(self.fused) | set(self.parts))
-
 
 class GroupCollector:
     """Holds the ``INPUT_PROJECTIONS`` of one attention or dense-MLP block until all have arrived."""
