@@ -1,4 +1,4 @@
-"""The Muse Spark Open text backbone, exactly as MODEL.md section 1 defines it.
+"""The Muse Spark Open text decoder, as transformers 5.24's ``muse_spark`` computes it (MODEL.md section 1).
 
 Every computation goes through ``self.ops`` (the operator interface, bound to backends by the
 plan); nothing here knows which device runs it. Weights are filled in by the loader
