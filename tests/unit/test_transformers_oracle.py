@@ -183,31 +183,26 @@ def test_a_checkpoint_musecore_writes_loads_in_transformers_with_the_same_logits
     assert err <= 1e-4, f"logits differ by {err:.2e} of max |logit| (tolerance 1e-4)"
 
 
-def test_nvfp4_experts_match_their_dequantized_twin(saved):
-    """The model with the routed experts of its inner layers in NVFP4 (the producers' rule) gives the
-    logits of the same model with those experts dequantised to fp32: the fused experts are split
-    into gate and up without requantising, and the NVFP4 path computes on exactly those values."""
-    from musecore.api import assemble, summarize
-    from musecore_quant import dequantize, quantize
-    from safetensors.torch import load_file
+def test_nvfp4_checkpoint_matches_its_dequantized_twin(saved, tmp_path):
+    """The checkpoint converted to NVFP4 by musecore-quant (ModelOpt's layout: the routed experts of the
+    inner layers, per expert) loads and gives the logits of the same model with those experts
+    dequantised to fp32: the NVFP4 path computes on exactly the stored values."""
+    from musecore.quantize import convert_muse_checkpoint
+    from musecore_quant import QTensor, dequantize
+    from musecore_quant.checkpoint import open_checkpoint
     folder, _model, _text = saved
     config = MuseConfig.from_pretrained(folder)
-    tensors = {n: t for n, t in load_file(str(folder / "model.safetensors")).items()
-               if not n.startswith(("model.vision", "model.audio"))}
-    quantized = {f"model.language_model.layers.{i}.mlp.experts.{proj}": None
-                 for i in config.sparse_layers if i not in config.bf16_expert_layers
-                 for proj in ("gate_up_proj", "down_proj")}
-    assert quantized, "the config must have a quantised expert layer"
-    for name in quantized:
-        quantized[name] = quantize(tensors[name].float(), "nvfp4")
-    twin = {**tensors, **{n: dequantize(q, torch.float32) for n, q in quantized.items()}}
-
-    def run(weights: dict, formats: dict) -> torch.Tensor:
-        summary, _reader = summarize(folder)
-        summary.formats = {**summary.formats, **formats}
-        model = assemble(summary, "cpu", lambda _placer, _device: iter(weights.items()), dtype=torch.float32)
-        return model.forward(tokens(config.vocab_size, 2, 10, seed=6))
-
-    ours = run({**tensors, **quantized}, {n: "nvfp4" for n in quantized})
-    err = relative_error(ours, run(twin, {}))
-    assert err <= 1e-5, f"NVFP4 model vs its dequantised twin: {err:.2e} of max |logit| (tolerance 1e-5)"
+    nvfp4 = tmp_path / "nvfp4"
+    convert_muse_checkpoint(folder, nvfp4, to="nvfp4", progress=False)
+    twin = {}
+    with open_checkpoint(nvfp4) as reader:
+        for _, weights in reader.iter_shards():
+            twin.update({n: dequantize(v, torch.float32) if isinstance(v, QTensor) else v for n, v in weights.items()})
+    quantized = [n for n in twin if ".experts." in n and n.endswith("_proj.weight")]
+    assert quantized, "the conversion must quantize the inner layers' experts"
+    write_checkpoint(tmp_path / "twin", config, twin)
+    ids = tokens(config.vocab_size, 2, 10, seed=6)
+    ours = musecore.load(nvfp4, device="cpu", dtype=torch.float32).forward(ids)
+    expected = musecore.load(tmp_path / "twin", device="cpu", dtype=torch.float32).forward(ids)
+    err = relative_error(ours, expected)
+    assert err <= 1e-5, f"NVFP4 checkpoint vs its dequantised twin: {err:.2e} of max |logit| (tolerance 1e-5)"
