@@ -9,13 +9,13 @@ so host memory stays near one shard plus one layer's experts.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+from musecore_quant.checkpoint.experts import PER_EXPERT
 
 from musecore.model import FusedLinear, MuseModel, Slot, checkpoint_shapes
 
@@ -30,8 +30,6 @@ def logical_shape(value: Any) -> tuple[int, ...]:
 # The multimodal towers (issue: multimodal). Their tensors are part of every Muse Spark checkpoint;
 # until the towers run, the loader accepts them and skips their bytes.
 TOWER_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.", "model.audio_tower.")
-# A producer's per-expert key for a routed expert (ModelOpt and AutoRound unfuse experts on export).
-_PER_EXPERT = re.compile(r"^(?P<layer>.*\.layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
 
 def is_tower_tensor(name: str) -> bool:
@@ -39,9 +37,15 @@ def is_tower_tensor(name: str) -> bool:
 
 
 def expert_key(name: str) -> Optional[tuple[str, int, str]]:
-    """``(experts prefix, expert, "gate"|"up"|"down")`` for a per-expert key, else None."""
-    m = _PER_EXPERT.match(name)
-    return (m["layer"], int(m["expert"]), m["proj"]) if m else None
+    """``(experts prefix, expert, "gate"|"up"|"down")`` for a producer's per-expert key (ModelOpt, Quark
+    and AutoRound unfuse experts on export; the name rule is musecore_quant's), else None."""
+    m = PER_EXPERT.match(name)
+    return (m["prefix"], int(m["e"]), m["proj"].removesuffix("_proj")) if m else None
+
+
+def fused_expert_name(prefix: str, proj: str) -> str:
+    """The fused tensor a per-expert projection belongs to: ``gate``/``up`` -> ``gate_up_proj``."""
+    return f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
 
 
 def stack(values: list[Any]) -> Any:
@@ -146,7 +150,7 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
         per_expert = expert_key(name)
         if per_expert is not None:  # a producer's per-expert key: checked against its fused tensor's shape
             prefix, e, proj = per_expert
-            fused_name = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
+            fused_name = fused_expert_name(prefix, proj)
             if fused_name not in slots:
                 raise CheckpointMismatch(f"{source}: unexpected tensor {name!r}; layer has no routed experts in "
                                          "this config (check mlp_layer_types / num_hidden_layers in config.json)")
@@ -165,7 +169,7 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
             seen.add(name)
             done = experts.add_expert(prefix, e, proj, placer.convert(name, value))
             if done is not None:
-                seen.update((f"{prefix}.gate_up_proj", f"{prefix}.down_proj"))
+                seen.update((fused_expert_name(prefix, "gate"), fused_expert_name(prefix, "down")))
                 place_experts(slots[fused_name], fused_name, done, placer)
             continue
         slot = slots.get(name)

@@ -21,7 +21,7 @@ from typing import Any, Collection, Optional, Union
 from musecore.backends.base import Support, Tier
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG, DeviceProfile, get_profile
-from musecore.loader import expert_key, is_tower_tensor
+from musecore.loader import expert_key, fused_expert_name, is_tower_tensor
 from musecore.model import FP32_TENSORS
 from musecore.ops import OPS, OpSpec
 
@@ -254,7 +254,7 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
         per_expert = expert_key(name)
         if per_expert is not None:
             prefix, _e, proj = per_expert
-            targets.setdefault(f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}", targets[name])
+            targets.setdefault(fused_expert_name(prefix, proj), targets[name])
     groups = [GroupPlan(g, n, p, s, t, a, action, b, note)
               for (g, s, t, a, action), (n, p, b, note) in sorted(rows.items(), key=lambda kv: kv[0][0])]
     return groups, targets
