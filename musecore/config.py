@@ -39,6 +39,8 @@ OUTER_DEFAULTS: dict[str, Any] = {
     "image_token_id": 200092, "video_token_id": 200091, "audio_token_id": 200038,
     "out_hidden_size": 6144, "projector_hidden_size": 4096, "projector_hidden_act": "gelu",
 }
+# Every key of the outer config that MuseConfig holds as a field (the rest of the outer keys go to ``extra``).
+OUTER_KEYS = frozenset(OUTER_DEFAULTS) | {"vision_config", "audio_config", "quantization_config"}
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
@@ -196,11 +198,10 @@ class MuseConfig:
             text, outer = data, {}
         text = {k: v for k, v in text.items() if k != "model_type"}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "text_extra"}
-        outer_names = set(OUTER_DEFAULTS) | {"vision_config", "audio_config", "quantization_config"}
-        known = {k: v for k, v in text.items() if k in names and k not in outer_names}
+        known = {k: v for k, v in text.items() if k in names and k not in OUTER_KEYS}
         text_extra = {k: v for k, v in text.items() if k not in known}
-        known.update({k: v for k, v in outer.items() if k in outer_names and v is not None})
-        extra = {k: v for k, v in outer.items() if k not in outer_names and k != "model_type"}
+        known.update({k: v for k, v in outer.items() if k in OUTER_KEYS and v is not None})
+        extra = {k: v for k, v in outer.items() if k not in OUTER_KEYS and k != "model_type"}
         for sub in ("vision_config", "audio_config"):
             if sub in known and not isinstance(known[sub], dict):
                 raise ValueError(f"{source}: {sub} must be an object, got {type(known[sub]).__name__}")
@@ -230,8 +231,8 @@ class MuseConfig:
         return cls(**PRESETS[name])
 
     def text_dict(self) -> dict[str, Any]:
-        outer = set(OUTER_DEFAULTS) | {"vision_config", "audio_config", "quantization_config", "extra", "text_extra"}
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in outer}
+        skip = OUTER_KEYS | {"extra", "text_extra"}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         return {"model_type": "muse_spark_text", **data, **self.text_extra}
 
     def to_dict(self) -> dict[str, Any]:
