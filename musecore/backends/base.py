@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 
@@ -57,6 +57,39 @@ class Probe:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear (or stacked expert projection) of the model, as the plan asks backends about it."""
+
+    name: str                     # e.g. "q_proj", "experts gate/up"
+    out_features: int
+    in_features: int
+    weight_format: str            # "bf16", "nvfp4", "mxfp4", "int4", "fp8"
+    act_format: Optional[str] = None
+    experts: int = 0              # > 0: grouped over this many experts, ``top_k`` per token
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One kernel decision, as ``musecore plan`` shows it."""
+
+    what: str                     # the decision, e.g. "linear nvfp4 8192x8192, M <= 16"
+    choice: str                   # what runs, e.g. "CUDA C++ GEMV (NVRTC)"
+    reason: str = ""              # why: measured crossover, hardware, or the env override in force
+    env: str = ""                 # the environment variable that overrides it, if any
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    """An environment variable a backend reads."""
+
+    name: str
+    value: Optional[str]          # None: unset
+    default: str
+    effect: str
+
+
 WeightIn = Union[torch.Tensor, "musecore_quant.QTensor"]  # noqa: F821
 
 
@@ -85,12 +118,42 @@ class Backend:
         """Stacked ``[E, out, in]`` expert projections (dense or QTensor) -> the layout ``moe`` takes."""
         raise NotImplementedError
 
-    # Optional, looked up with getattr by the core (a backend without them runs the reference path):
-    #   wants_static_cache = True     generate() gives it fixed-shape, sync-free KV caches;
-    #   make_decode_step(model, cache) -> step(ids, positions): a faster repeated decode step (CUDA graphs);
-    #   kv_write(k, v, positions, k_new, v_new, pos_new, capacity, ring): a static cache's write, same
-    #       semantics as musecore.kv_cache.write_static (its reference);
-    #   benchmarks() -> {case: callable}: the cases of ``musecore bench --backend NAME``.
+    # -- optional hooks: the defaults below are the reference behaviour; override what you speed up ----
+
+    wants_static_cache: ClassVar[bool] = False
+    """True: ``generate()`` gives this backend fixed-shape, sync-free KV caches (what CUDA graphs need)."""
+
+    def make_decode_step(self, model: Any, cache: Any) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """A faster repeated decode step ``step(ids [B,1], positions [B,1]) -> logits`` on a static
+        ``cache``, computing what ``model.forward`` computes (the CUDA backend replays a CUDA graph);
+        None (the default): the core calls ``model.forward`` each step."""
+        return None
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor,
+                 v_new: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool) -> None:
+        """A static cache's write; same semantics as :func:`musecore.kv_cache.write_static` (the default)."""
+        from musecore.kv_cache import write_static
+        write_static(k, v, positions, k_new, v_new, pos_new, capacity, ring)
+
+    def kernel_choices(self, linears: Sequence["LinearShape"], profile: Any) -> list["KernelChoice"]:
+        """Every kernel decision this backend would make for a model with these linears on the device
+        ``profile`` (a :class:`musecore.devices.DeviceProfile`): the linear path per shape and M range,
+        crossovers, launch features (PDL), the native binding. Shown by ``musecore plan`` /
+        ``model.plan``. Must not need the hardware: what is only known on the device says so in its
+        reason. Never raises; the default (a backend with one path per op) says nothing."""
+        return []
+
+    def env_settings(self) -> list["EnvSetting"]:
+        """Every environment variable this backend reads, with its value now (None: unset) and its
+        effect; ``musecore doctor`` and the plan show those that are set."""
+        return []
+
+    def resident_bytes(self, weight_format: str, out_features: int, in_features: int, *,
+                       experts: int = 0) -> Optional[int]:
+        """Bytes this backend keeps resident for one weight of this format and shape (``experts`` > 0:
+        the stacked ``[experts, out, in]`` tensor), including any extra copy or padded layout it
+        keeps; None (the default): exactly the checkpoint format's bytes (``musecore_quant``)."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} api {self.api_version[0]}.{self.api_version[1]} on {self.device}>"

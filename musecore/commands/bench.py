@@ -1,7 +1,8 @@
 """``musecore bench --backend B [--case C] [--json]``: one command shape for every backend.
 
-A backend offers benchmarks through an optional ``benchmarks()`` method returning
-``{case: callable -> list of rows}``; rows carry ``backend, case, shape, M, time_us,
+A backend package offers benchmarks through the ``musecore.benchmarks`` entry-point group: an entry
+named after the backend whose object, called with no argument, returns ``{case: callable -> list of
+rows}`` (the benchmark module is loaded only by this command, so the backend never imports it). Rows carry ``backend, case, shape, M, time_us,
 speedup_vs_bf16, pct_memory_ceiling`` (ratios measured in the same process, never absolute claims).
 """
 
@@ -26,12 +27,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from musecore.backends.registry import get_backend_class
-
-    backend = get_backend_class(args.backend)()
-    if not hasattr(backend, "benchmarks"):
-        raise UsageError(f"backend {args.backend!r} offers no benchmarks")
-    table = backend.benchmarks()
+    table = benchmark_cases(args.backend)
     cases = args.case or [c for c in table if c != "sweep"]
     unknown = [c for c in cases if c not in table]
     if unknown:
@@ -51,6 +47,33 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(all_rows, indent=1))
     return 0
+
+
+GROUP = "musecore.benchmarks"
+
+
+def benchmark_cases(backend: str) -> dict:
+    """``{case: callable}`` from the ``musecore.benchmarks`` entry point named ``backend``."""
+    from stevedore import ExtensionManager
+
+    from musecore.backends.registry import get_backend_class
+
+    get_backend_class(backend)  # not installed / failed to load: that error, with its cause, first
+    errors: list[str] = []
+    ExtensionManager.ENTRY_POINT_CACHE.pop(GROUP, None)
+    manager = ExtensionManager(GROUP, invoke_on_load=False,
+                               on_load_failure_callback=lambda _m, ep, err: errors.append(
+                                   f"{ep.name} = {ep.value}: {type(err).__name__}: {err}"))
+    offered = [ext for ext in manager.extensions if ext.name == backend]
+    if not offered:
+        failed = [e for e in errors if e.startswith(f"{backend} = ")]
+        if failed:
+            raise UsageError(f"the benchmarks of backend {backend!r} failed to load ({failed[0]}); reinstall its package")
+        raise UsageError(f"backend {backend!r} offers no benchmarks (no {GROUP!r} entry point named {backend!r})")
+    table = offered[0].plugin()
+    if not isinstance(table, dict) or not all(callable(f) for f in table.values()):
+        raise UsageError(f"the {GROUP!r} entry point {backend!r} did not return a dict of case -> callable")
+    return table
 
 
 def print_table(title: str, rows: list[dict]) -> None:
