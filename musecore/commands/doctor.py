@@ -1,4 +1,5 @@
-"""``musecore doctor``: every discovered backend, loaded or failed and why, its hardware and score."""
+"""``musecore doctor``: every discovered backend, loaded or failed and why, its hardware and score, and
+the environment variables each backend reads that are set now (they change kernel choices)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def run(args) -> int:
     from musecore.backends.registry import discover
 
     records = discover()
+    env = {name: settings(r) for name, r in records.items()}
     if args.json:
-        print(json.dumps([r.to_dict() for r in records.values()], indent=2))
+        print(json.dumps([{**r.to_dict(), "env": [vars(e) for e in env[r.name]]} for r in records.values()], indent=2))
         return 0
     table = Table(title="musecore backends")
     for col in ("backend", "status", "score", "devices", "details"):
@@ -30,7 +32,27 @@ def run(args) -> int:
         table.add_row(r.name, status, str(d["score"]), ", ".join(d["devices"]), r.error or d["probe"])
     console = Console()
     console.print(table)
+    overrides = [(name, e) for name, found in env.items() for e in found if e.value is not None]
+    if overrides:
+        shown = Table(title="environment overrides in force")
+        for col in ("backend", "variable", "value", "default", "effect"):
+            shown.add_column(col)
+        for name, e in overrides:
+            shown.add_row(name, e.name, e.value, e.default, e.effect)
+        console.print(shown)
     for r in records.values():
         if r.traceback:
             console.print(f"\n[bold]{r.name}[/] traceback:\n{r.traceback}", markup=False, highlight=False)
     return 0
+
+
+def settings(record) -> list:
+    """The backend's ``env_settings()``; a plugin whose method raises is reported, not fatal."""
+    if not record.loaded:
+        return []
+    from musecore.backends.base import EnvSetting
+
+    try:
+        return list(record.backend_class().env_settings())
+    except Exception as err:  # the plugin's bug, shown as such
+        return [EnvSetting("?", f"env_settings() raised {type(err).__name__}: {err}", "", "plugin error")]

@@ -1,0 +1,80 @@
+"""``musecore bench`` finds a backend's cases through the ``musecore.benchmarks`` entry-point group."""
+
+import json
+
+import pytest
+
+from musecore.cli import main
+
+BACKEND = '''
+from musecore.backends.base import Backend, Probe, Support
+
+class BenchyBackend(Backend):
+    name = "benchy"
+    def probe(self):
+        return Probe(available=True, devices=["cpu"], reason="test plugin")
+    def supports(self, op, spec):
+        return Support.no("test plugin runs nothing")
+'''
+
+CASES = '''
+def benchmarks():
+    def square():
+        return [{"backend": "benchy", "case": "square", "shape": f"{n}x{n}", "M": n, "time_us": float(n * n),
+                 "speedup_vs_bf16": 1.0, "pct_memory_ceiling": 50.0} for n in (2, 3)]
+    return {"square": square, "sweep": lambda: 1 / 0}
+'''
+
+
+def install(root, dist: str, groups: dict[str, dict[str, str]], files: dict[str, str]) -> None:
+    """A package ``dist`` with ``files`` and a .dist-info declaring ``groups`` of entry points, on sys.path."""
+    (root / dist).mkdir()
+    for name, body in files.items():
+        (root / dist / name).write_text(body)
+    info = root / f"{dist}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) for group, entries in groups.items()))
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    (tmp_path / "site").mkdir()
+    return tmp_path / "site"
+
+
+def test_cases_come_from_the_entry_point_and_the_backend_never_imports_them(root, tmp_path, capsys):
+    install(root, "benchy", {"musecore.backends": {"benchy": "benchy:BenchyBackend"},
+                             "musecore.benchmarks": {"benchy": "benchy.bench:benchmarks"}},
+            {"__init__.py": BACKEND, "bench.py": CASES})
+    out = tmp_path / "out"
+    assert main(["bench", "--backend", "benchy", "--json", "--out-dir", str(out)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["M"] for r in rows] == [2, 3], rows  # 'sweep' is not run by default
+    saved = json.loads((out / "benchy_square.json").read_text())
+    assert saved["command"] == "musecore bench --backend benchy --case square" and len(saved["rows"]) == 2
+
+
+def test_a_backend_without_benchmarks_says_so(root, capsys):
+    install(root, "nobench", {"musecore.backends": {"nobench": "nobench:BenchyBackend"}}, {"__init__.py": BACKEND})
+    assert main(["bench", "--backend", "nobench"]) != 0
+    assert "offers no benchmarks" in capsys.readouterr().err
+
+
+def test_a_broken_benchmark_module_is_named(root, capsys):
+    install(root, "badbench", {"musecore.backends": {"badbench": "badbench:BenchyBackend"},
+                               "musecore.benchmarks": {"badbench": "badbench.missing:benchmarks"}},
+            {"__init__.py": BACKEND})
+    assert main(["bench", "--backend", "badbench"]) != 0
+    err = capsys.readouterr().err
+    assert "failed to load" in err and "badbench.missing" in err, err
+
+
+def test_an_unknown_case_lists_the_offered_ones(root, capsys):
+    install(root, "benchy2", {"musecore.backends": {"benchy2": "benchy2:BenchyBackend"},
+                              "musecore.benchmarks": {"benchy2": "benchy2.bench:benchmarks"}},
+            {"__init__.py": BACKEND, "bench.py": CASES})
+    assert main(["bench", "--backend", "benchy2", "--case", "nope"]) != 0
+    assert "['square', 'sweep']" in capsys.readouterr().err
