@@ -29,11 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_errors() -> tuple[type, ...]:
+    """Errors a user can act on, printed as one line: bad input, a plan with gaps, a backend that is
+    missing or broken, a compile cache other users can write to."""
+    from musecore.backends.registry import BackendError
+    from musecore.compile_cache import CacheError
+    from musecore.planning import PlanError
+
+    return (UsageError, FileNotFoundError, ValueError, PlanError, BackendError, CacheError)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (UsageError, FileNotFoundError, ValueError) as e:
+    except user_errors() as e:
         if os.environ.get("MUSECORE_DEBUG"):  # the full traceback, for bug reports
             raise
         print(f"musecore {args.command}: error: {e}", file=sys.stderr)

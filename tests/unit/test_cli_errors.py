@@ -1,0 +1,35 @@
+"""Errors a user can act on leave the CLI as one line and exit status 2, never a traceback."""
+
+from musecore.cli import main
+
+
+def test_a_plan_with_gaps_is_reported_without_a_traceback(capsys):
+    assert main(["generate", "--prompt", "x", "--device", "mi355x", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("musecore generate: error: cannot run 'muse-tiny' on device 'mi355x'"), err
+    assert "Traceback" not in err and "emulate=True" in err, err
+
+
+def test_a_missing_backend_is_reported_without_a_traceback(capsys):
+    assert main(["bench", "--backend", "nosuchbackend"]) == 2
+    err = capsys.readouterr().err
+    assert "not installed" in err and "Traceback" not in err, err
+
+
+def test_a_shared_cache_directory_is_reported_without_a_traceback(tmp_path, monkeypatch, capsys):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("MUSECORE_CACHE", str(shared))
+    from musecore import cli
+    from musecore.compile_cache import directory
+
+    def run(_args):
+        directory("x")
+
+    monkeypatch.setattr(cli, "COMMANDS", ("devices",))
+    import musecore.commands.devices as devices
+    monkeypatch.setattr(devices, "run", run)
+    assert main(["devices"]) == 2
+    err = capsys.readouterr().err
+    assert "writable by other users" in err and "Traceback" not in err, err
