@@ -10,22 +10,25 @@ Example::
 from __future__ import annotations
 
 import sys
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
 from musecore.backends.reference import ReferenceBackend
-from musecore.backends.registry import discover
+from musecore.backends.registry import best_device, discover, unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
 from musecore.loader import CheckpointMismatch, Placer, fill_model
-from musecore.model import FP32_TENSORS, MuseModel, checkpoint_shapes, initial_value
+from musecore.model import MuseModel, checkpoint_shapes, initial_value
+from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
 from musecore.ops import Ops
 from musecore.planning import (DENSE, QUANTIZED, REFERENCE, CheckpointSummary, DenseGroups, Plan, PlanError,
                                make_plan)
 
-BUNDLED = Path(__file__).parent / "data"
+# Package data (an installed wheel has it too): the bundled models, each a checkpoint folder.
+BUNDLED = Path(str(files("musecore") / "data"))
 TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "xla", "xeon": "cpu", REFERENCE: "cpu"}
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -66,12 +69,12 @@ def preset_summary(name: str, config: MuseConfig, checkpoint_format: str) -> Che
     """A checkpoint as MODEL.md section 2 ships it: routed experts of the quantized layers in
     ``checkpoint_format``, everything else BF16 (for presets, which have no files to read)."""
     shapes = checkpoint_shapes(config)
-    quantized_layers = set(config.sparse_layers) - set(config.bf16_expert_layers)
+    quantized_layers = set(quantized_expert_layers(config))
     formats = {}
     for tensor in shapes:
-        expert_layer = int(tensor.split(".layers.")[1].split(".")[0]) if ".mlp.experts." in tensor else -1
-        quantized = expert_layer in quantized_layers and tensor.endswith(("gate_up_proj", "down_proj"))
-        formats[tensor] = checkpoint_format if quantized else ("fp32" if tensor.endswith(FP32_TENSORS) else "bf16")
+        expert = expert_weight(tensor)
+        quantized = expert is not None and expert.layer in quantized_layers and expert.proj in FUSED_EXPERT_TENSORS
+        formats[tensor] = checkpoint_format if quantized else ("fp32" if is_fp32_tensor(tensor) else "bf16")
     return CheckpointSummary(name, config, formats, shapes)
 
 
@@ -81,9 +84,7 @@ def resolve_device(device: str, records: Optional[dict] = None) -> tuple[str, to
         return device, torch.device(TORCH_DEVICE_TYPE.get(CATALOG[device].backend, "cpu"))
     records = discover() if records is None else records
     if device == "auto":
-        ready = [r for r in records.values() if r.loaded and r.probe and r.probe.available and r.probe.devices]
-        best = max(ready, key=lambda r: r.probe.score)  # the reference backend is always ready
-        return resolve_device(best.probe.devices[0], records)
+        return resolve_device(best_device(records), records)
     try:
         tdev = torch.device(device)
     except RuntimeError:
@@ -92,11 +93,20 @@ def resolve_device(device: str, records: Optional[dict] = None) -> tuple[str, to
     if tdev.type == "cpu":
         return "cpu", tdev
     wanted = {"cuda": "rocm" if torch.version.hip else "cuda"}.get(tdev.type, tdev.type)
-    record = records.get(wanted)
-    if record is None or not (record.loaded and record.probe and record.probe.available):
-        why = record.error or (record.probe.reason if record.probe else "") if record else f"backend {wanted!r} not installed"
+    why = unavailable_reason(records, wanted)
+    if why is not None:
         raise ValueError(f"device {device!r} is not usable here: {why}")
-    return record.probe.devices[0], tdev
+    return records[wanted].probe.devices[0], tdev
+
+
+def resolve_target(device: str, emulate: bool, records: Optional[dict] = None) -> tuple[str, torch.device]:
+    """(catalog device, torch device) that both :func:`plan` and :func:`load` use: ``device`` as
+    :func:`resolve_device` reads it (``auto``: the best device here); with ``emulate`` its numerics
+    run on the reference kernels of this machine's CPU."""
+    if emulate:
+        name = device if device in CATALOG else resolve_device(device, records)[0]
+        return name, torch.device("cpu")
+    return resolve_device(device, records)
 
 
 def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch.dtype] = None,
@@ -110,7 +120,7 @@ def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch
     :func:`musecore.planning.make_plan`)."""
     summary, _ = summarize(model, checkpoint_format)
     records = discover()
-    name = device if (emulate and device in CATALOG) else resolve_device(device, records)[0]
+    name, _ = resolve_target(device, emulate, records)
     return make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation, allow_reference=allow_reference,
                      dtype_label=DTYPE_LABELS[dtype or torch.bfloat16], kv_format=kv_format, records=records,
                      quantize_dense=quantize_dense)
@@ -214,12 +224,7 @@ def assemble(summary: CheckpointSummary, device: str,
     """Plan ``summary`` on ``device`` (raising on gaps), make the backends, and fill a model with
     ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares."""
     records = discover()
-    if emulate:
-        if device not in CATALOG:
-            raise ValueError(f"emulate=True needs a catalog device name (one of {sorted(CATALOG)}), got {device!r}")
-        name, torch_device = device, torch.device("cpu")
-    else:
-        name, torch_device = resolve_device(device, records)
+    name, torch_device = resolve_target(device, emulate, records)
     the_plan = make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation,
                          allow_reference=allow_reference, dtype_label=DTYPE_LABELS[dtype], kv_format=kv_format,
                          records=records, quantize_dense=quantize_dense)
@@ -228,9 +233,9 @@ def assemble(summary: CheckpointSummary, device: str,
     backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}
     if the_plan.backend != REFERENCE:
         backends[the_plan.backend] = records[the_plan.backend].backend_class(torch_device)
-    muse = MuseModel(summary.config, bind_ops(the_plan, backends), dtype=dtype, device=torch_device)
+    muse = MuseModel(summary.config, bind_ops(the_plan, backends), dtype=dtype, device=torch_device,
+                     backend=backends[the_plan.backend])
     placer = Placer(the_plan, backends, dtype)
     fill_model(muse, tensors(placer, torch_device), placer, source=source)
     muse.plan, muse.conversion_report, muse.kv_format = the_plan, placer.report, kv_format
-    muse.backend = backends[the_plan.backend]
     return muse

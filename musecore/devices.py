@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from musecore.names import ATTENTION, LM_HEAD, POOLER
+
 CHECKPOINT_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4")
 
 
@@ -46,7 +48,7 @@ class DeviceProfile:
     activation_formats: tuple[str, ...]   # low-precision activation formats it computes in
     conversions: dict[str, Conversion] = field(default_factory=dict)
     description: str = ""
-    # The dense projection groups (planning.DENSE_QUANTIZABLE) that loading also converts with the BF16
+    # The dense projection groups (names.DENSE_QUANTIZABLE) that loading also converts with the BF16
     # rule: ``quantize_dense``'s default on this device. The CPU profiles take all three (attention,
     # pooler/unpooler, lm_head): CPU decode is bound by the bytes read per token, and the routed
     # experts alone are too small a share of them (byte-ideal speed-up over BF16: muse-small 1.32x,
@@ -88,7 +90,7 @@ _XEON = _rules(bf16=("int4", None, "quantized to INT4 g128 (RTN) at load"),
                nvfp4=("int4", None, "experts requantized to INT4 g128 at load"),
                mxfp4=("int4", None, "experts requantized to INT4 g128 at load"),
                int4=("int4", None, "INT4 weight-only"))
-_CPU_DENSE = ("attention", "pooler/unpooler", "lm_head")
+_CPU_DENSE = (ATTENTION, POOLER, LM_HEAD)
 _TPU = _rules(bf16=("bf16", None), fp8=("bf16", None, "dequantized to BF16"),
               nvfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),
               mxfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from musecore_quant.checkpoint.experts import PER_EXPERT
+from musecore_quant.formats.facts import producer_options
 
 from musecore.model import FusedLinear, MuseModel, Slot, checkpoint_shapes
+from musecore.names import expert_key, fused_expert_name, fused_expert_parts, is_tower_tensor
 
 class CheckpointMismatch(ValueError):
     """The checkpoint's tensors do not match what the config says the model has."""
@@ -25,27 +26,6 @@ class CheckpointMismatch(ValueError):
 
 def logical_shape(value: Any) -> tuple[int, ...]:
     return tuple(value.shape)  # a QTensor's shape is its logical (unpacked) shape
-
-
-# The multimodal towers (issue: multimodal). Their tensors are part of every Muse Spark checkpoint;
-# until the towers run, the loader accepts them and skips their bytes.
-TOWER_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.", "model.audio_tower.")
-
-
-def is_tower_tensor(name: str) -> bool:
-    return name.startswith(TOWER_PREFIXES)
-
-
-def expert_key(name: str) -> Optional[tuple[str, int, str]]:
-    """``(experts prefix, expert, "gate"|"up"|"down")`` for a producer's per-expert key (ModelOpt, Quark
-    and AutoRound unfuse experts on export; the name rule is musecore_quant's), else None."""
-    m = PER_EXPERT.match(name)
-    return (m["prefix"], int(m["e"]), m["proj"].removesuffix("_proj")) if m else None
-
-
-def fused_expert_name(prefix: str, proj: str) -> str:
-    """The fused tensor a per-expert projection belongs to: ``gate``/``up`` -> ``gate_up_proj``."""
-    return f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
 
 
 def stack(values: list[Any]) -> Any:
@@ -111,6 +91,15 @@ class GroupCollector:
             return None
         del self.parts[id(slot.owner)]
         return [got[attr] for attr in slot.owner.INPUT_PROJECTIONS]
+
+
+def fusable_format(fmt: str) -> bool:
+    """Whether weights of in-memory format ``fmt`` can be stacked row-wise without changing a value
+    (what :func:`fuse_group` needs): 16-bit/fp32 tensors, or QTensors whose every scale is per row
+    block (musecore_quant's ``ROW_SCALED``: MXFP4, INT4; not NVFP4 or FP8 with their per-tensor scales)."""
+    from musecore_quant.formats.facts import facts
+    from musecore_quant.qtensor import ROW_SCALED
+    return not facts(fmt).quantized or fmt in ROW_SCALED
 
 
 def fuse_group(owner: Any, members: list[tuple[str, Any]], placer: "Placer") -> None:
@@ -185,7 +174,7 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
         seen.add(name)
         value = placer.convert(name, value)
         if slot.role == "experts":
-            prefix, proj = name.rsplit(".", 1)
+            prefix, proj = fused_expert_parts(name)
             done = experts.add_fused(prefix, proj, value)
             if done is not None:
                 place_experts(slot, name, done, placer)
@@ -248,7 +237,7 @@ class Placer:
         from musecore_quant import dequantize, requantize
         if target in ("bf16", "fp16", "fp32"):
             return dequantize(value, torch.float32)
-        return self._record(name, dequantize(value, torch.float32), requantize(value, target, **DEFAULT_OPTIONS.get(target, {})),
+        return self._record(name, dequantize(value, torch.float32), requantize(value, target, **producer_options(target)),
                             value.format)
 
     def _record(self, name: str, before: torch.Tensor, after: Any, source: str) -> Any:
@@ -292,12 +281,8 @@ class Placer:
         return backend.prepare_experts(gate, up, down, act_format=act, dtype=self.dtype)
 
 
-# The quantizer settings a device's own producer uses (FORMATS.md): INT4 g128 symmetric like the
-# AutoRound export, MXFP4 with EVEN scales and RNE like Quark, FP8 per tensor like ModelOpt.
-DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {"int4": {"group_size": 128, "sym": True},
-                                             "mxfp4": {"scale_mode": "even", "rounding": "rne"}, "fp8": {}}
-
-
 def quantize_for_target(value: torch.Tensor, target: str) -> Any:
+    """``value`` quantized as ``target``'s own producer would (musecore_quant's producer options:
+    INT4 g128 symmetric like AutoRound, MXFP4 EVEN/RNE like Quark, FP8 per tensor like ModelOpt)."""
     from musecore_quant import quantize
-    return quantize(value.float(), target, **DEFAULT_OPTIONS.get(target, {}))
+    return quantize(value.float(), target, **producer_options(target))

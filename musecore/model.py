@@ -13,12 +13,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from musecore.backends.base import Backend
 from musecore.config import MuseConfig
 from musecore.kv_cache import KVCache
+from musecore.names import ATTENTION_INPUTS, DENSE_MLP_INPUTS, FP32_TENSORS, PREFIX, is_fp32_tensor
 from musecore.ops import Ops
 from musecore.rope import RotaryTable
 
-PREFIX = "model.language_model."
+# ``observer(layer, z [N,h], weights [N,k] fp32, ids [N,k])``: what a MoE layer's router chose and the
+# pooled latents its experts receive, handed to calibration before the experts run (MuseModel.forward).
+MoEObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -51,7 +55,7 @@ class Attention:
     """GQA with weightless q/k norms (q scaled), RoPE or NoPE, sliding or full window, then a weightless
     per-head output norm times an element-wise sigmoid gate."""
 
-    INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj")  # all read the normed input ``a``
+    INPUT_PROJECTIONS = ATTENTION_INPUTS  # all read the normed input ``a``
 
     def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
         self.ops, self.layer = ops, layer
@@ -95,28 +99,36 @@ class MoE:
         self.experts = None           # ExpertWeights: gate/up/down stacked in the backend's layout
         self.post_expert_norm = None  # [h], 1 + w: one weight shared by every expert, applied scale-first
 
-    def __call__(self, m: torch.Tensor) -> torch.Tensor:
+    def __call__(self, m: torch.Tensor, observer: Optional[MoEObserver] = None, experts: Any = None) -> torch.Tensor:
+        """``observer`` sees the routing before the experts run; ``experts`` replaces the layer's own
+        for this call (calibration runs later layers on already-quantized experts)."""
         ops = self.ops
         B, T, H = m.shape
         m = m.reshape(B * T, H)
         weights, ids = ops.router_topk(m, self.router, self.correction_bias, self.top_k, self.multiplier,
                                        self.scaling)  # [N,k] fp32, [N,k]
         z = ops.rms_norm(ops.linear(m, self.pre_expert_proj), self.pre_expert_norm, self.eps)  # [N,h]
-        y = ops.moe(z, weights, ids, self.experts, self.post_expert_norm, self.post_eps)  # [N,h] fp32
+        if observer is not None:
+            observer(self.layer, z, weights, ids)
+        experts = self.experts if experts is None else experts
+        y = ops.moe(z, weights, ids, experts, self.post_expert_norm, self.post_eps)  # [N,h] fp32
         return ops.linear(y.to(m.dtype), self.post_expert_proj).view(B, T, H)  # unpooler
 
 
 class DenseMLP:
     """``down(silu(gate(m)) * up(m))``: the MLP of the ``"dense"`` layers."""
 
-    INPUT_PROJECTIONS = ("gate_proj", "up_proj")
+    INPUT_PROJECTIONS = DENSE_MLP_INPUTS
 
     def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
         self.ops, self.layer = ops, layer
         self.gate_proj = self.up_proj = self.down_proj = None
         self.in_proj: Optional[FusedLinear] = None
 
-    def __call__(self, m: torch.Tensor) -> torch.Tensor:
+    def __call__(self, m: torch.Tensor, observer: Optional[MoEObserver] = None, experts: Any = None) -> torch.Tensor:
+        """The same call as :meth:`MoE.__call__`; a dense layer has no router to observe, no experts to replace."""
+        if experts is not None:
+            raise ValueError(f"layer {self.layer} is a dense-MLP layer (mlp_layer_types): it has no experts to replace")
         gate, up = project(self, self.ops, m)
         return self.ops.linear(self.ops.silu_mul(gate, up), self.down_proj)
 
@@ -168,7 +180,7 @@ class MuseModel:
     """
 
     def __init__(self, config: MuseConfig, ops: Ops, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", backend: Optional[Backend] = None) -> None:
         self.config, self.ops, self.dtype, self.device = config, ops, dtype, torch.device(device)
         self.layers = [DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers)]
         # One table (the global theta): transformers 5.24 switches RoPE on per layer, never changes its theta.
@@ -176,7 +188,11 @@ class MuseModel:
                                 device=self.device)
         self.multimodal_ids = torch.tensor([config.image_token_id, config.video_token_id, config.audio_token_id],
                                            device=self.device)
-        self.backend = None    # the plan's main backend; it may offer a faster decode step
+        if backend is None:
+            from musecore.backends.reference import ReferenceBackend
+            backend = ReferenceBackend(self.device)
+        # The plan's main backend: its hooks (static caches, a faster decode step, the KV write) apply.
+        self.backend: Backend = backend
         self.embed_tokens = self.norm = self.lm_head = None
         self.plan = None       # set by musecore.load
         self.tokenizer = None  # set by musecore.load when the checkpoint has tokenizer.json
@@ -190,9 +206,24 @@ class MuseModel:
     # -- the computation --------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, observer: Optional[MoEObserver] = None) -> torch.Tensor:
         """Logits for every position. ``positions [B,T]`` default to ``0..T-1`` after what the
-        cache holds; ``-1`` marks a padding token (it attends to nothing and nothing attends to it)."""
+        cache holds; ``-1`` marks a padding token (it attends to nothing and nothing attends to it).
+        ``observer`` is called by every MoE layer with its routing (calibration; see :data:`MoEObserver`)."""
+        x, a, positions, rope = self.embed(input_ids, positions, cache)
+        for i in range(len(self.layers)):
+            h, m = self.attention_sublayer(i, x, a, positions, rope, cache)
+            x, a = self.feedforward_sublayer(i, h, m, observer=observer)
+        return self.logits(a)
+
+    # The stages of forward, in order. Calibration (musecore.calibrate) runs them one layer at a
+    # time so that it can act between layers; forward is exactly embed, then per layer the two
+    # sublayers, then logits.
+
+    def embed(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+              cache: Optional[KVCache] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """``(x, a, positions, rope)``: the residual stream ``x [B,T,H]``, the first layer's normed
+        input ``a``, the positions and the rotary table for them."""
         ops, cfg = self.ops, self.config
         input_ids = input_ids.to(self.device)
         B, T = input_ids.shape
@@ -210,17 +241,33 @@ class MuseModel:
         x = ops.embedding(input_ids, self.embed_tokens).to(self.dtype)  # [B,T,H]
         x = ops.rms_norm(x, None, cfg.rms_norm_eps)  # the embedding's weightless norm
         a = ops.rms_norm(x, self.layers[0].input_layernorm, cfg.rms_norm_eps)
-        for i, layer in enumerate(self.layers):
-            attn_out = layer.self_attn(a, positions, rope, cache)
-            gate = layer.post_attention_residual_gate  # weightless post-attention norm, then the gated residual
-            h, m = ops.residual_norm(x, attn_out, None, gate.alpha, gate.beta, layer.pre_feedforward_layernorm,
-                                     cfg.post_norm_eps, cfg.rms_norm_eps)
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            gate = layer.post_feedforward_residual_gate
-            x, a = ops.residual_norm(h, layer.mlp(m), layer.post_feedforward_layernorm, gate.alpha, gate.beta,
-                                     next_norm, cfg.post_norm_eps, cfg.rms_norm_eps)
-        logits = ops.linear(a, self.lm_head)  # a = final RMSNorm(x); lm_head is untied
-        return ops.logit_softcap(logits, cfg.output_multiplier, cfg.final_logit_softcapping)  # fp32
+        return x, a, positions, rope
+
+    def attention_sublayer(self, i: int, x: torch.Tensor, a: torch.Tensor, positions: torch.Tensor, rope: Any,
+                           cache: Optional[KVCache] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s attention: ``(h, m)``, the residual after it and the feed-forward input."""
+        layer, cfg = self.layers[i], self.config
+        attn_out = layer.self_attn(a, positions, rope, cache)
+        gate = layer.post_attention_residual_gate  # weightless post-attention norm, then the gated residual
+        return self.ops.residual_norm(x, attn_out, None, gate.alpha, gate.beta, layer.pre_feedforward_layernorm,
+                                      cfg.post_norm_eps, cfg.rms_norm_eps)
+
+    def feedforward_sublayer(self, i: int, h: torch.Tensor, m: torch.Tensor, *,
+                             observer: Optional[MoEObserver] = None, experts: Any = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s MoE (or dense MLP): ``(x, a)``, the residual and the next layer's normed input
+        (the final norm's after the last layer). ``experts`` stands in for the layer's own for this call."""
+        layer, cfg = self.layers[i], self.config
+        next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+        gate = layer.post_feedforward_residual_gate
+        return self.ops.residual_norm(h, layer.mlp(m, observer, experts), layer.post_feedforward_layernorm,
+                                      gate.alpha, gate.beta, next_norm, cfg.post_norm_eps, cfg.rms_norm_eps)
+
+    def logits(self, a: torch.Tensor) -> torch.Tensor:
+        """``a`` = the final RMSNorm of the residual -> soft-capped fp32 logits ``[B,T,V]``."""
+        cfg = self.config
+        logits = self.ops.linear(a, self.lm_head)  # lm_head is untied
+        return self.ops.logit_softcap(logits, cfg.output_multiplier, cfg.final_logit_softcapping)  # fp32
 
     __call__ = forward
 
@@ -230,14 +277,17 @@ class MuseModel:
         A backend may replace the plain ``forward`` with something faster for repeated steps of one
         batch shape (the CUDA backend replays a captured CUDA graph); the numbers are the same.
         """
-        make = getattr(self.backend, "make_decode_step", None)
-        if make is not None and cache.static:
+        step = None
+        if cache.static:
             kept = self._generation_cache
             if kept is not None and kept[1] is cache:
                 if kept[2] is None:  # captured once, replayed by every later generate() of this shape
-                    self._generation_cache = (kept[0], cache, make(self, cache))
-                return self._generation_cache[2]
-            return make(self, cache)
+                    self._generation_cache = (kept[0], cache, self.backend.make_decode_step(self, cache))
+                step = self._generation_cache[2]
+            else:
+                step = self.backend.make_decode_step(self, cache)
+        if step is not None:
+            return step
         return lambda ids, positions: self.forward(ids, positions=positions, cache=cache)
 
     GENERATION_CACHE_ROUND = 256  # static generation caches are sized in multiples of this many tokens
@@ -270,11 +320,11 @@ class MuseModel:
 
     @property
     def wants_static_cache(self) -> bool:
-        return bool(getattr(self.backend, "wants_static_cache", False))
+        return self.backend.wants_static_cache
 
     def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16", static: bool = False) -> KVCache:
         return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device,
-                       static=static, writer=getattr(self.backend, "kv_write", None))
+                       static=static, writer=self.backend.kv_write)
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """str -> str, list[int] -> list[int], or a batch of either; see :func:`musecore.generate.generate`."""
@@ -342,11 +392,6 @@ def checkpoint_shapes(config: MuseConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# Tensors kept in fp32 whatever the checkpoint dtype (transformers' _keep_in_fp32_modules_strict).
-FP32_TENSORS = (".post_attention_residual_gate.gate", ".post_feedforward_residual_gate.gate", ".mlp.gate.weight",
-                ".mlp.gate.e_score_correction_bias")
-
-
 def initial_value(name: str, shape: tuple[int, ...], generator: torch.Generator, std: float = 0.02,
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """One tensor initialised as transformers' ``_init_weights`` does, in fp32: projections, experts,
@@ -363,5 +408,5 @@ def init_weights(config: MuseConfig, seed: int = 0, std: float = 0.02,
     """Random text-decoder weights (:func:`initial_value`); the residual gates, router and correction
     bias in fp32, as transformers keeps them, everything else in ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
-    return {name: initial_value(name, shape, gen, std).to(torch.float32 if name.endswith(FP32_TENSORS) else dtype)
+    return {name: initial_value(name, shape, gen, std).to(torch.float32 if is_fp32_tensor(name) else dtype)
             for name, shape in checkpoint_shapes(config).items()}

@@ -3,7 +3,10 @@
 ``musecore.plan(model, device)`` reads ``config.json`` and the safetensors headers, picks the
 device profile and its backend, decides per weight group the conversion (keep, requantize,
 quantize, dequantize) and the activation format, chooses for every op the implementation and tier
-with its reason, and estimates memory against the device. Policy is strict: an op without a native
+with its reason, asks the backend for every kernel choice it would make on the model's linears
+(:meth:`~musecore.backends.base.Backend.kernel_choices`) and the environment overrides in force, and
+estimates memory against the device from the bytes each backend really keeps resident
+(:meth:`~musecore.backends.base.Backend.resident_bytes`). Policy is strict: an op without a native
 implementation is a gap unless ``allow_emulation`` / ``allow_reference`` opt in to a slower path;
 all gaps are listed at once. ``musecore.load`` executes a plan that has none.
 """
@@ -13,20 +16,25 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Collection, Optional, Union
 
-from musecore.backends.base import Support, Tier
+from musecore_quant.formats.facts import FACTS, block_size, bytes_per_value, weight_bytes
+
+from musecore.backends.base import Backend, KernelChoice, LinearShape, Support, Tier
+from musecore.backends.registry import unavailable_reason
 from musecore.config import MuseConfig
-from musecore.devices import CATALOG, DeviceProfile, get_profile
-from musecore.loader import expert_key, fused_expert_name, is_tower_tensor
-from musecore.model import FP32_TENSORS
+from musecore.devices import DeviceProfile, get_profile
+from musecore.loader import fusable_format
+from musecore.model import checkpoint_shapes
+from musecore.names import (DENSE_QUANTIZABLE, TOWERS, expert_key, fusable_projections,  # noqa: F401 (re-export)
+                            fused_expert_name, is_fp32_tensor, is_tower_tensor, layer_of, op_of_weight, projection_of,
+                            weight_group)
 from musecore.ops import OPS, OpSpec
 
-QUANTIZED = ("fp8", "nvfp4", "mxfp4", "int4")
-DENSE = ("bf16", "fp16", "fp32")
+QUANTIZED = tuple(name for name, f in FACTS.items() if f.quantized)
+DENSE = tuple(name for name, f in FACTS.items() if not f.quantized)
 REFERENCE = "reference"
 DEFAULT_CONTEXT = 8192  # tokens of KV cache counted in the memory estimate (batch 1)
 
@@ -84,6 +92,7 @@ class Plan:
     weight_targets: dict[str, tuple[str, Optional[str]]] = field(default_factory=dict, repr=False)
     parameters: int = 0         # the text decoder's, from the config (MuseConfig.num_parameters)
     active_parameters: int = 0  # per token (MuseConfig.num_active_parameters)
+    kernels: list[KernelChoice] = field(default_factory=list)  # every kernel decision of the backend
 
     @property
     def fits(self) -> bool:
@@ -107,6 +116,7 @@ class Plan:
                            "kv_context_tokens": self.kv_context, "fits": self.fits,
                            "devices_needed": self.devices_needed},
                 "parameters": {"total": self.parameters, "active": self.active_parameters},
+                "kernels": [asdict(k) for k in self.kernels],
                 "gaps": self.gaps, "notes": self.notes, "ok": not self.gaps}
 
     def to_json(self) -> str:
@@ -118,44 +128,6 @@ class Plan:
 
 
 # -- weight groups ---------------------------------------------------------------------------------
-
-def weight_group(name: str, config: MuseConfig) -> tuple[str, bool]:
-    """(group label, whether it is a routed-expert projection of a quantized layer).
-
-    Routed experts come fused (``experts.gate_up_proj`` / ``experts.down_proj``, transformers' layout)
-    or per expert (``experts.{e}.gate_proj.weight``, how some producers export them).
-    """
-    if is_tower_tensor(name):
-        return TOWERS, False
-    if ".mlp.experts." in name:
-        if name.endswith("post_expert_norm.weight"):
-            return "norms and gates", False
-        layer = int(name.split(".layers.")[1].split(".")[0])
-        if layer in config.bf16_expert_layers:
-            return "experts (BF16 layers)", False
-        return "experts (quantized layers)", True
-    if "embed_tokens" in name:
-        return "embedding", False
-    if name.startswith("lm_head"):
-        return "lm_head", False
-    if ".self_attn." in name and name.endswith("_proj.weight"):
-        return "attention", False
-    if ".mlp.gate." in name:
-        return "router", False
-    if name.endswith(("pre_expert_proj.weight", "post_expert_proj.weight")):
-        return "pooler/unpooler", False
-    if re.search(r"\.mlp\.(gate|up|down)_proj\.weight$", name):
-        return "dense MLP", False
-    return "norms and gates", False
-
-
-TOWERS = "vision/audio towers (not run)"
-
-
-def format_bytes(fmt: str, numel: int, dtype_bytes: int) -> int:
-    per_value = {"fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 128}
-    return int(numel * per_value.get(fmt, dtype_bytes))
-
 
 @dataclass
 class CheckpointSummary:
@@ -172,17 +144,13 @@ class CheckpointSummary:
         return quantized.most_common(1)[0][0] if quantized else "bf16"
 
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-BLOCK = {"nvfp4": 16, "mxfp4": 32, "int4": 128}  # in_features must be a multiple of the format's block
-
-
 def unquantizable(summary: CheckpointSummary, targets: dict[str, tuple[str, Optional[str]]]) -> list[str]:
     """Gaps for tensors converted at load to a format whose block does not divide their width."""
     gaps = []
     for name, (target, _act) in targets.items():
         if name not in summary.shapes:  # a layer's fused expert name standing for its per-expert keys
             continue
-        block, shape = BLOCK.get(target), summary.shapes[name]
+        block, shape = block_size(target), summary.shapes[name]
         if block and summary.formats[name] != target and shape[-1] % block:
             gaps.append(f"{name} {list(shape)}: {target} needs in_features divisible by {block}, got {shape[-1]}; "
                         "this device cannot take this checkpoint (use device='cpu' or a checkpoint whose expert "
@@ -190,9 +158,6 @@ def unquantizable(summary: CheckpointSummary, targets: dict[str, tuple[str, Opti
     return gaps
 
 
-# Dense projections that ``quantize_dense=True`` converts like the routed experts (the router, the
-# embedding, norms and the BF16 expert layers stay as they are: small, or sensitive to rounding).
-DENSE_QUANTIZABLE = ("attention", "pooler/unpooler", "lm_head", "dense MLP")
 DenseGroups = Union[None, bool, str, Collection[str]]
 
 
@@ -213,15 +178,17 @@ def dense_groups(quantize_dense: DenseGroups, profile: Optional[DeviceProfile] =
 
 
 def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_label: str,
-                   quantize_dense: DenseGroups = None) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
+                   quantize_dense: DenseGroups = None, resident: Optional["Resident"] = None
+                   ) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
     """Per tensor the in-memory format and activation format; per group a summary row.
 
     Dense tensors take the model dtype (``dtype_label``); quantized tensors, and the routed experts
     of quantized layers whatever their checkpoint format, follow the device profile's conversion.
-    The dense groups ``quantize_dense`` names (:func:`dense_groups`) follow it too.
+    The dense groups ``quantize_dense`` names (:func:`dense_groups`) follow it too. Bytes are what
+    ``resident`` (the backend's layout) says, else the format's (``musecore_quant``).
     """
     converted_dense = dense_groups(quantize_dense, profile)
-    config, dtype_bytes = summary.config, DTYPE_BYTES[dtype_label]
+    config = summary.config
     targets: dict[str, tuple[str, Optional[str]]] = {}
     rows: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, ""])
     for name, src in summary.formats.items():
@@ -230,7 +197,7 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
             continue
         quantizable = quantizable or group in converted_dense
         numel = math.prod(summary.shapes[name])
-        if name.endswith(FP32_TENSORS):  # router, correction bias, residual gates: kept fp32 (transformers)
+        if is_fp32_tensor(name):  # router, correction bias, residual gates: kept fp32 (transformers)
             target, act, action, note = "fp32", None, ("keep" if src == "fp32" else f"cast {src}->fp32"), ""
         elif len(summary.shapes[name]) in (2, 3) and (src in QUANTIZED or quantizable):
             conv = profile.conversion(src if src in QUANTIZED else "bf16")
@@ -248,7 +215,7 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
         row = rows[(group, src, target, act, action)]
         row[0] += 1
         row[1] += numel
-        row[2] += format_bytes(target, numel, dtype_bytes)
+        row[2] += resident.bytes(name, target, summary.shapes[name]) if resident else weight_bytes(target, numel)
         row[3] = note
     for name in list(targets):  # per-expert keys: the layer's experts are prepared under their fused names
         per_expert = expert_key(name)
@@ -265,9 +232,10 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
 def needed_specs(targets: dict[str, tuple[str, Optional[str]]], kv_format: str, device: str) -> list[OpSpec]:
     linear, moe = set(), set()
     for name, (fmt, act) in targets.items():
-        if ".mlp.experts." in name and not name.endswith("post_expert_norm.weight"):
+        op = op_of_weight(name)
+        if op == "moe":
             moe.add((fmt, act))
-        elif name.endswith("_proj.weight") or name.startswith("lm_head"):
+        elif op == "linear":
             linear.add((fmt, act))
     specs = [OpSpec(op, device=device) for op in OPS if op not in ("linear", "moe", "attention")]
     specs.append(OpSpec("attention", kv_format=kv_format, device=device))
@@ -306,6 +274,69 @@ def choose(spec: OpSpec, backend: Any, backend_name: str, mode: str, allow_emula
     return OpChoice(spec.op, wf, af, "", Tier.NO.value, f"no allowed implementation ({hint})", candidates)
 
 
+# -- what the plan asks the backend besides supports(): it never makes the plan fail ------------------
+
+def _asking(backend: Backend, method: str, notes: list[str], default: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return getattr(backend, method)(*args, **kwargs)
+    except Exception as err:  # a plugin bug: a note naming the backend, never a failed plan
+        notes.append(f"backend {backend.name!r}: {method}() raised {type(err).__name__}: {err}")
+        return default
+
+
+class Resident:
+    """Bytes of a weight as the backend keeps it (:meth:`Backend.resident_bytes`), else its format's."""
+
+    def __init__(self, backend: Optional[Backend], notes: list[str]) -> None:
+        self.backend, self.notes = backend, notes
+
+    def bytes(self, name: str, fmt: str, shape: tuple[int, ...]) -> int:
+        if self.backend is not None and op_of_weight(name) in ("linear", "moe") and len(shape) in (2, 3):
+            got = _asking(self.backend, "resident_bytes", self.notes, None, fmt, shape[-2], shape[-1],
+                          experts=shape[0] if len(shape) == 3 else 0)
+            if got is not None:
+                return int(got)
+        return weight_bytes(fmt, math.prod(shape))
+
+
+def linear_shapes(config: MuseConfig, targets: dict[str, tuple[str, Optional[str]]]) -> list[LinearShape]:
+    """Every distinct linear the model runs, as :meth:`Backend.kernel_choices` is asked about it: q/k/v/o
+    and the attention gate, the pooler/unpooler, the routed experts (gate/up and down, with their
+    count and top-k), the dense MLP, lm_head; a block's input projections as the one stacked linear
+    the loader makes of them when their format allows (:func:`musecore.loader.fusable_format`)."""
+    found: dict[LinearShape, None] = {}
+    blocks: dict[tuple, list] = defaultdict(list)  # (layer, group) -> its fusable projections
+    for name, shape in checkpoint_shapes(config).items():
+        op = op_of_weight(name)
+        if op not in ("linear", "moe") or name not in targets:
+            continue
+        (fmt, act), group, proj = targets[name], weight_group(name, config)[0], projection_of(name)
+        if op == "moe":
+            label = "experts gate/up" if proj == "gate_up_proj" else "experts down"
+            found[LinearShape(label, shape[1], shape[2], fmt, act, shape[0], config.num_experts_per_tok)] = None
+        elif proj in fusable_projections(group):
+            blocks[(layer_of(name), group)].append((proj, shape, fmt, act))
+        else:
+            found[LinearShape(proj if group == proj else f"{group} {proj}", shape[0], shape[1], fmt, act)] = None
+    for (_layer, group), members in blocks.items():
+        formats = {(fmt, act) for _, _, fmt, act in members}
+        fmt, act = next(iter(formats))
+        if len(formats) == 1 and fusable_format(fmt):
+            label = f"{group} {'/'.join(p for p, *_ in members)} (fused)"
+            found[LinearShape(label, sum(s[0] for _, s, *_ in members), members[0][1][1], fmt, act)] = None
+        else:
+            for proj, shape, fmt, act in members:
+                found[LinearShape(f"{group} {proj}", shape[0], shape[1], fmt, act)] = None
+    return list(found)
+
+
+def env_notes(backend: Backend, notes: list[str]) -> None:
+    for env in _asking(backend, "env_settings", notes, []):
+        if env.value is not None:
+            notes.append(f"env {env.name}={env.value} in force ({backend.name} backend; default {env.default}): "
+                         f"{env.effect}")
+
+
 def host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -314,7 +345,7 @@ def host_memory_bytes() -> int:
 
 
 def kv_bytes(config: MuseConfig, context: int, kv_format: str) -> int:
-    per_token_layer = 2 * config.num_key_value_heads * config.head_dim * (1 if kv_format == "fp8" else 2)
+    per_token_layer = int(2 * config.num_key_value_heads * config.head_dim * bytes_per_value(kv_format))
     return sum(per_token_layer * (min(context, config.sliding_window) if t == "sliding_attention" else context)
                for t in config.layer_types)
 
@@ -340,17 +371,15 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     if not emulate and backend_name != REFERENCE:
         records = discover() if records is None else records
         record = records.get(backend_name)
-        if record is None:
-            hardware_gap = (f"backend {backend_name!r} for {device} is not installed (pip install musecore-{backend_name}); "
-                            f"to predict {device}'s numerics here, pass emulate=True")
-        elif not record.loaded:
-            hardware_gap = f"backend {backend_name!r} failed to load: {record.error}"
-        else:
-            backend = record.backend_class()  # constructing a backend touches no hardware
-            if not (record.probe and record.probe.available and device in record.probe.devices):
-                found = record.probe.reason if record.probe else "not probed"
-                hardware_gap = (f"no {device} here ({backend_name} backend: {found}); "
-                                f"pass emulate=True to run {device}'s numerics on the local reference kernels")
+        if record is not None and record.loaded:
+            try:
+                backend = record.backend_class()  # constructing a backend touches no hardware
+            except Exception as err:  # a plugin bug: its ops are gaps below, the plan itself still resolves
+                notes.append(f"backend {backend_name!r}: constructing it raised {type(err).__name__}: {err}")
+        hardware_gap = unavailable_reason(records, backend_name, device)
+        if hardware_gap is not None and (record is None or record.loaded):
+            hardware_gap += (f"; to predict {device}'s numerics here, pass emulate=True" if record is None else
+                             f"; pass emulate=True to run {device}'s numerics on the local reference kernels")
     if emulate:
         notes.append(f"emulating {device}: its weight conversions and activation quantization, bit for bit, "
                      "computed by the reference kernels on this machine")
@@ -360,7 +389,11 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
                if quantize_dense is None else "quantize_dense")
         notes.append(f"{', '.join(converted_dense)} projections follow the device's expert conversion: {why}; "
                      "see the groups below and the conversion report for the error")
-    groups, targets = resolve_groups(summary, profile, dtype_label, converted_dense)
+    if backend is not None:
+        env_notes(backend, notes)
+    groups, targets = resolve_groups(summary, profile, dtype_label, converted_dense, Resident(backend, notes))
+    kernels = ([] if backend is None else
+               _asking(backend, "kernel_choices", notes, [], linear_shapes(summary.config, targets), profile))
     towers = sum(1 for name in summary.formats if is_tower_tensor(name))
     if towers:
         notes.append(f"{towers} vision/audio tower tensors are in the checkpoint and skipped: musecore runs the text "
@@ -379,7 +412,7 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     device_memory = int(profile.memory_gib * 2**30) if profile.memory_gib else host_memory_bytes()
     plan = Plan(summary.name, device, profile, REFERENCE if emulate else backend_name, mode, summary.format,
                 groups, ops, memory, device_memory, kv_context, gaps, notes, targets,
-                summary.config.num_parameters(), summary.config.num_active_parameters())
+                summary.config.num_parameters(), summary.config.num_active_parameters(), list(kernels))
     if not plan.fits:
         plan.notes.append(f"does not fit: needs {memory / 2**30:.1f} GiB, one {device} has "
                           f"{device_memory / 2**30:.0f} GiB (90% usable): needs {plan.devices_needed} devices")

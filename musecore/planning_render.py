@@ -39,6 +39,14 @@ def render_text(plan, width: int = 140) -> str:
         weights = f"{o.weight_format}/{o.act_format or 'a16'}" if o.weight_format else ""
         ops.add_row(o.op, weights, o.implementation or "-", o.tier, o.reason)
     console.print(ops)
+    if plan.kernels:
+        kernels = Table(title=f"kernels ({plan.backend if plan.mode != 'emulated' else plan.profile.backend})",
+                        title_justify="left")
+        for col in ("decision", "choice", "reason", "env override"):
+            kernels.add_column(col)
+        for k in plan.kernels:
+            kernels.add_row(k.what, k.choice, k.reason, k.env or "-")
+        console.print(kernels)
     verdict = "fits" if plan.fits else f"does NOT fit: needs {plan.devices_needed} x {plan.device}"
     console.print(f"memory: {gib(plan.memory_bytes)} (weights + KV cache for {plan.kv_context} tokens) of "
                   f"{gib(plan.device_memory_bytes)} on one {plan.device}: {verdict}")

@@ -2,7 +2,8 @@
 
 MODEL.md section 3: only the routed experts of the sparse layers other than the first and the last
 are quantized (fused ``experts.gate_up_proj`` / ``down_proj`` or per-expert keys); everything else
-stays as it is. The rule itself lives once, in ``musecore_quant.muse_rule``.
+stays as it is. The rule itself lives once, in ``musecore_quant.muse_rule``, reached through
+:func:`musecore.names.quantized_expert_patterns`.
 
 Example::
 
@@ -16,12 +17,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from musecore.config import MuseConfig
-
-
-def quantized_expert_patterns(config: MuseConfig) -> list[str]:
-    """Regexes selecting the expert tensors MODEL.md quantizes: layers 1..L-2 (dense layers have none)."""
-    from musecore_quant import muse_rule
-    return muse_rule(config.num_hidden_layers)
+from musecore.names import quantized_expert_patterns
 
 
 def convert_muse_checkpoint(src: Union[str, Path], dst: Union[str, Path], to: str, method: str = "rtn",

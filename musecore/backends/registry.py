@@ -103,6 +103,33 @@ def discover(probe: bool = True) -> dict[str, PluginRecord]:
     return records
 
 
+def unavailable_reason(records: dict[str, PluginRecord], backend: str, device: Optional[str] = None) -> Optional[str]:
+    """None when backend ``backend`` is installed, loaded, available here and (when ``device`` is given)
+    serving that catalog device; else why not, in one line. The one availability check: ``load``,
+    ``plan``, ``resolve_device`` and the matrix all ask it."""
+    record = records.get(backend)
+    if record is None:
+        return f"backend {backend!r} is not installed (pip install musecore-{backend})"
+    if not record.loaded:
+        return f"backend {backend!r} failed to load: {record.error}"
+    found = record.probe.reason if record.probe else "not probed"
+    if not (record.probe and record.probe.available):
+        return f"no {device or backend + ' hardware'} here ({backend} backend: {found})"
+    if device is not None and device not in record.probe.devices:
+        return f"no {device} here ({backend} backend: {found})"
+    return None
+
+
+def best_device(records: dict[str, PluginRecord]) -> str:
+    """The catalog device ``device="auto"`` means: the first device of the highest-scoring available
+    backend (the reference backend, always available, serves ``cpu``)."""
+    ready = [r for r in records.values() if unavailable_reason(records, r.name) is None and r.probe.devices]
+    if not ready:
+        raise BackendError("no backend is available here, not even the reference backend; reinstall musecore "
+                           f"(installed: {sorted(records) or 'none'})")
+    return max(ready, key=lambda r: r.probe.score).probe.devices[0]
+
+
 def get_backend_class(name: str, records: Optional[dict[str, PluginRecord]] = None) -> type:
     """The class of backend ``name``, or a :class:`BackendError` with the recorded cause."""
     records = discover(probe=False) if records is None else records

@@ -62,6 +62,7 @@ from .fp4 import pack_nibbles, unpack_nibbles
 
 INT4_SYMMETRIC_ZERO = 8
 INT4_MAX_CODE = 15
+DEFAULT_GROUP_SIZE = 128            # AutoRound's export (auto_round:auto_gptq, group 128)
 Q_SCALE_THRESHOLD = 1e-5            # AutoRound's floor on |scale|
 AWQ_NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _LABEL = "INT4"
@@ -76,7 +77,7 @@ def _resolve_group_size(group_size: int, in_features: int) -> int:
     return group_size
 
 
-def int4_quantize(w: torch.Tensor, group_size: int = 128, sym: bool = True) -> QTensor:
+def int4_quantize(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, sym: bool = True) -> QTensor:
     """Round-to-nearest INT4 of ``w`` ``[..., out, in]`` with one fp16 scale per ``group_size`` inputs.
 
     ``sym=True`` is AutoRound's full-range symmetric grid (zero 8, scales may be negative);
