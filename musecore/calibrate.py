@@ -1,4 +1,5 @@
-"""Calibration on the Muse graph: what the router sends each expert, and AutoRound INT4 from it.
+"""Calibration on the Muse graph: what the router sends each expert, AutoRound INT4 from it, and
+the static activation scales of W4A4 (NVFP4) checkpoints.
 
 ``musecore_quant.convert(..., method="autoround")`` tunes weights on activations, which needs the
 model graph; ``musecore_quant`` knows no graph (DESIGN.md), so it takes a
@@ -9,13 +10,13 @@ An expert only ever sees the pooled latents ``z`` (``pre_expert_norm(pre_expert_
 shared post-expert norm and is weighted by its routing weight (MODEL.md section 1). So that is
 what each expert is calibrated on:
 
-1. :class:`LayerwiseRun` runs ``MuseModel.forward`` one decoder layer at a time through the
-   model's own modules and ops (a test checks it gives ``model.forward``'s logits, bit for bit on
-   the same batch), so calibration can act between layers and later layers see earlier layers'
-   (quantized) outputs.
-2. At each sparse (MoE) layer the ``moe`` op is observed (:func:`observing_ops`, on a shallow copy of the layer's
-   MoE; the model is not modified): the ``z``, routing weights and expert ids that ``MoE.__call__``
-   computed are recorded, and each expert keeps at most ``max_tokens`` of its routed rows
+1. :class:`LayerwiseRun` runs ``MuseModel.forward``'s own stages (``embed``, then per layer
+   ``attention_sublayer`` and ``feedforward_sublayer``, then ``logits``) one decoder layer at a time
+   (a test checks it gives ``model.forward``'s logits, bit for bit on the same batch), so calibration
+   can act between layers and later layers see earlier layers' (quantized) outputs.
+2. At each sparse (MoE) layer the routing is observed through the model's ``observer`` argument
+   (:data:`musecore.model.MoEObserver`; the model is not modified): the ``z``, routing weights and
+   expert ids that ``MoE.__call__`` computed are recorded, and each expert keeps at most ``max_tokens`` of its routed rows
    (:func:`routed_inputs`, a seeded random subset when it got more; up to as many of the rows left
    out measure the tuned expert off its tuning set, in the report).
 3. :class:`AutoRoundQuantizer` tunes each routed expert of the quantized layers (the sparse layers
@@ -28,6 +29,15 @@ The quantizer answers for the names ``convert`` hands it: transformers' fused
 ``experts.gate_up_proj [E, 2I, h]`` / ``experts.down_proj [E, h, I]`` (a stacked INT4 QTensor; the
 AutoRound writer stores it as per-expert keys, as auto-round exports) or producers' per-expert
 ``experts.{e}.{gate,up,down}_proj.weight``.
+
+W4A4 checkpoints also need activation ranges: a real NVFP4 checkpoint carries, beside each expert
+weight, an ``input_scale`` (the activation global scale, ``amax / (6*448)``) that ModelOpt
+calibrates on sample text before export; Blackwell's W4A4 kernels scale the activations' E4M3 block
+scales under it. ``musecore_quant.convert`` quantizes weights alone, so
+:func:`calibrate_expert_inputs` runs ``MuseModel.forward`` with an observer that records each
+expert's input amax (the pooled latent ``z`` for gate/up, ``silu(gate) * up`` for down) and keeps a
+sample of those activations (:func:`activation_sqnr_db` states what activation quantization
+costs); :func:`write_with_input_scales` writes them into a converted checkpoint.
 
 Example::
 
@@ -51,109 +61,69 @@ Command line (``musecore-quant convert --method autoround`` has no way to receiv
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import hashlib
 import json
-import re
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from musecore_quant import QTensor, concat_qtensors, dequantize, stack_qtensors
 
 from musecore.autoround import (PROJECTIONS, AutoRoundOptions, ExpertTuner, auto_round_version, relative_gain,
                                 rtn_expert)
-from musecore.model import PREFIX, MuseModel
-from musecore.ops import OPS, Ops
+from musecore.model import MoEObserver, MuseModel
+from musecore.names import expert_patterns, expert_weight, quantized_expert_layers
 
-# A routed expert weight: per expert (``experts.3.up_proj.weight``) or fused (``experts.gate_up_proj``).
-EXPERT_WEIGHT = re.compile(rf"{re.escape(PREFIX)}layers\.(?P<layer>\d+)\.mlp\.experts\."
-                           r"(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
-                           r"|(?P<fused>gate_up_proj|down_proj))")
 REPORT_FILE = "calibration_report.json"
-
-MoEObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Running the graph one layer at a time, observing the router
 
 
-def observing_ops(ops: Ops, observer: MoEObserver) -> Ops:
-    """A copy of ``ops`` whose ``moe`` first hands ``(z, weights, ids)`` to ``observer``."""
-    table = {op: getattr(ops, op) for op in OPS}
-    inner = table["moe"]
-
-    def moe(z, weights, ids, experts, *args, **kwargs):
-        observer(z, weights, ids)
-        return inner(z, weights, ids, experts, *args, **kwargs)
-
-    table["moe"] = moe
-    return Ops(table, {**ops.sources, "moe": f"observed({ops.sources.get('moe', 'moe')})"})
-
-
 class LayerwiseRun:
-    """``MuseModel.forward`` (no KV cache) cut at every decoder layer, over calibration ids ``[B, T]``.
+    """``MuseModel.forward`` (no KV cache) cut at every decoder layer, over calibration ids ``[B, T]``:
+    the model's own stages, run chunk by chunk (``batch_size`` sequences at a time).
 
     Per layer: ``attention(i)`` gives ``(h, m)`` per chunk (the residual after attention and the
-    feed-forward input), ``feedforward(i, hm, mlp)`` runs the feed-forward sublayer (the MoE of a
-    sparse layer, the dense MLP otherwise; with ``mlp``, e.g. a copy with quantized experts or
-    observed ops) and advances the residual stream. ``logits()`` after the last layer equals
+    feed-forward input), ``feedforward(i, hm)`` runs the feed-forward sublayer (the MoE of a sparse
+    layer, the dense MLP otherwise; ``experts`` stands in for the layer's own, ``observer`` sees the
+    routing) and advances the residual stream. ``logits()`` after the last layer equals
     ``model.forward(ids)``.
     """
 
     def __init__(self, model: MuseModel, ids: torch.Tensor, batch_size: int = 8) -> None:
         if ids.dim() != 2 or ids.dtype != torch.long:
             raise ValueError(f"calibration ids must be a LongTensor [B, T]; got {ids.dtype} {list(ids.shape)}")
-        cfg, ops = model.config, model.ops
-        self.model, self.ops, self.eps, self.post_eps = model, ops, cfg.rms_norm_eps, cfg.post_norm_eps
-        # multimodal placeholders embed as token 0, as in forward (no features are spliced here)
-        self.chunks = [c.to(model.device).masked_fill(torch.isin(c.to(model.device), model.multimodal_ids), 0)
-                       for c in ids.split(batch_size)]
-        self.positions = [torch.arange(c.shape[1], device=model.device)[None, :].expand(c.shape) for c in self.chunks]
-        self.rope = [model.rope(p) for p in self.positions]  # NoPE layers ignore it
-        embedded = [ops.embedding(c, model.embed_tokens).to(model.dtype) for c in self.chunks]    # [b,T,H]
-        self.x = [ops.rms_norm(x, None, self.eps) for x in embedded]  # the embedding's weightless norm
-        self.a = [ops.rms_norm(x, model.layers[0].input_layernorm, self.eps) for x in self.x]
+        self.model = model
+        self.streams = [model.embed(chunk) for chunk in ids.split(batch_size)]  # (x, a, positions, rope) each
         self.next_layer = 0
 
     def attention(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(h, m) per chunk: the residual after attention and the feed-forward input of layer ``i``."""
         if i != self.next_layer:
             raise RuntimeError(f"layers run in order: expected layer {self.next_layer}, got {i}")
-        layer = self.model.layers[i]
-        gate = layer.post_attention_residual_gate  # weightless post-attention norm, then the gated residual
-        out = []
-        for a, x, positions, rope in zip(self.a, self.x, self.positions, self.rope):
-            attn_out = layer.self_attn(a, positions, rope, None)
-            out.append(self.ops.residual_norm(x, attn_out, None, gate.alpha, gate.beta,
-                                              layer.pre_feedforward_layernorm, self.post_eps, self.eps))
-        return out
+        return [self.model.attention_sublayer(i, x, a, positions, rope) for x, a, positions, rope in self.streams]
 
-    def feedforward(self, i: int, hm: list[tuple[torch.Tensor, torch.Tensor]], mlp: Any = None, *,
-                    advance: bool = True) -> None:
-        """The feed-forward sublayer of layer ``i`` on ``hm`` (from :meth:`attention`) with ``mlp``
-        (default the layer's own); ``advance=False`` only runs it (e.g. to observe the router)."""
-        layer, model = self.model.layers[i], self.model
-        mlp = layer.mlp if mlp is None else mlp
-        gate = layer.post_feedforward_residual_gate
-        next_norm = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
-        results = [self.ops.residual_norm(h, mlp(m), layer.post_feedforward_layernorm, gate.alpha, gate.beta,
-                                          next_norm, self.post_eps, self.eps) for h, m in hm]
+    def feedforward(self, i: int, hm: list[tuple[torch.Tensor, torch.Tensor]], *, experts: Any = None,
+                    observer: Optional[MoEObserver] = None, advance: bool = True) -> None:
+        """The feed-forward sublayer of layer ``i`` on ``hm`` (from :meth:`attention`); ``advance=False``
+        only runs it (e.g. to observe the router)."""
+        results = [self.model.feedforward_sublayer(i, h, m, observer=observer, experts=experts) for h, m in hm]
         if advance:
-            self.x, self.a = [r[0] for r in results], [r[1] for r in results]
+            self.streams = [(x, a, positions, rope) for (x, a), (_, _, positions, rope) in zip(results, self.streams)]
             self.next_layer = i + 1
 
     def logits(self) -> torch.Tensor:
         if self.next_layer != len(self.model.layers):
             raise RuntimeError(f"logits() needs every layer run; {self.next_layer} of {len(self.model.layers)} done")
-        cfg = self.model.config
-        return torch.cat([self.ops.logit_softcap(self.ops.linear(a, self.model.lm_head), cfg.output_multiplier,
-                                                 cfg.final_logit_softcapping) for a in self.a])
+        return torch.cat([self.model.logits(a) for _, a, _, _ in self.streams])
 
 
 @dataclass
@@ -176,7 +146,7 @@ class RouterRecord:
     ids: torch.Tensor = None      # [N, k]
     parts: list = field(default_factory=list)
 
-    def __call__(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    def __call__(self, layer: int, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
         self.parts.append((z.detach().float().cpu(), weights.detach().float().cpu(), ids.detach().cpu()))
 
     def finish(self) -> "RouterRecord":
@@ -187,11 +157,8 @@ class RouterRecord:
 
 def record_routing(run: LayerwiseRun, i: int, hm: list) -> RouterRecord:
     """The router's choices and the pooled latents of layer ``i`` for every calibration token."""
-    mlp = run.model.layers[i].mlp
     record = RouterRecord()
-    observed = copy.copy(mlp)  # shallow: same weights, its own ops table
-    observed.ops = observing_ops(mlp.ops, record)
-    run.feedforward(i, hm, observed, advance=False)
+    run.feedforward(i, hm, observer=record, advance=False)
     return record.finish()
 
 
@@ -318,8 +285,7 @@ class AutoRoundQuantizer:
                  sequences_per_pass: int = 8, progress: bool = False) -> None:
         cfg = model.config
         self.model, self.options = model, options
-        self.layers = ([i for i in cfg.sparse_layers if i not in cfg.bf16_expert_layers] if layers is None
-                       else _sparse(cfg, layers))
+        self.layers = quantized_expert_layers(cfg) if layers is None else _sparse(cfg, layers)
         for i in self.layers:
             _dense_experts(model, i)
         started = time.perf_counter()
@@ -336,8 +302,8 @@ class AutoRoundQuantizer:
                 continue
             record = record_routing(run, i, hm)
             self.results[i] = self._quantize_layer(i, record, tuner, progress)
-            run.feedforward(i, hm, _with_experts(model.layers[i].mlp, self.results[i]) if propagate_quantized
-                            else None)
+            run.feedforward(i, hm, experts=quantized_experts(model.layers[i].mlp.experts, self.results[i])
+                            if propagate_quantized else None)
         self.report.seconds = time.perf_counter() - started
         digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
         # convert()'s resume key reads __qualname__: make it name this calibration, not just the class.
@@ -375,29 +341,27 @@ class AutoRoundQuantizer:
     def include_patterns(self) -> list[str]:
         """``include`` regexes for ``convert`` that select exactly the weights this quantizer tuned
         (fused or per-expert names)."""
-        layers = "|".join(str(i) for i in self.layers)
-        return [rf"{re.escape(PREFIX)}layers\.({layers})\.mlp\.experts\."
-                r"(gate_up_proj|down_proj|\d+\.(gate|up|down)_proj\.weight)$"]
+        return expert_patterns(self.layers)
 
     def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
-        match = EXPERT_WEIGHT.fullmatch(name)
+        match = expert_weight(name)
         if match is None:
             raise ValueError(f"{name!r} is not a routed expert projection; the AutoRound quantizer tunes only those. "
                              f"Restrict include to {self.include_patterns()}")
-        layer = int(match["layer"])
+        layer = match.layer
         per_expert = self.results.get(layer)
         if per_expert is None:
             raise ValueError(f"{name!r}: layer {layer} was not calibrated (layers {self.layers}); pass "
                              f"layers=... to autoround_quantizer or restrict include to {self.include_patterns()}")
         experts = self.model.layers[layer].mlp.experts
-        if match["fused"] == "gate_up_proj":  # [E, 2I, h]: each expert's gate rows, then its up rows
+        if match.proj == "gate_up_proj":  # [E, 2I, h]: each expert's gate rows, then its up rows
             qt = stack_qtensors([concat_qtensors([q["gate_proj"], q["up_proj"]]) for q in per_expert])
             tuned = torch.cat([experts.gate, experts.up], dim=1).float()
-        elif match["fused"] == "down_proj":   # [E, h, I]
+        elif match.fused:                      # down_proj [E, h, I]
             qt = stack_qtensors([q["down_proj"] for q in per_expert])
             tuned = experts.down.float()
         else:
-            expert, proj = int(match["expert"]), match["proj"]
+            expert, proj = match.expert, match.proj
             if expert >= len(per_expert):
                 raise ValueError(f"{name!r} names expert {expert}; layer {layer} has {len(per_expert)} experts")
             qt = per_expert[expert][proj]
@@ -419,14 +383,12 @@ def _dense_experts(model: MuseModel, layer: int) -> Any:
     return experts
 
 
-def _with_experts(mlp: Any, quantized: list[dict]) -> Any:
-    """A shallow copy of ``mlp`` whose experts hold the dequantized INT4 weights (the model is untouched)."""
-    dtype = mlp.experts.gate.dtype
+def quantized_experts(experts: Any, quantized: list[dict]) -> Any:
+    """``experts`` (a layer's dense reference experts) holding the dequantized INT4 weights instead, for
+    ``MuseModel.feedforward_sublayer(..., experts=)`` (the model is untouched)."""
+    dtype = experts.gate.dtype
     stacked = {p: torch.stack([dequantize(q[p], torch.float32) for q in quantized]).to(dtype) for p in PROJECTIONS}
-    out = copy.copy(mlp)
-    out.experts = dataclasses.replace(mlp.experts, gate=stacked["gate_proj"], up=stacked["up_proj"],
-                                      down=stacked["down_proj"])
-    return out
+    return dataclasses.replace(experts, gate=stacked["gate_proj"], up=stacked["up_proj"], down=stacked["down_proj"])
 
 
 def autoround_quantizer(model: MuseModel, calibration_ids: torch.Tensor, *, layers: Optional[Sequence[int]] = None,
@@ -443,6 +405,114 @@ def autoround_quantizer(model: MuseModel, calibration_ids: torch.Tensor, *, laye
                                batch_size=batch_size, group_size=group_size, sym=sym, lr=lr, seed=seed, verbose=verbose)
     return AutoRoundQuantizer(model, calibration_ids, layers=layers, options=options,
                               propagate_quantized=propagate_quantized, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Static activation scales for W4A4 (NVFP4) checkpoints
+
+
+class ActivationStats:
+    """Per (layer, expert): amax of the gate/up input and of the down input; a sample of each."""
+
+    def __init__(self, sample_rows: int = 256) -> None:
+        self.gate_up_amax: dict[tuple[int, int], float] = defaultdict(float)
+        self.down_amax: dict[tuple[int, int], float] = defaultdict(float)
+        self.samples: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = defaultdict(list)  # (expert, z, h)
+        self.sample_rows = sample_rows
+
+    def record(self, layer: int, expert: int, z: torch.Tensor, h: torch.Tensor) -> None:
+        key = (layer, expert)
+        self.gate_up_amax[key] = max(self.gate_up_amax[key], float(z.abs().max()))
+        self.down_amax[key] = max(self.down_amax[key], float(h.abs().max()))
+        held = sum(s[1].shape[0] for s in self.samples[layer])
+        if held < self.sample_rows:
+            keep = self.sample_rows - held
+            self.samples[layer].append((expert, z[:keep].clone(), h[:keep].clone()))
+
+    def amax(self, layer: int, expert: int, projection: str) -> float:
+        """The expert's calibrated amax; an expert no calibration token reached takes its layer's largest."""
+        table = self.down_amax if projection == "down_proj" else self.gate_up_amax
+        if (layer, expert) in table:
+            return table[(layer, expert)]
+        layer_values = [v for (lyr, _), v in table.items() if lyr == layer]
+        if not layer_values:
+            raise ValueError(f"no calibration token reached any expert of layer {layer}; calibrate on more text")
+        return max(layer_values)
+
+
+def calibrate_expert_inputs(model: MuseModel, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                            sample_rows: int = 256) -> ActivationStats:
+    """Run ``model.forward`` (a loaded BF16 :class:`~musecore.model.MuseModel`) on ``batches`` with an
+    observer that records every routed expert's input ranges: ``z`` (gate/up) and ``silu(gate) * up`` (down)."""
+    stats = ActivationStats(sample_rows)
+
+    def observe(layer: int, z: torch.Tensor, _weights: torch.Tensor, ids: torch.Tensor) -> None:
+        experts, zf = model.layers[layer].mlp.experts, z.float()
+        for e in ids.unique().tolist():
+            ze = zf[(ids == e).any(-1)]
+            h = F.silu(ze @ experts.gate[e].float().T) * (ze @ experts.up[e].float().T)
+            stats.record(layer, e, ze, h)
+
+    with torch.inference_mode():
+        for inputs, _ in batches:
+            model.forward(inputs, observer=observe)
+    return stats
+
+
+_NOT_COPIED = {"config.json", "hf_quant_config.json", "model.safetensors.index.json"}
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth"}
+
+
+def write_with_input_scales(src: Union[str, Path], dst: Union[str, Path], stats: ActivationStats) -> int:
+    """Copy the NVFP4 checkpoint ``src`` to ``dst`` with each quantized expert projection's static
+    ``input_scale`` (ModelOpt: ``amax / (6*448)``) from ``stats``; returns how many were set.
+
+    The writer is musecore_quant's (atomic, sha256 per shard); other files are copied as they are.
+    """
+    from musecore_quant.checkpoint import CheckpointWriter, open_checkpoint
+    from musecore_quant.formats.nvfp4 import nvfp4_input_scale
+
+    src, dst = Path(src), Path(dst)
+    reader = open_checkpoint(src)
+    count = 0
+    with reader, CheckpointWriter(dst, config=reader.config, format="nvfp4") as writer:
+        for _, weights in reader.iter_shards():
+            for name, value in weights.items():
+                key = expert_weight(name)
+                if key is not None and not key.fused and isinstance(value, QTensor) and value.format == "nvfp4":
+                    amax = stats.amax(key.layer, key.expert, key.proj)
+                    value = dataclasses.replace(value, input_scale=nvfp4_input_scale(
+                        max(amax, torch.finfo(torch.float32).tiny)))
+                    count += 1
+                writer.add(name, value)
+        for path in sorted(src.iterdir()):
+            if (path.is_file() and not path.name.startswith(".") and path.name not in _NOT_COPIED
+                    and path.suffix not in _WEIGHT_SUFFIXES):
+                writer.add_file(path)
+    if not count:
+        raise ValueError(f"{src} holds no NVFP4 expert projections to give an input_scale; convert the experts "
+                         "to nvfp4 first")
+    return count
+
+
+def activation_sqnr_db(stats: ActivationStats, act_format: str, layers: Optional[list[int]] = None) -> Optional[float]:
+    """SQNR (dB) of fake-quantizing the sampled expert inputs to ``act_format`` (with the calibrated
+    static scale for NVFP4, dynamic block scales for MXFP4), over the given layers' samples."""
+    from musecore_quant import fake_quantize_activation, quant_error
+    from musecore_quant.formats.nvfp4 import nvfp4_input_scale
+
+    refs, approx = [], []
+    for layer, samples in stats.samples.items():
+        if layers is not None and layer not in layers:
+            continue
+        for expert, z, h in samples:
+            for x, projection in ((z, "gate_proj"), (h, "down_proj")):
+                scale = nvfp4_input_scale(stats.amax(layer, expert, projection)) if act_format == "nvfp4" else None
+                refs.append(x.reshape(-1))
+                approx.append(fake_quantize_activation(x, act_format, input_scale=scale).reshape(-1))
+    if not refs:
+        return None
+    return quant_error(torch.cat(refs), torch.cat(approx)).sqnr_db
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ the device's own weight conversion and activation quantization, bit for bit, on 
 kernels) and, where the device's backend is here, natively as well. Every row is judged on the
 same held-out token windows against the BF16 reference: perplexity and its change, mean
 KL(BF16 || row), top-1 agreement and the largest logit error. ``musecore matrix`` prints it and
-writes the Markdown table and PNG heatmap (``docs/accuracy-matrix.md``).
+writes the Markdown table and PNG heatmap (``docs/accuracy-matrix.md``). Everything it reads
+besides the checkpoint is package data (``musecore/data/eval``), so it runs from an installed wheel.
 
 Example::
 
@@ -24,16 +25,21 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+from musecore_quant.formats.facts import producer_options
 
+from musecore.backends.registry import unavailable_reason
 from musecore.devices import CATALOG
-from musecore.quantize import quantized_expert_patterns
+from musecore.evaluate import AccuracyMeter, batched_logits, eval_batches, evaluate
+from musecore.names import (EXPERT_PROJECTIONS, experts_prefix, fused_expert_name, per_expert_name,
+                            quantized_expert_layers, quantized_expert_patterns)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EVAL_TEXT = REPO_ROOT / "tests" / "data" / "stdlib_heldout_slice.jsonl"
+# Held-out text shipped as package data: three library modules the bundled model never saw in training.
+DEFAULT_EVAL_TEXT = Path(str(files("musecore") / "data" / "eval" / "stdlib_heldout_slice.jsonl"))
 DEFAULT_CACHE = Path(os.environ.get("MUSECORE_CACHE", Path.home() / ".cache" / "musecore")) / "matrix"
 RECIPE_VERSION = 2  # bump when a recipe changes, so cached checkpoints are rebuilt
 JSON_KEYS = ("device", "format", "mode", "perplexity", "delta_perplexity_pct", "kl", "top1_agreement",
@@ -153,7 +159,6 @@ class CheckpointCache:
 
     def __init__(self, source: Path, config: Any, root: Path, calibration: torch.Tensor, seq_len: int,
                  progress: bool, autoround_iters: int = 200) -> None:
-        from musecore.testing.accuracy import eval_batches
         self.source, self.config, self.progress = source, config, progress
         self.calibration_stream, self.seq_len, self.autoround_iters = calibration, seq_len, autoround_iters
         self.calibration = eval_batches(calibration, seq_len)
@@ -182,7 +187,7 @@ class CheckpointCache:
     def calibration_stats(self) -> Any:
         if self.stats is None:
             import musecore
-            from musecore.testing.calibration import calibrate_expert_inputs
+            from musecore.calibrate import calibrate_expert_inputs
             bf16 = musecore.load(self.source, device="cpu", progress=False)
             self.stats = calibrate_expert_inputs(bf16, self.calibration)
         return self.stats
@@ -194,12 +199,12 @@ class CheckpointCache:
         if recipe == "mxfp4":
             return self._convert("mxfp4", "mxfp4")
         if recipe == "int4-rtn":
-            return self._convert("int4-rtn", "int4", quantize_options={"group_size": 128, "sym": True})
+            return self._convert("int4-rtn", "int4", quantize_options=producer_options("int4"))
         if recipe == "nvfp4":
             rtn = self._convert("nvfp4-weights", "nvfp4")
             dst = self.root / "nvfp4"
             if not (dst / "config.json").is_file():
-                from musecore.testing.calibration import write_with_input_scales
+                from musecore.calibrate import write_with_input_scales
                 write_with_input_scales(rtn, dst, self.calibration_stats())
             self.info["nvfp4"] = {**self.info["nvfp4-weights"], "folder": str(dst),
                                   "how": self.info["nvfp4-weights"]["how"] + " + static activation scales "
@@ -262,7 +267,8 @@ def calibration_tokens(vocab_size: int, folder: Path, tokens: int = 2048, seed: 
     if (folder / "tokenizer.json").is_file():
         from musecore.tokenizer import load_tokenizer
         tok = load_tokenizer(folder)
-        text = "\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO_ROOT / "musecore").glob("*.py")))
+        modules = sorted((p for p in files("musecore").iterdir() if p.name.endswith(".py")), key=lambda p: p.name)
+        text = "\n".join(p.read_text(encoding="utf-8") for p in modules)
         ids = tok.encode(text, add_special_tokens=False)[:tokens]
         if len(ids) >= tokens // 2:
             return torch.tensor(ids)
@@ -287,15 +293,7 @@ def select_rows(selectors: Optional[Sequence[str]] = None) -> list[RowSpec]:
 
 def native_backend_here(device: str, records: dict) -> Optional[str]:
     """The reason a native row is impossible, or None when the device's backend serves it here."""
-    backend = CATALOG[device].backend
-    record = records.get(backend)
-    if record is None:
-        return f"backend {backend!r} is not installed"
-    if not record.loaded:
-        return f"backend {backend!r} failed to load: {record.error}"
-    if not (record.probe and record.probe.available and device in record.probe.devices):
-        return f"no {device} here ({backend}: {record.probe.reason if record.probe else 'not probed'})"
-    return None
+    return unavailable_reason(records, CATALOG[device].backend, device)
 
 
 def expert_weight_sqnr(model: Any, source: Path) -> Optional[float]:
@@ -306,17 +304,17 @@ def expert_weight_sqnr(model: Any, source: Path) -> Optional[float]:
     signal = noise = 0.0
     with open_checkpoint(source) as reader:
         names = set(reader.weight_names())
-        for i in config.sparse_layers:
-            if i in config.bf16_expert_layers:
-                continue
-            experts, prefix = model.layers[i].mlp.experts, f"model.language_model.layers.{i}.mlp.experts"
-            if f"{prefix}.gate_up_proj" in names:  # transformers' fused layout
-                gate_up = reader.read(f"{prefix}.gate_up_proj").double()
+        for i in quantized_expert_layers(config):
+            experts, prefix = model.layers[i].mlp.experts, experts_prefix(i)
+            gate_up_name, down_name = fused_expert_name(prefix, "gate"), fused_expert_name(prefix, "down")
+            if gate_up_name in names:  # transformers' fused layout
+                gate_up = reader.read(gate_up_name).double()
                 half = gate_up.shape[1] // 2
-                refs = {"gate": gate_up[:, :half], "up": gate_up[:, half:], "down": reader.read(f"{prefix}.down_proj")}
+                refs = {"gate": gate_up[:, :half], "up": gate_up[:, half:], "down": reader.read(down_name)}
             else:  # a producer's per-expert keys
-                refs = {proj: torch.stack([reader.read(f"{prefix}.{e}.{proj}_proj.weight")
-                                           for e in range(config.num_local_experts)]) for proj in ("gate", "up", "down")}
+                refs = {proj.removesuffix("_proj"): torch.stack([reader.read(per_expert_name(prefix, e, proj))
+                                                                 for e in range(config.num_local_experts)])
+                        for proj in EXPERT_PROJECTIONS}
             for proj, stack in (("gate", experts.gate), ("up", experts.up), ("down", experts.down)):
                 if not isinstance(stack, torch.Tensor):
                     return None
@@ -326,14 +324,6 @@ def expert_weight_sqnr(model: Any, source: Path) -> Optional[float]:
     if noise == 0.0:
         return math.inf
     return 10 * math.log10(signal / noise)
-
-
-def evaluate(model: Any, batches: list, baseline: Optional[list]) -> Any:
-    from musecore.testing.accuracy import AccuracyMeter, batched_logits
-    meter = AccuracyMeter()
-    for i, ((_, targets), logits) in enumerate(zip(batches, batched_logits(model, batches))):
-        meter.update(targets, logits, None if baseline is None else baseline[i])
-    return meter.result()
 
 
 def _row(spec: RowSpec, mode: str, status: str = "ok", note: str = "") -> MatrixRow:
@@ -367,9 +357,9 @@ def measure_row(spec: RowSpec, mode: str, cache: CheckpointCache, batches: list,
         row.weight_sqnr_db = expert_weight_sqnr(model, cache.source)
     act = model.plan.profile.conversion(model.plan.checkpoint_format).act_format
     if act in ("nvfp4", "mxfp4") and mode == "emulated":
-        from musecore.testing.calibration import activation_sqnr_db
-        quantized = [i for i in range(model.config.num_hidden_layers) if i not in model.config.bf16_expert_layers]
-        row.activation_sqnr_db = activation_sqnr_db(cache.calibration_stats(), act, quantized)
+        from musecore.calibrate import activation_sqnr_db
+        row.activation_sqnr_db = activation_sqnr_db(cache.calibration_stats(), act,
+                                                    quantized_expert_layers(model.config))
     row.seconds = time.perf_counter() - started
     return row
 
@@ -382,10 +372,9 @@ def op_conformance(sizes: Sequence[str], records: dict, progress: bool = False
     from musecore.testing import run_conformance
     results, skipped = {}, {}
     for name, record in sorted(records.items()):
-        if not record.loaded:
-            skipped[name] = f"failed to load: {record.error}"
-        elif not (record.probe and record.probe.available):
-            skipped[name] = f"not available here: {record.probe.reason if record.probe else 'not probed'}"
+        why = unavailable_reason(records, name)
+        if why is not None:
+            skipped[name] = why
         else:
             results[name] = run_conformance(record.backend_class(), sizes=sizes, progress=progress)
     return results, skipped
@@ -407,7 +396,6 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
     import musecore
     from musecore.api import resolve_model, summarize
     from musecore.backends.registry import discover
-    from musecore.testing.accuracy import AccuracyMeter, batched_logits, eval_batches
 
     say = log or (lambda msg: None)
     started = time.perf_counter()

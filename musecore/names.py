@@ -73,6 +73,16 @@ def layer_of(name: str) -> Optional[int]:
     return int(m[1]) if m else None
 
 
+def experts_prefix(layer: int) -> str:
+    """The name prefix of layer ``layer``'s routed experts (``...layers.3.mlp.experts``)."""
+    return f"{PREFIX}layers.{layer}.mlp.experts"
+
+
+def per_expert_name(prefix: str, expert: int, proj: str) -> str:
+    """A producer's per-expert key: ``{prefix}.{expert}.{proj}.weight`` (``proj``: ``gate_proj``...)."""
+    return f"{prefix}.{expert}.{proj}.weight"
+
+
 def expert_key(name: str) -> Optional[tuple[str, int, str]]:
     """``(experts prefix, expert, "gate"|"up"|"down")`` for a producer's per-expert key (ModelOpt, Quark
     and AutoRound unfuse experts on export; the name rule is musecore_quant's), else None."""

@@ -19,7 +19,7 @@ What is in and out (see training/README.md):
 
 Writes ``<out>/train.jsonl`` and ``<out>/heldout.jsonl`` (one ``{"path", "sha256", "text"}`` per
 line, sorted by path), the committed manifest ``training/corpus_manifest.tsv``, and the committed
-held-out slice ``tests/data/stdlib_heldout_slice.jsonl`` (three held-out modules, for CI).
+held-out slice ``musecore/data/eval/stdlib_heldout_slice.jsonl`` (three held-out modules, for CI).
 
 Usage::
 
@@ -41,10 +41,10 @@ GENERATED_FILES = ("pydoc_data/topics.py",)
 GENERATED_PREFIXES = ("_sysconfigdata_",)
 HELDOUT_MODULUS = 10
 MANIFEST = Path(__file__).resolve().parent / "corpus_manifest.tsv"
-# The committed held-out slice for CI (tests/data/): three small, ordinary library modules from the
+# The committed held-out slice for CI (musecore/data/eval/): three small, ordinary library modules from the
 # held-out split, about 4K tokens, so that the bundled-model test evaluates in seconds on a CPU.
 SLICE_FILES = ("colorsys.py", "fnmatch.py", "json/tool.py")
-SLICE = Path(__file__).resolve().parent.parent / "tests/data/stdlib_heldout_slice.jsonl"
+SLICE = Path(__file__).resolve().parent.parent / "musecore/data/eval/stdlib_heldout_slice.jsonl"
 
 
 def is_heldout(relative_path: str) -> bool:

@@ -5,7 +5,7 @@
   ``generation_config`` stops on ``<|eot|>`` and ``<|eom|>``;
 - ``AutoTokenizer.from_pretrained`` loads it, encodes like ``tokenizer.json`` and decodes back,
   and ``apply_chat_template`` renders and tokenizes a conversation;
-- perplexity of the CI slice (``tests/data/stdlib_heldout_slice.jsonl``) with transformers' forward,
+- perplexity of the CI slice (``musecore/data/eval/stdlib_heldout_slice.jsonl``) with transformers' forward,
   with the BF16 weights computed in fp32 (``dtype=torch.float32``) and in BF16 (as saved), the
   latter with both the default (grouped_mm) and the eager experts loop;
 - greedy completions on the CPU (BF16), compared with the GPU run's.
@@ -102,7 +102,7 @@ def main() -> None:
     del fp32
     for k, v in slice_results.items():
         print(k, json.dumps(v), flush=True)
-    report["ci_slice"] = {"file": "tests/data/stdlib_heldout_slice.jsonl", **slice_results}
+    report["ci_slice"] = {"file": "musecore/data/eval/stdlib_heldout_slice.jsonl", **slice_results}
 
     # -- greedy completions on the CPU (bf16) -----------------------------------------------------
     gpu_samples = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CHECKPOINT = REPO / "musecore/data/muse-tiny"
 TOKENIZER = CHECKPOINT / "tokenizer.json"
-SLICE = REPO / "tests/data/stdlib_heldout_slice.jsonl"
+SLICE = REPO / "musecore/data/eval/stdlib_heldout_slice.jsonl"
 
 # Special tokens of the shipped tokenizer (train_tokenizer.SPECIAL_TOKENS), ids 0..7.
 SPECIAL_TOKENS = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>", "<|image|>", "<|video|>", "<|audio|>", "<|pad|>")

@@ -454,7 +454,7 @@ def main() -> None:
                                f"({args.experts_implementation} experts, sdpa attention), {gpu}",
                     "windows": f"non-overlapping {args.seq_len}-token windows; every token but the first predicted"},
         "heldout_fp32_weights_bf16_autocast": fp32_eval,
-        "heldout_slice": {**(slice_eval or {}), "file": "tests/data/stdlib_heldout_slice.jsonl",
+        "heldout_slice": {**(slice_eval or {}), "file": "musecore/data/eval/stdlib_heldout_slice.jsonl",
                           "weights": f"saved BF16 checkpoint, transformers forward, {gpu}"},
         "heldout_slice_eager_experts": slice_eager,
         "greedy_completions": samples,

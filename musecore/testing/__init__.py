@@ -23,9 +23,10 @@ A backend package reuses it in one line (``backends/<name>/tests/test_conformanc
 Select sizes with ``sizes=`` or the environment (``MUSECORE_CONFORMANCE_SIZES=tiny,small`` for a
 fast CPU run; the 816b cases need a few GiB and seconds each), or ``pytest -k "not 816b"``.
 
-End-to-end accuracy against BF16 (perplexity, KL, top-1 agreement, logit error) lives in
-:mod:`musecore.testing.accuracy`, static activation calibration for W4A4 checkpoints in
-:mod:`musecore.testing.calibration`; ``musecore matrix`` (:mod:`musecore.matrix`) uses both.
+This package is the conformance suite only. End-to-end accuracy against BF16 (perplexity, KL,
+top-1 agreement, logit error) lives in :mod:`musecore.evaluate`, calibration (AutoRound, static
+activation scales for W4A4 checkpoints) in :mod:`musecore.calibrate`; ``musecore matrix``
+(:mod:`musecore.matrix`) uses both.
 
 Without pytest (what ``musecore matrix`` does for its per-op table)::
 

@@ -305,7 +305,7 @@ def unfused(tensors):
 
 def test_calibrate_command_writes_a_checkpoint_that_loads_with_the_tuned_weights(small, tmp_path, capsys):
     needs_auto_round()
-    from musecore.calibrate import REPORT_FILE, _with_experts, autoround_quantizer, main
+    from musecore.calibrate import REPORT_FILE, autoround_quantizer, main, quantized_experts
     from musecore_quant.convert import convert
     folder, config, tensors, model, ids = small
     ids.flatten().to(torch.int16).numpy().tofile(tmp_path / "calib.i16")
@@ -348,7 +348,8 @@ def test_calibrate_command_writes_a_checkpoint_that_loads_with_the_tuned_weights
         run = LayerwiseRun(model, ids[:1, :12])
         for i in range(config.num_hidden_layers):
             hm = run.attention(i)
-            run.feedforward(i, hm, _with_experts(model.layers[i].mlp, again.results[i]) if i == 2 else None)
+            run.feedforward(i, hm, experts=quantized_experts(model.layers[i].mlp.experts, again.results[i])
+                            if i == 2 else None)
         assert torch.equal(loaded.forward(ids[:1, :12]).flatten(), run.logits().flatten()), dst
 
 

@@ -1,7 +1,7 @@
 """The bundled muse-tiny checkpoint: it loads, fits the package limit, and has learned Python.
 
 The model was trained on the Python standard library (training/README.md); the held-out slice in
-``tests/data/`` comes from files it never saw. Perplexity is per token of the bundled BPE
+``musecore/data/eval/`` comes from files it never saw. Perplexity is per token of the bundled BPE
 tokenizer, over documents framed as in training (``<|start|>`` + file + ``<|eot|>``).
 """
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import musecore
 
 FOLDER = Path(musecore.__file__).parent / "data" / "muse-tiny"
-SLICE = Path(__file__).resolve().parents[1] / "data" / "stdlib_heldout_slice.jsonl"
+SLICE = Path(musecore.__file__).parent / "data" / "eval" / "stdlib_heldout_slice.jsonl"
 MAX_BYTES = 25 * 1000 * 1000
 # Measured on this slice with the shipped BF16 checkpoint on a CPU: see eval.json
 # ("heldout_slice"). The threshold leaves 10% for other CPUs' BF16 rounding.

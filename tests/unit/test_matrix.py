@@ -14,7 +14,7 @@ import torch
 from musecore.cli import main
 from musecore.matrix import (DEFAULT_EVAL_TEXT, JSON_KEYS, ROWS, MatrixRow, load_eval_tokens, run_matrix,
                              select_rows)
-from musecore.testing.accuracy import AccuracyMeter, eval_batches
+from musecore.evaluate import AccuracyMeter, eval_batches
 from tests.helpers import random_tensors, small_config, write_checkpoint
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "musecore" / "data" / "muse-tiny" / "tokenizer.json"

@@ -4,7 +4,13 @@ These are the columns of the accuracy matrix (``musecore matrix``) and what end-
 assert: a quantized or emulated model is judged by how far its next-token distributions move
 from the BF16 reference on held-out text, not only by its own perplexity, which can hide errors
 that happen to cancel. Logits are compared position by position, so both models must see the
-same token windows (:func:`eval_batches`).
+same token windows (:func:`eval_batches`). The logits come from ``MuseModel.forward``, nothing else.
+
+Example::
+
+    from musecore.evaluate import eval_batches, evaluate
+    batches = eval_batches(ids, seq_len=512)
+    print(evaluate(model, batches, baseline=None).perplexity)
 """
 
 from __future__ import annotations
@@ -109,3 +115,13 @@ class AccuracyMeter:
         return Accuracy(perplexity=math.exp(self.nll / self.predicted), kl=self.kl / positions,
                         top1_agreement=self.agree / positions, max_abs_logit_error=self.max_abs,
                         positions=self.positions, predicted_tokens=self.predicted)
+
+
+def evaluate(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             baseline: Optional[list[torch.Tensor]] = None) -> Accuracy:
+    """``model``'s :class:`Accuracy` on ``batches`` (from :func:`eval_batches`), against ``baseline``'s
+    logits on the same batches (None: perplexity only)."""
+    meter = AccuracyMeter()
+    for i, ((_, targets), logits) in enumerate(zip(batches, batched_logits(model, batches))):
+        meter.update(targets, logits, None if baseline is None else baseline[i])
+    return meter.result()
