@@ -1,0 +1,229 @@
+"""Block shapes of every Pallas kernel of this package, the TPU tiling rules they obey, and their VMEM footprint.
+
+Pure Python (no jax): the plan, ``kernel_choices`` and the tiling test use it without the hardware.
+
+TPU rules (Pallas TPU guide, "Noteworthy properties and restrictions",
+https://docs.jax.dev/en/latest/pallas/tpu/details.html): a block's last two dimensions are multiples of
+(8, 128) for 32-bit types, or equal to the array's dimensions. Narrower types pack along sublanes, so their
+second-minor multiple grows with the packing (16 for bf16, 32 for 8-bit codes; jax's
+``jax/_src/pallas/mosaic/tpu_info.py`` ``_get_tiling_factor``). VMEM per TensorCore: 128 MiB on v6e, 64 MiB
+on v7 (jax 0.10.2 ``pltpu.get_tpu_info_for_chip``; :data:`musecore_tpu.chips.CHIPS`). A kernel's footprint is
+its blocks double-buffered by the pipeline, plus scratch, plus the decoded weight tile it builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from musecore_quant.formats.facts import block_size
+
+LANES = 128
+SUBLANES_32BIT = 8
+BYTES = {"f32": 4, "i32": 4, "bf16": 2, "u8": 1, "fp8": 1}
+
+
+def sublane_multiple(dtype: str) -> int:
+    """Second-minor multiple of a block of ``dtype``: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
+    return SUBLANES_32BIT * 4 // BYTES[dtype]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+@dataclass(frozen=True)
+class Block:
+    """One operand's block: ``shape`` of the block, ``array`` the trailing dims of the array it tiles."""
+
+    name: str
+    shape: tuple[int, ...]
+    array: tuple[int, ...]
+    dtype: str
+    buffers: int = 2  # the pipeline double-buffers inputs and outputs; scratch is 1
+
+    @property
+    def nbytes(self) -> int:
+        n = BYTES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n * self.buffers
+
+    def violation(self) -> Optional[str]:
+        """Why this block breaks the (sublane, lane) rule, or None."""
+        if len(self.shape) < 2:
+            return None
+        (rows, cols), (arows, acols) = self.shape[-2:], self.array[-2:]
+        if cols != acols and cols % LANES:
+            return f"{self.name}: last dim {cols} is neither a multiple of {LANES} nor the array's {acols}"
+        sub = sublane_multiple(self.dtype)
+        if rows != arows and rows % sub:
+            return f"{self.name}: second-minor dim {rows} is neither a multiple of {sub} ({self.dtype}) nor the array's {arows}"
+        return None
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """A kernel launch's blocks, what it decodes in VMEM, and the grid."""
+
+    kernel: str
+    blocks: tuple[Block, ...]
+    grid: tuple[int, ...]
+
+    @property
+    def vmem_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def violations(self) -> list[str]:
+        return [v for b in self.blocks if (v := b.violation()) is not None]
+
+
+# -- matmul (linear and each expert projection) ------------------------------------------------------------------
+
+SCALE_DTYPE = {"int4": "f32", "mxfp4": "u8", "nvfp4": "u8"}  # resident scale dtype (musecore_tpu.layouts)
+GROUP = {fmt: block_size(fmt) for fmt in SCALE_DTYPE}  # from musecore_quant's format facts
+TILE_N = 256   # lanes of an output tile: two MXU columns on v6e/v7 (mxu_column_size 256)
+TILE_M = 256
+TILE_K_DENSE = 512
+
+
+def k_tile(fmt: str, K: int, group: Optional[int] = None) -> int:
+    """K per grid step. 4-bit: the scale block ``[tk/g, tn]`` must have a legal second-minor dim (8 f32 rows for
+    INT4 scales, 32 u8 rows for E8M0/E4M3), so ``tk = g * rows`` (INT4 g128: 1024, MXFP4: 1024, NVFP4: 512),
+    halved down to 2 rows' worth when K is smaller; K itself when nothing legal divides it (one K step)."""
+    if fmt in ("bf16", "fp16", "fp32"):
+        for tk in (TILE_K_DENSE, 256, 128):
+            if K % tk == 0:
+                return tk
+        return K
+    g = group or GROUP[fmt]
+    tk = g * sublane_multiple(SCALE_DTYPE[fmt])
+    if K % tk == 0:
+        return tk
+    return K
+
+
+def n_tile(N: int) -> int:
+    for tn in (TILE_N, LANES):
+        if N % tn == 0:
+            return tn
+    return N
+
+
+def m_tile(M: int, dtype: str = "bf16") -> int:
+    sub = sublane_multiple(dtype)
+    return min(TILE_M, round_up(max(M, 1), sub))
+
+
+def matmul_config(fmt: str, M: int, K: int, N: int, group: Optional[int] = None, act: str = "bf16") -> KernelConfig:
+    """Blocks of :func:`musecore_tpu.kernels.matmul.matmul` for ``x [M,K] @ W^T`` with W ``[N,K]`` in ``fmt``."""
+    tm, tk, tn = m_tile(M, act), k_tile(fmt, K, group), n_tile(N)
+    Mp = round_up(M, tm)
+    blocks = [Block("x", (tm, tk), (Mp, K), act)]
+    if fmt in ("bf16", "fp16", "fp32"):
+        wdt = "f32" if fmt == "fp32" else "bf16"
+        blocks.append(Block("w^T", (tk, tn), (K, N), wdt))
+        decoded = 0
+    else:
+        g = group or GROUP[fmt]
+        blocks += [Block("codes", (tk // 2, tn), (K // 2, N), "u8"),
+                   Block("scales", (tk // g, tn), (K // g, N), SCALE_DTYPE[fmt])]
+        if fmt == "int4":
+            blocks.append(Block("zeros", (tk // g, tn), (K // g, N), "u8"))
+        decoded = 1
+    blocks += [Block("out", (tm, tn), (Mp, N), "f32"), Block("acc", (tm, tn), (Mp, N), "f32", buffers=1)]
+    if decoded:  # the f32 weight tile the kernel decodes (two halves) and the f32 copy of x
+        blocks += [Block("decoded w", (tk, tn), (K, N), "f32", buffers=1),
+                   Block("x f32", (tm, tk), (Mp, K), "f32", buffers=1)]
+    return KernelConfig(f"matmul-{fmt}", tuple(blocks), (Mp // tm, N // tn, K // tk))
+
+
+# -- grouped experts ----------------------------------------------------------------------------------------------
+
+TILE_ROWS = 128  # routed rows per grouped-matmul tile (each tile belongs to one expert)
+
+
+def rows_tile(rows: int) -> int:
+    return min(TILE_ROWS, round_up(max(rows, 1), 16))
+
+
+def moe_configs(fmt: str, tokens: int, top_k: int, experts: int, hidden: int, inter: int,
+                group: Optional[int] = None) -> list[KernelConfig]:
+    """Blocks of the two grouped kernels (gate/up + SwiGLU; down + finalize) of :mod:`musecore_tpu.kernels.moe`."""
+    rows = tokens * top_k
+    tr = rows_tile(rows)
+    tiles = cdiv(rows, tr) + min(experts, rows)
+    up = matmul_config(fmt, tr, hidden, inter, group)
+    gate_up = [b for b in up.blocks if b.name not in ("out", "acc")]
+    gate_up += [Block(b.name + " (up)", b.shape, b.array, b.dtype, b.buffers) for b in up.blocks
+                if b.name in ("w^T", "codes", "scales", "zeros", "decoded w")]
+    gate_up += [Block("h", up.blocks[-1].shape if False else (tr, n_tile(inter)), (tiles * tr, inter), "f32"),
+                Block("acc gate", (tr, n_tile(inter)), (tiles * tr, inter), "f32", buffers=1),
+                Block("acc up", (tr, n_tile(inter)), (tiles * tr, inter), "f32", buffers=1)]
+    down = matmul_config(fmt, tr, inter, hidden, group)
+    tk = k_tile(fmt, inter, group)
+    down_blocks = [Block("h", (tr, tk), (tiles * tr, inter), "f32")]
+    if fmt in ("bf16", "fp16", "fp32"):
+        down_blocks.append(Block("w^T", (tk, hidden), (inter, hidden), "bf16"))
+    else:
+        g = group or GROUP[fmt]
+        down_blocks += [Block("codes", (tk // 2, hidden), (inter // 2, hidden), "u8"),
+                        Block("scales", (tk // g, hidden), (inter // g, hidden), SCALE_DTYPE[fmt]),
+                        Block("decoded w", (tk, hidden), (inter, hidden), "f32", buffers=1)]
+        if fmt == "int4":
+            down_blocks.append(Block("zeros", (tk // g, hidden), (inter // g, hidden), "u8"))
+    down_blocks += [Block("post norm", (1, hidden), (1, hidden), "f32"),
+                    Block("routing weight", (tr, 1), (tiles * tr, 1), "f32"),
+                    Block("rows out", (tr, hidden), (tiles * tr, hidden), "f32"),
+                    Block("acc", (tr, hidden), (tiles * tr, hidden), "f32", buffers=1)]
+    del down
+    return [KernelConfig(f"moe-gate-up-{fmt}", tuple(gate_up), (tiles, cdiv(inter, n_tile(inter)), cdiv(hidden, up.grid[2] and k_tile(fmt, hidden, group)))),
+            KernelConfig(f"moe-down-{fmt}", tuple(down_blocks), (tiles, inter // tk))]
+
+
+# -- attention ----------------------------------------------------------------------------------------------------
+
+TILE_Q = 128
+TILE_KV = 512
+
+
+def attention_config(batch: int, tokens: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
+                     kv_dtype: str = "bf16") -> KernelConfig:
+    """Blocks of :func:`musecore_tpu.kernels.attention.attention` (one kv head and its query group per step)."""
+    group = q_heads // kv_heads
+    tq = min(TILE_Q, tokens)
+    tq = tokens if tokens % tq else tq
+    tkv = TILE_KV if keys % TILE_KV == 0 else keys
+    rows = tq * group
+    blocks = (Block("q", (tq, group, head_dim), (tokens, group, head_dim), "bf16"),
+              Block("q positions", (rows, 1), (tokens * group, 1), "i32"),
+              Block("k", (tkv, head_dim), (keys, head_dim), kv_dtype),
+              Block("v", (tkv, head_dim), (keys, head_dim), kv_dtype),
+              Block("k positions", (1, tkv), (1, keys), "i32"),
+              Block("out", (tq, group, head_dim), (tokens, group, head_dim), "bf16"),
+              Block("m", (rows, 1), (rows, 1), "f32", buffers=1), Block("l", (rows, 1), (rows, 1), "f32", buffers=1),
+              Block("acc", (rows, head_dim), (rows, head_dim), "f32", buffers=1),
+              Block("scores", (rows, tkv), (rows, keys), "f32", buffers=1))
+    return KernelConfig("attention", blocks, (batch, kv_heads, tokens // tq, keys // tkv))
+
+
+# -- norms --------------------------------------------------------------------------------------------------------
+
+TILE_NORM_ROWS = 256
+
+
+def norm_rows_tile(rows: int) -> int:
+    return min(TILE_NORM_ROWS, round_up(max(rows, 1), 16))
+
+
+def norm_config(rows: int, width: int) -> KernelConfig:
+    tr = norm_rows_tile(rows)
+    Rp = round_up(rows, tr)
+    blocks = (Block("residual", (tr, width), (Rp, width), "bf16"), Block("out", (tr, width), (Rp, width), "bf16"),
+              Block("weights", (3, width), (3, width), "f32"),
+              Block("residual out", (tr, width), (Rp, width), "bf16"), Block("normed", (tr, width), (Rp, width), "bf16"))
+    return KernelConfig("residual_norm", blocks, (Rp // tr,))
