@@ -7,6 +7,12 @@ Registered under the ``musecore.backends`` entry point as ``cuda``::
     print(be.probe(), be.supports("linear", OpSpec("linear", weight_format="nvfp4")))
 """
 
+import torch
+
 from musecore_cuda.backend import CudaBackend
+from musecore_cuda.kernels import triton_hooks
+
+if torch.version.hip is None:  # a CUDA (or CPU) torch: the shared Triton kernels take the NVIDIA hooks
+    triton_hooks.install()
 
 __all__ = ["CudaBackend"]

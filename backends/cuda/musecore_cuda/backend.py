@@ -4,9 +4,10 @@ What is native here, and why (``supports`` answers from this table, never optimi
 
 * NVFP4 / MXFP4 weights with 16-bit activations (W4A16): FP4 is upcast in registers and fed to
   bf16/fp16 tensor cores. Decode (M < 16 bf16, M <= 2 fp16) and mid-size M (bf16) run CUDA C++
-  kernels compiled with NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`, ``fp4_gemm_cuda``), large M
-  a bf16 copy of the weight made per call and cuBLAS, fp16 beyond decode the Triton GEMM (thresholds
-  measured: ``fp4_linear_path``). Run and measured on SM90
+  kernels compiled with NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`, ``fp4_gemm_cuda``; sources in
+  ``csrc/``), large M a bf16 copy of the weight made per call and cuBLAS, fp16 beyond decode the
+  portable Triton GEMM of :mod:`musecore_triton` (thresholds measured: :mod:`musecore_cuda.choices`,
+  which also tells the plan every choice). Run and measured on SM90
   (H200); on SM100 the same kernels would run but have not been, so they are reported as emulated.
 * W4A4 (FP4 activations): needs FP4 tensor cores. SM90 has none, and no SM100 kernel exists
   here, so it is ``no``: a caller wanting those numerics should use the reference backend's
@@ -17,31 +18,34 @@ What is native here, and why (``supports`` answers from this table, never optimi
   FP8: not implemented (``no``).
 * The row ops (norms, residual gate, q/k norms + RoPE, head gate, MoE finalize, silu_mul, logit_softcap)
   and the router's top-k are Triton kernels in fp32 that round exactly where the reference rounds
-  (``kernels/norms.py``, ``router.py``, ``elementwise.py``, ``moe.py``); the router's fp32 product is cuBLAS.
+  (:mod:`musecore_triton.kernels`); the router's fp32 product is cuBLAS.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
-from musecore.backends.base import Backend, Probe, Support, WeightIn
+from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore.ops import reference as ref
-from musecore_cuda.kernels import attention as _attention
-from musecore_cuda.kernels import kv_cache as _kv_cache
-from musecore_cuda.kernels.dense_gemv import dense_gemv, use_dense_gemv
-from musecore_cuda.kernels import elementwise as _elementwise
-from musecore_cuda.kernels import norms as _norms
-from musecore_cuda.kernels import router as _router
-from musecore_cuda.kernels.fp4_gemm import launch_gemm, pick_config
-from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
-from musecore_cuda.kernels.moe import moe_forward
+from musecore_cuda import choices
+from musecore_cuda.choices import DEQUANT_MIN_M, GEMM_MIN_M  # noqa: F401  (the crossovers, re-exported)
 from musecore_cuda.fp8 import Fp8Resident, fp8_linear, prepare_fp8
-from musecore_cuda.layouts import Fp4Resident, prepare_fp4, share_fold
+from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
+from musecore_cuda.kernels.moe_decode import moe_decode_gemv, use_gemv
+from musecore_triton.kernels import attention as _attention
+from musecore_triton.kernels import elementwise as _elementwise
+from musecore_triton.kernels import kv_cache as _kv_cache
+from musecore_triton.kernels import norms as _norms
+from musecore_triton.kernels import router as _router
+from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
+from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
+from musecore_triton.kernels.moe import moe_forward
+from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -49,9 +53,6 @@ ACT_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_OPS = ("attention", "qk_norm_rope", "head_norm_gate")  # one program holds one power-of-two head row
 SM_DEVICES = {9: ["h200", "h100"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
-# The tiled CUDA GEMM (fp4_gemm_cuda) from GEMM_MIN_M rows up to DEQUANT_MIN_M, from where dequantize +
-# cuBLAS wins (H200, benchmarks/results/cuda_gemm_sweep.json).
-GEMM_MIN_M, DEQUANT_MIN_M = 16, 128
 
 def _format_of(weight: WeightIn) -> str:
     if isinstance(weight, torch.Tensor):
@@ -88,9 +89,7 @@ def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: i
     "tiled" (Triton W4A16 GEMM: fp16 activations beyond the decode kernels, or no NVRTC)."""
     if not fp4_gemv_cuda.available(device):
         return "tiled"
-    if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
-        return "dequant" if m >= DEQUANT_MIN_M else "gemm"
-    return fp4_gemv_cuda.kind_for(m, dtype) or "tiled"
+    return choices.fp4_path_for(m, dtype)
 
 
 def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
@@ -279,10 +278,15 @@ class CudaBackend(Backend):
         num_experts = stacks[0].packed.shape[0] if fmt in FP4_FORMATS else stacks[0].shape[0]
         return ExpertWeights(gate=stacks[0], up=stacks[1], down=stacks[2], format=fmt, num_experts=num_experts)
 
-    def benchmarks(self):
-        """Benchmark cases for ``musecore bench --backend cuda``."""
-        from musecore_cuda.bench import benchmarks
-        return benchmarks()
+    def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
+        return choices.kernel_choices(linears, profile)
+
+    def env_settings(self) -> list[EnvSetting]:
+        return choices.env_settings()
+
+    def resident_bytes(self, weight_format: str, out_features: int, in_features: int, *,
+                       experts: int = 0) -> Optional[int]:
+        return choices.resident_bytes(weight_format, out_features, in_features, experts=experts)
 
     def make_decode_step(self, model, cache):
         """One decode step of ``model`` through ``cache``, replayed from a captured CUDA graph."""
@@ -312,6 +316,8 @@ class CudaBackend(Backend):
         if experts.format in DENSE_FORMATS and experts.gate.dtype != z.dtype:
             raise TypeError(f"moe: dense experts are {experts.gate.dtype} but z is {z.dtype}; prepare them with "
                             f"dtype={z.dtype}")
+        if z.shape[0] and use_gemv(experts.gate, ids.numel(), experts.num_experts):  # decode: CUDA C++ GEMVs
+            return moe_decode_gemv(z, weights, ids, experts.gate, experts.up, experts.down, post_norm, post_eps)
         return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
                            post_norm, post_eps)
 

@@ -5,8 +5,8 @@ ratio is taken in the same process: against BF16 cuBLAS on the same shape, and a
 ceiling measured here (the larger of a big device copy and cuBLAS's BF16 GEMV weight bandwidth).
 Weights smaller than a few L2s are rotated among copies so that the numbers are HBM, not L2.
 
-``benchmarks()`` maps case name -> callable returning JSON rows; ``benchmarks/cuda_bench.py`` runs
-them, prints a table and saves the JSON.
+``benchmarks()`` maps case name -> callable returning JSON rows; it is the ``musecore.benchmarks``
+entry point ``cuda`` (``musecore bench --backend cuda``), loaded only by that command.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import triton
 from musecore.benchmarking import cycle, rotating
 from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear, fp4_linear,
                                    fp4_linear_path, fp4_tiled_linear)
-from musecore_cuda.kernels.fp4_gemm import GemmConfig, launch_gemm
 from musecore_cuda.kernels import fp4_gemv_cuda
-from musecore_cuda.kernels.moe import use_gemv
-from musecore_cuda.layouts import Fp4Resident
+from musecore_cuda.kernels.moe_decode import use_gemv
+from musecore_triton.kernels.fp4_gemm import GemmConfig, launch_gemm
+from musecore_triton.layouts import Fp4Resident
 
 LINEAR_SHAPES = {  # name: (N, K) of the 816B preset (H 8192, 128 q heads and 16 kv heads x 64, h = I = 4096)
     "q_proj": (8192, 8192), "k_proj": (1024, 8192), "o_proj": (8192, 8192),

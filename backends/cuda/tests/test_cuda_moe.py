@@ -12,7 +12,8 @@ from musecore.ops import reference as ref
 from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse, nmse
 
 from musecore_cuda import CudaBackend
-from musecore_cuda.kernels.moe import align_assignments, moe_decode_dense, use_gemv
+from musecore_cuda.kernels.moe_decode import use_gemv
+from musecore_triton.kernels.moe import align_assignments, moe_decode_dense
 
 
 def make_layer(fmt: str, experts: int, width: int, inter: int, dtype: torch.dtype, device):

@@ -1,38 +1,37 @@
 """Programmatic dependent launch (PDL): a kernel starts while the one before it finishes.
 
-A decode step is a few hundred dependent kernels of 1.5-5 us each (``backends/cuda/NOTES.md``,
-session 5), so each one's launch, block scheduling and first weight loads are a large part of its
-time. With PDL (SM90+) a kernel is launched with the attribute *programmatic stream
-serialization*: its blocks may start as soon as every block of the previous kernel has executed
-``griddepcontrol.launch_dependents`` (or exited), and it must execute ``griddepcontrol.wait`` (which
-returns once the previous kernel has completed and its writes are visible) before it reads anything
-an earlier kernel wrote, or writes anything. Until that wait a kernel may only read what no kernel
-of the step writes: its weights.
+A decode step is a few hundred dependent kernels of a few microseconds each, so each one's launch,
+block scheduling and first weight loads are a large part of its time. With PDL (SM90+) a kernel is
+launched with the attribute *programmatic stream serialization*: its blocks may start as soon as
+every block of the previous kernel has executed ``griddepcontrol.launch_dependents`` (or exited),
+and it must execute ``griddepcontrol.wait`` (which returns once the previous kernel has completed
+and its writes are visible) before it reads anything an earlier kernel wrote, or writes anything.
+Until that wait a kernel may only read what no kernel of the step writes: its weights.
 
 Every musecore kernel that is launched with PDL follows one contract, so the chain stays ordered:
 
 * before ``wait`` it reads only weights (resident parameters, written once at load);
 * every block executes ``wait`` (none returns before it), so a kernel completes only after the
   one before it: kernels further back are ordered through the chain;
-* only the kernels named *early* (by default the decode GEMVs, whose long weight streams leave a
-  tail worth overlapping) signal ``launch_dependents`` at their top; every other kernel signals
-  implicitly when its blocks exit. So at most a GEMV and the kernel after it are resident at once.
-  Session 7 triggered early in every kernel: the whole GPU suite passed, but one generate sequence
-  hit an illegal address with six or more early-triggering kernels chained (any pair passed), and
-  passed with waits only (NOTES.md, sessions 7 and 8).
+* only the kernels named *early* (by default the plain decode GEMVs, whose long weight streams
+  leave a tail worth overlapping) signal ``launch_dependents`` at their top; every other kernel
+  signals implicitly when its blocks exit, so at most a GEMV and the kernel after it are resident
+  at once. Triggering early everywhere broke one long generate sequence (backends/cuda/lab/NOTES.md).
 
 A kernel launched without the attribute (PyTorch's, cuBLAS's) is ordered as usual, and both
 instructions are no-ops in a kernel launched without it, so the kernels stay correct whichever
 way they are launched. Where PDL is used: the decode step's CUDA graph of up to :data:`MAX_BATCH`
 sequences is captured with it (:func:`scope`); everything else launches the ordinary way.
-``MUSECORE_CUDA_PDL`` (``1``, ``0`` or kernel names) overrides that for A/B runs, and
+``MUSECORE_CUDA_PDL`` (``1``, ``0`` or kernel names) overrides that, and
 ``MUSECORE_CUDA_PDL_EARLY`` = ``1`` (the default set), ``0`` (none) or a comma list names the
-kernels that trigger early.
+kernels that trigger early; :meth:`CudaBackend.env_settings` reports both.
 
-Triton kernels take a ``PDL`` constexpr and call :func:`wait` (and :func:`trigger`); they are launched with
-``launch_pdl=`` :func:`enabled`. The NVRTC kernels (CUDA C++) call ``pdl_trigger()`` / ``pdl_wait()``
-from :data:`CUDA_SOURCE` and are launched through :func:`launch` (``cuLaunchKernelEx``), since
-``torch.cuda._compile_kernel``'s launcher takes no launch attributes.
+The portable Triton kernels (:mod:`musecore_triton`) take a ``PDL`` constexpr and call the hooks
+``pdl_wait`` / ``pdl_launch_dependents``, which :mod:`musecore_cuda.kernels.triton_hooks` sets to
+:func:`wait` and :func:`trigger` here; they are launched with ``launch_pdl=`` :func:`enabled`. The
+NVRTC kernels (CUDA C++) call ``pdl_trigger()`` / ``pdl_wait()`` from ``csrc/pdl.cuh`` and are
+launched through :func:`launch` (``cuLaunchKernelEx``), since ``torch.cuda._compile_kernel``'s
+launcher takes no launch attributes.
 """
 
 from __future__ import annotations
@@ -49,25 +48,10 @@ import triton
 import triton.language as tl
 
 ENV = "MUSECORE_CUDA_PDL"
-# Decode graphs of up to this many sequences are captured with PDL. muse-small on the H200 (session 8,
-# benchmarks/results/cuda_pdl_ab_default.json): 1.06x NVFP4 and BF16 at batch 1, but 0.97-0.98x at 8
-# and 16 and 0.98x at 32 (cuda_pdl_ab_e2e_v2.json); batches 2-4 were not measured.
+# Decode graphs of up to this many sequences are captured with PDL: it won at batch 1 and lost a little at
+# 8-32 (backends/cuda/lab/NOTES.md).
 MAX_BATCH = 1
 _scope: contextvars.ContextVar[bool] = contextvars.ContextVar("musecore_cuda_pdl_scope", default=False)
-
-# griddepcontrol is PTX ISA 7.8, sm_90+; older targets compile the calls away.
-CUDA_SOURCE = r"""
-__device__ __forceinline__ void pdl_trigger() {  // the next kernel may be scheduled now
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {  // the previous kernel has completed; its writes are visible
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-"""
 
 
 def _triton_has_gdc() -> bool:
@@ -110,9 +94,8 @@ def enabled(device: torch.device, name: str = "") -> bool:
 
 
 EARLY_ENV = "MUSECORE_CUDA_PDL_EARLY"
-# The plain decode GEMVs: back-to-back calls ran 1.07-1.26x faster with an early signal (session 7), and
-# muse-small decode 1.09x against 1.03x with waits only. Not the expert GEMVs (``*_experts``): the
-# 816B MoE layer at batch 1 ran 0.94x with their early signal and 1.015x with waits only (session 8).
+# The plain decode GEMVs gain from an early signal; the expert GEMVs lost with it on the 816B MoE layer
+# (backends/cuda/lab/NOTES.md).
 EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv")
 
 

@@ -1,0 +1,206 @@
+"""Every kernel choice of the CUDA backend as data: the rules ``CudaBackend`` runs, and what
+``CudaBackend.kernel_choices`` tells the plan about them without a GPU.
+
+The crossovers were measured on the H200 (backends/cuda/lab/NOTES.md): for bf16 activations the
+CUDA C++ tensor-core GEMV up to 15 rows, the CUDA C++ tiled GEMM from ``GEMM_MIN_M`` rows, and from
+``DEQUANT_MIN_M`` rows a transient bf16 copy of the weight and cuBLAS (compute-bound there, where
+cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). What depends on the GPU
+itself (SM count, occupancy, whether NVRTC compiles) is decided at load and says so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+
+from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
+from musecore_cuda.kernels import fp4_gemv_cuda, pdl
+from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES
+from musecore_triton.kernels.fp4_gemm import tile_regime
+from musecore_triton.kernels.moe import uses_dense_decode
+from musecore_triton.layouts import FP4_GROUP
+
+FP4_FORMATS = ("nvfp4", "mxfp4")
+GEMM_MIN_M, DEQUANT_MIN_M = 16, 128
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def fp4_path_for(m: int, dtype: torch.dtype) -> str:
+    """The FP4 linear kernel for ``m`` rows of ``dtype`` activations when NVRTC is available: "mma" /
+    "fma" (CUDA C++ decode GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
+    "tiled" (Triton W4A16 GEMM)."""
+    if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
+        return "dequant" if m >= DEQUANT_MIN_M else "gemm"
+    return fp4_gemv_cuda.kind_for(m, dtype) or "tiled"
+
+
+def moe_uses_gemv(n_assign: int, num_experts: int) -> bool:
+    """FP4 experts take one CUDA C++ GEMV per token-expert assignment up to ``E`` assignments
+    (``musecore_cuda.kernels.moe_decode.use_gemv``), the grouped Triton GEMM beyond."""
+    return n_assign <= max(1, num_experts)
+
+
+PATH_NAMES = {
+    "mma": "CUDA C++ tensor-core GEMV (NVRTC, fp4_gemv_mma)",
+    "fma": "CUDA C++ FMA GEMV (NVRTC, fp4_gemv)",
+    "gemm": "CUDA C++ tiled tensor-core GEMM (NVRTC, fp4_gemm_mma)",
+    "dequant": "dequantize to a transient bf16 copy + cuBLAS",
+    "tiled": "Triton W4A16 GEMM (musecore_triton)",
+}
+
+
+def _m_ranges(dtype: torch.dtype, top: int = 1 << 16) -> list[tuple[int, Optional[int], str]]:
+    """Consecutive M ranges ``(first, last or None, path)`` over which :func:`fp4_path_for` is constant."""
+    ranges: list[tuple[int, Optional[int], str]] = []
+    edges = sorted({1, 2, 3, fp4_gemv_cuda.FMA_MAX_M + 1, fp4_gemv_cuda.MAX_M + 1, GEMM_MIN_M, DEQUANT_MIN_M})
+    for m in edges:
+        path = fp4_path_for(m, dtype)
+        if ranges and ranges[-1][2] == path:
+            continue
+        if ranges:
+            ranges[-1] = (ranges[-1][0], m - 1, ranges[-1][2])
+        ranges.append((m, None, path))
+    return ranges
+
+
+def _span(first: int, last: Optional[int]) -> str:
+    if last is None:
+        return f"M >= {first}"
+    return f"M = {first}" if first == last else f"M {first}-{last}"
+
+
+def _fp4_linear_choices(shape: LinearShape) -> list[KernelChoice]:
+    n, k = shape.out_features, shape.in_features
+    label = f"{shape.name} {shape.weight_format} {k}->{n}"
+    out = []
+    for first, last, path in _m_ranges(torch.bfloat16):
+        if path == "mma":
+            plan = fp4_gemv_cuda.make_plan(first, n, k, torch.bfloat16, torch.device("cpu"), kind="mma")
+            reason = (f"decode: weights stream once, upcast in registers into mma.m16n8k16; at M={first} "
+                      f"split_k={plan.split_k}, k_warps={plan.k_warps}, tile={plan.tile}")
+        elif path == "gemm":
+            reason = (f"from M={GEMM_MIN_M} the tiled GEMM beats the decode GEMV (H200 sweep); token tile, "
+                      "rows per warp and cluster split-K decided at load from the GPU's SM count and occupancy")
+        elif path == "dequant":
+            reason = (f"from M={DEQUANT_MIN_M} compute-bound: cuBLAS BF16 on a per-call copy beats W4A16 "
+                      f"(transient {n * k * 2 / 2**20:.0f} MiB per call)")
+        else:
+            reason = "no CUDA C++ kernel for this M"
+        out.append(KernelChoice(f"linear {label}, bf16, {_span(first, last)}", PATH_NAMES[path], reason))
+    return out
+
+
+def _triton_gemm_note(m_rows: int) -> str:
+    bm, bn, warps, stages, _, max_split = tile_regime(m_rows)
+    return f"tiles {bm}x{bn}, {warps} warps, {stages} stages, split-K <= {max_split} (from the SM count, at load)"
+
+
+def _dense_linear_choice(shape: LinearShape) -> list[KernelChoice]:
+    n, k = shape.out_features, shape.in_features
+    label = f"{shape.name} {shape.weight_format} {k}->{n}"
+    nbytes = n * k * 2
+    if nbytes <= DENSE_GEMV_MAX_BYTES:
+        return [KernelChoice(f"linear {label}, M = 1", "Triton dense GEMV (musecore_triton)",
+                             "one token on a small 16-bit weight: cuBLAS's M=1 tiles are launch-bound there"),
+                KernelChoice(f"linear {label}, M >= 2", "cuBLAS (torch.nn.functional.linear)")]
+    return [KernelChoice(f"linear {label}, any M", "cuBLAS (torch.nn.functional.linear)",
+                         f"{nbytes / 2**20:.0f} MiB > {DENSE_GEMV_MAX_BYTES >> 20} MiB: the dense GEMV did not win there")]
+
+
+def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
+    e, top_k = shape.experts, max(1, shape.top_k)
+    label = f"moe {shape.name} {shape.weight_format} E={e} top-{top_k} {shape.in_features}->{shape.out_features}"
+    if shape.weight_format in FP4_FORMATS:
+        limit = next(t for t in range(1, 1 << 20) if not moe_uses_gemv(t * top_k, e)) - 1
+        return [KernelChoice(f"{label}, T <= {limit} tokens",
+                             "CUDA C++ expert GEMVs (NVRTC): gate+up+SwiGLU, down, Triton finalize",
+                             f"up to E = {e} assignments experts rarely repeat and the GEMV streams at about twice "
+                             "the grouped GEMM's bandwidth; no sort or gathers"),
+                KernelChoice(f"{label}, T > {limit} tokens",
+                             "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, finalize)",
+                             f"each routed expert streamed once per block of its tokens; "
+                             f"{_triton_gemm_note(max(1, (limit + 1) * top_k // e))} at T = {limit + 1}")]
+    if shape.weight_format in ("bf16", "fp16"):
+        limit = next(t for t in range(1, 1 << 20) if not uses_dense_decode(t * top_k, e)) - 1
+        return [KernelChoice(f"{label}, T <= {limit} tokens", "Triton expert GEMV (16-bit) + finalize",
+                             "three launches instead of the grouped path's ~20"),
+                KernelChoice(f"{label}, T > {limit} tokens", "Triton grouped GEMM (16-bit weights)")]
+    return [KernelChoice(label, "none", f"{shape.weight_format} experts are not implemented in the CUDA backend")]
+
+
+def _pdl_choice() -> KernelChoice:
+    setting = os.environ.get(pdl.ENV)
+    if setting is None:
+        return KernelChoice("programmatic dependent launch (PDL)",
+                            f"on in decode CUDA graphs of batch <= {pdl.MAX_BATCH}, off elsewhere",
+                            "won at batch 1, lost a little at 8-32 (H200); SM90+ with a Triton that has griddepcontrol, "
+                            "checked at load", env=pdl.ENV)
+    choice = {"1": "on for every kernel", "0": "off"}.get(setting, f"on for kernels {setting}")
+    return KernelChoice("programmatic dependent launch (PDL)", choice,
+                        f"overridden by {pdl.ENV}={setting} (SM90+ only, checked at load)", env=pdl.ENV)
+
+
+def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
+    """What :class:`~musecore_cuda.CudaBackend` runs for these linears on ``profile`` (see the module docstring)."""
+    arch = getattr(profile, "arch", "") or ""
+    out: list[KernelChoice] = []
+    if arch and arch != "sm90":
+        out.append(KernelChoice(f"kernels on {arch}", "the SM90 kernels", "run and checked on SM90 only; reported as "
+                                "emulated on other architectures (no native FP4 tensor-core kernel here)"))
+    for shape in linears:
+        if shape.act_format is not None and not (shape.weight_format == "fp8" and shape.act_format == "fp8"):
+            out.append(KernelChoice(f"{shape.name} {shape.weight_format} with {shape.act_format} activations", "none",
+                                    "W4A4 needs FP4 tensor cores; not implemented in the CUDA backend"))
+        elif shape.experts:
+            out += _expert_choices(shape)
+        elif shape.weight_format in FP4_FORMATS:
+            out += _fp4_linear_choices(shape)
+        elif shape.weight_format == "fp8":
+            out.append(KernelChoice(f"linear {shape.name} fp8 {shape.in_features}->{shape.out_features}",
+                                    "cuBLASLt W8A8 (torch._scaled_mm)", "per-tensor FP8 weights and activations"))
+        elif shape.weight_format in ("bf16", "fp16", "fp32"):
+            out += _dense_linear_choice(shape)
+        else:
+            out.append(KernelChoice(f"linear {shape.name} {shape.weight_format}", "none",
+                                    f"{shape.weight_format} weights are not implemented in the CUDA backend"))
+    if any(s.weight_format in FP4_FORMATS for s in linears):
+        out.append(KernelChoice("FP4 linears, fp16 activations",
+                                f"{PATH_NAMES['fma']} for M <= {fp4_gemv_cuda.FMA_MAX_M}, else {PATH_NAMES['tiled']}",
+                                "the tensor-core CUDA kernels take bf16 only"))
+        out.append(KernelChoice("FP4 kernels if NVRTC cannot compile", PATH_NAMES["tiled"],
+                                "checked once at load (torch.cuda._compile_kernel); announced as a RuntimeWarning"))
+    out += [
+        _pdl_choice(),
+        KernelChoice("decode step", "replayed from a captured CUDA graph (static KV cache)",
+                     "a decode step is a few hundred small kernels; launching them costs more than running them"),
+        KernelChoice("attention", "Triton flash attention (musecore_triton), GQA heads packed into tile rows",
+                     "decode splits long contexts along S when the heads fill < 2 waves (SM count, at load)"),
+        KernelChoice("router_topk", "cuBLAS fp32 product + Triton top-k kernel"),
+        KernelChoice("norms, silu_mul, logit_softcap, kv_write", "Triton row kernels (musecore_triton), fp32 math"),
+    ]
+    return out
+
+
+def env_settings() -> list[EnvSetting]:
+    return [
+        EnvSetting(pdl.ENV, os.environ.get(pdl.ENV), f"unset: on in decode graphs of batch <= {pdl.MAX_BATCH}",
+                   "programmatic dependent launch: 1 every kernel, 0 none, or a comma list of kernel names"),
+        EnvSetting(pdl.EARLY_ENV, os.environ.get(pdl.EARLY_ENV), "1: " + ",".join(pdl.EARLY_DEFAULT),
+                   "kernels (launched with PDL) that let the next one start from their top: 1, 0 or names"),
+        EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "unset",
+                   "1 runs the Triton kernels in Triton's CPU interpreter on a 'cpu' backend (tests only)"),
+    ]
+
+
+def resident_bytes(weight_format: str, out_features: int, in_features: int, *, experts: int = 0) -> Optional[int]:
+    """Bytes ``prepare_weight`` / ``prepare_experts`` keep: FP4 as packed nibbles, the block-scale bytes
+    and one fp32 ``out_scale`` per expert (no second copy); FP8 with N padded to 16 rows; None for
+    16-bit weights (kept as the checkpoint's tensor in the activation dtype) and unsupported formats."""
+    e = max(1, experts)
+    if weight_format in FP4_FORMATS:
+        return e * (out_features * in_features // 2 + out_features * (in_features // FP4_GROUP[weight_format]) + 4)
+    if weight_format == "fp8" and not experts:
+        return (out_features + (-out_features) % 16) * in_features + 4
+    return None

@@ -1,0 +1,54 @@
+"""What the CUDA backend installs into :mod:`musecore_triton.hooks`: programmatic dependent launch
+(:mod:`musecore_cuda.kernels.pdl`), hardware e4m3 conversion, and a PTX upcast of packed FP4 to bf16.
+Installed at import of :mod:`musecore_cuda` when this torch is a CUDA (not ROCm) build."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from musecore_cuda.kernels import pdl
+from musecore_triton import hooks
+
+
+@triton.jit
+def fp4x2_bf16_scaled(b, m_lo, m_hi):
+    """Packed E2M1 bytes -> (low-nibble, high-nibble) bf16 values times their group multipliers.
+
+    Inline PTX on 4 bytes at a time: ``prmt`` spreads two bytes into the 16-bit lanes of a
+    register, shift+mask put sign and magnitude bits in place (bf16 bits of value * 2**-126), and
+    one ``mul.rn.bf16x2`` applies two multipliers: about 2 instructions per weight instead of ~10
+    for the element-wise Triton path (which the interpreter and fp16 activations still use).
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, a, s, c;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shl.b32 a, t0, 6;  and.b32 a, a, 0x01C001C0; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000;
+        or.b32 c, a, s; mul.rn.bf16x2 $0, c, $5;
+        shl.b32 a, t1, 6;  and.b32 a, a, 0x01C001C0; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000;
+        or.b32 c, a, s; mul.rn.bf16x2 $1, c, $6;
+        shl.b32 a, t0, 2;  and.b32 a, a, 0x01C001C0; shl.b32 s, t0, 8;  and.b32 s, s, 0x80008000;
+        or.b32 c, a, s; mul.rn.bf16x2 $2, c, $7;
+        shl.b32 a, t1, 2;  and.b32 a, a, 0x01C001C0; shl.b32 s, t1, 8;  and.b32 s, s, 0x80008000;
+        or.b32 c, a, s; mul.rn.bf16x2 $3, c, $8;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[b, m_lo, m_hi], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+def launch_features(device: torch.device) -> dict:
+    """On an NVIDIA GPU: e4m3 scales through the hardware conversion and the PTX upcast above; in the
+    CPU interpreter (tests) the integer-op paths."""
+    on_gpu = device.type == "cuda"
+    return {"HW_FP8": on_gpu, "PACKED_UPCAST": on_gpu}
+
+
+def install() -> None:
+    hooks.install("cuda", launch_options=pdl.triton_options, early_trigger=pdl.early,
+                  launch_features=launch_features, pdl_wait=pdl.wait, pdl_launch_dependents=pdl.trigger,
+                  fp4x2_bf16_scaled=fp4x2_bf16_scaled)

@@ -1,0 +1,138 @@
+"""Vendor launch details of the portable Triton kernels, as hooks a GPU backend installs.
+
+The kernels of :mod:`musecore_triton.kernels` are written once for every GPU Triton targets. What
+only one vendor has enters here, with a portable default that changes nothing:
+
+* **dependent launch** (NVIDIA PDL): every kernel takes a ``PDL`` constexpr and calls
+  :func:`pdl_wait` before it reads what an earlier kernel wrote; the early-signalling GEMVs call
+  :func:`pdl_launch_dependents`. By default both are no-ops and :func:`launch_options` returns
+  ``{"PDL": False}``, so the kernel carries no wait at all;
+* **launch features**: :func:`launch_features` gives the constexprs that pick vendor code paths
+  (``HW_FP8``: hardware e4m3 conversion; ``PACKED_UPCAST``: the :func:`fp4x2_bf16_scaled` hook for
+  the bf16 FP4 upcast). Default: both off, the integer-op paths that run anywhere (and in the
+  CPU interpreter);
+* **SM count**: :func:`num_sms` sizes split-K and flash-decoding grids.
+
+A backend installs its versions once, at import, before any kernel is compiled::
+
+    from musecore_triton import hooks
+    hooks.install("cuda", launch_options=..., pdl_wait=..., ...)
+
+A second backend may not replace them (``install`` raises naming both); a backend installs only
+where its torch build is the one running (the CUDA backend: ``torch.version.hip is None``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _no_pdl_wait(PDL: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _no_pdl_launch_dependents(EARLY: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _fp4_bf16(c):
+    """E2M1 codes (int32) -> bf16 holding value * 2**-126 exactly."""
+    return (((c & 7) << 6) | ((c & 8) << 12)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp4x2_bf16_scaled_portable(b, m_lo, m_hi):
+    """Packed E2M1 bytes -> (low-nibble, high-nibble) bf16 values times their multipliers."""
+    c = b.to(tl.int32)
+    return _fp4_bf16(c & 15) * m_lo, _fp4_bf16(c >> 4) * m_hi
+
+
+# Triton functions the kernels call (resolved when a kernel is compiled; install() replaces them).
+pdl_wait = _no_pdl_wait
+pdl_launch_dependents = _no_pdl_launch_dependents
+fp4x2_bf16_scaled = _fp4x2_bf16_scaled_portable
+
+
+def _default_launch_options(device: torch.device, kernel: str) -> dict:
+    return {"PDL": False}
+
+
+def _default_early_trigger(device: torch.device, kernel: str) -> bool:
+    return False
+
+
+def _default_launch_features(device: torch.device) -> dict:
+    return {"HW_FP8": False, "PACKED_UPCAST": False}
+
+
+def _default_num_sms(device: torch.device) -> int:
+    if device.type == "cuda":  # torch's name for any GPU device, NVIDIA or AMD
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: keep grids small
+
+
+_launch_options: Callable[[torch.device, str], dict] = _default_launch_options
+_early_trigger: Callable[[torch.device, str], bool] = _default_early_trigger
+_launch_features: Callable[[torch.device], dict] = _default_launch_features
+_num_sms: Callable[[torch.device], int] = _default_num_sms
+_owner: Optional[str] = None
+
+
+def launch_options(device: torch.device, kernel: str) -> dict:
+    """Keywords for launching ``kernel`` on ``device``: at least the ``PDL`` constexpr (and whatever
+    launch attribute goes with it)."""
+    return _launch_options(device, kernel)
+
+
+def early_trigger(device: torch.device, kernel: str) -> bool:
+    """Whether ``kernel`` lets the next one start from its top (the ``EARLY`` constexpr of the GEMVs)."""
+    return _early_trigger(device, kernel)
+
+
+def launch_features(device: torch.device) -> dict:
+    """The vendor-path constexprs (``HW_FP8``, ``PACKED_UPCAST``) for kernels launched on ``device``."""
+    return _launch_features(device)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units) of ``device``; 4 in the CPU interpreter."""
+    return _num_sms(device)
+
+
+def owner() -> Optional[str]:
+    """The backend whose hooks are installed, or None (the portable defaults)."""
+    return _owner
+
+
+def install(backend: str, *, launch_options: Optional[Callable[[torch.device, str], dict]] = None,
+            early_trigger: Optional[Callable[[torch.device, str], bool]] = None,
+            launch_features: Optional[Callable[[torch.device], dict]] = None,
+            num_sms: Optional[Callable[[torch.device], int]] = None,
+            pdl_wait: Any = None, pdl_launch_dependents: Any = None, fp4x2_bf16_scaled: Any = None) -> None:
+    """Install ``backend``'s hooks (those not given keep the portable default). Call once, at import,
+    before any kernel is compiled: Triton resolves the jit hooks when it compiles a kernel."""
+    global _launch_options, _early_trigger, _launch_features, _num_sms, _owner
+    if _owner is not None and _owner != backend:
+        raise RuntimeError(f"musecore_triton hooks are already installed by backend {_owner!r}; {backend!r} cannot "
+                           "replace them (install a backend's hooks only where its torch build runs)")
+    jit = {"pdl_wait": pdl_wait, "pdl_launch_dependents": pdl_launch_dependents,
+           "fp4x2_bf16_scaled": fp4x2_bf16_scaled}
+    for name, fn in jit.items():
+        if fn is not None and not isinstance(fn, triton.runtime.jit.KernelInterface):  # jit or interpreted
+            raise TypeError(f"hook {name} must be a @triton.jit function; got {type(fn).__name__}")
+    _owner = backend
+    _launch_options = launch_options or _launch_options
+    _early_trigger = early_trigger or _early_trigger
+    _launch_features = launch_features or _launch_features
+    _num_sms = num_sms or _num_sms
+    module = globals()
+    for name, fn in jit.items():
+        if fn is not None:
+            module[name] = fn

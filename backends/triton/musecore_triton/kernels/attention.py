@@ -1,0 +1,171 @@
+"""Flash attention with musecore's position-based mask contract, for prefill and decode.
+
+The mask is not a shape rule but a function of positions (``musecore.ops.attention``): key j is
+visible to query i iff ``0 <= k_pos[j] <= q_pos[i]`` and, with a window, ``q_pos[i] - k_pos[j] <
+W``; ``k_pos = -1`` marks an empty cache slot, so ring-buffer caches and padded batches need no
+special casing. The kernel evaluates exactly that per tile and skips tiles nothing sees.
+
+GQA is handled by packing the ``G = nq/nkv`` query heads of one KV head into the rows of a tile
+(row r = token ``r // G``, head ``r % G``): K/V are read once per group, and at decode the 8-80
+heads of one token fill a 16-row tensor-core tile. Long decode contexts are split along S
+(flash-decoding) so that a handful of KV heads still occupies every SM; the partial results are
+merged with their log-sum-exp. FP8 K/V bytes are upcast exactly in registers and their per-tensor
+scales are applied to the scores and the output, never to the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+from musecore_triton import hooks
+from musecore_triton.kernels.fp4_gemm import dot_mode
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _e4m3_to(b, MODE: tl.constexpr):
+    """e4m3 bytes (int32) -> exact values in the dot type (bits shifted into place, then rescaled)."""
+    if MODE == 0:
+        x = (((b & 127) << 7) | ((b & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        return (x * 256.0).to(tl.float16)
+    elif MODE == 1:
+        x = (((b & 127) << 4) | ((b & 128) << 8)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return (x * 1.329227995784916e36).to(tl.bfloat16)  # 2**120
+    else:
+        return (((b & 127) << 20) | ((b & 128) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36
+
+
+@triton.jit
+def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
+                     sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t, so_h,
+                     T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split,
+                     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // nkv
+    kvh = pid_bh % nkv
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_valid = r < T * G
+    t = r // G
+    h = kvh * G + r % G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + t[:, None].to(tl.int64) * sq_t + h[:, None] * sq_h + d[None, :],
+                mask=r_valid[:, None], other=0.0)
+    qp = tl.load(qpos_ptr + b.to(tl.int64) * T + t, mask=r_valid, other=-1)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    s_begin = pid_s * keys_per_split
+    s_end = tl.minimum(S, s_begin + keys_per_split)
+    k_base = k_ptr + b.to(tl.int64) * sk_b + kvh * sk_h
+    v_base = v_ptr + b.to(tl.int64) * sv_b + kvh * sv_h
+    for s0 in range(s_begin, s_end, BLOCK_N):
+        offs_s = s0 + tl.arange(0, BLOCK_N)
+        s_mask = offs_s < s_end
+        kp = tl.load(kpos_ptr + b.to(tl.int64) * S + offs_s, mask=s_mask, other=-1)
+        visible = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
+        if HAS_WINDOW:
+            visible = visible & ((qp[:, None] - kp[None, :]) < window)
+        if tl.max(tl.max(visible.to(tl.int32), axis=1), axis=0) > 0:
+            k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
+            v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
+            if KV_FP8:
+                k = _e4m3_to(k.to(tl.int32), MODE)
+                v = _e4m3_to(v.to(tl.int32), MODE)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+    if SPLIT:
+        part = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * rows_pad + r
+        tl.store(o_ptr + part[:, None] * D + d[None, :], acc * v_scale)
+        tl.store(ml_ptr + part * 2, m_i)
+        tl.store(ml_ptr + part * 2 + 1, l_i)
+    else:
+        out = tl.where(l_i[:, None] > 0, acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        o_ptrs = o_ptr + b.to(tl.int64) * so_b + t[:, None].to(tl.int64) * so_t + h[:, None] * so_h + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=r_valid[:, None])
+
+
+def _merge_splits(partial: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
+    """Combine split-S partials ``[splits, BH, R, D]`` by their log2-sum-exp -> ``[BH, R, D]``."""
+    m, l = ml[..., 0], ml[..., 1]
+    m_max = m.amax(0)
+    m_max = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
+    w = torch.exp2(m - m_max)  # a split that saw nothing has m = -inf -> weight 0
+    denom = (w * l).sum(0)
+    num = (w[..., None] * partial).sum(0)
+    return torch.where(denom[..., None] > 0, num / denom.clamp_min(1e-30)[..., None], torch.zeros_like(num))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              window: Optional[int], scale: float, k_scale: Optional[float] = None,
+              v_scale: Optional[float] = None) -> torch.Tensor:
+    """The ``attention`` op (``musecore.ops``): causal GQA by positions, optional window and FP8 K/V."""
+    B, T, nq, d = q.shape
+    S, nkv = k.shape[1], k.shape[2]
+    if nq % nkv:
+        raise ValueError(f"GQA needs nq divisible by nkv; got nq={nq}, nkv={nkv}")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"the attention kernel needs a power-of-two head dim >= 16; got {d}")
+    kv_fp8 = k.dtype == torch.float8_e4m3fn
+    if kv_fp8 != (v.dtype == torch.float8_e4m3fn):
+        raise TypeError(f"k and v must both be fp8 or both 16-bit; got {k.dtype} and {v.dtype}")
+    if not kv_fp8 and k.dtype != q.dtype:
+        raise TypeError(f"16-bit k/v must match q's dtype {q.dtype}; got {k.dtype}")
+    mode = dot_mode(q.dtype)
+    group = nq // nkv
+    rows = T * group
+    block_m = 16 if rows <= 16 else 64
+    block_n = 64
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    m_blocks = triton.cdiv(rows, block_m)
+    programs = m_blocks * B * nkv
+    splits = 1
+    if programs < 2 * hooks.num_sms(q.device):
+        splits = max(1, min(triton.cdiv(2 * hooks.num_sms(q.device), programs), triton.cdiv(S, 4 * block_n)))
+    keys_per_split = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+    splits = triton.cdiv(S, keys_per_split) if S else 1
+    if kv_fp8:
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    qk_scale = scale * LOG2E * (k_scale if k_scale is not None else 1.0)
+    rows_pad = m_blocks * block_m
+    if splits > 1:
+        partial = torch.empty(splits, B * nkv, rows_pad, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(splits, B * nkv, rows_pad, 2, dtype=torch.float32, device=q.device)
+        target = partial
+    else:
+        ml = target = out
+    attention_kernel[(m_blocks, B * nkv, splits)](
+        q, k, v, q_pos.contiguous(), k_pos.contiguous(), target, ml,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        T, S, nkv, rows_pad, window if window is not None else 0, qk_scale,
+        v_scale if v_scale is not None else 1.0, keys_per_split,
+        G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, KV_FP8=kv_fp8,
+        HAS_WINDOW=window is not None, SPLIT=splits > 1, num_warps=4,
+        num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
+        **hooks.launch_options(q.device, "attention"))
+    if splits > 1:
+        merged = _merge_splits(partial, ml)[:, :rows]  # [B*nkv, T*G, d]
+        out.copy_(merged.reshape(B, nkv, T, group, d).permute(0, 2, 1, 3, 4).reshape(B, T, nq, d))
+    return out

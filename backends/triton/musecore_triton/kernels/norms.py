@@ -1,0 +1,237 @@
+"""Fused row-wise kernels: RMSNorm (weighted, weightless or scale-first), the post-sublayer norm +
+gated residual + next norm, weightless q/k norms + q scale + RoPE, and the head norm times its gate.
+
+Each is one pass over its rows in fp32 (one program per row), which is what makes them worth a
+kernel: the unfused PyTorch versions read and write the hidden state several times. Rounding
+follows the reference exactly where it rounds: a scale-first norm rounds ``x * w`` to the
+activation dtype before normalising (transformers' InputScaledRMSNorm), the post norm's output is
+rounded to its input's dtype before the residual gate reads it, and the new residual is rounded to
+its dtype before the next norm reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from musecore_triton import hooks
+
+
+@triton.jit
+def _rms(x, mask, n, eps):
+    x = tl.where(mask, x, 0.0)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+
+
+@triton.jit
+def _norm(x, w, mask, n, eps, HAS_WEIGHT: tl.constexpr, SCALE_FIRST: tl.constexpr, ACT: tl.constexpr):
+    """fp32 ``rms(x) * w`` (scale after), ``rms(round(x * w))`` (scale first, rounded to ``ACT``) or
+    ``rms(x)`` (no weight) of one row."""
+    if HAS_WEIGHT:
+        if SCALE_FIRST:
+            s = (x * w).to(ACT).to(tl.float32)
+            y = s * _rms(s, mask, n, eps)
+        else:
+            y = x * _rms(x, mask, n, eps) * w
+    else:
+        y = x * _rms(x, mask, n, eps)
+    return y
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, HAS_WEIGHT: tl.constexpr, SCALE_FIRST: tl.constexpr,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _norm(x, w, mask, n, eps, HAS_WEIGHT, SCALE_FIRST, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * n + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr,
+                         n, post_eps, eps, HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    o = tl.load(out_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    post = tl.load(post_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # The post norm (weightless, or scale-first), rounded to out's dtype as the reference's rms_norm returns it.
+    h = _norm(o, post, mask, n, post_eps, HAS_POST, True, out_ptr.dtype.element_ty)
+    h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
+    alpha = tl.load(alpha_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    new_res = (alpha * res + beta * h).to(new_res_ptr.dtype.element_ty)
+    tl.store(new_res_ptr + row * n + offs, new_res, mask=mask)
+    nxt = tl.load(next_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = _norm(new_res.to(tl.float32), nxt, mask, n, eps, HAS_NEXT, False, normed_ptr.dtype.element_ty)
+    tl.store(normed_ptr + row * n + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rope_row(x_ptr, cos_ptr, sin_ptr, y_ptr, src, dst, bt, eps, scale, D: tl.constexpr, ROPE: tl.constexpr):
+    """One head row: weightless RMSNorm over d times ``scale``, then (``ROPE``) x*cos + rotate_half(x)*sin."""
+    offs = tl.arange(0, D)
+    x = tl.load(x_ptr + src + offs).to(tl.float32)
+    r = scale / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * r
+    if ROPE:
+        rot = (offs + D // 2) % D  # rotate_half reads the other half...
+        sign = tl.where(offs < D // 2, -1.0, 1.0)  # ...negating the second half moved to the front
+        x_rot = tl.load(x_ptr + src + rot).to(tl.float32) * r * sign
+        cos = tl.load(cos_ptr + bt * D + offs).to(tl.float32)
+        sin = tl.load(sin_ptr + bt * D + offs).to(tl.float32)
+        y = y * cos + x_rot * sin
+    tl.store(y_ptr + dst + offs, y.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, nq, nkv, q_stride, k_stride, eps,
+                        q_scale, D: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+    """q's head rows then k's, one launch. Inputs may be slices of a fused projection: token
+    ``bt``'s heads start at ``bt * stride`` (heads contiguous within it); outputs are contiguous."""
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    row = tl.program_id(0).to(tl.int64)
+    if row < q_rows:  # (b*T + t) * nq + h
+        bt = row // nq
+        _norm_rope_row(q_ptr, cos_ptr, sin_ptr, qy_ptr, bt * q_stride + (row % nq) * D, row * D, bt, eps, q_scale,
+                       D, ROPE)
+    else:
+        row -= q_rows
+        bt = row // nkv
+        _norm_rope_row(k_ptr, cos_ptr, sin_ptr, ky_ptr, bt * k_stride + (row % nkv) * D, row * D, bt, eps, 1.0,
+                       D, ROPE)
+
+
+@triton.jit
+def head_norm_gate_kernel(o_ptr, g_ptr, y_ptr, nq, g_stride, eps, D: tl.constexpr, PDL: tl.constexpr):
+    """``rms(o) * sigmoid(g)`` element-wise on one head row; the gates may be a fused projection's slice
+    (token ``bt``'s ``nq * D`` gates contiguous from ``bt * g_stride``)."""
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    row = tl.program_id(0).to(tl.int64)  # (b*T + t) * nq + h
+    offs = tl.arange(0, D)
+    o = tl.load(o_ptr + row * D + offs).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / D + eps)
+    g = tl.load(g_ptr + (row // nq) * g_stride + (row % nq) * D + offs).to(tl.float32)
+    tl.store(y_ptr + row * D + offs, (o * r * (1.0 / (1.0 + tl.exp(-g)))).to(y_ptr.dtype.element_ty))
+
+
+# Warps per program of each row kernel; None keeps Triton's default (4). The head kernels (one head per
+# program) take one warp, whose reductions are shuffles only (measured; backends/cuda/lab/NOTES.md).
+WARPS: dict[str, int | None] = {"rms_norm": None, "residual_norm": None, "qk_norm_rope": 1, "head_norm_gate": 1}
+
+
+def _warps(kernel: str) -> dict:
+    return {} if WARPS[kernel] is None else {"num_warps": WARPS[kernel]}
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.numel() else 0
+
+
+def _check_head_dim(d: int) -> None:
+    if d & (d - 1):
+        raise ValueError(f"the fused head kernels need a power-of-two head dim; got {d}")
+
+
+def _vector(w: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A per-channel vector for a kernel; without one, ``x`` stands in (at least one row long: the kernel
+    loads it unconditionally, simpler than a constexpr branch, and ignores it)."""
+    return x if w is None else w.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, scale_first: bool = False) -> torch.Tensor:
+    """The ``rms_norm`` op: ``rms(x) * w``, ``rms(round(x * w))`` (``scale_first``) or ``rms(x)`` (no weight)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        n = x.shape[-1]
+        rms_norm_kernel[(_rows(x),)](x, _vector(weight, x), y, n, eps, HAS_WEIGHT=weight is not None,
+                                     SCALE_FIRST=scale_first, BLOCK=triton.next_power_of_2(n),
+                                     **_warps("rms_norm"), **hooks.launch_options(x.device, "rms_norm"))
+    return y
+
+
+def residual_norm(residual: torch.Tensor, out: torch.Tensor, post_weight: Optional[torch.Tensor],
+                  alpha: torch.Tensor, beta: torch.Tensor, next_weight: Optional[torch.Tensor], post_eps: float,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``residual_norm`` op: ``h = rms(out)`` or ``rms(round(out * post_weight))``; ``residual' =
+    alpha * residual + beta * h`` (fp32, rounded); ``normed = rms(residual') * next_weight``."""
+    residual, out = residual.contiguous(), out.contiguous()
+    new_residual = torch.empty_like(residual)
+    normed = torch.empty_like(residual)
+    if residual.numel():
+        n = residual.shape[-1]
+        residual_norm_kernel[(_rows(residual),)](residual, out, _vector(post_weight, out), alpha.contiguous(),
+                                                 beta.contiguous(), _vector(next_weight, out), new_residual, normed,
+                                                 n, post_eps, eps, HAS_POST=post_weight is not None,
+                                                 HAS_NEXT=next_weight is not None,
+                                                 BLOCK=triton.next_power_of_2(n), **_warps("residual_norm"),
+                                                 **hooks.launch_options(out.device, "residual_norm"))
+    return new_residual, normed
+
+
+def _token_rows(x: torch.Tensor, inner: int) -> tuple[torch.Tensor, int]:
+    """``x [B,T,...]`` and the distance between consecutive tokens' rows, where each token's trailing
+    ``inner`` elements are contiguous and tokens are evenly spaced (a fused projection's slice is);
+    otherwise a contiguous copy."""
+    B, T = x.shape[:2]
+    if x.numel() and x[0, 0].is_contiguous() and x[0, 0].numel() == inner:
+        if T == 1:
+            return x, x.stride(0)
+        if B == 1 or x.stride(0) == T * x.stride(1):
+            return x, x.stride(1)
+    x = x.contiguous()
+    return x, inner
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+                 eps: float, q_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``qk_norm_rope`` op: weightless per-head norms, q times ``q_scale``, RoPE unless cos/sin are None."""
+    _check_head_dim(q.shape[-1])
+    B, T, nq, d = q.shape
+    nkv = k.shape[2]
+    if k.shape[:2] != (B, T) or k.shape[3] != d:
+        raise ValueError(f"qk_norm_rope: q {list(q.shape)} and k {list(k.shape)} need the same B, T and head dim")
+    if (cos is None) != (sin is None):
+        raise ValueError("qk_norm_rope: give both cos and sin (a RoPE layer) or neither (a NoPE layer)")
+    rope = cos is not None
+    if rope:  # [B,T,d], or a table that broadcasts to it (one row set for the whole batch)
+        try:
+            cos, sin = cos.expand(B, T, d), sin.expand(B, T, d)
+        except RuntimeError as exc:
+            raise ValueError(f"qk_norm_rope: cos/sin must broadcast to [B,T,d] = {[B, T, d]}; got "
+                             f"{list(cos.shape)}, {list(sin.shape)}") from exc
+    (q, q_stride), (k, k_stride) = _token_rows(q, nq * d), _token_rows(k, nkv * d)
+    q_out = torch.empty(B, T, nq, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(B, T, nkv, d, dtype=k.dtype, device=k.device)
+    if B * T:
+        cos, sin = (cos.contiguous(), sin.contiguous()) if rope else (q_out, q_out)  # placeholders when NoPE
+        qk_norm_rope_kernel[(B * T * (nq + nkv),)](q, k, cos, sin, q_out, k_out, B * T * nq, nq, nkv, q_stride,
+                                                   k_stride, eps, q_scale, D=d, ROPE=rope, **_warps("qk_norm_rope"),
+                                                   **hooks.launch_options(q.device, "qk_norm_rope"))
+    return q_out, k_out
+
+
+def head_norm_gate(o: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """The ``head_norm_gate`` op: weightless per-head norm times an element-wise sigmoid gate."""
+    _check_head_dim(o.shape[-1])
+    o = o.contiguous()
+    y = torch.empty_like(o)
+    B, T, nq, d = o.shape
+    if gate_logits.shape != o.shape:
+        raise ValueError(f"head_norm_gate: gate logits {list(gate_logits.shape)} must be [B,T,nq,d] = {[B, T, nq, d]}")
+    g, g_stride = _token_rows(gate_logits, nq * d)
+    if o.numel():
+        head_norm_gate_kernel[(_rows(o),)](o, g, y, nq, g_stride, eps, D=d, **_warps("head_norm_gate"),
+                                           **hooks.launch_options(o.device, "head_norm_gate"))
+    return y

@@ -1,0 +1,79 @@
+"""Attention against ``musecore.ops.reference.attention``: the position mask contract (empty slots,
+causal, window, queries that see nothing), GQA, FP8 K/V, and split-S decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musecore.ops import reference as ref
+from musecore.ops import tolerance
+
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, HAS_GPU, assert_nmse
+
+from musecore_triton.kernels.attention import attention
+
+
+def case(B, T, S, nq, nkv, d, dtype, device=DEVICE):
+    q = torch.randn(B, T, nq, d, device=device).to(dtype)
+    k = torch.randn(B, S, nkv, d, device=device).to(dtype)
+    v = torch.randn(B, S, nkv, d, device=device).to(dtype)
+    return q, k, v
+
+
+def prefill_positions(B, T, S, device=DEVICE):
+    """Batch 0: keys 0..S-1 with the last 3 slots empty; batch 1: a ring buffer (rotated positions)."""
+    k_pos = torch.arange(S, device=device).repeat(B, 1)
+    k_pos[0, -3:] = -1
+    k_pos[1] = torch.roll(k_pos[1], 5)
+    q_pos = torch.arange(S - T, S, device=device).repeat(B, 1)
+    q_pos[0, 0] = -1  # a padding query: sees nothing, must return zeros
+    return q_pos, k_pos
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_prefill_attention_follows_the_mask_contract(window, dtype):
+    B, T, S, nq, nkv, d = 2, 9, 40, 4, 2, 32
+    q, k, v = case(B, T, S, nq, nkv, d, dtype)
+    q_pos, k_pos = prefill_positions(B, T, S)
+    out = attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
+    expected = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
+    assert out.dtype == dtype
+    assert torch.equal(out[0, 0].float(), torch.zeros_like(out[0, 0].float()))
+    assert_nmse(expected, out, tolerance("attention"), f"prefill window={window}")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_splits_long_contexts(fp8):
+    B, T, S, nq, nkv, d = 1, 1, 600, 8, 2, 64  # S long enough for several splits
+    q, k, v = case(B, T, S, nq, nkv, d, torch.float16)
+    k_pos = torch.arange(S, device=DEVICE)[None]
+    k_pos[0, 550:] = -1
+    q_pos = torch.tensor([[549]], device=DEVICE)
+    k_scale = v_scale = None
+    if fp8:
+        k_scale, v_scale = 0.05, 0.02
+        k = (k.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        v = (v.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    out = attention(q, k, v, q_pos, k_pos, 128, d ** -0.5, k_scale, v_scale)
+    expected = ref.attention(q, k, v, q_pos, k_pos, 128, d ** -0.5, k_scale, v_scale)
+    assert_nmse(expected, out, tolerance("attention"), f"decode fp8={fp8}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,S,window", [(1, 4096, None), (1, 32768, 2048), (512, 512, None), (300, 4096, 2048)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_at_model_heads_on_gpu(T, S, window, fp8):
+    B, nq, nkv, d = 2, 128, 16, 64  # the 816B preset's heads
+    q, k, v = case(B, T, S, nq, nkv, d, torch.bfloat16, device="cuda")
+    k_pos = torch.arange(S, device="cuda").repeat(B, 1)
+    k_pos[1, S // 2:] = -1
+    q_pos = torch.arange(S - T, S, device="cuda").repeat(B, 1)
+    ks = vs = None
+    if fp8:
+        ks, vs = 0.01, 0.01
+        k, v = ((t.float() / ks).clamp(-448, 448).to(torch.float8_e4m3fn) for t in (k, v))  # unclamped casts make NaN
+    out = attention(q, k, v, q_pos, k_pos, window, d ** -0.5, ks, vs)
+    expected = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5, ks, vs)
+    assert_nmse(expected, out, tolerance("attention"), f"T={T} S={S} window={window} fp8={fp8}")

@@ -1,0 +1,71 @@
+"""The router's top-k kernel, silu_mul and logit_softcap against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musecore.ops import reference as ref
+from musecore.ops import tolerance
+
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
+
+from musecore_triton.kernels import elementwise, router
+
+
+def router_case(tokens: int, experts: int, hidden: int, dtype: torch.dtype):
+    """Scores spread enough that no two experts tie after the bias (the order of tied experts is not defined)."""
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    weight = torch.randn(experts, hidden, device=DEVICE) * 4 * hidden ** -0.5
+    bias = torch.randn(experts, device=DEVICE) * 0.3
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("e,k", [(16, 4), (12, 3), (256, 8), (64, 8), (40, 6)])
+def test_router_topk_matches_reference(e, k):
+    """Same ids in the same order (descending score + bias) and fp32 weights within the op tolerance."""
+    x, weight, bias = router_case(5, e, 96, torch.float16)
+    w, ids = router.router_topk(x, weight, bias, k, 0.1767766952966369, 2.5)
+    ew, eids = ref.router_topk(x, weight, bias, k, 0.1767766952966369, 2.5)
+    assert torch.equal(ids, eids), f"E={e} k={k}: ids {ids.tolist()} vs reference {eids.tolist()}"
+    assert w.dtype == torch.float32 and w.shape == (5, k)
+    assert_nmse(ew, w, tolerance("router_topk"), f"router weights E={e} k={k}")
+
+
+def test_router_bias_chooses_but_does_not_weight():
+    """A large bias forces experts 3 and 5 into every token's choice; their weights stay the renormalised
+    sigmoid scores (bias left out), times the scaling."""
+    x, weight, _ = router_case(4, 8, 64, torch.float32)
+    bias = torch.zeros(8, device=DEVICE)
+    bias[3], bias[5] = 10.0, 9.0
+    w, ids = router.router_topk(x, weight, bias, 2, 1.0, 3.0)
+    assert ids.tolist() == [[3, 5]] * 4
+    scores = torch.sigmoid(x.float() @ weight.T)[:, [3, 5]]
+    assert_nmse(scores / scores.sum(-1, keepdim=True) * 3.0, w, 1e-10, "weights of the biased choice")
+
+
+def test_router_refuses_a_16bit_router_weight():
+    x, weight, bias = router_case(2, 8, 64, torch.float16)
+    with pytest.raises(TypeError, match="fp32"):
+        router.router_topk(x, weight.half(), bias, 2, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES + [torch.float32])
+def test_silu_mul_matches_reference_on_slices_of_a_fused_projection(dtype):
+    """gate and up as the two halves of one ``[B,T,2n]`` projection output (strided views), n not a
+    multiple of the block."""
+    fused = (torch.randn(2, 3, 2 * 1300, device=DEVICE) * 4).to(dtype)
+    gate, up = fused.split(1300, dim=-1)
+    y = elementwise.silu_mul(gate, up)
+    assert y.dtype == dtype and y.shape == gate.shape
+    assert_nmse(ref.silu_mul(gate, up), y, tolerance("silu_mul"), f"silu_mul {dtype}")
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES + [torch.float32])
+def test_logit_softcap_matches_reference(dtype):
+    logits = (torch.randn(2, 3, 3000, device=DEVICE) * 300).to(dtype)  # some far beyond the cap
+    logits[0, 0, :4] = torch.tensor([0.0, 1e-3, -1e-3, 6e4]).to(dtype)
+    y = elementwise.logit_softcap(logits, 0.1767766952966369, 20.0)
+    assert y.dtype == torch.float32 and y.abs().max() <= 20.0
+    assert_nmse(ref.logit_softcap(logits, 0.1767766952966369, 20.0), y, tolerance("logit_softcap"),
+                f"logit_softcap {dtype}")

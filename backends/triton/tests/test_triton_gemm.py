@@ -1,0 +1,83 @@
+"""The portable W4A16 GEMM (FP4 and dense 16-bit weights), the resident FP4 layout and the dense GEMV
+against the reference, in Triton's interpreter on CPU (or on any GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import musecore_quant
+from musecore.ops import Weight, tolerance
+from musecore.ops import reference as ref
+
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
+
+from musecore_triton.kernels.dense_gemv import dense_gemv
+from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
+from musecore_triton.layouts import prepare_fp4, repack_chunk_halves
+
+
+def reference_linear(x: torch.Tensor, qt) -> torch.Tensor:
+    dense = musecore_quant.dequantize(qt).to(x.device)
+    return ref.linear(x.float(), Weight(data=dense, format=qt.format, out_features=dense.shape[0],
+                                        in_features=dense.shape[1]))
+
+
+def tiled_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """``x @ W.T`` through the Triton GEMM with the config ``pick_config`` chooses (split-K allowed)."""
+    m, n, k = x.shape[0], w.out_features, w.in_features
+    cfg = pick_config(m, n, k, None, x.device, allow_split=True)
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1
+           else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
+                n=n, k=k, out=out, cfg=cfg)
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_w4a16_gemm_matches_reference(fmt, m, dtype):
+    n, k = 96, 256  # n not a multiple of the tile: exercises the row mask
+    w = torch.randn(n, k) * 0.05
+    w[3, :16] *= 40  # one block with a large scale, one nearly empty
+    w[7, 32:64] *= 1e-3
+    qt = musecore_quant.quantize(w, fmt)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    y = tiled_linear(x, prepare_fp4(qt, DEVICE))
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert_nmse(reference_linear(x, qt), y, tolerance("linear"), f"{fmt} W4A16 GEMM M={m} {dtype}")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_w4a16_gemm_split_k_sums_every_split(fmt):
+    n, k = 64, 1024  # 8 chunks: pick_config splits a one-token GEMM
+    qt = musecore_quant.quantize(torch.randn(n, k) * 0.05, fmt)
+    x = torch.randn(1, k, device=DEVICE).half()
+    assert pick_config(1, n, k, None, x.device, allow_split=True).split_k > 1
+    assert_nmse(reference_linear(x, qt), tiled_linear(x, prepare_fp4(qt, DEVICE)), tolerance("linear"),
+                f"{fmt} split-K")
+
+
+def test_repack_puts_element_j_and_j_plus_64_in_one_byte():
+    codes = torch.randint(0, 16, (3, 256), dtype=torch.uint8)
+    canonical = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    packed = repack_chunk_halves(canonical)
+    for c in range(2):
+        chunk = codes[:, c * 128:(c + 1) * 128]
+        assert torch.equal(packed[:, c * 64:(c + 1) * 64] & 0xF, chunk[:, :64])
+        assert torch.equal(packed[:, c * 64:(c + 1) * 64] >> 4, chunk[:, 64:])
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,blocks", [(37, 100, None), (130, 257, (4, 128)), (64, 2100, None), (9, 64, (1, 64)),
+                                        (50, 1536, (16, 512))])
+def test_dense_gemv_matches_reference(dtype, n, k, blocks):
+    """Partial row blocks, K not a power of two, K beyond one chunk (2100 > 2048), one row per program."""
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    got = dense_gemv(x, w, blocks=blocks)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert_nmse(x.float() @ w.float().T, got, tolerance("linear"), f"dense_gemv {n}x{k} {blocks} {dtype}")
+    with pytest.raises(ValueError, match="dense_gemv takes"):
+        dense_gemv(torch.randn(2, k, device=DEVICE).to(dtype), w)

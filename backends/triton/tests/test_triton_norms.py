@@ -1,0 +1,132 @@
+"""Fused row kernels (rms_norm, residual_norm, qk_norm_rope, head_norm_gate) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musecore.ops import reference as ref
+from musecore.ops import tolerance
+
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
+
+from musecore_triton.kernels import norms
+
+DTYPES = SMALL_DTYPES + [torch.float32]
+NORM_KINDS = ["weighted", "weightless", "scale_first"]
+
+
+def rope_tables(B: int, T: int, d: int):
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2).float() / d)
+    pos = torch.arange(T).float()[None, :, None] + torch.arange(B).float()[:, None, None] * 3
+    angles = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)  # [B,T,d]
+    return angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+
+
+def centred_weight(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``1 + w`` as the loader folds a centred norm weight, in the model dtype."""
+    return (1.0 + 0.5 * torch.randn(n, device=DEVICE)).to(dtype)
+
+
+@pytest.mark.parametrize("kind", NORM_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(kind, dtype):
+    x = (torch.randn(3, 5, 200, device=DEVICE) * 3).to(dtype)  # 200: not a power of two
+    w = None if kind == "weightless" else centred_weight(200, dtype)
+    y = norms.rms_norm(x, w, 1e-6, scale_first=kind == "scale_first")
+    assert y.dtype == dtype
+    assert_nmse(ref.rms_norm(x, w, 1e-6, kind == "scale_first"), y, tolerance("rms_norm"), f"rms_norm {kind} {dtype}")
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="fp16 rounding of x*w is shown on the interpreter's fp16 run")
+def test_scale_first_norm_rounds_the_scaled_input_before_normalising():
+    """Values whose product with the weight is not representable in fp16: the kernel must round it first
+    (bit-exact against the reference here, where an unrounded product differs)."""
+    x = (torch.randn(4, 64, device=DEVICE) * 3).half()
+    w = torch.full((64,), 1.0 + 2 ** -9, device=DEVICE).half()  # x*w falls between fp16 neighbours
+    y = norms.rms_norm(x, w, 1e-8, scale_first=True)
+    unrounded = ref.rms(x.float() * w.float(), 1e-8).half()
+    assert torch.equal(y, ref.rms_norm(x, w, 1e-8, scale_first=True))
+    assert not torch.equal(y, unrounded)
+
+
+@pytest.mark.parametrize("post", ["weightless", "scale_first"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_norm_gates_the_residual_and_rounds_it_before_the_next_norm(post, dtype):
+    res = torch.randn(4, 256, device=DEVICE).to(dtype)
+    out = (torch.randn(4, 256, device=DEVICE) * 4).to(dtype)
+    post_w = None if post == "weightless" else centred_weight(256, dtype)
+    alpha, beta = ref.residual_gate_coefficients(torch.randn(256, device=DEVICE), 0.3)
+    nxt = centred_weight(256, dtype)
+    new_res, normed = norms.residual_norm(res, out, post_w, alpha, beta, nxt, 1e-8, 1e-5)
+    exp_res, exp_normed = ref.residual_norm(res, out, post_w, alpha, beta, nxt, 1e-8, 1e-5)
+    assert new_res.dtype == normed.dtype == dtype
+    assert_nmse(exp_res, new_res, tolerance("residual_norm"), f"residual ({post} post norm, {dtype})")
+    assert_nmse(exp_normed, normed, tolerance("residual_norm"), f"normed ({post} post norm, {dtype})")
+
+
+def test_residual_gate_weights_the_residual_and_the_sublayer_separately():
+    """alpha = 0 keeps only the normed sublayer output, beta = 0 only the residual (fp32 gate, exact)."""
+    res, out = torch.randn(2, 128, device=DEVICE).half(), torch.randn(2, 128, device=DEVICE).half()
+    ones, zeros = torch.ones(128, device=DEVICE), torch.zeros(128, device=DEVICE)
+    be = norms  # the kernel module offers the ops by their names
+    only_res, _ = be.residual_norm(res, out, None, ones, zeros, None, 1e-8, 1e-5)
+    only_out, _ = be.residual_norm(res, out, None, zeros, ones, None, 1e-8, 1e-5)
+    assert torch.equal(only_res, res)
+    assert torch.equal(only_out, ref.rms_norm(out, None, 1e-8))
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "nope"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_matches_reference(rope, dtype):
+    B, T, nq, nkv, d = 2, 3, 4, 2, 64
+    q = torch.randn(B, T, nq, d, device=DEVICE).to(dtype)
+    k = torch.randn(B, T, nkv, d, device=DEVICE).to(dtype)
+    cos, sin = rope_tables(B, T, d) if rope else (None, None)
+    q2, k2 = norms.qk_norm_rope(q, k, cos, sin, 1e-5, 5.4730064863875)
+    eq, ek = ref.qk_norm_rope(q, k, cos, sin, 1e-5, 5.4730064863875)
+    assert_nmse(eq, q2, tolerance("qk_norm_rope"), f"q ({'rope' if rope else 'nope'}, {dtype})")
+    assert_nmse(ek, k2, tolerance("qk_norm_rope"), f"k ({'rope' if rope else 'nope'}, {dtype})")
+
+
+def test_q_scale_multiplies_q_only():
+    q, k = torch.randn(1, 2, 2, 64, device=DEVICE), torch.randn(1, 2, 1, 64, device=DEVICE)
+    be = norms  # the kernel module offers the ops by their names
+    q1, k1 = be.qk_norm_rope(q, k, None, None, 1e-5, 1.0)
+    q3, k3 = be.qk_norm_rope(q, k, None, None, 1e-5, 3.0)
+    assert torch.equal(k1, k3)
+    assert_nmse(q1 * 3.0, q3, 1e-12, "q scaled by 3")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_norm_gate_gates_each_element(dtype):
+    o = torch.randn(2, 3, 4, 64, device=DEVICE).to(dtype)
+    g = (torch.randn(2, 3, 4, 64, device=DEVICE) * 2).to(dtype)
+    y = norms.head_norm_gate(o, g, 1e-5)
+    assert_nmse(ref.head_norm_gate(o, g, 1e-5), y, tolerance("head_norm_gate"), f"head_norm_gate {dtype}")
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (1, 3), (2, 3)])
+def test_head_kernels_read_slices_of_a_fused_projection(B, T):
+    """q, k and the gates as views into one ``[B,T,(nq+2nkv)*d + nq*d]`` projection output (how the
+    model's fused q/k/v/gate linear hands them over), and a k that is not token-evenly spaced."""
+    nq, nkv, d = 4, 2, 64
+    fused = torch.randn(B, T, (nq + 2 * nkv) * d + nq * d, device=DEVICE).half()
+    q, k, _v, g = fused.split((nq * d, nkv * d, nkv * d, nq * d), dim=-1)
+    q, k, g = q.view(B, T, nq, d), k.view(B, T, nkv, d), g.view(B, T, nq, d)
+    cos, sin = rope_tables(B, T, d)
+    be = norms  # the kernel module offers the ops by their names
+    for name, kk in (("k slice", k), ("k transposed", torch.randn(B, nkv, T, d, device=DEVICE).half().transpose(1, 2))):
+        q2, k2 = be.qk_norm_rope(q, kk, cos, sin, 1e-5, 2.0)
+        eq, ek = ref.qk_norm_rope(q, kk, cos, sin, 1e-5, 2.0)
+        assert_nmse(eq, q2, tolerance("qk_norm_rope"), f"q ({name}, B={B} T={T})")
+        assert_nmse(ek, k2, tolerance("qk_norm_rope"), f"k ({name}, B={B} T={T})")
+    o = torch.randn(B, T, nq, d, device=DEVICE).half()
+    assert_nmse(ref.head_norm_gate(o, g, 1e-5), be.head_norm_gate(o, g, 1e-5), tolerance("head_norm_gate"),
+                f"head_norm_gate, gates sliced (B={B} T={T})")
+
+
+def test_head_norm_gate_rejects_one_gate_per_head():
+    o = torch.randn(1, 1, 4, 64, device=DEVICE).half()
+    with pytest.raises(ValueError, match=r"\[B,T,nq,d\]"):
+        norms.head_norm_gate(o, torch.randn(1, 1, 4, device=DEVICE).half(), 1e-5)
