@@ -18,14 +18,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from musecore.backends.base import Backend, Probe, Support, WeightIn
+from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
 from musecore.backends.reference import weight_format_of
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_quant.qtensor import QTensor
+from musecore_xeon import choices
 from musecore_xeon import ops as xops
 from musecore_xeon.cpu import CpuInfo, configure_threads, read_cpu_info
 from musecore_xeon.kernels import native
@@ -129,6 +130,19 @@ class XeonBackend(Backend):
                                   + ("; FP8 KV dequantized per tensor first" if spec.kv_format == "fp8" else ""))
         return Support.native(OP_REASONS[op])
 
+    # -- what the plan shows ------------------------------------------------------------------------
+    def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
+        """The ISA, native kernels, binding, threads, attention path, and per linear shape the path for each M range
+        with its crossover (:mod:`musecore_xeon.choices`); decided on this host's probe, never raises."""
+        return choices.kernel_choices(linears, profile, self.cpu, self.num_threads)
+
+    def env_settings(self) -> list[EnvSetting]:
+        return choices.env_settings()
+
+    def resident_bytes(self, weight_format: str, out_features: int, in_features: int, *,
+                       experts: int = 0) -> Optional[int]:
+        return choices.resident_bytes(weight_format, out_features, in_features, experts=experts)
+
     # -- weights -----------------------------------------------------------------------------------
     def _check_format(self, weight: WeightIn, act_format: Optional[str]) -> str:
         if act_format is not None:
@@ -227,11 +241,6 @@ class XeonBackend(Backend):
             raise TypeError("xeon moe got ExpertWeights that XeonBackend.prepare_experts did not make; "
                             "prepare them with this backend")
         return moe_forward(z, weights, ids, resident, post_norm, post_eps)
-
-    def benchmarks(self) -> dict[str, Any]:
-        """``{case: callable -> rows}`` for ``musecore bench --backend xeon`` (see :mod:`musecore_xeon.bench`)."""
-        from musecore_xeon.bench import benchmarks
-        return benchmarks(self)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                   window: Optional[int], scale: float, k_scale: Optional[float] = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from musecore import compile_cache
 from musecore.backends.reference import ReferenceBackend
 from musecore_xeon import XeonBackend
 from musecore_xeon.kernels import native
@@ -43,7 +44,7 @@ def no_c_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path):
     afterwards with the real environment)."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "cache"))
     native.load.cache_clear()
     yield
     native.load.cache_clear()

@@ -76,3 +76,22 @@ def test_all_bf16_baseline_keeps_every_sparse_layer_in_bf16() -> None:
     baseline = bench.all_experts_bf16(config)
     assert baseline.bf16_expert_layers == config.sparse_layers != config.bf16_expert_layers
     assert baseline.hidden_size == config.hidden_size and baseline.layer_types == config.layer_types
+
+
+def test_musecore_bench_finds_the_cases_through_the_entry_point_group() -> None:
+    from musecore.commands.bench import benchmark_cases
+    from musecore_xeon import XeonBackend
+
+    cases = benchmark_cases("xeon")
+    assert set(cases) == {"linear", "moe", "attention", "e2e"} and all(callable(f) for f in cases.values()), cases
+    assert not hasattr(XeonBackend, "benchmarks"), "the cases come from the entry point, not from the backend class"
+
+
+def test_the_backend_does_not_import_its_benchmarks() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, musecore_xeon; XeonBackend = musecore_xeon.XeonBackend; XeonBackend().probe(); " \
+           "print('musecore_xeon.bench' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]

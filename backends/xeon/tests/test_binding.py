@@ -75,7 +75,7 @@ def test_every_call_returns_a_fresh_output() -> None:
 def test_binding_env_chooses_ctypes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(binding.BINDING_ENV, "0")
     address = ctypes.cast(native.load().musecore_int4_linear, ctypes.c_void_p).value
-    assert binding.load.__wrapped__(native.cache_dir(), address, address) is None  # uncached: the environment is read again
+    assert binding.load.__wrapped__(address, address) is None  # uncached: the environment is read again
     assert binding.UNAVAILABLE[-1] == f"disabled by {binding.BINDING_ENV}"
     monkeypatch.setattr(native, "linear_binding", lambda: None)
     gemv = bound_gemv()
@@ -90,4 +90,4 @@ def test_without_a_cxx_compiler_the_gemv_goes_through_ctypes_with_a_warning(monk
     monkeypatch.setattr(binding, "cxx_compiler", lambda: None)
     address = ctypes.cast(native.load().musecore_int4_linear, ctypes.c_void_p).value
     with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler .* called through ctypes"):
-        assert binding.load.__wrapped__(tmp_path, address, address) is None
+        assert binding.load.__wrapped__(address, address) is None

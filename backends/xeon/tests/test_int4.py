@@ -16,7 +16,7 @@ from musecore_quant.qtensor import QTensor
 from musecore_xeon import XeonBackend
 from musecore_xeon.kernels import native
 from musecore_xeon.kernels.crossover import INT4_CROSSOVER_ENV, measure_crossover, pick_crossover
-from musecore_xeon.kernels.int4 import (INT4_KERNEL_ENV, Int4Linear, from_planar, int4_crossover, interleave_row_blocks,
+from musecore_xeon.kernels.int4 import (Int4Linear, from_planar, int4_crossover, interleave_row_blocks,
                                         int4pack_block_n, prepare_int4, to_planar, uses_amx)
 
 SHAPES = [(256, 512), (512, 256), (128, 1024), (96, 256), (4, 128)]  # (out, in); 96 and 4 rows are padded
@@ -410,10 +410,9 @@ def test_one_copy_of_the_codes_with_the_native_kernel() -> None:
     assert lin.nbytes == 256 * 512 // 2 + 256 * 4 * 4  # codes + fp16 (scale, zero) per group
 
 
-def test_int4pack_kernel_on_request_keeps_the_planar_copy_only_when_tiles_can_run(monkeypatch) -> None:
-    monkeypatch.setenv(INT4_KERNEL_ENV, "int4pack")
+def test_int4pack_kernel_on_request_keeps_the_planar_copy_only_when_tiles_can_run() -> None:
     qt = random_int4(96, 512, negative_scales=True, asymmetric=True)
-    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    lin = prepare_int4(qt, torch.float32, calibrate=False, kernel="int4pack")
     assert lin.kernel == "int4pack" and lin.packed is not None
     codes = lin.codes.clone()
     lin.set_crossover(None)
@@ -423,9 +422,8 @@ def test_int4pack_kernel_on_request_keeps_the_planar_copy_only_when_tiles_can_ru
     for m in (1, 3, 8, 20):
         x = torch.randn(m, 512, dtype=torch.bfloat16)
         assert_nmse(reference_linear(x, qt), lin(x).float(), tolerance("linear"), f"int4pack M={m}")
-    monkeypatch.setenv(INT4_KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match=INT4_KERNEL_ENV):
-        prepare_int4(qt, torch.float32, calibrate=False)
+    with pytest.raises(ValueError, match="INT4 small-M kernel 'fast'"):
+        prepare_int4(qt, torch.float32, calibrate=False, kernel="fast")
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (96, 384), (600, 4096)])  # 600 x 4096: two tiles, the second partial

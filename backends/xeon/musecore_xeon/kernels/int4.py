@@ -13,15 +13,14 @@ dequantize-then-matmul only in the fp32 summation order; the GEMV rounds the act
 
 PyTorch's ``_weight_int4pack_mm_for_cpu`` (its own packing, bf16 ``scales_and_zeros [K/g, N, 2]``,
 ``(q - 8) * scale + zero`` with ``zero = (8 - z) * scale``, FORMATS.md) remains the small-M kernel when
-the native kernels cannot be built (no compiler, announced by a RuntimeWarning), when
-``MUSECORE_XEON_INT4_KERNEL=int4pack`` asks for it, or when K is not a multiple of 64 (g = 32 only).
+the native kernels cannot be built (no compiler, announced by a RuntimeWarning), when a caller asks for it
+(``kernel="int4pack"``: the lab's comparisons), or when K is not a multiple of 64 (g = 32 only).
 Then the planar codes are a second copy, kept only while the dense-tile path can be used.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,17 +37,13 @@ KERNEL_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 PACK_ROWS = 64  # the largest int4pack block (AVX-512); its rows are padded to it so every block is full
 LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F  # the low nibble of each byte of an int64 word
 DENSE_COPY_MAX_M = max(CALIBRATION_MS)  # a crossover above this M never uses the dense copy in the measured range
-INT4_KERNEL_ENV = "MUSECORE_XEON_INT4_KERNEL"
 SMALL_M_KERNELS = ("native", "int4pack")
 
 
 def small_m_kernel(in_features: int, group_size: int) -> str:
-    """``native`` (the C GEMV) unless asked for ``int4pack`` by env, K does not fit the planar layout,
-    or the native kernels are unavailable (announced by :mod:`native`)."""
-    choice = os.environ.get(INT4_KERNEL_ENV, "").strip().lower() or "native"
-    if choice not in SMALL_M_KERNELS:
-        raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: expected one of {SMALL_M_KERNELS}")
-    if choice == "int4pack" or in_features % planar_chunk(group_size) or not native.available():
+    """``native`` (the C GEMV) unless K does not fit the planar layout or the native kernels are unavailable
+    (announced by :mod:`native`)."""
+    if in_features % planar_chunk(group_size) or not native.available():
         return "int4pack"
     return "native"
 
@@ -355,11 +350,13 @@ def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tens
               dense_dtype: torch.dtype, kernel: Optional[str] = None) -> Int4Linear:
     """Canonical INT4 tensors of one weight (``data [N, K/2]``, ``scale``/``zero [N, K/g]``) -> resident.
 
-    ``kernel``: the small-M kernel (default :func:`small_m_kernel`). With ``int4pack`` the planar copy is
+    ``kernel``: the small-M kernel asked for (``native``, the default, or ``int4pack``; :func:`small_m_kernel`). With ``int4pack`` the planar copy is
     built too and dropped later by :meth:`Int4Linear.set_crossover` when the dense path is never used.
     """
     n, k = data.shape[0], data.shape[1] * 2
     check_int4_shape(k, group_size)
+    if kernel is not None and kernel not in SMALL_M_KERNELS:
+        raise ValueError(f"INT4 small-M kernel {kernel!r}: expected one of {SMALL_M_KERNELS}")
     kernel = kernel or small_m_kernel(k, group_size)
     if kernel == "native" and k % planar_chunk(group_size):
         raise ValueError(f"the native INT4 kernel needs K a multiple of {planar_chunk(group_size)}; got {k}")
@@ -420,7 +417,8 @@ def int4_crossover(in_features: int, out_features: int, group_size: int, dense_d
     return cached_crossover(key, INT4_CROSSOVER_ENV, "int4-" + kernel, in_features, proxy_rows, measure)
 
 
-def prepare_int4(qt: QTensor, dense_dtype: torch.dtype, *, calibrate: bool = True) -> Int4Linear:
+def prepare_int4(qt: QTensor, dense_dtype: torch.dtype, *, calibrate: bool = True,
+                 kernel: Optional[str] = None) -> Int4Linear:
     """A 2-D canonical INT4 QTensor -> :class:`Int4Linear` with its measured crossover.
 
     Example::
@@ -433,7 +431,7 @@ def prepare_int4(qt: QTensor, dense_dtype: torch.dtype, *, calibrate: bool = Tru
     if len(qt.shape) != 2:
         raise ValueError(f"prepare_int4 takes one [out, in] weight; got logical shape {qt.shape} "
                          "(stacked experts go through prepare_experts)")
-    resident = pack_int4(qt.data, qt.scale, qt.zero, qt.group_size, dense_dtype)
+    resident = pack_int4(qt.data, qt.scale, qt.zero, qt.group_size, dense_dtype, kernel)
     if calibrate:
         calibration = int4_crossover(resident.in_features, resident.out_features, qt.group_size, dense_dtype,
                                      resident.kernel)

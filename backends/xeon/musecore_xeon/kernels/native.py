@@ -1,10 +1,9 @@
-"""The INT4 kernels in C: a GEMV / skinny GEMM for small M and the dense-tile dequantizer, compiled at
-first use and called through ctypes (the C source is in :mod:`native_int4_source`), except the bound GEMV of
-:class:`Int4Gemv`, called through the CPython extension of :mod:`musecore_xeon.kernels.binding`.
+"""The INT4 kernels in C: a GEMV / skinny GEMM for small M and the dense-tile dequantizer, compiled at first use
+from ``musecore_xeon/csrc/kernels.c`` and called through ctypes, except the bound GEMVs (:class:`Int4Gemv`,
+:class:`Bf16Gemv`), called through the CPython extension of :mod:`musecore_xeon.kernels.binding`.
 
-Why: PyTorch's ``_weight_int4pack_mm_for_cpu`` is compute-bound on AVX2 (~6 Gweights/s per core, 15-20%
-of the memory bandwidth at M=1 on the 2-core EPYC), and so was a float GEMV (int -> float conversion per
-weight, ~9.5 GB/s per core). This GEMV works in integers on a layout made for ``_mm256_madd_epi16``:
+Why: PyTorch's ``_weight_int4pack_mm_for_cpu`` is compute-bound on AVX2 (it converts every weight to float), far
+below the memory bandwidth at M = 1. This GEMV works in integers on a layout made for ``_mm256_madd_epi16``:
 
 **Nibble-planar layout.** A row of K codes is cut into chunks of C = max(g, 64) columns, each stored as
 W = C/8 int32 words; column ``p*W + q`` of the chunk is word q, nibble ``p/2 + 4*(p%2)``: nibbles j and j+4
@@ -12,10 +11,10 @@ W = C/8 int32 words; column ``p*W + q`` of the chunk is word q, nibble ``p/2 + 4
 ``(w >> 4j) & 0x000F000F`` is a vector of int16 code pairs (nibble 3/7: one 16-bit shift). For g = 32 the
 first 4 positions are one group and the last 4 the next: no pair straddles a group. The rows of a 4-row block
 are interleaved chunk by chunk (chunk c of rows 0, 1, 2, 3, then chunk c + 1: ``[N/4, K/C, 4, W]``, viewed as
-``[N, K/8]``), so the GEMV reads each block as one sequential stream (4 rows of 1 KiB read side by side streamed
-at ~12-13 GB/s per core, a sequential read at 16-19 GB/s; a cold 8192x2048 GEMV gained 16% on one thread and 27% on two, medians in alternating rounds). Scales and zeros are the
-QTensor's fp16 scale and the integer zero, blocked per 4-row block ``[N/4, K/g, 2, 4]`` (4 scales then 4
-zeros: one 16-byte load per group and block). 4 bytes per group, the same as PyTorch's bf16 (scale, zero).
+``[N, K/8]``), so the GEMV reads each block as one sequential stream, which the hardware prefetcher follows
+better than four rows side by side. Scales and zeros are the QTensor's fp16 scale and the integer zero, blocked
+per 4-row block ``[N/4, K/g, 2, 4]`` (4 scales then 4 zeros: one 16-byte load per group and block). 4 bytes per
+group, the same as PyTorch's bf16 (scale, zero).
 
 **int16 activations.** Each call quantizes every activation group to int16, ``sx = max|x_group| / 32767``,
 ``xq = round(x / sx)`` (an all-zero group: sx = 0, xq = 0), stored in the order of the code pairs. The
@@ -25,26 +24,26 @@ per 8 words (64 weights) and row 4 x (shift/AND, ``madd_epi16``, ``add_epi32``) 
 group (|sum| <= 2 g 15 32767 < 2^31 for g <= 256), one named variable per row (arrays stayed on the stack);
 groups are flushed in pairs: the 4 rows' sums transposed by unpack/add (no hadd), two groups in one vector, the
 zero term ``z * sum(xq)`` subtracted in int32 (exact; with the quantized sum, the result is exactly the dot product
-of the rounded activation with the exact weight ``(q - z) * s``; its error ``sum e (q - z)`` has a smaller
-variance than the ``sum e q`` left by an exact float sum of x: 21.5 vs 77.5 per term for codes spread over 0..15
-with z = 8), then one conversion and one FMA with ``s * sx`` into an
-fp32 total kept as even and odd groups (added at the end). M = 2 decodes each word once for both activation rows.
-The portable C path does the same integer sums and float operations (the same bits).
+of the rounded activation with the exact weight ``(q - z) * s``, whose error ``sum e (q - z)`` has a smaller
+variance than the ``sum e q`` an exact float sum of x would leave), then one conversion and one FMA with
+``s * sx`` into an fp32 total kept as even and odd groups (added at the end). M = 2 decodes each word once for
+both activation rows. The portable C path does the same integer sums and float operations (the same bits).
 
 The same codes feed the dense-tile path above the crossover M (``musecore_int4_dequant``: exact fp32 tiles
 for SGEMM), so there is one resident copy of the codes (0.53 byte/weight at g = 128).
 
 **Threads.** Row blocks are split with OpenMP over PyTorch's thread count, linked against PyTorch's own
 ``libgomp`` (``torch/lib``): one thread pool for PyTorch and these kernels (a second OpenMP runtime spins and
-fights PyTorch's on a 2-core host); the bound call reads ``omp_get_max_threads()`` of that runtime, which is
+fights PyTorch's on a small host); the bound call reads ``omp_get_max_threads()`` of that runtime, which is
 what ``torch.get_num_threads()`` returns. Without that library the code is built without OpenMP (one
 thread), and :data:`UNAVAILABLE` says so.
 
 Build: the system C compiler (``$CC``, ``cc`` or ``gcc``; no PyTorch headers, ~1 s) the first time; the
-shared object is cached under ``$MUSECORE_XEON_CACHE`` (default ``~/.cache/musecore_xeon``) keyed by a
-hash of the source and flags. ``-mavx2 -mfma -mf16c`` where the CPU has them; elsewhere the portable C
-path (``#ifndef __AVX2__``) is compiled. Without a compiler, or with ``MUSECORE_XEON_NATIVE_DEQUANT=0``,
-the backend runs PyTorch's int4pack kernel and PyTorch-op dequantization, announced by a RuntimeWarning.
+shared object is kept in the per-user compile cache (:mod:`musecore.compile_cache`, ``$MUSECORE_CACHE``),
+keyed by the sources, the compiler and the flags. ``-mavx2 -mfma -mf16c`` where the CPU has them (more for
+AVX-512 VNNI and AMX, capped by ``MUSECORE_XEON_ISA``); elsewhere the portable C path (``#ifndef __AVX2__``).
+Without a compiler, or with ``MUSECORE_XEON_NATIVE_DEQUANT=0``, the backend runs PyTorch's int4pack kernel and
+PyTorch-op dequantization, announced by a RuntimeWarning.
 """
 
 from __future__ import annotations
@@ -63,17 +62,13 @@ import torch
 
 from musecore_xeon.kernels import binding
 from musecore_xeon.kernels.compile import compile_cached
-from musecore_xeon.kernels.native_amx_source import AMX_SOURCE
-from musecore_xeon.kernels.native_bf16_source import BF16_SOURCE
-from musecore_xeon.kernels.native_int4_source import INT4_SOURCE
-from musecore_xeon.kernels.native_moe_source import MOE_SOURCE
-from musecore_xeon.kernels.native_ops_source import OPS_SOURCE
 
 NATIVE_ENV = "MUSECORE_XEON_NATIVE_DEQUANT"
-CACHE_ENV = "MUSECORE_XEON_CACHE"
-ROWS = 4  # rows per GEMV block (ROWS in the C source): the nibble-planar codes are padded to a multiple
+ROWS = 4  # rows per GEMV block (ROWS in int4.c): the nibble-planar codes are padded to a multiple
 
-SOURCE = INT4_SOURCE + AMX_SOURCE + OPS_SOURCE + BF16_SOURCE + MOE_SOURCE
+# csrc/kernels.c includes the others: one translation unit, one shared object
+MAIN_SOURCE = "kernels.c"
+SOURCES = (MAIN_SOURCE, "int4.c", "amx.c", "ops.c", "bf16.c", "moe.c")
 
 
 def torch_libgomp() -> Optional[Path]:
@@ -100,7 +95,7 @@ def isa_cap() -> str:
 def compile_flags(cap: Optional[str] = None, info=None) -> list[str]:
     """The compiler flags for this CPU (or ``info``'s), up to ``cap`` (default :func:`isa_cap`): ``-mavx2 -mfma
     -mf16c`` where the CPU has AVX2, plus the AVX-512 VNNI flags where it has those (the GEMVs then read 512 bits per
-    load), plus AMX-BF16 and AVX-512 BF16 where it has those (the INT4 GEMM of :mod:`native_amx_source`)."""
+    load), plus AMX-BF16 and AVX-512 BF16 where it has those (the INT4 GEMM of ``csrc/amx.c``)."""
     from musecore_xeon.cpu import read_cpu_info
     info = info or read_cpu_info()
     level = ISA_LEVELS.index(cap or isa_cap())
@@ -115,10 +110,6 @@ def compile_flags(cap: Optional[str] = None, info=None) -> list[str]:
     # -fopenmp links "libgomp.so.1"; -L/-rpath make that PyTorch's copy, already loaded by `import torch`
     omp = ["-fopenmp", f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []
     return ["-O3", "-fPIC", "-shared", *isa, *omp]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "musecore_xeon")
 
 
 UNAVAILABLE: list[str] = []  # why the native kernels are not used (or run single-threaded), once known
@@ -141,13 +132,14 @@ def compiler() -> Optional[str]:
 
 
 def build(flags: list[str]) -> Optional[Path]:
-    """The shared object of :data:`SOURCE` compiled with ``flags`` (cached by a hash of both), or None without a
-    compiler. Raises ``OSError`` / ``SubprocessError`` when the build fails."""
-    def command(src: Path, obj: Path) -> Optional[list[str]]:
-        cc = compiler()
-        return None if cc is None else [cc, *flags, "-o", str(obj), str(src), "-lm"]
-
-    return compile_cached(cache_dir(), "int4", SOURCE, " ".join(flags) + " libs: -lm", ".c", command, timeout=120)
+    """The shared object of ``csrc/kernels.c`` compiled with ``flags`` (in the per-user compile cache, keyed by the
+    sources, the compiler and the flags), or None without a compiler. Raises ``CacheError`` for a cache directory
+    that is not private, ``OSError`` / ``SubprocessError`` when the build fails."""
+    cc = compiler()
+    if cc is None:
+        return None
+    return compile_cached("kernels", SOURCES, MAIN_SOURCE, cc, [*flags, "-lm"],
+                          lambda src, obj: [cc, *flags, "-o", str(obj), str(src), "-lm"], timeout=120)
 
 
 def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -277,7 +269,7 @@ def linear_binding() -> Optional[ModuleType]:
     if lib is None:
         return None
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-    return binding.load(cache_dir(), address(lib.musecore_int4_linear), address(lib.musecore_bf16_linear))
+    return binding.load(address(lib.musecore_int4_linear), address(lib.musecore_bf16_linear))
 
 
 class BoundGemv:
@@ -358,7 +350,7 @@ class Bf16WeightArgs(ctypes.Structure):
 
 
 class Bf16Gemv(BoundGemv):
-    """The native BF16 weight GEMV (:mod:`native_bf16_source`) bound to one contiguous bf16 weight ``[N, K]``
+    """The native BF16 weight GEMV (``csrc/bf16.c``) bound to one contiguous bf16 weight ``[N, K]``
     (:class:`BoundGemv`): ``x [..., K]`` bf16 or fp32 -> ``[..., N]`` in ``x``'s dtype, fp32 accumulation.
 
     Example::
@@ -409,7 +401,7 @@ def amx_planned(info=None) -> bool:
 
 @functools.cache
 def amx_ready() -> bool:
-    """Whether the INT4 AMX GEMM (:mod:`native_amx_source`) can run here: built (ISA level ``amx``: the CPU has AMX-BF16
+    """Whether the INT4 AMX GEMM (``csrc/amx.c``) can run here: built (ISA level ``amx``: the CPU has AMX-BF16
     and AVX-512 BF16, and ``MUSECORE_XEON_ISA`` does not cap it) and the tile state granted by Linux."""
     lib = load()
     return lib is not None and bool(lib.musecore_amx_ready())

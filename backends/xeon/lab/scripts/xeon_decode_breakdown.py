@@ -4,7 +4,7 @@ interface but ``sample``, ``musecore.ops.OPS``: the router, the pooler's norm, t
 32 decode steps after a 32-token prefill (NVFP4 checkpoint, experts converted to INT4 as the plan does; random
 weights)::
 
-    python3 benchmarks/xeon_decode_breakdown.py [--threads 2] [--preset muse-small] [--quantize-dense]
+    python3 backends/xeon/lab/scripts/xeon_decode_breakdown.py [--threads 2] [--preset muse-small] [--quantize-dense]
         [--checkpoint-format bf16] [--steps 32]
 
 Prints the step time without and with the timers, then per op: ms per token, calls per token and us per call,

@@ -1,8 +1,8 @@
-"""Run the xeon backend's benchmarks, print a table and save JSON under benchmarks/results/.
+"""Run the xeon backend's benchmarks, print a table and save JSON under backends/xeon/lab/results/.
 
-    python benchmarks/xeon_bench.py                       # linear, moe, attention, e2e (muse-tiny)
-    python benchmarks/xeon_bench.py --cases linear --ms 1 8 64 --shapes 18432x8192
-    python benchmarks/xeon_bench.py --cases e2e --presets muse-tiny muse-small
+    python backends/xeon/lab/scripts/xeon_bench.py                       # linear, moe, attention, e2e (muse-tiny)
+    python backends/xeon/lab/scripts/xeon_bench.py --cases linear --ms 1 8 64 --shapes 18432x8192
+    python backends/xeon/lab/scripts/xeon_bench.py --cases e2e --presets muse-tiny muse-small
 
 Linear and MoE weights are timed cold from DRAM: each implementation cycles through copies of its weight
 totalling at least twice the L3 (``musecore_xeon.bench.rotating``), one call = cycle time / copies; the rows carry
@@ -28,7 +28,7 @@ from musecore_xeon.cpu import configure_threads, read_cpu_info
 from musecore_xeon.kernels.crossover import calibrations
 from musecore_xeon.kernels.native import ISA_ENV, compile_flags
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # backends/xeon/lab/results
 COLUMNS = ("case", "shape", "M", "impl", "path", "time_us", "speedup_vs_bf16", "speedup_vs_xeon_bf16",
            "speedup_vs_f_linear", "pct_memory_ceiling")
 

@@ -1,19 +1,8 @@
-"""C source of the INT4 x BF16 GEMM on AMX (Sapphire Rapids, Emerald Rapids, Xeon 6), appended to the INT4 source
-(it uses its helpers and ``int4_weight_t``) and compiled only where the CPU has AMX-BF16 (ISA level ``amx``).
-
-Why: above a few rows of activations the GEMV turns compute-bound, and the dense-tile path pays for writing and
-re-reading a whole BF16 copy of the weight on every call: on a 5th-gen Xeon both ran at 0.33-0.61x of oneDNN's AMX
-BF16 GEMM for M = 64-256. This kernel dequantizes a panel of the INT4 weight straight into AMX tiles (a few hundred
-KiB, kept in L2) and multiplies it there with ``tdpbf16ps``: the weight is read as INT4, once per 256 activation
-rows. The weight is the A operand (16 output rows x 32 k per tile, plain row order: one shift, AND and ``vpermw``
-table lookup per 32 weights, no transpose); the activations, transposed once per call, are the VNNI B operand.
-
-Numerics: the weight of every tile is ``(q - z) * scale`` (exact in fp32) rounded to bf16, as the BF16 dense
-tiles round it; activations are bf16 (fp32 inputs are rounded to bf16, as the dense tiles do); products and
-sums in fp32 (AMX). The result differs from the dense tiles only in the order of the fp32 sums.
-"""
-
-AMX_SOURCE = r"""
+/* Part of kernels.c (one translation unit), after int4.c. The INT4 x BF16 GEMM on AMX (Sapphire Rapids and later):
+   above a few activation rows the GEMV is compute-bound and the dense tiles write and re-read a BF16 copy of the
+   weight; here panels of the INT4 weight are dequantized straight into AMX tiles kept in L2 and multiplied with
+   tdpbf16ps, so the weight is read as INT4 once per 256 activation rows. Tile weights are (q - z) * scale rounded to
+   bf16, activations bf16, products and sums fp32: only the order of the sums differs from the dense tiles. */
 /* ---- INT4 x BF16 GEMM on AMX ---------------------------------------------------------------------------------
    C^T = W X^T: A tiles are the weight (16 output rows x 32 k-slots, 1 KiB, rows in plain order), B tiles the
    activations in VNNI order (16 k-slot pairs x 16 activation rows x 2), C tiles 16 output rows x 16 activation rows
@@ -297,4 +286,3 @@ int musecore_int4_amx_panel(const int4_weight_t *w, int64_t n0, int64_t k0, int6
     return -2;
 }
 #endif
-"""

@@ -1,7 +1,7 @@
 """Microseconds of one decode-step KV-cache update on the CPU (``LayerCache.update`` with one new entry),
 for a ring (sliding-window) and a full layer, under ``torch.inference_mode`` as ``generate`` runs it::
 
-    python3 benchmarks/cpu_kv_update_probe.py [--threads 2] [--kv-heads 2] [--head-dim 64] [--capacity 512]
+    python3 backends/xeon/lab/scripts/cpu_kv_update_probe.py [--threads 2] [--kv-heads 2] [--head-dim 64] [--capacity 512]
 
 The defaults are muse-tiny's KV shape. Best of 5 rounds of 400 updates each. On a CPU a decode step does
 this once per layer, so a few microseconds here are a few percent of a small model's token.

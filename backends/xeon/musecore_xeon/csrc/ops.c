@@ -1,14 +1,6 @@
-"""C source of the decode-size non-GEMM ops (norms, RoPE, head gate, few-query attention), compiled into the same
-shared object as the INT4 kernels (:mod:`musecore_xeon.kernels.native` appends it to its source and builds,
-caches and loads both; :mod:`musecore_xeon.ops` calls them).
-
-Why: at decode a muse-small token makes ~80 norm calls and 16 attention calls on tensors of a few thousand
-elements, where PyTorch's per-op cost (dispatch, casts, ~25 us for ``F.rms_norm`` on a 1536-vector, ~0.4 ms for
-the masked SDPA path) exceeded the work. The math is the reference's, in fp32; it uses the helpers of the INT4
-source (``load_x``, ``store_y``, ``hsum``, ``scratch``).
-"""
-
-OPS_SOURCE = r"""
+/* Part of kernels.c (one translation unit), after int4.c. The decode-size non-GEMM ops (norms, RoPE, head gate,
+   router selection, few-query attention): at decode they run on a few thousand elements, where PyTorch's per-op
+   cost exceeds the work. The math is the reference's, in fp32; uses int4.c's load_x, store_y, hsum, scratch. */
 /* The decode-size norms of the graph (musecore/ops: rms_norm, residual_norm, qk_norm_rope, head_norm_gate) and the
    router's selection, fp32 math on bf16 or fp32 tensors (a flag per pointer), with the reference's roundings to the
    activation dtype. PyTorch's F.rms_norm plus casts costs ~25 us per call on a
@@ -334,4 +326,3 @@ void musecore_attention(const void *q, int qb, const void *k, const void *v, int
     }
 }
 
-"""

@@ -1,24 +1,7 @@
-"""C source of the BF16 weight GEMV (decode-size ``x @ W.T`` on a resident BF16 weight), compiled into the same shared
-object as the INT4 kernels (:mod:`musecore_xeon.kernels.native` appends it and builds, caches and loads it;
-:class:`musecore_xeon.kernels.native.Bf16Gemv` binds it to a weight; :class:`musecore_xeon.kernels.dense.DenseLinear`
-uses it below a measured M).
-
-Why: PyTorch's BF16 ``F.linear`` at M = 1 streams the weight at only ~50-55% of the memory bandwidth on an AVX2 CPU
-(no BF16 dot product: its kernel converts and reduces per row), and at M = 2 it costs twice M = 1 (one GEMV per
-activation row). The dense BF16 weights (attention, pooler/unpooler, lm_head, BF16 experts) are most of a decode
-token's bytes, so their GEMV caps decode speed.
-
-How: a bf16 is the high half of an fp32, so 16 weights loaded as one 256-bit vector give two fp32 vectors by
-integer ops alone: ``v << 16`` is the even-indexed weights, ``v & 0xFFFF0000`` the odd ones. The activation row is
-converted once per call to fp32 in the matching order (per 16 columns: the 8 even, then the 8 odd ones), so the
-inner loop is per 16 weights and row: one load, a shift, an AND and two FMAs, no shuffle. Each (row, activation
-row) keeps two 8-lane fp32 accumulators (even and odd columns), added and reduced in a fixed order at the end, then
-the K % 16 tail columns are added in column order. The order depends on neither M nor the row block nor the
-thread count, so every path (M = 1 with 4-row blocks, M >= 2 with 2-row blocks and two activation rows per weight
-load, the portable C path with ``fmaf``) gives the same bits.
-"""
-
-BF16_SOURCE = r"""
+/* Part of kernels.c (one translation unit), after int4.c. The BF16 weight GEMV: a bf16 is the high half of an fp32,
+   so 16 weights in one 256-bit load give two fp32 vectors by a shift and an AND (even and odd columns); the
+   activation row is converted once per call in the matching order. The summation order depends on neither M, the
+   row block nor the thread count, so every path (AVX2, portable C with fmaf) gives the same bits. */
 /* ---- BF16 weight GEMV: y[M, N] = x[M, K] @ W.T, W bf16 [N, K] row-major, x/y bf16 or fp32, fp32 accumulation ---- */
 #define BF16_ROWS 4     /* rows per block at M = 1 (8 accumulators: 4 rows x even/odd columns) */
 #define BF16_CHUNK 16   /* columns per 256-bit load of weights */
@@ -206,4 +189,3 @@ void musecore_bf16_linear(const bf16_weight_t *w, const void *x, void *y, int64_
 #endif
     musecore_bf16_gemv(w->w, x, bf16, y, bf16, m_rows, w->n, w->k, threads);
 }
-"""

@@ -4,7 +4,7 @@ t(M) = a fixed part (the dequantization of the weight into B tiles, the activati
 a part that grows with M (the tile products): the M sweep at one thread separates them, the thread sweep shows
 how the fixed part scales. Reference rows: the INT4 GEMV at M = 1 and PyTorch's BF16 F.linear, same process.
 
-    python3 benchmarks/xeon_amx_probe.py --shapes 4096x8192 8192x4096 4096x4096 768x768 --threads 1 16 --out probe.txt
+    python3 backends/xeon/lab/scripts/xeon_amx_probe.py --shapes 4096x8192 8192x4096 4096x4096 768x768 --threads 1 16 --out probe.txt
 
 The default shapes are the 816B preset's pooler [h, H], unpooler [H, h] and expert [I, h] and muse-small's expert
 (``MuseConfig.from_name``; h = ``moe_hidden_size``, I = ``moe_intermediate_size``).

@@ -1,10 +1,6 @@
-"""C source of the INT4 kernels (GEMV / skinny GEMM, fused decode MoE, dense-tile dequantizer), built, cached and
-called by :mod:`musecore_xeon.kernels.native` (which explains the layout, the numerics and the build).
-
-Why a module of its own: the C source is ~500 lines; kept apart, the Python that binds it stays short.
-"""
-
-INT4_SOURCE = r"""
+/* Part of kernels.c (one translation unit). The INT4 kernels: nibble-planar GEMV / skinny GEMM, the dense-tile
+   dequantizer, and the helpers (activation loads and stores, per-thread scratch) the other parts use.
+   musecore_xeon/kernels/native.py explains the layout and the numerics. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -834,4 +830,3 @@ int musecore_int4_openmp(void) {
     return 0;
 #endif
 }
-"""

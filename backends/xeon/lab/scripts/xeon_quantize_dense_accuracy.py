@@ -4,7 +4,7 @@ with attention and lm_head in INT4 as well, with the xeon default plan (``quanti
 device's dense groups, ``musecore.planning.dense_groups``), and (``--per-group``) with each group of
 ``DENSE_QUANTIZABLE`` alone (attention, pooler/unpooler, lm_head, the dense-MLP layers' projections).
 
-    python benchmarks/xeon_quantize_dense_accuracy.py [--tokens 4096] [--per-group] [--eval-text FILE]
+    python backends/xeon/lab/scripts/xeon_quantize_dense_accuracy.py [--tokens 4096] [--per-group] [--eval-text FILE]
 
 The evaluation text defaults to the committed held-out slice (4,620 tokens); ``--eval-text
 .corpus/heldout.jsonl`` reads the held-out split that ``training/build_corpus.py`` writes.
@@ -20,7 +20,7 @@ from musecore.api import resolve_model
 from musecore.devices import CATALOG
 from musecore.matrix import evaluate, load_eval_tokens
 from musecore.planning import DENSE_QUANTIZABLE, dense_groups
-from musecore.testing.accuracy import batched_logits, eval_batches
+from musecore.evaluate import batched_logits, eval_batches
 
 
 def main() -> None:

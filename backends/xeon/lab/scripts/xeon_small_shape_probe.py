@@ -1,9 +1,9 @@
 """Where the time of a small INT4 linear goes on this CPU: the same call with its weight hot (one copy, called
 back to back: in cache) and cold (copies totalling twice the L3, cycled: from DRAM), per thread count, M = 1::
 
-    python3 benchmarks/xeon_small_shape_probe.py                         # 1 and 2 threads, muse-small's shapes
-    python3 benchmarks/xeon_small_shape_probe.py --threads 1 2 4 8 16 --shapes 768x768 4096x4096
-    python3 benchmarks/xeon_small_shape_probe.py --preset muse-spark-open-816b-a42b
+    python3 backends/xeon/lab/scripts/xeon_small_shape_probe.py                         # 1 and 2 threads, muse-small's shapes
+    python3 backends/xeon/lab/scripts/xeon_small_shape_probe.py --threads 1 2 4 8 16 --shapes 768x768 4096x4096
+    python3 backends/xeon/lab/scripts/xeon_small_shape_probe.py --preset muse-spark-open-816b-a42b
 
 If hot is close to cold, the call is bound by the kernel's own rate and per-call cost, not by memory. On a
 many-core host the thread sweep shows from which size each extra thread pays for its share of the fork/join.

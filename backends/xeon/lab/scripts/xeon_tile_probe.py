@@ -3,7 +3,7 @@ tile size moves it: per tile the C dequantization (fp32), the copy to bf16 and `
 at several tile sizes against ``F.linear`` on the BF16 weight. Weights hot (one copy; the comparison is between
 paths on the same cached data)::
 
-    python3 benchmarks/xeon_tile_probe.py [--shapes 4096x8192 8192x4096] [--ms 16 64 256]
+    python3 backends/xeon/lab/scripts/xeon_tile_probe.py [--shapes 4096x8192 8192x4096] [--ms 16 64 256]
 
 The default shapes are the 816B preset's pooler [h, H] and unpooler [H, h] (``MuseConfig.from_name``).
 """

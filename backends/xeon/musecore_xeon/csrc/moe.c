@@ -1,11 +1,6 @@
-"""C source of the fused decode MoE (one native call per layer), shared by INT4 and BF16 experts; appended after the
-INT4, ops and BF16 sources (:mod:`musecore_xeon.kernels.native`), whose row kernels it calls.
-
-Why one driver for both formats: the grouping, the phases and the barriers are the same; only how an activation
-row is prepared (int16 per group for INT4, fp32 in the BF16 kernel's order) and which row kernel runs differ.
-"""
-
-MOE_SOURCE = r"""
+/* Part of kernels.c (one translation unit), after int4.c, ops.c and bf16.c, whose row kernels it calls. The fused
+   decode MoE, one native call per layer for INT4 and BF16 experts: one driver, since grouping, phases and barriers
+   are the same; only the activation preparation and the row kernel differ per format. */
 /* The routed experts of one MoE call in ONE native call (decode sizes, below the dense-tile crossover):
      y[t] = sum_j w[t,j] * rms(round(round(down_e(silu(gate_e(z_t)) * up_e(z_t))) * post_norm)),  e = ids[t,j]
    (musecore/ops moe: the expert's output rounded to z's dtype, then the post-expert norm with ONE weight [l] shared by
@@ -174,4 +169,3 @@ int musecore_bf16_moe(const int64_t *gu_w, const int64_t *dn_w, const void *z, i
                       E, l, inter, 0, 0, (2 * inter + BF16_ROWS - 1) / BF16_ROWS, (l + BF16_ROWS - 1) / BF16_ROWS,
                       (3 * inter * l) * 2, threads);
 }
-"""

@@ -1,0 +1,411 @@
+/* The CPython extension of musecore-xeon (musecore_xeon/kernels/binding.py builds it with PyTorch's and Python's
+   headers): the bound GEMVs, the decode-size norms, the router selection and the decode attention, called without
+   ctypes (checks, at::empty, the C kernel of kernels.c by its address). */
+#include <Python.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+/* The bound weights of the C source (int4.c, bf16.c); the Python side passes the
+   address of its ctypes copy. Each kernel is called as fn(weight, x, y, m_rows, x_is_bf16). */
+typedef struct { const void *codes; const void *sz; int64_t k, g, n_rows, n_valid; } int4_weight_t;
+typedef struct { const void *w; int64_t k, n; } bf16_weight_t;
+typedef void (*linear_fn)(const void *, const void *, void *, int64_t, int);
+static linear_fn int4_linear_kernel, bf16_linear_kernel;
+
+static PyObject *set_kernels(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "set_kernels(int4_address, bf16_address) takes 2 arguments; got %zd", nargs);
+        return nullptr;
+    }
+    int4_linear_kernel = (linear_fn)PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred()) return nullptr;
+    bf16_linear_kernel = (linear_fn)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+}
+
+/* The call shared by every bound kernel: unpack x, check it against K, at::empty(..., n) in x's dtype, the kernel
+   with the GIL released (as ctypes does). `name` prefixes the errors. */
+static PyObject *call_linear(const char *name, linear_fn kernel, const void *w, int64_t k, int64_t n,
+                             PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s(weight_address, x) takes 2 arguments; got %zd", name, nargs);
+        return nullptr;
+    }
+    if (kernel == nullptr) {
+        PyErr_Format(PyExc_RuntimeError, "%s: set_kernels() was not called with the kernels' addresses", name);
+        return nullptr;
+    }
+    if (!THPVariable_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "%s: x must be a torch.Tensor; got %s", name, Py_TYPE(args[1])->tp_name);
+        return nullptr;
+    }
+    try {
+        const at::Tensor &x = THPVariable_Unpack(args[1]);
+        const at::ScalarType dtype = x.scalar_type();
+        const bool bf16 = dtype == at::kBFloat16;
+        if ((!bf16 && dtype != at::kFloat) || !x.device().is_cpu() || x.dim() == 0 || x.size(-1) != k
+                || !x.is_contiguous()) {
+            /* the message from the tensor's Python attributes: c10's string helpers crashed on this path with
+               torch 2.11 (a segfault on the GPU machine's host), and Python's repr is what users read anyway */
+            PyObject *dt = PyObject_GetAttrString(args[1], "dtype"), *shape = PyObject_GetAttrString(args[1], "shape"),
+                     *device = PyObject_GetAttrString(args[1], "device");
+            if (dt != nullptr && shape != nullptr && device != nullptr)
+                PyErr_Format(PyExc_ValueError, "%s: x must be a contiguous bf16/fp32 CPU [..., %lld] tensor; got %R %R on "
+                             "%R (contiguous=%s)", name, (long long)k, dt, shape, device,
+                             x.is_contiguous() ? "True" : "False");
+            Py_XDECREF(dt); Py_XDECREF(shape); Py_XDECREF(device);
+            return nullptr;
+        }
+        c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
+        sizes.back() = n;
+        at::Tensor y = at::empty(sizes, x.options());
+        const int64_t m = x.numel() / k;
+        const void *xp = x.const_data_ptr();
+        void *yp = y.mutable_data_ptr();
+        Py_BEGIN_ALLOW_THREADS
+        kernel(w, xp, yp, m, bf16);
+        Py_END_ALLOW_THREADS
+        return THPVariable_Wrap(std::move(y));
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
+}
+
+template <typename Weight>
+static const Weight *weight_at(const char *name, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1) {
+        PyErr_Format(PyExc_TypeError, "%s(weight_address, x) takes 2 arguments; got %zd", name, nargs);
+        return nullptr;
+    }
+    const Weight *w = (const Weight *)PyLong_AsVoidPtr(args[0]);
+    if (w == nullptr && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: the weight address is null", name);
+    return w;
+}
+
+/* int4_linear(weight_address, x) -> y [..., n_valid] in x's dtype */
+static PyObject *int4_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    const int4_weight_t *w = weight_at<int4_weight_t>("int4_gemv", args, nargs);
+    return w == nullptr ? nullptr : call_linear("int4_gemv", int4_linear_kernel, w, w->k, w->n_valid, args, nargs);
+}
+
+/* bf16_linear(weight_address, x) -> y [..., n] in x's dtype */
+static PyObject *bf16_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    const bf16_weight_t *w = weight_at<bf16_weight_t>("bf16_gemv", args, nargs);
+    return w == nullptr ? nullptr : call_linear("bf16_gemv", bf16_linear_kernel, w, w->k, w->n, args, nargs);
+}
+
+/* The decode-size norms and the router's selection of ops.c, called without ctypes (each ctypes call
+   with its Python checks and torch.empty_like cost 7-15 us on the 2-core EPYC; a muse-small token makes ~100 of them).
+   Each returns None when its fast path does not apply (a tensor that is not a contiguous bf16/fp32 CPU tensor, more
+   than max_elements, shapes that do not match): the Python op then takes its PyTorch path (the same math). */
+typedef void (*rms_fn)(const void *, int, const void *, int, void *, int, int64_t, int64_t, float, int);
+typedef void (*residual_fn)(const void *, const void *, int, const void *, int, const float *, const float *,
+                            const void *, int, void *, void *, int, int64_t, int64_t, float, float);
+typedef void (*rope_fn)(const void *, int, int64_t, float, const float *, const float *, void *, int64_t, int64_t,
+                        int64_t, float);
+typedef void (*gate_fn)(const void *, int, const void *, int, int64_t, void *, int64_t, int64_t, int64_t, float);
+typedef int (*router_fn)(const float *, const float *, int64_t, int64_t, int64_t, float, float, float *, int64_t *);
+typedef void (*attention_fn)(const void *, int, const void *, const void *, int, const int64_t *, const int64_t *,
+                             int64_t, float, void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int);
+static rms_fn rms_kernel;
+static residual_fn residual_kernel;
+static rope_fn rope_kernel;
+static gate_fn gate_kernel;
+static router_fn router_kernel;
+static attention_fn attention_kernel;
+static int64_t max_elements, max_queries;
+
+static PyObject *set_ops(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "set_ops(rms, residual, rope, gate, router, attention, max_elements, max_queries) "
+                     "takes 8 arguments; got %zd", nargs);
+        return nullptr;
+    }
+    void *a[6];
+    for (int i = 0; i < 6; ++i) {
+        a[i] = PyLong_AsVoidPtr(args[i]);
+        if (PyErr_Occurred()) return nullptr;
+    }
+    const long long limit = PyLong_AsLongLong(args[6]), queries = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred()) return nullptr;
+    rms_kernel = (rms_fn)a[0];
+    residual_kernel = (residual_fn)a[1];
+    rope_kernel = (rope_fn)a[2];
+    gate_kernel = (gate_fn)a[3];
+    router_kernel = (router_fn)a[4];
+    attention_kernel = (attention_fn)a[5];
+    max_elements = limit;
+    max_queries = queries;
+    Py_RETURN_NONE;
+}
+
+/* The tensor behind obj if it is a contiguous CPU tensor of fp32 (or bf16, unless f32_only) with at least one dim and
+   at most max_elements elements (any size when !bounded: a KV cache), else nullptr. */
+static const at::Tensor *operand(PyObject *obj, bool f32_only = false, bool bounded = true) {
+    if (!THPVariable_Check(obj)) return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    const at::ScalarType s = t.scalar_type();
+    if ((s != at::kFloat && (f32_only || s != at::kBFloat16)) || !t.device().is_cpu() || !t.is_contiguous()
+            || t.dim() == 0 || (bounded && t.numel() > max_elements))
+        return nullptr;
+    return &t;
+}
+
+/* An optional operand: *present says whether obj is not None; the tensor as operand() takes it (nullptr: None, or not
+   taken: then *present is true). */
+static const at::Tensor *optional_operand(PyObject *obj, bool *present, bool f32_only = false) {
+    *present = obj != Py_None;
+    return *present ? operand(obj, f32_only) : nullptr;
+}
+
+/* The tensor behind obj if it is a 4-D [B, T, heads, d] fp32/bf16 CPU tensor of at most max_elements elements whose
+   head rows are contiguous and whose (B, T) collapse to one token index (a contiguous tensor, or a view of the heads of
+   a wider projection output, as a split of the fused q/k/v/gate projection gives), else nullptr; *tok_stride is the
+   elements between tokens. */
+static const at::Tensor *head_rows(PyObject *obj, int64_t *tok_stride) {
+    if (!THPVariable_Check(obj)) return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    const at::ScalarType s = t.scalar_type();
+    if ((s != at::kFloat && s != at::kBFloat16) || !t.device().is_cpu() || t.dim() != 4 || t.numel() > max_elements
+            || t.numel() == 0)
+        return nullptr;
+    const int64_t d = t.size(3);
+    if ((t.size(3) > 1 && t.stride(3) != 1) || (t.size(2) > 1 && t.stride(2) != d))
+        return nullptr;
+    if (t.size(1) > 1) {  /* token stride of T; B must follow it */
+        if (t.size(0) > 1 && t.stride(0) != t.size(1) * t.stride(1)) return nullptr;
+        *tok_stride = t.stride(1);
+    } else {
+        *tok_stride = t.size(0) > 1 ? t.stride(0) : t.size(2) * d;
+    }
+    if (*tok_stride < t.size(2) * d) return nullptr;
+    return &t;
+}
+
+/* The tensor behind obj if it is a contiguous int64 CPU tensor of the given 2-D shape, else nullptr. */
+static const at::Tensor *positions(PyObject *obj, int64_t rows, int64_t cols) {
+    if (!THPVariable_Check(obj)) return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    if (t.scalar_type() != at::kLong || !t.device().is_cpu() || !t.is_contiguous() || t.dim() != 2
+            || t.size(0) != rows || t.size(1) != cols)
+        return nullptr;
+    return &t;
+}
+
+static inline int bf(const at::Tensor *t) { return t != nullptr && t->scalar_type() == at::kBFloat16; }
+static inline const void *data(const at::Tensor *t) { return t == nullptr ? nullptr : t->const_data_ptr(); }
+
+/* The argument count and the kernel's registration. */
+static bool op_call(const char *name, Py_ssize_t nargs, Py_ssize_t want, const void *kernel) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments; got %zd", name, want, nargs);
+        return false;
+    }
+    if (kernel == nullptr) {
+        PyErr_Format(PyExc_RuntimeError, "%s: set_ops() was not called with the kernels' addresses", name);
+        return false;
+    }
+    return true;
+}
+
+/* Python floats (or ints) args[from .. from + n - 1] into out; false with a TypeError set otherwise. */
+static bool numbers(PyObject *const *args, Py_ssize_t from, Py_ssize_t n, double *out) {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        out[i] = PyFloat_AsDouble(args[from + i]);
+        if (PyErr_Occurred()) return false;
+    }
+    return true;
+}
+
+/* f() with a C++ exception turned into a RuntimeError */
+template <typename F> static PyObject *guarded(F &&f) {
+    try {
+        return f();
+    } catch (const std::exception &err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    }
+}
+
+static PyObject *pair(at::Tensor a, at::Tensor b) {
+    PyObject *tuple = PyTuple_New(2);
+    if (tuple == nullptr) return nullptr;
+    PyTuple_SET_ITEM(tuple, 0, THPVariable_Wrap(std::move(a)));
+    PyTuple_SET_ITEM(tuple, 1, THPVariable_Wrap(std::move(b)));
+    return tuple;
+}
+
+/* rms_norm(x, w | None, eps, scale_first) -> the rms_norm of musecore/ops in x's dtype, or None */
+static PyObject *rms_norm(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    double eps;
+    if (!op_call("rms_norm", nargs, 4, (const void *)rms_kernel) || !numbers(args, 2, 1, &eps)) return nullptr;
+    const int scale_first = PyObject_IsTrue(args[3]);
+    if (scale_first < 0) return nullptr;
+    bool has_w;
+    const at::Tensor *x = operand(args[0]), *w = optional_operand(args[1], &has_w);
+    if (x == nullptr || (has_w && w == nullptr) || x->size(-1) == 0 || (has_w && w->numel() != x->size(-1))
+            || (scale_first && !has_w))
+        Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        const int64_t n = x->size(-1);
+        at::Tensor out = at::empty(x->sizes(), x->options());
+        rms_kernel(x->const_data_ptr(), bf(x), data(w), bf(w), out.mutable_data_ptr(), bf(x), x->numel() / n, n,
+                   (float)eps, scale_first);
+        return THPVariable_Wrap(std::move(out));
+    });
+}
+
+/* residual_norm(residual, out, post_w | None, alpha, beta, next_w | None, post_eps, eps) -> (residual', normed), or
+   None; alpha and beta fp32 [n] */
+static PyObject *residual_norm(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    double eps[2];
+    if (!op_call("residual_norm", nargs, 8, (const void *)residual_kernel) || !numbers(args, 6, 2, eps)) return nullptr;
+    bool has_pw, has_nw;
+    const at::Tensor *res = operand(args[0]), *out = operand(args[1]), *pw = optional_operand(args[2], &has_pw),
+                     *alpha = operand(args[3], true), *beta = operand(args[4], true),
+                     *nw = optional_operand(args[5], &has_nw);
+    if (res == nullptr || out == nullptr || (has_pw && pw == nullptr) || alpha == nullptr || beta == nullptr
+            || (has_nw && nw == nullptr))
+        Py_RETURN_NONE;
+    const int64_t n = res->size(-1);
+    if (n == 0 || out->sizes() != res->sizes() || (has_pw && pw->numel() != n) || alpha->numel() != n
+            || beta->numel() != n || (has_nw && nw->numel() != n))
+        Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        at::Tensor new_res = at::empty(res->sizes(), res->options()), normed = at::empty(res->sizes(), res->options());
+        residual_kernel(res->const_data_ptr(), out->const_data_ptr(), bf(out), data(pw), bf(pw),
+                        alpha->const_data_ptr<float>(), beta->const_data_ptr<float>(), data(nw), bf(nw),
+                        new_res.mutable_data_ptr(), normed.mutable_data_ptr(), bf(res), res->numel() / n, n,
+                        (float)eps[0], (float)eps[1]);
+        return pair(std::move(new_res), std::move(normed));
+    });
+}
+
+/* qk_norm_rope(q, k, cos | None, sin | None, eps, q_scale) with q [B,T,nq,d], k [B,T,nkv,d] (contiguous or views of
+   the fused projection, see head_rows), cos/sin fp32 [B,T,d] (both None: a NoPE layer) -> contiguous (q', k'), or
+   None */
+static PyObject *qk_norm_rope(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    double num[2];
+    if (!op_call("qk_norm_rope", nargs, 6, (const void *)rope_kernel) || !numbers(args, 4, 2, num)) return nullptr;
+    bool has_cos, has_sin;
+    int64_t q_stride = 0, k_stride = 0;
+    const at::Tensor *q = head_rows(args[0], &q_stride), *k = head_rows(args[1], &k_stride),
+                     *cs = optional_operand(args[2], &has_cos, true), *sn = optional_operand(args[3], &has_sin, true);
+    if (q == nullptr || k == nullptr || has_cos != has_sin || (has_cos && (cs == nullptr || sn == nullptr)))
+        Py_RETURN_NONE;
+    const int64_t B = q->size(0), T = q->size(1), d = q->size(3);
+    if (d > 1024 || k->size(0) != B || k->size(1) != T || k->size(3) != d)
+        Py_RETURN_NONE;
+    if (has_cos && (cs->dim() != 3 || cs->size(0) != B || cs->size(1) != T || cs->size(2) != d
+                    || sn->sizes() != cs->sizes()))
+        Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        at::Tensor qo = at::empty(q->sizes(), q->options().memory_format(at::MemoryFormat::Contiguous)),
+                   ko = at::empty(k->sizes(), k->options().memory_format(at::MemoryFormat::Contiguous));
+        const float *cp = has_cos ? cs->const_data_ptr<float>() : nullptr, *sp = has_cos ? sn->const_data_ptr<float>() : nullptr;
+        rope_kernel(q->const_data_ptr(), bf(q), q_stride, (float)num[1], cp, sp, qo.mutable_data_ptr(), q->numel() / d,
+                    q->size(2), d, (float)num[0]);
+        rope_kernel(k->const_data_ptr(), bf(k), k_stride, 1.0f, cp, sp, ko.mutable_data_ptr(), k->numel() / d,
+                    k->size(2), d, (float)num[0]);
+        return pair(std::move(qo), std::move(ko));
+    });
+}
+
+/* head_norm_gate(o, gate_logits, eps) with o contiguous [B,T,nq,d] and gate_logits of o's shape (contiguous or a view
+   of the fused projection, see head_rows) -> rms(o) * sigmoid(gate) in o's dtype, or None */
+static PyObject *head_norm_gate(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    double eps;
+    if (!op_call("head_norm_gate", nargs, 3, (const void *)gate_kernel) || !numbers(args, 2, 1, &eps)) return nullptr;
+    int64_t g_stride = 0;
+    const at::Tensor *o = operand(args[0]), *g = head_rows(args[1], &g_stride);
+    if (o == nullptr || g == nullptr || g->sizes() != o->sizes()) Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        const int64_t d = o->size(-1);
+        at::Tensor out = at::empty(o->sizes(), o->options());
+        gate_kernel(o->const_data_ptr(), bf(o), g->const_data_ptr(), bf(g), g_stride, out.mutable_data_ptr(),
+                    o->numel() / d, o->size(2), d, (float)eps);
+        return THPVariable_Wrap(std::move(out));
+    });
+}
+
+/* router_topk(logits fp32 [T, E], bias fp32 [E] | None, k, multiplier, scaling) -> (weights fp32 [T, k], ids int64
+   [T, k]): the selection of the router_topk contract from the router's logits, or None */
+static PyObject *router_topk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    double num[2];
+    if (!op_call("router_topk", nargs, 5, (const void *)router_kernel) || !numbers(args, 3, 2, num)) return nullptr;
+    const long long k = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return nullptr;
+    bool has_bias;
+    const at::Tensor *logits = operand(args[0], true), *bias = optional_operand(args[1], &has_bias, true);
+    if (logits == nullptr || logits->dim() != 2 || (has_bias && (bias == nullptr || bias->numel() != logits->size(1)))
+            || k <= 0 || k > logits->size(1))
+        Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        const int64_t T = logits->size(0), E = logits->size(1);
+        at::Tensor weights = at::empty({T, (int64_t)k}, logits->options().dtype(at::kFloat)),
+                   ids = at::empty({T, (int64_t)k}, logits->options().dtype(at::kLong));
+        if (router_kernel(logits->const_data_ptr<float>(), has_bias ? bias->const_data_ptr<float>() : nullptr, T, E, k,
+                          (float)num[0], (float)num[1], weights.mutable_data_ptr<float>(),
+                          ids.mutable_data_ptr<int64_t>()) != 0) {
+            PyErr_Format(PyExc_MemoryError, "router_topk: no memory for the scratch of %lld experts", (long long)E);
+            return (PyObject *)nullptr;
+        }
+        return pair(std::move(weights), std::move(ids));
+    });
+}
+
+/* attention(q, k, v, q_pos, k_pos, window, scale, threads) with q [B,T,nq,d] (T <= max_queries), k and v [B,S,nkv,d] of
+   one dtype, int64 positions [B,T] and [B,S], window an int (<= 0: none) -> the decode attention of
+   ops.c in q's dtype, or None */
+static PyObject *attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("attention", nargs, 8, (const void *)attention_kernel)) return nullptr;
+    const long long window = PyLong_AsLongLong(args[5]), threads = PyLong_AsLongLong(args[7]);
+    const double scale = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *q = operand(args[0]), *k = operand(args[1], false, false), *v = operand(args[2], false, false);
+    if (q == nullptr || k == nullptr || v == nullptr || q->dim() != 4 || k->dim() != 4 || k->sizes() != v->sizes()
+            || k->scalar_type() != v->scalar_type())
+        Py_RETURN_NONE;
+    const int64_t B = q->size(0), T = q->size(1), nq = q->size(2), d = q->size(3), S = k->size(1), nkv = k->size(2);
+    if (T > max_queries || k->size(0) != B || k->size(3) != d || nkv == 0 || nq % nkv || d == 0 || threads < 1)
+        Py_RETURN_NONE;
+    const at::Tensor *qp = positions(args[3], B, T), *kp = positions(args[4], B, S);
+    if (qp == nullptr || kp == nullptr) Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        at::Tensor out = at::empty(q->sizes(), q->options());
+        const void *qd = q->const_data_ptr(), *kd = k->const_data_ptr(), *vd = v->const_data_ptr();
+        const int64_t *qpd = qp->const_data_ptr<int64_t>(), *kpd = kp->const_data_ptr<int64_t>();
+        void *od = out.mutable_data_ptr();
+        const int qb = bf(q), kvb = bf(k);
+        Py_BEGIN_ALLOW_THREADS
+        attention_kernel(qd, qb, kd, vd, kvb, qpd, kpd, window > 0 ? window : -1, (float)scale, od, B, T, S, nq, nkv, d,
+                         (int)threads);
+        Py_END_ALLOW_THREADS
+        return THPVariable_Wrap(std::move(out));
+    });
+}
+
+static PyMethodDef methods[] = {
+    {"int4_linear", (PyCFunction)(void (*)(void))int4_linear, METH_FASTCALL, "y = x @ W.T for a bound INT4 weight"},
+    {"bf16_linear", (PyCFunction)(void (*)(void))bf16_linear, METH_FASTCALL, "y = x @ W.T for a bound BF16 weight"},
+    {"set_kernels", (PyCFunction)(void (*)(void))set_kernels, METH_FASTCALL,
+     "the addresses of musecore_int4_linear and musecore_bf16_linear"},
+    {"set_ops", (PyCFunction)(void (*)(void))set_ops, METH_FASTCALL,
+     "the addresses of the norm and router kernels, and the largest input they take"},
+    {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL, "rms_norm(x, w | None, eps, scale_first), or None"},
+    {"residual_norm", (PyCFunction)(void (*)(void))residual_norm, METH_FASTCALL,
+     "residual_norm(residual, out, post_w | None, alpha, beta, next_w | None, post_eps, eps), or None"},
+    {"qk_norm_rope", (PyCFunction)(void (*)(void))qk_norm_rope, METH_FASTCALL,
+     "qk_norm_rope(q, k, cos | None, sin | None, eps, q_scale), or None"},
+    {"head_norm_gate", (PyCFunction)(void (*)(void))head_norm_gate, METH_FASTCALL,
+     "head_norm_gate(o, gate_logits, eps), or None"},
+    {"router_topk", (PyCFunction)(void (*)(void))router_topk, METH_FASTCALL,
+     "router_topk(logits, bias | None, k, multiplier, scaling) -> (weights, ids), or None"},
+    {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL,
+     "attention(q, k, v, q_pos, k_pos, window, scale, threads), or None"},
+    {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, "musecore_xeon_binding", nullptr, -1, methods};
+PyMODINIT_FUNC PyInit_musecore_xeon_binding(void) { return PyModule_Create(&module); }
