@@ -38,10 +38,13 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 from musecore_quant import QTensor, quantize
+from musecore_quant.formats.facts import block_size
 from musecore_quant.formats.fp4 import pack_nibbles
 from musecore_quant.formats.int4 import INT4_MAX_CODE, INT4_SYMMETRIC_ZERO, int4_dequantize
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+from musecore.names import EXPERT_PROJECTIONS
+
+PROJECTIONS = EXPERT_PROJECTIONS  # one routed expert's SwiGLU, in order
 TESTED_AUTO_ROUND = "0.16.1"
 AUTO_ROUND_INT_MULTIPLE = 32  # auto-round leaves INT Linears with other dims unquantized
 INSTALL_HINT = ("pip install 'auto-round==0.16.1' (or pip install -e '.[autoround]'); if pip wants another torch, "
@@ -84,7 +87,7 @@ class AutoRoundOptions:
     nsamples: int = 128  # auto-round's default; 2048 tokens per expert generalise much better than 512
     tokens_per_sample: int = 16
     batch_size: Optional[int] = None
-    group_size: int = 128
+    group_size: int = block_size("int4")  # the INT4 export's group (128)
     sym: bool = True
     lr: Optional[float] = None
     seed: int = 42

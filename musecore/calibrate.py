@@ -393,7 +393,7 @@ def quantized_experts(experts: Any, quantized: list[dict]) -> Any:
 
 def autoround_quantizer(model: MuseModel, calibration_ids: torch.Tensor, *, layers: Optional[Sequence[int]] = None,
                         iters: int = 200, nsamples: int = 128, tokens_per_sample: int = 16,
-                        batch_size: Optional[int] = None, group_size: int = 128, sym: bool = True,
+                        batch_size: Optional[int] = None, group_size: int = AutoRoundOptions.group_size, sym: bool = True,
                         lr: Optional[float] = None, seed: int = 42, propagate_quantized: bool = True,
                         progress: bool = False, verbose: bool = False) -> AutoRoundQuantizer:
     """Tune every routed expert of ``layers`` (default: the sparse layers but ``config.bf16_expert_layers``)
@@ -616,7 +616,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tokens-per-sample", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=None, help="samples per tuning step (default: all of "
                    "the expert's samples; fewer is faster and noisier)")
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=AutoRoundOptions.group_size)
     p.add_argument("--asym", action="store_true", help="asymmetric INT4 (default symmetric)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-resume", action="store_true")

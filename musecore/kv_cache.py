@@ -19,7 +19,7 @@ import torch
 
 from musecore.config import SLIDING, MuseConfig
 
-FP8_MAX = 448.0
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: E4M3's largest finite value
 KV_FORMATS = ("bf16", "fp8")
 
 

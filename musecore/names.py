@@ -187,7 +187,10 @@ def fusable_projections(group: str) -> tuple[str, ...]:
 
 def op_of_weight(name: str) -> Optional[str]:
     """The op that takes weight ``name``: ``"moe"`` (routed experts), ``"linear"`` (every other
-    projection and lm_head), ``"embedding"``, or None (norms, gates, the router: placed as vectors)."""
+    projection and lm_head), ``"embedding"``, or None (norms, gates, the router: placed as vectors;
+    the towers' tensors: not run)."""
+    if is_tower_tensor(name):
+        return None
     if expert_weight(name) is not None:
         return "moe"
     if name.endswith("_proj.weight") or name.startswith("lm_head"):

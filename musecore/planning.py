@@ -361,6 +361,11 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     g128 on ``xeon``; profiles that keep BF16 as BF16 are unchanged): fewer bytes per token, more error.
     None (the default) takes the device's own choice (``DeviceProfile.quantize_dense``: all three on
     ``xeon``/``xeon6``, none elsewhere); False keeps them as the checkpoint has them.
+
+    Natively, the plan asks the device's backend (installed, even when its hardware is not here) for
+    its kernel choices, the environment overrides in force and the bytes it keeps per weight; an
+    emulated plan counts the target's format bytes (what the device would hold), not the reference
+    kernels' fp32 copies.
     """
     from musecore.backends.registry import discover
 
@@ -368,7 +373,10 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     backend_name = profile.backend
     mode, backend, hardware_gap = ("emulated" if emulate else "native"), None, None
     notes: list[str] = []
-    if not emulate and backend_name != REFERENCE:
+    if not emulate and backend_name == REFERENCE:
+        from musecore.backends.reference import ReferenceBackend
+        backend = ReferenceBackend()  # its resident layout: quantized weights kept dequantized (fp32)
+    elif not emulate:
         records = discover() if records is None else records
         record = records.get(backend_name)
         if record is not None and record.loaded:

@@ -63,6 +63,14 @@ class ReferenceBackend(Backend):
                              gate_up_input_scale=getattr(gate, "input_scale", None),
                              down_input_scale=getattr(down, "input_scale", None))
 
+    def resident_bytes(self, weight_format: str, out_features: int, in_features: int, *,
+                       experts: int = 0) -> Optional[int]:
+        """Quantized weights are kept dequantized to fp32 (exact values); 16-bit ones as they come (None)."""
+        from musecore_quant.formats.facts import facts, weight_bytes
+        if not facts(weight_format).quantized:
+            return None
+        return weight_bytes("fp32", out_features * in_features * max(experts, 1))
+
     embedding = staticmethod(ref.embedding)
     rms_norm = staticmethod(ref.rms_norm)
     residual_norm = staticmethod(ref.residual_norm)

@@ -106,8 +106,9 @@ def fake_quantize_activation(x: torch.Tensor, act_format: Optional[str],
     if act_format is None:
         return x
     from musecore_quant import fake_quantize_activation as fq
+    from musecore_quant.formats.nvfp4 import nvfp4_input_scale
     if act_format == "nvfp4" and input_scale is None:
-        input_scale = (x.float().abs().amax(-1) / (6 * 448)).clamp_min(torch.finfo(torch.float32).tiny)
+        input_scale = nvfp4_input_scale(x.float().abs().amax(-1)).clamp_min(torch.finfo(torch.float32).tiny)
     return fq(x, act_format, input_scale=input_scale)
 
 

@@ -13,16 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from musecore_quant.formats.facts import producer_options
 
+from musecore.kv_cache import FP8_MAX
 from musecore.ops import reference as ref
 from musecore.rope import RotaryTable
 from musecore.testing.cases import ConformanceCase, preset
 
-FP8_MAX = 448.0
-# The quantizer settings of each format's producer (as the loader applies them): INT4 g128
-# symmetric (AutoRound's export), MXFP4 EVEN/RNE (Quark), FP8 per tensor (ModelOpt).
-QUANTIZE_OPTIONS: dict[str, dict[str, Any]] = {"int4": {"group_size": 128, "sym": True},
-                                              "mxfp4": {"scale_mode": "even", "rounding": "rne"}}
 
 
 @dataclass
@@ -72,7 +69,7 @@ def checkpoint_weight(w: torch.Tensor, fmt: str) -> Any:
     if fmt in ("bf16", "fp16", "fp32"):
         return w.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt])
     from musecore_quant import quantize
-    return quantize(w.float(), fmt, **QUANTIZE_OPTIONS.get(fmt, {}))
+    return quantize(w.float(), fmt, **producer_options(fmt))  # as the loader quantizes (the format's producer)
 
 
 def static_input_scale(act_format: Optional[str], amax: torch.Tensor) -> Optional[torch.Tensor]:
