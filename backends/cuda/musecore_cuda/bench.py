@@ -16,15 +16,12 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from musecore.benchmarking import cycle, rotating
 from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear, fp4_linear,
                                    fp4_linear_path, fp4_tiled_linear)
 from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.kernels.moe_decode import use_gemv
-from musecore_triton.kernels.fp4_gemm import GemmConfig, launch_gemm
-from musecore_triton.layouts import Fp4Resident
 
 LINEAR_SHAPES = {  # name: (N, K) of the 816B preset (H 8192, 128 q heads and 16 kv heads x 64, h = I = 4096)
     "q_proj": (8192, 8192), "k_proj": (1024, 8192), "o_proj": (8192, 8192),
@@ -185,49 +182,6 @@ def _linear_row(fmt: str, name: str, n: int, k: int, m: int, t: float, t_bf16: f
             "tflops": round(2 * m * n * k / t / 1e6, 1), "ceiling_gbps": round(ceiling["ceiling_gbps"])}
 
 
-def sweep_linear_configs(shapes: tuple[str, ...] = ("q_proj", "expert_down"),
-                         ms: tuple[int, ...] = (1, 16, 64, 256, 4096)) -> list[dict]:
-    """Time candidate tile configs per M regime (used to choose ``pick_config``'s table)."""
-    rows = []
-    for name in shapes:
-        n, k = LINEAR_SHAPES[name]
-        ws = _rotating(lambda: CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), name).data,
-                       n * k // 2)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            for cfg in _candidates(m, n, k):
-                out = torch.zeros(m, n, device="cuda", dtype=torch.float32 if cfg.split_k > 1 else torch.bfloat16)
-
-                def call(w: Fp4Resident, cfg=cfg, out=out) -> None:
-                    launch_gemm(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group,
-                                fold_log2=w.fold_log2, n=n, k=k, out=out, cfg=cfg)
-                try:
-                    t = time_us(cycle(ws, call)) / len(ws)
-                except Exception as exc:  # a config that does not compile is a row, not a crash
-                    rows.append({"case": "sweep", "shape": name, "M": m, "config": str(cfg), "error": repr(exc)[:200]})
-                    continue
-                rows.append({"backend": "cuda", "case": "sweep", "shape": name, "M": m, "config": cfg.__dict__,
-                             "time_us": round(t, 2),
-                             "pct_memory_ceiling_of_4300": round(100 * ws[0].nbytes / t / 1e3 / 4300, 1)})
-        del ws
-    return rows
-
-
-def _candidates(m: int, n: int, k: int) -> list[GemmConfig]:
-    chunks = k // 128
-    splits = [s for s in (1, 2, 4, 8, 16) if chunks % s == 0 and chunks // s >= 2]
-    if m <= 16:
-        return [GemmConfig(16, bn, s, 1, w, st) for bn in (64, 128) for s in splits
-                for w, st in ((4, 4), (8, 3)) if triton.cdiv(n, bn) * s <= 2048]
-    if m <= 64:
-        return [GemmConfig(bm, bn, s, 1, 4, 4) for bm in (32, 64) for bn in (64, 128) for s in splits[:3]]
-    if m <= 256:
-        return [GemmConfig(bm, bn, s, 8, w, 3) for bm, bn in ((64, 128), (128, 128)) for s in (1, 2)
-                for w in (4, 8)]
-    return [GemmConfig(bm, bn, 1, 8, w, st) for bm, bn in ((128, 128), (128, 256), (256, 128))
-            for w, st in ((8, 3), (8, 4), (4, 3))]
-
-
 def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int = 8192,
               experts: int = 256, topk: int = 8, width: int = 4096, inter: int = 4096,
               hidden: int = 8192) -> list[dict]:
@@ -345,4 +299,4 @@ def bench_e2e(batches: tuple[int, ...] = (1, 32), new_tokens: int = 64, prompt_t
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:
     """Case name -> benchmark callable (``e2e`` comes once the model runs on this backend)."""
     return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e,
-            "gemlite": bench_gemlite, "sweep": sweep_linear_configs}
+            "gemlite": bench_gemlite}

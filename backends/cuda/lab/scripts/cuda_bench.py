@@ -1,8 +1,8 @@
-"""Run the CUDA backend's kernel benchmarks, print a table, save JSON under benchmarks/results/.
+"""Run the CUDA backend's kernel benchmarks and the lab's sweep, print a table, save JSON under lab/results/.
 
 Usage (on a machine with an NVIDIA GPU; PYTHONPATH=.:quant:backends/triton:backends/cuda when not installed)::
 
-    python backends/cuda/lab/scripts/cuda_bench.py --cases linear,moe,attention [--out-dir benchmarks/results]
+    python backends/cuda/lab/scripts/cuda_bench.py --cases linear,moe,attention [--out-dir backends/cuda/lab/results]
 """
 
 from __future__ import annotations
@@ -13,9 +13,19 @@ import platform
 import time
 from pathlib import Path
 
+import sys
+
 import torch
 
-from musecore_cuda.bench import benchmarks, memory_ceiling_gbps
+from musecore_cuda.bench import memory_ceiling_gbps, benchmarks as product_benchmarks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab: the lab's cases
+from bench_sweeps import sweep_linear_configs  # noqa: E402
+
+
+def benchmarks() -> dict:
+    """The product's cases (``musecore bench --backend cuda``) and the lab's tile sweep."""
+    return {**product_benchmarks(), "sweep": sweep_linear_configs}
 
 COLUMNS = ("case", "format", "path", "shape", "M", "config", "time_us", "speedup_vs_bf16", "pct_memory_ceiling")
 

@@ -1,3 +1,3 @@
-"""Triton kernels of the CUDA backend. Without a GPU they run only under Triton's interpreter
-(``TRITON_INTERPRET=1`` set before Triton is imported; the tests' conftest does that), on CPU
-tensors, without bf16: a test facility, never a fallback the plan could pick."""
+"""The CUDA backend's own kernels: the CUDA C++ FP4 GEMV/GEMM (NVRTC, sources in ``csrc/``), the decode
+MoE through them, and programmatic dependent launch with the hooks it installs into the portable
+Triton kernels of :mod:`musecore_triton` (which hold everything else)."""
