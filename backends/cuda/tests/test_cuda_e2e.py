@@ -21,7 +21,7 @@ def heldout_ids(tokens: int = 256) -> torch.Tensor:
     and the next 16 would flip the other way; over 256 tokens of text both sit near 1e-3."""
     import json
     from pathlib import Path
-    text = json.loads((Path(__file__).resolve().parents[3] / "tests/data/stdlib_heldout_slice.jsonl")
+    text = json.loads((Path(musecore.__file__).parent / "data" / "eval" / "stdlib_heldout_slice.jsonl")
                       .read_text(encoding="utf-8").splitlines()[0])["text"]
     tokenizer = musecore.load("muse-tiny", device="cpu").tokenizer
     return torch.tensor([[0] + tokenizer.encode(text, add_special_tokens=False)[:tokens - 1]])
