@@ -12,6 +12,10 @@ Only routed experts run, and each expert's weight is streamed once per block of 
    norm (scale first: ``rms(round(e * w))``), then gets its routing weight; the k rows are summed
    in fp32 (MODEL.md: norm before weight, fp32 sum). Deterministic: a token's rows are read back
    through the inverse permutation, no atomics.
+
+At decode, 16-bit expert stacks take one GEMV per assignment instead (:func:`moe_decode_dense`,
+:func:`uses_dense_decode`); a backend with a faster FP4 decode kernel calls it before
+:func:`moe_forward` (the CUDA backend's CUDA C++ expert GEMVs), reusing :func:`finalize`.
 """
 
 from __future__ import annotations
