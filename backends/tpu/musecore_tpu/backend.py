@@ -1,0 +1,290 @@
+"""``TpuBackend``: Muse Spark Open on Cloud TPU (v6e, v7) with Pallas kernels; on a CPU, the same kernels in JAX's
+TPU interpreter.
+
+What runs: BF16 and W4A16 linears (INT4 g128, MXFP4, NVFP4 codes kept packed in HBM and decoded in VMEM), the
+routed experts as grouped matmuls over only the routed rows with the MoE finalize, sliding-window GQA attention
+over the KV cache, and the two norm ops as Pallas kernels (:mod:`musecore_tpu.kernels`); the remaining ops
+(embedding, q/k norm + RoPE, head norm gate, router, SwiGLU of dense layers, softcap, sampling) are PyTorch ops,
+which torch_tpu lowers on a TPU host. On a CPU (``TpuBackend("cpu")``) every kernel runs in the TPU interpreter,
+which is how all of this is tested; NO KERNEL HAS RUN ON A TPU YET.
+
+Example::
+
+    backend = TpuBackend("cpu")                     # interpret mode: TPU semantics, CPU speed
+    w = backend.prepare_weight(musecore_quant.quantize(w_bf16, "mxfp4"), "q_proj")
+    y = backend.linear(x_bf16, w)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
+from musecore.backends.reference import weight_format_of
+from musecore.ops import ExpertWeights, OpSpec, Weight
+from musecore.ops import reference as ref
+from musecore_quant.qtensor import QTensor
+
+from musecore_tpu import layouts
+from musecore_tpu.chips import CHIPS, chip_for_device_kind
+from musecore_tpu.kernels import tiling
+
+INTERPRET_ENV = "MUSECORE_TPU_INTERPRET"
+DENSE = ("bf16", "fp16", "fp32")
+PACKED = layouts.PACKED_FORMATS
+NEVER_RUN = "never run on a TPU"
+TORCH_OPS = ("embedding", "qk_norm_rope", "head_norm_gate", "router_topk", "silu_mul", "logit_softcap", "sample")
+KERNEL_OPS = ("linear", "moe", "attention", "rms_norm", "residual_norm")
+NO_ACT_QUANT = ("the TPU backend runs 16-bit activations (W4A16 / BF16); {fmt} activation quantization has no TPU "
+                "kernel here: load with act_format=None")
+NO_FP8 = ("FP8 weights have no TPU kernel yet (v7's FP8 MXU path is future work): the plan dequantizes FP8 "
+          "checkpoints to BF16 for TPU devices")
+KERNEL_REASONS = {
+    "linear": "Pallas tiled matmul: {fmt}",
+    "moe": "Pallas grouped expert matmuls over the routed rows only ({fmt} experts): gate/up + SwiGLU, down + "
+           "round + shared post-expert norm (scale first) + routing weight; fp32 sum by XLA scatter-add",
+    "attention": "Pallas flash attention: one KV head and its query group per step, positions decide visibility "
+                 "(causal, sliding window, empty -1 slots; linear or ring cache), f32 online softmax{fp8}",
+    "rms_norm": "Pallas row-tile kernel, f32 math (weightless / weighted / scale first)",
+    "residual_norm": "Pallas row-tile kernel: post norm, f32 gated residual, next pre-norm in one pass",
+}
+FORMAT_NOTES = {"bf16": "BF16 weights, K-major", "fp16": "FP16 weights as BF16-tiled K-major",
+                "fp32": "FP32 weights, K-major", "int4": "W4A16 INT4 (codes and f32 group scales, decoded in VMEM)",
+                "mxfp4": "W4A16 MXFP4 (E2M1 codes and E8M0 bytes, decoded in VMEM)",
+                "nvfp4": "W4A16 NVFP4 (E2M1 codes, E4M3 bytes and the global scale, decoded in VMEM)"}
+
+
+def jax_missing() -> Optional[str]:
+    if importlib.util.find_spec("jax") is None:
+        return "jax not installed (pip install 'musecore-tpu[jax]'; jax 0.12 needs Python >= 3.12, 0.10.2 runs on 3.11)"
+    return None
+
+
+def probe_tpu() -> Probe:
+    """Available only with torch_tpu importable and a TPU device present; the chip kind picks the catalog device."""
+    details: dict[str, Any] = {"kernels": "Pallas (JAX); " + NEVER_RUN + ", tested in JAX's TPU interpreter on CPU",
+                               "jax": _version("jax"), "torch_tpu": _version("torch_tpu")}
+    if importlib.util.find_spec("torch_tpu") is None:
+        return Probe(False, 0, [], "torch_tpu not installed", details)
+    try:
+        import torch_tpu  # noqa: F401  (torch autoloads it anyway when installed)
+        count = int(torch.tpu.device_count()) if hasattr(torch, "tpu") else 0
+    except Exception as err:  # probe() never raises: the cause is the reason
+        return Probe(False, 0, [], f"torch_tpu failed to start: {type(err).__name__}: {err}", details)
+    if count == 0:
+        return Probe(False, 0, [], "no TPU device", details)
+    try:
+        from torch_tpu._internal.device import _device_ops_backend
+        kind = str(_device_ops_backend._get_local_device_attributes().get("device_kind", ""))
+    except Exception as err:
+        return Probe(False, 0, [], f"{count} TPU device(s), but their kind is unreadable: {type(err).__name__}: {err}",
+                     details)
+    details.update(device_kind=kind, devices=count)
+    chip = chip_for_device_kind(kind)
+    if chip is None:
+        return Probe(False, 0, [], f"{count} x {kind!r}: not a catalog TPU ({', '.join(CHIPS)})", details)
+    return Probe(True, 70, [chip.name], f"{count} x {kind} ({chip.name}); kernels {NEVER_RUN} before this host",
+                 details)
+
+
+def _version(module: str) -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(module.replace("_", "-"))
+    except PackageNotFoundError:
+        return None
+
+
+class TpuBackend(Backend):
+    """Pallas kernels on a TPU through torch_tpu, or in JAX's TPU interpreter on a CPU."""
+
+    name = "tpu"
+
+    def __init__(self, device: Optional[Union[str, torch.device]] = None, *, interpret: Optional[bool] = None) -> None:
+        try:
+            super().__init__(device)
+        except RuntimeError as err:
+            raise ValueError(f"TPU device {device!r} is unknown to torch: torch_tpu registers it (pip install "
+                             f"'musecore-tpu[tpu]' on a TPU host); use TpuBackend('cpu') for interpret mode ({err})") from None
+        forced = os.environ.get(INTERPRET_ENV)
+        if interpret is None:
+            interpret = self.device.type == "cpu" or forced == "1"
+        if not interpret and self.device.type == "cpu":
+            raise ValueError("the TPU kernels run on a CPU only in interpret mode; pass interpret=True or a tpu device")
+        self.interpret = interpret
+        self._runner: Any = None
+
+    @property
+    def runner(self) -> Any:
+        """Made on first use, so constructing the backend (the plan does) touches neither jax nor torch_tpu."""
+        if self._runner is None:
+            from musecore_tpu.runners import InterpretRunner, TorchTpuRunner
+            missing = jax_missing()
+            if missing:
+                raise RuntimeError(f"the TPU backend's kernels need jax: {missing}")
+            self._runner = InterpretRunner() if self.interpret else TorchTpuRunner()
+        return self._runner
+
+    # -- discovery ----------------------------------------------------------------------------------------------
+    def probe(self) -> Probe:
+        try:
+            return probe_tpu()
+        except Exception as err:  # never raises
+            return Probe(False, 0, [], f"tpu probe failed: {type(err).__name__}: {err}")
+
+    def supports(self, op: str, spec: OpSpec) -> Support:
+        where = "JAX's TPU interpreter on this CPU" if self.interpret else "the TPU via torch_tpu (" + NEVER_RUN + ")"
+        if op in TORCH_OPS:
+            return Support.native(f"PyTorch ops (the reference's): lowered by torch_tpu on a TPU host ({NEVER_RUN})"
+                                  if not self.interpret else "PyTorch ops (the reference's) on this CPU")
+        missing = jax_missing()
+        if missing:
+            return Support.no(missing)
+        if op in ("linear", "moe"):
+            if spec.act_format is not None:
+                return Support.no(NO_ACT_QUANT.format(fmt=spec.act_format))
+            fmt = spec.weight_format
+            if fmt == "fp8":
+                return Support.no(NO_FP8)
+            if fmt not in DENSE + PACKED:
+                return Support.no(f"{fmt} weights: the TPU kernels take {DENSE + PACKED}")
+            return Support.native(KERNEL_REASONS[op].format(fmt=FORMAT_NOTES[fmt]) + f"; runs in {where}")
+        if op == "attention":
+            if spec.kv_format not in ("bf16", "fp16", "fp32", "fp8"):
+                return Support.no(f"KV format {spec.kv_format!r}: the TPU attention kernel reads bf16, fp32 or fp8")
+            fp8 = "; FP8 KV dequantized per tensor in VMEM" if spec.kv_format == "fp8" else ""
+            return Support.native(KERNEL_REASONS[op].format(fp8=fp8) + f"; runs in {where}")
+        return Support.native(KERNEL_REASONS[op] + f"; runs in {where}")
+
+    # -- weights --------------------------------------------------------------------------------------------------
+    def _resident(self, weight: WeightIn, dtype: torch.dtype) -> tuple[str, dict[str, Any], int]:
+        """(format, resident tensors on this backend's device, group)."""
+        if isinstance(weight, torch.Tensor):
+            if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise ValueError(f"TPU dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
+            return weight_format_of(weight), layouts.prepare_dense(weight, dtype), 0
+        if weight.format == "fp8":
+            raise ValueError(f"TPU cannot run fp8 weights: {NO_FP8}")
+        return weight.format, layouts.prepare_packed(weight), weight.group_size
+
+    def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
+                       dtype: torch.dtype = torch.bfloat16) -> Weight:
+        """Dense -> ``W^T [K, N]`` in ``dtype``; 4-bit QTensor -> K-major half-split codes + block scales
+        (:mod:`musecore_tpu.layouts`). ``Weight.extra["tpu"]`` holds what the kernel reads."""
+        if act_format is not None:
+            raise ValueError(NO_ACT_QUANT.format(fmt=act_format))
+        out_features, in_features = (weight.shape[-2], weight.shape[-1])
+        if role == "embedding":  # a row lookup (torch op): keep rows
+            table = weight if isinstance(weight, torch.Tensor) else None
+            if table is None:
+                raise ValueError(f"the embedding table must be dense; got a {weight.format} QTensor")
+            return Weight(data=table.to(dtype).contiguous(), format=weight_format_of(table),
+                          out_features=out_features, in_features=in_features)
+        fmt, resident, group = self._resident(weight, dtype)
+        resident = {k: (None if v is None else v.to(self.device)) for k, v in resident.items()}
+        return Weight(data=resident, format=fmt, out_features=out_features, in_features=in_features,
+                      extra={"tpu": self.runner.resident(resident), "group": group, "role": role})
+
+    def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *, act_format: Optional[str] = None,
+                        dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
+        if act_format is not None:
+            raise ValueError(NO_ACT_QUANT.format(fmt=act_format))
+        prepared = [self._resident(w, dtype) for w in (gate, up, down)]
+        fmts = {p[0] for p in prepared}
+        if len(fmts) != 1:
+            raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
+        fmt = fmts.pop()
+        groups = {p[2] for p in prepared}
+        if len(groups) != 1:
+            raise ValueError(f"gate, up and down must share one group size; got {sorted(groups)}")
+        if fmt in DENSE:
+            fmt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, fmt)
+        resident = [{k: (None if v is None else v.to(self.device)) for k, v in p[1].items()} for p in prepared]
+        E = gate.shape[0]
+        return ExpertWeights(gate=resident[0], up=resident[1], down=resident[2], format=fmt, num_experts=E,
+                             extra={"tpu": [self.runner.resident(r) for r in resident], "group": groups.pop()})
+
+    def resident_bytes(self, weight_format: str, out_features: int, in_features: int, *,
+                       experts: int = 0) -> Optional[int]:
+        """INT4 keeps f32 group scales (fp16 is no TPU vector type): 4.25 bits per weight instead of 4.125."""
+        if weight_format != "int4":
+            return None
+        return layouts.resident_bytes("int4", out_features, in_features, experts)
+
+    # -- ops ------------------------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        resident = w.extra.get("tpu")
+        if resident is None:
+            raise TypeError("tpu linear got a Weight that TpuBackend.prepare_weight did not make; prepare it with "
+                            "this backend")
+        lead = x.shape[:-1]
+        y = self.runner.linear(x.reshape(-1, x.shape[-1]).contiguous(), resident, w.format, w.extra["group"])
+        return y.reshape(*lead, y.shape[-1])
+
+    def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
+            post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
+        resident = experts.extra.get("tpu")
+        if resident is None:
+            raise TypeError("tpu moe got ExpertWeights that TpuBackend.prepare_experts did not make")
+        return self.runner.moe(z.contiguous(), weights, ids, *resident, post_norm, experts.format,
+                               experts.extra["group"], post_eps)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  window: Optional[int], scale: float, k_scale: Optional[float] = None,
+                  v_scale: Optional[float] = None) -> torch.Tensor:
+        if q.shape[2] % k.shape[2]:
+            raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
+        return self.runner.attention(q, k, v, q_pos, k_pos, window, scale,
+                                     1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
+
+    def rms_norm(self, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                 scale_first: bool = False) -> torch.Tensor:
+        if scale_first and weight is None:
+            raise ValueError("rms_norm: scale_first=True needs a weight")
+        return self.runner.rms_norm(x, weight, eps, scale_first)
+
+    def residual_norm(self, residual: torch.Tensor, out: torch.Tensor, post_weight: Optional[torch.Tensor],
+                      alpha: torch.Tensor, beta: torch.Tensor, next_weight: torch.Tensor, post_eps: float,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.runner.residual_norm(residual, out, post_weight, alpha, beta, next_weight, post_eps, eps)
+
+    embedding = staticmethod(ref.embedding)
+    qk_norm_rope = staticmethod(ref.qk_norm_rope)
+    head_norm_gate = staticmethod(ref.head_norm_gate)
+    router_topk = staticmethod(ref.router_topk)
+    silu_mul = staticmethod(ref.silu_mul)
+    logit_softcap = staticmethod(ref.logit_softcap)
+    sample = staticmethod(ref.sample)
+
+    # -- what the plan and doctor show ------------------------------------------------------------------------------
+    def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
+        chip = CHIPS.get(getattr(profile, "name", ""), None)
+        vmem = chip.vmem_bytes if chip else min(c.vmem_bytes for c in CHIPS.values())
+        out = []
+        for lin in linears:
+            fmt = lin.weight_format
+            if fmt not in DENSE + PACKED:
+                continue
+            for label, M in (("decode M<=16", 16), ("prefill M=256", 256)):
+                cfg = tiling.matmul_config(fmt, M, lin.in_features, lin.out_features)
+                what = f"{lin.name} {fmt} {lin.out_features}x{lin.in_features}" + (
+                    f" x{lin.experts} experts (grouped, top-{lin.top_k})" if lin.experts else "") + f", {label}"
+                tm, tk = cfg.blocks[0].shape
+                tn = cfg.blocks[-1].shape[-1] if False else tiling.n_tile(lin.out_features)
+                out.append(KernelChoice(what, f"Pallas {FORMAT_NOTES[fmt]}, tiles {tm}x{tk}x{tn}",
+                                        f"VMEM {cfg.vmem_bytes / 2**20:.1f} of {vmem / 2**20:.0f} MiB; {NEVER_RUN}",
+                                        INTERPRET_ENV))
+        return out
+
+    def env_settings(self) -> list[EnvSetting]:
+        return [EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "0 (1 on a CPU)",
+                           "1: run the Pallas kernels in JAX's TPU interpreter even on a TPU host (the first check "
+                           "of a new host: compare with the compiled kernels)")]
+
+    def benchmarks(self) -> dict[str, Any]:
+        from musecore_tpu.bench import benchmarks
+        return benchmarks(self)
