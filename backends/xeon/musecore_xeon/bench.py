@@ -9,10 +9,9 @@ gets without this backend); ``speedup_vs_xeon_bf16`` with this backend's BF16 pa
 
 The linear and MoE weights are timed cold from DRAM: every implementation cycles through independent
 copies of its weight totalling at least twice the last-level cache (:func:`rotating`, :func:`cycle`),
-and a call's time is the cycle's time over the number of copies. Called back to back on one weight, an
-8-64 MB weight stays partly in the 32 MiB L3 of the EPYC this was written on (BF16 GEMV rows read
-94-118% of the DRAM ceiling), and a 0.2 MB one entirely, which a decode step (every layer's weights
-evicting the others') never sees.
+and a call's time is the cycle's time over the number of copies. Called back to back on one weight, a
+weight stays partly or wholly in the last-level cache, which a decode step (every layer's weights evicting the
+others') never sees.
 
 Example::
 
@@ -415,7 +414,7 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
 
 def benchmarks(backend: Optional[XeonBackend] = None) -> dict[str, Callable[..., list[dict[str, Any]]]]:
     """The benchmark cases of this backend, by name (``musecore bench --backend xeon`` and
-    ``benchmarks/xeon_bench.py``); ``backend`` (default: a new one) runs the kernel cases."""
+    ``backends/xeon/lab/scripts/xeon_bench.py``); ``backend`` (default: a new one) runs the kernel cases."""
     return {"linear": functools.partial(bench_linear, backend=backend),
             "moe": functools.partial(bench_moe, backend=backend),
             "attention": bench_attention, "e2e": bench_e2e}

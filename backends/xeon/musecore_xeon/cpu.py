@@ -2,9 +2,8 @@
 
 The Xeon backend picks its devices and its dense fallback from these facts: AMX (``amx_bf16``)
 is what makes a machine a ``xeon6`` target; AVX-512 BF16 or AMX is what makes oneDNN's BF16 GEMM
-fast, and without it PyTorch's BF16 matmul runs a scalar-ish path (measured here on an AVX2-only
-AMD EPYC: ~21 GFLOP/s at M=256 against ~100 GFLOP/s for fp32 SGEMM), so dense tiles are computed
-in fp32 there instead. Reading features never raises: a probe must be cheap and total.
+fast, and without it PyTorch's BF16 matmul runs a scalar-ish path several times slower than fp32
+SGEMM, so dense tiles are computed in fp32 there instead. Reading features never raises: a probe must be cheap and total.
 """
 
 from __future__ import annotations

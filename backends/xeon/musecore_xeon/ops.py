@@ -11,8 +11,8 @@ step), and sharing ``sample`` keeps the random stream identical to the reference
 At decode sizes (at most :data:`NATIVE_NORM_MAX_ELEMENTS` elements, contiguous bf16/fp32 tensors) the four norm ops,
 the router's selection and decode attention run one C call each (``musecore_xeon.kernels.native``, the same fp32 math
 and roundings) through the CPython extension of :mod:`musecore_xeon.kernels.binding` (one call: checks, ``at::empty``,
-the kernel): PyTorch's ``F.rms_norm`` plus the dtype casts cost ~25 us per call on a 1536-vector on the 2-core EPYC,
-and a muse-small token makes ~100 of them. Larger inputs (prefill), other dtypes, and hosts where the extension cannot
+the kernel): at decode sizes PyTorch's per-op cost (dispatch, dtype casts) exceeds the work, and a muse-small token
+makes ~100 such calls. Larger inputs (prefill), other dtypes, and hosts where the extension cannot
 be built run the PyTorch path below each fast call, which computes the same math.
 """
 
@@ -141,8 +141,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     """Causal GQA attention ``[B,T,nq,d]`` over cached keys, prefill or decode, full or sliding window.
 
     Runs SDPA in ``compute_dtype``: fp32 on CPUs without native BF16, where it is both exact
-    (NMSE ~1e-9 against the reference instead of ~6e-6) and 1-6x faster than BF16 SDPA (measured on
-    the AVX2 EPYC, muse-small heads, T=1..1024). FP8 K/V are dequantized with their per-tensor
+    (NMSE ~1e-9 against the reference instead of ~6e-6) and faster than BF16 SDPA. FP8 K/V are dequantized with their per-tensor
     scales first. Queries that see no key return zeros.
     """
     nq, nkv = q.shape[2], k.shape[2]

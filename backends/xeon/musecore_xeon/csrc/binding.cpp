@@ -97,8 +97,8 @@ static PyObject *bf16_linear(PyObject *, PyObject *const *args, Py_ssize_t nargs
     return w == nullptr ? nullptr : call_linear("bf16_gemv", bf16_linear_kernel, w, w->k, w->n, args, nargs);
 }
 
-/* The decode-size norms and the router's selection of ops.c, called without ctypes (each ctypes call
-   with its Python checks and torch.empty_like cost 7-15 us on the 2-core EPYC; a muse-small token makes ~100 of them).
+/* The decode-size norms and the router's selection of ops.c, called without ctypes (a ctypes call with its Python
+   checks and torch.empty_like cost more than the kernel; a muse-small token makes ~100 of them).
    Each returns None when its fast path does not apply (a tensor that is not a contiguous bf16/fp32 CPU tensor, more
    than max_elements, shapes that do not match): the Python op then takes its PyTorch path (the same math). */
 typedef void (*rms_fn)(const void *, int, const void *, int, void *, int, int64_t, int64_t, float, int);

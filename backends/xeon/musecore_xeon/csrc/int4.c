@@ -25,22 +25,16 @@
    QTensor's fp16 scale; the zero an integer 0..15), read by one 16-byte load. */
 #define ROWS 4 /* rows per block of the GEMV; codes are padded to a multiple of it */
 /* Calls streaming fewer code bytes than these run on the calling thread: an OpenMP fork/join and barriers
-   (~5-20 us on 2 cores, more when a sibling thread is descheduled) cost more than a second core saves.
-   Measured on the 2-core EPYC with the int16 GEMV (weight in cache, back-to-back ctypes calls, median): 2 threads
-   win from 32 KiB of codes (256x256: 7 vs 10 us; 512x768: 11 vs 18 us), tie at 24 KiB (192x256, 8 us) and lose
-   below (64x512: 8 vs 6 us); the fused MoE of muse-tiny (4 experts, 196 KiB, 3 barriers) loses (INT4/BF16 decode
-   0.96x with 2 threads, 1.24x with one). */
+   cost more than a second core saves on so little work (measurements: lab/NOTES.md, "thread thresholds"). */
 #ifndef GEMV_PARALLEL_MIN_BYTES
 #define GEMV_PARALLEL_MIN_BYTES (32 * 1024)
 #endif
-/* ... and each thread gets at least this many code bytes: on a many-core host every thread adds to the fork/join.
-   Measured on 16 vCPUs of a 5th-gen Xeon (benchmarks/results/xeon_amx_host/xeon_amx_host_thread_sweep.txt, cold,
-   M = 1): 768x512 (196 KiB) 9.2 us on 8 threads against 10.0 on 16; 512x1536 (393 KiB) and larger gain up to 16.
-   16 KiB per thread keeps the 2-core rule above unchanged (2 threads from 32 KiB). */
+/* ... and each thread gets at least this many code bytes: on a many-core host every thread adds to the fork/join
+   (16 KiB per thread keeps the 2-core rule above: 2 threads from 32 KiB). */
 #define GEMV_MIN_BYTES_PER_THREAD (16 * 1024)
 #define MOE_PARALLEL_MIN_BYTES (256 * 1024)
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048 /* how far ahead (at least) the GEMV prefetches its codes; 2 KiB measured best of 0/2/4/8 KiB */
+#define PREFETCH_BYTES 2048 /* how far ahead (at least) the GEMV prefetches its codes (lab/NOTES.md) */
 #endif
 /* Activations are int16 per group: xq = round(x / sx), sx = max|x_group| / XQ_MAX. The error is at most sx/2 =
    max|x_group| * 2^-16 per element: no more than the bf16 rounding (2^-9 relative) of every element within 2^7 of
@@ -728,7 +722,7 @@ void musecore_int4_gemv(const int32_t *codes, const uint16_t *sz, const void *x,
 }
 
 /* One INT4 weight's constant arguments, filled once by Python (Int4Gemv): a bound call passes 5 arguments through
-   ctypes instead of 12 (~1 us less per call; decode makes ~100 such calls per token). */
+   ctypes instead of 12 (decode makes ~100 such calls per token). */
 typedef struct { const int32_t *codes; const uint16_t *sz; int64_t k, g, n_rows, n_valid; } int4_weight_t;
 
 /* musecore_int4_gemv on a bound weight, with PyTorch's thread count: this library runs on PyTorch's libgomp, whose

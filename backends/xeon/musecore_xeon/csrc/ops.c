@@ -3,8 +3,7 @@
    cost exceeds the work. The math is the reference's, in fp32; uses int4.c's load_x, store_y, hsum, scratch. */
 /* The decode-size norms of the graph (musecore/ops: rms_norm, residual_norm, qk_norm_rope, head_norm_gate) and the
    router's selection, fp32 math on bf16 or fp32 tensors (a flag per pointer), with the reference's roundings to the
-   activation dtype. PyTorch's F.rms_norm plus casts costs ~25 us per call on a
-   1536-vector here; ~80 such calls per muse-small token took ~12 ms of a ~65 ms decode step. */
+   activation dtype: at decode PyTorch's per-op cost (dispatch, casts) exceeded the work. */
 static inline void store_x(void *p, int bf16, int64_t i, float v) { store_y(p, bf16, i, v); }
 
 #ifdef __AVX2__
@@ -222,8 +221,8 @@ int musecore_router_topk(const float *logits, const float *bias, int64_t T, int6
 /* Decode attention (few queries): per (batch, query, head) the scores over the visible keys (causal, optional
    sliding window, k_pos >= 0), an fp32 softmax, and the weighted sum of the values of its kv head (GQA: head h
    reads kv head h / (nq / nkv)). q, k, v bf16 or fp32 (k and v alike), contiguous [B, T|S, heads, d]; a query
-   that sees no key gets zeros. The PyTorch path (mask, casts, SDPA, masked_fill) costs ~0.4-0.5 ms per call at
-   T = 1 on this host, more than the keys take to read at short contexts. */
+   that sees no key gets zeros. At T = 1 the PyTorch path (mask, casts, SDPA, masked_fill) costs more than the keys
+   take to read at short contexts. */
 static inline float dot_qk(const float *q, const void *k, int kb, int64_t off, int64_t d) {
     int64_t c = 0;
     float tail = 0.0f;

@@ -29,10 +29,9 @@ BF16_GEMV_CROSSOVER_ENV = "MUSECORE_XEON_BF16_GEMV_CROSSOVER"
 CALIBRATION_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROXY_MAX_ROWS = 1024
 RETIME_RATIO = 3.0  # a point where one path is within this factor of the other is timed twice
-# ... and one within this factor gets CLOSE_CALL_ROUNDS more rounds, the two paths alternating: on the 2-core EPYC a
-# burst of another tenant's work moved one path's best-of-3 by up to 25%, and a calibration taken in two rounds kept
-# the slower path at M = 128-256 (512x1536: the kernel timed 1541 us against 1938 us for the tiles, the run itself
-# measured 1926 against 1506). Each path keeps its best time over all rounds.
+# ... and one within this factor gets CLOSE_CALL_ROUNDS more rounds, the two paths alternating: on a shared host a
+# burst of another tenant's work can move one path's best-of-3 enough to pick the slower path (lab/NOTES.md). Each
+# path keeps its best time over all rounds.
 CLOSE_CALL_RATIO = 1.5
 CLOSE_CALL_ROUNDS = 3
 

@@ -8,8 +8,8 @@ upcast tile by tile (a few MiB at a time, never the whole weight) into fp32 for 
 reuse the same tiled GEMM with a dequantizing tile producer.
 
 At decode sizes a BF16 weight runs the native BF16 GEMV (:class:`musecore_xeon.kernels.native.Bf16Gemv`) wherever it
-was measured faster than the path it replaces: PyTorch's BF16 ``F.linear`` streams the weight at ~50-55% of the
-memory bandwidth at M = 1 on AVX2 and costs twice that at M = 2 (README: numbers). Order of the paths by M: the
+was measured faster than the path it replaces: PyTorch's BF16 ``F.linear`` streams the weight well below the
+memory bandwidth at M = 1 on AVX2 (lab/NOTES.md: numbers). Order of the paths by M: the
 native GEMV below ``gemv_crossover``, ``F.linear`` below ``crossover``, fp32 tiles from there on; both crossovers
 are measured on this machine (:mod:`crossover`), never guessed.
 """
@@ -33,18 +33,14 @@ from musecore_xeon.kernels.crossover import (BF16_CROSSOVER_ENV, BF16_GEMV_CROSS
 # pair), so the tiles' SGEMM overtakes it somewhere in this range or above it.
 BF16_GEMV_CALIBRATION_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 # A near-tie on the proxy goes to the path the GEMV would replace (as INT4_DENSE_MARGIN does for the INT4 tiles): the
-# GEMV must be more than this much faster. Without it, 2048x8192 at M=64 (1 thread) took the GEMV after the 1024-row
-# proxy timed 19.2 vs 20.0 ms, and measured 0.83x of the tiles at full size.
+# GEMV must be more than this much faster: a near-tie on the proxy was a loss at full size (lab/NOTES.md).
 BF16_GEMV_DENSE_MARGIN = 0.10
 
-# Elements per dense tile: 2 Mi (8 MiB in fp32). Measured on the 2-core EPYC at K=8192, M=64..256:
-# 256-row tiles ran 1.3-2x faster than 64-row (GEMM too thin) or 1024-row (tile falls out of cache).
+# Elements per dense tile: 2 Mi (8 MiB in fp32): thinner tiles make the GEMM too thin, larger ones fall out of
+# cache (lab/NOTES.md).
 DENSE_TILE_ELEMENTS = 2 * 1024 * 1024
-# Where the tiles feed a native BF16 GEMM (AMX / AVX-512 BF16: oneDNN), its per-call cost favours larger ones.
-# Measured on a 5th-gen Xeon, 16 threads (benchmarks/xeon_tile_probe.py, results/xeon_amx_host/): INT4 8192x2048
-# at M = 64 / 256 took 2.39 / 4.81 ms with 2 Mi-element tiles, 2.11 / 3.36 with 8 Mi, 1.84 / 3.12 with 32 Mi
-# (2048x8192 at M = 256: 7.81 / 3.53 / 3.31). 8 Mi takes most of the gain with a quarter of 32 Mi's workspace
-# (32 MiB fp32 + 16 MiB bf16 per thread).
+# Where the tiles feed a native BF16 GEMM (AMX / AVX-512 BF16: oneDNN), its per-call cost favours larger ones; 8 Mi
+# takes most of the gain of larger tiles with a quarter of 32 Mi's workspace (lab/NOTES.md).
 NATIVE_BF16_TILE_ELEMENTS = 8 * 1024 * 1024
 
 

@@ -60,9 +60,8 @@ POSITION_NIBBLES: tuple[int, ...] = (0, 4, 1, 5, 2, 6, 3, 7)
 def interleave_row_blocks(words: torch.Tensor, group_size: int) -> torch.Tensor:
     """Row-major planar words ``[N, K/8]`` (N a multiple of ROWS) -> the resident order: per block of ROWS rows,
     chunk by chunk, the ROWS rows' words of that chunk one after another (``[N/ROWS, K/C, ROWS, W]``, viewed as
-    ``[N, K/8]``). A block is then one sequential stream: read as ROWS separate rows of 1 KiB (K = 2048) side by
-    side, a block streamed at ~12-13 GB/s per core against 16-19 GB/s for sequential reads (the hardware
-    prefetcher follows one stream per 4 KiB page, not four)."""
+    ``[N, K/8]``). A block is then one sequential stream, which the hardware prefetcher follows better than ROWS
+    rows read side by side (one stream per 4 KiB page, not four)."""
     n, kw = words.shape
     w = planar_chunk(group_size) // 8
     return words.view(n // native.ROWS, native.ROWS, kw // w, w).transpose(1, 2).reshape(n, kw).contiguous()
@@ -382,18 +381,12 @@ def uses_amx(group_size: int, dense_dtype: torch.dtype) -> bool:
     return dense_dtype == torch.bfloat16 and group_size % 128 == 0 and native.amx_ready()
 
 
-# Near the crossover the two INT4 paths are within noise on the proxy (at most 1024 rows), and at full size the
-# wrong pick cost up to 17%: 4096x8192, M = 128, 2 threads, the native GEMM 96.6 ms on the full weight against
-# 82.0 ms for the tiles, after the proxy timed 24.6 vs 25.1 ms. The tiles are the BF16 path's own SGEMM on exact
-# weights, so a tie goes to them: the dense path is taken when it is at most this much slower on the proxy.
-# 10% was not enough on this host: session 7's full run timed the 512x768 proxy (the full shape) at M = 256 with
-# the tiles 13% slower, kept the kernel, and then measured it 1.17x slower than the tiles on the real weight
-# (0.84x the BF16 path; 4096x8192: 0.93x). The tiles stay within a few % of BF16 (both paths' SGEMM), so a
-# wider margin costs INT4 at most that margin near the crossover and keeps it level with BF16 there.
+# Near the crossover the two INT4 paths are within noise on the proxy, and at full size a wrong pick of the native
+# GEMM cost up to 17%. The tiles are the BF16 path's own SGEMM on exact weights and stay within a few % of BF16, so a
+# tie goes to them: the dense path is taken when it is at most this much slower on the proxy (lab/NOTES.md: why 20%).
 INT4_DENSE_MARGIN = 0.20
-# The INT4 proxy is larger than the BF16 one (PROXY_MAX_ROWS): with 1024 rows the kernel looked 16% faster than the
-# tiles at 2048x8192, M = 256 (33.1 vs 39.6 ms), while on the full weight, cold, the tiles were 13% faster (75 vs
-# 85 ms): INT4 then ran 0.83x the backend's BF16 path. Up to this many rows the proxy is the full weight.
+# The INT4 proxy is larger than the BF16 one (PROXY_MAX_ROWS): a 1024-row proxy misjudged full-size weights by more
+# than the margin (lab/NOTES.md). Up to this many rows the proxy is the full weight.
 INT4_PROXY_MAX_ROWS = 4096
 
 

@@ -10,9 +10,9 @@ at load, which halves the kernel launches. The norm, weighting and sum run once 
 
 INT4 experts at decode sizes (every expert's token count below the measured dense-tile crossover) take
 one native call for the whole layer (``native.int4_moe``): grouping, gate/up, SwiGLU, down, norm, weight
-and sum in C under one OpenMP region (BF16 experts likewise, ``native.bf16_moe``). Per expert, the Python path costs ~16 small calls per layer with
-an OpenMP fork/join, a few torch ops and allocations each (measured ~60 us per call on the 2-core EPYC,
-more than the 0.2-0.4 MB of codes take to stream), which made INT4 MoE run at 2-5 GB/s.
+and sum in C under one OpenMP region (BF16 experts likewise, ``native.bf16_moe``). Per expert, the Python path costs
+~16 small calls per layer with an OpenMP fork/join, a few torch ops and allocations each: more than the experts'
+codes take to stream.
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ ExpertLinear = Union[Int4Linear, DenseLinear]
 
 
 # The crossover of one INT4 linear compares one call with one call; leaving the fused MoE call costs two calls per
-# routed expert plus the Python between them. With AMX the dense path's crossover fell to M = 8 on muse-small's expert
-# shapes (768x512: GEMV 21 us, AMX 25 us at M = 8, cold, 16 cores), and the layer at T = 64 (about 8 tokens per expert)
-# went from 1.9 ms in the fused call to 6.9 ms in 128 AMX calls (0.71x BF16). At 32 tokens one GEMV call costs about
-# 50-60 us against 35 us for AMX plus the per-expert Python (benchmarks/results/xeon_amx_host/amx_linear.txt): about
-# even, so the fused call is kept below 32 tokens per expert.
+# routed expert plus the Python between them, so the fused call is kept below 32 tokens per expert even where the
+# dense path's own crossover is lower (AMX: lab/NOTES.md).
 INT4_FUSED_MIN_TOKENS = 32
 
 

@@ -275,8 +275,8 @@ def linear_binding() -> Optional[ModuleType]:
 class BoundGemv:
     """A native GEMV bound to one weight: its pointers and shape packed once into a C struct (``self.args``), called
     through the CPython extension of :mod:`~musecore_xeon.kernels.binding` (tensor checks, ``at::empty``, the
-    kernel: ~2 us around it) or, where that cannot be built, through ctypes (a dtype/contiguity check, one
-    ``torch.empty`` and a 5-argument ctypes call: ~9-14 us around it in the benchmark's sequence on the 2-core EPYC).
+    kernel) or, where that cannot be built, through ctypes (a dtype/contiguity check, one ``torch.empty`` and a
+    5-argument ctypes call: several times the cost around the kernel).
     ``x`` (bf16 or fp32, contiguous) may have any leading dims (no reshape: the output is allocated in ``x``'s shape,
     in ``x``'s dtype). The thread count is PyTorch's, read in C (``omp_get_max_threads`` of the shared libgomp).
     The weight tensors must stay alive and unmoved (the subclass keeps them)."""
