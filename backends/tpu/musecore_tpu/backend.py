@@ -274,7 +274,7 @@ class TpuBackend(Backend):
                 what = f"{lin.name} {fmt} {lin.out_features}x{lin.in_features}" + (
                     f" x{lin.experts} experts (grouped, top-{lin.top_k})" if lin.experts else "") + f", {label}"
                 tm, tk = cfg.blocks[0].shape
-                tn = cfg.blocks[-1].shape[-1] if False else tiling.n_tile(lin.out_features)
+                tn = tiling.n_tile(lin.out_features)
                 out.append(KernelChoice(what, f"Pallas {FORMAT_NOTES[fmt]}, tiles {tm}x{tk}x{tn}",
                                         f"VMEM {cfg.vmem_bytes / 2**20:.1f} of {vmem / 2**20:.0f} MiB; {NEVER_RUN}",
                                         INTERPRET_ENV))

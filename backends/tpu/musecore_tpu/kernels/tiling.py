@@ -119,26 +119,28 @@ def m_tile(M: int, dtype: str = "bf16") -> int:
     return min(TILE_M, round_up(max(M, 1), sub))
 
 
+def weight_blocks(fmt: str, K: int, N: int, tk: int, tn: int, group: Optional[int], label: str = "") -> list[Block]:
+    """One weight's blocks for a ``[tk, tn]`` tile of ``W^T [K, N]``, and the f32 tile the kernel decodes (the
+    decoded values and the broadcast block scales: two f32 tiles, counted once each)."""
+    if fmt in ("bf16", "fp16", "fp32"):
+        wdt = "f32" if fmt == "fp32" else "bf16"
+        return [Block("w^T" + label, (tk, tn), (K, N), wdt), Block("w f32" + label, (tk, tn), (K, N), "f32", 1)]
+    g = group or GROUP[fmt]
+    blocks = [Block("codes" + label, (tk // 2, tn), (K // 2, N), "u8"),
+              Block("scales" + label, (tk // g, tn), (K // g, N), SCALE_DTYPE[fmt])]
+    if fmt == "int4":
+        blocks.append(Block("zeros" + label, (tk // g, tn), (K // g, N), "u8"))
+    return blocks + [Block("decoded w" + label, (tk, tn), (K, N), "f32", 1),
+                     Block("scales f32" + label, (tk, tn), (K, N), "f32", 1)]
+
+
 def matmul_config(fmt: str, M: int, K: int, N: int, group: Optional[int] = None, act: str = "bf16") -> KernelConfig:
     """Blocks of :func:`musecore_tpu.kernels.matmul.matmul` for ``x [M,K] @ W^T`` with W ``[N,K]`` in ``fmt``."""
     tm, tk, tn = m_tile(M, act), k_tile(fmt, K, group), n_tile(N)
     Mp = round_up(M, tm)
-    blocks = [Block("x", (tm, tk), (Mp, K), act)]
-    if fmt in ("bf16", "fp16", "fp32"):
-        wdt = "f32" if fmt == "fp32" else "bf16"
-        blocks.append(Block("w^T", (tk, tn), (K, N), wdt))
-        decoded = 0
-    else:
-        g = group or GROUP[fmt]
-        blocks += [Block("codes", (tk // 2, tn), (K // 2, N), "u8"),
-                   Block("scales", (tk // g, tn), (K // g, N), SCALE_DTYPE[fmt])]
-        if fmt == "int4":
-            blocks.append(Block("zeros", (tk // g, tn), (K // g, N), "u8"))
-        decoded = 1
-    blocks += [Block("out", (tm, tn), (Mp, N), "f32"), Block("acc", (tm, tn), (Mp, N), "f32", buffers=1)]
-    if decoded:  # the f32 weight tile the kernel decodes (two halves) and the f32 copy of x
-        blocks += [Block("decoded w", (tk, tn), (K, N), "f32", buffers=1),
-                   Block("x f32", (tm, tk), (Mp, K), "f32", buffers=1)]
+    blocks = [Block("x", (tm, tk), (Mp, K), act), Block("x f32", (tm, tk), (Mp, K), "f32", 1)]
+    blocks += weight_blocks(fmt, K, N, tk, tn, group)
+    blocks += [Block("out", (tm, tn), (Mp, N), act), Block("acc", (tm, tn), (Mp, N), "f32", 1)]
     return KernelConfig(f"matmul-{fmt}", tuple(blocks), (Mp // tm, N // tn, K // tk))
 
 
@@ -153,36 +155,24 @@ def rows_tile(rows: int) -> int:
 
 def moe_configs(fmt: str, tokens: int, top_k: int, experts: int, hidden: int, inter: int,
                 group: Optional[int] = None) -> list[KernelConfig]:
-    """Blocks of the two grouped kernels (gate/up + SwiGLU; down + finalize) of :mod:`musecore_tpu.kernels.moe`."""
+    """Blocks of the two grouped kernels of :mod:`musecore_tpu.kernels.moe`: gate/up + SwiGLU over ``[tr, tn]``
+    output tiles, and down + finalize over full ``h``-wide rows (the post-expert norm needs the whole row)."""
     rows = tokens * top_k
     tr = rows_tile(rows)
     tiles = cdiv(rows, tr) + min(experts, rows)
-    up = matmul_config(fmt, tr, hidden, inter, group)
-    gate_up = [b for b in up.blocks if b.name not in ("out", "acc")]
-    gate_up += [Block(b.name + " (up)", b.shape, b.array, b.dtype, b.buffers) for b in up.blocks
-                if b.name in ("w^T", "codes", "scales", "zeros", "decoded w")]
-    gate_up += [Block("h", up.blocks[-1].shape if False else (tr, n_tile(inter)), (tiles * tr, inter), "f32"),
-                Block("acc gate", (tr, n_tile(inter)), (tiles * tr, inter), "f32", buffers=1),
-                Block("acc up", (tr, n_tile(inter)), (tiles * tr, inter), "f32", buffers=1)]
-    down = matmul_config(fmt, tr, inter, hidden, group)
-    tk = k_tile(fmt, inter, group)
-    down_blocks = [Block("h", (tr, tk), (tiles * tr, inter), "f32")]
-    if fmt in ("bf16", "fp16", "fp32"):
-        down_blocks.append(Block("w^T", (tk, hidden), (inter, hidden), "bf16"))
-    else:
-        g = group or GROUP[fmt]
-        down_blocks += [Block("codes", (tk // 2, hidden), (inter // 2, hidden), "u8"),
-                        Block("scales", (tk // g, hidden), (inter // g, hidden), SCALE_DTYPE[fmt]),
-                        Block("decoded w", (tk, hidden), (inter, hidden), "f32", buffers=1)]
-        if fmt == "int4":
-            down_blocks.append(Block("zeros", (tk // g, hidden), (inter // g, hidden), "u8"))
-    down_blocks += [Block("post norm", (1, hidden), (1, hidden), "f32"),
-                    Block("routing weight", (tr, 1), (tiles * tr, 1), "f32"),
-                    Block("rows out", (tr, hidden), (tiles * tr, hidden), "f32"),
-                    Block("acc", (tr, hidden), (tiles * tr, hidden), "f32", buffers=1)]
-    del down
-    return [KernelConfig(f"moe-gate-up-{fmt}", tuple(gate_up), (tiles, cdiv(inter, n_tile(inter)), cdiv(hidden, up.grid[2] and k_tile(fmt, hidden, group)))),
-            KernelConfig(f"moe-down-{fmt}", tuple(down_blocks), (tiles, inter // tk))]
+    R = tiles * tr
+    tk, tn = k_tile(fmt, hidden, group), n_tile(inter)
+    gate_up = [Block("x rows", (tr, tk), (R, hidden), "bf16"), Block("x f32", (tr, tk), (R, hidden), "f32", 1)]
+    gate_up += weight_blocks(fmt, hidden, inter, tk, tn, group, " gate") + weight_blocks(fmt, hidden, inter, tk, tn,
+                                                                                          group, " up")
+    gate_up += [Block("h", (tr, tn), (R, inter), "f32"), Block("acc gate", (tr, tn), (R, inter), "f32", 1),
+                Block("acc up", (tr, tn), (R, inter), "f32", 1)]
+    tk2 = k_tile(fmt, inter, group)
+    down = [Block("h", (tr, tk2), (R, inter), "f32")] + weight_blocks(fmt, inter, hidden, tk2, hidden, group, " down")
+    down += [Block("post norm", (1, hidden), (1, hidden), "bf16"), Block("routing weight", (tr, 1), (R, 1), "f32"),
+             Block("rows out", (tr, hidden), (R, hidden), "f32"), Block("acc", (tr, hidden), (R, hidden), "f32", 1)]
+    return [KernelConfig(f"moe-gate-up-{fmt}", tuple(gate_up), (tiles, inter // tn, hidden // tk)),
+            KernelConfig(f"moe-down-{fmt}", tuple(down), (tiles, inter // tk2))]
 
 
 # -- attention ----------------------------------------------------------------------------------------------------
