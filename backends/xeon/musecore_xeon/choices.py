@@ -256,15 +256,17 @@ class Choices:
                      else f"fewer than {max(value, INT4_FUSED_MIN_TOKENS)}")
             return KernelChoice(what, f"one fused native call per layer (musecore_int4_moe) while every routed expert "
                                       f"has {limit} tokens; per-expert INT4 linear calls above",
-                                f"INT4 crossover: {source}; at least {INT4_FUSED_MIN_TOKENS} tokens, since leaving "
-                                "the fused call costs two calls per routed expert", INT4_CROSSOVER_ENV)
+                                f"INT4 crossover (the smaller of the layer's gate/up and down): {source}; at least "
+                                f"{INT4_FUSED_MIN_TOKENS} tokens, since leaving the fused call costs two calls per "
+                                "routed expert", INT4_CROSSOVER_ENV)
         gemv, source = self.crossover_of(BF16_GEMV_CROSSOVER_ENV, "bf16-gemv", shape.in_features,
                                          min(shape.out_features, PROXY_MAX_ROWS), BF16_GEMV_CALIBRATION_MS,
                                          "the GEMV must be 10% faster")
         limit = "the BF16 GEMV crossover" if gemv is None else str(gemv)
         return KernelChoice(what, f"one fused native call per layer (musecore_bf16_moe) while every routed expert has "
                                   f"fewer than {limit} tokens; per-expert linear calls above",
-                            f"BF16 experts in the model dtype; GEMV crossover: {source}", BF16_GEMV_CROSSOVER_ENV)
+                            f"BF16 experts in the model dtype; GEMV crossover (the smaller of the layer's gate/up and "
+                            f"down): {source}", BF16_GEMV_CROSSOVER_ENV)
 
     def for_shape(self, shape: LinearShape) -> list[KernelChoice]:
         fmt = shape.weight_format

@@ -93,3 +93,18 @@ def test_a_failed_build_leaves_no_entry(fresh_cache, tmp_path, monkeypatch) -> N
     with pytest.raises(subprocess.CalledProcessError):
         native.build(["-O3"])
     assert list((fresh_cache / "xeon").iterdir()) == []
+
+
+def test_the_cli_reports_a_shared_cache_directory_in_one_line(tmp_path) -> None:
+    import os
+    import sys
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    env = {**os.environ, compile_cache.ENV: str(shared)}
+    done = subprocess.run([sys.executable, "-m", "musecore.cli", "generate", "--device", "xeon", "--prompt", "x",
+                           "--max-new-tokens", "1"], capture_output=True, text=True, env=env, timeout=600)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith("musecore generate: error: cache directory") and str(shared) in err, err
