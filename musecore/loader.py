@@ -55,7 +55,7 @@ class ExpertCollector:
 
     def add_fused(self, prefix: str, proj: str, value: Any) -> Optional[tuple[Any, Any, Any]]:
         got = self.fused[prefix]
-        if proj == "gate_up_proj":
+        if proj != "down_proj":  # gate_up_proj
             got["gate"], got["up"] = split_rows(value, self.intermediate)
         else:
             got["down"] = value

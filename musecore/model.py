@@ -16,7 +16,8 @@ import torch
 from musecore.backends.base import Backend
 from musecore.config import MuseConfig
 from musecore.kv_cache import KVCache
-from musecore.names import ATTENTION_INPUTS, DENSE_MLP_INPUTS, FP32_TENSORS, PREFIX, is_fp32_tensor
+from musecore.names import (ATTENTION_INPUTS, DENSE_MLP_INPUTS, FP32_TENSORS, FUSED_EXPERT_TENSORS,  # noqa: F401
+                            PREFIX, is_fp32_tensor)
 from musecore.ops import Ops
 from musecore.rope import RotaryTable
 
@@ -361,7 +362,7 @@ class MuseModel:
                 slots[f"{p}mlp.{name}.weight"] = Slot(mlp, name, "linear", i)
             slots[f"{p}mlp.pre_expert_norm.weight"] = Slot(mlp, "pre_expert_norm", "centered", i)
             slots[f"{p}mlp.experts.post_expert_norm.weight"] = Slot(mlp, "post_expert_norm", "centered", i)
-            for name in ("gate_up_proj", "down_proj"):
+            for name in FUSED_EXPERT_TENSORS:
                 slots[f"{p}mlp.experts.{name}"] = Slot(mlp, name, "experts", i)
         return slots
 
