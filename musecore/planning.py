@@ -292,8 +292,9 @@ class Resident:
 
     def bytes(self, name: str, fmt: str, shape: tuple[int, ...]) -> int:
         if self.backend is not None and op_of_weight(name) in ("linear", "moe") and len(shape) in (2, 3):
-            got = _asking(self.backend, "resident_bytes", self.notes, None, fmt, shape[-2], shape[-1],
-                          experts=shape[0] if len(shape) == 3 else 0)
+            # a stacked [E, out, in] expert tensor, or one expert of a producer's per-expert keys (kept stacked too)
+            experts = shape[0] if len(shape) == 3 else (1 if op_of_weight(name) == "moe" else 0)
+            got = _asking(self.backend, "resident_bytes", self.notes, None, fmt, shape[-2], shape[-1], experts=experts)
             if got is not None:
                 return int(got)
         return weight_bytes(fmt, math.prod(shape))
