@@ -159,7 +159,3 @@ def cached_crossover(key: Hashable, env_name: str, kind: str, in_features: int, 
 def calibrations() -> list[CrossoverCalibration]:
     """Every crossover measured so far in this process (for the benchmark report and debugging)."""
     return list(_CACHE.values())
-
-
-def clear_calibrations() -> None:
-    _CACHE.clear()
