@@ -1,0 +1,138 @@
+"""Each Pallas kernel in JAX's TPU interpreter (``pltpu.InterpretParams``: TPU semantics on the CPU) against its
+plain-jnp reference and against musecore's torch reference (``musecore.ops.reference``, tensors through DLPack),
+on small shapes, with stated NMSE tolerances (``musecore.ops.tolerance``); each prints its measured error."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from conftest import needs_jax
+from musecore.ops import ExpertWeights, tolerance
+from musecore.ops import reference as ref
+from musecore.testing import assert_nmse
+
+pytestmark = needs_jax
+QUANT_OPTIONS = {"int4": {"group_size": 128, "sym": True}, "int4-asym": {"group_size": 128, "sym": False}}
+
+
+def weight(fmt: str, shape: tuple[int, ...], gen: torch.Generator) -> tuple[Any, torch.Tensor]:
+    """(checkpoint weight, its exact fp32 values) for ``fmt`` (bf16 or a musecore_quant format)."""
+    w = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+    w[..., :2, :16] *= 8.0  # an outlier block
+    if fmt == "bf16":
+        return w.to(torch.bfloat16), w.to(torch.bfloat16).float()
+    from musecore_quant import dequantize, quantize
+    qt = quantize(w, fmt.split("-")[0], **QUANT_OPTIONS.get(fmt, {}))
+    return qt, dequantize(qt, torch.float32)
+
+
+def resident(w: Any) -> tuple[str, dict, int]:
+    from musecore_tpu import layouts
+    from musecore_tpu.bridge import tree_to_jax
+    if isinstance(w, torch.Tensor):
+        return "bf16", tree_to_jax(layouts.prepare_dense(w, torch.bfloat16)), 0
+    return w.format, tree_to_jax(layouts.prepare_packed(w)), w.group_size
+
+
+@pytest.mark.parametrize("fmt,M,K,N", [("bf16", 5, 512, 256), ("int4", 3, 2048, 256), ("int4-asym", 1, 1024, 128),
+                                       ("mxfp4", 4, 1024, 384), ("nvfp4", 1, 512, 256)])
+def test_matmul_kernel_matches_jnp_and_torch_references(fmt: str, M: int, K: int, N: int) -> None:
+    import jax.numpy as jnp
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels.matmul import matmul, matmul_reference
+    gen = torch.Generator().manual_seed(hash(fmt) % 1000)
+    w, values = weight(fmt, (N, K), gen)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    kfmt, res, group = resident(w)
+    got = to_torch(matmul(to_jax(x), res, fmt=kfmt, group=group, out_dtype=jnp.float32, interpret=True))
+    jnp_ref = to_torch(matmul_reference(to_jax(x), res, fmt=kfmt, group=group, out_dtype=jnp.float32))
+    want = x.float() @ values.T
+    assert_nmse(want, got, 1e-10, f"matmul {fmt} {M}x{K}x{N} vs torch")   # f32 math: only the summation order differs
+    assert_nmse(jnp_ref, got, 1e-10, f"matmul {fmt} vs jnp reference")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "int4-asym", "nvfp4"])
+def test_grouped_moe_kernel_runs_only_routed_experts_and_matches_references(fmt: str) -> None:
+    import jax.numpy as jnp  # noqa: F401
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels.moe import moe, moe_reference
+    gen = torch.Generator().manual_seed(7)
+    T, E, k, h, inter = 5, 8, 2, 128, 256
+    z = ref.rms_norm(torch.randn(T, h, generator=gen), None, 1e-5).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [3, 5], [0, 5], [3, 0], [5, 3]])  # experts 1, 2, 4, 6, 7 are empty
+    wts = torch.softmax(torch.randn(T, k, generator=gen), -1)
+    stacks = [weight(fmt, shape, gen) for shape in ((E, inter, h), (E, inter, h), (E, h, inter))]
+    post_norm = (1 + 0.2 * torch.randn(h, generator=gen)).to(torch.bfloat16)
+    res = [resident(s[0]) for s in stacks]
+    kfmt, group = res[0][0], res[0][2]
+    args = (to_jax(z), to_jax(wts), to_jax(ids), res[0][1], res[1][1], res[2][1], to_jax(post_norm))
+    got = to_torch(moe(*args, fmt=kfmt, group=group, eps=1e-8, interpret=True))
+    jnp_ref = to_torch(moe_reference(*args, fmt=kfmt, group=group, eps=1e-8))
+    experts = ExpertWeights(gate=stacks[0][1], up=stacks[1][1], down=stacks[2][1], format=kfmt, num_experts=E)
+    want = ref.moe(z, wts, ids, experts, post_norm, 1e-8)
+    assert_nmse(want, got, tolerance("moe"), f"moe {fmt} vs torch")
+    assert_nmse(jnp_ref, got, tolerance("moe"), f"moe {fmt} vs jnp reference")
+
+
+def _positions(case: str) -> tuple[torch.Tensor, torch.Tensor, int, Optional[int]]:
+    if case == "prefill-leftpad-sliding":
+        q = torch.stack([torch.arange(12), torch.cat([torch.full((3,), -1), torch.arange(9)])])
+        return q, q, 0, 8
+    slots = torch.full((2, 8), -1)  # decode on a ring of 8 slots, one sequence wrapped, one short
+    for b, start in enumerate((4, 29)):
+        for pos in range(max(0, start - 8), start):
+            slots[b, pos % 8] = pos
+    q = torch.tensor([[4], [29]])
+    return q, torch.cat([slots, q], 1), 8, 8
+
+
+@pytest.mark.parametrize("case,kv", [("prefill-leftpad-sliding", "bf16"), ("decode-ring", "fp8")])
+def test_attention_kernel_matches_references(case: str, kv: str) -> None:
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels.attention import attention, attention_reference
+    gen = torch.Generator().manual_seed(3)
+    q_pos, k_pos, _cached, window = _positions(case)
+    B, T, S, nq, nkv, d = 2, q_pos.shape[1], k_pos.shape[1], 4, 2, 64
+    q = torch.randn(B, T, nq, d, generator=gen).to(torch.bfloat16)
+    k, v = torch.randn(B, S, nkv, d, generator=gen), torch.randn(B, S, nkv, d, generator=gen)
+    ks = vs = None
+    if kv == "fp8":
+        ks, vs = 0.5, 0.25
+        k, v = (k / ks).to(torch.float8_e4m3fn), (v / vs).to(torch.float8_e4m3fn)
+    else:
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    args = (to_jax(q), to_jax(k), to_jax(v), to_jax(q_pos), to_jax(k_pos))
+    opts = dict(window=window, scale=d ** -0.5, k_scale=ks or 1.0, v_scale=vs or 1.0)
+    got = to_torch(attention(*args, **opts, interpret=True))
+    want = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5, ks, vs)
+    assert_nmse(want, got, tolerance("attention"), f"attention {case} kv {kv} vs torch")
+    assert_nmse(to_torch(attention_reference(*args, **opts)), got, tolerance("attention"), f"attention {case} vs jnp")
+    if case.startswith("prefill"):
+        assert (got[1, :3] == 0).all(), "padding queries (q_pos -1) see no key and must return zeros"
+
+
+def test_norm_kernels_match_references() -> None:
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels.norms import residual_norm, residual_norm_reference, rms_norm, rms_norm_reference
+    gen = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(2, 5, 256, generator=gen) + 0.5).to(torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(256, generator=gen)).to(torch.bfloat16)
+    for weight_, scale_first in ((None, False), (w, False), (w, True)):
+        got = to_torch(rms_norm(to_jax(x), to_jax(weight_), eps=1e-5, scale_first=scale_first, interpret=True))
+        what = f"rms_norm weight={weight_ is not None} scale_first={scale_first}"
+        assert_nmse(ref.rms_norm(x, weight_, 1e-5, scale_first), got, tolerance("rms_norm"), what + " vs torch")
+        jr = rms_norm_reference(to_jax(x), to_jax(weight_), eps=1e-5, scale_first=scale_first)
+        assert_nmse(to_torch(jr), got, tolerance("rms_norm"), what + " vs jnp")
+    out = torch.randn(2, 5, 256, generator=gen).to(torch.bfloat16)
+    alpha, beta = ref.residual_gate_coefficients(0.3 * torch.randn(256, generator=gen), 0.3)
+    args = (to_jax(x), to_jax(out), to_jax(w), to_jax(alpha), to_jax(beta), to_jax(w))
+    got = [to_torch(t) for t in residual_norm(*args, post_eps=1e-8, eps=1e-5, interpret=True)]
+    want = ref.residual_norm(x, out, w, alpha, beta, w, 1e-8, 1e-5)
+    jr = [to_torch(t) for t in residual_norm_reference(*args, post_eps=1e-8, eps=1e-5)]
+    for i, name in enumerate(("residual", "normed")):
+        assert_nmse(want[i], got[i], tolerance("residual_norm"), f"residual_norm {name} vs torch")
+        assert_nmse(jr[i], got[i], tolerance("residual_norm"), f"residual_norm {name} vs jnp")
