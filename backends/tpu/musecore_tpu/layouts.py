@@ -5,7 +5,8 @@
 - 4-bit weights (INT4, MXFP4, NVFP4): the checkpoint's codes, repacked K-major and half-split per K tile
   (``codes[k', n]`` holds rows ``k'`` and ``k' + tk/2`` of its tile in its low and high nibble; see
   :mod:`musecore_tpu.kernels.decode`), and the block scales transposed to ``[K/g, N]`` in their stored bytes
-  (E4M3 and E8M0 as u8; INT4's fp16 scales as f32, since fp16 is not a TPU vector type). No value changes:
+  (E4M3 and E8M0 as u8; INT4's fp16 scales, and its zero points when asymmetric, as f32: fp16 is not a TPU
+  vector type, and a u8 block would need 32 groups = 4096 rows of K per step). No value changes:
   this is a permutation of the checkpoint's nibbles, so W4A16 keeps a quarter of BF16's bytes.
 """
 
@@ -48,7 +49,7 @@ def prepare_packed(qt: QTensor) -> dict[str, Any]:
         scales = scales.contiguous().view(torch.uint8)                      # the E4M3 bytes
     elif qt.format == "int4":
         scales = scales.float()                                             # fp16 -> f32, exact
-    zeros = None if qt.zero is None else qt.zero.transpose(-1, -2).contiguous()
+    zeros = None if qt.zero is None else qt.zero.transpose(-1, -2).float().contiguous()  # f32: 8-row blocks
     global_scale = None if qt.global_scale is None else qt.global_scale.float().contiguous()
     return {"codes": half_split(codes.contiguous(), tk), "scales": scales.contiguous(), "zeros": zeros,
             "global_scale": global_scale}

@@ -136,3 +136,27 @@ def test_norm_kernels_match_references() -> None:
     for i, name in enumerate(("residual", "normed")):
         assert_nmse(want[i], got[i], tolerance("residual_norm"), f"residual_norm {name} vs torch")
         assert_nmse(jr[i], got[i], tolerance("residual_norm"), f"residual_norm {name} vs jnp")
+
+
+@pytest.mark.slow
+def test_attention_online_softmax_across_query_and_key_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small tiles (8 queries, 128 keys) so one call crosses query tiles, key tiles, padded keys and key tiles that
+    a sliding window masks entirely (the running max must stay finite there)."""
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels import tiling
+    from musecore_tpu.kernels.attention import attention
+    monkeypatch.setattr(tiling, "TILE_Q", 8)
+    monkeypatch.setattr(tiling, "TILE_KV", 128)
+    gen = torch.Generator().manual_seed(11)
+    B, T, C, nq, nkv, d = 1, 20, 280, 4, 1, 64  # 280 cached + 20 new = 300 keys: 3 tiles, the last one padded
+    k_pos = torch.cat([torch.arange(C), torch.arange(C, C + T)])[None]
+    k_pos[0, 5:9] = -1  # empty slots
+    q_pos = torch.arange(C, C + T)[None]
+    q = torch.randn(B, T, nq, d, generator=gen).to(torch.bfloat16)
+    k = torch.randn(B, C + T, nkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(B, C + T, nkv, d, generator=gen).to(torch.bfloat16)
+    for window in (None, 64):
+        got = to_torch(attention(to_jax(q), to_jax(k), to_jax(v), to_jax(q_pos), to_jax(k_pos), window=window,
+                                 scale=d ** -0.5, interpret=True))
+        want = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
+        assert_nmse(want, got, tolerance("attention"), f"attention tiled window={window} vs torch")

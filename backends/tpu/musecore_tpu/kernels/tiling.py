@@ -129,7 +129,7 @@ def weight_blocks(fmt: str, K: int, N: int, tk: int, tn: int, group: Optional[in
     blocks = [Block("codes" + label, (tk // 2, tn), (K // 2, N), "u8"),
               Block("scales" + label, (tk // g, tn), (K // g, N), SCALE_DTYPE[fmt])]
     if fmt == "int4":
-        blocks.append(Block("zeros" + label, (tk // g, tn), (K // g, N), "u8"))
+        blocks.append(Block("zeros" + label, (tk // g, tn), (K // g, N), "f32"))
     return blocks + [Block("decoded w" + label, (tk, tn), (K, N), "f32", 1),
                      Block("scales f32" + label, (tk, tn), (K, N), "f32", 1)]
 

@@ -1,0 +1,146 @@
+"""Discovery without a TPU: the package imports without jax or torch_tpu, the probe says why it is unavailable,
+``supports`` gives a reason for every no, the chip kinds map to the catalog devices, the torch_tpu bridge
+refuses with its reason, and the benchmark cases skip with theirs. None of this needs jax."""
+
+from __future__ import annotations
+
+import importlib.util
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from musecore.backends.base import LinearShape
+from musecore.devices import get_profile
+from musecore.ops import OPS, OpSpec
+
+PACKAGE = Path(__file__).resolve().parents[1]
+HAS_TORCH_TPU = importlib.util.find_spec("torch_tpu") is not None
+
+
+def test_package_declares_its_entry_points() -> None:
+    meta = tomllib.loads((PACKAGE / "pyproject.toml").read_text())
+    assert meta["project"]["name"] == "musecore-tpu"
+    assert meta["project"]["entry-points"]["musecore.backends"] == {"tpu": "musecore_tpu:TpuBackend"}
+    assert meta["project"]["entry-points"]["musecore.benchmarks"] == {"tpu": "musecore_tpu.bench:benchmarks"}
+    from musecore_tpu import TpuBackend
+    from musecore_tpu.bench import benchmarks
+    assert TpuBackend.name == "tpu" and TpuBackend.api_version[0] == 1 and callable(benchmarks)
+
+
+@pytest.mark.skipif(HAS_TORCH_TPU, reason="torch_tpu is installed here")
+def test_probe_without_torch_tpu_says_so() -> None:
+    from musecore_tpu import TpuBackend
+    probe = TpuBackend().probe()
+    assert not probe.available and probe.devices == []
+    assert probe.reason == "torch_tpu not installed"
+    assert "never run on a TPU" in probe.details["kernels"]
+
+
+def test_probe_without_a_tpu_device_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_tpu importable but no chip: 'no TPU device' (simulated: torch_tpu is not installed here)."""
+    import sys
+    import types
+    from musecore_tpu import backend as backend_module
+    monkeypatch.setattr(backend_module.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "torch_tpu" else importlib.util.find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "torch_tpu", types.ModuleType("torch_tpu"))
+    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(device_count=lambda: 0), raising=False)
+    probe = backend_module.probe_tpu()
+    assert not probe.available and probe.reason == "no TPU device"
+
+
+@pytest.mark.parametrize("kind,device", [("TPU v6e", "tpu-v6e"), ("TPU v6 lite", "tpu-v6e"), ("TPU7x", "tpu-v7"),
+                                         ("TPU7", "tpu-v7"), ("TPU v5 lite", None)])
+def test_chip_generation_maps_to_the_catalog_device(kind: str, device) -> None:
+    from musecore_tpu.chips import chip_for_device_kind
+    chip = chip_for_device_kind(kind)
+    assert (chip.name if chip else None) == device
+    if chip is not None:
+        assert get_profile(chip.name).backend == "tpu"
+
+
+def test_chip_facts_equal_jax_s_own_table() -> None:
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu", reason="jax not installed")
+    from musecore_tpu.chips import CHIPS
+    for name, version in (("tpu-v6e", pltpu.ChipVersion.TPU_V6E), ("tpu-v7", pltpu.ChipVersion.TPU_7X)):
+        info = pltpu.get_tpu_info_for_chip(version, 1)  # per TensorCore
+        chip = CHIPS[name]
+        assert chip.vmem_bytes == info.vmem_capacity_bytes
+        assert chip.hbm_bytes == info.hbm_capacity_bytes * chip.tensorcores
+        assert chip.hbm_bytes_per_s == pytest.approx(info.mem_bw_bytes_per_second * chip.tensorcores, rel=1e-3)
+
+
+def test_supports_answers_every_op_with_a_reason() -> None:
+    from musecore_tpu import TpuBackend
+    backend = TpuBackend("cpu")
+    for op in OPS:
+        answer = backend.supports(op, OpSpec(op, device="tpu-v6e"))
+        assert answer.reason, op
+    for fmt in ("bf16", "int4", "mxfp4", "nvfp4"):
+        assert backend.supports("linear", OpSpec("linear", weight_format=fmt)).ok
+        assert backend.supports("moe", OpSpec("moe", weight_format=fmt)).ok
+    fp8 = backend.supports("linear", OpSpec("linear", weight_format="fp8"))
+    assert not fp8.ok and "dequantizes FP8" in fp8.reason
+    w4a4 = backend.supports("moe", OpSpec("moe", weight_format="mxfp4", act_format="mxfp4"))
+    assert not w4a4.ok and "16-bit activations" in w4a4.reason
+
+
+def test_kernel_ops_say_no_with_the_reason_when_jax_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from musecore_tpu import TpuBackend
+    from musecore_tpu import backend as backend_module
+    monkeypatch.setattr(backend_module, "jax_missing", lambda: "jax not installed (test)")
+    backend = TpuBackend("cpu")
+    assert backend.supports("linear", OpSpec("linear")).reason == "jax not installed (test)"
+    assert backend.supports("embedding", OpSpec("embedding")).ok  # a torch op
+
+
+def test_constructing_the_backend_touches_neither_jax_nor_torch_tpu() -> None:
+    from musecore_tpu import TpuBackend
+    backend = TpuBackend()
+    assert backend.interpret and backend._runner is None
+
+
+def test_a_tpu_device_string_without_torch_tpu_is_a_clear_error() -> None:
+    from musecore_tpu import TpuBackend
+    if HAS_TORCH_TPU:
+        pytest.skip("torch_tpu is installed here")
+    with pytest.raises(ValueError, match="torch_tpu registers it"):
+        TpuBackend("tpu")
+
+
+def test_torch_tpu_bridge_imports_and_refuses_with_its_reason() -> None:
+    if HAS_TORCH_TPU:
+        pytest.skip("torch_tpu is installed here: the registration itself is for a TPU host")
+    from musecore_tpu import torch_tpu_ops
+    assert torch_tpu_ops.unavailable_reason().startswith("torch_tpu not installed")
+    with pytest.raises(torch_tpu_ops.TorchTpuUnavailable, match="torch_tpu not installed"):
+        torch_tpu_ops.register()
+
+
+def test_kernel_choices_show_tiles_and_vmem_per_linear() -> None:
+    from musecore_tpu import TpuBackend
+    linears = [LinearShape("q_proj", 8192, 8192, "bf16"), LinearShape("experts down", 4096, 4096, "int4",
+                                                                       experts=256, top_k=8)]
+    choices = TpuBackend().kernel_choices(linears, get_profile("tpu-v7"))
+    assert len(choices) == 4
+    assert all("never run on a TPU" in c.reason and "of 64 MiB" in c.reason for c in choices)
+    assert TpuBackend().env_settings()[0].name == "MUSECORE_TPU_INTERPRET"
+
+
+@pytest.mark.skipif(HAS_TORCH_TPU, reason="torch_tpu is installed here")
+def test_benchmark_cases_skip_with_the_reason_without_a_tpu() -> None:
+    from musecore_tpu.bench import Skip, benchmarks
+    cases = benchmarks()
+    assert cases
+    for run in cases.values():
+        with pytest.raises(Skip, match="no TPU here: torch_tpu not installed"):
+            run()
+
+
+def test_int4_resident_bytes_count_the_f32_scales() -> None:
+    from musecore_tpu import TpuBackend
+    backend = TpuBackend()
+    assert backend.resident_bytes("int4", 4096, 4096) == 4096 * 4096 // 2 + 4096 * 32 * 4
+    assert backend.resident_bytes("mxfp4", 4096, 4096) is None

@@ -1,0 +1,56 @@
+"""Every block shape the kernels choose for the presets' shapes obeys the TPU tiling rules, and every kernel
+configuration fits the smaller VMEM of the two chips (v7: 64 MiB per TensorCore; v6e has 128 MiB), per
+:mod:`musecore_tpu.kernels.tiling`. Interpret mode checks neither, so this is the only guard before a TPU
+compiles them. Pure Python: no jax needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from musecore.testing import projection_shapes
+from musecore.testing.cases import preset
+from musecore_tpu.chips import CHIPS, smallest_vmem
+from musecore_tpu.kernels import tiling
+
+FORMATS = ("bf16", "int4", "mxfp4", "nvfp4")
+TOKENS = (1, 16, 256, 4096)
+
+
+def configs(size: str) -> list[tiling.KernelConfig]:
+    c = preset(size)
+    out = []
+    for role, (k, n) in projection_shapes(size).items():
+        for fmt in FORMATS:
+            out += [tiling.matmul_config(fmt, m, k, n) for m in TOKENS]
+    for fmt in FORMATS:
+        for t in TOKENS:
+            out += tiling.moe_configs(fmt, t, c.num_experts_per_tok, c.num_experts, c.moe_hidden_size,
+                                      c.moe_intermediate_size)
+    for t, keys in ((1, c.sliding_window), (1, 32768), (512, 512), (4096, 4096)):
+        for kv in ("bf16", "fp8"):
+            out.append(tiling.attention_config(1, t, keys, c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv))
+    out += [tiling.norm_config(t, c.hidden_size) for t in TOKENS]
+    return out
+
+
+@pytest.mark.parametrize("size", ["tiny", "small", "816b"])
+def test_every_kernel_config_fits_the_smallest_vmem(size: str) -> None:
+    budget = smallest_vmem()
+    worst = max(configs(size), key=lambda cfg: cfg.vmem_bytes)
+    print(f"{size}: largest VMEM footprint {worst.vmem_bytes / 2**20:.1f} MiB ({worst.kernel}, grid {worst.grid}) "
+          f"of {budget / 2**20:.0f} MiB (v7; v6e {CHIPS['tpu-v6e'].vmem_bytes / 2**20:.0f} MiB)")
+    assert worst.vmem_bytes <= budget
+
+
+@pytest.mark.parametrize("size", ["tiny", "small", "816b"])
+def test_block_shapes_obey_the_sublane_and_lane_tiling(size: str) -> None:
+    problems = sorted({f"{cfg.kernel}: {v}" for cfg in configs(size) for v in cfg.violations()})
+    assert not problems, "\n".join(problems)
+
+
+def test_the_rules_themselves() -> None:
+    assert tiling.Block("x", (8, 128), (64, 256), "f32").violation() is None
+    assert tiling.Block("x", (8, 128), (64, 256), "bf16").violation() is not None  # bf16 packs 16 rows
+    assert tiling.Block("x", (32, 256), (64, 512), "u8").violation() is None
+    assert tiling.Block("x", (16, 64), (16, 64), "bf16").violation() is None      # equal to the array: allowed
+    assert tiling.Block("x", (16, 64), (16, 128), "bf16").violation() is not None
