@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from musecore import names
+from musecore.names import MLP_LAYER_TYPES
+
 FULL, SLIDING = "full_attention", "sliding_attention"
-DENSE_MLP, SPARSE_MLP = "dense", "sparse"
+DENSE_MLP, SPARSE_MLP = MLP_LAYER_TYPES
 
 # transformers' MuseSparkVisionConfig / MuseSparkAudioConfig defaults (the towers are not run yet;
 # their configs are kept so that a checkpoint's config.json survives a round trip unchanged).
@@ -270,17 +273,16 @@ class MuseConfig:
         return bool(self.layer_rope_theta[layer])
 
     def is_sparse(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == SPARSE_MLP
+        return names.is_sparse_layer(self, layer)
 
     @property
     def sparse_layers(self) -> list[int]:
-        return [i for i in range(self.num_hidden_layers) if self.is_sparse(i)]
+        return names.sparse_layers(self)
 
     @property
     def bf16_expert_layers(self) -> list[int]:
         """Sparse layers whose routed experts the quantised releases keep in BF16: the first and last layer."""
-        ends = {0, self.num_hidden_layers - 1}
-        return [i for i in self.sparse_layers if i in ends]
+        return names.bf16_expert_layers(self)
 
     def attention_parameters(self) -> int:
         H, d, nq, nkv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads

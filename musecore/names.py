@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from musecore_quant.checkpoint.experts import FUSED_EXPERT, PER_EXPERT, muse_rule
+from musecore_quant.checkpoint.experts import FUSED_EXPERT, PER_EXPERT, muse_quantized_layers, muse_rule
 
 PREFIX = "model.language_model."  # the text decoder's tensors (transformers' MuseSparkForConditionalGeneration)
 
@@ -54,6 +54,9 @@ TOWERS = "vision/audio towers (not run)"
 # Dense projections that ``quantize_dense=True`` converts like the routed experts (the router, the
 # embedding, norms and the BF16 expert layers stay as they are: small, or sensitive to rounding).
 DENSE_QUANTIZABLE = (ATTENTION, POOLER, LM_HEAD, DENSE_MLP)
+
+# ``mlp_layer_types`` values: a dense SwiGLU MLP, or routed experts (MoE).
+MLP_LAYER_TYPES = DENSE_LAYER, SPARSE_LAYER = ("dense", "sparse")
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DENSE_MLP_WEIGHT = re.compile(r"\.mlp\.(gate|up|down)_proj\.weight$")
@@ -126,10 +129,27 @@ def expert_weight(name: str) -> Optional[ExpertWeightName]:
     return ExpertWeightName(layer, None if expert is None else int(expert), m["proj"])
 
 
+def is_sparse_layer(config: Any, layer: int) -> bool:
+    """Whether ``layer`` has routed experts (``mlp_layer_types[layer] == "sparse"``) or a dense MLP."""
+    return config.mlp_layer_types[layer] == SPARSE_LAYER
+
+
+def sparse_layers(config: Any) -> list[int]:
+    """The layers with routed experts."""
+    return [i for i in range(config.num_hidden_layers) if is_sparse_layer(config, i)]
+
+
 def quantized_expert_layers(config: Any) -> list[int]:
-    """The sparse layers whose routed experts the quantized releases quantize: all but
-    ``config.bf16_expert_layers`` (the first and the last layer)."""
-    return [i for i in config.sparse_layers if i not in config.bf16_expert_layers]
+    """The sparse layers whose routed experts the quantized releases quantize (musecore_quant's Muse
+    rule: all but the first and the last layer)."""
+    quantized = muse_quantized_layers(config.num_hidden_layers)
+    return [i for i in sparse_layers(config) if i in quantized]
+
+
+def bf16_expert_layers(config: Any) -> list[int]:
+    """The sparse layers whose routed experts the quantized releases keep in BF16."""
+    quantized = set(quantized_expert_layers(config))
+    return [i for i in sparse_layers(config) if i not in quantized]
 
 
 def quantized_expert_patterns(config: Any) -> list[str]:
@@ -154,7 +174,7 @@ def weight_group(name: str, config: Any) -> tuple[str, bool]:
         return TOWERS, False
     expert = expert_weight(name)
     if expert is not None:
-        if expert.layer in config.bf16_expert_layers:
+        if expert.layer not in quantized_expert_layers(config):
             return EXPERTS_BF16, False
         return EXPERTS_QUANTIZED, True
     if ".mlp.experts." in name:  # the shared post-expert norm

@@ -71,6 +71,12 @@ def is_fused_expert(name: str) -> bool:
     return FUSED_EXPERT.match(name) is not None
 
 
+def muse_quantized_layers(num_hidden_layers: int) -> range:
+    """The layers whose routed experts the Muse releases quantize: ``1..L-2`` (the first and the last
+    layer keep BF16 experts)."""
+    return range(1, num_hidden_layers - 1)
+
+
 def muse_rule(num_hidden_layers: int) -> list[str]:
     """The Muse rule as ``include`` regexes: the routed experts of layers ``1..L-2``.
 
@@ -84,7 +90,7 @@ def muse_rule(num_hidden_layers: int) -> list[str]:
     """
     if isinstance(num_hidden_layers, bool) or not isinstance(num_hidden_layers, int) or num_hidden_layers < 1:
         raise CheckpointError(f"muse_rule needs num_hidden_layers as a positive int, got {num_hidden_layers!r}")
-    layers = range(1, num_hidden_layers - 1)
+    layers = muse_quantized_layers(num_hidden_layers)
     if not layers:
         return []
     alt = "|".join(str(i) for i in layers)
