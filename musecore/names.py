@@ -72,7 +72,7 @@ def is_fp32_tensor(name: str) -> bool:
 
 def layer_of(name: str) -> Optional[int]:
     """The decoder layer a tensor belongs to, or None (embedding, final norm, lm_head, towers)."""
-    m = _LAYER.search(name)
+    m = None if is_tower_tensor(name) else _LAYER.search(name)
     return int(m[1]) if m else None
 
 

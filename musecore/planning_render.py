@@ -40,7 +40,7 @@ def render_text(plan, width: int = 140) -> str:
         ops.add_row(o.op, weights, o.implementation or "-", o.tier, o.reason)
     console.print(ops)
     if plan.kernels:
-        kernels = Table(title=f"kernels ({plan.backend if plan.mode != 'emulated' else plan.profile.backend})",
+        kernels = Table(title=f"kernels ({plan.backend})",
                         title_justify="left")
         for col in ("decision", "choice", "reason", "env override"):
             kernels.add_column(col)
