@@ -72,7 +72,9 @@ def probe_tpu() -> Probe:
         return Probe(False, 0, [], "torch_tpu not installed", details)
     try:
         import torch_tpu  # noqa: F401  (torch autoloads it anyway when installed)
-        count = int(torch.tpu.device_count()) if hasattr(torch, "tpu") else 0
+        # torch.tpu.device_count is internal to torch_tpu 0.2.0 (it raises); the accelerator API is the public one
+        accelerator = torch.accelerator.current_accelerator()
+        count = int(torch.accelerator.device_count()) if accelerator is not None and accelerator.type == "tpu" else 0
     except Exception as err:  # probe() never raises: the cause is the reason
         return Probe(False, 0, [], f"torch_tpu failed to start: {type(err).__name__}: {err}", details)
     if count == 0:

@@ -46,7 +46,7 @@ def test_probe_without_a_tpu_device_says_so(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(backend_module.importlib.util, "find_spec",
                         lambda name, *a: object() if name == "torch_tpu" else importlib.util.find_spec(name, *a))
     monkeypatch.setitem(sys.modules, "torch_tpu", types.ModuleType("torch_tpu"))
-    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(device_count=lambda: 0), raising=False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
     probe = backend_module.probe_tpu()
     assert not probe.available and probe.reason == "no TPU device"
 
