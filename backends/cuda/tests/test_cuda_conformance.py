@@ -13,7 +13,7 @@ import torch
 
 from musecore.testing import make_conformance_tests
 from musecore_cuda import CudaBackend
-from musecore_cuda.testing import HAS_GPU
+from musecore_triton.testing import HAS_GPU
 
 if HAS_GPU:
     test_cuda_matches_reference_on_gpu = pytest.mark.gpu(

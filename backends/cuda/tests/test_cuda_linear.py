@@ -12,7 +12,7 @@ from musecore.ops import Weight, tolerance
 from musecore.testing import nmse
 from musecore.ops import reference as ref
 
-from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda

@@ -25,7 +25,7 @@ from musecore.ops import OPS, tolerance
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.graphs import make_graphed_decode_step
-from musecore_cuda.testing import DEVICE, HAS_GPU, assert_nmse
+from musecore_triton.testing import DEVICE, HAS_GPU, assert_nmse
 
 # muse-tiny cut to two layers: a sliding RoPE layer with a dense MLP, then a full NoPE layer with the MoE.
 TWO_LAYERS = dict(PRESETS["muse-tiny"], num_hidden_layers=2, mlp_layer_types=["dense", "sparse"])

@@ -9,7 +9,7 @@ import musecore_quant
 from musecore.ops import ExpertWeights, tolerance
 from musecore.ops import reference as ref
 
-from musecore_cuda.testing import DEVICE, SMALL_DTYPES, assert_nmse, nmse
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse, nmse
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.kernels.moe_decode import use_gemv

@@ -1,4 +1,6 @@
-"""Device choice and NMSE checks used by the Triton kernels' tests (importable in any pytest import mode)."""
+"""Test support for the GPU backends' kernel tests (this package's, musecore-cuda's, musecore-rocm's):
+the device to test on and the NMSE checks. Public so that plugin test suites, which run with
+``--import-mode=importlib`` where sibling test modules are not importable, share it."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import musecore_quant
 from musecore.ops import Weight, tolerance
 from musecore.ops import reference as ref
 
-from musecore_cuda.testing import assert_nmse, nmse
+from musecore_triton.testing import assert_nmse, nmse
 from musecore_triton.layouts import prepare_fp4
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
