@@ -106,7 +106,10 @@ class TpuBackend(Backend):
 
     name = "tpu"
 
-    def __init__(self, device: Optional[Union[str, torch.device]] = None, *, interpret: Optional[bool] = None) -> None:
+    def __init__(self, device: Optional[Union[str, torch.device]] = None, *,
+                 interpret: Optional[Union[bool, str]] = None) -> None:
+        """``interpret``: None (interpret on a CPU, compile on a TPU), True or ``"tpu"`` (JAX's TPU interpreter),
+        ``"jax"`` (Pallas' generic interpreter: faster, no TPU memory model), False (compile; needs a TPU)."""
         try:
             super().__init__(device)
         except RuntimeError as err:
@@ -117,7 +120,9 @@ class TpuBackend(Backend):
             interpret = self.device.type == "cpu" or forced == "1"
         if not interpret and self.device.type == "cpu":
             raise ValueError("the TPU kernels run on a CPU only in interpret mode; pass interpret=True or a tpu device")
-        self.interpret = interpret
+        if interpret not in (True, False, "tpu", "jax"):
+            raise ValueError(f"interpret must be None, True, False, 'tpu' or 'jax'; got {interpret!r}")
+        self.interpret: Union[bool, str] = "tpu" if interpret is True else interpret
         self._runner: Any = None
 
     @property
@@ -128,7 +133,7 @@ class TpuBackend(Backend):
             missing = jax_missing()
             if missing:
                 raise RuntimeError(f"the TPU backend's kernels need jax: {missing}")
-            self._runner = InterpretRunner() if self.interpret else TorchTpuRunner()
+            self._runner = InterpretRunner(self.interpret) if self.interpret else TorchTpuRunner()
         return self._runner
 
     # -- discovery ----------------------------------------------------------------------------------------------
@@ -139,7 +144,8 @@ class TpuBackend(Backend):
             return Probe(False, 0, [], f"tpu probe failed: {type(err).__name__}: {err}")
 
     def supports(self, op: str, spec: OpSpec) -> Support:
-        where = "JAX's TPU interpreter on this CPU" if self.interpret else "the TPU via torch_tpu (" + NEVER_RUN + ")"
+        where = {"tpu": "JAX's TPU interpreter on this CPU", "jax": "Pallas' generic interpreter on this CPU"}.get(
+            self.interpret, "the TPU via torch_tpu (" + NEVER_RUN + ")")
         if op in TORCH_OPS:
             return Support.native(f"PyTorch ops (the reference's): lowered by torch_tpu on a TPU host ({NEVER_RUN})"
                                   if not self.interpret else "PyTorch ops (the reference's) on this CPU")
@@ -272,12 +278,20 @@ class TpuBackend(Backend):
             if fmt not in DENSE + PACKED:
                 continue
             for label, M in (("decode M<=16", 16), ("prefill M=256", 256)):
-                cfg = tiling.matmul_config(fmt, M, lin.in_features, lin.out_features)
+                if lin.experts:  # "experts gate/up" [E, 2I, h] or "experts down" [E, h, I]: the grouped kernels
+                    down = "down" in lin.name
+                    hidden, inter = (lin.out_features, lin.in_features) if down else (lin.in_features,
+                                                                                     lin.out_features // 2)
+                    cfg = tiling.moe_configs(fmt, M, lin.top_k, lin.experts, hidden, inter)[1 if down else 0]
+                    kernel = ("grouped down + finalize, full h rows" if down else "grouped gate/up + SwiGLU")
+                else:
+                    cfg = tiling.matmul_config(fmt, M, lin.in_features, lin.out_features)
+                    kernel = "tiled matmul"
                 what = f"{lin.name} {fmt} {lin.out_features}x{lin.in_features}" + (
-                    f" x{lin.experts} experts (grouped, top-{lin.top_k})" if lin.experts else "") + f", {label}"
-                tm, tk = cfg.blocks[0].shape
-                tn = tiling.n_tile(lin.out_features)
-                out.append(KernelChoice(what, f"Pallas {FORMAT_NOTES[fmt]}, tiles {tm}x{tk}x{tn}",
+                    f" x{lin.experts} experts, top-{lin.top_k}" if lin.experts else "") + f", {label}"
+                tiles = "x".join(str(s) for s in cfg.blocks[0].shape)
+                out.append(KernelChoice(what, f"Pallas {kernel}, {FORMAT_NOTES[fmt]}; row x K tile {tiles}, grid "
+                                              f"{cfg.grid}",
                                         f"VMEM {cfg.vmem_bytes / 2**20:.1f} of {vmem / 2**20:.0f} MiB; {NEVER_RUN}",
                                         INTERPRET_ENV))
         return out

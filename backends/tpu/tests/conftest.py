@@ -18,7 +18,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 JAX_REASON = ("jax not installed: pip install 'jax==0.10.2' (Python 3.11) or 'jax>=0.12' (Python >= 3.12) to run "
               "the Pallas kernels in TPU interpret mode")
-needs_jax = pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason=JAX_REASON)
+
+
+@pytest.fixture
+def jax_available() -> None:
+    """Skips the test with the reason when jax is missing; modules use it through
+    ``pytestmark = pytest.mark.usefixtures("jax_available")`` (the root run imports test modules with
+    ``--import-mode=importlib``, where ``from conftest import ...`` does not work)."""
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip(JAX_REASON)
 
 
 def pytest_configure(config: pytest.Config) -> None:

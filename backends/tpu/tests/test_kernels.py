@@ -9,12 +9,11 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from conftest import needs_jax
 from musecore.ops import ExpertWeights, tolerance
 from musecore.ops import reference as ref
 from musecore.testing import assert_nmse
 
-pytestmark = needs_jax
+pytestmark = pytest.mark.usefixtures("jax_available")
 QUANT_OPTIONS = {"int4": {"group_size": 128, "sym": True}, "int4-asym": {"group_size": 128, "sym": False}}
 
 

@@ -10,9 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import needs_jax
 
-pytestmark = [needs_jax, pytest.mark.skipif(importlib.util.find_spec("torch_tpu") is None,
+pytestmark = [pytest.mark.usefixtures("jax_available"), pytest.mark.skipif(importlib.util.find_spec("torch_tpu") is None,
                                             reason="torch_tpu not installed (the tpu-bridge tox env installs it)")]
 
 
