@@ -185,9 +185,8 @@ def attention_config(batch: int, tokens: int, keys: int, q_heads: int, kv_heads:
                      kv_dtype: str = "bf16") -> KernelConfig:
     """Blocks of :func:`musecore_tpu.kernels.attention.attention` (one kv head and its query group per step)."""
     group = q_heads // kv_heads
-    tq = min(TILE_Q, tokens)
-    tq = tokens if tokens % tq else tq
-    tkv = TILE_KV if keys % TILE_KV == 0 else keys
+    tq, tkv = min(TILE_Q, tokens), min(TILE_KV, keys)  # the kernel pads tokens and keys up to whole tiles
+    tokens, keys = round_up(tokens, tq), round_up(keys, tkv)
     rows = tq * group
     blocks = (Block("q", (tq, group, head_dim), (tokens, group, head_dim), "bf16"),
               Block("q positions", (rows, 1), (tokens * group, 1), "i32"),
