@@ -284,3 +284,21 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor]
         **hooks.launch_features(a.device), **hooks.launch_options(a.device, "w4a16_gemm"),
     )
     return out
+
+
+def w4a16_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """``x [..., K] @ W.T`` for an FP4 resident weight (:class:`musecore_triton.layouts.Fp4Resident`)
+    through :func:`w4a16_gemm_kernel` at any M: the portable path of a backend with no faster one."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != w.in_features):
+        x2 = x2.contiguous()
+    m, n, k = x2.shape[0], w.out_features, w.in_features
+    if m == 0:
+        return x.new_empty(*lead, n)
+    cfg = pick_config(m, n, k, None, x2.device, allow_split=True)
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x2.device) if cfg.split_k > 1
+           else torch.empty(m, n, dtype=x2.dtype, device=x2.device))
+    launch_gemm(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
+                n=n, k=k, out=out, cfg=cfg)
+    return out.to(x2.dtype).reshape(*lead, n)

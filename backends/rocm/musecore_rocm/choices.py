@@ -1,0 +1,98 @@
+"""Every kernel decision of the ROCm backend, as data the plan shows (no hardware needed).
+
+Per linear: which Triton kernel runs for its (weight, activation) format on the profile's arch and
+with which tiles per M regime; for the routed experts, the MoE candidates and why one runs (the
+Triton ``dot_scaled`` MoE; the FlyDSL MoE and aiter's ``fused_moe`` with their reasons); decode
+launch features (no HIP graphs yet). None of these choices has been measured on AMD hardware; the
+reasons say so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
+from musecore_rocm.aiter_adapter import aiter_status
+from musecore_rocm.arch import ARCHES, DEVICE_ARCH
+from musecore_rocm.flydsl_moe import flydsl_status
+
+UNMEASURED = "tiles are a first guess from the scaled-MFMA shapes, never timed on AMD hardware"
+
+
+def _arch_of(profile: Any) -> Optional[str]:
+    arch = getattr(profile, "arch", None)
+    if arch in ARCHES:
+        return arch
+    return DEVICE_ARCH.get(getattr(profile, "name", ""))
+
+
+def _linear_choice(arch: str, shape: LinearShape) -> KernelChoice:
+    what = f"{shape.name} {shape.weight_format}" + (f"/a{shape.act_format}" if shape.act_format else "") + \
+        f" {shape.out_features}x{shape.in_features}"
+    caps = ARCHES[arch]
+    fmt, act = shape.weight_format, shape.act_format
+    if fmt == "mxfp4" and act == "mxfp4":
+        how = ("scaled MFMA v_mfma_scale_f32_*_f8f6f4" if caps.mxfp4_w4a4
+               else "upcast to bf16 MFMA (no FP4 matrix cores: W4A4 numerics emulated)")
+        choice = "Triton dot_scaled(e2m1, e2m1), activation quantized to MXFP4 in the GEMM"
+        reason = f"{arch}: {how}; M <= 16: 16x64 tiles, M <= 64: 32x128, else 128x128; {UNMEASURED}"
+    elif fmt == "mxfp4":
+        choice = "Triton dot_scaled(bf16, e2m1) (W4A16)"
+        reason = f"{arch}: e2m1 upcast in the kernel, bf16 MFMA; {UNMEASURED}"
+    elif fmt == "nvfp4":
+        choice = "shared Triton W4A16 FP4 upcast GEMM (musecore_triton.fp4_gemm)"
+        reason = "NVFP4 kept as NVFP4 (the catalog's rule requantizes it to MXFP4 on these devices)"
+    elif fmt == "fp8":
+        choice = f"torch._scaled_mm (hipBLASLt), {caps.fp8_dtype}"
+        reason = ("e4m3fn bytes kept, scales doubled at load (gfx942 reads e4m3fnuz)" if caps.fp8_dtype == "e4m3fnuz"
+                  else "OCP e4m3fn as stored")
+    else:
+        choice = "torch.nn.functional.linear (hipBLASLt)"
+        reason = "16-bit weights: the vendor BLAS"
+    if shape.experts:
+        return _moe_choice(arch, shape, what)
+    return KernelChoice(what=f"linear {what}", choice=choice, reason=reason)
+
+
+def _moe_choice(arch: str, shape: LinearShape, what: str) -> KernelChoice:
+    fly_ok, fly_reason = flydsl_status()
+    aiter_ok, aiter_reason = aiter_status()
+    fmt = shape.weight_format
+    if fmt == "mxfp4":
+        choice = ("Triton dot_scaled grouped MoE (gate+up+SwiGLU, MXFP4-quantized epilogue, down) + shared finalize"
+                  if shape.act_format == "mxfp4" else "Triton dot_scaled(bf16, e2m1) grouped MoE + shared finalize")
+    elif fmt == "nvfp4":
+        choice = "shared Triton W4A16 grouped MoE + finalize"
+    else:
+        choice = "shared Triton grouped GEMM MoE + finalize"
+    reason = (f"{shape.experts} experts top-{shape.top_k} on {arch}; other candidates: FlyDSL MoE: {fly_reason}; "
+              f"aiter fused_moe: {aiter_reason}")
+    return KernelChoice(what=f"moe {what}", choice=choice, reason=reason)
+
+
+def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
+    """What ``musecore plan`` shows for this backend on ``profile`` (never raises, needs no GPU)."""
+    arch = _arch_of(profile)
+    if arch is None:
+        return [KernelChoice(what="device", choice="none",
+                             reason=f"profile {getattr(profile, 'name', profile)!r} is not an AMD target "
+                                    f"({', '.join(sorted(DEVICE_ARCH))})")]
+    out = [_linear_choice(arch, s) for s in linears]
+    out.append(KernelChoice(what="decode step", choice="eager launches (no HIP graphs)",
+                            reason="HIP-graph capture of the decode step is not implemented (wants_static_cache False)"))
+    return out
+
+
+def env_settings() -> list[EnvSetting]:
+    """The ROCm backend reads no environment variable of its own (Triton's and HIP's apply as usual)."""
+    return []
+
+
+def resident_bytes(weight_format: str, out_features: int, in_features: int, *, experts: int = 0) -> Optional[int]:
+    """MXFP4 and FP8 stay in the checkpoint's bytes (no repack); NVFP4 adds one fp32 per expert
+    (``Fp4Resident.out_scale``); 16-bit weights are as stored. None where that is exactly the format's bytes."""
+    if weight_format == "nvfp4":
+        from musecore_quant.formats.facts import FACTS
+        n = max(experts, 1)
+        return int(n * out_features * in_features * FACTS["nvfp4"].bytes_per_value) + 4 * n
+    return None
