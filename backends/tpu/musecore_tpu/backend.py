@@ -144,11 +144,15 @@ class TpuBackend(Backend):
             return Probe(False, 0, [], f"tpu probe failed: {type(err).__name__}: {err}")
 
     def supports(self, op: str, spec: OpSpec) -> Support:
-        where = {"tpu": "JAX's TPU interpreter on this CPU", "jax": "Pallas' generic interpreter on this CPU"}.get(
-            self.interpret, "the TPU via torch_tpu (" + NEVER_RUN + ")")
+        """Reasons describe the TPU path when the plan asks about a TPU device (``spec.device``), else what runs on
+        this backend instance (the interpreter on a CPU)."""
+        on_tpu = spec.device in CHIPS or not self.interpret
+        where = ("on the TPU through torch_tpu (" + NEVER_RUN + ")" if on_tpu else
+                 {"tpu": "in JAX's TPU interpreter on this CPU", "jax": "in Pallas' generic interpreter on this CPU"}
+                 [self.interpret])
         if op in TORCH_OPS:
-            return Support.native(f"PyTorch ops (the reference's): lowered by torch_tpu on a TPU host ({NEVER_RUN})"
-                                  if not self.interpret else "PyTorch ops (the reference's) on this CPU")
+            return Support.native(f"PyTorch ops (the reference's), lowered by torch_tpu ({NEVER_RUN})" if on_tpu
+                                  else "PyTorch ops (the reference's) on this CPU")
         missing = jax_missing()
         if missing:
             return Support.no(missing)
@@ -160,13 +164,13 @@ class TpuBackend(Backend):
                 return Support.no(NO_FP8)
             if fmt not in DENSE + PACKED:
                 return Support.no(f"{fmt} weights: the TPU kernels take {DENSE + PACKED}")
-            return Support.native(KERNEL_REASONS[op].format(fmt=FORMAT_NOTES[fmt]) + f"; runs in {where}")
+            return Support.native(KERNEL_REASONS[op].format(fmt=FORMAT_NOTES[fmt]) + f"; runs {where}")
         if op == "attention":
             if spec.kv_format not in ("bf16", "fp16", "fp32", "fp8"):
                 return Support.no(f"KV format {spec.kv_format!r}: the TPU attention kernel reads bf16, fp32 or fp8")
             fp8 = "; FP8 KV dequantized per tensor in VMEM" if spec.kv_format == "fp8" else ""
-            return Support.native(KERNEL_REASONS[op].format(fp8=fp8) + f"; runs in {where}")
-        return Support.native(KERNEL_REASONS[op] + f"; runs in {where}")
+            return Support.native(KERNEL_REASONS[op].format(fp8=fp8) + f"; runs {where}")
+        return Support.native(KERNEL_REASONS[op] + f"; runs {where}")
 
     # -- weights --------------------------------------------------------------------------------------------------
     def _resident(self, weight: WeightIn, dtype: torch.dtype) -> tuple[str, dict[str, Any], int]:
@@ -292,8 +296,7 @@ class TpuBackend(Backend):
                 tiles = "x".join(str(s) for s in cfg.blocks[0].shape)
                 out.append(KernelChoice(what, f"Pallas {kernel}, {FORMAT_NOTES[fmt]}; row x K tile {tiles}, grid "
                                               f"{cfg.grid}",
-                                        f"VMEM {cfg.vmem_bytes / 2**20:.1f} of {vmem / 2**20:.0f} MiB; {NEVER_RUN}",
-                                        INTERPRET_ENV))
+                                        f"VMEM {cfg.vmem_bytes / 2**20:.1f} of {vmem / 2**20:.0f} MiB; {NEVER_RUN}"))
         return out
 
     def env_settings(self) -> list[EnvSetting]:

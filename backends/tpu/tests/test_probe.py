@@ -131,6 +131,17 @@ def test_kernel_choices_show_tiles_and_vmem_per_linear() -> None:
     assert TpuBackend().env_settings()[0].name == "MUSECORE_TPU_INTERPRET"
 
 
+def test_reasons_describe_the_tpu_path_when_the_plan_asks_about_a_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from musecore_tpu import TpuBackend
+    from musecore_tpu import backend as backend_module
+    monkeypatch.setattr(backend_module, "jax_missing", lambda: None)
+    backend = TpuBackend()  # what the plan constructs: a CPU instance, interpret mode
+    planned = backend.supports("linear", OpSpec("linear", weight_format="nvfp4", device="tpu-v7")).reason
+    here = backend.supports("linear", OpSpec("linear", weight_format="nvfp4")).reason
+    assert "torch_tpu (never run on a TPU)" in planned and "interpreter on this CPU" not in planned
+    assert "JAX's TPU interpreter on this CPU" in here
+
+
 @pytest.mark.skipif(HAS_TORCH_TPU, reason="torch_tpu is installed here")
 def test_benchmark_cases_skip_with_the_reason_without_a_tpu() -> None:
     from musecore_tpu.bench import Skip, benchmarks

@@ -153,7 +153,7 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
     k = ids.shape[1]
     E = (gate["codes"] if fmt in PACKED else gate["wt"]).shape[0]
     inter = (gate["codes"] if fmt in PACKED else gate["wt"]).shape[2]
-    tr = tiling.rows_tile(T * k)
+    tr = tiling.rows_tile(T * k, E)
     plan = route(ids, E, tr)
     tiles, R = plan["tiles"], plan["tiles"] * tr
     token = plan["order"] // k

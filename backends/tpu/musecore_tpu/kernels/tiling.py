@@ -149,8 +149,11 @@ def matmul_config(fmt: str, M: int, K: int, N: int, group: Optional[int] = None,
 TILE_ROWS = 128  # routed rows per grouped-matmul tile (each tile belongs to one expert)
 
 
-def rows_tile(rows: int) -> int:
-    return min(TILE_ROWS, round_up(max(rows, 1), 16))
+def rows_tile(rows: int, experts: int) -> int:
+    """Routed rows per tile: about the rows an expert gets (``rows / min(E, rows)``), rounded to bf16's 16
+    sublanes, at most 128. Decode (8 rows over 8 experts) gets 16-row tiles, not 128 rows of padding."""
+    per_expert = cdiv(max(rows, 1), max(min(experts, rows), 1))
+    return min(TILE_ROWS, round_up(per_expert, 16))
 
 
 def moe_configs(fmt: str, tokens: int, top_k: int, experts: int, hidden: int, inter: int,
@@ -158,7 +161,7 @@ def moe_configs(fmt: str, tokens: int, top_k: int, experts: int, hidden: int, in
     """Blocks of the two grouped kernels of :mod:`musecore_tpu.kernels.moe`: gate/up + SwiGLU over ``[tr, tn]``
     output tiles, and down + finalize over full ``h``-wide rows (the post-expert norm needs the whole row)."""
     rows = tokens * top_k
-    tr = rows_tile(rows)
+    tr = rows_tile(rows, experts)
     tiles = cdiv(rows, tr) + min(experts, rows)
     R = tiles * tr
     tk, tn = k_tile(fmt, hidden, group), n_tile(inter)
