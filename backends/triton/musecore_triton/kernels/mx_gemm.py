@@ -10,7 +10,9 @@ there is no resident repack.
 One kernel, :func:`mx_gemm_kernel`, with the activation operand in one of three forms (``A_MODE``):
 
 * ``A_QUANT``: 16/32-bit activations quantized to MXFP4 per 1x32 block (E8M0 scale) inside the
-  kernel, tile by tile, then ``dot_scaled(e2m1, e2m1)``: the W4A4 linear in one launch;
+  kernel, tile by tile, then ``dot_scaled(e2m1, e2m1)``: the W4A4 linear at decode in one launch
+  (beyond ``PREQUANTIZE_MIN_M`` rows :func:`mxfp4_quantize_kernel` runs first and the GEMM reads
+  ``A_PACKED``);
 * ``A_PACKED``: activations already MXFP4 (packed bytes + E8M0 scales), e.g. the MoE intermediate
   that the gate/up kernel quantized in its epilogue;
 * ``A_DENSE``: ``dot_scaled(bf16|fp16, e2m1)``: W4A16.
@@ -43,6 +45,10 @@ A_QUANT, A_PACKED, A_DENSE = 0, 1, 2
 SCALE_MODES = {"even": 0, "floor": 1}
 ROUNDINGS = {"rne": 0, "away": 1}
 DOT_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Above this many rows the W4A4 linear quantizes the activations in a kernel of their own and the GEMM
+# reads packed bytes: quantizing inside the GEMM repeats the work for every N tile, and compiled for
+# gfx950 the 128x128 in-kernel-quantizing tile spills (604 B scratch; tests/amd_compile.py). Not timed.
+PREQUANTIZE_MIN_M = 64
 
 
 def activation_rule() -> dict:
@@ -319,8 +325,16 @@ def mxfp4_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, *, qu
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        launch_mx_gemm(x2, w3, s3, n=n, k=k, out=out, cfg=pick_mx_config(x2.shape[0], x.device),
-                       a_mode=A_QUANT if quantize_activations else A_DENSE)
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    cfg = pick_mx_config(m, x.device)
+    if not quantize_activations:
+        launch_mx_gemm(x2, w3, s3, n=n, k=k, out=out, cfg=cfg, a_mode=A_DENSE)
+    elif m <= PREQUANTIZE_MIN_M:  # decode: quantize the few rows inside the GEMM, one launch
+        launch_mx_gemm(x2, w3, s3, n=n, k=k, out=out, cfg=cfg, a_mode=A_QUANT)
+    else:  # every N tile would requantize its rows: quantize once, then read packed bytes
+        packed, scales = mxfp4_quantize_activation(x2)
+        launch_mx_gemm(packed, w3, s3, n=n, k=k, out=out, cfg=cfg, a_mode=A_PACKED, a_scales=scales)
     return out.reshape(*lead, n)
