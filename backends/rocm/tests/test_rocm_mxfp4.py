@@ -52,7 +52,7 @@ def _reference_linear(x, qt, act_format):
     return ref.linear(x, w)
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("tokens", [1, 5, 33, 80])  # 80 > PREQUANTIZE_MIN_M: quantize kernel + packed GEMM
 @pytest.mark.parametrize("act_format", ["mxfp4", None])
 def test_mxfp4_linear_matches_the_reference(tokens, act_format):
     x = awkward_activations(tokens + 5, 256)[5:].to(DTYPE) if tokens > 1 else torch.randn(1, 256).to(DTYPE)
