@@ -1,4 +1,5 @@
-"""``musecore bench`` finds a backend's cases through the ``musecore.benchmarks`` entry-point group."""
+"""What a plugin offers besides its ops: benchmark cases through the ``musecore.benchmarks`` entry-point
+group (``musecore bench``), and environment settings that ``musecore doctor`` shows when set."""
 
 import json
 
@@ -7,7 +8,7 @@ import pytest
 from musecore.cli import main
 
 BACKEND = '''
-from musecore.backends.base import Backend, Probe, Support
+from musecore.backends.base import Backend, EnvSetting, Probe, Support
 
 class BenchyBackend(Backend):
     name = "benchy"
@@ -15,6 +16,9 @@ class BenchyBackend(Backend):
         return Probe(available=True, devices=["cpu"], reason="test plugin")
     def supports(self, op, spec):
         return Support.no("test plugin runs nothing")
+    def env_settings(self):
+        import os
+        return [EnvSetting("BENCHY_KNOB", os.environ.get("BENCHY_KNOB"), "off", "turns the knob")]
 '''
 
 CASES = '''
@@ -78,3 +82,16 @@ def test_an_unknown_case_lists_the_offered_ones(root, capsys):
             {"__init__.py": BACKEND, "bench.py": CASES})
     assert main(["bench", "--backend", "benchy2", "--case", "nope"]) != 0
     assert "['square', 'sweep']" in capsys.readouterr().err
+
+
+def test_doctor_shows_the_environment_overrides_in_force(root, monkeypatch, capsys):
+    install(root, "knobby", {"musecore.backends": {"knobby": "knobby:BenchyBackend"}}, {"__init__.py": BACKEND})
+    assert main(["doctor", "--json"]) == 0
+    unset = {r["name"]: r["env"] for r in json.loads(capsys.readouterr().out)}["knobby"]
+    assert unset == [{"name": "BENCHY_KNOB", "value": None, "default": "off", "effect": "turns the knob"}], unset
+    assert main(["doctor"]) == 0
+    assert "environment overrides in force" not in capsys.readouterr().out
+    monkeypatch.setenv("BENCHY_KNOB", "on")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "environment overrides in force" in out and "BENCHY_KNOB" in out, out
