@@ -55,8 +55,8 @@ def _linear_choice(arch: str, shape: LinearShape) -> KernelChoice:
 
 
 def _moe_choice(arch: str, shape: LinearShape, what: str) -> KernelChoice:
-    fly_ok, fly_reason = flydsl_status()
-    aiter_ok, aiter_reason = aiter_status()
+    _, fly_reason = flydsl_status()
+    _, aiter_reason = aiter_status()
     fmt = shape.weight_format
     if fmt == "mxfp4":
         choice = ("Triton dot_scaled grouped MoE (gate+up+SwiGLU, MXFP4-quantized epilogue, down) + shared finalize"
@@ -65,8 +65,10 @@ def _moe_choice(arch: str, shape: LinearShape, what: str) -> KernelChoice:
         choice = "shared Triton W4A16 grouped MoE + finalize"
     else:
         choice = "shared Triton grouped GEMM MoE + finalize"
-    reason = (f"{shape.experts} experts top-{shape.top_k} on {arch}; other candidates: FlyDSL MoE: {fly_reason}; "
-              f"aiter fused_moe: {aiter_reason}")
+    reason = f"{shape.experts} experts top-{shape.top_k} on {arch}"
+    if fmt == "mxfp4":  # the MXFP4 MoE candidates beside the Triton one
+        reason += f"; other candidates: FlyDSL MoE: {fly_reason}; aiter fused_moe: {aiter_reason}"
+
     return KernelChoice(what=f"moe {what}", choice=choice, reason=reason)
 
 
