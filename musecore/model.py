@@ -332,6 +332,17 @@ class MuseModel:
         from musecore.generate import generate
         return generate(self, prompt, **kwargs)
 
+    def chat(self, messages: Any, **kwargs: Any) -> str:
+        """The assistant's reply to ``messages`` through the checkpoint's chat template; ``stream=fn``
+        gets the text as it comes; see :func:`musecore.chat.chat`."""
+        from musecore.chat import chat
+        return chat(self, messages, **kwargs)
+
+    def chat_stream(self, messages: Any, **kwargs: Any) -> Any:
+        """``chat`` as an iterator of text pieces; see :func:`musecore.chat.chat_stream`."""
+        from musecore.chat import chat_stream
+        return chat_stream(self, messages, **kwargs)
+
     # -- where checkpoint tensors go --------------------------------------------------------------
 
     def weight_slots(self) -> dict[str, Slot]:

@@ -40,6 +40,7 @@ class MuseTokenizer:
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_ids))  # ordered, unique
         self.pad_id: Optional[int] = pad_id
         self.bos_id: Optional[int] = bos_id  # generation puts it before a text prompt (training framing)
+        self.chat_template: Optional[Any] = None  # musecore.chat.ChatTemplate, when the checkpoint ships one
 
     @property
     def vocab_size(self) -> int:
@@ -54,6 +55,16 @@ class MuseTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``. Special tokens are kept by default so chat markers stay visible."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> Union[str, list[int]]:
+        """The checkpoint's chat template applied to ``messages`` (text, or ids with ``tokenize=True``),
+        as ``transformers``' ``apply_chat_template`` does it."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.source}: this checkpoint has no chat template "
+                             "(tokenizer_config.json has no chat_template)")
+        text = self.chat_template.render(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def token_id(self, token: str) -> int:
         """The id of one vocabulary entry (e.g. ``"<|eot|>"``); raises if the vocabulary lacks it."""
@@ -131,4 +142,8 @@ def load_tokenizer(folder: Union[str, Path], eos_token_id: Union[int, Sequence[i
     eos = config_eos + [i for i in special if i is not None]
     if pad is None:
         pad = inner.token_to_id(PAD_TOKEN)
-    return MuseTokenizer(inner, eos_ids=eos, pad_id=pad, bos_id=bos, source=str(path))
+    from musecore.chat import ChatTemplate
+
+    tokenizer = MuseTokenizer(inner, eos_ids=eos, pad_id=pad, bos_id=bos, source=str(path))
+    tokenizer.chat_template = ChatTemplate.from_folder(folder)
+    return tokenizer

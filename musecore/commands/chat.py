@@ -1,0 +1,86 @@
+"""``musecore chat``: talk to a model through its chat template, one line per user turn.
+
+The conversation is kept (each reply is answered with the whole history); ``/reset`` forgets it
+(the ``--system`` message stays), end of input (Ctrl-D, or the end of a piped file) leaves. Replies
+stream to stdout; the prompt marker is shown only on a terminal, so ``musecore chat < questions.txt``
+prints only the replies, one per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from musecore.commands import add_quantize_dense
+
+DEFAULT_MODEL = "muse-tiny"
+HELP = "commands: /reset forgets the conversation, /exit (or end of input) leaves"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("chat", help="an interactive chat through the model's chat template",
+                                   description="Chat with a Muse model: each line you type is a user turn; the "
+                                               f"reply streams back. {HELP}.")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"checkpoint folder, Hub id (org/name) or preset (default: {DEFAULT_MODEL})")
+    parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="run the device's numerics with reference kernels on this machine")
+    add_quantize_dense(parser)
+    parser.add_argument("--system", default=None, help="a system message that opens the conversation")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="at most this many tokens per reply "
+                                                                        "(default: 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0 = off (default: 0)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import musecore
+
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and up-arrow history for input())
+        except ImportError:
+            pass
+    model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense)
+    from musecore.chat import chat_prompt
+
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    chat_prompt(model, opening or [{"role": "user", "content": ""}])  # no template: fail before the first turn
+    messages = list(opening)
+    if interactive:
+        print(f"chatting with {args.model} on {model.plan.device}; {HELP}", file=sys.stderr)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, seed=args.seed)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            messages = list(opening)
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+
+        def show(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        reply = model.chat(messages, stream=show, **options)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": reply})
