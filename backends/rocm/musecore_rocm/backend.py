@@ -97,8 +97,11 @@ class RocmBackend(Backend):
         details = {"arch": found.arch, **found.details}
         if not found.available:
             return Probe(False, reason=found.reason, details=details)
-        score = 100 if found.arch in VERIFIED_ARCHES else 50
-        return Probe(True, score=score, devices=list(ARCHES[found.arch].devices), reason=found.reason, details=details)
+        verified = found.arch in VERIFIED_ARCHES
+        reason = found.reason if verified else f"{found.reason}; no kernel of this backend has run on {found.arch} yet"
+        details["verified_archs"] = list(VERIFIED_ARCHES)
+        return Probe(True, score=100 if verified else 50, devices=list(ARCHES[found.arch].devices), reason=reason,
+                     details=details)
 
     @property
     def interpreted(self) -> bool:

@@ -45,6 +45,7 @@ def test_probe_maps_gcn_arch_to_catalog_devices(monkeypatch, gcn, devices):
     assert probe.available, probe.reason
     assert probe.devices == devices and probe.details["arch"] == arch_of(gcn)
     assert probe.score == 50  # not yet verified on hardware: below a verified backend's 100
+    assert "no kernel of this backend has run on" in probe.reason  # what `musecore doctor` shows
 
 
 def test_probe_names_an_unsupported_arch(monkeypatch):
