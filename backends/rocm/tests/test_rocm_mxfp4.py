@@ -92,3 +92,18 @@ def test_mxfp4_w4a4_linear_at_816b_shapes_on_a_gpu(name, tokens):
     packed, scales = mxfp4_quantize_activation(x)
     expected = musecore_quant.quantize(x.float(), "mxfp4")
     assert torch.equal(packed, expected.data) and torch.equal(scales, expected.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_mxfp4_w4a4_moe_at_816b_expert_shapes_on_a_gpu(tokens):
+    E, h, inter, k = 8, 4096, 4096, 2  # 8 of the 256 experts of 4096x4096, top-2 (the conformance 816b rule)
+    z = torch.randn(tokens, h, device="cuda").to(torch.bfloat16)
+    stacks = [musecore_quant.quantize(torch.randn(E, o, i, device="cuda") * i ** -0.5, "mxfp4")
+              for o, i in ((inter, h), (inter, h), (h, inter))]
+    weights, ids = torch.rand(tokens, E, device="cuda").topk(k)
+    post = (torch.rand(h, device="cuda") + 0.5).to(torch.bfloat16)
+    experts = ExpertWeights(*[musecore_quant.dequantize(s) for s in stacks], format="mxfp4", num_experts=E,
+                            act_format="mxfp4")
+    got = mx_moe_forward(z, weights, ids, mx_experts(*stacks, z.device), post, 1e-6, quantize_activations=True)
+    assert_nmse(ref.moe(z, weights, ids, experts, post, 1e-6), got, 2e-4, f"816b moe W4A4 T={tokens}")
