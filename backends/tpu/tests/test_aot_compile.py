@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pytest
 
-pytestmark = [pytest.mark.usefixtures("jax_available"),
+pytestmark = [pytest.mark.usefixtures("jax_available"), pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                  reason="libtpu not installed: ahead-of-time TPU compilation needs its compiler "
                                         "(pip install libtpu, or torch-tpu which pulls it)")]

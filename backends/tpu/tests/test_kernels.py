@@ -139,12 +139,12 @@ def test_norm_kernels_match_references() -> None:
 
 @pytest.mark.slow
 def test_attention_online_softmax_across_query_and_key_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small tiles (8 queries, 128 keys) so one call crosses query tiles, key tiles, padded keys and key tiles that
-    a sliding window masks entirely (the running max must stay finite there)."""
+    """Small tiles (8 query rows = 2 queries x 4 heads, 128 keys) so one call crosses query tiles, key tiles,
+    padded keys and key tiles that a sliding window masks entirely (the running max must stay finite there)."""
     from musecore_tpu.bridge import to_jax, to_torch
     from musecore_tpu.kernels import tiling
     from musecore_tpu.kernels.attention import attention
-    monkeypatch.setattr(tiling, "TILE_Q", 8)
+    monkeypatch.setattr(tiling, "TILE_Q_ROWS", 8)
     monkeypatch.setattr(tiling, "TILE_KV", 128)
     gen = torch.Generator().manual_seed(11)
     B, T, C, nq, nkv, d = 1, 20, 280, 4, 1, 64  # 280 cached + 20 new = 300 keys: 3 tiles, the last one padded

@@ -180,27 +180,37 @@ def moe_configs(fmt: str, tokens: int, top_k: int, experts: int, hidden: int, in
 
 # -- attention ----------------------------------------------------------------------------------------------------
 
-TILE_Q = 128
+TILE_Q_ROWS = 128  # query rows per KV head and step (tq queries x group heads): VMEM holds them for every KV head
 TILE_KV = 512
+
+
+def q_tile(tokens: int, group: int) -> int:
+    """Queries per step: ``TILE_Q_ROWS / group`` (16 for the 816B model's 8-head groups), at most ``tokens``.
+    With 128 queries x 16 KV heads x 8 the 816B prefill needed 76 MiB of v7's 64 MiB VMEM (libtpu's compiler said so)."""
+    return min(tokens, max(1, TILE_Q_ROWS // group))
 
 
 def attention_config(batch: int, tokens: int, keys: int, q_heads: int, kv_heads: int, head_dim: int,
                      kv_dtype: str = "bf16") -> KernelConfig:
-    """Blocks of :func:`musecore_tpu.kernels.attention.attention` (one kv head and its query group per step)."""
+    """Blocks of :func:`musecore_tpu.kernels.attention.attention`: ``tq`` queries of every head and ``tkv`` keys of
+    every KV head per step; scores and f32 state per KV head."""
     group = q_heads // kv_heads
-    tq, tkv = min(TILE_Q, tokens), min(TILE_KV, keys)  # the kernel pads tokens and keys up to whole tiles
+    tq, tkv = q_tile(tokens, group), min(TILE_KV, keys)  # the kernel pads tokens and keys up to whole tiles
     tokens, keys = round_up(tokens, tq), round_up(keys, tkv)
     rows = tq * group
-    blocks = (Block("q", (tq, group, head_dim), (tokens, group, head_dim), "bf16"),
+    width = kv_heads * head_dim
+    blocks = (Block("q", (kv_heads, rows, head_dim), (kv_heads, tokens * group, head_dim), "bf16"),
               Block("q positions", (rows, 1), (tokens * group, 1), "i32"),
-              Block("k", (tkv, head_dim), (keys, head_dim), kv_dtype),
-              Block("v", (tkv, head_dim), (keys, head_dim), kv_dtype),
+              Block("k", (tkv, width), (keys, width), kv_dtype),
+              Block("v", (tkv, width), (keys, width), kv_dtype),
               Block("k positions", (1, tkv), (1, keys), "i32"),
-              Block("out", (tq, group, head_dim), (tokens, group, head_dim), "bf16"),
-              Block("m", (rows, 1), (rows, 1), "f32", buffers=1), Block("l", (rows, 1), (rows, 1), "f32", buffers=1),
-              Block("acc", (rows, head_dim), (rows, head_dim), "f32", buffers=1),
-              Block("scores", (rows, tkv), (rows, keys), "f32", buffers=1))
-    return KernelConfig("attention", blocks, (batch, kv_heads, tokens // tq, keys // tkv))
+              Block("out", (kv_heads, rows, head_dim), (kv_heads, tokens * group, head_dim), "bf16"),
+              Block("m", (kv_heads, rows, 1), (kv_heads, rows, 1), "f32", buffers=1),
+              Block("l", (kv_heads, rows, 1), (kv_heads, rows, 1), "f32", buffers=1),
+              Block("acc", (kv_heads, rows, head_dim), (kv_heads, rows, head_dim), "f32", buffers=1),
+              Block("k, v f32", (2 * tkv, head_dim), (2 * keys, head_dim), "f32", buffers=1),
+              Block("scores, probabilities", (2 * rows, tkv), (2 * rows, keys), "f32", buffers=1))
+    return KernelConfig("attention", blocks, (batch, tokens // tq, keys // tkv))
 
 
 # -- norms --------------------------------------------------------------------------------------------------------
