@@ -33,7 +33,7 @@ from musecore_tpu import layouts
 from musecore_tpu.chips import CHIPS, chip_for_device_kind
 from musecore_tpu.kernels import tiling
 
-INTERPRET_ENV = "MUSECORE_TPU_INTERPRET"
+INTERPRETER_ENV = "MUSECORE_TPU_INTERPRETER"
 DENSE = ("bf16", "fp16", "fp32")
 PACKED = layouts.PACKED_FORMATS
 NEVER_RUN = "never run on a TPU"
@@ -115,14 +115,18 @@ class TpuBackend(Backend):
         except RuntimeError as err:
             raise ValueError(f"TPU device {device!r} is unknown to torch: torch_tpu registers it (pip install "
                              f"'musecore-tpu[tpu]' on a TPU host); use TpuBackend('cpu') for interpret mode ({err})") from None
-        forced = os.environ.get(INTERPRET_ENV)
         if interpret is None:
-            interpret = self.device.type == "cpu" or forced == "1"
+            interpret = self.device.type == "cpu"
         if not interpret and self.device.type == "cpu":
             raise ValueError("the TPU kernels run on a CPU only in interpret mode; pass interpret=True or a tpu device")
-        if interpret not in (True, False, "tpu", "jax"):
-            raise ValueError(f"interpret must be None, True, False, 'tpu' or 'jax'; got {interpret!r}")
-        self.interpret: Union[bool, str] = "tpu" if interpret is True else interpret
+        if interpret and self.device.type != "cpu":
+            raise ValueError(f"interpret mode runs on the CPU (tensors move through DLPack); got device {self.device}")
+        if interpret is True:
+            interpret = os.environ.get(INTERPRETER_ENV) or "tpu"
+        if interpret not in (False, "tpu", "jax"):
+            raise ValueError(f"interpret must be None, True, False, 'tpu' or 'jax' (${INTERPRETER_ENV} too); "
+                             f"got {interpret!r}")
+        self.interpret: Union[bool, str] = interpret
         self._runner: Any = None
 
     @property
@@ -300,9 +304,9 @@ class TpuBackend(Backend):
         return out
 
     def env_settings(self) -> list[EnvSetting]:
-        return [EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "0 (1 on a CPU)",
-                           "1: run the Pallas kernels in JAX's TPU interpreter even on a TPU host (the first check "
-                           "of a new host: compare with the compiled kernels)")]
+        return [EnvSetting(INTERPRETER_ENV, os.environ.get(INTERPRETER_ENV), "tpu",
+                           "on a CPU, which interpreter runs the Pallas kernels: 'tpu' (JAX's TPU interpreter, TPU "
+                           "memory model) or 'jax' (Pallas' generic one, ~3x faster end to end)")]
 
     def benchmarks(self) -> dict[str, Any]:
         from musecore_tpu.bench import benchmarks

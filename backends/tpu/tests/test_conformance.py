@@ -13,9 +13,9 @@ import pytest
 from musecore.testing import SIZES_ENV, make_conformance_tests
 
 SIZES = os.environ.get(SIZES_ENV, "tiny").split(",")
-# Pallas' generic interpreter by default (~2 min -> see INTEGRATION.md); MUSECORE_TPU_CONFORMANCE_INTERPRETER=tpu
+# Pallas' generic interpreter by default (~2 min -> see INTEGRATION.md); MUSECORE_TPU_INTERPRETER=tpu
 # runs the same cases in JAX's TPU interpreter (TPU memory model), which test_kernels.py uses for every kernel.
-INTERPRETER = os.environ.get("MUSECORE_TPU_CONFORMANCE_INTERPRETER", "jax")
+INTERPRETER = os.environ.get("MUSECORE_TPU_INTERPRETER", "jax")
 
 
 def _backend():

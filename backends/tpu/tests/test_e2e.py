@@ -22,7 +22,7 @@ import musecore
 from musecore.testing import nmse
 
 LOGIT_NMSE = 2e-4      # 5x the BF16 measurement
-INTERPRETER = os.environ.get("MUSECORE_TPU_E2E_INTERPRETER", "jax")  # "tpu": JAX's TPU interpreter, ~2x slower
+INTERPRETER = os.environ.get("MUSECORE_TPU_INTERPRETER", "jax")  # "tpu": JAX's TPU interpreter, ~2x slower
 MEAN_KL = 2e-3         # nats per token, 3.5x the BF16 measurement
 pytestmark = [pytest.mark.usefixtures("jax_available"), pytest.mark.slow]
 

@@ -101,7 +101,19 @@ def test_kernel_ops_say_no_with_the_reason_when_jax_is_missing(monkeypatch: pyte
 def test_constructing_the_backend_touches_neither_jax_nor_torch_tpu() -> None:
     from musecore_tpu import TpuBackend
     backend = TpuBackend()
-    assert backend.interpret and backend._runner is None
+    assert backend.interpret == "tpu" and backend._runner is None
+
+
+def test_the_interpreter_is_chosen_by_argument_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from musecore_tpu import TpuBackend
+    assert TpuBackend("cpu", interpret="jax").interpret == "jax"
+    monkeypatch.setenv("MUSECORE_TPU_INTERPRETER", "jax")
+    assert TpuBackend("cpu").interpret == "jax"
+    monkeypatch.setenv("MUSECORE_TPU_INTERPRETER", "fast")
+    with pytest.raises(ValueError, match="'tpu' or 'jax'"):
+        TpuBackend("cpu")
+    with pytest.raises(ValueError, match="only in interpret mode"):
+        TpuBackend("cpu", interpret=False)
 
 
 def test_a_tpu_device_string_without_torch_tpu_is_a_clear_error() -> None:
@@ -128,7 +140,7 @@ def test_kernel_choices_show_tiles_and_vmem_per_linear() -> None:
     choices = TpuBackend().kernel_choices(linears, get_profile("tpu-v7"))
     assert len(choices) == 4
     assert all("never run on a TPU" in c.reason and "of 64 MiB" in c.reason for c in choices)
-    assert TpuBackend().env_settings()[0].name == "MUSECORE_TPU_INTERPRET"
+    assert TpuBackend().env_settings()[0].name == "MUSECORE_TPU_INTERPRETER"
 
 
 def test_reasons_describe_the_tpu_path_when_the_plan_asks_about_a_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
