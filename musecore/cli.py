@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-COMMANDS = ("generate", "chat", "plan", "devices", "doctor", "matrix", "bench")
+COMMANDS = ("generate", "chat", "serve", "plan", "devices", "doctor", "matrix", "bench")
 
 
 class UsageError(Exception):

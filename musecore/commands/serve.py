@@ -1,0 +1,67 @@
+"""``musecore serve``: an OpenAI-compatible HTTP server (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``, ``/health``, ``/metrics``) with continuous batching, run by uvicorn.
+
+Needs the ``serve`` extra (FastAPI and uvicorn): ``pip install -e ".[serve]"`` from the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from musecore.commands import add_quantize_dense
+
+DEFAULT_MODEL = "muse-tiny"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                                   description="Serve a Muse model over an OpenAI-compatible HTTP API. Requests "
+                                               "join the running decode batch at the next step and leave when done.")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"checkpoint folder, Hub id (org/name) or preset (default: {DEFAULT_MODEL})")
+    parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="run the device's numerics with reference kernels on this machine")
+    add_quantize_dense(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients send and /v1/models lists (default: --model)")
+    parser.add_argument("--max-batch", type=int, default=16,
+                        help="requests decoded together at most; more wait for a free row (default: 16)")
+    parser.add_argument("--max-waiting", type=int, default=64,
+                        help="requests waiting at most; beyond that a request gets HTTP 429 (default: 64)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length per request, prompt plus completion (default: the model's "
+                             "max_position_embeddings)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="uvicorn's log level (default: info)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from musecore.cli import UsageError
+
+    try:
+        import uvicorn
+
+        from musecore.serve.app import make_app
+    except ImportError as e:
+        raise UsageError(f"musecore serve needs FastAPI and uvicorn ({e}); install them from the repository with "
+                         "pip install -e \".[serve]\"") from None
+    if args.max_batch < 1 or args.max_waiting < 0:
+        raise UsageError("--max-batch must be >= 1 and --max-waiting >= 0")
+    import musecore
+
+    model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense)
+    if model.tokenizer is None:
+        raise UsageError(f"{args.model} has no tokenizer.json; the server takes text, so it needs one")
+    name = args.served_model_name or str(args.model)
+    app = make_app(model, name, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                   max_model_len=args.max_model_len)
+    print(f"serving {name} on {model.plan.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,302 @@
+"""The OpenAI-compatible HTTP API over the continuous-batching engine (FastAPI, run by uvicorn).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream`` as server-sent
+events and ``usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx status
+for anything the client can fix. A request whose client disconnects is cancelled: it leaves the
+running batch at the next decode step.
+
+Example::
+
+    from musecore.serve.app import make_app
+    app = make_app(model, model_name="muse-tiny")      # then: uvicorn.run(app, port=8000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from musecore.serve.engine import Engine, EngineFull, Request, Sampling
+
+POLL_DISCONNECT_S = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_batch: int = 16,
+             max_waiting: int = 64, max_model_len: Optional[int] = None) -> Any:
+    """A FastAPI app serving ``model`` under ``model_name``; its engine starts and stops with the app."""
+    from contextlib import asynccontextmanager
+
+    engine = engine or Engine(model, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="musecore", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Any, e: ApiError) -> Any:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_json(_request: Any, e: RequestValidationError) -> Any:
+        return JSONResponse(ApiError(400, f"the request body is not valid: {e.errors()[:3]}").body(), status_code=400)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "error": repr(engine.error)}, status_code=503)
+        return {"status": "ok", "model": model_name, "running": engine.running_count, "waiting": engine.queue_depth}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "musecore", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(prometheus(engine, model_name), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest) -> Any:
+        body = await _json(http)
+        _check_model(body, model_name)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            from musecore.generate import _encode_text
+            ids = _encode_text(model, prompt) if prompt else []
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        _check_ids(ids, model.config.vocab_size)
+        return await _serve(http, body, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest) -> Any:
+        body = await _json(http)
+        _check_model(body, model_name)
+        from musecore.chat import chat_prompt, end_ids
+        messages = body.get("messages")
+        try:
+            ids = chat_prompt(model, _plain_messages(messages))
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        return await _serve(http, body, ids, chat=True, extra_stop_ids=set(end_ids(model)))
+
+    async def _serve(http: Any, body: dict, ids: list[int], chat: bool, extra_stop_ids: frozenset = frozenset()):
+        sampling = _sampling(body, len(ids), engine.max_model_len, model.tokenizer, chat)
+        sampling.stop_ids |= set(extra_stop_ids)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request = Request(ids, sampling, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), model.tokenizer)
+        try:
+            engine.submit(request)
+        except EngineFull as e:
+            raise ApiError(429, str(e), code="server_busy", kind="rate_limit_error") from None
+        except RuntimeError as e:
+            raise ApiError(503, str(e), code="engine_stopped", kind="server_error") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_stream(request, events, rid, chat, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, done = [], None
+        try:
+            while done is None:
+                try:
+                    event = await asyncio.wait_for(events.get(), POLL_DISCONNECT_S)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        request.cancel()
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if event["type"] == "text":
+                    text.append(event["text"])
+                else:
+                    done = event
+        finally:
+            if done is None:
+                request.cancel()
+        if done["finish_reason"] == "error":
+            raise ApiError(500, f"generation failed: {done.get('error')}", kind="server_error")
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content},
+                   "finish_reason": done["finish_reason"], "logprobs": None} if chat else
+                  {"index": 0, "text": content, "finish_reason": done["finish_reason"], "logprobs": None})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": [choice], "usage": done["usage"]}
+
+    async def _stream(request: Request, events: asyncio.Queue, rid: str, chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        stamp = int(time.time())
+
+        def chunk(delta: Optional[str], finish: Optional[str] = None, role: bool = False) -> str:
+            if chat:
+                d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            data = {"id": rid, "object": kind, "created": stamp, "model": model_name, "choices": [choice]}
+            return f"data: {json.dumps(data)}\n\n"
+
+        finished = False
+        try:
+            if chat:
+                yield chunk(None, role=True)
+            while True:
+                event = await events.get()
+                if event["type"] == "text":
+                    yield chunk(event["text"])
+                    continue
+                finished = True
+                if event["finish_reason"] == "error":
+                    error = ApiError(500, f"generation failed: {event.get('error')}", kind="server_error")
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    return
+                yield chunk(None, finish=event["finish_reason"])
+                if include_usage:
+                    usage = {"id": rid, "object": kind, "created": stamp, "model": model_name, "choices": [],
+                             "usage": event["usage"]}
+                    yield f"data: {json.dumps(usage)}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not finished:  # the client went away (the response was cancelled): leave the batch
+                request.cancel()
+
+    return app
+
+
+async def _json(http: Any) -> dict:
+    try:
+        body = await http.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _check_model(body: dict, model_name: str) -> None:
+    name = body.get("model")
+    if name is not None and name != model_name:
+        raise ApiError(404, f"model {name!r} is not served here; this server serves {model_name!r} "
+                            "(GET /v1/models)", "model", "model_not_found")
+
+
+def _plain_messages(messages: Any) -> Any:
+    """OpenAI messages as the chat template reads them (``content: null`` becomes empty text)."""
+    if not isinstance(messages, list):
+        return messages
+    return [{**m, "content": "" if m.get("content") is None else m["content"]} if isinstance(m, dict) else m
+            for m in messages]
+
+
+def _check_ids(ids: list[int], vocab: int) -> None:
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
+
+
+def _number(body: dict, name: str, default: Any, kind: type, low: float, high: float) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' number'}; got {value!r}", name)
+    if not low <= value <= high:
+        raise ApiError(400, f"{name} must be in [{low}, {high}]; got {value}", name)
+    return kind(value)
+
+
+def _sampling(body: dict, prompt_len: int, max_model_len: int, tokenizer: Any, chat: bool) -> Sampling:
+    for unsupported, default in (("n", 1), ("best_of", 1), ("logprobs", None), ("echo", False),
+                                 ("suffix", None), ("tools", None), ("logit_bias", None)):
+        value = body.get(unsupported)
+        if value not in (None, default) and not (unsupported == "logprobs" and value is False):
+            raise ApiError(400, f"{unsupported}={value!r} is not supported by this server", unsupported)
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ApiError(400, f"the prompt has {prompt_len} tokens; this server's context is {max_model_len} tokens, "
+                            "so no token can be generated: shorten the prompt", "messages" if chat else "prompt",
+                       "context_length_exceeded")
+    limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, limit_name, None, int, 1, 1 << 31)
+    if max_tokens is None:
+        max_tokens = room if chat else min(16, room)  # OpenAI's defaults: the rest of the context; 16 for completions
+    if max_tokens > room:
+        raise ApiError(400, f"{limit_name}={max_tokens} plus the {prompt_len}-token prompt exceeds this server's "
+                            f"context of {max_model_len} tokens; ask for at most {room}", limit_name,
+                       "context_length_exceeded")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"seed must be an integer; got {seed!r}", "seed")
+    return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+                    top_p=_number(body, "top_p", 1.0, float, 1e-9, 1.0), top_k=_number(body, "top_k", 0, int, 0, 1 << 20),
+                    seed=seed, stop_strings=list(stops))
+
+
+def prometheus(engine: Engine, model_name: str) -> str:
+    """The engine's counters in the Prometheus text format."""
+    m = engine.metrics
+    label = f'{{model="{model_name}"}}'
+    with m.lock:
+        recent = sorted(m.ttft_seconds)
+        rows = [
+            ("musecore_requests_running", "gauge", "requests in the running batch", engine.running_count),
+            ("musecore_requests_waiting", "gauge", "requests waiting to join the batch (queue depth)",
+             engine.queue_depth),
+            ("musecore_requests_finished_total", "counter", "requests that ended normally", m.requests_finished),
+            ("musecore_requests_cancelled_total", "counter", "requests whose client went away", m.requests_cancelled),
+            ("musecore_prompt_tokens_total", "counter", "prompt tokens prefilled", m.prompt_tokens),
+            ("musecore_generation_tokens_total", "counter", "tokens generated", m.generation_tokens),
+            ("musecore_decode_steps_total", "counter", "batched decode steps run", m.decode_steps),
+            ("musecore_batch_size_peak", "gauge", "the largest batch a decode step has run", m.peak_running),
+        ]
+    rows.append(("musecore_generation_tokens_per_second", "gauge",
+                 f"tokens generated per second over the last {m.WINDOW_S:.0f} s", m.tokens_per_s()))
+    lines = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+    name = "musecore_time_to_first_token_seconds"
+    lines += [f"# HELP {name} time from a request's arrival to its first token (quantiles of the last "
+              f"{m.ttft_seconds.maxlen})", f"# TYPE {name} summary"]
+    for q in (0.5, 0.9, 0.99):
+        value = recent[min(int(q * len(recent)), len(recent) - 1)] if recent else float("nan")
+        lines.append(f'{name}{{model="{model_name}",quantile="{q}"}} {value}')
+    lines += [f"{name}_sum{label} {m.ttft_sum}", f"{name}_count{label} {m.ttft_count}"]
+    return "\n".join(lines) + "\n"

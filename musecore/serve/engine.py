@@ -1,0 +1,342 @@
+"""Continuous batching: one scheduler thread steps every running request together through one KV cache.
+
+How it works (and what it is not):
+
+- One :class:`~musecore.kv_cache.KVCache` of ``max_batch`` rows and ``max_model_len`` positions
+  is made at start. Running requests occupy rows ``0..n-1``, always packed: a decode step runs the
+  model once on ``[n, 1]`` through views of those rows (no copies), each row at its own position
+  (the cache and the attention op mask by position, as batched ``generate`` does).
+- Between steps, waiting requests join: each is prefilled alone into the next free row (a view
+  of that one row), and its first token is sampled; it decodes with the others from the next step.
+  A request that ends (EOS, a stop, its token limit, or a client that went away) leaves at once:
+  the last row is copied into its place, so rows stay packed. Joining and leaving copy at most one
+  row of the cache.
+- A prefill runs whole, between two decode steps: a long prompt delays the next step of the others
+  by its prefill time (no chunked prefill). Sampling settings are per request (rows are sampled
+  one by one when they differ); greedy rows are sampled together.
+- Prompts stay on the cache's rows only while running; there is no prefix cache.
+
+Text is produced with generate's incremental detokenizer (``_Sequence``), so a request's pieces
+are exactly what ``model.generate`` would stream, and stop strings are held back the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from musecore.generate import _Sequence
+from musecore.kv_cache import KVCache
+
+log = logging.getLogger("musecore.serve")
+Sink = Callable[[dict], None]  # gets {"type": "text", "text"} ... then one {"type": "done", ...}
+
+
+class EngineFull(Exception):
+    """More requests than the server accepts at once (running plus waiting)."""
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop_strings: list[str] = field(default_factory=list)
+    stop_ids: set[int] = field(default_factory=set)
+
+
+class Request:
+    """One generation: its prompt ids, sampling settings, where its text goes, and its progress."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], sampling: Sampling, sink: Sink, tokenizer: Any) -> None:
+        self.id = next(self._ids)
+        self.prompt_ids, self.sampling, self.sink = prompt_ids, sampling, sink
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self.first_token_at: Optional[float] = None
+        self.generated = 0  # tokens produced, an EOS/stop token included
+        self.position = len(prompt_ids)  # the position of the next token fed to the model
+        self.last_token = -1
+        self.finish_reason: Optional[str] = None  # "stop", "length" or "cancelled"
+        self.generator = (torch.Generator().manual_seed(int(sampling.seed)) if sampling.seed is not None else None)
+        self.text = _Sequence(0, tokenizer, sampling.stop_strings,
+                              lambda _i, piece: sink({"type": "text", "text": piece}), context=prompt_ids)
+
+    def cancel(self) -> None:
+        """Leave at the next step (the client went away)."""
+        self.cancelled.set()
+
+
+class Metrics:
+    """Counters the ``/metrics`` endpoint exports; updated by the scheduler thread."""
+
+    WINDOW_S = 10.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests_finished = 0
+        self.requests_cancelled = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.decode_steps = 0
+        self.peak_running = 0  # the largest batch a decode step has run
+        self.ttft_seconds: deque[float] = deque(maxlen=1000)  # recent times to first token
+        self.ttft_sum, self.ttft_count = 0.0, 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+
+    def tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        with self.lock:
+            self.generation_tokens += n
+            self._recent.append((now, n))
+            while self._recent and self._recent[0][0] < now - self.WINDOW_S:
+                self._recent.popleft()
+
+    def tokens_per_s(self) -> float:
+        now = time.perf_counter()
+        with self.lock:
+            recent = [n for t, n in self._recent if t >= now - self.WINDOW_S]
+        return sum(recent) / self.WINDOW_S
+
+    def first_token(self, seconds: float) -> None:
+        with self.lock:
+            self.ttft_seconds.append(seconds)
+            self.ttft_sum += seconds
+            self.ttft_count += 1
+
+
+class Engine:
+    """The scheduler: ``submit`` from any thread; one thread owns the model.
+
+    Example::
+
+        engine = Engine(model, max_batch=8)
+        engine.start()
+        engine.submit(Request(ids, Sampling(max_tokens=32), sink=print, tokenizer=model.tokenizer))
+        ...
+        engine.stop()
+    """
+
+    def __init__(self, model: Any, max_batch: int = 16, max_model_len: Optional[int] = None,
+                 max_waiting: int = 64) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1; got {max_batch}")
+        self.model = model
+        limit = model.config.max_position_embeddings
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.max_batch, self.max_waiting = max_batch, max_waiting
+        self.cache = model.new_cache(max_batch, self.max_model_len, kv_format=getattr(model, "kv_format", "bf16"))
+        self.running: list[Request] = []  # row i of the cache holds running[i]
+        self.waiting: deque[Request] = deque()
+        self.metrics = Metrics()
+        self.end_ids = _end_ids(model)
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    # -- the public side ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="musecore-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if self.error is not None:
+                raise RuntimeError(f"the scheduler stopped after an error: {self.error!r}")
+            if len(self.running) + len(self.waiting) >= self.max_batch + self.max_waiting:
+                raise EngineFull(f"{len(self.running)} requests running and {len(self.waiting)} waiting "
+                                 f"(the limits are {self.max_batch} and {self.max_waiting}); retry later")
+            self.waiting.append(request)
+            self._wake.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running_count(self) -> int:
+        return len(self.running)
+
+    # -- the scheduler thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._wake:
+                        while not self._stopping and not self.waiting and not self.running:
+                            self._wake.wait()
+                        if self._stopping:
+                            break
+                    self._drop_cancelled()
+                    self._admit()
+                    if self.running:
+                        self._decode_step()
+        except BaseException as e:  # every waiting client gets the error instead of hanging
+            log.exception("the scheduler stopped")
+            self.error = e
+        finally:
+            for request in list(self.running) + list(self.waiting):
+                request.sink({"type": "done", "finish_reason": "error" if self.error else "cancelled",
+                              "error": repr(self.error) if self.error else "the server is shutting down"})
+            self.running.clear()
+            self.waiting.clear()
+
+    def _admit(self) -> None:
+        while len(self.running) < self.max_batch:
+            with self._wake:
+                if not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            if request.cancelled.is_set():
+                self._finish_unrun(request)
+                continue
+            self._prefill(request, len(self.running))
+
+    def _prefill(self, request: Request, row: int) -> None:
+        view = _rows(self.cache, row, row + 1)
+        for layer in view.layers:  # the row may hold a finished request's entries
+            layer.positions.fill_(-1)
+        view.next_position.zero_()
+        n = len(request.prompt_ids)
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long)
+        positions = torch.arange(n, dtype=torch.long)[None]
+        logits = self.model.forward(ids, positions=positions, cache=view)[:, -1]  # [1,V]
+        _merge_used(self.cache, view)
+        self.metrics.prompt_tokens += n
+        self.running.append(request)
+        token = self._sample([request], logits)[0]
+        self._accept(request, token)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+            self.metrics.first_token(request.first_token_at - request.submitted)
+        self._retire()
+
+    def _decode_step(self) -> None:
+        n = len(self.running)
+        view = _rows(self.cache, 0, n)
+        ids = torch.tensor([[r.last_token] for r in self.running], dtype=torch.long)
+        positions = torch.tensor([[r.position - 1] for r in self.running], dtype=torch.long)
+        logits = self.model.forward(ids, positions=positions, cache=view)[:, -1]  # [n,V]
+        _merge_used(self.cache, view)
+        for request, token in zip(list(self.running), self._sample(self.running, logits)):
+            self._accept(request, token)
+        self.metrics.decode_steps += 1
+        self.metrics.peak_running = max(self.metrics.peak_running, n)
+        self._retire()
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        sample = self.model.ops.sample
+        if all(r.sampling.temperature <= 0 for r in requests):
+            return sample(logits, 0.0).tolist()
+        out = []
+        for i, r in enumerate(requests):
+            s = r.sampling
+            out.append(int(sample(logits[i:i + 1], s.temperature, s.top_k, s.top_p, r.generator)[0]))
+        return out
+
+    def _accept(self, request: Request, token: int) -> None:
+        request.generated += 1
+        self.metrics.tokens(1)
+        if token in self.end_ids or token in request.sampling.stop_ids:
+            request.text.done, request.finish_reason = True, "stop"
+            return
+        request.last_token, request.position = token, request.position + 1
+        request.text.add(token)
+        if request.text.done:  # a stop string
+            request.finish_reason = "stop"
+        elif request.generated >= request.sampling.max_tokens or request.position > self.max_model_len:
+            request.text.done, request.finish_reason = True, "length"
+
+    def _drop_cancelled(self) -> None:
+        for request in self.running:
+            if request.cancelled.is_set():
+                request.text.done, request.finish_reason = True, "cancelled"
+        self._retire()
+
+    def _retire(self) -> None:
+        """Finished requests leave; the last row moves into each hole so rows stay packed."""
+        row = 0
+        while row < len(self.running):
+            request = self.running[row]
+            if not request.text.done:
+                row += 1
+                continue
+            last = len(self.running) - 1
+            if row != last:
+                _move_row(self.cache, last, row)
+            self.running[row] = self.running[last]
+            self.running.pop()
+            self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        request.text.finish()
+        cancelled = request.finish_reason == "cancelled"
+        with self.metrics.lock:
+            if cancelled:
+                self.metrics.requests_cancelled += 1
+            else:
+                self.metrics.requests_finished += 1
+        completion = request.generated  # as vLLM counts: an EOS that ended the reply is a completion token
+        request.sink({"type": "done", "finish_reason": request.finish_reason,
+                      "usage": {"prompt_tokens": len(request.prompt_ids), "completion_tokens": completion,
+                                "total_tokens": len(request.prompt_ids) + completion}})
+
+    def _finish_unrun(self, request: Request) -> None:
+        request.finish_reason = "cancelled"
+        request.text.done = True
+        self._finish(request)
+
+
+def _end_ids(model: Any) -> set[int]:
+    from musecore.generate import _eos_ids
+    return _eos_ids(model)
+
+
+def _rows(cache: KVCache, start: int, stop: int) -> KVCache:
+    """A cache over rows ``[start, stop)`` of ``cache``: views of its tensors, so writes land in it."""
+    view = object.__new__(KVCache)
+    view.static = cache.static
+    view.layers = []
+    for layer in cache.layers:
+        part = copy.copy(layer)
+        part.k, part.v, part.positions = layer.k[start:stop], layer.v[start:stop], layer.positions[start:stop]
+        part._whole = None
+        view.layers.append(part)
+    view.next_position = cache.next_position[start:stop]
+    return view
+
+
+def _merge_used(cache: KVCache, view: KVCache) -> None:
+    """Full layers read slots ``[0, used)``; a step through a view may have raised it."""
+    for layer, part in zip(cache.layers, view.layers):
+        layer.used = max(layer.used, part.used)
+
+
+def _move_row(cache: KVCache, src: int, dst: int) -> None:
+    for layer in cache.layers:
+        layer.k[dst].copy_(layer.k[src])
+        layer.v[dst].copy_(layer.v[src])
+        layer.positions[dst].copy_(layer.positions[src])
+    cache.next_position[dst] = cache.next_position[src]
