@@ -98,8 +98,9 @@ def test_kernel_ops_say_no_with_the_reason_when_jax_is_missing(monkeypatch: pyte
     assert backend.supports("embedding", OpSpec("embedding")).ok  # a torch op
 
 
-def test_constructing_the_backend_touches_neither_jax_nor_torch_tpu() -> None:
+def test_constructing_the_backend_touches_neither_jax_nor_torch_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from musecore_tpu import TpuBackend
+    monkeypatch.delenv("MUSECORE_TPU_INTERPRETER", raising=False)
     backend = TpuBackend()
     assert backend.interpret == "tpu" and backend._runner is None
 
