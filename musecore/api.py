@@ -33,8 +33,11 @@ TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "xla", "xeon": "cpu"
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def resolve_model(model: Union[str, Path]) -> tuple[str, Optional[Path]]:
-    """(display name, checkpoint folder or None for a preset without weights)."""
+def resolve_model(model: Union[str, Path], download: bool = False) -> tuple[str, Optional[Path]]:
+    """(display name, checkpoint folder or None for a preset without weights).
+
+    ``model`` is a folder, a bundled model, a preset, or a Hugging Face Hub id ``org/name[@revision]``
+    found in the local Hugging Face cache (fetched only with ``download=True``; see :mod:`musecore.hub`)."""
     path = Path(model)
     if path.is_dir():
         return str(model), path
@@ -43,13 +46,18 @@ def resolve_model(model: Union[str, Path]) -> tuple[str, Optional[Path]]:
     from musecore.config import PRESETS
     if isinstance(model, str) and model in PRESETS:
         return model, None
+    from musecore import hub
+    if isinstance(model, str) and hub.looks_like_hub_id(model):
+        return model, hub.resolve(model, download=download)
     raise FileNotFoundError(f"no checkpoint folder at {str(model)!r} and no preset of that name; pass a folder "
-                            f"holding config.json and *.safetensors, or a preset: {sorted(PRESETS)}")
+                            f"holding config.json and *.safetensors, a Hub id (org/name), or a preset: "
+                            f"{sorted(PRESETS)}")
 
 
-def summarize(model: Union[str, Path], checkpoint_format: str = "bf16") -> tuple[CheckpointSummary, Any]:
+def summarize(model: Union[str, Path], checkpoint_format: str = "bf16",
+              download: bool = False) -> tuple[CheckpointSummary, Any]:
     """The plan's view of a checkpoint (config, formats, shapes) and its reader (None for presets)."""
-    name, folder = resolve_model(model)
+    name, folder = resolve_model(model, download)
     if folder is None:
         return preset_summary(name, MuseConfig.from_name(name), checkpoint_format), None
     from musecore_quant.checkpoint import open_checkpoint
@@ -163,8 +171,12 @@ def _dispatcher(op: str, impls: dict[tuple, Any]):
 
 def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
-         kv_format: str = "bf16", progress: Optional[bool] = None, quantize_dense: DenseGroups = None) -> MuseModel:
+         kv_format: str = "bf16", progress: Optional[bool] = None, quantize_dense: DenseGroups = None,
+         download: bool = False) -> MuseModel:
     """Load a checkpoint folder (or the bundled ``muse-tiny``) onto ``device``, executing its plan.
+
+    ``model`` may be a Hugging Face Hub id (``org/name``): its snapshot is taken from the local
+    Hugging Face cache, and fetched from the Hub only with ``download=True``.
 
     ``device`` is a catalog name (``musecore devices``), ``auto`` or a torch device string.
     ``emulate=True`` runs the named device's numerics (weight conversion, activation quantization)
@@ -176,7 +188,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16
-    summary, reader = summarize(model)
+    summary, reader = summarize(model, download=download)
     if reader is None:
         raise FileNotFoundError(f"{model!r} is a preset without weights; pass a checkpoint folder "
                                 "(musecore.plan works on presets)")

@@ -14,3 +14,10 @@ def add_quantize_dense(parser) -> None:
     parser.add_argument("--no-quantize-dense", dest="quantize_dense", action="store_const", const=False,
                         help="keep the attention, pooler/unpooler and lm_head projections as the checkpoint has "
                              "them (MODEL.md's plan: only the routed experts are converted)")
+
+
+def add_download(parser) -> None:
+    """``--download``: fetch a Hub id's snapshot when the local Hugging Face cache lacks it."""
+    parser.add_argument("--download", action="store_true",
+                        help="when --model is a Hub id (org/name) missing from the local Hugging Face cache, "
+                             "download it (never done otherwise; refused while HF_HUB_OFFLINE is set)")

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from musecore.commands import add_quantize_dense
+from musecore.commands import add_download, add_quantize_dense
 
 DEFAULT_MODEL = "muse-tiny"
 HELP = "commands: /reset forgets the conversation, /exit (or end of input) leaves"
@@ -28,6 +28,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--emulate", action="store_true",
                         help="run the device's numerics with reference kernels on this machine")
     add_quantize_dense(parser)
+    add_download(parser)
     parser.add_argument("--system", default=None, help="a system message that opens the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="at most this many tokens per reply "
                                                                         "(default: 256)")
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (line editing and up-arrow history for input())
         except ImportError:
             pass
-    model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense)
+    model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense,
+                          download=args.download)
     from musecore.chat import chat_prompt
 
     opening = [{"role": "system", "content": args.system}] if args.system else []

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from musecore.commands import add_quantize_dense
+from musecore.commands import add_download, add_quantize_dense
 
 DEFAULT_MODEL = "muse-tiny"
 
@@ -23,11 +23,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                    description="Continue a prompt with a Muse model, streaming the text to stdout "
                                                "and the throughput to stderr.")
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"checkpoint folder or preset name (default: {DEFAULT_MODEL}, the bundled model)")
+                        help=f"checkpoint folder, Hub id (org/name, from the local Hugging Face cache) or preset name "
+                             f"(default: {DEFAULT_MODEL}, the bundled model)")
     parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
     parser.add_argument("--emulate", action="store_true",
                         help="run the device's numerics with reference kernels on this machine")
     add_quantize_dense(parser)
+    add_download(parser)
     parser.add_argument("--prompt", help="the text to continue (default: read from stdin)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -56,7 +58,8 @@ def _load(args: argparse.Namespace) -> Any:
     import musecore
     from musecore.cli import UsageError
 
-    model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense)
+    model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense,
+                          download=args.download)
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer.json, so it cannot take a text prompt; "
                          "use model.generate(list_of_token_ids) from Python instead")

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from musecore.commands import add_quantize_dense
+from musecore.commands import add_download, add_quantize_dense
 
 DEFAULT_MODEL = "muse-tiny"
 
@@ -25,6 +25,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--emulate", action="store_true",
                         help="run the device's numerics with reference kernels on this machine")
     add_quantize_dense(parser)
+    add_download(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--served-model-name", default=None,
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-batch must be >= 1 and --max-waiting >= 0")
     import musecore
 
-    model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense)
+    model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense,
+                          download=args.download)
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer.json; the server takes text, so it needs one")
     name = args.served_model_name or str(args.model)
