@@ -9,7 +9,9 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import sys
+import time
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
@@ -29,6 +31,7 @@ from musecore.planning import (DENSE, QUANTIZED, REFERENCE, CheckpointSummary, D
 
 # Package data (an installed wheel has it too): the bundled models, each a checkpoint folder.
 BUNDLED = Path(str(files("musecore") / "data"))
+log = logging.getLogger("musecore.load")
 TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "xla", "xeon": "cpu", REFERENCE: "cpu"}
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -193,11 +196,15 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
         raise FileNotFoundError(f"{model!r} is a preset without weights; pass a checkpoint folder "
                                 "(musecore.plan works on presets)")
     show = sys.stderr.isatty() if progress is None else progress
+    start = time.perf_counter()
+    log.info("loading %s from %s onto device %r", summary.name, reader.folder, device)
     muse = assemble(summary, device, lambda placer, _device: placer.stream(reader, show), emulate=emulate,
                     allow_emulation=allow_emulation, allow_reference=allow_reference, dtype=dtype,
                     kv_format=kv_format, source=str(reader.folder), quantize_dense=quantize_dense)
     from musecore.tokenizer import load_tokenizer
     muse.tokenizer = load_tokenizer(reader.folder)
+    log.info("loaded %s on %s (backend %s, mode %s) in %.2f s", summary.name, muse.plan.device, muse.plan.backend,
+             muse.plan.mode, time.perf_counter() - start)
     return muse
 
 

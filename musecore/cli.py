@@ -2,13 +2,18 @@
 
 Each command module defines ``add_parser(subparsers)`` and ``run(args) -> int``. Read commands
 take ``--json``; errors a user can fix print one line (no traceback) and exit 2
-(``MUSECORE_DEBUG=1`` shows the traceback instead).
+(``--debug`` or ``MUSECORE_DEBUG=1`` shows the traceback instead). A mistyped option or command
+gets the closest valid one suggested (Python 3.11's argparse suggests nothing). ``-v``/``-vv``
+and ``--quiet`` set the level of the ``musecore`` loggers (default: warnings); they work before or
+after the command name. ``python -m musecore`` runs the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import logging
 import os
 import sys
 from typing import Optional, Sequence
@@ -20,13 +25,78 @@ class UsageError(Exception):
     """A problem with the user's input: printed as one line, exit code 2."""
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("musecore")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def add_common_options(parser: argparse.ArgumentParser, default: object = None) -> None:
+    """``-v``, ``--quiet``, ``--debug``: on the top-level parser (defaults) and on every command
+    (``SUPPRESS``ed defaults, so ``musecore -v generate`` and ``musecore generate -v`` both work)."""
+    parser.add_argument("-v", "--verbose", action="count", default=0 if default is None else default,
+                        help="more log output: -v info, -vv debug")
+    parser.add_argument("-q", "--quiet", action="store_true", default=False if default is None else default,
+                        help="only errors in the log output")
+    parser.add_argument("--debug", action="store_true", default=False if default is None else default,
+                        help="show the traceback of an error (as MUSECORE_DEBUG=1 does)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="musecore", description="Run Muse Spark Open on whatever hardware you have.")
+    parser.add_argument("--version", action="version", version=f"musecore {version()}")
+    add_common_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"musecore.commands.{name}")
         module.add_parser(sub)
+        add_common_options(sub.choices[name], default=argparse.SUPPRESS)
     return parser
+
+
+def suggest(word: str, choices: Sequence[str]) -> str:
+    """"; did you mean X?" for the closest choice, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """``parser.parse_args`` with a suggestion for a mistyped command or option (exit 2, one line)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    words = [a for a in argv if not a.startswith("-")]
+    if words and words[0] not in commands and argv.index(words[0]) == _first_positional(argv):
+        parser.exit(2, f"musecore: error: unknown command {words[0]!r}{suggest(words[0], commands)} "
+                       f"(commands: {', '.join(commands)})\n")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = commands[args.command]
+        options = [o for action in command._actions for o in action.option_strings]
+        first = unknown[0]
+        hint = suggest(first.split("=", 1)[0], options) if first.startswith("-") else ""
+        parser.exit(2, f"musecore {args.command}: error: unrecognized argument {first!r}{hint} "
+                       f"(musecore {args.command} --help lists the options)\n")
+    return args
+
+
+def _first_positional(argv: list[str]) -> int:
+    """Index of the command name: the first word not starting with '-' (top-level options take no value)."""
+    return next(i for i, a in enumerate(argv) if not a.startswith("-"))
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    level = logging.ERROR if args.quiet else {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logger = logging.getLogger("musecore")
+    logger.setLevel(level)
+    for old in [h for h in logger.handlers if getattr(h, "musecore_cli", False)]:
+        logger.removeHandler(old)  # main() may run more than once in a process (tests): write to today's stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.musecore_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
 
 
 def user_errors() -> tuple[type, ...]:
@@ -40,16 +110,24 @@ def user_errors() -> tuple[type, ...]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse(build_parser(), argv)
+    except SystemExit as e:  # --help, --version, usage errors: argparse's exit status
+        return int(e.code or 0)
+    configure_logging(args)
     try:
         return int(args.run(args) or 0)
     except user_errors() as e:
-        if os.environ.get("MUSECORE_DEBUG"):  # the full traceback, for bug reports
+        if args.debug or os.environ.get("MUSECORE_DEBUG"):  # the full traceback, for bug reports
             raise
         print(f"musecore {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `musecore ... | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python flushes stdout at exit: let that flush go nowhere
+        return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def count(n: int) -> str:
 
 def render_text(plan, width: int = 140) -> str:
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width, force_terminal=False, color_system=None)
+    console = Console(file=buffer, width=width, force_terminal=False, color_system=None, markup=False, highlight=False)
     p = plan.profile
     console.print(f"plan: {plan.model} on {plan.device} ({p.description}) via backend {plan.backend!r}, "
                   f"mode {plan.mode}, checkpoint {plan.checkpoint_format}")

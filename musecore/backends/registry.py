@@ -43,6 +43,14 @@ class PluginRecord:
                 "devices": probe.devices if probe else [], "probe": probe.reason if probe else ""}
 
 
+def _distributions() -> dict[tuple[str, str], str]:
+    """(entry-point name, target) -> the distribution that declares it. stevedore's cached entry points
+    carry no ``dist``, so ``importlib.metadata`` (whose entry points do) is asked."""
+    from importlib.metadata import entry_points
+
+    return {(ep.name, ep.value): ep.dist.name for ep in entry_points(group=GROUP) if ep.dist is not None}
+
+
 def _check_api(name: str, cls: Any) -> Optional[str]:
     version = getattr(cls, "api_version", None)
     if not isinstance(cls, type) or not issubclass(cls, Backend):
@@ -77,8 +85,9 @@ def discover(probe: bool = True) -> dict[str, PluginRecord]:
     manager = ExtensionManager(GROUP, invoke_on_load=False, on_load_failure_callback=on_failure)
     records: dict[str, PluginRecord] = {}
     duplicates: dict[str, list[str]] = {}
+    owners = _distributions()
     for ep in manager.list_entry_points():
-        dist = getattr(getattr(ep, "dist", None), "name", "") or ""
+        dist = getattr(getattr(ep, "dist", None), "name", "") or owners.get((ep.name, ep.value), "")
         duplicates.setdefault(ep.name, []).append(f"{ep.value} ({dist or 'unknown distribution'})")
         records[ep.name] = PluginRecord(ep.name, ep.value, dist)
     for ext in manager.extensions:

@@ -77,12 +77,13 @@ def benchmark_cases(backend: str) -> dict:
 
 
 def print_table(title: str, rows: list[dict]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from musecore.console import data_console
 
     table = Table(title=title)
     for col in COLUMNS:
         table.add_column(col)
     for row in rows:
         table.add_row(*[f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in COLUMNS])
-    Console().print(table)
+    data_console().print(table)

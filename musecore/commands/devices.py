@@ -17,8 +17,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps([p.to_dict() for p in CATALOG.values()], indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
+
+    from musecore.console import data_console
 
     table = Table(title="musecore devices")
     for col in ("device", "backend", "arch", "memory", "weights", "activations", "NVFP4 checkpoint", "BF16 checkpoint"):
@@ -29,5 +30,5 @@ def run(args) -> int:
                       ", ".join(p.weight_formats), ", ".join(p.activation_formats) or "16-bit",
                       f"{nv.action('nvfp4')}, {'W4A' + ('4' if nv.act_format else '16') if nv.target != 'bf16' else 'BF16'}",
                       bf.action("bf16"))
-    Console().print(table)
+    data_console().print(table)
     return 0

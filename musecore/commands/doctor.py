@@ -13,10 +13,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from musecore.backends.registry import discover
+    from musecore.console import data_console
 
     records = discover()
     env = {name: settings(r) for name, r in records.items()}
@@ -28,9 +29,10 @@ def run(args) -> int:
         table.add_column(col)
     for r in records.values():
         d = r.to_dict()
-        status = "[red]failed[/]" if not r.loaded else ("[green]ready[/]" if d["available"] else "[yellow]no hardware[/]")
+        status = (Text("failed", style="red") if not r.loaded else
+                  Text("ready", style="green") if d["available"] else Text("no hardware", style="yellow"))
         table.add_row(r.name, status, str(d["score"]), ", ".join(d["devices"]), r.error or d["probe"])
-    console = Console()
+    console = data_console()
     console.print(table)
     overrides = [(name, e) for name, found in env.items() for e in found if e.value is not None]
     if overrides:
@@ -42,7 +44,7 @@ def run(args) -> int:
         console.print(shown)
     for r in records.values():
         if r.traceback:
-            console.print(f"\n[bold]{r.name}[/] traceback:\n{r.traceback}", markup=False, highlight=False)
+            console.print(f"\n{r.name} traceback:\n{r.traceback}")
     return 0
 
 

@@ -68,6 +68,7 @@ def roots(packages: dict[str, Path], known: dict[str, Path]) -> set[str]:
     from musecore.cli import COMMANDS
 
     out = set(packages) | set(PUBLIC) | {f"musecore.commands.{c}" for c in COMMANDS} | {"musecore.cli"}
+    out.add("musecore.__main__")  # python -m musecore
     for group in ("musecore.backends", "musecore.benchmarks", "console_scripts"):
         for ep in entry_points(group=group):
             module = ep.value.split(":")[0].strip()

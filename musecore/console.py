@@ -1,0 +1,32 @@
+"""The rich console every command prints its tables with.
+
+Data is printed literally: markup is off, so text in square brackets (CPU flags, error messages,
+paths) is never taken for a style tag and eaten. On a terminal tables fit the window; otherwise
+(a pipe, a file, a CI log) nothing is cut or wrapped to 80 columns: the width is unbounded and
+there is no colour, so ``musecore devices | cat`` and ``musecore bench ... > file`` keep every column.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import IO, Optional
+
+from rich.console import Console
+
+UNBOUNDED = 10_000  # "as wide as the content": rich needs a number
+
+
+def is_terminal(stream: Optional[IO] = None) -> bool:
+    stream = stream if stream is not None else sys.stdout
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def data_console(file: Optional[IO] = None) -> Console:
+    """A console for data: no markup, no highlighting; full width and no colour when not a terminal."""
+    out = file if file is not None else sys.stdout
+    if is_terminal(out):
+        return Console(file=out, markup=False, highlight=False)
+    return Console(file=out, markup=False, highlight=False, width=UNBOUNDED, color_system=None, soft_wrap=True)
