@@ -2,7 +2,8 @@
 
 Every read command takes ``--json`` (a single JSON document on stdout); long work shows a
 progress bar on stderr. Exit codes: 0 ok, 1 a verification or diff failure, 2 bad input or
-usage (one line on stderr, no traceback).
+usage (one line on stderr, no traceback), 3 an internal error (a bug: one line too), 130
+interrupted. ``MUSECORE_DEBUG=1`` shows the traceback of errors 2 and 3.
 
 Example::
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -27,10 +29,11 @@ from tqdm import tqdm
 
 from .api import dequantize
 from .checkpoint import CheckpointError, CheckpointReader, open_checkpoint, verify_checkpoint
+from .checkpoint.errors import translate
 from .metrics import quant_error
 from .qtensor import QTensor
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 # decoder kind -> (block scale role, global scale role, how a stored block scale reads as a number)
 _SCALE_ROLES = {
@@ -370,11 +373,32 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``musecore-quant`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    debug = os.environ.get("MUSECORE_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
-    except (CheckpointError, NotImplementedError) as e:
-        print(f"musecore-quant: error: {' '.join(str(e).split())}", file=sys.stderr)
+    except (CheckpointError, NotImplementedError, OSError) as e:
+        if debug:
+            raise
+        error = translate(e, getattr(e, "filename", None) or "musecore-quant", "the command") \
+            if isinstance(e, OSError) else e
+        _print_error(str(error))
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        _print_error("interrupted (a conversion resumes where it stopped when rerun with the same arguments)")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a bug, not bad input: still one line, with how to get the traceback
+        if debug:
+            raise
+        _print_error(f"internal error ({type(e).__name__}: {e}); this is a bug in musecore-quant: rerun with "
+                     "MUSECORE_DEBUG=1 for the traceback and report it")
+        return EXIT_INTERNAL
+
+
+def _print_error(message: str) -> None:
+    """One line on stderr, whatever the message holds (lone surrogates from a hostile file are escaped)."""
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    line = " ".join(message.split()).encode(encoding, "backslashreplace").decode(encoding)
+    print(f"musecore-quant: error: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

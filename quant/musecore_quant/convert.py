@@ -34,7 +34,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import re
@@ -171,8 +173,12 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
       ``{"group_size": 128, "sym": True}``, ``{"scale_mode": "floor"}``).
     - ``method="autoround"`` requires ``calibrated_quantizer(name, w_fp32) -> QTensor`` (in format
       ``to``, shape of ``w``), called for every selected weight instead of round-to-nearest.
-    - ``resume``: a rerun with the same arguments continues an interrupted conversion from its
-      ``dst.partial-<key>`` folder, keeping the shards whose sha256 still matches.
+    - ``resume``: a rerun with the same arguments (and the same code version) continues an interrupted
+      conversion from its ``dst.partial-<key>`` folder, keeping the finished shards whose sha256 still
+      matches and whose source weights still hash to what they were made from (a changed source tensor
+      redoes its shard and every later one). Only one conversion writes a destination at a time.
+    - An ``include``/``exclude`` that selects nothing (target other than bf16) is an error; a failing
+      conversion leaves its ``.partial`` folder only when it holds finished shards (to resume).
     - ``siblings``: groups of module suffixes sharing the NVFP4 global scale under one parent.
     - ``fuse_experts`` (``to="bf16"`` only): stack per-expert ``P.{e}.{gate,up,down}_proj.weight`` into
       ``P.gate_up_proj`` / ``P.down_proj`` (the transformers 5 layout). None: when the source already
@@ -201,17 +207,19 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     src, dst = Path(src), Path(dst)
 
     reader = open_checkpoint(src)
-    key = _resume_key(reader, to, method, include, exclude, options, calibrated_quantizer, siblings, fuse_experts)
-    writer = CheckpointWriter(dst, config=reader.config, format=to, max_shard_bytes=max_shard_bytes,
-                              resume_key=key, resume=resume)
     report = ConversionReport(str(src), str(dst), to, method, None if include is None else list(include),
                               list(exclude), options)
-    for other in sorted(dst.parent.glob(f"{dst.name}.partial-*")):
-        if other != writer.partial_folder:
-            report.warnings.append(f"{other} is a partial conversion with other arguments; delete it if unneeded")
     names = reader.weight_names()
     selected = set() if to == "bf16" else {
         n for n in names if select_weight(n, reader.weight_shape(n), include_res, exclude_res)}
+    if to != "bf16" and not selected:
+        raise CheckpointError(
+            f"{src}: no weight matches include {list(include) if include is not None else 'None (all)'} and exclude "
+            f"{list(exclude)} (quantizable weights are 2-D '*.weight' or fused expert tensors, e.g. "
+            f"{next((n for n in names if n.endswith('.weight') and len(reader.weight_shape(n)) == 2), names[0])!r}); "
+            "nothing would be converted: fix the patterns", path=src)
+    if calibrated_quantizer is None:  # a calibrated quantizer chooses its own group size: checked as it writes
+        _check_storable(reader, selected, to, options)
     if reader.producer == "gpt-oss":  # interleaved gate/up rows: not the gate-then-up split of experts.py
         skipped = sorted(n for n in selected if FUSED_EXPERT.match(n))
         selected -= set(skipped)
@@ -230,10 +238,30 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     if clash:
         raise CheckpointError(f"{files[clash[0]]}: {clash[0]!r} exists both fused and as per-expert weights; the "
                               "checkpoint mixes layouts for one layer: re-export it", tensor=clash[0])
-    if to != "bf16" and not selected:
-        report.warnings.append("no weight matched include/exclude: nothing was quantized")
     groups = _sibling_groups(selected, siblings) if to == "nvfp4" else {}
     groups.update((m, tuple(fused_groups[f])) for m, f in owner.items())
+    sources = _SourceDigests(reader, {**{f: tuple(ms) for f, ms in fused_groups.items()}, **groups})
+
+    key = _resume_key(reader, to, method, include, exclude, options, calibrated_quantizer, siblings, fuse_experts)
+    writer = CheckpointWriter(dst, config=reader.config, format=to, max_shard_bytes=max_shard_bytes,
+                              resume_key=key, resume=resume, keep_shard=sources.unchanged)
+    try:
+        _run(reader, writer, report, to, options, calibrated_quantizer, selected, groups, owner, files, names,
+             sources, src, progress, started)
+    except BaseException:
+        writer.abort()  # keeps the .partial folder (refused by readers) only when it holds finished shards
+        raise
+    return report
+
+
+def _run(reader: CheckpointReader, writer: CheckpointWriter, report: ConversionReport, to: str,
+         options: dict[str, Any], calibrated_quantizer: Optional[CalibratedQuantizer], selected: set[str],
+         groups: dict[str, tuple[str, ...]], owner: dict[str, str], files: dict[str, str], names: list[str],
+         sources: "_SourceDigests", src: Path, progress: bool, started: float) -> None:
+    dst = writer.folder
+    for other in sorted(dst.parent.glob(f"{dst.name}.partial-*")):
+        if other != writer.partial_folder:
+            report.warnings.append(f"{other} is a partial conversion with other arguments; delete it if unneeded")
     done = set(writer.completed) | {m for m, f in owner.items() if f in writer.completed}
     report.resumed_weights = len(done & set(names))
     # a finished weight is read again only when an unfinished sibling needs it for the shared scale
@@ -251,6 +279,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
                 if not all(m in pending for m in members):
                     continue
                 batch = [(m, pending.pop(m)) for m in members]
+                converter.source_sha256 = sources.of_batch(batch)
                 if name in owner:
                     converter.fuse(owner[name], batch, files)
                 else:
@@ -275,7 +304,6 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     report.seconds = time.perf_counter() - started
     report.throughput_mb_s = report.source_bytes_read / 1e6 / max(report.seconds, 1e-9)
     writer.close(extra_json={REPORT_NAME: report.to_dict()})
-    return report
 
 
 class _Converter:
@@ -286,6 +314,7 @@ class _Converter:
         self.writer, self.to, self.options, self.calibrated = writer, to, options, calibrated
         self.selected, self.done = selected, done  # done: already in finished shards (resume)
         self.last_sqnr: Optional[float] = None
+        self.source_sha256 = ""  # of the batch being converted: journaled with each record it writes
 
     def run(self, batch: list[tuple[str, Weight]]) -> None:
         requant = []
@@ -316,7 +345,7 @@ class _Converter:
         err = quant_error(source, out.to(torch.float32))
         record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
             err.sqnr_db, err.max_abs_error, err.rmse, err.nmse)
-        self.writer.add(name, out, meta={"record": asdict(record)})
+        self.writer.add(name, out, meta={"record": asdict(record), "source_sha256": self.source_sha256})
 
     def _keep(self, name: str, value: Weight) -> None:
         if isinstance(value, QTensor) and (self.to == "bf16" or not self.writer.accepts(value, name)):
@@ -358,7 +387,30 @@ class _Converter:
             record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
                 err.sqnr_db, err.max_abs_error, err.rmse, err.nmse)
             self.last_sqnr = err.sqnr_db if math.isfinite(err.sqnr_db) else self.last_sqnr
-        self.writer.add(name, out, meta={"record": asdict(record)})
+        self.writer.add(name, out, meta={"record": asdict(record), "source_sha256": self.source_sha256})
+
+
+def _check_storable(reader: CheckpointReader, selected: set[str], to: str, options: Mapping[str, Any]) -> None:
+    """Refuse, before any work, selected weights the target format (or its producer layout) cannot hold."""
+    from .formats.int4 import DEFAULT_GROUP_SIZE
+    block = {"nvfp4": 16, "mxfp4": 32}.get(to)
+    if to == "int4":
+        g = options.get("group_size", DEFAULT_GROUP_SIZE)
+        block = g if isinstance(g, int) and g > 0 else None
+    bad = []
+    for name in sorted(selected):
+        *_, out_features, in_features = reader.weight_shape(name)
+        why = None
+        if block and in_features % block:
+            why = f"in_features {in_features} is not divisible by {block}, the {to} block"
+        elif to == "int4" and (out_features % 8 or in_features % 8):
+            why = "AutoRound's GPTQ packing needs in_features and out_features divisible by 8"
+        if why:
+            bad.append(f"{name} {list(reader.weight_shape(name))} ({why})")
+    if bad:
+        raise CheckpointError(f"{reader.folder}: {len(bad)} selected weight(s) cannot be stored as {to}, e.g. {bad[0]}. "
+                              "Exclude this layer (--exclude REGEX) or narrow --include", path=reader.folder,
+                              tensor=bad[0].split(" ")[0])
 
 
 def _fp32(value: Weight) -> torch.Tensor:
@@ -397,8 +449,79 @@ def _resume_key(reader: CheckpointReader, to: str, method: str, include: Optiona
              "quantizer": None if calibrated is None else getattr(calibrated, "__qualname__", repr(type(calibrated))),
              "siblings": [list(s) for s in siblings],
              **({"fuse_experts": fuse_experts} if fuse_experts is not None else {}),
-             "shards": [(s.name, s.stat().st_size) for s in reader.shards]}
+             "shards": [(s.name, s.stat().st_size) for s in reader.shards], "code": code_version()}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def code_version() -> str:
+    """The package version plus a hash of its source files: a resumed conversion must be made by the same code."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    try:
+        version = importlib.metadata.version("musecore-quant")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return f"{version}+{h.hexdigest()[:12]}"
+
+
+def weight_sha256(value: Weight) -> str:
+    """sha256 of a decoded source weight: every stored tensor's dtype, shape and bytes (and QTensor metadata)."""
+    h = hashlib.sha256()
+    if isinstance(value, QTensor):
+        h.update(repr((value.format, value.shape, value.group_size)).encode())
+        parts = [(f, getattr(value, f)) for f in ("data", "scale", "global_scale", "zero", "input_scale")]
+    else:
+        parts = [("tensor", value)]
+    for role, t in parts:
+        if t is None:
+            h.update(f"{role}:none;".encode())
+            continue
+        t = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{role}:{t.dtype}:{t.numel()};".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+class _SourceDigests:
+    """What each output weight was made from, so a resumed run never keeps an output of stale source values.
+
+    An output's ``source_sha256`` covers every source weight of its batch: NVFP4 siblings share a
+    global scale and fused experts stack their members, so a change to one member changes the
+    others' outputs too. ``unchanged`` is the writer's ``keep_shard`` check on resume: it re-reads
+    the source weights of a journaled shard and compares.
+    """
+
+    def __init__(self, reader: CheckpointReader, groups: Mapping[str, tuple[str, ...]]) -> None:
+        self.reader, self.groups = reader, groups  # output name -> the source weights it is made from
+        self._names = set(reader.weight_names())
+        self._cache: dict[str, str] = {}
+
+    def of_batch(self, batch: Sequence[tuple[str, Weight]]) -> str:
+        return self._combine({name: self._cache.pop(name, None) or weight_sha256(value) for name, value in batch})
+
+    def unchanged(self, shard: Mapping[str, Any]) -> bool:
+        for record in shard.get("weights", []):
+            name = record.get("name")
+            expected = (record.get("meta") or {}).get("source_sha256")
+            members = self.groups.get(name, (name,))
+            if not expected or not all(m in self._names for m in members):
+                return False
+            digests = {}
+            for m in members:
+                if m not in self._cache:
+                    self._cache[m] = weight_sha256(self.reader.read(m))
+                digests[m] = self._cache[m]
+            if self._combine(digests) != expected:
+                return False
+        return True
+
+    @staticmethod
+    def _combine(digests: Mapping[str, str]) -> str:
+        text = json.dumps(sorted(digests.items()))
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 class _CallableModule(types.ModuleType):

@@ -18,6 +18,7 @@ import torch
 
 from ..qtensor import QTensor
 from .errors import CheckpointError
+from .fields import bad_field, get_int, get_object, get_str
 from .layout import GroupingRule, WeightEntry, expect_dtype, expect_shape, fail, require
 from .safetensors_io import TensorHeader
 
@@ -41,23 +42,65 @@ def int4_options(producer: str, qc: Mapping[str, Any], config_path) -> dict[str,
     if bits != 4:
         raise bad(f"has bits={bits!r}; only 4-bit {producer} checkpoints are read: "
                   "requantize with the producer to 4 bits or use the BF16 checkpoint")
+    groups = _declared_group_sizes(producer, qc, config_path)
     if producer == "auto-round":
         data_type = qc.get("data_type", "int")
-        packing = qc.get("packing_format", AUTOROUND_PACKING)
+        packing = get_str(qc, "packing_format", config_path, "quantization_config.packing_format", AUTOROUND_PACKING)
         if data_type != "int" or packing not in _AUTOROUND_PACKINGS:
             raise bad(f"has data_type={data_type!r}, packing_format={packing!r}; supported AutoRound "
                       f"exports are data_type 'int' with packing {sorted(_AUTOROUND_PACKINGS)}")
         layout, minus_one = _AUTOROUND_PACKINGS[packing]
-        return {"int4_layout": layout, "zero_minus_one": minus_one}
+        return {"int4_layout": layout, "zero_minus_one": minus_one, "group_sizes": groups}
     if producer == "gptq":
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise bad(f"has checkpoint_format={fmt!r}; supported: 'gptq' (v1) and 'gptq_v2'")
-        return {"int4_layout": "gptq", "zero_minus_one": fmt == "gptq"}
+        return {"int4_layout": "gptq", "zero_minus_one": fmt == "gptq", "group_sizes": groups}
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise bad(f"has AWQ version={version!r}; only the GEMM packing is read")
-    return {"int4_layout": "awq", "zero_minus_one": False}
+    return {"int4_layout": "awq", "zero_minus_one": False, "group_sizes": groups}
+
+
+def _declared_group_sizes(producer: str, qc: Mapping[str, Any], config_path) -> dict[str, Any]:
+    """``{"": default, module: size}`` as the config declares them (-1: one group per row); {} when unknown.
+
+    GPTQ's ``dynamic`` per-module overrides are regexes this reader does not evaluate: no check then.
+    """
+    if qc.get("dynamic"):
+        return {}
+    key = "q_group_size" if producer == "awq" and "group_size" not in qc else "group_size"
+    default = get_int(qc, key, config_path, f"quantization_config.{key}", 128 if producer == "auto-round" else None)
+    sizes: dict[str, Any] = {} if default is None else {"": default}
+    extra = get_object(qc, "extra_config", config_path, "quantization_config.extra_config") or {}
+    for module, spec in extra.items():
+        if not isinstance(spec, dict):
+            raise bad_field(config_path, f"quantization_config.extra_config[{module!r}]", spec, "an object")
+        g = get_int(spec, "group_size", config_path, f"quantization_config.extra_config[{module!r}].group_size")
+        if g is not None:
+            sizes[module] = g
+    return sizes
+
+
+def cross_check(entries: Mapping[str, WeightEntry], options: Mapping[str, Any], config_path) -> None:
+    """Each INT4 weight's group size (from its tensors) must be the one the config declares for it."""
+    sizes = options.get("group_sizes") or {}
+    for name, e in entries.items():
+        if e.format != "int4":
+            continue
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        declared = sizes.get(module, sizes.get(""))
+        if declared is None or module not in sizes and any(set(k) & set("*[](|\\^$+?") for k in sizes if k):
+            continue  # no declaration, or per-module patterns this reader does not evaluate
+        in_features = e.shape[-1]
+        expected = in_features if declared == -1 else declared
+        if expected != e.group_size:
+            h = e.parts["scales"]
+            raise CheckpointError(
+                f"{h.file}: weight {name!r} has scales {list(h.shape)}, i.e. group size {e.group_size} over "
+                f"{in_features} inputs, but {config_path} declares group_size {declared} for it; the config "
+                "and the tensors disagree (a wrong config would dequantize with the wrong groups elsewhere): "
+                "fix group_size (or extra_config) or re-export the checkpoint", path=h.file, tensor=h.key)
 
 
 def classify_int4(name: str, parts: dict[str, TensorHeader], options: Mapping[str, Any]) -> WeightEntry:

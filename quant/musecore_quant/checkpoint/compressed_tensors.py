@@ -18,6 +18,7 @@ import torch
 from ..qtensor import QTensor
 from .dense import NVFP4_GROUP
 from .errors import CheckpointError
+from .fields import bad_field, get_int, get_object, get_str
 from .layout import (GroupingRule, WeightEntry, expect_dtype, expect_scalar, expect_shape, fail,
                      require)
 from .safetensors_io import TensorHeader
@@ -30,8 +31,19 @@ SUPPORTED_FORMATS = ("nvfp4-pack-quantized", "float-quantized", "mixed-precision
 
 def check_config(qc: Mapping[str, Any], source: Path) -> None:
     """Refuse compressed-tensors formats this reader does not decode, before reading tensors."""
-    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()
-                                    if isinstance(g, dict)}
+    groups = get_object(qc, "config_groups", source, "quantization_config.config_groups") or {}
+    formats = {get_str(qc, "format", source, "quantization_config.format")}
+    for name, g in groups.items():
+        if not isinstance(g, dict):
+            raise bad_field(source, f"quantization_config.config_groups[{name!r}]", g, "an object")
+        formats.add(get_str(g, "format", source, f"quantization_config.config_groups[{name!r}].format"))
+        weights = get_object(g, "weights", source, f"config_groups[{name!r}].weights") or {}
+        group_size = get_int(weights, "group_size", source, f"config_groups[{name!r}].weights.group_size")
+        bits, kind = weights.get("num_bits"), weights.get("type")
+        if bits == 4 and kind == "float" and group_size is not None and group_size != NVFP4_GROUP:
+            raise CheckpointError(
+                f"{source}: config_groups[{name!r}].weights.group_size is {group_size} but NVFP4 has one scale per "
+                f"{NVFP4_GROUP} inputs; the config contradicts the format: fix group_size or re-export", path=source)
     formats.discard(None)
     unsupported = sorted(f for f in formats if f not in SUPPORTED_FORMATS)
     if unsupported:

@@ -20,6 +20,7 @@ from .autoround import GPTQ
 from .compressed_tensors import CT_PACKED
 from .dense import DENSE
 from .errors import CheckpointError
+from .fields import get_object, get_str
 from .gpt_oss import GPT_OSS
 from .layout import GroupingRule, WeightEntry
 
@@ -63,7 +64,9 @@ def detect_scheme(folder: Path, config: Mapping[str, Any], hf_quant: Optional[Ma
         raise CheckpointError(f"{config_path}: quantization_config is a {type(qc).__name__}, expected an "
                               "object; fix config.json", path=config_path)
     if qc is None and hf_quant is not None:
-        name = (hf_quant.get("producer") or {}).get("name", "modelopt")
+        hf_path = folder / "hf_quant_config.json"
+        name = get_str(get_object(hf_quant, "producer", hf_path, "producer") or {}, "name", hf_path,
+                       "producer.name", "modelopt")
         if name != "modelopt":
             raise CheckpointError(f"{folder / 'hf_quant_config.json'}: producer {name!r} is not supported "
                                   "(hf_quant_config.json is a ModelOpt file)", path=folder / "hf_quant_config.json")
@@ -85,7 +88,9 @@ def detect_scheme(folder: Path, config: Mapping[str, Any], hf_quant: Optional[Ma
         declared = quark.declared_quantization(qc, config_path)
         return Scheme(producer, method, (DENSE,), {}, lambda e: quark.cross_check(e, declared, config_path))
     if producer in ("auto-round", "gptq", "awq"):
-        return Scheme(producer, method, _RULES[producer], autoround.int4_options(producer, qc, config_path))
+        options = autoround.int4_options(producer, qc, config_path)
+        return Scheme(producer, method, _RULES[producer], options,
+                      lambda e: autoround.cross_check(e, options, config_path))
     if producer == "compressed-tensors":
         compressed_tensors.check_config(qc, config_path)
     return Scheme(producer, method, _RULES.get(producer, (DENSE,)))

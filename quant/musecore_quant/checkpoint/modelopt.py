@@ -21,6 +21,7 @@ import torch
 
 from ..qtensor import QTensor
 from .errors import CheckpointError
+from .fields import get_int, get_object, get_patterns
 from .layout import WeightEntry
 
 PRODUCER = {"name": "modelopt", "version": "0.1.0+musecore-quant"}
@@ -29,32 +30,69 @@ ALGO_FORMATS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8", "FP8_PB_
 QUANT_METHODS = ("modelopt", "modelopt_fp4", "modelopt_mixed")
 
 
+NVFP4_GROUP = 16
+
+
 def declared_quantization(config_qc: Mapping[str, Any] | None, hf_quant: Mapping[str, Any] | None,
                           source: Path) -> dict[str, Any]:
-    """The quantization ModelOpt declares: quant_algo, quantized_layers, exclude_modules."""
-    section = dict((hf_quant or {}).get("quantization") or {})
+    """The quantization ModelOpt declares: quant_algo, quantized_layers, exclude_modules.
+
+    With both files, ``config.json``'s ``ignore`` must not have been emptied while
+    ``hf_quant_config.json`` excludes modules: runtimes that read only config.json would take the
+    BF16 modules for quantized ones.
+    """
+    section = dict(get_object(hf_quant or {}, "quantization", source, "quantization") or {})
+    config_path = source.parent / "config.json"
+    ignore = None
+    if config_qc:
+        ignore = get_patterns(config_qc, "ignore", config_path, "quantization_config.ignore") \
+            if "ignore" in config_qc else None
     if not section and config_qc:
         # config.json holds either the flattened form or a copy of hf_quant_config.json
-        section = dict(config_qc.get("quantization") or config_qc)
-        section.setdefault("exclude_modules", config_qc.get("ignore", []))
+        section = dict(get_object(config_qc, "quantization", source, "quantization_config.quantization") or config_qc)
+    # whether the files state which modules stay unquantized at all (hand-written configs may not)
+    listed = "exclude_modules" in section or ignore is not None
+    if ignore is not None:
+        section.setdefault("exclude_modules", ignore)
+    exclude = get_patterns(section, "exclude_modules", source, "exclude_modules")
+    if exclude and ignore is not None and not ignore:
+        raise CheckpointError(
+            f"{config_path}: quantization_config.ignore is empty but {source.name} excludes {len(exclude)} modules "
+            f"(e.g. {exclude[0]!r}); runtimes reading config.json would treat them as quantized: restore the "
+            "ignore list (the same modules as exclude_modules) or re-export the checkpoint", path=config_path)
     algo = section.get("quant_algo")
-    if algo not in ALGO_FORMATS and algo != "MIXED_PRECISION":
+    if not isinstance(algo, str) or (algo not in ALGO_FORMATS and algo != "MIXED_PRECISION"):
         raise CheckpointError(
             f"{source}: ModelOpt quant_algo {algo!r} is not supported; supported: "
             f"{sorted(ALGO_FORMATS) + ['MIXED_PRECISION']}. Export with one of them or use the BF16 "
             "checkpoint", path=source)
     layers = section.get("quantized_layers")
+    group_sizes: dict[str, int] = {}  # module ('' = every module) -> declared NVFP4 group size
     if algo == "MIXED_PRECISION":
         if not isinstance(layers, dict):
             raise CheckpointError(f"{source}: ModelOpt MIXED_PRECISION needs a quantized_layers object "
                                   "naming each quantized module; fix or regenerate the file", path=source)
         for module, spec in layers.items():
-            if not isinstance(spec, dict) or spec.get("quant_algo") not in ALGO_FORMATS:
+            if not isinstance(spec, dict) or not isinstance(spec.get("quant_algo"), str) \
+                    or spec["quant_algo"] not in ALGO_FORMATS:
                 raise CheckpointError(
-                    f"{source}: quantized_layers[{module!r}] = {spec!r}; expected "
+                    f"{source}: quantized_layers[{module!r}] = {str(spec)[:80]}; expected "
                     f"{{'quant_algo': one of {sorted(ALGO_FORMATS)}}}", path=source)
-    return {"quant_algo": algo, "quantized_layers": layers,
-            "exclude_modules": list(section.get("exclude_modules") or [])}
+            g = get_int(spec, "group_size", source, f"quantized_layers[{module!r}].group_size")
+            if g is not None and ALGO_FORMATS[spec["quant_algo"]] == "nvfp4":
+                group_sizes[module] = g
+    else:
+        g = get_int(section, "group_size", source, "quantization.group_size")
+        if g is not None and ALGO_FORMATS[algo] == "nvfp4":
+            group_sizes[""] = g
+    for module, g in group_sizes.items():
+        if g != NVFP4_GROUP:
+            where = f"quantized_layers[{module!r}].group_size" if module else "group_size"
+            raise CheckpointError(
+                f"{source}: {where} is {g} but NVFP4 has one scale per {NVFP4_GROUP} inputs (the tensors' "
+                "weight_scale shape says so too); the config contradicts the format: fix group_size or re-export",
+                path=source)
+    return {"quant_algo": algo, "quantized_layers": layers, "exclude_modules": exclude, "exclude_listed": listed}
 
 
 def module_matches(module: str, patterns: Iterable[str]) -> bool:
@@ -94,6 +132,28 @@ def cross_check(entries: Mapping[str, WeightEntry], declared: Mapping[str, Any],
             raise _mismatch(source, e, f"quant_algo is {algo}")
         if module_matches(module, declared["exclude_modules"]):
             raise _mismatch(source, e, "exclude_modules says it is not quantized")
+    # A single quant_algo covers every Linear the exclude list does not name: a BF16 Linear missing
+    # from it (an emptied or truncated list) would be read by runtimes as quantized. (A config
+    # without any exclude list, as hand-written ones are, makes no claim to check.)
+    if not declared.get("exclude_listed"):
+        return
+    for name, e in entries.items():
+        if e.quantized or len(e.shape) != 2 or not name.endswith(".weight") or _not_a_linear(name):
+            continue
+        module = name[: -len(".weight")]
+        if not module_matches(module, declared["exclude_modules"]):
+            h = next(iter(e.parts.values()))
+            raise CheckpointError(
+                f"{h.file}: weight {name!r} is stored as {e.format} but {source.name} declares quant_algo {algo} "
+                f"for every Linear and its exclude list does not name {module!r}; runtimes would read it as "
+                f"{algo}: add it to exclude_modules (and config.json's ignore) or re-export the checkpoint",
+                path=h.file, tensor=name)
+
+
+def _not_a_linear(name: str) -> bool:
+    """Embeddings and norms hold 2-D ``.weight``s that no quantizer targets (ModelOpt targets Linears)."""
+    leaf = name.lower()
+    return "embed" in leaf or "norm" in leaf or "wte" in leaf or "wpe" in leaf
 
 
 def _mismatch(source: Path, e: WeightEntry, declared: str) -> CheckpointError:

@@ -17,6 +17,7 @@ import torch
 
 from ..qtensor import QTensor
 from .errors import CheckpointError
+from .fields import get_object, get_patterns
 from .layout import WeightEntry
 from .modelopt import module_matches
 
@@ -49,9 +50,10 @@ def quantization_config(unquantized: list[str], overrides: Mapping[str, Any] | N
 
 
 def declared_quantization(qc: Mapping[str, Any], source: Path) -> dict[str, Any]:
-    weight = (qc.get("global_quant_config") or {}).get("weight") or {}
+    glob = get_object(qc, "global_quant_config", source, "quantization_config.global_quant_config") or {}
+    weight = get_object(glob, "weight", source, "quantization_config.global_quant_config.weight") or {}
     dtype = weight.get("dtype")
-    if dtype not in DTYPE_FORMATS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_FORMATS:
         raise CheckpointError(
             f"{source}: Quark global_quant_config.weight.dtype is {dtype!r}; supported: "
             f"{sorted(DTYPE_FORMATS)}. Export with MXFP4 (fp4, e8m0, group 32) or use the BF16 checkpoint",
@@ -61,7 +63,8 @@ def declared_quantization(qc: Mapping[str, Any], source: Path) -> dict[str, Any]
             f"{source}: Quark fp4 weights with group_size={weight.get('group_size')!r}, "
             f"scale_format={weight.get('scale_format')!r} are not MXFP4 (group 32, e8m0); only MXFP4 is read",
             path=source)
-    return {"format": DTYPE_FORMATS[dtype], "exclude": list(qc.get("exclude") or []),
+    return {"format": DTYPE_FORMATS[dtype],
+            "exclude": get_patterns(qc, "exclude", source, "quantization_config.exclude"),
             "per_layer": bool(qc.get("layer_quant_config") or qc.get("layer_type_quant_config"))}
 
 

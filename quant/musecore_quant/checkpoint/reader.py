@@ -23,14 +23,15 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from . import autoround, compressed_tensors, dense, gpt_oss
 from .detect import Scheme, check_entries, detect_scheme
-from .errors import CheckpointError
+from .errors import CheckpointError, translate
 from .experts import check_fused_headers
 from .layout import Weight, WeightEntry, check_finite, decode_plain, group_tensors, plain_entry
 from .safetensors_io import TensorHeader, read_header, read_json, resolve_inside
+from .scales import check_scales
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -49,8 +50,19 @@ def is_partial(folder: Path) -> bool:
 
 
 def open_checkpoint(folder: str | Path) -> "CheckpointReader":
-    """Open and validate the checkpoint in ``folder`` from its headers; no weight bytes are read."""
+    """Open and validate the checkpoint in ``folder`` from its headers; no weight bytes are read.
+
+    Every failure is a ``CheckpointError`` naming the file: what the operating system refuses
+    (a name too long, a symlink loop, permissions) is translated here, at the boundary.
+    """
     folder = Path(folder)
+    try:
+        return _open(folder)
+    except (OSError, RecursionError, UnicodeError, OverflowError) as e:
+        raise translate(e, getattr(e, "filename", None) or folder, "opening the checkpoint") from e
+
+
+def _open(folder: Path) -> "CheckpointReader":
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder (it does not exist or is not a "
                               "directory); pass the folder holding config.json and *.safetensors", path=folder)
@@ -253,6 +265,7 @@ class CheckpointReader:
     def _decode(self, entry: WeightEntry, tensors: dict[str, torch.Tensor], finite: bool) -> Weight:
         if finite:
             check_finite(entry, tensors)
+        check_scales(entry, tensors)  # finite scales that would decode silently wrong: always refused
         return _DECODERS[entry.kind](entry, tensors)
 
     def _get(self, h: TensorHeader) -> torch.Tensor:
@@ -261,6 +274,6 @@ class CheckpointReader:
             if handle is None:
                 handle = self._handles[h.file] = safe_open(str(h.file), framework="pt", device="cpu")
             return handle.get_tensor(h.key)
-        except (OSError, RuntimeError, ValueError) as e:  # the file changed after its header was read
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # the file changed after its header was read
             raise CheckpointError(f"{h.file}: cannot read tensor {h.key!r} ({e}); the file changed or is "
                                   "corrupt: re-download it", path=h.file, tensor=h.key) from e

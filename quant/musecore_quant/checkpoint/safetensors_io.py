@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 from dataclasses import dataclass
@@ -22,12 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointIOError, translate
 
 # A real header is a few MB even for 100k tensors; anything larger is corruption or an attack.
+# (safetensors' own limit is 100,000,000 bytes; a header between the two fails when a tensor is
+# read, as a CheckpointError too.)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# safetensors computes element counts and byte sizes in usize (checked, left to right).
+_USIZE_MAX = 2**64 - 1
 _HASH_CHUNK = 16 * 1024 * 1024
 
 # safetensors dtype string -> (torch dtype, bytes per element)
@@ -69,8 +73,45 @@ class TensorHeader:
 
 
 def _fail(path: Path, what: str, tensor: str | None = None) -> CheckpointError:
-    where = f"{path}" + (f", tensor {tensor!r}" if tensor else "")
+    where = f"{path}" + (f", tensor {_short(tensor)}" if tensor else "")
     return CheckpointError(f"{where}: {what}", path=path, tensor=tensor)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: an error quotes what it found, not a megabyte of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        for text in (key, value) if isinstance(value, str) else (key,):
+            text.encode("utf-8")  # a lone surrogate (\ud800) is not Unicode text: UnicodeEncodeError
+        if key in obj:
+            raise ValueError(f"duplicate key {_short(key)}")
+        obj[key] = value
+    return obj
+
+
+def parse_strict_json(raw: bytes, path: Path, what: str, redo: str, *, constants: bool = False) -> Any:
+    """JSON as the Rust parsers of safetensors and tokenizers read it, or a ``CheckpointError``.
+
+    Refused beyond what ``json.loads`` refuses: lone surrogates, duplicate keys, nesting too deep
+    to parse (``RecursionError``) and, unless ``constants``, NaN/Infinity literals (which Python's
+    json writes into configs, but which safetensors refuses in a header).
+    """
+    hooks: dict[str, Any] = {} if constants else {"parse_constant": _reject_constant}
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_strict_object, **hooks)
+    except RecursionError as e:
+        raise _fail(path, f"{what} is JSON nested too deeply to be real; {redo}") from e
+    except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise _fail(path, f"{what} is not valid UTF-8 JSON ({' '.join(str(e).split())[:200]}); {redo}") from e
 
 
 def read_header(path: Path, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dict[str, TensorHeader]:
@@ -98,11 +139,9 @@ def read_header(path: Path, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dict
                                   f"after the length field; {redo}")
             raw = f.read(n)
     except OSError as e:
-        raise _fail(path, f"cannot read file ({e.strerror or e}); check that it exists and is readable") from e
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(path, f"header is not valid UTF-8 JSON ({e}); {redo}") from e
+        raise translate(e, path, "reading the safetensors header",
+                        advice="check that the file exists and is readable") from e
+    header = parse_strict_json(raw, path, "header", redo)
     if not isinstance(header, dict):
         raise _fail(path, f"header is a JSON {type(header).__name__}, expected an object; {redo}")
 
@@ -110,8 +149,9 @@ def read_header(path: Path, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dict
     tensors: dict[str, TensorHeader] = {}
     for key, entry in header.items():
         if key == "__metadata__":
-            if entry is not None and not isinstance(entry, dict):
-                raise _fail(path, f"__metadata__ is {type(entry).__name__}, expected an object; {redo}")
+            if entry is not None and not (isinstance(entry, dict)
+                                          and all(isinstance(v, str) for v in entry.values())):
+                raise _fail(path, f"__metadata__ is {_short(entry)}, expected an object of strings; {redo}")
             continue
         tensors[key] = _parse_entry(path, key, entry, data_size, redo)
 
@@ -129,22 +169,29 @@ def read_header(path: Path, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dict
 
 def _parse_entry(path: Path, key: str, entry: Any, data_size: int, redo: str) -> TensorHeader:
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-        raise _fail(path, f"header entry {entry!r} lacks dtype/shape/data_offsets; {redo}", key)
+        raise _fail(path, f"header entry {_short(entry)} lacks dtype/shape/data_offsets; {redo}", key)
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in SAFETENSORS_DTYPES:
-        raise _fail(path, f"dtype {dtype!r} is not supported; expected one of "
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        raise _fail(path, f"dtype {_short(dtype)} is not supported; expected one of "
                           f"{sorted(SAFETENSORS_DTYPES)}", key)
     if (not isinstance(shape, list)
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-        raise _fail(path, f"shape {shape!r} is not a list of non-negative integers; {redo}", key)
+        raise _fail(path, f"shape {_short(shape)} is not a list of non-negative integers; {redo}", key)
+    count = 1
+    for dim in shape:  # as safetensors: a checked product, left to right, then the byte size
+        count *= dim
+        if count > _USIZE_MAX:
+            raise _fail(path, f"shape {_short(shape)} has more elements than a 64-bit size holds; {redo}", key)
+    if count * SAFETENSORS_DTYPES[dtype][1] > _USIZE_MAX:
+        raise _fail(path, f"shape {_short(shape)} of {dtype} is more bytes than a 64-bit size holds; {redo}", key)
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
-        raise _fail(path, f"data_offsets {offsets!r} are not two ordered non-negative integers; {redo}", key)
+        raise _fail(path, f"data_offsets {_short(offsets)} are not two ordered non-negative integers; {redo}", key)
     if offsets[1] > data_size:
         raise _fail(path, f"data offsets {offsets} end beyond the file (data section is "
                           f"{data_size} bytes); {redo}", key)
-    expected = math.prod(shape) * SAFETENSORS_DTYPES[dtype][1]
+    expected = count * SAFETENSORS_DTYPES[dtype][1]
     if offsets[1] - offsets[0] != expected:
         raise _fail(path, f"data offsets {offsets} span {offsets[1] - offsets[0]} bytes but "
                           f"{dtype}{shape} needs {expected}; {redo}", key)
@@ -168,11 +215,16 @@ def resolve_inside(folder: Path, relative: str, *, source: Path, tensor: str | N
     if not relative.endswith(".safetensors"):
         raise _fail(source, f"{what} is not a .safetensors file; only safetensors are read "
                             "(never pickle): convert the weights to safetensors", tensor)
-    base = folder.resolve()
-    target = (folder / rel).resolve()
-    allowed = [base]
-    if folder.parent.name == "snapshots":
-        allowed.append((folder.parent.parent / "blobs").resolve())
+    try:
+        base = folder.resolve()
+        target = (folder / rel).resolve()
+        allowed = [base]
+        if folder.parent.name == "snapshots":
+            allowed.append((folder.parent.parent / "blobs").resolve())
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop before Python 3.13
+        if not isinstance(e, OSError):
+            e = OSError(40, "symlink loop")
+        raise translate(e, source, f"resolving {what}", tensor=tensor) from e
     if not any(root in target.parents for root in allowed):
         raise _fail(source, f"{what} resolves to {target}, outside the checkpoint folder {base} "
                             "(a symlink escapes it); copy the file into the folder", tensor)
@@ -182,9 +234,12 @@ def resolve_inside(folder: Path, relative: str, *, source: Path, tensor: str | N
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in chunks."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+    except OSError as e:
+        raise translate(e, path, "reading the file to hash it") from e
     return h.hexdigest()
 
 
@@ -210,26 +265,47 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
             t = t.clone()
         storages.add(t.untyped_storage().data_ptr())
         ready[key] = t
-    save_file(ready, str(path), metadata={"format": "pt"})
-    fsync_path(path)
+    try:
+        save_file(ready, str(path), metadata={"format": "pt"})
+        fsync_path(path)
+    except SafetensorError as e:  # the library wraps OS errors (disk full) in its own type
+        raise write_error(e, path) from e
+    except OSError as e:
+        raise write_error(e, path) from e
     return sha256_file(path)
+
+
+def write_error(exc: BaseException, path: Path) -> CheckpointError:
+    """The ``CheckpointError`` for a failed write of ``path`` (disk full named as such)."""
+    text = str(exc)
+    if isinstance(exc, SafetensorError) and ("code: 28" in text or "StorageFull" in text):
+        exc = OSError(28, "No space left on device")
+    if isinstance(exc, OSError):
+        return translate(exc, path, "writing", advice="check the destination and rerun; the conversion "
+                                                      "resumes from its finished shards")
+    return CheckpointIOError(f"{path}: writing failed ({' '.join(text.split())[:300]}); check the destination "
+                             "(free space, permissions) and rerun", path=path)
 
 
 def write_json(path: Path, obj: Any) -> None:
     """Write a JSON file and fsync it."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise write_error(e, path) from e
 
 
 def read_json(path: Path, what: str) -> Any:
     """Read a JSON file, turning every failure into a ``CheckpointError`` naming it."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError as e:
         raise _fail(path, f"{what} is missing") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(path, f"{what} is not valid JSON ({e}); fix or regenerate it") from e
+    except OSError as e:
+        raise translate(e, path, f"reading {what}") from e
+    return parse_strict_json(raw, path, what, "fix or regenerate it", constants=True)

@@ -3,8 +3,10 @@
 Opening already validates headers, the index, companions and the producer config; verification
 adds the byte-level checks that need every weight read once: each shard's sha256 against the
 index (``metadata.sha256``, written by ``CheckpointWriter``), every weight decoded with its
-companions, its decoded shape equal to the header's logical shape, and no NaN/Inf anywhere. It
-collects every problem instead of stopping at the first, so one run lists all that is wrong.
+companions, its decoded shape equal to the header's logical shape, no NaN/Inf anywhere, and no
+``*.safetensors`` file in the folder that the index does not reference (a stray shard left by
+another writer). It collects every problem instead of stopping at the first, so one run lists
+all that is wrong.
 """
 
 from __future__ import annotations
@@ -55,7 +57,11 @@ def verify_checkpoint(folder: Union[str, Path], *, progress: bool = False) -> Ve
         report.ok, report.problems = False, [str(e)]
         return report
     report.format, report.producer, report.shards = reader.format, reader.producer, len(reader.shards)
-    _check_hashes(reader.folder, [s.name for s in reader.shards], report)
+    try:
+        _check_hashes(reader.folder, [s.name for s in reader.shards], report)
+    except CheckpointError as e:
+        report.problems.append(str(e))
+    _check_strays(reader.folder, {s.name for s in reader.shards}, report)
     names = reader.weight_names()
     with reader:
         for name in tqdm(names, desc="verify", unit="weight", disable=not progress):
@@ -78,7 +84,15 @@ def _check_hashes(folder: Path, shard_names: list[str], report: VerifyReport) ->
     if not index_path.is_file():
         report.notes.append("single-file checkpoint without an index: no sha256 recorded to check against")
         return
-    recorded = (read_json(index_path, "the safetensors index").get("metadata") or {}).get("sha256")
+    metadata = read_json(index_path, "the safetensors index").get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        report.problems.append(f"{index_path}: metadata is a JSON {type(metadata).__name__}, expected an object; "
+                               "regenerate the index")
+        return
+    recorded = (metadata or {}).get("sha256")
+    if recorded is not None and not (isinstance(recorded, dict) and all(isinstance(v, str) for v in recorded.values())):
+        report.problems.append(f"{index_path}: metadata.sha256 is not an object of hex strings; regenerate the index")
+        return
     if not recorded:
         report.notes.append(f"{index_path.name} records no metadata.sha256 (not written by musecore-quant): "
                             "shard bytes checked only through headers and values")
@@ -94,3 +108,12 @@ def _check_hashes(folder: Path, shard_names: list[str], report: VerifyReport) ->
             report.sha256_verified += 1
     for name in sorted(set(recorded) - set(shard_names)):
         report.problems.append(f"{index_path}: sha256 recorded for {name!r}, which the index maps no tensor to")
+
+
+def _check_strays(folder: Path, referenced: set[str], report: VerifyReport) -> None:
+    """Every ``*.safetensors`` in the folder must be one the index (or the single-file layout) names."""
+    for path in sorted(folder.glob("*.safetensors")):
+        if path.name not in referenced:
+            report.problems.append(f"{path}: shard is in the checkpoint folder but the index references no tensor "
+                                   "in it (left by another or an interrupted writer?); delete it, or regenerate "
+                                   "the index if it belongs to the checkpoint")

@@ -15,8 +15,15 @@ marker; each shard is fsynced, hashed (sha256) and appended to ``journal.jsonl``
 complete. ``close`` writes the index (with ``metadata.sha256 = {shard: hex}``) and configs, removes
 the journal and marker and renames the folder to ``DST``: a reader never sees a half-written
 checkpoint (``open_checkpoint`` refuses ``.partial`` folders). With a stable ``resume_key`` a
-rerun reopens the partial folder, keeps the journaled shards whose sha256 still matches, and
-reports their weights in ``completed`` so the caller skips them.
+rerun reopens the partial folder, keeps the journaled shards whose sha256 still matches (and that
+the caller's ``keep_shard`` accepts: the converter checks the source content each was made
+from), and reports their weights in ``completed`` so the caller skips them.
+
+One writer per destination: the writer holds an exclusive ``flock`` on ``.DST.lock`` beside the
+destination from construction to ``close``/``release``, covering ``DST`` and every
+``DST.partial-*``; a second writer fails at once with ``ConversionLockedError`` naming the
+holder's pid. The destination is checked before any work (an existing path or dangling symlink,
+a parent that is a file), so a conversion never fails after the work is done.
 
 Example::
 
@@ -28,21 +35,23 @@ Example::
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
 from ..qtensor import QTensor
 from . import autoround, modelopt, quark
-from .errors import CheckpointError
+from .errors import CheckpointError, ConversionLockedError, translate
 from .experts import FUSED_EXPERT, check_fused_qtensor, unfuse
 from .reader import INDEX_NAME, PARTIAL_MARKER
-from .safetensors_io import dtype_name, fsync_path, sha256_file, write_json, write_safetensors
+from .safetensors_io import dtype_name, fsync_path, sha256_file, write_error, write_json, write_safetensors
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 JOURNAL = "journal.jsonl"
@@ -62,15 +71,70 @@ class CheckpointWriter:
     def __init__(self, folder: Union[str, Path], *, config: Mapping[str, Any], format: str,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                  producer_config: Optional[Mapping[str, Any]] = None,
-                 resume_key: Optional[str] = None, resume: bool = True) -> None:
+                 resume_key: Optional[str] = None, resume: bool = True,
+                 keep_shard: Optional[Callable[[Mapping[str, Any]], bool]] = None) -> None:
         if format not in TARGET_PRODUCERS:
             raise CheckpointError(f"unknown target format {format!r}; expected one of {sorted(TARGET_PRODUCERS)}")
         if max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.folder = Path(folder)
-        if self.folder.exists():
-            raise CheckpointError(f"{self.folder}: destination already exists; choose a new folder or "
+        self._lock_fd: Optional[int] = None
+        self._check_destination()
+        self._lock_fd = _acquire_lock(self.lock_path, self.folder)
+        try:
+            self._check_destination()  # again, under the lock: another writer may have just finished it
+            self._open(format, producer_config, config, max_shard_bytes, resume_key, resume, keep_shard)
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def lock_path(self) -> Path:
+        """The lock file every writer of this destination takes (beside it, hidden)."""
+        return self.folder.parent / f".{self.folder.name}.lock"
+
+    def _check_destination(self) -> None:
+        parent = self.folder.parent
+        if os.path.lexists(self.folder):
+            what = "is a symlink (dangling or not)" if self.folder.is_symlink() else "already exists"
+            raise CheckpointError(f"{self.folder}: destination {what}; choose a new folder or "
                                   "delete it first (the writer never overwrites a checkpoint)", path=self.folder)
+        for up in (parent, *parent.parents):
+            if os.path.lexists(up):
+                if not up.is_dir():
+                    raise CheckpointError(f"{self.folder}: {up} is a file (or a dangling symlink), not a folder; "
+                                          "choose a destination under a folder", path=self.folder)
+                break
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise translate(e, parent, "creating the destination's parent folder") from e
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise CheckpointError(f"{parent}: folder is not writable; choose a destination you can write",
+                                  path=parent)
+
+    def release(self) -> None:
+        """Give up the destination lock (``close`` does; call it when abandoning a writer)."""
+        if self._lock_fd is None:
+            return
+        try:
+            os.unlink(self.lock_path)  # unlinked while held: a waiting writer re-checks the inode it locked
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def abort(self) -> None:
+        """Abandon the conversion: remove the partial folder if no shard was finished, release the lock."""
+        try:
+            if not self._shards and self.partial_folder.exists():
+                shutil.rmtree(self.partial_folder)
+        finally:
+            self.release()
+
+    def _open(self, format: str, producer_config: Optional[Mapping[str, Any]], config: Mapping[str, Any],
+              max_shard_bytes: int, resume_key: Optional[str], resume: bool,
+              keep_shard: Optional[Callable[[Mapping[str, Any]], bool]]) -> None:
         self.format = format
         self.producer = TARGET_PRODUCERS[format]
         self.config = dict(config)
@@ -86,13 +150,16 @@ class CheckpointWriter:
         self._buffer_records: list[dict[str, Any]] = []
         self._buffer_bytes = 0
         self._closed = False
-        self.folder.parent.mkdir(parents=True, exist_ok=True)
-        if not (self.partial_folder.exists() and resume_key is not None and resume and self._resume()):
-            if self.partial_folder.exists():
-                shutil.rmtree(self.partial_folder)
-            self.partial_folder.mkdir()
-            (self.partial_folder / PARTIAL_MARKER).write_text("musecore-quant writer: incomplete\n")
-            self._append_journal({"writer": 1, "format": format})
+        self._keep_shard = keep_shard
+        try:
+            if not (self.partial_folder.exists() and resume_key is not None and resume and self._resume()):
+                if self.partial_folder.exists():
+                    shutil.rmtree(self.partial_folder)
+                self.partial_folder.mkdir()
+                (self.partial_folder / PARTIAL_MARKER).write_text("musecore-quant writer: incomplete\n")
+                self._append_journal({"writer": 1, "format": format})
+        except OSError as e:
+            raise translate(e, self.partial_folder, "preparing the partial folder") from e
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -100,7 +167,8 @@ class CheckpointWriter:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
             self.close()
-        # on error the partial folder stays: rerun with the same resume_key to continue
+        else:  # the partial folder stays (when it holds finished shards): rerun with the same resume_key
+            self.abort()
 
     @property
     def tensor_bytes(self) -> int:
@@ -132,7 +200,13 @@ class CheckpointWriter:
             raise CheckpointError(f"{self.folder}: writer is closed; create a new one")
         if name in self._names:
             raise CheckpointError(f"weight {name!r} was already added to {self.folder}", tensor=name)
-        tensors, record = self._encode(name, value)
+        try:
+            tensors, record = self._encode(name, value)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"weight {name!r} cannot be written in the {self.producer} layout: {e}",
+                                  tensor=name) from e
         record["meta"] = dict(meta or {})
         clash = sorted(self._keys.intersection(tensors))
         if clash:
@@ -150,8 +224,11 @@ class CheckpointWriter:
     def add_file(self, source: Union[str, Path], name: Optional[str] = None) -> None:
         """Copy a side file (tokenizer, generation config...) into the checkpoint."""
         target = self.partial_folder / (name or Path(source).name)
-        shutil.copyfile(source, target)
-        fsync_path(target)
+        try:
+            shutil.copyfile(source, target)
+            fsync_path(target)
+        except OSError as e:
+            raise write_error(e, target) from e
 
     def _encode(self, name: str, value: Union[torch.Tensor, QTensor]) -> tuple[dict[str, torch.Tensor], dict]:
         if not isinstance(value, QTensor):
@@ -226,10 +303,14 @@ class CheckpointWriter:
         self._buffer, self._buffer_records, self._buffer_bytes = {}, [], 0
 
     def _append_journal(self, entry: Mapping[str, Any]) -> None:
-        with open(self.partial_folder / JOURNAL, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        path = self.partial_folder / JOURNAL
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(e, path) from e
 
     def _resume(self) -> bool:
         """Reload the journal of an interrupted run; False when there is nothing to resume."""
@@ -249,9 +330,11 @@ class CheckpointWriter:
                 f"{self.format!r}; delete it or rerun with resume disabled", path=self.partial_folder)
         kept = [entries[0]]
         for entry in entries[1:]:
-            path = self.partial_folder / entry["shard"]
-            if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            path = self.partial_folder / str(entry.get("shard"))
+            if not path.is_file() or sha256_file(path) != entry.get("sha256"):
                 break  # this and later shards are redone
+            if self._keep_shard is not None and not self._keep_shard(entry):
+                break  # made from source content that has changed since: redone
             kept.append(entry)
             self._shards.append(entry)
             self.completed.update((r["name"], r) for r in entry["weights"])
@@ -278,7 +361,10 @@ class CheckpointWriter:
         sha: dict[str, str] = {}
         for i, entry in enumerate(self._shards, start=1):
             final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            os.replace(self.partial_folder / entry["shard"], self.partial_folder / final)
+            try:
+                os.replace(self.partial_folder / entry["shard"], self.partial_folder / final)
+            except OSError as e:
+                raise translate(e, self.partial_folder / entry["shard"], "renaming the shard") from e
             sha[final] = entry["sha256"]
             for record in entry["weights"]:
                 weight_map.update((k, final) for k in record["keys"])
@@ -293,12 +379,16 @@ class CheckpointWriter:
             write_json(self.partial_folder / "hf_quant_config.json", hf_quant)
         for file_name, obj in (extra_json or {}).items():
             write_json(self.partial_folder / file_name, obj)
-        (self.partial_folder / JOURNAL).unlink()
-        (self.partial_folder / PARTIAL_MARKER).unlink()
-        fsync_path(self.partial_folder)
-        os.rename(self.partial_folder, self.folder)
-        fsync_path(self.folder.parent)
+        try:
+            (self.partial_folder / JOURNAL).unlink()
+            (self.partial_folder / PARTIAL_MARKER).unlink()
+            fsync_path(self.partial_folder)
+            os.rename(self.partial_folder, self.folder)
+            fsync_path(self.folder.parent)
+        except OSError as e:
+            raise translate(e, self.folder, "moving the finished checkpoint into place") from e
         self._closed = True
+        self.release()
         return index
 
     def _configs(self, records: list[dict[str, Any]]) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
@@ -327,3 +417,37 @@ class CheckpointWriter:
                 self.producer_config)
         config["quantization_config"] = qc
         return config, hf_quant
+
+
+def _acquire_lock(lock_path: Path, folder: Path) -> int:
+    """An exclusive, non-blocking ``flock`` on ``lock_path`` (created, holding our pid); its fd.
+
+    The holder unlinks the file before closing it, so after locking we check that the file we
+    locked is still the one at ``lock_path`` (else a finishing writer just removed it: retry).
+    """
+    for _ in range(100):
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise translate(e, lock_path, "creating the destination lock file") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ConversionLockedError(
+                    f"another conversion is writing {folder} (pid {holder}); wait for it to finish, or stop it "
+                    f"(its lock is {lock_path})", path=folder) from None
+            raise translate(e, lock_path, "locking the destination") from e
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+    raise ConversionLockedError(f"{lock_path}: could not take the destination lock (it keeps being replaced); "
+                                "is another conversion starting and finishing in a loop?", path=folder)
