@@ -46,6 +46,7 @@ from musecore_triton.kernels.mx_moe import MxExperts, mx_experts, mx_moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
 
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_FORMAT = {dtype: name for name, dtype in DENSE_FORMATS.items()}
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_OPS = ("attention", "qk_norm_rope", "head_norm_gate")  # the shared kernels hold one power-of-two head row
 VERIFIED_ARCHES: tuple[str, ...] = ()  # archs the kernels have run and been checked on: none yet
@@ -216,9 +217,9 @@ class RocmBackend(Backend):
             resident = prepare_fp4(weight, self.device)
             return Weight(data=resident, format=fmt, out_features=resident.out_features,
                           in_features=resident.in_features)
-        if fmt in DENSE_FORMATS:
+        if fmt in DENSE_FORMATS:  # kept in the model dtype, and labelled so (the plan keys linears by it)
             data = weight.to(device=self.device, dtype=dtype).contiguous()
-            return Weight(data=data, format=fmt, out_features=data.shape[0] if data.dim() > 1 else 1,
+            return Weight(data=data, format=_DTYPE_FORMAT[dtype], out_features=data.shape[0] if data.dim() > 1 else 1,
                           in_features=data.shape[-1])
         raise NotImplementedError(f"{role}: {fmt} weights are not implemented in the ROCm backend")
 
@@ -240,7 +241,8 @@ class RocmBackend(Backend):
             return ExpertWeights(gate=fp4[0], up=fp4[1], down=fp4[2], format=fmt, num_experts=fp4[0].packed.shape[0])
         if fmt in DENSE_FORMATS:
             dense = [w.to(device=self.device, dtype=dtype).contiguous() for w in (gate, up, down)]
-            return ExpertWeights(gate=dense[0], up=dense[1], down=dense[2], format=fmt, num_experts=dense[0].shape[0])
+            return ExpertWeights(gate=dense[0], up=dense[1], down=dense[2], format=_DTYPE_FORMAT[dtype],
+                                 num_experts=dense[0].shape[0])
         raise NotImplementedError(f"experts: {fmt} weights are not implemented in the ROCm backend")
 
     def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
