@@ -91,10 +91,7 @@ def env_settings() -> list[EnvSetting]:
 
 
 def resident_bytes(weight_format: str, out_features: int, in_features: int, *, experts: int = 0) -> Optional[int]:
-    """MXFP4 and FP8 stay in the checkpoint's bytes (no repack); NVFP4 adds one fp32 per expert
-    (``Fp4Resident.out_scale``); 16-bit weights are as stored. None where that is exactly the format's bytes."""
-    if weight_format == "nvfp4":
-        from musecore_quant.formats.facts import FACTS
-        n = max(experts, 1)
-        return int(n * out_features * in_features * FACTS["nvfp4"].bytes_per_value) + 4 * n
+    """None for every format: MXFP4 and FP8 stay in the checkpoint's bytes (no repack, ``dot_scaled`` reads the
+    canonical layout), NVFP4's resident layout is a nibble permutation of the same bytes plus the per-expert
+    global scale the checkpoint already has, 16-bit weights are as stored."""
     return None

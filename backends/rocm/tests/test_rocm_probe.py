@@ -123,7 +123,7 @@ def test_kernel_choices_need_no_hardware_and_name_the_moe_candidates():
 def test_resident_bytes_are_the_checkpoint_bytes_for_mxfp4():
     be = RocmBackend("cuda")
     assert be.resident_bytes("mxfp4", 4096, 4096, experts=256) is None
-    assert be.resident_bytes("nvfp4", 4096, 4096, experts=2) == 2 * 4096 * 4096 * 9 // 16 + 8
+    assert be.resident_bytes("nvfp4", 4096, 4096, experts=2) is None
     assert be.env_settings() == []
 
 
