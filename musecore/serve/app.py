@@ -115,7 +115,13 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
         sampling.stop_ids |= set(extra_stop_ids)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        request = Request(ids, sampling, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), model.tokenizer)
+        def sink(event: dict) -> None:  # called by the scheduler thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
+                request.cancel()
+
+        request = Request(ids, sampling, sink, model.tokenizer)
         try:
             engine.submit(request)
         except EngineFull as e:

@@ -161,6 +161,12 @@ class Engine:
             self._thread.join(timeout)
 
     def submit(self, request: Request) -> None:
+        """Queue ``request``; it joins the batch at the next step with a free row. Raises
+        :class:`EngineFull` when ``max_batch + max_waiting`` requests are already in."""
+        need = len(request.prompt_ids) + request.sampling.max_tokens
+        if not request.prompt_ids or need > self.max_model_len:
+            raise ValueError(f"a request needs 1 <= prompt + max_tokens <= {self.max_model_len} positions; "
+                             f"got {len(request.prompt_ids)} + {request.sampling.max_tokens}")
         with self._wake:
             if self.error is not None:
                 raise RuntimeError(f"the scheduler stopped after an error: {self.error!r}")

@@ -1,0 +1,81 @@
+"""The continuous-batching engine computes what ``generate`` computes for each request alone, while
+requests join mid-decode and leave at different steps (rows are moved to stay packed)."""
+
+import threading
+
+import pytest
+
+import musecore
+from musecore.generate import _encode_text
+from musecore.serve.engine import Engine, EngineFull, Request, Sampling
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def model():
+    return musecore.load("muse-tiny", device="cpu")
+
+
+class Collector:
+    def __init__(self, n):
+        self.text = {i: [] for i in range(n)}
+        self.done = {}
+        self.all_done = threading.Event()
+        self.n = n
+
+    def sink(self, i):
+        def receive(event):
+            if event["type"] == "text":
+                self.text[i].append(event["text"])
+            else:
+                self.done[i] = event
+                if len(self.done) == self.n:
+                    self.all_done.set()
+        return receive
+
+
+def test_requests_joining_and_leaving_mid_decode_get_generates_greedy_output(model):
+    prompts = ["def fib(n):", "import os", "Hello, my name is", "class Stack:", "x = [", "# sort a list"]
+    lengths = [12, 3, 20, 7, 1, 15]  # different lengths: rows leave at different steps and are moved
+    expected = [model.generate(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+    engine = Engine(model, max_batch=3, max_waiting=8)  # six requests, three rows: the rest join mid-decode
+    got = Collector(len(prompts))
+    engine.start()
+    try:
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            engine.submit(Request(_encode_text(model, p), Sampling(max_tokens=n), got.sink(i), model.tokenizer))
+        assert got.all_done.wait(TIMEOUT), "the engine did not finish"
+    finally:
+        engine.stop()
+    assert ["".join(got.text[i]) for i in range(len(prompts))] == expected
+    assert all(got.done[i]["usage"]["completion_tokens"] <= lengths[i] for i in range(len(prompts)))
+    assert engine.metrics.peak_running == 3 and not engine.running
+
+
+def test_a_cancelled_request_leaves_and_the_others_continue(model):
+    engine = Engine(model, max_batch=2)
+    got = Collector(2)
+    engine.start()
+    try:
+        long = Request(_encode_text(model, "def f():"), Sampling(max_tokens=3000), got.sink(0), model.tokenizer)
+        short = Request(_encode_text(model, "import os"), Sampling(max_tokens=8), got.sink(1), model.tokenizer)
+        engine.submit(long)
+        engine.submit(short)
+        long.cancel()
+        assert got.all_done.wait(TIMEOUT)
+    finally:
+        engine.stop()
+    assert got.done[0]["finish_reason"] == "cancelled" and got.done[1]["finish_reason"] == "length"
+    assert "".join(got.text[1]) == model.generate("import os", max_new_tokens=8)
+
+
+def test_limits_are_checked_on_submit(model):
+    engine = Engine(model, max_batch=1, max_waiting=1, max_model_len=64)  # not started: nothing leaves the queue
+    tok = model.tokenizer
+    with pytest.raises(ValueError, match="64"):
+        engine.submit(Request([1] * 60, Sampling(max_tokens=10), lambda e: None, tok))
+    engine.submit(Request([1, 2], Sampling(max_tokens=4), lambda e: None, tok))
+    engine.submit(Request([1, 2], Sampling(max_tokens=4), lambda e: None, tok))
+    with pytest.raises(EngineFull):
+        engine.submit(Request([1, 2], Sampling(max_tokens=4), lambda e: None, tok))
