@@ -33,6 +33,8 @@ FP8_PER_TENSOR = 0  # QTensor.group_size for per-tensor FP8 (no blocks)
 def classify_dense(name: str, parts: dict[str, TensorHeader], options: Mapping[str, Any]) -> WeightEntry:
     w = parts["weight"]
     if len(parts) == 1:
+        if w.dtype in ("F8_E4M3", "F8_E5M2") and len(w.shape) >= 2:  # FP8 codes without a scale mean nothing
+            require(name, parts, "weight_scale", ".weight_scale", "FP8 codes need their scale")
         return plain_entry(w.key, w)
     if w.dtype == "U8":
         scale = require(name, parts, "weight_scale", ".weight_scale",
