@@ -29,6 +29,7 @@ projection reads 4.25 bits per value.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Optional
@@ -51,6 +52,7 @@ DOT_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 PREQUANTIZE_MIN_M = 64
 
 
+@functools.lru_cache(maxsize=None)  # read once per process: launches must not pay for inspect
 def activation_rule() -> dict:
     """The MXFP4 activation rule of the emulated W4A4 targets (``scale_mode``, ``rounding``): the
     defaults of ``musecore_quant``'s activation fake-quant, which the reference ``linear`` applies."""
