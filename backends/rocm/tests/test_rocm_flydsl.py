@@ -1,8 +1,9 @@
-"""The FlyDSL MXFP4 expert GEMM (``backends/rocm/lab/flydsl``) compiles to gfx950 scaled MFMA with no GPU.
+"""The FlyDSL MXFP4 expert GEMMs (``backends/rocm/lab/flydsl``: gate/up with SwiGLU, down) compile to gfx950
+scaled MFMA with no GPU.
 
 FlyDSL's compile-only mode (``COMPILE_ONLY=1 ARCH=gfx950``) in a subprocess; its final ISA is dumped
 and checked for ``v_mfma_scale_f32_16x16x128_f8f6f4`` on e2m1 x e2m1 (``cbsz:4 blgp:4``), one per
-128-wide K step, and its register and LDS use are printed. The kernel has never run (no AMD GPU, no
+128-wide K step and weight (two for gate/up), and its register and LDS use are printed. The kernel has never run (no AMD GPU, no
 FlyDSL interpreter): this proves the toolchain and the instruction choice, not the numerics.
 """
 
@@ -36,23 +37,24 @@ def _toolkit(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("K, N", [(4096, 4096), (4096, 8192)])  # the 816B experts' down and gate/up widths
-def test_flydsl_mxfp4_expert_gemm_compiles_to_gfx950_scaled_mfma(tmp_path, K, N):
+# the 816B experts: gate/up 4096 -> 2 x 4096, down 4096 -> 4096
+@pytest.mark.parametrize("kind, K, N, per_step", [("gate_up", 4096, 4096, 2), ("down", 4096, 4096, 1)])
+def test_flydsl_mxfp4_expert_gemm_compiles_to_gfx950_scaled_mfma(tmp_path, kind, K, N, per_step):
     if importlib.util.find_spec("flydsl") is None:
         pytest.skip("FlyDSL is not installed (pip install flydsl==0.5.0)")
     env = {**os.environ, "COMPILE_ONLY": "1", "ARCH": "gfx950", "ROCM_PATH": str(_toolkit(tmp_path)),
            "FLYDSL_DEBUG_DUMP_ASM": "1", "FLYDSL_DUMP_DIR": str(tmp_path / "dump"),
            "HOME": str(tmp_path)}  # FlyDSL caches under ~/.flydsl: a fresh one, so the ISA is dumped
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, str(KERNEL), str(K), str(N), "4", "32"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(KERNEL), kind, str(K), str(N), "4", "32"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     isa_files = list((tmp_path / "dump").glob("*/*final_isa.s"))
     assert isa_files, f"FlyDSL wrote no ISA dump:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     isa = isa_files[0].read_text()
     scaled = re.findall(r"v_mfma_scale_f32_16x16x128_f8f6f4 .*cbsz:4 blgp:4", isa)
-    assert len(scaled) == K // 128, f"expected {K // 128} e2m1 x e2m1 scaled MFMAs, found {len(scaled)}"
+    assert len(scaled) == per_step * K // 128, f"expected {per_step * K // 128} e2m1 x e2m1 scaled MFMAs, found {len(scaled)}"
     vgprs = int(re.search(r"\.vgpr_count:\s+(\d+)", isa).group(1))
     lds = int(re.search(r"\.group_segment_fixed_size:\s+(\d+)", isa).group(1))
-    print(f"\nFlyDSL mx_expert_gemm K={K} N={N} gfx950: {len(scaled)} scaled MFMAs, {vgprs} VGPRs, {lds} B LDS")
+    print(f"\nFlyDSL {kind} K={K} N={N} gfx950: {len(scaled)} scaled MFMAs, {vgprs} VGPRs, {lds} B LDS")
     assert vgprs <= 512 and lds == 0
