@@ -64,8 +64,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Resident, input_scale: Optional[torch.Tens
     ``torch._scaled_mm`` (hipBLASLt on ROCm). Never run on AMD hardware."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
-    if input_scale is None:
-        input_scale = (x2.float().abs().amax() / E4M3FN_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    if input_scale is None:  # dynamic per tensor, musecore_quant's rule: amax / 448, and 1.0 where that is 0
+        scale = x2.float().abs().amax() / E4M3FN_MAX
+        input_scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     if w.fnuz:
         xq, xs = quantize_activation_fnuz(x2, input_scale.to(x.device))
     else:
