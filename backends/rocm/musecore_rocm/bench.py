@@ -95,7 +95,6 @@ def bench_linear() -> list[dict]:
 def bench_moe() -> list[dict]:
     """The MXFP4 MoE of one 816B layer (256 experts of 4096x4096, top-8) at decode and prefill batches."""
     import musecore_quant
-    from musecore_rocm.backend import RocmBackend  # noqa: F401  (the backend class the rows describe)
     be, probe = _backend()
     arch = probe.details["arch"]
     act = "mxfp4" if arch == "gfx950" else None

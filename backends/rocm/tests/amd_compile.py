@@ -72,7 +72,6 @@ def record(arch: str, variant: list[str]):
 
 def main(arch: str) -> None:
     import musecore_quant
-    from musecore.ops.reference import residual_gate_coefficients  # noqa: F401  (core present)
     from musecore_rocm import RocmBackend
     from musecore_triton.kernels.mx_gemm import (A_DENSE, A_PACKED, A_QUANT, PREQUANTIZE_MIN_M, launch_mx_gemm,
                                                  mxfp4_quantize_activation,

@@ -255,6 +255,9 @@ def mxfp4_quantize_activation(x: torch.Tensor, *, scale_mode: Optional[str] = No
     Defaults: :func:`activation_rule` (what the emulated W4A4 plan applies)."""
     rule = activation_rule()
     scale_mode, rounding = scale_mode or rule["scale_mode"], rounding or rule["rounding"]
+    if scale_mode not in SCALE_MODES or rounding not in ROUNDINGS:
+        raise ValueError(f"the MXFP4 quantization kernel implements scale_mode {list(SCALE_MODES)} and rounding "
+                         f"{list(ROUNDINGS)}; got {scale_mode!r}, {rounding!r}")
     m, k = x.shape
     if k % BLOCK_K:
         raise ValueError(f"MXFP4 activation quantization here takes K divisible by {BLOCK_K}; got {k}")
@@ -282,9 +285,7 @@ def launch_mx_gemm(a: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, *, 
     check_mx_shapes(n, k)
     if a.stride(-1) != 1:
         raise ValueError("activations must be contiguous along K")
-    if a_mode == A_PACKED:
-        a_fmt = "e2m1"
-    elif a_mode == A_QUANT:
+    if a_mode in (A_PACKED, A_QUANT):
         a_fmt = "e2m1"
     else:
         if a.dtype not in DOT_FORMAT:
