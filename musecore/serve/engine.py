@@ -6,14 +6,16 @@ How it works (and what it is not):
   is made at start. Running requests occupy rows ``0..n-1``, always packed: a decode step runs the
   model once on ``[n, 1]`` through views of those rows (no copies), each row at its own position
   (the cache and the attention op mask by position, as batched ``generate`` does).
-- Between steps, waiting requests join: each is prefilled alone into the next free row (a view
-  of that one row), and its first token is sampled; it decodes with the others from the next step.
+- Between steps, waiting requests join: all that fit in the free rows are prefilled together
+  into those rows (one forward, prompts left-padded with position -1, as batched ``generate``
+  does), and their first tokens are sampled; they decode with the others from the next step.
   A request that ends (EOS, a stop, its token limit, or a client that went away) leaves at once:
   the last row is copied into its place, so rows stay packed. Joining and leaving copy at most one
   row of the cache.
 - A prefill runs whole, between two decode steps: a long prompt delays the next step of the others
-  by its prefill time (no chunked prefill). Sampling settings are per request (rows are sampled
-  one by one when they differ); greedy rows are sampled together.
+  by its prefill time (no chunked prefill), and a short prompt joining with a long one is padded
+  to it. Sampling settings are per request (rows are sampled one by one when they differ); greedy
+  rows are sampled together.
 - Prompts stay on the cache's rows only while running; there is no prefix cache.
 
 Text is produced with generate's incremental detokenizer (``_Sequence``), so a request's pieces
@@ -210,33 +212,40 @@ class Engine:
             self.waiting.clear()
 
     def _admit(self) -> None:
-        while len(self.running) < self.max_batch:
-            with self._wake:
-                if not self.waiting:
-                    return
+        """Waiting requests take the free rows; their prompts are prefilled together, in one forward."""
+        joining: list[Request] = []
+        with self._wake:
+            while self.waiting and len(self.running) + len(joining) < self.max_batch:
                 request = self.waiting.popleft()
-            if request.cancelled.is_set():
-                self._finish_unrun(request)
-                continue
-            self._prefill(request, len(self.running))
+                if request.cancelled.is_set():
+                    self._finish_unrun(request)
+                else:
+                    joining.append(request)
+        if joining:
+            self._prefill(joining, len(self.running))
 
-    def _prefill(self, request: Request, row: int) -> None:
-        view = _rows(self.cache, row, row + 1)
-        for layer in view.layers:  # the row may hold a finished request's entries
+    def _prefill(self, requests: list[Request], first_row: int) -> None:
+        view = _rows(self.cache, first_row, first_row + len(requests))
+        for layer in view.layers:  # the rows may hold finished requests' entries
             layer.positions.fill_(-1)
         view.next_position.zero_()
-        n = len(request.prompt_ids)
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long)
-        positions = torch.arange(n, dtype=torch.long)[None]
-        logits = self.model.forward(ids, positions=positions, cache=view)[:, -1]  # [1,V]
+        longest = max(len(r.prompt_ids) for r in requests)
+        ids = torch.zeros((len(requests), longest), dtype=torch.long)  # left-padded, as generate pads
+        positions = torch.full((len(requests), longest), -1, dtype=torch.long)  # -1: padding, seen by nothing
+        for b, r in enumerate(requests):
+            n = len(r.prompt_ids)
+            ids[b, longest - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            positions[b, longest - n:] = torch.arange(n)
+        logits = self.model.forward(ids, positions=positions, cache=view)[:, -1]  # [k,V]
         _merge_used(self.cache, view)
-        self.metrics.prompt_tokens += n
-        self.running.append(request)
-        token = self._sample([request], logits)[0]
-        self._accept(request, token)
-        if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
-            self.metrics.first_token(request.first_token_at - request.submitted)
+        self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
+        self.running.extend(requests)
+        tokens = self._sample(requests, logits)
+        now = time.perf_counter()
+        for request, token in zip(requests, tokens):
+            self._accept(request, token)
+            request.first_token_at = now
+            self.metrics.first_token(now - request.submitted)
         self._retire()
 
     def _decode_step(self) -> None:
