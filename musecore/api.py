@@ -32,7 +32,7 @@ from musecore.planning import (DENSE, QUANTIZED, REFERENCE, CheckpointSummary, D
 # Package data (an installed wheel has it too): the bundled models, each a checkpoint folder.
 BUNDLED = Path(str(files("musecore") / "data"))
 log = logging.getLogger("musecore.load")
-TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "xla", "xeon": "cpu", REFERENCE: "cpu"}
+TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "tpu", "xeon": "cpu", REFERENCE: "cpu"}
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 

@@ -91,12 +91,14 @@ _XEON = _rules(bf16=("int4", None, "quantized to INT4 g128 (RTN) at load"),
                mxfp4=("int4", None, "experts requantized to INT4 g128 at load"),
                int4=("int4", None, "INT4 weight-only"))
 _CPU_DENSE = (ATTENTION, POOLER, LM_HEAD)
-_TPU = _rules(bf16=("bf16", None), fp8=("bf16", None, "dequantized to BF16"),
-              nvfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),
-              mxfp4=("bf16", None, "no FP4 on TPU: dequantized to BF16"),
-              int4=("bf16", None, "dequantized to BF16"))
-_TPU7 = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"), nvfp4=("fp8", "fp8", "NVFP4 requantized to FP8 at load"),
-               mxfp4=("fp8", "fp8", "MXFP4 requantized to FP8 at load"), int4=("bf16", None, "dequantized to BF16"))
+# TPU (musecore-tpu; Pallas kernels verified in JAX's TPU interpret mode, never run on a TPU): 4-bit checkpoints
+# stay 4-bit, W4A16 (codes and block scales kept packed in HBM, decoded in VMEM). No FP8 or int8 kernel yet: v6e's
+# int8/int4 MXU and v7's FP8 MXU are not used, FP8 checkpoints are dequantized. "int8" had no codec and is gone.
+_TPU = _rules(bf16=("bf16", None), fp8=("bf16", None, "no FP8 weight kernel yet: dequantized to BF16"),
+              nvfp4=("nvfp4", None, "W4A16: E2M1 codes and E4M3 scales kept packed, decoded in VMEM"),
+              mxfp4=("mxfp4", None, "W4A16: E2M1 codes and E8M0 scales kept packed, decoded in VMEM"),
+              int4=("int4", None, "W4A16: INT4 codes kept packed (f32 group scales), decoded in VMEM"))
+_TPU_FORMATS = ("bf16", "int4", "mxfp4", "nvfp4")
 _REFERENCE = _rules(**{fmt: (fmt, None, "reference kernels: exact values, fp32 math") for fmt in CHECKPOINT_FORMATS})
 
 
@@ -118,8 +120,10 @@ CATALOG: dict[str, DeviceProfile] = {p.name: p for p in [
              quantize_dense=_CPU_DENSE),
     _profile("xeon", "intel", "xeon", "x86-64 avx512/avx2", 256, ("bf16", "int4"), (), _XEON, "x86-64 CPU without AMX (host memory)",
              quantize_dense=_CPU_DENSE),
-    _profile("tpu-v6e", "google", "tpu", "v6e", 32, ("bf16", "int8"), (), _TPU, "Google TPU v6e (Trillium)"),
-    _profile("tpu-v7", "google", "tpu", "v7", 192, ("bf16", "fp8"), ("fp8",), _TPU7, "Google TPU v7 (Ironwood)"),
+    _profile("tpu-v6e", "google", "tpu", "v6e", 32, _TPU_FORMATS, (), _TPU,
+             "Google TPU v6e (Trillium): 32 GiB HBM at 1.64 TB/s, 128 MiB VMEM"),
+    _profile("tpu-v7", "google", "tpu", "v7", 192, _TPU_FORMATS, (), _TPU,
+             "Google TPU v7 (Ironwood): 192 GiB HBM at 7.4 TB/s per chip (two TensorCores), 64 MiB VMEM each"),
     _profile("cpu", "any", "reference", "any", 0, CHECKPOINT_FORMATS, ("fp8", "nvfp4", "mxfp4"), _REFERENCE, "reference kernels on the local CPU (host memory)"),
 ]}
 

@@ -1,8 +1,9 @@
 """The plan shows every kernel choice of its backend, the environment overrides in force, and counts
 the bytes the backend really keeps resident; load and plan resolve devices alike.
 
-A fake backend (the reference math under the name ``rocm``, so it serves ``mi355x``) stands in for
-the hardware plugins: registered in-process for the plan, and through the entry point for ``load``.
+A fake backend (the reference math under the name ``fakegpu``, which the ``mi355x`` profile is pointed
+at for these tests, so the real ``rocm`` plugin may be installed beside it) stands in for the hardware
+plugins: registered in-process for the plan, and through the entry point for ``load``.
 """
 
 import json
@@ -32,7 +33,7 @@ from musecore.backends.reference import ReferenceBackend
 class FakeRocm(ReferenceBackend):
     """The reference math, claiming to be a native MI355X backend with one kernel choice per linear."""
 
-    name = "rocm"
+    name = "fakegpu"
     asked = []
 
     def probe(self):
@@ -63,9 +64,17 @@ FakeRocm = namespace["FakeRocm"]
 
 
 def records_with(backend_class):
-    record = PluginRecord("rocm", "fake:FakeRocm", "fake", backend_class=backend_class)
+    record = PluginRecord("fakegpu", "fake:FakeRocm", "fake", backend_class=backend_class)
     record.probe = backend_class().probe()
-    return {"rocm": record}
+    return {"fakegpu": record}
+
+
+@pytest.fixture(autouse=True)
+def mi355x_served_by_the_fake(monkeypatch):
+    from dataclasses import replace
+
+    from musecore.devices import CATALOG
+    monkeypatch.setitem(CATALOG, "mi355x", replace(CATALOG["mi355x"], backend="fakegpu"))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +89,7 @@ def test_plan_shows_every_kernel_choice_of_the_backend(bf16_checkpoint):
     summary, _ = summarize(bf16_checkpoint)
     config = summary.config
     plan = make_plan(summary, "mi355x", records=records_with(FakeRocm))
-    assert not plan.gaps and plan.backend == "rocm" and plan.mode == "native", plan.gaps
+    assert not plan.gaps and plan.backend == "fakegpu" and plan.mode == "native", plan.gaps
     asked = {l.name: l for l in FakeRocm.asked}
     nq, nkv, d, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
     fused = asked["attention q_proj/k_proj/v_proj/gate_proj (fused)"]  # bf16 projections are stacked by the loader
@@ -96,7 +105,7 @@ def test_plan_shows_every_kernel_choice_of_the_backend(bf16_checkpoint):
     assert as_json[0] == {"what": plan.kernels[0].what, "choice": plan.kernels[0].choice,
                           "reason": plan.kernels[0].reason, "env": ENV}
     text = str(plan)
-    assert "kernels (rocm)" in text and "fake grouped GEMM" in text and "mi355x: always" in text, text
+    assert "kernels (fakegpu)" in text and "fake grouped GEMM" in text and "mi355x: always" in text, text
 
 
 def test_plan_notes_every_env_override_in_force(bf16_checkpoint, monkeypatch):
@@ -106,7 +115,7 @@ def test_plan_notes_every_env_override_in_force(bf16_checkpoint, monkeypatch):
     monkeypatch.setenv(ENV, "1")
     loud = make_plan(summary, "mi355x", records=records_with(FakeRocm))
     notes = [n for n in loud.notes if n.startswith("env ")]
-    assert notes == [f"env {ENV}=1 in force (rocm backend; default auto): forces the fake GEMM everywhere"], notes
+    assert notes == [f"env {ENV}=1 in force (fakegpu backend; default auto): forces the fake GEMM everywhere"], notes
     assert "MUSECORE_FAKE_UNSET_KNOB" not in str(loud)
 
 
@@ -138,19 +147,19 @@ def test_a_backend_that_raises_makes_a_note_not_a_failed_plan(bf16_checkpoint):
 
     plan = make_plan(summary, "mi355x", records=records_with(Broken))
     assert not plan.gaps and plan.kernels == []
-    assert any(re.search(r"backend 'rocm': kernel_choices\(\) raised RuntimeError: no table", n) for n in plan.notes)
-    assert any("backend 'rocm': resident_bytes() raised KeyError" in n for n in plan.notes), plan.notes
+    assert any(re.search(r"backend 'fakegpu': kernel_choices\(\) raised RuntimeError: no table", n) for n in plan.notes)
+    assert any("backend 'fakegpu': resident_bytes() raised KeyError" in n for n in plan.notes), plan.notes
 
 
 def test_model_plan_shows_the_same_kernel_choices_as_the_plan(bf16_checkpoint, tmp_path, monkeypatch):
     from tests.unit.test_plugins import install_plugin
     monkeypatch.syspath_prepend(str(tmp_path))
-    install_plugin(tmp_path, "fakerocm", {"rocm": "fakerocm:FakeRocm"}, FAKE)
-    monkeypatch.setitem(musecore.api.TORCH_DEVICE_TYPE, "rocm", "cpu")  # the fake's "MI355X" is this CPU
+    install_plugin(tmp_path, "fakerocm", {"fakegpu": "fakerocm:FakeRocm"}, FAKE)
+    monkeypatch.setitem(musecore.api.TORCH_DEVICE_TYPE, "fakegpu", "cpu")  # the fake's "MI355X" is this CPU
     monkeypatch.setenv(ENV, "grouped")
     planned = musecore.plan(bf16_checkpoint, "mi355x")
     model = musecore.load(bf16_checkpoint, device="mi355x", progress=False)
-    assert model.plan.backend == planned.backend == "rocm" and type(model.backend).__name__ == "FakeRocm"
+    assert model.plan.backend == planned.backend == "fakegpu" and type(model.backend).__name__ == "FakeRocm"
     assert model.plan.kernels == planned.kernels and planned.kernels
     assert [n for n in model.plan.notes if n.startswith("env ")] == [n for n in planned.notes if n.startswith("env ")]
     assert str(model.plan) == str(planned)
