@@ -190,3 +190,35 @@ def test_health_and_metrics(server):
                  "musecore_time_to_first_token_seconds_count", 'musecore_time_to_first_token_seconds{model="muse-tiny",'
                                                                 'quantile="0.5"}'):
         assert name in text, text
+
+
+def test_the_serve_command_starts_answers_and_stops():
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "musecore", "serve", "--device", "cpu", "--port", str(port), "--log-level",
+           "warning", "--served-model-name", "tiny"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            assert time.monotonic() < deadline, "musecore serve did not come up in 60 s"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=TIMEOUT, max_retries=0) as c:
+            assert [m.id for m in c.models.list().data] == ["tiny"]
+            assert c.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(15)
