@@ -272,7 +272,8 @@ def _sampling(body: dict, prompt_len: int, max_model_len: int, tokenizer: Any, c
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"seed must be an integer; got {seed!r}", "seed")
     return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
-                    top_p=_number(body, "top_p", 1.0, float, 1e-9, 1.0), top_k=_number(body, "top_k", 0, int, 0, 1 << 20),
+                    top_p=_number(body, "top_p", 1.0, float, 1e-9, 1.0),
+                    top_k=_number(body, "top_k", 0, int, 0, 1 << 20),
                     seed=seed, stop_strings=list(stops))
 
 

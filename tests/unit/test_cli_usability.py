@@ -66,7 +66,8 @@ def test_piped_tables_keep_every_column():
 def test_doctor_prints_bracketed_text_literally(monkeypatch, capsys):
     import musecore.backends.registry as registry
 
-    broken = PluginRecord("fake", "fake_pkg:Backend", "fake-dist", error="flags [avx512f, amx_bf16] are [bold]absent[/]")
+    broken = PluginRecord("fake", "fake_pkg:Backend", "fake-dist",
+                          error="flags [avx512f, amx_bf16] are [bold]absent[/]")
     monkeypatch.setattr(registry, "discover", lambda *a, **k: {"fake": broken})
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
