@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 import musecore_quant.checkpoint.safetensors_io as safetensors_io
 from musecore_quant import quantize

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 import musecore_quant.convert as convert_module

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import save_file
 import torch
+from safetensors.torch import save_file
 
 import musecore_quant.convert as convert_module
 from musecore_quant.checkpoint import CheckpointError, CheckpointWriter, verify_checkpoint
