@@ -89,10 +89,21 @@ def preset_summary(name: str, config: MuseConfig, checkpoint_format: str) -> Che
     return CheckpointSummary(name, config, formats, shapes)
 
 
+def torch_device_type(backend: str) -> torch.device:
+    """The torch device a backend's tensors live on. TorchTPU registers ``tpu`` as the name of torch's
+    PrivateUse1 device only once it is imported; without it that name does not parse, and the plan
+    (which needs no hardware) names the same device by its generic name."""
+    kind = TORCH_DEVICE_TYPE.get(backend, "cpu")
+    try:
+        return torch.device(kind)
+    except RuntimeError:
+        return torch.device("privateuseone")
+
+
 def resolve_device(device: str, records: Optional[dict] = None) -> tuple[str, torch.device]:
     """A catalog name, ``auto`` or a torch device string -> (catalog name, torch device)."""
     if device in CATALOG:
-        return device, torch.device(TORCH_DEVICE_TYPE.get(CATALOG[device].backend, "cpu"))
+        return device, torch_device_type(CATALOG[device].backend)
     records = discover() if records is None else records
     if device == "auto":
         return resolve_device(best_device(records), records)
