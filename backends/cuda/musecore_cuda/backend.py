@@ -31,21 +31,16 @@ import torch.nn.functional as F
 
 from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
-from musecore.ops import reference as ref
 from musecore_cuda import choices
 from musecore_cuda.choices import DEQUANT_MIN_M, GEMM_MIN_M  # noqa: F401  (the crossovers, re-exported)
 from musecore_cuda.fp8 import Fp8Resident, fp8_linear, prepare_fp8
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
 from musecore_cuda.kernels.moe_decode import moe_decode_gemv, use_gemv
-from musecore_triton.kernels import attention as _attention
-from musecore_triton.kernels import elementwise as _elementwise
-from musecore_triton.kernels import kv_cache as _kv_cache
-from musecore_triton.kernels import norms as _norms
-from musecore_triton.kernels import router as _router
 from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
+from musecore_triton.ops import TritonOps
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -135,7 +130,7 @@ def fp4_tiled_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     return out.to(x2.dtype)
 
 
-class CudaBackend(Backend):
+class CudaBackend(TritonOps, Backend):
     """NVIDIA GPUs through Triton and cuBLAS.
 
     Example::
@@ -321,17 +316,4 @@ class CudaBackend(Backend):
         return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
                            post_norm, post_eps)
 
-    @staticmethod
-    def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
-        return F.embedding(ids, table.data)
-
-    rms_norm = staticmethod(_norms.rms_norm)
-    residual_norm = staticmethod(_norms.residual_norm)
-    qk_norm_rope = staticmethod(_norms.qk_norm_rope)
-    head_norm_gate = staticmethod(_norms.head_norm_gate)
-    router_topk = staticmethod(_router.router_topk)
-    silu_mul = staticmethod(_elementwise.silu_mul)
-    logit_softcap = staticmethod(_elementwise.logit_softcap)
-    attention = staticmethod(_attention.attention)
-    kv_write = staticmethod(_kv_cache.kv_write)  # static KV cache writes (musecore.kv_cache.write_static)
-    sample = staticmethod(ref.sample)
+    # embedding, norms, router, elementwise, attention, kv_write, sample: musecore_triton.ops.TritonOps

@@ -30,20 +30,15 @@ import torch.nn.functional as F
 
 from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
-from musecore.ops import reference as ref
 from musecore_rocm import choices
 from musecore_rocm.arch import ARCHES, DEVICE_ARCH, find_rocm_device
 from musecore_rocm.fp8 import Fp8Resident, fp8_linear, prepare_fp8
-from musecore_triton.kernels import attention as _attention
-from musecore_triton.kernels import elementwise as _elementwise
-from musecore_triton.kernels import kv_cache as _kv_cache
-from musecore_triton.kernels import norms as _norms
-from musecore_triton.kernels import router as _router
 from musecore_triton.kernels.fp4_gemm import w4a16_linear
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.kernels.mx_gemm import BLOCK_K, MX_BLOCK, mxfp4_linear
 from musecore_triton.kernels.mx_moe import MxExperts, mx_experts, mx_moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
+from musecore_triton.ops import TritonOps
 
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_FORMAT = {dtype: name for name, dtype in DENSE_FORMATS.items()}
@@ -73,7 +68,7 @@ class MxWeight:
         return self.packed.numel() + self.scales.numel()
 
 
-class RocmBackend(Backend):
+class RocmBackend(TritonOps, Backend):
     """AMD Instinct GPUs through Triton (``dot_scaled`` MXFP4) and hipBLASLt.
 
     Example::
@@ -283,18 +278,5 @@ class RocmBackend(Backend):
         return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
                            post_norm, post_eps)
 
-    @staticmethod
-    def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
-        return F.embedding(ids, table.data)
-
-    rms_norm = staticmethod(_norms.rms_norm)
-    residual_norm = staticmethod(_norms.residual_norm)
-    qk_norm_rope = staticmethod(_norms.qk_norm_rope)
-    head_norm_gate = staticmethod(_norms.head_norm_gate)
-    router_topk = staticmethod(_router.router_topk)
-    silu_mul = staticmethod(_elementwise.silu_mul)
-    logit_softcap = staticmethod(_elementwise.logit_softcap)
-    attention = staticmethod(_attention.attention)
-    kv_write = staticmethod(_kv_cache.kv_write)  # static KV cache writes (musecore.kv_cache.write_static)
-    sample = staticmethod(ref.sample)
+    # embedding, norms, router, elementwise, attention, kv_write, sample: musecore_triton.ops.TritonOps
 
