@@ -112,13 +112,19 @@ def discover(probe: bool = True) -> dict[str, PluginRecord]:
     return records
 
 
+def install_hint(backend: str) -> str:
+    """How to install a backend package: they are not published, so from a musecore checkout."""
+    return (f"musecore-{backend} is not on PyPI: install it from a musecore checkout with "
+            f"`pip install -e ./backends/{backend}`")
+
+
 def unavailable_reason(records: dict[str, PluginRecord], backend: str, device: Optional[str] = None) -> Optional[str]:
     """None when backend ``backend`` is installed, loaded, available here and (when ``device`` is given)
     serving that catalog device; else why not, in one line. The one availability check: ``load``,
     ``plan``, ``resolve_device`` and the matrix all ask it."""
     record = records.get(backend)
     if record is None:
-        return f"backend {backend!r} is not installed (pip install musecore-{backend})"
+        return f"backend {backend!r} is not installed ({install_hint(backend)})"
     if not record.loaded:
         return f"backend {backend!r} failed to load: {record.error}"
     found = record.probe.reason if record.probe else "not probed"
@@ -144,7 +150,7 @@ def get_backend_class(name: str, records: Optional[dict[str, PluginRecord]] = No
     records = discover(probe=False) if records is None else records
     if name not in records:
         raise BackendError(f"backend {name!r} is not installed (installed: {sorted(records) or 'none'}); "
-                           f"install the musecore-{name} package")
+                           f"{install_hint(name)}")
     record = records[name]
     if not record.loaded:
         raise BackendError(record.error + (f"\n{record.traceback}" if record.traceback else ""))

@@ -14,6 +14,7 @@ def test_a_missing_backend_is_reported_without_a_traceback(capsys):
     assert main(["bench", "--backend", "nosuchbackend"]) == 2
     err = capsys.readouterr().err
     assert "not installed" in err and "Traceback" not in err, err
+    assert "pip install -e ./backends/nosuchbackend" in err and "not on PyPI" in err, err
 
 
 def test_a_shared_cache_directory_is_reported_without_a_traceback(tmp_path, monkeypatch, capsys):
