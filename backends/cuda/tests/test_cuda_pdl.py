@@ -1,7 +1,7 @@
 """Where programmatic dependent launch is used (``musecore_cuda.kernels.pdl``): the policy, on any machine.
 
 Whether PDL itself keeps the kernels ordered is tested on the GPU by the whole suite run with
-``MUSECORE_CUDA_PDL=1`` and by ``benchmarks/cuda_pdl_bisect.py`` (the generated tokens match PDL off)."""
+``MUSECORE_CUDA_PDL=1`` and by ``backends/cuda/lab/scripts/cuda_pdl_bisect.py`` (the generated tokens match PDL off)."""
 
 from __future__ import annotations
 

@@ -477,7 +477,7 @@ def test_the_native_kernels_build_wherever_a_c_compiler_exists() -> None:
 
 # -- The INT4 GEMM on AMX (native_amx_source): its tile layout and its products against the dequantized weight. These
 # run only where the CPU has AMX-BF16 (Sapphire Rapids and later), elsewhere they skip with the reason; the GPU
-# machine's host CPU (a 5th-gen Xeon) runs them: bash benchmarks/xeon_amx_host.sh.
+# machine's host CPU (a 5th-gen Xeon) runs them: bash backends/xeon/lab/scripts/xeon_amx_host.sh.
 
 needs_amx = pytest.mark.skipif(not native.amx_ready(),
                                reason="no AMX here: the CPU lacks amx_tile/amx_bf16/avx512_bf16, MUSECORE_XEON_ISA caps "
