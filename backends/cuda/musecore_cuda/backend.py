@@ -40,23 +40,11 @@ from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
-from musecore_triton.ops import TritonOps
+from musecore_triton.ops import ACT_DTYPES, DENSE_FORMATS, TritonOps, format_of, shared_kernel_limit
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
-DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ACT_DTYPES = (torch.bfloat16, torch.float16)
-HEAD_OPS = ("attention", "qk_norm_rope", "head_norm_gate")  # one program holds one power-of-two head row
 SM_DEVICES = {9: ["h200", "h100"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
-
-def _format_of(weight: WeightIn) -> str:
-    if isinstance(weight, torch.Tensor):
-        for name, dtype in DENSE_FORMATS.items():
-            if weight.dtype == dtype:
-                return name
-        raise TypeError(f"dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
-    return weight.format
-
 
 def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     """``x @ W.T`` for an FP4 resident weight through the kernel ``fp4_linear_path`` picks for its M."""
@@ -189,11 +177,9 @@ class CudaBackend(TritonOps, Backend):
         unverified = f"Triton kernel not yet run on SM{sm}0 hardware" if sm not in VERIFIED_SM else ""
         if op in ("linear", "moe"):
             return self._supports_matmul(op, spec, sm, unverified)
-        if op == "attention" and spec.kv_format not in ("bf16", "fp16", "fp8"):
-            return Support.no(f"KV cache format {spec.kv_format!r} is not implemented (bf16, fp16, fp8 are)")
-        head_dim = dict(spec.shape).get("head_dim")
-        if op in HEAD_OPS and head_dim is not None and (head_dim & (head_dim - 1) or head_dim < 16):
-            return Support.no(f"the {op} kernel needs a power-of-two head dim >= 16; got {head_dim}")
+        limit = shared_kernel_limit(op, spec)
+        if limit:
+            return Support.no(limit)
         if op in ("embedding", "sample"):
             return Support.native("PyTorch CUDA ops")
         if op == "router_topk":
@@ -236,7 +222,7 @@ class CudaBackend(TritonOps, Backend):
     # --- weights ---------------------------------------------------------------------------
     def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
                        dtype: torch.dtype = torch.bfloat16) -> Weight:
-        fmt = _format_of(weight)
+        fmt = format_of(weight)
         if fmt == "fp8" and act_format == "fp8":
             resident = prepare_fp8(weight, self.device)
             return Weight(data=resident, format="fp8", out_features=resident.out_features,
@@ -257,7 +243,7 @@ class CudaBackend(TritonOps, Backend):
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
                         act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
-        fmts = {_format_of(w) for w in (gate, up, down)}
+        fmts = {format_of(w) for w in (gate, up, down)}
         if len(fmts) != 1:
             raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
         fmt = fmts.pop()

@@ -38,22 +38,10 @@ from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.kernels.mx_gemm import BLOCK_K, MX_BLOCK, mxfp4_linear
 from musecore_triton.kernels.mx_moe import MxExperts, mx_experts, mx_moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
-from musecore_triton.ops import TritonOps
+from musecore_triton.ops import (ACT_DTYPES, DENSE_FORMATS, DTYPE_FORMAT, TritonOps, format_of,
+                                 shared_kernel_limit)
 
-DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_DTYPE_FORMAT = {dtype: name for name, dtype in DENSE_FORMATS.items()}
-ACT_DTYPES = (torch.bfloat16, torch.float16)
-HEAD_OPS = ("attention", "qk_norm_rope", "head_norm_gate")  # the shared kernels hold one power-of-two head row
 VERIFIED_ARCHES: tuple[str, ...] = ()  # archs the kernels have run and been checked on: none yet
-
-
-def _format_of(weight: WeightIn) -> str:
-    if isinstance(weight, torch.Tensor):
-        for name, dtype in DENSE_FORMATS.items():
-            if weight.dtype == dtype:
-                return name
-        raise TypeError(f"dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
-    return weight.format
 
 
 class MxWeight:
@@ -138,11 +126,9 @@ class RocmBackend(TritonOps, Backend):
     def _capability(self, arch: str, op: str, spec: OpSpec) -> Support:
         if op in ("linear", "moe"):
             return self._supports_matmul(arch, op, spec)
-        if op == "attention" and spec.kv_format not in ("bf16", "fp16", "fp8"):
-            return Support.no(f"KV cache format {spec.kv_format!r} is not implemented (bf16, fp16, fp8 are)")
-        head_dim = dict(spec.shape).get("head_dim")
-        if op in HEAD_OPS and head_dim is not None and (head_dim & (head_dim - 1) or head_dim < 16):
-            return Support.no(f"the shared {op} Triton kernel needs a power-of-two head dim >= 16; got {head_dim}")
+        limit = shared_kernel_limit(op, spec)
+        if limit:
+            return Support.no(limit)
         if op in ("embedding", "sample"):
             return Support.native("PyTorch ops on the GPU")
         if op == "router_topk":
@@ -193,7 +179,7 @@ class RocmBackend(TritonOps, Backend):
     # --- weights ---------------------------------------------------------------------------
     def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
                        dtype: torch.dtype = torch.bfloat16) -> Weight:
-        fmt = _format_of(weight)
+        fmt = format_of(weight)
         if fmt == "fp8" and act_format == "fp8":
             arch = self.arch()
             resident = prepare_fp8(weight, self.device, fnuz=arch is not None and ARCHES[arch].fp8_dtype == "e4m3fnuz")
@@ -214,13 +200,13 @@ class RocmBackend(TritonOps, Backend):
                           in_features=resident.in_features)
         if fmt in DENSE_FORMATS:  # kept in the model dtype, and labelled so (the plan keys linears by it)
             data = weight.to(device=self.device, dtype=dtype).contiguous()
-            return Weight(data=data, format=_DTYPE_FORMAT[dtype], out_features=data.shape[0] if data.dim() > 1 else 1,
+            return Weight(data=data, format=DTYPE_FORMAT[dtype], out_features=data.shape[0] if data.dim() > 1 else 1,
                           in_features=data.shape[-1])
         raise NotImplementedError(f"{role}: {fmt} weights are not implemented in the ROCm backend")
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
                         act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
-        fmts = {_format_of(w) for w in (gate, up, down)}
+        fmts = {format_of(w) for w in (gate, up, down)}
         if len(fmts) != 1:
             raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
         fmt = fmts.pop()
@@ -236,7 +222,7 @@ class RocmBackend(TritonOps, Backend):
             return ExpertWeights(gate=fp4[0], up=fp4[1], down=fp4[2], format=fmt, num_experts=fp4[0].packed.shape[0])
         if fmt in DENSE_FORMATS:
             dense = [w.to(device=self.device, dtype=dtype).contiguous() for w in (gate, up, down)]
-            return ExpertWeights(gate=dense[0], up=dense[1], down=dense[2], format=_DTYPE_FORMAT[dtype],
+            return ExpertWeights(gate=dense[0], up=dense[1], down=dense[2], format=DTYPE_FORMAT[dtype],
                                  num_experts=dense[0].shape[0])
         raise NotImplementedError(f"experts: {fmt} weights are not implemented in the ROCm backend")
 

@@ -7,12 +7,39 @@ linears, the MoE and the weight layouts. Its ``supports()`` still decides which 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-from musecore.ops import Weight
+from musecore.ops import OpSpec, Weight
 from musecore.ops import reference as ref
 from musecore_triton.kernels import attention, elementwise, kv_cache, norms, router
+
+DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_FORMAT = {dtype: name for name, dtype in DENSE_FORMATS.items()}
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+HEAD_OPS = ("attention", "qk_norm_rope", "head_norm_gate")  # one program holds one power-of-two head row
+KV_FORMATS = ("bf16", "fp16", "fp8")
+
+
+def format_of(weight) -> str:
+    """A checkpoint weight's format: a dense tensor's by its dtype, a ``QTensor``'s own."""
+    if isinstance(weight, torch.Tensor):
+        if weight.dtype in DTYPE_FORMAT:
+            return DTYPE_FORMAT[weight.dtype]
+        raise TypeError(f"dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
+    return weight.format
+
+
+def shared_kernel_limit(op: str, spec: OpSpec) -> Optional[str]:
+    """Why the shared Triton kernel of ``op`` cannot run ``spec`` (KV format, head dim), or None."""
+    if op == "attention" and spec.kv_format not in KV_FORMATS:
+        return f"KV cache format {spec.kv_format!r} is not implemented ({', '.join(KV_FORMATS)} are)"
+    head_dim = dict(spec.shape).get("head_dim")
+    if op in HEAD_OPS and head_dim is not None and (head_dim & (head_dim - 1) or head_dim < 16):
+        return f"the shared {op} Triton kernel needs a power-of-two head dim >= 16; got {head_dim}"
+    return None
 
 
 class TritonOps:
