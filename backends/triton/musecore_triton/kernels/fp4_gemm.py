@@ -49,6 +49,38 @@ def dot_mode(dtype: torch.dtype) -> int:
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid``'s output tile ``(pid_m, pid_n)``, ``GROUP_M`` row tiles per group so that the
+    programs running together share weight columns in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    return pid_m, pid_n
+
+
+@triton.jit
+def activation_rows(a_idx_ptr, offs_m, m_mask, n_assign, GATHER: tl.constexpr, A_DIV: tl.constexpr):
+    """``(a_valid, a_rows)``: which rows of the tile are real and which activation row each reads.
+    With ``GATHER`` row ``m`` is assignment ``idx[m]`` of the routing sort, reading token
+    ``idx // A_DIV`` (``A_DIV == 0``: rows already in sorted order, as the MoE down projection's)."""
+    if GATHER:
+        idx = tl.load(a_idx_ptr + offs_m, mask=m_mask, other=n_assign)
+        a_valid = idx < n_assign
+        if A_DIV == 0:
+            a_rows = offs_m
+        else:
+            a_rows = tl.where(a_valid, idx // A_DIV, 0)
+    else:
+        a_valid = m_mask
+        a_rows = offs_m
+    return a_valid, a_rows
+
+
+@triton.jit
 def _pow2(e):
     """Exact 2**e for integer e in [-126, 127] (bit construction: ex2.approx is not exact)."""
     return ((e + 127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
@@ -141,13 +173,7 @@ def w4a16_gemm_kernel(
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     if EXPERTS:
         expert = tl.load(blk_expert_ptr + pid_m)
@@ -158,16 +184,7 @@ def w4a16_gemm_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = offs_m < M
         n_mask = offs_n < N
-        if GATHER:
-            idx = tl.load(a_idx_ptr + offs_m, mask=m_mask, other=n_assign)
-            a_valid = idx < n_assign
-            if A_DIV == 0:  # rows already in sorted order (the MoE down projection)
-                a_rows = offs_m
-            else:           # gather token idx // A_DIV of assignment idx
-                a_rows = tl.where(a_valid, idx // A_DIV, 0)
-        else:
-            a_valid = m_mask
-            a_rows = offs_m
+        a_valid, a_rows = activation_rows(a_idx_ptr, offs_m, m_mask, n_assign, GATHER, A_DIV)
         a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + tl.arange(0, 64)[None, :]
         w_row = expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
         s_row = expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn

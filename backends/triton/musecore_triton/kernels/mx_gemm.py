@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from musecore_triton import hooks
+from musecore_triton.kernels.fp4_gemm import activation_rows, grouped_tile
 
 MX_BLOCK = 32            # values per E8M0 scale (musecore_quant.formats.mxfp4.MXFP4_BLOCK_SIZE)
 BLOCK_K = 128            # K per kernel iteration: 4 scale blocks, one scaled-MFMA K step on gfx950
@@ -151,13 +152,7 @@ def mx_gemm_kernel(
     """C[M, N] = A[M, K] @ W[e, N, K]^T with MXFP4 W through ``tl.dot_scaled`` (module docstring)."""
     hooks.pdl_wait(PDL)
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     if EXPERTS:
         expert = tl.load(blk_expert_ptr + pid_m)
@@ -168,16 +163,7 @@ def mx_gemm_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = offs_m < M
         n_mask = offs_n < N
-        if GATHER:
-            idx = tl.load(a_idx_ptr + offs_m, mask=m_mask, other=n_assign)
-            a_valid = idx < n_assign
-            if A_DIV == 0:  # rows already in sorted order (the MoE down projection)
-                a_rows = offs_m
-            else:           # token idx // A_DIV of assignment idx
-                a_rows = tl.where(a_valid, idx // A_DIV, 0)
-        else:
-            a_valid = m_mask
-            a_rows = offs_m
+        a_valid, a_rows = activation_rows(a_idx_ptr, offs_m, m_mask, n_assign, GATHER, A_DIV)
         a_row = a_rows.to(tl.int64) * stride_am
         as_row = a_rows.to(tl.int64) * stride_asm
         w_row = expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
