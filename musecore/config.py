@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -45,6 +46,159 @@ OUTER_DEFAULTS: dict[str, Any] = {
 # Every key of the outer config that MuseConfig holds as a field (the rest of the outer keys go to ``extra``).
 OUTER_KEYS = frozenset(OUTER_DEFAULTS) | {"vision_config", "audio_config", "quantization_config"}
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+# -- the schema ------------------------------------------------------------------------------------
+# Every field's type and range, checked before anything is built from the config. The upper bounds
+# are generous multiples of any released model; they exist so that an absurd value is a one-line
+# error in milliseconds instead of a MemoryError (or a hang) later.
+INT32_MAX = 2**31 - 1      # token ids, positions and sizes are indexed with 32-bit integers by kernels
+MAX_LAYERS = 1024          # planning and the model build Python objects per layer (~10 KB each)
+MAX_EXPERTS = 65_536       # the router keeps [tokens, experts] fp32 scores per step
+MAX_HEAD_DIM = 65_536      # the rotary table is built per head dimension
+MAX_HEADS = 65_536
+MAX_CONFIG_BYTES = 2**24   # a config.json is a few KB
+MAX_WEIGHT_BYTES = 2**50   # 1 PiB of BF16 weights: ~600x the 816B model, more than any host or cluster loads
+INT_FIELDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, INT32_MAX), "hidden_size": (1, INT32_MAX), "intermediate_size": (1, INT32_MAX),
+    "num_hidden_layers": (1, MAX_LAYERS), "num_attention_heads": (1, MAX_HEADS),
+    "num_key_value_heads": (1, MAX_HEADS), "head_dim": (2, MAX_HEAD_DIM), "max_position_embeddings": (1, INT32_MAX),
+    "sliding_window": (1, INT32_MAX), "moe_intermediate_size": (1, INT32_MAX), "num_local_experts": (1, MAX_EXPERTS),
+    "num_experts_per_tok": (1, MAX_EXPERTS), "moe_hidden_size": (1, INT32_MAX),
+    "image_token_id": (0, INT32_MAX), "video_token_id": (0, INT32_MAX), "audio_token_id": (0, INT32_MAX),
+    "out_hidden_size": (1, INT32_MAX), "projector_hidden_size": (1, INT32_MAX),
+}
+# name -> (lowest, whether the lowest itself is allowed, highest or None); every value must be finite.
+NUMBER_FIELDS: dict[str, tuple[float, bool, Optional[float]]] = {
+    "rms_norm_eps": (0.0, False, 1.0), "post_norm_eps": (0.0, False, 1.0), "initializer_range": (0.0, True, None),
+    "attention_dropout": (0.0, True, 1.0), "final_logit_softcapping": (0.0, False, None),
+    "qk_scale_factor": (0.0, False, None), "output_multiplier": (0.0, False, None),
+    "residual_gate_temperature": (0.0, False, None), "routed_scaling_factor": (0.0, False, None),
+}
+BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "attention_bias", "output_router_logits")
+STR_FIELDS = ("hidden_act", "projector_hidden_act")
+DICT_FIELDS = ("rope_parameters", "vision_config", "audio_config")
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 40, 40, 4, 4
+
+
+class ConfigError(ValueError):
+    """A config.json field with the wrong type, out of range, or contradicting another field (one line)."""
+
+    def __init__(self, field: str, problem: str, *value: Any, source: str = "invalid Muse config") -> None:
+        self.field, self.problem, self.value = field, problem, value
+        got = f", got {_short(value[0])}" if value else ""
+        super().__init__(f"{source}: {_label(field)} {problem}{got}; fix {_label(field)} in config.json")
+
+    def at(self, source: str) -> "ConfigError":
+        """The same error, naming the file it came from instead of "invalid Muse config"."""
+        return ConfigError(self.field, self.problem, *self.value, source=source)
+
+
+def _label(field: str) -> str:
+    """The field as config.json nests it: ``text_config.x`` for the decoder's fields."""
+    return field if field.split(".")[0] in OUTER_KEYS else f"text_config.{field}"
+
+
+def _short(value: Any) -> str:
+    """repr of user data, bounded in length and depth (a deeply nested value never recurses)."""
+    return _REPR.repr(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_scalars(config: Any) -> None:
+    """Types and ranges of every scalar field and of ``rope_parameters`` (:data:`INT_FIELDS`, ...)."""
+    for name, (low, high) in INT_FIELDS.items():
+        value = getattr(config, name)
+        if not _is_int(value) or not low <= value <= high:
+            kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise ConfigError(name, f"must be {kind} (at most {high})", value)
+    for name, (low, low_ok, high) in NUMBER_FIELDS.items():
+        value = getattr(config, name)
+        ok = _is_number(value) and math.isfinite(value) and (value >= low if low_ok else value > low)
+        if not ok or (high is not None and value >= high):
+            kind = "a positive finite number" if (low, low_ok) == (0.0, False) else f"a finite number >= {low}"
+            raise ConfigError(name, f"must be {kind}" + (f" below {high}" if high is not None else ""), value)
+    for name in BOOL_FIELDS:
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(name, "must be true or false", getattr(config, name))
+    for name in STR_FIELDS:
+        if not isinstance(getattr(config, name), str):
+            raise ConfigError(name, "must be a string", getattr(config, name))
+    for name in DICT_FIELDS:
+        if not isinstance(getattr(config, name), dict):
+            raise ConfigError(name, "must be an object", getattr(config, name))
+    if config.quantization_config is not None and not isinstance(config.quantization_config, dict):
+        raise ConfigError("quantization_config", "must be an object or absent", config.quantization_config)
+    for name in ("layer_types", "mlp_layer_types", "layer_rope_theta"):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, list):
+            raise ConfigError(name, "must be a list with one entry per layer", value)
+    check_rope_parameters(config.rope_parameters)
+
+
+def check_rope_parameters(params: Any) -> None:
+    """``rope_parameters``: a supported ``rope_type``, a finite ``rope_theta`` > 1, and for YaRN a
+    ``factor`` >= 1 (transformers' rule) and finite optional parameters."""
+    if not isinstance(params, dict):
+        raise ConfigError("rope_parameters", "must be an object such as {\"rope_type\": \"default\", "
+                          "\"rope_theta\": 500000.0}", params)
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError("rope_parameters.rope_type", f"{_short(rope_type)} is not supported; musecore implements "
+                          f"{list(SUPPORTED_ROPE_TYPES)}")
+    theta = params.get("rope_theta")
+    if not (_is_number(theta) and math.isfinite(theta) and theta > 1):
+        raise ConfigError("rope_parameters.rope_theta", "must be a finite number > 1 (the RoPE base)", theta)
+    if rope_type != "yarn":
+        return
+    factor = params.get("factor")
+    if not (_is_number(factor) and math.isfinite(factor) and factor >= 1):
+        raise ConfigError("rope_parameters.factor", "must be a finite number >= 1 for YaRN (the context extension)",
+                          factor)
+    for key in ("beta_fast", "beta_slow", "attention_factor"):
+        value = params.get(key)
+        if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"rope_parameters.{key}", "must be a positive finite number or absent", value)
+    original = params.get("original_max_position_embeddings")
+    if original is not None and not (_is_int(original) and 0 < original <= INT32_MAX):
+        raise ConfigError("rope_parameters.original_max_position_embeddings", "must be a positive integer or absent",
+                          original)
+
+
+def weight_bytes(config: Any) -> int:
+    """Bytes of the text decoder's weights in BF16, in closed form (no per-layer loop, nothing built):
+    what :func:`check_budget` bounds before any list or tensor is made from the config."""
+    H, V, d, L = config.hidden_size, config.vocab_size, config.head_dim, config.num_hidden_layers
+    nq, nkv, E = config.num_attention_heads, config.num_key_value_heads, config.num_local_experts
+    h, inter = config.moe_hidden_size, config.moe_intermediate_size
+    kinds = config.mlp_layer_types
+    sparse = sum(1 for t in kinds if t == SPARSE_MLP) if isinstance(kinds, list) and len(kinds) == L else L
+    attention = 3 * H * nq * d + 2 * H * nkv * d
+    per_sparse = E * H + 2 * H * h + 2 * h + E * 3 * h * inter
+    per_dense = 3 * H * config.intermediate_size
+    parameters = 2 * V * H + H + L * (attention + 5 * H) + sparse * per_sparse + (L - sparse) * per_dense
+    return 2 * parameters
+
+
+def check_budget(config: Any) -> None:
+    """The memory budget: the weights this config describes, at BF16, must not exceed
+    :data:`MAX_WEIGHT_BYTES`. Computed from the (already range-checked) fields alone."""
+    need = weight_bytes(config)
+    if need > MAX_WEIGHT_BYTES:
+        sizes = {k: getattr(config, k) for k in ("num_hidden_layers", "num_local_experts", "hidden_size",
+                                                   "moe_intermediate_size", "vocab_size", "head_dim")}
+        largest = max(sizes, key=lambda k: sizes[k] / max(1, INT_FIELDS[k][1]))
+        raise ConfigError(largest, f"makes the model's BF16 weights {need / 2**50:.3g} PiB, over musecore's "
+                          f"budget of {MAX_WEIGHT_BYTES / 2**50:.0f} PiB (sizes: {sizes}); a real Muse checkpoint "
+                          "is far smaller: check these sizes")
+
 
 
 @dataclass
@@ -106,20 +260,26 @@ class MuseConfig:
     text_extra: dict[str, Any] = field(default_factory=dict)  # unknown text_config keys, kept verbatim
 
     def __post_init__(self) -> None:
-        L = self.num_hidden_layers
+        # Scalars and the memory budget first: the per-layer lists below are as long as
+        # num_hidden_layers, so an absurd value must be refused before they are built.
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 500_000.0}
+        check_scalars(self)
+        check_budget(self)
+        L = self.num_hidden_layers
         if self.mlp_layer_types is None:
-            self.mlp_layer_types = [SPARSE_MLP] * L if isinstance(L, int) else []
+            self.mlp_layer_types = [SPARSE_MLP] * L
         # Full attention (and NoPE) on every 4th layer counted back from the last, sliding otherwise.
         if self.layer_types is None:
-            self.layer_types = [FULL if (L - 1 - i) % 4 == 0 else SLIDING for i in range(L)] if isinstance(L, int) else []
-        if self.layer_rope_theta is None and isinstance(L, int):
+            self.layer_types = [FULL if (L - 1 - i) % 4 == 0 else SLIDING for i in range(L)]
+        if self.layer_rope_theta is None:
             theta = self.rope_parameters.get("rope_theta", 500_000.0)
             self.layer_rope_theta = [0 if (L - 1 - i) % 4 == 0 else theta for i in range(L)]
         self.vision_config = {**VISION_DEFAULTS, **self.vision_config}
         if "layer_types" not in self.vision_config:
             n = self.vision_config["num_hidden_layers"]
+            if not _is_int(n) or not 0 < n <= MAX_LAYERS:
+                raise ConfigError("vision_config.num_hidden_layers", f"must be an integer in 1..{MAX_LAYERS}", n)
             self.vision_config["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 or i == n - 1
                                                  else "window_attention" for i in range(n)]
         # The audio features are spliced into the text embeddings: their width defaults to the text width.
@@ -127,57 +287,55 @@ class MuseConfig:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"invalid Muse config: {msg}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
-                     "moe_hidden_size", "moe_intermediate_size", "sliding_window", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise bad(f"{name} must be a positive integer, got {value!r}")
-        for name in ("rms_norm_eps", "post_norm_eps", "qk_scale_factor", "output_multiplier",
-                     "final_logit_softcapping", "residual_gate_temperature", "routed_scaling_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise bad(f"{name} must be a positive finite number, got {value!r}")
+        """Every field against the schema (:data:`INT_FIELDS`, :data:`NUMBER_FIELDS`, ...), the memory
+        budget, and the relations between fields; raises :class:`ConfigError` naming the field."""
+        check_scalars(self)
+        check_budget(self)
         if self.hidden_size % self.num_attention_heads:
-            raise bad(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
-                      f"({self.num_attention_heads}), as transformers requires")
+            raise ConfigError("hidden_size", f"({self.hidden_size}) must be a multiple of num_attention_heads "
+                              f"({self.num_attention_heads}), as transformers requires")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                      f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+            raise ConfigError("num_attention_heads", f"({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
         if self.head_dim % 2:
-            raise bad(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ConfigError("head_dim", "must be even for rotary embeddings", self.head_dim)
         if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise bad(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_local_experts "
-                      f"({self.num_local_experts})")
+            raise ConfigError("num_experts_per_tok", f"({self.num_experts_per_tok}) must be in 1..num_local_experts "
+                              f"({self.num_local_experts})")
         L = self.num_hidden_layers
         for name, allowed in (("layer_types", (FULL, SLIDING)), ("mlp_layer_types", (DENSE_MLP, SPARSE_MLP)),
                               ("layer_rope_theta", None)):
             values = getattr(self, name)
             if not isinstance(values, list) or len(values) != L:
-                raise bad(f"{name} has {len(values) if isinstance(values, list) else values!r} entries but "
-                          f"num_hidden_layers is {L}")
-            unknown = sorted({v for v in values if allowed is not None and v not in allowed}, key=str)
+                raise ConfigError(name, f"has {len(values) if isinstance(values, list) else _short(values)} "
+                                  f"entries but num_hidden_layers is {L}; give one entry per layer")
+            if allowed is None:
+                bad = [v for v in values if not _is_number(v) or not math.isfinite(v) or v < 0]
+                if bad:
+                    raise ConfigError(name, "entries must be finite numbers >= 0 (0 = no RoPE)", bad[:3])
+                continue
+            unknown = [v for v in values if not isinstance(v, str) or v not in allowed]
             if unknown:
-                raise bad(f"unknown {name} {unknown}; expected one of {list(allowed)}")
-        if any(not isinstance(t, (int, float)) or t < 0 for t in self.layer_rope_theta):
-            raise bad(f"layer_rope_theta entries must be >= 0 (0 = no RoPE), got {self.layer_rope_theta}")
-        rope_type = self.rope_parameters.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise bad(f"rope_parameters.rope_type {rope_type!r} is not supported; musecore implements "
-                      f"{list(SUPPORTED_ROPE_TYPES)}")
-        if not self.rope_parameters.get("rope_theta", 0) > 0:
-            raise bad(f"rope_parameters needs a positive rope_theta, got {self.rope_parameters}")
+                raise ConfigError(name, f"lists unknown {name} {_short(unknown[:3])}; expected one of {list(allowed)}")
+        check_rope_parameters(self.rope_parameters)
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= INT32_MAX):
+                raise ConfigError(name, "must be null or a token id (an integer >= 0)", value)
+        eos = self.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in eos_ids):
+            raise ConfigError("eos_token_id", "must be null, a token id or a list of token ids (integers >= 0)", eos)
         if self.tie_word_embeddings:
-            raise bad("Muse Spark does not tie embeddings (tie_word_embeddings must be false)")
+            raise ConfigError("tie_word_embeddings", "must be false: Muse Spark does not tie embeddings")
         if self.attention_bias:
-            raise bad("attention_bias=true is not part of Muse Spark; musecore's attention has no biases")
+            raise ConfigError("attention_bias", "must be false: musecore's attention has no biases, as Muse Spark")
         if self.hidden_act != "silu":
-            raise bad(f"hidden_act {self.hidden_act!r} is not supported; Muse Spark's experts use 'silu'")
+            raise ConfigError("hidden_act", f"{self.hidden_act!r} is not supported; Muse Spark's experts use 'silu'")
         if self.audio_config.get("out_hidden_size") != self.hidden_size:
-            raise bad(f"audio_config.out_hidden_size ({self.audio_config.get('out_hidden_size')}) must equal "
-                      f"hidden_size ({self.hidden_size}): audio features are spliced into the text embeddings")
+            raise ConfigError("audio_config.out_hidden_size", f"({_short(self.audio_config.get('out_hidden_size'))})"
+                              f" must equal hidden_size ({self.hidden_size}): audio features are spliced into the "
+                              "text embeddings")
 
     # -- construction -------------------------------------------------------------------------
 
@@ -189,7 +347,7 @@ class MuseConfig:
         data = dict(data)
         model_type = data.get("model_type")
         if model_type not in ("muse_spark", "muse_spark_text"):
-            raise ValueError(f"{source}: model_type is {model_type!r}, not 'muse_spark'; this is not a Muse Spark "
+            raise ValueError(f"{source}: model_type is {_short(model_type)}, not 'muse_spark'; this is not a Muse Spark "
                              "config.json (musecore runs transformers' muse_spark model)")
         if model_type == "muse_spark":
             text = data.pop("text_config", None)
@@ -210,8 +368,8 @@ class MuseConfig:
                 raise ValueError(f"{source}: {sub} must be an object, got {type(known[sub]).__name__}")
         try:
             return cls(**known, extra=extra, text_extra=text_extra)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{source}: {e}") from None
+        except ConfigError as e:
+            raise e.at(source) from None
 
     @classmethod
     def from_pretrained(cls, path: Union[str, Path]) -> "MuseConfig":
@@ -220,10 +378,17 @@ class MuseConfig:
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no config.json at {file}; a checkpoint folder needs config.json")
+        size = file.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{file} is {size} bytes, over the {MAX_CONFIG_BYTES} a config.json may have; "
+                             "re-download or re-export the checkpoint")
         try:
-            data = json.loads(file.read_text())
+            data = json.loads(file.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{file} is not valid JSON ({e}); re-download or re-export the checkpoint") from None
+        except RecursionError:
+            raise ValueError(f"{file} nests JSON too deeply to be a config; re-download or re-export the "
+                             "checkpoint") from None
         return cls.from_dict(data, source=str(file))
 
     @classmethod
