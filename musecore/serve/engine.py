@@ -132,7 +132,7 @@ class Engine:
     """
 
     def __init__(self, model: Any, max_batch: int = 16, max_model_len: Optional[int] = None,
-                 max_waiting: int = 64) -> None:
+                 max_waiting: int = 64, ignore_eos: bool = False) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1; got {max_batch}")
         self.model = model
@@ -143,7 +143,8 @@ class Engine:
         self.running: list[Request] = []  # row i of the cache holds running[i]
         self.waiting: deque[Request] = deque()
         self.metrics = Metrics()
-        self.end_ids = _end_ids(model)
+        # ignore_eos: every request runs to its max_tokens (benchmarks of random weights, as vLLM's --ignore-eos)
+        self.end_ids = set() if ignore_eos else _end_ids(model)
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
