@@ -1,34 +1,190 @@
-"""Discovering backend plugins through the ``musecore.backends`` entry-point group (stevedore).
+"""Discovering backend plugins through the ``musecore.backends`` entry-point group.
 
-Discovery never swallows an error: a plugin that fails to import, declares another major API
-version, or shares its name with another plugin is recorded with the reason (and traceback), shown
-by ``musecore doctor``, and raised with that cause when somebody asks for that backend.
+Discovery never swallows an error, and no plugin can take core down:
+
+- **lazy**: :func:`discover` only lists the entry points (package metadata, nothing imported); a
+  plugin is imported and probed the first time its record is asked about, so ``device="cpu"``
+  (the reference) never imports another plugin, and ``device="xeon"`` imports only ``xeon``.
+- **isolated**: a plugin's import and its ``probe()`` each run in a worker thread with a timeout
+  (:data:`TIMEOUT_ENV`, default :data:`DEFAULT_TIMEOUT_S` seconds). Anything they raise,
+  ``SystemExit`` and ``KeyboardInterrupt`` included, is caught; a call that does not return in time
+  is left running in the background (Python cannot stop a thread) and never retried in this process.
+- **validated**: ``probe()`` must return a :class:`~musecore.backends.base.Probe` with a bool
+  ``available``, a finite number ``score``, a list of device-name strings (never ``"auto"``; the
+  first one, which ``device="auto"`` picks, a catalog device) and a str ``reason``.
+
+A plugin that fails any of this (or fails to import, declares another major API version, or shares
+its name with another plugin) is recorded as broken with the reason and traceback, shown by
+``musecore doctor``, and raised with that cause when somebody asks for that backend. What a thread
+cannot contain: a plugin that calls ``os._exit`` or crashes the interpreter in C code at import.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import threading
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from musecore.backends.base import API_VERSION, Backend, Probe
 
 GROUP = "musecore.backends"
+TIMEOUT_ENV = "MUSECORE_PLUGIN_TIMEOUT"
+DEFAULT_TIMEOUT_S = 10.0
+# (entry-point name, target) -> what is still running in a thread that timed out: never started twice.
+_STUCK: dict[tuple[str, str], tuple[str, threading.Thread]] = {}
 
 
 class BackendError(RuntimeError):
     """A backend was asked for that is not installed, failed to load, or is not usable here."""
 
 
-@dataclass
+def timeout_s() -> float:
+    """Seconds a plugin's import, and separately its ``probe()``, may take (``$MUSECORE_PLUGIN_TIMEOUT``)."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise BackendError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; unset it (default "
+                           f"{DEFAULT_TIMEOUT_S:g}) or set e.g. {TIMEOUT_ENV}=30")
+    return value
+
+
+class Isolated:
+    """The outcome of :func:`call_isolated`: ``value``, or ``error`` (one line) and ``traceback``."""
+
+    def __init__(self, value: Any = None, error: Optional[str] = None, tb: Optional[str] = None) -> None:
+        self.value, self.error, self.traceback = value, error, tb
+
+
+def call_isolated(fn: Callable[[], Any], what: str, key: Optional[tuple[str, str]] = None) -> Isolated:
+    """Run third-party code ``fn()`` in a daemon thread for at most :func:`timeout_s` seconds, catching
+    every ``BaseException``. ``what`` names the call in messages ("backend 'x': probe()"); ``key``
+    remembers a call that timed out so that it is not started again while it still runs."""
+    if key is not None and key in _STUCK and _STUCK[key][1].is_alive():
+        return Isolated(error=f"{what} is still running since an earlier call ({_STUCK[key][0]}); restart the "
+                              "process or fix the plugin")
+    limit = timeout_s()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # SystemExit, KeyboardInterrupt too: third-party code must not end ours
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name=f"musecore-plugin: {what}", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        why = f"{what} did not return within {limit:g} s"
+        if key is not None:
+            _STUCK[key] = (why, thread)
+        return Isolated(error=f"{why} (it is left running in the background); fix or uninstall the plugin, or "
+                              f"raise {TIMEOUT_ENV} if it is only slow")
+    if "error" in box:
+        err = box["error"]
+        return Isolated(error=f"{what} raised {type(err).__name__}: {err}",
+                        tb="".join(traceback.format_exception(err)))
+    return Isolated(box.get("value"))
+
+
 class PluginRecord:
-    name: str
-    target: str                      # "module:attr" of the entry point
-    distribution: str = ""
-    backend_class: Optional[type] = None
-    error: Optional[str] = None      # one line: why it is unusable
-    traceback: Optional[str] = None
-    probe: Optional[Probe] = None
+    """One entry point of the group: loaded (``backend_class``) or broken (``error``), and its probe.
+
+    Built by :func:`discover` from the entry point alone; the import happens on first use of
+    ``backend_class``, ``error``, ``traceback``, ``loaded`` or ``probe`` (and the probe on first use
+    of ``probe``, or of the others when discovered with ``probe=True``). Built with ``backend_class``
+    (tests, a backend's own tools), it is loaded as given.
+    """
+
+    def __init__(self, name: str, target: str, distribution: str = "", backend_class: Optional[type] = None,
+                 error: Optional[str] = None, traceback: Optional[str] = None, probe: Optional[Probe] = None,
+                 entry_point: Any = None, probe_on_load: bool = True) -> None:
+        self.name, self.target, self.distribution = name, target, distribution
+        self._backend_class, self._error, self._traceback, self._probe = backend_class, error, traceback, probe
+        self._entry_point = entry_point          # imported on first use when not None
+        self._probed = probe is not None or error is not None
+        self._probe_on_load = probe_on_load
+
+    # -- lazy state ----------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if self._entry_point is None:
+            return
+        ep, self._entry_point = self._entry_point, None
+        done = call_isolated(ep.load, f"backend {self.name!r}: importing {self.target}", (self.name, self.target))
+        if done.error is not None:
+            self._error = done.error.replace(f"importing {self.target} raised", "failed to import:", 1)
+            self._traceback = done.traceback
+            return
+        self._backend_class = done.value
+        self._error = _check_api(self.name, done.value)
+        if self._probe_on_load:
+            self._run_probe()
+
+    def _run_probe(self) -> None:
+        self._load()
+        if self._probed or self._backend_class is None or self._error is not None:
+            return
+        self._probed = True
+        cls = self._backend_class
+        done = call_isolated(lambda: cls().probe(), f"backend {self.name!r}: probe()", (self.name, "probe"))
+        problem = done.error or _check_probe(self.name, done.value)
+        if problem is not None:
+            self._error, self._traceback = problem, done.traceback
+        else:
+            self._probe = done.value
+
+    @property
+    def backend_class(self) -> Optional[type]:
+        self._load()
+        return self._backend_class
+
+    @backend_class.setter
+    def backend_class(self, value: Optional[type]) -> None:
+        self._load()
+        self._backend_class = value
+
+    @property
+    def error(self) -> Optional[str]:
+        self._load()
+        return self._error
+
+    @error.setter
+    def error(self, value: Optional[str]) -> None:
+        self._load()
+        self._error = value
+
+    @property
+    def traceback(self) -> Optional[str]:
+        self._load()
+        return self._traceback
+
+    @traceback.setter
+    def traceback(self, value: Optional[str]) -> None:
+        self._load()
+        self._traceback = value
+
+    @property
+    def probe(self) -> Optional[Probe]:
+        self._run_probe()
+        return self._probe
+
+    @probe.setter
+    def probe(self, value: Optional[Probe]) -> None:
+        self._load()
+        self._probe, self._probed = value, True
+
+    @property
+    def imported(self) -> bool:
+        """Whether this plugin's module has been imported (or tried) in this process, by this record."""
+        return self._entry_point is None
 
     @property
     def loaded(self) -> bool:
@@ -42,13 +198,9 @@ class PluginRecord:
                 "available": probe.available if probe else False, "score": probe.score if probe else 0,
                 "devices": probe.devices if probe else [], "probe": probe.reason if probe else ""}
 
-
-def _distributions() -> dict[tuple[str, str], str]:
-    """(entry-point name, target) -> the distribution that declares it. stevedore's cached entry points
-    carry no ``dist``, so ``importlib.metadata`` (whose entry points do) is asked."""
-    from importlib.metadata import entry_points
-
-    return {(ep.name, ep.value): ep.dist.name for ep in entry_points(group=GROUP) if ep.dist is not None}
+    def __repr__(self) -> str:
+        state = "not imported" if self._entry_point is not None else ("broken" if self._error else "loaded")
+        return f"PluginRecord({self.name!r}, {self.target!r}, {self.distribution!r}, {state})"
 
 
 def _check_api(name: str, cls: Any) -> Optional[str]:
@@ -64,51 +216,51 @@ def _check_api(name: str, cls: Any) -> Optional[str]:
     return None
 
 
-def _probe(record: PluginRecord) -> None:
-    try:
-        record.probe = record.backend_class().probe()
-    except Exception as err:  # a probe must not raise; if it does, that is the plugin's bug, shown as such
-        record.error = f"backend {record.name!r}: probe() raised {type(err).__name__}: {err}"
-        record.traceback = "".join(traceback.format_exception(err))
+def _check_probe(name: str, probe: Any) -> Optional[str]:
+    """None when ``probe`` is a well-formed :class:`Probe`; else why not, in one line."""
+    from musecore.devices import CATALOG
+
+    where = f"backend {name!r}: probe() returned"
+    if not isinstance(probe, Probe):
+        return f"{where} a {type(probe).__name__}, not a musecore.backends.base.Probe; fix the plugin"
+    if not isinstance(probe.available, bool):
+        return f"{where} available={probe.available!r}; it must be True or False"
+    score = probe.score
+    if not isinstance(score, (int, float)) or isinstance(score, bool) or not math.isfinite(score):
+        return f"{where} score={score!r}; it must be a finite number (higher wins)"
+    devices = probe.devices
+    if not isinstance(devices, list) or not all(isinstance(d, str) and d for d in devices):
+        return f"{where} devices={devices!r}; it must be a list of device names (musecore devices lists them)"
+    if "auto" in devices:
+        return f"{where} devices={devices!r}; 'auto' is what device='auto' resolves to, not a device"
+    if probe.available and devices and devices[0] not in CATALOG:
+        return (f"{where} devices={devices!r}; the first one (what device='auto' picks) must be a catalog "
+                f"device: {sorted(CATALOG)}")
+    if not isinstance(probe.reason, str):
+        return f"{where} reason={probe.reason!r}; it must be a str"
+    return None
 
 
 def discover(probe: bool = True) -> dict[str, PluginRecord]:
-    """Every plugin registered under ``musecore.backends``, loaded or failed, with its probe."""
-    from stevedore import ExtensionManager
+    """Every plugin registered under ``musecore.backends``: a record per entry point, importing
+    nothing until a record is used (then that plugin alone is imported, and probed when ``probe``).
+    Plugins installed since the last call are seen."""
+    from importlib.metadata import entry_points
 
-    failures: dict[str, tuple[str, BaseException]] = {}
-
-    def on_failure(_manager: Any, entry_point: Any, err: BaseException) -> None:
-        failures[f"{entry_point.name}={entry_point.value}"] = (entry_point.name, err)
-
-    ExtensionManager.ENTRY_POINT_CACHE.pop(GROUP, None)  # see plugins installed since the last call
-    manager = ExtensionManager(GROUP, invoke_on_load=False, on_load_failure_callback=on_failure)
     records: dict[str, PluginRecord] = {}
-    duplicates: dict[str, list[str]] = {}
-    owners = _distributions()
-    for ep in manager.list_entry_points():
-        dist = getattr(getattr(ep, "dist", None), "name", "") or owners.get((ep.name, ep.value), "")
-        duplicates.setdefault(ep.name, []).append(f"{ep.value} ({dist or 'unknown distribution'})")
-        records[ep.name] = PluginRecord(ep.name, ep.value, dist)
-    for ext in manager.extensions:
-        record = records[ext.name]
-        if record.target == ext.entry_point.value:
-            record.backend_class = ext.plugin
-            record.error = _check_api(ext.name, ext.plugin)
-    for key, (name, err) in failures.items():
-        record = records[name]
-        if key == f"{name}={record.target}":
-            record.error = f"backend {name!r} failed to import: {type(err).__name__}: {err}"
-            record.traceback = "".join(traceback.format_exception(err))
-    for name, targets in duplicates.items():
-        if len(targets) > 1:
-            records[name].backend_class = None
-            records[name].error = (f"two plugins are registered as backend {name!r}: {', '.join(targets)}; "
-                                   "uninstall one of them")
-    if probe:
-        for record in records.values():
-            if record.loaded:
-                _probe(record)
+    targets: dict[str, list[str]] = {}
+    for ep in entry_points(group=GROUP):
+        dist = getattr(getattr(ep, "dist", None), "name", "") or ""
+        listed = f"{ep.value} ({dist or 'unknown distribution'})"
+        if listed in targets.get(ep.name, []):
+            continue  # one distribution seen twice on sys.path (an editable install and its folder)
+        targets.setdefault(ep.name, []).append(listed)
+        records[ep.name] = PluginRecord(ep.name, ep.value, dist, entry_point=ep, probe_on_load=probe)
+    for name, listed in targets.items():
+        if len(listed) > 1:
+            records[name] = PluginRecord(name, records[name].target, records[name].distribution,
+                                         error=(f"two plugins are registered as backend {name!r}: "
+                                                f"{', '.join(listed)}; uninstall one of them"))
     return records
 
 

@@ -1,5 +1,6 @@
-"""``musecore doctor``: every discovered backend, loaded or failed and why, its hardware and score, and
-the environment variables each backend reads that are set now (they change kernel choices)."""
+"""``musecore doctor``: every discovered backend, loaded or broken and why (an import or probe that
+raised, exited, hung past ``$MUSECORE_PLUGIN_TIMEOUT`` or returned a malformed Probe), its hardware
+and score, and the environment variables each backend reads that are set now (they change kernel choices)."""
 
 from __future__ import annotations
 
@@ -49,12 +50,16 @@ def run(args) -> int:
 
 
 def settings(record) -> list:
-    """The backend's ``env_settings()``; a plugin whose method raises is reported, not fatal."""
+    """The backend's ``env_settings()``, called in isolation as its probe is (a timeout, every exception
+    caught): a plugin whose method raises or hangs is reported, not fatal."""
     if not record.loaded:
         return []
     from musecore.backends.base import EnvSetting
+    from musecore.backends.registry import call_isolated
 
-    try:
-        return list(record.backend_class().env_settings())
-    except Exception as err:  # the plugin's bug, shown as such
-        return [EnvSetting("?", f"env_settings() raised {type(err).__name__}: {err}", "", "plugin error")]
+    cls = record.backend_class
+    done = call_isolated(lambda: list(cls().env_settings()), f"backend {record.name!r}: env_settings()",
+                         (record.name, "env_settings"))
+    if done.error is not None:  # the plugin's bug, shown as such
+        return [EnvSetting("?", done.error, "", "plugin error")]
+    return done.value
