@@ -200,11 +200,17 @@ def place_experts(slot: Slot, name: str, parts: tuple[Any, Any, Any], placer: "P
 
 @dataclass
 class ConversionRecord:
+    """One tensor converted while loading: ``sqnr_db`` of what was loaded against the values it
+    replaced, and ``producer_sqnr_db``, what the target's producer rule (Quark EVEN, AutoRound RTN)
+    gives on the same values, when a least-error search was used (``rule``; see quantize_for_target)."""
+
     name: str
     source: str
     target: str
     sqnr_db: float
     max_abs_error: float
+    rule: str = "producer"                   # "producer" | "least error"
+    producer_sqnr_db: Optional[float] = None
 
 
 class Placer:
@@ -231,19 +237,34 @@ class Placer:
         if isinstance(value, torch.Tensor):
             if target in ("bf16", "fp16", "fp32"):
                 return value
-            return self._record(name, value, quantize_for_target(value, target), "bf16")
+            return self._record(name, value, *quantize_for_target(value, target), "bf16")
         if value.format == target:
             return value
         from musecore_quant import dequantize, requantize
+        from musecore_quant.formats.requant import MIN_ERROR_FORMATS
         if target in ("bf16", "fp16", "fp32"):
             return dequantize(value, torch.float32)
-        return self._record(name, dequantize(value, torch.float32), requantize(value, target, **producer_options(target)),
-                            value.format)
+        before = dequantize(value, torch.float32)
+        if target in MIN_ERROR_FORMATS:  # the least-error search, or the producer's rule when asked for
+            return self._record(name, before, *quantize_for_target(before, target), value.format)
+        return self._record(name, before, requantize(value, target, **producer_options(target)), None, value.format)
 
-    def _record(self, name: str, before: torch.Tensor, after: Any, source: str) -> Any:
+    def _record(self, name: str, before: torch.Tensor, after: Any, search: Any, source: str) -> Any:
+        """Log ``after``'s error against ``before``; ``search`` (a SearchError or None) adds the
+        producer rule's SQNR on the same values."""
+        import math
+
         from musecore_quant import dequantize, quant_error
         err = quant_error(before.float(), dequantize(after, torch.float32))
-        self.report.append(ConversionRecord(name, source, after.format, err.sqnr_db, err.max_abs_error))
+        rule, producer_db = "producer", None
+        if search is not None:
+            rule = "least error"
+            if search.squared_error > 0 and search.producer_squared_error > 0:
+                producer_db = err.sqnr_db - 10 * math.log10(search.producer_squared_error / search.squared_error)
+            else:
+                producer_db = err.sqnr_db if search.producer_squared_error == search.squared_error else math.inf
+        self.report.append(ConversionRecord(name, source, after.format, err.sqnr_db, err.max_abs_error, rule,
+                                            producer_db))
         return after
 
     def place_vector(self, role: str, value: torch.Tensor) -> Any:
@@ -281,8 +302,26 @@ class Placer:
         return backend.prepare_experts(gate, up, down, act_format=act, dtype=self.dtype)
 
 
-def quantize_for_target(value: torch.Tensor, target: str) -> Any:
-    """``value`` quantized as ``target``'s own producer would (musecore_quant's producer options:
-    INT4 g128 symmetric like AutoRound, MXFP4 EVEN/RNE like Quark, FP8 per tensor like ModelOpt)."""
+def quantize_for_target(value: torch.Tensor, target: str) -> tuple[Any, Any]:
+    """``value`` (float: a BF16 weight, or a checkpoint's dequantized NVFP4/MXFP4 one) quantized for
+    ``target`` while loading, and the search's :class:`~musecore_quant.formats._common.SearchError`
+    (None when the producer's rule was used).
+
+    By default MXFP4 and INT4 take the least-error rule (``musecore_quant.formats.requant.
+    quantize_min_error``: each MXFP4 32-block's E8M0 exponent searched around Quark's EVEN, each INT4
+    group's scale shrunk over a small grid; never worse than the producer per block; same layout,
+    any reader takes it). ``MUSECORE_REQUANTIZATION=producer`` in the environment asks for producer
+    parity: byte for byte what the format's producer writes (MXFP4 EVEN/RNE like Quark, INT4 g128
+    symmetric RTN like AutoRound). Other formats always follow their producer (FP8 per tensor like
+    ModelOpt, NVFP4 like ModelOpt)."""
+    import os
+
     from musecore_quant import quantize
-    return quantize(value.float(), target, **producer_options(target))
+    from musecore_quant.formats.requant import MIN_ERROR_FORMATS, quantize_min_error
+    rule = os.environ.get("MUSECORE_REQUANTIZATION", "least-error")
+    if rule not in ("least-error", "producer"):
+        raise ValueError(f"MUSECORE_REQUANTIZATION={rule!r}; choose 'least-error' (the default: each block's scale "
+                         "searched for the least error) or 'producer' (byte-exact producer parity, e.g. Quark EVEN)")
+    if rule == "least-error" and target in MIN_ERROR_FORMATS:
+        return quantize_min_error(value.float(), target)
+    return quantize(value.float(), target, **producer_options(target)), None

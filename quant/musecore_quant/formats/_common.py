@@ -13,11 +13,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 CHUNK_ELEMENTS = 1 << 24   # elements per encoding pass: a few hundred MB of temporaries at most
+
+
+@dataclass(frozen=True)
+class SearchError:
+    """Squared error (summed over the tensor, float64) of a least-error quantization (the
+    ``*_quantize_min_error`` functions) and of the producer rule it starts from and never does
+    worse than, so a caller can report both without quantizing twice."""
+
+    squared_error: float
+    producer_squared_error: float
 
 
 def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:

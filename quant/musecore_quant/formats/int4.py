@@ -57,7 +57,7 @@ from typing import Optional
 import torch
 
 from ..qtensor import QTensor
-from ._common import divide, require_divisible, require_weight, row_chunks
+from ._common import SearchError, divide, require_divisible, require_weight, row_chunks
 from .fp4 import pack_nibbles, unpack_nibbles
 
 INT4_SYMMETRIC_ZERO = 8
@@ -103,6 +103,65 @@ def int4_quantize(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, sym: bo
     lead = w.shape[:-1]
     return QTensor(format="int4", data=data.reshape(*lead, -1), scale=scale.reshape(*lead, -1),
                    shape=tuple(w.shape), group_size=g, zero=None if sym else zero.reshape(*lead, -1))
+
+
+# Shrink factors of the symmetric scale tried by ``int4_quantize_min_error`` (1.0 is RTN): clipping
+# a group's outlier a little refines the grid of its other values. On muse-tiny's attention and
+# lm_head weights these five reach 20.37 dB against RTN's 19.84; thirteen (1.0 down to 0.7) 20.40.
+MIN_ERROR_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
+# A shrunk scale must beat RTN by more than fp32 summation noise (~1e-6 relative), so a choice
+# made in fp32 is never worse than RTN in exact arithmetic.
+_SEARCH_MARGIN = 1e-5
+
+
+def int4_quantize_min_error(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[QTensor, SearchError]:
+    """Symmetric INT4 of ``w`` whose per-group scale is RTN's times the factor of
+    :data:`MIN_ERROR_SHRINK` with the least squared error, and the :class:`SearchError` against RTN.
+
+    The layout and readers are RTN's (``sym=True``, full range, fp16 scales); only the scale value
+    differs. RTN (factor 1) is kept unless another factor beats it, so no group is worse than
+    under RTN. Weight-only MSE, no calibration: what a device that quantizes at load can afford.
+
+    Example::
+
+        qt, err = int4_quantize_min_error(w)          # w: [..., out, in], in divisible by 128
+        assert err.squared_error <= err.producer_squared_error
+    """
+    w = require_weight(w, _LABEL)
+    g = _resolve_group_size(group_size, w.shape[-1])
+    require_divisible(w.shape, g, _LABEL, why="the group size")
+    require_divisible(w.shape, 2, _LABEL, why="two codes per byte")
+    in_features = w.shape[-1]
+    rows = w.reshape(-1, in_features)
+    data = torch.empty(rows.shape[0], in_features // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(rows.shape[0], in_features // g, dtype=torch.float16, device=w.device)
+    total = rtn_total = 0.0
+    low, high = -INT4_SYMMETRIC_ZERO, INT4_MAX_CODE - INT4_SYMMETRIC_ZERO
+    for chunk in row_chunks(rows.shape[0], in_features):
+        block = rows[chunk].float()
+        groups = block.unflatten(-1, (-1, g))                                # [R, K/g, g]
+        _, rtn_scale, _ = _round_to_nearest(block, g, True, w.dtype)         # [R, K/g] fp16
+        best_scale = rtn_scale.float().unsqueeze(-1)                          # [R, K/g, 1]
+        best_err = rtn_err = None
+        for shrink in MIN_ERROR_SHRINK:  # in place: each candidate costs a few passes over the chunk
+            s = best_scale if rtn_err is None else (rtn_scale.float().unsqueeze(-1) * shrink).to(torch.float16).float()
+            s = torch.where(s < 0, s.clamp(max=-Q_SCALE_THRESHOLD), s.clamp(min=Q_SCALE_THRESHOLD))
+            err = torch.div(groups, s).round_().clamp_(low, high).mul_(s).sub_(groups).square_().sum(dim=-1)
+            if rtn_err is None:
+                best_scale, best_err, rtn_err = s, err, err
+                continue
+            better = err < best_err * (1 - _SEARCH_MARGIN)
+            best_err = torch.where(better, err, best_err)
+            best_scale = torch.where(better.unsqueeze(-1), s, best_scale)
+        q = torch.div(groups, best_scale).round_().clamp_(low, high).add_(INT4_SYMMETRIC_ZERO)
+        data[chunk] = pack_nibbles(q.to(torch.uint8).flatten(-2))
+        scale[chunk] = best_scale.squeeze(-1).to(torch.float16)
+        total += float(best_err.double().sum())
+        rtn_total += float(rtn_err.double().sum())
+    lead = w.shape[:-1]
+    qt = QTensor(format="int4", data=data.reshape(*lead, -1), scale=scale.reshape(*lead, -1),
+                 shape=tuple(w.shape), group_size=g, zero=None)
+    return qt, SearchError(total, rtn_total)
 
 
 def _round_to_nearest(rows: torch.Tensor, g: int, sym: bool,
