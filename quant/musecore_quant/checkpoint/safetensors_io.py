@@ -203,7 +203,8 @@ def resolve_inside(folder: Path, relative: str, *, source: Path, tensor: str | N
 
     Rejects absolute paths, ``..`` components, names that are not ``*.safetensors`` (pickle
     files are never read) and symlinks whose target leaves the folder, except the links of a
-    Hugging Face hub cache snapshot (``<repo>/snapshots/<rev>/x -> <repo>/blobs/<sha>``).
+    Hugging Face hub cache snapshot to a file directly in its repo's own ``blobs`` directory
+    (``<repo>/snapshots/<rev>/x -> <repo>/blobs/<sha>``; see :func:`_hub_blobs`).
     """
     what = f"index entry {relative!r}"
     if not isinstance(relative, str) or not relative:
@@ -218,17 +219,30 @@ def resolve_inside(folder: Path, relative: str, *, source: Path, tensor: str | N
     try:
         base = folder.resolve()
         target = (folder / rel).resolve()
-        allowed = [base]
-        if folder.parent.name == "snapshots":
-            allowed.append((folder.parent.parent / "blobs").resolve())
+        blobs = _hub_blobs(folder)
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop before Python 3.13
         if not isinstance(e, OSError):
             e = OSError(40, "symlink loop")
         raise translate(e, source, f"resolving {what}", tensor=tensor) from e
-    if not any(root in target.parents for root in allowed):
+    if base not in target.parents and not (blobs is not None and target.parent == blobs):
         raise _fail(source, f"{what} resolves to {target}, outside the checkpoint folder {base} "
                             "(a symlink escapes it); copy the file into the folder", tensor)
     return folder / rel
+
+
+def _hub_blobs(folder: Path) -> Path | None:
+    """The resolved ``blobs`` folder of the Hugging Face cache repo that ``folder`` is a snapshot of
+    (``<repo>/snapshots/<rev>``), or None. Trusted only when ``<repo>/blobs`` is a real directory
+    (not a symlink) directly inside the repo folder: a ``blobs`` that links elsewhere (to ``/``) would
+    make every absolute symlink of the snapshot loadable."""
+    if folder.parent.name != "snapshots":
+        return None
+    repo = folder.parent.parent
+    blobs = repo / "blobs"
+    if blobs.is_symlink() or not blobs.is_dir():
+        return None
+    resolved = blobs.resolve()
+    return resolved if resolved.parent == repo.resolve() else None
 
 
 def sha256_file(path: Path) -> str:
