@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from tqdm import tqdm
 
 from .api import dequantize
 from .checkpoint import CheckpointError, CheckpointReader, open_checkpoint, verify_checkpoint
 from .checkpoint.errors import translate
 from .metrics import quant_error
+from .progress import progress as stage
 from .qtensor import QTensor
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -64,7 +64,7 @@ def _mb(n: int) -> str:
 
 
 # ------------------------------------------------------------------------------------ inspect
-def inspect_checkpoint(reader: CheckpointReader, scale_stats: bool = True) -> dict[str, Any]:
+def inspect_checkpoint(reader: CheckpointReader, scale_stats: bool = True, progress: bool = False) -> dict[str, Any]:
     """Format, producer, sizes, per-layer formats and scale statistics of an open checkpoint."""
     from .checkpoint.experts import FUSED_EXPERT, PER_EXPERT
     weights, formats, layers, experts = {}, {}, {}, {}
@@ -94,36 +94,43 @@ def inspect_checkpoint(reader: CheckpointReader, scale_stats: bool = True) -> di
             "formats": formats, "layers": layers, "weights": weights,
             "experts": {p: {**x, "layout": "+".join(sorted(x["layout"]))} for p, x in experts.items()}}
     if scale_stats:
-        info["scale_stats"] = _scale_stats(reader)
+        info["scale_stats"] = _scale_stats(reader, progress)
     return info
 
 
-def _scale_stats(reader: CheckpointReader) -> dict[str, Any]:
+def _scale_stats(reader: CheckpointReader, progress: bool = False) -> dict[str, Any]:
     """Min/max/mean of block scales (E8M0 as exponents) and global scales per format; scales only are read."""
     stats: dict[str, dict[str, Any]] = {}
     names = [n for n in reader.weight_names() if reader.entry(n).quantized]
-    for name in tqdm(names, desc="scales", unit="weight", disable=None):
-        e = reader.entry(name)
-        block_role, global_role, kind = _SCALE_ROLES.get(e.kind, (e.options.get("scale_role"), None, "value"))
-        parts = reader.read_parts(name, [r for r in (block_role, global_role) if r])
-        s = stats.setdefault(e.format, {"weights": 0})
-        s["weights"] += 1
-        block = parts[block_role]
-        if kind == "e8m0":
-            _accumulate(s, "block_scale_exponent", block.to(torch.int32) - 127)
-        else:
-            values = block.to(torch.float32)
-            _accumulate(s, "block_scale", values)
-            s["negative_block_scales"] = s.get("negative_block_scales", 0) + int((values < 0).sum())
-            s["zero_block_scales"] = s.get("zero_block_scales", 0) + int((values == 0).sum())
-        if global_role:
-            g = parts[global_role].to(torch.float32)
-            _accumulate(s, "global_scale", 1.0 / g if e.kind == "ct-nvfp4" else g)
+    with stage("scales", total=len(names), unit="weight", enabled=progress) as bar:
+        for name in names:
+            bar.update(1)
+            _scale_stats_of(reader, name, stats)
     for s in stats.values():
         for key in [k for k in s if isinstance(s[k], dict)]:
             acc = s[key]
             acc["mean"] = acc.pop("sum") / max(acc.pop("count"), 1)
     return stats
+
+
+def _scale_stats_of(reader: CheckpointReader, name: str, stats: dict[str, dict[str, Any]]) -> None:
+    """Adds the scales of weight ``name`` to ``stats`` (per format)."""
+    e = reader.entry(name)
+    block_role, global_role, kind = _SCALE_ROLES.get(e.kind, (e.options.get("scale_role"), None, "value"))
+    parts = reader.read_parts(name, [r for r in (block_role, global_role) if r])
+    s = stats.setdefault(e.format, {"weights": 0})
+    s["weights"] += 1
+    block = parts[block_role]
+    if kind == "e8m0":
+        _accumulate(s, "block_scale_exponent", block.to(torch.int32) - 127)
+    else:
+        values = block.to(torch.float32)
+        _accumulate(s, "block_scale", values)
+        s["negative_block_scales"] = s.get("negative_block_scales", 0) + int((values < 0).sum())
+        s["zero_block_scales"] = s.get("zero_block_scales", 0) + int((values == 0).sum())
+    if global_role:
+        g = parts[global_role].to(torch.float32)
+        _accumulate(s, "global_scale", 1.0 / g if e.kind == "ct-nvfp4" else g)
 
 
 def _accumulate(stats: dict[str, Any], key: str, values: torch.Tensor) -> None:
@@ -137,7 +144,7 @@ def _accumulate(stats: dict[str, Any], key: str, values: torch.Tensor) -> None:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     with open_checkpoint(args.checkpoint) as reader:
-        info = inspect_checkpoint(reader, scale_stats=not args.no_stats)
+        info = inspect_checkpoint(reader, scale_stats=not args.no_stats, progress=not args.json)
     if args.json:
         print(_dump(info))
         return EXIT_OK
@@ -200,16 +207,30 @@ def _calibrated_convert(args: argparse.Namespace) -> Any:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .checkpoint.experts import muse_rule, num_hidden_layers
-    from .checkpoint.safetensors_io import read_json
-    from .convert import CLI_DEFAULT_INCLUDE, DEFAULT_EXCLUDE, convert
-    include = args.include if args.include else ([CLI_DEFAULT_INCLUDE] if args.to != "bf16" else None)
-    if args.muse_rule:
+    from .convert import CLI_DEFAULT_INCLUDE, DEFAULT_EXCLUDE, convert, default_include, unmatched_includes
+    chosen = [flag for flag, on in (("--include", bool(args.include)), ("--muse-rule", args.muse_rule),
+                                    ("--all-experts", args.all_experts)) if on]
+    if len(chosen) > 1:
+        raise CheckpointError(f"{' and '.join(chosen)} each choose the weights to quantize; pass one")
+    with open_checkpoint(args.src) as reader:  # headers only: what the selection is checked against
+        config = dict(reader.config or {})
         if args.include:
-            raise CheckpointError("--muse-rule and --include both choose the weights to quantize; pass one")
-        config_path = Path(args.src) / "config.json"
-        if not config_path.is_file():
-            raise CheckpointError(f"{config_path}: config.json is missing; --muse-rule reads num_hidden_layers from it")
-        include = muse_rule(num_hidden_layers(read_json(config_path, "config.json")))
+            unmatched = unmatched_includes(reader, args.include)
+            if unmatched:
+                raise CheckpointError(f"{args.src}: no weight matches include {unmatched[0]!r} (quantizable weights "
+                                      "are 2-D '*.weight' or fused expert tensors); nothing was written: fix the "
+                                      "pattern (musecore-quant inspect --json lists the weight names)")
+    if args.to == "bf16":
+        include, selection = None, "every quantized weight dequantized (--to bf16)"
+    elif args.include:
+        include, selection = args.include, "--include"
+    elif args.muse_rule:
+        include = muse_rule(num_hidden_layers(config))
+        selection = f"--muse-rule: routed experts of layers 1..{num_hidden_layers(config) - 2}"
+    elif args.all_experts:
+        include, selection = [CLI_DEFAULT_INCLUDE], "--all-experts: every routed expert"
+    else:
+        include, selection = default_include(config)
     if args.method != "rtn":
         report = _calibrated_convert(args)
     else:
@@ -218,6 +239,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                          quantize_options=dict(_parse_option(o) for o in args.option),
                          progress=not args.no_progress, resume=not args.no_resume, fuse_experts=args.fuse_experts,
                          **({"max_shard_bytes": args.max_shard_bytes} if args.max_shard_bytes else {}))
+    report.selection = selection
     if args.json:
         print(_dump(report.to_dict()))
         return EXIT_OK
@@ -225,6 +247,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     print(f"wrote {report.dst} ({report.to}, {report.shards} shard(s), {_mb(report.output_bytes)}) in "
           f"{report.seconds:.1f} s, {report.throughput_mb_s:.1f} MB/s of source read"
           + (f"; resumed {report.resumed_weights} weights" if report.resumed_weights else ""))
+    print(f"selected {report.selection}")
     print("actions  " + "  ".join(f"{k} {v}" for k, v in sorted(summary["actions"].items())))
     for warning in report.warnings:
         print(f"warning: {warning}")
@@ -243,7 +266,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint).exists():
         raise CheckpointError(f"{args.checkpoint}: no such checkpoint folder")
-    report = verify_checkpoint(args.checkpoint, progress=not args.json)
+    report = verify_checkpoint(args.checkpoint, progress=not (args.json or args.no_progress))
     if args.json:
         print(_dump(report.to_dict()))
     else:
@@ -273,7 +296,7 @@ def diff_checkpoints(a: CheckpointReader, b: CheckpointReader, progress: bool = 
             result["shape_mismatch"].append({"name": n, "a": list(a.weight_shape(n)), "b": list(b.weight_shape(n))})
         else:
             matching.append(n)
-    with tqdm(total=len(matching), desc="diff", unit="weight", disable=not progress) as bar:
+    with stage("diff", total=len(matching), unit="weight", enabled=progress) as bar:
         for _, weights in a.iter_shards(matching):
             for name, value in weights.items():
                 other = b.read(name)
@@ -337,10 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibration", type=Path, default=None, metavar="FILE",
                    help="calibration text for --method autoround: .txt, .jsonl ({'text': ...} per line) or .i16 ids")
     s.add_argument("--include", action="append", metavar="REGEX",
-                   help=f"weights to quantize (default: routed experts, fused or per-expert, '{CLI_DEFAULT_INCLUDE}')")
+                   help="weights to quantize, replacing the default rule; each pattern must match a weight "
+                        "(default: the Muse rule for a Muse checkpoint, see --muse-rule; every routed expert "
+                        "for other models, see --all-experts)")
     s.add_argument("--muse-rule", action="store_true",
                    help="quantize the routed experts of layers 1..L-2 only (L = num_hidden_layers of the source "
-                        "config); layers 0 and L-1 keep BF16 experts")
+                        "config); layers 0 and L-1 keep BF16 experts. The default for a config.json whose "
+                        "model_type is muse_spark")
+    s.add_argument("--all-experts", action="store_true",
+                   help=f"quantize every routed expert, fused or per-expert ('{CLI_DEFAULT_INCLUDE}'), the first "
+                        "and last layer's too. The default for models other than Muse")
     s.add_argument("--fuse-experts", dest="fuse_experts", action="store_true", default=None,
                    help="with --to bf16: stack per-expert weights into fused experts.gate_up_proj/down_proj "
                         "(transformers 5 layout; default when the source already holds fused experts)")
@@ -359,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("verify", help="sha256, headers, companions, shapes, NaN/Inf; exit 1 on failure")
     s.add_argument("checkpoint")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (otherwise a bar on a terminal, one line when done elsewhere)")
     s.set_defaults(func=_cmd_verify)
     s = sub.add_parser("diff", help="per-tensor error between two checkpoints of one model")
     s.add_argument("a")

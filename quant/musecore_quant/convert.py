@@ -11,8 +11,9 @@ Which weights get quantized is the caller's decision: a weight is selected when 
 ``*.weight`` or a fused 3-D expert tensor (``*.experts.gate_up_proj`` ``[E, 2I, h]``,
 ``*.experts.down_proj`` ``[E, h, I]``, transformers 5) matching one of the ``include`` regexes (all,
 when None) and none of ``exclude``. ``muse_rule(num_hidden_layers)`` gives the Muse rule (routed
-experts of layers 1..L-2, fused or per-expert names); the CLI defaults to all routed experts
-(``CLI_DEFAULT_INCLUDE``). NVFP4 siblings that runtimes fuse (an expert's gate/up; q/k/v) share one
+experts of layers 1..L-2, fused or per-expert names); the CLI applies it by default to a Muse
+checkpoint and selects every routed expert (``CLI_DEFAULT_INCLUDE``) of other models
+(``default_include``). NVFP4 siblings that runtimes fuse (an expert's gate/up; q/k/v) share one
 ``weight_scale_2``, as ModelOpt exports them; a fused ``gate_up_proj`` is quantized as one stacked
 tensor, so each expert gets one ``weight_scale_2`` over its gate and up rows (``[E]``).
 
@@ -48,23 +49,24 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
-from tqdm import tqdm
 
 from .api import dequantize, quantize, requantize
 from .checkpoint import CheckpointError, CheckpointWriter, open_checkpoint
-from .checkpoint.experts import FUSED_EXPERT, check_fused_shape, fuse, fuse_groups, muse_rule  # noqa: F401
+from .checkpoint.experts import FUSED_EXPERT, check_fused_shape, fuse, fuse_groups, muse_rule, num_hidden_layers
 from .checkpoint.reader import INDEX_NAME, CheckpointReader
 from .checkpoint.safetensors_io import dtype_name
 from .checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, TARGET_PRODUCERS
 from .formats.nvfp4 import nvfp4_shared_global_amax
 from .formats.requant import nvfp4_exact_weight_scale_2
 from .metrics import quant_error
+from .progress import progress as stage
 from .qtensor import QTensor
 
 TARGETS = tuple(TARGET_PRODUCERS)  # nvfp4, fp8, mxfp4, int4, bf16
 METHODS = ("rtn", "autoround")
 DEFAULT_EXCLUDE = (r"embed", r"(^|\.)lm_head\.", r"norm")
-CLI_DEFAULT_INCLUDE = r".*experts\.(\d+\.(gate|up|down)_proj\.weight|gate_up_proj|down_proj)$"
+CLI_DEFAULT_INCLUDE = r".*experts\.(\d+\.(gate|up|down)_proj\.weight|gate_up_proj|down_proj)$"  # every routed expert
+MUSE_MODEL_TYPES = ("muse_spark", "muse_spark_text")  # config.json model_type of a Muse checkpoint (transformers)
 DEFAULT_SIBLINGS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("w1", "w3"))
 REPORT_NAME = "conversion_report.json"
 _NOT_COPIED = {"config.json", "hf_quant_config.json", INDEX_NAME, REPORT_NAME}
@@ -108,6 +110,7 @@ class ConversionReport:
     resumed_weights: int = 0
     shards: int = 0
     warnings: list[str] = field(default_factory=list)
+    selection: str = ""  # why these weights were quantized (the command line's default rule, or the flags)
 
     def measured(self) -> list[TensorRecord]:
         return [t for t in self.tensors if t.sqnr_db is not None]
@@ -155,6 +158,29 @@ def select_weight(name: str, shape: Sequence[int], include: Optional[Sequence[re
     if include is not None and not any(p.search(name) for p in include):
         return False
     return not any(p.search(name) for p in exclude)
+
+
+def is_muse_config(config: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's config.json is a Muse model's (its own rule then picks what is quantized)."""
+    return config.get("model_type") in MUSE_MODEL_TYPES
+
+
+def default_include(config: Mapping[str, Any]) -> tuple[list[str], str]:
+    """The ``include`` regexes musecore-quant uses when none is given, and why: for a Muse checkpoint its
+    own rule (the routed experts of layers 1..L-2, as the releases ship; layers 0 and L-1 keep BF16
+    experts), for any other model every routed expert (``CLI_DEFAULT_INCLUDE``)."""
+    if is_muse_config(config):
+        layers = num_hidden_layers(config)
+        return muse_rule(layers), (f"the Muse rule: routed experts of layers 1..{layers - 2} (config.json model_type "
+                                   f"{config.get('model_type')!r}, num_hidden_layers {layers})")
+    return [CLI_DEFAULT_INCLUDE], "every routed expert (not a Muse config.json: no model rule applies)"
+
+
+def unmatched_includes(reader: CheckpointReader, include: Sequence[str]) -> list[str]:
+    """The ``include`` regexes that match no quantizable weight of ``reader`` (a typo, or another model's
+    names): each is an error on the command line, where a pattern that selects nothing is never meant."""
+    names = [(n, reader.weight_shape(n)) for n in reader.weight_names()]
+    return [p for p in include if not any(select_weight(n, shape, [_compile(p, "include")], []) for n, shape in names)]
 
 
 def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", method: str = "rtn",
@@ -268,8 +294,8 @@ def _run(reader: CheckpointReader, writer: CheckpointWriter, report: ConversionR
     needed = [n for n in names if any(m not in done for m in groups.get(n, (n,)))]
     converter = _Converter(writer, to, options, calibrated_quantizer, selected, done)
 
-    bar = tqdm(total=sum(reader.tensor_nbytes(n) for n in needed), unit="B", unit_scale=True,
-               desc=f"convert -> {to}", disable=not progress)
+    bar = stage(f"convert -> {to}", total=sum(reader.tensor_nbytes(n) for n in needed), unit="B", unit_scale=True,
+                enabled=progress)
     pending: dict[str, Weight] = {}
     with reader, bar:
         for _, weights in reader.iter_shards(needed):
@@ -288,7 +314,7 @@ def _run(reader: CheckpointReader, writer: CheckpointWriter, report: ConversionR
                 report.source_bytes_read += nbytes
                 bar.update(nbytes)
                 if converter.last_sqnr is not None:
-                    bar.set_postfix(sqnr_db=f"{converter.last_sqnr:.1f}")
+                    bar.set_postfix(last_sqnr_db=f"{converter.last_sqnr:.1f}")
     assert not pending, f"sibling groups never completed: {sorted(pending)[:3]}"
 
     for path in sorted(src.iterdir()):

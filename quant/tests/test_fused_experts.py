@@ -214,6 +214,6 @@ def test_cli_on_fused_experts(tmp_path, muse_bf16, capsys):
     diff = json.loads(capsys.readouterr().out)
     assert diff["summary"]["compared"] == diff["summary"]["identical"] + 4
     assert diff["summary"]["min_sqnr_db"] > SQNR_FLOOR["mxfp4"]
-    # the CLI default include quantizes every layer's fused experts
-    assert main(["convert", str(src), str(tmp_path / "all"), "--to", "fp8", "--no-progress"]) == 0
+    # --all-experts quantizes every layer's fused experts (the default for a Muse checkpoint is the Muse rule)
+    assert main(["convert", str(src), str(tmp_path / "all"), "--to", "fp8", "--all-experts", "--no-progress"]) == 0
     assert open_checkpoint(tmp_path / "all").weight_format(P.format(0) + "2.up_proj.weight") == "fp8"

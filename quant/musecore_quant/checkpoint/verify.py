@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from tqdm import tqdm
-
+from ..progress import progress as stage
 from ..qtensor import QTensor
 from .errors import CheckpointError
 from .reader import INDEX_NAME, open_checkpoint
@@ -43,6 +42,7 @@ class VerifyReport:
 
 def verify_checkpoint(folder: Union[str, Path], *, progress: bool = False) -> VerifyReport:
     """Check sha256 per shard, headers, companions, decoded shapes and NaN/Inf of every weight.
+    ``progress``: a bar on stderr when it is a terminal, else one line when done (:mod:`..progress`).
 
     Example::
 
@@ -63,8 +63,9 @@ def verify_checkpoint(folder: Union[str, Path], *, progress: bool = False) -> Ve
         report.problems.append(str(e))
     _check_strays(reader.folder, {s.name for s in reader.shards}, report)
     names = reader.weight_names()
-    with reader:
-        for name in tqdm(names, desc="verify", unit="weight", disable=not progress):
+    with reader, stage("verify", total=len(names), unit="weight", enabled=progress) as bar:
+        for name in names:
+            bar.update(1)
             try:
                 value = reader.read(name)
             except CheckpointError as e:
