@@ -4,6 +4,10 @@ Data is printed literally: markup is off, so text in square brackets (CPU flags,
 paths) is never taken for a style tag and eaten. On a terminal tables fit the window; otherwise
 (a pipe, a file, a CI log) nothing is cut or wrapped to 80 columns: the width is unbounded and
 there is no colour, so ``musecore devices | cat`` and ``musecore bench ... > file`` keep every column.
+
+Progress goes to stderr through :func:`progress` (musecore_quant's helper, shared so that both
+command lines behave alike): a bar on a terminal, one line per stage otherwise (no carriage-return
+floods in logs), nothing with ``--quiet``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import sys
 from typing import IO, Optional
 
+from musecore_quant.progress import Progress, progress  # noqa: F401  (re-exported: musecore's one entry)
 from rich.console import Console
 
 UNBOUNDED = 10_000  # "as wide as the content": rich needs a number

@@ -224,9 +224,11 @@ class Placer:
         self.report: list[ConversionRecord] = []
 
     def stream(self, reader: Any, progress: bool) -> Iterator[tuple[str, Any]]:
-        from tqdm import tqdm
+        """The checkpoint's tensors, shard by shard; ``progress``: a bar on a terminal, one line when done
+        elsewhere (:func:`musecore.console.progress`)."""
+        from musecore.console import progress as stage
         names = [name for name in reader.weight_names() if not is_tower_tensor(name)]  # towers: not read
-        with tqdm(total=len(names), desc="loading", unit="tensor", disable=not progress, file=sys.stderr) as bar:
+        with stage("loading", total=len(names), unit="tensor", enabled=progress, stream=sys.stderr) as bar:
             for _shard, weights in reader.iter_shards(names):
                 for name, value in weights.items():
                     yield name, value

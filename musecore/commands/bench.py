@@ -4,6 +4,7 @@ A backend package offers benchmarks through the ``musecore.benchmarks`` entry-po
 named after the backend whose object, called with no argument, returns ``{case: callable -> list of
 rows}`` (the benchmark module is loaded only by this command, so the backend never imports it). Rows carry ``backend, case, shape, M, time_us,
 speedup_vs_bf16, pct_memory_ceiling`` (ratios measured in the same process, never absolute claims).
+While a case runs, stderr shows a running clock on a terminal, and one line per case elsewhere.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from musecore.console import progress
+
     table = benchmark_cases(args.backend)
     cases = args.case or [c for c in table if c != "sweep"]
     unknown = [c for c in cases if c not in table]
@@ -35,9 +38,11 @@ def run(args) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     all_rows = []
-    for case in cases:
+    for case in cases:  # progress on stderr: a running clock on a terminal, a line per case otherwise
         started = time.time()
-        rows = table[case]()
+        with progress(f"bench {args.backend} {case}", unit="row", enabled=not args.quiet) as stage:
+            rows = table[case]()
+            stage.update(len(rows))
         all_rows += rows
         (out_dir / f"{args.backend}_{case}.json").write_text(json.dumps(
             {"command": f"musecore bench --backend {args.backend} --case {case}",
