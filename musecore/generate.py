@@ -21,6 +21,7 @@ so ``generate`` keeps the plain "str in -> str out" signature of DESIGN.md.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -161,6 +162,63 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, config: Any) -
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{where} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+
+# -- non-finite logits ---------------------------------------------------------------------------
+
+DEBUG_ENV = "MUSECORE_DEBUG"
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model produced NaN or Inf logits: broken weights (or numerics), never a token to return."""
+
+
+def check_finite_logits(model: Any, logits: torch.Tensor, when: str, ids: Optional[torch.Tensor] = None,
+                        positions: Optional[torch.Tensor] = None, live: Optional[torch.Tensor] = None) -> None:
+    """Raise :class:`NonFiniteLogitsError` when a row of ``logits [B,V]`` (a live row, when ``live``
+    is given) holds NaN or Inf. With ``MUSECORE_DEBUG=1`` and the prompt (``ids``, ``positions``),
+    the message names the first layer whose output is non-finite (:func:`first_non_finite_stage`)."""
+    finite = torch.isfinite(logits).all(dim=-1)  # [B]
+    if live is not None:
+        finite = finite | ~live
+    if bool(finite.all()):
+        return
+    rows = (~finite).nonzero().flatten().tolist()
+    where = f"rows {rows[:8]}" if len(rows) > 1 else f"row {rows[0]}"
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0") and ids is not None:
+        found = first_non_finite_stage(model, ids, positions)
+        located = f"; the first non-finite output is {found}" if found else "; every layer's output is finite " \
+            "when the prompt is recomputed without the KV cache (the cache or a decode kernel is at fault)"
+    else:
+        located = f"; set {DEBUG_ENV}=1 to name the first layer whose output is non-finite"
+    raise NonFiniteLogitsError(f"the model's logits are NaN/Inf at {when} ({where} of the batch): its weights or "
+                               f"numerics are broken, so no token is generated{located}")
+
+
+def first_non_finite_stage(model: Any, ids: torch.Tensor, positions: Optional[torch.Tensor]) -> Optional[str]:
+    """Recompute the prompt stage by stage (embedding, each layer's attention and MLP, lm_head) without a
+    KV cache and name the first stage whose output has a NaN or Inf on a real (non-padding) token."""
+    prefix = "model.language_model."
+    real = (positions >= 0) if positions is not None else torch.ones(ids.shape, dtype=torch.bool)
+    real = real.to(model.device)
+
+    def bad(*tensors: torch.Tensor) -> bool:
+        return any(not bool(torch.isfinite(t[real]).all()) for t in tensors)
+
+    with torch.inference_mode():
+        x, a, pos, rope = model.embed(ids, positions)
+        if bad(x, a):
+            return f"the embedding ({prefix}embed_tokens, or layer 0's input_layernorm)"
+        for i in range(len(model.layers)):
+            h, m = model.attention_sublayer(i, x, a, pos, rope)
+            if bad(h, m):
+                return f"layer {i}'s attention ({prefix}layers.{i}.self_attn and its residual norms)"
+            x, a = model.feedforward_sublayer(i, h, m)
+            if bad(x, a):
+                return f"layer {i}'s MLP ({prefix}layers.{i}.mlp and its residual norms)"
+        if bad(model.logits(a)):
+            return "the lm_head (lm_head.weight)"
+    return None
 
 
 # -- one sequence's output ------------------------------------------------------------------------
@@ -321,7 +379,9 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
     fetch = _TokenFetch(B, torch.device(device))
 
     start = time.perf_counter()
-    sampled = sample(model.forward(ids, positions=positions, cache=cache)[:, -1])  # [B] on the device
+    logits = model.forward(ids, positions=positions, cache=cache)[:, -1]  # [B,V] fp32
+    check_finite_logits(model, logits, "the prefill (the first new token)", ids, positions)
+    sampled = sample(logits)  # [B] on the device
     live = torch.ones(B, dtype=torch.bool, device=device)
     next_position = next_position.to(device)
     for step in range(max_new_tokens):
@@ -338,7 +398,10 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
                 start += stats.setup_seconds
             step_positions = torch.where(live, next_position, torch.full_like(next_position, -1))[:, None]
             next_position += live.long()
-            next_sampled = sample(step_fn(sampled[:, None], step_positions)[:, -1])
+            logits = step_fn(sampled[:, None], step_positions)[:, -1]
+            if step == 0:  # one host sync, once: the first decode step runs through the KV cache
+                check_finite_logits(model, logits, "the first decode step", live=live)
+            next_sampled = sample(logits)
         tokens = fetch.wait()
         active = [row for row in rows if not row.done]
         for row in active:

@@ -1,0 +1,53 @@
+"""NaN/Inf logits are an error at the first generated token (issue 29, item 5: all-NaN logits used to
+"generate" [0, 0, ...]); with MUSECORE_DEBUG=1 the error names the first layer whose output is
+non-finite. The models are real checkpoints, loaded, with one weight made NaN/Inf afterwards."""
+
+import pytest
+
+import musecore
+from musecore.generate import NonFiniteLogitsError
+from tests.helpers import random_tensors, small_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    config = small_config()
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), config, random_tensors(config))
+
+
+@pytest.fixture
+def model(folder):
+    return musecore.load(folder, device="cpu")
+
+
+BREAKS = {  # what is made non-finite -> the stage the debug message must name
+    "layer 2 post-feedforward norm = NaN": (lambda m: m.layers[2].post_feedforward_layernorm.fill_(float("nan")),
+                                           "layer 2's MLP"),
+    "layer 1 o_proj = NaN": (lambda m: m.layers[1].self_attn.o_proj.data.fill_(float("nan")),
+                             "layer 1's attention"),
+    "embedding row = Inf": (lambda m: m.embed_tokens.data.fill_(float("inf")), "the embedding"),
+    "lm_head = NaN": (lambda m: m.lm_head.data.fill_(float("nan")), "the lm_head"),
+}
+
+
+def test_a_healthy_model_generates(model):
+    out = model.generate([0, 5, 6, 7], max_new_tokens=4)
+    assert isinstance(out, list) and len(out) <= 4
+
+
+@pytest.mark.parametrize("case", sorted(BREAKS))
+def test_non_finite_logits_are_an_error_that_points_at_the_debug_flag(model, case, monkeypatch):
+    monkeypatch.delenv("MUSECORE_DEBUG", raising=False)
+    BREAKS[case][0](model)
+    with pytest.raises(NonFiniteLogitsError, match="logits are NaN/Inf at the prefill.*set MUSECORE_DEBUG=1") as e:
+        model.generate([0, 5, 6, 7], max_new_tokens=4)
+    assert "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("case", sorted(BREAKS))
+def test_with_musecore_debug_the_error_names_the_first_non_finite_layer(model, case, monkeypatch):
+    monkeypatch.setenv("MUSECORE_DEBUG", "1")
+    BREAKS[case][0](model)
+    with pytest.raises(NonFiniteLogitsError, match=f"the first non-finite output is {BREAKS[case][1]}") as e:
+        model.generate([[0, 5, 6, 7], [0, 9]], max_new_tokens=4)  # a batch with padding: rows 0 and 1 named
+    assert "rows [0, 1]" in str(e.value), str(e.value)
