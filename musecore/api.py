@@ -22,6 +22,7 @@ from musecore.backends.reference import ReferenceBackend
 from musecore.backends.registry import best_device, discover, unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
+from musecore.distributed import Mesh, connect, keeps_expert
 from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
 from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
@@ -72,8 +73,9 @@ def summarize(model: Union[str, Path], checkpoint_format: str = "bf16",
         if fmt not in QUANTIZED + DENSE:
             raise CheckpointMismatch(f"{folder}: tensor {n!r} is stored as {fmt}, but Muse weights are bf16, fp16 or "
                                      f"fp32 (or a quantized format: {', '.join(QUANTIZED)}); re-export the checkpoint")
-    return CheckpointSummary(name, config, {n: reader.weight_format(n) for n in names},
-                             {n: tuple(reader.weight_shape(n)) for n in names}), reader
+    shapes = {n: tuple(reader.weight_shape(n)) for n in names}
+    config.check_tensor_shapes(shapes, source=str(folder / "config.json"))  # headers vs config, before any plan
+    return CheckpointSummary(name, config, {n: reader.weight_format(n) for n in names}, shapes), reader
 
 
 def preset_summary(name: str, config: MuseConfig, checkpoint_format: str) -> CheckpointSummary:
@@ -133,8 +135,13 @@ def resolve_target(device: str, emulate: bool, records: Optional[dict] = None) -
 
 def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
-         kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: DenseGroups = None) -> Plan:
+         kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: DenseGroups = None,
+         tp: Optional[int] = None, ep: Optional[int] = None, sp: bool = False) -> Plan:
     """Resolve what would run where, in which format and why; reads config and headers only.
+
+    ``tp``/``ep``/``sp`` plan the model over a mesh of ranks (as :func:`load` takes them): the plan's
+    ``mesh`` shows each rank's weight and KV bytes and the bytes each collective moves per token.
+    Without them, a model that does not fit on one device gets a ``proposed_mesh``.
 
     ``quantize_dense`` converts the attention, pooler/unpooler, lm_head and dense-MLP projections (True) or the
     named ones of them with the device's rule for BF16 weights, or keeps them (False); None, the
@@ -145,7 +152,7 @@ def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch
     name, _ = resolve_target(device, emulate, records)
     return make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation, allow_reference=allow_reference,
                      dtype_label=DTYPE_LABELS[dtype or torch.bfloat16], kv_format=kv_format, records=records,
-                     quantize_dense=quantize_dense)
+                     quantize_dense=quantize_dense, mesh=mesh_of(tp, ep, sp))
 
 
 def bind_ops(the_plan: Plan, backends: dict[str, Any]) -> Ops:
@@ -186,7 +193,7 @@ def _dispatcher(op: str, impls: dict[tuple, Any]):
 def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
          kv_format: str = "bf16", progress: Optional[bool] = None, quantize_dense: DenseGroups = None,
-         download: bool = False) -> MuseModel:
+         download: bool = False, tp: Optional[int] = None, ep: Optional[int] = None, sp: bool = False) -> MuseModel:
     """Load a checkpoint folder (or the bundled ``muse-tiny``) onto ``device``, executing its plan.
 
     ``model`` may be a Hugging Face Hub id (``org/name``): its snapshot is taken from the local
@@ -199,6 +206,10 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     a collection of those group names converts only them (e.g. ``quantize_dense=("lm_head",)``);
     False keeps them as the checkpoint has them. The default, None, is the device's choice: on
     ``xeon``/``xeon6`` all three are INT4 too (decode there is bound by the bytes read per token).
+
+    ``tp``/``ep``/``sp`` split the model across the ranks of a ``torchrun`` launch (every rank calls
+    the same line; see :mod:`musecore.distributed`): ``tp``-way tensor parallel (1 or the number of
+    ranks), ``ep``-way expert parallel (divides it), sequence-parallel prefill with ``sp=True``.
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16
@@ -211,7 +222,8 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     log.info("loading %s from %s onto device %r", summary.name, reader.folder, device)
     muse = assemble(summary, device, lambda placer, _device: placer.stream(reader, show), emulate=emulate,
                     allow_emulation=allow_emulation, allow_reference=allow_reference, dtype=dtype,
-                    kv_format=kv_format, source=str(reader.folder), quantize_dense=quantize_dense)
+                    kv_format=kv_format, source=str(reader.folder), quantize_dense=quantize_dense,
+                    mesh=mesh_of(tp, ep, sp))
     from musecore.tokenizer import load_tokenizer
     muse.tokenizer = load_tokenizer(reader.folder)
     log.info("loaded %s on %s (backend %s, mode %s) in %.2f s", summary.name, muse.plan.device, muse.plan.backend,
@@ -221,7 +233,8 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
 
 def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpoint_format: str = "bf16",
                 dtype: Optional[torch.dtype] = None, emulate: bool = False, seed: int = 0, std: float = 0.02,
-                allow_reference: bool = False, quantize_dense: DenseGroups = None) -> MuseModel:
+                allow_reference: bool = False, quantize_dense: DenseGroups = None, tp: Optional[int] = None,
+                ep: Optional[int] = None, sp: bool = False) -> MuseModel:
     """A model with random weights (MODEL.md initialisation) through the same plan and placement as
     :func:`load`, made tensor by tensor on the target device: for benchmarks of presets that have no
     checkpoint (``muse-small``). Quantized experts are produced with the producers' quantizers.
@@ -244,17 +257,33 @@ def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpo
             yield tensor_name, (w if fmt == "fp32" else w.to(dtype) if fmt == "bf16" else quantize(w, fmt))
 
     return assemble(summary, device, tensors, emulate=emulate, allow_reference=allow_reference, dtype=dtype,
-                    source=f"random {summary.name}", quantize_dense=quantize_dense)
+                    source=f"random {summary.name}", quantize_dense=quantize_dense, mesh=mesh_of(tp, ep, sp))
+
+
+def mesh_of(tp: Optional[int], ep: Optional[int], sp: bool) -> Optional[Mesh]:
+    """The :class:`~musecore.distributed.Mesh` that ``tp``/``ep``/``sp`` ask for (None: one device)."""
+    if tp is None and ep is None and not sp:
+        return None
+    return Mesh(1 if tp is None else tp, 1 if ep is None else ep, sp)
 
 
 def assemble(summary: CheckpointSummary, device: str,
              tensors: Callable[[Placer, torch.device], Iterable[tuple[str, Any]]], *, emulate: bool = False,
              allow_emulation: bool = False, allow_reference: bool = False, dtype: torch.dtype = torch.bfloat16,
-             kv_format: str = "bf16", source: str = "checkpoint", quantize_dense: DenseGroups = None) -> MuseModel:
+             kv_format: str = "bf16", source: str = "checkpoint", quantize_dense: DenseGroups = None,
+             mesh: Optional[Mesh] = None) -> MuseModel:
     """Plan ``summary`` on ``device`` (raising on gaps), make the backends, and fill a model with
-    ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares."""
+    ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares.
+    With a ``mesh``, this process is one rank of a ``torchrun`` launch and keeps its pieces only."""
+    if mesh is not None:
+        mesh.check(summary.config)
     records = discover()
     name, torch_device = resolve_target(device, emulate, records)
+    comm = None
+    if mesh is not None and mesh.world > 1:
+        comm = connect(mesh, torch_device.type)
+        if torch_device.type == "cuda":
+            torch_device = torch.device("cuda", torch.cuda.current_device())
     the_plan = make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation,
                          allow_reference=allow_reference, dtype_label=DTYPE_LABELS[dtype], kv_format=kv_format,
                          records=records, quantize_dense=quantize_dense)
@@ -264,8 +293,18 @@ def assemble(summary: CheckpointSummary, device: str,
     if the_plan.backend != REFERENCE:
         backends[the_plan.backend] = records[the_plan.backend].backend_class(torch_device)
     muse = MuseModel(summary.config, bind_ops(the_plan, backends), dtype=dtype, device=torch_device,
-                     backend=backends[the_plan.backend])
+                     backend=backends[the_plan.backend], comm=comm)
     placer = Placer(the_plan, backends, dtype)
-    fill_model(muse, tensors(placer, torch_device), placer, source=source)
+    if comm is not None:
+        placer.keep = lambda tensor: keeps_expert(tensor, summary.config, mesh, comm.rank)
+    failure = None
+    try:
+        fill_model(muse, tensors(placer, torch_device), placer, source=source)
+    except Exception as e:
+        if comm is None:
+            raise
+        failure = e
+    if comm is not None:  # every rank learns if one failed, instead of waiting in a collective
+        comm.agree(failure, f"loading {source}")
     muse.plan, muse.conversion_report, muse.kv_format = the_plan, placer.report, kv_format
     return muse

@@ -184,14 +184,15 @@ class KVCache:
 
     def __init__(self, config: MuseConfig, batch: int, max_length: int, *, kv_format: str = "bf16",
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 static: bool = False, writer: Optional[KVWriter] = None) -> None:
+                 static: bool = False, writer: Optional[KVWriter] = None, num_kv_heads: Optional[int] = None) -> None:
         device = torch.device(device)
+        kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads  # a rank's share (TP)
         self.static = static
         self.layers = []
         for kind in config.layer_types:
             ring = kind == SLIDING
             capacity = min(config.sliding_window, max_length) if ring else max_length
-            self.layers.append(LayerCache(batch, capacity, config.num_key_value_heads, config.head_dim,
+            self.layers.append(LayerCache(batch, capacity, kv_heads, config.head_dim,
                                           ring=ring, kv_format=kv_format, dtype=dtype, device=device,
                                           static=static, writer=writer if static else None))
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)

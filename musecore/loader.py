@@ -12,11 +12,12 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from musecore_quant.formats.facts import producer_options
 
+from musecore.distributed import MeshError, expert_range, keeps_expert, take, tensor_piece
 from musecore.model import FusedLinear, MuseModel, Slot, checkpoint_shapes
 from musecore.names import expert_key, fused_expert_name, fused_expert_parts, is_tower_tensor
 
@@ -130,7 +131,22 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
     config = model.config
     slots = model.weight_slots()
     expected = checkpoint_shapes(config)
-    experts = ExpertCollector(config.num_local_experts, config.moe_intermediate_size)
+    comm = model.comm
+    mesh, rank = (comm.mesh, comm.rank) if comm is not None else (None, 0)
+    first_expert = expert_range(config, mesh, rank)[0] if mesh is not None else 0
+    local_experts = config.num_local_experts // (mesh.ep if mesh is not None else 1)
+    experts = ExpertCollector(local_experts, config.moe_intermediate_size)
+
+    def convert(name: str, value: Any) -> Any:  # this rank's piece of the tensor, converted per the plan
+        piece = tensor_piece(name, config, mesh, rank) if mesh is not None else None
+        value = placer.convert(name, take(value, piece))
+        group = getattr(value, "group_size", 0)
+        if piece is not None and piece.cols is not None and group and piece.cols[0] % group:
+            raise MeshError(f"{name}: tp={mesh.tp} cuts its {expected[name][-1]} input columns at {piece.cols[0]}, "
+                            f"inside a {group}-column {value.format} scale block; use a smaller tp or keep this "
+                            "group unquantized (quantize_dense=False)")
+        return value
+
     groups = GroupCollector()
     seen: set[str] = set()
     for name, value in tensors:
@@ -156,7 +172,9 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
             if fused_name in seen:
                 raise CheckpointMismatch(f"{source}: {fused_name!r} is stored both fused and per expert ({name!r})")
             seen.add(name)
-            done = experts.add_expert(prefix, e, proj, placer.convert(name, value))
+            if mesh is not None and not keeps_expert(name, config, mesh, rank):
+                continue  # another rank's expert
+            done = experts.add_expert(prefix, e - first_expert, proj, placer.convert(name, value))
             if done is not None:
                 seen.update((fused_expert_name(prefix, "gate"), fused_expert_name(prefix, "down")))
                 place_experts(slots[fused_name], fused_name, done, placer)
@@ -172,7 +190,7 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
             raise CheckpointMismatch(f"{source}: tensor {name!r} has shape {list(shape)} but config.json implies "
                                      f"{list(expected[name])}")
         seen.add(name)
-        value = placer.convert(name, value)
+        value = convert(name, value)
         if slot.role == "experts":
             prefix, proj = fused_expert_parts(name)
             done = experts.add_fused(prefix, proj, value)
@@ -217,6 +235,7 @@ class Placer:
     """Executes a plan's weight decisions: converts each tensor, then has the right backend prepare it."""
 
     fuse_projections = True  # stack each block's input projections when they allow it (:func:`fuse_group`)
+    keep: Callable[[str], bool] = staticmethod(lambda name: True)  # tensors this rank reads (distributed: its experts)
 
     def __init__(self, plan: Any, backends: dict[str, Any], dtype: torch.dtype) -> None:
         self.plan, self.backends, self.dtype = plan, backends, dtype
@@ -227,7 +246,7 @@ class Placer:
         """The checkpoint's tensors, shard by shard; ``progress``: a bar on a terminal, one line when done
         elsewhere (:func:`musecore.console.progress`)."""
         from musecore.console import progress as stage
-        names = [name for name in reader.weight_names() if not is_tower_tensor(name)]  # towers: not read
+        names = [name for name in reader.weight_names() if not is_tower_tensor(name) and self.keep(name)]  # towers: not read
         with stage("loading", total=len(names), unit="tensor", enabled=progress, stream=sys.stderr) as bar:
             for _shard, weights in reader.iter_shards(names):
                 for name, value in weights.items():

@@ -15,6 +15,7 @@ import torch
 
 from musecore.backends.base import Backend
 from musecore.config import MuseConfig
+from musecore.distributed import Comm, head_shard
 from musecore.kv_cache import KVCache
 from musecore.names import (ATTENTION_INPUTS, DENSE_MLP_INPUTS, FP32_TENSORS, FUSED_EXPERT_TENSORS,  # noqa: F401
                             PREFIX, is_fp32_tensor)
@@ -58,9 +59,12 @@ class Attention:
 
     INPUT_PROJECTIONS = ATTENTION_INPUTS  # all read the normed input ``a``
 
-    def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
-        self.ops, self.layer = ops, layer
+    def __init__(self, config: MuseConfig, layer: int, ops: Ops, comm: Optional[Comm] = None) -> None:
+        self.ops, self.layer, self.comm = ops, layer, comm
         self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        if comm is not None and comm.mesh.tp > 1:  # this rank's heads (musecore.distributed.head_shard)
+            heads = head_shard(config, comm.mesh.tp, comm.rank)
+            self.nq, self.nkv = heads.q_stop - heads.q_start, len(heads.kv_heads)
         self.window, self.eps, self.scale = config.window(layer), config.rms_norm_eps, config.head_dim ** -0.5
         self.q_scale, self.rope = config.qk_scale_factor, config.uses_rope(layer)
         self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.gate_proj = None
@@ -68,8 +72,10 @@ class Attention:
 
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  cache: Optional[KVCache]) -> torch.Tensor:
-        ops = self.ops
-        B, T, _ = a.shape
+        ops, comm = self.ops, self.comm
+        B, T = positions.shape
+        if comm is not None and comm.sp_tokens:  # sequence parallel: this rank holds a token shard of ``a``
+            a = comm.gather_tokens(a.reshape(-1, a.shape[-1]), B * T).view(B, T, -1)
         q, k, v, gate = project(self, ops, a)  # gate: [B,T,nq*d], one gate per output element
         q, k, v = q.view(B, T, self.nq, self.d), k.view(B, T, self.nkv, self.d), v.view(B, T, self.nkv, self.d)
         cos, sin = rope if self.rope else (None, None)  # NoPE on the full-attention layers
@@ -83,15 +89,30 @@ class Attention:
             keys, values, key_pos, k_scale, v_scale = view.k, view.v, view.positions, view.k_scale, view.v_scale
         o = ops.attention(q, keys, values, positions, key_pos, self.window, self.scale, k_scale, v_scale)
         o = ops.head_norm_gate(o, gate.view(B, T, self.nq, self.d), self.eps)  # [B,T,nq,d]
-        return ops.linear(o.reshape(B, T, self.nq * self.d), self.o_proj)  # [B,T,H]
+        if comm is None or comm.mesh.tp == 1:
+            return ops.linear(o.reshape(B, T, self.nq * self.d), self.o_proj)  # [B,T,H]
+        return gathered_linear(ops, comm, o.reshape(B * T, self.nq * self.d), self.o_proj, (B, T))
+
+
+def gathered_linear(ops: Ops, comm: Comm, x: torch.Tensor, weight: Any, shape: tuple[int, int]) -> torch.Tensor:
+    """A tensor-parallel linear whose input ``x [N, K/tp]`` is split by columns (heads, MLP width): the
+    input is gathered whole, each rank computes its ``H/tp`` output columns, and those are gathered
+    (``[B,T,H]`` everywhere) or sent to their token shards (``[1,n_r,H]``, sequence-parallel prefill).
+    Every output element is the single-device dot product, rounded once (a row-parallel split would
+    round ``tp`` partial sums to the model dtype before adding them)."""
+    out = ops.linear(comm.gather_cols(x), weight)  # [N, H/tp]
+    if comm.sp_tokens:
+        return comm.cols_to_tokens(out).unsqueeze(0)
+    return comm.gather_cols(out).view(*shape, -1)
 
 
 class MoE:
     """Sigmoid router over the full width; pooler H->h and its centred norm; SwiGLU experts, each
     output through the shared post-expert norm, weighted and summed; unpooler h->H."""
 
-    def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
-        self.ops, self.layer = ops, layer
+    def __init__(self, config: MuseConfig, layer: int, ops: Ops, comm: Optional[Comm] = None) -> None:
+        self.ops, self.layer, self.comm = ops, layer, comm
+        self.num_experts = config.num_local_experts
         self.top_k, self.eps, self.post_eps = config.num_experts_per_tok, config.rms_norm_eps, config.post_norm_eps
         self.multiplier, self.scaling = config.output_multiplier, config.routed_scaling_factor
         self.router = self.correction_bias = None  # [E,H] fp32, [E] fp32
@@ -103,6 +124,8 @@ class MoE:
     def __call__(self, m: torch.Tensor, observer: Optional[MoEObserver] = None, experts: Any = None) -> torch.Tensor:
         """``observer`` sees the routing before the experts run; ``experts`` replaces the layer's own
         for this call (calibration runs later layers on already-quantized experts)."""
+        if self.comm is not None:
+            return self.parallel(m, observer, experts)
         ops = self.ops
         B, T, H = m.shape
         m = m.reshape(B * T, H)
@@ -115,14 +138,43 @@ class MoE:
         y = ops.moe(z, weights, ids, experts, self.post_expert_norm, self.post_eps)  # [N,h] fp32
         return ops.linear(y.to(m.dtype), self.post_expert_proj).view(B, T, H)  # unpooler
 
+    def parallel(self, m: torch.Tensor, observer: Optional[MoEObserver], experts: Any) -> torch.Tensor:
+        """The same layer across ranks (``musecore.distributed``): routing on this rank's token shard,
+        pooler by columns then back to token shards, experts wherever they live, unpooler by columns."""
+        ops, comm = self.ops, self.comm
+        if observer is not None:
+            raise ValueError("calibration observes routing on one device; run it without tp/ep")
+        shape, H, tp = m.shape, m.shape[-1], comm.mesh.tp
+        m = m.reshape(-1, H)
+        n = comm.sp_tokens or m.shape[0]  # every token of the batch
+        full = comm.gather_tokens(m, n) if comm.sp_tokens else m
+        mine = m if comm.sp_tokens else comm.my_tokens(m)
+        weights, ids = ops.router_topk(mine, self.router, self.correction_bias, self.top_k, self.multiplier,
+                                       self.scaling)  # [n_r,k]
+        pooled = ops.linear(full, self.pre_expert_proj)  # [N, h/tp]
+        z = comm.cols_to_tokens(pooled) if tp > 1 else comm.my_tokens(pooled)
+        z = ops.rms_norm(z, self.pre_expert_norm, self.eps)  # [n_r,h]
+        experts = self.experts if experts is None else experts
+        ones = torch.ones(1, 1, dtype=torch.float32, device=z.device)
+
+        def run(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:  # on the expert's rank
+            return ops.moe(rows, ones.expand(rows.shape[0], 1), local_ids[:, None], experts, self.post_expert_norm,
+                           self.post_eps)  # weight 1: the expert's output after the post-expert norm, fp32
+
+        y = comm.dispatch_combine(z, weights, ids, self.num_experts // comm.mesh.ep, run).to(m.dtype)
+        out = ops.linear(comm.gather_tokens(y, n), self.post_expert_proj)  # [N, H/tp]
+        if tp > 1:
+            out = comm.cols_to_tokens(out) if comm.sp_tokens else comm.gather_cols(out)
+        return out.view(shape)
+
 
 class DenseMLP:
     """``down(silu(gate(m)) * up(m))``: the MLP of the ``"dense"`` layers."""
 
     INPUT_PROJECTIONS = DENSE_MLP_INPUTS
 
-    def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
-        self.ops, self.layer = ops, layer
+    def __init__(self, config: MuseConfig, layer: int, ops: Ops, comm: Optional[Comm] = None) -> None:
+        self.ops, self.layer, self.comm = ops, layer, comm
         self.gate_proj = self.up_proj = self.down_proj = None
         self.in_proj: Optional[FusedLinear] = None
 
@@ -130,8 +182,16 @@ class DenseMLP:
         """The same call as :meth:`MoE.__call__`; a dense layer has no router to observe, no experts to replace."""
         if experts is not None:
             raise ValueError(f"layer {self.layer} is a dense-MLP layer (mlp_layer_types): it has no experts to replace")
-        gate, up = project(self, self.ops, m)
-        return self.ops.linear(self.ops.silu_mul(gate, up), self.down_proj)
+        comm = self.comm
+        if comm is None or comm.mesh.tp == 1:
+            gate, up = project(self, self.ops, m)
+            return self.ops.linear(self.ops.silu_mul(gate, up), self.down_proj)
+        if comm.sp_tokens:  # every token's input, the result back to token shards
+            m = comm.gather_tokens(m.reshape(-1, m.shape[-1]), comm.sp_tokens)
+        B, T = (1, comm.sp_tokens) if comm.sp_tokens else m.shape[:2]
+        gate, up = project(self, self.ops, m)  # this rank's I/tp columns
+        act = self.ops.silu_mul(gate, up)
+        return gathered_linear(self.ops, comm, act.reshape(B * T, -1), self.down_proj, (B, T))
 
 
 @dataclass
@@ -143,10 +203,10 @@ class ResidualGate:
 
 
 class DecoderLayer:
-    def __init__(self, config: MuseConfig, layer: int, ops: Ops) -> None:
+    def __init__(self, config: MuseConfig, layer: int, ops: Ops, comm: Optional[Comm] = None) -> None:
         self.layer_type = config.layer_types[layer]
-        self.self_attn = Attention(config, layer, ops)
-        self.mlp = MoE(config, layer, ops) if config.is_sparse(layer) else DenseMLP(config, layer, ops)
+        self.self_attn = Attention(config, layer, ops, comm)
+        self.mlp = MoE(config, layer, ops, comm) if config.is_sparse(layer) else DenseMLP(config, layer, ops, comm)
         self.input_layernorm = self.pre_feedforward_layernorm = None  # 1 + w (centred)
         self.post_feedforward_layernorm = None                       # 1 + w, applied scale-first
         self.post_attention_residual_gate: Optional[ResidualGate] = None
@@ -181,9 +241,11 @@ class MuseModel:
     """
 
     def __init__(self, config: MuseConfig, ops: Ops, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", backend: Optional[Backend] = None) -> None:
+                 device: torch.device | str = "cpu", backend: Optional[Backend] = None,
+                 comm: Optional[Comm] = None) -> None:
         self.config, self.ops, self.dtype, self.device = config, ops, dtype, torch.device(device)
-        self.layers = [DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers)]
+        self.comm = comm  # this rank's collectives when the model runs across ranks (musecore.distributed)
+        self.layers = [DecoderLayer(config, i, ops, comm) for i in range(config.num_hidden_layers)]
         # One table (the global theta): transformers 5.24 switches RoPE on per layer, never changes its theta.
         self.rope = RotaryTable(config.head_dim, config.rope_parameters, config.max_position_embeddings,
                                 device=self.device)
@@ -212,9 +274,20 @@ class MuseModel:
         cache holds; ``-1`` marks a padding token (it attends to nothing and nothing attends to it).
         ``observer`` is called by every MoE layer with its routing (calibration; see :data:`MoEObserver`)."""
         x, a, positions, rope = self.embed(input_ids, positions, cache)
-        for i in range(len(self.layers)):
-            h, m = self.attention_sublayer(i, x, a, positions, rope, cache)
-            x, a = self.feedforward_sublayer(i, h, m, observer=observer)
+        comm = self.comm
+        tokens = positions.numel()
+        if comm is not None and comm.mesh.sp and positions.shape[1] > 1 and tokens >= comm.world:
+            comm.sp_tokens = tokens  # sequence-parallel prefill: the residual stream in token shards
+            x, a = (comm.my_tokens(t.reshape(tokens, -1)).unsqueeze(0) for t in (x, a))
+        try:
+            for i in range(len(self.layers)):
+                h, m = self.attention_sublayer(i, x, a, positions, rope, cache)
+                x, a = self.feedforward_sublayer(i, h, m, observer=observer)
+            if comm is not None and comm.sp_tokens:
+                a = comm.gather_tokens(a.reshape(-1, a.shape[-1]), tokens).view(*positions.shape, -1)
+        finally:
+            if comm is not None:
+                comm.sp_tokens = 0
         return self.logits(a)
 
     # The stages of forward, in order. Calibration (musecore.calibrate) runs them one layer at a
@@ -268,7 +341,10 @@ class MuseModel:
         """``a`` = the final RMSNorm of the residual -> soft-capped fp32 logits ``[B,T,V]``."""
         cfg = self.config
         logits = self.ops.linear(a, self.lm_head)  # lm_head is untied
-        return self.ops.logit_softcap(logits, cfg.output_multiplier, cfg.final_logit_softcapping)  # fp32
+        logits = self.ops.logit_softcap(logits, cfg.output_multiplier, cfg.final_logit_softcapping)  # fp32
+        if self.comm is not None and self.comm.mesh.tp > 1:  # vocabulary shards -> every rank the same logits
+            logits = self.comm.gather_cols(logits.reshape(-1, logits.shape[-1])).view(*logits.shape[:-1], -1)
+        return logits
 
     __call__ = forward
 
@@ -279,7 +355,7 @@ class MuseModel:
         batch shape (the CUDA backend replays a captured CUDA graph); the numbers are the same.
         """
         step = None
-        if cache.static:
+        if cache.static and self.comm is None:
             kept = self._generation_cache
             if kept is not None and kept[1] is cache:
                 if kept[2] is None:  # captured once, replayed by every later generate() of this shape
@@ -321,15 +397,18 @@ class MuseModel:
 
     @property
     def wants_static_cache(self) -> bool:
-        return self.backend.wants_static_cache
+        return self.backend.wants_static_cache and self.comm is None  # no captured graphs across ranks yet
 
     def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16", static: bool = False) -> KVCache:
         return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device,
-                       static=static, writer=self.backend.kv_write)
+                       static=static, writer=self.backend.kv_write, num_kv_heads=self.layers[0].self_attn.nkv)
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """str -> str, list[int] -> list[int], or a batch of either; see :func:`musecore.generate.generate`."""
         from musecore.generate import generate
+        if self.comm is not None and kwargs.get("temperature", 0.0) > 0 and kwargs.get("seed") is None:
+            import random  # every rank must draw the same samples: rank 0's seed
+            kwargs["seed"] = self.comm.broadcast_int(random.getrandbits(62))
         return generate(self, prompt, **kwargs)
 
     def chat(self, messages: Any, **kwargs: Any) -> str:

@@ -21,3 +21,14 @@ def add_download(parser) -> None:
     parser.add_argument("--download", action="store_true",
                         help="when --model is a Hub id (org/name) missing from the local Hugging Face cache, "
                              "download it (never done otherwise; refused while HF_HUB_OFFLINE is set)")
+
+
+def add_mesh(parser) -> None:
+    """``--tp N --ep N --sp``: split the model across the ranks of a ``torchrun`` launch."""
+    parser.add_argument("--tp", type=int, default=None, metavar="N",
+                        help="tensor parallel over N ranks (1 or the number of ranks; start them with "
+                             "torchrun --nproc-per-node N -m musecore ...)")
+    parser.add_argument("--ep", type=int, default=None, metavar="N",
+                        help="expert parallel: the routed experts split N ways (N divides the number of ranks)")
+    parser.add_argument("--sp", action="store_true",
+                        help="sequence-parallel prefill: the residual stream in token shards (needs --tp > 1)")

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from musecore.commands import add_download, add_quantize_dense
+from musecore.commands import add_download, add_mesh, add_quantize_dense
 
 DEFAULT_MODEL = "muse-tiny"
 
@@ -30,6 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="run the device's numerics with reference kernels on this machine")
     add_quantize_dense(parser)
     add_download(parser)
+    add_mesh(parser)
     parser.add_argument("--prompt", help="the text to continue (default: read from stdin)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -49,6 +50,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
     if args.prompt is not None:
         return args.prompt
+    if args.tp or args.ep:
+        raise UsageError("pass the prompt with --prompt when running across ranks (torchrun gives stdin to one rank)")
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("no prompt: pass --prompt TEXT or pipe the text on stdin")
     return sys.stdin.read()
@@ -59,7 +62,7 @@ def _load(args: argparse.Namespace) -> Any:
     from musecore.cli import UsageError
 
     model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense,
-                          download=args.download)
+                          download=args.download, tp=args.tp, ep=args.ep, sp=args.sp)
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer.json, so it cannot take a text prompt; "
                          "use model.generate(list_of_token_ids) from Python instead")
@@ -70,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     model = _load(args)
     stream = None
+    if model.comm is not None and model.comm.rank != 0:  # every rank computes the same tokens; rank 0 prints
+        model.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       top_k=args.top_k, seed=args.seed, stop=args.stop)
+        return 0
     if not args.json:
         def stream(piece: str) -> None:
             sys.stdout.write(piece)

@@ -18,11 +18,13 @@ from typing import Any
 
 from .api import dequantize, fake_quantize_activation, quantize, requantize
 from .metrics import QuantError, quant_error
-from .qtensor import FORMATS, QTensor, concat_problem, concat_qtensors, slice_rows, stack_qtensors
+from .qtensor import (FORMATS, QTensor, concat_problem, concat_qtensors, slice_cols, slice_experts, slice_rows,
+                      stack_qtensors)
 
 __all__ = [
     "FORMATS", "QTensor", "QuantError", "dequantize", "fake_quantize_activation", "quant_error",
-    "quantize", "requantize", "stack_qtensors", "concat_qtensors", "concat_problem", "slice_rows", "muse_rule",
+    "quantize", "requantize", "stack_qtensors", "concat_qtensors", "concat_problem", "slice_rows", "slice_cols",
+    "slice_experts", "muse_rule",
 ]
 
 

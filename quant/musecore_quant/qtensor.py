@@ -130,6 +130,38 @@ def concat_qtensors(parts: list[QTensor]) -> QTensor:
                    zero=cat("zero"), layout=first.layout)
 
 
+def slice_cols(qt: QTensor, start: int, stop: int) -> QTensor:
+    """Input columns ``start:stop`` of a (possibly stacked) QTensor, codes and scales unchanged.
+
+    Both ends must fall on an edge of the format's scale blocks (a block's scale covers columns of
+    one block only), so the slice dequantizes to the same values as the whole tensor's columns:
+    this is how a row-parallel linear (tensor parallelism) keeps its piece without requantizing.
+    """
+    cols, g = qt.in_features, qt.group_size
+    if not 0 <= start < stop <= cols:
+        raise ValueError(f"column slice {start}:{stop} is outside the {cols} input columns of {qt!r}")
+    block = g if g else 1  # per-tensor FP8: any column
+    if start % block or (stop % block and stop != cols):
+        raise ValueError(f"column slice {start}:{stop} of a {qt.format} weight must fall on its {block}-column "
+                         "scale-block edges")
+    per_byte = 1 if qt.format == "fp8" else 2  # FP4 and INT4 pack two codes per byte along the input
+    if start % per_byte or stop % per_byte:
+        raise ValueError(f"column slice {start}:{stop} splits a packed byte of {qt!r}")
+    data = qt.data[..., start // per_byte: stop // per_byte]
+    cut = lambda t: None if t is None else t[..., start // block: -(-stop // block)]  # noqa: E731
+    scale = qt.scale if (qt.format == "fp8" and not g) else cut(qt.scale)
+    return replace(qt, data=data, scale=scale, zero=cut(qt.zero), shape=(*qt.shape[:-1], stop - start))
+
+
+def slice_experts(qt: QTensor, start: int, stop: int) -> QTensor:
+    """Experts ``start:stop`` of a stacked ``[E, out, in]`` QTensor (every part is stacked along dim 0)."""
+    if len(qt.shape) != 3 or not 0 <= start < stop <= qt.shape[0]:
+        raise ValueError(f"expert slice {start}:{stop} does not fit the stacked QTensor {qt!r}")
+    cut = lambda t: None if t is None or t.dim() == 0 else t[start:stop]  # noqa: E731
+    return replace(qt, data=qt.data[start:stop], scale=cut(qt.scale), global_scale=cut(qt.global_scale),
+                   zero=cut(qt.zero), input_scale=cut(qt.input_scale), shape=(stop - start, *qt.shape[1:]))
+
+
 def slice_rows(qt: QTensor, start: int, stop: int) -> QTensor:
     """Output rows ``start:stop`` of a (possibly stacked) QTensor, codes and scales unchanged.
 
