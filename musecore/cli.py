@@ -5,7 +5,8 @@ take ``--json``; errors a user can fix print one line (no traceback) and exit 2
 (``--debug`` or ``MUSECORE_DEBUG=1`` shows the traceback instead). A mistyped option or command
 gets the closest valid one suggested (Python 3.11's argparse suggests nothing). ``-v``/``-vv``
 and ``--quiet`` set the level of the ``musecore`` loggers (default: warnings); they work before or
-after the command name. ``python -m musecore`` runs the same.
+after the command name. ``python -m musecore`` runs the same. Commands that run a model set PyTorch's
+CPU threads to the cores free now (``musecore.threads``; ``MUSECORE_NUM_THREADS`` overrides).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from typing import Optional, Sequence
 
 COMMANDS = ("generate", "chat", "serve", "plan", "devices", "doctor", "matrix", "bench")
+RUNS_MODELS = ("generate", "chat", "serve", "matrix", "bench")  # CPU threads set from the free cores (musecore.threads)
 
 
 class UsageError(Exception):
@@ -104,9 +106,10 @@ def user_errors() -> tuple[type, ...]:
     missing or broken, a compile cache other users can write to."""
     from musecore.backends.registry import BackendError
     from musecore.compile_cache import CacheError
+    from musecore.distributed import DistributedError
     from musecore.planning import PlanError
 
-    return (UsageError, FileNotFoundError, ValueError, PlanError, BackendError, CacheError)
+    return (UsageError, FileNotFoundError, ValueError, PlanError, BackendError, CacheError, DistributedError)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -116,6 +119,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(e.code or 0)
     configure_logging(args)
     try:
+        if args.command in RUNS_MODELS:  # the reference path's threads too, not only the xeon backend's
+            from musecore.threads import configure_threads
+            configure_threads()
         return int(args.run(args) or 0)
     except user_errors() as e:
         if args.debug or os.environ.get("MUSECORE_DEBUG"):  # the full traceback, for bug reports

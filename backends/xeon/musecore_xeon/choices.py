@@ -45,8 +45,8 @@ def env_settings() -> list[EnvSetting]:
         return EnvSetting(name, os.environ.get(name), default, effect)
 
     return [
-        setting(NUM_THREADS_ENV, "PyTorch's default (the physical cores)",
-                "threads of PyTorch and of the native kernels (one OpenMP pool)"),
+        setting(NUM_THREADS_ENV, "the cores free at load (usable cores minus the 1-minute load average)",
+                "threads of PyTorch and of the native kernels (one OpenMP pool); a number, or 'all'"),
         setting(native.ISA_ENV, "the best the CPU has",
                 f"caps the ISA the native kernels are built for: one of {', '.join(native.ISA_LEVELS)}"),
         setting(native.NATIVE_ENV, "on",
@@ -158,7 +158,8 @@ class Choices:
 
     def thread_count(self) -> KernelChoice:
         raw = os.environ.get(NUM_THREADS_ENV)
-        reason = f"{NUM_THREADS_ENV}={raw}" if raw else f"PyTorch's default on {self.host}"
+        reason = (f"{NUM_THREADS_ENV}={raw}" if raw else
+                  f"the cores free at load (usable minus the 1-minute load average; musecore.threads) on {self.host}")
         return KernelChoice("threads", str(self.threads), reason, NUM_THREADS_ENV)
 
     def attention(self) -> KernelChoice:

@@ -1,4 +1,5 @@
-"""What this CPU can do, read once from ``/proc/cpuinfo`` and PyTorch, and the thread setting.
+"""What this CPU can do, read once from ``/proc/cpuinfo`` and PyTorch, and the thread setting
+(musecore's rule: the cores free now, see ``musecore.threads``).
 
 The Xeon backend picks its devices and its dense fallback from these facts: AMX (``amx_bf16``)
 is what makes a machine a ``xeon6`` target; AVX-512 BF16 or AMX is what makes oneDNN's BF16 GEMM
@@ -19,7 +20,7 @@ import torch
 REPORTED_FLAGS: tuple[str, ...] = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512f",
                                    "avx512_vnni", "avx512vl", "avx_vnni", "avx2", "fma", "f16c")
 
-NUM_THREADS_ENV = "MUSECORE_NUM_THREADS"
+NUM_THREADS_ENV = "MUSECORE_NUM_THREADS"  # read by musecore.threads
 
 
 @dataclass(frozen=True)
@@ -101,25 +102,16 @@ def read_cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
 
 
 def configure_threads(num_threads: Optional[int] = None) -> int:
-    """Set PyTorch's intra-op threads from ``num_threads`` or ``MUSECORE_NUM_THREADS``; return the count.
+    """Set PyTorch's intra-op threads (also the native kernels' OpenMP pool) and return the count:
+    ``num_threads``, else ``MUSECORE_NUM_THREADS`` (a number or ``all``), else the cores free now.
 
-    Decode on CPU is memory-bound and every core helps, so PyTorch's default (all physical cores)
-    is kept unless the user asks otherwise, e.g. to leave cores to another process.
+    Not every core by default: on a shared CPU a parallel region waits for a thread whose core another
+    process holds, and decode collapses (musecore/threads.py has the measurements and the rule).
 
     Example::
 
         configure_threads(4)              # or: MUSECORE_NUM_THREADS=4 python ...
     """
-    if num_threads is None:
-        raw = os.environ.get(NUM_THREADS_ENV)
-        if raw is not None:
-            try:
-                num_threads = int(raw)
-            except ValueError:
-                raise ValueError(f"{NUM_THREADS_ENV}={raw!r} is not an integer; set it to the number of "
-                                 "threads to use (e.g. 4) or unset it for PyTorch's default") from None
-    if num_threads is not None:
-        if num_threads < 1:
-            raise ValueError(f"thread count must be >= 1; got {num_threads}")
-        torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
+    from musecore.threads import configure_threads as configure
+
+    return configure(num_threads)
