@@ -26,12 +26,14 @@ from musecore.backends.base import Backend, KernelChoice, LinearShape, Support, 
 from musecore.backends.registry import unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import DeviceProfile, get_profile
+from musecore.distributed import Mesh, MeshError
 from musecore.loader import fusable_format
 from musecore.model import checkpoint_shapes
 from musecore.names import (DENSE_QUANTIZABLE, TOWERS, expert_key, fusable_projections,  # noqa: F401 (re-export)
                             fused_expert_name, is_fp32_tensor, is_tower_tensor, layer_of, op_of_weight, projection_of,
                             weight_group)
 from musecore.ops import OPS, OpSpec
+from musecore.planning_mesh import USABLE, MeshPlan, devices_per_node, mesh_choices, plan_mesh, propose_mesh
 
 QUANTIZED = tuple(name for name, f in FACTS.items() if f.quantized)
 DENSE = tuple(name for name, f in FACTS.items() if not f.quantized)
@@ -93,14 +95,18 @@ class Plan:
     parameters: int = 0         # the text decoder's, from the config (MuseConfig.num_parameters)
     active_parameters: int = 0  # per token (MuseConfig.num_active_parameters)
     kernels: list[KernelChoice] = field(default_factory=list)  # every kernel decision of the backend
+    mesh: Optional[MeshPlan] = None           # the ranks asked for (tp/ep/sp); None on one device
+    proposed_mesh: Optional[MeshPlan] = None  # without a mesh, for a model one device cannot hold
 
     @property
     def fits(self) -> bool:
-        return self.memory_bytes <= 0.9 * self.device_memory_bytes
+        """Every rank of the mesh fits; without a mesh, the whole model on one device."""
+        return self.mesh.fits if self.mesh is not None else self.memory_bytes <= USABLE * self.device_memory_bytes
 
     @property
     def devices_needed(self) -> int:
-        return max(1, math.ceil(self.memory_bytes / (0.9 * self.device_memory_bytes)))
+        """Devices the whole model's bytes need at 90% use each (a lower bound: see ``proposed_mesh``)."""
+        return max(1, math.ceil(self.memory_bytes / (USABLE * self.device_memory_bytes)))
 
     def implementation(self, op: str, weight_format: Optional[str] = None, act_format: Optional[str] = None) -> str:
         for c in self.ops:
@@ -117,6 +123,8 @@ class Plan:
                            "devices_needed": self.devices_needed},
                 "parameters": {"total": self.parameters, "active": self.active_parameters},
                 "kernels": [asdict(k) for k in self.kernels],
+                "mesh": None if self.mesh is None else self.mesh.to_dict(),
+                "proposed_mesh": None if self.proposed_mesh is None else self.proposed_mesh.to_dict(),
                 "gaps": self.gaps, "notes": self.notes, "ok": not self.gaps}
 
     def to_json(self) -> str:
@@ -354,7 +362,7 @@ def kv_bytes(config: MuseConfig, context: int, kv_format: str) -> int:
 def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False, allow_emulation: bool = False,
               allow_reference: bool = False, dtype_label: str = "bf16", kv_format: str = "bf16",
               kv_context: int = DEFAULT_CONTEXT, records: Optional[dict] = None,
-              quantize_dense: DenseGroups = None) -> Plan:
+              quantize_dense: DenseGroups = None, mesh: Optional[Mesh] = None) -> Plan:
     """Resolve the plan for ``summary`` on the catalog device ``device`` (no weights read).
 
     ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections (True),
@@ -367,9 +375,20 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     its kernel choices, the environment overrides in force and the bytes it keeps per weight; an
     emulated plan counts the target's format bytes (what the device would hold), not the reference
     kernels' fp32 copies.
+
+    ``mesh`` (:class:`~musecore.distributed.Mesh`, checked against the config: a mesh that cannot split
+    it raises :class:`~musecore.distributed.MeshError`) plans the model over ``mesh.world`` ranks: the plan's
+    ``mesh`` holds each rank's weight and KV bytes, whether a rank fits and the bytes each collective moves
+    per token (:mod:`musecore.planning_mesh`). Without one, a model that does not fit gets ``proposed_mesh``.
     """
     from musecore.backends.registry import discover
 
+    if mesh is not None:
+        try:
+            mesh.check(summary.config)
+        except MeshError as e:
+            raise MeshError(f"{e}; {mesh_choices(summary.config)}") from None
+        mesh = mesh if mesh.world > 1 else None
     profile = get_profile(device)
     backend_name = profile.backend
     mode, backend, hardware_gap = ("emulated" if emulate else "native"), None, None
@@ -400,7 +419,8 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
                      "see the groups below and the conversion report for the error")
     if backend is not None:
         env_notes(backend, notes)
-    groups, targets = resolve_groups(summary, profile, dtype_label, converted_dense, Resident(backend, notes))
+    resident = Resident(backend, notes)
+    groups, targets = resolve_groups(summary, profile, dtype_label, converted_dense, resident)
     kernels = ([] if backend is None else
                _asking(backend, "kernel_choices", notes, [], linear_shapes(summary.config, targets), profile))
     towers = sum(1 for name in summary.formats if is_tower_tensor(name))
@@ -419,10 +439,26 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
         notes.append("some ops run on the plain PyTorch reference because allow_reference=True (slow)")
     memory = sum(g.bytes for g in groups) + kv_bytes(summary.config, kv_context, kv_format)
     device_memory = int(profile.memory_gib * 2**30) if profile.memory_gib else host_memory_bytes()
+
+    def over(m: Mesh) -> MeshPlan:
+        return plan_mesh(summary.config, summary.shapes, targets, m, profile, resident.bytes,
+                         kv_format=kv_format, kv_context=kv_context, dtype_label=dtype_label,
+                         device_memory_bytes=device_memory)
+
+    mesh_plan = None if mesh is None else over(mesh)
     plan = Plan(summary.name, device, profile, REFERENCE if emulate else backend_name, mode, summary.format,
                 groups, ops, memory, device_memory, kv_context, gaps, notes, targets,
-                summary.config.num_parameters(), summary.config.num_active_parameters(), list(kernels))
-    if not plan.fits:
+                summary.config.num_parameters(), summary.config.num_active_parameters(), list(kernels), mesh_plan)
+    if mesh_plan is not None and not mesh_plan.fits:
+        plan.notes.append(f"does not fit: a rank of {mesh_plan.label} needs {mesh_plan.rank_bytes / 2**30:.1f} GiB, "
+                          f"one {device} has {device_memory / 2**30:.0f} GiB (90% usable)")
+    elif mesh_plan is None and not plan.fits:
         plan.notes.append(f"does not fit: needs {memory / 2**30:.1f} GiB, one {device} has "
                           f"{device_memory / 2**30:.0f} GiB (90% usable): needs {plan.devices_needed} devices")
+        if devices_per_node(profile) is None:
+            plan.notes.append(f"{device}: ranks are processes on one host and share its memory; no mesh makes the "
+                              "model fit (use a device with more memory)")
+        elif device_memory:
+            plan.proposed_mesh, passed_over = propose_mesh(over, summary.config, memory, device_memory)
+            plan.notes.extend(f"mesh search: {why}" for why in passed_over)
     return plan

@@ -47,9 +47,15 @@ def render_text(plan, width: int = 140) -> str:
         for k in plan.kernels:
             kernels.add_row(k.what, k.choice, k.reason, k.env or "-")
         console.print(kernels)
-    verdict = "fits" if plan.fits else f"does NOT fit: needs {plan.devices_needed} x {plan.device}"
+    one_fits = plan.memory_bytes <= 0.9 * plan.device_memory_bytes
+    verdict = "fits" if one_fits else f"does NOT fit: needs {plan.devices_needed} x {plan.device}"
+    verdict += " (the mesh below splits it)" if plan.mesh is not None else ""
     console.print(f"memory: {gib(plan.memory_bytes)} (weights + KV cache for {plan.kv_context} tokens) of "
                   f"{gib(plan.device_memory_bytes)} on one {plan.device}: {verdict}")
+    if plan.mesh is not None:
+        render_mesh(console, plan.mesh, plan.device, "mesh")
+    elif plan.proposed_mesh is not None:
+        render_mesh(console, plan.proposed_mesh, plan.device, "proposed mesh")
     for note in plan.notes:
         console.print(f"note: {note}")
     if plan.gaps:
@@ -57,3 +63,55 @@ def render_text(plan, width: int = 140) -> str:
         for gap in plan.gaps:
             console.print(f"  - {gap}")
     return buffer.getvalue().rstrip()
+
+
+def nbytes(n: float) -> str:
+    """A byte count of any size, for per-token traffic (``gib`` is for memory)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def launch_hint(mesh, device: str) -> str:
+    """The torchrun line that starts the mesh's ranks."""
+    flags = f"--tp {mesh.tp} --ep {mesh.ep}" + (" --sp" if mesh.sp else "")
+    if mesh.devices_per_node is None or mesh.nodes == 1:
+        return f"torchrun --nproc-per-node {mesh.world} -m musecore generate --device {device} {flags} ..."
+    return (f"torchrun --nnodes {mesh.nodes} --nproc-per-node {mesh.devices_per_node} --rdzv-endpoint HOST:PORT "
+            f"-m musecore generate --device {device} {flags} ... (on each node)")
+
+
+def render_mesh(console: Console, mesh, device: str, title: str) -> None:
+    """The mesh section: ranks and nodes, one rank's memory, and the bytes it sends per token."""
+    where = (f"{mesh.world} x {device} on one host" if mesh.devices_per_node is None else
+             f"{mesh.world} x {device}, {mesh.nodes} node{'s' if mesh.nodes > 1 else ''} of {mesh.devices_per_node}")
+    sp = "sequence-parallel prefill" if mesh.sp else "no sequence parallelism"
+    console.print(f"{title}: {mesh.label} over {mesh.world} ranks ({where}), {sp}, MoE dispatch {mesh.moe_dispatch}")
+    shared = mesh.devices_per_node is None
+    total = f" x {mesh.world} ranks = {gib(mesh.rank_bytes * mesh.world)}" if shared else ""
+    usable = "of the host's memory" if shared else f"usable on one {device}"
+    console.print(f"  per rank: weights {gib(mesh.weight_bytes)} + KV cache {gib(mesh.kv_bytes)} = "
+                  f"{gib(mesh.rank_bytes)}{total} of {gib(mesh.usable_bytes)} {usable}: "
+                  f"{'fits' if mesh.fits else 'does NOT fit'}")
+    full = " (the model's maximum)" if mesh.max_context == mesh.max_position_embeddings else ""
+    console.print(f"  KV cache: {mesh.kv_heads} KV head{'s' if mesh.kv_heads > 1 else ''} per rank "
+                  f"({mesh.kv_replication:g}x replication), {mesh.kv_context} tokens; room beside the weights for a "
+                  f"{mesh.max_context}-token context at batch 1{full}")
+    groups = Table(title=f"{title}: weights per rank (the busiest)", title_justify="left")
+    for col in ("group", "bytes per rank"):
+        groups.add_column(col)
+    for group, value in sorted(mesh.weight_bytes_by_group.items()):
+        groups.add_row(group, gib(value))
+    console.print(groups)
+    per_token = mesh.prefill_per_token()
+    traffic = Table(title=f"{title}: bytes rank 0 sends per token, by collective", title_justify="left")
+    for col in ("collective", "decode (batch 1)", f"prefill ({mesh.prefill_tokens}-token prompt)"):
+        traffic.add_column(col)
+    for name, value in mesh.decode.items():
+        traffic.add_row(name, nbytes(value), nbytes(per_token[name]))
+    traffic.add_row("total", nbytes(sum(mesh.decode.values())), nbytes(sum(per_token.values())))
+    console.print(traffic)
+    for note in mesh.notes:
+        console.print(f"  {title} note: {note}")
+    console.print(f"  launch: {launch_hint(mesh, device)}")

@@ -17,6 +17,11 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8"))
     p.add_argument("--checkpoint-format", default="bf16", choices=("bf16", "fp8", "nvfp4", "mxfp4", "int4"),
                    help="for a preset name without weights: the format of its quantized experts")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="plan N-way tensor parallel ranks (1 or the number of ranks; see `musecore generate --tp`)")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="plan N-way expert parallel ranks (divides the number of ranks)")
+    p.add_argument("--sp", action="store_true", help="plan sequence-parallel prefill (needs --tp > 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run)
 
@@ -27,7 +32,8 @@ def run(args) -> int:
     try:
         the_plan = api.plan(args.model, args.device, emulate=args.emulate, allow_emulation=args.allow_emulation,
                             allow_reference=args.allow_reference, kv_format=args.kv_format,
-                            checkpoint_format=args.checkpoint_format, quantize_dense=args.quantize_dense)
+                            checkpoint_format=args.checkpoint_format, quantize_dense=args.quantize_dense,
+                            tp=args.tp, ep=args.ep, sp=args.sp)
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
     print(the_plan.to_json() if args.json else the_plan)
