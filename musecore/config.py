@@ -77,6 +77,15 @@ NUMBER_FIELDS: dict[str, tuple[float, bool, Optional[float]]] = {
 BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "attention_bias", "output_router_logits")
 STR_FIELDS = ("hidden_act", "projector_hidden_act")
 DICT_FIELDS = ("rope_parameters", "vision_config", "audio_config")
+# Which config.json fields a checkpoint tensor's shape comes from (first matching name fragment wins).
+SHAPE_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("embed_tokens.", ("vocab_size", "hidden_size")), ("lm_head.", ("vocab_size", "hidden_size")),
+    ("self_attn.", ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")),
+    ("mlp.experts.", ("num_local_experts", "moe_intermediate_size", "moe_hidden_size")),
+    ("mlp.gate.", ("num_local_experts", "hidden_size")),
+    ("_expert_proj.", ("moe_hidden_size", "hidden_size")), ("pre_expert_norm.", ("moe_hidden_size",)),
+    ("mlp.", ("intermediate_size", "hidden_size")),
+)
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 40, 40, 4, 4
 
@@ -418,6 +427,64 @@ class MuseConfig:
         file = folder / "config.json"
         file.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         return file
+
+    def check_tensor_shapes(self, shapes: dict[str, tuple[int, ...]], source: str = "config.json") -> None:
+        """The checkpoint's tensor shapes (from the safetensors headers: no weight read) against the
+        shapes this config implies, as the loader checks them while reading, so that ``plan`` refuses a
+        config.json that contradicts its weights. Raises ``CheckpointMismatch`` naming the tensor and
+        the config.json fields its shape comes from. ``source``: the config.json path, for messages."""
+        from musecore.loader import CheckpointMismatch
+        from musecore.model import checkpoint_shapes
+        from musecore.names import expert_key, fused_expert_name, is_tower_tensor
+
+        expected = checkpoint_shapes(self)
+        seen: set[str] = set()
+        per_expert: dict[str, set[tuple[int, str]]] = {}
+        for name, shape in shapes.items():
+            if is_tower_tensor(name):
+                continue
+            shape, key = tuple(shape), expert_key(name)
+            if key is not None:
+                prefix, e, proj = key
+                fused = fused_expert_name(prefix, proj)
+                if fused not in expected:
+                    raise CheckpointMismatch(f"{source}: the checkpoint has {name!r}, but its layer has no routed "
+                                             f"experts in this config; fix {_label('mlp_layer_types')} or "
+                                             f"{_label('num_hidden_layers')} in config.json")
+                E, rows, cols = expected[fused]
+                want = (rows // 2, cols) if proj != "down" else (rows, cols)
+                if not 0 <= e < E:
+                    raise CheckpointMismatch(f"{source}: the checkpoint has expert {e} ({name!r}), but "
+                                             f"{_label('num_local_experts')} is {E}; fix it in config.json")
+                if shape != want:
+                    raise CheckpointMismatch(self._shape_message(source, name, shape, want))
+                per_expert.setdefault(fused, set()).add((e, proj))
+                continue
+            if name not in expected:
+                raise CheckpointMismatch(f"{source}: the checkpoint has tensor {name!r}, which a Muse Spark model with "
+                                         "this config does not have; check that config.json belongs to these weights "
+                                         f"({_label('num_hidden_layers')}, {_label('mlp_layer_types')})")
+            if shape != expected[name]:
+                raise CheckpointMismatch(self._shape_message(source, name, shape, expected[name]))
+            seen.add(name)
+        for fused, got in per_expert.items():
+            projections = ("down",) if fused.endswith("down_proj") else ("gate", "up")
+            if len(got) == expected[fused][0] * len(projections):
+                seen.add(fused)
+        missing = sorted(set(expected) - seen)
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise CheckpointMismatch(f"{source}: the checkpoint lacks {len(missing)} tensor(s) this config implies: "
+                                     f"{shown}; check that config.json belongs to these weights "
+                                     f"({_label('num_hidden_layers')}, {_label('mlp_layer_types')}, "
+                                     f"{_label('num_local_experts')})")
+
+    @staticmethod
+    def _shape_message(source: str, name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> str:
+        fields = next((f for suffix, f in SHAPE_FIELDS if suffix in name), ("hidden_size",))
+        return (f"{source}: tensor {name!r} has shape {list(shape)} in the checkpoint, but config.json implies "
+                f"{list(want)} from {', '.join(_label(f) for f in fields)}; fix config.json or use the checkpoint "
+                "it belongs to")
 
     # -- derived quantities ------------------------------------------------------------------------
 
