@@ -96,8 +96,7 @@ def render_mesh(console: Console, mesh, device: str, title: str) -> None:
                   f"{'fits' if mesh.fits else 'does NOT fit'}")
     full = " (the model's maximum)" if mesh.max_context == mesh.max_position_embeddings else ""
     console.print(f"  KV cache: {mesh.kv_heads} KV head{'s' if mesh.kv_heads > 1 else ''} per rank "
-                  f"({mesh.kv_replication:g}x replication), {mesh.kv_context} tokens; room beside the weights for a "
-                  f"{mesh.max_context}-token context at batch 1{full}")
+                  f"({mesh.kv_replication:g}x replication); room for a {mesh.max_context}-token context at batch 1{full}")
     groups = Table(title=f"{title}: weights per rank (the busiest)", title_justify="left")
     for col in ("group", "bytes per rank"):
         groups.add_column(col)
