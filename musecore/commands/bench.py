@@ -40,7 +40,7 @@ def run(args) -> int:
     all_rows = []
     for case in cases:  # progress on stderr: a running clock on a terminal, a line per case otherwise
         started = time.time()
-        with progress(f"bench {args.backend} {case}", unit="row", enabled=not args.quiet) as stage:
+        with progress(f"bench {args.backend} {case}", unit="row", enabled=not getattr(args, "quiet", False)) as stage:
             rows = table[case]()
             stage.update(len(rows))
         all_rows += rows

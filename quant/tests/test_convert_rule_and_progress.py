@@ -8,7 +8,8 @@ import re
 from musecore_quant import muse_rule
 from musecore_quant.cli import main
 from musecore_quant.progress import progress
-from test_checkpoint_helpers import LAYERS, PREFIX, bf16_checkpoint, muse_config, muse_tensors, write_hf_checkpoint  # noqa: F401
+from test_checkpoint_helpers import (LAYERS, PREFIX, bf16_checkpoint, muse_config, muse_tensors,  # noqa: F401
+                                     write_hf_checkpoint)
 
 FIRST = PREFIX + "layers.0.mlp.experts.0.gate_proj.weight"       # a BF16-expert layer under the Muse rule
 MIDDLE = PREFIX + f"layers.{LAYERS - 2}.mlp.experts.1.down_proj.weight"
