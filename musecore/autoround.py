@@ -267,6 +267,26 @@ def _seeded(seed: int) -> Iterator[None]:
             random.setstate(state)
 
 
+def _compressor_for(block: torch.nn.Module, options: AutoRoundOptions):
+    """One auto-round compressor around ``block`` (frozen), for its public ``quantize_block``."""
+    for p in block.parameters():
+        p.requires_grad_(False)
+    from auto_round import AutoRound
+    from auto_round.algorithms.quantization.sign_round.config import SignRoundConfig
+    from auto_round.schemes import QuantizationScheme
+    scheme = QuantizationScheme(bits=4, group_size=options.group_size, sym=options.sym, data_type="int",
+                                act_bits=16)
+    with _quiet(options.verbose), _seeded(options.seed):
+        compressor = AutoRound(
+            model=_SingleBlockModel(block), tokenizer="", scheme=scheme,  # "": no tokenizer (inputs are given)
+            alg_configs=SignRoundConfig(iters=options.iters, lr=options.lr),
+            nsamples=options.nsamples, seqlen=options.tokens_per_sample,
+            batch_size=options.batch_size or options.nsamples,
+            enable_torch_compile=False, device_map="cpu", amp=False, seed=options.seed)
+        compressor.batch_dim = 0
+    return compressor
+
+
 class ExpertTuner:
     """Tunes experts of one shape with one auto-round compressor (built once: its set-up costs
     seconds, a tuning step milliseconds). Each expert is loaded into the same :class:`ExpertBlock`."""
@@ -283,22 +303,7 @@ class ExpertTuner:
                                  "Quantize this model with RTN (every Muse preset is a multiple of 128)")
         self.options = options
         self.block = ExpertBlock(hidden, intermediate, post_eps)
-        for p in self.block.parameters():
-            p.requires_grad_(False)
-        self._model = _SingleBlockModel(self.block)
-        from auto_round import AutoRound
-        from auto_round.algorithms.quantization.sign_round.config import SignRoundConfig
-        from auto_round.schemes import QuantizationScheme
-        scheme = QuantizationScheme(bits=4, group_size=options.group_size, sym=options.sym, data_type="int",
-                                    act_bits=16)
-        with _quiet(options.verbose), _seeded(options.seed):
-            self._compressor = AutoRound(
-                model=self._model, tokenizer="", scheme=scheme,  # "": no tokenizer (inputs are given)
-                alg_configs=SignRoundConfig(iters=options.iters, lr=options.lr),
-                nsamples=options.nsamples, seqlen=options.tokens_per_sample,
-                batch_size=options.batch_size or options.nsamples,
-                enable_torch_compile=False, device_map="cpu", amp=False, seed=options.seed)
-            self._compressor.batch_dim = 0
+        self._compressor = _compressor_for(self.block, options)
 
     def samples(self, z: torch.Tensor, routing_weight: torch.Tensor) -> list:
         """auto-round's captured-input form: one ``((args, kwargs),)`` per sample of ``[1, S, h]``.
@@ -355,6 +360,100 @@ class ExpertTuner:
                                                           hz, hw, href)
             result.heldout_loss_autoround = weighted_output_mse(block, tuned, hz, hw, href)
             result.heldout_tokens = len(hz)
+        return result
+
+
+class LinearBlock(torch.nn.Module):
+    """One dense Linear (attention, pooler/unpooler, lm_head, dense MLP) as auto-round's block, fp32:
+    the loss it minimises is the Linear's own output error on the inputs it really receives."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.float())
+
+
+@dataclass
+class LinearResult:
+    """One tuned dense Linear: its INT4 weight and its output MSE with RTN and with AutoRound, on the
+    tuning rows and on rows it was not tuned on."""
+
+    qtensor: QTensor
+    loss_rtn: float
+    loss_autoround: float
+    tokens: int
+    heldout_loss_rtn: Optional[float] = None
+    heldout_loss_autoround: Optional[float] = None
+    heldout_tokens: int = 0
+
+
+class LinearTuner:
+    """Tunes dense Linears of one shape ``[out, in]`` with one auto-round compressor (see ExpertTuner).
+
+    Example::
+
+        tuner = LinearTuner(256, 256, AutoRoundOptions(iters=200))
+        result = tuner.tune(weight, x)            # x [n, in]: the inputs this Linear received
+        result.loss_autoround <= result.loss_rtn
+    """
+
+    def __init__(self, in_features: int, out_features: int, options: AutoRoundOptions = AutoRoundOptions()):
+        require_auto_round()
+        for dim, what in ((in_features, "in_features"), (out_features, "out_features")):
+            if dim % AUTO_ROUND_INT_MULTIPLE:
+                raise ValueError(f"auto-round keeps INT Linears whose dims are not multiples of "
+                                 f"{AUTO_ROUND_INT_MULTIPLE} in 16 bits; this Linear's {what} is {dim}. Quantize it "
+                                 "with RTN")
+        if in_features % options.group_size:
+            raise ValueError(f"INT4 group_size {options.group_size} must divide in_features {in_features}")
+        self.options = options
+        self.block = LinearBlock(in_features, out_features)
+        self._compressor = _compressor_for(self.block, options)
+
+    def samples(self, x: torch.Tensor) -> list:
+        """auto-round's captured-input form, ``tokens_per_sample`` rows each; the last is padded with
+        zero rows, whose output is 0 with any weight (no loss, no gradient)."""
+        S = self.options.tokens_per_sample
+        pad = -len(x) % S
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        return [(((x[i:i + S][None],), {}),) for i in range(0, len(x), S)]
+
+    def _mse(self, weight: torch.Tensor, x: torch.Tensor, reference: torch.Tensor) -> float:
+        return float(F.mse_loss(x @ weight.T, reference))
+
+    def tune(self, weight: torch.Tensor, x: torch.Tensor, seed: Optional[int] = None,
+             heldout: Optional[torch.Tensor] = None) -> LinearResult:
+        """Tune ``weight [out, in]`` on its inputs ``x [n, in]`` (at most ``options.max_tokens`` rows are
+        used); ``heldout [m, in]`` measures RTN and AutoRound on rows not tuned on."""
+        if len(x) == 0:
+            raise ValueError("a Linear with no calibration rows cannot be tuned; quantize it with RTN")
+        opts = self.options
+        weight, x = weight.float().contiguous(), x.float()[:opts.max_tokens].contiguous()
+        with torch.no_grad():
+            self.block.proj.weight.data.copy_(weight)
+            reference = x @ weight.T
+        rtn = quantize(weight, "int4", group_size=opts.group_size, sym=opts.sym)
+        loss_rtn = self._mse(int4_dequantize(rtn), x, reference)
+        with _quiet(opts.verbose), _seeded(opts.seed if seed is None else seed), _frozen_heap(), torch.enable_grad():
+            self._compressor.quantize_block(block=self.block, inputs=self.samples(x), q_input=None,
+                                            device="cpu", auto_offload=False)
+        linear = self.block.proj
+        qt = canonical_int4_from_autoround(linear.weight.data, getattr(linear, "scale", None),
+                                           getattr(linear, "zp", None), opts.group_size, opts.sym)
+        for attr in ("scale", "zp"):  # leave nothing of this Linear on the shared block
+            if hasattr(linear, attr):
+                delattr(linear, attr)
+        tuned = int4_dequantize(qt)
+        result = LinearResult(qt, loss_rtn, self._mse(tuned, x, reference), len(x))
+        if heldout is not None and len(heldout):
+            h = heldout.float()
+            href = h @ weight.T
+            result.heldout_loss_rtn = self._mse(int4_dequantize(rtn), h, href)
+            result.heldout_loss_autoround = self._mse(tuned, h, href)
+            result.heldout_tokens = len(h)
         return result
 
 

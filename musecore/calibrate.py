@@ -81,6 +81,7 @@ from musecore.model import MoEObserver, MuseModel
 from musecore.names import expert_patterns, expert_weight, quantized_expert_layers
 
 REPORT_FILE = "calibration_report.json"
+DENSE_REPORT_FILE = "dense_calibration_report.json"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -408,6 +409,206 @@ def autoround_quantizer(model: MuseModel, calibration_ids: torch.Tensor, *, laye
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# AutoRound for the dense groups a device quantizes (attention, pooler/unpooler, lm_head, dense MLP)
+
+
+class LinearInputRecorder:
+    """The model's op set, unchanged, except that ``linear`` also keeps (up to ``max_rows`` of) the
+    input rows of the weights in ``names_by_weight`` (``id(prepared weight) -> checkpoint names``).
+    :func:`capture_linear_inputs` binds it in place of the model's ops for one calibration pass."""
+
+    def __init__(self, ops: Any, names_by_weight: dict[int, list[str]], max_rows: int) -> None:
+        self._ops, self._names, self.max_rows = ops, names_by_weight, max_rows
+        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.count: dict[str, int] = defaultdict(int)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ops, name)
+
+    def linear(self, x: torch.Tensor, weight: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        for name in self._names.get(id(weight), ()):
+            room = self.max_rows - self.count[name]
+            if room > 0:
+                rows = x.reshape(-1, x.shape[-1])[:room].float().clone()
+                self.rows[name].append(rows)
+                self.count[name] += len(rows)
+        return self._ops.linear(x, weight, *args, **kwargs)
+
+
+def dense_linear_names(model: MuseModel, groups: Sequence[str]) -> list[str]:
+    """Checkpoint names of the model's Linears in the dense ``groups`` (labels of
+    :data:`musecore.names.DENSE_QUANTIZABLE`), in model order."""
+    from musecore.names import weight_group
+    slots = model.weight_slots()
+    return [name for name, slot in slots.items() if slot.role == "linear" and weight_group(name, model.config)[0] in groups]
+
+
+def capture_linear_inputs(model: MuseModel, ids: torch.Tensor, names: Sequence[str], max_rows: int = 2048,
+                          sequences_per_pass: int = 4) -> dict[str, torch.Tensor]:
+    """The input rows ``[n, in]`` (fp32, at most ``max_rows``) that each Linear of ``names`` receives
+    while ``model.forward`` runs on ``ids [B, T]``. Fused input projections (q/k/v/gate) share one input.
+
+    The model's op set is swapped for a :class:`LinearInputRecorder` on the model and its blocks
+    during the pass and restored after; the numbers computed are the model's own."""
+    slots = model.weight_slots()
+    names_by_weight: dict[int, list[str]] = defaultdict(list)
+    for name in names:
+        slot = slots[name]
+        fused = getattr(slot.owner, "in_proj", None) if slot.fused else None
+        weight = fused.weight if fused is not None else getattr(slot.owner, slot.attr)
+        names_by_weight[id(weight)].append(name)
+    holders = [model] + [obj for layer in model.layers for obj in (layer, layer.self_attn, layer.mlp)]
+    original = model.ops
+    holders = [obj for obj in holders if getattr(obj, "ops", None) is original]
+    recorder = LinearInputRecorder(original, names_by_weight, max_rows)
+    try:
+        for obj in holders:
+            obj.ops = recorder
+        with torch.inference_mode():
+            for chunk in ids.split(sequences_per_pass):
+                model.forward(chunk)
+    finally:
+        for obj in holders:
+            obj.ops = original
+    missing = [n for n in names if not recorder.rows.get(n)]
+    if missing:
+        raise RuntimeError(f"no input reached {missing[:3]} during the calibration pass (the model ran "
+                           "them through a path the recorder does not see)")
+    return {name: torch.cat(recorder.rows[name]) for name in names}
+
+
+@dataclass
+class LinearReport:
+    name: str
+    method: str                  # "autoround", or "rtn" (a width auto-round leaves in 16 bits)
+    tuned_tokens: int
+    loss_rtn: Optional[float] = None          # output MSE on the tuning rows
+    loss_autoround: Optional[float] = None
+    heldout_tokens: int = 0
+    heldout_loss_rtn: Optional[float] = None  # the same on calibration rows not tuned on
+    heldout_loss_autoround: Optional[float] = None
+
+
+class DenseAutoRoundQuantizer:
+    """``calibrated_quantizer(name, fp32 weight) -> QTensor`` for the dense Linears of ``groups``
+    (the groups a device such as xeon6 quantizes at load: attention, pooler/unpooler, lm_head):
+    each tuned with auto-round on the inputs it receives in the BF16 model on the calibration
+    ids (one pass, no propagation of earlier quantization), its own output MSE as the loss.
+
+    ``heldout_fraction`` of each Linear's captured rows is kept out of tuning and measures RTN and
+    AutoRound there (the report). Tuning runs when it is built; calling it looks the result up.
+
+    Example::
+
+        model = musecore.load("muse-bf16", device="cpu", dtype=torch.float32)
+        dense = DenseAutoRoundQuantizer(model, "muse-bf16", ids, ("attention", "pooler/unpooler", "lm_head"))
+        dense("lm_head.weight", w)              # canonical INT4 QTensor
+    """
+
+    def __init__(self, model: MuseModel, source: Union[str, Path], calibration_ids: torch.Tensor,
+                 groups: Sequence[str], *, options: AutoRoundOptions = AutoRoundOptions(),
+                 heldout_fraction: float = 0.25, progress: bool = False) -> None:
+        from musecore_quant.checkpoint import open_checkpoint
+
+        from musecore.autoround import LinearTuner
+        reader = open_checkpoint(source)
+        started = time.perf_counter()
+        self.groups, self.options = tuple(groups), options
+        self.names = dense_linear_names(model, self.groups)
+        if not self.names:
+            raise ValueError(f"the model has no Linear in the groups {list(groups)}")
+        inputs = capture_linear_inputs(model, calibration_ids, self.names, max_rows=options.max_tokens)
+        self.results: dict[str, QTensor] = {}
+        self.tuned: dict[str, torch.Tensor] = {}
+        self.reports: list[LinearReport] = []
+        tuners: dict[tuple[int, int], LinearTuner] = {}
+        for k, name in enumerate(self.names):
+            weight = reader.read(name).float()  # the weight convert() will hand over, fp32
+            x = inputs[name]
+            cut = max(1, int(len(x) * (1 - heldout_fraction)))
+            shape = (weight.shape[1], weight.shape[0])
+            if shape not in tuners:
+                tuners[shape] = LinearTuner(*shape, options)
+            result = tuners[shape].tune(weight, x[:cut], seed=options.seed + k, heldout=x[cut:])
+            self.results[name], self.tuned[name] = result.qtensor, weight
+            report = LinearReport(name, "autoround", result.tokens, result.loss_rtn, result.loss_autoround,
+                                  result.heldout_tokens, result.heldout_loss_rtn, result.heldout_loss_autoround)
+            self.reports.append(report)
+            if progress:
+                print(f"{name}: output MSE rtn {report.loss_rtn:.3e} -> autoround {report.loss_autoround:.3e} on "
+                      f"{report.tuned_tokens} rows; held out ({report.heldout_tokens}): rtn "
+                      f"{report.heldout_loss_rtn:.3e} -> autoround {report.heldout_loss_autoround:.3e}",
+                      file=sys.stderr, flush=True)
+        self.seconds = time.perf_counter() - started
+        digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
+        self.__qualname__ = (f"musecore.calibrate.DenseAutoRoundQuantizer(ids={digest}, groups={list(self.groups)}, "
+                             f"options={json.dumps(options.as_dict(), sort_keys=True)})")
+
+    def include_patterns(self) -> list[str]:
+        import re
+        return ["^" + re.escape(name) + "$" for name in self.names]
+
+    def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
+        if name not in self.results:
+            raise ValueError(f"{name!r} was not tuned (groups {list(self.groups)}); restrict include to "
+                             "include_patterns()")
+        if not torch.equal(weight.float(), self.tuned[name]):
+            raise ValueError(f"{name!r} differs from the weight that was calibrated: load the calibration model "
+                             "from the checkpoint being converted (dtype=torch.float32)")
+        return self.results[name]
+
+    def report(self) -> dict:
+        held = [r for r in self.reports if r.heldout_loss_rtn]
+        gains = [relative_gain(r.heldout_loss_rtn, r.heldout_loss_autoround) for r in held]
+        return {"groups": list(self.groups), "options": self.options.as_dict(), "seconds": self.seconds,
+                "auto_round_version": auto_round_version(),
+                "mean_heldout_output_error_reduction": sum(gains) / len(gains) if gains else None,
+                "linears_worse_than_rtn_heldout": sum(r.heldout_loss_autoround > r.heldout_loss_rtn for r in held),
+                "linears": [dataclasses.asdict(r) for r in self.reports]}
+
+
+class ExpertsFromCheckpoint:
+    """``calibrated_quantizer`` answering routed-expert names from an INT4 AutoRound checkpoint already
+    made from the same source (per-expert keys, as :func:`convert_autoround` writes them), so that
+    adding tuned dense groups does not tune the experts again. The caller vouches for the source
+    (the accuracy matrix keys its cache by the source's content hash)."""
+
+    def __init__(self, folder: Union[str, Path]) -> None:
+        from musecore_quant.checkpoint import open_checkpoint
+        self.reader = open_checkpoint(folder)
+
+    def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
+        from musecore.names import experts_prefix, per_expert_name
+        match = expert_weight(name)
+        if match is None:
+            raise ValueError(f"{name!r} is not a routed expert projection")
+        prefix = experts_prefix(match.layer)
+        if not match.fused:
+            qt = self.reader.read(name)
+        elif match.proj == "gate_up_proj":
+            qt = stack_qtensors([concat_qtensors([self.reader.read(per_expert_name(prefix, e, "gate_proj")),
+                                                  self.reader.read(per_expert_name(prefix, e, "up_proj"))])
+                                 for e in range(weight.shape[0])])
+        else:
+            qt = stack_qtensors([self.reader.read(per_expert_name(prefix, e, "down_proj"))
+                                 for e in range(weight.shape[0])])
+        if tuple(qt.shape) != tuple(weight.shape):
+            raise ValueError(f"{name!r}: the expert checkpoint holds {list(qt.shape)}, the source {list(weight.shape)}")
+        return qt
+
+
+class CombinedQuantizer:
+    """Routes each name to the quantizer that tuned it: experts to one, dense Linears to the other."""
+
+    def __init__(self, experts: Any, dense: DenseAutoRoundQuantizer) -> None:
+        self.experts, self.dense = experts, dense
+        self.__qualname__ = f"{getattr(experts, '__qualname__', type(experts).__name__)}+{dense.__qualname__}"
+
+    def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
+        return self.experts(name, weight) if expert_weight(name) is not None else self.dense(name, weight)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Static activation scales for W4A4 (NVFP4) checkpoints
 
 
@@ -554,11 +755,18 @@ def read_calibration(path: Union[str, Path], tokenizer: Any) -> torch.Tensor:
 def convert_autoround(src: Union[str, Path], dst: Union[str, Path],
                       calibration: Union[str, Sequence[int], torch.Tensor], *, tokens: int = 16384,
                       seq_len: int = 512, layers: Optional[Sequence[int]] = None,
+                      dense_groups: Sequence[str] = (), expert_checkpoint: Optional[Union[str, Path]] = None,
                       progress: bool = True, resume: bool = True, **options: Any) -> tuple[Any, CalibrationReport]:
     """BF16 checkpoint ``src`` -> INT4 AutoRound checkpoint ``dst`` (routed experts of ``layers``).
 
     ``calibration`` is text (tokenized with the checkpoint's tokenizer) or token ids; its first
     ``tokens`` ids are cut into windows of ``seq_len``. ``options`` go to :func:`autoround_quantizer`.
+    ``dense_groups`` (labels of ``musecore.names.DENSE_QUANTIZABLE``, e.g. ``("attention",
+    "pooler/unpooler", "lm_head")``, what xeon6 quantizes at load) are tuned too
+    (:class:`DenseAutoRoundQuantizer`; its report goes to ``dst/dense_calibration_report.json``), so a
+    device loading ``dst`` keeps them as tuned instead of rounding them to nearest.
+    ``expert_checkpoint``: take the experts from this INT4 AutoRound checkpoint of the same ``src``
+    instead of tuning them again (the experts' calibration report is then the one in that folder).
     Returns ``(conversion report, calibration report)``; the latter is also written to
     ``dst/calibration_report.json``.
 
@@ -569,19 +777,38 @@ def convert_autoround(src: Union[str, Path], dst: Union[str, Path],
     """
     import musecore
     from musecore_quant.convert import convert
-    model = musecore.load(src, device="cpu", dtype=torch.float32, progress=False)
+    model = musecore.load(src, device="cpu", dtype=torch.float32, progress=False, quantize_dense=False)
     if isinstance(calibration, str):
         if model.tokenizer is None:
             raise ValueError(f"{src} has no tokenizer.json; pass calibration token ids instead of text")
         calibration = model.tokenizer.encode(calibration)
     ids = calibration_windows(calibration, tokens, seq_len)
-    quantizer = autoround_quantizer(model, ids, layers=layers, progress=progress, **options)
-    opts = quantizer.options
-    report = convert(src, dst, to="int4", method="autoround", include=quantizer.include_patterns(),
+    if expert_checkpoint is None:
+        quantizer: Any = autoround_quantizer(model, ids, layers=layers, progress=progress, **options)
+        opts, calib_report, include = quantizer.options, quantizer.report, quantizer.include_patterns()
+    else:
+        report_path = Path(expert_checkpoint) / REPORT_FILE
+        if not report_path.is_file():
+            raise FileNotFoundError(f"{expert_checkpoint} has no {REPORT_FILE}: pass a folder convert_autoround wrote")
+        saved = json.loads(report_path.read_text())
+        opts = AutoRoundOptions(**saved["options"])
+        calib_report = CalibrationReport(saved["layers"], saved["calibration_tokens"], saved["options"],
+                                         saved["auto_round_version"], saved["propagate_quantized"],
+                                         [ExpertReport(**e) for e in saved["experts"]], saved["seconds"])
+        quantizer, include = ExpertsFromCheckpoint(expert_checkpoint), expert_patterns(saved["layers"])
+    dense = None
+    if dense_groups:
+        dense_opts = {k: v for k, v in options.items() if k in ("iters", "nsamples", "tokens_per_sample", "seed")}
+        dense = DenseAutoRoundQuantizer(model, src, ids, dense_groups, options=AutoRoundOptions(**dense_opts),
+                                        progress=progress)
+        quantizer, include = CombinedQuantizer(quantizer, dense), include + dense.include_patterns()
+    report = convert(src, dst, to="int4", method="autoround", include=include,
                      quantize_options={"group_size": opts.group_size, "sym": opts.sym}, progress=progress,
                      resume=resume, calibrated_quantizer=quantizer)
-    (Path(dst) / REPORT_FILE).write_text(json.dumps(quantizer.report.to_dict(), indent=2) + "\n")
-    return report, quantizer.report
+    (Path(dst) / REPORT_FILE).write_text(json.dumps(calib_report.to_dict(), indent=2) + "\n")
+    if dense is not None:
+        (Path(dst) / DENSE_REPORT_FILE).write_text(json.dumps(dense.report(), indent=2) + "\n")
+    return report, calib_report
 
 
 def cli_calibrator(src: Union[str, Path], dst: Union[str, Path], *, calibration: Union[str, Path],
