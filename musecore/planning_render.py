@@ -7,6 +7,8 @@ import io
 from rich.console import Console
 from rich.table import Table
 
+from musecore.planning_mesh import USABLE, MeshPlan
+
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.1f} MiB"
@@ -47,7 +49,7 @@ def render_text(plan, width: int = 140) -> str:
         for k in plan.kernels:
             kernels.add_row(k.what, k.choice, k.reason, k.env or "-")
         console.print(kernels)
-    one_fits = plan.memory_bytes <= 0.9 * plan.device_memory_bytes
+    one_fits = plan.memory_bytes <= USABLE * plan.device_memory_bytes
     verdict = "fits" if one_fits else f"does NOT fit: needs {plan.devices_needed} x {plan.device}"
     verdict += " (the mesh below splits it)" if plan.mesh is not None else ""
     console.print(f"memory: {gib(plan.memory_bytes)} (weights + KV cache for {plan.kv_context} tokens) of "
@@ -73,16 +75,16 @@ def nbytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def launch_hint(mesh, device: str) -> str:
+def launch_hint(mesh: MeshPlan, device: str) -> str:
     """The torchrun line that starts the mesh's ranks."""
     flags = f"--tp {mesh.tp} --ep {mesh.ep}" + (" --sp" if mesh.sp else "")
     if mesh.devices_per_node is None or mesh.nodes == 1:
         return f"torchrun --nproc-per-node {mesh.world} -m musecore generate --device {device} {flags} ..."
-    return (f"torchrun --nnodes {mesh.nodes} --nproc-per-node {mesh.devices_per_node} --rdzv-endpoint HOST:PORT "
-            f"-m musecore generate --device {device} {flags} ... (on each node)")
+    return (f"torchrun --nnodes {mesh.nodes} --nproc-per-node {mesh.devices_per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint HOST:PORT -m musecore generate --device {device} {flags} ... (on each node)")
 
 
-def render_mesh(console: Console, mesh, device: str, title: str) -> None:
+def render_mesh(console: Console, mesh: MeshPlan, device: str, title: str) -> None:
     """The mesh section: ranks and nodes, one rank's memory, and the bytes it sends per token."""
     where = (f"{mesh.world} x {device} on one host" if mesh.devices_per_node is None else
              f"{mesh.world} x {device}, {mesh.nodes} node{'s' if mesh.nodes > 1 else ''} of {mesh.devices_per_node}")

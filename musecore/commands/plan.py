@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from musecore.cli import UsageError
-from musecore.commands import add_quantize_dense
+from musecore.commands import add_mesh, add_quantize_dense
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="show the plan (conversions, op implementations, memory) for a model on a device")
+    p = sub.add_parser("plan", help="show the plan (conversions, op implementations, memory, mesh) for a model on a device")
     p.add_argument("--model", default="muse-tiny", help="checkpoint folder or preset name (default: muse-tiny)")
     p.add_argument("--device", default="auto", help="catalog device (musecore devices), 'auto' or a torch device")
     p.add_argument("--emulate", action="store_true", help="plan the device's numerics on local reference kernels")
@@ -17,11 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8"))
     p.add_argument("--checkpoint-format", default="bf16", choices=("bf16", "fp8", "nvfp4", "mxfp4", "int4"),
                    help="for a preset name without weights: the format of its quantized experts")
-    p.add_argument("--tp", type=int, default=None, metavar="N",
-                   help="plan N-way tensor parallel ranks (1 or the number of ranks; see `musecore generate --tp`)")
-    p.add_argument("--ep", type=int, default=None, metavar="N",
-                   help="plan N-way expert parallel ranks (divides the number of ranks)")
-    p.add_argument("--sp", action="store_true", help="plan sequence-parallel prefill (needs --tp > 1)")
+    add_mesh(p)  # the plan shows each rank's memory and traffic; without them it proposes a mesh if needed
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run)
 
