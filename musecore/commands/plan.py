@@ -7,7 +7,8 @@ from musecore.commands import add_mesh, add_quantize_dense
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="show the plan (conversions, op implementations, memory, mesh) for a model on a device")
+    p = sub.add_parser("plan", help="show the plan (conversions, op implementations, memory, mesh) for a model "
+                                    "on a device")
     p.add_argument("--model", default="muse-tiny", help="checkpoint folder or preset name (default: muse-tiny)")
     p.add_argument("--device", default="auto", help="catalog device (musecore devices), 'auto' or a torch device")
     p.add_argument("--emulate", action="store_true", help="plan the device's numerics on local reference kernels")
