@@ -8,7 +8,9 @@ with its reason, asks the backend for every kernel choice it would make on the m
 estimates memory against the device from the bytes each backend really keeps resident
 (:meth:`~musecore.backends.base.Backend.resident_bytes`). Policy is strict: an op without a native
 implementation is a gap unless ``allow_emulation`` / ``allow_reference`` opt in to a slower path;
-all gaps are listed at once. ``musecore.load`` executes a plan that has none.
+all gaps are listed at once. ``musecore.load`` executes a plan that has none. Over a mesh of ranks
+(``tp``/``ep``/``sp``) the plan adds each rank's memory and the bytes its collectives move, and
+for a model one device cannot hold it proposes a mesh (:mod:`musecore.planning_mesh`).
 """
 
 from __future__ import annotations
