@@ -141,6 +141,24 @@ def _split_stop(stop: Stop, tokenizer: Any, is_text: bool) -> tuple[set[int], li
     return ids, strings
 
 
+def _check_text(texts: list[Any], model: Any) -> None:
+    """Text prompts must be encodable UTF-8 (a command-line argument with invalid bytes arrives as
+    lone surrogates), and the tokenizer must not know more tokens than the model has."""
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            where = f"prompt {i}" if len(texts) > 1 else "the prompt"
+            bad = text[err.start]
+            byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+            raise ValueError(f"{where} is not valid UTF-8 text ({byte} at character {err.start}); pass UTF-8 "
+                             "text, or token ids") from None
+    have, vocab = model.tokenizer.vocab_size, model.config.vocab_size
+    if have > vocab:
+        raise ValueError(f"the tokenizer has {have} tokens but the model's vocab_size is {vocab} (config.json): "
+                         "tokenizer.json belongs to another model; use the checkpoint's own tokenizer.json")
+
+
 def _encode_text(model: Any, text: str) -> list[int]:
     """A text prompt framed as training documents were: BOS first, unless the text starts with it."""
     tokenizer = model.tokenizer
@@ -349,6 +367,8 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
         raise ValueError("this model has no tokenizer (its checkpoint has no tokenizer.json), so it cannot take "
                          "text: pass token ids (list[int]) instead, or add tokenizer.json to the checkpoint")
     stop_ids, stop_strings = _split_stop(stop, tokenizer, is_text)
+    if is_text:
+        _check_text(prompts, model)
     prompt_ids = [_encode_text(model, p) for p in prompts] if is_text else prompts
     _check_lengths(prompt_ids, max_new_tokens, model.config)
     ends = _eos_ids(model) | stop_ids

@@ -51,3 +51,26 @@ def test_with_musecore_debug_the_error_names_the_first_non_finite_layer(model, c
     with pytest.raises(NonFiniteLogitsError, match=f"the first non-finite output is {BREAKS[case][1]}") as e:
         model.generate([[0, 5, 6, 7], [0, 9]], max_new_tokens=4)  # a batch with padding: rows 0 and 1 named
     assert "rows [0, 1]" in str(e.value), str(e.value)
+
+
+def test_a_prompt_with_invalid_utf8_bytes_is_one_line_exit_2(capsys):
+    """``musecore generate --prompt $'abc\\xff'``: Python hands the byte over as a lone surrogate."""
+    from musecore.cli import main
+
+    assert main(["generate", "--model", "muse-tiny", "--device", "cpu", "--max-new-tokens", "2",
+                 "--prompt", "abc\udcff"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not valid UTF-8 text (byte 0xff at character 3)" in err, err
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(folder, tmp_path):
+    import shutil
+
+    from musecore.api import BUNDLED
+
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(folder, mismatched)
+    shutil.copy(BUNDLED / "muse-tiny" / "tokenizer.json", mismatched / "tokenizer.json")  # 4096 tokens, model 97
+    model = musecore.load(mismatched, device="cpu")
+    with pytest.raises(ValueError, match="tokenizer has 4096 tokens but the model's vocab_size is 97"):
+        model.generate("hello", max_new_tokens=2)
