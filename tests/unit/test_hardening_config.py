@@ -209,7 +209,8 @@ MAX_EXAMPLES = int(os.environ.get("MUSECORE_FUZZ_EXAMPLES", "150"))
 DEADLINE_S = float(os.environ.get("MUSECORE_FUZZ_DEADLINE_S", "10"))
 FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=MAX_EXAMPLES <= 150,
                 suppress_health_check=list(HealthCheck))
-COUNTS: Counter = Counter()
+PLAN_EXAMPLES = max(10, MAX_EXAMPLES // 10)  # each plan reads a checkpoint's headers: ~10x a config parse
+COUNTS: dict[str, Counter] = {}
 
 
 def _report() -> None:
@@ -218,7 +219,7 @@ def _report() -> None:
     if not path or not COUNTS:
         return
     report = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
-    report["config.json (MuseConfig.from_pretrained)"] = dict(COUNTS)
+    report.update({k: dict(v) for k, v in COUNTS.items()})
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
@@ -265,11 +266,8 @@ edits = st.lists(st.tuples(st.sampled_from(["text_config", "rope", "outer", "del
                            st.sampled_from(TEXT_KEYS + ROPE_KEYS + OUTER_KEYS), json_values), min_size=1, max_size=4)
 
 
-@FUZZ
-@given(edits=edits)
-def test_fuzz_config_json(tmp_path_factory, edits):
-    base = small_config().to_dict()
-    data = json.loads(json.dumps(base))
+def apply_edits(data: dict, edits) -> dict:
+    data = json.loads(json.dumps(data))
     for where, key, value in edits:
         text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
         if where == "text_config":
@@ -280,39 +278,81 @@ def test_fuzz_config_json(tmp_path_factory, edits):
             data[key] = value
         else:
             text.pop(key, None)
-    folder = tmp_path_factory.mktemp("fuzz", numbered=True)
-    (folder / "config.json").write_bytes(json.dumps(data, allow_nan=True).encode("utf-8", "surrogatepass"))
-    COUNTS["tried"] += 1
+    return data
+
+
+def run_example(parser: str, call, what) -> None:
+    """``call()`` under the deadline and tracemalloc; counts parsed / silent / clean_error / crash /
+    hang / memory for ``parser``; anything but a clean result or a one-line ValueError fails."""
+    counts = COUNTS.setdefault(parser, Counter())
+    counts["tried"] += 1
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, DEADLINE_S)
     tracemalloc.start()
     try:
-        config = MuseConfig.from_pretrained(folder)
-        problem = silent_problem(config)
-        COUNTS["silent" if problem else "parsed"] += 1
-        assert problem is None, (problem, edits)
+        problem = call()
+        counts["silent" if problem else "parsed"] += 1
+        assert problem is None, (problem, what)
     except ValueError as e:
-        COUNTS["clean_error"] += 1
+        counts["clean_error"] += 1
         assert "\n" not in str(e), str(e)
     except Hang:
-        COUNTS["hang"] += 1
+        counts["hang"] += 1
         raise
     except MemoryError:
-        COUNTS["memory"] += 1
+        counts["memory"] += 1
         raise
     except AssertionError:
         raise
     except Exception:
-        COUNTS["crash"] += 1
+        counts["crash"] += 1
         raise
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        if peak > MEMORY:
-            COUNTS["memory"] += 1
-        for f in folder.iterdir():
-            f.unlink()
+    if peak > MEMORY:
+        counts["memory"] += 1
+    assert peak <= MEMORY, f"{peak / 2**20:.1f} MiB for {what}"
+
+
+@FUZZ
+@given(edits=edits)
+def test_fuzz_config_json(tmp_path_factory, edits):
+    data = apply_edits(small_config().to_dict(), edits)
+    folder = tmp_path_factory.mktemp("fuzz", numbered=True)
+    (folder / "config.json").write_bytes(json.dumps(data, allow_nan=True).encode("utf-8", "surrogatepass"))
+    try:
+        run_example("config.json (MuseConfig.from_pretrained)",
+                    lambda: silent_problem(MuseConfig.from_pretrained(folder)), edits)
+    finally:
+        (folder / "config.json").unlink()
         folder.rmdir()
-    assert peak <= MEMORY, f"{peak / 2**20:.1f} MiB for {edits}"
+
+
+size_edits = st.lists(st.tuples(st.sampled_from(["text_config", "rope", "delete"]),
+                                st.sampled_from(TEXT_KEYS + ROPE_KEYS),
+                                st.one_of(json_values, st.integers(0, 200), st.sampled_from([10**7, 10**12]))),
+                      min_size=1, max_size=3)
+
+
+@settings(FUZZ, max_examples=PLAN_EXAMPLES)
+@given(edits=size_edits)
+def test_fuzz_plan_against_a_checkpoint(checkpoint, tmp_path_factory, edits):
+    """plan() on a real checkpoint with a fuzzed config.json: a plan (the config then matches every
+    header shape) or a one-line ValueError; never a crash, a hang or a memory blow-up."""
+    folder, config = checkpoint
+    copy = with_config(folder, tmp_path_factory.mktemp("plan", numbered=True),
+                       apply_edits(config.to_dict(), edits))
+
+    def plan_it():
+        musecore.plan(copy, device="cpu")
+        return silent_problem(MuseConfig.from_pretrained(copy))
+
+    try:
+        run_example("plan() on a checkpoint with a fuzzed config.json", plan_it, edits)
+    finally:
+        for f in copy.iterdir():
+            f.unlink()
+        copy.rmdir()
