@@ -20,7 +20,8 @@ import sys
 from typing import Optional, Sequence
 
 COMMANDS = ("generate", "chat", "serve", "plan", "devices", "doctor", "matrix", "bench")
-RUNS_MODELS = ("generate", "chat", "serve", "matrix", "bench")  # CPU threads set from the free cores (musecore.threads)
+# CPU threads set from the free cores (musecore.threads); serve chooses its own (commands/serve.py says why)
+RUNS_MODELS = ("generate", "chat", "matrix", "bench")
 
 
 class UsageError(Exception):

@@ -55,6 +55,16 @@ def run(args: argparse.Namespace) -> int:
                          "pip install -e \".[serve]\"") from None
     if args.max_batch < 1 or args.max_waiting < 0:
         raise UsageError("--max-batch must be >= 1 and --max-waiting >= 0")
+    import os
+
+    from musecore.threads import NUM_THREADS_ENV, configure_threads
+
+    # Every usable core unless MUSECORE_NUM_THREADS says otherwise, not the free-cores rule of the other
+    # commands: on the shared 2-core CI machine (load 7-8) benchmarks/serve_bench.py --device xeon ran
+    # 252/280 tokens/s at 1 client and 527/557 at 16 with 2 threads, 115/81 and 289/397 with 1 (two
+    # interleaved runs each), while `generate` there was 20x faster with 1 thread; the cause is not known.
+    os.environ.setdefault(NUM_THREADS_ENV, "all")  # read again by the xeon backend as the model loads
+    configure_threads()
     import musecore
 
     model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense,
