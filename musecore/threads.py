@@ -1,10 +1,12 @@
 """How many threads PyTorch's CPU kernels get: the cores free now, not every core.
 
 An OpenMP parallel region waits for its slowest thread, and a thread whose core another process
-holds waits a whole scheduler slice, so on a shared CPU "one thread per core" collapses. Measured on
-a 2-core AMD EPYC shared with other jobs (1-minute load average 5-6), muse-tiny decoding 64 tokens
-greedily, 1 and 2 threads interleaved: the xeon backend ran 150-255 tokens/s with 1 thread and 7-31
-with 2 (four runs each); the reference path 26-28 with 1 and 2-10 with 2 (two runs each).
+holds waits a whole scheduler slice, so on a shared CPU "one thread per core" can collapse. Measured
+on a 2-core AMD EPYC shared with other jobs (1-minute load average 6-7), ``MUSECORE_NUM_THREADS=T
+musecore generate --device D --prompt "def fibonacci(n):" --max-new-tokens 64 --json``, one process
+per run, 1 and 2 threads interleaved, four runs each: xeon 195-320 tokens/s with 1 thread and 5-12
+with 2; the reference path (``cpu``) 31-47 with 1 and 2-18 with 2. ``musecore serve`` measured the
+other way round on the same machine and keeps every core (``musecore/commands/serve.py``).
 
 So the default is the cores this process may use (CPU affinity and the cgroup's CPU quota) minus
 their share of the 1-minute load average, rounded, at least 1. ``MUSECORE_NUM_THREADS`` overrides
