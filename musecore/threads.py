@@ -7,6 +7,10 @@ musecore generate --device D --prompt "def fibonacci(n):" --max-new-tokens 64 --
 per run, 1 and 2 threads interleaved, four runs each: xeon 195-320 tokens/s with 1 thread and 5-12
 with 2; the reference path (``cpu``) 31-47 with 1 and 2-18 with 2. ``musecore serve`` measured the
 other way round on the same machine and keeps every core (``musecore/commands/serve.py``).
+What is known of the cause: the collapse is OpenMP's spin-waiting in the main thread. In one
+process (load 7.5, 2 threads) generate ran 7-22 tokens/s from the main thread and 176-382 from a
+worker thread (where the server's scheduler runs), and ``GOMP_SPINCOUNT=0`` (set before torch is
+imported) lifted the main thread to 190-255; not yet made the default.
 
 So the default is the cores this process may use (CPU affinity and the cgroup's CPU quota) minus
 their share of the 1-minute load average, rounded, at least 1. ``MUSECORE_NUM_THREADS`` overrides
