@@ -1,7 +1,9 @@
 """``musecore-quant``: inspect, convert, verify and diff checkpoints from the shell.
 
-Every read command takes ``--json`` (a single JSON document on stdout); long work shows a
-progress bar on stderr. Exit codes: 0 ok, 1 a verification or diff failure, 2 bad input or
+Every read command takes ``--json`` (a single JSON document on stdout; its schema is in
+``musecore_quant/schemas``); long work reports progress on stderr, as a bar on a terminal and one
+line per stage elsewhere (``musecore_quant.progress``). ``convert`` quantizes a Muse checkpoint's
+routed experts of layers 1..L-2 by default (``convert.default_include``). Exit codes: 0 ok, 1 a verification or diff failure, 2 bad input or
 usage (one line on stderr, no traceback), 3 an internal error (a bug: one line too), 130
 interrupted. ``MUSECORE_DEBUG=1`` shows the traceback of errors 2 and 3.
 
