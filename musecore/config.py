@@ -448,7 +448,7 @@ class MuseConfig:
                 prefix, e, proj = key
                 fused = fused_expert_name(prefix, proj)
                 if fused not in expected:
-                    raise CheckpointMismatch(f"{source}: the checkpoint has {name!r}, but its layer has no routed "
+                    raise CheckpointMismatch(f"{source}: unexpected tensor {name!r}: its layer has no routed "
                                              f"experts in this config; fix {_label('mlp_layer_types')} or "
                                              f"{_label('num_hidden_layers')} in config.json")
                 E, rows, cols = expected[fused]
@@ -461,20 +461,20 @@ class MuseConfig:
                 per_expert.setdefault(fused, set()).add((e, proj))
                 continue
             if name not in expected:
-                raise CheckpointMismatch(f"{source}: the checkpoint has tensor {name!r}, which a Muse Spark model with "
-                                         "this config does not have; check that config.json belongs to these weights "
+                raise CheckpointMismatch(f"{source}: unexpected tensor {name!r}: a Muse Spark model with this config "
+                                         "does not have it; check that config.json belongs to these weights "
                                          f"({_label('num_hidden_layers')}, {_label('mlp_layer_types')})")
             if shape != expected[name]:
                 raise CheckpointMismatch(self._shape_message(source, name, shape, expected[name]))
             seen.add(name)
-        for fused, got in per_expert.items():
-            projections = ("down",) if fused.endswith("down_proj") else ("gate", "up")
-            if len(got) == expected[fused][0] * len(projections):
-                seen.add(fused)
+        for prefix in {fused.rsplit(".", 1)[0] for fused in per_expert}:  # as the loader: a layer's experts
+            gate_up, down = fused_expert_name(prefix, "gate"), fused_expert_name(prefix, "down")  # count once all
+            if len(per_expert.get(gate_up, ())) + len(per_expert.get(down, ())) == 3 * expected[down][0]:  # arrived
+                seen.update((gate_up, down))
         missing = sorted(set(expected) - seen)
         if missing:
-            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise CheckpointMismatch(f"{source}: the checkpoint lacks {len(missing)} tensor(s) this config implies: "
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise CheckpointMismatch(f"{source}: missing {len(missing)} tensor(s) this config implies: "
                                      f"{shown}; check that config.json belongs to these weights "
                                      f"({_label('num_hidden_layers')}, {_label('mlp_layer_types')}, "
                                      f"{_label('num_local_experts')})")

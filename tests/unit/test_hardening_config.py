@@ -164,7 +164,7 @@ SHAPE_CASES = {  # text_config change -> what the error must name
     "3 layers for a 4-layer checkpoint": ({"num_hidden_layers": 3, "layer_types": None, "mlp_layer_types": None,
                                            "layer_rope_theta": None}, "text_config.num_hidden_layers"),
     "5 layers for a 4-layer checkpoint": ({"num_hidden_layers": 5, "layer_types": None, "mlp_layer_types": None,
-                                           "layer_rope_theta": None}, "lacks"),
+                                           "layer_rope_theta": None}, "missing"),
 }
 
 
@@ -199,8 +199,8 @@ def test_plan_accepts_the_matching_config_and_per_expert_checkpoints(checkpoint,
     dropped = next(n for n in tensors if n.endswith(".3.up_proj.weight"))
     tensors.pop(dropped)
     missing = write_checkpoint(tmp_path / "missing", config, tensors)
-    message = refused_quickly(lambda: musecore.plan(missing, device="cpu"), "lacks")
-    assert "experts.gate_up_proj" in message, message
+    message = refused_quickly(lambda: musecore.plan(missing, device="cpu"), "missing 2 tensor(s)")
+    assert "experts.gate_up_proj" in message and "experts.down_proj" in message, message
 
 
 # -- fuzz ------------------------------------------------------------------------------------------------
