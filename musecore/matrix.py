@@ -5,9 +5,18 @@ cached), each row loads it as that device would (``musecore.load(ckpt, device, e
 the device's own weight conversion and activation quantization, bit for bit, on reference
 kernels) and, where the device's backend is here, natively as well. Every row is judged on the
 same held-out token windows against the BF16 reference: perplexity and its change, mean
-KL(BF16 || row), top-1 agreement and the largest logit error. ``musecore matrix`` prints it and
-writes the Markdown table and PNG heatmap (``docs/accuracy-matrix.md``). Everything it reads
-besides the checkpoint is package data (``musecore/data/eval``), so it runs from an installed wheel.
+KL(BF16 || row), top-1 agreement and the largest logit error, with paired block-bootstrap 95%
+intervals for the perplexity change and the agreement (``musecore.evaluate.paired_bootstrap``).
+``musecore matrix`` prints it and writes the Markdown table and PNG heatmap
+(``docs/accuracy-matrix.md``). Everything it reads besides the checkpoint is package data
+(``musecore/data/eval``), so it runs from an installed wheel.
+
+Each technique has its row beside the one it improves on: load-time requantization by the
+producer's rule (``MUSECORE_REQUANTIZATION=producer``) and by the least-error search (the
+default), dense groups rounded to nearest at load and tuned by AutoRound in the checkpoint.
+Converted checkpoints are cached under a key of the source's content and the calibration tokens,
+so AutoRound (the slow part, minutes per checkpoint) runs once; :func:`cache_status` says up front
+what is cached and what a run will have to build.
 
 Example::
 
@@ -19,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -34,16 +44,19 @@ from musecore_quant.formats.facts import producer_options
 
 from musecore.backends.registry import unavailable_reason
 from musecore.devices import CATALOG
-from musecore.evaluate import AccuracyMeter, batched_logits, eval_batches, evaluate
+from musecore.evaluate import AccuracyMeter, batched_logits, eval_batches, evaluate, paired_bootstrap
 from musecore.names import (EXPERT_PROJECTIONS, experts_prefix, fused_expert_name, per_expert_name,
                             quantized_expert_layers, quantized_expert_patterns)
 
 # Held-out text shipped as package data: three library modules the bundled model never saw in training.
 DEFAULT_EVAL_TEXT = Path(str(files("musecore") / "data" / "eval" / "stdlib_heldout_slice.jsonl"))
 DEFAULT_CACHE = Path(os.environ.get("MUSECORE_CACHE", Path.home() / ".cache" / "musecore")) / "matrix"
-RECIPE_VERSION = 2  # bump when a recipe changes, so cached checkpoints are rebuilt
-JSON_KEYS = ("device", "format", "mode", "perplexity", "delta_perplexity_pct", "kl", "top1_agreement",
-             "max_abs_logit_error", "status", "note")
+RECIPE_VERSION = 3  # bump when a recipe changes, so cached checkpoints are rebuilt
+BUILD_FILE = "matrix_build.json"  # how long a cached checkpoint took to build, written beside it
+JSON_KEYS = ("device", "format", "mode", "perplexity", "delta_perplexity_pct", "delta_perplexity_pct_ci", "kl",
+             "top1_agreement", "top1_agreement_ci", "max_abs_logit_error", "requantization", "status", "note")
+DENSE_GROUPS = ("attention", "pooler/unpooler", "lm_head")  # what xeon6 quantizes at load by default
+AUTOROUND_RECIPES = ("int4-autoround", "int4-autoround-dense")
 METRICS = ("perplexity", "delta_perplexity_pct", "kl", "top1_agreement", "max_abs_logit_error")
 
 
@@ -55,28 +68,47 @@ class RowSpec:
     format: str        # as shown in the table and the JSON
     checkpoint: str    # key of RECIPES
     explanation: str   # what the device does with that checkpoint
-    # passed to ``musecore.load``: False (every row but one) converts only what the checkpoint quantized,
+    # passed to ``musecore.load``: False (most rows) converts only what the checkpoint quantized,
     # so the rows compare formats on the same weights; None is the device's own default
     quantize_dense: Optional[bool] = False
+    # the load-time rule (MUSECORE_REQUANTIZATION): "producer" bytes or the "least-error" search
+    requantization: str = "producer"
 
     @property
     def id(self) -> str:
-        return f"{self.device}/{self.checkpoint}" + ("" if self.quantize_dense is False else "+dense")
+        return (f"{self.device}/{self.checkpoint}" + ("" if self.quantize_dense is False else "+dense")
+                + ("+least-error" if self.requantization == "least-error" else ""))
 
 
 ROWS: tuple[RowSpec, ...] = (
     RowSpec("cpu", "bf16", "bf16", "the reference: BF16 weights, fp32 math"),
     RowSpec("b300", "nvfp4 (W4A4)", "nvfp4", "NVFP4 experts and NVFP4 activations (calibrated static scales)"),
     RowSpec("h200", "nvfp4 (W4A16)", "nvfp4", "NVFP4 experts upcast in registers, BF16 activations"),
-    RowSpec("mi355x", "mxfp4 (requantized from nvfp4)", "nvfp4",
-            "the NVFP4 checkpoint requantized to MXFP4 at load; MXFP4 activations"),
-    RowSpec("mi355x", "mxfp4 (from bf16)", "mxfp4", "BF16 quantized straight to MXFP4 (Quark rule); MXFP4 activations"),
+    RowSpec("mi355x", "mxfp4 (requantized from nvfp4, EVEN)", "nvfp4",
+            "the NVFP4 checkpoint requantized to MXFP4 at load by Quark's EVEN rule (producer parity); "
+            "MXFP4 activations"),
+    RowSpec("mi355x", "mxfp4 (requantized from nvfp4, least-error)", "nvfp4",
+            "the same, each 32-block's E8M0 exponent searched (EVEN or EVEN-1) for the least error against "
+            "the NVFP4 values it replaces (musecore's default)", requantization="least-error"),
+    RowSpec("mi355x", "mxfp4 (from bf16, EVEN)", "mxfp4",
+            "BF16 quantized straight to MXFP4 (Quark rule); MXFP4 activations"),
+    RowSpec("mi355x", "mxfp4 (from bf16, least-error)", "mxfp4-least-error",
+            "BF16 quantized straight to MXFP4, exponents searched for the least error; MXFP4 activations"),
     RowSpec("xeon6", "int4 (RTN)", "int4-rtn",
             "INT4 g128 symmetric experts, round to nearest; BF16 activations and dense weights"),
     RowSpec("xeon6", "int4 (AutoRound)", "int4-autoround", "INT4 g128 symmetric experts with AutoRound-tuned rounding"),
-    RowSpec("xeon6", "int4 (RTN) + dense INT4 (default plan)", "int4-rtn",
+    RowSpec("xeon6", "int4 (RTN) + dense INT4 RTN (default plan)", "int4-rtn",
             "the RTN checkpoint as xeon6 loads it by default: attention, pooler/unpooler and lm_head also "
-            "quantized to INT4 g128 (RTN) at load", quantize_dense=None),
+            "quantized to INT4 g128 at load, round to nearest (producer rule)", quantize_dense=None),
+    RowSpec("xeon6", "int4 (RTN) + dense INT4 least-error (default plan)", "int4-rtn",
+            "the same, each dense group's scale searched at load for the least weight error (musecore's "
+            "default rule)", quantize_dense=None, requantization="least-error"),
+    RowSpec("xeon6", "int4 (AutoRound) + dense INT4 RTN (default plan)", "int4-autoround",
+            "AutoRound experts; attention, pooler/unpooler and lm_head rounded to nearest at load",
+            quantize_dense=None),
+    RowSpec("xeon6", "int4 (AutoRound) + dense AutoRound (default plan)", "int4-autoround-dense",
+            "AutoRound experts, and attention, pooler/unpooler and lm_head tuned by AutoRound on their own "
+            "inputs and stored INT4 in the checkpoint (xeon6 keeps them as they are)", quantize_dense=None),
     RowSpec("tpu-v6e", "bf16", "bf16", "BF16 weights and activations"),
 )
 
@@ -93,6 +125,9 @@ class MatrixRow:
     kl: Optional[float] = None
     top1_agreement: Optional[float] = None
     max_abs_logit_error: Optional[float] = None
+    delta_perplexity_pct_ci: Optional[list[float]] = None  # 95% paired block-bootstrap interval [low, high]
+    top1_agreement_ci: Optional[list[float]] = None
+    requantization: str = "producer"
     status: str = "ok"                         # ok | unavailable | error
     note: str = ""
     row_id: str = ""
@@ -158,8 +193,9 @@ class CheckpointCache:
     """Builds (once) and finds the converted checkpoints of one BF16 source under ``root``."""
 
     def __init__(self, source: Path, config: Any, root: Path, calibration: torch.Tensor, seq_len: int,
-                 progress: bool, autoround_iters: int = 200) -> None:
+                 progress: bool, autoround_iters: int = 200, log: Optional[Callable[[str], None]] = None) -> None:
         self.source, self.config, self.progress = source, config, progress
+        self.say = log or (lambda msg: None)
         self.calibration_stream, self.seq_len, self.autoround_iters = calibration, seq_len, autoround_iters
         self.calibration = eval_batches(calibration, seq_len)
         key = source_fingerprint(source, calibration)
@@ -167,21 +203,41 @@ class CheckpointCache:
         self.info: dict[str, dict[str, Any]] = {"bf16": {"folder": str(source), "how": "the source checkpoint"}}
         self.stats: Any = None
 
-    def _convert(self, name: str, to: str, make: Optional[Callable[[Path], Any]] = None, **options: Any) -> Path:
+    def folder(self, name: str) -> Path:
+        return self.root / name
+
+    def cached(self, name: str) -> bool:
+        return (self.folder(name) / "config.json").is_file()
+
+    def build_seconds(self, name: str) -> Optional[float]:
+        """How long building ``name`` took when it was built (written beside it), or None."""
+        path = self.folder(name) / BUILD_FILE
+        return json.loads(path.read_text()).get("seconds") if path.is_file() else None
+
+    def _convert(self, name: str, to: str, make: Optional[Callable[[Path], Any]] = None, how: str = "",
+                 **options: Any) -> Path:
         from musecore_quant import convert
-        dst = self.root / name
-        if not (dst / "config.json").is_file():
+        dst = self.folder(name)
+        built_now = not self.cached(name)
+        if built_now:
             dst.parent.mkdir(parents=True, exist_ok=True)
+            self.say(f"checkpoint {name}: building (not cached)")
+            started = time.perf_counter()
             if make is not None:
                 make(dst)
             else:
                 convert(self.source, dst, to=to, include=quantized_expert_patterns(self.config),
                         progress=self.progress, **options)
+            (dst / BUILD_FILE).write_text(json.dumps({"seconds": time.perf_counter() - started}) + "\n")
         report = json.loads((dst / "conversion_report.json").read_text())
         summary = report.get("summary", {})
-        self.info[name] = {"folder": str(dst), "how": f"musecore_quant.convert(to={to!r}, "
+        seconds = self.build_seconds(name)
+        self.say(f"checkpoint {name}: {'built' if built_now else 'cached'}"
+                 + (f" (build took {seconds:.0f} s)" if seconds is not None else ""))
+        self.info[name] = {"folder": str(dst), "how": how or f"musecore_quant.convert(to={to!r}, "
                            f"method={report.get('method')!r})", "min_sqnr_db": summary.get("min_sqnr_db"),
-                           "mean_sqnr_db": summary.get("mean_sqnr_db")}
+                           "mean_sqnr_db": summary.get("mean_sqnr_db"), "build_seconds": seconds,
+                           "cached": not built_now}
         return dst
 
     def calibration_stats(self) -> Any:
@@ -198,6 +254,11 @@ class CheckpointCache:
             return self.source
         if recipe == "mxfp4":
             return self._convert("mxfp4", "mxfp4")
+        if recipe == "mxfp4-least-error":
+            return self._convert("mxfp4-least-error", "mxfp4", quantize_options={"scale_mode": "mse"},
+                                 how="musecore_quant.convert(to='mxfp4', quantize_options={'scale_mode': 'mse'}): "
+                                 "exponents searched for the least error (the config still says EVEN: readers "
+                                 "decode it the same)")
         if recipe == "int4-rtn":
             return self._convert("int4-rtn", "int4", quantize_options=producer_options("int4"))
         if recipe == "nvfp4":
@@ -210,16 +271,49 @@ class CheckpointCache:
                                   "how": self.info["nvfp4-weights"]["how"] + " + static activation scales "
                                   "(input_scale) calibrated on the calibration tokens"}
             return dst
-        if recipe == "int4-autoround":
+        if recipe in AUTOROUND_RECIPES:
             convert_autoround, why = find_autoround()
             if convert_autoround is None:
                 raise RowUnavailable(why)
             stream = self.calibration_stream
             seq_len = min(self.seq_len, stream.numel())
+            extra: dict[str, Any] = {}
+            how = "musecore.calibrate.convert_autoround: experts tuned"
+            if recipe == "int4-autoround-dense":  # the experts are reused from the experts-only checkpoint
+                extra = {"dense_groups": DENSE_GROUPS, "expert_checkpoint": self.get("int4-autoround")}
+                how += f" (reused from int4-autoround-i{self.autoround_iters}), and {', '.join(DENSE_GROUPS)} tuned"
             make = lambda dst: convert_autoround(self.source, dst, stream, tokens=stream.numel(),  # noqa: E731
-                                                 seq_len=seq_len, progress=self.progress, iters=self.autoround_iters)
-            return self._convert(f"int4-autoround-i{self.autoround_iters}", "int4", make)
-        raise ValueError(f"unknown checkpoint recipe {recipe!r}; known: bf16, nvfp4, mxfp4, int4-rtn, int4-autoround")
+                                                 seq_len=seq_len, progress=self.progress, iters=self.autoround_iters,
+                                                 **extra)
+            return self._convert(self.folder_name(recipe), "int4", make, how=how + f", {self.autoround_iters} iterations")
+        raise ValueError(f"unknown checkpoint recipe {recipe!r}; known: bf16, nvfp4, mxfp4, mxfp4-least-error, int4-rtn, "
+                         f"{', '.join(AUTOROUND_RECIPES)}")
+
+    def folder_name(self, recipe: str) -> str:
+        """The cache folder of ``recipe`` (AutoRound ones carry their iteration count)."""
+        if recipe in AUTOROUND_RECIPES:
+            return f"{recipe}-i{self.autoround_iters}"
+        return recipe
+
+
+def cache_status(cache: CheckpointCache, specs: Sequence[RowSpec]) -> list[str]:
+    """One line per checkpoint the rows need: cached (and what building it cost), or to be built;
+    AutoRound ones are the slow builds."""
+    lines, needed = [], []
+    for spec in specs:
+        for recipe in (["int4-autoround"] if spec.checkpoint == "int4-autoround-dense" else []) + [spec.checkpoint]:
+            if recipe != "bf16" and recipe not in needed:
+                needed.append(recipe)
+    for recipe in needed:
+        name = cache.folder_name(recipe)
+        if cache.cached(name):
+            seconds = cache.build_seconds(name)
+            lines.append(f"{name}: cached" + (f" (its build took {seconds:.0f} s)" if seconds is not None else ""))
+        else:
+            slow = (f" (AutoRound, {cache.autoround_iters} iterations per expert/Linear: the slow build, "
+                    "minutes to tens of minutes on a small CPU)" if recipe in AUTOROUND_RECIPES else "")
+            lines.append(f"{name}: to build{slow}")
+    return lines
 
 
 class RowUnavailable(RuntimeError):
@@ -261,14 +355,27 @@ def load_eval_tokens(folder: Path, eval_text: Optional[Union[str, Path]], tokens
     return stream, f"{path.name}: {stream.numel()} tokens" + (f" (first {tokens} + 1)" if tokens else "")
 
 
+# Calibration text: Python standard-library modules in the *held-out* split of muse-tiny's training
+# corpus (training/corpus_manifest.tsv: never trained on) and not in the evaluation slice. Fixed
+# files, so the cache key (which hashes these tokens) does not move when musecore's code changes.
+CALIBRATION_MODULES = ("copy.py", "getopt.py", "cProfile.py", "opcode.py", "unittest/runner.py")
+
+
 def calibration_tokens(vocab_size: int, folder: Path, tokens: int = 2048, seed: int = 1) -> torch.Tensor:
-    """Calibration text, never the evaluation text: musecore's own Python sources when the model has
-    a tokenizer (code, like the training corpus, but not part of it), else random ids."""
+    """Calibration ids, never the evaluation text: :data:`CALIBRATION_MODULES` from this Python's
+    standard library when the model has a tokenizer (code, like the training corpus, but held out
+    from it), else musecore's own sources, else random ids."""
     if (folder / "tokenizer.json").is_file():
+        import sysconfig
+
         from musecore.tokenizer import load_tokenizer
         tok = load_tokenizer(folder)
-        modules = sorted((p for p in files("musecore").iterdir() if p.name.endswith(".py")), key=lambda p: p.name)
-        text = "\n".join(p.read_text(encoding="utf-8") for p in modules)
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        paths = [stdlib / name for name in CALIBRATION_MODULES]
+        if not all(p.is_file() for p in paths):
+            paths = sorted((Path(str(p)) for p in files("musecore").iterdir() if p.name.endswith(".py")),
+                           key=lambda p: p.name)
+        text = "\n".join(p.read_text(encoding="utf-8") for p in paths)
         ids = tok.encode(text, add_special_tokens=False)[:tokens]
         if len(ids) >= tokens // 2:
             return torch.tensor(ids)
@@ -330,14 +437,30 @@ def _row(spec: RowSpec, mode: str, status: str = "ok", note: str = "") -> Matrix
     return MatrixRow(spec.device, spec.format, mode, status=status, note=note, row_id=spec.id)
 
 
+@contextlib.contextmanager
+def requantization_rule(rule: str):
+    """``MUSECORE_REQUANTIZATION`` set to ``rule`` while a row loads (how a user selects it), then restored."""
+    saved = os.environ.get("MUSECORE_REQUANTIZATION")
+    os.environ["MUSECORE_REQUANTIZATION"] = rule
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("MUSECORE_REQUANTIZATION", None)
+        else:
+            os.environ["MUSECORE_REQUANTIZATION"] = saved
+
+
 def measure_row(spec: RowSpec, mode: str, cache: CheckpointCache, batches: list, baseline: list,
-                bf16_perplexity: float) -> MatrixRow:
-    """Load ``spec``'s checkpoint on its device (emulated or native) and measure it against ``baseline``."""
+                bf16_perplexity: float, bf16_nll: Optional[torch.Tensor] = None) -> MatrixRow:
+    """Load ``spec``'s checkpoint on its device (emulated or native) and measure it against ``baseline``
+    (``bf16_nll``: the baseline's per-token NLL, for the paired bootstrap intervals)."""
     import musecore
     from musecore.planning import PlanError
 
     started = time.perf_counter()
     row = _row(spec, mode, note=spec.explanation)
+    row.requantization = spec.requantization
     from musecore.autoround import AutoRoundMissing
 
     try:
@@ -345,11 +468,18 @@ def measure_row(spec: RowSpec, mode: str, cache: CheckpointCache, batches: list,
     except (RowUnavailable, NotImplementedError, AutoRoundMissing) as err:
         return _row(spec, mode, "unavailable", str(err))
     try:
-        model = musecore.load(folder, device=spec.device, emulate=(mode == "emulated"), progress=False,
-                              quantize_dense=spec.quantize_dense)
+        with requantization_rule(spec.requantization):
+            model = musecore.load(folder, device=spec.device, emulate=(mode == "emulated"), progress=False,
+                                  quantize_dense=spec.quantize_dense)
     except PlanError as err:
         return _row(spec, mode, "unavailable", str(err).replace("\n", " "))
-    acc = evaluate(model, batches, baseline)
+    meter = AccuracyMeter()
+    acc = evaluate(model, batches, baseline, meter=meter)
+    if bf16_nll is not None:
+        nll, agree = meter.per_token()
+        ci = paired_bootstrap(nll, bf16_nll, agree)
+        row.delta_perplexity_pct_ci = [ci["delta_perplexity_pct"].low, ci["delta_perplexity_pct"].high]
+        row.top1_agreement_ci = [ci["top1_agreement"].low, ci["top1_agreement"].high]
     row.perplexity, row.kl, row.top1_agreement = acc.perplexity, acc.kl, acc.top1_agreement
     row.max_abs_logit_error = acc.max_abs_logit_error
     row.delta_perplexity_pct = 100.0 * (acc.perplexity / bf16_perplexity - 1.0)
@@ -412,9 +542,12 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
     batches = eval_batches(stream, seq_len, batch_size)
     calibration = calibration_tokens(config.vocab_size, folder, seed=1)
     cache = CheckpointCache(folder, config, Path(cache_dir) if cache_dir else DEFAULT_CACHE, calibration, seq_len,
-                            progress, autoround_iters)
+                            progress, autoround_iters, log=say)
     records = discover()
 
+    say(f"{len(specs)} rows; converted checkpoints under {cache.root}:")
+    for line in cache_status(cache, specs):
+        say(f"  {line}")
     say(f"baseline: {name} BF16 on the reference backend, {source}")
     reference = musecore.load(folder, device="cpu", progress=False)
     baseline = list(batched_logits(reference, batches))
@@ -423,6 +556,7 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
     for (_, targets), logits in zip(batches, baseline):
         meter.update(targets, logits, logits)
     bf16 = meter.result()
+    bf16_nll, _ = meter.per_token()
     out: list[MatrixRow] = []
     native_skipped: dict[str, str] = {}
     for spec in specs:
@@ -433,14 +567,23 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
         elif why_not:
             native_skipped[spec.device] = why_not
         for mode in modes:
-            say(f"{spec.id} ({mode})")
+            say(f"row {spec.id} ({mode}): loading and evaluating")
             if spec.id == "cpu/bf16":
                 row = _row(spec, mode, note=spec.explanation)
                 row.perplexity, row.delta_perplexity_pct, row.kl = bf16.perplexity, 0.0, bf16.kl
                 row.top1_agreement, row.max_abs_logit_error = bf16.top1_agreement, bf16.max_abs_logit_error
             else:
-                row = measure_row(spec, mode, cache, batches, baseline, bf16.perplexity)
+                row = measure_row(spec, mode, cache, batches, baseline, bf16.perplexity, bf16_nll)
+            if row.status == "ok":
+                ci = row.delta_perplexity_pct_ci
+                say(f"row {spec.id} ({mode}): perplexity {row.perplexity:.3f} ({row.delta_perplexity_pct:+.2f}%"
+                    + (f", 95% [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "") + f"), top-1 {row.top1_agreement:.4f}"
+                    f" in {row.seconds:.0f} s")
+            else:
+                say(f"row {spec.id} ({mode}): {row.status}: {row.note}")
             out.append(row)
+    if op_sizes:
+        say(f"per-op conformance suite on the backends here ({', '.join(op_sizes)} shapes)")
     op_results, op_skipped = op_conformance(op_sizes, records, progress) if op_sizes else ({}, {})
     return MatrixReport(name, source, int(sum(t.numel() for _, t in batches)), seq_len, out, op_results,
                         op_skipped, cache.info, native_skipped, time.perf_counter() - started)

@@ -1,5 +1,6 @@
-"""The accuracy matrix: every row gives finite numbers on the held-out slice, BF16 is exactly the
-baseline, quantized rows move, JSON keys are fixed, reports render, missing rows say why."""
+"""The accuracy matrix: every row gives finite numbers on the held-out slice with a bootstrap interval,
+BF16 is exactly the baseline, quantized rows move, each new technique's row sits beside the old one,
+checkpoints are cached and reused, JSON keys are fixed, reports render, missing rows say why."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from musecore.cli import main
 from musecore.matrix import (DEFAULT_EVAL_TEXT, JSON_KEYS, ROWS, MatrixRow, load_eval_tokens, run_matrix,
                              select_rows)
-from musecore.evaluate import AccuracyMeter, eval_batches
+from musecore.evaluate import AccuracyMeter, eval_batches, paired_bootstrap
 from tests.helpers import random_tensors, small_config, write_checkpoint
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "musecore" / "data" / "muse-tiny" / "tokenizer.json"
@@ -55,13 +56,18 @@ def test_every_row_gives_finite_numbers_on_the_held_out_slice(report):
     assert DEFAULT_EVAL_TEXT.name in report.eval_source and report.tokens == TOKENS, report.eval_source
     assert [r.row_id for r in report.rows] == [r.id for r in ROWS]
     for row in report.rows:
-        if row.status == "unavailable" and row.row_id == "xeon6/int4-autoround":
+        if row.status == "unavailable" and "autoround" in row.row_id:
             assert "AutoRound" in row.note, row.note  # only while musecore.calibrate is absent
             continue
         assert row.status == "ok", f"{row.row_id}: {row.status} {row.note}"
         values = [getattr(row, k) for k in ("perplexity", "delta_perplexity_pct", "kl", "top1_agreement",
                                             "max_abs_logit_error")]
         assert all(isinstance(v, float) and math.isfinite(v) for v in values), f"{row.row_id}: {values}"
+        if row.row_id != "cpu/bf16":
+            low, high = row.delta_perplexity_pct_ci
+            assert low <= row.delta_perplexity_pct <= high, f"{row.row_id}: {row.delta_perplexity_pct} not in {low, high}"
+            low, high = row.top1_agreement_ci
+            assert low - 1e-9 <= row.top1_agreement <= high + 1e-9, f"{row.row_id}: {row.top1_agreement} not in {low, high}"
 
 
 def test_the_cpu_bf16_row_is_the_baseline_exactly(report):
@@ -80,6 +86,10 @@ def test_quantized_rows_move_away_from_bf16(report):
     assert requant.weight_sqnr_db < direct.weight_sqnr_db, (
         f"requantizing NVFP4 to MXFP4 rounds twice: {requant.weight_sqnr_db:.2f} dB should be below the direct "
         f"BF16 -> MXFP4 {direct.weight_sqnr_db:.2f} dB")
+    searched = by_id(report, "mi355x/nvfp4+least-error")
+    assert searched.weight_sqnr_db >= requant.weight_sqnr_db - 1e-9, (
+        f"the least-error requantization must not lose SQNR: {searched.weight_sqnr_db:.4f} dB vs EVEN "
+        f"{requant.weight_sqnr_db:.4f} dB")
     assert by_id(report, "b300/nvfp4").activation_sqnr_db is not None, "W4A4 rows measure activation SQNR"
     assert by_id(report, "b300/nvfp4").weight_sqnr_db == by_id(report, "h200/nvfp4").weight_sqnr_db, (
         "b300 and h200 load the same NVFP4 experts")
@@ -105,8 +115,9 @@ def test_json_rows_have_exactly_the_documented_keys(checkpoint, tmp_path, capsys
     rows = json.loads(capsys.readouterr().out)
     assert code == 0
     assert [tuple(r) for r in rows] == [JSON_KEYS] * 2, rows
-    assert set(JSON_KEYS) == {"device", "format", "mode", "perplexity", "delta_perplexity_pct", "kl",
-                              "top1_agreement", "max_abs_logit_error", "status", "note"}
+    assert set(JSON_KEYS) == {"device", "format", "mode", "perplexity", "delta_perplexity_pct",
+                              "delta_perplexity_pct_ci", "kl", "top1_agreement", "top1_agreement_ci",
+                              "max_abs_logit_error", "requantization", "status", "note"}
     assert rows[0]["device"] == "cpu" and rows[1]["format"] == "nvfp4 (W4A16)" and rows[1]["mode"] == "emulated"
 
 
@@ -115,20 +126,20 @@ def test_markdown_and_png_reports_are_written(report, tmp_path):
     md = render_markdown(report, "musecore matrix --test", "heatmap.png")
     for row in report.rows:
         assert f"| {row.device} | {row.format} | {row.mode} |" in md
-    assert "![accuracy matrix heatmap](heatmap.png)" in md and "## Checkpoints" in md
+    assert "![accuracy matrix heatmap](heatmap.png)" in md and "## Checkpoints" in md and "## Targets" in md
     render_png(report, tmp_path / "m.png")
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_row_that_moved_more_than_5_percent_is_explained_from_its_sqnr(report):
+def test_a_row_that_moved_more_than_the_target_is_explained_from_its_sqnr(report):
     from dataclasses import replace
 
-    from musecore.commands.matrix import render_markdown
+    from musecore.commands.matrix import EXPLAIN_ABOVE_PCT, render_markdown
     rows = [replace(r) for r in report.rows]
     b300 = next(r for r in rows if r.row_id == "b300/nvfp4")
     b300.delta_perplexity_pct, b300.activation_sqnr_db = 7.5, 17.1
     md = render_markdown(replace(report, rows=rows), "musecore matrix", None)
-    section = md.split("more than 5%")[1].split("## Checkpoints")[0]
+    section = md.split(f"more than {EXPLAIN_ABOVE_PCT:.0f}%")[1].split("## Targets")[0]
     assert "b300 nvfp4 (W4A4)" in section and "+7.5%" in section, section
     assert f"{b300.weight_sqnr_db:.1f} dB SQNR" in section and "17.1 dB" in section, section
     assert "The h200 row runs the same weights with 16-bit activations" in section, section
@@ -139,13 +150,13 @@ def test_the_default_plan_row_is_explained_against_its_experts_only_row(report):
     the same checkpoint's experts alone account for."""
     from dataclasses import replace
 
-    from musecore.commands.matrix import render_markdown
+    from musecore.commands.matrix import EXPLAIN_ABOVE_PCT, render_markdown
     rows = [replace(r) for r in report.rows]
     dense = next(r for r in rows if r.row_id == "xeon6/int4-rtn+dense")
     experts = next(r for r in rows if r.row_id == "xeon6/int4-rtn")
     dense.delta_perplexity_pct, experts.delta_perplexity_pct = 6.2, 0.7
     md = render_markdown(replace(report, rows=rows), "musecore matrix", None)
-    section = md.split("more than 5%")[1].split("## Checkpoints")[0]
+    section = md.split(f"more than {EXPLAIN_ABOVE_PCT:.0f}%")[1].split("## Targets")[0]
     assert "+6.2%" in section and "only its experts in INT4 moves +0.7%" in section, section
     assert "quantize_dense=False" in section, section
 
@@ -161,7 +172,8 @@ def test_an_unavailable_autoround_row_says_why_instead_of_a_number(checkpoint, t
 
 
 def test_rows_are_selected_by_id_or_device_and_unknown_rows_list_the_choices():
-    assert [r.id for r in select_rows(["mi355x"])] == ["mi355x/nvfp4", "mi355x/mxfp4"]
+    assert [r.id for r in select_rows(["mi355x"])] == ["mi355x/nvfp4", "mi355x/nvfp4+least-error", "mi355x/mxfp4",
+                                                       "mi355x/mxfp4-least-error"]
     assert [r.id for r in select_rows(["xeon6/int4-rtn", "cpu"])] == ["xeon6/int4-rtn", "cpu/bf16"]
     with pytest.raises(ValueError, match="unknown matrix row 'a100'.*b300/nvfp4"):
         select_rows(["a100"])
@@ -202,3 +214,32 @@ def test_a_device_whose_backend_is_here_gets_a_native_row_beside_the_emulated_on
     assert (emulated.mode, native.mode) == ("emulated", "native")
     assert emulated.status == "ok"
     assert native.status == "unavailable" and "cuda" in native.note, native  # the plan's gap, not a crash
+
+
+def test_each_new_technique_has_its_row_beside_the_old_one():
+    ids = [r.id for r in ROWS]
+    for old, new in (("mi355x/nvfp4", "mi355x/nvfp4+least-error"), ("mi355x/mxfp4", "mi355x/mxfp4-least-error"),
+                     ("xeon6/int4-rtn+dense", "xeon6/int4-rtn+dense+least-error"),
+                     ("xeon6/int4-autoround+dense", "xeon6/int4-autoround-dense+dense")):
+        assert ids.index(new) == ids.index(old) + 1, (old, new, ids)
+
+
+def test_a_second_run_reuses_the_cached_checkpoints(report, checkpoint, single_thread):
+    cache_dir = Path(report.checkpoints["int4-rtn"]["folder"]).parents[1]
+    again = run_matrix(checkpoint, rows=["xeon6/int4-autoround"], tokens=TOKENS, seq_len=SEQ_LEN, cache_dir=cache_dir,
+                       native=False, op_sizes=(), autoround_iters=2)
+    name = "int4-autoround-i2"
+    assert again.checkpoints[name]["cached"] is True, again.checkpoints[name]
+    assert again.checkpoints[name]["build_seconds"] == report.checkpoints[name]["build_seconds"]
+    assert again.rows[0].perplexity == by_id(report, "xeon6/int4-autoround").perplexity
+
+
+def test_paired_bootstrap_interval_is_zero_for_identical_models_and_covers_a_known_shift():
+    gen = torch.Generator().manual_seed(0)
+    base = torch.rand(4096, generator=gen, dtype=torch.float64) * 4
+    same = paired_bootstrap(base, base.clone())["delta_perplexity_pct"]
+    assert (same.value, same.low, same.high) == (0.0, 0.0, 0.0), same
+    shifted = paired_bootstrap(base + 0.01 + 0.05 * torch.randn(4096, generator=gen, dtype=torch.float64), base)
+    ci = shifted["delta_perplexity_pct"]
+    # exp(0.01) - 1 = +1.005%; the noise (sd 0.05 per token) makes the interval about +-0.15%
+    assert ci.low < 1.005 < ci.high and ci.high - ci.low < 0.5, ci
