@@ -22,7 +22,7 @@ from musecore.backends.reference import ReferenceBackend
 from musecore.backends.registry import best_device, discover, unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
-from musecore.distributed import Mesh, connect, keeps_expert
+from musecore.distributed import Comm, Mesh, connect, keeps_expert
 from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
 from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
@@ -213,7 +213,15 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16
-    summary, reader = summarize(model, download=download)
+    comm = join(mesh_of(tp, ep, sp), device, emulate)
+    try:
+        summary, reader = summarize(model, download=download)
+    except Exception as e:  # a checkpoint missing on one rank: every rank says which
+        if comm is None:
+            raise
+        comm.agree(e, f"reading {model}")
+    if comm is not None:
+        comm.agree(None, f"reading {model}")
     if reader is None:
         raise FileNotFoundError(f"{model!r} is a preset without weights; pass a checkpoint folder "
                                 "(musecore.plan works on presets)")
@@ -223,7 +231,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     muse = assemble(summary, device, lambda placer, _device: placer.stream(reader, show), emulate=emulate,
                     allow_emulation=allow_emulation, allow_reference=allow_reference, dtype=dtype,
                     kv_format=kv_format, source=str(reader.folder), quantize_dense=quantize_dense,
-                    mesh=mesh_of(tp, ep, sp))
+                    comm=comm)
     from musecore.tokenizer import load_tokenizer
     muse.tokenizer = load_tokenizer(reader.folder)
     log.info("loaded %s on %s (backend %s, mode %s) in %.2f s", summary.name, muse.plan.device, muse.plan.backend,
@@ -257,7 +265,8 @@ def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpo
             yield tensor_name, (w if fmt == "fp32" else w.to(dtype) if fmt == "bf16" else quantize(w, fmt))
 
     return assemble(summary, device, tensors, emulate=emulate, allow_reference=allow_reference, dtype=dtype,
-                    source=f"random {summary.name}", quantize_dense=quantize_dense, mesh=mesh_of(tp, ep, sp))
+                    source=f"random {summary.name}", quantize_dense=quantize_dense,
+                    comm=join(mesh_of(tp, ep, sp), device, emulate))
 
 
 def mesh_of(tp: Optional[int], ep: Optional[int], sp: bool) -> Optional[Mesh]:
@@ -267,26 +276,33 @@ def mesh_of(tp: Optional[int], ep: Optional[int], sp: bool) -> Optional[Mesh]:
     return Mesh(1 if tp is None else tp, 1 if ep is None else ep, sp)
 
 
+def join(mesh: Optional[Mesh], device: str, emulate: bool) -> Optional[Comm]:
+    """This rank's :class:`~musecore.distributed.Comm` in the ``torchrun`` launch ``mesh`` needs (NCCL on
+    CUDA devices, gloo on the CPU); None for one device. Raises when the launch does not fit the mesh."""
+    if mesh is None or mesh.world == 1:
+        return None
+    _name, torch_device = resolve_target(device, emulate, discover())
+    return connect(mesh, torch_device.type)
+
+
 def assemble(summary: CheckpointSummary, device: str,
              tensors: Callable[[Placer, torch.device], Iterable[tuple[str, Any]]], *, emulate: bool = False,
              allow_emulation: bool = False, allow_reference: bool = False, dtype: torch.dtype = torch.bfloat16,
              kv_format: str = "bf16", source: str = "checkpoint", quantize_dense: DenseGroups = None,
-             mesh: Optional[Mesh] = None) -> MuseModel:
+             comm: Optional[Comm] = None) -> MuseModel:
     """Plan ``summary`` on ``device`` (raising on gaps), make the backends, and fill a model with
     ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares.
-    With a ``mesh``, this process is one rank of a ``torchrun`` launch and keeps its pieces only."""
-    if mesh is not None:
-        mesh.check(summary.config)
+    With ``comm``, this process is one rank of a ``torchrun`` launch and keeps its pieces only."""
     records = discover()
     name, torch_device = resolve_target(device, emulate, records)
-    comm = None
-    if mesh is not None and mesh.world > 1:
-        comm = connect(mesh, torch_device.type)
+    if comm is not None:
+        comm.mesh.check(summary.config)  # the same answer on every rank: no rank waits for another
+        mesh = comm.mesh
         if torch_device.type == "cuda":
             torch_device = torch.device("cuda", torch.cuda.current_device())
     the_plan = make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation,
                          allow_reference=allow_reference, dtype_label=DTYPE_LABELS[dtype], kv_format=kv_format,
-                         records=records, quantize_dense=quantize_dense)
+                         records=records, quantize_dense=quantize_dense, mesh=None if comm is None else comm.mesh)
     if the_plan.gaps:
         raise PlanError(the_plan)
     backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}

@@ -30,6 +30,7 @@ A token shard is a contiguous chunk of the flattened ``B*T`` tokens: rank ``r`` 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -435,9 +436,19 @@ def connect(mesh: Mesh, device_type: str) -> Comm:
     if not dist.is_initialized():
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds()))
+            # Leave the group before the interpreter tears down: a gloo group destroyed with its threads
+            # still running aborts the process ("terminate called without an active exception"), and
+            # torchrun then kills the healthy ranks.
+            atexit.register(_leave)
         except Exception as e:  # rendezvous timeout, refused connection...
             raise DistributedError(f"rank {rank}: could not join the process group ({type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''}); check MASTER_ADDR/MASTER_PORT "
                                    "and that every rank started") from None
     device_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("model",))
     return Comm(mesh, rank, device_mesh.get_group("model"), device_mesh)
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()

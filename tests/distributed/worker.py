@@ -6,6 +6,7 @@ logits, every rank's tokens, the bytes each collective moved) with ``torch.save`
 """
 
 import argparse
+import os
 import sys
 
 import torch
@@ -13,18 +14,41 @@ import torch
 import musecore
 
 
+def resident_bytes(model) -> int:
+    """Bytes of every tensor the model holds (weights, not the KV cache), found by walking its objects."""
+    seen, total, stack = set(), 0, [model.embed_tokens, model.norm, model.lm_head, *model.layers]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (int, float, str, bool)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__"):
+            stack.extend(v for k, v in vars(obj).items() if k not in ("ops", "comm"))
+    return total
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="muse-tiny")
+    p.add_argument("--model-on-rank1", default=None, help="rank 1 loads this instead (fault tests)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--tp", type=int, default=None)
     p.add_argument("--ep", type=int, default=None)
     p.add_argument("--sp", action="store_true")
     p.add_argument("--random", default=None, help="a preset loaded with random weights instead of --model")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vocab-limit", type=int, default=None, help="fold the prompts' ids below this")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.model_on_rank1 is not None and int(os.environ.get("RANK", 0)) == 1:
+        args.model = args.model_on_rank1
     if args.random:
         model = musecore.api.load_random(args.random, device=args.device, tp=args.tp, ep=args.ep, sp=args.sp,
                                          dtype=dtype)
@@ -33,8 +57,10 @@ def main() -> int:
                               dtype=dtype)
     comm = model.comm
     ids = torch.tensor([[1, 414, 286, 300, 17, 9, 1000, 5], [3, 2, 1, 77, 88, 99, 11, 12]])
+    if args.vocab_limit:
+        ids = ids % (args.vocab_limit - 4)  # below the multimodal placeholder ids
     logits = model.forward(ids)
-    prompt = [1, 414, 286, 300]
+    prompt = ids[0, :4].tolist()
     if comm is not None:
         comm.reset_traffic()
     cache = model.new_cache(1, 64)
@@ -42,14 +68,14 @@ def main() -> int:
     prefill_traffic = dict(comm.traffic) if comm is not None else {}
     if comm is not None:
         comm.reset_traffic()
-    model.forward(torch.tensor([[5]]), cache=cache)
+    model.forward(ids[:1, 4:5], cache=cache)
     decode_traffic = dict(comm.traffic) if comm is not None else {}
     greedy = model.generate(prompt, max_new_tokens=12)
     sampled = model.generate(prompt, max_new_tokens=12, temperature=0.9, top_p=0.9)
     rank = comm.rank if comm is not None else 0
     everyone = [None] * (comm.world if comm is not None else 1)
     mine = {"greedy": greedy, "sampled": sampled, "prefill_traffic": prefill_traffic,
-            "decode_traffic": decode_traffic}
+            "decode_traffic": decode_traffic, "weight_bytes": resident_bytes(model)}
     if comm is not None:
         comm.dist.all_gather_object(everyone, mine, group=comm.group)
     else:
