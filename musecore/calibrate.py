@@ -73,9 +73,9 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from musecore_quant import QTensor, concat_qtensors, dequantize, stack_qtensors
+from musecore_quant import QTensor, concat_qtensors, dequantize, quantize, stack_qtensors
 
-from musecore.autoround import (PROJECTIONS, AutoRoundOptions, ExpertTuner, auto_round_version, relative_gain,
+from musecore.autoround import (AUTO_ROUND_INT_MULTIPLE, PROJECTIONS, AutoRoundOptions, ExpertTuner, auto_round_version, relative_gain,
                                 rtn_expert)
 from musecore.model import MoEObserver, MuseModel
 from musecore.names import expert_patterns, expert_weight, quantized_expert_layers
@@ -493,7 +493,9 @@ class DenseAutoRoundQuantizer:
     """``calibrated_quantizer(name, fp32 weight) -> QTensor`` for the dense Linears of ``groups``
     (the groups a device such as xeon6 quantizes at load: attention, pooler/unpooler, lm_head):
     each tuned with auto-round on the inputs it receives in the BF16 model on the calibration
-    ids (one pass, no propagation of earlier quantization), its own output MSE as the loss.
+    ids (one pass, no propagation of earlier quantization), its own output MSE as the loss. A Linear
+    with a dimension auto-round does not tune (not a multiple of 32) is rounded to nearest and
+    listed as ``rtn_fallback`` in :meth:`report`.
 
     ``heldout_fraction`` of each Linear's captured rows is kept out of tuning and measures RTN and
     AutoRound there (the report). Tuning runs when it is built; calling it looks the result up.
@@ -507,7 +509,7 @@ class DenseAutoRoundQuantizer:
 
     def __init__(self, model: MuseModel, source: Union[str, Path], calibration_ids: torch.Tensor,
                  groups: Sequence[str], *, options: AutoRoundOptions = AutoRoundOptions(),
-                 heldout_fraction: float = 0.25, progress: bool = False) -> None:
+                 heldout_fraction: float = 0.25, names: Optional[Sequence[str]] = None, progress: bool = False) -> None:
         from musecore_quant.checkpoint import open_checkpoint
 
         from musecore.autoround import LinearTuner
@@ -515,6 +517,11 @@ class DenseAutoRoundQuantizer:
         started = time.perf_counter()
         self.groups, self.options = tuple(groups), options
         self.names = dense_linear_names(model, self.groups)
+        if names is not None:  # a subset (tests, or a partial re-tune)
+            unknown = sorted(set(names) - set(self.names))
+            if unknown:
+                raise ValueError(f"{unknown} are not Linears of the groups {list(groups)}; choose from {self.names}")
+            self.names = [n for n in self.names if n in names]
         if not self.names:
             raise ValueError(f"the model has no Linear in the groups {list(groups)}")
         inputs = capture_linear_inputs(model, calibration_ids, self.names, max_rows=options.max_tokens)
@@ -527,6 +534,14 @@ class DenseAutoRoundQuantizer:
             x = inputs[name]
             cut = max(1, int(len(x) * (1 - heldout_fraction)))
             shape = (weight.shape[1], weight.shape[0])
+            if any(dim % AUTO_ROUND_INT_MULTIPLE for dim in shape):  # auto-round would leave it in 16 bits
+                self.results[name] = quantize(weight, "int4", group_size=options.group_size, sym=options.sym)
+                self.tuned[name] = weight
+                self.reports.append(LinearReport(name, "rtn", 0))
+                if progress:
+                    print(f"{name}: RTN ({list(weight.shape)}: auto-round tunes only multiples of "
+                          f"{AUTO_ROUND_INT_MULTIPLE})", file=sys.stderr, flush=True)
+                continue
             if shape not in tuners:
                 tuners[shape] = LinearTuner(*shape, options)
             result = tuners[shape].tune(weight, x[:cut], seed=options.seed + k, heldout=x[cut:])
@@ -559,11 +574,13 @@ class DenseAutoRoundQuantizer:
 
     def report(self) -> dict:
         held = [r for r in self.reports if r.heldout_loss_rtn]
+        rtn = [r.name for r in self.reports if r.method == "rtn"]
         gains = [relative_gain(r.heldout_loss_rtn, r.heldout_loss_autoround) for r in held]
         return {"groups": list(self.groups), "options": self.options.as_dict(), "seconds": self.seconds,
                 "auto_round_version": auto_round_version(),
                 "mean_heldout_output_error_reduction": sum(gains) / len(gains) if gains else None,
                 "linears_worse_than_rtn_heldout": sum(r.heldout_loss_autoround > r.heldout_loss_rtn for r in held),
+                "rtn_fallback": rtn,
                 "linears": [dataclasses.asdict(r) for r in self.reports]}
 
 

@@ -461,3 +461,40 @@ def test_autoround_int4_checkpoint_generates_natively_on_the_xeon_backend(tmp_pa
         want = emulated.ops.moe(z, w, e, theirs.experts, theirs.post_expert_norm, config.post_norm_eps)
         err = nmse(want, got)
         assert err < tolerance("moe"), f"layer {i} {mine.experts.format} moe: xeon vs emulated NMSE {err:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dense groups (attention, pooler/unpooler, lm_head): inputs captured from the model, each Linear tuned alone
+
+
+def test_captured_lm_head_inputs_reproduce_the_models_logits(small):
+    from musecore.calibrate import capture_linear_inputs
+    _, config, tensors, model, ids = small
+    captured = capture_linear_inputs(model, ids, ["lm_head.weight"], max_rows=10_000)["lm_head.weight"]
+    logits = model.forward(ids).float().reshape(-1, config.vocab_size)
+    again = ref.logit_softcap(captured @ tensors["lm_head.weight"].float().T, config.output_multiplier,
+                              config.final_logit_softcapping)
+    err = nmse(again, logits)
+    assert captured.shape == (ids.numel(), config.hidden_size) and err < 1e-10, f"NMSE {err:.3e}"
+    assert model.ops is not None and type(model.ops).__name__ != "LinearInputRecorder", "the op set is restored"
+
+
+def test_dense_autoround_tunes_every_linear_of_the_groups_no_worse_than_rtn_on_its_rows(small, tmp_path):
+    needs_auto_round()
+    from musecore.calibrate import DenseAutoRoundQuantizer
+    folder, config, tensors, model, ids = small
+    pooler = f"{PREFIX}layers.1.mlp.pre_expert_proj.weight"
+    dense = DenseAutoRoundQuantizer(model, folder, ids, ("pooler/unpooler", "lm_head"), names=[pooler, "lm_head.weight"],
+                                    options=AutoRoundOptions(iters=ITERS, nsamples=8, tokens_per_sample=8, group_size=GROUP))
+    methods = {r.name: r.method for r in dense.reports}
+    # the small model's vocabulary (97) is no multiple of 32: auto-round would leave lm_head in 16 bits
+    assert methods == {pooler: "autoround", "lm_head.weight": "rtn"}, methods
+    assert dense.report()["rtn_fallback"] == ["lm_head.weight"]
+    for r in dense.reports:  # iteration 0 is RTN and auto-round keeps the best iteration on its rows
+        if r.method == "autoround":
+            assert r.loss_autoround <= r.loss_rtn * (1 + 1e-6), (r.name, r.loss_rtn, r.loss_autoround)
+    qt = dense("lm_head.weight", tensors["lm_head.weight"].float())
+    err = (dequantize(qt) - tensors["lm_head.weight"].float()).abs() / qt.scale.float().abs().repeat_interleave(GROUP, -1)
+    assert qt.format == "int4" and float(err.max()) <= 1.0 + 1e-6, f"max error {float(err.max()):.3f} steps"
+    with pytest.raises(ValueError, match="was not tuned"):
+        dense("model.language_model.layers.1.self_attn.q_proj.weight", torch.zeros(1))
