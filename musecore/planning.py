@@ -212,8 +212,10 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
         elif len(summary.shapes[name]) in (2, 3) and (src in QUANTIZED or quantizable):
             conv = profile.conversion(src if src in QUANTIZED else "bf16")
             target, act, action, note = conv.target, conv.act_format, conv.action(src), conv.note
-            if group in converted_dense:
-                note = f"quantize_dense: converted like the experts ({target})"
+            if group in converted_dense:  # at load: no calibration (least-error scales; RTN if MUSECORE_REQUANTIZATION=producer)
+                note = (f"quantize_dense: kept as the checkpoint has it ({src}; AutoRound if it was calibrated)" if src == target
+                        else f"quantize_dense: converted like the experts ({target}, uncalibrated: least-error scales, "
+                        "RTN under MUSECORE_REQUANTIZATION=producer)")
             if conv.target == "bf16":  # dense in memory: the model dtype
                 target = dtype_label
                 action = "keep" if src == dtype_label else (f"cast {src}->{dtype_label}" if src in DENSE
