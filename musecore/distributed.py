@@ -261,6 +261,22 @@ def token_chunk(n: int, world: int, rank: int) -> tuple[int, int]:
 
 # -- the running group ----------------------------------------------------------------------------
 
+REPLICATED_MOE_TOKENS = 64  # MoE layers of at most this many tokens combine with one all-reduce (Comm.replicated_moe)
+
+
+def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[:, j] * per_slot[:, j]`` in fp32, over each token's experts in ascending id order:
+    the order the single-device ``moe`` op adds them (``y.index_add_`` expert by expert)."""
+    n, k, h = per_slot.shape
+    by_expert = torch.argsort(ids, dim=-1)
+    per_slot = per_slot.gather(1, by_expert[..., None].expand(n, k, h))
+    wts = weights.gather(1, by_expert).float()
+    y = torch.zeros(n, h, dtype=torch.float32, device=per_slot.device)
+    for j in range(k):
+        y = y + wts[:, j, None] * per_slot[:, j]
+    return y
+
+
 class Comm:
     """The collectives one rank runs, over one ``torch.distributed`` group; counts the bytes each moves.
 
@@ -278,6 +294,7 @@ class Comm:
         # During a sequence-parallel prefill: how many tokens the batch has (the residual stream holds
         # this rank's token shard of them); 0 otherwise. Set by MuseModel.forward.
         self.sp_tokens = 0
+        self.replicated_limit = replicated_moe_limit()
 
     def reset_traffic(self) -> None:
         self.traffic.clear()
@@ -362,14 +379,36 @@ class Comm:
         dist.all_to_all_single(back, out.contiguous(), send, recv, group=self.group)
         per_slot = torch.empty_like(back)
         per_slot[order] = back
-        per_slot = per_slot.view(n, k, h)
-        by_expert = torch.argsort(ids, dim=-1)  # the single-device sum runs over experts in ascending order
-        per_slot = per_slot.gather(1, by_expert[..., None].expand(n, k, h))
-        wts = weights.gather(1, by_expert).float()
-        y = torch.zeros(n, h, dtype=torch.float32, device=z.device)
-        for j in range(k):
-            y = y + wts[:, j, None] * per_slot[:, j]
-        return y
+        return weighted_sum(per_slot.view(n, k, h), weights, ids)
+
+    def combine_replicated(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_per_rank: int,
+                           run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The routed experts of every token ``z [N,h]`` (every rank holds all tokens and their routing),
+        with one collective: each rank fills the (token, slot) outputs of its own experts into a zeroed
+        ``[N*k, h]`` fp32 buffer, one all-reduce adds the buffers (each slot has exactly one nonzero
+        contributor: exact), and every rank sums ``weight * output`` in the single-device order.
+        Fewer, fixed-size collectives than :meth:`dispatch_combine`: the decode path (small batches).
+        With ``ep < world`` the copies of an expert range share the tokens (token ``t`` -> copy ``t % copies``).
+        """
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        slot_token = torch.arange(n * k, device=ids.device) // k
+        owner = (slot_token % self.mesh.replicas) * self.mesh.ep + flat // experts_per_rank
+        mine = (owner == self.rank).nonzero().squeeze(1)
+        per_slot = torch.zeros(n * k, z.shape[-1], dtype=torch.float32, device=z.device)
+        if mine.numel():
+            per_slot[mine] = run(z[mine // k], flat[mine] % experts_per_rank)
+        self._count("all_reduce", per_slot)
+        self.dist.all_reduce(per_slot, group=self.group)
+        return weighted_sum(per_slot.view(n, k, -1), weights, ids)
+
+    def replicated_moe(self, tokens: int) -> bool:
+        """Whether a MoE layer over ``tokens`` tokens takes :meth:`combine_replicated` (one all-reduce, every
+        token everywhere) rather than :meth:`dispatch_combine` (all-to-all of the routed rows): outside a
+        sequence-parallel prefill, up to ``MUSECORE_MOE_REPLICATED_TOKENS`` tokens (default
+        :data:`REPLICATED_MOE_TOKENS`), where the latency of the all-to-all path's six collectives beats its
+        smaller volume (``musecore.distributed_bench`` measures both)."""
+        return not self.sp_tokens and tokens <= self.replicated_limit
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (e.g. a sampling seed)."""
@@ -391,6 +430,20 @@ class Comm:
         if failed:
             detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
             raise DistributedError(f"{what} failed on {len(failed)} of {self.world} ranks: {detail}") from error
+
+
+def replicated_moe_limit() -> int:
+    raw = os.environ.get("MUSECORE_MOE_REPLICATED_TOKENS")
+    if raw is None:
+        return REPLICATED_MOE_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise MeshError(f"MUSECORE_MOE_REPLICATED_TOKENS={raw!r} is not a whole number of tokens (0: always "
+                        "all-to-all)") from None
+    if value < 0:
+        raise MeshError(f"MUSECORE_MOE_REPLICATED_TOKENS must be >= 0, got {raw!r}")
+    return value
 
 
 def timeout_seconds() -> float:

@@ -139,14 +139,31 @@ class MoE:
         return ops.linear(y.to(m.dtype), self.post_expert_proj).view(B, T, H)  # unpooler
 
     def parallel(self, m: torch.Tensor, observer: Optional[MoEObserver], experts: Any) -> torch.Tensor:
-        """The same layer across ranks (``musecore.distributed``): routing on this rank's token shard,
-        pooler by columns then back to token shards, experts wherever they live, unpooler by columns."""
+        """The same layer across ranks (``musecore.distributed``). Small batches (decode): every token on
+        every rank, pooler by columns, one all-reduce for the experts, unpooler by columns. Otherwise:
+        routing on this rank's token shard, pooler by columns then back to token shards, experts
+        wherever they live (all-to-all), unpooler by columns."""
         ops, comm = self.ops, self.comm
         if observer is not None:
             raise ValueError("calibration observes routing on one device; run it without tp/ep")
         shape, H, tp = m.shape, m.shape[-1], comm.mesh.tp
         m = m.reshape(-1, H)
         n = comm.sp_tokens or m.shape[0]  # every token of the batch
+        experts = self.experts if experts is None else experts
+        ones = torch.ones(1, 1, dtype=torch.float32, device=m.device)
+
+        def run(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:  # on the expert's rank
+            return ops.moe(rows, ones.expand(rows.shape[0], 1), local_ids[:, None], experts, self.post_expert_norm,
+                           self.post_eps)  # weight 1: the expert's output after the post-expert norm, fp32
+
+        if comm.replicated_moe(n):  # every token on every rank, one all-reduce for the experts (decode)
+            weights, ids = ops.router_topk(m, self.router, self.correction_bias, self.top_k, self.multiplier,
+                                           self.scaling)
+            pooled = ops.linear(m, self.pre_expert_proj)  # [N, h/tp]
+            z = ops.rms_norm(comm.gather_cols(pooled) if tp > 1 else pooled, self.pre_expert_norm, self.eps)
+            y = comm.combine_replicated(z, weights, ids, self.num_experts // comm.mesh.ep, run).to(m.dtype)
+            out = ops.linear(y, self.post_expert_proj)  # [N, H/tp]
+            return (comm.gather_cols(out) if tp > 1 else out).view(shape)
         full = comm.gather_tokens(m, n) if comm.sp_tokens else m
         mine = m if comm.sp_tokens else comm.my_tokens(m)
         weights, ids = ops.router_topk(mine, self.router, self.correction_bias, self.top_k, self.multiplier,
@@ -154,13 +171,6 @@ class MoE:
         pooled = ops.linear(full, self.pre_expert_proj)  # [N, h/tp]
         z = comm.cols_to_tokens(pooled) if tp > 1 else comm.my_tokens(pooled)
         z = ops.rms_norm(z, self.pre_expert_norm, self.eps)  # [n_r,h]
-        experts = self.experts if experts is None else experts
-        ones = torch.ones(1, 1, dtype=torch.float32, device=z.device)
-
-        def run(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:  # on the expert's rank
-            return ops.moe(rows, ones.expand(rows.shape[0], 1), local_ids[:, None], experts, self.post_expert_norm,
-                           self.post_eps)  # weight 1: the expert's output after the post-expert norm, fp32
-
         y = comm.dispatch_combine(z, weights, ids, self.num_experts // comm.mesh.ep, run).to(m.dtype)
         out = ops.linear(comm.gather_tokens(y, n), self.post_expert_proj)  # [N, H/tp]
         if tp > 1:

@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 
 from musecore_quant.formats.facts import bytes_per_value
 
-from musecore.distributed import Mesh, head_shard, keeps_expert, piece_shape, tensor_piece, token_chunk
+from musecore.distributed import (Mesh, head_shard, keeps_expert, piece_shape, replicated_moe_limit, tensor_piece,
+                                  token_chunk)
 from musecore.names import TOWERS, expert_key, weight_group
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -146,6 +147,28 @@ def collective_steps(config: Any, mesh: Mesh, tokens: int, dtype_bytes: int, bat
             add("all_gather", "gather_tokens: a layer's normed input before QKV [c, H]", c, H, dt, L)
         gathered_linear("o_proj", q_width, L)
     # MoE layers (MoE.parallel)
+    if not sp and n <= replicated_moe_limit():  # Comm.combine_replicated: every token everywhere, one all-reduce
+        if tp > 1:
+            add("all_gather", "gather_cols: pooler output columns [N, h/tp]", n, h // tp, dt, sparse)
+        add("all_reduce", "combine_replicated: every slot's expert output, fp32 [N*k, h]", n * k, h, 4, sparse)
+        if tp > 1:
+            add("all_gather", "gather_cols: unpooler output columns [N, H/tp]", n, H // tp, dt, sparse)
+    else:
+        moe_all_to_all(add, sp, tp, n, c, mine, received, h, H, k, dt, sparse)
+    if tp > 1:
+        # dense-MLP layers (DenseMLP.__call__): gate/up by rows, the activation gathered, down by output rows
+        if sp:
+            add("all_gather", "gather_tokens: the dense MLP input [c, H]", c, H, dt, dense)
+        gathered_linear("dense down_proj", inter, dense)
+        if sp:  # MuseModel.forward
+            add("all_gather", "gather_tokens: the final norm's output before lm_head [c, H]", c, H, dt, 1)
+        add("all_gather", "gather_cols: logits by vocabulary, fp32 [N, V/tp]", n, V // tp, 4, 1)
+    return steps
+
+
+def moe_all_to_all(add: Callable[..., None], sp: bool, tp: int, n: int, c: int, mine: int, received: Fraction,
+                   h: int, H: int, k: int, dt: int, sparse: int) -> None:
+    """The MoE layers' steps on the all-to-all path (``Comm.dispatch_combine``)."""
     if sp:
         add("all_gather", "gather_tokens: the MoE input for the column-split pooler [c, H]", c, H, dt, sparse)
     if tp > 1:
@@ -161,14 +184,6 @@ def collective_steps(config: Any, mesh: Mesh, tokens: int, dtype_bytes: int, bat
                 sparse)
         else:
             add("all_gather", "gather_cols: unpooler output columns [N, H/tp]", n, H // tp, dt, sparse)
-        # dense-MLP layers (DenseMLP.__call__): gate/up by rows, the activation gathered, down by output rows
-        if sp:
-            add("all_gather", "gather_tokens: the dense MLP input [c, H]", c, H, dt, dense)
-        gathered_linear("dense down_proj", inter, dense)
-        if sp:  # MuseModel.forward
-            add("all_gather", "gather_tokens: the final norm's output before lm_head [c, H]", c, H, dt, 1)
-        add("all_gather", "gather_cols: logits by vocabulary, fp32 [N, V/tp]", n, V // tp, 4, 1)
-    return steps
 
 
 def collective_bytes(config: Any, mesh: Mesh, tokens: int, dtype_bytes: int, batch: int = 1, *,
@@ -270,7 +285,9 @@ class MeshPlan:
     decode: dict[str, int]           # bytes rank 0 sends per decode token (batch 1), by collective
     prefill_tokens: int
     prefill: dict[str, int]          # bytes rank 0 sends for one prefill of prefill_tokens (kv_context) tokens
-    moe_dispatch: str = "all_to_all"
+    moe_dispatch: str = field(default_factory=lambda: (
+        f"one all-reduce up to {replicated_moe_limit()} tokens (decode), all-to-all of the routed rows above "
+        "and in sequence-parallel prefill"))
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -57,8 +57,8 @@ def errors(stderr: str) -> str:
     return "\n".join(keep[-20:]) or stderr[-3000:]
 
 
-def run_ranks(nproc: int, out: Path, *args: str) -> dict:
-    done = launch(nproc, out, *args)
+def run_ranks(nproc: int, out: Path, *args: str, extra_env: dict | None = None) -> dict:
+    done = launch(nproc, out, *args, extra_env=extra_env)
     assert done.returncode == 0, f"torchrun exited {done.returncode}:\n{errors(done.stderr)}"
     return torch.load(out)
 
@@ -80,10 +80,15 @@ def tiny_single(tmp_path_factory) -> dict:
 BF16_TOL = 0.125
 
 
-@pytest.mark.parametrize("mesh", [("--tp", "2", "--ep", "2"), ("--tp", "2", "--ep", "2", "--sp"), ("--ep", "2"),
-                                  ("--tp", "2")], ids=["tp2-ep2", "tp2-ep2-sp", "ep2", "tp2"])
-def test_muse_tiny_two_ranks(tmp_path, tiny_single, mesh):
-    many = run_ranks(2, tmp_path / "many.pt", *mesh)
+@pytest.mark.parametrize("mesh, replicated", [
+    (("--tp", "2", "--ep", "2"), "64"), (("--tp", "2", "--ep", "2"), "0"), (("--tp", "2", "--ep", "2", "--sp"), "64"),
+    (("--ep", "2"), "64"), (("--ep", "2"), "0"), (("--tp", "2"), "64")],
+    ids=["tp2-ep2", "tp2-ep2-alltoall", "tp2-ep2-sp", "ep2", "ep2-alltoall", "tp2"])
+def test_muse_tiny_two_ranks(tmp_path, tiny_single, mesh, replicated, monkeypatch):
+    """``replicated``: MUSECORE_MOE_REPLICATED_TOKENS; 0 sends every MoE layer through the all-to-all path
+    (the default, 64, takes one all-reduce at these sizes outside sequence-parallel prefill)."""
+    monkeypatch.setenv("MUSECORE_MOE_REPLICATED_TOKENS", replicated)  # the plan below reads it too
+    many = run_ranks(2, tmp_path / "many.pt", *mesh, extra_env={"MUSECORE_MOE_REPLICATED_TOKENS": replicated})
     compare(tiny_single, many, BF16_TOL)
     check_against_plan(many, mesh_from(mesh))
 
@@ -144,6 +149,8 @@ def test_random_model_dense_layers_uneven_kv_split(tmp_path, random_checkpoint):
     args = ("--model", str(random_checkpoint), "--dtype", "float32", "--vocab-limit", "98")
     one = single(tmp_path / "one.pt", *args)
     compare(one, run_ranks(2, tmp_path / "many.pt", *args, "--tp", "2", "--ep", "2"), 1e-4)
+    compare(one, run_ranks(2, tmp_path / "a2a.pt", *args, "--tp", "2", "--ep", "2",
+                           extra_env={"MUSECORE_MOE_REPLICATED_TOKENS": "0"}), 1e-4)
     compare(one, run_ranks(2, tmp_path / "sp.pt", *args, "--tp", "2", "--ep", "2", "--sp"), 1e-4)
 
 

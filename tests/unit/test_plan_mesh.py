@@ -28,7 +28,25 @@ def tiny_mesh_config(**overrides):
 
 # -- collective bytes, by hand ----------------------------------------------------------------------
 
-def test_decode_bytes_of_tp2_ep2_are_the_sum_of_the_comm_calls():
+def test_decode_bytes_of_tp2_ep2_replicated_moe():
+    """Decode (1 token <= MUSECORE_MOE_REPLICATED_TOKENS): every token on every rank, one all-reduce of the
+    per-slot expert outputs per MoE layer (Comm.combine_replicated); the same bytes on both ranks."""
+    cfg, dt = tiny_mesh_config(), 2
+    N, L, H, h, V, k, q = 1, 4, 64, 32, 96, 2, 4 * 16
+    per_layer_gather = (N * q // 2 * dt      # gather_cols of this rank's heads' outputs
+                        + N * H // 2 * dt    # gather_cols of o_proj's output rows
+                        + N * h // 2 * dt    # gather_cols of the pooler's output columns
+                        + N * H // 2 * dt)   # gather_cols of the unpooler's output rows
+    logits = N * V // 2 * 4
+    want = {"all_reduce": L * N * k * h * 4, "all_gather": L * per_layer_gather + logits, "reduce_scatter": 0,
+            "all_to_all": 0}
+    got = [collective_bytes(cfg, Mesh(2, 2), 1, dt, rank=r) for r in (0, 1)]
+    assert got == [want, want], got
+
+
+def test_decode_bytes_of_tp2_ep2_are_the_sum_of_the_comm_calls(monkeypatch):
+    """The all-to-all path (forced for every size with MUSECORE_MOE_REPLICATED_TOKENS=0)."""
+    monkeypatch.setenv("MUSECORE_MOE_REPLICATED_TOKENS", "0")
     cfg, dt = tiny_mesh_config(), 2  # bf16 activations
     N, L, H, h, V, k, q = 1, 4, 64, 32, 96, 2, 4 * 16
     per_layer_gather = (N * q // 2 * dt      # gather_cols of this rank's heads' outputs
@@ -66,7 +84,8 @@ def test_sequence_parallel_prefill_bytes_by_hand_with_uneven_token_shards():
         assert got == want, (rank, got, want)
 
 
-def test_expert_parallel_alone_moves_only_the_routed_rows_and_the_expert_sums():
+def test_expert_parallel_alone_moves_only_the_routed_rows_and_the_expert_sums(monkeypatch):
+    monkeypatch.setenv("MUSECORE_MOE_REPLICATED_TOKENS", "0")
     cfg, dt = tiny_mesh_config(), 2
     got = [collective_bytes(cfg, Mesh(tp=1, ep=2), 1, dt, rank=r) for r in (0, 1)]
     gather = 4 * (1 * 32 * dt)                                    # the expert sums, per layer
@@ -75,7 +94,8 @@ def test_expert_parallel_alone_moves_only_the_routed_rows_and_the_expert_sums():
     assert got[1] == {"all_reduce": 0, "all_gather": gather, "reduce_scatter": 0, "all_to_all": 4 * (1 * 32 * 4)}, got
 
 
-def test_dense_mlp_layers_gather_their_activation_and_output_columns():
+def test_dense_mlp_layers_gather_their_activation_and_output_columns(monkeypatch):
+    monkeypatch.setenv("MUSECORE_MOE_REPLICATED_TOKENS", "0")  # the all-to-all path
     sparse_only = tiny_mesh_config()
     mixed = tiny_mesh_config(mlp_layer_types=["dense", "sparse", "sparse", "dense"])
     a = collective_bytes(sparse_only, Mesh(2, 2), 1, 2)
@@ -89,7 +109,8 @@ def test_dense_mlp_layers_gather_their_activation_and_output_columns():
 
 @pytest.mark.parametrize("mesh", [Mesh(2, 2), Mesh(2, 2, sp=True), Mesh(1, 2), Mesh(4, 2), Mesh(4, 4, sp=True)])
 @pytest.mark.parametrize("tokens,batch", [(1, 1), (1, 3), (7, 1), (5, 2)])
-def test_the_combine_summed_over_ranks_is_every_routed_row_whatever_the_routing(mesh, tokens, batch):
+def test_the_combine_summed_over_ranks_is_every_routed_row_whatever_the_routing(mesh, tokens, batch, monkeypatch):
+    monkeypatch.setenv("MUSECORE_MOE_REPLICATED_TOKENS", "0")  # the all-to-all path at every size
     cfg = tiny_mesh_config(num_local_experts=8, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
     n, sparse, h, k = tokens * batch, 4, 32, 2
     combine = sum(s.bytes for r in range(mesh.world)

@@ -299,4 +299,17 @@ def bench_e2e(batches: tuple[int, ...] = (1, 32), new_tokens: int = 64, prompt_t
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:
     """Case name -> benchmark callable (``e2e`` comes once the model runs on this backend)."""
     return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e,
-            "gemlite": bench_gemlite}
+            "gemlite": bench_gemlite, "distributed": bench_distributed}
+
+
+def bench_distributed() -> list[dict]:
+    """The 816B preset's MoE layer (one decoder layer at full width, NVFP4 experts) on every visible
+    GPU (TP = EP = GPUs) against one GPU, decode batch 1-64 and an 8K prefill: musecore.distributed_bench."""
+    import torch
+
+    from musecore.distributed_bench import launch
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        raise RuntimeError(f"the distributed case needs 2 or more GPUs; this machine has {gpus}")
+    return launch("h200", gpus, "--preset", "muse-spark-open-816b-a42b", "--layers", "1", "--format", "nvfp4",
+                  "--batches", "1,8,16,64", "--prefill", "8192")

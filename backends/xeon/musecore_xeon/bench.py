@@ -417,4 +417,11 @@ def benchmarks(backend: Optional[XeonBackend] = None) -> dict[str, Callable[...,
     ``backends/xeon/lab/scripts/xeon_bench.py``); ``backend`` (default: a new one) runs the kernel cases."""
     return {"linear": functools.partial(bench_linear, backend=backend),
             "moe": functools.partial(bench_moe, backend=backend),
-            "attention": bench_attention, "e2e": bench_e2e}
+            "attention": bench_attention, "e2e": bench_e2e, "distributed": bench_distributed}
+
+
+def bench_distributed() -> list[dict[str, Any]]:
+    """muse-small on 2 gloo ranks (TP2/EP2, the Xeon recipe's one rank per NUMA node) against one rank:
+    decode and prefill tokens/s and scaling (musecore.distributed_bench)."""
+    from musecore.distributed_bench import launch
+    return launch("xeon", 2, "--preset", "muse-small", "--batches", "1,8,32", "--prefill", "512")
