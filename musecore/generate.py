@@ -194,11 +194,13 @@ class NonFiniteLogitsError(ValueError):
     """The model produced NaN or Inf logits: broken weights (or numerics), never a token to return."""
 
 
-def check_finite_logits(model: Any, logits: torch.Tensor, when: str, ids: Optional[torch.Tensor] = None,
-                        positions: Optional[torch.Tensor] = None, live: Optional[torch.Tensor] = None) -> None:
+def check_finite_logits(model: Any, logits: torch.Tensor, when: str,
+                        sequence: Optional[Callable[[], tuple[torch.Tensor, torch.Tensor]]] = None,
+                        live: Optional[torch.Tensor] = None) -> None:
     """Raise :class:`NonFiniteLogitsError` when a row of ``logits [B,V]`` (a live row, when ``live``
-    is given) holds NaN or Inf. With ``MUSECORE_DEBUG=1`` and the prompt (``ids``, ``positions``),
-    the message names the first layer whose output is non-finite (:func:`first_non_finite_stage`)."""
+    is given) holds NaN or Inf. With ``MUSECORE_DEBUG=1``, ``sequence()`` gives the tokens so far
+    (``ids``, ``positions [B,T]``, padding at -1) and the message names the first layer whose output
+    is non-finite on them (:func:`first_non_finite_stage`)."""
     finite = torch.isfinite(logits).all(dim=-1)  # [B]
     if live is not None:
         finite = finite | ~live
@@ -206,8 +208,8 @@ def check_finite_logits(model: Any, logits: torch.Tensor, when: str, ids: Option
         return
     rows = (~finite).nonzero().flatten().tolist()
     where = f"rows {rows[:8]}" if len(rows) > 1 else f"row {rows[0]}"
-    if os.environ.get(DEBUG_ENV, "") not in ("", "0") and ids is not None:
-        found = first_non_finite_stage(model, ids, positions)
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0") and sequence is not None:
+        found = first_non_finite_stage(model, *sequence())
         located = f"; the first non-finite output is {found}" if found else "; every layer's output is finite " \
             "when the prompt is recomputed without the KV cache (the cache or a decode kernel is at fault)"
     else:
@@ -414,7 +416,7 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
 
     start = time.perf_counter()
     logits = model.forward(ids, positions=positions, cache=cache)[:, -1]  # [B,V] fp32
-    check_finite_logits(model, logits, "the prefill (the first new token)", ids, positions)
+    check_finite_logits(model, logits, "the prefill (the first new token)", lambda: (ids, positions))
     sampled = sample(logits)  # [B] on the device
     live = torch.ones(B, dtype=torch.bool, device=device)
     next_position = next_position.to(device)
@@ -434,7 +436,9 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
             next_position += live.long()
             logits = step_fn(sampled[:, None], step_positions)[:, -1]
             if step == 0:  # one host sync, once: the first decode step runs through the KV cache
-                check_finite_logits(model, logits, "the first decode step", live=live)
+                check_finite_logits(model, logits, "the first decode step", lambda: (
+                    torch.cat([ids.to(device), sampled[:, None]], 1),
+                    torch.cat([positions.to(device), step_positions], 1)), live=live)
             next_sampled = sample(logits)
         tokens = fetch.wait()
         active = [row for row in rows if not row.done]

@@ -74,3 +74,23 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(folder, tmp_pat
     model = musecore.load(mismatched, device="cpu")
     with pytest.raises(ValueError, match="tokenizer has 4096 tokens but the model's vocab_size is 97"):
         model.generate("hello", max_new_tokens=2)
+
+
+def test_nan_reached_only_by_the_first_generated_token_is_caught_at_the_first_decode_step(model, monkeypatch):
+    """The embedding row of the token the prefill picks is made NaN: the prompt never touches it, so
+    the prefill logits are finite and only the first decode step (through the KV cache) sees it."""
+    tried = {}
+    for prompt in ([0, 5, 6, 7], [0, 11, 12], [0, 40, 41, 42, 43], [0, 80], [0, 20, 30, 60]):
+        tried[tuple(prompt)] = first = model.generate(prompt, max_new_tokens=1)
+        if first and first[0] not in prompt:
+            break
+    else:
+        pytest.fail(f"the test needs a prompt whose first new token is not in it: {tried}")
+    model.embed_tokens.data[first[0]] = float("nan")
+    monkeypatch.delenv("MUSECORE_DEBUG", raising=False)
+    with pytest.raises(NonFiniteLogitsError, match="at the first decode step") as e:
+        model.generate(prompt, max_new_tokens=4)
+    assert "\n" not in str(e.value), str(e.value)
+    monkeypatch.setenv("MUSECORE_DEBUG", "1")
+    with pytest.raises(NonFiniteLogitsError, match="first decode step.*the first non-finite output is the embedding"):
+        model.generate(prompt, max_new_tokens=4)
