@@ -356,8 +356,8 @@ class MuseConfig:
         data = dict(data)
         model_type = data.get("model_type")
         if model_type not in ("muse_spark", "muse_spark_text"):
-            raise ValueError(f"{source}: model_type is {_short(model_type)}, not 'muse_spark'; this is not a Muse Spark "
-                             "config.json (musecore runs transformers' muse_spark model)")
+            raise ValueError(f"{source}: model_type is {_short(model_type)}, not 'muse_spark'; this is not a Muse "
+                             "Spark config.json (musecore runs transformers' muse_spark model)")
         if model_type == "muse_spark":
             text = data.pop("text_config", None)
             if not isinstance(text, dict):

@@ -134,7 +134,8 @@ class PluginRecord:
             return
         self._probed = True
         cls = self._backend_class
-        done = call_isolated(lambda: cls().probe(), f"backend {self.name!r}: probe()", (self.name, "probe"))
+        done = call_isolated(lambda: cls().probe(), f"backend {self.name!r}: probe()",
+                             (self.name, self.target + " probe"))
         problem = done.error or _check_probe(self.name, done.value)
         if problem is not None:
             self._error, self._traceback = problem, done.traceback

@@ -59,7 +59,7 @@ def settings(record) -> list:
 
     cls = record.backend_class
     done = call_isolated(lambda: list(cls().env_settings()), f"backend {record.name!r}: env_settings()",
-                         (record.name, "env_settings"))
+                         (record.name, record.target + " env_settings"))
     if done.error is not None:  # the plugin's bug, shown as such
         return [EnvSetting("?", done.error, "", "plugin error")]
     return done.value

@@ -37,7 +37,8 @@ def models():
 @pytest.fixture(scope="module")
 def prompts():
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(8, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(3, 40, (16,), generator=gen)]
+    lengths = torch.randint(3, 40, (16,), generator=gen)
+    return [torch.randint(8, 4096, (int(n),), generator=gen).tolist() for n in lengths]
 
 
 def padded(prompts):

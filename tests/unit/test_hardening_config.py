@@ -4,7 +4,8 @@ milliseconds and without allocating what the config describes; ``plan()`` checks
 the tensor shapes in the safetensors headers; and a hypothesis fuzz of config.json (CI budget
 ``MUSECORE_FUZZ_EXAMPLES``, default 150; ``MUSECORE_FUZZ_REPORT=path`` writes the counts):
 
-    MUSECORE_FUZZ_EXAMPLES=5000 MUSECORE_FUZZ_REPORT=/tmp/fuzz.json python -m pytest -q tests/unit/test_hardening_config.py
+    MUSECORE_FUZZ_EXAMPLES=20000 MUSECORE_FUZZ_REPORT=fuzz.json \
+        python -m pytest -q tests/unit/test_hardening_config.py -k fuzz
 """
 
 from __future__ import annotations
