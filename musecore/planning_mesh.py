@@ -364,13 +364,22 @@ def candidate_meshes(config: Any, world: int) -> list[Mesh]:
     return [m for i, m in enumerate(out) if m not in out[:i] and not m.problems(config)]
 
 
+PROPOSAL_WEIGHT_SHARE = 0.75  # a proposed mesh keeps each rank's weights within 75% of its device
+
+
 def propose_mesh(fit: Callable[[Mesh], MeshPlan], config: Any, total_bytes: int, device_memory_bytes: int,
                  largest: int = LARGEST_PROPOSAL) -> tuple[Optional[MeshPlan], list[str]]:
-    """The smallest power-of-two world whose mesh fits (``fit(mesh)`` plans one), and why others were passed over.
+    """The smallest power-of-two world whose mesh fits with headroom (``fit(mesh)`` plans one), and why
+    others were passed over.
 
-    The search starts at the power of two that the whole model's bytes need (a rank keeps at least
-    ``1/world`` of them) and takes, per world, the first of :func:`candidate_meshes` that fits. A fit
-    with less than 10% of a rank's usable memory to spare gets a note on the next size up.
+    Headroom: every rank fits (weights + the plan's KV context within 90% of a device) *and* its weights
+    take at most :data:`PROPOSAL_WEIGHT_SHARE` of the device, so at least 25% is left for the KV cache
+    and activations of real batches and contexts (what the published recipes buy with more devices:
+    this rule gives their mesh for BF16 and NVFP4 on H200, NVFP4 on MI355X and on GB300; Quark
+    MXFP4 on MI355X's TP8 is a throughput choice beyond it). The search starts at the power of two
+    that the whole model's bytes need and takes, per world, the first of :func:`candidate_meshes`
+    that qualifies. A fit with less than 10% of a rank's usable memory to spare gets a note on the
+    next size up.
     """
     tried: list[str] = []
     need = max(2, math.ceil(total_bytes / (USABLE * device_memory_bytes)))
@@ -383,6 +392,12 @@ def propose_mesh(fit: Callable[[Mesh], MeshPlan], config: Any, total_bytes: int,
             tried.append(f"{world} devices: no mesh splits this model ({why})")
         for mesh in meshes:
             planned = fit(mesh)
+            share = planned.weight_bytes / device_memory_bytes
+            if planned.fits and share > PROPOSAL_WEIGHT_SHARE:
+                tried.append(f"{mesh_label(mesh)} on {world} devices fits, but its weights take {share:.0%} of each "
+                             f"device (a proposal leaves at least {1 - PROPOSAL_WEIGHT_SHARE:.0%} for KV cache and "
+                             "activations)")
+                continue
             if planned.fits:
                 spare = planned.usable_bytes - planned.rank_bytes
                 bigger = candidate_meshes(config, 2 * world) if spare < 0.1 * planned.usable_bytes else []

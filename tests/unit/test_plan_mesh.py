@@ -177,22 +177,25 @@ def test_attention_replicated_with_tp1_caches_every_kv_head_on_every_rank():
 
 @pytest.mark.parametrize("device,fmt,label,nodes,recipe", [
     ("h200", "bf16", "TP16/EP16", 2, "TP16/EP16 on two 8x H200 nodes"),
-    ("h200", "nvfp4", "TP4/EP4", 1, "one 8x H200 node"),
-    ("mi355x", "mxfp4", "TP2/EP2", 1, "TP8/EP8 on 8x MI355X"),
-    ("mi355x", "nvfp4", "TP2/EP2", 1, "TP4/EP4 on MI355X"),
-    ("gb300", "nvfp4", "TP2/EP2", 1, "TP4/EP4 on 4x GB300 with SP"),
+    ("h200", "nvfp4", "TP8/EP8", 1, "one 8x H200 node"),
+    ("mi355x", "mxfp4", "TP4/EP4", 1, "TP8/EP8 on 8x MI355X"),
+    ("mi355x", "nvfp4", "TP4/EP4", 1, "TP4/EP4 on MI355X"),
+    ("gb300", "nvfp4", "TP4/EP4", 1, "TP4/EP4 on 4x GB300 with SP"),
 ])
-def test_816b_proposal_is_the_smallest_power_of_two_that_fits(device, fmt, label, nodes, recipe):
-    """The proposal is what memory says (weights + KV for 8192 tokens within 90% of a device). The
-    published recipes use as many or more devices (KV room for long contexts and batches, throughput);
-    every recipe's mesh fits as well (next test)."""
+def test_816b_proposal_is_the_smallest_power_of_two_that_fits_with_headroom(device, fmt, label, nodes, recipe):
+    """The proposal: the smallest power of two where every rank fits (weights + KV for 8192 tokens within
+    90% of a device) with its weights within 75% of the device (PROPOSAL_WEIGHT_SHARE). That is the
+    published recipe for four of the five; Quark MXFP4's TP8 on MI355X is a throughput choice beyond it
+    (every recipe's mesh fits: next test). Half the proposal either does not fit or leaves too little room."""
+    from musecore.planning_mesh import PROPOSAL_WEIGHT_SHARE
     p = musecore.plan(BIG, device, emulate=True, checkpoint_format=fmt)
     m = p.proposed_mesh
     assert not p.fits and p.mesh is None and m is not None
     assert (m.label, m.nodes, m.fits) == (label, nodes, True), (m.label, m.nodes, m.rank_bytes / GiB, recipe)
     half = musecore.plan(BIG, device, emulate=True, checkpoint_format=fmt, tp=m.world // 2, ep=m.world // 2)
-    assert not half.fits, (f"{half.mesh.label} fits ({half.mesh.rank_bytes / GiB:.1f} GiB of "
-                           f"{half.mesh.usable_bytes / GiB:.1f}): the proposal is not the smallest")
+    device_bytes = half.mesh.usable_bytes / 0.9
+    assert not half.fits or half.mesh.weight_bytes > PROPOSAL_WEIGHT_SHARE * device_bytes, \
+        f"{half.mesh.label} fits with headroom ({half.mesh.weight_bytes / GiB:.1f} GiB of weights): not the smallest"
     assert f"proposed mesh: {label} over {m.world} ranks" in str(p)
 
 
@@ -205,11 +208,10 @@ def test_816b_published_recipes_fit_per_rank(device, fmt, tp, sp):
     assert p.mesh.nodes == (2 if tp == 16 else 1) and p.proposed_mesh is None
 
 
-def test_tight_proposal_names_the_next_size_up():
-    m = musecore.plan(BIG, "h200", emulate=True, checkpoint_format="nvfp4").proposed_mesh
-    spare = (m.usable_bytes - m.rank_bytes) / GiB
-    assert spare < 0.1 * m.usable_bytes / GiB, spare
-    assert m.notes[0].startswith("tight:") and "TP8/EP8 on 8 devices" in m.notes[0], m.notes[0]
+def test_proposal_says_why_smaller_meshes_were_passed_over():
+    p = musecore.plan(BIG, "h200", emulate=True, checkpoint_format="nvfp4")
+    assert p.proposed_mesh.label == "TP8/EP8"
+    assert any("TP4/EP4 on 4 devices fits, but its weights take" in line for line in str(p).splitlines()), str(p)
 
 
 def test_a_model_that_fits_gets_no_proposal_and_a_cpu_host_gets_none():
