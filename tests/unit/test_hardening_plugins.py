@@ -133,3 +133,27 @@ def test_a_bad_timeout_setting_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv(TIMEOUT_ENV, "soon")
     with pytest.raises(BackendError, match=f"{TIMEOUT_ENV}='soon' is not a positive number of seconds"):
         discover()["timeoutplug"].loaded
+
+
+ENV_SETTINGS = BACKEND.replace('''    def supports(self, op, spec):''', '''    def env_settings(self):
+{env}
+    def supports(self, op, spec):''')
+
+
+@pytest.mark.parametrize("name,body,reason", [
+    ("sleepyenv", "        time.sleep(30)", f"env_settings\\(\\) did not return within {TIMEOUT:g} s"),
+    ("exitenv", "        sys.exit(4)", "env_settings\\(\\) raised SystemExit: 4"),
+])
+def test_doctor_survives_env_settings_that_hang_or_exit(tmp_path, monkeypatch, capsys, name, body, reason):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(TIMEOUT_ENV, str(TIMEOUT))
+    install_plugin(tmp_path, f"{name}_pkg", {name: f"{name}_pkg:FaultBackend"},
+                   ENV_SETTINGS.format(name=name, at_import="", probe=GOOD_PROBE, env=body))
+    start = time.perf_counter()
+    assert main(["doctor", "--json"]) == 0
+    took = time.perf_counter() - start
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    shown = " ".join(e["value"] or "" for e in rows[name]["env"])
+    assert re.search(reason, shown), rows[name]["env"]
+    assert took < TIMEOUT + SLACK, f"doctor took {took:.2f} s (tolerance {TIMEOUT + SLACK} s)"
+    sys.modules.pop(f"{name}_pkg", None)
