@@ -82,11 +82,22 @@ def thread_count(requested: Optional[int] = None) -> tuple[int, str]:
             raise ValueError(f"{NUM_THREADS_ENV}={raw!r} is not a thread count; set it to a number >= 1 (e.g. 4), "
                              "to 'all' for every usable core, or unset it for the cores free now")
         return count, f"{NUM_THREADS_ENV}={raw}"
+    ranks = local_ranks()  # torchrun's ranks on this host share its cores
+    per_rank = f", shared by {ranks} ranks on this host" if ranks > 1 else ""
     try:
         load = os.getloadavg()[0]
     except OSError:
-        return usable_cores(), "every usable core (no load average on this platform)"
-    return free_cores(load), f"free cores: {usable_cores()} usable, 1-minute load average {load:.2f}"
+        return max(1, usable_cores() // ranks), f"every usable core (no load average on this platform){per_rank}"
+    return (max(1, free_cores(load) // ranks),
+            f"free cores: {usable_cores()} usable, 1-minute load average {load:.2f}{per_rank}")
+
+
+def local_ranks() -> int:
+    """How many ranks of a ``torchrun`` launch run on this host (``LOCAL_WORLD_SIZE``; 1 outside one)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def configure_threads(requested: Optional[int] = None) -> int:
