@@ -467,7 +467,16 @@ def test_autoround_int4_checkpoint_generates_natively_on_the_xeon_backend(tmp_pa
 # Dense groups (attention, pooler/unpooler, lm_head): inputs captured from the model, each Linear tuned alone
 
 
-def test_captured_lm_head_inputs_reproduce_the_models_logits(small):
+@pytest.fixture
+def one_thread():
+    """auto-round's many tiny ops run fastest on one thread; on a shared box two spin (measured 16x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_captured_lm_head_inputs_reproduce_the_models_logits(small, one_thread):
     from musecore.calibrate import capture_linear_inputs
     _, config, tensors, model, ids = small
     captured = capture_linear_inputs(model, ids, ["lm_head.weight"], max_rows=10_000)["lm_head.weight"]
@@ -479,7 +488,7 @@ def test_captured_lm_head_inputs_reproduce_the_models_logits(small):
     assert model.ops is not None and type(model.ops).__name__ != "LinearInputRecorder", "the op set is restored"
 
 
-def test_dense_autoround_tunes_every_linear_of_the_groups_no_worse_than_rtn_on_its_rows(small, tmp_path):
+def test_dense_autoround_tunes_every_linear_of_the_groups_no_worse_than_rtn_on_its_rows(small, tmp_path, one_thread):
     needs_auto_round()
     from musecore.calibrate import DenseAutoRoundQuantizer
     folder, config, tensors, model, ids = small
