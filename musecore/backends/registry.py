@@ -265,6 +265,18 @@ def discover(probe: bool = True) -> dict[str, PluginRecord]:
     return records
 
 
+def resolve_all(records: dict[str, PluginRecord]) -> dict[str, PluginRecord]:
+    """Import and probe every record at once, one thread each, so that hung plugins cost one timeout
+    together rather than one each (``device="auto"`` and ``musecore doctor`` need them all)."""
+    pending = [r for r in records.values() if not r._probed or r._entry_point is not None]
+    threads = [threading.Thread(target=r._run_probe, name=f"musecore-plugin: {r.name}", daemon=True) for r in pending]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()  # each record's import and probe carry their own timeout (call_isolated)
+    return records
+
+
 def install_hint(backend: str) -> str:
     """How to install a backend package: they are not published, so from a musecore checkout."""
     return (f"musecore-{backend} is not on PyPI: install it from a musecore checkout with "
@@ -291,6 +303,7 @@ def unavailable_reason(records: dict[str, PluginRecord], backend: str, device: O
 def best_device(records: dict[str, PluginRecord]) -> str:
     """The catalog device ``device="auto"`` means: the first device of the highest-scoring available
     backend (the reference backend, always available, serves ``cpu``)."""
+    resolve_all(records)
     ready = [r for r in records.values() if unavailable_reason(records, r.name) is None and r.probe.devices]
     if not ready:
         raise BackendError("no backend is available here, not even the reference backend; reinstall musecore "

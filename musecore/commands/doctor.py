@@ -17,10 +17,10 @@ def run(args) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from musecore.backends.registry import discover
+    from musecore.backends.registry import discover, resolve_all
     from musecore.console import data_console
 
-    records = discover()
+    records = resolve_all(discover())
     env = {name: settings(r) for name, r in records.items()}
     if args.json:
         print(json.dumps([{**r.to_dict(), "env": [vars(e) for e in env[r.name]]} for r in records.values()], indent=2))
