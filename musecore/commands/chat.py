@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             pass
     model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense,
-                          download=args.download)
+                          download=args.download, progress=not getattr(args, "quiet", False))
     from musecore.chat import chat_prompt
 
     opening = [{"role": "system", "content": args.system}] if args.system else []

@@ -62,7 +62,8 @@ def _load(args: argparse.Namespace) -> Any:
     from musecore.cli import UsageError
 
     model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense,
-                          download=args.download, tp=args.tp, ep=args.ep, sp=args.sp)
+                          download=args.download, progress=not getattr(args, "quiet", False), tp=args.tp,
+                          ep=args.ep, sp=args.sp)
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer.json, so it cannot take a text prompt; "
                          "use model.generate(list_of_token_ids) from Python instead")

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     import musecore
 
     model = musecore.load(args.model, device=args.device, emulate=args.emulate, quantize_dense=args.quantize_dense,
-                          download=args.download)
+                          download=args.download, progress=not getattr(args, "quiet", False))
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer.json; the server takes text, so it needs one")
     name = args.served_model_name or str(args.model)
