@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -139,6 +139,8 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
 
     def convert(name: str, value: Any) -> Any:  # this rank's piece of the tensor, converted per the plan
         piece = tensor_piece(name, config, mesh, rank) if mesh is not None else None
+        if name in placer.presliced:  # the stream read this rank's experts only
+            piece = replace(piece, experts=None)
         value = placer.convert(name, take(value, piece))
         group = getattr(value, "group_size", 0)
         if piece is not None and piece.cols is not None and group and piece.cols[0] % group:
@@ -186,6 +188,8 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
         if name in seen:
             raise CheckpointMismatch(f"{source}: tensor {name!r} appears twice")
         shape = logical_shape(value)
+        if name in placer.presliced:
+            shape = (config.num_local_experts, *shape[1:]) if shape[0] == local_experts else shape
         if shape != expected[name]:
             raise CheckpointMismatch(f"{source}: tensor {name!r} has shape {list(shape)} but config.json implies "
                                      f"{list(expected[name])}")
@@ -236,6 +240,10 @@ class Placer:
 
     fuse_projections = True  # stack each block's input projections when they allow it (:func:`fuse_group`)
     keep: Callable[[str], bool] = staticmethod(lambda name: True)  # tensors this rank reads (distributed: its experts)
+    # Distributed: the range of a stacked tensor's first dimension this rank keeps (its experts); the
+    # stream reads only that range where the reader can, and lists those names in ``presliced``.
+    leading: dict[str, tuple[int, int]] = {}
+    presliced: frozenset[str] = frozenset()
 
     def __init__(self, plan: Any, backends: dict[str, Any], dtype: torch.dtype) -> None:
         self.plan, self.backends, self.dtype = plan, backends, dtype
@@ -248,7 +256,9 @@ class Placer:
         from musecore.console import progress as stage
         names = [name for name in reader.weight_names() if not is_tower_tensor(name) and self.keep(name)]  # towers: not read
         with stage("loading", total=len(names), unit="tensor", enabled=progress, stream=sys.stderr) as bar:
-            for _shard, weights in reader.iter_shards(names):
+            leading = {name: rows for name, rows in self.leading.items() if reader.can_slice(name)}
+            self.presliced = frozenset(leading)
+            for _shard, weights in reader.iter_shards(names, leading=leading):
                 for name, value in weights.items():
                     yield name, value
                     bar.update(1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -235,12 +235,17 @@ class CheckpointReader:
         return self._decode(entry, self.read_parts(name), check_finite)
 
     def iter_shards(self, names: Optional[Iterable[str]] = None, *, check_finite: bool = True,
+                    leading: Optional[Mapping[str, tuple[int, int]]] = None,
                     ) -> Iterator[tuple[Path, dict[str, Weight]]]:
         """Yield ``(shard, {name: weight})`` one shard at a time, in file order.
 
         A weight whose companions sit in a later shard is held until that shard is read and then
         yielded with it. ``names`` restricts reading to those weights (others' bytes are not read).
+        ``leading`` maps unquantized weights to a ``(start, stop)`` range of their first dimension:
+        only those rows are read from the file (e.g. one rank's experts of a stacked ``[E, ...]``
+        tensor); see :meth:`can_slice`.
         """
+        leading = leading or {}
         wanted = set(self._entries) if names is None else {self.entry(n).name for n in names}
         by_file: dict[Path, list[tuple[str, str, TensorHeader]]] = {}
         for name in wanted:
@@ -253,8 +258,8 @@ class CheckpointReader:
             out: dict[str, Weight] = {}
             for name, role, h in sorted(by_file[shard], key=lambda x: x[2].offsets):
                 parts = pending.setdefault(name, {})
-                parts[role] = self._get(h)
                 entry = self._entries[name]
+                parts[role] = self._get(h, leading.get(name) if self.can_slice(name) else None)
                 if len(parts) == len(entry.parts):
                     out[name] = self._decode(entry, pending.pop(name), check_finite)
             self._handles.pop(shard, None)
@@ -268,11 +273,19 @@ class CheckpointReader:
         check_scales(entry, tensors)  # finite scales that would decode silently wrong: always refused
         return _DECODERS[entry.kind](entry, tensors)
 
-    def _get(self, h: TensorHeader) -> torch.Tensor:
+    def can_slice(self, name: str) -> bool:
+        """Whether :meth:`iter_shards` can read a range of ``name``'s first dimension alone (one stored,
+        unquantized tensor)."""
+        entry = self.entry(name)
+        return entry.kind == "plain" and len(entry.parts) == 1
+
+    def _get(self, h: TensorHeader, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
         try:
             handle = self._handles.get(h.file)
             if handle is None:
                 handle = self._handles[h.file] = safe_open(str(h.file), framework="pt", device="cpu")
+            if rows is not None:
+                return handle.get_slice(h.key)[rows[0]:rows[1]]
             return handle.get_tensor(h.key)
         except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # the file changed after its header was read
             raise CheckpointError(f"{h.file}: cannot read tensor {h.key!r} ({e}); the file changed or is "
