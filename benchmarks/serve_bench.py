@@ -41,6 +41,8 @@ from pathlib import Path
 
 import httpx
 
+from musecore.benchmarking import cpu_name
+
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def __init__(self):",
            "# Sort a list of numbers", "The quick brown fox", "for i in range(10):",
            "def parse_args():\n    parser = argparse.ArgumentParser(", "Hello, my name is"]
@@ -52,14 +54,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def metric(url: str, name: str) -> float:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 import musecore
 import musecore.api
+from musecore.benchmarking import cpu_name
 
 OUT = Path(__file__).parent / "results" / "distributed" / "transformers_peer_cpu.json"
 IDS = torch.tensor([[1, 414, 286, 300, 17, 9, 1000, 5], [3, 2, 1, 77, 88, 99, 11, 12]])  # tests/distributed/worker.py
@@ -44,14 +45,6 @@ IDS = torch.tensor([[1, 414, 286, 300, 17, 9, 1000, 5], [3, 2, 1, 77, 88, 99, 11
 PROMPTS = {"tests_prompt": IDS[0, :4].tolist(), "six_token_prompt": IDS[0, :6].tolist()}
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def full(t: Any) -> torch.Tensor:
@@ -78,25 +71,6 @@ def local_weight_bytes(module: torch.nn.Module) -> int:
     for t in [*module.parameters(), *module.buffers()]:
         local = t.to_local() if hasattr(t, "to_local") else t
         total += local.numel() * local.element_size()
-    return total
-
-
-def musecore_weight_bytes(model: Any) -> int:
-    """Bytes of every tensor a musecore model holds (weights, not the KV cache), as tests/distributed/worker.py counts."""
-    seen, total, stack = set(), 0, [model.embed_tokens, model.norm, model.lm_head, *model.layers]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or obj is None or isinstance(obj, (int, float, str, bool)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            total += obj.numel() * obj.element_size()
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif hasattr(obj, "__dict__"):
-            stack.extend(v for k, v in vars(obj).items() if k not in ("ops", "comm"))
     return total
 
 
@@ -336,7 +310,7 @@ def main() -> int:
     for name in ("transformers_one_process", "transformers_one_process_eager", "transformers_tp"):
         if everyone(name in engines)[0]:  # rank 0 decides; the TP model's forward needs both ranks
             routing[name] = transformers_routing(engines[name].model, IDS) if name in engines else None
-    result["musecore_mesh"] = {"tp": args.tp, "ep": args.ep, "rank_weight_bytes": everyone(musecore_weight_bytes(mc))}
+    result["musecore_mesh"] = {"tp": args.tp, "ep": args.ep, "rank_weight_bytes": everyone(mc.weight_bytes())}
 
     # Decode rounds, alternating engines; the distributed engines run on both ranks in lockstep, the
     # one-process ones on rank 0 only (rank 1 waits at the barrier).

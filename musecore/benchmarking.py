@@ -28,3 +28,16 @@ def cycle(objs: Sequence[Any], call: Callable[[Any], object]) -> Callable[[], No
         for obj in objs:
             call(obj)
     return run
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the hardware record of a benchmark's JSON."""
+    import platform
+    from pathlib import Path
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

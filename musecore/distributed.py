@@ -433,29 +433,27 @@ class Comm:
 
 
 def replicated_moe_limit() -> int:
-    raw = os.environ.get("MUSECORE_MOE_REPLICATED_TOKENS")
-    if raw is None:
-        return REPLICATED_MOE_TOKENS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise MeshError(f"MUSECORE_MOE_REPLICATED_TOKENS={raw!r} is not a whole number of tokens (0: always "
-                        "all-to-all)") from None
-    if value < 0:
-        raise MeshError(f"MUSECORE_MOE_REPLICATED_TOKENS must be >= 0, got {raw!r}")
-    return value
+    """``MUSECORE_MOE_REPLICATED_TOKENS`` (default :data:`REPLICATED_MOE_TOKENS`; 0: always all-to-all)."""
+    return int(env_number("MUSECORE_MOE_REPLICATED_TOKENS", REPLICATED_MOE_TOKENS, int, 0,
+                          "a whole number of tokens >= 0 (0: always all-to-all)"))
 
 
 def timeout_seconds() -> float:
-    raw = os.environ.get("MUSECORE_DIST_TIMEOUT")
+    """``MUSECORE_DIST_TIMEOUT`` in seconds (default :data:`DEFAULT_TIMEOUT_S`)."""
+    return env_number("MUSECORE_DIST_TIMEOUT", DEFAULT_TIMEOUT_S, float, 1e-9, "a number of seconds > 0")
+
+
+def env_number(name: str, default: float, kind: type, least: float, wanted: str) -> float:
+    """The environment variable ``name`` read as ``kind``, at least ``least``; ``default`` when unset."""
+    raw = os.environ.get(name)
     if raw is None:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        raise MeshError(f"MUSECORE_DIST_TIMEOUT={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise MeshError(f"MUSECORE_DIST_TIMEOUT must be > 0 seconds, got {raw!r}")
+        value = None
+    if value is None or not value >= least:
+        raise MeshError(f"{name}={raw!r}: set it to {wanted}, or unset it (default {default})")
     return value
 
 

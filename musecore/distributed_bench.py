@@ -116,6 +116,7 @@ def _free_port() -> int:
 
 def main(argv: Any = None) -> int:
     from musecore.api import load_random
+    from musecore.benchmarking import cpu_name
     from musecore.config import MuseConfig
 
     args = parse(argv)
@@ -158,7 +159,7 @@ def main(argv: Any = None) -> int:
         "command": "torchrun ... -m musecore.distributed_bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "preset": args.preset, "layers": config.num_hidden_layers, "format": args.format, "device": args.device,
         "mesh": None if comm is None else dataclasses.asdict(comm.mesh) | {"world": comm.world},
-        "hardware": {"torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
+        "hardware": {"torch": torch.__version__, "machine": platform.machine(), "cpu": cpu_name(),
                      "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
                      "threads": torch.get_num_threads()},
         "all_to_all_bus_GBps": None if comm is None else bus_bandwidth(comm, device),

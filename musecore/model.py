@@ -432,6 +432,25 @@ class MuseModel:
         from musecore.chat import chat_stream
         return chat_stream(self, messages, **kwargs)
 
+    def weight_bytes(self) -> int:
+        """Bytes of every tensor the model holds for its weights (not the KV cache), found by walking its
+        layers: what one rank of a distributed model really keeps, for comparison with its plan."""
+        seen, total, stack = set(), 0, [self.embed_tokens, self.norm, self.lm_head, *self.layers]
+        while stack:
+            obj = stack.pop()
+            if obj is None or id(obj) in seen or isinstance(obj, (int, float, str, bool)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                total += obj.numel() * obj.element_size()
+            elif isinstance(obj, (list, tuple)):
+                stack.extend(obj)
+            elif isinstance(obj, dict):
+                stack.extend(obj.values())
+            elif hasattr(obj, "__dict__"):
+                stack.extend(v for k, v in vars(obj).items() if k not in ("ops", "comm"))
+        return total
+
     # -- where checkpoint tensors go --------------------------------------------------------------
 
     def weight_slots(self) -> dict[str, Slot]:

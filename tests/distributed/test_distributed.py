@@ -195,7 +195,6 @@ def test_rank_that_never_starts_times_out(tmp_path):
 
 
 def test_mesh_that_does_not_divide_the_model():
-    import musecore
     from musecore.distributed import Mesh, MeshError
     from musecore.config import MuseConfig
     config = MuseConfig.from_name("muse-tiny")

@@ -14,25 +14,6 @@ import torch
 import musecore
 
 
-def resident_bytes(model) -> int:
-    """Bytes of every tensor the model holds (weights, not the KV cache), found by walking its objects."""
-    seen, total, stack = set(), 0, [model.embed_tokens, model.norm, model.lm_head, *model.layers]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or obj is None or isinstance(obj, (int, float, str, bool)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            total += obj.numel() * obj.element_size()
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif hasattr(obj, "__dict__"):
-            stack.extend(v for k, v in vars(obj).items() if k not in ("ops", "comm"))
-    return total
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="muse-tiny")
@@ -75,7 +56,7 @@ def main() -> int:
     rank = comm.rank if comm is not None else 0
     everyone = [None] * (comm.world if comm is not None else 1)
     mine = {"greedy": greedy, "sampled": sampled, "prefill_traffic": prefill_traffic,
-            "decode_traffic": decode_traffic, "weight_bytes": resident_bytes(model)}
+            "decode_traffic": decode_traffic, "weight_bytes": model.weight_bytes()}
     if comm is not None:
         comm.dist.all_gather_object(everyone, mine, group=comm.group)
     else:
