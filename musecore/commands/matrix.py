@@ -143,7 +143,7 @@ def explain(row: Any, rows: list) -> str:
                      "which this device does by default (quantize_dense=False keeps them BF16).")
     if "requantized" in row.format:
         direct = [r for r in rows if r.device == row.device and "from bf16" in r.format and r.status == "ok"
-                  and r.mode == row.mode and r.weight_sqnr_db is not None and r.requantization == row.requantization]
+                  and r.mode == row.mode and r.weight_sqnr_db is not None and _rule(r) == _rule(row)]
         direct = direct or [r for r in rows if r.device == row.device and "from bf16" in r.format and r.status == "ok"
                             and r.mode == row.mode and r.weight_sqnr_db is not None]
         if direct:
@@ -203,6 +203,12 @@ def render_markdown(report: Any, command: str, png: Optional[str] = None) -> str
     return "\n".join(out) + "\n"
 
 
+def _rule(row: Any) -> str:
+    """The scale rule a row's quantized weights were made with: chosen at load (``requantization``) or
+    when the checkpoint was written (the format says "least-error")."""
+    return "least-error" if row.requantization == "least-error" or "least-error" in row.format else "producer"
+
+
 def render_targets(report: Any) -> list[str]:
     """Issue 28's targets, row by row, from the measured numbers (a miss is shown, not hidden)."""
     ok = [r for r in report.rows if r.status == "ok" and r.row_id != "cpu/bf16"]
@@ -230,7 +236,7 @@ def render_targets(report: Any) -> list[str]:
     for r in ok:
         if "requantized" in r.format:
             direct = [d for d in ok if d.device == r.device and d.mode == r.mode and "from bf16" in d.format
-                      and d.requantization == r.requantization]
+                      and _rule(d) == _rule(r)]
             if direct:
                 gap = r.delta_perplexity_pct - direct[0].delta_perplexity_pct
                 pairs.append(f"- {r.device} {r.format} vs {direct[0].format}: {gap:+.2f} percentage points "
