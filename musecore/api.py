@@ -318,9 +318,12 @@ def assemble(summary: CheckpointSummary, device: str,
                           if (piece := tensor_piece(name, summary.config, mesh, comm.rank)) is not None
                           and piece.experts is not None and expected.get(name) == tuple(shape)}
     failure = None
+    stream = tensors(placer, torch_device)
     try:
-        fill_model(muse, tensors(placer, torch_device), placer, source=source)
+        fill_model(muse, stream, placer, source=source)
     except Exception as e:
+        if hasattr(stream, "close"):  # end the reading stage now (its progress line before the error)
+            stream.close()
         if comm is None:
             raise
         failure = e

@@ -117,8 +117,9 @@ class PluginRecord:
     def _load(self) -> None:
         if self._entry_point is None:
             return
-        ep, self._entry_point = self._entry_point, None
-        done = call_isolated(ep.load, f"backend {self.name!r}: importing {self.target}", (self.name, self.target))
+        self._entry_point = None
+        done = call_isolated(lambda: load_driver(self.name), f"backend {self.name!r}: importing {self.target}",
+                             (self.name, self.target))
         if done.error is not None:
             self._error = done.error.replace(f"importing {self.target} raised", "failed to import:", 1)
             self._traceback = done.traceback
@@ -242,9 +243,21 @@ def _check_probe(name: str, probe: Any) -> Optional[str]:
     return None
 
 
+def load_driver(name: str) -> type:
+    """Import the plugin registered as ``name`` (and no other) with stevedore, raising its own error."""
+    from stevedore import DriverManager
+
+    def reraise(_manager: Any, _ep: Any, err: BaseException) -> None:
+        raise err
+
+    DriverManager.ENTRY_POINT_CACHE.pop(GROUP, None)  # plugins installed since the last call are seen
+    return DriverManager(GROUP, name, invoke_on_load=False, on_load_failure_callback=reraise).driver
+
+
 def discover(probe: bool = True) -> dict[str, PluginRecord]:
-    """Every plugin registered under ``musecore.backends``: a record per entry point, importing
-    nothing until a record is used (then that plugin alone is imported, and probed when ``probe``).
+    """Every plugin registered under ``musecore.backends``: a record per entry point (listed with
+    ``importlib.metadata``, which imports nothing), importing nothing until a record is used (then that
+    plugin alone is imported, through stevedore's ``DriverManager``, and probed when ``probe``).
     Plugins installed since the last call are seen."""
     from importlib.metadata import entry_points
 

@@ -83,7 +83,7 @@ def test_musecore_bench_finds_the_cases_through_the_entry_point_group() -> None:
     from musecore_xeon import XeonBackend
 
     cases = benchmark_cases("xeon")
-    assert set(cases) == {"linear", "moe", "attention", "e2e"} and all(callable(f) for f in cases.values()), cases
+    assert set(cases) == {"linear", "moe", "attention", "e2e", "distributed"} and all(callable(f) for f in cases.values()), cases
     assert not hasattr(XeonBackend, "benchmarks"), "the cases come from the entry point, not from the backend class"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import logging
 import os
 import subprocess
 import tempfile
@@ -17,6 +18,8 @@ from musecore import compile_cache
 
 SOURCES_PACKAGE, SOURCES_DIR = "musecore_xeon", "csrc"
 CACHE_SUBDIR = "xeon"
+
+log = logging.getLogger(__name__)
 
 
 def read_source(name: str) -> str:
@@ -55,13 +58,18 @@ def compile_cached(name: str, sources: Sequence[str], main: str, compiler: str, 
     place. ``extra``: anything else that changes the result (e.g. PyTorch and Python versions). Raises
     :class:`~musecore.compile_cache.CacheError` for a cache directory that is not private, ``OSError`` /
     ``SubprocessError`` when the build fails."""
-    target = cached_object_path(name, sources, compiler, flags, *extra)
-    if target.exists():
-        return target
+    target = cached_object_path(name, sources, compiler, flags, *extra)  # the directory is checked private here
+    try:
+        if compile_cache.lookup(target) is not None:  # ours, unchanged since we stored it
+            return target
+    except compile_cache.CacheError as err:  # an entry we cannot vouch for is never loaded: rebuilt over it
+        log.warning("rebuilding %s: %s", target.name, err)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-build-") as tmp:
         for source in sources:
             (Path(tmp) / source).write_text(read_source(source), encoding="utf-8")
         obj = Path(tmp) / f"{name}.so"
         subprocess.run(command(Path(tmp) / main, obj), check=True, capture_output=True, timeout=timeout)
-        os.replace(obj, target)
+        if os.path.lexists(target) and not target.is_file():  # a link or a directory planted there
+            raise compile_cache.CacheError(f"{target}: not a regular file; delete it and it will be rebuilt")
+        compile_cache.install(obj, target)
     return target
