@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from musecore.generate import _Sequence
+from musecore.generate import _Sequence, check_finite_logits
 from musecore.kv_cache import KVCache
 
 log = logging.getLogger("musecore.serve")
@@ -263,6 +263,9 @@ class Engine:
         self._retire()
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        # NaN/Inf logits (broken weights or numerics) never become tokens: the scheduler stops with the
+        # error, and every waiting client gets it (the loop's error path)
+        check_finite_logits(self.model, logits, "a serving step")
         sample = self.model.ops.sample
         if all(r.sampling.temperature <= 0 for r in requests):
             return sample(logits, 0.0).tolist()

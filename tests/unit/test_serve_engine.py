@@ -79,3 +79,21 @@ def test_limits_are_checked_on_submit(model):
     engine.submit(Request([1, 2], Sampling(max_tokens=4), lambda e: None, tok))
     with pytest.raises(EngineFull):
         engine.submit(Request([1, 2], Sampling(max_tokens=4), lambda e: None, tok))
+
+
+def test_nan_logits_stop_the_engine_with_the_error_for_every_client():
+    """Broken weights never become tokens in the server either: every waiting client gets the error."""
+    broken = musecore.load("muse-tiny", device="cpu")
+    broken.lm_head.data.fill_(float("nan"))
+    engine = Engine(broken, max_batch=2)
+    got = Collector(2)
+    engine.start()
+    try:
+        for i, p in enumerate(["def f():", "import os"]):
+            engine.submit(Request(_encode_text(broken, p), Sampling(max_tokens=4), got.sink(i), broken.tokenizer))
+        assert got.all_done.wait(TIMEOUT), "the clients were left waiting"
+    finally:
+        engine.stop()
+    assert all(got.done[i]["finish_reason"] == "error" for i in range(2)), got.done
+    assert "NaN/Inf" in got.done[0]["error"], got.done[0]
+    assert not any(got.text[i] for i in range(2)), got.text
