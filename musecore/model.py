@@ -150,10 +150,10 @@ class MoE:
         m = m.reshape(-1, H)
         n = comm.sp_tokens or m.shape[0]  # every token of the batch
         experts = self.experts if experts is None else experts
-        ones = torch.ones(1, 1, dtype=torch.float32, device=m.device)
 
         def run(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:  # on the expert's rank
-            return ops.moe(rows, ones.expand(rows.shape[0], 1), local_ids[:, None], experts, self.post_expert_norm,
+            ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)  # contiguous, as kernels read
+            return ops.moe(rows, ones, local_ids[:, None].contiguous(), experts, self.post_expert_norm,
                            self.post_eps)  # weight 1: the expert's output after the post-expert norm, fp32
 
         if comm.replicated_moe(n):  # every token on every rank, one all-reduce for the experts (decode)

@@ -149,3 +149,21 @@ def test_moe_at_model_width_on_gpu(fmt, tokens):
     y = be.moe(z, weights, ids, prepared, norm, 1e-8)
     expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
     assert_nmse(expected, y, tolerance("moe"), f"moe {fmt} T={tokens}")
+
+
+@pytest.mark.parametrize("fmt,tokens", [("nvfp4", 1), ("nvfp4", 20), ("dense", 20)])
+def test_moe_one_slot_per_row_summed_by_the_token_equals_the_routed_op(fmt, tokens):
+    """What an expert-parallel rank runs (musecore.model.MoE.parallel): each routed (token, slot) row
+    alone with weight 1, the token's rank then adding ``weight * output`` over its experts in ascending
+    id order (musecore.distributed.weighted_sum). Checked against the op on the whole routing."""
+    from musecore.distributed import weighted_sum
+
+    dtype = torch.bfloat16
+    be, prepared, reference, norm = make_layer(fmt, experts=6, width=128, inter=128, dtype=dtype, device=DEVICE)
+    weights, ids = route(tokens, 6, 2, DEVICE)
+    z = torch.randn(tokens, 128, device=DEVICE).to(dtype)
+    rows = z.repeat_interleave(2, dim=0)  # one row per (token, slot)
+    ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=DEVICE)
+    per_slot = be.moe(rows, ones, ids.reshape(-1, 1).contiguous(), prepared, norm, 1e-8)
+    y = weighted_sum(per_slot.view(tokens, 2, -1), weights, ids)
+    assert_nmse(be.moe(z, weights, ids, prepared, norm, 1e-8), y, tolerance("moe"), f"per-slot moe {fmt} T={tokens}")
