@@ -304,10 +304,12 @@ def render_png(report: Any, path: Path) -> None:
         raw = {"delta_perplexity_pct": r.delta_perplexity_pct, "kl": r.kl, "max_abs_logit_error": r.max_abs_logit_error,
                "top1_disagreement": None if r.top1_agreement is None else 1.0 - r.top1_agreement}
         values.append([abs(raw[k]) if r.status == "ok" and raw[k] is not None else np.nan for k, _, _, _ in PNG_COLUMNS])
-        texts.append([fmt.format(raw[k]) if r.status == "ok" and raw[k] is not None else r.status
-                      for k, _, fmt, _ in PNG_COLUMNS])
+        cis = {"delta_perplexity_pct": r.delta_perplexity_pct_ci, "top1_disagreement": None if not r.top1_agreement_ci
+               else [1.0 - r.top1_agreement_ci[1], 1.0 - r.top1_agreement_ci[0]]}
+        texts.append([(fmt.format(raw[k]) + ("" if not cis.get(k) else "\n[" + ", ".join(fmt.format(v) for v in cis[k]) + "]"))
+                      if r.status == "ok" and raw[k] is not None else r.status for k, _, fmt, _ in PNG_COLUMNS])
     norm = np.clip(np.array(values, dtype=float) / np.array([red for *_, red in PNG_COLUMNS]), 0, 1)
-    fig, ax = plt.subplots(figsize=(2.2 * len(PNG_COLUMNS) + 4.2, 0.55 * len(labels) + 1.8), dpi=130)
+    fig, ax = plt.subplots(figsize=(2.2 * len(PNG_COLUMNS) + 4.2, 0.7 * len(labels) + 1.8), dpi=130)
     cmap = matplotlib.colormaps["RdYlGn_r"].with_extremes(bad="#d9d9d9")
     ax.imshow(np.ma.masked_invalid(norm), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(PNG_COLUMNS)), [title for _, title, _, _ in PNG_COLUMNS], fontsize=10)
@@ -322,7 +324,7 @@ def render_png(report: Any, path: Path) -> None:
     ax.grid(which="minor", color="white", linewidth=2)
     ax.tick_params(which="minor", length=0)
     ax.set_title(f"{report.model} against its BF16 reference: {report.tokens} predicted tokens of "
-                 f"{report.eval_source.split(':')[0]}", fontsize=11, pad=36)
+                 f"{report.eval_source.split(':')[0]}\n(95% paired bootstrap intervals in brackets)", fontsize=11, pad=36)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
