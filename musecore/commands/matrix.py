@@ -138,8 +138,10 @@ def explain(row: Any, rows: list) -> str:
         base = row.row_id.split("+")[0].removesuffix("-dense")
         experts_only = [r for r in rows if r.row_id == base and r.status == "ok"]
         if experts_only:
+            how = ("quantized to INT4 and tuned by AutoRound in the checkpoint" if "dense AutoRound" in row.format
+                   else "quantized at load")
             text += (f" The same checkpoint with only its experts in INT4 moves "
-                     f"{experts_only[0].delta_perplexity_pct:+.1f}%: the rest is the attention, pooler/unpooler and lm_head projections quantized at load, "
+                     f"{experts_only[0].delta_perplexity_pct:+.1f}%: the rest is the attention, pooler/unpooler and lm_head projections {how}, "
                      "which this device does by default (quantize_dense=False keeps them BF16).")
     if "requantized" in row.format:
         direct = [r for r in rows if r.device == row.device and "from bf16" in r.format and r.status == "ok"
