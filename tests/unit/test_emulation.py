@@ -41,7 +41,10 @@ def tiny_checkpoints(tmp_path_factory):
 TINY_IDS = torch.tensor([[0, 414, 286, 1290, 17, 9, 300, 41, 12, 2000, 77, 5, 600, 31, 8, 1000]])
 
 
-def test_nvfp4_checkpoint_on_mi355x_is_requantized_to_mxfp4_while_loading(checkpoints):
+def test_nvfp4_checkpoint_on_mi355x_is_requantized_to_mxfp4_while_loading(checkpoints, monkeypatch):
+    """With producer parity asked for (MUSECORE_REQUANTIZATION=producer), the resident experts are Quark's
+    EVEN/RNE requantization byte for byte (the default least-error rule is tested in test_requant_at_load)."""
+    monkeypatch.setenv("MUSECORE_REQUANTIZATION", "producer")
     _, nvfp4 = checkpoints
     model = musecore.load(nvfp4, device="mi355x", emulate=True, dtype=torch.float32)
     experts = model.layers[1].mlp.experts
