@@ -20,7 +20,7 @@ import json
 from importlib.resources import files
 from typing import Any
 
-NAMES = ("plan", "devices", "doctor", "bench", "matrix", "generate")
+NAMES = ("plan", "devices", "doctor", "bench", "matrix", "generate", "calibrate")
 
 
 def load_schema(command: str) -> dict[str, Any]:

@@ -316,6 +316,9 @@ def test_calibrate_command_writes_a_checkpoint_that_loads_with_the_tuned_weights
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads((tmp_path / "int4" / REPORT_FILE).read_text())
     assert printed == saved and saved["layers"] == [2] and saved["summary"]["experts"] == config.num_local_experts
+    import jsonschema
+    from musecore.schemas import load_schema
+    jsonschema.validate(printed, load_schema("calibrate"))  # the published schema of --json
     conversion = json.loads((tmp_path / "int4" / "conversion_report.json").read_text())
     assert conversion["method"] == "autoround"
     # the source holds transformers' fused experts: one gate_up_proj and one down_proj per layer
