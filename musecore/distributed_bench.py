@@ -7,7 +7,7 @@ Run it under ``torchrun`` (every rank runs the same command; rank 0 writes the J
 
 and once with ``--nproc-per-node 1`` (no --tp/--ep) for the one-device baseline: scaling efficiency
 and equality come from comparing the two files (``logits_checksum``: the same random weights and
-input on every launch). ``--layers 1`` keeps one decoder layer of the preset at full width (the
+input on every launch; ``launch`` reports the largest difference of the sampled logits). ``--layers 1`` keeps one decoder layer of the preset at full width (the
 816B preset's MoE layer: 256 experts, top-8). Rows: decode time per step at each batch size and
 tokens/s, one prefill, the bytes each collective moved per step (``Comm`` counts them) and the
 all-to-all bus bandwidth measured in the same run, with the hardware recorded.
@@ -102,7 +102,8 @@ def launch(device: str, nproc: int, *extra: str, timeout_s: float = 1800) -> lis
                      "tokens_per_s": row["tokens_per_s"], "tokens_per_s_one_rank": base["tokens_per_s"],
                      "speedup_vs_one_rank": speedup, "scaling_efficiency": speedup / nproc,
                      "all_to_all_bus_GBps": many["all_to_all_bus_GBps"],
-                     "same_logits_as_one_rank": one["logits_checksum"] == many["logits_checksum"],
+                     "logits_max_abs_diff_vs_one_rank": max(abs(a - b) for a, b in zip(
+                         one["logits_checksum"]["sample"], many["logits_checksum"]["sample"])),
                      "hardware": many["hardware"]})
     return rows
 
@@ -164,7 +165,7 @@ def main(argv: Any = None) -> int:
                      "threads": torch.get_num_threads()},
         "all_to_all_bus_GBps": None if comm is None else bus_bandwidth(comm, device),
         "logits_checksum": {"sum": logits.sum().item(), "abs_max": logits.abs().max().item(),
-                            "first": logits[0, -1, :8].tolist()},
+                            "sample": logits[:, -1, :256].flatten().tolist()},  # compared across launches
         "rows": rows,
     }
     if comm is None or comm.rank == 0:
