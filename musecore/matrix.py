@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import json
 import math
@@ -48,8 +49,9 @@ from musecore.evaluate import AccuracyMeter, batched_logits, eval_batches, evalu
 from musecore.names import (EXPERT_PROJECTIONS, experts_prefix, fused_expert_name, per_expert_name,
                             quantized_expert_layers, quantized_expert_patterns)
 
-# Held-out text shipped as package data: three library modules the bundled model never saw in training.
-DEFAULT_EVAL_TEXT = Path(str(files("musecore") / "data" / "eval" / "stdlib_heldout_slice.jsonl"))
+# Held-out text shipped as package data: 22 standard-library files the bundled model never saw in
+# training, 66,222 tokens (issue 28 asks for >= 64K); its manifest beside it says which files and why.
+DEFAULT_EVAL_TEXT = Path(str(files("musecore") / "data" / "eval" / "stdlib_heldout_64k.jsonl.gz"))
 DEFAULT_CACHE = Path(os.environ.get("MUSECORE_CACHE", Path.home() / ".cache" / "musecore")) / "matrix"
 RECIPE_VERSION = 3  # bump when a recipe changes, so cached checkpoints are rebuilt
 BUILD_FILE = "matrix_build.json"  # how long a cached checkpoint took to build, written beside it
@@ -327,8 +329,10 @@ def load_eval_tokens(folder: Path, eval_text: Optional[Union[str, Path]], tokens
     """The evaluation stream and a description of where it came from.
 
     ``eval_text``: a ``.jsonl`` of ``{"text": ...}`` documents (each framed BOS + text + EOS, as the
-    training run frames them) or a plain text file; ``random_tokens`` for checkpoints without a
-    tokenizer (development only: random tokens measure numerics, not language modelling).
+    training run frames them) or a plain text file, either of them gzipped (``.jsonl.gz``, ``.txt.gz``);
+    ``random_tokens`` for checkpoints without a tokenizer (development only: random tokens measure
+    numerics, not language modelling). With ``tokens``, documents are encoded only until the stream
+    has ``tokens + 1`` ids, so a short run does not pay for encoding the whole text.
     """
     if random_tokens:
         gen = torch.Generator().manual_seed(seed)
@@ -345,18 +349,22 @@ def load_eval_tokens(folder: Path, eval_text: Optional[Union[str, Path]], tokens
     bos = [tok.bos_id] if tok.bos_id is not None else []
     eos = list(tok.eos_ids[:1])
     ids: list[int] = []
-    if path.suffix == ".jsonl":
-        for line in path.read_text(encoding="utf-8").splitlines():
+    gzipped = path.suffix == ".gz"
+    content = gzip.decompress(path.read_bytes()).decode("utf-8") if gzipped else path.read_text(encoding="utf-8")
+    if (path.with_suffix("") if gzipped else path).suffix == ".jsonl":
+        for line in content.splitlines():
+            if tokens and len(ids) > tokens:
+                break
             if line.strip():
                 ids += bos + tok.encode(json.loads(line)["text"], add_special_tokens=False) + eos
     else:
-        ids = bos + tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+        ids = bos + tok.encode(content, add_special_tokens=False)
     stream = torch.tensor(ids[: tokens + 1] if tokens else ids)
     return stream, f"{path.name}: {stream.numel()} tokens" + (f" (first {tokens} + 1)" if tokens else "")
 
 
 # Calibration text: Python standard-library modules in the *held-out* split of muse-tiny's training
-# corpus (training/corpus_manifest.tsv: never trained on) and not in the evaluation slice. Fixed
+# corpus (training/corpus_manifest.tsv: never trained on) and not in the evaluation text. Fixed
 # files, so the cache key (which hashes these tokens) does not move when musecore's code changes.
 CALIBRATION_MODULES = ("copy.py", "getopt.py", "cProfile.py", "opcode.py", "unittest/runner.py")
 

@@ -1,9 +1,10 @@
-"""The accuracy matrix: every row gives finite numbers on the held-out slice with a bootstrap interval,
+"""The accuracy matrix: every row gives finite numbers on the held-out text with a bootstrap interval,
 BF16 is exactly the baseline, quantized rows move, each new technique's row sits beside the old one,
 checkpoints are cached and reused, JSON keys are fixed, reports render, missing rows say why."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -33,7 +34,7 @@ def single_thread():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A small random BF16 Muse with the bundled tokenizer, so the held-out slice can be encoded."""
+    """A small random BF16 Muse with the bundled tokenizer, so the held-out text can be encoded."""
     config = small_config(vocab_size=4096, hidden_size=128, moe_hidden_size=128, moe_intermediate_size=128,
                           head_dim=32, bos_token_id=0, eos_token_id=3, pad_token_id=7)
     folder = write_checkpoint(tmp_path_factory.mktemp("matrix") / "bf16", config,
@@ -52,7 +53,7 @@ def by_id(report, row_id: str) -> MatrixRow:
     return next(r for r in report.rows if r.row_id == row_id)
 
 
-def test_every_row_gives_finite_numbers_on_the_held_out_slice(report):
+def test_every_row_gives_finite_numbers_on_the_held_out_text(report):
     assert DEFAULT_EVAL_TEXT.name in report.eval_source and report.tokens == TOKENS, report.eval_source
     assert [r.row_id for r in report.rows] == [r.id for r in ROWS]
     for row in report.rows:
@@ -190,6 +191,45 @@ def test_eval_text_is_framed_bos_text_eos_per_document(checkpoint, tmp_path):
     assert stream.tolist() == want and "slice.jsonl" in source
     with pytest.raises(FileNotFoundError, match="--eval-text FILE"):
         load_eval_tokens(checkpoint, tmp_path / "missing.jsonl", None, 4096)
+
+
+def test_gzipped_eval_text_reads_like_the_plain_one_and_a_token_cap_stops_encoding_early(checkpoint, tmp_path):
+    import gzip
+    lines = json.dumps({"text": "def f(x):\n    return x\n"}) + "\n" + json.dumps({"text": "pass\n"}) + "\n"
+    (tmp_path / "two.jsonl").write_text(lines)
+    (tmp_path / "two.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    plain, _ = load_eval_tokens(checkpoint, tmp_path / "two.jsonl", None, 4096)
+    packed, source = load_eval_tokens(checkpoint, tmp_path / "two.jsonl.gz", None, 4096)
+    capped, _ = load_eval_tokens(checkpoint, tmp_path / "two.jsonl.gz", 3, 4096)
+    assert packed.tolist() == plain.tolist() and "two.jsonl.gz" in source
+    assert capped.tolist() == plain.tolist()[:4], (capped.tolist(), plain.tolist())
+
+
+def test_the_default_eval_text_is_at_least_64k_tokens_of_files_muse_tiny_never_trained_on():
+    """Issue 28 asks for perplexity on >= 64K held-out tokens: every file is in the held-out split of
+    muse-tiny's training manifest (same bytes), none is a calibration module, and the bundled
+    tokenizer makes >= 65,536 tokens of it, as its manifest says."""
+    import gzip
+
+    from musecore.matrix import CALIBRATION_MODULES
+    repo = Path(__file__).resolve().parents[2]
+    training = {}
+    for line in (repo / "training" / "corpus_manifest.tsv").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        split, _, sha, path = line.split("\t")
+        training[path] = (split, sha)
+    docs = [json.loads(line) for line in gzip.decompress(DEFAULT_EVAL_TEXT.read_bytes()).decode().splitlines()]
+    manifest = [line.split("\t") for line in (DEFAULT_EVAL_TEXT.parent / "stdlib_heldout_64k.manifest.tsv")
+                .read_text().splitlines() if not line.startswith("#")][1:]
+    assert [d["path"] for d in docs] == [m[0] for m in manifest] == sorted(d["path"] for d in docs)
+    for doc, (path, python, sha, size, _) in zip(docs, manifest):
+        assert training.get(path) == ("heldout", sha), f"{path}: {training.get(path)} in the training manifest"
+        assert hashlib.sha256(doc["text"].encode()).hexdigest() == doc["sha256"] == sha, path
+        assert doc["python"] == python == "3.11.7" and len(doc["text"].encode()) == int(size), path
+        assert path not in CALIBRATION_MODULES, f"{path} calibrates the quantized rows; it must not also judge them"
+    stream, _ = load_eval_tokens(TOKENIZER.parent, None, None, 4096)
+    assert stream.numel() == sum(int(m[4]) for m in manifest) >= 65_536, stream.numel()
 
 
 def test_eval_windows_predict_every_token_but_the_first_and_kl_of_equal_logits_is_zero():
