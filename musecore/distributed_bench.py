@@ -123,9 +123,10 @@ def main(argv: Any = None) -> int:
     args = parse(argv)
     config = MuseConfig.from_name(args.preset)
     if args.layers is not None:
-        L = args.layers
-        config = dataclasses.replace(config, num_hidden_layers=L, layer_types=config.layer_types[:L],
-                                     mlp_layer_types=config.mlp_layer_types[:L])
+        L, per_layer = args.layers, config.num_hidden_layers
+        cut = {f.name: getattr(config, f.name)[:L] for f in dataclasses.fields(config)  # every per-layer list
+               if isinstance(getattr(config, f.name), list) and len(getattr(config, f.name)) == per_layer}
+        config = dataclasses.replace(config, num_hidden_layers=L, **cut)
     model = load_random(config, device=args.device, checkpoint_format=args.format,
                         tp=args.tp, ep=args.ep, sp=args.sp)
     comm, device = model.comm, model.device
