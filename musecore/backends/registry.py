@@ -94,6 +94,24 @@ def call_isolated(fn: Callable[[], Any], what: str, key: Optional[tuple[str, str
     return Isolated(box.get("value"))
 
 
+class _Loaded:
+    """An attribute of a :class:`PluginRecord` that imports the plugin first, on read and on write (kept
+    in ``_<name>``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, record: Any, owner: Optional[type] = None) -> Any:
+        if record is None:
+            return self
+        record._load()
+        return getattr(record, self.slot)
+
+    def __set__(self, record: Any, value: Any) -> None:
+        record._load()
+        setattr(record, self.slot, value)
+
+
 class PluginRecord:
     """One entry point of the group: loaded (``backend_class``) or broken (``error``), and its probe.
 
@@ -143,35 +161,9 @@ class PluginRecord:
         else:
             self._probe = done.value
 
-    @property
-    def backend_class(self) -> Optional[type]:
-        self._load()
-        return self._backend_class
-
-    @backend_class.setter
-    def backend_class(self, value: Optional[type]) -> None:
-        self._load()
-        self._backend_class = value
-
-    @property
-    def error(self) -> Optional[str]:
-        self._load()
-        return self._error
-
-    @error.setter
-    def error(self, value: Optional[str]) -> None:
-        self._load()
-        self._error = value
-
-    @property
-    def traceback(self) -> Optional[str]:
-        self._load()
-        return self._traceback
-
-    @traceback.setter
-    def traceback(self, value: Optional[str]) -> None:
-        self._load()
-        self._traceback = value
+    backend_class: Optional[type] = _Loaded()  # type: ignore[assignment]
+    error: Optional[str] = _Loaded()  # type: ignore[assignment]
+    traceback: Optional[str] = _Loaded()  # type: ignore[assignment]
 
     @property
     def probe(self) -> Optional[Probe]:
