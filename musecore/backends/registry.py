@@ -242,8 +242,17 @@ def load_driver(name: str) -> type:
     def reraise(_manager: Any, _ep: Any, err: BaseException) -> None:
         raise err
 
-    DriverManager.ENTRY_POINT_CACHE.pop(GROUP, None)  # plugins installed since the last call are seen
     return DriverManager(GROUP, name, invoke_on_load=False, on_load_failure_callback=reraise).driver
+
+
+def refresh_stevedore() -> None:
+    """Have stevedore list the group afresh (plugins installed since the last call are seen) without
+    importing any plugin, so that the timed imports (:func:`load_driver`) find its cache warm: a cold
+    scan of every ``sys.path`` entry can take longer than a plugin is given."""
+    from stevedore import NamedExtensionManager
+
+    NamedExtensionManager.ENTRY_POINT_CACHE.pop(GROUP, None)
+    NamedExtensionManager(GROUP, names=[], invoke_on_load=False)
 
 
 def discover(probe: bool = True) -> dict[str, PluginRecord]:
@@ -253,6 +262,7 @@ def discover(probe: bool = True) -> dict[str, PluginRecord]:
     Plugins installed since the last call are seen."""
     from importlib.metadata import entry_points
 
+    refresh_stevedore()
     records: dict[str, PluginRecord] = {}
     targets: dict[str, list[str]] = {}
     for ep in entry_points(group=GROUP):

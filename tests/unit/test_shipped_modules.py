@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 # Modules users import by name, as the README documents them (besides the packages themselves).
-PUBLIC = ("musecore.api", "musecore.calibrate", "musecore.quantize", "musecore.testing", "musecore_triton.testing")
+PUBLIC = ("musecore.api", "musecore.calibrate", "musecore.quantize", "musecore.testing", "musecore_triton.testing",
+          "musecore.schemas", "musecore_quant.schemas")  # imported by users, not by a command
 
 PACKAGES = ("musecore", "musecore_quant", "musecore_triton", "musecore_cuda", "musecore_xeon", "musecore_rocm",
             "musecore_tpu")
