@@ -22,7 +22,7 @@ from musecore.backends.reference import ReferenceBackend
 from musecore.backends.registry import best_device, discover, unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
-from musecore.distributed import Comm, Mesh, connect, keeps_expert, tensor_piece
+from musecore.distributed import Comm, Mesh, connect, keeps_expert, leading_ranges, tensor_piece
 from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
 from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
@@ -314,9 +314,9 @@ def assemble(summary: CheckpointSummary, device: str,
     if comm is not None:
         placer.keep = lambda tensor: keeps_expert(tensor, summary.config, mesh, comm.rank)
         expected = checkpoint_shapes(summary.config)
-        placer.leading = {name: piece.experts for name, shape in summary.shapes.items()
+        placer.leading = {name: leading_ranges(piece) for name, shape in summary.shapes.items()
                           if (piece := tensor_piece(name, summary.config, mesh, comm.rank)) is not None
-                          and piece.experts is not None and expected.get(name) == tuple(shape)}
+                          and leading_ranges(piece) and expected.get(name) == tuple(shape)}
     failure = None
     stream = tensors(placer, torch_device)
     try:

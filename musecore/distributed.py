@@ -214,6 +214,14 @@ def piece_shape(shape: Sequence[int], piece: Optional[Piece]) -> tuple[int, ...]
     return tuple(shape)
 
 
+def leading_ranges(piece: Piece) -> tuple[tuple[int, int], ...]:
+    """``piece`` as ranges of its tensor's first dimension (what a reader can cut while reading: a
+    stacked tensor's experts, a 2-D weight's rows); empty when it also cuts elsewhere."""
+    if piece.cols is not None or (piece.experts is not None and piece.rows is not None):
+        return ()
+    return (piece.experts,) if piece.experts is not None else tuple(piece.rows or ())
+
+
 def take(value: Any, piece: Optional[Piece]) -> Any:
     """``piece`` of a plain tensor or a ``QTensor`` (codes and scales cut, never requantized)."""
     if piece is None:

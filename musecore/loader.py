@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from musecore_quant.formats.facts import producer_options
 
-from musecore.distributed import MeshError, expert_range, keeps_expert, take, tensor_piece
+from musecore.distributed import MeshError, expert_range, keeps_expert, piece_shape, take, tensor_piece
 from musecore.model import FusedLinear, MuseModel, Slot, checkpoint_shapes
 from musecore.names import expert_key, fused_expert_name, fused_expert_parts, is_tower_tensor
 
@@ -139,8 +139,8 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
 
     def convert(name: str, value: Any) -> Any:  # this rank's piece of the tensor, converted per the plan
         piece = tensor_piece(name, config, mesh, rank) if mesh is not None else None
-        if name in placer.presliced:  # the stream read this rank's experts only
-            piece = replace(piece, experts=None)
+        if name in placer.presliced:  # the stream read this rank's rows (or experts) only
+            piece = replace(piece, experts=None, rows=None)
         value = placer.convert(name, take(value, piece))
         group = getattr(value, "group_size", 0)
         if piece is not None and piece.cols is not None and group and piece.cols[0] % group:
@@ -188,8 +188,8 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
         if name in seen:
             raise CheckpointMismatch(f"{source}: tensor {name!r} appears twice")
         shape = logical_shape(value)
-        if name in placer.presliced:
-            shape = (config.num_local_experts, *shape[1:]) if shape[0] == local_experts else shape
+        if name in placer.presliced and shape == piece_shape(expected[name], tensor_piece(name, config, mesh, rank)):
+            shape = expected[name]  # read already cut to this rank's piece: the whole tensor had the config's shape
         if shape != expected[name]:
             raise CheckpointMismatch(f"{source}: tensor {name!r} has shape {list(shape)} but config.json implies "
                                      f"{list(expected[name])}")
@@ -240,9 +240,10 @@ class Placer:
 
     fuse_projections = True  # stack each block's input projections when they allow it (:func:`fuse_group`)
     keep: Callable[[str], bool] = staticmethod(lambda name: True)  # tensors this rank reads (distributed: its experts)
-    # Distributed: the range of a stacked tensor's first dimension this rank keeps (its experts); the
-    # stream reads only that range where the reader can, and lists those names in ``presliced``.
-    leading: dict[str, tuple[int, int]] = {}
+    # Distributed: the ranges of a tensor's first dimension this rank keeps (its experts of a stacked
+    # tensor, its rows of a projection); the stream reads only those where the reader can, and lists
+    # those names in ``presliced``.
+    leading: dict[str, tuple[tuple[int, int], ...]] = {}
     presliced: frozenset[str] = frozenset()
 
     def __init__(self, plan: Any, backends: dict[str, Any], dtype: torch.dtype) -> None:

@@ -18,10 +18,12 @@ def test_leading_rows_of_a_stacked_tensor_are_read_alone(tmp_path):
     reader = open_checkpoint(tmp_path)
     name = "model.layers.0.mlp.experts.down_proj"
     assert reader.can_slice(name)
-    got = {n: v for _, part in reader.iter_shards([name, "other.weight"], leading={name: (2, 5)})
+    got = {n: v for _, part in reader.iter_shards([name, "other.weight"], leading={name: [(2, 5)]})
            for n, v in part.items()}
     assert torch.equal(got[name], w[2:5]), "the rows read differ from the file's"
     assert got["other.weight"].shape == (3, 3)
+    heads = {n: v for _, part in reader.iter_shards([name], leading={name: [(0, 1), (4, 6)]}) for n, v in part.items()}
+    assert torch.equal(heads[name], torch.cat([w[0:1], w[4:6]])), "several ranges are read and joined in order"
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4", "fp8"])

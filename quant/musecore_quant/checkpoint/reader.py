@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -235,15 +235,15 @@ class CheckpointReader:
         return self._decode(entry, self.read_parts(name), check_finite)
 
     def iter_shards(self, names: Optional[Iterable[str]] = None, *, check_finite: bool = True,
-                    leading: Optional[Mapping[str, tuple[int, int]]] = None,
+                    leading: Optional[Mapping[str, Sequence[tuple[int, int]]]] = None,
                     ) -> Iterator[tuple[Path, dict[str, Weight]]]:
         """Yield ``(shard, {name: weight})`` one shard at a time, in file order.
 
         A weight whose companions sit in a later shard is held until that shard is read and then
         yielded with it. ``names`` restricts reading to those weights (others' bytes are not read).
-        ``leading`` maps unquantized weights to a ``(start, stop)`` range of their first dimension:
-        only those rows are read from the file (e.g. one rank's experts of a stacked ``[E, ...]``
-        tensor); see :meth:`can_slice`.
+        ``leading`` maps unquantized weights to ``(start, stop)`` ranges of their first dimension: only
+        those rows are read from the file, joined in order (one rank's experts of a stacked ``[E, ...]``
+        tensor, its heads of a projection); see :meth:`can_slice`.
         """
         leading = leading or {}
         wanted = set(self._entries) if names is None else {self.entry(n).name for n in names}
@@ -279,13 +279,15 @@ class CheckpointReader:
         entry = self.entry(name)
         return entry.kind == "plain" and len(entry.parts) == 1
 
-    def _get(self, h: TensorHeader, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    def _get(self, h: TensorHeader, rows: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
         try:
             handle = self._handles.get(h.file)
             if handle is None:
                 handle = self._handles[h.file] = safe_open(str(h.file), framework="pt", device="cpu")
             if rows is not None:
-                return handle.get_slice(h.key)[rows[0]:rows[1]]
+                view = handle.get_slice(h.key)
+                pieces = [view[a:b] for a, b in rows]
+                return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             return handle.get_tensor(h.key)
         except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # the file changed after its header was read
             raise CheckpointError(f"{h.file}: cannot read tensor {h.key!r} ({e}); the file changed or is "
