@@ -239,17 +239,18 @@ class Placer:
     """Executes a plan's weight decisions: converts each tensor, then has the right backend prepare it."""
 
     fuse_projections = True  # stack each block's input projections when they allow it (:func:`fuse_group`)
-    keep: Callable[[str], bool] = staticmethod(lambda name: True)  # tensors this rank reads (distributed: its experts)
-    # Distributed: the ranges of a tensor's first dimension this rank keeps (its experts of a stacked
-    # tensor, its rows of a projection); the stream reads only those where the reader can, and lists
-    # those names in ``presliced``.
-    leading: dict[str, tuple[tuple[int, int], ...]] = {}
-    presliced: frozenset[str] = frozenset()
 
     def __init__(self, plan: Any, backends: dict[str, Any], dtype: torch.dtype) -> None:
         self.plan, self.backends, self.dtype = plan, backends, dtype
         self.device = next(iter(backends.values())).device
         self.report: list[ConversionRecord] = []
+        # Distributed (set by musecore.api.assemble): the tensors this rank reads (``keep``: not other
+        # ranks' per-expert tensors) and the ranges of a tensor's first dimension it keeps (``leading``:
+        # its experts of a stacked tensor, its rows of a projection); the stream reads only those where
+        # the reader can, and lists those names in ``presliced``.
+        self.keep: Callable[[str], bool] = lambda name: True
+        self.leading: dict[str, tuple[tuple[int, int], ...]] = {}
+        self.presliced: frozenset[str] = frozenset()
 
     def stream(self, reader: Any, progress: bool) -> Iterator[tuple[str, Any]]:
         """The checkpoint's tensors, shard by shard; ``progress``: a bar on a terminal, one line when done
