@@ -148,7 +148,18 @@ def _compile(source: str, origin: str) -> Any:
 # -- model.chat -----------------------------------------------------------------------------------
 
 def chat_prompt(model: Any, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` rendered by the model's chat template (no BOS added: the template has it)."""
+    """Token ids of ``messages`` rendered by the model's chat template (no BOS added: the template has it).
+
+    Text only: for messages with images, video or audio, :func:`musecore.multimodal.prepare` gives
+    the ids and the features that go with them."""
+    from musecore.multimodal import has_media, parse_messages
+
+    if has_media(messages):
+        _, parts = parse_messages(messages)
+        if parts:
+            raise ValueError(f"{parts[0].where} is {parts[0].kind} input, and chat_prompt returns token ids only: use "
+                             "model.chat(messages), or musecore.multimodal.prepare(model, [messages]) for the ids "
+                             "and the media features")
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("this model has no tokenizer.json, so it cannot chat; add tokenizer.json and "
@@ -176,15 +187,26 @@ def chat(model: Any, messages: Sequence[Message], stream: Optional[Callable[[str
 
     ``generate_options`` are :func:`musecore.generate.generate`'s (``max_new_tokens``,
     ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``). Setting ``cancel`` (from another
-    thread) ends the reply at the next token.
+    thread) ends the reply at the next token. Content parts may hold images, video and audio
+    (:mod:`musecore.multimodal`); their encoder outputs are cached on the model, so a later turn
+    with the same picture does not run the vision tower again.
 
     Example::
 
         reply = model.chat([{"role": "user", "content": "Write a haiku"}], max_new_tokens=64)
+        reply = model.chat([{"role": "user", "content": [{"type": "image", "path": "cat.png"},
+                                                         {"type": "text", "text": "What is this?"}]}])
     """
+    from musecore.multimodal import prepare
+
+    return _chat(model, prepare(model, [messages]), stream, cancel, generate_options)
+
+
+def _chat(model: Any, prepared: Any, stream: Optional[Callable[[str], None]], cancel: Optional[threading.Event],
+          generate_options: dict) -> str:
     from musecore.generate import _Sequence, generate
 
-    ids = chat_prompt(model, messages)
+    ids = prepared.ids[0]
     stop = generate_options.pop("stop", None)
     stops = [stop] if isinstance(stop, (str, int)) else list(stop or [])
     stop_ids = [s for s in stops if not isinstance(s, str)] + end_ids(model)
@@ -200,7 +222,7 @@ def chat(model: Any, messages: Sequence[Message], stream: Optional[Callable[[str
             raise _Finished()
 
     try:
-        generate(model, ids, stop=stop_ids, stream=on_token, **generate_options)
+        generate(model, ids, stop=stop_ids, stream=on_token, media=prepared.features(model), **generate_options)
     except _Finished:
         pass
     row.finish()
@@ -222,15 +244,16 @@ def chat_stream(model: Any, messages: Sequence[Message], **generate_options: Any
     pieces: "queue.Queue[tuple[str, Any]]" = queue.Queue()
     stopped = threading.Event()
 
+    from musecore.multimodal import prepare
+
     def work() -> None:
         try:
-            chat(model, messages, stream=lambda piece: pieces.put(("piece", piece)), cancel=stopped,
-                 **generate_options)
+            _chat(model, prepared, lambda piece: pieces.put(("piece", piece)), stopped, generate_options)
             pieces.put(("end", None))
         except BaseException as e:  # re-raised in the caller's thread
             pieces.put(("error", e))
 
-    chat_prompt(model, messages)  # bad messages raise here, in the caller's thread
+    prepared = prepare(model, [messages])  # bad messages and media raise here, in the caller's thread
     worker = threading.Thread(target=work, name="musecore-chat", daemon=True)
     worker.start()
     try:

@@ -27,11 +27,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]]]
+Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]], Sequence[Mapping[str, Any]],
+               Sequence[Sequence[Mapping[str, Any]]]]
+Media = Mapping[int, torch.Tensor]  # {placeholder token id: feature rows [n, H]}, see MuseModel.forward
 Stop = Union[str, int, Sequence[Union[str, int]], None]
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
 
@@ -74,11 +76,16 @@ def _is_token_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _normalise_prompt(prompt: Prompt) -> tuple[list[Union[str, list[int]]], bool, bool]:
-    """-> (prompts, is_text, is_batch). Raises on anything but str / ids / a list of either."""
-    usage = "prompt must be a str, a list[int] of token ids, a list[str] or a list[list[int]]"
+def _is_conversation(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(m, Mapping) for m in x)
+
+
+def _normalise_prompt(prompt: Prompt) -> tuple[list[Any], str, bool]:
+    """-> (prompts, mode, is_batch), mode "text", "ids" or "chat" (messages). Raises on anything else."""
+    usage = ("prompt must be a str, a list[int] of token ids, a list of chat messages (dicts with role and "
+             "content), or a list of any one of these (a batch)")
     if isinstance(prompt, str):
-        return [prompt], True, False
+        return [prompt], "text", False
     if isinstance(prompt, torch.Tensor):
         raise TypeError(f"{usage}; got a tensor: pass prompt.tolist()")
     if not isinstance(prompt, (list, tuple)):
@@ -86,11 +93,15 @@ def _normalise_prompt(prompt: Prompt) -> tuple[list[Union[str, list[int]]], bool
     if len(prompt) == 0:
         raise ValueError("prompt is empty: give at least one token (or one prompt in a batch)")
     if all(_is_token_id(x) for x in prompt):
-        return [list(prompt)], False, False
+        return [list(prompt)], "ids", False
+    if all(isinstance(x, Mapping) for x in prompt):
+        return [list(prompt)], "chat", False
     if all(isinstance(x, str) for x in prompt):
-        return list(prompt), True, True
+        return list(prompt), "text", True
     if all(isinstance(x, (list, tuple)) and all(_is_token_id(t) for t in x) for x in prompt):
-        return [list(x) for x in prompt], False, True
+        return [list(x) for x in prompt], "ids", True
+    if all(_is_conversation(x) for x in prompt):
+        return [list(x) for x in prompt], "chat", True
     kinds = sorted({type(x).__name__ for x in prompt})
     raise TypeError(f"{usage}; got a list mixing {kinds}")
 
@@ -326,13 +337,20 @@ class _Sequence:
 
 def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None, stop: Stop = None,
-             stream: Optional[Callable[..., None]] = None, kv_format: Optional[str] = None) -> Any:
+             stream: Optional[Callable[..., None]] = None, kv_format: Optional[str] = None,
+             media: Optional[Media] = None) -> Any:
     """Continue ``prompt`` with up to ``max_new_tokens`` new tokens; return only the new part.
 
     - ``str`` -> ``str`` (needs ``model.tokenizer``); ``list[int]`` -> ``list[int]``;
       ``list[str]`` -> ``list[str]`` and ``list[list[int]]`` -> ``list[list[int]]`` (a batch).
       A text prompt gets the BOS id (``bos_token_id``) first, as training documents did, unless
       it already starts with it; token-id prompts are used exactly as given.
+    - Chat messages (``[{"role": "user", "content": ...}]``) -> the assistant's reply as ``str``; a
+      list of conversations -> ``list[str]``. The checkpoint's chat template renders them, and
+      content parts may carry images, video and audio (:mod:`musecore.multimodal`): their encoder
+      outputs replace the placeholders at the prefill. The reply ends at the template's end token.
+    - ``media`` (``{placeholder token id: feature rows [n, H]}``) is spliced into a str or id
+      prompt's placeholders at the prefill (``MuseModel.forward(media=)``); messages carry their own.
     - ``temperature=0`` is greedy; otherwise sampling with ``top_k`` (0 = off) and ``top_p``
       (1 = off). ``seed`` seeds a private ``torch.Generator``: same seed, same output. Without a
       seed, sampling draws from torch's global RNG.
@@ -363,16 +381,31 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
         outs = generate(model, ["a short one", "a much longer prompt"], stream=lambda i, s: print(i, s))
     """
     _validate_options(max_new_tokens, temperature, top_p, top_k)
-    prompts, is_text, is_batch = _normalise_prompt(prompt)
+    prompts, mode, is_batch = _normalise_prompt(prompt)
+    is_text = mode != "ids"
     tokenizer = model.tokenizer
-    if is_text and tokenizer is None:
+    if mode == "text" and tokenizer is None:
         raise ValueError("this model has no tokenizer (its checkpoint has no tokenizer.json), so it cannot take "
                          "text: pass token ids (list[int]) instead, or add tokenizer.json to the checkpoint")
     stop_ids, stop_strings = _split_stop(stop, tokenizer, is_text)
-    if is_text:
+    prepared = None
+    if mode == "chat":
+        if media is not None:
+            raise ValueError("media= is for str and token-id prompts; chat messages carry their media as content "
+                             'parts ({"type": "image", "path": ...})')
+        from musecore.chat import end_ids
+        from musecore.multimodal import prepare
+        prepared = prepare(model, prompts)
+        prompt_ids = prepared.ids
+        stop_ids |= set(end_ids(model))
+    elif mode == "text":
         _check_text(prompts, model)
-    prompt_ids = [_encode_text(model, p) for p in prompts] if is_text else prompts
+        prompt_ids = [_encode_text(model, p) for p in prompts]
+    else:
+        prompt_ids = prompts
     _check_lengths(prompt_ids, max_new_tokens, model.config)
+    if prepared is not None:
+        media = prepared.features(model)  # the towers run here (or their outputs come from the cache)
     ends = _eos_ids(model) | stop_ids
     kv_format = kv_format or getattr(model, "kv_format", None) or "bf16"
 
@@ -386,7 +419,7 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
     if max_new_tokens > 0:
         with torch.inference_mode():
             _decode_loop(model, prompt_ids, rows, ends, max_new_tokens, temperature, top_p, top_k, seed,
-                         kv_format, stats)
+                         kv_format, stats, media)
     for row in rows:
         row.finish()
     outputs = [row.text if is_text else row.ids for row in rows]
@@ -395,7 +428,7 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
 
 def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence], ends: set[int],
                  max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: Optional[int],
-                 kv_format: str, stats: GenerationStats) -> None:
+                 kv_format: str, stats: GenerationStats, media: Optional[Media] = None) -> None:
     device, B = model.device, len(prompt_ids)
     longest = max(map(len, prompt_ids))
     pad = getattr(model.tokenizer, "pad_id", None)
@@ -415,7 +448,10 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
     fetch = _TokenFetch(B, torch.device(device))
 
     start = time.perf_counter()
-    logits = model.forward(ids, positions=positions, cache=cache)[:, -1]  # [B,V] fp32
+    # Media features replace their placeholders' embeddings at the prefill only: decode steps feed
+    # generated tokens, never placeholders.
+    extra = {"media": media} if media else {}
+    logits = model.forward(ids, positions=positions, cache=cache, **extra)[:, -1]  # [B,V] fp32
     check_finite_logits(model, logits, "the prefill (the first new token)", lambda: (ids, positions))
     sampled = sample(logits)  # [B] on the device
     live = torch.ones(B, dtype=torch.bool, device=device)
