@@ -34,7 +34,7 @@ from musecore.model import checkpoint_shapes
 from musecore.names import (DENSE_QUANTIZABLE, TOWERS, expert_key, fusable_projections,  # noqa: F401 (re-export)
                             fused_expert_name, is_fp32_tensor, is_tower_tensor, layer_of, op_of_weight, projection_of,
                             weight_group)
-from musecore.ops import OPS, OpSpec
+from musecore.ops import TEXT_OPS, TOWER_OPS, OpSpec
 from musecore.planning_mesh import USABLE, MeshPlan, devices_per_node, mesh_choices, plan_mesh, propose_mesh
 
 QUANTIZED = tuple(name for name, f in FACTS.items() if f.quantized)
@@ -249,7 +249,7 @@ def needed_specs(targets: dict[str, tuple[str, Optional[str]]], kv_format: str, 
             moe.add((fmt, act))
         elif op == "linear":
             linear.add((fmt, act))
-    specs = [OpSpec(op, device=device) for op in OPS if op not in ("linear", "moe", "attention")]
+    specs = [OpSpec(op, device=device) for op in TEXT_OPS if op not in ("linear", "moe", "attention")]
     specs.append(OpSpec("attention", kv_format=kv_format, device=device))
     specs += [OpSpec("linear", weight_format=f, act_format=a, device=device) for f, a in sorted(linear, key=str)]
     specs += [OpSpec("moe", weight_format=f, act_format=a, device=device) for f, a in sorted(moe, key=str)]

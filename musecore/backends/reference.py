@@ -83,3 +83,8 @@ class ReferenceBackend(Backend):
     silu_mul = staticmethod(ref.silu_mul)
     logit_softcap = staticmethod(ref.logit_softcap)
     sample = staticmethod(ref.sample)
+    layer_norm = staticmethod(ref.layer_norm)
+    gelu = staticmethod(ref.gelu)
+    varlen_attention = staticmethod(ref.varlen_attention)
+    causal_conv1d = staticmethod(ref.causal_conv1d)
+    rope = staticmethod(ref.rope)

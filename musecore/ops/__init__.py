@@ -54,6 +54,39 @@ silu_mul            ``(gate [...,n], up [...,n]) -> silu(gate) * up`` (dense-MLP
 logit_softcap       ``(logits [...,V], multiplier, cap) -> fp32 cap * tanh(logits * multiplier / cap)``
 sample              ``(logits [B,V], temperature, top_k, top_p, generator) -> ids [B]``
 ==================  =========================================================================
+
+The vision and audio towers (MODEL.md section 2) add five ops, :data:`TOWER_OPS`. ``N`` is the
+number of packed patches (every image and video frame of one call, one after another), ``nh``/``d``
+the tower's heads and head dim, ``C`` channels, ``K`` a conv kernel. A plan asks for them only when
+it loads a tower (``musecore.load(..., towers=)``); a backend may leave them out, and then its
+text-only plans are unchanged (see ``musecore.planning`` for the rule).
+
+==================  =========================================================================
+op                  signature and semantics (MODEL.md section 2)
+==================  =========================================================================
+layer_norm          ``(x [...,n], weight [n] | None, bias [n] | None, eps) -> [...,n]``:
+                    ``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (biased
+                    variance, as ``torch.nn.LayerNorm``); fp32 math, output x.dtype
+gelu                ``(x, approximate="none") -> x.dtype``: ``approximate="none"`` the exact erf
+                    GELU (transformers' ``"gelu"``), ``"tanh"`` the tanh approximation
+                    (``"gelu_pytorch_tanh"``); fp32 math
+varlen_attention    ``(q [N,nh,d], k [N,nh,d], v [N,nh,d], cu_seqlens int32 [S+1], scale)
+                    -> [N,nh,d]``: bidirectional softmax attention inside each segment
+                    ``[cu[i], cu[i+1])`` only (no mask within a segment, nothing across
+                    segments); ``cu[0] = 0``, ``cu[S] = N``, non-decreasing (an empty segment is
+                    allowed and produces nothing); scores ``q k^T * scale``, fp32 softmax;
+                    output q.dtype
+causal_conv1d       ``(x [B,C,T], weight [C,1,K], bias [C] | None, state [B,C,K-1] | None)
+                    -> (y [B,C,T], state' [B,C,K-1])``: depthwise (groups=C) causal conv:
+                    ``xp = cat(state or zeros, x)`` along time, ``y[b,c,t] = bias[c] +
+                    sum_j weight[c,0,j] * xp[b,c,t+j]``; ``state' = xp[..., -(K-1):]``, the last
+                    K-1 input columns (old state included when T < K-1), so feeding a signal in
+                    chunks with the returned state equals one pass. fp32 math; y and state' in
+                    x.dtype
+rope                ``(x [N,nh,d], cos [N,d], sin [N,d]) -> [N,nh,d]``: ``x * cos +
+                    rotate_half(x) * sin`` (HF rotate_half: ``cat(-x2, x1)`` of the two halves),
+                    the same cos/sin for every head; fp32 math, output x.dtype. The vision
+                    tower's axial 2-D table is built by the graph (``musecore.towers.vision``)
 """
 
 from __future__ import annotations
@@ -63,8 +96,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-OPS: tuple[str, ...] = ("embedding", "rms_norm", "residual_norm", "qk_norm_rope", "attention",
-                        "head_norm_gate", "linear", "router_topk", "moe", "silu_mul", "logit_softcap", "sample")
+TEXT_OPS: tuple[str, ...] = ("embedding", "rms_norm", "residual_norm", "qk_norm_rope", "attention",
+                             "head_norm_gate", "linear", "router_topk", "moe", "silu_mul", "logit_softcap", "sample")
+# The towers' own ops (the towers also call ``linear`` and ``rms_norm``); a plan binds them only when
+# it loads a tower, so a backend without them still runs every text-only plan.
+TOWER_OPS: tuple[str, ...] = ("layer_norm", "gelu", "varlen_attention", "causal_conv1d", "rope")
+OPS: tuple[str, ...] = TEXT_OPS + TOWER_OPS
 
 WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8", "nvfp4", "mxfp4", "int4")
 ACTIVATION_FORMATS: tuple[Optional[str], ...] = (None, "fp8", "nvfp4", "mxfp4")
@@ -85,6 +122,11 @@ TOLERANCE_NMSE: dict[str, float] = {
     "silu_mul": 1e-5,
     "logit_softcap": 1e-6,
     "sample": 0.0,
+    "layer_norm": 1e-5,
+    "gelu": 1e-5,
+    "varlen_attention": 1e-4,
+    "causal_conv1d": 1e-5,
+    "rope": 1e-5,
 }
 
 
@@ -159,23 +201,39 @@ class Ops:
     """
 
     def __init__(self, table: dict[str, Callable[..., Any]], sources: dict[str, str]) -> None:
-        missing = [op for op in OPS if op not in table]
+        missing = [op for op in TEXT_OPS if op not in table]
         if missing:
             raise ValueError(f"op table lacks {missing}")
+        unknown = sorted(set(table) - set(OPS))
+        if unknown:
+            raise ValueError(f"op table has unknown ops {unknown}; the operator interface has {OPS}")
         self._table = table
         self.sources = sources  # op -> "backend.method", for the plan and error messages
         for op, fn in table.items():
             setattr(self, op, fn)
 
+    def has(self, op: str) -> bool:
+        """Whether ``op`` is bound (the tower ops are bound only when a plan loads a tower)."""
+        return op in self._table
+
+    def __getattr__(self, op: str) -> Any:  # only reached for names not set in __init__
+        if op in TOWER_OPS:
+            raise AttributeError(f"op {op!r} is not bound in this op table: the plan loaded no vision/audio tower "
+                                 "(see model.plan's notes for why)")
+        raise AttributeError(f"{type(self).__name__!r} has no attribute {op!r}")
+
     @classmethod
     def from_backend(cls, backend: Any, fallback: Any = None) -> "Ops":
-        """Bind every op to ``backend``; ops it does not implement go to ``fallback`` if given."""
+        """Bind every op to ``backend``; ops it does not implement go to ``fallback`` if given. A tower op
+        (:data:`TOWER_OPS`) that neither implements stays unbound; a text op raises."""
         table, sources = {}, {}
         for op in OPS:
             impl = getattr(backend, op, None)
             owner = backend
             if impl is None and fallback is not None:
-                impl, owner = getattr(fallback, op), fallback
+                impl, owner = getattr(fallback, op, None), fallback
+            if impl is None and op in TOWER_OPS:
+                continue
             if impl is None:
                 raise ValueError(f"backend {backend.name!r} does not implement {op!r} and no fallback was allowed")
             table[op], sources[op] = impl, f"{owner.name}.{op}"

@@ -174,3 +174,48 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, -1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# -- the vision and audio towers' ops (musecore.ops.TOWER_OPS) ---------------------------------------
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               eps: float) -> torch.Tensor:
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate={approximate!r}; choose 'none' (exact erf) or 'tanh'")
+    return F.gelu(x.float(), approximate=approximate).to(x.dtype)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, stop in zip(bounds[:-1], bounds[1:]):  # one segment (an image, a frame or a window) at a time
+        if stop <= start:
+            continue
+        qs, ks, vs = (t[start:stop].float() for t in (q, k, v))  # [n,nh,d]
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        out[start:stop] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs)
+    return out.to(q.dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    B, C, _T = x.shape
+    K = weight.shape[-1]
+    if state is None:
+        state = torch.zeros(B, C, K - 1, dtype=x.dtype, device=x.device)
+    xp = torch.cat([state.float(), x.float()], dim=-1)  # [B,C,K-1+T]
+    y = F.conv1d(xp, weight.float(), None if bias is None else bias.float(), groups=C)
+    return y.to(x.dtype), xp[..., xp.shape[-1] - (K - 1):].to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    cos, sin = cos.float()[:, None, :], sin.float()[:, None, :]  # [N,1,d]: the same angles for every head
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
