@@ -32,3 +32,41 @@ def add_mesh(parser) -> None:
                         help="expert parallel: the routed experts split N ways (N divides the number of ranks)")
     parser.add_argument("--sp", action="store_true",
                         help="sequence-parallel prefill: the residual stream in token shards (needs --tp > 1)")
+
+
+MEDIA_KINDS = ("image", "video", "audio")
+
+
+def add_media(parser, where: str) -> None:
+    """``--image PATH --video PATH --audio PATH`` (each repeatable): ``args.media`` is the list of
+    ``(kind, path)`` in the order given on the command line."""
+    import argparse
+
+    class AppendMedia(argparse.Action):
+        def __call__(self, parser, namespace, value, option_string=None):
+            items = list(getattr(namespace, "media", None) or [])
+            items.append((self.const, value))
+            namespace.media = items
+
+    parser.set_defaults(media=[])
+    for kind in MEDIA_KINDS:
+        parser.add_argument(f"--{kind}", action=AppendMedia, const=kind, metavar="PATH", dest="media", default=[],
+                            help=f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} file {where} (repeatable; all media parts come in command-line order, "
+                                 "before the text; needs a checkpoint with the matching tower, e.g. muse-tiny-mm)")
+
+
+def check_media_files(media) -> None:
+    """Every ``--image/--video/--audio`` path exists, checked before the model loads."""
+    from pathlib import Path
+
+    from musecore.cli import UsageError
+
+    for kind, path in media:
+        if not Path(path).is_file():
+            raise UsageError(f"--{kind} {path}: no such file; pass the path of {'an' if kind[0] in 'aeiou' else 'a'} "
+                             f"{kind} file")
+
+
+def media_parts(media) -> list:
+    """``(kind, path)`` pairs as chat content parts."""
+    return [{"type": kind, "path": path} for kind, path in media]

@@ -4,18 +4,25 @@ The conversation is kept (each reply is answered with the whole history); ``/res
 (the ``--system`` message stays), end of input (Ctrl-D, or the end of a piped file) leaves. Replies
 stream to stdout; the prompt marker is shown only on a terminal, so ``musecore chat < questions.txt``
 prints only the replies, one per line.
+
+Media: ``--image/--video/--audio PATH`` attach files to the first message, and the lines
+``/image PATH``, ``/video PATH``, ``/audio PATH`` attach one to the next message (media parts first,
+then the text, as the command line gives them). They stay in the conversation, so later turns see
+them again; the model's encoder cache makes that free (the tower does not run again).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
-from musecore.commands import add_download, add_quantize_dense
+from musecore.commands import MEDIA_KINDS, add_download, add_media, add_quantize_dense, check_media_files, media_parts
 
 DEFAULT_MODEL = "muse-tiny"
-HELP = "commands: /reset forgets the conversation, /exit (or end of input) leaves"
+HELP = ("commands: /image PATH, /video PATH, /audio PATH attach a file to your next message, /reset forgets the "
+        "conversation, /exit (or end of input) leaves")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -36,6 +43,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0 = off (default: 0)")
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    add_media(parser, "attached to your first message")
     parser.set_defaults(run=run)
     return parser
 
@@ -43,6 +51,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import musecore
 
+    check_media_files(args.media)
     interactive = sys.stdin is not None and sys.stdin.isatty()
     if interactive:
         try:
@@ -56,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
     opening = [{"role": "system", "content": args.system}] if args.system else []
     chat_prompt(model, opening or [{"role": "user", "content": ""}])  # no template: fail before the first turn
     messages = list(opening)
+    pending = media_parts(args.media)  # media for the next user message
+    if args.media:  # a checkpoint without the tower fails now, not after the first message is typed
+        from musecore.multimodal import MediaPart, check_towers
+        check_towers(model, [MediaPart(kind, path, f"--{kind} {path}") for kind, path in args.media])
     if interactive:
         print(f"chatting with {args.model} on {model.plan.device}; {HELP}", file=sys.stderr)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -73,16 +86,38 @@ def run(args: argparse.Namespace) -> int:
         if text in ("/exit", "/quit"):
             return 0
         if text == "/reset":
-            messages = list(opening)
+            messages, pending = list(opening), []
             print("(conversation reset)", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
+        command, _, path = text.partition(" ")
+        if command[1:] in MEDIA_KINDS and command.startswith("/"):
+            kind, path = command[1:], path.strip()
+            if not path:
+                print(f"(usage: /{kind} PATH)", file=sys.stderr)
+            elif not Path(path).is_file():
+                print(f"(/{kind} {path}: no such file)", file=sys.stderr)
+            else:
+                pending.append({"type": kind, "path": path})
+                print(f"({kind} {path} attached to your next message)", file=sys.stderr)
+            continue
+        if pending:
+            messages.append({"role": "user", "content": pending + [{"type": "text", "text": line}]})
+            pending = []
+        else:
+            messages.append({"role": "user", "content": line})
 
         def show(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        reply = model.chat(messages, stream=show, **options)
+        try:
+            reply = model.chat(messages, stream=show, **options)
+        except ValueError as e:  # bad media or a message the model cannot take: say so, keep the conversation
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            if not interactive:
+                raise
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": reply})

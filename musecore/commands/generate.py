@@ -4,6 +4,10 @@ The quickest end-to-end check that a device works: it goes through the same ``mu
 and ``model.generate`` a user calls. Text streams to stdout as it is produced and the throughput
 goes to stderr, so ``musecore generate ... > out.txt`` captures only the completion; ``--json``
 prints one object instead, for scripts.
+
+With ``--image``/``--video``/``--audio`` the prompt becomes one user turn of the checkpoint's chat
+template, the media parts first (in command-line order), then the text, and the output is the
+assistant's reply: ``musecore generate --model muse-tiny-mm --image shapes.png "What shape is this?"``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import json
 import sys
 from typing import Any
 
-from musecore.commands import add_download, add_mesh, add_quantize_dense
+from musecore.commands import (add_download, add_media, add_mesh, add_quantize_dense, check_media_files,
+                               media_parts)
 
 DEFAULT_MODEL = "muse-tiny"
 
@@ -31,7 +36,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_quantize_dense(parser)
     add_download(parser)
     add_mesh(parser)
+    parser.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT",
+                        help="the text to continue (or --prompt TEXT; default: read from stdin)")
     parser.add_argument("--prompt", help="the text to continue (default: read from stdin)")
+    add_media(parser, "to put in the prompt (the prompt is then a chat turn through the chat template)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: 1)")
@@ -48,6 +56,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _read_prompt(args: argparse.Namespace) -> str:
     from musecore.cli import UsageError
 
+    if args.prompt is not None and args.prompt_text is not None:
+        raise UsageError("the prompt was given twice (as --prompt and as an argument); give it once")
+    if args.prompt_text is not None:
+        return args.prompt_text
     if args.prompt is not None:
         return args.prompt
     if args.tp or args.ep:
@@ -72,7 +84,11 @@ def _load(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
+    check_media_files(args.media)
     model = _load(args)
+    if args.media:  # one user turn: the media parts, then the text; the reply is the completion
+        content = media_parts(args.media) + ([{"type": "text", "text": prompt}] if prompt else [])
+        prompt = [{"role": "user", "content": content}]
     stream = None
     if model.comm is not None and model.comm.rank != 0:  # every rank computes the same tokens; rank 0 prints
         model.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
