@@ -474,11 +474,29 @@ def launched_world() -> tuple[int, int, int]:
         raise MeshError(f"RANK / WORLD_SIZE / LOCAL_RANK are not integers ({e}); start the ranks with torchrun") from None
 
 
+def process_group_backend(device_type: str) -> str:
+    """The ``torch.distributed`` backend for ranks whose tensors live on ``device_type``: NCCL on CUDA
+    (RCCL on ROCm builds), TorchTPU's ``tpu`` on TPU hosts (torch_tpu registers it with c10d when it
+    loads; never run here: no TPU was reachable), gloo on the CPU and anything else."""
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        return "nccl"
+    if device_type == "tpu":
+        if "tpu" not in dist.Backend.backend_list:
+            raise DistributedError("tensors on the 'tpu' device need TorchTPU's 'tpu' process group, which is not "
+                                   "registered: torch_tpu did not load its distributed runtime (check `import "
+                                   "torch_tpu` and libtpu on this host)")
+        return "tpu"
+    return "gloo"
+
+
 def connect(mesh: Mesh, device_type: str) -> Comm:
     """Join (or reuse) the process group of this ``torchrun`` launch and return this rank's :class:`Comm`.
 
-    NCCL on CUDA devices (RCCL on ROCm builds), gloo on the CPU; a ``DeviceMesh`` of ``world`` ranks.
-    Raises :class:`MeshError` when the launch does not match ``mesh`` (every rank raises the same).
+    The process-group backend is :func:`process_group_backend`'s (NCCL/RCCL, TorchTPU's ``tpu``, gloo);
+    a ``DeviceMesh`` of ``world`` ranks. Raises :class:`MeshError` when the launch does not match ``mesh``
+    (every rank raises the same).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -489,9 +507,11 @@ def connect(mesh: Mesh, device_type: str) -> Comm:
                f"pass tp/ep whose larger is {world}, or launch {mesh.world} ranks")
         raise MeshError(f"mesh tp={mesh.tp} ep={mesh.ep} needs {mesh.world} ranks but this launch has {world} "
                         f"(WORLD_SIZE): {how}")
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = process_group_backend(device_type)
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
+    elif device_type == "tpu" and torch.accelerator.device_count() > local_rank:
+        torch.accelerator.set_device_index(local_rank)  # one chip per rank when this host shows several
     if not dist.is_initialized():
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds()))
