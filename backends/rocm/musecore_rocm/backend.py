@@ -33,6 +33,7 @@ from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_rocm import choices
 from musecore_rocm.arch import ARCHES, DEVICE_ARCH, find_rocm_device
 from musecore_rocm.fp8 import Fp8Resident, fp8_linear, prepare_fp8
+from musecore_triton.graphs import graph_unavailable, make_graphed_decode_step
 from musecore_triton.kernels.fp4_gemm import w4a16_linear
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.kernels.mx_gemm import BLOCK_K, MX_BLOCK, mxfp4_linear
@@ -235,6 +236,19 @@ class RocmBackend(TritonOps, Backend):
     def resident_bytes(self, weight_format: str, out_features: int, in_features: int, *,
                        experts: int = 0) -> Optional[int]:
         return choices.resident_bytes(weight_format, out_features, in_features, experts=experts)
+
+    # --- decode ----------------------------------------------------------------------------
+    @property
+    def wants_static_cache(self) -> bool:  # type: ignore[override]
+        """Static, sync-free KV caches on a GPU, where decode steps are captured as HIP graphs."""
+        return graph_unavailable(self.device) is None
+
+    def make_decode_step(self, model, cache):
+        """One decode step replayed from a captured HIP graph (the shared :mod:`musecore_triton.graphs`);
+        None where graphs are unavailable (the CPU interpreter, no GPU): the core then calls ``forward``."""
+        if graph_unavailable(self.device) is not None:
+            return None
+        return make_graphed_decode_step(model, cache)
 
     # --- ops -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
