@@ -99,6 +99,8 @@ def fake_quantize_activation(x: torch.Tensor, act_format: Optional[str],
                              input_scale: Optional[torch.Tensor]) -> torch.Tensor:
     """What a W4A4 / W8A8 target does to activations before its matmul, as dequantized values.
 
+    ``fp8-token`` (the h200-fp8 profile) is FP8 E4M3 with a dynamic scale per token (row).
+
     NVFP4 activations need a global scale: the checkpoint's calibrated ``input_scale`` when it has
     one (ModelOpt exports do); otherwise a dynamic per-token one, ``amax(|x|) / (6*448)`` per row,
     so a token's numerics never depend on the other tokens of its batch.
@@ -109,6 +111,10 @@ def fake_quantize_activation(x: torch.Tensor, act_format: Optional[str],
     from musecore_quant.formats.nvfp4 import nvfp4_input_scale
     if act_format == "nvfp4" and input_scale is None:
         input_scale = nvfp4_input_scale(x.float().abs().amax(-1)).clamp_min(torch.finfo(torch.float32).tiny)
+    if act_format == "fp8-token":  # FP8 E4M3, dynamic per token: amax(|x_t|) / 448 per row (1.0 for a zero row)
+        amax = x.float().abs().amax(-1, keepdim=True)
+        scale = amax / torch.tensor(448.0)
+        return fq(x, "fp8", input_scale=torch.where(scale == 0, torch.ones_like(scale), scale))
     return fq(x, act_format, input_scale=input_scale)
 
 

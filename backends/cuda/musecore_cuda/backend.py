@@ -14,8 +14,10 @@ What is native here, and why (``supports`` answers from this table, never optimi
   emulation, not a silent slow path here.
 * BF16/FP16/FP32 weights: cuBLAS through ``torch.nn.functional.linear``, except one token on a small
   16-bit weight, which takes a Triton GEMV (``kernels.dense_gemv``: measured faster there).
-* FP8 (per-tensor, ModelOpt layout) weights: W8A8 through ``torch._scaled_mm``; INT4 and block-scaled
-  FP8: not implemented (``no``).
+* FP8 (per-tensor, ModelOpt layout) weights: W8A8 through ``torch._scaled_mm``; with per-token
+  activations (``fp8-token``, the ``h200-fp8`` profile: experts and linears requantized to FP8 at load)
+  linears take its row-wise scales and routed experts a Triton FP8 grouped GEMM (:mod:`musecore_cuda.fp8`).
+  INT4 and block-scaled FP8: not implemented (``no``).
 * The row ops (norms, residual gate, q/k norms + RoPE, head gate, MoE finalize, silu_mul, logit_softcap)
   and the router's top-k are Triton kernels in fp32 that round exactly where the reference rounds
   (:mod:`musecore_triton.kernels`); the router's fp32 product is cuBLAS.
@@ -33,8 +35,9 @@ from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShap
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_cuda import choices
 from musecore_cuda.choices import DEQUANT_MIN_M, GEMM_MIN_M  # noqa: F401  (the crossovers, re-exported)
-from musecore_cuda.fp8 import Fp8Resident, fp8_linear, prepare_fp8
+from musecore_cuda.fp8 import TOKEN_ACT, Fp8Resident, fp8_linear, fp8_linear_rows, prepare_fp8
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
+from musecore_cuda.kernels.fp8_moe import fp8_moe
 from musecore_cuda.kernels.moe_decode import moe_decode_gemv, use_gemv
 from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
@@ -43,7 +46,7 @@ from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
 from musecore_triton.ops import ACT_DTYPES, DENSE_FORMATS, TritonOps, format_of, shared_kernel_limit
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
-SM_DEVICES = {9: ["h200", "h100"], 10: ["b200", "gb200", "b300", "gb300"]}
+SM_DEVICES = {9: ["h200", "h100", "h200-fp8", "h100-fp8"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
 
 def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
@@ -194,6 +197,12 @@ class CudaBackend(TritonOps, Backend):
 
     def _supports_matmul(self, op: str, spec: OpSpec, sm: int, unverified: str) -> Support:
         fmt, act = spec.weight_format, spec.act_format
+        if fmt == "fp8" and act == TOKEN_ACT:
+            if sm < 9:
+                return Support.no(f"FP8 tensor cores need SM89+; this is SM{sm}0")
+            how = ("W8A8, per-token activations: cuBLASLt row-wise scaled FP8 GEMM (torch._scaled_mm)" if op == "linear"
+                   else "W8A8, per-token activations: Triton FP8 grouped GEMM (wgmma), fp32 SwiGLU")
+            return Support.emulated(f"{how}; {unverified}") if unverified else Support.native(how)
         if fmt == "fp8":
             if op != "linear" or act != "fp8":
                 return Support.no("FP8 weights run as W8A8 linear only (FP8 activations, torch._scaled_mm); "
@@ -223,10 +232,10 @@ class CudaBackend(TritonOps, Backend):
     def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
                        dtype: torch.dtype = torch.bfloat16) -> Weight:
         fmt = format_of(weight)
-        if fmt == "fp8" and act_format == "fp8":
-            resident = prepare_fp8(weight, self.device)
+        if fmt == "fp8" and act_format in ("fp8", TOKEN_ACT):
+            resident = prepare_fp8(weight, self.device, per_token=act_format == TOKEN_ACT)
             return Weight(data=resident, format="fp8", out_features=resident.out_features,
-                          in_features=resident.in_features, act_format="fp8",
+                          in_features=resident.in_features, act_format=act_format,
                           input_scale=getattr(weight, "input_scale", None))
         if act_format is not None:
             raise NotImplementedError(f"{role}: activation format {act_format!r} is not supported by the CUDA "
@@ -247,6 +256,10 @@ class CudaBackend(TritonOps, Backend):
         if len(fmts) != 1:
             raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
         fmt = fmts.pop()
+        if fmt == "fp8" and act_format == TOKEN_ACT:
+            stacks = [prepare_fp8(w, self.device, per_token=True) for w in (gate, up, down)]
+            return ExpertWeights(gate=stacks[0], up=stacks[1], down=stacks[2], format=fmt,
+                                 num_experts=stacks[0].experts, act_format=act_format)
         if act_format is not None:
             raise NotImplementedError(f"experts: activation format {act_format!r} is not supported (see supports())")
         if fmt in FP4_FORMATS:
@@ -277,6 +290,8 @@ class CudaBackend(TritonOps, Backend):
     # --- ops -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         if isinstance(w.data, Fp8Resident):
+            if w.act_format == TOKEN_ACT:
+                return fp8_linear_rows(x, w.data)
             return fp8_linear(x, w.data, w.input_scale)
         if w.act_format is not None:
             raise NotImplementedError(f"linear: activation format {w.act_format!r} is not supported (see supports())")
@@ -292,6 +307,9 @@ class CudaBackend(TritonOps, Backend):
 
     def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
             post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
+        if experts.act_format == TOKEN_ACT:
+            return fp8_moe(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
+                           post_norm, post_eps)
         if experts.act_format is not None:
             raise NotImplementedError(f"moe: activation format {experts.act_format!r} is not supported")
         if experts.format in DENSE_FORMATS and experts.gate.dtype != z.dtype:

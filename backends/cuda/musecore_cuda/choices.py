@@ -109,6 +109,27 @@ def _dense_linear_choice(shape: LinearShape) -> list[KernelChoice]:
                          f"{nbytes / 2**20:.0f} MiB > {DENSE_GEMV_MAX_BYTES >> 20} MiB: the dense GEMV did not win there")]
 
 
+TOKEN_ACT = "fp8-token"  # musecore_cuda.fp8.TOKEN_ACT (not imported: this module stays free of kernel imports)
+
+
+def _fp8_token_choices(shape: LinearShape) -> list[KernelChoice]:
+    """The h200-fp8 profile's W8A8 per-token paths (musecore_cuda.fp8, kernels.fp8_moe)."""
+    n, k = shape.out_features, shape.in_features
+    why = ("FP8 tensor cores run at ~2x the BF16 rate; per-token scales keep each token's numerics independent of "
+           "its batch; at decode the weights are 8 bits per value (the NVFP4 plan reads 4.5)")
+    if shape.experts:
+        from musecore_cuda.kernels.fp8_moe import pick_config
+        label = f"moe {shape.name} fp8 E={shape.experts} top-{max(1, shape.top_k)} {k}->{n}"
+        small, large = pick_config(1), pick_config(1 << 10)
+        return [KernelChoice(f"{label}, any T", "per-token E4M3 quantize (Triton) + Triton FP8 grouped GEMM (wgmma): "
+                             "gate+up+SwiGLU (fp32), per-token requantize, down, finalize",
+                             f"{why}; tiles {small.block_m}x{small.block_n} up to 64 rows per expert, "
+                             f"{large.block_m}x{large.block_n}x{large.block_k} beyond")]
+    return [KernelChoice(f"linear {shape.name} fp8 {k}->{n}, any M",
+                         "per-token E4M3 quantize (Triton) + cuBLASLt row-wise scaled FP8 GEMM (torch._scaled_mm)",
+                         f"{why}; M padded to 16 rows")]
+
+
 def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
     e, top_k = shape.experts, max(1, shape.top_k)
     label = f"moe {shape.name} {shape.weight_format} E={e} top-{top_k} {shape.in_features}->{shape.out_features}"
@@ -150,7 +171,9 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
         out.append(KernelChoice(f"kernels on {arch}", "the SM90 kernels", "run and checked on SM90 only; reported as "
                                 "emulated on other architectures (no native FP4 tensor-core kernel here)"))
     for shape in linears:
-        if shape.act_format is not None and not (shape.weight_format == "fp8" and shape.act_format == "fp8"):
+        if shape.weight_format == "fp8" and shape.act_format == TOKEN_ACT:
+            out += _fp8_token_choices(shape)
+        elif shape.act_format is not None and not (shape.weight_format == "fp8" and shape.act_format == "fp8"):
             out.append(KernelChoice(f"{shape.name} {shape.weight_format} with {shape.act_format} activations", "none",
                                     "W4A4 needs FP4 tensor cores; not implemented in the CUDA backend"))
         elif shape.experts:
@@ -196,11 +219,15 @@ def env_settings() -> list[EnvSetting]:
 
 def resident_bytes(weight_format: str, out_features: int, in_features: int, *, experts: int = 0) -> Optional[int]:
     """Bytes ``prepare_weight`` / ``prepare_experts`` keep: FP4 as packed nibbles, the block-scale bytes
-    and one fp32 ``out_scale`` per expert (no second copy); FP8 with N padded to 16 rows; None for
+    and one fp32 ``out_scale`` per expert (no second copy); FP8 with N padded to 16 rows (linears) and the
+    scale repeated per output channel; None for
     16-bit weights (kept as the checkpoint's tensor in the activation dtype) and unsupported formats."""
     e = max(1, experts)
     if weight_format in FP4_FORMATS:
         return e * (out_features * in_features // 2 + out_features * (in_features // FP4_GROUP[weight_format]) + 4)
-    if weight_format == "fp8" and not experts:
-        return (out_features + (-out_features) % 16) * in_features + 4
+    if weight_format == "fp8" and not experts:  # + the per-channel copy of the scale on the per-token path
+        n = out_features + (-out_features) % 16
+        return n * in_features + 4 + 4 * n
+    if weight_format == "fp8":  # stacked experts (per-token path): codes, one scale each, its per-channel copy
+        return experts * (out_features * in_features + 4 + 4 * out_features)
     return None
