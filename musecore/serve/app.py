@@ -102,15 +102,20 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
     async def chat_completions(http: HttpRequest) -> Any:
         body = await _json(http)
         _check_model(body, model_name)
-        from musecore.chat import chat_prompt, end_ids
-        messages = body.get("messages")
+        from musecore.chat import end_ids
+        from musecore.multimodal import prepare
+        messages = _plain_messages(body.get("messages"))
         try:
-            ids = chat_prompt(model, _plain_messages(messages))
+            _check_inline_media(messages)
+            # Media is decoded and processed off the event loop; the towers run in the scheduler thread.
+            prepared = await asyncio.to_thread(prepare, model, [messages])
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        return await _serve(http, body, ids, chat=True, extra_stop_ids=set(end_ids(model)))
+        return await _serve(http, body, prepared.ids[0], chat=True, extra_stop_ids=set(end_ids(model)),
+                            media=prepared if prepared.has_media else None)
 
-    async def _serve(http: Any, body: dict, ids: list[int], chat: bool, extra_stop_ids: frozenset = frozenset()):
+    async def _serve(http: Any, body: dict, ids: list[int], chat: bool, extra_stop_ids: frozenset = frozenset(),
+                     media: Any = None):
         sampling = _sampling(body, len(ids), engine.max_model_len, model.tokenizer, chat)
         sampling.stop_ids |= set(extra_stop_ids)
         loop = asyncio.get_running_loop()
@@ -121,7 +126,7 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
             except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
                 request.cancel()
 
-        request = Request(ids, sampling, sink, model.tokenizer)
+        request = Request(ids, sampling, sink, model.tokenizer, media=media)
         try:
             engine.submit(request)
         except EngineFull as e:
@@ -224,6 +229,20 @@ def _plain_messages(messages: Any) -> Any:
         return messages
     return [{**m, "content": "" if m.get("content") is None else m["content"]} if isinstance(m, dict) else m
             for m in messages]
+
+
+def _check_inline_media(messages: Any) -> None:
+    """The server reads media only from the request itself (``data:`` URLs, base64 ``input_audio``),
+    never from its own disk or the network."""
+    from musecore.multimodal import has_media, parse_messages
+    if not isinstance(messages, list) or not has_media(messages):
+        return
+    for part in parse_messages(messages)[1]:
+        inline = (isinstance(part.source, bytes) or isinstance(part.source, dict)
+                  or (isinstance(part.source, str) and part.source.startswith("data:")))
+        if not inline:
+            raise ValueError(f"{part.where}: the server takes {part.kind} input inline only (an image_url with a "
+                             "data: URL, input_audio with base64 data), not a file path or an http URL")
 
 
 def _check_ids(ids: list[int], vocab: int) -> None:

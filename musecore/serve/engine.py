@@ -17,6 +17,9 @@ How it works (and what it is not):
   to it. Sampling settings are per request (rows are sampled one by one when they differ); greedy
   rows are sampled together.
 - Prompts stay on the cache's rows only while running; there is no prefix cache.
+- A request with images or audio (``Request.media``, a :class:`musecore.multimodal.Prepared`) has
+  its encoder outputs computed here, in the scheduler thread, through the model's encoder cache,
+  just before its prefill; the features of every joining request go into that one forward.
 
 Text is produced with generate's incremental detokenizer (``_Sequence``), so a request's pieces
 are exactly what ``model.generate`` would stream, and stop strings are held back the same way.
@@ -62,9 +65,12 @@ class Request:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt_ids: list[int], sampling: Sampling, sink: Sink, tokenizer: Any) -> None:
+    def __init__(self, prompt_ids: list[int], sampling: Sampling, sink: Sink, tokenizer: Any,
+                 media: Any = None) -> None:
         self.id = next(self._ids)
         self.prompt_ids, self.sampling, self.sink = prompt_ids, sampling, sink
+        self.media = media  # a musecore.multimodal.Prepared whose features go into the prefill, or None
+        self.features: Optional[dict] = None
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.first_token_at: Optional[float] = None
@@ -222,8 +228,22 @@ class Engine:
                     self._finish_unrun(request)
                 else:
                     joining.append(request)
+        joining = [r for r in joining if self._encode(r)]
         if joining:
             self._prefill(joining, len(self.running))
+
+    def _encode(self, request: Request) -> bool:
+        """The request's media features (through the encoder cache); False, with the request ended
+        with an error, when its media cannot be encoded."""
+        if request.media is None:
+            return True
+        try:
+            request.features = request.media.features(self.model)
+        except ValueError as e:  # this request's media does not fit the model; the others go on
+            request.text.done, request.finish_reason = True, "error"
+            request.sink({"type": "done", "finish_reason": "error", "error": str(e)})
+            return False
+        return True
 
     def _prefill(self, requests: list[Request], first_row: int) -> None:
         view = _rows(self.cache, first_row, first_row + len(requests))
@@ -237,8 +257,12 @@ class Engine:
             n = len(r.prompt_ids)
             ids[b, longest - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
             positions[b, longest - n:] = torch.arange(n)
-        logits = self.model.forward(ids, positions=positions, cache=view)[:, -1]  # [k,V]
+        media = _joined_media([r.features for r in requests])
+        extra = {"media": media} if media else {}
+        logits = self.model.forward(ids, positions=positions, cache=view, **extra)[:, -1]  # [k,V]
         _merge_used(self.cache, view)
+        for r in requests:
+            r.features = None  # not needed after the prefill
         self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
         self.running.extend(requests)
         tokens = self._sample(requests, logits)
@@ -326,6 +350,15 @@ class Engine:
         request.finish_reason = "cancelled"
         request.text.done = True
         self._finish(request)
+
+
+def _joined_media(per_request: list[Optional[dict]]) -> Optional[dict]:
+    """Each placeholder id's feature rows of the rows of a prefill, in row order (forward's splice order)."""
+    joined: dict[int, list[torch.Tensor]] = {}
+    for features in per_request:
+        for token, rows in (features or {}).items():
+            joined.setdefault(token, []).append(rows)
+    return {token: torch.cat(rows, 0) for token, rows in joined.items()} or None
 
 
 def _end_ids(model: Any) -> set[int]:
