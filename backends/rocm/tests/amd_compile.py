@@ -140,7 +140,11 @@ def main(arch: str) -> None:
     be.silu_mul(x, x.clone())
     be.logit_softcap(torch.randn(2, 3, 512).to(dt), 1.0, 30.0)
     variant[0] = "router"
-    be.router_topk(torch.randn(3, H).to(dt), torch.randn(E, H), torch.randn(E), k, 1.0, 2.5)
+    be.router_topk(torch.randn(3, H).to(dt), torch.randn(E, H), torch.randn(E), k, 1.0, 2.5)  # split-K GEMV
+    be.router_topk(torch.randn(20, H).to(dt), torch.randn(E, H), torch.randn(E), k, 1.0, 2.5)  # BLAS + top-k
+    for t in (1, 16):  # the 816B router (256 experts, hidden 8192, top-8) at decode
+        variant[0] = f"router 816b T={t}"
+        be.router_topk(torch.randn(t, 8192).to(dt), torch.randn(256, 8192), torch.randn(256), 8, 1.0, 2.5)
     qp = torch.arange(3)[None].expand(2, 3).contiguous()
     for kv_dtype, scales in ((dt, (None, None)), (torch.float8_e4m3fn, (0.5, 0.25))):
         for window in (None, 8):

@@ -23,6 +23,7 @@ SCALED_MFMA = "_f8f6f4"
 EXPECTED_KERNELS = {"mx_gemm_kernel", "mxfp4_quantize_kernel", "w4a16_gemm_kernel", "moe_finalize_kernel",
                     "dense_gemv_kernel", "rms_norm_kernel", "residual_norm_kernel", "qk_norm_rope_kernel",
                     "head_norm_gate_kernel", "silu_mul_kernel", "logit_softcap_kernel", "router_topk_kernel",
+                    "router_gemv_kernel",
                     "attention_kernel", "kv_write_kernel"}
 
 

@@ -1,10 +1,23 @@
 """The MoE router's choice: sigmoid scores, top-k on scores + correction bias, renormalised weights.
 
-The router's fp32 product ``x @ W^T`` ([T,H] x [H,E]) runs in cuBLAS (``F.linear`` on fp32 operands; an
-fp32 GEMM, never TF32 unless the caller switched PyTorch's fp32 matmul precision). Everything after it is
-one kernel per token row: sigmoid of the scaled logits, k rounds of max over ``scores + bias`` (the bias
-only chooses), the chosen *scores* gathered, renormalised and scaled. It replaces sigmoid, add, topk
-(a sort), gather, sum and two divisions: about seven PyTorch kernels at decode.
+The router's fp32 product ``x @ W^T`` ([T,H] x [H,E]) runs one of two ways, chosen by shape
+(:func:`uses_split_k`):
+
+* at decode (``T <= SPLIT_K_MAX_TOKENS``), :func:`router_gemv_kernel`: a split-K GEMV. The fp32
+  weight (``E x H``, 8 MiB per layer on the 816B model) is the only real traffic, and one GEMM tile
+  per 64 experts would stream it through a handful of compute units; the split over K spreads it
+  over every CU. Each program multiplies its K range in fp32 (``tl.dot`` at ``ieee`` precision:
+  fp32 products, fp32 sums, no TF32/xf32) and writes an fp32 partial ``[S, T, E]``; the top-k
+  kernel adds the S partials in a fixed order (deterministic, no atomics) as it reads its row;
+* beyond, the vendor BLAS (``F.linear`` on fp32 operands; an fp32 GEMM, never TF32 unless the
+  caller switched PyTorch's fp32 matmul precision).
+
+Both compute the reference's ``x.float() @ W.float().T`` in fp32; they differ from it (and each
+other) only in the order of the fp32 sums, i.e. by about 1e-7 relative, which moves a choice only
+where two ``score + bias`` values tie to that precision. Everything after the product is one
+kernel per token row: sigmoid of the scaled logits, k rounds of max over ``scores + bias`` (the
+bias only chooses), the chosen *scores* gathered, renormalised and scaled. It replaces sigmoid,
+add, topk (a sort), gather, sum and two divisions: about seven PyTorch kernels at decode.
 """
 
 from __future__ import annotations
@@ -18,12 +31,42 @@ from musecore.ops import reference as ref
 from musecore_triton import hooks
 
 MAX_TOP_K = 64  # the kernel keeps k rounds unrolled; larger k runs the reference's torch ops (same numerics)
+SPLIT_K_MAX_TOKENS = 16  # up to this many rows the product is the split-K GEMV (one 16-row dot tile)
+GEMV_BLOCK_T = 16        # rows of the GEMV's tile: T <= 16 padded to 16, the smallest tl.dot M on every GPU
+GEMV_BLOCK_E = 64        # experts per program
+GEMV_BLOCK_K = 64        # K per step of a program
 
 
 @triton.jit
-def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, k, multiplier, scaling, K: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One row: ``s = sigmoid(logits * multiplier)``; the k largest ``s + bias`` by k rounds of max (lowest
+def router_gemv_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_x, k_split, BLOCK_T: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (e, s): ``part[s, :T, e-block] = x[:T, K_s] @ W[e-block, K_s]^T`` in fp32, where ``K_s`` is the
+    s-th range of ``k_split`` columns. Rows past T and experts past E are masked (read as 0, not stored)."""
+    pid_e = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    k0 = pid_s * k_split
+    hooks.pdl_wait(PDL)  # x was written by the kernel before (musecore_triton.hooks)
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for kk in range(k0, tl.minimum(k0 + k_split, H), BLOCK_K):
+        k = kk + offs_k
+        km = k < H
+        x = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_x + k[None, :],
+                    mask=(offs_t < T)[:, None] & km[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_e[None, :].to(tl.int64) * H + k[:, None],
+                    mask=km[:, None] & (offs_e < E)[None, :], other=0.0)  # [BLOCK_K, BLOCK_E] fp32
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+    out = part_ptr + pid_s.to(tl.int64) * T * E + offs_t[:, None] * E + offs_e[None, :]
+    tl.store(out, acc, mask=(offs_t < T)[:, None] & (offs_e < E)[None, :])
+
+
+@triton.jit
+def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, splits, split_stride, k, multiplier,
+                       scaling, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row: ``logits`` = the sum of its ``splits`` partials (in order s = 0, 1, ...; 1 = the logits
+    themselves), ``s = sigmoid(logits * multiplier)``; the k largest ``s + bias`` by k rounds of max (lowest
     index first on ties); weights ``s[ids] / (sum + 1e-15) * scaling``."""
     offs = tl.arange(0, BLOCK)
     mask = offs < E
@@ -31,6 +74,8 @@ def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, k, multi
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
+    for s in range(1, splits):
+        x += tl.load(logits_ptr + s * split_stride + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-(x * multiplier)))
     left = tl.where(mask, s + bias, -float("inf"))
     kk = tl.arange(0, K)
@@ -49,9 +94,43 @@ def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, k, multi
     tl.store(ids_ptr + row * k + kk, ids, mask=kk < k)
 
 
+def uses_split_k(tokens: int) -> bool:
+    """The product at ``tokens`` rows runs as the split-K GEMV (decode), else as the vendor BLAS GEMM."""
+    return 0 < tokens <= SPLIT_K_MAX_TOKENS
+
+
+def split_count(experts: int, hidden: int, tokens: int, device: torch.device) -> int:
+    """How many K ranges the GEMV splits ``hidden`` into: enough programs to give every compute unit one
+    (``hooks.num_sms``), at least one ``GEMV_BLOCK_K`` step each, and partials ``[S, T, E]`` of at most an
+    eighth of the weight's bytes (``S <= H / (8 T)``)."""
+    steps = triton.cdiv(hidden, GEMV_BLOCK_K)
+    want = triton.cdiv(hooks.num_sms(device), triton.cdiv(experts, GEMV_BLOCK_E))
+    return max(1, min(steps, want, hidden // (8 * max(tokens, 1))))
+
+
+def router_logits_split_k(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 partial products ``[S, T, E]`` of ``x [T, H] @ weight [E, H]^T`` (their sum over S, in order,
+    is the router logits); ``T <= SPLIT_K_MAX_TOKENS``."""
+    T, H = x.shape
+    E = weight.shape[0]
+    if not 0 < T <= GEMV_BLOCK_T:
+        raise ValueError(f"router_logits_split_k: the GEMV takes 1..{GEMV_BLOCK_T} rows; got {T}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    splits = split_count(E, H, T, x.device)
+    k_split = triton.cdiv(triton.cdiv(H, splits), GEMV_BLOCK_K) * GEMV_BLOCK_K
+    splits = triton.cdiv(H, k_split)  # no empty range after rounding to whole steps
+    part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
+    router_gemv_kernel[(triton.cdiv(E, GEMV_BLOCK_E), splits)](
+        x, weight.contiguous(), part, T, E, H, x.stride(0), k_split, BLOCK_T=GEMV_BLOCK_T, BLOCK_E=GEMV_BLOCK_E,
+        BLOCK_K=GEMV_BLOCK_K, num_warps=4, **hooks.launch_options(x.device, "router_gemv"))
+    return part
+
+
 def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``router_topk`` op: fp32 cuBLAS product, then the choice kernel.
+    """The ``router_topk`` op: the fp32 product (split-K GEMV at decode, the vendor BLAS beyond; see the
+    module docstring), then the choice kernel.
 
     Example::
 
@@ -65,14 +144,17 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: in
         raise ValueError(f"router_topk: k must be in 1..{E} (the number of experts); got {k}")
     if k > MAX_TOP_K:
         return ref.router_topk(x, weight, bias, k, multiplier, scaling)
-    logits = F.linear(x.float(), weight)  # [T,E] fp32
+    if uses_split_k(T):
+        logits = router_logits_split_k(x, weight)  # [S,T,E] fp32 partials, summed by the choice kernel
+    else:
+        logits = F.linear(x.float(), weight)[None]  # [1,T,E] fp32
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     if T:
         block = triton.next_power_of_2(E)
         # 2k + 1 dependent reductions per row: within one warp they are shuffles, across warps each is
         # a shared-memory round trip and a barrier (4 warps took ~3 us per row at E = 64).
-        router_topk_kernel[(T,)](logits, bias.contiguous(), weights, ids, E, logits.stride(0), k, multiplier,
-                                 scaling, K=triton.next_power_of_2(k), BLOCK=block,
+        router_topk_kernel[(T,)](logits, bias.contiguous(), weights, ids, E, logits.stride(1), logits.shape[0],
+                                 logits.stride(0), k, multiplier, scaling, K=triton.next_power_of_2(k), BLOCK=block,
                                  num_warps=1 if block <= 512 else 4, **hooks.launch_options(x.device, "router_topk"))
     return weights, ids
