@@ -201,6 +201,54 @@ def elementwise_cases(size: str) -> list[ConformanceCase]:
     return out
 
 
+# Packed segment lengths of the varlen_attention cases: odd lengths, a one-patch segment and an empty one
+# around real images (a 224x224 image is 16x16 = 256 patches); "window" is one 32x32-patch window
+# (448x448 pixels, 1024 tokens), the unit of the towers' window attention, at the presets that run big.
+PACKED_SEGMENTS = {"tiny": (64, 1, 37, 0, 23), "small": (256, 1, 0, 77, 130), "816b": (256, 1, 0, 77, 130, 513)}
+WINDOW_SEGMENTS = {"tiny": None, "small": (1024,), "816b": (1024,)}
+
+
+def tower_cases(size: str) -> list[ConformanceCase]:
+    """The vision and audio towers' ops (``musecore.ops.TOWER_OPS``) at the preset's tower sizes: vision
+    hidden, heads and head dim (816b: 1536, 16, 96), its MLP, adapter and projector widths; every audio
+    stage width (816b: 256..2048) with the conv kernel, odd lengths and streaming chunks with a state."""
+    c = preset(size)
+    vc, ac = c.vision_config, c.audio_config
+    H, heads = vc["hidden_size"], vc["num_attention_heads"]
+    d = H // heads
+    audio_mlp = int(ac["hidden_sizes"][-1] * ac["mlp_ratio"])
+    out = [ConformanceCase("layer_norm", size, name, dims=_dims(tokens=37, width=H),
+                           options=_opts(affine=affine, eps=vc["layer_norm_eps"]))
+           for name, affine in (("vision", True), ("vision-plain", False))]
+    out += [ConformanceCase("gelu", size, name, dims=_dims(tokens=9, width=w), options=_opts(approximate=approx))
+            for name, w, approx in (("vision_mlp", vc["intermediate_size"], "none"),
+                                    ("adapter", c.projector_hidden_size, "none"),
+                                    ("audio_mlp", audio_mlp, "none"),
+                                    ("vision_mlp-tanh", vc["intermediate_size"], "tanh"))]
+    segments = [("packed", PACKED_SEGMENTS[size])]
+    if WINDOW_SEGMENTS[size]:
+        segments.append(("window", WINDOW_SEGMENTS[size]))
+    for name, lengths in segments:
+        out.append(ConformanceCase("varlen_attention", size, name,
+                                   dims=_dims(tokens=sum(lengths), heads=heads, head_dim=d),
+                                   options=_opts(segments=lengths)))
+    K = ac["conv_kernel_size"]
+    for C in sorted(set(ac["hidden_sizes"])):
+        out.append(ConformanceCase("causal_conv1d", size, f"w{C}", dims=_dims(batch=2, channels=C, time=37, kernel=K),
+                                   options=_opts(layout="btc", state=False)))
+    widest = max(ac["hidden_sizes"])
+    for name, T in (("stream-chunk", max(1, K - 2)), ("stream-token", 1), ("stream-long", 29)):
+        out.append(ConformanceCase("causal_conv1d", size, f"w{widest}-{name}",
+                                   dims=_dims(batch=2, channels=widest, time=T, kernel=K),
+                                   options=_opts(layout="btc", state=True)))
+    out.append(ConformanceCase("causal_conv1d", size, f"w{widest}-bct-nobias",
+                               dims=_dims(batch=1, channels=widest, time=11, kernel=K),
+                               options=_opts(layout="bct", state=True, bias=False)))
+    out.append(ConformanceCase("rope", size, "vision", dims=_dims(tokens=37, heads=heads, head_dim=d),
+                               options=_opts(theta=vc["rope_parameters"]["rope_theta"])))
+    return out
+
+
 def selected_sizes(sizes: Optional[Iterable[str]] = None) -> tuple[str, ...]:
     """``sizes`` if given, else ``$MUSECORE_CONFORMANCE_SIZES`` (comma-separated), else all."""
     if sizes is None:
@@ -228,7 +276,8 @@ def conformance_cases(sizes: Optional[Iterable[str]] = None, ops: Optional[Seque
         raise ValueError(f"unknown op(s) {unknown}; the operator interface has {list(OPS)}")
     out: list[ConformanceCase] = []
     for size in selected_sizes(sizes):
-        out += elementwise_cases(size) + attention_cases(size) + linear_cases(size) + moe_cases(size)
+        out += (elementwise_cases(size) + attention_cases(size) + linear_cases(size) + moe_cases(size)
+                + tower_cases(size))
     if ops is not None:
         out = [c for c in out if c.op in ops]
     if formats is not None:

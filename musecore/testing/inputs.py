@@ -279,9 +279,76 @@ def _build_sample(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Call
     return run
 
 
+def _build_layer_norm(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
+    T, n = case.dim("tokens"), case.dim("width")
+    x = (3.0 * rnd.activation(T, n) + 0.5).to(dtype)  # an offset the mean must remove
+    weight = bias = None
+    if case.option("affine"):
+        weight, bias = rnd.norm_weight(n).to(dtype), (0.1 * rnd.normal(n)).to(dtype)
+    eps = case.option("eps")
+
+    def run(backend: Any) -> Any:
+        move = lambda t: None if t is None else t.to(backend.device)  # noqa: E731
+        return backend.layer_norm(x.to(backend.device), move(weight), move(bias), eps)
+    return run
+
+
+def _build_gelu(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
+    x = (2.0 * rnd.activation(case.dim("tokens"), case.dim("width"))).to(dtype)
+    approximate = case.option("approximate")
+    return lambda backend: backend.gelu(x.to(backend.device), approximate)
+
+
+def _build_varlen_attention(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
+    N, nh, d = case.dim("tokens"), case.dim("heads"), case.dim("head_dim")
+    q, k, v = (rnd.normal(N, nh, d).to(dtype) for _ in range(3))
+    lengths = torch.tensor((0,) + tuple(case.option("segments")))
+    cu_seqlens = lengths.cumsum(0).to(torch.int32)  # [S+1], from 0 to N
+
+    def run(backend: Any) -> Any:
+        dev = backend.device
+        return backend.varlen_attention(q.to(dev), k.to(dev), v.to(dev), cu_seqlens.to(dev), d ** -0.5)
+    return run
+
+
+def _build_causal_conv1d(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
+    B, C, T, K = (case.dim(n) for n in ("batch", "channels", "time", "kernel"))
+    if case.option("layout") == "btc":  # the audio tower's [B,T,C] activations, seen as [B,C,T] (a strided view)
+        x = rnd.activation(B, T, C).to(dtype).transpose(1, 2)
+    else:
+        x = rnd.activation(B, C, T).to(dtype)
+    weight = rnd.normal(C, 1, K, std=K ** -0.5).to(dtype)
+    bias = (0.1 * rnd.normal(C)).to(dtype) if case.option("bias", True) else None
+    state = rnd.activation(B, C, K - 1).to(dtype) if case.option("state") else None  # a previous chunk's tail
+
+    def run(backend: Any) -> Any:
+        move = lambda t: None if t is None else t.to(backend.device)  # noqa: E731
+        return backend.causal_conv1d(x.to(backend.device), move(weight), move(bias), move(state))
+    return run
+
+
+def _build_rope(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callable:
+    N, nh, d = case.dim("tokens"), case.dim("heads"), case.dim("head_dim")
+    x = rnd.activation(N, nh, d).to(dtype)
+    # The vision tower's axial table: (h, w) patch positions (+1), d/4 frequencies each, [h | w] twice.
+    spatial = d // 2
+    inv_freq = 1.0 / (case.option("theta") ** (torch.arange(0, spatial, 2).float() / spatial))
+    positions = torch.randint(1, 33, (N, 2), generator=rnd.gen).float()
+    freqs = (positions[..., None] * inv_freq).flatten(1)  # [N, d/2]: h frequencies then w frequencies
+    angles = torch.cat([freqs, freqs], dim=-1)  # [N, d]
+    cos, sin = angles.cos(), angles.sin()
+
+    def run(backend: Any) -> Any:
+        dev = backend.device
+        return backend.rope(x.to(dev), cos.to(dev), sin.to(dev))
+    return run
+
+
 _BUILDERS: dict[str, Callable[[ConformanceCase, torch.dtype, _Rand], Callable]] = {
     "linear": _build_linear, "moe": _build_moe, "attention": _build_attention, "rms_norm": _build_rms_norm,
     "residual_norm": _build_residual_norm, "qk_norm_rope": _build_qk_norm_rope,
     "head_norm_gate": _build_head_norm_gate, "embedding": _build_embedding, "router_topk": _build_router_topk,
     "silu_mul": _build_silu_mul, "logit_softcap": _build_logit_softcap, "sample": _build_sample,
+    "layer_norm": _build_layer_norm, "gelu": _build_gelu, "varlen_attention": _build_varlen_attention,
+    "causal_conv1d": _build_causal_conv1d, "rope": _build_rope,
 }

@@ -44,6 +44,7 @@ from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
 from musecore_triton.ops import ACT_DTYPES, DENSE_FORMATS, TritonOps, format_of, shared_kernel_limit
+from musecore_triton.towers import TOWER_REASONS
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
 SM_DEVICES = {9: ["h200", "h100", "h200-fp8", "h100-fp8"], 10: ["b200", "gb200", "b300", "gb300"]}
@@ -189,6 +190,8 @@ class CudaBackend(TritonOps, Backend):
             how = "fp32 cuBLAS product, then a Triton top-k kernel"
         elif op in ("silu_mul", "logit_softcap"):
             how = "Triton element-wise kernel, fp32 math"
+        elif op in TOWER_REASONS:  # the vision/audio towers' ops (musecore_triton.towers)
+            how = TOWER_REASONS[op]
         else:
             how = "Triton kernel"
         if unverified:

@@ -41,6 +41,7 @@ from musecore_triton.kernels.mx_moe import MxExperts, mx_experts, mx_moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
 from musecore_triton.ops import (ACT_DTYPES, DENSE_FORMATS, DTYPE_FORMAT, TritonOps, format_of,
                                  shared_kernel_limit)
+from musecore_triton.towers import TOWER_REASONS
 
 VERIFIED_ARCHES: tuple[str, ...] = ()  # archs the kernels have run and been checked on: none yet
 
@@ -134,6 +135,8 @@ class RocmBackend(TritonOps, Backend):
             return Support.native("PyTorch ops on the GPU")
         if op == "router_topk":
             return Support.native("fp32 product (hipBLASLt), then the shared Triton top-k kernel")
+        if op in TOWER_REASONS:  # the vision/audio towers' ops: the shared kernels of musecore_triton.towers
+            return Support.native(TOWER_REASONS[op])
         return Support.native("shared Triton kernel (musecore_triton), fp32 math")
 
     def _supports_matmul(self, arch: str, op: str, spec: OpSpec) -> Support:

@@ -39,6 +39,11 @@ PACKED = layouts.PACKED_FORMATS
 NEVER_RUN = "never run on a TPU"
 TORCH_OPS = ("embedding", "qk_norm_rope", "head_norm_gate", "router_topk", "silu_mul", "logit_softcap", "sample")
 KERNEL_OPS = ("linear", "moe", "attention", "rms_norm", "residual_norm")
+# The towers' ops (musecore.ops.TOWER_OPS) that run as the reference's PyTorch ops, like TORCH_OPS above.
+TOWER_TORCH_OPS = ("layer_norm", "gelu", "causal_conv1d", "rope")
+NO_VARLEN = ("no Pallas kernel for packed bidirectional (varlen) attention yet; the reference's per-segment loop reads "
+             "cu_seqlens on the host and would compile one XLA graph per segment length, so it is not claimed (the "
+             "plan lists it as a gap; allow_reference=True runs the reference's)")
 NO_ACT_QUANT = ("the TPU backend runs 16-bit activations (W4A16 / BF16); {fmt} activation quantization has no TPU "
                 "kernel here: load with act_format=None")
 NO_FP8 = ("FP8 weights have no TPU kernel yet (v7's FP8 MXU path is future work): the plan dequantizes FP8 "
@@ -133,11 +138,11 @@ class TpuBackend(Backend):
     def runner(self) -> Any:
         """Made on first use, so constructing the backend (the plan does) touches neither jax nor torch_tpu."""
         if self._runner is None:
-            from musecore_tpu.runners import InterpretRunner, TorchTpuRunner
+            from musecore_tpu.runners import OpsRunner
             missing = jax_missing()
             if missing:
                 raise RuntimeError(f"the TPU backend's kernels need jax: {missing}")
-            self._runner = InterpretRunner(self.interpret) if self.interpret else TorchTpuRunner()
+            self._runner = OpsRunner.interpret(self.interpret) if self.interpret else OpsRunner.torch_tpu()
         return self._runner
 
     # -- discovery ----------------------------------------------------------------------------------------------
@@ -154,7 +159,9 @@ class TpuBackend(Backend):
         where = ("on the TPU through torch_tpu (" + NEVER_RUN + ")" if on_tpu else
                  {"tpu": "in JAX's TPU interpreter on this CPU", "jax": "in Pallas' generic interpreter on this CPU"}
                  [self.interpret])
-        if op in TORCH_OPS:
+        if op == "varlen_attention":
+            return Support.no(NO_VARLEN)
+        if op in TORCH_OPS or op in TOWER_TORCH_OPS:
             return Support.native(f"PyTorch ops (the reference's), lowered by torch_tpu ({NEVER_RUN})" if on_tpu
                                   else "PyTorch ops (the reference's) on this CPU")
         missing = jax_missing()
@@ -275,6 +282,10 @@ class TpuBackend(Backend):
     silu_mul = staticmethod(ref.silu_mul)
     logit_softcap = staticmethod(ref.logit_softcap)
     sample = staticmethod(ref.sample)
+    layer_norm = staticmethod(ref.layer_norm)  # the towers' element-wise and conv ops: PyTorch, as TOWER_TORCH_OPS says
+    gelu = staticmethod(ref.gelu)
+    causal_conv1d = staticmethod(ref.causal_conv1d)
+    rope = staticmethod(ref.rope)
 
     # -- what the plan and doctor show ------------------------------------------------------------------------------
     def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from musecore.ops import OpSpec, Weight
 from musecore.ops import reference as ref
+from musecore_triton import towers
 from musecore_triton.kernels import attention, elementwise, kv_cache, norms, router
 
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -36,6 +37,8 @@ def shared_kernel_limit(op: str, spec: OpSpec) -> Optional[str]:
     """Why the shared Triton kernel of ``op`` cannot run ``spec`` (KV format, head dim), or None."""
     if op == "attention" and spec.kv_format not in KV_FORMATS:
         return f"KV cache format {spec.kv_format!r} is not implemented ({', '.join(KV_FORMATS)} are)"
+    if op in towers.TOWER_REASONS:
+        return towers.tower_kernel_limit(op, dict(spec.shape))
     head_dim = dict(spec.shape).get("head_dim")
     if op in HEAD_OPS and head_dim is not None and (head_dim & (head_dim - 1) or head_dim < 16):
         return f"the shared {op} Triton kernel needs a power-of-two head dim >= 16; got {head_dim}"
@@ -43,7 +46,8 @@ def shared_kernel_limit(op: str, spec: OpSpec) -> Optional[str]:
 
 
 class TritonOps:
-    """Embedding, norms, router top-k, elementwise, attention, the static KV-cache write and sampling."""
+    """Embedding, norms, router top-k, elementwise, attention, the static KV-cache write and sampling, and the
+    towers' ops (:mod:`musecore_triton.towers`; ``TOWER_REASONS`` says what each is, for ``supports()``)."""
 
     @staticmethod
     def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
@@ -59,3 +63,8 @@ class TritonOps:
     attention = staticmethod(attention.attention)
     kv_write = staticmethod(kv_cache.kv_write)  # static KV cache writes (musecore.kv_cache.write_static)
     sample = staticmethod(ref.sample)
+    layer_norm = staticmethod(towers.layer_norm)
+    gelu = staticmethod(towers.gelu)
+    varlen_attention = staticmethod(towers.varlen_attention)
+    causal_conv1d = staticmethod(towers.causal_conv1d)
+    rope = staticmethod(towers.rope)

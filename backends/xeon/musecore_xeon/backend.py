@@ -28,6 +28,7 @@ from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_quant.qtensor import QTensor
 from musecore_xeon import choices
 from musecore_xeon import ops as xops
+from musecore_xeon import towers
 from musecore_xeon.cpu import CpuInfo, configure_threads, read_cpu_info
 from musecore_xeon.kernels import native
 from musecore_xeon.kernels.dense import DenseLinear, dense_compute_dtype, prepare_dense
@@ -52,6 +53,7 @@ OP_REASONS = {
     "logit_softcap": "the reference's PyTorch ops (fp32 math)",
     "embedding": "the reference's PyTorch lookup",
     "sample": "the reference's PyTorch sampler (same random stream)",
+    **towers.TOWER_REASONS,  # the vision and audio towers' ops (musecore_xeon.towers)
 }
 MOE_REASON = ("{fmt} experts: one fused native call per layer at decode sizes (gate/up and down GEMV row blocks, "
               "SwiGLU, the shared post-expert norm scale first, routing weight, fp32 sum), per routed expert "
@@ -248,6 +250,16 @@ class XeonBackend(Backend):
         """SDPA in this CPU's dense compute dtype (fp32 without native BF16), see :func:`xops.attention`."""
         return xops.attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, compute_dtype=self.dense_dtype)
 
+    def varlen_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Packed bidirectional attention of the vision tower, SDPA in this CPU's dense compute dtype
+        (:func:`musecore_xeon.towers.varlen_attention`)."""
+        return towers.varlen_attention(q, k, v, cu_seqlens, scale, compute_dtype=self.dense_dtype)
+
+    layer_norm = staticmethod(towers.layer_norm)
+    gelu = staticmethod(towers.gelu)
+    causal_conv1d = staticmethod(towers.causal_conv1d)
+    rope = staticmethod(towers.rope)
     embedding = staticmethod(xops.embedding)
     rms_norm = staticmethod(xops.rms_norm)
     residual_norm = staticmethod(xops.residual_norm)
