@@ -404,10 +404,14 @@ def check_towers(model: Any, parts: Sequence[MediaPart]) -> None:
     """A media part for a tower the checkpoint lacks is an error naming the checkpoint and the part."""
     for part in parts:
         tower = TOWER[part.kind]
-        if getattr(model, tower, None) is None:
-            raise ValueError(f"{part.where}: {checkpoint_name(model)} has no {tower} tower (no model.{tower}_tower "
-                             f"weights), so it cannot take {part.kind} input; use a multimodal checkpoint such as "
-                             "muse-tiny-mm, or leave the media out")
+        if getattr(model, tower, None) is not None:
+            continue
+        if hasattr(model, "missing_tower"):  # the model says why (the plan's reason, or no tensors)
+            why = str(model.missing_tower(tower, f"{part.kind} input"))
+        else:
+            why = f"{checkpoint_name(model)} has no {tower} tower, so it cannot take {part.kind} input"
+        raise ValueError(f"{part.where}: {why}; use a checkpoint with a {tower} tower (e.g. muse-tiny-mm), or "
+                         "leave the media out")
 
 
 def prepare(model: Any, conversations: Sequence[Sequence[Mapping[str, Any]]],
@@ -465,8 +469,6 @@ def _check_placeholder_token(model: Any, kind: str, string: str) -> None:
 
 def _process(processor: Any, parts: list[MediaPart]) -> tuple[dict[str, list[str]], list[_Item], int]:
     """Load and process every item (per kind, as one batch, like transformers); per-kind expansions in order."""
-    from musecore import media as mm
-
     expansions: dict[str, list[str]] = {kind: [] for kind in KINDS}
     items: list[_Item] = []
     audio_width = 0
@@ -474,7 +476,7 @@ def _process(processor: Any, parts: list[MediaPart]) -> tuple[dict[str, list[str
         mine = [p for p in parts if p.kind == kind]
         if not mine:
             continue
-        loaded = [_load(mm, p, n) for n, p in enumerate(mine, 1)]
+        loaded = [_load(p, n) for n, p in enumerate(mine, 1)]
         token = processor.token_strings[kind]
         if kind == "audio":
             inputs = processor.audio(loaded)
@@ -494,15 +496,18 @@ def _process(processor: Any, parts: list[MediaPart]) -> tuple[dict[str, list[str
     return expansions, items, audio_width
 
 
-def _load(mm: Any, part: MediaPart, number: int) -> Any:
-    try:
-        if part.kind == "image":
-            return mm.load_image(part.source)
-        if part.kind == "video":
-            return mm.load_video(part.source)
-        return mm.load_audio(part.source, sampling_rate=part.sampling_rate)
-    except mm.MediaError as e:
-        raise mm.MediaError(f"{part.kind} #{number} ({part.where}): {e}") from None
+def _load(part: MediaPart, number: int) -> Any:
+    """The loaded item; a MediaError names it by path (or number) and by message and part."""
+    from musecore import media as mm
+
+    src = part.source
+    shown = os.fspath(src) if isinstance(src, (str, Path)) and not str(src).startswith("data:") else f"#{number}"
+    name = f"{shown} ({part.where})"
+    if part.kind == "image":
+        return mm.load_image(src, name=name)
+    if part.kind == "video":
+        return mm.load_video(src, name=name)
+    return mm.load_audio(src, sampling_rate=part.sampling_rate, name=name)
 
 
 def content_key(kind: str, tensors: tuple) -> str:

@@ -1,0 +1,266 @@
+"""Chat messages with media -> prompt ids + features -> the prefill (musecore.multimodal, generate, chat).
+
+The plumbing tests use muse-tiny (a text checkpoint) with a fake media processor and counting fake
+encoders attached to the model, so they check the message shapes, the placeholder expansion, the
+cache and where the features go, independently of the towers' numerics (tests/unit/test_splice.py
+and the end-to-end tests in test_multimodal_e2e.py compare those with transformers).
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import musecore
+import musecore.multimodal as mmod
+from musecore.multimodal import EncoderCache, parse_messages, prepare
+
+
+# -- message shapes ------------------------------------------------------------------------------
+
+def user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def test_every_documented_part_shape_parses_in_order():
+    pixels = torch.zeros(4, 4, 3, dtype=torch.uint8)
+    msgs = user({"type": "image", "path": "a.png"},
+                {"type": "text", "text": "and"},
+                {"type": "image", "image": pixels},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "image_url", "image_url": "file:///tmp/b.png"},
+                {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                {"type": "audio", "audio": torch.zeros(100), "sampling_rate": 16000},
+                {"type": "video", "url": "clip.mp4"},
+                {"type": "image", "base64": "aGk="})
+    rendered, parts = parse_messages(msgs)
+    assert [p["type"] for p in rendered[0]["content"]] == ["image", "text", "image", "image", "image", "audio",
+                                                           "audio", "video", "image"]
+    assert rendered[0]["content"][1] == {"type": "text", "text": "and"}
+    assert [p.kind for p in parts] == ["image", "image", "image", "image", "audio", "audio", "video", "image"]
+    assert parts[0].source == "a.png" and parts[1].source is pixels
+    assert parts[2].source.startswith("data:image/png") and str(parts[3].source) == "/tmp/b.png"
+    assert parts[4].source == {"data": "UklGRg==", "format": "wav"} and parts[5].sampling_rate == 16000
+    assert parts[7].source == b"hi"
+    assert parts[5].where == "message 0, part 6"
+
+
+@pytest.mark.parametrize("part, message", [
+    ({"type": "picture", "path": "a.png"}, "message 0, part 0: unknown content part type 'picture'; use one of text"),
+    ({"type": "image"}, 'message 0, part 0: an "image" part needs exactly one of \'image\', \'url\''),
+    ({"type": "image", "path": "a", "url": "b"}, "(got 'url' and 'path')"),
+    ({"type": "text"}, 'a "text" part needs a str "text"'),
+    ("just a string", 'a content part must be a dict with a str "type"'),
+    ({"type": "image_url", "image_url": {}}, 'an "image_url" part needs {"image_url": {"url"'),
+    ({"type": "input_audio", "input_audio": "abc"}, 'an "input_audio" part needs {"input_audio": {"data": base64'),
+    ({"type": "image", "base64": "not base64!"}, '"base64" is not valid base64 text'),
+    ({"type": "image", "path": "a.png", "sampling_rate": 16000}, '"sampling_rate" is for audio arrays'),
+])
+def test_a_part_shape_it_does_not_know_is_one_clear_line(part, message):
+    with pytest.raises(ValueError) as err:
+        parse_messages(user(part))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_message_shape_it_does_not_know_is_refused():
+    with pytest.raises(ValueError, match='message 0 must be a dict with a str "role"'):
+        parse_messages([{"content": "hi"}])
+    with pytest.raises(ValueError, match='"content" must be a str or a list of parts'):
+        parse_messages([{"role": "user", "content": 3}])
+
+
+# -- placeholder expansion = transformers' ---------------------------------------------------------
+
+def test_expansion_matches_transformers_get_text_with_replacements():
+    from transformers.processing_utils import ProcessorMixin
+
+    strings = {"image": "<|image|>", "video": "<|video|>", "audio": "<|audio|>"}
+    texts = ["<s>u<|image|>a<|audio|>b<|image|>", "x<|video|><|image|>y<|audio|>", "plain"]
+    exp = {"image": ["[I0]", "[I1 <|image|>]", "[I2]"], "video": ["[V0]"], "audio": ["[A0]", "[A1]"]}
+    fake = SimpleNamespace(all_special_multimodal_tokens=list(strings.values()), image_token="<|image|>",
+                           video_token="<|video|>", audio_token="<|audio|>")
+    want, _ = ProcessorMixin.get_text_with_replacements(fake, list(texts), exp["image"], exp["video"], exp["audio"])
+    assert mmod._expand(list(texts), strings, exp) == want
+    assert want[0] == "<s>u[I0]a[A0]b[I1 <|image|>]"  # an expansion is not scanned again
+
+
+# -- plumbing on muse-tiny with fake towers --------------------------------------------------------
+
+class FakeProcessor:
+    """Images are uint8 tensors [h, w]: grid (1, h, w), one pixel row per patch, h*w/4 tokens.
+    Audio is a 1-D tensor: padded to a multiple of 4 samples, ceil(n/4) tokens."""
+
+    token_strings = {"image": "<|image|>", "video": "<|video|>", "audio": "<|audio|>"}
+
+    def images(self, images):
+        grid = torch.tensor([[1, t.shape[0], t.shape[1]] for t in images])
+        pixels = torch.cat([t.reshape(-1, 1).float().expand(-1, 8) for t in images])
+        return SimpleNamespace(pixel_values=pixels, grid_thw=grid)
+
+    videos = images
+
+    def audio(self, waves):
+        width = -(-max(len(w) for w in waves) // 4) * 4
+        values, mask = torch.zeros(len(waves), width), torch.zeros(len(waves), width, dtype=torch.bool)
+        for i, w in enumerate(waves):
+            values[i, :len(w)], mask[i, :len(w)] = w, True
+        return SimpleNamespace(input_values=values, mask=mask)
+
+    def placeholder(self, kind, inputs, index):
+        token = self.token_strings[kind]
+        n = (-(-int(inputs.mask[index].sum()) // 4) if kind == "audio" else int(inputs.grid_thw[index].prod()) // 4)
+        return f"<{kind}>" + token * n + f"</{kind}>"
+
+
+class FakeTowers:
+    """encode_images / encode_audio of a model: row r of an item is (item's mean value + r / 100) in every
+    column, so the order of rows in a splice can be read back; counts calls and items."""
+
+    def __init__(self, hidden: int) -> None:
+        self.hidden, self.calls, self.items = hidden, [], 0
+
+    def _rows(self, values: torch.Tensor, n: int) -> torch.Tensor:
+        base = values.float().mean() + torch.arange(n, dtype=torch.float32)[:, None] / 100
+        return (base + torch.zeros(n, self.hidden)).to(torch.bfloat16)
+
+    def encode_images(self, pixels, grid):
+        self.calls.append("image")
+        self.items += len(grid)
+        sizes = grid.prod(-1).tolist()
+        return [self._rows(p, s // 4) for p, s in zip(pixels.split(sizes), sizes)]
+
+    def encode_audio(self, values, mask):
+        self.calls.append("audio")
+        self.items += len(values)
+        return [self._rows(v[m], -(-int(m.sum()) // 4)) for v, m in zip(values, mask)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return musecore.load("muse-tiny", device="cpu")
+
+
+@pytest.fixture
+def model(tiny, monkeypatch):
+    """muse-tiny with fake towers, processor and loader, and a forward that records its media."""
+    towers = FakeTowers(tiny.config.hidden_size)
+    monkeypatch.setattr(tiny, "vision", object(), raising=False)
+    monkeypatch.setattr(tiny, "audio", object(), raising=False)
+    monkeypatch.setattr(tiny, "media_processor", FakeProcessor(), raising=False)
+    monkeypatch.setattr(tiny, "encode_images", towers.encode_images, raising=False)
+    monkeypatch.setattr(tiny, "encode_videos", towers.encode_images, raising=False)
+    monkeypatch.setattr(tiny, "encode_audio", towers.encode_audio, raising=False)
+    monkeypatch.setattr(tiny, "encoder_cache", EncoderCache(1 << 24), raising=False)
+    monkeypatch.setattr(mmod, "_load", lambda part, number: part.source)
+    forward, calls = tiny.forward, []
+    takes_media = "media" in inspect.signature(forward).parameters
+
+    def recording_forward(ids, positions=None, cache=None, observer=None, media=None):
+        calls.append((ids.clone(), media))
+        extra = {"media": media} if media and takes_media else {}  # the real splice too, once it exists
+        return forward(ids, positions=positions, cache=cache, observer=observer, **extra)
+
+    monkeypatch.setattr(tiny, "forward", recording_forward)
+    tiny.towers, tiny.calls = towers, calls
+    yield tiny
+    del tiny.towers, tiny.calls
+
+
+def image(value: int, h: int = 4, w: int = 4) -> torch.Tensor:
+    return torch.full((h, w), value, dtype=torch.uint8)
+
+
+def test_chat_with_an_image_gives_its_features_to_the_prefill_only(model):
+    reply = model.chat(user({"type": "image", "image": image(7)}, {"type": "text", "text": "what?"}),
+                       max_new_tokens=3)
+    assert isinstance(reply, str)
+    (prefill_ids, media), *decode = model.calls
+    assert all(m is None for _, m in decode) and len(decode) >= 1
+    assert set(media) == {4} and media[4].shape == (4, model.config.hidden_size)  # 16 patches / 4
+    assert int((prefill_ids == 4).sum()) == 4
+    assert torch.allclose(media[4][:, 0].float(), torch.tensor([7.0, 7.01, 7.02, 7.03]), atol=0.05)
+
+
+def test_the_prompt_is_the_template_text_with_each_placeholder_expanded(model):
+    prepared = prepare(model, [user({"type": "text", "text": "a"}, {"type": "image", "image": image(1, 4, 8)},
+                                    {"type": "audio", "audio": torch.ones(10)})])
+    text = model.tokenizer.chat_template.render(user({"type": "text", "text": "a"}, {"type": "image"},
+                                                     {"type": "audio"}))
+    want = text.replace("<|image|>", "<image>" + "<|image|>" * 8 + "</image>").replace(
+        "<|audio|>", "<audio>" + "<|audio|>" * 3 + "</audio>")
+    assert prepared.texts == [want]
+    assert prepared.ids == [model.tokenizer.encode(want, add_special_tokens=False)]
+
+
+def test_a_second_turn_with_the_same_image_runs_the_encoder_zero_times(model):
+    first = user({"type": "image", "image": image(3)}, {"type": "text", "text": "shape?"})
+    reply = model.chat(first, max_new_tokens=2)
+    assert model.towers.calls == ["image"] and model.encoder_cache.misses == 1
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and colour?"}]
+    model.chat(second, max_new_tokens=2)
+    assert model.towers.calls == ["image"], "the encoder ran again for a cached image"
+    assert model.encoder_cache.hits == 1 and model.encoder_cache.encoder_calls == 1
+
+
+def test_a_batch_encodes_a_repeated_image_once_and_splices_row_major(model):
+    convs = [user({"type": "image", "image": image(5)}, {"type": "text", "text": "one"}),
+             user({"type": "image", "image": image(9)}, {"type": "image", "image": image(5)},
+                  {"type": "text", "text": "two"})]
+    out = model.generate(convs, max_new_tokens=2)
+    assert isinstance(out, list) and len(out) == 2
+    assert model.towers.calls == ["image"] and model.towers.items == 2  # 5 and 9 once each
+    media = model.calls[0][1]
+    assert [round(float(v), 1) for v in media[4][::4, 0]] == [5.0, 9.0, 5.0]  # conversation 0, then 1 in order
+
+
+def test_audio_and_images_in_one_turn_go_to_their_own_placeholder_ids(model):
+    model.generate(user({"type": "audio", "audio": torch.full((9,), 2.0)}, {"type": "image", "image": image(1)},
+                        {"type": "text", "text": "?"}), max_new_tokens=1)
+    media = model.calls[0][1]
+    assert set(media) == {4, 6} and media[6].shape[0] == 3 and media[4].shape[0] == 4
+    assert sorted(model.towers.calls) == ["audio", "image"]
+
+
+def test_chat_stream_with_media_streams_the_same_reply(model):
+    msgs = user({"type": "image", "image": image(2)}, {"type": "text", "text": "hi"})
+    assert "".join(model.chat_stream(msgs, max_new_tokens=2)) == model.chat(msgs, max_new_tokens=2)
+    assert model.towers.items == 1
+
+
+def test_media_for_a_tower_the_checkpoint_lacks_names_the_part_and_the_tower(model, monkeypatch):
+    monkeypatch.setattr(model, "audio", None)
+    with pytest.raises(ValueError, match=r"message 0, part 1: .*audio.*use a checkpoint with a audio tower|"
+                                         r"message 0, part 1: .*audio"):
+        model.chat(user({"type": "text", "text": "x"}, {"type": "audio", "audio": torch.ones(4)}))
+    assert model.towers.calls == []
+
+
+def test_text_that_writes_a_placeholder_itself_is_refused(model):
+    with pytest.raises(ValueError, match=r"wrote 2 image placeholders \(<\|image\|>\) for 1 image parts"):
+        prepare(model, [user({"type": "image", "image": image(1)}, {"type": "text", "text": "<|image|>"})])
+
+
+def test_media_keyword_with_messages_is_refused(model):
+    with pytest.raises(ValueError, match="media= is for str and token-id prompts"):
+        model.generate(user({"type": "text", "text": "x"}), media={4: torch.zeros(1, 8)})
+
+
+def test_chat_prompt_points_to_prepare_for_media(model):
+    from musecore.chat import chat_prompt
+    with pytest.raises(ValueError, match=r"message 0, part 0 is image input.*multimodal.prepare"):
+        chat_prompt(model, user({"type": "image", "image": image(1)}))
+
+
+def test_text_only_messages_render_exactly_as_before(model):
+    from musecore.chat import chat_prompt
+    msgs = user({"type": "text", "text": "hello"})
+    assert prepare(model, [msgs]).ids[0] == chat_prompt(model, msgs)
+    assert prepare(model, [msgs]).features(model) is None
+
+
+def test_generate_with_messages_returns_the_reply_text_and_stops_at_the_turn_end(model):
+    msgs = [{"role": "user", "content": "hi"}]
+    assert model.generate(msgs, max_new_tokens=3) == model.chat(msgs, max_new_tokens=3)
