@@ -3,7 +3,9 @@
 Every op of :mod:`musecore.ops` x weight format (bf16, fp8, nvfp4, mxfp4, int4; W8A8 and W4A4
 activation formats for linear and moe) x shapes taken from the presets (``tiny`` = muse-tiny,
 ``small`` = muse-small, ``816b`` = the full model's layer: q 8192->10240 ... experts 8192->2048)
-at small token counts; attention in prefill and decode, full and sliding windows, GQA, BF16 and
+at small token counts, plus the vision and audio towers' ops at the presets' tower sizes
+(varlen attention over packed segments, depthwise causal conv with streaming state, LayerNorm, GELU,
+RoPE); attention in prefill and decode, full and sliding windows, GQA, BF16 and
 FP8 KV, left padding and empty (-1) cache slots. Each case builds its inputs deterministically
 (seeded by its id), has the backend and the reference backend prepare the *same* QTensor and run
 the op, and requires NMSE <= ``musecore.ops.tolerance(op, spec)``, finite outputs, the contract's

@@ -11,6 +11,11 @@ gate_up 4096->8192 and down 4096->4096), always at small token counts. Tensors t
 more (an lm_head or embedding with the full vocabulary, all 256 experts) keep their real widths
 with fewer rows or experts; the case's ``note`` says so. The ``816b`` cases need a few GiB of
 memory and seconds each on a CPU; select sizes with ``MUSECORE_CONFORMANCE_SIZES`` or ``sizes=``.
+
+The towers' ops (``musecore.ops.TOWER_OPS``) take their sizes from the preset's ``vision_config`` and
+``audio_config`` (:func:`tower_cases`; ``816b`` = transformers' defaults: vision hidden 1536, 16 heads of
+96, a 1024-token 32x32-patch window and packed segments of odd, one-token and empty lengths; audio
+widths 256..2048, kernel 7, odd lengths and streaming chunks with a state).
 """
 
 from __future__ import annotations
