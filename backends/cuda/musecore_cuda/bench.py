@@ -296,10 +296,145 @@ def bench_e2e(batches: tuple[int, ...] = (1, 32), new_tokens: int = 64, prompt_t
     return rows
 
 
+def random_fp8(shape: tuple[int, ...]) -> "QTensor":  # noqa: F821
+    """A synthetic per-tensor (per-expert) FP8 QTensor, as the loader's requantization hands it over."""
+    from musecore_quant import QTensor
+    bits = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda") & 0xF7  # exponent < 15: never NaN
+    data = bits.view(torch.float8_e4m3fn)
+    scale = torch.full(tuple(shape[:-2]), 1e-4, device="cuda")
+    return QTensor(format="fp8", data=data, scale=scale, shape=tuple(shape), group_size=0)
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name()
+
+
+FP8_LINEAR_SHAPES = ("q_proj", "k_proj", "expert_up", "expert_down")
+FP8_MS = (16, 256, 1024, 4096, 8192)
+
+
+def bench_fp8(shapes: tuple[str, ...] = FP8_LINEAR_SHAPES, ms: tuple[int, ...] = FP8_MS,
+              moe_tokens: tuple[int, ...] = (1, 16, 256, 1024, 8192), experts: int = 256, topk: int = 8,
+              width: int = 4096, inter: int = 4096) -> list[dict]:
+    """The h200-fp8 option against BF16 and the default NVFP4 paths, same shapes, same process.
+
+    Linears: the per-token path as the model runs it (Triton row quantization + row-wise
+    ``torch._scaled_mm``), the GEMM alone on pre-quantized rows, BF16 cuBLAS, and NVFP4's default path.
+    MoE: the 816B preset's layer (E256 top-8, 4096x4096) with FP8, BF16 and NVFP4 experts."""
+    from musecore_cuda.fp8 import TOKEN_ACT
+    from musecore_cuda.kernels.fp8_moe import quantize_rows_gpu
+    be = CudaBackend("cuda")
+    ceiling = memory_ceiling_gbps()
+    gpu = gpu_name()
+    rows = []
+    for name in shapes:
+        n, k = LINEAR_SHAPES[name]
+        bf16_ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
+        fp8_ws = _rotating(lambda: be.prepare_weight(random_fp8((n, k)), name, act_format=TOKEN_ACT), n * k)
+        fp4_ws = _rotating(lambda: be.prepare_weight(random_fp4("nvfp4", (n, k)), name).data, n * k // 2)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, sx = quantize_rows_gpu(x)
+            t_bf16 = time_us(cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
+            t_fp8 = time_us(cycle(fp8_ws, lambda w: be.linear(x, w))) / len(fp8_ws)
+            t_mm = time_us(cycle(fp8_ws, lambda w: torch._scaled_mm(xq, w.data.data.t(), scale_a=sx,
+                                                                      scale_b=w.data.col_scale,
+                                                                      out_dtype=torch.bfloat16))) / len(fp8_ws)
+            t_fp4 = time_us(cycle(fp4_ws, lambda w: fp4_linear(x, w))) / len(fp4_ws)
+            act = (m * k + m * n) * 2
+            for fmt, path, t, nbytes in (("bf16", "cuBLAS", t_bf16, n * k * 2 + act),
+                                         ("fp8", "per-token quantize + row-wise _scaled_mm", t_fp8, n * k + act),
+                                         ("fp8", "row-wise _scaled_mm alone (rows pre-quantized)", t_mm, n * k + act),
+                                         ("nvfp4", fp4_linear_path(m, x.dtype, x.device, n * k), t_fp4,
+                                          fp4_ws[0].nbytes + act)):
+                rows.append({**_linear_row(fmt, name, n, k, m, t, t_bf16, nbytes, ceiling, path), "case": "fp8",
+                             "gpu": gpu})
+        del bf16_ws, fp8_ws, fp4_ws
+        torch.cuda.empty_cache()
+    rows += _fp8_moe_rows(be, ceiling, gpu, moe_tokens, experts, topk, width, inter)
+    return rows
+
+
+def _fp8_moe_rows(be, ceiling, gpu, tokens, experts, topk, width, inter) -> list[dict]:
+    from musecore_cuda.fp8 import TOKEN_ACT
+    shapes = ((experts, inter, width), (experts, inter, width), (experts, width, inter))
+    stacks = {"fp8": be.prepare_experts(*(random_fp8(s) for s in shapes), act_format=TOKEN_ACT),
+              "nvfp4": be.prepare_experts(*(random_fp4("nvfp4", s) for s in shapes)),
+              "bf16": be.prepare_experts(*(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02 for s in shapes))}
+    per_expert = {"fp8": 3 * inter * width, "bf16": 6 * inter * width,
+                  "nvfp4": sum(s.nbytes for s in (stacks["nvfp4"].gate, stacks["nvfp4"].up,
+                                                  stacks["nvfp4"].down)) // experts}
+    post_norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for t in tokens:
+        gen = torch.Generator(device="cuda").manual_seed(t)
+        ids = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:topk] for _ in range(t)])
+        weights = torch.rand(t, topk, device="cuda", generator=gen)
+        z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
+        routed = int(ids.unique().numel())
+        times = {fmt: time_us(lambda: be.moe(z, weights, ids, st, post_norm, 1e-8), reps=10)
+                 for fmt, st in stacks.items()}
+        flops = 2 * t * topk * 3 * width * inter
+        for fmt in ("fp8", "nvfp4", "bf16"):
+            nbytes = routed * per_expert[fmt] + t * width * (2 + 4)
+            rows.append({"backend": "cuda", "case": "fp8", "format": fmt, "path": "moe",
+                         "shape": f"E{experts} top{topk} {width}x{inter}", "M": t, "routed_experts": routed,
+                         "time_us": round(times[fmt], 1), "speedup_vs_bf16": round(times["bf16"] / times[fmt], 3),
+                         "speedup_vs_nvfp4": round(times["nvfp4"] / times[fmt], 3),
+                         "pct_memory_ceiling": round(100 * nbytes / times[fmt] / 1e3 / ceiling["ceiling_gbps"], 1),
+                         "tflops": round(flops / times[fmt] / 1e6, 1), "gpu": gpu})
+    del stacks
+    torch.cuda.empty_cache()
+    return rows
+
+
+TARGET_MS = (1, 2, 4, 8, 16, 64, 256, 4096)
+
+
+def bench_targets() -> list[dict]:
+    """Issue 26's table of targets from one run: the linear sweep (every 816B shape, NVFP4's default path
+    and the others side by side, BF16 cuBLAS), the MoE layer at decode batch 1-16, and the FP8 option at
+    high M; then one summary row per target (worst and median ratio over its shapes, the goal, met or
+    not). Detail rows keep their own case names; the summary rows are case ``targets``."""
+    gpu = gpu_name()
+    linear = [{**r, "gpu": gpu} for r in bench_linear(ms=TARGET_MS, formats=("nvfp4",))]
+    moe = [{**r, "gpu": gpu} for r in bench_moe(batches=(1, 2, 4, 8, 16), prefill=8192)]
+    fp8 = bench_fp8(ms=(4096,), moe_tokens=(8192,))
+    ceiling = memory_ceiling_gbps()
+
+    def summary(target: str, goal: float, unit: str, values: list[float], detail: str) -> dict:
+        values = sorted(values)
+        worst, median = (values[0], values[len(values) // 2]) if values else (float("nan"), float("nan"))
+        return {"backend": "cuda", "case": "targets", "target": target, "goal": goal, "unit": unit,
+                "worst": round(worst, 3), "median": round(median, 3), "met": bool(values) and worst >= goal,
+                "n": len(values), "detail": detail, "gpu": gpu, "ceiling_gbps": round(ceiling["ceiling_gbps"]),
+                "shape": target, "M": None, "time_us": None, "speedup_vs_bf16": round(median, 3),
+                "pct_memory_ceiling": None, "format": "nvfp4"}
+
+    def default_ratio(ms):
+        return [r["speedup_vs_bf16"] for r in linear
+                if r["format"] == "nvfp4" and r["M"] in ms and r["path"] == fp4_linear_path(r["M"], torch.bfloat16,
+                                                                                          torch.device("cuda"), 1)]
+    out = [summary("linear M<=16 (NVFP4 vs BF16 cuBLAS)", 3.0, "x", default_ratio((1, 2, 4, 8, 16)),
+                   "7 shapes x M 1,2,4,8,16, the default path"),
+           summary("linear M=64", 1.5, "x", default_ratio((64,)), "7 shapes"),
+           summary("linear M=256", 1.0, "x", default_ratio((256,)), "7 shapes"),
+           summary("linear M=4096", 0.9, "x", default_ratio((4096,)), "7 shapes"),
+           summary("MoE decode batch 1-16 (% of memory ceiling over routed bytes)", 75.0, "%",
+                   [r["pct_memory_ceiling"] for r in moe if r["M"] <= 16], "816B layer, NVFP4 experts")]
+    fp8_lin = [r["speedup_vs_bf16"] for r in fp8 if r["format"] == "fp8" and r["path"].startswith("per-token")]
+    fp8_moe = [r["speedup_vs_bf16"] for r in fp8 if r["format"] == "fp8" and r["path"] == "moe"]
+    out.append({**summary("FP8 option vs BF16, linear M=4096", 1.0, "x", fp8_lin, "4 shapes, quantize included"),
+                "format": "fp8"})
+    out.append({**summary("FP8 option vs BF16, MoE prefill 8192 tokens", 1.0, "x", fp8_moe, "816B layer"),
+                "format": "fp8"})
+    return out + linear + moe + fp8
+
+
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:
     """Case name -> benchmark callable (``e2e`` comes once the model runs on this backend)."""
     return {"linear": bench_linear, "moe": bench_moe, "attention": bench_attention, "e2e": bench_e2e,
-            "gemlite": bench_gemlite, "distributed": bench_distributed}
+            "gemlite": bench_gemlite, "distributed": bench_distributed, "fp8": bench_fp8, "targets": bench_targets}
 
 
 def bench_distributed() -> list[dict]:
