@@ -1,0 +1,110 @@
+"""``musecore generate/chat --image/--video/--audio`` and chat's ``/image PATH``: order, errors, wiring."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+import torch
+
+import musecore
+import musecore.multimodal as mmod
+from musecore.cli import build_parser, main, parse
+from musecore.multimodal import EncoderCache
+
+from .test_multimodal_api import FakeProcessor, FakeTowers
+
+
+def png(path, value: int, size: int = 4):
+    from PIL import Image
+    Image.new("L", (size, size), value).save(path)
+    return str(path)
+
+
+def test_media_flags_keep_their_command_line_order_and_the_prompt_is_positional():
+    args = parse(build_parser(), ["generate", "--audio", "a.wav", "--image", "b.png", "--audio", "c.wav",
+                                  "--video", "d.mp4", "what is this?"])
+    assert args.media == [("audio", "a.wav"), ("image", "b.png"), ("audio", "c.wav"), ("video", "d.mp4")]
+    assert args.prompt_text == "what is this?"
+    assert parse(build_parser(), ["chat", "--image", "x.png"]).media == [("image", "x.png")]
+    assert parse(build_parser(), ["generate", "--prompt", "p"]).media == []
+
+
+def test_a_missing_media_file_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    monkeypatch.setattr(musecore, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["generate", "--image", "no/such.png", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "musecore generate: error: --image no/such.png: no such file; pass the path of an image file"
+    assert main(["chat", "--audio", "no/such.wav"]) == 2
+    assert "--audio no/such.wav: no such file" in capsys.readouterr().err
+
+
+def test_the_prompt_given_twice_is_refused(capsys):
+    assert main(["generate", "--prompt", "a", "b"]) == 2
+    assert "the prompt was given twice" in capsys.readouterr().err
+
+
+def test_an_image_for_a_text_checkpoint_names_the_missing_vision_tower(tmp_path, capsys):
+    path = png(tmp_path / "a.png", 200)
+    assert main(["generate", "--model", "muse-tiny", "--device", "cpu", "--image", path, "what?"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "message 0, part 0" in err and "vision" in err, err
+
+
+@pytest.fixture
+def faked(monkeypatch):
+    """muse-tiny with fake towers and processor, returned by musecore.load; media files are PNGs read as [h, w]."""
+    model = musecore.load("muse-tiny", device="cpu")
+    towers = FakeTowers(model.config.hidden_size)
+    model.vision, model.audio, model.media_processor = object(), object(), FakeProcessor()
+    model.encode_images, model.encode_audio = towers.encode_images, towers.encode_audio
+    model.encoder_cache = EncoderCache(1 << 20)
+    model.towers = towers
+    forward, model.prefill_media = model.forward, []
+
+    def recording_forward(ids, positions=None, cache=None, observer=None, media=None):
+        if ids.shape[1] > 1:
+            model.prefill_media.append(media)
+        return forward(ids, positions=positions, cache=cache, observer=observer)
+
+    model.forward = recording_forward
+
+    def load_png(part, number):
+        import numpy as np
+        from PIL import Image
+        return torch.from_numpy(np.array(Image.open(part.source)))
+
+    monkeypatch.setattr(mmod, "_load", load_png)
+    monkeypatch.setattr(musecore, "load", lambda *a, **k: model)
+    return model
+
+
+def test_generate_with_an_image_answers_through_the_chat_template(faked, tmp_path, capsys):
+    path = png(tmp_path / "a.png", 40)
+    assert main(["generate", "--image", path, "--max-new-tokens", "2", "--json", "what?"]) == 0
+    out = capsys.readouterr().out
+    assert '"completion"' in out
+    (media,) = faked.prefill_media
+    assert media[4].shape[0] == 4 and round(float(media[4][0, 0])) == 40
+
+
+def test_chat_attaches_slash_image_to_the_next_message_and_reuses_it_from_the_cache(faked, tmp_path, monkeypatch,
+                                                                                   capsys):
+    a, b = png(tmp_path / "a.png", 10), png(tmp_path / "b.png", 20)
+    lines = f"/image {a}\nfirst?\nsecond?\n/image {tmp_path / 'missing.png'}\n/image {b}\nthird?\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    assert main(["chat", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"image {a} attached to your next message" in err and "missing.png: no such file" in err
+    assert len(faked.prefill_media) == 3
+    assert [round(float(m[4][0, 0])) for m in faked.prefill_media] == [10, 10, 10]  # turn 3: a, then b
+    assert faked.prefill_media[2][4].shape[0] == 8
+    assert faked.towers.items == 2 and faked.encoder_cache.hits == 2  # a once, b once; a reused twice
+
+
+def test_chat_image_flag_goes_with_the_first_message(faked, tmp_path, monkeypatch):
+    path = png(tmp_path / "a.png", 30)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("what?\n"))
+    assert main(["chat", "--image", path, "--max-new-tokens", "1"]) == 0
+    assert round(float(faked.prefill_media[0][4][0, 0])) == 30
