@@ -249,8 +249,9 @@ def tower_cases(size: str) -> list[ConformanceCase]:
     out.append(ConformanceCase("causal_conv1d", size, f"w{widest}-bct-nobias",
                                dims=_dims(batch=1, channels=widest, time=11, kernel=K),
                                options=_opts(layout="bct", state=True, bias=False)))
-    out.append(ConformanceCase("rope", size, "vision", dims=_dims(tokens=37, heads=heads, head_dim=d),
-                               options=_opts(theta=vc["rope_parameters"]["rope_theta"])))
+    for name, table in (("vision", "fp32"), ("vision-table16", "activation")):  # transformers hands bf16 tables
+        out.append(ConformanceCase("rope", size, name, dims=_dims(tokens=37, heads=heads, head_dim=d),
+                                   options=_opts(theta=vc["rope_parameters"]["rope_theta"], table=table)))
     return out
 
 

@@ -337,6 +337,8 @@ def _build_rope(case: ConformanceCase, dtype: torch.dtype, rnd: _Rand) -> Callab
     freqs = (positions[..., None] * inv_freq).flatten(1)  # [N, d/2]: h frequencies then w frequencies
     angles = torch.cat([freqs, freqs], dim=-1)  # [N, d]
     cos, sin = angles.cos(), angles.sin()
+    if case.option("table") == "activation":  # the table in the model dtype, as the vision tower builds it
+        cos, sin = cos.to(dtype), sin.to(dtype)
 
     def run(backend: Any) -> Any:
         dev = backend.device
