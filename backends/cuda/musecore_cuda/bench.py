@@ -399,7 +399,7 @@ def bench_targets() -> list[dict]:
     gpu = gpu_name()
     linear = [{**r, "gpu": gpu} for r in bench_linear(ms=TARGET_MS, formats=("nvfp4",))]
     moe = [{**r, "gpu": gpu} for r in bench_moe(batches=(1, 2, 4, 8, 16), prefill=8192)]
-    fp8 = bench_fp8(ms=(4096,), moe_tokens=(8192,))
+    fp8 = bench_fp8(ms=(256, 4096), moe_tokens=(1, 256, 8192))
     ceiling = memory_ceiling_gbps()
 
     def summary(target: str, goal: float, unit: str, values: list[float], detail: str) -> dict:
@@ -422,8 +422,9 @@ def bench_targets() -> list[dict]:
            summary("linear M=4096", 0.9, "x", default_ratio((4096,)), "7 shapes"),
            summary("MoE decode batch 1-16 (% of memory ceiling over routed bytes)", 75.0, "%",
                    [r["pct_memory_ceiling"] for r in moe if r["M"] <= 16], "816B layer, NVFP4 experts")]
-    fp8_lin = [r["speedup_vs_bf16"] for r in fp8 if r["format"] == "fp8" and r["path"].startswith("per-token")]
-    fp8_moe = [r["speedup_vs_bf16"] for r in fp8 if r["format"] == "fp8" and r["path"] == "moe"]
+    fp8_lin = [r["speedup_vs_bf16"] for r in fp8
+               if r["format"] == "fp8" and r["path"].startswith("per-token") and r["M"] == 4096]
+    fp8_moe = [r["speedup_vs_bf16"] for r in fp8 if r["format"] == "fp8" and r["path"] == "moe" and r["M"] == 8192]
     out.append({**summary("FP8 option vs BF16, linear M=4096", 1.0, "x", fp8_lin, "4 shapes, quantize included"),
                 "format": "fp8"})
     out.append({**summary("FP8 option vs BF16, MoE prefill 8192 tokens", 1.0, "x", fp8_moe, "816B layer"),
