@@ -476,7 +476,7 @@ def _process(processor: Any, parts: list[MediaPart]) -> tuple[dict[str, list[str
         mine = [p for p in parts if p.kind == kind]
         if not mine:
             continue
-        loaded = [_load(p, n) for n, p in enumerate(mine, 1)]
+        loaded = [_load(processor, p, n) for n, p in enumerate(mine, 1)]
         token = processor.token_strings[kind]
         if kind == "audio":
             inputs = processor.audio(loaded)
@@ -496,18 +496,17 @@ def _process(processor: Any, parts: list[MediaPart]) -> tuple[dict[str, list[str
     return expansions, items, audio_width
 
 
-def _load(part: MediaPart, number: int) -> Any:
-    """The loaded item; a MediaError names it by path (or number) and by message and part."""
-    from musecore import media as mm
-
+def _load(processor: Any, part: MediaPart, number: int) -> Any:
+    """The loaded item (with the checkpoint's settings: video frame sampling, audio rate); a
+    MediaError names it by path (or number) and by message and part."""
     src = part.source
     shown = os.fspath(src) if isinstance(src, (str, Path)) and not str(src).startswith("data:") else f"#{number}"
     name = f"{shown} ({part.where})"
     if part.kind == "image":
-        return mm.load_image(src, name=name)
+        return processor.load_image(src, name=name)
     if part.kind == "video":
-        return mm.load_video(src, name=name)
-    return mm.load_audio(src, sampling_rate=part.sampling_rate, name=name)
+        return processor.load_video(src, name=name)
+    return processor.load_audio(src, sampling_rate=part.sampling_rate, name=name)
 
 
 def content_key(kind: str, tensors: tuple) -> str:

@@ -2,8 +2,15 @@
 
 The plumbing tests use muse-tiny (a text checkpoint) with a fake media processor and counting fake
 encoders attached to the model, so they check the message shapes, the placeholder expansion, the
-cache and where the features go, independently of the towers' numerics (tests/unit/test_splice.py
-and the end-to-end tests in test_multimodal_e2e.py compare those with transformers).
+cache and where the features go, independently of the towers' numerics.
+
+The end-to-end tests (bottom) save a tiny random transformers ``MuseSparkForConditionalGeneration``
+with both towers and a tokenizer holding the processor's tokens, load it with musecore in fp32, and
+compare with transformers on the same messages: the prompt ids against ``MuseSparkProcessor``'s
+``apply_chat_template`` (real tokenizer and ``MuseSparkFeatureExtractor``; its image processor needs
+torchvision, which does not load here, so a stub image processor hands it musecore.media's pixels,
+whose equality with transformers' formulas test_media_image.py checks), then the prefill logits
+(tolerance: max |difference| <= 1e-4 x max |logit|, as test_transformers_oracle.py) and greedy tokens.
 """
 
 from __future__ import annotations
@@ -154,7 +161,7 @@ def model(tiny, monkeypatch):
     monkeypatch.setattr(tiny, "encode_videos", towers.encode_images, raising=False)
     monkeypatch.setattr(tiny, "encode_audio", towers.encode_audio, raising=False)
     monkeypatch.setattr(tiny, "encoder_cache", EncoderCache(1 << 24), raising=False)
-    monkeypatch.setattr(mmod, "_load", lambda part, number: part.source)
+    monkeypatch.setattr(mmod, "_load", lambda processor, part, number: part.source)
     forward, calls = tiny.forward, []
     takes_media = "media" in inspect.signature(forward).parameters
 
@@ -264,3 +271,175 @@ def test_text_only_messages_render_exactly_as_before(model):
 def test_generate_with_messages_returns_the_reply_text_and_stops_at_the_turn_end(model):
     msgs = [{"role": "user", "content": "hi"}]
     assert model.generate(msgs, max_new_tokens=3) == model.chat(msgs, max_new_tokens=3)
+
+
+# -- end to end against transformers ---------------------------------------------------------------
+
+TOKENS = ["<|image_start|>", "<|image_end|>", "<|soft_audio_start|>", "<|soft_audio_end|>", "<|vid_start|>",
+          "<|vid_end|>", "<|vid_frame_separator|>"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(musecore model fp32, transformers model fp32, transformers MuseSparkProcessor) on one tiny checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "MuseSparkForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no muse_spark (needs 5.24)")
+    import shutil
+    from pathlib import Path
+
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (AutoTokenizer, MuseSparkConfig, MuseSparkFeatureExtractor,
+                              MuseSparkForConditionalGeneration, MuseSparkProcessor)
+    from transformers.feature_extraction_utils import BatchFeature
+    from transformers.image_processing_utils import ImageProcessingMixin
+    from transformers.processing_utils import ProcessorMixin
+
+    from .test_transformers_oracle import TOWERS, perturb, text_config
+
+    folder = tmp_path_factory.mktemp("mm-tiny")
+    tiny = Path(musecore.__file__).parent / "data" / "muse-tiny"
+    tokenizer = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in TOKENS])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    shutil.copy(tiny / "tokenizer_config.json", folder / "tokenizer_config.json")
+    ids = dict(image_token_id=4, video_token_id=5, audio_token_id=6)  # muse-tiny's <|image|>, <|video|>, <|audio|>
+    text = text_config(vocab_size=tokenizer.get_vocab_size() + 1, bos_token_id=0, eos_token_id=3, pad_token_id=7,
+                       **ids)
+    config = MuseSparkConfig(text_config=text, out_hidden_size=4 * TOWERS["vision_config"]["hidden_size"],
+                             projector_hidden_size=64, vision_config=TOWERS["vision_config"],
+                             audio_config={**TOWERS["audio_config"], "out_hidden_size": text["hidden_size"]}, **ids)
+    torch.manual_seed(0)
+    hf = MuseSparkForConditionalGeneration(config).eval()
+    perturb(hf)
+    hf.save_pretrained(folder)
+    model = musecore.load(folder, device="cpu", dtype=torch.float32)
+    ours = mmod.media_processor(model)
+
+    class StubImageProcessor(ImageProcessingMixin):
+        """transformers' image processor needs torchvision: this one returns musecore.media's pixels."""
+        merge_size = 2
+
+        def fetch_images(self, images):
+            return images
+
+        def __call__(self, images, **kwargs):
+            flat = [im for row in images for im in (row if isinstance(row, list) else [row])]
+            out = ours.images(flat)
+            return BatchFeature({"pixel_values": out.pixel_values, "image_grid_thw": out.grid_thw})
+
+    with pytest.MonkeyPatch.context() as patch:  # its class check looks up torchvision's video processors
+        patch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
+        processor = MuseSparkProcessor(image_processor=StubImageProcessor(), tokenizer=AutoTokenizer.from_pretrained(
+            folder), feature_extractor=MuseSparkFeatureExtractor(), chat_template=model.tokenizer.chat_template.source)
+    return model, hf, processor
+
+
+def media_inputs(seed: int = 0, size=(60, 90), samples: int = 5000):
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    picture = Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8))
+    wave = (0.1 * rng.standard_normal(samples)).astype(np.float32)
+    return picture, wave
+
+
+def hf_inputs(processor, conversations):
+    """transformers' processor on the same conversations (audio as numpy arrays, as it takes them)."""
+    return processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt", padding=True)
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def test_prompt_ids_equal_transformers_processor(pair):
+    model, _, processor = pair
+    picture, wave = media_inputs()
+    other, long_wave = media_inputs(1, (30, 44), 9000)
+    conversation = [{"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "audio", "audio": wave}, {"type": "text", "text": "and"},
+                                                 {"type": "image", "image": picture},
+                                                 {"type": "image", "image": other},
+                                                 {"type": "audio", "audio": long_wave}]}]
+    prepared = prepare(model, [conversation])
+    theirs = hf_inputs(processor, conversation)["input_ids"][0].tolist()
+    assert prepared.ids[0] == theirs
+    assert prepared.ids[0].count(4) == 6 + 2 and prepared.ids[0].count(6) == 3 + 5
+
+
+def test_prefill_logits_with_an_image_and_audio_equal_transformers(pair):
+    model, hf, processor = pair
+    picture, wave = media_inputs()
+    conversation = user({"type": "image", "image": picture}, {"type": "text", "text": "what?"},
+                        {"type": "audio", "audio": wave})
+    prepared = prepare(model, [conversation])
+    ours = model.forward(torch.tensor(prepared.ids), media=prepared.features(model))
+    with torch.no_grad():
+        theirs = hf(**hf_inputs(processor, conversation)).logits
+    err = relative_error(ours, theirs)
+    assert err <= 1e-4, f"prefill logits differ from transformers by {err:.2e} of max |logit| (tolerance 1e-4)"
+
+
+def test_greedy_generate_with_media_equals_transformers_and_chat_says_the_same(pair):
+    model, hf, processor = pair
+    picture, wave = media_inputs(2)
+    conversation = user({"type": "audio", "audio": wave}, {"type": "image", "image": picture},
+                        {"type": "text", "text": "hi"})
+    inputs = hf_inputs(processor, conversation)
+    length = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        theirs = hf.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=7)[0, length:].tolist()
+    prepared = prepare(model, [conversation])
+    ours = model.generate(prepared.ids[0], media=prepared.features(model), max_new_tokens=8, stop=[])
+    assert ours == theirs[:len(ours)] and (len(ours) == 8 or theirs[len(ours)] in (1, 2, 3)), (ours, theirs)
+    reply = model.chat(conversation, max_new_tokens=8)
+    end = next((i for i, t in enumerate(theirs) if t in (1, 2, 3)), len(theirs))  # <|message|>/<|eom|>/<|eot|>
+    assert reply == model.tokenizer.decode(theirs[:end])
+
+
+def test_a_batch_with_media_gives_each_row_what_it_gives_alone(pair):
+    model, _, _ = pair
+    picture, wave = media_inputs(3)
+    other, _ = media_inputs(4, (28, 56))
+    convs = [user({"type": "image", "image": picture}, {"type": "text", "text": "one"}),
+             user({"type": "text", "text": "two"}),
+             user({"type": "audio", "audio": wave}, {"type": "image", "image": other},
+                  {"type": "image", "image": picture}, {"type": "text", "text": "three"})]
+    batch = model.generate(convs, max_new_tokens=6)
+    alone = [model.generate(c, max_new_tokens=6) for c in convs]
+    assert batch == alone
+
+
+def test_features_do_not_depend_on_what_else_is_in_the_batch(pair):
+    """Why one cache entry per item is right: a clip's (or image's) features are the same encoded
+    alone or padded/packed with others (fp32; tolerance 1e-5 of max |feature|)."""
+    model, _, _ = pair
+    picture, short = media_inputs(5, (28, 42), 2500)
+    other, long = media_inputs(6, (56, 70), 11000)
+    proc = mmod.media_processor(model)
+    both = proc.audio([torch.from_numpy(short), torch.from_numpy(long)])
+    alone = proc.audio([torch.from_numpy(short)])
+    batched = model.encode_audio(both.input_values, both.mask)[0]
+    single = model.encode_audio(alone.input_values, alone.mask)[0]
+    err = relative_error(batched, single)
+    assert batched.shape == single.shape and err <= 1e-5, f"audio features differ by {err:.2e} when batched"
+    images = proc.images([picture, other])
+    one = proc.images([picture])
+    err = relative_error(model.encode_images(images.pixel_values, images.grid_thw)[0],
+                         model.encode_images(one.pixel_values, one.grid_thw)[0])
+    assert err <= 1e-5, f"image features differ by {err:.2e} when packed with another image"
+
+
+def test_a_second_turn_with_the_same_image_runs_no_tower_on_the_real_model(pair, monkeypatch):
+    model, _, _ = pair
+    picture, wave = media_inputs(7)
+    monkeypatch.setattr(model, "encoder_cache", EncoderCache(1 << 20))
+    first = user({"type": "image", "image": picture}, {"type": "audio", "audio": wave}, {"type": "text", "text": "?"})
+    reply = model.chat(first, max_new_tokens=2)
+    assert model.encoder_cache.encoder_calls == 2  # the vision tower once, the audio tower once
+    model.chat(first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}],
+               max_new_tokens=2)
+    assert model.encoder_cache.encoder_calls == 2 and model.encoder_cache.hits == 2
