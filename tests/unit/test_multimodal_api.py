@@ -443,3 +443,37 @@ def test_a_second_turn_with_the_same_image_runs_no_tower_on_the_real_model(pair,
     model.chat(first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "more"}],
                max_new_tokens=2)
     assert model.encoder_cache.encoder_calls == 2 and model.encoder_cache.hits == 2
+
+
+def test_the_server_takes_openai_image_url_and_input_audio_parts_inline(pair):
+    """/v1/chat/completions with a data: URL image and base64 wav audio answers what model.chat answers;
+    a file path is refused (the server reads media only from the request)."""
+    import base64
+    import io
+
+    import soundfile
+    openai = pytest.importorskip("openai", reason="the serve tests use the official openai client")
+    from musecore.serve.app import make_app
+
+    from .test_serve import TIMEOUT, Server
+
+    model, _, _ = pair
+    picture, wave = media_inputs(8)
+    png, wav = io.BytesIO(), io.BytesIO()
+    picture.save(png, format="PNG")
+    soundfile.write(wav, wave, 24000, format="WAV", subtype="FLOAT")
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," +
+                                                   base64.b64encode(png.getvalue()).decode()}},
+               {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
+                                                       "format": "wav"}},
+               {"type": "text", "text": "what?"}]
+    messages = [{"role": "user", "content": content}]
+    expected = model.chat(messages, max_new_tokens=6)
+    with Server(make_app(model, "mm-tiny", max_batch=2, max_waiting=2)) as server, openai.OpenAI(
+            base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0) as client:
+        reply = client.chat.completions.create(model="mm-tiny", messages=messages, max_tokens=6, temperature=0)
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.prompt_tokens == len(prepare(model, [messages]).ids[0])
+        with pytest.raises(openai.BadRequestError, match="inline only"):
+            client.chat.completions.create(model="mm-tiny", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}])
