@@ -375,6 +375,17 @@ def _fp8_moe_rows(be, ceiling, gpu, tokens, experts, topk, width, inter) -> list
         times = {fmt: time_us(lambda: be.moe(z, weights, ids, st, post_norm, 1e-8), reps=10)
                  for fmt, st in stacks.items()}
         flops = 2 * t * topk * 3 * width * inter
+        if t >= 256:  # the FP8 kernel's accumulation modes (musecore_cuda.kernels.fp8_moe.fp8_moe)
+            from musecore_cuda.kernels.fp8_moe import fp8_moe
+            st = stacks["fp8"]
+            for mode in ("per-tile", "fast"):
+                tm = time_us(lambda: fp8_moe(z, weights, ids, st.gate, st.up, st.down, experts, post_norm, 1e-8,
+                                             accumulate=mode), reps=10)
+                rows.append({"backend": "cuda", "case": "fp8", "format": "fp8", "path": f"moe, {mode} accumulation",
+                             "shape": f"E{experts} top{topk} {width}x{inter}", "M": t, "routed_experts": routed,
+                             "time_us": round(tm, 1), "speedup_vs_bf16": round(times["bf16"] / tm, 3),
+                             "speedup_vs_nvfp4": round(times["nvfp4"] / tm, 3), "pct_memory_ceiling": None,
+                             "tflops": round(flops / tm / 1e6, 1), "gpu": gpu})
         for fmt in ("fp8", "nvfp4", "bf16"):
             nbytes = routed * per_expert[fmt] + t * width * (2 + 4)
             rows.append({"backend": "cuda", "case": "fp8", "format": fmt, "path": "moe",

@@ -14,7 +14,10 @@ W4A16 grouped path of :mod:`musecore_triton.kernels.moe`, whose alignment and fi
    weight, fp32 sum per token.
 
 No host sync anywhere, so a decode step with it is captured in a CUDA graph. ``tl.dot`` on two E4M3
-tiles lowers to wgmma on SM90 (FP8 tensor cores, fp32 accumulate).
+tiles lowers to wgmma on SM90 (FP8 tensor cores). Those keep their partial sums at reduced precision,
+and Triton's SM90 default never promotes them (measured on the H200: NMSE ~3e-5 against exact fp32
+sums on a 256-wide expert, flipping E4M3 codes of ``h``); the kernel adds them into the fp32
+accumulator after every wgmma by default, as cuBLASLt does without fast accumulation.
 """
 
 from __future__ import annotations
@@ -62,11 +65,14 @@ def quantize_rows_gpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @triton.jit
 def fp8_grouped_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w2_ptr, w2_scale_ptr, out_ptr,
                             sorted_ids_ptr, blk_expert_ptr, n_assign, N, K,
-                            A_DIV: tl.constexpr, GATE_UP: tl.constexpr,
+                            A_DIV: tl.constexpr, GATE_UP: tl.constexpr, ACC: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[r, n] = (sum_k a[row(r), k] * w[e, n, k]) * a_scale[row(r)] * w_scale[e, n]`` for the rows of
     one M block (all of expert ``e = blk_expert[block]``); with ``GATE_UP`` the same for ``w2`` and
-    ``out = silu(gate) * up``. ``row(r)`` is token ``sorted_ids[r] // A_DIV`` (``A_DIV == 0``: ``r``)."""
+    ``out = silu(gate) * up``. ``row(r)`` is token ``sorted_ids[r] // A_DIV`` (``A_DIV == 0``: ``r``).
+    ``ACC``: how often the FP8 tensor cores' partial sums (kept at reduced precision inside wgmma) are
+    added into the fp32 accumulator: 0 after every wgmma (precise, the default), ``BLOCK_K`` once per
+    K tile (DeepSeek-V3's interval), -1 never (Triton's SM90 default: fastest, least precise)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(blk_expert_ptr + pid_m)
@@ -90,10 +96,16 @@ def fp8_grouped_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w2_ptr, w2_s
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
         b = tl.load(w_ptr + w_off + k0, mask=n_mask[:, None], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        if ACC < 0:
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=ACC)
         if GATE_UP:
             b2 = tl.load(w2_ptr + w_off + k0, mask=n_mask[:, None], other=0.0)
-            acc2 = tl.dot(a, tl.trans(b2), acc2)
+            if ACC < 0:
+                acc2 = tl.dot(a, tl.trans(b2), acc2)
+            else:
+                acc2 = tl.dot(a, tl.trans(b2), acc2, max_num_imprecise_acc=ACC)
     sa = tl.load(a_scale_ptr + a_rows, mask=valid, other=0.0)
     sw = tl.load(w_scale_ptr + e64 * N + offs_n, mask=n_mask, other=0.0)
     y = acc * sa[:, None] * sw[None, :]
@@ -124,9 +136,13 @@ def pick_config(rows_per_expert: int) -> Fp8MoeConfig:
     return Fp8MoeConfig(128, 128, 128, 8, 3, 4)
 
 
+ACC_PRECISE, ACC_PER_TILE, ACC_FAST = "precise", "per-tile", "fast"
+
+
 def fp8_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate, up, down, num_experts: int,
-            post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
-    """The ``moe`` op over FP8 expert stacks (:class:`musecore_cuda.fp8.Fp8Resident` ``[E, N, K]``); fp32 ``[T, h]``."""
+            post_norm: torch.Tensor, post_eps: float, accumulate: str = ACC_PRECISE) -> torch.Tensor:
+    """The ``moe`` op over FP8 expert stacks (:class:`musecore_cuda.fp8.Fp8Resident` ``[E, N, K]``); fp32 ``[T, h]``.
+    ``accumulate``: "precise" (default), "per-tile" or "fast" (the kernel's ``ACC``; benchmarks compare them)."""
     T, topk = ids.shape
     width = z.shape[-1]
     check_post_norm(post_norm, width)
@@ -138,6 +154,7 @@ def fp8_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate, up,
             raise ValueError(f"fp8 moe: {name} has in_features {w.in_features}; expected {k}, a multiple of 128")
     n_assign = T * topk
     cfg = pick_config(max(1, n_assign // min(num_experts, n_assign)))
+    acc = {ACC_PRECISE: 0, ACC_PER_TILE: cfg.block_k, ACC_FAST: -1}[accumulate]
     zq, zs = quantize_rows_gpu(z.reshape(T, width))
     sorted_ids, blk_expert, position = align_assignments(ids, num_experts, cfg.block_m)
     rows = sorted_ids.numel()
@@ -145,13 +162,13 @@ def fp8_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate, up,
     h = torch.empty(rows, inter, dtype=torch.float32, device=z.device)
     fp8_grouped_gemm_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
         zq, zs, gate.data, gate.col_scale, up.data, up.col_scale, h, sorted_ids, blk_expert, n_assign, inter, width,
-        A_DIV=topk, GATE_UP=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        A_DIV=topk, GATE_UP=True, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.stages_up)
     hq, hs = quantize_rows_gpu(h)
     o = torch.empty(rows, width, dtype=torch.float32, device=z.device)
     fp8_grouped_gemm_kernel[(blocks, triton.cdiv(width, cfg.block_n))](
         hq, hs, down.data, down.col_scale, down.data, down.col_scale, o, sorted_ids, blk_expert, n_assign, width,
-        inter, A_DIV=0, GATE_UP=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        inter, A_DIV=0, GATE_UP=False, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.stages_down)
     return finalize(o, position, ids, weights, post_norm, post_eps, sorted_rows=True, act_dtype=z.dtype)
 
