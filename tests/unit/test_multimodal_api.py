@@ -477,3 +477,24 @@ def test_the_server_takes_openai_image_url_and_input_audio_parts_inline(pair):
         with pytest.raises(openai.BadRequestError, match="inline only"):
             client.chat.completions.create(model="mm-tiny", max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}])
+
+
+def test_a_video_prompt_equals_transformers_on_the_same_frames(pair, tmp_path):
+    """A video part: frames sampled and patched by musecore.media (test_media_video.py checks those against
+    transformers), timestamps in the prompt, features at the video placeholders; logits within 1e-4."""
+    from .test_media_video import write_video
+
+    model, hf, _ = pair
+    path = tmp_path / "clip.mp4"
+    write_video(path, frames=6, fps=4, height=56, width=84, codec="mpeg4")
+    conversation = user({"type": "video", "path": str(path)}, {"type": "text", "text": "what moves?"})
+    prepared = prepare(model, [conversation])
+    assert "Time: 0.0s" in prepared.texts[0] and prepared.ids[0].count(5) > 0
+    processor = mmod.media_processor(model)
+    video = processor.videos([processor.load_video(str(path))])
+    ours = model.forward(torch.tensor(prepared.ids), media=prepared.features(model))
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(prepared.ids), pixel_values_videos=video.pixel_values,
+                    video_grid_thw=video.grid_thw).logits
+    err = relative_error(ours, theirs)
+    assert err <= 1e-4, f"video prompt logits differ from transformers by {err:.2e} of max |logit| (tolerance 1e-4)"
