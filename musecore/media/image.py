@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import platform
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -128,7 +129,8 @@ def load_image(src: Any, *, name: Optional[str] = None, max_pixels: int = MAX_PI
         image = load_image(np.zeros((37, 91, 3), np.uint8))
     """
     Image = require("PIL.Image")
-    label = subject("image", describe(src, name) if is_source(src) or name else "array")
+    label = subject("image", describe(src, name) if is_source(src) or name else
+                    "array" if isinstance(src, (np.ndarray, torch.Tensor)) else "input")
     if isinstance(src, Image.Image):
         _check_budget(src.width, src.height, label, max_pixels)
         return _pil_to_rgb(src, label)
@@ -141,12 +143,18 @@ def load_image(src: Any, *, name: Optional[str] = None, max_pixels: int = MAX_PI
     label = resolved.name
     ImageOps = require("PIL.ImageOps")
     try:
-        image = Image.open(resolved.file())
-    except (OSError, ValueError, SyntaxError, EOFError) as exc:  # UnidentifiedImageError is an OSError
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the budget below decides
+            image = Image.open(resolved.file())
+    except Image.UnidentifiedImageError:
+        raise MediaError(f"{label} is not an image Pillow recognises (corrupt, or another kind of file); pass a "
+                         f"PNG, JPEG, WebP, GIF, BMP or TIFF file") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
         raise MediaError(f"{label} cannot be decoded: {_reason(exc)}; pass a PNG, JPEG, WebP, GIF, BMP "
                          f"or TIFF file") from None
-    except Image.DecompressionBombError:
-        raise MediaError(f"{label} is larger than Pillow allows; downscale it before passing it") from None
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"{label} is above the pixel budget of {max_pixels:,} pixels ({_reason(exc)}); downscale "
+                         f"it first") from None
     with image:
         _check_budget(image.width, image.height, label, max_pixels)
         try:

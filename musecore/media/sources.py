@@ -43,7 +43,9 @@ def describe(src: object, name: Optional[str]) -> str:
     if isinstance(src, (str, os.PathLike)):
         text = os.fspath(src)
         return text if len(text) <= 120 else text[:60] + "..." + text[-20:]
-    return f"the {type(src).__name__} input"
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return "bytes"
+    return "input"
 
 
 def subject(kind: str, label: str) -> str:
@@ -91,7 +93,7 @@ def resolve(src: Source, kind: str, name: Optional[str] = None) -> Resolved:
     if not path.exists():
         raise MediaError(f"{label} does not exist; check the path")
     if path.is_dir():
-        raise MediaError(f"{label} is a directory; pass the path of a {kind} file")
+        raise MediaError(f"{label} is a directory; pass the path of {_article(kind)} {kind} file")
     try:
         size = path.stat().st_size
     except OSError as exc:
@@ -101,6 +103,10 @@ def resolve(src: Source, kind: str, name: Optional[str] = None) -> Resolved:
     if not os.access(path, os.R_OK):
         raise MediaError(f"{label} is not readable; check its permissions")
     return Resolved(label, path=path)
+
+
+def _article(kind: str) -> str:
+    return "an" if kind[0] in "aeiou" else "a"
 
 
 def _data_url(text: str, kind: str, name: Optional[str]) -> Resolved:
