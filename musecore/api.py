@@ -27,7 +27,7 @@ from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
 from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
 from musecore.ops import Ops
-from musecore.planning import (DENSE, QUANTIZED, REFERENCE, CheckpointSummary, DenseGroups, Plan, PlanError,
+from musecore.planning import (DENSE, QUANTIZED, REFERENCE, CheckpointSummary, DenseGroups, Plan, PlanError, Towers,
                                make_plan)
 
 # Package data (an installed wheel has it too): the bundled models, each a checkpoint folder.
@@ -136,7 +136,7 @@ def resolve_target(device: str, emulate: bool, records: Optional[dict] = None) -
 def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
          kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: DenseGroups = None,
-         tp: Optional[int] = None, ep: Optional[int] = None, sp: bool = False) -> Plan:
+         tp: Optional[int] = None, ep: Optional[int] = None, sp: bool = False, towers: Towers = None) -> Plan:
     """Resolve what would run where, in which format and why; reads config and headers only.
 
     ``tp``/``ep``/``sp`` plan the model over a mesh of ranks (as :func:`load` takes them): the plan's
@@ -152,7 +152,7 @@ def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch
     name, _ = resolve_target(device, emulate, records)
     return make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation, allow_reference=allow_reference,
                      dtype_label=DTYPE_LABELS[dtype or torch.bfloat16], kv_format=kv_format, records=records,
-                     quantize_dense=quantize_dense, mesh=mesh_of(tp, ep, sp))
+                     quantize_dense=quantize_dense, mesh=mesh_of(tp, ep, sp), towers=towers)
 
 
 def bind_ops(the_plan: Plan, backends: dict[str, Any]) -> Ops:
@@ -193,7 +193,8 @@ def _dispatcher(op: str, impls: dict[tuple, Any]):
 def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: Optional[torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
          kv_format: str = "bf16", progress: Optional[bool] = None, quantize_dense: DenseGroups = None,
-         download: bool = False, tp: Optional[int] = None, ep: Optional[int] = None, sp: bool = False) -> MuseModel:
+         download: bool = False, tp: Optional[int] = None, ep: Optional[int] = None, sp: bool = False,
+         towers: Towers = None) -> MuseModel:
     """Load a checkpoint folder (or the bundled ``muse-tiny``) onto ``device``, executing its plan.
 
     ``model`` may be a Hugging Face Hub id (``org/name``): its snapshot is taken from the local
@@ -210,6 +211,12 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     ``tp``/``ep``/``sp`` split the model across the ranks of a ``torchrun`` launch (every rank calls
     the same line; see :mod:`musecore.distributed`): ``tp``-way tensor parallel (1 or the number of
     ranks), ``ep``-way expert parallel (divides it), sequence-parallel prefill with ``sp=True``.
+    ``towers``: the vision/audio towers to load (``model.vision`` / ``model.audio``). The default, None,
+    loads each tower the checkpoint has when the plan can run its ops (on the device's backend, or the
+    reference with ``allow_reference=True``) and otherwise leaves it out, saying why in the plan's
+    notes; True (or ``"vision"``, ``("vision", "audio")``) requires them (what keeps one from running
+    is a gap); False loads none (text only: the towers' bytes are never read).
+
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
     dtype = dtype or torch.bfloat16
@@ -231,7 +238,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
     muse = assemble(summary, device, lambda placer, _device: placer.stream(reader, show), emulate=emulate,
                     allow_emulation=allow_emulation, allow_reference=allow_reference, dtype=dtype,
                     kv_format=kv_format, source=str(reader.folder), quantize_dense=quantize_dense,
-                    comm=comm)
+                    comm=comm, towers=towers)
     from musecore.tokenizer import load_tokenizer
     muse.tokenizer = load_tokenizer(reader.folder)
     log.info("loaded %s on %s (backend %s, mode %s) in %.2f s", summary.name, muse.plan.device, muse.plan.backend,
@@ -289,7 +296,7 @@ def assemble(summary: CheckpointSummary, device: str,
              tensors: Callable[[Placer, torch.device], Iterable[tuple[str, Any]]], *, emulate: bool = False,
              allow_emulation: bool = False, allow_reference: bool = False, dtype: torch.dtype = torch.bfloat16,
              kv_format: str = "bf16", source: str = "checkpoint", quantize_dense: DenseGroups = None,
-             comm: Optional[Comm] = None) -> MuseModel:
+             comm: Optional[Comm] = None, towers: Towers = None) -> MuseModel:
     """Plan ``summary`` on ``device`` (raising on gaps), make the backends, and fill a model with
     ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares.
     With ``comm``, this process is one rank of a ``torchrun`` launch and keeps its pieces only."""
@@ -302,14 +309,15 @@ def assemble(summary: CheckpointSummary, device: str,
             torch_device = torch.device("cuda", torch.cuda.current_device())
     the_plan = make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation,
                          allow_reference=allow_reference, dtype_label=DTYPE_LABELS[dtype], kv_format=kv_format,
-                         records=records, quantize_dense=quantize_dense, mesh=None if comm is None else comm.mesh)
+                         records=records, quantize_dense=quantize_dense, mesh=None if comm is None else comm.mesh,
+                         towers=towers)
     if the_plan.gaps:
         raise PlanError(the_plan)
     backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}
     if the_plan.backend != REFERENCE:
         backends[the_plan.backend] = records[the_plan.backend].backend_class(torch_device)
     muse = MuseModel(summary.config, bind_ops(the_plan, backends), dtype=dtype, device=torch_device,
-                     backend=backends[the_plan.backend], comm=comm)
+                     backend=backends[the_plan.backend], comm=comm, towers=the_plan.towers)
     placer = Placer(the_plan, backends, dtype)
     if comm is not None:
         placer.keep = lambda tensor: keeps_expert(tensor, summary.config, mesh, comm.rank)

@@ -25,8 +25,8 @@ from musecore.names import MLP_LAYER_TYPES
 FULL, SLIDING = "full_attention", "sliding_attention"
 DENSE_MLP, SPARSE_MLP = MLP_LAYER_TYPES
 
-# transformers' MuseSparkVisionConfig / MuseSparkAudioConfig defaults (the towers are not run yet;
-# their configs are kept so that a checkpoint's config.json survives a round trip unchanged).
+# transformers' MuseSparkVisionConfig / MuseSparkAudioConfig defaults (musecore.towers reads them; unknown
+# keys are kept so that a checkpoint's config.json survives a round trip unchanged).
 VISION_DEFAULTS: dict[str, Any] = {
     "model_type": "muse_spark_vision", "patch_size": 14, "pos_emb_height": 32, "pos_emb_width": 32,
     "num_attention_heads": 16, "num_hidden_layers": 50, "hidden_size": 1536, "intermediate_size": 8960,
@@ -437,6 +437,7 @@ class MuseConfig:
         from musecore.model import checkpoint_shapes
         from musecore.names import expert_key, fused_expert_name, is_tower_tensor
 
+        self.check_tower_shapes(shapes, source)
         expected = checkpoint_shapes(self)
         seen: set[str] = set()
         per_expert: dict[str, set[tuple[int, str]]] = {}
@@ -478,6 +479,41 @@ class MuseConfig:
                                      f"{shown}; check that config.json belongs to these weights "
                                      f"({_label('num_hidden_layers')}, {_label('mlp_layer_types')}, "
                                      f"{_label('num_local_experts')})")
+
+    def check_tower_shapes(self, shapes: dict[str, tuple[int, ...]], source: str = "config.json") -> None:
+        """A tower the checkpoint has (any tensor of it) must have all of its tensors, in the shapes
+        ``vision_config`` / ``audio_config`` imply; a checkpoint without a tower's tensors is fine
+        (that tower is absent). Raises ``CheckpointMismatch`` naming the tensor."""
+        from musecore.loader import CheckpointMismatch
+        from musecore.names import tower_of
+        from musecore.towers import tower_shapes
+
+        for tower in ("vision", "audio"):
+            have = {n: tuple(s) for n, s in shapes.items() if tower_of(n) == tower}
+            if not have:
+                continue
+            sub = "vision_config" if tower == "vision" else "audio_config"
+            try:
+                expected = tower_shapes(self, tower)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointMismatch(f"{source}: {sub} cannot describe the checkpoint's {tower} tower "
+                                         f"({type(e).__name__}: {e}); fix {sub} in config.json") from None
+            for name, shape in have.items():
+                if name not in expected:
+                    raise CheckpointMismatch(f"{source}: unexpected tensor {name!r}: the {tower} tower that {sub} "
+                                             "describes has no such tensor; check that config.json belongs to these "
+                                             f"weights ({sub}.num_hidden_layers, depths)")
+                if shape != expected[name]:
+                    raise CheckpointMismatch(f"{source}: tensor {name!r} has shape {list(shape)} in the checkpoint, "
+                                             f"but config.json implies {list(expected[name])} from {sub} (and "
+                                             "out_hidden_size, projector_hidden_size, hidden_size); fix config.json "
+                                             "or use the checkpoint it belongs to")
+            missing = sorted(set(expected) - set(have))
+            if missing:
+                shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                raise CheckpointMismatch(f"{source}: the checkpoint has {len(have)} {tower} tower tensors but lacks "
+                                         f"{len(missing)} that {sub} implies: {shown}; re-export the checkpoint "
+                                         "with the whole tower (or without any of its tensors)")
 
     @staticmethod
     def _shape_message(source: str, name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> str:

@@ -19,7 +19,8 @@ from musecore_quant.formats.facts import producer_options
 
 from musecore.distributed import MeshError, expert_range, keeps_expert, piece_shape, take, tensor_piece
 from musecore.model import FusedLinear, MuseModel, Slot, checkpoint_shapes
-from musecore.names import expert_key, fused_expert_name, fused_expert_parts, is_tower_tensor
+from musecore.names import expert_key, fused_expert_name, fused_expert_parts, is_tower_tensor, tower_of
+from musecore.towers import tower_shapes
 
 class CheckpointMismatch(ValueError):
     """The checkpoint's tensors do not match what the config says the model has."""
@@ -131,6 +132,9 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
     config = model.config
     slots = model.weight_slots()
     expected = checkpoint_shapes(config)
+    for tower in (model.vision, model.audio):  # the towers the plan loads: their tensors are checked and placed
+        if tower is not None:
+            expected.update(tower_shapes(config, tower.kind))
     comm = model.comm
     mesh, rank = (comm.mesh, comm.rank) if comm is not None else (None, 0)
     first_expert = expert_range(config, mesh, rank)[0] if mesh is not None else 0
@@ -152,8 +156,8 @@ def fill_model(model: MuseModel, tensors: Iterable[tuple[str, Any]], placer: "Pl
     groups = GroupCollector()
     seen: set[str] = set()
     for name, value in tensors:
-        if is_tower_tensor(name):
-            continue
+        if is_tower_tensor(name) and name not in expected:  # a tower not loaded (or an unknown tower tensor,
+            continue                                        # which the checkpoint's header check refused)
         per_expert = expert_key(name)
         if per_expert is not None:  # a producer's per-expert key: checked against its fused tensor's shape
             prefix, e, proj = per_expert
@@ -256,7 +260,9 @@ class Placer:
         """The checkpoint's tensors, shard by shard; ``progress``: a bar on a terminal, one line when done
         elsewhere (:func:`musecore.console.progress`)."""
         from musecore.console import progress as stage
-        names = [name for name in reader.weight_names() if not is_tower_tensor(name) and self.keep(name)]  # towers: not read
+        towers = getattr(self.plan, "towers", ())  # a tower the plan does not load is never read
+        names = [name for name in reader.weight_names()
+                 if (not is_tower_tensor(name) or tower_of(name) in towers) and self.keep(name)]
         with stage("loading", total=len(names), unit="tensor", enabled=progress, stream=sys.stderr) as bar:
             leading = {name: rows for name, rows in self.leading.items() if reader.can_slice(name)}
             self.presliced = frozenset(leading)

@@ -9,7 +9,7 @@ resident layout. Read :class:`MoE.__call__` for the MoE order of operations.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 
@@ -21,6 +21,12 @@ from musecore.names import (ATTENTION_INPUTS, DENSE_MLP_INPUTS, FP32_TENSORS, FU
                             PREFIX, is_fp32_tensor)
 from musecore.ops import Ops
 from musecore.rope import RotaryTable
+from musecore.towers import AUDIO, VISION, MediaCountError
+from musecore.towers.audio import AudioTower
+from musecore.towers.vision import VisionTower
+
+# ``media`` of ``MuseModel.forward``: placeholder token id -> the feature rows that replace its placeholders.
+Media = Mapping[int, torch.Tensor]
 
 # ``observer(layer, z [N,h], weights [N,k] fp32, ids [N,k])``: what a MoE layer's router chose and the
 # pooled latents its experts receive, handed to calibration before the experts run (MuseModel.forward).
@@ -252,8 +258,11 @@ class MuseModel:
 
     def __init__(self, config: MuseConfig, ops: Ops, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", backend: Optional[Backend] = None,
-                 comm: Optional[Comm] = None) -> None:
+                 comm: Optional[Comm] = None, towers: Collection[str] = ()) -> None:
         self.config, self.ops, self.dtype, self.device = config, ops, dtype, torch.device(device)
+        # The vision and audio towers the plan loads (musecore.planning.plan_towers), or None.
+        self.vision = VisionTower(config, ops, dtype, self.device) if VISION in towers else None
+        self.audio = AudioTower(config, ops, dtype, self.device) if AUDIO in towers else None
         self.comm = comm  # this rank's collectives when the model runs across ranks (musecore.distributed)
         self.layers = [DecoderLayer(config, i, ops, comm) for i in range(config.num_hidden_layers)]
         # One table (the global theta): transformers 5.24 switches RoPE on per layer, never changes its theta.
@@ -279,11 +288,16 @@ class MuseModel:
     # -- the computation --------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, observer: Optional[MoEObserver] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, observer: Optional[MoEObserver] = None,
+                media: Optional[Media] = None) -> torch.Tensor:
         """Logits for every position. ``positions [B,T]`` default to ``0..T-1`` after what the
         cache holds; ``-1`` marks a padding token (it attends to nothing and nothing attends to it).
-        ``observer`` is called by every MoE layer with its routing (calibration; see :data:`MoEObserver`)."""
-        x, a, positions, rope = self.embed(input_ids, positions, cache)
+        ``observer`` is called by every MoE layer with its routing (calibration; see :data:`MoEObserver`).
+        ``media`` maps a placeholder id (``config.image_token_id`` / ``video_token_id`` /
+        ``audio_token_id``) to feature rows ``[n, H]`` (``encode_images`` / ``encode_videos`` /
+        ``encode_audio``, concatenated) that replace that id's ``n`` placeholders, in order, row-major
+        over the batch (transformers' ``masked_scatter``); see :meth:`splice`."""
+        x, a, positions, rope = self.embed(input_ids, positions, cache, media)
         comm = self.comm
         tokens = positions.numel()
         if comm is not None and comm.mesh.sp and positions.shape[1] > 1 and tokens >= comm.world:
@@ -305,9 +319,10 @@ class MuseModel:
     # sublayers, then logits.
 
     def embed(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-              cache: Optional[KVCache] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """``(x, a, positions, rope)``: the residual stream ``x [B,T,H]``, the first layer's normed
-        input ``a``, the positions and the rotary table for them."""
+              cache: Optional[KVCache] = None, media: Optional[Media] = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """``(x, a, positions, rope)``: the residual stream ``x [B,T,H]`` (media features spliced in),
+        the first layer's normed input ``a``, the positions and the rotary table for them."""
         ops, cfg = self.ops, self.config
         input_ids = input_ids.to(self.device)
         B, T = input_ids.shape
@@ -321,11 +336,93 @@ class MuseModel:
         rope = self.rope(positions)  # (cos, sin) [B,T,d]; NoPE layers ignore it
 
         # Multimodal placeholders embed as token 0 (their rows are replaced by features when there are any).
-        input_ids = input_ids.masked_fill(torch.isin(input_ids, self.multimodal_ids), 0)
-        x = ops.embedding(input_ids, self.embed_tokens).to(self.dtype)  # [B,T,H]
+        token_ids = input_ids.masked_fill(torch.isin(input_ids, self.multimodal_ids), 0)
+        x = ops.embedding(token_ids, self.embed_tokens).to(self.dtype)  # [B,T,H]
         x = ops.rms_norm(x, None, cfg.rms_norm_eps)  # the embedding's weightless norm
+        if media:
+            x = self.splice(x, input_ids, media)
         a = ops.rms_norm(x, self.layers[0].input_layernorm, cfg.rms_norm_eps)
         return x, a, positions, rope
+
+    # -- media ----------------------------------------------------------------------------------
+
+    def splice(self, x: torch.Tensor, input_ids: torch.Tensor, media: Media) -> torch.Tensor:
+        """``x [B,T,H]`` with each placeholder id's rows replaced by its features, in order (row-major
+        over the batch, as transformers' ``masked_scatter``). Raises :class:`MediaCountError` naming
+        both counts when a kind's placeholders and rows differ in number."""
+        cfg = self.config
+        kinds = {cfg.image_token_id: "image", cfg.video_token_id: "video", cfg.audio_token_id: "audio"}
+        for token_id, rows in media.items():
+            token_id = int(token_id)
+            if token_id not in kinds:
+                raise ValueError(f"media key {token_id} is not a placeholder id of this model (image "
+                                 f"{cfg.image_token_id}, video {cfg.video_token_id}, audio {cfg.audio_token_id})")
+            kind = kinds[token_id]
+            mask = input_ids == token_id  # [B,T]
+            count = int(mask.sum())
+            if rows.dim() != 2 or rows.shape[0] != count:
+                given = f"{rows.shape[0]} {kind} feature rows were given" if rows.dim() == 2 else                     f"{kind} features of shape {list(rows.shape)} were given (expected [rows, {x.shape[-1]}])"
+                raise MediaCountError(f"the prompt has {count} {kind} placeholders ({self.token_label(token_id)}) "
+                                      f"but {given}")
+            if rows.shape[1] != x.shape[-1]:
+                raise ValueError(f"{kind} features have width {rows.shape[1]} but the model's hidden size is "
+                                 f"{x.shape[-1]}: they come from another model")
+            x = x.masked_scatter(mask[..., None].to(x.device), rows.to(x.device, x.dtype))
+        return x
+
+    def token_label(self, token_id: int) -> str:
+        """``"<|image|>, id 4"``: a placeholder as the tokenizer writes it and its id (the id alone without one)."""
+        if self.tokenizer is not None:
+            try:
+                return f"{self.tokenizer.decode([token_id])}, id {token_id}"
+            except Exception:  # an id the tokenizer cannot decode: the id says enough  # noqa: BLE001
+                pass
+        return f"id {token_id}"
+
+    def missing_tower(self, tower: str, inputs: str) -> ValueError:
+        """The error for media that needs a tower this model does not have, with the plan's reason."""
+        plan = self.plan
+        name = plan.model if plan is not None else "this checkpoint"
+        why = getattr(plan, "towers_skipped", {}).get(tower) if plan is not None else None
+        if why is None:
+            why = f"the checkpoint has no {tower} tower tensors (model.{tower}_tower.*)"
+        return ValueError(f"{name} cannot take {inputs}: {why}")
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Images -> feature rows ``[t*h*w/4, H]`` per image (model dtype and device): the vision tower,
+        adapter, projection and weightless norm (transformers' ``get_image_features``). ``pixel_values
+        [P, 3*2*14*14]`` and ``grid_thw [n, 3]`` as the image processor (``musecore.media``) makes them."""
+        if self.vision is None:
+            raise self.missing_tower(VISION, "images or video")
+        return self.vision.features(pixel_values, grid_thw)
+
+    def encode_videos(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Videos -> feature rows per video: the image path (transformers' ``get_video_features``)."""
+        return self.encode_images(pixel_values, grid_thw)
+
+    def encode_audio(self, input_values: torch.Tensor, mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Clips ``[n, L]`` of 24 kHz samples (right-padded; ``mask [n, L]`` True on real samples) ->
+        ``[ceil(len_i / 1920), H]`` per clip: the audio tower, each clip's real tokens, then the text
+        embedding's weightless norm (transformers' ``get_audio_features``). ``L`` that is not a multiple
+        of 1920 is zero-padded to one first, as the feature extractor pads."""
+        if self.audio is None:
+            raise self.missing_tower(AUDIO, "audio")
+        if input_values.dim() != 2:
+            raise ValueError(f"input_values has shape {list(input_values.shape)}; encode_audio takes [clips, samples]")
+        if mask is not None and tuple(mask.shape) != tuple(input_values.shape):
+            raise ValueError(f"mask has shape {list(mask.shape)} but input_values has {list(input_values.shape)}")
+        step = self.audio.samples_per_token
+        pad = -input_values.shape[1] % step
+        if pad:
+            input_values = torch.nn.functional.pad(input_values, (0, pad))
+        feats, _state = self.audio(input_values)  # [n, L/1920, H]
+        if mask is None:
+            counts = [feats.shape[1]] * feats.shape[0]
+        else:
+            counts = ((mask.sum(-1) + step - 1) // step).tolist()
+        rows = torch.cat([f[:c] for f, c in zip(feats, counts)])
+        rows = self.ops.rms_norm(rows, None, self.config.rms_norm_eps)  # the text embedding's weightless norm
+        return list(rows.split(counts))
 
     def attention_sublayer(self, i: int, x: torch.Tensor, a: torch.Tensor, positions: torch.Tensor, rope: Any,
                            cache: Optional[KVCache] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,7 +532,7 @@ class MuseModel:
     def weight_bytes(self) -> int:
         """Bytes of every tensor the model holds for its weights (not the KV cache), found by walking its
         layers: what one rank of a distributed model really keeps, for comparison with its plan."""
-        seen, total, stack = set(), 0, [self.embed_tokens, self.norm, self.lm_head, *self.layers]
+        seen, total, stack = set(), 0, [self.embed_tokens, self.norm, self.lm_head, *self.layers, self.vision, self.audio]
         while stack:
             obj = stack.pop()
             if obj is None or id(obj) in seen or isinstance(obj, (int, float, str, bool)):
@@ -448,7 +545,7 @@ class MuseModel:
             elif isinstance(obj, dict):
                 stack.extend(obj.values())
             elif hasattr(obj, "__dict__"):
-                stack.extend(v for k, v in vars(obj).items() if k not in ("ops", "comm"))
+                stack.extend(v for k, v in vars(obj).items() if k not in ("ops", "comm", "inv_freq"))
         return total
 
     # -- where checkpoint tensors go --------------------------------------------------------------
@@ -458,7 +555,8 @@ class MuseModel:
 
         Routed experts are listed under their fused names (``experts.gate_up_proj`` / ``down_proj``);
         the loader also takes producers' per-expert keys for them (:func:`musecore.loader.expert_key`).
-        The vision and audio towers are not run yet: their tensors are checked and skipped by the loader.
+        The vision and audio towers' tensors are listed when the plan loaded them (``self.vision`` /
+        ``self.audio``); the loader skips the tensors of a tower that was not loaded.
         """
         slots = {PREFIX + "embed_tokens.weight": Slot(self, "embed_tokens", "embedding"),
                  PREFIX + "norm.weight": Slot(self, "norm", "vector"),
@@ -483,6 +581,9 @@ class MuseModel:
             slots[f"{p}mlp.experts.post_expert_norm.weight"] = Slot(mlp, "post_expert_norm", "centered", i)
             for name in FUSED_EXPERT_TENSORS:
                 slots[f"{p}mlp.experts.{name}"] = Slot(mlp, name, "experts", i)
+        for tower in (self.vision, self.audio):
+            if tower is not None:
+                slots.update({name: Slot(owner, attr, role) for name, (owner, attr, role) in tower.weights().items()})
         return slots
 
 

@@ -25,9 +25,13 @@ from musecore_quant.checkpoint.experts import FUSED_EXPERT, PER_EXPERT, muse_qua
 
 PREFIX = "model.language_model."  # the text decoder's tensors (transformers' MuseSparkForConditionalGeneration)
 
-# The multimodal towers (issue: multimodal). Their tensors are part of every Muse Spark checkpoint;
-# until the towers run, the loader accepts them and skips their bytes.
-TOWER_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.", "model.audio_tower.")
+# The multimodal towers (MODEL.md section 2; musecore.towers). "vision" is the vision tower with its
+# adapter and projection to the text width (all of them or none); "audio" the audio tower. A tower the
+# plan does not load (musecore.planning.plan_towers) is skipped by the loader, its bytes never read.
+VISION, AUDIO = "vision", "audio"
+VISION_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")
+AUDIO_PREFIXES = ("model.audio_tower.",)
+TOWER_PREFIXES = VISION_PREFIXES + AUDIO_PREFIXES
 
 # Tensors kept in fp32 whatever the checkpoint dtype (transformers' _keep_in_fp32_modules_strict).
 FP32_TENSORS = (".post_attention_residual_gate.gate", ".post_feedforward_residual_gate.gate", ".mlp.gate.weight",
@@ -49,7 +53,8 @@ ROUTER = "router"
 POOLER = "pooler/unpooler"
 DENSE_MLP = "dense MLP"
 NORMS = "norms and gates"
-TOWERS = "vision/audio towers (not run)"
+TOWERS = "vision/audio towers (not loaded)"
+TOWER_GROUPS = {VISION: "vision tower", AUDIO: "audio tower"}  # the groups of a loaded tower's tensors
 
 # Dense projections that ``quantize_dense=True`` converts like the routed experts (the router, the
 # embedding, norms and the BF16 expert layers stay as they are: small, or sensitive to rounding).
@@ -64,6 +69,13 @@ _DENSE_MLP_WEIGHT = re.compile(r"\.mlp\.(gate|up|down)_proj\.weight$")
 
 def is_tower_tensor(name: str) -> bool:
     return name.startswith(TOWER_PREFIXES)
+
+
+def tower_of(name: str) -> Optional[str]:
+    """``"vision"`` or ``"audio"`` for a tower tensor (adapter and projection count as vision), else None."""
+    if name.startswith(VISION_PREFIXES):
+        return VISION
+    return AUDIO if name.startswith(AUDIO_PREFIXES) else None
 
 
 def is_fp32_tensor(name: str) -> bool:

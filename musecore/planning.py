@@ -31,10 +31,10 @@ from musecore.devices import DeviceProfile, get_profile
 from musecore.distributed import Mesh, MeshError
 from musecore.loader import fusable_format
 from musecore.model import checkpoint_shapes
-from musecore.names import (DENSE_QUANTIZABLE, TOWERS, expert_key, fusable_projections,  # noqa: F401 (re-export)
-                            fused_expert_name, is_fp32_tensor, is_tower_tensor, layer_of, op_of_weight, projection_of,
-                            weight_group)
-from musecore.ops import TEXT_OPS, TOWER_OPS, OpSpec
+from musecore.names import (AUDIO, DENSE_QUANTIZABLE, TOWER_GROUPS, TOWERS, VISION,  # noqa: F401 (re-export)
+                            expert_key, fusable_projections, fused_expert_name, is_fp32_tensor, layer_of,
+                            op_of_weight, projection_of, tower_of, weight_group)
+from musecore.ops import TEXT_OPS, OpSpec
 from musecore.planning_mesh import USABLE, MeshPlan, devices_per_node, mesh_choices, plan_mesh, propose_mesh
 
 QUANTIZED = tuple(name for name, f in FACTS.items() if f.quantized)
@@ -99,6 +99,8 @@ class Plan:
     kernels: list[KernelChoice] = field(default_factory=list)  # every kernel decision of the backend
     mesh: Optional[MeshPlan] = None           # the ranks asked for (tp/ep/sp); None on one device
     proposed_mesh: Optional[MeshPlan] = None  # without a mesh, for a model one device cannot hold
+    towers: tuple[str, ...] = ()              # the towers loaded ("vision", "audio"): plan_towers
+    towers_skipped: dict[str, str] = field(default_factory=dict)  # a tower in the checkpoint, not loaded: why
 
     @property
     def fits(self) -> bool:
@@ -127,6 +129,7 @@ class Plan:
                 "kernels": [asdict(k) for k in self.kernels],
                 "mesh": None if self.mesh is None else self.mesh.to_dict(),
                 "proposed_mesh": None if self.proposed_mesh is None else self.proposed_mesh.to_dict(),
+                "towers": {"loaded": list(self.towers), "skipped": dict(self.towers_skipped)},
                 "gaps": self.gaps, "notes": self.notes, "ok": not self.gaps}
 
     def to_json(self) -> str:
@@ -203,7 +206,7 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
     rows: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, ""])
     for name, src in summary.formats.items():
         group, quantizable = weight_group(name, config)
-        if group == TOWERS:  # read past, not loaded: nothing to convert, no memory
+        if group == TOWERS:  # the towers' tensors: tower_groups() when the plan loads them
             continue
         quantizable = quantizable or group in converted_dense
         numel = math.prod(summary.shapes[name])
@@ -237,6 +240,105 @@ def resolve_groups(summary: CheckpointSummary, profile: DeviceProfile, dtype_lab
     groups = [GroupPlan(g, n, p, s, t, a, action, b, note)
               for (g, s, t, a, action), (n, p, b, note) in sorted(rows.items(), key=lambda kv: kv[0][0])]
     return groups, targets
+
+
+def tower_groups(summary: CheckpointSummary, towers: Collection[str], dtype_label: str
+                 ) -> tuple[list[GroupPlan], dict[str, tuple[str, Optional[str]]]]:
+    """The loaded towers' tensors: every one in the model dtype (the quantization rule covers routed
+    experts only; a quantized tower tensor is dequantized), one group per tower."""
+    targets: dict[str, tuple[str, Optional[str]]] = {}
+    rows: dict[tuple, list] = defaultdict(lambda: [0, 0, 0])
+    for name, src in summary.formats.items():
+        tower = tower_of(name)
+        if tower not in towers:
+            continue
+        numel = math.prod(summary.shapes[name])
+        action = "keep" if src == dtype_label else (f"cast {src}->{dtype_label}" if src in DENSE
+                                                     else f"dequantize {src}->{dtype_label}")
+        targets[name] = (dtype_label, None)
+        row = rows[(TOWER_GROUPS[tower], src, action)]
+        row[0], row[1], row[2] = row[0] + 1, row[1] + numel, row[2] + weight_bytes(dtype_label, numel)
+    groups = [GroupPlan(g, n, p, src, dtype_label, None, action, b)
+              for (g, src, action), (n, p, b) in sorted(rows.items())]
+    return groups, targets
+
+
+Towers = Union[None, bool, str, Collection[str]]
+
+
+def requested_towers(towers: Towers, present: list[str]) -> tuple[list[str], bool]:
+    """(the towers to consider, whether a tower that cannot run is only skipped (True) or a gap)."""
+    if towers is None:
+        return present, True
+    if isinstance(towers, bool):
+        return (present if towers else []), False
+    names = [n.strip() for n in towers.split(",")] if isinstance(towers, str) else list(towers)
+    unknown = [n for n in names if n not in (VISION, AUDIO)]
+    if unknown:
+        raise ValueError(f"towers: unknown tower(s) {unknown}; choose from ['vision', 'audio'] (or True/False)")
+    return [t for t in (VISION, AUDIO) if t in names], False
+
+
+def plan_towers(summary: CheckpointSummary, towers: Towers, text_ops: list[OpChoice], pick: Any,
+                dtype_label: str, device: str, mesh: Optional[Mesh]) -> tuple[list[str], dict[str, str],
+                                                                              list[OpChoice], list[str]]:
+    """Which vision/audio towers the plan loads: ``(loaded, skipped {tower: why}, their op choices, gaps)``.
+
+    ``towers=None`` (the default): every tower whose tensors the checkpoint has, when the plan can run
+    all of its ops under the same policy as the text decoder's (native, or emulated with
+    ``allow_emulation``, or the reference with ``allow_reference``); a tower that cannot run is not
+    loaded and the plan says why (a note, not a gap), so a text-only run plans and loads on every
+    backend, with or without the tower ops. ``towers=True`` (or ``"vision"``, ``("vision", "audio")``)
+    requires them: what keeps one from running is a gap. ``towers=False`` loads none.
+    ``pick(spec)`` chooses one op (:func:`choose` with the plan's policy).
+    """
+    from musecore.config import ConfigError
+    from musecore.towers import TOWER_OP_NEEDS
+    from musecore.towers.audio import check_audio_config
+    from musecore.towers.vision import check_vision_config
+
+    present = [t for t in (VISION, AUDIO) if any(tower_of(n) == t for n in summary.formats)]
+    wanted, optional = requested_towers(towers, present)
+    loaded, skipped, chosen, gaps = [], {}, [], []
+    known = {(c.op, c.weight_format, c.act_format): c for c in text_ops}
+    for tower in wanted:
+        if tower not in present:
+            gaps.append(f"towers={towers!r}: the checkpoint has no {tower} tower tensors (model.{tower}_tower.*)")
+            continue
+        why = None
+        if mesh is not None:
+            why = f"the towers run on one device; this plan splits the model over {mesh.world} ranks"
+        else:
+            try:
+                (check_vision_config if tower == VISION else check_audio_config)(summary.config)
+            except ConfigError as e:
+                why = str(e)
+        specs = [OpSpec(op, device=device) for op in TOWER_OP_NEEDS[tower]]
+        specs.append(OpSpec("linear", weight_format=dtype_label, device=device))  # BF16 weights, never quantized
+        choices = []
+        for spec in specs:
+            keyed = spec.op in ("linear", "moe")
+            key = (spec.op, spec.weight_format if keyed else None, spec.act_format if keyed else None)
+            choices.append(known.get(key) or pick(spec))
+        missing = [c for c in choices if c.tier == Tier.NO.value]
+        if why is None and missing:
+            why = "; ".join(f"{c.op}: " + ("; ".join(c.candidates) or c.reason) + f" -> {c.reason}" for c in missing)
+            why = f"its ops cannot run here ({why})"
+        if why is not None:
+            if optional:
+                skipped[tower] = f"the {tower} tower was not loaded: {why}"
+            else:
+                gaps.append(f"{tower} tower (towers={towers!r}): {why}")
+            continue
+        loaded.append(tower)
+        for c in choices:
+            key = (c.op, c.weight_format, c.act_format)
+            if key not in known:
+                known[key] = c
+                chosen.append(c)
+    if towers is False and present:
+        skipped.update({t: f"the {t} tower was not loaded: towers=False" for t in present})
+    return loaded, skipped, chosen, gaps
 
 
 # -- op choices ------------------------------------------------------------------------------------
@@ -366,7 +468,7 @@ def kv_bytes(config: MuseConfig, context: int, kv_format: str) -> int:
 def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False, allow_emulation: bool = False,
               allow_reference: bool = False, dtype_label: str = "bf16", kv_format: str = "bf16",
               kv_context: int = DEFAULT_CONTEXT, records: Optional[dict] = None,
-              quantize_dense: DenseGroups = None, mesh: Optional[Mesh] = None) -> Plan:
+              quantize_dense: DenseGroups = None, mesh: Optional[Mesh] = None, towers: Towers = None) -> Plan:
     """Resolve the plan for ``summary`` on the catalog device ``device`` (no weights read).
 
     ``quantize_dense``: also convert the attention, pooler/unpooler and lm_head projections (True),
@@ -384,6 +486,9 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     it raises :class:`~musecore.distributed.MeshError`) plans the model over ``mesh.world`` ranks: the plan's
     ``mesh`` holds each rank's weight and KV bytes, whether a rank fits and the bytes each collective moves
     per token (:mod:`musecore.planning_mesh`). Without one, a model that does not fit gets ``proposed_mesh``.
+
+    ``towers``: which vision/audio towers to load (:func:`plan_towers`; default: those the checkpoint
+    has and the plan can run, the others skipped with the reason in ``towers_skipped`` and the notes).
     """
     from musecore.backends.registry import discover
 
@@ -427,13 +532,20 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     groups, targets = resolve_groups(summary, profile, dtype_label, converted_dense, resident)
     kernels = ([] if backend is None else
                _asking(backend, "kernel_choices", notes, [], linear_shapes(summary.config, targets), profile))
-    towers = sum(1 for name in summary.formats if is_tower_tensor(name))
-    if towers:
-        notes.append(f"{towers} vision/audio tower tensors are in the checkpoint and skipped: musecore runs the text "
-                     "decoder (the towers are not implemented yet)")
-    ops = [choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
-           for spec in needed_specs(targets, kv_format, device)]
+    def pick(spec: OpSpec) -> OpChoice:
+        return choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
+
+    ops = [pick(spec) for spec in needed_specs(targets, kv_format, device)]
+    loaded, skipped, tower_ops, tower_gaps = plan_towers(summary, towers, ops, pick, dtype_label, device, mesh)
+    ops += tower_ops
+    if loaded:
+        more_groups, more_targets = tower_groups(summary, loaded, dtype_label)
+        groups, targets = groups + more_groups, {**targets, **more_targets}
+    for tower, why in skipped.items():
+        count = sum(1 for name in summary.formats if tower_of(name) == tower)
+        notes.append(f"{why}; its {count} tensors are skipped (model.{tower} is None)")
     gaps = ([f"{hardware_gap}"] if hardware_gap else []) + unquantizable(summary, targets)
+    gaps += [] if hardware_gap else tower_gaps
     for c in ops:
         if c.tier == Tier.NO.value and not hardware_gap:
             what = f"{c.op}" + (f" [{c.weight_format} weights, {c.act_format or '16-bit'} activations]" if c.weight_format else "")
@@ -452,7 +564,8 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     mesh_plan = None if mesh is None else over(mesh)
     plan = Plan(summary.name, device, profile, REFERENCE if emulate else backend_name, mode, summary.format,
                 groups, ops, memory, device_memory, kv_context, gaps, notes, targets,
-                summary.config.num_parameters(), summary.config.num_active_parameters(), list(kernels), mesh_plan)
+                summary.config.num_parameters(), summary.config.num_active_parameters(), list(kernels), mesh_plan,
+                towers=tuple(loaded), towers_skipped=skipped)
     if mesh_plan is not None and not mesh_plan.fits:
         plan.notes.append(f"does not fit: a rank of {mesh_plan.label} needs {mesh_plan.rank_bytes / 2**30:.1f} GiB, "
                           f"one {device} has {device_memory / 2**30:.0f} GiB (90% usable)")
