@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .errors import MediaError, require
+from .image import as_tensor
 from .sources import decode_base64, describe, is_source, resolve, subject
 
 SAMPLING_RATE = 24000
@@ -86,8 +87,8 @@ def load_audio(src: Any, sampling_rate: Optional[int] = None, *, name: Optional[
             raise MediaError(f"{label} is {rate} Hz but sampling_rate={sampling_rate} was given; drop "
                              f"sampling_rate for files (it is read from the file)")
     else:
-        raise MediaError(f"{subject('audio', describe(src, name))}: expected a path, bytes, data: URL, input_audio dict or "
-                         f"1-D array, got {type(src).__name__}")
+        raise MediaError(f"{subject('audio', describe(src, name))}: expected a path, bytes, data: URL, input_audio "
+                         f"dict or 1-D array, got {type(src).__name__}")
     if rate <= 0:
         raise MediaError(f"{label}: sampling rate {rate} Hz is not positive; pass the rate the audio was "
                          f"recorded at")
@@ -165,7 +166,7 @@ def process_audio(waves: Sequence[torch.Tensor], settings: AudioSettings = Audio
 
 
 def _array_to_mono(array: Any, label: str) -> torch.Tensor:
-    tensor = array.detach().cpu() if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
+    tensor = array.detach().cpu() if isinstance(array, torch.Tensor) else as_tensor(array)
     if tensor.ndim != 1:
         raise MediaError(f"{label} has shape {tuple(tensor.shape)}; pass a 1-D mono waveform "
                          f"(average the channels first, e.g. x.mean(axis=0))")

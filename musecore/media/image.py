@@ -271,7 +271,7 @@ def _pil_to_rgb(image: Any, label: str):
 def _array_to_rgb(array: Any, label: str, max_pixels: int):
     """A uint8 ``[H, W]`` / ``[H, W, 1|3|4]`` array -> RGB PIL, as transformers' tensor path converts it."""
     Image = require("PIL.Image")
-    tensor = array.detach().cpu() if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
+    tensor = array.detach().cpu() if isinstance(array, torch.Tensor) else as_tensor(array)
     if tensor.dtype != torch.uint8:
         raise MediaError(f"{label} is a {tensor.dtype} array; pass uint8 values in 0..255 "
                          f"(e.g. (x * 255).round().astype(np.uint8)) or a PIL image")
@@ -289,6 +289,12 @@ def _array_to_rgb(array: Any, label: str, max_pixels: int):
         blended = rgba[..., :3] * rgba[..., 3:] + (1 - rgba[..., 3:])
         tensor = blended.mul(255 + 1.0 - 1e-3).to(torch.uint8)
     return Image.fromarray(np.ascontiguousarray(tensor.numpy()))
+
+
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a CPU tensor, copied only when numpy marks it read-only or non-contiguous."""
+    array = np.ascontiguousarray(array)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 def _reason(exc: BaseException) -> str:

@@ -133,7 +133,8 @@ class MediaProcessor:
                 stamps.append(stamps[-1] if stamps else 0.0)
             text = t["video_start_token"]
             for g, stamp in enumerate(stamps):
-                text += self.video_settings.frame_timestamp_format.format(timestamp=stamp) + t["video_token"] * per_group
+                text += self.video_settings.frame_timestamp_format.format(timestamp=stamp)
+                text += t["video_token"] * per_group
                 text += t["video_sep_token"] if g < groups - 1 else t["video_end_token"]
             return text
         if kind == "audio":

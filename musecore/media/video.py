@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import MediaError, require
-from .image import (IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, MAX_PIXELS, _RESAMPLE, load_image,
+from .image import (IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, MAX_PIXELS, _RESAMPLE, as_tensor, load_image,
                     rescale_and_normalize, resize_uint8, smart_resize)
 from .sources import describe, is_source, resolve, subject
 
@@ -193,7 +193,7 @@ def _frames_tensor(src: Any, label: str, max_pixels: int) -> torch.Tensor:
                              f"pass frames of one size")
         return torch.from_numpy(np.stack(images))
     if isinstance(src, (np.ndarray, torch.Tensor)):
-        frames = src.detach().cpu() if isinstance(src, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(src))
+        frames = src.detach().cpu() if isinstance(src, torch.Tensor) else as_tensor(src)
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != torch.uint8:
             raise MediaError(f"{label} has shape {tuple(frames.shape)} and dtype {frames.dtype}; pass uint8 "
                              f"[frames, height, width, 3] (RGB, channels last)")
@@ -250,8 +250,9 @@ def _count_frames(container, stream, rate: float, label: str) -> tuple[int, floa
             last = frame.time
     if count == 0:
         raise MediaError(f"{label} has no frames; pass a non-empty video")
-    if rate <= 0:
-        rate = (count - 1) / (last - first) if count > 1 and last and first is not None and last > first else DEFAULT_FPS
+    if rate <= 0:  # no average rate either: frames over the time they span, else transformers' 24
+        spans = count > 1 and first is not None and last is not None and last > first
+        rate = (count - 1) / (last - first) if spans else DEFAULT_FPS
     return count, rate
 
 

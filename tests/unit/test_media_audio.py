@@ -17,7 +17,7 @@ import torch
 
 sf = pytest.importorskip("soundfile", reason="the media extra (soundfile) is not installed")
 
-from musecore.media import MediaError, load_audio, process_audio, resample  # noqa: E402
+from musecore.media import load_audio, process_audio, resample  # noqa: E402
 
 
 def torchaudio_resample(wave: torch.Tensor, orig: int, new: int, width_zeros: int = 6, rolloff: float = 0.99):

@@ -114,7 +114,8 @@ def test_wrong_image_arrays_and_types():
 def test_bad_audio(files):
     one_line_error(load_audio, files / "zero.wav", match="zero.wav has no samples \\(zero length\\)")
     one_line_error(load_audio, np.zeros(0, np.float32), match="audio array has no samples")
-    one_line_error(load_audio, files / "junk.wav", match="junk.wav cannot be decoded .*corrupt or an unsupported format")
+    one_line_error(load_audio, files / "junk.wav",
+                   match="junk.wav cannot be decoded .*corrupt or an unsupported format")
     one_line_error(load_audio, files / "ok.png", match="ok.png has no audio stream")
     one_line_error(load_audio, np.zeros((2, 10)), match="shape \\(2, 10\\); pass a 1-D mono waveform")
     one_line_error(load_audio, np.array([np.nan], np.float32), match="NaN or infinite")

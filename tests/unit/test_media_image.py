@@ -62,7 +62,8 @@ def class_defaults(path: Path, cls: str) -> dict:
 
 
 tf_smart_resize = transformers_function(GLIMMER / "image_processing_muse_glimmer.py", "smart_resize")
-tf_patchify = transformers_function(GLIMMER / "image_processing_muse_glimmer.py", "patchify", "MuseGlimmerImageProcessor")
+tf_patchify = transformers_function(GLIMMER / "image_processing_muse_glimmer.py", "patchify",
+                                    "MuseGlimmerImageProcessor")
 
 
 def reference_pixel_values(image) -> tuple[torch.Tensor, list]:

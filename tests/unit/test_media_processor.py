@@ -48,7 +48,8 @@ def test_token_strings_come_from_the_checkpoint_tokenizer_config():
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(TINY))
     processor = MediaProcessor.from_pretrained(TINY)
-    assert processor.tokens == {k: getattr(tokenizer, k, default) for k, default in transformers_token_defaults().items()}
+    defaults = transformers_token_defaults()
+    assert processor.tokens == {key: getattr(tokenizer, key, default) for key, default in defaults.items()}
     assert processor.token_strings == {"image": "<|image|>", "video": "<|video|>", "audio": "<|audio|>"}
 
 
