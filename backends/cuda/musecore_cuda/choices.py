@@ -124,10 +124,13 @@ def _fp8_token_choices(shape: LinearShape) -> list[KernelChoice]:
         return [KernelChoice(f"{label}, any T", "per-token E4M3 quantize (Triton) + Triton FP8 grouped GEMM (wgmma): "
                              "gate+up+SwiGLU (fp32), per-token requantize, down, finalize",
                              f"{why}; tiles {small.block_m}x{small.block_n} up to 64 rows per expert, "
-                             f"{large.block_m}x{large.block_n}x{large.block_k} beyond")]
+                             f"{large.block_m}x{large.block_n}x{large.block_k} beyond, partial sums promoted to fp32 "
+                             "every 128 K. H200, 816B layer vs BF16 experts: 1.05x at T=1 (NVFP4 2.19x), 2.14x at "
+                             "T=16, 1.61x at T=256, 1.97x at T=8192 (NVFP4 0.81x)")]
     return [KernelChoice(f"linear {shape.name} fp8 {k}->{n}, any M",
                          "per-token E4M3 quantize (Triton) + cuBLASLt row-wise scaled FP8 GEMM (torch._scaled_mm)",
-                         f"{why}; M padded to 16 rows")]
+                         f"{why}; M padded to 16 rows. H200 vs BF16 cuBLAS at M=4096: 1.0-1.6x (the per-token "
+                         "quantization is up to a third of it on an 8192->1024 weight); at M=256 0.53-1.46x")]
 
 
 def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
