@@ -136,20 +136,23 @@ class EncoderCache:
         found: dict[str, torch.Tensor] = {}
         missing: list[int] = []
         pending: set[str] = set()
-        for i, key in enumerate(keys):
-            if key in found or key in pending:
-                self.hits += 1
-                continue
-            value = self.get(key)
-            if value is None:
-                missing.append(i)
-                pending.add(key)
-                self.misses += 1
-            else:
-                found[key] = value
-                self.hits += 1
-        if missing:
-            self.encoder_calls += 1
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in found or key in pending:
+                    self.hits += 1
+                    continue
+                value = self._entries.get(key)
+                if value is None:
+                    missing.append(i)
+                    pending.add(key)
+                    self.misses += 1
+                else:
+                    self._entries.move_to_end(key)
+                    found[key] = value
+                    self.hits += 1
+            if missing:
+                self.encoder_calls += 1
+        if missing:  # the encoder runs outside the lock
             outputs = encoder(missing)
             if len(outputs) != len(missing):
                 raise ValueError(f"the encoder returned {len(outputs)} outputs for {len(missing)} inputs")
@@ -304,6 +307,8 @@ def _short(value: Any) -> str:
 
 def has_media(messages: Any) -> bool:
     """Whether any message has a content part other than text (cheap: parses nothing)."""
+    if not isinstance(messages, (list, tuple)):
+        return False
     return any(isinstance(m, Mapping) and isinstance(m.get("content"), list)
                and any(not (isinstance(p, Mapping) and p.get("type") == "text") for p in m["content"])
                for m in messages)

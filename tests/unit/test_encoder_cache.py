@@ -141,3 +141,15 @@ def test_one_cache_per_model_made_on_first_use(monkeypatch):
     model = Model()
     cache = encoder_cache(model)
     assert cache is encoder_cache(model) is model.encoder_cache and cache.max_bytes == 1 << 20
+
+
+def test_an_encoder_that_fails_leaves_the_cache_as_it_was():
+    cache = EncoderCache(1 << 20)
+    cache.put("old", torch.zeros(2, 4))
+
+    def broken(indices):
+        raise RuntimeError("tower failed")
+
+    with pytest.raises(RuntimeError, match="tower failed"):
+        cache.encode(["old", "new"], broken)
+    assert "old" in cache and "new" not in cache and cache.bytes == 32
