@@ -229,9 +229,11 @@ def check_finite_logits(model: Any, logits: torch.Tensor, when: str,
                                f"numerics are broken, so no token is generated{located}")
 
 
-def first_non_finite_stage(model: Any, ids: torch.Tensor, positions: Optional[torch.Tensor]) -> Optional[str]:
+def first_non_finite_stage(model: Any, ids: torch.Tensor, positions: Optional[torch.Tensor],
+                           media: Optional[Media] = None) -> Optional[str]:
     """Recompute the prompt stage by stage (embedding, each layer's attention and MLP, lm_head) without a
-    KV cache and name the first stage whose output has a NaN or Inf on a real (non-padding) token."""
+    KV cache and name the first stage whose output has a NaN or Inf on a real (non-padding) token.
+    ``media``: the prefill's features, spliced into the embedding as the prefill did."""
     prefix = "model.language_model."
     real = (positions >= 0) if positions is not None else torch.ones(ids.shape, dtype=torch.bool)
     real = real.to(model.device)
@@ -240,9 +242,10 @@ def first_non_finite_stage(model: Any, ids: torch.Tensor, positions: Optional[to
         return any(not bool(torch.isfinite(t[real]).all()) for t in tensors)
 
     with torch.inference_mode():
-        x, a, pos, rope = model.embed(ids, positions)
+        x, a, pos, rope = model.embed(ids, positions, None, media) if media else model.embed(ids, positions)
         if bad(x, a):
-            return f"the embedding ({prefix}embed_tokens, or layer 0's input_layernorm)"
+            where = "the embedding or the media features spliced into it" if media else "the embedding"
+            return f"{where} ({prefix}embed_tokens, or layer 0's input_layernorm)"
         for i in range(len(model.layers)):
             h, m = model.attention_sublayer(i, x, a, pos, rope)
             if bad(h, m):
@@ -452,7 +455,7 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
     # generated tokens, never placeholders.
     extra = {"media": media} if media else {}
     logits = model.forward(ids, positions=positions, cache=cache, **extra)[:, -1]  # [B,V] fp32
-    check_finite_logits(model, logits, "the prefill (the first new token)", lambda: (ids, positions))
+    check_finite_logits(model, logits, "the prefill (the first new token)", lambda: (ids, positions, media))
     sampled = sample(logits)  # [B] on the device
     live = torch.ones(B, dtype=torch.bool, device=device)
     next_position = next_position.to(device)

@@ -498,3 +498,12 @@ def test_a_video_prompt_equals_transformers_on_the_same_frames(pair, tmp_path):
                     video_grid_thw=video.grid_thw).logits
     err = relative_error(ours, theirs)
     assert err <= 1e-4, f"video prompt logits differ from transformers by {err:.2e} of max |logit| (tolerance 1e-4)"
+
+
+def test_nan_features_are_named_when_debugging(model, monkeypatch):
+    from musecore.generate import NonFiniteLogitsError
+    monkeypatch.setenv("MUSECORE_DEBUG", "1")
+    monkeypatch.setattr(model, "encode_images", lambda pixels, grid: [torch.full((4, model.config.hidden_size),
+                                                                               float("nan"))])
+    with pytest.raises(NonFiniteLogitsError, match="the embedding or the media features spliced into it"):
+        model.chat(user({"type": "image", "image": image(1)}, {"type": "text", "text": "?"}), max_new_tokens=1)
