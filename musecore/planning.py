@@ -11,6 +11,12 @@ implementation is a gap unless ``allow_emulation`` / ``allow_reference`` opt in 
 all gaps are listed at once. ``musecore.load`` executes a plan that has none. Over a mesh of ranks
 (``tp``/``ep``/``sp``) the plan adds each rank's memory and the bytes its collectives move, and
 for a model one device cannot hold it proposes a mesh (:mod:`musecore.planning_mesh`).
+
+The vision and audio towers (:func:`plan_towers`) add their ops (``musecore.ops.TOWER_OPS``, plus
+``linear`` on model-dtype weights and ``rms_norm``) and their memory only when the plan loads them:
+by default each tower the checkpoint has, if its ops can run under the same policy; a tower that
+cannot run is left out with the reason in ``plan.towers_skipped`` and the notes, never a gap, so a
+text-only run plans alike with or without a backend's tower ops. ``towers=True`` makes it a gap.
 """
 
 from __future__ import annotations

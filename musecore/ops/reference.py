@@ -202,11 +202,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     bounds = cu_seqlens.tolist()
     for start, stop in zip(bounds[:-1], bounds[1:]):  # one segment (an image, a frame or a window) at a time
-        if stop <= start:
-            continue
-        qs, ks, vs = (t[start:stop].float() for t in (q, k, v))  # [n,nh,d]
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        out[start:stop] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs)
+        ks, vs = k[start:stop].float(), v[start:stop].float()  # [n,nh,d]
+        for q0 in range(start, stop, 1024):  # query blocks bound the [nh, 1024, n] scores of a large frame
+            q1 = min(q0 + 1024, stop)
+            scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), ks) * scale
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs)
     return out.to(q.dtype)
 
 

@@ -78,6 +78,15 @@ def test_varlen_attention_over_packed_segments_equals_attention_per_segment():
         start += n
 
 
+def test_varlen_attention_on_a_segment_longer_than_a_query_block():
+    """The reference takes queries 1024 at a time; a 1500-token segment must still see all of itself."""
+    q, k, v = (torch.randn(1500, 1, 4, generator=gen(i)) for i in range(3))
+    got = ref.varlen_attention(q, k, v, torch.tensor([0, 1500], dtype=torch.int32), 0.5)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          scale=0.5).transpose(0, 1)
+    assert_close(got, want, 1e-5, "1500-token segment")
+
+
 def test_varlen_attention_segments_do_not_see_each_other():
     q, k, v = (torch.randn(12, 2, 4, generator=gen(i)) for i in range(3))
     cu = torch.tensor([0, 7, 12], dtype=torch.int32)
