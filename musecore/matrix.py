@@ -86,6 +86,9 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("cpu", "bf16", "bf16", "the reference: BF16 weights, fp32 math"),
     RowSpec("b300", "nvfp4 (W4A4)", "nvfp4", "NVFP4 experts and NVFP4 activations (calibrated static scales)"),
     RowSpec("h200", "nvfp4 (W4A16)", "nvfp4", "NVFP4 experts upcast in registers, BF16 activations"),
+    RowSpec("h200-fp8", "fp8 W8A8 per token (requantized from nvfp4)", "nvfp4",
+            "the throughput option: NVFP4 experts requantized to FP8 E4M3 at load (per-expert scale, ModelOpt rule), "
+            "FP8 activations with a dynamic scale per token"),
     RowSpec("mi355x", "mxfp4 (requantized from nvfp4, EVEN)", "nvfp4",
             "the NVFP4 checkpoint requantized to MXFP4 at load by Quark's EVEN rule (producer parity); "
             "MXFP4 activations"),
