@@ -173,6 +173,8 @@ class XeonBackend(Backend):
         else:
             resident = prepare_dense(weight, dtype, self.cpu.native_bf16_dot, calibrate=role != "embedding")
             data = resident.weight
+            fmt = weight_format_of(data)  # the dtype it runs in, which the plan keys dense linears by (a bf16
+            # checkpoint loaded with dtype=float32 runs fp32), as the reference backend and prepare_experts say
         return Weight(data=data, format=fmt, out_features=resident.out_features, in_features=resident.in_features,
                       extra={"linear": resident, "role": role})
 

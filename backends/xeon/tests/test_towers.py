@@ -74,3 +74,24 @@ def test_the_backend_runs_varlen_attention_in_its_dense_dtype(xeon: XeonBackend)
     out = xeon.varlen_attention(q, k, v, cu(12, 8), 0.25)
     assert_nmse(ref.varlen_attention(q, k, v, cu(12, 8), 0.25), out, tolerance("varlen_attention"),
                 f"XeonBackend.varlen_attention ({xeon.dense_dtype})")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-9), (torch.bfloat16, 1e-4)])
+def test_muse_tiny_towers_on_xeon_equal_the_reference_backend(dtype, tol):
+    """The bundled muse-tiny's (random) towers loaded for xeon and for the reference: the plan binds the tower ops
+    to xeon, and images of odd grids (several 32x32-patch windows, a video) and clips with a mask encode the same.
+    fp32: the same math in another order (NMSE ~1e-13 measured); bf16: roundings at the same points."""
+    import musecore
+    xeon = musecore.load("muse-tiny", device="xeon", dtype=dtype)
+    reference = musecore.load("muse-tiny", device="cpu", dtype=dtype)
+    assert {xeon.ops.sources[op] for op in TOWER_OPS} == {f"xeon.{op}" for op in TOWER_OPS}
+    gen = torch.Generator().manual_seed(0)
+    grid = torch.tensor([[1, 6, 10], [2, 4, 4], [1, 40, 36]])  # the last: windows of 32x32, 32x4, 8x32 and 8x4
+    pixels = torch.randn(int(grid.prod(-1).sum()), 1176, generator=gen)
+    audio = 0.3 * torch.randn(2, 1920 * 5, generator=gen)
+    mask = torch.ones_like(audio, dtype=torch.bool)
+    mask[1, 1920 * 3 + 17:] = False
+    for what, encode in (("images", lambda m: m.encode_images(pixels, grid)),
+                         ("audio", lambda m: m.encode_audio(audio, mask))):
+        assert_nmse(torch.cat(encode(reference)).float(), torch.cat(encode(xeon)).float(), tol,
+                    f"muse-tiny {what} on xeon vs reference ({dtype})")
