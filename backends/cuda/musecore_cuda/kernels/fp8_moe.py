@@ -17,7 +17,7 @@ No host sync anywhere, so a decode step with it is captured in a CUDA graph. ``t
 tiles lowers to wgmma on SM90 (FP8 tensor cores). Those keep their partial sums at reduced precision,
 and Triton's SM90 default never promotes them (measured on the H200: NMSE ~3e-5 against exact fp32
 sums on a 256-wide expert, flipping E4M3 codes of ``h``); the kernel adds them into the fp32
-accumulator once per 128-deep K tile by default (DeepSeek-V3's interval): 4% slower than never at
+accumulator once per 128-deep K tile by default (DeepSeek-V3's interval): 12% slower than never at
 prefill, where promoting after every wgmma spilled registers and ran 40x slower.
 """
 
@@ -144,8 +144,9 @@ def fp8_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate, up,
             post_norm: torch.Tensor, post_eps: float, accumulate: str = ACC_PER_TILE) -> torch.Tensor:
     """The ``moe`` op over FP8 expert stacks (:class:`musecore_cuda.fp8.Fp8Resident` ``[E, N, K]``); fp32 ``[T, h]``.
     ``accumulate``: "per-tile" (default), "precise" or "fast" (the kernel's ``ACC``). Measured on the H200
-    (816B layer, ``musecore bench --backend cuda --case fp8``): at 8192 tokens per-tile 12.2 ms, fast 11.7 ms,
-    precise 511 ms (two extra 128x128 fp32 partial tiles spill registers); at 256 tokens 3.68 / 3.66 / 4.5 ms."""
+    (816B layer, ``benchmarks/results/h200_issue26/run3_final_fp8_moe``): at 8192 tokens per-tile 12.0 ms, fast
+    10.7 ms, precise 509 ms (two extra 128x128 fp32 partial tiles spill registers); at 256 tokens 3.67 / 3.65 /
+    4.49 ms."""
     T, topk = ids.shape
     width = z.shape[-1]
     check_post_norm(post_norm, width)
