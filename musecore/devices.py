@@ -82,10 +82,11 @@ _HOPPER = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"), nvfp4=("nvfp4", None, 
 # rule) and run W8A8 on FP8 tensor cores with dynamic per-token activation scales ("fp8-token"). Faster from
 # prefill-sized batches up (FP8 tensor cores at ~2x BF16's rate; W4A16 GEMMs are slower than BF16 there), slower at
 # decode (8 bits per weight read instead of 4.5), and ~1.8x the memory of NVFP4 for the experts.
-_HOPPER_FP8 = _rules(bf16=("fp8", "fp8-token", "quantized to FP8 E4M3 at load (per-tensor scale); W8A8, per-token activations"),
+_FP8_TOKEN = "W8A8, per-token activations"
+_HOPPER_FP8 = _rules(bf16=("fp8", "fp8-token", f"quantized to FP8 E4M3 at load (per-tensor scale); {_FP8_TOKEN}"),
                      fp8=("fp8", "fp8", "W8A8 with the checkpoint's per-tensor activation scales"),
-                     nvfp4=("fp8", "fp8-token", "requantized to FP8 E4M3 at load (per-tensor scale); W8A8, per-token activations"),
-                     mxfp4=("fp8", "fp8-token", "requantized to FP8 E4M3 at load (per-tensor scale); W8A8, per-token activations"),
+                     nvfp4=("fp8", "fp8-token", f"requantized to FP8 E4M3 at load (per-tensor scale); {_FP8_TOKEN}"),
+                     mxfp4=("fp8", "fp8-token", f"requantized to FP8 E4M3 at load (per-tensor scale); {_FP8_TOKEN}"),
                      int4=("bf16", None, "no INT4 kernels: dequantized to BF16"))
 _GFX950 = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"),
                  nvfp4=("mxfp4", "mxfp4", "NVFP4 requantized to MXFP4 (EVEN scales) at load; W4A4"),

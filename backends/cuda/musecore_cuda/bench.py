@@ -360,7 +360,8 @@ def _fp8_moe_rows(be, ceiling, gpu, tokens, experts, topk, width, inter) -> list
     shapes = ((experts, inter, width), (experts, inter, width), (experts, width, inter))
     stacks = {"fp8": be.prepare_experts(*(random_fp8(s) for s in shapes), act_format=TOKEN_ACT),
               "nvfp4": be.prepare_experts(*(random_fp4("nvfp4", s) for s in shapes)),
-              "bf16": be.prepare_experts(*(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02 for s in shapes))}
+              "bf16": be.prepare_experts(*(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02
+                                           for s in shapes))}
     per_expert = {"fp8": 3 * inter * width, "bf16": 6 * inter * width,
                   "nvfp4": sum(s.nbytes for s in (stacks["nvfp4"].gate, stacks["nvfp4"].up,
                                                   stacks["nvfp4"].down)) // experts}

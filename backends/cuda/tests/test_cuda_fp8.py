@@ -143,7 +143,8 @@ def test_gpu_quantize_rows_kernel_is_bit_exact(dtype):
     q_cpu, s_cpu = quantize_rows(x)
     q, s = quantize_rows_gpu(x.cuda())
     diff = int((q.cpu().view(torch.uint8) != q_cpu.view(torch.uint8)).sum())
-    assert diff == 0 and torch.equal(s.cpu(), s_cpu), f"{diff} codes differ; scales equal: {torch.equal(s.cpu(), s_cpu)}"
+    same_scales = torch.equal(s.cpu(), s_cpu)
+    assert diff == 0 and same_scales, f"{diff} codes differ; scales equal: {same_scales}"
 
 
 @pytest.mark.gpu
