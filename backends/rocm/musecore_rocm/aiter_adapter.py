@@ -1,35 +1,178 @@
-"""AMD's aiter (ROCm/aiter; PyPI ``amd-aiter``) as an optional plan candidate: never required.
+"""AMD's aiter (ROCm/aiter; PyPI ``amd-aiter``) as an optional plan candidate: never required, opt-in.
 
-On a ROCm host with aiter installed, ``aiter.fused_moe(..., quant_type=QuantType.per_1x32)`` (MXFP4
-MoE, weights pre-shuffled with ``shuffle_weight`` / ``e8m0_shuffle``) and ``gemm_a4w4`` are the
-vendor's tuned kernels beside this backend's Triton ones. This module answers whether they are
-usable here and why not, and holds aiter's preshuffled weight/scale layouts as tested permutations
-(below); the calls into aiter's kernels are not written (no ROCm host was reachable to check their
-arguments), so aiter is never selected yet. Its absence is a plan reason, not an error. Note that the PyPI name ``aiter`` is an unrelated asyncio package: the
-import alone does not prove AMD's library is present, so the check looks for ``fused_moe``.
+On a gfx950 ROCm host with aiter installed, ``aiter.fused_moe(..., quant_type=QuantType.per_1x32)`` (MXFP4
+MoE on weights pre-shuffled with ``shuffle_weight`` / ``e8m0_shuffle``) and ``gemm_a4w4`` (MXFP4 W4A4 GEMM)
+are the vendor's tuned kernels beside this backend's Triton ones. **The adapter has never called the real
+aiter** (no ROCm host was reachable): its calls are written against aiter's signatures as of
+ROCm/aiter@e404860 (``aiter/fused_moe.py``, ``aiter/ops/gemm_op_a4w4.py``, ``aiter/ops/shuffle.py``,
+``aiter/utility/fp4_utils.py``) and tested with a stand-in module that checks every argument's shape,
+dtype and layout and computes the reference numerics from them. So aiter runs only when asked for
+(``MUSECORE_ROCM_AITER=1``) and importable on gfx950; otherwise the plan shows why not.
+
+How the calls map this model onto aiter:
+
+* **MoE.** aiter's ``fused_moe`` sums the weighted expert outputs itself, but Muse Spark normalises each
+  expert's output (the shared post-expert RMSNorm, scale first) *before* weighting. So each token-expert
+  assignment is passed as its own row with top-1 and weight 1 (``hidden_states`` repeated k times), which
+  makes aiter's output the expert outputs rounded to the activation dtype; the shared Triton finalize then
+  does the unpermute-free norm, routing weight and fp32 sum. ``w1`` is gate and up stacked ``[E, 2I, h/2]``
+  (aiter's separated gate/up layout) with ``ActivationType.Silu`` (``silu(gate) * up``). aiter quantizes the
+  activations to MXFP4 with its own rule, so the numerics are not bit-equal to ``emulate=True`` (the Triton
+  path's are).
+* **Linear (W4A4).** The activation is quantized by this backend's kernel (the emulated plan's rule, so the
+  activation bits equal ``emulate=True``'s), its scales shuffled with ``e8m0_shuffle``, then
+  ``gemm_a4w4(A, B, A_scale, B_scale, dtype=..., bpreshuffle=True)`` on the preshuffled weight.
+
+The PyPI name ``aiter`` is an unrelated asyncio package: the import alone does not prove AMD's library is
+present, so the check looks for the functions the adapter calls.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+ENV = "MUSECORE_ROCM_AITER"
 AITER_SYMBOLS = ("fused_moe", "gemm_a4w4")
 
 
+@dataclass(frozen=True)
+class AiterApi:
+    """The parts of aiter the adapter calls (a stand-in module provides the same names in tests)."""
+
+    fused_moe: Any
+    gemm_a4w4: Any
+    shuffle_weight: Any
+    e8m0_shuffle: Any
+    QuantType: Any
+    ActivationType: Any
+    fp4x2: torch.dtype
+    fp8_e8m0: torch.dtype
+
+
+def load_aiter() -> AiterApi:
+    """Import what the adapter calls from aiter; ImportError/AttributeError with the cause otherwise."""
+    aiter = importlib.import_module("aiter")
+    missing = [name for name in AITER_SYMBOLS if not hasattr(aiter, name)]
+    if missing:
+        raise ImportError(f"the installed 'aiter' lacks {missing}: it is not AMD's aiter (PyPI 'aiter' is an "
+                          "unrelated asyncio package)")
+    fused_moe = importlib.import_module("aiter.fused_moe").fused_moe  # aiter.fused_moe is the module
+    shuffle = importlib.import_module("aiter.ops.shuffle")
+    fp4_utils = importlib.import_module("aiter.utility.fp4_utils")
+    return AiterApi(fused_moe=fused_moe, gemm_a4w4=aiter.gemm_a4w4, shuffle_weight=shuffle.shuffle_weight,
+                    e8m0_shuffle=fp4_utils.e8m0_shuffle, QuantType=aiter.QuantType,
+                    ActivationType=aiter.ActivationType, fp4x2=aiter.dtypes.fp4x2, fp8_e8m0=aiter.dtypes.fp8_e8m0)
+
+
 def aiter_status() -> tuple[bool, str]:
-    """``(usable, reason)`` for AMD's aiter in this process; never raises, imports nothing when absent."""
+    """``(importable, reason)`` for AMD's aiter in this process; never raises, imports nothing when absent."""
     if importlib.util.find_spec("aiter") is None:
         return False, "aiter is not installed (AMD's ROCm/aiter, PyPI amd-aiter; optional)"
     try:
-        import aiter
+        load_aiter()
     except Exception as exc:  # aiter imports HIP extensions: on a host without ROCm the import fails
+        if "not AMD's aiter" in str(exc):
+            return False, str(exc)
         return False, f"import aiter failed ({type(exc).__name__}: {exc})"
-    missing = [s for s in AITER_SYMBOLS if not hasattr(aiter, s)]
-    if missing:
-        return False, (f"the installed 'aiter' lacks {missing}: it is not AMD's aiter (PyPI 'aiter' is an unrelated "
-                       "asyncio package)")
-    return False, ("AMD aiter is importable, but the calls into its kernels are not written (only its MXFP4 "
-                   "weight/scale shuffles are, as tested permutations); the Triton kernels run")
+    return True, "AMD aiter is importable"
+
+
+def aiter_selected(arch: str | None) -> tuple[bool, str]:
+    """Whether the MXFP4 W4A4 linears and MoE go to aiter here, and why (never raises)."""
+    ok, reason = aiter_status()
+    if not ok:
+        return False, reason
+    if arch != "gfx950":
+        return False, f"{reason}, but its MXFP4 per_1x32 kernels need gfx950 (this is {arch})"
+    if os.environ.get(ENV) != "1":
+        return False, (f"{reason}; not selected: the adapter has never called the real aiter (set {ENV}=1 to run "
+                       "it; numerics then follow aiter's activation rounding, not the emulated plan's)")
+    return True, f"{reason}; selected by {ENV}=1 (the adapter has never been run against the real aiter)"
+
+
+# -- the adapter: weights prepared once at load, then one call per op --------------------------------------
+
+@dataclass
+class AiterLinear:
+    """An MXFP4 weight in gemm_a4w4's layout: preshuffled fp4x2 ``[N, K/2]``, shuffled E8M0 scales."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+    api: AiterApi
+
+
+@dataclass
+class AiterExperts:
+    """MXFP4 experts in fused_moe's layout: ``w1`` gate and up stacked ``[E, 2I, h/2]``, ``w2`` ``[E, h, I/2]``
+    (fp4x2, preshuffled (16, 16)), their E8M0 scales ``[E*2I, h/32]`` / ``[E*h, I/32]`` shuffled."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w1_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    num_experts: int
+    api: AiterApi
+
+
+def aiter_fits(out_features: int, in_features: int) -> bool:
+    """The (16, 16) weight shuffle needs rows % 16 == 0 and packed bytes % 32 == 0 (K % 64 == 0)."""
+    return out_features % WEIGHT_TILE_N == 0 and (in_features // 2) % WEIGHT_TILE_K_BYTES == 0
+
+
+def prepare_aiter_linear(packed: torch.Tensor, scales: torch.Tensor, api: AiterApi) -> AiterLinear:
+    """Canonical MXFP4 ``packed [N, K/2]`` uint8 and ``scales [N, K/32]`` uint8 -> :class:`AiterLinear`."""
+    n, kb = packed.shape
+    w = api.shuffle_weight(packed.contiguous().view(api.fp4x2), layout=(16, 16))
+    s = api.e8m0_shuffle(scales.contiguous().view(api.fp8_e8m0))
+    return AiterLinear(w, s, n, kb * 2, api)
+
+
+def aiter_linear(x: torch.Tensor, w: AiterLinear) -> torch.Tensor:
+    """W4A4 ``x @ W^T``: activations quantized by this backend's kernel, the GEMM by ``gemm_a4w4``."""
+    from musecore_triton.kernels.mx_gemm import mxfp4_quantize_activation
+    api, lead = w.api, x.shape[:-1]
+    a, a_scales = mxfp4_quantize_activation(x.reshape(-1, w.in_features))
+    a_scales = api.e8m0_shuffle(a_scales.view(api.fp8_e8m0))
+    y = api.gemm_a4w4(a.view(api.fp4x2), w.packed, a_scales, w.scales, dtype=x.dtype, bpreshuffle=True)
+    return y.reshape(*lead, w.out_features)
+
+
+def prepare_aiter_experts(experts, api: AiterApi) -> AiterExperts:
+    """:class:`musecore_triton.kernels.mx_moe.MxExperts` (canonical bytes) -> :class:`AiterExperts`."""
+    E, inter, hb = experts.gate.shape
+    hidden = hb * 2
+    w1 = torch.cat([experts.gate, experts.up], dim=1).view(api.fp4x2)          # [E, 2I, h/2], gate rows first
+    w1_scale = torch.cat([experts.gate_scales, experts.up_scales], dim=1).reshape(E * 2 * inter, hidden // 32)
+    w2_scale = experts.down_scales.reshape(E * hidden, inter // 32)
+    return AiterExperts(w1=api.shuffle_weight(w1, layout=(16, 16)),
+                        w2=api.shuffle_weight(experts.down.contiguous().view(api.fp4x2), layout=(16, 16)),
+                        w1_scale=api.e8m0_shuffle(w1_scale.contiguous().view(api.fp8_e8m0)),
+                        w2_scale=api.e8m0_shuffle(w2_scale.contiguous().view(api.fp8_e8m0)), num_experts=E,
+                        api=api)
+
+
+def aiter_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: AiterExperts,
+              post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
+    """The ``moe`` op through ``aiter.fused_moe`` (one row per assignment, top-1, weight 1: the expert outputs)
+    and the shared Triton finalize (post norm, routing weight, fp32 sum); fp32 ``[T, h]``."""
+    from musecore_triton.kernels.moe import finalize
+    api, (T, topk) = experts.api, ids.shape
+    if T == 0:
+        return torch.empty(0, z.shape[-1], dtype=torch.float32, device=z.device)
+    rows = z.contiguous().repeat_interleave(topk, dim=0)                     # row t*k + j: token t, slot j
+    one_each = torch.ones(T * topk, 1, dtype=torch.float32, device=z.device)
+    out = api.fused_moe(rows, experts.w1, experts.w2, one_each, ids.reshape(-1, 1).to(torch.int32),
+                        activation=api.ActivationType.Silu, quant_type=api.QuantType.per_1x32,
+                        doweight_stage1=False, w1_scale=experts.w1_scale, w2_scale=experts.w2_scale)
+    return finalize(out, ids.reshape(-1), ids, weights, post_norm, post_eps, sorted_rows=False, act_dtype=z.dtype)
 
 
 # -- aiter's preshuffled MXFP4 layouts (what gemm_a4w4 / fused_moe read), as permutations --------------

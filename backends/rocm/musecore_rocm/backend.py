@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_rocm import choices
+from musecore_rocm.aiter_adapter import (AiterApi, AiterExperts, AiterLinear, aiter_fits, aiter_linear, aiter_moe,
+                                         aiter_selected, load_aiter, prepare_aiter_experts, prepare_aiter_linear)
 from musecore_rocm.arch import ARCHES, DEVICE_ARCH, find_rocm_device
 from musecore_rocm.fp8 import Fp8Resident, fp8_linear, prepare_fp8
 from musecore_triton.graphs import graph_unavailable, make_graphed_decode_step
@@ -181,6 +183,11 @@ class RocmBackend(TritonOps, Backend):
                           "bf16, fp16 are)")
 
     # --- weights ---------------------------------------------------------------------------
+    def aiter_api(self) -> Optional[AiterApi]:
+        """AMD aiter's kernels for the MXFP4 W4A4 ops when selected (``MUSECORE_ROCM_AITER=1``, importable, gfx950;
+        :func:`musecore_rocm.aiter_adapter.aiter_selected`), else None: the Triton kernels run."""
+        return load_aiter() if aiter_selected(self.arch())[0] else None
+
     def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
                        dtype: torch.dtype = torch.bfloat16) -> Weight:
         fmt = format_of(weight)
@@ -190,6 +197,13 @@ class RocmBackend(TritonOps, Backend):
             return Weight(data=resident, format="fp8", out_features=resident.out_features,
                           in_features=resident.in_features, act_format="fp8",
                           input_scale=getattr(weight, "input_scale", None))
+        if fmt == "mxfp4" and act_format == "mxfp4" and aiter_fits(*weight.shape):
+            api = self.aiter_api()
+            if api is not None:
+                resident = prepare_aiter_linear(weight.data.to(self.device).view(torch.uint8),
+                                                weight.scale.to(self.device).view(torch.uint8), api)
+                return Weight(data=resident, format=fmt, out_features=resident.out_features,
+                              in_features=resident.in_features, act_format=act_format)
         if fmt == "mxfp4" and act_format in (None, "mxfp4"):
             resident = MxWeight(weight.data.to(self.device)[None].contiguous(),
                                 weight.scale.to(self.device).view(torch.uint8)[None].contiguous())
@@ -216,6 +230,11 @@ class RocmBackend(TritonOps, Backend):
         fmt = fmts.pop()
         if fmt == "mxfp4" and act_format in (None, "mxfp4"):
             stacks = mx_experts(gate, up, down, self.device)
+            api = self.aiter_api() if act_format == "mxfp4" else None
+            if api is not None and aiter_fits(*gate.shape[1:]) and aiter_fits(*down.shape[1:]):
+                ours = prepare_aiter_experts(stacks, api)
+                return ExpertWeights(gate=ours, up=None, down=None, format=fmt, num_experts=ours.num_experts,
+                                     act_format=act_format)
             return ExpertWeights(gate=stacks, up=None, down=None, format=fmt, num_experts=stacks.num_experts,
                                  act_format=act_format)
         if act_format is not None:
@@ -257,6 +276,8 @@ class RocmBackend(TritonOps, Backend):
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         if isinstance(w.data, Fp8Resident):
             return fp8_linear(x, w.data, w.input_scale)
+        if isinstance(w.data, AiterLinear):
+            return aiter_linear(x, w.data)
         if isinstance(w.data, MxWeight):
             return mxfp4_linear(x, w.data.packed, w.data.scales, quantize_activations=w.act_format == "mxfp4")
         if w.act_format is not None:
@@ -270,6 +291,8 @@ class RocmBackend(TritonOps, Backend):
 
     def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
             post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
+        if isinstance(experts.gate, AiterExperts):
+            return aiter_moe(z, weights, ids, experts.gate, post_norm, post_eps)
         if isinstance(experts.gate, MxExperts):
             return mx_moe_forward(z, weights, ids, experts.gate, post_norm, post_eps,
                                   quantize_activations=experts.act_format == "mxfp4")

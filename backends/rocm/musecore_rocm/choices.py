@@ -2,17 +2,19 @@
 
 Per linear: which Triton kernel runs for its (weight, activation) format on the profile's arch and
 with which tiles per M regime; for the routed experts, the MoE candidates and why one runs (the
-Triton ``dot_scaled`` MoE; the FlyDSL MoE and aiter's ``fused_moe`` with their reasons); decode
-launch features (no HIP graphs yet). None of these choices has been measured on AMD hardware; the
-reasons say so.
+Triton ``dot_scaled`` MoE; the FlyDSL MoE and aiter's ``fused_moe`` with their reasons); the router
+product (split-K GEMV at decode); the decode step (HIP graph). None of these choices has been measured on
+AMD hardware; the reasons say so.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Sequence
 
 from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
-from musecore_rocm.aiter_adapter import aiter_status
+from musecore_rocm.aiter_adapter import ENV as AITER_ENV
+from musecore_rocm.aiter_adapter import aiter_fits, aiter_selected
 from musecore_rocm.arch import ARCHES, DEVICE_ARCH
 from musecore_rocm.flydsl_moe import flydsl_status
 
@@ -31,11 +33,18 @@ def _linear_choice(arch: str, shape: LinearShape) -> KernelChoice:
         f" {shape.out_features}x{shape.in_features}"
     caps = ARCHES[arch]
     fmt, act = shape.weight_format, shape.act_format
+    if shape.experts:
+        return _moe_choice(arch, shape, what)
     if fmt == "mxfp4" and act == "mxfp4":
         how = ("scaled MFMA v_mfma_scale_f32_*_f8f6f4" if caps.mxfp4_w4a4
                else "upcast to bf16 MFMA (no FP4 matrix cores: W4A4 numerics emulated)")
         choice = "Triton dot_scaled(e2m1, e2m1), activation quantized to MXFP4 in the GEMM"
         reason = f"{arch}: {how}; M <= 16: 16x64 tiles, M <= 64: 32x128, else 128x128; {UNMEASURED}"
+        use_aiter, aiter_reason = aiter_selected(arch)
+        if use_aiter and aiter_fits(shape.out_features, shape.in_features):
+            return KernelChoice(what=f"linear {what}", env=AITER_ENV, reason=aiter_reason,
+                                choice="aiter gemm_a4w4 (preshuffled weight), activation quantized by the Triton kernel")
+        reason += f"; other candidate: aiter gemm_a4w4: {aiter_reason}"
     elif fmt == "mxfp4":
         choice = "Triton dot_scaled(bf16, e2m1) (W4A16)"
         reason = f"{arch}: e2m1 upcast in the kernel, bf16 MFMA; {UNMEASURED}"
@@ -49,15 +58,17 @@ def _linear_choice(arch: str, shape: LinearShape) -> KernelChoice:
     else:
         choice = "torch.nn.functional.linear (hipBLASLt)"
         reason = "16-bit weights: the vendor BLAS"
-    if shape.experts:
-        return _moe_choice(arch, shape, what)
     return KernelChoice(what=f"linear {what}", choice=choice, reason=reason)
 
 
 def _moe_choice(arch: str, shape: LinearShape, what: str) -> KernelChoice:
     _, fly_reason = flydsl_status()
-    _, aiter_reason = aiter_status()
+    use_aiter, aiter_reason = aiter_selected(arch)
     fmt = shape.weight_format
+    if fmt == "mxfp4" and shape.act_format == "mxfp4" and use_aiter:
+        return KernelChoice(what=f"moe {what}", env=AITER_ENV,
+                            choice="aiter fused_moe(per_1x32, one row per assignment) + shared Triton finalize",
+                            reason=f"{shape.experts} experts top-{shape.top_k} on {arch}; {aiter_reason}")
     if fmt == "mxfp4":
         choice = ("Triton dot_scaled grouped MoE (gate+up+SwiGLU, MXFP4-quantized epilogue, down) + shared finalize"
                   if shape.act_format == "mxfp4" else "Triton dot_scaled(bf16, e2m1) grouped MoE + shared finalize")
@@ -67,7 +78,8 @@ def _moe_choice(arch: str, shape: LinearShape, what: str) -> KernelChoice:
         choice = "shared Triton grouped GEMM MoE + finalize"
     reason = f"{shape.experts} experts top-{shape.top_k} on {arch}"
     if fmt == "mxfp4":  # the MXFP4 MoE candidates beside the Triton one
-        reason += f"; other candidates: FlyDSL MoE: {fly_reason}; aiter fused_moe: {aiter_reason}"
+        reason += (f"; the Triton kernels run (checked against the reference in the interpreter); other candidates: "
+                   f"FlyDSL (gate/up, down, finalize): {fly_reason}; aiter fused_moe: {aiter_reason}")
 
     return KernelChoice(what=f"moe {what}", choice=choice, reason=reason)
 
@@ -80,14 +92,20 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
                              reason=f"profile {getattr(profile, 'name', profile)!r} is not an AMD target "
                                     f"({', '.join(sorted(DEVICE_ARCH))})")]
     out = [_linear_choice(arch, s) for s in linears]
-    out.append(KernelChoice(what="decode step", choice="eager launches (no HIP graphs)",
-                            reason="HIP-graph capture of the decode step is not implemented (wants_static_cache False)"))
+    out.append(KernelChoice(what="router product, T <= 16", choice="shared Triton split-K GEMV (fp32, tl.dot ieee) "
+                            "feeding the top-k kernel", reason="the 8 MiB fp32 router weight spread over every CU at "
+                            f"decode; beyond 16 tokens hipBLASLt fp32 GEMM; {UNMEASURED}"))
+    out.append(KernelChoice(what="decode step", choice="HIP graph (torch.cuda.CUDAGraph, shared musecore_triton.graphs)",
+                            reason="one static-cache decode step captured and replayed per generate(); never run on "
+                                   "AMD hardware; eager launches where graphs are unavailable"))
     return out
 
 
 def env_settings() -> list[EnvSetting]:
-    """The ROCm backend reads no environment variable of its own (Triton's and HIP's apply as usual)."""
-    return []
+    """The one variable the ROCm backend reads (Triton's and HIP's apply as usual)."""
+    return [EnvSetting(AITER_ENV, os.environ.get(AITER_ENV), "unset: the Triton kernels",
+                       "1: the MXFP4 W4A4 linears and MoE through AMD aiter (gemm_a4w4, fused_moe per_1x32) where "
+                       "aiter is importable on gfx950; the adapter has never called the real aiter")]
 
 
 def resident_bytes(weight_format: str, out_features: int, in_features: int, *, experts: int = 0) -> Optional[int]:

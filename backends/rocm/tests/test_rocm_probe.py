@@ -113,8 +113,10 @@ def test_kernel_choices_need_no_hardware_and_name_the_moe_candidates():
                LinearShape("o_proj", 8192, 8192, "fp8", "fp8")]
     gfx950 = RocmBackend("cuda").kernel_choices(linears, CATALOG["mi355x"])
     assert "dot_scaled(e2m1, e2m1)" in gfx950[0].choice and "v_mfma_scale" in gfx950[0].reason
-    assert "FlyDSL" in gfx950[1].reason and "aiter" in gfx950[1].reason
-    assert any("HIP graphs" in c.choice for c in gfx950)
+    assert "FlyDSL (gate/up, down, finalize)" in gfx950[1].reason and "never executed" in gfx950[1].reason
+    assert "aiter" in gfx950[1].reason and "aiter" in gfx950[0].reason
+    assert any(c.what == "decode step" and "HIP graph" in c.choice for c in gfx950)
+    assert any(c.what.startswith("router") and "split-K" in c.choice for c in gfx950)
     gfx942 = RocmBackend("cuda").kernel_choices(linears, CATALOG["mi300x"])
     assert "e4m3fnuz" in gfx942[2].choice and "upcast" in gfx942[0].reason
     assert RocmBackend("cuda").kernel_choices(linears, CATALOG["h200"])[0].choice == "none"
@@ -124,7 +126,7 @@ def test_resident_bytes_are_the_checkpoint_bytes_for_mxfp4():
     be = RocmBackend("cuda")
     assert be.resident_bytes("mxfp4", 4096, 4096, experts=256) is None
     assert be.resident_bytes("nvfp4", 4096, 4096, experts=2) is None
-    assert be.env_settings() == []
+    assert [e.name for e in be.env_settings()] == ["MUSECORE_ROCM_AITER"]
 
 
 def test_rocm_hooks_are_installed_only_on_a_rocm_torch():
