@@ -11,7 +11,10 @@ What runs, per architecture (``supports`` answers from this, never optimisticall
 * BF16/FP16 weights: ``torch.nn.functional.linear`` (hipBLASLt); BF16 experts: the shared grouped GEMM.
 * FP8 weights: W8A8 per tensor through ``torch._scaled_mm``, e4m3fnuz on gfx942 with the scales
   doubled at load (:mod:`musecore_rocm.fp8`).
-* Norms, RoPE, attention (BF16/FP8 KV), router top-k, finalize, KV writes: the shared Triton kernels.
+* Norms, RoPE, attention (BF16/FP8 KV), router (split-K GEMV at decode) and top-k, finalize, KV writes: the
+  shared Triton kernels. Decode steps are captured as HIP graphs (the shared :mod:`musecore_triton.graphs`).
+* Optional: AMD aiter's ``gemm_a4w4`` / ``fused_moe`` for the MXFP4 W4A4 ops when asked for
+  (``MUSECORE_ROCM_AITER=1``; :mod:`musecore_rocm.aiter_adapter`, never run against the real aiter).
 
 No kernel here has ever run on AMD hardware (none was reachable while it was written): every
 native answer is therefore ``emulated`` with the reason "not yet run on <arch> hardware", the
@@ -136,7 +139,8 @@ class RocmBackend(TritonOps, Backend):
         if op in ("embedding", "sample"):
             return Support.native("PyTorch ops on the GPU")
         if op == "router_topk":
-            return Support.native("fp32 product (hipBLASLt), then the shared Triton top-k kernel")
+            return Support.native("fp32 product (shared Triton split-K GEMV up to 16 tokens, hipBLASLt beyond), then "
+                                  "the shared Triton top-k kernel")
         if op in TOWER_REASONS:  # the vision/audio towers' ops: the shared kernels of musecore_triton.towers
             return Support.native(TOWER_REASONS[op])
         return Support.native("shared Triton kernel (musecore_triton), fp32 math")
