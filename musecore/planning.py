@@ -451,6 +451,18 @@ def linear_shapes(config: MuseConfig, targets: dict[str, tuple[str, Optional[str
     return list(found)
 
 
+def tower_linear_shapes(config: MuseConfig, towers: Collection[str], dtype_label: str) -> list[LinearShape]:
+    """The loaded towers' distinct linears (``"vision_tower.attn.q_proj"``, ``"vision_adapter.fc1"``...),
+    in the model dtype."""
+    from musecore.towers import tower_linears
+    found: dict[LinearShape, None] = {}
+    for tower in towers:
+        for name, (out_features, in_features) in tower_linears(config, tower).items():
+            module = ".".join(p for p in name.split(".")[1:-1] if not p.isdigit() and p != "layers")
+            found[LinearShape(module, out_features, in_features, dtype_label)] = None
+    return list(found)
+
+
 def env_notes(backend: Backend, notes: list[str]) -> None:
     for env in _asking(backend, "env_settings", notes, []):
         if env.value is not None:
@@ -536,8 +548,6 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
         env_notes(backend, notes)
     resident = Resident(backend, notes)
     groups, targets = resolve_groups(summary, profile, dtype_label, converted_dense, resident)
-    kernels = ([] if backend is None else
-               _asking(backend, "kernel_choices", notes, [], linear_shapes(summary.config, targets), profile))
     def pick(spec: OpSpec) -> OpChoice:
         return choose(spec, backend, backend_name, mode, allow_emulation, allow_reference, hardware_gap)
 
@@ -550,6 +560,8 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     for tower, why in skipped.items():
         count = sum(1 for name in summary.formats if tower_of(name) == tower)
         notes.append(f"{why}; its {count} tensors are skipped (model.{tower} is None)")
+    linears = linear_shapes(summary.config, targets) + tower_linear_shapes(summary.config, loaded, dtype_label)
+    kernels = [] if backend is None else _asking(backend, "kernel_choices", notes, [], linears, profile)
     gaps = ([f"{hardware_gap}"] if hardware_gap else []) + unquantizable(summary, targets)
     gaps += [] if hardware_gap else tower_gaps
     for c in ops:

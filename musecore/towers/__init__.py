@@ -46,4 +46,13 @@ def tower_shapes(config: Any, tower: str) -> dict[str, tuple[int, ...]]:
     return audio_shapes(config)
 
 
-__all__ = ["AUDIO", "VISION", "MediaCountError", "TOWER_OP_NEEDS", "tower_of", "tower_shapes"]
+def tower_linears(config: Any, tower: str) -> dict[str, tuple[int, int]]:
+    """The tensors of ``tower`` that run through the ``linear`` op, with their ``(out, in)`` shapes."""
+    from musecore.towers.audio import AudioTower
+    from musecore.towers.vision import VisionTower
+    shapes = tower_shapes(config, tower)
+    roles = (VisionTower if tower == VISION else AudioTower).linear_names(config)
+    return {name: shapes[name] for name in roles}
+
+
+__all__ = ["AUDIO", "VISION", "MediaCountError", "TOWER_OP_NEEDS", "tower_linears", "tower_of", "tower_shapes"]

@@ -104,6 +104,12 @@ class AudioTower:
         self.stages = [AudioStage(p, d) for p, d in zip(a["patch_sizes"], a["depths"])]
         self.norm = self.proj = self.proj_bias = self.post_proj_norm = None
 
+    @classmethod
+    def linear_names(cls, config: Any) -> list[str]:
+        """The checkpoint tensors this tower runs through ``linear`` (the plan asks backends about them)."""
+        tower = cls(config, None, torch.bfloat16, torch.device("cpu"))
+        return [name for name, (_owner, _attr, role) in tower.weights().items() if role == "linear"]
+
     def weights(self) -> dict[str, tuple[Any, str, str]]:
         """Checkpoint tensor -> (owner, attribute, role) for the loader."""
         out = {TOWER + "norm.weight": (self, "norm", "vector"), TOWER + "proj.weight": (self, "proj", "linear"),

@@ -126,6 +126,12 @@ class VisionTower:
         self.ln_pre_weight = self.ln_pre_bias = self.ln_post_weight = self.ln_post_bias = None
         self.adapter_fc1 = self.adapter_fc2 = self.projection = None
 
+    @classmethod
+    def linear_names(cls, config: Any) -> list[str]:
+        """The checkpoint tensors this tower runs through ``linear`` (the plan asks backends about them)."""
+        tower = cls(config, None, torch.bfloat16, torch.device("cpu"))
+        return [name for name, (_owner, _attr, role) in tower.weights().items() if role == "linear"]
+
     @property
     def input_width(self) -> int:
         return 3 * self.temporal * self.patch * self.patch

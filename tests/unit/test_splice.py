@@ -172,6 +172,29 @@ def test_the_towers_memory_is_counted(folder, config):
     assert plan.to_dict()["towers"] == {"loaded": ["vision", "audio"], "skipped": {}}
 
 
+def test_the_backend_is_asked_about_the_towers_linears(folder, config, text_only_backend):
+    asked = []
+
+    class Asked(TextOnlyBackend):
+        def kernel_choices(self, linears, profile):
+            asked.extend(linears)
+            return []
+
+    records = {"fakegpu": PluginRecord("fakegpu", "fake:Asked", "fake", backend_class=Asked)}
+    records["fakegpu"].probe = text_only_backend["fakegpu"].probe
+    summary, _ = summarize(folder)
+    make_plan(summary, "mi355x", records=records, towers=True, allow_reference=True)
+    shapes = {(s.name, s.out_features, s.in_features, s.weight_format) for s in asked}
+    D, inter = 16, 32
+    assert {("vision_tower.attn.q_proj", D, D, "bf16"), ("vision_tower.mlp.fc1", inter, D, "bf16"),
+            ("vision_tower.patch_embedder.patch_embedding", D, 1176, "bf16"), ("vision_adapter.fc1", 24, 64, "bf16"),
+            ("vision_projection", config.hidden_size, 24, "bf16"), ("audio_tower.proj", config.hidden_size, 8, "bf16"),
+            ("audio_tower.conv_blocks.mlp.fc2", 8, 32, "bf16")} <= shapes, sorted(shapes)
+    asked.clear()
+    make_plan(summary, "mi355x", records=records, towers=False)
+    assert not any("tower" in s.name or "vision" in s.name for s in asked)
+
+
 def test_model_weight_bytes_include_the_towers(model, folder):
     text_only = musecore.load(folder, device="cpu", dtype=torch.float32, towers=False)
     numel = sum(torch.Size(s).numel() for t in ("vision", "audio") for s in tower_shapes(model.config, t).values())
