@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -133,6 +133,7 @@ class TpuBackend(Backend):
                              f"got {interpret!r}")
         self.interpret: Union[bool, str] = interpret
         self._runner: Any = None
+        self.compiled_steps = 0  # decode steps compiled by this instance (make_decode_step)
 
     @property
     def runner(self) -> Any:
@@ -286,6 +287,37 @@ class TpuBackend(Backend):
     gelu = staticmethod(ref.gelu)
     causal_conv1d = staticmethod(ref.causal_conv1d)
     rope = staticmethod(ref.rope)
+
+    # -- decode: one compiled step per batch bucket -----------------------------------------------------------------
+    wants_static_cache = True  # fixed-shape KV caches (capacity + a trash slot): what a compiled step needs
+
+    def make_decode_step(self, model: Any, cache: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``model.forward`` for one token per row through the static ``cache``, as ONE graph compiled by
+        ``torch.compile(fullgraph=True, dynamic=False)`` with :meth:`compile_backend`: TorchTPU's ``tpu`` compiler
+        on a TPU host (never run), ``aot_eager`` on the CPU (dynamo + AOTAutograd over the same custom ops and
+        fakes, the kernels in the interpreter). A graph break or a host sync in the step is an error, not a
+        slow path. The core keeps one static cache and its step per (batch, capacity, KV format), so a batch
+        size compiles once; :meth:`batch_bucket` is the batch the core should size that cache for."""
+        def step(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model.forward(ids, positions=positions, cache=cache)
+        self.compiled_steps += 1
+        return torch.compile(step, backend=self.compile_backend(), fullgraph=True, dynamic=False)
+
+    BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def batch_bucket(self, batch: int) -> int:
+        """The decode batch a step is compiled for: the smallest bucket holding ``batch`` (then multiples of the
+        largest), so a server whose batch varies compiles a handful of steps, not one per batch size."""
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1; got {batch}")
+        for bucket in self.BATCH_BUCKETS:
+            if batch <= bucket:
+                return bucket
+        top = self.BATCH_BUCKETS[-1]
+        return -(-batch // top) * top
+
+    def compile_backend(self) -> str:
+        return "aot_eager" if self.interpret else "tpu"
 
     # -- what the plan and doctor show ------------------------------------------------------------------------------
     def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:

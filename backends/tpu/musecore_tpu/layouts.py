@@ -69,3 +69,19 @@ def resident_bytes(fmt: str, out_features: int, in_features: int, experts: int =
     g = group or tiling.GROUP[fmt]
     scale = 4 if fmt == "int4" else 1
     return n // 2 + (n // g) * scale
+
+
+def prepare_q8(weight: Any, scale: Optional[torch.Tensor] = None) -> dict[str, Any]:
+    """8-bit weights -> ``{"q8": [..., K, N], "wscale": [..., 1, N] or [..., 1, 1] f32}`` (K-major, values unchanged):
+    an FP8 QTensor with a per-tensor scale (musecore_quant's codec), or INT8 codes ``[..., N, K]`` with their
+    per-channel ``scale [..., N]`` (:func:`musecore_tpu.int8.quantize_int8`)."""
+    if isinstance(weight, QTensor):
+        if weight.format != "fp8" or weight.group_size != 0:
+            raise ValueError(f"the TPU's 8-bit path takes per-tensor FP8 QTensors; got {weight.format} with "
+                             f"group_size {weight.group_size} (128x128-block FP8 is dequantized by the plan)")
+        q8 = weight.data.transpose(-1, -2).contiguous()
+        wscale = weight.scale.float().reshape(*weight.scale.shape, 1, 1)
+        return {"q8": q8, "wscale": wscale.contiguous()}
+    if weight.dtype != torch.int8 or scale is None:
+        raise ValueError(f"INT8 weights need int8 codes and their per-channel scales; got {weight.dtype}")
+    return {"q8": weight.transpose(-1, -2).contiguous(), "wscale": scale.float().unsqueeze(-2).contiguous()}

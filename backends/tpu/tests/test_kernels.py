@@ -159,3 +159,63 @@ def test_attention_online_softmax_across_query_and_key_tiles(monkeypatch: pytest
                                  scale=d ** -0.5, interpret=True))
         want = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
         assert_nmse(want, got, tolerance("attention"), f"attention tiled window={window} vs torch")
+
+
+@pytest.mark.parametrize("fmt,act,M,K,N", [("int8", None, 5, 1024, 256), ("int8", "int8-token", 3, 512, 384),
+                                           ("fp8", None, 4, 512, 256), ("fp8", "fp8-token", 33, 1024, 128)])
+def test_8bit_mxu_matmul_matches_jnp_and_musecore_references(fmt: str, act: Optional[str], M: int, K: int,
+                                                             N: int) -> None:
+    """INT8 (v6e) and FP8 (v7) weights, with bf16 activations (one bf16 MXU pass: the 8-bit values are exact in
+    bf16) or per-token 8-bit activations (int32 / f32 accumulation). Against the jnp reference the only difference
+    is summation order; against musecore's reference (``musecore.ops.reference.linear``, fp32 math on the
+    dequantized weight; FP8 through musecore_quant's codec and the reference's ``fp8-token`` activation rule,
+    INT8 through ``musecore_tpu.int8``) the FP8 path also differs by the reference rounding its dequantized
+    activations to bf16 (2^-9 relative), hence the looser bound there."""
+    import jax.numpy as jnp
+    from musecore.ops import Weight
+    from musecore_tpu import int8, layouts
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels.quantized import matmul_q8, matmul_q8_reference
+    gen = torch.Generator().manual_seed(21)
+    w = torch.randn(N, K, generator=gen) * K ** -0.5
+    w[:2, :16] *= 8.0
+    x = (torch.randn(M, K, generator=gen) * (1 + 3 * torch.rand(M, 1, generator=gen))).to(torch.bfloat16)
+    if fmt == "fp8":
+        from musecore_quant import dequantize, quantize
+        qt = quantize(w.to(torch.bfloat16), "fp8")
+        resident, values = layouts.prepare_q8(qt), dequantize(qt, torch.float32)
+        weight = Weight(values, "fp8", N, K, act_format=act)
+        want = ref.linear(x, weight).float() if act else x.float() @ values.T
+    else:
+        q, s = int8.quantize_int8(w)
+        resident, values = layouts.prepare_q8(q, s), int8.dequantize_int8(q, s)
+        xs = int8.fake_quantize_tokens(x) if act else x.float()
+        want = xs @ values.T
+    res = {k: to_jax(v) for k, v in resident.items()}
+    got = to_torch(matmul_q8(to_jax(x), res, fmt=fmt, act=act, out_dtype=jnp.float32, interpret=True))
+    jnp_ref = to_torch(matmul_q8_reference(to_jax(x), res, fmt=fmt, act=act, out_dtype=jnp.float32))
+    assert_nmse(jnp_ref, got, 1e-10, f"matmul {fmt} act {act} vs jnp reference")
+    if act == "fp8-token":
+        # The reference's rule, but XLA's f32 division is not correctly rounded (on the CPU, measured: up to 1 ulp
+        # off numpy/torch; a TPU's is approximate too), so a quotient on an exact E4M3 tie can round to the other
+        # neighbour: measured 1.3% of codes one E4M3 step off here, activation NMSE 1.6e-5 (a correctly rounded
+        # division in the pre-pass would remove it; not written yet).
+        from musecore_tpu.kernels.quantized import quantize_tokens
+        codes, scale = quantize_tokens(to_jax(x), act)
+        mine = to_torch(codes.astype(jnp.float32) * scale).to(torch.bfloat16)
+        theirs = ref.fake_quantize_activation(x, act, None)
+        off = float((mine != theirs).float().mean())
+        print(f"fp8-token codes differing from the reference's rule: {off:.2%}")
+        assert off < 0.05
+        assert_nmse(theirs, mine, tolerance("linear"), "fp8-token activations vs the reference's rule")
+    # fp8-token: those codes and the reference's bf16 rounding of x-hat and y (measured 2.1e-5); else only order
+    tol = tolerance("linear") if act == "fp8-token" else 1e-10
+    assert_nmse(want, got, tol, f"matmul {fmt} act {act} vs musecore reference")
+    quant_err = nmse_of(x.float() @ w.T, got)
+    print(f"{fmt} act {act}: NMSE vs the unquantized weight {quant_err:.2e} (what the conversion costs)")
+    assert quant_err < (5e-3 if act else 1e-3)
+
+
+def nmse_of(want: torch.Tensor, got: torch.Tensor) -> float:
+    from musecore.testing import nmse
+    return float(nmse(want, got))

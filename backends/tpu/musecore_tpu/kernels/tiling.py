@@ -73,6 +73,7 @@ class KernelConfig:
     kernel: str
     blocks: tuple[Block, ...]
     grid: tuple[int, ...]
+    tiles: tuple[int, ...] = ()  # the kernel's own tile sizes, where it reads them from here
 
     @property
     def vmem_bytes(self) -> int:
@@ -142,6 +143,38 @@ def matmul_config(fmt: str, M: int, K: int, N: int, group: Optional[int] = None,
     blocks += weight_blocks(fmt, K, N, tk, tn, group)
     blocks += [Block("out", (tm, tn), (Mp, N), act), Block("acc", (tm, tn), (Mp, N), "f32", 1)]
     return KernelConfig(f"matmul-{fmt}", tuple(blocks), (Mp // tm, N // tn, K // tk))
+
+
+# -- 8-bit weights (kernels/quantized.py) ------------------------------------------------------------------------
+
+TILE_K_Q8 = 512
+
+
+def q8_tiles(fmt: str, act: Optional[str], M: int, K: int, N: int) -> tuple[int, int, int]:
+    """(tm, tk, tn) of :func:`musecore_tpu.kernels.quantized.matmul_q8`: 8-bit activations pack 32 rows per
+    sublane tile, 16-bit ones 16; K tiles of 512 (the 8-bit weight block's 32-row rule holds for any multiple)."""
+    tm = m_tile(M, "u8" if act else "bf16")
+    tk = next((t for t in (TILE_K_Q8, 256, 128) if K % t == 0), K)
+    return tm, tk, n_tile(N)
+
+
+def q8_config(fmt: str, act: Optional[str], M: int, K: int, N: int, per_channel: Optional[bool] = None
+              ) -> KernelConfig:
+    """Blocks of ``matmul_q8`` (``per_channel``: a ``[1, N]`` weight scale; default: INT8 per channel, FP8 per
+    tensor)."""
+    tm, tk, tn = q8_tiles(fmt, act, M, K, N)
+    Mp = round_up(M, tm)
+    per_channel = fmt == "int8" if per_channel is None else per_channel
+    blocks = [Block("x", (tm, tk), (Mp, K), "u8" if act else "bf16")]
+    if act:
+        blocks.append(Block("x scale", (tm, 1), (Mp, 1), "f32"))
+    else:
+        blocks.append(Block("x bf16", (tm, tk), (Mp, K), "bf16", 1))
+    blocks += [Block("w q8", (tk, tn), (K, N), "u8"), Block("w bf16" if not act else "w q8 operand", (tk, tn), (K, N),
+                                                                     "u8" if act else "bf16", 1),
+               Block("w scale", (1, tn) if per_channel else (1, 1), (1, N) if per_channel else (1, 1), "f32"),
+               Block("out", (tm, tn), (Mp, N), "bf16"), Block("acc", (tm, tn), (Mp, N), "f32", 1)]
+    return KernelConfig(f"matmul-{fmt}-{act or 'a16'}", tuple(blocks), (Mp // tm, N // tn, K // tk), (tm, tk, tn))
 
 
 # -- grouped experts ----------------------------------------------------------------------------------------------
