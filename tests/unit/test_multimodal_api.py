@@ -507,3 +507,34 @@ def test_nan_features_are_named_when_debugging(model, monkeypatch):
                                                                                float("nan"))])
     with pytest.raises(NonFiniteLogitsError, match="the embedding or the media features spliced into it"):
         model.chat(user({"type": "image", "image": image(1)}, {"type": "text", "text": "?"}), max_new_tokens=1)
+
+
+def test_the_server_engine_splices_each_joining_requests_media_in_row_order(model):
+    """Two media requests that join in one prefill: their features go into that forward, request by
+    request (row order), each item encoded once; a text-only request between them adds none."""
+    import threading
+
+    from musecore.chat import end_ids
+    from musecore.serve.engine import Engine, Request, Sampling
+
+    convs = [user({"type": "image", "image": image(11)}, {"type": "text", "text": "a"}),
+             user({"type": "text", "text": "b"}),
+             user({"type": "audio", "audio": torch.full((6,), 3.0)}, {"type": "image", "image": image(22)},
+                  {"type": "text", "text": "c"})]
+    prepared = [prepare(model, [c]) for c in convs]
+    done = threading.Semaphore(0)
+    engine = Engine(model, max_batch=3, max_waiting=3)
+    for p in prepared:  # all queued before the scheduler starts: they join in one prefill
+        sampling = Sampling(max_tokens=2, stop_ids=set(end_ids(model)))
+        engine.submit(Request(p.ids[0], sampling, lambda e: e["type"] == "done" and done.release(), model.tokenizer,
+                              media=p if p.has_media else None))
+    engine.start()
+    try:
+        assert all(done.acquire(timeout=60) for _ in convs), "the engine did not finish"
+    finally:
+        engine.stop()
+    ids, media = model.calls[0]
+    assert ids.shape[0] == 3 and set(media) == {4, 6}
+    assert [round(float(v)) for v in media[4][::4, 0]] == [11, 22] and media[6].shape[0] == 2
+    # (each request is encoded on its own: one tower call per kind per request, not one per prefill)
+    assert sorted(model.towers.calls) == ["audio", "image", "image"] and model.towers.items == 3
