@@ -42,8 +42,8 @@ KERNEL_OPS = ("linear", "moe", "attention", "rms_norm", "residual_norm")
 # The towers' ops (musecore.ops.TOWER_OPS) that run as the reference's PyTorch ops, like TORCH_OPS above.
 TOWER_TORCH_OPS = ("layer_norm", "gelu", "causal_conv1d", "rope")
 NO_VARLEN = ("no Pallas kernel for packed bidirectional (varlen) attention yet; the reference's per-segment loop reads "
-             "cu_seqlens on the host and would compile one XLA graph per segment length, so it is not claimed (the "
-             "plan lists it as a gap; allow_reference=True runs the reference's)")
+             "cu_seqlens on the host and would compile one XLA graph per segment length, so it is not claimed: a plan "
+             "for a TPU loads the vision tower only with allow_reference=True (the reference's loop)")
 NO_ACT_QUANT = ("the TPU backend runs 16-bit activations (W4A16 / BF16); {fmt} activation quantization has no TPU "
                 "kernel here: load with act_format=None")
 NO_FP8 = ("FP8 weights have no TPU kernel yet (v7's FP8 MXU path is future work): the plan dequantizes FP8 "
