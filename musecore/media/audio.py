@@ -103,37 +103,72 @@ def resample(wave: torch.Tensor, orig_rate: int, new_rate: int, lowpass_filter_w
              rolloff: float = 0.99) -> torch.Tensor:
     """Resample ``[samples]`` from ``orig_rate`` to ``new_rate`` Hz: Hann-windowed sinc interpolation.
 
-    The same filter as ``torchaudio.functional.resample`` (``sinc_interp_hann``), written per output
-    sample: output k sits at input position k * orig / new (exact integer arithmetic after dividing
-    both rates by their gcd), and takes the ~2 * 6 * orig / min(orig, new) input samples around it.
-    Output length is ceil(samples * new / orig), as torchaudio and transformers' soundfile path.
-    Computed in float64, returned as float32.
+    The filter of ``torchaudio.functional.resample`` (``sinc_interp_hann``): after dividing both rates
+    by their gcd, output k sits at input position k * orig / new and takes the input samples within
+    6 / cut-off of it (cut-off = 0.99 * the lower rate). The weights depend only on the output's phase
+    k mod new, so they are one table ``[new, taps]``. Output length is ceil(samples * new / orig), as
+    torchaudio and transformers' soundfile path give. Computed in float64, returned as float32.
     """
     wave = wave.reshape(-1)
     if orig_rate == new_rate:
         return wave.to(torch.float32)
     gcd = math.gcd(int(orig_rate), int(new_rate))
     orig, new = int(orig_rate) // gcd, int(new_rate) // gcd
-    length = wave.numel()
-    out_length = -(-new * length // orig)
-    base = min(orig, new) * rolloff                           # cut-off, in units of the reduced rates
-    width = math.ceil(lowpass_filter_width * orig / base)     # input samples each side of an output
+    out_length = -(-new * wave.numel() // orig)
+    weights, first, width = _phase_table(orig, new, lowpass_filter_width, rolloff)
     x = wave.to(torch.float64)
+    if new * (orig + 2 * width + 1) <= _DENSE_LIMIT:
+        out = _apply_dense(x, weights, first, width, orig, new, out_length)
+    else:  # e.g. 44101 -> 24000 Hz: a dense kernel would be new x orig (10^9) values
+        out = _apply_gather(x, weights, first, width, orig, new, out_length)
+    return out.to(torch.float32)
+
+
+_DENSE_LIMIT = 1 << 22  # kernel values of the one-convolution form (32 MiB in float64)
+
+
+def _phase_table(orig: int, new: int, lowpass_filter_width: int, rolloff: float):
+    """Weights ``[new, 2*width + 2]`` of each output phase j for the input samples floor(j*orig/new) + (-width ..
+    width+1), the first of those positions per phase, and ``width`` (input samples each side)."""
+    base = min(orig, new) * rolloff
+    width = math.ceil(lowpass_filter_width * orig / base)
+    phase = torch.arange(new, dtype=torch.int64)
+    first = (phase * orig) // new                                                     # [new]
+    taps = first[:, None] + torch.arange(-width, width + 2, dtype=torch.int64)        # [new, T] input offsets
+    t = (taps * new - (phase * orig)[:, None]).to(torch.float64) * (base / (orig * new))
+    t = t.clamp_(-lowpass_filter_width, lowpass_filter_width)
+    window = torch.cos(t * (math.pi / lowpass_filter_width / 2)) ** 2
+    t = t * math.pi
+    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, 1.0, t))
+    return sinc * window * (base / orig), first, width
+
+
+def _apply_dense(x, weights, first, width, orig, new, out_length) -> torch.Tensor:
+    """One strided conv1d: every phase's weights placed at its offset in a ``[new, 1, orig + 2*width + 1]`` kernel."""
+    size = orig + 2 * width + 1
+    kernel = torch.zeros(new, size, dtype=torch.float64)
+    columns = first[:, None] + torch.arange(weights.shape[1])                         # [new, T] in 0..size-1
+    kernel.scatter_(1, columns, weights)
+    blocks = -(-out_length // new)
+    right = max(0, (blocks - 1) * orig + size - width - x.numel())
+    padded = torch.nn.functional.pad(x[None, None], (width, right))
+    out = torch.nn.functional.conv1d(padded, kernel[:, None], stride=orig)            # [1, new, blocks]
+    return out[0, :, :blocks].transpose(0, 1).reshape(-1)[:out_length]
+
+
+def _apply_gather(x, weights, first, width, orig, new, out_length) -> torch.Tensor:
+    """Per output sample, in chunks: gather its taps and weight them by its phase's row of the table."""
+    length = x.numel()
     offsets = torch.arange(-width, width + 2, dtype=torch.int64)
     out = torch.empty(out_length, dtype=torch.float64)
     for start in range(0, out_length, _CHUNK):
         k = torch.arange(start, min(start + _CHUNK, out_length), dtype=torch.int64)
-        m = ((k * orig) // new)[:, None] + offsets                   # [K, taps] input indices
-        t = (m * new - (k * orig)[:, None]).to(torch.float64) * (base / (orig * new))
-        t = t.clamp_(-lowpass_filter_width, lowpass_filter_width)
-        window = torch.cos(t * (math.pi / lowpass_filter_width / 2)) ** 2
-        t = t * math.pi
-        kernel = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, 1.0, t))
-        kernel = kernel * window * (base / orig)
+        phase = k % new
+        m = ((k // new) * orig + first[phase])[:, None] + offsets                     # [K, T] input indices
         inside = (m >= 0) & (m < length)
         taps = torch.where(inside, x[m.clamp(0, length - 1)], 0.0)
-        out[start:start + k.numel()] = (taps * kernel).sum(dim=1)
-    return out.to(torch.float32)
+        out[start:start + k.numel()] = (taps * weights[phase]).sum(dim=1)
+    return out
 
 
 def process_audio(waves: Sequence[torch.Tensor], settings: AudioSettings = AudioSettings()) -> AudioInputs:

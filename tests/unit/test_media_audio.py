@@ -48,6 +48,21 @@ def test_resampler_equals_the_torchaudio_filter(orig, length):
     assert err <= 1e-6, f"max |musecore - torchaudio formula| = {err}"
 
 
+@pytest.mark.parametrize("orig,new", [(16000, 24000), (44100, 24000), (22050, 24000), (24000, 16000)])
+def test_the_one_convolution_and_per_sample_forms_agree(orig, new):
+    """Common rates run as one strided conv1d; rates with a huge reduced ratio (44101 -> 24000) gather taps per
+    output sample with the same weight table. Both forms, forced here, agree to float64 rounding (1e-12)."""
+    from musecore.media import audio
+    g = math.gcd(orig, new)
+    wave = torch.randn(5003, dtype=torch.float64, generator=torch.Generator().manual_seed(orig))
+    weights, first, width = audio._phase_table(orig // g, new // g, 6, 0.99)
+    length = math.ceil(wave.numel() * new / orig)
+    dense = audio._apply_dense(wave, weights, first, width, orig // g, new // g, length)
+    gathered = audio._apply_gather(wave, weights, first, width, orig // g, new // g, length)
+    err = (dense - gathered).abs().max().item()
+    assert dense.shape == gathered.shape == (length,) and err <= 1e-12, f"max difference {err}"
+
+
 @pytest.mark.parametrize("orig", [16000, 44100, 48000, 44101])
 def test_a_sine_keeps_its_frequency_and_amplitude(orig):
     seconds, freq = 1.0, 441.0
