@@ -361,7 +361,8 @@ class MuseModel:
             mask = input_ids == token_id  # [B,T]
             count = int(mask.sum())
             if rows.dim() != 2 or rows.shape[0] != count:
-                given = f"{rows.shape[0]} {kind} feature rows were given" if rows.dim() == 2 else                     f"{kind} features of shape {list(rows.shape)} were given (expected [rows, {x.shape[-1]}])"
+                given = (f"{rows.shape[0]} {kind} feature rows were given" if rows.dim() == 2 else
+                         f"{kind} features of shape {list(rows.shape)} were given (expected [rows, {x.shape[-1]}])")
                 raise MediaCountError(f"the prompt has {count} {kind} placeholders ({self.token_label(token_id)}) "
                                       f"but {given}")
             if rows.shape[1] != x.shape[-1]:

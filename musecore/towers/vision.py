@@ -144,7 +144,8 @@ class VisionTower:
                ADAPTER + "fc2.weight": (self, "adapter_fc2", "linear"),
                PROJECTION: (self, "projection", "linear")}
         for ln in ("ln_pre", "ln_post"):
-            out[f"{TOWER}{ln}.weight"], out[f"{TOWER}{ln}.bias"] = (self, f"{ln}_weight", "vector"), (self, f"{ln}_bias", "vector")
+            out[f"{TOWER}{ln}.weight"] = (self, f"{ln}_weight", "vector")
+            out[f"{TOWER}{ln}.bias"] = (self, f"{ln}_bias", "vector")
         for i, layer in enumerate(self.layers):
             q = f"{TOWER}layers.{i}."
             for norm in ("norm1", "norm2"):
