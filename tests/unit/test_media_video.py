@@ -177,3 +177,23 @@ def test_settings_change_sampling():
     assert len(load_video(frames, video_fps=4, fps=4, num_frames=9).frame_indices) == 8
     assert len(load_video(frames, settings=VideoSettings(do_sample_frames=False)).frame_indices) == 40
     assert isinstance(load_video(frames), Video)
+
+
+def test_patches_equal_the_real_transformers_video_processor_where_torchvision_loads(tmp_path):
+    """The full transformers class, run where torchvision >= 0.27 loads beside torch (skipped otherwise, with the
+    reason). Checked once by hand on torchvision 0.29.1: frames, timestamps and pixel values all exact."""
+    try:
+        from transformers.models.muse_glimmer.video_processing_muse_glimmer import MuseGlimmerVideoProcessor
+        reference_processor = MuseGlimmerVideoProcessor()
+    except (ImportError, RuntimeError) as exc:
+        pytest.skip(f"transformers' torchvision video processor does not load here ({type(exc).__name__})")
+    from transformers.video_utils import read_video_pyav
+    write_video(tmp_path / "clip.mp4", 30, 10, 120, 90, "libx264")
+    sample = functools.partial(reference_processor.sample_frames, temporal_patch_size=2)
+    frames, metadata = read_video_pyav(str(tmp_path / "clip.mp4"), sample_indices_fn=sample)
+    want = reference_processor(torch.from_numpy(frames), video_metadata=metadata, do_sample_frames=False,
+                               return_tensors="pt")
+    got = process_videos([load_video(tmp_path / "clip.mp4")])
+    assert torch.equal(got.grid_thw, want["video_grid_thw"])
+    diff = (got.pixel_values - want["pixel_values_videos"]).abs().max().item()
+    assert diff == 0.0, f"max |musecore - transformers| = {diff}"
