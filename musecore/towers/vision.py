@@ -90,6 +90,12 @@ def check_vision_config(config: Any) -> None:
     gelu_approximation(config.projector_hidden_act, "projector_hidden_act")
 
 
+# A block's linears: (checkpoint module, weight attribute, bias attribute) of VisionLayer.
+LAYER_LINEARS = (("attn.q_proj", "q_proj", "q_bias"), ("attn.k_proj", "k_proj", "k_bias"),
+                 ("attn.v_proj", "v_proj", "v_bias"), ("attn.proj", "proj", "proj_bias"),
+                 ("mlp.fc1", "fc1", "fc1_bias"), ("mlp.fc2", "fc2", "fc2_bias"))
+
+
 class VisionLayer:
     """One pre-LN block: attention with q/k/v biases and 2-D RoPE, then a GELU MLP, each with a residual."""
 
@@ -151,10 +157,9 @@ class VisionTower:
             for norm in ("norm1", "norm2"):
                 out[f"{q}{norm}.weight"] = (layer, f"{norm}_weight", "vector")
                 out[f"{q}{norm}.bias"] = (layer, f"{norm}_bias", "vector")
-            for module, attr in (("attn.q_proj", "q"), ("attn.k_proj", "k"), ("attn.v_proj", "v"), ("attn.proj", "proj"),
-                                 ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2")):
-                out[f"{q}{module}.weight"] = (layer, attr if attr in ("proj", "fc1", "fc2") else f"{attr}_proj", "linear")
-                out[f"{q}{module}.bias"] = (layer, f"{attr}_bias", "vector")
+            for module, attr, bias in LAYER_LINEARS:
+                out[f"{q}{module}.weight"] = (layer, attr, "linear")
+                out[f"{q}{module}.bias"] = (layer, bias, "vector")
         return out
 
     # -- geometry -------------------------------------------------------------------------------------
