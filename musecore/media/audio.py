@@ -60,7 +60,7 @@ def load_audio(src: Any, sampling_rate: Optional[int] = None, *, name: Optional[
     """Any supported audio input -> float32 mono waveform ``[samples]`` at ``target_rate`` (24 kHz).
 
     ``src``: a path, bytes, a ``data:audio/...;base64,`` URL, an OpenAI ``input_audio`` dict
-    ``{"data": <base64>, "format": "wav"}``, or a 1-D numpy array / tensor sampled at
+    ``{"data": <base64>, "format": "wav"}`` (any file format; "pcm16" is raw 24 kHz int16), or a 1-D numpy array / tensor sampled at
     ``sampling_rate`` (default 24000; int16/int32 PCM is scaled to [-1, 1]).
 
     Example::
@@ -73,9 +73,15 @@ def load_audio(src: Any, sampling_rate: Optional[int] = None, *, name: Optional[
         if "data" not in src:
             raise MediaError(f"{label}: an input_audio dict needs a 'data' key with base64 audio "
                              f"(and 'format', e.g. 'wav')")
+        audio_format = str(src.get("format") or "").lower()
         data = src["data"]
         src = decode_base64(data, "audio", label) if isinstance(data, str) else data
         name = label
+        if audio_format == "pcm16":  # OpenAI's raw format: 16-bit little-endian mono at 24 kHz, no header
+            if len(src) % 2:
+                raise MediaError(f"{label}: pcm16 data has an odd number of bytes ({len(src)}); pass whole 16-bit "
+                                 f"samples")
+            src, sampling_rate = np.frombuffer(bytes(src), dtype="<i2").astype(np.int16), sampling_rate or 24000
     if isinstance(src, (np.ndarray, torch.Tensor)):
         label = subject("audio", name or "array")
         wave, rate = _array_to_mono(src, label), int(sampling_rate or SAMPLING_RATE)

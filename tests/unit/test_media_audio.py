@@ -160,3 +160,12 @@ def test_containers_soundfile_cannot_read_are_decoded_with_pyav(tmp_path):
     assert abs(got.numel() - n) <= 2048
     spectrum = torch.fft.rfft(got.double()).abs()
     assert abs(spectrum.argmax().item() * 24000 / got.numel() - 440) <= 2
+
+
+def test_openai_pcm16_is_raw_24khz_int16():
+    pcm = (np.sin(np.arange(2401) / 5.0) * 20000).astype("<i2")
+    wave = load_audio({"data": base64.b64encode(pcm.tobytes()).decode(), "format": "pcm16"})
+    assert torch.equal(wave, torch.from_numpy(pcm.astype(np.float32) / 32768))
+    from musecore.media import MediaError
+    with pytest.raises(MediaError, match="pcm16 data has an odd number of bytes \\(3\\)"):
+        load_audio({"data": base64.b64encode(b"abc").decode(), "format": "pcm16"})
