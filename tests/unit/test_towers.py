@@ -164,16 +164,22 @@ def test_audio_without_a_mask_and_of_unpadded_length(muse, saved):
     assert relative_error(ours[0], theirs) <= 1e-4
 
 
-def test_audio_streamed_in_chunks_equals_one_pass(muse):
+def test_audio_streamed_in_chunks_equals_one_pass_and_transformers_streaming(muse, saved):
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkAudioConv1dPaddingCache
     values, _ = clips([9 * STEP, 9 * STEP], seed=4)
     whole, _ = muse.audio(values)
-    pieces, state, start = [], None, 0
+    pieces, theirs, state, cache, start = [], [], None, MuseSparkAudioConv1dPaddingCache(), 0
     for n in (2, 1, 4, 2):  # tokens per chunk
-        out, state = muse.audio(values[:, start:start + n * STEP], state)
+        chunk = values[:, start:start + n * STEP]
+        out, state = muse.audio(chunk, state)
         pieces.append(out)
+        with torch.no_grad():
+            theirs.append(saved[1].model.audio_tower(input_values=chunk, padding_cache=cache).last_hidden_state)
         start += n * STEP
     err = relative_error(torch.cat(pieces, 1), whole)
     assert err <= 1e-6, f"streamed audio differs from one pass by {err:.2e} (tolerance 1e-6)"
+    err = relative_error(torch.cat(pieces, 1), torch.cat(theirs, 1))
+    assert err <= 1e-4, f"streamed audio differs from transformers' padding-cache streaming by {err:.2e} (tolerance 1e-4)"
     with pytest.raises(ValueError, match="multiple of 1920"):
         muse.audio(values[:, :1000])
 
