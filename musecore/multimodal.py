@@ -345,6 +345,28 @@ class Prepared:
     def has_media(self) -> bool:
         return bool(self.items)
 
+    @classmethod
+    def join(cls, parts: Sequence["Prepared"]) -> "Prepared":
+        """One batch of several prepared batches, in order (their towers then run once per kind)."""
+        return cls([i for p in parts for i in p.ids], [t for p in parts for t in p.texts],
+                   [it for p in parts for it in p.items], max((p.audio_width for p in parts), default=0))
+
+    def split(self, media: Optional[Mapping[int, torch.Tensor]], sizes: Sequence["Prepared"],
+              config: Any) -> list[Optional[dict[int, torch.Tensor]]]:
+        """``media`` of a :meth:`join`-ed batch cut back into each part's own mapping."""
+        out: list[Optional[dict[int, torch.Tensor]]] = []
+        offsets = dict.fromkeys(KINDS, 0)
+        for part in sizes:
+            mine: dict[int, torch.Tensor] = {}
+            for kind in KINDS:
+                rows = sum(it.rows for it in part.items if it.kind == kind)
+                if rows:
+                    token = placeholder_id(config, kind)
+                    mine[token] = media[token][offsets[kind]:offsets[kind] + rows]
+                    offsets[kind] += rows
+            out.append(mine or None)
+        return out
+
     def features(self, model: Any) -> Optional[dict[int, torch.Tensor]]:
         if not self.items:
             return None

@@ -19,7 +19,8 @@ How it works (and what it is not):
 - Prompts stay on the cache's rows only while running; there is no prefix cache.
 - A request with images or audio (``Request.media``, a :class:`musecore.multimodal.Prepared`) has
   its encoder outputs computed here, in the scheduler thread, through the model's encoder cache,
-  just before its prefill; the features of every joining request go into that one forward.
+  just before its prefill: one tower call per kind for all the requests joining, whose features
+  then go into that one forward.
 
 Text is produced with generate's incremental detokenizer (``_Sequence``), so a request's pieces
 are exactly what ``model.generate`` would stream, and stop strings are held back the same way.
@@ -228,18 +229,34 @@ class Engine:
                     self._finish_unrun(request)
                 else:
                     joining.append(request)
-        joining = [r for r in joining if self._encode(r)]
+        joining = self._encode(joining)
         if joining:
             self._prefill(joining, len(self.running))
 
-    def _encode(self, request: Request) -> bool:
-        """The request's media features (through the encoder cache); False, with the request ended
-        with an error, when its media cannot be encoded."""
+    def _encode(self, requests: list[Request]) -> list[Request]:
+        """The joining requests' media features, each tower run once for all of them (through the
+        encoder cache); a request whose media cannot be encoded ends with its error, the others go on."""
+        from musecore.multimodal import Prepared
+
+        with_media = [r for r in requests if r.media is not None]
+        if not with_media:
+            return requests
+        joined = Prepared.join([r.media for r in with_media])
+        try:
+            media = joined.features(self.model)
+        except ValueError:  # one request's media does not fit the model: find it, run the rest
+            return [r for r in requests if self._encode_one(r)]
+        for request, features in zip(with_media, joined.split(media, [r.media for r in with_media],
+                                                              self.model.config)):
+            request.features = features
+        return requests
+
+    def _encode_one(self, request: Request) -> bool:
         if request.media is None:
             return True
         try:
             request.features = request.media.features(self.model)
-        except ValueError as e:  # this request's media does not fit the model; the others go on
+        except ValueError as e:
             request.text.done, request.finish_reason = True, "error"
             request.sink({"type": "done", "finish_reason": "error", "error": str(e)})
             return False

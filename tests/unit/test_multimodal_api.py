@@ -511,7 +511,7 @@ def test_nan_features_are_named_when_debugging(model, monkeypatch):
 
 def test_the_server_engine_splices_each_joining_requests_media_in_row_order(model):
     """Two media requests that join in one prefill: their features go into that forward, request by
-    request (row order), each item encoded once; a text-only request between them adds none."""
+    request (row order), one tower call per kind for all of them; a text-only request between them adds none."""
     import threading
 
     from musecore.chat import end_ids
@@ -536,5 +536,34 @@ def test_the_server_engine_splices_each_joining_requests_media_in_row_order(mode
     ids, media = model.calls[0]
     assert ids.shape[0] == 3 and set(media) == {4, 6}
     assert [round(float(v)) for v in media[4][::4, 0]] == [11, 22] and media[6].shape[0] == 2
-    # (each request is encoded on its own: one tower call per kind per request, not one per prefill)
-    assert sorted(model.towers.calls) == ["audio", "image", "image"] and model.towers.items == 3
+    assert sorted(model.towers.calls) == ["audio", "image"] and model.towers.items == 3  # one call per kind
+
+
+def test_a_request_whose_media_fails_ends_with_its_error_and_the_others_run(model, monkeypatch):
+    import threading
+
+    from musecore.serve.engine import Engine, Request, Sampling
+
+    encode = model.encode_images
+
+    def wrong_for_99(pixels, grid):  # an image of 99s gets one feature row too few
+        return [o[:-1] if round(float(o[0, 0])) == 99 else o for o in encode(pixels, grid)]
+
+    monkeypatch.setattr(model, "encode_images", wrong_for_99)
+    events, done = {}, threading.Semaphore(0)
+
+    def sink(i):
+        return lambda e: e["type"] == "done" and (events.__setitem__(i, e), done.release())
+
+    engine = Engine(model, max_batch=2, max_waiting=2)
+    for i, value in enumerate((99, 7)):
+        p = prepare(model, [user({"type": "image", "image": image(value)}, {"type": "text", "text": "?"})])
+        engine.submit(Request(p.ids[0], Sampling(max_tokens=1), sink(i), model.tokenizer, media=p))
+    engine.start()
+    try:
+        assert all(done.acquire(timeout=60) for _ in range(2)), "the engine did not finish"
+    finally:
+        engine.stop()
+    assert events[0]["finish_reason"] == "error" and "gave 3 feature rows but its placeholder has 4" in events[0]["error"]
+    assert events[1]["finish_reason"] == "length"
+    assert round(float(model.calls[0][1][4][0, 0])) == 7 and model.calls[0][0].shape[0] == 1
