@@ -3,7 +3,8 @@
 transformers' processor is a torchvision class; torchvision does not load beside the CPU torch
 here, so this module does the same steps with the same torch calls, to the bit:
 
-1. RGB, as transformers makes it: a PIL image with transparency is composited on white; a uint8
+1. RGB, as transformers makes it: a file is read as ``image_utils.load_image`` reads it (EXIF
+   orientation, ``convert("RGB")``); a PIL image with transparency is composited on white; a uint8
    array with an alpha channel is blended on white in float32 (torchvision's ``to_dtype`` rules).
 2. ``smart_resize``: the integer grid of 28-pixel cells (patch 14 x merge 2) closest to the
    image's aspect ratio with at most ``max_image_tokens`` (4096) cells, then a resize of the uint8
@@ -19,7 +20,6 @@ from __future__ import annotations
 import itertools
 import math
 import platform
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -120,8 +120,9 @@ def load_image(src: Any, *, name: Optional[str] = None, max_pixels: int = MAX_PI
     """Any supported image input -> an RGB ``PIL.Image.Image``, converted as transformers converts it.
 
     ``src``: a path (str / Path), bytes, a ``data:image/...;base64,`` URL, a PIL image, or a uint8
-    array / tensor ``[H, W]`` or ``[H, W, 1|3|4]``. Files get their EXIF orientation applied (as
-    transformers' ``load_image`` does); transparency is composited on white.
+    array / tensor ``[H, W]`` or ``[H, W, 1|3|4]``. Files are read as transformers' ``load_image``
+    reads them (EXIF orientation applied, ``convert("RGB")``, so an alpha channel is dropped);
+    in-memory images are converted as its processor converts them (transparency over white).
 
     Example::
 
@@ -143,9 +144,7 @@ def load_image(src: Any, *, name: Optional[str] = None, max_pixels: int = MAX_PI
     label = resolved.name
     ImageOps = require("PIL.ImageOps")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the budget below decides
-            image = Image.open(resolved.file())
+        image = Image.open(resolved.file())
     except Image.UnidentifiedImageError:
         raise MediaError(f"{label} is not an image Pillow recognises (corrupt, or another kind of file); pass a "
                          f"PNG, JPEG, WebP, GIF, BMP or TIFF file") from None
@@ -160,10 +159,11 @@ def load_image(src: Any, *, name: Optional[str] = None, max_pixels: int = MAX_PI
         try:
             image.load()
             image = ImageOps.exif_transpose(image)
+            # transformers' image_utils.load_image: upright, then convert("RGB"), which drops alpha
+            return image.convert("RGB")
         except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
             raise MediaError(f"{label} is corrupt or truncated: {_reason(exc)}; re-export or re-download "
                              f"it") from None
-        return _pil_to_rgb(image, label)
 
 
 def process_images(images: Sequence[Any], settings: ImageSettings = ImageSettings()) -> ImageInputs:

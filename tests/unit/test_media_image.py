@@ -196,6 +196,22 @@ def test_exif_orientation_is_applied_to_files_as_transformers_load_image_does(tm
     assert np.array_equal(np.asarray(loaded), np.asarray(tf_load_image(str(path))))
 
 
+def test_files_with_transparency_are_read_as_transformers_load_image_reads_them(tmp_path):
+    """transformers' load_image (the loader for paths) converts files with convert("RGB"), dropping alpha;
+    only images handed over in memory are composited on white by the processor."""
+    from transformers.image_utils import load_image as tf_load_image
+    for mode in ("RGBA", "LA"):
+        image = random_image(23, 17, mode, seed=13)
+        image.save(tmp_path / f"{mode}.png")
+        want = np.asarray(tf_load_image(str(tmp_path / f"{mode}.png")))
+        assert np.array_equal(np.asarray(load_image(tmp_path / f"{mode}.png")), want), mode
+        assert np.array_equal(np.asarray(load_image((tmp_path / f"{mode}.png").read_bytes())), want), mode
+    palette = random_image(20, 20).convert("P")
+    palette.save(tmp_path / "p.png", transparency=0)
+    assert np.array_equal(np.asarray(load_image(tmp_path / "p.png")),
+                          np.asarray(tf_load_image(str(tmp_path / "p.png"))))
+
+
 def test_images_outside_the_pixel_budget_are_refused_with_both_sizes():
     with pytest.raises(MediaError, match=r"image #1 is 300x200 \(60,000 pixels\), above the pixel budget of "
                                          r"50,000 pixels; downscale it first"):
