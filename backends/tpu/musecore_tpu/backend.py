@@ -37,6 +37,7 @@ INTERPRETER_ENV = "MUSECORE_TPU_INTERPRETER"
 DENSE = ("bf16", "fp16", "fp32")
 PACKED = layouts.PACKED_FORMATS
 NEVER_RUN = "never run on a TPU"
+UNTESTED = " (musecore-tpu's kernels are tested in JAX's TPU interpreter on CPU; none has run on a TPU yet)"
 TORCH_OPS = ("embedding", "qk_norm_rope", "head_norm_gate", "router_topk", "silu_mul", "logit_softcap", "sample")
 KERNEL_OPS = ("linear", "moe", "attention", "rms_norm", "residual_norm")
 # The towers' ops (musecore.ops.TOWER_OPS) that run as the reference's PyTorch ops, like TORCH_OPS above.
@@ -46,10 +47,16 @@ NO_VARLEN = ("no Pallas kernel for packed bidirectional (varlen) attention yet; 
              "for a TPU loads the vision tower only with allow_reference=True (the reference's loop)")
 NO_ACT_QUANT = ("the TPU backend runs 16-bit activations (W4A16 / BF16); {fmt} activation quantization has no TPU "
                 "kernel here: load with act_format=None")
-NO_FP8 = ("FP8 weights have no TPU kernel yet (v7's FP8 MXU path is future work): the plan dequantizes FP8 "
-          "checkpoints to BF16 for TPU devices")
+NO_FP8 = ("FP8 experts have no grouped TPU kernel yet (the FP8 linear exists: kernels/quantized.py): the plan "
+          "dequantizes FP8 checkpoints to BF16 for TPU devices")
+FP8_LINEAR = ("Pallas 8-bit matmul: FP8 E4M3 weights (per-tensor scale) kept, {act}")
+FP8_ACTS = {None: "W8A16: the E4M3 values are exact in bf16, one bf16 MXU pass",
+            "fp8-token": "W8A8: activations to E4M3 per token, FP8 x FP8 on v7's FP8 MXU (f32 accumulation)"}
+NO_FP8_ACT = ("{act} activations with FP8 weights: the TPU's W8A8 path is 'fp8-token' (dynamic per-token scales); "
+              "static per-tensor FP8 activations have no kernel here")
+NO_FP8_ON_V6E = "tpu-v6e's MXU has no FP8 rate (fp8 runs at its bf16 rate): load FP8 weights W8A16 (act_format=None)"
 KERNEL_REASONS = {
-    "linear": "Pallas tiled matmul: {fmt}",
+    "linear": "Pallas tiled matmul: {fmt} (one bf16 MXU pass where both operands are bf16 values, else HIGHEST)",
     "moe": "Pallas grouped expert matmuls over the routed rows only ({fmt} experts): gate/up + SwiGLU, down + "
            "round + shared post-expert norm (scale first) + routing weight; fp32 sum by XLA scatter-add",
     "attention": "Pallas flash attention: one KV head and its query group per step, positions decide visibility "
@@ -74,7 +81,7 @@ def probe_tpu() -> Probe:
     details: dict[str, Any] = {"kernels": "Pallas (JAX); " + NEVER_RUN + ", tested in JAX's TPU interpreter on CPU",
                                "jax": _version("jax"), "torch_tpu": _version("torch_tpu")}
     if importlib.util.find_spec("torch_tpu") is None:
-        return Probe(False, 0, [], "torch_tpu not installed", details)
+        return Probe(False, 0, [], "torch_tpu not installed" + UNTESTED, details)
     try:
         import torch_tpu  # noqa: F401  (torch autoloads it anyway when installed)
         # torch.tpu.device_count is internal to torch_tpu 0.2.0 (it raises); the accelerator API is the public one
@@ -83,7 +90,7 @@ def probe_tpu() -> Probe:
     except Exception as err:  # probe() never raises: the cause is the reason
         return Probe(False, 0, [], f"torch_tpu failed to start: {type(err).__name__}: {err}", details)
     if count == 0:
-        return Probe(False, 0, [], "no TPU device", details)
+        return Probe(False, 0, [], "no TPU device" + UNTESTED, details)
     try:
         from torch_tpu._internal.device import _device_ops_backend
         kind = str(_device_ops_backend._get_local_device_attributes().get("device_kind", ""))
@@ -169,9 +176,15 @@ class TpuBackend(Backend):
         if missing:
             return Support.no(missing)
         if op in ("linear", "moe"):
+            fmt = spec.weight_format
+            if fmt == "fp8" and op == "linear":
+                if spec.act_format not in FP8_ACTS:
+                    return Support.no(NO_FP8_ACT.format(act=spec.act_format))
+                if spec.act_format and spec.device == "tpu-v6e":
+                    return Support.no(NO_FP8_ON_V6E)
+                return Support.native(FP8_LINEAR.format(act=FP8_ACTS[spec.act_format]) + f"; runs {where}")
             if spec.act_format is not None:
                 return Support.no(NO_ACT_QUANT.format(fmt=spec.act_format))
-            fmt = spec.weight_format
             if fmt == "fp8":
                 return Support.no(NO_FP8)
             if fmt not in DENSE + PACKED:
@@ -199,9 +212,16 @@ class TpuBackend(Backend):
                        dtype: torch.dtype = torch.bfloat16) -> Weight:
         """Dense -> ``W^T [K, N]`` in ``dtype``; 4-bit QTensor -> K-major half-split codes + block scales
         (:mod:`musecore_tpu.layouts`). ``Weight.extra["tpu"]`` holds what the kernel reads."""
+        out_features, in_features = (weight.shape[-2], weight.shape[-1])
+        if isinstance(weight, QTensor) and weight.format == "fp8":  # the 8-bit MXU path: FP8 kept
+            if act_format not in FP8_ACTS:
+                raise ValueError(NO_FP8_ACT.format(act=act_format))
+            resident = {k: v.to(self.device) for k, v in layouts.prepare_q8(weight).items()}
+            return Weight(data=resident, format="fp8", out_features=out_features, in_features=in_features,
+                          act_format=act_format, extra={"tpu": self.runner.resident(resident), "q8": act_format,
+                                                        "role": role})
         if act_format is not None:
             raise ValueError(NO_ACT_QUANT.format(fmt=act_format))
-        out_features, in_features = (weight.shape[-2], weight.shape[-1])
         if role == "embedding":  # a row lookup (torch op): keep rows
             table = weight if isinstance(weight, torch.Tensor) else None
             if table is None:
@@ -246,6 +266,9 @@ class TpuBackend(Backend):
             raise TypeError("tpu linear got a Weight that TpuBackend.prepare_weight did not make; prepare it with "
                             "this backend")
         lead = x.shape[:-1]
+        if "q8" in w.extra:
+            y = self.runner.linear_q8(x.reshape(-1, x.shape[-1]).contiguous(), resident, w.format, w.extra["q8"])
+            return y.reshape(*lead, y.shape[-1])
         y = self.runner.linear(x.reshape(-1, x.shape[-1]).contiguous(), resident, w.format, w.extra["group"])
         return y.reshape(*lead, y.shape[-1])
 

@@ -42,6 +42,9 @@ class OpsRunner:
         return self.ops["linear_packed"](x2d, resident["codes"], resident["scales"], resident["zeros"],
                                          resident["global_scale"], fmt, group)
 
+    def linear_q8(self, x2d, resident, fmt, act):
+        return self.ops["linear_q8"](x2d, resident["q8"], resident["wscale"], fmt, act or "")
+
     def moe(self, z, weights, ids, gate, up, down, post_norm, fmt, group, eps):
         ids = ids.to(torch.int32)
         if "wt" in gate:

@@ -69,6 +69,7 @@ def _jax_functions(interpret: Any) -> dict[str, tuple[Callable[..., Any], Callab
     from musecore_tpu.kernels import matmul as mm
     from musecore_tpu.kernels import moe as me
     from musecore_tpu.kernels import norms as nr
+    from musecore_tpu.kernels import quantized as qz
 
     def linear_dense(x: jax.Array, wt: jax.Array) -> jax.Array:
         return mm.matmul(x, {"wt": wt}, fmt="bf16", out_dtype=x.dtype, interpret=interpret)
@@ -77,6 +78,10 @@ def _jax_functions(interpret: Any) -> dict[str, tuple[Callable[..., Any], Callab
                       global_scale: Optional[jax.Array], fmt: str, group: int) -> jax.Array:
         w = {"codes": codes, "scales": scales, "zeros": zeros, "global_scale": global_scale}
         return mm.matmul(x, w, fmt=fmt, group=group, out_dtype=x.dtype, interpret=interpret)
+
+    def linear_q8(x: jax.Array, q8: jax.Array, wscale: jax.Array, fmt: str, act: str) -> jax.Array:
+        return qz.matmul_q8(x, {"q8": q8, "wscale": wscale}, fmt=fmt, act=act or None, out_dtype=x.dtype,
+                            interpret=interpret)
 
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int,
                   scale: float, k_scale: float, v_scale: float) -> jax.Array:
@@ -110,6 +115,7 @@ def _jax_functions(interpret: Any) -> dict[str, tuple[Callable[..., Any], Callab
                       interpret=interpret)
 
     return {"linear_dense": (linear_dense, _fake_linear), "linear_packed": (linear_packed, _fake_linear),
+            "linear_q8": (linear_q8, _fake_linear),
             "attention": (attention, _fake_like_first), "rms_norm": (rms_norm, _fake_like_first),
             "residual_norm": (residual_norm, _fake_pair), "moe_dense": (moe_dense, _fake_moe),
             "moe_packed": (moe_packed, _fake_moe)}

@@ -71,6 +71,14 @@ def cases() -> dict[str, Callable[[Callable], tuple[Callable, tuple]]]:
             functools.partial(attention, window=window, scale=D ** -0.5),
             (S((1, T, Q_HEADS, D), jnp.bfloat16), S((1, keys, KV_HEADS, D), kv_dtype),
              S((1, keys, KV_HEADS, D), kv_dtype), S((1, T), jnp.int32), S((1, keys), jnp.int32)))
+    from musecore_tpu.kernels.quantized import matmul_q8
+    for fmt, act in Q8_PATHS:
+        for M in (16, 256):
+            q8 = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn
+            out[f"q8-{fmt}-{act or 'a16'}-M{M}"] = lambda S, fmt=fmt, act=act, M=M, q8=q8: (
+                functools.partial(matmul_q8, fmt=fmt, act=act),
+                (S((M, H), jnp.bfloat16), {"q8": S((H, H), q8),
+                                           "wscale": S((1, H) if fmt == "int8" else (1, 1), jnp.float32)}))
     out["rms_norm-scale_first"] = lambda S: (functools.partial(rms_norm, eps=1e-5, scale_first=True),
                                              (S((16, H), jnp.bfloat16), S((H,), jnp.bfloat16)))
     out["residual_norm"] = lambda S: (functools.partial(residual_norm, post_eps=1e-8, eps=1e-5),
@@ -79,7 +87,8 @@ def cases() -> dict[str, Callable[[Callable], tuple[Callable, tuple]]]:
     return out
 
 
-CASE_NAMES = ["matmul-" + f"{fmt}-{name}-M{M}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4") for M in (16, 256)
+Q8_PATHS = (("int8", None), ("int8", "int8-token"), ("fp8", None), ("fp8", "fp8-token"))
+CASE_NAMES = [f"q8-{fmt}-{act or 'a16'}-M{M}" for fmt, act in Q8_PATHS for M in (16, 256)] + ["matmul-" + f"{fmt}-{name}-M{M}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4") for M in (16, 256)
               for name in ("q_proj", "expert")] + [f"moe-{fmt}-T{T}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4")
                                                     for T in (1, 64)] + \
     ["attention-T1-S2048-kvbf16", "attention-T1-S32768-kvfp8", "attention-T512-S512-kvbf16", "rms_norm-scale_first",

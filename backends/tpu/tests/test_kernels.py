@@ -219,3 +219,56 @@ def test_8bit_mxu_matmul_matches_jnp_and_musecore_references(fmt: str, act: Opti
 def nmse_of(want: torch.Tensor, got: torch.Tensor) -> float:
     from musecore.testing import nmse
     return float(nmse(want, got))
+
+
+def test_single_pass_bf16_dots() -> None:
+    """The measurement behind the kernels' MXU passes (plain jnp on the CPU, whose bf16 dot with f32 accumulation
+    has the TPU's numerics: exact products, f32 sums). One bf16 pass equals HIGHEST (6 passes) where both operands
+    are bf16 values: bf16 x bf16, bf16 x MXFP4/NVFP4 (decoded without the global scale), bf16 q x fp8 k. It does
+    not for INT4 weights (fp16 group scales) or f32 probabilities (p.v), so those keep HIGHEST."""
+    import jax.numpy as jnp
+    from musecore.testing import nmse
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels.matmul import HIGHEST, dequantize_resident, dot_bf16
+    gen = torch.Generator().manual_seed(9)
+    x = to_jax(torch.randn(8, 1024, generator=gen).to(torch.bfloat16))
+    errors = {}
+    for fmt in ("bf16", "mxfp4", "nvfp4", "int4"):
+        w, _ = weight(fmt, (256, 1024), gen)
+        kfmt, res, group = resident(w)
+        if kfmt == "nvfp4":  # the kernel's order: E2M1 x E4M3 in bf16, the global scale after the sum
+            gs = res["global_scale"]
+            wt = dequantize_resident({**res, "global_scale": jnp.float32(1.0)}, kfmt, group, 1024)
+        else:
+            gs, wt = 1.0, dequantize_resident(res, kfmt, group, 1024)
+        highest = jnp.dot(x.astype(jnp.float32), wt, precision=HIGHEST) * gs
+        bf16_exact = bool(jnp.all(wt.astype(jnp.bfloat16).astype(jnp.float32) == wt))
+        errors[fmt] = (float(nmse(to_torch(highest), to_torch(dot_bf16(x, wt) * gs))), bf16_exact)
+    p = torch.softmax(torch.randn(64, 512, generator=gen) * 3, -1)
+    v = torch.randn(512, 64, generator=gen).to(torch.bfloat16).float()
+    pv_highest = jnp.dot(to_jax(p), to_jax(v), precision=HIGHEST)
+    errors["p.v"] = (float(nmse(to_torch(pv_highest), to_torch(dot_bf16(to_jax(p), to_jax(v))))), False)
+    print("one bf16 pass vs HIGHEST, NMSE (weights exact in bf16):",
+          ", ".join(f"{k} {e:.1e} ({ex})" for k, (e, ex) in errors.items()))
+    for fmt in ("bf16", "mxfp4", "nvfp4"):
+        assert errors[fmt][1] and errors[fmt][0] < 1e-12, f"{fmt}: one pass should equal HIGHEST: {errors[fmt]}"
+    assert not errors["int4"][1] and errors["int4"][0] > 1e-9, "INT4 weights are not bf16 values: keep HIGHEST"
+    assert errors["p.v"][0] > 1e-9, "f32 probabilities lose bits in one bf16 pass: keep HIGHEST for p.v"
+
+
+@pytest.mark.parametrize("act", [None, "fp8-token"])
+def test_backend_fp8_linear_through_its_custom_op(act: Optional[str]) -> None:
+    """``TpuBackend.prepare_weight`` keeps a per-tensor FP8 checkpoint weight as FP8 and ``linear`` runs the 8-bit
+    kernel through the registered ``linear_q8`` op, against musecore's reference linear (bf16 output)."""
+    from musecore.backends.reference import ReferenceBackend
+    from musecore_quant import quantize
+    from musecore_tpu import TpuBackend
+    gen = torch.Generator().manual_seed(4)
+    qt = quantize(torch.randn(256, 512, generator=gen) * 512 ** -0.5, "fp8")
+    x = torch.randn(2, 3, 512, generator=gen).to(torch.bfloat16)
+    backend = TpuBackend("cpu", interpret="jax")
+    got = backend.linear(x, backend.prepare_weight(qt, "q_proj", act_format=act))
+    reference = ReferenceBackend("cpu")
+    want = reference.linear(x, reference.prepare_weight(qt, "q_proj", act_format=act))
+    assert got.shape == (2, 3, 256) and got.dtype == torch.bfloat16
+    assert_nmse(want, got, tolerance("linear"), f"TpuBackend fp8 linear act {act} vs reference")

@@ -34,7 +34,7 @@ def test_probe_without_torch_tpu_says_so() -> None:
     from musecore_tpu import TpuBackend
     probe = TpuBackend().probe()
     assert not probe.available and probe.devices == []
-    assert probe.reason == "torch_tpu not installed"
+    assert probe.reason.startswith("torch_tpu not installed (") and "none has run on a TPU" in probe.reason
     assert "never run on a TPU" in probe.details["kernels"]
 
 
@@ -48,7 +48,7 @@ def test_probe_without_a_tpu_device_says_so(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(sys.modules, "torch_tpu", types.ModuleType("torch_tpu"))
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
     probe = backend_module.probe_tpu()
-    assert not probe.available and probe.reason == "no TPU device"
+    assert not probe.available and probe.reason.startswith("no TPU device (")
 
 
 @pytest.mark.parametrize("kind,device", [("TPU v6e", "tpu-v6e"), ("TPU v6 lite", "tpu-v6e"), ("TPU7x", "tpu-v7"),
@@ -83,7 +83,13 @@ def test_supports_answers_every_op_with_a_reason(monkeypatch: pytest.MonkeyPatch
     for fmt in ("bf16", "int4", "mxfp4", "nvfp4"):
         assert backend.supports("linear", OpSpec("linear", weight_format=fmt)).ok
         assert backend.supports("moe", OpSpec("moe", weight_format=fmt)).ok
-    fp8 = backend.supports("linear", OpSpec("linear", weight_format="fp8"))
+    assert backend.supports("linear", OpSpec("linear", weight_format="fp8")).ok  # W8A16
+    assert backend.supports("linear", OpSpec("linear", weight_format="fp8", act_format="fp8-token", device="tpu-v7")).ok
+    v6e = backend.supports("linear", OpSpec("linear", weight_format="fp8", act_format="fp8-token", device="tpu-v6e"))
+    assert not v6e.ok and "no FP8 rate" in v6e.reason
+    static = backend.supports("linear", OpSpec("linear", weight_format="fp8", act_format="fp8"))
+    assert not static.ok and "fp8-token" in static.reason
+    fp8 = backend.supports("moe", OpSpec("moe", weight_format="fp8"))
     assert not fp8.ok and "dequantizes FP8" in fp8.reason
     w4a4 = backend.supports("moe", OpSpec("moe", weight_format="mxfp4", act_format="mxfp4"))
     assert not w4a4.ok and "16-bit activations" in w4a4.reason

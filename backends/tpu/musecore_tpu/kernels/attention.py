@@ -42,12 +42,21 @@ def _kernel(scale: float, window: Optional[int], k_scale: float, v_scale: float,
     visible = (kp >= 0) & (kp <= qp)
     if window is not None:
         visible &= (qp - kp) < window
+    # q.k: bf16 queries times bf16 or E4M3 keys are exact products in ONE bf16 MXU pass (the FP8 scale joins the
+    # softmax scale); f32 inputs keep HIGHEST. p.v keeps HIGHEST: probabilities are f32, and one bf16 pass would
+    # round them (measured NMSE 2.7e-6 for p.v, test_single_pass_bf16_dots).
+    one_pass = q_ref.dtype == jnp.bfloat16 and k_ref.dtype in (jnp.bfloat16, jnp.float8_e4m3fn)
     for h in range(kv_heads):  # static: each KV head's lanes of the [tkv, nkv*d] block, read once for all heads
-        q = q_ref[h].astype(jnp.float32)                             # [rows, d]: query-major, then the group's heads
-        k = k_ref[:, h * d:(h + 1) * d].astype(jnp.float32) * k_scale  # [tkv, d]
         v = v_ref[:, h * d:(h + 1) * d].astype(jnp.float32) * v_scale
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=HIGHEST) * scale            # [rows, tkv]
+        if one_pass:
+            q, k = q_ref[h].astype(jnp.bfloat16), k_ref[:, h * d:(h + 1) * d].astype(jnp.bfloat16)
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * (
+                k_scale * scale)
+        else:
+            q = q_ref[h].astype(jnp.float32)                             # [rows, d]: query-major, then the heads
+            k = k_ref[:, h * d:(h + 1) * d].astype(jnp.float32) * k_scale  # [tkv, d]
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                    precision=HIGHEST) * scale            # [rows, tkv]
         s = jnp.where(visible, s, -jnp.inf)
         m_prev = m_ref[h]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))

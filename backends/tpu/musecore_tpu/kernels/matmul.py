@@ -1,9 +1,16 @@
 """``y = x @ W^T`` on the TPU: BF16 weights, and 4-bit weights (INT4 g128, MXFP4, NVFP4) kept packed in HBM.
 
 W4A16: the 4-bit codes and block scales stream from HBM (a quarter of BF16's bytes, which is what decode speed
-is made of), are decoded into f32 in VMEM (:mod:`musecore_tpu.kernels.decode`) and meet 16-bit activations in
-the MXU. The f32 products use ``Precision.HIGHEST`` so the result matches the fp32 reference to its summation
-order; on a TPU that is the 6-pass bf16 MXU path (a single-pass bf16 variant is the first thing to measure).
+is made of), are decoded in VMEM (:mod:`musecore_tpu.kernels.decode`) and meet 16-bit activations in the MXU.
+
+MXU passes. ``Precision.HIGHEST`` on f32 operands is 6 bf16 passes on a TPU (bf16x6). Where both operands are
+exactly bf16 values, one bf16 pass with f32 accumulation gives the same products (a bf16 x bf16 product is exact
+in f32), so the kernel uses ONE pass (:func:`dot_bf16`) there: bf16 activations times bf16 weights, MXFP4 (E2M1
+times a power of two) and NVFP4 (E2M1 times E4M3: at most 6 significant bits; the per-tensor global scale, which
+is not a bf16 value, multiplies the f32 sum at the end). INT4 (``(q - z) * s`` with fp16 scales, up to 15
+significant bits) and f32 activations keep HIGHEST: one bf16 pass would round those weights (measured in
+``tests/test_kernels.py::test_single_pass_bf16_dots``: NMSE 2.7e-6 for INT4 g128, 1e-15..7e-14, summation
+order only, where exact).
 
 :func:`matmul` is the Pallas kernel, :func:`matmul_reference` the same contract in plain ``jnp``.
 """
@@ -24,8 +31,21 @@ from musecore_tpu.kernels.decode import FP4_FORMATS, decode_halves
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+BF16_EXACT = ("bf16", "mxfp4", "nvfp4")  # weight formats whose decoded values (before any f32 global scale) are bf16
+
+
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=HIGHEST)
+
+
+def dot_bf16(a: jax.Array, b: jax.Array) -> jax.Array:
+    """ONE bf16 MXU pass, f32 accumulation: exact products when both operands hold bf16 values."""
+    return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def single_pass(fmt: str, x_dtype: Any) -> bool:
+    """Whether ``x (x_dtype) @ W (fmt)`` is exact in one bf16 pass (see the module docstring)."""
+    return x_dtype == jnp.bfloat16 and fmt in BF16_EXACT
 
 
 def _dense_kernel(x_ref, w_ref, o_ref, acc_ref):
@@ -33,7 +53,10 @@ def _dense_kernel(x_ref, w_ref, o_ref, acc_ref):
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    acc_ref[...] += _dot(x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32))
+    if x_ref.dtype == jnp.bfloat16 and w_ref.dtype == jnp.bfloat16:
+        acc_ref[...] += dot_bf16(x_ref[...], w_ref[...])
+    else:
+        acc_ref[...] += _dot(x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32))
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _():
@@ -49,15 +72,22 @@ def _packed_kernel(fmt: str, group: int, has_zeros: bool, x_ref, codes_ref, scal
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
+    one_pass = single_pass(fmt, x_ref.dtype)
+    gs = None if gs_ref is None else gs_ref[0, 0]
     lo, hi = decode_halves(fmt, group, codes_ref[...], scales_ref[...], None if zeros_ref is None else zeros_ref[...],
-                           None if gs_ref is None else gs_ref[0, 0])
-    x = x_ref[...].astype(jnp.float32)
+                           None if gs is None else (jnp.float32(1.0) if one_pass else gs))
+    x = x_ref[...]
     half = lo.shape[0]
-    acc_ref[...] += _dot(x[:, :half], lo) + _dot(x[:, half:], hi)
+    if one_pass:  # the global scale multiplies the f32 sum below instead of every weight
+        acc_ref[...] += dot_bf16(x[:, :half], lo) + dot_bf16(x[:, half:], hi)
+    else:
+        x = x.astype(jnp.float32)
+        acc_ref[...] += _dot(x[:, :half], lo) + _dot(x[:, half:], hi)
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        acc = acc_ref[...]
+        o_ref[...] = (acc * gs if one_pass and gs is not None else acc).astype(o_ref.dtype)
 
 
 def interpret_mode(interpret: Any) -> Any:
