@@ -169,3 +169,11 @@ def test_openai_pcm16_is_raw_24khz_int16():
     from musecore.media import MediaError
     with pytest.raises(MediaError, match="pcm16 data has an odd number of bytes \\(3\\)"):
         load_audio({"data": base64.b64encode(b"abc").decode(), "format": "pcm16"})
+
+
+def test_defaults_match_the_transformers_feature_extractor():
+    from transformers.models.muse_spark.feature_extraction_muse_spark import MuseSparkFeatureExtractor
+    from musecore.media import AudioSettings
+    theirs, ours = MuseSparkFeatureExtractor(), AudioSettings()
+    assert (ours.sampling_rate, ours.samples_per_token, ours.padding_value) == \
+        (theirs.sampling_rate, theirs.samples_per_token, theirs.padding_value) == (24000, 1920, 0.0)

@@ -197,3 +197,16 @@ def test_patches_equal_the_real_transformers_video_processor_where_torchvision_l
     assert torch.equal(got.grid_thw, want["video_grid_thw"])
     diff = (got.pixel_values - want["pixel_values_videos"]).abs().max().item()
     assert diff == 0.0, f"max |musecore - transformers| = {diff}"
+
+
+def test_defaults_match_the_transformers_video_processor_class():
+    tree = ast.parse(SOURCE.read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MuseGlimmerVideoProcessor").body
+    found = {n.targets[0].id: ast.unparse(n.value) for n in body
+             if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)}
+    ours = VideoSettings()
+    for key in ("patch_size", "temporal_patch_size", "merge_size", "max_video_frame_tokens", "num_frames", "fps",
+                "do_sample_frames", "frame_timestamp_format", "do_resize", "do_rescale", "do_normalize"):
+        assert getattr(ours, key) == ast.literal_eval(found[key]), key
+    assert found["resample"] == "PILImageResampling.LANCZOS" and ours.resample == 1
+    assert found["image_mean"] == "IMAGENET_STANDARD_MEAN" and found["image_std"] == "IMAGENET_STANDARD_STD"
