@@ -78,3 +78,13 @@ def test_gfx942_has_no_fp4_matrix_cores_so_dot_scaled_upcasts(compiled):
         assert not any(SCALED_MFMA in m for m in r["mfma"]), r
         if r["kernel"] == "mx_gemm_kernel":
             assert any("bf16" in m for m in r["mfma"]), r
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_router_gemv_multiplies_in_full_fp32(compiled, arch):
+    """The split-K router GEMV (``tl.dot`` at ``ieee`` precision) must use fp32 MFMA, never xf32 (TF32-like)."""
+    rows = [r for r in compiled[arch] if r["kernel"] == "router_gemv_kernel"]
+    assert rows
+    for r in rows:
+        assert r["mfma"] and all(m.endswith("_f32") and "xf32" not in m for m in r["mfma"]), r
+        assert r["scratch_bytes"] == 0 and r["lds_bytes"] <= 64 * 1024, r
