@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -90,7 +91,11 @@ def resolve(src: Source, kind: str, name: Optional[str] = None) -> Resolved:
         raise MediaError(f"{label}: '{scheme}://' URLs are not supported; pass a local path, bytes or a "
                          f"data: URL")
     path = Path(src).expanduser()
-    if not path.exists():
+    if not _exists(path) and _BASE64.fullmatch(text):
+        # a bare base64 string, as transformers' loaders also accept (no file has such a long plain name)
+        label = subject(kind, name or "string (no such file, so read as base64)")
+        return Resolved(label, data=decode_base64(text, kind, label))
+    if not _exists(path):
         raise MediaError(f"{label} does not exist; check the path")
     if path.is_dir():
         raise MediaError(f"{label} is a directory; pass the path of {_article(kind)} {kind} file")
@@ -103,6 +108,16 @@ def resolve(src: Source, kind: str, name: Optional[str] = None) -> Resolved:
     if not os.access(path, os.R_OK):
         raise MediaError(f"{label} is not readable; check its permissions")
     return Resolved(label, path=path)
+
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/_\-\s]{64,}={0,2}")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # e.g. a name longer than the file system allows
+        return False
 
 
 def _article(kind: str) -> str:

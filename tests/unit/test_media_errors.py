@@ -158,3 +158,11 @@ def test_musecore_imports_without_the_media_packages_and_says_what_to_install():
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 3 and all('pip install "musecore[media]"' in line for line in lines), out.stdout
     assert "'pillow'" in lines[0] and "'av'" in lines[1] and "'soundfile'" in lines[2]
+
+
+def test_a_bare_base64_string_is_read_as_transformers_reads_it(files):
+    import base64
+    text = base64.b64encode((files / "ok.png").read_bytes()).decode()
+    assert np.array_equal(np.asarray(load_image(text)), np.asarray(load_image(files / "ok.png")))
+    one_line_error(load_image, "A" * 100, match="image string \\(no such file, so read as base64\\) is not an image")
+    one_line_error(load_image, "photos/cat.png", match="photos/cat.png does not exist")
