@@ -95,6 +95,10 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
     out.append(KernelChoice(what="router product, T <= 16", choice="shared Triton split-K GEMV (fp32, tl.dot ieee) "
                             "feeding the top-k kernel", reason="the 8 MiB fp32 router weight spread over every CU at "
                             f"decode; beyond 16 tokens hipBLASLt fp32 GEMM; {UNMEASURED}"))
+    out.append(KernelChoice(what="attention", choice="shared Triton flash attention (GQA, sliding/global, BF16/FP8 KV)",
+                            reason="other candidate: aiter unified_attention: no adapter written (it reads a paged KV "
+                                   "cache through block_table/cu_seqlens; Muse's static and ring caches keep a position "
+                                   f"per slot, which would need a mapping); {UNMEASURED}"))
     out.append(KernelChoice(what="decode step", choice="HIP graph (torch.cuda.CUDAGraph, shared musecore_triton.graphs)",
                             reason="one static-cache decode step captured and replayed per generate(); never run on "
                                    "AMD hardware; eager launches where graphs are unavailable"))

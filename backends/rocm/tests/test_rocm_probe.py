@@ -117,6 +117,7 @@ def test_kernel_choices_need_no_hardware_and_name_the_moe_candidates():
     assert "aiter" in gfx950[1].reason and "aiter" in gfx950[0].reason
     assert any(c.what == "decode step" and "HIP graph" in c.choice for c in gfx950)
     assert any(c.what.startswith("router") and "split-K" in c.choice for c in gfx950)
+    assert any(c.what == "attention" and "aiter unified_attention" in c.reason for c in gfx950)
     gfx942 = RocmBackend("cuda").kernel_choices(linears, CATALOG["mi300x"])
     assert "e4m3fnuz" in gfx942[2].choice and "upcast" in gfx942[0].reason
     assert RocmBackend("cuda").kernel_choices(linears, CATALOG["h200"])[0].choice == "none"
