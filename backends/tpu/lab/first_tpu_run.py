@@ -26,6 +26,7 @@ from musecore_tpu.kernels import tiling  # noqa: E402
 from musecore_tpu.kernels.attention import attention, attention_reference  # noqa: E402
 from musecore_tpu.kernels.matmul import matmul, matmul_reference  # noqa: E402
 from musecore_tpu.kernels.moe import moe, moe_reference  # noqa: E402
+from musecore_tpu.kernels.quantized import matmul_q8, matmul_q8_reference  # noqa: E402
 
 
 def nmse(want, got) -> float:
@@ -97,6 +98,18 @@ def main() -> None:
                                 interpret=args.interpret)
                 return nmse(moe_reference(z, wts, ids, gate, up, down, post, fmt=fmt, group=g, eps=1e-8), got), us
             report(f"moe {fmt} T={T} E={E} top-{k}", run_moe)
+    for fmt, act in (("int8", None), ("int8", "int8-token"), ("fp8", None), ("fp8", "fp8-token")):
+        for M in (16, 256):  # the 8-bit MXU paths: what the chip's int8 / fp8 rate buys against the bf16 matmul
+            K, N = h, inter
+            q8 = (jnp.asarray(rng.integers(-127, 128, (K, N)), jnp.int8) if fmt == "int8" else
+                  jnp.asarray(rng.standard_normal((K, N)) * 16, jnp.float32).astype(jnp.float8_e4m3fn))
+            w8 = {"q8": q8, "wscale": jnp.full((1, N) if fmt == "int8" else (1, 1), 1e-3, jnp.float32)}
+            x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+
+            def run_q8(x=x, w8=w8, fmt=fmt, act=act):
+                got, us = timed(matmul_q8, x, w8, fmt=fmt, act=act, out_dtype=jnp.float32, interpret=args.interpret)
+                return nmse(matmul_q8_reference(x, w8, fmt=fmt, act=act, out_dtype=jnp.float32), got), us
+            report(f"matmul_q8 {fmt} act={act} M={M} {K}x{N}", run_q8)
     nq, nkv, d = (16, 2, 64) if args.small else (128, 16, 64)
     for T, S, window in ((1, 2048, 2048), (1, 8192, None), (256, 256, None)):
         q = jnp.asarray(rng.standard_normal((1, T, nq, d)), jnp.bfloat16)
