@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,46 @@ def test_chat_image_flag_goes_with_the_first_message(faked, tmp_path, monkeypatc
     monkeypatch.setattr(sys, "stdin", io.StringIO("what?\n"))
     assert main(["chat", "--image", path, "--max-new-tokens", "1"]) == 0
     assert round(float(faked.prefill_media[0][4][0, 0])) == 30
+
+
+# -- the trained demo (musecore/data/muse-tiny-mm) on committed held-out media ---------------------
+
+HELDOUT = Path(__file__).resolve().parents[1] / "data" / "media" / "heldout"
+DEMO = Path(musecore.__file__).parent / "data" / "muse-tiny-mm"
+needs_demo = pytest.mark.skipif(not (DEMO / "config.json").is_file() or not (HELDOUT / "manifest.json").is_file(),
+                                reason="the trained demo musecore/data/muse-tiny-mm or its held-out media is absent")
+
+
+def heldout(kind: str, index: int = 0) -> dict:
+    import json
+    items = [i for i in json.loads((HELDOUT / "manifest.json").read_text())["items"] if i["kind"] == kind]
+    return items[index]
+
+
+@needs_demo
+@pytest.mark.parametrize("kind", ["image", "audio"])
+def test_the_demo_answers_a_held_out_item_from_the_command_line(kind, capsys):
+    import json
+    item = heldout(kind)
+    argv = ["generate", "--model", "muse-tiny-mm", "--device", "cpu", f"--{kind}", str(HELDOUT / item["file"]),
+            "--max-new-tokens", "8", "--json", "-q", item["question"]]
+    assert main(argv) == 0
+    answer = json.loads(capsys.readouterr().out)["completion"]
+    assert answer.strip() == item["answer"], f"{item['file']}: asked {item['question']!r}, got {answer!r}"
+
+
+@needs_demo
+def test_the_demo_chat_answers_the_same_image_twice_with_one_tower_run(monkeypatch, capsys):
+    """Two conversations (/reset between them) about one image: the second is answered from the cache."""
+    item = heldout("image")
+    loaded = {}
+    real_load = musecore.load
+    monkeypatch.setattr(musecore, "load", lambda *a, **k: loaded.setdefault("model", real_load(*a, **k)))
+    image = HELDOUT / item["file"]
+    lines = f"/image {image}\n{item['question']}\n/reset\n/image {image}\n{item['question']}\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    assert main(["chat", "--model", "muse-tiny-mm", "--device", "cpu", "--max-new-tokens", "8", "-q"]) == 0
+    replies = capsys.readouterr().out.strip().splitlines()
+    assert [r.strip() for r in replies] == [item["answer"]] * 2, replies
+    cache = loaded["model"].encoder_cache
+    assert cache.encoder_calls == 1 and cache.hits == 1, cache.stats()
