@@ -47,8 +47,8 @@ NO_VARLEN = ("no Pallas kernel for packed bidirectional (varlen) attention yet; 
              "for a TPU loads the vision tower only with allow_reference=True (the reference's loop)")
 NO_ACT_QUANT = ("the TPU backend runs 16-bit activations (W4A16 / BF16); {fmt} activation quantization has no TPU "
                 "kernel here: load with act_format=None")
-NO_FP8 = ("FP8 experts have no grouped TPU kernel yet (the FP8 linear exists: kernels/quantized.py): the plan "
-          "dequantizes FP8 checkpoints to BF16 for TPU devices")
+NO_FP8 = ("FP8 experts run W8A16 only (per-token FP8 activations in the grouped kernel are not written): load "
+          "with act_format=None")
 FP8_LINEAR = ("Pallas 8-bit matmul: FP8 E4M3 weights (per-tensor scale) kept, {act}")
 FP8_ACTS = {None: "W8A16: the E4M3 values are exact in bf16, one bf16 MXU pass",
             "fp8-token": "W8A8: activations to E4M3 per token, FP8 x FP8 on v7's FP8 MXU (f32 accumulation)"}
@@ -67,6 +67,7 @@ KERNEL_REASONS = {
 FORMAT_NOTES = {"bf16": "BF16 weights, K-major", "fp16": "FP16 weights as BF16-tiled K-major",
                 "fp32": "FP32 weights, K-major", "int4": "W4A16 INT4 (codes and f32 group scales, decoded in VMEM)",
                 "mxfp4": "W4A16 MXFP4 (E2M1 codes and E8M0 bytes, decoded in VMEM)",
+                "fp8": "W8A16 FP8 (E4M3 codes and the per-tensor scale, decoded in VMEM)",
                 "nvfp4": "W4A16 NVFP4 (E2M1 codes, E4M3 bytes and the global scale, decoded in VMEM)"}
 
 
@@ -177,16 +178,18 @@ class TpuBackend(Backend):
             return Support.no(missing)
         if op in ("linear", "moe"):
             fmt = spec.weight_format
+            if fmt == "fp8" and op == "moe" and spec.act_format is None:
+                return Support.native(KERNEL_REASONS[op].format(fmt=FORMAT_NOTES[fmt]) + f"; runs {where}")
             if fmt == "fp8" and op == "linear":
                 if spec.act_format not in FP8_ACTS:
                     return Support.no(NO_FP8_ACT.format(act=spec.act_format))
                 if spec.act_format and spec.device == "tpu-v6e":
                     return Support.no(NO_FP8_ON_V6E)
                 return Support.native(FP8_LINEAR.format(act=FP8_ACTS[spec.act_format]) + f"; runs {where}")
-            if spec.act_format is not None:
-                return Support.no(NO_ACT_QUANT.format(fmt=spec.act_format))
             if fmt == "fp8":
                 return Support.no(NO_FP8)
+            if spec.act_format is not None:
+                return Support.no(NO_ACT_QUANT.format(fmt=spec.act_format))
             if fmt not in DENSE + PACKED:
                 return Support.no(f"{fmt} weights: the TPU kernels take {DENSE + PACKED}")
             return Support.native(KERNEL_REASONS[op].format(fmt=FORMAT_NOTES[fmt]) + f"; runs {where}")
@@ -235,6 +238,13 @@ class TpuBackend(Backend):
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *, act_format: Optional[str] = None,
                         dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
+        if all(isinstance(w, QTensor) and w.format == "fp8" for w in (gate, up, down)):  # W8A16: FP8 kept
+            if act_format is not None:
+                raise ValueError(NO_FP8)
+            resident = [{k: v.to(self.device) for k, v in layouts.prepare_q8(w).items()} for w in (gate, up, down)]
+            return ExpertWeights(gate=resident[0], up=resident[1], down=resident[2], format="fp8",
+                                 num_experts=gate.shape[0],
+                                 extra={"tpu": [self.runner.resident(r) for r in resident], "group": 0})
         if act_format is not None:
             raise ValueError(NO_ACT_QUANT.format(fmt=act_format))
         prepared = [self._resident(w, dtype) for w in (gate, up, down)]

@@ -102,6 +102,13 @@ def _jax_functions(interpret: Any) -> dict[str, tuple[Callable[..., Any], Callab
         return me.moe(z, weights, ids, {"wt": gate}, {"wt": up}, {"wt": down}, post_norm, fmt="bf16", eps=eps,
                       interpret=interpret)
 
+    def moe_q8(z: jax.Array, weights: jax.Array, ids: jax.Array, gate_q8: jax.Array, gate_scale: jax.Array,
+               up_q8: jax.Array, up_scale: jax.Array, down_q8: jax.Array, down_scale: jax.Array,
+               post_norm: jax.Array, eps: float) -> jax.Array:
+        pack = lambda q, sc: {"q8": q, "wscale": sc}  # noqa: E731
+        return me.moe(z, weights, ids, pack(gate_q8, gate_scale), pack(up_q8, up_scale), pack(down_q8, down_scale),
+                      post_norm, fmt="fp8", eps=eps, interpret=interpret)
+
     def moe_packed(z: jax.Array, weights: jax.Array, ids: jax.Array,
                    gate_codes: jax.Array, gate_scales: jax.Array, gate_zeros: Optional[jax.Array],
                    gate_global: Optional[jax.Array], up_codes: jax.Array, up_scales: jax.Array,
@@ -117,7 +124,7 @@ def _jax_functions(interpret: Any) -> dict[str, tuple[Callable[..., Any], Callab
     return {"linear_dense": (linear_dense, _fake_linear), "linear_packed": (linear_packed, _fake_linear),
             "linear_q8": (linear_q8, _fake_linear),
             "attention": (attention, _fake_like_first), "rms_norm": (rms_norm, _fake_like_first),
-            "residual_norm": (residual_norm, _fake_pair), "moe_dense": (moe_dense, _fake_moe),
+            "residual_norm": (residual_norm, _fake_pair), "moe_dense": (moe_dense, _fake_moe), "moe_q8": (moe_q8, _fake_moe),
             "moe_packed": (moe_packed, _fake_moe)}
 
 

@@ -33,6 +33,8 @@ def resident(w: Any) -> tuple[str, dict, int]:
     from musecore_tpu.bridge import tree_to_jax
     if isinstance(w, torch.Tensor):
         return "bf16", tree_to_jax(layouts.prepare_dense(w, torch.bfloat16)), 0
+    if w.format == "fp8":
+        return "fp8", tree_to_jax(layouts.prepare_q8(w)), 0
     return w.format, tree_to_jax(layouts.prepare_packed(w)), w.group_size
 
 
@@ -54,7 +56,7 @@ def test_matmul_kernel_matches_jnp_and_torch_references(fmt: str, M: int, K: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["bf16", "int4-asym", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4-asym", "nvfp4", "fp8"])
 def test_grouped_moe_kernel_runs_only_routed_experts_and_matches_references(fmt: str) -> None:
     import jax.numpy as jnp  # noqa: F401
     from musecore_tpu.bridge import to_jax, to_torch

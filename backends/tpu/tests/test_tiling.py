@@ -22,7 +22,9 @@ def configs(size: str) -> list[tiling.KernelConfig]:
     for role, (k, n) in projection_shapes(size).items():
         for fmt in FORMATS:
             out += [tiling.matmul_config(fmt, m, k, n) for m in TOKENS]
-    for fmt in FORMATS:
+        for fmt, act in (("int8", None), ("int8", "int8-token"), ("fp8", None), ("fp8", "fp8-token")):
+            out += [tiling.q8_config(fmt, act, m, k, n) for m in TOKENS]
+    for fmt in FORMATS + ("fp8",):
         for t in TOKENS:
             out += tiling.moe_configs(fmt, t, c.num_experts_per_tok, c.num_experts, c.moe_hidden_size,
                                       c.moe_intermediate_size)

@@ -25,7 +25,7 @@ def test_probe_with_torch_tpu_but_no_chip_says_no_tpu_device() -> None:
 def test_every_kernel_registers_as_a_torch_custom_op_with_meta_shapes() -> None:
     from musecore_tpu.torch_tpu_ops import register
     ops = register()
-    assert sorted(ops) == ["attention", "linear_dense", "linear_packed", "linear_q8", "moe_dense", "moe_packed",
+    assert sorted(ops) == ["attention", "linear_dense", "linear_packed", "linear_q8", "moe_dense", "moe_packed", "moe_q8",
                            "residual_norm", "rms_norm"]
     meta = dict(device="meta", dtype=torch.bfloat16)
     x, wt = torch.empty(3, 256, **meta), torch.empty(256, 128, **meta)

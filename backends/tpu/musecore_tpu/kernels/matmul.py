@@ -147,6 +147,8 @@ def dequantize_resident(w: dict, fmt: str, group: int, K: int) -> jax.Array:
     """f32 ``W^T [K, N]`` of a resident weight, by table lookup and reshapes (no code shared with the kernel)."""
     if fmt in ("bf16", "fp16", "fp32"):
         return w["wt"].astype(jnp.float32)
+    if fmt == "fp8":
+        return w["q8"].astype(jnp.float32) * w["wscale"].astype(jnp.float32).reshape(1, -1)
     codes = w["codes"].astype(jnp.int32)  # [K/2, N] half-split per K tile
     N = codes.shape[1]
     tk = tiling.k_tile(fmt, K, group)

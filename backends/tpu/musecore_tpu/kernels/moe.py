@@ -37,6 +37,11 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
+def _stack(w: dict, fmt: str) -> jax.Array:
+    """The stacked ``[E, K', N]`` array of a resident expert weight (its shape gives E and N)."""
+    return w["codes"] if fmt in PACKED else w["q8"] if fmt == "fp8" else w["wt"]
+
+
 def route(ids: jax.Array, num_experts: int, tr: int) -> dict[str, jax.Array]:
     """Sorted, tile-padded row plan for ``ids [T, k]``: per routed row its padded position, and per tile its
     expert and whether it holds rows."""
@@ -65,6 +70,9 @@ def _weight_specs(w: dict, fmt: str, group: int, tk: int, tn: int, k_axis: int, 
     def index(*grid_and_refs):
         grid, (te, _tv) = grid_and_refs[:-2], grid_and_refs[-2:]
         return te[grid[0]], grid[k_axis], (0 if n_axis is None else grid[n_axis])
+    if fmt == "fp8":  # E4M3 codes and the expert's per-tensor scale
+        return [w["q8"], w["wscale"].astype(jnp.float32)], [
+            pl.BlockSpec((None, tk, tn), index), pl.BlockSpec((None, 1, 1), lambda *a: (a[-2][a[0]], 0, 0))]
     if fmt not in PACKED:
         return [w["wt"]], [pl.BlockSpec((None, tk, tn), index)]
     operands = [w["codes"], w["scales"]]
@@ -80,6 +88,9 @@ def _weight_specs(w: dict, fmt: str, group: int, tk: int, tn: int, k_axis: int, 
 
 def _take_weight(fmt: str, group: int, has_zeros: bool, refs: list) -> tuple[Any, list]:
     """Pop one weight's refs; return a function giving its f32 tile halves (or the dense tile) and the rest."""
+    if fmt == "fp8":  # the reference's dequantization: fp32(e4m3) * scale, rounded once in f32
+        q8, ws = refs.pop(0), refs.pop(0)
+        return (lambda: q8[...].astype(jnp.float32) * ws[0, 0]), refs
     if fmt not in PACKED:
         wt = refs.pop(0)
         return (lambda: wt[...].astype(jnp.float32)), refs
@@ -151,8 +162,7 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
     """``y [T, h]`` f32 of the routed experts (resident weights from :mod:`musecore_tpu.layouts`, stacked [E, ...])."""
     T, hidden = z.shape
     k = ids.shape[1]
-    E = (gate["codes"] if fmt in PACKED else gate["wt"]).shape[0]
-    inter = (gate["codes"] if fmt in PACKED else gate["wt"]).shape[2]
+    E, inter = _stack(gate, fmt).shape[0], _stack(gate, fmt).shape[2]
     tr = tiling.rows_tile(T * k, E)
     plan = route(ids, E, tr)
     tiles, R = plan["tiles"], plan["tiles"] * tr
@@ -199,8 +209,7 @@ def moe_reference(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, 
                   post_norm: jax.Array, *, fmt: str, group: int = 0, eps: float) -> jax.Array:
     """The same contract in plain jnp, expert by expert over all tokens (masked), dense weights."""
     T, hidden = z.shape
-    E = (gate["codes"] if fmt in PACKED else gate["wt"]).shape[0]
-    inter = (gate["codes"] if fmt in PACKED else gate["wt"]).shape[2]
+    E, inter = _stack(gate, fmt).shape[0], _stack(gate, fmt).shape[2]
     y = jnp.zeros((T, hidden), jnp.float32)
     zf = z.astype(jnp.float32)
     pick = lambda w, e: {n: (None if v is None else v[e]) for n, v in w.items()}  # noqa: E731

@@ -96,7 +96,7 @@ def k_tile(fmt: str, K: int, group: Optional[int] = None) -> int:
     """K per grid step. 4-bit: the scale block ``[tk/g, tn]`` must have a legal second-minor dim (8 f32 rows for
     INT4 scales, 32 u8 rows for E8M0/E4M3), so ``tk = g * rows`` (INT4 g128: 1024, MXFP4: 1024, NVFP4: 512),
     halved down to 2 rows' worth when K is smaller; K itself when nothing legal divides it (one K step)."""
-    if fmt in ("bf16", "fp16", "fp32"):
+    if fmt in ("bf16", "fp16", "fp32", "fp8"):  # fp8: per-tensor scale, no block rule
         for tk in (TILE_K_DENSE, 256, 128):
             if K % tk == 0:
                 return tk
@@ -123,8 +123,8 @@ def m_tile(M: int, dtype: str = "bf16") -> int:
 def weight_blocks(fmt: str, K: int, N: int, tk: int, tn: int, group: Optional[int], label: str = "") -> list[Block]:
     """One weight's blocks for a ``[tk, tn]`` tile of ``W^T [K, N]``, and the f32 tile the kernel decodes (the
     decoded values and the broadcast block scales: two f32 tiles, counted once each)."""
-    if fmt in ("bf16", "fp16", "fp32"):
-        wdt = "f32" if fmt == "fp32" else "bf16"
+    if fmt in ("bf16", "fp16", "fp32", "fp8"):
+        wdt = {"fp32": "f32", "fp8": "fp8"}.get(fmt, "bf16")
         return [Block("w^T" + label, (tk, tn), (K, N), wdt), Block("w f32" + label, (tk, tn), (K, N), "f32", 1)]
     g = group or GROUP[fmt]
     blocks = [Block("codes" + label, (tk // 2, tn), (K // 2, N), "u8"),
