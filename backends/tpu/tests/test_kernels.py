@@ -258,7 +258,7 @@ def test_single_pass_bf16_dots() -> None:
     assert errors["p.v"][0] > 1e-9, "f32 probabilities lose bits in one bf16 pass: keep HIGHEST for p.v"
 
 
-@pytest.mark.parametrize("act", [None, "fp8-token"])
+@pytest.mark.parametrize("act", ["fp8-token"])  # W8A16 (act None) runs in test_conformance.py's FP8 cases
 def test_backend_fp8_linear_through_its_custom_op(act: Optional[str]) -> None:
     """``TpuBackend.prepare_weight`` keeps a per-tensor FP8 checkpoint weight as FP8 and ``linear`` runs the 8-bit
     kernel through the registered ``linear_q8`` op, against musecore's reference linear (bf16 output)."""
