@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import types
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -336,6 +337,10 @@ class TpuBackend(Backend):
         size compiles once; :meth:`batch_bucket` is the batch the core should size that cache for."""
         def step(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model.forward(ids, positions=positions, cache=cache)
+        # A fresh code object per step: dynamo keeps compiled graphs per code object and, with fullgraph=True, fails
+        # hard past its recompile limit (8), which one shared `step` would reach after 8 caches (batch sizes).
+        step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
+                                  step.__closure__)
         self.compiled_steps += 1
         return torch.compile(step, backend=self.compile_backend(), fullgraph=True, dynamic=False)
 

@@ -131,3 +131,25 @@ def test_padding_a_batch_to_its_bucket_leaves_the_real_rows_unchanged(models) ->
               f"{other:.2e} (tolerance {LOGIT_NMSE:.0e})")
         assert err <= LOGIT_NMSE and torch.equal(unpadded[i].argmax(-1), padded[i].argmax(-1))
         assert other <= LOGIT_NMSE and torch.equal(padded[i].argmax(-1), other_padding[i].argmax(-1))
+
+
+def test_more_decode_shapes_than_dynamo_s_recompile_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twelve static caches (batch sizes) in one process: each step compiles on its own, past dynamo's recompile limit
+    of 8 per code object, which fails hard under fullgraph=True when the steps share one code object. A stand-in
+    model (one matmul on the cache) keeps this fast; the real one is above."""
+    from musecore_tpu import TpuBackend
+    backend = TpuBackend("cpu", interpret="jax")
+    graphs = []
+    monkeypatch.setattr(TpuBackend, "compile_backend", lambda self: (lambda gm, inputs: graphs.append(gm) or gm.forward))
+
+    class Model:
+        def forward(self, ids, positions, cache):
+            cache.add_(positions.float())
+            return cache @ cache.T + ids.float()
+
+    for batch in range(1, 13):
+        cache = torch.zeros(batch, 4)
+        step = backend.make_decode_step(Model(), cache)
+        out = step(torch.ones(batch, 1, dtype=torch.long), torch.full((batch, 1), 2))
+        assert out.shape == (batch, batch) and float(cache[0, 0]) == 2.0
+    assert len(graphs) == 12
