@@ -105,11 +105,11 @@ _CPU_DENSE = (ATTENTION, POOLER, LM_HEAD)
 # TPU (musecore-tpu; Pallas kernels verified in JAX's TPU interpret mode, never run on a TPU): 4-bit checkpoints
 # stay 4-bit, W4A16 (codes and block scales kept packed in HBM, decoded in VMEM). No FP8 or int8 kernel yet: v6e's
 # int8/int4 MXU and v7's FP8 MXU are not used, FP8 checkpoints are dequantized. "int8" had no codec and is gone.
-_TPU = _rules(bf16=("bf16", None), fp8=("bf16", None, "no FP8 weight kernel yet: dequantized to BF16"),
+_TPU = _rules(bf16=("bf16", None), fp8=("fp8", None, "W8A16: E4M3 codes and per-tensor scales kept, decoded in VMEM"),
               nvfp4=("nvfp4", None, "W4A16: E2M1 codes and E4M3 scales kept packed, decoded in VMEM"),
               mxfp4=("mxfp4", None, "W4A16: E2M1 codes and E8M0 scales kept packed, decoded in VMEM"),
               int4=("int4", None, "W4A16: INT4 codes kept packed (f32 group scales), decoded in VMEM"))
-_TPU_FORMATS = ("bf16", "int4", "mxfp4", "nvfp4")
+_TPU_FORMATS = ("bf16", "fp8", "int4", "mxfp4", "nvfp4")
 _REFERENCE = _rules(**{fmt: (fmt, None, "reference kernels: exact values, fp32 math") for fmt in CHECKPOINT_FORMATS})
 
 

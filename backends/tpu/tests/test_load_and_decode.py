@@ -153,3 +153,27 @@ def test_more_decode_shapes_than_dynamo_s_recompile_limit(monkeypatch: pytest.Mo
         out = step(torch.ones(batch, 1, dtype=torch.long), torch.full((batch, 1), 2))
         assert out.shape == (batch, batch) and float(cache[0, 0]) == 2.0
     assert len(graphs) == 12
+
+
+def test_fp8_checkpoint_stays_fp8_on_tpu_v7_and_matches_the_reference(tmp_path) -> None:
+    """An FP8 (E4M3, per-tensor scale) muse-tiny keeps its FP8 experts on tpu-v7 (W8A16: the codes decoded in VMEM,
+    half BF16's bytes) and its logits match the reference backend's on the same checkpoint."""
+    import musecore.api as api
+    from musecore_quant import convert
+    from musecore_tpu import backend as tpu_backend
+    from musecore.api import BUNDLED
+    folder = tmp_path / "muse-tiny-fp8"
+    convert(BUNDLED / "muse-tiny", folder, to="fp8", progress=False)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MUSECORE_TPU_INTERPRETER", "jax")
+        mp.setattr(tpu_backend, "probe_tpu", lambda: Probe(True, 70, ["tpu-v7"], "1 x TPU7x (tpu-v7), faked"))
+        mp.setitem(api.TORCH_DEVICE_TYPE, "tpu", "cpu")
+        model = musecore.load(folder, device="tpu-v7", progress=False, towers=False)
+        kept = {g.group: g.target_format for g in model.plan.groups}
+        logits = model.forward(ids)
+    reference = musecore.load(folder, device="cpu", progress=False, towers=False).forward(ids)
+    assert any(fmt == "fp8" for fmt in kept.values()), f"no weight group stayed FP8 on tpu-v7: {kept}"
+    err = nmse(reference, logits)
+    print(f"FP8 muse-tiny on tpu-v7 vs the reference: logits NMSE {err:.2e} (tolerance {LOGIT_NMSE:.0e})")
+    assert err <= LOGIT_NMSE, f"FP8 logits NMSE {err:.3e} > {LOGIT_NMSE:.0e}"
