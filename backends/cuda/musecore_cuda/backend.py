@@ -43,7 +43,7 @@ from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
-from musecore_triton.ops import ACT_DTYPES, DENSE_FORMATS, TritonOps, format_of, shared_kernel_limit
+from musecore_triton.ops import ACT_DTYPES, DENSE_FORMATS, DTYPE_FORMAT, TritonOps, format_of, shared_kernel_limit
 from musecore_triton.towers import TOWER_REASONS
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
@@ -247,9 +247,9 @@ class CudaBackend(TritonOps, Backend):
             resident = prepare_fp4(weight, self.device)
             return Weight(data=resident, format=fmt, out_features=resident.out_features,
                           in_features=resident.in_features)
-        if fmt in DENSE_FORMATS:
+        if fmt in DENSE_FORMATS:  # kept in the model dtype, and labelled so (the plan keys linears by it)
             data = weight.to(device=self.device, dtype=dtype).contiguous()
-            return Weight(data=data, format=fmt, out_features=data.shape[0] if data.dim() > 1 else 1,
+            return Weight(data=data, format=DTYPE_FORMAT[dtype], out_features=data.shape[0] if data.dim() > 1 else 1,
                           in_features=data.shape[-1])
         raise NotImplementedError(f"{role}: {fmt} weights are not implemented in the CUDA backend")
 
