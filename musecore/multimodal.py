@@ -376,8 +376,11 @@ class Prepared:
             items = [it for it in self.items if it.kind == kind]
             if not items:
                 continue
-            outputs = cache.encode([it.key for it in items], lambda idx: _run_encoder(model, kind, [items[i] for i in idx],
-                                                                                     self.audio_width))
+
+            def encode(indices: list[int], kind: str = kind, items: list[_Item] = items) -> list[torch.Tensor]:
+                return _run_encoder(model, kind, [items[i] for i in indices], self.audio_width)
+
+            outputs = cache.encode([it.key for it in items], encode)
             for item, out in zip(items, outputs):
                 if out.shape[0] != item.rows:
                     raise ValueError(f"{item.label}: the {TOWER[kind]} tower gave {out.shape[0]} feature rows but its "

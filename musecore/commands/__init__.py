@@ -51,8 +51,9 @@ def add_media(parser, where: str) -> None:
     parser.set_defaults(media=[])
     for kind in MEDIA_KINDS:
         parser.add_argument(f"--{kind}", action=AppendMedia, const=kind, metavar="PATH", dest="media", default=[],
-                            help=f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} file {where} (repeatable; all media parts come in command-line order, "
-                                 "before the text; needs a checkpoint with the matching tower, e.g. muse-tiny-mm)")
+                            help=f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} file {where} (repeatable; all media parts "
+                                 "come in command-line order, before the text; needs a checkpoint with the matching "
+                                 "tower, e.g. muse-tiny-mm)")
 
 
 def check_media_files(media) -> None:

@@ -564,6 +564,7 @@ def test_a_request_whose_media_fails_ends_with_its_error_and_the_others_run(mode
         assert all(done.acquire(timeout=60) for _ in range(2)), "the engine did not finish"
     finally:
         engine.stop()
-    assert events[0]["finish_reason"] == "error" and "gave 3 feature rows but its placeholder has 4" in events[0]["error"]
+    assert events[0]["finish_reason"] == "error"
+    assert "gave 3 feature rows but its placeholder has 4" in events[0]["error"]
     assert events[1]["finish_reason"] == "length"
     assert round(float(model.calls[0][1][4][0, 0])) == 7 and model.calls[0][0].shape[0] == 1
