@@ -34,8 +34,10 @@ import torch.nn.functional as F
 from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_rocm import choices
-from musecore_rocm.aiter_adapter import (AiterApi, AiterExperts, AiterLinear, aiter_fits, aiter_linear, aiter_moe,
-                                         aiter_selected, load_aiter, prepare_aiter_experts, prepare_aiter_linear)
+from musecore_rocm.aiter_adapter import (AiterApi, AiterExperts, AiterLinear, aiter_a16w4_fits, aiter_a16w4_selected,
+                                         aiter_attention, aiter_attention_selected, aiter_fits, aiter_linear,
+                                         aiter_moe, aiter_moe_a16w4, aiter_selected, attention_declines, load_aiter,
+                                         prepare_aiter_experts, prepare_aiter_experts_a16w4, prepare_aiter_linear)
 from musecore_rocm.arch import ARCHES, DEVICE_ARCH, find_rocm_device
 from musecore_rocm.fp8 import Fp8Resident, fp8_linear, prepare_fp8
 from musecore_triton.graphs import graph_unavailable, make_graphed_decode_step
@@ -239,6 +241,10 @@ class RocmBackend(TritonOps, Backend):
                 ours = prepare_aiter_experts(stacks, api)
                 return ExpertWeights(gate=ours, up=None, down=None, format=fmt, num_experts=ours.num_experts,
                                      act_format=act_format)
+            inter, hidden = gate.shape[1], gate.shape[2]
+            if act_format is None and aiter_a16w4_fits(hidden, inter) and aiter_a16w4_selected(self.arch())[0]:
+                ours = prepare_aiter_experts_a16w4(stacks, load_aiter())
+                return ExpertWeights(gate=ours, up=None, down=None, format=fmt, num_experts=ours.num_experts)
             return ExpertWeights(gate=stacks, up=None, down=None, format=fmt, num_experts=stacks.num_experts,
                                  act_format=act_format)
         if act_format is not None:
@@ -296,6 +302,8 @@ class RocmBackend(TritonOps, Backend):
     def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
             post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:
         if isinstance(experts.gate, AiterExperts):
+            if experts.gate.a16w4:
+                return aiter_moe_a16w4(z, weights, ids, experts.gate, post_norm, post_eps, self.arch())
             return aiter_moe(z, weights, ids, experts.gate, post_norm, post_eps)
         if isinstance(experts.gate, MxExperts):
             return mx_moe_forward(z, weights, ids, experts.gate, post_norm, post_eps,
@@ -308,5 +316,34 @@ class RocmBackend(TritonOps, Backend):
         return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
                            post_norm, post_eps)
 
-    # embedding, norms, router, elementwise, attention, kv_write, sample: musecore_triton.ops.TritonOps
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  window: Optional[int], scale: float, k_scale: Optional[float] = None,
+                  v_scale: Optional[float] = None) -> torch.Tensor:
+        """Decode on a static cache through aiter's ``unified_attention`` when selected and exact
+        (:func:`musecore_rocm.aiter_adapter.attention_declines`); otherwise the shared Triton flash attention."""
+        api = self._aiter_attention_api()
+        if api is not None and q.shape[1] == 1:
+            cache_k, cache_v = _static_buffer(k), _static_buffer(v)
+            if cache_k is not None and cache_v is not None and attention_declines(
+                    self.arch(), cache_k, k.shape[1], 1, window, k.dtype == torch.float8_e4m3fn) is None:
+                return aiter_attention(q, cache_k, cache_v, q_pos, k.shape[1], window, scale, api, k_scale, v_scale)
+        return super().attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
+
+    def _aiter_attention_api(self) -> Optional[AiterApi]:
+        """aiter when its unified_attention is selected here; decided once per backend (the probe is not free)."""
+        if not hasattr(self, "_aiter_attention"):
+            self._aiter_attention = load_aiter() if aiter_attention_selected(self.arch())[0] else None
+        return self._aiter_attention
+
+    # embedding, norms, router, elementwise, kv_write, sample: musecore_triton.ops.TritonOps
+
+
+def _static_buffer(view: torch.Tensor) -> Optional[torch.Tensor]:
+    """The ``[B, C+1, nkv, d]`` buffer behind a static cache's ``stored()`` view ``[B, C, nkv, d]`` (C slots and the
+    trash slot per row), or None when ``view`` is not laid out like one (a ``[cache, new]`` concatenation)."""
+    B, C, nkv, d = view.shape
+    slot = nkv * d
+    if view.stride(3) != 1 or view.stride(2) != d or view.stride(1) != slot or view.stride(0) != (C + 1) * slot:
+        return None
+    return view.as_strided((B, C + 1, nkv, d), view.stride(), view.storage_offset())
 

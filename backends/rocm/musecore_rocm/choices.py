@@ -14,7 +14,8 @@ from typing import Any, Optional, Sequence
 
 from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
 from musecore_rocm.aiter_adapter import ENV as AITER_ENV
-from musecore_rocm.aiter_adapter import aiter_fits, aiter_selected
+from musecore_rocm.aiter_adapter import (A16W4_LINEAR_REASON, aiter_a16w4_fits, aiter_a16w4_selected,
+                                         aiter_attention_selected, aiter_fits, aiter_selected)
 from musecore_rocm.arch import ARCHES, DEVICE_ARCH
 from musecore_rocm.flydsl_moe import flydsl_status
 
@@ -47,7 +48,7 @@ def _linear_choice(arch: str, shape: LinearShape) -> KernelChoice:
         reason += f"; other candidate: aiter gemm_a4w4: {aiter_reason}"
     elif fmt == "mxfp4":
         choice = "Triton dot_scaled(bf16, e2m1) (W4A16)"
-        reason = f"{arch}: e2m1 upcast in the kernel, bf16 MFMA; {UNMEASURED}"
+        reason = f"{arch}: e2m1 upcast in the kernel, bf16 MFMA; {UNMEASURED}; other candidate: {A16W4_LINEAR_REASON}"
     elif fmt == "nvfp4":
         choice = "shared Triton W4A16 FP4 upcast GEMM (musecore_triton.fp4_gemm)"
         reason = "NVFP4 kept as NVFP4 (the catalog's rule requantizes it to MXFP4 on these devices)"
@@ -69,6 +70,15 @@ def _moe_choice(arch: str, shape: LinearShape, what: str) -> KernelChoice:
         return KernelChoice(what=f"moe {what}", env=AITER_ENV,
                             choice="aiter fused_moe(per_1x32, one row per assignment) + shared Triton finalize",
                             reason=f"{shape.experts} experts top-{shape.top_k} on {arch}; {aiter_reason}")
+    use_a16w4, a16w4_reason = aiter_a16w4_selected(arch)
+    a16w4_fits = aiter_a16w4_fits(shape.in_features, shape.out_features)
+    if not a16w4_fits:
+        a16w4_reason = f"{a16w4_reason}; these experts do not fit its shuffles (hidden and inter % 256 == 0)"
+    if fmt == "mxfp4" and shape.act_format is None and use_a16w4 and a16w4_fits:
+        return KernelChoice(what=f"moe {what}", env=AITER_ENV,
+                            choice="aiter fused_moe a16w4 (bf16 activations, gate/up interleaved, one row per "
+                                   "assignment) + shared Triton finalize",
+                            reason=f"{shape.experts} experts top-{shape.top_k} on {arch}; {a16w4_reason}")
     if fmt == "mxfp4":
         choice = ("Triton dot_scaled grouped MoE (gate+up+SwiGLU, MXFP4-quantized epilogue, down) + shared finalize"
                   if shape.act_format == "mxfp4" else "Triton dot_scaled(bf16, e2m1) grouped MoE + shared finalize")
@@ -79,7 +89,9 @@ def _moe_choice(arch: str, shape: LinearShape, what: str) -> KernelChoice:
     reason = f"{shape.experts} experts top-{shape.top_k} on {arch}"
     if fmt == "mxfp4":  # the MXFP4 MoE candidates beside the Triton one
         reason += (f"; the Triton kernels run (checked against the reference in the interpreter); other candidates: "
-                   f"FlyDSL (gate/up, down, finalize): {fly_reason}; aiter fused_moe: {aiter_reason}")
+                   f"FlyDSL (gate/up, down, finalize): {fly_reason}; "
+                   + (f"aiter fused_moe: {aiter_reason}" if shape.act_format == "mxfp4"
+                      else f"aiter a16w4 fused_moe: {a16w4_reason}"))
 
     return KernelChoice(what=f"moe {what}", choice=choice, reason=reason)
 
@@ -95,10 +107,21 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
     out.append(KernelChoice(what="router product, T <= 16", choice="shared Triton split-K GEMV (fp32, tl.dot ieee) "
                             "feeding the top-k kernel", reason="the 8 MiB fp32 router weight spread over every CU at "
                             f"decode; beyond 16 tokens hipBLASLt fp32 GEMM; {UNMEASURED}"))
-    out.append(KernelChoice(what="attention", choice="shared Triton flash attention (GQA, sliding/global, BF16/FP8 KV)",
-                            reason="other candidate: aiter unified_attention: no adapter written (it reads a paged KV "
-                                   "cache through block_table/cu_seqlens; Muse's static and ring caches keep a position "
-                                   f"per slot, which would need a mapping); {UNMEASURED}"))
+    use_attn, attn_reason = aiter_attention_selected(arch)
+    paging = ("static caches mapped onto pages (slot p % capacity holds position p; capacity a multiple of 16; "
+              "window_size = (window - 1, 0))")
+    if use_attn:
+        out.append(KernelChoice(what="attention", env=AITER_ENV,
+                                choice=f"aiter unified_attention at decode on the static cache ({paging}); prefill and "
+                                       "what it declines: shared Triton flash attention",
+                                reason=f"{attn_reason}; declined per call: capacity not a multiple of 16, "
+                                       "non-static views" + (", FP8 KV (e4m3fn vs aiter's e4m3fnuz)"
+                                                             if arch == "gfx942" else "")))
+    else:
+        out.append(KernelChoice(what="attention",
+                                choice="shared Triton flash attention (GQA, sliding/global, BF16/FP8 KV)",
+                                reason=f"other candidate: aiter unified_attention on {paging}: {attn_reason}; "
+                                       f"{UNMEASURED}"))
     out.append(KernelChoice(what="decode step", choice="HIP graph (torch.cuda.CUDAGraph, shared musecore_triton.graphs)",
                             reason="one static-cache decode step captured and replayed per generate(); never run on "
                                    "AMD hardware; eager launches where graphs are unavailable"))
@@ -108,8 +131,10 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
 def env_settings() -> list[EnvSetting]:
     """The one variable the ROCm backend reads (Triton's and HIP's apply as usual)."""
     return [EnvSetting(AITER_ENV, os.environ.get(AITER_ENV), "unset: the Triton kernels",
-                       "1: the MXFP4 W4A4 linears and MoE through AMD aiter (gemm_a4w4, fused_moe per_1x32) where "
-                       "aiter is importable on gfx950; the adapter has never called the real aiter")]
+                       "1: through AMD aiter where it is importable: the MXFP4 W4A4 linears and MoE on gfx950 "
+                       "(gemm_a4w4, fused_moe per_1x32), the MXFP4 W4A16 MoE on gfx942/gfx950 (fused_moe a16w4), "
+                       "decode attention on static caches (unified_attention); the adapter has never called the "
+                       "real aiter")]
 
 
 def resident_bytes(weight_format: str, out_features: int, in_features: int, *, experts: int = 0) -> Optional[int]:
