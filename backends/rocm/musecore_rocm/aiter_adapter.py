@@ -1,13 +1,16 @@
 """AMD's aiter (ROCm/aiter; PyPI ``amd-aiter``) as an optional plan candidate: never required, opt-in.
 
-On a gfx950 ROCm host with aiter installed, ``aiter.fused_moe(..., quant_type=QuantType.per_1x32)`` (MXFP4
-MoE on weights pre-shuffled with ``shuffle_weight`` / ``e8m0_shuffle``) and ``gemm_a4w4`` (MXFP4 W4A4 GEMM)
-are the vendor's tuned kernels beside this backend's Triton ones. **The adapter has never called the real
-aiter** (no ROCm host was reachable): its calls are written against aiter's signatures as of
-ROCm/aiter@e404860 (``aiter/fused_moe.py``, ``aiter/ops/gemm_op_a4w4.py``, ``aiter/ops/shuffle.py``,
-``aiter/utility/fp4_utils.py``) and tested with a stand-in module that checks every argument's shape,
-dtype and layout and computes the reference numerics from them. So aiter runs only when asked for
-(``MUSECORE_ROCM_AITER=1``) and importable on gfx950; otherwise the plan shows why not.
+On a ROCm host with aiter installed, these are the vendor's tuned kernels beside this backend's Triton ones:
+``aiter.fused_moe(..., quant_type=QuantType.per_1x32)`` (MXFP4 MoE on weights pre-shuffled with
+``shuffle_weight`` / ``e8m0_shuffle``) and ``gemm_a4w4`` (MXFP4 W4A4 GEMM) on gfx950; the same
+``fused_moe`` with BF16 activations (a16w4: ``shuffle_weight_a16w4`` / ``shuffle_scale_a16w4``, gate/up
+interleaved) on gfx942 and gfx950; ``unified_attention`` at decode on the static KV cache mapped onto
+pages. **The adapter has never called the real aiter** (no ROCm host was reachable): its calls are
+written against aiter's signatures as of ROCm/aiter@e404860 (``aiter/fused_moe.py``,
+``aiter/ops/gemm_op_a4w4.py``, ``aiter/ops/shuffle.py``, ``aiter/utility/fp4_utils.py``,
+``aiter/ops/triton/attention/unified_attention.py``) and tested with a stand-in module that checks every
+argument's shape, dtype and layout and computes the reference numerics from them. So aiter runs only when
+asked for (``MUSECORE_ROCM_AITER=1``) and importable; otherwise the plan shows why not.
 
 How the calls map this model onto aiter:
 
@@ -403,9 +406,9 @@ def aiter_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cu = (torch.arange(B + 1, device=q.device, dtype=torch.int32) * T)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_descale = v_descale = None
-    if fp8:  # per-tensor fp32 scales, read by pointer
-        k_descale = torch.tensor([1.0 if k_scale is None else k_scale], dtype=torch.float32, device=q.device)
-        v_descale = torch.tensor([1.0 if v_scale is None else v_scale], dtype=torch.float32, device=q.device)
+    if fp8:  # per-tensor fp32 scales, read by pointer; torch.full is a fill kernel, no host copy (capturable)
+        k_descale = torch.full((1,), 1.0 if k_scale is None else k_scale, dtype=torch.float32, device=q.device)
+        v_descale = torch.full((1,), 1.0 if v_scale is None else v_scale, dtype=torch.float32, device=q.device)
     api.unified_attention(q=q.reshape(B * T, nq, d), k=paged.k, v=paged.v, out=out, cu_seqlens_q=cu, max_seqlen_q=T,
                           seqused_k=paged.seqused_k, max_seqlen_k=paged.max_seqlen_k, softmax_scale=scale, causal=True,
                           window_size=(window - 1, 0) if window is not None else (-1, -1),

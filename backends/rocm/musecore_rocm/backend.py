@@ -13,8 +13,9 @@ What runs, per architecture (``supports`` answers from this, never optimisticall
   doubled at load (:mod:`musecore_rocm.fp8`).
 * Norms, RoPE, attention (BF16/FP8 KV), router (split-K GEMV at decode) and top-k, finalize, KV writes: the
   shared Triton kernels. Decode steps are captured as HIP graphs (the shared :mod:`musecore_triton.graphs`).
-* Optional: AMD aiter's ``gemm_a4w4`` / ``fused_moe`` for the MXFP4 W4A4 ops when asked for
-  (``MUSECORE_ROCM_AITER=1``; :mod:`musecore_rocm.aiter_adapter`, never run against the real aiter).
+* Optional: AMD aiter's ``gemm_a4w4`` / ``fused_moe`` for the MXFP4 W4A4 ops (gfx950), its a16w4 ``fused_moe``
+  for MXFP4 experts with BF16 activations (gfx942/gfx950) and ``unified_attention`` at decode on static caches,
+  when asked for (``MUSECORE_ROCM_AITER=1``; :mod:`musecore_rocm.aiter_adapter`, never run against the real aiter).
 
 No kernel here has ever run on AMD hardware (none was reachable while it was written): every
 native answer is therefore ``emulated`` with the reason "not yet run on <arch> hardware", the
@@ -325,14 +326,17 @@ class RocmBackend(TritonOps, Backend):
         if api is not None and q.shape[1] == 1:
             cache_k, cache_v = _static_buffer(k), _static_buffer(v)
             if cache_k is not None and cache_v is not None and attention_declines(
-                    self.arch(), cache_k, k.shape[1], 1, window, k.dtype == torch.float8_e4m3fn) is None:
+                    self._aiter_attention_arch, cache_k, k.shape[1], 1, window,
+                    k.dtype == torch.float8_e4m3fn) is None:
                 return aiter_attention(q, cache_k, cache_v, q_pos, k.shape[1], window, scale, api, k_scale, v_scale)
         return super().attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
 
     def _aiter_attention_api(self) -> Optional[AiterApi]:
         """aiter when its unified_attention is selected here; decided once per backend (the probe is not free)."""
         if not hasattr(self, "_aiter_attention"):
-            self._aiter_attention = load_aiter() if aiter_attention_selected(self.arch())[0] else None
+            self._aiter_attention_arch = self.arch()
+            self._aiter_attention = (load_aiter() if aiter_attention_selected(self._aiter_attention_arch)[0]
+                                     else None)
         return self._aiter_attention
 
     # embedding, norms, router, elementwise, kv_write, sample: musecore_triton.ops.TritonOps
