@@ -455,3 +455,21 @@ def test_backend_decode_goes_to_aiter_only_when_selected_and_exact(stand_in, mon
     plan = be.kernel_choices([], CATALOG["mi355x"])
     attn = next(c for c in plan if c.what == "attention")
     assert attn.choice.startswith("aiter unified_attention") and "static cache" in attn.choice
+
+
+def test_a_contiguous_cache_is_partitioned_into_pages_with_the_plain_block_table(stand_in):
+    """Rows of C slots with bs | C: pages are plain partitions and block_table[b] = b*C/bs + arange (the last entry
+    wraps to the row's first page, past every query); the result equals Muse's attention on the same slots."""
+    B, C, n = 2, 64, [50, 37]
+    k, v = torch.randn(B, C, NKV, D).to(torch.bfloat16), torch.randn(B, C, NKV, D).to(torch.bfloat16)
+    positions = torch.tensor([[p if p < m else -1 for p in range(C)] for m in n])
+    q_pos = torch.tensor([[m - 1] for m in n])
+    paged = adapter.paged_kv(k, v, q_pos[:, 0], C)
+    assert paged.block_size == 64 and paged.k.shape == (B, 64, NKV, D) and paged.k.data_ptr() == k.data_ptr()
+    assert paged.block_table.tolist() == [[0, 0], [1, 1]] and paged.seqused_k.tolist() == n
+    q = torch.randn(B, 1, NQ, D).to(torch.bfloat16)
+    got = adapter.aiter_attention(q, k, v, q_pos, C, None, D ** -0.5, adapter.load_aiter())
+    want = ref.attention(q, k, v, q_pos, positions, None, D ** -0.5)
+    assert_nmse(want.float(), got.float(), 1e-5, "aiter attention on partition pages (stand-in)")
+    small = adapter.paged_kv(k, v, q_pos[:, 0], 32)  # capacity 32 in rows of 64 slots: bs 32 divides both
+    assert small.block_size == 32 and small.block_table[1, 0] == 64 // 32
