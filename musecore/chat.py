@@ -160,7 +160,13 @@ def chat_prompt(model: Any, messages: Sequence[Message], add_generation_prompt: 
             raise ValueError(f"{parts[0].where} is {parts[0].kind} input, and chat_prompt returns token ids only: use "
                              "model.chat(messages), or musecore.multimodal.prepare(model, [messages]) for the ids "
                              "and the media features")
-    tokenizer = model.tokenizer
+    tokenizer, template = chat_template_of(model)
+    return tokenizer.encode(template.render(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def chat_template_of(model: Any) -> tuple[Any, "ChatTemplate"]:
+    """``(tokenizer, chat template)`` of a loaded model; a one-line error naming what the checkpoint lacks."""
+    tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError("this model has no tokenizer.json, so it cannot chat; add tokenizer.json and "
                          "tokenizer_config.json (with a chat_template) to the checkpoint")
@@ -168,7 +174,7 @@ def chat_prompt(model: Any, messages: Sequence[Message], add_generation_prompt: 
     if template is None:
         raise ValueError(f"{tokenizer.source}: the checkpoint has no chat template (no chat_template in "
                          f"{TOKENIZER_CONFIG}, no {TEMPLATE_FILE}); use model.generate(text) instead")
-    return tokenizer.encode(template.render(messages, add_generation_prompt), add_special_tokens=False)
+    return tokenizer, template
 
 
 def end_ids(model: Any) -> list[int]:

@@ -451,16 +451,9 @@ def prepare(model: Any, conversations: Sequence[Sequence[Mapping[str, Any]]],
     Media is loaded and processed here; the towers run later, in :meth:`Prepared.features`.
     Raises ValueError (``musecore.media.MediaError`` for bad media) naming the message and part.
     """
-    from musecore.chat import TEMPLATE_FILE, TOKENIZER_CONFIG
+    from musecore.chat import chat_template_of
 
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer.json, so it cannot chat; add tokenizer.json and "
-                         "tokenizer_config.json (with a chat_template) to the checkpoint")
-    template = tokenizer.chat_template
-    if template is None:
-        raise ValueError(f"{tokenizer.source}: the checkpoint has no chat template (no chat_template in "
-                         f"{TOKENIZER_CONFIG}, no {TEMPLATE_FILE}); use model.generate(text) instead")
+    tokenizer, template = chat_template_of(model)
     several = len(conversations) > 1
     parsed = [parse_messages(c, i if several else None) for i, c in enumerate(conversations)]
     texts = [template.render(messages, add_generation_prompt) for messages, _ in parsed]

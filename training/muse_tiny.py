@@ -92,3 +92,19 @@ def perplexity(model, stream, seq_len: int = 512, batch: int = 64, autocast_bf16
                                    reduction="sum").item()
             count += chunk[:, 1:].numel()
     return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count, "tokens": count}
+
+
+class RunLog:
+    """A training run's log: ``note(record)`` prints one JSON line and appends it to ``<out>/train_log.jsonl``."""
+
+    def __init__(self, out: Path) -> None:
+        self.file = open(Path(out) / "train_log.jsonl", "w")
+
+    def note(self, record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

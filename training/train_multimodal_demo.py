@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import media_data as md  # noqa: E402
 from muse_tiny import CHECKPOINT as MUSE_TINY  # noqa: E402
-from muse_tiny import TEXT_CONFIG  # noqa: E402
+from muse_tiny import TEXT_CONFIG, RunLog  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "musecore/data/muse-tiny-mm"
@@ -686,12 +686,8 @@ def main() -> None:
     use_bf16 = args.bf16 and device.type == "cuda"
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    log = open(args.out / "train_log.jsonl", "w")
-
-    def note(record: dict) -> None:
-        print(json.dumps(record), flush=True)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+    log = RunLog(args.out)
+    note = log.note
 
     tok_dir = Path(tempfile.mkdtemp())
     write_tokenizer(tok_dir)

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from muse_tiny import (BOS_ID, EOS_ID, PAD_ID, PROMPTS, SLICE, STOP_IDS, TOKENIZER, TRAINED_PREFIXES,  # noqa: E402
-                       muse_tiny_config, perplexity, slice_stream)
+                       RunLog, muse_tiny_config, perplexity, slice_stream)
 
 
 def parse_args() -> argparse.Namespace:
@@ -260,12 +260,8 @@ def main() -> None:
     use_bf16 = args.bf16 and device.type == "cuda"
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    log = open(args.out / "train_log.jsonl", "w")
-
-    def note(record: dict) -> None:
-        print(json.dumps(record), flush=True)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+    log = RunLog(args.out)
+    note = log.note
 
     import transformers
     from tokenizers import Tokenizer

@@ -21,7 +21,7 @@ import itertools
 import math
 import platform
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,13 +43,13 @@ _RESAMPLE = {0: "nearest-exact", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
 
 
 @dataclass(frozen=True)
-class ImageSettings:
-    """The image processor's settings (``preprocessor_config.json``), transformers' defaults."""
+class PatchSettings:
+    """What the image and video processors share (patching, resizing, normalisation), transformers' defaults."""
 
+    KIND: ClassVar[str] = "image"
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
-    max_image_tokens: int = 4096
     do_resize: bool = True
     resample: int = 1  # PIL LANCZOS
     do_rescale: bool = True
@@ -58,13 +58,25 @@ class ImageSettings:
     image_mean: tuple = IMAGENET_STANDARD_MEAN
     image_std: tuple = IMAGENET_STANDARD_STD
 
-    def __post_init__(self) -> None:
+    def check(self, *counts: str) -> None:
+        """A one-line MediaError for an unsupported resample or a non-positive size among ``counts``."""
         if self.resample not in _RESAMPLE:
             names = ", ".join(f"{k} ({v})" for k, v in _RESAMPLE.items())
-            raise MediaError(f"image processor setting resample={self.resample} is not supported; use one of {names}")
-        for key in ("patch_size", "temporal_patch_size", "merge_size", "max_image_tokens"):
+            raise MediaError(f"{self.KIND} processor setting resample={self.resample} is not supported; use one of "
+                             f"{names}")
+        for key in ("patch_size", "temporal_patch_size", "merge_size", *counts):
             if int(getattr(self, key)) < 1:
-                raise MediaError(f"image processor setting {key}={getattr(self, key)} must be a positive integer")
+                raise MediaError(f"{self.KIND} processor setting {key}={getattr(self, key)} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class ImageSettings(PatchSettings):
+    """The image processor's settings (``preprocessor_config.json``), transformers' defaults."""
+
+    max_image_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        self.check("max_image_tokens")
 
     @property
     def patch_dim(self) -> int:

@@ -12,46 +12,32 @@ one temporal patch: ``pixel_values [t*h*w, 1176]``, ``grid_thw = (frames / 2, h 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .errors import MediaError, require
-from .image import (IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, MAX_PIXELS, _RESAMPLE, as_tensor, load_image,
-                    rescale_and_normalize, resize_uint8, smart_resize)
+from .image import (MAX_PIXELS, PatchSettings, as_tensor, load_image, rescale_and_normalize, resize_uint8,
+                    smart_resize)
 from .sources import describe, is_source, resolve, subject
 
 DEFAULT_FPS = 24.0  # what transformers assumes for frames given without a frame rate
 
 
 @dataclass(frozen=True)
-class VideoSettings:
+class VideoSettings(PatchSettings):
     """The video processor's settings (``video_preprocessor_config.json``), transformers' defaults."""
 
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
+    KIND: ClassVar[str] = "video"
     max_video_frame_tokens: int = 144
     num_frames: int = 96
     fps: float = 2.0
     do_sample_frames: bool = True
     frame_timestamp_format: str = "Time: {timestamp:.1f}s"
-    do_resize: bool = True
-    resample: int = 1  # PIL LANCZOS
-    do_rescale: bool = True
-    rescale_factor: float = 1 / 255
-    do_normalize: bool = True
-    image_mean: tuple = IMAGENET_STANDARD_MEAN
-    image_std: tuple = IMAGENET_STANDARD_STD
 
     def __post_init__(self) -> None:
-        if self.resample not in _RESAMPLE:
-            raise MediaError(f"video processor setting resample={self.resample} is not supported; use one of "
-                             f"{sorted(_RESAMPLE)}")
-        for key in ("patch_size", "temporal_patch_size", "merge_size", "max_video_frame_tokens", "num_frames"):
-            if int(getattr(self, key)) < 1:
-                raise MediaError(f"video processor setting {key}={getattr(self, key)} must be a positive integer")
+        self.check("max_video_frame_tokens", "num_frames")
         try:
             self.frame_timestamp_format.format(timestamp=0.0)
         except (KeyError, IndexError, ValueError) as exc:
