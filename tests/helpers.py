@@ -49,3 +49,21 @@ def write_checkpoint(folder: Path, config: MuseConfig, tensors: dict, shards: in
     import json
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
+
+
+def transformers_function(path: Path, name: str, cls: str | None = None, **namespace):
+    """A function (or a method, called with a stub self) from a transformers source file, its annotations and
+    decorators dropped, so it runs without that file's imports (e.g. torchvision); ``namespace`` adds the globals
+    it uses beyond torch, math and itertools."""
+    import ast
+    import itertools
+    import math
+    tree = ast.parse(path.read_text())
+    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body if cls else tree.body
+    node = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+    node.decorator_list, node.returns = [], None
+    for arg in node.args.args + node.args.kwonlyargs:
+        arg.annotation = None
+    scope_globals = {"torch": torch, "math": math, "itertools": itertools, **namespace}
+    exec(compile(ast.Module([node], []), str(path), "exec"), scope_globals)
+    return scope_globals[name]

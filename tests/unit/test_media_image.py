@@ -16,8 +16,6 @@ import ast
 import base64
 import importlib.util
 import io
-import itertools
-import math
 from pathlib import Path
 
 import numpy as np
@@ -29,22 +27,9 @@ pytest.importorskip("PIL", reason="the media extra (pillow) is not installed")
 from PIL import Image  # noqa: E402
 
 from musecore.media import ImageSettings, MediaError, load_image, process_images, smart_resize  # noqa: E402
+from tests.helpers import transformers_function  # noqa: E402
 
 GLIMMER = Path(importlib.util.find_spec("transformers").submodule_search_locations[0]) / "models" / "muse_glimmer"
-
-
-def transformers_function(path: Path, name: str, cls: str | None = None):
-    """A function (or method, called with self=None) from a transformers source file, annotations dropped,
-    so it runs without the torchvision import at the top of that file."""
-    tree = ast.parse(path.read_text())
-    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body if cls else tree.body
-    node = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
-    node.decorator_list, node.returns = [], None
-    for arg in node.args.args + node.args.kwonlyargs:
-        arg.annotation = None
-    namespace = {"torch": torch, "math": math, "itertools": itertools}
-    exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
-    return namespace[name]
 
 
 def class_defaults(path: Path, cls: str) -> dict:

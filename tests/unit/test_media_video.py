@@ -13,9 +13,7 @@ Tolerance: exact; the max difference is printed on failure.
 import ast
 import functools
 import importlib.util
-import itertools
 import logging
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,27 +26,17 @@ av = pytest.importorskip("av", reason="the media extra (av) is not installed")
 pytest.importorskip("PIL", reason="the media extra (pillow) is not installed")
 
 from musecore.media import MediaProcessor, Video, VideoSettings, load_video, process_videos  # noqa: E402
+from tests.helpers import transformers_function  # noqa: E402
 
 GLIMMER = Path(importlib.util.find_spec("transformers").submodule_search_locations[0]) / "models" / "muse_glimmer"
 SOURCE = GLIMMER / "video_processing_muse_glimmer.py"
 
 
-def transformers_function(path: Path, name: str, cls: str | None = None):
-    """A function (or method, called with a stub self) from a transformers source file, annotations dropped."""
-    tree = ast.parse(path.read_text())
-    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body if cls else tree.body
-    node = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
-    node.decorator_list, node.returns = [], None
-    for arg in node.args.args + node.args.kwonlyargs:
-        arg.annotation = None
-    namespace = {"torch": torch, "math": math, "itertools": itertools, "logger": logging.getLogger("transformers")}
-    exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
-    return namespace[name]
-
-
-tf_smart_resize = transformers_function(SOURCE, "smart_resize")
-tf_sample_frames = transformers_function(SOURCE, "sample_frames", "MuseGlimmerVideoProcessor")
-tf_patchify = transformers_function(SOURCE, "patchify", "MuseGlimmerVideoProcessor")
+tf_smart_resize = transformers_function(SOURCE, "smart_resize", logger=logging.getLogger("transformers"))
+tf_sample_frames = transformers_function(SOURCE, "sample_frames", "MuseGlimmerVideoProcessor",
+                                         logger=logging.getLogger("transformers"))
+tf_patchify = transformers_function(SOURCE, "patchify", "MuseGlimmerVideoProcessor",
+                                  logger=logging.getLogger("transformers"))
 PROCESSOR_DEFAULTS = SimpleNamespace(fps=2.0, num_frames=96)  # MuseGlimmerVideoProcessor class attributes
 
 
