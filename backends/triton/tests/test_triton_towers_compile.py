@@ -1,7 +1,7 @@
-"""The towers' Triton kernels compile for the GPUs they target (SM90 for the CUDA backend, gfx950 for ROCm)
+"""The towers' Triton kernels compile for the GPUs they target (SM90 for the CUDA backend, gfx950 and gfx942 for ROCm)
 with no GPU: ``towers_compile.py`` runs in a subprocess (the interpreter the other tests enable cannot
 compile) and reports each specialization's shared memory, which must fit the target (H200: 227 KiB per
-block, MI355X: 160 KiB LDS). Compiling is not running: numerics are checked by the interpreter tests and, on
+block, MI355X: 160 KiB LDS, MI300X: 64 KiB). Compiling is not running: numerics are checked by the interpreter tests and, on
 a GPU, by the ``gpu`` tests."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("towers_compile.py")
-TARGETS = {"sm90": ("nvidia", 227 * 1024), "gfx950": ("amd", 160 * 1024)}
+TARGETS = {"sm90": ("nvidia", 227 * 1024), "gfx950": ("amd", 160 * 1024), "gfx942": ("amd", 64 * 1024)}
 KERNELS = {"varlen_attention_kernel", "causal_conv1d_kernel", "rope_kernel"}
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, list[dict]]:
-    """Both targets compiled at once (two subprocesses), each target's rows; a target whose Triton backend is
+    """Every target compiled at once (one subprocess each), each target's rows; a target whose Triton backend is
     missing maps to None."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
