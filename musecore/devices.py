@@ -89,7 +89,8 @@ _HOPPER_FP8 = _rules(bf16=("fp8", "fp8-token", f"quantized to FP8 E4M3 at load (
                      mxfp4=("fp8", "fp8-token", f"requantized to FP8 E4M3 at load (per-tensor scale); {_FP8_TOKEN}"),
                      int4=("bf16", None, "no INT4 kernels: dequantized to BF16"))
 _GFX950 = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"),
-                 nvfp4=("mxfp4", "mxfp4", "NVFP4 requantized to MXFP4 (EVEN scales) at load; W4A4"),
+                 nvfp4=("mxfp4", "mxfp4", "NVFP4 requantized to MXFP4 at load (least-error E8M0 scales; Quark's EVEN "
+                                          "with MUSECORE_REQUANTIZATION=producer); W4A4"),
                  mxfp4=("mxfp4", "mxfp4", "W4A4 on MXFP4 matrix cores"),
                  int4=("bf16", None, "no INT4 kernels: dequantized to BF16"))
 _GFX942 = _rules(bf16=("bf16", None), fp8=("fp8", "fp8"),
