@@ -433,31 +433,35 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
                  max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: Optional[int],
                  kv_format: str, stats: GenerationStats, media: Optional[Media] = None) -> None:
     device, B = model.device, len(prompt_ids)
+    # R >= B rows run: a backend that compiles its decode step per batch shape pads the batch to its bucket;
+    # rows B.. are padding throughout (position -1: they see nothing and nothing sees them) and never read.
+    R = model.generation_rows(B) if hasattr(model, "generation_rows") else B
     longest = max(map(len, prompt_ids))
     pad = getattr(model.tokenizer, "pad_id", None)
     pad = pad if pad is not None and 0 <= pad < model.config.vocab_size else 0  # position -1 hides it anyway
-    ids = torch.full((B, longest), pad, dtype=torch.long)
-    positions = torch.full((B, longest), -1, dtype=torch.long)  # -1: padding, attends to nothing
+    ids = torch.full((R, longest), pad, dtype=torch.long)
+    positions = torch.full((R, longest), -1, dtype=torch.long)  # -1: padding, attends to nothing
     for b, p in enumerate(prompt_ids):
         ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
         positions[b, longest - len(p):] = torch.arange(len(p))
-    next_position = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    next_position = torch.tensor([len(p) for p in prompt_ids] + [0] * (R - B), dtype=torch.long)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(seed))
-    cache = model.generation_cache(B, longest + max_new_tokens, kv_format=kv_format)
+    cache = model.generation_cache(R, longest + max_new_tokens, kv_format=kv_format)
     step_fn = None  # made after the prefill: a backend may capture the decode step (CUDA graphs)
     sample = lambda logits: model.ops.sample(logits, temperature, top_k, top_p, generator)  # noqa: E731
-    fetch = _TokenFetch(B, torch.device(device))
+    fetch = _TokenFetch(R, torch.device(device))
 
     start = time.perf_counter()
     # Media features replace their placeholders' embeddings at the prefill only: decode steps feed
     # generated tokens, never placeholders.
     extra = {"media": media} if media else {}
-    logits = model.forward(ids, positions=positions, cache=cache, **extra)[:, -1]  # [B,V] fp32
-    check_finite_logits(model, logits, "the prefill (the first new token)", lambda: (ids, positions, media))
-    sampled = sample(logits)  # [B] on the device
-    live = torch.ones(B, dtype=torch.bool, device=device)
+    logits = model.forward(ids, positions=positions, cache=cache, **extra)[:, -1]  # [R,V] fp32
+    live = (torch.arange(R) < B).to(device)  # the padding rows of a batch bucket are never live
+    check_finite_logits(model, logits, "the prefill (the first new token)", lambda: (ids, positions, media),
+                        live=live)
+    sampled = sample(logits)  # [R] on the device
     next_position = next_position.to(device)
     for step in range(max_new_tokens):
         fetch.start(sampled)  # this step's tokens start their trip to the host
@@ -498,7 +502,7 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
             return  # (a launched step may still run: its cache writes are reset by the next call)
         start = now
         if len(active) != sum(not row.done for row in rows):  # a row ended: later steps feed it position -1
-            live = torch.tensor([not row.done for row in rows]).to(device)
+            live = torch.tensor([not row.done for row in rows] + [False] * (R - B)).to(device)
         sampled = next_sampled
 
 

@@ -499,6 +499,13 @@ class MuseModel:
         self._generation_cache = (key, cache, None)
         return cache
 
+    def generation_rows(self, batch: int) -> int:
+        """The rows a ``generate()`` call of ``batch`` sequences runs: the backend's batch bucket when it compiles
+        its decode step per batch shape (``batch_bucket``, e.g. TPU: a server whose batch varies then compiles a
+        handful of steps, not one per batch size), else ``batch``. Extra rows are padding (position -1)."""
+        bucket = getattr(self.backend, "batch_bucket", None)
+        return int(bucket(batch)) if self.wants_static_cache and bucket is not None else batch
+
     def release_generation_cache(self) -> None:
         """Free the KV cache (and captured decode step) kept between ``generate()`` calls."""
         self._generation_cache = None

@@ -133,6 +133,22 @@ def test_padding_a_batch_to_its_bucket_leaves_the_real_rows_unchanged(models) ->
         assert other <= LOGIT_NMSE and torch.equal(padded[i].argmax(-1), other_padding[i].argmax(-1))
 
 
+def test_generate_pads_a_batch_to_its_bucket_and_shares_the_step(models) -> None:
+    """generate() runs batch 3 as the bucket of 4 (rows 3.. padding at position -1, never read), so batches 3 and 4
+    share one static cache and one compiled step; each batch's greedy tokens equal the reference's."""
+    model, reference = models
+    three = [[1, 2, 3], [5, 6, 7, 8], [9, 10]]
+    four = three + [[11, 12, 13]]
+    assert model.generation_rows(3) == model.generation_rows(4) == 4 and reference.generation_rows(3) == 3
+    before = model.backend.compiled_steps
+    got3, got4 = model.generate(three, max_new_tokens=3), model.generate(four, max_new_tokens=3)
+    want3, want4 = reference.generate(three, max_new_tokens=3), reference.generate(four, max_new_tokens=3)
+    print(f"batch 3: tpu {got3} reference {want3}; batch 4: tpu {got4} reference {want4}; "
+          f"steps compiled {model.backend.compiled_steps - before}")
+    assert got3 == want3 and got4 == want4
+    assert model.backend.compiled_steps - before == 1, "batches 3 and 4 should share the bucket-4 step"
+
+
 def test_more_decode_shapes_than_dynamo_s_recompile_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Twelve static caches (batch sizes) in one process: each step compiles on its own, past dynamo's recompile limit
     of 8 per code object, which fails hard under fullgraph=True when the steps share one code object. A stand-in
