@@ -79,6 +79,45 @@ def test_grouped_moe_kernel_runs_only_routed_experts_and_matches_references(fmt:
     assert_nmse(jnp_ref, got, tolerance("moe"), f"moe {fmt} vs jnp reference")
 
 
+@pytest.mark.parametrize("T", [5, 40])
+def test_grouped_moe_kernel_fp8_token_matches_references(T: int) -> None:
+    """W8A8 FP8 experts (``fp8-token``): z quantized per token, h re-quantized per row, per-expert FP8 scales.
+    Against the jnp reference (same codes; only f32 summation order and where the scales multiply differ: 1e-6)
+    and musecore's torch reference ``expert_forward`` with ``act_format="fp8-token"`` (the tolerance of moe: its
+    E4M3 codes of h may differ by one step where the two f32 h values straddle a rounding boundary)."""
+    from musecore_quant import dequantize, quantize
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels.moe import moe, moe_reference
+    gen = torch.Generator().manual_seed(11 + T)
+    E, k, h, inter = 8, 2, 256, 256
+    z = ref.rms_norm(torch.randn(T, h, generator=gen), None, 1e-5).to(torch.bfloat16)
+    z[1, :8] *= 30.0  # an outlier token: its own scale must not touch the others
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(T)])  # expert 7 empty
+    wts = torch.softmax(torch.randn(T, k, generator=gen), -1)
+    spread = torch.arange(1, E + 1).view(E, 1, 1)  # a different FP8 scale per expert
+    qts = [quantize(torch.randn(s, generator=gen) * s[-1] ** -0.5 * spread, "fp8")
+           for s in ((E, inter, h), (E, inter, h), (E, h, inter))]
+    assert qts[0].scale.shape == (E,)
+    values = [dequantize(q, torch.float32) for q in qts]
+    res = [resident(q)[1] for q in qts]
+    post_norm = (1 + 0.2 * torch.randn(h, generator=gen)).to(torch.bfloat16)
+    args = (to_jax(z), to_jax(wts), to_jax(ids), res[0], res[1], res[2], to_jax(post_norm))
+    got = to_torch(moe(*args, fmt="fp8", eps=1e-8, act="fp8-token", interpret=True))
+    jnp_ref = to_torch(moe_reference(*args, fmt="fp8", eps=1e-8, act="fp8-token"))
+    experts = ExpertWeights(gate=values[0], up=values[1], down=values[2], format="fp8", num_experts=E,
+                            act_format="fp8-token")
+    want = ref.moe(z, wts, ids, experts, post_norm, 1e-8)
+    w16 = ref.moe(z, wts, ids, ExpertWeights(gate=values[0], up=values[1], down=values[2], format="fp8",
+                                             num_experts=E), post_norm, 1e-8)
+    assert_nmse(jnp_ref, got, 1e-6, f"moe fp8-token T={T} vs jnp reference")
+    assert_nmse(want, got, tolerance("moe"), f"moe fp8-token T={T} vs torch reference")
+    # not a W8A16 kernel in disguise: the activation quantization is measurably there
+    from musecore.testing.check import nmse
+    print(f"moe fp8-token T={T}: NMSE vs jnp {nmse(jnp_ref, got):.1e}, vs torch fp8-token {nmse(want, got):.1e}, "
+          f"vs torch W8A16 {nmse(w16, got):.1e}")
+    assert nmse(w16, got) > nmse(want, got), f"fp8-token closer to W8A16 ({nmse(w16, got):.2e}) than to the rule"
+
+
 def _positions(case: str) -> tuple[torch.Tensor, torch.Tensor, int, Optional[int]]:
     if case == "prefill-leftpad-sliding":
         q = torch.stack([torch.arange(12), torch.cat([torch.full((3,), -1), torch.arange(9)])])

@@ -24,10 +24,10 @@ def configs(size: str) -> list[tiling.KernelConfig]:
             out += [tiling.matmul_config(fmt, m, k, n) for m in TOKENS]
         for fmt, act in (("int8", None), ("int8", "int8-token"), ("fp8", None), ("fp8", "fp8-token")):
             out += [tiling.q8_config(fmt, act, m, k, n) for m in TOKENS]
-    for fmt in FORMATS + ("fp8",):
+    for fmt, act in [(f, None) for f in FORMATS + ("fp8",)] + [("fp8", "fp8-token")]:
         for t in TOKENS:
             out += tiling.moe_configs(fmt, t, c.num_experts_per_tok, c.num_experts, c.moe_hidden_size,
-                                      c.moe_intermediate_size)
+                                      c.moe_intermediate_size, act=act)
     for t, keys in ((1, c.sliding_window), (1, 32768), (512, 512), (4096, 4096)):
         for kv in ("bf16", "fp8"):
             out.append(tiling.attention_config(1, t, keys, c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv))

@@ -12,6 +12,13 @@ scale first (``rms(round(e * w))``, rounded); then ``y[t] += weight[t, j] * that
    norm (scale first), times the routing weight -> ``[R, h]`` f32 rows.
 4. The f32 sum of each token's k rows: an XLA scatter-add (rows in expert order, the reference's order).
 
+``act="fp8-token"`` (FP8 experts only; W8A8 on v7's FP8 MXU, musecore's ``fp8-token`` MoE rule,
+``musecore.ops.reference.expert_forward``): z is quantized to E4M3 per token (``amax / 448``, a jnp pre-pass, once per
+token for all its experts); kernel A multiplies E4M3 x E4M3 with f32 accumulation and applies ``xscale_t * wscale_e``
+after the K sum; ``h = silu(g) * u`` (f32) is re-quantized per row to E4M3 by a jnp pass between the kernels (the
+row amax needs all of ``I``, which one kernel-A tile does not have); kernel B does the same for down. Rows tiles are
+rounded to 32 rows (8-bit operands tile (32, 128)).
+
 Tiles beyond the routed rows (the grid is sized for the worst case, ``cdiv(T*k, tr) + min(E, T*k)`` tiles) are
 skipped with ``pl.when`` and write zeros.
 """
@@ -19,7 +26,7 @@ skipped with ``pl.when`` and write zeros.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +36,18 @@ from jax.experimental.pallas import tpu as pltpu
 from musecore_tpu.kernels import tiling
 from musecore_tpu.kernels.decode import decode_halves
 from musecore_tpu.kernels.matmul import HIGHEST, dequantize_resident, interpret_mode
+from musecore_tpu.kernels.quantized import quantize_tokens
 
 PACKED = ("int4", "mxfp4", "nvfp4")
+ACT_FORMATS = (None, "fp8-token")
+
+
+def check_act(fmt: str, act: Optional[str]) -> None:
+    """``fp8-token`` experts need FP8 weights (E4M3 x E4M3 is one MXU operand type)."""
+    if act not in ACT_FORMATS:
+        raise ValueError(f"moe activations: {act!r}; the TPU grouped kernel takes {ACT_FORMATS}")
+    if act == "fp8-token" and fmt != "fp8":
+        raise ValueError(f"fp8-token expert activations need fp8 expert weights; got {fmt}")
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -86,8 +103,13 @@ def _weight_specs(w: dict, fmt: str, group: int, tk: int, tn: int, k_axis: int, 
     return operands, specs
 
 
-def _take_weight(fmt: str, group: int, has_zeros: bool, refs: list) -> tuple[Any, list]:
-    """Pop one weight's refs; return a function giving its f32 tile halves (or the dense tile) and the rest."""
+def _take_weight(fmt: str, group: int, has_zeros: bool, refs: list, act: Optional[str] = None
+                 ) -> tuple[Any, list]:
+    """Pop one weight's refs; return a function giving its f32 tile halves (or the dense tile) and the rest.
+    With ``act``: the function gives (the E4M3 codes tile, the expert's f32 scale)."""
+    if act == "fp8-token":
+        q8, ws = refs.pop(0), refs.pop(0)
+        return (lambda: (q8[...], ws[0, 0])), refs
     if fmt == "fp8":  # the reference's dequantization: fp32(e4m3) * scale, rounded once in f32
         q8, ws = refs.pop(0), refs.pop(0)
         return (lambda: q8[...].astype(jnp.float32) * ws[0, 0]), refs
@@ -101,7 +123,9 @@ def _take_weight(fmt: str, group: int, has_zeros: bool, refs: list) -> tuple[Any
                                   None if gs is None else gs[0, 0])), refs
 
 
-def _matmul_step(x: jax.Array, weight: Any, fmt: str) -> jax.Array:
+def _matmul_step(x: jax.Array, weight: Any, fmt: str, act: Optional[str] = None) -> jax.Array:
+    if act == "fp8-token":  # E4M3 x E4M3 -> f32: every product exact; scales after the K sum
+        return jnp.dot(x, weight()[0], preferred_element_type=jnp.float32)
     if fmt not in PACKED:
         return _dot(x, weight())
     lo, hi = weight()
@@ -109,10 +133,11 @@ def _matmul_step(x: jax.Array, weight: Any, fmt: str) -> jax.Array:
     return _dot(x[:, :half], lo) + _dot(x[:, half:], hi)
 
 
-def _gate_up_kernel(fmt: str, group: int, has_zeros: bool, te_ref, tv_ref, x_ref, *refs):
+def _gate_up_kernel(fmt: str, group: int, has_zeros: bool, act: Optional[str], te_ref, tv_ref, x_ref, *refs):
     refs = list(refs)
-    gate, refs = _take_weight(fmt, group, has_zeros, refs)
-    up, refs = _take_weight(fmt, group, has_zeros, refs)
+    xs_ref = refs.pop(0) if act else None
+    gate, refs = _take_weight(fmt, group, has_zeros, refs, act)
+    up, refs = _take_weight(fmt, group, has_zeros, refs, act)
     h_ref, acc_g, acc_u = refs
     i, k = pl.program_id(0), pl.program_id(2)
 
@@ -123,19 +148,24 @@ def _gate_up_kernel(fmt: str, group: int, has_zeros: bool, te_ref, tv_ref, x_ref
 
     @pl.when(tv_ref[i] == 1)
     def _():
-        x = x_ref[...].astype(jnp.float32)
-        acc_g[...] += _matmul_step(x, gate, fmt)
-        acc_u[...] += _matmul_step(x, up, fmt)
+        x = x_ref[...] if act else x_ref[...].astype(jnp.float32)
+        acc_g[...] += _matmul_step(x, gate, fmt, act)
+        acc_u[...] += _matmul_step(x, up, fmt, act)
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
-        g = acc_g[...]
-        h_ref[...] = g * jax.nn.sigmoid(g) * acc_u[...]
+        g, u = acc_g[...], acc_u[...]
+        if act:  # x-hat @ W-hat = (codes @ codes) * xscale_t * wscale_e
+            g = g * xs_ref[...] * gate()[1]
+            u = u * xs_ref[...] * up()[1]
+        h_ref[...] = g * jax.nn.sigmoid(g) * u
 
 
-def _down_kernel(fmt: str, group: int, has_zeros: bool, act_dtype: Any, eps: float, te_ref, tv_ref, h_ref, *refs):
+def _down_kernel(fmt: str, group: int, has_zeros: bool, act: Optional[str], act_dtype: Any, eps: float, te_ref,
+                 tv_ref, h_ref, *refs):
     refs = list(refs)
-    down, refs = _take_weight(fmt, group, has_zeros, refs)
+    hs_ref = refs.pop(0) if act else None
+    down, refs = _take_weight(fmt, group, has_zeros, refs, act)
     norm_ref, wrow_ref, out_ref, acc = refs
     i, k = pl.program_id(0), pl.program_id(1)
 
@@ -145,29 +175,39 @@ def _down_kernel(fmt: str, group: int, has_zeros: bool, act_dtype: Any, eps: flo
 
     @pl.when(tv_ref[i] == 1)
     def _():
-        acc[...] += _matmul_step(h_ref[...], down, fmt)
+        acc[...] += _matmul_step(h_ref[...], down, fmt, act)
 
     @pl.when(k == pl.num_programs(1) - 1)
     def _():
-        e = acc[...].astype(act_dtype)                                            # the expert's output, rounded
+        y = acc[...] * hs_ref[...] * down()[1] if act else acc[...]
+        e = y.astype(act_dtype)                                            # the expert's output, rounded
         scaled = (e.astype(jnp.float32) * norm_ref[...].astype(jnp.float32)).astype(act_dtype)  # scale first
         s = scaled.astype(jnp.float32)
         normed = (s * jax.lax.rsqrt(jnp.mean(s * s, axis=-1, keepdims=True) + eps)).astype(act_dtype)
         out_ref[...] = wrow_ref[...] * normed.astype(jnp.float32)                  # routing weight, f32
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "group", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "group", "eps", "act", "interpret"))
 def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, down: dict, post_norm: jax.Array,
-        *, fmt: str, group: int = 0, eps: float, interpret: bool = False) -> jax.Array:
-    """``y [T, h]`` f32 of the routed experts (resident weights from :mod:`musecore_tpu.layouts`, stacked [E, ...])."""
+        *, fmt: str, group: int = 0, eps: float, act: Optional[str] = None, interpret: bool = False) -> jax.Array:
+    """``y [T, h]`` f32 of the routed experts (resident weights from :mod:`musecore_tpu.layouts`, stacked [E, ...]);
+    ``act="fp8-token"``: W8A8 FP8 experts with per-token activation scales (module docstring)."""
+    check_act(fmt, act)
     T, hidden = z.shape
     k = ids.shape[1]
     E, inter = _stack(gate, fmt).shape[0], _stack(gate, fmt).shape[2]
-    tr = tiling.rows_tile(T * k, E)
+    tr = tiling.rows_tile(T * k, E, act)
     plan = route(ids, E, tr)
     tiles, R = plan["tiles"], plan["tiles"] * tr
     token = plan["order"] // k
-    x_rows = jnp.zeros((R, hidden), z.dtype).at[plan["position"]].set(z[token])
+    scale_specs = lambda *index: [pl.BlockSpec((tr, 1), lambda i, *rest: (i, 0))] if act else []  # noqa: E731
+    if act:  # each token quantized once (its row amax), then gathered into its k routed rows; padding: code 0
+        zq, zs = quantize_tokens(z, act)
+        x_rows = jnp.zeros((R, hidden), zq.dtype).at[plan["position"]].set(zq[token])
+        x_scale = [jnp.ones((R, 1), jnp.float32).at[plan["position"]].set(zs[token])]
+    else:
+        x_rows = jnp.zeros((R, hidden), z.dtype).at[plan["position"]].set(z[token])
+        x_scale = []
     w_rows = jnp.zeros((R, 1), jnp.float32).at[plan["position"], 0].set(weights.reshape(-1)[plan["order"]])
     row_token = jnp.zeros((R,), jnp.int32).at[plan["position"]].set(token.astype(jnp.int32))
     has_zeros = gate.get("zeros") is not None
@@ -177,23 +217,28 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
     g_ops, g_specs = _weight_specs(gate, fmt, group, tk, tn, 2, 1)
     u_ops, u_specs = _weight_specs(up, fmt, group, tk, tn, 2, 1)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, fmt, group, has_zeros),
+        functools.partial(_gate_up_kernel, fmt, group, has_zeros, act),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(tiles, inter // tn, hidden // tk),
-            in_specs=[pl.BlockSpec((tr, tk), lambda i, j, kk, te, tv: (i, kk))] + g_specs + u_specs,
+            in_specs=[pl.BlockSpec((tr, tk), lambda i, j, kk, te, tv: (i, kk))] + scale_specs() + g_specs + u_specs,
             out_specs=pl.BlockSpec((tr, tn), lambda i, j, kk, te, tv: (i, j)),
             scratch_shapes=[pltpu.VMEM((tr, tn), jnp.float32), pltpu.VMEM((tr, tn), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((R, inter), jnp.float32), compiler_params=semantics,
         interpret=interpret_mode(interpret),
-    )(plan["tile_expert"], plan["tile_valid"], x_rows, *g_ops, *u_ops)
+    )(plan["tile_expert"], plan["tile_valid"], x_rows, *x_scale, *g_ops, *u_ops)
+    if act:  # the hidden activations re-quantized per row (padding rows: zeros, scale 1)
+        h, h_scale = quantize_tokens(h, act)
+        h_scale = [h_scale]
+    else:
+        h_scale = []
 
     tk2 = tiling.k_tile(fmt, inter, group or None)
     d_ops, d_specs = _weight_specs(down, fmt, group, tk2, hidden, 1, None)
     rows = pl.pallas_call(
-        functools.partial(_down_kernel, fmt, group, has_zeros, z.dtype, eps),
+        functools.partial(_down_kernel, fmt, group, has_zeros, act, z.dtype, eps),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(tiles, inter // tk2),
-            in_specs=[pl.BlockSpec((tr, tk2), lambda i, kk, te, tv: (i, kk))] + d_specs
+            in_specs=[pl.BlockSpec((tr, tk2), lambda i, kk, te, tv: (i, kk))] + scale_specs() + d_specs
                      + [pl.BlockSpec((1, hidden), lambda i, kk, te, tv: (0, 0)),
                         pl.BlockSpec((tr, 1), lambda i, kk, te, tv: (i, 0))],
             out_specs=pl.BlockSpec((tr, hidden), lambda i, kk, te, tv: (i, 0)),
@@ -201,24 +246,32 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
         out_shape=jax.ShapeDtypeStruct((R, hidden), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret_mode(interpret),
-    )(plan["tile_expert"], plan["tile_valid"], h, *d_ops, post_norm.reshape(1, hidden), w_rows)
+    )(plan["tile_expert"], plan["tile_valid"], h, *h_scale, *d_ops, post_norm.reshape(1, hidden), w_rows)
     return jnp.zeros((T, hidden), jnp.float32).at[row_token].add(rows)  # padding rows add 0.0
 
 
 def moe_reference(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, down: dict,
-                  post_norm: jax.Array, *, fmt: str, group: int = 0, eps: float) -> jax.Array:
-    """The same contract in plain jnp, expert by expert over all tokens (masked), dense weights."""
+                  post_norm: jax.Array, *, fmt: str, group: int = 0, eps: float, act: Optional[str] = None) -> jax.Array:
+    """The same contract in plain jnp, expert by expert over all tokens (masked), dense weights; ``fp8-token``:
+    dequantized per-token E4M3 activations (z, then h) times the dequantized weights, f32 math."""
+    check_act(fmt, act)
+
+    def fq(x: jax.Array) -> jax.Array:
+        if act is None:
+            return x
+        codes, scale = quantize_tokens(x, act)
+        return codes.astype(jnp.float32) * scale
     T, hidden = z.shape
     E, inter = _stack(gate, fmt).shape[0], _stack(gate, fmt).shape[2]
     y = jnp.zeros((T, hidden), jnp.float32)
-    zf = z.astype(jnp.float32)
+    zf = fq(z.astype(jnp.float32))
     pick = lambda w, e: {n: (None if v is None else v[e]) for n, v in w.items()}  # noqa: E731
     for e in range(E):
         g = dequantize_resident(pick(gate, e), fmt, group, hidden)
         u = dequantize_resident(pick(up, e), fmt, group, hidden)
         d = dequantize_resident(pick(down, e), fmt, group, inter)
         a = jnp.dot(zf, g, precision=HIGHEST)
-        out = jnp.dot(jax.nn.silu(a) * jnp.dot(zf, u, precision=HIGHEST), d, precision=HIGHEST).astype(z.dtype)
+        out = jnp.dot(fq(jax.nn.silu(a) * jnp.dot(zf, u, precision=HIGHEST)), d, precision=HIGHEST).astype(z.dtype)
         s = (out.astype(jnp.float32) * post_norm.astype(jnp.float32)).astype(z.dtype).astype(jnp.float32)
         normed = (s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True) + eps)).astype(z.dtype).astype(jnp.float32)
         w = jnp.sum(jnp.where(ids == e, weights, 0.0), axis=1, keepdims=True)  # 0 where e was not chosen

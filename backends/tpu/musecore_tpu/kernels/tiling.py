@@ -182,33 +182,41 @@ def q8_config(fmt: str, act: Optional[str], M: int, K: int, N: int, per_channel:
 TILE_ROWS = 128  # routed rows per grouped-matmul tile (each tile belongs to one expert)
 
 
-def rows_tile(rows: int, experts: int) -> int:
+def rows_tile(rows: int, experts: int, act: Optional[str] = None) -> int:
     """Routed rows per tile: about the rows an expert gets (``rows / min(E, rows)``), rounded to bf16's 16
-    sublanes, at most 128. Decode (8 rows over 8 experts) gets 16-row tiles, not 128 rows of padding."""
+    sublanes (32 for 8-bit ``fp8-token`` rows), at most 128. Decode (8 rows over 8 experts) gets 16-row tiles,
+    not 128 rows of padding."""
     per_expert = cdiv(max(rows, 1), max(min(experts, rows), 1))
-    return min(TILE_ROWS, round_up(per_expert, 16))
+    return min(TILE_ROWS, round_up(per_expert, 32 if act else 16))
 
 
 def moe_configs(fmt: str, tokens: int, top_k: int, experts: int, hidden: int, inter: int,
-                group: Optional[int] = None) -> list[KernelConfig]:
+                group: Optional[int] = None, act: Optional[str] = None) -> list[KernelConfig]:
     """Blocks of the two grouped kernels of :mod:`musecore_tpu.kernels.moe`: gate/up + SwiGLU over ``[tr, tn]``
-    output tiles, and down + finalize over full ``h``-wide rows (the post-expert norm needs the whole row)."""
+    output tiles, and down + finalize over full ``h``-wide rows (the post-expert norm needs the whole row).
+    ``act="fp8-token"``: 8-bit row operands and their per-row f32 scales."""
     rows = tokens * top_k
-    tr = rows_tile(rows, experts)
+    tr = rows_tile(rows, experts, act)
     tiles = cdiv(rows, tr) + min(experts, rows)
     R = tiles * tr
     tk, tn = k_tile(fmt, hidden, group), n_tile(inter)
-    gate_up = [Block("x rows", (tr, tk), (R, hidden), "bf16"), Block("x f32", (tr, tk), (R, hidden), "f32", 1)]
+    if act:
+        gate_up = [Block("x rows e4m3", (tr, tk), (R, hidden), "u8"), Block("x scale", (tr, 1), (R, 1), "f32")]
+    else:
+        gate_up = [Block("x rows", (tr, tk), (R, hidden), "bf16"), Block("x f32", (tr, tk), (R, hidden), "f32", 1)]
     gate_up += weight_blocks(fmt, hidden, inter, tk, tn, group, " gate") + weight_blocks(fmt, hidden, inter, tk, tn,
                                                                                           group, " up")
     gate_up += [Block("h", (tr, tn), (R, inter), "f32"), Block("acc gate", (tr, tn), (R, inter), "f32", 1),
                 Block("acc up", (tr, tn), (R, inter), "f32", 1)]
     tk2 = k_tile(fmt, inter, group)
-    down = [Block("h", (tr, tk2), (R, inter), "f32")] + weight_blocks(fmt, inter, hidden, tk2, hidden, group, " down")
+    h_blocks = ([Block("h e4m3", (tr, tk2), (R, inter), "u8"), Block("h scale", (tr, 1), (R, 1), "f32")] if act
+                else [Block("h", (tr, tk2), (R, inter), "f32")])
+    down = h_blocks + weight_blocks(fmt, inter, hidden, tk2, hidden, group, " down")
     down += [Block("post norm", (1, hidden), (1, hidden), "bf16"), Block("routing weight", (tr, 1), (R, 1), "f32"),
              Block("rows out", (tr, hidden), (R, hidden), "f32"), Block("acc", (tr, hidden), (R, hidden), "f32", 1)]
-    return [KernelConfig(f"moe-gate-up-{fmt}", tuple(gate_up), (tiles, inter // tn, hidden // tk)),
-            KernelConfig(f"moe-down-{fmt}", tuple(down), (tiles, inter // tk2))]
+    name = fmt + ("-" + act if act else "")
+    return [KernelConfig(f"moe-gate-up-{name}", tuple(gate_up), (tiles, inter // tn, hidden // tk)),
+            KernelConfig(f"moe-down-{name}", tuple(down), (tiles, inter // tk2))]
 
 
 # -- attention ----------------------------------------------------------------------------------------------------
