@@ -104,13 +104,22 @@ _XEON = _rules(bf16=("int4", None, "quantized to INT4 g128 (RTN) at load"),
                int4=("int4", None, "INT4 weight-only"))
 _CPU_DENSE = (ATTENTION, POOLER, LM_HEAD)
 # TPU (musecore-tpu; Pallas kernels verified in JAX's TPU interpret mode, never run on a TPU): 4-bit checkpoints
-# stay 4-bit, W4A16 (codes and block scales kept packed in HBM, decoded in VMEM). No FP8 or int8 kernel yet: v6e's
-# int8/int4 MXU and v7's FP8 MXU are not used, FP8 checkpoints are dequantized. "int8" had no codec and is gone.
+# stay 4-bit, W4A16 (codes and block scales kept packed in HBM, decoded in VMEM); FP8 checkpoints stay FP8, W8A16.
+# v6e's int8 MXU is not used (no "int8" checkpoint codec); v7's FP8 MXU only with the tpu-v7-fp8 option below.
 _TPU = _rules(bf16=("bf16", None), fp8=("fp8", None, "W8A16: E4M3 codes and per-tensor scales kept, decoded in VMEM"),
               nvfp4=("nvfp4", None, "W4A16: E2M1 codes and E4M3 scales kept packed, decoded in VMEM"),
               mxfp4=("mxfp4", None, "W4A16: E2M1 codes and E8M0 scales kept packed, decoded in VMEM"),
               int4=("int4", None, "W4A16: INT4 codes kept packed (f32 group scales), decoded in VMEM"))
 _TPU_FORMATS = ("bf16", "fp8", "int4", "mxfp4", "nvfp4")
+# The v7 throughput option (device "tpu-v7-fp8"; off unless asked for), like h200-fp8: experts (and FP8 checkpoints'
+# linears) FP8 E4M3 with per-tensor / per-expert scales, W8A8 with per-token E4M3 activations on v7's FP8 MXU
+# (2x its BF16 rate); 1 byte per weight, ~1.8x NVFP4's. Verified in JAX's TPU interpreter only.
+_TPU_W8A8 = "W8A8 on v7's FP8 MXU, per-token E4M3 activations"
+_TPU7_FP8 = _rules(bf16=("fp8", "fp8-token", f"quantized to FP8 E4M3 at load (per-tensor scale); {_TPU_W8A8}"),
+                   fp8=("fp8", "fp8-token", f"E4M3 codes and per-tensor scales kept; {_TPU_W8A8}"),
+                   nvfp4=("fp8", "fp8-token", f"requantized to FP8 E4M3 at load (per-tensor scale); {_TPU_W8A8}"),
+                   mxfp4=("fp8", "fp8-token", f"requantized to FP8 E4M3 at load (per-tensor scale); {_TPU_W8A8}"),
+                   int4=("int4", None, "W4A16: INT4 codes kept packed (f32 group scales), decoded in VMEM"))
 _REFERENCE = _rules(**{fmt: (fmt, None, "reference kernels: exact values, fp32 math") for fmt in CHECKPOINT_FORMATS})
 
 
@@ -140,6 +149,8 @@ CATALOG: dict[str, DeviceProfile] = {p.name: p for p in [
              "Google TPU v6e (Trillium): 32 GiB HBM at 1.64 TB/s, 128 MiB VMEM"),
     _profile("tpu-v7", "google", "tpu", "v7", 192, _TPU_FORMATS, (), _TPU,
              "Google TPU v7 (Ironwood): 192 GiB HBM at 7.4 TB/s per chip (two TensorCores), 64 MiB VMEM each"),
+    _profile("tpu-v7-fp8", "google", "tpu", "v7", 192, _TPU_FORMATS, ("fp8-token",), _TPU7_FP8,
+             "Google TPU v7, throughput option: BF16 and 4-bit experts converted to FP8 at load, W8A8 per token"),
     _profile("cpu", "any", "reference", "any", 0, CHECKPOINT_FORMATS, ("fp8", "nvfp4", "mxfp4"), _REFERENCE, "reference kernels on the local CPU (host memory)"),
 ]}
 

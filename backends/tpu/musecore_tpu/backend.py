@@ -51,8 +51,10 @@ NO_VARLEN = ("no Pallas kernel for packed bidirectional (varlen) attention yet; 
              "for a TPU loads the vision tower only with allow_reference=True (the reference's loop)")
 NO_ACT_QUANT = ("the TPU backend runs 16-bit activations (W4A16 / BF16); {fmt} activation quantization has no TPU "
                 "kernel here: load with act_format=None")
-NO_FP8 = ("FP8 experts run W8A16 only (per-token FP8 activations in the grouped kernel are not written): load "
-          "with act_format=None")
+NO_FP8 = ("FP8 experts run W8A16 (act_format=None) or W8A8 with per-token FP8 activations ('fp8-token'); "
+          "{act!r} activations have no grouped kernel here")
+FP8_MOE_NOTE = ("W8A8 FP8 (E4M3 codes and per-expert scales kept; z per token and h per row to E4M3, "
+                "FP8 x FP8 on v7's FP8 MXU, f32 accumulation)")
 FP8_LINEAR = ("Pallas 8-bit matmul: FP8 E4M3 weights (per-tensor scale) kept, {act}")
 FP8_ACTS = {None: "W8A16: the E4M3 values are exact in bf16, one bf16 MXU pass",
             "fp8-token": "W8A8: activations to E4M3 per token, FP8 x FP8 on v7's FP8 MXU (f32 accumulation)"}
@@ -73,6 +75,12 @@ FORMAT_NOTES = {"bf16": "BF16 weights, K-major", "fp16": "FP16 weights as BF16-t
                 "mxfp4": "W4A16 MXFP4 (E2M1 codes and E8M0 bytes, decoded in VMEM)",
                 "fp8": "W8A16 FP8 (E4M3 codes and the per-tensor scale, decoded in VMEM)",
                 "nvfp4": "W4A16 NVFP4 (E2M1 codes, E4M3 bytes and the global scale, decoded in VMEM)"}
+
+
+def chip_of(device: Optional[str]) -> Any:
+    """The chip of a catalog TPU device (``tpu-v7-fp8`` is a tpu-v7 with another plan), or None."""
+    name = device or ""
+    return CHIPS.get(name) or CHIPS.get(name.removesuffix("-fp8"))
 
 
 def jax_missing() -> Optional[str]:
@@ -106,7 +114,8 @@ def probe_tpu() -> Probe:
     chip = chip_for_device_kind(kind)
     if chip is None:
         return Probe(False, 0, [], f"{count} x {kind!r}: not a catalog TPU ({', '.join(CHIPS)})", details)
-    return Probe(True, 70, [chip.name], f"{count} x {kind} ({chip.name}); kernels {NEVER_RUN} before this host",
+    devices = [chip.name] + ([f"{chip.name}-fp8"] if chip.name == "tpu-v7" else [])  # the FP8 option: asked for
+    return Probe(True, 70, devices, f"{count} x {kind} ({chip.name}); kernels {NEVER_RUN} before this host",
                  details)
 
 
@@ -168,7 +177,7 @@ class TpuBackend(Backend):
     def supports(self, op: str, spec: OpSpec) -> Support:
         """Reasons describe the TPU path when the plan asks about a TPU device (``spec.device``), else what runs on
         this backend instance (the interpreter on a CPU)."""
-        on_tpu = spec.device in CHIPS or not self.interpret
+        on_tpu = chip_of(spec.device) is not None or not self.interpret
         where = ("on the TPU through torch_tpu (" + NEVER_RUN + ")" if on_tpu else
                  {"tpu": "in JAX's TPU interpreter on this CPU", "jax": "in Pallas' generic interpreter on this CPU"}
                  [self.interpret])
@@ -184,6 +193,12 @@ class TpuBackend(Backend):
             fmt = spec.weight_format
             if fmt == "fp8" and op == "moe" and spec.act_format is None:
                 return Support.native(KERNEL_REASONS[op].format(fmt=FORMAT_NOTES[fmt]) + f"; runs {where}")
+            if fmt == "fp8" and op == "moe":
+                if spec.act_format != "fp8-token":
+                    return Support.no(NO_FP8.format(act=spec.act_format))
+                if spec.device == "tpu-v6e":
+                    return Support.no(NO_FP8_ON_V6E)
+                return Support.native(KERNEL_REASONS[op].format(fmt=FP8_MOE_NOTE) + f"; runs {where}")
             if fmt == "fp8" and op == "linear":
                 if spec.act_format not in FP8_ACTS:
                     return Support.no(NO_FP8_ACT.format(act=spec.act_format))
@@ -191,7 +206,7 @@ class TpuBackend(Backend):
                     return Support.no(NO_FP8_ON_V6E)
                 return Support.native(FP8_LINEAR.format(act=FP8_ACTS[spec.act_format]) + f"; runs {where}")
             if fmt == "fp8":
-                return Support.no(NO_FP8)
+                return Support.no(NO_FP8.format(act=spec.act_format))
             if spec.act_format is not None:
                 return Support.no(NO_ACT_QUANT.format(fmt=spec.act_format))
             if fmt not in DENSE + PACKED:
@@ -212,7 +227,8 @@ class TpuBackend(Backend):
                 raise ValueError(f"TPU dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
             return weight_format_of(weight), layouts.prepare_dense(weight, dtype), 0
         if weight.format == "fp8":
-            raise ValueError(f"TPU cannot run fp8 weights: {NO_FP8}")
+            raise ValueError("TPU fp8 weights: a linear's FP8 QTensor or all three expert stacks in FP8 (gate, up and "
+                             "down must share one format); this one is neither")
         return weight.format, layouts.prepare_packed(weight), weight.group_size
 
     def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
@@ -242,12 +258,12 @@ class TpuBackend(Backend):
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *, act_format: Optional[str] = None,
                         dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
-        if all(isinstance(w, QTensor) and w.format == "fp8" for w in (gate, up, down)):  # W8A16: FP8 kept
-            if act_format is not None:
-                raise ValueError(NO_FP8)
+        if all(isinstance(w, QTensor) and w.format == "fp8" for w in (gate, up, down)):  # W8A16 / fp8-token: FP8 kept
+            if act_format not in (None, "fp8-token"):
+                raise ValueError(NO_FP8.format(act=act_format))
             resident = [{k: v.to(self.device) for k, v in layouts.prepare_q8(w).items()} for w in (gate, up, down)]
             return ExpertWeights(gate=resident[0], up=resident[1], down=resident[2], format="fp8",
-                                 num_experts=gate.shape[0],
+                                 num_experts=gate.shape[0], act_format=act_format,
                                  extra={"tpu": [self.runner.resident(r) for r in resident], "group": 0})
         if act_format is not None:
             raise ValueError(NO_ACT_QUANT.format(fmt=act_format))
@@ -292,7 +308,7 @@ class TpuBackend(Backend):
         if resident is None:
             raise TypeError("tpu moe got ExpertWeights that TpuBackend.prepare_experts did not make")
         return self.runner.moe(z.contiguous(), weights, ids, *resident, post_norm, experts.format,
-                               experts.extra["group"], post_eps)
+                               experts.extra["group"], post_eps, experts.act_format)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                   window: Optional[int], scale: float, k_scale: Optional[float] = None,
@@ -362,7 +378,7 @@ class TpuBackend(Backend):
 
     # -- what the plan and doctor show ------------------------------------------------------------------------------
     def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
-        chip = CHIPS.get(getattr(profile, "name", ""), None)
+        chip = chip_of(getattr(profile, "name", ""))
         vmem = chip.vmem_bytes if chip else min(c.vmem_bytes for c in CHIPS.values())
         out = []
         for lin in linears:

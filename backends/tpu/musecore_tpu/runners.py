@@ -45,11 +45,11 @@ class OpsRunner:
     def linear_q8(self, x2d, resident, fmt, act):
         return self.ops["linear_q8"](x2d, resident["q8"], resident["wscale"], fmt, act or "")
 
-    def moe(self, z, weights, ids, gate, up, down, post_norm, fmt, group, eps):
+    def moe(self, z, weights, ids, gate, up, down, post_norm, fmt, group, eps, act=None):
         ids = ids.to(torch.int32)
         if "q8" in gate:
             return self.ops["moe_q8"](z, weights.float(), ids, gate["q8"], gate["wscale"], up["q8"], up["wscale"],
-                                      down["q8"], down["wscale"], post_norm, eps)
+                                      down["q8"], down["wscale"], post_norm, eps, act or "")
         if "wt" in gate:
             return self.ops["moe_dense"](z, weights.float(), ids, gate["wt"], up["wt"], down["wt"], post_norm, eps)
         parts = [w[n] for w in (gate, up, down) for n in ("codes", "scales", "zeros", "global_scale")]

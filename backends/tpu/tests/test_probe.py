@@ -90,8 +90,11 @@ def test_supports_answers_every_op_with_a_reason(monkeypatch: pytest.MonkeyPatch
     static = backend.supports("linear", OpSpec("linear", weight_format="fp8", act_format="fp8"))
     assert not static.ok and "fp8-token" in static.reason
     assert backend.supports("moe", OpSpec("moe", weight_format="fp8")).ok  # W8A16 experts
-    fp8 = backend.supports("moe", OpSpec("moe", weight_format="fp8", act_format="fp8-token"))
-    assert not fp8.ok and "W8A16 only" in fp8.reason
+    assert backend.supports("moe", OpSpec("moe", weight_format="fp8", act_format="fp8-token", device="tpu-v7-fp8")).ok
+    v6e = backend.supports("moe", OpSpec("moe", weight_format="fp8", act_format="fp8-token", device="tpu-v6e"))
+    assert not v6e.ok and "no FP8 rate" in v6e.reason
+    static = backend.supports("moe", OpSpec("moe", weight_format="fp8", act_format="fp8"))
+    assert not static.ok and "'fp8' activations have no grouped kernel" in static.reason, static.reason
     w4a4 = backend.supports("moe", OpSpec("moe", weight_format="mxfp4", act_format="mxfp4"))
     assert not w4a4.ok and "16-bit activations" in w4a4.reason
 
