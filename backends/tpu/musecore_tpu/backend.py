@@ -6,7 +6,7 @@ routed experts as grouped matmuls over only the routed rows with the MoE finaliz
 over the KV cache, and the two norm ops as Pallas kernels (:mod:`musecore_tpu.kernels`); the remaining ops
 (embedding, q/k norm + RoPE, head norm gate, router, SwiGLU of dense layers, softcap, sampling) are PyTorch ops,
 which torch_tpu lowers on a TPU host. FP8 checkpoint weights (per-tensor) stay FP8: W8A16 in linears and experts,
-``fp8-token`` W8A8 in linears (:mod:`musecore_tpu.kernels.quantized`). Every kernel is a registered torch custom
+``fp8-token`` W8A8 in linears (:mod:`musecore_tpu.kernels.quantized`) and experts (the ``tpu-v7-fp8`` device). Every kernel is a registered torch custom
 op (:mod:`musecore_tpu.torch_tpu_ops`), so a decode step compiles into one graph (:meth:`TpuBackend.make_decode_step`).
 On a CPU (``TpuBackend("cpu")``) every kernel runs in a Pallas interpreter, which is how all of this is tested;
 NO KERNEL HAS RUN ON A TPU YET.

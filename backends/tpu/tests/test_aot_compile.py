@@ -73,10 +73,11 @@ def cases() -> dict[str, Callable[[Callable], tuple[Callable, tuple]]]:
              S((1, keys, KV_HEADS, D), kv_dtype), S((1, T), jnp.int32), S((1, keys), jnp.int32)))
     for T in (1, 64):  # FP8 W8A16 experts: E4M3 codes and a per-expert scale
         fp8 = lambda S, K, N: {"q8": S((E, K, N), jnp.float8_e4m3fn), "wscale": S((E, 1, 1), jnp.float32)}  # noqa: E731
-        out[f"moe-fp8-T{T}"] = lambda S, T=T, fp8=fp8: (
-            functools.partial(moe, fmt="fp8", eps=1e-8),
-            (S((T, h), jnp.bfloat16), S((T, K_TOP), jnp.float32), S((T, K_TOP), jnp.int32), fp8(S, h, I),
-             fp8(S, h, I), fp8(S, I, h), S((h,), jnp.bfloat16)))
+        for act in (None, "fp8-token"):  # W8A16, and W8A8 with per-token E4M3 activations (tpu-v7-fp8)
+            out[f"moe-fp8{'-' + act if act else ''}-T{T}"] = lambda S, T=T, fp8=fp8, act=act: (
+                functools.partial(moe, fmt="fp8", eps=1e-8, act=act),
+                (S((T, h), jnp.bfloat16), S((T, K_TOP), jnp.float32), S((T, K_TOP), jnp.int32), fp8(S, h, I),
+                 fp8(S, h, I), fp8(S, I, h), S((h,), jnp.bfloat16)))
     from musecore_tpu.kernels.quantized import matmul_q8
     for fmt, act in Q8_PATHS:
         for M in (16, 256):
@@ -95,7 +96,7 @@ def cases() -> dict[str, Callable[[Callable], tuple[Callable, tuple]]]:
 
 Q8_PATHS = (("int8", None), ("int8", "int8-token"), ("fp8", None), ("fp8", "fp8-token"))
 CASE_NAMES = [f"q8-{fmt}-{act or 'a16'}-M{M}" for fmt, act in Q8_PATHS for M in (16, 256)] + [
-    "moe-fp8-T1", "moe-fp8-T64"] + ["matmul-" + f"{fmt}-{name}-M{M}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4") for M in (16, 256)
+    "moe-fp8-T1", "moe-fp8-T64", "moe-fp8-fp8-token-T1", "moe-fp8-fp8-token-T64"] + ["matmul-" + f"{fmt}-{name}-M{M}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4") for M in (16, 256)
               for name in ("q_proj", "expert")] + [f"moe-{fmt}-T{T}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4")
                                                     for T in (1, 64)] + \
     ["attention-T1-S2048-kvbf16", "attention-T1-S32768-kvfp8", "attention-T512-S512-kvbf16", "rms_norm-scale_first",

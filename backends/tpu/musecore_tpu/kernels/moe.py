@@ -200,7 +200,7 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
     plan = route(ids, E, tr)
     tiles, R = plan["tiles"], plan["tiles"] * tr
     token = plan["order"] // k
-    scale_specs = lambda *index: [pl.BlockSpec((tr, 1), lambda i, *rest: (i, 0))] if act else []  # noqa: E731
+    row_scale = [pl.BlockSpec((tr, 1), lambda i, *rest: (i, 0))] if act else []  # fp8-token: f32 scale per row
     if act:  # each token quantized once (its row amax), then gathered into its k routed rows; padding: code 0
         zq, zs = quantize_tokens(z, act)
         x_rows = jnp.zeros((R, hidden), zq.dtype).at[plan["position"]].set(zq[token])
@@ -220,7 +220,7 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
         functools.partial(_gate_up_kernel, fmt, group, has_zeros, act),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(tiles, inter // tn, hidden // tk),
-            in_specs=[pl.BlockSpec((tr, tk), lambda i, j, kk, te, tv: (i, kk))] + scale_specs() + g_specs + u_specs,
+            in_specs=[pl.BlockSpec((tr, tk), lambda i, j, kk, te, tv: (i, kk))] + row_scale + g_specs + u_specs,
             out_specs=pl.BlockSpec((tr, tn), lambda i, j, kk, te, tv: (i, j)),
             scratch_shapes=[pltpu.VMEM((tr, tn), jnp.float32), pltpu.VMEM((tr, tn), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((R, inter), jnp.float32), compiler_params=semantics,
@@ -238,7 +238,7 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
         functools.partial(_down_kernel, fmt, group, has_zeros, act, z.dtype, eps),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(tiles, inter // tk2),
-            in_specs=[pl.BlockSpec((tr, tk2), lambda i, kk, te, tv: (i, kk))] + scale_specs() + d_specs
+            in_specs=[pl.BlockSpec((tr, tk2), lambda i, kk, te, tv: (i, kk))] + row_scale + d_specs
                      + [pl.BlockSpec((1, hidden), lambda i, kk, te, tv: (0, 0)),
                         pl.BlockSpec((tr, 1), lambda i, kk, te, tv: (i, 0))],
             out_specs=pl.BlockSpec((tr, hidden), lambda i, kk, te, tv: (i, 0)),
