@@ -74,7 +74,7 @@ def resident_bytes(fmt: str, out_features: int, in_features: int, experts: int =
 def prepare_q8(weight: Any, scale: Optional[torch.Tensor] = None) -> dict[str, Any]:
     """8-bit weights -> ``{"q8": [..., K, N], "wscale": [..., 1, N] or [..., 1, 1] f32}`` (K-major, values unchanged):
     an FP8 QTensor with a per-tensor scale (musecore_quant's codec), or INT8 codes ``[..., N, K]`` with their
-    per-channel ``scale [..., N]`` (:func:`musecore_tpu.int8.quantize_int8`)."""
+    per-channel ``scale [..., N]`` (:func:`quantize_int8`)."""
     if isinstance(weight, QTensor):
         if weight.format != "fp8" or weight.group_size != 0:
             raise ValueError(f"the TPU's 8-bit path takes per-tensor FP8 QTensors; got {weight.format} with "
@@ -85,3 +85,24 @@ def prepare_q8(weight: Any, scale: Optional[torch.Tensor] = None) -> dict[str, A
     if weight.dtype != torch.int8 or scale is None:
         raise ValueError(f"INT8 weights need int8 codes and their per-channel scales; got {weight.dtype}")
     return {"q8": weight.transpose(-1, -2).contiguous(), "wscale": scale.float().unsqueeze(-2).contiguous()}
+
+
+# INT8 weights for v6e's int8 MXU. No plan selects them yet (musecore has no INT8 checkpoint format or codec):
+# symmetric per output channel, scale_n = amax(|W_n|) / 127 (1.0 for an all-zero row), q = round(W / scale)
+# clamped to +-127 (round half to even, as torch.round); 1 byte per weight + one f32 per output row.
+INT8_MAX = 127.0
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., N, K]`` (any float dtype) -> (int8 codes ``[..., N, K]``, f32 scales ``[..., N]``)."""
+    if not w.is_floating_point():
+        raise ValueError(f"INT8 conversion takes a float weight; got {w.dtype}")
+    wf = w.float()
+    scale = wf.abs().amax(-1) / INT8_MAX
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(wf / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[..., None]

@@ -202,6 +202,14 @@ def test_attention_online_softmax_across_query_and_key_tiles(monkeypatch: pytest
         assert_nmse(want, got, tolerance("attention"), f"attention tiled window={window} vs torch")
 
 
+def fake_quantize_tokens_int8(x: torch.Tensor) -> torch.Tensor:
+    """Each row of ``x`` through per-row symmetric INT8 and back (f32): what ``int8-token`` activations see."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(xf / scale).clamp(-127.0, 127.0) * scale
+
+
 @pytest.mark.parametrize("fmt,act,M,K,N", [("int8", None, 5, 1024, 256), ("int8", "int8-token", 3, 512, 384),
                                            ("fp8", None, 4, 512, 256), ("fp8", "fp8-token", 33, 1024, 128)])
 def test_8bit_mxu_matmul_matches_jnp_and_musecore_references(fmt: str, act: Optional[str], M: int, K: int,
@@ -210,11 +218,11 @@ def test_8bit_mxu_matmul_matches_jnp_and_musecore_references(fmt: str, act: Opti
     bf16) or per-token 8-bit activations (int32 / f32 accumulation). Against the jnp reference the only difference
     is summation order; against musecore's reference (``musecore.ops.reference.linear``, fp32 math on the
     dequantized weight; FP8 through musecore_quant's codec and the reference's ``fp8-token`` activation rule,
-    INT8 through ``musecore_tpu.int8``) the FP8 path also differs by the reference rounding its dequantized
+    INT8 through ``musecore_tpu.layouts.quantize_int8``) the FP8 path also differs by the reference rounding its dequantized
     activations to bf16 (2^-9 relative), hence the looser bound there."""
     import jax.numpy as jnp
     from musecore.ops import Weight
-    from musecore_tpu import int8, layouts
+    from musecore_tpu import layouts
     from musecore_tpu.bridge import to_jax, to_torch
     from musecore_tpu.kernels.quantized import matmul_q8, matmul_q8_reference
     gen = torch.Generator().manual_seed(21)
@@ -228,9 +236,9 @@ def test_8bit_mxu_matmul_matches_jnp_and_musecore_references(fmt: str, act: Opti
         weight = Weight(values, "fp8", N, K, act_format=act)
         want = ref.linear(x, weight).float() if act else x.float() @ values.T
     else:
-        q, s = int8.quantize_int8(w)
-        resident, values = layouts.prepare_q8(q, s), int8.dequantize_int8(q, s)
-        xs = int8.fake_quantize_tokens(x) if act else x.float()
+        q, s = layouts.quantize_int8(w)
+        resident, values = layouts.prepare_q8(q, s), layouts.dequantize_int8(q, s)
+        xs = fake_quantize_tokens_int8(x) if act else x.float()
         want = xs @ values.T
     res = {k: to_jax(v) for k, v in resident.items()}
     got = to_torch(matmul_q8(to_jax(x), res, fmt=fmt, act=act, out_dtype=jnp.float32, interpret=True))

@@ -2,7 +2,7 @@
 
 ``y = x @ W^T`` with ``W^T`` resident K-major as 8-bit codes ``q8 [K, N]`` and an f32 scale, ``W = q8 * wscale``:
 
-- ``int8``: symmetric per output channel, ``wscale [1, N] = amax(|W_n|) / 127`` (:mod:`musecore_tpu.int8`; musecore
+- ``int8``: symmetric per output channel, ``wscale [1, N] = amax(|W_n|) / 127`` (:func:`musecore_tpu.layouts.quantize_int8`; musecore
   has no INT8 checkpoint format, so this is a conversion at load: 1 byte + 4/K bytes per weight, half of BF16);
 - ``fp8``: E4M3 with one per-tensor scale, ``wscale [1, 1]`` (musecore_quant's FP8 codec, ModelOpt's rule).
 
