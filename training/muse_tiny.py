@@ -108,3 +108,13 @@ class RunLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def start_run(args) -> tuple:
+    """``(device, use_bf16, log)`` for a training run: the device, bf16 autocast on a GPU when ``args.bf16``, the
+    seed set, ``args.out`` created and its :class:`RunLog` opened."""
+    import torch
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return device, args.bf16 and device.type == "cuda", RunLog(args.out)

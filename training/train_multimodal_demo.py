@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import media_data as md  # noqa: E402
 from muse_tiny import CHECKPOINT as MUSE_TINY  # noqa: E402
-from muse_tiny import TEXT_CONFIG, RunLog  # noqa: E402
+from muse_tiny import TEXT_CONFIG, start_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "musecore/data/muse-tiny-mm"
@@ -682,11 +682,7 @@ def main() -> None:
     import transformers
     from transformers import MuseSparkForConditionalGeneration
 
-    device = torch.device(args.device)
-    use_bf16 = args.bf16 and device.type == "cuda"
-    torch.manual_seed(args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = RunLog(args.out)
+    device, use_bf16, log = start_run(args)
     note = log.note
 
     tok_dir = Path(tempfile.mkdtemp())

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from muse_tiny import (BOS_ID, EOS_ID, PAD_ID, PROMPTS, SLICE, STOP_IDS, TOKENIZER, TRAINED_PREFIXES,  # noqa: E402
-                       RunLog, muse_tiny_config, perplexity, slice_stream)
+                       muse_tiny_config, start_run, perplexity, slice_stream)
 
 
 def parse_args() -> argparse.Namespace:
@@ -256,11 +256,7 @@ def greedy(model, tokenizer, prompt: str, new_tokens: int) -> dict:
 
 def main() -> None:
     args = parse_args()
-    device = torch.device(args.device)
-    use_bf16 = args.bf16 and device.type == "cuda"
-    torch.manual_seed(args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = RunLog(args.out)
+    device, use_bf16, log = start_run(args)
     note = log.note
 
     import transformers

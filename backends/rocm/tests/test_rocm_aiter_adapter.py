@@ -105,6 +105,16 @@ def stand_in_unified_attention(calls: list):
     return unified_attention
 
 
+
+def routed_sum(hidden_states: torch.Tensor, experts, topk_ids: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    """The stand-in's numbers: each row's routed experts by the reference, weighted and summed in fp32."""
+    out = torch.zeros(hidden_states.shape[0], hidden_states.shape[1])
+    for m in range(hidden_states.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            out[m] += topk_weight[m, j] * ref.expert_forward(hidden_states[m:m + 1], experts, int(topk_ids[m, j]))[0]
+    return out
+
+
 def make_stand_in(calls: list) -> dict[str, types.ModuleType]:
     QuantType = enum.Enum("QuantType", "No per_Tensor per_Token per_1x32 per_1x128")
     ActivationType = enum.Enum("ActivationType", "Silu Gelu Swiglu")
@@ -149,10 +159,7 @@ def make_stand_in(calls: list) -> dict[str, types.ModuleType]:
                              adapter.unshuffle_scale_a16w4(w2_scale.view(torch.uint8), E, False), E * h, inter)
         g_u, down = g_u.reshape(E, two_i, h), down.reshape(E, h, inter)
         experts = ExpertWeights(g_u[:, :inter], g_u[:, inter:], down, format="mxfp4", num_experts=E)
-        out = torch.zeros(M, h)
-        for m in range(M):
-            for j in range(topk_ids.shape[1]):
-                out[m] += topk_weight[m, j] * ref.expert_forward(hidden_states[m:m + 1], experts, int(topk_ids[m, j]))[0]
+        out = routed_sum(hidden_states, experts, topk_ids, topk_weight)
         calls.append(("fused_moe_a16w4", M, topk_ids.shape[1]))
         return out.to(hidden_states.dtype)
 
@@ -183,10 +190,7 @@ def make_stand_in(calls: list) -> dict[str, types.ModuleType]:
         down = dequant(adapter.unshuffle_weight(w2.view(torch.uint8)).reshape(E * h, inter // 2), w2_scale, E * h, inter)
         g_u, down = g_u.reshape(E, two_i, h), down.reshape(E, h, inter)
         experts = ExpertWeights(g_u[:, :inter], g_u[:, inter:], down, format="mxfp4", num_experts=E, act_format="mxfp4")
-        out = torch.zeros(M, h)
-        for m in range(M):
-            for j in range(topk_ids.shape[1]):
-                out[m] += topk_weight[m, j] * ref.expert_forward(hidden_states[m:m + 1], experts, int(topk_ids[m, j]))[0]
+        out = routed_sum(hidden_states, experts, topk_ids, topk_weight)
         calls.append(("fused_moe", M, topk_ids.shape[1]))
         return out.to(hidden_states.dtype)
 
