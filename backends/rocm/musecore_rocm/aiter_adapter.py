@@ -118,36 +118,35 @@ def _asked(reason: str) -> tuple[bool, str]:
     return True, f"{reason}; selected by {ENV}=1 (the adapter has never been run against the real aiter)"
 
 
-def aiter_a16w4_selected(arch: str | None) -> tuple[bool, str]:
-    """Whether MXFP4 experts with BF16 activations (W4A16) go to aiter's a16w4 ``fused_moe``, and why."""
+def _loaded_for(arch: str | None, arches: tuple[str, ...], mismatch: str) -> tuple[AiterApi | None, str]:
+    """aiter's API when it is importable and ``arch`` is one of ``arches``; else None, and why ("..., but
+    <mismatch>" for another arch). :func:`aiter_status` has just imported it, so loading it again cannot fail."""
     ok, reason = aiter_status()
     if not ok:
+        return None, reason
+    if arch not in arches:
+        return None, f"{reason}, but {mismatch}"
+    return load_aiter(), reason
+
+
+def aiter_a16w4_selected(arch: str | None) -> tuple[bool, str]:
+    """Whether MXFP4 experts with BF16 activations (W4A16) go to aiter's a16w4 ``fused_moe``, and why."""
+    api, reason = _loaded_for(arch, ("gfx942", "gfx950"), f"its a16w4 MoE targets gfx942/gfx950 (this is {arch})")
+    if api is None:
         return False, reason
-    if arch not in ("gfx942", "gfx950"):
-        return False, f"{reason}, but its a16w4 MoE targets gfx942/gfx950 (this is {arch})"
-    try:
-        api = load_aiter()
-    except Exception as exc:  # pragma: no cover - aiter_status imported it a moment ago
-        return False, f"import aiter failed ({type(exc).__name__}: {exc})"
     if api.shuffle_weight_a16w4 is None or api.shuffle_scale_a16w4 is None:
         return False, f"{reason}, but it lacks shuffle_weight_a16w4/shuffle_scale_a16w4 (the a16w4 layouts)"
     bound = "" if arch == "gfx942" else (
-        f"; on gfx950 aiter keeps activations bf16 only below AITER_BF16_FP8_MOE_BOUND rows per call "
-        f"(default 256), so the adapter calls it in chunks of fewer rows")
+        "; on gfx950 aiter keeps activations bf16 only below AITER_BF16_FP8_MOE_BOUND rows per call "
+        "(default 256), so the adapter calls it in chunks of fewer rows")
     return _asked(f"{reason}: fused_moe(per_1x32, Silu, gate_mode='interleave') with bf16 activations{bound}")
 
 
 def aiter_attention_selected(arch: str | None) -> tuple[bool, str]:
     """Whether decode attention on static KV caches goes to aiter's ``unified_attention``, and why."""
-    ok, reason = aiter_status()
-    if not ok:
+    api, reason = _loaded_for(arch, ("gfx942", "gfx950"), f"this is {arch}")
+    if api is None:
         return False, reason
-    if arch not in ("gfx942", "gfx950"):
-        return False, f"{reason}, but this is {arch}"
-    try:
-        api = load_aiter()
-    except Exception as exc:  # pragma: no cover
-        return False, f"import aiter failed ({type(exc).__name__}: {exc})"
     if api.unified_attention is None:
         return False, f"{reason}, but {UNIFIED_ATTENTION_MODULE}.unified_attention is not importable"
     fp8 = ("BF16 and FP8 (e4m3fn, k/v descales) KV" if arch == "gfx950" else
