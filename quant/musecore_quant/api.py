@@ -14,6 +14,7 @@ nvfp4    ``global_amax``, ``rounding``                ModelOpt, byte for byte
 mxfp4    ``scale_mode`` (even/floor/ceil), ``rounding``  Quark (EVEN, RNE)
 int4     ``group_size`` (128), ``sym`` (True)          AutoRound RTN
 fp8      ``block_size`` (None: per tensor, or 128)     ModelOpt FP8 / DeepSeek-V3 blocks
+int8     none (per output channel, symmetric)          none: a load-time target (``formats/int8.py``)
 =======  ===========================================  =================================
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from .formats.fp8 import fp8_dequantize, fp8_fake_quantize_activation, fp8_quantize
 from .formats.int4 import int4_dequantize, int4_quantize
+from .formats.int8 import int8_dequantize, int8_fake_quantize_activation, int8_quantize
 from .formats.mxfp4 import mxfp4_dequantize, mxfp4_fake_quantize_activation, mxfp4_quantize
 from .formats.nvfp4 import nvfp4_dequantize, nvfp4_fake_quantize_activation, nvfp4_quantize
 from .formats.requant import requantize_mxfp4_to_nvfp4, requantize_nvfp4_to_mxfp4
@@ -35,12 +37,14 @@ _QUANTIZERS: dict[str, tuple[Callable[..., QTensor], tuple[str, ...]]] = {
     "mxfp4": (mxfp4_quantize, ("scale_mode", "rounding")),
     "int4": (int4_quantize, ("group_size", "sym")),
     "fp8": (fp8_quantize, ("block_size",)),
+    "int8": (int8_quantize, ()),
 }
 _DEQUANTIZERS: dict[str, Callable[[QTensor], torch.Tensor]] = {
     "nvfp4": nvfp4_dequantize,
     "mxfp4": mxfp4_dequantize,
     "int4": int4_dequantize,
     "fp8": fp8_dequantize,
+    "int8": int8_dequantize,
 }
 _EXACT_MXFP4_TO_NVFP4_OPTIONS = ("weight_scale_2",)
 
@@ -131,6 +135,8 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str, input_scale: Optional[Un
       checkpoint's ``input_scale``, ``amax / (6*448)``); option ``rounding``.
     - ``mxfp4``: dynamic per-32 E8M0 scales; no ``input_scale``; options ``scale_mode``, ``rounding``.
     - ``fp8``: per-tensor E4M3 with the static ``input_scale``, or dynamic when it is None.
+    - ``int8``: symmetric INT8 with ``input_scale`` (any shape that broadcasts: a per-row ``[..., 1]`` scale
+      is the ``int8-token`` rule), or dynamic per tensor (``amax / 127``) when it is None.
     - ``int4`` is weight-only: asking for its activation quantization is an error.
 
     Example::
@@ -154,5 +160,8 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str, input_scale: Optional[Un
     if fmt == "fp8":
         _check_options(fmt, opts, (), "activation fake-quant in")
         return fp8_fake_quantize_activation(x, input_scale)
+    if fmt == "int8":
+        _check_options(fmt, opts, (), "activation fake-quant in")
+        return int8_fake_quantize_activation(x, input_scale)
     raise ValueError("INT4 is weight-only (W4A16): activations stay in bf16, so there is no activation "
                      "quantization to emulate; call the linear with unquantized activations")

@@ -14,6 +14,7 @@ nvfp4      uint8 ``[..., out, in/2]``   float8_e4m3fn ``[..., out, in/16]``  fp3
 mxfp4      uint8 ``[..., out, in/2]``   uint8 E8M0 ``[..., out, in/32]``     None                  None
 int4       uint8 ``[..., out, in/2]``   fp16 ``[..., out, in/g]``            None                  uint8 ``[..., out, in/g]`` (true zero 0..15) or None (symmetric, zero 8)
 fp8        float8_e4m3fn ``[..., out, in]``  fp32 ``[]``/``[...]`` per tensor, or ``[..., ceil(out/128), ceil(in/128)]`` for 128x128 blocks
+int8       int8 ``[..., out, in]``      fp32 ``[..., out, 1]`` per output row (group_size 0; a load-time target, no on-disk layout)
 =========  ===========================  ==============================  ===================  =====================
 
 FP4 and INT4 codes are packed two per byte along the input (K) dimension, element ``2i`` in the
@@ -27,7 +28,7 @@ from typing import Optional
 
 import torch
 
-FORMATS = ("nvfp4", "mxfp4", "int4", "fp8")
+FORMATS = ("nvfp4", "mxfp4", "int4", "fp8", "int8")
 
 
 @dataclass
@@ -95,7 +96,7 @@ def stack_qtensors(parts: list[QTensor]) -> QTensor:
                    input_scale=stack("input_scale"), layout=first.layout)
 
 
-ROW_SCALED = ("mxfp4", "int4")  # formats whose every scale belongs to one row block: rows can be concatenated
+ROW_SCALED = ("mxfp4", "int4", "int8")  # formats whose every scale belongs to one row block: rows can be concatenated
 
 
 def concat_problem(parts: list[QTensor]) -> Optional[str]:
@@ -117,7 +118,7 @@ def concat_qtensors(parts: list[QTensor]) -> QTensor:
     """Concatenate 2-D QTensors of one format along the output dimension, codes and scales unchanged
     (``dequantize`` of the result is the members' dequantizations stacked row-wise).
 
-    Only for formats whose scales are all per row block (MXFP4, INT4): NVFP4's per-tensor global
+    Only for formats whose scales are all per row block (MXFP4, INT4, INT8): NVFP4's per-tensor global
     scale and per-tensor FP8 differ between tensors, and merging them would mean requantizing.
     """
     problem = concat_problem(parts)
@@ -140,16 +141,16 @@ def slice_cols(qt: QTensor, start: int, stop: int) -> QTensor:
     cols, g = qt.in_features, qt.group_size
     if not 0 <= start < stop <= cols:
         raise ValueError(f"column slice {start}:{stop} is outside the {cols} input columns of {qt!r}")
-    block = g if g else 1  # per-tensor FP8: any column
+    block = g if g else 1  # per-tensor FP8, per-row INT8: any column
     if start % block or (stop % block and stop != cols):
         raise ValueError(f"column slice {start}:{stop} of a {qt.format} weight must fall on its {block}-column "
                          "scale-block edges")
-    per_byte = 1 if qt.format == "fp8" else 2  # FP4 and INT4 pack two codes per byte along the input
+    per_byte = 1 if qt.format in ("fp8", "int8") else 2  # FP4 and INT4 pack two codes per byte along the input
     if start % per_byte or stop % per_byte:
         raise ValueError(f"column slice {start}:{stop} splits a packed byte of {qt!r}")
     data = qt.data[..., start // per_byte: stop // per_byte]
     cut = lambda t: None if t is None else t[..., start // block: -(-stop // block)]  # noqa: E731
-    scale = qt.scale if (qt.format == "fp8" and not g) else cut(qt.scale)
+    scale = qt.scale if (qt.format in ("fp8", "int8") and not g) else cut(qt.scale)  # per tensor / per row: kept
     return replace(qt, data=data, scale=scale, zero=cut(qt.zero), shape=(*qt.shape[:-1], stop - start))
 
 

@@ -86,8 +86,8 @@ def test_direct_functions_and_the_api_agree():
 
 
 def test_unknown_format_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown quantized format 'int8'; valid formats: nvfp4, mxfp4, int4, fp8"):
-        quantize(torch.randn(4, 32), "int8")
+    with pytest.raises(ValueError, match="unknown quantized format 'int2'; valid formats: nvfp4, mxfp4, int4, fp8, int8"):
+        quantize(torch.randn(4, 32), "int2")
 
 
 def test_unknown_option_names_the_options_the_format_offers():

@@ -1,6 +1,6 @@
 """What each number format costs and needs, as data: the one place other code looks these up.
 
-The codecs (``nvfp4.py``, ``mxfp4.py``, ``int4.py``, ``fp8.py``) know how to encode; callers that
+The codecs (``nvfp4.py``, ``mxfp4.py``, ``int4.py``, ``fp8.py``, ``int8.py``) know how to encode; callers that
 only need to *reason* about a format (the plan's memory estimate, which widths a device can take,
 what options a device's own producer uses) read :data:`FACTS` instead of restating a block size or
 a bytes-per-value figure.
@@ -48,6 +48,7 @@ FACTS: dict[str, FormatFacts] = {f.name: f for f in (
     FormatFacts("mxfp4", 4, MXFP4_BLOCK_SIZE, 1, {"scale_mode": "even", "rounding": "rne"}),  # E8M0 per 32
     FormatFacts("int4", 4, INT4_DEFAULT_GROUP, 2, {"group_size": INT4_DEFAULT_GROUP, "sym": True}),  # fp16 scale
     FormatFacts("fp8", 8),                                              # per-tensor fp32 scale
+    FormatFacts("int8", 8),            # fp32 scale per output row: 4/in_features bytes per value, not counted
     FormatFacts("bf16", 16, quantized=False),
     FormatFacts("fp16", 16, quantized=False),
     FormatFacts("fp32", 32, quantized=False),
