@@ -105,7 +105,7 @@ _XEON = _rules(bf16=("int4", None, "quantized to INT4 g128 (RTN) at load"),
 _CPU_DENSE = (ATTENTION, POOLER, LM_HEAD)
 # TPU (musecore-tpu; Pallas kernels verified in JAX's TPU interpret mode, never run on a TPU): 4-bit checkpoints
 # stay 4-bit, W4A16 (codes and block scales kept packed in HBM, decoded in VMEM); FP8 checkpoints stay FP8, W8A16.
-# v6e's int8 MXU is not used (no "int8" checkpoint codec); v7's FP8 MXU only with the tpu-v7-fp8 option below.
+# v6e's int8 MXU only with the tpu-v6e-int8 option, v7's FP8 MXU only with the tpu-v7-fp8 option below.
 _TPU = _rules(bf16=("bf16", None), fp8=("fp8", None, "W8A16: E4M3 codes and per-tensor scales kept, decoded in VMEM"),
               nvfp4=("nvfp4", None, "W4A16: E2M1 codes and E4M3 scales kept packed, decoded in VMEM"),
               mxfp4=("mxfp4", None, "W4A16: E2M1 codes and E8M0 scales kept packed, decoded in VMEM"),
@@ -120,6 +120,17 @@ _TPU7_FP8 = _rules(bf16=("fp8", "fp8-token", f"quantized to FP8 E4M3 at load (pe
                    nvfp4=("fp8", "fp8-token", f"requantized to FP8 E4M3 at load (per-tensor scale); {_TPU_W8A8}"),
                    mxfp4=("fp8", "fp8-token", f"requantized to FP8 E4M3 at load (per-tensor scale); {_TPU_W8A8}"),
                    int4=("int4", None, "W4A16: INT4 codes kept packed (f32 group scales), decoded in VMEM"))
+# The v6e throughput option (device "tpu-v6e-int8"; off unless asked for), the same plan with v6e's int8 MXU (2x its
+# BF16 rate; v6e has no FP8 rate): experts (and an FP8/NVFP4/MXFP4 checkpoint's linears) INT8 with one fp32 scale per
+# output channel (musecore_quant's int8 codec, a load-time target), W8A8 with per-token INT8 activations and exact
+# int32 sums; 1 byte per weight, ~1.8x NVFP4's. INT4 stays W4A16. Verified in JAX's TPU interpreter only.
+_TPU_INT8_W8A8 = "W8A8 on v6e's int8 MXU, per-token INT8 activations"
+_TPU_TO_INT8 = f"to INT8 at load (fp32 scale per output channel); {_TPU_INT8_W8A8}"
+_TPU6E_INT8 = _rules(bf16=("int8", "int8-token", f"quantized {_TPU_TO_INT8}"),
+                     fp8=("int8", "int8-token", f"requantized {_TPU_TO_INT8}"),
+                     nvfp4=("int8", "int8-token", f"requantized {_TPU_TO_INT8}"),
+                     mxfp4=("int8", "int8-token", f"requantized {_TPU_TO_INT8}"),
+                     int4=("int4", None, "W4A16: INT4 codes kept packed (f32 group scales), decoded in VMEM"))
 _REFERENCE = _rules(**{fmt: (fmt, None, "reference kernels: exact values, fp32 math") for fmt in CHECKPOINT_FORMATS})
 
 
@@ -147,6 +158,8 @@ CATALOG: dict[str, DeviceProfile] = {p.name: p for p in [
              quantize_dense=_CPU_DENSE),
     _profile("tpu-v6e", "google", "tpu", "v6e", 32, _TPU_FORMATS, (), _TPU,
              "Google TPU v6e (Trillium): 32 GiB HBM at 1.64 TB/s, 128 MiB VMEM"),
+    _profile("tpu-v6e-int8", "google", "tpu", "v6e", 32, _TPU_FORMATS + ("int8",), ("int8-token",), _TPU6E_INT8,
+             "Google TPU v6e, throughput option: BF16, FP8 and 4-bit experts converted to INT8 at load, W8A8 per token"),
     _profile("tpu-v7", "google", "tpu", "v7", 192, _TPU_FORMATS, (), _TPU,
              "Google TPU v7 (Ironwood): 192 GiB HBM at 7.4 TB/s per chip (two TensorCores), 64 MiB VMEM each"),
     _profile("tpu-v7-fp8", "google", "tpu", "v7", 192, _TPU_FORMATS, ("fp8-token",), _TPU7_FP8,

@@ -100,6 +100,10 @@ def fake_quantize_activation(x: torch.Tensor, act_format: Optional[str],
     """What a W4A4 / W8A8 target does to activations before its matmul, as dequantized values.
 
     ``fp8-token`` (the h200-fp8 profile) is FP8 E4M3 with a dynamic scale per token (row).
+    ``int8-token`` (the tpu-v6e-int8 profile) is symmetric INT8 with a dynamic scale per token:
+    ``s_t = amax(|x_t|) / 127`` in fp32 (1.0 for a zero row), ``round_half_even(x / s_t)`` clamped to
+    +-127, times ``s_t``, returned in fp32: an int8 MXU kernel multiplies its exact int32 sums by
+    the f32 scales, so x-hat is never rounded to bf16.
 
     NVFP4 activations need a global scale: the checkpoint's calibrated ``input_scale`` when it has
     one (ModelOpt exports do); otherwise a dynamic per-token one, ``amax(|x|) / (6*448)`` per row,
@@ -115,6 +119,10 @@ def fake_quantize_activation(x: torch.Tensor, act_format: Optional[str],
         amax = x.float().abs().amax(-1, keepdim=True)
         scale = amax / torch.tensor(448.0)
         return fq(x, "fp8", input_scale=torch.where(scale == 0, torch.ones_like(scale), scale))
+    if act_format == "int8-token":  # INT8, dynamic per token: amax(|x_t|) / 127 per row (1.0 for a zero row)
+        from musecore_quant.formats.int8 import int8_scale
+        xf = x.float()
+        return fq(xf, "int8", input_scale=int8_scale(xf.abs().amax(-1, keepdim=True)))
     return fq(x, act_format, input_scale=input_scale)
 
 
