@@ -3,6 +3,7 @@
    [-fopenmp] kernels.c -lm. The parts, in this order: */
 #include "int4.c"
 #include "amx.c"
+#include "bf16dot.c"
 #include "ops.c"
 #include "bf16.c"
 #include "moe.c"

@@ -164,6 +164,7 @@ class Int4Linear:
     calibration: Optional[CrossoverCalibration] = None
     gemv: Optional[native.Int4Gemv] = field(default=None, repr=False)  # the native call bound to these codes
     amx: bool = False                # the dense path is the AMX GEMM (else dequantized tiles)
+    bf16_dot: bool = False           # the dense path is the AVX512_BF16 GEMM (csrc/bf16dot.c; never with amx)
 
     @property
     def padded_out_features(self) -> int:
@@ -197,6 +198,8 @@ class Int4Linear:
         if self.in_features % planar_chunk(self.group_size):
             crossover = None  # no planar layout for this K (g = 32, K not a multiple of 64): int4pack at every M
         self.crossover, self.calibration = crossover, calibration
+        if self.amx and crossover is not None:  # AMX host with AVX512_BF16 too: the faster GEMM (measured, cached)
+            pick_amx_or_bf16_dot(self)
         if self.kernel == "int4pack" and (crossover is None or crossover > DENSE_COPY_MAX_M):
             self.codes = None
         else:
@@ -207,19 +210,20 @@ class Int4Linear:
 
     @property
     def dense_path(self) -> str:
-        """The dense path's name: ``amx`` or ``tiles``."""
-        return "amx" if self.amx else "tiles"
+        """The dense path's name: ``amx``, ``bf16dot`` or ``tiles``."""
+        return "amx" if self.amx else "bf16dot" if self.bf16_dot else "tiles"
 
     def path(self, m: int) -> str:
-        """The path M rows take: the small-M kernel's name, ``amx`` or ``tiles``."""
+        """The path M rows take: the small-M kernel's name, ``amx``, ``bf16dot`` or ``tiles``."""
         return self.dense_path if self.uses_dense_tiles(m) else self.kernel
 
     def run_dense(self, x2d: torch.Tensor) -> torch.Tensor:
-        """The dense path: the AMX GEMM where it runs, else :meth:`run_tiles`."""
-        if self.amx:
+        """The dense path: the AMX GEMM or the AVX512_BF16 GEMM where it runs, else :meth:`run_tiles`."""
+        if self.amx or self.bf16_dot:
             if x2d.dtype is not torch.bfloat16 and x2d.dtype is not torch.float32 or not x2d.is_contiguous():
                 x2d = x2d.to(torch.bfloat16).contiguous()
-            return native.int4_amx(self.bound_gemv(), x2d)
+            gemm = native.int4_amx if self.amx else native.int4_bf16_gemm
+            return gemm(self.bound_gemv(), x2d)
         return self.run_tiles(x2d)
 
     def run_small_m(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -373,7 +377,66 @@ def pack_int4(data: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tens
     else:
         lin.gemv = native.Int4Gemv(lin.codes, lin.scale_zero, group_size, n)
         lin.amx = uses_amx(group_size, dense_dtype)
+        lin.bf16_dot = not lin.amx and uses_bf16_dot(dense_dtype)
     return lin
+
+
+def uses_bf16_dot(dense_dtype: torch.dtype) -> bool:
+    """The AVX512_BF16 GEMM (``vdpbf16ps``, every group size) is the dense path of native INT4 weights where it runs
+    (BF16 compute) and the AMX GEMM does not (AMX hosts: :func:`pick_amx_or_bf16_dot` measures both)."""
+    return dense_dtype == torch.bfloat16 and native.bf16_dot_ready()
+
+
+# On a host with both GEMMs (AMX + AVX512_BF16), which one a shape class's dense path takes, measured once per
+# (K, proxy rows, group size, threads): the faster at M = 64 and 256 summed (lab/NOTES.md).
+_DENSE_PICKS: dict[tuple, tuple[str, dict[str, float]]] = {}
+DENSE_PICK_MS: tuple[int, ...] = (64, 256)
+
+
+def pick_amx_or_bf16_dot(lin: Int4Linear) -> str:
+    """``amx`` or ``bf16dot`` for ``lin`` (an AMX weight on a host that also has AVX512_BF16), measured on a proxy of
+    its shape class (cached); sets ``lin.amx`` / ``lin.bf16_dot`` accordingly. ``MUSECORE_XEON_INT4_GEMM`` =
+    ``amx`` or ``bf16dot`` skips the measurement."""
+    import os
+    forced = os.environ.get(INT4_GEMM_ENV, "").strip().lower()
+    if forced and forced not in ("amx", "bf16dot"):
+        raise ValueError(f"{INT4_GEMM_ENV}={forced!r}: expected 'amx' or 'bf16dot' (or unset it to measure at load)")
+    if not (lin.amx and native.bf16_dot_ready()):
+        return lin.dense_path
+    if forced:
+        pick = forced
+    else:
+        proxy_rows = min(lin.padded_out_features + -lin.padded_out_features % PACK_ROWS, INT4_PROXY_MAX_ROWS)
+        key = (lin.in_features, proxy_rows, lin.group_size, torch.get_num_threads())
+        if key not in _DENSE_PICKS:
+            from musecore_xeon.kernels.crossover import time_us
+            g = torch.Generator().manual_seed(0)
+            data = torch.randint(0, 256, (proxy_rows, lin.in_features // 2), dtype=torch.uint8, generator=g)
+            scale = (torch.rand(proxy_rows, lin.in_features // lin.group_size, generator=g) * 0.02).half()
+            proxy = pack_int4(data, scale, None, lin.group_size, torch.bfloat16)
+            gemv = proxy.bound_gemv()
+            us = {"amx": 0.0, "bf16dot": 0.0}
+            for m in DENSE_PICK_MS:
+                x = torch.randn(m, lin.in_features, dtype=torch.bfloat16)
+                for _ in range(2):  # alternating rounds, each path keeps its best
+                    a = time_us(lambda: native.int4_amx(gemv, x), 3)
+                    b = time_us(lambda: native.int4_bf16_gemm(gemv, x), 3)
+                    us[f"amx@{m}"] = min(us.get(f"amx@{m}", a), a)
+                    us[f"bf16dot@{m}"] = min(us.get(f"bf16dot@{m}", b), b)
+                us["amx"] += us[f"amx@{m}"]
+                us["bf16dot"] += us[f"bf16dot@{m}"]
+            _DENSE_PICKS[key] = ("amx" if us["amx"] <= us["bf16dot"] else "bf16dot", us)
+        pick = _DENSE_PICKS[key][0]
+    lin.amx, lin.bf16_dot = pick == "amx", pick == "bf16dot"
+    return pick
+
+
+def dense_picks() -> dict[tuple, tuple[str, dict[str, float]]]:
+    """Every AMX-vs-AVX512_BF16 measurement of this process: key (K, proxy rows, g, threads) -> (pick, timings us)."""
+    return dict(_DENSE_PICKS)
+
+
+INT4_GEMM_ENV = "MUSECORE_XEON_INT4_GEMM"
 
 
 def uses_amx(group_size: int, dense_dtype: torch.dtype) -> bool:
@@ -403,10 +466,15 @@ def int4_crossover(in_features: int, out_features: int, group_size: int, dense_d
         data = torch.randint(0, 256, (proxy_rows, in_features // 2), dtype=torch.uint8, generator=g)
         scale = (torch.rand(proxy_rows, in_features // group_size, generator=g) * 0.02).half()
         proxy = pack_int4(data, scale, None, group_size, dense_dtype, kernel)
+        if proxy.amx:
+            pick_amx_or_bf16_dot(proxy)
+        # the GEMMs on the CPU's BF16 dot product are not the BF16 path's own SGEMM: no tie margin for them
+        margin = 0.0 if proxy.bf16_dot else INT4_DENSE_MARGIN
         return measure_crossover("int4-" + kernel, in_features, proxy_rows, proxy.run_small_m, proxy.run_dense,
-                                 torch.bfloat16, dense_margin=INT4_DENSE_MARGIN)
+                                 torch.bfloat16, dense_margin=margin)
 
-    key = ("int4", kernel, in_features, proxy_rows, group_size, dense_dtype, uses_amx(group_size, dense_dtype))
+    key = ("int4", kernel, in_features, proxy_rows, group_size, dense_dtype, uses_amx(group_size, dense_dtype),
+           uses_bf16_dot(dense_dtype))
     return cached_crossover(key, INT4_CROSSOVER_ENV, "int4-" + kernel, in_features, proxy_rows, measure)
 
 

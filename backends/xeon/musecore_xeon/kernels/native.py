@@ -68,7 +68,7 @@ ROWS = 4  # rows per GEMV block (ROWS in int4.c): the nibble-planar codes are pa
 
 # csrc/kernels.c includes the others: one translation unit, one shared object
 MAIN_SOURCE = "kernels.c"
-SOURCES = (MAIN_SOURCE, "int4.c", "amx.c", "ops.c", "bf16.c", "moe.c")
+SOURCES = (MAIN_SOURCE, "int4.c", "amx.c", "bf16dot.c", "ops.c", "bf16.c", "moe.c")
 
 
 def torch_libgomp() -> Optional[Path]:
@@ -172,6 +172,9 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_int4_amx_linear.restype = ctypes.c_int
     lib.musecore_int4_amx_panel.argtypes = [vp, i64, i64, i64, vp]
     lib.musecore_int4_amx_panel.restype = ctypes.c_int
+    lib.musecore_int4_bf16_ready.restype = ctypes.c_int
+    lib.musecore_int4_bf16_gemm.argtypes = [vp, vp, i, vp, i, i64]
+    lib.musecore_int4_bf16_gemm.restype = ctypes.c_int
     return lib
 
 
@@ -422,6 +425,32 @@ def int4_amx(gemv: Int4Gemv, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"int4_amx: group size {gemv.args.g} is not a multiple of 128 (the AMX kernel's chunk)")
     if status:
         raise MemoryError(f"int4_amx: no memory for the AMX buffers of a [{x.shape[0]}, {gemv.in_features}] input")
+    return y
+
+
+@functools.cache
+def bf16_dot_ready() -> bool:
+    """Whether the INT4 x BF16 GEMM on AVX512_BF16 (``csrc/bf16dot.c``, ``vdpbf16ps``) can run here: built with the
+    AVX-512 flags (ISA level ``avx512_vnni`` or ``amx``, not capped below by ``MUSECORE_XEON_ISA``) and the CPU has
+    AVX512_BF16 (checked in C with ``__builtin_cpu_supports``)."""
+    lib = load()
+    return lib is not None and bool(lib.musecore_int4_bf16_ready())
+
+
+def int4_bf16_gemm(gemv: Int4Gemv, x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, N]`` in ``x``'s dtype (bf16 or fp32) for the weight bound in ``gemv`` (every supported
+    group size) with ``vdpbf16ps``: activations rounded to bf16 once, the codes decoded into L1 panels of bf16
+    ``16 + q`` pairs, scales and zeros applied in fp32 per group (the weight stays exact), fp32 sums."""
+    if not bf16_dot_ready():
+        raise RuntimeError("int4_bf16_gemm: no AVX512_BF16 build here (see musecore_xeon.kernels.native.bf16_dot_ready)")
+    _check("x", x, (torch.bfloat16, torch.float32))
+    if x.dim() != 2 or x.shape[1] != gemv.in_features:
+        raise ValueError(f"int4_bf16_gemm: x must be [M, {gemv.in_features}]; got {tuple(x.shape)}")
+    y = torch.empty(x.shape[0], gemv.out_features, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    status = load().musecore_int4_bf16_gemm(gemv.args_ptr, x.data_ptr(), bf16, y.data_ptr(), bf16, x.shape[0])
+    if status:
+        raise MemoryError(f"int4_bf16_gemm: no memory for the buffers of a [{x.shape[0]}, {gemv.in_features}] input")
     return y
 
 
