@@ -69,7 +69,8 @@ def probe_cpu(info: CpuInfo) -> Probe:
                                "flags": sorted(f for f in ("amx_bf16", "amx_int8", "avx512_bf16", "avx512f",
                                                            "avx512_vnni", "avx2") if info.has(f)),
                                "threads": torch.get_num_threads(),
-                               "int4_dense_path": "amx" if native.amx_planned(info) else "dequantized tiles"}
+                               "int4_dense_path": ("amx" if native.amx_planned(info) else "avx512_bf16 gemm"
+                                                   if native.bf16_dot_planned(info) else "dequantized tiles")}
     if info.error is not None:
         return Probe(False, 0, [], f"cannot read CPU features: {info.error}", details)
     if not info.is_x86_64:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -41,10 +42,36 @@ from musecore_xeon.kernels.int4 import Int4Linear
 BACKEND = "xeon"
 # (out, in) = N x K. The full model: expert gate/up and down (also the unpooler and pooler shapes), q_proj and
 # k_proj / v_proj; then muse-small: pooler, expert gate/up, expert down
-LINEAR_SHAPES: tuple[tuple[int, int], ...] = ((8192, 2048), (2048, 8192), (10240, 8192), (1024, 8192), (512, 1536),
-                                              (768, 512), (512, 768))
+LINEAR_SHAPES: tuple[tuple[int, int], ...] = ((8192, 2048), (2048, 8192), (10240, 8192), (1024, 8192), (1536, 1536),
+                                              (768, 1536), (1536, 768), (768, 768))
+# muse-small (hidden 1536, experts 768 x 768): q/o_proj 1536x1536, pooler 768x1536, fused expert gate/up and the
+# unpooler 1536x768, expert down 768x768
 LINEAR_MS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 INT4PACK_MAX_M = 16  # PyTorch's int4pack kernel is timed up to this M (for the record)
+
+
+def host_fields() -> dict[str, Any]:
+    """What every row records about the host at the time it is made: CPU model, ISA tier (amx / avx512_bf16 /
+    avx512 / avx2), PyTorch's CPU capability, the INT4 dense path this build takes, the thread count and the
+    1-minute load average (a ratio measured under load says so)."""
+    from musecore_xeon.cpu import read_cpu_info
+    from musecore_xeon.kernels import native
+    info = read_cpu_info()
+    dense = ("amx" if native.amx_ready() else "") + ("+" if native.amx_ready() and native.bf16_dot_ready() else "") \
+        + ("avx512_bf16" if native.bf16_dot_ready() else "")
+    return {"cpu": info.model_name, "isa": info.isa_tier, "torch_cpu_capability": info.torch_capability,
+            "int4_gemms": dense or "tiles", "threads": torch.get_num_threads(),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def with_host_fields(case: Callable[..., list[dict[str, Any]]]) -> Callable[..., list[dict[str, Any]]]:
+    """``case`` whose rows carry :func:`host_fields` (a row's own values, e.g. its load average, win)."""
+    @functools.wraps(case)
+    def run(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        rows = case(*args, **kwargs)
+        host = host_fields()
+        return [{**host, **row} for row in rows]
+    return run
 
 
 @functools.cache
@@ -181,7 +208,7 @@ def bench_linear(shapes: Sequence[tuple[int, int]] = LINEAR_SHAPES, ms: Sequence
             t_tiles = extra.pop(0) if int4.amx else t_dense
             t_int4pack = extra
             t_int4 = t_dense if int4.uses_dense_tiles(m) else t_kernel
-            common = {"backend": BACKEND, "case": "linear", "shape": f"{n}x{k}", "M": m}
+            common = {"backend": BACKEND, "case": "linear", "shape": f"{n}x{k}", "M": m, **host_fields()}
             cold = {"cold_copies": len(torch_ws), "cold_bytes": len(torch_ws) * 2 * n * k}
             rows.append({**common, "impl": "torch-bf16", "format": "bf16", "path": "F.linear", "time_us": t_torch, "speedup_vs_bf16": 1.0,
                          "pct_memory_ceiling": pct_ceiling(2 * n * k + act_bytes, t_torch), **cold})
@@ -415,9 +442,48 @@ def bench_e2e(presets: Sequence[str] = ("muse-tiny",), new_tokens: int = 16, pro
 def benchmarks(backend: Optional[XeonBackend] = None) -> dict[str, Callable[..., list[dict[str, Any]]]]:
     """The benchmark cases of this backend, by name (``musecore bench --backend xeon`` and
     ``backends/xeon/lab/scripts/xeon_bench.py``); ``backend`` (default: a new one) runs the kernel cases."""
-    return {"linear": functools.partial(bench_linear, backend=backend),
-            "moe": functools.partial(bench_moe, backend=backend),
-            "attention": bench_attention, "e2e": bench_e2e, "distributed": bench_distributed}
+    cases = {"linear": functools.partial(bench_linear, backend=backend),
+             "moe": functools.partial(bench_moe, backend=backend),
+             "attention": bench_attention, "e2e": bench_e2e, "prefill": bench_prefill,
+             "distributed": bench_distributed}
+    return {name: with_host_fields(case) for name, case in cases.items()}
+
+
+def bench_prefill(presets: Sequence[str] = ("muse-small",), prompt_tokens: int = 512, rounds: int = 3,
+                  variants: Sequence[str] = ("xeon-int4", "xeon-bf16")) -> list[dict[str, Any]]:
+    """Prefill tokens/s of one ``prompt_tokens``-token prompt on random weights: the xeon plan (``xeon-int4``: INT4
+    experts, attention, pooler/unpooler, lm_head), INT4 experts only (``xeon-int4-experts``) and all-BF16
+    (``xeon-bf16``, :func:`all_experts_bf16`), the models loaded side by side and timed in alternating rounds (best of
+    ``rounds``; ``generate(prompt, max_new_tokens=1)``, the engine's own prefill timing). At 512 tokens a muse-small
+    MoE layer routes 4096 rows over 64 experts (~64 per expert): the INT4 experts run their dense path (the
+    AVX512_BF16 or AMX GEMM) above the fused decode call's limit."""
+    from musecore.api import load_random
+    from musecore.config import MuseConfig
+    rows = []
+    for preset in presets:
+        config = MuseConfig.from_name(preset)
+        plans = {"xeon-int4": (config, None), "xeon-int4-experts": (config, False),
+                 "xeon-bf16": (all_experts_bf16(config), False)}
+        prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
+        models, best = {}, {}
+        for impl in variants:
+            cfg, dense = plans[impl]
+            models[impl] = load_random(cfg, device="xeon", seed=0, quantize_dense=dense)
+            models[impl].generate(prompt.tolist()[:16], max_new_tokens=1)  # warm-up (and the load-time measurements)
+        for _ in range(rounds):
+            for impl, model in models.items():
+                model.generate(prompt.tolist(), max_new_tokens=1)
+                tps = model.last_generation_stats.prefill_tokens_per_s
+                best[impl] = max(best.get(impl, 0.0), tps)
+        del models
+        bf16 = best.get("xeon-bf16")
+        for impl, tps in best.items():
+            rows.append({"backend": BACKEND, "case": "prefill", "shape": f"{preset} T={prompt_tokens}",
+                         "M": prompt_tokens, "impl": impl, "format": impl.split("-")[1],
+                         "path": f"best of {rounds} alternating rounds", "time_us": 1e6 * prompt_tokens / tps,
+                         "prefill_tokens_per_s": tps, "speedup_vs_bf16": tps / bf16 if bf16 else None,
+                         "pct_memory_ceiling": None, "load_avg_1m": round(os.getloadavg()[0], 2)})
+    return rows
 
 
 def bench_distributed() -> list[dict[str, Any]]:

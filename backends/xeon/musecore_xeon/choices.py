@@ -31,7 +31,7 @@ from musecore_xeon.kernels import binding, crossover, native
 from musecore_xeon.kernels.crossover import (BF16_CROSSOVER_ENV, BF16_GEMV_CROSSOVER_ENV, CALIBRATION_MS,
                                              INT4_CROSSOVER_ENV, PROXY_MAX_ROWS)
 from musecore_xeon.kernels.dense import BF16_GEMV_CALIBRATION_MS
-from musecore_xeon.kernels.int4 import INT4_PROXY_MAX_ROWS, PACK_ROWS, planar_chunk
+from musecore_xeon.kernels.int4 import INT4_GEMM_ENV, INT4_PROXY_MAX_ROWS, PACK_ROWS, planar_chunk
 from musecore_xeon.kernels.moe import INT4_FUSED_MIN_TOKENS
 
 DENSE_FORMATS = ("bf16", "fp16", "fp32")
@@ -57,6 +57,8 @@ def env_settings() -> list[EnvSetting]:
                 "a few us more per call)"),
         setting(INT4_CROSSOVER_ENV, "measured at load",
                 "integer M: INT4 rows M >= it take the dense path (AMX GEMM or dequantized tiles); none: never"),
+        setting(INT4_GEMM_ENV, "measured at load (hosts with AMX and AVX512_BF16)",
+                "amx or bf16dot: the INT4 dense path on a host that has both GEMMs, without measuring"),
         setting(BF16_CROSSOVER_ENV, "measured at load",
                 "integer M: BF16 rows M >= it take fp32 SGEMM on upcast tiles (CPUs without native BF16); none: never"),
         setting(BF16_GEMV_CROSSOVER_ENV, "measured at load",
@@ -112,10 +114,15 @@ class Choices:
         reason = f"decided on {self.host}"
         if cap != native.ISA_LEVELS[0]:
             reason += f"; capped by {native.ISA_ENV}={os.environ.get(native.ISA_ENV)}"
+        if level in ("amx", "avx512_vnni") and native.bf16_dot_planned(self.cpu):
+            names = f"{ISA_NAMES[level]} + AVX512_BF16 (the INT4 GEMM on vdpbf16ps)"
+        else:
+            names = ISA_NAMES[level]
+        reason += f"; torch CPU capability {self.cpu.torch_capability}"
         if self.profile_name == "xeon6" and level != "amx" and cap == native.ISA_LEVELS[0]:
             reason += ("; a xeon6 has AMX-BF16, so on the target the build adds AMX (decided again at load, on the "
                        "target's probe)")
-        return KernelChoice("native kernels: ISA", ISA_NAMES[level], reason, native.ISA_ENV)
+        return KernelChoice("native kernels: ISA", names, reason, native.ISA_ENV)
 
     def native_kernels(self) -> KernelChoice:
         what = "native kernels (csrc/kernels.c)"
@@ -170,16 +177,27 @@ class Choices:
 
     # -- per linear shape --------------------------------------------------------------------------------------
     def int4_dense_path(self) -> str:
+        bf16dot = ("INT4 x BF16 GEMM on AVX512_BF16 (codes decoded into L1 bf16 panels, vdpbf16ps, scales on fp32 per "
+                   "group)")
         if self.profile_name == "xeon6" or (self.cpu.native_bf16_dot and native.amx_planned(self.cpu)):
-            return "INT4 GEMM on AMX (weight panels dequantized into AMX tiles, tdpbf16ps)"
+            return ("INT4 GEMM on AMX (weight panels dequantized into AMX tiles, tdpbf16ps), or the " + bf16dot +
+                    " where it measures faster at load (M = 64 and 256 on a proxy; MUSECORE_XEON_INT4_GEMM forces one)")
+        if native.bf16_dot_planned(self.cpu) and not native.disabled():
+            return bf16dot
         tiles = "BF16 GEMM (oneDNN)" if self.bf16_dot else "fp32 SGEMM"
         return f"{tiles} on dequantized tiles"
 
     def int4_crossover(self, shape: LinearShape) -> tuple[Optional[int], str]:
         """The INT4 crossover M and where it comes from."""
         proxy_rows = min(shape.out_features + -shape.out_features % PACK_ROWS, INT4_PROXY_MAX_ROWS)
+        try:
+            bf16dot_only = native.bf16_dot_planned(self.cpu) and not native.amx_planned(self.cpu) \
+                and self.profile_name != "xeon6"
+        except ValueError:  # a bad MUSECORE_XEON_ISA: the ISA row reports it; this row reports its own setting
+            bf16dot_only = False
+        rule = "the dense path taken when faster" if bf16dot_only else "the dense path taken when at most 20% slower"
         return self.crossover_of(INT4_CROSSOVER_ENV, "int4-native", shape.in_features, proxy_rows, CALIBRATION_MS,
-                                 "the dense path taken when at most 20% slower")
+                                 rule)
 
     def crossover_of(self, env: str, kind: str, in_features: int, proxy_rows: int, ms: Sequence[int],
                      rule: str) -> tuple[Optional[int], str]:

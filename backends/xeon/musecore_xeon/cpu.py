@@ -66,7 +66,7 @@ class CpuInfo:
 
     def summary(self) -> str:
         present = [f for f in REPORTED_FLAGS if self.has(f)]
-        return (f"{self.vendor} {self.model_name!r}, {self.logical_cores} logical cores, "
+        return (f"{self.vendor} {self.model_name!r}, {self.logical_cores} logical cores, ISA tier {self.isa_tier}, "
                 f"flags ({' '.join(present) or 'none of interest'}), torch CPU capability {self.torch_capability}")
 
 

@@ -83,7 +83,8 @@ def test_musecore_bench_finds_the_cases_through_the_entry_point_group() -> None:
     from musecore_xeon import XeonBackend
 
     cases = benchmark_cases("xeon")
-    assert set(cases) == {"linear", "moe", "attention", "e2e", "distributed"} and all(callable(f) for f in cases.values()), cases
+    assert set(cases) == {"linear", "moe", "attention", "e2e", "prefill", "distributed"} and all(
+        callable(f) for f in cases.values()), cases
     assert not hasattr(XeonBackend, "benchmarks"), "the cases come from the entry point, not from the backend class"
 
 
@@ -95,3 +96,15 @@ def test_the_backend_does_not_import_its_benchmarks() -> None:
            "print('musecore_xeon.bench' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_every_row_records_the_isa_threads_and_load_average() -> None:
+    """PERF.md: a ratio names the hardware it was measured on; the rows carry the ISA tier, the INT4 GEMMs this
+    build runs, the thread count and the load average (linear rows per (shape, M), other cases per call)."""
+    from musecore_xeon.cpu import read_cpu_info
+    rows = bench.benchmarks()["attention"](cases=((1, 64, None),), repeats=1)
+    rows += bench.benchmarks()["linear"](shapes=[(64, 128)], ms=[1, 16], repeats=1, rotate_bytes=1 << 16)
+    for row in rows:
+        assert row["isa"] == read_cpu_info().isa_tier and row["threads"] == torch.get_num_threads(), row
+        assert isinstance(row["load_avg_1m"], float) and row["int4_gemms"] in (
+            "tiles", "amx", "avx512_bf16", "amx+avx512_bf16"), row

@@ -34,7 +34,9 @@ def test_kernel_choices_name_every_path_of_the_816b_model_on_xeon(xeon: XeonBack
     choices = choices_by_what(xeon)
     text = "\n".join(f"{c.what} -> {c.choice} ({c.reason})" for c in choices.values())
     assert all(isinstance(c, KernelChoice) and c.choice and c.choice != "error" for c in choices.values()), text
-    assert choices["native kernels: ISA"].choice in ("AVX2 + FMA", "AVX-512 VNNI", "AMX-BF16 + AVX-512 VNNI"), text
+    assert choices["native kernels: ISA"].choice.removesuffix(" + AVX512_BF16 (the INT4 GEMM on vdpbf16ps)") in (
+        "AVX2 + FMA", "AVX-512 VNNI", "AMX-BF16 + AVX-512 VNNI"), text
+    assert (" + AVX512_BF16" in choices["native kernels: ISA"].choice) == native.bf16_dot_planned(), text
     assert "this host's probe" in choices["native kernels: ISA"].reason, text
     assert choices["native binding"].choice.startswith(("CPython extension", "ctypes")), text
     assert choices["threads"].choice == "1", text  # the fixture's one thread
@@ -47,7 +49,9 @@ def test_kernel_choices_name_every_path_of_the_816b_model_on_xeon(xeon: XeonBack
         dense = choices[f"linear int4 {name} {n}x{k}, M >= 64"]
         assert small.choice.startswith("native INT4 GEMV") and small.reason == f"{INT4_CROSSOVER_ENV}=64", text
         assert small.env == INT4_CROSSOVER_ENV, text
-        assert "AMX" in dense.choice or "dequantized tiles" in dense.choice, text
+        assert "AMX" in dense.choice or "dequantized tiles" in dense.choice or "AVX512_BF16" in dense.choice, text
+        if native.bf16_dot_planned() and not native.amx_planned():
+            assert dense.choice.startswith("INT4 x BF16 GEMM on AVX512_BF16"), text
     assert any(w.startswith("linear bf16 experts gate_up (bf16 layers)") and c.choice.startswith("native BF16 GEMV")
                for w, c in choices.items()), text
 

@@ -43,15 +43,20 @@ def test_probe_with_amx_serves_xeon6(tmp_path: Path) -> None:
 
 def test_probe_reports_the_int4_dense_path_that_the_build_will_take(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """AMX-BF16 with AVX-512 BF16 and VNNI: the INT4 GEMM on AMX above the crossover; capped by MUSECORE_XEON_ISA or
-    without those flags: dequantized tiles."""
+    """AMX-BF16 with AVX-512 BF16 and VNNI: the INT4 GEMM on AMX above the crossover; AVX-512 BF16 without AMX (or AMX
+    capped to avx512_vnni by MUSECORE_XEON_ISA): the AVX512_BF16 GEMM; capped to avx2 or without those flags:
+    dequantized tiles."""
     amx = read_cpu_info(str(fake_cpuinfo(tmp_path, "fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni "
                                                    "avx512_bf16 amx_tile amx_bf16 amx_int8")))
     monkeypatch.delenv("MUSECORE_XEON_ISA", raising=False)
     assert probe_cpu(amx).details["int4_dense_path"] == "amx"
     assert probe_cpu(read_cpu_info(str(fake_cpuinfo(tmp_path, "avx2 fma avx512f avx512_vnni")))
                      ).details["int4_dense_path"] == "dequantized tiles"
+    zen = read_cpu_info(str(fake_cpuinfo(tmp_path, "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16")))
+    assert probe_cpu(zen).details["int4_dense_path"] == "avx512_bf16 gemm"
     monkeypatch.setenv("MUSECORE_XEON_ISA", "avx512_vnni")
+    assert probe_cpu(amx).details["int4_dense_path"] == "avx512_bf16 gemm"
+    monkeypatch.setenv("MUSECORE_XEON_ISA", "avx2")
     assert probe_cpu(amx).details["int4_dense_path"] == "dequantized tiles"
 
 

@@ -428,6 +428,15 @@ def int4_amx(gemv: Int4Gemv, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def bf16_dot_planned(info=None) -> bool:
+    """Whether the build will include the INT4 x BF16 GEMM on AVX512_BF16 (the CPU, ``info`` or this one, has
+    AVX512_BF16 and the AVX-512 VNNI flags, and ``MUSECORE_XEON_ISA`` does not cap them away): known without
+    compiling (:func:`bf16_dot_ready` asks the build)."""
+    from musecore_xeon.cpu import read_cpu_info
+    info = info or read_cpu_info()
+    return info.has("avx512_bf16") and "-mavx512vnni" in compile_flags(info=info)
+
+
 @functools.cache
 def bf16_dot_ready() -> bool:
     """Whether the INT4 x BF16 GEMM on AVX512_BF16 (``csrc/bf16dot.c``, ``vdpbf16ps``) can run here: built with the
