@@ -63,7 +63,8 @@ from .progress import progress as stage
 from .qtensor import QTensor
 
 TARGETS = tuple(TARGET_PRODUCERS)  # nvfp4, fp8, mxfp4, int4, bf16
-METHODS = ("rtn", "autoround")
+METHODS = ("rtn", "autoround", "gptq")
+CALIBRATED_METHODS = ("autoround", "gptq")  # tuned on calibration activations: need a calibrated_quantizer
 DEFAULT_EXCLUDE = (r"embed", r"(^|\.)lm_head\.", r"norm")
 CLI_DEFAULT_INCLUDE = r".*experts\.(\d+\.(gate|up|down)_proj\.weight|gate_up_proj|down_proj)$"  # every routed expert
 MUSE_MODEL_TYPES = ("muse_spark", "muse_spark_text")  # config.json model_type of a Muse checkpoint (transformers)
@@ -197,7 +198,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
       dequantized to BF16). ``to="bf16"`` dequantizes every quantized weight.
     - ``quantize_options``: passed to ``quantize``/``requantize`` (e.g. ``{"rounding": "away"}``,
       ``{"group_size": 128, "sym": True}``, ``{"scale_mode": "floor"}``).
-    - ``method="autoround"`` requires ``calibrated_quantizer(name, w_fp32) -> QTensor`` (in format
+    - ``method="autoround"`` or ``"gptq"`` requires ``calibrated_quantizer(name, w_fp32) -> QTensor`` (in format
       ``to``, shape of ``w``), called for every selected weight instead of round-to-nearest.
     - ``resume``: a rerun with the same arguments (and the same code version) continues an interrupted
       conversion from its ``dst.partial-<key>`` folder, keeping the finished shards whose sha256 still
@@ -215,13 +216,14 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
         raise CheckpointError(f"unknown target format {to!r}; expected one of {list(TARGETS)}")
     if method not in METHODS:
         raise CheckpointError(f"unknown method {method!r}; expected one of {list(METHODS)}")
-    if method == "autoround" and calibrated_quantizer is None:
+    if method in CALIBRATED_METHODS and calibrated_quantizer is None:
         raise NotImplementedError(
-            "method='autoround' tunes rounding on calibration activations, which needs the model graph; "
+            f"method={method!r} tunes rounding on calibration activations, which needs the model graph; "
             "musecore_quant alone cannot run it. Pass calibrated_quantizer=(name, fp32 weight) -> QTensor "
             "(musecore provides one), or use method='rtn'.")
     if method == "rtn" and calibrated_quantizer is not None:
-        raise CheckpointError("calibrated_quantizer is used only with method='autoround'; drop it or set method")
+        raise CheckpointError(f"calibrated_quantizer is used only with method in {list(CALIBRATED_METHODS)}; drop it "
+                              "or set method")
     if to == "bf16" and calibrated_quantizer is not None:
         raise CheckpointError("to='bf16' dequantizes; a calibrated_quantizer makes no sense there")
     if to == "fp8" and (quantize_options or {}).get("block_size") is not None:
