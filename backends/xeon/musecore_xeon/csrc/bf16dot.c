@@ -30,10 +30,9 @@
 #define BG_NP 64    /* output rows per panel: 4 zmm */
 #define BG_KB 256   /* columns per block: a multiple of every chunk (64, 128, 256) */
 #define BG_MR 6     /* activation rows per micro-kernel call */
-#ifndef BG_AHEAD
-#define BG_AHEAD 4  /* blocks of codes prefetched ahead */
-#endif
-#define BG_MB 512   /* activation rows per block: the output tile [BG_MB, 64] fp32 (128 KiB) stays in L2 */
+#define BG_AHEAD 2   /* panel blocks of codes prefetched ahead, in the order they are decoded */
+#define BG_GROUP 4   /* panels per task at most: the activation block (m x BG_KB bf16) is read once per task and block */
+#define BG_MB 256   /* activation rows per block: the output tiles [BG_GROUP][BG_MB][64] fp32 (256 KiB) stay in L2 */
 
 /* r[c] <- column c of the 16 x 16 matrix of dwords whose row i is r[i]. */
 static inline __attribute__((always_inline)) void bg_transpose16(__m512i r[16]) {
@@ -77,15 +76,12 @@ static inline void bg_prefetch(const int4_weight_t *w, int64_t r0, int64_t k0, i
 
 /* Panel of rows [n0, n0 + 64) and columns [k0, k0 + kb) (kb a multiple of the chunk, <= BG_KB): pan[P * 64 + r] =
    the bf16 pair of block pair P for row n0 + r (rows at or past n_rows: zero); sv/cv[G * 64 + r] = s and -s (16 + z)
-   of block group G. The codes of the next block (or of the next panel's first block) are prefetched on the way:
-   a panel reads 16 row blocks side by side, more streams than the hardware prefetcher follows. */
+   of block group G. The codes of the panel block at (next_n0, next_k0) are prefetched on the way: a panel reads 16
+   row blocks side by side, more streams than the hardware prefetcher follows. */
 static void bg_decode_panel(const int4_weight_t *w, int64_t n0, int64_t k0, int64_t kb, uint32_t *pan, float *sv,
-                            float *cv) {
+                            float *cv, int64_t next_n0, int64_t next_k0) {
     const int64_t kw = w->k / 8, g = w->g, groups = w->k / g, chunk = chunk_of(g), words = chunk / 8;
     const int64_t chunks = kb / chunk, block_groups = kb / g;
-    /* the block BG_AHEAD blocks ahead in this thread's order (panel by panel, each block by block) */
-    const int64_t blocks = (w->k + BG_KB - 1) / BG_KB, ahead = k0 / BG_KB + BG_AHEAD;
-    const int64_t next_k0 = (ahead % blocks) * BG_KB, next_n0 = n0 + (ahead / blocks) * BG_NP;
     const int64_t next_kb = w->k - next_k0 < BG_KB ? w->k - next_k0 : BG_KB;
     for (int64_t v = 0; v < BG_NP / 16; ++v) {
         const int64_t r0 = n0 + 16 * v;
@@ -163,6 +159,7 @@ static inline __attribute__((always_inline)) void bg_group(const int mr, const u
     for (int i = 0; i < mr; ++i)
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+#pragma GCC unroll 2
     for (int64_t p = 0; p < pairs; ++p) {
         const __m512bh b0 = (__m512bh)_mm512_load_si512(pan + p * BG_NP);
         const __m512bh b1 = (__m512bh)_mm512_load_si512(pan + p * BG_NP + 16);
@@ -190,19 +187,20 @@ static inline __attribute__((always_inline)) void bg_group(const int mr, const u
     }
 }
 
-/* One block of columns for activation rows [0, mb) of the block at xp/xs (row strides k/2 and k/g). */
-static void bg_block(const uint32_t *xp, const float *xs, int64_t k, int64_t g, int64_t k0, int64_t kb, int64_t mb,
-                     const uint32_t *pan, const float *sv, const float *cv, float *c) {
-    const int64_t xstride = k / 2, sstride = k / g, pairs = g / 2;
+/* One block of columns [k0, k0 + kb) for activation rows [0, mb): xp/xs at the block's first row (row strides
+   BG_KB/2 and BG_KB/g). */
+static void bg_block(const uint32_t *xp, const float *xs, int64_t g, int64_t kb, int64_t mb, const uint32_t *pan,
+                     const float *sv, const float *cv, float *c, int first_block) {
+    const int64_t xstride = BG_KB / 2, sstride = BG_KB / g, pairs = g / 2;
     for (int64_t m0 = 0; m0 < mb; m0 += BG_MR) {
         const int64_t mr = mb - m0 < BG_MR ? mb - m0 : BG_MR;
         for (int64_t gi = 0; gi < kb / g; ++gi) {
-            const uint32_t *xr = xp + m0 * xstride + k0 / 2 + gi * pairs;
-            const float *xsr = xs + m0 * sstride + k0 / g + gi;
+            const uint32_t *xr = xp + m0 * xstride + gi * pairs;
+            const float *xsr = xs + m0 * sstride + gi;
             const uint32_t *pg = pan + gi * pairs * BG_NP;
             const float *svg = sv + gi * BG_NP, *cvg = cv + gi * BG_NP;
             float *cr = c + m0 * BG_NP;
-            const int first = k0 == 0 && gi == 0;
+            const int first = first_block && gi == 0;
             switch (mr) {
                 case 6: bg_group(6, xr, xstride, pg, pairs, svg, cvg, xsr, sstride, cr, first); break;
                 case 5: bg_group(5, xr, xstride, pg, pairs, svg, cvg, xsr, sstride, cr, first); break;
@@ -215,8 +213,12 @@ static void bg_block(const uint32_t *xp, const float *xs, int64_t k, int64_t g, 
     }
 }
 
-/* xp[i, P] and xs[i, G] of activation row i (see the scheme above), vectorized over the W words of a nibble pair. */
-static void bg_prepare_row(const void *x, int x_bf16, int64_t k, int64_t g, uint32_t *xp, float *xs) {
+/* xp and xs of activation row i (see the scheme above), vectorized over the W words of a nibble pair. Both are
+   stored by column block, [K / BG_KB][m][BG_KB / 2] and [K / BG_KB][m][BG_KB / g]: the rows of one block are one
+   contiguous run, which the micro-kernels read for every panel (row by row, the same rows were m strided streams).
+   xp and xs here point at row i of block 0; bstride_p / bstride_s: one block's size (m * BG_KB / 2, m * BG_KB / g). */
+static void bg_prepare_row(const void *x, int x_bf16, int64_t k, int64_t g, uint32_t *xp, float *xs, int64_t bstride_p,
+                           int64_t bstride_s) {
     const int64_t chunk = chunk_of(g), words = chunk / 8, step = words < 16 ? words : 16;
     const __mmask16 mask = (__mmask16)((1u << step) - 1u);
     for (int64_t c0 = 0; c0 < k; c0 += chunk) {
@@ -233,16 +235,16 @@ static void bg_prepare_row(const void *x, int x_bf16, int64_t k, int64_t g, uint
                     hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, (const float *)x + hi_col)));
                 }
                 const __m512i pair = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-                _mm512_mask_storeu_epi32(xp + c0 / 2 + j * words + q0, mask, pair);
+                _mm512_mask_storeu_epi32(xp + (c0 / BG_KB) * bstride_p + (c0 % BG_KB) / 2 + j * words + q0, mask, pair);
                 sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
                                                        _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
             }
             if (g == 32 && j == 1) {  /* the chunk's first group ends with nibble pair 1 */
-                xs[c0 / g] = _mm512_reduce_add_ps(sum);
+                xs[(c0 / BG_KB) * bstride_s + (c0 % BG_KB) / g] = _mm512_reduce_add_ps(sum);
                 sum = _mm512_setzero_ps();
             }
         }
-        xs[(c0 + chunk) / g - 1] = _mm512_reduce_add_ps(sum);
+        xs[(c0 / BG_KB) * bstride_s + (c0 % BG_KB + chunk) / g - 1] = _mm512_reduce_add_ps(sum);
     }
 }
 
@@ -269,12 +271,18 @@ int musecore_int4_bf16_gemm(const int4_weight_t *w, const void *x, int x_bf16, v
     int threads = 1;
 #endif
     /* the calling thread's slot 3 (workers use 1 and 2): xp (m k/2 uint32) then xs (m k/g fp32) */
-    const size_t xp_bytes = ((size_t)m * (k / 2) * 4 + 63) & ~(size_t)63;
-    uint32_t *xp = (uint32_t *)thread_buffer(3, xp_bytes + (size_t)m * (k / g) * 4);
+    const int64_t blocks = (k + BG_KB - 1) / BG_KB, bstride_p = m * (BG_KB / 2), bstride_s = m * (BG_KB / g);
+    const size_t xp_bytes = ((size_t)blocks * bstride_p * 4 + 63) & ~(size_t)63;
+    uint32_t *xp = (uint32_t *)thread_buffer(3, xp_bytes + (size_t)blocks * bstride_s * 4);
     if (xp == NULL) return 1;
     float *xs = (float *)((char *)xp + xp_bytes);
-    const int64_t tasks = (w->n_rows + BG_NP - 1) / BG_NP;
+    /* tasks: groups of up to BG_GROUP panels, fewer where that leaves fewer than 2 tasks per thread */
+    const int64_t panels = (w->n_rows + BG_NP - 1) / BG_NP;
+    int64_t group = panels / (2 * (int64_t)threads);
+    group = group < 1 ? 1 : group > BG_GROUP ? BG_GROUP : group;
+    const int64_t tasks = (panels + group - 1) / group;
     if (threads > tasks) threads = (int)tasks;
+    const int64_t mb_max = m < BG_MB ? m : BG_MB;
     int status = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -284,11 +292,11 @@ int musecore_int4_bf16_gemm(const int4_weight_t *w, const void *x, int x_bf16, v
 #pragma omp for schedule(static)
 #endif
         for (int64_t i = 0; i < m; ++i)
-            bg_prepare_row((const char *)x + i * k * (x_bf16 ? 2 : 4), x_bf16, k, g, xp + i * (k / 2), xs + i * (k / g));
-        const int64_t mb_max = m < BG_MB ? m : BG_MB;
+            bg_prepare_row((const char *)x + i * k * (x_bf16 ? 2 : 4), x_bf16, k, g, xp + i * (BG_KB / 2),
+                           xs + i * (BG_KB / g), bstride_p, bstride_s);
         /* panel (BG_KB/2 pairs x 64 rows x 4 bytes), then s and -s(16+z) per block group (at most BG_KB/32) */
         uint32_t *pan = (uint32_t *)thread_buffer(1, (size_t)BG_KB / 2 * BG_NP * 4 + 2 * (BG_KB / 32) * BG_NP * 4);
-        float *c = (float *)thread_buffer(2, (size_t)mb_max * BG_NP * 4);
+        float *c = (float *)thread_buffer(2, (size_t)group * mb_max * BG_NP * 4);  /* [group][mb][64] */
         if (pan == NULL || c == NULL) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -301,24 +309,34 @@ int musecore_int4_bf16_gemm(const int4_weight_t *w, const void *x, int x_bf16, v
 #endif
         for (int64_t task = 0; task < tasks; ++task) {
             if (pan == NULL || c == NULL) continue;  /* every thread still takes part in the loop's barrier */
-            const int64_t n0 = task * BG_NP, nv = w->n_valid - n0 < BG_NP ? w->n_valid - n0 : BG_NP;
+            const int64_t p0 = task * group, np = panels - p0 < group ? panels - p0 : group;
             for (int64_t m0 = 0; m0 < m; m0 += BG_MB) {
                 const int64_t mb = m - m0 < BG_MB ? m - m0 : BG_MB;
                 for (int64_t k0 = 0; k0 < k; k0 += BG_KB) {
                     const int64_t kb = k - k0 < BG_KB ? k - k0 : BG_KB;
-                    bg_decode_panel(w, n0, k0, kb, pan, sv, cv);
-                    bg_block(xp + m0 * (k / 2), xs + m0 * (k / g), k, g, k0, kb, mb, pan, sv, cv, c);
-                }
-                if (nv <= 0) continue;
-                const __mmask16 full = 0xFFFF;
-                for (int64_t i = 0; i < mb; ++i)
-                    for (int64_t v = 0; v < nv; v += 16) {
-                        const __mmask16 mask = nv - v >= 16 ? full : (__mmask16)((1u << (nv - v)) - 1u);
-                        const __m512 out = _mm512_load_ps(c + i * BG_NP + v);
-                        const int64_t at = (m0 + i) * w->n_valid + n0 + v;
-                        if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, (__m256i)_mm512_cvtneps_pbh(out));
-                        else _mm512_mask_storeu_ps((float *)y + at, mask, out);
+                    for (int64_t p = 0; p < np; ++p) {
+                        /* the panel block BG_AHEAD steps later in this order (p fastest, then k0, then the next task) */
+                        const int64_t ahead = (k0 / BG_KB) * np + p + BG_AHEAD, kblk = ahead / np;
+                        const int64_t next_n0 = kblk < blocks ? (p0 + ahead % np) * BG_NP : (p0 + np) * BG_NP;
+                        const int64_t next_k0 = kblk < blocks ? kblk * BG_KB : 0;
+                        bg_decode_panel(w, (p0 + p) * BG_NP, k0, kb, pan, sv, cv, next_n0, next_k0);
+                        bg_block(xp + (k0 / BG_KB) * bstride_p + m0 * (BG_KB / 2),
+                                 xs + (k0 / BG_KB) * bstride_s + m0 * (BG_KB / g), g, kb, mb, pan, sv, cv,
+                                 c + p * mb * BG_NP, k0 == 0);
                     }
+                }
+                for (int64_t p = 0; p < np; ++p) {
+                    const int64_t n0 = (p0 + p) * BG_NP, nv = w->n_valid - n0 < BG_NP ? w->n_valid - n0 : BG_NP;
+                    const float *cp = c + p * mb * BG_NP;
+                    for (int64_t i = 0; i < mb; ++i)
+                        for (int64_t v = 0; v < nv; v += 16) {
+                            const __mmask16 mask = nv - v >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nv - v)) - 1u);
+                            const __m512 out = _mm512_load_ps(cp + i * BG_NP + v);
+                            const int64_t at = (m0 + i) * w->n_valid + n0 + v;
+                            if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, (__m256i)_mm512_cvtneps_pbh(out));
+                            else _mm512_mask_storeu_ps((float *)y + at, mask, out);
+                        }
+                }
             }
         }
     }
