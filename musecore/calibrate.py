@@ -819,13 +819,21 @@ def convert_autoround(src: Union[str, Path], dst: Union[str, Path],
         dense = DenseAutoRoundQuantizer(model, src, ids, dense_groups, options=AutoRoundOptions(**dense_opts),
                                         progress=progress)
         quantizer, include = CombinedQuantizer(quantizer, dense), include + dense.include_patterns()
-    report = convert(src, dst, to="int4", method="autoround", include=include,
+    report = convert(src, dst, to="int4", method="autoround", include=include, exclude=convert_exclude(dense_groups),
                      quantize_options={"group_size": opts.group_size, "sym": opts.sym}, progress=progress,
                      resume=resume, calibrated_quantizer=quantizer)
     (Path(dst) / REPORT_FILE).write_text(json.dumps(calib_report.to_dict(), indent=2) + "\n")
     if dense is not None:
         (Path(dst) / DENSE_REPORT_FILE).write_text(json.dumps(dense.report(), indent=2) + "\n")
     return report, calib_report
+
+
+def convert_exclude(dense_groups: Sequence[str]) -> tuple[str, ...]:
+    """``convert``'s ``exclude`` for a calibrated checkpoint: its default (embeddings, lm_head, norms) less
+    lm_head when ``dense_groups`` names it, so a tuned lm_head is written instead of silently left BF16."""
+    from musecore_quant.convert import DEFAULT_EXCLUDE
+    from musecore.names import LM_HEAD
+    return tuple(p for p in DEFAULT_EXCLUDE if not (LM_HEAD in dense_groups and "lm_head" in p))
 
 
 def cli_calibrator(src: Union[str, Path], dst: Union[str, Path], *, calibration: Union[str, Path],
