@@ -140,6 +140,7 @@ def explain(row: Any, rows: list) -> str:
         experts_only = [r for r in rows if r.row_id == base and r.status == "ok"]
         if experts_only:
             how = ("quantized to INT4 and tuned by AutoRound in the checkpoint" if "dense AutoRound" in row.format
+                   else "quantized to INT4 by GPTQ in the checkpoint" if "dense GPTQ" in row.format
                    else "quantized at load")
             text += (f" The same checkpoint with only its experts in INT4 moves "
                      f"{experts_only[0].delta_perplexity_pct:+.1f}%: the rest is the attention, pooler/unpooler and lm_head projections {how}, "
