@@ -159,7 +159,8 @@ CATALOG: dict[str, DeviceProfile] = {p.name: p for p in [
     _profile("tpu-v6e", "google", "tpu", "v6e", 32, _TPU_FORMATS, (), _TPU,
              "Google TPU v6e (Trillium): 32 GiB HBM at 1.64 TB/s, 128 MiB VMEM"),
     _profile("tpu-v6e-int8", "google", "tpu", "v6e", 32, _TPU_FORMATS + ("int8",), ("int8-token",), _TPU6E_INT8,
-             "Google TPU v6e, throughput option: BF16, FP8 and 4-bit experts converted to INT8 at load, W8A8 per token"),
+             "Google TPU v6e, throughput option: BF16, FP8 and 4-bit experts converted to INT8 at load, "
+             "W8A8 per token"),
     _profile("tpu-v7", "google", "tpu", "v7", 192, _TPU_FORMATS, (), _TPU,
              "Google TPU v7 (Ironwood): 192 GiB HBM at 7.4 TB/s per chip (two TensorCores), 64 MiB VMEM each"),
     _profile("tpu-v7-fp8", "google", "tpu", "v7", 192, _TPU_FORMATS, ("fp8-token",), _TPU7_FP8,

@@ -93,7 +93,8 @@ def test_activation_fake_quant_per_row_scale_equals_the_formula() -> None:
     assert torch.equal(per_tensor, torch.round(x / s).clamp(-127, 127) * s)
 
 
-@pytest.mark.parametrize("bad,match", [(torch.randn(8), "out_features, in_features"), (torch.tensor([[1.0, float("nan")]]), "NaN"),
+@pytest.mark.parametrize("bad,match", [(torch.randn(8), "out_features, in_features"),
+                                       (torch.tensor([[1.0, float("nan")]]), "NaN"),
                                        (torch.zeros(2, 2, dtype=torch.int8), "floating")])
 def test_bad_weights_fail_with_one_clear_error(bad: torch.Tensor, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):

@@ -110,6 +110,25 @@ def main() -> None:
                 got, us = timed(matmul_q8, x, w8, fmt=fmt, act=act, out_dtype=jnp.float32, interpret=args.interpret)
                 return nmse(matmul_q8_reference(x, w8, fmt=fmt, act=act, out_dtype=jnp.float32), got), us
             report(f"matmul_q8 {fmt} act={act} M={M} {K}x{N}", run_q8)
+    for fmt, act in (("int8", None), ("int8", "int8-token"), ("fp8", None), ("fp8", "fp8-token")):
+        for T in (1, 64):  # 8-bit experts: INT8 per-channel scales (tpu-v6e-int8), FP8 per-expert (tpu-v7-fp8)
+            def stack8(K, N, fmt=fmt):
+                q8 = (jnp.asarray(rng.integers(-127, 128, (E, K, N)), jnp.int8) if fmt == "int8" else
+                      jnp.asarray(rng.standard_normal((E, K, N)) * 16, jnp.float32).astype(jnp.float8_e4m3fn))
+                scale_shape = (E, 1, N) if fmt == "int8" else (E, 1, 1)
+                return {"q8": q8, "wscale": jnp.asarray(rng.uniform(0.5, 2.0, scale_shape) * 1e-3 * K ** -0.5,
+                                                        jnp.float32)}
+            gate, up, down = stack8(h, inter), stack8(h, inter), stack8(inter, h)
+            z = jnp.asarray(rng.standard_normal((T, h)), jnp.bfloat16)
+            ids = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]), jnp.int32)
+            wts = jnp.full((T, k), 1.0 / k, jnp.float32)
+            post = jnp.ones((h,), jnp.bfloat16)
+
+            def run_moe8(z=z, wts=wts, ids=ids, gate=gate, up=up, down=down, fmt=fmt, act=act):
+                got, us = timed(moe, z, wts, ids, gate, up, down, post, fmt=fmt, eps=1e-8, act=act,
+                                interpret=args.interpret)
+                return nmse(moe_reference(z, wts, ids, gate, up, down, post, fmt=fmt, eps=1e-8, act=act), got), us
+            report(f"moe {fmt} act={act} T={T} E={E} top-{k}", run_moe8)
     nq, nkv, d = (16, 2, 64) if args.small else (128, 16, 64)
     for T, S, window in ((1, 2048, 2048), (1, 8192, None), (256, 256, None)):
         q = jnp.asarray(rng.standard_normal((1, T, nq, d)), jnp.bfloat16)

@@ -6,7 +6,9 @@ routed experts as grouped matmuls over only the routed rows with the MoE finaliz
 over the KV cache, and the two norm ops as Pallas kernels (:mod:`musecore_tpu.kernels`); the remaining ops
 (embedding, q/k norm + RoPE, head norm gate, router, SwiGLU of dense layers, softcap, sampling) are PyTorch ops,
 which torch_tpu lowers on a TPU host. FP8 checkpoint weights (per-tensor) stay FP8: W8A16 in linears and experts,
-``fp8-token`` W8A8 in linears (:mod:`musecore_tpu.kernels.quantized`) and experts (the ``tpu-v7-fp8`` device). Every kernel is a registered torch custom
+``fp8-token`` W8A8 in linears (:mod:`musecore_tpu.kernels.quantized`) and experts (the ``tpu-v7-fp8`` device). INT8
+weights (per channel, converted at load by the ``tpu-v6e-int8`` device) run ``int8-token`` W8A8 (int32 sums on v6e's
+int8 MXU) or W8A16 in the same kernels. Every kernel is a registered torch custom
 op (:mod:`musecore_tpu.torch_tpu_ops`), so a decode step compiles into one graph (:meth:`TpuBackend.make_decode_step`).
 On a CPU (``TpuBackend("cpu")``) every kernel runs in a Pallas interpreter, which is how all of this is tested;
 NO KERNEL HAS RUN ON A TPU YET.
@@ -40,6 +42,7 @@ from musecore_tpu.kernels import tiling
 INTERPRETER_ENV = "MUSECORE_TPU_INTERPRETER"
 DENSE = ("bf16", "fp16", "fp32")
 PACKED = layouts.PACKED_FORMATS
+Q8 = layouts.Q8_FORMATS
 NEVER_RUN = "never run on a TPU"
 UNTESTED = " (musecore-tpu's kernels are tested in JAX's TPU interpreter on CPU; none has run on a TPU yet)"
 TORCH_OPS = ("embedding", "qk_norm_rope", "head_norm_gate", "router_topk", "silu_mul", "logit_softcap", "sample")
@@ -61,6 +64,17 @@ FP8_ACTS = {None: "W8A16: the E4M3 values are exact in bf16, one bf16 MXU pass",
 NO_FP8_ACT = ("{act} activations with FP8 weights: the TPU's W8A8 path is 'fp8-token' (dynamic per-token scales); "
               "static per-tensor FP8 activations have no kernel here")
 NO_FP8_ON_V6E = "tpu-v6e's MXU has no FP8 rate (fp8 runs at its bf16 rate): load FP8 weights W8A16 (act_format=None)"
+INT8_MOE_NOTE = ("W8A8 INT8 (codes and per-channel f32 scales kept; z per token and h per row to INT8, "
+                 "int8 x int8 on v6e's int8 MXU, exact int32 sums)")
+INT8_LINEAR = "Pallas 8-bit matmul: INT8 weights (one f32 scale per output channel) kept, {act}"
+INT8_ACTS = {None: "W8A16: the INT8 values are exact in bf16, one bf16 MXU pass",
+             "int8-token": "W8A8: activations to INT8 per token, int8 x int8 on v6e's int8 MXU (exact int32 sums)"}
+NO_INT8_ACT = ("{act} activations with INT8 weights: the TPU's INT8 paths are W8A16 (act_format=None) and "
+               "'int8-token' W8A8 (dynamic per-token scales)")
+NO_INT8_ON_V7 = ("tpu-v7's MXU has no int8 rate (Ironwood multiplies bf16 and fp8): load INT8 weights W8A16 "
+                 "(act_format=None), or use tpu-v7-fp8 for W8A8")
+Q8_ACTS = {"fp8": FP8_ACTS, "int8": INT8_ACTS}
+W8A8_CHIP = {"fp8-token": "tpu-v7", "int8-token": "tpu-v6e"}  # the chip whose MXU has that 8-bit rate
 KERNEL_REASONS = {
     "linear": "Pallas tiled matmul: {fmt} (one bf16 MXU pass where both operands are bf16 values, else HIGHEST)",
     "moe": "Pallas grouped expert matmuls over the routed rows only ({fmt} experts): gate/up + SwiGLU, down + "
@@ -74,19 +88,24 @@ FORMAT_NOTES = {"bf16": "BF16 weights, K-major", "fp16": "FP16 weights as BF16-t
                 "fp32": "FP32 weights, K-major", "int4": "W4A16 INT4 (codes and f32 group scales, decoded in VMEM)",
                 "mxfp4": "W4A16 MXFP4 (E2M1 codes and E8M0 bytes, decoded in VMEM)",
                 "fp8": "W8A16 FP8 (E4M3 codes and the per-tensor scale, decoded in VMEM)",
+                "int8": "W8A16 INT8 (codes and per-channel f32 scales, decoded in VMEM)",
                 "nvfp4": "W4A16 NVFP4 (E2M1 codes, E4M3 bytes and the global scale, decoded in VMEM)"}
 
 
 def chip_of(device: Optional[str]) -> Any:
-    """The chip of a catalog TPU device (``tpu-v7-fp8`` is a tpu-v7 with another plan), or None."""
+    """The chip of a catalog TPU device (``tpu-v7-fp8`` is a tpu-v7, ``tpu-v6e-int8`` a tpu-v6e, with another plan),
+    or None."""
     name = device or ""
-    return CHIPS.get(name) or CHIPS.get(name.removesuffix("-fp8"))
+    return CHIPS.get(name) or CHIPS.get(name.removesuffix("-fp8").removesuffix("-int8"))
 
 
 def jax_missing() -> Optional[str]:
     if importlib.util.find_spec("jax") is None:
         return "jax not installed (pip install 'musecore-tpu[jax]'; jax 0.12 needs Python >= 3.12, 0.10.2 runs on 3.11)"
     return None
+
+
+THROUGHPUT_OPTIONS = {"tpu-v7": ["tpu-v7-fp8"], "tpu-v6e": ["tpu-v6e-int8"]}  # 8-bit W8A8 plans, asked for by name
 
 
 def probe_tpu() -> Probe:
@@ -114,7 +133,7 @@ def probe_tpu() -> Probe:
     chip = chip_for_device_kind(kind)
     if chip is None:
         return Probe(False, 0, [], f"{count} x {kind!r}: not a catalog TPU ({', '.join(CHIPS)})", details)
-    devices = [chip.name] + ([f"{chip.name}-fp8"] if chip.name == "tpu-v7" else [])  # the FP8 option: asked for
+    devices = [chip.name] + THROUGHPUT_OPTIONS.get(chip.name, [])  # listed after the chip: `auto` never picks them
     return Probe(True, 70, devices, f"{count} x {kind} ({chip.name}); kernels {NEVER_RUN} before this host",
                  details)
 
@@ -191,22 +210,8 @@ class TpuBackend(Backend):
             return Support.no(missing)
         if op in ("linear", "moe"):
             fmt = spec.weight_format
-            if fmt == "fp8" and op == "moe" and spec.act_format is None:
-                return Support.native(KERNEL_REASONS[op].format(fmt=FORMAT_NOTES[fmt]) + f"; runs {where}")
-            if fmt == "fp8" and op == "moe":
-                if spec.act_format != "fp8-token":
-                    return Support.no(NO_FP8.format(act=spec.act_format))
-                if spec.device == "tpu-v6e":
-                    return Support.no(NO_FP8_ON_V6E)
-                return Support.native(KERNEL_REASONS[op].format(fmt=FP8_MOE_NOTE) + f"; runs {where}")
-            if fmt == "fp8" and op == "linear":
-                if spec.act_format not in FP8_ACTS:
-                    return Support.no(NO_FP8_ACT.format(act=spec.act_format))
-                if spec.act_format and spec.device == "tpu-v6e":
-                    return Support.no(NO_FP8_ON_V6E)
-                return Support.native(FP8_LINEAR.format(act=FP8_ACTS[spec.act_format]) + f"; runs {where}")
-            if fmt == "fp8":
-                return Support.no(NO_FP8.format(act=spec.act_format))
+            if fmt in Q8:
+                return self._supports_q8(op, fmt, spec, where)
             if spec.act_format is not None:
                 return Support.no(NO_ACT_QUANT.format(fmt=spec.act_format))
             if fmt not in DENSE + PACKED:
@@ -219,6 +224,22 @@ class TpuBackend(Backend):
             return Support.native(KERNEL_REASONS[op].format(fp8=fp8) + f"; runs {where}")
         return Support.native(KERNEL_REASONS[op] + f"; runs {where}")
 
+    @staticmethod
+    def _supports_q8(op: str, fmt: str, spec: OpSpec, where: str) -> Support:
+        """8-bit weights: W8A16 anywhere; W8A8 (``fp8-token`` / ``int8-token``) only on the chip with that MXU rate
+        (a plan for another chip is refused; on this CPU's interpreter both run)."""
+        act, acts = spec.act_format, Q8_ACTS[fmt]
+        if act not in acts:
+            return Support.no((NO_FP8 if op == "moe" else NO_FP8_ACT).format(act=act) if fmt == "fp8"
+                              else NO_INT8_ACT.format(act=act))
+        chip = chip_of(spec.device)
+        if act is not None and chip is not None and chip.name != W8A8_CHIP[act]:
+            return Support.no(NO_FP8_ON_V6E if fmt == "fp8" else NO_INT8_ON_V7)
+        if op == "moe":
+            note = FORMAT_NOTES[fmt] if act is None else FP8_MOE_NOTE if fmt == "fp8" else INT8_MOE_NOTE
+            return Support.native(KERNEL_REASONS[op].format(fmt=note) + f"; runs {where}")
+        return Support.native((FP8_LINEAR if fmt == "fp8" else INT8_LINEAR).format(act=acts[act]) + f"; runs {where}")
+
     # -- weights --------------------------------------------------------------------------------------------------
     def _resident(self, weight: WeightIn, dtype: torch.dtype) -> tuple[str, dict[str, Any], int]:
         """(format, resident tensors on this backend's device, group)."""
@@ -226,9 +247,9 @@ class TpuBackend(Backend):
             if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 raise ValueError(f"TPU dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
             return weight_format_of(weight), layouts.prepare_dense(weight, dtype), 0
-        if weight.format == "fp8":
-            raise ValueError("TPU fp8 weights: a linear's FP8 QTensor or all three expert stacks in FP8 (gate, up and "
-                             "down must share one format); this one is neither")
+        if weight.format in Q8:
+            raise ValueError(f"TPU {weight.format} weights: a linear's {weight.format} QTensor or all three expert "
+                             "stacks in that format (gate, up and down must share one format); this one is neither")
         return weight.format, layouts.prepare_packed(weight), weight.group_size
 
     def prepare_weight(self, weight: WeightIn, role: str, *, act_format: Optional[str] = None,
@@ -236,11 +257,11 @@ class TpuBackend(Backend):
         """Dense -> ``W^T [K, N]`` in ``dtype``; 4-bit QTensor -> K-major half-split codes + block scales
         (:mod:`musecore_tpu.layouts`). ``Weight.extra["tpu"]`` holds what the kernel reads."""
         out_features, in_features = (weight.shape[-2], weight.shape[-1])
-        if isinstance(weight, QTensor) and weight.format == "fp8":  # the 8-bit MXU path: FP8 kept
-            if act_format not in FP8_ACTS:
-                raise ValueError(NO_FP8_ACT.format(act=act_format))
+        if isinstance(weight, QTensor) and weight.format in Q8:  # the 8-bit MXU path: FP8 / INT8 kept
+            if act_format not in Q8_ACTS[weight.format]:
+                raise ValueError((NO_FP8_ACT if weight.format == "fp8" else NO_INT8_ACT).format(act=act_format))
             resident = {k: v.to(self.device) for k, v in layouts.prepare_q8(weight).items()}
-            return Weight(data=resident, format="fp8", out_features=out_features, in_features=in_features,
+            return Weight(data=resident, format=weight.format, out_features=out_features, in_features=in_features,
                           act_format=act_format, extra={"tpu": self.runner.resident(resident), "q8": act_format,
                                                         "role": role})
         if act_format is not None:
@@ -258,11 +279,12 @@ class TpuBackend(Backend):
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *, act_format: Optional[str] = None,
                         dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
-        if all(isinstance(w, QTensor) and w.format == "fp8" for w in (gate, up, down)):  # W8A16 / fp8-token: FP8 kept
-            if act_format not in (None, "fp8-token"):
-                raise ValueError(NO_FP8.format(act=act_format))
+        fmt = gate.format if isinstance(gate, QTensor) else None
+        if fmt in Q8 and all(isinstance(w, QTensor) and w.format == fmt for w in (up, down)):  # 8-bit kept
+            if act_format not in Q8_ACTS[fmt]:
+                raise ValueError(NO_FP8.format(act=act_format) if fmt == "fp8" else NO_INT8_ACT.format(act=act_format))
             resident = [{k: v.to(self.device) for k, v in layouts.prepare_q8(w).items()} for w in (gate, up, down)]
-            return ExpertWeights(gate=resident[0], up=resident[1], down=resident[2], format="fp8",
+            return ExpertWeights(gate=resident[0], up=resident[1], down=resident[2], format=fmt,
                                  num_experts=gate.shape[0], act_format=act_format,
                                  extra={"tpu": [self.runner.resident(r) for r in resident], "group": 0})
         if act_format is not None:
@@ -284,10 +306,11 @@ class TpuBackend(Backend):
 
     def resident_bytes(self, weight_format: str, out_features: int, in_features: int, *,
                        experts: int = 0) -> Optional[int]:
-        """INT4 keeps f32 group scales (fp16 is no TPU vector type): 4.25 bits per weight instead of 4.125."""
-        if weight_format != "int4":
+        """INT4 keeps f32 group scales (fp16 is no TPU vector type): 4.25 bits per weight instead of 4.125; INT8 its
+        f32 scale per output channel beside the byte per weight."""
+        if weight_format not in ("int4", "int8"):
             return None
-        return layouts.resident_bytes("int4", out_features, in_features, experts)
+        return layouts.resident_bytes(weight_format, out_features, in_features, experts)
 
     # -- ops ------------------------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -8,6 +8,7 @@
   (E4M3 and E8M0 as u8; INT4's fp16 scales, and its zero points when asymmetric, as f32: fp16 is not a TPU
   vector type, and a u8 block would need 32 groups = 4096 rows of K per step). No value changes:
   this is a permutation of the checkpoint's nibbles, so W4A16 keeps a quarter of BF16's bytes.
+- 8-bit weights (per-tensor FP8, per-channel INT8): the codes K-major ``[K, N]`` and their f32 scales.
 """
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ def prepare_dense(w: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
 
 def resident_bytes(fmt: str, out_features: int, in_features: int, experts: int = 0,
                    group: Optional[int] = None) -> int:
-    """Bytes this layout keeps for one weight (INT4 scales widen from fp16 to f32)."""
+    """Bytes this layout keeps for one weight (INT4 scales widen from fp16 to f32; INT8: 1 byte per weight and an
+    f32 scale per output channel)."""
     n = max(experts, 1) * out_features * in_features
+    if fmt == "int8":
+        return n + max(experts, 1) * out_features * 4
     if fmt not in PACKED_FORMATS:
         return n * 2
     g = group or tiling.GROUP[fmt]
@@ -71,38 +75,24 @@ def resident_bytes(fmt: str, out_features: int, in_features: int, experts: int =
     return n // 2 + (n // g) * scale
 
 
-def prepare_q8(weight: Any, scale: Optional[torch.Tensor] = None) -> dict[str, Any]:
-    """8-bit weights -> ``{"q8": [..., K, N], "wscale": [..., 1, N] or [..., 1, 1] f32}`` (K-major, values unchanged):
-    an FP8 QTensor with a per-tensor scale (musecore_quant's codec), or INT8 codes ``[..., N, K]`` with their
-    per-channel ``scale [..., N]`` (:func:`quantize_int8`)."""
-    if isinstance(weight, QTensor):
-        if weight.format != "fp8" or weight.group_size != 0:
-            raise ValueError(f"the TPU's 8-bit path takes per-tensor FP8 QTensors; got {weight.format} with "
-                             f"group_size {weight.group_size} (128x128-block FP8 is dequantized by the plan)")
-        q8 = weight.data.transpose(-1, -2).contiguous()
-        wscale = weight.scale.float().reshape(*weight.scale.shape, 1, 1)
-        return {"q8": q8, "wscale": wscale.contiguous()}
-    if weight.dtype != torch.int8 or scale is None:
-        raise ValueError(f"INT8 weights need int8 codes and their per-channel scales; got {weight.dtype}")
-    return {"q8": weight.transpose(-1, -2).contiguous(), "wscale": scale.float().unsqueeze(-2).contiguous()}
+Q8_FORMATS = ("fp8", "int8")
 
 
-# INT8 weights for v6e's int8 MXU. No plan selects them yet (musecore has no INT8 checkpoint format or codec):
-# symmetric per output channel, scale_n = amax(|W_n|) / 127 (1.0 for an all-zero row), q = round(W / scale)
-# clamped to +-127 (round half to even, as torch.round); 1 byte per weight + one f32 per output row.
-INT8_MAX = 127.0
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [..., N, K]`` (any float dtype) -> (int8 codes ``[..., N, K]``, f32 scales ``[..., N]``)."""
-    if not w.is_floating_point():
-        raise ValueError(f"INT8 conversion takes a float weight; got {w.dtype}")
-    wf = w.float()
-    scale = wf.abs().amax(-1) / INT8_MAX
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(wf / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale[..., None]
+def prepare_q8(weight: QTensor) -> dict[str, Any]:
+    """An 8-bit QTensor ``[..., N, K]`` -> ``{"q8": [..., K, N], "wscale": f32}`` (K-major, values unchanged): FP8 with
+    a per-tensor scale (``wscale [..., 1, 1]``) or INT8 with one scale per output channel (``wscale [..., 1, N]``),
+    both from musecore_quant's codecs."""
+    if not isinstance(weight, QTensor) or weight.format not in Q8_FORMATS:
+        got = weight.format if isinstance(weight, QTensor) else type(weight).__name__
+        raise ValueError(f"the TPU's 8-bit path takes per-tensor FP8 or per-channel INT8 QTensors; got {got}")
+    if weight.layout != "canonical":
+        raise ValueError(f"expected a canonical {weight.format} QTensor from musecore_quant; got layout "
+                         f"{weight.layout!r}")
+    q8 = weight.data.transpose(-1, -2).contiguous()
+    if weight.format == "int8":                                             # scale [..., N, 1] -> [..., 1, N]
+        return {"q8": q8, "wscale": weight.scale.float().transpose(-1, -2).contiguous()}
+    if weight.group_size != 0:
+        raise ValueError(f"the TPU's 8-bit path takes per-tensor FP8 QTensors; got group_size {weight.group_size} "
+                         "(128x128-block FP8 is dequantized by the plan)")
+    wscale = weight.scale.float().reshape(*weight.scale.shape, 1, 1)
+    return {"q8": q8, "wscale": wscale.contiguous()}

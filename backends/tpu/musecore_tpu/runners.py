@@ -49,7 +49,7 @@ class OpsRunner:
         ids = ids.to(torch.int32)
         if "q8" in gate:
             return self.ops["moe_q8"](z, weights.float(), ids, gate["q8"], gate["wscale"], up["q8"], up["wscale"],
-                                      down["q8"], down["wscale"], post_norm, eps, act or "")
+                                      down["q8"], down["wscale"], post_norm, fmt, eps, act or "")
         if "wt" in gate:
             return self.ops["moe_dense"](z, weights.float(), ids, gate["wt"], up["wt"], down["wt"], post_norm, eps)
         parts = [w[n] for w in (gate, up, down) for n in ("codes", "scales", "zeros", "global_scale")]

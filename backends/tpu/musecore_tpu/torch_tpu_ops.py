@@ -104,10 +104,10 @@ def _jax_functions(interpret: Any) -> dict[str, tuple[Callable[..., Any], Callab
 
     def moe_q8(z: jax.Array, weights: jax.Array, ids: jax.Array, gate_q8: jax.Array, gate_scale: jax.Array,
                up_q8: jax.Array, up_scale: jax.Array, down_q8: jax.Array, down_scale: jax.Array,
-               post_norm: jax.Array, eps: float, act: str) -> jax.Array:
+               post_norm: jax.Array, fmt: str, eps: float, act: str) -> jax.Array:
         pack = lambda q, sc: {"q8": q, "wscale": sc}  # noqa: E731
         return me.moe(z, weights, ids, pack(gate_q8, gate_scale), pack(up_q8, up_scale), pack(down_q8, down_scale),
-                      post_norm, fmt="fp8", eps=eps, act=act or None, interpret=interpret)
+                      post_norm, fmt=fmt, eps=eps, act=act or None, interpret=interpret)
 
     def moe_packed(z: jax.Array, weights: jax.Array, ids: jax.Array,
                    gate_codes: jax.Array, gate_scales: jax.Array, gate_zeros: Optional[jax.Array],

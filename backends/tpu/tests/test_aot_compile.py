@@ -78,6 +78,13 @@ def cases() -> dict[str, Callable[[Callable], tuple[Callable, tuple]]]:
                 functools.partial(moe, fmt="fp8", eps=1e-8, act=act),
                 (S((T, h), jnp.bfloat16), S((T, K_TOP), jnp.float32), S((T, K_TOP), jnp.int32), fp8(S, h, I),
                  fp8(S, h, I), fp8(S, I, h), S((h,), jnp.bfloat16)))
+    for T in (1, 64):  # INT8 experts: codes and one f32 scale per output channel
+        int8 = lambda S, K, N: {"q8": S((E, K, N), jnp.int8), "wscale": S((E, 1, N), jnp.float32)}  # noqa: E731
+        for act in (None, "int8-token"):  # W8A16, and W8A8 with per-token INT8 activations (tpu-v6e-int8)
+            out[f"moe-int8{'-' + act if act else ''}-T{T}"] = lambda S, T=T, int8=int8, act=act: (
+                functools.partial(moe, fmt="int8", eps=1e-8, act=act),
+                (S((T, h), jnp.bfloat16), S((T, K_TOP), jnp.float32), S((T, K_TOP), jnp.int32), int8(S, h, I),
+                 int8(S, h, I), int8(S, I, h), S((h,), jnp.bfloat16)))
     from musecore_tpu.kernels.quantized import matmul_q8
     for fmt, act in Q8_PATHS:
         for M in (16, 256):
@@ -96,7 +103,9 @@ def cases() -> dict[str, Callable[[Callable], tuple[Callable, tuple]]]:
 
 Q8_PATHS = (("int8", None), ("int8", "int8-token"), ("fp8", None), ("fp8", "fp8-token"))
 CASE_NAMES = [f"q8-{fmt}-{act or 'a16'}-M{M}" for fmt, act in Q8_PATHS for M in (16, 256)] + [
-    "moe-fp8-T1", "moe-fp8-T64", "moe-fp8-fp8-token-T1", "moe-fp8-fp8-token-T64"] + ["matmul-" + f"{fmt}-{name}-M{M}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4") for M in (16, 256)
+    "moe-fp8-T1", "moe-fp8-T64", "moe-fp8-fp8-token-T1", "moe-fp8-fp8-token-T64",
+    "moe-int8-T1", "moe-int8-T64", "moe-int8-int8-token-T1", "moe-int8-int8-token-T64"] + [
+    "matmul-" + f"{fmt}-{name}-M{M}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4") for M in (16, 256)
               for name in ("q_proj", "expert")] + [f"moe-{fmt}-T{T}" for fmt in ("bf16", "int4", "mxfp4", "nvfp4")
                                                     for T in (1, 64)] + \
     ["attention-T1-S2048-kvbf16", "attention-T1-S32768-kvfp8", "attention-T512-S512-kvbf16", "rms_norm-scale_first",

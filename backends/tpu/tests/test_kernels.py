@@ -33,8 +33,8 @@ def resident(w: Any) -> tuple[str, dict, int]:
     from musecore_tpu.bridge import tree_to_jax
     if isinstance(w, torch.Tensor):
         return "bf16", tree_to_jax(layouts.prepare_dense(w, torch.bfloat16)), 0
-    if w.format == "fp8":
-        return "fp8", tree_to_jax(layouts.prepare_q8(w)), 0
+    if w.format in layouts.Q8_FORMATS:
+        return w.format, tree_to_jax(layouts.prepare_q8(w)), 0
     return w.format, tree_to_jax(layouts.prepare_packed(w)), w.group_size
 
 
@@ -116,6 +116,46 @@ def test_grouped_moe_kernel_fp8_token_matches_references(T: int) -> None:
     print(f"moe fp8-token T={T}: NMSE vs jnp {nmse(jnp_ref, got):.1e}, vs torch fp8-token {nmse(want, got):.1e}, "
           f"vs torch W8A16 {nmse(w16, got):.1e}")
     assert nmse(w16, got) > nmse(want, got), f"fp8-token closer to W8A16 ({nmse(w16, got):.2e}) than to the rule"
+
+
+@pytest.mark.parametrize("T", [5, 40])
+def test_grouped_moe_kernel_int8_token_matches_references(T: int) -> None:
+    """W8A8 INT8 experts (``int8-token``, v6e's int8 MXU): z quantized per token and h per row to INT8 (``amax/127``,
+    ties to even), the experts' INT8 codes with one f32 scale per output channel, exact int32 sums scaled after K.
+    Against the jnp reference (same codes; only where the scales multiply and the f32 summation order differ: 1e-6)
+    and musecore's torch reference ``expert_forward`` with ``act_format="int8-token"`` (the tolerance of moe: an h
+    code may differ by one step where the two f32 h values straddle a rounding boundary)."""
+    from musecore.testing.check import nmse
+    from musecore_quant import dequantize, quantize
+    from musecore_tpu.bridge import to_jax, to_torch
+    from musecore_tpu.kernels.moe import moe, moe_reference
+    gen = torch.Generator().manual_seed(31 + T)
+    E, k, h, inter = 8, 2, 256, 256
+    z = ref.rms_norm(torch.randn(T, h, generator=gen), None, 1e-5).to(torch.bfloat16)
+    z[1, :8] *= 30.0  # an outlier token: its own scale must not touch the others
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(T)])  # expert 7 empty
+    wts = torch.softmax(torch.randn(T, k, generator=gen), -1)
+    spread = torch.logspace(-1, 1, inter).view(1, inter, 1)  # per-channel scales that differ across a 256-lane tile
+    qts = [quantize(torch.randn(s, generator=gen) * s[-1] ** -0.5 * (spread if s[1] == inter else 1.0), "int8")
+           for s in ((E, inter, h), (E, inter, h), (E, h, inter))]
+    assert qts[0].scale.shape == (E, inter, 1)
+    values = [dequantize(q, torch.float32) for q in qts]
+    res = [resident(q)[1] for q in qts]
+    post_norm = (1 + 0.2 * torch.randn(h, generator=gen)).to(torch.bfloat16)
+    args = (to_jax(z), to_jax(wts), to_jax(ids), res[0], res[1], res[2], to_jax(post_norm))
+    got = to_torch(moe(*args, fmt="int8", eps=1e-8, act="int8-token", interpret=True))
+    jnp_ref = to_torch(moe_reference(*args, fmt="int8", eps=1e-8, act="int8-token"))
+    experts = ExpertWeights(gate=values[0], up=values[1], down=values[2], format="int8", num_experts=E,
+                            act_format="int8-token")
+    want = ref.moe(z, wts, ids, experts, post_norm, 1e-8)
+    w16 = ref.moe(z, wts, ids, ExpertWeights(gate=values[0], up=values[1], down=values[2], format="int8",
+                                             num_experts=E), post_norm, 1e-8)
+    print(f"moe int8-token T={T}: NMSE vs jnp {nmse(jnp_ref, got):.1e}, vs torch int8-token {nmse(want, got):.1e}, "
+          f"vs torch W8A16 {nmse(w16, got):.1e}")
+    assert_nmse(jnp_ref, got, 1e-6, f"moe int8-token T={T} vs jnp reference")
+    assert_nmse(want, got, tolerance("moe"), f"moe int8-token T={T} vs torch reference")
+    # not a W8A16 kernel in disguise: the activation quantization is measurably there
+    assert nmse(w16, got) > 10 * nmse(want, got), f"int8-token close to W8A16 ({nmse(w16, got):.2e})"
 
 
 def _positions(case: str) -> tuple[torch.Tensor, torch.Tensor, int, Optional[int]]:
@@ -202,14 +242,6 @@ def test_attention_online_softmax_across_query_and_key_tiles(monkeypatch: pytest
         assert_nmse(want, got, tolerance("attention"), f"attention tiled window={window} vs torch")
 
 
-def fake_quantize_tokens_int8(x: torch.Tensor) -> torch.Tensor:
-    """Each row of ``x`` through per-row symmetric INT8 and back (f32): what ``int8-token`` activations see."""
-    xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True) / 127.0
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return torch.round(xf / scale).clamp(-127.0, 127.0) * scale
-
-
 @pytest.mark.parametrize("fmt,act,M,K,N", [("int8", None, 5, 1024, 256), ("int8", "int8-token", 3, 512, 384),
                                            ("fp8", None, 4, 512, 256), ("fp8", "fp8-token", 33, 1024, 128)])
 def test_8bit_mxu_matmul_matches_jnp_and_musecore_references(fmt: str, act: Optional[str], M: int, K: int,
@@ -217,47 +249,37 @@ def test_8bit_mxu_matmul_matches_jnp_and_musecore_references(fmt: str, act: Opti
     """INT8 (v6e) and FP8 (v7) weights, with bf16 activations (one bf16 MXU pass: the 8-bit values are exact in
     bf16) or per-token 8-bit activations (int32 / f32 accumulation). Against the jnp reference the only difference
     is summation order; against musecore's reference (``musecore.ops.reference.linear``, fp32 math on the
-    dequantized weight; FP8 through musecore_quant's codec and the reference's ``fp8-token`` activation rule,
-    INT8 through ``musecore_tpu.layouts.quantize_int8``) the FP8 path also differs by the reference rounding its dequantized
-    activations to bf16 (2^-9 relative), hence the looser bound there."""
+    dequantized weight; both formats through musecore_quant's codecs and the reference's ``fp8-token`` /
+    ``int8-token`` activation rules) the FP8 path also differs by the reference rounding its dequantized activations
+    to bf16 (2^-9 relative), hence the looser bound there; ``int8-token`` keeps them f32, as the kernel does."""
     import jax.numpy as jnp
-    from musecore.ops import Weight
+    from musecore_quant import dequantize, quantize
     from musecore_tpu import layouts
     from musecore_tpu.bridge import to_jax, to_torch
-    from musecore_tpu.kernels.quantized import matmul_q8, matmul_q8_reference
+    from musecore_tpu.kernels.quantized import matmul_q8, matmul_q8_reference, quantize_tokens
     gen = torch.Generator().manual_seed(21)
     w = torch.randn(N, K, generator=gen) * K ** -0.5
     w[:2, :16] *= 8.0
     x = (torch.randn(M, K, generator=gen) * (1 + 3 * torch.rand(M, 1, generator=gen))).to(torch.bfloat16)
-    if fmt == "fp8":
-        from musecore_quant import dequantize, quantize
-        qt = quantize(w.to(torch.bfloat16), "fp8")
-        resident, values = layouts.prepare_q8(qt), dequantize(qt, torch.float32)
-        weight = Weight(values, "fp8", N, K, act_format=act)
-        want = ref.linear(x, weight).float() if act else x.float() @ values.T
-    else:
-        q, s = layouts.quantize_int8(w)
-        resident, values = layouts.prepare_q8(q, s), layouts.dequantize_int8(q, s)
-        xs = fake_quantize_tokens_int8(x) if act else x.float()
-        want = xs @ values.T
+    qt = quantize(w.to(torch.bfloat16), fmt)
+    resident, values = layouts.prepare_q8(qt), dequantize(qt, torch.float32)
+    # the reference's activation rule in f32 (ref.linear would round y to bf16)
+    want = ref.fake_quantize_activation(x, act, None).float() @ values.T if act else x.float() @ values.T
     res = {k: to_jax(v) for k, v in resident.items()}
     got = to_torch(matmul_q8(to_jax(x), res, fmt=fmt, act=act, out_dtype=jnp.float32, interpret=True))
     jnp_ref = to_torch(matmul_q8_reference(to_jax(x), res, fmt=fmt, act=act, out_dtype=jnp.float32))
     assert_nmse(jnp_ref, got, 1e-10, f"matmul {fmt} act {act} vs jnp reference")
-    if act == "fp8-token":
-        # The reference's rule, but XLA's f32 division is not correctly rounded (on the CPU, measured: up to 1 ulp
-        # off numpy/torch; a TPU's is approximate too), so a quotient on an exact E4M3 tie can round to the other
-        # neighbour: measured 1.3% of codes one E4M3 step off here, activation NMSE 1.6e-5 (a correctly rounded
-        # division in the pre-pass would remove it; not written yet).
-        from musecore_tpu.kernels.quantized import quantize_tokens
+    if act:
+        # The reference's rule, code for code: the pre-pass divides correctly rounded (XLA's division by a broadcast
+        # scale is a multiply by its reciprocal, and bf16 activations often sit exactly on a rounding tie; before
+        # that fix 1.3% of fp8-token codes here were one E4M3 step off).
         codes, scale = quantize_tokens(to_jax(x), act)
-        mine = to_torch(codes.astype(jnp.float32) * scale).to(torch.bfloat16)
+        mine = to_torch(codes.astype(jnp.float32) * scale)
         theirs = ref.fake_quantize_activation(x, act, None)
-        off = float((mine != theirs).float().mean())
-        print(f"fp8-token codes differing from the reference's rule: {off:.2%}")
-        assert off < 0.05
-        assert_nmse(theirs, mine, tolerance("linear"), "fp8-token activations vs the reference's rule")
-    # fp8-token: those codes and the reference's bf16 rounding of x-hat and y (measured 2.1e-5); else only order
+        off = float((mine.to(theirs.dtype) != theirs).float().mean())
+        print(f"{act} codes differing from the reference's rule: {off:.2%}")
+        assert off == 0.0, f"{off:.2%} of {act} codes differ from the reference's"
+    # fp8-token: the reference rounds x-hat to bf16 (2^-9 relative); int8-token keeps it f32: only the order differs
     tol = tolerance("linear") if act == "fp8-token" else 1e-10
     assert_nmse(want, got, tol, f"matmul {fmt} act {act} vs musecore reference")
     quant_err = nmse_of(x.float() @ w.T, got)
@@ -305,19 +327,19 @@ def test_single_pass_bf16_dots() -> None:
     assert errors["p.v"][0] > 1e-9, "f32 probabilities lose bits in one bf16 pass: keep HIGHEST for p.v"
 
 
-@pytest.mark.parametrize("act", ["fp8-token"])  # W8A16 (act None) runs in test_conformance.py's FP8 cases
-def test_backend_fp8_linear_through_its_custom_op(act: Optional[str]) -> None:
-    """``TpuBackend.prepare_weight`` keeps a per-tensor FP8 checkpoint weight as FP8 and ``linear`` runs the 8-bit
-    kernel through the registered ``linear_q8`` op, against musecore's reference linear (bf16 output)."""
+@pytest.mark.parametrize("fmt,act", [("fp8", "fp8-token"), ("int8", "int8-token")])  # W8A16: test_conformance
+def test_backend_8bit_linear_through_its_custom_op(fmt: str, act: Optional[str]) -> None:
+    """``TpuBackend.prepare_weight`` keeps a per-tensor FP8 / per-channel INT8 weight as it is and ``linear`` runs the
+    8-bit kernel through the registered ``linear_q8`` op, against musecore's reference linear (bf16 output)."""
     from musecore.backends.reference import ReferenceBackend
     from musecore_quant import quantize
     from musecore_tpu import TpuBackend
     gen = torch.Generator().manual_seed(4)
-    qt = quantize(torch.randn(256, 512, generator=gen) * 512 ** -0.5, "fp8")
+    qt = quantize(torch.randn(256, 512, generator=gen) * 512 ** -0.5, fmt)
     x = torch.randn(2, 3, 512, generator=gen).to(torch.bfloat16)
     backend = TpuBackend("cpu", interpret="jax")
     got = backend.linear(x, backend.prepare_weight(qt, "q_proj", act_format=act))
     reference = ReferenceBackend("cpu")
     want = reference.linear(x, reference.prepare_weight(qt, "q_proj", act_format=act))
     assert got.shape == (2, 3, 256) and got.dtype == torch.bfloat16
-    assert_nmse(want, got, tolerance("linear"), f"TpuBackend fp8 linear act {act} vs reference")
+    assert_nmse(want, got, tolerance("linear"), f"TpuBackend {fmt} linear act {act} vs reference")

@@ -196,10 +196,12 @@ def test_fp8_checkpoint_stays_fp8_on_tpu_v7_and_matches_the_reference(tmp_path) 
 
 
 # Logits NMSE bounds of tpu-v7-fp8 against the reference on the same FP8 weights. bf16 checkpoint: only the experts
-# become FP8 (fp8-token), measured 9.7e-5. nvfp4 checkpoint: every NVFP4 linear (attention, pooler) becomes FP8 with
+# become FP8 (fp8-token), measured 3.0e-5 (9.7e-5 before the pre-pass divided correctly rounded). nvfp4 checkpoint:
+# every NVFP4 linear (attention, pooler) becomes FP8 with
 # fp8-token too, and per-token E4M3 rounding amplifies any upstream difference (a code flips: 2^-4 relative); the
 # reference against ITSELF with x-hat kept in f32 instead of rounded to bf16 moves by 4.1e-3, the TPU path measured
-# 4.0e-3 (1.2e-3 against that f32 variant); bound 1e-2. A wrong kernel is far outside (W8A16 instead: 1.4e-2).
+# 2.9e-3 (4.0e-3 before the correctly rounded pre-pass; 1.2e-3 then against that f32 variant); bound 1e-2. A wrong
+# kernel is far outside (W8A16 instead: 1.4e-2).
 FP8_LOGIT_NMSE = {"bf16": LOGIT_NMSE, "nvfp4": 1e-2}
 
 
@@ -254,3 +256,51 @@ def test_tpu_v7_fp8_plan_is_off_by_default_and_816b_needs_about_one_byte_per_wei
     print(f"816B weights: tpu-v7 {default.memory_bytes / 2**30:.0f} GiB ({default.devices_needed} chips), "
           f"tpu-v7-fp8 {gib:.0f} GiB ({fp8.devices_needed} chips)")
     assert 780 <= gib <= 830 and fp8.devices_needed == 5, (gib, fp8.devices_needed)
+
+
+# Logits NMSE bounds of tpu-v6e-int8 against the reference on the same INT8 weights and int8-token rule. The kernels
+# produce the reference's codes (correctly rounded scales and quotients in the pre-pass; int32 sums are exact), so
+# what differs is f32 summation order and, rarely, one INT8 code of h where its two f32 values straddle a rounding
+# boundary. Measured: 4.1e-5 (bf16 checkpoint: experts only), 2.1e-5 (nvfp4: every NVFP4 linear becomes INT8 W8A8
+# too); the bound is the BF16 forward's. Before the pre-pass divided correctly rounded: 7.4e-4 and 4.8e-4 (XLA divides
+# by a broadcast scale as a multiply by its reciprocal, and a bf16 token with x = amax / 2 sits exactly on the tie
+# 63.5: one flipped code of z at layer 1 was amplified by every later layer's per-token rounding).
+INT8_LOGIT_NMSE = {"bf16": LOGIT_NMSE, "nvfp4": LOGIT_NMSE}
+
+
+@pytest.mark.parametrize("checkpoint", ["bf16", "nvfp4"])
+def test_tpu_v6e_int8_converts_experts_to_int8_runs_int8_token_and_matches_the_reference(tmp_path, checkpoint) -> None:
+    """The v6e throughput option: ``device="tpu-v6e-int8"`` (off by default) converts BF16 / NVFP4 experts (and an
+    NVFP4 checkpoint's linears) to per-channel INT8 at load and runs them W8A8 with per-token INT8 activations
+    through the grouped Pallas kernel and the 8-bit matmul; its logits equal the reference backend's on the same
+    converted weights and activation rule (``emulate=True``) within INT8_LOGIT_NMSE."""
+    import musecore.api as api
+    from musecore_quant import convert
+    from musecore_tpu import backend as tpu_backend
+    from musecore.api import BUNDLED
+    folder = BUNDLED / "muse-tiny"
+    if checkpoint != "bf16":
+        folder = tmp_path / f"muse-tiny-{checkpoint}"
+        convert(BUNDLED / "muse-tiny", folder, to=checkpoint, progress=False)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MUSECORE_TPU_INTERPRETER", "jax")
+        mp.setattr(tpu_backend, "probe_tpu",
+                   lambda: Probe(True, 70, ["tpu-v6e", "tpu-v6e-int8"], "1 x TPU v6 lite (tpu-v6e), faked"))
+        mp.setitem(api.TORCH_DEVICE_TYPE, "tpu", "cpu")
+        model = musecore.load(folder, device="tpu-v6e-int8", progress=False, towers=False)
+        experts = [g for g in model.plan.groups if g.group == "experts (quantized layers)"][0]
+        assert (experts.target_format, experts.act_format) == ("int8", "int8-token"), experts
+        moe = [o for o in model.plan.ops if o.op == "moe" and o.weight_format == "int8"]
+        assert moe and moe[0].act_format == "int8-token" and moe[0].tier == "native", moe
+        assert model.layers[1].mlp.experts.extra["tpu"][0]["q8"].dtype == torch.int8
+        logits = model.forward(ids)
+    reference = musecore.load(folder, device="tpu-v6e-int8", emulate=True, progress=False, towers=False)
+    assert reference.plan.backend == "reference"
+    want = reference.forward(ids)
+    unconverted = musecore.load(folder, device="cpu", progress=False, towers=False).forward(ids)
+    err, tol = nmse(want, logits), INT8_LOGIT_NMSE[checkpoint]
+    print(f"{checkpoint} muse-tiny on tpu-v6e-int8 vs the reference on the same INT8 weights: logits NMSE {err:.2e} "
+          f"(tolerance {tol:.0e}); vs the unconverted checkpoint {nmse(unconverted, logits):.2e}")
+    assert err <= tol, f"tpu-v6e-int8 logits NMSE {err:.3e} > {tol:.0e}"
+    assert nmse(unconverted, logits) > 2 * err, "the INT8 conversion left little trace: did the int8-token path run?"

@@ -99,6 +99,49 @@ def test_supports_answers_every_op_with_a_reason(monkeypatch: pytest.MonkeyPatch
     assert not w4a4.ok and "16-bit activations" in w4a4.reason
 
 
+def test_supports_int8_w8a16_anywhere_and_int8_token_only_on_v6e(monkeypatch: pytest.MonkeyPatch) -> None:
+    from musecore_tpu import TpuBackend
+    from musecore_tpu import backend as backend_module
+    monkeypatch.setattr(backend_module, "jax_missing", lambda: None)
+    backend = TpuBackend("cpu")
+    for op in ("linear", "moe"):
+        assert backend.supports(op, OpSpec(op, weight_format="int8")).ok  # W8A16
+        w8a8 = backend.supports(op, OpSpec(op, weight_format="int8", act_format="int8-token", device="tpu-v6e-int8"))
+        assert w8a8.ok and "int8 MXU" in w8a8.reason and "int32" in w8a8.reason, w8a8.reason
+        v7 = backend.supports(op, OpSpec(op, weight_format="int8", act_format="int8-token", device="tpu-v7"))
+        assert not v7.ok and "no int8 rate" in v7.reason
+        fp8_acts = backend.supports(op, OpSpec(op, weight_format="int8", act_format="fp8-token"))
+        assert not fp8_acts.ok and "'int8-token'" in fp8_acts.reason
+        fp8_on_v6e = backend.supports(op, OpSpec(op, weight_format="fp8", act_format="fp8-token",
+                                                 device="tpu-v6e-int8"))
+        assert not fp8_on_v6e.ok and "no FP8 rate" in fp8_on_v6e.reason
+
+
+@pytest.mark.parametrize("kind,devices", [("TPU v6 lite", ["tpu-v6e", "tpu-v6e-int8"]),
+                                          ("TPU7x", ["tpu-v7", "tpu-v7-fp8"])])
+def test_probe_lists_the_8bit_option_after_the_chip_s_own_device(monkeypatch: pytest.MonkeyPatch, kind: str,
+                                                                 devices: list) -> None:
+    """On a chip (simulated: torch_tpu's modules faked), the probe lists the chip's device first, so ``auto`` picks
+    it, and the 8-bit W8A8 option after it (asked for by name)."""
+    import sys
+    import types
+    from musecore_tpu import backend as backend_module
+    monkeypatch.setattr(backend_module.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "torch_tpu" else importlib.util.find_spec(name, *a))
+    ops_backend = types.SimpleNamespace(_get_local_device_attributes=lambda: {"device_kind": kind})
+    device_module = types.ModuleType("torch_tpu._internal.device")
+    device_module._device_ops_backend = ops_backend
+    for name, module in (("torch_tpu", types.ModuleType("torch_tpu")),
+                         ("torch_tpu._internal", types.ModuleType("torch_tpu._internal")),
+                         ("torch_tpu._internal.device", device_module)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: types.SimpleNamespace(type="tpu"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda *a, **k: 1)
+    probe = backend_module.probe_tpu()
+    assert probe.available and probe.devices == devices, (probe.reason, probe.devices)
+    assert all(get_profile(d).backend == "tpu" for d in devices)
+
+
 def test_kernel_ops_say_no_with_the_reason_when_jax_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     from musecore_tpu import TpuBackend
     from musecore_tpu import backend as backend_module
@@ -175,8 +218,9 @@ def test_benchmark_cases_skip_with_the_reason_without_a_tpu() -> None:
             run()
 
 
-def test_int4_resident_bytes_count_the_f32_scales() -> None:
+def test_int4_and_int8_resident_bytes_count_the_f32_scales() -> None:
     from musecore_tpu import TpuBackend
     backend = TpuBackend()
     assert backend.resident_bytes("int4", 4096, 4096) == 4096 * 4096 // 2 + 4096 * 32 * 4
+    assert backend.resident_bytes("int8", 1024, 4096, experts=8) == 8 * (1024 * 4096 + 1024 * 4)
     assert backend.resident_bytes("mxfp4", 4096, 4096) is None

@@ -24,7 +24,7 @@ def configs(size: str) -> list[tiling.KernelConfig]:
             out += [tiling.matmul_config(fmt, m, k, n) for m in TOKENS]
         for fmt, act in (("int8", None), ("int8", "int8-token"), ("fp8", None), ("fp8", "fp8-token")):
             out += [tiling.q8_config(fmt, act, m, k, n) for m in TOKENS]
-    for fmt, act in [(f, None) for f in FORMATS + ("fp8",)] + [("fp8", "fp8-token")]:
+    for fmt, act in [(f, None) for f in FORMATS + ("fp8", "int8")] + [("fp8", "fp8-token"), ("int8", "int8-token")]:
         for t in TOKENS:
             out += tiling.moe_configs(fmt, t, c.num_experts_per_tok, c.num_experts, c.moe_hidden_size,
                                       c.moe_intermediate_size, act=act)
@@ -56,3 +56,18 @@ def test_the_rules_themselves() -> None:
     assert tiling.Block("x", (32, 256), (64, 512), "u8").violation() is None
     assert tiling.Block("x", (16, 64), (16, 64), "bf16").violation() is None      # equal to the array: allowed
     assert tiling.Block("x", (16, 64), (16, 128), "bf16").violation() is not None
+    assert tiling.Block("x", (16, 128), (64, 128), "i8").violation() is not None   # int8 packs 32 rows
+
+
+def test_int8_token_moe_blocks_are_int8_rows_with_int32_accumulators() -> None:
+    """The W8A8 INT8 grouped kernels: 32-row tiles of int8 codes, per-row f32 scales, the experts' per-channel f32
+    scales as ``[1, tn]`` blocks, int32 accumulators; the 816B shapes fit v7's 64 MiB (they run on v6e's 128)."""
+    c = preset("816b")
+    gate_up, down = tiling.moe_configs("int8", 4096, c.num_experts_per_tok, c.num_experts, c.moe_hidden_size,
+                                       c.moe_intermediate_size, act="int8-token")
+    blocks = {b.name: b for b in gate_up.blocks}
+    assert blocks["x rows int8"].dtype == "i8" and blocks["x rows int8"].shape[0] % 32 == 0
+    assert blocks["acc gate"].dtype == "i32" and blocks["w scale gate"].shape[0] == 1
+    assert {b.name: b for b in down.blocks}["acc"].dtype == "i32"
+    for cfg in (gate_up, down):
+        assert not cfg.violations() and cfg.vmem_bytes <= smallest_vmem(), (cfg.kernel, cfg.vmem_bytes)

@@ -147,7 +147,7 @@ def dequantize_resident(w: dict, fmt: str, group: int, K: int) -> jax.Array:
     """f32 ``W^T [K, N]`` of a resident weight, by table lookup and reshapes (no code shared with the kernel)."""
     if fmt in ("bf16", "fp16", "fp32"):
         return w["wt"].astype(jnp.float32)
-    if fmt == "fp8":
+    if fmt in ("fp8", "int8"):  # per-tensor [1, 1] or per-channel [1, N] scale
         return w["q8"].astype(jnp.float32) * w["wscale"].astype(jnp.float32).reshape(1, -1)
     codes = w["codes"].astype(jnp.int32)  # [K/2, N] half-split per K tile
     N = codes.shape[1]

@@ -19,6 +19,12 @@ after the K sum; ``h = silu(g) * u`` (f32) is re-quantized per row to E4M3 by a 
 row amax needs all of ``I``, which one kernel-A tile does not have); kernel B does the same for down. Rows tiles are
 rounded to 32 rows (8-bit operands tile (32, 128)).
 
+``act="int8-token"`` (INT8 experts only; W8A8 on v6e's int8 MXU, musecore's ``int8-token`` rule): the same steps with
+per-token / per-row INT8 codes (``amax / 127``, round half to even, +-127) and the experts' INT8 codes with one f32
+scale per output channel (musecore_quant's ``int8`` codec); int8 x int8 products accumulate exactly in int32, and
+``xscale_t * wscale_n`` (``wscale`` a ``[1, tn]`` block of the expert's channel scales) multiplies the sum at the
+end. INT8 experts with ``act=None`` (W8A16) decode ``q * wscale`` in f32, like FP8's W8A16.
+
 Tiles beyond the routed rows (the grid is sized for the worst case, ``cdiv(T*k, tr) + min(E, T*k)`` tiles) are
 skipped with ``pl.when`` and write zeros.
 """
@@ -39,15 +45,21 @@ from musecore_tpu.kernels.matmul import HIGHEST, dequantize_resident, interpret_
 from musecore_tpu.kernels.quantized import quantize_tokens
 
 PACKED = ("int4", "mxfp4", "nvfp4")
-ACT_FORMATS = (None, "fp8-token")
+Q8 = ("fp8", "int8")  # 8-bit resident weights: {"q8": codes [E, K, N], "wscale": [E, 1, 1] (fp8) | [E, 1, N] (int8)}
+ACT_FORMATS = (None, "fp8-token", "int8-token")
 
 
 def check_act(fmt: str, act: Optional[str]) -> None:
-    """``fp8-token`` experts need FP8 weights (E4M3 x E4M3 is one MXU operand type)."""
+    """``fp8-token`` experts need FP8 weights, ``int8-token`` INT8 ones (the MXU takes one 8-bit operand type)."""
     if act not in ACT_FORMATS:
         raise ValueError(f"moe activations: {act!r}; the TPU grouped kernel takes {ACT_FORMATS}")
-    if act == "fp8-token" and fmt != "fp8":
-        raise ValueError(f"fp8-token expert activations need fp8 expert weights; got {fmt}")
+    if act is not None and act.removesuffix("-token") != fmt:
+        raise ValueError(f"{act} expert activations need {act.removesuffix('-token')} expert weights; got {fmt}")
+
+
+def _int_acc(act: Optional[str]) -> bool:
+    """int8 x int8 accumulates exactly in int32; every other path in f32."""
+    return act == "int8-token"
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -56,7 +68,7 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def _stack(w: dict, fmt: str) -> jax.Array:
     """The stacked ``[E, K', N]`` array of a resident expert weight (its shape gives E and N)."""
-    return w["codes"] if fmt in PACKED else w["q8"] if fmt == "fp8" else w["wt"]
+    return w["codes"] if fmt in PACKED else w["q8"] if fmt in Q8 else w["wt"]
 
 
 def route(ids: jax.Array, num_experts: int, tr: int) -> dict[str, jax.Array]:
@@ -90,6 +102,12 @@ def _weight_specs(w: dict, fmt: str, group: int, tk: int, tn: int, k_axis: int, 
     if fmt == "fp8":  # E4M3 codes and the expert's per-tensor scale
         return [w["q8"], w["wscale"].astype(jnp.float32)], [
             pl.BlockSpec((None, tk, tn), index), pl.BlockSpec((None, 1, 1), lambda *a: (a[-2][a[0]], 0, 0))]
+    if fmt == "int8":  # INT8 codes and the expert's f32 scales of the tile's output channels
+        def channel_index(*grid_and_refs):
+            expert, _k, n = index(*grid_and_refs)
+            return expert, 0, n
+        return [w["q8"], w["wscale"].astype(jnp.float32)], [
+            pl.BlockSpec((None, tk, tn), index), pl.BlockSpec((None, 1, tn), channel_index)]
     if fmt not in PACKED:
         return [w["wt"]], [pl.BlockSpec((None, tk, tn), index)]
     operands = [w["codes"], w["scales"]]
@@ -106,13 +124,14 @@ def _weight_specs(w: dict, fmt: str, group: int, tk: int, tn: int, k_axis: int, 
 def _take_weight(fmt: str, group: int, has_zeros: bool, refs: list, act: Optional[str] = None
                  ) -> tuple[Any, list]:
     """Pop one weight's refs; return a function giving its f32 tile halves (or the dense tile) and the rest.
-    With ``act``: the function gives (the E4M3 codes tile, the expert's f32 scale)."""
-    if act == "fp8-token":
+    With ``act``: the function gives (the 8-bit codes tile, the f32 scale: FP8's per expert, INT8's ``[1, tn]``)."""
+    if fmt in Q8:
         q8, ws = refs.pop(0), refs.pop(0)
-        return (lambda: (q8[...], ws[0, 0])), refs
-    if fmt == "fp8":  # the reference's dequantization: fp32(e4m3) * scale, rounded once in f32
-        q8, ws = refs.pop(0), refs.pop(0)
-        return (lambda: q8[...].astype(jnp.float32) * ws[0, 0]), refs
+        scale = (lambda: ws[0, 0]) if fmt == "fp8" else (lambda: ws[...])
+        if act:
+            return (lambda: (q8[...], scale())), refs
+        # W8A16: the reference's dequantization, fp32(code) * scale, rounded once in f32
+        return (lambda: q8[...].astype(jnp.float32) * scale()), refs
     if fmt not in PACKED:
         wt = refs.pop(0)
         return (lambda: wt[...].astype(jnp.float32)), refs
@@ -126,6 +145,8 @@ def _take_weight(fmt: str, group: int, has_zeros: bool, refs: list, act: Optiona
 def _matmul_step(x: jax.Array, weight: Any, fmt: str, act: Optional[str] = None) -> jax.Array:
     if act == "fp8-token":  # E4M3 x E4M3 -> f32: every product exact; scales after the K sum
         return jnp.dot(x, weight()[0], preferred_element_type=jnp.float32)
+    if act == "int8-token":  # int8 x int8 -> int32: exact; scales after the K sum
+        return jnp.dot(x, weight()[0], preferred_element_type=jnp.int32)
     if fmt not in PACKED:
         return _dot(x, weight())
     lo, hi = weight()
@@ -154,8 +175,8 @@ def _gate_up_kernel(fmt: str, group: int, has_zeros: bool, act: Optional[str], t
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
-        g, u = acc_g[...], acc_u[...]
-        if act:  # x-hat @ W-hat = (codes @ codes) * xscale_t * wscale_e
+        g, u = acc_g[...].astype(jnp.float32), acc_u[...].astype(jnp.float32)
+        if act:  # x-hat @ W-hat = (codes @ codes) * xscale_t * wscale (per expert, or per output channel)
             g = g * xs_ref[...] * gate()[1]
             u = u * xs_ref[...] * up()[1]
         h_ref[...] = g * jax.nn.sigmoid(g) * u
@@ -179,7 +200,7 @@ def _down_kernel(fmt: str, group: int, has_zeros: bool, act: Optional[str], act_
 
     @pl.when(k == pl.num_programs(1) - 1)
     def _():
-        y = acc[...] * hs_ref[...] * down()[1] if act else acc[...]
+        y = acc[...].astype(jnp.float32) * hs_ref[...] * down()[1] if act else acc[...]
         e = y.astype(act_dtype)                                            # the expert's output, rounded
         scaled = (e.astype(jnp.float32) * norm_ref[...].astype(jnp.float32)).astype(act_dtype)  # scale first
         s = scaled.astype(jnp.float32)
@@ -191,7 +212,8 @@ def _down_kernel(fmt: str, group: int, has_zeros: bool, act: Optional[str], act_
 def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, down: dict, post_norm: jax.Array,
         *, fmt: str, group: int = 0, eps: float, act: Optional[str] = None, interpret: bool = False) -> jax.Array:
     """``y [T, h]`` f32 of the routed experts (resident weights from :mod:`musecore_tpu.layouts`, stacked [E, ...]);
-    ``act="fp8-token"``: W8A8 FP8 experts with per-token activation scales (module docstring)."""
+    ``act="fp8-token"`` / ``"int8-token"``: W8A8 FP8 / INT8 experts with per-token activation scales (module
+    docstring)."""
     check_act(fmt, act)
     T, hidden = z.shape
     k = ids.shape[1]
@@ -200,7 +222,8 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
     plan = route(ids, E, tr)
     tiles, R = plan["tiles"], plan["tiles"] * tr
     token = plan["order"] // k
-    row_scale = [pl.BlockSpec((tr, 1), lambda i, *rest: (i, 0))] if act else []  # fp8-token: f32 scale per row
+    row_scale = [pl.BlockSpec((tr, 1), lambda i, *rest: (i, 0))] if act else []  # W8A8: f32 scale per row
+    acc_dtype = jnp.int32 if _int_acc(act) else jnp.float32
     if act:  # each token quantized once (its row amax), then gathered into its k routed rows; padding: code 0
         zq, zs = quantize_tokens(z, act)
         x_rows = jnp.zeros((R, hidden), zq.dtype).at[plan["position"]].set(zq[token])
@@ -222,7 +245,7 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
             num_scalar_prefetch=2, grid=(tiles, inter // tn, hidden // tk),
             in_specs=[pl.BlockSpec((tr, tk), lambda i, j, kk, te, tv: (i, kk))] + row_scale + g_specs + u_specs,
             out_specs=pl.BlockSpec((tr, tn), lambda i, j, kk, te, tv: (i, j)),
-            scratch_shapes=[pltpu.VMEM((tr, tn), jnp.float32), pltpu.VMEM((tr, tn), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((tr, tn), acc_dtype), pltpu.VMEM((tr, tn), acc_dtype)]),
         out_shape=jax.ShapeDtypeStruct((R, inter), jnp.float32), compiler_params=semantics,
         interpret=interpret_mode(interpret),
     )(plan["tile_expert"], plan["tile_valid"], x_rows, *x_scale, *g_ops, *u_ops)
@@ -242,7 +265,7 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
                      + [pl.BlockSpec((1, hidden), lambda i, kk, te, tv: (0, 0)),
                         pl.BlockSpec((tr, 1), lambda i, kk, te, tv: (i, 0))],
             out_specs=pl.BlockSpec((tr, hidden), lambda i, kk, te, tv: (i, 0)),
-            scratch_shapes=[pltpu.VMEM((tr, hidden), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((tr, hidden), acc_dtype)]),
         out_shape=jax.ShapeDtypeStruct((R, hidden), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret_mode(interpret),
@@ -252,8 +275,8 @@ def moe(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, 
 
 def moe_reference(z: jax.Array, weights: jax.Array, ids: jax.Array, gate: dict, up: dict, down: dict,
                   post_norm: jax.Array, *, fmt: str, group: int = 0, eps: float, act: Optional[str] = None) -> jax.Array:
-    """The same contract in plain jnp, expert by expert over all tokens (masked), dense weights; ``fp8-token``:
-    dequantized per-token E4M3 activations (z, then h) times the dequantized weights, f32 math."""
+    """The same contract in plain jnp, expert by expert over all tokens (masked), dense weights; ``fp8-token`` /
+    ``int8-token``: dequantized per-token 8-bit activations (z, then h) times the dequantized weights, f32 math."""
     check_act(fmt, act)
 
     def fq(x: jax.Array) -> jax.Array:

@@ -2,8 +2,8 @@
 
 ``y = x @ W^T`` with ``W^T`` resident K-major as 8-bit codes ``q8 [K, N]`` and an f32 scale, ``W = q8 * wscale``:
 
-- ``int8``: symmetric per output channel, ``wscale [1, N] = amax(|W_n|) / 127`` (:func:`musecore_tpu.layouts.quantize_int8`; musecore
-  has no INT8 checkpoint format, so this is a conversion at load: 1 byte + 4/K bytes per weight, half of BF16);
+- ``int8``: symmetric per output channel, ``wscale [1, N] = amax(|W_n|) / 127`` (musecore_quant's ``int8`` codec, a
+  load-time target of the ``tpu-v6e-int8`` device: 1 byte + 4/K bytes per weight, half of BF16);
 - ``fp8``: E4M3 with one per-tensor scale, ``wscale [1, 1]`` (musecore_quant's FP8 codec, ModelOpt's rule).
 
 Activations, ``act``:
@@ -16,7 +16,9 @@ Activations, ``act``:
   with scale ``amax(|x_t|) / 448``; E4M3 x E4M3 dots accumulate in f32 (every product is exact in f32).
 
 The activation quantization is a jnp pre-pass (one read of ``x``: its row amax needs all of K, a K tile does not
-have it); XLA fuses it on a TPU. :func:`matmul_q8` is the Pallas kernel, :func:`matmul_q8_reference` the same
+have it); XLA fuses it on a TPU. Its scales and quotients are correctly rounded, so its codes are exactly those of
+musecore's reference rule (:func:`divide_correctly_rounded`). :func:`matmul_q8` is the Pallas kernel,
+:func:`matmul_q8_reference` the same
 contract in plain jnp (dequantize everything, one f32 matmul).
 """
 
@@ -39,18 +41,63 @@ INT8_MAX = 127.0
 E4M3_MAX = 448.0
 
 
+def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Veltkamp's split of f32 ``a`` into ``hi + lo``, each with at most 12 significant bits (so their products are
+    exact in f32)."""
+    t = a * 4097.0
+    hi = t - (t - a)
+    return hi, a - hi
+
+
+def _product_error(a: jax.Array, b: jax.Array, p: jax.Array) -> jax.Array:
+    """``a * b - p`` exactly, for ``p = fl(a * b)`` (Dekker's TwoProduct; no FMA needed)."""
+    a_hi, a_lo = _split(a)
+    b_hi, b_lo = _split(b)
+    return ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+
+
+def divide_correctly_rounded(x: jax.Array, s: jax.Array) -> jax.Array:
+    """``x / s`` correctly rounded in f32 (``s > 0``), as musecore's reference divides; the hardware's quotient can be
+    an ulp off, and bf16 activations often sit exactly on a code's rounding tie (``x = amax / 2`` is ``63.5`` steps
+    before ``amax / 127`` is rounded), where one ulp decides the code. Of the hardware's quotient and its two
+    neighbours, the one whose residual ``x - c*s`` is smallest: ``c*s = p + e`` exactly (:func:`_product_error`),
+    ``x - p`` is exact (Sterbenz), so ``(x - p) - e`` is the residual to 2^-24 of itself, far finer than the gap
+    ``ulp(c) * s`` between neighbours. Exact while the product's error terms stay normal f32 (``|x| > 2^-75``;
+    below, XLA flushes them to zero): a code's rounding boundary there would need a row amax below 2^-58."""
+    def residual(c: jax.Array) -> jax.Array:
+        p = c * s
+        return jnp.abs((x - p) - _product_error(c, s, p))
+    best = x / s
+    best_residual = residual(best)
+    for candidate in (jnp.nextafter(best, jnp.inf), jnp.nextafter(best, -jnp.inf)):
+        r = residual(candidate)
+        best = jnp.where(r < best_residual, candidate, best)
+        best_residual = jnp.minimum(r, best_residual)
+    return best
+
+
+def token_scale(amax: jax.Array, act: str) -> jax.Array:
+    """The reference's per-token scale, correctly rounded: ``amax / 127`` (``int8-token``) or ``amax / 448``
+    (``fp8-token``); 1.0 where it is 0. (XLA turns a division by a constant into a multiply by its reciprocal:
+    measured, 4% of ``amax / 127`` scales an ulp off on this CPU.)"""
+    top = INT8_MAX if act == "int8-token" else E4M3_MAX
+    scale = divide_correctly_rounded(amax, jnp.full_like(amax, top))
+    return jnp.where(scale == 0, 1.0, scale)
+
+
 def quantize_tokens(x: jax.Array, act: str) -> tuple[jax.Array, jax.Array]:
     """Rows of ``x [M, K]`` -> (8-bit codes, f32 scale per row ``[M, 1]``); a zero row gets scale 1.0.
 
     ``fp8-token`` is musecore's reference rule (``musecore.ops.reference.fake_quantize_activation``): the f32
     quotient clamped to +-448, cast to E4M3 (round to nearest even). ``int8-token``: round to nearest even,
-    clamped to +-127 (symmetric, no -128)."""
+    clamped to +-127 (symmetric, no -128). The scales (:func:`token_scale`) and the quotients ``x / scale``
+    (:func:`divide_correctly_rounded`) are correctly rounded, as the reference's, so the codes are the reference's
+    codes: a one-pass elementwise prologue (a few dozen VPU flops per value; the amax needs the whole row anyway)."""
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
     top = INT8_MAX if act == "int8-token" else E4M3_MAX
-    scale = amax / top
-    scale = jnp.where(scale == 0, 1.0, scale)
-    quotient = jnp.clip(xf / scale, -top, top)
+    scale = token_scale(amax, act)
+    quotient = jnp.clip(divide_correctly_rounded(xf, scale), -top, top)
     if act == "int8-token":
         return jnp.round(quotient).astype(jnp.int8), scale
     return quotient.astype(jnp.float8_e4m3fn), scale

@@ -20,7 +20,7 @@ from musecore_quant.formats.facts import block_size
 
 LANES = 128
 SUBLANES_32BIT = 8
-BYTES = {"f32": 4, "i32": 4, "bf16": 2, "u8": 1, "fp8": 1}
+BYTES = {"f32": 4, "i32": 4, "bf16": 2, "u8": 1, "i8": 1, "fp8": 1}
 
 
 def sublane_multiple(dtype: str) -> int:
@@ -96,7 +96,7 @@ def k_tile(fmt: str, K: int, group: Optional[int] = None) -> int:
     """K per grid step. 4-bit: the scale block ``[tk/g, tn]`` must have a legal second-minor dim (8 f32 rows for
     INT4 scales, 32 u8 rows for E8M0/E4M3), so ``tk = g * rows`` (INT4 g128: 1024, MXFP4: 1024, NVFP4: 512),
     halved down to 2 rows' worth when K is smaller; K itself when nothing legal divides it (one K step)."""
-    if fmt in ("bf16", "fp16", "fp32", "fp8"):  # fp8: per-tensor scale, no block rule
+    if fmt in ("bf16", "fp16", "fp32", "fp8", "int8"):  # fp8 / int8: per-tensor / per-channel scale, no block rule
         for tk in (TILE_K_DENSE, 256, 128):
             if K % tk == 0:
                 return tk
@@ -123,9 +123,12 @@ def m_tile(M: int, dtype: str = "bf16") -> int:
 def weight_blocks(fmt: str, K: int, N: int, tk: int, tn: int, group: Optional[int], label: str = "") -> list[Block]:
     """One weight's blocks for a ``[tk, tn]`` tile of ``W^T [K, N]``, and the f32 tile the kernel decodes (the
     decoded values and the broadcast block scales: two f32 tiles, counted once each)."""
-    if fmt in ("bf16", "fp16", "fp32", "fp8"):
-        wdt = {"fp32": "f32", "fp8": "fp8"}.get(fmt, "bf16")
-        return [Block("w^T" + label, (tk, tn), (K, N), wdt), Block("w f32" + label, (tk, tn), (K, N), "f32", 1)]
+    if fmt in ("bf16", "fp16", "fp32", "fp8", "int8"):
+        wdt = {"fp32": "f32", "fp8": "fp8", "int8": "i8"}.get(fmt, "bf16")
+        blocks = [Block("w^T" + label, (tk, tn), (K, N), wdt), Block("w f32" + label, (tk, tn), (K, N), "f32", 1)]
+        if fmt == "int8":  # one f32 scale per output channel: a [1, tn] block of [1, N]
+            blocks.append(Block("w scale" + label, (1, tn), (1, N), "f32"))
+        return blocks
     g = group or GROUP[fmt]
     blocks = [Block("codes" + label, (tk // 2, tn), (K // 2, N), "u8"),
               Block("scales" + label, (tk // g, tn), (K // g, N), SCALE_DTYPE[fmt])]
@@ -184,7 +187,8 @@ TILE_ROWS = 128  # routed rows per grouped-matmul tile (each tile belongs to one
 
 def rows_tile(rows: int, experts: int, act: Optional[str] = None) -> int:
     """Routed rows per tile: about the rows an expert gets (``rows / min(E, rows)``), rounded to bf16's 16
-    sublanes (32 for 8-bit ``fp8-token`` rows), at most 128. Decode (8 rows over 8 experts) gets 16-row tiles,
+    sublanes (32 for 8-bit ``fp8-token`` / ``int8-token`` rows), at most 128. Decode (8 rows over 8 experts) gets
+    16-row tiles,
     not 128 rows of padding."""
     per_expert = cdiv(max(rows, 1), max(min(experts, rows), 1))
     return min(TILE_ROWS, round_up(per_expert, 32 if act else 16))
@@ -194,26 +198,30 @@ def moe_configs(fmt: str, tokens: int, top_k: int, experts: int, hidden: int, in
                 group: Optional[int] = None, act: Optional[str] = None) -> list[KernelConfig]:
     """Blocks of the two grouped kernels of :mod:`musecore_tpu.kernels.moe`: gate/up + SwiGLU over ``[tr, tn]``
     output tiles, and down + finalize over full ``h``-wide rows (the post-expert norm needs the whole row).
-    ``act="fp8-token"``: 8-bit row operands and their per-row f32 scales."""
+    ``act="fp8-token"`` / ``"int8-token"``: 8-bit row operands and their per-row f32 scales (int32 accumulators
+    for ``int8-token``)."""
     rows = tokens * top_k
     tr = rows_tile(rows, experts, act)
     tiles = cdiv(rows, tr) + min(experts, rows)
     R = tiles * tr
     tk, tn = k_tile(fmt, hidden, group), n_tile(inter)
+    code = {"fp8-token": ("e4m3", "fp8"), "int8-token": ("int8", "i8")}.get(act or "", ("", ""))
+    acc = "i32" if act == "int8-token" else "f32"
     if act:
-        gate_up = [Block("x rows e4m3", (tr, tk), (R, hidden), "u8"), Block("x scale", (tr, 1), (R, 1), "f32")]
+        gate_up = [Block(f"x rows {code[0]}", (tr, tk), (R, hidden), code[1]),
+                   Block("x scale", (tr, 1), (R, 1), "f32")]
     else:
         gate_up = [Block("x rows", (tr, tk), (R, hidden), "bf16"), Block("x f32", (tr, tk), (R, hidden), "f32", 1)]
     gate_up += weight_blocks(fmt, hidden, inter, tk, tn, group, " gate") + weight_blocks(fmt, hidden, inter, tk, tn,
                                                                                           group, " up")
-    gate_up += [Block("h", (tr, tn), (R, inter), "f32"), Block("acc gate", (tr, tn), (R, inter), "f32", 1),
-                Block("acc up", (tr, tn), (R, inter), "f32", 1)]
+    gate_up += [Block("h", (tr, tn), (R, inter), "f32"), Block("acc gate", (tr, tn), (R, inter), acc, 1),
+                Block("acc up", (tr, tn), (R, inter), acc, 1)]
     tk2 = k_tile(fmt, inter, group)
-    h_blocks = ([Block("h e4m3", (tr, tk2), (R, inter), "u8"), Block("h scale", (tr, 1), (R, 1), "f32")] if act
+    h_blocks = ([Block(f"h {code[0]}", (tr, tk2), (R, inter), code[1]), Block("h scale", (tr, 1), (R, 1), "f32")] if act
                 else [Block("h", (tr, tk2), (R, inter), "f32")])
     down = h_blocks + weight_blocks(fmt, inter, hidden, tk2, hidden, group, " down")
     down += [Block("post norm", (1, hidden), (1, hidden), "bf16"), Block("routing weight", (tr, 1), (R, 1), "f32"),
-             Block("rows out", (tr, hidden), (R, hidden), "f32"), Block("acc", (tr, hidden), (R, hidden), "f32", 1)]
+             Block("rows out", (tr, hidden), (R, hidden), "f32"), Block("acc", (tr, hidden), (R, hidden), acc, 1)]
     name = fmt + ("-" + act if act else "")
     return [KernelConfig(f"moe-gate-up-{name}", tuple(gate_up), (tiles, inter // tn, hidden // tk)),
             KernelConfig(f"moe-down-{name}", tuple(down), (tiles, inter // tk2))]
