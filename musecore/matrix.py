@@ -59,6 +59,10 @@ JSON_KEYS = ("device", "format", "mode", "perplexity", "delta_perplexity_pct", "
              "top1_agreement", "top1_agreement_ci", "max_abs_logit_error", "requantization", "status", "note")
 DENSE_GROUPS = ("attention", "pooler/unpooler", "lm_head")  # what xeon6 quantizes at load by default
 AUTOROUND_RECIPES = ("int4-autoround", "int4-autoround-dense")
+GPTQ_RECIPES = ("int4-gptq", "int4-gptq-dense", "mxfp4-gptq")
+# GPTQ's Hessians want more rows than AutoRound's per-expert samples: all 14,407 tokens of the calibration
+# modules, cut to 28 windows of 512 (the first 2,048 are the other recipes' calibration tokens).
+GPTQ_CALIBRATION_TOKENS = 14336
 METRICS = ("perplexity", "delta_perplexity_pct", "kl", "top1_agreement", "max_abs_logit_error")
 
 
@@ -71,15 +75,17 @@ class RowSpec:
     checkpoint: str    # key of RECIPES
     explanation: str   # what the device does with that checkpoint
     # passed to ``musecore.load``: False (most rows) converts only what the checkpoint quantized,
-    # so the rows compare formats on the same weights; None is the device's own default
-    quantize_dense: Optional[bool] = False
+    # so the rows compare formats on the same weights; None is the device's own default; a tuple of
+    # group names converts only those (a mixed plan: the others stay as the checkpoint has them)
+    quantize_dense: Union[None, bool, tuple[str, ...]] = False
     # the load-time rule (MUSECORE_REQUANTIZATION): "producer" bytes or the "least-error" search
     requantization: str = "producer"
 
     @property
     def id(self) -> str:
-        return (f"{self.device}/{self.checkpoint}" + ("" if self.quantize_dense is False else "+dense")
-                + ("+least-error" if self.requantization == "least-error" else ""))
+        dense = ("" if self.quantize_dense is False else
+                 "+" + "+".join(self.quantize_dense) if isinstance(self.quantize_dense, tuple) else "+dense")
+        return f"{self.device}/{self.checkpoint}{dense}" + ("+least-error" if self.requantization == "least-error" else "")
 
 
 ROWS: tuple[RowSpec, ...] = (
@@ -99,6 +105,15 @@ ROWS: tuple[RowSpec, ...] = (
             "BF16 quantized straight to MXFP4 (Quark rule); MXFP4 activations"),
     RowSpec("mi355x", "mxfp4 (from bf16, least-error)", "mxfp4-least-error",
             "BF16 quantized straight to MXFP4, exponents searched for the least error; MXFP4 activations"),
+    RowSpec("mi355x", "mxfp4 (GPTQ from bf16, fitted to MXFP4 activations)", "mxfp4-gptq",
+            "experts rounded to MXFP4 (EVEN scales) by GPTQ, each on a Hessian of its routed inputs quantized to "
+            "MXFP4 as the device quantizes them; MXFP4 activations"),
+    RowSpec("mi300x", "mxfp4 W4A16 (from bf16, EVEN)", "mxfp4",
+            "the mi355x EVEN checkpoint with 16-bit activations (gfx942 has no FP4 matrix cores): the same weights "
+            "without activation quantization, to split the mi355x loss into weights and activations"),
+    RowSpec("mi300x", "mxfp4 W4A16 (requantized from nvfp4, least-error)", "nvfp4",
+            "the NVFP4 checkpoint requantized to MXFP4 at load (least-error), 16-bit activations: the mi355x "
+            "requantized row without activation quantization", requantization="least-error"),
     RowSpec("xeon6", "int4 (RTN)", "int4-rtn",
             "INT4 g128 symmetric experts, round to nearest; BF16 activations and dense weights"),
     RowSpec("xeon6", "int4 (AutoRound)", "int4-autoround", "INT4 g128 symmetric experts with AutoRound-tuned rounding"),
@@ -114,7 +129,25 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("xeon6", "int4 (AutoRound) + dense AutoRound (default plan)", "int4-autoround-dense",
             "AutoRound experts, and attention, pooler/unpooler and lm_head tuned by AutoRound on their own "
             "inputs and stored INT4 in the checkpoint (xeon6 keeps them as they are)", quantize_dense=None),
+    RowSpec("xeon6", "int4 (GPTQ)", "int4-gptq",
+            "INT4 g128 symmetric experts rounded by GPTQ (act-order, Hessians of the routed inputs weighted by "
+            "routing weight / output RMS, layer by layer); BF16 activations and dense weights"),
+    RowSpec("xeon6", "int4 (GPTQ) + dense GPTQ (default plan)", "int4-gptq-dense",
+            "GPTQ experts, and attention, pooler/unpooler and lm_head rounded by GPTQ on the Hessians of their "
+            "inputs in the BF16 model, stored INT4 in the checkpoint (xeon6 keeps them as they are)",
+            quantize_dense=None),
+    RowSpec("xeon6", "int4 (RTN) + pooler/unpooler, lm_head INT4 least-error; attention BF16 (mixed plan)", "int4-rtn",
+            "a mixed plan: the RTN checkpoint with pooler/unpooler and lm_head quantized at load (least-error) and "
+            "attention kept BF16 (quantize_dense=('pooler/unpooler', 'lm_head'))",
+            quantize_dense=("pooler/unpooler", "lm_head"), requantization="least-error"),
+    RowSpec("xeon6", "int4 (RTN) + lm_head INT4 least-error; attention, pooler/unpooler BF16 (mixed plan)",
+            "int4-rtn", "a mixed plan: the RTN checkpoint with only lm_head quantized at load (least-error); "
+            "attention and pooler/unpooler kept BF16 (quantize_dense=('lm_head',))",
+            quantize_dense=("lm_head",), requantization="least-error"),
     RowSpec("tpu-v6e", "bf16", "bf16", "BF16 weights and activations"),
+    RowSpec("tpu-v6e-int8", "int8 W8A8 per token (requantized from nvfp4)", "nvfp4",
+            "the v6e throughput option: NVFP4 experts requantized to INT8 at load (one fp32 scale per output "
+            "channel, amax/127), INT8 activations with a dynamic scale per token (amax/127)"),
 )
 
 
@@ -198,10 +231,13 @@ class CheckpointCache:
     """Builds (once) and finds the converted checkpoints of one BF16 source under ``root``."""
 
     def __init__(self, source: Path, config: Any, root: Path, calibration: torch.Tensor, seq_len: int,
-                 progress: bool, autoround_iters: int = 200, log: Optional[Callable[[str], None]] = None) -> None:
+                 progress: bool, autoround_iters: int = 200, log: Optional[Callable[[str], None]] = None,
+                 gptq_calibration: Optional[torch.Tensor] = None) -> None:
         self.source, self.config, self.progress = source, config, progress
         self.say = log or (lambda msg: None)
         self.calibration_stream, self.seq_len, self.autoround_iters = calibration, seq_len, autoround_iters
+        # GPTQ's longer stream (GPTQ_CALIBRATION_TOKENS; its folder names carry the count)
+        self.gptq_stream = calibration if gptq_calibration is None else gptq_calibration
         self.calibration = eval_batches(calibration, seq_len)
         key = source_fingerprint(source, calibration)
         self.root = Path(root) / f"{source.name}-{key}"
@@ -291,14 +327,43 @@ class CheckpointCache:
                                                  seq_len=seq_len, progress=self.progress, iters=self.autoround_iters,
                                                  **extra)
             return self._convert(self.folder_name(recipe), "int4", make, how=how + f", {self.autoround_iters} iterations")
+        if recipe in GPTQ_RECIPES:
+            return self._gptq(recipe)
         raise ValueError(f"unknown checkpoint recipe {recipe!r}; known: bf16, nvfp4, mxfp4, mxfp4-least-error, int4-rtn, "
-                         f"{', '.join(AUTOROUND_RECIPES)}")
+                         f"{', '.join(AUTOROUND_RECIPES + GPTQ_RECIPES)}")
+
+    def _gptq(self, recipe: str) -> Path:
+        from musecore.calibrate_gptq import convert_gptq
+        stream = self.gptq_stream
+        seq_len = min(self.seq_len, stream.numel())
+        fmt = "mxfp4" if recipe == "mxfp4-gptq" else "int4"
+        kwargs: dict[str, Any] = {"fmt": fmt}
+        how = f"musecore.calibrate_gptq.convert_gptq: experts by GPTQ ({fmt}, act-order, damp 0.01"
+        if recipe == "mxfp4-gptq":
+            kwargs["act_format"] = "mxfp4"
+            how += ", Hessians of MXFP4-quantized inputs"
+        how += ")"
+        if recipe == "int4-gptq-dense":
+            kwargs["dense_groups"] = DENSE_GROUPS
+            how += f", and {', '.join(DENSE_GROUPS)} by GPTQ"
+        make = lambda dst: convert_gptq(self.source, dst, stream, tokens=stream.numel(), seq_len=seq_len,  # noqa: E731
+                                        progress=self.progress, **kwargs)
+        return self._convert(self.folder_name(recipe), fmt, make,
+                             how=how + f", on {self.gptq_tokens} calibration tokens")
 
     def folder_name(self, recipe: str) -> str:
         """The cache folder of ``recipe`` (AutoRound ones carry their iteration count)."""
         if recipe in AUTOROUND_RECIPES:
             return f"{recipe}-i{self.autoround_iters}"
+        if recipe in GPTQ_RECIPES:
+            return f"{recipe}-t{self.gptq_tokens}"
         return recipe
+
+    @property
+    def gptq_tokens(self) -> int:
+        """The calibration tokens GPTQ recipes use: whole windows of the GPTQ stream."""
+        seq_len = min(self.seq_len, self.gptq_stream.numel())
+        return self.gptq_stream.numel() // seq_len * seq_len
 
 
 def cache_status(cache: CheckpointCache, specs: Sequence[RowSpec]) -> list[str]:
@@ -316,7 +381,8 @@ def cache_status(cache: CheckpointCache, specs: Sequence[RowSpec]) -> list[str]:
             lines.append(f"{name}: cached" + (f" (its build took {seconds:.0f} s)" if seconds is not None else ""))
         else:
             slow = (f" (AutoRound, {cache.autoround_iters} iterations per expert/Linear: the slow build, "
-                    "minutes to tens of minutes on a small CPU)" if recipe in AUTOROUND_RECIPES else "")
+                    "minutes to tens of minutes on a small CPU)" if recipe in AUTOROUND_RECIPES else
+                    " (GPTQ: about a minute on a small CPU)" if recipe in GPTQ_RECIPES else "")
             lines.append(f"{name}: to build{slow}")
     return lines
 
@@ -552,8 +618,10 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
     stream, source = load_eval_tokens(folder, eval_text, tokens, config.vocab_size, random_tokens)
     batches = eval_batches(stream, seq_len, batch_size)
     calibration = calibration_tokens(config.vocab_size, folder, seed=1)
+    gptq_calibration = (calibration_tokens(config.vocab_size, folder, tokens=GPTQ_CALIBRATION_TOKENS, seed=1)
+                        if any(s.checkpoint in GPTQ_RECIPES for s in specs) else None)
     cache = CheckpointCache(folder, config, Path(cache_dir) if cache_dir else DEFAULT_CACHE, calibration, seq_len,
-                            progress, autoround_iters, log=say)
+                            progress, autoround_iters, log=say, gptq_calibration=gptq_calibration)
     records = discover()
 
     say(f"{len(specs)} rows; converted checkpoints under {cache.root}:")

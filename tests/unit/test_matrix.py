@@ -174,7 +174,7 @@ def test_an_unavailable_autoround_row_says_why_instead_of_a_number(checkpoint, t
 
 def test_rows_are_selected_by_id_or_device_and_unknown_rows_list_the_choices():
     assert [r.id for r in select_rows(["mi355x"])] == ["mi355x/nvfp4", "mi355x/nvfp4+least-error", "mi355x/mxfp4",
-                                                       "mi355x/mxfp4-least-error"]
+                                                       "mi355x/mxfp4-least-error", "mi355x/mxfp4-gptq"]
     assert [r.id for r in select_rows(["xeon6/int4-rtn", "cpu"])] == ["xeon6/int4-rtn", "cpu/bf16"]
     with pytest.raises(ValueError, match="unknown matrix row 'a100'.*b300/nvfp4"):
         select_rows(["a100"])
@@ -260,8 +260,23 @@ def test_each_new_technique_has_its_row_beside_the_old_one():
     ids = [r.id for r in ROWS]
     for old, new in (("mi355x/nvfp4", "mi355x/nvfp4+least-error"), ("mi355x/mxfp4", "mi355x/mxfp4-least-error"),
                      ("xeon6/int4-rtn+dense", "xeon6/int4-rtn+dense+least-error"),
-                     ("xeon6/int4-autoround+dense", "xeon6/int4-autoround-dense+dense")):
+                     ("xeon6/int4-autoround+dense", "xeon6/int4-autoround-dense+dense"),
+                     ("xeon6/int4-autoround-dense+dense", "xeon6/int4-gptq"), ("xeon6/int4-gptq", "xeon6/int4-gptq-dense+dense"),
+                     ("mi355x/mxfp4-least-error", "mi355x/mxfp4-gptq")):
         assert ids.index(new) == ids.index(old) + 1, (old, new, ids)
+
+
+def test_mixed_plan_rows_quantize_only_their_groups_and_mi300x_rows_split_weights_from_activations(report):
+    from musecore.devices import CATALOG
+    mixed = by_id(report, "xeon6/int4-rtn+lm_head+least-error")
+    default = by_id(report, "xeon6/int4-rtn+dense+least-error")
+    experts = by_id(report, "xeon6/int4-rtn")
+    assert experts.kl < mixed.kl < default.kl, (experts.kl, mixed.kl, default.kl)  # lm_head alone costs less than all
+    w4a16, w4a4 = by_id(report, "mi300x/mxfp4"), by_id(report, "mi355x/mxfp4")
+    assert CATALOG["mi300x"].conversion("mxfp4").act_format is None and w4a16.activation_sqnr_db is None
+    assert w4a16.weight_sqnr_db == w4a4.weight_sqnr_db, "the split needs the same MXFP4 weights on both rows"
+    gptq = [info for name, info in report.checkpoints.items() if name.startswith("int4-gptq-dense-t")]
+    assert len(gptq) == 1 and "by GPTQ" in gptq[0]["how"], report.checkpoints.keys()
 
 
 def test_a_second_run_reuses_the_cached_checkpoints(report, checkpoint, single_thread):
