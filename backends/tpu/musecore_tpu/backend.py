@@ -405,23 +405,27 @@ class TpuBackend(Backend):
         vmem = chip.vmem_bytes if chip else min(c.vmem_bytes for c in CHIPS.values())
         out = []
         for lin in linears:
-            fmt = lin.weight_format
-            if fmt not in DENSE + PACKED:
+            fmt, act = lin.weight_format, lin.act_format if lin.weight_format in Q8 else None
+            if fmt not in DENSE + PACKED + Q8:
                 continue
             for label, M in (("decode M<=16", 16), ("prefill M=256", 256)):
                 if lin.experts:  # "experts gate/up" [E, 2I, h] or "experts down" [E, h, I]: the grouped kernels
                     down = "down" in lin.name
                     hidden, inter = (lin.out_features, lin.in_features) if down else (lin.in_features,
                                                                                      lin.out_features // 2)
-                    cfg = tiling.moe_configs(fmt, M, lin.top_k, lin.experts, hidden, inter)[1 if down else 0]
+                    cfg = tiling.moe_configs(fmt, M, lin.top_k, lin.experts, hidden, inter, act=act)[1 if down else 0]
                     kernel = ("grouped down + finalize, full h rows" if down else "grouped gate/up + SwiGLU")
+                elif fmt in Q8:
+                    cfg = tiling.q8_config(fmt, act, M, lin.in_features, lin.out_features)
+                    kernel = "8-bit MXU matmul"
                 else:
                     cfg = tiling.matmul_config(fmt, M, lin.in_features, lin.out_features)
                     kernel = "tiled matmul"
                 what = f"{lin.name} {fmt} {lin.out_features}x{lin.in_features}" + (
                     f" x{lin.experts} experts, top-{lin.top_k}" if lin.experts else "") + f", {label}"
                 tiles = "x".join(str(s) for s in cfg.blocks[0].shape)
-                out.append(KernelChoice(what, f"Pallas {kernel}, {FORMAT_NOTES[fmt]}; row x K tile {tiles}, grid "
+                note = Q8_ACTS[fmt][act] if act else FORMAT_NOTES[fmt]
+                out.append(KernelChoice(what, f"Pallas {kernel}, {note}; row x K tile {tiles}, grid "
                                               f"{cfg.grid}",
                                         f"VMEM {cfg.vmem_bytes / 2**20:.1f} of {vmem / 2**20:.0f} MiB; {NEVER_RUN}"))
         return out

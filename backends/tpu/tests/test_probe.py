@@ -195,6 +195,10 @@ def test_kernel_choices_show_tiles_and_vmem_per_linear() -> None:
     assert len(choices) == 4
     assert all("never run on a TPU" in c.reason and "of 64 MiB" in c.reason for c in choices)
     assert TpuBackend().env_settings()[0].name == "MUSECORE_TPU_INTERPRETER"
+    int8 = [LinearShape("q_proj", 8192, 8192, "int8", "int8-token"),
+            LinearShape("experts gate/up", 8192, 4096, "int8", "int8-token", experts=256, top_k=8)]
+    choices = TpuBackend().kernel_choices(int8, get_profile("tpu-v6e-int8"))
+    assert len(choices) == 4 and all("int8 MXU" in c.choice and "of 128 MiB" in c.reason for c in choices), choices
 
 
 def test_reasons_describe_the_tpu_path_when_the_plan_asks_about_a_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
