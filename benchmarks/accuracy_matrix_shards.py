@@ -22,11 +22,12 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 
-def run_shard(rows: list[str], op_sizes: tuple[str, ...], out: Path) -> None:
+def run_shard(rows: list[str], op_sizes: tuple[str, ...], tokens: Optional[int], out: Path) -> None:
     from musecore.matrix import run_matrix
-    report = run_matrix("muse-tiny", rows=rows, native=True, op_sizes=op_sizes,
+    report = run_matrix("muse-tiny", rows=rows, tokens=tokens, native=True, op_sizes=op_sizes,
                         log=lambda msg: print(f"shard {out.stem}: {msg}", file=sys.stderr, flush=True))
     out.write_bytes(pickle.dumps(report))
 
@@ -35,6 +36,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shards", type=int, default=3)
     p.add_argument("--op-sizes", default="tiny")
+    p.add_argument("--rows", nargs="+", help="row ids (default: all)")
+    p.add_argument("--tokens", type=int, default=None, help="evaluation tokens (default: all; fewer for a smoke test)")
     p.add_argument("--markdown", type=Path)
     p.add_argument("--png", type=Path)
     p.add_argument("--json", type=Path)
@@ -43,17 +46,18 @@ def main() -> int:
     args = p.parse_args()
     sizes = tuple(s.strip() for s in args.op_sizes.split(",") if s.strip())
     if args.shard_out is not None:
-        run_shard(args.shard_rows, sizes, args.shard_out)
+        run_shard(args.shard_rows, sizes, args.tokens, args.shard_out)
         return 0
 
     from musecore.commands.matrix import render_markdown, render_png
-    from musecore.matrix import ROWS
+    from musecore.matrix import ROWS, select_rows
     from musecore.matrix import run_matrix
     started = time.perf_counter()
-    ids = [r.id for r in ROWS]
+    specs = select_rows(args.rows)
+    ids = [r.id for r in specs]
     # build (or find) every checkpoint once, here, so that no two shards convert the same one at once
     first_of = {}
-    for spec in ROWS:
+    for spec in specs:
         first_of.setdefault(spec.checkpoint, spec.id)
     run_matrix("muse-tiny", rows=list(first_of.values()), tokens=64, native=False, op_sizes=(),
                log=lambda msg: print(f"warm: {msg}", file=sys.stderr, flush=True))
@@ -61,10 +65,12 @@ def main() -> int:
     shards = [ids[k::args.shards] for k in range(args.shards)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
-        outs = [Path(tmp) / f"shard{k}.pkl" for k in range(args.shards)]
-        procs = [subprocess.Popen([sys.executable, __file__, "--op-sizes", args.op_sizes if k == 0 else "",
+        shards = [rows for rows in shards if rows]
+        outs = [Path(tmp) / f"shard{k}.pkl" for k in range(len(shards))]
+        extra = [] if args.tokens is None else ["--tokens", str(args.tokens)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--op-sizes", args.op_sizes if k == 0 else "", *extra,
                                    "--shard-out", str(out), "--shard-rows", *rows], env=env)
-                 for k, (rows, out) in enumerate(zip(shards, outs))]
+                 for k, (rows, out) in enumerate(zip(shards, outs)) if rows]
         codes = [proc.wait() for proc in procs]
         if any(codes):
             print(f"a shard failed: exit codes {codes}", file=sys.stderr)
