@@ -214,11 +214,11 @@ def load_audio_split(path: Path) -> tuple[list[np.ndarray], list[int], list[dict
 
 # ------------------------------------------------------------------------------------------- fixtures
 
-def write_fixtures(folder: Path, n_images: int = 20, n_audio: int = 20) -> None:
+def write_fixtures(folder: Path, n_images: int = 120, n_audio: int = 60) -> None:
     """Committed held-out media for tests/unit/test_demo_mm.py: PNGs, 24 kHz 16-bit WAVs, manifest.json.
 
     Images are held-out items 0..n-1 with one question each (kinds in turn); clips are held-out clips
-    (digits 0-9 twice), resampled to 24 kHz by ``musecore.media.load_audio`` (the path musecore
+    (digits 0-9 in turn), resampled to 24 kHz by ``musecore.media.load_audio`` (the path musecore
     takes for a WAV file at another rate) and written as 16-bit PCM.
     """
     import soundfile as sf
@@ -257,12 +257,14 @@ def main() -> None:
     ap.add_argument("--train-clips", type=int, default=1200)
     ap.add_argument("--heldout-clips", type=int, default=300)
     ap.add_argument("--fixtures", type=Path, help="write the committed test media here")
+    ap.add_argument("--fixture-images", type=int, default=120, help="held-out images 0..N-1 (question kinds in turn)")
+    ap.add_argument("--fixture-clips", type=int, default=60, help="held-out clips (digits 0-9 in turn)")
     args = ap.parse_args()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         build_audio(args.out, args.train_clips, args.heldout_clips)
     if args.fixtures:
-        write_fixtures(args.fixtures)
+        write_fixtures(args.fixtures, args.fixture_images, args.fixture_clips)
 
 
 if __name__ == "__main__":

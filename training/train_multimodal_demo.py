@@ -299,6 +299,23 @@ def prepare(data: Path, code_chunks: int, seed: int) -> None:
     print(f"code: {code.size} tokens of muse-tiny's train split ({code_chunks} chunks of 4096)")
 
 
+def write_subset(data: Path, out: Path, n_train: int, n_heldout: int, code_chunks: int) -> None:
+    """The first clips (and code chunks) of ``prepare``'s files, for a run whose working tree has little room left
+    (the device tool's 64 MiB): clip i of a prefix is clip i of the whole file (offsets, digits and specs cut at
+    the same place; the PCM deltas of a prefix undo to the same samples)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        z = np.load(data / f"clips24k_{split}.npz")
+        off, encoding = z["offsets"][:n + 1], str(z["encoding"])
+        width = 1 if encoding == "mulaw8" else 2
+        raw = lzma.decompress(z["payload"].tobytes())[:int(off[-1]) * width]
+        np.savez(out / f"clips24k_{split}.npz", payload=np.frombuffer(lzma.compress(raw), np.uint8),
+                 encoding=encoding, offsets=off, digit=z["digit"][:n], spec=z["spec"][:n])
+    code = np.load(data / "code.npz")["chunks"][:code_chunks]
+    np.savez_compressed(out / "code.npz", chunks=code)
+    print(f"{out}: {n_train} training clips, {n_heldout} held-out clips, {len(code)} code chunks")
+
+
 def check_processor(n: int) -> dict:
     """pixel_values() and audio_batch() against musecore.media on n held-out items: must be identical."""
     from musecore.media import MediaProcessor
@@ -648,6 +665,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prepare", type=Path, help="only write clips24k_*.npz and code.npz into this folder")
     ap.add_argument("--code-chunks", type=int, default=300)
     ap.add_argument("--finish", type=Path, help="install this run's checkpoint as musecore/data/muse-tiny-mm")
+    ap.add_argument("--subset", type=Path, help="only write the first clips and code chunks of --data into this folder")
+    ap.add_argument("--subset-train", type=int, default=700)
+    ap.add_argument("--subset-heldout", type=int, default=60)
+    ap.add_argument("--subset-code", type=int, default=100)
+    ap.add_argument("--init-from", type=Path, help="start from this saved checkpoint (a folder) instead of muse-tiny")
     ap.add_argument("--check-processor", type=int, default=0, help="compare inputs with musecore.media on N items")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="small decoder from scratch (the shipped model)")
@@ -687,6 +709,9 @@ def main() -> None:
     if args.finish:
         finish(args.finish, DEMO)
         return
+    if args.subset:
+        write_subset(args.data, args.subset, args.subset_train, args.subset_heldout, args.subset_code)
+        return
     if args.check_processor:
         print(json.dumps(check_processor(args.check_processor)))
         return
@@ -706,7 +731,11 @@ def main() -> None:
     patch_for_autocast()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, copied = init_model(device, args.small)
+    if args.init_from:  # continue training a saved muse-tiny-mm (fp32 master weights again from its BF16)
+        model = MuseSparkForConditionalGeneration.from_pretrained(args.init_from, dtype=torch.float32).to(device)
+        copied = f"none: init from {args.init_from}"
+    else:
+        model, copied = init_model(device, args.small)
     experts = args.experts_implementation or ("grouped_mm" if device.type == "cuda" else "eager")
     if not args.small:
         model.set_experts_implementation(experts)

@@ -1,18 +1,19 @@
 """The bundled muse-tiny-mm demo on held-out media (issue 25, item 5).
 
-tests/data/media/heldout/ holds 20 images and 20 spoken-digit clips that were never trained on
-(training/media_data.py --fixtures: held-out image seeds and held-out espeak-ng voice variants; see
-training/README.md). Nothing is generated at test time. The questions go through musecore's own
-chat API (processor, towers, splice, chat template, greedy decoding) on the CPU.
+tests/data/media/heldout/ holds 120 images (40 shape, 40 colour, 40 count questions) and 60
+spoken-digit clips that were never trained on (training/media_data.py --fixtures: held-out image
+seeds and held-out espeak-ng voice variants; see training/README.md). Nothing is generated at test
+time. The questions go through musecore's own chat API (processor, towers, splice, chat template,
+greedy decoding) on the CPU.
 
-The shipped checkpoint is under-trained (174 steps, the device time there was): it does NOT meet
-the issue's 90% target. What is tested:
+What is tested:
 
 - musecore gives the answers recorded in eval.json when the checkpoint was installed (the model
   is run as it was evaluated; a change in towers, processor, splice or template shows up here);
-- images are answered above chance (colour, count and shape questions mixed: chance is ~22%);
-- the 90% target itself, as a strict xfail: it fails loudly (XPASS) once a retrained checkpoint
-  meets it, so the marker gets removed.
+- spoken digits meet the issue's target: >= 90% exact on the 60 held-out clips;
+- images are answered well above chance (colour, count and shape questions mixed: chance is ~22%);
+- the 90% image target itself, as a strict xfail: the shipped checkpoint does not meet it (colour is
+  solved, shape and count are not), and it fails loudly (XPASS) once a retrained checkpoint does.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests/data/media/heldout"
 CHECKPOINT = REPO / "musecore/data/muse-tiny-mm"
 TARGET = 0.9          # issue 25: >= 90% exact match on held-out images and on held-out spoken digits
-IMAGE_FLOOR = 0.25    # 5/20 would be chance level; the shipped model answers 6/20 of these
-MAX_CHANGED = 2       # answers that may differ from eval.json's (near-tied logits under other summation orders)
+IMAGE_FLOOR = 0.5     # chance is ~22% (1/4 shape, 1/6 colour, 1/4 count); the shipped model answers 87/120
+MAX_CHANGED = 3       # answers that may differ from eval.json's (near-tied logits under other summation orders)
+N_IMAGES, N_CLIPS = 120, 60
 
 
 def _manifest() -> list[dict]:
@@ -52,7 +54,7 @@ def answers() -> dict[str, str]:
 
 def test_fixtures_are_complete_and_small():
     items = _manifest()
-    assert sum(i["kind"] == "image" for i in items) == 20 and sum(i["kind"] == "audio" for i in items) == 20
+    assert sum(i["kind"] == "image" for i in items) == N_IMAGES and sum(i["kind"] == "audio" for i in items) == N_CLIPS
     total = sum((FIXTURES / i["file"]).stat().st_size for i in items)
     assert total < 2_000_000, f"held-out media are {total} bytes, over the 2 MB budget"
 
@@ -100,11 +102,19 @@ def test_images_are_answered_above_chance(answers):
         f"wrong (file, question, expected, got): {wrong}")
 
 
-@pytest.mark.xfail(strict=True, reason="muse-tiny-mm is under-trained (174 steps on the H200): 35.5% of 600 "
-                   "held-out images and 12.7% of 300 held-out digits (chance) in eval.json; training/README.md")
-@pytest.mark.parametrize("kind", ["image", "audio"])
-def test_heldout_accuracy_target(answers, kind):
-    accuracy, wrong = _accuracy(answers, kind)
+def test_spoken_digits_meet_the_target(answers):
+    accuracy, wrong = _accuracy(answers, "audio")
+    print(f"muse-tiny-mm: {accuracy:.1%} of {N_CLIPS} held-out spoken digits exact (target {TARGET:.0%})")
     assert accuracy >= TARGET, (
-        f"muse-tiny-mm answered {accuracy:.0%} of the held-out {kind} questions exactly (target {TARGET:.0%}); "
+        f"muse-tiny-mm answered {accuracy:.1%} of the held-out spoken digits exactly (target {TARGET:.0%}); "
+        f"wrong (file, question, expected, got): {wrong}")
+
+
+@pytest.mark.xfail(strict=True, reason="muse-tiny-mm answers colour but not yet shape and count: 66.8% of 600 held-out "
+                   "images (colour 100%, count 50%, shape 50.5%) in eval.json, 87/120 here; training/README.md")
+def test_images_meet_the_target(answers):
+    accuracy, wrong = _accuracy(answers, "image")
+    print(f"muse-tiny-mm: {accuracy:.1%} of {N_IMAGES} held-out image questions exact (target {TARGET:.0%})")
+    assert accuracy >= TARGET, (
+        f"muse-tiny-mm answered {accuracy:.1%} of the held-out image questions exactly (target {TARGET:.0%}); "
         f"wrong (file, question, expected, got): {wrong}")
