@@ -63,7 +63,7 @@ DENSE_GROUPS = ("attention", "pooler/unpooler", "lm_head")  # what xeon6 quantiz
 # checkpoint; tuning it costs most of the build, so the recipe says what the cached checkpoint holds.)
 AUTOROUND_DENSE_GROUPS = ("attention", "pooler/unpooler")
 AUTOROUND_RECIPES = ("int4-autoround", "int4-autoround-dense")
-GPTQ_RECIPES = ("int4-gptq", "int4-gptq-dense", "mxfp4-gptq")
+GPTQ_RECIPES = ("int4-gptq", "int4-gptq-dense", "int4-gptq-attention", "mxfp4-gptq")
 # GPTQ's Hessians want more rows than AutoRound's per-expert samples: all 14,407 tokens of the calibration
 # modules, cut to 28 windows of 512 (the first 2,048 are the other recipes' calibration tokens).
 GPTQ_CALIBRATION_TOKENS = 14336
@@ -137,14 +137,14 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("xeon6", "int4 (GPTQ)", "int4-gptq",
             "INT4 g128 symmetric experts rounded by GPTQ (act-order, Hessians of the routed inputs weighted by "
             "routing weight / output RMS, layer by layer); BF16 activations and dense weights"),
-    RowSpec("xeon6", "int4 (GPTQ) + dense GPTQ (default plan)", "int4-gptq-dense",
-            "GPTQ experts, and attention, pooler/unpooler and lm_head rounded by GPTQ on the Hessians of their "
+    RowSpec("xeon6", "int4 (RTN) + dense GPTQ (default plan)", "int4-gptq-dense",
+            "RTN experts, and attention, pooler/unpooler and lm_head rounded by GPTQ on the Hessians of their "
             "inputs in the BF16 model, stored INT4 in the checkpoint (xeon6 keeps them as they are)",
             quantize_dense=None),
-    RowSpec("xeon6", "int4 (RTN) + pooler/unpooler, lm_head INT4 least-error; attention BF16 (mixed plan)", "int4-rtn",
-            "a mixed plan: the RTN checkpoint with pooler/unpooler and lm_head quantized at load (least-error) and "
-            "attention kept BF16 (quantize_dense=('pooler/unpooler', 'lm_head'))",
-            quantize_dense=("pooler/unpooler", "lm_head"), requantization="least-error"),
+    RowSpec("xeon6", "int4 (RTN) + attention GPTQ, lm_head INT4 least-error; pooler/unpooler BF16 (mixed plan)",
+            "int4-gptq-attention", "a mixed plan: RTN experts and attention rounded by GPTQ in the checkpoint, lm_head "
+            "quantized at load (least-error), pooler/unpooler kept BF16 (quantize_dense=('lm_head',))",
+            quantize_dense=("lm_head",), requantization="least-error"),
     RowSpec("xeon6", "int4 (RTN) + lm_head INT4 least-error; attention, pooler/unpooler BF16 (mixed plan)",
             "int4-rtn", "a mixed plan: the RTN checkpoint with only lm_head quantized at load (least-error); "
             "attention and pooler/unpooler kept BF16 (quantize_dense=('lm_head',))",
@@ -349,9 +349,10 @@ class CheckpointCache:
             kwargs["act_format"] = "mxfp4"
             how += ", Hessians of MXFP4-quantized inputs"
         how += ")"
-        if recipe == "int4-gptq-dense":
-            kwargs["dense_groups"] = DENSE_GROUPS
-            how += f", and {', '.join(DENSE_GROUPS)} by GPTQ"
+        if recipe in ("int4-gptq-dense", "int4-gptq-attention"):  # RTN experts: GPTQ's own row shows its experts
+            groups = DENSE_GROUPS if recipe == "int4-gptq-dense" else ("attention",)
+            kwargs.update(dense_groups=groups, experts="rtn")
+            how = f"musecore.calibrate_gptq.convert_gptq: experts RTN, {', '.join(groups)} by GPTQ (act-order, damp 0.01)"
         make = lambda dst: convert_gptq(self.source, dst, stream, tokens=stream.numel(), seq_len=seq_len,  # noqa: E731
                                         progress=self.progress, **kwargs)
         return self._convert(self.folder_name(recipe), fmt, make,
