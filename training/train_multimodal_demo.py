@@ -820,7 +820,13 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in param_groups for p in g["params"]], 1.0)
-        optimizer.step()
+        # one inf in a gradient makes clipping scale it by 0 and write NaN into every weight (the second
+        # shipped-recipe run, a continuation, ended that way): such a step is skipped and logged instead
+        if torch.isfinite(grad_norm):
+            optimizer.step()
+        else:
+            note({"event": "skipped_step", "step": step + 1, "grad_norm": str(float(grad_norm)),
+                  "losses": [round(float(x.detach()), 4) for x in (loss_i, loss_a, aux_i, aux_a, loss_c)]})
         step += 1
         sums["image"] += float(loss_i.detach())
         sums["audio"] += float(loss_a.detach())
