@@ -14,7 +14,7 @@ exists. The split (training/README.md):
 
 Usage::
 
-    python training/media_data.py --out .mmdata          # audio clips for training and evaluation
+    python training/media_data.py --out .corpus/mmdata   # audio clips for training and evaluation
     python training/media_data.py --fixtures tests/data/media/heldout   # committed test media
 """
 
@@ -254,7 +254,7 @@ def write_fixtures(folder: Path, n_images: int = 120, n_audio: int = 60) -> None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="write audio_{train,heldout}.npz here")
-    ap.add_argument("--train-clips", type=int, default=1200)
+    ap.add_argument("--train-clips", type=int, default=4000)
     ap.add_argument("--heldout-clips", type=int, default=300)
     ap.add_argument("--fixtures", type=Path, help="write the committed test media here")
     ap.add_argument("--fixture-images", type=int, default=120, help="held-out images 0..N-1 (question kinds in turn)")

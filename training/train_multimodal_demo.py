@@ -16,9 +16,9 @@ questions about synthetic images (shape, colour, count of Pillow-drawn shapes) a
 
 Usage (see training/README.md for the run that made the shipped checkpoint)::
 
-    python training/media_data.py --out .mmdata            # espeak-ng clips -> .mmdata/audio_*.npz
-    python training/train_multimodal_demo.py --prepare .mmdata   # 24 kHz clips + code windows
-    python training/train_multimodal_demo.py --data .mmdata --out /tmp/mm --time-budget 100 --device cuda
+    python training/media_data.py --out .corpus/mmdata --train-clips 4000     # espeak-ng clips -> audio_*.npz
+    python training/train_multimodal_demo.py --prepare .corpus/mmdata   # 24 kHz clips + code windows
+    python training/train_multimodal_demo.py --out /tmp/mm --time-budget 300 --device cuda
 """
 
 from __future__ import annotations
@@ -660,7 +660,8 @@ def finish(run: Path, dest: Path) -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=REPO / ".mmdata")
+    ap.add_argument("--data", type=Path, default=REPO / ".corpus/mmdata",
+                    help="prepare's folder (under the git-ignored .corpus/, so the device tool does not send it)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--prepare", type=Path, help="only write clips24k_*.npz and code.npz into this folder")
     ap.add_argument("--code-chunks", type=int, default=300)
