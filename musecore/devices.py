@@ -124,7 +124,7 @@ _TPU7_FP8 = _rules(bf16=("fp8", "fp8-token", f"quantized to FP8 E4M3 at load (pe
 # BF16 rate; v6e has no FP8 rate): experts (and an FP8/NVFP4/MXFP4 checkpoint's linears) INT8 with one fp32 scale per
 # output channel (musecore_quant's int8 codec, a load-time target), W8A8 with per-token INT8 activations and exact
 # int32 sums; 1 byte per weight, ~1.8x NVFP4's. INT4 stays W4A16. Verified in JAX's TPU interpreter only.
-_TPU_INT8_W8A8 = "W8A8 on v6e's int8 MXU, per-token INT8 activations"
+_TPU_INT8_W8A8 = "W8A8 on v6e's int8 MXU (2x its BF16 rate; no FP8 rate), per-token INT8 activations"
 _TPU_TO_INT8 = f"to INT8 at load (fp32 scale per output channel); {_TPU_INT8_W8A8}"
 _TPU6E_INT8 = _rules(bf16=("int8", "int8-token", f"quantized {_TPU_TO_INT8}"),
                      fp8=("int8", "int8-token", f"requantized {_TPU_TO_INT8}"),
