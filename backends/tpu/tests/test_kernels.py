@@ -56,7 +56,7 @@ def test_matmul_kernel_matches_jnp_and_torch_references(fmt: str, M: int, K: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["bf16", "int4-asym", "nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4-asym", "nvfp4", "fp8", "int8"])
 def test_grouped_moe_kernel_runs_only_routed_experts_and_matches_references(fmt: str) -> None:
     import jax.numpy as jnp  # noqa: F401
     from musecore_tpu.bridge import to_jax, to_torch

@@ -23,7 +23,7 @@ rounded to 32 rows (8-bit operands tile (32, 128)).
 per-token / per-row INT8 codes (``amax / 127``, round half to even, +-127) and the experts' INT8 codes with one f32
 scale per output channel (musecore_quant's ``int8`` codec); int8 x int8 products accumulate exactly in int32, and
 ``xscale_t * wscale_n`` (``wscale`` a ``[1, tn]`` block of the expert's channel scales) multiplies the sum at the
-end. INT8 experts with ``act=None`` (W8A16) decode ``q * wscale`` in f32, like FP8's W8A16.
+end (an int32 sum holds K * 127^2 for K up to 133,000). INT8 experts with ``act=None`` (W8A16) decode ``q * wscale`` in f32, like FP8's W8A16.
 
 Tiles beyond the routed rows (the grid is sized for the worst case, ``cdiv(T*k, tr) + min(E, T*k)`` tiles) are
 skipped with ``pl.when`` and write zeros.
