@@ -79,6 +79,8 @@ class LayerCache:
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """New keys/values in the cache's storage format."""
         if self.kv_format != "fp8":
+            if k.dtype is self.k.dtype and v.dtype is self.v.dtype:  # the usual case: no dispatch per layer and token
+                return k, v
             return k.to(self.k.dtype), v.to(self.v.dtype)
         quant = lambda x, s: (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # noqa: E731
         return quant(k, self.k_scale), quant(v, self.v_scale)

@@ -4,9 +4,9 @@ does the CPU way.
 Each op computes the contract of :mod:`musecore.ops` (the reference's fp32 math and its roundings to the activation
 dtype). Attention uses ``F.scaled_dot_product_attention`` (a flash kernel on CPU) with the reference's own visibility
 mask, so the mask contract (causal, sliding window, ``k_pos = -1`` empty slots) is the reference's by construction.
-``embedding``, ``sample``, ``silu_mul`` and ``logit_softcap`` are taken from the reference as they are: each is
-already a few vectorised PyTorch calls (``silu_mul`` runs only in dense-MLP layers, ``logit_softcap`` once per
-step), and sharing ``sample`` keeps the random stream identical to the reference's for a given generator.
+``embedding``, ``sample`` and ``silu_mul`` are taken from the reference as they are: each is already a few
+vectorised PyTorch calls (``silu_mul`` runs only in dense-MLP layers), and sharing ``sample`` keeps the random
+stream identical to the reference's for a given generator; ``logit_softcap`` runs the reference's ops in place.
 
 At decode sizes (at most :data:`NATIVE_NORM_MAX_ELEMENTS` elements, contiguous bf16/fp32 tensors) the four norm ops,
 the router's selection and decode attention run one C call each (``musecore_xeon.kernels.native``, the same fp32 math
@@ -30,7 +30,6 @@ from musecore_xeon.kernels import native
 embedding = ref.embedding
 sample = ref.sample
 silu_mul = ref.silu_mul
-logit_softcap = ref.logit_softcap
 
 NATIVE_NORM_MAX_ELEMENTS = 1 << 16  # decode sizes; above this the PyTorch ops (vectorised, threaded) win
 NATIVE_ATTENTION_MAX_QUERIES = 8  # decode: per-query C loop; prefill keeps SDPA (a flash kernel)
@@ -117,8 +116,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
     The logits are PyTorch's fp32 matmul, as in the reference (the same bits); the selection runs in C at decode
     sizes (sigmoid, top-k, renormalisation: ~8 PyTorch calls otherwise)."""
-    logits = x.float() @ weight.float().T  # [T,E]
-    if bias is not None:
+    logits = x.float() @ (weight if weight.dtype is torch.float32 else weight.float()).T  # [T,E]
+    if bias is not None and bias.dtype is not torch.float32:
         bias = bias.float()
     picked = _fast_call("router_topk", logits, bias, k, multiplier, scaling) if logits.dim() == 2 else None
     if picked is not None:
@@ -127,6 +126,14 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     ids = torch.topk(scores if bias is None else scores + bias, k, dim=-1).indices  # [T,k]
     weights = scores.gather(-1, ids)
     return weights / (weights.sum(-1, keepdim=True) + 1e-15) * scaling, ids
+
+
+def logit_softcap(logits: torch.Tensor, multiplier: float, cap: float) -> torch.Tensor:
+    """``cap * tanh(fp32(logits) * multiplier / cap)``: the reference's ops in its order on one fp32 buffer (the same
+    bits), once per decode step on the whole vocabulary (the reference allocates four such buffers)."""
+    out = logits.to(torch.float32, copy=True)
+    out.mul_(multiplier).div_(cap)
+    return torch.tanh(out, out=out).mul_(cap)
 
 
 def _to_compute(t: torch.Tensor, scale: Optional[float], dtype: torch.dtype) -> torch.Tensor:

@@ -173,6 +173,18 @@ def test_silu_mul_and_logit_softcap_match_reference(xeon: XeonBackend) -> None:
     assert_nmse(ref.logit_softcap(logits, 0.1767766952966369, 20.0), capped, tolerance("logit_softcap"), "softcap")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logit_softcap_in_place_gives_the_reference_bits_and_leaves_its_input(xeon: XeonBackend, dtype) -> None:
+    """The xeon softcap runs the reference's ops in place on one fp32 buffer: the same bits (greedy decode must not
+    move), and an fp32 input is copied, not overwritten."""
+    logits = torch.randn(1, 1, 65536, dtype=dtype) * 40
+    before = logits.clone()
+    capped, expected = xeon.logit_softcap(logits, 0.2041241452319315, 30.0), ref.logit_softcap(logits, 0.2041241452319315, 30.0)
+    differ = (capped != expected).sum().item()
+    assert differ == 0, f"{differ} of {capped.numel()} softcapped logits differ from the reference's bits ({dtype})"
+    assert torch.equal(logits, before), "logit_softcap overwrote its input"
+
+
 def test_sample_is_the_reference_sampler(xeon: XeonBackend) -> None:
     vocab_logits = torch.randn(3, 500)
     assert torch.equal(xeon.sample(vocab_logits), ref.sample(vocab_logits))
@@ -245,11 +257,12 @@ def test_attention_few_queries_native_path_matches_reference(xeon: XeonBackend, 
                 f"native attention {dtype} T={T} d={d} window={window}")
 
 
-@pytest.mark.parametrize("nq,nkv", [(8, 2), (8, 8), (8, 1)])  # GQA, MHA, MQA
+@pytest.mark.parametrize("nq,nkv", [(8, 2), (8, 8), (8, 1), (24, 3)])  # GQA, MHA, MQA, muse-small (parallel at 2)
 def test_native_attention_gives_the_same_bits_for_every_thread_count(nq: int, nkv: int) -> None:
     """The C loop takes all query heads of a kv head per item (each K/V row converted once), or fewer where that
-    leaves fewer items than threads: the per-head arithmetic is the same either way, so the outputs are equal bit for
-    bit at 1, 2, 8 and 64 threads (64: one head per item), and match the reference."""
+    leaves fewer items than threads or a count the threads cannot share evenly: the per-head arithmetic is the same
+    either way, so the outputs are equal bit for bit at 1, 2, 8 and 64 threads (64: one head per item), and match the
+    reference. muse-small's heads at 40 keys run in parallel (6 items of 4 heads at 2 threads)."""
     from musecore_xeon import ops as xops
     from musecore_xeon.kernels import native
     lib = native.load()
