@@ -29,9 +29,20 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 #define BG_NP 64    /* output rows per panel: 4 zmm */
 #define BG_KB 256   /* columns per block: a multiple of every chunk (64, 128, 256) */
-#define BG_MR 6     /* activation rows per micro-kernel call */
-#define BG_AHEAD 2   /* panel blocks of codes prefetched ahead, in the order they are decoded */
-#define BG_GROUP 4   /* panels per task at most: the activation block (m x BG_KB bf16) is read once per task and block */
+#define BG_MR 6     /* activation rows per micro-kernel call (bg_block's switch) */
+/* tuning knobs (-D in lab builds, backends/xeon/lab/scripts/bf16dot_phases.py) */
+#ifndef BG_AHEAD
+#define BG_AHEAD 4   /* panel blocks of codes prefetched ahead, in the order they are decoded */
+#endif
+#ifndef BG_PF_HINT
+#define BG_PF_HINT _MM_HINT_T0
+#endif
+#ifndef BG_GROUP
+#define BG_GROUP 4   /* panels per task at most (m > BG_GROUP_MIN_M): each activation block is read once per task */
+#endif
+#ifndef BG_GROUP_MIN_M
+#define BG_GROUP_MIN_M 128  /* up to this M one panel per task: the output tiles of 4 panels crowd L1 (lab/NOTES.md) */
+#endif
 #define BG_MB 256   /* activation rows per block: the output tiles [BG_GROUP][BG_MB][64] fp32 (256 KiB) stay in L2 */
 
 /* r[c] <- column c of the 16 x 16 matrix of dwords whose row i is r[i]. */
@@ -65,12 +76,12 @@ static inline __attribute__((always_inline)) __m512i bg_decode(__m512i w, int j)
 }
 
 /* Prefetch the codes of row blocks [r0, r0 + 16) (rows below n_rows), columns [k0, k0 + kb): per row block one
-   contiguous run of kb / 2 bytes (its rows interleaved by chunk). */
+   contiguous run of ROWS * kb / 2 bytes (its rows interleaved by chunk), starting k0 / 2 words into the block. */
 static inline void bg_prefetch(const int4_weight_t *w, int64_t r0, int64_t k0, int64_t kb) {
     const int64_t kw = w->k / 8;
     for (int64_t n = r0; n < r0 + 16 && n < w->n_rows; n += ROWS) {
         const char *p = (const char *)(w->codes + n * kw + k0 / 8 * ROWS);
-        for (int64_t b = 0; b < kb / 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < ROWS * kb / 2; b += 64) _mm_prefetch(p + b, BG_PF_HINT);
     }
 }
 
@@ -276,9 +287,10 @@ int musecore_int4_bf16_gemm(const int4_weight_t *w, const void *x, int x_bf16, v
     uint32_t *xp = (uint32_t *)thread_buffer(3, xp_bytes + (size_t)blocks * bstride_s * 4);
     if (xp == NULL) return 1;
     float *xs = (float *)((char *)xp + xp_bytes);
-    /* tasks: groups of up to BG_GROUP panels, fewer where that leaves fewer than 2 tasks per thread */
+    /* tasks: one panel, or above BG_GROUP_MIN_M rows groups of up to BG_GROUP panels (fewer where that leaves fewer
+       than 2 tasks per thread) */
     const int64_t panels = (w->n_rows + BG_NP - 1) / BG_NP;
-    int64_t group = panels / (2 * (int64_t)threads);
+    int64_t group = m <= BG_GROUP_MIN_M ? 1 : panels / (2 * (int64_t)threads);
     group = group < 1 ? 1 : group > BG_GROUP ? BG_GROUP : group;
     const int64_t tasks = (panels + group - 1) / group;
     if (threads > tasks) threads = (int)tasks;
