@@ -449,19 +449,34 @@ def benchmarks(backend: Optional[XeonBackend] = None) -> dict[str, Callable[...,
     return {name: with_host_fields(case) for name, case in cases.items()}
 
 
+def first_layers(config: Any, layers: int) -> Any:
+    """``config`` cut to its first ``layers`` decoder layers (every per-layer list cut alike): a shallower model of the
+    same shapes, for a prefill benchmark that must load two models on a small host. Its first and last layer keep
+    BF16 experts, as the full model's do."""
+    if not 0 < layers <= config.num_hidden_layers:
+        raise ValueError(f"layers={layers}: choose 1..{config.num_hidden_layers}")
+    cut = {name: getattr(config, name)[:layers] for name in ("layer_types", "mlp_layer_types", "layer_rope_theta")
+           if isinstance(getattr(config, name, None), list)}
+    return dataclasses.replace(config, num_hidden_layers=layers, **cut)
+
+
 def bench_prefill(presets: Sequence[str] = ("muse-small",), prompt_tokens: int = 512, rounds: int = 3,
-                  variants: Sequence[str] = ("xeon-int4", "xeon-bf16")) -> list[dict[str, Any]]:
+                  variants: Sequence[str] = ("xeon-int4", "xeon-bf16"), layers: Optional[int] = None
+                  ) -> list[dict[str, Any]]:
     """Prefill tokens/s of one ``prompt_tokens``-token prompt on random weights: the xeon plan (``xeon-int4``: INT4
     experts, attention, pooler/unpooler, lm_head), INT4 experts only (``xeon-int4-experts``) and all-BF16
     (``xeon-bf16``, :func:`all_experts_bf16`), the models loaded side by side and timed in alternating rounds (best of
     ``rounds``; ``generate(prompt, max_new_tokens=1)``, the engine's own prefill timing). At 512 tokens a muse-small
     MoE layer routes 4096 rows over 64 experts (~64 per expert): the INT4 experts run their dense path (the
-    AVX512_BF16 or AMX GEMM) above the fused decode call's limit."""
+    AVX512_BF16 or AMX GEMM) above the fused decode call's limit. ``layers``: only the first that many decoder layers
+    (:func:`first_layers`; the full muse-small takes ~5.7 GB and minutes to load per variant on a 2-core host)."""
     from musecore.api import load_random
     from musecore.config import MuseConfig
     rows = []
     for preset in presets:
         config = MuseConfig.from_name(preset)
+        if layers is not None:
+            config = first_layers(config, layers)
         plans = {"xeon-int4": (config, None), "xeon-int4-experts": (config, False),
                  "xeon-bf16": (all_experts_bf16(config), False)}
         prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
@@ -478,7 +493,8 @@ def bench_prefill(presets: Sequence[str] = ("muse-small",), prompt_tokens: int =
         del models
         bf16 = best.get("xeon-bf16")
         for impl, tps in best.items():
-            rows.append({"backend": BACKEND, "case": "prefill", "shape": f"{preset} T={prompt_tokens}",
+            depth = "" if layers is None else f" (first {layers} of {MuseConfig.from_name(preset).num_hidden_layers} layers)"
+            rows.append({"backend": BACKEND, "case": "prefill", "shape": f"{preset}{depth} T={prompt_tokens}",
                          "M": prompt_tokens, "impl": impl, "format": impl.split("-")[1],
                          "path": f"best of {rounds} alternating rounds", "time_us": 1e6 * prompt_tokens / tps,
                          "prefill_tokens_per_s": tps, "speedup_vs_bf16": tps / bf16 if bf16 else None,
