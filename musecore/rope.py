@@ -54,4 +54,6 @@ class RotaryTable:
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.clamp(min=0).float()[..., None] * self.inv_freq.to(positions.device)  # no-op when resident  # [B,T,d/2]
         emb = torch.cat((angles, angles), dim=-1)  # duplicated over the two halves
+        if self.attention_factor == 1.0:  # default rope: skip two [B,T,d] multiplies per step (x * 1.0 == x)
+            return emb.cos(), emb.sin()
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
