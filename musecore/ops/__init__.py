@@ -103,8 +103,9 @@ TEXT_OPS: tuple[str, ...] = ("embedding", "rms_norm", "residual_norm", "qk_norm_
 TOWER_OPS: tuple[str, ...] = ("layer_norm", "gelu", "varlen_attention", "causal_conv1d", "rope")
 OPS: tuple[str, ...] = TEXT_OPS + TOWER_OPS
 
-WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8", "nvfp4", "mxfp4", "int4")
-ACTIVATION_FORMATS: tuple[Optional[str], ...] = (None, "fp8", "nvfp4", "mxfp4")
+WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8", "int8", "nvfp4", "mxfp4", "int4")
+# static-scale formats, then the dynamic per-token 8-bit rules of the FP8/INT8 throughput options
+ACTIVATION_FORMATS: tuple[Optional[str], ...] = (None, "fp8", "nvfp4", "mxfp4", "fp8-token", "int8-token")
 
 # Normalised-MSE thresholds of a backend op against the reference (ggml test-backend-ops style).
 # 16-bit compute of the same math stays far below 1e-4; quantized weights are compared against the

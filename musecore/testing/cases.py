@@ -35,10 +35,11 @@ SIZES: dict[str, str] = {"tiny": "muse-tiny", "small": "muse-small", "816b": "mu
 SIZES_ENV = "MUSECORE_CONFORMANCE_SIZES"
 
 # (weight format, activation format) pairs that linear and moe are checked in: every weight format
-# weight-only, plus the activation quantization the catalog's targets apply (W8A8 FP8, W4A4 FP4).
+# weight-only, plus the activation quantization the catalog's targets apply (W8A8 FP8 static and per
+# token, W8A8 INT8 per token, W4A4 FP4).
 MATMUL_FORMATS: tuple[tuple[str, Optional[str]], ...] = (
-    ("bf16", None), ("fp8", None), ("fp8", "fp8"), ("nvfp4", None), ("nvfp4", "nvfp4"),
-    ("mxfp4", None), ("mxfp4", "mxfp4"), ("int4", None))
+    ("bf16", None), ("fp8", None), ("fp8", "fp8"), ("fp8", "fp8-token"), ("int8", None), ("int8", "int8-token"),
+    ("nvfp4", None), ("nvfp4", "nvfp4"), ("mxfp4", None), ("mxfp4", "mxfp4"), ("int4", None))
 
 # How many experts a moe case holds, and how many of a preset's vocabulary rows an embedding /
 # lm_head / sample case uses: the real widths with fewer rows, so a CPU run stays in memory.

@@ -111,16 +111,14 @@ def test_h200_fp8_plan_states_paths_and_memory_and_816b_fits_8_gpus():
     assert e.bytes >= e.parameters, "FP8 experts hold one byte per weight at least"
 
 
-def test_fp8_moe_kernels_match_emulation_exactly_on_fp16(monkeypatch):
+def test_fp8_moe_kernels_match_emulation_exactly_on_fp16():
     """The grouped GEMM, alignment and finalize of :func:`fp8_moe` (Triton's interpreter without a GPU),
-    fp16 activations, against the emulation: equal up to fp32 rounding (NMSE 1e-10; 1e-4 on a GPU). Without a GPU the
-    row quantization is the CPU definition: the interpreter's fp32 -> E4M3 cast does not round to
+    fp16 activations, against the emulation: equal up to fp32 rounding (NMSE 1e-10; 1e-4 on a GPU). Without a GPU
+    ``fp8_moe`` quantizes rows with the CPU definition itself: the interpreter's fp32 -> E4M3 cast does not round to
     nearest (the GPU kernel's bits are checked on the GPU below)."""
     from musecore_cuda import CudaBackend
     from musecore_cuda.kernels import fp8_moe as fm
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        monkeypatch.setattr(fm, "quantize_rows_gpu", quantize_rows)
     qs, _reference, norm = fp8_layer(experts=4, width=128, inter=128)
     prepared = CudaBackend(device).prepare_experts(*qs, act_format=TOKEN_ACT)
     weights, ids = route(5, 4, 2)

@@ -114,8 +114,8 @@ class XeonBackend(Backend):
             fmt = spec.weight_format
             if fmt in ("nvfp4", "mxfp4"):
                 return Support.no(CONVERT_FP4)
-            if fmt == "fp8":
-                return Support.no("FP8 weights: convert to INT4 or BF16 at load")
+            if fmt not in ("int4", "bf16", "fp16", "fp32"):  # fp8, int8: prepare_weight refuses them
+                return Support.no(f"{fmt.upper()} weights: convert to INT4 or BF16 at load")
             if op == "moe":
                 return Support.native(MOE_REASON.format(fmt=fmt.upper() if fmt == "int4" else fmt))
             if fmt == "int4":

@@ -159,7 +159,10 @@ def fp8_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate, up,
     n_assign = T * topk
     cfg = pick_config(max(1, n_assign // min(num_experts, n_assign)))
     acc = {ACC_PRECISE: 0, ACC_PER_TILE: cfg.block_k, ACC_FAST: -1}[accumulate]
-    zq, zs = quantize_rows_gpu(z.reshape(T, width))
+    # CPU tensors (Triton's interpreter) take the CPU definition: the interpreter's fp32 -> E4M3 cast does not round
+    # to nearest, so its codes would differ from the reference's (as fp8_linear_rows does)
+    quantize = quantize_rows_gpu if z.is_cuda else _quantize_rows_cpu
+    zq, zs = quantize(z.reshape(T, width))
     sorted_ids, blk_expert, position = align_assignments(ids, num_experts, cfg.block_m)
     rows = sorted_ids.numel()
     blocks = rows // cfg.block_m
@@ -168,13 +171,18 @@ def fp8_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate, up,
         zq, zs, gate.data, gate.col_scale, up.data, up.col_scale, h, sorted_ids, blk_expert, n_assign, inter, width,
         A_DIV=topk, GATE_UP=True, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.stages_up)
-    hq, hs = quantize_rows_gpu(h)
+    hq, hs = quantize(h)
     o = torch.empty(rows, width, dtype=torch.float32, device=z.device)
     fp8_grouped_gemm_kernel[(blocks, triton.cdiv(width, cfg.block_n))](
         hq, hs, down.data, down.col_scale, down.data, down.col_scale, o, sorted_ids, blk_expert, n_assign, width,
         inter, A_DIV=0, GATE_UP=False, ACC=acc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.stages_down)
     return finalize(o, position, ids, weights, post_norm, post_eps, sorted_rows=True, act_dtype=z.dtype)
+
+
+def _quantize_rows_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from musecore_cuda.fp8 import quantize_rows
+    return quantize_rows(x)
 
 
 def emulate_fp8_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate, up, down,
