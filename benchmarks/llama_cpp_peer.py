@@ -171,10 +171,9 @@ def set_llama_threads(llm: Any, threads: int) -> None:
     llama_cpp.llama_set_n_threads(llm.ctx, threads, threads)
 
 
-def profile_models(models: dict[str, Any], threads: list[int], path: Path) -> str:
-    """:mod:`xeon_decode_profile` of each loaded musecore model at each thread count: markdown to ``path``, JSON
-    beside it (``.json``); returns the JSON's path."""
-    sys.path.insert(0, str(Path(__file__).parent))
+def profile_models(models: dict[str, Any], threads: list[int], path: Path) -> dict[str, Any]:
+    """:mod:`xeon_decode_profile` of each loaded musecore model at each thread count: its markdown tables to ``path``;
+    returns the profiles (they go into the JSON)."""
     import xeon_decode_profile
 
     profiles, text = {}, []
@@ -185,8 +184,7 @@ def profile_models(models: dict[str, Any], threads: list[int], path: Path) -> st
             text.append(xeon_decode_profile.markdown(plan, r))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(text))
-    path.with_suffix(".json").write_text(json.dumps(profiles, indent=2) + "\n")
-    return str(path.with_suffix(".json"))
+    return profiles
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -221,20 +219,23 @@ def main() -> None:
     p.add_argument("--no-bf16", action="store_true", help="skip musecore's all-BF16 model (saves its load, ~4 GB)")
     p.add_argument("--gguf", type=Path, default=None, help="where to write (or reuse) the peer GGUF (default: a temp dir)")
     p.add_argument("--wait-until", default=None, help="HH:MM UTC: load first, then wait for this time to time")
+    p.add_argument("--layers", type=int, default=0,
+                   help="cut muse-small (and the peer with it) to this many layers: development runs only")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--profile", type=Path, default=None,
                    help="after the rounds, profile musecore's decode step on the loaded models "
-                        "(benchmarks/xeon_decode_profile.py) and write its markdown here (JSON beside it)")
+                        "(benchmarks/xeon_decode_profile.py): tables to this markdown file, numbers into the JSON")
     args = p.parse_args()
     try:
         import llama_cpp
     except ImportError:
         sys.exit(INSTALL)
     from musecore.api import load_random
-    from musecore.config import MuseConfig
     from musecore_xeon.bench import all_experts_bf16
 
-    config = MuseConfig.from_name("muse-small")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from xeon_decode_profile import muse_small
+    config = muse_small(args.layers)
     plan_bytes = musecore_bytes(config)
     shape = llama_shape_for(plan_bytes["int4_dense_bytes"], config)
     peer_bytes = llama_bytes_per_token(llama_tensors(**shape))
@@ -295,8 +296,8 @@ def main() -> None:
            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "host": host(), "llama_cpp_python": llama_cpp.__version__, "llama_system_info":
            llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
-           "musecore_model": "muse-small, random weights (seed 0), xeon default plan from an INT4 g128 checkpoint; "
-                             "BF16: every expert BF16, quantize_dense=False",
+           "musecore_model": f"muse-small ({config.num_hidden_layers} layers), random weights (seed 0), xeon default plan "
+                             "from an INT4 g128 checkpoint; BF16: every expert BF16, quantize_dense=False",
            "peer_model": dict(shape, architecture="llama", format="Q4_0 (random codes, scale 0.003)", path=str(path)),
            "bytes_per_token": {"musecore_int4_plan": plan_bytes["int4_dense_bytes"], "llama_q4_0": peer_bytes,
                                "musecore_bf16": plan_bytes["bf16_bytes"]},
@@ -315,6 +316,7 @@ def main() -> None:
                 print(f"{threads:>7} {name:28} {row['tokens_per_s_median']:7.1f} {row['gb_per_s_streamed']:6.1f} "
                       f"{row['vs_llama_cpp']:12.2f}")
     print(f"wrote {args.out}")
+    llm.close()  # while the interpreter is whole (llama-cpp-python's destructor fails at shutdown)
 
 
 if __name__ == "__main__":

@@ -47,13 +47,22 @@ def resident_bytes(linear: Any) -> int:
     return linear.weight.numel() * linear.weight.element_size()
 
 
-def load(plan: str, layers: int) -> Any:
-    from musecore.api import load_random
+def muse_small(layers: int = 0) -> Any:
+    """muse-small's config, cut to its first ``layers`` layers when given (development runs)."""
     from musecore.config import MuseConfig
-    from musecore_xeon.bench import all_experts_bf16
     config = MuseConfig.from_name("muse-small")
     if layers:
         config.num_hidden_layers = layers
+        for name in ("layer_types", "mlp_layer_types", "layer_rope_theta"):  # one entry per layer
+            setattr(config, name, getattr(config, name)[:layers])
+        config.validate()
+    return config
+
+
+def load(plan: str, layers: int) -> Any:
+    from musecore.api import load_random
+    from musecore_xeon.bench import all_experts_bf16
+    config = muse_small(layers)
     if plan == "int4":  # the default xeon plan (INT4 experts, attention, pooler/unpooler, lm_head)
         return load_random(config, "xeon", checkpoint_format="int4")
     return load_random(all_experts_bf16(config), "xeon", quantize_dense=False)

@@ -21,6 +21,9 @@ def small(preset: str) -> MuseConfig:
     config = MuseConfig.from_name(preset)
     if preset == "muse-small":  # two layers, 8 experts: the shapes of every decode op, loaded in seconds
         config.num_hidden_layers, config.num_local_experts = 2, 8
+        for name in ("layer_types", "mlp_layer_types", "layer_rope_theta"):  # one entry per layer
+            setattr(config, name, getattr(config, name)[:2])
+        config.validate()
     return config
 
 
