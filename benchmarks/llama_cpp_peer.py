@@ -183,6 +183,8 @@ def profile_models(models: dict[str, Any], threads: list[int], path: Path) -> di
             profiles[f"{plan}/{t}"] = r
             text.append(xeon_decode_profile.markdown(plan, r))
     path.parent.mkdir(parents=True, exist_ok=True)
+    profiles["moe_vs_gemv"] = xeon_decode_profile.moe_vs_gemv(threads)
+    text.append(xeon_decode_profile.moe_markdown(profiles["moe_vs_gemv"]))
     path.write_text("\n".join(text))
     return profiles
 

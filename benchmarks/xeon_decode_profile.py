@@ -14,7 +14,10 @@ measured three ways in one process:
    it issues per step (``torch.profiler`` counts).
 
     python3 benchmarks/xeon_decode_profile.py [--threads 1 2] [--plans int4 bf16] [--steps 64] [--layers N]
-        [--json PATH]
+        [--moe-vs-gemv] [--json PATH]
+
+``--moe-vs-gemv`` adds the fused decode MoE (T = 1, 8 of 64 experts) against one GEMV of the same bytes, cold: what
+a MoE layer costs beyond its bytes.
 
 ``--layers`` cuts the preset's depth (development: loading all 16 layers takes minutes). Prints a markdown
 report (what ``benchmarks/results/xeon_avx512bf16/decode_profile.md`` holds) and writes JSON with ``--json``.
@@ -189,6 +192,54 @@ def profile_plan(model: Any, threads: int, steps: int) -> dict[str, Any]:
             "aten_ops_per_step": sum(aten.values()), "aten_op_counts": aten, "ops": ops}
 
 
+def moe_vs_gemv(threads: list[int], copies: int = 3, calls: int = 32) -> list[dict[str, Any]]:
+    """The fused decode MoE of muse-small (T = 1, 8 of 64 experts) against ONE GEMV streaming the same bytes
+    (``[8 * 3 * I, h]``), INT4 and BF16, weights cold (``copies`` layers of 64 experts, and as many bytes of GEMV
+    weights, cycled; 2 BF16 layers): what the MoE costs beyond its bytes. Wall and main-thread CPU time per call."""
+    import musecore_quant
+    from musecore_xeon import XeonBackend
+    backend = XeonBackend(num_threads=max(threads))
+    E, h, inter, k = 64, 768, 768, 8
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randperm(E, generator=gen)[:k][None] for _ in range(calls)]
+    z, weights, post = torch.randn(1, h, dtype=torch.bfloat16), torch.full((1, k), 1 / k), torch.ones(h, dtype=torch.bfloat16)
+    rows = []
+    for fmt in ("int4", "bf16"):
+        def weight(*shape: int) -> Any:
+            w = torch.randn(*shape, generator=gen) * 0.02
+            return musecore_quant.quantize(w, "int4", group_size=128) if fmt == "int4" else w.to(torch.bfloat16)
+        n_layers = copies if fmt == "int4" else 2
+        layers = [backend.prepare_experts(weight(E, inter, h), weight(E, inter, h), weight(E, h, inter))
+                  for _ in range(n_layers)]
+        gemvs = [backend.prepare_weight(weight(k * 3 * inter, h), "expert") for _ in range(n_layers * E // k)]
+        nbytes = resident_bytes(gemvs[0].extra["linear"])
+
+        def timed(call: Callable[[int], Any], n: int) -> tuple[float, float]:
+            for i in range(4):
+                call(i)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            for i in range(n):
+                call(i)
+            return (time.perf_counter() - wall) / n, (time.thread_time() - cpu) / n
+
+        for t in threads:
+            torch.set_num_threads(t)
+            moe = timed(lambda i: backend.moe(z, weights, ids[i % calls], layers[i % len(layers)], post, 1e-6), 2 * calls)
+            gemv = timed(lambda i: backend.linear(z, gemvs[i % len(gemvs)]), 2 * calls)
+            for what, (wall, cpu) in (("fused moe, 8 of 64 experts", moe), (f"one GEMV {k * 3 * inter}x{h}", gemv)):
+                rows.append({"format": fmt, "threads": t, "what": what, "mb": nbytes / 1e6, "us_wall": wall * 1e6,
+                             "us_cpu": cpu * 1e6, "gb_per_s_wall": nbytes / wall / 1e9, "gb_per_s_cpu": nbytes / cpu / 1e9})
+        del layers, gemvs
+    return rows
+
+
+def moe_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| format | threads | call | MB | us (wall) | GB/s (wall) | us (main-thread CPU) |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['threads']} | {r['what']} | {r['mb']:.2f} | {r['us_wall']:.0f} | "
+              f"{r['gb_per_s_wall']:.1f} | {r['us_cpu']:.0f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(plan: str, r: dict[str, Any]) -> str:
     lines = [f"### {plan}, {r['threads']} thread(s): {r['step_ms']:.2f} ms/token ({r['tokens_per_s']:.1f} tokens/s), "
              f"main-thread CPU {r['step_cpu_ms']:.2f} ms",
@@ -218,6 +269,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--layers", type=int, default=0, help="cut muse-small to this many layers (development)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--moe-vs-gemv", action="store_true",
+                   help="also time the fused decode MoE against one GEMV of the same bytes (INT4 and BF16, cold)")
     args = p.parse_args()
     results: dict[str, Any] = {"command": "python3 benchmarks/xeon_decode_profile.py " + " ".join(
         f"{k} {v}" for k, v in vars(args).items() if v), "load_average_before": os.getloadavg(), "profiles": {}}
@@ -228,6 +281,9 @@ def main() -> None:
             results["profiles"][f"{plan}/{threads}"] = r
             print(markdown(plan, r), flush=True)
         del model
+    if args.moe_vs_gemv:
+        results["moe_vs_gemv"] = moe_vs_gemv(args.threads)
+        print(moe_markdown(results["moe_vs_gemv"]))
     results["load_average_after"] = os.getloadavg()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
