@@ -234,6 +234,7 @@ def main() -> None:
         sys.exit(INSTALL)
     from musecore.api import load_random
     from musecore_xeon.bench import all_experts_bf16
+    from musecore_xeon.kernels.crossover import calibrations
 
     sys.path.insert(0, str(Path(__file__).parent))
     from xeon_decode_profile import muse_small
@@ -305,6 +306,9 @@ def main() -> None:
                                "musecore_bf16": plan_bytes["bf16_bytes"]},
            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,
            "load_seconds": loads, "load_average_before": load_before, "load_average_after": os.getloadavg(),
+           "crossovers_measured_at_load": [{"kind": c.kind, "in_features": c.in_features, "proxy_out": c.proxy_out_features,
+                                            "threads": c.threads, "crossover": c.crossover, "source": c.source}
+                                           for c in calibrations()],
            "results_by_threads": results}
     if args.profile is not None:
         doc["profile"] = profile_models({name.split()[1]: obj for name, (_, obj, _) in engines.items()
