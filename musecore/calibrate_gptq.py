@@ -306,3 +306,19 @@ def convert_gptq(src: Union[str, Path], dst: Union[str, Path], calibration: Unio
             "experts": expert_q.report(), "dense": dense.report() if dense else None}
     (Path(dst) / GPTQ_REPORT_FILE).write_text(json.dumps(gptq, indent=2) + "\n")
     return report, gptq
+
+
+def cli_calibrator(src: Union[str, Path], dst: Union[str, Path], *, calibration: Union[str, Path],
+                   progress: bool = True, resume: bool = True) -> Any:
+    """``musecore-quant convert SRC DST --to int4 --method gptq --calibration FILE``: routed experts by GPTQ
+    (default options), registered under the ``musecore_quant.calibrators`` entry point beside AutoRound's."""
+    from musecore.api import resolve_model
+    from musecore.calibrate import read_calibration
+    from musecore.tokenizer import load_tokenizer
+    _, folder = resolve_model(src)
+    if folder is None:
+        raise ValueError(f"{src} is a preset without weights; pass a checkpoint folder")
+    tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    conversion, _ = convert_gptq(folder, dst, read_calibration(calibration, tokenizer), progress=progress,
+                                 resume=resume)
+    return conversion

@@ -118,6 +118,10 @@ def render_table(report: Any) -> str:
     return "\n".join(lines)
 
 
+# a dense-groups row whose experts come from another recipe's row (GPTQ's dense checkpoint keeps RTN experts)
+EXPERTS_ROW = {"xeon6/int4-gptq-dense": "xeon6/int4-rtn"}
+
+
 def explain(row: Any, rows: list) -> str:
     """One or two sentences, from measured numbers, on why ``row``'s perplexity moved."""
     parts = [f"**{row.device} {row.format}** ({row.mode}) moves perplexity by {row.delta_perplexity_pct:+.1f}%"]
@@ -136,14 +140,17 @@ def explain(row: Any, rows: list) -> str:
         text += (f" The {other.device} row runs the same weights with 16-bit activations and moves "
                  f"{other.delta_perplexity_pct:+.1f}%, so the rest is the cost of activation quantization.")
     if "+dense" in row.row_id:
-        base = row.row_id.split("+")[0].removesuffix("-dense")
+        checkpoint_row = row.row_id.split("+")[0]
+        base = EXPERTS_ROW.get(checkpoint_row, checkpoint_row.removesuffix("-dense"))
         experts_only = [r for r in rows if r.row_id == base and r.status == "ok"]
         if experts_only:
-            how = ("quantized to INT4 and tuned by AutoRound in the checkpoint" if "dense AutoRound" in row.format
-                   else "quantized to INT4 by GPTQ in the checkpoint" if "dense GPTQ" in row.format
-                   else "quantized at load")
-            text += (f" The same checkpoint with only its experts in INT4 moves "
-                     f"{experts_only[0].delta_perplexity_pct:+.1f}%: the rest is the attention, pooler/unpooler and lm_head projections {how}, "
+            how = ("the attention and pooler/unpooler projections quantized to INT4 and tuned by AutoRound in the "
+                   "checkpoint, and lm_head quantized at load" if "dense AutoRound" in row.format
+                   else "the attention, pooler/unpooler and lm_head projections quantized to INT4 by GPTQ in the "
+                   "checkpoint" if "dense GPTQ" in row.format
+                   else "the attention, pooler/unpooler and lm_head projections quantized at load")
+            text += (f" The same experts with the dense projections in BF16 move "
+                     f"{experts_only[0].delta_perplexity_pct:+.1f}%: the rest is {how}, "
                      "which this device does by default (quantize_dense=False keeps them BF16).")
     if "requantized" in row.format:
         direct = [r for r in rows if r.device == row.device and "from bf16" in r.format and r.status == "ok"

@@ -196,15 +196,18 @@ def _calibrated_convert(args: argparse.Namespace) -> Any:
     found = [ep for ep in entry_points(group=CALIBRATORS) if ep.name == args.method]
     if not found:
         raise CheckpointError(f"--method {args.method} tunes weights on the model's own activations and needs a "
-                              f"calibrator plugin ({CALIBRATORS!r} entry point); install musecore with its "
-                              "[autoround] extra (pip install -e '.[autoround]'), which registers one")
+                              f"calibrator plugin ({CALIBRATORS!r} entry point); install musecore, which registers 'gptq' "
+                              "and, with its [autoround] extra (pip install -e '.[autoround]'), 'autoround'")
     if args.to != "int4":
         raise CheckpointError(f"--method {args.method} produces INT4; use --to int4 (got --to {args.to})")
     if args.calibration is None:
         raise CheckpointError(f"--method {args.method} needs --calibration FILE (.txt, .jsonl or .i16 token ids)")
     calibrate = found[0].load()
-    return calibrate(args.src, args.dst, calibration=args.calibration, progress=not args.no_progress,
-                     resume=not args.no_resume)
+    try:
+        return calibrate(args.src, args.dst, calibration=args.calibration, progress=not args.no_progress,
+                         resume=not args.no_resume)
+    except ValueError as e:  # the calibrators' bad-input errors (too few calibration tokens, a preset without weights)
+        raise CheckpointError(f"--method {args.method}: {e}") from e
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

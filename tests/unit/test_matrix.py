@@ -158,8 +158,27 @@ def test_the_default_plan_row_is_explained_against_its_experts_only_row(report):
     dense.delta_perplexity_pct, experts.delta_perplexity_pct = 6.2, 0.7
     md = render_markdown(replace(report, rows=rows), "musecore matrix", None)
     section = md.split(f"more than {EXPLAIN_ABOVE_PCT:.0f}%")[1].split("## Targets")[0]
-    assert "+6.2%" in section and "only its experts in INT4 moves +0.7%" in section, section
+    assert "+6.2%" in section and "dense projections in BF16 move +0.7%" in section, section
     assert "quantize_dense=False" in section, section
+
+
+def test_the_dense_gptq_row_is_explained_against_the_rtn_experts_row(report):
+    """GPTQ's dense checkpoint keeps RTN experts, so its row is compared with the RTN experts-only row,
+    not with the GPTQ-experts row (a wrong sentence the first regeneration printed)."""
+    from dataclasses import replace
+
+    from musecore.commands.matrix import EXPLAIN_ABOVE_PCT, explain
+    rows = [replace(r) for r in report.rows]
+    by_id = {r.row_id: r for r in rows}
+    if "xeon6/int4-gptq-dense+dense" not in by_id:
+        pytest.skip("the report fixture has no dense-GPTQ row")
+    dense, rtn, gptq = by_id["xeon6/int4-gptq-dense+dense"], by_id["xeon6/int4-rtn"], by_id["xeon6/int4-gptq"]
+    dense.delta_perplexity_pct, rtn.delta_perplexity_pct, gptq.delta_perplexity_pct = 5.1, 1.05, 0.9
+    for r in (dense, rtn, gptq):
+        r.status = "ok"
+    text = explain(dense, rows)
+    assert dense.delta_perplexity_pct > EXPLAIN_ABOVE_PCT
+    assert "dense projections in BF16 move +1.1%" in text and "by GPTQ in the checkpoint" in text, text
 
 
 def test_an_unavailable_autoround_row_says_why_instead_of_a_number(checkpoint, tmp_path, monkeypatch, single_thread):
