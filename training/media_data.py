@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 IMAGE_SIZE = 112  # a multiple of 28 (patch 14 x merge 2): the processor keeps it, 8x8 patches -> 16 tokens
+SIZE_SCALE = 1.0  # shape radii, margins and gaps in units of the 112-pixel design (radius 8-20 px at 1.0)
+CELL = 28         # pixels per image token (patch 14 x merge 2)
 SHAPES = ("circle", "square", "triangle", "star")
 COLOURS = {  # name -> base RGB; each drawing jitters every channel by up to +-JITTER
     "red": (215, 35, 35), "green": (35, 165, 55), "blue": (40, 70, 220),
@@ -68,6 +70,7 @@ class ImageItem:
     shape: str
     colour: str
     count: int
+    objects: tuple = ()  # (centre x, centre y, circumradius) of each shape, in image pixels
 
 
 def _polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
@@ -96,11 +99,13 @@ def draw_image(rng: random.Random) -> ImageItem:
     img = Image.new("RGB", (size, size), bg)
     draw = ImageDraw.Draw(img)
     placed: list[tuple[float, float, float]] = []
+    k = SIZE_SCALE
     for _ in range(count):
         for _attempt in range(200):
-            r = rng.uniform(8.0, 15.0 if count > 2 else 20.0) * scale
-            cx, cy = rng.uniform(r + 2 * scale, size - r - 2 * scale), rng.uniform(r + 2 * scale, size - r - 2 * scale)
-            if all(math.hypot(cx - x, cy - y) > r + q + 3 * scale for x, y, q in placed):
+            r = rng.uniform(8.0 * k, (15.0 if count > 2 else 20.0) * k) * scale
+            margin = r + 2 * k * scale
+            cx, cy = rng.uniform(margin, size - margin), rng.uniform(margin, size - margin)
+            if all(math.hypot(cx - x, cy - y) > r + q + 3 * k * scale for x, y, q in placed):
                 break
         else:  # cannot happen at these sizes (checked on 100,000 seeds); a clear error if it ever does
             raise RuntimeError(f"could not place {count} shapes without overlap")
@@ -112,7 +117,28 @@ def draw_image(rng: random.Random) -> ImageItem:
         else:
             draw.polygon(_polygon(shape, cx, cy, r * (1.25 if shape == "triangle" else 1.0), angle), fill=fill)
     img = img.resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.LANCZOS)
-    return ImageItem(img, shape, colour, count)
+    outer = 1.25 if shape == "triangle" else 1.0  # the triangle is drawn at 1.25 r
+    return ImageItem(img, shape, colour, count, tuple((cx / scale, cy / scale, outer * r / scale) for cx, cy, r in placed))
+
+
+def cell_labels(item: ImageItem, covered: float = 0.15) -> tuple[np.ndarray, np.ndarray]:
+    """Per image token (a CELL x CELL square, row-major like the vision tower's merged output):
+    whether a shape's centre lies in it (0/1), and the shape's index in SHAPES where the shapes'
+    circumscribed discs cover more than ``covered`` of it, else len(SHAPES) (background).
+    Training-only targets for the vision tower (train_multimodal_demo.AuxHeads)."""
+    side = IMAGE_SIZE // CELL
+    centre = np.zeros(side * side, dtype=np.int64)
+    shape = np.full(side * side, len(SHAPES), dtype=np.int64)
+    grid = (np.arange(IMAGE_SIZE // 2) * 2 + 1.0)  # sample points every 2 px
+    xs, ys = np.meshgrid(grid, grid)
+    inside = np.zeros(xs.shape, dtype=bool)
+    for cx, cy, r in item.objects:
+        centre[min(side - 1, int(cy // CELL)) * side + min(side - 1, int(cx // CELL))] = 1
+        inside |= (xs - cx) ** 2 + (ys - cy) ** 2 <= r * r
+    n = CELL // 2
+    frac = inside.reshape(side, n, side, n).mean(axis=(1, 3)).reshape(-1)
+    shape[frac > covered] = SHAPES.index(item.shape)
+    return centre, shape
 
 
 def image_item(split: str, index: int) -> ImageItem:

@@ -75,6 +75,8 @@ CHAT_TEMPLATE = (
     "{{- '<|eot|>' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|start|>assistant<|message|>' -}}{%- endif -%}"
 )
 PATCH, MERGE, TEMPORAL = 14, 2, 2
+GRID = md.IMAGE_SIZE // PATCH               # patches per side of a training image
+IMAGE_TOKENS = (GRID // MERGE) ** 2         # placeholder tokens per image
 AUDIO_INPUT_STD = 0.6  # init std of the audio tower's first projection (raw waveform -> stage 1); see init_model
 SAMPLES_PER_TOKEN = 1920
 
@@ -324,7 +326,7 @@ def check_processor(n: int) -> dict:
     items = [md.image_item("heldout", i) for i in range(n)]
     ours = pixel_values(torch.stack([torch.from_numpy(np.array(it.image)) for it in items]))
     theirs = proc.images([it.image for it in items])
-    assert theirs.grid_thw.tolist() == [[1, 8, 8]] * n, theirs.grid_thw
+    assert theirs.grid_thw.tolist() == [[1, GRID, GRID]] * n, theirs.grid_thw
     image_diff = (ours - theirs.pixel_values).abs().max().item()
     waves = [torch.randn(int(l)) * 0.1 for l in torch.randint(3000, 20000, (n,))]
     values, mask, tokens = audio_batch(waves)
@@ -332,7 +334,7 @@ def check_processor(n: int) -> dict:
     audio_diff = (values - a.input_values).abs().max().item() if values.shape == a.input_values.shape else float("inf")
     same_mask = values.shape == a.input_values.shape and torch.equal(mask.bool(), a.mask.bool())
     strings = {k: proc.placeholder(k, inp, 0) for k, inp in (("image", theirs), ("audio", a))}
-    expected = {"image": TOKENS["image_start_token"] + TOKENS["image_token"] * 16 + TOKENS["image_end_token"],
+    expected = {"image": TOKENS["image_start_token"] + TOKENS["image_token"] * IMAGE_TOKENS + TOKENS["image_end_token"],
                 "audio": TOKENS["audio_start_token"] + TOKENS["audio_token"] * tokens[0] + TOKENS["audio_end_token"]}
     return {"images": n, "pixel_values_max_abs_diff": image_diff, "audio_values_max_abs_diff": audio_diff,
             "audio_mask_equal": same_mask, "placeholders_equal": strings == expected}
@@ -344,6 +346,59 @@ def patch_for_autocast() -> None:
     from train_muse_tiny import patch_for_autocast as patch
 
     patch()
+
+
+def batch_vision_attention() -> None:
+    """Run transformers' vision attention as one batched SDPA call when every segment has one length.
+
+    Without flash attention, ``MuseSparkVisionAttention.forward`` splits the packed sequence at
+    ``cu_seqlens`` and calls SDPA once per image (per window): hundreds of small calls a step here,
+    where every image has the same size. Equal segments are the same computation as a batch of
+    ``[n, heads, length, head_dim]``; anything else takes transformers' own path.
+    :func:`check_vision_attention` compares both on random inputs.
+    """
+    from transformers.models.muse_spark import modeling_muse_spark as mm
+
+    original = getattr(mm.MuseSparkVisionAttention, "_transformers_forward", mm.MuseSparkVisionAttention.forward)
+
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if mm.is_flash_attention_requested(self.config) or bool((lengths != lengths[0]).any()):
+            return original(self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+        seq, n, length = hidden_states.shape[0], len(lengths), int(lengths[0])
+        q, k, v = (proj(hidden_states).reshape(1, seq, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = position_embeddings
+        q, k = mm.apply_rotary_pos_emb_vision(q, k, cos, sin)
+        q, k, v = (x.reshape(n, length, -1, self.head_dim).transpose(1, 2) for x in (q, k, v))
+        attention = mm.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, mm.eager_attention_forward)
+        out, _ = attention(self, q, k, v, attention_mask=None, scaling=self.scaling, dropout=0.0, is_causal=False)
+        return self.proj(out.reshape(seq, -1).contiguous())
+
+    mm.MuseSparkVisionAttention._transformers_forward = original
+    mm.MuseSparkVisionAttention.forward = forward
+
+
+def check_vision_attention(device: torch.device) -> dict:
+    """The batched vision attention against transformers' per-segment loop: outputs and gradients."""
+    from transformers.models.muse_spark import modeling_muse_spark as mm
+
+    torch.manual_seed(0)
+    tower = mm.MuseSparkVisionModel(demo_config().vision_config).to(device)
+    pv = torch.randn(3 * GRID * GRID, TEMPORAL * 3 * PATCH * PATCH, device=device)
+    grid = torch.tensor([[1, GRID, GRID]] * 3, device=device)
+    results = []
+    for use_batched in (False, True):
+        forward = mm.MuseSparkVisionAttention.forward
+        if not use_batched:
+            mm.MuseSparkVisionAttention.forward = mm.MuseSparkVisionAttention._transformers_forward
+        tower.zero_grad()
+        out = tower(pv, grid).last_hidden_state
+        out.square().mean().backward()
+        results.append((out.detach(), tower.patch_embedder.patch_embedding.weight.grad.clone()))
+        mm.MuseSparkVisionAttention.forward = forward
+    return {"vision_attention_max_abs_diff": float((results[0][0] - results[1][0]).abs().max()),
+            "vision_attention_grad_max_rel_diff": float((results[0][1] - results[1][1]).abs().max()
+                                                        / results[0][1].abs().max())}
 
 
 def init_model(device: torch.device, small: bool = False):
@@ -419,9 +474,12 @@ class AuxHeads(torch.nn.Module):
     the towers before the answer loss can teach them anything) and are not part of the checkpoint.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, dense_weight: float = 0.0):
         super().__init__()
         hidden = model.config.text_config.hidden_size
+        self.dense_weight = dense_weight
+        self.cell_centre = torch.nn.Linear(hidden, 2)  # per image token: does a shape's centre lie in it
+        self.cell_shape = torch.nn.Linear(hidden, len(md.SHAPES) + 1)  # per image token: the shape there, or none
         self.shape = torch.nn.Linear(hidden, len(md.SHAPES))
         self.colour = torch.nn.Linear(hidden, len(md.COLOURS))
         self.count = torch.nn.Linear(hidden, md.MAX_COUNT)
@@ -430,16 +488,103 @@ class AuxHeads(torch.nn.Module):
         model.model.vision_projection.register_forward_hook(lambda m, i, o: setattr(self, "vision_out", o))
         model.model.audio_tower.register_forward_hook(lambda m, i, o: setattr(self, "audio_out", o.last_hidden_state))
 
-    def image_loss(self, shape, colour, count, tokens_per_image: int) -> torch.Tensor:
-        pooled = self.vision_out.reshape(len(shape), tokens_per_image, -1).float().mean(1)
-        return (F.cross_entropy(self.shape(pooled), shape) + F.cross_entropy(self.colour(pooled), colour)
+    def image_loss(self, shape, colour, count, centres, cell_shapes, tokens_per_image: int) -> torch.Tensor:
+        """Mean-pooled probes (shape, colour, count) plus, weighted by ``dense_weight``, per-token probes
+        (media_data.cell_labels: centre present, shape or background): a direct signal for every token."""
+        tokens = self.vision_out.reshape(len(shape), tokens_per_image, -1).float()
+        pooled = tokens.mean(1)
+        loss = (F.cross_entropy(self.shape(pooled), shape) + F.cross_entropy(self.colour(pooled), colour)
                 + F.cross_entropy(self.count(pooled), count)) / 3
+        if self.dense_weight:
+            dense = (F.cross_entropy(self.cell_centre(tokens).reshape(-1, 2), centres.reshape(-1))
+                     + F.cross_entropy(self.cell_shape(tokens).reshape(-1, len(md.SHAPES) + 1), cell_shapes.reshape(-1)))
+            loss = loss + self.dense_weight * dense / 2
+        return loss
 
     def audio_loss(self, digits, tokens: list[int]) -> torch.Tensor:
         feats = self.audio_out.float()
         mask = (torch.arange(feats.shape[1], device=feats.device)[None] < torch.tensor(tokens, device=feats.device)[:, None])
         pooled = (feats * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         return F.cross_entropy(self.digit(pooled), digits)
+
+
+VISION_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")
+
+
+@torch.no_grad()
+def probe_accuracy(model, aux: AuxHeads, images: list, device, autocast=contextlib.nullcontext) -> dict:
+    """The training-only probes on held-out images: pooled shape/colour/count heads, and the count
+    read as the number of image tokens whose centre head says yes (does the tower find the objects)."""
+    model.eval()
+    right = {"shape": 0, "colour": 0, "count": 0, "count_from_centres": 0}
+    for start in range(0, len(images), 200):
+        chunk = images[start:start + 200]
+        pv = pixel_values(torch.stack([torch.from_numpy(np.array(im)) for im, *_ in chunk])).to(device)
+        with autocast():
+            model.model.get_image_features(pv, torch.tensor([[1, GRID, GRID]] * len(chunk), device=device))
+        tokens = aux.vision_out.reshape(len(chunk), IMAGE_TOKENS, -1).float()
+        pooled = tokens.mean(1)
+        guess = {"shape": [md.SHAPES[i] for i in aux.shape(pooled).argmax(-1).tolist()],
+                 "colour": [sorted(md.COLOURS)[i] for i in aux.colour(pooled).argmax(-1).tolist()],
+                 "count": [str(i + 1) for i in aux.count(pooled).argmax(-1).tolist()],
+                 "count_from_centres": [str(i) for i in (aux.cell_centre(tokens).argmax(-1) == 1).sum(1).tolist()]}
+        for j, (*_, facts) in enumerate(chunk):
+            for key, values in guess.items():
+                right[key] += values[j] == facts[{"shape": 0, "colour": 1}.get(key, 2)]
+    model.train()
+    return {f"probe_{k}": v / len(images) for k, v in right.items()}
+
+
+def train_vision(model, aux: AuxHeads, data, images_eval: list, args, device, autocast, note) -> None:
+    """Phase one (``--vision-seconds``): the vision tower, adapter and projection trained on the
+    training-only probes alone (pooled and per-token, AuxHeads.image_loss), ``--vision-batch`` images
+    a step. A step of the tower alone takes milliseconds where a step of the whole model takes a
+    large part of a second, and the probes on held-out images showed shape accuracy growing with
+    optimizer steps rather than images (training/README.md); the joint phase then teaches the
+    decoder to read the new features."""
+    named = [(n, p) for n, p in model.named_parameters() if n.startswith(VISION_PREFIXES)]
+    named += [(f"aux.{n}", p) for n, p in aux.named_parameters() if not n.startswith("digit")]
+    decay = [p for n, p in named if p.dim() >= 2 and "position_embedding" not in n]
+    rest = [p for n, p in named if not (p.dim() >= 2 and "position_embedding" not in n)]
+    params = decay + rest
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}], lr=args.lr_vision, betas=(0.9, 0.95),
+                                  eps=1e-8, fused=device.type == "cuda")
+    total, step, t0, calib_start, loss_sum, n = 10 ** 9, 0, time.time(), None, 0.0, 0
+    while step < total:
+        if step == 5:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            calib_start = time.time()
+        if step == 25:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.time() - calib_start) / 20
+            total = max(50, int((args.vision_seconds - (time.time() - t0)) / per_step) + 25)
+            note({"event": "vision_calibrated", "seconds_per_step": round(per_step, 4), "steps": total})
+        lr = args.lr_vision * learning_rate(step, total if total < 10 ** 9 else 1000, args.warmup)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        pv, grid, labels = data.vision_batch(args.vision_batch)
+        with autocast():
+            model.model.get_image_features(pv.to(device), grid.to(device))
+            loss = aux.image_loss(*(x.to(device) for x in labels), tokens_per_image=IMAGE_TOKENS)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if torch.isfinite(grad_norm):
+            optimizer.step()
+        else:
+            note({"event": "vision_skipped_step", "step": step + 1, "grad_norm": str(float(grad_norm))})
+        step += 1
+        loss_sum, n = loss_sum + float(loss.detach()), n + 1
+        if step % (args.log_every * 10) == 0 or step == total:
+            note({"event": "vision_train", "step": step, "of": total, "seconds": round(time.time() - t0, 1),
+                  "lr": round(lr, 6), "loss_probes": round(loss_sum / n, 4),
+                  **probe_accuracy(model, aux, images_eval[:300], device, autocast)})
+            loss_sum, n = 0.0, 0
+    note({"event": "vision_trained", "steps": step, "seconds": round(time.time() - t0, 1),
+          **probe_accuracy(model, aux, images_eval, device, autocast)})
 
 
 class Data:
@@ -458,8 +603,14 @@ class Data:
                 items = p.map(_draw_train, range(pool), chunksize=64)
         else:
             items = [_draw_train(i) for i in range(pool)]
-        self.images = torch.from_numpy(np.stack([i[0] for i in items]))  # uint8 [N, 112, 112, 3]
+        self.images = torch.from_numpy(np.stack([i[0] for i in items]))  # uint8 [N, size, size, 3]
         self.facts = [i[1] for i in items]
+        # probe targets: shape, colour, count - 1, then per image token centre (0/1) and shape or background
+        self.labels = (torch.tensor([md.SHAPES.index(f[0]) for f in self.facts]),
+                       torch.tensor([sorted(md.COLOURS).index(f[1]) for f in self.facts]),
+                       torch.tensor([f[2] - 1 for f in self.facts]),
+                       torch.from_numpy(np.stack([i[2][0] for i in items])),
+                       torch.from_numpy(np.stack([i[2][1] for i in items])))
         self.draw_seconds = time.time() - t
         self.clips, self.digits, _ = load_clips(data / "clips24k_train.npz")
         self.code = torch.from_numpy(np.load(data / "code.npz")["chunks"].astype(np.int64))
@@ -471,16 +622,24 @@ class Data:
             shape, colour, count = self.facts[i]
             item = md.ImageItem(None, shape, colour, count)
             _, question, answer = md.image_qa(item, self.rng)
-            p = self.prompts.prompt("image", question, 16, self.rng.random() < 0.75)
+            p = self.prompts.prompt("image", question, IMAGE_TOKENS, self.rng.random() < 0.75)
             seqs.append(list(p) + list(self.prompts.answer(answer)))
             n_prompt.append(len(p))
         ids, att, loss = pad_batch(seqs, n_prompt)
-        pv = pixel_values(self.images[idx])
-        facts = [self.facts[i] for i in idx]
-        labels = (torch.tensor([md.SHAPES.index(f[0]) for f in facts]),
-                  torch.tensor([sorted(md.COLOURS).index(f[1]) for f in facts]),
-                  torch.tensor([f[2] - 1 for f in facts]))
-        return ids, att, loss, pv, torch.tensor([[1, 8, 8]] * n), labels
+        at = torch.tensor(idx, device=self.images.device)
+        pv = pixel_values(self.images[at])
+        return ids, att, loss, pv, torch.tensor([[1, GRID, GRID]] * n), tuple(x[at] for x in self.labels)
+
+    def vision_batch(self, n: int):
+        """Images for the vision tower's training-only probes alone (no question): pixel values, grid, labels."""
+        at = torch.randint(0, len(self.facts), (n,), generator=self.gen).to(self.images.device)
+        return pixel_values(self.images[at]), torch.tensor([[1, GRID, GRID]] * n), tuple(x[at] for x in self.labels)
+
+    def to(self, device: torch.device) -> "Data":
+        """Keep the image pool and its labels on ``device`` (pixel values are then computed there)."""
+        self.images = self.images.to(device)
+        self.labels = tuple(x.to(device) for x in self.labels)
+        return self
 
     def augment(self, w: torch.Tensor) -> torch.Tensor:
         """A clip as a training example: with probability ``clean_audio`` only a random gain (the held-out
@@ -519,7 +678,7 @@ class Data:
 
 def _draw_train(i: int):
     it = md.image_item("train", i)
-    return np.asarray(it.image, dtype=np.uint8), (it.shape, it.colour, it.count)
+    return np.asarray(it.image, dtype=np.uint8), (it.shape, it.colour, it.count), md.cell_labels(it)
 
 
 # ------------------------------------------------------------------------------------ evaluation
@@ -531,7 +690,8 @@ def heldout_sets(data: Path, n_images: int, n_clips: int | None):
     for i in range(n_images):
         item = md.image_item("heldout", i)
         kind, question, answer = md.image_qa(item, random.Random(f"eval-question:{i}"), kinds[i % 3])
-        images.append((np.asarray(item.image, dtype=np.uint8), kind, question, answer))
+        images.append((np.asarray(item.image, dtype=np.uint8), kind, question, answer,
+                       (item.shape, item.colour, str(item.count))))
     clips, digits, specs = load_clips(data / "clips24k_heldout.npz")
     n_clips = len(clips) if n_clips is None else n_clips
     audio = [(clips[i], md.AUDIO_QUESTIONS[i % 3], str(digits[i]), specs[i]) for i in range(n_clips)]
@@ -543,7 +703,7 @@ def greedy_answers(model, prompts: Prompts, kind: str, examples: list, device, b
                    max_new: int = 6, autocast=contextlib.nullcontext) -> list[str]:
     """Greedy decoding (full forward each step) of every example; batches of equal prompt length."""
     if kind == "image":
-        plist = [prompts.prompt("image", q, 16, True) for _, _, q, _ in examples]
+        plist = [prompts.prompt("image", q, IMAGE_TOKENS, True) for _, _, q, *_ in examples]
     else:
         plist = [prompts.prompt("audio", q, -(-len(w) // SAMPLES_PER_TOKEN), True) for w, q, _, _ in examples]
     out = [""] * len(examples)
@@ -557,7 +717,7 @@ def greedy_answers(model, prompts: Prompts, kind: str, examples: list, device, b
             extra = {}
             if kind == "image":
                 extra["pixel_values"] = pixel_values(torch.stack([torch.from_numpy(examples[i][0]) for i in chunk])).to(device)
-                extra["image_grid_thw"] = torch.tensor([[1, 8, 8]] * len(chunk), device=device)
+                extra["image_grid_thw"] = torch.tensor([[1, GRID, GRID]] * len(chunk), device=device)
             else:
                 values, mask, _ = audio_batch([examples[i][0] for i in chunk])
                 # transformers casts pixel values to the patch embedding's dtype itself, not audio
@@ -589,12 +749,12 @@ def evaluate(model, prompts: Prompts, images: list, audio: list, device, autocas
     got_i = greedy_answers(model, prompts, "image", images, device, autocast=autocast)
     got_a = greedy_answers(model, prompts, "audio", audio, device, autocast=autocast)
     per_kind = {}
-    for (_, kind, _, ans), g in zip(images, got_i):
+    for (_, kind, _, ans, *_), g in zip(images, got_i):
         k = per_kind.setdefault(kind, [0, 0])
         k[0] += g == ans
         k[1] += 1
     wrong_i = [{"index": i, "asks": kind, "question": q, "expected": ans, "got": g}
-               for i, ((_, kind, q, ans), g) in enumerate(zip(images, got_i)) if g != ans]
+               for i, ((_, kind, q, ans, *_), g) in enumerate(zip(images, got_i)) if g != ans]
     wrong_a = [{"index": i, "expected": ans, "got": g, "espeak": spec}
                for i, ((_, _, ans, spec), g) in enumerate(zip(audio, got_a)) if g != ans]
     model.train()
@@ -658,6 +818,31 @@ def finish(run: Path, dest: Path) -> None:
     print(json.dumps({k: v for k, v in results["musecore_fixtures"].items() if k != "answers"}))
 
 
+def evaluate_checkpoint(args: argparse.Namespace) -> None:
+    """Held-out accuracy of a saved checkpoint as shipped (BF16 weights, transformers' forward)."""
+    from transformers import MuseSparkForConditionalGeneration
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    tok_dir = Path(tempfile.mkdtemp())
+    write_tokenizer(tok_dir)
+    prompts = Prompts(tok_dir)
+    batch_vision_attention()
+    model = MuseSparkForConditionalGeneration.from_pretrained(args.evaluate, dtype=torch.bfloat16).to(device).eval()
+    if device.type == "cpu":
+        model.set_experts_implementation(args.experts_implementation or "eager")
+    images, audio = heldout_sets(args.data, args.eval_images, args.eval_clips)
+    t = time.time()
+    result = evaluate(model, prompts, images, audio, device)
+    result.update(checkpoint=str(args.evaluate), device=str(device), seconds=round(time.time() - t, 1),
+                  torch=torch.__version__)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "eval_heldout.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if not k.endswith("errors")}))
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=REPO / ".corpus/mmdata",
@@ -672,6 +857,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--subset-code", type=int, default=100)
     ap.add_argument("--init-from", type=Path, help="start from this saved checkpoint (a folder) instead of muse-tiny")
     ap.add_argument("--check-processor", type=int, default=0, help="compare inputs with musecore.media on N items")
+    ap.add_argument("--evaluate", type=Path, help="only evaluate this saved checkpoint (BF16, transformers) on the "
+                    "held-out sets (--eval-images, the clips of --data) and print the result")
+    ap.add_argument("--freeze-audio-tower", action="store_true", help="keep the audio tower's weights (with --init-from)")
+    ap.add_argument("--vision-seconds", type=float, default=0, help="first train the vision tower on its probes alone")
+    ap.add_argument("--vision-batch", type=int, default=512)
+    ap.add_argument("--lr-vision", type=float, default=2e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="small decoder from scratch (the shipped model)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -687,6 +878,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--code-len", type=int, default=128)
     ap.add_argument("--code-weight", type=float, default=0.5)
     ap.add_argument("--aux-weight", type=float, default=1.0, help="weight of the towers' training-only probes")
+    ap.add_argument("--dense-weight", type=float, default=0.0, help="weight of the per-image-token probes (AuxHeads)")
+    ap.add_argument("--batch-vision", type=int, default=0, help="extra images per step for the vision probes alone")
     ap.add_argument("--lr-new", type=float, default=2e-3, help="towers, adapter, projection, new token rows")
     ap.add_argument("--lr-text", type=float, default=3e-4, help="muse-tiny's decoder and LM head")
     ap.add_argument("--warmup", type=int, default=40)
@@ -713,6 +906,9 @@ def main() -> None:
     if args.subset:
         write_subset(args.data, args.subset, args.subset_train, args.subset_heldout, args.subset_code)
         return
+    if args.evaluate:
+        evaluate_checkpoint(args)
+        return
     if args.check_processor:
         print(json.dumps(check_processor(args.check_processor)))
         return
@@ -730,6 +926,8 @@ def main() -> None:
     data = Data(args.data, prompts, args.pool, args.seed, args.workers, args.clean_audio)
     images_eval, audio_eval = heldout_sets(args.data, args.eval_images, args.eval_clips)
     patch_for_autocast()
+    batch_vision_attention()
+    note({"event": "vision_attention_check", **check_vision_attention(device)})
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.init_from:  # continue training a saved muse-tiny-mm (fp32 master weights again from its BF16)
@@ -744,7 +942,7 @@ def main() -> None:
     ac = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
     new_params, text_params, frozen = [], [], []
     for name, p in model.named_parameters():
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith("e_score_correction_bias") or (args.freeze_audio_tower and name.startswith("model.audio_tower.")):
             p.requires_grad_(False)
             frozen.append(name)
             continue
@@ -756,7 +954,7 @@ def main() -> None:
         return [{"params": decay, "weight_decay": args.weight_decay, "base_lr": lr},
                 {"params": rest, "weight_decay": 0.0, "base_lr": lr}]
 
-    aux = AuxHeads(model).to(device)
+    aux = AuxHeads(model, args.dense_weight).to(device)
     param_groups = (groups(new_params, args.lr_new) + groups(text_params, args.lr_text)
                     + groups(list(aux.named_parameters()), args.lr_new))
     optimizer = torch.optim.AdamW(param_groups, lr=args.lr_new, betas=(0.9, 0.95), eps=1e-8,
@@ -779,6 +977,8 @@ def main() -> None:
           "args": {k: str(v) for k, v in vars(args).items()}})
     if not args.small and (device.type == "cuda" or args.eval_every):
         note({"event": "code_slice_init", **code_perplexity(model, device, ac)})
+    if args.vision_seconds:
+        train_vision(model, aux, data.to(device), images_eval, args, device, ac, note)
 
     total = args.steps or 10 ** 9
     t0 = time.time()
@@ -803,7 +1003,12 @@ def main() -> None:
         with ac():
             loss_i = answer_loss(model, ids.to(device), lmask.to(device), attention_mask=att.to(device),
                                  pixel_values=pv.to(device), image_grid_thw=grid.to(device))
-            aux_i = aux.image_loss(*(x.to(device) for x in labels), tokens_per_image=16)
+            aux_i = aux.image_loss(*(x.to(device) for x in labels), tokens_per_image=IMAGE_TOKENS)
+        if args.batch_vision:  # more images for the vision tower's probes alone
+            pv, grid, labels = data.vision_batch(args.batch_vision)
+            with ac():
+                model.model.get_image_features(pv.to(device), grid.to(device))
+                aux_i = aux_i + aux.image_loss(*(x.to(device) for x in labels), tokens_per_image=IMAGE_TOKENS)
         ids, att, lmask, values, vmask, digits, tokens = data.audio_batch(args.batch_audio)
         with ac():
             loss_a = answer_loss(model, ids.to(device), lmask.to(device), attention_mask=att.to(device),
