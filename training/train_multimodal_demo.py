@@ -19,6 +19,9 @@ Usage (see training/README.md for the run that made the shipped checkpoint)::
     python training/media_data.py --out .corpus/mmdata --train-clips 4000     # espeak-ng clips -> audio_*.npz
     python training/train_multimodal_demo.py --prepare .corpus/mmdata   # 24 kHz clips + code windows
     python training/train_multimodal_demo.py --out /tmp/mm --time-budget 300 --device cuda
+    # the shipped checkpoint's second run: a vision-only phase with per-token probes, then the joint phase
+    python training/train_multimodal_demo.py --init-from musecore/data/muse-tiny-mm --freeze-audio-tower \
+        --vision-seconds 100 --dense-weight 1 --batch-vision 256 --time-budget 150 --out /tmp/mm --device cuda
 """
 
 from __future__ import annotations
