@@ -35,7 +35,6 @@ from pathlib import Path
 import numpy as np
 
 IMAGE_SIZE = 112  # a multiple of 28 (patch 14 x merge 2): the processor keeps it, 8x8 patches -> 16 tokens
-SIZE_SCALE = 1.0  # shape radii, margins and gaps in units of the 112-pixel design (radius 8-20 px at 1.0)
 CELL = 28         # pixels per image token (patch 14 x merge 2)
 SHAPES = ("circle", "square", "triangle", "star")
 COLOURS = {  # name -> base RGB; each drawing jitters every channel by up to +-JITTER
@@ -99,13 +98,11 @@ def draw_image(rng: random.Random) -> ImageItem:
     img = Image.new("RGB", (size, size), bg)
     draw = ImageDraw.Draw(img)
     placed: list[tuple[float, float, float]] = []
-    k = SIZE_SCALE
     for _ in range(count):
         for _attempt in range(200):
-            r = rng.uniform(8.0 * k, (15.0 if count > 2 else 20.0) * k) * scale
-            margin = r + 2 * k * scale
-            cx, cy = rng.uniform(margin, size - margin), rng.uniform(margin, size - margin)
-            if all(math.hypot(cx - x, cy - y) > r + q + 3 * k * scale for x, y, q in placed):
+            r = rng.uniform(8.0, 15.0 if count > 2 else 20.0) * scale
+            cx, cy = rng.uniform(r + 2 * scale, size - r - 2 * scale), rng.uniform(r + 2 * scale, size - r - 2 * scale)
+            if all(math.hypot(cx - x, cy - y) > r + q + 3 * scale for x, y, q in placed):
                 break
         else:  # cannot happen at these sizes (checked on 100,000 seeds); a clear error if it ever does
             raise RuntimeError(f"could not place {count} shapes without overlap")

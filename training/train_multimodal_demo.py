@@ -693,7 +693,7 @@ def heldout_sets(data: Path, n_images: int, n_clips: int | None):
     for i in range(n_images):
         item = md.image_item("heldout", i)
         kind, question, answer = md.image_qa(item, random.Random(f"eval-question:{i}"), kinds[i % 3])
-        images.append((np.asarray(item.image, dtype=np.uint8), kind, question, answer,
+        images.append((np.array(item.image, dtype=np.uint8), kind, question, answer,
                        (item.shape, item.colour, str(item.count))))
     clips, digits, specs = load_clips(data / "clips24k_heldout.npz")
     n_clips = len(clips) if n_clips is None else n_clips
