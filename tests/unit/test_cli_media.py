@@ -133,11 +133,10 @@ needs_demo = pytest.mark.skipif(not (DEMO / "config.json").is_file() or not (HEL
                                 reason="the trained demo musecore/data/muse-tiny-mm or its held-out media is absent")
 
 
-# The demo is under its accuracy target (musecore/data/muse-tiny-mm/eval.json: 35.5% of held-out images,
-# 12.7% of held-out digits), so these tests use held-out items it answers right: they check the command
-# line path end to end (file -> processor -> tower -> splice -> reply), not the model's accuracy. On the
-# 20 committed held-out images musecore's answers equal those of the training script's own evaluation
-# (transformers) item for item, wrong answers included (6/20 right; digits 3/20).
+# The demo meets its targets (musecore/data/muse-tiny-mm/eval.json: 98.7% of 600 held-out images, 96.3% of
+# 300 held-out digits; tests/unit/test_demo_mm.py checks accuracy). These tests use held-out items it answers
+# right: they check the command line path end to end (file -> processor -> tower -> splice -> reply), not the
+# model's accuracy.
 ANSWERED = {"image": "image_02.png", "audio": "digit_02.wav"}
 
 
