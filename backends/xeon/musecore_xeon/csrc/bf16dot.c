@@ -43,7 +43,9 @@
 #ifndef BG_GROUP_MIN_M
 #define BG_GROUP_MIN_M 128  /* up to this M one panel per task: the output tiles of 4 panels crowd L1 (lab/NOTES.md) */
 #endif
-#define BG_MB 256   /* activation rows per block: the output tiles [BG_GROUP][BG_MB][64] fp32 (256 KiB) stay in L2 */
+#ifndef BG_MB
+#define BG_MB 512   /* activation rows per block (panels decoded once per block): output tiles [BG_GROUP][BG_MB][64] fp32, 512 KiB, in L2 */
+#endif
 
 /* r[c] <- column c of the 16 x 16 matrix of dwords whose row i is r[i]. */
 static inline __attribute__((always_inline)) void bg_transpose16(__m512i r[16]) {
