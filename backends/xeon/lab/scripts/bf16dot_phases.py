@@ -50,13 +50,13 @@ def build(variant: str, tmp: Path) -> ctypes.CDLL:
     return native.declare_signatures(ctypes.CDLL(str(so)))
 
 
-def best(fn, repeats: int) -> float:
+def best(fn, repeats: int, clock=time.thread_time) -> float:
     fn()
     out = float("inf")
     for _ in range(repeats):
-        start = time.thread_time()
+        start = clock()
         fn()
-        out = min(out, time.thread_time() - start)
+        out = min(out, clock() - start)
     return out
 
 
@@ -67,8 +67,10 @@ def main() -> None:
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="> 1: wall time (perf_counter) instead of thread time")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     n, k = args.n, args.k
     w = torch.randn(n, k) * 0.02
     lin = prepare_int4(musecore_quant.quantize(w, "int4", group_size=args.group), torch.bfloat16, calibrate=False)
@@ -76,16 +78,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         libs = {v: build(v, Path(tmp)) for v in ("full", "no-decode", "no-dot")}
         vectors = n * k / 32
-        print(f"{n}x{k} g={args.group}, 1 thread, best of {args.rounds} alternating rounds (thread CPU time)")
+        print(f"{n}x{k} g={args.group}, {args.threads} thread(s), best of {args.rounds} alternating rounds "
+              f"({'thread CPU' if args.threads == 1 else 'wall'} time)")
         for m in args.ms:
             x = torch.randn(m, k).bfloat16()
             y = torch.empty(m, n, dtype=torch.bfloat16)
             times = {}
             for _ in range(args.rounds):
                 for name, lib in libs.items():
-                    t = best(lambda: lib.musecore_int4_bf16_gemm(gemv.args_ptr, x.data_ptr(), 1, y.data_ptr(), 1, m), 3)
+                    t = best(lambda: lib.musecore_int4_bf16_gemm(gemv.args_ptr, x.data_ptr(), 1, y.data_ptr(), 1, m), 3,
+                             clock)
                     times[name] = min(times.get(name, t), t)
-                t = best(lambda: F.linear(x, wb), 3)
+                t = best(lambda: F.linear(x, wb), 3, clock)
                 times["torch-bf16"] = min(times.get("torch-bf16", t), t)
             cells = [f"{name} {t * 1e3:8.3f} ms {t / vectors * 1e9:6.2f} ns/vec {2 * m * n * k / t / 1e9:5.0f} GF/s"
                      for name, t in times.items()]
