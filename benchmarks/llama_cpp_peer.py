@@ -253,7 +253,8 @@ def main() -> None:
 
     loads: dict[str, float] = {}
     start = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.prompt_tokens + args.new_tokens + 8, n_batch=64,
+    context = args.prompt_tokens + args.new_tokens + 8
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context,  # scores keeps n_batch rows
                           n_threads=max(args.threads), n_threads_batch=max(args.threads), verbose=False)
     loads["llama.cpp"] = time.perf_counter() - start
     # The default xeon plan from an INT4 g128 checkpoint: the resident formats and bytes of a BF16 checkpoint
