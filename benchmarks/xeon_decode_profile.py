@@ -64,11 +64,12 @@ def muse_small(layers: int = 0) -> Any:
 
 def load(plan: str, layers: int) -> Any:
     from musecore.api import load_random
-    from musecore_xeon.bench import all_experts_bf16
+    from musecore_xeon.bench import all_experts_bf16, plan_keeps_bf16_experts
     config = muse_small(layers)
     if plan == "int4":  # the default xeon plan (INT4 experts, attention, pooler/unpooler, lm_head)
         return load_random(config, "xeon", checkpoint_format="int4")
-    return load_random(all_experts_bf16(config), "xeon", quantize_dense=False)
+    with plan_keeps_bf16_experts():
+        return load_random(all_experts_bf16(config), "xeon", quantize_dense=False)
 
 
 def run_steps(model: Any, steps: int, prompt: int = 32, after_prefill: Callable[[], None] = lambda: None
