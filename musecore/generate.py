@@ -457,7 +457,7 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
     # Media features replace their placeholders' embeddings at the prefill only: decode steps feed
     # generated tokens, never placeholders.
     extra = {"media": media} if media else {}
-    logits = model.forward(ids, positions=positions, cache=cache, **extra)[:, -1]  # [R,V] fp32
+    logits = model.forward(ids, positions=positions, cache=cache, last_only=True, **extra)[:, -1]  # [R,V] fp32
     live = (torch.arange(R) < B).to(device)  # the padding rows of a batch bucket are never live
     check_finite_logits(model, logits, "the prefill (the first new token)", lambda: (ids, positions, media),
                         live=live)

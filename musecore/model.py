@@ -289,8 +289,9 @@ class MuseModel:
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None, observer: Optional[MoEObserver] = None,
-                media: Optional[Media] = None) -> torch.Tensor:
-        """Logits for every position. ``positions [B,T]`` default to ``0..T-1`` after what the
+                media: Optional[Media] = None, last_only: bool = False) -> torch.Tensor:
+        """Logits for every position (``last_only``: for the last position only, ``[B,1,V]``: a prefill
+        that samples one token skips the lm_head and softcap over the rest of the prompt). ``positions [B,T]`` default to ``0..T-1`` after what the
         cache holds; ``-1`` marks a padding token (it attends to nothing and nothing attends to it).
         ``observer`` is called by every MoE layer with its routing (calibration; see :data:`MoEObserver`).
         ``media`` maps a placeholder id (``config.image_token_id`` / ``video_token_id`` /
@@ -312,7 +313,7 @@ class MuseModel:
         finally:
             if comm is not None:
                 comm.sp_tokens = 0
-        return self.logits(a)
+        return self.logits(a[:, -1:] if last_only else a)
 
     # The stages of forward, in order. Calibration (musecore.calibrate) runs them one layer at a
     # time so that it can act between layers; forward is exactly embed, then per layer the two

@@ -276,7 +276,7 @@ class Engine:
             positions[b, longest - n:] = torch.arange(n)
         media = _joined_media([r.features for r in requests])
         extra = {"media": media} if media else {}
-        logits = self.model.forward(ids, positions=positions, cache=view, **extra)[:, -1]  # [k,V]
+        logits = self.model.forward(ids, positions=positions, cache=view, last_only=True, **extra)[:, -1]  # [k,V]
         _merge_used(self.cache, view)
         for r in requests:
             r.features = None  # not needed after the prefill

@@ -78,10 +78,10 @@ def faked(monkeypatch):
     model.towers = towers
     forward, model.prefill_media = model.forward, []
 
-    def recording_forward(ids, positions=None, cache=None, observer=None, media=None):
+    def recording_forward(ids, positions=None, cache=None, observer=None, media=None, last_only=False):
         if ids.shape[1] > 1:
             model.prefill_media.append(media)
-        return forward(ids, positions=positions, cache=cache, observer=observer)
+        return forward(ids, positions=positions, cache=cache, observer=observer, last_only=last_only)
 
     model.forward = recording_forward
 

@@ -165,10 +165,10 @@ def model(tiny, monkeypatch):
     forward, calls = tiny.forward, []
     takes_media = "media" in inspect.signature(forward).parameters
 
-    def recording_forward(ids, positions=None, cache=None, observer=None, media=None):
+    def recording_forward(ids, positions=None, cache=None, observer=None, media=None, last_only=False):
         calls.append((ids.clone(), media))
         extra = {"media": media} if media and takes_media else {}  # the real splice too, once it exists
-        return forward(ids, positions=positions, cache=cache, observer=observer, **extra)
+        return forward(ids, positions=positions, cache=cache, observer=observer, last_only=last_only, **extra)
 
     monkeypatch.setattr(tiny, "forward", recording_forward)
     tiny.towers, tiny.calls = towers, calls
