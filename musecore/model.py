@@ -313,7 +313,7 @@ class MuseModel:
         finally:
             if comm is not None:
                 comm.sp_tokens = 0
-        return self.logits(a[:, -1:] if last_only else a)
+        return self.logits(a[:, -1:].contiguous() if last_only else a)  # contiguous: kernels may assume dense rows
 
     # The stages of forward, in order. Calibration (musecore.calibrate) runs them one layer at a
     # time so that it can act between layers; forward is exactly embed, then per layer the two
