@@ -489,7 +489,50 @@ class LinearReport:
     heldout_loss_autoround: Optional[float] = None
 
 
-class DenseAutoRoundQuantizer:
+class CalibratedDense:
+    """What the dense-group quantizers (:class:`DenseAutoRoundQuantizer`,
+    :class:`musecore.calibrate_gptq.DenseGPTQQuantizer`) share: the Linears of ``groups`` they calibrate, the
+    include patterns for ``convert``, and the look-up ``quantizer(name, fp32 weight) -> QTensor`` that refuses a
+    name it did not calibrate or a weight other than the one it calibrated. Subclasses fill ``results`` and
+    ``calibrated`` and call :meth:`_finish`."""
+
+    method = "calibrated"  # how a subclass's error messages name its work
+
+    def _select(self, model: MuseModel, groups: Sequence[str], names: Optional[Sequence[str]]) -> None:
+        self.groups = tuple(groups)
+        self.names = dense_linear_names(model, self.groups)
+        if names is not None:  # a subset (tests, or a partial re-tune)
+            unknown = sorted(set(names) - set(self.names))
+            if unknown:
+                raise ValueError(f"{unknown} are not Linears of the groups {list(groups)}; choose from {self.names}")
+            self.names = [n for n in self.names if n in names]
+        if not self.names:
+            raise ValueError(f"the model has no Linear in the groups {list(groups)}")
+        self.results: dict[str, QTensor] = {}
+        self.calibrated: dict[str, torch.Tensor] = {}
+
+    def _finish(self, started: float, calibration_ids: torch.Tensor, options: Any) -> None:
+        """The run's time, and a ``__qualname__`` naming the calibration (convert's resume key)."""
+        self.seconds = time.perf_counter() - started
+        digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
+        self.__qualname__ = (f"{type(self).__module__}.{type(self).__name__}(ids={digest}, groups={list(self.groups)}, "
+                             f"options={json.dumps(options.as_dict(), sort_keys=True)})")
+
+    def include_patterns(self) -> list[str]:
+        import re
+        return ["^" + re.escape(name) + "$" for name in self.names]
+
+    def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
+        if name not in self.results:
+            raise ValueError(f"{name!r} was not {self.method} (groups {list(self.groups)}); restrict include to "
+                             "include_patterns()")
+        if not torch.equal(weight.float(), self.calibrated[name]):
+            raise ValueError(f"{name!r} differs from the weight that was calibrated: load the calibration model "
+                             "from the checkpoint being converted (dtype=torch.float32)")
+        return self.results[name]
+
+
+class DenseAutoRoundQuantizer(CalibratedDense):
     """``calibrated_quantizer(name, fp32 weight) -> QTensor`` for the dense Linears of ``groups``
     (the groups a device such as xeon6 quantizes at load: attention, pooler/unpooler, lm_head):
     each tuned with auto-round on the inputs it receives in the BF16 model on the calibration
@@ -507,6 +550,8 @@ class DenseAutoRoundQuantizer:
         dense("lm_head.weight", w)              # canonical INT4 QTensor
     """
 
+    method = "tuned"
+
     def __init__(self, model: MuseModel, source: Union[str, Path], calibration_ids: torch.Tensor,
                  groups: Sequence[str], *, options: AutoRoundOptions = AutoRoundOptions(),
                  heldout_fraction: float = 0.25, names: Optional[Sequence[str]] = None, progress: bool = False) -> None:
@@ -515,18 +560,9 @@ class DenseAutoRoundQuantizer:
         from musecore.autoround import LinearTuner
         reader = open_checkpoint(source)
         started = time.perf_counter()
-        self.groups, self.options = tuple(groups), options
-        self.names = dense_linear_names(model, self.groups)
-        if names is not None:  # a subset (tests, or a partial re-tune)
-            unknown = sorted(set(names) - set(self.names))
-            if unknown:
-                raise ValueError(f"{unknown} are not Linears of the groups {list(groups)}; choose from {self.names}")
-            self.names = [n for n in self.names if n in names]
-        if not self.names:
-            raise ValueError(f"the model has no Linear in the groups {list(groups)}")
+        self.options = options
+        self._select(model, groups, names)
         inputs = capture_linear_inputs(model, calibration_ids, self.names, max_rows=options.max_tokens)
-        self.results: dict[str, QTensor] = {}
-        self.tuned: dict[str, torch.Tensor] = {}
         self.reports: list[LinearReport] = []
         tuners: dict[tuple[int, int], LinearTuner] = {}
         for k, name in enumerate(self.names):
@@ -536,7 +572,7 @@ class DenseAutoRoundQuantizer:
             shape = (weight.shape[1], weight.shape[0])
             if any(dim % AUTO_ROUND_INT_MULTIPLE for dim in shape):  # auto-round would leave it in 16 bits
                 self.results[name] = quantize(weight, "int4", group_size=options.group_size, sym=options.sym)
-                self.tuned[name] = weight
+                self.calibrated[name] = weight
                 self.reports.append(LinearReport(name, "rtn", 0))
                 if progress:
                     print(f"{name}: RTN ({list(weight.shape)}: auto-round tunes only multiples of "
@@ -545,7 +581,7 @@ class DenseAutoRoundQuantizer:
             if shape not in tuners:
                 tuners[shape] = LinearTuner(*shape, options)
             result = tuners[shape].tune(weight, x[:cut], seed=options.seed + k, heldout=x[cut:])
-            self.results[name], self.tuned[name] = result.qtensor, weight
+            self.results[name], self.calibrated[name] = result.qtensor, weight
             report = LinearReport(name, "autoround", result.tokens, result.loss_rtn, result.loss_autoround,
                                   result.heldout_tokens, result.heldout_loss_rtn, result.heldout_loss_autoround)
             self.reports.append(report)
@@ -554,23 +590,7 @@ class DenseAutoRoundQuantizer:
                       f"{report.tuned_tokens} rows; held out ({report.heldout_tokens}): rtn "
                       f"{report.heldout_loss_rtn:.3e} -> autoround {report.heldout_loss_autoround:.3e}",
                       file=sys.stderr, flush=True)
-        self.seconds = time.perf_counter() - started
-        digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
-        self.__qualname__ = (f"musecore.calibrate.DenseAutoRoundQuantizer(ids={digest}, groups={list(self.groups)}, "
-                             f"options={json.dumps(options.as_dict(), sort_keys=True)})")
-
-    def include_patterns(self) -> list[str]:
-        import re
-        return ["^" + re.escape(name) + "$" for name in self.names]
-
-    def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
-        if name not in self.results:
-            raise ValueError(f"{name!r} was not tuned (groups {list(self.groups)}); restrict include to "
-                             "include_patterns()")
-        if not torch.equal(weight.float(), self.tuned[name]):
-            raise ValueError(f"{name!r} differs from the weight that was calibrated: load the calibration model "
-                             "from the checkpoint being converted (dtype=torch.float32)")
-        return self.results[name]
+        self._finish(started, calibration_ids, options)
 
     def report(self) -> dict:
         held = [r for r in self.reports if r.heldout_loss_rtn]

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from musecore_quant import QTensor, dequantize, fake_quantize_activation, quantize
 from musecore_quant.gptq import GPTQ_FORMATS, gptq_quantize, input_hessian
 
-from musecore.calibrate import (AutoRoundQuantizer, LayerwiseRun, _dense_experts, _sparse, calibration_windows,
-                                capture_linear_inputs, convert_exclude, dense_linear_names, quantized_experts, record_routing,
-                                routed_inputs)
+from musecore.calibrate import (AutoRoundQuantizer, CalibratedDense, LayerwiseRun, _dense_experts, _sparse,
+                                calibration_windows, capture_linear_inputs, convert_exclude,
+                                quantized_experts, record_routing, routed_inputs)
 from musecore.model import MuseModel
 from musecore.names import expert_patterns, expert_weight, quantized_expert_layers
 
@@ -96,7 +96,7 @@ def _output_mse(x: torch.Tensor, weight: torch.Tensor, qt: QTensor) -> float:
 # Dense groups
 
 
-class DenseGPTQQuantizer:
+class DenseGPTQQuantizer(CalibratedDense):
     """``calibrated_quantizer(name, fp32 weight) -> QTensor`` (INT4) for the dense Linears of ``groups``,
     each rounded by GPTQ against the Hessian of the inputs it receives in the BF16 model.
 
@@ -106,24 +106,17 @@ class DenseGPTQQuantizer:
         dense("lm_head.weight", w)       # canonical INT4 QTensor (symmetric, g128)
     """
 
+    method = "quantized by GPTQ"
+
     def __init__(self, model: MuseModel, source: Union[str, Path], calibration_ids: torch.Tensor,
                  groups: Sequence[str], *, options: GPTQOptions = GPTQOptions(), names: Optional[Sequence[str]] = None,
                  progress: bool = False) -> None:
         from musecore_quant.checkpoint import open_checkpoint
         started = time.perf_counter()
-        self.groups, self.options = tuple(groups), options
-        self.names = dense_linear_names(model, self.groups)
-        if names is not None:
-            unknown = sorted(set(names) - set(self.names))
-            if unknown:
-                raise ValueError(f"{unknown} are not Linears of the groups {list(groups)}; choose from {self.names}")
-            self.names = [n for n in self.names if n in names]
-        if not self.names:
-            raise ValueError(f"the model has no Linear in the groups {list(groups)}")
+        self.options = options
+        self._select(model, groups, names)
         inputs = capture_linear_inputs(model, calibration_ids, self.names, max_rows=options.max_rows)
         reader = open_checkpoint(source)
-        self.results: dict[str, QTensor] = {}
-        self.weights: dict[str, torch.Tensor] = {}
         self.linears: list[dict] = []
         for name in self.names:
             weight = reader.read(name).float()
@@ -137,28 +130,12 @@ class DenseGPTQQuantizer:
                      "heldout_mse_rtn": _output_mse(held, weight, rtn) if len(held) else None,
                      "heldout_mse_gptq": _output_mse(held, weight, qt) if len(held) else None}
             self.linears.append(entry)
-            self.results[name], self.weights[name] = qt, weight
+            self.results[name], self.calibrated[name] = qt, weight
             if progress:
                 print(f"{name}: GPTQ output-error proxy {stats.output_error:.3e} vs RTN {stats.rtn_output_error:.3e}"
                       + (f"; held out ({len(held)} rows) MSE rtn {entry['heldout_mse_rtn']:.3e} -> gptq "
                          f"{entry['heldout_mse_gptq']:.3e}" if len(held) else ""), file=sys.stderr, flush=True)
-        self.seconds = time.perf_counter() - started
-        digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
-        self.__qualname__ = (f"musecore.calibrate_gptq.DenseGPTQQuantizer(ids={digest}, groups={list(self.groups)}, "
-                             f"options={json.dumps(options.as_dict(), sort_keys=True)})")
-
-    def include_patterns(self) -> list[str]:
-        import re
-        return ["^" + re.escape(name) + "$" for name in self.names]
-
-    def __call__(self, name: str, weight: torch.Tensor) -> QTensor:
-        if name not in self.results:
-            raise ValueError(f"{name!r} was not quantized by GPTQ (groups {list(self.groups)}); restrict include "
-                             "to include_patterns()")
-        if not torch.equal(weight.float(), self.weights[name]):
-            raise ValueError(f"{name!r} differs from the weight that was calibrated: load the calibration model "
-                             "from the checkpoint being converted (dtype=torch.float32)")
-        return self.results[name]
+        self._finish(started, calibration_ids, options)
 
     def report(self) -> dict:
         held = [r for r in self.linears if r["heldout_mse_rtn"]]
