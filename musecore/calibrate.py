@@ -69,7 +69,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -295,16 +295,9 @@ class AutoRoundQuantizer:
         self.results: dict[int, list[dict[str, QTensor]]] = {}  # layer -> per expert {projection: INT4}
         tuner = (ExpertTuner(cfg.moe_hidden_size, cfg.moe_intermediate_size, cfg.post_norm_eps, options)
                  if self.layers else None)
-        run = LayerwiseRun(model, calibration_ids, sequences_per_pass)
-        for i in range(cfg.num_hidden_layers):
-            hm = run.attention(i)
-            if i not in self.layers:
-                run.feedforward(i, hm)
-                continue
-            record = record_routing(run, i, hm)
-            self.results[i] = self._quantize_layer(i, record, tuner, progress)
-            run.feedforward(i, hm, experts=quantized_experts(model.layers[i].mlp.experts, self.results[i])
-                            if propagate_quantized else None)
+        self.results = quantize_layerwise(model, calibration_ids, self.layers,
+                                          lambda i, record: self._quantize_layer(i, record, tuner, progress),
+                                          sequences_per_pass, propagate_quantized)
         self.report.seconds = time.perf_counter() - started
         digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
         # convert()'s resume key reads __qualname__: make it name this calibration, not just the class.
@@ -382,6 +375,25 @@ def _dense_experts(model: MuseModel, layer: int) -> Any:
         raise ValueError(f"layer {layer}: calibration needs dense reference experts [E, I, h] = {list(want)}; load the "
                          "model with musecore.load(checkpoint, device='cpu', dtype=torch.float32)")
     return experts
+
+
+def quantize_layerwise(model: MuseModel, calibration_ids: torch.Tensor, layers: Sequence[int],
+                       quantize_layer: Callable[[int, RouterRecord], list[dict]], sequences_per_pass: int,
+                       propagate_quantized: bool = True) -> dict[int, list[dict]]:
+    """Run the model layer by layer on the calibration ids; for each layer of ``layers`` record the routing and
+    ``quantize_layer(i, record) -> per expert {projection: QTensor}``, then (``propagate_quantized``) run that
+    layer's MoE with the quantized experts so later layers see their error. Returns ``{layer: per-expert dicts}``."""
+    results: dict[int, list[dict]] = {}
+    run = LayerwiseRun(model, calibration_ids, sequences_per_pass)
+    for i in range(model.config.num_hidden_layers):
+        hm = run.attention(i)
+        if i not in layers:
+            run.feedforward(i, hm)
+            continue
+        results[i] = quantize_layer(i, record_routing(run, i, hm))
+        run.feedforward(i, hm, experts=quantized_experts(model.layers[i].mlp.experts, results[i])
+                        if propagate_quantized else None)
+    return results
 
 
 def quantized_experts(experts: Any, quantized: list[dict]) -> Any:

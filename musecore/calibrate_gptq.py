@@ -42,9 +42,8 @@ import torch.nn.functional as F
 from musecore_quant import QTensor, dequantize, fake_quantize_activation, quantize
 from musecore_quant.gptq import GPTQ_FORMATS, gptq_quantize, input_hessian
 
-from musecore.calibrate import (AutoRoundQuantizer, CalibratedDense, LayerwiseRun, _dense_experts, _sparse,
-                                calibration_windows, capture_linear_inputs, convert_exclude,
-                                quantized_experts, record_routing, routed_inputs)
+from musecore.calibrate import (AutoRoundQuantizer, CalibratedDense, _dense_experts, _sparse, calibration_windows,
+                                capture_linear_inputs, convert_exclude, quantize_layerwise, routed_inputs)
 from musecore.model import MuseModel
 from musecore.names import expert_patterns, expert_weight, quantized_expert_layers
 
@@ -171,17 +170,11 @@ class ExpertGPTQQuantizer(AutoRoundQuantizer):
         for i in self.layers:
             _dense_experts(model, i)
         started = time.perf_counter()
-        self.results: dict[int, list[dict[str, QTensor]]] = {}
         self.expert_reports: list[dict] = []
-        run = LayerwiseRun(model, calibration_ids, sequences_per_pass)
-        for i in range(cfg.num_hidden_layers):
-            hm = run.attention(i)
-            if i not in self.layers:
-                run.feedforward(i, hm)
-                continue
-            record = record_routing(run, i, hm)
-            self.results[i] = [self._expert(i, e, record, progress) for e in range(cfg.num_local_experts)]
-            run.feedforward(i, hm, experts=quantized_experts(model.layers[i].mlp.experts, self.results[i]))
+        self.results = quantize_layerwise(
+            model, calibration_ids, self.layers,
+            lambda i, record: [self._expert(i, e, record, progress) for e in range(cfg.num_local_experts)],
+            sequences_per_pass)
         self.seconds = time.perf_counter() - started
         digest = hashlib.sha256(calibration_ids.cpu().numpy().tobytes()).hexdigest()[:12]
         self.__qualname__ = (f"musecore.calibrate_gptq.ExpertGPTQQuantizer(ids={digest}, fmt={fmt}, act={act_format}, "
