@@ -30,6 +30,17 @@ static inline float bf16_tail(const uint16_t *w, const float *xp, int64_t k16, i
     return sum;
 }
 
+/* Elements ahead of the current column that the M = 1 rows prefetch: the same columns of the row block(s) that
+   follow, whole blocks and at least BF16_PREFETCH_BYTES (a block's 4 rows are 4 short streams that the hardware
+   prefetcher picks up too late, as in the INT4 GEMV). */
+#ifndef BF16_PREFETCH_BYTES
+#define BF16_PREFETCH_BYTES 4096
+#endif
+static inline int64_t bf16_prefetch_elems(int64_t k) {
+    const int64_t block = BF16_ROWS * k * 2;
+    return BF16_ROWS * k * ((BF16_PREFETCH_BYTES + block - 1) / block);
+}
+
 #ifdef __AVX2__
 /* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)): the portable path's reduce8 in the same order. */
 static inline float bf16_hsum(__m256 v) {
@@ -41,42 +52,72 @@ static inline float bf16_hsum(__m256 v) {
 #define BF16_ODD(v) _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask))
 #define BF16_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
 
-/* 4 rows, one activation row. */
+#ifndef BF16_PF_HINT
+#define BF16_PF_HINT _MM_HINT_T0
+#endif
+#define BF16_PF(p) _mm_prefetch((const char *)(p), BF16_PF_HINT)
+
+/* 4 rows, one activation row: two chunks (64 bytes of each row) per iteration into the same accumulators, in
+   column order (the same sums as one chunk per step), and one prefetch per row. */
 static void bf16_rows4_m1(const uint16_t *w, int64_t k, const float *xp, float *out) {
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
-    const int64_t k16 = k - k % BF16_CHUNK;
+    const int64_t k16 = k - k % BF16_CHUNK, pf = bf16_prefetch_elems(k);
     const uint16_t *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
     __m256 e0 = _mm256_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0, o2 = e0, e3 = e0, o3 = e0;
-    for (int64_t c = 0; c < k16; c += BF16_CHUNK) {
-        const __m256 xe = _mm256_loadu_ps(xp + c), xo = _mm256_loadu_ps(xp + c + 8);
-        const __m256i v0 = BF16_LOAD(w0 + c), v1 = BF16_LOAD(w1 + c), v2 = BF16_LOAD(w2 + c), v3 = BF16_LOAD(w3 + c);
-        e0 = _mm256_fmadd_ps(BF16_EVEN(v0), xe, e0); o0 = _mm256_fmadd_ps(BF16_ODD(v0), xo, o0);
-        e1 = _mm256_fmadd_ps(BF16_EVEN(v1), xe, e1); o1 = _mm256_fmadd_ps(BF16_ODD(v1), xo, o1);
-        e2 = _mm256_fmadd_ps(BF16_EVEN(v2), xe, e2); o2 = _mm256_fmadd_ps(BF16_ODD(v2), xo, o2);
-        e3 = _mm256_fmadd_ps(BF16_EVEN(v3), xe, e3); o3 = _mm256_fmadd_ps(BF16_ODD(v3), xo, o3);
+#define BF16_STEP4(C) {                                                                                         \
+        const __m256 xe = _mm256_loadu_ps(xp + (C)), xo = _mm256_loadu_ps(xp + (C) + 8);                        \
+        const __m256i v0 = BF16_LOAD(w0 + (C)), v1 = BF16_LOAD(w1 + (C)), v2 = BF16_LOAD(w2 + (C)),             \
+                      v3 = BF16_LOAD(w3 + (C));                                                                 \
+        e0 = _mm256_fmadd_ps(BF16_EVEN(v0), xe, e0); o0 = _mm256_fmadd_ps(BF16_ODD(v0), xo, o0);               \
+        e1 = _mm256_fmadd_ps(BF16_EVEN(v1), xe, e1); o1 = _mm256_fmadd_ps(BF16_ODD(v1), xo, o1);               \
+        e2 = _mm256_fmadd_ps(BF16_EVEN(v2), xe, e2); o2 = _mm256_fmadd_ps(BF16_ODD(v2), xo, o2);               \
+        e3 = _mm256_fmadd_ps(BF16_EVEN(v3), xe, e3); o3 = _mm256_fmadd_ps(BF16_ODD(v3), xo, o3);               \
     }
+    int64_t c = 0;
+    for (; c + 2 * BF16_CHUNK <= k16; c += 2 * BF16_CHUNK) {
+        BF16_PF(w0 + c + pf); BF16_PF(w1 + c + pf); BF16_PF(w2 + c + pf); BF16_PF(w3 + c + pf);
+        BF16_STEP4(c)
+        BF16_STEP4(c + BF16_CHUNK)
+    }
+    if (c < k16) {
+        BF16_PF(w0 + c + pf); BF16_PF(w1 + c + pf); BF16_PF(w2 + c + pf); BF16_PF(w3 + c + pf);
+        BF16_STEP4(c)
+    }
+#undef BF16_STEP4
     out[0] = bf16_tail(w0, xp, k16, k, bf16_hsum(_mm256_add_ps(e0, o0)));
     out[1] = bf16_tail(w1, xp, k16, k, bf16_hsum(_mm256_add_ps(e1, o1)));
     out[2] = bf16_tail(w2, xp, k16, k, bf16_hsum(_mm256_add_ps(e2, o2)));
     out[3] = bf16_tail(w3, xp, k16, k, bf16_hsum(_mm256_add_ps(e3, o3)));
 }
 
-/* 2 rows, two activation rows (each weight load feeds both): out[r * 2 + m]. */
+/* 2 rows, two activation rows (each weight load feeds both): out[r * 2 + m]. Two chunks per iteration as in
+   bf16_rows4_m1 (the same sums), prefetching the rows of the pair(s) of rows ahead. */
 static void bf16_rows2_m2(const uint16_t *w, int64_t k, const float *xp0, const float *xp1, float *out) {
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
-    const int64_t k16 = k - k % BF16_CHUNK;
+    const int64_t k16 = k - k % BF16_CHUNK, pf = 2 * k * ((BF16_PREFETCH_BYTES + 4 * k - 1) / (4 * k));
     const uint16_t *w0 = w, *w1 = w + k;
     __m256 e00 = _mm256_setzero_ps(), o00 = e00, e01 = e00, o01 = e00, e10 = e00, o10 = e00, e11 = e00, o11 = e00;
-    for (int64_t c = 0; c < k16; c += BF16_CHUNK) {
-        const __m256i v0 = BF16_LOAD(w0 + c), v1 = BF16_LOAD(w1 + c);
-        const __m256 a0 = BF16_EVEN(v0), b0 = BF16_ODD(v0), a1 = BF16_EVEN(v1), b1 = BF16_ODD(v1);
-        const __m256 xe0 = _mm256_loadu_ps(xp0 + c), xo0 = _mm256_loadu_ps(xp0 + c + 8);
-        e00 = _mm256_fmadd_ps(a0, xe0, e00); o00 = _mm256_fmadd_ps(b0, xo0, o00);
-        e10 = _mm256_fmadd_ps(a1, xe0, e10); o10 = _mm256_fmadd_ps(b1, xo0, o10);
-        const __m256 xe1 = _mm256_loadu_ps(xp1 + c), xo1 = _mm256_loadu_ps(xp1 + c + 8);
-        e01 = _mm256_fmadd_ps(a0, xe1, e01); o01 = _mm256_fmadd_ps(b0, xo1, o01);
-        e11 = _mm256_fmadd_ps(a1, xe1, e11); o11 = _mm256_fmadd_ps(b1, xo1, o11);
+#define BF16_STEP2(C) {                                                                                         \
+        const __m256i v0 = BF16_LOAD(w0 + (C)), v1 = BF16_LOAD(w1 + (C));                                       \
+        const __m256 a0 = BF16_EVEN(v0), b0 = BF16_ODD(v0), a1 = BF16_EVEN(v1), b1 = BF16_ODD(v1);              \
+        const __m256 xe0 = _mm256_loadu_ps(xp0 + (C)), xo0 = _mm256_loadu_ps(xp0 + (C) + 8);                    \
+        e00 = _mm256_fmadd_ps(a0, xe0, e00); o00 = _mm256_fmadd_ps(b0, xo0, o00);                               \
+        e10 = _mm256_fmadd_ps(a1, xe0, e10); o10 = _mm256_fmadd_ps(b1, xo0, o10);                               \
+        const __m256 xe1 = _mm256_loadu_ps(xp1 + (C)), xo1 = _mm256_loadu_ps(xp1 + (C) + 8);                    \
+        e01 = _mm256_fmadd_ps(a0, xe1, e01); o01 = _mm256_fmadd_ps(b0, xo1, o01);                               \
+        e11 = _mm256_fmadd_ps(a1, xe1, e11); o11 = _mm256_fmadd_ps(b1, xo1, o11);                               \
     }
+    int64_t c = 0;
+    for (; c + 2 * BF16_CHUNK <= k16; c += 2 * BF16_CHUNK) {
+        BF16_PF(w0 + c + pf); BF16_PF(w1 + c + pf);
+        BF16_STEP2(c)
+        BF16_STEP2(c + BF16_CHUNK)
+    }
+    if (c < k16) {
+        BF16_PF(w0 + c + pf); BF16_PF(w1 + c + pf);
+        BF16_STEP2(c)
+    }
+#undef BF16_STEP2
     out[0] = bf16_tail(w0, xp0, k16, k, bf16_hsum(_mm256_add_ps(e00, o00)));
     out[1] = bf16_tail(w0, xp1, k16, k, bf16_hsum(_mm256_add_ps(e01, o01)));
     out[2] = bf16_tail(w1, xp0, k16, k, bf16_hsum(_mm256_add_ps(e10, o10)));

@@ -27,6 +27,19 @@ static void moe_prepare(const moe_act_t *a, const void *src, int src_bf16, int64
         bf16_prepare_x(src, src_bf16, 1, a->k, a->buf + r * a->k);
 }
 
+/* Prepared row dst := prepared row src (the same input row). */
+static void moe_copy_prepared(const moe_act_t *a, int64_t src, int64_t dst) {
+    if (a->kind == MOE_INT4) {
+        const qx_t q = qx_at(a->buf, a->rows, a->k, a->g), s = qx_row(q, src, a->k, a->g), d = qx_row(q, dst, a->k, a->g);
+        const int64_t groups = a->k / a->g;
+        memcpy(d.xq, s.xq, (size_t)a->k * sizeof(int16_t));
+        memcpy(d.sx, s.sx, (size_t)groups * sizeof(float));
+        memcpy(d.xqsum, s.xqsum, (size_t)groups * sizeof(int32_t));
+    } else {
+        memcpy(a->buf + dst * a->k, a->buf + src * a->k, (size_t)a->k * sizeof(float));
+    }
+}
+
 /* Output rows [blk * block, +block) of weight w for the `count` prepared rows from r0, into out[(r0 + m) * n + row]. */
 static void moe_rows(const moe_act_t *a, const void *w, const void *sz, int64_t r0, int64_t count, float *out,
                      int64_t blk, int64_t n) {
@@ -36,6 +49,67 @@ static void moe_rows(const moe_act_t *a, const void *w, const void *sz, int64_t 
     } else {
         const int64_t n0 = blk * BF16_ROWS, n1 = n0 + BF16_ROWS < n ? n0 + BF16_ROWS : n;
         bf16_row_range((const uint16_t *)w, a->buf + r0 * a->k, out + r0 * n, 0, n0, n1, n, a->k, count);
+    }
+}
+
+/* Row blocks ahead that the row kernel prefetches within one weight (the INT4 GEMV's PREFETCH_BYTES, the BF16
+   GEMV's BF16_PREFETCH_BYTES, in whole blocks): where the block that far ahead lies in another weight (the next
+   routed expert, or the thread's first block of the next projection), the driver prefetches it instead. */
+static int64_t moe_prefetch_blocks(const moe_act_t *a) {
+    const int64_t block = a->kind == MOE_INT4 ? ROWS * a->k / 2 : BF16_ROWS * a->k * 2,
+                  ahead = a->kind == MOE_INT4 ? PREFETCH_BYTES : BF16_PREFETCH_BYTES;
+    return (ahead + block - 1) / block;
+}
+
+/* Prefetch (into L1) row block blk of weight w [n, k] (and its INT4 scales/zeros). */
+static void moe_prefetch(const moe_act_t *a, const void *w, const void *sz, int64_t blk, int64_t n) {
+#ifdef __AVX2__
+    const char *p, *q = NULL;
+    int64_t bytes, qbytes = 0;
+    if (a->kind == MOE_INT4) {
+        p = (const char *)w + blk * ROWS * a->k / 2;
+        bytes = ROWS * a->k / 2;
+        q = (const char *)sz + blk * (a->k / a->g) * 2 * ROWS * 2;
+        qbytes = (a->k / a->g) * 2 * ROWS * 2;
+    } else {
+        const int64_t rows = n - blk * BF16_ROWS < BF16_ROWS ? n - blk * BF16_ROWS : BF16_ROWS;
+        p = (const char *)w + blk * BF16_ROWS * a->k * 2;
+        bytes = rows * a->k * 2;
+    }
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
+#else
+    (void)a; (void)w; (void)sz; (void)blk; (void)n;
+#endif
+}
+
+/* One projection's row blocks for all routed experts, as items idx * blocks + blk (idx into expert_list). */
+typedef struct {
+    const moe_act_t *act;
+    const int64_t *w, *sz;  /* per expert (E pointers) */
+    int64_t blocks, n;      /* row blocks per expert, output rows */
+    float *out;
+} moe_phase_t;
+
+static void moe_phase_prefetch(const moe_phase_t *ph, const int64_t *expert_list, int64_t item) {
+    const int64_t e = expert_list[item / ph->blocks];
+    moe_prefetch(ph->act, (const void *)ph->w[e], ph->sz ? (const void *)ph->sz[e] : NULL, item % ph->blocks, ph->n);
+}
+
+/* Items [i0, i1) of phase ph on this thread; next / j0, j1: this thread's items of the phase that follows (next NULL
+   for none), whose first blocks are prefetched while the last ones of this phase run. */
+static void moe_run_items(const moe_phase_t *ph, const moe_phase_t *next, int64_t i0, int64_t i1, int64_t j0,
+                          int64_t j1, const int64_t *expert_list, const int64_t *start) {
+    const int64_t ahead = moe_prefetch_blocks(ph->act);
+    for (int64_t item = i0; item < i1; ++item) {
+        const int64_t idx = item / ph->blocks, e = expert_list[idx], r0 = start[e], target = item + ahead;
+        if (target < i1) {
+            if (target / ph->blocks != idx) moe_phase_prefetch(ph, expert_list, target);
+        } else if (next != NULL && j0 + (target - i1) < j1) {
+            moe_phase_prefetch(next, expert_list, j0 + (target - i1));
+        }
+        moe_rows(ph->act, (const void *)ph->w[e], ph->sz ? (const void *)ph->sz[e] : NULL, r0, start[e + 1] - r0,
+                 ph->out, item % ph->blocks, ph->n);
     }
 }
 
@@ -81,7 +155,7 @@ static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const
                       int threads) {
     const int64_t P = T * k_top, two_i = 2 * inter;
     const size_t qgu = moe_act_floats(kind, P, l, g_gu), qdn = moe_act_floats(kind, P, inter, g_dn),
-                 outs = (size_t)((P * two_i + P * l + 7) & ~7), ints = (size_t)(2 * E + 1 + 3 * P);
+                 outs = (size_t)((P * two_i + P * l + 7) & ~7), ints = (size_t)(2 * E + 1 + 3 * P + T);
     for (int64_t p = 0; p < P; ++p)
         if (ids[p] < 0 || ids[p] >= E) return -1;
     float *buf = scratch(qgu + qdn + outs + ints * 2);  /* int64 counters at the end: 2 floats each */
@@ -103,22 +177,40 @@ static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const
         const int64_t r = start[ids[p]] + count[ids[p]]++;
         sorted[r] = p; row_of[p] = r;
     }
-    const size_t zsize = z_bf16 ? 2 : 4;
-    for (int64_t r = 0; r < P; ++r) moe_prepare(&x_gu, (const char *)z + (sorted[r] / k_top) * l * zsize, z_bf16, r);
+    const moe_phase_t gu = {&x_gu, gu_w, gu_sz, gu_blocks, two_i, gu_out}, dn = {&x_dn, dn_w, dn_sz, dn_blocks, l, dn_out};
+    if (threads > routed * gu_blocks) threads = (int)(routed * gu_blocks);
     if (routed * weight_bytes < MOE_PARALLEL_MIN_BYTES) threads = 1;
+    for (int64_t i = 0; i < moe_prefetch_blocks(&x_gu) && i < routed * gu_blocks / threads; ++i)
+        moe_phase_prefetch(&gu, expert_list, i);  /* the first thread's first blocks, while z is prepared */
+    /* z once per token: a token's later rows copy its first row's prepared values (decode: 1 of k_top prepared) */
+    const size_t zsize = z_bf16 ? 2 : 4;
+    int64_t *first = expert_list + P;  /* [T] */
+    for (int64_t t = 0; t < T; ++t) first[t] = -1;
+    for (int64_t r = 0; r < P; ++r) {
+        const int64_t t = sorted[r] / k_top;
+        if (first[t] < 0) {
+            moe_prepare(&x_gu, (const char *)z + t * l * zsize, z_bf16, r);
+            first[t] = r;
+        } else {
+            moe_copy_prepared(&x_gu, first[t], r);
+        }
+    }
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #endif
     {
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+        const int th = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int th = 0, nt = 1;
 #endif
-        for (int64_t item = 0; item < routed * gu_blocks; ++item) {
-            const int64_t e = expert_list[item / gu_blocks], r0 = start[e];
-            moe_rows(&x_gu, (const void *)gu_w[e], gu_sz ? (const void *)gu_sz[e] : NULL, r0, start[e + 1] - r0, gu_out,
-                     item % gu_blocks, two_i);
-        }
+        /* contiguous item ranges per thread (each output row is computed by one thread in one order: the bits do
+           not depend on the thread count) */
+        const int64_t G = routed * gu_blocks, D = routed * dn_blocks;
+        const int64_t g0 = G * th / nt, g1 = G * (th + 1) / nt, d0 = D * th / nt, d1 = D * (th + 1) / nt;
+        moe_run_items(&gu, &dn, g0, g1, d0, d1, expert_list, start);
 #ifdef _OPENMP
+#pragma omp barrier
 #pragma omp for schedule(static)
 #endif
         for (int64_t r = 0; r < P; ++r) {
@@ -126,15 +218,9 @@ static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const
             swiglu(g, g + inter, g, inter);  /* h overwrites the gate half */
             moe_prepare(&x_dn, g, 0, r);
         }
+        moe_run_items(&dn, NULL, d0, d1, 0, 0, expert_list, start);
 #ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t item = 0; item < routed * dn_blocks; ++item) {
-            const int64_t e = expert_list[item / dn_blocks], r0 = start[e];
-            moe_rows(&x_dn, (const void *)dn_w[e], dn_sz ? (const void *)dn_sz[e] : NULL, r0, start[e + 1] - r0, dn_out,
-                     item % dn_blocks, l);
-        }
-#ifdef _OPENMP
+#pragma omp barrier
 #pragma omp for schedule(static)
 #endif
         for (int64_t t = 0; t < T; ++t) {  /* the shared post-expert norm (scale first), then the routing weight, then the fp32 sum */
