@@ -236,6 +236,25 @@ def test_native_gemv_matches_the_fp64_reference_for_every_small_m(group_size, ou
 
 @needs_native
 @pytest.mark.parametrize("group_size", [32, 128, 256])
+def test_native_gemv_passes_over_many_rows(group_size) -> None:
+    """Above 16 activation rows the GEMV runs passes of at most 16 rows over the weight (a remainder below 16 joins
+    the last pass): every row's output is the one its rows alone give (the same bits), and within the int16 bound of
+    the fp64 product, for M = 17 (one pass of 17), 32, 33, 47 (16 + 31), 70 (16 + 16 + 16 + 22)."""
+    qt = random_int4(37, 512, group_size, negative_scales=True, asymmetric=True)
+    lin = prepare_int4(qt, torch.float32, calibrate=False)
+    for m in (17, 32, 33, 47, 70):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, 512).to(dtype)
+            y = lin.run_small_m(x)
+            alone = torch.cat([lin.run_small_m(x[i:i + 4]) for i in range(0, m, 4)])
+            assert torch.equal(y, alone), f"g={group_size} M={m} {dtype}: rows differ from the same rows run alone " \
+                                          f"by {(y.float() - alone.float()).abs().max():.3g}"
+        err = sweep_nmse(lin, qt, [torch.randn(m, 512)], f"g={group_size} M={m}")
+        assert err <= NATIVE_INT16_NMSE, f"g={group_size} M={m}: NMSE {err:.3e} > {NATIVE_INT16_NMSE:.0e}"
+
+
+@needs_native
+@pytest.mark.parametrize("group_size", [32, 128, 256])
 def test_native_gemv_with_outliers_and_all_zero_groups(group_size) -> None:
     """One activation 100x the rest in every group, every other group all zero, and an all-zero row (-> exact 0)."""
     qt = random_int4(37, 1024, group_size, negative_scales=True, asymmetric=True)

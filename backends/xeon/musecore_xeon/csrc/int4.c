@@ -33,6 +33,12 @@
    (16 KiB per thread keeps the 2-core rule above: 2 threads from 32 KiB). */
 #define GEMV_MIN_BYTES_PER_THREAD (16 * 1024)
 #define MOE_PARALLEL_MIN_BYTES (256 * 1024)
+/* Activation rows per pass over the weight: each row block of the weight reads the int16 activations of every row
+   of the pass; short passes keep them close (L1/L2) at the cost of reading the codes once per pass (measured:
+   lab/NOTES.md, "Session 37: linear"). */
+#ifndef GEMV_MB
+#define GEMV_MB 16
+#endif
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048 /* how far ahead (at least) the GEMV prefetches its codes (lab/NOTES.md) */
 #endif
@@ -715,10 +721,19 @@ void musecore_int4_gemv(const int32_t *codes, const uint16_t *sz, const void *x,
     const int64_t code_bytes = n_rows * k / 2 * m_rows;
     if (code_bytes < GEMV_PARALLEL_MIN_BYTES) threads = 1;
     else if (threads > code_bytes / GEMV_MIN_BYTES_PER_THREAD) threads = (int)(code_bytes / GEMV_MIN_BYTES_PER_THREAD);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1)
 #endif
-    for (int64_t blk = 0; blk < blocks; ++blk)
-        row_block(codes, sz, xq, y, y_bf16, blk * ROWS, n_valid, m_rows, k, g);
+    /* passes of at most GEMV_MB activation rows over the weight (a remainder below 16 rows joins the last pass) */
+    for (int64_t m0 = 0; m0 < m_rows; m0 += GEMV_MB) {
+        const int64_t mb = m_rows - m0 < GEMV_MB + 16 ? m_rows - m0 : GEMV_MB;
+        void *ym = (char *)y + m0 * n_valid * (y_bf16 ? 2 : 4);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t blk = 0; blk < blocks; ++blk)
+            row_block(codes, sz, qx_row(xq, m0, k, g), ym, y_bf16, blk * ROWS, n_valid, mb, k, g);
+        if (mb > GEMV_MB) break;
+    }
 }
 
 /* One INT4 weight's constant arguments, filled once by Python (Int4Gemv): a bound call passes 5 arguments through
