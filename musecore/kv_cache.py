@@ -43,6 +43,10 @@ def write_static(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_ne
 
 
 KVWriter = Callable[..., None]  # write_static's signature
+# ``row_writer(k, v, positions, k_new, v_new, slot, position) -> bool``: a backend's copy of one decode entry per batch
+# row, every row at ``position``, into ``slot`` of a (non-static) CPU layer cache; False where it does not apply (the
+# cache then writes by narrowing). The entries are the same either way.
+RowWriter = Callable[..., bool]
 
 
 @dataclass
@@ -58,7 +62,7 @@ class LayerCache:
     def __init__(self, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *, ring: bool,
                  kv_format: str, dtype: torch.dtype, device: torch.device,
                  k_scale: float = 1.0, v_scale: float = 1.0, static: bool = False,
-                 writer: Optional[KVWriter] = None) -> None:
+                 writer: Optional[KVWriter] = None, row_writer: Optional[RowWriter] = None) -> None:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"unknown KV cache format {kv_format!r}; choose one of {KV_FORMATS}")
         store = torch.float8_e4m3fn if kv_format == "fp8" else dtype
@@ -70,6 +74,7 @@ class LayerCache:
         self.v = torch.zeros_like(self.k)
         self.positions = torch.full((batch, slots), -1, dtype=torch.long, device=device)
         self.writer = writer or write_static  # static writes: a backend's fused kernel, or the reference
+        self.row_writer = row_writer  # CPU decode writes (one position for every row): a backend's one call, or None
         self.used = 0  # slots [0, used) may hold entries (full layers); ring layers use all
         fp8 = kv_format == "fp8"
         self.k_scale: Optional[float] = k_scale if fp8 else None
@@ -160,9 +165,10 @@ class LayerCache:
         first = positions[0]
         if first >= 0 and positions.count(first) == len(positions):
             slot = first % self.capacity if self.ring else first
-            self.k.narrow(1, slot, 1).copy_(k_new)
-            self.v.narrow(1, slot, 1).copy_(v_new)
-            self.positions.narrow(1, slot, 1).fill_(first)
+            if self.row_writer is None or not self.row_writer(self.k, self.v, self.positions, k_new, v_new, slot, first):
+                self.k.narrow(1, slot, 1).copy_(k_new)
+                self.v.narrow(1, slot, 1).copy_(v_new)
+                self.positions.narrow(1, slot, 1).fill_(first)
             if not self.ring:
                 self.used = max(self.used, first + 1)
             return
@@ -181,12 +187,14 @@ class KVCache:
     ``static=True`` keeps every shape fixed and every write free of host syncs (attention reads the
     whole capacity, masked by positions), which is what CUDA-graph capture of a decode step needs;
     its writes go through ``writer`` (a backend's ``kv_write``) when given, else :func:`write_static`;
-    the default trims full layers to the filled length, which is faster on the CPU.
+    the default trims full layers to the filled length, which is faster on the CPU. ``row_writer`` (a backend's
+    ``kv_write_row``, see :data:`RowWriter`) takes a non-static CPU cache's decode writes when given.
     """
 
     def __init__(self, config: MuseConfig, batch: int, max_length: int, *, kv_format: str = "bf16",
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 static: bool = False, writer: Optional[KVWriter] = None, num_kv_heads: Optional[int] = None) -> None:
+                 static: bool = False, writer: Optional[KVWriter] = None, num_kv_heads: Optional[int] = None,
+                 row_writer: Optional[RowWriter] = None) -> None:
         device = torch.device(device)
         kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads  # a rank's share (TP)
         self.static = static
@@ -196,7 +204,8 @@ class KVCache:
             capacity = min(config.sliding_window, max_length) if ring else max_length
             self.layers.append(LayerCache(batch, capacity, kv_heads, config.head_dim,
                                           ring=ring, kv_format=kv_format, dtype=dtype, device=device,
-                                          static=static, writer=writer if static else None))
+                                          static=static, writer=writer if static else None,
+                                          row_writer=None if static else row_writer))
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
 
     def __getitem__(self, layer: int) -> LayerCache:

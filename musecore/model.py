@@ -82,8 +82,14 @@ class Attention:
         B, T = positions.shape
         if comm is not None and comm.sp_tokens:  # sequence parallel: this rank holds a token shard of ``a``
             a = comm.gather_tokens(a.reshape(-1, a.shape[-1]), B * T).view(B, T, -1)
-        q, k, v, gate = project(self, ops, a)  # gate: [B,T,nq*d], one gate per output element
-        q, k, v = q.view(B, T, self.nq, self.d), k.view(B, T, self.nkv, self.d), v.view(B, T, self.nkv, self.d)
+        if self.in_proj is not None:  # the fused output split by heads: one view, not one per piece
+            fused = self.in_proj
+            q, k, v, gate = ops.linear(a, fused.weight).view(B, T, -1, self.d).split(
+                [w // self.d for w in fused.widths], dim=2)
+        else:
+            q, k, v, gate = project(self, ops, a)  # gate: [B,T,nq*d], one gate per output element
+            q, k, v = q.view(B, T, self.nq, self.d), k.view(B, T, self.nkv, self.d), v.view(B, T, self.nkv, self.d)
+            gate = gate.view(B, T, self.nq, self.d)
         cos, sin = rope if self.rope else (None, None)  # NoPE on the full-attention layers
         q, k = ops.qk_norm_rope(q, k, cos, sin, self.eps, self.q_scale)
         if cache is None:
@@ -94,7 +100,7 @@ class Attention:
             view = layer_cache.update(k, v, positions)
             keys, values, key_pos, k_scale, v_scale = view.k, view.v, view.positions, view.k_scale, view.v_scale
         o = ops.attention(q, keys, values, positions, key_pos, self.window, self.scale, k_scale, v_scale)
-        o = ops.head_norm_gate(o, gate.view(B, T, self.nq, self.d), self.eps)  # [B,T,nq,d]
+        o = ops.head_norm_gate(o, gate, self.eps)  # [B,T,nq,d], one gate per output element
         if comm is None or comm.mesh.tp == 1:
             return ops.linear(o.reshape(B, T, self.nq * self.d), self.o_proj)  # [B,T,H]
         return gathered_linear(ops, comm, o.reshape(B * T, self.nq * self.d), self.o_proj, (B, T))
@@ -517,7 +523,8 @@ class MuseModel:
 
     def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16", static: bool = False) -> KVCache:
         return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device,
-                       static=static, writer=self.backend.kv_write, num_kv_heads=self.layers[0].self_attn.nkv)
+                       static=static, writer=self.backend.kv_write, num_kv_heads=self.layers[0].self_attn.nkv,
+                       row_writer=getattr(self.backend, "kv_write_row", None))
 
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """str -> str, list[int] -> list[int], or a batch of either; see :func:`musecore.generate.generate`."""

@@ -47,10 +47,12 @@ OP_REASONS = {
                      f"{NORM_PATH}",
     "qk_norm_rope": f"weightless per-head norms, q scale, RoPE or NoPE: {NORM_PATH}",
     "head_norm_gate": f"weightless per-head norm times element-wise sigmoid gate: {NORM_PATH}",
-    "router_topk": "fp32 router logits by PyTorch's matmul (the reference's); sigmoid, top-k of scores + bias and "
-                   "renormalisation in one C call at decode sizes, PyTorch ops otherwise",
+    "router_topk": f"decode (<= {xops.NATIVE_ATTENTION_MAX_QUERIES} tokens): one C call (fp32 logits as SIMD dot "
+                   "products, within the op's tolerance; sigmoid, top-k of scores + bias, renormalisation); otherwise "
+                   "fp32 logits by PyTorch's matmul (the reference's) and the selection in C at decode sizes",
     "silu_mul": "the reference's PyTorch ops (fp32 math)",
-    "logit_softcap": "the reference's PyTorch ops (fp32 math)",
+    "logit_softcap": "one C call with the reference's bits (PyTorch's own tanh kernel, MKL VML, per L1-sized chunk, "
+                     "threaded) where that kernel is found; the reference's PyTorch ops otherwise",
     "embedding": "the reference's PyTorch lookup",
     "sample": "the reference's PyTorch sampler (same random stream)",
     **towers.TOWER_REASONS,  # the vision and audio towers' ops (musecore_xeon.towers)
@@ -271,4 +273,5 @@ class XeonBackend(Backend):
     router_topk = staticmethod(xops.router_topk)
     silu_mul = staticmethod(xops.silu_mul)
     logit_softcap = staticmethod(xops.logit_softcap)
+    kv_write_row = staticmethod(xops.kv_write_row)  # a KV cache's decode writes (musecore.kv_cache.RowWriter)
     sample = staticmethod(xops.sample)

@@ -6,11 +6,12 @@ dtype). Attention uses ``F.scaled_dot_product_attention`` (a flash kernel on CPU
 mask, so the mask contract (causal, sliding window, ``k_pos = -1`` empty slots) is the reference's by construction.
 ``embedding``, ``sample`` and ``silu_mul`` are taken from the reference as they are: each is already a few
 vectorised PyTorch calls (``silu_mul`` runs only in dense-MLP layers), and sharing ``sample`` keeps the random
-stream identical to the reference's for a given generator; ``logit_softcap`` runs the reference's ops in place.
+stream identical to the reference's for a given generator; ``logit_softcap`` is one C call with the reference's bits
+(PyTorch's own tanh kernel, see the op).
 
 At decode sizes (at most :data:`NATIVE_NORM_MAX_ELEMENTS` elements, contiguous bf16/fp32 tensors) the four norm ops,
-the router's selection and decode attention run one C call each (``musecore_xeon.kernels.native``, the same fp32 math
-and roundings) through the CPython extension of :mod:`musecore_xeon.kernels.binding` (one call: checks, ``at::empty``,
+the router (logits and selection) and decode attention run one C call each (``musecore_xeon.kernels.native``, the
+same fp32 math and roundings; the router's logits and attention's softmax within their ops' tolerances) through the CPython extension of :mod:`musecore_xeon.kernels.binding` (one call: checks, ``at::empty``,
 the kernel): at decode sizes PyTorch's per-op cost (dispatch, dtype casts) exceeds the work, and a muse-small token
 makes ~100 such calls. Larger inputs (prefill), other dtypes, and hosts where the extension cannot
 be built run the PyTorch path below each fast call, which computes the same math.
@@ -114,8 +115,14 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     """``s = sigmoid(fp32(x) @ W^T * multiplier)``; the top-k of ``s + bias`` (the bias only chooses);
     ``weights = s[ids] / (sum s[ids] + 1e-15) * scaling``.
 
-    The logits are PyTorch's fp32 matmul, as in the reference (the same bits); the selection runs in C at decode
-    sizes (sigmoid, top-k, renormalisation: ~8 PyTorch calls otherwise)."""
+    At decode sizes (at most :data:`NATIVE_ATTENTION_MAX_QUERIES` tokens, fp32 weight and bias) one C call computes
+    it all: the logits as fp32 dot products in SIMD lanes (not the summation order of PyTorch's matmul: within the
+    op's tolerance, not the reference's bits; the ids agree but for near-ties), shared by the threads, and the
+    selection. Otherwise the logits are PyTorch's fp32 matmul, as in the reference (the same bits), and the selection
+    runs in C at decode sizes (sigmoid, top-k, renormalisation: ~8 PyTorch calls otherwise)."""
+    picked = _fast_call("router", x, weight, bias, k, multiplier, scaling, torch.get_num_threads())
+    if picked is not None:
+        return picked
     logits = x.float() @ (weight if weight.dtype is torch.float32 else weight.float()).T  # [T,E]
     if bias is not None and bias.dtype is not torch.float32:
         bias = bias.float()
@@ -129,11 +136,26 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 def logit_softcap(logits: torch.Tensor, multiplier: float, cap: float) -> torch.Tensor:
-    """``cap * tanh(fp32(logits) * multiplier / cap)``: the reference's ops in its order on one fp32 buffer (the same
-    bits), once per decode step on the whole vocabulary (the reference allocates four such buffers)."""
+    """``cap * tanh(fp32(logits) * multiplier / cap)`` with the reference's bits: one C call that runs the reference's
+    products and quotient and PyTorch's own tanh kernel (MKL VML, checked against ``torch.tanh`` when the extension
+    loads) per L1-sized chunk, shared by the threads; where that kernel is not found, the reference's ops in its order
+    on one fp32 buffer (the reference allocates four such buffers)."""
+    out = _fast_call("logit_softcap", logits, multiplier, cap, torch.get_num_threads())
+    if out is not None:
+        return out
     out = logits.to(torch.float32, copy=True)
     out.mul_(multiplier).div_(cap)
     return torch.tanh(out, out=out).mul_(cap)
+
+
+def kv_write_row(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 slot: int, position: int) -> bool:
+    """A KV cache layer's decode write (every batch row at ``position``) in one C call: ``k_new``/``v_new``
+    ``[B,1,nkv,d]`` into ``slot`` of ``k``/``v`` ``[B,slots,nkv,d]``, ``positions[:, slot] = position``. False where the
+    extension is not built or the tensors are not what it takes (the cache then narrows and copies: the same
+    entries). The ``row_writer`` of :class:`musecore.kv_cache.KVCache`."""
+    fast = _fast()
+    return fast is not None and fast.kv_write_row(k, v, positions, k_new, v_new, slot, position)
 
 
 def _to_compute(t: torch.Tensor, scale: Optional[float], dtype: torch.dtype) -> torch.Tensor:
@@ -163,6 +185,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
             return out
     if unscaled and T <= NATIVE_ATTENTION_MAX_QUERIES and k.dtype == v.dtype and k.shape == v.shape \
             and k.shape[0] == B and k.shape[3] == d and q_pos.shape == (B, T) and k_pos.shape == (B, k.shape[1]) \
+            and k.shape[0] * k.shape[1] < 2 ** 31 \
             and all(t.dtype in (torch.bfloat16, torch.float32) and t.is_contiguous() for t in (q, k, v)):
         lib = native.load()  # no extension here: the same C loop through ctypes
         if lib is not None:

@@ -2,6 +2,7 @@
    headers): the bound GEMVs, the decode-size norms, the router selection and the decode attention, called without
    ctypes (checks, at::empty, the C kernel of kernels.c by its address). */
 #include <Python.h>
+#include <cstring>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -110,26 +111,33 @@ typedef void (*gate_fn)(const void *, int, const void *, int, int64_t, void *, i
 typedef int (*router_fn)(const float *, const float *, int64_t, int64_t, int64_t, float, float, float *, int64_t *);
 typedef void (*attention_fn)(const void *, int, const void *, const void *, int, const int64_t *, const int64_t *,
                              int64_t, float, void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int);
+typedef int (*fused_router_fn)(const void *, int, const float *, const float *, int64_t, int64_t, int64_t, int64_t,
+                               float, float, float *, int64_t *, int);
+typedef void (*softcap_fn)(const void *, int, float *, int64_t, float, float, const void *, int64_t, int);
 static rms_fn rms_kernel;
 static residual_fn residual_kernel;
 static rope_fn rope_kernel;
 static gate_fn gate_kernel;
 static router_fn router_kernel;
 static attention_fn attention_kernel;
+static fused_router_fn fused_router_kernel;
+static softcap_fn softcap_kernel;
+static const void *vml_tanh;  /* PyTorch's tanh kernel (MKL VML's vmsTanh) or nullptr: see set_tanh */
+static int64_t vml_tanh_mode;
 static int64_t max_elements, max_queries;
 
 static PyObject *set_ops(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "set_ops(rms, residual, rope, gate, router, attention, max_elements, max_queries) "
-                     "takes 8 arguments; got %zd", nargs);
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "set_ops(rms, residual, rope, gate, router_topk, attention, router, softcap, "
+                     "max_elements, max_queries) takes 10 arguments; got %zd", nargs);
         return nullptr;
     }
-    void *a[6];
-    for (int i = 0; i < 6; ++i) {
+    void *a[8];
+    for (int i = 0; i < 8; ++i) {
         a[i] = PyLong_AsVoidPtr(args[i]);
         if (PyErr_Occurred()) return nullptr;
     }
-    const long long limit = PyLong_AsLongLong(args[6]), queries = PyLong_AsLongLong(args[7]);
+    const long long limit = PyLong_AsLongLong(args[8]), queries = PyLong_AsLongLong(args[9]);
     if (PyErr_Occurred()) return nullptr;
     rms_kernel = (rms_fn)a[0];
     residual_kernel = (residual_fn)a[1];
@@ -137,8 +145,27 @@ static PyObject *set_ops(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     gate_kernel = (gate_fn)a[3];
     router_kernel = (router_fn)a[4];
     attention_kernel = (attention_fn)a[5];
+    fused_router_kernel = (fused_router_fn)a[6];
+    softcap_kernel = (softcap_fn)a[7];
     max_elements = limit;
     max_queries = queries;
+    Py_RETURN_NONE;
+}
+
+/* set_tanh(address | 0, mode): the tanh that logit_softcap calls (PyTorch's own: MKL VML's vmsTanh, Fortran entry,
+   with PyTorch's mode), found and checked against torch.tanh by musecore_xeon.kernels.native; 0: logit_softcap
+   returns None (the PyTorch path). */
+static PyObject *set_tanh(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "set_tanh(address, mode) takes 2 arguments; got %zd", nargs);
+        return nullptr;
+    }
+    const void *fn = PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred()) return nullptr;
+    const long long mode = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return nullptr;
+    vml_tanh = fn;
+    vml_tanh_mode = mode;
     Py_RETURN_NONE;
 }
 
@@ -370,7 +397,8 @@ static PyObject *attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
             || k->scalar_type() != v->scalar_type())
         Py_RETURN_NONE;
     const int64_t B = q->size(0), T = q->size(1), nq = q->size(2), d = q->size(3), S = k->size(1), nkv = k->size(2);
-    if (T > max_queries || k->size(0) != B || k->size(3) != d || nkv == 0 || nq % nkv || d == 0 || threads < 1)
+    if (T > max_queries || k->size(0) != B || k->size(3) != d || nkv == 0 || nq % nkv || d == 0 || threads < 1
+            || B * S > INT32_MAX)  /* the kernel lists visible key rows as int32 */
         Py_RETURN_NONE;
     const at::Tensor *qp = positions(args[3], B, T), *kp = positions(args[4], B, S);
     if (qp == nullptr || kp == nullptr) Py_RETURN_NONE;
@@ -386,6 +414,106 @@ static PyObject *attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
         Py_END_ALLOW_THREADS
         return THPVariable_Wrap(std::move(out));
     });
+}
+
+/* router(x [T, H], weight fp32 [E, H], bias fp32 [E] | None, k, multiplier, scaling, threads) -> (weights fp32 [T, k],
+   ids int64 [T, k]): router_topk in one C call (the logits too, within the op's tolerance), or None (x not a
+   contiguous bf16/fp32 2-D CPU tensor of at most max_queries rows and max_elements elements, the weight not fp32) */
+static PyObject *router(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    double num[2];
+    if (!op_call("router", nargs, 7, (const void *)fused_router_kernel) || !numbers(args, 4, 2, num)) return nullptr;
+    const long long k = PyLong_AsLongLong(args[3]), threads = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return nullptr;
+    bool has_bias;
+    const at::Tensor *x = operand(args[0]), *w = operand(args[1], true, false),
+                     *bias = optional_operand(args[2], &has_bias, true);
+    if (x == nullptr || w == nullptr || x->dim() != 2 || w->dim() != 2 || x->size(0) > max_queries
+            || x->size(1) != w->size(1) || x->size(1) == 0 || w->size(0) == 0
+            || (has_bias && (bias == nullptr || bias->numel() != w->size(0))) || k <= 0 || k > w->size(0)
+            || threads < 1)
+        Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        const int64_t T = x->size(0), H = x->size(1), E = w->size(0);
+        at::Tensor weights = at::empty({T, (int64_t)k}, x->options().dtype(at::kFloat)),
+                   ids = at::empty({T, (int64_t)k}, x->options().dtype(at::kLong));
+        const void *xd = x->const_data_ptr();
+        const float *wd = w->const_data_ptr<float>(), *bd = has_bias ? bias->const_data_ptr<float>() : nullptr;
+        float *wo = weights.mutable_data_ptr<float>();
+        int64_t *io = ids.mutable_data_ptr<int64_t>();
+        const int xb = bf(x);
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = fused_router_kernel(xd, xb, wd, bd, T, E, H, k, (float)num[0], (float)num[1], wo, io, (int)threads);
+        Py_END_ALLOW_THREADS
+        if (status != 0) {
+            PyErr_Format(PyExc_MemoryError, "router: no memory for the scratch of %lld experts", (long long)E);
+            return (PyObject *)nullptr;
+        }
+        return pair(std::move(weights), std::move(ids));
+    });
+}
+
+/* logit_softcap(logits, multiplier, cap, threads) -> tanh(fp32(logits) * multiplier / cap) * cap, fp32, with
+   PyTorch's tanh (the reference's bits), or None (no tanh set, logits not a contiguous bf16/fp32 CPU tensor) */
+static PyObject *logit_softcap(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    double num[2];
+    if (!op_call("logit_softcap", nargs, 4, (const void *)softcap_kernel) || !numbers(args, 1, 2, num))
+        return nullptr;
+    const long long threads = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *x = operand(args[0], false, false);
+    if (vml_tanh == nullptr || x == nullptr || threads < 1) Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        at::Tensor out = at::empty(x->sizes(), x->options().dtype(at::kFloat));
+        const void *xd = x->const_data_ptr();
+        float *od = out.mutable_data_ptr<float>();
+        const int xb = bf(x);
+        const int64_t n = x->numel();
+        Py_BEGIN_ALLOW_THREADS
+        softcap_kernel(xd, xb, od, n, (float)num[0], (float)num[1], vml_tanh, vml_tanh_mode, (int)threads);
+        Py_END_ALLOW_THREADS
+        return THPVariable_Wrap(std::move(out));
+    });
+}
+
+/* A contiguous CPU tensor of `dim` dims (nullptr otherwise). */
+static const at::Tensor *plain(PyObject *obj, int64_t dim) {
+    if (!THPVariable_Check(obj)) return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    return t.device().is_cpu() && t.is_contiguous() && t.dim() == dim ? &t : nullptr;
+}
+
+/* kv_write_row(k_cache, v_cache, positions, k_new, v_new, slot, position) -> True, or False where it does not apply:
+   the decode write of a KV cache layer when every batch row is at one position (musecore.kv_cache): k_new and v_new
+   [B, 1, nkv, d] copied into slot `slot` of k_cache and v_cache [B, slots, nkv, d] (contiguous, of their dtype) and
+   positions [B, slots] (int64) set to `position` there: one call instead of three narrow copies. */
+static PyObject *kv_write_row(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "kv_write_row takes 7 arguments; got %zd", nargs);
+        return nullptr;
+    }
+    const long long slot = PyLong_AsLongLong(args[5]), position = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *kc = plain(args[0], 4), *vc = plain(args[1], 4), *pc = plain(args[2], 2), *kn = plain(args[3], 4),
+                     *vn = plain(args[4], 4);
+    if (kc == nullptr || vc == nullptr || pc == nullptr || kn == nullptr || vn == nullptr)
+        Py_RETURN_FALSE;
+    const int64_t B = kc->size(0), slots = kc->size(1);
+    if (vc->sizes() != kc->sizes() || vc->scalar_type() != kc->scalar_type() || kn->scalar_type() != kc->scalar_type()
+            || vn->scalar_type() != kc->scalar_type() || pc->scalar_type() != at::kLong || pc->size(0) != B
+            || pc->size(1) != slots || kn->size(0) != B || kn->size(1) != 1 || kn->size(2) != kc->size(2)
+            || kn->size(3) != kc->size(3) || vn->sizes() != kn->sizes() || slot < 0 || slot >= slots)
+        Py_RETURN_FALSE;
+    const size_t row = (size_t)(kc->size(2) * kc->size(3)) * kc->element_size();
+    char *kd = (char *)kc->mutable_data_ptr(), *vd = (char *)vc->mutable_data_ptr();
+    const char *ks = (const char *)kn->const_data_ptr(), *vs = (const char *)vn->const_data_ptr();
+    int64_t *pd = pc->mutable_data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+        memcpy(kd + (size_t)(b * slots + slot) * row, ks + (size_t)b * row, row);
+        memcpy(vd + (size_t)(b * slots + slot) * row, vs + (size_t)b * row, row);
+        pd[b * slots + slot] = position;
+    }
+    Py_RETURN_TRUE;
 }
 
 static PyMethodDef methods[] = {
@@ -406,6 +534,13 @@ static PyMethodDef methods[] = {
      "router_topk(logits, bias | None, k, multiplier, scaling) -> (weights, ids), or None"},
     {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL,
      "attention(q, k, v, q_pos, k_pos, window, scale, threads), or None"},
+    {"router", (PyCFunction)(void (*)(void))router, METH_FASTCALL,
+     "router(x, weight, bias | None, k, multiplier, scaling, threads) -> (weights, ids), or None"},
+    {"logit_softcap", (PyCFunction)(void (*)(void))logit_softcap, METH_FASTCALL,
+     "logit_softcap(logits, multiplier, cap, threads), or None"},
+    {"kv_write_row", (PyCFunction)(void (*)(void))kv_write_row, METH_FASTCALL,
+     "kv_write_row(k_cache, v_cache, positions, k_new, v_new, slot, position) -> True, or False"},
+    {"set_tanh", (PyCFunction)(void (*)(void))set_tanh, METH_FASTCALL, "the address and mode of PyTorch's tanh kernel"},
     {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "musecore_xeon_binding", nullptr, -1, methods};
 PyMODINIT_FUNC PyInit_musecore_xeon_binding(void) { return PyModule_Create(&module); }

@@ -223,55 +223,107 @@ int musecore_router_topk(const float *logits, const float *bias, int64_t T, int6
    reads kv head h / (nq / nkv)). q, k, v bf16 or fp32 (k and v alike), contiguous [B, T|S, heads, d]; a query
    that sees no key gets zeros. At T = 1 the PyTorch path (mask, casts, SDPA, masked_fill) costs more than the keys
    take to read at short contexts. */
+#ifdef __AVX512F__
+static inline __m512 load16_x(const void *x, int bf16, int64_t i) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+#endif
+
+/* q . k[off .. off+d-1] for an fp32 row q and a bf16/fp32 row k, in 16 (AVX-512) or 8 (AVX2) fp32 lanes, then the
+   lanes' sum and the tail */
 static inline float dot_qk(const float *q, const void *k, int kb, int64_t off, int64_t d) {
     int64_t c = 0;
-    float tail = 0.0f;
-#ifdef __AVX2__
+    float s = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; c + 16 <= d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load16_x(k, kb, off + c), acc);
+    s = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
     __m256 acc = _mm256_setzero_ps();
-    for (; c + 8 <= d; c += 8) {
-        const __m256 kv = kb ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                                   _mm_loadu_si128((const __m128i *)((const uint16_t *)k + off + c))), 16))
-                             : _mm256_loadu_ps((const float *)k + off + c);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), kv, acc);
-    }
-    tail = hsum(acc);
+    for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8_x(k, kb, off + c), acc);
+    s = hsum(acc);
 #endif
-    for (; c < d; ++c) tail += q[c] * load_x(k, kb, off + c);
-    return tail;
+    for (; c < d; ++c) s += q[c] * load_x(k, kb, off + c);
+    return s;
 }
 
-static inline void axpy_v(float *acc, float p, const void *v, int vb, int64_t off, int64_t d) {
+/* out[c] = (sum_j p[j] * v[rows[j] * row_stride + base + c]) * inv for c < d: the sum over j in order, one pass over
+   the value rows per 64 (AVX-512; 32 with AVX2) columns, the accumulators in registers */
+static inline void weighted_rows(const float *p, const int32_t *rows, int64_t n, const void *v, int vb,
+                                 int64_t row_stride, int64_t base, int64_t d, float inv, float *out) {
     int64_t c = 0;
-#ifdef __AVX2__
-    const __m256 pv = _mm256_set1_ps(p);
-    for (; c + 8 <= d; c += 8) {
-        const __m256 vv = vb ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                                   _mm_loadu_si128((const __m128i *)((const uint16_t *)v + off + c))), 16))
-                             : _mm256_loadu_ps((const float *)v + off + c);
-        _mm256_storeu_ps(acc + c, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(acc + c)));
+#if defined(__AVX512F__)
+    for (; c + 64 <= d; c += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t off = rows[j] * row_stride + base + c;
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            a0 = _mm512_fmadd_ps(pj, load16_x(v, vb, off), a0);
+            a1 = _mm512_fmadd_ps(pj, load16_x(v, vb, off + 16), a1);
+            a2 = _mm512_fmadd_ps(pj, load16_x(v, vb, off + 32), a2);
+            a3 = _mm512_fmadd_ps(pj, load16_x(v, vb, off + 48), a3);
+        }
+        const __m512 iv = _mm512_set1_ps(inv);
+        _mm512_storeu_ps(out + c, _mm512_mul_ps(a0, iv));
+        _mm512_storeu_ps(out + c + 16, _mm512_mul_ps(a1, iv));
+        _mm512_storeu_ps(out + c + 32, _mm512_mul_ps(a2, iv));
+        _mm512_storeu_ps(out + c + 48, _mm512_mul_ps(a3, iv));
     }
 #endif
-    for (; c < d; ++c) acc[c] += p * load_x(v, vb, off + c);
+#ifdef __AVX2__
+    for (; c + 32 <= d; c += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t off = rows[j] * row_stride + base + c;
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            a0 = _mm256_fmadd_ps(pj, load8_x(v, vb, off), a0);
+            a1 = _mm256_fmadd_ps(pj, load8_x(v, vb, off + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, load8_x(v, vb, off + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, load8_x(v, vb, off + 24), a3);
+        }
+        const __m256 iv = _mm256_set1_ps(inv);
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(a0, iv));
+        _mm256_storeu_ps(out + c + 8, _mm256_mul_ps(a1, iv));
+        _mm256_storeu_ps(out + c + 16, _mm256_mul_ps(a2, iv));
+        _mm256_storeu_ps(out + c + 24, _mm256_mul_ps(a3, iv));
+    }
+#endif
+    for (; c < d; ++c) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < n; ++j) a += p[j] * load_x(v, vb, rows[j] * row_stride + base + c);
+        out[c] = a * inv;
+    }
 }
 
-/* Row off..off+d-1 of a bf16 or fp32 tensor as fp32: dst for bf16 (converted once), the row itself for fp32. */
-static inline const float *row_f32(const void *src, int bf16, int64_t off, int64_t d, float *dst) {
-    if (!bf16) return (const float *)src + off;
-    int64_t c = 0;
+/* p[j] = exp(s[j] - mx) for j < n (Cephes expf in 8 lanes where AVX2 is, relative error ~2e-7; expf for the tail),
+   returning their sum */
+static inline float exp_shifted(float *s, int64_t n, float mx) {
+    int64_t j = 0;
+    float sum = 0.0f;
 #ifdef __AVX2__
-    for (; c + 8 <= d; c += 8) _mm256_storeu_ps(dst + c, load8_x(src, 1, off + c));
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    sum = hsum(acc);
 #endif
-    for (; c < d; ++c) dst[c] = load_x(src, 1, off + c);
-    return dst;
+    for (; j < n; ++j) { s[j] = expf(s[j] - mx); sum += s[j]; }
+    return sum;
 }
 
 /* An item is hp query heads of one kv head (GQA: heads h .. h+hp-1 read kv head h / (nq / nkv)) at one (batch,
-   query): each visible key and value row is converted to fp32 once and used by the hp heads (one conversion per kv
-   head instead of one per query head). hp is the whole group unless that leaves fewer items than threads or a
-   count the threads cannot share evenly (muse-small at 2 threads: 3 kv heads -> 6 items of 4 heads). Every head's
-   arithmetic is the same whatever hp and the thread count (the same bits). Decode goes parallel from ~22 keys of
-   muse-small's 24 heads x 64 (1 << 15 multiply-adds per pass): a fork/join costs a few us, one pass over 64 keys
-   ~18 us on one core of the 2-core EPYC. */
+   query): the visible keys are listed once per item, then each head in turn takes its scores (one dot product per
+   visible key), their softmax and the weighted sum of the value rows, its accumulators in registers. hp is the whole
+   group unless that leaves fewer items than threads or a count the threads cannot share evenly (muse-small at 2
+   threads: 3 kv heads -> 6 items of 4 heads). Every head's arithmetic is the same whatever hp and the thread count
+   (the same bits). Decode goes parallel from ~22 keys of muse-small's 24 heads x 64 (1 << 15 multiply-adds per
+   pass). */
 void musecore_attention(const void *q, int qb, const void *k, const void *v, int kvb, const int64_t *q_pos,
                         const int64_t *k_pos, int64_t window, float scale, void *out, int64_t B, int64_t T, int64_t S,
                         int64_t nq, int64_t nkv, int64_t d, int threads) {
@@ -285,47 +337,124 @@ void musecore_attention(const void *q, int qb, const void *k, const void *v, int
     for (int64_t it = 0; it < items; ++it) {
         const int64_t bt = it / (nq / hp), h0 = (it % (nq / hp)) * hp, kvh = h0 / group;
         const int64_t b = bt / T, qp = q_pos[bt];
-        /* this thread's: scores [hp, S], queries and outputs [hp, d], one converted row [d] */
-        float *buf = scratch((size_t)(hp * S + 2 * hp * d + d));
+        /* this thread's: scores [S], the visible key rows [S] (int32), the query and the output row [d] each */
+        float *buf = scratch((size_t)(2 * S + 2 * d + 16));
         if (buf == NULL) continue;
-        float *sc = buf, *qf = sc + hp * S, *acc = qf + hp * d, *row = acc + hp * d;
-        float mx[hp], denom[hp];
-        for (int64_t g = 0; g < hp; ++g) {
-            for (int64_t c = 0; c < d; ++c) {
-                qf[g * d + c] = load_x(q, qb, (bt * nq + h0 + g) * d + c);
-                acc[g * d + c] = 0.0f;
-            }
-            mx[g] = -INFINITY;
-            denom[g] = 0.0f;
-        }
-        int any = 0;
+        float *sc = buf, *qf = sc + S, *o = qf + d;
+        int32_t *rows = (int32_t *)(o + d);
+        int64_t n = 0;
         for (int64_t j = 0; j < S; ++j) {
             const int64_t kp = k_pos[b * S + j];
             if (kp < 0 || kp > qp || (window > 0 && qp - kp >= window)) continue;
-            any = 1;
-            const float *kr = row_f32(k, kvb, ((b * S + j) * nkv + kvh) * d, d, row);
-            for (int64_t g = 0; g < hp; ++g) {
-                const float s = dot_qk(qf + g * d, kr, 0, 0, d) * scale;
-                sc[g * S + j] = s;
-                if (s > mx[g]) mx[g] = s;
-            }
+            rows[n++] = (int32_t)(b * S + j);
         }
-        if (any)
-            for (int64_t j = 0; j < S; ++j) {
-                const int64_t kp = k_pos[b * S + j];
-                if (kp < 0 || kp > qp || (window > 0 && qp - kp >= window)) continue;
-                const float *vr = row_f32(v, kvb, ((b * S + j) * nkv + kvh) * d, d, row);
-                for (int64_t g = 0; g < hp; ++g) {
-                    if (mx[g] == -INFINITY) continue;  /* a head whose every score is -inf: zeros, as the reference */
-                    const float p = expf(sc[g * S + j] - mx[g]);
-                    denom[g] += p;
-                    axpy_v(acc + g * d, p, vr, 0, 0, d);
-                }
-            }
         for (int64_t g = 0; g < hp; ++g) {
-            const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f;
-            for (int64_t c = 0; c < d; ++c) store_y(out, qb, (bt * nq + h0 + g) * d + c, acc[g * d + c] * inv);
+            const int64_t qo = (bt * nq + h0 + g) * d;
+            float mx = -INFINITY, inv = 0.0f;
+            for (int64_t c = 0; c < d; ++c) qf[c] = load_x(q, qb, qo + c);
+            for (int64_t j = 0; j < n; ++j) {
+                sc[j] = dot_qk(qf, k, kvb, (int64_t)rows[j] * nkv * d + kvh * d, d) * scale;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            if (n > 0 && mx != -INFINITY) {  /* none visible, or every score -inf: zeros, as the reference */
+                const float denom = exp_shifted(sc, n, mx);
+                inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+                weighted_rows(sc, rows, n, v, kvb, nkv * d, kvh * d, d, inv, o);
+            } else {
+                for (int64_t c = 0; c < d; ++c) o[c] = 0.0f;
+            }
+            for (int64_t c = 0; c < d; ++c) store_y(out, qb, qo + c, o[c]);
         }
     }
 }
 
+
+/* router_topk (musecore/ops) at decode sizes in one call: the logits fp32(x[t]) . W[e] (W fp32 [E, H], x bf16 or
+   fp32 [T, H]) as fp32 multiply-adds in 16 (AVX-512) or 8 (AVX2) lanes and then the lanes' sum: not the summation
+   order of PyTorch's fp32 matmul, so router_topk's tolerance, not its bits. Then the selection of
+   musecore_router_topk. Blocks of 4 experts are shared by `threads` threads from ROUTER_PARALLEL_MIN multiply-adds
+   (a logit is the same whatever the thread count). Returns 0, or -2 when there is no memory for its scratch. */
+#define ROUTER_PARALLEL_MIN (1 << 16)
+int musecore_router(const void *x, int xb, const float *w, const float *bias, int64_t T, int64_t E, int64_t H,
+                    int64_t k, float multiplier, float scaling, float *weights, int64_t *ids, int threads) {
+    float *logits = (float *)thread_buffer(1, (size_t)(T * E + T * H + 16) * sizeof(float));
+    if (logits == NULL) return -2;
+    float *xf = logits + T * E;
+    for (int64_t i = 0; i < T * H; ++i) xf[i] = load_x(x, xb, i);
+    const int64_t blocks = (E + 3) / 4;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T * E * H >= ROUTER_PARALLEL_MIN)
+#endif
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t e0 = blk * 4, ne = E - e0 < 4 ? E - e0 : 4;
+        for (int64_t t = 0; t < T; ++t) {
+            const float *xt = xf + t * H;
+            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            int64_t c = 0;
+            if (ne == 4) {
+#if defined(__AVX512F__)
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (; c + 16 <= H; c += 16) {
+                    const __m512 xv = _mm512_loadu_ps(xt + c);
+                    a0 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + e0 * H + c), a0);
+                    a1 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + (e0 + 1) * H + c), a1);
+                    a2 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + (e0 + 2) * H + c), a2);
+                    a3 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + (e0 + 3) * H + c), a3);
+                }
+                s[0] = _mm512_reduce_add_ps(a0); s[1] = _mm512_reduce_add_ps(a1);
+                s[2] = _mm512_reduce_add_ps(a2); s[3] = _mm512_reduce_add_ps(a3);
+#elif defined(__AVX2__)
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (; c + 8 <= H; c += 8) {
+                    const __m256 xv = _mm256_loadu_ps(xt + c);
+                    a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + e0 * H + c), a0);
+                    a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + (e0 + 1) * H + c), a1);
+                    a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + (e0 + 2) * H + c), a2);
+                    a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + (e0 + 3) * H + c), a3);
+                }
+                s[0] = hsum(a0); s[1] = hsum(a1); s[2] = hsum(a2); s[3] = hsum(a3);
+#endif
+            }
+            for (int64_t r = 0; r < ne; ++r) {
+                float tail = s[r];
+                for (int64_t cc = c; cc < H; ++cc) tail += xt[cc] * w[(e0 + r) * H + cc];
+                logits[t * E + e0 + r] = tail;
+            }
+        }
+    }
+    return musecore_router_topk(logits, bias, T, E, k, multiplier, scaling, weights, ids);
+}
+
+/* logit_softcap (musecore/ops): out = tanh(fp32(x) * multiplier / cap) * cap for n values of x (bf16 or fp32; out
+   fp32, never x). The product, quotient and product are the reference's, in its order; tanh is `vml_tanh` called with
+   `mode`: MKL VML's vmsTanh (its Fortran entry point VMSTANH_), which torch.tanh runs on an MKL build of PyTorch; the
+   Python side finds it and checks it against torch.tanh before passing it, so the result has the reference's bits.
+   Per chunk of SOFTCAP_CHUNK values the three passes run while the chunk is in L1 (PyTorch makes five passes over the
+   vocabulary); chunks are shared by `threads` threads. */
+typedef void (*vml_unary_fn)(const int *, const float *, float *, const int64_t *);
+#define SOFTCAP_CHUNK 4096
+void musecore_logit_softcap(const void *x, int xb, float *out, int64_t n, float multiplier, float cap,
+                            const void *vml_tanh, int64_t mode, int threads) {
+    const vml_unary_fn tanh_fn = (vml_unary_fn)vml_tanh;
+    const int64_t chunks = (n + SOFTCAP_CHUNK - 1) / SOFTCAP_CHUNK;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && chunks > 1)
+#endif
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t i0 = ch * SOFTCAP_CHUNK, len = n - i0 < SOFTCAP_CHUNK ? n - i0 : SOFTCAP_CHUNK;
+        float *o = out + i0;
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256 m = _mm256_set1_ps(multiplier), c = _mm256_set1_ps(cap);
+        for (; i + 8 <= len; i += 8) _mm256_storeu_ps(o + i, _mm256_div_ps(_mm256_mul_ps(load8_x(x, xb, i0 + i), m), c));
+#endif
+        for (; i < len; ++i) o[i] = load_x(x, xb, i0 + i) * multiplier / cap;
+        const int count = (int)len;
+        tanh_fn(&count, o, o, &mode);
+        i = 0;
+#ifdef __AVX2__
+        for (; i + 8 <= len; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), c));
+#endif
+        for (; i < len; ++i) o[i] = o[i] * cap;
+    }
+}

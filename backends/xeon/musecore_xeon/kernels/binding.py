@@ -89,6 +89,44 @@ def _unavailable(reason: str) -> None:
                   f"call). Set {BINDING_ENV}=0 to choose that explicitly.", RuntimeWarning, stacklevel=3)
 
 
+# MKL VML's mode as PyTorch's vml.h passes it (VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE)
+VML_TORCH_MODE = 0x2 | 0x140000 | 0x100
+
+
+def tanh_probe() -> torch.Tensor:
+    """fp32 inputs on which PyTorch's tanh and the kernel found by :func:`torch_tanh_kernel` must agree bit for bit:
+    random values over several scales (an odd count, so VML's tail path runs too), signed zeros, subnormals, values
+    where tanh saturates, the infinities and NaN."""
+    gen = torch.Generator().manual_seed(0)
+    random = torch.cat([torch.randn(4097, generator=gen) * s for s in (1e-3, 0.5, 2.0, 8.0, 40.0)])
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-30, 9.0, -9.0, 10.0, 88.0, -88.0, 1e30,
+                            float("inf"), float("-inf"), float("nan")])
+    return torch.cat([random, special])
+
+
+@functools.cache
+def torch_tanh_kernel() -> tuple[int, int]:
+    """``(address, mode)`` of the kernel ``torch.tanh`` runs on fp32 CPU tensors in this PyTorch (MKL VML's
+    ``vmsTanh`` through its Fortran entry ``VMSTANH_``, exported by ``libtorch_cpu``), or ``(0, 0)`` when there is none
+    or it does not give torch.tanh's bits on :func:`tanh_probe` (a build without MKL, or one that computes tanh
+    another way): the xeon softcap then runs PyTorch's ops."""
+    import ctypes
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        fn = lib.VMSTANH_
+    except (OSError, AttributeError):
+        return 0, 0
+    x = tanh_probe()
+    y = torch.empty_like(x)
+    fn.argtypes = [ctypes.c_void_p] * 4
+    fn.restype = None
+    n, mode = ctypes.c_int(x.numel()), ctypes.c_int64(VML_TORCH_MODE)
+    fn(ctypes.addressof(n), x.data_ptr(), y.data_ptr(), ctypes.addressof(mode))
+    if not torch.equal(torch.tanh(x).view(torch.int32), y.view(torch.int32)):
+        return 0, 0
+    return ctypes.cast(fn, ctypes.c_void_p).value, VML_TORCH_MODE
+
+
 @functools.cache
 def load(int4_address: int, bf16_address: int) -> Optional[ModuleType]:
     """The extension calling the C kernels at ``int4_address`` (``musecore_int4_linear``) and ``bf16_address``

@@ -574,10 +574,11 @@ def _moe_result(name: str, status: int, y: torch.Tensor, ids: torch.Tensor, expe
 
 @functools.cache
 def ops_binding(max_elements: int, max_queries: int) -> Optional[ModuleType]:
-    """The CPython extension with its norm, router and decode-attention functions bound to this library's kernels,
-    taking inputs of at most ``max_elements`` elements (K/V caches excepted) and attention of at most ``max_queries``
-    queries (:mod:`musecore_xeon.ops` calls them, taking its PyTorch path when one returns None), or None without the
-    extension or without the library: the ops then run their PyTorch path (the same math)."""
+    """The CPython extension with its norm, router, softcap and decode-attention functions bound to this library's
+    kernels, taking inputs of at most ``max_elements`` elements (K/V caches, router weights and softcapped logits
+    excepted) and attention and router calls of at most ``max_queries`` queries (:mod:`musecore_xeon.ops` calls them,
+    taking its PyTorch path when one returns None), or None without the extension or without the library: the ops
+    then run their PyTorch path (the same math)."""
     fast = linear_binding()
     if fast is None:
         return None
@@ -585,5 +586,7 @@ def ops_binding(max_elements: int, max_queries: int) -> Optional[ModuleType]:
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
     fast.set_ops(address(lib.musecore_rms_norm), address(lib.musecore_residual_norm), address(lib.musecore_norm_rope),
                  address(lib.musecore_head_norm_gate), address(lib.musecore_router_topk), address(lib.musecore_attention),
-                 max_elements, max_queries)
+                 address(lib.musecore_router), address(lib.musecore_logit_softcap), max_elements, max_queries)
+    from musecore_xeon.kernels.binding import torch_tanh_kernel
+    fast.set_tanh(*torch_tanh_kernel())  # (0, 0): no kernel with torch.tanh's bits, the softcap runs PyTorch's ops
     return fast
