@@ -161,6 +161,21 @@ def sweep(ms, shapes, out_path, meta):
     return rows
 
 
+def profile_cut(spec: str, m: int, shape: str) -> None:
+    """Five launches of one cut (``block_n,block_m,split,stages,warps,layout``) for ``ncu`` to pick from."""
+    from fp4_gemm_swapab import SwapAbConfig
+    from musecore_cuda.bench import random_fp4
+    from musecore_triton.layouts import prepare_fp4
+    bn, bm, split, stages, warps, layout = spec.split(",")
+    cfg = SwapAbConfig(int(bn), int(bm), int(split), int(stages), int(warps))
+    n, k = LINEAR_SHAPES[shape]
+    w = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        run(x, w, cfg, layout, n_major(w.scales))
+    torch.cuda.synchronize()
+
+
 def triton_errors():
     import triton
     return (triton.runtime.errors.OutOfResources,)
@@ -174,8 +189,14 @@ def main() -> None:
                                              / "cuda_swapab_sweep.json"))
     parser.add_argument("--precompile", type=int, default=0)
     parser.add_argument("--only-precompile", action="store_true")
+    parser.add_argument("--profile-cut", default="", help="block_n,block_m,split,stages,warps,layout: five launches "
+                        "of that cut at the first --ms and --shapes (for ncu), no sweep")
     args = parser.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
+    if args.profile_cut:
+        importlib.import_module("musecore_cuda.backend")
+        profile_cut(args.profile_cut, ms[0], args.shapes.split(",")[0])
+        return
     shapes = args.shapes.split(",")
     started = time.time()
     if args.precompile:
