@@ -151,6 +151,38 @@ def test_calibration_gives_a_close_call_more_alternating_rounds() -> None:
     assert calls["n"] > 8 and calibration.crossover == 128, calibration.table()
 
 
+def test_calibration_confirms_the_point_that_ends_the_scan() -> None:
+    """The dense path stalls 10x (20 ms against the kernel's 2 ms, past RETIME_RATIO: no close call) for its first
+    warm-up + 3 timed calls at M = 256: the kernel seems to win there, which would end the scan and keep the
+    kernel at every M. The point that ends the scan is timed again in alternating rounds: the dense path wins."""
+    dense, calls = stalling_path(stalled_calls=4, stalled_s=20e-3, then_s=1e-3)
+    calibration = measure_crossover("synthetic", 8, 8, lambda x: time.sleep(2e-3), dense, torch.float32,
+                                    ms=(128, 256))
+    print(calibration.table())
+    assert calls["n"] > 4 and calibration.crossover == 128, calibration.table()
+
+
+def test_calibration_retimes_a_point_slower_than_the_larger_m_before_it() -> None:
+    """The kernel (40 us per row) stalls 5x at M = 32 for its first warm-up + 3 calls there (10 ms: slower than its
+    2.56 ms at M = 64, which fewer rows cannot be), so the dense path (flat 2 ms) seems to win at 32 by more than
+    RETIME_RATIO and the crossover would drop to 32 (the dense path then taken at M = 32, 1.6x slower than the
+    kernel). The point is timed again: the kernel wins at 32 and the crossover stays 64."""
+    seen = {"n": 0}
+
+    def small(x: torch.Tensor) -> None:
+        if x.shape[0] == 32:
+            seen["n"] += 1
+            if seen["n"] <= 4:
+                time.sleep(10e-3)
+                return
+        time.sleep(40e-6 * x.shape[0])
+
+    calibration = measure_crossover("synthetic", 8, 8, small, lambda x: time.sleep(2e-3), torch.float32,
+                                    ms=(16, 32, 64, 128))
+    print(calibration.table())
+    assert seen["n"] > 4 and calibration.crossover == 64, calibration.table()
+
+
 def test_unsupported_int4_shapes_and_formats_raise_with_advice(xeon: XeonBackend) -> None:
     with pytest.raises(ValueError, match="group size 16"):
         prepare_int4(random_int4(128, 256, 16, negative_scales=False, asymmetric=False), torch.float32)

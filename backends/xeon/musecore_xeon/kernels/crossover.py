@@ -34,6 +34,9 @@ RETIME_RATIO = 3.0  # a point where one path is within this factor of the other 
 # path keeps its best time over all rounds.
 CLOSE_CALL_RATIO = 1.5
 CLOSE_CALL_ROUNDS = 3
+# A path measured slower at M than at the larger M measured before it by more than this fraction was stalled (fewer
+# rows cannot cost more): that point gets CLOSE_CALL_ROUNDS more rounds too.
+MONOTONE_SLACK = 0.10
 
 _CACHE: dict[Hashable, "CrossoverCalibration"] = {}
 
@@ -121,18 +124,26 @@ def measure_crossover(kind: str, in_features: int, proxy_out_features: int,
     again, a close call (within ``CLOSE_CALL_RATIO``) ``CLOSE_CALL_ROUNDS`` more times, the paths alternating,
     and each path keeps its best time, whichever path won: one stall of either path (another
     process took the core) must not move the crossover, and a stalled dense path must not stop the
-    scan early (the kernel would then run every M, far slower than BF16 at large M).
+    scan early (the kernel would then run every M, far slower than BF16 at large M). So the point that ends
+    the scan (the kernel wins there, by any ratio: a stalled dense path can look 10x slower) and any point where
+    a path is slower than at the larger M before it (by more than ``MONOTONE_SLACK``: a stall, fewer rows cannot
+    cost more) get the ``CLOSE_CALL_ROUNDS`` more rounds as well.
     """
     measured: list[tuple[int, float, float]] = []
     for m in sorted(ms, reverse=True):
         x = torch.randn(m, in_features, dtype=act_dtype)
         small, dense = time_us(lambda: small_m_path(x), repeats), time_us(lambda: dense_path(x), repeats)
         rounds = 1 if max(small, dense) < RETIME_RATIO * min(small, dense) else 0
-        if max(small, dense) < CLOSE_CALL_RATIO * min(small, dense):
-            rounds += CLOSE_CALL_ROUNDS
         for _ in range(rounds):
             small = min(small, time_us(lambda: small_m_path(x), repeats))
             dense = min(dense, time_us(lambda: dense_path(x), repeats))
+        stalled = bool(measured) and (small > measured[-1][1] * (1.0 + MONOTONE_SLACK)
+                                      or dense > measured[-1][2] * (1.0 + MONOTONE_SLACK))
+        if max(small, dense) < CLOSE_CALL_RATIO * min(small, dense) or stalled \
+                or not dense_wins(small, dense, dense_margin):
+            for _ in range(CLOSE_CALL_ROUNDS):
+                small = min(small, time_us(lambda: small_m_path(x), repeats))
+                dense = min(dense, time_us(lambda: dense_path(x), repeats))
         measured.append((m, small, dense))
         if not dense_wins(small, dense, dense_margin):
             break
