@@ -113,6 +113,13 @@ static void moe_run_items(const moe_phase_t *ph, const moe_phase_t *next, int64_
     }
 }
 
+/* h = silu(gate) * up of gate/up output row r (h overwrites the gate half), prepared as the down projection's input. */
+static void moe_swiglu_row(const moe_act_t *x_dn, float *gu_out, int64_t r, int64_t inter) {
+    float *g = gu_out + r * 2 * inter;
+    swiglu(g, g + inter, g, inter);
+    moe_prepare(x_dn, g, 0, r);
+}
+
 /* The post-expert norm of one expert output row o (fp32, l values), as the reference rounds it: the expert's output
    rounded to z's dtype, times the shared weight and rounded again (scale first), in place; returns 1 / rms of those. */
 static float post_expert_scale(float *o, int z_bf16, const void *post_norm, int norm_bf16, int64_t l, float eps) {
@@ -209,14 +216,17 @@ static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const
         const int64_t G = routed * gu_blocks, D = routed * dn_blocks;
         const int64_t g0 = G * th / nt, g1 = G * (th + 1) / nt, d0 = D * th / nt, d1 = D * (th + 1) / nt;
         moe_run_items(&gu, &dn, g0, g1, d0, d1, expert_list, start);
+        if (routed % nt == 0) {
+            /* the ranges are whole experts, the same ones in both projections: this thread's down rows need only
+               its own gate/up rows (no barrier between the projections) */
+            const int64_t r0 = start[expert_list[routed * th / nt]], r1 = start[expert_list[routed * (th + 1) / nt - 1] + 1];
+            for (int64_t r = r0; r < r1; ++r) moe_swiglu_row(&x_dn, gu_out, r, inter);
+        } else {
 #ifdef _OPENMP
 #pragma omp barrier
 #pragma omp for schedule(static)
 #endif
-        for (int64_t r = 0; r < P; ++r) {
-            float *g = gu_out + r * two_i;
-            swiglu(g, g + inter, g, inter);  /* h overwrites the gate half */
-            moe_prepare(&x_dn, g, 0, r);
+            for (int64_t r = 0; r < P; ++r) moe_swiglu_row(&x_dn, gu_out, r, inter);
         }
         moe_run_items(&dn, NULL, d0, d1, 0, 0, expert_list, start);
 #ifdef _OPENMP
