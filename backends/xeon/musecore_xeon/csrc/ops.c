@@ -375,6 +375,9 @@ void musecore_attention(const void *q, int qb, const void *k, const void *v, int
    musecore_router_topk. Blocks of 4 experts are shared by `threads` threads from ROUTER_PARALLEL_MIN multiply-adds
    (a logit is the same whatever the thread count). Returns 0, or -2 when there is no memory for its scratch. */
 #define ROUTER_PARALLEL_MIN (1 << 16)
+#ifndef ROUTER_PREFETCH_BYTES
+#define ROUTER_PREFETCH_BYTES 2048 /* how far ahead the router prefetches its weight rows (lab/NOTES.md, session 37) */
+#endif
 int musecore_router(const void *x, int xb, const float *w, const float *bias, int64_t T, int64_t E, int64_t H,
                     int64_t k, float multiplier, float scaling, float *weights, int64_t *ids, int threads) {
     float *logits = (float *)thread_buffer(1, (size_t)(T * E + T * H + 16) * sizeof(float));
@@ -395,6 +398,9 @@ int musecore_router(const void *x, int xb, const float *w, const float *bias, in
 #if defined(__AVX512F__)
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                 for (; c + 16 <= H; c += 16) {
+                    if (t == 0)  /* the weight streams once per call: its next lines, ahead of the loads */
+                        for (int r = 0; r < 4; ++r)
+                            _mm_prefetch((const char *)(w + (e0 + r) * H + c) + ROUTER_PREFETCH_BYTES, _MM_HINT_T0);
                     const __m512 xv = _mm512_loadu_ps(xt + c);
                     a0 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + e0 * H + c), a0);
                     a1 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + (e0 + 1) * H + c), a1);
@@ -406,6 +412,9 @@ int musecore_router(const void *x, int xb, const float *w, const float *bias, in
 #elif defined(__AVX2__)
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                 for (; c + 8 <= H; c += 8) {
+                    if (t == 0 && c % 16 == 0)
+                        for (int r = 0; r < 4; ++r)
+                            _mm_prefetch((const char *)(w + (e0 + r) * H + c) + ROUTER_PREFETCH_BYTES, _MM_HINT_T0);
                     const __m256 xv = _mm256_loadu_ps(xt + c);
                     a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + e0 * H + c), a0);
                     a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + (e0 + 1) * H + c), a1);
