@@ -13,7 +13,7 @@ measured three ways in one process:
    Python per op, aten dispatch and allocations, KV cache writes, the small C ops, the softcap; plus the aten ops
    it issues per step (``torch.profiler`` counts).
 
-    python3 benchmarks/xeon_decode_profile.py [--threads 1 2] [--plans int4 bf16] [--steps 64] [--layers N]
+    python3 benchmarks/xeon_decode_profile.py [--threads 1 2] [--plans [int4] [bf16]] [--steps 64] [--layers N]
         [--moe-vs-gemv] [--json PATH]
 
 ``--moe-vs-gemv`` adds the fused decode MoE (T = 1, 8 of 64 experts) against one GEMV of the same bytes, cold: what
@@ -193,12 +193,14 @@ def profile_plan(model: Any, threads: int, steps: int) -> dict[str, Any]:
             "aten_ops_per_step": sum(aten.values()), "aten_op_counts": aten, "ops": ops}
 
 
-def moe_vs_gemv(threads: list[int], copies: int = 3, calls: int = 32) -> list[dict[str, Any]]:
+def moe_vs_gemv(threads: list[int], copies: int = 3, calls: int = 32, rounds: int = 5) -> list[dict[str, Any]]:
     """The fused decode MoE of muse-small (T = 1, 8 of 64 experts) against ONE GEMV streaming the same bytes
     (``[8 * 3 * I, h]``), INT4 and BF16, weights cold (``copies`` layers of 64 experts, and as many bytes of GEMV
-    weights, cycled; 2 BF16 layers): what the MoE costs beyond its bytes. Wall and main-thread CPU time per call."""
+    weights, cycled; 2 BF16 layers): what the MoE costs beyond its bytes. Wall and main-thread CPU time per call,
+    medians of ``rounds`` rounds in which the two alternate (a shared host's drift hits both)."""
     import musecore_quant
     from musecore_xeon import XeonBackend
+    from musecore_xeon.bench import host_fields
     backend = XeonBackend(num_threads=max(threads))
     E, h, inter, k = 64, 768, 768, 8
     gen = torch.Generator().manual_seed(0)
@@ -225,19 +227,26 @@ def moe_vs_gemv(threads: list[int], copies: int = 3, calls: int = 32) -> list[di
 
         for t in threads:
             torch.set_num_threads(t)
-            moe = timed(lambda i: backend.moe(z, weights, ids[i % calls], layers[i % len(layers)], post, 1e-6), 2 * calls)
-            gemv = timed(lambda i: backend.linear(z, gemvs[i % len(gemvs)]), 2 * calls)
-            for what, (wall, cpu) in (("fused moe, 8 of 64 experts", moe), (f"one GEMV {k * 3 * inter}x{h}", gemv)):
+            runs: dict[str, list[tuple[float, float]]] = {"moe": [], "gemv": []}
+            for _ in range(rounds):
+                runs["moe"].append(timed(lambda i: backend.moe(z, weights, ids[i % calls], layers[i % len(layers)],
+                                                               post, 1e-6), 2 * calls))
+                runs["gemv"].append(timed(lambda i: backend.linear(z, gemvs[i % len(gemvs)]), 2 * calls))
+            med = {key: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for key, v in runs.items()}
+            for key, what in (("moe", "fused moe, 8 of 64 experts"), ("gemv", f"one GEMV {k * 3 * inter}x{h}")):
+                wall, cpu = med[key]
                 rows.append({"format": fmt, "threads": t, "what": what, "mb": nbytes / 1e6, "us_wall": wall * 1e6,
-                             "us_cpu": cpu * 1e6, "gb_per_s_wall": nbytes / wall / 1e9, "gb_per_s_cpu": nbytes / cpu / 1e9})
-        del layers, gemvs
+                             "us_cpu": cpu * 1e6, "gb_per_s_wall": nbytes / wall / 1e9, "gb_per_s_cpu": nbytes / cpu / 1e9,
+                             "rounds_us_wall": [w * 1e6 for w, _ in runs[key]], "moe_over_gemv_wall": med["moe"][0] / med["gemv"][0],
+                             **host_fields()})
     return rows
 
 
 def moe_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| format | threads | call | MB | us (wall) | GB/s (wall) | us (main-thread CPU) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| format | threads | call | MB | us (wall, median) | GB/s (wall) | us (main-thread CPU) | moe / GEMV (wall) |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['format']} | {r['threads']} | {r['what']} | {r['mb']:.2f} | {r['us_wall']:.0f} | "
-              f"{r['gb_per_s_wall']:.1f} | {r['us_cpu']:.0f} |" for r in rows]
+              f"{r['gb_per_s_wall']:.1f} | {r['us_cpu']:.0f} | {r['moe_over_gemv_wall']:.3f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -266,7 +275,8 @@ def markdown(plan: str, r: dict[str, Any]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--plans", nargs="+", default=["int4", "bf16"], choices=("int4", "bf16"))
+    p.add_argument("--plans", nargs="*", default=["int4", "bf16"], choices=("int4", "bf16"),
+                   help="the plans to profile (none: only --moe-vs-gemv)")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--layers", type=int, default=0, help="cut muse-small to this many layers (development)")
     p.add_argument("--json", type=Path, default=None)

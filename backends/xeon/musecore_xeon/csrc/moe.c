@@ -8,10 +8,16 @@
    gu_w / dn_w are arrays of E pointers to each expert's weights (fused [gate; up] rows 0..2I-1, then down [l, I]):
    INT4 nibble-planar codes with gu_sz / dn_sz their fp16 (scale, zero) pairs, or BF16 [N, K] row-major (sz unused).
    The (t, j) pairs are grouped by expert (counting sort, stable), so an expert's bytes are read once per call for
-   all its tokens; the gate/up row blocks of all routed experts are one parallel loop, then the SwiGLU, the down row
-   blocks, and the norm + weighted sum, all in one OpenMP region (3 barriers instead of a fork/join per expert and
-   projection). fp32 throughout: the intermediate h is not rounded to bf16 (the reference does not round it
-   either); the GEMV inputs z and h are prepared per row as each format's GEMV prepares them. */
+   all its tokens; the gate/up row blocks of all routed experts are split into one contiguous range per thread, then
+   the SwiGLU, the down row blocks (split the same way), and the norm + weighted sum, all in one OpenMP region. Where
+   the routed experts divide evenly over the threads, each thread's ranges are the same whole experts in both
+   projections and it runs on from its gate/up rows to its down rows without a barrier (one barrier, before the norm;
+   else three). Each thread prefetches the first blocks of its next weight (the next expert's, or its first down
+   block) while it finishes the current one, where the row kernel's own prefetch runs past the weight's end.
+   fp32 throughout: the intermediate h is not rounded to bf16 (the reference does not round it either); the GEMV
+   inputs z and h are prepared per row as each format's GEMV prepares them (z once per token, copied to its other
+   rows). Each output row is computed by one thread in one order: the bits depend on neither the thread count nor
+   the other tokens of the call. */
 enum { MOE_INT4 = 0, MOE_BF16 = 1 };
 
 typedef struct { int kind; int64_t rows, k, g; float *buf; } moe_act_t;  /* the prepared input rows of one projection */
@@ -184,7 +190,8 @@ static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const
         const int64_t r = start[ids[p]] + count[ids[p]]++;
         sorted[r] = p; row_of[p] = r;
     }
-    const moe_phase_t gu = {&x_gu, gu_w, gu_sz, gu_blocks, two_i, gu_out}, dn = {&x_dn, dn_w, dn_sz, dn_blocks, l, dn_out};
+    const moe_phase_t gu = {&x_gu, gu_w, gu_sz, gu_blocks, two_i, gu_out},
+                      dn = {&x_dn, dn_w, dn_sz, dn_blocks, l, dn_out};
     if (threads > routed * gu_blocks) threads = (int)(routed * gu_blocks);
     if (routed * weight_bytes < MOE_PARALLEL_MIN_BYTES) threads = 1;
     for (int64_t i = 0; i < moe_prefetch_blocks(&x_gu) && i < routed * gu_blocks / threads; ++i)
@@ -219,7 +226,8 @@ static int moe_decode(int kind, const int64_t *gu_w, const int64_t *gu_sz, const
         if (routed % nt == 0) {
             /* the ranges are whole experts, the same ones in both projections: this thread's down rows need only
                its own gate/up rows (no barrier between the projections) */
-            const int64_t r0 = start[expert_list[routed * th / nt]], r1 = start[expert_list[routed * (th + 1) / nt - 1] + 1];
+            const int64_t r0 = start[expert_list[routed * th / nt]],
+                          r1 = start[expert_list[routed * (th + 1) / nt - 1] + 1];
             for (int64_t r = r0; r < r1; ++r) moe_swiglu_row(&x_dn, gu_out, r, inter);
         } else {
 #ifdef _OPENMP

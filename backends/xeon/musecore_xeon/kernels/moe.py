@@ -70,7 +70,9 @@ class XeonExperts:
                 self.native_kind = "bf16"
                 self.native_pointers = torch.tensor([[lin.weight.data_ptr() for lin in self.gate_up],
                                                      [lin.weight.data_ptr() for lin in self.down]], dtype=torch.int64)
+        self.native_rows: Optional[list[int]] = None  # the addresses of native_pointers' rows (native.row_addresses)
         if self.native_kind is not None:
+            self.native_rows = native.row_addresses(self.native_pointers)
             self.refresh_native_limit()
 
     def refresh_native_limit(self) -> None:
@@ -106,12 +108,17 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                          f"got {tuple(post_norm.shape)}")
     if z.dtype in (torch.bfloat16, torch.float32) and experts.native_fits(T, ids):
         z = z if z.is_contiguous() else z.contiguous()
-        ids64, w32 = ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
+        # no .to()/.contiguous() dispatch when already so (the router's int64 ids and fp32 weights): ~1 us each
+        ids64 = ids if ids.dtype is torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+        w32 = weights if weights.dtype is torch.float32 and weights.is_contiguous() else \
+            weights.to(torch.float32).contiguous()
         if experts.native_kind == "bf16":
-            return native.bf16_moe(experts.native_pointers, z, ids64, w32, post_norm, post_eps, inter)
+            return native.bf16_moe(experts.native_pointers, z, ids64, w32, post_norm, post_eps, inter,
+                                   experts.native_rows)
         gu, dn = experts.gate_up[0], experts.down[0]
         return native.int4_moe(experts.native_pointers, z, ids64, w32, post_norm, post_eps, inter,
-                               (gu.group_size, dn.group_size), (gu.padded_out_features, dn.padded_out_features))
+                               (gu.group_size, dn.group_size), (gu.padded_out_features, dn.padded_out_features),
+                               experts.native_rows)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert
     token = order // k  # [T*k] token of each grouped row

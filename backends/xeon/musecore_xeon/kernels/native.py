@@ -505,7 +505,7 @@ def int4_dequant(codes: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tenso
 
 def int4_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
              post_norm: torch.Tensor, post_eps: float, intermediate: int, group_sizes: tuple[int, int],
-             padded_rows: tuple[int, int]) -> torch.Tensor:
+             padded_rows: tuple[int, int], rows: Optional[list[int]] = None) -> torch.Tensor:
     """The routed INT4 experts of one MoE call in one native call -> fp32 ``[T, h]`` (``musecore_int4_moe``: gate/up
     GEMV, SwiGLU, down GEMV, the expert's output rounded to ``z``'s dtype, the shared post-expert norm scale first,
     the routing weight, the fp32 sum: the ``moe`` contract of :mod:`musecore.ops`).
@@ -514,12 +514,13 @@ def int4_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights
     pairs, the down codes and its pairs (the tensors must stay alive: :class:`XeonExperts` holds them).
     ``z`` bf16/fp32 ``[T, h]``, ``ids`` int64 ``[T, k]``, ``weights`` fp32 ``[T, k]``, ``post_norm``
     bf16/fp32 ``[h]`` (one weight shared by all experts), all contiguous. Meant for decode sizes: every expert's rows
-    go through the GEMV / skinny-GEMM row blocks (no dense tiles).
+    go through the GEMV / skinny-GEMM row blocks (no dense tiles). ``rows``: :func:`row_addresses` of ``pointers``,
+    when the caller keeps them (decode: ~2 us per call).
     """
     lib, post_norm = _moe_inputs(z, post_norm)
     (t, h), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
     y = torch.empty(t, h, dtype=torch.float32)
-    status = lib.musecore_int4_moe(*_row_addresses(pointers), z.data_ptr(), int(z.dtype == torch.bfloat16),
+    status = lib.musecore_int4_moe(*(rows or row_addresses(pointers)), z.data_ptr(), int(z.dtype == torch.bfloat16),
                                    ids.data_ptr(), weights.data_ptr(), post_norm.data_ptr(),
                                    int(post_norm.dtype == torch.bfloat16), post_eps, y.data_ptr(), t, k_top, e, h,
                                    intermediate, group_sizes[0], group_sizes[1], padded_rows[0], padded_rows[1],
@@ -528,7 +529,8 @@ def int4_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights
 
 
 def bf16_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             post_norm: torch.Tensor, post_eps: float, intermediate: int) -> torch.Tensor:
+             post_norm: torch.Tensor, post_eps: float, intermediate: int,
+             rows: Optional[list[int]] = None) -> torch.Tensor:
     """The routed BF16 experts of one MoE call in one native call -> fp32 ``[T, h]`` (``musecore_bf16_moe``: the
     same driver as :func:`int4_moe`, with the BF16 GEMV's row kernel). ``pointers`` int64 ``[2, E]``: per expert
     the data pointers of its contiguous bf16 fused gate/up ``[2I, h]`` and down ``[h, I]`` weights (kept alive by
@@ -537,14 +539,14 @@ def bf16_moe(pointers: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights
     lib, post_norm = _moe_inputs(z, post_norm)
     (t, h), (_, k_top), e = z.shape, ids.shape, pointers.shape[1]
     y = torch.empty(t, h, dtype=torch.float32)
-    status = lib.musecore_bf16_moe(*_row_addresses(pointers), z.data_ptr(),
+    status = lib.musecore_bf16_moe(*(rows or row_addresses(pointers)), z.data_ptr(),
                                    int(z.dtype == torch.bfloat16), ids.data_ptr(), weights.data_ptr(),
                                    post_norm.data_ptr(), int(post_norm.dtype == torch.bfloat16), post_eps, y.data_ptr(),
                                    t, k_top, e, h, intermediate, torch.get_num_threads())
     return _moe_result("bf16_moe", status, y, ids, e)
 
 
-def _row_addresses(pointers: torch.Tensor) -> list[int]:
+def row_addresses(pointers: torch.Tensor) -> list[int]:
     """The address of each row of the contiguous int64 pointer table ``[R, E]`` as plain ints (no aten ``select`` per
     row: these calls are on the decode path, 4 selects were ~3-4 us of a ~10 us MoE call)."""
     base, row_bytes = pointers.data_ptr(), pointers.stride(0) * pointers.element_size()
