@@ -6,8 +6,9 @@ a bounded timeout; the worker's rank 0 saves every rank's results. Every output 
 single-device dot product (nothing is summed in a different order across ranks), but a matmul with
 fewer output columns or other rows may take another BLAS kernel and round its fp32 sum differently,
 which BF16 can amplify: BF16 muse-tiny logits (up to ~18) get one BF16 ulp at 16-32, 0.125
-(measured on the 2-core EPYC: 0 for tp2/ep2/ep4, 0.05 for tp2 alone, 0.114 for tp4), and greedy
-tokens must agree exactly; fp32 random models: 1e-4 (measured ~3e-5).
+(measured on the 2-core AMD EPYC: 0 for tp2/ep2/ep4, 0.05 for tp2 alone, 0.114 for tp4; on a 2-vCPU
+Intel Xeon, model 207, 0.139 for the all-to-all and sequence-parallel cases: more than one ulp, so the
+tolerance is two, 0.25), and greedy tokens must agree exactly; fp32 random models: 1e-4 (measured ~3e-5).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def tiny_single(tmp_path_factory) -> dict:
     return single(tmp_path_factory.mktemp("one") / "one.pt")
 
 
-BF16_TOL = 0.125
+BF16_TOL = 0.25
 
 
 @pytest.mark.parametrize("mesh, replicated", [
