@@ -135,6 +135,12 @@ class Backend:
         from musecore.kv_cache import write_static
         write_static(k, v, positions, k_new, v_new, pos_new, capacity, ring)
 
+    kv_write_row: Optional[Callable[..., bool]] = None
+    """Optional: a method ``kv_write_row(k, v, positions, k_new, v_new, slot, position) -> bool`` that copies one
+    decode entry per batch row into ``slot`` of a non-static CPU layer cache in one call and returns False where it
+    does not apply (:data:`musecore.kv_cache.RowWriter`; the xeon backend's is one C call). None (the default): the
+    cache writes by narrowing. The entries must be the same either way."""
+
     def kernel_choices(self, linears: Sequence["LinearShape"], profile: Any) -> list["KernelChoice"]:
         """Every kernel decision this backend would make for a model with these linears on the device
         ``profile`` (a :class:`musecore.devices.DeviceProfile`): the linear path per shape and M range,

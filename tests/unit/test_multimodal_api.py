@@ -436,7 +436,7 @@ def test_features_do_not_depend_on_what_else_is_in_the_batch(pair):
 def test_a_second_turn_with_the_same_image_runs_no_tower_on_the_real_model(pair, monkeypatch):
     model, _, _ = pair
     picture, wave = media_inputs(7)
-    monkeypatch.setattr(model, "encoder_cache", EncoderCache(1 << 20))
+    monkeypatch.setattr(model, "encoder_cache", EncoderCache(1 << 20), raising=False)  # set on first use otherwise
     first = user({"type": "image", "image": picture}, {"type": "audio", "audio": wave}, {"type": "text", "text": "?"})
     reply = model.chat(first, max_new_tokens=2)
     assert model.encoder_cache.encoder_calls == 2  # the vision tower once, the audio tower once
