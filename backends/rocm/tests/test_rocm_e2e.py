@@ -9,7 +9,8 @@ flip at the third MoE call, whose inputs differed by an NMSE of 4.5e-7, logits N
 whole-model check records the emulated run's routing and runs the ROCm model with it forced: each ROCm
 router call must still choose what the reference chooses on the ROCm run's own input (rows without a tie
 closer than ``NEAR_TIE``); the router inputs up to the first W4A4 layer must agree to ``UNQUANTIZED_NMSE``; and
-the logits must agree to ``LOGITS_NMSE`` with the same top-1 token everywhere (why that bound: at its definition).
+the logits must agree to ``LOGITS_NMSE`` with the same top-1 token at ``TOP1_AGREEMENT`` of the positions (why those
+bounds: at their definitions).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ UNQUANTIZED_NMSE = 1e-6    # router inputs up to the first W4A4 layer: only fp16
 # boundary, a whole E2M1 step each (the router input NMSE jumps to ~3e-4 there), and that grows layer by layer.
 # A wrong layout, expert or scale gives NMSE ~1.
 LOGITS_NMSE = 1e-2
+# Top-1 agreement over the 6 positions: at that NMSE single logits move by up to ~1.7 (logits std 3.7), so a position
+# whose top-2 margin is smaller can flip: on an Intel Xeon (model 207, AVX512_FP16: other fp16 CPU kernels than the
+# AMD EPYC where 6 of 6 agreed) position 3 flips at a margin of 0.28 with NMSE 2.7e-3, identically at ad76c44. 5 of 6.
+TOP1_AGREEMENT = 0.8
 
 
 @pytest.fixture(scope="module")
@@ -134,4 +139,5 @@ def test_nvfp4_checkpoint_on_mi355x_runs_on_rocm_kernels_with_the_emulated_numer
           f"top-1 agreement {top1:.2f}")
     before_w4a4 = events[:events.index("moe")].count("router")  # router calls up to the first W4A4 layer's input
     assert all(dx <= UNQUANTIZED_NMSE for *_, dx in routed[:before_w4a4]), trail
-    assert error <= LOGITS_NMSE and top1 == 1.0, f"logits NMSE {error:.2e} (tolerance {LOGITS_NMSE}), top-1 {top1:.2f}"
+    assert error <= LOGITS_NMSE and top1 >= TOP1_AGREEMENT, \
+        f"logits NMSE {error:.2e} (tolerance {LOGITS_NMSE}), top-1 {top1:.2f} (at least {TOP1_AGREEMENT})"
