@@ -48,15 +48,20 @@ class FusedLinear:
     weight: Any
     widths: tuple[int, ...]
 
-    def __call__(self, ops: Ops, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return ops.linear(x, self.weight).split(self.widths, dim=-1)
+    def __call__(self, ops: Ops, x: torch.Tensor, head_dim: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+        y = ops.linear(x, self.weight)
+        if head_dim is None:
+            return y.split(self.widths, dim=-1)
+        return y.view(*y.shape[:-1], -1, head_dim).split([w // head_dim for w in self.widths], dim=-2)
 
 
-def project(owner: Any, ops: Ops, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``owner.INPUT_PROJECTIONS`` applied to ``x``: through the fused weight when the loader made one."""
+def project(owner: Any, ops: Ops, x: torch.Tensor, head_dim: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+    """``owner.INPUT_PROJECTIONS`` applied to ``x``: through the fused weight when the loader made one. With
+    ``head_dim`` each output comes back as ``[..., heads, head_dim]`` (from the fused output: one view, split)."""
     if owner.in_proj is not None:
-        return owner.in_proj(ops, x)
-    return tuple(ops.linear(x, getattr(owner, name)) for name in owner.INPUT_PROJECTIONS)
+        return owner.in_proj(ops, x, head_dim)
+    outs = tuple(ops.linear(x, getattr(owner, name)) for name in owner.INPUT_PROJECTIONS)
+    return outs if head_dim is None else tuple(y.view(*y.shape[:-1], -1, head_dim) for y in outs)
 
 
 class Attention:
@@ -82,14 +87,7 @@ class Attention:
         B, T = positions.shape
         if comm is not None and comm.sp_tokens:  # sequence parallel: this rank holds a token shard of ``a``
             a = comm.gather_tokens(a.reshape(-1, a.shape[-1]), B * T).view(B, T, -1)
-        if self.in_proj is not None:  # the fused output split by heads: one view, not one per piece
-            fused = self.in_proj
-            q, k, v, gate = ops.linear(a, fused.weight).view(B, T, -1, self.d).split(
-                [w // self.d for w in fused.widths], dim=2)
-        else:
-            q, k, v, gate = project(self, ops, a)  # gate: [B,T,nq*d], one gate per output element
-            q, k, v = q.view(B, T, self.nq, self.d), k.view(B, T, self.nkv, self.d), v.view(B, T, self.nkv, self.d)
-            gate = gate.view(B, T, self.nq, self.d)
+        q, k, v, gate = project(self, ops, a, self.d)  # [B,T,heads,d]; gate: one per output element
         cos, sin = rope if self.rope else (None, None)  # NoPE on the full-attention layers
         q, k = ops.qk_norm_rope(q, k, cos, sin, self.eps, self.q_scale)
         if cache is None:
