@@ -1,0 +1,228 @@
+"""Lab: a Hopper W4A16 GEMM for NVFP4 resident weights in Gluon (swap-AB, register-A ``wgmma``, TMA ring,
+warp specialization). Selected by no path of the backend (backends/cuda/lab/NOTES.md, session 11).
+
+Sessions 6 and 10 ended on the same advice: Triton's ``tl.dot`` cannot express the Machete-class design
+(a producer warp streaming packed weights and activations through a ring of stages with mbarriers,
+consumer warpgroups that upcast the weight straight into ``wgmma``'s register operand A). Gluon
+(``triton.experimental.gluon``, Triton 3.6) exposes each of those pieces, so this kernel is that design:
+
+``C^T[N, M] = W[N, K] @ X[M, K]^T``, one output tile ``[BLOCK_N weight rows, BLOCK_M tokens]`` per program:
+
+* a 1-warp loader partition issues, per 128-element chunk of K, one TMA copy of the packed weight
+  bytes ``[BLOCK_N, 64]`` (byte ``j`` holds elements ``j`` and ``j + 64``: the resident chunk-halves
+  order of ``musecore_triton.layouts``) and two of the activations ``[BLOCK_M, 64]`` (elements
+  0-63 and 64-127 of the chunk) into stage ``i % STAGES`` of a shared ring, completing on the
+  stage's ``ready`` mbarrier;
+* the default partition (one warpgroup per 64 weight rows) waits on ``ready``, and per k16 step
+  loads ``[BLOCK_N, 16]`` bytes from shared memory directly into ``wgmma``'s A-fragment layout,
+  upcasts both nibbles (E2M1 bits moved into bf16, times the e4m3 group scale: exact), and issues
+  two asynchronous ``wgmma`` with the activations' shared tile as operand B; it releases a stage
+  (``empty`` mbarrier) once the wgmmas that read it have retired.
+
+NVFP4's group of 16 is ``wgmma``'s K, so each A-fragment row needs one scale per step. The resident
+scales ``[N, K/16]`` are read as one 8-byte word per row and chunk (``int64`` view: group ``g``
+is byte ``g``), loaded by the consumer one chunk ahead; no second scale layout is needed.
+The per-tensor ``out_scale`` multiplies the fp32 accumulator. Split-K adds fp32 partial sums
+into a zeroed fp32 output with atomics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+CHUNK_K = gl.constexpr(128)   # elements of K per resident chunk and per ring stage
+EB = gl.constexpr(126)        # the upcast's bf16 bits give code * 2**-126 (musecore_triton.kernels.fp4_gemm.EXP_OFFSET)
+WFMT_NVFP4 = 1
+
+
+@gluon.jit
+def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks,
+            STAGES: gl.constexpr):
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
+    for i in range(n_chunks):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), (i // STAGES) & 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        kc = first + i
+        tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(s), w_smem.index(s))
+        tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128], ready.index(s), x_smem.index(2 * s))
+        tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128 + 64], ready.index(s), x_smem.index(2 * s + 1))
+
+
+@gluon.jit
+def _upcast(codes, scale):
+    """E2M1 codes (int16, 0-15) times a per-row bf16 multiplier: bf16, exact."""
+    bits = ((codes & 7) << 6) | ((codes & 8) << 12)  # code value * 2**-126 as bf16 bits
+    return bits.to(gl.bfloat16, bitcast=True) * scale[:, None]
+
+
+@gluon.jit
+def _group_scale(word, g: gl.constexpr, MULT: gl.constexpr):
+    """Byte ``g`` of each row's 8-byte scale word as a bf16 multiplier (e4m3 * 2**(EB - FOLD))."""
+    byte = (word >> (8 * g)).to(gl.uint8)
+    return byte.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16) * MULT
+
+
+@gluon.jit
+def _upcast_chunk(w_t, word, a_layout: gl.constexpr, MULT: gl.constexpr):
+    """The eight bf16 A tiles ``[BLOCK_N, 16]`` of one chunk: k16 steps 0-3 from the low nibbles (elements
+    0-63), 4-7 from the high nibbles (64-127)."""
+    b0 = w_t.slice(0, 16, dim=1).load(a_layout).to(gl.int16)
+    b1 = w_t.slice(16, 16, dim=1).load(a_layout).to(gl.int16)
+    b2 = w_t.slice(32, 16, dim=1).load(a_layout).to(gl.int16)
+    b3 = w_t.slice(48, 16, dim=1).load(a_layout).to(gl.int16)
+    return (_upcast(b0 & 15, _group_scale(word, 0, MULT)), _upcast(b1 & 15, _group_scale(word, 1, MULT)),
+            _upcast(b2 & 15, _group_scale(word, 2, MULT)), _upcast(b3 & 15, _group_scale(word, 3, MULT)),
+            _upcast(b0 >> 4, _group_scale(word, 4, MULT)), _upcast(b1 >> 4, _group_scale(word, 5, MULT)),
+            _upcast(b2 >> 4, _group_scale(word, 6, MULT)), _upcast(b3 >> 4, _group_scale(word, 7, MULT)))
+
+
+@gluon.jit
+def _consumer(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
+              BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MULT: gl.constexpr,
+              num_warps: gl.constexpr):
+    """Per chunk: eight wgmmas issued back to back from registers, then the next chunk's upcast while they run,
+    then one wait. No register that an in-flight wgmma reads is written before that wait (ptxas would
+    otherwise serialize the wgmmas: warning C7513)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    row_ok = rows < N
+    s_ptrs = s_ptr + rows.to(gl.int64) * stride_s + first
+    word = gl.load(s_ptrs, mask=row_ok, other=0)
+    mbarrier.wait(ready.index(0), 0)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _upcast_chunk(w_smem.index(0), word, a_layout, MULT)
+    word = gl.load(s_ptrs + gl.minimum(1, n_chunks - 1), mask=row_ok, other=0)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    for i in range(n_chunks):
+        s = i % STAGES
+        x_lo = x_smem.index(2 * s)
+        x_hi = x_smem.index(2 * s + 1)
+        acc = warpgroup_mma(a0, x_lo.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a1, x_lo.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a2, x_lo.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a3, x_lo.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a4, x_hi.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a5, x_hi.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a6, x_hi.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a7, x_hi.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        if i + 1 < n_chunks:  # the next chunk's upcast overlaps this chunk's wgmmas
+            s1 = (i + 1) % STAGES
+            mbarrier.wait(ready.index(s1), ((i + 1) // STAGES) & 1)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _upcast_chunk(w_smem.index(s1), word, a_layout, MULT)
+            word = gl.load(s_ptrs + gl.minimum(i + 2, n_chunks - 1), mask=row_ok, other=0)
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = a0, a1, a2, a3, a4, a5, a6, a7
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1, a2, a3, a4, a5, a6, a7))[0]
+        mbarrier.arrive(empty.index(s), count=1)
+        a0, a1, a2, a3, a4, a5, a6, a7 = n0, n1, n2, n3, n4, n5, n6, n7
+    return (acc, )
+
+
+@gluon.jit
+def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K,
+                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                     FOLD: gl.constexpr, ATOMIC: gl.constexpr, num_warps: gl.constexpr):
+    """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tiles_n  # GROUP_M token tiles x every weight tile, token tile fastest
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    off_n = pid_n * BLOCK_N
+    off_m = pid_m * BLOCK_M
+    n_chunks = K // CHUNK_K // gl.num_programs(1)
+    first = pid_k * n_chunks
+
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.arrive(empty.index(s), count=1)  # every stage starts free
+
+    MULT: gl.constexpr = 2.0 ** (EB - FOLD)
+    acc, = gl.warp_specialize([
+        (_consumer, (w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
+                     BLOCK_N, BLOCK_M, STAGES, MULT, num_warps)),
+        (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES)),
+    ], [1], [40])
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    acc = acc * gl.load(out_scale_ptr)
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    c_ptrs = c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None]
+    c_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    if ATOMIC:
+        gl.atomic_add(c_ptrs, acc, mask=c_mask)
+    else:
+        gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    block_n: int   # weight rows per program: 64 per consumer warpgroup
+    block_m: int   # tokens per program (wgmma's N: a multiple of 8, at most 256)
+    split_k: int
+    stages: int
+    group_m: int = 8
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+    def smem_bytes(self) -> int:
+        return self.stages * (self.block_n * 64 + 2 * self.block_m * 64 * 2)
+
+
+def descriptors(x: torch.Tensor, packed: torch.Tensor, cfg: GluonConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the packed weight ``[N, K/2]`` (box ``[block_n, 64]`` bytes) and the activations
+    ``[M, K]`` (box ``[block_m, 64]`` bf16). Rows past M or N read zeros."""
+    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, 64], gl.uint8)
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64], gl.bfloat16)
+    return (TensorDescriptor(packed, list(packed.shape), list(packed.stride()), [cfg.block_n, 64], w_layout),
+            TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, 64], x_layout))
+
+
+def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *, wfmt: int,
+           group: int, fold_log2: int, n: int, k: int, out: torch.Tensor, cfg: GluonConfig) -> torch.Tensor:
+    """Launch :func:`fp4_gluon_kernel` for one NVFP4 weight (``packed``/``scales`` ``[N, K/2]``/``[N, K/16]``, or
+    the ``[1, ...]`` resident stack). ``out`` is ``[M, N]``: fp32 and zeroed when ``cfg.split_k > 1``."""
+    if wfmt != WFMT_NVFP4 or group != 16:
+        raise ValueError(f"the Gluon GEMM takes NVFP4 weights (e4m3 scales, group 16); got wfmt={wfmt}, group={group}")
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
+        raise TypeError(f"the Gluon GEMM takes 2-D bf16 activations contiguous along K; got {x.dtype} {x.shape}")
+    if k % (CHUNK_K * cfg.split_k):
+        raise ValueError(f"the Gluon GEMM needs K divisible by {CHUNK_K} x split_k={cfg.split_k}; got K={k}")
+    if cfg.split_k > 1 and out.dtype != torch.float32:
+        raise TypeError("split-K accumulates into a zeroed float32 output")
+    w2 = packed.reshape(-1, packed.shape[-1])
+    s2 = scales.reshape(-1, scales.shape[-1])
+    if w2.shape != (n, k // 2) or s2.shape != (n, k // 16) or not s2.is_contiguous():
+        raise ValueError(f"expected packed [{n}, {k // 2}] and contiguous scales [{n}, {k // 16}]; "
+                         f"got {tuple(w2.shape)} and {tuple(s2.shape)}")
+    words = s2.view(torch.int64)  # [N, K/128]: the 8 group scales of one chunk per word
+    w_desc, x_desc = descriptors(x, w2, cfg)
+    m = x.shape[0]
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    fp4_gluon_kernel[grid](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n, k,
+                           BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+                           FOLD=fold_log2, ATOMIC=cfg.split_k > 1, num_warps=cfg.num_warps)
+    return out

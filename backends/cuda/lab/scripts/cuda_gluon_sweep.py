@@ -1,0 +1,173 @@
+"""Sweep the Gluon W4A16 GEMM (``fp4_gemm_gluon``: swap-AB, register-A ``wgmma``, TMA ring, a loader warp) at the
+816B linear shapes, next to BF16 cuBLAS, the path ``fp4_linear`` takes today and dequantize + cuBLAS, all measured
+in one process. Every cut is first checked against an fp32 product of the dequantized weight (NMSE within the
+linear op's tolerance), then timed like ``musecore bench`` (CUDA-graph replays, weights rotated past L2)::
+
+    python backends/cuda/lab/scripts/cuda_gluon_sweep.py [--ms 16,64,128,256,1024,4096] [--shapes q_proj,...]
+        [--out backends/cuda/lab/results/cuda_gluon_sweep.json] [--precompile 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from musecore_cuda.bench import LINEAR_SHAPES, memory_ceiling_gbps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab: the Gluon kernel
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # the swap-AB sweep's helpers
+
+SMEM = 220 * 1024
+
+
+def block_ms(m: int) -> tuple[int, ...]:
+    if m <= 16:
+        return (16,)
+    if m <= 32:
+        return (32,)
+    if m <= 64:
+        return (32, 64)
+    if m <= 128:
+        return (64, 128)
+    if m <= 256:
+        return (128, 256)
+    return (128, 256)
+
+
+def fill_split(m: int, n: int, k: int, bn: int, bm: int, sms: int = 132) -> int:
+    """Split-K (power of two, >= 4 chunks per split) until the grid has at least one program per SM."""
+    tiles = -(-m // bm) * -(-n // bn)
+    chunks, split = k // 128, 1
+    while tiles * split < sms and chunks // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def cuts(m: int, n: int, k: int):
+    from fp4_gemm_gluon import GluonConfig
+    seen = set()
+    for bn in (64, 128):
+        for bm in block_ms(m):
+            if bn == 128 and bm == 256:
+                continue  # 2 warpgroups x 128 accumulator registers: over the 240 the partition gets
+            stage = bn * 64 + bm * 256
+            split = fill_split(m, n, k, bn, bm)
+            for stages in sorted({min(8, SMEM // stage), 4} - {0, 1}):
+                for sk in sorted({split, split * 2} if split > 1 or m <= 64 else {split}):
+                    if (k // 128) % sk or (k // 128) // sk < 2:
+                        continue
+                    cfg = GluonConfig(bn, bm, sk, stages)
+                    if cfg not in seen:
+                        seen.add(cfg)
+                        yield cfg
+
+
+def run(x, w, cfg):
+    import fp4_gemm_gluon as gk
+    n, k = w.out_features, w.in_features
+    out = (torch.zeros(x.shape[0], n, device=x.device, dtype=torch.float32) if cfg.split_k > 1
+           else torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype))
+    gk.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2, n=n, k=k,
+              out=out, cfg=cfg)
+    return out.to(x.dtype)
+
+
+def _compile_worker(jobs):
+    importlib.import_module("musecore_cuda.backend")
+    from musecore_cuda.bench import random_fp4
+    from musecore_triton.layouts import prepare_fp4
+    failed, cache = [], {}
+    for (n, k, cfg) in jobs:
+        if (n, k) not in cache:
+            cache[(n, k)] = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
+        x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        try:
+            run(x, cache[(n, k)], cfg)
+        except Exception as e:  # out of resources: the timed process skips it too
+            failed.append(f"{cfg}: {type(e).__name__}: {str(e)[:200]}")
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(ms, shapes, procs):
+    jobs = {}
+    for name in shapes:
+        n, k = LINEAR_SHAPES[name]
+        for m in ms:
+            for cfg in cuts(m, n, k):
+                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1), (n, k, cfg))
+    todo = list(jobs.values())
+    with mp.get_context("spawn").Pool(procs) as pool:
+        failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
+    print(f"precompiled {len(todo)} kernels in {procs} processes; {len(failed)} failed", flush=True)
+    for f in failed[:10]:
+        print("   ", f, flush=True)
+
+
+def sweep(ms, shapes, out_path, meta):
+    from cuda_gemv_sweep import checked_time, sweep_points
+    from cuda_gemm_sweep import point_rows
+    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
+    rows = []
+    for p in sweep_points(ms, shapes, "nvfp4"):
+        name, n, k, m = p.case.name, p.case.n, p.case.k, p.m
+        row, now, deq = point_rows(p, "nvfp4", ceiling, rows)
+        results = []
+        for cfg in cuts(m, n, k):
+            try:
+                t, err = checked_time(p, lambda x, w: run(x, w, cfg), f"gluon {cfg}")
+            except SystemExit as e:  # wrong result: recorded, never timed
+                print(f"    FAILED {e}", flush=True)
+                rows.append({"shape": f"{name} {k}->{n}", "M": m, "impl": "gluon", "plan": cfg.__dict__,
+                             "failed": str(e)})
+                continue
+            except Exception as e:  # out of resources
+                print(f"    skip {cfg}: {type(e).__name__}", flush=True)
+                continue
+            results.append(row("gluon", t, plan=cfg.__dict__, nmse=err))
+        if results:
+            best = min(results, key=lambda r: r["time_us"])
+            best["best"] = True
+            print(f"{name:12s} M={m:5d}: bf16 {p.t_bf16:8.2f} us | now {now['time_us']:8.2f} "
+                  f"({now['speedup_vs_bf16']:.2f}x {now['impl']}) | dequant {deq['speedup_vs_bf16']:.2f}x | "
+                  f"gluon best {best['time_us']:8.2f} ({best['speedup_vs_bf16']:.2f}x, "
+                  f"{now['time_us'] / best['time_us']:.2f}x today) {best['plan']}", flush=True)
+        Path(out_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ms", default="16,64,128,256,1024,4096")
+    parser.add_argument("--shapes", default="q_proj,k_proj,expert_up,expert_down")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "cuda_gluon_sweep.json"))
+    parser.add_argument("--precompile", type=int, default=0)
+    parser.add_argument("--only-precompile", action="store_true")
+    args = parser.parse_args()
+    ms = [int(m) for m in args.ms.split(",")]
+    shapes = args.shapes.split(",")
+    started = time.time()
+    if args.precompile:
+        precompile(ms, shapes, args.precompile)
+        print(f"precompile took {time.time() - started:.0f} s", flush=True)
+        if args.only_precompile:
+            return
+    importlib.import_module("musecore_cuda.backend")
+    meta = {"kernel": "fp4_gemm_gluon", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "host_load": os.getloadavg()[0], **memory_ceiling_gbps()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    sweep(ms, shapes, args.out, meta)
+    print(f"sweep took {time.time() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

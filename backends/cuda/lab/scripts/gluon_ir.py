@@ -1,0 +1,77 @@
+"""Compile the lab's Gluon W4A16 GEMM (``fp4_gemm_gluon``) for SM90 without a GPU and report what reached
+the PTX: register-A ``wgmma`` (A as a register list), TMA copies, mbarriers, the warp-specialized partitions,
+registers, spills and shared memory (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``; Triton 3.6)::
+
+    PYTHONPATH=/tmp/triton36 python backends/cuda/lab/scripts/gluon_ir.py [--cuts 64,64,1,6;128,128,1,4] [--out DIR]
+
+A cut is ``block_n,block_m,split_k,stages``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab: the Gluon kernel
+import fp4_gemm_gluon as gk  # noqa: E402
+
+
+def desc_sig(dtype: str, block: list[int], layout) -> str:
+    return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout}>"
+
+
+def compile_cut(cfg: "gk.GluonConfig"):
+    fn = gk.fp4_gluon_kernel
+    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, 64], gl.uint8)
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64], gl.bfloat16)
+    sig = {"w_desc": desc_sig("u8", [cfg.block_n, 64], w_layout), "x_desc": desc_sig("bf16", [cfg.block_m, 64], x_layout),
+           "s_ptr": "*i64", "stride_s": "i32", "out_scale_ptr": "*fp32",
+           "c_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32"}
+    const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
+             "FOLD": 9, "ATOMIC": cfg.split_k > 1, "num_warps": cfg.num_warps}
+    names = list(fn.arg_names)
+    for name in const:
+        sig[name] = "constexpr"
+    constexprs = {(names.index(k),): v for k, v in const.items()}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("s_ptr", "c_ptr", "out_scale_ptr", "stride_cm",
+                                                                    "K", "N")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+
+
+def summarize(k) -> dict:
+    ptx = k.asm["ptx"]
+    wg = [l.strip() for l in ptx.splitlines() if "wgmma.mma_async" in l]
+    reg_a = [l for l in wg if re.search(r"\{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}, %rd", l)]
+    return {"ptx_wgmma": len(wg), "register_a_wgmma": len(reg_a), "example": wg[:1],
+            "tma_loads": ptx.count("cp.async.bulk.tensor"), "mbarrier_waits": len(re.findall(r"mbarrier.try_wait", ptx)),
+            "setmaxnreg": re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 \d+", ptx)[:4],
+            "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None), "shared": k.metadata.shared}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cuts", default="64,64,1,6")
+    parser.add_argument("--out", default="/tmp/gluon_ir")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for cut in args.cuts.split(";"):
+        bn, bm, split, stages = map(int, cut.split(","))
+        cfg = gk.GluonConfig(bn, bm, split, stages)
+        k = compile_cut(cfg)
+        tag = f"bn{bn}_bm{bm}_k{split}_s{stages}"
+        for ext in ("ttgir", "ptx"):
+            (out / f"gluon_{tag}.{ext}").write_text(k.asm[ext])
+        print(tag, summarize(k), flush=True)
+
+
+if __name__ == "__main__":
+    main()
