@@ -37,7 +37,17 @@ def yarn_inv_freq(dim: int, params: dict[str, Any], max_positions: int) -> tuple
 
 
 class RotaryTable:
-    """``cos, sin = table(positions [B,T])`` -> ``[B,T,d]`` each, fp32; negative positions give 0."""
+    """``cos, sin = table(positions [B,T])`` -> ``[B,T,d]`` each, fp32; negative positions give 0.
+
+    On the CPU the rows come from a table of every position up to the largest one seen so far (grown by doubling,
+    computed by the same fp32 ops as :meth:`compute`, which are element-wise: the same bits as computing the
+    step's rows, tested for the default and YaRN tables), so a decode step reads its two rows instead of issuing
+    ~8 ops (~18 us per token on the Intel Xeon host). Reading a position on the host is free on the CPU; on an
+    accelerator it would be a sync that a captured decode step cannot make, so there every step computes its
+    rows. The rows returned on the CPU are views of the table: callers must not write to them (none does).
+    """
+
+    TABLE_MIN_ROWS = 1024  # the table's first size; it doubles past the largest position seen
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int,
                  device: torch.device | str = "cpu") -> None:
@@ -50,10 +60,36 @@ class RotaryTable:
         else:
             raise ValueError(f"unsupported rope_type {rope_type!r}; musecore implements 'default' and 'yarn'")
         self.inv_freq = self.inv_freq.to(device)  # resident: no host copy per step (graph-capturable)
+        self.tabled = torch.device(device).type == "cpu"
+        self.cos_table = self.sin_table = None  # [N, 1, d] fp32 on the CPU once a position was asked for
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``positions`` computed from the frequencies (what the table holds)."""
         angles = positions.clamp(min=0).float()[..., None] * self.inv_freq.to(positions.device)  # no-op when resident  # [B,T,d/2]
         emb = torch.cat((angles, angles), dim=-1)  # duplicated over the two halves
         if self.attention_factor == 1.0:  # default rope: skip two [B,T,d] multiplies per step (x * 1.0 == x)
             return emb.cos(), emb.sin()
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+    def grow_to(self, last: int) -> None:
+        """Grow the table (if needed) to hold position ``last``."""
+        size = 0 if self.cos_table is None else self.cos_table.shape[0]
+        if last < size:
+            return
+        size = max(size, self.TABLE_MIN_ROWS)
+        while size <= last:
+            size *= 2
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor: usable inside and outside inference mode
+            self.cos_table, self.sin_table = self.compute(torch.arange(size, device=self.inv_freq.device)[:, None])  # [N,1,d]
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.tabled or positions.device.type != "cpu":
+            return self.compute(positions)
+        if positions.shape == (1, 1):  # decode of one sequence: two slices [1,1,d], no op over the data
+            p = max(int(positions), 0)
+            self.grow_to(p)
+            return self.cos_table[p:p + 1], self.sin_table[p:p + 1]
+        index = positions.clamp(min=0)
+        self.grow_to(int(index.max()) if index.numel() else 0)
+        return (torch.nn.functional.embedding(index, self.cos_table.view(self.cos_table.shape[0], -1)),
+                torch.nn.functional.embedding(index, self.sin_table.view(self.sin_table.shape[0], -1)))
