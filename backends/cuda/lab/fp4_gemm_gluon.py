@@ -210,7 +210,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
         raise TypeError(f"the Gluon GEMM takes 2-D bf16 activations contiguous along K; got {x.dtype} {x.shape}")
     if k % (CHUNK_K.value * cfg.split_k):
-        raise ValueError(f"the Gluon GEMM needs K divisible by {CHUNK_K} x split_k={cfg.split_k}; got K={k}")
+        raise ValueError(f"the Gluon GEMM needs K divisible by {CHUNK_K.value} x split_k={cfg.split_k}; got K={k}")
     if cfg.split_k > 1 and out.dtype != torch.float32:
         raise TypeError("split-K accumulates into a zeroed float32 output")
     w2 = packed.reshape(-1, packed.shape[-1])
