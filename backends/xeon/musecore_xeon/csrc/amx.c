@@ -27,6 +27,12 @@
 #define AMX_MAX_PANEL 256
 #define AMX_TILE_U16 512 /* uint16 per tile: 16 rows x 32 bf16 */
 
+/* The blocking in use (defaults above) and, for the lab's leave-one-out profile only, a mode that skips one phase
+   (1: the dequantization, 2: the tile products, 3: the activations' packing; the result is then garbage). Set by
+   musecore_int4_amx_tune (backends/xeon/lab/scripts/amx_blocking_sweep.py); the product never changes it. */
+typedef struct { int64_t k_block, m_block, max_panel; int mode; } amx_tuning_t;
+static amx_tuning_t amx_tuning = {AMX_K_BLOCK, AMX_M_BLOCK, AMX_MAX_PANEL, 0};
+
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config_t;
 
 static int amx_state; /* 0: not asked yet, 1: the kernel may use the tile registers, -1: Linux refused them */
@@ -214,6 +220,8 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
 #else
     int threads = 1;
 #endif
+    const amx_tuning_t tune = amx_tuning;
+    const int64_t k_block = (tune.k_block + g - 1) / g * g;  /* whole groups (g is 128 or 256: already the case) */
     const int64_t mp = (m + 15) / 16 * 16, x_tiles = (mp / 16) * (k / 32);
     uint16_t *xp = (uint16_t *)thread_buffer(3, (size_t)mp * k * 2);  /* the calling thread's: not a worker's 1 or 2 */
     if (xp == NULL) return 1;
@@ -223,22 +231,37 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
         for (int l = 0; l < 32; ++l) v[l] = (uint16_t)(16 * (l % 2) + l / 2);
         interleave = _mm512_loadu_si512(v);
     }
-    int64_t nb = (w->n_rows + threads - 1) / threads;  /* one panel per thread where it fits */
-    nb = nb < 32 ? 32 : nb > AMX_MAX_PANEL ? AMX_MAX_PANEL : (nb + 31) / 32 * 32;
-    const int64_t tasks = (w->n_rows + nb - 1) / nb;
+    /* Tasks: panels of nb output rows (a multiple of 32, at most max_panel) times blocks of m_block activation rows.
+       nb is the largest panel whose tasks fill the threads' rounds to >= 90% (a 2.5-round split wastes half a round),
+       else the best-filled of up to 4x the fewest panels. */
+    const int64_t m_block = tune.m_block, m_blocks = (mp + m_block - 1) / m_block;
+    const int64_t fewest = (w->n_rows + tune.max_panel - 1) / tune.max_panel;
+    int64_t nb = tune.max_panel;
+    double best = -1.0;
+    for (int64_t panels = fewest; panels <= 4 * fewest + threads && panels * 32 <= w->n_rows + 31; ++panels) {
+        int64_t cand = (w->n_rows + panels - 1) / panels;
+        cand = cand < 32 ? 32 : (cand + 31) / 32 * 32;
+        const int64_t t = (w->n_rows + cand - 1) / cand * m_blocks, rounds = (t + threads - 1) / threads;
+        const double fill = (double)t / (double)(rounds * threads);
+        if (fill > best + 1e-9) { best = fill; nb = cand; }
+        if (fill >= 0.9) break;
+    }
+    const int64_t n_panels = (w->n_rows + nb - 1) / nb, tasks = n_panels * m_blocks;
     if (threads > tasks) threads = (int)tasks;
     int status = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
     {
+        if (tune.mode != 3) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t i = 0; i < x_tiles; ++i)
-            amx_pack_tile(x, x_bf16, m, k, g, i / (k / 32), i % (k / 32), interleave, xp);
-        uint16_t *ap = (uint16_t *)thread_buffer(1, (size_t)(nb / 16) * (AMX_K_BLOCK / 32) * AMX_TILE_U16 * 2);
-        float *acc = (float *)thread_buffer(2, (size_t)AMX_M_BLOCK * nb * 4);
+            for (int64_t i = 0; i < x_tiles; ++i)
+                amx_pack_tile(x, x_bf16, m, k, g, i / (k / 32), i % (k / 32), interleave, xp);
+        }
+        uint16_t *ap = (uint16_t *)thread_buffer(1, (size_t)(nb / 16) * (k_block / 32) * AMX_TILE_U16 * 2);
+        float *acc = (float *)thread_buffer(2, (size_t)m_block * nb * 4);
         if (ap == NULL || acc == NULL) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -252,20 +275,30 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
 #endif
         for (int64_t task = 0; task < tasks; ++task) {
             if (ap == NULL || acc == NULL) continue;  /* every thread still takes part in the loop's barrier */
-            const int64_t n0 = task * nb;
-            for (int64_t m0 = 0; m0 < mp; m0 += AMX_M_BLOCK) {
-                const int64_t mb = mp - m0 < AMX_M_BLOCK ? mp - m0 : AMX_M_BLOCK;
-                for (int64_t k0 = 0; k0 < k; k0 += AMX_K_BLOCK) {
-                    const int64_t kb = k - k0 < AMX_K_BLOCK ? k - k0 : AMX_K_BLOCK;
-                    amx_dequant_panel(w, n0, nb, k0, kb, ap);
-                    amx_block(xp + m0 * k, k, k0, kb, k0 == 0, ap, nb, acc, mb);
-                }
-                amx_store(acc, mb, nb, m0, m, n0, w->n_valid, y, y_bf16);
+            const int64_t n0 = task / m_blocks * nb, m0 = task % m_blocks * m_block;
+            const int64_t mb = mp - m0 < m_block ? mp - m0 : m_block;
+            for (int64_t k0 = 0; k0 < k; k0 += k_block) {
+                const int64_t kb = k - k0 < k_block ? k - k0 : k_block;
+                if (tune.mode != 1) amx_dequant_panel(w, n0, nb, k0, kb, ap);
+                if (tune.mode != 2) amx_block(xp + m0 * k, k, k0, kb, k0 == 0, ap, nb, acc, mb);
             }
+            amx_store(acc, mb, nb, m0, m, n0, w->n_valid, y, y_bf16);
         }
         if (ap != NULL && acc != NULL) _tile_release();
     }
     return status;
+}
+
+/* Lab only: set the blocking (0 keeps a value's default) and the leave-one-out mode; -1 for values the kernel cannot
+   take (k_block a multiple of 256 up to 8192, m_block of 16 up to 1024, max_panel of 32 up to 1024, mode 0..3). */
+int musecore_int4_amx_tune(int64_t k_block, int64_t m_block, int64_t max_panel, int mode) {
+    amx_tuning_t t = {k_block ? k_block : AMX_K_BLOCK, m_block ? m_block : AMX_M_BLOCK,
+                      max_panel ? max_panel : AMX_MAX_PANEL, mode};
+    if (t.k_block % 256 || t.k_block > 8192 || t.m_block % 16 || t.m_block > 1024 || t.max_panel % 32 ||
+        t.max_panel > 1024 || mode < 0 || mode > 3)
+        return -1;
+    amx_tuning = t;
+    return 0;
 }
 
 /* The A tiles of panel rows [n0, n0 + 32) and k-slots [k0, k0 + kb) (kb a multiple of g, at most AMX_K_BLOCK) into
@@ -283,6 +316,10 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
 }
 int musecore_int4_amx_panel(const int4_weight_t *w, int64_t n0, int64_t k0, int64_t kb, uint16_t *out) {
     (void)w; (void)n0; (void)k0; (void)kb; (void)out;
+    return -2;
+}
+int musecore_int4_amx_tune(int64_t k_block, int64_t m_block, int64_t max_panel, int mode) {
+    (void)k_block; (void)m_block; (void)max_panel; (void)mode;
     return -2;
 }
 #endif
