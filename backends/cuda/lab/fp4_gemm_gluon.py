@@ -21,7 +21,7 @@ consumer warpgroups that upcast the weight straight into ``wgmma``'s register op
 
 NVFP4's group of 16 is ``wgmma``'s K, so each A-fragment row needs one scale per step. The resident
 scales ``[N, K/16]`` are read as one 8-byte word per row and chunk (``int64`` view: group ``g``
-is byte ``g``), loaded by the consumer one chunk ahead; no second scale layout is needed.
+is byte ``g``), loaded by the consumer four chunks ahead; no second scale layout is needed.
 The per-tensor ``out_scale`` multiplies the fp32 accumulator. Split-K adds fp32 partial sums
 into a zeroed fp32 output with atomics.
 """
@@ -97,10 +97,18 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
     row_ok = rows < N
     s_ptrs = s_ptr + rows.to(gl.int64) * stride_s + first
+    last = n_chunks - 1
+    # scale words four chunks ahead: one HBM latency is longer than a chunk's work
     word = gl.load(s_ptrs, mask=row_ok, other=0)
+    w1 = gl.load(s_ptrs + gl.minimum(1, last), mask=row_ok, other=0)
+    w2 = gl.load(s_ptrs + gl.minimum(2, last), mask=row_ok, other=0)
+    w3 = gl.load(s_ptrs + gl.minimum(3, last), mask=row_ok, other=0)
     mbarrier.wait(ready.index(0), 0)
     a0, a1, a2, a3, a4, a5, a6, a7 = _upcast_chunk(w_smem.index(0), word, a_layout, MULT)
-    word = gl.load(s_ptrs + gl.minimum(1, n_chunks - 1), mask=row_ok, other=0)
+    word = w1
+    w1 = w2
+    w2 = w3
+    w3 = gl.load(s_ptrs + gl.minimum(4, last), mask=row_ok, other=0)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     for i in range(n_chunks):
         s = i % STAGES
@@ -118,7 +126,10 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_
             s1 = (i + 1) % STAGES
             mbarrier.wait(ready.index(s1), ((i + 1) // STAGES) & 1)
             n0, n1, n2, n3, n4, n5, n6, n7 = _upcast_chunk(w_smem.index(s1), word, a_layout, MULT)
-            word = gl.load(s_ptrs + gl.minimum(i + 2, n_chunks - 1), mask=row_ok, other=0)
+            word = w1
+            w1 = w2
+            w2 = w3
+            w3 = gl.load(s_ptrs + gl.minimum(i + 5, last), mask=row_ok, other=0)
         else:
             n0, n1, n2, n3, n4, n5, n6, n7 = a0, a1, a2, a3, a4, a5, a6, a7
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1, a2, a3, a4, a5, a6, a7))[0]
