@@ -19,6 +19,7 @@ be built run the PyTorch path below each fast call, which computes the same math
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Optional
 
@@ -37,15 +38,20 @@ NATIVE_ATTENTION_MAX_QUERIES = 8  # decode: per-query C loop; prefill keeps SDPA
 
 
 @functools.cache
-def _fast():
-    """The extension's norm, router and decode-attention calls (None without it): each returns None where its fast
-    path does not apply."""
-    return native.ops_binding(NATIVE_NORM_MAX_ELEMENTS, NATIVE_ATTENTION_MAX_QUERIES)
+def fast_ops():
+    """The extension's norm, router, decode-attention and fused-MoE calls (None without it): each returns None where
+    its fast path does not apply. ``moe`` is called by :func:`musecore_xeon.kernels.moe.moe_forward`."""
+    fast = native.ops_binding(NATIVE_NORM_MAX_ELEMENTS, NATIVE_ATTENTION_MAX_QUERIES)
+    if fast is not None:
+        lib = native.load()
+        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        fast.set_moe(address(lib.musecore_int4_moe), address(lib.musecore_bf16_moe))
+    return fast
 
 
 def _fast_call(name: str, *args):
     """The extension's ``name(*args)``, or None (no extension, or its fast path does not take these inputs)."""
-    fast = _fast()
+    fast = fast_ops()
     return None if fast is None else getattr(fast, name)(*args)
 
 
@@ -154,7 +160,7 @@ def kv_write_row(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_ne
     ``[B,1,nkv,d]`` into ``slot`` of ``k``/``v`` ``[B,slots,nkv,d]``, ``positions[:, slot] = position``. False where the
     extension is not built or the tensors are not what it takes (the cache then narrows and copies: the same
     entries). The ``row_writer`` of :class:`musecore.kv_cache.KVCache`."""
-    fast = _fast()
+    fast = fast_ops()
     return fast is not None and fast.kv_write_row(k, v, positions, k_new, v_new, slot, position)
 
 

@@ -19,7 +19,7 @@ vp, i, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 def fast_ops():
     from musecore_xeon import ops as xops
     from musecore_xeon.kernels import native
-    fast = xops._fast()
+    fast = xops.fast_ops()
     if fast is None:
         pytest.skip(f"no extension here: {native.binding.UNAVAILABLE or native.UNAVAILABLE}")
     return fast

@@ -94,7 +94,7 @@ def test_views_of_the_fused_projection_take_the_native_path(xeon: XeonBackend, d
     """q, k and the gate come from one fused q/k/v/gate projection as non-contiguous views: the extension reads their head
     rows in place (no copy, no PyTorch fallback) and returns contiguous results equal to the reference's."""
     from musecore_xeon import ops as xops
-    fast = xops._fast()
+    fast = xops.fast_ops()
     if fast is None:
         pytest.skip("no extension here")
     nq, nkv, d = 8, 2, 64
@@ -292,7 +292,7 @@ def test_decode_ops_go_through_the_extension_and_match_the_ctypes_kernels(xeon: 
     takes its PyTorch path): fp16, non-contiguous, more than NATIVE_NORM_MAX_ELEMENTS elements, mismatched shapes."""
     from musecore_xeon import ops as xops
     from musecore_xeon.kernels import native
-    fast = xops._fast()
+    fast = xops.fast_ops()
     if fast is None:
         pytest.skip(f"no extension here: {native.binding.UNAVAILABLE or native.UNAVAILABLE}")
     x, w = torch.randn(1, 1, 1536, dtype=torch.bfloat16), 1 + 0.2 * torch.randn(1536)

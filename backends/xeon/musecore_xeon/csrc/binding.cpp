@@ -1,8 +1,9 @@
 /* The CPython extension of musecore-xeon (musecore_xeon/kernels/binding.py builds it with PyTorch's and Python's
-   headers): the bound GEMVs, the decode-size norms, the router selection and the decode attention, called without
-   ctypes (checks, at::empty, the C kernel of kernels.c by its address). */
+   headers): the bound GEMVs, the decode-size norms, the router selection, the decode attention and the fused MoE,
+   called without ctypes (checks, at::empty, the C kernel of kernels.c by its address). */
 #include <Python.h>
 #include <cstring>
+#include <vector>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -516,6 +517,100 @@ static PyObject *kv_write_row(PyObject *, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_TRUE;
 }
 
+/* The routed experts of one MoE layer as musecore_xeon.kernels.moe.XeonExperts describes them (its ctypes copy,
+   MoeExpertsArgs): kind 0 INT4 (musecore_int4_moe: gate/up and down codes and their fp16 scale/zero pairs per expert,
+   group sizes, padded code rows), 1 BF16 (musecore_bf16_moe: the weights only); the fused call is taken while no
+   expert has more than max_tokens routed rows. */
+typedef struct {
+    int64_t kind;
+    const int64_t *gu_w, *gu_sz, *dn_w, *dn_sz;  /* [experts] data pointers each (the sz arrays unused for BF16) */
+    int64_t experts, hidden, inter, g_gu, g_dn, gu_rows, dn_rows, max_tokens;
+} moe_experts_t;
+typedef int (*int4_moe_fn)(const int64_t *, const int64_t *, const int64_t *, const int64_t *, const void *, int,
+                           const int64_t *, const float *, const void *, int, float, float *, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int);
+typedef int (*bf16_moe_fn)(const int64_t *, const int64_t *, const void *, int, const int64_t *, const float *,
+                           const void *, int, float, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int);
+static int4_moe_fn int4_moe_kernel;
+static bf16_moe_fn bf16_moe_kernel;
+
+static PyObject *set_moe(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "set_moe(int4_moe_address, bf16_moe_address) takes 2 arguments; got %zd", nargs);
+        return nullptr;
+    }
+    void *a = PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred()) return nullptr;
+    void *b = PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return nullptr;
+    int4_moe_kernel = (int4_moe_fn)a;
+    bf16_moe_kernel = (bf16_moe_fn)b;
+    Py_RETURN_NONE;
+}
+
+/* moe(experts_address, z, weights, ids, post_norm, post_eps, threads) -> y fp32 [T, h]: the whole moe op of a layer's
+   routed experts in one call (checks, the fit test, at::empty, the fused kernel without the GIL), or None where the
+   fused call does not apply (z not a contiguous bf16/fp32 [T, h] CPU tensor, weights not fp32 [T, k], ids not int64
+   [T, k], post_norm not bf16/fp32 [h], an id outside [0, experts), an expert with more than max_tokens rows): the
+   Python path then runs (and raises the errors). */
+static PyObject *moe(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "moe takes 7 arguments; got %zd", nargs);
+        return nullptr;
+    }
+    if (int4_moe_kernel == nullptr || bf16_moe_kernel == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "moe: set_moe() was not called with the kernels' addresses");
+        return nullptr;
+    }
+    const moe_experts_t *x = (const moe_experts_t *)PyLong_AsVoidPtr(args[0]);
+    if (x == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "moe: the experts' address is null");
+        return nullptr;
+    }
+    const double post_eps = PyFloat_AsDouble(args[5]);
+    const long long threads = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *z = operand(args[1], false, false), *w = operand(args[2], true, false),
+                     *post = operand(args[4], false, false);
+    if (z == nullptr || w == nullptr || post == nullptr || z->dim() != 2 || z->size(1) != x->hidden || z->size(0) == 0
+            || w->dim() != 2 || w->size(0) != z->size(0) || w->size(1) == 0 || post->dim() != 1
+            || post->size(0) != x->hidden || threads < 1)
+        Py_RETURN_NONE;
+    const int64_t T = z->size(0), k = w->size(1), E = x->experts;
+    const at::Tensor *ids = positions(args[3], T, k);  /* a contiguous int64 [T, k] */
+    if (ids == nullptr) Py_RETURN_NONE;
+    const int64_t *id = ids->const_data_ptr<int64_t>();
+    for (int64_t p = 0; p < T * k; ++p)
+        if (id[p] < 0 || id[p] >= E) Py_RETURN_NONE;
+    if (T > x->max_tokens) {  /* the fused call runs while every expert has at most max_tokens rows */
+        std::vector<int64_t> rows(E, 0);
+        for (int64_t p = 0; p < T * k; ++p)
+            if (++rows[id[p]] > x->max_tokens) Py_RETURN_NONE;
+    }
+    return guarded([&]() -> PyObject * {
+        at::Tensor y = at::empty({T, x->hidden}, z->options().dtype(at::kFloat));
+        const void *zd = z->const_data_ptr(), *pd = post->const_data_ptr();
+        const float *wd = w->const_data_ptr<float>();
+        float *yd = y.mutable_data_ptr<float>();
+        const int zb = bf(z), pb = bf(post);
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        if (x->kind == 0)
+            status = int4_moe_kernel(x->gu_w, x->gu_sz, x->dn_w, x->dn_sz, zd, zb, id, wd, pd, pb, (float)post_eps, yd,
+                                     T, k, E, x->hidden, x->inter, x->g_gu, x->g_dn, x->gu_rows, x->dn_rows, (int)threads);
+        else
+            status = bf16_moe_kernel(x->gu_w, x->dn_w, zd, zb, id, wd, pd, pb, (float)post_eps, yd, T, k, E, x->hidden,
+                                     x->inter, (int)threads);
+        Py_END_ALLOW_THREADS
+        if (status != 0) {
+            PyErr_Format(PyExc_MemoryError, "moe: no memory for the scratch buffers of [%lld, %lld] routed rows",
+                         (long long)T, (long long)k);
+            return (PyObject *)nullptr;
+        }
+        return THPVariable_Wrap(std::move(y));
+    });
+}
+
 static PyMethodDef methods[] = {
     {"int4_linear", (PyCFunction)(void (*)(void))int4_linear, METH_FASTCALL, "y = x @ W.T for a bound INT4 weight"},
     {"bf16_linear", (PyCFunction)(void (*)(void))bf16_linear, METH_FASTCALL, "y = x @ W.T for a bound BF16 weight"},
@@ -541,6 +636,10 @@ static PyMethodDef methods[] = {
     {"kv_write_row", (PyCFunction)(void (*)(void))kv_write_row, METH_FASTCALL,
      "kv_write_row(k_cache, v_cache, positions, k_new, v_new, slot, position) -> True, or False"},
     {"set_tanh", (PyCFunction)(void (*)(void))set_tanh, METH_FASTCALL, "the address and mode of PyTorch's tanh kernel"},
+    {"set_moe", (PyCFunction)(void (*)(void))set_moe, METH_FASTCALL,
+     "the addresses of musecore_int4_moe and musecore_bf16_moe"},
+    {"moe", (PyCFunction)(void (*)(void))moe, METH_FASTCALL,
+     "moe(experts_address, z, weights, ids, post_norm, post_eps, threads) -> y fp32 [T, h], or None"},
     {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "musecore_xeon_binding", nullptr, -1, methods};
 PyMODINIT_FUNC PyInit_musecore_xeon_binding(void) { return PyModule_Create(&module); }

@@ -12,11 +12,14 @@ INT4 experts at decode sizes (every expert's token count below the measured dens
 one native call for the whole layer (``native.int4_moe``): grouping, gate/up, SwiGLU, down, norm, weight
 and sum in C under one OpenMP region (BF16 experts likewise, ``native.bf16_moe``). Per expert, the Python path costs
 ~16 small calls per layer with an OpenMP fork/join, a few torch ops and allocations each: more than the experts'
-codes take to stream.
+codes take to stream. Where the extension is built, the op is ONE call from Python (its ``moe``: the checks, the
+fit test per expert, the allocation and the same kernel; ~13-17 us less per layer than the checks and the 21-argument
+ctypes call, warm, on the Intel Xeon host: lab/NOTES.md).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -26,8 +29,20 @@ import torch.nn.functional as F
 from musecore_xeon.kernels import native
 from musecore_xeon.kernels.dense import DenseLinear
 from musecore_xeon.kernels.int4 import Int4Linear
+from musecore_xeon.ops import fast_ops
 
 ExpertLinear = Union[Int4Linear, DenseLinear]
+
+
+class MoeExpertsArgs(ctypes.Structure):
+    """A layer's experts as the extension's ``moe`` reads them (``moe_experts_t`` of ``csrc/binding.cpp``): kind 0
+    INT4, 1 BF16; the addresses of the per-expert pointer arrays (rows of ``XeonExperts.native_pointers``), the
+    shapes, and the most routed rows per expert for which the fused call runs."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("gu_w", ctypes.c_void_p), ("gu_sz", ctypes.c_void_p),
+                ("dn_w", ctypes.c_void_p), ("dn_sz", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("experts", "hidden", "inter", "g_gu", "g_dn", "gu_rows", "dn_rows",
+                                            "max_tokens")]
 
 
 # The crossover of one INT4 linear compares one call with one call; leaving the fused MoE call costs two calls per
@@ -71,8 +86,26 @@ class XeonExperts:
                 self.native_pointers = torch.tensor([[lin.weight.data_ptr() for lin in self.gate_up],
                                                      [lin.weight.data_ptr() for lin in self.down]], dtype=torch.int64)
         self.native_rows: Optional[list[int]] = None  # the addresses of native_pointers' rows (native.row_addresses)
+        # The extension's one-call MoE (checks, fit test, allocation and the fused kernel): ``native_call(
+        # native_args_address, z, weights, ids, post_norm, post_eps, threads)`` -> y, or None where it does not apply.
+        self.native_args: Optional[MoeExpertsArgs] = None
+        self.native_args_address = 0
+        self.native_call = None
         if self.native_kind is not None:
             self.native_rows = native.row_addresses(self.native_pointers)
+            fast = fast_ops()
+            if fast is not None:
+                if self.native_kind == "int4":
+                    gu, dn = self.gate_up[0], self.down[0]
+                    self.native_args = MoeExpertsArgs(0, *self.native_rows, self.num_experts, self.hidden,
+                                                      self.intermediate, gu.group_size, dn.group_size,
+                                                      gu.padded_out_features, dn.padded_out_features, 0)
+                else:
+                    gu_w, dn_w = self.native_rows
+                    self.native_args = MoeExpertsArgs(1, gu_w, None, dn_w, None, self.num_experts, self.hidden,
+                                                      self.intermediate, 0, 0, 0, 0, 0)
+                self.native_args_address = ctypes.addressof(self.native_args)
+                self.native_call = fast.moe
             self.refresh_native_limit()
 
     def refresh_native_limit(self) -> None:
@@ -85,6 +118,8 @@ class XeonExperts:
         if self.native_kind == "int4":
             limit = max(limit, INT4_FUSED_MIN_TOKENS)
         self.native_max_tokens = limit - 1
+        if self.native_args is not None:
+            self.native_args.max_tokens = self.native_max_tokens
 
     def native_fits(self, tokens: int, ids: torch.Tensor) -> bool:
         if self.native_pointers is None:
@@ -99,6 +134,11 @@ def moe_forward(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     """``y[t] = sum_j w[t,j] * rms_norm(round(down(silu(gate(z)) * up(z))), post_norm, scale_first=True)`` -> fp32
     ``[T, h]``: each expert's output rounded to z's dtype, then the ONE post-expert norm weight ``[h]`` shared by all
     experts, applied scale first (product rounded, then normalised, output rounded), then the routing weight."""
+    if experts.native_call is not None:  # decode: the whole op in one extension call (None: the paths below)
+        y = experts.native_call(experts.native_args_address, z, weights, ids, post_norm, post_eps,
+                                torch.get_num_threads())
+        if y is not None:
+            return y
     T, k = ids.shape
     h, inter = experts.hidden, experts.intermediate
     if z.shape != (T, h):
