@@ -144,6 +144,20 @@ def sweep(ms, shapes, out_path, meta):
     return rows
 
 
+def profile_cut(spec: str, m: int, shape: str) -> None:
+    """Five launches of one cut (``block_n,block_m,split_k,stages``) for ``ncu`` to pick from."""
+    from fp4_gemm_gluon import GluonConfig
+    from musecore_cuda.bench import random_fp4
+    from musecore_triton.layouts import prepare_fp4
+    cfg = GluonConfig(*map(int, spec.split(",")))
+    n, k = LINEAR_SHAPES[shape]
+    w = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        run(x, w, cfg)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="16,64,128,256,1024,4096")
@@ -151,8 +165,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "cuda_gluon_sweep.json"))
     parser.add_argument("--precompile", type=int, default=0)
     parser.add_argument("--only-precompile", action="store_true")
+    parser.add_argument("--profile-cut", default="", help="block_n,block_m,split_k,stages: five launches of that cut "
+                        "at the first --ms and --shapes (for ncu), no sweep")
     args = parser.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
+    if args.profile_cut:
+        importlib.import_module("musecore_cuda.backend")
+        profile_cut(args.profile_cut, ms[0], args.shapes.split(",")[0])
+        return
     shapes = args.shapes.split(",")
     started = time.time()
     if args.precompile:
