@@ -182,7 +182,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     c_ptrs = c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None]
     c_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     if ATOMIC:
-        gl.atomic_add(c_ptrs, acc, mask=c_mask)
+        gl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")  # the default (acq_rel) fences every element
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
