@@ -583,7 +583,8 @@ def test_amx_linear_matches_the_bf16_weight_product(n, k, group_size, dtype) -> 
 @pytest.mark.parametrize("n,k,group_size", [(300, 1536, 128), (1024, 1024, 256), (96, 2304, 256)])
 def test_amx_blocking_and_task_split_do_not_change_the_bits(n, k, group_size) -> None:
     """The blocking (K block, activation-row block, panel cap) and so the task split over threads only regroup the
-    same tile products: every setting gives the default's bits (K blocks that do not divide K leave a partial last
+    same tile products, and streamed stores only change where the packed activations sit: every setting (the
+    previous defaults 256/256/256 among them) gives the default's bits (K blocks that do not divide K leave a partial last
     block); out-of-range settings and unknown leave-one-out modes are refused."""
     lin = prepare_int4(random_int4(n, k, group_size, negative_scales=True, asymmetric=True), torch.bfloat16,
                        calibrate=False)
@@ -594,11 +595,13 @@ def test_amx_blocking_and_task_split_do_not_change_the_bits(n, k, group_size) ->
         expect = x.double() @ bf16_weight(lin).double().T
         err = ((base.double() - expect).abs().max() / expect.abs().max()).item()
         assert err <= 2 ** -8, f"default blocking: max error {err:.3g} of the largest output > 2^-8"
-        for kb, mb, panel in ((512, 0, 0), (1024, 128, 64), (256, 64, 1024), (2048, 32, 32), (768, 1024, 96)):
-            native.int4_amx_tune(kb, mb, panel)
+        for kb, mb, panel, stream in ((512, 0, 0, False), (1024, 128, 64, True), (256, 64, 1024, False),
+                                      (2048, 32, 32, True), (768, 1024, 96, False), (256, 256, 256, False)):
+            native.int4_amx_tune(kb, mb, panel, stream=stream)
             y = native.int4_amx(lin.bound_gemv(), x)
             diff = (y.float() - base.float()).abs().max().item()
-            assert torch.equal(y, base), f"k_block={kb} m_block={mb} max_panel={panel}: max |diff| {diff:.3g} != 0"
+            assert torch.equal(y, base), (f"k_block={kb} m_block={mb} max_panel={panel} stream={stream}: "
+                                          f"max |diff| {diff:.3g} != 0")
         with pytest.raises(ValueError, match="k_block"):
             native.int4_amx_tune(100)
         with pytest.raises(ValueError, match="mode"):

@@ -22,16 +22,19 @@
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
+/* Defaults from the blocking sweep on the GPU machine's 16-core Xeon (backends/xeon/lab/NOTES.md, session 38): 1024
+   columns per block cut the C tiles' round trips through acc 4x; 128-row panels split the weight over more tasks. */
 #define AMX_M_BLOCK 256  /* activation rows per block: the A tiles are dequantized again for each block */
-#define AMX_K_BLOCK 256  /* columns per block: a multiple of every supported group size (128, 256) */
-#define AMX_MAX_PANEL 256
+#define AMX_K_BLOCK 1024 /* columns per block: a multiple of every supported group size (128, 256) */
+#define AMX_MAX_PANEL 128
 #define AMX_TILE_U16 512 /* uint16 per tile: 16 rows x 32 bf16 */
 
 /* The blocking in use (defaults above) and, for the lab's leave-one-out profile only, a mode that skips one phase
-   (1: the dequantization, 2: the tile products, 3: the activations' packing; the result is then garbage). Set by
+   (1: the dequantization, 2: the tile products, 3: the activations' packing; the result is then garbage), and
+   whether the packed activations are written with non-temporal stores (stream: the same bits). Set by
    musecore_int4_amx_tune (backends/xeon/lab/scripts/amx_blocking_sweep.py); the product never changes it. */
-typedef struct { int64_t k_block, m_block, max_panel; int mode; } amx_tuning_t;
-static amx_tuning_t amx_tuning = {AMX_K_BLOCK, AMX_M_BLOCK, AMX_MAX_PANEL, 0};
+typedef struct { int64_t k_block, m_block, max_panel; int mode, stream; } amx_tuning_t;
+static amx_tuning_t amx_tuning = {AMX_K_BLOCK, AMX_M_BLOCK, AMX_MAX_PANEL, 0, 0};
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config_t;
 
@@ -181,7 +184,7 @@ static void amx_store(const float *acc, int64_t mb, int64_t nb, int64_t m0, int6
    past m zero). Per row, the chunk tile's two 16-column runs are loaded and interleaved (vpermw); 16 rows so made are
    transposed. One tile is 1 KiB contiguous. */
 static void amx_pack_tile(const void *x, int x_bf16, int64_t m, int64_t k, int64_t g, int64_t a, int64_t c,
-                          __m512i interleave, uint16_t *xp) {
+                          __m512i interleave, int stream, uint16_t *xp) {
     const int64_t words = g / 8, per_j = words / 16, c0 = c * 32 / g * g, tau = c - c0 / 32;
     const int64_t j = tau / per_j, u = tau % per_j, lo = c0 + 2 * j * words + 16 * u, hi = lo + words;
     __m512i r[16];
@@ -203,7 +206,10 @@ static void amx_pack_tile(const void *x, int x_bf16, int64_t m, int64_t k, int64
     }
     amx_transpose16(r);
     uint16_t *tile = xp + (a * (k / 32) + c) * AMX_TILE_U16;
-    for (int q = 0; q < 16; ++q) _mm512_store_si512((__m512i *)(tile + 32 * q), r[q]);
+    if (stream)
+        for (int q = 0; q < 16; ++q) _mm512_stream_si512((__m512i *)(tile + 32 * q), r[q]);
+    else
+        for (int q = 0; q < 16; ++q) _mm512_store_si512((__m512i *)(tile + 32 * q), r[q]);
 }
 
 /* y[m, n_valid] = x[m, K] @ W.T on AMX for a bound INT4 weight with g a multiple of 128; x and y bf16 or fp32.
@@ -258,7 +264,8 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
 #pragma omp for schedule(static)
 #endif
             for (int64_t i = 0; i < x_tiles; ++i)
-                amx_pack_tile(x, x_bf16, m, k, g, i / (k / 32), i % (k / 32), interleave, xp);
+                amx_pack_tile(x, x_bf16, m, k, g, i / (k / 32), i % (k / 32), interleave, tune.stream, xp);
+            if (tune.stream) _mm_sfence();  /* the streamed tiles are visible before the loop's barrier */
         }
         uint16_t *ap = (uint16_t *)thread_buffer(1, (size_t)(nb / 16) * (k_block / 32) * AMX_TILE_U16 * 2);
         float *acc = (float *)thread_buffer(2, (size_t)m_block * nb * 4);
@@ -291,9 +298,9 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
 
 /* Lab only: set the blocking (0 keeps a value's default) and the leave-one-out mode; -1 for values the kernel cannot
    take (k_block a multiple of 256 up to 8192, m_block of 16 up to 1024, max_panel of 32 up to 1024, mode 0..3). */
-int musecore_int4_amx_tune(int64_t k_block, int64_t m_block, int64_t max_panel, int mode) {
+int musecore_int4_amx_tune(int64_t k_block, int64_t m_block, int64_t max_panel, int mode, int stream) {
     amx_tuning_t t = {k_block ? k_block : AMX_K_BLOCK, m_block ? m_block : AMX_M_BLOCK,
-                      max_panel ? max_panel : AMX_MAX_PANEL, mode};
+                      max_panel ? max_panel : AMX_MAX_PANEL, mode, stream != 0};
     if (t.k_block % 256 || t.k_block > 8192 || t.m_block % 16 || t.m_block > 1024 || t.max_panel % 32 ||
         t.max_panel > 1024 || mode < 0 || mode > 3)
         return -1;
@@ -301,10 +308,10 @@ int musecore_int4_amx_tune(int64_t k_block, int64_t m_block, int64_t max_panel, 
     return 0;
 }
 
-/* The A tiles of panel rows [n0, n0 + 32) and k-slots [k0, k0 + kb) (kb a multiple of g, at most AMX_K_BLOCK) into
+/* The A tiles of panel rows [n0, n0 + 32) and k-slots [k0, k0 + kb) (kb a multiple of g, at most 256) into
    out (uint16 [2, kb/32, 16 rows, 32 slots], 64-byte aligned): the layout test's view of the dequantizer. */
 int musecore_int4_amx_panel(const int4_weight_t *w, int64_t n0, int64_t k0, int64_t kb, uint16_t *out) {
-    if (w->g % 128 || n0 % 16 || k0 % w->g || kb % w->g || kb > AMX_K_BLOCK || k0 + kb > w->k) return -1;
+    if (w->g % 128 || n0 % 16 || k0 % w->g || kb % w->g || kb > 256 || k0 + kb > w->k) return -1;
     amx_dequant_panel(w, n0, 32, k0, kb, out);
     return 0;
 }
@@ -318,8 +325,8 @@ int musecore_int4_amx_panel(const int4_weight_t *w, int64_t n0, int64_t k0, int6
     (void)w; (void)n0; (void)k0; (void)kb; (void)out;
     return -2;
 }
-int musecore_int4_amx_tune(int64_t k_block, int64_t m_block, int64_t max_panel, int mode) {
-    (void)k_block; (void)m_block; (void)max_panel; (void)mode;
+int musecore_int4_amx_tune(int64_t k_block, int64_t m_block, int64_t max_panel, int mode, int stream) {
+    (void)k_block; (void)m_block; (void)max_panel; (void)mode; (void)stream;
     return -2;
 }
 #endif

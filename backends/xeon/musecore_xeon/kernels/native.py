@@ -172,7 +172,7 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.musecore_int4_amx_linear.restype = ctypes.c_int
     lib.musecore_int4_amx_panel.argtypes = [vp, i64, i64, i64, vp]
     lib.musecore_int4_amx_panel.restype = ctypes.c_int
-    lib.musecore_int4_amx_tune.argtypes = [i64, i64, i64, i]
+    lib.musecore_int4_amx_tune.argtypes = [i64, i64, i64, i, i]
     lib.musecore_int4_amx_tune.restype = ctypes.c_int
     lib.musecore_int4_bf16_ready.restype = ctypes.c_int
     lib.musecore_int4_bf16_gemm.argtypes = [vp, vp, i, vp, i, i64]
@@ -433,15 +433,17 @@ def int4_amx(gemv: Int4Gemv, x: torch.Tensor) -> torch.Tensor:
 AMX_TUNE_MODES = {"full": 0, "no_dequant": 1, "no_products": 2, "no_pack": 3}
 
 
-def int4_amx_tune(k_block: int = 0, m_block: int = 0, max_panel: int = 0, mode: str = "full") -> None:
+def int4_amx_tune(k_block: int = 0, m_block: int = 0, max_panel: int = 0, mode: str = "full",
+                  stream: bool = False) -> None:
     """Lab only (``backends/xeon/lab/scripts/amx_blocking_sweep.py``): the AMX GEMM's blocking for this process
-    (0 = the default) and a leave-one-out ``mode`` that skips one phase for profiling (anything but ``full`` makes
-    :func:`int4_amx` return garbage). The blocking does not change the result's bits (tested)."""
+    (0 = the default), a leave-one-out ``mode`` that skips one phase for profiling (anything but ``full`` makes
+    :func:`int4_amx` return garbage) and ``stream``: the packed activations written with non-temporal stores. The
+    blocking and ``stream`` do not change the result's bits (tested)."""
     if not amx_ready():
         raise RuntimeError("int4_amx_tune: no AMX here (see musecore_xeon.kernels.native.amx_ready)")
     if mode not in AMX_TUNE_MODES:
         raise ValueError(f"int4_amx_tune: mode {mode!r} is not one of {sorted(AMX_TUNE_MODES)}")
-    if load().musecore_int4_amx_tune(k_block, m_block, max_panel, AMX_TUNE_MODES[mode]):
+    if load().musecore_int4_amx_tune(k_block, m_block, max_panel, AMX_TUNE_MODES[mode], int(stream)):
         raise ValueError(f"int4_amx_tune: k_block={k_block} (a multiple of 256 up to 8192), m_block={m_block} (of 16 "
                          f"up to 1024) or max_panel={max_panel} (of 32 up to 1024) is out of range")
 
