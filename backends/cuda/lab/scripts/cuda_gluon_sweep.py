@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/la
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # the swap-AB sweep's helpers
 
 SMEM = 220 * 1024
+# GLUON_UPCAST=int16 (the measured default), asm, or both: which upcast of fp4_gemm_gluon the cuts use
+UPCASTS = {"int16": (False,), "asm": (True,), "both": (False, True)}[os.environ.get("GLUON_UPCAST", "int16")]
 
 
 def block_ms(m: int) -> tuple[int, ...]:
@@ -64,10 +66,11 @@ def cuts(m: int, n: int, k: int):
                 for sk in sorted({split, split * 2} if split > 1 or m <= 64 else {split}):
                     if (k // 128) % sk or (k // 128) // sk < 2:
                         continue
-                    cfg = GluonConfig(bn, bm, sk, stages)
-                    if cfg not in seen:
-                        seen.add(cfg)
-                        yield cfg
+                    for asm in UPCASTS:
+                        cfg = GluonConfig(bn, bm, sk, stages, asm_upcast=asm)
+                        if cfg not in seen:
+                            seen.add(cfg)
+                            yield cfg
 
 
 def run(x, w, cfg):
@@ -103,7 +106,7 @@ def precompile(ms, shapes, procs):
         n, k = LINEAR_SHAPES[name]
         for m in ms:
             for cfg in cuts(m, n, k):
-                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1), (n, k, cfg))
+                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.asm_upcast), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])

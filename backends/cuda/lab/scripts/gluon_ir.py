@@ -4,7 +4,7 @@ registers, spills and shared memory (``triton.compile`` for ``GPUTarget("cuda", 
 
     PYTHONPATH=/tmp/triton36 python backends/cuda/lab/scripts/gluon_ir.py [--cuts 64,64,1,6;128,128,1,4] [--out DIR]
 
-A cut is ``block_n,block_m,split_k,stages``.
+A cut is ``block_n,block_m,split_k,stages[,asm_upcast]``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def compile_cut(cfg: "gk.GluonConfig"):
            "s_ptr": "*i64", "stride_s": "i32", "out_scale_ptr": "*fp32",
            "c_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32"}
     const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
-             "FOLD": 9, "ATOMIC": cfg.split_k > 1, "num_warps": cfg.num_warps}
+             "FOLD": 9, "ATOMIC": cfg.split_k > 1, "ASM_UPCAST": cfg.asm_upcast, "num_warps": cfg.num_warps}
     names = list(fn.arg_names)
     for name in const:
         sig[name] = "constexpr"
@@ -64,10 +64,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for cut in args.cuts.split(";"):
-        bn, bm, split, stages = map(int, cut.split(","))
-        cfg = gk.GluonConfig(bn, bm, split, stages)
+        bn, bm, split, stages, *asm = map(int, cut.split(","))
+        cfg = gk.GluonConfig(bn, bm, split, stages, asm_upcast=bool(asm and asm[0]))
         k = compile_cut(cfg)
-        tag = f"bn{bn}_bm{bm}_k{split}_s{stages}"
+        tag = f"bn{bn}_bm{bm}_k{split}_s{stages}" + ("_asm" if cfg.asm_upcast else "")
         for ext in ("ttgir", "ptx"):
             (out / f"gluon_{tag}.{ext}").write_text(k.asm[ext])
         print(tag, summarize(k), flush=True)

@@ -5,6 +5,7 @@ Gluon is missing: ``pytest -m gpu backends/cuda/lab/tests/test_gluon_w4a16.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -52,7 +53,9 @@ def gluon_linear(x, w, cfg, out=None):
     (200, gk.GluonConfig(128, 128, 1, 4)),   # partial last tile
     (256, gk.GluonConfig(64, 256, 1, 2)),
 ])
-def test_gluon_gemm_matches_reference(m, cfg):
+@pytest.mark.parametrize("asm_upcast", [False, True], ids=["int16_upcast", "asm_upcast"])
+def test_gluon_gemm_matches_reference(m, cfg, asm_upcast):
+    cfg = dataclasses.replace(cfg, asm_upcast=asm_upcast)
     n, k = 320, 1024  # N not a multiple of 128: the last weight tile is partial (TMA zero fill, masked scales)
     w = torch.randn(n, k) * 0.05
     w[3, :16] *= 40  # one block with a large scale, one nearly empty
@@ -64,7 +67,8 @@ def test_gluon_gemm_matches_reference(m, cfg):
     assert_nmse(reference_linear(x, qt), y, tolerance("linear"), f"nvfp4 Gluon M={m} {cfg}")
 
 
-def test_gluon_gemm_upcasts_every_code_exactly():
+@pytest.mark.parametrize("asm_upcast", [False, True], ids=["int16_upcast", "asm_upcast"])
+def test_gluon_gemm_upcasts_every_code_exactly(asm_upcast):
     """Every E2M1 code at every nibble position (one-hot activation rows, 64 per call, fp32 output through
     split-K): each output within 1e-6 relative of the dequantized weight, as for the CUDA kernels."""
     n, k = 64, 1024
@@ -74,7 +78,7 @@ def test_gluon_gemm_upcasts_every_code_exactly():
     qt = musecore_quant.quantize(values, "nvfp4")
     dense = musecore_quant.dequantize(qt).float().to(DEVICE)
     w = prepare_fp4(qt, DEVICE)
-    cfg = gk.GluonConfig(64, 64, 2, 3)
+    cfg = gk.GluonConfig(64, 64, 2, 3, asm_upcast=asm_upcast)
     for start in range(0, k, 64):
         x = torch.eye(k, device=DEVICE)[start:start + 64].to(torch.bfloat16)
         out = torch.zeros(64, n, dtype=torch.float32, device=DEVICE)
