@@ -63,7 +63,8 @@ def cuts(m: int, n: int, k: int):
             stage = bn * 64 + bm * 256
             split = fill_split(m, n, k, bn, bm)
             for stages in sorted({min(8, SMEM // stage), 4} - {0, 1}):
-                for sk in sorted({split, split * 2} if split > 1 or m <= 64 else {split}):
+                # split 1 always: runs 1-2 filled the SMs by split-K only, and with acq_rel atomics every split lost
+                for sk in sorted({1, split} | ({split * 2} if m <= 64 else set())):
                     if (k // 128) % sk or (k // 128) // sk < 2:
                         continue
                     for asm in UPCASTS:
