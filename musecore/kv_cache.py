@@ -101,8 +101,9 @@ class LayerCache:
         and token); a full layer's grows with ``used``."""
         if self._whole is not None:
             return self._whole
-        c = self.readable
-        view = KVView(self.k[:, :c], self.v[:, :c], self.positions[:, :c], self.k_scale, self.v_scale)
+        c = self.readable  # narrow, not [:, :c]: ~1 us less per slice (a full layer's decode view is new every step)
+        view = KVView(self.k.narrow(1, 0, c), self.v.narrow(1, 0, c), self.positions.narrow(1, 0, c), self.k_scale,
+                      self.v_scale)
         if self.ring or self.static:
             self._whole = view
         return view
