@@ -80,7 +80,8 @@ class RotaryTable:
         while size <= last:
             size *= 2
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor: usable inside and outside inference mode
-            self.cos_table, self.sin_table = self.compute(torch.arange(size, device=self.inv_freq.device)[:, None])  # [N,1,d]
+            positions = torch.arange(size, device=self.inv_freq.device)[:, None]
+            self.cos_table, self.sin_table = self.compute(positions)  # [N,1,d]
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.tabled or positions.device.type != "cpu":

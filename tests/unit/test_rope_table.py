@@ -47,7 +47,8 @@ def test_prefill_and_batch_rows_from_the_table_are_the_bits_of_the_formula(name)
         assert cos.shape == want_cos.shape and sin.shape == want_sin.shape
         assert cos.is_contiguous() and sin.is_contiguous()
         n = mismatches(cos, want_cos) + mismatches(sin, want_sin)
-        assert n == 0, f"{name}: {n} of {2 * cos.numel()} values differ from the formula for positions {tuple(pos.shape)}"
+        assert n == 0, \
+            f"{name}: {n} of {2 * cos.numel()} values differ from the formula for positions {tuple(pos.shape)}"
 
 
 def test_negative_positions_give_position_zero():

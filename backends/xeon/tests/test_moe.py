@@ -121,7 +121,11 @@ def test_decode_moe_runs_as_one_native_call_and_matches_reference(xeon: XeonBack
     calls = []  # fused calls that ran: through the extension's one-call moe when it is built, else through ctypes
     if resident.native_call is not None:
         one_call = resident.native_call
-        monkeypatch.setattr(resident, "native_call", lambda *a: (lambda y: calls.append(int(y is not None)) or y)(one_call(*a)))
+        def counted(*args):
+            y = one_call(*args)
+            calls.append(int(y is not None))
+            return y
+        monkeypatch.setattr(resident, "native_call", counted)
         monkeypatch.setattr(native, f"{fmt}_moe", lambda *a, **k: pytest.fail("the ctypes call ran too"))
     else:
         fused = getattr(native, f"{fmt}_moe")

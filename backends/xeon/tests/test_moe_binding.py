@@ -72,7 +72,8 @@ def test_one_call_moe_gives_the_ctypes_calls_bits(layers, fmt: str, dtype, token
     assert got is not None, f"{fmt} {dtype} T={tokens}: the one-call moe did not take decode inputs"
     assert got.dtype == torch.float32 and got.shape == want.shape
     diff = (got - want).abs().max().item()
-    assert torch.equal(got, want), f"{fmt} {dtype} T={tokens} {threads} threads: differs from ctypes by up to {diff:.3g}"
+    assert torch.equal(got, want), \
+        f"{fmt} {dtype} T={tokens} {threads} threads: differs from the ctypes call by up to {diff:.3g}"
 
 
 @pytest.mark.parametrize("fmt", ["int4", "bf16"])
@@ -94,7 +95,8 @@ def test_inputs_the_one_call_does_not_take_fall_back_to_the_same_results(layers,
     call = lambda *a: resident.native_call(resident.native_args_address, *a, 1e-6, 1)  # noqa: E731
     wide = torch.zeros(5, 2 * z.shape[1], dtype=z.dtype)
     wide[:, ::2] = z
-    same_values = {"strided z": (wide[:, ::2], weights, ids, post_norm), "int32 ids": (z, weights, ids.int(), post_norm)}
+    same_values = {"strided z": (wide[:, ::2], weights, ids, post_norm),
+                   "int32 ids": (z, weights, ids.int(), post_norm)}
     other_values = {"fp16 post_norm": (z, weights, ids, post_norm.half()), "bf16 weights": (z, weights.bfloat16(), ids,
                                                                                          post_norm)}
     for what, (z_, weights_, ids_, post_norm_) in {**same_values, **other_values}.items():

@@ -74,11 +74,13 @@ def main() -> None:
                     runs["ctypes kernel call"].append(timed(direct, n))
                 row = {"format": fmt, "h": h, "threads": t}
                 for key, v in runs.items():
-                    row[key] = {"us_wall": statistics.median(w for w, _ in v), "us_cpu": statistics.median(c for _, c in v)}
+                    row[key] = {"us_wall": statistics.median(w for w, _ in v),
+                                "us_cpu": statistics.median(c for _, c in v)}
                 rows.append(row)
                 print(f"{fmt} h=I={h} {t} thread(s): backend.moe {row['backend.moe']['us_wall']:.2f} us wall "
                       f"({row['backend.moe']['us_cpu']:.2f} CPU), ctypes kernel call "
-                      f"{row['ctypes kernel call']['us_wall']:.2f} ({row['ctypes kernel call']['us_cpu']:.2f})", flush=True)
+                      f"{row['ctypes kernel call']['us_wall']:.2f} ({row['ctypes kernel call']['us_cpu']:.2f})",
+                      flush=True)
     out = {"load_average": os.getloadavg(), "torch": torch.__version__, "rows": rows,
            "musecore_xeon": __import__("musecore_xeon").__file__}
     if args.json:

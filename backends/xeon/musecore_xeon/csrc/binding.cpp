@@ -597,7 +597,8 @@ static PyObject *moe(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         Py_BEGIN_ALLOW_THREADS
         if (x->kind == 0)
             status = int4_moe_kernel(x->gu_w, x->gu_sz, x->dn_w, x->dn_sz, zd, zb, id, wd, pd, pb, (float)post_eps, yd,
-                                     T, k, E, x->hidden, x->inter, x->g_gu, x->g_dn, x->gu_rows, x->dn_rows, (int)threads);
+                                     T, k, E, x->hidden, x->inter, x->g_gu, x->g_dn, x->gu_rows, x->dn_rows,
+                                     (int)threads);
         else
             status = bf16_moe_kernel(x->gu_w, x->dn_w, zd, zb, id, wd, pd, pb, (float)post_eps, yd, T, k, E, x->hidden,
                                      x->inter, (int)threads);
