@@ -84,8 +84,8 @@ class RotaryTable:
             self.cos_table, self.sin_table = self.compute(positions)  # [N,1,d]
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.tabled or positions.device.type != "cpu":
-            return self.compute(positions)
+        if not self.tabled or positions.device.type != "cpu" or torch.compiler.is_compiling():
+            return self.compute(positions)  # a compiled step (the TPU backend's, on CPU tensors) cannot read positions
         if positions.shape == (1, 1):  # decode of one sequence: two slices [1,1,d], no op over the data
             p = max(int(positions), 0)
             self.grow_to(p)

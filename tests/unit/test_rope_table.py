@@ -82,3 +82,16 @@ def test_accelerator_tables_compute_each_step():
     table = RotaryTable(64, {"rope_theta": 500_000.0}, 4096, device="meta")
     cos, _ = table(torch.zeros(1, 1, dtype=torch.long, device="meta"))
     assert cos.shape == (1, 1, 64) and table.cos_table is None
+
+
+def test_a_compiled_step_on_cpu_tensors_computes_its_rows_instead_of_reading_the_table():
+    """Inside torch.compile (the TPU backend's decode step runs compiled on CPU tensors) the table would need the
+    position on the host, a data-dependent guard; the step computes its rows there (fullgraph: no graph break)."""
+    d, params = ROPES["default"]
+    table = RotaryTable(d, params, 1 << 17)
+    step = torch.compile(lambda pos: table(pos), fullgraph=True, backend="eager")
+    for p in (0, 5, 2047):
+        pos = torch.tensor([[p]])
+        (cos, sin), (want_cos, want_sin) = step(pos), table.compute(pos)
+        err = max((cos - want_cos).abs().max().item(), (sin - want_sin).abs().max().item())
+        assert err == 0.0, f"position {p}: compiled rows differ from the formula by {err:.3g} (tolerance 0)"
