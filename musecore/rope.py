@@ -42,10 +42,10 @@ class RotaryTable:
     On the CPU the rows come from a table of every position up to the largest one seen so far (grown by doubling,
     computed by the same fp32 ops as :meth:`compute`, which are element-wise: the same bits as computing the
     step's rows, tested for the default and YaRN tables), so a decode step reads its two rows instead of issuing
-    ~8 ops (12-16 -> 7-8 us per token on the Intel Xeon host, alternating micro-benchmark). Reading a position on the host is free on the CPU; on an
-    accelerator it would be a sync that a captured decode step cannot make (and a guard on data inside torch.compile,
-    as in the TPU backend's compiled step on CPU tensors), so there every step computes its
-    rows. The rows returned on the CPU are views of the table: callers must not write to them (none does).
+    ~8 ops (12-16 -> 7-8 us per token on the Intel Xeon host, alternating micro-benchmark). Reading a position on
+    the host is free on the CPU; on an accelerator it would be a sync that a captured decode step cannot make, and
+    inside torch.compile (the TPU backend's compiled step on CPU tensors) a guard on data: there every step computes
+    its rows. The rows returned on the CPU are views of the table: callers must not write to them (none does).
     """
 
     TABLE_MIN_ROWS = 1024  # the table's first size; it doubles past the largest position seen

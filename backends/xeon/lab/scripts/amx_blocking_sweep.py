@@ -2,9 +2,9 @@
 
 For each shape and M: PyTorch BF16 ``F.linear`` and the AMX GEMM at every (K block, activation-row block, panel cap,
 streamed packing) of the grid, hot (the weight stays in the L3 between calls: this compares blockings, the issue's
-table is ``issue30_tables.py linear``, cold), best of ``--repeats``; then, at the default and at the best blocking, the same
-call with one phase skipped (``no_dequant``, ``no_products``, ``no_pack``: garbage results, time only), which says
-how much of the time each phase holds. Every blocking is first checked to give the default's bits.
+table is ``issue30_tables.py linear``, cold), best of ``--repeats``; then, at the default and at the best blocking,
+the same call with one phase skipped (``no_dequant``, ``no_products``, ``no_pack``: garbage results, time only),
+which says how much of the time each phase holds. Every blocking is first checked to give the default's bits.
 
     MUSECORE_NUM_THREADS=16 python3 backends/xeon/lab/scripts/amx_blocking_sweep.py --out DIR
 """

@@ -2,8 +2,8 @@
 # Issue 30 end to end on the GPU machine's Xeon host (AMX), one device call: muse-small prefill (INT4 plan vs
 # all-BF16) and decode beside llama.cpp at equal weight bytes, on CPU cores 0..THREADS-1; optionally the GPU suite
 # alongside on the remaining cores (GPU_SUITE=1), so that one call does both.
-#   carry: .whl/stevedore-5.9.1-py3-none-any.whl and .whl/peer.tar.xz (made by make_peer_tarball.sh: llama_cpp, its libraries and libgomp, gguf,
-#   diskcache, yaml, from a host where `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python
+#   carry: .whl/stevedore-5.9.1-py3-none-any.whl and .whl/peer.tar.xz (made by make_peer_tarball.sh: llama_cpp,
+#   its libraries and libgomp, gguf, diskcache, yaml, from a host where `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python
 #   llama-cpp-python==0.3.36` built it: the device has no network; the whole tree must stay under 64 MiB)
 # Outputs in $OUT: prefill.json/.txt, llama_cpp_peer_amx.json/.txt, lscpu.txt, gpu_suite.log.
 set -u

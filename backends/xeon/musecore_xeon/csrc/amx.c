@@ -227,7 +227,7 @@ int musecore_int4_amx_linear(const int4_weight_t *w, const void *x, int x_bf16, 
     int threads = 1;
 #endif
     const amx_tuning_t tune = amx_tuning;
-    const int64_t k_block = (tune.k_block + g - 1) / g * g;  /* whole groups (g is 128 or 256: already the case) */
+    const int64_t k_block = (tune.k_block + g - 1) / g * g;  /* whole groups (only g = 384, 512... change it) */
     const int64_t mp = (m + 15) / 16 * 16, x_tiles = (mp / 16) * (k / 32);
     uint16_t *xp = (uint16_t *)thread_buffer(3, (size_t)mp * k * 2);  /* the calling thread's: not a worker's 1 or 2 */
     if (xp == NULL) return 1;
