@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -115,6 +116,106 @@ def _upcast_chunk(w_t, word, a_layout: gl.constexpr, MULT: gl.constexpr, ASM: gl
     return (l0, l1, l2, l3, h0, h1, h2, h3)
 
 
+# The packed upcast (``upcast="packed"``). Scales, once per chunk and row, from the row's 8-byte word (bytes 0-3 and
+# 4-7 as two 32-bit halves): the four lanes that hold a row's A fragments (k pairs c = 0-3) each convert one pair,
+# groups (c, c + 4): one prmt (selector $6 = 0x4808 + 0x1010 c) places byte c in bits 8-15 and byte c + 4 in bits
+# 24-31 (the zero bytes are sign replicas of byte 0: e4m3 block scales are >= 0), a shift right by 4 leaves
+# ``(b & 0x7F) << 4`` per 16-bit lane, the bf16 bits of ``e4m3 * 2**-120`` (subnormal scales included: bf16 keeps
+# e4m3's 3 mantissa bits and has subnormals down to 2**-133), and two exact power-of-two products (2**120, then the
+# kernel's multiplier 2**(EB - FOLD), $5) give the bf16 pair (multiplier of group c, of group c + 4). Four shuffles
+# within the 4-lane segment then hand every lane all four pairs ($0-$3: groups (0, 4) .. (3, 7)): 8 instructions
+# per row and chunk, where the int64 shifts, byte extraction, e4m3->f16->bf16 conversions and bf16 multiply of the
+# element-wise form took about 12 per pair.
+_SCALES_ASM = gl.constexpr("""{
+.reg .b32 w0, w1, t, c;
+mov.b64 {w0, w1}, $4;
+mov.b32 c, 0x7B807B80;
+prmt.b32 t, w0, w1, $6; shr.b32 t, t, 4; mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 t, t, $5;
+shfl.sync.idx.b32 $0, t, 0, 0x1C03, 0xffffffff;
+shfl.sync.idx.b32 $1, t, 1, 0x1C03, 0xffffffff;
+shfl.sync.idx.b32 $2, t, 2, 0x1C03, 0xffffffff;
+shfl.sync.idx.b32 $3, t, 3, 0x1C03, 0xffffffff;
+}""")
+
+# The prmt selector of the scale conversion, 0x4808 + 0x1010 * (lane % 4): lane-dependent by design (the 4 lanes of
+# a row differ), computed once before the loop.
+_SCALE_SEL_ASM = gl.constexpr("""{
+.reg .b32 t;
+mov.u32 t, %laneid; and.b32 t, t, 3; mad.lo.u32 $0, t, 0x1010, 0x4808;
+}""")
+
+# Elements, per k16 step: the thread's four 16-bit words of packed bytes (rows r, r + 8, at k pairs c and c + 4:
+# $8, $10, $12, $14; the odd operands repeat them), each zero-extended in a 32-bit register as ``ld.shared.u16``
+# leaves it, and the (group l, group l + 4) multiplier pairs of rows r and r + 8 ($16, $18) -> the A fragments of
+# step l (low nibbles, $0-$3) and of step l + 4 (high nibbles, $4-$7) in wgmma's register order. Per word [b0 b1]:
+# y = [b0 0 b1 0] (prmt); low nibbles: (y << 6 | y << 12) & 0x81C081C0 puts bits 0-2 of each byte at bf16 bits 6-8
+# and bit 3 at bit 15 (code * 2**-126); high nibbles: s = [0 rep(b0) 0 rep(b1)] (prmt's sign replication: bits 8-15
+# all equal the nibble's sign) and q = y << 2 (magnitude at bits 6-8, the sign again at bit 9, the low nibble at
+# bits 2-5), combined by one lop3 that takes q where the mask is 0 and s & ~q where it is 1 (0x823C823C: bits 2-5, 9
+# and 15 of each lane): 7 integer instructions per two bf16 pairs, then one mul.rn.bf16x2 per pair by the row's
+# multiplier with both lanes taken from one half (the low half for the low nibbles, the high for the high).
+_UPCAST_PACKED_ASM = gl.constexpr("""{
+.reg .b32 y, s, a, b, m0, m1, lo, hi;
+.reg .b16 p0, p1;
+mov.b32 {p0, p1}, $16; mov.b32 m0, {p0, p0}; mov.b32 m1, {p1, p1};
+prmt.b32 y, $8, 0, 0x4140; prmt.b32 s, $8, 0, 0x9484;
+shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 $0, lo, m0;
+shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $4, hi, m1;
+prmt.b32 y, $12, 0, 0x4140; prmt.b32 s, $12, 0, 0x9484;
+shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 $2, lo, m0;
+shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $6, hi, m1;
+mov.b32 {p0, p1}, $18; mov.b32 m0, {p0, p0}; mov.b32 m1, {p1, p1};
+prmt.b32 y, $10, 0, 0x4140; prmt.b32 s, $10, 0, 0x9484;
+shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 $1, lo, m0;
+shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $5, hi, m1;
+prmt.b32 y, $14, 0, 0x4140; prmt.b32 s, $14, 0, 0x9484;
+shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 $3, lo, m0;
+shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $7, hi, m1;
+}""")
+
+
+@gluon.jit
+def _packed_scales(word, km, sel):
+    """The row's 8 group scales of one chunk as four bf16 pairs (multiplier of group l, of group l + 4), int32."""
+    return gl.inline_asm_elementwise(_SCALES_ASM, "=r,=r,=r,=r,l,r,r", [word, km, sel],
+                                     dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _upcast_step_packed(w16, l: gl.constexpr, m, u_layout: gl.constexpr, a_layout: gl.constexpr):
+    """k16 steps l and l + 4 of one chunk from the 16-bit view of its packed bytes ``[BLOCK_N, 32]``."""
+    v = w16.slice(8 * l, 8, dim=1).load(u_layout).to(gl.int32)          # [BLOCK_N, 8]: byte pairs (k, k + 1)
+    v = gl.convert_layout(gl.reshape(gl.join(v, v), [v.shape[0], 16]), a_layout, assert_trivial=True)
+    return gl.inline_asm_elementwise(_UPCAST_PACKED_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                     [v, m[:, None]], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
+
+
+@gluon.jit
+def _upcast_chunk_packed(w_t, word, km, sel, BLOCK_N: gl.constexpr, u_layout: gl.constexpr, a_layout: gl.constexpr):
+    """:func:`_upcast_chunk` with the packed upcast."""
+    # the same bytes (64 per row, 64-byte swizzle) as 16-bit words
+    w16 = w_t._reinterpret(gl.uint16, [BLOCK_N, 32], gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
+    m0, m1, m2, m3 = _packed_scales(word, km, sel)
+    l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
+    l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
+    l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
+    l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
+    return (l0, l1, l2, l3, h0, h1, h2, h3)
+
+
+UPCASTS = {"int16": 0, "asm": 1, "packed": 2}  # GluonConfig.upcast -> the kernel's UPCAST
+
+
+@constexpr_function
+def _pairs_layout(block_n, num_warps):
+    """The byte pairs ``[block_n, 8]`` (16-bit words) of one k16 step, each thread holding the four words whose
+    bytes make its A fragment (rows r, r + 8 at k pairs c, c + 4, in that register order): the bf16 A operand's
+    layout (``DotOperandLayout(0, wgmma v3, k_width=2)``) with its k + 1 register basis dropped."""
+    warps = [[16 << i, 0] for i in range((num_warps // 4).bit_length() + 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[8, 0], [0, 4]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=warps, block_bases=[], shape=[block_n, 8])
+
+
 @gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MULT: gl.constexpr,
@@ -170,9 +271,83 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_
 
 
 @gluon.jit
+def _mma_chunk(a0, a1, a2, a3, a4, a5, a6, a7, x_lo, x_hi, acc):
+    """The eight asynchronous wgmmas of one chunk (A from registers, B the activations' two shared halves)."""
+    acc = warpgroup_mma(a0, x_lo.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a1, x_lo.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a2, x_lo.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a3, x_lo.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a4, x_hi.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a5, x_hi.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a6, x_hi.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a7, x_hi.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
+                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """:func:`_consumer` with the packed upcast and the loop unrolled by two: chunk j's A fragments live in
+    ``a*`` and chunk j + 1's in ``b*``, so no register is copied from one chunk's set to the other's (the
+    rolled loop moved all 32 per chunk, and rotated the scale words once more). Same ordering rule: a chunk's
+    eight wgmmas are issued, the next chunk is upcast into the other set while they run, then one wait."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    u_layout: gl.constexpr = _pairs_layout(BLOCK_N, num_warps)
+    # the multiplier 2**(EB - FOLD) as a bf16 pair
+    km = gl.full([BLOCK_N], (EB - FOLD + 127) * 128 * 65537, gl.int32, layout=gl.SliceLayout(1, a_layout))
+    sel = gl.inline_asm_elementwise(_SCALE_SEL_ASM, "=r,r", [km], dtype=gl.int32, is_pure=True, pack=1)
+    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    row_ok = rows < N
+    s_ptrs = s_ptr + rows.to(gl.int64) * stride_s + first
+    last = n_chunks - 1
+    # scale words four chunks ahead; at the top of iteration j, p1-p4 hold those of chunks j + 1 .. j + 4
+    word = gl.load(s_ptrs, mask=row_ok, other=0)
+    p1 = gl.load(s_ptrs + gl.minimum(1, last), mask=row_ok, other=0)
+    p2 = gl.load(s_ptrs + gl.minimum(2, last), mask=row_ok, other=0)
+    mbarrier.wait(ready.index(0), 0)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _upcast_chunk_packed(w_smem.index(0), word, km, sel, BLOCK_N, u_layout, a_layout)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    # n_chunks is even (launch checks): every pair but the last upcasts chunks j + 1 and j + 2
+    for j in range(0, n_chunks - 2, 2):
+        s = j % STAGES
+        s1 = (j + 1) % STAGES
+        s2 = (j + 2) % STAGES
+        acc = _mma_chunk(a0, a1, a2, a3, a4, a5, a6, a7, x_smem.index(2 * s), x_smem.index(2 * s + 1), acc)
+        mbarrier.wait(ready.index(s1), ((j + 1) // STAGES) & 1)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _upcast_chunk_packed(w_smem.index(s1), p1, km, sel, BLOCK_N, u_layout,
+                                                              a_layout)
+        p1 = gl.load(s_ptrs + gl.minimum(j + 3, last), mask=row_ok, other=0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1, a2, a3, a4, a5, a6, a7))[0]
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = _mma_chunk(b0, b1, b2, b3, b4, b5, b6, b7, x_smem.index(2 * s1), x_smem.index(2 * s1 + 1), acc)
+        mbarrier.wait(ready.index(s2), ((j + 2) // STAGES) & 1)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _upcast_chunk_packed(w_smem.index(s2), p2, km, sel, BLOCK_N, u_layout,
+                                                              a_layout)
+        p2 = gl.load(s_ptrs + gl.minimum(j + 4, last), mask=row_ok, other=0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1, b2, b3, b4, b5, b6, b7))[0]
+        mbarrier.arrive(empty.index(s1), count=1)
+    # the last pair: chunk n_chunks - 2 from a*, n_chunks - 1 from b*
+    j = n_chunks - 2
+    s = j % STAGES
+    s1 = (j + 1) % STAGES
+    acc = _mma_chunk(a0, a1, a2, a3, a4, a5, a6, a7, x_smem.index(2 * s), x_smem.index(2 * s + 1), acc)
+    mbarrier.wait(ready.index(s1), ((j + 1) // STAGES) & 1)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _upcast_chunk_packed(w_smem.index(s1), p1, km, sel, BLOCK_N, u_layout, a_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1, a2, a3, a4, a5, a6, a7))[0]
+    mbarrier.arrive(empty.index(s), count=1)
+    acc = _mma_chunk(b0, b1, b2, b3, b4, b5, b6, b7, x_smem.index(2 * s1), x_smem.index(2 * s1 + 1), acc)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1, b2, b3, b4, b5, b6, b7))[0]
+    mbarrier.arrive(empty.index(s1), count=1)
+    return (acc, )
+
+
+@gluon.jit
 def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     FOLD: gl.constexpr, ATOMIC: gl.constexpr, ASM_UPCAST: gl.constexpr, num_warps: gl.constexpr):
+                     FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, num_warps: gl.constexpr):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -199,11 +374,18 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
         mbarrier.arrive(empty.index(s), count=1)  # every stage starts free
 
     MULT: gl.constexpr = 2.0 ** (EB - FOLD)
-    acc, = gl.warp_specialize([
-        (_consumer, (w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
-                     BLOCK_N, BLOCK_M, STAGES, MULT, ASM_UPCAST, num_warps)),
-        (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES)),
-    ], [1], [40])
+    if UPCAST == 2:
+        acc, = gl.warp_specialize([
+            (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
+                                BLOCK_N, BLOCK_M, STAGES, FOLD, num_warps)),
+            (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES)),
+        ], [1], [40])
+    else:
+        acc, = gl.warp_specialize([
+            (_consumer, (w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
+                         BLOCK_N, BLOCK_M, STAGES, MULT, UPCAST == 1, num_warps)),
+            (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES)),
+        ], [1], [40])
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -225,7 +407,17 @@ class GluonConfig:
     split_k: int
     stages: int
     group_m: int = 8
-    asm_upcast: bool = False  # the packed inline-PTX upcast (compiled and counted, not yet run on a GPU)
+    asm_upcast: bool = False  # session 11's inline-PTX upcast: the same as upcast="asm" (kept for its callers)
+    upcast: str = "int16"     # "int16" (element-wise, measured), "asm" (session 11) or "packed" (session 12)
+
+    def __post_init__(self):
+        if self.upcast not in UPCASTS:
+            raise ValueError(f"upcast must be one of {sorted(UPCASTS)}; got {self.upcast!r}")
+        if self.asm_upcast and self.upcast != "asm":
+            if self.upcast != "int16":
+                raise ValueError(f"asm_upcast=True contradicts upcast={self.upcast!r}")
+            object.__setattr__(self, "upcast", "asm")
+        object.__setattr__(self, "asm_upcast", self.upcast == "asm")
 
     @property
     def num_warps(self) -> int:
@@ -256,6 +448,12 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError(f"the Gluon GEMM needs K divisible by {CHUNK_K.value} x split_k={cfg.split_k}; got K={k}")
     if cfg.split_k > 1 and out.dtype != torch.float32:
         raise TypeError("split-K accumulates into a zeroed float32 output")
+    if cfg.upcast == "packed" and (k // CHUNK_K.value // cfg.split_k) % 2:
+        raise ValueError(f"the packed upcast's loop takes chunks in pairs: it needs an even number of "
+                         f"{CHUNK_K.value}-element chunks per split; got K={k}, split_k={cfg.split_k}")
+    if cfg.upcast == "packed" and not 7 <= fold_log2 <= 116:
+        raise ValueError(f"the packed upcast is exact for 7 <= fold_log2 <= 116 (multipliers up to 448 * 2**(126 - "
+                         f"fold) below bf16's maximum, products above its smallest normal); got {fold_log2}")
     w2 = packed.reshape(-1, packed.shape[-1])
     s2 = scales.reshape(-1, scales.shape[-1])
     if w2.shape != (n, k // 2) or s2.shape != (n, k // 16) or not s2.is_contiguous():
@@ -267,6 +465,6 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     fp4_gluon_kernel[grid](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n, k,
                            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-                           FOLD=fold_log2, ATOMIC=cfg.split_k > 1, ASM_UPCAST=cfg.asm_upcast,
+                           FOLD=fold_log2, ATOMIC=cfg.split_k > 1, UPCAST=UPCASTS[cfg.upcast],
                            num_warps=cfg.num_warps)
     return out

@@ -26,8 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/la
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # the swap-AB sweep's helpers
 
 SMEM = 220 * 1024
-# GLUON_UPCAST=int16 (the measured default), asm, or both: which upcast of fp4_gemm_gluon the cuts use
-UPCASTS = {"int16": (False,), "asm": (True,), "both": (False, True)}[os.environ.get("GLUON_UPCAST", "int16")]
+# GLUON_UPCAST: which upcasts of fp4_gemm_gluon the cuts use: int16 (the measured default), asm, packed, a comma list
+# of those, both (int16,asm) or all (int16,asm,packed)
+_UPCAST_SETS = {"both": ("int16", "asm"), "all": ("int16", "asm", "packed")}
+UPCASTS = _UPCAST_SETS.get(os.environ.get("GLUON_UPCAST", "int16"),
+                           tuple(os.environ.get("GLUON_UPCAST", "int16").split(",")))
 
 
 def block_ms(m: int) -> tuple[int, ...]:
@@ -67,8 +70,10 @@ def cuts(m: int, n: int, k: int):
                 for sk in sorted({1, split} | ({split * 2} if m <= 64 else set())):
                     if (k // 128) % sk or (k // 128) // sk < 2:
                         continue
-                    for asm in UPCASTS:
-                        cfg = GluonConfig(bn, bm, sk, stages, asm_upcast=asm)
+                    for upcast in UPCASTS:
+                        if upcast == "packed" and (k // 128 // sk) % 2:
+                            continue  # its loop takes chunks in pairs
+                        cfg = GluonConfig(bn, bm, sk, stages, upcast=upcast)
                         if cfg not in seen:
                             seen.add(cfg)
                             yield cfg
@@ -107,7 +112,7 @@ def precompile(ms, shapes, procs):
         n, k = LINEAR_SHAPES[name]
         for m in ms:
             for cfg in cuts(m, n, k):
-                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.asm_upcast), (n, k, cfg))
+                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
@@ -149,11 +154,12 @@ def sweep(ms, shapes, out_path, meta):
 
 
 def profile_cut(spec: str, m: int, shape: str) -> None:
-    """Five launches of one cut (``block_n,block_m,split_k,stages``) for ``ncu`` to pick from."""
+    """Five launches of one cut (``block_n,block_m,split_k,stages[,upcast]``) for ``ncu`` to pick from."""
     from fp4_gemm_gluon import GluonConfig
     from musecore_cuda.bench import random_fp4
     from musecore_triton.layouts import prepare_fp4
-    cfg = GluonConfig(*map(int, spec.split(",")))
+    bn, bm, sk, st, *mode = spec.split(",")
+    cfg = GluonConfig(int(bn), int(bm), int(sk), int(st), upcast=mode[0] if mode else "int16")
     n, k = LINEAR_SHAPES[shape]
     w = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -169,8 +175,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "cuda_gluon_sweep.json"))
     parser.add_argument("--precompile", type=int, default=0)
     parser.add_argument("--only-precompile", action="store_true")
-    parser.add_argument("--profile-cut", default="", help="block_n,block_m,split_k,stages: five launches of that cut "
-                        "at the first --ms and --shapes (for ncu), no sweep")
+    parser.add_argument("--profile-cut", default="", help="block_n,block_m,split_k,stages[,upcast]: five launches of "
+                        "that cut at the first --ms and --shapes (for ncu), no sweep")
     args = parser.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     if args.profile_cut:

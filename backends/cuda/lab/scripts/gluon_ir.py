@@ -4,7 +4,9 @@ registers, spills and shared memory (``triton.compile`` for ``GPUTarget("cuda", 
 
     PYTHONPATH=/tmp/triton36 python backends/cuda/lab/scripts/gluon_ir.py [--cuts 64,64,1,6;128,128,1,4] [--out DIR]
 
-A cut is ``block_n,block_m,split_k,stages[,asm_upcast]``.
+A cut is ``block_n,block_m,split_k,stages[,upcast]`` with upcast int16 (default), asm (or 1: session 11's
+``asm_upcast``) or packed. Per cut it also prints the consumer loop's SASS (one 128-element chunk per warp):
+instruction count, opcode histogram, and how many lie between the last HGMMA and the wait.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def compile_cut(cfg: "gk.GluonConfig", maxnreg: int | None = None):
            "s_ptr": "*i64", "stride_s": "i32", "out_scale_ptr": "*fp32",
            "c_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32"}
     const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
-             "FOLD": 9, "ATOMIC": cfg.split_k > 1, "ASM_UPCAST": cfg.asm_upcast, "num_warps": cfg.num_warps}
+             "FOLD": 9, "ATOMIC": cfg.split_k > 1, "UPCAST": gk.UPCASTS[cfg.upcast], "num_warps": cfg.num_warps}
     names = list(fn.arg_names)
     for name in const:
         sig[name] = "constexpr"
@@ -59,7 +61,39 @@ def ptxas_info(ptx: str) -> str:
                              capture_output=True, text=True)
     keep = [l.split("info    : ")[-1].strip() for l in res.stderr.splitlines()
             if "registers" in l or "spill" in l or "C75" in l]
+    if not any("C75" in l for l in res.stderr.splitlines()):
+        keep.append("no C75xx warning (wgmma not serialized)")
     return "; ".join(keep)
+
+
+def consumer_loop_sass(cubin: bytes) -> dict:
+    """The consumer's main loop in SASS (``nvdisasm`` of the wheel): from the label before the first HGMMA to the
+    branch back to it, i.e. one 128-element chunk per warp. Returns the instruction count, an opcode histogram
+    (the mnemonic before its first dot, predicates dropped), the count per 128-element chunk (the packed upcast's
+    loop holds two chunks) and how many lie between the last HGMMA and the next ``WARPGROUP`` instruction."""
+    import subprocess
+    import tempfile
+    from collections import Counter
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        lines = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+    first = next(i for i, l in enumerate(lines) if "HGMMA" in l)
+    head = next(i for i in range(first, -1, -1) if re.match(r"^\.L_x_\d+:", lines[i]))
+    label = lines[head].rstrip(":")
+    end = next(i for i in range(first, len(lines)) if re.search(r"BRA `\(" + re.escape(label) + r"\)", lines[i]))
+    ops = []
+    for l in lines[head:end + 1]:
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", l)
+        if m:
+            ops.append(m.group(2))
+    last_mma = max(i for i, op in enumerate(ops) if op == "HGMMA")
+    depbar = next((i for i in range(last_mma, len(ops)) if ops[i] == "WARPGROUP" and i > last_mma), len(ops))
+    chunks = ops.count("HGMMA") // 8  # the packed upcast's loop is unrolled by two chunks
+    return {"per_chunk": round(len(ops) / chunks, 1), "chunks_per_iteration": chunks, "instructions": len(ops),
+            "histogram": dict(Counter(ops).most_common()), "between_last_hgmma_and_wait": depbar - last_mma - 1}
 
 
 def summarize(k) -> dict:
@@ -69,7 +103,7 @@ def summarize(k) -> dict:
     return {"ptx_wgmma": len(wg), "ptxas": ptxas_info(ptx), "register_a_wgmma": len(reg_a), "example": wg[:1],
             "tma_loads": ptx.count("cp.async.bulk.tensor"), "mbarrier_waits": len(re.findall(r"mbarrier.try_wait", ptx)),
             "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx))),
-            "shared": k.metadata.shared}
+            "shared": k.metadata.shared, "loop_sass": consumer_loop_sass(k.asm["cubin"])}
 
 
 def main() -> None:
@@ -83,10 +117,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for cut in args.cuts.split(";"):
-        bn, bm, split, stages, *asm = map(int, cut.split(","))
-        cfg = gk.GluonConfig(bn, bm, split, stages, asm_upcast=bool(asm and asm[0]))
+        bn, bm, split, stages, *mode = cut.split(",")
+        mode = {"0": "int16", "1": "asm"}.get(mode[0], mode[0]) if mode else "int16"
+        bn, bm, split, stages = map(int, (bn, bm, split, stages))
+        cfg = gk.GluonConfig(bn, bm, split, stages, upcast=mode)
         k = compile_cut(cfg, args.maxnreg or None)
-        tag = (f"bn{bn}_bm{bm}_k{split}_s{stages}" + ("_asm" if cfg.asm_upcast else "")
+        tag = (f"bn{bn}_bm{bm}_k{split}_s{stages}" + ("" if cfg.upcast == "int16" else "_" + cfg.upcast)
                + (f"_r{args.maxnreg}" if args.maxnreg else ""))
         for ext in ("ttgir", "ptx"):
             (out / f"gluon_{tag}.{ext}").write_text(k.asm[ext])
