@@ -174,6 +174,22 @@ shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $7, hi, m1;
 }""")
 
 
+# One scale word per row, ``ld.global`` (L1-cached) with a 256-byte L2 prefetch hint: the row's next 31 chunks'
+# words are in L2 after the first miss, so loading them one chunk ahead is enough (rows past N read 0).
+_WORD_LOAD_ASM = gl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+mov.b64 $0, 0;
+@p ld.global.L2::256B.b64 $0, [$1];
+}""")
+
+
+@gluon.jit
+def _load_word(ptrs, ok):
+    return gl.inline_asm_elementwise(_WORD_LOAD_ASM, "=l,l,r", [ptrs, ok.to(gl.int32)], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
 @gluon.jit
 def _packed_scales(word, km, sel):
     """The row's 8 group scales of one chunk as four bf16 pairs (multiplier of group l, of group l + 4), int32."""
@@ -188,19 +204,6 @@ def _upcast_step_packed(w16, l: gl.constexpr, m, u_layout: gl.constexpr, a_layou
     v = gl.convert_layout(gl.reshape(gl.join(v, v), [v.shape[0], 16]), a_layout, assert_trivial=True)
     return gl.inline_asm_elementwise(_UPCAST_PACKED_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
                                      [v, m[:, None]], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
-
-
-@gluon.jit
-def _upcast_chunk_packed(w_t, word, km, sel, BLOCK_N: gl.constexpr, u_layout: gl.constexpr, a_layout: gl.constexpr):
-    """:func:`_upcast_chunk` with the packed upcast."""
-    # the same bytes (64 per row, 64-byte swizzle) as 16-bit words
-    w16 = w_t._reinterpret(gl.uint16, [BLOCK_N, 32], gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
-    m0, m1, m2, m3 = _packed_scales(word, km, sel)
-    l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
-    l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
-    l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
-    l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
-    return (l0, l1, l2, l3, h0, h1, h2, h3)
 
 
 UPCASTS = {"int16": 0, "asm": 1, "packed": 2}  # GluonConfig.upcast -> the kernel's UPCAST
@@ -271,16 +274,10 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_
 
 
 @gluon.jit
-def _mma_chunk(a0, a1, a2, a3, a4, a5, a6, a7, x_lo, x_hi, acc):
-    """The eight asynchronous wgmmas of one chunk (A from registers, B the activations' two shared halves)."""
-    acc = warpgroup_mma(a0, x_lo.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a1, x_lo.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a2, x_lo.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a3, x_lo.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a4, x_hi.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a5, x_hi.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a6, x_hi.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a7, x_hi.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+def _issue_pair(lo, hi, x_lo, x_hi, l: gl.constexpr, acc):
+    """The two wgmmas of k16 steps l (low nibbles: x_lo) and l + 4 (high: x_hi) of one chunk."""
+    acc = warpgroup_mma(lo, x_lo.slice(16 * l, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(hi, x_hi.slice(16 * l, 16, dim=1).permute((1, 0)), acc, is_async=True)
     return acc
 
 
@@ -288,10 +285,12 @@ def _mma_chunk(a0, a1, a2, a3, a4, a5, a6, a7, x_lo, x_hi, acc):
 def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
                      num_warps: gl.constexpr):
-    """:func:`_consumer` with the packed upcast and the loop unrolled by two: chunk j's A fragments live in
-    ``a*`` and chunk j + 1's in ``b*``, so no register is copied from one chunk's set to the other's (the
-    rolled loop moved all 32 per chunk, and rotated the scale words once more). Same ordering rule: a chunk's
-    eight wgmmas are issued, the next chunk is upcast into the other set while they run, then one wait."""
+    """:func:`_consumer` with the packed upcast, pipelined per k16-step pair instead of per chunk: a chunk's wgmmas
+    are issued in the order of its slices (steps l and l + 4 from the same 16 bytes per row), and the next chunk's
+    slice l is upcast as soon as the wgmmas that read slice l's registers have retired (``wgmma.wait_group 6``:
+    the two oldest of the eight in flight), straight into those registers, then issued. So the A fragments stay in
+    one set of 32 registers that ptxas keeps for wgmma operands (no copies), and up to six wgmmas run while each
+    slice is upcast. The summation order over k differs from the other modes (steps 0, 4, 1, 5, ...)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -303,44 +302,45 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, fi
     row_ok = rows < N
     s_ptrs = s_ptr + rows.to(gl.int64) * stride_s + first
     last = n_chunks - 1
-    # scale words four chunks ahead; at the top of iteration j, p1-p4 hold those of chunks j + 1 .. j + 4
-    word = gl.load(s_ptrs, mask=row_ok, other=0)
-    p1 = gl.load(s_ptrs + gl.minimum(1, last), mask=row_ok, other=0)
-    p2 = gl.load(s_ptrs + gl.minimum(2, last), mask=row_ok, other=0)
+    word = _load_word(s_ptrs, row_ok)
+    nxt = _load_word(s_ptrs + gl.minimum(1, last), row_ok)  # the scale word one chunk ahead
     mbarrier.wait(ready.index(0), 0)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _upcast_chunk_packed(w_smem.index(0), word, km, sel, BLOCK_N, u_layout, a_layout)
+    w16 = w_smem.index(0)._reinterpret(gl.uint16, [BLOCK_N, 32],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
+    m0, m1, m2, m3 = _packed_scales(word, km, sel)
+    l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
+    l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
+    l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
+    l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    # n_chunks is even (launch checks): every pair but the last upcasts chunks j + 1 and j + 2
-    for j in range(0, n_chunks - 2, 2):
-        s = j % STAGES
-        s1 = (j + 1) % STAGES
-        s2 = (j + 2) % STAGES
-        acc = _mma_chunk(a0, a1, a2, a3, a4, a5, a6, a7, x_smem.index(2 * s), x_smem.index(2 * s + 1), acc)
-        mbarrier.wait(ready.index(s1), ((j + 1) // STAGES) & 1)
-        b0, b1, b2, b3, b4, b5, b6, b7 = _upcast_chunk_packed(w_smem.index(s1), p1, km, sel, BLOCK_N, u_layout,
-                                                              a_layout)
-        p1 = gl.load(s_ptrs + gl.minimum(j + 3, last), mask=row_ok, other=0)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1, a2, a3, a4, a5, a6, a7))[0]
-        mbarrier.arrive(empty.index(s), count=1)
-        acc = _mma_chunk(b0, b1, b2, b3, b4, b5, b6, b7, x_smem.index(2 * s1), x_smem.index(2 * s1 + 1), acc)
-        mbarrier.wait(ready.index(s2), ((j + 2) // STAGES) & 1)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _upcast_chunk_packed(w_smem.index(s2), p2, km, sel, BLOCK_N, u_layout,
-                                                              a_layout)
-        p2 = gl.load(s_ptrs + gl.minimum(j + 4, last), mask=row_ok, other=0)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1, b2, b3, b4, b5, b6, b7))[0]
-        mbarrier.arrive(empty.index(s1), count=1)
-    # the last pair: chunk n_chunks - 2 from a*, n_chunks - 1 from b*
-    j = n_chunks - 2
-    s = j % STAGES
-    s1 = (j + 1) % STAGES
-    acc = _mma_chunk(a0, a1, a2, a3, a4, a5, a6, a7, x_smem.index(2 * s), x_smem.index(2 * s + 1), acc)
-    mbarrier.wait(ready.index(s1), ((j + 1) // STAGES) & 1)
-    b0, b1, b2, b3, b4, b5, b6, b7 = _upcast_chunk_packed(w_smem.index(s1), p1, km, sel, BLOCK_N, u_layout, a_layout)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1, a2, a3, a4, a5, a6, a7))[0]
-    mbarrier.arrive(empty.index(s), count=1)
-    acc = _mma_chunk(b0, b1, b2, b3, b4, b5, b6, b7, x_smem.index(2 * s1), x_smem.index(2 * s1 + 1), acc)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1, b2, b3, b4, b5, b6, b7))[0]
-    mbarrier.arrive(empty.index(s1), count=1)
+    acc = _issue_pair(l0, h0, x_smem.index(0), x_smem.index(1), 0, acc)
+    acc = _issue_pair(l1, h1, x_smem.index(0), x_smem.index(1), 1, acc)
+    acc = _issue_pair(l2, h2, x_smem.index(0), x_smem.index(1), 2, acc)
+    acc = _issue_pair(l3, h3, x_smem.index(0), x_smem.index(1), 3, acc)
+    for i in range(1, n_chunks):
+        s = i % STAGES
+        x_lo = x_smem.index(2 * s)
+        x_hi = x_smem.index(2 * s + 1)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
+        m0, m1, m2, m3 = _packed_scales(nxt, km, sel)
+        nxt = _load_word(s_ptrs + gl.minimum(i + 1, last), row_ok)
+        acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l0, h0))[0]
+        l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
+        acc = _issue_pair(l0, h0, x_lo, x_hi, 0, acc)
+        acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l1, h1))[0]
+        l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
+        acc = _issue_pair(l1, h1, x_lo, x_hi, 1, acc)
+        acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l2, h2))[0]
+        l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
+        acc = _issue_pair(l2, h2, x_lo, x_hi, 2, acc)
+        acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l3, h3))[0]
+        mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)  # chunk i - 1's wgmmas have all retired
+        l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
+        acc = _issue_pair(l3, h3, x_lo, x_hi, 3, acc)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l0, h0, l1, h1, l2, h2, l3, h3))[0]
+    mbarrier.arrive(empty.index((n_chunks - 1) % STAGES), count=1)
     return (acc, )
 
 
@@ -448,9 +448,6 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError(f"the Gluon GEMM needs K divisible by {CHUNK_K.value} x split_k={cfg.split_k}; got K={k}")
     if cfg.split_k > 1 and out.dtype != torch.float32:
         raise TypeError("split-K accumulates into a zeroed float32 output")
-    if cfg.upcast == "packed" and (k // CHUNK_K.value // cfg.split_k) % 2:
-        raise ValueError(f"the packed upcast's loop takes chunks in pairs: it needs an even number of "
-                         f"{CHUNK_K.value}-element chunks per split; got K={k}, split_k={cfg.split_k}")
     if cfg.upcast == "packed" and not 7 <= fold_log2 <= 116:
         raise ValueError(f"the packed upcast is exact for 7 <= fold_log2 <= 116 (multipliers up to 448 * 2**(126 - "
                          f"fold) below bf16's maximum, products above its smallest normal); got {fold_log2}")

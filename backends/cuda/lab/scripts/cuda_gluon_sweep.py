@@ -71,8 +71,6 @@ def cuts(m: int, n: int, k: int):
                     if (k // 128) % sk or (k // 128) // sk < 2:
                         continue
                     for upcast in UPCASTS:
-                        if upcast == "packed" and (k // 128 // sk) % 2:
-                            continue  # its loop takes chunks in pairs
                         cfg = GluonConfig(bn, bm, sk, stages, upcast=upcast)
                         if cfg not in seen:
                             seen.add(cfg)

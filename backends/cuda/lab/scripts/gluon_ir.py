@@ -33,7 +33,8 @@ def compile_cut(cfg: "gk.GluonConfig", maxnreg: int | None = None):
     fn = gk.fp4_gluon_kernel
     w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, 64], gl.uint8)
     x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64], gl.bfloat16)
-    sig = {"w_desc": desc_sig("u8", [cfg.block_n, 64], w_layout), "x_desc": desc_sig("bf16", [cfg.block_m, 64], x_layout),
+    sig = {"w_desc": desc_sig("u8", [cfg.block_n, 64], w_layout),
+           "x_desc": desc_sig("bf16", [cfg.block_m, 64], x_layout),
            "s_ptr": "*i64", "stride_s": "i32", "out_scale_ptr": "*fp32",
            "c_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32"}
     const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
@@ -67,10 +68,10 @@ def ptxas_info(ptx: str) -> str:
 
 
 def consumer_loop_sass(cubin: bytes) -> dict:
-    """The consumer's main loop in SASS (``nvdisasm`` of the wheel): from the label before the first HGMMA to the
-    branch back to it, i.e. one 128-element chunk per warp. Returns the instruction count, an opcode histogram
-    (the mnemonic before its first dot, predicates dropped), the count per 128-element chunk (the packed upcast's
-    loop holds two chunks) and how many lie between the last HGMMA and the next ``WARPGROUP`` instruction."""
+    """The consumer's main loop in SASS (``nvdisasm`` of the wheel): the innermost loop (label to the branch back
+    to it) holding at least 8 HGMMAs, i.e. one 128-element chunk per warp (more if a loop is unrolled). Returns the
+    instruction count, an opcode histogram (the mnemonic before its first dot, predicates dropped), the count per
+    128-element chunk and how many lie between the loop's last HGMMA and the next ``WARPGROUP`` instruction."""
     import subprocess
     import tempfile
     from collections import Counter
@@ -80,10 +81,15 @@ def consumer_loop_sass(cubin: bytes) -> dict:
         path.write_bytes(cubin)
         lines = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True,
                                check=True).stdout.splitlines()
-    first = next(i for i, l in enumerate(lines) if "HGMMA" in l)
-    head = next(i for i in range(first, -1, -1) if re.match(r"^\.L_x_\d+:", lines[i]))
-    label = lines[head].rstrip(":")
-    end = next(i for i in range(first, len(lines)) if re.search(r"BRA `\(" + re.escape(label) + r"\)", lines[i]))
+    labels = {l.rstrip(":"): i for i, l in enumerate(lines) if re.match(r"^\.L_x_\d+:", l)}
+    loops = []  # (head, end) of every backward branch whose body holds a chunk's 8 HGMMAs
+    for end, l in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", l)
+        if m and labels.get(m.group(1), end) < end:
+            head = labels[m.group(1)]
+            if sum("HGMMA" in x for x in lines[head:end]) >= 8:
+                loops.append((end - head, head, end))
+    _, head, end = min(loops)  # the innermost such loop
     ops = []
     for l in lines[head:end + 1]:
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", l)
@@ -91,7 +97,7 @@ def consumer_loop_sass(cubin: bytes) -> dict:
             ops.append(m.group(2))
     last_mma = max(i for i, op in enumerate(ops) if op == "HGMMA")
     depbar = next((i for i in range(last_mma, len(ops)) if ops[i] == "WARPGROUP" and i > last_mma), len(ops))
-    chunks = ops.count("HGMMA") // 8  # the packed upcast's loop is unrolled by two chunks
+    chunks = ops.count("HGMMA") // 8
     return {"per_chunk": round(len(ops) / chunks, 1), "chunks_per_iteration": chunks, "instructions": len(ops),
             "histogram": dict(Counter(ops).most_common()), "between_last_hgmma_and_wait": depbar - last_mma - 1}
 
@@ -101,7 +107,8 @@ def summarize(k) -> dict:
     wg = [l.strip() for l in ptx.splitlines() if "wgmma.mma_async" in l]
     reg_a = [l for l in wg if re.search(r"\{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}, %rd", l)]
     return {"ptx_wgmma": len(wg), "ptxas": ptxas_info(ptx), "register_a_wgmma": len(reg_a), "example": wg[:1],
-            "tma_loads": ptx.count("cp.async.bulk.tensor"), "mbarrier_waits": len(re.findall(r"mbarrier.try_wait", ptx)),
+            "tma_loads": ptx.count("cp.async.bulk.tensor"),
+            "mbarrier_waits": len(re.findall(r"mbarrier.try_wait", ptx)),
             "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx))),
             "shared": k.metadata.shared, "loop_sass": consumer_loop_sass(k.asm["cubin"])}
 
