@@ -287,10 +287,10 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, fi
                      num_warps: gl.constexpr):
     """:func:`_consumer` with the packed upcast, pipelined per k16-step pair instead of per chunk: a chunk's wgmmas
     are issued in the order of its slices (steps l and l + 4 from the same 16 bytes per row), and the next chunk's
-    slice l is upcast as soon as the wgmmas that read slice l's registers have retired (``wgmma.wait_group 6``:
-    the two oldest of the eight in flight), straight into those registers, then issued. So the A fragments stay in
-    one set of 32 registers that ptxas keeps for wgmma operands (no copies), and up to six wgmmas run while each
-    slice is upcast. The summation order over k differs from the other modes (steps 0, 4, 1, 5, ...)."""
+    slices l, l + 1 are upcast as soon as the wgmmas that read their registers have retired (``wgmma.wait_group
+    4``: the four oldest of the eight in flight), straight into those registers, then issued (BLOCK_M > 128: one
+    slice per ``wait_group 6``, fewer live temporaries). So the A fragments stay in the one set of 32 registers
+    that ptxas keeps for wgmma operands (no copies), and four (six) wgmmas run while a slice is upcast. The summation order over k differs from the other modes (steps 0, 4, 1, 5, ...)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -326,19 +326,32 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, fi
                                            gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
         m0, m1, m2, m3 = _packed_scales(nxt, km, sel)
         nxt = _load_word(s_ptrs + gl.minimum(i + 1, last), row_ok)
-        acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l0, h0))[0]
-        l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
-        acc = _issue_pair(l0, h0, x_lo, x_hi, 0, acc)
-        acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l1, h1))[0]
-        l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
-        acc = _issue_pair(l1, h1, x_lo, x_hi, 1, acc)
-        acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l2, h2))[0]
-        l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
-        acc = _issue_pair(l2, h2, x_lo, x_hi, 2, acc)
-        acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l3, h3))[0]
-        mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)  # chunk i - 1's wgmmas have all retired
-        l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
-        acc = _issue_pair(l3, h3, x_lo, x_hi, 3, acc)
+        if BLOCK_M <= 128:  # two slices per wait
+            acc = warpgroup_mma_wait(num_outstanding=4, deps=(acc, l0, h0, l1, h1))[0]
+            l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
+            l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
+            acc = _issue_pair(l0, h0, x_lo, x_hi, 0, acc)
+            acc = _issue_pair(l1, h1, x_lo, x_hi, 1, acc)
+            acc = warpgroup_mma_wait(num_outstanding=4, deps=(acc, l2, h2, l3, h3))[0]
+            mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)  # chunk i - 1's wgmmas have all retired
+            l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
+            l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
+            acc = _issue_pair(l2, h2, x_lo, x_hi, 2, acc)
+            acc = _issue_pair(l3, h3, x_lo, x_hi, 3, acc)
+        else:  # one slice per wait: two slices' temporaries next to 128 accumulator registers spill
+            acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l0, h0))[0]
+            l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
+            acc = _issue_pair(l0, h0, x_lo, x_hi, 0, acc)
+            acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l1, h1))[0]
+            l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
+            acc = _issue_pair(l1, h1, x_lo, x_hi, 1, acc)
+            acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l2, h2))[0]
+            l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
+            acc = _issue_pair(l2, h2, x_lo, x_hi, 2, acc)
+            acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l3, h3))[0]
+            mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+            l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
+            acc = _issue_pair(l3, h3, x_lo, x_hi, 3, acc)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l0, h0, l1, h1, l2, h2, l3, h3))[0]
     mbarrier.arrive(empty.index((n_chunks - 1) % STAGES), count=1)
     return (acc, )
