@@ -290,7 +290,8 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, fi
     slices l, l + 1 are upcast as soon as the wgmmas that read their registers have retired (``wgmma.wait_group
     4``: the four oldest of the eight in flight), straight into those registers, then issued (BLOCK_M > 128: one
     slice per ``wait_group 6``, fewer live temporaries). So the A fragments stay in the one set of 32 registers
-    that ptxas keeps for wgmma operands (no copies), and four (six) wgmmas run while a slice is upcast. The summation order over k differs from the other modes (steps 0, 4, 1, 5, ...)."""
+    that ptxas keeps for wgmma operands (no copies), and four (six) wgmmas run while a slice is upcast. The
+    summation order over k differs from the other modes (steps 0, 4, 1, 5, ...)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
