@@ -274,10 +274,17 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_
 
 
 @gluon.jit
-def _issue_pair(lo, hi, x_lo, x_hi, l: gl.constexpr, acc):
-    """The two wgmmas of k16 steps l (low nibbles: x_lo) and l + 4 (high: x_hi) of one chunk."""
-    acc = warpgroup_mma(lo, x_lo.slice(16 * l, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(hi, x_hi.slice(16 * l, 16, dim=1).permute((1, 0)), acc, is_async=True)
+def _cat_k(a, b, a_layout: gl.constexpr):
+    """Two A tiles ``[BLOCK_N, 16]`` side by side along K: ``[BLOCK_N, 32]``, the same registers (checked)."""
+    ab = gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [a.shape[0], 32])
+    return gl.convert_layout(ab, a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, l: gl.constexpr, a_layout: gl.constexpr, acc):
+    """Steps l, l + 1 (x_lo) and l + 4, l + 5 (x_hi) as two K=32 wgmma ops: four wgmmas behind two fences."""
+    acc = warpgroup_mma(_cat_k(l0, l1, a_layout), x_lo.slice(16 * l, 32, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(_cat_k(h0, h1, a_layout), x_hi.slice(16 * l, 32, dim=1).permute((1, 0)), acc, is_async=True)
     return acc
 
 
@@ -285,13 +292,14 @@ def _issue_pair(lo, hi, x_lo, x_hi, l: gl.constexpr, acc):
 def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
                      num_warps: gl.constexpr):
-    """:func:`_consumer` with the packed upcast, pipelined per k16-step pair instead of per chunk: a chunk's wgmmas
-    are issued in the order of its slices (steps l and l + 4 from the same 16 bytes per row), and the next chunk's
-    slices l, l + 1 are upcast as soon as the wgmmas that read their registers have retired (``wgmma.wait_group
-    4``: the four oldest of the eight in flight), straight into those registers, then issued (BLOCK_M > 128: one
-    slice per ``wait_group 6``, fewer live temporaries). So the A fragments stay in the one set of 32 registers
-    that ptxas keeps for wgmma operands (no copies), and four (six) wgmmas run while a slice is upcast. The
-    summation order over k differs from the other modes (steps 0, 4, 1, 5, ...)."""
+    """:func:`_consumer` with the packed upcast, pipelined per half chunk instead of per chunk. A chunk is issued
+    as four K=32 ``warpgroup_mma`` ops (two wgmmas behind one fence and one commit group each), in the order of
+    its slices: steps 0-1 (low nibbles of slices 0-1), 4-5 (their high nibbles), 2-3, 6-7. The next chunk's
+    slices 0-1 are upcast as soon as the two oldest ops have retired (``wgmma.wait_group 2``), straight into the
+    registers those read, and issued; then slices 2-3 the same way. So the A fragments stay in the one set of 32
+    registers that ptxas keeps for wgmma operands (the per-chunk double buffer of the other modes costs 32 moves
+    a chunk, and an unrolled a/b pair of sets made ptxas sink half the upcasts past the wait), and four wgmmas run
+    while each half chunk is upcast. The summation order over k differs from the other modes."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -314,47 +322,35 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, fi
     l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
     l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    acc = _issue_pair(l0, h0, x_smem.index(0), x_smem.index(1), 0, acc)
-    acc = _issue_pair(l1, h1, x_smem.index(0), x_smem.index(1), 1, acc)
-    acc = _issue_pair(l2, h2, x_smem.index(0), x_smem.index(1), 2, acc)
-    acc = _issue_pair(l3, h3, x_smem.index(0), x_smem.index(1), 3, acc)
+    acc = _issue_two_pairs(l0, h0, l1, h1, x_smem.index(0), x_smem.index(1), 0, a_layout, acc)
+    acc = _issue_two_pairs(l2, h2, l3, h3, x_smem.index(0), x_smem.index(1), 2, a_layout, acc)
+    s = 0  # chunk i's stage and ready phase, stepped instead of i % STAGES, (i // STAGES) & 1 (a division for 3, 6)
+    phase = 0
     for i in range(1, n_chunks):
-        s = i % STAGES
+        prev = s
+        s += 1
+        if s == STAGES:
+            s = 0
+            phase ^= 1
         x_lo = x_smem.index(2 * s)
         x_hi = x_smem.index(2 * s + 1)
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        mbarrier.wait(ready.index(s), phase)
         w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
                                            gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
         m0, m1, m2, m3 = _packed_scales(nxt, km, sel)
         nxt = _load_word(s_ptrs + gl.minimum(i + 1, last), row_ok)
-        if BLOCK_M <= 128:  # two slices per wait
-            acc = warpgroup_mma_wait(num_outstanding=4, deps=(acc, l0, h0, l1, h1))[0]
-            l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
-            l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
-            acc = _issue_pair(l0, h0, x_lo, x_hi, 0, acc)
-            acc = _issue_pair(l1, h1, x_lo, x_hi, 1, acc)
-            acc = warpgroup_mma_wait(num_outstanding=4, deps=(acc, l2, h2, l3, h3))[0]
-            mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)  # chunk i - 1's wgmmas have all retired
-            l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
-            l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
-            acc = _issue_pair(l2, h2, x_lo, x_hi, 2, acc)
-            acc = _issue_pair(l3, h3, x_lo, x_hi, 3, acc)
-        else:  # one slice per wait: two slices' temporaries next to 128 accumulator registers spill
-            acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l0, h0))[0]
-            l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
-            acc = _issue_pair(l0, h0, x_lo, x_hi, 0, acc)
-            acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l1, h1))[0]
-            l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
-            acc = _issue_pair(l1, h1, x_lo, x_hi, 1, acc)
-            acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l2, h2))[0]
-            l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
-            acc = _issue_pair(l2, h2, x_lo, x_hi, 2, acc)
-            acc = warpgroup_mma_wait(num_outstanding=6, deps=(acc, l3, h3))[0]
-            mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
-            l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
-            acc = _issue_pair(l3, h3, x_lo, x_hi, 3, acc)
+        # two slices per wait, issued as two K=32 wgmma ops (one fence and one commit group each)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l0, h0, l1, h1))[0]
+        l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
+        l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
+        acc = _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, 0, a_layout, acc)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l2, h2, l3, h3))[0]
+        mbarrier.arrive(empty.index(prev), count=1)  # chunk i - 1's wgmmas have all retired
+        l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
+        l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
+        acc = _issue_two_pairs(l2, h2, l3, h3, x_lo, x_hi, 2, a_layout, acc)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l0, h0, l1, h1, l2, h2, l3, h3))[0]
-    mbarrier.arrive(empty.index((n_chunks - 1) % STAGES), count=1)
+    mbarrier.arrive(empty.index(s), count=1)
     return (acc, )
 
 
