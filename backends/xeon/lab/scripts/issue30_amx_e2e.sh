@@ -7,14 +7,8 @@
 #   llama-cpp-python==0.3.36` built it: the device has no network; the whole tree must stay under 64 MiB)
 # Outputs in $OUT: prefill.json/.txt, llama_cpp_peer_amx.json/.txt, lscpu.txt, gpu_suite.log.
 set -u
-T=${THREADS:-12}
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} MUSECORE_CACHE=/tmp/musecore-cache MUSECORE_NUM_THREADS=$T
-mkdir -p "$OUT"
-start=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .whl/stevedore-5.9.1-py3-none-any.whl \
-  -e ./quant -e . -e ./backends/triton -e ./backends/cuda -e ./backends/rocm -e ./backends/xeon 2>&1 | grep -v -i warning | tail -3
-lscpu > "$OUT/lscpu.txt" 2>&1
-ncpu=$(nproc)
+source "$(dirname "$0")/amx_device_prelude.sh"
+export MUSECORE_NUM_THREADS=$T
 if [ -n "${GPU_SUITE:-}" ]; then
   (MUSECORE_NUM_THREADS=$((ncpu - T)) taskset -c $T-$((ncpu - 1)) timeout ${GPU_S:-330} python3 -m pytest -q -m gpu \
      -p no:cacheprovider ${GPU_TESTS:-backends/triton/tests backends/cuda/tests backends/cuda/lab/tests backends/rocm/tests tests} \

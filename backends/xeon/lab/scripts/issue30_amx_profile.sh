@@ -5,14 +5,7 @@
 # the remaining cores, so that one device call does both, and with GLUON_NCU="SHAPE M CUT" its ncu profile after it. Outputs in $OUT: decode_profile_amx.{json,txt}, lscpu.txt,
 # and the Gluon session's files under $OUT/gluon.
 set -u
-T=${THREADS:-12}
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} MUSECORE_CACHE=/tmp/musecore-cache
-mkdir -p "$OUT"
-start=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .whl/stevedore-5.9.1-py3-none-any.whl \
-  -e ./quant -e . -e ./backends/triton -e ./backends/cuda -e ./backends/rocm -e ./backends/xeon 2>&1 | grep -v -i warning | tail -3
-lscpu > "$OUT/lscpu.txt" 2>&1
-ncpu=$(nproc)
+source "$(dirname "$0")/amx_device_prelude.sh"
 if [ -n "${GLUON:-}" ]; then
   mkdir -p "$OUT/gluon"
   (OUT="$OUT/gluon" LIMIT=${GLUON_S:-400} taskset -c $T-$((ncpu - 1)) bash backends/cuda/lab/scripts/gluon_session.sh \
