@@ -160,24 +160,20 @@ mov.u32 t, %laneid; and.b32 t, t, 3; mad.lo.u32 $0, t, 0x1010, 0x4808;
 # bits 2-5), combined by one lop3 that takes q where the mask is 0 and s & ~q where it is 1 (0x823C823C: bits 2-5, 9
 # and 15 of each lane): 7 integer instructions per two bf16 pairs, then one mul.rn.bf16x2 per pair by the row's
 # multiplier with both lanes taken from one half (the low half for the low nibbles, the high for the high).
-_UPCAST_PACKED_ASM = gl.constexpr("""{
-.reg .b32 y, s, a, b, m0, m1, lo, hi;
-.reg .b16 p0, p1;
-mov.b32 {p0, p1}, $16; mov.b32 m0, {p0, p0}; mov.b32 m1, {p1, p1};
-prmt.b32 y, $8, 0, 0x4140; prmt.b32 s, $8, 0, 0x9484;
-shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 $0, lo, m0;
-shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $4, hi, m1;
-prmt.b32 y, $12, 0, 0x4140; prmt.b32 s, $12, 0, 0x9484;
-shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 $2, lo, m0;
-shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $6, hi, m1;
-mov.b32 {p0, p1}, $18; mov.b32 m0, {p0, p0}; mov.b32 m1, {p1, p1};
-prmt.b32 y, $10, 0, 0x4140; prmt.b32 s, $10, 0, 0x9484;
-shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 $1, lo, m0;
-shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $5, hi, m1;
-prmt.b32 y, $14, 0, 0x4140; prmt.b32 s, $14, 0, 0x9484;
-shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 $3, lo, m0;
-shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 $7, hi, m1;
-}""")
+def _packed_upcast_asm():
+    """The text of ``_UPCAST_PACKED_ASM``: one block per 16-bit word (operand, low-nibble and high-nibble outputs),
+    the row's multiplier pair unpacked before the words of that row."""
+    word = ("prmt.b32 y, ${w}, 0, 0x4140; prmt.b32 s, ${w}, 0, 0x9484;\n"
+            "shl.b32 a, y, 6; shl.b32 b, y, 12; lop3.b32 lo, a, b, 0x81C081C0, 0xA8; mul.rn.bf16x2 ${lo}, lo, m0;\n"
+            "shl.b32 b, y, 2; lop3.b32 hi, s, b, 0x823C823C, 0x64; mul.rn.bf16x2 ${hi}, hi, m1;\n")
+    mult = "mov.b32 {{p0, p1}}, ${m}; mov.b32 m0, {{p0, p0}}; mov.b32 m1, {{p1, p1}};\n"
+    text = "{\n.reg .b32 y, s, a, b, m0, m1, lo, hi;\n.reg .b16 p0, p1;\n"
+    for m, words in ((16, ((8, 0, 4), (12, 2, 6))), (18, ((10, 1, 5), (14, 3, 7)))):
+        text += mult.format(m=m) + "".join(word.format(w=w, lo=lo, hi=hi) for w, lo, hi in words)
+    return text + "}"
+
+
+_UPCAST_PACKED_ASM = gl.constexpr(_packed_upcast_asm())
 
 
 # One scale word per row, ``ld.global`` (L1-cached) with a 256-byte L2 prefetch hint: the row's next 31 chunks'

@@ -36,11 +36,18 @@ EB = 126        # fp4_gemm_gluon.EB
 # CPU: the packed upcast's PTX, interpreted
 
 def kernel_asm(name: str) -> str:
-    """The PTX string of ``name = gl.constexpr(\"\"\"...\"\"\")`` in fp4_gemm_gluon.py (parsed, not imported)."""
+    """The PTX string of ``name = gl.constexpr(\"\"\"...\"\"\")`` or ``name = gl.constexpr(f())`` in fp4_gemm_gluon.py
+    (parsed, not imported: the module needs Triton's Gluon; ``f`` is a plain-Python module function, run alone)."""
     tree = ast.parse((LAB / "fp4_gemm_gluon.py").read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     for node in tree.body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
-            return node.value.args[0].value
+            arg = node.value.args[0]
+            if isinstance(arg, ast.Constant):
+                return arg.value
+            namespace: dict = {}
+            exec(compile(ast.Module([functions[arg.func.id]], []), "fp4_gemm_gluon.py", "exec"), namespace)
+            return namespace[arg.func.id]()
     raise AssertionError(f"{name} not found in fp4_gemm_gluon.py")
 
 
