@@ -5,7 +5,8 @@ What is native here, and why (``supports`` answers from this table, never optimi
 * NVFP4 / MXFP4 weights with 16-bit activations (W4A16): FP4 is upcast in registers and fed to
   bf16/fp16 tensor cores. Decode (M < 16 bf16, M <= 2 fp16) and mid-size M (bf16) run CUDA C++
   kernels compiled with NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`, ``fp4_gemm_cuda``; sources in
-  ``csrc/``), large M a bf16 copy of the weight made per call and cuBLAS, fp16 beyond decode the
+  ``csrc/``), NVFP4 at M 17-256 the Gluon GEMM (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`) where Triton's
+  Gluon runs, large M a bf16 copy of the weight made per call and cuBLAS, fp16 beyond decode the
   portable Triton GEMM of :mod:`musecore_triton` (thresholds measured: :mod:`musecore_cuda.choices`,
   which also tells the plan every choice). Run and measured on SM90
   (H200); on SM100 the same kernels would run but have not been, so they are reported as emulated.
@@ -36,7 +37,7 @@ from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_cuda import choices
 from musecore_cuda.choices import DEQUANT_MIN_M, GEMM_MIN_M  # noqa: F401  (the crossovers, re-exported)
 from musecore_cuda.fp8 import TOKEN_ACT, Fp8Resident, fp8_linear, fp8_linear_rows, prepare_fp8
-from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
+from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan
 from musecore_cuda.kernels.fp8_moe import fp8_moe
 from musecore_cuda.kernels.moe_decode import moe_decode_gemv, use_gemv
 from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
@@ -58,8 +59,10 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*lead, w.out_features)
-    path = fp4_linear_path(x2.shape[0], x.dtype, x.device, w.out_features * w.in_features)
-    if path in ("mma", "fma"):
+    path = fp4_linear_path(x2.shape[0], x.dtype, x.device, w.out_features * w.in_features, weight_format=w.format)
+    if path == "gluon":
+        y = fp4_gluon_linear(x2, w)
+    elif path in ("mma", "fma"):
         y = fp4_decode_linear(x2, w, path)
     elif path == "dequant":
         y = fp4_dequant_linear(x2, w)
@@ -70,13 +73,16 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     return y.reshape(*lead, w.out_features)
 
 
-def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int) -> str:
-    """Which kernel ``fp4_linear`` runs for ``m`` rows against a weight of ``weights`` elements: "mma" /
-    "fma" (CUDA C++ decode kernels), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
+def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int, *, weight_format: str) -> str:
+    """Which kernel ``fp4_linear`` runs for ``m`` rows against a ``weight_format`` ("nvfp4" / "mxfp4") weight of
+    ``weights`` elements: "gluon" (the Gluon GEMM: NVFP4, bf16, M 17-256, where it runs and is not switched off),
+    "mma" / "fma" (CUDA C++ decode kernels), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
     "tiled" (Triton W4A16 GEMM: fp16 activations beyond the decode kernels, or no NVRTC)."""
-    if not fp4_gemv_cuda.available(device):
+    gluon = choices.gluon_enabled() and fp4_gluon_plan.available(device)
+    path = choices.fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon)
+    if path != "gluon" and not fp4_gemv_cuda.available(device):
         return "tiled"
-    return choices.fp4_path_for(m, dtype)
+    return path
 
 
 def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
@@ -91,6 +97,24 @@ def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
                              out=dense)
     return F.linear(x2, dense)
+
+
+def fp4_gluon_linear(x2: torch.Tensor, w: Fp4Resident,
+                     cfg: Optional["fp4_gluon_plan.GluonConfig"] = None) -> torch.Tensor:
+    """2-D ``x2 @ W.T`` (bf16, NVFP4) through the Gluon W4A16 GEMM, with ``cfg`` or
+    :func:`~musecore_cuda.kernels.fp4_gluon_plan.pick_config`'s launch (arithmetic only: safe in graph capture)."""
+    from musecore_cuda.kernels import fp4_gemm_gluon  # needs Gluon: imported once fp4_linear_path said "gluon"
+    m, n, k = x2.shape[0], w.out_features, w.in_features
+    if cfg is None:
+        cfg = fp4_gluon_plan.pick_config(m, n, k, fp4_gluon_plan.sm_count(x2.device.index))
+    x2 = x2.contiguous()
+    if x2.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
+        x2 = x2.clone()
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x2.device) if cfg.split_k > 1
+           else torch.empty(m, n, dtype=x2.dtype, device=x2.device))
+    fp4_gemm_gluon.launch(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
+                          n=n, k=k, out=out, cfg=cfg)
+    return out.to(x2.dtype)
 
 
 def fp4_gemm_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:

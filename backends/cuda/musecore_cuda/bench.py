@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from musecore.benchmarking import cycle, rotating
-from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear, fp4_linear,
-                                   fp4_linear_path, fp4_tiled_linear)
-from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear,
+                                   fp4_gluon_linear, fp4_linear, fp4_linear_path, fp4_tiled_linear)
+from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan
 from musecore_cuda.kernels.moe_decode import use_gemv
 
 LINEAR_SHAPES = {  # name: (N, K) of the 816B preset (H 8192, 128 q heads and 16 kv heads x 64, h = I = 4096)
@@ -108,10 +108,12 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             rows.append(_linear_row("bf16", name, n, k, m, t_bf16, t_bf16, n * k * 2 + act_bytes, ceiling))
             for fmt, ws in fp4.items():
                 t = time_us(cycle(ws, lambda w: fp4_linear(x, w))) / len(ws)
-                path = fp4_linear_path(m, x.dtype, x.device, n * k)
+                path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
                 rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, ws[0].nbytes + act_bytes, ceiling, path))
                 if fmt == "nvfp4":  # the other paths at the same M, for comparison
                     others = {"tiled": fp4_tiled_linear, "dequant": fp4_dequant_linear, "gemm": fp4_gemm_linear}
+                    if m >= 16 and fp4_gluon_plan.available(x.device):  # its pick_config launch, also off its range
+                        others["gluon"] = fp4_gluon_linear
                     if path == "mma" and m <= fp4_gemv_cuda.FMA_MAX_M:
                         others["fma"] = functools.partial(fp4_decode_linear, kind="fma")
                     if path in ("mma", "fma"):
@@ -160,7 +162,7 @@ def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = (1, 
             nbytes = ours[0].nbytes + act_bytes  # both hold MXFP4: 4.25 bits per weight
             t = time_us(cycle(ours, lambda w: fp4_linear(x, w))) / len(ours)
             rows.append(_linear_row("mxfp4", name, n, k, m, t, t_bf16, nbytes, ceiling,
-                                    fp4_linear_path(m, x.dtype, x.device, n * k)))
+                                    fp4_linear_path(m, x.dtype, x.device, n * k, weight_format="mxfp4")))
             try:
                 t = time_us(cycle(peers, lambda layer: layer(x))) / len(peers)
             except Exception as exc:  # noqa: BLE001
@@ -345,7 +347,8 @@ def bench_fp8(shapes: tuple[str, ...] = FP8_LINEAR_SHAPES, ms: tuple[int, ...] =
             for fmt, path, t, nbytes in (("bf16", "cuBLAS", t_bf16, n * k * 2 + act),
                                          ("fp8", "per-token quantize + row-wise _scaled_mm", t_fp8, n * k + act),
                                          ("fp8", "row-wise _scaled_mm alone (rows pre-quantized)", t_mm, n * k + act),
-                                         ("nvfp4", fp4_linear_path(m, x.dtype, x.device, n * k), t_fp4,
+                                         ("nvfp4", fp4_linear_path(m, x.dtype, x.device, n * k,
+                                                                   weight_format="nvfp4"), t_fp4,
                                           fp4_ws[0].nbytes + act)):
                 rows.append({**_linear_row(fmt, name, n, k, m, t, t_bf16, nbytes, ceiling, path), "case": "fp8",
                              "gpu": gpu})
@@ -425,8 +428,9 @@ def bench_targets() -> list[dict]:
 
     def default_ratio(ms):
         return [r["speedup_vs_bf16"] for r in linear
-                if r["format"] == "nvfp4" and r["M"] in ms and r["path"] == fp4_linear_path(r["M"], torch.bfloat16,
-                                                                                          torch.device("cuda"), 1)]
+                if r["format"] == "nvfp4" and r["M"] in ms
+                and r["path"] == fp4_linear_path(r["M"], torch.bfloat16, torch.device("cuda"), 1,
+                                                 weight_format="nvfp4")]
     out = [summary("linear M<=16 (NVFP4 vs BF16 cuBLAS)", 3.0, "x", default_ratio((1, 2, 4, 8, 16)),
                    "7 shapes x M 1,2,4,8,16, the default path"),
            summary("linear M=64", 1.5, "x", default_ratio((64,)), "7 shapes"),

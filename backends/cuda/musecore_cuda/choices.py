@@ -4,8 +4,10 @@
 The crossovers were measured on the H200 (backends/cuda/lab/NOTES.md): for bf16 activations the
 CUDA C++ tensor-core GEMV up to 15 rows, the CUDA C++ tiled GEMM from ``GEMM_MIN_M`` rows, and from
 ``DEQUANT_MIN_M`` rows a transient bf16 copy of the weight and cuBLAS (compute-bound there, where
-cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). What depends on the GPU
-itself (SM count, occupancy, whether NVRTC compiles) is decided at load and says so.
+cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). NVFP4 weights at
+``GLUON_MIN_M``-``GLUON_MAX_M`` rows take the Gluon GEMM instead where it can run (SM 9.x, Triton's
+Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0`` turns it off). What depends on the GPU itself (SM count,
+occupancy, whether NVRTC compiles, whether Gluon runs) is decided at load and says so.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
-from musecore_cuda.kernels import fp4_gemv_cuda, pdl
+from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, pdl
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES
 from musecore_triton.kernels.fp4_gemm import tile_regime
 from musecore_triton.kernels.moe import uses_dense_decode
@@ -25,12 +27,31 @@ from musecore_triton.layouts import FP4_GROUP
 FP4_FORMATS = ("nvfp4", "mxfp4")
 GEMM_MIN_M, DEQUANT_MIN_M = 16, 128
 INTERPRET_ENV = "TRITON_INTERPRET"
+# The Gluon GEMM's rows (H200, session 40 sweep, backends/cuda/lab/results/cuda_gluon_sweep_s40_packed.json, us,
+# gluon's best cut vs today's path): at M=64 and 256 it beat today's path on all four 816B shapes (q_proj 8192->8192:
+# 28.7 vs 60.5 gemm, 49.1 vs 99.4 dequant; expert_up 4096->8192: 15.9 vs 36.8, 26.5 vs 53.1; expert_down 4096->4096:
+# 14.3 vs 24.0, 18.5 vs 28.2; k_proj 8192->1024: 11.1 vs 15.6, 18.8 vs 20.3); at M=16 the CUDA C++ GEMM was as fast
+# or faster on expert_down (12.3 vs 13.2), so M <= 16 keeps the decode kernels and the GEMM; at M=4096 dequant +
+# cuBLAS won everywhere (215.9 vs 261.6 on expert_down). The crossover between 256 and 4096 is unmeasured.
+GLUON_MIN_M, GLUON_MAX_M = 17, 256
+GLUON_ENV = "MUSECORE_CUDA_GLUON"
+GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
 
 
-def fp4_path_for(m: int, dtype: torch.dtype) -> str:
-    """The FP4 linear kernel for ``m`` rows of ``dtype`` activations when NVRTC is available: "mma" /
-    "fma" (CUDA C++ decode GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
-    "tiled" (Triton W4A16 GEMM)."""
+def gluon_enabled() -> bool:
+    """False when ``MUSECORE_CUDA_GLUON=0``; unset or 1: the Gluon GEMM is used where it can run."""
+    setting = os.environ.get(GLUON_ENV, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{GLUON_ENV} must be 0 (off) or 1 (on, the default); got {setting!r}")
+    return setting == "1"
+
+
+def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gluon: bool = False) -> str:
+    """The FP4 linear kernel for ``m`` rows of ``dtype`` activations when NVRTC is available: "gluon" (the Gluon
+    W4A16 GEMM, only when ``gluon``: it can run here and is not switched off), "mma" / "fma" (CUDA C++ decode
+    GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or "tiled" (Triton W4A16 GEMM)."""
+    if gluon and dtype == torch.bfloat16 and weight_format in GLUON_FORMATS and GLUON_MIN_M <= m <= GLUON_MAX_M:
+        return "gluon"
     if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
         return "dequant" if m >= DEQUANT_MIN_M else "gemm"
     return fp4_gemv_cuda.kind_for(m, dtype) or "tiled"
@@ -48,15 +69,18 @@ PATH_NAMES = {
     "gemm": "CUDA C++ tiled tensor-core GEMM (NVRTC, fp4_gemm_mma)",
     "dequant": "dequantize to a transient bf16 copy + cuBLAS",
     "tiled": "Triton W4A16 GEMM (musecore_triton)",
+    "gluon": "Gluon W4A16 GEMM (swap-AB, register-A wgmma, TMA ring, packed upcast; fp4_gemm_gluon)",
 }
 
 
-def _m_ranges(dtype: torch.dtype, top: int = 1 << 16) -> list[tuple[int, Optional[int], str]]:
+def _m_ranges(dtype: torch.dtype, *, weight_format: str = "nvfp4",
+              gluon: bool = False) -> list[tuple[int, Optional[int], str]]:
     """Consecutive M ranges ``(first, last or None, path)`` over which :func:`fp4_path_for` is constant."""
     ranges: list[tuple[int, Optional[int], str]] = []
-    edges = sorted({1, 2, 3, fp4_gemv_cuda.FMA_MAX_M + 1, fp4_gemv_cuda.MAX_M + 1, GEMM_MIN_M, DEQUANT_MIN_M})
+    edges = sorted({1, 2, 3, fp4_gemv_cuda.FMA_MAX_M + 1, fp4_gemv_cuda.MAX_M + 1, GEMM_MIN_M, DEQUANT_MIN_M,
+                    GLUON_MIN_M, GLUON_MAX_M + 1})
     for m in edges:
-        path = fp4_path_for(m, dtype)
+        path = fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon)
         if ranges and ranges[-1][2] == path:
             continue
         if ranges:
@@ -71,12 +95,37 @@ def _span(first: int, last: Optional[int]) -> str:
     return f"M = {first}" if first == last else f"M {first}-{last}"
 
 
-def _fp4_linear_choices(shape: LinearShape) -> list[KernelChoice]:
+def gluon_fallback_reason(weight_format: str, arch: str) -> Optional[str]:
+    """Why FP4 linears of ``weight_format`` on ``arch`` keep today's rule at M 17-256 instead of the Gluon GEMM,
+    or None when the plan routes them to it (checked again at load on the real GPU)."""
+    if weight_format not in GLUON_FORMATS:
+        return f"the Gluon GEMM takes NVFP4 only (e4m3 group-16 scales); {weight_format} keeps the CUDA C++ paths"
+    if not gluon_enabled():
+        return f"the Gluon GEMM is switched off ({GLUON_ENV}=0)"
+    if arch and arch != "sm90":
+        return f"the Gluon GEMM is written for SM90 (wgmma, TMA); the profile is {arch}"
+    return fp4_gluon_plan.import_problem()
+
+
+GLUON_PLAN_SMS = 132  # the H200's SM count, for the config the plan shows; at load the GPU's own count is used
+
+
+def _gluon_reason(n: int, k: int, first: int) -> str:
+    cfg = fp4_gluon_plan.pick_config(first, n, k, GLUON_PLAN_SMS)
+    return (f"NVFP4, M {GLUON_MIN_M}-{GLUON_MAX_M}: beat today's path 1.08-2.3x on the 816B shapes (H200, M=64 and "
+            f"256); launch from M, N, K and the SM count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}); "
+            "today's rule applies if the GPU at load is not SM 9.x or Triton lacks Gluon's Hopper API")
+
+
+def _fp4_linear_choices(shape: LinearShape, arch: str = "") -> list[KernelChoice]:
     n, k = shape.out_features, shape.in_features
     label = f"{shape.name} {shape.weight_format} {k}->{n}"
+    fallback = gluon_fallback_reason(shape.weight_format, arch)
     out = []
-    for first, last, path in _m_ranges(torch.bfloat16):
-        if path == "mma":
+    for first, last, path in _m_ranges(torch.bfloat16, weight_format=shape.weight_format, gluon=fallback is None):
+        if path == "gluon":
+            reason = _gluon_reason(n, k, first)
+        elif path == "mma":
             plan = fp4_gemv_cuda.make_plan(first, n, k, torch.bfloat16, torch.device("cpu"), kind="mma")
             reason = (f"decode: weights stream once, upcast in registers into mma.m16n8k16; at M={first} "
                       f"split_k={plan.split_k}, k_warps={plan.k_warps}, tile={plan.tile}")
@@ -88,7 +137,10 @@ def _fp4_linear_choices(shape: LinearShape) -> list[KernelChoice]:
                       f"(transient {n * k * 2 / 2**20:.0f} MiB per call)")
         else:
             reason = "no CUDA C++ kernel for this M"
-        out.append(KernelChoice(f"linear {label}, bf16, {_span(first, last)}", PATH_NAMES[path], reason))
+        if fallback and path in ("gemm", "dequant") and first <= GLUON_MAX_M:
+            reason += f"; not the Gluon GEMM: {fallback}"
+        env = GLUON_ENV if path == "gluon" or (fallback and GLUON_ENV in fallback) else ""
+        out.append(KernelChoice(f"linear {label}, bf16, {_span(first, last)}", PATH_NAMES[path], reason, env=env))
     return out
 
 
@@ -182,7 +234,7 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
         elif shape.experts:
             out += _expert_choices(shape)
         elif shape.weight_format in FP4_FORMATS:
-            out += _fp4_linear_choices(shape)
+            out += _fp4_linear_choices(shape, arch)
         elif shape.weight_format == "fp8":
             out.append(KernelChoice(f"linear {shape.name} fp8 {shape.in_features}->{shape.out_features}",
                                     "cuBLASLt W8A8 (torch._scaled_mm)", "per-tensor FP8 weights and activations"))
@@ -215,6 +267,9 @@ def env_settings() -> list[EnvSetting]:
                    "programmatic dependent launch: 1 every kernel, 0 none, or a comma list of kernel names"),
         EnvSetting(pdl.EARLY_ENV, os.environ.get(pdl.EARLY_ENV), "1: " + ",".join(pdl.EARLY_DEFAULT),
                    "kernels (launched with PDL) that let the next one start from their top: 1, 0 or names"),
+        EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16) "
+                   "take the Gluon GEMM on SM 9.x with Triton's Gluon Hopper API",
+                   "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
         EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "unset",
                    "1 runs the Triton kernels in Triton's CPU interpreter on a 'cpu' backend (tests only)"),
     ]

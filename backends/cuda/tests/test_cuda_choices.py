@@ -13,7 +13,10 @@ from musecore.backends.base import LinearShape
 from musecore.devices import get_profile
 
 from musecore_cuda import CudaBackend
-from musecore_cuda.kernels import pdl
+from musecore_cuda.backend import fp4_linear_path
+from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, fp4_path_for
+from musecore_cuda.kernels import fp4_gluon_plan, pdl
+from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
 from musecore_triton.layouts import prepare_fp4
 
 # The 816B preset's shapes (H 8192, h = I = 4096, 256 experts, top-8): FP4 linears as an all-NVFP4
@@ -29,7 +32,14 @@ LINEARS_816B = [
 
 
 @pytest.fixture
-def choices(monkeypatch):
+def gluon_importable(monkeypatch):
+    """The plan as on a machine whose Triton has Gluon's Hopper API (CI's may not)."""
+    monkeypatch.delenv(GLUON_ENV, raising=False)
+    monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: None)
+
+
+@pytest.fixture
+def choices(monkeypatch, gluon_importable):
     monkeypatch.delenv(pdl.ENV, raising=False)
     return CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200"))
 
@@ -42,11 +52,120 @@ def _choice(choices, *words):
 
 def test_fp4_linear_names_each_path_per_m_range(choices):
     assert "tensor-core GEMV" in _choice(choices, "q_proj", "M 1-15").choice
-    assert "tiled tensor-core GEMM" in _choice(choices, "q_proj", "M 16-127").choice
-    dequant = _choice(choices, "q_proj", "M >= 128")
+    assert "tiled tensor-core GEMM" in _choice(choices, "q_proj", "M = 16").choice
+    gluon = _choice(choices, "q_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}")
+    assert "Gluon W4A16 GEMM" in gluon.choice and gluon.env == GLUON_ENV
+    assert "64,32,1,4,packed" in gluon.reason  # the launch at M=17 on an H200's 132 SMs
+    assert "64,32,8,4,packed" in _choice(choices, "k_proj", "M 17-256").reason  # narrow N: split-K fills the SMs
+    dequant = _choice(choices, "q_proj", f"M >= {GLUON_MAX_M + 1}")
     assert "bf16 copy + cuBLAS" in dequant.choice and "128 MiB" in dequant.reason  # the transient copy
-    assert "decided at load" in _choice(choices, "k_proj", "M 16-127").reason  # needs the GPU's SM count
+    assert "decided at load" in _choice(choices, "k_proj", "M = 16").reason  # needs the GPU's SM count
     assert "Triton W4A16 GEMM" in _choice(choices, "fp16 activations").choice
+
+
+def _q_proj_ranges(fmt: str = "nvfp4", profile: str = "h200") -> dict[str, tuple[str, str]]:
+    out = CudaBackend().kernel_choices([LinearShape("q_proj", 8192, 8192, fmt)], get_profile(profile))
+    return {c.what.split(", bf16, ")[1]: (c.choice, c.reason) for c in out if c.what.startswith("linear q_proj")}
+
+
+def test_mxfp4_keeps_the_cuda_cpp_gemm_and_dequant_with_the_reason(gluon_importable):
+    ranges = _q_proj_ranges("mxfp4")
+    assert set(ranges) == {"M 1-15", "M 16-127", "M >= 128"}
+    assert "tiled tensor-core GEMM" in ranges["M 16-127"][0] and "NVFP4 only" in ranges["M 16-127"][1]
+    assert "NVFP4 only" in ranges["M >= 128"][1]
+
+
+def test_gluon_switched_off_by_env_restores_todays_ranges_and_says_so(monkeypatch, gluon_importable):
+    monkeypatch.setenv(GLUON_ENV, "0")
+    ranges = _q_proj_ranges()
+    assert set(ranges) == {"M 1-15", "M 16-127", "M >= 128"}
+    assert f"{GLUON_ENV}=0" in ranges["M 16-127"][1]
+    assert {s.name: s for s in CudaBackend().env_settings()}[GLUON_ENV].value == "0"
+    monkeypatch.setenv(GLUON_ENV, "no")
+    with pytest.raises(ValueError, match=f"{GLUON_ENV} must be 0"):
+        _q_proj_ranges()
+
+
+def test_gluon_unavailable_falls_back_to_todays_rule_and_the_plan_says_why(monkeypatch):
+    monkeypatch.delenv(GLUON_ENV, raising=False)
+    monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: "triton 3.4 has no usable Gluon Hopper API (x)")
+    ranges = _q_proj_ranges()
+    assert set(ranges) == {"M 1-15", "M 16-127", "M >= 128"}
+    assert "triton 3.4 has no usable Gluon" in ranges["M 16-127"][1]
+    monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: None)
+    assert "SM90" in _q_proj_ranges(profile="b200")["M 16-127"][1]  # the kernel is SM90-only
+
+
+def test_fp4_path_for_takes_gluon_only_for_nvfp4_bf16_in_its_m_range():
+    bf16 = torch.bfloat16
+    paths = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True) for m in (15, 16, 17, 100, 256, 257)}
+    assert paths == {15: "mma", 16: "gemm", 17: "gluon", 100: "gluon", 256: "gluon", 257: "dequant"}
+    assert fp4_path_for(64, bf16, weight_format="mxfp4", gluon=True) == "gemm"
+    assert fp4_path_for(64, torch.float16, weight_format="nvfp4", gluon=True) == "tiled"
+    assert fp4_path_for(64, bf16, weight_format="nvfp4", gluon=False) == "gemm"
+
+
+def test_fp4_linear_path_without_a_gpu_never_takes_gluon():
+    assert fp4_gluon_plan.unavailable_reason(torch.device("cpu")).startswith("the Gluon GEMM runs on NVIDIA GPUs")
+    assert fp4_linear_path(64, torch.bfloat16, torch.device("cpu"), 1, weight_format="nvfp4") == "tiled"
+
+
+def test_package_imports_and_plans_without_gluon():
+    """CI may have a Triton without ``triton.experimental.gluon``: the backend imports, the kernel module is not
+    imported, and the plan keeps today's rule with the import error as its reason."""
+    import subprocess
+    import sys
+    code = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("triton.experimental.gluon"):
+            raise ImportError(f"blocked {name}")
+sys.meta_path.insert(0, Block())
+from musecore.backends.base import LinearShape
+from musecore.devices import get_profile
+from musecore_cuda import CudaBackend
+assert "musecore_cuda.kernels.fp4_gemm_gluon" not in sys.modules
+out = CudaBackend().kernel_choices([LinearShape("q_proj", 8192, 8192, "nvfp4")], get_profile("h200"))
+print([(c.what, c.reason) for c in out if "M 16-127" in c.what])
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != GLUON_ENV}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "no usable triton.experimental.gluon Hopper API" in res.stdout, res.stdout
+
+
+# The sweep's best block_n 64 cut at the points it measured (H200, 132 SMs; cuda_gluon_sweep_s40_packed.json)
+@pytest.mark.parametrize("m,n,k,cut", [
+    (64, 8192, 8192, "64,64,1,4,packed"),     # q_proj: 28.7 us
+    (256, 8192, 8192, "64,256,1,3,packed"),   # 49.1 us
+    (64, 8192, 4096, "64,64,1,4,packed"),     # expert_up: 15.9 us
+    (256, 8192, 4096, "64,256,1,3,packed"),   # 26.5 us
+    (64, 4096, 4096, "64,32,1,4,packed"),     # expert_down: 14.3 us (32 tokens: 128 CTAs)
+    (256, 4096, 4096, "64,128,1,4,packed"),   # 18.5 us (stages 6: same time)
+])
+def test_pick_config_picks_the_measured_best_cut(m, n, k, cut):
+    assert pick_config(m, n, k, 132).label() == cut
+
+
+@pytest.mark.parametrize("n,k", [(8192, 8192), (1024, 8192), (8192, 4096), (4096, 4096), (320, 1024), (64, 256)])
+def test_pick_config_fits_shared_memory_and_divides_k(n, k):
+    for m in range(GLUON_MIN_M, GLUON_MAX_M + 1):
+        for sms in (78, 114, 132):
+            cfg = pick_config(m, n, k, sms)
+            chunks = k // 128
+            assert cfg.smem_bytes() <= SMEM_BYTES and cfg.stages >= 2, cfg
+            assert chunks % cfg.split_k == 0 and (cfg.split_k == 1 or chunks // cfg.split_k >= 2), cfg
+            assert cfg.block_m >= min(m, 16) and cfg.block_n == 64 and cfg.upcast == "packed", cfg
+    assert pick_config(64, 1024, 8192, 132).split_k > 1  # 16 weight tiles on 132 SMs: split-K
+
+
+def test_gluon_config_validates():
+    with pytest.raises(ValueError, match="block_n"):
+        fp4_gluon_plan.GluonConfig(96, 32, 1, 4)
+    with pytest.raises(ValueError, match="upcast must be one of"):
+        fp4_gluon_plan.GluonConfig(64, 32, 1, 4, upcast="fp8")
+    assert fp4_gluon_plan.GluonConfig(64, 32, 1, 4, asm_upcast=True).upcast == "asm"
 
 
 def test_moe_names_the_gemv_up_to_e_assignments_and_the_grouped_gemm_beyond(choices):

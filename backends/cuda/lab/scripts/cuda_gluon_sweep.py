@@ -1,10 +1,16 @@
-"""Sweep the Gluon W4A16 GEMM (``fp4_gemm_gluon``: swap-AB, register-A ``wgmma``, TMA ring, a loader warp) at the
-816B linear shapes, next to BF16 cuBLAS, the path ``fp4_linear`` takes today and dequantize + cuBLAS, all measured
+"""Sweep the Gluon W4A16 GEMM (``musecore_cuda.kernels.fp4_gemm_gluon``: swap-AB, register-A ``wgmma``, TMA ring, a
+loader warp) at the 816B linear shapes, next to BF16 cuBLAS, the path ``fp4_linear`` takes (with
+``MUSECORE_CUDA_GLUON=0`` in the environment: the path before the Gluon GEMM) and dequantize + cuBLAS, all measured
 in one process. Every cut is first checked against an fp32 product of the dequantized weight (NMSE within the
-linear op's tolerance), then timed like ``musecore bench`` (CUDA-graph replays, weights rotated past L2)::
+linear op's tolerance), then timed like ``musecore bench`` (CUDA-graph replays, weights rotated past L2).
+
+Every gluon row carries ``config`` (its cut as ``block_n,block_m,split_k,stages,upcast``); the fastest of a point is
+marked ``best``; ``impl == "gluon routed"`` is the launch ``fp4_gluon_plan.pick_config`` chooses for the point on
+this GPU (also among the cuts when it is one of them), timed on its own, so a run both refines the heuristic and
+checks it (``best_config`` / ``routed_vs_best`` on the routed row)::
 
     python backends/cuda/lab/scripts/cuda_gluon_sweep.py [--ms 16,64,128,256,1024,4096] [--shapes q_proj,...]
-        [--out backends/cuda/lab/results/cuda_gluon_sweep.json] [--precompile 12]
+        [--out backends/cuda/lab/results/cuda_gluon_sweep.json] [--precompile 12] [--routed-only]
 """
 
 from __future__ import annotations
@@ -22,15 +28,14 @@ import torch
 
 from musecore_cuda.bench import LINEAR_SHAPES, memory_ceiling_gbps
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab: the Gluon kernel
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # the swap-AB sweep's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the GEMV / GEMM sweeps' helpers
 
 SMEM = 220 * 1024
-# GLUON_UPCAST: which upcasts of fp4_gemm_gluon the cuts use: int16 (the measured default), asm, packed, a comma list
-# of those, both (int16,asm) or all (int16,asm,packed)
+# GLUON_UPCAST: which upcasts of fp4_gemm_gluon the cuts use: packed (the routed one, the default), int16, asm, a
+# comma list of those, both (int16,asm) or all (int16,asm,packed)
 _UPCAST_SETS = {"both": ("int16", "asm"), "all": ("int16", "asm", "packed")}
-UPCASTS = _UPCAST_SETS.get(os.environ.get("GLUON_UPCAST", "int16"),
-                           tuple(os.environ.get("GLUON_UPCAST", "int16").split(",")))
+UPCASTS = _UPCAST_SETS.get(os.environ.get("GLUON_UPCAST", "packed"),
+                           tuple(os.environ.get("GLUON_UPCAST", "packed").split(",")))
 
 
 def block_ms(m: int) -> tuple[int, ...]:
@@ -56,8 +61,14 @@ def fill_split(m: int, n: int, k: int, bn: int, bm: int, sms: int = 132) -> int:
     return split
 
 
+def routed(m: int, n: int, k: int):
+    """The launch ``fp4_linear``'s gluon path picks for this point on this GPU."""
+    from musecore_cuda.kernels.fp4_gluon_plan import pick_config, sm_count
+    return pick_config(m, n, k, sm_count(torch.cuda.current_device()))
+
+
 def cuts(m: int, n: int, k: int):
-    from fp4_gemm_gluon import GluonConfig
+    from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
     seen = set()
     for bn in (64, 128):
         for bm in block_ms(m):
@@ -65,7 +76,7 @@ def cuts(m: int, n: int, k: int):
                 continue  # 2 warpgroups x 128 accumulator registers: over the 240 the partition gets
             stage = bn * 64 + bm * 256
             split = fill_split(m, n, k, bn, bm)
-            for stages in sorted({min(8, SMEM // stage), 4} - {0, 1}):
+            for stages in sorted({min(8, SMEM // stage), min(4, SMEM // stage)} - {0, 1}):
                 # split 1 always: runs 1-2 filled the SMs by split-K only, and with acq_rel atomics every split lost
                 for sk in sorted({1, split} | ({split * 2} if m <= 64 else set())):
                     if (k // 128) % sk or (k // 128) // sk < 2:
@@ -78,13 +89,9 @@ def cuts(m: int, n: int, k: int):
 
 
 def run(x, w, cfg):
-    import fp4_gemm_gluon as gk
-    n, k = w.out_features, w.in_features
-    out = (torch.zeros(x.shape[0], n, device=x.device, dtype=torch.float32) if cfg.split_k > 1
-           else torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype))
-    gk.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2, n=n, k=k,
-              out=out, cfg=cfg)
-    return out.to(x.dtype)
+    """One launch of ``cfg`` through the backend's own wrapper (the routed path's buffers and checks)."""
+    from musecore_cuda.backend import fp4_gluon_linear
+    return fp4_gluon_linear(x, w, cfg)
 
 
 def _compile_worker(jobs):
@@ -109,7 +116,7 @@ def precompile(ms, shapes, procs):
     for name in shapes:
         n, k = LINEAR_SHAPES[name]
         for m in ms:
-            for cfg in cuts(m, n, k):
+            for cfg in [routed(m, n, k)] + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
@@ -119,7 +126,7 @@ def precompile(ms, shapes, procs):
         print("   ", f, flush=True)
 
 
-def sweep(ms, shapes, out_path, meta):
+def sweep(ms, shapes, out_path, meta, routed_only=False):
     from cuda_gemv_sweep import checked_time, sweep_points
     from cuda_gemm_sweep import point_rows
     ceiling = memory_ceiling_gbps()["ceiling_gbps"]
@@ -127,37 +134,42 @@ def sweep(ms, shapes, out_path, meta):
     for p in sweep_points(ms, shapes, "nvfp4"):
         name, n, k, m = p.case.name, p.case.n, p.case.k, p.m
         row, now, deq = point_rows(p, "nvfp4", ceiling, rows)
-        results = []
-        for cfg in cuts(m, n, k):
+        results, chosen = [], routed(m, n, k)
+        for impl, cfg in [("gluon routed", chosen)] + ([] if routed_only else [("gluon", c) for c in cuts(m, n, k)]):
             try:
-                t, err = checked_time(p, lambda x, w: run(x, w, cfg), f"gluon {cfg}")
+                t, err = checked_time(p, lambda x, w: run(x, w, cfg), f"{impl} {cfg.label()}")
             except SystemExit as e:  # wrong result: recorded, never timed
                 print(f"    FAILED {e}", flush=True)
-                rows.append({"shape": f"{name} {k}->{n}", "M": m, "impl": "gluon", "plan": cfg.__dict__,
-                             "failed": str(e)})
+                rows.append({"shape": f"{name} {k}->{n}", "M": m, "impl": impl, "config": cfg.label(),
+                             "plan": cfg.__dict__, "failed": str(e)})
                 continue
             except Exception as e:  # out of resources
-                print(f"    skip {cfg}: {type(e).__name__}", flush=True)
+                print(f"    skip {cfg.label()}: {type(e).__name__}", flush=True)
                 continue
-            results.append(row("gluon", t, plan=cfg.__dict__, nmse=err))
+            results.append(row(impl, t, config=cfg.label(), plan=cfg.__dict__, nmse=err))
         if results:
             best = min(results, key=lambda r: r["time_us"])
             best["best"] = True
+            mine = next((r for r in results if r["impl"] == "gluon routed"), None)
+            if mine is not None:
+                mine["best_config"] = best["config"]
+                mine["routed_vs_best"] = round(best["time_us"] / mine["time_us"], 3)
             print(f"{name:12s} M={m:5d}: bf16 {p.t_bf16:8.2f} us | now {now['time_us']:8.2f} "
                   f"({now['speedup_vs_bf16']:.2f}x {now['impl']}) | dequant {deq['speedup_vs_bf16']:.2f}x | "
                   f"gluon best {best['time_us']:8.2f} ({best['speedup_vs_bf16']:.2f}x, "
-                  f"{now['time_us'] / best['time_us']:.2f}x today) {best['plan']}", flush=True)
+                  f"{now['time_us'] / best['time_us']:.2f}x today) {best['config']} | routed {chosen.label()} "
+                  f"{mine['time_us'] if mine else float('nan'):8.2f}", flush=True)
         Path(out_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return rows
 
 
 def profile_cut(spec: str, m: int, shape: str) -> None:
     """Five launches of one cut (``block_n,block_m,split_k,stages[,upcast]``) for ``ncu`` to pick from."""
-    from fp4_gemm_gluon import GluonConfig
     from musecore_cuda.bench import random_fp4
+    from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
     from musecore_triton.layouts import prepare_fp4
     bn, bm, sk, st, *mode = spec.split(",")
-    cfg = GluonConfig(int(bn), int(bm), int(sk), int(st), upcast=mode[0] if mode else "int16")
+    cfg = GluonConfig(int(bn), int(bm), int(sk), int(st), upcast=mode[0] if mode else "packed")
     n, k = LINEAR_SHAPES[shape]
     w = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -173,6 +185,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "cuda_gluon_sweep.json"))
     parser.add_argument("--precompile", type=int, default=0)
     parser.add_argument("--only-precompile", action="store_true")
+    parser.add_argument("--routed-only", action="store_true", help="time only the routed config per point")
     parser.add_argument("--profile-cut", default="", help="block_n,block_m,split_k,stages[,upcast]: five launches of "
                         "that cut at the first --ms and --shapes (for ncu), no sweep")
     args = parser.parse_args()
@@ -189,11 +202,12 @@ def main() -> None:
         if args.only_precompile:
             return
     importlib.import_module("musecore_cuda.backend")
-    meta = {"kernel": "fp4_gemm_gluon", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    meta = {"kernel": "fp4_gemm_gluon", "gluon_env": os.environ.get("MUSECORE_CUDA_GLUON"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "host_load": os.getloadavg()[0], **memory_ceiling_gbps()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    sweep(ms, shapes, args.out, meta)
+    sweep(ms, shapes, args.out, meta, args.routed_only)
     print(f"sweep took {time.time() - started:.0f} s", flush=True)
 
 

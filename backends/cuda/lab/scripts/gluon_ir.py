@@ -1,12 +1,14 @@
-"""Compile the lab's Gluon W4A16 GEMM (``fp4_gemm_gluon``) for SM90 without a GPU and report what reached
-the PTX: register-A ``wgmma`` (A as a register list), TMA copies, mbarriers, the warp-specialized partitions,
+"""Compile the Gluon W4A16 GEMM (``musecore_cuda.kernels.fp4_gemm_gluon``) for SM90 without a GPU and report what
+reached the PTX: register-A ``wgmma`` (A as a register list), TMA copies, mbarriers, the warp-specialized partitions,
 registers, spills and shared memory (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``; Triton 3.6)::
 
     PYTHONPATH=/tmp/triton36 python backends/cuda/lab/scripts/gluon_ir.py [--cuts 64,64,1,6;128,128,1,4] [--out DIR]
+    PYTHONPATH=/tmp/triton36 python backends/cuda/lab/scripts/gluon_ir.py --routed [--ms 17,32,64,128,256]
 
 A cut is ``block_n,block_m,split_k,stages[,upcast]`` with upcast int16 (default), asm (or 1: session 11's
-``asm_upcast``) or packed. Per cut it also prints the consumer loop's SASS (one 128-element chunk per warp):
-instruction count, opcode histogram, and how many lie between the last HGMMA and the wait.
+``asm_upcast``) or packed. ``--routed`` compiles every config ``fp4_gluon_plan.pick_config`` returns for the 816B
+shapes at those M on 132 SMs instead. Per cut it also prints the consumer loop's SASS (one 128-element chunk per
+warp): instruction count, opcode histogram, and how many lie between the last HGMMA and the wait.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab: the Gluon kernel
-import fp4_gemm_gluon as gk  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # backends/cuda: musecore_cuda without installing it
+from musecore_cuda.kernels import fp4_gemm_gluon as gk  # noqa: E402
+from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config  # noqa: E402
+
+SHAPES = {"q_proj": (8192, 8192), "k_proj": (1024, 8192), "expert_up": (8192, 4096), "expert_down": (4096, 4096)}
 
 
 def desc_sig(dtype: str, block: list[int], layout) -> str:
@@ -117,18 +122,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cuts", default="64,64,1,6")
     parser.add_argument("--out", default="/tmp/gluon_ir")
+    parser.add_argument("--routed", action="store_true", help="the configs pick_config returns (see --ms)")
+    parser.add_argument("--ms", default="17,32,64,128,256")
     parser.add_argument("--maxnreg", type=int, default=0,
                         help="Triton's maxnreg option; Triton 3.6 still raises the default partition to 256 "
                              "(setmaxnreg), more than a 192-register launch leaves it: inspect, do not run")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for cut in args.cuts.split(";"):
+    if args.routed:
+        routed: dict = {}
+        for name, (n, k) in SHAPES.items():
+            for m in map(int, args.ms.split(",")):
+                routed.setdefault(pick_config(m, n, k, 132), []).append(f"{name} M={m}")
+        for cfg, where in routed.items():
+            print(f"routed {cfg.label()}: {', '.join(where)}", flush=True)
+        cuts = [cfg.label() for cfg in routed]
+    else:
+        cuts = args.cuts.split(";")
+    for cut in cuts:
         bn, bm, split, stages, *mode = cut.split(",")
         mode = {"0": "int16", "1": "asm"}.get(mode[0], mode[0]) if mode else "int16"
         bn, bm, split, stages = map(int, (bn, bm, split, stages))
         cfg = gk.GluonConfig(bn, bm, split, stages, upcast=mode)
         k = compile_cut(cfg, args.maxnreg or None)
+        if k.metadata.shared > SMEM_BYTES + 8 * 1024:  # what the launch would refuse (227 KiB per block on SM90)
+            print(f"{cut}: {k.metadata.shared} bytes of shared memory, over the SM90 limit", flush=True)
         tag = (f"bn{bn}_bm{bm}_k{split}_s{stages}" + ("" if cfg.upcast == "int16" else "_" + cfg.upcast)
                + (f"_r{args.maxnreg}" if args.maxnreg else ""))
         for ext in ("ttgir", "ptx"):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU call: ncu of the Gluon W4A16 GEMM (speed of light, warp states, occupancy, launch) at one cut per argument.
-# Usage: OUT=out bash backends/cuda/lab/scripts/gluon_ncu.sh SHAPE M CUT [CUT...]   (CUT = block_n,block_m,split_k,stages)
+# Usage: OUT=out bash backends/cuda/lab/scripts/gluon_ncu.sh SHAPE M CUT [CUT...]   (CUT = block_n,block_m,split_k,stages[,upcast]; packed by default)
 set -u
 export PYTHONUNBUFFERED=1
 SHAPE=$1; M=$2; shift 2

@@ -2,8 +2,8 @@
 # One device call for the Gluon W4A16 GEMM (backends/cuda/lab/NOTES.md, session 11): the lab's GPU tests in the
 # background while the sweep's kernels compile, then the timed sweep alone. Results under $OUT.
 # Usage: [GLUON_UPCAST=...] OUT=out bash backends/cuda/lab/scripts/gluon_session.sh [MS] [SHAPES]
-# (GLUON_UPCAST = int16, asm, packed, both, all or a comma list: the upcasts the sweep times; the GPU tests always
-# cover all three)
+# (GLUON_UPCAST = packed (default), int16, asm, both, all or a comma list: the upcasts the sweep times, besides the
+# routed config per point; the GPU tests always cover all three. The kernel: musecore_cuda/kernels/fp4_gemm_gluon.py)
 set -u
 MS=${1:-16,64,256,1024,4096}
 SHAPES=${2:-q_proj,k_proj,expert_up,expert_down}
@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $OUT/gpu.txt 2>&1
 # a hang (a barrier never completing) or a wrong result stops the call here, before the sweep
 SMOKE="every_code and int16"
-case "${GLUON_UPCAST:-int16}" in *packed*|all) SMOKE="every_code and (int16 or packed)";; esac
+case "${GLUON_UPCAST:-packed}" in *packed*|all) SMOKE="every_code and (int16 or packed)";; esac
 timeout 90 python3 -m pytest -x -q -p no:cacheprovider -m gpu backends/cuda/lab/tests/test_gluon_w4a16.py \
   -k "$SMOKE" > $OUT/smoke.log 2>&1 || { echo "smoke failed at ${SECONDS}s"; tail -30 $OUT/smoke.log; exit 1; }
 echo "smoke passed at ${SECONDS}s"

@@ -1,5 +1,6 @@
-"""The lab's Gluon W4A16 GEMM (``backends/cuda/lab/fp4_gemm_gluon.py``: swap-AB, register-A ``wgmma``, TMA ring,
-warp specialization; selected by no path of the backend).
+"""The Gluon W4A16 GEMM (``musecore_cuda/kernels/fp4_gemm_gluon.py``: swap-AB, register-A ``wgmma``, TMA ring,
+warp specialization) in all three upcast modes, the lab's baselines included; ``fp4_linear``'s routed "gluon" path
+(packed upcast, ``pick_config``) is tested in ``backends/cuda/tests/test_cuda_linear.py``.
 
 CPU tests (no GPU, no Triton): the packed upcast's inline PTX (``upcast="packed"``), read from the kernel's source
 and run by a small interpreter of the PTX instructions it uses, against the E2M1 x E4M3 reference for every byte x
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,7 @@ from musecore_quant.formats.fp4 import e2m1_table
 from musecore_triton.layouts import prepare_fp4
 from musecore_triton.testing import DEVICE, assert_nmse
 
-LAB = Path(__file__).resolve().parents[1]  # backends/cuda/lab
+KERNEL = Path(__file__).resolve().parents[2] / "musecore_cuda" / "kernels" / "fp4_gemm_gluon.py"
 MODES = ["int16", "asm", "packed"]
 MODE_IDS = ["int16_upcast", "asm_upcast", "packed_upcast"]
 NVFP4_FOLD = 9  # musecore_triton.kernels.fp4_gemm.NVFP4_FOLD_LOG2
@@ -38,7 +38,7 @@ EB = 126        # fp4_gemm_gluon.EB
 def kernel_asm(name: str) -> str:
     """The PTX string of ``name = gl.constexpr(\"\"\"...\"\"\")`` or ``name = gl.constexpr(f())`` in fp4_gemm_gluon.py
     (parsed, not imported: the module needs Triton's Gluon; ``f`` is a plain-Python module function, run alone)."""
-    tree = ast.parse((LAB / "fp4_gemm_gluon.py").read_text())
+    tree = ast.parse(KERNEL.read_text())
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     for node in tree.body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
@@ -236,8 +236,7 @@ def gk():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="needs Triton's Gluon (>= 3.5)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs an SM90 (Hopper) GPU: TMA and wgmma")
-    sys.path.insert(0, str(LAB))
-    import fp4_gemm_gluon
+    from musecore_cuda.kernels import fp4_gemm_gluon
     return fp4_gemm_gluon
 
 

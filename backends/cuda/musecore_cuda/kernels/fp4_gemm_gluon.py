@@ -1,5 +1,8 @@
-"""Lab: a Hopper W4A16 GEMM for NVFP4 resident weights in Gluon (swap-AB, register-A ``wgmma``, TMA ring,
-warp specialization). Selected by no path of the backend (backends/cuda/lab/NOTES.md, session 11).
+"""A Hopper W4A16 GEMM for NVFP4 resident weights in Gluon (swap-AB, register-A ``wgmma``, TMA ring, warp
+specialization): ``fp4_linear``'s path "gluon" for bf16 activations at M 17-256 (:mod:`musecore_cuda.choices`),
+launched with :func:`musecore_cuda.kernels.fp4_gluon_plan.pick_config`'s packed-upcast config. This module needs
+Triton's Gluon Hopper API and is imported only when ``fp4_gluon_plan.available`` says so. Launched without
+programmatic dependent launch (no ``griddepcontrol``), so it is ordered like any PyTorch kernel.
 
 Sessions 6 and 10 ended on the same advice: Triton's ``tl.dot`` cannot express the Machete-class design
 (a producer warp streaming packed weights and activations through a ring of stages with mbarriers,
@@ -25,16 +28,13 @@ is byte ``g``), loaded by the consumer four chunks ahead; no second scale layout
 The per-tensor ``out_scale`` multiplies the fp32 accumulator. Split-K adds fp32 partial sums
 into a zeroed fp32 output with atomics.
 
-``GluonConfig.upcast`` picks the upcast: ``"int16"`` (element-wise, measured in session 11), ``"asm"``
-(session 11's inline PTX) or ``"packed"`` (session 12: inline PTX on whole 16-bit byte-pair words, the scale
-pairs converted once per 4 lanes and shuffled, and a consumer loop pipelined per half chunk; about 242 SASS
-instructions per warp per chunk against 569 / 445; exact, checked on the CPU by interpreting its PTX; not yet
-run on a GPU).
+``GluonConfig.upcast`` picks the upcast: ``"packed"`` (the routed one: inline PTX on whole 16-bit byte-pair words,
+the scale pairs converted once per 4 lanes and shuffled, a consumer loop pipelined per half chunk; about 242 SASS
+instructions per warp per chunk), ``"int16"`` (element-wise) or ``"asm"`` (inline PTX per byte); the last two are
+lab baselines (backends/cuda/lab/NOTES.md sessions 11, 12 and 40).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,6 +43,8 @@ from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from musecore_cuda.kernels.fp4_gluon_plan import UPCASTS, GluonConfig
 
 CHUNK_K = gl.constexpr(128)   # elements of K per resident chunk and per ring stage
 EB = gl.constexpr(126)        # the upcast's bf16 bits give code * 2**-126 (musecore_triton.kernels.fp4_gemm.EXP_OFFSET)
@@ -206,9 +208,6 @@ def _upcast_step_packed(w16, l: gl.constexpr, m, u_layout: gl.constexpr, a_layou
     v = gl.convert_layout(gl.reshape(gl.join(v, v), [v.shape[0], 16]), a_layout, assert_trivial=True)
     return gl.inline_asm_elementwise(_UPCAST_PACKED_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
                                      [v, m[:, None]], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
-
-
-UPCASTS = {"int16": 0, "asm": 1, "packed": 2}  # GluonConfig.upcast -> the kernel's UPCAST
 
 
 @constexpr_function
@@ -410,33 +409,6 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
         gl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")  # the default (acq_rel) fences every element
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-
-@dataclass(frozen=True)
-class GluonConfig:
-    block_n: int   # weight rows per program: 64 per consumer warpgroup
-    block_m: int   # tokens per program (wgmma's N: a multiple of 8, at most 256)
-    split_k: int
-    stages: int
-    group_m: int = 8
-    asm_upcast: bool = False  # session 11's inline-PTX upcast: the same as upcast="asm" (kept for its callers)
-    upcast: str = "int16"     # "int16" (element-wise, measured), "asm" (session 11) or "packed" (session 12)
-
-    def __post_init__(self):
-        if self.upcast not in UPCASTS:
-            raise ValueError(f"upcast must be one of {sorted(UPCASTS)}; got {self.upcast!r}")
-        if self.asm_upcast and self.upcast != "asm":
-            if self.upcast != "int16":
-                raise ValueError(f"asm_upcast=True contradicts upcast={self.upcast!r}")
-            object.__setattr__(self, "upcast", "asm")
-        object.__setattr__(self, "asm_upcast", self.upcast == "asm")
-
-    @property
-    def num_warps(self) -> int:
-        return self.block_n // 16
-
-    def smem_bytes(self) -> int:
-        return self.stages * (self.block_n * 64 + 2 * self.block_m * 64 * 2)
 
 
 def descriptors(x: torch.Tensor, packed: torch.Tensor, cfg: GluonConfig) -> tuple[TensorDescriptor, TensorDescriptor]:

@@ -1,0 +1,149 @@
+"""The launch plan of the Gluon W4A16 GEMM (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`) and whether it can run.
+
+Kept apart from the kernel so that the backend imports, and tells the plan what it would run, on a machine whose
+Triton has no Gluon Hopper API (CPU CI, ROCm): the kernel module is imported only after :func:`available` said
+yes. :func:`pick_config` is pure arithmetic on (M, N, K, SM count): it never compiles or times anything, so it is
+safe inside CUDA-graph capture (the decode graphs of batch 17-32 take this path).
+
+Example::
+
+    cfg = pick_config(64, 8192, 8192, sms=132)   # GluonConfig(block_n=64, block_m=64, split_k=1, stages=4, ...)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+UPCASTS = {"int16": 0, "asm": 1, "packed": 2}  # GluonConfig.upcast -> the kernel's UPCAST constexpr
+CHUNK_K = 128                 # elements of K per ring stage (fp4_gemm_gluon.CHUNK_K)
+SMEM_BYTES = 220 * 1024       # the ring's budget: SM90 gives a block 227 KiB; the rest is barriers and Triton's own
+BLOCK_MS = (16, 32, 64, 128, 256)  # tokens per program: wgmma's N
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    block_n: int   # weight rows per program: 64 per consumer warpgroup
+    block_m: int   # tokens per program (wgmma's N: a multiple of 8, at most 256)
+    split_k: int
+    stages: int
+    group_m: int = 8
+    asm_upcast: bool = False  # session 11's inline-PTX upcast: the same as upcast="asm" (kept for the lab's callers)
+    upcast: str = "int16"     # "int16" (element-wise), "asm" (session 11) or "packed" (session 12: the routed one)
+
+    def __post_init__(self):
+        if self.upcast not in UPCASTS:
+            raise ValueError(f"upcast must be one of {sorted(UPCASTS)}; got {self.upcast!r}")
+        if self.asm_upcast and self.upcast != "asm":
+            if self.upcast != "int16":
+                raise ValueError(f"asm_upcast=True contradicts upcast={self.upcast!r}")
+            object.__setattr__(self, "upcast", "asm")
+        object.__setattr__(self, "asm_upcast", self.upcast == "asm")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"block_n is one or two consumer warpgroups: 64 or 128; got {self.block_n}")
+        if self.block_m % 8 or not 8 <= self.block_m <= 256:
+            raise ValueError(f"block_m is wgmma's N: a multiple of 8 in 8-256; got {self.block_m}")
+        if self.split_k < 1 or self.stages < 2:
+            raise ValueError(f"split_k >= 1 and stages >= 2 expected; got {self.split_k}, {self.stages}")
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the ring: per stage the packed weight bytes and two bf16 activation halves."""
+        return self.stages * (self.block_n * 64 + 2 * self.block_m * 64 * 2)
+
+    def label(self) -> str:
+        """``block_n,block_m,split_k,stages,upcast``: the cut syntax of the lab scripts (gluon_ir.py --cuts)."""
+        return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}"
+
+
+# The cost model behind pick_config, fitted to the H200 sweep of session 40 (backends/cuda/lab/results/
+# cuda_gluon_sweep_s40_packed.json, packed upcast, block_n 64, M 16-256; predicted / measured 0.88-1.44 over every
+# such cut): one CTA per SM (the consumer holds 255 registers), so a launch takes waves x chunks per CTA x the time of
+# one 128-element chunk, which grows with the token tile (0.40 us at 16 tokens, 0.49 at 64, 0.77 at 256: the upcast
+# is issue-bound, the wgmmas grow with block_m), plus ~2 us of launch; split-K adds a zeroed fp32 output, relaxed
+# atomics and the cast back (1.5 us + 2 us per doubling, + 2.5 us per million atomics).
+CHUNK_US, CHUNK_US_PER_TOKEN, LAUNCH_US = 0.38, 0.0015, 2.0
+SPLIT_MARGIN = 1.1  # a split must win by 10%: at the three points where the fit and the sweep disagree, split 1 won
+
+
+def predicted_us(m: int, n: int, k: int, block_m: int, split_k: int, sms: int) -> float:
+    """The model's microseconds for a block_n 64 launch (see above); the split penalty included."""
+    ctas = math.ceil(n / 64) * math.ceil(m / block_m) * split_k
+    t = math.ceil(ctas / sms) * (k // CHUNK_K // split_k) * (CHUNK_US + CHUNK_US_PER_TOKEN * block_m) + LAUNCH_US
+    if split_k > 1:
+        t += 1.5 + 2.0 * math.log2(split_k) + 2.5e-6 * m * n * split_k
+    return t
+
+
+def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
+    """The packed-upcast launch for ``m`` tokens against an ``[n, k]`` NVFP4 weight on ``sms`` SMs.
+
+    block_n 64 (one consumer warpgroup: two per CTA doubled the time per chunk, session 11); block_m from the
+    token tile covering M down to 16, and split-K over the powers of two that divide K's chunks leaving >= 2 per
+    split, whichever the model above predicts fastest (split-K only when it wins by :data:`SPLIT_MARGIN`); as many
+    ring stages as fit :data:`SMEM_BYTES`, at most 4 (4 and 8 measured alike; 3 at block_m 256).
+    At the measured points this picks the sweep's best 64-row cut (q_proj, expert_up M=64/256: one token tile;
+    expert_down: 32 / 128 tokens for 128 CTAs) and split-K on k_proj, whose 16 weight tiles leave 116 SMs idle.
+    """
+    if m < 1 or n < 1 or k % CHUNK_K:
+        raise ValueError(f"pick_config needs M, N >= 1 and K divisible by {CHUNK_K}; got M={m}, N={n}, K={k}")
+    chunks = k // CHUNK_K
+    cover = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
+    best: Optional[tuple[float, int, int]] = None
+    for block_m in (b for b in BLOCK_MS if b <= cover):
+        split = 1
+        while split == 1 or (chunks % split == 0 and chunks // split >= 2):
+            t = predicted_us(m, n, k, block_m, split, sms) * (SPLIT_MARGIN if split > 1 else 1.0)
+            if best is None or t < best[0]:
+                best = (t, block_m, split)
+            split *= 2
+    _, block_m, split = best
+    stage = GluonConfig(64, block_m, split, 2, upcast="packed").smem_bytes() // 2
+    return GluonConfig(64, block_m, split, min(4, SMEM_BYTES // stage), upcast="packed")
+
+
+def unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why the Gluon GEMM cannot run on ``device``, or None when it can: SM 9.x (wgmma, TMA; not SM100, whose
+    tensor cores the kernel was not written for), a CUDA torch and a Triton with ``triton.experimental.gluon``'s
+    Hopper API (Triton 3.6 was used)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"the Gluon GEMM runs on NVIDIA GPUs; this is {device.type}" + (" (ROCm torch)" if torch.version.hip
+                                                                                else "")
+    return _device_reason(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason(index: int) -> Optional[str]:
+    major, minor = torch.cuda.get_device_capability(index)
+    if major != 9:
+        return f"the Gluon GEMM is written for SM90 (wgmma, TMA); this GPU is SM{major}{minor}"
+    return import_problem()
+
+
+@functools.lru_cache(maxsize=1)
+def import_problem() -> Optional[str]:
+    try:
+        importlib.import_module("musecore_cuda.kernels.fp4_gemm_gluon")
+    except ImportError as exc:  # no Triton, or one without Gluon's Hopper API: the reason goes to the plan
+        version = getattr(sys.modules.get("triton"), "__version__", "(not importable)")
+        return f"triton {version} has no usable triton.experimental.gluon Hopper API ({exc})"
+    return None
+
+
+def available(device: torch.device) -> bool:
+    """True when the Gluon GEMM can run on ``device`` (see :func:`unavailable_reason`)."""
+    return unavailable_reason(device) is None
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
