@@ -84,6 +84,7 @@ def predicted_us(m: int, n: int, k: int, block_m: int, split_k: int, sms: int) -
     return t
 
 
+@functools.lru_cache(maxsize=4096)  # ~35 model evaluations: cached, fp4_linear asks per call
 def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     """The packed-upcast launch for ``m`` tokens against an ``[n, k]`` NVFP4 weight on ``sms`` SMs.
 
