@@ -133,7 +133,7 @@ def _fp4_linear_choices(shape: LinearShape, arch: str = "") -> list[KernelChoice
             reason = (f"from M={GEMM_MIN_M} the tiled GEMM beats the decode GEMV (H200 sweep); token tile, "
                       "rows per warp and cluster split-K decided at load from the GPU's SM count and occupancy")
         elif path == "dequant":
-            reason = (f"from M={DEQUANT_MIN_M} compute-bound: cuBLAS BF16 on a per-call copy beats W4A16 "
+            reason = (f"from M={first} compute-bound: cuBLAS BF16 on a per-call copy beats W4A16 "
                       f"(transient {n * k * 2 / 2**20:.0f} MiB per call)")
         else:
             reason = "no CUDA C++ kernel for this M"

@@ -14,21 +14,22 @@ MS=${1:-17,32,64,128,256}
 SHAPES=q_proj,k_proj,expert_up,expert_down
 LIMIT=${LIMIT:-390}
 export PYTHONUNBUFFERED=1
+cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }  # a step's timeout
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .whl/stevedore-5.9.1-py3-none-any.whl \
   -e ./quant -e . -e ./backends/triton -e ./backends/cuda -e ./backends/rocm -e ./backends/xeon \
   > $OUT/install.log 2>&1 || { tail $OUT/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $OUT/gpu.txt 2>&1
 unset MUSECORE_CUDA_GLUON
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py -k gluon \
+timeout $(cap 120) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py -k gluon \
   > $OUT/gluon_path_tests.log 2>&1; echo "rc=$?" >> $OUT/gluon_path_tests.log
 echo "1. gluon path tests at ${SECONDS}s:"; tail -4 $OUT/gluon_path_tests.log
-timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_linear.py -k "not gluon" \
+timeout $(cap 60) python3 -m pytest -q -p no:cacheprovider -m gpu backends/cuda/tests/test_cuda_linear.py -k "not gluon" \
   > $OUT/linear_tests.log 2>&1; echo "rc=$?" >> $OUT/linear_tests.log
 echo "1b. other linear GPU tests at ${SECONDS}s:"; tail -2 $OUT/linear_tests.log
-MUSECORE_CUDA_GLUON=0 timeout 90 python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py --ms $MS --shapes $SHAPES \
+MUSECORE_CUDA_GLUON=0 timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py --ms $MS --shapes $SHAPES \
   --routed-only --out $OUT/cuda_gluon_sweep_routed.json > $OUT/sweep_routed.log 2>&1
 echo "2. routed sweep at ${SECONDS}s:"; grep -v "^    " $OUT/sweep_routed.log | cut -c1-250 | tail -25
-timeout 150 musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
+timeout $(cap 150) musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
 echo "3. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
 LEFT=$((LIMIT - SECONDS))
 if [ $LEFT -gt 60 ]; then
