@@ -311,8 +311,8 @@ def test_fp4_linear_gluon_path_replays_from_a_cuda_graph(monkeypatch):
     _needs_gluon()
     monkeypatch.delenv(GLUON_ENV, raising=False)
     be = CudaBackend("cuda")
-    for n, k in ((2048, 4096), (1024, 8192)):  # split 1 and split-K launches
-        w = be.prepare_weight(musecore_quant.quantize(torch.randn(n, k) * 0.02, "nvfp4"), "test")
+    for n, k in ((8192, 4096), (1024, 8192)):  # 64,32,1,4 and 64,32,8,4 on an H200: split 1 and split-K
+        w = be.prepare_weight(musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4"), "test")
         x = torch.randn(24, k, device="cuda", dtype=torch.bfloat16)
         eager = be.linear(x, w)
         graph = torch.cuda.CUDAGraph()
