@@ -110,6 +110,15 @@ def test_fp4_linear_path_without_a_gpu_never_takes_gluon():
     assert fp4_linear_path(64, torch.bfloat16, torch.device("cpu"), 1, weight_format="nvfp4") == "tiled"
 
 
+def test_sm90_without_gluon_warns_that_the_slower_path_runs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: "triton 3.4 has no usable Gluon Hopper API (x)")
+    with pytest.warns(RuntimeWarning, match="instead of the Gluon GEMM"):
+        assert "triton 3.4" in fp4_gluon_plan._device_reason.__wrapped__(0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (10, 0))
+    assert "SM100" in fp4_gluon_plan._device_reason.__wrapped__(0)
+
+
 def test_package_imports_and_plans_without_gluon():
     """CI may have a Triton without ``triton.experimental.gluon``: the backend imports, the kernel module is not
     imported, and the plan keeps today's rule with the import error as its reason."""

@@ -16,6 +16,7 @@ import functools
 import importlib
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -127,7 +128,11 @@ def _device_reason(index: int) -> Optional[str]:
     major, minor = torch.cuda.get_device_capability(index)
     if major != 9:
         return f"the Gluon GEMM is written for SM90 (wgmma, TMA); this GPU is SM{major}{minor}"
-    return import_problem()
+    problem = import_problem()
+    if problem:  # an SM90 GPU on the slower path: said once, as fp4_gemv_cuda says a failed NVRTC compile
+        warnings.warn(f"musecore-cuda: {problem}; NVFP4 linears at M 17-256 take the CUDA C++ GEMM or dequantize + "
+                      "cuBLAS instead of the Gluon GEMM", RuntimeWarning, stacklevel=4)
+    return problem
 
 
 @functools.lru_cache(maxsize=1)
