@@ -9,7 +9,6 @@ import torch
 
 import musecore_quant
 from musecore.ops import Weight, tolerance
-from musecore.testing import nmse
 from musecore.ops import reference as ref
 
 from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
