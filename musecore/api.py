@@ -338,4 +338,5 @@ def assemble(summary: CheckpointSummary, device: str,
     if comm is not None:  # every rank learns if one failed, instead of waiting in a collective
         comm.agree(failure, f"loading {source}")
     muse.plan, muse.conversion_report, muse.kv_format = the_plan, placer.report, kv_format
+    muse.fuse_blocks()
     return muse

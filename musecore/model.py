@@ -130,12 +130,17 @@ class MoE:
         self.pre_expert_norm = None   # [h], 1 + w (centred)
         self.experts = None           # ExpertWeights: gate/up/down stacked in the backend's layout
         self.post_expert_norm = None  # [h], 1 + w: one weight shared by every expert, applied scale-first
+        self.fused: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None  # MuseModel.fuse_blocks
 
     def __call__(self, m: torch.Tensor, observer: Optional[MoEObserver] = None, experts: Any = None) -> torch.Tensor:
         """``observer`` sees the routing before the experts run; ``experts`` replaces the layer's own
         for this call (calibration runs later layers on already-quantized experts)."""
         if self.comm is not None:
             return self.parallel(m, observer, experts)
+        if self.fused is not None and observer is None and experts is None:
+            y = self.fused(m)  # the backend's one-call block (decode sizes), or None: the ops below
+            if y is not None:
+                return y
         ops = self.ops
         B, T, H = m.shape
         m = m.reshape(B * T, H)
@@ -462,6 +467,18 @@ class MuseModel:
         return logits
 
     __call__ = forward
+
+    def fuse_blocks(self) -> int:
+        """Ask the backend for a fused form of each MoE block (``Backend.fuse_moe_block``; single-process models
+        only) and return how many layers got one. ``api.assemble`` calls it after loading; call it again after
+        replacing a block's weights (a fused block whose weights were replaced falls back to the ops by itself)."""
+        count = 0
+        for layer in self.layers:
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                mlp.fused = self.backend.fuse_moe_block(mlp) if self.comm is None else None
+                count += mlp.fused is not None
+        return count
 
     def decode_step(self, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """``step(ids [B,1], positions [B,1]) -> logits [B,1,V]`` for one decode step through ``cache``.

@@ -129,6 +129,13 @@ class Backend:
         None (the default): the core calls ``model.forward`` each step."""
         return None
 
+    def fuse_moe_block(self, block: Any) -> Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]]:
+        """Optional: ``fused(m)`` computing ``block(m)`` (a ``musecore.model.MoE`` holding this backend's weights) in
+        fewer calls at the sizes it takes (the xeon backend: one C call at decode sizes), returning None for inputs
+        it does not take; None (the default): the model runs the block's ops. Asked once per MoE layer after loading
+        (``MuseModel.fuse_blocks``); its output must equal the ops' (each backend tests that)."""
+        return None
+
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor,
                  v_new: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool) -> None:
         """A static cache's write; same semantics as :func:`musecore.kv_cache.write_static` (the default)."""

@@ -2,7 +2,9 @@
    headers): the bound GEMVs, the decode-size norms, the router selection, the decode attention and the fused MoE,
    called without ctypes (checks, at::empty, the C kernel of kernels.c by its address). */
 #include <Python.h>
+#include <cstdint>
 #include <cstring>
+#include <c10/util/BFloat16.h>
 #include <vector>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -534,6 +536,17 @@ typedef int (*bf16_moe_fn)(const int64_t *, const int64_t *, const void *, int, 
 static int4_moe_fn int4_moe_kernel;
 static bf16_moe_fn bf16_moe_kernel;
 
+/* The fused kernel of x's kind on z [T, h] (bf16 when zb) routed by ids / weights [T, k] -> y fp32 [T, h]; 0, or the
+   kernel's nonzero status (no memory for its scratch). Called without the GIL. */
+static int run_moe(const moe_experts_t *x, const void *zd, int zb, const int64_t *id, const float *wd, const void *pd,
+                   int pb, float post_eps, float *yd, int64_t T, int64_t k, int threads) {
+    if (x->kind == 0)
+        return int4_moe_kernel(x->gu_w, x->gu_sz, x->dn_w, x->dn_sz, zd, zb, id, wd, pd, pb, post_eps, yd, T, k,
+                               x->experts, x->hidden, x->inter, x->g_gu, x->g_dn, x->gu_rows, x->dn_rows, threads);
+    return bf16_moe_kernel(x->gu_w, x->dn_w, zd, zb, id, wd, pd, pb, post_eps, yd, T, k, x->experts, x->hidden,
+                           x->inter, threads);
+}
+
 static PyObject *set_moe(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "set_moe(int4_moe_address, bf16_moe_address) takes 2 arguments; got %zd", nargs);
@@ -595,13 +608,7 @@ static PyObject *moe(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         const int zb = bf(z), pb = bf(post);
         int status;
         Py_BEGIN_ALLOW_THREADS
-        if (x->kind == 0)
-            status = int4_moe_kernel(x->gu_w, x->gu_sz, x->dn_w, x->dn_sz, zd, zb, id, wd, pd, pb, (float)post_eps, yd,
-                                     T, k, E, x->hidden, x->inter, x->g_gu, x->g_dn, x->gu_rows, x->dn_rows,
-                                     (int)threads);
-        else
-            status = bf16_moe_kernel(x->gu_w, x->dn_w, zd, zb, id, wd, pd, pb, (float)post_eps, yd, T, k, E, x->hidden,
-                                     x->inter, (int)threads);
+        status = run_moe(x, zd, zb, id, wd, pd, pb, (float)post_eps, yd, T, k, (int)threads);
         Py_END_ALLOW_THREADS
         if (status != 0) {
             PyErr_Format(PyExc_MemoryError, "moe: no memory for the scratch buffers of [%lld, %lld] routed rows",
@@ -609,6 +616,84 @@ static PyObject *moe(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             return (PyObject *)nullptr;
         }
         return THPVariable_Wrap(std::move(y));
+    });
+}
+
+/* One MoE block of a layer at decode sizes (musecore_xeon.fused, bound once per layer by Python): the router, the
+   pooler GEMV, the pre-expert norm, the fused experts, the fp32 -> bf16 rounding of their sum and the unpooler GEMV,
+   each the kernel the separate ops call with the same arguments (the same bits as musecore.model.MoE through the xeon
+   ops), in one call with the GIL released: no Python, no tensor per step but the output. */
+typedef struct {
+    const float *router_w, *router_bias;  /* fp32 [E, H]; [E] or null */
+    const void *pooler, *unpooler;        /* the bound GEMV weights (int4_weight_t or bf16_weight_t) */
+    int64_t pooler_kind, unpooler_kind;   /* 0 INT4, 1 BF16 */
+    const void *pre_norm, *post_norm;     /* [h]: the pre-expert norm's weight, the shared post-expert norm's */
+    int64_t pre_norm_bf16, post_norm_bf16;
+    const moe_experts_t *experts;
+    int64_t hidden, pooled, top_k, max_rows;  /* H, h, k; the most token rows the block is bound for */
+    double multiplier, scaling, eps, post_eps;
+} moe_block_t;
+
+static inline linear_fn linear_kernel_of(int64_t kind) { return kind == 0 ? int4_linear_kernel : bf16_linear_kernel; }
+
+/* moe_block(block_address, m, threads) -> the block's output [..., H] bf16 in m's shape, or None where it does not apply
+   (m not a contiguous bf16 CPU tensor of [..., H] with 1..max_rows rows, or more rows than an expert may take): the
+   Python path then runs. */
+static PyObject *moe_block(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("moe_block", nargs, 3, (const void *)fused_router_kernel)) return nullptr;
+    if (int4_moe_kernel == nullptr || int4_linear_kernel == nullptr || rms_kernel == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "moe_block: set_moe()/set_kernels() were not called with the kernels' "
+                        "addresses");
+        return nullptr;
+    }
+    const moe_block_t *b = (const moe_block_t *)PyLong_AsVoidPtr(args[0]);
+    if (b == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "moe_block: the block's address is null");
+        return nullptr;
+    }
+    const long long threads = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return nullptr;
+    const at::Tensor *m = operand(args[1], false, false);
+    if (m == nullptr || m->scalar_type() != at::kBFloat16 || m->size(-1) != b->hidden || threads < 1) Py_RETURN_NONE;
+    const int64_t H = b->hidden, h = b->pooled, k = b->top_k, T = m->numel() / H;
+    const moe_experts_t *x = b->experts;
+    if (T < 1 || T > b->max_rows || T > x->max_tokens) Py_RETURN_NONE;  /* an expert takes <= T rows: one per token */
+    return guarded([&]() -> PyObject * {
+        /* scratch, 64-byte aligned pieces: weights fp32 [T, k], ids int64 [T, k], pooled / z / rounded bf16 [T, h],
+           the experts' sum fp32 [T, h] */
+        auto up = [](size_t bytes) { return (bytes + 63) & ~(size_t)63; };
+        const size_t wb = up(T * k * 4), ib = up(T * k * 8), hb = up(T * h * 2), yb = up(T * h * 4);
+        thread_local std::vector<unsigned char> scratch;
+        if (scratch.size() < wb + ib + 3 * hb + yb + 64) scratch.resize(wb + ib + 3 * hb + yb + 64);
+        unsigned char *base = (unsigned char *)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+        float *weights = (float *)base;
+        int64_t *ids = (int64_t *)(base + wb);
+        c10::BFloat16 *pooled = (c10::BFloat16 *)(base + wb + ib), *z = pooled + hb / 2, *rounded = z + hb / 2;
+        float *sum = (float *)(base + wb + ib + 3 * hb);
+        at::Tensor out = at::empty(m->sizes(), m->options());
+        const void *md = m->const_data_ptr();
+        void *od = out.mutable_data_ptr();
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = fused_router_kernel(md, 1, b->router_w, b->router_bias, T, x->experts, H, k, (float)b->multiplier,
+                                     (float)b->scaling, weights, ids, (int)threads);
+        if (status == 0) {
+            linear_kernel_of(b->pooler_kind)(b->pooler, md, pooled, T, 1);
+            rms_kernel(pooled, 1, b->pre_norm, (int)b->pre_norm_bf16, z, 1, T, h, (float)b->eps, 0);
+            status = run_moe(x, z, 1, ids, weights, b->post_norm, (int)b->post_norm_bf16, (float)b->post_eps, sum, T,
+                             k, (int)threads);
+        }
+        if (status == 0) {
+            for (int64_t i = 0; i < T * h; ++i) rounded[i] = c10::BFloat16(sum[i]);  /* Tensor.to(bfloat16): RNE */
+            linear_kernel_of(b->unpooler_kind)(b->unpooler, rounded, od, T, 1);
+        }
+        Py_END_ALLOW_THREADS
+        if (status != 0) {
+            PyErr_Format(PyExc_MemoryError, "moe_block: no memory for the scratch buffers of %lld tokens x %lld experts",
+                         (long long)T, (long long)k);
+            return (PyObject *)nullptr;
+        }
+        return THPVariable_Wrap(std::move(out));
     });
 }
 
@@ -639,6 +724,8 @@ static PyMethodDef methods[] = {
     {"set_tanh", (PyCFunction)(void (*)(void))set_tanh, METH_FASTCALL, "the address and mode of PyTorch's tanh kernel"},
     {"set_moe", (PyCFunction)(void (*)(void))set_moe, METH_FASTCALL,
      "the addresses of musecore_int4_moe and musecore_bf16_moe"},
+    {"moe_block", (PyCFunction)(void (*)(void))moe_block, METH_FASTCALL,
+     "moe_block(block_address, m, threads): a layer's MoE block at decode sizes in one call, or None"},
     {"moe", (PyCFunction)(void (*)(void))moe, METH_FASTCALL,
      "moe(experts_address, z, weights, ids, post_norm, post_eps, threads) -> y fp32 [T, h], or None"},
     {nullptr, nullptr, 0, nullptr}};
