@@ -142,13 +142,13 @@ class LayerCache:
         b, t = (pos_new >= 0).nonzero(as_tuple=True)
         pos = pos_new[b, t]
         if pos.numel():
-            self._check_capacity(int(pos.max()))
+            self.check_capacity(int(pos.max()))
         slots = pos % self.capacity if self.ring else pos
         self.k[b, slots], self.v[b, slots], self.positions[b, slots] = k_new[b, t], v_new[b, t], pos
         if not self.ring and pos.numel():
             self.used = max(self.used, int(pos.max()) + 1)
 
-    def _check_capacity(self, last: int) -> None:
+    def check_capacity(self, last: int) -> None:
         """A full (non-ring) layer cannot hold position ``last`` past its capacity."""
         if not self.ring and last >= self.capacity:
             raise ValueError(f"sequence position {last} exceeds the KV cache capacity {self.capacity}; "
@@ -162,7 +162,7 @@ class LayerCache:
         positions = [int(pos_new)] if pos_new.shape[0] == 1 else pos_new[:, 0].tolist()
         if not positions:
             return
-        self._check_capacity(max(positions))  # before any write: nothing half-written
+        self.check_capacity(max(positions))  # before any write: nothing half-written
         first = positions[0]
         if first >= 0 and positions.count(first) == len(positions):
             slot = first % self.capacity if self.ring else first

@@ -80,9 +80,14 @@ class Attention:
         self.q_scale, self.rope = config.qk_scale_factor, config.uses_rope(layer)
         self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.gate_proj = None
         self.in_proj: Optional[FusedLinear] = None  # q/k/v/gate as one linear, when the loader fused them
+        self.fused: Optional[Callable[..., Optional[torch.Tensor]]] = None  # MuseModel.fuse_blocks
 
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  cache: Optional[KVCache]) -> torch.Tensor:
+        if self.fused is not None:
+            out = self.fused(a, positions, rope, cache)  # the backend's one-call block (decode), or None: the ops
+            if out is not None:
+                return out
         ops, comm = self.ops, self.comm
         B, T = positions.shape
         if comm is not None and comm.sp_tokens:  # sequence parallel: this rank holds a token shard of ``a``
@@ -469,15 +474,16 @@ class MuseModel:
     __call__ = forward
 
     def fuse_blocks(self) -> int:
-        """Ask the backend for a fused form of each MoE block (``Backend.fuse_moe_block``; single-process models
-        only) and return how many layers got one. ``api.assemble`` calls it after loading; call it again after
-        replacing a block's weights (a fused block whose weights were replaced falls back to the ops by itself)."""
+        """Ask the backend for a fused form of each attention and MoE block (``Backend.fuse_block``;
+        single-process models only) and return how many blocks got one. ``api.assemble`` calls it after
+        loading; call it again after replacing a block's weights (a fused block whose weights were replaced
+        falls back to the ops by itself)."""
         count = 0
         for layer in self.layers:
-            mlp = layer.mlp
-            if isinstance(mlp, MoE):
-                mlp.fused = self.backend.fuse_moe_block(mlp) if self.comm is None else None
-                count += mlp.fused is not None
+            for block in (layer.self_attn, layer.mlp):
+                if isinstance(block, (Attention, MoE)):
+                    block.fused = self.backend.fuse_block(block) if self.comm is None else None
+                    count += block.fused is not None
         return count
 
     def decode_step(self, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -129,10 +129,11 @@ class Backend:
         None (the default): the core calls ``model.forward`` each step."""
         return None
 
-    def fuse_moe_block(self, block: Any) -> Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]]:
-        """Optional: ``fused(m)`` computing ``block(m)`` (a ``musecore.model.MoE`` holding this backend's weights) in
-        fewer calls at the sizes it takes (the xeon backend: one C call at decode sizes), returning None for inputs
-        it does not take; None (the default): the model runs the block's ops. Asked once per MoE layer after loading
+    def fuse_block(self, block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
+        """Optional: a callable with the signature of ``block.__call__`` (a ``musecore.model.MoE``: ``(m)``; an
+        ``Attention``: ``(a, positions, rope, cache)``) computing what the block's ops compute in fewer calls at the
+        sizes it takes (the xeon backend: one C call per block at decode), returning None for inputs it does not
+        take; None (the default): the model runs the block's ops. Asked once per block after loading
         (``MuseModel.fuse_blocks``); its output must equal the ops' (each backend tests that)."""
         return None
 

@@ -30,7 +30,7 @@ from musecore_xeon import choices
 from musecore_xeon import ops as xops
 from musecore_xeon import towers
 from musecore_xeon.cpu import CpuInfo, configure_threads, read_cpu_info
-from musecore_xeon.fused import fuse_moe_block
+from musecore_xeon.fused import fuse_block
 from musecore_xeon.kernels import native
 from musecore_xeon.kernels.dense import DenseLinear, dense_compute_dtype, prepare_dense
 from musecore_xeon.kernels.int4 import Int4Linear, int4_crossover, pack_int4, prepare_int4
@@ -240,9 +240,9 @@ class XeonBackend(Backend):
                             f"(format {w.format!r}, no extra['linear']); prepare it with this backend")
         return resident(x)
 
-    def fuse_moe_block(self, block: Any) -> Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]]:
-        """A layer's MoE block at decode sizes in one extension call (:func:`musecore_xeon.fused.fuse_moe_block`)."""
-        return fuse_moe_block(block)
+    def fuse_block(self, block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
+        """A layer's attention or MoE block at decode in one extension call (:func:`musecore_xeon.fused.fuse_block`)."""
+        return fuse_block(block)
 
     def moe(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
             post_norm: torch.Tensor, post_eps: float) -> torch.Tensor:

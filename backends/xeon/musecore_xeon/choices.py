@@ -27,7 +27,7 @@ from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
 from musecore_quant.formats.facts import block_size
 from musecore_xeon import ops as xops
 from musecore_xeon.cpu import NUM_THREADS_ENV, CpuInfo
-from musecore_xeon.fused import FUSED_MOE_ENV
+from musecore_xeon.fused import FUSED_ENV
 from musecore_xeon.kernels import binding, crossover, native
 from musecore_xeon.kernels.crossover import (BF16_CROSSOVER_ENV, BF16_GEMV_CROSSOVER_ENV, CALIBRATION_MS,
                                              INT4_CROSSOVER_ENV, PROXY_MAX_ROWS)
@@ -56,9 +56,9 @@ def env_settings() -> list[EnvSetting]:
         setting(binding.BINDING_ENV, "on",
                 "0: call the native kernels through ctypes instead of the CPython extension (same results, "
                 "a few us more per call)"),
-        setting(FUSED_MOE_ENV, "on",
-                "0: run each MoE block's router, projections, norm and experts as separate ops at decode sizes "
-                "instead of one extension call (same results, more Python per token)"),
+        setting(FUSED_ENV, "on",
+                "0: at decode run each attention and MoE block as its separate ops instead of one extension call "
+                "per block (same results, more Python per token)"),
         setting(INT4_CROSSOVER_ENV, "measured at load",
                 "integer M: INT4 rows M >= it take the dense path (AMX GEMM or dequantized tiles); none: never"),
         setting(INT4_GEMM_ENV, "measured at load (hosts with AMX and AVX512_BF16)",

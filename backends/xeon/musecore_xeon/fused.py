@@ -1,20 +1,24 @@
-"""One extension call for a layer's whole MoE block at decode sizes (issue 30, item 3: the decode step's fixed cost).
+"""One extension call for a layer's whole attention or MoE block at decode (issue 30, item 3: the decode step's fixed
+cost).
 
-``musecore.model.MoE`` runs router, pooler, pre-expert norm, experts, a cast and unpooler as six ops: six trips from
-Python into C, a dozen tensors and views per layer and token. Each of those kernels is already a C call of this
-backend; :func:`fuse_moe_block` binds their constant arguments (weight structs, norms, shapes) once per layer into one
-C struct (``moe_block_t`` of ``csrc/binding.cpp``), and the extension's ``moe_block`` runs the six kernels in the same
-order with the same arguments: the same bits as the separate ops, in one call, with one output tensor.
+``musecore.model.MoE`` runs router, pooler, pre-expert norm, experts, a cast and unpooler as six ops, and
+``Attention`` runs the fused q/k/v/gate projection, the q/k norms and RoPE, the KV write, attention, the head norm
+and gate and o_proj as six more: a dozen trips from Python into C, and two dozen tensors and views, per layer and
+token. Each of those kernels is already a C call of this backend. :func:`fuse_block` binds their constant arguments
+(weight structs, norms, shapes) once per block into one C struct (``moe_block_t`` / ``attention_block_t`` of
+``csrc/binding.cpp``), and the extension's ``moe_block`` / ``attention_block`` runs the kernels in the same order
+with the same arguments: the same bits as the separate ops, in one call, with one output tensor.
 
-It applies where every piece is this backend's decode path (the router's fp32 weight, both projections on their bound
-GEMV for the row count, the experts' fused call) and the input is a contiguous bf16 ``[..., H]`` of at most
-``max_rows`` rows; elsewhere the block returns None and the model runs the separate ops. ``MUSECORE_XEON_FUSED_MOE=0``
-turns it off.
+A block is fused where every piece is this backend's decode path (the router's fp32 weight, the projections on their
+bound GEMVs, the experts' fused call, the loader's fused q/k/v/gate weight). A call is taken for a contiguous bf16
+input of at most ``max_rows`` rows (MoE) or one new token of one sequence through a bf16, non-static KV cache
+(attention); elsewhere the fused block returns None and the model runs the separate ops.
+``MUSECORE_XEON_FUSED_BLOCKS=0`` turns fusion off.
 
 Example::
 
-    block = fuse_moe_block(model.layers[3].mlp)   # None: not fusable here (the reason is logged at debug level)
-    y = block(m)                                  # [B, T, H] bf16, or None for inputs it does not take
+    block = fuse_block(model.layers[3].mlp)   # None: not fusable here (the reason is logged at debug level)
+    y = block(m)                              # [B, T, H] bf16, or None for inputs it does not take
 """
 
 from __future__ import annotations
@@ -26,12 +30,21 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from musecore.model import Attention, MoE
 from musecore_xeon.kernels.dense import DenseLinear
 from musecore_xeon.kernels.int4 import Int4Linear
 from musecore_xeon.ops import NATIVE_ATTENTION_MAX_QUERIES, fast_ops
 
-FUSED_MOE_ENV = "MUSECORE_XEON_FUSED_MOE"
+FUSED_ENV = "MUSECORE_XEON_FUSED_BLOCKS"
 log = logging.getLogger("musecore.xeon")
+
+
+class AttentionBlockArgs(ctypes.Structure):
+    """``attention_block_t`` of ``csrc/binding.cpp``: one attention block's constant arguments."""
+
+    _fields_ = [("in_proj", ctypes.c_void_p), ("o_proj", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("in_kind", "o_kind", "hidden", "nq", "nkv", "d", "window")] + [
+        (name, ctypes.c_double) for name in ("eps", "q_scale", "scale")]
 
 
 class MoeBlockArgs(ctypes.Structure):
@@ -46,7 +59,7 @@ class MoeBlockArgs(ctypes.Structure):
 
 
 def disabled() -> bool:
-    return os.environ.get(FUSED_MOE_ENV, "").strip().lower() in ("0", "off", "no", "false")
+    return os.environ.get(FUSED_ENV, "").strip().lower() in ("0", "off", "no", "false")
 
 
 def _bound_gemv(weight: Any) -> tuple[Optional[tuple[int, int, int, Any]], str]:
@@ -74,23 +87,29 @@ def _norm(weight: Optional[torch.Tensor], what: str) -> tuple[Optional[torch.Ten
     return weight, ""
 
 
-def fuse_moe_block(block: Any) -> Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]]:
-    """``block`` (a ``musecore.model.MoE`` whose weights this backend prepared) -> ``fused(m)``: the block's output
-    for ``m [..., H]`` in one extension call, or None from ``fused`` where it does not take ``m``; None here when the
-    block cannot be fused (the reason at debug level). The closure keeps every tensor it points to alive and checks on
-    each call that the block still holds the same weights (anything replaced since: None, the separate ops run)."""
-    fused, why = _fuse(block)
+def fuse_block(block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
+    """``block`` (a ``musecore.model.MoE`` or ``Attention`` whose weights this backend prepared) -> a callable with
+    the block's call signature computing its output in one extension call, or returning None for inputs it does not
+    take; None here when the block cannot be fused (the reason at debug level). The callable keeps every tensor it
+    points to alive and checks on each call that the block still holds the same weights (anything replaced since:
+    None, and the separate ops run)."""
+    if disabled():
+        fused, why = None, f"{FUSED_ENV}=0"
+    elif fast_ops() is None or not hasattr(fast_ops(), "moe_block"):
+        fused, why = None, "the CPython extension is not available"
+    elif isinstance(block, MoE):
+        fused, why = _fuse(block)
+    elif isinstance(block, Attention):
+        fused, why = _fuse_attention(block)
+    else:
+        fused, why = None, f"no fused form of {type(block).__name__}"
     if fused is None:
-        log.debug("layer %s: MoE block not fused: %s", getattr(block, "layer", "?"), why)
+        log.debug("layer %s: %s not fused: %s", getattr(block, "layer", "?"), type(block).__name__, why)
     return fused
 
 
 def _fuse(block: Any) -> tuple[Optional[Callable], str]:
-    if disabled():
-        return None, f"{FUSED_MOE_ENV}=0"
     fast = fast_ops()
-    if fast is None or not hasattr(fast, "moe_block"):
-        return None, "the CPython extension is not available"
     router, bias = block.router, block.correction_bias
     if router is None or router.dtype is not torch.float32 or not router.is_contiguous() or router.dim() != 2:
         return None, "the router weight is not a contiguous fp32 [E, H] tensor"
@@ -136,4 +155,53 @@ def _fuse(block: Any) -> tuple[Optional[Callable], str]:
         return call(address, m, get_threads())
 
     fused.keep = keep  # type: ignore[attr-defined]
+    return fused, ""
+
+
+def _fuse_attention(block: Any) -> tuple[Optional[Callable], str]:
+    fast = fast_ops()
+    fused_proj = block.in_proj
+    if fused_proj is None:
+        return None, "q/k/v/gate are separate weights (the loader did not fuse them)"
+    nq, nkv, d = block.nq, block.nkv, block.d
+    if tuple(fused_proj.widths) != (nq * d, nkv * d, nkv * d, nq * d):
+        return None, f"the fused projection's widths {tuple(fused_proj.widths)} are not q, k, v, gate"
+    if block.window is not None and block.window <= 0:
+        return None, f"window {block.window}"
+    in_proj, why = _bound_gemv(fused_proj.weight)
+    if in_proj is None:
+        return None, "q/k/v/gate: " + why
+    o_proj, why = _bound_gemv(block.o_proj)
+    if o_proj is None:
+        return None, "o_proj: " + why
+    hidden = block.o_proj.extra["linear"].out_features
+    if fused_proj.weight.extra["linear"].in_features != hidden or block.o_proj.extra["linear"].in_features != nq * d:
+        return None, "the projections' shapes do not chain"
+    args = AttentionBlockArgs(in_proj[1], o_proj[1], in_proj[0], o_proj[0], hidden, nq, nkv, d,
+                              -1 if block.window is None else block.window, float(block.eps), float(block.q_scale),
+                              float(block.scale))
+    address, call, get_threads = ctypes.addressof(args), fast.attention_block, torch.get_num_threads
+    held = (fused_proj, fused_proj.weight, block.o_proj)
+    uses_rope, layer = block.rope, block.layer
+
+    def fused(a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any) -> Optional[torch.Tensor]:
+        if block.in_proj is not held[0] or held[0].weight is not held[1] or block.o_proj is not held[2] \
+                or cache is None or positions.shape != (1, 1):
+            return None
+        lc = cache[layer]
+        if lc.static or lc.k.dtype is not torch.bfloat16 or lc.kv_format == "fp8":
+            return None
+        position = int(positions)
+        if position < 0:
+            return None
+        lc.check_capacity(position)  # before any write: the error the separate path gives
+        slot = position % lc.capacity if lc.ring else position
+        readable = lc.capacity if lc.ring else max(lc.used, position + 1)
+        cos, sin = rope if uses_rope else (None, None)
+        out = call(address, a, position, cos, sin, lc.k, lc.v, lc.positions, slot, readable, get_threads())
+        if out is not None and not lc.ring:
+            lc.used = max(lc.used, position + 1)
+        return out
+
+    fused.keep = (args, in_proj[3], o_proj[3])  # type: ignore[attr-defined]
     return fused, ""

@@ -697,6 +697,83 @@ static PyObject *moe_block(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     });
 }
 
+/* One attention block of a layer at decode (musecore_xeon.fused, bound once per layer by Python) for one sequence and
+   one new token through a bf16 KV cache layer: the fused q/k/v/gate GEMV, the q/k norms and RoPE (k straight into its
+   cache slot), v and the position into theirs, the decode attention over the first `readable` slots, the head norm
+   times the gate, and the o_proj GEMV: the kernels of the separate ops with their arguments (the same bits), in one
+   call. The cache bookkeeping (slot, capacity, filled slots) stays in Python. */
+typedef struct {
+    const void *in_proj, *o_proj;    /* the bound GEMV weights (int4_weight_t or bf16_weight_t) */
+    int64_t in_kind, o_kind;         /* 0 INT4, 1 BF16 */
+    int64_t hidden, nq, nkv, d, window;  /* window <= 0: none */
+    double eps, q_scale, scale;
+} attention_block_t;
+
+/* attention_block(block_address, a, position, cos | None, sin | None, k_cache, v_cache, pos_cache, slot, readable,
+   threads) -> the block's output [1, 1, H] bf16, or None where it does not apply (a not a contiguous bf16 [1, 1, H],
+   the cache not bf16 [1, slots, nkv, d] with int64 positions [1, slots], cos/sin not fp32 with d values, a slot or
+   readable count outside the cache): the Python path then runs. Nothing is written before every check passed. */
+static PyObject *attention_block(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!op_call("attention_block", nargs, 11, (const void *)attention_kernel)) return nullptr;
+    if (int4_linear_kernel == nullptr || rope_kernel == nullptr || gate_kernel == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "attention_block: set_kernels()/set_ops() were not called");
+        return nullptr;
+    }
+    const attention_block_t *b = (const attention_block_t *)PyLong_AsVoidPtr(args[0]);
+    if (b == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "attention_block: the block's address is null");
+        return nullptr;
+    }
+    const long long position = PyLong_AsLongLong(args[2]), slot = PyLong_AsLongLong(args[8]),
+                    readable = PyLong_AsLongLong(args[9]), threads = PyLong_AsLongLong(args[10]);
+    if (PyErr_Occurred()) return nullptr;
+    const int64_t H = b->hidden, nq = b->nq, nkv = b->nkv, d = b->d;
+    const at::Tensor *a = operand(args[1], false, false);
+    if (a == nullptr || a->scalar_type() != at::kBFloat16 || a->numel() != H || a->size(-1) != H || threads < 1
+            || position < 0)
+        Py_RETURN_NONE;
+    bool has_cos, has_sin;
+    const at::Tensor *cs = optional_operand(args[3], &has_cos, true), *sn = optional_operand(args[4], &has_sin, true);
+    if (has_cos != has_sin || (has_cos && (cs == nullptr || sn == nullptr || cs->numel() != d || sn->numel() != d)))
+        Py_RETURN_NONE;
+    const at::Tensor *kc = plain(args[5], 4), *vc = plain(args[6], 4), *pc = plain(args[7], 2);
+    if (kc == nullptr || vc == nullptr || pc == nullptr || kc->scalar_type() != at::kBFloat16
+            || vc->scalar_type() != at::kBFloat16 || pc->scalar_type() != at::kLong || kc->size(0) != 1
+            || kc->size(2) != nkv || kc->size(3) != d || vc->sizes() != kc->sizes() || pc->size(0) != 1
+            || pc->size(1) != kc->size(1) || slot < 0 || slot >= kc->size(1) || readable <= slot
+            || readable > kc->size(1))
+        Py_RETURN_NONE;
+    return guarded([&]() -> PyObject * {
+        const int64_t W = (2 * nq + 2 * nkv) * d;  /* the fused projection: q, k, v, gate */
+        auto up = [](size_t bytes) { return (bytes + 63) & ~(size_t)63; };
+        const size_t yb = up(W * 2), qb = up(nq * d * 2);
+        thread_local std::vector<unsigned char> scratch;
+        if (scratch.size() < yb + 3 * qb + 64) scratch.resize(yb + 3 * qb + 64);
+        unsigned char *base = (unsigned char *)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+        c10::BFloat16 *y = (c10::BFloat16 *)base, *q = (c10::BFloat16 *)(base + yb), *o = (c10::BFloat16 *)(base + yb + qb),
+                      *g = (c10::BFloat16 *)(base + yb + 2 * qb);
+        at::Tensor out = at::empty(a->sizes(), a->options());
+        const void *ad = a->const_data_ptr();
+        void *od = out.mutable_data_ptr();
+        c10::BFloat16 *kd = (c10::BFloat16 *)kc->mutable_data_ptr(), *vd = (c10::BFloat16 *)vc->mutable_data_ptr();
+        int64_t *pd = pc->mutable_data_ptr<int64_t>();
+        const float *cp = has_cos ? cs->const_data_ptr<float>() : nullptr, *sp = has_cos ? sn->const_data_ptr<float>() : nullptr;
+        const int64_t q_pos = position;
+        Py_BEGIN_ALLOW_THREADS
+        linear_kernel_of(b->in_kind)(b->in_proj, ad, y, 1, 1);
+        rope_kernel(y, 1, nq * d, (float)b->q_scale, cp, sp, q, nq, nq, d, (float)b->eps);
+        rope_kernel(y + nq * d, 1, nkv * d, 1.0f, cp, sp, kd + slot * nkv * d, nkv, nkv, d, (float)b->eps);
+        memcpy(vd + slot * nkv * d, y + (nq + nkv) * d, (size_t)(nkv * d) * sizeof(c10::BFloat16));
+        pd[slot] = position;
+        attention_kernel(q, 1, kd, vd, 1, &q_pos, pd, b->window > 0 ? b->window : -1, (float)b->scale, o, 1, 1,
+                         readable, nq, nkv, d, (int)threads);
+        gate_kernel(o, 1, y + (nq + 2 * nkv) * d, 1, W, g, nq, nq, d, (float)b->eps);
+        linear_kernel_of(b->o_kind)(b->o_proj, g, od, 1, 1);
+        Py_END_ALLOW_THREADS
+        return THPVariable_Wrap(std::move(out));
+    });
+}
+
 static PyMethodDef methods[] = {
     {"int4_linear", (PyCFunction)(void (*)(void))int4_linear, METH_FASTCALL, "y = x @ W.T for a bound INT4 weight"},
     {"bf16_linear", (PyCFunction)(void (*)(void))bf16_linear, METH_FASTCALL, "y = x @ W.T for a bound BF16 weight"},
@@ -724,6 +801,8 @@ static PyMethodDef methods[] = {
     {"set_tanh", (PyCFunction)(void (*)(void))set_tanh, METH_FASTCALL, "the address and mode of PyTorch's tanh kernel"},
     {"set_moe", (PyCFunction)(void (*)(void))set_moe, METH_FASTCALL,
      "the addresses of musecore_int4_moe and musecore_bf16_moe"},
+    {"attention_block", (PyCFunction)(void (*)(void))attention_block, METH_FASTCALL,
+     "attention_block(block_address, a, position, cos, sin, k, v, positions, slot, readable, threads), or None"},
     {"moe_block", (PyCFunction)(void (*)(void))moe_block, METH_FASTCALL,
      "moe_block(block_address, m, threads): a layer's MoE block at decode sizes in one call, or None"},
     {"moe", (PyCFunction)(void (*)(void))moe, METH_FASTCALL,

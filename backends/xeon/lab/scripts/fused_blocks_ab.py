@@ -1,9 +1,9 @@
-"""In-process A/B of the one-call MoE block (``musecore_xeon.fused``) on one loaded model (random-weight muse-small,
-the INT4 plan): the plain decode step (``benchmarks/xeon_decode_profile.py``'s ``run_steps``: wall and main-thread
-CPU per token) with every layer's ``mlp.fused`` on and off, alternating within each round so that the host's drift
-hits both; first a check that both give the same logits bit for bit over ``--check`` greedy steps.
+"""In-process A/B of the one-call blocks (``musecore_xeon.fused``) on one loaded model (random-weight muse-small, the
+INT4 plan): the plain decode step (``benchmarks/xeon_decode_profile.py``'s ``run_steps``: wall and main-thread CPU
+per token) with every fused attention and MoE block on and off, alternating within each round so that the host's
+drift hits both; first a check that both give the same logits bit for bit over ``--check`` greedy steps.
 
-    python3 backends/xeon/lab/scripts/fused_moe_ab.py [--threads 1 2] [--rounds 5] [--steps 64] [--json PATH]
+    python3 backends/xeon/lab/scripts/fused_blocks_ab.py [--threads 1 2] [--rounds 5] [--steps 64] [--json PATH]
 """
 
 from __future__ import annotations
@@ -44,16 +44,18 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     model = profile.load("int4", args.layers)
-    blocks = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "fused")]
+    blocks = [b for layer in model.layers for b in (layer.self_attn, layer.mlp) if hasattr(b, "fused")]
     fused = [b.fused for b in blocks]
-    print(f"{sum(f is not None for f in fused)} of {len(blocks)} MoE blocks fused", flush=True)
+    kinds = {kind: sum(f is not None for b, f in zip(blocks, fused) if type(b).__name__ == kind)
+             for kind in ("Attention", "MoE")}
+    print(f"{sum(f is not None for f in fused)} of {len(blocks)} blocks fused ({kinds})", flush=True)
 
     def configure(on: bool) -> None:
         for b, f in zip(blocks, fused):
             b.fused = f if on else None
 
     out = {"utc": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), "load_before": os.getloadavg(),
-           "fused_layers": sum(f is not None for f in fused), "layers": len(blocks)}
+           "fused_blocks": kinds, "blocks": len(blocks)}
     if args.check:
         configure(True)
         a = greedy_logits(model, args.check)
