@@ -3,8 +3,10 @@
 A benchmark, not a test. After a 32-token prefill, ``--steps`` decode steps through ``model.forward`` (batch 1),
 measured three ways in one process:
 
-1. the plain step: wall time and the main thread's CPU time (``time.thread_time``; with one thread every kernel
-   runs on it, so on a shared host this is the work, not the waiting);
+1. the plain step as loaded (each attention and MoE block one C call where the backend fuses it,
+   ``musecore_xeon.fused``): wall time and the main thread's CPU time (``time.thread_time``; with one thread every
+   kernel runs on it, so on a shared host this is the work, not the waiting); then the same step with every block
+   through its separate ops, which is the step that 2 and 3 take apart;
 2. every op of the operator interface wrapped with a timer: the weight-streaming ops (``linear`` per shape and
    format, ``moe``) with their resident bytes and GB/s, the other ops (attention, router, norms, softcap,
    embedding), and what is left: the graph's own Python and tensor bookkeeping (``model.py``, the KV cache);
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import itertools
 import json
 import os
@@ -166,12 +169,34 @@ def fixed_cost_step(model: Any, steps: int) -> tuple[float, float, dict[str, int
     return wall, cpu, dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+@contextlib.contextmanager
+def unfused(model: Any):
+    """Every block through its separate ops (``musecore_xeon.fused`` off): the per-op breakdown and the fixed-cost
+    step time and replay ops, which a fused block does not call."""
+    saved = [(b, b.fused) for layer in model.layers for b in (layer.self_attn, layer.mlp) if hasattr(b, "fused")]
+    for b, _ in saved:
+        b.fused = None
+    try:
+        yield
+    finally:
+        for b, f in saved:
+            b.fused = f
+
+
 def profile_plan(model: Any, threads: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     run_steps(model, 8)
-    plain = [run_steps(model, steps) for _ in range(3)]
+    plain = [run_steps(model, steps) for _ in range(3)]  # as loaded: the fused blocks where the backend has them
     wall = statistics.median(p[0] for p in plain)
     cpu = statistics.median(p[1] for p in plain)
+    with unfused(model):
+        separate = statistics.median(run_steps(model, steps)[0] for _ in range(3))
+        return {**breakdown(model, steps), "threads": threads, "step_ms": wall * 1e3, "step_cpu_ms": cpu * 1e3,
+                "tokens_per_s": 1 / wall, "unfused_step_ms": separate * 1e3}
+
+
+def breakdown(model: Any, steps: int) -> dict[str, Any]:
+    """The timed step's ops (wall, CPU, bytes) and the fixed-cost step, every block through its ops."""
     with OpTimers(model) as timers:
         run_steps(model, 4)
         timed_wall, timed_cpu = run_steps(model, steps, after_prefill=timers.stats.clear)
@@ -185,8 +210,7 @@ def profile_plan(model: Any, threads: int, steps: int) -> dict[str, Any]:
     other_ops = sum(r["wall_ms_per_step"] for r in ops if r["op"] not in STREAMING)
     fixed_wall, fixed_cpu, aten = fixed_cost_step(model, steps)
     nbytes = sum(r["bytes_per_call"] * r["calls_per_step"] for r in ops if r["op"] in STREAMING)
-    return {"threads": threads, "step_ms": wall * 1e3, "step_cpu_ms": cpu * 1e3, "tokens_per_s": 1 / wall,
-            "timed_step_ms": timed_wall * 1e3, "streaming_ms": streaming, "other_ops_ms": other_ops,
+    return {"timed_step_ms": timed_wall * 1e3, "streaming_ms": streaming, "other_ops_ms": other_ops,
             "outside_ops_ms": timed_wall * 1e3 - streaming - other_ops, "weight_bytes_per_step": nbytes,
             "streaming_gb_per_s": nbytes / streaming / 1e6 if streaming else None,
             "fixed_cost_step_ms": fixed_wall * 1e3, "fixed_cost_step_cpu_ms": fixed_cpu * 1e3,
@@ -254,6 +278,8 @@ def markdown(plan: str, r: dict[str, Any]) -> str:
     lines = [f"### {plan}, {r['threads']} thread(s): {r['step_ms']:.2f} ms/token ({r['tokens_per_s']:.1f} tokens/s), "
              f"main-thread CPU {r['step_cpu_ms']:.2f} ms",
              "",
+             f"- every block through its separate ops: {r['unfused_step_ms']:.2f} ms/token (the rows below are that "
+             "step's)",
              f"- weight streaming (linear + moe): {r['streaming_ms']:.2f} ms ({r['weight_bytes_per_step'] / 1e6:.1f} MB, "
              f"{r['streaming_gb_per_s']:.1f} GB/s) of a {r['timed_step_ms']:.2f} ms step with timers",
              f"- other ops (attention, router, norms, softcap, embedding): {r['other_ops_ms']:.2f} ms",
