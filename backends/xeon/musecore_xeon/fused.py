@@ -80,6 +80,17 @@ def _bound_gemv(weight: Any) -> tuple[Optional[tuple[int, int, int, Any]], str]:
     return None, f"the projection is not a xeon resident weight ({type(resident).__name__})"
 
 
+def _bound_gemvs(**weights: Any) -> tuple[Optional[list[tuple[int, int, int, Any]]], str]:
+    """Each named projection's :func:`_bound_gemv`, in order, or ``(None, "name: why not")`` for the first without."""
+    found = []
+    for name, weight in weights.items():
+        gemv, why = _bound_gemv(weight)
+        if gemv is None:
+            return None, f"{name}: {why}"
+        found.append(gemv)
+    return found, ""
+
+
 def _norm(weight: Optional[torch.Tensor], what: str) -> tuple[Optional[torch.Tensor], str]:
     if weight is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) \
             or not weight.is_contiguous():
@@ -118,12 +129,10 @@ def _fuse(block: Any) -> tuple[Optional[Callable], str]:
     experts = getattr(block.experts, "extra", {}).get("xeon")
     if experts is None or experts.native_call is None or experts.native_args is None:
         return None, "the experts have no fused native call"
-    pooler, why = _bound_gemv(block.pre_expert_proj)
-    if pooler is None:
-        return None, "pooler: " + why
-    unpooler, why = _bound_gemv(block.post_expert_proj)
-    if unpooler is None:
-        return None, "unpooler: " + why
+    gemvs, why = _bound_gemvs(pooler=block.pre_expert_proj, unpooler=block.post_expert_proj)
+    if gemvs is None:
+        return None, why
+    pooler, unpooler = gemvs
     pre_norm, why = _norm(block.pre_expert_norm, "pre-expert norm")
     post_norm, why2 = _norm(block.post_expert_norm, "post-expert norm")
     if pre_norm is None or post_norm is None:
@@ -168,12 +177,10 @@ def _fuse_attention(block: Any) -> tuple[Optional[Callable], str]:
         return None, f"the fused projection's widths {tuple(fused_proj.widths)} are not q, k, v, gate"
     if block.window is not None and block.window <= 0:
         return None, f"window {block.window}"
-    in_proj, why = _bound_gemv(fused_proj.weight)
-    if in_proj is None:
-        return None, "q/k/v/gate: " + why
-    o_proj, why = _bound_gemv(block.o_proj)
-    if o_proj is None:
-        return None, "o_proj: " + why
+    gemvs, why = _bound_gemvs(**{"q/k/v/gate": fused_proj.weight, "o_proj": block.o_proj})
+    if gemvs is None:
+        return None, why
+    in_proj, o_proj = gemvs
     hidden = block.o_proj.extra["linear"].out_features
     if fused_proj.weight.extra["linear"].in_features != hidden or block.o_proj.extra["linear"].in_features != nq * d:
         return None, "the projections' shapes do not chain"

@@ -78,15 +78,20 @@ static PyObject *call_linear(const char *name, linear_fn kernel, const void *w, 
     }
 }
 
+/* The struct at the address obj holds (a Python int), or nullptr with a ValueError / the conversion's error set. */
+template <typename Struct> static const Struct *struct_at(const char *name, PyObject *obj) {
+    const Struct *p = (const Struct *)PyLong_AsVoidPtr(obj);
+    if (p == nullptr && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: the address is null", name);
+    return p;
+}
+
 template <typename Weight>
 static const Weight *weight_at(const char *name, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1) {
         PyErr_Format(PyExc_TypeError, "%s(weight_address, x) takes 2 arguments; got %zd", name, nargs);
         return nullptr;
     }
-    const Weight *w = (const Weight *)PyLong_AsVoidPtr(args[0]);
-    if (w == nullptr && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: the weight address is null", name);
-    return w;
+    return struct_at<Weight>(name, args[0]);
 }
 
 /* int4_linear(weight_address, x) -> y [..., n_valid] in x's dtype */
@@ -646,11 +651,8 @@ static PyObject *moe_block(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
                         "addresses");
         return nullptr;
     }
-    const moe_block_t *b = (const moe_block_t *)PyLong_AsVoidPtr(args[0]);
-    if (b == nullptr) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "moe_block: the block's address is null");
-        return nullptr;
-    }
+    const moe_block_t *b = struct_at<moe_block_t>("moe_block", args[0]);
+    if (b == nullptr) return nullptr;
     const long long threads = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred()) return nullptr;
     const at::Tensor *m = operand(args[1], false, false);
@@ -719,11 +721,8 @@ static PyObject *attention_block(PyObject *, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_RuntimeError, "attention_block: set_kernels()/set_ops() were not called");
         return nullptr;
     }
-    const attention_block_t *b = (const attention_block_t *)PyLong_AsVoidPtr(args[0]);
-    if (b == nullptr) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "attention_block: the block's address is null");
-        return nullptr;
-    }
+    const attention_block_t *b = struct_at<attention_block_t>("attention_block", args[0]);
+    if (b == nullptr) return nullptr;
     const long long position = PyLong_AsLongLong(args[2]), slot = PyLong_AsLongLong(args[8]),
                     readable = PyLong_AsLongLong(args[9]), threads = PyLong_AsLongLong(args[10]);
     if (PyErr_Occurred()) return nullptr;
