@@ -27,7 +27,7 @@ from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
 from musecore_quant.formats.facts import block_size
 from musecore_xeon import ops as xops
 from musecore_xeon.cpu import NUM_THREADS_ENV, CpuInfo
-from musecore_xeon.fused import FUSED_ENV
+from musecore_xeon.fused import FUSED_ENV, disabled as fused_disabled
 from musecore_xeon.kernels import binding, crossover, native
 from musecore_xeon.kernels.crossover import (BF16_CROSSOVER_ENV, BF16_GEMV_CROSSOVER_ENV, CALIBRATION_MS,
                                              INT4_CROSSOVER_ENV, PROXY_MAX_ROWS)
@@ -166,6 +166,19 @@ class Choices:
         return KernelChoice(what, "CPython extension (csrc/binding.cpp, METH_FASTCALL)",
                             "built at first use with PyTorch's headers; the GEMVs, norms, router and decode "
                             "attention called without ctypes", binding.BINDING_ENV)
+
+    def decode_blocks(self) -> KernelChoice:
+        what = "decode blocks"
+        separate = "separate ops per block"
+        if fused_disabled():
+            return KernelChoice(what, separate, f"{FUSED_ENV}={os.environ.get(FUSED_ENV)}", FUSED_ENV)
+        binding_choice = self.binding()
+        if not binding_choice.choice.startswith("CPython extension"):
+            return KernelChoice(what, separate, f"needs the CPython extension ({binding_choice.reason})", FUSED_ENV)
+        return KernelChoice(what, "one C call per attention block and per MoE block (musecore_xeon.fused)",
+                            "one token of one sequence through a bf16 KV cache (attention), up to "
+                            f"{xops.NATIVE_ATTENTION_MAX_QUERIES} tokens (MoE): the separate ops' kernels and bits "
+                            "without Python between them; other inputs take the separate ops", FUSED_ENV)
 
     def thread_count(self) -> KernelChoice:
         raw = os.environ.get(NUM_THREADS_ENV)
@@ -322,7 +335,8 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any, cpu: CpuInfo, t
     c = Choices(cpu, profile, threads)
     out: list[KernelChoice] = []
     for what, make in (("native kernels: ISA", c.isa), ("native kernels", c.native_kernels),
-                       ("native binding", c.binding), ("threads", c.thread_count), ("attention", c.attention)):
+                       ("native binding", c.binding), ("decode blocks", c.decode_blocks), ("threads", c.thread_count),
+                       ("attention", c.attention)):
         out += guarded(what, make)
     seen = set()
     for shape in linears:

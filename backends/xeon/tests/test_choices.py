@@ -93,6 +93,17 @@ def test_binding_choice_follows_its_environment_variable(xeon, monkeypatch) -> N
     assert choice.choice == "ctypes" and binding.BINDING_ENV in choice.reason, choice
 
 
+def test_the_decode_blocks_choice_says_fused_and_follows_its_switch_and_the_binding(xeon, monkeypatch) -> None:
+    assert choices_by_what(xeon)["decode blocks"].choice.startswith("one C call per attention block")
+    monkeypatch.setenv("MUSECORE_XEON_FUSED_BLOCKS", "0")
+    off = choices_by_what(xeon)["decode blocks"]
+    assert off.choice == "separate ops per block" and "MUSECORE_XEON_FUSED_BLOCKS=0" in off.reason, off
+    monkeypatch.delenv("MUSECORE_XEON_FUSED_BLOCKS")
+    monkeypatch.setenv(binding.BINDING_ENV, "0")
+    no_binding = choices_by_what(xeon)["decode blocks"]
+    assert no_binding.choice == "separate ops per block" and "CPython extension" in no_binding.reason, no_binding
+
+
 @pytest.mark.parametrize("name, value", [(INT4_CROSSOVER_ENV, "48"), ("MUSECORE_XEON_ISA", "avx2"),
                                          ("MUSECORE_XEON_BINDING", "0"), ("MUSECORE_NUM_THREADS", "3"),
                                          ("MUSECORE_CACHE", "/somewhere/private")])
