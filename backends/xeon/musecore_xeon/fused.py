@@ -119,7 +119,7 @@ def fuse_block(block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
     return fused
 
 
-def _fuse(block: Any) -> tuple[Optional[Callable], str]:
+def _fuse(block: Any) -> tuple[Optional[FusedBlock], str]:
     fast = fast_ops()
     router, bias = block.router, block.correction_bias
     if router is None or router.dtype is not torch.float32 or not router.is_contiguous() or router.dim() != 2:
@@ -152,22 +152,11 @@ def _fuse(block: Any) -> tuple[Optional[Callable], str]:
                         int(pre_norm.dtype is torch.bfloat16), int(post_norm.dtype is torch.bfloat16),
                         experts.native_args_address, H, h, block.top_k, max_rows, float(block.multiplier),
                         float(block.scaling), float(block.eps), float(block.post_eps))
-    address, call, get_threads = ctypes.addressof(args), fast.moe_block, torch.get_num_threads
     held = (router, bias, block.experts, block.pre_expert_proj, block.post_expert_proj, pre_norm, post_norm)
-    keep = (args, experts, pooler[3], unpooler[3])  # the structs and bound GEMVs the addresses point into
-
-    def fused(m: torch.Tensor) -> Optional[torch.Tensor]:
-        if (block.router is not held[0] or block.correction_bias is not held[1] or block.experts is not held[2]
-                or block.pre_expert_proj is not held[3] or block.post_expert_proj is not held[4]
-                or block.pre_expert_norm is not held[5] or block.post_expert_norm is not held[6]):
-            return None  # a weight was replaced after fusing: the separate ops (bound to the new weights) run
-        return call(address, m, get_threads())
-
-    fused.keep = keep  # type: ignore[attr-defined]
-    return fused, ""
+    return FusedMoE(block, args, fast.moe_block, held, (experts, pooler[3], unpooler[3])), ""
 
 
-def _fuse_attention(block: Any) -> tuple[Optional[Callable], str]:
+def _fuse_attention(block: Any) -> tuple[Optional[FusedBlock], str]:
     fast = fast_ops()
     fused_proj = block.in_proj
     if fused_proj is None:
@@ -187,15 +176,48 @@ def _fuse_attention(block: Any) -> tuple[Optional[Callable], str]:
     args = AttentionBlockArgs(in_proj[1], o_proj[1], in_proj[0], o_proj[0], hidden, nq, nkv, d,
                               -1 if block.window is None else block.window, float(block.eps), float(block.q_scale),
                               float(block.scale))
-    address, call, get_threads = ctypes.addressof(args), fast.attention_block, torch.get_num_threads
     held = (fused_proj, fused_proj.weight, block.o_proj)
-    uses_rope, layer = block.rope, block.layer
+    return FusedAttention(block, args, fast.attention_block, held, (in_proj[3], o_proj[3])), ""
 
-    def fused(a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any) -> Optional[torch.Tensor]:
+
+class FusedBlock:
+    """A block's one-call form: its bound arguments (``args``, a ctypes struct whose address the extension reads), the
+    extension function, the block's weights as bound (``held``: checked by identity on every call) and the objects
+    the struct points into (``keep``: alive as long as this is)."""
+
+    __slots__ = ("block", "args", "address", "call", "held", "keep")
+
+    def __init__(self, block: Any, args: ctypes.Structure, call: Callable, held: tuple, keep: tuple) -> None:
+        self.block, self.args, self.address, self.call = block, args, ctypes.addressof(args), call
+        self.held, self.keep = held, keep
+
+
+class FusedMoE(FusedBlock):
+    """``fused(m)``: the MoE block's output for ``m [..., H]`` bf16 of at most ``args.max_rows`` rows, or None."""
+
+    __slots__ = ()
+
+    def __call__(self, m: torch.Tensor) -> Optional[torch.Tensor]:
+        block, held = self.block, self.held
+        if (block.router is not held[0] or block.correction_bias is not held[1] or block.experts is not held[2]
+                or block.pre_expert_proj is not held[3] or block.post_expert_proj is not held[4]
+                or block.pre_expert_norm is not held[5] or block.post_expert_norm is not held[6]):
+            return None  # a weight was replaced after fusing: the separate ops (bound to the new weights) run
+        return self.call(self.address, m, torch.get_num_threads())
+
+
+class FusedAttention(FusedBlock):
+    """``fused(a, positions, rope, cache)``: the attention block's output for one new token of one sequence through
+    a bf16, non-static cache layer (written as the separate ops write it), or None."""
+
+    __slots__ = ()
+
+    def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any) -> Optional[torch.Tensor]:
+        block, held = self.block, self.held
         if block.in_proj is not held[0] or held[0].weight is not held[1] or block.o_proj is not held[2] \
                 or cache is None or positions.shape != (1, 1):
             return None
-        lc = cache[layer]
+        lc = cache[block.layer]
         if lc.static or lc.k.dtype is not torch.bfloat16 or lc.kv_format == "fp8":
             return None
         position = int(positions)
@@ -204,11 +226,9 @@ def _fuse_attention(block: Any) -> tuple[Optional[Callable], str]:
         lc.check_capacity(position)  # before any write: the error the separate path gives
         slot = position % lc.capacity if lc.ring else position
         readable = lc.capacity if lc.ring else max(lc.used, position + 1)
-        cos, sin = rope if uses_rope else (None, None)
-        out = call(address, a, position, cos, sin, lc.k, lc.v, lc.positions, slot, readable, get_threads())
+        cos, sin = rope if block.rope else (None, None)
+        out = self.call(self.address, a, position, cos, sin, lc.k, lc.v, lc.positions, slot, readable,
+                        torch.get_num_threads())
         if out is not None and not lc.ring:
             lc.used = max(lc.used, position + 1)
         return out
-
-    fused.keep = (args, in_proj[3], o_proj[3])  # type: ignore[attr-defined]
-    return fused, ""

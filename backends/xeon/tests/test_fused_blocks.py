@@ -34,7 +34,7 @@ def separate(block: MoE, m: torch.Tensor) -> torch.Tensor:
 
 
 def max_rows(block: MoE) -> int:
-    return block.fused.keep[0].max_rows
+    return block.fused.args.max_rows
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
