@@ -94,7 +94,11 @@ def test_binding_choice_follows_its_environment_variable(xeon, monkeypatch) -> N
 
 
 def test_the_decode_blocks_choice_says_fused_and_follows_its_switch_and_the_binding(xeon, monkeypatch) -> None:
-    assert choices_by_what(xeon)["decode blocks"].choice.startswith("one C call per attention block")
+    chosen = choices_by_what(xeon)
+    if chosen["native binding"].choice.startswith("CPython extension"):  # not built: earlier tests may hide the compiler
+        assert chosen["decode blocks"].choice.startswith("one C call per attention block"), chosen["decode blocks"]
+    else:
+        assert chosen["decode blocks"].choice == "separate ops per block", chosen["decode blocks"]
     monkeypatch.setenv("MUSECORE_XEON_FUSED_BLOCKS", "0")
     off = choices_by_what(xeon)["decode blocks"]
     assert off.choice == "separate ops per block" and "MUSECORE_XEON_FUSED_BLOCKS=0" in off.reason, off
