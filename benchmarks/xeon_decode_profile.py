@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import itertools
 import json
 import os
@@ -169,27 +168,14 @@ def fixed_cost_step(model: Any, steps: int) -> tuple[float, float, dict[str, int
     return wall, cpu, dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-@contextlib.contextmanager
-def unfused(model: Any):
-    """Every block through its separate ops (``musecore_xeon.fused`` off): the per-op breakdown and the fixed-cost
-    step time and replay ops, which a fused block does not call."""
-    saved = [(b, b.fused) for layer in model.layers for b in (layer.self_attn, layer.mlp) if hasattr(b, "fused")]
-    for b, _ in saved:
-        b.fused = None
-    try:
-        yield
-    finally:
-        for b, f in saved:
-            b.fused = f
-
-
 def profile_plan(model: Any, threads: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     run_steps(model, 8)
     plain = [run_steps(model, steps) for _ in range(3)]  # as loaded: the fused blocks where the backend has them
     wall = statistics.median(p[0] for p in plain)
     cpu = statistics.median(p[1] for p in plain)
-    with unfused(model):
+    from musecore_xeon.fused import separate_ops  # every block through its ops: what 2 and 3 take apart
+    with separate_ops(model):
         separate = statistics.median(run_steps(model, steps)[0] for _ in range(3))
         return {**breakdown(model, steps), "threads": threads, "step_ms": wall * 1e3, "step_cpu_ms": cpu * 1e3,
                 "tokens_per_s": 1 / wall, "unfused_step_ms": separate * 1e3}

@@ -23,10 +23,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -60,6 +61,20 @@ class MoeBlockArgs(ctypes.Structure):
 
 def disabled() -> bool:
     return os.environ.get(FUSED_ENV, "").strip().lower() in ("0", "off", "no", "false")
+
+
+@contextlib.contextmanager
+def separate_ops(model: Any) -> Iterator[None]:
+    """Every attention and MoE block of ``model`` through its separate ops inside the ``with`` (A/B measurements, the
+    per-op profile, the tests' reference), the fused forms back afterwards."""
+    saved = [(b, b.fused) for layer in model.layers for b in (layer.self_attn, layer.mlp) if hasattr(b, "fused")]
+    for b, _ in saved:
+        b.fused = None
+    try:
+        yield
+    finally:
+        for b, f in saved:
+            b.fused = f
 
 
 def _bound_gemv(weight: Any) -> tuple[Optional[tuple[int, int, int, Any]], str]:
@@ -104,14 +119,15 @@ def fuse_block(block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
     take; None here when the block cannot be fused (the reason at debug level). The callable keeps every tensor it
     points to alive and checks on each call that the block still holds the same weights (anything replaced since:
     None, and the separate ops run)."""
+    fast = fast_ops()
     if disabled():
         fused, why = None, f"{FUSED_ENV}=0"
-    elif fast_ops() is None or not hasattr(fast_ops(), "moe_block"):
+    elif fast is None or not hasattr(fast, "moe_block"):
         fused, why = None, "the CPython extension is not available"
     elif isinstance(block, MoE):
-        fused, why = _fuse(block)
+        fused, why = _fuse_moe(block, fast)
     elif isinstance(block, Attention):
-        fused, why = _fuse_attention(block)
+        fused, why = _fuse_attention(block, fast)
     else:
         fused, why = None, f"no fused form of {type(block).__name__}"
     if fused is None:
@@ -119,8 +135,7 @@ def fuse_block(block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
     return fused
 
 
-def _fuse(block: Any) -> tuple[Optional[FusedBlock], str]:
-    fast = fast_ops()
+def _fuse_moe(block: Any, fast: Any) -> tuple[Optional[FusedBlock], str]:
     router, bias = block.router, block.correction_bias
     if router is None or router.dtype is not torch.float32 or not router.is_contiguous() or router.dim() != 2:
         return None, "the router weight is not a contiguous fp32 [E, H] tensor"
@@ -156,8 +171,7 @@ def _fuse(block: Any) -> tuple[Optional[FusedBlock], str]:
     return FusedMoE(block, args, fast.moe_block, held, (experts, pooler[3], unpooler[3])), ""
 
 
-def _fuse_attention(block: Any) -> tuple[Optional[FusedBlock], str]:
-    fast = fast_ops()
+def _fuse_attention(block: Any, fast: Any) -> tuple[Optional[FusedBlock], str]:
     fused_proj = block.in_proj
     if fused_proj is None:
         return None, "q/k/v/gate are separate weights (the loader did not fuse them)"

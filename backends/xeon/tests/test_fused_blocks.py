@@ -8,7 +8,7 @@ import torch
 
 from musecore.api import load_random
 from musecore.model import Attention, MoE
-from musecore_xeon.fused import FUSED_ENV, fuse_block
+from musecore_xeon.fused import FUSED_ENV, fuse_block, separate_ops
 
 
 @pytest.fixture(scope="module", params=["int4", "bf16"])
@@ -106,18 +106,6 @@ def decode(model, prompt: torch.Tensor, steps: int, kv_format: str = "bf16", bat
     return torch.cat(out)
 
 
-def unfused(model, fn):
-    """``fn()`` with every block's fused form off."""
-    saved = [(b, b.fused) for layer in model.layers for b in (layer.self_attn, layer.mlp)]
-    for b, _ in saved:
-        b.fused = None
-    try:
-        return fn()
-    finally:
-        for b, f in saved:
-            b.fused = f
-
-
 @pytest.mark.parametrize("prompt_len,steps", [(12, 5), (60, 12)])  # 60 + 12 > the sliding window (64): ring wrap
 def test_greedy_decode_logits_are_the_same_with_and_without_fusion(model, prompt_len: int, steps: int) -> None:
     prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(3))
@@ -130,7 +118,8 @@ def test_greedy_decode_logits_are_the_same_with_and_without_fusion(model, prompt
     finally:
         block.fused = real
     assert len(calls) == steps + 1  # the prefill asked too (and was declined: one token at a time only)
-    plain = unfused(model, lambda: decode(model, prompt, steps))
+    with separate_ops(model):
+        plain = decode(model, prompt, steps)
     assert torch.equal(fused, plain), f"max |diff| {(fused - plain).abs().max().item():.3g}"
 
 
@@ -146,7 +135,8 @@ def test_attention_inputs_it_is_not_bound_for_fall_back(model, kv_format: str, b
     finally:
         block.fused = real
     assert taken and all(t is None for t in taken)
-    assert torch.equal(fused, unfused(model, lambda: decode(model, prompt, 3, kv_format, batch)))
+    with separate_ops(model):
+        assert torch.equal(fused, decode(model, prompt, 3, kv_format, batch))
 
 
 def test_a_full_cache_raises_the_separate_paths_error_before_writing(model) -> None:

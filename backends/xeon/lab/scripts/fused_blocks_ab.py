@@ -9,6 +9,7 @@ drift hits both; first a check that both give the same logits bit for bit over `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -20,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
 import xeon_decode_profile as profile  # noqa: E402
+from musecore_xeon.fused import separate_ops  # noqa: E402
 
 
 def greedy_logits(model, steps: int) -> list[torch.Tensor]:
@@ -50,17 +52,15 @@ def main() -> None:
              for kind in ("Attention", "MoE")}
     print(f"{sum(f is not None for f in fused)} of {len(blocks)} blocks fused ({kinds})", flush=True)
 
-    def configure(on: bool) -> None:
-        for b, f in zip(blocks, fused):
-            b.fused = f if on else None
+    def configure(on: bool):
+        return contextlib.nullcontext() if on else separate_ops(model)
 
     out = {"utc": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), "load_before": os.getloadavg(),
            "fused_blocks": kinds, "blocks": len(blocks)}
     if args.check:
-        configure(True)
         a = greedy_logits(model, args.check)
-        configure(False)
-        b = greedy_logits(model, args.check)
+        with separate_ops(model):
+            b = greedy_logits(model, args.check)
         same = all(torch.equal(x, y) for x, y in zip(a, b))
         worst = max((x - y).abs().max().item() for x, y in zip(a, b))
         out["bit_equal_logits"] = same
@@ -68,13 +68,13 @@ def main() -> None:
     for t in args.threads:
         torch.set_num_threads(t)
         for on in (True, False):
-            configure(on)
-            profile.run_steps(model, 8)
+            with configure(on):
+                profile.run_steps(model, 8)
         rows = {"on": [], "off": []}
         for r in range(args.rounds):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
-                configure(on)
-                wall, cpu = profile.run_steps(model, args.steps)
+                with configure(on):
+                    wall, cpu = profile.run_steps(model, args.steps)
                 rows["on" if on else "off"].append((wall * 1e3, cpu * 1e3))
         med = {k: statistics.median(w for w, _ in v) for k, v in rows.items()}
         out[f"{t}t"] = {"wall_ms_on": [w for w, _ in rows["on"]], "wall_ms_off": [w for w, _ in rows["off"]],
@@ -83,7 +83,6 @@ def main() -> None:
         print(f"{t} thread(s): fused {med['on']:.2f} ms/token, separate ops {med['off']:.2f} ms/token "
               f"({med['off'] / med['on']:.3f}x; rounds on {[round(w, 2) for w, _ in rows['on']]}, "
               f"off {[round(w, 2) for w, _ in rows['off']]})", flush=True)
-    configure(True)
     out["load_after"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -641,6 +641,20 @@ typedef struct {
 
 static inline linear_fn linear_kernel_of(int64_t kind) { return kind == 0 ? int4_linear_kernel : bf16_linear_kernel; }
 
+/* The blocks' scratch: `sizes` pieces of bytes, each 64-byte aligned, carved from one buffer of the calling thread
+   (grown when needed, kept for the next call); out[i] is piece i. */
+template <size_t N> static void block_scratch(const size_t (&sizes)[N], unsigned char *(&out)[N]) {
+    size_t total = 64;
+    for (size_t bytes : sizes) total += (bytes + 63) & ~(size_t)63;
+    thread_local std::vector<unsigned char> scratch;
+    if (scratch.size() < total) scratch.resize(total);
+    unsigned char *p = (unsigned char *)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+    for (size_t i = 0; i < N; ++i) {
+        out[i] = p;
+        p += (sizes[i] + 63) & ~(size_t)63;
+    }
+}
+
 /* moe_block(block_address, m, threads) -> the block's output [..., H] bf16 in m's shape, or None where it does not apply
    (m not a contiguous bf16 CPU tensor of [..., H] with 1..max_rows rows, or more rows than an expert may take): the
    Python path then runs. */
@@ -661,17 +675,14 @@ static PyObject *moe_block(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     const moe_experts_t *x = b->experts;
     if (T < 1 || T > b->max_rows || T > x->max_tokens) Py_RETURN_NONE;  /* an expert takes <= T rows: one per token */
     return guarded([&]() -> PyObject * {
-        /* scratch, 64-byte aligned pieces: weights fp32 [T, k], ids int64 [T, k], pooled / z / rounded bf16 [T, h],
-           the experts' sum fp32 [T, h] */
-        auto up = [](size_t bytes) { return (bytes + 63) & ~(size_t)63; };
-        const size_t wb = up(T * k * 4), ib = up(T * k * 8), hb = up(T * h * 2), yb = up(T * h * 4);
-        thread_local std::vector<unsigned char> scratch;
-        if (scratch.size() < wb + ib + 3 * hb + yb + 64) scratch.resize(wb + ib + 3 * hb + yb + 64);
-        unsigned char *base = (unsigned char *)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
-        float *weights = (float *)base;
-        int64_t *ids = (int64_t *)(base + wb);
-        c10::BFloat16 *pooled = (c10::BFloat16 *)(base + wb + ib), *z = pooled + hb / 2, *rounded = z + hb / 2;
-        float *sum = (float *)(base + wb + ib + 3 * hb);
+        /* weights fp32 [T, k], ids int64 [T, k], pooled / z / rounded bf16 [T, h], the experts' sum fp32 [T, h] */
+        unsigned char *piece[6];
+        block_scratch({(size_t)(T * k * 4), (size_t)(T * k * 8), (size_t)(T * h * 2), (size_t)(T * h * 2),
+                       (size_t)(T * h * 2), (size_t)(T * h * 4)}, piece);
+        float *weights = (float *)piece[0], *sum = (float *)piece[5];
+        int64_t *ids = (int64_t *)piece[1];
+        c10::BFloat16 *pooled = (c10::BFloat16 *)piece[2], *z = (c10::BFloat16 *)piece[3],
+                      *rounded = (c10::BFloat16 *)piece[4];
         at::Tensor out = at::empty(m->sizes(), m->options());
         const void *md = m->const_data_ptr();
         void *od = out.mutable_data_ptr();
@@ -744,13 +755,12 @@ static PyObject *attention_block(PyObject *, PyObject *const *args, Py_ssize_t n
         Py_RETURN_NONE;
     return guarded([&]() -> PyObject * {
         const int64_t W = (2 * nq + 2 * nkv) * d;  /* the fused projection: q, k, v, gate */
-        auto up = [](size_t bytes) { return (bytes + 63) & ~(size_t)63; };
-        const size_t yb = up(W * 2), qb = up(nq * d * 2);
-        thread_local std::vector<unsigned char> scratch;
-        if (scratch.size() < yb + 3 * qb + 64) scratch.resize(yb + 3 * qb + 64);
-        unsigned char *base = (unsigned char *)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
-        c10::BFloat16 *y = (c10::BFloat16 *)base, *q = (c10::BFloat16 *)(base + yb), *o = (c10::BFloat16 *)(base + yb + qb),
-                      *g = (c10::BFloat16 *)(base + yb + 2 * qb);
+        /* the projection's output bf16 [W], the normed and rotated q, the attention output, its gated norm [nq, d] */
+        unsigned char *piece[4];
+        const size_t heads = (size_t)(nq * d * 2);
+        block_scratch({(size_t)(W * 2), heads, heads, heads}, piece);
+        c10::BFloat16 *y = (c10::BFloat16 *)piece[0], *q = (c10::BFloat16 *)piece[1], *o = (c10::BFloat16 *)piece[2],
+                      *g = (c10::BFloat16 *)piece[3];
         at::Tensor out = at::empty(a->sizes(), a->options());
         const void *ad = a->const_data_ptr();
         void *od = out.mutable_data_ptr();
