@@ -183,6 +183,39 @@ def test_dequantize_matches_the_reference_dequantization(fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_cuda_decode_min_blocks_changes_no_bits(m):
+    """``GemvPlan.min_blocks`` only caps the kernel's registers (``__launch_bounds__``): the output at every cap,
+    spills included, is bit-identical to the default plan's, with and without split-K."""
+    n, k = 96, 2048
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = prepare_fp4(musecore_quant.quantize(torch.randn(n, k) * 0.02, "nvfp4"), torch.device("cuda"))
+    for split in (1, 4):
+        want = _cuda_decode(x, w, n, k, "mma", split)
+        for blocks in (2, 4, 6):
+            got = _cuda_decode(x, w, n, k, "mma", split, min_blocks=blocks)
+            diff = (got.float() - want.float()).abs().max().item()
+            assert torch.equal(got, want), f"M={m} split {split} min_blocks {blocks}: max difference {diff:.3g}"
+
+
+@pytest.mark.gpu
+def test_dequantize_every_row_and_quad_at_odd_sizes():
+    """The dequantize kernel (one thread per 16-byte quad of words) on sizes that end mid-block: 3 rows and K=128
+    (12 quads), 129 rows x 384: equal to the reference within one bf16 rounding, zeros exactly, every element
+    written (the output starts as NaN)."""
+    for n, k in ((3, 128), (129, 384)):
+        qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+        w = prepare_fp4(qt, torch.device("cuda"))
+        out = torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n,
+                                 k=k, out=out)
+        expected = musecore_quant.dequantize(qt).float().cuda()
+        assert not out.isnan().any(), f"[{n}, {k}]: {int(out.isnan().sum())} elements never written"
+        err = ((out.float() - expected).abs() / expected.abs().clamp_min(1e-30)).max().item()
+        assert err <= 2.0 ** -8, f"[{n}, {k}] dequantize: max relative error {err:.3g} > 2**-8"
+
+
+@pytest.mark.gpu
 def test_cuda_decode_refuses_what_it_cannot_run():
     w = prepare_fp4(musecore_quant.quantize(torch.randn(64, 256), "nvfp4"), torch.device("cuda"))
     with pytest.raises(ValueError, match="no CUDA decode kernel"):

@@ -77,6 +77,7 @@ class GemvPlan:
     split_k: int = 1
     k_warps: int = 1     # MMA: warps of a block splitting its K range
     prefetch: int = 2    # MMA: chunks each thread keeps in flight
+    min_blocks: int = 1  # MMA: blocks per SM the compiler must fit (``__launch_bounds__``: caps registers)
 
     @property
     def token_groups(self) -> int:  # MMA: groups of 8 activation rows (mma n8 each)
@@ -161,9 +162,10 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-            k_warps: int = 1, prefetch: int = 2, early: bool = False):
+            k_warps: int = 1, prefetch: int = 2, early: bool = False, min_blocks: int = 1):
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}>"
+    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}, "
+            f"{min_blocks}>"
             if kind == "mma" else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}, {str(early).lower()}>")
     return torch.cuda._compile_kernel(SOURCE, name)
 
@@ -213,7 +215,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     mma = plan.kind == "mma"
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
                    plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
-                   pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"))
+                   pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"),
+                   plan.min_blocks if mma else 1)
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     pdl.launch(kern, grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
                block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem, device=x.device,
@@ -235,10 +238,13 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tens
                n: int, k: int, out: torch.Tensor) -> torch.Tensor:
     """``out [n, k]`` bf16 = the resident FP4 weight (one expert: ``packed [n, k/2]``) times ``out_scale``,
     each element rounded once to bf16 (for large M, where a BF16 GEMM on the result beats W4A16)."""
-    if out.dtype != torch.bfloat16 or out.shape != (n, k) or out.stride(-1) != 1:
-        raise ValueError(f"dequantize writes a bf16 [{n}, {k}] row-major tensor; got {out.dtype} {tuple(out.shape)}")
+    if out.dtype != torch.bfloat16 or out.shape != (n, k) or out.stride(-1) != 1 or out.stride(0) % 8:
+        raise ValueError(f"dequantize writes a bf16 [{n}, {k}] row-major tensor with 16-byte aligned rows; got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    if k % CHUNK_K:
+        raise ValueError(f"dequantize takes K in whole {CHUNK_K}-element chunks; got K={k}")
     words = packed.view(torch.int32)
-    total = n * (k // 8)
+    total = n * (k // 32)  # one thread per 16-byte quad of words
     pdl.launch(_dequant_kernel(wfmt), grid=(-(-total // 256), 1, 1), block=(256, 1, 1), device=out.device,
                name="fp4_dequant",
                args=[words, scales, words.stride(0), scales.stride(0), out_scale, fold_log2, out, out.stride(0), n, k])
