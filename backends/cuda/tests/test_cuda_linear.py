@@ -183,22 +183,6 @@ def test_dequantize_matches_the_reference_dequantization(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16])
-def test_cuda_decode_min_blocks_changes_no_bits(m):
-    """``GemvPlan.min_blocks`` only caps the kernel's registers (``__launch_bounds__``): the output at every cap,
-    spills included, is bit-identical to the default plan's, with and without split-K."""
-    n, k = 96, 2048
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = prepare_fp4(musecore_quant.quantize(torch.randn(n, k) * 0.02, "nvfp4"), torch.device("cuda"))
-    for split in (1, 4):
-        want = _cuda_decode(x, w, n, k, "mma", split)
-        for blocks in (2, 4, 6):
-            got = _cuda_decode(x, w, n, k, "mma", split, min_blocks=blocks)
-            diff = (got.float() - want.float()).abs().max().item()
-            assert torch.equal(got, want), f"M={m} split {split} min_blocks {blocks}: max difference {diff:.3g}"
-
-
-@pytest.mark.gpu
 def test_dequantize_every_row_and_quad_at_odd_sizes():
     """The dequantize kernel (one thread per 16-byte quad of words) on sizes that end mid-block: 3 rows and K=128
     (12 quads), 129 rows x 384: equal to the reference within one bf16 rounding, zeros exactly, every element
