@@ -11,7 +11,8 @@ rotated past L2)::
     dequant path        fp4_dequant_linear on the random-code weight (what ``musecore bench`` reports)
     dequant path, q     fp4_dequant_linear on the quantized model-like weight
 
-``nvidia-smi`` samples SM clock and power every 100 ms beside it (``--smi FILE``)::
+``nvidia-smi`` samples SM clock and power every 100 ms beside it (``--smi FILE``); ``--interleave 0`` times the
+rows one after the other instead of in interleaved rounds::
 
     python backends/cuda/lab/scripts/cuda_large_m_probe.py [--ms 4096] [--shapes q_proj,k_proj,expert_down]
         [--out cuda_large_m_probe.json]
@@ -30,7 +31,8 @@ import musecore_quant
 from musecore.benchmarking import cycle
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_dequant_linear
-from musecore_cuda.bench import LINEAR_SHAPES, _rotating, gpu_name, memory_ceiling_gbps, random_fp4, time_us
+from musecore_cuda.bench import (LINEAR_SHAPES, _rotating, gpu_name, memory_ceiling_gbps, random_fp4, time_us,
+                                 time_us_interleaved)
 from musecore_cuda.kernels import fp4_gemv_cuda
 
 
@@ -46,6 +48,8 @@ def main() -> None:
     p.add_argument("--shapes", default="q_proj,k_proj,expert_down")
     p.add_argument("--out", default="cuda_large_m_probe.json")
     p.add_argument("--smi", default="")
+    p.add_argument("--interleave", type=int, default=1, help="1: interleaved rounds (bench.time_us_interleaved); "
+                   "0: one after the other, as musecore bench timed every row before session 41")
     args = p.parse_args()
     smi = (subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
                              "--format=csv", "-lms", "100"], stdout=open(args.smi, "w"))
@@ -65,18 +69,20 @@ def main() -> None:
                      "bf16 = random codes": lambda: dense_of(randcode)}
             for m in [int(v) for v in args.ms.split(",")]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                times = {}
+                fns, counts = {}, {}
                 for label, make in dense.items():
                     ws = _rotating(make, n * k * 2)
-                    times[label] = time_us(cycle(ws, lambda w: F.linear(x, w))) / len(ws)
-                    del ws
+                    fns[label], counts[label] = cycle(ws, lambda w: F.linear(x, w)), len(ws)
                 rc = _rotating(lambda: be.prepare_weight(random_fp4("nvfp4", (n, k)), name).data, n * k // 2)
                 out = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
-                times["dequantize"] = time_us(cycle(rc, lambda w: fp4_gemv_cuda.dequantize(
-                    w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
-                    out=out))) / len(rc)
-                times["dequant path"] = time_us(cycle(rc, lambda w: fp4_dequant_linear(x, w))) / len(rc)
-                times["dequant path, q"] = time_us(lambda: fp4_dequant_linear(x, quantized))
+                fns["dequantize"] = cycle(rc, lambda w: fp4_gemv_cuda.dequantize(
+                    w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k, out=out))
+                fns["dequant path"] = cycle(rc, lambda w: fp4_dequant_linear(x, w))
+                counts["dequantize"] = counts["dequant path"] = len(rc)
+                fns["dequant path, q"], counts["dequant path, q"] = (lambda: fp4_dequant_linear(x, quantized)), 1
+                times = {a: t / counts[a] for a, t in
+                         (time_us_interleaved(fns) if args.interleave else
+                          {a: time_us(fn) for a, fn in fns.items()}).items()}
                 base = times["bf16 randn"]
                 row = {"shape": f"{name} {k}->{n}", "M": m, "times_us": {a: round(t, 2) for a, t in times.items()},
                        "vs_bf16_randn": {a: round(base / t, 3) for a, t in times.items()},

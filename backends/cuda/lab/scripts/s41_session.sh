@@ -4,7 +4,9 @@
 #      one thread per 16-byte quad) and test_cuda_moe.py;
 #   2. cuda_large_m_probe.py: where the dequant path's time goes at M = 4096 and whether weight values change
 #      cuBLAS's time (nvidia-smi clocks and power sampled beside it);
-#   3. musecore bench --backend cuda --case targets (with the "bound" rows: bytes at the ceiling + launch floor).
+#   3. musecore bench --backend cuda --case targets (with the "bound" rows: the NVFP4 bytes at the ceiling);
+#   4. ncu of the kernels behind the missed targets: the decode MoE at batch 1 (gate+up+SwiGLU and down GEMVs), the
+#      Gluon GEMM at expert_down M=64 and k_proj M=256, the dequantize kernel at q_proj M=4096.
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=420] [STEPS=123] bash backends/cuda/lab/scripts/s41_session.sh
 set -u
 LIMIT=${LIMIT:-420}
@@ -21,12 +23,26 @@ if [[ $STEPS == *1* ]]; then
   echo "1. tests at ${SECONDS}s:"; grep -E "passed|failed|Error|assert" $OUT/tests.log | tail -8
 fi
 if [[ $STEPS == *2* ]]; then
-  timeout $(cap ${PROBE_S:-150}) python3 backends/cuda/lab/scripts/cuda_large_m_probe.py --ms ${MS:-4096} \
-    --out $OUT/cuda_large_m_probe.json --smi $OUT/smi_probe.csv > $OUT/probe.log 2>&1
-  echo "2. large-M probe at ${SECONDS}s (rc $?):"; cut -c1-700 $OUT/probe.log | tail -8
+  for il in 1 0; do
+    timeout $(cap ${PROBE_S:-90}) python3 backends/cuda/lab/scripts/cuda_large_m_probe.py --ms ${MS:-4096} \
+      --interleave $il --out $OUT/cuda_large_m_probe_il$il.json --smi $OUT/smi_probe_il$il.csv > $OUT/probe_il$il.log 2>&1
+    echo "2. large-M probe (interleave $il) at ${SECONDS}s (rc $?):"; cut -c1-700 $OUT/probe_il$il.log | tail -8
+  done
 fi
 if [[ $STEPS == *3* ]]; then
   timeout $(cap 170) musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
   echo "3. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
+fi
+if [[ $STEPS == *4* ]]; then
+  SECTIONS="--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis"
+  for spec in "moe_b1 fp4_gemv 2 --moe-batch 1" "expert_down_m64 fp4_gluon 1 --shape expert_down --m 64" \
+              "k_proj_m256 fp4_gluon 1 --shape k_proj --m 256" "q_proj_m4096 fp4_dequant 1 --shape q_proj --m 4096"; do
+    set -- $spec; tag=$1 kern=$2 count=$3; shift 3
+    timeout $(cap 60) ncu --clock-control none -k regex:$kern --launch-skip 3 --launch-count $count $SECTIONS \
+      python3 backends/cuda/lab/scripts/cuda_profile_gemv.py "$@" > $OUT/ncu_$tag.txt 2>&1
+    echo "4. ncu $tag at ${SECONDS}s:"; grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue \
+Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Compute \(SM\) Throughput|Waves Per SM" $OUT/ncu_$tag.txt | head -24
+  done
 fi
 echo "done at ${SECONDS}s; load $(cat /proc/loadavg)"
