@@ -401,18 +401,21 @@ def bench_fp8(shapes: tuple[str, ...] = FP8_LINEAR_SHAPES, ms: tuple[int, ...] =
     rows = []
     for name in shapes:
         n, k = LINEAR_SHAPES[name]
-        bf16_ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
-        fp8_ws = _rotating(lambda: be.prepare_weight(random_fp8((n, k)), name, act_format=TOKEN_ACT), n * k)
-        fp4_ws = _rotating(lambda: be.prepare_weight(random_fp4("nvfp4", (n, k)), name).data, n * k // 2)
+        bf16_ws, fp4 = model_like_weights(be, name, n, k, ("nvfp4",))
+        fp4_ws = fp4["nvfp4"]
+        # FP8 of the same values (per-tensor scale, as the loader requantizes), copied for the rotation
+        fp8_w = be.prepare_weight(musecore_quant.quantize(bf16_ws[0].float(), "fp8"), name, act_format=TOKEN_ACT)
+        fp8_ws = _rotating(lambda: dataclasses.replace(fp8_w, data=copy_resident(fp8_w.data)), n * k)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, sx = quantize_rows_gpu(x)
-            t_bf16 = time_us(cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
-            t_fp8 = time_us(cycle(fp8_ws, lambda w: be.linear(x, w))) / len(fp8_ws)
-            t_mm = time_us(cycle(fp8_ws, lambda w: torch._scaled_mm(xq, w.data.data.t(), scale_a=sx,
-                                                                      scale_b=w.data.col_scale,
-                                                                      out_dtype=torch.bfloat16))) / len(fp8_ws)
-            t_fp4 = time_us(cycle(fp4_ws, lambda w: fp4_linear(x, w))) / len(fp4_ws)
+            fns = {"bf16": cycle(bf16_ws, lambda w: F.linear(x, w)), "fp8": cycle(fp8_ws, lambda w: be.linear(x, w)),
+                   "mm": cycle(fp8_ws, lambda w: torch._scaled_mm(xq, w.data.data.t(), scale_a=sx,
+                                                                 scale_b=w.data.col_scale, out_dtype=torch.bfloat16)),
+                   "fp4": cycle(fp4_ws, lambda w: fp4_linear(x, w))}
+            counts = {"bf16": len(bf16_ws), "fp8": len(fp8_ws), "mm": len(fp8_ws), "fp4": len(fp4_ws)}
+            times = (time_us_interleaved(fns) if m >= INTERLEAVE_M else {a: time_us(fn) for a, fn in fns.items()})
+            t_bf16, t_fp8, t_mm, t_fp4 = (times[a] / counts[a] for a in ("bf16", "fp8", "mm", "fp4"))
             act = (m * k + m * n) * 2
             for fmt, path, t, nbytes in (("bf16", "cuBLAS", t_bf16, n * k * 2 + act),
                                          ("fp8", "per-token quantize + row-wise _scaled_mm", t_fp8, n * k + act),

@@ -6,7 +6,9 @@
 #      cuBLAS's time (nvidia-smi clocks and power sampled beside it);
 #   3. musecore bench --backend cuda --case targets (with the "bound" rows: the NVFP4 bytes at the ceiling);
 #   4. ncu of the kernels behind the missed targets: the decode MoE at batch 1 (gate+up+SwiGLU and down GEMVs), the
-#      Gluon GEMM at expert_down M=64 and k_proj M=256, the dequantize kernel at q_proj M=4096.
+#      Gluon GEMM at expert_down M=64 and k_proj M=256, the dequantize kernel at q_proj M=4096;
+#   5. the whole GPU suite (backends/{triton,cuda,rocm}/tests, backends/cuda/lab/tests, tests).
+# Everything under $OUT is also packed into $OUT/s41.tgz (the device returns only a few files per call).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=420] [STEPS=123] bash backends/cuda/lab/scripts/s41_session.sh
 set -u
 LIMIT=${LIMIT:-420}
@@ -45,4 +47,10 @@ if [[ $STEPS == *4* ]]; then
 Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Compute \(SM\) Throughput|Waves Per SM" $OUT/ncu_$tag.txt | head -24
   done
 fi
+if [[ $STEPS == *5* ]]; then
+  timeout $(cap 330) python3 -m pytest -q -m gpu -p no:cacheprovider backends/triton/tests backends/cuda/tests \
+    backends/cuda/lab/tests backends/rocm/tests tests > $OUT/gpu_suite.log 2>&1; echo "rc=$?" >> $OUT/gpu_suite.log
+  echo "5. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
+fi
 echo "done at ${SECONDS}s; load $(cat /proc/loadavg)"
+tar czf /tmp/s41.tgz -C $OUT . && mv /tmp/s41.tgz $OUT/
