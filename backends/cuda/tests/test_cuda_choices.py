@@ -177,6 +177,22 @@ def test_gluon_config_validates():
     assert fp4_gluon_plan.GluonConfig(64, 32, 1, 4, asm_upcast=True).upcast == "asm"
 
 
+def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
+    """Two CTAs per SM: 128 registers per thread at launch (2 x 256 threads x 128 = the register file), block_n 64
+    only, and a ring that fits twice in the shared-memory budget; the label names it, the default does not."""
+    two = fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", ctas_per_sm=2)
+    assert two.maxnreg == 128 and 2 * 256 * two.maxnreg == 65536
+    assert two.label() == "64,64,1,4,packed,2"
+    one = fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed")
+    assert one.maxnreg is None and one.label() == "64,64,1,4,packed"
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        fp4_gluon_plan.GluonConfig(128, 64, 1, 4, upcast="packed", ctas_per_sm=2)
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        fp4_gluon_plan.GluonConfig(64, 256, 1, 2, upcast="packed", ctas_per_sm=2)  # 2 x 139 KB of ring
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", ctas_per_sm=3)
+
+
 def test_moe_names_the_gemv_up_to_e_assignments_and_the_grouped_gemm_beyond(choices):
     assert "CUDA C++ expert GEMVs" in _choice(choices, "experts gate/up", "T <= 32 tokens").choice  # 32 x 8 = 256
     assert "Triton grouped W4A16 GEMM" in _choice(choices, "experts down", "T > 32 tokens").choice

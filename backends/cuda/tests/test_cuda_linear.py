@@ -300,6 +300,26 @@ def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cut", [(64, 16, 1, 4), (64, 64, 1, 4), (64, 64, 4, 4), (64, 128, 2, 2)])
+def test_fp4_gluon_linear_two_ctas_per_sm_match_reference(cut):
+    """The launch at 128 registers per thread (two CTAs per SM; Triton's setmaxnreg gives the consumer 232): split-K
+    and not, partial token and weight tiles, ring wrap-around; NMSE within 1e-4, and the compiled kernel did take
+    128 registers (else the second CTA would not fit)."""
+    _needs_gluon()
+    from musecore_cuda.kernels import fp4_gemm_gluon
+    n, k, m = 1000, 4096, 100
+    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+    w = prepare_fp4(qt, torch.device("cuda"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", ctas_per_sm=2)
+    assert_nmse(reference_linear(x, qt), fp4_gluon_linear(x, w, cfg), tolerance("linear"),
+                f"Gluon GEMM {cfg.label()} M={m} N={n}")
+    kernels = [kern for cache in fp4_gemm_gluon.fp4_gluon_kernel.device_caches.values() for kern in cache[0].values()
+               if getattr(kern.metadata, "maxnreg", None) == 128]  # Triton 3.6's per-device kernel cache
+    assert kernels and all(kern.n_regs <= 128 for kern in kernels), [kern.n_regs for kern in kernels]
+
+
+@pytest.mark.gpu
 def test_fp4_gluon_linear_upcasts_every_code_exactly():
     """Every E2M1 code at every nibble position through the routed launch (one-hot rows, 64 per call): each
     output within 1e-6 relative of the dequantized weight."""

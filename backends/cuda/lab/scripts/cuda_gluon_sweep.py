@@ -36,6 +36,7 @@ SMEM = 220 * 1024
 _UPCAST_SETS = {"both": ("int16", "asm"), "all": ("int16", "asm", "packed")}
 UPCASTS = _UPCAST_SETS.get(os.environ.get("GLUON_UPCAST", "packed"),
                            tuple(os.environ.get("GLUON_UPCAST", "packed").split(",")))
+CTAS = int(os.environ.get("GLUON_CTAS", "1"))  # 2: also the two-CTAs-per-SM cuts (GluonConfig.ctas_per_sm)
 
 
 def block_ms(m: int) -> tuple[int, ...]:
@@ -86,6 +87,20 @@ def cuts(m: int, n: int, k: int):
                         if cfg not in seen:
                             seen.add(cfg)
                             yield cfg
+    if CTAS == 2:  # two CTAs per SM (128 registers per thread at launch): block_n 64, half the ring each
+        for bm in block_ms(m):
+            stage = 64 * 64 + bm * 256
+            stages = min(4, SMEM // 2 // stage)
+            if stages < 2:
+                continue
+            split = fill_split(m, n, k, 64, bm, sms=2 * 132)
+            for sk in sorted({1, max(1, split // 2), split}):
+                if (k // 128) % sk or (k // 128) // sk < 2:
+                    continue
+                cfg = GluonConfig(64, bm, sk, stages, upcast="packed", ctas_per_sm=2)
+                if cfg not in seen:
+                    seen.add(cfg)
+                    yield cfg
 
 
 def run(x, w, cfg):
@@ -117,7 +132,8 @@ def precompile(ms, shapes, procs):
         n, k = LINEAR_SHAPES[name]
         for m in ms:
             for cfg in [routed(m, n, k)] + list(cuts(m, n, k)):
-                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast), (n, k, cfg))
+                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm),
+                                (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
@@ -168,8 +184,9 @@ def profile_cut(spec: str, m: int, shape: str) -> None:
     from musecore_cuda.bench import random_fp4
     from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
     from musecore_triton.layouts import prepare_fp4
-    bn, bm, sk, st, *mode = spec.split(",")
-    cfg = GluonConfig(int(bn), int(bm), int(sk), int(st), upcast=mode[0] if mode else "packed")
+    bn, bm, sk, st, *rest = spec.split(",")
+    cfg = GluonConfig(int(bn), int(bm), int(sk), int(st), upcast=rest[0] if rest else "packed",
+                      ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1)
     n, k = LINEAR_SHAPES[shape]
     w = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -141,11 +141,11 @@ def main() -> None:
     else:
         cuts = args.cuts.split(";")
     for cut in cuts:
-        bn, bm, split, stages, *mode = cut.split(",")
-        mode = {"0": "int16", "1": "asm"}.get(mode[0], mode[0]) if mode else "int16"
+        bn, bm, split, stages, *rest = cut.split(",")
+        mode = {"0": "int16", "1": "asm"}.get(rest[0], rest[0]) if rest else "int16"
         bn, bm, split, stages = map(int, (bn, bm, split, stages))
-        cfg = gk.GluonConfig(bn, bm, split, stages, upcast=mode)
-        k = compile_cut(cfg, args.maxnreg or None)
+        cfg = gk.GluonConfig(bn, bm, split, stages, upcast=mode, ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1)
+        k = compile_cut(cfg, args.maxnreg or cfg.maxnreg)
         if k.metadata.shared > SMEM_BYTES + 8 * 1024:  # what the launch would refuse (227 KiB per block on SM90)
             print(f"{cut}: {k.metadata.shared} bytes of shared memory, over the SM90 limit", flush=True)
         tag = (f"bn{bn}_bm{bm}_k{split}_s{stages}" + ("" if cfg.upcast == "int16" else "_" + cfg.upcast)

@@ -7,7 +7,9 @@
 #   3. musecore bench --backend cuda --case targets (with the "bound" rows: the NVFP4 bytes at the ceiling);
 #   4. ncu of the kernels behind the missed targets: the decode MoE at batch 1 (gate+up+SwiGLU and down GEMVs), the
 #      Gluon GEMM at expert_down M=64 and k_proj M=256, the dequantize kernel at q_proj M=4096;
-#   5. the whole GPU suite (backends/{triton,cuda,rocm}/tests, backends/cuda/lab/tests, tests).
+#   5. the whole GPU suite (backends/{triton,cuda,rocm}/tests, backends/cuda/lab/tests, tests);
+#   6. the Gluon GEMM at two CTAs per SM (GluonConfig.ctas_per_sm=2: 128 registers per thread at launch): its GPU
+#      tests, then cuda_gluon_sweep.py with GLUON_CTAS=2 (both kinds of cut, the routed one) at M=64, 256.
 # Everything under $OUT is also packed into $OUT/s41.tgz (the device returns only a few files per call).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=420] [STEPS=123] bash backends/cuda/lab/scripts/s41_session.sh
 set -u
@@ -51,6 +53,15 @@ if [[ $STEPS == *5* ]]; then
   timeout $(cap 330) python3 -m pytest -q -m gpu -p no:cacheprovider backends/triton/tests backends/cuda/tests \
     backends/cuda/lab/tests backends/rocm/tests tests > $OUT/gpu_suite.log 2>&1; echo "rc=$?" >> $OUT/gpu_suite.log
   echo "5. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
+fi
+if [[ $STEPS == *6* ]]; then
+  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
+    backends/cuda/tests/test_cuda_choices.py -k "gluon" > $OUT/gluon_tests.log 2>&1; echo "rc=$?" >> $OUT/gluon_tests.log
+  echo "6. gluon tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/gluon_tests.log | tail -8
+  MUSECORE_CUDA_GLUON=0 GLUON_CTAS=2 timeout $(cap ${SWEEP_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
+    --ms ${MS:-64,256} --shapes ${SHAPES:-q_proj,k_proj,pooler,expert_up,expert_down} --precompile 12 \
+    --out $OUT/cuda_gluon_sweep_2cta.json > $OUT/sweep_2cta.log 2>&1
+  echo "6. 2-CTA sweep at ${SECONDS}s (rc $?):"; grep -v "^    " $OUT/sweep_2cta.log | cut -c1-260 | tail -14
 fi
 echo "done at ${SECONDS}s; load $(cat /proc/loadavg)"
 tar czf /tmp/s41.tgz -C $OUT . && mv /tmp/s41.tgz $OUT/

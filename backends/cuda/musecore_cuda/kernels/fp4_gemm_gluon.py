@@ -447,5 +447,5 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     fp4_gluon_kernel[grid](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n, k,
                            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m,
                            FOLD=fold_log2, ATOMIC=cfg.split_k > 1, UPCAST=UPCASTS[cfg.upcast],
-                           num_warps=cfg.num_warps)
+                           num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out

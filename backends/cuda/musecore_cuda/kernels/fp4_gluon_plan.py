@@ -37,6 +37,7 @@ class GluonConfig:
     group_m: int = 8
     asm_upcast: bool = False  # session 11's inline-PTX upcast: the same as upcast="asm" (kept for the lab's callers)
     upcast: str = "int16"     # "int16" (element-wise), "asm" (session 11) or "packed" (session 12: the routed one)
+    ctas_per_sm: int = 1      # 2: launched at 128 registers per thread so that two CTAs share an SM (session 41)
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -52,6 +53,10 @@ class GluonConfig:
             raise ValueError(f"block_m is wgmma's N: a multiple of 8 in 8-256; got {self.block_m}")
         if self.split_k < 1 or self.stages < 2:
             raise ValueError(f"split_k >= 1 and stages >= 2 expected; got {self.split_k}, {self.stages}")
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and (
+                self.block_n != 64 or 2 * self.smem_bytes() > SMEM_BYTES)):
+            raise ValueError(f"ctas_per_sm is 1, or 2 for block_n 64 with a ring of at most {SMEM_BYTES // 2} bytes; "
+                             f"got {self.ctas_per_sm} at block_n {self.block_n}, {self.smem_bytes()} bytes")
 
     @property
     def num_warps(self) -> int:
@@ -61,9 +66,18 @@ class GluonConfig:
         """Shared memory of the ring: per stage the packed weight bytes and two bf16 activation halves."""
         return self.stages * (self.block_n * 64 + 2 * self.block_m * 64 * 2)
 
+    @property
+    def maxnreg(self) -> Optional[int]:
+        """Triton's ``maxnreg`` launch option: None (Triton's 255 per thread: one CTA of 8 warps fills the register
+        file) or, for two CTAs per SM, 128 (Triton's warp specialization then gives the consumer warpgroup 232
+        and the loader's warpgroup 24-40 through ``setmaxnreg``, within the CTA's 128 x 256)."""
+        return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
+
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast``: the cut syntax of the lab scripts (gluon_ir.py --cuts)."""
-        return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}"
+        """``block_n,block_m,split_k,stages,upcast[,ctas]``: the cut syntax of the lab scripts (gluon_ir.py --cuts);
+        ``ctas`` (CTAs per SM) only when it is 2."""
+        tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 else ""
+        return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}"
 
 
 # The cost model behind pick_config, fitted to the H200 sweep of session 40 (backends/cuda/lab/results/
