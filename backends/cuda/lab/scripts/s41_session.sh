@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Device calls (one H200) for issue 26, session 41 (backends/cuda/lab/NOTES.md), each step time-boxed:
 #   1. the GPU tests of the changed kernels (backends/cuda/tests/test_cuda_linear.py: the dequantize kernel is now
-#      one thread per 16-byte quad) and test_cuda_moe.py;
+#      one thread per 16-byte quad, the Gluon GEMM at two CTAs per SM), test_cuda_moe.py, test_cuda_choices.py;
 #   2. cuda_large_m_probe.py: where the dequant path's time goes at M = 4096 and whether weight values change
 #      cuBLAS's time (nvidia-smi clocks and power sampled beside it);
 #   3. musecore bench --backend cuda --case targets (with the "bound" rows: the NVFP4 bytes at the ceiling);
 #   4. ncu of the kernels behind the missed targets: the decode MoE at batch 1 (gate+up+SwiGLU and down GEMVs), the
 #      Gluon GEMM at expert_down M=64 and k_proj M=256, the dequantize kernel at q_proj M=4096;
 #   5. the whole GPU suite (backends/{triton,cuda,rocm}/tests, backends/cuda/lab/tests, tests);
-#   6. the Gluon GEMM at two CTAs per SM (GluonConfig.ctas_per_sm=2: 128 registers per thread at launch): its GPU
-#      tests, then cuda_gluon_sweep.py with GLUON_CTAS=2 (both kinds of cut, the routed one) at M=64, 256.
+#   6. the Gluon GEMM at two CTAs per SM (GluonConfig.ctas_per_sm=2: 128 registers per thread at launch):
+#      cuda_gluon_sweep.py with GLUON_CTAS=2 (both kinds of cut, the routed one) at M=64, 256.
 # Everything under $OUT is also packed into $OUT/s41.tgz (the device returns only a few files per call).
-# Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=420] [STEPS=123] bash backends/cuda/lab/scripts/s41_session.sh
+# Usage (STEPS: which steps, in that order): OUT=out [SKIP_INSTALL=1] [LIMIT=420] [STEPS=123] bash backends/cuda/lab/scripts/s41_session.sh
 set -u
 LIMIT=${LIMIT:-420}
 STEPS=${STEPS:-123}
@@ -21,23 +21,24 @@ cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? le
   .whl/stevedore-5.9.1-py3-none-any.whl -e ./quant -e . -e ./backends/triton -e ./backends/cuda -e ./backends/rocm \
   -e ./backends/xeon > $OUT/install.log 2>&1 || { tail $OUT/install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > $OUT/gpu.txt 2>&1
-if [[ $STEPS == *1* ]]; then
+step1() {
   timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
-    backends/cuda/tests/test_cuda_moe.py > $OUT/tests.log 2>&1; echo "rc=$?" >> $OUT/tests.log
+    backends/cuda/tests/test_cuda_moe.py backends/cuda/tests/test_cuda_choices.py > $OUT/tests.log 2>&1
+  echo "rc=$?" >> $OUT/tests.log
   echo "1. tests at ${SECONDS}s:"; grep -E "passed|failed|Error|assert" $OUT/tests.log | tail -8
-fi
-if [[ $STEPS == *2* ]]; then
+}
+step2() {
   for il in 1 0; do
     timeout $(cap ${PROBE_S:-90}) python3 backends/cuda/lab/scripts/cuda_large_m_probe.py --ms ${MS:-4096} \
       --interleave $il --out $OUT/cuda_large_m_probe_il$il.json --smi $OUT/smi_probe_il$il.csv > $OUT/probe_il$il.log 2>&1
     echo "2. large-M probe (interleave $il) at ${SECONDS}s (rc $?):"; cut -c1-700 $OUT/probe_il$il.log | tail -8
   done
-fi
-if [[ $STEPS == *3* ]]; then
+}
+step3() {
   timeout $(cap 170) musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
   echo "3. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
-fi
-if [[ $STEPS == *4* ]]; then
+}
+step4() {
   SECTIONS="--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis"
   for spec in "moe_b1 fp4_gemv 2 --moe-batch 1" "expert_down_m64 fp4_gluon 1 --shape expert_down --m 64" \
@@ -48,20 +49,18 @@ if [[ $STEPS == *4* ]]; then
     echo "4. ncu $tag at ${SECONDS}s:"; grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue \
 Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Compute \(SM\) Throughput|Waves Per SM" $OUT/ncu_$tag.txt | head -24
   done
-fi
-if [[ $STEPS == *5* ]]; then
+}
+step5() {
   timeout $(cap 330) python3 -m pytest -q -m gpu -p no:cacheprovider backends/triton/tests backends/cuda/tests \
     backends/cuda/lab/tests backends/rocm/tests tests > $OUT/gpu_suite.log 2>&1; echo "rc=$?" >> $OUT/gpu_suite.log
   echo "5. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
-fi
-if [[ $STEPS == *6* ]]; then
-  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
-    backends/cuda/tests/test_cuda_choices.py -k "gluon" > $OUT/gluon_tests.log 2>&1; echo "rc=$?" >> $OUT/gluon_tests.log
-  echo "6. gluon tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/gluon_tests.log | tail -8
+}
+step6() {
   MUSECORE_CUDA_GLUON=0 GLUON_CTAS=2 timeout $(cap ${SWEEP_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
     --ms ${MS:-64,256} --shapes ${SHAPES:-q_proj,k_proj,pooler,expert_up,expert_down} --precompile 12 \
     --out $OUT/cuda_gluon_sweep_2cta.json > $OUT/sweep_2cta.log 2>&1
   echo "6. 2-CTA sweep at ${SECONDS}s (rc $?):"; grep -v "^    " $OUT/sweep_2cta.log | cut -c1-260 | tail -14
-fi
+}
+for n in $(echo $STEPS | grep -o .); do step$n; done
 echo "done at ${SECONDS}s; load $(cat /proc/loadavg)"
 tar czf /tmp/s41.tgz -C $OUT . && mv /tmp/s41.tgz $OUT/
