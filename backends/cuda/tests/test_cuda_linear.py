@@ -183,10 +183,10 @@ def test_dequantize_matches_the_reference_dequantization(fmt):
 
 
 @pytest.mark.gpu
-def test_dequantize_every_row_and_quad_at_odd_sizes():
-    """The dequantize kernel (one thread per 16-byte quad of words) on sizes that end mid-block: 3 rows and K=128
-    (12 quads), 129 rows x 384: equal to the reference within one bf16 rounding, zeros exactly, every element
-    written (the output starts as NaN)."""
+def test_dequantize_every_row_and_word_at_odd_sizes():
+    """The dequantize kernel (one thread per int32 word) on sizes that end mid-block: 3 rows and K=128 (48 words),
+    129 rows x 384: equal to the reference within one bf16 rounding, every element written (the output starts as
+    NaN)."""
     for n, k in ((3, 128), (129, 384)):
         qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
         w = prepare_fp4(qt, torch.device("cuda"))

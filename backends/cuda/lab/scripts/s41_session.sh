@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls (one H200) for issue 26, session 41 (backends/cuda/lab/NOTES.md), each step time-boxed:
-#   1. the GPU tests of the changed kernels (backends/cuda/tests/test_cuda_linear.py: the dequantize kernel is now
-#      one thread per 16-byte quad, the Gluon GEMM at two CTAs per SM), test_cuda_moe.py, test_cuda_choices.py;
+#   1. the GPU tests of the changed kernels (backends/cuda/tests/test_cuda_linear.py: the dequantize kernel at
+#      one thread per 16-byte quad, since reverted; the Gluon GEMM at two CTAs per SM), test_cuda_moe.py, test_cuda_choices.py;
 #   2. cuda_large_m_probe.py: where the dequant path's time goes at M = 4096 and whether weight values change
 #      cuBLAS's time (nvidia-smi clocks and power sampled beside it);
 #   3. musecore bench --backend cuda --case targets (with the "bound" rows: the NVFP4 bytes at the ceiling);

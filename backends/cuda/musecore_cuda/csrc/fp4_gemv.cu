@@ -362,10 +362,9 @@ __device__ __forceinline__ void stage_mma(const Stage<NT> &st, const uint4 (&b)[
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dequantization for large M (the caller then runs the BF16 GEMM): W[n, :] as bf16 times out_scale[0].
-// One thread per 16-byte quad of int32 words (words 4v..4v+3 of a 128-element chunk, one scale group
-// of each half): one 16-byte load and four 16-byte stores, so enough bytes are in flight to stream at
-// the memory bandwidth (one word per thread, 4-byte loads, reached about a third of it on the H200).
+// Dequantization for large M (the caller then runs the BF16 GEMM): W[e, n, :] as bf16 times
+// out_scale[e], rows [n_begin, n_begin + rows). One thread per int32 word: its 8 weights are
+// elements 4q..4q+3 (low half) and 64+4q..64+4q+3 (high half) of the word's 128-element chunk.
 __device__ __forceinline__ u32 bf16x2_scaled(u32 lo, u32 hi, float os) {  // two bf16 * os, each rounded once
     u32 d;
     const float a = __uint_as_float(lo << 16) * os, b = __uint_as_float(hi << 16) * os;
@@ -378,34 +377,25 @@ __global__ void __launch_bounds__(256) fp4_dequant(const u32 *__restrict__ w, co
                                                    int s_n, const float *__restrict__ out_scale, int fold,
                                                    u16 *__restrict__ out, int out_stride, int rows, int K) {
     pdl_wait();  // the output buffer may still be read by the previous kernel
-    const long long i = blockIdx.x * 256ll + threadIdx.x;  // quad index within the rows
-    const int quads = K / 32;
-    if (i >= (long long)rows * quads) return;
-    const int n = (int)(i / quads), qi = (int)(i - (long long)n * quads), c = qi >> 2, v = qi & 3;
-    const uint4 words = ld_stream(w + (long long)n * w_n + c * 16 + 4 * v);
+    const long long i = blockIdx.x * 256ll + threadIdx.x;  // word index within the rows
+    const int words = K / 8;
+    if (i >= (long long)rows * words) return;
+    const int n = (int)(i / words), wi = (int)(i - (long long)n * words), c = wi >> 4, q = wi & 15;
+    const u32 word = __ldg(w + (long long)n * w_n + wi);
     const u8 *srow = s + (long long)n * s_n;
-    const int lo_group = WFMT == 1 ? c * 8 + v : c * 4 + (v >> 1);
-    const u32 ml = group_mult_bf16x2<WFMT>(__ldg(srow + lo_group), fold);
-    const u32 mh = group_mult_bf16x2<WFMT>(__ldg(srow + lo_group + (WFMT == 1 ? 4 : 2)), fold);
-    const float os = __ldg(out_scale);
-    // Word j (q = 4v + j): a[0] = nibbles (3, 7), a[1] = (2, 6), a[2] = (1, 5), a[3] = (0, 4); nibble p
-    // is element (p % 2) * 64 + 4q + p / 2: the low half takes nibbles 0, 2, 4, 6, the high half 1, 3, 5, 7.
-    u32 lo[8], hi[8];
-    const u32 wj[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        u32 a[4];
-        decode_bf16x2(wj[j], ml, mh, a);
-        lo[2 * j] = bf16x2_scaled(a[3] & 0xFFFFu, a[1] & 0xFFFFu, os);
-        lo[2 * j + 1] = bf16x2_scaled(a[3] >> 16, a[1] >> 16, os);
-        hi[2 * j] = bf16x2_scaled(a[2] & 0xFFFFu, a[0] & 0xFFFFu, os);
-        hi[2 * j + 1] = bf16x2_scaled(a[2] >> 16, a[0] >> 16, os);
-    }
-    uint4 *row = reinterpret_cast<uint4 *>(out + (long long)n * out_stride + c * 128 + 16 * v);
-    row[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    row[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
-    row[8] = make_uint4(hi[0], hi[1], hi[2], hi[3]);  // + 64 elements
-    row[9] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+    const int lo_group = WFMT == 1 ? c * 8 + (q >> 2) : c * 4 + (q >> 3);
+    const int hi_group = lo_group + (WFMT == 1 ? 4 : 2);
+    u32 a[4];
+    decode_bf16x2(word, group_mult_bf16x2<WFMT>(srow[lo_group], fold), group_mult_bf16x2<WFMT>(srow[hi_group], fold),
+                  a);
+    const float os = out_scale[0];
+    // a[0] = nibbles (3, 7), a[1] = (2, 6), a[2] = (1, 5), a[3] = (0, 4); nibble p is element
+    // (p % 2) * 64 + 4q + p / 2: low half = nibbles 0, 2, 4, 6; high half = nibbles 1, 3, 5, 7.
+    u16 *row = out + (long long)n * out_stride + c * 128 + 4 * q;
+    *reinterpret_cast<uint2 *>(row) = make_uint2(bf16x2_scaled(a[3] & 0xFFFFu, a[1] & 0xFFFFu, os),
+                                                 bf16x2_scaled(a[3] >> 16, a[1] >> 16, os));
+    *reinterpret_cast<uint2 *>(row + 64) = make_uint2(bf16x2_scaled(a[2] & 0xFFFFu, a[0] & 0xFFFFu, os),
+                                                      bf16x2_scaled(a[2] >> 16, a[0] >> 16, os));
 }
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
