@@ -501,14 +501,19 @@ def bound_rows(linear: list[dict], ms: tuple[int, ...] = BOUND_MS) -> list[dict]
 
 def bench_targets() -> list[dict]:
     """Issue 26's table of targets from one run: the linear sweep (every 816B shape, NVFP4's default path
-    and the others side by side, BF16 cuBLAS), the MoE layer at decode batch 1-16, and the FP8 option at
-    high M; then one summary row per target (worst and median ratio over its shapes, the goal, met or
-    not). Detail rows keep their own case names; the summary rows are case ``targets``."""
+    and the others side by side, BF16 cuBLAS), the MoE layer at decode batch 1-16, muse-small's batch-1
+    decode end to end, and the FP8 option at high M; then one summary row per target (worst and median
+    over its shapes, the goal, met or not). Detail rows keep their own case names; the summary rows are
+    case ``targets``."""
     gpu = gpu_name()
     linear = [{**r, "gpu": gpu} for r in bench_linear(ms=TARGET_MS, formats=("nvfp4",))]
     moe = [{**r, "gpu": gpu} for r in bench_moe(batches=(1, 2, 4, 8, 16), prefill=8192)]
     fp8 = bench_fp8(ms=(256, 4096), moe_tokens=(1, 256, 8192))
     bounds = bound_rows(linear)
+    try:  # item 3's target, end to end: muse-small batch-1 decode (random weights, CUDA graphs)
+        e2e, e2e_error = [{**r, "gpu": gpu} for r in bench_e2e(batches=(1,))], None
+    except Exception as exc:  # noqa: BLE001 - reported in its summary row; the rest of the table stands
+        e2e, e2e_error = [], f"{exc!r}"[:300]
     ceiling = memory_ceiling_gbps()
 
     def summary(target: str, goal: float, unit: str, values: list[float], detail: str,
@@ -539,7 +544,11 @@ def bench_targets() -> list[dict]:
            summary("linear M=256", 1.0, "x", default_ratio((256,)), "7 shapes"),
            summary("linear M=4096", 0.9, "x", default_ratio((4096,)), "7 shapes"),
            summary("MoE decode batch 1-16 (% of memory ceiling over routed bytes)", 75.0, "%",
-                   [r["pct_memory_ceiling"] for r in moe if r["M"] <= 16], "816B layer, NVFP4 experts")]
+                   [r["pct_memory_ceiling"] for r in moe if r["M"] <= 16], "816B layer, NVFP4 experts"),
+           {**summary("muse-small decode batch 1 (% of its bandwidth limit)", 50.0, "%",
+                      [r["pct_memory_ceiling"] for r in e2e if r["format"] == "nvfp4" and r["cuda_graphs"]],
+                      "NVFP4, CUDA graphs, weight bytes per step at the ceiling"),
+            **({"error": e2e_error} if e2e_error else {})}]
     fp8_lin = [r["speedup_vs_bf16"] for r in fp8
                if r["format"] == "fp8" and r["path"].startswith("per-token") and r["M"] == 4096]
     fp8_moe = [r["speedup_vs_bf16"] for r in fp8 if r["format"] == "fp8" and r["path"] == "moe" and r["M"] == 8192]
@@ -547,7 +556,7 @@ def bench_targets() -> list[dict]:
                 "format": "fp8"})
     out.append({**summary("FP8 option vs BF16, MoE prefill 8192 tokens", 1.0, "x", fp8_moe, "816B layer"),
                 "format": "fp8"})
-    return out + linear + bounds + moe + fp8
+    return out + linear + bounds + moe + e2e + fp8
 
 
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:
