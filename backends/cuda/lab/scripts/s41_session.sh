@@ -15,12 +15,7 @@
 set -u
 LIMIT=${LIMIT:-420}
 STEPS=${STEPS:-123}
-export PYTHONUNBUFFERED=1
-cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }  # a step's timeout
-[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-  .whl/stevedore-5.9.1-py3-none-any.whl -e ./quant -e . -e ./backends/triton -e ./backends/cuda -e ./backends/rocm \
-  -e ./backends/xeon > $OUT/install.log 2>&1 || { tail $OUT/install.log; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > $OUT/gpu.txt 2>&1
+source "$(dirname "$0")/device_prelude.sh"  # cap, install, gpu.txt
 step1() {
   timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
     backends/cuda/tests/test_cuda_moe.py backends/cuda/tests/test_cuda_choices.py > $OUT/tests.log 2>&1
