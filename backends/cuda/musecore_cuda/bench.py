@@ -34,8 +34,8 @@ M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 ROTATE_BYTES = 512 << 20  # rotate weight copies until this much is touched per replay (L2 is 50-60 MB)
 
 
-def time_us(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median microseconds of one ``fn()`` call, replayed from a CUDA graph."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` warmed up (compiles, allocations) and captured in a CUDA graph."""
     fn()  # compile / warm up outside the capture
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -47,17 +47,25 @@ def time_us(fn: Callable[[], object], reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """Microseconds of one replay of ``graph``, between two events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def time_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median microseconds of one ``fn()`` call, replayed from a CUDA graph."""
+    graph = capture_graph(fn)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
+    times = sorted(replay_us(graph) for _ in range(reps))
     return times[len(times) // 2]
 
 
@@ -68,21 +76,11 @@ def time_us_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5, r
                         warm_s: float = 0.3) -> dict[str, float]:
     """Median microseconds of each ``fns`` entry, measured in ``rounds`` interleaved rounds (order rotated each
     round) after ``warm_s`` seconds of the first one, so that all see the same power-limited clock. Compute-bound
-    GEMMs on the H200 run at 1.6-2.0 GHz depending on how long the GPU has been busy (nvidia-smi, 650-700 W of a
-    700 W limit): timed one after the other, the same GEMM moved by up to 10%
-    (backends/cuda/lab/results/cuda_large_m_probe_s41.json)."""
-    graphs = {}
-    for label, fn in fns.items():
-        fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs[label] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[label]):
-            fn()
+    GEMMs on the H200 run at 1.6-2.0 GHz depending on how long the GPU has been busy (nvidia-smi: 650-675 W of a
+    700 W limit while they run): timed one after the other, the first of four GEMMs of one shape was 13% faster
+    than the others, in interleaved rounds within 4% (benchmarks/results/h200_issue26/run5_s41_call3_probe_ncu/
+    cuda_large_m_probe_il{0,1}.json)."""
+    graphs = {label: capture_graph(fn) for label, fn in fns.items()}
     labels = list(graphs)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -92,13 +90,7 @@ def time_us_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5, r
     times: dict[str, list[float]] = {label: [] for label in labels}
     for r in range(rounds):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            for _ in range(reps):
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                graphs[label].replay()
-                end.record()
-                end.synchronize()
-                times[label].append(begin.elapsed_time(end) * 1e3)
+            times[label] += [replay_us(graphs[label]) for _ in range(reps)]
     return {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
 
 
