@@ -285,18 +285,24 @@ def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fixup", [False, True], ids=["atomics", "fixup"])
 @pytest.mark.parametrize("cut", [(64, 32, 2, 4), (64, 64, 4, 3), (64, 128, 8, 2), (64, 16, 1, 4)])
-def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut):
-    """Split-K 2/4/8 (fp32 atomics into a zeroed output, then bf16), ring wrap-around, a partial token tile (M=100)
-    and a partial weight tile (N=1000) through the backend's wrapper; NMSE within 1e-4."""
+def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut, fixup):
+    """Split-K 2/4/8 (fp32 atomics into a zeroed output, then bf16; or ``fixup``: partials in a workspace, summed
+    by the tile's last split), ring wrap-around, a partial token tile (M=100) and a partial weight tile (N=1000)
+    through the backend's wrapper; NMSE within 1e-4, and with fixup two calls give the same bits (the per-tile
+    counts start at zero each call)."""
     _needs_gluon()
     n, k, m = 1000, 4096, 100
     qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
     w = prepare_fp4(qt, torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed")
-    assert_nmse(reference_linear(x, qt), fp4_gluon_linear(x, w, cfg), tolerance("linear"),
-                f"Gluon GEMM {cfg.label()} M={m} N={n}")
+    cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", fixup=fixup)
+    got = fp4_gluon_linear(x, w, cfg)
+    assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"Gluon GEMM {cfg.label()} M={m} N={n}")
+    if fixup:
+        again = fp4_gluon_linear(x, w, cfg)
+        assert torch.equal(got, again), f"{cfg.label()}: a second call differs by {(got - again).abs().max():.3g}"
 
 
 @pytest.mark.gpu

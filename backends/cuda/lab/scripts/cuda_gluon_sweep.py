@@ -37,6 +37,7 @@ _UPCAST_SETS = {"both": ("int16", "asm"), "all": ("int16", "asm", "packed")}
 UPCASTS = _UPCAST_SETS.get(os.environ.get("GLUON_UPCAST", "packed"),
                            tuple(os.environ.get("GLUON_UPCAST", "packed").split(",")))
 CTAS = int(os.environ.get("GLUON_CTAS", "1"))  # 2: also the two-CTAs-per-SM cuts (GluonConfig.ctas_per_sm)
+FIXUP = os.environ.get("GLUON_FIXUP", "0") == "1"  # 1: every split-K cut also with the workspace fixup
 
 
 def block_ms(m: int) -> tuple[int, ...]:
@@ -69,6 +70,15 @@ def routed(m: int, n: int, k: int):
 
 
 def cuts(m: int, n: int, k: int):
+    """The sweep's cuts (:func:`_cuts`), and with ``GLUON_FIXUP=1`` each split-K one again with the fixup."""
+    import dataclasses
+    for cfg in _cuts(m, n, k):
+        yield cfg
+        if FIXUP and cfg.split_k > 1:
+            yield dataclasses.replace(cfg, fixup=True)
+
+
+def _cuts(m: int, n: int, k: int):
     from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
     seen = set()
     for bn in (64, 128):
@@ -132,8 +142,8 @@ def precompile(ms, shapes, procs):
         n, k = LINEAR_SHAPES[name]
         for m in ms:
             for cfg in [routed(m, n, k)] + list(cuts(m, n, k)):
-                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm),
-                                (n, k, cfg))
+                jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
+                                 cfg.fixup), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
@@ -186,7 +196,7 @@ def profile_cut(spec: str, m: int, shape: str) -> None:
     from musecore_triton.layouts import prepare_fp4
     bn, bm, sk, st, *rest = spec.split(",")
     cfg = GluonConfig(int(bn), int(bm), int(sk), int(st), upcast=rest[0] if rest else "packed",
-                      ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1)
+                      ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1, fixup=len(rest) > 2 and rest[2] == "fixup")
     n, k = LINEAR_SHAPES[shape]
     w = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -41,14 +41,17 @@ def compile_cut(cfg: "gk.GluonConfig", maxnreg: int | None = None):
     sig = {"w_desc": desc_sig("u8", [cfg.block_n, 64], w_layout),
            "x_desc": desc_sig("bf16", [cfg.block_m, 64], x_layout),
            "s_ptr": "*i64", "stride_s": "i32", "out_scale_ptr": "*fp32",
-           "c_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32"}
+           "c_ptr": "*fp32" if cfg.split_k > 1 and not cfg.fixup else "*bf16", "stride_cm": "i32", "M": "i32",
+           "N": "i32", "K": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    fixup = cfg.fixup and cfg.split_k > 1
     const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
-             "FOLD": 9, "ATOMIC": cfg.split_k > 1, "UPCAST": gk.UPCASTS[cfg.upcast], "num_warps": cfg.num_warps}
+             "FOLD": 9, "ATOMIC": cfg.split_k > 1 and not fixup, "UPCAST": gk.UPCASTS[cfg.upcast], "FIXUP": fixup,
+             "num_warps": cfg.num_warps}
     names = list(fn.arg_names)
     for name in const:
         sig[name] = "constexpr"
     constexprs = {(names.index(k),): v for k, v in const.items()}
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("s_ptr", "c_ptr", "out_scale_ptr", "stride_cm",
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("s_ptr", "c_ptr", "out_scale_ptr", "stride_cm", "ws_ptr", "cnt_ptr",
                                                                     "K", "N")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": cfg.num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
@@ -144,7 +147,8 @@ def main() -> None:
         bn, bm, split, stages, *rest = cut.split(",")
         mode = {"0": "int16", "1": "asm"}.get(rest[0], rest[0]) if rest else "int16"
         bn, bm, split, stages = map(int, (bn, bm, split, stages))
-        cfg = gk.GluonConfig(bn, bm, split, stages, upcast=mode, ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1)
+        cfg = gk.GluonConfig(bn, bm, split, stages, upcast=mode, ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1,
+                             fixup=len(rest) > 2 and rest[2] == "fixup")
         k = compile_cut(cfg, args.maxnreg or cfg.maxnreg)
         if k.metadata.shared > SMEM_BYTES + 8 * 1024:  # what the launch would refuse (227 KiB per block on SM90)
             print(f"{cut}: {k.metadata.shared} bytes of shared memory, over the SM90 limit", flush=True)

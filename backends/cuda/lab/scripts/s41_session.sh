@@ -9,7 +9,10 @@
 #      Gluon GEMM at expert_down M=64 and k_proj M=256, the dequantize kernel at q_proj M=4096;
 #   5. the whole GPU suite (backends/{triton,cuda,rocm}/tests, backends/cuda/lab/tests, tests);
 #   6. the Gluon GEMM at two CTAs per SM (GluonConfig.ctas_per_sm=2: 128 registers per thread at launch):
-#      cuda_gluon_sweep.py with GLUON_CTAS=2 (both kinds of cut, the routed one) at M=64, 256.
+#      cuda_gluon_sweep.py with GLUON_CTAS=2 (both kinds of cut, the routed one) at M=64, 256;
+#   7. split-K by workspace fixup (GluonConfig.fixup: the tile's last split sums the partials; no zeroed output, no
+#      atomics, no cast kernel): its GPU tests, then cuda_gluon_sweep.py with GLUON_FIXUP=1 on the split-K shapes
+#      (k_proj, pooler, expert_down) at M = 17-256. Written after the session's last device call: not yet run.
 # Everything under $OUT is also packed into $OUT/s41.tgz (the device returns only a few files per call).
 # Usage (STEPS: which steps, in that order): OUT=out [SKIP_INSTALL=1] [LIMIT=420] [STEPS=123] bash backends/cuda/lab/scripts/s41_session.sh
 set -u
@@ -57,6 +60,15 @@ step6() {
     --ms ${MS:-64,256} --shapes ${SHAPES:-q_proj,k_proj,pooler,expert_up,expert_down} --precompile 12 \
     --out $OUT/cuda_gluon_sweep_2cta.json > $OUT/sweep_2cta.log 2>&1
   echo "6. 2-CTA sweep at ${SECONDS}s (rc $?):"; grep -v "^    " $OUT/sweep_2cta.log | cut -c1-260 | tail -14
+}
+step7() {
+  timeout $(cap 120) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
+    -k "gluon" > $OUT/fixup_tests.log 2>&1; echo "rc=$?" >> $OUT/fixup_tests.log
+  echo "7. gluon tests (fixup included) at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/fixup_tests.log | tail -8
+  MUSECORE_CUDA_GLUON=0 GLUON_FIXUP=1 timeout $(cap ${SWEEP_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
+    --ms ${MS:-17,32,64,128,256} --shapes ${SHAPES:-k_proj,pooler,expert_down} --precompile 12 \
+    --out $OUT/cuda_gluon_sweep_fixup.json > $OUT/sweep_fixup.log 2>&1
+  echo "7. fixup sweep at ${SECONDS}s (rc $?):"; grep -v "^    " $OUT/sweep_fixup.log | cut -c1-260 | tail -16
 }
 for n in $(echo $STEPS | grep -o .); do step$n; done
 echo "done at ${SECONDS}s; load $(cat /proc/loadavg)"

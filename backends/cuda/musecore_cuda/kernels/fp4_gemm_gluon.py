@@ -356,10 +356,16 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, fi
 
 
 @gluon.jit
-def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K,
+def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K, ws_ptr, cnt_ptr,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                     FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, num_warps: gl.constexpr):
-    """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``."""
+                     FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
+
+    Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
+    split stores its partial tile to the fp32 workspace ``ws_ptr [split, M, N]`` and counts itself in ``cnt_ptr``
+    (one zeroed int32 per output tile); the split that arrives last sums the partials and stores the tile in
+    ``c_ptr``'s dtype: no zeroed output, no atomics on the data, no cast kernel, and no split waits for another."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     tiles_n = gl.cdiv(N, BLOCK_N)
@@ -407,6 +413,18 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     c_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     if ATOMIC:
         gl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")  # the default (acq_rel) fences every element
+    elif FIXUP:
+        mn = M.to(gl.int64) * N
+        part = offs_m.to(gl.int64)[None, :] * N + offs_n[:, None]
+        gl.store(ws_ptr + pid_k * mn + part, acc, mask=c_mask)
+        gl.thread_barrier()  # every thread's partial is written before the count releases them
+        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == gl.num_programs(1) - 1:  # the last split of this tile: the others' partials are visible
+            gl.thread_barrier()
+            total = gl.zeros_like(acc)
+            for split in range(gl.num_programs(1)):
+                total += gl.load(ws_ptr + split * mn + part, mask=c_mask, other=0.0, cache_modifier=".cg")
+            gl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
@@ -423,15 +441,16 @@ def descriptors(x: torch.Tensor, packed: torch.Tensor, cfg: GluonConfig) -> tupl
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *, wfmt: int,
            group: int, fold_log2: int, n: int, k: int, out: torch.Tensor, cfg: GluonConfig) -> torch.Tensor:
     """Launch :func:`fp4_gluon_kernel` for one NVFP4 weight (``packed``/``scales`` ``[N, K/2]``/``[N, K/16]``, or
-    the ``[1, ...]`` resident stack). ``out`` is ``[M, N]``: fp32 and zeroed when ``cfg.split_k > 1``."""
+    the ``[1, ...]`` resident stack). ``out`` is ``[M, N]``: fp32 and zeroed when ``cfg.split_k > 1`` with atomics,
+    any dtype with ``cfg.fixup`` (the workspace and the per-tile counts are allocated here)."""
     if wfmt != WFMT_NVFP4 or group != 16:
         raise ValueError(f"the Gluon GEMM takes NVFP4 weights (e4m3 scales, group 16); got wfmt={wfmt}, group={group}")
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
         raise TypeError(f"the Gluon GEMM takes 2-D bf16 activations contiguous along K; got {x.dtype} {x.shape}")
     if k % (CHUNK_K.value * cfg.split_k):
         raise ValueError(f"the Gluon GEMM needs K divisible by {CHUNK_K.value} x split_k={cfg.split_k}; got K={k}")
-    if cfg.split_k > 1 and out.dtype != torch.float32:
-        raise TypeError("split-K accumulates into a zeroed float32 output")
+    if cfg.split_k > 1 and not cfg.fixup and out.dtype != torch.float32:
+        raise TypeError("split-K with atomics accumulates into a zeroed float32 output")
     if cfg.upcast == "packed" and not 7 <= fold_log2 <= 116:
         raise ValueError(f"the packed upcast is exact for 7 <= fold_log2 <= 116 (multipliers up to 448 * 2**(126 - "
                          f"fold) below bf16's maximum, products above its smallest normal); got {fold_log2}")
@@ -443,9 +462,16 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     words = s2.view(torch.int64)  # [N, K/128]: the 8 group scales of one chunk per word
     w_desc, x_desc = descriptors(x, w2, cfg)
     m = x.shape[0]
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    fp4_gluon_kernel[grid](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n, k,
-                           BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-                           FOLD=fold_log2, ATOMIC=cfg.split_k > 1, UPCAST=UPCASTS[cfg.upcast],
-                           num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    fixup = cfg.fixup and cfg.split_k > 1
+    if fixup and (out.shape != (m, n) or out.stride() != (n, 1)):
+        raise ValueError(f"split-K fixup writes a contiguous [{m}, {n}] output; got {tuple(out.shape)} {out.stride()}")
+    ws = torch.empty(cfg.split_k if fixup else 1, m if fixup else 1, n if fixup else 1, dtype=torch.float32,
+                     device=x.device)
+    counts = torch.zeros(tiles if fixup else 1, dtype=torch.int32, device=x.device)
+    fp4_gluon_kernel[(tiles, cfg.split_k)](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n,
+                                           k, ws, counts, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                                           GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.split_k > 1 and not fixup,
+                                           UPCAST=UPCASTS[cfg.upcast], FIXUP=fixup, num_warps=cfg.num_warps,
+                                           **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out

@@ -38,6 +38,7 @@ class GluonConfig:
     asm_upcast: bool = False  # session 11's inline-PTX upcast: the same as upcast="asm" (kept for the lab's callers)
     upcast: str = "int16"     # "int16" (element-wise), "asm" (session 11) or "packed" (session 12: the routed one)
     ctas_per_sm: int = 1      # 2: launched at 128 registers per thread so that two CTAs share an SM (session 41)
+    fixup: bool = False       # split-K through a workspace summed by the last split of a tile (session 41), not atomics
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -74,9 +75,10 @@ class GluonConfig:
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast[,ctas]``: the cut syntax of the lab scripts (gluon_ir.py --cuts);
-        ``ctas`` (CTAs per SM) only when it is 2."""
-        tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 else ""
+        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup]]``: the cut syntax of the lab scripts (gluon_ir.py
+        --cuts); ``ctas`` (CTAs per SM) only when it is 2 or ``fixup`` follows."""
+        tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or self.fixup else ""
+        tail += ",fixup" if self.fixup else ""
         return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}"
 
 
