@@ -466,9 +466,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     fixup = cfg.fixup and cfg.split_k > 1
     if fixup and (out.shape != (m, n) or out.stride() != (n, 1)):
         raise ValueError(f"split-K fixup writes a contiguous [{m}, {n}] output; got {tuple(out.shape)} {out.stride()}")
-    ws = torch.empty(cfg.split_k if fixup else 1, m if fixup else 1, n if fixup else 1, dtype=torch.float32,
-                     device=x.device)
-    counts = torch.zeros(tiles if fixup else 1, dtype=torch.int32, device=x.device)
+    if fixup:  # the workspace is written before it is read; the counts start at zero (one memset of `tiles` ints)
+        ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+        counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    else:  # unused by the kernel: no allocation, no memset on the routed path
+        ws = counts = out_scale
     fp4_gluon_kernel[(tiles, cfg.split_k)](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n,
                                            k, ws, counts, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.split_k > 1 and not fixup,
