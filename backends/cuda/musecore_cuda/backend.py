@@ -110,7 +110,7 @@ def fp4_gluon_linear(x2: torch.Tensor, w: Fp4Resident,
     x2 = x2.contiguous()
     if x2.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         x2 = x2.clone()
-    out = (torch.zeros(m, n, dtype=torch.float32, device=x2.device) if cfg.split_k > 1 and not cfg.fixup
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x2.device) if cfg.atomic
            else torch.empty(m, n, dtype=x2.dtype, device=x2.device))
     fp4_gemm_gluon.launch(x2, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2,
                           n=n, k=k, out=out, cfg=cfg)

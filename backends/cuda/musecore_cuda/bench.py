@@ -94,6 +94,14 @@ def time_us_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5, r
     return {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
 
 
+def time_calls(calls: dict, interleave: bool) -> dict:
+    """Microseconds of one call of each ``calls`` entry ``key: (rotated copies, call)``: one cycle over the copies
+    timed by :func:`time_us`, or with ``interleave`` by :func:`time_us_interleaved`, divided by the copies."""
+    fns = {key: cycle(objs, call) for key, (objs, call) in calls.items()}
+    times = time_us_interleaved(fns) if interleave else {key: time_us(fn) for key, fn in fns.items()}
+    return {key: t / len(calls[key][0]) for key, t in times.items()}
+
+
 @functools.lru_cache(maxsize=1)
 def memory_ceiling_gbps() -> dict[str, float]:
     """Device copy (read + write bytes) and cuBLAS BF16 GEMV (weight bytes) bandwidth, GB/s."""
@@ -158,12 +166,10 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             act_bytes = (m * k + m * n) * 2
-            fns = {("bf16", ""): cycle(bf16_ws, lambda w: F.linear(x, w))}
-            counts = {("bf16", ""): len(bf16_ws)}
+            calls = {("bf16", ""): (bf16_ws, lambda w: F.linear(x, w))}
             for fmt, ws in fp4.items():
                 path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
-                fns[(fmt, path)] = cycle(ws, lambda w: fp4_linear(x, w))
-                counts[(fmt, path)] = len(ws)
+                calls[(fmt, path)] = (ws, lambda w: fp4_linear(x, w))
                 if fmt == "nvfp4":  # the other paths at the same M, for comparison
                     others = {"tiled": fp4_tiled_linear, "dequant": fp4_dequant_linear, "gemm": fp4_gemm_linear}
                     if m >= 16 and fp4_gluon_plan.available(x.device):  # its pick_config launch, also off its range
@@ -176,13 +182,8 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
                         others.pop("gemm")
                     others.pop(path, None)
                     for other, fn in others.items():
-                        fns[(fmt, other)] = cycle(ws, lambda w, fn=fn: fn(x, w))
-                        counts[(fmt, other)] = len(ws)
-            if m >= INTERLEAVE_M:
-                times = time_us_interleaved(fns)
-            else:
-                times = {key: time_us(fn) for key, fn in fns.items()}
-            times = {key: t / counts[key] for key, t in times.items()}
+                        calls[(fmt, other)] = (ws, lambda w, fn=fn: fn(x, w))
+            times = time_calls(calls, interleave=m >= INTERLEAVE_M)
             t_bf16 = times[("bf16", "")]
             for (fmt, path), t in times.items():
                 nbytes = (n * k * 2 if fmt == "bf16" else fp4[fmt][0].nbytes) + act_bytes
@@ -401,13 +402,12 @@ def bench_fp8(shapes: tuple[str, ...] = FP8_LINEAR_SHAPES, ms: tuple[int, ...] =
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, sx = quantize_rows_gpu(x)
-            fns = {"bf16": cycle(bf16_ws, lambda w: F.linear(x, w)), "fp8": cycle(fp8_ws, lambda w: be.linear(x, w)),
-                   "mm": cycle(fp8_ws, lambda w: torch._scaled_mm(xq, w.data.data.t(), scale_a=sx,
-                                                                 scale_b=w.data.col_scale, out_dtype=torch.bfloat16)),
-                   "fp4": cycle(fp4_ws, lambda w: fp4_linear(x, w))}
-            counts = {"bf16": len(bf16_ws), "fp8": len(fp8_ws), "mm": len(fp8_ws), "fp4": len(fp4_ws)}
-            times = (time_us_interleaved(fns) if m >= INTERLEAVE_M else {a: time_us(fn) for a, fn in fns.items()})
-            t_bf16, t_fp8, t_mm, t_fp4 = (times[a] / counts[a] for a in ("bf16", "fp8", "mm", "fp4"))
+            times = time_calls({"bf16": (bf16_ws, lambda w: F.linear(x, w)), "fp8": (fp8_ws, lambda w: be.linear(x, w)),
+                                "mm": (fp8_ws, lambda w: torch._scaled_mm(xq, w.data.data.t(), scale_a=sx,
+                                                                          scale_b=w.data.col_scale,
+                                                                          out_dtype=torch.bfloat16)),
+                                "fp4": (fp4_ws, lambda w: fp4_linear(x, w))}, interleave=m >= INTERLEAVE_M)
+            t_bf16, t_fp8, t_mm, t_fp4 = (times[a] for a in ("bf16", "fp8", "mm", "fp4"))
             act = (m * k + m * n) * 2
             for fmt, path, t, nbytes in (("bf16", "cuBLAS", t_bf16, n * k * 2 + act),
                                          ("fp8", "per-token quantize + row-wise _scaled_mm", t_fp8, n * k + act),

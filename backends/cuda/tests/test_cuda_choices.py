@@ -192,7 +192,9 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
     with pytest.raises(ValueError, match="ctas_per_sm"):
         fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", ctas_per_sm=3)
     fixup = fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", fixup=True)
-    assert fixup.label() == "64,64,4,4,packed,1,fixup" and fixup.maxnreg is None
+    assert fixup.label() == "64,64,4,4,packed,1,fixup" and fixup.maxnreg is None and not fixup.atomic
+    assert fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed").atomic
+    assert not fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", fixup=True).fixup  # nothing to sum at split 1
 
 
 def test_moe_names_the_gemv_up_to_e_assignments_and_the_grouped_gemm_beyond(choices):

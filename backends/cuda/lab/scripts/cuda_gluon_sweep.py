@@ -74,7 +74,7 @@ def cuts(m: int, n: int, k: int):
     import dataclasses
     for cfg in _cuts(m, n, k):
         yield cfg
-        if FIXUP and cfg.split_k > 1:
+        if FIXUP and cfg.split_k > 1:  # (at split 1 fixup=True is the same launch)
             yield dataclasses.replace(cfg, fixup=True)
 
 

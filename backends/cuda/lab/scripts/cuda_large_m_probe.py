@@ -28,11 +28,9 @@ import torch
 import torch.nn.functional as F
 
 import musecore_quant
-from musecore.benchmarking import cycle
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_dequant_linear
-from musecore_cuda.bench import (LINEAR_SHAPES, _rotating, gpu_name, memory_ceiling_gbps, random_fp4, time_us,
-                                 time_us_interleaved)
+from musecore_cuda.bench import LINEAR_SHAPES, _rotating, gpu_name, memory_ceiling_gbps, random_fp4, time_calls
 from musecore_cuda.kernels import fp4_gemv_cuda
 
 
@@ -69,20 +67,14 @@ def main() -> None:
                      "bf16 = random codes": lambda: dense_of(randcode)}
             for m in [int(v) for v in args.ms.split(",")]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                fns, counts = {}, {}
-                for label, make in dense.items():
-                    ws = _rotating(make, n * k * 2)
-                    fns[label], counts[label] = cycle(ws, lambda w: F.linear(x, w)), len(ws)
+                calls = {label: (_rotating(make, n * k * 2), lambda w: F.linear(x, w)) for label, make in dense.items()}
                 rc = _rotating(lambda: be.prepare_weight(random_fp4("nvfp4", (n, k)), name).data, n * k // 2)
                 out = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
-                fns["dequantize"] = cycle(rc, lambda w: fp4_gemv_cuda.dequantize(
+                calls["dequantize"] = (rc, lambda w: fp4_gemv_cuda.dequantize(
                     w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k, out=out))
-                fns["dequant path"] = cycle(rc, lambda w: fp4_dequant_linear(x, w))
-                counts["dequantize"] = counts["dequant path"] = len(rc)
-                fns["dequant path, q"], counts["dequant path, q"] = (lambda: fp4_dequant_linear(x, quantized)), 1
-                times = {a: t / counts[a] for a, t in
-                         (time_us_interleaved(fns) if args.interleave else
-                          {a: time_us(fn) for a, fn in fns.items()}).items()}
+                calls["dequant path"] = (rc, lambda w: fp4_dequant_linear(x, w))
+                calls["dequant path, q"] = ([quantized], lambda w: fp4_dequant_linear(x, w))
+                times = time_calls(calls, interleave=bool(args.interleave))
                 base = times["bf16 randn"]
                 row = {"shape": f"{name} {k}->{n}", "M": m, "times_us": {a: round(t, 2) for a, t in times.items()},
                        "vs_bf16_randn": {a: round(base / t, 3) for a, t in times.items()},

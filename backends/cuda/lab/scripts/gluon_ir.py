@@ -41,11 +41,10 @@ def compile_cut(cfg: "gk.GluonConfig", maxnreg: int | None = None):
     sig = {"w_desc": desc_sig("u8", [cfg.block_n, 64], w_layout),
            "x_desc": desc_sig("bf16", [cfg.block_m, 64], x_layout),
            "s_ptr": "*i64", "stride_s": "i32", "out_scale_ptr": "*fp32",
-           "c_ptr": "*fp32" if cfg.split_k > 1 and not cfg.fixup else "*bf16", "stride_cm": "i32", "M": "i32",
+           "c_ptr": "*fp32" if cfg.atomic else "*bf16", "stride_cm": "i32", "M": "i32",
            "N": "i32", "K": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    fixup = cfg.fixup and cfg.split_k > 1
     const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
-             "FOLD": 9, "ATOMIC": cfg.split_k > 1 and not fixup, "UPCAST": gk.UPCASTS[cfg.upcast], "FIXUP": fixup,
+             "FOLD": 9, "ATOMIC": cfg.atomic, "UPCAST": gk.UPCASTS[cfg.upcast], "FIXUP": cfg.fixup,
              "num_warps": cfg.num_warps}
     names = list(fn.arg_names)
     for name in const:

@@ -249,7 +249,7 @@ def reference_linear(x: torch.Tensor, qt) -> torch.Tensor:
 def gluon_linear(gk, x, w, cfg, out=None):
     n, k = w.out_features, w.in_features
     if out is None:
-        out = (torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device) if cfg.split_k > 1
+        out = (torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device) if cfg.atomic
                else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device))
     gk.launch(x, w.packed, w.scales, w.out_scale, wfmt=w.wfmt, group=w.group, fold_log2=w.fold_log2, n=n, k=k,
               out=out, cfg=cfg)

@@ -449,7 +449,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise TypeError(f"the Gluon GEMM takes 2-D bf16 activations contiguous along K; got {x.dtype} {x.shape}")
     if k % (CHUNK_K.value * cfg.split_k):
         raise ValueError(f"the Gluon GEMM needs K divisible by {CHUNK_K.value} x split_k={cfg.split_k}; got K={k}")
-    if cfg.split_k > 1 and not cfg.fixup and out.dtype != torch.float32:
+    if cfg.atomic and out.dtype != torch.float32:
         raise TypeError("split-K with atomics accumulates into a zeroed float32 output")
     if cfg.upcast == "packed" and not 7 <= fold_log2 <= 116:
         raise ValueError(f"the packed upcast is exact for 7 <= fold_log2 <= 116 (multipliers up to 448 * 2**(126 - "
@@ -463,17 +463,17 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     w_desc, x_desc = descriptors(x, w2, cfg)
     m = x.shape[0]
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    fixup = cfg.fixup and cfg.split_k > 1
-    if fixup and (out.shape != (m, n) or out.stride() != (n, 1)):
-        raise ValueError(f"split-K fixup writes a contiguous [{m}, {n}] output; got {tuple(out.shape)} {out.stride()}")
-    if fixup:  # the workspace is written before it is read; the counts start at zero (one memset of `tiles` ints)
+    if cfg.fixup:  # the workspace is written before it is read; the counts start at zero (one memset of `tiles` ints)
+        if out.shape != (m, n) or out.stride() != (n, 1):
+            raise ValueError(f"split-K fixup writes a contiguous [{m}, {n}] output; got {tuple(out.shape)} "
+                             f"{out.stride()}")
         ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
         counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     else:  # unused by the kernel: no allocation, no memset on the routed path
         ws = counts = out_scale
     fp4_gluon_kernel[(tiles, cfg.split_k)](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n,
                                            k, ws, counts, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                                           GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.split_k > 1 and not fixup,
-                                           UPCAST=UPCASTS[cfg.upcast], FIXUP=fixup, num_warps=cfg.num_warps,
+                                           GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,
+                                           UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, num_warps=cfg.num_warps,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out

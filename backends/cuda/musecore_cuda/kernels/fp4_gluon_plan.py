@@ -38,7 +38,8 @@ class GluonConfig:
     asm_upcast: bool = False  # session 11's inline-PTX upcast: the same as upcast="asm" (kept for the lab's callers)
     upcast: str = "int16"     # "int16" (element-wise), "asm" (session 11) or "packed" (session 12: the routed one)
     ctas_per_sm: int = 1      # 2: launched at 128 registers per thread so that two CTAs share an SM (session 41)
-    fixup: bool = False       # split-K through a workspace summed by the last split of a tile (session 41), not atomics
+    fixup: bool = False       # split-K through a workspace summed by the last split of a tile (session 41), not atomics;
+                              # False at split_k 1, where there is nothing to sum
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -48,6 +49,7 @@ class GluonConfig:
                 raise ValueError(f"asm_upcast=True contradicts upcast={self.upcast!r}")
             object.__setattr__(self, "upcast", "asm")
         object.__setattr__(self, "asm_upcast", self.upcast == "asm")
+        object.__setattr__(self, "fixup", self.fixup and self.split_k > 1)
         if self.block_n not in (64, 128):
             raise ValueError(f"block_n is one or two consumer warpgroups: 64 or 128; got {self.block_n}")
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -66,6 +68,11 @@ class GluonConfig:
     def smem_bytes(self) -> int:
         """Shared memory of the ring: per stage the packed weight bytes and two bf16 activation halves."""
         return self.stages * (self.block_n * 64 + 2 * self.block_m * 64 * 2)
+
+    @property
+    def atomic(self) -> bool:
+        """Split-K through fp32 atomics into a zeroed fp32 output (the launch's caller allocates it so)."""
+        return self.split_k > 1 and not self.fixup
 
     @property
     def maxnreg(self) -> Optional[int]:
