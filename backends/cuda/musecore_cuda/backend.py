@@ -5,7 +5,7 @@ What is native here, and why (``supports`` answers from this table, never optimi
 * NVFP4 / MXFP4 weights with 16-bit activations (W4A16): FP4 is upcast in registers and fed to
   bf16/fp16 tensor cores. Decode (M < 16 bf16, M <= 2 fp16) and mid-size M (bf16) run CUDA C++
   kernels compiled with NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`, ``fp4_gemm_cuda``; sources in
-  ``csrc/``), NVFP4 at M 17-256 the Gluon GEMM (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`) where Triton's
+  ``csrc/``), NVFP4 at M 9-256 the Gluon GEMM (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`) where Triton's
   Gluon runs, large M a bf16 copy of the weight made per call and cuBLAS, fp16 beyond decode the
   portable Triton GEMM of :mod:`musecore_triton` (thresholds measured: :mod:`musecore_cuda.choices`,
   which also tells the plan every choice). Run and measured on SM90
@@ -75,7 +75,7 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
 
 def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int, *, weight_format: str) -> str:
     """Which kernel ``fp4_linear`` runs for ``m`` rows against a ``weight_format`` ("nvfp4" / "mxfp4") weight of
-    ``weights`` elements: "gluon" (the Gluon GEMM: NVFP4, bf16, M 17-256, where it runs and is not switched off),
+    ``weights`` elements: "gluon" (the Gluon GEMM: NVFP4, bf16, M 9-256, where it runs and is not switched off),
     "mma" / "fma" (CUDA C++ decode kernels), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
     "tiled" (Triton W4A16 GEMM: fp16 activations beyond the decode kernels, or no NVRTC)."""
     gluon = choices.gluon_enabled() and fp4_gluon_plan.available(device)

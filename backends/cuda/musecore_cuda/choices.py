@@ -30,10 +30,14 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # The Gluon GEMM's rows (H200, session 40 sweep, backends/cuda/lab/results/cuda_gluon_sweep_s40_packed.json, us,
 # gluon's best cut vs today's path): at M=64 and 256 it beat today's path on all four 816B shapes (q_proj 8192->8192:
 # 28.7 vs 60.5 gemm, 49.1 vs 99.4 dequant; expert_up 4096->8192: 15.9 vs 36.8, 26.5 vs 53.1; expert_down 4096->4096:
-# 14.3 vs 24.0, 18.5 vs 28.2; k_proj 8192->1024: 11.1 vs 15.6, 18.8 vs 20.3); at M=16 the CUDA C++ GEMM was as fast
-# or faster on expert_down (12.3 vs 13.2), so M <= 16 keeps the decode kernels and the GEMM; at M=4096 dequant +
-# cuBLAS won everywhere (215.9 vs 261.6 on expert_down). The crossover between 256 and 4096 is unmeasured.
-GLUON_MIN_M, GLUON_MAX_M = 17, 256
+# 14.3 vs 24.0, 18.5 vs 28.2; k_proj 8192->1024: 11.1 vs 15.6, 18.8 vs 20.3); at M=4096 dequant + cuBLAS won
+# everywhere (215.9 vs 261.6 on expert_down). The crossover between 256 and 4096 is unmeasured.
+# From M=9 (session 42, targets run 6, benchmarks/results/h200_issue26/run6_s42_call1_fixup_targets/): at M=16 the
+# Gluon GEMM (block_m 16, the launch it takes at every M of 9-16) beat the CUDA C++ GEMM on all seven 816B shapes
+# (q_proj 25.5 vs 31.7 us, unpooler 14.3 vs 21.1, k_proj 8.7 vs 9.8; expert_down tied, 11.7 vs 11.8), and beat the
+# M=8 tensor-core GEMV (one mma n8 token group; M 9-15 take two) on five of seven (q_proj 25.5 vs 28.9 us); on
+# k_proj and expert_down the M=8 GEMV was 5-12% faster, so M <= 8 keeps the decode GEMV.
+GLUON_MIN_M, GLUON_MAX_M = 9, 256
 GLUON_ENV = "MUSECORE_CUDA_GLUON"
 GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
 
@@ -96,7 +100,8 @@ def _span(first: int, last: Optional[int]) -> str:
 
 
 def gluon_fallback_reason(weight_format: str, arch: str) -> Optional[str]:
-    """Why FP4 linears of ``weight_format`` on ``arch`` keep today's rule at M 17-256 instead of the Gluon GEMM,
+    """Why FP4 linears of ``weight_format`` on ``arch`` keep today's rule at ``GLUON_MIN_M``-``GLUON_MAX_M`` rows instead of the Gluon
+    GEMM,
     or None when the plan routes them to it (checked again at load on the real GPU)."""
     if weight_format not in GLUON_FORMATS:
         return f"the Gluon GEMM takes NVFP4 only (e4m3 group-16 scales); {weight_format} keeps the CUDA C++ paths"
@@ -112,8 +117,8 @@ GLUON_PLAN_SMS = 132  # the H200's SM count, for the config the plan shows; at l
 
 def _gluon_reason(n: int, k: int, first: int) -> str:
     cfg = fp4_gluon_plan.pick_config(first, n, k, GLUON_PLAN_SMS)
-    return (f"NVFP4, M {GLUON_MIN_M}-{GLUON_MAX_M}: beat today's path 1.08-2.3x on the 816B shapes (H200, M=64 and "
-            f"256); launch from M, N, K and the SM count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}); "
+    return (f"NVFP4, M {GLUON_MIN_M}-{GLUON_MAX_M}: beat today's path 1.0-2.3x on the 816B shapes (H200, M=16, 64 "
+            f"and 256); launch from M, N, K and the SM count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}); "
             "today's rule applies if the GPU at load is not SM 9.x or Triton lacks Gluon's Hopper API")
 
 

@@ -51,15 +51,13 @@ def _choice(choices, *words):
 
 
 def test_fp4_linear_names_each_path_per_m_range(choices):
-    assert "tensor-core GEMV" in _choice(choices, "q_proj", "M 1-15").choice
-    assert "tiled tensor-core GEMM" in _choice(choices, "q_proj", "M = 16").choice
+    assert "tensor-core GEMV" in _choice(choices, "q_proj", f"M 1-{GLUON_MIN_M - 1}").choice
     gluon = _choice(choices, "q_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}")
     assert "Gluon W4A16 GEMM" in gluon.choice and gluon.env == GLUON_ENV
-    assert "64,32,1,4,packed" in gluon.reason  # the launch at M=17 on an H200's 132 SMs
-    assert "64,32,8,4,packed" in _choice(choices, "k_proj", "M 17-256").reason  # narrow N: split-K fills the SMs
+    assert "64,16,1,4,packed" in gluon.reason  # the launch at M=9 on an H200's 132 SMs
+    assert "64,16,8,4,packed" in _choice(choices, "k_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}").reason  # narrow N: split-K fills the SMs
     dequant = _choice(choices, "q_proj", f"M >= {GLUON_MAX_M + 1}")
     assert "bf16 copy + cuBLAS" in dequant.choice and "128 MiB" in dequant.reason  # the transient copy
-    assert "decided at load" in _choice(choices, "k_proj", "M = 16").reason  # needs the GPU's SM count
     assert "Triton W4A16 GEMM" in _choice(choices, "fp16 activations").choice
 
 
@@ -79,7 +77,7 @@ def test_gluon_switched_off_by_env_restores_todays_ranges_and_says_so(monkeypatc
     monkeypatch.setenv(GLUON_ENV, "0")
     ranges = _q_proj_ranges()
     assert set(ranges) == {"M 1-15", "M 16-127", "M >= 128"}
-    assert f"{GLUON_ENV}=0" in ranges["M 16-127"][1]
+    assert f"{GLUON_ENV}=0" in ranges["M 16-127"][1] and "decided at load" in ranges["M 16-127"][1]  # SM count
     assert {s.name: s for s in CudaBackend().env_settings()}[GLUON_ENV].value == "0"
     monkeypatch.setenv(GLUON_ENV, "no")
     with pytest.raises(ValueError, match=f"{GLUON_ENV} must be 0"):
@@ -98,8 +96,9 @@ def test_gluon_unavailable_falls_back_to_todays_rule_and_the_plan_says_why(monke
 
 def test_fp4_path_for_takes_gluon_only_for_nvfp4_bf16_in_its_m_range():
     bf16 = torch.bfloat16
-    paths = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True) for m in (15, 16, 17, 100, 256, 257)}
-    assert paths == {15: "mma", 16: "gemm", 17: "gluon", 100: "gluon", 256: "gluon", 257: "dequant"}
+    paths = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True) for m in (8, 9, 16, 17, 100, 256, 257)}
+    assert paths == {8: "mma", 9: "gluon", 16: "gluon", 17: "gluon", 100: "gluon", 256: "gluon", 257: "dequant"}
+    assert fp4_path_for(16, bf16, weight_format="nvfp4", gluon=False) == "gemm"
     assert fp4_path_for(64, bf16, weight_format="mxfp4", gluon=True) == "gemm"
     assert fp4_path_for(64, torch.float16, weight_format="nvfp4", gluon=True) == "tiled"
     assert fp4_path_for(64, bf16, weight_format="nvfp4", gluon=False) == "gemm"

@@ -15,7 +15,7 @@ from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_gluon_linear, fp4_linear_path
-from musecore_cuda.choices import GLUON_ENV
+from musecore_cuda.choices import GLUON_ENV, GLUON_MIN_M
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, use_dense_gemv
 from musecore_triton.layouts import prepare_fp4
@@ -251,7 +251,7 @@ def test_cuda_tiled_gemm_tiles_splits_and_stages_match_reference(fmt, m):
             assert_nmse(expected, out.float(), tolerance("linear"), f"{fmt} tiled GEMM M={m} {plan} -> {dtype}")
 
 
-# --- the Gluon GEMM as fp4_linear's path "gluon" (NVFP4, bf16, M 17-256) -------------------------------------------
+# --- the Gluon GEMM as fp4_linear's path "gluon" (NVFP4, bf16, M 9-256) -------------------------------------------
 
 def _needs_gluon() -> None:
     reason = fp4_gluon_plan.unavailable_reason(torch.device("cuda"))
@@ -266,7 +266,7 @@ GLUON_SHAPES = {"q_proj": (8192, 8192), "k_proj": (1024, 8192), "expert_up": (81
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GLUON_SHAPES))
 def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatch):
-    """fp4_linear routes NVFP4 x bf16 at M 17-256 to the Gluon GEMM with pick_config's launch (split-K on k_proj);
+    """fp4_linear routes NVFP4 x bf16 at M 9-256 to the Gluon GEMM with pick_config's launch (split-K on k_proj);
     each M against the fp32 product of the dequantized weight, NMSE within the linear op's 1e-4 (exact products and
     fp32 sums: the measured NMSE is the bf16 output rounding, ~3e-6)."""
     _needs_gluon()
@@ -276,7 +276,7 @@ def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatc
     be = CudaBackend("cuda")
     w = be.prepare_weight(qt, name)
     sms = fp4_gluon_plan.sm_count(torch.cuda.current_device())
-    for m in (17, 32, 64, 100, 256):
+    for m in (GLUON_MIN_M, 16, 17, 32, 64, 100, 256):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         assert fp4_linear_path(m, x.dtype, x.device, n * k, weight_format="nvfp4") == "gluon"
         cfg = fp4_gluon_plan.pick_config(m, n, k, sms)
@@ -342,13 +342,14 @@ def test_fp4_linear_gluon_path_is_switched_off_by_env_and_skips_mxfp4(monkeypatc
     monkeypatch.delenv(GLUON_ENV)
     assert fp4_linear_path(64, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "gluon"
     assert fp4_linear_path(64, torch.bfloat16, cuda, 1, weight_format="mxfp4") == "gemm"
-    assert fp4_linear_path(16, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "gemm"
+    assert fp4_linear_path(GLUON_MIN_M, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "gluon"
+    assert fp4_linear_path(GLUON_MIN_M - 1, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "mma"
     assert fp4_linear_path(257, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "dequant"
 
 
 @pytest.mark.gpu
 def test_fp4_linear_gluon_path_replays_from_a_cuda_graph(monkeypatch):
-    """A decode graph of batch 17-32 captures this path: after one eager call (compile), capture and replay give
+    """A decode graph of batch 9-32 captures this path: after one eager call (compile), capture and replay give
     the eager result, bit for bit for a single launch; split-K's atomics may add in another order (NMSE 1e-6)."""
     _needs_gluon()
     monkeypatch.delenv(GLUON_ENV, raising=False)

@@ -1,5 +1,5 @@
 """A Hopper W4A16 GEMM for NVFP4 resident weights in Gluon (swap-AB, register-A ``wgmma``, TMA ring, warp
-specialization): ``fp4_linear``'s path "gluon" for bf16 activations at M 17-256 (:mod:`musecore_cuda.choices`),
+specialization): ``fp4_linear``'s path "gluon" for bf16 activations at M 9-256 (:mod:`musecore_cuda.choices`),
 launched with :func:`musecore_cuda.kernels.fp4_gluon_plan.pick_config`'s packed-upcast config. This module needs
 Triton's Gluon Hopper API and is imported only when ``fp4_gluon_plan.available`` says so. Launched without
 programmatic dependent launch (no ``griddepcontrol``), so it is ordered like any PyTorch kernel.

@@ -153,7 +153,7 @@ def _device_reason(index: int) -> Optional[str]:
         return f"the Gluon GEMM is written for SM90 (wgmma, TMA); this GPU is SM{major}{minor}"
     problem = import_problem()
     if problem:  # an SM90 GPU on the slower path: said once, as fp4_gemv_cuda says a failed NVRTC compile
-        warnings.warn(f"musecore-cuda: {problem}; NVFP4 linears at M 17-256 take the CUDA C++ GEMM or dequantize + "
+        warnings.warn(f"musecore-cuda: {problem}; NVFP4 linears at M 9-256 take the CUDA C++ GEMM or dequantize + "
                       "cuBLAS instead of the Gluon GEMM", RuntimeWarning, stacklevel=4)
     return problem
 
