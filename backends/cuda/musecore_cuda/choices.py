@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
-from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, pdl
+from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_decode, pdl
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES
 from musecore_triton.kernels.fp4_gemm import tile_regime
 from musecore_triton.kernels.moe import uses_dense_decode
@@ -195,10 +195,17 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
     label = f"moe {shape.name} {shape.weight_format} E={e} top-{top_k} {shape.in_features}->{shape.out_features}"
     if shape.weight_format in FP4_FORMATS:
         limit = next(t for t in range(1, 1 << 20) if not moe_uses_gemv(t * top_k, e)) - 1
-        return [KernelChoice(f"{label}, T <= {limit} tokens",
+        runs = moe_decode.RUNS_MIN_TOKENS
+        return [KernelChoice(f"{label}, T <= {runs - 1} tokens",
                              "CUDA C++ expert GEMVs (NVRTC): gate+up+SwiGLU, down, Triton finalize",
-                             f"up to E = {e} assignments experts rarely repeat and the GEMV streams at about twice "
-                             "the grouped GEMM's bandwidth; no sort or gathers"),
+                             f"one program per assignment: up to E = {e} assignments experts rarely repeat, and the "
+                             "GEMV streams at about twice the grouped GEMM's bandwidth; no sort or gathers"),
+                KernelChoice(f"{label}, T {runs}-{limit} tokens",
+                             "CUDA C++ expert GEMVs on runs of one expert (torch.sort, then the same GEMVs), Triton "
+                             "finalize",
+                             "each program computes up to 5-8 of one expert's assignments (as many as its staged "
+                             "activations fit in shared memory), so an expert several tokens chose streams once per "
+                             "run, with the same bits as one program per assignment"),
                 KernelChoice(f"{label}, T > {limit} tokens",
                              "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, finalize)",
                              f"each routed expert streamed once per block of its tokens; "

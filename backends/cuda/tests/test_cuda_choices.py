@@ -197,7 +197,8 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
 
 
 def test_moe_names_the_gemv_up_to_e_assignments_and_the_grouped_gemm_beyond(choices):
-    assert "CUDA C++ expert GEMVs" in _choice(choices, "experts gate/up", "T <= 32 tokens").choice  # 32 x 8 = 256
+    assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 3 tokens").reason
+    assert "runs of one expert" in _choice(choices, "experts gate/up", "T 4-32 tokens").choice  # 32 x 8 = 256
     assert "Triton grouped W4A16 GEMM" in _choice(choices, "experts down", "T > 32 tokens").choice
 
 

@@ -12,7 +12,9 @@ from musecore.ops import reference as ref
 from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse, nmse
 
 from musecore_cuda import CudaBackend
-from musecore_cuda.kernels.moe_decode import use_gemv
+from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels.fp4_gemv_cuda import GemvPlan
+from musecore_cuda.kernels.moe_decode import RUNS_MIN_TOKENS, moe_decode_gemv, use_gemv
 from musecore_triton.kernels.moe import align_assignments, moe_decode_dense
 
 
@@ -89,6 +91,53 @@ def test_moe_decode_gemv_matches_reference(fmt, tokens):
     y = be.moe(z, weights, ids, prepared, norm, 1e-8)
     expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
     assert_nmse(expected, y, tolerance("moe"), f"moe GEMV {fmt} T={tokens}")
+
+
+def test_run_plan_fits_the_staged_rows_of_a_run_in_shared_memory():
+    """Runs stage up to 8 tokens' activations per program: 5 fit beside the 816B experts' K = 4096 (41 KB of the
+    48 KB), 8 at muse-small's 768; a split halves each block's K range, so more fit; only M=1 MMA plans extend."""
+    assert fp4_gemv_cuda.run_plan(GemvPlan("mma", 1, 1), 4096, swiglu=True).m == 5
+    assert fp4_gemv_cuda.run_plan(GemvPlan("mma", 1, 1, split_k=2), 4096).m == 8
+    assert fp4_gemv_cuda.run_plan(GemvPlan("mma", 1, 1), 768, swiglu=True).m == 8
+    assert fp4_gemv_cuda.run_plan(GemvPlan("mma", 1, 1), 22 * 1024) is None  # not even 2 rows fit
+    for plan in (GemvPlan("mma", 2, 1), GemvPlan("fma", 1, 8)):
+        with pytest.raises(ValueError, match="runs extend an M=1 MMA plan"):
+            fp4_gemv_cuda.run_plan(plan, 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width,inter,experts,topk,tokens", [
+    (128, 256, 4, 2, 20),      # 40 assignments over 4 experts: runs of ~10, chunked at 8 staged rows
+    (4096, 4096, 16, 8, 12),   # the 816B expert shape: runs of ~6, chunked at 5 (K = 4096 fills shared memory)
+    (4096, 4096, 16, 8, RUNS_MIN_TOKENS),
+])
+def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts, topk, tokens):
+    """Sorted assignments, each GEMV program computing a run (chunk) of one expert's tokens: the same bits as one
+    program per assignment (mma columns are independent), for the default cut, a cluster split-K cut and a cut
+    whose warps split K; NMSE against the reference; and replayed from a CUDA graph (the sort included)."""
+    be, prepared, reference, norm = make_layer("nvfp4", experts=experts, width=width, inter=inter,
+                                               dtype=torch.bfloat16, device="cuda")
+    weights, ids = route(tokens, experts, topk, "cuda")
+    z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    args = (z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-8)
+    cap = fp4_gemv_cuda.run_plan(GemvPlan("mma", 1, 1), width, swiglu=True).m
+    assert cap == (8 if width == 128 else 5)
+    assert torch.bincount(ids.reshape(-1)).max() > cap or tokens == RUNS_MIN_TOKENS  # some run is chunked
+    for cuts in (None, (GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
+                 (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))):
+        each = moe_decode_gemv(*args, plans=cuts, runs=False)
+        runs = moe_decode_gemv(*args, plans=cuts, runs=True)
+        assert torch.equal(each, runs), f"runs differ from per-assignment programs (cuts {cuts}): " \
+                                        f"max |diff| {(each - runs).abs().max().item():.3g}"
+    expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)  # the default: runs from RUNS_MIN_TOKENS tokens
+    assert_nmse(expected, y, tolerance("moe"), f"moe runs T={tokens} {width}x{inter}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    ids.copy_(ids.flip(0))  # new routing in place: the graph's sort must see it
+    graph.replay()
+    assert torch.equal(captured, moe_decode_gemv(*args, runs=False)), "graph replay of the runs path differs"
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)

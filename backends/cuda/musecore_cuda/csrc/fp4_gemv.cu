@@ -31,6 +31,26 @@ __device__ __forceinline__ void assignment(const long long *ids, int a_div, long
     y_row = a;
 }
 
+// Runs (the MMA kernel's expert mode with ``perm``): ids are sorted by expert and perm[p] is the assignment at
+// sorted position p. Program z = p heads a run chunk when p starts its expert's run or lies a multiple of `cap`
+// positions into it; the chunk's up to `cap` assignments (one expert) share each weight chunk the block streams,
+// so an expert chosen by several tokens is read once per chunk instead of once per assignment. Returns the
+// chunk's length, 0 when program z is not a head (its assignments belong to an earlier program).
+__device__ __forceinline__ int run_chunk(const long long *ids, int p, int n, int cap) {
+    const long long e = ids[p];
+    int start = p;
+    while (start > 0 && ids[start - 1] == e) --start;
+    if ((p - start) % cap) return 0;
+    int len = 1;
+    while (len < cap && p + len < n && ids[p + len] == e) ++len;
+    return len;
+}
+
+// Row of token m of this program: the run's assignment perm[p + m] / div, or base + m without runs.
+__device__ __forceinline__ long long token_row(const long long *perm, int p, int m, long long base, int div) {
+    return perm ? perm[p + m] / div : base + m;
+}
+
 // Scale byte -> scale * 2**(62 - fold) as fp32 (e4m3 for NVFP4, e8m0 for MXFP4).
 template <int WFMT>
 __device__ __forceinline__ float group_mult(u32 s, int fold) {
@@ -425,9 +445,12 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // thread-block cluster along y through distributed shared memory; block 0's first K slice applies
 // SwiGLU / the output scale and writes the output once in its final dtype (no atomics, no zeroed
 // fp32 buffer, no conversion kernel).
+// Expert mode with runs != 0 (``perm_in`` read, see run_chunk): m_rows is the chunk capacity (the staged rows allocated), and
+// each program computes its run chunk's tokens, or nothing.
 template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
-        const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, int a_div,
+        const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, const long long *__restrict__ perm_in,
+        int runs, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
         int w_e, int w_n, int s_e, int s_n,
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
@@ -440,10 +463,18 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
     const int pairs = chunks * 64 + 16;  // per token, padded by 64 bytes: token rows g = 0..7 read by one
                                          // load instruction fall in alternate halves of the banks
     long long e = 0, x_row = 0, y_row = 0;
+    int rows = m_rows;  // tokens of this program
+    const long long *perm = runs ? perm_in : nullptr;
     if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
     if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
         pdl_wait();
-        assignment(ids, a_div, e, x_row, y_row);
+        if (perm) {
+            rows = run_chunk(ids, blockIdx.z, gridDim.z, m_rows);
+            if (rows == 0) return;  // the whole block (and cluster: same z) leaves before any barrier
+            e = ids[blockIdx.z];
+        } else {
+            assignment(ids, a_div, e, x_row, y_row);
+        }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int kw = warp % KW;
@@ -477,10 +508,10 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
 
     // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
     // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
-    for (int i = threadIdx.x; i < m_rows * chunks * 16; i += WARPS * 32) {
+    for (int i = threadIdx.x; i < rows * chunks * 16; i += WARPS * 32) {
         const int m = i / (chunks * 16), r = i - m * (chunks * 16), c = r >> 4, v = r & 15;
         const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(
-            x + (x_row + m) * (long long)x_stride + (c_begin + c) * 128 + v * 8));
+            x + token_row(perm, blockIdx.z, m, x_row, a_div) * (long long)x_stride + (c_begin + c) * 128 + v * 8));
         const int hi = v >> 3, q0 = 2 * (v & 7);
         const int pe = hi ? 2 : 3, po = hi ? 0 : 1;
         u32 *dst = smem + m * pairs + c * 64;
@@ -495,7 +526,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
     const u32 *xt[NG];
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng) {
-        has_token[ng] = ng * 8 + g < m_rows;
+        has_token[ng] = ng * 8 + g < rows;
         xt[ng] = smem + (has_token[ng] ? ng * 8 + g : 0) * pairs;
     }
     float acc[4][NG][NT][4];
@@ -565,7 +596,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
                     out = acc[0][ng][i][j] * os;
                 }
                 const int row = n0 + i * 16 + g + (j >= 2 ? 8 : 0), token = ng * 8 + 2 * t + (j & 1);
-                if (row >= N || token >= m_rows) continue;
-                store_out(y, (y_row + token) * (long long)y_stride + row, out, ot);
+                if (row >= N || token >= rows) continue;
+                store_out(y, token_row(perm, blockIdx.z, token, y_row, 1) * (long long)y_stride + row, out, ot);
             }
 }

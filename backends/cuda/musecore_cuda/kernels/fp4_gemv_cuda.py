@@ -102,6 +102,19 @@ class GemvPlan:
         return self.m * (k // self.split_k) * 4
 
 
+RUN_CAP = 8  # most assignments of one expert a runs program computes (one mma n8 token group)
+
+
+def run_plan(plan: GemvPlan, k: int, swiglu: bool = False) -> Optional[GemvPlan]:
+    """``plan`` (made for M = 1 per assignment) as a runs plan (``launch(perm=...)``): up to :data:`RUN_CAP`
+    assignments of one expert per program, as many as its staged activations fit in shared memory beside the
+    same cut; None when fewer than 2 fit (runs would save nothing)."""
+    if plan.kind != "mma" or plan.m != 1:
+        raise ValueError(f"runs extend an M=1 MMA plan; got {plan}")
+    cap = max((c for c in range(2, RUN_CAP + 1) if replace(plan, m=c).smem(k, swiglu) < SMEM_LIMIT), default=None)
+    return replace(plan, m=cap) if cap else None
+
+
 def kind_for(m: int, dtype: torch.dtype) -> Optional[str]:
     if dtype == torch.bfloat16 and m <= MAX_M:
         return "mma"
@@ -193,12 +206,22 @@ def _probe() -> bool:
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *,
            wfmt: int, fold_log2: int, n: int, k: int, out: torch.Tensor, plan: GemvPlan,
            ids: Optional[torch.Tensor] = None, a_div: int = 1, packed2: Optional[torch.Tensor] = None,
-           scales2: Optional[torch.Tensor] = None, out_scale2: Optional[torch.Tensor] = None) -> torch.Tensor:
+           scales2: Optional[torch.Tensor] = None, out_scale2: Optional[torch.Tensor] = None,
+           perm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out (+)= x @ W^T`` for ``x [M, K]`` (``plan.m == M``), or one row per assignment when ``ids``
-    (int64 ``[A]``) is given (expert ``ids[a]``, activation row ``a // a_div``, output row ``a``)."""
-    m = x.shape[0] if ids is None else 1
+    (int64 ``[A]``) is given (expert ``ids[a]``, activation row ``a // a_div``, output row ``a``).
+
+    With ``perm`` (MMA kernel, expert mode): ``ids`` sorted by expert and ``perm[p]`` the assignment at sorted
+    position ``p`` (``torch.sort``); the assignments of one expert are computed together, up to ``plan.m`` per
+    program (:func:`run_plan`), so the expert's weights stream once per run chunk instead of once per assignment.
+    Each token's sums are the same as without ``perm`` (mma columns are independent): the same bits."""
+    m = x.shape[0] if ids is None else (plan.m if perm is not None else 1)
     if m != plan.m:
         raise ValueError(f"plan for M={plan.m} used with M={m}")
+    if perm is not None and (ids is None or plan.kind != "mma" or perm.shape != ids.shape
+                             or perm.dtype != torch.int64):
+        raise ValueError("perm (runs of one expert) needs the MMA kernel, sorted int64 ids and an int64 perm of "
+                         "the same shape")
     if kind_for(m, x.dtype) is None or (plan.kind == "mma" and x.dtype != torch.bfloat16) or x.stride(-1) != 1:
         raise ValueError(f"the {plan.kind} decode kernel cannot take M={m} contiguous={x.stride(-1) == 1} {x.dtype}")
     if plan.atomic and (ids is not None or packed2 is not None or out.dtype != torch.float32):
@@ -215,10 +238,12 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                    plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
                    pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
+    ids_arg = ids if ids is not None else out_scale  # (a placeholder pointer, never read without EXPERTS)
+    ids_args = [ids_arg, ids_arg if perm is None else perm, int(perm is not None)] if mma else [ids_arg]
     pdl.launch(kern, grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
                block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem, device=x.device,
                name=f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}",
-               args=[*head, ids if ids is not None else out_scale, a_div,
+               args=[*head, *ids_args, a_div,
                      words, scales, w2, scales2 if scales2 is not None else scales,
                      words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
                      out_scale, out_scale2 if out_scale2 is not None else out_scale, fold_log2,
