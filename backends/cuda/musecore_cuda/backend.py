@@ -75,11 +75,12 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
 
 def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int, *, weight_format: str) -> str:
     """Which kernel ``fp4_linear`` runs for ``m`` rows against a ``weight_format`` ("nvfp4" / "mxfp4") weight of
-    ``weights`` elements: "gluon" (the Gluon GEMM: NVFP4, bf16, M 9-256, where it runs and is not switched off),
+    ``weights`` elements: "gluon" (the Gluon GEMM: NVFP4, bf16, M 9-256 or 8-256 for weights of
+    32M elements and more, where it runs and is not switched off),
     "mma" / "fma" (CUDA C++ decode kernels), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
     "tiled" (Triton W4A16 GEMM: fp16 activations beyond the decode kernels, or no NVRTC)."""
     gluon = choices.gluon_enabled() and fp4_gluon_plan.available(device)
-    path = choices.fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon)
+    path = choices.fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights)
     if path != "gluon" and not fp4_gemv_cuda.available(device):
         return "tiled"
     return path

@@ -5,7 +5,8 @@ The crossovers were measured on the H200 (backends/cuda/lab/NOTES.md): for bf16 
 CUDA C++ tensor-core GEMV up to 15 rows, the CUDA C++ tiled GEMM from ``GEMM_MIN_M`` rows, and from
 ``DEQUANT_MIN_M`` rows a transient bf16 copy of the weight and cuBLAS (compute-bound there, where
 cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). NVFP4 weights at
-``GLUON_MIN_M``-``GLUON_MAX_M`` rows take the Gluon GEMM instead where it can run (SM 9.x, Triton's
+``GLUON_MIN_M``-``GLUON_MAX_M`` rows (from ``GLUON_WIDE_M`` for weights of ``GLUON_WIDE_WEIGHTS`` elements and
+more) take the Gluon GEMM instead where it can run (SM 9.x, Triton's
 Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0`` turns it off). What depends on the GPU itself (SM count,
 occupancy, whether NVRTC compiles, whether Gluon runs) is decided at load and says so.
 """
@@ -36,8 +37,13 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # Gluon GEMM (block_m 16, the launch it takes at every M of 9-16) beat the CUDA C++ GEMM on all seven 816B shapes
 # (q_proj 25.5 vs 31.7 us, unpooler 14.3 vs 21.1, k_proj 8.7 vs 9.8; expert_down tied, 11.7 vs 11.8), and beat the
 # M=8 tensor-core GEMV (one mma n8 token group; M 9-15 take two) on five of seven (q_proj 25.5 vs 28.9 us); on
-# k_proj and expert_down the M=8 GEMV was 5-12% faster, so M <= 8 keeps the decode GEMV.
+# k_proj and expert_down the M=8 GEMV was 5-12% faster, so M <= 8 keeps the decode GEMV there. The small-M sweep of
+# session 42 (run 7, run7_s42_call2_runs_targets/cuda_gluon_sweep_small_m.json) repeated it: at M=8 the Gluon GEMM
+# took 25.1 / 17.0 / 14.2 us against the GEMV's 29.3 / 20.8 / 17.8 on q_proj, pooler and expert_up (weights of
+# 32M elements and more), 8.8 vs 9.1 on k_proj (8M) and 11.5 vs 10.4 on expert_down (16M); so weights of at least
+# GLUON_WIDE_WEIGHTS elements take it from M=8. M 5-7 is unmeasured.
 GLUON_MIN_M, GLUON_MAX_M = 9, 256
+GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 8, 4096 * 8192
 GLUON_ENV = "MUSECORE_CUDA_GLUON"
 GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
 
@@ -50,11 +56,19 @@ def gluon_enabled() -> bool:
     return setting == "1"
 
 
-def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gluon: bool = False) -> str:
-    """The FP4 linear kernel for ``m`` rows of ``dtype`` activations when NVRTC is available: "gluon" (the Gluon
-    W4A16 GEMM, only when ``gluon``: it can run here and is not switched off), "mma" / "fma" (CUDA C++ decode
-    GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or "tiled" (Triton W4A16 GEMM)."""
-    if gluon and dtype == torch.bfloat16 and weight_format in GLUON_FORMATS and GLUON_MIN_M <= m <= GLUON_MAX_M:
+def gluon_min_m(weights: int) -> int:
+    """The fewest rows that take the Gluon GEMM for a weight of ``weights`` elements."""
+    return GLUON_WIDE_M if weights >= GLUON_WIDE_WEIGHTS else GLUON_MIN_M
+
+
+def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gluon: bool = False,
+                 weights: int = 0) -> str:
+    """The FP4 linear kernel for ``m`` rows of ``dtype`` activations against a weight of ``weights`` elements when
+    NVRTC is available: "gluon" (the Gluon W4A16 GEMM, only when ``gluon``: it can run here and is not switched
+    off), "mma" / "fma" (CUDA C++ decode GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
+    "tiled" (Triton W4A16 GEMM)."""
+    if (gluon and dtype == torch.bfloat16 and weight_format in GLUON_FORMATS
+            and gluon_min_m(weights) <= m <= GLUON_MAX_M):
         return "gluon"
     if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
         return "dequant" if m >= DEQUANT_MIN_M else "gemm"
@@ -77,14 +91,14 @@ PATH_NAMES = {
 }
 
 
-def _m_ranges(dtype: torch.dtype, *, weight_format: str = "nvfp4",
+def _m_ranges(dtype: torch.dtype, *, weight_format: str = "nvfp4", weights: int = 0,
               gluon: bool = False) -> list[tuple[int, Optional[int], str]]:
     """Consecutive M ranges ``(first, last or None, path)`` over which :func:`fp4_path_for` is constant."""
     ranges: list[tuple[int, Optional[int], str]] = []
     edges = sorted({1, 2, 3, fp4_gemv_cuda.FMA_MAX_M + 1, fp4_gemv_cuda.MAX_M + 1, GEMM_MIN_M, DEQUANT_MIN_M,
-                    GLUON_MIN_M, GLUON_MAX_M + 1})
+                    GLUON_WIDE_M, GLUON_MIN_M, GLUON_MAX_M + 1})
     for m in edges:
-        path = fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon)
+        path = fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights)
         if ranges and ranges[-1][2] == path:
             continue
         if ranges:
@@ -100,8 +114,8 @@ def _span(first: int, last: Optional[int]) -> str:
 
 
 def gluon_fallback_reason(weight_format: str, arch: str) -> Optional[str]:
-    """Why FP4 linears of ``weight_format`` on ``arch`` keep today's rule at ``GLUON_MIN_M``-``GLUON_MAX_M`` rows instead of the Gluon
-    GEMM,
+    """Why FP4 linears of ``weight_format`` on ``arch`` keep today's rule at ``GLUON_MIN_M``-``GLUON_MAX_M`` rows
+    instead of the Gluon GEMM,
     or None when the plan routes them to it (checked again at load on the real GPU)."""
     if weight_format not in GLUON_FORMATS:
         return f"the Gluon GEMM takes NVFP4 only (e4m3 group-16 scales); {weight_format} keeps the CUDA C++ paths"
@@ -117,8 +131,9 @@ GLUON_PLAN_SMS = 132  # the H200's SM count, for the config the plan shows; at l
 
 def _gluon_reason(n: int, k: int, first: int) -> str:
     cfg = fp4_gluon_plan.pick_config(first, n, k, GLUON_PLAN_SMS)
-    return (f"NVFP4, M {GLUON_MIN_M}-{GLUON_MAX_M}: beat today's path 1.0-2.3x on the 816B shapes (H200, M=16, 64 "
-            f"and 256); launch from M, N, K and the SM count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}); "
+    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of 32M elements and more): beat "
+            f"today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256); launch from M, N, K and the SM "
+            f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}); "
             "today's rule applies if the GPU at load is not SM 9.x or Triton lacks Gluon's Hopper API")
 
 
@@ -127,7 +142,8 @@ def _fp4_linear_choices(shape: LinearShape, arch: str = "") -> list[KernelChoice
     label = f"{shape.name} {shape.weight_format} {k}->{n}"
     fallback = gluon_fallback_reason(shape.weight_format, arch)
     out = []
-    for first, last, path in _m_ranges(torch.bfloat16, weight_format=shape.weight_format, gluon=fallback is None):
+    for first, last, path in _m_ranges(torch.bfloat16, weight_format=shape.weight_format, weights=n * k,
+                                       gluon=fallback is None):
         if path == "gluon":
             reason = _gluon_reason(n, k, first)
         elif path == "mma":

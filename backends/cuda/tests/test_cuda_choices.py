@@ -14,7 +14,7 @@ from musecore.devices import get_profile
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_linear_path
-from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, fp4_path_for
+from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, GLUON_WIDE_M, fp4_path_for
 from musecore_cuda.kernels import fp4_gluon_plan, pdl
 from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
 from musecore_triton.layouts import prepare_fp4
@@ -51,10 +51,11 @@ def _choice(choices, *words):
 
 
 def test_fp4_linear_names_each_path_per_m_range(choices):
-    assert "tensor-core GEMV" in _choice(choices, "q_proj", f"M 1-{GLUON_MIN_M - 1}").choice
-    gluon = _choice(choices, "q_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}")
+    assert "tensor-core GEMV" in _choice(choices, "q_proj", f"M 1-{GLUON_WIDE_M - 1}").choice  # 64M weights
+    assert "tensor-core GEMV" in _choice(choices, "k_proj", f"M 1-{GLUON_MIN_M - 1}").choice   # 8M weights
+    gluon = _choice(choices, "q_proj", f"M {GLUON_WIDE_M}-{GLUON_MAX_M}")
     assert "Gluon W4A16 GEMM" in gluon.choice and gluon.env == GLUON_ENV
-    assert "64,16,1,4,packed" in gluon.reason  # the launch at M=9 on an H200's 132 SMs
+    assert "64,16,1,4,packed" in gluon.reason  # the launch at M=8 on an H200's 132 SMs
     assert "64,16,8,4,packed" in _choice(choices, "k_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}").reason  # narrow N: split-K fills the SMs
     dequant = _choice(choices, "q_proj", f"M >= {GLUON_MAX_M + 1}")
     assert "bf16 copy + cuBLAS" in dequant.choice and "128 MiB" in dequant.reason  # the transient copy
@@ -98,6 +99,9 @@ def test_fp4_path_for_takes_gluon_only_for_nvfp4_bf16_in_its_m_range():
     bf16 = torch.bfloat16
     paths = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True) for m in (8, 9, 16, 17, 100, 256, 257)}
     assert paths == {8: "mma", 9: "gluon", 16: "gluon", 17: "gluon", 100: "gluon", 256: "gluon", 257: "dequant"}
+    wide = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=4096 * 8192) for m in (7, 8)}
+    assert wide == {7: "mma", 8: "gluon"}  # expert_up and wider take it from M=8
+    assert fp4_path_for(8, bf16, weight_format="nvfp4", gluon=True, weights=4096 * 4096) == "mma"  # expert_down
     assert fp4_path_for(16, bf16, weight_format="nvfp4", gluon=False) == "gemm"
     assert fp4_path_for(64, bf16, weight_format="mxfp4", gluon=True) == "gemm"
     assert fp4_path_for(64, torch.float16, weight_format="nvfp4", gluon=True) == "tiled"

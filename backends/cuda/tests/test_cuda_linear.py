@@ -15,7 +15,7 @@ from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_gluon_linear, fp4_linear_path
-from musecore_cuda.choices import GLUON_ENV, GLUON_MIN_M
+from musecore_cuda.choices import GLUON_ENV, GLUON_MIN_M, gluon_min_m
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, use_dense_gemv
 from musecore_triton.layouts import prepare_fp4
@@ -266,7 +266,7 @@ GLUON_SHAPES = {"q_proj": (8192, 8192), "k_proj": (1024, 8192), "expert_up": (81
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GLUON_SHAPES))
 def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatch):
-    """fp4_linear routes NVFP4 x bf16 at M 9-256 to the Gluon GEMM with pick_config's launch (split-K on k_proj);
+    """fp4_linear routes NVFP4 x bf16 at M 9-256 (8-256 for 32M weights) to the Gluon GEMM with pick_config's launch (split-K on k_proj);
     each M against the fp32 product of the dequantized weight, NMSE within the linear op's 1e-4 (exact products and
     fp32 sums: the measured NMSE is the bf16 output rounding, ~3e-6)."""
     _needs_gluon()
@@ -276,7 +276,9 @@ def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatc
     be = CudaBackend("cuda")
     w = be.prepare_weight(qt, name)
     sms = fp4_gluon_plan.sm_count(torch.cuda.current_device())
-    for m in (GLUON_MIN_M, 16, 17, 32, 64, 100, 256):
+    first = gluon_min_m(n * k)  # 8 for q_proj and expert_up, 9 for k_proj and expert_down
+    assert fp4_linear_path(first - 1, torch.bfloat16, torch.device("cuda"), n * k, weight_format="nvfp4") == "mma"
+    for m in (first, 16, 17, 32, 64, 100, 256):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         assert fp4_linear_path(m, x.dtype, x.device, n * k, weight_format="nvfp4") == "gluon"
         cfg = fp4_gluon_plan.pick_config(m, n, k, sms)

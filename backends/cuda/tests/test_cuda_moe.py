@@ -106,23 +106,26 @@ def test_run_plan_fits_the_staged_rows_of_a_run_in_shared_memory():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("width,inter,experts,topk,tokens", [
-    (128, 256, 4, 2, 20),      # 40 assignments over 4 experts: runs of ~10, chunked at 8 staged rows
-    (4096, 4096, 16, 8, 12),   # the 816B expert shape: runs of ~6, chunked at 5 (K = 4096 fills shared memory)
-    (4096, 4096, 16, 8, RUNS_MIN_TOKENS),
+@pytest.mark.parametrize("width,inter,experts,tokens", [
+    (128, 256, 20, 10),               # experts 0 and 1 chosen by 9 tokens: runs chunked at 8 staged rows
+    (4096, 4096, 24, 12),             # the 816B expert shape: runs of 9 chunked at 5 (K = 4096 fills shared memory)
+    (4096, 4096, 24, RUNS_MIN_TOKENS),
 ])
-def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts, topk, tokens):
+def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts, tokens):
     """Sorted assignments, each GEMV program computing a run (chunk) of one expert's tokens: the same bits as one
     program per assignment (mma columns are independent), for the default cut, a cluster split-K cut and a cut
     whose warps split K; NMSE against the reference; and replayed from a CUDA graph (the sort included)."""
     be, prepared, reference, norm = make_layer("nvfp4", experts=experts, width=width, inter=inter,
                                                dtype=torch.bfloat16, device="cuda")
+    topk = 2  # T x 2 <= E assignments: be.moe takes the GEMVs
     weights, ids = route(tokens, experts, topk, "cuda")
+    ids[:min(9, tokens)] = torch.tensor([0, 1])  # a run of 9 (or T) on experts 0 and 1; the rest as routed
     z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
     args = (z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-8)
+    assert use_gemv(prepared.gate, ids.numel(), experts)
     cap = fp4_gemv_cuda.run_plan(GemvPlan("mma", 1, 1), width, swiglu=True).m
     assert cap == (8 if width == 128 else 5)
-    assert torch.bincount(ids.reshape(-1)).max() > cap or tokens == RUNS_MIN_TOKENS  # some run is chunked
+    assert int(torch.bincount(ids.reshape(-1)).max()) > cap or tokens == RUNS_MIN_TOKENS  # some run is chunked
     for cuts in (None, (GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
                  (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))):
         each = moe_decode_gemv(*args, plans=cuts, runs=False)
@@ -131,6 +134,7 @@ def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts,
                                         f"max |diff| {(each - runs).abs().max().item():.3g}"
     expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
     y = be.moe(z, weights, ids, prepared, norm, 1e-8)  # the default: runs from RUNS_MIN_TOKENS tokens
+    assert torch.equal(y, moe_decode_gemv(*args, runs=True)), "be.moe did not take the runs path"
     assert_nmse(expected, y, tolerance("moe"), f"moe runs T={tokens} {width}x{inter}")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
