@@ -93,6 +93,15 @@ def test_moe_decode_gemv_matches_reference(fmt, tokens):
     assert_nmse(expected, y, tolerance("moe"), f"moe GEMV {fmt} T={tokens}")
 
 
+def test_gemv_launch_rejects_a_split_that_does_not_divide_k():
+    """A cut of K = 128 (one chunk) in two would read chunk -1: refused before any launch (no GPU needed)."""
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not divide it"):
+        fp4_gemv_cuda.launch(x, torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(64, 8, dtype=torch.uint8),
+                             torch.ones(1), wfmt=1, fold_log2=0, n=64, k=128, out=torch.zeros(1, 64),
+                             plan=GemvPlan("mma", 1, 1, split_k=2))
+
+
 def test_run_plan_fits_the_staged_rows_of_a_run_in_shared_memory():
     """Runs stage up to 8 tokens' activations per program: 5 fit beside the 816B experts' K = 4096 (41 KB of the
     48 KB), 8 at muse-small's 768; a split halves each block's K range, so more fit; only M=1 MMA plans extend."""
@@ -126,8 +135,9 @@ def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts,
     cap = fp4_gemv_cuda.run_plan(GemvPlan("mma", 1, 1), width, swiglu=True).m
     assert cap == (8 if width == 128 else 5)
     assert int(torch.bincount(ids.reshape(-1)).max()) > cap or tokens == RUNS_MIN_TOKENS  # some run is chunked
-    for cuts in (None, (GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
-                 (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))):
+    wide = width == 4096  # (K = 128 is one chunk: no split of it)
+    for cuts in (None,) + ((GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
+                           (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))) * wide:
         each = moe_decode_gemv(*args, plans=cuts, runs=False)
         runs = moe_decode_gemv(*args, plans=cuts, runs=True)
         assert torch.equal(each, runs), f"runs differ from per-assignment programs (cuts {cuts}): " \

@@ -226,6 +226,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError(f"the {plan.kind} decode kernel cannot take M={m} contiguous={x.stride(-1) == 1} {x.dtype}")
     if plan.atomic and (ids is not None or packed2 is not None or out.dtype != torch.float32):
         raise ValueError("FMA split-K accumulates with fp32 atomics: linear only, into a zeroed fp32 output")
+    if k % CHUNK_K or (k // CHUNK_K) % (plan.split_k * plan.k_warps):
+        raise ValueError(f"the {plan.kind} decode kernel splits K = {k} into {plan.split_k * plan.k_warps} parts of "
+                         f"whole {CHUNK_K}-element chunks; {plan} does not divide it")
     if ids is not None and ids.dtype != torch.int64:
         ids = ids.to(torch.int64)
     smem = plan.smem(k, swiglu=packed2 is not None)
