@@ -70,6 +70,4 @@ step7() {
     --out $OUT/cuda_gluon_sweep_fixup.json > $OUT/sweep_fixup.log 2>&1
   echo "7. fixup sweep at ${SECONDS}s (rc $?):"; grep -v "^    " $OUT/sweep_fixup.log | cut -c1-260 | tail -16
 }
-for n in $(echo $STEPS | grep -o .); do step$n; done
-echo "done at ${SECONDS}s; load $(cat /proc/loadavg)"
-tar czf /tmp/s41.tgz -C $OUT . && mv /tmp/s41.tgz $OUT/
+run_steps s41

@@ -6,7 +6,7 @@
 #   3. cuda_gluon_sweep.py at M = 8, 12, 16 with MUSECORE_CUDA_GLUON=0 ("now" is the CUDA C++ GEMV / GEMM that M 9-16
 #      took before): the evidence for routing M 9-16 to the Gluon GEMM, and whether it also wins at M=8;
 #   4. the whole GPU suite (backends/{triton,cuda,rocm}/tests, backends/cuda/lab/tests, tests), SIGINT at its cap.
-# Everything under $OUT is also packed into $OUT/s42.tgz (the device returns only a few files per call).
+# Everything under $OUT is also packed into $OUT/s42.tgz (run_steps in device_prelude.sh).
 # Usage (STEPS: which steps, in that order): OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=1234] bash backends/cuda/lab/scripts/s42_session.sh
 set -u
 LIMIT=${LIMIT:-580}
@@ -36,6 +36,4 @@ step4() {
   echo "rc=$?" >> $OUT/gpu_suite.log
   echo "4. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
 }
-for n in $(echo $STEPS | grep -o .); do step$n; done
-echo "done at ${SECONDS}s; load $(cat /proc/loadavg)"
-tar czf /tmp/s42.tgz -C $OUT . && mv /tmp/s42.tgz $OUT/
+run_steps s42
