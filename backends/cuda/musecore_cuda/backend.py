@@ -3,7 +3,8 @@
 What is native here, and why (``supports`` answers from this table, never optimistically):
 
 * NVFP4 / MXFP4 weights with 16-bit activations (W4A16): FP4 is upcast in registers and fed to
-  bf16/fp16 tensor cores. Decode (M < 16 bf16, M <= 2 fp16) and mid-size M (bf16) run CUDA C++
+  bf16/fp16 tensor cores. Decode (M < 16 bf16, NVFP4 below 8-9 rows where
+  the Gluon GEMM runs; M <= 2 fp16) and mid-size M (bf16) run CUDA C++
   kernels compiled with NVRTC (:mod:`musecore_cuda.kernels.fp4_gemv_cuda`, ``fp4_gemm_cuda``; sources in
   ``csrc/``), NVFP4 at M 9-256 the Gluon GEMM (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`) where Triton's
   Gluon runs, large M a bf16 copy of the weight made per call and cuBLAS, fp16 beyond decode the

@@ -221,8 +221,8 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
                              "finalize",
                              "each program computes up to 5-8 of one expert's assignments (as many as its staged "
                              "activations fit in shared memory), so an expert several tokens chose streams once per "
-                             "run, with the same bits as one program per assignment (H200, 816B layer at 16 tokens: 1298 -> "
-                             "1161 us; about even at 4-8, where few experts repeat)"),
+                             "run, with the same bits as one program per assignment (H200, 816B layer at 16 tokens: "
+                             "1298 -> 1161 us; about even at 4-8, where few experts repeat)"),
                 KernelChoice(f"{label}, T > {limit} tokens",
                              "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, finalize)",
                              f"each routed expert streamed once per block of its tokens; "

@@ -445,12 +445,12 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // thread-block cluster along y through distributed shared memory; block 0's first K slice applies
 // SwiGLU / the output scale and writes the output once in its final dtype (no atomics, no zeroed
 // fp32 buffer, no conversion kernel).
-// Expert mode with runs != 0 (``perm_in`` read, see run_chunk): m_rows is the chunk capacity (the staged rows allocated), and
-// each program computes its run chunk's tokens, or nothing.
+// Expert mode with runs != 0 (``perm_in`` read, see run_chunk): m_rows is the chunk capacity (the staged rows
+// allocated), and each program computes its run chunk's tokens, or nothing.
 template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
-        const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids, const long long *__restrict__ perm_in,
-        int runs, int a_div,
+        const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids,
+        const long long *__restrict__ perm_in, int runs, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
         int w_e, int w_n, int s_e, int s_n,
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
