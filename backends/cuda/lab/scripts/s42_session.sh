@@ -5,7 +5,9 @@
 #   2. musecore bench --backend cuda --case targets;
 #   3. cuda_gluon_sweep.py at M = 8, 12, 16 with MUSECORE_CUDA_GLUON=0 ("now" is the CUDA C++ GEMV / GEMM that M 9-16
 #      took before): the evidence for routing M 9-16 to the Gluon GEMM, and whether it also wins at M=8;
-#   4. the whole GPU suite (backends/{triton,cuda,rocm}/tests, backends/cuda/lab/tests, tests), SIGINT at its cap.
+#   4. the whole GPU suite (backends/{triton,cuda,rocm}/tests, backends/cuda/lab/tests, tests), SIGINT at its cap;
+#   5. cuda_moe_runs_probe.py: the decode MoE with runs vs per assignment vs the grouped GEMM at batch 8-128 (whether
+#      use_gemv may take more than E assignments now). Written after the session's last device call: not yet run.
 # Everything under $OUT is also packed into $OUT/s42.tgz (run_steps in device_prelude.sh).
 # Usage (STEPS: which steps, in that order): OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=1234] bash backends/cuda/lab/scripts/s42_session.sh
 set -u
@@ -35,5 +37,10 @@ step4() {
     backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests > $OUT/gpu_suite.log 2>&1
   echo "rc=$?" >> $OUT/gpu_suite.log
   echo "4. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
+}
+step5() {
+  timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_moe_runs_probe.py \
+    --out $OUT/cuda_moe_runs_probe.json > $OUT/moe_runs_probe.log 2>&1
+  echo "5. MoE runs probe at ${SECONDS}s (rc $?):"; tail -12 $OUT/moe_runs_probe.log | cut -c1-250
 }
 run_steps s42
