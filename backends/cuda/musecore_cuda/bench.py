@@ -167,8 +167,9 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             act_bytes = (m * k + m * n) * 2
             calls = {("bf16", ""): (bf16_ws, lambda w: F.linear(x, w))}
+            routed = {}  # format: the path fp4_linear takes for this weight at this M
             for fmt, ws in fp4.items():
-                path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
+                path = routed[fmt] = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
                 calls[(fmt, path)] = (ws, lambda w: fp4_linear(x, w))
                 if fmt == "nvfp4":  # the other paths at the same M, for comparison
                     others = {"tiled": fp4_tiled_linear, "dequant": fp4_dequant_linear, "gemm": fp4_gemm_linear}
@@ -187,7 +188,8 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             t_bf16 = times[("bf16", "")]
             for (fmt, path), t in times.items():
                 nbytes = (n * k * 2 if fmt == "bf16" else fp4[fmt][0].nbytes) + act_bytes
-                rows.append(_linear_row(fmt, name, n, k, m, t, t_bf16, nbytes, ceiling, path))
+                rows.append({**_linear_row(fmt, name, n, k, m, t, t_bf16, nbytes, ceiling, path),
+                             "default": routed.get(fmt) == path})
         del bf16_ws, fp4
         torch.cuda.empty_cache()
     return rows
@@ -526,11 +528,8 @@ def bench_targets() -> list[dict]:
                 "M": None, "time_us": None, "speedup_vs_bf16": round(worst, 3), "pct_memory_ceiling": None,
                 "format": "nvfp4"}
 
-    def default_ratio(ms):
-        return [r["speedup_vs_bf16"] for r in linear
-                if r["format"] == "nvfp4" and r["M"] in ms
-                and r["path"] == fp4_linear_path(r["M"], torch.bfloat16, torch.device("cuda"), 1,
-                                                 weight_format="nvfp4")]
+    def default_ratio(ms):  # the rows of the path fp4_linear takes (bench_linear marks them)
+        return [r["speedup_vs_bf16"] for r in linear if r["format"] == "nvfp4" and r["M"] in ms and r["default"]]
     out = [summary("linear M<=16 (NVFP4 vs BF16 cuBLAS)", 3.0, "x", default_ratio((1, 2, 4, 8, 16)),
                    "7 shapes x M 1,2,4,8,16, the default path", (1, 2, 4, 8, 16)),
            summary("linear M=64", 1.5, "x", default_ratio((64,)), "7 shapes", (64,)),
