@@ -32,10 +32,7 @@ step2() {
     echo "2. large-M probe (interleave $il) at ${SECONDS}s (rc $?):"; cut -c1-700 $OUT/probe_il$il.log | tail -8
   done
 }
-step3() {
-  timeout $(cap 170) musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
-  echo "3. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
-}
+step3() { targets_step 3; }
 step4() {
   SECTIONS="--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis"
@@ -48,13 +45,7 @@ step4() {
 Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Compute \(SM\) Throughput|Waves Per SM" $OUT/ncu_$tag.txt | head -24
   done
 }
-step5() {
-  # SIGINT at the cap: pytest stops and still prints the summary of what ran
-  timeout -s INT $(cap 330) python3 -m pytest -q -m gpu -p no:cacheprovider backends/cuda/tests \
-    backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests > $OUT/gpu_suite.log 2>&1
-  echo "rc=$?" >> $OUT/gpu_suite.log
-  echo "5. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
-}
+step5() { gpu_suite_step 5; }
 step6() {
   MUSECORE_CUDA_GLUON=0 GLUON_CTAS=2 timeout $(cap ${SWEEP_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
     --ms ${MS:-64,256} --shapes ${SHAPES:-q_proj,k_proj,pooler,expert_up,expert_down} --precompile 12 \

@@ -22,22 +22,14 @@ step1() {
   echo "rc=$?" >> $OUT/tests.log
   echo "1. tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/tests.log | tail -10
 }
-step2() {
-  timeout $(cap 170) musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
-  echo "2. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
-}
+step2() { targets_step 2; }
 step3() {
   MUSECORE_CUDA_GLUON=0 timeout $(cap ${SWEEP_S:-100}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
     --ms ${MS:-8,12,16} --shapes ${SHAPES:-q_proj,k_proj,pooler,expert_up,expert_down} --precompile 12 \
     --out $OUT/cuda_gluon_sweep_small_m.json > $OUT/sweep_small_m.log 2>&1
   echo "3. small-M sweep at ${SECONDS}s (rc $?):"; grep -v "^    " $OUT/sweep_small_m.log | cut -c1-230 | tail -16
 }
-step4() {
-  timeout -s INT $(cap 330) python3 -m pytest -q -m gpu -p no:cacheprovider backends/cuda/tests \
-    backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests > $OUT/gpu_suite.log 2>&1
-  echo "rc=$?" >> $OUT/gpu_suite.log
-  echo "4. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
-}
+step4() { gpu_suite_step 4; }
 step5() {
   timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_moe_runs_probe.py \
     --out $OUT/cuda_moe_runs_probe.json > $OUT/moe_runs_probe.log 2>&1
