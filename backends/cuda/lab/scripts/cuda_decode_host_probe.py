@@ -1,0 +1,119 @@
+"""Where a generated token's time goes beyond the captured decode step (issue 26 item 3, session 43).
+
+``cuda_profile_decode.py`` found muse-small batch-1 ``generate`` at ~860 us per token against a ~710 us graph
+replay. This probe splits that gap on the H200: the graph replay back to back; the host time of one ``step()``
+call (graph launch included); the GPU and host time of the work ``generate`` queues around each replay (the
+position update, the input copies, greedy sampling, the token's copy to the host); and a profiler timeline of
+``generate`` itself, from which the GPU's idle time between kernels per token is summed.
+
+    python backends/cuda/lab/scripts/cuda_decode_host_probe.py [--preset muse-small] [--out probe.json] [--trace t.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from musecore.api import load_random
+
+
+def gpu_us(fn, n: int = 50) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n * 1e3
+
+
+def host_us(fn, n: int = 30) -> float:
+    """Host time of one call issued on an idle GPU (what the call itself costs the CPU)."""
+    total = 0.0
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t
+    torch.cuda.synchronize()
+    return total / n * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="muse-small")
+    p.add_argument("--format", default="nvfp4")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--out", default="cuda_decode_host_probe.json")
+    p.add_argument("--trace", default="")
+    args = p.parse_args()
+    model = load_random(args.preset, "h200", checkpoint_format=args.format)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 32)).tolist()
+    model.generate(prompt, max_new_tokens=8)
+    row: dict = {"preset": args.preset, "format": args.format, "gpu": torch.cuda.get_device_name()}
+    per_token = []
+    for _ in range(3):
+        model.generate(prompt, max_new_tokens=args.tokens)
+        per_token.append(1e6 / model.last_generation_stats.decode_tokens_per_s)
+    row["generate_us_per_token"] = [round(t, 1) for t in per_token]
+
+    cache = model.new_cache(1, 128, static=True)
+    model.forward(torch.randint(0, model.config.vocab_size, (1, 32), device="cuda"), cache=cache)
+    step = model.decode_step(cache)
+    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    pos = torch.full((1, 1), 32, dtype=torch.long, device="cuda")
+    row["replay_gpu_us"] = round(gpu_us(lambda: step(tok, pos)), 1)
+    row["step_call_host_us"] = round(host_us(lambda: step(tok, pos)), 1)
+    logits = step(tok, pos)[:, -1]
+    sample = lambda: model.ops.sample(logits, 0.0, 0, 1.0, None)  # noqa: E731
+    row["sample_gpu_us"], row["sample_host_us"] = round(gpu_us(sample), 1), round(host_us(sample), 1)
+    live = torch.ones(1, dtype=torch.bool, device="cuda")
+    nxt = torch.full((1,), 40, dtype=torch.long, device="cuda")
+    pinned = torch.empty(1, dtype=torch.long, pin_memory=True)
+    event = torch.cuda.Event()
+
+    def around() -> None:  # what generate's loop queues besides the replay (generate.py, _decode_loop)
+        pinned.copy_(tok[:, 0], non_blocking=True)
+        event.record()
+        torch.where(live, nxt, torch.full_like(nxt, -1))[:, None]
+        nxt.add_(live.long())
+        nxt.sub_(live.long())  # (keeps the probe's position fixed)
+    row["around_gpu_us"], row["around_host_us"] = round(gpu_us(around), 1), round(host_us(around), 1)
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.generate(prompt, max_new_tokens=16)
+        torch.cuda.synchronize()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    lm = [k for k in kernels if k[2].startswith("nvjet") or "gemm" in k[2].lower()]
+    # decode steps: from the second lm_head kernel to the last one (the prefill's lm_head comes first)
+    if len(lm) >= 4:
+        t0, t1 = lm[1][1], lm[-1][1]
+        inside = [k for k in kernels if t0 <= k[0] < t1]
+        busy, last_end, idle, gaps = 0.0, t0, 0.0, []
+        for s, e, name in inside:
+            if s > last_end:
+                idle += s - last_end
+                gaps.append((s - last_end, name))
+            busy += e - s
+            last_end = max(last_end, e)
+        steps = len(lm) - 2
+        row["trace_steps"] = steps
+        row["trace_us_per_step"] = round((t1 - t0) / steps, 1)
+        row["trace_idle_us_per_step"] = round(idle / steps, 1)
+        row["trace_kernels_per_step"] = round(len(inside) / steps, 1)
+        row["trace_largest_gaps"] = [(round(g, 1), n[:60]) for g, n in sorted(gaps, reverse=True)[:12]]
+    print(json.dumps(row, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(row, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
