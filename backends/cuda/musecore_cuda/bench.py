@@ -278,7 +278,7 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
         t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, post_norm, 1e-8), reps=10)
         flops = 2 * t * topk * 3 * width * inter
         rows.append({"backend": "cuda", "case": "moe", "format": "nvfp4",
-                     "path": ("grouped" if not use_gemv(fp4.gate, t * topk, experts)
+                     "path": ("grouped" if not use_gemv(fp4.gate, t * topk, experts, tokens=t)
                               else "gemv runs" if t >= RUNS_MIN_TOKENS else "gemv"),
                      "shape": f"E{experts} top{topk} {width}x{inter}", "M": t, "routed_experts": routed,
                      "time_us": round(t_fp4, 1), "bf16_experts_time_us": round(t_bf16, 1),

@@ -20,6 +20,7 @@ import torch
 
 from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
 from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_decode, pdl
+from musecore_cuda import fused
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES
 from musecore_triton.kernels.fp4_gemm import tile_regime
 from musecore_triton.kernels.moe import uses_dense_decode
@@ -75,10 +76,14 @@ def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gl
     return fp4_gemv_cuda.kind_for(m, dtype) or "tiled"
 
 
-def moe_uses_gemv(n_assign: int, num_experts: int) -> bool:
-    """FP4 experts take one CUDA C++ GEMV per token-expert assignment up to ``E`` assignments
-    (``musecore_cuda.kernels.moe_decode.use_gemv``), the grouped Triton GEMM beyond."""
-    return n_assign <= max(1, num_experts)
+def moe_uses_gemv(n_assign: int, num_experts: int, tokens: int, width: int, inter: int) -> bool:
+    """Whether bf16 FP4 experts take the CUDA C++ decode GEMVs (``musecore_cuda.kernels.moe_decode.use_gemv``,
+    without the device): one per assignment up to ``E`` assignments, on runs of one expert from
+    ``RUNS_MIN_TOKENS`` tokens up to ``RUNS_MAX_ASSIGNMENTS``; the grouped Triton GEMM beyond."""
+    if n_assign <= max(1, num_experts):
+        return True
+    return (n_assign <= moe_decode.RUNS_MAX_ASSIGNMENTS and tokens >= moe_decode.RUNS_MIN_TOKENS
+            and moe_decode._plans(width, inter, torch.bfloat16, torch.device("cpu"), n_assign, True)[2])
 
 
 PATH_NAMES = {
@@ -210,7 +215,8 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
     e, top_k = shape.experts, max(1, shape.top_k)
     label = f"moe {shape.name} {shape.weight_format} E={e} top-{top_k} {shape.in_features}->{shape.out_features}"
     if shape.weight_format in FP4_FORMATS:
-        limit = next(t for t in range(1, 1 << 20) if not moe_uses_gemv(t * top_k, e)) - 1
+        limit = next(t for t in range(1, 1 << 20)
+                     if not moe_uses_gemv(t * top_k, e, t, shape.in_features, shape.out_features)) - 1
         runs = moe_decode.RUNS_MIN_TOKENS
         return [KernelChoice(f"{label}, T <= {runs - 1} tokens",
                              "CUDA C++ expert GEMVs (NVRTC): gate+up+SwiGLU, down, Triton finalize",
@@ -222,7 +228,8 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
                              "each program computes up to 5-8 of one expert's assignments (as many as its staged "
                              "activations fit in shared memory), so an expert several tokens chose streams once per "
                              "run, with the same bits as one program per assignment (H200, 816B layer at 16 tokens: "
-                             "1298 -> 1161 us; about even at 4-8, where few experts repeat)"),
+                             "1298 -> 1161 us; about even at 4-8, where few experts repeat); 1.7-2.0x the grouped "
+                             "GEMM at 64-128 tokens"),
                 KernelChoice(f"{label}, T > {limit} tokens",
                              "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, finalize)",
                              f"each routed expert streamed once per block of its tokens; "
@@ -284,10 +291,22 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
                      "a decode step is a few hundred small kernels; launching them costs more than running them"),
         KernelChoice("attention", "Triton flash attention (musecore_triton), GQA heads packed into tile rows",
                      "decode splits long contexts along S when the heads fill < 2 waves (SM count, at load)"),
-        KernelChoice("router_topk", "cuBLAS fp32 product + Triton top-k kernel"),
+        KernelChoice("router_topk", "Triton split-K fp32 GEMV + top-k kernel up to 16 tokens, cuBLAS fp32 GEMM + "
+                     "top-k kernel beyond", "the fp32 router weight spread over every SM at decode"),
+        _fused_choice(),
         KernelChoice("norms, silu_mul, logit_softcap, kv_write", "Triton row kernels (musecore_triton), fp32 math"),
     ]
     return out
+
+
+def _fused_choice() -> KernelChoice:
+    what = "MoE block at one-token decode"
+    if fused.disabled():
+        return KernelChoice(what, "the separate ops (9 launches)", f"{fused.FUSED_ENV}={os.environ.get(fused.FUSED_ENV)}",
+                            fused.FUSED_ENV)
+    return KernelChoice(what, "fused: 6 launches (one-launch router, pooler GEMV + pre-expert norm, unpooler GEMV "
+                        "reading the experts' fp32 output)", "with a 16-bit pooler/unpooler and an fp32 router; other "
+                        "blocks and batches take the separate ops", fused.FUSED_ENV)
 
 
 def env_settings() -> list[EnvSetting]:
@@ -299,6 +318,8 @@ def env_settings() -> list[EnvSetting]:
         EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16) "
                    "take the Gluon GEMM on SM 9.x with Triton's Gluon Hopper API",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
+        EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: the MoE block in 6 launches at one-token "
+                   "decode", "0 runs the block's separate ops (9 launches)"),
         EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "unset",
                    "1 runs the Triton kernels in Triton's CPU interpreter on a 'cpu' backend (tests only)"),
     ]

@@ -14,7 +14,7 @@ from musecore.devices import get_profile
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_linear_path
-from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, GLUON_WIDE_M, fp4_path_for
+from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, GLUON_WIDE_M, fp4_path_for, moe_uses_gemv
 from musecore_cuda.kernels import fp4_gluon_plan, pdl
 from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
 from musecore_triton.layouts import prepare_fp4
@@ -201,10 +201,20 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
     assert not fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", fixup=True).fixup  # nothing to sum at split 1
 
 
-def test_moe_names_the_gemv_up_to_e_assignments_and_the_grouped_gemm_beyond(choices):
+def test_moe_names_the_gemv_then_runs_up_to_1024_assignments_and_the_grouped_gemm_beyond(choices):
     assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 3 tokens").reason
-    assert "runs of one expert" in _choice(choices, "experts gate/up", "T 4-32 tokens").choice  # 32 x 8 = 256
-    assert "Triton grouped W4A16 GEMM" in _choice(choices, "experts down", "T > 32 tokens").choice
+    assert "runs of one expert" in _choice(choices, "experts gate/up", "T 4-128 tokens").choice  # 128 x 8 = 1024
+    assert "Triton grouped W4A16 GEMM" in _choice(choices, "experts down", "T > 128 tokens").choice
+
+
+def test_moe_gemv_rule_takes_more_than_e_assignments_only_on_runs():
+    """Up to E assignments the GEMVs, one program each; beyond, only on runs of one expert (from RUNS_MIN_TOKENS
+    tokens, where runs fit in shared memory) up to RUNS_MAX_ASSIGNMENTS."""
+    assert moe_uses_gemv(256, 256, 32, 4096, 4096) and moe_uses_gemv(1024, 256, 128, 4096, 4096)
+    assert not moe_uses_gemv(1032, 256, 129, 4096, 4096)
+    assert not moe_uses_gemv(12, 8, 3, 4096, 4096)  # 3 tokens: no runs, and 12 > E = 8
+    assert moe_uses_gemv(16, 8, 4, 4096, 4096)
+    assert not moe_uses_gemv(16, 8, 4, 22 * 1024, 22 * 1024)  # K = 22K: not even 2 staged rows fit
 
 
 def test_dense_linear_takes_the_gemv_only_on_small_weights(choices):

@@ -230,3 +230,18 @@ def test_moe_one_slot_per_row_summed_by_the_token_equals_the_routed_op(fmt, toke
     per_slot = be.moe(rows, ones, ids.reshape(-1, 1).contiguous(), prepared, norm, 1e-8)
     y = weighted_sum(per_slot.view(tokens, 2, -1), weights, ids)
     assert_nmse(be.moe(z, weights, ids, prepared, norm, 1e-8), y, tolerance("moe"), f"per-slot moe {fmt} T={tokens}")
+
+
+@pytest.mark.gpu
+def test_be_moe_takes_runs_past_e_assignments_and_matches_the_reference():
+    """48 assignments over 16 experts (3x E, 24 tokens): beyond one program per assignment, within runs of one expert
+    (use_gemv's RUNS_MAX_ASSIGNMENTS); fp16 activations (no runs: the FMA kernel) stay on the grouped GEMM."""
+    experts, topk, tokens = 16, 2, 24
+    be, prepared, reference, norm = make_layer("nvfp4", experts=experts, width=128, inter=256, dtype=torch.bfloat16,
+                                               device="cuda")
+    assert use_gemv(prepared.gate, tokens * topk, experts, tokens=tokens, dtype=torch.bfloat16)
+    assert not use_gemv(prepared.gate, tokens * topk, experts, tokens=tokens, dtype=torch.float16)
+    weights, ids = route(tokens, experts, topk, "cuda")
+    z = torch.randn(tokens, 128, device="cuda", dtype=torch.bfloat16)
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    assert_nmse(ref.moe(z, weights, ids, reference, norm, 1e-8), y, tolerance("moe"), "moe on runs, 48 assignments")

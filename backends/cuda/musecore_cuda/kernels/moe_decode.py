@@ -13,6 +13,7 @@ expert, and at 2 a repeat is rare (~0.25 of 16 assignments over 256 experts), no
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -25,16 +26,47 @@ from musecore_triton.layouts import Fp4Resident
 RUNS_MIN_TOKENS = 4  # batch from which the GEMVs take runs of one expert (sorted assignments)
 
 
-def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int) -> bool:
-    """Per-assignment GEMV (decode) when assignments are few enough that experts rarely repeat.
+# Most assignments the GEMVs take when they run on runs of one expert: measured to batch 128 (1024 assignments) on the
+# 816B layer, where runs took 3.5 ms against the grouped GEMM's 6.0 (batch 64: 2.5 against 5.1;
+# backends/cuda/lab/scripts/cuda_moe_runs_probe.py, session 43); beyond, unmeasured, the grouped GEMM.
+RUNS_MAX_ASSIGNMENTS = 1024
 
-    Each assignment streams its expert's weights once, so an expert chosen by two tokens is read
-    twice: ``n`` assignments spread over ``E`` experts read ``n / (E (1 - (1 - 1/E)^n))`` times the
-    routed bytes, 1.58x at ``n = E`` and 2.3x at ``2E``. The GEMV streams at about twice the grouped
-    GEMM's bandwidth (measured on the H200), so it wins up to ``n = E``; the routing also needs no sort, no alignment and no gathers (~15 fewer kernels).
+
+def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int, *, tokens: int = 1,
+             dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The decode GEMVs (this module) rather than the grouped GEMM, for ``n_assign`` assignments of ``tokens``
+    tokens with ``dtype`` activations.
+
+    One program per assignment streams its expert's weights once per assignment, so an expert chosen by two
+    tokens is read twice: ``n`` assignments spread over ``E`` experts read ``n / (E (1 - (1 - 1/E)^n))`` times the
+    routed bytes, 1.58x at ``n = E`` and 2.3x at ``2E``. The GEMV streams at about twice the grouped GEMM's
+    bandwidth (measured on the H200), so it wins up to ``n = E``; the routing also needs no sort, no alignment and
+    no gathers. On runs of one expert (from :data:`RUNS_MIN_TOKENS` tokens, bf16) an expert streams once per run
+    chunk instead, and the GEMVs win up to :data:`RUNS_MAX_ASSIGNMENTS`.
     """
-    return (isinstance(stack, Fp4Resident) and n_assign <= max(1, num_experts)
-            and fp4_gemv_cuda.available(stack.packed.device))  # (both decode kernels take M = 1)
+    if not (isinstance(stack, Fp4Resident) and fp4_gemv_cuda.available(stack.packed.device)):
+        return False  # (both decode kernels take M = 1)
+    if n_assign <= max(1, num_experts):
+        return True
+    return (n_assign <= RUNS_MAX_ASSIGNMENTS and tokens >= RUNS_MIN_TOKENS
+            and _plans(stack.in_features, stack.out_features, dtype, stack.packed.device, n_assign, True)[2])
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(width: int, inter: int, dtype: torch.dtype, device: torch.device, programs: int, runs: bool
+           ) -> tuple[fp4_gemv_cuda.GemvPlan, fp4_gemv_cuda.GemvPlan, bool]:
+    """(gate/up plan, down plan, on runs) for ``programs`` assignments: runs plans when ``runs`` is asked, the
+    activations are bf16 (runs are an MMA-kernel mode) and both fit at least 2 staged rows (at the 816B and
+    muse-small widths, 5 and 8)."""
+    # The tensor-core kernel reduces its K splits before SwiGLU; the FMA kernel's fp32 atomics cannot.
+    split = fp4_gemv_cuda.kind_for(1, dtype) == "mma"
+    up = fp4_gemv_cuda.make_plan(1, inter, width, dtype, device, allow_split=split, programs=programs, swiglu=True)
+    down = fp4_gemv_cuda.make_plan(1, width, inter, dtype, device, allow_split=split, programs=programs)
+    if runs and split:
+        run_up, run_down = fp4_gemv_cuda.run_plan(up, width, swiglu=True), fp4_gemv_cuda.run_plan(down, inter)
+        if run_up and run_down:
+            return run_up, run_down, True
+    return up, down, False
 
 
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
@@ -49,18 +81,20 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     flat = ids.reshape(-1).contiguous()
     z = z.contiguous()
     h = torch.empty(flat.numel(), inter, dtype=z.dtype, device=z.device)
-    # The tensor-core kernel reduces its K splits before SwiGLU; the FMA kernel's fp32 atomics cannot.
-    split = fp4_gemv_cuda.kind_for(1, z.dtype) == "mma"
-    plan_up, plan_down = plans or (
-        fp4_gemv_cuda.make_plan(1, inter, width, z.dtype, z.device, allow_split=split, programs=flat.numel(),
-                                swiglu=True),
-        fp4_gemv_cuda.make_plan(1, width, inter, z.dtype, z.device, allow_split=split, programs=flat.numel()))
-    order, perm = flat, None  # the GEMVs' programs: assignments in their own order, or sorted by expert (runs)
-    if (T >= RUNS_MIN_TOKENS if runs is None else runs) and split:  # (runs are an MMA-kernel mode)
-        run_up, run_down = fp4_gemv_cuda.run_plan(plan_up, width, swiglu=True), fp4_gemv_cuda.run_plan(plan_down, inter)
-        if run_up and run_down:  # (both fit at least 2 staged rows: at the 816B and muse-small widths, 5 and 8)
-            plan_up, plan_down = run_up, run_down
-            order, perm = torch.sort(flat)  # sorted expert ids, and the assignment at each sorted position
+    on_runs = T >= RUNS_MIN_TOKENS if runs is None else runs
+    if plans is None:
+        plan_up, plan_down, on_runs = _plans(width, inter, z.dtype, z.device, flat.numel(), on_runs)
+    else:
+        plan_up, plan_down = plans
+        if on_runs and plan_up.kind == plan_down.kind == "mma":
+            run_up, run_down = fp4_gemv_cuda.run_plan(plan_up, width, swiglu=True), fp4_gemv_cuda.run_plan(plan_down,
+                                                                                                           inter)
+            on_runs = bool(run_up and run_down)
+            plan_up, plan_down = (run_up, run_down) if on_runs else plans
+        else:
+            on_runs = False
+    # the GEMVs' programs: assignments in their own order, or sorted by expert (runs: the assignment at each position)
+    order, perm = torch.sort(flat) if on_runs else (flat, None)
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
                          n=inter, k=width, out=h, plan=plan_up, ids=order, a_div=topk, packed2=up.packed,
                          scales2=up.scales, out_scale2=up.out_scale, perm=perm)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from musecore_triton import hooks
+from musecore_triton.kernels import norms
 
 MAX_BLOCK_K = 2048
 DENSE_GEMV_MAX_BYTES = 64 << 20
@@ -30,9 +31,10 @@ def use_dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 @triton.jit
-def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stride_e, a_div,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
-                      PDL: tl.constexpr, EARLY: tl.constexpr):
+def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stride_e, a_div, count_ptr, norm_w_ptr,
+                      z_ptr, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr,
+                      SWIGLU: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr = False,
+                      NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1):
     """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1``: one token's ``x`` row against one weight.
 
     With ``EXPERTS``, GEMV ``a`` is token-expert assignment ``a``: weight ``ids[a]`` of a stack, token
@@ -64,7 +66,10 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
         if not EXPERTS:  # after the first chunk's weight loads; a no-op once the kernel before has finished
             hooks.pdl_launch_dependents(EARLY)
             hooks.pdl_wait(PDL)
-        x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0)
+        if ROUND_X:
+            x = x.to(w_ptr.dtype.element_ty)
+        x = x.to(tl.float32)[None, :]
         acc += wv * x
         if SWIGLU:
             acc2 += w2v * x
@@ -73,6 +78,17 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
     if SWIGLU:
         y = y / (1.0 + tl.exp(-y)) * tl.sum(acc2, axis=1)
     tl.store(y_ptr + a.to(tl.int64) * N + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+    if NORM:
+        tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
+        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            tl.store(count_ptr, 0)
+            offs_n = tl.arange(0, BLOCK_NORM)
+            nmask = offs_n < N
+            v = tl.load(y_ptr + offs_n, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            nw = tl.load(norm_w_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            z = norms._norm(v, nw, nmask, N, eps, True, False, z_ptr.dtype.element_ty)
+            tl.store(z_ptr + offs_n, z.to(z_ptr.dtype.element_ty), mask=nmask)
 
 
 def gemv_blocks(k: int) -> tuple[int, int]:
@@ -81,20 +97,37 @@ def gemv_blocks(k: int) -> tuple[int, int]:
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None = None,
-               num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """``x [1,K] @ w[N,K].T`` -> ``[1,N]`` in x's dtype (fp32 accumulation, as cuBLAS); ``blocks``
-    overrides :func:`gemv_blocks` (for sweeps)."""
-    if x.shape[0] != 1 or x.shape[1] != w.shape[1] or w.stride(1) != 1 or x.dtype != w.dtype:
-        raise ValueError(f"dense_gemv takes x [1,K] and a row-major w [N,K] of x's dtype; got x {x.dtype} "
-                         f"{list(x.shape)}, w {w.dtype} {list(w.shape)} strides {w.stride()}")
+               num_warps: int = NUM_WARPS, *, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """``x [1,K] @ w[N,K].T`` -> ``[1,N]`` in w's dtype (fp32 accumulation, as cuBLAS); an fp32 ``x`` is rounded
+    to w's dtype as it is loaded (the same bits as ``x.to(w.dtype)`` first). ``blocks`` overrides
+    :func:`gemv_blocks` (for sweeps). ``norm = (weight [N], eps, counter)``: return ``rms_norm(y, weight, eps)``
+    instead, in the same launch (the last program normalises the row; ``counter`` is an int32 zero that the
+    launch takes and gives back, owned by one call site whose launches do not overlap)."""
+    if x.shape[0] != 1 or x.shape[1] != w.shape[1] or w.stride(1) != 1 \
+            or x.dtype not in (w.dtype, torch.float32) or w.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dense_gemv takes x [1,K] (of w's dtype, or fp32) and a row-major 16-bit w [N,K]; got x "
+                         f"{x.dtype} {list(x.shape)}, w {w.dtype} {list(w.shape)} strides {w.stride()}")
     n, k = w.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=w.dtype, device=x.device)
     block_n, block_k = blocks or gemv_blocks(k)
-    dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1,
+    extra = {}
+    if norm is not None:
+        norm_w, eps, counter = norm
+        if norm_w.shape != (n,) or counter.dtype != torch.int32 or counter.numel() != 1:
+            raise ValueError(f"dense_gemv: the norm takes a weight [{n}] and a one-element int32 counter; got "
+                             f"{list(norm_w.shape)} and {counter.dtype} {list(counter.shape)}")
+        z = torch.empty_like(y)
+        extra = dict(NORM=True, BLOCK_NORM=triton.next_power_of_2(n))
+        args = (counter, norm_w.contiguous(), z, eps)
+    else:
+        args = (y, y, y, 0.0)
+    dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1, *args,
                                                      BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS=False, SWIGLU=False,
-                                                     num_warps=num_warps, EARLY=hooks.early_trigger(x.device, "dense_gemv"),
+                                                     num_warps=num_warps, ROUND_X=x.dtype != w.dtype, **extra,
+                                                     EARLY=hooks.early_trigger(x.device, "dense_gemv"),
                                                      **hooks.launch_options(x.device, "dense_gemv"))
-    return y
+    return y if norm is None else z
 
 
 def expert_gemv(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, a_div: int,
@@ -113,7 +146,7 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, a_div: 
     if flat.numel():
         block_n, block_k = gemv_blocks(k)
         dense_gemv_kernel[(triton.cdiv(n, block_n), flat.numel())](
-            x, stack, up if up is not None else stack, flat, y, n, k, k, n * k, a_div, BLOCK_N=block_n,
+            x, stack, up if up is not None else stack, flat, y, n, k, k, n * k, a_div, y, y, y, 0.0, BLOCK_N=block_n,
             BLOCK_K=block_k, EXPERTS=True, SWIGLU=up is not None, num_warps=NUM_WARPS,
             EARLY=False, **hooks.launch_options(x.device, "expert_gemv"))
     return y

@@ -63,19 +63,9 @@ def router_gemv_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_x, k_split, BLOCK
 
 
 @triton.jit
-def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, splits, split_stride, k, multiplier,
-                       scaling, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One row: ``logits`` = the sum of its ``splits`` partials (in order s = 0, 1, ...; 1 = the logits
-    themselves), ``s = sigmoid(logits * multiplier)``; the k largest ``s + bias`` by k rounds of max (lowest
-    index first on ties); weights ``s[ids] / (sum + 1e-15) * scaling``."""
-    offs = tl.arange(0, BLOCK)
-    mask = offs < E
-    bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
-    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
-    row = tl.program_id(0).to(tl.int64)
-    x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
-    for s in range(1, splits):
-        x += tl.load(logits_ptr + s * split_stride + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
+def _choose(x, offs, mask, bias, w_ptr, ids_ptr, row, k, multiplier, scaling, K: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's choice from its fp32 logits ``x [BLOCK]``: ``s = sigmoid(x * multiplier)``; the k largest
+    ``s + bias`` by k rounds of max (lowest index first on ties); weights ``s[ids] / (sum + 1e-15) * scaling``."""
     s = 1.0 / (1.0 + tl.exp(-(x * multiplier)))
     left = tl.where(mask, s + bias, -float("inf"))
     kk = tl.arange(0, K)
@@ -92,6 +82,55 @@ def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, splits, 
     weights = weights / (tl.sum(weights, axis=0) + 1e-15) * scaling
     tl.store(w_ptr + row * k + kk, weights, mask=kk < k)
     tl.store(ids_ptr + row * k + kk, ids, mask=kk < k)
+
+
+@triton.jit
+def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, splits, split_stride, k, multiplier,
+                       scaling, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row: ``logits`` = the sum of its ``splits`` partials (in order s = 0, 1, ...; 1 = the logits
+    themselves), then :func:`_choose`."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < E
+    bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    row = tl.program_id(0).to(tl.int64)
+    x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
+    for s in range(1, splits):
+        x += tl.load(logits_ptr + s * split_stride + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
+    _choose(x, offs, mask, bias, w_ptr, ids_ptr, row, k, multiplier, scaling, K, BLOCK)
+
+
+@triton.jit
+def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier,
+                             scaling, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                             K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One token's router in one launch. Program (e, s) writes the fp32 partial ``part[s, e-block] = W[e-block,
+    K_s] . x[K_s]``; the program that finishes last (a ticket on ``count``, which it resets to 0 for the next
+    launch) adds the partials of each expert (a fixed tree over s: deterministic) and makes the choice
+    (:func:`_choose`). The release/acquire ticket orders every program's partial before the last one reads it."""
+    pid_e, pid_s = tl.program_id(0), tl.program_id(1)
+    n_s = tl.num_programs(1)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = pid_s * BLOCK_K + tl.arange(0, BLOCK_K)
+    em, km = offs_e < E, offs_k < H
+    w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * H + offs_k[None, :], mask=em[:, None] & km[None, :],
+                other=0.0)  # a weight: read before the wait
+    hooks.pdl_wait(PDL)  # x was written by the kernel before (musecore_triton.hooks)
+    x = tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
+    tl.store(part_ptr + pid_s * E + offs_e, tl.sum(w * x[None, :], axis=1), mask=em)
+    tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) * n_s - 1:
+        tl.store(count_ptr, 0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < E
+        x = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s0 in range(0, n_s, BLOCK_S):
+            ss = s0 + tl.arange(0, BLOCK_S)
+            x += tl.sum(tl.load(part_ptr + ss[:, None] * E + offs[None, :], mask=(ss < n_s)[:, None] & mask[None, :],
+                                other=0.0, cache_modifier=".cg"), axis=0)
+        bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        _choose(x, offs, mask, bias, wout_ptr, ids_ptr, 0, k, multiplier, scaling, K, BLOCK)
 
 
 def uses_split_k(tokens: int) -> bool:
@@ -157,4 +196,34 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: in
         router_topk_kernel[(T,)](logits, bias.contiguous(), weights, ids, E, logits.stride(1), logits.shape[0],
                                  logits.stride(0), k, multiplier, scaling, K=triton.next_power_of_2(k), BLOCK=block,
                                  num_warps=1 if block <= 512 else 4, **hooks.launch_options(x.device, "router_topk"))
+    return weights, ids
+
+
+ONE_LAUNCH_BLOCK_E = 64  # experts per program of the one-launch router
+ONE_LAUNCH_BLOCK_K = 32  # hidden columns per program: 2048 fp32 weights per one-warp program
+ONE_LAUNCH_MAX_E = 1024  # the last program holds every expert's logit in one block
+
+
+def router_topk_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
+                           scaling: float, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`router_topk` of one token ``x [1, H]`` in one launch (``router_one_launch_kernel``): the split-K
+    product and the choice, which the last program to finish makes. ``counter`` is an int32 zero that the launch
+    takes and gives back (zero again); it belongs to one call site, and two launches sharing one must not overlap
+    (one stream). Same numerics as :func:`router_topk` up to the order of the fp32 sums (about 1e-7 relative)."""
+    E, H = weight.shape
+    if x.shape != (1, H) or weight.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (E,) \
+            or counter.dtype != torch.int32 or not 0 < k <= min(E, MAX_TOP_K) or E > ONE_LAUNCH_MAX_E:
+        raise ValueError(f"router_topk_one_launch takes one token x [1, {H}], an fp32 router [E, H] with E <= "
+                         f"{ONE_LAUNCH_MAX_E}, an fp32 bias [E], k in 1..min(E, {MAX_TOP_K}) and an int32 counter; got "
+                         f"x {list(x.shape)}, router {weight.dtype} {list(weight.shape)}, bias {bias.dtype} "
+                         f"{list(bias.shape)}, k {k}, counter {counter.dtype}")
+    splits = triton.cdiv(H, ONE_LAUNCH_BLOCK_K)
+    part = torch.empty(splits, E, dtype=torch.float32, device=x.device)
+    weights = torch.empty(1, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
+    block = triton.next_power_of_2(E)
+    router_one_launch_kernel[(triton.cdiv(E, ONE_LAUNCH_BLOCK_E), splits)](
+        x.contiguous(), weight.contiguous(), part, counter, bias.contiguous(), weights, ids, E, H, k, multiplier,
+        scaling, BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block), K=triton.next_power_of_2(k),
+        BLOCK=block, num_warps=1, **hooks.launch_options(x.device, "router_one_launch"))
     return weights, ids

@@ -1,0 +1,128 @@
+"""Fewer launches for a layer's MoE block at one-token decode (issue 26 item 3: the decode step's kernel count).
+
+A muse-small decode step is ~290 dependent kernels of 1-7 us; most of its time is their launch, ramp and tail, not
+bytes (backends/cuda/lab/NOTES.md, session 43). ``musecore.model.MoE`` through the separate ops is nine of them:
+the router's split-K GEMV and its choice, the pooler GEMV, the pre-expert norm, the experts' gate/up and down GEMVs
+and their finalize, the fp32 -> bf16 cast, the unpooler GEMV. The fused block runs six, the same ops with three
+launch boundaries removed:
+
+* the router in one launch (:func:`musecore_triton.kernels.router.router_topk_one_launch`): the program that
+  finishes the split-K product last makes the choice;
+* the pooler GEMV with the pre-expert norm in its last program (``dense_gemv(norm=)``);
+* the unpooler GEMV reading the experts' fp32 output and rounding it as it loads (the cast's bits, no cast kernel).
+
+The last-program steps take a ticket on an int32 counter that each fused block owns (zeroed once here, reset by the
+kernel that used it), so one block's launches must not overlap one another: a block runs on one stream at a time,
+as a model's forward does.
+
+Numerics: the pooler, norm, experts and unpooler compute the separate ops' values (the norm's fp32 sum may group
+its terms differently: it runs in the GEMV's two warps, not the norm kernel's four); the router sums its fp32
+partials in another order than the op's split-K GEMV (about 1e-7 relative), so an expert choice can differ only
+where two ``score + bias`` values tie to that precision. ``test_cuda_fused.py`` checks both on the GPU.
+
+Taken for one token (``m`` of one row, the model dtype) where the pooler and unpooler are 16-bit weights on the
+dense GEMV's path and the router is a contiguous fp32 ``[E, H]`` with a bias; anything else returns None and the
+separate ops run. ``MUSECORE_CUDA_FUSED_BLOCKS=0`` turns fusion off.
+
+Example::
+
+    fused = backend.fuse_block(model.layers[3].mlp)   # None: not fusable (the reason at debug level)
+    y = fused(m)                                      # [1, 1, H], or None for inputs it does not take
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from musecore.model import MoE
+from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv
+from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_topk_one_launch
+
+FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
+log = logging.getLogger("musecore.cuda")
+
+
+def disabled() -> bool:
+    return os.environ.get(FUSED_ENV, "").strip().lower() in ("0", "off", "no", "false")
+
+
+def fuse_block(backend: Any, block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
+    """``block`` (a ``musecore.model.MoE`` whose weights ``backend`` prepared) -> a callable with the block's call
+    signature running it in fewer launches for one token, returning None for other inputs; None here when the block
+    cannot be fused (the reason at debug level). The callable checks on each call that the block still holds the
+    weights it bound (anything replaced since: None, and the separate ops run)."""
+    if disabled():
+        fused, why = None, f"{FUSED_ENV}=0"
+    elif isinstance(block, MoE):
+        fused, why = _fuse_moe(backend, block)
+    else:
+        fused, why = None, f"no fused form of {type(block).__name__} in the CUDA backend"
+    if fused is None:
+        log.debug("layer %s: %s not fused: %s", getattr(block, "layer", "?"), type(block).__name__, why)
+    return fused
+
+
+def _dense(weight: Any, what: str) -> tuple[Optional[torch.Tensor], str]:
+    data = getattr(weight, "data", None)
+    if not isinstance(data, torch.Tensor) or data.dtype not in (torch.bfloat16, torch.float16) or data.dim() != 2 \
+            or data.stride(1) != 1 or not data.is_cuda:
+        return None, f"the {what} is not a 16-bit CUDA tensor (format {getattr(weight, 'format', '?')})"
+    if data.numel() * data.element_size() > DENSE_GEMV_MAX_BYTES:
+        return None, f"the {what} is larger than the dense GEMV takes ({DENSE_GEMV_MAX_BYTES >> 20} MiB)"
+    return data, ""
+
+
+def _fuse_moe(backend: Any, block: Any) -> tuple[Optional["FusedMoE"], str]:
+    router, bias = block.router, block.correction_bias
+    if not isinstance(router, torch.Tensor) or router.dtype is not torch.float32 or router.dim() != 2 \
+            or not router.is_contiguous() or not router.is_cuda:
+        return None, "the router weight is not a contiguous fp32 [E, H] CUDA tensor"
+    E, H = router.shape
+    if not isinstance(bias, torch.Tensor) or bias.dtype is not torch.float32 or bias.shape != (E,):
+        return None, "the router has no fp32 correction bias [E]"
+    if E > ONE_LAUNCH_MAX_E or not 0 < block.top_k <= min(E, MAX_TOP_K):
+        return None, f"{E} experts, top-{block.top_k}: beyond the one-launch router ({ONE_LAUNCH_MAX_E}, {MAX_TOP_K})"
+    pooler, why = _dense(block.pre_expert_proj, "pooler")
+    unpooler, why2 = _dense(block.post_expert_proj, "unpooler")
+    if pooler is None or unpooler is None:
+        return None, why or why2
+    h = pooler.shape[0]
+    if pooler.shape[1] != H or unpooler.shape != (H, h) or unpooler.dtype != pooler.dtype \
+            or block.pre_expert_norm is None or block.pre_expert_norm.shape != (h,):
+        return None, "the block's shapes do not chain (router, pooler and its norm, unpooler)"
+    return FusedMoE(backend, block, pooler, unpooler), ""
+
+
+class FusedMoE:
+    """``fused(m)``: the MoE block's output for one token ``m [..., H]`` in the pooler's dtype, or None."""
+
+    __slots__ = ("backend", "block", "held", "pooler", "unpooler", "counters")
+
+    def __init__(self, backend: Any, block: Any, pooler: torch.Tensor, unpooler: torch.Tensor) -> None:
+        self.backend, self.block, self.pooler, self.unpooler = backend, block, pooler, unpooler
+        self.held = (block.router, block.correction_bias, block.experts, block.pre_expert_proj,
+                     block.post_expert_proj, block.pre_expert_norm, block.post_expert_norm)
+        self.counters = torch.zeros(2, 1, dtype=torch.int32, device=pooler.device)  # router, pooler norm
+
+    def bound(self) -> bool:
+        """Whether the block still holds the weights this was made from."""
+        b = self.block
+        return all(now is then for now, then in zip(
+            (b.router, b.correction_bias, b.experts, b.pre_expert_proj, b.post_expert_proj, b.pre_expert_norm,
+             b.post_expert_norm), self.held))
+
+    def __call__(self, m: torch.Tensor) -> Optional[torch.Tensor]:
+        block, pooler = self.block, self.pooler
+        H = pooler.shape[1]
+        if m.numel() != H or m.dtype != pooler.dtype or m.device != pooler.device or not self.bound():
+            return None
+        x = m.reshape(1, H)
+        weights, ids = router_topk_one_launch(x, block.router, block.correction_bias, block.top_k, block.multiplier,
+                                              block.scaling, self.counters[0])
+        z = dense_gemv(x, pooler, norm=(block.pre_expert_norm, block.eps, self.counters[1]))
+        y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
+        return dense_gemv(y, self.unpooler).view(m.shape)  # y rounded to the model dtype as it loads
