@@ -32,6 +32,22 @@ def test_router_topk_matches_reference(e, k):
     assert_nmse(ew, w, tolerance("router_topk"), f"router weights E={e} k={k}")
 
 
+@pytest.mark.parametrize("e,k,hidden", [(64, 8, 1536), (12, 3, 96), (256, 8, 200), (40, 6, 33)])
+def test_router_in_one_launch_matches_the_reference(e, k, hidden):
+    """The split-K product and the choice in one launch (the last program chooses): the reference's ids, weights
+    within the op tolerance, and the counter back at zero after each launch."""
+    x, weight, bias = router_case(1, e, hidden, torch.float16)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    ew, eids = ref.router_topk(x, weight, bias, k, 0.1767766952966369, 2.5)
+    for launch in range(2):
+        w, ids = router.router_topk_one_launch(x, weight, bias, k, 0.1767766952966369, 2.5, counter)
+        assert torch.equal(ids, eids), f"E={e} k={k}: ids {ids.tolist()} vs reference {eids.tolist()}"
+        assert_nmse(ew, w, tolerance("router_topk"), f"one-launch router weights E={e} k={k}")
+        assert int(counter) == 0, f"launch {launch}: the counter was left at {int(counter)}"
+    with pytest.raises(ValueError, match="router_topk_one_launch takes one token"):
+        router.router_topk_one_launch(torch.cat([x, x]), weight, bias, k, 1.0, 1.0, counter)
+
+
 def test_router_bias_chooses_but_does_not_weight():
     """A large bias forces experts 3 and 5 into every token's choice; their weights stay the renormalised
     sigmoid scores (bias left out), times the scaling."""

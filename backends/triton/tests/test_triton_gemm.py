@@ -81,3 +81,25 @@ def test_dense_gemv_matches_reference(dtype, n, k, blocks):
     assert_nmse(x.float() @ w.float().T, got, tolerance("linear"), f"dense_gemv {n}x{k} {blocks} {dtype}")
     with pytest.raises(ValueError, match="dense_gemv takes"):
         dense_gemv(torch.randn(2, k, device=DEVICE).to(dtype), w)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n,k", [(96, 64), (130, 257), (768, 1536)])
+def test_dense_gemv_with_the_norm_in_its_last_program_matches_the_separate_ops(dtype, n, k):
+    """``dense_gemv(norm=)``: the program that finishes last normalises the whole row (as the rms_norm op does from
+    the rounded product) and gives the counter back at zero, launch after launch; an fp32 x is rounded as it
+    loads, giving the bits of ``x.to(w.dtype)`` first."""
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(n, device=DEVICE)).to(dtype)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    want = ref.rms_norm(dense_gemv(x, w), norm_w, 1e-6)
+    for launch in range(2):
+        got = dense_gemv(x, w, norm=(norm_w, 1e-6, counter))
+        assert got.shape == (1, n) and got.dtype == dtype
+        assert int(counter) == 0, f"launch {launch}: the counter was left at {int(counter)}"
+        assert_nmse(want, got, tolerance("rms_norm"), f"dense_gemv + norm {n}x{k} {dtype}, launch {launch}")
+    x32 = torch.randn(1, k, device=DEVICE)
+    assert torch.equal(dense_gemv(x32, w), dense_gemv(x32.to(dtype), w))
+    with pytest.raises(ValueError, match="one-element int32 counter"):
+        dense_gemv(x, w, norm=(norm_w, 1e-6, counter.long()))

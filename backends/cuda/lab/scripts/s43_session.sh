@@ -5,7 +5,8 @@
 #   2. cuda_moe_runs_probe.py (session 42's, never run): runs vs per assignment vs the grouped GEMM at batch 8-128;
 #   3. musecore bench --backend cuda --case targets;
 #   4. the whole GPU suite, SIGINT at its cap;
-#   5. the GPU tests of this session's changes (TESTS, pytest node ids or files).
+#   5. the GPU tests of this session's changes (TESTS, pytest node ids or files);
+#   6. cuda_fused_ab.py: muse-small batch-1 decode with the fused blocks and with the separate ops, alternated.
 # Everything under $OUT is also packed into $OUT/s43.tgz (run_steps in device_prelude.sh).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [TESTS="..."] bash backends/cuda/lab/scripts/s43_session.sh
 set -u
@@ -31,5 +32,9 @@ step5() {
   timeout $(cap 200) python3 -m pytest -q -p no:cacheprovider -m gpu -rs ${TESTS:-backends/triton/tests} > $OUT/tests.log 2>&1
   echo "rc=$?" >> $OUT/tests.log
   echo "5. tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/tests.log | tail -12
+}
+step6() {
+  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json > $OUT/fused_ab.log 2>&1
+  echo "6. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
 }
 run_steps s43
