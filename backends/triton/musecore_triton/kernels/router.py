@@ -124,13 +124,13 @@ def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_p
         tl.store(count_ptr, 0)
         offs = tl.arange(0, BLOCK)
         mask = offs < E
-        x = tl.zeros((BLOCK,), dtype=tl.float32)
+        logits = tl.zeros((BLOCK,), dtype=tl.float32)
         for s0 in range(0, n_s, BLOCK_S):
             ss = s0 + tl.arange(0, BLOCK_S)
-            x += tl.sum(tl.load(part_ptr + ss[:, None] * E + offs[None, :], mask=(ss < n_s)[:, None] & mask[None, :],
+            logits += tl.sum(tl.load(part_ptr + ss[:, None] * E + offs[None, :], mask=(ss < n_s)[:, None] & mask[None, :],
                                 other=0.0, cache_modifier=".cg"), axis=0)
         bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        _choose(x, offs, mask, bias, wout_ptr, ids_ptr, 0, k, multiplier, scaling, K, BLOCK)
+        _choose(logits, offs, mask, bias, wout_ptr, ids_ptr, 0, k, multiplier, scaling, K, BLOCK)
 
 
 def uses_split_k(tokens: int) -> bool:
