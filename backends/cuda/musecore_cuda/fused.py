@@ -1,33 +1,44 @@
-"""Fewer launches for a layer's MoE block at one-token decode (issue 26 item 3: the decode step's kernel count).
+"""Fewer launches for a layer's attention and MoE blocks at one-token decode (issue 26 item 3: the decode step's
+kernel count).
 
 A muse-small decode step is ~290 dependent kernels of 1-7 us; most of its time is their launch, ramp and tail, not
-bytes (backends/cuda/lab/NOTES.md, session 43). ``musecore.model.MoE`` through the separate ops is nine of them:
-the router's split-K GEMV and its choice, the pooler GEMV, the pre-expert norm, the experts' gate/up and down GEMVs
-and their finalize, the fp32 -> bf16 cast, the unpooler GEMV. The fused block runs six, the same ops with three
-launch boundaries removed:
+bytes (backends/cuda/lab/NOTES.md, session 43). Each fused block runs the same kernels' work with launch
+boundaries removed.
+
+``musecore.model.MoE`` through the separate ops is nine launches: the router's split-K GEMV and its choice, the pooler
+GEMV, the pre-expert norm, the experts' gate/up and down GEMVs and their finalize, the fp32 -> bf16 cast, the
+unpooler GEMV. :class:`FusedMoE` runs six:
 
 * the router in one launch (:func:`musecore_triton.kernels.router.router_topk_one_launch`): the program that
   finishes the split-K product last makes the choice;
 * the pooler GEMV with the pre-expert norm in its last program (``dense_gemv(norm=)``);
 * the unpooler GEMV reading the experts' fp32 output and rounding it as it loads (the cast's bits, no cast kernel).
 
-The last-program steps take a ticket on an int32 counter that each fused block owns (zeroed once here, reset by the
-kernel that used it), so one block's launches must not overlap one another: a block runs on one stream at a time,
-as a model's forward does.
+``musecore.model.Attention`` is six: the q/k/v/gate GEMV, the q/k norms and RoPE, the KV write, attention, the head
+norm and gate, o_proj. :class:`FusedAttention` runs four: the norms and RoPE write k and v straight into the static
+cache (``qk_norm_rope_kv_write``: the same bits there), and the head norm and gate run in the attention kernel's
+epilogue (``attention(gate=)``; after the merge when long contexts split the keys).
 
-Numerics: the pooler, norm, experts and unpooler compute the separate ops' values (the norm's fp32 sum may group
-its terms differently: it runs in the GEMV's two warps, not the norm kernel's four); the router sums its fp32
-partials in another order than the op's split-K GEMV (about 1e-7 relative), so an expert choice can differ only
-where two ``score + bias`` values tie to that precision. ``test_cuda_fused.py`` checks both on the GPU.
+The last-program steps take a ticket on an int32 counter that each fused MoE block owns (zeroed once here, reset by
+the kernel that used it), so one block's launches must not overlap one another: a block runs on one stream at a
+time, as a model's forward does.
 
-Taken for one token (``m`` of one row, the model dtype) where the pooler and unpooler are 16-bit weights on the
-dense GEMV's path and the router is a contiguous fp32 ``[E, H]`` with a bias; anything else returns None and the
-separate ops run. ``MUSECORE_CUDA_FUSED_BLOCKS=0`` turns fusion off.
+Numerics: every step computes the separate ops' values. Three sums may group their fp32 terms differently: the
+pre-expert norm's (in the GEMV's two warps, not the norm kernel's four), the head norm's (in the attention
+kernel's tile) and the router's partials (another order than the op's split-K GEMV, about 1e-7 relative, so an
+expert choice can differ only where two ``score + bias`` values tie to that precision). ``test_cuda_fused.py``
+checks each block against its separate ops on the GPU.
+
+Taken for one token of one sequence (the model dtype) where the projections are 16-bit weights on the dense GEMV's
+path (and, MoE, the router is a contiguous fp32 ``[E, H]`` with a bias; attention, the loader fused q/k/v/gate and
+the cache layer is static, of the model dtype); anything else returns None and the separate ops run.
+``MUSECORE_CUDA_FUSED_BLOCKS=0`` turns fusion off.
 
 Example::
 
     fused = backend.fuse_block(model.layers[3].mlp)   # None: not fusable (the reason at debug level)
     y = fused(m)                                      # [1, 1, H], or None for inputs it does not take
+    out = backend.fuse_block(model.layers[3].self_attn)(a, positions, rope, cache)
 """
 
 from __future__ import annotations
@@ -38,8 +49,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from musecore.model import MoE
+from musecore.model import Attention, MoE
+from musecore_triton.kernels.attention import attention
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv
+from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_topk_one_launch
 
 FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
@@ -51,7 +64,7 @@ def disabled() -> bool:
 
 
 def fuse_block(backend: Any, block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
-    """``block`` (a ``musecore.model.MoE`` whose weights ``backend`` prepared) -> a callable with the block's call
+    """``block`` (a ``musecore.model.MoE`` or ``Attention`` whose weights ``backend`` prepared) -> a callable with the block's call
     signature running it in fewer launches for one token, returning None for other inputs; None here when the block
     cannot be fused (the reason at debug level). The callable checks on each call that the block still holds the
     weights it bound (anything replaced since: None, and the separate ops run)."""
@@ -59,6 +72,8 @@ def fuse_block(backend: Any, block: Any) -> Optional[Callable[..., Optional[torc
         fused, why = None, f"{FUSED_ENV}=0"
     elif isinstance(block, MoE):
         fused, why = _fuse_moe(backend, block)
+    elif isinstance(block, Attention):
+        fused, why = _fuse_attention(block)
     else:
         fused, why = None, f"no fused form of {type(block).__name__} in the CUDA backend"
     if fused is None:
@@ -126,3 +141,51 @@ class FusedMoE:
         z = dense_gemv(x, pooler, norm=(block.pre_expert_norm, block.eps, self.counters[1]))
         y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
         return dense_gemv(y, self.unpooler).view(m.shape)  # y rounded to the model dtype as it loads
+
+
+def _fuse_attention(block: Any) -> tuple[Optional["FusedAttention"], str]:
+    fused_proj = block.in_proj
+    if fused_proj is None:
+        return None, "q/k/v/gate are separate weights (the loader did not fuse them)"
+    nq, nkv, d = block.nq, block.nkv, block.d
+    if tuple(fused_proj.widths) != (nq * d, nkv * d, nkv * d, nq * d):
+        return None, f"the fused projection's widths {tuple(fused_proj.widths)} are not q, k, v, gate"
+    in_proj, why = _dense(fused_proj.weight, "fused q/k/v/gate projection")
+    o_proj, why2 = _dense(block.o_proj, "o_proj")
+    if in_proj is None or o_proj is None:
+        return None, why or why2
+    if o_proj.shape != (in_proj.shape[1], nq * d) or o_proj.dtype != in_proj.dtype:
+        return None, "the projections' shapes do not chain"
+    return FusedAttention(block, in_proj, o_proj), ""
+
+
+class FusedAttention:
+    """``fused(a, positions, rope, cache)``: the attention block's output for one new token of one sequence through
+    a static cache layer of the model dtype (written as the separate ops write it), or None. Four launches instead
+    of six: the q/k/v/gate GEMV; the q/k norms and RoPE with the KV write (``qk_norm_rope_kv_write``); attention
+    with the head norm and gate in its epilogue (``attention(gate=)``); o_proj."""
+
+    __slots__ = ("block", "held", "in_proj", "o_proj")
+
+    def __init__(self, block: Any, in_proj: torch.Tensor, o_proj: torch.Tensor) -> None:
+        self.block, self.in_proj, self.o_proj = block, in_proj, o_proj
+        self.held = (block.in_proj, block.in_proj.weight, block.o_proj)
+
+    def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any) -> Optional[torch.Tensor]:
+        block, in_proj = self.block, self.in_proj
+        if block.in_proj is not self.held[0] or self.held[0].weight is not self.held[1] \
+                or block.o_proj is not self.held[2] or cache is None or positions.shape != (1, 1) \
+                or a.numel() != in_proj.shape[1] or a.dtype != in_proj.dtype or a.device != in_proj.device:
+            return None
+        lc = cache[block.layer]
+        if not lc.static or lc.kv_format != "bf16" or lc.k.dtype != a.dtype:
+            return None
+        nq, nkv, d = block.nq, block.nkv, block.d
+        y = dense_gemv(a.reshape(1, -1), in_proj).view(1, 1, -1, d)  # [1,1, nq + 2 nkv + nq, d]
+        q, k, v, gate = y.split_with_sizes([nq, nkv, nkv, nq], -2)
+        cos, sin = rope if block.rope else (None, None)  # NoPE on the full-attention layers
+        q = qk_norm_rope_kv_write(q, k, v, cos, sin, block.eps, block.q_scale, lc.k, lc.v, lc.positions, positions,
+                                  lc.capacity, lc.ring)
+        view = lc.stored()
+        o = attention(q, view.k, view.v, positions, view.positions, block.window, block.scale, gate=(gate, block.eps))
+        return dense_gemv(o.reshape(1, nq * d), self.o_proj).view(a.shape)

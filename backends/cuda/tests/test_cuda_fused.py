@@ -90,3 +90,53 @@ def test_inputs_it_is_not_bound_for_run_the_separate_ops(model):
 def test_the_switch_turns_fusion_off(model, monkeypatch):
     monkeypatch.setenv(FUSED_ENV, "0")
     assert fuse_block(model.backend, moe_blocks(model)[0]) is None
+
+
+def attention_blocks(model) -> list:
+    found = [layer.self_attn for layer in model.layers]
+    assert all(b.fused is not None for b in found), \
+        f"load_random fused {sum(b.fused is not None for b in found)} of {len(found)} attention blocks; expected all"
+    return found
+
+
+def separate_attention(block, *args) -> torch.Tensor:
+    fused, block.fused = block.fused, None
+    try:
+        return block(*args)
+    finally:
+        block.fused = fused
+
+
+@pytest.mark.gpu
+def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_cache(model):
+    """Sliding RoPE and full NoPE layers, two positions: the output within TOLERANCE of the separate ops (the head
+    norm's sum is grouped differently), the cache's k, v and positions bit for bit, two fewer launches."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    with torch.inference_mode():
+        for cache in caches:
+            model.forward(prompt, cache=cache)
+        for position in (12, 13):
+            positions = torch.tensor([[position]], device="cuda")
+            rope = model.rope(positions)
+            for block in attention_blocks(model):
+                a = torch.randn(1, 1, model.config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+                got = block.fused(a, positions, rope, caches[0])
+                want = separate_attention(block, a, positions, rope, caches[1])
+                assert got is not None and got.shape == want.shape and got.dtype == want.dtype
+                err = nmse(want.float(), got.float())
+                assert err <= TOLERANCE, f"layer {block.layer} at {position}: NMSE {err:.3g} > {TOLERANCE:g}"
+                mine, theirs = caches[0][block.layer], caches[1][block.layer]
+                for name in ("k", "v", "positions"):
+                    assert torch.equal(getattr(mine, name), getattr(theirs, name)), \
+                        f"layer {block.layer} at {position}: the caches' {name} differ"
+        block = attention_blocks(model)[0]
+        positions = torch.tensor([[20]], device="cuda")
+        rope = model.rope(positions)
+        fused_n = kernels(lambda: block.fused(a, positions, rope, caches[0]))
+        separate_n = kernels(lambda: separate_attention(block, a, positions, rope, caches[1]))
+        assert fused_n == separate_n - 2, f"{fused_n} launches fused, {separate_n} separate"
+        assert block.fused(torch.cat([a, a], 1), positions.repeat(1, 2), model.rope(positions.repeat(1, 2)),
+                           caches[0]) is None  # two tokens: the separate ops
+        assert block.fused(a, positions, rope, model.new_cache(1, 64)) is None  # a dynamic cache

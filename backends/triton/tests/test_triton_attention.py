@@ -77,3 +77,20 @@ def test_attention_at_model_heads_on_gpu(T, S, window, fp8):
     out = attention(q, k, v, q_pos, k_pos, window, d ** -0.5, ks, vs)
     expected = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5, ks, vs)
     assert_nmse(expected, out, tolerance("attention"), f"T={T} S={S} window={window} fp8={fp8}")
+
+
+@pytest.mark.parametrize("S,window", [(40, None), (600, 128)])  # one program per KV head; keys split (merge)
+def test_attention_with_the_head_norm_gate_equals_the_two_ops(S, window):
+    """``attention(gate=)``: the head norm and gate in the kernel's epilogue (or after the merge of split keys) give
+    what head_norm_gate gives on the attention output; the gate logits may be a fused projection's slice."""
+    B, T, nq, nkv, d = 1, 1, 8, 2, 64
+    q, k, v = case(B, T, S, nq, nkv, d, torch.float16)
+    gate = torch.randn(B, T, 2 * nq, d, device=DEVICE).half()[:, :, nq:]  # a slice: heads contiguous per token
+    k_pos = torch.arange(S, device=DEVICE)[None]
+    q_pos = torch.tensor([[S - 5]], device=DEVICE)
+    want = ref.head_norm_gate(attention(q, k, v, q_pos, k_pos, window, d ** -0.5), gate, 1e-6)
+    got = attention(q, k, v, q_pos, k_pos, window, d ** -0.5, gate=(gate, 1e-6))
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_nmse(want, got, tolerance("head_norm_gate"), f"attention + head norm gate, S={S}")
+    with pytest.raises(ValueError, match="gate logits must be"):
+        attention(q, k, v, q_pos, k_pos, window, d ** -0.5, gate=(gate[..., :32], 1e-6))

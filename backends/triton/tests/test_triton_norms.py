@@ -130,3 +130,25 @@ def test_head_norm_gate_rejects_one_gate_per_head():
     o = torch.randn(1, 1, 4, 64, device=DEVICE).half()
     with pytest.raises(ValueError, match=r"\[B,T,nq,d\]"):
         norms.head_norm_gate(o, torch.randn(1, 1, 4, device=DEVICE).half(), 1e-5)
+
+
+@pytest.mark.parametrize("ring,position", [(False, 5), (True, 11), (False, -1)])
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "nope"])
+def test_qk_norm_rope_kv_write_gives_the_cache_of_the_two_ops(ring, position, rope):
+    """The q/k norms and RoPE writing k and v straight into a static cache: the same q, and the same cache bits as
+    qk_norm_rope followed by write_static (a ring wraps the slot; padding goes to the trash slot)."""
+    from musecore.kv_cache import write_static
+    B, T, nq, nkv, d, capacity = 1, 1, 4, 2, 32, 8
+    y = torch.randn(B, T, (2 * nq + 2 * nkv) * d, device=DEVICE).half().view(B, T, -1, d)
+    q, k, v, _ = y.split_with_sizes([nq, nkv, nkv, nq], -2)
+    cos, sin = rope_tables(B, T, d) if rope else (None, None)
+    pos = torch.tensor([[position]], device=DEVICE)
+    caches = [[torch.randn(B, capacity + 1, nkv, d, device=DEVICE).half() for _ in range(2)]
+              + [torch.randint(-1, 9, (B, capacity + 1), device=DEVICE)] for _ in range(2)]
+    caches[1] = [c.clone() for c in caches[0]]
+    want_q, want_k = norms.qk_norm_rope(q, k, cos, sin, 1e-6, 0.7)
+    write_static(*caches[0], want_k, v, pos, capacity, ring)
+    got_q = norms.qk_norm_rope_kv_write(q, k, v, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring)
+    assert torch.equal(got_q, want_q)
+    for name, want, got in zip(("k", "v", "positions"), caches[0], caches[1]):
+        assert torch.equal(want, got), f"cache {name} differs (ring={ring}, position {position})"

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from musecore_triton import hooks
 from musecore_triton.kernels.fp4_gemm import dot_mode
+from musecore_triton.kernels.norms import head_norm_gate
 
 LOG2E = 1.4426950408889634
 
@@ -44,10 +45,10 @@ def _e4m3_to(b, MODE: tl.constexpr):
 @triton.jit
 def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
                      sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t, so_h,
-                     T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split,
+                     T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     SPLIT: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False):
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -100,6 +101,12 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
         tl.store(ml_ptr + part * 2 + 1, l_i)
     else:
         out = tl.where(l_i[:, None] > 0, acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        if GATE:  # the head_norm_gate op on each row (one head) of the output, rounded as that op reads it
+            out = out.to(o_ptr.dtype.element_ty).to(tl.float32)
+            rs = 1.0 / tl.sqrt(tl.sum(out * out, axis=1) / D + gate_eps)
+            g = tl.load(g_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_t + h[:, None] * D + d[None, :],
+                        mask=r_valid[:, None], other=0.0).to(tl.float32)
+            out = out * rs[:, None] * (1.0 / (1.0 + tl.exp(-g)))
         o_ptrs = o_ptr + b.to(tl.int64) * so_b + t[:, None].to(tl.int64) * so_t + h[:, None] * so_h + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=r_valid[:, None])
 
@@ -117,8 +124,12 @@ def _merge_splits(partial: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               window: Optional[int], scale: float, k_scale: Optional[float] = None,
-              v_scale: Optional[float] = None) -> torch.Tensor:
-    """The ``attention`` op (``musecore.ops``): causal GQA by positions, optional window and FP8 K/V."""
+              v_scale: Optional[float] = None, gate: Optional[tuple[torch.Tensor, float]] = None) -> torch.Tensor:
+    """The ``attention`` op (``musecore.ops``): causal GQA by positions, optional window and FP8 K/V.
+
+    ``gate = (gate_logits [B,T,nq,d], eps)``: return ``head_norm_gate(attention, gate_logits, eps)`` instead, in the
+    attention kernel's epilogue when the keys are not split (else by the head-norm kernel after the merge). The
+    logits may be a fused projection's slice (each token's heads contiguous)."""
     B, T, nq, d = q.shape
     S, nkv = k.shape[1], k.shape[2]
     if nq % nkv:
@@ -148,6 +159,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if kv_fp8:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     qk_scale = scale * LOG2E * (k_scale if k_scale is not None else 1.0)
+    if gate is not None:
+        g, g_eps = gate
+        if g.shape != q.shape or g.stride(3) != 1 or g.stride(2) != d:
+            raise ValueError(f"attention: gate logits must be [B,T,nq,d] = {list(q.shape)} with each token's heads "
+                             f"contiguous; got {list(g.shape)} strides {g.stride()}")
+        gate_args = (g, g.stride(0), g.stride(1), g_eps)
+    else:
+        gate_args = (q, 0, 0, 0.0)
     rows_pad = m_blocks * block_m
     if splits > 1:
         partial = torch.empty(splits, B * nkv, rows_pad, d, dtype=torch.float32, device=q.device)
@@ -160,12 +179,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         T, S, nkv, rows_pad, window if window is not None else 0, qk_scale,
-        v_scale if v_scale is not None else 1.0, keys_per_split,
+        v_scale if v_scale is not None else 1.0, keys_per_split, *gate_args,
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, KV_FP8=kv_fp8,
-        HAS_WINDOW=window is not None, SPLIT=splits > 1, num_warps=4,
+        HAS_WINDOW=window is not None, SPLIT=splits > 1, GATE=gate is not None and splits == 1, num_warps=4,
         num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
         **hooks.launch_options(q.device, "attention"))
     if splits > 1:
         merged = _merge_splits(partial, ml)[:, :rows]  # [B*nkv, T*G, d]
         out.copy_(merged.reshape(B, nkv, T, group, d).permute(0, 2, 1, 3, 4).reshape(B, T, nq, d))
+        if gate is not None:
+            return head_norm_gate(out, *gate)
     return out

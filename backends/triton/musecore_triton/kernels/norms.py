@@ -113,6 +113,35 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, 
 
 
 @triton.jit
+def qk_norm_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qy_ptr, ck_ptr, cv_ptr, cpos_ptr, pos_ptr,
+                                 q_rows, T, nq, nkv, q_stride, k_stride, v_stride, slots, capacity, eps, q_scale,
+                                 D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
+    """:func:`qk_norm_rope_kernel` whose k rows go straight into a static cache, with the new v rows and positions
+    (``kv_write_kernel``'s slots: ``pos % capacity`` in a ring, ``pos`` in a full layer, padding and positions past
+    capacity to the trash slot ``capacity``). Cache rows ``[B, slots, nkv, D]`` in the k/v dtype."""
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    row = tl.program_id(0).to(tl.int64)
+    if row < q_rows:  # (b*T + t) * nq + h
+        bt = row // nq
+        _norm_rope_row(q_ptr, cos_ptr, sin_ptr, qy_ptr, bt * q_stride + (row % nq) * D, row * D, bt, eps, q_scale,
+                       D, ROPE)
+    else:
+        row -= q_rows
+        bt, h = row // nkv, row % nkv
+        p = tl.load(pos_ptr + bt)
+        if RING:
+            slot = tl.where(p >= 0, p % capacity, capacity)
+        else:
+            slot = tl.where((p >= 0) & (p < capacity), p, capacity)
+        dst = ((bt // T) * slots + slot) * nkv * D + h * D
+        _norm_rope_row(k_ptr, cos_ptr, sin_ptr, ck_ptr, bt * k_stride + h * D, dst, bt, eps, 1.0, D, ROPE)
+        offs = tl.arange(0, D)
+        tl.store(cv_ptr + dst + offs, tl.load(v_ptr + bt * v_stride + h * D + offs))
+        if h == 0:
+            tl.store(cpos_ptr + (bt // T) * slots + slot, p)
+
+
+@triton.jit
 def head_norm_gate_kernel(o_ptr, g_ptr, y_ptr, nq, g_stride, eps, D: tl.constexpr, PDL: tl.constexpr):
     """``rms(o) * sigmoid(g)`` element-wise on one head row; the gates may be a fused projection's slice
     (token ``bt``'s ``nq * D`` gates contiguous from ``bt * g_stride``)."""
@@ -220,6 +249,38 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], 
                                                    k_stride, eps, q_scale, D=d, ROPE=rope, **_warps("qk_norm_rope"),
                                                    **hooks.launch_options(q.device, "qk_norm_rope"))
     return q_out, k_out
+
+
+def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: Optional[torch.Tensor],
+                          sin: Optional[torch.Tensor], eps: float, q_scale: float, cache_k: torch.Tensor,
+                          cache_v: torch.Tensor, cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int,
+                          ring: bool) -> torch.Tensor:
+    """:func:`qk_norm_rope` then :func:`musecore.kv_cache.write_static` of the normed k and of v, in one launch: the
+    same bits in the cache (k/v rows in the cache's dtype, a static cache's ``[B, capacity + 1, nkv, d]`` buffers and
+    long positions); returns the normed q. ``q``/``k``/``v`` may be slices of a fused projection."""
+    _check_head_dim(q.shape[-1])
+    B, T, nq, d = q.shape
+    nkv = k.shape[2]
+    if k.shape != (B, T, nkv, d) or v.shape != k.shape or cache_k.shape != (B, capacity + 1, nkv, d) \
+            or cache_v.shape != cache_k.shape or k.dtype != cache_k.dtype or v.dtype != cache_v.dtype \
+            or cache_pos.shape != (B, capacity + 1) or cache_pos.dtype != torch.long or pos_new.shape != (B, T) \
+            or not (cache_k.is_contiguous() and cache_v.is_contiguous() and cache_pos.is_contiguous()):
+        raise ValueError(f"qk_norm_rope_kv_write needs k/v [B,T,nkv,d] in the cache's dtype and a static cache's "
+                         f"contiguous buffers; got q {list(q.shape)}, k {k.dtype} {list(k.shape)}, v {list(v.shape)}, "
+                         f"cache {cache_k.dtype} {list(cache_k.shape)}, capacity {capacity}")
+    if (cos is None) != (sin is None):
+        raise ValueError("qk_norm_rope_kv_write: give both cos and sin (a RoPE layer) or neither (a NoPE layer)")
+    rope = cos is not None
+    (q, q_stride), (k, k_stride), (v, v_stride) = (_token_rows(q, nq * d), _token_rows(k, nkv * d),
+                                                  _token_rows(v, nkv * d))
+    q_out = torch.empty(B, T, nq, d, dtype=q.dtype, device=q.device)
+    if B * T:
+        cos, sin = (cos.expand(B, T, d).contiguous(), sin.expand(B, T, d).contiguous()) if rope else (q_out, q_out)
+        qk_norm_rope_kv_write_kernel[(B * T * (nq + nkv),)](
+            q, k, v, cos, sin, q_out, cache_k, cache_v, cache_pos, pos_new.contiguous(), B * T * nq, T, nq, nkv,
+            q_stride, k_stride, v_stride, capacity + 1, capacity, eps, q_scale, D=d, ROPE=rope, RING=ring,
+            **_warps("qk_norm_rope"), **hooks.launch_options(q.device, "qk_norm_rope"))
+    return q_out
 
 
 def head_norm_gate(o: torch.Tensor, gate_logits: torch.Tensor, eps: float) -> torch.Tensor:
