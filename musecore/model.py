@@ -446,10 +446,13 @@ class MuseModel:
                            cache: Optional[KVCache] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s attention: ``(h, m)``, the residual after it and the feed-forward input."""
         layer, cfg = self.layers[i], self.config
-        attn_out = layer.self_attn(a, positions, rope, cache)
         gate = layer.post_attention_residual_gate  # weightless post-attention norm, then the gated residual
-        return self.ops.residual_norm(x, attn_out, None, gate.alpha, gate.beta, layer.pre_feedforward_layernorm,
-                                      cfg.post_norm_eps, cfg.rms_norm_eps)
+        norm = (None, gate.alpha, gate.beta, layer.pre_feedforward_layernorm, cfg.post_norm_eps, cfg.rms_norm_eps)
+        sublayer = getattr(layer.self_attn.fused, "sublayer", None)  # the backend's block + residual_norm, or None
+        out = sublayer(x, norm, a, positions, rope, cache) if sublayer is not None else None
+        if out is not None:
+            return out
+        return self.ops.residual_norm(x, layer.self_attn(a, positions, rope, cache), *norm)
 
     def feedforward_sublayer(self, i: int, h: torch.Tensor, m: torch.Tensor, *,
                              observer: Optional[MoEObserver] = None, experts: Any = None
@@ -459,8 +462,12 @@ class MuseModel:
         layer, cfg = self.layers[i], self.config
         next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
         gate = layer.post_feedforward_residual_gate
-        return self.ops.residual_norm(h, layer.mlp(m, observer, experts), layer.post_feedforward_layernorm,
-                                      gate.alpha, gate.beta, next_norm, cfg.post_norm_eps, cfg.rms_norm_eps)
+        norm = (layer.post_feedforward_layernorm, gate.alpha, gate.beta, next_norm, cfg.post_norm_eps, cfg.rms_norm_eps)
+        sublayer = getattr(getattr(layer.mlp, "fused", None), "sublayer", None)
+        out = sublayer(h, norm, m) if sublayer is not None and observer is None and experts is None else None
+        if out is not None:
+            return out
+        return self.ops.residual_norm(h, layer.mlp(m, observer, experts), *norm)
 
     def logits(self, a: torch.Tensor) -> torch.Tensor:
         """``a`` = the final RMSNorm of the residual -> soft-capped fp32 logits ``[B,T,V]``."""

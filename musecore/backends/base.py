@@ -134,7 +134,14 @@ class Backend:
         ``Attention``: ``(a, positions, rope, cache)``) computing what the block's ops compute in fewer calls at the
         sizes it takes (the xeon backend: one C call per block at decode), returning None for inputs it does not
         take; None (the default): the model runs the block's ops. Asked once per block after loading
-        (``MuseModel.fuse_blocks``); its output must equal the ops' (each backend tests that)."""
+        (``MuseModel.fuse_blocks``); its output must equal the ops' (each backend tests that, and says where a sum
+        is grouped differently).
+
+        The callable may also have a ``sublayer(residual, norm, *block_args)`` method: the block followed by the
+        ``residual_norm`` op the model applies after it, ``norm`` being that op's arguments after ``out``
+        (``post_weight, alpha, beta, next_weight, post_eps, eps``); it returns ``(residual', normed)`` or None, and
+        the model then runs the block and the op (the CUDA backend: the norm in the last program of the block's
+        final GEMV)."""
         return None
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor,

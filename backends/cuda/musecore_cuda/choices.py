@@ -300,16 +300,18 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
 
 
 def _fused_choice() -> list[KernelChoice]:
-    blocks = (("MoE block at one-token decode", "9", "6 launches (one-launch router, pooler GEMV + pre-expert norm, "
-               "unpooler GEMV reading the experts' fp32 output)", "with 16-bit pooler/unpooler and an fp32 router"),
-              ("attention block at one-token decode", "6", "4 launches (q/k/v/gate GEMV, q/k norms + RoPE + KV write, "
-               "attention + head norm and gate, o_proj)", "with a fused 16-bit q/k/v/gate weight and a static cache"))
+    blocks = (("MoE sublayer at one-token decode", "10", "6 launches (one-launch router, pooler GEMV + pre-expert norm, "
+               "expert GEMVs and finalize, unpooler GEMV reading the experts' fp32 output + the residual norm)",
+               "with 16-bit pooler/unpooler and an fp32 router"),
+              ("attention sublayer at one-token decode", "7", "4 launches (q/k/v/gate GEMV, q/k norms + RoPE + KV "
+               "write, attention + head norm and gate, o_proj + the residual norm)",
+               "with a fused 16-bit q/k/v/gate weight and a static cache"))
     if fused.disabled():
         return [KernelChoice(what, f"the separate ops ({n} launches)",
                              f"{fused.FUSED_ENV}={os.environ.get(fused.FUSED_ENV)}", fused.FUSED_ENV)
                 for what, n, _, _ in blocks]
     return [KernelChoice(what, f"fused: {how}", f"{when}; other blocks and batches take the separate ops (H200, "
-                         "muse-small batch 1: each launch removed saved ~1.4 us)", fused.FUSED_ENV)
+                         "muse-small batch 1: each launch removed saved ~1.2 us)", fused.FUSED_ENV)
             for what, _, how, when in blocks]
 
 
@@ -322,8 +324,8 @@ def env_settings() -> list[EnvSetting]:
         EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16) "
                    "take the Gluon GEMM on SM 9.x with Triton's Gluon Hopper API",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
-        EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE blocks in 6 launches, attention "
-                   "blocks in 4, at one-token decode", "0 runs the blocks' separate ops (9 and 6 launches)"),
+        EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 6 launches, "
+                   "attention sublayers in 4, at one-token decode", "0 runs the separate ops (10 and 7 launches)"),
         EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "unset",
                    "1 runs the Triton kernels in Triton's CPU interpreter on a 'cpu' backend (tests only)"),
     ]

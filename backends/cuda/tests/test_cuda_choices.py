@@ -226,7 +226,7 @@ def test_launch_choices_name_pdl_graphs_and_attention(choices):
     assert _choice(choices, "PDL").env == pdl.ENV
     assert f"batch <= {pdl.MAX_BATCH}" in _choice(choices, "PDL").choice
     assert "CUDA graph" in _choice(choices, "decode step").choice
-    assert "flash attention" in _choice(choices, "attention").choice
+    assert "flash attention" in next(c for c in choices if c.what == "attention").choice
 
 
 def test_pdl_override_shows_in_choices_and_env_settings(monkeypatch):
@@ -239,6 +239,17 @@ def test_pdl_override_shows_in_choices_and_env_settings(monkeypatch):
     monkeypatch.delenv(pdl.ENV)
     assert {s.name: s for s in be.env_settings()}[pdl.ENV].value is None
     assert pdl.EARLY_ENV in settings
+
+
+def test_fused_sublayers_show_in_choices_and_their_switch_turns_them_off(choices, monkeypatch):
+    from musecore_cuda.fused import FUSED_ENV
+    assert "fused: 6 launches" in _choice(choices, "MoE sublayer").choice
+    assert "fused: 4 launches" in _choice(choices, "attention sublayer").choice
+    monkeypatch.setenv(FUSED_ENV, "0")
+    off = CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200"))
+    assert _choice(off, "MoE sublayer").choice == "the separate ops (10 launches)"
+    assert _choice(off, "attention sublayer").choice == "the separate ops (7 launches)"
+    assert {s.name: s for s in CudaBackend().env_settings()}[FUSED_ENV].value == "0"
 
 
 def test_blackwell_profile_says_the_kernels_are_unverified_there():

@@ -103,3 +103,27 @@ def test_dense_gemv_with_the_norm_in_its_last_program_matches_the_separate_ops(d
     assert torch.equal(dense_gemv(x32, w), dense_gemv(x32.to(dtype), w))
     with pytest.raises(ValueError, match="one-element int32 counter"):
         dense_gemv(x, w, norm=(norm_w, 1e-6, counter.long()))
+
+
+@pytest.mark.parametrize("post", ["weightless", "scale_first"])
+@pytest.mark.parametrize("n,k", [(96, 64), (768, 1536)])
+def test_dense_gemv_with_the_residual_norm_in_its_last_program_matches_the_separate_ops(post, n, k):
+    """``dense_gemv(residual_norm=)``: the product, then the residual_norm op on it, in one launch; an fp32 x (the
+    experts' output reaching the unpooler) rounded as it loads."""
+    dtype = SMALL_DTYPES[-1]
+    x = torch.randn(1, k, device=DEVICE)
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    residual = torch.randn(1, n, device=DEVICE).to(dtype)
+    post_w = None if post == "weightless" else (1 + 0.1 * torch.randn(n, device=DEVICE)).to(dtype)
+    alpha, beta = torch.rand(n, device=DEVICE) + 0.5, torch.rand(n, device=DEVICE)
+    next_w = (1 + 0.1 * torch.randn(n, device=DEVICE)).to(dtype)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    want = ref.residual_norm(residual, dense_gemv(x, w), post_w, alpha, beta, next_w, 1e-5, 1e-6)
+    for launch in range(2):
+        got = dense_gemv(x, w, residual_norm=(residual, post_w, alpha, beta, next_w, 1e-5, 1e-6, counter))
+        assert int(counter) == 0, f"launch {launch}: the counter was left at {int(counter)}"
+        for name, a, b in zip(("residual", "normed"), want, got):
+            assert b.shape == a.shape and b.dtype == a.dtype
+            assert_nmse(a, b, tolerance("residual_norm"), f"dense_gemv + residual_norm {n}x{k} {post}: {name}")
+    with pytest.raises(ValueError, match="has 95 elements"):
+        dense_gemv(x, w, residual_norm=(residual, post_w, alpha[:95], beta, next_w, 1e-5, 1e-6, counter))

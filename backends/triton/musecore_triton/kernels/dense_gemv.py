@@ -31,10 +31,12 @@ def use_dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 @triton.jit
-def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stride_e, a_div, count_ptr, norm_w_ptr,
-                      z_ptr, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr,
-                      SWIGLU: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr = False,
-                      NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 1):
+def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stride_e, a_div, count_ptr, res_ptr,
+                      post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr, post_eps, eps,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
+                      PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr = False,
+                      EPILOGUE: tl.constexpr = 0, HAS_POST: tl.constexpr = False, HAS_NEXT: tl.constexpr = False,
+                      BLOCK_NORM: tl.constexpr = 1):
     """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1``: one token's ``x`` row against one weight.
 
     With ``EXPERTS``, GEMV ``a`` is token-expert assignment ``a``: weight ``ids[a]`` of a stack, token
@@ -78,17 +80,21 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
     if SWIGLU:
         y = y / (1.0 + tl.exp(-y)) * tl.sum(acc2, axis=1)
     tl.store(y_ptr + a.to(tl.int64) * N + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
-    if NORM:
+    if EPILOGUE != 0:
         tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
         ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             tl.store(count_ptr, 0)
-            offs_n = tl.arange(0, BLOCK_NORM)
-            nmask = offs_n < N
-            v = tl.load(y_ptr + offs_n, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            nw = tl.load(norm_w_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-            z = norms._norm(v, nw, nmask, N, eps, True, False, z_ptr.dtype.element_ty)
-            tl.store(z_ptr + offs_n, z.to(z_ptr.dtype.element_ty), mask=nmask)
+            if EPILOGUE == 1:
+                offs_n = tl.arange(0, BLOCK_NORM)
+                nmask = offs_n < N
+                v = tl.load(y_ptr + offs_n, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                nw = tl.load(next_w_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                z = norms._norm(v, nw, nmask, N, eps, HAS_NEXT, False, normed_ptr.dtype.element_ty)
+                tl.store(normed_ptr + offs_n, z.to(normed_ptr.dtype.element_ty), mask=nmask)
+            else:
+                norms.residual_norm_row(res_ptr, y_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr,
+                                        normed_ptr, 0, N, post_eps, eps, HAS_POST, HAS_NEXT, BLOCK_NORM, True)
 
 
 def gemv_blocks(k: int) -> tuple[int, int]:
@@ -97,13 +103,19 @@ def gemv_blocks(k: int) -> tuple[int, int]:
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None = None,
-               num_warps: int = NUM_WARPS, *, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None
-               ) -> torch.Tensor:
+               num_warps: int = NUM_WARPS, *, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+               residual_norm: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [1,K] @ w[N,K].T`` -> ``[1,N]`` in w's dtype (fp32 accumulation, as cuBLAS); an fp32 ``x`` is rounded
     to w's dtype as it is loaded (the same bits as ``x.to(w.dtype)`` first). ``blocks`` overrides
-    :func:`gemv_blocks` (for sweeps). ``norm = (weight [N], eps, counter)``: return ``rms_norm(y, weight, eps)``
-    instead, in the same launch (the last program normalises the row; ``counter`` is an int32 zero that the
-    launch takes and gives back, owned by one call site whose launches do not overlap)."""
+    :func:`gemv_blocks` (for sweeps).
+
+    A row op on the product may run in the same launch, in the program that finishes last, given an int32 zero
+    ``counter`` that the launch takes and gives back (owned by one call site whose launches do not overlap):
+
+    * ``norm = (weight [N], eps, counter)``: return ``rms_norm(y, weight, eps)`` instead;
+    * ``residual_norm = (residual [1,N], post_weight | None, alpha, beta, next_weight | None, post_eps, eps,
+      counter)``: return ``residual_norm(residual, y, post_weight, alpha, beta, next_weight, post_eps, eps)``, the
+      pair ``(residual', normed)``."""
     if x.shape[0] != 1 or x.shape[1] != w.shape[1] or w.stride(1) != 1 \
             or x.dtype not in (w.dtype, torch.float32) or w.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dense_gemv takes x [1,K] (of w's dtype, or fp32) and a row-major 16-bit w [N,K]; got x "
@@ -111,23 +123,45 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None 
     n, k = w.shape
     y = torch.empty(1, n, dtype=w.dtype, device=x.device)
     block_n, block_k = blocks or gemv_blocks(k)
-    extra = {}
+    extra: dict = {}
+    if norm is not None and residual_norm is not None:
+        raise ValueError("dense_gemv: give norm or residual_norm, not both")
     if norm is not None:
         norm_w, eps, counter = norm
-        if norm_w.shape != (n,) or counter.dtype != torch.int32 or counter.numel() != 1:
-            raise ValueError(f"dense_gemv: the norm takes a weight [{n}] and a one-element int32 counter; got "
-                             f"{list(norm_w.shape)} and {counter.dtype} {list(counter.shape)}")
-        z = torch.empty_like(y)
-        extra = dict(NORM=True, BLOCK_NORM=triton.next_power_of_2(n))
-        args = (counter, norm_w.contiguous(), z, eps)
+        _check_epilogue(n, counter, norm_w=norm_w)
+        normed = torch.empty_like(y)
+        args = (counter, y, y, y, y, norm_w.contiguous(), y, normed, 0.0, eps)
+        extra = dict(EPILOGUE=1, HAS_NEXT=True, BLOCK_NORM=triton.next_power_of_2(n))
+    elif residual_norm is not None:
+        residual, post_w, alpha, beta, next_w, post_eps, eps, counter = residual_norm
+        _check_epilogue(n, counter, residual=residual, alpha=alpha, beta=beta, post_w=post_w, next_w=next_w)
+        new_res, normed = torch.empty_like(residual), torch.empty_like(residual)
+        args = (counter, residual.contiguous(), y if post_w is None else post_w.contiguous(), alpha.contiguous(),
+                beta.contiguous(), y if next_w is None else next_w.contiguous(), new_res, normed, post_eps, eps)
+        extra = dict(EPILOGUE=2, HAS_POST=post_w is not None, HAS_NEXT=next_w is not None,
+                     BLOCK_NORM=triton.next_power_of_2(n))
     else:
-        args = (y, y, y, 0.0)
+        args = (y,) * 8 + (0.0, 0.0)
     dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1, *args,
                                                      BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS=False, SWIGLU=False,
                                                      num_warps=num_warps, ROUND_X=x.dtype != w.dtype, **extra,
                                                      EARLY=hooks.early_trigger(x.device, "dense_gemv"),
                                                      **hooks.launch_options(x.device, "dense_gemv"))
-    return y if norm is None else z
+    if norm is not None:
+        return normed
+    if residual_norm is not None:
+        return new_res, normed
+    return y
+
+
+def _check_epilogue(n: int, counter: torch.Tensor, **vectors: torch.Tensor | None) -> None:
+    """The row op's operands: every vector ``[n]`` (the residual ``[1, n]``), a one-element int32 counter."""
+    if counter.dtype != torch.int32 or counter.numel() != 1:
+        raise ValueError(f"dense_gemv: the row op takes a one-element int32 counter; got {counter.dtype} "
+                         f"{list(counter.shape)}")
+    for name, v in vectors.items():
+        if v is not None and v.numel() != n:
+            raise ValueError(f"dense_gemv: the row op's {name} has {v.numel()} elements; the product has {n}")
 
 
 def expert_gemv(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, a_div: int,
@@ -146,7 +180,7 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, a_div: 
     if flat.numel():
         block_n, block_k = gemv_blocks(k)
         dense_gemv_kernel[(triton.cdiv(n, block_n), flat.numel())](
-            x, stack, up if up is not None else stack, flat, y, n, k, k, n * k, a_div, y, y, y, 0.0, BLOCK_N=block_n,
-            BLOCK_K=block_k, EXPERTS=True, SWIGLU=up is not None, num_warps=NUM_WARPS,
+            x, stack, up if up is not None else stack, flat, y, n, k, k, n * k, a_div, *(y,) * 8, 0.0, 0.0,
+            BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS=True, SWIGLU=up is not None, num_warps=NUM_WARPS,
             EARLY=False, **hooks.launch_options(x.device, "expert_gemv"))
     return y

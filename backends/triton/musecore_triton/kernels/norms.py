@@ -55,14 +55,17 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, HAS_WEIGHT: tl.constexpr, SCALE
 
 
 @triton.jit
-def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr,
-                         n, post_eps, eps, HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
-    row = tl.program_id(0).to(tl.int64)
+def residual_norm_row(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr, row,
+                      n, post_eps, eps, HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+                      OUT_L2: tl.constexpr = False):
+    """The ``residual_norm`` op on one row (``OUT_L2``: ``out`` is read from L2, past this SM's L1, as a kernel must
+    when other blocks of it wrote ``out``)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    o = tl.load(out_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    if OUT_L2:
+        o = tl.load(out_ptr + row * n + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        o = tl.load(out_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
     post = tl.load(post_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # The post norm (weightless, or scale-first), rounded to out's dtype as the reference's rms_norm returns it.
     h = _norm(o, post, mask, n, post_eps, HAS_POST, True, out_ptr.dtype.element_ty)
@@ -75,6 +78,15 @@ def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next
     nxt = tl.load(next_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     normed = _norm(new_res.to(tl.float32), nxt, mask, n, eps, HAS_NEXT, False, normed_ptr.dtype.element_ty)
     tl.store(normed_ptr + row * n + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr,
+                         n, post_eps, eps, HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    residual_norm_row(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr,
+                      tl.program_id(0).to(tl.int64), n, post_eps, eps, HAS_POST, HAS_NEXT, BLOCK)
 
 
 @triton.jit
