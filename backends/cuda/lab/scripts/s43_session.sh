@@ -6,7 +6,8 @@
 #   3. musecore bench --backend cuda --case targets;
 #   4. the whole GPU suite, SIGINT at its cap;
 #   5. the GPU tests of this session's changes (TESTS, pytest node ids or files);
-#   6. cuda_fused_ab.py: muse-small batch-1 decode with the fused blocks and with the separate ops, alternated.
+#   6. cuda_fused_ab.py: muse-small batch-1 decode with the fused blocks and with the separate ops, alternated;
+#   7. cuda_profile_decode.py: the kernels of the (fused) decode step.
 # Everything under $OUT is also packed into $OUT/s43.tgz (run_steps in device_prelude.sh).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [TESTS="..."] bash backends/cuda/lab/scripts/s43_session.sh
 set -u
@@ -36,5 +37,9 @@ step5() {
 step6() {
   timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json > $OUT/fused_ab.log 2>&1
   echo "6. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
+}
+step7() {
+  timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --rows 40 > $OUT/profile_decode_fused.txt 2>&1
+  echo "7. profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_fused.txt
 }
 run_steps s43
