@@ -8,8 +8,9 @@ resident layout. Read :class:`MoE.__call__` for the MoE order of operations.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping, Optional
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional
 
 import torch
 
@@ -81,6 +82,16 @@ class Attention:
         self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.gate_proj = None
         self.in_proj: Optional[FusedLinear] = None  # q/k/v/gate as one linear, when the loader fused them
         self.fused: Optional[Callable[..., Optional[torch.Tensor]]] = None  # MuseModel.fuse_blocks
+
+    def fused_projection_problem(self) -> Optional[str]:
+        """Why ``in_proj`` is not the loader's fused q/k/v/gate weight (in that order, full widths), or None when it
+        is: what a backend's one-call block (``Backend.fuse_block``) needs to split its output."""
+        if self.in_proj is None:
+            return "q/k/v/gate are separate weights (the loader did not fuse them)"
+        nq, nkv, d = self.nq, self.nkv, self.d
+        if tuple(self.in_proj.widths) != (nq * d, nkv * d, nkv * d, nq * d):
+            return f"the fused projection's widths {tuple(self.in_proj.widths)} are not q, k, v, gate"
+        return None
 
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  cache: Optional[KVCache]) -> torch.Tensor:
@@ -259,6 +270,20 @@ class Slot:
     role: str   # one of SLOT_ROLES
     layer: int = -1
     fused: bool = False  # one of ``owner.INPUT_PROJECTIONS``: the loader may fuse it into ``owner.in_proj``
+
+
+@contextlib.contextmanager
+def separate_ops(model: "MuseModel") -> Iterator[None]:
+    """Every attention and MoE block of ``model`` through its separate ops inside the ``with`` (A/B measurements, the
+    per-op profile, the tests' reference), the backend's fused forms (``MuseModel.fuse_blocks``) back afterwards."""
+    saved = [(b, b.fused) for layer in model.layers for b in (layer.self_attn, layer.mlp) if hasattr(b, "fused")]
+    for b, _ in saved:
+        b.fused = None
+    try:
+        yield
+    finally:
+        for b, f in saved:
+            b.fused = f
 
 
 class MuseModel:

@@ -169,13 +169,11 @@ def _unpool(y: torch.Tensor, weight: torch.Tensor, shape: torch.Size, then: Opti
 
 
 def _fuse_attention(block: Any) -> tuple[Optional["FusedAttention"], str]:
-    fused_proj = block.in_proj
-    if fused_proj is None:
-        return None, "q/k/v/gate are separate weights (the loader did not fuse them)"
-    nq, nkv, d = block.nq, block.nkv, block.d
-    if tuple(fused_proj.widths) != (nq * d, nkv * d, nkv * d, nq * d):
-        return None, f"the fused projection's widths {tuple(fused_proj.widths)} are not q, k, v, gate"
-    in_proj, why = _dense(fused_proj.weight, "fused q/k/v/gate projection")
+    problem = block.fused_projection_problem()
+    if problem:
+        return None, problem
+    nq, d = block.nq, block.d
+    in_proj, why = _dense(block.in_proj.weight, "fused q/k/v/gate projection")
     o_proj, why2 = _dense(block.o_proj, "o_proj")
     if in_proj is None or o_proj is None:
         return None, why or why2

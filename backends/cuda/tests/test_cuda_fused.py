@@ -8,7 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from musecore.api import load_random
-from musecore.model import MoE
+from musecore.model import MoE, separate_ops
 from musecore.testing import nmse
 from musecore_triton.kernels import router
 from musecore_triton.testing import HAS_GPU
@@ -32,12 +32,10 @@ def moe_blocks(model) -> list[MoE]:
     return found
 
 
-def separate(block: MoE, m: torch.Tensor) -> torch.Tensor:
-    fused, block.fused = block.fused, None
-    try:
-        return block(m)
-    finally:
-        block.fused = fused
+def separate(model, block, *args) -> torch.Tensor:
+    """``block(*args)`` through its separate ops."""
+    with separate_ops(model):
+        return block(*args)
 
 
 def kernels(fn) -> int:
@@ -62,12 +60,12 @@ def test_the_fused_moe_block_matches_the_separate_ops_in_three_fewer_launches(mo
                                                 block.multiplier, block.scaling)
             assert torch.equal(ids, want_ids), f"layer {block.layer}: ids {ids.tolist()} vs the op's {want_ids.tolist()}"
             for repeat in range(3):  # the counters come back to zero: every launch takes the last-program step
-                got, want = block.fused(m), separate(block, m)
+                got, want = block.fused(m), separate(model, block, m)
                 assert got is not None and got.shape == want.shape and got.dtype == want.dtype
                 err = nmse(want.float(), got.float())
                 assert err <= TOLERANCE, f"layer {block.layer}, call {repeat}: NMSE {err:.3g} > {TOLERANCE:g}"
             assert not block.fused.counters.any(), f"layer {block.layer}: counters {block.fused.counters.tolist()}"
-            fused_n, separate_n = kernels(lambda: block.fused(m)), kernels(lambda: separate(block, m))
+            fused_n, separate_n = kernels(lambda: block.fused(m)), kernels(lambda: separate(model, block, m))
             assert fused_n == separate_n - 3, f"layer {block.layer}: {fused_n} launches fused, {separate_n} separate"
 
 
@@ -99,14 +97,6 @@ def attention_blocks(model) -> list:
     return found
 
 
-def separate_attention(block, *args) -> torch.Tensor:
-    fused, block.fused = block.fused, None
-    try:
-        return block(*args)
-    finally:
-        block.fused = fused
-
-
 @pytest.mark.gpu
 def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_cache(model):
     """Sliding RoPE and full NoPE layers, two positions: the output within TOLERANCE of the separate ops (the head
@@ -123,7 +113,7 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
             for block in attention_blocks(model):
                 a = torch.randn(1, 1, model.config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
                 got = block.fused(a, positions, rope, caches[0])
-                want = separate_attention(block, a, positions, rope, caches[1])
+                want = separate(model, block, a, positions, rope, caches[1])
                 assert got is not None and got.shape == want.shape and got.dtype == want.dtype
                 err = nmse(want.float(), got.float())
                 assert err <= TOLERANCE, f"layer {block.layer} at {position}: NMSE {err:.3g} > {TOLERANCE:g}"
@@ -135,28 +125,11 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
         positions = torch.tensor([[20]], device="cuda")
         rope = model.rope(positions)
         fused_n = kernels(lambda: block.fused(a, positions, rope, caches[0]))
-        separate_n = kernels(lambda: separate_attention(block, a, positions, rope, caches[1]))
+        separate_n = kernels(lambda: separate(model, block, a, positions, rope, caches[1]))
         assert fused_n == separate_n - 2, f"{fused_n} launches fused, {separate_n} separate"
         assert block.fused(torch.cat([a, a], 1), positions.repeat(1, 2), model.rope(positions.repeat(1, 2)),
                            caches[0]) is None  # two tokens: the separate ops
         assert block.fused(a, positions, rope, model.new_cache(1, 64)) is None  # a dynamic cache
-
-
-def separate_sublayers(model):
-    """Context: every block's fused form off (the model's separate ops), back afterwards."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        saved = [(b, b.fused) for layer in model.layers for b in (layer.self_attn, layer.mlp) if hasattr(b, "fused")]
-        for b, _ in saved:
-            b.fused = None
-        try:
-            yield
-        finally:
-            for b, f in saved:
-                b.fused = f
-    return ctx()
 
 
 @pytest.mark.gpu
@@ -176,7 +149,7 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
         for i, layer in enumerate(model.layers):
             x, a = (torch.randn(1, 1, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
             got = model.attention_sublayer(i, x, a, positions, rope, caches[0])
-            with separate_sublayers(model):
+            with separate_ops(model):
                 want = model.attention_sublayer(i, x, a, positions, rope, caches[1])
             for name, w, g in zip(("h", "m"), want, got):
                 err = nmse(w.float(), g.float())
@@ -186,18 +159,18 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
             if not isinstance(layer.mlp, MoE):
                 continue
             got = model.feedforward_sublayer(i, x, a)
-            with separate_sublayers(model):
+            with separate_ops(model):
                 want = model.feedforward_sublayer(i, x, a)
             for name, w, g in zip(("x", "a"), want, got):
                 err = nmse(w.float(), g.float())
                 assert g.shape == w.shape and g.dtype == w.dtype and err <= TOLERANCE, \
                     f"layer {i} MoE sublayer {name}: NMSE {err:.3g} > {TOLERANCE:g}"
             fused_n = kernels(lambda: model.feedforward_sublayer(i, x, a))
-            with separate_sublayers(model):
+            with separate_ops(model):
                 separate_n = kernels(lambda: model.feedforward_sublayer(i, x, a))
             assert (fused_n, separate_n) == (6, 10), f"layer {i} MoE sublayer: {fused_n} launches fused, {separate_n}"
         fused_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[0]))
-        with separate_sublayers(model):
+        with separate_ops(model):
             separate_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[1]))
         assert (fused_n, separate_n) == (4, 7), f"attention sublayer: {fused_n} launches fused, {separate_n}"
         moe = moe_blocks(model)[0]

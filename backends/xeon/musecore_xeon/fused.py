@@ -23,15 +23,14 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from musecore.model import Attention, MoE
+from musecore.model import Attention, MoE, separate_ops  # noqa: F401  (separate_ops: re-exported)
 from musecore_xeon.kernels.dense import DenseLinear
 from musecore_xeon.kernels.int4 import Int4Linear
 from musecore_xeon.ops import NATIVE_ATTENTION_MAX_QUERIES, fast_ops
@@ -61,20 +60,6 @@ class MoeBlockArgs(ctypes.Structure):
 
 def disabled() -> bool:
     return os.environ.get(FUSED_ENV, "").strip().lower() in ("0", "off", "no", "false")
-
-
-@contextlib.contextmanager
-def separate_ops(model: Any) -> Iterator[None]:
-    """Every attention and MoE block of ``model`` through its separate ops inside the ``with`` (A/B measurements, the
-    per-op profile, the tests' reference), the fused forms back afterwards."""
-    saved = [(b, b.fused) for layer in model.layers for b in (layer.self_attn, layer.mlp) if hasattr(b, "fused")]
-    for b, _ in saved:
-        b.fused = None
-    try:
-        yield
-    finally:
-        for b, f in saved:
-            b.fused = f
 
 
 def _bound_gemv(weight: Any) -> tuple[Optional[tuple[int, int, int, Any]], str]:
@@ -172,12 +157,11 @@ def _fuse_moe(block: Any, fast: Any) -> tuple[Optional[FusedBlock], str]:
 
 
 def _fuse_attention(block: Any, fast: Any) -> tuple[Optional[FusedBlock], str]:
+    problem = block.fused_projection_problem()
+    if problem:
+        return None, problem
     fused_proj = block.in_proj
-    if fused_proj is None:
-        return None, "q/k/v/gate are separate weights (the loader did not fuse them)"
     nq, nkv, d = block.nq, block.nkv, block.d
-    if tuple(fused_proj.widths) != (nq * d, nkv * d, nkv * d, nq * d):
-        return None, f"the fused projection's widths {tuple(fused_proj.widths)} are not q, k, v, gate"
     if block.window is not None and block.window <= 0:
         return None, f"window {block.window}"
     gemvs, why = _bound_gemvs(**{"q/k/v/gate": fused_proj.weight, "o_proj": block.o_proj})

@@ -20,6 +20,17 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 @triton.jit
+def static_slot(p, capacity, RING: tl.constexpr):
+    """A static cache's slot for position ``p``: ``p % capacity`` in a ring, ``p`` in a full layer; padding (-1) and
+    positions past a full layer's capacity go to the trash slot ``capacity``."""
+    if RING:
+        slot = tl.where(p >= 0, p % capacity, capacity)
+    else:
+        slot = tl.where((p >= 0) & (p < capacity), p, capacity)
+    return slot
+
+
+@triton.jit
 def kv_write_kernel(k_ptr, v_ptr, pos_ptr, kn_ptr, vn_ptr, pn_ptr, T, slots, capacity,
                     kn_sb, kn_st, vn_sb, vn_st, ROW: tl.constexpr, BLOCK: tl.constexpr, RING: tl.constexpr,
                     PDL: tl.constexpr):
@@ -27,10 +38,7 @@ def kv_write_kernel(k_ptr, v_ptr, pos_ptr, kn_ptr, vn_ptr, pn_ptr, T, slots, cap
     i = tl.program_id(0).to(tl.int64)  # entry b * T + t
     b, t = i // T, i % T
     p = tl.load(pn_ptr + i)
-    if RING:
-        slot = tl.where(p >= 0, p % capacity, capacity)
-    else:
-        slot = tl.where((p >= 0) & (p < capacity), p, capacity)
+    slot = static_slot(p, capacity, RING)
     dst = (b * slots + slot) * ROW
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from musecore_triton import hooks
+from musecore_triton.kernels.kv_cache import static_slot
 
 
 @triton.jit
@@ -108,29 +109,15 @@ def _norm_rope_row(x_ptr, cos_ptr, sin_ptr, y_ptr, src, dst, bt, eps, scale, D: 
 
 @triton.jit
 def qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, nq, nkv, q_stride, k_stride, eps,
-                        q_scale, D: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+                        q_scale, v_ptr, cv_ptr, cpos_ptr, pos_ptr, T, v_stride, slots, capacity, D: tl.constexpr,
+                        ROPE: tl.constexpr, PDL: tl.constexpr, WRITE_KV: tl.constexpr = False,
+                        RING: tl.constexpr = False):
     """q's head rows then k's, one launch. Inputs may be slices of a fused projection: token
-    ``bt``'s heads start at ``bt * stride`` (heads contiguous within it); outputs are contiguous."""
-    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
-    row = tl.program_id(0).to(tl.int64)
-    if row < q_rows:  # (b*T + t) * nq + h
-        bt = row // nq
-        _norm_rope_row(q_ptr, cos_ptr, sin_ptr, qy_ptr, bt * q_stride + (row % nq) * D, row * D, bt, eps, q_scale,
-                       D, ROPE)
-    else:
-        row -= q_rows
-        bt = row // nkv
-        _norm_rope_row(k_ptr, cos_ptr, sin_ptr, ky_ptr, bt * k_stride + (row % nkv) * D, row * D, bt, eps, 1.0,
-                       D, ROPE)
+    ``bt``'s heads start at ``bt * stride`` (heads contiguous within it); outputs are contiguous.
 
-
-@triton.jit
-def qk_norm_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qy_ptr, ck_ptr, cv_ptr, cpos_ptr, pos_ptr,
-                                 q_rows, T, nq, nkv, q_stride, k_stride, v_stride, slots, capacity, eps, q_scale,
-                                 D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
-    """:func:`qk_norm_rope_kernel` whose k rows go straight into a static cache, with the new v rows and positions
-    (``kv_write_kernel``'s slots: ``pos % capacity`` in a ring, ``pos`` in a full layer, padding and positions past
-    capacity to the trash slot ``capacity``). Cache rows ``[B, slots, nkv, D]`` in the k/v dtype."""
+    ``WRITE_KV``: the k rows go straight into a static cache ``ky [B, slots, nkv, D]`` at their position's slot
+    (``kv_cache.static_slot``), with the new v rows (``cv``) and positions (``cpos``) beside them, as the KV write
+    kernel places them."""
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
     row = tl.program_id(0).to(tl.int64)
     if row < q_rows:  # (b*T + t) * nq + h
@@ -140,17 +127,17 @@ def qk_norm_rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qy_ptr, 
     else:
         row -= q_rows
         bt, h = row // nkv, row % nkv
-        p = tl.load(pos_ptr + bt)
-        if RING:
-            slot = tl.where(p >= 0, p % capacity, capacity)
+        if WRITE_KV:
+            p = tl.load(pos_ptr + bt)
+            cache_row = (bt // T) * slots + static_slot(p, capacity, RING)
+            dst = cache_row * nkv * D + h * D
+            offs = tl.arange(0, D)
+            tl.store(cv_ptr + dst + offs, tl.load(v_ptr + bt * v_stride + h * D + offs))
+            if h == 0:
+                tl.store(cpos_ptr + cache_row, p)
         else:
-            slot = tl.where((p >= 0) & (p < capacity), p, capacity)
-        dst = ((bt // T) * slots + slot) * nkv * D + h * D
-        _norm_rope_row(k_ptr, cos_ptr, sin_ptr, ck_ptr, bt * k_stride + h * D, dst, bt, eps, 1.0, D, ROPE)
-        offs = tl.arange(0, D)
-        tl.store(cv_ptr + dst + offs, tl.load(v_ptr + bt * v_stride + h * D + offs))
-        if h == 0:
-            tl.store(cpos_ptr + (bt // T) * slots + slot, p)
+            dst = row * D
+        _norm_rope_row(k_ptr, cos_ptr, sin_ptr, ky_ptr, bt * k_stride + h * D, dst, bt, eps, 1.0, D, ROPE)
 
 
 @triton.jit
@@ -258,7 +245,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], 
     if B * T:
         cos, sin = (cos.contiguous(), sin.contiguous()) if rope else (q_out, q_out)  # placeholders when NoPE
         qk_norm_rope_kernel[(B * T * (nq + nkv),)](q, k, cos, sin, q_out, k_out, B * T * nq, nq, nkv, q_stride,
-                                                   k_stride, eps, q_scale, D=d, ROPE=rope, **_warps("qk_norm_rope"),
+                                                   k_stride, eps, q_scale, *(q_out,) * 4, T, 0, 0, 0, D=d, ROPE=rope,
+                                                   **_warps("qk_norm_rope"),
                                                    **hooks.launch_options(q.device, "qk_norm_rope"))
     return q_out, k_out
 
@@ -288,10 +276,10 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     q_out = torch.empty(B, T, nq, d, dtype=q.dtype, device=q.device)
     if B * T:
         cos, sin = (cos.expand(B, T, d).contiguous(), sin.expand(B, T, d).contiguous()) if rope else (q_out, q_out)
-        qk_norm_rope_kv_write_kernel[(B * T * (nq + nkv),)](
-            q, k, v, cos, sin, q_out, cache_k, cache_v, cache_pos, pos_new.contiguous(), B * T * nq, T, nq, nkv,
-            q_stride, k_stride, v_stride, capacity + 1, capacity, eps, q_scale, D=d, ROPE=rope, RING=ring,
-            **_warps("qk_norm_rope"), **hooks.launch_options(q.device, "qk_norm_rope"))
+        qk_norm_rope_kernel[(B * T * (nq + nkv),)](
+            q, k, cos, sin, q_out, cache_k, B * T * nq, nq, nkv, q_stride, k_stride, eps, q_scale, v, cache_v,
+            cache_pos, pos_new.contiguous(), T, v_stride, capacity + 1, capacity, D=d, ROPE=rope, WRITE_KV=True,
+            RING=ring, **_warps("qk_norm_rope"), **hooks.launch_options(q.device, "qk_norm_rope"))
     return q_out
 
 

@@ -1,0 +1,54 @@
+"""Compile the decode kernels that session 43 fused (the CUDA backend's fused sublayers: ``dense_gemv`` with its
+row-op epilogues and an fp32 input, the one-launch router, the q/k norms writing the KV cache, attention with the
+head norm and gate) for a GPU target with no GPU: ``python decode_compile.py sm90``. Same recorder as
+``towers_compile.py`` (every launch compiled with the signature and constexprs its wrapper chose, never run);
+prints one JSON list: kernel, constexprs, options, shared memory bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "compile-only needs Triton's compiler, not its interpreter"
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from towers_compile import RESULTS, recorder  # noqa: E402  (this folder is sys.path[0] when run as a script)
+
+
+def main(arch: str) -> None:
+    JITFunction.run = recorder(GPUTarget("cuda", int(arch[2:]), 32))
+    from musecore_triton.kernels import norms, router
+    from musecore_triton.kernels.attention import attention
+    from musecore_triton.kernels.dense_gemv import dense_gemv
+
+    dt, H, h = torch.bfloat16, 1536, 768  # muse-small's widths
+    x, w = torch.randn(1, H).to(dt), torch.randn(h, H).to(dt)
+    counter = torch.zeros(1, dtype=torch.int32)
+    dense_gemv(x, w)
+    dense_gemv(x, w, norm=(torch.ones(h).to(dt), 1e-6, counter))
+    vec32 = torch.ones(H)
+    for post in (None, torch.ones(H).to(dt)):
+        dense_gemv(torch.randn(1, h), torch.randn(H, h).to(dt),  # fp32 input (the experts' output), residual norm
+                   residual_norm=(x, post, vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6, counter))
+    router.router_topk_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, counter)
+    nq, nkv, d, cap = 24, 3, 64, 256
+    y = torch.randn(1, 1, 2 * nq + 2 * nkv, d).to(dt)
+    q, k, v, gate = y.split_with_sizes([nq, nkv, nkv, nq], -2)
+    cos = sin = torch.randn(1, 1, d)
+    ck, cv = (torch.zeros(1, cap + 1, nkv, d).to(dt) for _ in range(2))
+    cpos = torch.full((1, cap + 1), -1, dtype=torch.long)
+    pos = torch.tensor([[40]])
+    for rope, ring in (((cos, sin), True), ((None, None), False)):
+        norms.qk_norm_rope(q, k, *rope, 1e-6, 0.5)
+        norms.qk_norm_rope_kv_write(q, k, v, *rope, 1e-6, 0.5, ck, cv, cpos, pos, cap, ring)
+    qn = torch.randn(1, 1, nq, d).to(dt)
+    attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
+    print(json.dumps(RESULTS))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,34 @@
+"""The decode kernels of the CUDA backend's fused sublayers (``dense_gemv``'s row-op epilogues and fp32 input, the
+one-launch router, the q/k norms writing the KV cache, attention with the head norm and gate) compile for SM90 with
+no GPU (``decode_compile.py`` in a subprocess: the interpreter the other tests enable neither compiles nor
+type-checks both sides of an ``if``, which let a kernel that Triton refuses pass every CPU test once). Numerics: the
+interpreter tests beside this one and, on a GPU, ``backends/cuda/tests/test_cuda_fused.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("decode_compile.py")
+KERNELS = {"dense_gemv_kernel": 4, "router_one_launch_kernel": 1, "qk_norm_rope_kernel": 4, "attention_kernel": 1}
+
+
+@pytest.mark.slow
+def test_fused_decode_kernels_compile_for_sm90():
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton has no nvidia backend (triton.backends.nvidia): cannot compile for sm90")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "sm90"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, f"compiling the fused decode kernels for sm90 failed:\n{proc.stderr[-4000:]}"
+    rows = json.loads(proc.stdout)
+    counts = {name: sum(r["kernel"] == name for r in rows) for name in KERNELS}
+    assert counts == KERNELS, f"compiled {counts}, expected {KERNELS}"
+    over = [r for r in rows if r["shared_bytes"] > 227 * 1024]
+    assert not over, f"shared memory over the H200's 227 KiB per block: {over}"
