@@ -215,8 +215,10 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
     e, top_k = shape.experts, max(1, shape.top_k)
     label = f"moe {shape.name} {shape.weight_format} E={e} top-{top_k} {shape.in_features}->{shape.out_features}"
     if shape.weight_format in FP4_FORMATS:
-        limit = next(t for t in range(1, 1 << 20)
-                     if not moe_uses_gemv(t * top_k, e, t, shape.in_features, shape.out_features)) - 1
+        # (width h, intermediate I): gate/up is [2I, h] (gate and up stacked), down [h, I]
+        down = "down" in shape.name
+        width, inter = (shape.out_features, shape.in_features) if down else (shape.in_features, shape.out_features // 2)
+        limit = next(t for t in range(1, 1 << 20) if not moe_uses_gemv(t * top_k, e, t, width, inter)) - 1
         runs = moe_decode.RUNS_MIN_TOKENS
         return [KernelChoice(f"{label}, T <= {runs - 1} tokens",
                              "CUDA C++ expert GEMVs (NVRTC): gate+up+SwiGLU, down, Triton finalize",
