@@ -10,7 +10,10 @@ The router's fp32 product ``x @ W^T`` ([T,H] x [H,E]) runs one of two ways, chos
   fp32 products, fp32 sums, no TF32/xf32) and writes an fp32 partial ``[S, T, E]``; the top-k
   kernel adds the S partials in a fixed order (deterministic, no atomics) as it reads its row;
 * beyond, the vendor BLAS (``F.linear`` on fp32 operands; an fp32 GEMM, never TF32 unless the
-  caller switched PyTorch's fp32 matmul precision).
+  caller switched PyTorch's fp32 matmul precision);
+* for one token, :func:`router_topk_one_launch` (the CUDA backend's fused MoE block): the split-K partials and the
+  choice in one launch, made by the program that finishes last (a ticket on a counter its caller owns); it sums the
+  partials in a fixed tree instead of in order.
 
 Both compute the reference's ``x.float() @ W.float().T`` in fp32; they differ from it (and each
 other) only in the order of the fp32 sums, i.e. by about 1e-7 relative, which moves a choice only
