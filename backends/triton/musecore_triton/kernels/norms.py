@@ -1,5 +1,7 @@
 """Fused row-wise kernels: RMSNorm (weighted, weightless or scale-first), the post-sublayer norm +
-gated residual + next norm, weightless q/k norms + q scale + RoPE, and the head norm times its gate.
+gated residual + next norm, weightless q/k norms + q scale + RoPE (optionally writing k and v straight into a
+static KV cache: :func:`qk_norm_rope_kv_write`), and the head norm times its gate. The residual norm's row
+(:func:`residual_norm_row`) is also the last program's step of ``dense_gemv(residual_norm=)``.
 
 Each is one pass over its rows in fp32 (one program per row), which is what makes them worth a
 kernel: the unfused PyTorch versions read and write the hidden state several times. Rounding
