@@ -174,7 +174,7 @@ def profile_plan(model: Any, threads: int, steps: int) -> dict[str, Any]:
     plain = [run_steps(model, steps) for _ in range(3)]  # as loaded: the fused blocks where the backend has them
     wall = statistics.median(p[0] for p in plain)
     cpu = statistics.median(p[1] for p in plain)
-    from musecore_xeon.fused import separate_ops  # every block through its ops: what 2 and 3 take apart
+    from musecore.model import separate_ops  # every block through its ops: what 2 and 3 take apart
     with separate_ops(model):
         separate = statistics.median(run_steps(model, steps)[0] for _ in range(3))
         return {**breakdown(model, steps), "threads": threads, "step_ms": wall * 1e3, "step_cpu_ms": cpu * 1e3,

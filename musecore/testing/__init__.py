@@ -37,10 +37,12 @@ Without pytest (what ``musecore matrix`` does for its per-op table)::
         print(result.message())
 """
 
+from musecore.testing.blocks import fused_blocks, through_separate_ops
 from musecore.testing.cases import SIZES, SIZES_ENV, ConformanceCase, conformance_cases, projection_shapes
 from musecore.testing.check import CaseResult, assert_nmse, check_op, compare, nmse, run_conformance
 from musecore.testing.conformance import make_conformance_tests
 from musecore.testing.inputs import BuiltCase, build
 
 __all__ = ["SIZES", "SIZES_ENV", "BuiltCase", "CaseResult", "assert_nmse", "ConformanceCase", "build", "check_op", "compare",
-           "conformance_cases", "make_conformance_tests", "nmse", "projection_shapes", "run_conformance"]
+           "conformance_cases", "fused_blocks", "make_conformance_tests", "nmse", "projection_shapes", "run_conformance",
+           "through_separate_ops"]

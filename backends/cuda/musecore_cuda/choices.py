@@ -80,10 +80,7 @@ def moe_uses_gemv(n_assign: int, num_experts: int, tokens: int, width: int, inte
     """Whether bf16 FP4 experts take the CUDA C++ decode GEMVs (``musecore_cuda.kernels.moe_decode.use_gemv``,
     without the device): one per assignment up to ``E`` assignments, on runs of one expert from
     ``RUNS_MIN_TOKENS`` tokens up to ``RUNS_MAX_ASSIGNMENTS``; the grouped Triton GEMM beyond."""
-    if n_assign <= max(1, num_experts):
-        return True
-    return (n_assign <= moe_decode.RUNS_MAX_ASSIGNMENTS and tokens >= moe_decode.RUNS_MIN_TOKENS
-            and moe_decode._plans(width, inter, torch.bfloat16, torch.device("cpu"), n_assign, True)[2])
+    return moe_decode.gemv_rule(n_assign, num_experts, tokens, width, inter, torch.bfloat16, torch.device("cpu"))
 
 
 PATH_NAMES = {
@@ -302,8 +299,8 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
 
 
 def _fused_choice() -> list[KernelChoice]:
-    blocks = (("MoE sublayer at one-token decode", "10", "6 launches (one-launch router, pooler GEMV + pre-expert norm, "
-               "expert GEMVs and finalize, unpooler GEMV reading the experts' fp32 output + the residual norm)",
+    blocks = (("MoE sublayer at one-token decode", "10", "6 launches (one-launch router, pooler GEMV + pre-expert "
+               "norm, expert GEMVs and finalize, unpooler GEMV reading the experts' fp32 output + the residual norm)",
                "with 16-bit pooler/unpooler and an fp32 router"),
               ("attention sublayer at one-token decode", "7", "4 launches (q/k/v/gate GEMV, q/k norms + RoPE + KV "
                "write, attention + head norm and gate, o_proj + the residual norm)",

@@ -69,10 +69,11 @@ def disabled() -> bool:
 
 
 def fuse_block(backend: Any, block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
-    """``block`` (a ``musecore.model.MoE`` or ``Attention`` whose weights ``backend`` prepared) -> a callable with the block's call
-    signature running it in fewer launches for one token, returning None for other inputs; None here when the block
-    cannot be fused (the reason at debug level). The callable checks on each call that the block still holds the
-    weights it bound (anything replaced since: None, and the separate ops run)."""
+    """``block`` (a ``musecore.model.MoE`` or ``Attention`` whose weights ``backend`` prepared) -> a callable with
+    the block's call signature running it in fewer launches for one token, returning None for other inputs (and a
+    ``sublayer`` method: the block and the residual norm after it); None here when the block cannot be fused (the
+    reason at debug level). The callable checks on each call that the block still holds the weights it bound
+    (anything replaced since: None, and the separate ops run)."""
     if disabled():
         fused, why = None, f"{FUSED_ENV}=0"
     elif isinstance(block, MoE):
@@ -117,23 +118,38 @@ def _fuse_moe(backend: Any, block: Any) -> tuple[Optional["FusedMoE"], str]:
     return FusedMoE(backend, block, pooler, unpooler), ""
 
 
-class FusedMoE:
-    """``fused(m)``: the MoE block's output for one token ``m [..., H]`` in the pooler's dtype, or None."""
+class _Fused:
+    """A fused block: the block, the weights it was made from (``weights(block)``, checked by identity on every
+    call: a replaced weight makes the fused form step aside) and the int32 tickets of its last-program steps."""
 
-    __slots__ = ("backend", "block", "held", "pooler", "unpooler", "counters")  # (counters: see _run)
+    __slots__ = ("block", "held", "counters")
 
-    def __init__(self, backend: Any, block: Any, pooler: torch.Tensor, unpooler: torch.Tensor) -> None:
-        self.backend, self.block, self.pooler, self.unpooler = backend, block, pooler, unpooler
-        self.held = (block.router, block.correction_bias, block.experts, block.pre_expert_proj,
-                     block.post_expert_proj, block.pre_expert_norm, block.post_expert_norm)
-        self.counters = torch.zeros(3, 1, dtype=torch.int32, device=pooler.device)  # router, pooler, unpooler
+    @staticmethod
+    def weights(block: Any) -> tuple:
+        raise NotImplementedError
+
+    def __init__(self, block: Any, tickets: int, device: torch.device) -> None:
+        self.block, self.held = block, self.weights(block)
+        self.counters = torch.zeros(tickets, 1, dtype=torch.int32, device=device)
 
     def bound(self) -> bool:
         """Whether the block still holds the weights this was made from."""
-        b = self.block
-        return all(now is then for now, then in zip(
-            (b.router, b.correction_bias, b.experts, b.pre_expert_proj, b.post_expert_proj, b.pre_expert_norm,
-             b.post_expert_norm), self.held))
+        return all(now is then for now, then in zip(self.weights(self.block), self.held))
+
+
+class FusedMoE(_Fused):
+    """``fused(m)``: the MoE block's output for one token ``m [..., H]`` in the pooler's dtype, or None."""
+
+    __slots__ = ("backend", "pooler", "unpooler")
+
+    @staticmethod
+    def weights(block: Any) -> tuple:
+        return (block.router, block.correction_bias, block.experts, block.pre_expert_proj, block.post_expert_proj,
+                block.pre_expert_norm, block.post_expert_norm)
+
+    def __init__(self, backend: Any, block: Any, pooler: torch.Tensor, unpooler: torch.Tensor) -> None:
+        super().__init__(block, 3, pooler.device)  # tickets: router, pooler, unpooler
+        self.backend, self.pooler, self.unpooler = backend, pooler, unpooler
 
     def __call__(self, m: torch.Tensor) -> Optional[torch.Tensor]:
         return self._run(m, None)
@@ -160,7 +176,8 @@ class FusedMoE:
 
 def _unpool(y: torch.Tensor, weight: torch.Tensor, shape: torch.Size, then: Optional[tuple], counter: torch.Tensor
             ) -> Any:
-    """The block's last GEMV: its output ``[shape]``, or with ``then = (residual, norm)`` the residual_norm op's pair."""
+    """The block's last GEMV: its output ``[shape]``, or with ``then = (residual, norm)`` the residual_norm op's
+    pair."""
     if then is None:
         return dense_gemv(y, weight).view(shape)
     residual, norm = then
@@ -182,18 +199,21 @@ def _fuse_attention(block: Any) -> tuple[Optional["FusedAttention"], str]:
     return FusedAttention(block, in_proj, o_proj), ""
 
 
-class FusedAttention:
+class FusedAttention(_Fused):
     """``fused(a, positions, rope, cache)``: the attention block's output for one new token of one sequence through
     a static cache layer of the model dtype (written as the separate ops write it), or None. Four launches instead
     of six: the q/k/v/gate GEMV; the q/k norms and RoPE with the KV write (``qk_norm_rope_kv_write``); attention
     with the head norm and gate in its epilogue (``attention(gate=)``); o_proj."""
 
-    __slots__ = ("block", "held", "in_proj", "o_proj", "counter")
+    __slots__ = ("in_proj", "o_proj")
+
+    @staticmethod
+    def weights(block: Any) -> tuple:
+        return block.in_proj, getattr(block.in_proj, "weight", None), block.o_proj
 
     def __init__(self, block: Any, in_proj: torch.Tensor, o_proj: torch.Tensor) -> None:
-        self.block, self.in_proj, self.o_proj = block, in_proj, o_proj
-        self.held = (block.in_proj, block.in_proj.weight, block.o_proj)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=in_proj.device)  # o_proj's residual norm
+        super().__init__(block, 1, in_proj.device)  # ticket: o_proj's residual norm
+        self.in_proj, self.o_proj = in_proj, o_proj
 
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any) -> Optional[torch.Tensor]:
         return self._run(a, positions, rope, cache, None)
@@ -207,9 +227,8 @@ class FusedAttention:
 
     def _run(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any, then: Optional[tuple]) -> Any:
         block, in_proj = self.block, self.in_proj
-        if block.in_proj is not self.held[0] or self.held[0].weight is not self.held[1] \
-                or block.o_proj is not self.held[2] or cache is None or positions.shape != (1, 1) \
-                or a.numel() != in_proj.shape[1] or a.dtype != in_proj.dtype or a.device != in_proj.device:
+        if cache is None or positions.shape != (1, 1) or a.numel() != in_proj.shape[1] or a.dtype != in_proj.dtype \
+                or a.device != in_proj.device or not self.bound():
             return None
         lc = cache[block.layer]
         if not lc.static or lc.kv_format != "bf16" or lc.k.dtype != a.dtype:
@@ -222,4 +241,4 @@ class FusedAttention:
                                   lc.capacity, lc.ring)
         view = lc.stored()
         o = attention(q, view.k, view.v, positions, view.positions, block.window, block.scale, gate=(gate, block.eps))
-        return _unpool(o.reshape(1, nq * d), self.o_proj, a.shape, then, self.counter)
+        return _unpool(o.reshape(1, nq * d), self.o_proj, a.shape, then, self.counters[0])

@@ -1,5 +1,6 @@
-"""The fused MoE block of the CUDA backend (``musecore_cuda.fused``: six launches instead of nine at one-token decode)
-against the block's separate ops on the GPU, the inputs it is not bound for, and its switch."""
+"""The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 6 launches
+instead of 10, attention 4 instead of 7) against the separate ops on the GPU, the inputs they are not bound for, and
+their switch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from musecore.api import load_random
 from musecore.model import MoE, separate_ops
-from musecore.testing import nmse
+from musecore.testing import fused_blocks, nmse, through_separate_ops
 from musecore_triton.kernels import router
 from musecore_triton.testing import HAS_GPU
 
@@ -25,19 +26,6 @@ def model(request):
     return load_random("muse-tiny", "h200", checkpoint_format=request.param, seed=0)
 
 
-def moe_blocks(model) -> list[MoE]:
-    found = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-    assert found and all(b.fused is not None for b in found), \
-        f"load_random fused {sum(b.fused is not None for b in found)} of {len(found)} MoE blocks; expected all"
-    return found
-
-
-def separate(model, block, *args) -> torch.Tensor:
-    """``block(*args)`` through its separate ops."""
-    with separate_ops(model):
-        return block(*args)
-
-
 def kernels(fn) -> int:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -50,7 +38,7 @@ def kernels(fn) -> int:
 def test_the_fused_moe_block_matches_the_separate_ops_in_three_fewer_launches(model):
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode():
-        for block in moe_blocks(model):
+        for block in fused_blocks(model, "moe"):
             m = torch.randn(1, 1, model.config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
             x = m.reshape(1, -1)
             counter = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -58,20 +46,21 @@ def test_the_fused_moe_block_matches_the_separate_ops_in_three_fewer_launches(mo
                                                    block.multiplier, block.scaling, counter)
             _, want_ids = model.ops.router_topk(x, block.router, block.correction_bias, block.top_k,
                                                 block.multiplier, block.scaling)
-            assert torch.equal(ids, want_ids), f"layer {block.layer}: ids {ids.tolist()} vs the op's {want_ids.tolist()}"
+            assert torch.equal(ids, want_ids), \
+                f"layer {block.layer}: ids {ids.tolist()} vs the op's {want_ids.tolist()}"
             for repeat in range(3):  # the counters come back to zero: every launch takes the last-program step
-                got, want = block.fused(m), separate(model, block, m)
+                got, want = block.fused(m), through_separate_ops(block, m)
                 assert got is not None and got.shape == want.shape and got.dtype == want.dtype
                 err = nmse(want.float(), got.float())
                 assert err <= TOLERANCE, f"layer {block.layer}, call {repeat}: NMSE {err:.3g} > {TOLERANCE:g}"
             assert not block.fused.counters.any(), f"layer {block.layer}: counters {block.fused.counters.tolist()}"
-            fused_n, separate_n = kernels(lambda: block.fused(m)), kernels(lambda: separate(model, block, m))
+            fused_n, separate_n = kernels(lambda: block.fused(m)), kernels(lambda: through_separate_ops(block, m))
             assert fused_n == separate_n - 3, f"layer {block.layer}: {fused_n} launches fused, {separate_n} separate"
 
 
 @pytest.mark.gpu
 def test_inputs_it_is_not_bound_for_run_the_separate_ops(model):
-    block = moe_blocks(model)[0]
+    block = fused_blocks(model, "moe")[0]
     H = model.config.hidden_size
     with torch.inference_mode():
         assert block.fused(torch.randn(1, 2, H, device="cuda").to(torch.bfloat16)) is None  # two tokens
@@ -87,14 +76,7 @@ def test_inputs_it_is_not_bound_for_run_the_separate_ops(model):
 @pytest.mark.gpu
 def test_the_switch_turns_fusion_off(model, monkeypatch):
     monkeypatch.setenv(FUSED_ENV, "0")
-    assert fuse_block(model.backend, moe_blocks(model)[0]) is None
-
-
-def attention_blocks(model) -> list:
-    found = [layer.self_attn for layer in model.layers]
-    assert all(b.fused is not None for b in found), \
-        f"load_random fused {sum(b.fused is not None for b in found)} of {len(found)} attention blocks; expected all"
-    return found
+    assert fuse_block(model.backend, fused_blocks(model, "moe")[0]) is None
 
 
 @pytest.mark.gpu
@@ -110,10 +92,10 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
         for position in (12, 13):
             positions = torch.tensor([[position]], device="cuda")
             rope = model.rope(positions)
-            for block in attention_blocks(model):
+            for block in fused_blocks(model, "attention"):
                 a = torch.randn(1, 1, model.config.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
                 got = block.fused(a, positions, rope, caches[0])
-                want = separate(model, block, a, positions, rope, caches[1])
+                want = through_separate_ops(block, a, positions, rope, caches[1])
                 assert got is not None and got.shape == want.shape and got.dtype == want.dtype
                 err = nmse(want.float(), got.float())
                 assert err <= TOLERANCE, f"layer {block.layer} at {position}: NMSE {err:.3g} > {TOLERANCE:g}"
@@ -121,11 +103,11 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
                 for name in ("k", "v", "positions"):
                     assert torch.equal(getattr(mine, name), getattr(theirs, name)), \
                         f"layer {block.layer} at {position}: the caches' {name} differ"
-        block = attention_blocks(model)[0]
+        block = fused_blocks(model, "attention")[0]
         positions = torch.tensor([[20]], device="cuda")
         rope = model.rope(positions)
         fused_n = kernels(lambda: block.fused(a, positions, rope, caches[0]))
-        separate_n = kernels(lambda: separate(model, block, a, positions, rope, caches[1]))
+        separate_n = kernels(lambda: through_separate_ops(block, a, positions, rope, caches[1]))
         assert fused_n == separate_n - 2, f"{fused_n} launches fused, {separate_n} separate"
         assert block.fused(torch.cat([a, a], 1), positions.repeat(1, 2), model.rope(positions.repeat(1, 2)),
                            caches[0]) is None  # two tokens: the separate ops
@@ -173,5 +155,5 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
         with separate_ops(model):
             separate_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[1]))
         assert (fused_n, separate_n) == (4, 7), f"attention sublayer: {fused_n} launches fused, {separate_n}"
-        moe = moe_blocks(model)[0]
+        moe = fused_blocks(model, "moe")[0]
         assert moe.fused.sublayer(torch.zeros(1, 1, H, device="cuda"), (None,) * 6, x) is None  # fp32 residual

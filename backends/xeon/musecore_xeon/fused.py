@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from musecore.model import Attention, MoE, separate_ops  # noqa: F401  (separate_ops: re-exported)
+from musecore.model import Attention, MoE
 from musecore_xeon.kernels.dense import DenseLinear
 from musecore_xeon.kernels.int4 import Int4Linear
 from musecore_xeon.ops import NATIVE_ATTENTION_MAX_QUERIES, fast_ops

@@ -7,30 +7,14 @@ import pytest
 import torch
 
 from musecore.api import load_random
-from musecore.model import Attention, MoE
-from musecore_xeon.fused import FUSED_ENV, fuse_block, separate_ops
+from musecore.model import MoE, separate_ops
+from musecore.testing import fused_blocks, through_separate_ops
+from musecore_xeon.fused import FUSED_ENV, fuse_block
 
 
 @pytest.fixture(scope="module", params=["int4", "bf16"])
 def model(request, xeon):
     return load_random("muse-tiny", "xeon", checkpoint_format=request.param, seed=0)
-
-
-def blocks(model) -> list[MoE]:
-    found = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-    assert found and all(b.fused is not None for b in found), \
-        f"load_random fused {sum(b.fused is not None for b in found)} of {len(found)} MoE blocks; expected all"
-    return found
-
-
-def separate(block: MoE, m: torch.Tensor) -> torch.Tensor:
-    """The block through its separate ops."""
-    fused, block.fused = block.fused, None
-    try:
-        with torch.inference_mode():
-            return block(m)
-    finally:
-        block.fused = fused
 
 
 def max_rows(block: MoE) -> int:
@@ -43,13 +27,13 @@ def max_rows(block: MoE) -> int:
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
 def test_the_fused_block_gives_the_separate_ops_bits(model, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
-    for block in blocks(model):
+    for block in fused_blocks(model, "moe"):
         if rows > max_rows(block):
             continue
         m = torch.randn(1, rows, model.config.hidden_size, generator=gen).to(torch.bfloat16)
         with torch.inference_mode():
             got = block.fused(m)
-        want = separate(block, m)
+        want = through_separate_ops(block, m)
         assert got is not None, f"layer {block.layer}: the fused block refused {rows} rows (bound for {max_rows(block)})"
         assert got.shape == want.shape and got.dtype == want.dtype
         differ = (got != want).sum().item()
@@ -58,7 +42,7 @@ def test_the_fused_block_gives_the_separate_ops_bits(model, rows: int) -> None:
 
 
 def test_inputs_it_is_not_bound_for_fall_back_to_the_separate_ops(model) -> None:
-    block = blocks(model)[0]
+    block = fused_blocks(model, "moe")[0]
     H = model.config.hidden_size
     too_many = torch.randn(1, max_rows(block) + 1, H).to(torch.bfloat16)
     strided = torch.randn(1, 2, 2 * H).to(torch.bfloat16)[..., ::2]
@@ -66,33 +50,26 @@ def test_inputs_it_is_not_bound_for_fall_back_to_the_separate_ops(model) -> None
         with torch.inference_mode():
             assert block.fused(m) is None, f"the fused block took {tuple(m.shape)} {m.dtype} (contiguous "\
                                            f"{m.is_contiguous()}); it is bound for <= {max_rows(block)} bf16 rows"
-            assert torch.equal(block(m), separate(block, m))
+            assert torch.equal(block(m), through_separate_ops(block, m))
 
 
 def test_a_replaced_weight_is_never_read_through_the_old_binding(model) -> None:
-    first, other = blocks(model)[0], blocks(model)[1]
+    first, other = fused_blocks(model, "moe")[0], fused_blocks(model, "moe")[1]
     m = torch.randn(1, 1, model.config.hidden_size).to(torch.bfloat16)
     saved = first.pre_expert_proj
     first.pre_expert_proj = other.pre_expert_proj
     try:
         with torch.inference_mode():
             assert first.fused(m) is None
-            assert torch.equal(first(m), separate(first, m))  # computed with the new weight
+            assert torch.equal(first(m), through_separate_ops(first, m))  # computed with the new weight
     finally:
         first.pre_expert_proj = saved
 
 
 def test_the_switch_turns_fusion_off(model, monkeypatch) -> None:
     monkeypatch.setenv(FUSED_ENV, "0")
-    assert fuse_block(blocks(model)[0]) is None
-    assert fuse_block(attention_blocks(model)[0]) is None
-
-
-def attention_blocks(model) -> list[Attention]:
-    found = [layer.self_attn for layer in model.layers]
-    assert all(b.fused is not None for b in found), \
-        f"load_random fused {sum(b.fused is not None for b in found)} of {len(found)} attention blocks; expected all"
-    return found
+    assert fuse_block(fused_blocks(model, "moe")[0]) is None
+    assert fuse_block(fused_blocks(model, "attention")[0]) is None
 
 
 def decode(model, prompt: torch.Tensor, steps: int, kv_format: str = "bf16", batch: int = 1) -> torch.Tensor:
@@ -113,7 +90,7 @@ def decode(model, prompt: torch.Tensor, steps: int, kv_format: str = "bf16", bat
 def test_greedy_decode_logits_are_the_same_with_and_without_fusion(model, prompt_len: int, steps: int) -> None:
     prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(3))
     calls = []
-    block = attention_blocks(model)[0]
+    block = fused_blocks(model, "attention")[0]
     real = block.fused
     block.fused = lambda *a: calls.append(1) or real(*a)
     try:
@@ -130,7 +107,7 @@ def test_greedy_decode_logits_are_the_same_with_and_without_fusion(model, prompt
 def test_attention_inputs_it_is_not_bound_for_fall_back(model, kv_format: str, batch: int) -> None:
     """An FP8 cache or a batch of two: the fused attention declines, and the logits are the separate ops'."""
     prompt = torch.randint(3, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(4))
-    block = attention_blocks(model)[0]
+    block = fused_blocks(model, "attention")[0]
     real, taken = block.fused, []
     block.fused = lambda *a: taken.append(real(*a)) or taken[-1]
     try:
@@ -154,7 +131,7 @@ def test_a_full_cache_raises_the_separate_paths_error_before_writing(model) -> N
 
 
 def test_a_replaced_attention_weight_is_never_read_through_the_old_binding(model) -> None:
-    first, other = attention_blocks(model)[0], attention_blocks(model)[2]
+    first, other = fused_blocks(model, "attention")[0], fused_blocks(model, "attention")[2]
     saved = first.o_proj
     first.o_proj = other.o_proj
     try:

@@ -21,9 +21,12 @@ from torch.profiler import ProfilerActivity, profile
 from musecore.api import load_random
 
 
-def gpu_us(fn, n: int = 50) -> float:
+def gpu_us(fn, n: int = 50, warmup: int = 1) -> float:
+    """GPU microseconds per call of ``fn`` (not captured: it may replay a graph itself), ``n`` calls back to back
+    between two events after ``warmup`` calls."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
+    for _ in range(warmup):
+        fn()
     start.record()
     for _ in range(n):
         fn()

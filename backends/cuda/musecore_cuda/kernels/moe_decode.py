@@ -44,12 +44,19 @@ def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int, *, tokens: int
     no gathers. On runs of one expert (from :data:`RUNS_MIN_TOKENS` tokens, bf16) an expert streams once per run
     chunk instead, and the GEMVs win up to :data:`RUNS_MAX_ASSIGNMENTS`.
     """
-    if not (isinstance(stack, Fp4Resident) and fp4_gemv_cuda.available(stack.packed.device)):
-        return False  # (both decode kernels take M = 1)
+    return (isinstance(stack, Fp4Resident) and fp4_gemv_cuda.available(stack.packed.device)  # (M = 1 kernels)
+            and gemv_rule(n_assign, num_experts, tokens, stack.in_features, stack.out_features, dtype,
+                          stack.packed.device))
+
+
+def gemv_rule(n_assign: int, num_experts: int, tokens: int, width: int, inter: int, dtype: torch.dtype,
+              device: torch.device) -> bool:
+    """:func:`use_gemv`'s rule for experts ``gate/up [2I, h]``, ``down [h, I]`` (``width`` h, ``inter`` I), without
+    the weights (the plan shows it with no GPU: the runs plans need no device for bf16)."""
     if n_assign <= max(1, num_experts):
         return True
     return (n_assign <= RUNS_MAX_ASSIGNMENTS and tokens >= RUNS_MIN_TOKENS
-            and _plans(stack.in_features, stack.out_features, dtype, stack.packed.device, n_assign, True)[2])
+            and _plans(width, inter, dtype, device, n_assign, True)[2])
 
 
 @functools.lru_cache(maxsize=256)

@@ -227,30 +227,8 @@ def _token_rows(x: torch.Tensor, inner: int) -> tuple[torch.Tensor, int]:
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
                  eps: float, q_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``qk_norm_rope`` op: weightless per-head norms, q times ``q_scale``, RoPE unless cos/sin are None."""
-    _check_head_dim(q.shape[-1])
-    B, T, nq, d = q.shape
-    nkv = k.shape[2]
-    if k.shape[:2] != (B, T) or k.shape[3] != d:
-        raise ValueError(f"qk_norm_rope: q {list(q.shape)} and k {list(k.shape)} need the same B, T and head dim")
-    if (cos is None) != (sin is None):
-        raise ValueError("qk_norm_rope: give both cos and sin (a RoPE layer) or neither (a NoPE layer)")
-    rope = cos is not None
-    if rope:  # [B,T,d], or a table that broadcasts to it (one row set for the whole batch)
-        try:
-            cos, sin = cos.expand(B, T, d), sin.expand(B, T, d)
-        except RuntimeError as exc:
-            raise ValueError(f"qk_norm_rope: cos/sin must broadcast to [B,T,d] = {[B, T, d]}; got "
-                             f"{list(cos.shape)}, {list(sin.shape)}") from exc
-    (q, q_stride), (k, k_stride) = _token_rows(q, nq * d), _token_rows(k, nkv * d)
-    q_out = torch.empty(B, T, nq, d, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(B, T, nkv, d, dtype=k.dtype, device=k.device)
-    if B * T:
-        cos, sin = (cos.contiguous(), sin.contiguous()) if rope else (q_out, q_out)  # placeholders when NoPE
-        qk_norm_rope_kernel[(B * T * (nq + nkv),)](q, k, cos, sin, q_out, k_out, B * T * nq, nq, nkv, q_stride,
-                                                   k_stride, eps, q_scale, *(q_out,) * 4, T, 0, 0, 0, D=d, ROPE=rope,
-                                                   **_warps("qk_norm_rope"),
-                                                   **hooks.launch_options(q.device, "qk_norm_rope"))
-    return q_out, k_out
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    return _qk_norm_rope("qk_norm_rope", q, k, cos, sin, eps, q_scale, k_out), k_out
 
 
 def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: Optional[torch.Tensor],
@@ -260,28 +238,53 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     """:func:`qk_norm_rope` then :func:`musecore.kv_cache.write_static` of the normed k and of v, in one launch: the
     same bits in the cache (k/v rows in the cache's dtype, a static cache's ``[B, capacity + 1, nkv, d]`` buffers and
     long positions); returns the normed q. ``q``/``k``/``v`` may be slices of a fused projection."""
-    _check_head_dim(q.shape[-1])
-    B, T, nq, d = q.shape
-    nkv = k.shape[2]
-    if k.shape != (B, T, nkv, d) or v.shape != k.shape or cache_k.shape != (B, capacity + 1, nkv, d) \
+    B, T, nkv, d = k.shape
+    if v.shape != k.shape or cache_k.shape != (B, capacity + 1, nkv, d) \
             or cache_v.shape != cache_k.shape or k.dtype != cache_k.dtype or v.dtype != cache_v.dtype \
             or cache_pos.shape != (B, capacity + 1) or cache_pos.dtype != torch.long or pos_new.shape != (B, T) \
             or not (cache_k.is_contiguous() and cache_v.is_contiguous() and cache_pos.is_contiguous()):
         raise ValueError(f"qk_norm_rope_kv_write needs k/v [B,T,nkv,d] in the cache's dtype and a static cache's "
                          f"contiguous buffers; got q {list(q.shape)}, k {k.dtype} {list(k.shape)}, v {list(v.shape)}, "
                          f"cache {cache_k.dtype} {list(cache_k.shape)}, capacity {capacity}")
+    v, v_stride = _token_rows(v, nkv * d)
+    return _qk_norm_rope("qk_norm_rope_kv_write", q, k, cos, sin, eps, q_scale, cache_k,
+                         (v, cache_v, cache_pos, pos_new.contiguous(), v_stride, capacity + 1, capacity, ring))
+
+
+def _qk_norm_rope(name: str, q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor],
+                  sin: Optional[torch.Tensor], eps: float, q_scale: float, k_out: torch.Tensor,
+                  cache: Optional[tuple] = None) -> torch.Tensor:
+    """One ``qk_norm_rope_kernel`` launch; returns the normed q. The normed k goes to ``k_out`` (``[B,T,nkv,d]``),
+    or with ``cache = (v, cache_v, cache_pos, pos_new, v_stride, slots, capacity, ring)`` into the static cache
+    ``k_out`` with v and the positions beside it."""
+    _check_head_dim(q.shape[-1])
+    B, T, nq, d = q.shape
+    nkv = k.shape[2]
+    if k.shape[:2] != (B, T) or k.shape[3] != d:
+        raise ValueError(f"{name}: q {list(q.shape)} and k {list(k.shape)} need the same B, T and head dim")
     if (cos is None) != (sin is None):
-        raise ValueError("qk_norm_rope_kv_write: give both cos and sin (a RoPE layer) or neither (a NoPE layer)")
+        raise ValueError(f"{name}: give both cos and sin (a RoPE layer) or neither (a NoPE layer)")
     rope = cos is not None
-    (q, q_stride), (k, k_stride), (v, v_stride) = (_token_rows(q, nq * d), _token_rows(k, nkv * d),
-                                                  _token_rows(v, nkv * d))
+    if rope:  # [B,T,d], or a table that broadcasts to it (one row set for the whole batch)
+        try:
+            cos, sin = cos.expand(B, T, d), sin.expand(B, T, d)
+        except RuntimeError as exc:
+            raise ValueError(f"{name}: cos/sin must broadcast to [B,T,d] = {[B, T, d]}; got "
+                             f"{list(cos.shape)}, {list(sin.shape)}") from exc
+    (q, q_stride), (k, k_stride) = _token_rows(q, nq * d), _token_rows(k, nkv * d)
     q_out = torch.empty(B, T, nq, d, dtype=q.dtype, device=q.device)
     if B * T:
-        cos, sin = (cos.expand(B, T, d).contiguous(), sin.expand(B, T, d).contiguous()) if rope else (q_out, q_out)
-        qk_norm_rope_kernel[(B * T * (nq + nkv),)](
-            q, k, cos, sin, q_out, cache_k, B * T * nq, nq, nkv, q_stride, k_stride, eps, q_scale, v, cache_v,
-            cache_pos, pos_new.contiguous(), T, v_stride, capacity + 1, capacity, D=d, ROPE=rope, WRITE_KV=True,
-            RING=ring, **_warps("qk_norm_rope"), **hooks.launch_options(q.device, "qk_norm_rope"))
+        cos, sin = (cos.contiguous(), sin.contiguous()) if rope else (q_out, q_out)  # placeholders when NoPE
+        if cache is None:
+            kv_args, kv_flags = (*(q_out,) * 4, T, 0, 0, 0), {}
+        else:
+            v, cache_v, cache_pos, pos_new, v_stride, slots, capacity, ring = cache
+            kv_args, kv_flags = (v, cache_v, cache_pos, pos_new, T, v_stride, slots, capacity), dict(WRITE_KV=True,
+                                                                                                      RING=ring)
+        qk_norm_rope_kernel[(B * T * (nq + nkv),)](q, k, cos, sin, q_out, k_out, B * T * nq, nq, nkv, q_stride,
+                                                   k_stride, eps, q_scale, *kv_args, D=d, ROPE=rope, **kv_flags,
+                                                   **_warps("qk_norm_rope"),
+                                                   **hooks.launch_options(q.device, "qk_norm_rope"))
     return q_out
 
 

@@ -130,8 +130,8 @@ def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_p
         logits = tl.zeros((BLOCK,), dtype=tl.float32)
         for s0 in range(0, n_s, BLOCK_S):
             ss = s0 + tl.arange(0, BLOCK_S)
-            logits += tl.sum(tl.load(part_ptr + ss[:, None] * E + offs[None, :], mask=(ss < n_s)[:, None] & mask[None, :],
-                                other=0.0, cache_modifier=".cg"), axis=0)
+            logits += tl.sum(tl.load(part_ptr + ss[:, None] * E + offs[None, :],
+                                     mask=(ss < n_s)[:, None] & mask[None, :], other=0.0, cache_modifier=".cg"), axis=0)
         bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         _choose(logits, offs, mask, bias, wout_ptr, ids_ptr, 0, k, multiplier, scaling, K, BLOCK)
 
@@ -227,6 +227,7 @@ def router_topk_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     block = triton.next_power_of_2(E)
     router_one_launch_kernel[(triton.cdiv(E, ONE_LAUNCH_BLOCK_E), splits)](
         x.contiguous(), weight.contiguous(), part, counter, bias.contiguous(), weights, ids, E, H, k, multiplier,
-        scaling, BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block), K=triton.next_power_of_2(k),
+        scaling, BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block),
+        K=triton.next_power_of_2(k),
         BLOCK=block, num_warps=1, **hooks.launch_options(x.device, "router_one_launch"))
     return weights, ids

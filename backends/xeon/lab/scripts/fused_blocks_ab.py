@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
 import xeon_decode_profile as profile  # noqa: E402
-from musecore_xeon.fused import separate_ops  # noqa: E402
+from musecore.model import separate_ops  # noqa: E402
 
 
 def greedy_logits(model, steps: int) -> list[torch.Tensor]:
