@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Device calls (one H200) for issue 26, session 44 (backends/cuda/lab/NOTES.md), each step time-boxed:
+#   1. cuda_eager_probe.py at batch 1 and 8: where an eager decode step's ~40 ms go (host, syncs, cProfile);
+#   2. cuda_moe_runs_probe.py at batch 4-16: where runs of one expert overtake one program per assignment;
+#   3. musecore bench --backend cuda --case targets;
+#   4. the whole GPU suite, SIGINT at its cap;
+#   5. the GPU tests of this session's changes (TESTS, pytest node ids or files);
+#   6. cuda_fused_ab.py: muse-small batch-1 decode with the fused blocks and with the separate ops, alternated;
+#   7. cuda_profile_decode.py: the kernels of the (fused) decode step;
+#   8. benchmarks/serve_bench.py in process (the engine, muse-small NVFP4).
+# Everything under $OUT is also packed into $OUT/s44.tgz (run_steps in device_prelude.sh).
+# Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [TESTS="..."] bash backends/cuda/lab/scripts/s44_session.sh
+set -u
+LIMIT=${LIMIT:-580}
+STEPS=${STEPS:-12}
+source "$(dirname "$0")/device_prelude.sh"  # cap, install, gpu.txt, run_steps, targets_step, gpu_suite_step
+step1() {
+  for b in 1 8; do
+    timeout $(cap 150) python3 backends/cuda/lab/scripts/cuda_eager_probe.py --batch $b \
+      --out $OUT/cuda_eager_probe_b$b.json > $OUT/eager_probe_b$b.log 2>&1
+    echo "1. eager probe batch $b at ${SECONDS}s (rc $?):"; grep -E "cache:|^ +[0-9]+ x" $OUT/eager_probe_b$b.log | head -24 | cut -c1-200
+  done
+}
+step2() {
+  timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_moe_runs_probe.py --batches ${BATCHES:-4,6,8,12,16} \
+    --out $OUT/cuda_moe_runs_probe.json > $OUT/moe_runs_probe.log 2>&1
+  echo "2. MoE runs probe at ${SECONDS}s (rc $?):"; tail -12 $OUT/moe_runs_probe.log | cut -c1-250
+}
+step3() { targets_step 3; }
+step4() { gpu_suite_step 4; }
+step5() {
+  timeout $(cap 200) python3 -m pytest -q -p no:cacheprovider -m gpu -rs ${TESTS:-backends/triton/tests} > $OUT/tests.log 2>&1
+  echo "rc=$?" >> $OUT/tests.log
+  echo "5. tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/tests.log | tail -12
+}
+step6() {
+  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json > $OUT/fused_ab.log 2>&1
+  echo "6. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
+}
+step7() {
+  timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --rows 40 > $OUT/profile_decode_fused.txt 2>&1
+  echo "7. profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_fused.txt
+}
+step8() {
+  timeout $(cap 240) python3 benchmarks/serve_bench.py --in-process --random-weights --model muse-small --device h200 \
+    --checkpoint-format nvfp4 --passes 1 --out $OUT/serve_h200.json > $OUT/serve_bench.log 2>&1
+  echo "8. serve bench at ${SECONDS}s (rc $?):"; tail -8 $OUT/serve_bench.log | cut -c1-200
+}
+run_steps s44
