@@ -133,7 +133,9 @@ def in_process_rounds(args: argparse.Namespace) -> tuple[list[dict], dict]:
                [torch.randint(16, vocab, (int(n),), generator=gen).tolist() for n in (5, 9, 14, 7, 6, 8, 19, 6)])
     engine = Engine(model, max_batch=args.max_batch, max_model_len=args.max_model_len, max_waiting=1024,
                     ignore_eos=True)
-    engine.start()
+    started = time.perf_counter()
+    engine.start()  # captures the decode steps of every batch bucket where the backend replays graphs
+    start_s = time.perf_counter() - started
 
     def one(prompt: list[int], max_tokens: int) -> dict:
         done, state = threading.Event(), {"first": None, "usage": None, "error": None}
@@ -181,7 +183,9 @@ def in_process_rounds(args: argparse.Namespace) -> tuple[list[dict], dict]:
                 print(json.dumps(rounds[-1]), flush=True)
     finally:
         engine.stop()
-    extra = {"load_s": round(load_s, 1), "plan_backend": model.plan.backend, "plan_device": model.plan.device}
+    extra = {"load_s": round(load_s, 1), "plan_backend": model.plan.backend, "plan_device": model.plan.device,
+             "decode_graphs": engine.graphs, "engine_start_s": round(start_s, 2),
+             "graphs_captured": [list(key) for key in sorted(engine._steps)]}
     if len(passes) > 1:  # the earlier passes compiled kernels for new batch sizes and prompt lengths
         extra["earlier_passes"] = passes[:-1]
     if torch.cuda.is_available():

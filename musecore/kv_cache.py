@@ -76,6 +76,9 @@ class LayerCache:
         self.writer = writer or write_static  # static writes: a backend's fused kernel, or the reference
         self.row_writer = row_writer  # CPU decode writes (one position for every row): a backend's one call, or None
         self.used = 0  # slots [0, used) may hold entries (full layers); ring layers use all
+        # a static full layer's read bound: attention reads slots [0, reads) when set (a view over rows whose positions
+        # all lie below it, e.g. the serve engine's per-length decode graphs), else the whole capacity
+        self.reads: Optional[int] = None
         fp8 = kv_format == "fp8"
         self.k_scale: Optional[float] = k_scale if fp8 else None
         self.v_scale: Optional[float] = v_scale if fp8 else None
@@ -92,8 +95,13 @@ class LayerCache:
 
     @property
     def readable(self) -> int:
-        """Slots attention reads: the whole ring or static capacity (never a static trash slot), else the filled ones."""
-        return self.capacity if (self.ring or self.static) else self.used
+        """Slots attention reads: the whole ring, a static layer's capacity or read bound (never its trash slot),
+        else the filled ones."""
+        if self.ring:
+            return self.capacity
+        if self.static:
+            return self.capacity if self.reads is None else min(self.reads, self.capacity)
+        return self.used
 
     def stored(self) -> KVView:
         """The slots attention reads, as views of the cache (no copy). A ring or static layer reads every slot,

@@ -17,6 +17,13 @@ How it works (and what it is not):
   to it. Sampling settings are per request (rows are sampled one by one when they differ); greedy
   rows are sampled together.
 - Prompts stay on the cache's rows only while running; there is no prefix cache.
+- On a backend that replays captured decode steps (``model.wants_static_cache``: CUDA and ROCm graphs), the cache is
+  static and each decode step replays a graph captured for its shape bucket: the running rows rounded up to a power
+  of two (the extra rows are padding at position -1, which writes only to the trash slot and attends to nothing) and
+  the longest running sequence rounded up to ``LENGTH_ROUND`` times a power of two (full-attention layers read only
+  that many slots). Every row bucket's graph at the first length bound is captured at ``start``; a longer bound's
+  the first time a step needs it (logged); all are kept, so a server captures a few dozen at most. Elsewhere each
+  step runs ``model.forward`` through a dynamic cache.
 - A request with images or audio (``Request.media``, a :class:`musecore.multimodal.Prepared`) has
   its encoder outputs computed here, in the scheduler thread, through the model's encoder cache,
   just before its prefill: one tower call per kind for all the requests joining, whose features
@@ -146,7 +153,10 @@ class Engine:
         limit = model.config.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
         self.max_batch, self.max_waiting = max_batch, max_waiting
-        self.cache = model.new_cache(max_batch, self.max_model_len, kv_format=getattr(model, "kv_format", "bf16"))
+        self.graphs = bool(model.wants_static_cache)  # decode steps replayed from graphs captured per bucket
+        self.cache = model.new_cache(max_batch, self.max_model_len, kv_format=getattr(model, "kv_format", "bf16"),
+                                     static=self.graphs)
+        self._steps: dict[tuple[int, int], Callable] = {}  # (rows, length bound) -> a captured decode step
         self.running: list[Request] = []  # row i of the cache holds running[i]
         self.waiting: deque[Request] = deque()
         self.metrics = Metrics()
@@ -160,6 +170,9 @@ class Engine:
     # -- the public side ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Capture the first decode steps (``warm_up``; none where steps are not captured), then start the scheduler
+        thread."""
+        self.warm_up()
         self._thread = threading.Thread(target=self._run, name="musecore-scheduler", daemon=True)
         self._thread.start()
 
@@ -263,11 +276,11 @@ class Engine:
         return True
 
     def _prefill(self, requests: list[Request], first_row: int) -> None:
-        view = _rows(self.cache, first_row, first_row + len(requests))
+        longest = max(len(r.prompt_ids) for r in requests)
+        view = _rows(self.cache, first_row, first_row + len(requests), reads=longest)
         for layer in view.layers:  # the rows may hold finished requests' entries
             layer.positions.fill_(-1)
         view.next_position.zero_()
-        longest = max(len(r.prompt_ids) for r in requests)
         ids = torch.zeros((len(requests), longest), dtype=torch.long)  # left-padded, as generate pads
         positions = torch.full((len(requests), longest), -1, dtype=torch.long)  # -1: padding, seen by nothing
         for b, r in enumerate(requests):
@@ -292,16 +305,64 @@ class Engine:
 
     def _decode_step(self) -> None:
         n = len(self.running)
-        view = _rows(self.cache, 0, n)
-        ids = torch.tensor([[r.last_token] for r in self.running], dtype=torch.long)
-        positions = torch.tensor([[r.position - 1] for r in self.running], dtype=torch.long)
-        logits = self.model.forward(ids, positions=positions, cache=view)[:, -1]  # [n,V]
-        _merge_used(self.cache, view)
+        if self.graphs:
+            logits = self._replay(n)
+        else:
+            view = _rows(self.cache, 0, n)
+            ids = torch.tensor([[r.last_token] for r in self.running], dtype=torch.long)
+            positions = torch.tensor([[r.position - 1] for r in self.running], dtype=torch.long)
+            logits = self.model.forward(ids, positions=positions, cache=view)[:, -1]  # [n,V]
+            _merge_used(self.cache, view)
         for request, token in zip(list(self.running), self._sample(self.running, logits)):
             self._accept(request, token)
         self.metrics.decode_steps += 1
         self.metrics.peak_running = max(self.metrics.peak_running, n)
         self._retire()
+
+    LENGTH_ROUND = 256  # a decode graph's length bound: this many slots times a power of two (up to max_model_len)
+
+    def step_bucket(self, rows: int, length: int) -> tuple[int, int]:
+        """The captured step's shape for ``rows`` running sequences whose longest reaches position ``length - 1``:
+        rows up to the backend's ``batch_bucket`` or a power of two (at most ``max_batch``), the read bound up to ``LENGTH_ROUND`` times a power of two
+        (at most ``max_model_len``)."""
+        bound = self.LENGTH_ROUND
+        while bound < length:
+            bound *= 2
+        bucket = getattr(self.model.backend, "batch_bucket", None)  # the backend's own (TPU), else powers of two
+        rows = int(bucket(rows)) if bucket is not None else 1 << (rows - 1).bit_length()
+        return min(rows, self.max_batch), min(bound, self.max_model_len)
+
+    def warm_up(self) -> int:
+        """Capture the decode step of every row bucket at the first length bound now (``start`` calls this), so the
+        first requests do not wait for captures; longer bounds are captured when a sequence first reaches them.
+        Returns how many steps were captured (0 where steps are not captured)."""
+        if not self.graphs:
+            return 0
+        buckets = sorted({self.step_bucket(n, 1) for n in range(1, self.max_batch + 1)} - set(self._steps))
+        with torch.inference_mode():
+            for rows, bound in buckets:
+                self._step(rows, bound)
+        return len(buckets)
+
+    def _step(self, rows: int, bound: int) -> Callable:
+        step = self._steps.get((rows, bound))
+        if step is None:
+            t = time.perf_counter()
+            step = self._steps[(rows, bound)] = self.model.decode_step(_rows(self.cache, 0, rows, reads=bound))
+            log.info("captured the decode step for %d rows up to %d positions in %.2f s (%d kept)", rows, bound,
+                     time.perf_counter() - t, len(self._steps))
+        return step
+
+    def _replay(self, n: int) -> torch.Tensor:
+        """One decode step of the ``n`` running rows through the graph of their bucket: logits ``[n, V]``, valid
+        until the next step (the graph's output buffer)."""
+        rows, bound = self.step_bucket(n, max(r.position for r in self.running))
+        step = self._step(rows, bound)
+        ids = torch.zeros((rows, 1), dtype=torch.long)  # padding rows: token 0 at position -1 (seen by nothing)
+        positions = torch.full((rows, 1), -1, dtype=torch.long)
+        ids[:n, 0] = torch.tensor([r.last_token for r in self.running], dtype=torch.long)
+        positions[:n, 0] = torch.tensor([r.position - 1 for r in self.running], dtype=torch.long)
+        return step(ids.to(self.model.device), positions.to(self.model.device))[:n, -1]
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
         # NaN/Inf logits (broken weights or numerics) never become tokens: the scheduler stops with the
@@ -383,8 +444,9 @@ def _end_ids(model: Any) -> set[int]:
     return _eos_ids(model)
 
 
-def _rows(cache: KVCache, start: int, stop: int) -> KVCache:
-    """A cache over rows ``[start, stop)`` of ``cache``: views of its tensors, so writes land in it."""
+def _rows(cache: KVCache, start: int, stop: int, reads: Optional[int] = None) -> KVCache:
+    """A cache over rows ``[start, stop)`` of ``cache``: views of its tensors, so writes land in it. ``reads`` bounds
+    what a static cache's full-attention layers read (every position in those rows lies below it)."""
     view = object.__new__(KVCache)
     view.static = cache.static
     view.layers = []
@@ -392,6 +454,8 @@ def _rows(cache: KVCache, start: int, stop: int) -> KVCache:
         part = copy.copy(layer)
         part.k, part.v, part.positions = layer.k[start:stop], layer.v[start:stop], layer.positions[start:stop]
         part._whole = None
+        if cache.static:
+            part.reads = reads
         view.layers.append(part)
     view.next_position = cache.next_position[start:stop]
     return view

@@ -97,3 +97,56 @@ def test_nan_logits_stop_the_engine_with_the_error_for_every_client():
     assert all(got.done[i]["finish_reason"] == "error" for i in range(2)), got.done
     assert "NaN/Inf" in got.done[0]["error"], got.done[0]
     assert not any(got.text[i] for i in range(2)), got.text
+
+
+class _Captures:
+    """The CPU backend, made to want static caches like a GPU backend that replays captured graphs: each "capture"
+    is recorded as (rows, length bound) and its step is the plain forward through the view it was given."""
+
+    wants_static_cache = True
+
+    def __init__(self, backend):
+        self._backend, self.captured = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def make_decode_step(self, model, cache):
+        bounds = {layer.reads for layer in cache.layers if not layer.ring}
+        assert len(bounds) == 1, f"a step's full layers were given different read bounds {bounds}"
+        self.captured.append((cache.next_position.shape[0], bounds.pop()))
+        return lambda ids, positions: model.forward(ids, positions=positions, cache=cache)
+
+
+def test_graph_buckets_compute_generates_output_and_are_captured_once_per_bucket(model):
+    graphed = musecore.load("muse-tiny", device="cpu")
+    backend = graphed.backend = _Captures(graphed.backend)
+    prompts = ["def fib(n):", "import os", "Hello, my name is", "class Stack:", "x = [", "# sort a list"]
+    lengths = [12, 3, 20, 7, 1, 15]
+    expected = [model.generate(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+    engine = Engine(graphed, max_batch=3, max_waiting=8)
+    engine.LENGTH_ROUND = 8  # short bounds, so sequences cross them while decoding
+    assert engine.cache.static and engine.graphs
+    engine.start()
+    try:
+        for attempt in range(2):  # the second wave, on the same engine, finds every bucket captured
+            got = Collector(len(prompts))
+            for i, (p, n) in enumerate(zip(prompts, lengths)):
+                engine.submit(Request(_encode_text(graphed, p), Sampling(max_tokens=n), got.sink(i), graphed.tokenizer))
+            assert got.all_done.wait(TIMEOUT), "the engine did not finish"
+            texts = ["".join(got.text[i]) for i in range(len(prompts))]
+            assert texts == expected, f"wave {attempt}: bucketed static decode changed the output"
+            if attempt == 0:
+                first = list(backend.captured)
+    finally:
+        engine.stop()
+    assert backend.captured == first, f"the second run captured again: {backend.captured[len(first):]}"
+    assert len(set(first)) == len(first), f"a bucket was captured twice: {first}"
+    assert {rows for rows, _ in first} <= {1, 2, 3} and {bound for _, bound in first} <= {8, 16, 32, 64}, first
+    assert any(bound > 8 for _, bound in first), f"no sequence crossed a length bound: {first}"
+
+
+def test_step_bucket_rounds_rows_to_powers_of_two_and_lengths_to_doubling_bounds(model):
+    engine = Engine(model, max_batch=12, max_model_len=3000)
+    assert [engine.step_bucket(n, 1)[0] for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+    assert [engine.step_bucket(1, n)[1] for n in (1, 256, 257, 1000, 2049, 3000)] == [256, 256, 512, 1024, 3000, 3000]

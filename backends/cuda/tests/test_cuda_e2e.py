@@ -77,3 +77,41 @@ def test_nvfp4_checkpoint_generates_through_w4a16_kernels_and_agrees_with_emulat
                                       f"KL to BF16 {d_quant:.3e}")
     text = native.generate("def fibonacci(n):", max_new_tokens=24)
     assert len(text) > 10, text
+
+
+def _serve(model, prompts: list[str], lengths: list[int]) -> tuple[list[str], object]:
+    """Every prompt submitted before the engine starts (one prefill, then rows leave at their lengths)."""
+    import threading
+    from musecore.generate import _encode_text
+    from musecore.serve.engine import Engine, Request, Sampling
+
+    engine = Engine(model, max_batch=4)
+    texts, done = {i: [] for i in range(len(prompts))}, threading.Semaphore(0)
+
+    def sink(i):
+        def receive(event):
+            if event["type"] == "text":
+                texts[i].append(event["text"])
+            else:
+                done.release()
+        return receive
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.submit(Request(_encode_text(model, p), Sampling(max_tokens=n), sink(i), model.tokenizer))
+    engine.start()
+    try:
+        for _ in prompts:
+            assert done.acquire(timeout=120), "the engine did not finish"
+    finally:
+        engine.stop()
+    return ["".join(texts[i]) for i in range(len(prompts))], engine
+
+
+def test_serve_engine_graph_buckets_give_the_tokens_of_its_plain_decode():
+    model = musecore.load("muse-tiny", device="h200")
+    prompts, lengths = ["def fibonacci(n):", "import os\n", "class Stack:", "x = ["], [40, 9, 25, 3]
+    graphed, engine = _serve(model, prompts, lengths)
+    assert engine.graphs and (1, 256) in engine._steps and (4, 256) in engine._steps, sorted(engine._steps)
+    model.backend.wants_static_cache = False  # the engine then decodes through model.forward on a dynamic cache
+    plain, engine = _serve(model, prompts, lengths)
+    assert not engine.graphs and not engine._steps
+    assert graphed == plain, f"graphed {graphed!r} != plain {plain!r}"
