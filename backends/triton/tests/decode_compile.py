@@ -1,6 +1,6 @@
 """Compile the decode kernels that session 43 fused (the CUDA backend's fused sublayers: ``dense_gemv`` with its
 row-op epilogues and an fp32 input, the one-launch router, the q/k norms writing the KV cache, attention with the
-head norm and gate) for a GPU target with no GPU: ``python decode_compile.py sm90``. Same recorder as
+head norm and gate, and the split keys' merge) for a GPU target with no GPU: ``python decode_compile.py sm90``. Same recorder as
 ``towers_compile.py`` (every launch compiled with the signature and constexprs its wrapper chose, never run);
 prints one JSON list: kernel, constexprs, options, shared memory bytes."""
 
@@ -47,6 +47,10 @@ def main(arch: str) -> None:
         norms.qk_norm_rope_kv_write(q, k, v, *rope, 1e-6, 0.5, ck, cv, cpos, pos, cap, ring)
     qn = torch.randn(1, 1, nq, d).to(dt)
     attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
+    long = 1024  # keys split over programs: the merge kernel, with and without the gate's epilogue
+    kl, vl = (torch.zeros(1, long, nkv, d).to(dt) for _ in range(2))
+    for g in (None, (gate, 1e-6)):
+        attention(qn, kl, vl, pos, torch.full((1, long), -1, dtype=torch.long), None, d ** -0.5, gate=g)
     print(json.dumps(RESULTS))
 
 

@@ -45,12 +45,17 @@ def test_prefill_attention_follows_the_mask_contract(window, dtype):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_decode_attention_splits_long_contexts(fp8):
-    B, T, S, nq, nkv, d = 1, 1, 600, 8, 2, 64  # S long enough for several splits
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 3)])
+def test_decode_attention_splits_long_contexts(fp8, B, T):
+    """Keys split over programs and merged by the merge kernel; with two rows, the second a padding row (position
+    -1: sees nothing, gives zeros) and three queries each (the merge's rows map to tokens and heads)."""
+    S, nq, nkv, d = 600, 8, 2, 64  # S long enough for several splits
     q, k, v = case(B, T, S, nq, nkv, d, torch.float16)
-    k_pos = torch.arange(S, device=DEVICE)[None]
-    k_pos[0, 550:] = -1
-    q_pos = torch.tensor([[549]], device=DEVICE)
+    k_pos = torch.arange(S, device=DEVICE).repeat(B, 1)
+    k_pos[:, 550:] = -1
+    q_pos = torch.arange(550 - T, 550, device=DEVICE).repeat(B, 1)
+    if B > 1:
+        q_pos[1] = -1
     k_scale = v_scale = None
     if fp8:
         k_scale, v_scale = 0.05, 0.02
@@ -58,7 +63,9 @@ def test_decode_attention_splits_long_contexts(fp8):
         v = (v.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     out = attention(q, k, v, q_pos, k_pos, 128, d ** -0.5, k_scale, v_scale)
     expected = ref.attention(q, k, v, q_pos, k_pos, 128, d ** -0.5, k_scale, v_scale)
-    assert_nmse(expected, out, tolerance("attention"), f"decode fp8={fp8}")
+    assert_nmse(expected, out, tolerance("attention"), f"decode fp8={fp8} B={B} T={T}")
+    if B > 1:
+        assert torch.equal(out[1].float(), torch.zeros_like(out[1].float())), "a padding row saw keys"
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ GQA is handled by packing the ``G = nq/nkv`` query heads of one KV head into the
 (row r = token ``r // G``, head ``r % G``): K/V are read once per group, and at decode the 8-80
 heads of one token fill a 16-row tensor-core tile. Long decode contexts are split along S
 (flash-decoding) so that a handful of KV heads still occupies every SM; the partial results are
-merged with their log-sum-exp. FP8 K/V bytes are upcast exactly in registers and their per-tensor
+merged with their log-sum-exp by one more kernel, which also takes the gate's epilogue. FP8 K/V bytes are upcast exactly in registers and their per-tensor
 scales are applied to the scores and the output, never to the cache.
 """
 
@@ -24,7 +24,6 @@ import triton.language as tl
 
 from musecore_triton import hooks
 from musecore_triton.kernels.fp4_gemm import dot_mode
-from musecore_triton.kernels.norms import head_norm_gate
 
 LOG2E = 1.4426950408889634
 
@@ -101,25 +100,54 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
         tl.store(ml_ptr + part * 2 + 1, l_i)
     else:
         out = tl.where(l_i[:, None] > 0, acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        if GATE:  # the head_norm_gate op on each row (one head) of the output, rounded as that op reads it
-            out = out.to(o_ptr.dtype.element_ty).to(tl.float32)
-            rs = 1.0 / tl.sqrt(tl.sum(out * out, axis=1) / D + gate_eps)
-            g = tl.load(g_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_t + h[:, None] * D + d[None, :],
-                        mask=r_valid[:, None], other=0.0).to(tl.float32)
-            out = out * rs[:, None] * (1.0 / (1.0 + tl.exp(-g)))
-        o_ptrs = o_ptr + b.to(tl.int64) * so_b + t[:, None].to(tl.int64) * so_t + h[:, None] * so_h + d[None, :]
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=r_valid[:, None])
+        _store_rows(o_ptr, out, b, t, h, r_valid, so_b, so_t, so_h, g_ptr, sg_b, sg_t, gate_eps, D, GATE)
 
 
-def _merge_splits(partial: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
-    """Combine split-S partials ``[splits, BH, R, D]`` by their log2-sum-exp -> ``[BH, R, D]``."""
-    m, l = ml[..., 0], ml[..., 1]
-    m_max = m.amax(0)
-    m_max = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
-    w = torch.exp2(m - m_max)  # a split that saw nothing has m = -inf -> weight 0
-    denom = (w * l).sum(0)
-    num = (w[..., None] * partial).sum(0)
-    return torch.where(denom[..., None] > 0, num / denom.clamp_min(1e-30)[..., None], torch.zeros_like(num))
+@triton.jit
+def _store_rows(o_ptr, out, b, t, h, r_valid, so_b, so_t, so_h, g_ptr, sg_b, sg_t, gate_eps, D: tl.constexpr,
+                GATE: tl.constexpr):
+    """Store a tile's finished rows (row = token ``t``, head ``h``) into ``[B,T,nq,D]``; with ``GATE``, the
+    head_norm_gate op on each row first, rounded to the output's dtype as that op reads it."""
+    d = tl.arange(0, D)
+    if GATE:
+        out = out.to(o_ptr.dtype.element_ty).to(tl.float32)
+        rs = 1.0 / tl.sqrt(tl.sum(out * out, axis=1) / D + gate_eps)
+        g = tl.load(g_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_t + h[:, None] * D + d[None, :],
+                    mask=r_valid[:, None], other=0.0).to(tl.float32)
+        out = out * rs[:, None] * (1.0 / (1.0 + tl.exp(-g)))
+    o_ptrs = o_ptr + b.to(tl.int64) * so_b + t[:, None].to(tl.int64) * so_t + h[:, None] * so_h + d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=r_valid[:, None])
+
+
+@triton.jit
+def merge_splits_kernel(part_ptr, ml_ptr, o_ptr, splits, nkv, rows, rows_pad, so_b, so_t, so_h,
+                        g_ptr, sg_b, sg_t, gate_eps, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        PDL: tl.constexpr, GATE: tl.constexpr):
+    """Flash-decoding's merge: one tile of rows of one (batch, KV head), its ``splits`` partials ``[BH, R, D]`` and
+    their (max, sum) combined by log2-sum-exp (a split that saw nothing has max -inf: weight 0; a row nothing saw
+    is 0), stored like the unsplit kernel's epilogue (with the gate when asked)."""
+    hooks.pdl_wait(PDL)
+    pid_bh = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_valid = r < rows
+    b, kvh = pid_bh // nkv, pid_bh % nkv
+    d = tl.arange(0, D)
+    stride = tl.num_programs(0).to(tl.int64) * rows_pad  # one split's rows
+    row = pid_bh.to(tl.int64) * rows_pad + r
+    m_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    for s in range(splits):
+        m_max = tl.maximum(m_max, tl.load(ml_ptr + (s * stride + row) * 2, mask=r_valid, other=float("-inf")))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    num = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    for s in range(splits):
+        at = s * stride + row
+        w = tl.exp2(tl.load(ml_ptr + at * 2, mask=r_valid, other=float("-inf")) - m_max)
+        denom += w * tl.load(ml_ptr + at * 2 + 1, mask=r_valid, other=0.0)
+        num += w[:, None] * tl.load(part_ptr + at[:, None] * D + d[None, :], mask=r_valid[:, None], other=0.0)
+    out = tl.where(denom[:, None] > 0, num / tl.where(denom > 0, denom, 1.0)[:, None], 0.0)
+    _store_rows(o_ptr, out, b, r // G, kvh * G + r % G, r_valid, so_b, so_t, so_h, g_ptr, sg_b, sg_t, gate_eps,
+                D, GATE)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -128,8 +156,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     """The ``attention`` op (``musecore.ops``): causal GQA by positions, optional window and FP8 K/V.
 
     ``gate = (gate_logits [B,T,nq,d], eps)``: return ``head_norm_gate(attention, gate_logits, eps)`` instead, in the
-    attention kernel's epilogue when the keys are not split (else by the head-norm kernel after the merge). The
-    logits may be a fused projection's slice (each token's heads contiguous)."""
+    epilogue of the attention kernel, or of the merge kernel when the keys are split. The logits may be a fused
+    projection's slice (each token's heads contiguous)."""
     B, T, nq, d = q.shape
     S, nkv = k.shape[1], k.shape[2]
     if nq % nkv:
@@ -185,8 +213,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
         **hooks.launch_options(q.device, "attention"))
     if splits > 1:
-        merged = _merge_splits(partial, ml)[:, :rows]  # [B*nkv, T*G, d]
-        out.copy_(merged.reshape(B, nkv, T, group, d).permute(0, 2, 1, 3, 4).reshape(B, T, nq, d))
-        if gate is not None:
-            return head_norm_gate(out, *gate)
+        merge_splits_kernel[(B * nkv, m_blocks)](
+            partial, ml, out, splits, nkv, rows, rows_pad, out.stride(0), out.stride(1), out.stride(2), *gate_args,
+            G=group, D=d, BLOCK_M=block_m, GATE=gate is not None, num_warps=4,
+            **hooks.launch_options(q.device, "attention_merge"))
     return out
