@@ -9,7 +9,7 @@ import torch
 from musecore.ops import reference as ref
 from musecore.ops import tolerance
 
-from musecore_triton.testing import DEVICE, SMALL_DTYPES, HAS_GPU, assert_nmse
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_triton.kernels.attention import attention
 

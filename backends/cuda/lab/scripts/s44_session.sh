@@ -7,7 +7,8 @@
 #   5. the GPU tests of this session's changes (TESTS, pytest node ids or files);
 #   6. cuda_fused_ab.py: muse-small batch-1 decode with the fused blocks and with the separate ops, alternated;
 #   7. cuda_profile_decode.py: the kernels of the (fused) decode step;
-#   8. benchmarks/serve_bench.py in process (the engine, muse-small NVFP4).
+#   8. benchmarks/serve_bench.py in process (the engine, muse-small NVFP4);
+#   9. cuda_merge_ab.py: the split keys' merge kernel against the PyTorch merge, decode at 32-4000 token prompts.
 # Everything under $OUT is also packed into $OUT/s44.tgz (run_steps in device_prelude.sh).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [TESTS="..."] bash backends/cuda/lab/scripts/s44_session.sh
 set -u
@@ -45,5 +46,9 @@ step8() {
   timeout $(cap 240) python3 benchmarks/serve_bench.py --in-process --random-weights --model muse-small --device h200 \
     --checkpoint-format nvfp4 --passes 2 --out $OUT/serve_h200.json > $OUT/serve_bench.log 2>&1
   echo "8. serve bench at ${SECONDS}s (rc $?):"; tail -8 $OUT/serve_bench.log | cut -c1-200
+}
+step9() {
+  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_merge_ab.py --out $OUT/cuda_merge_ab.json > $OUT/merge_ab.log 2>&1
+  echo "9. merge A/B at ${SECONDS}s (rc $?):"; grep "^prompt" $OUT/merge_ab.log | cut -c1-200
 }
 run_steps s44
