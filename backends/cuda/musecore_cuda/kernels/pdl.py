@@ -150,27 +150,32 @@ def _c_args(args: Sequence[Any]) -> tuple[list, Any]:
             raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
         else:
             keep.append(ctypes.c_int(a) if isinstance(a, int) else ctypes.c_double(a))
-    array = (ctypes.c_void_p * len(keep))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep))
+    array = (ctypes.c_void_p * len(keep))(*(ctypes.addressof(v) for v in keep))
     return keep, array
+
+
+@functools.lru_cache(maxsize=None)
+def _driver() -> Any:
+    """libcuda through torch's loader, looked up once (torch's kernel launcher looks it up at every launch)."""
+    return torch.cuda._utils._get_gpu_runtime_library()
 
 
 def launch(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], shared_mem: int = 0,
            device: torch.device | None = None, name: str = "") -> None:
-    """Launch an NVRTC kernel (``torch.cuda._compile_kernel``'s result) on the current stream, with
-    PDL where :func:`enabled`, else through the kernel's own launcher."""
+    """Launch an NVRTC kernel (``torch.cuda._compile_kernel``'s result) on the current stream with
+    ``cuLaunchKernelEx``, with the PDL attribute where :func:`enabled`. (The same launch as the kernel's own
+    launcher, which costs more host time per call: an eager decode step makes ~30 of these.)"""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    if not enabled(device, name):
-        kernel(grid=tuple(grid), block=tuple(block), args=list(args), shared_mem=shared_mem)
-        return
     if shared_mem >= 48 * 1024 and shared_mem > getattr(kernel, "_max_shared_mem_bytes", 0):
         raise RuntimeError(f"kernel needs {shared_mem} bytes of shared memory; call set_shared_memory_config first")
     keep, array = _c_args(args)
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
+    pdl = enabled(device, name)
     config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                     ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), ctypes.pointer(attr), 1)
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    status = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.func, array, None)
+                     ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
+                     ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+    status = _driver().cuLaunchKernelEx(ctypes.byref(config), kernel.func, array, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
     del keep
