@@ -16,7 +16,7 @@ LIMIT=${LIMIT:-580}
 STEPS=${STEPS:-12}
 source "$(dirname "$0")/device_prelude.sh"  # cap, install, gpu.txt, run_steps, targets_step, gpu_suite_step
 step1() {
-  for b in 1 8; do
+  for b in ${EAGER_BATCHES:-1 8}; do
     timeout $(cap 150) python3 backends/cuda/lab/scripts/cuda_eager_probe.py --batch $b \
       --out $OUT/cuda_eager_probe_b$b.json > $OUT/eager_probe_b$b.log 2>&1
     echo "1. eager probe batch $b at ${SECONDS}s (rc $?):"; grep -E "cache:|^ +[0-9]+ x" $OUT/eager_probe_b$b.log | head -24 | cut -c1-200
