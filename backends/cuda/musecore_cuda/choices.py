@@ -216,7 +216,7 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
         down = "down" in shape.name
         width, inter = (shape.out_features, shape.in_features) if down else (shape.in_features, shape.out_features // 2)
         limit = next(t for t in range(1, 1 << 20) if not moe_uses_gemv(t * top_k, e, t, width, inter)) - 1
-        runs = moe_decode.RUNS_MIN_TOKENS
+        runs = next((t for t in range(1, limit + 1) if moe_decode.on_runs_by_default(t, t * top_k, e)), limit + 1)
         return [KernelChoice(f"{label}, T <= {runs - 1} tokens",
                              "CUDA C++ expert GEMVs (NVRTC): gate+up+SwiGLU, down, Triton finalize",
                              f"one program per assignment: up to E = {e} assignments experts rarely repeat, and the "
@@ -226,9 +226,10 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
                              "finalize",
                              "each program computes up to 5-8 of one expert's assignments (as many as its staged "
                              "activations fit in shared memory), so an expert several tokens chose streams once per "
-                             "run, with the same bits as one program per assignment (H200, 816B layer at 16 tokens: "
-                             "1298 -> 1161 us; about even at 4-8, where few experts repeat); 1.7-2.0x the grouped "
-                             "GEMM at 64-128 tokens"),
+                             "run, with the same bits as one program per assignment (H200, 816B layer: 1285 -> 1137 us "
+                             "at 16 tokens, 972 -> 862 at 12, even at 6-8; at 4, where few experts repeat, one "
+                             "program per assignment is ahead, 358 vs 414); 1.7-2.0x the grouped GEMM at 64-128 "
+                             "tokens"),
                 KernelChoice(f"{label}, T > {limit} tokens",
                              "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, finalize)",
                              f"each routed expert streamed once per block of its tokens; "

@@ -17,6 +17,7 @@ from musecore_cuda.backend import fp4_linear_path
 from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, GLUON_WIDE_M, fp4_path_for, moe_uses_gemv
 from musecore_cuda.kernels import fp4_gluon_plan, pdl
 from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
+from musecore_cuda.kernels.moe_decode import RUNS_FROM_TOKENS, RUNS_MIN_TOKENS, on_runs_by_default
 from musecore_triton.layouts import prepare_fp4
 
 # The 816B preset's shapes (H 8192, h = I = 4096, 256 experts, top-8): FP4 linears as an all-NVFP4
@@ -202,8 +203,8 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
 
 
 def test_moe_names_the_gemv_then_runs_up_to_1024_assignments_and_the_grouped_gemm_beyond(choices):
-    assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 3 tokens").reason
-    assert "runs of one expert" in _choice(choices, "experts gate/up", "T 4-128 tokens").choice  # 128 x 8 = 1024
+    assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 7 tokens").reason
+    assert "runs of one expert" in _choice(choices, "experts gate/up", "T 8-128 tokens").choice  # 128 x 8 = 1024
     assert "Triton grouped W4A16 GEMM" in _choice(choices, "experts down", "T > 128 tokens").choice
 
 
@@ -274,3 +275,11 @@ def test_benchmarks_come_through_the_entry_point_not_the_backend():
     assert not hasattr(CudaBackend, "benchmarks")
     backend_source = (Path(__file__).parents[1] / "musecore_cuda" / "backend.py").read_text()
     assert "musecore_cuda.bench" not in backend_source  # no backend.py <-> bench.py circle
+
+
+def test_runs_by_default_from_8_tokens_or_past_e_assignments():
+    """At 4-7 tokens one program per assignment was measured as fast or faster on the 816B layer (runs from 8);
+    past E assignments runs from RUNS_MIN_TOKENS, where one program per assignment would stream experts again."""
+    assert not on_runs_by_default(4, 32, 256) and not on_runs_by_default(7, 56, 256)
+    assert on_runs_by_default(RUNS_FROM_TOKENS, 64, 256) and on_runs_by_default(RUNS_MIN_TOKENS, 16, 12)
+    assert not on_runs_by_default(3, 12, 8)

@@ -14,7 +14,7 @@ from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse, nmse
 from musecore_cuda import CudaBackend
 from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_cuda.kernels.fp4_gemv_cuda import GemvPlan
-from musecore_cuda.kernels.moe_decode import RUNS_MIN_TOKENS, moe_decode_gemv, use_gemv
+from musecore_cuda.kernels.moe_decode import RUNS_FROM_TOKENS, moe_decode_gemv, use_gemv
 from musecore_triton.kernels.moe import align_assignments, moe_decode_dense
 
 
@@ -118,7 +118,7 @@ def test_run_plan_fits_the_staged_rows_of_a_run_in_shared_memory():
 @pytest.mark.parametrize("width,inter,experts,tokens", [
     (128, 256, 20, 10),               # experts 0 and 1 chosen by 9 tokens: runs chunked at 8 staged rows
     (4096, 4096, 24, 12),             # the 816B expert shape: runs of 9 chunked at 5 (K = 4096 fills shared memory)
-    (4096, 4096, 24, RUNS_MIN_TOKENS),
+    (4096, 4096, 24, RUNS_FROM_TOKENS),
 ])
 def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts, tokens):
     """Sorted assignments, each GEMV program computing a run (chunk) of one expert's tokens: the same bits as one
@@ -134,7 +134,7 @@ def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts,
     assert use_gemv(prepared.gate, ids.numel(), experts)
     cap = fp4_gemv_cuda.run_plan(GemvPlan("mma", 1, 1), width, swiglu=True).m
     assert cap == (8 if width == 128 else 5)
-    assert int(torch.bincount(ids.reshape(-1)).max()) > cap or tokens == RUNS_MIN_TOKENS  # some run is chunked
+    assert int(torch.bincount(ids.reshape(-1)).max()) > cap or tokens == RUNS_FROM_TOKENS  # some run is chunked
     wide = width == 4096  # (K = 128 is one chunk: no split of it)
     for cuts in (None,) + ((GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
                            (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))) * wide:
@@ -143,7 +143,7 @@ def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts,
         assert torch.equal(each, runs), f"runs differ from per-assignment programs (cuts {cuts}): " \
                                         f"max |diff| {(each - runs).abs().max().item():.3g}"
     expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
-    y = be.moe(z, weights, ids, prepared, norm, 1e-8)  # the default: runs from RUNS_MIN_TOKENS tokens
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)  # the default: runs from RUNS_FROM_TOKENS tokens (on_runs_by_default)
     assert torch.equal(y, moe_decode_gemv(*args, runs=True)), "be.moe did not take the runs path"
     assert_nmse(expected, y, tolerance("moe"), f"moe runs T={tokens} {width}x{inter}")
     graph = torch.cuda.CUDAGraph()

@@ -23,7 +23,17 @@ from musecore_triton.kernels.moe import ExpertStack, finalize
 from musecore_triton.layouts import Fp4Resident
 
 
-RUNS_MIN_TOKENS = 4  # batch from which the GEMVs take runs of one expert (sorted assignments)
+RUNS_MIN_TOKENS = 4  # batch from which the GEMVs may take runs of one expert (sorted assignments): past E assignments
+# Batch from which they take runs up to E assignments too. One program per assignment against runs on the 816B layer
+# (H200, session 44, cuda_moe_runs_probe.py): 358 vs 414 us at batch 4, even at 6 and 8 (513/515, 665/666), 972 vs 862
+# at 12 and 1285 vs 1137 at 16.
+RUNS_FROM_TOKENS = 8
+
+
+def on_runs_by_default(tokens: int, n_assign: int, num_experts: int) -> bool:
+    """Whether the decode GEMVs run on runs of one expert for ``tokens`` tokens' ``n_assign`` assignments: from
+    :data:`RUNS_FROM_TOKENS` tokens, or from :data:`RUNS_MIN_TOKENS` when the assignments outnumber the experts."""
+    return tokens >= RUNS_FROM_TOKENS or (tokens >= RUNS_MIN_TOKENS and n_assign > num_experts)
 
 
 # Most assignments the GEMVs take when they run on runs of one expert: measured to batch 128 (1024 assignments) on the
@@ -82,13 +92,13 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
                     runs: Optional[bool] = None) -> torch.Tensor:
     """The ``moe`` op at decode: gate+up+SwiGLU and down as one FP4 GEMV per token-expert assignment
     (``plans`` overrides ``make_plan``'s cuts for the two launches, for sweeps; ``runs`` forces runs of one
-    expert on or off, default from :data:`RUNS_MIN_TOKENS`; the output bits are the same either way)."""
+    expert on or off, default :func:`on_runs_by_default`; the output bits are the same either way)."""
     T, topk = ids.shape
     width, inter = z.shape[-1], gate.out_features
     flat = ids.reshape(-1).contiguous()
     z = z.contiguous()
     h = torch.empty(flat.numel(), inter, dtype=z.dtype, device=z.device)
-    on_runs = T >= RUNS_MIN_TOKENS if runs is None else runs
+    on_runs = on_runs_by_default(T, flat.numel(), gate.packed.shape[0]) if runs is None else runs
     if plans is None:
         plan_up, plan_down, on_runs = _plans(width, inter, z.dtype, z.device, flat.numel(), on_runs)
     else:
