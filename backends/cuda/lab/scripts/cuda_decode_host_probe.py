@@ -47,6 +47,34 @@ def host_us(fn, n: int = 30) -> float:
     return total / n * 1e6
 
 
+def decode_numbers(model, prompt: list[list[int]], new_tokens: int = 64) -> dict:
+    """One mode of the lab's A/B scripts (``cuda_fused_ab.py``, ``cuda_merge_ab.py``): ``generate`` per token after a
+    fresh capture, the graph replay of one step on a static cache filled by ``prompt``, and its kernels."""
+    model.release_generation_cache()  # a new capture for this mode
+    model.generate(prompt, max_new_tokens=8)
+    model.generate(prompt, max_new_tokens=new_tokens)
+    gen_us = 1e6 / model.last_generation_stats.decode_tokens_per_s
+    length = len(prompt[0])
+    cache = model.new_cache(1, length + new_tokens, static=True)
+    model.forward(torch.tensor(prompt, device="cuda"), cache=cache)
+    step = model.decode_step(cache)
+    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    pos = torch.full((1, 1), length, dtype=torch.long, device="cuda")
+    rep = gpu_us(lambda: step(tok, pos), warmup=3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(tok, pos)
+        torch.cuda.synchronize()
+    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    return {"replay_us": round(rep, 1), "generate_us_per_token": round(gen_us, 1), "kernels_per_step": kernels}
+
+
+def save_rows(path: str, args, rows: list[dict]) -> None:
+    """An A/B script's rows as JSON, with the preset, format and GPU they ran on."""
+    with open(path, "w") as f:
+        json.dump({"preset": args.preset, "format": args.format, "gpu": torch.cuda.get_device_name(), "rows": rows},
+                  f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="muse-small")

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from cuda_decode_host_probe import gpu_us  # this folder is sys.path[0] when run as a script
+from cuda_decode_host_probe import decode_numbers, save_rows  # this folder is sys.path[0] when run as a script
 from musecore.api import load_random
 from musecore_triton.kernels import attention as attention_module
 from musecore_triton.kernels.norms import head_norm_gate
@@ -74,33 +72,15 @@ def main() -> None:
         for r in range(args.rounds):
             for mode in ("new", "old"):
                 with contextlib.nullcontext() if mode == "new" else torch_merge():
-                    model.release_generation_cache()  # a new capture for this mode
-                    model.generate(prompt, max_new_tokens=8)
-                    model.generate(prompt, max_new_tokens=64)
-                    gen_us = 1e6 / model.last_generation_stats.decode_tokens_per_s
-                    cache = model.new_cache(1, length + 64, static=True)
-                    model.forward(torch.tensor(prompt, device="cuda"), cache=cache)
-                    step = model.decode_step(cache)
-                    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-                    pos = torch.full((1, 1), length, dtype=torch.long, device="cuda")
-                    rep = gpu_us(lambda: step(tok, pos), warmup=3)
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        step(tok, pos)
-                        torch.cuda.synchronize()
-                    n = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-                    row = {"prompt": length, "round": r, "mode": mode, "replay_us": round(rep, 1),
-                           "generate_us_per_token": round(gen_us, 1), "kernels_per_step": n}
+                    row = {"prompt": length, "round": r, "mode": mode, **decode_numbers(model, prompt)}
                     print(row, flush=True)
                     rows.append(row)
-                    step = cache = None
     for length in sorted({r["prompt"] for r in rows}):
         for mode in ("new", "old"):
             mine = [r for r in rows if r["mode"] == mode and r["prompt"] == length]
             print(f"prompt {length} {mode}: replay {min(r['replay_us'] for r in mine)} us, generate "
                   f"{min(r['generate_us_per_token'] for r in mine)} us/token, {mine[0]['kernels_per_step']} kernels")
-    with open(args.out, "w") as f:
-        json.dump({"preset": args.preset, "format": args.format, "gpu": torch.cuda.get_device_name(), "rows": rows},
-                  f, indent=1)
+    save_rows(args.out, args, rows)
 
 
 if __name__ == "__main__":

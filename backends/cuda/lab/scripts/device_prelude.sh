@@ -3,8 +3,10 @@
 # tree unless SKIP_INSTALL is set (the caller installed them already), and the GPU's name, driver, clock and power
 # limit in $OUT/gpu.txt. Needs OUT and LIMIT set. `run_steps TAG` runs step$n for each digit n of $STEPS, in order, then
 # packs everything under $OUT into $OUT/TAG.tgz (the device returns only a few files per call).
-# Steps both session scripts take (argument: the step's number, for the log): `targets_step` (musecore bench --case
-# targets into $OUT) and `gpu_suite_step` (the whole GPU suite, SIGINT at its cap so pytest still prints the summary).
+# Steps the session scripts share (argument: the step's number, for the log): `targets_step` (musecore bench --case
+# targets into $OUT), `gpu_suite_step` (the whole GPU suite, SIGINT at its cap so pytest still prints the summary),
+# `tests_step` (the GPU tests named in $TESTS), `runs_probe_step` (cuda_moe_runs_probe.py, at $BATCHES when set),
+# `fused_ab_step` (cuda_fused_ab.py) and `profile_step` (the kernels of the decode step, into $OUT/$2).
 export PYTHONUNBUFFERED=1
 cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
@@ -25,4 +27,22 @@ gpu_suite_step() {
     backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests > $OUT/gpu_suite.log 2>&1
   echo "rc=$?" >> $OUT/gpu_suite.log
   echo "$1. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
+}
+tests_step() {
+  timeout $(cap 200) python3 -m pytest -q -p no:cacheprovider -m gpu -rs ${TESTS:-backends/triton/tests} > $OUT/tests.log 2>&1
+  echo "rc=$?" >> $OUT/tests.log
+  echo "$1. tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/tests.log | tail -12
+}
+fused_ab_step() {
+  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json > $OUT/fused_ab.log 2>&1
+  echo "$1. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
+}
+profile_step() {
+  timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --rows 40 > $OUT/$2 2>&1
+  echo "$1. profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/$2
+}
+runs_probe_step() {
+  timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_moe_runs_probe.py ${BATCHES:+--batches $BATCHES} \
+    --out $OUT/cuda_moe_runs_probe.json > $OUT/moe_runs_probe.log 2>&1
+  echo "$1. MoE runs probe at ${SECONDS}s (rc $?):"; tail -12 $OUT/moe_runs_probe.log | cut -c1-250
 }

@@ -19,27 +19,12 @@ step1() {
     --trace /tmp/generate_trace.json > $OUT/host_probe.log 2>&1
   echo "1. host probe at ${SECONDS}s (rc $?):"; grep -v "^  \[" $OUT/host_probe.log | tail -40 | cut -c1-200
   gzip -c /tmp/generate_trace.json > $OUT/generate_trace.json.gz 2>/dev/null
-  timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --rows 40 > $OUT/profile_decode.txt 2>&1
-  echo "   profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode.txt
+  profile_step 1 profile_decode.txt
 }
-step2() {
-  timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_moe_runs_probe.py \
-    --out $OUT/cuda_moe_runs_probe.json > $OUT/moe_runs_probe.log 2>&1
-  echo "2. MoE runs probe at ${SECONDS}s (rc $?):"; tail -12 $OUT/moe_runs_probe.log | cut -c1-250
-}
+step2() { runs_probe_step 2; }
 step3() { targets_step 3; }
 step4() { gpu_suite_step 4; }
-step5() {
-  timeout $(cap 200) python3 -m pytest -q -p no:cacheprovider -m gpu -rs ${TESTS:-backends/triton/tests} > $OUT/tests.log 2>&1
-  echo "rc=$?" >> $OUT/tests.log
-  echo "5. tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/tests.log | tail -12
-}
-step6() {
-  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json > $OUT/fused_ab.log 2>&1
-  echo "6. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
-}
-step7() {
-  timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --rows 40 > $OUT/profile_decode_fused.txt 2>&1
-  echo "7. profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_fused.txt
-}
+step5() { tests_step 5; }
+step6() { fused_ab_step 6; }
+step7() { profile_step 7 profile_decode_fused.txt; }
 run_steps s43

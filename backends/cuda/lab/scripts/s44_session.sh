@@ -22,26 +22,12 @@ step1() {
     echo "1. eager probe batch $b at ${SECONDS}s (rc $?):"; grep -E "cache:|^ +[0-9]+ x" $OUT/eager_probe_b$b.log | head -24 | cut -c1-200
   done
 }
-step2() {
-  timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_moe_runs_probe.py --batches ${BATCHES:-4,6,8,12,16} \
-    --out $OUT/cuda_moe_runs_probe.json > $OUT/moe_runs_probe.log 2>&1
-  echo "2. MoE runs probe at ${SECONDS}s (rc $?):"; tail -12 $OUT/moe_runs_probe.log | cut -c1-250
-}
+step2() { BATCHES=${BATCHES:-4,6,8,12,16} runs_probe_step 2; }
 step3() { targets_step 3; }
 step4() { gpu_suite_step 4; }
-step5() {
-  timeout $(cap 200) python3 -m pytest -q -p no:cacheprovider -m gpu -rs ${TESTS:-backends/triton/tests} > $OUT/tests.log 2>&1
-  echo "rc=$?" >> $OUT/tests.log
-  echo "5. tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/tests.log | tail -12
-}
-step6() {
-  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json > $OUT/fused_ab.log 2>&1
-  echo "6. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
-}
-step7() {
-  timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --rows 40 > $OUT/profile_decode_fused.txt 2>&1
-  echo "7. profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_fused.txt
-}
+step5() { tests_step 5; }
+step6() { fused_ab_step 6; }
+step7() { profile_step 7 profile_decode_fused.txt; }
 step8() {
   timeout $(cap 240) python3 benchmarks/serve_bench.py --in-process --random-weights --model muse-small --device h200 \
     --checkpoint-format nvfp4 --passes 2 --out $OUT/serve_h200.json > $OUT/serve_bench.log 2>&1
