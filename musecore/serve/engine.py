@@ -323,8 +323,8 @@ class Engine:
 
     def step_bucket(self, rows: int, length: int) -> tuple[int, int]:
         """The captured step's shape for ``rows`` running sequences whose longest reaches position ``length - 1``:
-        rows up to the backend's ``batch_bucket`` or a power of two (at most ``max_batch``), the read bound up to ``LENGTH_ROUND`` times a power of two
-        (at most ``max_model_len``)."""
+        rows up to the backend's ``batch_bucket`` or a power of two (at most ``max_batch``), the read bound up to
+        ``LENGTH_ROUND`` times a power of two (at most ``max_model_len``)."""
         bound = self.LENGTH_ROUND
         while bound < length:
             bound *= 2

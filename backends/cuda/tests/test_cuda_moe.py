@@ -143,7 +143,7 @@ def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts,
         assert torch.equal(each, runs), f"runs differ from per-assignment programs (cuts {cuts}): " \
                                         f"max |diff| {(each - runs).abs().max().item():.3g}"
     expected = ref.moe(z, weights, ids, reference, norm, 1e-8)
-    y = be.moe(z, weights, ids, prepared, norm, 1e-8)  # the default: runs from RUNS_FROM_TOKENS tokens (on_runs_by_default)
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)  # the default: runs from RUNS_FROM_TOKENS tokens
     assert torch.equal(y, moe_decode_gemv(*args, runs=True)), "be.moe did not take the runs path"
     assert_nmse(expected, y, tolerance("moe"), f"moe runs T={tokens} {width}x{inter}")
     graph = torch.cuda.CUDAGraph()

@@ -9,8 +9,9 @@ GQA is handled by packing the ``G = nq/nkv`` query heads of one KV head into the
 (row r = token ``r // G``, head ``r % G``): K/V are read once per group, and at decode the 8-80
 heads of one token fill a 16-row tensor-core tile. Long decode contexts are split along S
 (flash-decoding) so that a handful of KV heads still occupies every SM; the partial results are
-merged with their log-sum-exp by one more kernel, which also takes the gate's epilogue. FP8 K/V bytes are upcast exactly in registers and their per-tensor
-scales are applied to the scores and the output, never to the cache.
+merged with their log-sum-exp by one more kernel, which also takes the gate's epilogue. FP8 K/V bytes
+are upcast exactly in registers and their per-tensor scales are applied to the scores and the
+output, never to the cache.
 """
 
 from __future__ import annotations
