@@ -185,7 +185,7 @@ def in_process_rounds(args: argparse.Namespace) -> tuple[list[dict], dict]:
         engine.stop()
     extra = {"load_s": round(load_s, 1), "plan_backend": model.plan.backend, "plan_device": model.plan.device,
              "decode_graphs": engine.graphs, "engine_start_s": round(start_s, 2),
-             "graphs_captured": [list(key) for key in sorted(engine._steps)]}
+             "graphs_captured": [list(key) for key in engine.captured_steps]}
     if len(passes) > 1:  # the earlier passes compiled kernels for new batch sizes and prompt lengths
         extra["earlier_passes"] = passes[:-1]
     if torch.cuda.is_available():

@@ -332,6 +332,11 @@ class Engine:
         rows = int(bucket(rows)) if bucket is not None else 1 << (rows - 1).bit_length()
         return min(rows, self.max_batch), min(bound, self.max_model_len)
 
+    @property
+    def captured_steps(self) -> list[tuple[int, int]]:
+        """The (rows, length bound) buckets whose decode steps are captured so far."""
+        return sorted(self._steps)
+
     def warm_up(self) -> int:
         """Capture the decode step of every row bucket at the first length bound now (``start`` calls this), so the
         first requests do not wait for captures; longer bounds are captured when a sequence first reaches them.
