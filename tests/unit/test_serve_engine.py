@@ -53,8 +53,18 @@ def test_requests_joining_and_leaving_mid_decode_get_generates_greedy_output(mod
     assert engine.metrics.peak_running == 3 and not engine.running
 
 
-def test_a_cancelled_request_leaves_and_the_others_continue(model):
-    engine = Engine(model, max_batch=2)
+@pytest.fixture(scope="module")
+def graphed():
+    """muse-tiny on a backend that wants static caches (``_Captures``): the engine's graph-bucket path on the CPU."""
+    model = musecore.load("muse-tiny", device="cpu")
+    model.backend = _Captures(model.backend)
+    return model
+
+
+@pytest.mark.parametrize("path", ["plain", "graphed"])
+def test_a_cancelled_request_leaves_and_the_others_continue(model, path, request):
+    engine = Engine(model if path == "plain" else request.getfixturevalue("graphed"), max_batch=2)
+    assert engine.graphs == (path == "graphed")
     got = Collector(2)
     engine.start()
     try:
@@ -81,10 +91,13 @@ def test_limits_are_checked_on_submit(model):
         engine.submit(Request([1, 2], Sampling(max_tokens=4), lambda e: None, tok))
 
 
-def test_nan_logits_stop_the_engine_with_the_error_for_every_client():
+@pytest.mark.parametrize("path", ["plain", "graphed"])
+def test_nan_logits_stop_the_engine_with_the_error_for_every_client(path):
     """Broken weights never become tokens in the server either: every waiting client gets the error."""
     broken = musecore.load("muse-tiny", device="cpu")
     broken.lm_head.data.fill_(float("nan"))
+    if path == "graphed":
+        broken.backend = _Captures(broken.backend)
     engine = Engine(broken, max_batch=2)
     got = Collector(2)
     engine.start()
