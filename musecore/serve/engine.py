@@ -17,13 +17,13 @@ How it works (and what it is not):
   to it. Sampling settings are per request (rows are sampled one by one when they differ); greedy
   rows are sampled together.
 - Prompts stay on the cache's rows only while running; there is no prefix cache.
-- On a backend that replays captured decode steps (``model.wants_static_cache``: CUDA and ROCm graphs), the cache is
-  static and each decode step replays a graph captured for its shape bucket: the running rows rounded up to a power
-  of two (the extra rows are padding at position -1, which writes only to the trash slot and attends to nothing) and
-  the longest running sequence rounded up to ``LENGTH_ROUND`` times a power of two (full-attention layers read only
-  that many slots). Every row bucket's graph at the first length bound is captured at ``start``; a longer bound's
-  the first time a step needs it (logged); all are kept, so a server captures a few dozen at most. Elsewhere each
-  step runs ``model.forward`` through a dynamic cache.
+- On a backend that replays captured decode steps (``model.wants_static_cache``: CUDA and ROCm graphs, TPU's compiled
+  steps), the cache is static and each decode step replays a graph captured for its shape bucket: the running rows
+  rounded up to a power of two (the extra rows are padding at position -1, which writes only to the trash slot and
+  attends to nothing) and the longest running sequence rounded up to ``LENGTH_ROUND`` times a power of two
+  (full-attention layers read only that many slots). Every row bucket's graph at the first length bound is captured at
+  ``start``; a longer bound's the first time a step needs it (logged); all are kept, so a server captures a few dozen
+  at most. Elsewhere each step runs ``model.forward`` through a dynamic cache.
 - A request with images or audio (``Request.media``, a :class:`musecore.multimodal.Prepared`) has
   its encoder outputs computed here, in the scheduler thread, through the model's encoder cache,
   just before its prefill: one tower call per kind for all the requests joining, whose features
