@@ -42,7 +42,8 @@ from musecore.testing.cases import SIZES, SIZES_ENV, ConformanceCase, conformanc
 from musecore.testing.check import CaseResult, assert_nmse, check_op, compare, nmse, run_conformance
 from musecore.testing.conformance import make_conformance_tests
 from musecore.testing.inputs import BuiltCase, build
+from musecore.testing.serving import Collector, serve_all
 
-__all__ = ["SIZES", "SIZES_ENV", "BuiltCase", "CaseResult", "assert_nmse", "ConformanceCase", "build", "check_op", "compare",
+__all__ = ["SIZES", "SIZES_ENV", "BuiltCase", "CaseResult", "Collector", "assert_nmse", "ConformanceCase", "build", "check_op", "compare",
            "conformance_cases", "fused_blocks", "make_conformance_tests", "nmse", "projection_shapes", "run_conformance",
-           "through_separate_ops"]
+           "serve_all", "through_separate_ops"]

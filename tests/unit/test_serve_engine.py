@@ -1,13 +1,12 @@
 """The continuous-batching engine computes what ``generate`` computes for each request alone, while
 requests join mid-decode and leave at different steps (rows are moved to stay packed)."""
 
-import threading
-
 import pytest
 
 import musecore
 from musecore.generate import _encode_text
 from musecore.serve.engine import Engine, EngineFull, Request, Sampling
+from musecore.testing import Collector
 
 TIMEOUT = 120
 
@@ -15,24 +14,6 @@ TIMEOUT = 120
 @pytest.fixture(scope="module")
 def model():
     return musecore.load("muse-tiny", device="cpu")
-
-
-class Collector:
-    def __init__(self, n):
-        self.text = {i: [] for i in range(n)}
-        self.done = {}
-        self.all_done = threading.Event()
-        self.n = n
-
-    def sink(self, i):
-        def receive(event):
-            if event["type"] == "text":
-                self.text[i].append(event["text"])
-            else:
-                self.done[i] = event
-                if len(self.done) == self.n:
-                    self.all_done.set()
-        return receive
 
 
 def test_requests_joining_and_leaving_mid_decode_get_generates_greedy_output(model):
@@ -48,7 +29,7 @@ def test_requests_joining_and_leaving_mid_decode_get_generates_greedy_output(mod
         assert got.all_done.wait(TIMEOUT), "the engine did not finish"
     finally:
         engine.stop()
-    assert ["".join(got.text[i]) for i in range(len(prompts))] == expected
+    assert got.texts() == expected
     assert all(got.done[i]["usage"]["completion_tokens"] <= lengths[i] for i in range(len(prompts)))
     assert engine.metrics.peak_running == 3 and not engine.running
 
@@ -147,7 +128,7 @@ def test_graph_buckets_compute_generates_output_and_are_captured_once_per_bucket
             for i, (p, n) in enumerate(zip(prompts, lengths)):
                 engine.submit(Request(_encode_text(graphed, p), Sampling(max_tokens=n), got.sink(i), graphed.tokenizer))
             assert got.all_done.wait(TIMEOUT), "the engine did not finish"
-            texts = ["".join(got.text[i]) for i in range(len(prompts))]
+            texts = got.texts()
             assert texts == expected, f"wave {attempt}: bucketed static decode changed the output"
             if attempt == 0:
                 first = list(backend.captured)

@@ -81,29 +81,12 @@ def test_nvfp4_checkpoint_generates_through_w4a16_kernels_and_agrees_with_emulat
 
 def _serve(model, prompts: list[str], lengths: list[int]) -> tuple[list[str], object]:
     """Every prompt submitted before the engine starts (one prefill, then rows leave at their lengths)."""
-    import threading
-    from musecore.generate import _encode_text
-    from musecore.serve.engine import Engine, Request, Sampling
+    from musecore.serve.engine import Engine, Sampling
+    from musecore.testing import serve_all
 
     engine = Engine(model, max_batch=4)
-    texts, done = {i: [] for i in range(len(prompts))}, threading.Semaphore(0)
-
-    def sink(i):
-        def receive(event):
-            if event["type"] == "text":
-                texts[i].append(event["text"])
-            else:
-                done.release()
-        return receive
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        engine.submit(Request(_encode_text(model, p), Sampling(max_tokens=n), sink(i), model.tokenizer))
-    engine.start()
-    try:
-        for _ in prompts:
-            assert done.acquire(timeout=120), "the engine did not finish"
-    finally:
-        engine.stop()
-    return ["".join(texts[i]) for i in range(len(prompts))], engine
+    got = serve_all(engine, model, [(p, Sampling(max_tokens=n)) for p, n in zip(prompts, lengths)])
+    return got.texts(), engine
 
 
 def test_serve_engine_graph_buckets_give_the_tokens_of_its_plain_decode():

@@ -152,36 +152,18 @@ def test_generate_pads_a_batch_to_its_bucket_and_shares_the_step(models) -> None
 def test_serve_engine_decodes_through_one_compiled_step_per_bucket(models) -> None:
     """The serve engine on tpu-v7: a static cache, the decode steps compiled per (rows, length bound) bucket with
     the backend's batch buckets (both captured at start, none after), and the reference backend's greedy text."""
-    import threading
-    from musecore.generate import _encode_text
-    from musecore.serve.engine import Engine, Request, Sampling
+    from musecore.serve.engine import Engine, Sampling
+    from musecore.testing import serve_all
 
     model, reference = models
     prompts, tokens = ["def fib(n):", "import os"], 6
     before = model.backend.compiled_steps
     engine = Engine(model, max_batch=2, max_model_len=64)
     engine.LENGTH_ROUND = 16  # short bounds keep the interpreted attention short
-    texts, done = {i: [] for i in range(len(prompts))}, threading.Semaphore(0)
-
-    def sink(i):
-        def receive(event):
-            if event["type"] == "text":
-                texts[i].append(event["text"])
-            else:
-                done.release()
-        return receive
-    for i, p in enumerate(prompts):
-        engine.submit(Request(_encode_text(model, p), Sampling(max_tokens=tokens), sink(i), model.tokenizer))
-    engine.start()
-    try:
-        for _ in prompts:
-            assert done.acquire(timeout=600), "the engine did not finish"
-    finally:
-        engine.stop()
+    got = serve_all(engine, model, [(p, Sampling(max_tokens=tokens)) for p in prompts], timeout=600)
     assert engine.cache.static and engine.captured_steps == [(1, 16), (2, 16)], engine.captured_steps
     assert model.backend.compiled_steps - before == 2, model.backend.compiled_steps - before
-    want = [reference.generate(p, max_new_tokens=tokens) for p in prompts]
-    assert ["".join(texts[i]) for i in range(len(prompts))] == want
+    assert got.texts() == [reference.generate(p, max_new_tokens=tokens) for p in prompts]
 
 
 def test_more_decode_shapes_than_dynamo_s_recompile_limit(monkeypatch: pytest.MonkeyPatch) -> None:
