@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"serving {name} on {model.plan.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     engine = app.state.engine
     if engine.graphs:  # Engine.start (at the app's startup) captures them before the first request is taken
-        rows = sorted({engine.step_bucket(n, 1)[0] for n in range(1, engine.max_batch + 1)})
+        rows = [r for r, _ in engine.start_buckets()]
         print(f"capturing the decode steps for {len(rows)} batch sizes ({', '.join(map(str, rows))}) before the "
               "first request (seconds each; -v logs every capture)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -337,13 +337,18 @@ class Engine:
         """The (rows, length bound) buckets whose decode steps are captured so far."""
         return sorted(self._steps)
 
+    def start_buckets(self) -> list[tuple[int, int]]:
+        """The (rows, length bound) buckets ``warm_up`` captures: every row bucket up to ``max_batch`` at the first
+        length bound."""
+        return sorted({self.step_bucket(n, 1) for n in range(1, self.max_batch + 1)})
+
     def warm_up(self) -> int:
         """Capture the decode step of every row bucket at the first length bound now (``start`` calls this), so the
         first requests do not wait for captures; longer bounds are captured when a sequence first reaches them.
         Returns how many steps were captured (0 where steps are not captured)."""
         if not self.graphs:
             return 0
-        buckets = sorted({self.step_bucket(n, 1) for n in range(1, self.max_batch + 1)} - set(self._steps))
+        buckets = [b for b in self.start_buckets() if b not in self._steps]
         with torch.inference_mode():
             for rows, bound in buckets:
                 self._step(rows, bound)
