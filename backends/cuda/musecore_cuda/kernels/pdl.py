@@ -169,12 +169,13 @@ def launch(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequenc
     if shared_mem >= 48 * 1024 and shared_mem > getattr(kernel, "_max_shared_mem_bytes", 0):
         raise RuntimeError(f"kernel needs {shared_mem} bytes of shared memory; call set_shared_memory_config first")
     keep, array = _c_args(args)
-    attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
-    pdl = enabled(device, name)
+    attrs, count = None, 0
+    if enabled(device, name):
+        attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        attrs, count = ctypes.pointer(attr), 1
     config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                     ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
-                     ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+                     ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), attrs, count)
     status = _driver().cuLaunchKernelEx(ctypes.byref(config), kernel.func, array, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
