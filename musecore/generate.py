@@ -217,7 +217,13 @@ def check_finite_logits(model: Any, logits: torch.Tensor, when: str,
         finite = finite | ~live
     if bool(finite.all()):
         return
-    rows = (~finite).nonzero().flatten().tolist()
+    raise_non_finite(model, (~finite).nonzero().flatten().tolist(), when, sequence)
+
+
+def raise_non_finite(model: Any, rows: list[int], when: str,
+                     sequence: Optional[Callable[[], tuple[torch.Tensor, torch.Tensor]]] = None) -> None:
+    """Raise :class:`NonFiniteLogitsError` for the batch ``rows`` whose logits are NaN/Inf at ``when``
+    (:func:`check_finite_logits`'s message, for callers that tested finiteness on the device themselves)."""
     where = f"rows {rows[:8]}" if len(rows) > 1 else f"row {rows[0]}"
     if os.environ.get(DEBUG_ENV, "") not in ("", "0") and sequence is not None:
         found = first_non_finite_stage(model, *sequence())

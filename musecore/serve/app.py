@@ -312,6 +312,11 @@ def prometheus(engine: Engine, model_name: str) -> str:
             ("musecore_generation_tokens_total", "counter", "tokens generated", m.generation_tokens),
             ("musecore_decode_steps_total", "counter", "batched decode steps run", m.decode_steps),
             ("musecore_batch_size_peak", "gauge", "the largest batch a decode step has run", m.peak_running),
+            ("musecore_lookahead_steps_taken_total", "counter",
+             "decode steps queued before their input tokens were read (greedy, graph replay) and then used",
+             m.lookahead_taken),
+            ("musecore_lookahead_steps_dropped_total", "counter",
+             "decode steps queued ahead and then not used (a request joined first)", m.lookahead_dropped),
         ]
     rows.append(("musecore_generation_tokens_per_second", "gauge",
                  f"tokens generated per second over the last {m.WINDOW_S:.0f} s", m.tokens_per_s()))

@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from musecore.generate import _Sequence, check_finite_logits
+from musecore.generate import _Sequence, _TokenFetch, check_finite_logits, raise_non_finite
 from musecore.kv_cache import KVCache
 
 log = logging.getLogger("musecore.serve")
@@ -108,6 +108,8 @@ class Metrics:
         self.generation_tokens = 0
         self.decode_steps = 0
         self.peak_running = 0  # the largest batch a decode step has run
+        self.lookahead_taken = 0    # decode steps queued before the tokens they are fed were read, then used
+        self.lookahead_dropped = 0  # ... then not used (a request joined first): device time spent for nothing
         self.ttft_seconds: deque[float] = deque(maxlen=1000)  # recent times to first token
         self.ttft_sum, self.ttft_count = 0.0, 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
@@ -146,7 +148,7 @@ class Engine:
     """
 
     def __init__(self, model: Any, max_batch: int = 16, max_model_len: Optional[int] = None,
-                 max_waiting: int = 64, ignore_eos: bool = False) -> None:
+                 max_waiting: int = 64, ignore_eos: bool = False, lookahead: bool = True) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1; got {max_batch}")
         self.model = model
@@ -157,6 +159,11 @@ class Engine:
         self.cache = model.new_cache(max_batch, self.max_model_len, kv_format=getattr(model, "kv_format", "bf16"),
                                      static=self.graphs)
         self._steps: dict[tuple[int, int], Callable] = {}  # (rows, length bound) -> a captured decode step
+        # Greedy graph steps: the next step is queued from this one's device tokens before they are read (see _Launched)
+        self.lookahead = lookahead
+        self._ahead: Optional[_Launched] = None
+        self._fetches: dict[int, list[_TokenFetch]] = {}  # rows -> two host buffers, used in turn
+        self._launches = 0
         self.running: list[Request] = []  # row i of the cache holds running[i]
         self.waiting: deque[Request] = deque()
         self.metrics = Metrics()
@@ -305,15 +312,30 @@ class Engine:
 
     def _decode_step(self) -> None:
         n = len(self.running)
-        if self.graphs:
-            logits = self._replay(n)
+        ahead, self._ahead = self._ahead, None
+        greedy = self.graphs and all(r.sampling.temperature <= 0 for r in self.running)
+        step = ahead.taken_by(self.running, self.step_bucket(n, 1)[0]) if ahead is not None and greedy else None
+        if ahead is not None:
+            with self.metrics.lock:
+                self.metrics.lookahead_taken += step is not None
+                self.metrics.lookahead_dropped += step is None
+        if greedy:
+            step = step or self._launch(self.running, [r.position - 1 for r in self.running],
+                                        [r.last_token for r in self.running])
+            if self.lookahead and not (self.waiting and n < self.max_batch):  # (a request about to join drops it)
+                self._ahead = self._launch_after(step)
+            tokens = step.tokens(self.model)
+        elif self.graphs:
+            logits = self._replay([r.position - 1 for r in self.running], [r.last_token for r in self.running])
+            tokens = self._sample(self.running, logits[:n])
         else:
             view = _rows(self.cache, 0, n)
             ids = torch.tensor([[r.last_token] for r in self.running], dtype=torch.long)
             positions = torch.tensor([[r.position - 1] for r in self.running], dtype=torch.long)
             logits = self.model.forward(ids, positions=positions, cache=view)[:, -1]  # [n,V]
             _merge_used(self.cache, view)
-        for request, token in zip(list(self.running), self._sample(self.running, logits)):
+            tokens = self._sample(self.running, logits)
+        for request, token in zip(list(self.running), tokens):
             self._accept(request, token)
         self.metrics.decode_steps += 1
         self.metrics.peak_running = max(self.metrics.peak_running, n)
@@ -363,16 +385,44 @@ class Engine:
                      time.perf_counter() - t, len(self._steps))
         return step
 
-    def _replay(self, n: int) -> torch.Tensor:
-        """One decode step of the ``n`` running rows through the graph of their bucket: logits ``[n, V]``, valid
-        until the next step (the graph's output buffer)."""
-        rows, bound = self.step_bucket(n, max(r.position for r in self.running))
+    def _replay(self, positions: list[int], ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """One decode step through the graph of its bucket, rows fed ``ids`` (host ids, or the device tokens of the
+        step before, one per row of its bucket) at ``positions`` (-1: computed, never read): logits ``[rows, V]`` of
+        every row of the bucket, valid until the next step (the graph's output buffer)."""
+        n = len(positions)
+        rows, bound = self.step_bucket(n, max(positions) + 1)
         step = self._step(rows, bound)
-        ids = torch.zeros((rows, 1), dtype=torch.long)  # padding rows: token 0 at position -1 (seen by nothing)
-        positions = torch.full((rows, 1), -1, dtype=torch.long)
-        ids[:n, 0] = torch.tensor([r.last_token for r in self.running], dtype=torch.long)
-        positions[:n, 0] = torch.tensor([r.position - 1 for r in self.running], dtype=torch.long)
-        return step(ids.to(self.model.device), positions.to(self.model.device))[:n, -1]
+        fed = torch.full((rows, 1), -1, dtype=torch.long)  # padding rows: position -1 (seen by nothing)
+        fed[:n, 0] = torch.tensor(positions, dtype=torch.long)
+        if isinstance(ids, torch.Tensor):
+            tokens = ids[:, None]
+        else:
+            tokens = torch.zeros((rows, 1), dtype=torch.long)  # padding rows: token 0
+            tokens[:n, 0] = torch.tensor(ids, dtype=torch.long)
+        return step(tokens.to(self.model.device), fed.to(self.model.device))[:, -1]
+
+    def _launch(self, requests: list[Request], positions: list[int], ids: list[int] | torch.Tensor) -> _Launched:
+        """Queue the greedy decode step of ``requests`` (rows in order) fed ``ids`` (host ids, or the device tokens
+        of the step before, one per row of its bucket) at ``positions`` (-1: computed but never read), and the copy
+        of its tokens to the host; nothing waits for the device."""
+        logits = self._replay(positions, ids)
+        tokens = self.model.ops.sample(logits, 0.0)  # [rows] on the device
+        rows = tokens.shape[0]
+        fetches = self._fetches.setdefault(rows, [_TokenFetch(rows, torch.device(self.model.device)) for _ in "ab"])
+        fetch = fetches[self._launches % 2]  # never the buffer of the step launched just before (still unread)
+        self._launches += 1
+        fetch.start(torch.where(torch.isfinite(logits).all(-1), tokens, -1))  # -1: NaN/Inf logits
+        return _Launched(list(requests), list(positions), tokens, fetch)
+
+    def _launch_after(self, step: _Launched) -> Optional[_Launched]:
+        """The step after ``step``, fed its device tokens, before they are read: the look-ahead. A row that ends at
+        ``step`` for certain (its token limit, which ``submit`` keeps within the context) is fed position -1; one that
+        ends otherwise (EOS, a stop) is computed once more, never read. None when every row ends."""
+        positions = [p + 1 if r.generated + 1 < r.sampling.max_tokens else -1 for r, p in zip(step.requests,
+                                                                                                 step.positions)]
+        if max(positions) < 0:
+            return None
+        return self._launch(step.requests, positions, step.device_tokens)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
         # NaN/Inf logits (broken weights or numerics) never become tokens: the scheduler stops with the
@@ -438,6 +488,47 @@ class Engine:
         request.finish_reason = "cancelled"
         request.text.done = True
         self._finish(request)
+
+
+class _Launched:
+    """A greedy decode step queued on the device: its requests (row order), the positions they were fed, its tokens
+    (on the device, one per row of its bucket) and their copy to the host (``fetch``: the token, or -1 where a row's
+    logits were NaN/Inf). ``pick`` maps the requests to rows of that copy.
+
+    The scheduler queues step t + 1 from step t's device tokens before it reads them (``Engine._launch_after``), as
+    ``generate`` does, so its host work (text, stops, metrics) overlaps the GPU. The next step takes it
+    (:meth:`taken_by`) when every running request was in it: rows that ended in between are left out, and rows that
+    moved to stay packed are picked by request (their cache rows moved after it ran, with what it wrote). A request
+    that joined drops it; its rows' slots are written again by the step that replaces it."""
+
+    def __init__(self, requests: list[Request], positions: list[int], device_tokens: torch.Tensor,
+                 fetch: _TokenFetch, pick: Optional[list[int]] = None) -> None:
+        self.requests, self.positions, self.device_tokens, self.fetch = requests, positions, device_tokens, fetch
+        self.pick = pick if pick is not None else list(range(len(requests)))
+
+    def taken_by(self, running: list[Request], rows: int) -> Optional[_Launched]:
+        """This step for ``running`` (rows in order; ``rows`` its bucket), or None when a running request was not in
+        it or was fed position -1."""
+        index = {id(r): i for i, r in enumerate(self.requests)}
+        picked = [index.get(id(r), -1) for r in running]
+        if any(i < 0 or self.positions[i] < 0 for i in picked):
+            return None
+        if picked == list(range(len(self.requests))):
+            return self
+        tokens = torch.zeros(rows, dtype=torch.long, device=self.device_tokens.device)  # the next step's ids
+        tokens[:len(picked)] = self.device_tokens[torch.tensor(picked, device=self.device_tokens.device)]
+        return _Launched(list(running), [self.positions[i] for i in picked], tokens, self.fetch,
+                         [self.pick[i] for i in picked])
+
+    def tokens(self, model: Any) -> list[int]:
+        """The requests' tokens, once the copy has arrived; :class:`~musecore.generate.NonFiniteLogitsError` when a
+        request's logits were NaN/Inf."""
+        got = self.fetch.wait()
+        tokens = [got[i] for i in self.pick]
+        bad = [row for row, t in enumerate(tokens) if t < 0]
+        if bad:
+            raise_non_finite(model, bad, "a serving step")
+        return tokens
 
 
 def _joined_media(per_request: list[Optional[dict]]) -> Optional[dict]:

@@ -2,6 +2,7 @@
 requests join mid-decode and leave at different steps (rows are moved to stay packed)."""
 
 import pytest
+import torch
 
 import musecore
 from musecore.generate import _encode_text
@@ -144,3 +145,53 @@ def test_step_bucket_rounds_rows_to_powers_of_two_and_lengths_to_doubling_bounds
     engine = Engine(model, max_batch=12, max_model_len=3000)
     assert [engine.step_bucket(n, 1)[0] for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
     assert [engine.step_bucket(1, n)[1] for n in (1, 256, 257, 1000, 2049, 3000)] == [256, 256, 512, 1024, 3000, 3000]
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_lookahead_steps_give_generates_text_through_joins_stops_and_the_context_end(model, lookahead):
+    """On the graph path, greedy steps are queued from the previous step's device tokens before the host reads them
+    (``_Launched``). Rows end at different steps (token limits, a stop string, the context's end) while others go on,
+    so a queued step is taken for a subset of its rows, gathered by request; late requests join mid-decode."""
+    graphed = musecore.load("muse-tiny", device="cpu")
+    graphed.backend = _Captures(graphed.backend)
+    limit = 40
+    cases = [("def fib(n):", 12, []), ("import os", 3, []), ("Hello, my name is", 20, ["\n"]), ("class Stack:", 7, []),
+             ("x = [", 1, []), ("# sort a list", 15, [])]
+    first = _encode_text(graphed, "def f():")
+    cases.append(("def f():", limit - len(first), []))  # ends at the context's last position (fed -1 after it)
+    expected = [model.generate(p, max_new_tokens=n, stop=stop or None) for p, n, stop in cases]
+    engine = Engine(graphed, max_batch=3, max_waiting=8, max_model_len=limit, lookahead=lookahead)
+    engine.LENGTH_ROUND = 8  # short bounds: the queued steps cross them too
+    got = Collector(len(cases))
+    engine.start()
+    try:
+        for i, (p, n, stop) in enumerate(cases):
+            engine.submit(Request(_encode_text(graphed, p), Sampling(max_tokens=n, stop_strings=stop), got.sink(i),
+                                  graphed.tokenizer))
+        assert got.all_done.wait(TIMEOUT), "the engine did not finish"
+    finally:
+        engine.stop()
+    assert got.texts() == expected, f"lookahead={lookahead} changed the output"
+    m = engine.metrics
+    if lookahead:
+        assert m.lookahead_taken >= m.decode_steps // 2, (m.lookahead_taken, m.lookahead_dropped, m.decode_steps)
+    else:
+        assert m.lookahead_taken == m.lookahead_dropped == 0
+
+
+def test_a_queued_step_is_taken_by_a_subset_of_its_requests_and_dropped_when_one_joined():
+    from musecore.generate import _TokenFetch
+    from musecore.serve.engine import _Launched
+
+    a, b, c, joined = (Request([1], Sampling(max_tokens=4), lambda e: None, None) for _ in range(4))
+    fetch = _TokenFetch(4, torch.device("cpu"))
+    fetch.start(torch.tensor([10, 11, -1, 0]))  # c's logits were NaN; row 3 is padding
+    step = _Launched([a, b, c], [5, 6, 7], torch.tensor([10, 11, 12, 0]), fetch)
+    assert step.taken_by([a, b, c], 4) is step
+    moved = step.taken_by([b, a], 2)  # c ended; rows reordered
+    assert moved.requests == [b, a] and moved.positions == [6, 5] and moved.device_tokens.tolist() == [11, 10]
+    assert moved.tokens(None) == [11, 10]
+    assert step.taken_by([a, joined], 2) is None
+    assert _Launched([a, b], [5, -1], torch.tensor([10, 11]), fetch).taken_by([a, b], 2) is None  # b was fed -1
+    with pytest.raises(ValueError, match="NaN/Inf.*row 2"):
+        step.tokens(None)
