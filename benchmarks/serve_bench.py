@@ -132,7 +132,7 @@ def in_process_rounds(args: argparse.Namespace) -> tuple[list[dict], dict]:
     prompts = ([model.tokenizer.encode(p) for p in PROMPTS] if model.tokenizer is not None else
                [torch.randint(16, vocab, (int(n),), generator=gen).tolist() for n in (5, 9, 14, 7, 6, 8, 19, 6)])
     engine = Engine(model, max_batch=args.max_batch, max_model_len=args.max_model_len, max_waiting=1024,
-                    ignore_eos=True)
+                    ignore_eos=True, lookahead=not args.no_lookahead)
     started = time.perf_counter()
     engine.start()  # captures the decode steps of every batch bucket where the backend replays graphs
     start_s = time.perf_counter() - started
@@ -185,7 +185,8 @@ def in_process_rounds(args: argparse.Namespace) -> tuple[list[dict], dict]:
         engine.stop()
     extra = {"load_s": round(load_s, 1), "plan_backend": model.plan.backend, "plan_device": model.plan.device,
              "decode_graphs": engine.graphs, "engine_start_s": round(start_s, 2),
-             "graphs_captured": [list(key) for key in engine.captured_steps]}
+             "graphs_captured": [list(key) for key in engine.captured_steps],
+             "lookahead_steps": {"taken": engine.metrics.lookahead_taken, "not_used": engine.metrics.lookahead_dropped}}
     if len(passes) > 1:  # the earlier passes compiled kernels for new batch sizes and prompt lengths
         extra["earlier_passes"] = passes[:-1]
     if torch.cuda.is_available():
@@ -215,6 +216,9 @@ def main() -> int:
                              "compiles kernels for every batch size and prompt length; kept as earlier_passes)")
     parser.add_argument("--max-model-len", type=int, default=1024,
                         help="with --in-process: positions per cache row (default: 1024)")
+    parser.add_argument("--no-lookahead", action="store_true",
+                        help="with --in-process: Engine(lookahead=False), each greedy step launched after the host "
+                             "has read the previous one's tokens (for A/B runs)")
     args = parser.parse_args()
 
     load_before = os.getloadavg()
@@ -229,7 +233,7 @@ def main() -> int:
               "model": args.model, "device": args.device,
               **({"weights": f"random (musecore.api.load_random), experts {args.checkpoint_format}",
                   "ignore_eos": True, "max_model_len": args.max_model_len,
-                  "passes": args.passes} if args.in_process else {}),
+                  "passes": args.passes, "lookahead": not args.no_lookahead} if args.in_process else {}),
               **extra,
               "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
               "python": platform.python_version(),

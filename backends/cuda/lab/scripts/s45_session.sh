@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Device calls (one H200) for issue 26, session 45 (backends/cuda/lab/NOTES.md), each step time-boxed:
+#   1. the whole GPU suite, SIGINT at its cap;
+#   2. benchmarks/serve_bench.py in process (muse-small NVFP4) with the engine's look-ahead, then without it;
+#   3. musecore bench --backend cuda --case targets;
+#   4. cuda_profile_decode.py with PDL off (each kernel's own time, no overlap) and on;
+#   5. the GPU tests named in TESTS.
+# Everything under $OUT is also packed into $OUT/s45.tgz (run_steps in device_prelude.sh).
+# Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [TESTS="..."] bash backends/cuda/lab/scripts/s45_session.sh
+set -u
+LIMIT=${LIMIT:-580}
+STEPS=${STEPS:-12}
+source "$(dirname "$0")/device_prelude.sh"  # cap, install, gpu.txt, run_steps, targets_step, gpu_suite_step
+step1() { gpu_suite_step 1; }
+step2() {
+  for mode in ${MODES:-on off}; do
+    flag=$([ $mode = off ] && echo --no-lookahead)
+    timeout $(cap 150) python3 benchmarks/serve_bench.py --in-process --random-weights --model muse-small \
+      --device h200 --checkpoint-format nvfp4 --passes 2 $flag --out $OUT/serve_h200_lookahead_$mode.json \
+      > $OUT/serve_bench_$mode.log 2>&1
+    echo "2. serve bench, look-ahead $mode, at ${SECONDS}s (rc $?):"; tail -4 $OUT/serve_bench_$mode.log | cut -c1-200
+  done
+}
+step3() { targets_step 3; }
+step4() {
+  MUSECORE_CUDA_PDL=0 profile_step 4 profile_decode_pdl_off.txt
+  profile_step 4 profile_decode.txt
+}
+step5() { tests_step 5; }
+run_steps s45
