@@ -154,6 +154,70 @@ def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts,
     assert torch.equal(captured, moe_decode_gemv(*args, runs=False)), "graph replay of the runs path differs"
 
 
+def test_handoff_counts_the_producer_warps_per_program_and_takes_only_mma_launches():
+    """The consumer waits for every warp of its program in the producer's grid: row blocks x split x 4 warps."""
+    warps = fp4_gemv_cuda.Handoff.producer_warps
+    assert warps(GemvPlan("mma", 1, 1), 4096) == 64 * 4       # 64-row blocks
+    assert warps(GemvPlan("mma", 1, 1, split_k=2), 4096) == 128 * 4  # two blocks of a cluster per row block
+    assert warps(GemvPlan("mma", 1, 2, k_warps=2), 770) == 13 * 4    # 2 x 32-row groups per block: 64 rows
+    with pytest.raises(ValueError, match="MMA producer"):
+        fp4_gemv_cuda.Handoff(GemvPlan("fma", 1, 8), 64, 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="1..4096 programs"):
+        fp4_gemv_cuda.Handoff(GemvPlan("mma", 1, 1), 64, fp4_gemv_cuda.HANDOFF_SLOTS + 1, torch.device("cpu"))
+    h = object.__new__(fp4_gemv_cuda.Handoff)  # (its counters need a GPU; a plain launch is refused before them)
+    h.programs = 4
+    with pytest.raises(ValueError, match="hand-off joins two MMA expert launches"):
+        x = torch.zeros(1, 128, dtype=torch.bfloat16)
+        fp4_gemv_cuda.launch(x, torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(64, 8, dtype=torch.uint8),
+                             torch.ones(1), wfmt=1, fold_log2=0, n=64, k=128, out=torch.zeros(1, 64),
+                             plan=GemvPlan("mma", 1, 1), handoff=(h, fp4_gemv_cuda.CONSUMER))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width,inter,experts,tokens,topk", [
+    (4096, 4096, 16, 1, 8),    # the 816B expert shape at batch 1: 8 assignments, 512 producer blocks (1.3 waves)
+    (4096, 4096, 24, 12, 2),   # runs of one expert (chunks of 5), non-head programs included
+    (768, 768, 64, 1, 8),      # muse-small's experts: warps splitting K
+])
+def test_moe_decode_handoff_gives_the_same_bits_and_leaves_its_counters_at_zero(width, inter, experts, tokens, topk):
+    """The down GEMV started in the gate/up GEMV's last wave, each block waiting for its own program's producer
+    warps: the same bits as the two launches one after the other, for the default cut and cluster / warp split-K
+    cuts, eager (20 calls in a row, no sync between) and replayed from CUDA graphs captured with and without PDL;
+    every counter back at zero afterwards (the consumer resets them for the next launch)."""
+    from musecore_cuda.kernels import pdl
+
+    be, prepared, reference, norm = make_layer("nvfp4", experts=experts, width=width, inter=inter,
+                                               dtype=torch.bfloat16, device="cuda")
+    weights, ids = route(tokens, experts, topk, "cuda")
+    if tokens > 1:
+        ids[:9] = torch.tensor([0, 1])  # runs of 9 on experts 0 and 1, chunked
+    z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    args = (z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-8)
+    wide = width == 4096
+    for cuts in (None,) + ((GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
+                           (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))) * wide:
+        off = moe_decode_gemv(*args, plans=cuts, handoff=False)
+        outs = [moe_decode_gemv(*args, plans=cuts, handoff=True) for _ in range(20)]
+        for i, on in enumerate(outs):
+            assert torch.equal(on, off), f"hand-off call {i} differs (cuts {cuts}): max |diff| " \
+                                         f"{(on - off).abs().max().item():.3g}"
+    counters = fp4_gemv_cuda._COUNTERS[torch.device("cuda", torch.cuda.current_device())]
+    torch.cuda.synchronize()
+    assert int(counters.count_nonzero()) == 0, f"counters left set: {counters.nonzero().flatten()[:8].tolist()}"
+    assert_nmse(ref.moe(z, weights, ids, reference, norm, 1e-8), off, tolerance("moe"), f"moe T={tokens}")
+    for with_pdl in (False, True):
+        graph = torch.cuda.CUDAGraph()
+        with pdl.scope(with_pdl), torch.cuda.graph(graph):
+            captured = moe_decode_gemv(*args, handoff=True)
+        for _ in range(10):
+            ids.copy_(ids.roll(1, 0))  # new routing in place
+            graph.replay()
+            expected = moe_decode_gemv(*args, handoff=False)
+            assert torch.equal(captured, expected), f"graph replay (PDL {with_pdl}) differs"
+    torch.cuda.synchronize()
+    assert int(counters.count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_moe_decode_dense_matches_reference(dtype, tokens):

@@ -448,13 +448,13 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // Expert mode with runs != 0 (``perm_in`` read, see run_chunk): m_rows is the chunk capacity (the staged rows
 // allocated), and each program computes its run chunk's tokens, or nothing.
 template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
-__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
+__device__ __forceinline__ void gemv_mma_body(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids,
         const long long *__restrict__ perm_in, int runs, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
         int w_e, int w_n, int s_e, int s_n,
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
-        void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split) {
+        void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split, bool handed) {
     constexpr int WARPS = 4, NT = SWIGLU ? 2 * RT : RT;
     extern __shared__ u32 smem[];  // staged activations [m_rows][chunks][16 words][4 pairs] bf16x2 (+pad);
                                    // then the partial sums [WARPS][NG * NT * 4][32] fp32
@@ -467,7 +467,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
     const long long *perm = runs ? perm_in : nullptr;
     if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
     if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
-        pdl_wait();
+        if (!handed) pdl_wait();  // (handed: the producer's hand-off for this program has been acquired instead)
         if (perm) {
             rows = run_chunk(ids, blockIdx.z, gridDim.z, m_rows);
             if (rows == 0) return;  // the whole block (and cluster: same z) leaves before any barrier
@@ -510,8 +510,9 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
     // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
     for (int i = threadIdx.x; i < rows * chunks * 16; i += WARPS * 32) {
         const int m = i / (chunks * 16), r = i - m * (chunks * 16), c = r >> 4, v = r & 15;
-        const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(
-            x + token_row(perm, blockIdx.z, m, x_row, a_div) * (long long)x_stride + (c_begin + c) * 128 + v * 8));
+        const uint4 *src = reinterpret_cast<const uint4 *>(
+            x + token_row(perm, blockIdx.z, m, x_row, a_div) * (long long)x_stride + (c_begin + c) * 128 + v * 8);
+        const uint4 raw = handed ? __ldcg(src) : __ldg(src);  // handed: written while this kernel runs (no nc path)
         const int hi = v >> 3, q0 = 2 * (v & 7);
         const int pe = hi ? 2 : 3, po = hi ? 0 : 1;
         u32 *dst = smem + m * pairs + c * 64;
@@ -599,4 +600,57 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
                 if (row >= N || token >= rows) continue;
                 store_out(y, token_row(perm, blockIdx.z, token, y_row, 1) * (long long)y_stride + row, out, ot);
             }
+}
+
+// Producer/consumer hand-off between the decode MoE's two expert GEMVs (gate+up+SwiGLU, then down), so that the down
+// GEMV's blocks start in the gate/up GEMV's last wave instead of after it (moe_decode.py). `sync` holds two int32
+// counters per program z: done[z] (the producer's warps of program z that have finished, stores included) and
+// used[z] (the consumer's blocks of program z that have seen it complete). role 1 (producer, launched EARLY): every
+// warp publishes its end with a release add on done[z]. role 2 (consumer, launched with the PDL attribute, so its
+// blocks may start once every producer block has started): each block waits for done[z] == need (the producer's
+// warps per program) with an acquire load instead of griddepcontrol.wait, and the last block of z to see it resets
+// both counters for the next launch. The wait gives up after 5 s with a trap (a CUDA error, never a silent hang).
+__device__ __forceinline__ void handoff_wait(int *sync, int need) {
+    const int z = blockIdx.z;
+    if (threadIdx.x == 0) {
+        int *done = sync + 2 * z, *used = done + 1;
+        unsigned long long start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        for (;;) {
+            int v;
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
+            if (v >= need) break;
+            __nanosleep(64);
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - start > 5000000000ull) __trap();  // the producer never finished: a bug, made loud
+        }
+        if (atomicAdd(used, 1) == (int)(gridDim.x * gridDim.y) - 1) {  // every block of z has passed: reset
+            *done = 0;
+            *used = 0;
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void handoff_publish(int *sync) {
+    __threadfence();
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0)
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sync + 2 * blockIdx.z) : "memory");
+}
+
+template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
+__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
+        const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids,
+        const long long *__restrict__ perm_in, int runs, int a_div,
+        const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,
+        int w_e, int w_n, int s_e, int s_n,
+        const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
+        void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split,
+        int *sync, int role, int need) {
+    if (EXPERTS && role == 2) handoff_wait(sync, need);
+    gemv_mma_body<RT, KW, PF, NG, WFMT, EXPERTS, SWIGLU, SPLIT, EARLY>(
+        x, x_stride, ids, perm_in, runs, a_div, w, s, w2, s2, w_e, w_n, s_e, s_n, out_scale, out_scale2, fold, y,
+        y_stride, ot, m_rows, N, K, split, EXPERTS && role == 2);
+    if (EXPERTS && role == 1) handoff_publish(sync);
 }

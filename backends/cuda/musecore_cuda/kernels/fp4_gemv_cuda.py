@@ -207,14 +207,17 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
            wfmt: int, fold_log2: int, n: int, k: int, out: torch.Tensor, plan: GemvPlan,
            ids: Optional[torch.Tensor] = None, a_div: int = 1, packed2: Optional[torch.Tensor] = None,
            scales2: Optional[torch.Tensor] = None, out_scale2: Optional[torch.Tensor] = None,
-           perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+           perm: Optional[torch.Tensor] = None, handoff: Optional[tuple["Handoff", int]] = None) -> torch.Tensor:
     """``out (+)= x @ W^T`` for ``x [M, K]`` (``plan.m == M``), or one row per assignment when ``ids``
     (int64 ``[A]``) is given (expert ``ids[a]``, activation row ``a // a_div``, output row ``a``).
 
     With ``perm`` (MMA kernel, expert mode): ``ids`` sorted by expert and ``perm[p]`` the assignment at sorted
     position ``p`` (``torch.sort``); the assignments of one expert are computed together, up to ``plan.m`` per
     program (:func:`run_plan`), so the expert's weights stream once per run chunk instead of once per assignment.
-    Each token's sums are the same as without ``perm`` (mma columns are independent): the same bits."""
+    Each token's sums are the same as without ``perm`` (mma columns are independent): the same bits.
+
+    ``handoff`` (MMA kernel, expert mode): this launch's side of a :class:`Handoff` between two expert GEMVs of the
+    same programs (``Handoff.produce`` or ``.consume``; the producer's output is the consumer's ``x``)."""
     m = x.shape[0] if ids is None else (plan.m if perm is not None else 1)
     if m != plan.m:
         raise ValueError(f"plan for M={plan.m} used with M={m}")
@@ -237,21 +240,84 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     words = packed.view(torch.int32)
     w2 = packed2.view(torch.int32) if packed2 is not None else words
     mma = plan.kind == "mma"
+    if handoff is not None and (not mma or ids is None or handoff[0].programs != ids.numel()):
+        raise ValueError(f"a hand-off joins two MMA expert launches of {handoff[0].programs} programs; got a "
+                         f"{plan.kind} launch of {None if ids is None else ids.numel()}")
+    producer = handoff is not None and handoff[1] == PRODUCER
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
                    plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
-                   pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"))
+                   producer or pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     ids_arg = ids if ids is not None else out_scale  # (a placeholder pointer, never read without EXPERTS)
     ids_args = [ids_arg, ids_arg if perm is None else perm, int(perm is not None)] if mma else [ids_arg]
+    tail = ([] if not mma else [None, 0, 0] if handoff is None else
+            [handoff[0].counters, handoff[1], handoff[0].need])
     pdl.launch(kern, grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
                block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem, device=x.device,
                name=f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}",
+               dependent=handoff is not None and not producer,
                args=[*head, *ids_args, a_div,
                      words, scales, w2, scales2 if scales2 is not None else scales,
                      words.stride(0), words.stride(1), scales.stride(0), scales.stride(1),
                      out_scale, out_scale2 if out_scale2 is not None else out_scale, fold_log2,
-                     out, out.stride(0), _DTYPE_CODE[out.dtype], m, n, k, plan.split_k])
+                     out, out.stride(0), _DTYPE_CODE[out.dtype], m, n, k, plan.split_k, *tail])
     return out
+
+
+PRODUCER, CONSUMER = 1, 2
+HANDOFF_SLOTS = 4096  # most programs (assignments) a hand-off takes: two int32 counters each, per device
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+class Handoff:
+    """The producer/consumer hand-off between two expert GEMV launches of the same ``programs`` (the decode MoE's
+    gate/up+SwiGLU, then down, whose input is the first one's output): the consumer is launched with the PDL
+    attribute and its blocks may start in the producer's last wave; each waits for the producer's warps of its own
+    program (assignment or run chunk) instead of the whole launch (``handoff_wait`` / ``handoff_publish`` in
+    ``csrc/fp4_gemv.cu``). The counters (two per program) are one zeroed buffer per device, reset by the consumer:
+    the two launches must follow each other on one stream, as in a model's forward.
+
+    Example::
+
+        h = Handoff(up_plan, n=inter, programs=ids.numel(), device=z.device)
+        launch(z, gate..., plan=up_plan, ids=ids, handoff=h.produce)
+        launch(hidden, down..., plan=down_plan, ids=ids, handoff=h.consume)
+    """
+
+    def __init__(self, producer: GemvPlan, n: int, programs: int, device: torch.device) -> None:
+        if producer.kind != "mma" or not 0 < programs <= HANDOFF_SLOTS:
+            raise ValueError(f"a hand-off takes an MMA producer of 1..{HANDOFF_SLOTS} programs; got {producer.kind} "
+                             f"with {programs}")
+        self.producer, self.programs = producer, programs
+        self.need = self.producer_warps(producer, n)
+        if not self.possible(programs, device):
+            raise RuntimeError("the hand-off's counters are made on a CUDA device, on an eager call (not in a graph "
+                               "capture)")
+        counters = _COUNTERS.get(device)
+        if counters is None:
+            counters = _COUNTERS[device] = torch.zeros(2 * HANDOFF_SLOTS, dtype=torch.int32, device=device)
+        self.counters = counters
+
+    @staticmethod
+    def producer_warps(plan: GemvPlan, n: int) -> int:
+        """The warps of one program (grid z) of an MMA launch of ``n`` output rows: row blocks x the cluster's split
+        x 4 warps. Each publishes its end once, so the consumer waits for this many."""
+        return -(-n // plan.rows_per_block) * plan.split_k * MMA_WARPS
+
+    @staticmethod
+    def possible(programs: int, device: torch.device) -> bool:
+        """Whether a hand-off can join launches of ``programs`` here: few enough programs, and the device's counters
+        made already or makeable now (not inside a CUDA graph capture, which would record their zeroing)."""
+        return device.type == "cuda" and 0 < programs <= HANDOFF_SLOTS and (
+            device in _COUNTERS or not torch.cuda.is_current_stream_capturing())
+
+    @property
+    def produce(self) -> tuple["Handoff", int]:
+        return self, PRODUCER
+
+    @property
+    def consume(self) -> tuple["Handoff", int]:
+        return self, CONSUMER
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,10 @@
 """The MoE op at decode through the CUDA C++ expert GEMVs (NVRTC): one FP4 GEMV per token-expert
 assignment for gate+up+SwiGLU and one for down, then the portable Triton finalize.
 
+The down GEMV is launched with the PDL attribute and a hand-off (``fp4_gemv_cuda.Handoff``): its blocks start
+in the gate/up GEMV's last wave, each waiting only for the gate/up warps of its own assignment (or run chunk), so
+the tail of the first launch and the start of the second overlap (``MUSECORE_CUDA_MOE_HANDOFF=0`` turns it off).
+
 From :data:`RUNS_MIN_TOKENS` tokens the assignments are sorted by expert first (``torch.sort``), and each GEMV
 program computes a run of one expert's assignments together (``fp4_gemv_cuda.launch(perm=...)``): an expert that
 several tokens chose streams once per run chunk instead of once per assignment. At batch 1 top-k never repeats an
@@ -14,6 +18,7 @@ expert, and at 2 a repeat is rare (~0.25 of 16 assignments over 256 experts), no
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -86,13 +91,23 @@ def _plans(width: int, inter: int, dtype: torch.dtype, device: torch.device, pro
     return up, down, False
 
 
+HANDOFF_ENV = "MUSECORE_CUDA_MOE_HANDOFF"
+
+
+def handoff_by_default() -> bool:
+    """Whether the down GEMV starts in the gate/up GEMV's last wave (``fp4_gemv_cuda.Handoff``): on unless
+    ``MUSECORE_CUDA_MOE_HANDOFF=0``."""
+    return os.environ.get(HANDOFF_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+
+
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
                     up: Fp4Resident, down: Fp4Resident, post_norm: torch.Tensor, post_eps: float,
                     plans: Optional[tuple[fp4_gemv_cuda.GemvPlan, fp4_gemv_cuda.GemvPlan]] = None,
-                    runs: Optional[bool] = None) -> torch.Tensor:
+                    runs: Optional[bool] = None, handoff: Optional[bool] = None) -> torch.Tensor:
     """The ``moe`` op at decode: gate+up+SwiGLU and down as one FP4 GEMV per token-expert assignment
     (``plans`` overrides ``make_plan``'s cuts for the two launches, for sweeps; ``runs`` forces runs of one
-    expert on or off, default :func:`on_runs_by_default`; the output bits are the same either way)."""
+    expert on or off, default :func:`on_runs_by_default`; ``handoff`` the down GEMV's early start, default
+    :func:`handoff_by_default`; the output bits are the same either way)."""
     T, topk = ids.shape
     width, inter = z.shape[-1], gate.out_features
     flat = ids.reshape(-1).contiguous()
@@ -112,12 +127,22 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
             on_runs = False
     # the GEMVs' programs: assignments in their own order, or sorted by expert (runs: the assignment at each position)
     order, perm = torch.sort(flat) if on_runs else (flat, None)
+    o = torch.empty(flat.numel(), width, dtype=torch.float32, device=z.device)
+    hand = None
+    if (handoff_by_default() if handoff is None else handoff) and plan_up.kind == plan_down.kind == "mma" \
+            and fp4_gemv_cuda.Handoff.possible(flat.numel(), z.device):
+        hand = fp4_gemv_cuda.Handoff(plan_up, inter, flat.numel(), z.device)
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
                          n=inter, k=width, out=h, plan=plan_up, ids=order, a_div=topk, packed2=up.packed,
-                         scales2=up.scales, out_scale2=up.out_scale, perm=perm)
-    o = torch.empty(flat.numel(), width, dtype=torch.float32, device=z.device)
-    fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
-                         n=width, k=inter, out=o, plan=plan_down, ids=order, a_div=1, perm=perm)
+                         scales2=up.scales, out_scale2=up.out_scale, perm=perm, handoff=hand and hand.produce)
+    try:
+        fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
+                             n=width, k=inter, out=o, plan=plan_down, ids=order, a_div=1, perm=perm,
+                             handoff=hand and hand.consume)
+    except BaseException:
+        if hand is not None:  # the producer has counted: left as it is, the next consumer would not wait
+            hand.counters.zero_()
+        raise
     return finalize(o, flat, ids, weights, post_norm, post_eps, sorted_rows=False, act_dtype=z.dtype)
 
 

@@ -80,6 +80,12 @@ def scope(on: bool) -> Iterator[None]:
         _scope.reset(token)
 
 
+def supported(device: torch.device) -> bool:
+    """Whether ``device`` takes PDL launches at all (:func:`enabled` decides where they are used)."""
+    return device.type == "cuda" and _supported(device.index if device.index is not None
+                                                else torch.cuda.current_device())
+
+
 def enabled(device: torch.device, name: str = "") -> bool:
     """Whether kernel ``name`` on ``device`` is launched with PDL: SM90+, a Triton with grid dependency
     control, and either ``MUSECORE_CUDA_PDL`` (``1``, ``0`` or a comma list of kernel names; it overrides
@@ -90,7 +96,7 @@ def enabled(device: torch.device, name: str = "") -> bool:
         setting = "1" if _scope.get() else "0"
     if device.type != "cuda" or setting == "0" or (setting != "1" and name not in setting.split(",")):
         return False
-    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+    return supported(device)
 
 
 EARLY_ENV = "MUSECORE_CUDA_PDL_EARLY"
@@ -141,11 +147,11 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 
 def _c_args(args: Sequence[Any]) -> tuple[list, Any]:
     """The kernel parameters as ``torch.cuda._compile_kernel`` passes them: a tensor as its data
-    pointer, an int as a C int, a float as a C double (kept alive with the pointer array)."""
+    pointer (None as a null pointer), an int as a C int, a float as a C double (kept alive with the pointer array)."""
     keep = []
     for a in args:
-        if isinstance(a, torch.Tensor):
-            keep.append(ctypes.c_void_p(a.data_ptr()))
+        if a is None or isinstance(a, torch.Tensor):
+            keep.append(ctypes.c_void_p(None if a is None else a.data_ptr()))
         elif isinstance(a, bool) or not isinstance(a, (int, float)):
             raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
         else:
@@ -161,16 +167,18 @@ def _driver() -> Any:
 
 
 def launch(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], shared_mem: int = 0,
-           device: torch.device | None = None, name: str = "") -> None:
+           device: torch.device | None = None, name: str = "", dependent: bool = False) -> None:
     """Launch an NVRTC kernel (``torch.cuda._compile_kernel``'s result) on the current stream with
-    ``cuLaunchKernelEx``, with the PDL attribute where :func:`enabled`. (The same launch as the kernel's own
-    launcher, which costs more host time per call: an eager decode step makes ~30 of these.)"""
+    ``cuLaunchKernelEx``, with the PDL attribute where :func:`enabled`, or wherever it is supported with
+    ``dependent`` (a kernel that waits for the one before it by its own flags instead of ``griddepcontrol.wait``: the
+    decode MoE's down GEMV). (The same launch as the kernel's own launcher, which costs more host time per call: an
+    eager decode step makes ~30 of these.)"""
     device = device or torch.device("cuda", torch.cuda.current_device())
     if shared_mem >= 48 * 1024 and shared_mem > getattr(kernel, "_max_shared_mem_bytes", 0):
         raise RuntimeError(f"kernel needs {shared_mem} bytes of shared memory; call set_shared_memory_config first")
     keep, array = _c_args(args)
     attrs, count = None, 0
-    if enabled(device, name):
+    if enabled(device, name) or (dependent and os.environ.get(ENV) != "0" and supported(device)):
         attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         attr.value[0] = 1
         attrs, count = ctypes.pointer(attr), 1
