@@ -4,7 +4,8 @@
 #   2. benchmarks/serve_bench.py in process (muse-small NVFP4) with the engine's look-ahead, then without it;
 #   3. musecore bench --backend cuda --case targets;
 #   4. cuda_profile_decode.py with PDL off (each kernel's own time, no overlap) and on;
-#   5. the GPU tests named in TESTS.
+#   5. the GPU tests named in TESTS;
+#   6. cuda_handoff_ab.py: the decode MoE's hand-off on and off (816B layer at batch 1-16, muse-small decode).
 # Everything under $OUT is also packed into $OUT/s45.tgz (run_steps in device_prelude.sh).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [TESTS="..."] bash backends/cuda/lab/scripts/s45_session.sh
 set -u
@@ -27,4 +28,8 @@ step4() {
   profile_step 4 profile_decode.txt
 }
 step5() { tests_step 5; }
+step6() {
+  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_handoff_ab.py --out $OUT/cuda_handoff_ab.json > $OUT/handoff_ab.log 2>&1
+  echo "6. hand-off A/B at ${SECONDS}s (rc $?):"; grep -E "816B|median|Error|error" $OUT/handoff_ab.log | cut -c1-220
+}
 run_steps s45

@@ -1,0 +1,92 @@
+"""A/B of the decode MoE's hand-off (``fp4_gemv_cuda.Handoff``, session 45): the down GEMV started in the gate/up
+GEMV's last wave, each block waiting for its own assignment's producer warps, against the two launches one after the
+other. In one process, same weights and routing:
+
+* one full-size 816B MoE layer (NVFP4, E 256, top-8, h = I = 4096) at decode batches 1-16, each mode replayed from
+  its own CUDA graph in interleaved rounds (``bench.time_us_interleaved``), outputs checked bit-equal first, with
+  the % of the memory ceiling over the routed experts' bytes (the targets' MoE decode row);
+* muse-small's batch-1 decode (``MUSECORE_CUDA_MOE_HANDOFF`` set per mode, a fresh capture each), alternated rounds.
+
+    python backends/cuda/lab/scripts/cuda_handoff_ab.py [--batches 1,4,8,16] [--rounds 3] [--out cuda_handoff_ab.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from cuda_decode_host_probe import decode_numbers  # this folder is sys.path[0] when run as a script
+from musecore.api import load_random
+from musecore_cuda import CudaBackend
+from musecore_cuda.bench import memory_ceiling_gbps, random_fp4, time_us_interleaved
+from musecore_cuda.kernels.moe_decode import HANDOFF_ENV, moe_decode_gemv
+
+
+def layer_rows(batches: list[int]) -> list[dict]:
+    experts, topk, width, inter, hidden = 256, 8, 4096, 4096, 8192
+    be = CudaBackend("cuda")
+    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
+    fp4 = be.prepare_experts(random_fp4("nvfp4", (experts, inter, width)), random_fp4("nvfp4", (experts, inter, width)),
+                             random_fp4("nvfp4", (experts, width, inter)))
+    per_expert = sum(s.nbytes for s in (fp4.gate, fp4.up, fp4.down)) // experts
+    norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
+    router = torch.randn(experts, hidden, device="cuda") * hidden ** -0.5
+    bias = torch.randn(experts, device="cuda") * 0.01
+    rows = []
+    for t in batches:
+        weights, ids = be.router_topk(torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16), router, bias, topk,
+                                      (hidden / 256) ** -0.5, 1.0)
+        z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
+        calls = {mode: (lambda on=on: moe_decode_gemv(z, weights, ids, fp4.gate, fp4.up, fp4.down, norm, 1e-8,
+                                                      handoff=on)) for mode, on in (("handoff", True), ("plain", False))}
+        if not torch.equal(calls["handoff"](), calls["plain"]()):
+            raise AssertionError(f"batch {t}: the hand-off changed the output")
+        us = time_us_interleaved(calls, rounds=6, reps=5, warm_s=0.2)
+        routed = int(ids.unique().numel())
+        row = {"batch": t, "routed_experts": routed, "ceiling_gbps": ceiling,
+               **{mode: {"us": round(v, 1), "pct_ceiling": round(100 * routed * per_expert / v / 1e3 / ceiling, 1)}
+                  for mode, v in us.items()}}
+        rows.append(row)
+        print(f"816B MoE layer batch {t}: hand-off {row['handoff']['us']} us ({row['handoff']['pct_ceiling']}%), "
+              f"plain {row['plain']['us']} us ({row['plain']['pct_ceiling']}%)", flush=True)
+    return rows
+
+
+def decode_rows(preset: str, fmt: str, rounds: int) -> list[dict]:
+    model = load_random(preset, "h200", checkpoint_format=fmt)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 32)).tolist()
+    rows = []
+    for r in range(rounds):
+        for mode in ("handoff", "plain"):
+            os.environ[HANDOFF_ENV] = "1" if mode == "handoff" else "0"  # read at capture: decode_numbers recaptures
+            row = {"round": r, "mode": mode, **decode_numbers(model, prompt)}
+            print(f"{preset} decode: {row}", flush=True)
+            rows.append(row)
+    os.environ.pop(HANDOFF_ENV)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="1,4,8,16")
+    p.add_argument("--preset", default="muse-small")
+    p.add_argument("--format", default="nvfp4")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="cuda_handoff_ab.json")
+    args = p.parse_args()
+    result = {"gpu": torch.cuda.get_device_name(), "layer": layer_rows([int(b) for b in args.batches.split(",")])}
+    torch.cuda.empty_cache()
+    result["decode"] = decode_rows(args.preset, args.format, args.rounds)
+    for mode in ("handoff", "plain"):
+        mine = [r for r in result["decode"] if r["mode"] == mode]
+        print(f"{args.preset} {mode}: replay median {sorted(r['replay_us'] for r in mine)[len(mine) // 2]} us, "
+              f"generate median {sorted(r['generate_us_per_token'] for r in mine)[len(mine) // 2]} us/token")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
