@@ -22,11 +22,15 @@ __device__ __forceinline__ void store_out(void *out, long long i, float v, int o
     ((u16 *)out)[i] = b;
 }
 
+// An expert id or a permutation entry: through L2 only (`cg`) in a kernel that reads them while the kernels before
+// it may still run (the hand-off's consumer, below), else through the read-only path.
+__device__ __forceinline__ long long ld_index(const long long *p, bool cg) { return cg ? __ldcg(p) : *p; }
+
 // Expert mode: program z is assignment a, expert ids[a], activation row a / a_div, output row a.
 __device__ __forceinline__ void assignment(const long long *ids, int a_div, long long &e, long long &x_row,
-                                           long long &y_row) {
+                                           long long &y_row, bool cg = false) {
     const int a = blockIdx.z;
-    e = ids[a];
+    e = ld_index(ids + a, cg);
     x_row = a / a_div;
     y_row = a;
 }
@@ -36,19 +40,20 @@ __device__ __forceinline__ void assignment(const long long *ids, int a_div, long
 // positions into it; the chunk's up to `cap` assignments (one expert) share each weight chunk the block streams,
 // so an expert chosen by several tokens is read once per chunk instead of once per assignment. Returns the
 // chunk's length, 0 when program z is not a head (its assignments belong to an earlier program).
-__device__ __forceinline__ int run_chunk(const long long *ids, int p, int n, int cap) {
-    const long long e = ids[p];
+__device__ __forceinline__ int run_chunk(const long long *ids, int p, int n, int cap, bool cg) {
+    const long long e = ld_index(ids + p, cg);
     int start = p;
-    while (start > 0 && ids[start - 1] == e) --start;
+    while (start > 0 && ld_index(ids + start - 1, cg) == e) --start;
     if ((p - start) % cap) return 0;
     int len = 1;
-    while (len < cap && p + len < n && ids[p + len] == e) ++len;
+    while (len < cap && p + len < n && ld_index(ids + p + len, cg) == e) ++len;
     return len;
 }
 
 // Row of token m of this program: the run's assignment perm[p + m] / div, or base + m without runs.
-__device__ __forceinline__ long long token_row(const long long *perm, int p, int m, long long base, int div) {
-    return perm ? perm[p + m] / div : base + m;
+__device__ __forceinline__ long long token_row(const long long *perm, int p, int m, long long base, int div,
+                                               bool cg = false) {
+    return perm ? ld_index(perm + p + m, cg) / div : base + m;
 }
 
 // Scale byte -> scale * 2**(62 - fold) as fp32 (e4m3 for NVFP4, e8m0 for MXFP4).
@@ -469,11 +474,11 @@ __device__ __forceinline__ void gemv_mma_body(
     if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
         if (!handed) pdl_wait();  // (handed: the producer's hand-off for this program has been acquired instead)
         if (perm) {
-            rows = run_chunk(ids, blockIdx.z, gridDim.z, m_rows);
+            rows = run_chunk(ids, blockIdx.z, gridDim.z, m_rows, handed);
             if (rows == 0) return;  // the whole block (and cluster: same z) leaves before any barrier
-            e = ids[blockIdx.z];
+            e = ld_index(ids + blockIdx.z, handed);
         } else {
-            assignment(ids, a_div, e, x_row, y_row);
+            assignment(ids, a_div, e, x_row, y_row, handed);
         }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -510,8 +515,8 @@ __device__ __forceinline__ void gemv_mma_body(
     // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
     for (int i = threadIdx.x; i < rows * chunks * 16; i += WARPS * 32) {
         const int m = i / (chunks * 16), r = i - m * (chunks * 16), c = r >> 4, v = r & 15;
-        const uint4 *src = reinterpret_cast<const uint4 *>(
-            x + token_row(perm, blockIdx.z, m, x_row, a_div) * (long long)x_stride + (c_begin + c) * 128 + v * 8);
+        const long long row = token_row(perm, blockIdx.z, m, x_row, a_div, handed);
+        const uint4 *src = reinterpret_cast<const uint4 *>(x + row * (long long)x_stride + (c_begin + c) * 128 + v * 8);
         const uint4 raw = handed ? __ldcg(src) : __ldg(src);  // handed: written while this kernel runs (no nc path)
         const int hi = v >> 3, q0 = 2 * (v & 7);
         const int pe = hi ? 2 : 3, po = hi ? 0 : 1;
@@ -598,7 +603,7 @@ __device__ __forceinline__ void gemv_mma_body(
                 }
                 const int row = n0 + i * 16 + g + (j >= 2 ? 8 : 0), token = ng * 8 + 2 * t + (j & 1);
                 if (row >= N || token >= rows) continue;
-                store_out(y, token_row(perm, blockIdx.z, token, y_row, 1) * (long long)y_stride + row, out, ot);
+                store_out(y, token_row(perm, blockIdx.z, token, y_row, 1, handed) * (long long)y_stride + row, out, ot);
             }
 }
 
