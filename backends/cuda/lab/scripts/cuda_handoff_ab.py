@@ -19,36 +19,25 @@ import os
 import torch
 
 from cuda_decode_host_probe import decode_numbers  # this folder is sys.path[0] when run as a script
+from cuda_moe_runs_probe import Layer816B
 from musecore.api import load_random
-from musecore_cuda import CudaBackend
-from musecore_cuda.bench import memory_ceiling_gbps, random_fp4, time_us_interleaved
+from musecore_cuda.bench import time_us_interleaved
 from musecore_cuda.kernels.moe_decode import HANDOFF_ENV, moe_decode_gemv
 
 
 def layer_rows(batches: list[int]) -> list[dict]:
-    experts, topk, width, inter, hidden = 256, 8, 4096, 4096, 8192
-    be = CudaBackend("cuda")
-    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
-    fp4 = be.prepare_experts(random_fp4("nvfp4", (experts, inter, width)), random_fp4("nvfp4", (experts, inter, width)),
-                             random_fp4("nvfp4", (experts, width, inter)))
-    per_expert = sum(s.nbytes for s in (fp4.gate, fp4.up, fp4.down)) // experts
-    norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
-    router = torch.randn(experts, hidden, device="cuda") * hidden ** -0.5
-    bias = torch.randn(experts, device="cuda") * 0.01
+    layer = Layer816B()
+    fp4, norm = layer.fp4, layer.norm
     rows = []
     for t in batches:
-        weights, ids = be.router_topk(torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16), router, bias, topk,
-                                      (hidden / 256) ** -0.5, 1.0)
-        z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
+        z, weights, ids = layer.route(t)
         calls = {mode: (lambda on=on: moe_decode_gemv(z, weights, ids, fp4.gate, fp4.up, fp4.down, norm, 1e-8,
                                                       handoff=on)) for mode, on in (("handoff", True), ("plain", False))}
         if not torch.equal(calls["handoff"](), calls["plain"]()):
             raise AssertionError(f"batch {t}: the hand-off changed the output")
         us = time_us_interleaved(calls, rounds=6, reps=5, warm_s=0.2)
-        routed = int(ids.unique().numel())
-        row = {"batch": t, "routed_experts": routed, "ceiling_gbps": ceiling,
-               **{mode: {"us": round(v, 1), "pct_ceiling": round(100 * routed * per_expert / v / 1e3 / ceiling, 1)}
-                  for mode, v in us.items()}}
+        row = {"batch": t, "routed_experts": int(ids.unique().numel()), "ceiling_gbps": layer.ceiling,
+               **{mode: {"us": round(v, 1), "pct_ceiling": layer.pct_ceiling(ids, v)} for mode, v in us.items()}}
         rows.append(row)
         print(f"816B MoE layer batch {t}: hand-off {row['handoff']['us']} us ({row['handoff']['pct_ceiling']}%), "
               f"plain {row['plain']['us']} us ({row['plain']['pct_ceiling']}%)", flush=True)

@@ -23,25 +23,44 @@ from musecore_cuda.kernels.moe_decode import moe_decode_gemv
 from musecore_triton.kernels.moe import moe_forward
 
 
+class Layer816B:
+    """One full-size 816B MoE layer (NVFP4, E 256, top-8, h = I = 4096) with random weights, its router, the
+    memory ceiling measured here and the bytes of one expert; :meth:`route` gives a batch's (z, weights, ids)."""
+
+    experts, topk, width, inter, hidden = 256, 8, 4096, 4096, 8192
+
+    def __init__(self) -> None:
+        E, h, inter, H = self.experts, self.width, self.inter, self.hidden
+        self.be = CudaBackend("cuda")
+        self.ceiling = memory_ceiling_gbps()["ceiling_gbps"]
+        self.fp4 = self.be.prepare_experts(random_fp4("nvfp4", (E, inter, h)), random_fp4("nvfp4", (E, inter, h)),
+                                           random_fp4("nvfp4", (E, h, inter)))
+        self.per_expert = sum(s.nbytes for s in (self.fp4.gate, self.fp4.up, self.fp4.down)) // E
+        self.norm = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+        self.router = torch.randn(E, H, device="cuda") * H ** -0.5
+        self.bias = torch.randn(E, device="cuda") * 0.01
+
+    def route(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        H = self.hidden
+        weights, ids = self.be.router_topk(torch.randn(t, H, device="cuda", dtype=torch.bfloat16), self.router,
+                                           self.bias, self.topk, (H / 256) ** -0.5, 1.0)
+        return torch.randn(t, self.width, device="cuda", dtype=torch.bfloat16), weights, ids
+
+    def pct_ceiling(self, ids: torch.Tensor, us: float) -> float:
+        """The % of the memory ceiling at which ``us`` streams the routed experts' bytes once."""
+        return round(100 * int(ids.unique().numel()) * self.per_expert / us / 1e3 / self.ceiling, 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="8,16,32,48,64,96,128")
     p.add_argument("--out", default="cuda_moe_runs_probe.json")
     args = p.parse_args()
-    experts, topk, width, inter, hidden = 256, 8, 4096, 4096, 8192
-    be = CudaBackend("cuda")
-    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
-    fp4 = be.prepare_experts(random_fp4("nvfp4", (experts, inter, width)), random_fp4("nvfp4", (experts, inter, width)),
-                             random_fp4("nvfp4", (experts, width, inter)))
-    per_expert = sum(s.nbytes for s in (fp4.gate, fp4.up, fp4.down)) // experts
-    norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
-    router = torch.randn(experts, hidden, device="cuda") * hidden ** -0.5
-    bias = torch.randn(experts, device="cuda") * 0.01
+    layer = Layer816B()
+    fp4, norm, experts, topk, ceiling = layer.fp4, layer.norm, layer.experts, layer.topk, layer.ceiling
     rows = []
     for t in (int(b) for b in args.batches.split(",")):
-        weights, ids = be.router_topk(torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16), router, bias, topk,
-                                      (hidden / 256) ** -0.5, 1.0)
-        z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
+        z, weights, ids = layer.route(t)
         routed = int(ids.unique().numel())
         calls = {
             "gemv runs": lambda: moe_decode_gemv(z, weights, ids, fp4.gate, fp4.up, fp4.down, norm, 1e-8, runs=True),
@@ -56,8 +75,7 @@ def main() -> None:
             if err > 1e-4:
                 raise AssertionError(f"batch {t} {name}: NMSE {err:.2e} against the grouped GEMM")
             us = time_us(fn, reps=10)
-            row[name] = {"us": round(us, 1), "pct_ceiling": round(100 * routed * per_expert / us / 1e3 / ceiling, 1),
-                         "nmse_vs_grouped": err}
+            row[name] = {"us": round(us, 1), "pct_ceiling": layer.pct_ceiling(ids, us), "nmse_vs_grouped": err}
         rows.append(row)
         print(f"batch {t:4d} ({t * topk} assignments, {routed} experts): "
               + ", ".join(f"{k} {v['us']:.0f} us ({v['pct_ceiling']:.0f}%)" for k, v in row.items()
