@@ -162,7 +162,7 @@ def test_handoff_counts_the_producer_warps_per_program_and_takes_only_mma_launch
     assert warps(GemvPlan("mma", 1, 2, k_warps=2), 770) == 13 * 4    # 2 x 32-row groups per block: 64 rows
     with pytest.raises(ValueError, match="MMA producer"):
         fp4_gemv_cuda.Handoff(GemvPlan("fma", 1, 8), 64, 4, torch.device("cpu"))
-    with pytest.raises(ValueError, match="1..4096 programs"):
+    with pytest.raises(ValueError, match="1..1024 programs"):
         fp4_gemv_cuda.Handoff(GemvPlan("mma", 1, 1), 64, fp4_gemv_cuda.HANDOFF_SLOTS + 1, torch.device("cpu"))
     h = object.__new__(fp4_gemv_cuda.Handoff)  # (its counters need a GPU; a plain launch is refused before them)
     h.programs = 4

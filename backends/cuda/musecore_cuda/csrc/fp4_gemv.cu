@@ -609,23 +609,29 @@ __device__ __forceinline__ void gemv_mma_body(
 
 // Producer/consumer hand-off between the decode MoE's two expert GEMVs (gate+up+SwiGLU, then down), so that the down
 // GEMV's blocks start in the gate/up GEMV's last wave instead of after it (moe_decode.py). `sync` holds two int32
-// counters per program z: done[z] (the producer's warps of program z that have finished, stores included) and
-// used[z] (the consumer's blocks of program z that have seen it complete). role 1 (producer, launched EARLY): every
+// counters per program z, 128 bytes apart from the next program's (every spinning block polls its own L2 line, not
+// one line for all): done[z] (the producer's warps of program z that have finished, stores included) and used[z]
+// (the consumer's blocks of program z that have seen it complete). role 1 (producer, launched EARLY): every
 // warp publishes its end with a release add on done[z]. role 2 (consumer, launched with the PDL attribute, so its
 // blocks may start once every producer block has started): each block waits for done[z] == need (the producer's
 // warps per program) with an acquire load instead of griddepcontrol.wait, and the last block of z to see it resets
-// both counters for the next launch. The wait gives up after 5 s with a trap (a CUDA error, never a silent hang).
+// both counters for the next launch. The polls back off from 256 ns to 2 us; the wait gives up after 5 s with a trap
+// (a CUDA error, never a silent hang).
+constexpr int HANDOFF_STRIDE = 32;  // ints between two programs' counters: one 128-byte line each
+
 __device__ __forceinline__ void handoff_wait(int *sync, int need) {
     const int z = blockIdx.z;
     if (threadIdx.x == 0) {
-        int *done = sync + 2 * z, *used = done + 1;
+        int *done = sync + HANDOFF_STRIDE * z, *used = done + 1;
         unsigned long long start, now;
+        unsigned sleep = 256;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
         for (;;) {
             int v;
             asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
             if (v >= need) break;
-            __nanosleep(64);
+            __nanosleep(sleep);
+            sleep = sleep < 2048 ? 2 * sleep : sleep;
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
             if (now - start > 5000000000ull) __trap();  // the producer never finished: a bug, made loud
         }
@@ -641,7 +647,7 @@ __device__ __forceinline__ void handoff_publish(int *sync) {
     __threadfence();
     __syncwarp();
     if ((threadIdx.x & 31) == 0)
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sync + 2 * blockIdx.z) : "memory");
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sync + HANDOFF_STRIDE * blockIdx.z) : "memory");
 }
 
 template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>

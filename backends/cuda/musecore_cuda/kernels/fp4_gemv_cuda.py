@@ -265,7 +265,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
 
 
 PRODUCER, CONSUMER = 1, 2
-HANDOFF_SLOTS = 4096  # most programs (assignments) a hand-off takes: two int32 counters each, per device
+HANDOFF_SLOTS = 1024  # most programs (assignments) a hand-off takes: two int32 counters each in its own 128-byte line
+HANDOFF_STRIDE = 32  # int32s from one program's counters to the next (csrc/fp4_gemv.cu)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -295,7 +296,8 @@ class Handoff:
                                "capture)")
         counters = _COUNTERS.get(device)
         if counters is None:
-            counters = _COUNTERS[device] = torch.zeros(2 * HANDOFF_SLOTS, dtype=torch.int32, device=device)
+            counters = _COUNTERS[device] = torch.zeros(HANDOFF_STRIDE * HANDOFF_SLOTS, dtype=torch.int32,
+                                                       device=device)
         self.counters = counters
 
     @staticmethod
