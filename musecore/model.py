@@ -537,6 +537,16 @@ class MuseModel:
             return step
         return lambda ids, positions: self.forward(ids, positions=positions, cache=cache)
 
+    def prefill_step(self, cache: KVCache, tokens: int
+                     ) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """``step(ids [B,tokens], positions [B,tokens]) -> logits [B,1,V]`` (the last position's) for a prefill of
+        left-padded prompts into the rows of the static ``cache``, replayed where the backend captures it (CUDA and
+        HIP graphs); None elsewhere: the caller runs ``forward(..., last_only=True)``."""
+        make = getattr(self.backend, "make_prefill_step", None)
+        if not cache.static or self.comm is not None or make is None:
+            return None
+        return make(self, cache, tokens)
+
     GENERATION_CACHE_ROUND = 256  # static generation caches are sized in multiples of this many tokens
 
     def generation_cache(self, batch: int, max_length: int, kv_format: str = "bf16") -> KVCache:

@@ -129,6 +129,13 @@ class Backend:
         None (the default): the core calls ``model.forward`` each step."""
         return None
 
+    def make_prefill_step(self, model: Any, cache: Any, tokens: int
+                          ) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """A replayable prefill ``step(ids [B,tokens], positions [B,tokens]) -> logits [B,1,V]`` (the last position's,
+        as ``model.forward(..., last_only=True)``) on a static ``cache`` whose rows it fills; prompts are left-padded
+        at position -1. None (the default): the caller runs ``model.forward``."""
+        return None
+
     def fuse_block(self, block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
         """Optional: a callable with the signature of ``block.__call__`` (a ``musecore.model.MoE``: ``(m)``; an
         ``Attention``: ``(a, positions, rope, cache)``) computing what the block's ops compute in fewer calls at the

@@ -159,6 +159,13 @@ class Engine:
         self.cache = model.new_cache(max_batch, self.max_model_len, kv_format=getattr(model, "kv_format", "bf16"),
                                      static=self.graphs)
         self._steps: dict[tuple[int, int], Callable] = {}  # (rows, length bound) -> a captured decode step
+        # Short prompts' prefills replay graphs too, captured per (rows, prompt length) bucket on a staging cache whose
+        # rows are then copied into the joiners' rows (see _prefill_graphed); None: the backend captures none
+        self._prefills: dict[tuple[int, int], Optional[Callable]] = {}
+        self.staging = (model.new_cache(min(max_batch, self.PREFILL_MAX_TOKENS // self.PREFILL_LENGTHS[0]),
+                                        min(self.PREFILL_LENGTHS[-1], self.max_model_len),
+                                        kv_format=getattr(model, "kv_format", "bf16"), static=True)
+                        if self.graphs else None)
         # Greedy graph steps: the next step is queued from this one's device tokens before they are read (see _Launched)
         self.lookahead = lookahead
         self._ahead: Optional[_Launched] = None
@@ -284,20 +291,20 @@ class Engine:
 
     def _prefill(self, requests: list[Request], first_row: int) -> None:
         longest = max(len(r.prompt_ids) for r in requests)
-        view = _rows(self.cache, first_row, first_row + len(requests), reads=longest)
-        for layer in view.layers:  # the rows may hold finished requests' entries
-            layer.positions.fill_(-1)
-        view.next_position.zero_()
-        ids = torch.zeros((len(requests), longest), dtype=torch.long)  # left-padded, as generate pads
-        positions = torch.full((len(requests), longest), -1, dtype=torch.long)  # -1: padding, seen by nothing
-        for b, r in enumerate(requests):
-            n = len(r.prompt_ids)
-            ids[b, longest - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            positions[b, longest - n:] = torch.arange(n)
         media = _joined_media([r.features for r in requests])
-        extra = {"media": media} if media else {}
-        logits = self.model.forward(ids, positions=positions, cache=view, last_only=True, **extra)[:, -1]  # [k,V]
-        _merge_used(self.cache, view)
+        bucket = None if media else self.prefill_bucket(len(requests), longest)
+        step = self._prefill_step(*bucket) if bucket is not None else None
+        if step is not None:
+            logits = self._prefill_graphed(requests, first_row, bucket, step)
+        else:
+            view = _rows(self.cache, first_row, first_row + len(requests), reads=longest)
+            for layer in view.layers:  # the rows may hold finished requests' entries
+                layer.positions.fill_(-1)
+            view.next_position.zero_()
+            ids, positions = _left_padded(requests, len(requests), longest)
+            extra = {"media": media} if media else {}
+            logits = self.model.forward(ids, positions=positions, cache=view, last_only=True, **extra)[:, -1]  # [k,V]
+            _merge_used(self.cache, view)
         for r in requests:
             r.features = None  # not needed after the prefill
         self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
@@ -341,6 +348,59 @@ class Engine:
         self.metrics.peak_running = max(self.metrics.peak_running, n)
         self._retire()
 
+    # Prompt lengths whose prefills replay graphs (each prompt left-padded to the next of these); longer ones, prompts
+    # with media and buckets of more than PREFILL_MAX_TOKENS rows x length run eagerly.
+    PREFILL_LENGTHS = (16, 32, 64, 128, 256)
+    PREFILL_MAX_TOKENS = 1024
+    PREFILL_START = 2  # the first this many lengths at one row are captured by start(); other buckets when first needed
+
+    def prefill_bucket(self, rows: int, longest: int) -> Optional[tuple[int, int]]:
+        """The captured prefill's shape for ``rows`` joining prompts of at most ``longest`` tokens: rows up to a power
+        of two (at most ``max_batch``), the length up to the next of ``PREFILL_LENGTHS``; None when it is not replayed
+        (graphs not used, too long, too many tokens)."""
+        if not self.graphs or longest > self.PREFILL_LENGTHS[-1]:
+            return None
+        length = next(n for n in self.PREFILL_LENGTHS if n >= longest)
+        rows = min(1 << (rows - 1).bit_length(), self.max_batch)
+        return (rows, length) if rows * length <= self.PREFILL_MAX_TOKENS else None
+
+    @property
+    def captured_prefills(self) -> list[tuple[int, int]]:
+        """The (rows, length) buckets whose prefills are captured so far."""
+        return sorted(key for key, step in self._prefills.items() if step is not None)
+
+    def _prefill_step(self, rows: int, length: int) -> Optional[Callable]:
+        key = (rows, length)
+        if key not in self._prefills:
+            t = time.perf_counter()
+            step = self._prefills[key] = self.model.prefill_step(_rows(self.staging, 0, rows, reads=length), length)
+            if step is not None:
+                log.info("captured the prefill for %d rows of up to %d tokens in %.2f s", rows, length,
+                         time.perf_counter() - t)
+        return self._prefills[key]
+
+    def _prefill_graphed(self, requests: list[Request], first_row: int, bucket: tuple[int, int],
+                         step: Callable) -> torch.Tensor:
+        """The prefill of ``requests`` replayed from the graph of ``bucket`` on the staging cache's rows, whose slots
+        are then copied into rows ``first_row..`` of the engine's cache: logits ``[k, V]``."""
+        rows, length = bucket
+        k, staging = len(requests), self.staging
+        for layer in staging.layers:  # a staging row holds the previous prefill's entries
+            layer.positions[:rows].fill_(-1)
+        ids, positions = _left_padded(requests, rows, length)
+        logits = step(ids.to(self.model.device), positions.to(self.model.device))[:k, -1]  # [k, V]
+        for layer, part in zip(self.cache.layers, staging.layers):
+            # positions < length: a full layer's slots [0, length); a ring the same slots, or all of it where it wrapped
+            # (then it is as long as the engine's own: the window is below both caches' lengths)
+            slots = min(part.capacity, length)
+            into = slice(first_row, first_row + k)
+            layer.positions[into].fill_(-1)
+            layer.k[into, :slots].copy_(part.k[:k, :slots])
+            layer.v[into, :slots].copy_(part.v[:k, :slots])
+            layer.positions[into, :slots].copy_(part.positions[:k, :slots])
+        self.cache.next_position[first_row:first_row + k] = torch.tensor([len(r.prompt_ids) for r in requests])
+        return logits
+
     LENGTH_ROUND = 256  # a decode graph's length bound: this many slots times a power of two (up to max_model_len)
 
     def step_bucket(self, rows: int, length: int) -> tuple[int, int]:
@@ -365,16 +425,19 @@ class Engine:
         return sorted({self.step_bucket(n, 1) for n in range(1, self.max_batch + 1)})
 
     def warm_up(self) -> int:
-        """Capture the decode step of every row bucket at the first length bound now (``start`` calls this), so the
-        first requests do not wait for captures; longer bounds are captured when a sequence first reaches them.
-        Returns how many steps were captured (0 where steps are not captured)."""
+        """Capture the decode step of every row bucket at the first length bound, and the one-row prefills of the
+        shortest prompts, now (``start`` calls this), so the first requests do not wait for captures; longer bounds
+        and other prefill buckets are captured when first needed. Returns how many steps were captured (0 where
+        steps are not captured)."""
         if not self.graphs:
             return 0
         buckets = [b for b in self.start_buckets() if b not in self._steps]
+        prefills = [(1, n) for n in self.PREFILL_LENGTHS[:self.PREFILL_START] if (1, n) not in self._prefills]
         with torch.inference_mode():
             for rows, bound in buckets:
                 self._step(rows, bound)
-        return len(buckets)
+            captured = sum(self._prefill_step(rows, length) is not None for rows, length in prefills)
+        return len(buckets) + captured
 
     def _step(self, rows: int, bound: int) -> Callable:
         step = self._steps.get((rows, bound))
@@ -529,6 +592,18 @@ class _Launched:
         if bad:
             raise_non_finite(model, bad, "a serving step")
         return tokens
+
+
+def _left_padded(requests: list[Request], rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids and positions ``[rows, length]``, each prompt at the end of its row (as ``generate`` pads); padding
+    and the rows past the requests are token 0 at position -1 (seen by nothing)."""
+    ids = torch.zeros((rows, length), dtype=torch.long)
+    positions = torch.full((rows, length), -1, dtype=torch.long)
+    for b, r in enumerate(requests):
+        n = len(r.prompt_ids)
+        ids[b, length - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        positions[b, length - n:] = torch.arange(n)
+    return ids, positions
 
 
 def _joined_media(per_request: list[Optional[dict]]) -> Optional[dict]:

@@ -101,7 +101,7 @@ class _Captures:
     wants_static_cache = True
 
     def __init__(self, backend):
-        self._backend, self.captured = backend, []
+        self._backend, self.captured, self.prefills = backend, [], []
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
@@ -112,12 +112,23 @@ class _Captures:
         self.captured.append((cache.next_position.shape[0], bounds.pop()))
         return lambda ids, positions: model.forward(ids, positions=positions, cache=cache)
 
+    def make_prefill_step(self, model, cache, tokens):
+        self.prefills.append((cache.next_position.shape[0], tokens))
+
+        def step(ids, positions):
+            assert ids.shape == positions.shape == (cache.next_position.shape[0], tokens), (ids.shape, tokens)
+            return model.forward(ids, positions=positions, cache=cache, last_only=True)
+        return step
+
 
 def test_graph_buckets_compute_generates_output_and_are_captured_once_per_bucket(model):
     graphed = musecore.load("muse-tiny", device="cpu")
     backend = graphed.backend = _Captures(graphed.backend)
-    prompts = ["def fib(n):", "import os", "Hello, my name is", "class Stack:", "x = [", "# sort a list"]
-    lengths = [12, 3, 20, 7, 1, 15]
+    prompts = ["def fib(n):", "import os", "Hello, my name is", "class Stack:", "x = [", "# sort a list",
+               "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",  # a 32-token prefill bucket
+               "def f(x):\n    return x\n" * 30]  # the last one: longer than the prefill graphs take (eager)
+    lengths = [12, 3, 20, 7, 1, 15, 9, 5]
+    assert len(_encode_text(model, prompts[-1])) > Engine.PREFILL_LENGTHS[-1]
     expected = [model.generate(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
     engine = Engine(graphed, max_batch=3, max_waiting=8)
     engine.LENGTH_ROUND = 8  # short bounds, so sequences cross them while decoding
@@ -136,8 +147,12 @@ def test_graph_buckets_compute_generates_output_and_are_captured_once_per_bucket
     finally:
         engine.stop()
     assert backend.captured == first, f"the second run captured again: {backend.captured[len(first):]}"
+    # prefills: the one-row buckets of the shortest prompts at start, the others (three rows joining) when needed
+    assert backend.prefills[:2] == [(1, 16), (1, 32)], backend.prefills
+    assert set(backend.prefills) == set(engine.captured_prefills) and len(backend.prefills) == len(set(backend.prefills))
+    assert any(rows > 1 for rows, _ in engine.captured_prefills), engine.captured_prefills
     assert len(set(first)) == len(first), f"a bucket was captured twice: {first}"
-    assert {rows for rows, _ in first} <= {1, 2, 3} and {bound for _, bound in first} <= {8, 16, 32, 64}, first
+    assert {rows for rows, _ in first} <= {1, 2, 3} and {bound for _, bound in first} <= {8 << i for i in range(7)}, first
     assert any(bound > 8 for _, bound in first), f"no sequence crossed a length bound: {first}"
 
 

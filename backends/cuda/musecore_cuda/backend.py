@@ -321,6 +321,11 @@ class CudaBackend(TritonOps, Backend):
         from musecore_cuda.graphs import make_graphed_decode_step
         return make_graphed_decode_step(model, cache)
 
+    def make_prefill_step(self, model, cache, tokens):
+        """A prefill of ``tokens`` positions into ``cache``'s rows, replayed from a captured CUDA graph."""
+        from musecore_triton.graphs import make_graphed_prefill_step
+        return make_graphed_prefill_step(model, cache, tokens)
+
     # --- ops -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         if isinstance(w.data, Fp8Resident):

@@ -48,23 +48,40 @@ def make_graphed_decode_step(model: Any, cache: Any, *, scope: Callable[[int], C
         step = make_graphed_decode_step(model, cache)     # cache = model.new_cache(B, L, static=True)
         logits = step(next_ids, next_positions)
     """
+    return make_graphed_step(model, cache, tokens=1, scope=scope)
+
+
+def make_graphed_prefill_step(model: Any, cache: Any, tokens: int
+                              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``step(ids [B,tokens], positions [B,tokens]) -> logits [B,1,V]``: a prefill of left-padded prompts (padding at
+    position -1) into the rows of the static ``cache``, replayed from one captured ``model.forward(last_only=True)``.
+    The serve engine captures one per (rows, prompt length) bucket on a staging cache (``Engine.prefill_bucket``)."""
+    return make_graphed_step(model, cache, tokens=tokens, last_only=True)
+
+
+def make_graphed_step(model: Any, cache: Any, *, tokens: int = 1, last_only: bool = False,
+                      scope: Callable[[int], ContextManager] = _no_scope
+                      ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``step(ids [B,tokens], positions [B,tokens]) -> logits`` replaying one captured ``model.forward`` on ``cache``
+    (a decode step at ``tokens=1``; a prefill with ``last_only``)."""
     batch = cache.next_position.shape[0]
     device = model.device
-    static_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    static_positions = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+    static_ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
+    static_positions = torch.full((batch, tokens), -1, dtype=torch.long, device=device)
     saved_next = cache.next_position.clone()
+    extra = {"last_only": True} if last_only else {}
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with scope(batch):
         with torch.cuda.stream(side):  # warm-up: lets Triton compile and the allocator settle
             for _ in range(2):
-                model.forward(static_ids, positions=static_positions, cache=cache)
+                model.forward(static_ids, positions=static_positions, cache=cache, **extra)
         torch.cuda.current_stream(device).wait_stream(side)
 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_logits = model.forward(static_ids, positions=static_positions, cache=cache)
+            static_logits = model.forward(static_ids, positions=static_positions, cache=cache, **extra)
     cache.next_position.copy_(saved_next)
 
     def step(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
