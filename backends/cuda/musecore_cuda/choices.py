@@ -303,12 +303,13 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
 def _handoff_choice() -> KernelChoice:
     what = "decode MoE, down GEMV after gate/up"
     if not moe_decode.handoff_by_default():
-        return KernelChoice(what, "after the gate/up GEMV has completed",
-                            f"{moe_decode.HANDOFF_ENV}={os.environ.get(moe_decode.HANDOFF_ENV)}", moe_decode.HANDOFF_ENV)
+        return KernelChoice(what, "launched after the gate/up GEMV has completed",
+                            "the hand-off (down started in gate/up's last wave) measured slower at batch 1 on the "
+                            f"H200 (816B layer 111-116 vs 97-99 us); {moe_decode.HANDOFF_ENV}=1 turns it on",
+                            moe_decode.HANDOFF_ENV)
     return KernelChoice(what, "hand-off: started in the gate/up GEMV's last wave (PDL attribute, SM90), each block "
                         "waiting for its own assignment's gate/up warps (acquire/release counters)",
-                        "the gate/up GEMV's last wave leaves most SMs idle (816B layer, batch 1: 1.29 waves)",
-                        moe_decode.HANDOFF_ENV)
+                        f"{moe_decode.HANDOFF_ENV}={os.environ.get(moe_decode.HANDOFF_ENV)}", moe_decode.HANDOFF_ENV)
 
 
 def _fused_choice() -> list[KernelChoice]:
@@ -338,8 +339,8 @@ def env_settings() -> list[EnvSetting]:
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
         EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 6 launches, "
                    "attention sublayers in 4, at one-token decode", "0 runs the separate ops (10 and 7 launches)"),
-        EnvSetting(moe_decode.HANDOFF_ENV, os.environ.get(moe_decode.HANDOFF_ENV), "on: the decode MoE's down GEMV "
-                   "starts in the gate/up GEMV's last wave", "0 launches it after the gate/up GEMV has completed"),
+        EnvSetting(moe_decode.HANDOFF_ENV, os.environ.get(moe_decode.HANDOFF_ENV), "off: the decode MoE's down GEMV "
+                   "launches after the gate/up GEMV", "1 starts it in the gate/up GEMV's last wave (slower at batch 1)"),
         EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "unset",
                    "1 runs the Triton kernels in Triton's CPU interpreter on a 'cpu' backend (tests only)"),
     ]

@@ -1,9 +1,9 @@
 """The MoE op at decode through the CUDA C++ expert GEMVs (NVRTC): one FP4 GEMV per token-expert
 assignment for gate+up+SwiGLU and one for down, then the portable Triton finalize.
 
-The down GEMV is launched with the PDL attribute and a hand-off (``fp4_gemv_cuda.Handoff``): its blocks start
-in the gate/up GEMV's last wave, each waiting only for the gate/up warps of its own assignment (or run chunk), so
-the tail of the first launch and the start of the second overlap (``MUSECORE_CUDA_MOE_HANDOFF=0`` turns it off).
+With ``MUSECORE_CUDA_MOE_HANDOFF=1`` the down GEMV is launched with the PDL attribute and a hand-off
+(``fp4_gemv_cuda.Handoff``): its blocks start in the gate/up GEMV's last wave, each waiting only for the gate/up
+warps of its own assignment (or run chunk). Off by default: it measured slower at batch 1 (:func:`handoff_by_default`).
 
 From :data:`RUNS_MIN_TOKENS` tokens the assignments are sorted by expert first (``torch.sort``), and each GEMV
 program computes a run of one expert's assignments together (``fp4_gemv_cuda.launch(perm=...)``): an expert that
@@ -95,9 +95,11 @@ HANDOFF_ENV = "MUSECORE_CUDA_MOE_HANDOFF"
 
 
 def handoff_by_default() -> bool:
-    """Whether the down GEMV starts in the gate/up GEMV's last wave (``fp4_gemv_cuda.Handoff``): on unless
-    ``MUSECORE_CUDA_MOE_HANDOFF=0``."""
-    return os.environ.get(HANDOFF_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+    """Whether the down GEMV starts in the gate/up GEMV's last wave (``fp4_gemv_cuda.Handoff``): only with
+    ``MUSECORE_CUDA_MOE_HANDOFF=1``. Off by default: on the H200 it lost at batch 1 (816B layer 111-116 us against
+    97-99 without; muse-small decode 851 against 826 us per step) and gained ~3% at batch 4 only, in two runs
+    (backends/cuda/lab/NOTES.md, session 45)."""
+    return os.environ.get(HANDOFF_ENV, "0").strip().lower() in ("1", "on", "yes", "true")
 
 
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
