@@ -6,7 +6,7 @@ block sizes and warps. Each configuration is checked against an fp32 product fir
 times are CUDA-graph replays with weights rotated past L2 (as ``musecore bench``). Prints a table and
 saves JSON; ``DENSE_GEMV_MAX_BYTES`` in the kernel module is read off it::
 
-    python backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py [--out backends/cuda/lab/results/cuda_dense_gemv_sweep.json]
+    python backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py [--shapes small] [--out backends/cuda/lab/results/cuda_dense_gemv_sweep.json]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ CONFIGS = [(bn, bk, nw) for bn in (1, 2, 4, 8, 16) for bk in (512, 1024, 2048) f
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="backends/cuda/lab/results/cuda_dense_gemv_sweep.json")
+    p.add_argument("--shapes", default="", help="only the shapes whose name contains this (e.g. 'small')")
     args = p.parse_args()
     ceiling = memory_ceiling_gbps()["ceiling_gbps"]
     rows = []
@@ -62,6 +63,8 @@ def main() -> None:
     print(f"{'shape':24} {'MB':>7} {'cuBLAS us':>9} {'auto us':>8} {'auto cfg':>14} {'best us':>8} {'best cfg':>14} "
           f"{'auto/cuBLAS':>11}")
     for name, (n, k) in SHAPES.items():
+        if args.shapes not in name:
+            continue
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w0 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         want = x.float() @ w0.float().T

@@ -5,7 +5,8 @@
 #   3. musecore bench --backend cuda --case targets;
 #   4. cuda_profile_decode.py with PDL off (each kernel's own time, no overlap) and on;
 #   5. the GPU tests named in TESTS;
-#   6. cuda_handoff_ab.py: the decode MoE's hand-off on and off (816B layer at batch 1-16, muse-small decode).
+#   6. cuda_handoff_ab.py: the decode MoE's hand-off on and off (816B layer at batch 1-16, muse-small decode);
+#   7. cuda_dense_gemv_sweep.py on muse-small's dense projections, and the kernels of a batch-16 decode step.
 # Everything under $OUT is also packed into $OUT/s45.tgz (run_steps in device_prelude.sh).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [TESTS="..."] bash backends/cuda/lab/scripts/s45_session.sh
 set -u
@@ -31,5 +32,12 @@ step5() { tests_step 5; }
 step6() {
   timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_handoff_ab.py --out $OUT/cuda_handoff_ab.json > $OUT/handoff_ab.log 2>&1
   echo "6. hand-off A/B at ${SECONDS}s (rc $?):"; grep -E "816B|median|Error|error" $OUT/handoff_ab.log | cut -c1-220
+}
+step7() {
+  timeout $(cap 150) python3 backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py --shapes small \
+    --out $OUT/cuda_dense_gemv_sweep_small.json > $OUT/dense_sweep.log 2>&1
+  echo "7. dense GEMV sweep at ${SECONDS}s (rc $?):"; cat $OUT/dense_sweep.log | cut -c1-160
+  timeout $(cap 90) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --batch 16 --rows 30 > $OUT/profile_decode_b16.txt 2>&1
+  echo "7. batch-16 profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_b16.txt
 }
 run_steps s45
