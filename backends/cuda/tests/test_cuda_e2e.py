@@ -90,11 +90,13 @@ def _serve(model, prompts: list[str], lengths: list[int]) -> tuple[list[str], ob
 
 
 def test_serve_engine_graph_buckets_give_the_tokens_of_its_plain_decode():
+    """Decode and prefill graphs (and the look-ahead) against the engine's plain path: the same tokens."""
     model = musecore.load("muse-tiny", device="h200")
     prompts, lengths = ["def fibonacci(n):", "import os\n", "class Stack:", "x = ["], [40, 9, 25, 3]
     graphed, engine = _serve(model, prompts, lengths)
     assert engine.graphs and {(1, 256), (4, 256)} <= set(engine.captured_steps), engine.captured_steps
+    assert (4, 16) in engine.captured_prefills, engine.captured_prefills  # the four prompts' prefill, replayed
     model.backend.wants_static_cache = False  # the engine then decodes through model.forward on a dynamic cache
     plain, engine = _serve(model, prompts, lengths)
-    assert not engine.graphs and not engine.captured_steps
+    assert not engine.graphs and not engine.captured_steps and not engine.captured_prefills
     assert graphed == plain, f"graphed {graphed!r} != plain {plain!r}"

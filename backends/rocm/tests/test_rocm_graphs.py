@@ -104,6 +104,37 @@ def test_graphed_step_captures_on_padding_positions_and_replays_the_forward(fake
     assert torch.equal(got2, TinyModel().forward(torch.tensor([[1], [2]]), torch.tensor([[8], [8]]), TinyCache(2)))
 
 
+def test_graphed_prefill_takes_whole_prompts_and_returns_the_last_positions_logits(fake_graph_api):
+    """The serve engine's prefill graphs: static inputs ``[B, tokens]``, captured on padding positions only, replayed
+    with ``last_only`` (logits ``[B, 1, V]``); each replay runs the captured forward on the new inputs."""
+    calls = []
+
+    class PrefillModel:
+        device = torch.device("cpu")
+
+        def forward(self, ids, positions, cache, last_only=False):
+            assert last_only and ids.shape == positions.shape == (2, 4)
+            out = torch.empty(2, 1, 3)
+
+            def run():
+                calls.append(positions.clone())
+                out.copy_((ids * (positions >= 0)).sum(1, keepdim=True)[..., None].float() + torch.arange(3))
+
+            run()
+            if FakeGraph.capturing:
+                FakeGraph.capturing[-1].work.append(run)
+            return out
+
+    cache = TinyCache(batch=2)
+    step = graphs.make_graphed_prefill_step(PrefillModel(), cache, 4)
+    assert len(calls) == 3 and all((p == -1).all() for p in calls)  # 2 warm-ups + capture, padding only
+    ids = torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]])
+    positions = torch.tensor([[-1, 0, 1, 2], [0, 1, 2, 3]])
+    got = step(ids, positions)
+    assert got.shape == (2, 1, 3) and got[:, 0, 0].tolist() == [18.0, 10.0]
+    assert torch.equal(calls[-1], positions)
+
+
 def test_cuda_backend_uses_the_shared_capture_with_its_pdl_scope(fake_graph_api, monkeypatch):
     cuda_graphs = pytest.importorskip("musecore_cuda.graphs", reason="musecore-cuda is not installed")
     seen = []
