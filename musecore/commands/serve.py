@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     engine = app.state.engine
     if engine.graphs:  # Engine.start (at the app's startup) captures them before the first request is taken
         rows = [r for r, _ in engine.start_buckets()]
-        print(f"capturing the decode steps for {len(rows)} batch sizes ({', '.join(map(str, rows))}) before the "
-              "first request (seconds each; -v logs every capture)", file=sys.stderr)
+        lengths = engine.PREFILL_LENGTHS[:engine.PREFILL_START]
+        print(f"capturing the decode steps for {len(rows)} batch sizes ({', '.join(map(str, rows))}) and the "
+              f"one-prompt prefills of up to {', '.join(map(str, lengths))} tokens before the first request (seconds "
+              "each; other prefill buckets are captured when first needed; -v logs every capture)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
