@@ -162,10 +162,7 @@ class Engine:
         # Short prompts' prefills replay graphs too, captured per (rows, prompt length) bucket on a staging cache whose
         # rows are then copied into the joiners' rows (see _prefill_graphed); None: the backend captures none
         self._prefills: dict[tuple[int, int], Optional[Callable]] = {}
-        self.staging = (model.new_cache(min(max_batch, self.PREFILL_MAX_TOKENS // self.PREFILL_LENGTHS[0]),
-                                        min(self.PREFILL_LENGTHS[-1], self.max_model_len),
-                                        kv_format=getattr(model, "kv_format", "bf16"), static=True)
-                        if self.graphs else None)
+        self.staging: Optional[KVCache] = None  # made with the first prefill graph (rows x 256 slots per layer)
         # Greedy graph steps: the next step is queued from this one's device tokens before they are read (see _Launched)
         self.lookahead = lookahead
         self._ahead: Optional[_Launched] = None
@@ -371,12 +368,21 @@ class Engine:
 
     def _prefill_step(self, rows: int, length: int) -> Optional[Callable]:
         key = (rows, length)
+        if key not in self._prefills and None in self._prefills.values():  # the backend captures none
+            self._prefills[key] = None
         if key not in self._prefills:
             t = time.perf_counter()
+            if self.staging is None:
+                self.staging = self.model.new_cache(
+                    min(self.max_batch, self.PREFILL_MAX_TOKENS // self.PREFILL_LENGTHS[0]),
+                    min(self.PREFILL_LENGTHS[-1], self.max_model_len), kv_format=getattr(self.model, "kv_format", "bf16"),
+                    static=True)
             step = self._prefills[key] = self.model.prefill_step(_rows(self.staging, 0, rows, reads=length), length)
             if step is not None:
                 log.info("captured the prefill for %d rows of up to %d tokens in %.2f s", rows, length,
                          time.perf_counter() - t)
+            else:
+                self.staging = None  # the backend captures none: no staging cache
         return self._prefills[key]
 
     def _prefill_graphed(self, requests: list[Request], first_row: int, bucket: tuple[int, int],
