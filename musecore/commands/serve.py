@@ -37,6 +37,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length per request, prompt plus completion (default: the model's "
                              "max_position_embeddings)")
+    parser.add_argument("--prefill-graphs", default="short", choices=("short", "all", "off"),
+                        help="where decode steps replay graphs (CUDA, ROCm), which prompt prefills are captured when "
+                             "the server starts: 'short' (default) the one-prompt buckets of up to 32 tokens, the "
+                             "others when first needed (that request waits for the capture); 'all' every bucket "
+                             "(a longer start); 'off' none (every prefill runs eagerly)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default: info)")
     parser.set_defaults(run=run)
@@ -73,14 +78,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.model} has no tokenizer.json; the server takes text, so it needs one")
     name = args.served_model_name or str(args.model)
     app = make_app(model, name, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                   max_model_len=args.max_model_len)
+                   max_model_len=args.max_model_len, prefill_graphs=args.prefill_graphs)
     print(f"serving {name} on {model.plan.device} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     engine = app.state.engine
     if engine.graphs:  # Engine.start (at the app's startup) captures them before the first request is taken
         rows = [r for r, _ in engine.start_buckets()]
-        lengths = engine.PREFILL_LENGTHS[:engine.PREFILL_START]
-        print(f"capturing the decode steps for {len(rows)} batch sizes ({', '.join(map(str, rows))}) and the "
-              f"one-prompt prefills of up to {', '.join(map(str, lengths))} tokens before the first request (seconds "
-              "each; other prefill buckets are captured when first needed; -v logs every capture)", file=sys.stderr)
+        prefills = engine.start_prefills()
+        print(f"capturing the decode steps for {len(rows)} batch sizes ({', '.join(map(str, rows))}) and "
+              f"{len(prefills)} prompt prefill buckets (--prefill-graphs {args.prefill_graphs}) before the first "
+              "request (seconds each; other buckets are captured when first needed; -v logs every capture)",
+              file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -40,11 +40,12 @@ class ApiError(Exception):
 
 
 def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_batch: int = 16,
-             max_waiting: int = 64, max_model_len: Optional[int] = None) -> Any:
+             max_waiting: int = 64, max_model_len: Optional[int] = None, prefill_graphs: str = "short") -> Any:
     """A FastAPI app serving ``model`` under ``model_name``; its engine starts and stops with the app."""
     from contextlib import asynccontextmanager
 
-    engine = engine or Engine(model, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting)
+    engine = engine or Engine(model, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
+                              prefill_graphs=prefill_graphs)
     created = int(time.time())
 
     @asynccontextmanager

@@ -50,6 +50,9 @@ from musecore.generate import _Sequence, _TokenFetch, check_finite_logits, raise
 from musecore.kv_cache import KVCache
 
 log = logging.getLogger("musecore.serve")
+# Engine(prefill_graphs=): which prefill buckets are captured at start ("short": the one-row buckets of the shortest
+# prompts, others when first needed; "all": every bucket; "off": every prefill runs eagerly)
+PREFILL_GRAPHS = ("short", "all", "off")
 Sink = Callable[[dict], None]  # gets {"type": "text", "text"} ... then one {"type": "done", ...}
 
 
@@ -148,9 +151,13 @@ class Engine:
     """
 
     def __init__(self, model: Any, max_batch: int = 16, max_model_len: Optional[int] = None,
-                 max_waiting: int = 64, ignore_eos: bool = False, lookahead: bool = True) -> None:
+                 max_waiting: int = 64, ignore_eos: bool = False, lookahead: bool = True,
+                 prefill_graphs: str = "short") -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1; got {max_batch}")
+        if prefill_graphs not in PREFILL_GRAPHS:
+            raise ValueError(f"prefill_graphs must be one of {', '.join(PREFILL_GRAPHS)}; got {prefill_graphs!r}")
+        self.prefill_graphs = prefill_graphs
         self.model = model
         limit = model.config.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
@@ -354,8 +361,8 @@ class Engine:
     def prefill_bucket(self, rows: int, longest: int) -> Optional[tuple[int, int]]:
         """The captured prefill's shape for ``rows`` joining prompts of at most ``longest`` tokens: rows up to a power
         of two (at most ``max_batch``), the length up to the next of ``PREFILL_LENGTHS``; None when it is not replayed
-        (graphs not used, too long, too many tokens)."""
-        if not self.graphs or longest > self.PREFILL_LENGTHS[-1]:
+        (graphs not used or ``prefill_graphs="off"``, too long, too many tokens)."""
+        if not self.graphs or self.prefill_graphs == "off" or longest > self.PREFILL_LENGTHS[-1]:
             return None
         length = next(n for n in self.PREFILL_LENGTHS if n >= longest)
         rows = min(1 << (rows - 1).bit_length(), self.max_batch)
@@ -430,15 +437,25 @@ class Engine:
         length bound."""
         return sorted({self.step_bucket(n, 1) for n in range(1, self.max_batch + 1)})
 
+    def start_prefills(self) -> list[tuple[int, int]]:
+        """The (rows, length) prefill buckets ``warm_up`` captures: with ``prefill_graphs="short"`` (the default) the
+        one-row buckets of the ``PREFILL_START`` shortest lengths, with ``"all"`` every bucket, with ``"off"`` none."""
+        if not self.graphs or self.prefill_graphs == "off":
+            return []
+        if self.prefill_graphs == "short":
+            return [(1, n) for n in self.PREFILL_LENGTHS[:self.PREFILL_START]]
+        rows = sorted({min(1 << (n - 1).bit_length(), self.max_batch) for n in range(1, self.max_batch + 1)})
+        return sorted({b for r in rows for n in self.PREFILL_LENGTHS if (b := self.prefill_bucket(r, n))})
+
     def warm_up(self) -> int:
-        """Capture the decode step of every row bucket at the first length bound, and the one-row prefills of the
-        shortest prompts, now (``start`` calls this), so the first requests do not wait for captures; longer bounds
-        and other prefill buckets are captured when first needed. Returns how many steps were captured (0 where
+        """Capture the decode step of every row bucket at the first length bound, and the prefills of
+        :meth:`start_prefills`, now (``start`` calls this), so the first requests do not wait for captures; longer
+        bounds and other prefill buckets are captured when first needed. Returns how many steps were captured (0 where
         steps are not captured)."""
         if not self.graphs:
             return 0
         buckets = [b for b in self.start_buckets() if b not in self._steps]
-        prefills = [(1, n) for n in self.PREFILL_LENGTHS[:self.PREFILL_START] if (1, n) not in self._prefills]
+        prefills = [b for b in self.start_prefills() if b not in self._prefills]
         with torch.inference_mode():
             for rows, bound in buckets:
                 self._step(rows, bound)

@@ -7,7 +7,7 @@ import torch
 import musecore
 from musecore.generate import _encode_text
 from musecore.serve.engine import Engine, EngineFull, Request, Sampling
-from musecore.testing import Collector
+from musecore.testing import Collector, serve_all
 
 TIMEOUT = 120
 
@@ -210,3 +210,22 @@ def test_a_queued_step_is_taken_by_a_subset_of_its_requests_and_dropped_when_one
     assert _Launched([a, b], [5, -1], torch.tensor([10, 11]), fetch).taken_by([a, b], 2) is None  # b was fed -1
     with pytest.raises(ValueError, match="NaN/Inf.*row 2"):
         step.tokens(None)
+
+
+@pytest.mark.parametrize("mode", ["all", "off"])
+def test_prefill_graphs_all_are_captured_at_start_and_off_runs_every_prefill_eagerly(model, mode):
+    graphed = musecore.load("muse-tiny", device="cpu")
+    backend = graphed.backend = _Captures(graphed.backend)
+    engine = Engine(graphed, max_batch=4, max_waiting=8, prefill_graphs=mode)
+    started = engine.start_prefills()
+    prompts, lengths = ["def fib(n):", "import os", "class Stack:", "x = ["], [6, 3, 5, 2]
+    expected = [model.generate(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+    got = serve_all(engine, graphed, [(p, Sampling(max_tokens=n)) for p, n in zip(prompts, lengths)])
+    assert got.texts() == expected
+    if mode == "all":
+        assert started == [(r, n) for r in (1, 2, 4) for n in Engine.PREFILL_LENGTHS], started  # 4 x 256 = 1024 tokens
+        assert backend.prefills == started, backend.prefills  # all at start, none later: (4, 16) was among them
+    else:
+        assert started == [] and backend.prefills == [] and engine.captured_prefills == []
+    with pytest.raises(ValueError, match="prefill_graphs must be one of short, all, off"):
+        Engine(graphed, prefill_graphs="some")
