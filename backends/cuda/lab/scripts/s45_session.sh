@@ -6,7 +6,8 @@
 #   4. cuda_profile_decode.py with PDL off (each kernel's own time, no overlap) and on;
 #   5. the GPU tests named in TESTS;
 #   6. cuda_handoff_ab.py: the decode MoE's hand-off on and off (816B layer at batch 1-16, muse-small decode);
-#   7. cuda_dense_gemv_sweep.py on muse-small's dense projections, and the kernels of a batch-16 decode step.
+#   7. cuda_dense_gemv_sweep.py on muse-small's dense projections, and the kernels of a batch-16 decode step;
+#   8. cuda_sort_probe.py (torch.sort against the lab's one-program sort of the MoE assignments) and its lab test.
 # Everything under $OUT is also packed into $OUT/s45.tgz (run_steps in device_prelude.sh).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [TESTS="..."] bash backends/cuda/lab/scripts/s45_session.sh
 set -u
@@ -39,5 +40,11 @@ step7() {
   echo "7. dense GEMV sweep at ${SECONDS}s (rc $?):"; cat $OUT/dense_sweep.log | cut -c1-160
   timeout $(cap 90) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --batch 16 --rows 30 > $OUT/profile_decode_b16.txt 2>&1
   echo "7. batch-16 profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_b16.txt
+}
+step8() {
+  timeout $(cap 60) python3 -m pytest -q -p no:cacheprovider backends/cuda/lab/tests/test_sort_assignments.py \
+    > $OUT/sort_tests.log 2>&1; echo "8. sort tests at ${SECONDS}s:"; tail -1 $OUT/sort_tests.log
+  timeout $(cap 90) python3 backends/cuda/lab/scripts/cuda_sort_probe.py --out $OUT/cuda_sort_probe.json > $OUT/sort_probe.log 2>&1
+  echo "8. sort probe at ${SECONDS}s (rc $?):"; cat $OUT/sort_probe.log | cut -c1-160
 }
 run_steps s45
