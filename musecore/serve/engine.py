@@ -365,7 +365,7 @@ class Engine:
         if not self.graphs or self.prefill_graphs == "off" or longest > self.PREFILL_LENGTHS[-1]:
             return None
         length = next(n for n in self.PREFILL_LENGTHS if n >= longest)
-        rows = min(1 << (rows - 1).bit_length(), self.max_batch)
+        rows = self._row_bucket(rows)
         return (rows, length) if rows * length <= self.PREFILL_MAX_TOKENS else None
 
     @property
@@ -423,9 +423,12 @@ class Engine:
         bound = self.LENGTH_ROUND
         while bound < length:
             bound *= 2
-        bucket = getattr(self.model.backend, "batch_bucket", None)  # the backend's own (TPU), else powers of two
-        rows = int(bucket(rows)) if bucket is not None else 1 << (rows - 1).bit_length()
-        return min(rows, self.max_batch), min(bound, self.max_model_len)
+        return self._row_bucket(rows), min(bound, self.max_model_len)
+
+    def _row_bucket(self, rows: int) -> int:
+        """``rows`` rounded up to the backend's ``batch_bucket`` (TPU) or a power of two, at most ``max_batch``."""
+        bucket = getattr(self.model.backend, "batch_bucket", None)
+        return min(int(bucket(rows)) if bucket is not None else 1 << (rows - 1).bit_length(), self.max_batch)
 
     @property
     def captured_steps(self) -> list[tuple[int, int]]:
@@ -444,7 +447,7 @@ class Engine:
             return []
         if self.prefill_graphs == "short":
             return [(1, n) for n in self.PREFILL_LENGTHS[:self.PREFILL_START]]
-        rows = sorted({min(1 << (n - 1).bit_length(), self.max_batch) for n in range(1, self.max_batch + 1)})
+        rows = {r for r, _ in self.start_buckets()}
         return sorted({b for r in rows for n in self.PREFILL_LENGTHS if (b := self.prefill_bucket(r, n))})
 
     def warm_up(self) -> int:

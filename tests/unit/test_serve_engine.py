@@ -177,15 +177,7 @@ def test_lookahead_steps_give_generates_text_through_joins_stops_and_the_context
     expected = [model.generate(p, max_new_tokens=n, stop=stop or None) for p, n, stop in cases]
     engine = Engine(graphed, max_batch=3, max_waiting=8, max_model_len=limit, lookahead=lookahead)
     engine.LENGTH_ROUND = 8  # short bounds: the queued steps cross them too
-    got = Collector(len(cases))
-    engine.start()
-    try:
-        for i, (p, n, stop) in enumerate(cases):
-            engine.submit(Request(_encode_text(graphed, p), Sampling(max_tokens=n, stop_strings=stop), got.sink(i),
-                                  graphed.tokenizer))
-        assert got.all_done.wait(TIMEOUT), "the engine did not finish"
-    finally:
-        engine.stop()
+    got = serve_all(engine, graphed, [(p, Sampling(max_tokens=n, stop_strings=stop)) for p, n, stop in cases])
     assert got.texts() == expected, f"lookahead={lookahead} changed the output"
     m = engine.metrics
     if lookahead:
