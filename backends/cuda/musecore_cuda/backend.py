@@ -87,61 +87,18 @@ def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: i
     return path
 
 
-def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident, pieces: int = 1) -> torch.Tensor:
+def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     """2-D ``x2 @ W.T`` for large M: W dequantized to a transient bf16 copy, then cuBLAS.
 
     At M >= ``DEQUANT_MIN_M`` the GEMM is compute-bound and cuBLAS's BF16 tensor-core kernel beats
     the Triton W4A16 GEMM by more than the dequantization costs (one read of the FP4 bytes, one
     write of 2 bytes per weight); vLLM's AWQ path makes the same switch at 256 tokens.
-
-    With ``pieces`` > 1 the output columns are cut into that many row blocks of W: block i + 1 is dequantized on a
-    side stream while cuBLAS multiplies block i (each GEMM writes its column block of the output in place), so only
-    the first block's dequantization is exposed. Graph capture sees the side stream as a fork joined by events.
     """
     n, k = w.out_features, w.in_features
     dense = torch.empty(n, k, dtype=torch.bfloat16, device=x2.device)
-    bounds = _piece_bounds(n, pieces)
-    if len(bounds) == 1:
-        fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n,
-                                 k=k, out=dense)
-        return F.linear(x2, dense)
-    out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
-    main, side = torch.cuda.current_stream(x2.device), _side_stream(x2.device)
-    side.wait_stream(main)  # dense's memory may still be read by work queued before this call
-    ready = []
-    with torch.cuda.stream(side):
-        for a, b in bounds:
-            fp4_gemv_cuda.dequantize(w.packed[0][a:b], w.scales[0][a:b], w.out_scale, wfmt=w.wfmt,
-                                     fold_log2=w.fold_log2, n=b - a, k=k, out=dense[a:b])
-            ready.append(torch.cuda.Event())
-            ready[-1].record(side)
-    for (a, b), event in zip(bounds, ready):
-        main.wait_event(event)
-        torch.mm(x2, dense[a:b].t(), out=out[:, a:b])
-    return out
-
-
-PIECE_ROWS = 128  # a piece of the pipelined dequantize holds whole 128-row blocks (cuBLAS's tile height)
-
-
-def _piece_bounds(n: int, pieces: int) -> list[tuple[int, int]]:
-    """Row ranges [a, b) of ``pieces`` near-equal blocks of ``n`` rows in whole :data:`PIECE_ROWS` (one range when
-    ``n`` has too few blocks to cut)."""
-    blocks = n // PIECE_ROWS
-    pieces = max(1, min(pieces, blocks)) if n % PIECE_ROWS == 0 else 1
-    edges = [PIECE_ROWS * (blocks * i // pieces) for i in range(pieces)] + [n]
-    return list(zip(edges[:-1], edges[1:]))
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the pipelined dequantize (made once: streams are not freed)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                             out=dense)
+    return F.linear(x2, dense)
 
 
 def fp4_gluon_linear(x2: torch.Tensor, w: Fp4Resident,

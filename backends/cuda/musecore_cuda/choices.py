@@ -222,8 +222,8 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
                              f"one program per assignment: up to E = {e} assignments experts rarely repeat, and the "
                              "GEMV streams at about twice the grouped GEMM's bandwidth; no sort or gathers"),
                 KernelChoice(f"{label}, T {runs}-{limit} tokens",
-                             "CUDA C++ expert GEMVs on runs of one expert (torch.sort, then the same GEMVs), Triton "
-                             "finalize",
+                             "CUDA C++ expert GEMVs on runs of one expert (a one-program Triton sort, then the same "
+                             "GEMVs), Triton finalize",
                              "each program computes up to 5-8 of one expert's assignments (as many as its staged "
                              "activations fit in shared memory), so an expert several tokens chose streams once per "
                              "run, with the same bits as one program per assignment (H200, 816B layer: 1285 -> 1137 us "

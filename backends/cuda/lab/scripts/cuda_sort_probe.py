@@ -1,4 +1,4 @@
-"""``torch.sort`` against the lab's one-program sort (``backends/cuda/lab/sort_assignments.py``) of the decode MoE's
+"""``torch.sort`` against the one-program sort (``musecore_triton.kernels.sort``) of the decode MoE's
 assignments, at the counts the runs path sorts (top-8 of 64 or 256 experts at batch 1-128: 8-1024 assignments), each
 replayed from a CUDA graph (``bench.time_us``), outputs checked equal to a stable ``torch.sort`` first::
 
@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
-from sort_assignments import sort_assignments  # noqa: E402
-from musecore_cuda.bench import time_us  # noqa: E402
+from musecore_cuda.bench import time_us
+from musecore_triton.kernels.sort import sort_assignments
 
 
 def main() -> None:

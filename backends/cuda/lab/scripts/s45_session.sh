@@ -42,7 +42,7 @@ step7() {
   echo "7. batch-16 profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_b16.txt
 }
 step8() {
-  timeout $(cap 60) python3 -m pytest -q -p no:cacheprovider backends/cuda/lab/tests/test_sort_assignments.py \
+  timeout $(cap 60) python3 -m pytest -q -p no:cacheprovider backends/triton/tests/test_triton_sort.py \
     > $OUT/sort_tests.log 2>&1; echo "8. sort tests at ${SECONDS}s:"; tail -1 $OUT/sort_tests.log
   timeout $(cap 90) python3 backends/cuda/lab/scripts/cuda_sort_probe.py --out $OUT/cuda_sort_probe.json > $OUT/sort_probe.log 2>&1
   echo "8. sort probe at ${SECONDS}s (rc $?):"; cat $OUT/sort_probe.log | cut -c1-160

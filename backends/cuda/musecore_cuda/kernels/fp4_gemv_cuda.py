@@ -212,8 +212,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     (int64 ``[A]``) is given (expert ``ids[a]``, activation row ``a // a_div``, output row ``a``).
 
     With ``perm`` (MMA kernel, expert mode): ``ids`` sorted by expert and ``perm[p]`` the assignment at sorted
-    position ``p`` (``torch.sort``); the assignments of one expert are computed together, up to ``plan.m`` per
-    program (:func:`run_plan`), so the expert's weights stream once per run chunk instead of once per assignment.
+    position ``p`` (``moe_decode.sort_by_expert``); the assignments of one expert are computed together, up to
+    ``plan.m`` per program (:func:`run_plan`), so the expert's weights stream once per run chunk instead of once per
+    assignment.
     Each token's sums are the same as without ``perm`` (mma columns are independent): the same bits.
 
     ``handoff`` (MMA kernel, expert mode): this launch's side of a :class:`Handoff` between two expert GEMVs of the

@@ -5,7 +5,8 @@ With ``MUSECORE_CUDA_MOE_HANDOFF=1`` the down GEMV is launched with the PDL attr
 (``fp4_gemv_cuda.Handoff``): its blocks start in the gate/up GEMV's last wave, each waiting only for the gate/up
 warps of its own assignment (or run chunk). Off by default: it measured slower at batch 1 (:func:`handoff_by_default`).
 
-From :data:`RUNS_MIN_TOKENS` tokens the assignments are sorted by expert first (``torch.sort``), and each GEMV
+From :data:`RUNS_MIN_TOKENS` tokens the assignments are sorted by expert first (one Triton program,
+``musecore_triton.kernels.sort``), and each GEMV
 program computes a run of one expert's assignments together (``fp4_gemv_cuda.launch(perm=...)``): an expert that
 several tokens chose streams once per run chunk instead of once per assignment. At batch 1 top-k never repeats an
 expert, and at 2 a repeat is rare (~0.25 of 16 assignments over 256 experts), not worth the sort's launches.
@@ -25,6 +26,7 @@ import torch
 
 from musecore_cuda.kernels import fp4_gemv_cuda
 from musecore_triton.kernels.moe import ExpertStack, finalize
+from musecore_triton.kernels.sort import MAX_ASSIGNMENTS, MAX_EXPERTS, sort_assignments
 from musecore_triton.layouts import Fp4Resident
 
 
@@ -102,6 +104,14 @@ def handoff_by_default() -> bool:
     return os.environ.get(HANDOFF_ENV, "0").strip().lower() in ("1", "on", "yes", "true")
 
 
+def sort_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, perm)``: the assignments' experts ascending and the assignment at each sorted position; one Triton
+    program where it can key them, ``torch.sort`` past that (the runs kernel takes any order within an expert)."""
+    if flat.numel() <= MAX_ASSIGNMENTS and num_experts <= MAX_EXPERTS:
+        return sort_assignments(flat)
+    return torch.sort(flat)
+
+
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
                     up: Fp4Resident, down: Fp4Resident, post_norm: torch.Tensor, post_eps: float,
                     plans: Optional[tuple[fp4_gemv_cuda.GemvPlan, fp4_gemv_cuda.GemvPlan]] = None,
@@ -128,7 +138,7 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
         else:
             on_runs = False
     # the GEMVs' programs: assignments in their own order, or sorted by expert (runs: the assignment at each position)
-    order, perm = torch.sort(flat) if on_runs else (flat, None)
+    order, perm = sort_by_expert(flat, gate.packed.shape[0]) if on_runs else (flat, None)
     o = torch.empty(flat.numel(), width, dtype=torch.float32, device=z.device)
     hand = None
     if (handoff_by_default() if handoff is None else handoff) and plan_up.kind == plan_down.kind == "mma" \

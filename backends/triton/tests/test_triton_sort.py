@@ -1,20 +1,13 @@
-"""The lab's one-program sort of the decode MoE's assignments (``backends/cuda/lab/sort_assignments.py``) equals
-``torch.sort(stable=True)``: in Triton's CPU interpreter without a GPU, on the GPU with one
-(``pytest backends/cuda/lab/tests``; the lab's tests are not in the default test run)."""
+"""The one-program sort of the decode MoE's assignments (``musecore_triton.kernels.sort``) equals
+``torch.sort(stable=True)``: in Triton's CPU interpreter without a GPU, on the GPU with one."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from musecore_triton.testing import DEVICE, use_interpreter_without_gpu
-
-use_interpreter_without_gpu(__file__)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
-from sort_assignments import sort_assignments  # noqa: E402
+from musecore_triton.kernels.sort import sort_assignments
+from musecore_triton.testing import DEVICE
 
 
 @pytest.mark.parametrize("n,experts", [(1, 4), (8, 256), (37, 6), (128, 64), (1024, 256)])

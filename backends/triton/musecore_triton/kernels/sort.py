@@ -1,6 +1,9 @@
-"""Lab: the decode MoE's assignments sorted by expert in one Triton program, to replace ``torch.sort`` on the runs path
-(``musecore_cuda.kernels.moe_decode``), whose radix sort took 8.6 us per layer of a batch-16 muse-small step (138 of
-1917 us; session 45, run 20). Not routed: never timed on a GPU yet (``scripts/cuda_sort_probe.py`` does that).
+"""The decode MoE's token-expert assignments sorted by expert in one Triton program: the runs path of the CUDA decode
+GEMVs (``musecore_cuda.kernels.moe_decode``) groups each expert's assignments with it. ``torch.sort``'s radix sort
+there took 8.6 us per layer of a batch-16 muse-small step on the H200 (138 of 1917 us, several launches); graph
+replays of one sort measured 17.2-17.6 us for this kernel against 17.2-19.5 us for ``torch.sort`` at 8-128
+assignments and 17 against 36 us at 1024 (both near a graph replay's own floor;
+``backends/cuda/lab/scripts/cuda_sort_probe.py``).
 
 Each assignment's key is ``expert << 11 | index`` (unique, int32 for up to 2048 assignments and 2**20 experts); one
 program sorts the keys (``tl.sort``, a bitonic network in registers, the count padded to a power of two with keys
@@ -17,6 +20,7 @@ import triton.language as tl
 
 MAX_ASSIGNMENTS = 2048
 INDEX_BITS = 11
+MAX_EXPERTS = 1 << (31 - INDEX_BITS)  # expert << INDEX_BITS | index stays a positive int32
 
 
 @triton.jit
@@ -32,7 +36,7 @@ def sort_assignments_kernel(ids_ptr, order_ptr, perm_ptr, n, BLOCK: tl.constexpr
 
 def sort_assignments(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order, perm)`` as ``torch.sort(flat, stable=True)`` gives them, for int64 expert ids ``flat [n]``,
-    ``n <= MAX_ASSIGNMENTS``, experts below 2**20."""
+    ``n <= MAX_ASSIGNMENTS``, experts below ``MAX_EXPERTS`` (2**20; not checked here: that would read the ids)."""
     n = flat.numel()
     if flat.dim() != 1 or not 0 < n <= MAX_ASSIGNMENTS:
         raise ValueError(f"sort_assignments takes 1..{MAX_ASSIGNMENTS} expert ids in one dimension; got "
