@@ -7,11 +7,11 @@ boundaries removed.
 
 ``musecore.model.MoE`` through the separate ops is nine launches: the router's split-K GEMV and its choice, the pooler
 GEMV, the pre-expert norm, the experts' gate/up and down GEMVs and their finalize, the fp32 -> bf16 cast, the
-unpooler GEMV. :class:`FusedMoE` runs six:
+unpooler GEMV. :class:`FusedMoE` runs five:
 
-* the router in one launch (:func:`musecore_triton.kernels.router.router_topk_one_launch`): the program that
-  finishes the split-K product last makes the choice;
-* the pooler GEMV with the pre-expert norm in its last program (``dense_gemv(norm=)``);
+* the router and the pooler in one launch (:func:`musecore_triton.kernels.router.router_pooler_one_launch`; both
+  read only the block's input, so they run side by side): the program that finishes the router's split-K product
+  last makes the choice, the pooler GEMV's last program applies the pre-expert norm;
 * the unpooler GEMV reading the experts' fp32 output and rounding it as it loads (the cast's bits, no cast kernel).
 
 ``musecore.model.Attention`` is six: the q/k/v/gate GEMV, the q/k norms and RoPE, the KV write, attention, the head
@@ -21,8 +21,8 @@ epilogue (``attention(gate=)``; after the merge when long contexts split the key
 
 Both also fuse the ``residual_norm`` op the model applies after the block (``sublayer``, see
 ``Backend.fuse_block``): it runs in the last program of the block's final GEMV (o_proj, the unpooler;
-``dense_gemv(residual_norm=)``). A MoE sublayer is then six launches instead of ten, an attention sublayer four
-instead of seven: muse-small's decode step 294 -> 182.
+``dense_gemv(residual_norm=)``). A MoE sublayer is then five launches instead of ten, an attention sublayer four
+instead of seven: muse-small's decode step 294 -> 166.
 
 The last-program steps take a ticket on an int32 counter that each fused block owns (zeroed once here, reset by
 the kernel that used it), so one block's launches must not overlap one another: a block runs on one stream at a
@@ -58,7 +58,7 @@ from musecore.model import Attention, MoE
 from musecore_triton.kernels.attention import attention
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv
 from musecore_triton.kernels.norms import qk_norm_rope_kv_write
-from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_topk_one_launch
+from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_pooler_one_launch
 
 FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
 log = logging.getLogger("musecore.cuda")
@@ -148,7 +148,7 @@ class FusedMoE(_Fused):
                 block.pre_expert_norm, block.post_expert_norm)
 
     def __init__(self, backend: Any, block: Any, pooler: torch.Tensor, unpooler: torch.Tensor) -> None:
-        super().__init__(block, 3, pooler.device)  # tickets: router, pooler, unpooler
+        super().__init__(block, 3, pooler.device)  # tickets: router, pooler (one launch), unpooler
         self.backend, self.pooler, self.unpooler = backend, pooler, unpooler
 
     def __call__(self, m: torch.Tensor) -> Optional[torch.Tensor]:
@@ -167,9 +167,9 @@ class FusedMoE(_Fused):
         if m.numel() != H or m.dtype != pooler.dtype or m.device != pooler.device or not self.bound():
             return None
         x = m.reshape(1, H)
-        weights, ids = router_topk_one_launch(x, block.router, block.correction_bias, block.top_k, block.multiplier,
-                                              block.scaling, self.counters[0])
-        z = dense_gemv(x, pooler, norm=(block.pre_expert_norm, block.eps, self.counters[1]))
+        weights, ids, z = router_pooler_one_launch(x, block.router, block.correction_bias, block.top_k,
+                                                   block.multiplier, block.scaling, pooler, block.pre_expert_norm,
+                                                   block.eps, self.counters[:2])
         y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
         return _unpool(y, self.unpooler, m.shape, then, self.counters[2])  # y rounded to the model dtype as it loads
 

@@ -35,7 +35,7 @@ def kernels(fn) -> int:
 
 
 @pytest.mark.gpu
-def test_the_fused_moe_block_matches_the_separate_ops_in_three_fewer_launches(model):
+def test_the_fused_moe_block_matches_the_separate_ops_in_four_fewer_launches(model):
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode():
         for block in fused_blocks(model, "moe"):
@@ -55,7 +55,7 @@ def test_the_fused_moe_block_matches_the_separate_ops_in_three_fewer_launches(mo
                 assert err <= TOLERANCE, f"layer {block.layer}, call {repeat}: NMSE {err:.3g} > {TOLERANCE:g}"
             assert not block.fused.counters.any(), f"layer {block.layer}: counters {block.fused.counters.tolist()}"
             fused_n, separate_n = kernels(lambda: block.fused(m)), kernels(lambda: through_separate_ops(block, m))
-            assert fused_n == separate_n - 3, f"layer {block.layer}: {fused_n} launches fused, {separate_n} separate"
+            assert fused_n == separate_n - 4, f"layer {block.layer}: {fused_n} launches fused, {separate_n} separate"
 
 
 @pytest.mark.gpu

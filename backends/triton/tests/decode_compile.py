@@ -1,7 +1,8 @@
 """Compile the decode kernels that session 43 fused (the CUDA backend's fused sublayers: ``dense_gemv`` with its
-row-op epilogues and an fp32 input, the one-launch router, the q/k norms writing the KV cache, attention with the
-head norm and gate, and the split keys' merge) for a GPU target with no GPU: ``python decode_compile.py sm90``. Same recorder as
-``towers_compile.py`` (every launch compiled with the signature and constexprs its wrapper chose, never run);
+row-op epilogues and an fp32 input, the one-launch router alone and beside the pooler, the q/k norms writing the KV
+cache, attention with the head norm and gate, and the split keys' merge) for a GPU target with no GPU:
+``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
+and constexprs its wrapper chose, never run);
 prints one JSON list: kernel, constexprs, options, shared memory bytes."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(arch: str) -> None:
         dense_gemv(torch.randn(1, h), torch.randn(H, h).to(dt),  # fp32 input (the experts' output), residual norm
                    residual_norm=(x, post, vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6, counter))
     router.router_topk_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, counter)
+    router.router_pooler_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w, torch.ones(h).to(dt),
+                                    1e-6, torch.zeros(2, dtype=torch.int32))
     nq, nkv, d, cap = 24, 3, 64, 256
     y = torch.randn(1, 1, 2 * nq + 2 * nkv, d).to(dt)
     q, k, v, gate = y.split_with_sizes([nq, nkv, nkv, nq], -2)

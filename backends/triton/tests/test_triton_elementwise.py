@@ -1,4 +1,4 @@
-"""The router's top-k kernel, silu_mul and logit_softcap against the reference."""
+"""The router's top-k kernels (alone and beside the pooler GEMV), silu_mul and logit_softcap against the reference."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from musecore.ops import tolerance
 from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 from musecore_triton.kernels import elementwise, router
+from musecore_triton.kernels.dense_gemv import dense_gemv
 
 
 def router_case(tokens: int, experts: int, hidden: int, dtype: torch.dtype):
@@ -46,6 +47,29 @@ def test_router_in_one_launch_matches_the_reference(e, k, hidden):
         assert int(counter) == 0, f"launch {launch}: the counter was left at {int(counter)}"
     with pytest.raises(ValueError, match="router_topk_one_launch takes one token"):
         router.router_topk_one_launch(torch.cat([x, x]), weight, bias, k, 1.0, 1.0, counter)
+
+
+@pytest.mark.parametrize("e,k,hidden,n", [(64, 8, 1536, 768), (12, 3, 96, 40), (256, 8, 200, 130)])
+def test_router_and_pooler_in_one_launch_equal_the_two_launches(e, k, hidden, n):
+    """The router's programs beside the pooler GEMV's (its norm in its last program) in one launch: the same bits as
+    ``router_topk_one_launch`` and ``dense_gemv(norm=)`` launched one after the other, both counters back at zero."""
+    x, weight, bias = router_case(1, e, hidden, torch.bfloat16)
+    pooler = (torch.randn(n, hidden, device=DEVICE) * hidden ** -0.5).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(n, device=DEVICE)).to(torch.bfloat16)
+    counters = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    ew, eids = router.router_topk_one_launch(x, weight, bias, k, 0.1767766952966369, 2.5, counters[0])
+    ez = dense_gemv(x, pooler, norm=(norm_w, 1e-6, counters[1]))
+    for launch in range(2):
+        w, ids, z = router.router_pooler_one_launch(x, weight, bias, k, 0.1767766952966369, 2.5, pooler, norm_w, 1e-6,
+                                                    counters)
+        assert torch.equal(ids, eids), f"E={e} k={k}: ids {ids.tolist()} vs two launches {eids.tolist()}"
+        assert torch.equal(w, ew), f"E={e} k={k}: weights differ by {(w - ew).abs().max().item():.3g}"
+        assert torch.equal(z, ez), f"pooler {n}x{hidden}: normed output differs by {(z - ez).abs().max().item():.3g}"
+        assert counters.tolist() == [[0], [0]], f"launch {launch}: counters left at {counters.tolist()}"
+    with pytest.raises(ValueError, match="two int32 counters"):
+        router.router_pooler_one_launch(x, weight, bias, k, 1.0, 1.0, pooler, norm_w, 1e-6, counters[0])
+    with pytest.raises(ValueError, match="16-bit pooler"):
+        router.router_pooler_one_launch(x, weight, bias, k, 1.0, 1.0, pooler.float(), norm_w, 1e-6, counters)
 
 
 def test_router_bias_chooses_but_does_not_weight():

@@ -1,6 +1,8 @@
 """A/B of the CUDA backend's fused blocks (``musecore_cuda.fused``) in muse-small's batch-1 decode, in one process:
-graph replay per step, kernels per step and ``generate`` per token, with the fused blocks and with every block's
-separate ops (session 43, issue 26 item 3). Same random weights, same prompt, alternated ``--rounds`` times.
+graph replay per step, kernels per step and ``generate`` per token, with the fused blocks, with the fused blocks but
+the router and the pooler as two launches (``apart``: session 47's ``router_pooler_one_launch`` undone), and with
+every block's separate ops (session 43, issue 26 item 3). Same random weights, same prompt, alternated ``--rounds``
+times.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
 """
@@ -15,6 +17,33 @@ import torch
 from cuda_decode_host_probe import decode_numbers, save_rows  # this folder is sys.path[0] when run as a script
 from musecore.api import load_random
 from musecore.model import separate_ops
+from musecore_cuda import fused
+from musecore_triton.kernels.dense_gemv import dense_gemv
+from musecore_triton.kernels.router import router_topk_one_launch
+
+MODES = ("fused", "apart", "separate")
+
+
+def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
+    """``router_pooler_one_launch`` as the two launches it replaced."""
+    weights, ids = router_topk_one_launch(x, weight, bias, k, multiplier, scaling, counters[0])
+    return weights, ids, dense_gemv(x, pooler, norm=(norm_weight, eps, counters[1]))
+
+
+@contextlib.contextmanager
+def mode_of(model, mode: str):
+    if mode == "separate":
+        with separate_ops(model):
+            yield
+    elif mode == "apart":
+        one = fused.router_pooler_one_launch
+        fused.router_pooler_one_launch = router_then_pooler
+        try:
+            yield
+        finally:
+            fused.router_pooler_one_launch = one
+    else:
+        yield
 
 
 def main() -> None:
@@ -30,12 +59,12 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, 32)).tolist()
     rows = []
     for r in range(args.rounds):
-        for mode in ("fused", "separate"):
-            with contextlib.nullcontext() if mode == "fused" else separate_ops(model):
+        for mode in MODES:
+            with mode_of(model, mode):
                 row = {"round": r, "mode": mode, **decode_numbers(model, prompt)}
                 print(row)
                 rows.append(row)
-    for mode in ("fused", "separate"):
+    for mode in MODES:
         mine = [r for r in rows if r["mode"] == mode]
         print(f"{mode}: replay median {sorted(r['replay_us'] for r in mine)[len(mine) // 2]} us, generate median "
               f"{sorted(r['generate_us_per_token'] for r in mine)[len(mine) // 2]} us/token, "

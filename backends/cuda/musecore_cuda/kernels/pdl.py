@@ -102,7 +102,7 @@ def enabled(device: torch.device, name: str = "") -> bool:
 EARLY_ENV = "MUSECORE_CUDA_PDL_EARLY"
 # The plain decode GEMVs gain from an early signal; the expert GEMVs lost with it on the 816B MoE layer
 # (backends/cuda/lab/NOTES.md).
-EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv")
+EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv", "router_pooler")
 
 
 def early(device: torch.device, name: str) -> bool:

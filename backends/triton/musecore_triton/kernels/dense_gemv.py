@@ -37,7 +37,21 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
                       PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr = False,
                       EPILOGUE: tl.constexpr = 0, HAS_POST: tl.constexpr = False, HAS_NEXT: tl.constexpr = False,
                       BLOCK_NORM: tl.constexpr = 1):
-    """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1``: one token's ``x`` row against one weight.
+    """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1`` (:func:`gemv_program`)."""
+    gemv_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K,
+                 stride_w, stride_e, a_div, count_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr,
+                 new_res_ptr, normed_ptr, post_eps, eps, BLOCK_N, BLOCK_K, EXPERTS, SWIGLU, PDL, EARLY, ROUND_X,
+                 EPILOGUE, HAS_POST, HAS_NEXT, BLOCK_NORM)
+
+
+@triton.jit
+def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stride_e, a_div, count_ptr,
+                 res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr, post_eps, eps,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
+                 PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr, EPILOGUE: tl.constexpr,
+                 HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr):
+    """Output rows ``BLOCK_N * pid ..`` of GEMV number ``a``: one token's ``x`` row against one weight; ``programs``
+    row blocks of this GEMV make up the launch (the one that draws the last ticket runs the ``EPILOGUE`` row op).
 
     With ``EXPERTS``, GEMV ``a`` is token-expert assignment ``a``: weight ``ids[a]`` of a stack, token
     row ``a // a_div``; with ``SWIGLU`` a second stack ``w2`` (up) is read alongside and the output is
@@ -45,8 +59,7 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
 
     With ``PDL`` (dependent launch, :mod:`musecore_triton.hooks`) a plain GEMV loads its first weight chunk before it
     waits for the kernel before it; with ``EXPERTS`` the expert id is an input, so it waits first."""
-    a = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     if EXPERTS:
         hooks.pdl_wait(PDL)
@@ -83,7 +96,7 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
     if EPILOGUE != 0:
         tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
         ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:
+        if ticket == programs - 1:
             tl.store(count_ptr, 0)
             if EPILOGUE == 1:
                 offs_n = tl.arange(0, BLOCK_NORM)

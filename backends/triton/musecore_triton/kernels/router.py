@@ -32,6 +32,7 @@ import triton.language as tl
 
 from musecore.ops import reference as ref
 from musecore_triton import hooks
+from musecore_triton.kernels import dense_gemv
 
 MAX_TOP_K = 64  # the kernel keeps k rounds unrolled; larger k runs the reference's torch ops (same numerics)
 SPLIT_K_MAX_TOKENS = 16  # up to this many rows the product is the split-K GEMV (one 16-row dot tile)
@@ -111,8 +112,16 @@ def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_p
     K_s] . x[K_s]``; the program that finishes last (a ticket on ``count``, which it resets to 0 for the next
     launch) adds the partials of each expert (a fixed tree over s: deterministic) and makes the choice
     (:func:`_choose`). The release/acquire ticket orders every program's partial before the last one reads it."""
-    pid_e, pid_s = tl.program_id(0), tl.program_id(1)
-    n_s = tl.num_programs(1)
+    router_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), x_ptr, w_ptr, part_ptr,
+                   count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K,
+                   BLOCK, PDL)
+
+
+@triton.jit
+def router_program(pid_e, pid_s, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k,
+                   multiplier, scaling, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                   K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (``pid_e``, ``pid_s``) of the ``n_e x n_s`` that make up :func:`router_one_launch_kernel`."""
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_k = pid_s * BLOCK_K + tl.arange(0, BLOCK_K)
     em, km = offs_e < E, offs_k < H
@@ -123,7 +132,7 @@ def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_p
     tl.store(part_ptr + pid_s * E + offs_e, tl.sum(w * x[None, :], axis=1), mask=em)
     tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if ticket == tl.num_programs(0) * n_s - 1:
+    if ticket == n_e * n_s - 1:
         tl.store(count_ptr, 0)
         offs = tl.arange(0, BLOCK)
         mask = offs < E
@@ -207,6 +216,15 @@ ONE_LAUNCH_BLOCK_K = 32  # hidden columns per program: 2048 fp32 weights per one
 ONE_LAUNCH_MAX_E = 1024  # the last program holds every expert's logit in one block
 
 
+def _check_one_token(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int) -> None:
+    E, H = weight.shape
+    if x.shape != (1, H) or weight.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (E,) \
+            or not 0 < k <= min(E, MAX_TOP_K) or E > ONE_LAUNCH_MAX_E:
+        raise ValueError(f"{what} takes one token x [1, {H}], an fp32 router [E, H] with E <= {ONE_LAUNCH_MAX_E}, an "
+                         f"fp32 bias [E] and k in 1..min(E, {MAX_TOP_K}); got x {list(x.shape)}, router {weight.dtype} "
+                         f"{list(weight.shape)}, bias {bias.dtype} {list(bias.shape)}, k {k}")
+
+
 def router_topk_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
                            scaling: float, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`router_topk` of one token ``x [1, H]`` in one launch (``router_one_launch_kernel``): the split-K
@@ -214,12 +232,9 @@ def router_topk_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     takes and gives back (zero again); it belongs to one call site, and two launches sharing one must not overlap
     (one stream). Same numerics as :func:`router_topk` up to the order of the fp32 sums (about 1e-7 relative)."""
     E, H = weight.shape
-    if x.shape != (1, H) or weight.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (E,) \
-            or counter.dtype != torch.int32 or not 0 < k <= min(E, MAX_TOP_K) or E > ONE_LAUNCH_MAX_E:
-        raise ValueError(f"router_topk_one_launch takes one token x [1, {H}], an fp32 router [E, H] with E <= "
-                         f"{ONE_LAUNCH_MAX_E}, an fp32 bias [E], k in 1..min(E, {MAX_TOP_K}) and an int32 counter; got "
-                         f"x {list(x.shape)}, router {weight.dtype} {list(weight.shape)}, bias {bias.dtype} "
-                         f"{list(bias.shape)}, k {k}, counter {counter.dtype}")
+    _check_one_token("router_topk_one_launch", x, weight, bias, k)
+    if counter.dtype != torch.int32:
+        raise ValueError(f"router_topk_one_launch takes an int32 counter; got {counter.dtype}")
     splits = triton.cdiv(H, ONE_LAUNCH_BLOCK_K)
     part = torch.empty(splits, E, dtype=torch.float32, device=x.device)
     weights = torch.empty(1, k, dtype=torch.float32, device=x.device)
@@ -231,3 +246,62 @@ def router_topk_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         K=triton.next_power_of_2(k),
         BLOCK=block, num_warps=1, **hooks.launch_options(x.device, "router_one_launch"))
     return weights, ids
+
+
+@triton.jit
+def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier, scaling,
+                         pooler_ptr, z_ptr, pool_count_ptr, norm_w_ptr, normed_ptr, N, eps, n_e, n_s,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, K: tl.constexpr,
+                         BLOCK: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr, BLOCK_NORM: tl.constexpr,
+                         PDL: tl.constexpr, EARLY: tl.constexpr):
+    """The router's ``n_e x n_s`` programs (:func:`router_program`) first, then the pooler GEMV's row blocks with the
+    pre-expert norm in its last one (``dense_gemv.gemv_program``): two independent products of one input in one
+    launch, each with its own ticket."""
+    pid = tl.program_id(0)
+    routers = n_e * n_s
+    if pid < routers:
+        router_program(pid % n_e, pid // n_e, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr,
+                       E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K, BLOCK, PDL)
+    else:
+        # GEMV number tl.program_id(1) = 0 of a 1-D grid (a tensor: gemv_program casts it)
+        dense_gemv.gemv_program(pid - routers, tl.program_id(1), tl.num_programs(0) - routers, x_ptr, pooler_ptr,
+                                pooler_ptr, x_ptr, z_ptr, N, H, H, 0, 1, pool_count_ptr, z_ptr, z_ptr, z_ptr, z_ptr,
+                                norm_w_ptr, z_ptr, normed_ptr, 0.0, eps, GEMV_N, GEMV_K, False, False, PDL, EARLY,
+                                False, 1, False, True, BLOCK_NORM)
+
+
+def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
+                             scaling: float, pooler: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`router_topk_one_launch` and ``dense_gemv(x, pooler, norm=(norm_weight, eps, ...))`` of one token ``x [1,
+    H]`` in one launch (``router_pooler_kernel``): ``(weights, ids, normed)``. Both products read only ``x``, so the
+    router's programs run beside the pooler's instead of before them, and a MoE block at decode has one dependent
+    kernel fewer. ``counters``: two int32 zeros (the router's ticket, the pooler's), given back zero, owned by one
+    call site as in :func:`router_topk_one_launch`. The same numerics as the two calls."""
+    E, H = weight.shape
+    _check_one_token("router_pooler_one_launch", x, weight, bias, k)
+    n = pooler.shape[0]
+    if pooler.dim() != 2 or pooler.shape[1] != H or pooler.stride(1) != 1 or pooler.dtype != x.dtype \
+            or pooler.dtype not in (torch.bfloat16, torch.float16) or norm_weight.shape != (n,) \
+            or counters.dtype != torch.int32 or counters.numel() != 2:
+        raise ValueError(f"router_pooler_one_launch takes a row-major 16-bit pooler [n, {H}] of x's dtype, its norm "
+                         f"weight [n] and two int32 counters; got pooler {pooler.dtype} {list(pooler.shape)} strides "
+                         f"{pooler.stride()} (x {x.dtype}), norm {list(norm_weight.shape)}, counters {counters.dtype} "
+                         f"{list(counters.shape)}")
+    n_s = triton.cdiv(H, ONE_LAUNCH_BLOCK_K)
+    n_e = triton.cdiv(E, ONE_LAUNCH_BLOCK_E)
+    part = torch.empty(n_s, E, dtype=torch.float32, device=x.device)
+    weights = torch.empty(1, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
+    z, normed = (torch.empty(1, n, dtype=x.dtype, device=x.device) for _ in range(2))
+    block = triton.next_power_of_2(E)
+    gemv_n, gemv_k = dense_gemv.gemv_blocks(H)
+    flat = counters.view(-1)
+    router_pooler_kernel[(n_e * n_s + triton.cdiv(n, gemv_n),)](
+        x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
+        scaling, pooler, z, flat[1:2], norm_weight.contiguous(), normed, n, eps, n_e, n_s,
+        BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block),
+        K=triton.next_power_of_2(k), BLOCK=block, GEMV_N=gemv_n, GEMV_K=gemv_k, BLOCK_NORM=triton.next_power_of_2(n),
+        num_warps=dense_gemv.NUM_WARPS, EARLY=hooks.early_trigger(x.device, "router_pooler"),
+        **hooks.launch_options(x.device, "router_pooler"))
+    return weights, ids, normed
