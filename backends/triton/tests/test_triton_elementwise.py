@@ -51,8 +51,10 @@ def test_router_in_one_launch_matches_the_reference(e, k, hidden):
 
 @pytest.mark.parametrize("e,k,hidden,n", [(64, 8, 1536, 768), (12, 3, 96, 40), (256, 8, 200, 130)])
 def test_router_and_pooler_in_one_launch_equal_the_two_launches(e, k, hidden, n):
-    """The router's programs beside the pooler GEMV's (its norm in its last program) in one launch: the same bits as
-    ``router_topk_one_launch`` and ``dense_gemv(norm=)`` launched one after the other, both counters back at zero."""
+    """The router's programs beside the pooler GEMV's (its norm in its last program) in one launch against
+    ``router_topk_one_launch`` and ``dense_gemv(norm=)`` launched one after the other: the same ids, the same pooler
+    bits, the weights within the op tolerance (on a GPU the choice runs in the pooler's two warps, not one: its sums
+    group differently, ~1e-8), both counters back at zero."""
     x, weight, bias = router_case(1, e, hidden, torch.bfloat16)
     pooler = (torch.randn(n, hidden, device=DEVICE) * hidden ** -0.5).to(torch.bfloat16)
     norm_w = (1 + 0.1 * torch.randn(n, device=DEVICE)).to(torch.bfloat16)
@@ -63,7 +65,7 @@ def test_router_and_pooler_in_one_launch_equal_the_two_launches(e, k, hidden, n)
         w, ids, z = router.router_pooler_one_launch(x, weight, bias, k, 0.1767766952966369, 2.5, pooler, norm_w, 1e-6,
                                                     counters)
         assert torch.equal(ids, eids), f"E={e} k={k}: ids {ids.tolist()} vs two launches {eids.tolist()}"
-        assert torch.equal(w, ew), f"E={e} k={k}: weights differ by {(w - ew).abs().max().item():.3g}"
+        assert_nmse(ew, w, tolerance("router_topk"), f"router weights beside the pooler E={e} k={k}")
         assert torch.equal(z, ez), f"pooler {n}x{hidden}: normed output differs by {(z - ez).abs().max().item():.3g}"
         assert counters.tolist() == [[0], [0]], f"launch {launch}: counters left at {counters.tolist()}"
     with pytest.raises(ValueError, match="two int32 counters"):

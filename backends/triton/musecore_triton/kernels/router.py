@@ -13,7 +13,8 @@ The router's fp32 product ``x @ W^T`` ([T,H] x [H,E]) runs one of two ways, chos
   caller switched PyTorch's fp32 matmul precision);
 * for one token, :func:`router_topk_one_launch` (the CUDA backend's fused MoE block): the split-K partials and the
   choice in one launch, made by the program that finishes last (a ticket on a counter its caller owns); it sums the
-  partials in a fixed tree instead of in order.
+  partials in a fixed tree instead of in order; :func:`router_pooler_one_launch` runs those programs beside the
+  pooler GEMV's (both read only the block's input), one launch for both.
 
 Both compute the reference's ``x.float() @ W.float().T`` in fp32; they differ from it (and each
 other) only in the order of the fp32 sums, i.e. by about 1e-7 relative, which moves a choice only
@@ -277,7 +278,8 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     H]`` in one launch (``router_pooler_kernel``): ``(weights, ids, normed)``. Both products read only ``x``, so the
     router's programs run beside the pooler's instead of before them, and a MoE block at decode has one dependent
     kernel fewer. ``counters``: two int32 zeros (the router's ticket, the pooler's), given back zero, owned by one
-    call site as in :func:`router_topk_one_launch`. The same numerics as the two calls."""
+    call site as in :func:`router_topk_one_launch`. The pooler's bits are the two calls'; the router's sums run in the
+    pooler's two warps instead of one, so they may group differently (weights within ~1e-8 on the H200)."""
     E, H = weight.shape
     _check_one_token("router_pooler_one_launch", x, weight, bias, k)
     n = pooler.shape[0]
