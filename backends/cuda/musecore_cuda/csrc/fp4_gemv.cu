@@ -9,13 +9,19 @@ __device__ __forceinline__ float load_act(const u16 *p, int xt) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b)); return f;  // fp16
 }
 
+__device__ __forceinline__ u16 bf16_bits(float v) {  // round to nearest even (NaN kept quiet)
+    u32 u = __float_as_uint(v);
+    if ((u & 0x7f800000u) == 0x7f800000u) return (u16)((u >> 16) | ((u & 0xffffu) ? 0x40u : 0u));
+    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __uint_as_float((u32)bf16_bits(v) << 16); }
+
 __device__ __forceinline__ void store_out(void *out, long long i, float v, int ot) {
     if (ot == 2) { ((float *)out)[i] = v; return; }
     u16 b;
-    if (ot == 0) {  // bf16, round to nearest even (NaN kept quiet)
-        u32 u = __float_as_uint(v);
-        if ((u & 0x7f800000u) == 0x7f800000u) b = (u16)((u >> 16) | ((u & 0xffffu) ? 0x40u : 0u));
-        else b = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    if (ot == 0) {
+        b = bf16_bits(v);
     } else {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(v));
     }
@@ -650,6 +656,77 @@ __device__ __forceinline__ void handoff_publish(int *sync) {
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sync + HANDOFF_STRIDE * blockIdx.z) : "memory");
 }
 
+// The decode MoE's finalize (musecore_triton moe_finalize_kernel, the same roundings) run by the down GEMV's last
+// block of each token instead of by a kernel after it. Token t's assignments are programs z = t * topk .. + topk - 1
+// (no runs). Every block, once its rows are stored, takes a ticket on count[t] (acq_rel: its stores before, every
+// earlier block's visible after); the block that draws the last of the token's topk * gridDim.x * gridDim.y resets
+// the count for the next launch and computes y[t] = sum_j w[t,j] * rms(bf16(bf16(o[a_j]) * norm)) from the fp32
+// rows o (through L2) into fp32 y [T, h]: the rows' sums of squares first (one pass), then the weighted sum.
+constexpr int FIN_MAX_TOPK = 8;
+
+struct Finalize {
+    int *count;         // [T] int32, zero between launches
+    const float *w;     // [T, topk] routing weights
+    const u16 *norm;    // [h] bf16 post-expert norm
+    float *y;           // [T, h]
+    float eps;
+    int topk;
+};
+
+__device__ __noinline__ void finalize_if_last(const Finalize &f, const float *o, int h) {
+    __shared__ int last;
+    __shared__ float part[4][FIN_MAX_TOPK];
+    const int t = blockIdx.z / f.topk;
+    __syncthreads();  // the block's rows are stored (threads that stored nothing wait here too)
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(f.count + t) : "memory");
+        last = old == f.topk * (int)(gridDim.x * gridDim.y) - 1;
+        if (last) f.count[t] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    const float *rows = o + (long long)t * f.topk * h;
+    float ss[FIN_MAX_TOPK];
+#pragma unroll
+    for (int j = 0; j < FIN_MAX_TOPK; ++j) ss[j] = 0.f;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        const float nw = __uint_as_float((u32)f.norm[c] << 16);
+#pragma unroll
+        for (int j = 0; j < FIN_MAX_TOPK; ++j) {
+            if (j >= f.topk) break;
+            const float v = bf16_round(bf16_round(__ldcg(rows + (long long)j * h + c)) * nw);
+            ss[j] += v * v;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int j = 0; j < FIN_MAX_TOPK; ++j) {
+#pragma unroll
+        for (int d = 16; d; d >>= 1) ss[j] += __shfl_xor_sync(0xffffffffu, ss[j], d);
+        if (lane == 0) part[warp][j] = ss[j];
+    }
+    __syncthreads();
+    float r[FIN_MAX_TOPK], wt[FIN_MAX_TOPK];
+#pragma unroll
+    for (int j = 0; j < FIN_MAX_TOPK; ++j) {
+        const float sum = part[0][j] + part[1][j] + part[2][j] + part[3][j];
+        r[j] = 1.f / sqrtf(sum / h + f.eps);
+        wt[j] = j < f.topk ? f.w[(long long)t * f.topk + j] : 0.f;
+    }
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        const float nw = __uint_as_float((u32)f.norm[c] << 16);
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < FIN_MAX_TOPK; ++j) {
+            if (j >= f.topk) break;
+            const float v = bf16_round(bf16_round(__ldcg(rows + (long long)j * h + c)) * nw);
+            acc += bf16_round(v * r[j]) * wt[j];
+        }
+        f.y[(long long)t * h + c] = acc;
+    }
+}
+
 template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids,
@@ -658,10 +735,13 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
         int w_e, int w_n, int s_e, int s_n,
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split,
-        int *sync, int role, int need) {
+        int *sync, int role, int need, const float *fin_w, const u16 *fin_norm, float *fin_y, double fin_eps,
+        int fin_topk) {
     if (EXPERTS && role == 2) handoff_wait(sync, need);
     gemv_mma_body<RT, KW, PF, NG, WFMT, EXPERTS, SWIGLU, SPLIT, EARLY>(
         x, x_stride, ids, perm_in, runs, a_div, w, s, w2, s2, w_e, w_n, s_e, s_n, out_scale, out_scale2, fold, y,
         y_stride, ot, m_rows, N, K, split, EXPERTS && role == 2);
     if (EXPERTS && role == 1) handoff_publish(sync);
+    if (EXPERTS && !SWIGLU && role == 3)  // (sync: the per-token counts; y: fp32 rows of N = h)
+        finalize_if_last(Finalize{sync, fin_w, fin_norm, fin_y, (float)fin_eps, fin_topk}, (const float *)y, N);
 }
