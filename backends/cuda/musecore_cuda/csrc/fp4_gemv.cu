@@ -661,43 +661,52 @@ __device__ __forceinline__ void handoff_publish(int *sync) {
 // (no runs). Every block, once its rows are stored, takes a ticket on count[t] (acq_rel: its stores before, every
 // earlier block's visible after); the block that draws the last of the token's topk * gridDim.x * gridDim.y resets
 // the count for the next launch and computes y[t] = sum_j w[t,j] * rms(bf16(bf16(o[a_j]) * norm)) from the fp32
-// rows o (through L2) into fp32 y [T, h]: the rows' sums of squares first (one pass), then the weighted sum.
-constexpr int FIN_MAX_TOPK = 8;
+// rows o (through L2) into fp32 y [T, h]: the rows' sums of squares first (one pass), then the weighted sum. Each
+// thread keeps FIN_COLS columns of every row in flight per round (independent, predicated loads): a pass over
+// h = 4096 is 8 rounds of L2 latency, not 8 * topk dependent loads per column.
+constexpr int FIN_MAX_TOPK = 8, FIN_COLS = 4;
 
-struct Finalize {
-    int *count;         // [T] int32, zero between launches
-    const float *w;     // [T, topk] routing weights
-    const u16 *norm;    // [h] bf16 post-expert norm
-    float *y;           // [T, h]
-    float eps;
-    int topk;
-};
+// Columns c0 + 128 i (i < FIN_COLS) of the token's rows, as the finalize rounds them: bf16(bf16(o) * norm).
+__device__ __forceinline__ void fin_load(const float *rows, const u16 *norm, int topk, int h, int c0,
+                                         float (&v)[FIN_COLS][FIN_MAX_TOPK]) {
+    float raw[FIN_COLS][FIN_MAX_TOPK], nw[FIN_COLS];
+#pragma unroll
+    for (int i = 0; i < FIN_COLS; ++i) {
+        const int c = c0 + 128 * i;
+        nw[i] = c < h ? __uint_as_float((u32)norm[c] << 16) : 0.f;
+#pragma unroll
+        for (int j = 0; j < FIN_MAX_TOPK; ++j) raw[i][j] = c < h && j < topk ? __ldcg(rows + (long long)j * h + c) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < FIN_COLS; ++i)
+#pragma unroll
+        for (int j = 0; j < FIN_MAX_TOPK; ++j) v[i][j] = bf16_round(bf16_round(raw[i][j]) * nw[i]);
+}
 
-__device__ __noinline__ void finalize_if_last(const Finalize &f, const float *o, int h) {
+__device__ __forceinline__ void finalize_if_last(int *count, const float *wts, const u16 *norm, float *y, float eps,
+                                                 int topk, const float *o, int h) {
     __shared__ int last;
     __shared__ float part[4][FIN_MAX_TOPK];
-    const int t = blockIdx.z / f.topk;
+    const int t = blockIdx.z / topk;
     __syncthreads();  // the block's rows are stored (threads that stored nothing wait here too)
     if (threadIdx.x == 0) {
         int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(f.count + t) : "memory");
-        last = old == f.topk * (int)(gridDim.x * gridDim.y) - 1;
-        if (last) f.count[t] = 0;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(count + t) : "memory");
+        last = old == topk * (int)(gridDim.x * gridDim.y) - 1;
+        if (last) count[t] = 0;
     }
     __syncthreads();
     if (!last) return;
-    const float *rows = o + (long long)t * f.topk * h;
-    float ss[FIN_MAX_TOPK];
+    const float *rows = o + (long long)t * topk * h;
+    float v[FIN_COLS][FIN_MAX_TOPK], ss[FIN_MAX_TOPK];
 #pragma unroll
     for (int j = 0; j < FIN_MAX_TOPK; ++j) ss[j] = 0.f;
-    for (int c = threadIdx.x; c < h; c += blockDim.x) {
-        const float nw = __uint_as_float((u32)f.norm[c] << 16);
+    for (int c0 = threadIdx.x; c0 < h; c0 += 128 * FIN_COLS) {
+        fin_load(rows, norm, topk, h, c0, v);
 #pragma unroll
-        for (int j = 0; j < FIN_MAX_TOPK; ++j) {
-            if (j >= f.topk) break;
-            const float v = bf16_round(bf16_round(__ldcg(rows + (long long)j * h + c)) * nw);
-            ss[j] += v * v;
-        }
+        for (int i = 0; i < FIN_COLS; ++i)
+#pragma unroll
+            for (int j = 0; j < FIN_MAX_TOPK; ++j) ss[j] += v[i][j] * v[i][j];
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -710,20 +719,18 @@ __device__ __noinline__ void finalize_if_last(const Finalize &f, const float *o,
     float r[FIN_MAX_TOPK], wt[FIN_MAX_TOPK];
 #pragma unroll
     for (int j = 0; j < FIN_MAX_TOPK; ++j) {
-        const float sum = part[0][j] + part[1][j] + part[2][j] + part[3][j];
-        r[j] = 1.f / sqrtf(sum / h + f.eps);
-        wt[j] = j < f.topk ? f.w[(long long)t * f.topk + j] : 0.f;
+        r[j] = 1.f / sqrtf((part[0][j] + part[1][j] + part[2][j] + part[3][j]) / h + eps);
+        wt[j] = j < topk ? wts[(long long)t * topk + j] : 0.f;
     }
-    for (int c = threadIdx.x; c < h; c += blockDim.x) {
-        const float nw = __uint_as_float((u32)f.norm[c] << 16);
-        float acc = 0.f;
+    for (int c0 = threadIdx.x; c0 < h; c0 += 128 * FIN_COLS) {
+        fin_load(rows, norm, topk, h, c0, v);
 #pragma unroll
-        for (int j = 0; j < FIN_MAX_TOPK; ++j) {
-            if (j >= f.topk) break;
-            const float v = bf16_round(bf16_round(__ldcg(rows + (long long)j * h + c)) * nw);
-            acc += bf16_round(v * r[j]) * wt[j];
+        for (int i = 0; i < FIN_COLS; ++i) {
+            float acc = 0.f;
+#pragma unroll
+            for (int j = 0; j < FIN_MAX_TOPK; ++j) acc += j < topk ? bf16_round(v[i][j] * r[j]) * wt[j] : 0.f;
+            if (c0 + 128 * i < h) y[(long long)t * h + c0 + 128 * i] = acc;
         }
-        f.y[(long long)t * h + c] = acc;
     }
 }
 
@@ -743,5 +750,5 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
         y_stride, ot, m_rows, N, K, split, EXPERTS && role == 2);
     if (EXPERTS && role == 1) handoff_publish(sync);
     if (EXPERTS && !SWIGLU && role == 3)  // (sync: the per-token counts; y: fp32 rows of N = h)
-        finalize_if_last(Finalize{sync, fin_w, fin_norm, fin_y, (float)fin_eps, fin_topk}, (const float *)y, N);
+        finalize_if_last(sync, fin_w, fin_norm, fin_y, (float)fin_eps, fin_topk, (const float *)y, N);
 }
