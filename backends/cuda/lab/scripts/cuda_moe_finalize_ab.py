@@ -44,7 +44,6 @@ def main() -> None:
                            "time_us": round(us, 2)}
                     print(row)
                     rows.append(row)
-        del fp4
     with open(args.out, "w") as f:
         json.dump({"gpu": gpu_name(), "rows": rows}, f, indent=1)
 
