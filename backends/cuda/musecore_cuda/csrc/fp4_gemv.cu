@@ -658,12 +658,12 @@ __device__ __forceinline__ void handoff_publish(int *sync) {
 
 // The decode MoE's finalize (musecore_triton moe_finalize_kernel, the same roundings) run by the down GEMV's last
 // block of each token instead of by a kernel after it. Token t's assignments are programs z = t * topk .. + topk - 1
-// (no runs). Every block, once its rows are stored, takes a ticket on count[t] (acq_rel: its stores before, every
-// earlier block's visible after); the block that draws the last of the token's topk * gridDim.x * gridDim.y resets
-// the count for the next launch and computes y[t] = sum_j w[t,j] * rms(bf16(bf16(o[a_j]) * norm)) from the fp32
-// rows o (through L2) into fp32 y [T, h]: the rows' sums of squares first (one pass), then the weighted sum. Each
-// thread keeps FIN_COLS columns of every row in flight per round (independent, predicated loads): a pass over
-// h = 4096 is 8 rounds of L2 latency, not 8 * topk dependent loads per column.
+// (no runs). Every block, once its rows are stored, takes a ticket on count[t] (release: its stores before); the
+// block that draws the last of the token's topk * gridDim.x * gridDim.y acquires (every earlier block's stores
+// visible after), resets the count for the next launch and computes y[t] = sum_j w[t,j] * rms(bf16(bf16(o[a_j]) *
+// norm)) from the fp32 rows o (through L2) into fp32 y [T, h]: the rows' sums of squares first (one pass), then the
+// weighted sum. Each thread keeps FIN_COLS columns of every row in flight per round (independent, predicated
+// loads): a pass over h = 4096 is 8 rounds of L2 latency, not 8 * topk dependent loads per column.
 constexpr int FIN_MAX_TOPK = 8, FIN_COLS = 4;
 
 // Columns c0 + 128 i (i < FIN_COLS) of the token's rows, as the finalize rounds them: bf16(bf16(o) * norm).
@@ -675,7 +675,8 @@ __device__ __forceinline__ void fin_load(const float *rows, const u16 *norm, int
         const int c = c0 + 128 * i;
         nw[i] = c < h ? __uint_as_float((u32)norm[c] << 16) : 0.f;
 #pragma unroll
-        for (int j = 0; j < FIN_MAX_TOPK; ++j) raw[i][j] = c < h && j < topk ? __ldcg(rows + (long long)j * h + c) : 0.f;
+        for (int j = 0; j < FIN_MAX_TOPK; ++j)
+            raw[i][j] = c < h && j < topk ? __ldcg(rows + (long long)j * h + c) : 0.f;
     }
 #pragma unroll
     for (int i = 0; i < FIN_COLS; ++i)
@@ -689,11 +690,11 @@ __device__ __forceinline__ void finalize_if_last(int *count, const float *wts, c
     __shared__ float part[4][FIN_MAX_TOPK];
     const int t = blockIdx.z / topk;
     __syncthreads();  // the block's rows are stored (threads that stored nothing wait here too)
-    if (threadIdx.x == 0) {
-        int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(count + t) : "memory");
+    if (threadIdx.x == 0) {  // release: this block's stores before; the last block acquires and resets the count
+        int old;            // (an acq_rel add in every block would also invalidate its SM's L1: CCTL.IVALL)
+        asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(count + t) : "memory");
         last = old == topk * (int)(gridDim.x * gridDim.y) - 1;
-        if (last) count[t] = 0;
+        if (last) asm volatile("atom.acquire.gpu.global.exch.b32 %0, [%1], 0;" : "=r"(old) : "l"(count + t) : "memory");
     }
     __syncthreads();
     if (!last) return;

@@ -95,9 +95,7 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
     tl.store(y_ptr + a.to(tl.int64) * N + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
     if EPILOGUE != 0:
         tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
-        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if ticket == programs - 1:
-            tl.store(count_ptr, 0)
+        if last_ticket(count_ptr, programs):
             if EPILOGUE == 1:
                 offs_n = tl.arange(0, BLOCK_NORM)
                 nmask = offs_n < N
@@ -108,6 +106,18 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
             else:
                 norms.residual_norm_row(res_ptr, y_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr,
                                         normed_ptr, 0, N, post_eps, eps, HAS_POST, HAS_NEXT, BLOCK_NORM, True)
+
+
+@triton.jit
+def last_ticket(count_ptr, programs):
+    """Whether this program is the last of ``programs`` to take a ticket on the int32 ``count``: a release add (this
+    program's stores before it), and in the last program an acquire exchange that resets ``count`` to 0 for the next
+    launch (every earlier program's stores visible after it). Only the last program acquires: an acq_rel add in every
+    program also invalidates its SM's L1 (``CCTL.IVALL`` on SM90) under the other programs' loads."""
+    last = tl.atomic_add(count_ptr, 1, sem="release") == programs - 1
+    if last:
+        tl.atomic_xchg(count_ptr, 0, sem="acquire")
+    return last
 
 
 def gemv_blocks(k: int) -> tuple[int, int]:

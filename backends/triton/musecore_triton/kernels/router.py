@@ -112,7 +112,8 @@ def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_p
     """One token's router in one launch. Program (e, s) writes the fp32 partial ``part[s, e-block] = W[e-block,
     K_s] . x[K_s]``; the program that finishes last (a ticket on ``count``, which it resets to 0 for the next
     launch) adds the partials of each expert (a fixed tree over s: deterministic) and makes the choice
-    (:func:`_choose`). The release/acquire ticket orders every program's partial before the last one reads it."""
+    (:func:`_choose`). The ticket (``dense_gemv.last_ticket``) orders every program's partial before the last one
+    reads it."""
     router_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), x_ptr, w_ptr, part_ptr,
                    count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K,
                    BLOCK, PDL)
@@ -132,9 +133,7 @@ def router_program(pid_e, pid_s, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bi
     x = tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
     tl.store(part_ptr + pid_s * E + offs_e, tl.sum(w * x[None, :], axis=1), mask=em)
     tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if ticket == n_e * n_s - 1:
-        tl.store(count_ptr, 0)
+    if dense_gemv.last_ticket(count_ptr, n_e * n_s):
         offs = tl.arange(0, BLOCK)
         mask = offs < E
         logits = tl.zeros((BLOCK,), dtype=tl.float32)
