@@ -1,6 +1,6 @@
-"""The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 5 launches
-instead of 10 (4 of 9 with FP4 experts), attention 4 instead of 7) against the separate ops on the GPU, the inputs
-they are not bound for, and their switch."""
+"""The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 6 launches
+instead of 10, attention 4 instead of 7) against the separate ops on the GPU, the inputs they are not bound for, and
+their switch."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from musecore.api import load_random
 from musecore.model import MoE, separate_ops
 from musecore.testing import fused_blocks, nmse, through_separate_ops
 from musecore_triton.kernels import router
-from musecore_triton.layouts import Fp4Resident
 from musecore_triton.testing import HAS_GPU
 
 from musecore_cuda.fused import FUSED_ENV, fuse_block
@@ -119,7 +118,7 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
 def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
     """``MuseModel.attention_sublayer`` / ``feedforward_sublayer`` through the fused blocks' ``sublayer`` (the residual
     norm in the last GEMV's last program): the pair (residual', normed) within TOLERANCE of the separate ops, the
-    caches bit for bit, and 4 launches for 7 (attention), 5 for 10 (MoE; 4 for 9 with FP4 experts)."""
+    caches bit for bit, and 4 launches for 7 (attention), 6 for 10 (MoE)."""
     prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -151,9 +150,7 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
             fused_n = kernels(lambda: model.feedforward_sublayer(i, x, a))
             with separate_ops(model):
                 separate_n = kernels(lambda: model.feedforward_sublayer(i, x, a))
-            # FP4 experts: the down GEMV finalizes each token itself (fp4_gemv_cuda.Finalize), fused or not
-            want_n = (4, 9) if isinstance(layer.mlp.experts.gate, Fp4Resident) else (5, 10)
-            assert (fused_n, separate_n) == want_n, f"layer {i} MoE sublayer: {fused_n} launches fused, {separate_n}"
+            assert (fused_n, separate_n) == (5, 10), f"layer {i} MoE sublayer: {fused_n} launches fused, {separate_n}"
         fused_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[0]))
         with separate_ops(model):
             separate_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[1]))

@@ -138,7 +138,7 @@ def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts,
     wide = width == 4096  # (K = 128 is one chunk: no split of it)
     for cuts in (None,) + ((GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
                            (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))) * wide:
-        each = moe_decode_gemv(*args, plans=cuts, runs=False, finalize_in_gemv=False)
+        each = moe_decode_gemv(*args, plans=cuts, runs=False)
         runs = moe_decode_gemv(*args, plans=cuts, runs=True)
         assert torch.equal(each, runs), f"runs differ from per-assignment programs (cuts {cuts}): " \
                                         f"max |diff| {(each - runs).abs().max().item():.3g}"
@@ -151,8 +151,7 @@ def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts,
         captured = be.moe(z, weights, ids, prepared, norm, 1e-8)
     ids.copy_(ids.flip(0))  # new routing in place: the graph's sort must see it
     graph.replay()
-    assert torch.equal(captured, moe_decode_gemv(*args, runs=False, finalize_in_gemv=False)), \
-        "graph replay of the runs path differs"
+    assert torch.equal(captured, moe_decode_gemv(*args, runs=False)), "graph replay of the runs path differs"
 
 
 def test_handoff_counts_the_producer_warps_per_program_and_takes_only_mma_launches():
@@ -197,7 +196,7 @@ def test_moe_decode_handoff_gives_the_same_bits_and_leaves_its_counters_at_zero(
     wide = width == 4096
     for cuts in (None,) + ((GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
                            (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))) * wide:
-        off = moe_decode_gemv(*args, plans=cuts, handoff=False, finalize_in_gemv=False)
+        off = moe_decode_gemv(*args, plans=cuts, handoff=False)
         outs = [moe_decode_gemv(*args, plans=cuts, handoff=True) for _ in range(20)]
         for i, on in enumerate(outs):
             assert torch.equal(on, off), f"hand-off call {i} differs (cuts {cuts}): max |diff| " \
@@ -213,76 +212,10 @@ def test_moe_decode_handoff_gives_the_same_bits_and_leaves_its_counters_at_zero(
         for _ in range(10):
             ids.copy_(ids.roll(1, 0))  # new routing in place
             graph.replay()
-            expected = moe_decode_gemv(*args, handoff=False, finalize_in_gemv=False)
+            expected = moe_decode_gemv(*args, handoff=False)
             assert torch.equal(captured, expected), f"graph replay (PDL {with_pdl}) differs"
     torch.cuda.synchronize()
     assert int(counters.count_nonzero()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("width,inter,experts,tokens,topk", [
-    (4096, 4096, 16, 1, 8),    # the 816B expert shape at batch 1
-    (768, 768, 64, 1, 8),      # muse-small's experts: warps splitting K
-    (4096, 4096, 24, 3, 2),    # three tokens, each finalized by its own last block
-    (256, 512, 12, 2, 5),      # topk not a power of two
-])
-def test_moe_decode_finalize_in_the_down_gemv_matches_the_finalize_kernel(width, inter, experts, tokens, topk):
-    """The down GEMV's last block of each token finalizes it (fp4_gemv_cuda.Finalize): within 1e-10 NMSE of the Triton
-    finalize kernel after it (the same roundings; fp32 sums in another order), for the default cut and cluster / warp
-    split-K cuts (blocks that store nothing still count), 20 calls in a row, and replayed from CUDA graphs captured
-    with and without PDL under new routing; the per-token counts back at zero; one kernel fewer."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from musecore_cuda.kernels import pdl
-
-    be, prepared, reference, norm = make_layer("nvfp4", experts=experts, width=width, inter=inter,
-                                               dtype=torch.bfloat16, device="cuda")
-    weights, ids = route(tokens, experts, topk, "cuda")
-    if tokens == 1:
-        ids[0, :2] = 3  # one expert twice in the token's routing
-    z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
-    args = (z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-8)
-    wide = width == 4096
-    for cuts in (None,) + ((GemvPlan("mma", 1, 1, split_k=2), GemvPlan("mma", 1, 1, split_k=2)),
-                           (GemvPlan("mma", 1, 1, k_warps=2), GemvPlan("mma", 1, 1, k_warps=2))) * wide:
-        want = moe_decode_gemv(*args, plans=cuts, finalize_in_gemv=False)
-        for i in range(20):
-            got = moe_decode_gemv(*args, plans=cuts)
-            err = nmse(want, got)
-            assert err <= 1e-10, f"call {i} (cuts {cuts}): NMSE {err:.3g} against the finalize kernel"
-    counts = fp4_gemv_cuda._FINALIZE_COUNTS[torch.device("cuda", torch.cuda.current_device())]
-    torch.cuda.synchronize()
-    assert int(counts.count_nonzero()) == 0, f"counts left set: {counts.nonzero().flatten()[:8].tolist()}"
-    assert_nmse(ref.moe(z, weights, ids, reference, norm, 1e-8), got, tolerance("moe"), f"moe T={tokens}")
-    for with_pdl in (False, True):
-        graph = torch.cuda.CUDAGraph()
-        with pdl.scope(with_pdl), torch.cuda.graph(graph):
-            captured = moe_decode_gemv(*args)
-        for _ in range(5):
-            ids.copy_((ids + 1) % experts)  # new routing in place
-            graph.replay()
-            err = nmse(moe_decode_gemv(*args, finalize_in_gemv=False), captured)
-            assert err <= 1e-10, f"graph replay (PDL {with_pdl}): NMSE {err:.3g}"
-    torch.cuda.synchronize()
-    assert int(counts.count_nonzero()) == 0
-
-    def launches(**kw) -> int:
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            moe_decode_gemv(*args, **kw)
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy"))
-
-    assert launches() == launches(finalize_in_gemv=False) - 1
-
-
-def test_finalize_in_the_gemv_declines_what_its_kernel_cannot_take():
-    """Over 8 experts per token, a norm not in bf16 or weights not in fp32: None (the finalize kernel runs instead)."""
-    w = torch.rand(2, 8)
-    norm = torch.ones(64, dtype=torch.bfloat16)
-    for weights, n in ((torch.rand(2, 9), norm), (w, norm.half()), (w.double(), norm)):
-        assert fp4_gemv_cuda.Finalize.make(weights, n, 1e-6, torch.device("cpu")) is None
-    assert fp4_gemv_cuda.Finalize.make(w, norm, 1e-6, torch.device("cpu")) is None  # no counts off a GPU
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)

@@ -1,12 +1,8 @@
 """A/B of the CUDA backend's fused blocks (``musecore_cuda.fused``) in muse-small's batch-1 decode, in one process:
-graph replay per step, kernels per step and ``generate`` per token, in four modes (session 43, issue 26 item 3):
-
-    fused      today's path
-    kernel     the MoE finalize as the Triton kernel after the down GEMV (session 47's fp4_gemv_cuda.Finalize undone)
-    apart      that, and the router and the pooler as two launches (session 47's router_pooler_one_launch undone)
-    separate   every block's separate ops (the finalize in the down GEMV, as today)
-
-Same random weights, same prompt, alternated ``--rounds`` times.
+graph replay per step, kernels per step and ``generate`` per token, with the fused blocks, with the fused blocks but
+the router and the pooler as two launches (``apart``: session 47's ``router_pooler_one_launch`` undone), and with
+every block's separate ops (session 43, issue 26 item 3). Same random weights, same prompt, alternated ``--rounds``
+times.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
 """
@@ -15,18 +11,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 
 import torch
 
 from cuda_decode_host_probe import decode_numbers, save_rows  # this folder is sys.path[0] when run as a script
 from musecore.api import load_random
 from musecore.model import separate_ops
-from musecore_cuda import backend, fused
+from musecore_cuda import fused
 from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "kernel", "apart", "separate")
+MODES = ("fused", "apart", "separate")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -36,25 +31,18 @@ def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_wei
 
 
 @contextlib.contextmanager
-def patched(module, name: str, value):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
-@contextlib.contextmanager
 def mode_of(model, mode: str):
-    with contextlib.ExitStack() as stack:
-        if mode == "separate":
-            stack.enter_context(separate_ops(model))
-        if mode in ("kernel", "apart"):
-            stack.enter_context(patched(backend, "moe_decode_gemv",
-                                        functools.partial(backend.moe_decode_gemv, finalize_in_gemv=False)))
-        if mode == "apart":
-            stack.enter_context(patched(fused, "router_pooler_one_launch", router_then_pooler))
+    if mode == "separate":
+        with separate_ops(model):
+            yield
+    elif mode == "apart":
+        one = fused.router_pooler_one_launch
+        fused.router_pooler_one_launch = router_then_pooler
+        try:
+            yield
+        finally:
+            fused.router_pooler_one_launch = one
+    else:
         yield
 
 

@@ -5,8 +5,8 @@
 #   3. cuda_profile_decode.py at batch 1 and 16;
 #   4. musecore bench --backend cuda --case targets;
 #   5. the whole GPU suite, SIGINT at its cap;
-#   6. benchmarks/serve_bench.py in process (muse-small NVFP4);
-#   7. cuda_moe_finalize_ab.py (the decode MoE's finalize in the down GEMV against the kernel after it).
+#   6. benchmarks/serve_bench.py in process (muse-small NVFP4).
+# (Step 7 of calls 3-4, cuda_moe_finalize_ab.py, went with the finalize in the down GEMV: git show 3389e50.)
 # Everything under $OUT is also packed into $OUT/s47.tgz (run_steps in device_prelude.sh).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [TESTS="..."] bash backends/cuda/lab/scripts/s47_session.sh
 set -u
@@ -32,10 +32,5 @@ step6() {
   timeout $(cap 150) python3 benchmarks/serve_bench.py --in-process --random-weights --model muse-small \
     --device h200 --checkpoint-format nvfp4 --passes 2 --out $OUT/serve_h200.json > $OUT/serve_bench.log 2>&1
   echo "6. serve bench at ${SECONDS}s (rc $?):"; tail -4 $OUT/serve_bench.log | cut -c1-200
-}
-step7() {
-  timeout $(cap 150) python3 backends/cuda/lab/scripts/cuda_moe_finalize_ab.py --out $OUT/cuda_moe_finalize_ab.json \
-    > $OUT/moe_finalize_ab.log 2>&1
-  echo "7. finalize A/B at ${SECONDS}s (rc $?):"; cut -c1-120 $OUT/moe_finalize_ab.log | tail -24
 }
 run_steps s47

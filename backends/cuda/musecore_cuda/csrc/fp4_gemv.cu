@@ -9,19 +9,13 @@ __device__ __forceinline__ float load_act(const u16 *p, int xt) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b)); return f;  // fp16
 }
 
-__device__ __forceinline__ u16 bf16_bits(float v) {  // round to nearest even (NaN kept quiet)
-    u32 u = __float_as_uint(v);
-    if ((u & 0x7f800000u) == 0x7f800000u) return (u16)((u >> 16) | ((u & 0xffffu) ? 0x40u : 0u));
-    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ float bf16_round(float v) { return __uint_as_float((u32)bf16_bits(v) << 16); }
-
 __device__ __forceinline__ void store_out(void *out, long long i, float v, int ot) {
     if (ot == 2) { ((float *)out)[i] = v; return; }
     u16 b;
-    if (ot == 0) {
-        b = bf16_bits(v);
+    if (ot == 0) {  // bf16, round to nearest even (NaN kept quiet)
+        u32 u = __float_as_uint(v);
+        if ((u & 0x7f800000u) == 0x7f800000u) b = (u16)((u >> 16) | ((u & 0xffffu) ? 0x40u : 0u));
+        else b = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     } else {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(v));
     }
@@ -656,85 +650,6 @@ __device__ __forceinline__ void handoff_publish(int *sync) {
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sync + HANDOFF_STRIDE * blockIdx.z) : "memory");
 }
 
-// The decode MoE's finalize (musecore_triton moe_finalize_kernel, the same roundings) run by the down GEMV's last
-// block of each token instead of by a kernel after it. Token t's assignments are programs z = t * topk .. + topk - 1
-// (no runs). Every block, once its rows are stored, takes a ticket on count[t] (release: its stores before); the
-// block that draws the last of the token's topk * gridDim.x * gridDim.y acquires (every earlier block's stores
-// visible after), resets the count for the next launch and computes y[t] = sum_j w[t,j] * rms(bf16(bf16(o[a_j]) *
-// norm)) from the fp32 rows o (through L2) into fp32 y [T, h]: the rows' sums of squares first (one pass), then the
-// weighted sum. Each thread keeps FIN_COLS columns of every row in flight per round (independent, predicated
-// loads): a pass over h = 4096 is 8 rounds of L2 latency, not 8 * topk dependent loads per column.
-constexpr int FIN_MAX_TOPK = 8, FIN_COLS = 4;
-
-// Columns c0 + 128 i (i < FIN_COLS) of the token's rows, as the finalize rounds them: bf16(bf16(o) * norm).
-__device__ __forceinline__ void fin_load(const float *rows, const u16 *norm, int topk, int h, int c0,
-                                         float (&v)[FIN_COLS][FIN_MAX_TOPK]) {
-    float raw[FIN_COLS][FIN_MAX_TOPK], nw[FIN_COLS];
-#pragma unroll
-    for (int i = 0; i < FIN_COLS; ++i) {
-        const int c = c0 + 128 * i;
-        nw[i] = c < h ? __uint_as_float((u32)norm[c] << 16) : 0.f;
-#pragma unroll
-        for (int j = 0; j < FIN_MAX_TOPK; ++j)
-            raw[i][j] = c < h && j < topk ? __ldcg(rows + (long long)j * h + c) : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < FIN_COLS; ++i)
-#pragma unroll
-        for (int j = 0; j < FIN_MAX_TOPK; ++j) v[i][j] = bf16_round(bf16_round(raw[i][j]) * nw[i]);
-}
-
-__device__ __forceinline__ void finalize_if_last(int *count, const float *wts, const u16 *norm, float *y, float eps,
-                                                 int topk, const float *o, int h) {
-    __shared__ int last;
-    __shared__ float part[4][FIN_MAX_TOPK];
-    const int t = blockIdx.z / topk;
-    __syncthreads();  // the block's rows are stored (threads that stored nothing wait here too)
-    if (threadIdx.x == 0) {  // release: this block's stores before; the last block acquires and resets the count
-        int old;            // (an acq_rel add in every block would also invalidate its SM's L1: CCTL.IVALL)
-        asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(count + t) : "memory");
-        last = old == topk * (int)(gridDim.x * gridDim.y) - 1;
-        if (last) asm volatile("atom.acquire.gpu.global.exch.b32 %0, [%1], 0;" : "=r"(old) : "l"(count + t) : "memory");
-    }
-    __syncthreads();
-    if (!last) return;
-    const float *rows = o + (long long)t * topk * h;
-    float v[FIN_COLS][FIN_MAX_TOPK], ss[FIN_MAX_TOPK];
-#pragma unroll
-    for (int j = 0; j < FIN_MAX_TOPK; ++j) ss[j] = 0.f;
-    for (int c0 = threadIdx.x; c0 < h; c0 += 128 * FIN_COLS) {
-        fin_load(rows, norm, topk, h, c0, v);
-#pragma unroll
-        for (int i = 0; i < FIN_COLS; ++i)
-#pragma unroll
-            for (int j = 0; j < FIN_MAX_TOPK; ++j) ss[j] += v[i][j] * v[i][j];
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int j = 0; j < FIN_MAX_TOPK; ++j) {
-#pragma unroll
-        for (int d = 16; d; d >>= 1) ss[j] += __shfl_xor_sync(0xffffffffu, ss[j], d);
-        if (lane == 0) part[warp][j] = ss[j];
-    }
-    __syncthreads();
-    float r[FIN_MAX_TOPK], wt[FIN_MAX_TOPK];
-#pragma unroll
-    for (int j = 0; j < FIN_MAX_TOPK; ++j) {
-        r[j] = 1.f / sqrtf((part[0][j] + part[1][j] + part[2][j] + part[3][j]) / h + eps);
-        wt[j] = j < topk ? wts[(long long)t * topk + j] : 0.f;
-    }
-    for (int c0 = threadIdx.x; c0 < h; c0 += 128 * FIN_COLS) {
-        fin_load(rows, norm, topk, h, c0, v);
-#pragma unroll
-        for (int i = 0; i < FIN_COLS; ++i) {
-            float acc = 0.f;
-#pragma unroll
-            for (int j = 0; j < FIN_MAX_TOPK; ++j) acc += j < topk ? bf16_round(v[i][j] * r[j]) * wt[j] : 0.f;
-            if (c0 + 128 * i < h) y[(long long)t * h + c0 + 128 * i] = acc;
-        }
-    }
-}
-
 template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids,
@@ -743,13 +658,10 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
         int w_e, int w_n, int s_e, int s_n,
         const float *__restrict__ out_scale, const float *__restrict__ out_scale2, int fold,
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split,
-        int *sync, int role, int need, const float *fin_w, const u16 *fin_norm, float *fin_y, double fin_eps,
-        int fin_topk) {
+        int *sync, int role, int need) {
     if (EXPERTS && role == 2) handoff_wait(sync, need);
     gemv_mma_body<RT, KW, PF, NG, WFMT, EXPERTS, SWIGLU, SPLIT, EARLY>(
         x, x_stride, ids, perm_in, runs, a_div, w, s, w2, s2, w_e, w_n, s_e, s_n, out_scale, out_scale2, fold, y,
         y_stride, ot, m_rows, N, K, split, EXPERTS && role == 2);
     if (EXPERTS && role == 1) handoff_publish(sync);
-    if (EXPERTS && !SWIGLU && role == 3)  // (sync: the per-token counts; y: fp32 rows of N = h)
-        finalize_if_last(sync, fin_w, fin_norm, fin_y, (float)fin_eps, fin_topk, (const float *)y, N);
 }

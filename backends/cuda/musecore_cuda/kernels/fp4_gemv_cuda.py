@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -207,8 +207,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
            wfmt: int, fold_log2: int, n: int, k: int, out: torch.Tensor, plan: GemvPlan,
            ids: Optional[torch.Tensor] = None, a_div: int = 1, packed2: Optional[torch.Tensor] = None,
            scales2: Optional[torch.Tensor] = None, out_scale2: Optional[torch.Tensor] = None,
-           perm: Optional[torch.Tensor] = None, handoff: Optional[tuple["Handoff", int]] = None,
-           finalize: Optional["Finalize"] = None) -> torch.Tensor:
+           perm: Optional[torch.Tensor] = None, handoff: Optional[tuple["Handoff", int]] = None) -> torch.Tensor:
     """``out (+)= x @ W^T`` for ``x [M, K]`` (``plan.m == M``), or one row per assignment when ``ids``
     (int64 ``[A]``) is given (expert ``ids[a]``, activation row ``a // a_div``, output row ``a``).
 
@@ -219,10 +218,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     Each token's sums are the same as without ``perm`` (mma columns are independent): the same bits.
 
     ``handoff`` (MMA kernel, expert mode): this launch's side of a :class:`Handoff` between two expert GEMVs of the
-    same programs (``Handoff.produce`` or ``.consume``; the producer's output is the consumer's ``x``).
-
-    ``finalize`` (MMA kernel, expert mode, no runs, fp32 ``out``): the decode MoE's finalize runs in the last block of
-    each token (:class:`Finalize`), into ``finalize.y``."""
+    same programs (``Handoff.produce`` or ``.consume``; the producer's output is the consumer's ``x``)."""
     m = x.shape[0] if ids is None else (plan.m if perm is not None else 1)
     if m != plan.m:
         raise ValueError(f"plan for M={plan.m} used with M={m}")
@@ -248,8 +244,6 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     if handoff is not None and (not mma or ids is None or handoff[0].programs != ids.numel()):
         raise ValueError(f"a hand-off joins two MMA expert launches of {handoff[0].programs} programs; got a "
                          f"{plan.kind} launch of {None if ids is None else ids.numel()}")
-    if finalize is not None:
-        finalize.check(plan, ids, perm, handoff, packed2, out, n)
     producer = handoff is not None and handoff[1] == PRODUCER
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
                    plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
@@ -257,9 +251,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     ids_arg = ids if ids is not None else out_scale  # (a placeholder pointer, never read without EXPERTS)
     ids_args = [ids_arg, ids_arg if perm is None else perm, int(perm is not None)] if mma else [ids_arg]
-    tail = ([] if not mma else
-            [handoff[0].counters, handoff[1], handoff[0].need, *Finalize.NONE] if handoff is not None else
-            finalize.args if finalize is not None else [None, 0, 0, *Finalize.NONE])
+    tail = ([] if not mma else [None, 0, 0] if handoff is None else
+            [handoff[0].counters, handoff[1], handoff[0].need])
     pdl.launch(kern, grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
                block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem, device=x.device,
                name=f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}",
@@ -302,7 +295,11 @@ class Handoff:
         if not self.possible(programs, device):
             raise RuntimeError("the hand-off's counters are made on a CUDA device, on an eager call (not in a graph "
                                "capture)")
-        self.counters = _zeroed(_COUNTERS, HANDOFF_STRIDE * HANDOFF_SLOTS, device)
+        counters = _COUNTERS.get(device)
+        if counters is None:
+            counters = _COUNTERS[device] = torch.zeros(HANDOFF_STRIDE * HANDOFF_SLOTS, dtype=torch.int32,
+                                                       device=device)
+        self.counters = counters
 
     @staticmethod
     def producer_warps(plan: GemvPlan, n: int) -> int:
@@ -324,75 +321,6 @@ class Handoff:
     @property
     def consume(self) -> tuple["Handoff", int]:
         return self, CONSUMER
-
-
-FINALIZE = 3  # the kernel's role for a finalizing down GEMV (csrc/fp4_gemv.cu: finalize_if_last)
-FINALIZE_MAX_TOPK = 8
-FINALIZE_SLOTS = 1024  # most tokens: one int32 count each
-
-
-def _zeroed(store: dict, numel: int, device: torch.device) -> Optional[torch.Tensor]:
-    """The device's int32 counters of ``store`` (zeroed once, given back zero by every launch that uses them), made
-    now when there are none yet, or None inside a CUDA graph capture (which would record their zeroing)."""
-    counters = store.get(device)
-    if counters is None and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        counters = store[device] = torch.zeros(numel, dtype=torch.int32, device=device)
-    return counters
-
-
-_FINALIZE_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-@dataclass(frozen=True)
-class Finalize:
-    """The decode MoE's finalize (``musecore_triton.kernels.moe.finalize``, the same roundings) run by the down GEMV
-    instead of by a kernel after it: the last block of each token's assignments (a ticket per token on a per-device
-    count, given back zero) sums the token's ``topk`` fp32 rows of ``out`` with the post-expert norm into ``y [T,
-    h]``. One kernel fewer per MoE block; the counts are shared by the device's launches, so two finalizing launches
-    must follow each other on one stream, as in a model's forward. Sums of squares and weights add in another order
-    than the Triton kernel's (fp32, ~1e-7 relative).
-
-    Example::
-
-        fin = Finalize.make(weights, post_norm, post_eps, z.device)   # None: this call cannot take it
-        launch(hidden, down..., ids=ids, out=o, plan=down_plan, finalize=fin)   # fin.y: the MoE output"""
-
-    counts: torch.Tensor
-    weights: torch.Tensor  # [T, topk] fp32
-    norm: torch.Tensor     # [h] bf16
-    y: torch.Tensor        # [T, h] fp32
-    eps: float
-
-    NONE = (None, None, None, 0.0, 0)  # the kernel's finalize arguments when it does not finalize
-
-    @staticmethod
-    def make(weights: torch.Tensor, norm: torch.Tensor, eps: float, device: torch.device) -> Optional["Finalize"]:
-        """For ``weights [T, topk]`` (fp32) and a bf16 norm ``[h]``; None where the kernel cannot take it (``topk`` over
-        :data:`FINALIZE_MAX_TOPK`, over :data:`FINALIZE_SLOTS` tokens, other dtypes, no counts inside a capture)."""
-        T, topk = weights.shape
-        if weights.dtype != torch.float32 or norm.dtype != torch.bfloat16 or norm.dim() != 1 \
-                or not 0 < topk <= FINALIZE_MAX_TOPK or not 0 < T <= FINALIZE_SLOTS:
-            return None
-        counts = _zeroed(_FINALIZE_COUNTS, FINALIZE_SLOTS, device)
-        if counts is None:
-            return None
-        y = torch.empty(T, norm.shape[0], dtype=torch.float32, device=device)
-        return Finalize(counts, weights.contiguous(), norm.contiguous(), y, float(eps))
-
-    @property
-    def args(self) -> list:
-        return [self.counts, FINALIZE, 0, self.weights, self.norm, self.y, self.eps, self.weights.shape[1]]
-
-    def check(self, plan: GemvPlan, ids: Optional[torch.Tensor], perm: Optional[torch.Tensor], handoff: Any,
-              packed2: Optional[torch.Tensor], out: torch.Tensor, n: int) -> None:
-        T, topk = self.weights.shape
-        if plan.kind != "mma" or ids is None or perm is not None or handoff is not None or packed2 is not None \
-                or ids.numel() != T * topk or out.dtype != torch.float32 or out.shape != (T * topk, n) \
-                or not out.is_contiguous() or self.norm.shape != (n,):
-            raise ValueError(f"finalize runs in an MMA expert launch without runs, hand-off or SwiGLU, of T * topk = "
-                             f"{T * topk} programs into a contiguous fp32 [{T * topk}, {n}] output with a norm [{n}]; "
-                             f"got {plan.kind}, {None if ids is None else ids.numel()} programs, out {out.dtype} "
-                             f"{list(out.shape)}, norm {list(self.norm.shape)}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,5 @@
 """The MoE op at decode through the CUDA C++ expert GEMVs (NVRTC): one FP4 GEMV per token-expert
-assignment for gate+up+SwiGLU and one for down, whose last block of each token finalizes it (the weighted sum of
-the token's expert rows through the post-expert norm: ``fp4_gemv_cuda.Finalize``); on runs or with the hand-off,
-the portable Triton finalize kernel after it.
+assignment for gate+up+SwiGLU and one for down, then the portable Triton finalize.
 
 With ``MUSECORE_CUDA_MOE_HANDOFF=1`` the down GEMV is launched with the PDL attribute and a hand-off
 (``fp4_gemv_cuda.Handoff``): its blocks start in the gate/up GEMV's last wave, each waiting only for the gate/up
@@ -27,7 +25,7 @@ from typing import Optional
 import torch
 
 from musecore_cuda.kernels import fp4_gemv_cuda
-from musecore_triton.kernels.moe import ExpertStack, check_post_norm, finalize
+from musecore_triton.kernels.moe import ExpertStack, finalize
 from musecore_triton.kernels.sort import MAX_ASSIGNMENTS, MAX_EXPERTS, sort_assignments
 from musecore_triton.layouts import Fp4Resident
 
@@ -117,14 +115,11 @@ def sort_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident,
                     up: Fp4Resident, down: Fp4Resident, post_norm: torch.Tensor, post_eps: float,
                     plans: Optional[tuple[fp4_gemv_cuda.GemvPlan, fp4_gemv_cuda.GemvPlan]] = None,
-                    runs: Optional[bool] = None, handoff: Optional[bool] = None,
-                    finalize_in_gemv: bool = True) -> torch.Tensor:
+                    runs: Optional[bool] = None, handoff: Optional[bool] = None) -> torch.Tensor:
     """The ``moe`` op at decode: gate+up+SwiGLU and down as one FP4 GEMV per token-expert assignment
     (``plans`` overrides ``make_plan``'s cuts for the two launches, for sweeps; ``runs`` forces runs of one
     expert on or off, default :func:`on_runs_by_default`; ``handoff`` the down GEMV's early start, default
-    :func:`handoff_by_default`; the output bits are the same either way). Without runs or hand-off, the down
-    GEMV's last block of each token finalizes it (``fp4_gemv_cuda.Finalize``; ``finalize_in_gemv=False``: the
-    Triton finalize kernel after it, for A/B runs)."""
+    :func:`handoff_by_default`; the output bits are the same either way)."""
     T, topk = ids.shape
     width, inter = z.shape[-1], gate.out_features
     flat = ids.reshape(-1).contiguous()
@@ -152,20 +147,14 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
                          n=inter, k=width, out=h, plan=plan_up, ids=order, a_div=topk, packed2=up.packed,
                          scales2=up.scales, out_scale2=up.out_scale, perm=perm, handoff=hand and hand.produce)
-    fin = None
-    if finalize_in_gemv and perm is None and hand is None and plan_down.kind == "mma":
-        check_post_norm(post_norm, width)
-        fin = fp4_gemv_cuda.Finalize.make(weights, post_norm, post_eps, z.device)
     try:
         fp4_gemv_cuda.launch(h, down.packed, down.scales, down.out_scale, wfmt=down.wfmt, fold_log2=down.fold_log2,
                              n=width, k=inter, out=o, plan=plan_down, ids=order, a_div=1, perm=perm,
-                             handoff=hand and hand.consume, finalize=fin)
+                             handoff=hand and hand.consume)
     except BaseException:
         if hand is not None:  # the producer has counted: left as it is, the next consumer would not wait
             hand.counters.zero_()
         raise
-    if fin is not None:
-        return fin.y
     return finalize(o, flat, ids, weights, post_norm, post_eps, sorted_rows=False, act_dtype=z.dtype)
 
 
