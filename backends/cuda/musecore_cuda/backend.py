@@ -312,7 +312,7 @@ class CudaBackend(TritonOps, Backend):
         return choices.resident_bytes(weight_format, out_features, in_features, experts=experts)
 
     def fuse_block(self, block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
-        """A layer's MoE block at one-token decode in six launches instead of nine (:mod:`musecore_cuda.fused`)."""
+        """A layer's MoE or attention block at one-token decode in fewer launches (:mod:`musecore_cuda.fused`)."""
         from musecore_cuda.fused import fuse_block
         return fuse_block(self, block)
 

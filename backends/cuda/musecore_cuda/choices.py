@@ -313,8 +313,9 @@ def _handoff_choice() -> KernelChoice:
 
 
 def _fused_choice() -> list[KernelChoice]:
-    blocks = (("MoE sublayer at one-token decode", "10", "6 launches (one-launch router, pooler GEMV + pre-expert "
-               "norm, expert GEMVs and finalize, unpooler GEMV reading the experts' fp32 output + the residual norm)",
+    blocks = (("MoE sublayer at one-token decode", "10", "5 launches (one launch for the router and the pooler GEMV + "
+               "pre-expert norm, expert GEMVs and finalize, unpooler GEMV reading the experts' fp32 output + the "
+               "residual norm)",
                "with 16-bit pooler/unpooler and an fp32 router"),
               ("attention sublayer at one-token decode", "7", "4 launches (q/k/v/gate GEMV, q/k norms + RoPE + KV "
                "write, attention + head norm and gate, o_proj + the residual norm)",
@@ -337,7 +338,7 @@ def env_settings() -> list[EnvSetting]:
         EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16) "
                    "take the Gluon GEMM on SM 9.x with Triton's Gluon Hopper API",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
-        EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 6 launches, "
+        EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "
                    "attention sublayers in 4, at one-token decode", "0 runs the separate ops (10 and 7 launches)"),
         EnvSetting(moe_decode.HANDOFF_ENV, os.environ.get(moe_decode.HANDOFF_ENV), "off: the decode MoE's down GEMV "
                    "launches after the gate/up GEMV", "1 starts it in the gate/up GEMV's last wave (slower at batch 1)"),

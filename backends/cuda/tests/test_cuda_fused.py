@@ -1,4 +1,4 @@
-"""The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 6 launches
+"""The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 5 launches
 instead of 10, attention 4 instead of 7) against the separate ops on the GPU, the inputs they are not bound for, and
 their switch."""
 
@@ -118,7 +118,7 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
 def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
     """``MuseModel.attention_sublayer`` / ``feedforward_sublayer`` through the fused blocks' ``sublayer`` (the residual
     norm in the last GEMV's last program): the pair (residual', normed) within TOLERANCE of the separate ops, the
-    caches bit for bit, and 4 launches for 7 (attention), 6 for 10 (MoE)."""
+    caches bit for bit, and 4 launches for 7 (attention), 5 for 10 (MoE)."""
     prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(4)
