@@ -216,13 +216,24 @@ ONE_LAUNCH_BLOCK_K = 32  # hidden columns per program: 2048 fp32 weights per one
 ONE_LAUNCH_MAX_E = 1024  # the last program holds every expert's logit in one block
 
 
-def _check_one_token(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int) -> None:
+def _one_token_router(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int
+                      ) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """The one-launch router's operands checked, and what its programs (:func:`router_program`) need: ``(n_e, n_s,
+    part, weights, ids, constexprs)`` for an ``n_e x n_s`` grid of them."""
     E, H = weight.shape
     if x.shape != (1, H) or weight.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (E,) \
             or not 0 < k <= min(E, MAX_TOP_K) or E > ONE_LAUNCH_MAX_E:
         raise ValueError(f"{what} takes one token x [1, {H}], an fp32 router [E, H] with E <= {ONE_LAUNCH_MAX_E}, an "
                          f"fp32 bias [E] and k in 1..min(E, {MAX_TOP_K}); got x {list(x.shape)}, router {weight.dtype} "
                          f"{list(weight.shape)}, bias {bias.dtype} {list(bias.shape)}, k {k}")
+    n_s = triton.cdiv(H, ONE_LAUNCH_BLOCK_K)
+    part = torch.empty(n_s, E, dtype=torch.float32, device=x.device)
+    weights = torch.empty(1, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
+    block = triton.next_power_of_2(E)
+    constexprs = dict(BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block),
+                      K=triton.next_power_of_2(k), BLOCK=block)
+    return triton.cdiv(E, ONE_LAUNCH_BLOCK_E), n_s, part, weights, ids, constexprs
 
 
 def router_topk_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
@@ -232,19 +243,12 @@ def router_topk_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     takes and gives back (zero again); it belongs to one call site, and two launches sharing one must not overlap
     (one stream). Same numerics as :func:`router_topk` up to the order of the fp32 sums (about 1e-7 relative)."""
     E, H = weight.shape
-    _check_one_token("router_topk_one_launch", x, weight, bias, k)
+    n_e, n_s, part, weights, ids, constexprs = _one_token_router("router_topk_one_launch", x, weight, bias, k)
     if counter.dtype != torch.int32:
         raise ValueError(f"router_topk_one_launch takes an int32 counter; got {counter.dtype}")
-    splits = triton.cdiv(H, ONE_LAUNCH_BLOCK_K)
-    part = torch.empty(splits, E, dtype=torch.float32, device=x.device)
-    weights = torch.empty(1, k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
-    block = triton.next_power_of_2(E)
-    router_one_launch_kernel[(triton.cdiv(E, ONE_LAUNCH_BLOCK_E), splits)](
+    router_one_launch_kernel[(n_e, n_s)](
         x.contiguous(), weight.contiguous(), part, counter, bias.contiguous(), weights, ids, E, H, k, multiplier,
-        scaling, BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block),
-        K=triton.next_power_of_2(k),
-        BLOCK=block, num_warps=1, **hooks.launch_options(x.device, "router_one_launch"))
+        scaling, **constexprs, num_warps=1, **hooks.launch_options(x.device, "router_one_launch"))
     return weights, ids
 
 
@@ -280,7 +284,7 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     call site as in :func:`router_topk_one_launch`. The pooler's bits are the two calls'; the router's sums run in the
     pooler's two warps instead of one, so they may group differently (weights within ~1e-8 on the H200)."""
     E, H = weight.shape
-    _check_one_token("router_pooler_one_launch", x, weight, bias, k)
+    n_e, n_s, part, weights, ids, constexprs = _one_token_router("router_pooler_one_launch", x, weight, bias, k)
     n = pooler.shape[0]
     if pooler.dim() != 2 or pooler.shape[1] != H or pooler.stride(1) != 1 or pooler.dtype != x.dtype \
             or pooler.dtype not in (torch.bfloat16, torch.float16) or norm_weight.shape != (n,) \
@@ -289,20 +293,12 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                          f"weight [n] and two int32 counters; got pooler {pooler.dtype} {list(pooler.shape)} strides "
                          f"{pooler.stride()} (x {x.dtype}), norm {list(norm_weight.shape)}, counters {counters.dtype} "
                          f"{list(counters.shape)}")
-    n_s = triton.cdiv(H, ONE_LAUNCH_BLOCK_K)
-    n_e = triton.cdiv(E, ONE_LAUNCH_BLOCK_E)
-    part = torch.empty(n_s, E, dtype=torch.float32, device=x.device)
-    weights = torch.empty(1, k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
     z, normed = (torch.empty(1, n, dtype=x.dtype, device=x.device) for _ in range(2))
-    block = triton.next_power_of_2(E)
     gemv_n, gemv_k = dense_gemv.gemv_blocks(H)
     flat = counters.view(-1)
     router_pooler_kernel[(n_e * n_s + triton.cdiv(n, gemv_n),)](
         x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
-        scaling, pooler, z, flat[1:2], norm_weight.contiguous(), normed, n, eps, n_e, n_s,
-        BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block),
-        K=triton.next_power_of_2(k), BLOCK=block, GEMV_N=gemv_n, GEMV_K=gemv_k, BLOCK_NORM=triton.next_power_of_2(n),
-        num_warps=dense_gemv.NUM_WARPS, EARLY=hooks.early_trigger(x.device, "router_pooler"),
-        **hooks.launch_options(x.device, "router_pooler"))
+        scaling, pooler, z, flat[1:2], norm_weight.contiguous(), normed, n, eps, n_e, n_s, **constexprs,
+        GEMV_N=gemv_n, GEMV_K=gemv_k, BLOCK_NORM=triton.next_power_of_2(n), num_warps=dense_gemv.NUM_WARPS,
+        EARLY=hooks.early_trigger(x.device, "router_pooler"), **hooks.launch_options(x.device, "router_pooler"))
     return weights, ids, normed
