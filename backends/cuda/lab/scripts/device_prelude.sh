@@ -5,8 +5,9 @@
 # packs everything under $OUT into $OUT/TAG.tgz (the device returns only a few files per call).
 # Steps the session scripts share (argument: the step's number, for the log): `targets_step` (musecore bench --case
 # targets into $OUT), `gpu_suite_step` (the whole GPU suite, SIGINT at its cap so pytest still prints the summary),
-# `tests_step` (the GPU tests named in $TESTS), `runs_probe_step` (cuda_moe_runs_probe.py, at $BATCHES when set),
-# `fused_ab_step` (cuda_fused_ab.py) and `profile_step` (the kernels of the decode step, into $OUT/$2).
+# `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step` (cuda_moe_runs_probe.py, at $BATCHES when set),
+# `fused_ab_step` (cuda_fused_ab.py), `profile_step` (the kernels of the decode step, into $OUT/$2),
+# `profile_b16_step` (the same at batch 16) and `serve_step` (benchmarks/serve_bench.py in process, muse-small NVFP4).
 export PYTHONUNBUFFERED=1
 cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
@@ -29,7 +30,9 @@ gpu_suite_step() {
   echo "$1. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
 }
 tests_step() {
-  timeout $(cap 200) python3 -m pytest -q -p no:cacheprovider -m gpu -rs ${TESTS:-backends/triton/tests} > $OUT/tests.log 2>&1
+  local mark="-m gpu"  # TESTS_ALL=1: every test named, not only those marked gpu (the Triton kernel tests run natively)
+  [ -z "${TESTS_ALL:-}" ] || mark=""
+  timeout $(cap 200) python3 -m pytest -q -p no:cacheprovider $mark -rs ${TESTS:-backends/triton/tests} > $OUT/tests.log 2>&1
   echo "rc=$?" >> $OUT/tests.log
   echo "$1. tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/tests.log | tail -12
 }
@@ -40,6 +43,15 @@ fused_ab_step() {
 profile_step() {
   timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --rows 40 > $OUT/$2 2>&1
   echo "$1. profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/$2
+}
+profile_b16_step() {
+  timeout $(cap 90) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --batch 16 --rows 30 > $OUT/profile_decode_b16.txt 2>&1
+  echo "$1. batch-16 profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_b16.txt
+}
+serve_step() {
+  timeout $(cap 150) python3 benchmarks/serve_bench.py --in-process --random-weights --model muse-small \
+    --device h200 --checkpoint-format nvfp4 --passes 2 --out $OUT/serve_h200.json > $OUT/serve_bench.log 2>&1
+  echo "$1. serve bench at ${SECONDS}s (rc $?):"; tail -4 $OUT/serve_bench.log | cut -c1-200
 }
 runs_probe_step() {
   timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_moe_runs_probe.py ${BATCHES:+--batches $BATCHES} \

@@ -28,14 +28,9 @@ step4() {
   echo "4. sort probe at ${SECONDS}s (rc $?):"; cat $OUT/sort_probe.log | cut -c1-160
 }
 step5() { tests_step 5; }
-step6() {
-  timeout $(cap 150) python3 benchmarks/serve_bench.py --in-process --random-weights --model muse-small \
-    --device h200 --checkpoint-format nvfp4 --passes 2 --out $OUT/serve_h200.json > $OUT/serve_bench.log 2>&1
-  echo "6. serve bench at ${SECONDS}s (rc $?):"; tail -4 $OUT/serve_bench.log | cut -c1-200
-}
+step6() { serve_step 6; }
 step7() {
   profile_step 7 profile_decode.txt
-  timeout $(cap 90) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --batch 16 --rows 30 > $OUT/profile_decode_b16.txt 2>&1
-  echo "7. batch-16 profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_b16.txt
+  profile_b16_step 7
 }
 run_steps s46

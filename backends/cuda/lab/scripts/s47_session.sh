@@ -15,22 +15,13 @@ STEPS=${STEPS:-123}
 TESTS=${TESTS:-"backends/cuda/tests/test_cuda_fused.py backends/cuda/tests/test_cuda_moe.py
   backends/triton/tests/test_triton_elementwise.py backends/triton/tests/test_triton_gemm.py"}
 source "$(dirname "$0")/device_prelude.sh"  # cap, install, gpu.txt, run_steps, targets_step, gpu_suite_step
-step1() {
-  timeout $(cap 200) python3 -m pytest -q -p no:cacheprovider -rs $TESTS > $OUT/tests.log 2>&1
-  echo "rc=$?" >> $OUT/tests.log
-  echo "1. tests at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error|assert" $OUT/tests.log | tail -12
-}
+step1() { TESTS_ALL=1 tests_step 1; }
 step2() { fused_ab_step 2; }
 step3() {
   profile_step 3 profile_decode.txt
-  timeout $(cap 90) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --batch 16 --rows 30 > $OUT/profile_decode_b16.txt 2>&1
-  echo "3. batch-16 profile at ${SECONDS}s (rc $?):"; grep -E "replay|kernels per step|generate:" $OUT/profile_decode_b16.txt
+  profile_b16_step 3
 }
 step4() { targets_step 4; }
 step5() { gpu_suite_step 5; }
-step6() {
-  timeout $(cap 150) python3 benchmarks/serve_bench.py --in-process --random-weights --model muse-small \
-    --device h200 --checkpoint-format nvfp4 --passes 2 --out $OUT/serve_h200.json > $OUT/serve_bench.log 2>&1
-  echo "6. serve bench at ${SECONDS}s (rc $?):"; tail -4 $OUT/serve_bench.log | cut -c1-200
-}
+step6() { serve_step 6; }
 run_steps s47
