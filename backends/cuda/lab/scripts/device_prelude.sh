@@ -5,7 +5,8 @@
 # packs everything under $OUT into $OUT/TAG.tgz (the device returns only a few files per call).
 # Steps the session scripts share (argument: the step's number, for the log): `targets_step` (musecore bench --case
 # targets into $OUT), `gpu_suite_step` (the whole GPU suite, SIGINT at its cap so pytest still prints the summary),
-# `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step` (cuda_moe_runs_probe.py, at $BATCHES when set),
+# `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step`
+# (cuda_moe_runs_probe.py, at $BATCHES when set),
 # `fused_ab_step` (cuda_fused_ab.py), `profile_step` (the kernels of the decode step, into $OUT/$2),
 # `profile_b16_step` (the same at batch 16) and `serve_step` (benchmarks/serve_bench.py in process, muse-small NVFP4).
 export PYTHONUNBUFFERED=1
