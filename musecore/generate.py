@@ -469,6 +469,7 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
                         live=live)
     sampled = sample(logits)  # [R] on the device
     next_position = next_position.to(device)
+    greedy = None  # at temperature 0, the backend's step that also takes the argmax on the device, if it has one
     for step in range(max_new_tokens):
         fetch.start(sampled)  # this step's tokens start their trip to the host
         if step + 1 < max_new_tokens:
@@ -478,17 +479,27 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
             # computed once more, with its real position, and that result is never read.
             if step_fn is None:  # one-time setup (a CUDA-graph capture): timed apart from the steps
                 setup_start = time.perf_counter()
-                step_fn = model.decode_step(cache)
+                if temperature <= 0.0 and hasattr(model, "greedy_decode_step"):
+                    greedy = model.greedy_decode_step(cache)
+                step_fn = greedy if greedy is not None else model.decode_step(cache)
+                if greedy is not None:  # the position update, the step and the argmax in one replay
+                    greedy.start(sampled, next_position, live)
                 stats.setup_seconds = time.perf_counter() - setup_start
                 start += stats.setup_seconds
-            step_positions = torch.where(live, next_position, torch.full_like(next_position, -1))[:, None]
-            next_position += live.long()
-            logits = step_fn(sampled[:, None], step_positions)[:, -1]
+            if greedy is None or step == 0:
+                step_positions = torch.where(live, next_position, torch.full_like(next_position, -1))[:, None]
+            if greedy is not None:
+                next_sampled = greedy()
+                logits = greedy.logits[:, -1]
+            else:
+                next_position += live.long()
+                logits = step_fn(sampled[:, None], step_positions)[:, -1]
             if step == 0:  # one host sync, once: the first decode step runs through the KV cache
                 check_finite_logits(model, logits, "the first decode step", lambda: (
                     torch.cat([ids.to(device), sampled[:, None]], 1),
                     torch.cat([positions.to(device), step_positions], 1)), live=live)
-            next_sampled = sample(logits)
+            if greedy is None:
+                next_sampled = sample(logits)
         tokens = fetch.wait()
         active = [row for row in rows if not row.done]
         for row in active:
@@ -509,6 +520,8 @@ def _decode_loop(model: Any, prompt_ids: list[list[int]], rows: list[_Sequence],
         start = now
         if len(active) != sum(not row.done for row in rows):  # a row ended: later steps feed it position -1
             live = torch.tensor([not row.done for row in rows] + [False] * (R - B)).to(device)
+            if greedy is not None:
+                greedy.set_live(live)
         sampled = next_sampled
 
 

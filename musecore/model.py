@@ -320,9 +320,9 @@ class MuseModel:
         self.conversion_report: list = []  # per-tensor error of every conversion done while loading
         self.kv_format = "bf16"
         self.last_generation_stats = None  # set by generate()
-        # The last static generation cache and the decode step captured on it, kept for the next
-        # generate() call of the same shape: (batch, capacity, kv_format), cache, step or None.
-        self._generation_cache: Optional[tuple[tuple, KVCache, Optional[Callable]]] = None
+        # The last static generation cache and the decode steps captured on it, kept for the next
+        # generate() call of the same shape: (batch, capacity, kv_format), cache, {kind: step or None}.
+        self._generation_cache: Optional[tuple[tuple, KVCache, dict[str, Any]]] = None
 
     # -- the computation --------------------------------------------------------------------------
 
@@ -524,18 +524,29 @@ class MuseModel:
         A backend may replace the plain ``forward`` with something faster for repeated steps of one
         batch shape (the CUDA backend replays a captured CUDA graph); the numbers are the same.
         """
-        step = None
-        if cache.static and self.comm is None:
-            kept = self._generation_cache
-            if kept is not None and kept[1] is cache:
-                if kept[2] is None:  # captured once, replayed by every later generate() of this shape
-                    self._generation_cache = (kept[0], cache, self.backend.make_decode_step(self, cache))
-                step = self._generation_cache[2]
-            else:
-                step = self.backend.make_decode_step(self, cache)
+        step = self._static_step(cache, "decode", self.backend.make_decode_step)
         if step is not None:
             return step
         return lambda ids, positions: self.forward(ids, positions=positions, cache=cache)
+
+    def greedy_decode_step(self, cache: KVCache) -> Optional[Any]:
+        """The backend's decode step that takes its argmax tokens on the device (``Backend.make_greedy_decode_step``:
+        one graph for the position update, the step and the sampling), on a static ``cache``; None where the backend
+        has none (``generate()`` then samples after :meth:`decode_step`)."""
+        make = getattr(self.backend, "make_greedy_decode_step", None)
+        return None if make is None else self._static_step(cache, "greedy", make)
+
+    def _static_step(self, cache: KVCache, kind: str, make: Callable[[Any, KVCache], Any]) -> Optional[Any]:
+        """``make(self, cache)`` on a static cache, kept with the generation cache: captured once per kind, replayed
+        by every later ``generate()`` of this shape. None on a dynamic cache or a distributed model."""
+        if not cache.static or self.comm is not None:
+            return None
+        kept = self._generation_cache
+        if kept is None or kept[1] is not cache:
+            return make(self, cache)
+        if kind not in kept[2]:
+            kept[2][kind] = make(self, cache)
+        return kept[2][kind]
 
     def prefill_step(self, cache: KVCache, tokens: int
                      ) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -568,7 +579,7 @@ class MuseModel:
             return kept[1]
         self._generation_cache = None  # the old cache and graph go before the new cache is allocated
         cache = self.new_cache(batch, capacity, kv_format=kv_format, static=True)
-        self._generation_cache = (key, cache, None)
+        self._generation_cache = (key, cache, {})  # the steps captured on it, by kind (decode_step and the like)
         return cache
 
     def generation_rows(self, batch: int) -> int:

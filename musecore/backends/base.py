@@ -129,6 +129,14 @@ class Backend:
         None (the default): the core calls ``model.forward`` each step."""
         return None
 
+    def make_greedy_decode_step(self, model: Any, cache: Any) -> Optional[Any]:
+        """A decode step that also takes its argmax tokens on the device, for greedy ``generate()`` on a static
+        ``cache``: an object with ``start(tokens [B], next_position [B], live [B])``, ``set_live(live [B])``, a
+        call that runs one step and returns its tokens ``[B]`` and ``logits`` ``[B,1,V]`` (the contract of
+        ``musecore_triton.graphs.GreedyGraphStep``, which the CUDA and ROCm backends capture as one graph). None
+        (the default): ``generate()`` runs :meth:`make_decode_step`'s step and samples after it."""
+        return None
+
     def make_prefill_step(self, model: Any, cache: Any, tokens: int
                           ) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
         """A replayable prefill ``step(ids [B,tokens], positions [B,tokens]) -> logits [B,1,V]`` (the last position's,

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -295,3 +296,57 @@ def test_static_generation_cache_and_its_decode_step_are_reused_and_reset(checkp
     assert backend.captures == 2
     model.release_generation_cache()
     assert model._generation_cache is None
+
+
+class _GreedyGraphLikeBackend(_GraphLikeBackend):
+    """Also captures the greedy decode step (``musecore_triton.graphs.GreedyGraphStep``), through a stand-in for the
+    graph capture that keeps its semantics on the CPU: the body's output is static and every replay re-runs all of
+    the body's ops (the position update, the step, the argmax), writing the output in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.greedy_captures = 0
+        self.replays = 0
+
+    def make_greedy_decode_step(self, model, cache):
+        graphs = pytest.importorskip("musecore_triton.graphs", reason="musecore-triton is not installed")
+        self.greedy_captures += 1
+
+        def capture(model, cache, scope, body):
+            for _ in range(2):  # the warm-ups, at position -1 (the state is all padding until start())
+                body()
+            out = body()
+
+            def replay():
+                self.replays += 1
+                out.copy_(body())
+            return types.SimpleNamespace(replay=replay), out
+
+        original = graphs._capture
+        graphs._capture = capture
+        try:
+            return graphs.GreedyGraphStep(model, cache)
+        finally:
+            graphs._capture = original
+
+
+def test_greedy_decode_step_takes_the_tokens_on_the_device_and_equals_the_plain_loop(checkpoint, ids_model):
+    """generate() at temperature 0 runs the backend's greedy step (position update, step and argmax in one replay)
+    instead of the step + sampling, with the same tokens: batched prompts of different lengths, a row that ends
+    early (its later steps at position -1), a reused capture; sampling at temperature > 0 keeps the plain step."""
+    model = musecore.load(checkpoint, device="cpu", dtype=torch.float32)
+    model.tokenizer = None
+    backend = _GreedyGraphLikeBackend()
+    model.backend = backend
+    prompts = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3]]
+    want = ids_model.generate(prompts, max_new_tokens=12)
+    assert model.generate(prompts, max_new_tokens=12) == want
+    assert (backend.greedy_captures, backend.captures, backend.replays) == (1, 0, 11)
+    # a stop id that ends the second row after a few tokens and never appears in the first
+    cut = next(i for i in range(2, 12) if want[1][i] not in want[1][:i] + want[0])
+    got = model.generate(prompts, max_new_tokens=12, stop=want[1][cut])
+    assert got == [want[0], want[1][:cut]], (got, want, cut)
+    assert backend.greedy_captures == 1, "a second call of one shape captured the greedy step again"
+    sampled = model.generate(prompts, max_new_tokens=6, temperature=0.7, seed=1)
+    assert sampled == ids_model.generate(prompts, max_new_tokens=6, temperature=0.7, seed=1)
+    assert (backend.greedy_captures, backend.captures) == (1, 1)

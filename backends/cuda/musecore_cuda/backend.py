@@ -321,6 +321,11 @@ class CudaBackend(TritonOps, Backend):
         from musecore_cuda.graphs import make_graphed_decode_step
         return make_graphed_decode_step(model, cache)
 
+    def make_greedy_decode_step(self, model, cache):
+        """A greedy decode step (position update, step and argmax) replayed from one captured CUDA graph."""
+        from musecore_cuda.graphs import make_graphed_greedy_step
+        return make_graphed_greedy_step(model, cache)
+
     def make_prefill_step(self, model, cache, tokens):
         """A prefill of ``tokens`` positions into ``cache``'s rows, replayed from a captured CUDA graph."""
         from musecore_triton.graphs import make_graphed_prefill_step

@@ -1,7 +1,8 @@
 """Decode steps replayed from a captured CUDA graph, with NVIDIA's programmatic dependent launch.
 
 The capture itself (static inputs, warm-up with every position at -1, capture, replay) is the
-portable :func:`musecore_triton.graphs.make_graphed_decode_step`, shared with the ROCm backend's
+portable :func:`musecore_triton.graphs.make_graphed_decode_step` (and its greedy twin, which takes the argmax
+tokens in the graph), shared with the ROCm backend's
 HIP graphs. What is CUDA's own: up to ``pdl.MAX_BATCH`` sequences, the step is captured with
 programmatic dependent launch (each kernel starts under the previous one's tail; ``kernels/pdl.py``).
 """
@@ -18,4 +19,13 @@ from musecore_triton import graphs
 
 def make_graphed_decode_step(model: Any, cache: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The shared graphed decode step, captured inside the PDL scope for batches up to ``pdl.MAX_BATCH``."""
-    return graphs.make_graphed_decode_step(model, cache, scope=lambda batch: pdl.scope(batch <= pdl.MAX_BATCH))
+    return graphs.make_graphed_decode_step(model, cache, scope=_pdl_scope)
+
+
+def make_graphed_greedy_step(model: Any, cache: Any) -> graphs.GreedyGraphStep:
+    """The shared greedy decode step (its argmax in the graph), captured inside the same PDL scope."""
+    return graphs.make_graphed_greedy_step(model, cache, scope=_pdl_scope)
+
+
+def _pdl_scope(batch: int):
+    return pdl.scope(batch <= pdl.MAX_BATCH)

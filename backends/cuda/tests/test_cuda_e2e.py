@@ -65,6 +65,23 @@ def test_cuda_graph_decode_gives_the_same_tokens_as_plain_decode():
     assert graphed == plain, f"graphed {graphed!r} != plain {plain!r}"
 
 
+def test_greedy_graph_gives_the_tokens_of_the_graphed_step_sampled_after_it(monkeypatch):
+    """Greedy generate() replays one graph that also updates the positions and takes the argmax on the device
+    (``GreedyGraphStep``); with the backend's greedy step taken away it replays the decode step and samples after
+    it. Same tokens, with a row that ends early (a stop id) and so runs at position -1 afterwards."""
+    model = musecore.load("muse-tiny", device="h200")
+    prompts = [model.tokenizer.encode("def fibonacci(n):"), model.tokenizer.encode("import os\n")]
+    full = model.generate(prompts, max_new_tokens=32)
+    assert set(model._generation_cache[2]) == {"greedy"}, model._generation_cache[2]
+    stop = next(t for t in full[1][3:] if t not in full[0])
+    greedy = model.generate(prompts, max_new_tokens=32, stop=stop)
+    model.release_generation_cache()
+    monkeypatch.setattr(model.backend, "make_greedy_decode_step", lambda model, cache: None)
+    stepped = model.generate(prompts, max_new_tokens=32, stop=stop)
+    assert set(model._generation_cache[2]) == {"greedy", "decode"}
+    assert greedy == stepped and len(greedy[1]) < 32, f"greedy graph {greedy} != step + argmax {stepped}"
+
+
 def test_nvfp4_checkpoint_generates_through_w4a16_kernels_and_agrees_with_emulation(nvfp4_tiny):
     native = musecore.load(nvfp4_tiny, device="h200")
     experts = native.layers[1].mlp.experts

@@ -24,7 +24,7 @@ from musecore.model import init_weights
 from musecore.ops import OPS, tolerance
 
 from musecore_cuda import CudaBackend
-from musecore_cuda.graphs import make_graphed_decode_step
+from musecore_cuda.graphs import make_graphed_decode_step, make_graphed_greedy_step
 from musecore_triton.testing import DEVICE, HAS_GPU, assert_nmse
 
 # muse-tiny cut to two layers: a sliding RoPE layer with a dense MLP, then a full NoPE layer with the MoE.
@@ -109,3 +109,27 @@ def test_graphed_decode_step_gives_the_logits_of_a_plain_forward(two_layer_model
         plain = model.forward(ids, positions=positions, cache=plain_cache)
         assert_nmse(plain, graphed, 1e-6, f"decode step {i}, batch {batch}")
         ids = plain[:, -1].argmax(-1, keepdim=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])  # batch 1 is captured with PDL, 3 without (and its row 1 ended)
+def test_greedy_graph_step_updates_positions_and_takes_the_argmax_of_a_plain_step(two_layer_model, tmp_path, batch):
+    model = musecore.load(str(save_random(two_layer_model, tmp_path)), device="h200", progress=False)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, 12), generator=torch.Generator().manual_seed(batch))
+    greedy_cache, plain_cache = (model.new_cache(batch, 128, static=True) for _ in range(2))
+    for cache in (greedy_cache, plain_cache):
+        model.forward(prompt, cache=cache)
+    step = make_graphed_greedy_step(model, greedy_cache)
+    ids = prompt[:, -1].cuda()
+    next_position = torch.full((batch,), 12, dtype=torch.long, device="cuda")
+    live = torch.arange(batch, device="cuda") != 1  # row 1 (at batch 3) ended: it runs at position -1
+    step.start(ids, next_position, live)
+    for i in range(4):
+        positions = torch.where(live, next_position, -1)[:, None]
+        plain = model.forward(ids[:, None], positions=positions, cache=plain_cache)
+        got = step().clone()
+        assert_nmse(plain, step.logits, 1e-6, f"greedy step {i}, batch {batch}")
+        assert torch.equal(got, step.logits[:, -1].float().argmax(-1)), f"step {i}: tokens are not the argmax"
+        next_position += live.long()
+        ids = got
+    assert torch.equal(step.next_position, next_position), (step.next_position, next_position)

@@ -41,7 +41,8 @@ from musecore_rocm.aiter_adapter import (AiterApi, AiterExperts, AiterLinear, ai
                                          prepare_aiter_experts, prepare_aiter_experts_a16w4, prepare_aiter_linear)
 from musecore_rocm.arch import ARCHES, DEVICE_ARCH, find_rocm_device
 from musecore_rocm.fp8 import Fp8Resident, fp8_linear, prepare_fp8
-from musecore_triton.graphs import graph_unavailable, make_graphed_decode_step, make_graphed_prefill_step
+from musecore_triton.graphs import (graph_unavailable, make_graphed_decode_step, make_graphed_greedy_step,
+                                    make_graphed_prefill_step)
 from musecore_triton.kernels.fp4_gemm import w4a16_linear
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.kernels.mx_gemm import BLOCK_K, MX_BLOCK, mxfp4_linear
@@ -282,6 +283,13 @@ class RocmBackend(TritonOps, Backend):
         if graph_unavailable(self.device) is not None:
             return None
         return make_graphed_decode_step(model, cache)
+
+    def make_greedy_decode_step(self, model, cache):
+        """A greedy decode step (its argmax in the graph) replayed from a captured HIP graph; None where graphs are
+        unavailable."""
+        if graph_unavailable(self.device) is not None:
+            return None
+        return make_graphed_greedy_step(model, cache)
 
     def make_prefill_step(self, model, cache, tokens):
         """A prefill of ``tokens`` positions replayed from a captured HIP graph; None where graphs are unavailable."""

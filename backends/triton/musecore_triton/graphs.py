@@ -51,6 +51,12 @@ def make_graphed_decode_step(model: Any, cache: Any, *, scope: Callable[[int], C
     return make_graphed_step(model, cache, tokens=1, scope=scope)
 
 
+def make_graphed_greedy_step(model: Any, cache: Any, *, scope: Callable[[int], ContextManager] = _no_scope
+                              ) -> "GreedyGraphStep":
+    """A :class:`GreedyGraphStep` on ``cache``: a decode step that takes its argmax tokens on the device."""
+    return GreedyGraphStep(model, cache, scope)
+
+
 def make_graphed_prefill_step(model: Any, cache: Any, tokens: int
                               ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``step(ids [B,tokens], positions [B,tokens]) -> logits [B,1,V]``: a prefill of left-padded prompts (padding at
@@ -65,24 +71,11 @@ def make_graphed_step(model: Any, cache: Any, *, tokens: int = 1, last_only: boo
     """``step(ids [B,tokens], positions [B,tokens]) -> logits`` replaying one captured ``model.forward`` on ``cache``
     (a decode step at ``tokens=1``; a prefill with ``last_only``)."""
     batch = cache.next_position.shape[0]
-    device = model.device
-    static_ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
-    static_positions = torch.full((batch, tokens), -1, dtype=torch.long, device=device)
-    saved_next = cache.next_position.clone()
+    static_ids = torch.zeros(batch, tokens, dtype=torch.long, device=model.device)
+    static_positions = torch.full((batch, tokens), -1, dtype=torch.long, device=model.device)
     extra = {"last_only": True} if last_only else {}
-
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with scope(batch):
-        with torch.cuda.stream(side):  # warm-up: lets Triton compile and the allocator settle
-            for _ in range(2):
-                model.forward(static_ids, positions=static_positions, cache=cache, **extra)
-        torch.cuda.current_stream(device).wait_stream(side)
-
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_logits = model.forward(static_ids, positions=static_positions, cache=cache, **extra)
-    cache.next_position.copy_(saved_next)
+    graph, static_logits = _capture(model, cache, scope, lambda: model.forward(
+        static_ids, positions=static_positions, cache=cache, **extra))
 
     def step(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         static_ids.copy_(ids, non_blocking=True)
@@ -91,3 +84,79 @@ def make_graphed_step(model: Any, cache: Any, *, tokens: int = 1, last_only: boo
         return static_logits
 
     return step
+
+
+class GreedyGraphStep:
+    """A decode step that also picks its tokens on the device, for greedy ``generate``: one captured graph computes
+    the step's positions from the loop's state, runs ``model.forward`` and takes the argmax (``ops.sample`` at
+    temperature 0) into the tokens the next replay reads, so nothing but the replay and the tokens' copy to the
+    host is launched per token (the position update, the input copies and the sampling ran as ~8 kernels of their
+    own, each a dependent launch beside the graph).
+
+    State (static device tensors, ``[B]``): ``tokens`` (the step's input ids, then its output), ``next_position``
+    (each row's next position, advanced by one for live rows) and ``live`` (rows still generating; the others run
+    at position -1: they read and write nothing). Per replay::
+
+        positions = where(live, next_position, -1); next_position += live
+        logits = model.forward(tokens[:, None], positions[:, None], cache); tokens = argmax(logits[:, -1])
+
+    Example::
+
+        step = GreedyGraphStep(model, cache)          # cache = model.new_cache(B, L, static=True), prefilled
+        step.start(first_tokens, next_positions, live)
+        for _ in range(n):
+            tokens = step()                           # static: copy it out before the next call overwrites it
+    """
+
+    def __init__(self, model: Any, cache: Any, scope: Callable[[int], ContextManager] = _no_scope) -> None:
+        batch = cache.next_position.shape[0]
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
+        self.next_position = torch.zeros(batch, dtype=torch.long, device=model.device)
+        self.live = torch.zeros(batch, dtype=torch.bool, device=model.device)  # warm-up and capture: padding only
+
+        def body() -> torch.Tensor:
+            positions = self.next_position.masked_fill(~self.live, -1)[:, None]
+            self.next_position.add_(self.live.long())
+            logits = model.forward(self.tokens[:, None], positions=positions, cache=cache)
+            self.tokens.copy_(model.ops.sample(logits[:, -1], 0.0, 0, 1.0, None))
+            return logits
+
+        self.graph, self.logits = _capture(model, cache, scope, body)
+        # (the warm-ups ran the body: the state is garbage until start())
+
+    def start(self, tokens: torch.Tensor, next_position: torch.Tensor, live: torch.Tensor) -> None:
+        """Queue the loop's state (``[B]`` device tensors: the first tokens to feed, their positions, live rows)."""
+        self.tokens.copy_(tokens, non_blocking=True)
+        self.next_position.copy_(next_position, non_blocking=True)
+        self.live.copy_(live, non_blocking=True)
+
+    def set_live(self, live: torch.Tensor) -> None:
+        """Queue new live rows (a row that ended runs at position -1 from the next replay on)."""
+        self.live.copy_(live, non_blocking=True)
+
+    def __call__(self) -> torch.Tensor:
+        """Replay one step; the new tokens ``[B]`` (static, overwritten by the next call; ``self.logits`` its
+        logits ``[B, 1, V]``)."""
+        self.graph.replay()
+        return self.tokens
+
+
+def _capture(model: Any, cache: Any, scope: Callable[[int], ContextManager],
+             body: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """``(graph, output)``: ``body`` (a step on the static ``cache`` whose inputs are all at position -1) warmed up
+    twice on a side stream, then captured; the cache's next positions are put back as they were."""
+    batch = cache.next_position.shape[0]
+    saved_next = cache.next_position.clone()
+    side = torch.cuda.Stream(model.device)
+    side.wait_stream(torch.cuda.current_stream(model.device))
+    with scope(batch):
+        with torch.cuda.stream(side):  # warm-up: lets Triton compile and the allocator settle
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(model.device).wait_stream(side)
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body()
+    cache.next_position.copy_(saved_next)
+    return graph, out

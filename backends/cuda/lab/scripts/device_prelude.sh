@@ -4,7 +4,8 @@
 # limit in $OUT/gpu.txt. Needs OUT and LIMIT set. `run_steps TAG` runs step$n for each digit n of $STEPS, in order, then
 # packs everything under $OUT into $OUT/TAG.tgz (the device returns only a few files per call).
 # Steps the session scripts share (argument: the step's number, for the log): `targets_step` (musecore bench --case
-# targets into $OUT), `gpu_suite_step` (the whole GPU suite, SIGINT at its cap so pytest still prints the summary),
+# targets into $OUT), `gpu_suite_step` (the whole GPU suite, or the folders in $SUITE in that order, SIGINT at its
+# cap of $SUITE_S or 330 s so pytest still prints the summary; which tests ran in $OUT/gpu_suite.xml),
 # `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step`
 # (cuda_moe_runs_probe.py, at $BATCHES when set),
 # `fused_ab_step` (cuda_fused_ab.py), `profile_step` (the kernels of the decode step, into $OUT/$2),
@@ -25,8 +26,9 @@ targets_step() {
   echo "$1. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
 }
 gpu_suite_step() {
-  timeout -s INT $(cap 330) python3 -m pytest -q -m gpu -p no:cacheprovider backends/cuda/tests \
-    backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests > $OUT/gpu_suite.log 2>&1
+  timeout -s INT $(cap ${SUITE_S:-330}) python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$OUT/gpu_suite.xml \
+    ${SUITE:-backends/cuda/tests backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests} \
+    > $OUT/gpu_suite.log 2>&1
   echo "rc=$?" >> $OUT/gpu_suite.log
   echo "$1. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
 }
