@@ -68,6 +68,42 @@ def decode_numbers(model, prompt: list[list[int]], new_tokens: int = 64) -> dict
     return {"replay_us": round(rep, 1), "generate_us_per_token": round(gen_us, 1), "kernels_per_step": kernels}
 
 
+def replay_timeline(model, prompt: list[list[int]], new_tokens: int) -> dict:
+    """Events (no profiler) around every graph replay of one greedy ``generate``: each replay's GPU time, the GPU's
+    idle time from one replay's end to the next one's start, and the host's time between the launch calls. If the
+    gaps are ~0 the token's time is the graph's; if a gap is as long as the host's loop minus the replay, the host
+    is late."""
+    from musecore_triton.graphs import GreedyGraphStep
+    marks: list = []
+    call = GreedyGraphStep.__call__
+
+    def timed_call(self):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host = time.perf_counter()
+        before.record()
+        out = call(self)
+        after.record()
+        marks.append((host, before, after))
+        return out
+
+    GreedyGraphStep.__call__ = timed_call
+    try:
+        model.generate(prompt, max_new_tokens=new_tokens)
+    finally:
+        GreedyGraphStep.__call__ = call
+    torch.cuda.synchronize()
+    if len(marks) < 3:
+        return {"timeline": f"{len(marks)} greedy replays (the backend has no greedy step?)"}
+    marks = marks[2:]  # the first replays follow the prefill and the first step's host sync
+    graph = [b.elapsed_time(a) * 1e3 for _, b, a in marks]
+    idle = [marks[i - 1][2].elapsed_time(marks[i][1]) * 1e3 for i in range(1, len(marks))]
+    host = [(marks[i][0] - marks[i - 1][0]) * 1e6 for i in range(1, len(marks))]
+    med = lambda xs: round(sorted(xs)[len(xs) // 2], 1)  # noqa: E731
+    return {"timeline_replays": len(marks), "timeline_graph_us": med(graph), "timeline_idle_us": med(idle),
+            "timeline_idle_max_us": round(max(idle), 1), "timeline_host_loop_us": med(host),
+            "timeline_generate_us_per_token": round(1e6 / model.last_generation_stats.decode_tokens_per_s, 1)}
+
+
 def save_rows(path: str, args, rows: list[dict]) -> None:
     """An A/B script's rows as JSON, with the preset, format and GPU they ran on."""
     with open(path, "w") as f:
@@ -141,6 +177,7 @@ def main() -> None:
         row["trace_idle_us_per_step"] = round(idle / steps, 1)
         row["trace_kernels_per_step"] = round(len(inside) / steps, 1)
         row["trace_largest_gaps"] = [(round(g, 1), n[:60]) for g, n in sorted(gaps, reverse=True)[:12]]
+    row.update(replay_timeline(model, prompt, args.tokens))
     print(json.dumps(row, indent=1))
     with open(args.out, "w") as f:
         json.dump(row, f, indent=1)
