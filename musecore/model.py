@@ -274,14 +274,17 @@ class Slot:
 
 @contextlib.contextmanager
 def separate_ops(model: "MuseModel") -> Iterator[None]:
-    """Every attention and MoE block of ``model`` through its separate ops inside the ``with`` (A/B measurements, the
-    per-op profile, the tests' reference), the backend's fused forms (``MuseModel.fuse_blocks``) back afterwards."""
+    """Every attention and MoE block of ``model`` (and its embedding stage) through the separate ops inside the
+    ``with`` (A/B measurements, the per-op profile, the tests' reference), the backend's fused forms
+    (``MuseModel.fuse_blocks``) back afterwards."""
     saved = [(b, b.fused) for layer in model.layers for b in (layer.self_attn, layer.mlp) if hasattr(b, "fused")]
+    embed, model.fused_embed = model.fused_embed, None
     for b, _ in saved:
         b.fused = None
     try:
         yield
     finally:
+        model.fused_embed = embed
         for b, f in saved:
             b.fused = f
 
@@ -315,6 +318,7 @@ class MuseModel:
         # The plan's main backend: its hooks (static caches, a faster decode step, the KV write) apply.
         self.backend: Backend = backend
         self.embed_tokens = self.norm = self.lm_head = None
+        self.fused_embed: Optional[Callable[..., Optional[tuple]]] = None  # the backend's decode embed (fuse_blocks)
         self.plan = None       # set by musecore.load
         self.tokenizer = None  # set by musecore.load when the checkpoint has tokenizer.json
         self.conversion_report: list = []  # per-tensor error of every conversion done while loading
@@ -364,6 +368,10 @@ class MuseModel:
         """``(x, a, positions, rope)``: the residual stream ``x [B,T,H]`` (media features spliced in),
         the first layer's normed input ``a``, the positions and the rotary table for them."""
         ops, cfg = self.ops, self.config
+        if self.fused_embed is not None and not media:
+            fused = self.fused_embed(input_ids, positions, cache)  # the backend's one launch (decode), or None
+            if fused is not None:
+                return fused
         if input_ids.device != self.device:  # the check costs less than a no-op .to() (decode: per token)
             input_ids = input_ids.to(self.device)
         B, T = input_ids.shape
@@ -507,9 +515,11 @@ class MuseModel:
 
     def fuse_blocks(self) -> int:
         """Ask the backend for a fused form of each attention and MoE block (``Backend.fuse_block``;
-        single-process models only) and return how many blocks got one. ``api.assemble`` calls it after
-        loading; call it again after replacing a block's weights (a fused block whose weights were replaced
-        falls back to the ops by itself)."""
+        single-process models only) and of the decode step's embedding stage (``Backend.fuse_embed``), and
+        return how many blocks got one. ``api.assemble`` calls it after loading; call it again after replacing
+        a block's weights (a fused block or embed whose weights were replaced falls back to the ops by itself)."""
+        fuse_embed = getattr(self.backend, "fuse_embed", None)
+        self.fused_embed = fuse_embed(self) if fuse_embed is not None and self.comm is None else None
         count = 0
         for layer in self.layers:
             for block in (layer.self_attn, layer.mlp):

@@ -144,6 +144,12 @@ class Backend:
         at position -1. None (the default): the caller runs ``model.forward``."""
         return None
 
+    def fuse_embed(self, model: Any) -> Optional[Callable[..., Optional[tuple]]]:
+        """Optional: ``embed(input_ids, positions, cache) -> (x, a, positions, rope)``, what ``MuseModel.embed``
+        returns, in fewer launches for the inputs it takes (a decode step), returning None for others (the model
+        then runs its ops). Asked for by ``MuseModel.fuse_blocks``; the default None keeps the ops."""
+        return None
+
     def fuse_block(self, block: Any) -> Optional[Callable[..., Optional[torch.Tensor]]]:
         """Optional: a callable with the signature of ``block.__call__`` (a ``musecore.model.MoE``: ``(m)``; an
         ``Attention``: ``(a, positions, rope, cache)``) computing what the block's ops compute in fewer calls at the

@@ -316,6 +316,11 @@ class CudaBackend(TritonOps, Backend):
         from musecore_cuda.fused import fuse_block
         return fuse_block(self, block)
 
+    def fuse_embed(self, model):
+        """The decode step's embedding stage in one launch (:func:`musecore_cuda.fused.fuse_embed`)."""
+        from musecore_cuda.fused import fuse_embed
+        return fuse_embed(model)
+
     def make_decode_step(self, model, cache):
         """One decode step of ``model`` through ``cache``, replayed from a captured CUDA graph."""
         from musecore_cuda.graphs import make_graphed_decode_step

@@ -319,13 +319,16 @@ def _fused_choice() -> list[KernelChoice]:
                "with 16-bit pooler/unpooler and an fp32 router"),
               ("attention sublayer at one-token decode", "7", "4 launches (q/k/v/gate GEMV, q/k norms + RoPE + KV "
                "write, attention + head norm and gate, o_proj + the residual norm)",
-               "with a fused 16-bit q/k/v/gate weight and a static cache"))
+               "with a fused 16-bit q/k/v/gate weight and a static cache"),
+              ("embedding stage at decode (one token per row)", "~18", "1 launch (the cache's next position, the "
+               "rotary rows, the placeholder mask, the embedding and its two norms: musecore_triton decode_embed)",
+               "at any batch"))
     if fused.disabled():
         return [KernelChoice(what, f"the separate ops ({n} launches)",
                              f"{fused.FUSED_ENV}={os.environ.get(fused.FUSED_ENV)}", fused.FUSED_ENV)
                 for what, n, _, _ in blocks]
-    return [KernelChoice(what, f"fused: {how}", f"{when}; other blocks and batches take the separate ops (H200, "
-                         "muse-small batch 1: each launch removed saved ~1.2 us)", fused.FUSED_ENV)
+    return [KernelChoice(what, f"fused: {how}", f"{when}; other blocks, batches and prefills take the separate ops "
+                         "(H200, muse-small batch 1: each launch removed saved ~1.2 us)", fused.FUSED_ENV)
             for what, _, how, when in blocks]
 
 
@@ -339,7 +342,8 @@ def env_settings() -> list[EnvSetting]:
                    "take the Gluon GEMM on SM 9.x with Triton's Gluon Hopper API",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
         EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "
-                   "attention sublayers in 4, at one-token decode", "0 runs the separate ops (10 and 7 launches)"),
+                   "attention sublayers in 4, at one-token decode; the decode embed in 1",
+                   "0 runs the separate ops (10, 7 and ~18 launches)"),
         EnvSetting(moe_decode.HANDOFF_ENV, os.environ.get(moe_decode.HANDOFF_ENV), "off: the decode MoE's down GEMV "
                    "launches after the gate/up GEMV", "1 starts it in the gate/up GEMV's last wave (slower at batch 1)"),
         EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "unset",

@@ -246,10 +246,12 @@ def test_fused_sublayers_show_in_choices_and_their_switch_turns_them_off(choices
     from musecore_cuda.fused import FUSED_ENV
     assert "fused: 5 launches" in _choice(choices, "MoE sublayer").choice
     assert "fused: 4 launches" in _choice(choices, "attention sublayer").choice
+    assert "fused: 1 launch" in _choice(choices, "embedding stage").choice
     monkeypatch.setenv(FUSED_ENV, "0")
     off = CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200"))
     assert _choice(off, "MoE sublayer").choice == "the separate ops (10 launches)"
     assert _choice(off, "attention sublayer").choice == "the separate ops (7 launches)"
+    assert _choice(off, "embedding stage").choice == "the separate ops (~18 launches)"
     assert {s.name: s for s in CudaBackend().env_settings()}[FUSED_ENV].value == "0"
 
 

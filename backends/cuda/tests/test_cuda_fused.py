@@ -14,7 +14,7 @@ from musecore.testing import fused_blocks, nmse, through_separate_ops
 from musecore_triton.kernels import router
 from musecore_triton.testing import HAS_GPU
 
-from musecore_cuda.fused import FUSED_ENV, fuse_block
+from musecore_cuda.fused import FUSED_ENV, fuse_block, fuse_embed
 
 TOLERANCE = 1e-5  # NMSE: the router's fp32 sums and the norm's are grouped differently (musecore_cuda.fused)
 
@@ -157,3 +157,52 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
         assert (fused_n, separate_n) == (4, 7), f"attention sublayer: {fused_n} launches fused, {separate_n}"
         moe = fused_blocks(model, "moe")[0]
         assert moe.fused.sublayer(torch.zeros(1, 1, H, device="cuda"), (None,) * 6, x) is None  # fp32 residual
+
+
+@pytest.mark.gpu
+def test_the_fused_embed_gives_the_ops_embed_in_one_launch(model):
+    """``MuseModel.embed`` at decode (3 rows: a token, an image placeholder on a padding row, a token) through
+    ``decode_embed`` against its ops: the residual stream and the first norm within the norm op's tolerance (the
+    same helper, so bit-equal where the reduction tree matches), the rotary rows within 2e-6, the cache's next
+    positions equal; one launch instead of the ops' many."""
+    assert model.fused_embed is not None
+    cache = model.new_cache(3, 64, static=True)
+    ids = torch.tensor([[5], [model.config.image_token_id], [9]], device="cuda")
+    positions = torch.tensor([[4], [-1], [7]], device="cuda")
+    start = torch.tensor([3, 0, 2], device="cuda")
+    with torch.inference_mode():
+        cache.next_position.copy_(start)
+        got = model.embed(ids, positions, cache)
+        got_next = cache.next_position.clone()
+        cache.next_position.copy_(start)
+        with separate_ops(model):
+            want = model.embed(ids, positions, cache)
+        assert torch.equal(got_next, cache.next_position), (got_next, cache.next_position)
+        for name, g, w in (("x", got[0], want[0]), ("a", got[1], want[1])):
+            assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
+            err = nmse(w.float(), g.float())
+            assert err <= 1e-5, f"{name}: NMSE {err:.3g} > 1e-5 (bit-equal: {torch.equal(g, w)})"
+        err = max((g - w).abs().max().item() for g, w in zip(got[3], want[3]))
+        assert err <= 2e-6, f"rotary rows: max |error| {err:.3g} > 2e-6"
+        fused_n = kernels(lambda: model.embed(ids, positions, cache))
+        with separate_ops(model):
+            separate_n = kernels(lambda: model.embed(ids, positions, cache))
+    assert fused_n == 1 and separate_n >= 8, f"{fused_n} launches fused, {separate_n} through the ops"
+
+
+@pytest.mark.gpu
+def test_the_fused_embed_steps_aside_for_a_prefill_and_a_replaced_embedding(model, monkeypatch):
+    cache = model.new_cache(1, 64, static=True)
+    with torch.inference_mode():
+        assert model.fused_embed(torch.tensor([[1, 2]], device="cuda"), torch.tensor([[0, 1]], device="cuda"),
+                                 cache) is None
+        assert model.fused_embed(torch.tensor([[1]], device="cuda"), None, cache) is None
+        saved = model.layers[0].input_layernorm
+        model.layers[0].input_layernorm = saved.clone()
+        try:
+            assert model.fused_embed(torch.tensor([[1]], device="cuda"), torch.tensor([[0]], device="cuda"),
+                                     cache) is None
+        finally:
+            model.layers[0].input_layernorm = saved
+    monkeypatch.setenv(FUSED_ENV, "0")
+    assert fuse_embed(model) is None

@@ -1,6 +1,7 @@
 """Compile the decode kernels that session 43 fused (the CUDA backend's fused sublayers: ``dense_gemv`` with its
 row-op epilogues and an fp32 input, the one-launch router alone and beside the pooler, the q/k norms writing the KV
-cache, attention with the head norm and gate, and the split keys' merge) for a GPU target with no GPU:
+cache, attention with the head norm and gate, and the split keys' merge; since session 48 the decode embed) for a GPU
+target with no GPU:
 ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
 and constexprs its wrapper chose, never run);
 prints one JSON list: kernel, constexprs, options, shared memory bytes."""
@@ -25,6 +26,7 @@ def main(arch: str) -> None:
     from musecore_triton.kernels import norms, router
     from musecore_triton.kernels.attention import attention
     from musecore_triton.kernels.dense_gemv import dense_gemv
+    from musecore_triton.kernels.embed import decode_embed
 
     dt, H, h = torch.bfloat16, 1536, 768  # muse-small's widths
     x, w = torch.randn(1, H).to(dt), torch.randn(h, H).to(dt)
@@ -54,6 +56,10 @@ def main(arch: str) -> None:
     kl, vl = (torch.zeros(1, long, nkv, d).to(dt) for _ in range(2))
     for g in (None, (gate, 1e-6)):
         attention(qn, kl, vl, pos, torch.full((1, long), -1, dtype=torch.long), None, d ** -0.5, gate=g)
+    inv_freq = torch.ones(d // 2)
+    for factor in (1.0, 1.3):  # default rope, and YaRN's attention factor
+        decode_embed(torch.tensor([[3]]), pos, torch.zeros(1, dtype=torch.long), torch.randn(65536, H).to(dt),
+                     torch.tensor([4, 5, 6]), torch.ones(H).to(dt), 1e-6, inv_freq, factor, dt)
     print(json.dumps(RESULTS))
 
 

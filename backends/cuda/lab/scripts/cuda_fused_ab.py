@@ -3,7 +3,8 @@ graph replay per step, kernels per step and ``generate`` per token, with the fus
 the router and the pooler as two launches (``apart``: session 47's ``router_pooler_one_launch`` undone), and with
 every block's separate ops (session 43, issue 26 item 3); and ``stepped``: the fused blocks with ``generate``'s
 greedy steps as the decode graph's replay plus its position update and argmax launched beside it (before session 48's
-``GreedyGraphStep`` took them into the graph). Same random weights, same prompt, alternated ``--rounds`` times.
+``GreedyGraphStep`` took them into the graph); ``embed_ops``: the fused blocks with the embedding stage through its
+ops (before session 48's ``fuse_embed``). Same random weights, same prompt, alternated ``--rounds`` times.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
 """
@@ -22,7 +23,7 @@ from musecore_cuda import fused
 from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "stepped", "apart", "separate")
+MODES = ("fused", "embed_ops", "stepped", "apart", "separate")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -36,6 +37,12 @@ def mode_of(model, mode: str):
     if mode == "separate":
         with separate_ops(model):
             yield
+    elif mode == "embed_ops":
+        embed, model.fused_embed = model.fused_embed, None
+        try:
+            yield
+        finally:
+            model.fused_embed = embed
     elif mode == "stepped":
         model.backend.make_greedy_decode_step = lambda model, cache: None  # (an instance attribute: the class's
         try:                                                               # method is back after the del)
