@@ -118,8 +118,8 @@ def fuse_embed(model: Any) -> Optional[Callable[..., Optional[tuple]]]:
     def embed(input_ids: torch.Tensor, positions: Optional[torch.Tensor], cache: Any) -> Optional[tuple]:
         if positions is None or cache is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 \
                 or input_ids.device != table.device or positions.device != table.device \
-                or not cache.next_position.is_contiguous() or model.embed_tokens is not weight or weight.data is not table \
-                or model.layers[0].input_layernorm is not norm:
+                or not cache.next_position.is_contiguous() or model.embed_tokens is not weight \
+                or weight.data is not table or model.layers[0].input_layernorm is not norm:
             return None
         x, a, rope = decode_embed(input_ids, positions, cache.next_position, table, model.multimodal_ids, norm, eps,
                                   model.rope.inv_freq, model.rope.attention_factor, model.dtype)
