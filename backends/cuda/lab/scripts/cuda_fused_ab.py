@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from cuda_decode_host_probe import decode_numbers, save_rows  # this folder is sys.path[0] when run as a script
+from cuda_decode_host_probe import decode_numbers, save_rows, step_kernels  # this folder is sys.path[0] as a script
 from musecore.api import load_random
 from musecore.model import separate_ops
 from musecore_cuda import fused
@@ -75,9 +75,15 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in MODES:
             with mode_of(model, mode):
-                row = {"round": r, "mode": mode, **decode_numbers(model, prompt)}
+                row = {"round": r, "mode": mode, **decode_numbers(model, prompt, kernels=False)}
                 print(row)
                 rows.append(row)
+    for mode in MODES:  # counted after every timed round: the profiler may slow later replays (session 48, run 31)
+        with mode_of(model, mode):
+            counted = step_kernels(model, prompt)
+        for row in rows:
+            if row["mode"] == mode:
+                row["kernels_per_step"] = counted
     for mode in MODES:
         mine = [r for r in rows if r["mode"] == mode]
         print(f"{mode}: replay median {sorted(r['replay_us'] for r in mine)[len(mine) // 2]} us, generate median "
