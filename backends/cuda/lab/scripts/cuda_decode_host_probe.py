@@ -56,12 +56,7 @@ def decode_numbers(model, prompt: list[list[int]], new_tokens: int = 64, kernels
     model.generate(prompt, max_new_tokens=8)
     model.generate(prompt, max_new_tokens=new_tokens)
     gen_us = 1e6 / model.last_generation_stats.decode_tokens_per_s
-    length = len(prompt[0])
-    cache = model.new_cache(1, length + new_tokens, static=True)
-    model.forward(torch.tensor(prompt, device="cuda"), cache=cache)
-    step = model.decode_step(cache)
-    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-    pos = torch.full((1, 1), length, dtype=torch.long, device="cuda")
+    step, tok, pos = _prefilled_step(model, prompt, new_tokens)
     rep = gpu_us(lambda: step(tok, pos), warmup=3)
     row = {"replay_us": round(rep, 1), "generate_us_per_token": round(gen_us, 1)}
     if kernels:
@@ -71,13 +66,20 @@ def decode_numbers(model, prompt: list[list[int]], new_tokens: int = 64, kernels
 
 def step_kernels(model, prompt: list[list[int]]) -> int:
     """Kernels in one captured decode step of ``model`` on a static cache filled by ``prompt`` (under the profiler)."""
-    cache = model.new_cache(1, len(prompt[0]) + 8, static=True)
-    model.forward(torch.tensor(prompt, device="cuda"), cache=cache)
-    step = model.decode_step(cache)
-    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-    pos = torch.full((1, 1), len(prompt[0]), dtype=torch.long, device="cuda")
+    step, tok, pos = _prefilled_step(model, prompt, 8)
     step(tok, pos)
     return _count_kernels(lambda: step(tok, pos))
+
+
+def _prefilled_step(model, prompt: list[list[int]], room: int):
+    """``(step, ids, positions)``: the decode step captured on a static cache that ``prompt`` filled, with ``room``
+    positions after it, and one token's inputs at the next position."""
+    length = len(prompt[0])
+    cache = model.new_cache(1, length + room, static=True)
+    model.forward(torch.tensor(prompt, device="cuda"), cache=cache)
+    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    pos = torch.full((1, 1), length, dtype=torch.long, device="cuda")
+    return model.decode_step(cache), tok, pos
 
 
 def _count_kernels(fn) -> int:
