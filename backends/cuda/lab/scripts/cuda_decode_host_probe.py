@@ -126,6 +126,50 @@ def replay_timeline(model, prompt: list[list[int]], new_tokens: int) -> dict:
             "timeline_generate_us_per_token": round(1e6 / model.last_generation_stats.decode_tokens_per_s, 1)}
 
 
+def greedy_pair(model, prompt: list[list[int]], n: int = 50) -> dict:
+    """The greedy graph replayed back to back (positions advancing, as in ``generate``), alone and with the token's
+    copy to pinned host memory and an event between replays (what ``generate`` queues per token): the GPU cost of
+    that copy between two graphs, without any host wait."""
+    length = len(prompt[0])
+    cache = model.new_cache(1, length + 3 * n + 8, static=True)
+    model.forward(torch.tensor(prompt, device="cuda"), cache=cache)
+    greedy = model.backend.make_greedy_decode_step(model, cache)
+    first = torch.zeros(1, dtype=torch.long, device="cuda")
+    nxt = torch.full((1,), length, dtype=torch.long, device="cuda")
+    live = torch.ones(1, dtype=torch.bool, device="cuda")
+    pinned, event = torch.empty(1, dtype=torch.long, pin_memory=True), torch.cuda.Event()
+
+    def with_copy() -> None:
+        pinned.copy_(greedy.tokens, non_blocking=True)
+        event.record()
+        greedy()
+    greedy.start(first, nxt, live)
+    alone = gpu_us(greedy, n=n)
+    greedy.start(first, nxt, live)
+    copied = gpu_us(with_copy, n=n)
+
+    # The same step with the copy captured as the graph's last node (a candidate fix, if the copy between costs).
+    from musecore_cuda.graphs import _pdl_scope
+    from musecore_triton import graphs
+
+    def body() -> torch.Tensor:
+        positions = greedy.next_position.masked_fill(~greedy.live, -1)[:, None]
+        greedy.next_position.add_(greedy.live.long())
+        logits = model.forward(greedy.tokens[:, None], positions=positions, cache=cache)
+        greedy.tokens.copy_(model.ops.sample(logits[:, -1], 0.0, 0, 1.0, None))
+        pinned.copy_(greedy.tokens, non_blocking=True)
+        return logits
+    graph, _ = graphs._capture(model, cache, _pdl_scope, body)
+
+    def in_graph() -> None:
+        graph.replay()
+        event.record()
+    greedy.start(first, nxt, live)
+    inside = gpu_us(in_graph, n=n)
+    return {"greedy_replay_gpu_us": round(alone, 1), "greedy_with_copy_gpu_us": round(copied, 1),
+            "greedy_copy_in_graph_gpu_us": round(inside, 1)}
+
+
 def save_rows(path: str, args, rows: list[dict]) -> None:
     """An A/B script's rows as JSON, with the preset, format and GPU they ran on."""
     with open(path, "w") as f:
@@ -200,6 +244,7 @@ def main() -> None:
         row["trace_kernels_per_step"] = round(len(inside) / steps, 1)
         row["trace_largest_gaps"] = [(round(g, 1), n[:60]) for g, n in sorted(gaps, reverse=True)[:12]]
     row.update(replay_timeline(model, prompt, args.tokens))
+    row.update(greedy_pair(model, prompt))
     print(json.dumps(row, indent=1))
     with open(args.out, "w") as f:
         json.dump(row, f, indent=1)
