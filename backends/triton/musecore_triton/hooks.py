@@ -11,7 +11,11 @@ only one vendor has enters here, with a portable default that changes nothing:
   (``HW_FP8``: hardware e4m3 conversion; ``PACKED_UPCAST``: the :func:`fp4x2_bf16_scaled` hook for
   the bf16 FP4 upcast). Default: both off, the integer-op paths that run anywhere (and in the
   CPU interpreter);
-* **SM count**: :func:`num_sms` sizes split-K and flash-decoding grids.
+* **SM count**: :func:`num_sms` sizes split-K and flash-decoding grids;
+* **L2 warming**: where :func:`l2_warm` says so (a kernel's ``WARM`` constexpr), the decode GEMVs whose last program
+  runs a row op (``dense_gemv``'s epilogues, the router's choice) call :func:`prefetch_l2` on their slice of that row
+  op's constant operands, so that the launch's serial tail finds them in L2 instead of memory. Default: off, and
+  ``prefetch_l2`` does nothing.
 
 A backend installs its versions once, at import, before any kernel is compiled::
 
@@ -42,6 +46,11 @@ def _no_pdl_launch_dependents(EARLY: tl.constexpr):
 
 
 @triton.jit
+def _no_prefetch_l2(ptrs, mask):
+    pass
+
+
+@triton.jit
 def _fp4_bf16(c):
     """E2M1 codes (int32) -> bf16 holding value * 2**-126 exactly."""
     return (((c & 7) << 6) | ((c & 8) << 12)).to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -58,6 +67,7 @@ def _fp4x2_bf16_scaled_portable(b, m_lo, m_hi):
 pdl_wait = _no_pdl_wait
 pdl_launch_dependents = _no_pdl_launch_dependents
 fp4x2_bf16_scaled = _fp4x2_bf16_scaled_portable
+prefetch_l2 = _no_prefetch_l2
 
 
 def _default_launch_options(device: torch.device, kernel: str) -> dict:
@@ -72,6 +82,10 @@ def _default_launch_features(device: torch.device) -> dict:
     return {"HW_FP8": False, "PACKED_UPCAST": False}
 
 
+def _default_l2_warm(device: torch.device) -> bool:
+    return False
+
+
 def _default_num_sms(device: torch.device) -> int:
     if device.type == "cuda":  # torch's name for any GPU device, NVIDIA or AMD
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -82,6 +96,7 @@ _launch_options: Callable[[torch.device, str], dict] = _default_launch_options
 _early_trigger: Callable[[torch.device, str], bool] = _default_early_trigger
 _launch_features: Callable[[torch.device], dict] = _default_launch_features
 _num_sms: Callable[[torch.device], int] = _default_num_sms
+_l2_warm: Callable[[torch.device], bool] = _default_l2_warm
 _owner: Optional[str] = None
 
 
@@ -106,6 +121,11 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device)
 
 
+def l2_warm(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` call :func:`prefetch_l2` (their ``WARM`` constexpr)."""
+    return _l2_warm(device)
+
+
 def owner() -> Optional[str]:
     """The backend whose hooks are installed, or None (the portable defaults)."""
     return _owner
@@ -115,15 +135,17 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
             early_trigger: Optional[Callable[[torch.device, str], bool]] = None,
             launch_features: Optional[Callable[[torch.device], dict]] = None,
             num_sms: Optional[Callable[[torch.device], int]] = None,
-            pdl_wait: Any = None, pdl_launch_dependents: Any = None, fp4x2_bf16_scaled: Any = None) -> None:
+            l2_warm: Optional[Callable[[torch.device], bool]] = None,
+            pdl_wait: Any = None, pdl_launch_dependents: Any = None, fp4x2_bf16_scaled: Any = None,
+            prefetch_l2: Any = None) -> None:
     """Install ``backend``'s hooks (those not given keep the portable default). Call once, at import,
     before any kernel is compiled: Triton resolves the jit hooks when it compiles a kernel."""
-    global _launch_options, _early_trigger, _launch_features, _num_sms, _owner
+    global _launch_options, _early_trigger, _launch_features, _num_sms, _l2_warm, _owner
     if _owner is not None and _owner != backend:
         raise RuntimeError(f"musecore_triton hooks are already installed by backend {_owner!r}; {backend!r} cannot "
                            "replace them (install a backend's hooks only where its torch build runs)")
     jit = {"pdl_wait": pdl_wait, "pdl_launch_dependents": pdl_launch_dependents,
-           "fp4x2_bf16_scaled": fp4x2_bf16_scaled}
+           "fp4x2_bf16_scaled": fp4x2_bf16_scaled, "prefetch_l2": prefetch_l2}
     for name, fn in jit.items():
         if fn is not None and not isinstance(fn, triton.runtime.jit.KernelInterface):  # jit or interpreted
             raise TypeError(f"hook {name} must be a @triton.jit function; got {type(fn).__name__}")
@@ -132,6 +154,7 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
     _early_trigger = early_trigger or _early_trigger
     _launch_features = launch_features or _launch_features
     _num_sms = num_sms or _num_sms
+    _l2_warm = l2_warm or _l2_warm
     module = globals()
     for name, fn in jit.items():
         if fn is not None:

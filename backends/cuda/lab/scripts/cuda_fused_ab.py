@@ -4,7 +4,8 @@ the router and the pooler as two launches (``apart``: session 47's ``router_pool
 every block's separate ops (session 43, issue 26 item 3); and ``stepped``: the fused blocks with ``generate``'s
 greedy steps as the decode graph's replay plus its position update and argmax launched beside it (before session 48's
 ``GreedyGraphStep`` took them into the graph); ``embed_ops``: the fused blocks with the embedding stage through its
-ops (before session 48's ``fuse_embed``). Same random weights, same prompt, alternated ``--rounds`` times.
+ops (before session 48's ``fuse_embed``); ``no_warm``: the fused blocks without the L2 prefetch of the GEMV tails'
+row-op weights (``hooks.l2_warm``, session 49). Same random weights, same prompt, alternated ``--rounds`` times.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
 """
@@ -20,10 +21,11 @@ from cuda_decode_host_probe import decode_numbers, save_rows, step_kernels  # th
 from musecore.api import load_random
 from musecore.model import separate_ops
 from musecore_cuda import fused
+from musecore_triton import hooks
 from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "embed_ops", "stepped", "apart", "separate")
+MODES = ("fused", "no_warm", "embed_ops", "stepped", "apart", "separate")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -49,6 +51,12 @@ def mode_of(model, mode: str):
             yield
         finally:
             del model.backend.make_greedy_decode_step
+    elif mode == "no_warm":
+        warm, hooks._l2_warm = hooks._l2_warm, lambda device: False
+        try:
+            yield
+        finally:
+            hooks._l2_warm = warm
     elif mode == "apart":
         one = fused.router_pooler_one_launch
         fused.router_pooler_one_launch = router_then_pooler

@@ -5,7 +5,8 @@
 #   2. the tests named in TESTS (unmarked ones too);
 #   3. cuda_fused_ab.py;  4. musecore bench --backend cuda --case targets;  5. the GPU suite to its cap;
 #   6. benchmarks/serve_bench.py in process;
-#   7. cuda_l2_prefetch_ab.py: the next sublayer's dense weights prefetched into L2 on a side stream (A/B).
+#   7. cuda_l2_prefetch_ab.py: the next sublayer's dense weights prefetched into L2 on a side stream (A/B);
+#   8. dense_gemv_ncu.sh: ncu of the dense decode GEMVs and the router + pooler kernel.
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=1] [TESTS="..."] bash backends/cuda/lab/scripts/s49_session.sh
 set -u
 LIMIT=${LIMIT:-580}
@@ -25,5 +26,10 @@ step7() {
   timeout $(cap 240) python3 backends/cuda/lab/scripts/cuda_l2_prefetch_ab.py --out $OUT/cuda_l2_prefetch_ab.json \
     > $OUT/l2_prefetch_ab.log 2>&1
   echo "7. L2 prefetch A/B at ${SECONDS}s (rc $?):"; grep -v "^{" $OUT/l2_prefetch_ab.log | tail -12 | cut -c1-250
+}
+step8() {
+  timeout $(cap 200) bash backends/cuda/lab/scripts/dense_gemv_ncu.sh > $OUT/dense_gemv_ncu.log 2>&1
+  echo "8. dense GEMV ncu at ${SECONDS}s (rc $?):"
+  grep -E "dense_gemv_kernel|router_pooler_kernel|Duration" $OUT/ncu_dense_gemv.txt | cut -c1-60 | paste - - | head -10
 }
 run_steps s49

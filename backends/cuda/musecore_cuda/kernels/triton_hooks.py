@@ -1,5 +1,6 @@
 """What the CUDA backend installs into :mod:`musecore_triton.hooks`: programmatic dependent launch
-(:mod:`musecore_cuda.kernels.pdl`), hardware e4m3 conversion, and a PTX upcast of packed FP4 to bf16.
+(:mod:`musecore_cuda.kernels.pdl`), hardware e4m3 conversion, a PTX upcast of packed FP4 to bf16, and an L2
+prefetch for the decode GEMVs' serial tails.
 Installed at import of :mod:`musecore_cuda` when this torch is a CUDA (not ROCm) build."""
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ def fp4x2_bf16_scaled(b, m_lo, m_hi):
         args=[b, m_lo, m_hi], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Each pointer's line fetched into L2 with an evict-last policy where ``mask``: nothing is returned to the SM and
+    nothing waits on it (``prefetch.global.L2::evict_last``)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def l2_warm(device: torch.device) -> bool:
+    """On an NVIDIA GPU (not in the CPU interpreter, which cannot run PTX)."""
+    return device.type == "cuda"
+
+
 def launch_features(device: torch.device) -> dict:
     """On an NVIDIA GPU: e4m3 scales through the hardware conversion and the PTX upcast above; in the
     CPU interpreter (tests) the integer-op paths."""
@@ -50,5 +65,5 @@ def launch_features(device: torch.device) -> dict:
 
 def install() -> None:
     hooks.install("cuda", launch_options=pdl.triton_options, early_trigger=pdl.early,
-                  launch_features=launch_features, pdl_wait=pdl.wait, pdl_launch_dependents=pdl.trigger,
-                  fp4x2_bf16_scaled=fp4x2_bf16_scaled)
+                  launch_features=launch_features, l2_warm=l2_warm, pdl_wait=pdl.wait,
+                  pdl_launch_dependents=pdl.trigger, fp4x2_bf16_scaled=fp4x2_bf16_scaled, prefetch_l2=prefetch_l2)

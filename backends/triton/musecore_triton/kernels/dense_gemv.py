@@ -36,12 +36,12 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
                       PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr = False,
                       EPILOGUE: tl.constexpr = 0, HAS_POST: tl.constexpr = False, HAS_NEXT: tl.constexpr = False,
-                      BLOCK_NORM: tl.constexpr = 1):
+                      BLOCK_NORM: tl.constexpr = 1, WARM: tl.constexpr = False):
     """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1`` (:func:`gemv_program`)."""
     gemv_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K,
                  stride_w, stride_e, a_div, count_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr,
                  new_res_ptr, normed_ptr, post_eps, eps, BLOCK_N, BLOCK_K, EXPERTS, SWIGLU, PDL, EARLY, ROUND_X,
-                 EPILOGUE, HAS_POST, HAS_NEXT, BLOCK_NORM)
+                 EPILOGUE, HAS_POST, HAS_NEXT, BLOCK_NORM, WARM)
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
                  res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr, post_eps, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
                  PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr, EPILOGUE: tl.constexpr,
-                 HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr):
+                 HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr, WARM: tl.constexpr):
     """Output rows ``BLOCK_N * pid ..`` of GEMV number ``a``: one token's ``x`` row against one weight; ``programs``
     row blocks of this GEMV make up the launch (the one that draws the last ticket runs the ``EPILOGUE`` row op).
 
@@ -58,9 +58,20 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
     ``silu(x @ w.T) * (x @ w2.T)``.
 
     With ``PDL`` (dependent launch, :mod:`musecore_triton.hooks`) a plain GEMV loads its first weight chunk before it
-    waits for the kernel before it; with ``EXPERTS`` the expert id is an input, so it waits first."""
+    waits for the kernel before it; with ``EXPERTS`` the expert id is an input, so it waits first. With ``WARM``
+    (``hooks.l2_warm``) each program prefetches its rows' slice of the row op's weights into L2 first: the last
+    program, the launch's serial tail, then reads them from L2 (in a decode graph they were last read a step ago)."""
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    if WARM and EPILOGUE == 1:
+        hooks.prefetch_l2(next_w_ptr + rows, rmask)
+    if WARM and EPILOGUE == 2:
+        hooks.prefetch_l2(alpha_ptr + rows, rmask)
+        hooks.prefetch_l2(beta_ptr + rows, rmask)
+        if HAS_POST:
+            hooks.prefetch_l2(post_w_ptr + rows, rmask)
+        if HAS_NEXT:
+            hooks.prefetch_l2(next_w_ptr + rows, rmask)
     if EXPERTS:
         hooks.pdl_wait(PDL)
         e = tl.load(ids_ptr + a).to(tl.int64)
@@ -169,6 +180,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None 
                                                      BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS=False, SWIGLU=False,
                                                      num_warps=num_warps, ROUND_X=x.dtype != w.dtype, **extra,
                                                      EARLY=hooks.early_trigger(x.device, "dense_gemv"),
+                                                     WARM=bool(extra) and hooks.l2_warm(x.device),
                                                      **hooks.launch_options(x.device, "dense_gemv"))
     if norm is not None:
         return normed

@@ -62,7 +62,9 @@ def residual_norm_row(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_
                       n, post_eps, eps, HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
                       OUT_L2: tl.constexpr = False):
     """The ``residual_norm`` op on one row (``OUT_L2``: ``out`` is read from L2, past this SM's L1, as a kernel must
-    when other blocks of it wrote ``out``)."""
+    when other blocks of it wrote ``out``). Every operand is loaded before the first reduction: in a GEMV's last
+    program (``dense_gemv``'s epilogue) this row op is the launch's serial tail, and loads written after a reduction
+    were issued after its barrier, one memory round trip each (session 49: three in the SASS, now one)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     if OUT_L2:
@@ -70,15 +72,15 @@ def residual_norm_row(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_
     else:
         o = tl.load(out_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
     post = tl.load(post_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # The post norm (weightless, or scale-first), rounded to out's dtype as the reference's rms_norm returns it.
-    h = _norm(o, post, mask, n, post_eps, HAS_POST, True, out_ptr.dtype.element_ty)
-    h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
     alpha = tl.load(alpha_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    nxt = tl.load(next_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # The post norm (weightless, or scale-first), rounded to out's dtype as the reference's rms_norm returns it.
+    h = _norm(o, post, mask, n, post_eps, HAS_POST, True, out_ptr.dtype.element_ty)
+    h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
     new_res = (alpha * res + beta * h).to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * n + offs, new_res, mask=mask)
-    nxt = tl.load(next_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     normed = _norm(new_res.to(tl.float32), nxt, mask, n, eps, HAS_NEXT, False, normed_ptr.dtype.element_ty)
     tl.store(normed_ptr + row * n + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
 

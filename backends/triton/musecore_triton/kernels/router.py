@@ -108,7 +108,7 @@ def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, splits, 
 @triton.jit
 def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier,
                              scaling, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                             K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                             K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr = False):
     """One token's router in one launch. Program (e, s) writes the fp32 partial ``part[s, e-block] = W[e-block,
     K_s] . x[K_s]``; the program that finishes last (a ticket on ``count``, which it resets to 0 for the next
     launch) adds the partials of each expert (a fixed tree over s: deterministic) and makes the choice
@@ -116,17 +116,20 @@ def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_p
     reads it."""
     router_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), x_ptr, w_ptr, part_ptr,
                    count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K,
-                   BLOCK, PDL)
+                   BLOCK, PDL, WARM)
 
 
 @triton.jit
 def router_program(pid_e, pid_s, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k,
                    multiplier, scaling, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                   K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (``pid_e``, ``pid_s``) of the ``n_e x n_s`` that make up :func:`router_one_launch_kernel`."""
+                   K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr):
+    """Program (``pid_e``, ``pid_s``) of the ``n_e x n_s`` that make up :func:`router_one_launch_kernel` (``WARM``:
+    the first K range's programs prefetch the bias into L2 for the last program, ``dense_gemv.gemv_program``)."""
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_k = pid_s * BLOCK_K + tl.arange(0, BLOCK_K)
     em, km = offs_e < E, offs_k < H
+    if WARM:
+        hooks.prefetch_l2(bias_ptr + offs_e, em & (pid_s == 0))
     w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * H + offs_k[None, :], mask=em[:, None] & km[None, :],
                 other=0.0)  # a weight: read before the wait
     hooks.pdl_wait(PDL)  # x was written by the kernel before (musecore_triton.hooks)
@@ -136,12 +139,12 @@ def router_program(pid_e, pid_s, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bi
     if dense_gemv.last_ticket(count_ptr, n_e * n_s):
         offs = tl.arange(0, BLOCK)
         mask = offs < E
+        bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # issued with the partials' loads
         logits = tl.zeros((BLOCK,), dtype=tl.float32)
         for s0 in range(0, n_s, BLOCK_S):
             ss = s0 + tl.arange(0, BLOCK_S)
             logits += tl.sum(tl.load(part_ptr + ss[:, None] * E + offs[None, :],
                                      mask=(ss < n_s)[:, None] & mask[None, :], other=0.0, cache_modifier=".cg"), axis=0)
-        bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         _choose(logits, offs, mask, bias, wout_ptr, ids_ptr, 0, k, multiplier, scaling, K, BLOCK)
 
 
@@ -232,7 +235,7 @@ def _one_token_router(what: str, x: torch.Tensor, weight: torch.Tensor, bias: to
     ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
     block = triton.next_power_of_2(E)
     constexprs = dict(BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block),
-                      K=triton.next_power_of_2(k), BLOCK=block)
+                      K=triton.next_power_of_2(k), BLOCK=block, WARM=hooks.l2_warm(x.device))
     return triton.cdiv(E, ONE_LAUNCH_BLOCK_E), n_s, part, weights, ids, constexprs
 
 
@@ -257,7 +260,7 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
                          pooler_ptr, z_ptr, pool_count_ptr, norm_w_ptr, normed_ptr, N, eps, n_e, n_s,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, K: tl.constexpr,
                          BLOCK: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr, BLOCK_NORM: tl.constexpr,
-                         PDL: tl.constexpr, EARLY: tl.constexpr):
+                         PDL: tl.constexpr, EARLY: tl.constexpr, WARM: tl.constexpr = False):
     """The router's ``n_e x n_s`` programs (:func:`router_program`) first, then the pooler GEMV's row blocks with the
     pre-expert norm in its last one (``dense_gemv.gemv_program``): two independent products of one input in one
     launch, each with its own ticket."""
@@ -265,13 +268,13 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
     routers = n_e * n_s
     if pid < routers:
         router_program(pid % n_e, pid // n_e, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr,
-                       E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K, BLOCK, PDL)
+                       E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K, BLOCK, PDL, WARM)
     else:
         # GEMV number tl.program_id(1) = 0 of a 1-D grid (a tensor: gemv_program casts it)
         dense_gemv.gemv_program(pid - routers, tl.program_id(1), tl.num_programs(0) - routers, x_ptr, pooler_ptr,
                                 pooler_ptr, x_ptr, z_ptr, N, H, H, 0, 1, pool_count_ptr, z_ptr, z_ptr, z_ptr, z_ptr,
                                 norm_w_ptr, z_ptr, normed_ptr, 0.0, eps, GEMV_N, GEMV_K, False, False, PDL, EARLY,
-                                False, 1, False, True, BLOCK_NORM)
+                                False, 1, False, True, BLOCK_NORM, WARM)
 
 
 def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
