@@ -1,13 +1,14 @@
 """Compile the decode kernels that session 43 fused (the CUDA backend's fused sublayers: ``dense_gemv`` with its
 row-op epilogues and an fp32 input, the one-launch router alone and beside the pooler, the q/k norms writing the KV
 cache, attention with the head norm and gate, and the split keys' merge; since session 48 the decode embed) for a GPU
-target with no GPU:
+target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49):
 ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
 and constexprs its wrapper chose, never run);
 prints one JSON list: kernel, constexprs, options, shared memory bytes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -23,6 +24,10 @@ from towers_compile import RESULTS, recorder  # noqa: E402  (this folder is sys.
 
 def main(arch: str) -> None:
     JITFunction.run = recorder(GPUTarget("cuda", int(arch[2:]), 32))
+    if importlib.util.find_spec("musecore_cuda") is not None:  # the CUDA hooks' PTX too: the tails' L2 prefetch
+        import musecore_cuda  # noqa: F401  (installs its hooks)
+        from musecore_triton import hooks
+        hooks._l2_warm = lambda device: True
     from musecore_triton.kernels import norms, router
     from musecore_triton.kernels.attention import attention
     from musecore_triton.kernels.dense_gemv import dense_gemv
