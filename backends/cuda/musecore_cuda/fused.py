@@ -61,7 +61,7 @@ import torch
 from musecore.model import Attention, MoE
 from musecore_triton.kernels.attention import attention
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv
-from musecore_triton.kernels.embed import MAX_PLACEHOLDERS, decode_embed
+from musecore_triton.kernels.embed import model_decode_embed
 from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_pooler_one_launch
 
@@ -93,38 +93,12 @@ def fuse_block(backend: Any, block: Any) -> Optional[Callable[..., Optional[torc
 
 
 def fuse_embed(model: Any) -> Optional[Callable[..., Optional[tuple]]]:
-    """``model.embed`` for one token per row through a static cache in one launch
-    (:func:`musecore_triton.kernels.embed.decode_embed`: the cache's next position, the rotary rows, the placeholder
-    mask, the embedding and both norms), as ``embed(input_ids, positions, cache) -> (x, a, positions, rope)`` or
-    None for other inputs (a prefill, no positions or cache, tensors off the table's device, the embedding or the
-    first norm replaced since); None here when the model's weights do not fit it (the reason at debug level)."""
-    table = getattr(model.embed_tokens, "data", None)
-    norm = model.layers[0].input_layernorm if model.layers else None
-    why = ""
-    if disabled():
-        why = f"{FUSED_ENV}=0"
-    elif not isinstance(table, torch.Tensor) or not table.is_cuda or table.dim() != 2 or not table.is_contiguous() \
-            or table.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        why = "the embedding is not a contiguous [V, H] CUDA tensor"
-    elif not isinstance(norm, torch.Tensor) or norm.shape != (table.shape[1],) or norm.device != table.device:
-        why = "the first layer's input norm is not a weight [H] beside the embedding"
-    elif model.rope.inv_freq.device != table.device or model.multimodal_ids.numel() > MAX_PLACEHOLDERS:
-        why = "the rotary frequencies or the placeholder ids are not on the embedding's device"
-    if why:
+    """``model.embed`` for one token per row through a static cache in one launch (the shared
+    :func:`musecore_triton.kernels.embed.model_decode_embed`), or None when ``MUSECORE_CUDA_FUSED_BLOCKS=0`` or the
+    model's weights do not fit it (the reason at debug level)."""
+    embed, why = (None, f"{FUSED_ENV}=0") if disabled() else model_decode_embed(model)
+    if embed is None:
         log.debug("embed not fused: %s", why)
-        return None
-    weight, eps = model.embed_tokens, model.config.rms_norm_eps
-
-    def embed(input_ids: torch.Tensor, positions: Optional[torch.Tensor], cache: Any) -> Optional[tuple]:
-        if positions is None or cache is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 \
-                or input_ids.device != table.device or positions.device != table.device \
-                or not cache.next_position.is_contiguous() or model.embed_tokens is not weight \
-                or weight.data is not table or model.layers[0].input_layernorm is not norm:
-            return None
-        x, a, rope = decode_embed(input_ids, positions, cache.next_position, table, model.multimodal_ids, norm, eps,
-                                  model.rope.inv_freq, model.rope.attention_factor, model.dtype)
-        return x, a, positions, rope
-
     return embed
 
 

@@ -26,6 +26,7 @@ moves the arch into :data:`VERIFIED_ARCHES`. In Triton's CPU interpreter
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional, Sequence, Union
 
@@ -43,6 +44,7 @@ from musecore_rocm.arch import ARCHES, DEVICE_ARCH, find_rocm_device
 from musecore_rocm.fp8 import Fp8Resident, fp8_linear, prepare_fp8
 from musecore_triton.graphs import (graph_unavailable, make_graphed_decode_step, make_graphed_greedy_step,
                                     make_graphed_prefill_step)
+from musecore_triton.kernels.embed import model_decode_embed
 from musecore_triton.kernels.fp4_gemm import w4a16_linear
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.kernels.mx_gemm import BLOCK_K, MX_BLOCK, mxfp4_linear
@@ -53,6 +55,8 @@ from musecore_triton.ops import (ACT_DTYPES, DENSE_FORMATS, DTYPE_FORMAT, Triton
 from musecore_triton.towers import TOWER_REASONS
 
 VERIFIED_ARCHES: tuple[str, ...] = ()  # archs the kernels have run and been checked on: none yet
+
+log = logging.getLogger("musecore.rocm")
 
 
 class MxWeight:
@@ -296,6 +300,15 @@ class RocmBackend(TritonOps, Backend):
         if graph_unavailable(self.device) is not None:
             return None
         return make_graphed_prefill_step(model, cache, tokens)
+
+    def fuse_embed(self, model):
+        """The decode step's embedding stage in one launch (the shared
+        :func:`musecore_triton.kernels.embed.model_decode_embed`, as on CUDA), or None when the model's weights do not
+        fit it (off a GPU: the ops run). Compiled for gfx950/gfx942 here; never run on AMD hardware."""
+        embed, why = model_decode_embed(model)
+        if embed is None:
+            log.debug("embed not fused: %s", why)
+        return embed
 
     # --- ops -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:

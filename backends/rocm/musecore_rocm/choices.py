@@ -125,6 +125,11 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
     out.append(KernelChoice(what="decode step", choice="HIP graph (torch.cuda.CUDAGraph, shared musecore_triton.graphs)",
                             reason="one static-cache decode step captured and replayed per generate(); never run on "
                                    "AMD hardware; eager launches where graphs are unavailable"))
+    out.append(KernelChoice(what="embedding stage at decode (one token per row)",
+                            choice="1 launch (the cache's next position, the rotary rows, the placeholder mask, the "
+                                   "embedding and its two norms: shared musecore_triton decode_embed)",
+                            reason="the separate ops take ~18 launches; compiled for gfx950/gfx942 here, never run on "
+                                   "AMD hardware; prefills and the CPU interpreter take the ops"))
     return out
 
 

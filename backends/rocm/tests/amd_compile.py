@@ -136,6 +136,12 @@ def main(arch: str) -> None:
     be.qk_norm_rope(q, kk, cos, sin, 1e-6, 0.125)
     be.qk_norm_rope(q, kk, None, None, 1e-6, 0.125)
     be.head_norm_gate(q, q.clone(), 1e-6)
+    variant[0] = "decode embed"  # the decode step's embedding stage (RocmBackend.fuse_embed)
+    from musecore_triton.kernels.embed import decode_embed
+    for factor in (1.0, 1.3):  # default rope, and YaRN's attention factor
+        decode_embed(torch.tensor([[3], [5]]), torch.tensor([[40], [-1]]), torch.zeros(2, dtype=torch.long),
+                     torch.randn(512, H).to(dt), torch.tensor([4, 5, 6]), torch.ones(H).to(dt), 1e-6,
+                     torch.ones(d // 2), factor, dt)
     variant[0] = "elementwise"
     be.silu_mul(x, x.clone())
     be.logit_softcap(torch.randn(2, 3, 512).to(dt), 1.0, 30.0)

@@ -24,7 +24,7 @@ EXPECTED_KERNELS = {"mx_gemm_kernel", "mxfp4_quantize_kernel", "w4a16_gemm_kerne
                     "dense_gemv_kernel", "rms_norm_kernel", "residual_norm_kernel", "qk_norm_rope_kernel",
                     "head_norm_gate_kernel", "silu_mul_kernel", "logit_softcap_kernel", "router_topk_kernel",
                     "router_gemv_kernel",
-                    "attention_kernel", "kv_write_kernel"}
+                    "attention_kernel", "kv_write_kernel", "decode_embed_kernel"}
 
 
 def _has_amd_backend() -> bool:

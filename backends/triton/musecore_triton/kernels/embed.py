@@ -10,6 +10,8 @@ position ``max(next, position + 1)``. Placeholder ids (image, video, audio) embe
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -78,3 +80,33 @@ def decode_embed(ids: torch.Tensor, positions: torch.Tensor, next_position: torc
                                   N_MM=MAX_PLACEHOLDERS, SCALED=attention_factor != 1.0,
                                   **hooks.launch_options(ids.device, "decode_embed"))
     return x, a, (cos, sin)
+
+
+def model_decode_embed(model: Any) -> tuple[Optional[Callable[..., Optional[tuple]]], str]:
+    """``(embed, "")``: ``model.embed`` for one token per row through a static cache in one launch
+    (:func:`decode_embed`), as ``embed(input_ids, positions, cache) -> (x, a, positions, rope)`` or None for other
+    inputs (a prefill, no positions or cache, tensors off the table's device, the embedding or the first norm
+    replaced since); or ``(None, why)`` when the model's weights do not fit it. What a GPU backend's
+    ``Backend.fuse_embed`` returns (CUDA and ROCm)."""
+    table = getattr(model.embed_tokens, "data", None)
+    norm = model.layers[0].input_layernorm if model.layers else None
+    if not isinstance(table, torch.Tensor) or table.device.type != "cuda" or table.dim() != 2 \
+            or not table.is_contiguous() or table.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None, "the embedding is not a contiguous [V, H] GPU tensor"
+    if not isinstance(norm, torch.Tensor) or norm.shape != (table.shape[1],) or norm.device != table.device:
+        return None, "the first layer's input norm is not a weight [H] beside the embedding"
+    if model.rope.inv_freq.device != table.device or model.multimodal_ids.numel() > MAX_PLACEHOLDERS:
+        return None, "the rotary frequencies or the placeholder ids are not on the embedding's device"
+    weight, eps = model.embed_tokens, model.config.rms_norm_eps
+
+    def embed(input_ids: torch.Tensor, positions: Optional[torch.Tensor], cache: Any) -> Optional[tuple]:
+        if positions is None or cache is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 \
+                or input_ids.device != table.device or positions.device != table.device \
+                or not cache.next_position.is_contiguous() or model.embed_tokens is not weight \
+                or weight.data is not table or model.layers[0].input_layernorm is not norm:
+            return None
+        x, a, rope = decode_embed(input_ids, positions, cache.next_position, table, model.multimodal_ids, norm, eps,
+                                  model.rope.inv_freq, model.rope.attention_factor, model.dtype)
+        return x, a, positions, rope
+
+    return embed, ""
