@@ -26,31 +26,35 @@ MAX_PLACEHOLDERS = 4  # the model's image, video and audio ids (padded to a powe
 def decode_embed_kernel(ids_ptr, pos_ptr, next_ptr, table_ptr, mm_ptr, n_mm, w_ptr, inv_freq_ptr, x_ptr, a_ptr,
                         cos_ptr, sin_ptr, V, H, eps, attention_factor, BLOCK_H: tl.constexpr, D: tl.constexpr,
                         N_MM: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+    # Weights first, before the wait (nothing writes them), then every input at once: the program's chain of memory
+    # round trips is the inputs, then the embedding row (its address needs the id), nothing after its reductions.
+    offs = tl.arange(0, BLOCK_H)
+    m = offs < H
+    d = tl.arange(0, D)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + d % (D // 2))
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
     b = tl.program_id(0).to(tl.int64)
     tok = tl.load(ids_ptr + b)
     p = tl.load(pos_ptr + b)
+    next_p = tl.load(next_ptr + b)
     mm = tl.load(mm_ptr + tl.arange(0, N_MM), mask=tl.arange(0, N_MM) < n_mm, other=-1)
     tok = tl.where(tl.sum((mm == tok).to(tl.int32), axis=0) > 0, 0, tok)
-    offs = tl.arange(0, BLOCK_H)
-    m = offs < H
     row = offs * 0 + tok  # (an id outside the table reads nothing: the caller checked the ids)
     e = tl.load(table_ptr + row * H + offs, mask=m & (row >= 0) & (row < V), other=0.0)
     e = e.to(x_ptr.dtype.element_ty).to(tl.float32)
     x = norms._norm(e, e, m, H, eps, False, False, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
     tl.store(x_ptr + b * H + offs, x, mask=m)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     a = norms._norm(x.to(tl.float32), w, m, H, eps, True, False, a_ptr.dtype.element_ty)
     tl.store(a_ptr + b * H + offs, a.to(a_ptr.dtype.element_ty), mask=m)
 
-    d = tl.arange(0, D)
-    angle = tl.maximum(p, 0).to(tl.float32) * tl.load(inv_freq_ptr + d % (D // 2))
+    angle = tl.maximum(p, 0).to(tl.float32) * inv_freq
     c, s = tl.cos(angle), tl.sin(angle)
     if SCALED:
         c, s = c * attention_factor, s * attention_factor
     tl.store(cos_ptr + b * D + d, c)
     tl.store(sin_ptr + b * D + d, s)
-    tl.store(next_ptr + b, tl.maximum(tl.load(next_ptr + b), p + 1))
+    tl.store(next_ptr + b, tl.maximum(next_p, p + 1))
 
 
 def decode_embed(ids: torch.Tensor, positions: torch.Tensor, next_position: torch.Tensor, table: torch.Tensor,
