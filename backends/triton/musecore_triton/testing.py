@@ -39,3 +39,16 @@ def skip_gpu_tests(items: list, has_gpu: bool = HAS_GPU, reason: str = "needs a 
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+
+
+def check_decode_embed(got: tuple, want: tuple, got_next: torch.Tensor, want_next: torch.Tensor) -> None:
+    """``MuseModel.embed``'s ``(x, a, positions, rope)`` through the one-launch decode embed against its ops (both GPU
+    backends' tests): the cache's next positions equal, the residual stream and the first norm within NMSE 1e-5 (the
+    same norm helper, so bit-equal where the reduction tree matches), the rotary rows within 2e-6."""
+    assert torch.equal(got_next, want_next), (got_next, want_next)
+    for name, g, w in (("x", got[0], want[0]), ("a", got[1], want[1])):
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
+        err = nmse(w.float(), g.float())
+        assert err <= 1e-5, f"{name}: NMSE {err:.3g} > 1e-5 (bit-equal: {torch.equal(g, w)})"
+    err = max((g - w).abs().max().item() for g, w in zip(got[3], want[3]))
+    assert err <= 2e-6, f"rotary rows: max |error| {err:.3g} > 2e-6"

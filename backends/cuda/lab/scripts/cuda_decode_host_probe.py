@@ -170,6 +170,25 @@ def greedy_pair(model, prompt: list[list[int]], n: int = 50) -> dict:
             "greedy_copy_in_graph_gpu_us": round(inside, 1)}
 
 
+def ab_arguments(out: str) -> argparse.Namespace:
+    """The lab A/B scripts' command line: ``--preset``, ``--format``, ``--rounds`` (alternations), ``--out``."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="muse-small")
+    p.add_argument("--format", default="nvfp4")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=out)
+    return p.parse_args()
+
+
+def print_medians(rows: list[dict], modes) -> None:
+    """Per mode of an A/B: the median replay and ``generate`` times of its rounds (and its kernels, if counted)."""
+    for mode in modes:
+        mine = [r for r in rows if r["mode"] == mode]
+        kernels = f", {mine[0]['kernels_per_step']} kernels" if "kernels_per_step" in mine[0] else ""
+        print(f"{mode}: replay median {sorted(r['replay_us'] for r in mine)[len(mine) // 2]} us, generate median "
+              f"{sorted(r['generate_us_per_token'] for r in mine)[len(mine) // 2]} us/token{kernels}")
+
+
 def save_rows(path: str, args, rows: list[dict]) -> None:
     """An A/B script's rows as JSON, with the preset, format and GPU they ran on."""
     with open(path, "w") as f:

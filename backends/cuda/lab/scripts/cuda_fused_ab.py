@@ -12,12 +12,12 @@ row-op weights (``hooks.l2_warm``, session 49). Same random weights, same prompt
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 import torch
 
-from cuda_decode_host_probe import decode_numbers, save_rows, step_kernels  # this folder is sys.path[0] as a script
+# (this folder is sys.path[0] when run as a script)
+from cuda_decode_host_probe import ab_arguments, decode_numbers, print_medians, save_rows, step_kernels
 from musecore.api import load_random
 from musecore.model import separate_ops
 from musecore_cuda import fused
@@ -69,12 +69,7 @@ def mode_of(model, mode: str):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="muse-small")
-    p.add_argument("--format", default="nvfp4")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default="cuda_fused_ab.json")
-    args = p.parse_args()
+    args = ab_arguments("cuda_fused_ab.json")
     model = load_random(args.preset, "h200", checkpoint_format=args.format)
     blocks = sum(b.fused is not None for layer in model.layers for b in (layer.self_attn, layer.mlp))
     print(f"{blocks} fused blocks of {2 * len(model.layers)}")
@@ -92,11 +87,7 @@ def main() -> None:
         for row in rows:
             if row["mode"] == mode:
                 row["kernels_per_step"] = counted
-    for mode in MODES:
-        mine = [r for r in rows if r["mode"] == mode]
-        print(f"{mode}: replay median {sorted(r['replay_us'] for r in mine)[len(mine) // 2]} us, generate median "
-              f"{sorted(r['generate_us_per_token'] for r in mine)[len(mine) // 2]} us/token, "
-              f"{mine[0]['kernels_per_step']} kernels")
+    print_medians(rows, MODES)
     save_rows(args.out, args, rows)
 
 

@@ -18,14 +18,14 @@ Same random weights, same prompt, alternated ``--rounds`` times; the step's logi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
-from cuda_decode_host_probe import decode_numbers, save_rows, _prefilled_step  # this folder is sys.path[0]
+# (this folder is sys.path[0] when run as a script)
+from cuda_decode_host_probe import _prefilled_step, ab_arguments, decode_numbers, print_medians, save_rows
 from musecore.api import load_random
 
 MODES = ("none", "prefetch", "evict_last", "attn_only")
@@ -127,12 +127,7 @@ def mode_of(model, mode: str, sets):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="muse-small")
-    p.add_argument("--format", default="nvfp4")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default="cuda_l2_prefetch_ab.json")
-    args = p.parse_args()
+    args = ab_arguments("cuda_l2_prefetch_ab.json")
     model = load_random(args.preset, "h200", checkpoint_format=args.format)
     sets = layer_sets(model)
     print(f"prefetched per layer: attention {sets[0][1].bytes / 1e6:.1f} MB, MoE {sets[1][1].bytes / 1e6:.1f} MB")
@@ -151,10 +146,7 @@ def main() -> None:
                 row = {"round": r, "mode": mode, **decode_numbers(model, prompt, kernels=False)}
                 print(row)
                 rows.append(row)
-    for mode in MODES:
-        mine = [r for r in rows if r["mode"] == mode]
-        print(f"{mode}: replay median {sorted(r['replay_us'] for r in mine)[len(mine) // 2]} us, generate median "
-              f"{sorted(r['generate_us_per_token'] for r in mine)[len(mine) // 2]} us/token")
+    print_medians(rows, MODES)
     rows.append({"mode": "check", "largest_logit_difference": worst})
     save_rows(args.out, args, rows)
 
