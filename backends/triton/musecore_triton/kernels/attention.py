@@ -63,6 +63,9 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
     q = tl.load(q_ptr + b.to(tl.int64) * sq_b + t[:, None].to(tl.int64) * sq_t + h[:, None] * sq_h + d[None, :],
                 mask=r_valid[:, None], other=0.0)
     qp = tl.load(qpos_ptr + b.to(tl.int64) * T + t, mask=r_valid, other=-1)
+    g = qp  # (unused without the gate)
+    if GATE and not SPLIT:  # the gate rows with q, not after the loop's reductions: one memory round trip fewer
+        g = _gate_rows(g_ptr, b, t, h, r_valid, sg_b, sg_t, D)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -101,20 +104,27 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
         tl.store(ml_ptr + part * 2 + 1, l_i)
     else:
         out = tl.where(l_i[:, None] > 0, acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        _store_rows(o_ptr, out, b, t, h, r_valid, so_b, so_t, so_h, g_ptr, sg_b, sg_t, gate_eps, D, GATE)
+        _store_rows(o_ptr, out, g, b, t, h, r_valid, so_b, so_t, so_h, gate_eps, D, GATE)
 
 
 @triton.jit
-def _store_rows(o_ptr, out, b, t, h, r_valid, so_b, so_t, so_h, g_ptr, sg_b, sg_t, gate_eps, D: tl.constexpr,
+def _gate_rows(g_ptr, b, t, h, r_valid, sg_b, sg_t, D: tl.constexpr):
+    """The gate logits of a tile's rows (row = token ``t``, head ``h``), fp32 ``[rows, D]``."""
+    d = tl.arange(0, D)
+    return tl.load(g_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_t + h[:, None] * D + d[None, :],
+                   mask=r_valid[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(o_ptr, out, g, b, t, h, r_valid, so_b, so_t, so_h, gate_eps, D: tl.constexpr,
                 GATE: tl.constexpr):
     """Store a tile's finished rows (row = token ``t``, head ``h``) into ``[B,T,nq,D]``; with ``GATE``, the
-    head_norm_gate op on each row first, rounded to the output's dtype as that op reads it."""
+    head_norm_gate op on each row first (``g``: their gate logits, :func:`_gate_rows`), rounded to the output's dtype
+    as that op reads it."""
     d = tl.arange(0, D)
     if GATE:
         out = out.to(o_ptr.dtype.element_ty).to(tl.float32)
         rs = 1.0 / tl.sqrt(tl.sum(out * out, axis=1) / D + gate_eps)
-        g = tl.load(g_ptr + b.to(tl.int64) * sg_b + t[:, None].to(tl.int64) * sg_t + h[:, None] * D + d[None, :],
-                    mask=r_valid[:, None], other=0.0).to(tl.float32)
         out = out * rs[:, None] * (1.0 / (1.0 + tl.exp(-g)))
     o_ptrs = o_ptr + b.to(tl.int64) * so_b + t[:, None].to(tl.int64) * so_t + h[:, None] * so_h + d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=r_valid[:, None])
@@ -135,6 +145,10 @@ def merge_splits_kernel(part_ptr, ml_ptr, o_ptr, splits, nkv, rows, rows_pad, so
     d = tl.arange(0, D)
     stride = tl.num_programs(0).to(tl.int64) * rows_pad  # one split's rows
     row = pid_bh.to(tl.int64) * rows_pad + r
+    t, h = r // G, kvh * G + r % G
+    g = r  # (unused without the gate)
+    if GATE:  # loaded with the partials, not after the merge's reductions
+        g = _gate_rows(g_ptr, b, t, h, r_valid, sg_b, sg_t, D)
     m_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     for s in range(splits):
         m_max = tl.maximum(m_max, tl.load(ml_ptr + (s * stride + row) * 2, mask=r_valid, other=float("-inf")))
@@ -147,8 +161,7 @@ def merge_splits_kernel(part_ptr, ml_ptr, o_ptr, splits, nkv, rows, rows_pad, so
         denom += w * tl.load(ml_ptr + at * 2 + 1, mask=r_valid, other=0.0)
         num += w[:, None] * tl.load(part_ptr + at[:, None] * D + d[None, :], mask=r_valid[:, None], other=0.0)
     out = tl.where(denom[:, None] > 0, num / tl.where(denom > 0, denom, 1.0)[:, None], 0.0)
-    _store_rows(o_ptr, out, b, r // G, kvh * G + r % G, r_valid, so_b, so_t, so_h, g_ptr, sg_b, sg_t, gate_eps,
-                D, GATE)
+    _store_rows(o_ptr, out, g, b, t, h, r_valid, so_b, so_t, so_h, gate_eps, D, GATE)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
