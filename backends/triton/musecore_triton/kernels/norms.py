@@ -95,19 +95,30 @@ def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next
 
 
 @triton.jit
-def _norm_rope_row(x_ptr, cos_ptr, sin_ptr, y_ptr, src, dst, bt, eps, scale, D: tl.constexpr, ROPE: tl.constexpr):
-    """One head row: weightless RMSNorm over d times ``scale``, then (``ROPE``) x*cos + rotate_half(x)*sin."""
+def _norm_rope_inputs(x_ptr, cos_ptr, sin_ptr, src, bt, D: tl.constexpr, ROPE: tl.constexpr):
+    """One head row's loads for :func:`_norm_rope_out`: ``(x, x_rot, cos, sin)`` fp32, rotate_half's source order in
+    ``x_rot`` (with ``ROPE``; otherwise ``x`` stands in for the three)."""
     offs = tl.arange(0, D)
     x = tl.load(x_ptr + src + offs).to(tl.float32)
+    if ROPE:
+        rot = (offs + D // 2) % D  # rotate_half reads the other half...
+        x_rot = tl.load(x_ptr + src + rot).to(tl.float32)
+        cos = tl.load(cos_ptr + bt * D + offs).to(tl.float32)
+        sin = tl.load(sin_ptr + bt * D + offs).to(tl.float32)
+    else:
+        x_rot, cos, sin = x, x, x
+    return x, x_rot, cos, sin
+
+
+@triton.jit
+def _norm_rope_out(x, x_rot, cos, sin, y_ptr, dst, eps, scale, D: tl.constexpr, ROPE: tl.constexpr):
+    """One head row: weightless RMSNorm over d times ``scale``, then (``ROPE``) x*cos + rotate_half(x)*sin."""
+    offs = tl.arange(0, D)
     r = scale / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     y = x * r
     if ROPE:
-        rot = (offs + D // 2) % D  # rotate_half reads the other half...
         sign = tl.where(offs < D // 2, -1.0, 1.0)  # ...negating the second half moved to the front
-        x_rot = tl.load(x_ptr + src + rot).to(tl.float32) * r * sign
-        cos = tl.load(cos_ptr + bt * D + offs).to(tl.float32)
-        sin = tl.load(sin_ptr + bt * D + offs).to(tl.float32)
-        y = y * cos + x_rot * sin
+        y = y * cos + x_rot * r * sign * sin
     tl.store(y_ptr + dst + offs, y.to(y_ptr.dtype.element_ty))
 
 
@@ -126,22 +137,26 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, 
     row = tl.program_id(0).to(tl.int64)
     if row < q_rows:  # (b*T + t) * nq + h
         bt = row // nq
-        _norm_rope_row(q_ptr, cos_ptr, sin_ptr, qy_ptr, bt * q_stride + (row % nq) * D, row * D, bt, eps, q_scale,
-                       D, ROPE)
+        x, x_rot, cos, sin = _norm_rope_inputs(q_ptr, cos_ptr, sin_ptr, bt * q_stride + (row % nq) * D, bt, D, ROPE)
+        _norm_rope_out(x, x_rot, cos, sin, qy_ptr, row * D, eps, q_scale, D, ROPE)
     else:
         row -= q_rows
         bt, h = row // nkv, row % nkv
+        # Every load before any store (the compiler cannot move a load past a store that may alias it): a k row's
+        # program waits for one memory round trip, not one for the position, one for v and one for k.
+        x, x_rot, cos, sin = _norm_rope_inputs(k_ptr, cos_ptr, sin_ptr, bt * k_stride + h * D, bt, D, ROPE)
         if WRITE_KV:
+            offs = tl.arange(0, D)
             p = tl.load(pos_ptr + bt)
+            v = tl.load(v_ptr + bt * v_stride + h * D + offs)
             cache_row = (bt // T) * slots + static_slot(p, capacity, RING)
             dst = cache_row * nkv * D + h * D
-            offs = tl.arange(0, D)
-            tl.store(cv_ptr + dst + offs, tl.load(v_ptr + bt * v_stride + h * D + offs))
+            tl.store(cv_ptr + dst + offs, v)
             if h == 0:
                 tl.store(cpos_ptr + cache_row, p)
         else:
             dst = row * D
-        _norm_rope_row(k_ptr, cos_ptr, sin_ptr, ky_ptr, bt * k_stride + h * D, dst, bt, eps, 1.0, D, ROPE)
+        _norm_rope_out(x, x_rot, cos, sin, ky_ptr, dst, eps, 1.0, D, ROPE)
 
 
 @triton.jit
