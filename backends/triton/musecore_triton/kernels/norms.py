@@ -101,7 +101,7 @@ def _norm_rope_inputs(x_ptr, cos_ptr, sin_ptr, src, bt, D: tl.constexpr, ROPE: t
     offs = tl.arange(0, D)
     x = tl.load(x_ptr + src + offs).to(tl.float32)
     if ROPE:
-        rot = (offs + D // 2) % D  # rotate_half reads the other half...
+        rot = (offs + D // 2) % D  # rotate_half reads the other half (its sign: _norm_rope_out)
         x_rot = tl.load(x_ptr + src + rot).to(tl.float32)
         cos = tl.load(cos_ptr + bt * D + offs).to(tl.float32)
         sin = tl.load(sin_ptr + bt * D + offs).to(tl.float32)
@@ -117,7 +117,7 @@ def _norm_rope_out(x, x_rot, cos, sin, y_ptr, dst, eps, scale, D: tl.constexpr, 
     r = scale / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     y = x * r
     if ROPE:
-        sign = tl.where(offs < D // 2, -1.0, 1.0)  # ...negating the second half moved to the front
+        sign = tl.where(offs < D // 2, -1.0, 1.0)  # rotate_half negates the second half moved to the front
         y = y * cos + x_rot * r * sign * sin
     tl.store(y_ptr + dst + offs, y.to(y_ptr.dtype.element_ty))
 
