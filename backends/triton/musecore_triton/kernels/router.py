@@ -141,7 +141,8 @@ def router_program(pid_e, pid_s, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bi
                    K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr,
                    RANKED: tl.constexpr):
     """Program (``pid_e``, ``pid_s``) of the ``n_e x n_s`` that make up :func:`router_one_launch_kernel` (``WARM``:
-    the first K range's programs prefetch the bias into L2 for the last program, ``dense_gemv.gemv_program``)."""
+    the first K range's programs prefetch the bias into L2 for the last program, as ``dense_gemv.gemv_program`` does
+    its row op's weights)."""
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_k = pid_s * BLOCK_K + tl.arange(0, BLOCK_K)
     em, km = offs_e < E, offs_k < H
