@@ -148,11 +148,6 @@ def main(arch: str) -> None:
     variant[0] = "router"
     be.router_topk(torch.randn(3, H).to(dt), torch.randn(E, H), torch.randn(E), k, 1.0, 2.5)  # split-K GEMV
     be.router_topk(torch.randn(20, H).to(dt), torch.randn(E, H), torch.randn(E), k, 1.0, 2.5)  # BLAS + top-k
-    from musecore_triton.kernels import router
-    router.RANKED_CHOICE = True  # the choice by ranks (off by default until timed)
-    variant[0] = "router ranked"
-    be.router_topk(torch.randn(3, H).to(dt), torch.randn(E, H), torch.randn(E), k, 1.0, 2.5)
-    router.RANKED_CHOICE = False
     for t in (1, 16):  # the 816B router (256 experts, hidden 8192, top-8) at decode
         variant[0] = f"router 816b T={t}"
         be.router_topk(torch.randn(t, 8192).to(dt), torch.randn(256, 8192), torch.randn(256), 8, 1.0, 2.5)

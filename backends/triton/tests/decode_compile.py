@@ -45,11 +45,6 @@ def main(arch: str) -> None:
     router.router_topk_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, counter)
     router.router_pooler_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w, torch.ones(h).to(dt),
                                     1e-6, torch.zeros(2, dtype=torch.int32))
-    router.RANKED_CHOICE = True  # the choice by ranks (off by default until timed): both one-token routers
-    router.router_topk_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, counter)
-    router.router_pooler_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w, torch.ones(h).to(dt),
-                                    1e-6, torch.zeros(2, dtype=torch.int32))
-    router.RANKED_CHOICE = False
     nq, nkv, d, cap = 24, 3, 64, 256
     y = torch.randn(1, 1, 2 * nq + 2 * nkv, d).to(dt)
     q, k, v, gate = y.split_with_sizes([nq, nkv, nkv, nq], -2)

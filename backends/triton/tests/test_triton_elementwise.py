@@ -74,37 +74,6 @@ def test_router_and_pooler_in_one_launch_equal_the_two_launches(e, k, hidden, n)
         router.router_pooler_one_launch(x, weight, bias, k, 1.0, 1.0, pooler.float(), norm_w, 1e-6, counters)
 
 
-@pytest.mark.parametrize("e,k", [(64, 8), (12, 3), (40, 6)])
-def test_the_ranked_choice_gives_the_rounds_ids_and_weights(monkeypatch, e, k):
-    """``router.RANKED_CHOICE`` (the choice by ranks, up to ``RANKED_MAX_BLOCK`` experts) in each launcher: the ids
-    and weights of the k rounds of max bit for bit, with ties included (experts 1 and 5, 2 and 3 score the same: the
-    lower index first)."""
-    x, weight, bias = router_case(3, e, 96, torch.bfloat16)
-    weight[5], weight[3] = weight[1], weight[2]
-    bias[1] = bias[5] = 5.0  # tied, and chosen first
-    bias[2] = bias[3] = 4.0  # tied, and chosen next
-    pooler = (torch.randn(40, 96, device=DEVICE) * 96 ** -0.5).to(torch.bfloat16)
-    norm_w = torch.ones(40, device=DEVICE).to(torch.bfloat16)
-    counters = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
-    launchers = {
-        "router_topk": lambda: router.router_topk(x, weight, bias, k, 0.2, 2.5),
-        "one launch": lambda: router.router_topk_one_launch(x[:1], weight, bias, k, 0.2, 2.5, counters[0]),
-        "beside the pooler": lambda: router.router_pooler_one_launch(x[:1], weight, bias, k, 0.2, 2.5, pooler,
-                                                                     norm_w, 1e-6, counters)[:2],
-    }
-    for name, launch in launchers.items():
-        monkeypatch.setattr(router, "RANKED_CHOICE", False)
-        rw, rids = launch()
-        monkeypatch.setattr(router, "RANKED_CHOICE", True)
-        w, ids = launch()
-        assert torch.equal(ids, rids), f"{name}, E={e} k={k}: ranked ids {ids.tolist()} vs rounds {rids.tolist()}"
-        assert torch.equal(w, rw), f"{name}, E={e} k={k}: weights differ by {(w - rw).abs().max().item():.3g}"
-    assert ids[0, :4].tolist() == [1, 5, 2, 3][:k], f"ties, lower index first: {ids.tolist()}"
-    eids = ref.router_topk(x, weight, bias, k, 0.2, 2.5)[1]  # (torch.topk orders ties as it likes: as sets)
-    assert sorted(ids[0].tolist()) == sorted(eids[0].tolist()), f"{ids.tolist()} vs reference {eids.tolist()}"
-    assert counters.tolist() == [[0], [0]]
-
-
 def test_router_bias_chooses_but_does_not_weight():
     """A large bias forces experts 3 and 5 into every token's choice; their weights stay the renormalised
     sigmoid scores (bias left out), times the scaling."""

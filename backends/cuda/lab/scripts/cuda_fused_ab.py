@@ -5,8 +5,7 @@ every block's separate ops (session 43, issue 26 item 3); and ``stepped``: the f
 greedy steps as the decode graph's replay plus its position update and argmax launched beside it (before session 48's
 ``GreedyGraphStep`` took them into the graph); ``embed_ops``: the fused blocks with the embedding stage through its
 ops (before session 48's ``fuse_embed``); ``no_warm``: the fused blocks without the L2 prefetch of the GEMV tails'
-row-op weights (``hooks.l2_warm``, session 49); ``ranked``: the fused blocks with the router's choice by ranks
-(``router.RANKED_CHOICE``, off by default until this mode times it). Same random weights, same prompt, alternated ``--rounds`` times.
+row-op weights (``hooks.l2_warm``, session 49). Same random weights, same prompt, alternated ``--rounds`` times.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
 """
@@ -24,10 +23,9 @@ from musecore.model import separate_ops
 from musecore_cuda import fused
 from musecore_triton import hooks
 from musecore_triton.kernels.dense_gemv import dense_gemv
-from musecore_triton.kernels import router
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "ranked", "no_warm", "embed_ops", "stepped", "apart", "separate")
+MODES = ("fused", "no_warm", "embed_ops", "stepped", "apart", "separate")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -53,12 +51,6 @@ def mode_of(model, mode: str):
             yield
         finally:
             del model.backend.make_greedy_decode_step
-    elif mode == "ranked":
-        router.RANKED_CHOICE = True
-        try:
-            yield
-        finally:
-            router.RANKED_CHOICE = False
     elif mode == "no_warm":
         warm, hooks._l2_warm = hooks._l2_warm, lambda device: False
         try:

@@ -68,36 +68,21 @@ def router_gemv_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_x, k_split, BLOCK
 
 
 @triton.jit
-def _choose(x, offs, mask, bias, w_ptr, ids_ptr, row, k, multiplier, scaling, K: tl.constexpr, BLOCK: tl.constexpr,
-            RANKED: tl.constexpr = False):
+def _choose(x, offs, mask, bias, w_ptr, ids_ptr, row, k, multiplier, scaling, K: tl.constexpr, BLOCK: tl.constexpr):
     """One row's choice from its fp32 logits ``x [BLOCK]``: ``s = sigmoid(x * multiplier)``; the k largest
-    ``s + bias`` (lowest index first on ties), in that order; weights ``s[ids] / (sum + 1e-15) * scaling``.
-
-    By k rounds of max (3 dependent reductions a round), or with ``RANKED`` (:func:`ranked_choice`) by each
-    score's rank among all (one ``[BLOCK, BLOCK]`` comparison, then 2 reductions to gather the first k): the same
-    ids and weights, far fewer dependent steps in a program's serial tail."""
+    ``s + bias`` by k rounds of max (lowest index first on ties); weights ``s[ids] / (sum + 1e-15) * scaling``."""
     s = 1.0 / (1.0 + tl.exp(-(x * multiplier)))
     left = tl.where(mask, s + bias, -float("inf"))
     kk = tl.arange(0, K)
-    if RANKED:
-        # rank[i] = #{j: left[j] > left[i]} + #{j < i: left[j] == left[i]}: a strict order, ties to the lower index
-        li = tl.reshape(left, (BLOCK, 1))
-        lj = tl.reshape(left, (1, BLOCK))
-        before = (lj > li) | ((lj == li) & (tl.reshape(offs, (1, BLOCK)) < tl.reshape(offs, (BLOCK, 1))))
-        rank = tl.sum(before.to(tl.int32), axis=1)  # [BLOCK]
-        slot = tl.reshape(rank, (1, BLOCK)) == tl.reshape(kk, (K, 1))  # [K, BLOCK]: element i fills slot rank[i]
-        weights = tl.sum(tl.where(slot, tl.reshape(s, (1, BLOCK)), 0.0), axis=1)
-        ids = tl.sum(tl.where(slot, tl.reshape(offs, (1, BLOCK)), 0), axis=1).to(tl.int64)
-    else:
-        weights = tl.zeros((K,), dtype=tl.float32)
-        ids = tl.zeros((K,), dtype=tl.int64)
-        for j in tl.static_range(K):  # K = k rounded up to a power of two; rounds past k are not stored
-            best = tl.max(left, axis=0)
-            idx = tl.min(tl.where(left == best, offs, BLOCK), axis=0)
-            chosen = tl.sum(tl.where(offs == idx, s, 0.0), axis=0)  # the score, not score + bias
-            weights = tl.where(kk == j, chosen, weights)
-            ids = tl.where(kk == j, idx.to(tl.int64), ids)
-            left = tl.where(offs == idx, -float("inf"), left)
+    weights = tl.zeros((K,), dtype=tl.float32)
+    ids = tl.zeros((K,), dtype=tl.int64)
+    for j in tl.static_range(K):  # K = k rounded up to a power of two; rounds past k are not stored
+        best = tl.max(left, axis=0)
+        idx = tl.min(tl.where(left == best, offs, BLOCK), axis=0)
+        chosen = tl.sum(tl.where(offs == idx, s, 0.0), axis=0)  # the score, not score + bias
+        weights = tl.where(kk == j, chosen, weights)
+        ids = tl.where(kk == j, idx.to(tl.int64), ids)
+        left = tl.where(offs == idx, -float("inf"), left)
     weights = tl.where(kk < k, weights, 0.0)
     weights = weights / (tl.sum(weights, axis=0) + 1e-15) * scaling
     tl.store(w_ptr + row * k + kk, weights, mask=kk < k)
@@ -106,7 +91,7 @@ def _choose(x, offs, mask, bias, w_ptr, ids_ptr, row, k, multiplier, scaling, K:
 
 @triton.jit
 def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, splits, split_stride, k, multiplier,
-                       scaling, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, RANKED: tl.constexpr = False):
+                       scaling, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: ``logits`` = the sum of its ``splits`` partials (in order s = 0, 1, ...; 1 = the logits
     themselves), then :func:`_choose`."""
     offs = tl.arange(0, BLOCK)
@@ -117,14 +102,13 @@ def router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride, splits, 
     x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
     for s in range(1, splits):
         x += tl.load(logits_ptr + s * split_stride + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
-    _choose(x, offs, mask, bias, w_ptr, ids_ptr, row, k, multiplier, scaling, K, BLOCK, RANKED)
+    _choose(x, offs, mask, bias, w_ptr, ids_ptr, row, k, multiplier, scaling, K, BLOCK)
 
 
 @triton.jit
 def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier,
                              scaling, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                             K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr = False,
-                             RANKED: tl.constexpr = False):
+                             K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr = False):
     """One token's router in one launch. Program (e, s) writes the fp32 partial ``part[s, e-block] = W[e-block,
     K_s] . x[K_s]``; the program that finishes last (a ticket on ``count``, which it resets to 0 for the next
     launch) adds the partials of each expert (a fixed tree over s: deterministic) and makes the choice
@@ -132,14 +116,13 @@ def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_p
     reads it."""
     router_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), x_ptr, w_ptr, part_ptr,
                    count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K,
-                   BLOCK, PDL, WARM, RANKED)
+                   BLOCK, PDL, WARM)
 
 
 @triton.jit
 def router_program(pid_e, pid_s, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k,
                    multiplier, scaling, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                   K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr,
-                   RANKED: tl.constexpr):
+                   K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr):
     """Program (``pid_e``, ``pid_s``) of the ``n_e x n_s`` that make up :func:`router_one_launch_kernel` (``WARM``:
     the first K range's programs prefetch the bias into L2 for the last program, as ``dense_gemv.gemv_program`` does
     its row op's weights)."""
@@ -163,16 +146,7 @@ def router_program(pid_e, pid_s, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bi
             ss = s0 + tl.arange(0, BLOCK_S)
             logits += tl.sum(tl.load(part_ptr + ss[:, None] * E + offs[None, :],
                                      mask=(ss < n_s)[:, None] & mask[None, :], other=0.0, cache_modifier=".cg"), axis=0)
-        _choose(logits, offs, mask, bias, wout_ptr, ids_ptr, 0, k, multiplier, scaling, K, BLOCK, RANKED)
-
-
-RANKED_CHOICE = False  # _choose by ranks (RANKED) up to RANKED_MAX_BLOCK experts: off until timed on a GPU (session 49)
-RANKED_MAX_BLOCK = 64  # its [BLOCK, BLOCK] comparison: 128 values per thread in the one-warp top-k kernel
-
-
-def ranked_choice(block: int) -> bool:
-    """The ``RANKED`` constexpr of a choice over ``block`` (a power of two) experts."""
-    return RANKED_CHOICE and block <= RANKED_MAX_BLOCK
+        _choose(logits, offs, mask, bias, wout_ptr, ids_ptr, 0, k, multiplier, scaling, K, BLOCK)
 
 
 def uses_split_k(tokens: int) -> bool:
@@ -237,8 +211,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: in
         # a shared-memory round trip and a barrier (4 warps took ~3 us per row at E = 64).
         router_topk_kernel[(T,)](logits, bias.contiguous(), weights, ids, E, logits.stride(1), logits.shape[0],
                                  logits.stride(0), k, multiplier, scaling, K=triton.next_power_of_2(k), BLOCK=block,
-                                 RANKED=ranked_choice(block), num_warps=1 if block <= 512 else 4,
-                                 **hooks.launch_options(x.device, "router_topk"))
+                                 num_warps=1 if block <= 512 else 4, **hooks.launch_options(x.device, "router_topk"))
     return weights, ids
 
 
@@ -263,8 +236,7 @@ def _one_token_router(what: str, x: torch.Tensor, weight: torch.Tensor, bias: to
     ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
     block = triton.next_power_of_2(E)
     constexprs = dict(BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block),
-                      K=triton.next_power_of_2(k), BLOCK=block, WARM=hooks.l2_warm(x.device),
-                      RANKED=ranked_choice(block))
+                      K=triton.next_power_of_2(k), BLOCK=block, WARM=hooks.l2_warm(x.device))
     return triton.cdiv(E, ONE_LAUNCH_BLOCK_E), n_s, part, weights, ids, constexprs
 
 
@@ -289,8 +261,7 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
                          pooler_ptr, z_ptr, pool_count_ptr, norm_w_ptr, normed_ptr, N, eps, n_e, n_s,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, K: tl.constexpr,
                          BLOCK: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr, BLOCK_NORM: tl.constexpr,
-                         PDL: tl.constexpr, EARLY: tl.constexpr, WARM: tl.constexpr = False,
-                         RANKED: tl.constexpr = False):
+                         PDL: tl.constexpr, EARLY: tl.constexpr, WARM: tl.constexpr = False):
     """The router's ``n_e x n_s`` programs (:func:`router_program`) first, then the pooler GEMV's row blocks with the
     pre-expert norm in its last one (``dense_gemv.gemv_program``): two independent products of one input in one
     launch, each with its own ticket."""
@@ -298,7 +269,7 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
     routers = n_e * n_s
     if pid < routers:
         router_program(pid % n_e, pid // n_e, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr,
-                       E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K, BLOCK, PDL, WARM, RANKED)
+                       E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K, BLOCK, PDL, WARM)
     else:
         # GEMV number tl.program_id(1) = 0 of a 1-D grid (a tensor: gemv_program casts it)
         dense_gemv.gemv_program(pid - routers, tl.program_id(1), tl.num_programs(0) - routers, x_ptr, pooler_ptr,
