@@ -317,8 +317,9 @@ def _fused_choice() -> list[KernelChoice]:
                "pre-expert norm, expert GEMVs and finalize, unpooler GEMV reading the experts' fp32 output + the "
                "residual norm)",
                "with 16-bit pooler/unpooler and an fp32 router"),
-              ("attention sublayer at one-token decode", "7", "4 launches (q/k/v/gate GEMV, q/k norms + RoPE + KV "
-               "write, attention + head norm and gate, o_proj + the residual norm)",
+              ("attention sublayer at one-token decode", "7", "3 launches (q/k/v/gate GEMV with each head's q/k "
+               "norms + RoPE + KV write in its last program, attention + head norm and gate, o_proj + the residual "
+               "norm)",
                "with a fused 16-bit q/k/v/gate weight and a static cache"),
               ("embedding stage at decode (one token per row)", "~18", "1 launch (the cache's next position, the "
                "rotary rows, the placeholder mask, the embedding and its two norms: musecore_triton decode_embed)",

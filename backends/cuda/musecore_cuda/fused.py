@@ -15,9 +15,10 @@ unpooler GEMV. :class:`FusedMoE` runs five:
 * the unpooler GEMV reading the experts' fp32 output and rounding it as it loads (the cast's bits, no cast kernel).
 
 ``musecore.model.Attention`` is six: the q/k/v/gate GEMV, the q/k norms and RoPE, the KV write, attention, the head
-norm and gate, o_proj. :class:`FusedAttention` runs four: the norms and RoPE write k and v straight into the static
-cache (``qk_norm_rope_kv_write``: the same bits there), and the head norm and gate run in the attention kernel's
-epilogue (``attention(gate=)``; after the merge when long contexts split the keys).
+norm and gate, o_proj. :class:`FusedAttention` runs three: the q/k/v/gate GEMV runs each q/k head's norms and RoPE in
+the last program to finish that head's rows, which writes k and v straight into the static cache
+(``dense_gemv.qkv_gemv_rope``, where the KV write puts them), and the head norm and gate run in the attention
+kernel's epilogue (``attention(gate=)``; after the merge when long contexts split the keys).
 
 :func:`fuse_embed` does the same for ``MuseModel.embed`` at decode (one token per row, any batch): ~18 launches
 (the cache's next position, the rotary rows, the placeholder mask, the embedding, two norms) become one
@@ -25,16 +26,16 @@ epilogue (``attention(gate=)``; after the merge when long contexts split the key
 
 Both blocks also fuse the ``residual_norm`` op the model applies after the block (``sublayer``, see
 ``Backend.fuse_block``): it runs in the last program of the block's final GEMV (o_proj, the unpooler;
-``dense_gemv(residual_norm=)``). A MoE sublayer is then five launches instead of ten, an attention sublayer four
-instead of seven: muse-small's decode step 294 -> 166.
+``dense_gemv(residual_norm=)``). A MoE sublayer is then five launches instead of ten, an attention sublayer three
+instead of seven: muse-small's decode step 294 -> 150 (133 with ``fuse_embed``).
 
 The last-program steps take a ticket on an int32 counter that each fused block owns (zeroed once here, reset by
 the kernel that used it), so one block's launches must not overlap one another: a block runs on one stream at a
 time, as a model's forward does.
 
 Numerics: every step computes the separate ops' values. Some sums may group their fp32 terms differently: the
-pre-expert and residual norms' (in the GEMV's two warps, not the norm kernels' four), the head norm's (in the
-attention kernel's tile) and the router's partials (another order than the op's split-K GEMV, about 1e-7 relative, so an
+pre-expert and residual norms' (in the GEMV's two warps, not the norm kernels' four), the q/k norms' (two warps, not
+one), the head norm's (in the attention kernel's tile) and the router's partials (another order than the op's split-K GEMV, about 1e-7 relative, so an
 expert choice can differ only where two ``score + bias`` values tie to that precision). ``test_cuda_fused.py``
 checks each block against its separate ops on the GPU.
 
@@ -60,9 +61,8 @@ import torch
 
 from musecore.model import Attention, MoE
 from musecore_triton.kernels.attention import attention
-from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv
+from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv, qkv_gemv_rope
 from musecore_triton.kernels.embed import model_decode_embed
-from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_pooler_one_launch
 
 FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
@@ -216,9 +216,9 @@ def _fuse_attention(block: Any) -> tuple[Optional["FusedAttention"], str]:
 
 class FusedAttention(_Fused):
     """``fused(a, positions, rope, cache)``: the attention block's output for one new token of one sequence through
-    a static cache layer of the model dtype (written as the separate ops write it), or None. Four launches instead
-    of six: the q/k/v/gate GEMV; the q/k norms and RoPE with the KV write (``qk_norm_rope_kv_write``); attention
-    with the head norm and gate in its epilogue (``attention(gate=)``); o_proj."""
+    a static cache layer of the model dtype (written as the separate ops write it), or None. Three launches instead
+    of six: the q/k/v/gate GEMV with the q/k norms, RoPE and the KV write in each head's last program
+    (``qkv_gemv_rope``); attention with the head norm and gate in its epilogue (``attention(gate=)``); o_proj."""
 
     __slots__ = ("in_proj", "o_proj")
 
@@ -227,7 +227,7 @@ class FusedAttention(_Fused):
         return block.in_proj, getattr(block.in_proj, "weight", None), block.o_proj
 
     def __init__(self, block: Any, in_proj: torch.Tensor, o_proj: torch.Tensor) -> None:
-        super().__init__(block, 1, in_proj.device)  # ticket: o_proj's residual norm
+        super().__init__(block, 1 + block.nq + block.nkv, in_proj.device)  # tickets: o_proj's, one per q/k head
         self.in_proj, self.o_proj = in_proj, o_proj
 
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any) -> Optional[torch.Tensor]:
@@ -249,11 +249,10 @@ class FusedAttention(_Fused):
         if not lc.static or lc.kv_format != "bf16" or lc.k.dtype != a.dtype:
             return None
         nq, nkv, d = block.nq, block.nkv, block.d
-        y = dense_gemv(a.reshape(1, -1), in_proj).view(1, 1, -1, d)  # [1,1, nq + 2 nkv + nq, d]
-        q, k, v, gate = y.split_with_sizes([nq, nkv, nkv, nq], -2)
         cos, sin = rope if block.rope else (None, None)  # NoPE on the full-attention layers
-        q = qk_norm_rope_kv_write(q, k, v, cos, sin, block.eps, block.q_scale, lc.k, lc.v, lc.positions, positions,
-                                  lc.capacity, lc.ring)
+        y, q = qkv_gemv_rope(a.reshape(1, -1), in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v,
+                             lc.positions, positions, lc.capacity, lc.ring, self.counters[1:])
+        gate = y.view(1, 1, -1, d)[:, :, nq + 2 * nkv:]  # [1,1, nq + 2 nkv + nq, d]: q, k, v, gate heads
         view = lc.stored()
         o = attention(q, view.k, view.v, positions, view.positions, block.window, block.scale, gate=(gate, block.eps))
         return _unpool(o.reshape(1, nq * d), self.o_proj, a.shape, then, self.counters[0])

@@ -1,5 +1,5 @@
 """The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 5 launches
-instead of 10, attention 4 instead of 7) against the separate ops on the GPU, the inputs they are not bound for, and
+instead of 10, attention 3 instead of 7) against the separate ops on the GPU, the inputs they are not bound for, and
 their switch."""
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def test_the_switch_turns_fusion_off(model, monkeypatch):
 
 @pytest.mark.gpu
 def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_cache(model):
-    """Sliding RoPE and full NoPE layers, two positions: the output within TOLERANCE of the separate ops (the head
-    norm's sum is grouped differently), the cache's k, v and positions bit for bit, two fewer launches."""
+    """Sliding RoPE and full NoPE layers, two positions: the output and the cache's k within TOLERANCE of the separate
+    ops (the head norm's and the q/k norms' sums are grouped differently), the cache's v and positions bit for bit,
+    three fewer launches."""
     prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -100,7 +101,9 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
                 err = nmse(want.float(), got.float())
                 assert err <= TOLERANCE, f"layer {block.layer} at {position}: NMSE {err:.3g} > {TOLERANCE:g}"
                 mine, theirs = caches[0][block.layer], caches[1][block.layer]
-                for name in ("k", "v", "positions"):
+                err = nmse(theirs.k.float(), mine.k.float())
+                assert err <= TOLERANCE, f"layer {block.layer} at {position}: cache k NMSE {err:.3g} > {TOLERANCE:g}"
+                for name in ("v", "positions"):
                     assert torch.equal(getattr(mine, name), getattr(theirs, name)), \
                         f"layer {block.layer} at {position}: the caches' {name} differ"
         block = fused_blocks(model, "attention")[0]
@@ -108,7 +111,7 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
         rope = model.rope(positions)
         fused_n = kernels(lambda: block.fused(a, positions, rope, caches[0]))
         separate_n = kernels(lambda: through_separate_ops(block, a, positions, rope, caches[1]))
-        assert fused_n == separate_n - 2, f"{fused_n} launches fused, {separate_n} separate"
+        assert fused_n == separate_n - 3, f"{fused_n} launches fused, {separate_n} separate"
         assert block.fused(torch.cat([a, a], 1), positions.repeat(1, 2), model.rope(positions.repeat(1, 2)),
                            caches[0]) is None  # two tokens: the separate ops
         assert block.fused(a, positions, rope, model.new_cache(1, 64)) is None  # a dynamic cache
@@ -118,7 +121,7 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
 def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
     """``MuseModel.attention_sublayer`` / ``feedforward_sublayer`` through the fused blocks' ``sublayer`` (the residual
     norm in the last GEMV's last program): the pair (residual', normed) within TOLERANCE of the separate ops, the
-    caches bit for bit, and 4 launches for 7 (attention), 5 for 10 (MoE)."""
+    caches' v bit for bit and k within TOLERANCE, and 3 launches for 7 (attention), 5 for 10 (MoE)."""
     prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -137,7 +140,8 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
                 err = nmse(w.float(), g.float())
                 assert g.shape == w.shape and g.dtype == w.dtype and err <= TOLERANCE, \
                     f"layer {i} attention sublayer {name}: NMSE {err:.3g} > {TOLERANCE:g}"
-            assert torch.equal(caches[0][i].k, caches[1][i].k) and torch.equal(caches[0][i].v, caches[1][i].v)
+            err = nmse(caches[1][i].k.float(), caches[0][i].k.float())
+            assert err <= TOLERANCE and torch.equal(caches[0][i].v, caches[1][i].v), f"layer {i}: cache k NMSE {err:.3g}"
             if not isinstance(layer.mlp, MoE):
                 continue
             got = model.feedforward_sublayer(i, x, a)
@@ -154,7 +158,7 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
         fused_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[0]))
         with separate_ops(model):
             separate_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[1]))
-        assert (fused_n, separate_n) == (4, 7), f"attention sublayer: {fused_n} launches fused, {separate_n}"
+        assert (fused_n, separate_n) == (3, 7), f"attention sublayer: {fused_n} launches fused, {separate_n}"
         moe = fused_blocks(model, "moe")[0]
         assert moe.fused.sublayer(torch.zeros(1, 1, H, device="cuda"), (None,) * 6, x) is None  # fp32 residual
 

@@ -152,3 +152,37 @@ def test_qk_norm_rope_kv_write_gives_the_cache_of_the_two_ops(ring, position, ro
     assert torch.equal(got_q, want_q)
     for name, want, got in zip(("k", "v", "positions"), caches[0], caches[1]):
         assert torch.equal(want, got), f"cache {name} differs (ring={ring}, position {position})"
+
+
+@pytest.mark.parametrize("nq,nkv,d,k,ring,rope", [(4, 2, 32, 64, False, True), (6, 1, 64, 200, True, True),
+                                                  (4, 2, 32, 96, False, False)])
+def test_qkv_gemv_rope_gives_the_gemv_then_qk_norm_rope_kv_write(nq, nkv, d, k, ring, rope):
+    """``qkv_gemv_rope``: the fused q/k/v/gate GEMV whose heads' last programs run the q/k norms, RoPE and the KV
+    write: the same projection, the same normed q and cache as ``dense_gemv`` then ``qk_norm_rope_kv_write`` (the
+    norms' sums may group differently in another number of warps on a GPU: q and k within the op tolerance, exact
+    in the interpreter), launch after launch, the head tickets given back at zero."""
+    from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_gemv_rope
+    capacity, dtype = 8, torch.float16
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    w = (torch.randn((2 * nq + 2 * nkv) * d, k, device=DEVICE) * 0.1).to(dtype)
+    cos, sin = rope_tables(1, 1, d) if rope else (None, None)
+    counters = torch.zeros(nq + nkv, 1, dtype=torch.int32, device=DEVICE)
+    want_y = dense_gemv(x, w)
+    q, kk, v, _ = want_y.view(1, 1, -1, d).split_with_sizes([nq, nkv, nkv, nq], -2)
+    for position in (5, 11):
+        pos = torch.tensor([[position]], device=DEVICE)
+        caches = [[torch.randn(1, capacity + 1, nkv, d, device=DEVICE).half() for _ in range(2)]
+                  + [torch.randint(-1, 9, (1, capacity + 1), device=DEVICE)] for _ in range(2)]
+        caches[1] = [c.clone() for c in caches[0]]
+        want_q = norms.qk_norm_rope_kv_write(q, kk, v, cos, sin, 1e-6, 0.7, *caches[0], pos, capacity, ring)
+        y, got_q = qkv_gemv_rope(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters)
+        assert torch.equal(y, want_y), "the projection differs from dense_gemv's"
+        assert counters.eq(0).all(), f"position {position}: tickets left at {counters.flatten().tolist()}"
+        assert_nmse(want_q, got_q, tolerance("qk_norm_rope"), f"q, nq={nq} nkv={nkv} d={d} position {position}")
+        assert_nmse(caches[0][0], caches[1][0], tolerance("qk_norm_rope"), f"cache k, position {position}")
+        for name, want, got in zip(("v", "positions"), caches[0][1:], caches[1][1:]):
+            assert torch.equal(want, got), f"cache {name} differs (ring={ring}, position {position})"
+    with pytest.raises(ValueError, match="int32 counters"):
+        qkv_gemv_rope(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters.long())
+    with pytest.raises(ValueError, match="qkv_gemv_rope takes"):
+        qkv_gemv_rope(x, w[:-d], nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters)

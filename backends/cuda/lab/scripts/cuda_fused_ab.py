@@ -5,7 +5,9 @@ every block's separate ops (session 43, issue 26 item 3); and ``stepped``: the f
 greedy steps as the decode graph's replay plus its position update and argmax launched beside it (before session 48's
 ``GreedyGraphStep`` took them into the graph); ``embed_ops``: the fused blocks with the embedding stage through its
 ops (before session 48's ``fuse_embed``); ``no_warm``: the fused blocks without the L2 prefetch of the GEMV tails'
-row-op weights (``hooks.l2_warm``, session 49). Same random weights, same prompt, alternated ``--rounds`` times.
+row-op weights (``hooks.l2_warm``, session 49); ``rope_apart``: the fused blocks with the q/k norms, RoPE and the KV
+write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_gemv_rope``). Same random weights,
+same prompt, alternated ``--rounds`` times.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
 """
@@ -23,15 +25,25 @@ from musecore.model import separate_ops
 from musecore_cuda import fused
 from musecore_triton import hooks
 from musecore_triton.kernels.dense_gemv import dense_gemv
+from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "no_warm", "embed_ops", "stepped", "apart", "separate")
+MODES = ("fused", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
     """``router_pooler_one_launch`` as the two launches it replaced."""
     weights, ids = router_topk_one_launch(x, weight, bias, k, multiplier, scaling, counters[0])
     return weights, ids, dense_gemv(x, pooler, norm=(norm_weight, eps, counters[1]))
+
+
+def gemv_then_rope(x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v, cache_pos, pos_new, capacity, ring,
+                   counters):
+    """``qkv_gemv_rope`` as the two launches it replaced."""
+    y = dense_gemv(x, w)
+    q, k, v, _ = y.view(1, 1, -1, cache_k.shape[-1]).split_with_sizes([nq, nkv, nkv, nq], -2)
+    return y, qk_norm_rope_kv_write(q, k, v, cos, sin, eps, q_scale, cache_k, cache_v, cache_pos, pos_new, capacity,
+                                    ring)
 
 
 @contextlib.contextmanager
@@ -57,6 +69,13 @@ def mode_of(model, mode: str):
             yield
         finally:
             hooks._l2_warm = warm
+    elif mode == "rope_apart":
+        one = fused.qkv_gemv_rope
+        fused.qkv_gemv_rope = gemv_then_rope
+        try:
+            yield
+        finally:
+            fused.qkv_gemv_rope = one
     elif mode == "apart":
         one = fused.router_pooler_one_launch
         fused.router_pooler_one_launch = router_then_pooler

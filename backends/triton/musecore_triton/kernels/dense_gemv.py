@@ -133,6 +133,66 @@ def last_ticket(count_ptr, programs):
     return last
 
 
+@triton.jit
+def qkv_gemv_rope_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, cv_ptr,
+                         cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, NQ: tl.constexpr, NKV: tl.constexpr,
+                         D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr):
+    """:func:`gemv_program` over rows ``q | k | v | gate`` (heads of ``D``), then each head's last program to take
+    its ticket runs :func:`norms.qk_norm_rope_row` on that head (a k head's ticket counts its v rows too)."""
+    pid = tl.program_id(0)
+    gemv_program(pid, tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w_ptr, x_ptr, y_ptr, N, K, stride_w, 0, 1,
+                 count_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, 0.0, 0.0, BLOCK_N, BLOCK_K, False, False,
+                 PDL, EARLY, ROUND_X, 0, False, False, 1, False)
+    head = pid * BLOCK_N // D  # q heads 0 .. NQ-1, k heads NQ .., v heads NQ + NKV .., then the gate rows
+    if head < NQ + 2 * NKV:
+        if head >= NQ + NKV:
+            head -= NKV
+        tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
+        if last_ticket(count_ptr + head, tl.where(head < NQ, 1, 2) * (D // BLOCK_N)):
+            norms.qk_norm_rope_row(head.to(tl.int64), y_ptr, y_ptr + NQ * D, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, NQ,
+                                   NQ, NKV, N, N, eps, q_scale, y_ptr + (NQ + NKV) * D, cv_ptr, cpos_ptr, pos_ptr, 1,
+                                   N, slots, capacity, D, ROPE, True, RING)
+
+
+def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, eps: float, q_scale: float, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                  cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool, counters: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's fused q/k/v/gate projection ``x [1,K] @ w.T`` (w's rows: nq q heads, nkv k heads, nkv v heads, nq
+    gate heads, of the cache's head dim d) and :func:`norms.qk_norm_rope_kv_write` on its q/k/v heads, in one launch:
+    each head's step runs in the last program to finish its rows, so heads overlap the rest of the GEMV and one
+    dependent launch per attention block goes. Returns the raw projection ``y [1, N]`` (attention reads its gate
+    rows) and the normed q ``[1, 1, nq, d]``; k and v go into the static cache as the KV write puts them.
+
+    ``counters``: ``nq + nkv`` int32 zeros (one ticket per q head and per k head, each reset by the program that
+    drew its last), owned by one call site whose launches do not overlap."""
+    d = cache_k.shape[-1]
+    n, k = w.shape
+    if x.shape != (1, k) or x.dtype not in (w.dtype, torch.float32) or w.stride(1) != 1 \
+            or w.dtype not in (torch.bfloat16, torch.float16) or n != 2 * (nq + nkv) * d or d % BLOCK_N \
+            or d & (d - 1):
+        raise ValueError(f"qkv_gemv_rope takes x [1,K] and a row-major 16-bit w [2 (nq + nkv) d, K] with a "
+                         f"power-of-two head dim d; got x {x.dtype} {list(x.shape)}, w {w.dtype} {list(w.shape)}, "
+                         f"nq {nq}, nkv {nkv}, d {d}")
+    if counters.dtype != torch.int32 or counters.numel() < nq + nkv or not counters.is_contiguous():
+        raise ValueError(f"qkv_gemv_rope needs {nq + nkv} contiguous int32 counters; got {counters.dtype} "
+                         f"{list(counters.shape)}")
+    y = torch.empty(1, n, dtype=w.dtype, device=x.device)
+    q, k_new, v = y.view(1, 1, -1, d)[:, :, :nq + 2 * nkv].split_with_sizes([nq, nkv, nkv], -2)
+    norms.check_kv_write("qkv_gemv_rope", q, k_new, v, cache_k, cache_v, cache_pos, pos_new, capacity)
+    rows = norms.rope_rows("qkv_gemv_rope", cos, sin, 1, 1, d)
+    q_out = torch.empty(1, 1, nq, d, dtype=w.dtype, device=x.device)
+    block_n, block_k = gemv_blocks(k)
+    qkv_gemv_rope_kernel[(triton.cdiv(n, block_n),)](
+        x.contiguous(), w, y, n, k, w.stride(0), counters, *(rows or (q_out, q_out)), q_out, cache_k, cache_v,
+        cache_pos, pos_new.contiguous(), capacity + 1, capacity, eps, q_scale, NQ=nq, NKV=nkv, D=d,
+        ROPE=rows is not None, RING=ring, BLOCK_N=block_n, BLOCK_K=block_k, ROUND_X=x.dtype != w.dtype,
+        num_warps=NUM_WARPS, EARLY=hooks.early_trigger(x.device, "dense_gemv"),
+        **hooks.launch_options(x.device, "dense_gemv"))
+    return y, q_out
+
+
 def gemv_blocks(k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): the sweep's best fixed cut, K in one chunk up to ``MAX_BLOCK_K`` columns."""
     return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K)

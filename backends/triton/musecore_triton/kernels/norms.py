@@ -127,15 +127,25 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, 
                         q_scale, v_ptr, cv_ptr, cpos_ptr, pos_ptr, T, v_stride, slots, capacity, D: tl.constexpr,
                         ROPE: tl.constexpr, PDL: tl.constexpr, WRITE_KV: tl.constexpr = False,
                         RING: tl.constexpr = False):
-    """q's head rows then k's, one launch. Inputs may be slices of a fused projection: token
-    ``bt``'s heads start at ``bt * stride`` (heads contiguous within it); outputs are contiguous.
+    """q's head rows then k's, one launch, one row per program (:func:`qk_norm_rope_row`)."""
+    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    qk_norm_rope_row(tl.program_id(0).to(tl.int64), q_ptr, k_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, nq, nkv,
+                     q_stride, k_stride, eps, q_scale, v_ptr, cv_ptr, cpos_ptr, pos_ptr, T, v_stride, slots, capacity,
+                     D, ROPE, WRITE_KV, RING)
+
+
+@triton.jit
+def qk_norm_rope_row(row, q_ptr, k_ptr, cos_ptr, sin_ptr, qy_ptr, ky_ptr, q_rows, nq, nkv, q_stride, k_stride, eps,
+                     q_scale, v_ptr, cv_ptr, cpos_ptr, pos_ptr, T, v_stride, slots, capacity, D: tl.constexpr,
+                     ROPE: tl.constexpr, WRITE_KV: tl.constexpr, RING: tl.constexpr):
+    """Head row ``row``: q rows first (``(b*T + t) * nq + h`` below ``q_rows``), then k's. Inputs may be slices of a
+    fused projection: token ``bt``'s heads start at ``bt * stride`` (heads contiguous within it); outputs are
+    contiguous.
 
     ``WRITE_KV``: the k rows go straight into a static cache ``ky [B, slots, nkv, D]`` at their position's slot
     (``kv_cache.static_slot``), with the new v rows (``cv``) and positions (``cpos``) beside them, as the KV write
     kernel places them."""
-    hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
-    row = tl.program_id(0).to(tl.int64)
-    if row < q_rows:  # (b*T + t) * nq + h
+    if row < q_rows:
         bt = row // nq
         x, x_rot, cos, sin = _norm_rope_inputs(q_ptr, cos_ptr, sin_ptr, bt * q_stride + (row % nq) * D, bt, D, ROPE)
         _norm_rope_out(x, x_rot, cos, sin, qy_ptr, row * D, eps, q_scale, D, ROPE)
@@ -255,17 +265,39 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     """:func:`qk_norm_rope` then :func:`musecore.kv_cache.write_static` of the normed k and of v, in one launch: the
     same bits in the cache (k/v rows in the cache's dtype, a static cache's ``[B, capacity + 1, nkv, d]`` buffers and
     long positions); returns the normed q. ``q``/``k``/``v`` may be slices of a fused projection."""
+    check_kv_write("qk_norm_rope_kv_write", q, k, v, cache_k, cache_v, cache_pos, pos_new, capacity)
+    v, v_stride = _token_rows(v, k.shape[2] * k.shape[3])
+    return _qk_norm_rope("qk_norm_rope_kv_write", q, k, cos, sin, eps, q_scale, cache_k,
+                         (v, cache_v, cache_pos, pos_new.contiguous(), v_stride, capacity + 1, capacity, ring))
+
+
+def check_kv_write(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                   cache_v: torch.Tensor, cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int) -> None:
+    """The KV write's operands: k/v ``[B,T,nkv,d]`` in the cache's dtype, a static cache's contiguous ``[B, capacity
+    + 1, nkv, d]`` buffers and long positions ``[B, capacity + 1]``, the new positions ``[B,T]``."""
     B, T, nkv, d = k.shape
     if v.shape != k.shape or cache_k.shape != (B, capacity + 1, nkv, d) \
             or cache_v.shape != cache_k.shape or k.dtype != cache_k.dtype or v.dtype != cache_v.dtype \
             or cache_pos.shape != (B, capacity + 1) or cache_pos.dtype != torch.long or pos_new.shape != (B, T) \
             or not (cache_k.is_contiguous() and cache_v.is_contiguous() and cache_pos.is_contiguous()):
-        raise ValueError(f"qk_norm_rope_kv_write needs k/v [B,T,nkv,d] in the cache's dtype and a static cache's "
+        raise ValueError(f"{name} needs k/v [B,T,nkv,d] in the cache's dtype and a static cache's "
                          f"contiguous buffers; got q {list(q.shape)}, k {k.dtype} {list(k.shape)}, v {list(v.shape)}, "
                          f"cache {cache_k.dtype} {list(cache_k.shape)}, capacity {capacity}")
-    v, v_stride = _token_rows(v, nkv * d)
-    return _qk_norm_rope("qk_norm_rope_kv_write", q, k, cos, sin, eps, q_scale, cache_k,
-                         (v, cache_v, cache_pos, pos_new.contiguous(), v_stride, capacity + 1, capacity, ring))
+
+
+def rope_rows(name: str, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], B: int, T: int, d: int
+              ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(cos, sin)`` as contiguous ``[B,T,d]`` (a table may broadcast to it: one row set for the whole batch), or
+    None for a NoPE layer (neither given)."""
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{name}: give both cos and sin (a RoPE layer) or neither (a NoPE layer)")
+    if cos is None:
+        return None
+    try:
+        return cos.expand(B, T, d).contiguous(), sin.expand(B, T, d).contiguous()
+    except RuntimeError as exc:
+        raise ValueError(f"{name}: cos/sin must broadcast to [B,T,d] = {[B, T, d]}; got "
+                         f"{list(cos.shape)}, {list(sin.shape)}") from exc
 
 
 def _qk_norm_rope(name: str, q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor],
@@ -279,19 +311,11 @@ def _qk_norm_rope(name: str, q: torch.Tensor, k: torch.Tensor, cos: Optional[tor
     nkv = k.shape[2]
     if k.shape[:2] != (B, T) or k.shape[3] != d:
         raise ValueError(f"{name}: q {list(q.shape)} and k {list(k.shape)} need the same B, T and head dim")
-    if (cos is None) != (sin is None):
-        raise ValueError(f"{name}: give both cos and sin (a RoPE layer) or neither (a NoPE layer)")
-    rope = cos is not None
-    if rope:  # [B,T,d], or a table that broadcasts to it (one row set for the whole batch)
-        try:
-            cos, sin = cos.expand(B, T, d), sin.expand(B, T, d)
-        except RuntimeError as exc:
-            raise ValueError(f"{name}: cos/sin must broadcast to [B,T,d] = {[B, T, d]}; got "
-                             f"{list(cos.shape)}, {list(sin.shape)}") from exc
+    rows = rope_rows(name, cos, sin, B, T, d)
     (q, q_stride), (k, k_stride) = _token_rows(q, nq * d), _token_rows(k, nkv * d)
     q_out = torch.empty(B, T, nq, d, dtype=q.dtype, device=q.device)
     if B * T:
-        cos, sin = (cos.contiguous(), sin.contiguous()) if rope else (q_out, q_out)  # placeholders when NoPE
+        cos, sin = rows or (q_out, q_out)  # placeholders when NoPE
         if cache is None:
             kv_args, kv_flags = (*(q_out,) * 4, T, 0, 0, 0), {}
         else:
@@ -299,8 +323,8 @@ def _qk_norm_rope(name: str, q: torch.Tensor, k: torch.Tensor, cos: Optional[tor
             kv_args, kv_flags = (v, cache_v, cache_pos, pos_new, T, v_stride, slots, capacity), dict(WRITE_KV=True,
                                                                                                       RING=ring)
         qk_norm_rope_kernel[(B * T * (nq + nkv),)](q, k, cos, sin, q_out, k_out, B * T * nq, nq, nkv, q_stride,
-                                                   k_stride, eps, q_scale, *kv_args, D=d, ROPE=rope, **kv_flags,
-                                                   **_warps("qk_norm_rope"),
+                                                   k_stride, eps, q_scale, *kv_args, D=d, ROPE=rows is not None,
+                                                   **kv_flags, **_warps("qk_norm_rope"),
                                                    **hooks.launch_options(q.device, "qk_norm_rope"))
     return q_out
 
