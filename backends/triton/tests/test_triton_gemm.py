@@ -70,10 +70,12 @@ def test_repack_puts_element_j_and_j_plus_64_in_one_byte():
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
-@pytest.mark.parametrize("n,k,blocks", [(37, 100, None), (130, 257, (4, 128)), (64, 2100, None), (9, 64, (1, 64)),
-                                        (50, 1536, (16, 512))])
+@pytest.mark.parametrize("n,k,blocks", [(37, 100, None), (130, 257, (4, 128, 0)), (130, 257, (4, 128, 257)),
+                                        (64, 2100, None), (64, 2100, (2, 1024, 0)), (9, 64, (1, 64, 0)),
+                                        (50, 1536, (16, 512, 0)), (50, 1536, (2, 512, 1536))])
 def test_dense_gemv_matches_reference(dtype, n, k, blocks):
-    """Partial row blocks, K not a power of two, K beyond one chunk (2100 > 2048), one row per program."""
+    """Partial row blocks, K not a power of two, K beyond one chunk (2100 > 2048, and in unrolled chunks:
+    ``K_STATIC``, the default up to ``UNROLL_MAX_CHUNKS``), one row per program."""
     x = torch.randn(1, k, device=DEVICE).to(dtype)
     w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
     got = dense_gemv(x, w, blocks=blocks)

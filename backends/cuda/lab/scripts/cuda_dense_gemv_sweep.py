@@ -49,7 +49,9 @@ def decode_shapes() -> dict[str, tuple[int, int]]:
 
 
 SHAPES = decode_shapes()
-CONFIGS = [(bn, bk, nw) for bn in (1, 2, 4, 8, 16) for bk in (512, 1024, 2048) for nw in (2, 4, 8)]
+# (BLOCK_N, BLOCK_K, warps, K's chunks unrolled: dense_gemv's K_STATIC, session 50)
+CONFIGS = [(bn, bk, nw, u) for bn in (1, 2, 4, 8) for bk in (256, 512, 1024, 2048) for nw in (2, 4)
+           for u in (False, True)]
 
 
 def main() -> None:
@@ -70,25 +72,26 @@ def main() -> None:
         want = x.float() @ w0.float().T
         ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
         t_cublas = time_us(cycle(ws, lambda w: F.linear(x, w))) / len(ws)
-        auto = gemv_blocks(k)
+        bn0, bk0, ks0 = gemv_blocks(k)
+        auto = (bn0, bk0, NUM_WARPS, ks0)
         timed = {}
-        for bn, bk, nw in CONFIGS + [(*auto, NUM_WARPS)]:
-            if bn * bk > 16384 or (bn, bk, nw) in timed:
+        for bn, bk, nw, ks in [(bn, bk, nw, k if u else 0) for bn, bk, nw, u in CONFIGS] + [auto]:
+            if bn * bk > 16384 or (bn, bk, nw, ks) in timed or (ks and not bk < k <= 16 * bk):
                 continue
-            got = dense_gemv(x, w0, blocks=(bn, bk), num_warps=nw).float()
+            got = dense_gemv(x, w0, blocks=(bn, bk, ks), num_warps=nw).float()
             err = nmse(want, got)
             if err > tolerance("linear"):
-                raise AssertionError(f"{name} BLOCK_N={bn} BLOCK_K={bk} warps={nw}: NMSE {err:.2e} > "
+                raise AssertionError(f"{name} BLOCK_N={bn} BLOCK_K={bk} warps={nw} K_STATIC={ks}: NMSE {err:.2e} > "
                                      f"{tolerance('linear')}")
-            timed[(bn, bk, nw)] = time_us(cycle(ws, lambda w, c=(bn, bk), nw=nw: dense_gemv(x, w, blocks=c,
-                                                                                          num_warps=nw))) / len(ws)
+            timed[(bn, bk, nw, ks)] = time_us(cycle(ws, lambda w, c=(bn, bk, ks), nw=nw: dense_gemv(
+                x, w, blocks=c, num_warps=nw))) / len(ws)
         best = min(timed, key=timed.get)
-        t_auto = timed[(*auto, NUM_WARPS)]
+        t_auto = timed[auto]
         mb = n * k * 2 / 1e6
-        print(f"{name:24} {mb:7.1f} {t_cublas:9.2f} {t_auto:8.2f} {str((*auto, NUM_WARPS)):>14} {timed[best]:8.2f} "
+        print(f"{name:24} {mb:7.1f} {t_cublas:9.2f} {t_auto:8.2f} {str(auto):>14} {timed[best]:8.2f} "
               f"{str(best):>14} {t_cublas / t_auto:10.2f}x")
         rows.append({"shape": name, "N": n, "K": k, "weight_bytes": n * k * 2, "cublas_us": t_cublas,
-                     "auto": list(auto) + [NUM_WARPS], "auto_us": t_auto, "best": list(best), "best_us": timed[best],
+                     "auto": list(auto), "auto_us": t_auto, "best": list(best), "best_us": timed[best],
                      "cublas_pct_ceiling": 100 * n * k * 2 / t_cublas / 1e3 / ceiling,
                      "auto_pct_ceiling": 100 * n * k * 2 / t_auto / 1e3 / ceiling,
                      "all": {str(c): t for c, t in timed.items()}})

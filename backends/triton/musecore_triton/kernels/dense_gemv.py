@@ -20,6 +20,7 @@ from musecore_triton import hooks
 from musecore_triton.kernels import norms
 
 MAX_BLOCK_K = 2048
+UNROLL_K, UNROLL_BLOCK_K, UNROLL_MAX_CHUNKS = True, 512, 8
 DENSE_GEMV_MAX_BYTES = 64 << 20
 BLOCK_N, NUM_WARPS = 2, 2
 
@@ -36,12 +37,12 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
                       PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr = False,
                       EPILOGUE: tl.constexpr = 0, HAS_POST: tl.constexpr = False, HAS_NEXT: tl.constexpr = False,
-                      BLOCK_NORM: tl.constexpr = 1, WARM: tl.constexpr = False):
+                      BLOCK_NORM: tl.constexpr = 1, WARM: tl.constexpr = False, K_STATIC: tl.constexpr = 0):
     """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1`` (:func:`gemv_program`)."""
     gemv_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K,
                  stride_w, stride_e, a_div, count_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr,
                  new_res_ptr, normed_ptr, post_eps, eps, BLOCK_N, BLOCK_K, EXPERTS, SWIGLU, PDL, EARLY, ROUND_X,
-                 EPILOGUE, HAS_POST, HAS_NEXT, BLOCK_NORM, WARM)
+                 EPILOGUE, HAS_POST, HAS_NEXT, BLOCK_NORM, WARM, K_STATIC)
 
 
 @triton.jit
@@ -49,7 +50,8 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
                  res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr, post_eps, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
                  PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr, EPILOGUE: tl.constexpr,
-                 HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr, WARM: tl.constexpr):
+                 HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr, WARM: tl.constexpr,
+                 K_STATIC: tl.constexpr = 0):
     """Output rows ``BLOCK_N * pid ..`` of GEMV number ``a``: one token's ``x`` row against one weight; ``programs``
     row blocks of this GEMV make up the launch (the one that draws the last ticket runs the ``EPILOGUE`` row op).
 
@@ -60,7 +62,9 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
     With ``PDL`` (dependent launch, :mod:`musecore_triton.hooks`) a plain GEMV loads its first weight chunk before it
     waits for the kernel before it; with ``EXPERTS`` the expert id is an input, so it waits first. With ``WARM``
     (``hooks.l2_warm``) each program prefetches its rows' slice of the row op's weights into L2 first: the last
-    program, the launch's serial tail, then reads them from L2 (in a decode graph they were last read a step ago)."""
+    program, the launch's serial tail, then reads them from L2 (in a decode graph they were last read a step ago).
+
+    ``K_STATIC`` (K itself, or 0) unrolls the loop over K's ``BLOCK_K`` chunks (:func:`gemv_blocks`)."""
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     if WARM and EPILOGUE == 1:
@@ -78,27 +82,27 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
         w_ptr += e * stride_e
         w2_ptr += e * stride_e
     x_ptr += (a // a_div).to(tl.int64) * K
-    offs = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs
-        kmask = kk < K
-        wo = rows[:, None].to(tl.int64) * stride_w + kk[None, :]
-        wm = rmask[:, None] & kmask[None, :]
-        wv = tl.load(w_ptr + wo, mask=wm, other=0.0).to(tl.float32)
-        if SWIGLU:
-            w2v = tl.load(w2_ptr + wo, mask=wm, other=0.0).to(tl.float32)
-        if not EXPERTS:  # after the first chunk's weight loads; a no-op once the kernel before has finished
+    if K_STATIC:  # K's chunks unrolled: every chunk's weights in flight before the wait, no [BLOCK_N, K] fp32 tile
+        ws = ()
+        w2s = ()
+        for c in tl.static_range((K_STATIC + BLOCK_K - 1) // BLOCK_K):
+            wv, w2v = _chunk_weights(c * BLOCK_K, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K, SWIGLU)
+            ws = ws + (wv,)
+            w2s = w2s + (w2v,)
+        if not EXPERTS:
             hooks.pdl_launch_dependents(EARLY)
             hooks.pdl_wait(PDL)
-        x = tl.load(x_ptr + kk, mask=kmask, other=0.0)
-        if ROUND_X:
-            x = x.to(w_ptr.dtype.element_ty)
-        x = x.to(tl.float32)[None, :]
-        acc += wv * x
-        if SWIGLU:
-            acc2 += w2v * x
+        for c in tl.static_range((K_STATIC + BLOCK_K - 1) // BLOCK_K):
+            acc, acc2 = _chunk_products(acc, acc2, ws[c], w2s[c], c * BLOCK_K, x_ptr, K, BLOCK_K, SWIGLU, ROUND_X)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            wv, w2v = _chunk_weights(k0, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K, SWIGLU)
+            if not EXPERTS:  # after the first chunk's weight loads; a no-op once the kernel before has finished
+                hooks.pdl_launch_dependents(EARLY)
+                hooks.pdl_wait(PDL)
+            acc, acc2 = _chunk_products(acc, acc2, wv, w2v, k0, x_ptr, K, BLOCK_K, SWIGLU, ROUND_X)
     hooks.pdl_wait(PDL)  # (a no-op after the first; K = 0 runs no chunk)
     y = tl.sum(acc, axis=1)
     if SWIGLU:
@@ -120,6 +124,35 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
 
 
 @triton.jit
+def _chunk_weights(k0, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weights of K's chunk at ``k0`` (and the up stack's with ``SWIGLU``), as stored."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    wo = rows[:, None].to(tl.int64) * stride_w + kk[None, :]
+    wm = rmask[:, None] & (kk < K)[None, :]
+    wv = tl.load(w_ptr + wo, mask=wm, other=0.0)
+    w2v = wv
+    if SWIGLU:
+        w2v = tl.load(w2_ptr + wo, mask=wm, other=0.0)
+    return wv, w2v
+
+
+@triton.jit
+def _chunk_products(acc, acc2, wv, w2v, k0, x_ptr, K, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
+                    ROUND_X: tl.constexpr):
+    """``acc (+ acc2) += w (w2) * x`` over K's chunk at ``k0``, in fp32; x rounded to w's dtype first with
+    ``ROUND_X``."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+    if ROUND_X:
+        x = x.to(wv.dtype)
+    x = x.to(tl.float32)[None, :]
+    acc += wv.to(tl.float32) * x
+    if SWIGLU:
+        acc2 += w2v.to(tl.float32) * x
+    return acc, acc2
+
+
+@triton.jit
 def last_ticket(count_ptr, programs):
     """Whether this program is the last of ``programs`` to take a ticket on the int32 ``count``: an acq_rel add (this
     program's stores released before it; in the last program every earlier program's stores visible after it), and
@@ -137,13 +170,14 @@ def last_ticket(count_ptr, programs):
 def qkv_gemv_rope_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, cv_ptr,
                          cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, NQ: tl.constexpr, NKV: tl.constexpr,
                          D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr):
+                         BLOCK_K: tl.constexpr, K_STATIC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                         ROUND_X: tl.constexpr):
     """:func:`gemv_program` over rows ``q | k | v | gate`` (heads of ``D``), then each head's last program to take
     its ticket runs :func:`norms.qk_norm_rope_row` on that head (a k head's ticket counts its v rows too)."""
     pid = tl.program_id(0)
     gemv_program(pid, tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w_ptr, x_ptr, y_ptr, N, K, stride_w, 0, 1,
                  count_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, 0.0, 0.0, BLOCK_N, BLOCK_K, False, False,
-                 PDL, EARLY, ROUND_X, 0, False, False, 1, False)
+                 PDL, EARLY, ROUND_X, 0, False, False, 1, False, K_STATIC)
     head = pid * BLOCK_N // D  # q heads 0 .. NQ-1, k heads NQ .., v heads NQ + NKV .., then the gate rows
     if head < NQ + 2 * NKV:
         if head >= NQ + NKV:
@@ -183,27 +217,33 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
     norms.check_kv_write("qkv_gemv_rope", q, k_new, v, cache_k, cache_v, cache_pos, pos_new, capacity)
     rows = norms.rope_rows("qkv_gemv_rope", cos, sin, 1, 1, d)
     q_out = torch.empty(1, 1, nq, d, dtype=w.dtype, device=x.device)
-    block_n, block_k = gemv_blocks(k)
+    block_n, block_k, k_static = gemv_blocks(k)
     qkv_gemv_rope_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), w, y, n, k, w.stride(0), counters, *(rows or (q_out, q_out)), q_out, cache_k, cache_v,
         cache_pos, pos_new.contiguous(), capacity + 1, capacity, eps, q_scale, NQ=nq, NKV=nkv, D=d,
-        ROPE=rows is not None, RING=ring, BLOCK_N=block_n, BLOCK_K=block_k, ROUND_X=x.dtype != w.dtype,
+        ROPE=rows is not None, RING=ring, BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
+        ROUND_X=x.dtype != w.dtype,
         num_warps=NUM_WARPS, EARLY=hooks.early_trigger(x.device, "dense_gemv"),
         **hooks.launch_options(x.device, "dense_gemv"))
     return y, q_out
 
 
-def gemv_blocks(k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): the sweep's best fixed cut, K in one chunk up to ``MAX_BLOCK_K`` columns."""
-    return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K)
+def gemv_blocks(k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, K_STATIC): the sweep's best fixed cut. With ``UNROLL_K``, K in up to ``UNROLL_MAX_CHUNKS``
+    unrolled chunks of ``UNROLL_BLOCK_K`` columns, or of the largest power of two down to 128 that divides K
+    (``K_STATIC = K``); otherwise K in one chunk up to ``MAX_BLOCK_K`` columns, looped beyond."""
+    if UNROLL_K and UNROLL_BLOCK_K < k <= UNROLL_BLOCK_K * UNROLL_MAX_CHUNKS:
+        block_k = next((b for b in (UNROLL_BLOCK_K >> i for i in range(3)) if k % b == 0), UNROLL_BLOCK_K)
+        return BLOCK_N, block_k, k
+    return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K), 0
 
 
-def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None = None,
+def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | None = None,
                num_warps: int = NUM_WARPS, *, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
                residual_norm: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [1,K] @ w[N,K].T`` -> ``[1,N]`` in w's dtype (fp32 accumulation, as cuBLAS); an fp32 ``x`` is rounded
-    to w's dtype as it is loaded (the same bits as ``x.to(w.dtype)`` first). ``blocks`` overrides
-    :func:`gemv_blocks` (for sweeps).
+    to w's dtype as it is loaded (the same bits as ``x.to(w.dtype)`` first). ``blocks = (BLOCK_N, BLOCK_K,
+    K_STATIC)`` overrides :func:`gemv_blocks` (for sweeps).
 
     A row op on the product may run in the same launch, in the program that finishes last, given an int32 zero
     ``counter`` that the launch takes and gives back (owned by one call site whose launches do not overlap):
@@ -218,7 +258,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None 
                          f"{x.dtype} {list(x.shape)}, w {w.dtype} {list(w.shape)} strides {w.stride()}")
     n, k = w.shape
     y = torch.empty(1, n, dtype=w.dtype, device=x.device)
-    block_n, block_k = blocks or gemv_blocks(k)
+    block_n, block_k, k_static = blocks or gemv_blocks(k)
     extra: dict = {}
     if norm is not None and residual_norm is not None:
         raise ValueError("dense_gemv: give norm or residual_norm, not both")
@@ -239,7 +279,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int] | None 
     else:
         args = (y,) * 8 + (0.0, 0.0)
     dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1, *args,
-                                                     BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS=False, SWIGLU=False,
+                                                     BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
+                                                     EXPERTS=False, SWIGLU=False,
                                                      num_warps=num_warps, ROUND_X=x.dtype != w.dtype, **extra,
                                                      EARLY=hooks.early_trigger(x.device, "dense_gemv"),
                                                      WARM=bool(extra) and hooks.l2_warm(x.device),
@@ -275,9 +316,10 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, a_div: 
                          f"{'' if up is None else f' and up {list(up.shape)}'}: needs contiguous stacks of x's dtype")
     y = torch.empty(flat.numel(), n, dtype=out_dtype or x.dtype, device=x.device)
     if flat.numel():
-        block_n, block_k = gemv_blocks(k)
+        block_n, block_k, k_static = gemv_blocks(k)
         dense_gemv_kernel[(triton.cdiv(n, block_n), flat.numel())](
             x, stack, up if up is not None else stack, flat, y, n, k, k, n * k, a_div, *(y,) * 8, 0.0, 0.0,
-            BLOCK_N=block_n, BLOCK_K=block_k, EXPERTS=True, SWIGLU=up is not None, num_warps=NUM_WARPS,
+            BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static, EXPERTS=True, SWIGLU=up is not None,
+            num_warps=NUM_WARPS,
             EARLY=False, **hooks.launch_options(x.device, "expert_gemv"))
     return y

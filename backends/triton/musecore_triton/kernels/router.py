@@ -261,7 +261,8 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
                          pooler_ptr, z_ptr, pool_count_ptr, norm_w_ptr, normed_ptr, N, eps, n_e, n_s,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, K: tl.constexpr,
                          BLOCK: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr, BLOCK_NORM: tl.constexpr,
-                         PDL: tl.constexpr, EARLY: tl.constexpr, WARM: tl.constexpr = False):
+                         PDL: tl.constexpr, EARLY: tl.constexpr, WARM: tl.constexpr = False,
+                         GEMV_K_STATIC: tl.constexpr = 0):
     """The router's ``n_e x n_s`` programs (:func:`router_program`) first, then the pooler GEMV's row blocks with the
     pre-expert norm in its last one (``dense_gemv.gemv_program``): two independent products of one input in one
     launch, each with its own ticket."""
@@ -275,7 +276,7 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
         dense_gemv.gemv_program(pid - routers, tl.program_id(1), tl.num_programs(0) - routers, x_ptr, pooler_ptr,
                                 pooler_ptr, x_ptr, z_ptr, N, H, H, 0, 1, pool_count_ptr, z_ptr, z_ptr, z_ptr, z_ptr,
                                 norm_w_ptr, z_ptr, normed_ptr, 0.0, eps, GEMV_N, GEMV_K, False, False, PDL, EARLY,
-                                False, 1, False, True, BLOCK_NORM, WARM)
+                                False, 1, False, True, BLOCK_NORM, WARM, GEMV_K_STATIC)
 
 
 def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
@@ -298,11 +299,11 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                          f"{pooler.stride()} (x {x.dtype}), norm {list(norm_weight.shape)}, counters {counters.dtype} "
                          f"{list(counters.shape)}")
     z, normed = (torch.empty(1, n, dtype=x.dtype, device=x.device) for _ in range(2))
-    gemv_n, gemv_k = dense_gemv.gemv_blocks(H)
+    gemv_n, gemv_k, gemv_k_static = dense_gemv.gemv_blocks(H)
     flat = counters.view(-1)
     router_pooler_kernel[(n_e * n_s + triton.cdiv(n, gemv_n),)](
         x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
         scaling, pooler, z, flat[1:2], norm_weight.contiguous(), normed, n, eps, n_e, n_s, **constexprs,
-        GEMV_N=gemv_n, GEMV_K=gemv_k, BLOCK_NORM=triton.next_power_of_2(n), num_warps=dense_gemv.NUM_WARPS,
+        GEMV_N=gemv_n, GEMV_K=gemv_k, GEMV_K_STATIC=gemv_k_static, BLOCK_NORM=triton.next_power_of_2(n), num_warps=dense_gemv.NUM_WARPS,
         EARLY=hooks.early_trigger(x.device, "router_pooler"), **hooks.launch_options(x.device, "router_pooler"))
     return weights, ids, normed
