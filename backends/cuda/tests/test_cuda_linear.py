@@ -68,14 +68,16 @@ def test_dense_linear_uses_prepared_dtype_and_refuses_a_mismatch():
 @pytest.mark.gpu
 def test_dense_linear_takes_the_gemv_for_one_token_on_small_weights():
     """The backend's linear at M = 1 on a small bf16 weight goes through dense_gemv (and matches the
-    reference); M = 2 and large weights stay on cuBLAS."""
+    reference); M = 2 and large weights of a K too deep to unroll stay on cuBLAS."""
     be = CudaBackend(DEVICE)
     small = be.prepare_weight(torch.randn(576, 1536) * 0.02, "test", dtype=torch.bfloat16)
     x = torch.randn(1, 1, 1536, device=DEVICE, dtype=torch.bfloat16)
     assert use_dense_gemv(x.reshape(1, -1), small.data)
     assert not use_dense_gemv(torch.randn(2, 1536, device=DEVICE, dtype=torch.bfloat16), small.data)
-    big = torch.empty(DENSE_GEMV_MAX_BYTES // 2 // 1536 + 1, 1536, device=DEVICE, dtype=torch.bfloat16)
-    assert not use_dense_gemv(x.reshape(1, -1), big)
+    big = torch.empty(DENSE_GEMV_MAX_BYTES // 2 // 4096 + 1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    assert not use_dense_gemv(torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16), big)
+    vocab = torch.empty(65536, 1536, device=DEVICE, dtype=torch.bfloat16)  # K's chunks unroll: the GEMV at any size
+    assert use_dense_gemv(x.reshape(1, -1), vocab)
     y = be.linear(x, small)
     assert y.shape == (1, 1, 576)
     assert_nmse(x.float() @ small.data.float().T, y, tolerance("linear"), "linear M=1 through dense_gemv")

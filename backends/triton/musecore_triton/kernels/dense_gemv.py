@@ -3,11 +3,13 @@
 cuBLAS picks GEMM tiles even at M = 1, and on the small weights of a decode step (0.2-10 MB: a
 block's fused q/k/v/gate, o_proj, router + pooler, unpooler) those launches take ~4-8 us each on
 the H200, well under the memory ceiling. Here one program owns ``BLOCK_N`` whole rows, loads its
-``[BLOCK_N, K]`` slice in ``BLOCK_K`` chunks (all of K at once up to 2048 columns, so every load is
-in flight together), multiplies in fp32 and reduces once at the end.
+``[BLOCK_N, K]`` slice in ``BLOCK_K`` chunks, multiplies in fp32 and reduces once at the end. Up to K = 2048 the
+chunks (256 columns) are unrolled and every chunk's weights are loaded before the program waits for its input, one
+row per program (:func:`gemv_blocks`); deeper K takes 2 rows per program and K in 2048-column chunks, looped.
 
-The cut (2 rows per program, 2 warps) and the size limit ``DENSE_GEMV_MAX_BYTES`` (above it cuBLAS
-was as fast or faster) come from a sweep against cuBLAS; figures in ``backends/cuda/lab/NOTES.md``.
+The cuts (2 warps) and the size limit ``DENSE_GEMV_MAX_BYTES`` (above it cuBLAS was as fast or faster, except
+where K's chunks unroll) come from sweeps against cuBLAS (``backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py``);
+figures in ``backends/cuda/lab/NOTES.md``.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ from musecore_triton import hooks
 from musecore_triton.kernels import norms
 
 MAX_BLOCK_K = 2048
-UNROLL_K, UNROLL_BLOCK_K, UNROLL_MAX_CHUNKS = True, 512, 8
+UNROLL_K, UNROLL_BLOCK_N, UNROLL_BLOCK_K, UNROLL_MAX_CHUNKS = True, 1, 256, 8
 DENSE_GEMV_MAX_BYTES = 64 << 20
 BLOCK_N, NUM_WARPS = 2, 2
 
 
 def use_dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``linear`` of ``x2 [M,K]`` on the 16-bit weight ``w`` takes :func:`dense_gemv`."""
-    return (x2.shape[0] == 1 and x2.is_cuda and w.dtype in (torch.bfloat16, torch.float16)
-            and w.numel() * w.element_size() <= DENSE_GEMV_MAX_BYTES and w.stride(1) == 1)
+    """Whether ``linear`` of ``x2 [M,K]`` on the 16-bit weight ``w`` takes :func:`dense_gemv`: up to
+    ``DENSE_GEMV_MAX_BYTES``, or at any size where K's chunks unroll (session 50's sweep: muse-small's 201 MB lm_head
+    48.4 us against cuBLAS's 53.1)."""
+    return (x2.shape[0] == 1 and x2.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.stride(1) == 1
+            and (w.numel() * w.element_size() <= DENSE_GEMV_MAX_BYTES or unrolled(w.shape[1])))
 
 
 @triton.jit
@@ -203,8 +207,9 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
     drew its last), owned by one call site whose launches do not overlap."""
     d = cache_k.shape[-1]
     n, k = w.shape
+    block_n, block_k, k_static = gemv_blocks(k)
     if x.shape != (1, k) or x.dtype not in (w.dtype, torch.float32) or w.stride(1) != 1 \
-            or w.dtype not in (torch.bfloat16, torch.float16) or n != 2 * (nq + nkv) * d or d % BLOCK_N \
+            or w.dtype not in (torch.bfloat16, torch.float16) or n != 2 * (nq + nkv) * d or d % block_n \
             or d & (d - 1):
         raise ValueError(f"qkv_gemv_rope takes x [1,K] and a row-major 16-bit w [2 (nq + nkv) d, K] with a "
                          f"power-of-two head dim d; got x {x.dtype} {list(x.shape)}, w {w.dtype} {list(w.shape)}, "
@@ -217,7 +222,6 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
     norms.check_kv_write("qkv_gemv_rope", q, k_new, v, cache_k, cache_v, cache_pos, pos_new, capacity)
     rows = norms.rope_rows("qkv_gemv_rope", cos, sin, 1, 1, d)
     q_out = torch.empty(1, 1, nq, d, dtype=w.dtype, device=x.device)
-    block_n, block_k, k_static = gemv_blocks(k)
     qkv_gemv_rope_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), w, y, n, k, w.stride(0), counters, *(rows or (q_out, q_out)), q_out, cache_k, cache_v,
         cache_pos, pos_new.contiguous(), capacity + 1, capacity, eps, q_scale, NQ=nq, NKV=nkv, D=d,
@@ -229,13 +233,19 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
 
 
 def gemv_blocks(k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, K_STATIC): the sweep's best fixed cut. With ``UNROLL_K``, K in up to ``UNROLL_MAX_CHUNKS``
-    unrolled chunks of ``UNROLL_BLOCK_K`` columns, or of the largest power of two down to 128 that divides K
-    (``K_STATIC = K``); otherwise K in one chunk up to ``MAX_BLOCK_K`` columns, looped beyond."""
-    if UNROLL_K and UNROLL_BLOCK_K < k <= UNROLL_BLOCK_K * UNROLL_MAX_CHUNKS:
-        block_k = next((b for b in (UNROLL_BLOCK_K >> i for i in range(3)) if k % b == 0), UNROLL_BLOCK_K)
-        return BLOCK_N, block_k, k
+    """(BLOCK_N, BLOCK_K, K_STATIC): the sweeps' best fixed cuts. Up to ``UNROLL_MAX_CHUNKS`` chunks of
+    ``UNROLL_BLOCK_K`` columns (or of 128 where that divides K and 256 does not), ``UNROLL_BLOCK_N`` rows per program
+    and K's chunks unrolled (``K_STATIC = K``; with ``UNROLL_K``); beyond, ``BLOCK_N`` rows and K in one chunk up to
+    ``MAX_BLOCK_K`` columns, looped."""
+    if unrolled(k):
+        block_k = UNROLL_BLOCK_K // 2 if k % UNROLL_BLOCK_K and k % (UNROLL_BLOCK_K // 2) == 0 else UNROLL_BLOCK_K
+        return UNROLL_BLOCK_N, block_k, k
     return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K), 0
+
+
+def unrolled(k: int) -> bool:
+    """Whether :func:`gemv_blocks` unrolls K's chunks for a GEMV of depth ``k``."""
+    return UNROLL_K and UNROLL_BLOCK_K < k <= UNROLL_BLOCK_K * UNROLL_MAX_CHUNKS
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | None = None,
