@@ -17,6 +17,7 @@ from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_gluon_linear, fp4_linear_path
 from musecore_cuda.choices import GLUON_ENV, GLUON_MIN_M, gluon_min_m
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan
+from musecore_triton.kernels import dense_gemv as dense_gemv_module
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, use_dense_gemv
 from musecore_triton.layouts import prepare_fp4
 
@@ -76,8 +77,8 @@ def test_dense_linear_takes_the_gemv_for_one_token_on_small_weights():
     assert not use_dense_gemv(torch.randn(2, 1536, device=DEVICE, dtype=torch.bfloat16), small.data)
     big = torch.empty(DENSE_GEMV_MAX_BYTES // 2 // 4096 + 1, 4096, device=DEVICE, dtype=torch.bfloat16)
     assert not use_dense_gemv(torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16), big)
-    vocab = torch.empty(65536, 1536, device=DEVICE, dtype=torch.bfloat16)  # K's chunks unroll: the GEMV at any size
-    assert use_dense_gemv(x.reshape(1, -1), vocab)
+    vocab = torch.empty(65536, 1536, device=DEVICE, dtype=torch.bfloat16)  # the GEMV at any size where K unrolls
+    assert use_dense_gemv(x.reshape(1, -1), vocab) == dense_gemv_module.UNROLL_K
     y = be.linear(x, small)
     assert y.shape == (1, 1, 576)
     assert_nmse(x.float() @ small.data.float().T, y, tolerance("linear"), "linear M=1 through dense_gemv")

@@ -85,6 +85,16 @@ def test_dense_gemv_matches_reference(dtype, n, k, blocks):
         dense_gemv(torch.randn(2, k, device=DEVICE).to(dtype), w)
 
 
+def test_gemv_blocks_unroll_k_only_when_asked(monkeypatch):
+    """``gemv_blocks``: K in one looped chunk by default; with ``UNROLL_K`` the unrolled cut up to its chunk limit,
+    256- or 128-column chunks (whichever divides K)."""
+    from musecore_triton.kernels import dense_gemv as module
+    assert [module.gemv_blocks(k) for k in (64, 1536, 4096)] == [(2, 64, 0), (2, 2048, 0), (2, 2048, 0)]
+    monkeypatch.setattr(module, "UNROLL_K", True)
+    assert [module.gemv_blocks(k) for k in (256, 640, 768, 1536, 2048, 2100)] == [
+        (2, 256, 0), (1, 128, 640), (1, 256, 768), (1, 256, 1536), (1, 256, 2048), (2, 2048, 0)]
+
+
 @pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
 @pytest.mark.parametrize("n,k", [(96, 64), (130, 257), (768, 1536)])
 def test_dense_gemv_with_the_norm_in_its_last_program_matches_the_separate_ops(dtype, n, k):

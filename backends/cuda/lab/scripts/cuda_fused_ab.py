@@ -6,8 +6,8 @@ greedy steps as the decode graph's replay plus its position update and argmax la
 ``GreedyGraphStep`` took them into the graph); ``embed_ops``: the fused blocks with the embedding stage through its
 ops (before session 48's ``fuse_embed``); ``no_warm``: the fused blocks without the L2 prefetch of the GEMV tails'
 row-op weights (``hooks.l2_warm``, session 49); ``rope_apart``: the fused blocks with the q/k norms, RoPE and the KV
-write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_gemv_rope``); ``no_unroll``: the
-16-bit GEMVs with K in one chunk (``dense_gemv.UNROLL_K`` off: before session 50's unrolled chunks). Same random weights,
+write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_gemv_rope``); ``unroll``: the
+16-bit GEMVs with K's chunks unrolled, one row per program (``dense_gemv.UNROLL_K``, off by default since run 45). Same random weights,
 same prompt, alternated ``--rounds`` times.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
@@ -30,7 +30,7 @@ from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "no_unroll", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate")
+MODES = ("fused", "unroll", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -71,12 +71,12 @@ def mode_of(model, mode: str):
             yield
         finally:
             hooks._l2_warm = warm
-    elif mode == "no_unroll":
-        dense_gemv_module.UNROLL_K = False
+    elif mode == "unroll":
+        dense_gemv_module.UNROLL_K = True
         try:
             yield
         finally:
-            dense_gemv_module.UNROLL_K = True
+            dense_gemv_module.UNROLL_K = False
     elif mode == "rope_apart":
         one = fused.qkv_gemv_rope
         fused.qkv_gemv_rope = gemv_then_rope

@@ -81,7 +81,8 @@ def make_plan(m: int, n: int, k: int, device: torch.device) -> GemmPlan:
     """The cut for ``m`` tokens against an ``[n, k]`` weight.
 
     Token tile: the next power of two of ``m`` / 8 groups, at most 8 (64 tokens; more would not fit
-    the registers). Then the tile per warp (1 or 2) and the split (1..8, >= 4 chunks per block) that
+    the registers). Then the tile per warp (1 or 2) and the split (1..8, >= 4 chunks per block; no split below
+    8 chunks of K) that
     minimise the modelled time ``waves * blocks_per_sm * (tile * chunks / split + 4 + reduction)``,
     with the blocks per SM the driver's occupancy for the compiled kernel and the cluster reduction
     ``groups * tile * split / 16`` when split: a partial last wave costs as much as a full one. The
@@ -95,7 +96,7 @@ def make_plan(m: int, n: int, k: int, device: torch.device) -> GemmPlan:
         base = GemmPlan(groups=groups, tile=tile)
         per_sm = blocks_per_sm(base)
         for split in range(1, fp4_gemv_cuda.MAX_CLUSTER + 1):
-            if chunks // split < 4:
+            if split > 1 and chunks // split < 4:  # (a K of fewer than 4 chunks is not split at all)
                 break
             plan = GemmPlan(**{**base.__dict__, "split": split})
             tiles_m, _, blocks_n = plan.grid(m, n)

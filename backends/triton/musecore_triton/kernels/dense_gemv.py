@@ -3,13 +3,13 @@
 cuBLAS picks GEMM tiles even at M = 1, and on the small weights of a decode step (0.2-10 MB: a
 block's fused q/k/v/gate, o_proj, router + pooler, unpooler) those launches take ~4-8 us each on
 the H200, well under the memory ceiling. Here one program owns ``BLOCK_N`` whole rows, loads its
-``[BLOCK_N, K]`` slice in ``BLOCK_K`` chunks, multiplies in fp32 and reduces once at the end. Up to K = 2048 the
-chunks (256 columns) are unrolled and every chunk's weights are loaded before the program waits for its input, one
-row per program (:func:`gemv_blocks`); deeper K takes 2 rows per program and K in 2048-column chunks, looped.
+``[BLOCK_N, K]`` slice in ``BLOCK_K`` chunks (all of K at once up to 2048 columns, so every load is in flight
+together), multiplies in fp32 and reduces once at the end. ``UNROLL_K`` (off: slower in a decode graph) unrolls K's
+chunks instead (:func:`gemv_blocks`).
 
-The cuts (2 warps) and the size limit ``DENSE_GEMV_MAX_BYTES`` (above it cuBLAS was as fast or faster, except
-where K's chunks unroll) come from sweeps against cuBLAS (``backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py``);
-figures in ``backends/cuda/lab/NOTES.md``.
+The cut (2 rows per program, 2 warps) and the size limit ``DENSE_GEMV_MAX_BYTES`` (above it cuBLAS was as fast or
+faster) come from sweeps against cuBLAS (``backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py``); figures in
+``backends/cuda/lab/NOTES.md``.
 """
 
 from __future__ import annotations
@@ -22,15 +22,18 @@ from musecore_triton import hooks
 from musecore_triton.kernels import norms
 
 MAX_BLOCK_K = 2048
-UNROLL_K, UNROLL_BLOCK_N, UNROLL_BLOCK_K, UNROLL_MAX_CHUNKS = True, 1, 256, 8
+# K's chunks unrolled (K_STATIC): off. Standalone, 1 row per program and 256-column chunks won on every muse-small
+# projection (session 50, run 44's sweep: q/k/v/gate 4.73 against 5.22 us, lm_head 48.4 against cuBLAS's 53.1), but
+# in the decode graph the step lost 86 us (run 45: 771.4 against 685.3 us per replay); unexplained (lab NOTES).
+UNROLL_K, UNROLL_BLOCK_N, UNROLL_BLOCK_K, UNROLL_MAX_CHUNKS = False, 1, 256, 8
 DENSE_GEMV_MAX_BYTES = 64 << 20
 BLOCK_N, NUM_WARPS = 2, 2
 
 
 def use_dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``linear`` of ``x2 [M,K]`` on the 16-bit weight ``w`` takes :func:`dense_gemv`: up to
-    ``DENSE_GEMV_MAX_BYTES``, or at any size where K's chunks unroll (session 50's sweep: muse-small's 201 MB lm_head
-    48.4 us against cuBLAS's 53.1)."""
+    ``DENSE_GEMV_MAX_BYTES``, or at any size where K's chunks unroll (``UNROLL_K``; session 50's sweep: muse-small's
+    201 MB lm_head 48.4 us against cuBLAS's 53.1)."""
     return (x2.shape[0] == 1 and x2.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.stride(1) == 1
             and (w.numel() * w.element_size() <= DENSE_GEMV_MAX_BYTES or unrolled(w.shape[1])))
 
@@ -233,10 +236,10 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
 
 
 def gemv_blocks(k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, K_STATIC): the sweeps' best fixed cuts. Up to ``UNROLL_MAX_CHUNKS`` chunks of
-    ``UNROLL_BLOCK_K`` columns (or of 128 where that divides K and 256 does not), ``UNROLL_BLOCK_N`` rows per program
-    and K's chunks unrolled (``K_STATIC = K``; with ``UNROLL_K``); beyond, ``BLOCK_N`` rows and K in one chunk up to
-    ``MAX_BLOCK_K`` columns, looped."""
+    """(BLOCK_N, BLOCK_K, K_STATIC): ``BLOCK_N`` rows per program and K in one chunk up to ``MAX_BLOCK_K`` columns,
+    looped beyond (``K_STATIC = 0``). With ``UNROLL_K`` (off), a K of up to ``UNROLL_MAX_CHUNKS`` chunks of
+    ``UNROLL_BLOCK_K`` columns (or of half that where it divides K and the whole does not) takes ``UNROLL_BLOCK_N``
+    rows per program and K's chunks unrolled (``K_STATIC = K``): run 44's best standalone cut."""
     if unrolled(k):
         block_k = UNROLL_BLOCK_K // 2 if k % UNROLL_BLOCK_K and k % (UNROLL_BLOCK_K // 2) == 0 else UNROLL_BLOCK_K
         return UNROLL_BLOCK_N, block_k, k
