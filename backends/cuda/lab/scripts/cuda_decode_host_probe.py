@@ -152,12 +152,14 @@ def greedy_pair(model, prompt: list[list[int]], n: int = 50) -> dict:
 
 
 def ab_arguments(out: str) -> argparse.Namespace:
-    """The lab A/B scripts' command line: ``--preset``, ``--format``, ``--rounds`` (alternations), ``--out``."""
+    """The lab A/B scripts' command line: ``--preset``, ``--format``, ``--rounds`` (alternations), ``--out``,
+    ``--modes`` (a comma-separated subset of the script's modes; all by default)."""
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="muse-small")
     p.add_argument("--format", default="nvfp4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=out)
+    p.add_argument("--modes", default="")
     return p.parse_args()
 
 

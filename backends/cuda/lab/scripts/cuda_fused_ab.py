@@ -7,7 +7,8 @@ greedy steps as the decode graph's replay plus its position update and argmax la
 ops (before session 48's ``fuse_embed``); ``no_warm``: the fused blocks without the L2 prefetch of the GEMV tails'
 row-op weights (``hooks.l2_warm``, session 49); ``rope_apart``: the fused blocks with the q/k norms, RoPE and the KV
 write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_gemv_rope``); ``unroll``: the
-16-bit GEMVs with K's chunks unrolled, one row per program (``dense_gemv.UNROLL_K``, off by default since run 45). Same random weights,
+16-bit GEMVs with K's chunks unrolled, one row per program (``dense_gemv.UNROLL_K``, off by default since run 45);
+``lm_head_unrolled``: only the lm_head (N > 16384) through the GEMV with that cut instead of cuBLAS. Same random weights,
 same prompt, alternated ``--rounds`` times.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
@@ -23,6 +24,7 @@ import torch
 from cuda_decode_host_probe import ab_arguments, decode_numbers, print_medians, save_rows, step_kernels
 from musecore.api import load_random
 from musecore.model import separate_ops
+from musecore_cuda import backend as cuda_backend
 from musecore_cuda import fused
 from musecore_triton import hooks
 from musecore_triton.kernels import dense_gemv as dense_gemv_module
@@ -30,7 +32,7 @@ from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "unroll", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate")
+MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -77,6 +79,15 @@ def mode_of(model, mode: str):
             yield
         finally:
             dense_gemv_module.UNROLL_K = False
+    elif mode == "lm_head_unrolled":
+        use, gemv = cuda_backend.use_dense_gemv, cuda_backend.dense_gemv
+        wide = lambda w: w.shape[0] > 16384 and w.shape[1] <= 2048  # noqa: E731
+        cuda_backend.use_dense_gemv = lambda x2, w: use(x2, w) or (x2.shape[0] == 1 and wide(w) and w.stride(1) == 1)
+        cuda_backend.dense_gemv = lambda x2, w, **kw: gemv(x2, w, (1, 256, w.shape[1]) if wide(w) else None, **kw)
+        try:
+            yield
+        finally:
+            cuda_backend.use_dense_gemv, cuda_backend.dense_gemv = use, gemv
     elif mode == "rope_apart":
         one = fused.qkv_gemv_rope
         fused.qkv_gemv_rope = gemv_then_rope
@@ -97,24 +108,28 @@ def mode_of(model, mode: str):
 
 def main() -> None:
     args = ab_arguments("cuda_fused_ab.json")
+    modes = args.modes.split(",") if args.modes else MODES
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; the modes: {', '.join(MODES)}")
     model = load_random(args.preset, "h200", checkpoint_format=args.format)
     blocks = sum(b.fused is not None for layer in model.layers for b in (layer.self_attn, layer.mlp))
     print(f"{blocks} fused blocks of {2 * len(model.layers)}")
     prompt = torch.randint(0, model.config.vocab_size, (1, 32)).tolist()
     rows = []
     for r in range(args.rounds):
-        for mode in MODES:
+        for mode in modes:
             with mode_of(model, mode):
                 row = {"round": r, "mode": mode, **decode_numbers(model, prompt, kernels=False)}
                 print(row)
                 rows.append(row)
-    for mode in MODES:  # counted after every timed round: the profiler may slow later replays (session 48, run 31)
+    for mode in modes:  # counted after every timed round: the profiler may slow later replays (session 48, run 31)
         with mode_of(model, mode):
             counted = step_kernels(model, prompt)
         for row in rows:
             if row["mode"] == mode:
                 row["kernels_per_step"] = counted
-    print_medians(rows, MODES)
+    print_medians(rows, modes)
     save_rows(args.out, args, rows)
 
 
