@@ -8,8 +8,8 @@ ops (before session 48's ``fuse_embed``); ``no_warm``: the fused blocks without 
 row-op weights (``hooks.l2_warm``, session 49); ``rope_apart``: the fused blocks with the q/k norms, RoPE and the KV
 write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_gemv_rope``); ``unroll``: the
 16-bit GEMVs with K's chunks unrolled, one row per program (``dense_gemv.UNROLL_K``, off by default since run 45);
-``lm_head_unrolled``: only the lm_head (N > 16384) through the GEMV with that cut instead of cuBLAS. Same random weights,
-same prompt, alternated ``--rounds`` times.
+``lm_head_unrolled``: only the lm_head (N > 16384) through the GEMV with that cut instead of cuBLAS. Same random
+weights, same prompt, alternated ``--rounds`` times; ``--modes`` picks some.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
 """

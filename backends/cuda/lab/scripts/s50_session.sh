@@ -4,7 +4,8 @@
 #   2. the tests named in TESTS (unmarked ones too);  3. cuda_fused_ab.py;
 #   4. musecore bench --backend cuda --case targets;  5. the GPU suite to its cap ($SUITE, $SUITE_S);
 #   6. benchmarks/serve_bench.py in process;  7. cuda_profile_decode.py (the decode step's kernels).
-# Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=1] [TESTS="..."] [SHAPES=small] bash backends/cuda/lab/scripts/s50_session.sh
+# Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=1] [TESTS="..."] [SHAPES=small] [AB_MODES=fused,unroll]
+#        bash backends/cuda/lab/scripts/s50_session.sh
 set -u
 LIMIT=${LIMIT:-580}
 STEPS=${STEPS:-1}

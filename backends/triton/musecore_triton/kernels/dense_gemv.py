@@ -229,8 +229,7 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
         x.contiguous(), w, y, n, k, w.stride(0), counters, *(rows or (q_out, q_out)), q_out, cache_k, cache_v,
         cache_pos, pos_new.contiguous(), capacity + 1, capacity, eps, q_scale, NQ=nq, NKV=nkv, D=d,
         ROPE=rows is not None, RING=ring, BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
-        ROUND_X=x.dtype != w.dtype,
-        num_warps=NUM_WARPS, EARLY=hooks.early_trigger(x.device, "dense_gemv"),
+        ROUND_X=x.dtype != w.dtype, num_warps=NUM_WARPS, EARLY=hooks.early_trigger(x.device, "dense_gemv"),
         **hooks.launch_options(x.device, "dense_gemv"))
     return y, q_out
 
@@ -293,8 +292,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | 
         args = (y,) * 8 + (0.0, 0.0)
     dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1, *args,
                                                      BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
-                                                     EXPERTS=False, SWIGLU=False,
-                                                     num_warps=num_warps, ROUND_X=x.dtype != w.dtype, **extra,
+                                                     EXPERTS=False, SWIGLU=False, num_warps=num_warps,
+                                                     ROUND_X=x.dtype != w.dtype, **extra,
                                                      EARLY=hooks.early_trigger(x.device, "dense_gemv"),
                                                      WARM=bool(extra) and hooks.l2_warm(x.device),
                                                      **hooks.launch_options(x.device, "dense_gemv"))
