@@ -6,7 +6,7 @@ block sizes and warps. Each configuration is checked against an fp32 product fir
 times are CUDA-graph replays with weights rotated past L2 (as ``musecore bench``). Prints a table and
 saves JSON; ``DENSE_GEMV_MAX_BYTES`` in the kernel module is read off it::
 
-    python backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py [--shapes small] [--out backends/cuda/lab/results/cuda_dense_gemv_sweep.json]
+    python backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py [--shapes small] [--chain] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -54,10 +54,22 @@ CONFIGS = [(bn, bk, nw, u) for bn in (1, 2, 4, 8) for bk in (256, 512, 1024, 204
            for u in (False, True)]
 
 
+def chained(n: int, k: int):
+    """``link(gemv)``: ``gemv`` of the first ``k`` values of a buffer, its ``n`` outputs copied back into the buffer:
+    each GEMV of a timed cycle waits for the one before it (through the copy), as a decode step's do. With PDL the
+    back-to-back launches of one independent GEMV overlap instead (each one's programs start while the last one's
+    finish), which times throughput, not the latency a decode step pays."""
+    buf = torch.randn(1, max(n, k), device="cuda", dtype=torch.bfloat16)
+    return lambda gemv: buf[:, :n].copy_(gemv(buf[:, :k]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="backends/cuda/lab/results/cuda_dense_gemv_sweep.json")
     p.add_argument("--shapes", default="", help="only the shapes whose name contains this (e.g. 'small')")
+    p.add_argument("--chain", action="store_true",
+                   help="time each GEMV as a link of a dependent chain (its input copied from the previous one's "
+                        "output), as in a decode step, instead of back to back (session 50: the two disagreed)")
     args = p.parse_args()
     ceiling = memory_ceiling_gbps()["ceiling_gbps"]
     rows = []
@@ -70,8 +82,9 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w0 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         want = x.float() @ w0.float().T
-        ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
-        t_cublas = time_us(cycle(ws, lambda w: F.linear(x, w))) / len(ws)
+        ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, n * k * 2)
+        link = chained(n, k) if args.chain else lambda gemv: gemv(x)
+        t_cublas = time_us(cycle(ws, lambda w: link(lambda a: F.linear(a, w)))) / len(ws)
         bn0, bk0, ks0 = gemv_blocks(k)
         auto = (bn0, bk0, NUM_WARPS, ks0)
         timed = {}
@@ -83,8 +96,8 @@ def main() -> None:
             if err > tolerance("linear"):
                 raise AssertionError(f"{name} BLOCK_N={bn} BLOCK_K={bk} warps={nw} K_STATIC={ks}: NMSE {err:.2e} > "
                                      f"{tolerance('linear')}")
-            timed[(bn, bk, nw, ks)] = time_us(cycle(ws, lambda w, c=(bn, bk, ks), nw=nw: dense_gemv(
-                x, w, blocks=c, num_warps=nw))) / len(ws)
+            timed[(bn, bk, nw, ks)] = time_us(cycle(ws, lambda w, c=(bn, bk, ks), nw=nw: link(
+                lambda a: dense_gemv(a, w, blocks=c, num_warps=nw)))) / len(ws)
         best = min(timed, key=timed.get)
         t_auto = timed[auto]
         mb = n * k * 2 / 1e6
@@ -96,7 +109,7 @@ def main() -> None:
                      "auto_pct_ceiling": 100 * n * k * 2 / t_auto / 1e3 / ceiling,
                      "all": {str(c): t for c, t in timed.items()}})
     with open(args.out, "w") as f:
-        json.dump({"ceiling_gbps": ceiling, "rows": rows}, f, indent=1)
+        json.dump({"ceiling_gbps": ceiling, "chain": args.chain, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
