@@ -12,8 +12,8 @@ LIMIT=${LIMIT:-580}
 STEPS=${STEPS:-1}
 source "$(dirname "$0")/device_prelude.sh"
 step1() {
-  timeout $(cap 240) python3 backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py --shapes "${SHAPES:-}" ${CHAIN:+--chain} \
-    --out $OUT/cuda_dense_gemv_sweep.json > $OUT/dense_gemv_sweep.log 2>&1
+  timeout $(cap 240) python3 backends/cuda/lab/scripts/cuda_dense_gemv_sweep.py --shapes "${SHAPES:-}" \
+    ${CHAIN:+--chain} --out $OUT/cuda_dense_gemv_sweep.json > $OUT/dense_gemv_sweep.log 2>&1
   echo "1. dense GEMV sweep at ${SECONDS}s (rc $?):"; tail -14 $OUT/dense_gemv_sweep.log | cut -c1-160
 }
 step2() { TESTS_ALL=1 tests_step 2; }
