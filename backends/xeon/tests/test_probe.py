@@ -41,6 +41,13 @@ def test_probe_with_amx_serves_xeon6(tmp_path: Path) -> None:
     assert probe.score > probe_cpu(read_cpu_info(str(fake_cpuinfo(tmp_path, "avx2 avx512f")))).score
 
 
+def test_every_cpu_tier_scores_below_an_accelerator() -> None:
+    """``device="auto"`` on a GPU host with a Xeon 6 is the GPU: the best CPU tier scores below the lowest
+    accelerator backend (CUDA or ROCm on a chip where none of its kernels has run: 50)."""
+    from musecore_xeon.backend import ACCELERATOR_MIN_SCORE, PROBE_SCORES
+    assert max(PROBE_SCORES.values()) < ACCELERATOR_MIN_SCORE, PROBE_SCORES
+
+
 def test_probe_reports_the_int4_dense_path_that_the_build_will_take(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """AMX-BF16 with AVX-512 BF16 and VNNI: the INT4 GEMM on AMX above the crossover; AVX-512 BF16 without AMX (or AMX
