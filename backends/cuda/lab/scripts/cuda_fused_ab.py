@@ -17,6 +17,7 @@ weights, same prompt, alternated ``--rounds`` times; ``--modes`` picks some.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 
@@ -50,59 +51,34 @@ def gemv_then_rope(x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v, cach
                                     ring)
 
 
+def patches(model, mode: str) -> list[tuple]:
+    """``(object, attribute, value)`` for each attribute ``mode`` replaces while it runs."""
+    use, gemv = cuda_backend.use_dense_gemv, cuda_backend.dense_gemv
+    wide = lambda w: w.shape[0] > 16384 and w.shape[1] <= 2048  # noqa: E731  (the lm_head)
+    return {
+        "embed_ops": [(model, "fused_embed", None)],
+        "stepped": [(model.backend, "make_greedy_decode_step", lambda model, cache: None)],
+        "no_warm": [(hooks, "_l2_warm", lambda device: False)],
+        "unroll": [(dense_gemv_module, "UNROLL_K", True)],
+        "lm_head_unrolled": [
+            (cuda_backend, "use_dense_gemv",
+             lambda x2, w: use(x2, w) or (x2.shape[0] == 1 and wide(w) and w.stride(1) == 1)),
+            (cuda_backend, "dense_gemv",
+             lambda x2, w, **kw: gemv(x2, w, (1, 256, w.shape[1]) if wide(w) else None, **kw))],
+        "rope_apart": [(fused, "qkv_gemv_rope", gemv_then_rope)],
+        "apart": [(fused, "router_pooler_one_launch", router_then_pooler)],
+    }.get(mode, [])
+
+
 @contextlib.contextmanager
 def mode_of(model, mode: str):
-    if mode == "separate":
-        with separate_ops(model):
-            yield
-    elif mode == "embed_ops":
-        embed, model.fused_embed = model.fused_embed, None
-        try:
-            yield
-        finally:
-            model.fused_embed = embed
-    elif mode == "stepped":
-        model.backend.make_greedy_decode_step = lambda model, cache: None  # (an instance attribute: the class's
-        try:                                                               # method is back after the del)
-            yield
-        finally:
-            del model.backend.make_greedy_decode_step
-    elif mode == "no_warm":
-        warm, hooks._l2_warm = hooks._l2_warm, lambda device: False
-        try:
-            yield
-        finally:
-            hooks._l2_warm = warm
-    elif mode == "unroll":
-        dense_gemv_module.UNROLL_K = True
-        try:
-            yield
-        finally:
-            dense_gemv_module.UNROLL_K = False
-    elif mode == "lm_head_unrolled":
-        use, gemv = cuda_backend.use_dense_gemv, cuda_backend.dense_gemv
-        wide = lambda w: w.shape[0] > 16384 and w.shape[1] <= 2048  # noqa: E731
-        cuda_backend.use_dense_gemv = lambda x2, w: use(x2, w) or (x2.shape[0] == 1 and wide(w) and w.stride(1) == 1)
-        cuda_backend.dense_gemv = lambda x2, w, **kw: gemv(x2, w, (1, 256, w.shape[1]) if wide(w) else None, **kw)
-        try:
-            yield
-        finally:
-            cuda_backend.use_dense_gemv, cuda_backend.dense_gemv = use, gemv
-    elif mode == "rope_apart":
-        one = fused.qkv_gemv_rope
-        fused.qkv_gemv_rope = gemv_then_rope
-        try:
-            yield
-        finally:
-            fused.qkv_gemv_rope = one
-    elif mode == "apart":
-        one = fused.router_pooler_one_launch
-        fused.router_pooler_one_launch = router_then_pooler
-        try:
-            yield
-        finally:
-            fused.router_pooler_one_launch = one
-    else:
+    """The model as ``mode`` runs it (``separate``: every block's separate ops; the others: :func:`patches`), put
+    back afterwards (an instance attribute shadowing a method is deleted again)."""
+    with contextlib.ExitStack() as stack:
+        if mode == "separate":
+            stack.enter_context(separate_ops(model))
+        for obj, name, value in patches(model, mode):
+            stack.enter_context(mock.patch.object(obj, name, value))
         yield
 
 
