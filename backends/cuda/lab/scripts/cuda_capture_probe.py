@@ -1,0 +1,81 @@
+"""Is a decode graph captured later in a process slower than the first one captured? (issue 26, session 51)
+
+``cuda_history_probe.py`` (run 49) found muse-small's greedy ``generate`` at ~707 us per token only for the first
+capture in a process and ~740 for every later one, while the plain step graph's replay stayed at ~686. Here three
+greedy graphs are captured one after another on caches of their own (nothing else in between) and replayed back to
+back in alternated rounds (GPU time per replay); then one replay of each runs under the profiler, and the kernels
+whose summed time differs most between the first graph and the last are printed.
+
+    python backends/cuda/lab/scripts/cuda_capture_probe.py [--out capture.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from cuda_decode_host_probe import gpu_us
+from musecore.api import load_random
+
+
+def greedy_step(model, prompt: list[list[int]], room: int):
+    length = len(prompt[0])
+    cache = model.new_cache(1, length + room, static=True)
+    model.forward(torch.tensor(prompt, device="cuda"), cache=cache)
+    step = model.backend.make_greedy_decode_step(model, cache)
+    one = torch.ones(1, dtype=torch.bool, device="cuda")
+
+    def restart() -> None:
+        step.start(torch.zeros(1, dtype=torch.long, device="cuda"),
+                   torch.full((1,), length, dtype=torch.long, device="cuda"), one)
+    return step, restart
+
+
+def kernels(fn) -> dict:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict = defaultdict(float)
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            out[e.name[:70]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="cuda_capture_probe.json")
+    p.add_argument("--graphs", type=int, default=3)
+    args = p.parse_args()
+    model = load_random("muse-small", "h200", checkpoint_format="nvfp4")
+    prompt = torch.randint(0, 65536, (1, 32), generator=torch.Generator().manual_seed(1)).tolist()
+    steps = [greedy_step(model, prompt, 200) for _ in range(args.graphs)]
+    times: dict = defaultdict(list)
+    for _ in range(3):
+        for i, (step, restart) in enumerate(steps):
+            restart()
+            times[i].append(gpu_us(step, n=50))
+    rows = [{"graph": i, "replay_us": sorted(t)[1], "rounds": [round(x, 1) for x in t]} for i, t in times.items()]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    profiles = []
+    for step, restart in steps:
+        restart()
+        step()
+        profiles.append(kernels(lambda: [step() for _ in range(5)]))
+    first, last = profiles[0], profiles[-1]
+    diff = sorted(((last.get(k, 0.0) - first.get(k, 0.0)) / 5, k) for k in set(first) | set(last))
+    print("kernel: us per replay in the last graph minus the first")
+    for d, k in diff[:5] + diff[-8:]:
+        print(f"{d:+8.2f}  {first.get(k, 0) / 5:8.2f} -> {last.get(k, 0) / 5:8.2f}  {k}")
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows,
+                   "kernels_first": first, "kernels_last": last}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Why muse-small's batch-1 decode runs slower later in a process (issue 26, session 51).
+
+A fresh process decodes muse-small NVFP4 at ~707 us per token (``cuda_decode_host_probe.py``, run 49), ``bench_e2e``
+(the BF16 model first, then NVFP4) at ~742, and session 49 saw +45 us after one ``torch.profiler`` session. This
+probe times the NVFP4 model's ``generate`` (a new capture, then the median of 3 runs of 64 tokens) in one process
+after each event of ``--sequence`` in turn: nothing (``fresh``, ``again``), a plain step graph captured and kept
+(``step``, with its replay time), those graphs dropped, the model reloaded, a BF16 model loaded, run and deleted,
+a profiler session. Run 49's first version (fixed sequence) found ~707 us only for the first generate of a process.
+
+    python backends/cuda/lab/scripts/cuda_history_probe.py [--sequence fresh,again,step,again] [--out history.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from cuda_decode_host_probe import _prefilled_step, gpu_us
+from musecore.api import load_random
+
+
+def triton_variants() -> dict:
+    """Compiled variants per musecore Triton kernel (``JITFunction.device_caches``, Triton 3.6): a later generate that
+    compiles new ones ran with other specializations (alignment, divisibility) than the first."""
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("musecore_triton.kernels"):
+            continue
+        for attr, fn in vars(mod).items():
+            caches = getattr(fn, "device_caches", None)
+            if isinstance(fn, triton.runtime.JITFunction) and caches:
+                n = sum(len(c[0]) for c in caches.values())
+                if n:
+                    out[f"{name.rsplit('.', 1)[1]}.{attr}"] = n
+    return out
+
+
+def generate_us(model, prompt: list[list[int]]) -> float:
+    """``generate`` per token: a new capture (8 tokens), then the median of 3 runs of 64 tokens."""
+    model.release_generation_cache()
+    model.generate(prompt, max_new_tokens=8)
+    gen = []
+    for _ in range(3):
+        model.generate(prompt, max_new_tokens=64)
+        gen.append(1e6 / model.last_generation_stats.decode_tokens_per_s)
+    return round(sorted(gen)[1], 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="cuda_history_probe.json")
+    p.add_argument("--sequence", default=SEQUENCE,
+                   help="comma-separated events, each followed by a timed generate: " + ", ".join(EVENTS))
+    args = p.parse_args()
+    prompt = torch.randint(0, 65536, (1, 32), generator=torch.Generator().manual_seed(1)).tolist()
+    state = {"model": load_random("muse-small", "h200", checkpoint_format="nvfp4"), "prompt": prompt}
+    rows, seen = [], {}
+    for event in args.sequence.split(","):
+        extra = EVENTS[event](state)
+        row = {"after": event, "generate_us_per_token": generate_us(state["model"], prompt), **(extra or {})}
+        variants = triton_variants()
+        row["new_triton_variants"] = {k: n - seen.get(k, 0) for k, n in variants.items() if n != seen.get(k, 0)}
+        seen = variants
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "sequence": args.sequence, "rows": rows}, f, indent=1)
+
+
+def _step(state: dict) -> dict:  # a plain step graph captured and replayed (it stays alive in ``state``)
+    step, tok, pos = _prefilled_step(state["model"], state["prompt"], 64)
+    state.setdefault("steps", []).append(step)
+    return {"replay_us": round(gpu_us(lambda: step(tok, pos), warmup=3), 1)}
+
+
+def _bf16(state: dict) -> None:  # a BF16 model loaded, run and deleted
+    other = load_random("muse-small", "h200", checkpoint_format="bf16")
+    other.generate(state["prompt"], max_new_tokens=64)
+    del other
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _reload(state: dict) -> None:
+    state.pop("model")
+    state.pop("steps", None)
+    gc.collect()
+    torch.cuda.empty_cache()
+    state["model"] = load_random("muse-small", "h200", checkpoint_format="nvfp4")
+
+
+def _profiler(state: dict) -> None:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        state["model"].generate(state["prompt"], max_new_tokens=4)
+        torch.cuda.synchronize()
+
+
+def _release_empty(state: dict) -> None:  # the kept graph and cache freed, and the allocator's cache emptied
+    state["model"].release_generation_cache()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _drop_steps(state: dict) -> None:
+    state.pop("steps", None)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+EVENTS = {"fresh": lambda state: None, "again": lambda state: None, "step": _step, "drop_steps": _drop_steps,
+          "bf16": _bf16, "reload": _reload, "profiler": _profiler,
+          "release_empty": _release_empty}
+SEQUENCE = "fresh,again,again,step,again,drop_steps,reload,bf16,profiler"
+
+
+if __name__ == "__main__":
+    main()
