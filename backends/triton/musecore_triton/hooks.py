@@ -11,9 +11,6 @@ only one vendor has enters here, with a portable default that changes nothing:
   (``HW_FP8``: hardware e4m3 conversion; ``PACKED_UPCAST``: the :func:`fp4x2_bf16_scaled` hook for
   the bf16 FP4 upcast). Default: both off, the integer-op paths that run anywhere (and in the
   CPU interpreter);
-* **weight streams** (:func:`stream_weights`, a kernel's ``STREAM`` constexpr): the decode GEMVs load their weights
-  with an evict-first L2 policy, so a step's hundreds of MB of weights, each read once, do not push out of L2 what
-  the next kernels read again soon (activations, KV cache, norm weights, counters). Default: off (plain loads).
 * **SM count**: :func:`num_sms` sizes split-K and flash-decoding grids;
 * **L2 warming**: where :func:`l2_warm` says so (a kernel's ``WARM`` constexpr), the decode GEMVs whose last program
   runs a row op (``dense_gemv``'s epilogues, the router's choice) call :func:`prefetch_l2` on their slice of that row
@@ -89,10 +86,6 @@ def _default_l2_warm(device: torch.device) -> bool:
     return False
 
 
-def _default_stream_weights(device: torch.device) -> bool:
-    return False
-
-
 def _default_num_sms(device: torch.device) -> int:
     if device.type == "cuda":  # torch's name for any GPU device, NVIDIA or AMD
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -104,7 +97,6 @@ _early_trigger: Callable[[torch.device, str], bool] = _default_early_trigger
 _launch_features: Callable[[torch.device], dict] = _default_launch_features
 _num_sms: Callable[[torch.device], int] = _default_num_sms
 _l2_warm: Callable[[torch.device], bool] = _default_l2_warm
-_stream_weights: Callable[[torch.device], bool] = _default_stream_weights
 _owner: Optional[str] = None
 
 
@@ -134,11 +126,6 @@ def l2_warm(device: torch.device) -> bool:
     return _l2_warm(device)
 
 
-def stream_weights(device: torch.device) -> bool:
-    """Whether the decode GEMVs launched on ``device`` load their weights evict-first (their ``STREAM`` constexpr)."""
-    return _stream_weights(device)
-
-
 def owner() -> Optional[str]:
     """The backend whose hooks are installed, or None (the portable defaults)."""
     return _owner
@@ -149,12 +136,11 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
             launch_features: Optional[Callable[[torch.device], dict]] = None,
             num_sms: Optional[Callable[[torch.device], int]] = None,
             l2_warm: Optional[Callable[[torch.device], bool]] = None,
-            stream_weights: Optional[Callable[[torch.device], bool]] = None,
             pdl_wait: Any = None, pdl_launch_dependents: Any = None, fp4x2_bf16_scaled: Any = None,
             prefetch_l2: Any = None) -> None:
     """Install ``backend``'s hooks (those not given keep the portable default). Call once, at import,
     before any kernel is compiled: Triton resolves the jit hooks when it compiles a kernel."""
-    global _launch_options, _early_trigger, _launch_features, _num_sms, _l2_warm, _stream_weights, _owner
+    global _launch_options, _early_trigger, _launch_features, _num_sms, _l2_warm, _owner
     if _owner is not None and _owner != backend:
         raise RuntimeError(f"musecore_triton hooks are already installed by backend {_owner!r}; {backend!r} cannot "
                            "replace them (install a backend's hooks only where its torch build runs)")
@@ -169,7 +155,6 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
     _launch_features = launch_features or _launch_features
     _num_sms = num_sms or _num_sms
     _l2_warm = l2_warm or _l2_warm
-    _stream_weights = stream_weights or _stream_weights
     module = globals()
     for name, fn in jit.items():
         if fn is not None:

@@ -8,9 +8,7 @@ ops (before session 48's ``fuse_embed``); ``no_warm``: the fused blocks without 
 row-op weights (``hooks.l2_warm``, session 49); ``rope_apart``: the fused blocks with the q/k norms, RoPE and the KV
 write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_gemv_rope``); ``unroll``: the
 16-bit GEMVs with K's chunks unrolled, one row per program (``dense_gemv.UNROLL_K``, off by default since run 45);
-``lm_head_unrolled``: only the lm_head (N > 16384) through the GEMV with that cut instead of cuBLAS; ``no_stream``:
-the decode GEMVs' weights loaded without the evict-first L2 policy (session 51; ``no_stream_dense`` only the Triton
-16-bit ones, ``no_stream_fp4`` only the CUDA C++ FP4 ones). Same random
+``lm_head_unrolled``: only the lm_head (N > 16384) through the GEMV with that cut instead of cuBLAS. Same random
 weights, same prompt, alternated ``--rounds`` times; ``--modes`` picks some.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
@@ -29,15 +27,13 @@ from musecore.api import load_random
 from musecore.model import separate_ops
 from musecore_cuda import backend as cuda_backend
 from musecore_cuda import fused
-from musecore_cuda.kernels import fp4_gemv_cuda, triton_hooks
 from musecore_triton import hooks
 from musecore_triton.kernels import dense_gemv as dense_gemv_module
 from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate",
-         "no_stream", "no_stream_dense", "no_stream_fp4")
+MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -70,9 +66,6 @@ def patches(model, mode: str) -> list[tuple]:
             (cuda_backend, "dense_gemv",
              lambda x2, w, **kw: gemv(x2, w, (1, 256, w.shape[1]) if wide(w) else None, **kw))],
         "rope_apart": [(fused, "qkv_gemv_rope", gemv_then_rope)],
-        "no_stream": [(triton_hooks, "STREAM_WEIGHTS", False), (fp4_gemv_cuda, "STREAM_L2", False)],
-        "no_stream_dense": [(triton_hooks, "STREAM_WEIGHTS", False)],
-        "no_stream_fp4": [(fp4_gemv_cuda, "STREAM_L2", False)],
         "apart": [(fused, "router_pooler_one_launch", router_then_pooler)],
     }.get(mode, [])
 

@@ -320,23 +320,11 @@ struct Stage {
 };
 
 // 16 weight bytes, streamed once: no L1 allocation; L2 fetches the 256-byte block around them
-// (the next chunks of the same row) so each row is read from HBM in long bursts. With MUSECORE_STREAM_L2 (the
-// host's fp4_gemv_cuda.STREAM_L2) the lines are evict-first in L2: a step's weights, each read once, then leave
-// in L2 what the next kernels read again (activations, the KV cache, norm weights, counters).
-#ifndef MUSECORE_STREAM_L2
-#define MUSECORE_STREAM_L2 0
-#endif
+// (the next chunks of the same row) so each row is read from HBM in long bursts.
 __device__ __forceinline__ uint4 ld_stream(const u32 *p) {
     uint4 v;
-#if MUSECORE_STREAM_L2
-    unsigned long long policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
-#else
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#endif
     return v;
 }
 

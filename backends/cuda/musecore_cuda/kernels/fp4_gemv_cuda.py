@@ -58,9 +58,6 @@ SMEM_LIMIT = 48 * 1024  # staged activations per block without the opt-in
 MAX_CLUSTER = 8  # portable thread-block cluster size: the MMA kernel's largest split-K
 MMA_TARGET_WARPS = 2048  # ~16 warps per SM of an H200 streaming at once: enough loads in flight
 MMA_MIN_CHUNKS = 4       # fewest 128-element chunks a warp streams (its prologue must pay off)
-# Weights loaded evict-first in L2 (csrc/fp4_gemv.cu's MUSECORE_STREAM_L2), as the Triton decode GEMVs do on CUDA
-# (triton_hooks.STREAM_WEIGHTS): a decode step's weights are read once; what later kernels re-read stays in L2.
-STREAM_L2 = True
 UNAVAILABLE: list[str] = []
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -177,11 +174,11 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-            k_warps: int = 1, prefetch: int = 2, early: bool = False, stream: bool = False):
+            k_warps: int = 1, prefetch: int = 2, early: bool = False):
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
     name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}>"
             if kind == "mma" else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}, {str(early).lower()}>")
-    return torch.cuda._compile_kernel(f"#define MUSECORE_STREAM_L2 {int(stream)}\n" + SOURCE, name)
+    return torch.cuda._compile_kernel(SOURCE, name)
 
 
 def available(device: torch.device) -> bool:
@@ -250,8 +247,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     producer = handoff is not None and handoff[1] == PRODUCER
     kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
                    plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
-                   producer or pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"),
-                   STREAM_L2)
+                   producer or pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     ids_arg = ids if ids is not None else out_scale  # (a placeholder pointer, never read without EXPERTS)
     ids_args = [ids_arg, ids_arg if perm is None else perm, int(perm is not None)] if mma else [ids_arg]

@@ -51,16 +51,6 @@ def prefetch_l2(ptrs, mask):
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-# The decode GEMVs' weights evict-first in L2 (hooks.stream_weights; fp4_gemv_cuda.STREAM_L2 for the CUDA C++ ones).
-STREAM_WEIGHTS = True
-
-
-def stream_weights(device: torch.device) -> bool:
-    """On an NVIDIA GPU while :data:`STREAM_WEIGHTS` (PTX ``createpolicy ... L2::evict_first``; not in the
-    interpreter)."""
-    return STREAM_WEIGHTS and device.type == "cuda"
-
-
 def l2_warm(device: torch.device) -> bool:
     """On an NVIDIA GPU (not in the CPU interpreter, which cannot run PTX)."""
     return device.type == "cuda"
@@ -75,5 +65,5 @@ def launch_features(device: torch.device) -> dict:
 
 def install() -> None:
     hooks.install("cuda", launch_options=pdl.triton_options, early_trigger=pdl.early,
-                  launch_features=launch_features, l2_warm=l2_warm, stream_weights=stream_weights, pdl_wait=pdl.wait,
+                  launch_features=launch_features, l2_warm=l2_warm, pdl_wait=pdl.wait,
                   pdl_launch_dependents=pdl.trigger, fp4x2_bf16_scaled=fp4x2_bf16_scaled, prefetch_l2=prefetch_l2)

@@ -44,13 +44,12 @@ def dense_gemv_kernel(x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, stride_w, stri
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
                       PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr = False,
                       EPILOGUE: tl.constexpr = 0, HAS_POST: tl.constexpr = False, HAS_NEXT: tl.constexpr = False,
-                      BLOCK_NORM: tl.constexpr = 1, WARM: tl.constexpr = False, K_STATIC: tl.constexpr = 0,
-                      STREAM: tl.constexpr = False):
+                      BLOCK_NORM: tl.constexpr = 1, WARM: tl.constexpr = False, K_STATIC: tl.constexpr = 0):
     """Output rows ``BLOCK_N * pid0 ..`` of GEMV number ``pid1`` (:func:`gemv_program`)."""
     gemv_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K,
                  stride_w, stride_e, a_div, count_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr,
                  new_res_ptr, normed_ptr, post_eps, eps, BLOCK_N, BLOCK_K, EXPERTS, SWIGLU, PDL, EARLY, ROUND_X,
-                 EPILOGUE, HAS_POST, HAS_NEXT, BLOCK_NORM, WARM, K_STATIC, STREAM)
+                 EPILOGUE, HAS_POST, HAS_NEXT, BLOCK_NORM, WARM, K_STATIC)
 
 
 @triton.jit
@@ -59,7 +58,7 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPERTS: tl.constexpr, SWIGLU: tl.constexpr,
                  PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr, EPILOGUE: tl.constexpr,
                  HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr, WARM: tl.constexpr,
-                 K_STATIC: tl.constexpr = 0, STREAM: tl.constexpr = False):
+                 K_STATIC: tl.constexpr = 0):
     """Output rows ``BLOCK_N * pid ..`` of GEMV number ``a``: one token's ``x`` row against one weight; ``programs``
     row blocks of this GEMV make up the launch (the one that draws the last ticket runs the ``EPILOGUE`` row op).
 
@@ -96,7 +95,7 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
         ws = ()
         w2s = ()
         for c in tl.static_range((K_STATIC + BLOCK_K - 1) // BLOCK_K):
-            wv, w2v = _chunk_weights(c * BLOCK_K, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K, SWIGLU, STREAM)
+            wv, w2v = _chunk_weights(c * BLOCK_K, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K, SWIGLU)
             ws = ws + (wv,)
             w2s = w2s + (w2v,)
         if not EXPERTS:
@@ -106,7 +105,7 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
             acc, acc2 = _chunk_products(acc, acc2, ws[c], w2s[c], c * BLOCK_K, x_ptr, K, BLOCK_K, SWIGLU, ROUND_X)
     else:
         for k0 in range(0, K, BLOCK_K):
-            wv, w2v = _chunk_weights(k0, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K, SWIGLU, STREAM)
+            wv, w2v = _chunk_weights(k0, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K, SWIGLU)
             if not EXPERTS:  # after the first chunk's weight loads; a no-op once the kernel before has finished
                 hooks.pdl_launch_dependents(EARLY)
                 hooks.pdl_wait(PDL)
@@ -132,26 +131,16 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
 
 
 @triton.jit
-def _chunk_weights(k0, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-                   STREAM: tl.constexpr = False):
-    """The ``[BLOCK_N, BLOCK_K]`` weights of K's chunk at ``k0`` (and the up stack's with ``SWIGLU``), as stored;
-    evict-first in L2 with ``STREAM`` (``hooks.stream_weights``)."""
+def _chunk_weights(k0, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weights of K's chunk at ``k0`` (and the up stack's with ``SWIGLU``), as stored."""
     kk = k0 + tl.arange(0, BLOCK_K)
     wo = rows[:, None].to(tl.int64) * stride_w + kk[None, :]
     wm = rmask[:, None] & (kk < K)[None, :]
-    wv = _weight_load(w_ptr + wo, wm, STREAM)
+    wv = tl.load(w_ptr + wo, mask=wm, other=0.0)
     w2v = wv
     if SWIGLU:
-        w2v = _weight_load(w2_ptr + wo, wm, STREAM)
+        w2v = tl.load(w2_ptr + wo, mask=wm, other=0.0)
     return wv, w2v
-
-
-@triton.jit
-def _weight_load(ptrs, mask, STREAM: tl.constexpr):
-    if STREAM:
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -189,13 +178,13 @@ def qkv_gemv_rope_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr
                          cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, NQ: tl.constexpr, NKV: tl.constexpr,
                          D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, K_STATIC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                         ROUND_X: tl.constexpr, STREAM: tl.constexpr = False):
+                         ROUND_X: tl.constexpr):
     """:func:`gemv_program` over rows ``q | k | v | gate`` (heads of ``D``), then each head's last program to take
     its ticket runs :func:`norms.qk_norm_rope_row` on that head (a k head's ticket counts its v rows too)."""
     pid = tl.program_id(0)
     gemv_program(pid, tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w_ptr, x_ptr, y_ptr, N, K, stride_w, 0, 1,
                  count_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, 0.0, 0.0, BLOCK_N, BLOCK_K, False, False,
-                 PDL, EARLY, ROUND_X, 0, False, False, 1, False, K_STATIC, STREAM)
+                 PDL, EARLY, ROUND_X, 0, False, False, 1, False, K_STATIC)
     head = pid * BLOCK_N // D  # q heads 0 .. NQ-1, k heads NQ .., v heads NQ + NKV .., then the gate rows
     if head < NQ + 2 * NKV:
         if head >= NQ + NKV:
@@ -240,8 +229,7 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
         x.contiguous(), w, y, n, k, w.stride(0), counters, *(rows or (q_out, q_out)), q_out, cache_k, cache_v,
         cache_pos, pos_new.contiguous(), capacity + 1, capacity, eps, q_scale, NQ=nq, NKV=nkv, D=d,
         ROPE=rows is not None, RING=ring, BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
-        STREAM=hooks.stream_weights(x.device), ROUND_X=x.dtype != w.dtype, num_warps=NUM_WARPS,
-        EARLY=hooks.early_trigger(x.device, "dense_gemv"),
+        ROUND_X=x.dtype != w.dtype, num_warps=NUM_WARPS, EARLY=hooks.early_trigger(x.device, "dense_gemv"),
         **hooks.launch_options(x.device, "dense_gemv"))
     return y, q_out
 
@@ -304,8 +292,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | 
         args = (y,) * 8 + (0.0, 0.0)
     dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1, *args,
                                                      BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
-                                                     STREAM=hooks.stream_weights(x.device), EXPERTS=False,
-                                                     SWIGLU=False, num_warps=num_warps,
+                                                     EXPERTS=False, SWIGLU=False, num_warps=num_warps,
                                                      ROUND_X=x.dtype != w.dtype, **extra,
                                                      EARLY=hooks.early_trigger(x.device, "dense_gemv"),
                                                      WARM=bool(extra) and hooks.l2_warm(x.device),
@@ -344,7 +331,7 @@ def expert_gemv(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, a_div: 
         block_n, block_k, k_static = gemv_blocks(k)
         dense_gemv_kernel[(triton.cdiv(n, block_n), flat.numel())](
             x, stack, up if up is not None else stack, flat, y, n, k, k, n * k, a_div, *(y,) * 8, 0.0, 0.0,
-            BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static, STREAM=hooks.stream_weights(x.device), EXPERTS=True,
-            SWIGLU=up is not None, num_warps=NUM_WARPS,
+            BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static, EXPERTS=True, SWIGLU=up is not None,
+            num_warps=NUM_WARPS,
             EARLY=False, **hooks.launch_options(x.device, "expert_gemv"))
     return y

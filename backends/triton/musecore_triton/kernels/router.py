@@ -262,7 +262,7 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, K: tl.constexpr,
                          BLOCK: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr, BLOCK_NORM: tl.constexpr,
                          PDL: tl.constexpr, EARLY: tl.constexpr, WARM: tl.constexpr = False,
-                         GEMV_K_STATIC: tl.constexpr = 0, STREAM: tl.constexpr = False):
+                         GEMV_K_STATIC: tl.constexpr = 0):
     """The router's ``n_e x n_s`` programs (:func:`router_program`) first, then the pooler GEMV's row blocks with the
     pre-expert norm in its last one (``dense_gemv.gemv_program``): two independent products of one input in one
     launch, each with its own ticket."""
@@ -276,7 +276,7 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
         dense_gemv.gemv_program(pid - routers, tl.program_id(1), tl.num_programs(0) - routers, x_ptr, pooler_ptr,
                                 pooler_ptr, x_ptr, z_ptr, N, H, H, 0, 1, pool_count_ptr, z_ptr, z_ptr, z_ptr, z_ptr,
                                 norm_w_ptr, z_ptr, normed_ptr, 0.0, eps, GEMV_N, GEMV_K, False, False, PDL, EARLY,
-                                False, 1, False, True, BLOCK_NORM, WARM, GEMV_K_STATIC, STREAM)
+                                False, 1, False, True, BLOCK_NORM, WARM, GEMV_K_STATIC)
 
 
 def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
@@ -305,7 +305,6 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
         scaling, pooler, z, flat[1:2], norm_weight.contiguous(), normed, n, eps, n_e, n_s, **constexprs,
         GEMV_N=gemv_n, GEMV_K=gemv_k, GEMV_K_STATIC=gemv_k_static, BLOCK_NORM=triton.next_power_of_2(n),
-        STREAM=hooks.stream_weights(x.device),
         num_warps=dense_gemv.NUM_WARPS,
         EARLY=hooks.early_trigger(x.device, "router_pooler"), **hooks.launch_options(x.device, "router_pooler"))
     return weights, ids, normed
