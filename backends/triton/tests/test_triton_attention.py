@@ -11,6 +11,7 @@ from musecore.ops import tolerance
 
 from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
+from musecore_triton.kernels import attention as attention_module
 from musecore_triton.kernels.attention import attention
 
 
@@ -101,3 +102,21 @@ def test_attention_with_the_head_norm_gate_equals_the_two_ops(S, window):
     assert_nmse(want, got, tolerance("head_norm_gate"), f"attention + head norm gate, S={S}")
     with pytest.raises(ValueError, match="gate logits must be"):
         attention(q, k, v, q_pos, k_pos, window, d ** -0.5, gate=(gate[..., :32], 1e-6))
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+@pytest.mark.parametrize("block_n", [32, 64, 128, 256])
+@pytest.mark.parametrize("S,window", [(100, None), (300, 37), (600, None)])
+def test_decode_attention_keys_per_step(monkeypatch, block_n, S, window, dtype):
+    """One-token attention with ``DECODE_BLOCK_N`` keys per loop step (session 51: 128, was 64): the reference's
+    values for caches shorter than one step, several steps, and split keys; the number of programs splitting the keys
+    does not depend on the step (``SPLIT_UNIT``)."""
+    monkeypatch.setattr(attention_module, "DECODE_BLOCK_N", block_n)
+    B, T, nq, nkv, d = 1, 1, 8, 2, 64
+    q, k, v = case(B, T, S, nq, nkv, d, dtype)
+    k_pos = torch.arange(S, device=DEVICE)[None].clone()
+    k_pos[0, S - 7:] = -1  # empty slots at the end of a static cache
+    q_pos = torch.tensor([[S - 8]], device=DEVICE)
+    want = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
+    got = attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
+    assert_nmse(want, got, tolerance("attention"), f"decode attention, {block_n} keys per step, S={S}")

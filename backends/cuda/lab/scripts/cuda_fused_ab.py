@@ -8,7 +8,9 @@ ops (before session 48's ``fuse_embed``); ``no_warm``: the fused blocks without 
 row-op weights (``hooks.l2_warm``, session 49); ``rope_apart``: the fused blocks with the q/k norms, RoPE and the KV
 write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_gemv_rope``); ``unroll``: the
 16-bit GEMVs with K's chunks unrolled, one row per program (``dense_gemv.UNROLL_K``, off by default since run 45);
-``lm_head_unrolled``: only the lm_head (N > 16384) through the GEMV with that cut instead of cuBLAS. Same random
+``lm_head_unrolled``: only the lm_head (N > 16384) through the GEMV with that cut instead of cuBLAS; ``attn_bn64`` /
+``attn_bn256``: decode attention with 64 (before session 51) / 256 keys per loop step (``attention.DECODE_BLOCK_N``,
+128; run 51 also timed 32). Same random
 weights, same prompt, alternated ``--rounds`` times; ``--modes`` picks some.
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--format nvfp4] [--out ab.json]
@@ -28,12 +30,14 @@ from musecore.model import separate_ops
 from musecore_cuda import backend as cuda_backend
 from musecore_cuda import fused
 from musecore_triton import hooks
+from musecore_triton.kernels import attention as attention_module
 from musecore_triton.kernels import dense_gemv as dense_gemv_module
 from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import router_topk_one_launch
 
-MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate")
+MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate",
+         "attn_bn64", "attn_bn256")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -66,6 +70,8 @@ def patches(model, mode: str) -> list[tuple]:
             (cuda_backend, "dense_gemv",
              lambda x2, w, **kw: gemv(x2, w, (1, 256, w.shape[1]) if wide(w) else None, **kw))],
         "rope_apart": [(fused, "qkv_gemv_rope", gemv_then_rope)],
+        "attn_bn64": [(attention_module, "DECODE_BLOCK_N", 64)],
+        "attn_bn256": [(attention_module, "DECODE_BLOCK_N", 256)],
         "apart": [(fused, "router_pooler_one_launch", router_then_pooler)],
     }.get(mode, [])
 

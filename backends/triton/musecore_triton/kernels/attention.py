@@ -28,6 +28,13 @@ from musecore_triton.kernels.fp4_gemm import dot_mode
 
 LOG2E = 1.4426950408889634
 
+# Keys per loop step of a one-token (decode) attention program. Each step is two dependent memory round trips (the
+# keys' positions, then k and v), so wider steps mean fewer of them: 128 against 64 took muse-small's batch-1
+# generate (96-key cache) from 740 to 720 us per token on the H200, 32 lost 50 (backends/cuda/lab/NOTES.md, session
+# 51). How many programs split the keys is still decided in units of SPLIT_UNIT keys, as before.
+DECODE_BLOCK_N = 128
+SPLIT_UNIT = 64
+
 
 @triton.jit
 def _e4m3_to(b, MODE: tl.constexpr):
@@ -187,7 +194,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     group = nq // nkv
     rows = T * group
     block_m = 16 if rows <= 16 else 64
-    block_n = 64
+    block_n = DECODE_BLOCK_N if T == 1 else SPLIT_UNIT
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -195,7 +202,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     programs = m_blocks * B * nkv
     splits = 1
     if programs < 2 * hooks.num_sms(q.device):
-        splits = max(1, min(triton.cdiv(2 * hooks.num_sms(q.device), programs), triton.cdiv(S, 4 * block_n)))
+        splits = max(1, min(triton.cdiv(2 * hooks.num_sms(q.device), programs), triton.cdiv(S, 4 * SPLIT_UNIT)))
     keys_per_split = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
     splits = triton.cdiv(S, keys_per_split) if S else 1
     if kv_fp8:
