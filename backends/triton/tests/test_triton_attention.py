@@ -105,15 +105,13 @@ def test_attention_with_the_head_norm_gate_equals_the_two_ops(S, window):
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
-@pytest.mark.parametrize("eager_keys", [0, 1024])
 @pytest.mark.parametrize("block_n", [32, 64, 128, 256])
 @pytest.mark.parametrize("S,window", [(100, None), (300, 37), (600, None)])
-def test_decode_attention_keys_per_step(monkeypatch, block_n, eager_keys, S, window, dtype):
-    """One-token attention with ``DECODE_BLOCK_N`` keys per loop step (session 51: 128, was 64), k and v loaded with
-    the keys' positions or only for steps with a visible key (``EAGER_KEYS``): the reference's values for caches
-    shorter than one step, several steps, and split keys (the split count does not depend on the step)."""
+def test_decode_attention_keys_per_step(monkeypatch, block_n, S, window, dtype):
+    """One-token attention with ``DECODE_BLOCK_N`` keys per loop step (session 51: 128, was 64): the reference's
+    values for caches shorter than one step, several steps, and split keys; the number of programs splitting the keys
+    does not depend on the step (``SPLIT_UNIT``)."""
     monkeypatch.setattr(attention_module, "DECODE_BLOCK_N", block_n)
-    monkeypatch.setattr(attention_module, "EAGER_KEYS", eager_keys)
     B, T, nq, nkv, d = 1, 1, 8, 2, 64
     q, k, v = case(B, T, S, nq, nkv, d, dtype)
     k_pos = torch.arange(S, device=DEVICE)[None].clone()

@@ -34,9 +34,6 @@ LOG2E = 1.4426950408889634
 # 51). How many programs split the keys is still decided in units of SPLIT_UNIT keys, as before.
 DECODE_BLOCK_N = 128
 SPLIT_UNIT = 64
-# Up to this many cached keys, one-token attention loads each step's k and v with its keys' positions instead of after
-# finding a visible key there (a longer cache, mostly empty early in a sequence, keeps skipping invisible steps).
-EAGER_KEYS = 256
 
 
 @triton.jit
@@ -58,7 +55,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
                      T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     SPLIT: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False, EAGER: tl.constexpr = False):
+                     SPLIT: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False):
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -88,16 +85,12 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
         offs_s = s0 + tl.arange(0, BLOCK_N)
         s_mask = offs_s < s_end
         kp = tl.load(kpos_ptr + b.to(tl.int64) * S + offs_s, mask=s_mask, other=-1)
-        if EAGER:  # k and v in flight with the positions: one memory round trip per step, not two
-            k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
-            v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
         visible = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
         if HAS_WINDOW:
             visible = visible & ((qp[:, None] - kp[None, :]) < window)
         if tl.max(tl.max(visible.to(tl.int32), axis=1), axis=0) > 0:
-            if not EAGER:  # only the steps with a visible key read k and v
-                k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
-                v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
+            k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
+            v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
             if KV_FP8:
                 k = _e4m3_to(k.to(tl.int32), MODE)
                 v = _e4m3_to(v.to(tl.int32), MODE)
@@ -238,7 +231,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         v_scale if v_scale is not None else 1.0, keys_per_split, *gate_args,
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, KV_FP8=kv_fp8,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, GATE=gate is not None and splits == 1, num_warps=4,
-        EAGER=T == 1 and S <= EAGER_KEYS,
         num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
         **hooks.launch_options(q.device, "attention"))
     if splits > 1:
