@@ -109,8 +109,7 @@ def test_attention_with_the_head_norm_gate_equals_the_two_ops(S, window):
 @pytest.mark.parametrize("S,window", [(100, None), (300, 37), (600, None)])
 def test_decode_attention_keys_per_step(monkeypatch, block_n, S, window, dtype):
     """One-token attention with ``DECODE_BLOCK_N`` keys per loop step (session 51: 128, was 64): the reference's
-    values for caches shorter than one step, several steps, and split keys; the number of programs splitting the keys
-    does not depend on the step (``SPLIT_UNIT``)."""
+    values for caches shorter than one step, several steps, and split keys."""
     monkeypatch.setattr(attention_module, "DECODE_BLOCK_N", block_n)
     B, T, nq, nkv, d = 1, 1, 8, 2, 64
     q, k, v = case(B, T, S, nq, nkv, d, dtype)
@@ -120,3 +119,14 @@ def test_decode_attention_keys_per_step(monkeypatch, block_n, S, window, dtype):
     want = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
     got = attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
     assert_nmse(want, got, tolerance("attention"), f"decode attention, {block_n} keys per step, S={S}")
+
+
+@pytest.mark.parametrize("S", [0, 1, 100, 255, 256, 300, 600, 4096, 131072])
+@pytest.mark.parametrize("programs", [1, 3, 16, 264])
+def test_key_splits_do_not_depend_on_the_step(S, programs):
+    """The split count comes from ``SPLIT_UNIT``-key units whatever the step (64 or 128 keys: the same splits for
+    every S and grid here), each split covers whole steps, and together they cover every key."""
+    for block_n in (64, 128):
+        splits, per = attention_module.key_splits(S, programs, block_n, sms=132)
+        assert per % block_n == 0 and splits * per >= S and (splits - 1) * per < max(S, 1), (S, programs, block_n)
+    assert attention_module.key_splits(S, programs, 64, 132)[0] == attention_module.key_splits(S, programs, 128, 132)[0]

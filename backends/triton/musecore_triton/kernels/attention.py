@@ -31,9 +31,21 @@ LOG2E = 1.4426950408889634
 # Keys per loop step of a one-token (decode) attention program. Each step is two dependent memory round trips (the
 # keys' positions, then k and v), so wider steps mean fewer of them: 128 against 64 took muse-small's batch-1
 # generate (96-key cache) from 740 to 720 us per token on the H200, 32 lost 50 (backends/cuda/lab/NOTES.md, session
-# 51). How many programs split the keys is still decided in units of SPLIT_UNIT keys, as before.
+# 51). How many programs split the keys is still decided in units of SPLIT_UNIT keys, as before (key_splits; a split's
+# range is then rounded to whole steps, which at some lengths leaves one split fewer).
 DECODE_BLOCK_N = 128
 SPLIT_UNIT = 64
+
+
+def key_splits(S: int, programs: int, block_n: int, sms: int) -> tuple[int, int]:
+    """``(splits, keys_per_split)``: how many programs share each (query block, KV head)'s ``S`` keys. Only a grid
+    of fewer than two programs per SM splits, into at most one split per ``4 * SPLIT_UNIT`` keys; each split's range
+    is a whole number of ``block_n``-key steps."""
+    splits = 1
+    if programs < 2 * sms:
+        splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(S, 4 * SPLIT_UNIT)))
+    keys_per_split = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+    return (triton.cdiv(S, keys_per_split) if S else 1), keys_per_split
 
 
 @triton.jit
@@ -200,11 +212,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         return out
     m_blocks = triton.cdiv(rows, block_m)
     programs = m_blocks * B * nkv
-    splits = 1
-    if programs < 2 * hooks.num_sms(q.device):
-        splits = max(1, min(triton.cdiv(2 * hooks.num_sms(q.device), programs), triton.cdiv(S, 4 * SPLIT_UNIT)))
-    keys_per_split = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
-    splits = triton.cdiv(S, keys_per_split) if S else 1
+    splits, keys_per_split = key_splits(S, programs, block_n, hooks.num_sms(q.device))
     if kv_fp8:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     qk_scale = scale * LOG2E * (k_scale if k_scale is not None else 1.0)
