@@ -1,6 +1,6 @@
 """Is a decode graph captured later in a process slower than the first one captured? (issue 26, session 51)
 
-``cuda_history_probe.py`` (run 49) found muse-small's greedy ``generate`` at ~707 us per token only for the first
+``cuda_history_probe.py`` (runs 50-52) found muse-small's greedy ``generate`` at ~707 us per token only for the first
 capture in a process and ~740 for every later one, while the plain step graph's replay stayed at ~686. Here three
 greedy graphs are captured one after another on caches of their own (nothing else in between) and replayed back to
 back in alternated rounds (GPU time per replay); then one replay of each runs under the profiler, and the kernels

@@ -153,23 +153,44 @@ def greedy_pair(model, prompt: list[list[int]], n: int = 50) -> dict:
 
 def ab_arguments(out: str) -> argparse.Namespace:
     """The lab A/B scripts' command line: ``--preset``, ``--format``, ``--rounds`` (alternations), ``--out``,
-    ``--modes`` (a comma-separated subset of the script's modes; all by default)."""
+    ``--modes`` (a comma-separated subset of the script's modes; all by default), ``--pad-mb`` (see
+    :func:`placement_pad`)."""
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="muse-small")
     p.add_argument("--format", default="nvfp4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=out)
     p.add_argument("--modes", default="")
+    p.add_argument("--pad-mb", type=float, default=0.0,
+                   help="before each mode's capture, hold a device buffer of a random size up to this many MB")
     return p.parse_args()
 
 
+def placement_pad(max_mb: float, seed: int) -> list:
+    """Device buffers of random sizes (``seed``'s draws; none when ``max_mb`` is 0) to hold while a mode captures its
+    graph, so that the static cache and the graph's buffers land at other addresses: one of 0 .. ``max_mb`` MB in
+    2 MB steps (the allocator's large pool) and 0-255 blocks of 512 B - 8 KB (its small pool, where a muse-small
+    layer's KV cache and the step's activations live). Session 51 saw one graph's attention take 119 or 143 us per
+    step by capture (run 51) and every capture after a process's first run ~33 us per token slower; with a pad per
+    (round, mode), an A/B's rounds sample placements instead of repeating one, so a mode is not judged on where its
+    buffers happened to land."""
+    if max_mb <= 0:
+        return []
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda hi: int(torch.randint(0, hi + 1, (1,), generator=g))  # noqa: E731
+    sizes = [draw(int(max_mb // 2)) * (2 << 20)] + [512 * (1 + draw(15)) for _ in range(draw(255))]
+    return [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes if n]
+
+
 def print_medians(rows: list[dict], modes) -> None:
-    """Per mode of an A/B: the median replay and ``generate`` times of its rounds (and its kernels, if counted)."""
+    """Per mode of an A/B: the median (and range) of its rounds' replay and ``generate`` times, and its kernels if
+    counted."""
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         kernels = f", {mine[0]['kernels_per_step']} kernels" if "kernels_per_step" in mine[0] else ""
-        print(f"{mode}: replay median {sorted(r['replay_us'] for r in mine)[len(mine) // 2]} us, generate median "
-              f"{sorted(r['generate_us_per_token'] for r in mine)[len(mine) // 2]} us/token{kernels}")
+        rep, gen = (sorted(r[key] for r in mine) for key in ("replay_us", "generate_us_per_token"))
+        print(f"{mode}: replay median {rep[len(rep) // 2]} us ({rep[0]} .. {rep[-1]}), generate median "
+              f"{gen[len(gen) // 2]} us/token ({gen[0]} .. {gen[-1]}){kernels}")
 
 
 def save_rows(path: str, args, rows: list[dict]) -> None:

@@ -24,7 +24,7 @@ from unittest import mock
 import torch
 
 # (this folder is sys.path[0] when run as a script)
-from cuda_decode_host_probe import ab_arguments, decode_numbers, print_medians, save_rows, step_kernels
+from cuda_decode_host_probe import ab_arguments, decode_numbers, placement_pad, print_medians, save_rows, step_kernels
 from musecore.api import load_random
 from musecore.model import separate_ops
 from musecore_cuda import backend as cuda_backend
@@ -100,11 +100,15 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, 32)).tolist()
     rows = []
     for r in range(args.rounds):
-        for mode in modes:
+        for i, mode in enumerate(modes):
+            pad = placement_pad(args.pad_mb, 1000 * r + i)  # held while the mode captures and runs
             with mode_of(model, mode):
                 row = {"round": r, "mode": mode, **decode_numbers(model, prompt, kernels=False)}
+                if pad:
+                    row["pad_bytes"] = sum(t.numel() for t in pad)
                 print(row)
                 rows.append(row)
+            del pad
     for mode in modes:  # counted after every timed round: the profiler may slow later replays (session 48, run 31)
         with mode_of(model, mode):
             counted = step_kernels(model, prompt)

@@ -5,7 +5,8 @@ A fresh process decodes muse-small NVFP4 at ~707 us per token (``cuda_decode_hos
 probe times the NVFP4 model's ``generate`` (a new capture, then the median of 3 runs of 64 tokens) in one process
 after each event of ``--sequence`` in turn: nothing (``fresh``, ``again``), a plain step graph captured and kept
 (``step``, with its replay time), those graphs dropped, the model reloaded, a BF16 model loaded, run and deleted,
-a profiler session. Run 49's first version (fixed sequence) found ~707 us only for the first generate of a process.
+a profiler session, buffers of random sizes held (``pad``: does the place the next capture's buffers land in decide
+its speed?). Run 50's first version (fixed sequence) found ~707 us only for the first generate of a process.
 
     python backends/cuda/lab/scripts/cuda_history_probe.py [--sequence fresh,again,step,again] [--out history.json]
 """
@@ -21,7 +22,7 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-from cuda_decode_host_probe import _prefilled_step, gpu_us
+from cuda_decode_host_probe import _prefilled_step, gpu_us, placement_pad
 from musecore.api import load_random
 
 
@@ -107,6 +108,12 @@ def _release_empty(state: dict) -> None:  # the kept graph and cache freed, and 
     torch.cuda.empty_cache()
 
 
+def _pad(state: dict) -> dict:  # buffers of random sizes held from here on: later allocations land elsewhere
+    pads = state.setdefault("pads", [])
+    pads.append(placement_pad(16, len(pads) + 1))
+    return {"pad_bytes": sum(t.numel() for t in pads[-1])}
+
+
 def _drop_steps(state: dict) -> None:
     state.pop("steps", None)
     gc.collect()
@@ -115,7 +122,7 @@ def _drop_steps(state: dict) -> None:
 
 EVENTS = {"fresh": lambda state: None, "again": lambda state: None, "step": _step, "drop_steps": _drop_steps,
           "bf16": _bf16, "reload": _reload, "profiler": _profiler,
-          "release_empty": _release_empty}
+          "release_empty": _release_empty, "pad": _pad}
 SEQUENCE = "fresh,again,again,step,again,drop_steps,reload,bf16,profiler"
 
 
