@@ -61,11 +61,17 @@ import torch
 
 from musecore.model import Attention, MoE
 from musecore_triton.kernels.attention import attention
-from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv, qkv_gemv_rope
+from musecore_triton.kernels import dense_gemv as dense_gemv_module
+from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv, qkv_attention, qkv_gemv_rope
 from musecore_triton.kernels.embed import model_decode_embed
 from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_pooler_one_launch
 
 FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
+# Attention in the q/k/v/gate GEMV's launch (``qkv_attention``: each KV head's group attends in the last program to
+# finish it; 2 launches per attention block instead of 3, caches up to ``ATTEND_MAX_KEYS``). Off: written in session
+# 51 after its last device call, tested in the interpreter and compiled for SM90, not yet timed (A/B mode
+# ``attend_in_qkv`` of backends/cuda/lab/scripts/cuda_fused_ab.py).
+ATTENTION_IN_QKV = False
 log = logging.getLogger("musecore.cuda")
 
 
@@ -227,7 +233,8 @@ class FusedAttention(_Fused):
         return block.in_proj, getattr(block.in_proj, "weight", None), block.o_proj
 
     def __init__(self, block: Any, in_proj: torch.Tensor, o_proj: torch.Tensor) -> None:
-        super().__init__(block, 1 + block.nq + block.nkv, in_proj.device)  # tickets: o_proj's, one per q/k head
+        # tickets: o_proj's, one per q/k head, one per KV head's group (qkv_attention)
+        super().__init__(block, 1 + block.nq + 2 * block.nkv, in_proj.device)
         self.in_proj, self.o_proj = in_proj, o_proj
 
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any) -> Optional[torch.Tensor]:
@@ -250,9 +257,14 @@ class FusedAttention(_Fused):
             return None
         nq, nkv, d = block.nq, block.nkv, block.d
         cos, sin = rope if block.rope else (None, None)  # NoPE on the full-attention layers
+        view = lc.stored()  # views of the cache: the launch's KV write shows through them
+        if ATTENTION_IN_QKV and view.k.shape[1] <= dense_gemv_module.ATTEND_MAX_KEYS and nq // nkv <= 16:
+            o = qkv_attention(a.reshape(1, -1), in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v,
+                              lc.positions, positions, lc.capacity, lc.ring, self.counters[1:],
+                              (view.k, view.v, view.positions), block.window, block.scale, block.eps)
+            return _unpool(o.reshape(1, nq * d), self.o_proj, a.shape, then, self.counters[0])
         y, q = qkv_gemv_rope(a.reshape(1, -1), in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v,
                              lc.positions, positions, lc.capacity, lc.ring, self.counters[1:])
         gate = y.view(1, 1, -1, d)[:, :, nq + 2 * nkv:]  # [1,1, nq + 2 nkv + nq, d]: q, k, v, gate heads
-        view = lc.stored()
         o = attention(q, view.k, view.v, positions, view.positions, block.window, block.scale, gate=(gate, block.eps))
         return _unpool(o.reshape(1, nq * d), self.o_proj, a.shape, then, self.counters[0])

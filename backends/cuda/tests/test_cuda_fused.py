@@ -14,6 +14,7 @@ from musecore.testing import fused_blocks, nmse, through_separate_ops
 from musecore_triton.kernels import router
 from musecore_triton.testing import HAS_GPU, check_decode_embed
 
+from musecore_cuda import fused
 from musecore_cuda.fused import FUSED_ENV, fuse_block, fuse_embed
 
 TOLERANCE = 1e-5  # NMSE: the router's fp32 sums and the norm's are grouped differently (musecore_cuda.fused)
@@ -80,10 +81,13 @@ def test_the_switch_turns_fusion_off(model, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_cache(model):
+@pytest.mark.parametrize("attend_in_qkv", [False, True])
+def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_cache(model, attend_in_qkv,
+                                                                                      monkeypatch):
     """Sliding RoPE and full NoPE layers, two positions: the output and the cache's k within TOLERANCE of the separate
     ops (the head norm's and the q/k norms' sums are grouped differently), the cache's v and positions bit for bit,
-    three fewer launches."""
+    three fewer launches (four with attention in the q/k/v/gate GEMV's launch, ``fused.ATTENTION_IN_QKV``)."""
+    monkeypatch.setattr(fused, "ATTENTION_IN_QKV", attend_in_qkv)
     prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -111,7 +115,8 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
         rope = model.rope(positions)
         fused_n = kernels(lambda: block.fused(a, positions, rope, caches[0]))
         separate_n = kernels(lambda: through_separate_ops(block, a, positions, rope, caches[1]))
-        assert fused_n == separate_n - 3, f"{fused_n} launches fused, {separate_n} separate"
+        assert fused_n == separate_n - 3 - attend_in_qkv, f"{fused_n} launches fused, {separate_n} separate"
+        assert not block.fused.counters.any(), f"counters {block.fused.counters.tolist()}"
         assert block.fused(torch.cat([a, a], 1), positions.repeat(1, 2), model.rope(positions.repeat(1, 2)),
                            caches[0]) is None  # two tokens: the separate ops
         assert block.fused(a, positions, rope, model.new_cache(1, 64)) is None  # a dynamic cache

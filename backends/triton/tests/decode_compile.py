@@ -1,7 +1,8 @@
 """Compile the decode kernels that session 43 fused (the CUDA backend's fused sublayers: ``dense_gemv`` with its
 row-op epilogues and an fp32 input, the one-launch router alone and beside the pooler, the q/k norms writing the KV
 cache, attention with the head norm and gate, and the split keys' merge; since session 48 the decode embed, since
-session 50 the q/k/v/gate GEMV running the q/k norms in its heads' last programs) for a GPU
+session 50 the q/k/v/gate GEMV running the q/k norms in its heads' last programs, since session 51 that GEMV also
+attending per KV-head group, ``qkv_attention``) for a GPU
 target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49):
 ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
 and constexprs its wrapper chose, never run);
@@ -31,7 +32,7 @@ def main(arch: str) -> None:
         hooks._l2_warm = lambda device: True
     from musecore_triton.kernels import norms, router
     from musecore_triton.kernels.attention import attention
-    from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_gemv_rope
+    from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_attention, qkv_gemv_rope
     from musecore_triton.kernels.embed import decode_embed
 
     dt, H, h = torch.bfloat16, 1536, 768  # muse-small's widths
@@ -58,6 +59,9 @@ def main(arch: str) -> None:
         norms.qk_norm_rope_kv_write(q, k, v, *rope, 1e-6, 0.5, ck, cv, cpos, pos, cap, ring)
         qkv_gemv_rope(x, torch.randn(y.numel(), H).to(dt), nq, nkv, *rope, 1e-6, 0.5, ck, cv, cpos, pos, cap, ring,
                       torch.zeros(nq + nkv, dtype=torch.int32))
+        qkv_attention(x, torch.randn(y.numel(), H).to(dt), nq, nkv, *rope, 1e-6, 0.5, ck, cv, cpos, pos, cap, ring,
+                      torch.zeros(nq + 2 * nkv, dtype=torch.int32), (ck[:, :cap], cv[:, :cap], cpos[:, :cap]),
+                      1024 if ring else None, d ** -0.5, 1e-6)
     qn = torch.randn(1, 1, nq, d).to(dt)
     attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
     long = 1024  # keys split over programs: the merge kernel, with and without the gate's epilogue

@@ -186,3 +186,43 @@ def test_qkv_gemv_rope_gives_the_gemv_then_qk_norm_rope_kv_write(nq, nkv, d, k, 
         qkv_gemv_rope(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters.long())
     with pytest.raises(ValueError, match="qkv_gemv_rope takes"):
         qkv_gemv_rope(x, w[:-d], nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters)
+
+
+@pytest.mark.parametrize("nq,nkv,d,k,ring,rope,window", [(4, 2, 32, 64, False, True, None),
+                                                         (6, 1, 64, 200, True, True, 3),
+                                                         (4, 2, 32, 96, False, False, None)])
+def test_qkv_attention_gives_qkv_gemv_rope_then_gated_attention(nq, nkv, d, k, ring, rope, window):
+    """``qkv_attention``: ``qkv_gemv_rope`` whose KV-head groups' last programs then attend with the head norm and
+    gate: the same output as ``qkv_gemv_rope`` then ``attention(gate=)`` over the written cache (within the op
+    tolerance: the attention's sums run in the GEMV's warps), the same cache, launch after launch, every ticket
+    given back at zero; a cache longer than ``ATTEND_MAX_KEYS`` is refused."""
+    from musecore_triton.kernels import dense_gemv as dg
+    from musecore_triton.kernels.attention import attention
+    capacity, dtype = 8, torch.float16
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    w = (torch.randn((2 * nq + 2 * nkv) * d, k, device=DEVICE) * 0.1).to(dtype)
+    cos, sin = rope_tables(1, 1, d) if rope else (None, None)
+    counters = [torch.zeros(nq + 2 * nkv, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    for position in (5, 11):
+        pos = torch.tensor([[position]], device=DEVICE)
+        caches = [[torch.randn(1, capacity + 1, nkv, d, device=DEVICE).half() for _ in range(2)]
+                  + [torch.randint(-1, 9, (1, capacity + 1), device=DEVICE)] for _ in range(2)]
+        caches[1] = [c.clone() for c in caches[0]]
+        y, q = dg.qkv_gemv_rope(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[0], pos, capacity, ring, counters[0])
+        gate = y.view(1, 1, -1, d)[:, :, nq + 2 * nkv:]
+        want = attention(q, caches[0][0], caches[0][1], pos, caches[0][2], window, d ** -0.5, gate=(gate, 1e-6))
+        got = dg.qkv_attention(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters[1],
+                               tuple(caches[1]), window, d ** -0.5, 1e-6)
+        assert counters[1].eq(0).all(), f"position {position}: tickets left at {counters[1].tolist()}"
+        assert_nmse(want, got, tolerance("head_norm_gate"), f"gated attention, nq={nq} nkv={nkv} position {position}")
+        assert_nmse(caches[0][0], caches[1][0], tolerance("qk_norm_rope"), f"cache k, position {position}")
+        for name, a, b in zip(("v", "positions"), caches[0][1:], caches[1][1:]):
+            assert torch.equal(a, b), f"cache {name} differs (ring={ring}, position {position})"
+    long = [torch.zeros(1, dg.ATTEND_MAX_KEYS + 1, nkv, d, device=DEVICE).half() for _ in range(2)]
+    with pytest.raises(ValueError, match="qkv_attention takes"):
+        dg.qkv_attention(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters[1],
+                         (*long, torch.zeros(1, dg.ATTEND_MAX_KEYS + 1, dtype=torch.long, device=DEVICE)), window,
+                         d ** -0.5, 1e-6)
+    with pytest.raises(ValueError, match="int32 counters"):
+        dg.qkv_attention(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters[1][:-1],
+                         tuple(caches[1]), window, d ** -0.5, 1e-6)

@@ -69,9 +69,22 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
                      MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      SPLIT: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False):
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    attend_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), q_ptr, k_ptr, v_ptr,
+                qpos_ptr, kpos_ptr, o_ptr, ml_ptr, sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t,
+                so_h, T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
+                G, D, BLOCK_M, BLOCK_N, MODE, KV_FP8, HAS_WINDOW, SPLIT, GATE)
+
+
+@triton.jit
+def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
+                sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t, so_h,
+                T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
+                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                GATE: tl.constexpr):
+    """Query rows ``pid_m * BLOCK_M ..`` (token-major, ``G`` heads per token) of (batch, KV head) ``pid_bh`` against
+    key split ``pid_s`` (``programs_bh`` (batch, KV head) pairs in all): the output rows (with the head norm and gate
+    when ``GATE``), or with ``SPLIT`` the split's unnormalised partial and its (max, sum) for the merge kernel."""
     b = pid_bh // nkv
     kvh = pid_bh % nkv
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,7 +130,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
             m_i = m_new
 
     if SPLIT:
-        part = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * rows_pad + r
+        part = (pid_s * programs_bh + pid_bh).to(tl.int64) * rows_pad + r
         tl.store(o_ptr + part[:, None] * D + d[None, :], acc * v_scale)
         tl.store(ml_ptr + part * 2, m_i)
         tl.store(ml_ptr + part * 2 + 1, l_i)

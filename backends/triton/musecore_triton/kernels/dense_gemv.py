@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from musecore_triton import hooks
-from musecore_triton.kernels import norms
+from musecore_triton.kernels import attention, norms
 
 MAX_BLOCK_K = 2048
 # K's chunks unrolled (K_STATIC): off. Standalone, 1 row per program and 256-column chunks won on every muse-small
@@ -179,13 +179,26 @@ def qkv_gemv_rope_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr
                          D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, K_STATIC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
                          ROUND_X: tl.constexpr):
+    """:func:`qkv_program` in every program."""
+    qkv_program(tl.program_id(0), x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr,
+                cv_ptr, cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, NQ, NKV, D, ROPE, RING, BLOCK_N, BLOCK_K,
+                K_STATIC, PDL, EARLY, ROUND_X)
+
+
+@triton.jit
+def qkv_program(pid, x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, cv_ptr,
+                cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, NQ: tl.constexpr, NKV: tl.constexpr,
+                D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, K_STATIC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                ROUND_X: tl.constexpr):
     """:func:`gemv_program` over rows ``q | k | v | gate`` (heads of ``D``), then each head's last program to take
-    its ticket runs :func:`norms.qk_norm_rope_row` on that head (a k head's ticket counts its v rows too)."""
-    pid = tl.program_id(0)
+    its ticket runs :func:`norms.qk_norm_rope_row` on that head (a k head's ticket counts its v rows too). Returns
+    the head whose step this program ran (q heads 0 .. NQ-1, k heads NQ ..), or -1."""
     gemv_program(pid, tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w_ptr, x_ptr, y_ptr, N, K, stride_w, 0, 1,
                  count_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, 0.0, 0.0, BLOCK_N, BLOCK_K, False, False,
                  PDL, EARLY, ROUND_X, 0, False, False, 1, False, K_STATIC)
     head = pid * BLOCK_N // D  # q heads 0 .. NQ-1, k heads NQ .., v heads NQ + NKV .., then the gate rows
+    done = -1
     if head < NQ + 2 * NKV:
         if head >= NQ + NKV:
             head -= NKV
@@ -194,6 +207,35 @@ def qkv_gemv_rope_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr
             norms.qk_norm_rope_row(head.to(tl.int64), y_ptr, y_ptr + NQ * D, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, NQ,
                                    NQ, NKV, N, N, eps, q_scale, y_ptr + (NQ + NKV) * D, cv_ptr, cpos_ptr, pos_ptr, 1,
                                    N, slots, capacity, D, ROPE, True, RING)
+            done = head
+    return done
+
+
+@triton.jit
+def qkv_attention_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, cv_ptr,
+                         cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, group_ptr, k_ptr, v_ptr, kpos_ptr, o_ptr,
+                         sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, S, window, qk_scale, keys, gate_eps,
+                         NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+                         RING: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STATIC: tl.constexpr,
+                         PDL: tl.constexpr, EARLY: tl.constexpr, ROUND_X: tl.constexpr, BLOCK_M: tl.constexpr,
+                         ATT_BLOCK_N: tl.constexpr, MODE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """:func:`qkv_program`, then attention with the head norm and gate for each KV head's group of ``NQ // NKV`` q
+    heads in the last program to finish that group's part: its q heads' and k head's steps (the k head's covers v
+    and the cache write) and its gate rows' programs each take a ticket on the group's counter."""
+    pid = tl.program_id(0)
+    done = qkv_program(pid, x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr,
+                       cv_ptr, cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, NQ, NKV, D, ROPE, RING, BLOCK_N,
+                       BLOCK_K, K_STATIC, PDL, EARLY, ROUND_X)
+    head = pid * BLOCK_N // D
+    gate = head >= NQ + 2 * NKV
+    group = tl.where(gate, (head - NQ - 2 * NKV) // (NQ // NKV), tl.where(done < NQ, done // (NQ // NKV), done - NQ))
+    if gate | (done >= 0):
+        tl.debug_barrier()  # the gate rows, or the head's step, stored by every thread before the ticket
+        if last_ticket(group_ptr + group, NQ // NKV + 1 + NQ // NKV * (D // BLOCK_N)):
+            attention.attend_tile(0, group, 0, NKV, q_out_ptr, k_ptr, v_ptr, pos_ptr, kpos_ptr, o_ptr, o_ptr,
+                                  NQ * D, NQ * D, D, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, NQ * D, NQ * D, D,
+                                  1, S, NKV, BLOCK_M, window, qk_scale, 1.0, keys, y_ptr + (NQ + 2 * NKV) * D, N, N,
+                                  gate_eps, NQ // NKV, D, BLOCK_M, ATT_BLOCK_N, MODE, False, HAS_WINDOW, False, True)
 
 
 def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
@@ -208,30 +250,76 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
 
     ``counters``: ``nq + nkv`` int32 zeros (one ticket per q head and per k head, each reset by the program that
     drew its last), owned by one call site whose launches do not overlap."""
+    y, q_out, args, meta = _qkv_launch("qkv_gemv_rope", x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v,
+                                       cache_pos, pos_new, capacity, ring, counters, nq + nkv)
+    qkv_gemv_rope_kernel[(triton.cdiv(w.shape[0], meta["BLOCK_N"]),)](*args, **meta)
+    return y, q_out
+
+
+# Longest cache qkv_attention takes: one program per KV head steps through it (attention.DECODE_BLOCK_N keys a step);
+# beyond, attention() splits the keys over more programs.
+ATTEND_MAX_KEYS = 512
+
+
+def qkv_attention(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, eps: float, q_scale: float, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                  cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool, counters: torch.Tensor,
+                  view: tuple[torch.Tensor, torch.Tensor, torch.Tensor], window: int | None, scale: float,
+                  gate_eps: float) -> torch.Tensor:
+    """:func:`qkv_gemv_rope`, then ``attention(q, k, v, pos_new, positions, window, scale, gate=(gate rows,
+    gate_eps))`` over the cache ``view = (k, v, positions)`` (``[1, S, nkv, d]`` x2, ``[1, S]``, as
+    ``KVCache.stored()`` gives them, after this launch's write), in one launch: the last program to finish a KV head's
+    group (its q heads' and k head's steps, its gate rows) attends for that group. Returns the gated attention output
+    ``[1, 1, nq, d]``. ``counters``: ``nq + 2 nkv`` int32 zeros (the heads' tickets, then the groups'). Takes
+    ``nq / nkv <= 16`` heads per group and ``S <= ATTEND_MAX_KEYS``."""
+    k_view, v_view, kpos = view
+    S = k_view.shape[1]
+    if nq % nkv or nq // nkv > 16 or not 0 < S <= ATTEND_MAX_KEYS or k_view.shape != (1, S, nkv, cache_k.shape[-1]) \
+            or v_view.shape != k_view.shape or kpos.shape != (1, S) or not kpos.is_contiguous() \
+            or k_view.stride(3) != 1 or v_view.stride(3) != 1:
+        raise ValueError(f"qkv_attention takes up to 16 q heads per KV head and a cache view of 1..{ATTEND_MAX_KEYS} "
+                         f"keys (k, v [1, S, nkv, d] with d contiguous, positions [1, S] contiguous); got nq {nq}, "
+                         f"nkv {nkv}, k {list(k_view.shape)}, v {list(v_view.shape)}, positions {list(kpos.shape)}")
+    y, q_out, args, meta = _qkv_launch("qkv_attention", x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v,
+                                       cache_pos, pos_new, capacity, ring, counters, nq + 2 * nkv)
+    o = torch.empty_like(q_out)
+    block_n = attention.DECODE_BLOCK_N
+    qkv_attention_kernel[(triton.cdiv(w.shape[0], meta["BLOCK_N"]),)](
+        *args, counters.view(-1)[nq + nkv:], k_view, v_view, kpos, o, *k_view.stride()[:3], *v_view.stride()[:3], S,
+        window if window is not None else 0, scale * attention.LOG2E, triton.cdiv(S, block_n) * block_n, gate_eps,
+        **meta, BLOCK_M=16, ATT_BLOCK_N=block_n, MODE=attention.dot_mode(q_out.dtype), HAS_WINDOW=window is not None)
+    return o
+
+
+def _qkv_launch(name: str, x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
+                sin: torch.Tensor | None, eps: float, q_scale: float, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool, counters: torch.Tensor,
+                tickets: int) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
+    """Checks and outputs of :func:`qkv_gemv_rope` and :func:`qkv_attention`: ``(y, q_out, the kernels' shared
+    arguments, their constexprs and launch options)``."""
     d = cache_k.shape[-1]
     n, k = w.shape
     block_n, block_k, k_static = gemv_blocks(k)
     if x.shape != (1, k) or x.dtype not in (w.dtype, torch.float32) or w.stride(1) != 1 \
             or w.dtype not in (torch.bfloat16, torch.float16) or n != 2 * (nq + nkv) * d or d % block_n \
             or d & (d - 1):
-        raise ValueError(f"qkv_gemv_rope takes x [1,K] and a row-major 16-bit w [2 (nq + nkv) d, K] with a "
+        raise ValueError(f"{name} takes x [1,K] and a row-major 16-bit w [2 (nq + nkv) d, K] with a "
                          f"power-of-two head dim d; got x {x.dtype} {list(x.shape)}, w {w.dtype} {list(w.shape)}, "
                          f"nq {nq}, nkv {nkv}, d {d}")
-    if counters.dtype != torch.int32 or counters.numel() < nq + nkv or not counters.is_contiguous():
-        raise ValueError(f"qkv_gemv_rope needs {nq + nkv} contiguous int32 counters; got {counters.dtype} "
+    if counters.dtype != torch.int32 or counters.numel() < tickets or not counters.is_contiguous():
+        raise ValueError(f"{name} needs {tickets} contiguous int32 counters; got {counters.dtype} "
                          f"{list(counters.shape)}")
     y = torch.empty(1, n, dtype=w.dtype, device=x.device)
     q, k_new, v = y.view(1, 1, -1, d)[:, :, :nq + 2 * nkv].split_with_sizes([nq, nkv, nkv], -2)
-    norms.check_kv_write("qkv_gemv_rope", q, k_new, v, cache_k, cache_v, cache_pos, pos_new, capacity)
-    rows = norms.rope_rows("qkv_gemv_rope", cos, sin, 1, 1, d)
+    norms.check_kv_write(name, q, k_new, v, cache_k, cache_v, cache_pos, pos_new, capacity)
+    rows = norms.rope_rows(name, cos, sin, 1, 1, d)
     q_out = torch.empty(1, 1, nq, d, dtype=w.dtype, device=x.device)
-    qkv_gemv_rope_kernel[(triton.cdiv(n, block_n),)](
-        x.contiguous(), w, y, n, k, w.stride(0), counters, *(rows or (q_out, q_out)), q_out, cache_k, cache_v,
-        cache_pos, pos_new.contiguous(), capacity + 1, capacity, eps, q_scale, NQ=nq, NKV=nkv, D=d,
-        ROPE=rows is not None, RING=ring, BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
-        ROUND_X=x.dtype != w.dtype, num_warps=NUM_WARPS, EARLY=hooks.early_trigger(x.device, "dense_gemv"),
-        **hooks.launch_options(x.device, "dense_gemv"))
-    return y, q_out
+    args = (x.contiguous(), w, y, n, k, w.stride(0), counters, *(rows or (q_out, q_out)), q_out, cache_k, cache_v,
+            cache_pos, pos_new.contiguous(), capacity + 1, capacity, eps, q_scale)
+    meta = dict(NQ=nq, NKV=nkv, D=d, ROPE=rows is not None, RING=ring, BLOCK_N=block_n, BLOCK_K=block_k,
+                K_STATIC=k_static, ROUND_X=x.dtype != w.dtype, num_warps=NUM_WARPS,
+                EARLY=hooks.early_trigger(x.device, "dense_gemv"), **hooks.launch_options(x.device, "dense_gemv"))
+    return y, q_out, args, meta
 
 
 def gemv_blocks(k: int) -> tuple[int, int, int]:
