@@ -41,6 +41,7 @@ from musecore_cuda.fp8 import TOKEN_ACT, Fp8Resident, fp8_linear, fp8_linear_row
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan
 from musecore_cuda.kernels.fp8_moe import fp8_moe
 from musecore_cuda.kernels.moe_decode import moe_decode_gemv, use_gemv
+from musecore_triton.kernels import sampling
 from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_triton.kernels.moe import moe_forward
@@ -148,6 +149,12 @@ def fp4_tiled_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     return out.to(x2.dtype)
 
 
+# Greedy sampling through musecore_triton.kernels.sampling.argmax instead of torch.argmax. Off: written in session 51
+# after its last device call, tested against torch.argmax in the interpreter and compiled for SM90, not yet run or
+# timed on a GPU (A/B mode triton_argmax of backends/cuda/lab/scripts/cuda_fused_ab.py).
+TRITON_ARGMAX = False
+
+
 class CudaBackend(TritonOps, Backend):
     """NVIDIA GPUs through Triton and cuBLAS.
 
@@ -163,6 +170,18 @@ class CudaBackend(TritonOps, Backend):
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:
         super().__init__(device if device is not None else "cuda")
+
+    def sample(self, logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """With :data:`TRITON_ARGMAX`, greedy (temperature 0) through the Triton argmax
+        (``musecore_triton.kernels.sampling``: two short launches; PyTorch's argmax is one ~16 us reduction at a
+        65536-entry vocabulary on the H200), the same index as ``torch.argmax``; otherwise the reference's
+        sampling."""
+        if TRITON_ARGMAX and temperature <= 0.0 and (logits.is_cuda or self.interpreted) \
+                and logits.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+                and 0 < logits.shape[-1] <= sampling.MAX_V:
+            return sampling.argmax(logits)
+        return TritonOps.sample(logits, temperature, top_k, top_p, generator)
 
     # --- discovery -------------------------------------------------------------------------
     def probe(self) -> Probe:
@@ -210,8 +229,11 @@ class CudaBackend(TritonOps, Backend):
         limit = shared_kernel_limit(op, spec)
         if limit:
             return Support.no(limit)
-        if op in ("embedding", "sample"):
+        if op == "embedding":
             return Support.native("PyTorch CUDA ops")
+        if op == "sample":
+            return Support.native("greedy: a Triton argmax (two launches); at a temperature: PyTorch CUDA ops"
+                                  if TRITON_ARGMAX else "PyTorch CUDA ops")
         if op == "router_topk":
             how = "fp32 cuBLAS product, then a Triton top-k kernel"
         elif op in ("silu_mul", "logit_softcap"):

@@ -2,7 +2,7 @@
 row-op epilogues and an fp32 input, the one-launch router alone and beside the pooler, the q/k norms writing the KV
 cache, attention with the head norm and gate, and the split keys' merge; since session 48 the decode embed, since
 session 50 the q/k/v/gate GEMV running the q/k norms in its heads' last programs, since session 51 that GEMV also
-attending per KV-head group, ``qkv_attention``) for a GPU
+attending per KV-head group, ``qkv_attention``, and greedy sampling's argmax) for a GPU
 target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49):
 ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
 and constexprs its wrapper chose, never run);
@@ -30,7 +30,7 @@ def main(arch: str) -> None:
         import musecore_cuda  # noqa: F401  (installs its hooks)
         from musecore_triton import hooks
         hooks._l2_warm = lambda device: True
-    from musecore_triton.kernels import norms, router
+    from musecore_triton.kernels import norms, router, sampling
     from musecore_triton.kernels.attention import attention
     from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_attention, qkv_gemv_rope
     from musecore_triton.kernels.embed import decode_embed
@@ -72,6 +72,7 @@ def main(arch: str) -> None:
     for factor in (1.0, 1.3):  # default rope, and YaRN's attention factor
         decode_embed(torch.tensor([[3]]), pos, torch.zeros(1, dtype=torch.long), torch.randn(65536, H).to(dt),
                      torch.tensor([4, 5, 6]), torch.ones(H).to(dt), 1e-6, inv_freq, factor, dt)
+    sampling.argmax(torch.randn(1, 65536))  # greedy sampling (session 51)
     print(json.dumps(RESULTS))
 
 
