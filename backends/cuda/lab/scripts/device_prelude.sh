@@ -8,8 +8,8 @@
 # cap of $SUITE_S or 330 s so pytest still prints the summary; which tests ran in $OUT/gpu_suite.xml),
 # `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step`
 # (cuda_moe_runs_probe.py, at $BATCHES when set),
-# `fused_ab_step` (cuda_fused_ab.py, its --modes from $AB_MODES when set), `profile_step` (the kernels of the decode
-# step, into $OUT/$2),
+# `fused_ab_step` (cuda_fused_ab.py, its --modes from $AB_MODES when set, more arguments in $AB_ARGS),
+# `profile_step` (the kernels of the decode step, into $OUT/$2),
 # `profile_b16_step` (the same at batch 16) and `serve_step` (benchmarks/serve_bench.py in process, muse-small NVFP4).
 export PYTHONUNBUFFERED=1
 cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
@@ -42,7 +42,7 @@ tests_step() {
 }
 fused_ab_step() {
   timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json \
-    ${AB_MODES:+--modes $AB_MODES} > $OUT/fused_ab.log 2>&1
+    ${AB_MODES:+--modes $AB_MODES} ${AB_ARGS:-} > $OUT/fused_ab.log 2>&1
   echo "$1. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
 }
 profile_step() {

@@ -8,6 +8,7 @@
 #   8. cuda_history_probe.py (the same model's decode after a BF16 model, a reload, a profiler session);
 #   9. cuda_capture_probe.py (greedy graphs captured one after another: timed, then their kernels compared).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [TESTS="..."] [AB_MODES=...]
+#        [AB_ARGS="--rounds 6 --pad-mb 16"]
 #        bash backends/cuda/lab/scripts/s51_session.sh
 set -u
 LIMIT=${LIMIT:-580}
@@ -16,7 +17,8 @@ source "$(dirname "$0")/device_prelude.sh"
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
 E2E='from musecore_cuda.bench import bench_e2e, bench_fp8
 import json, sys, time
-if sys.argv[1] == "heat": t = time.time(); bench_fp8(ms=(256, 4096), moe_tokens=(1, 256, 8192)); print("fp8", time.time() - t)
+if sys.argv[1] == "heat":
+    t = time.time(); bench_fp8(ms=(256, 4096), moe_tokens=(1, 256, 8192)); print("fp8", time.time() - t)
 for r in bench_e2e(batches=(1,)): print(time.strftime("%H:%M:%S"), json.dumps(r))'
 step1() {
   timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_decode_host_probe.py --out $OUT/host_probe.json \
