@@ -188,17 +188,20 @@ def test_qkv_gemv_rope_gives_the_gemv_then_qk_norm_rope_kv_write(nq, nkv, d, k, 
         qkv_gemv_rope(x, w[:-d], nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters)
 
 
-@pytest.mark.parametrize("nq,nkv,d,k,ring,rope,window", [(4, 2, 32, 64, False, True, None),
-                                                         (6, 1, 64, 200, True, True, 3),
-                                                         (4, 2, 32, 96, False, False, None)])
-def test_qkv_attention_gives_qkv_gemv_rope_then_gated_attention(nq, nkv, d, k, ring, rope, window):
+@pytest.mark.parametrize("nq,nkv,d,k,ring,rope,window,step,capacity", [
+    (4, 2, 32, 64, False, True, None, 64, 8), (6, 1, 64, 200, True, True, 3, 64, 8),
+    (4, 2, 32, 96, False, False, None, 64, 8), (4, 2, 32, 64, False, True, None, 32, 80),  # 81 keys: 3 steps
+    (4, 2, 32, 64, True, True, 40, 128, 300)])  # 301 keys: 3 steps, a window
+def test_qkv_attention_gives_qkv_gemv_rope_then_gated_attention(nq, nkv, d, k, ring, rope, window, step, capacity,
+                                                                monkeypatch):
     """``qkv_attention``: ``qkv_gemv_rope`` whose KV-head groups' last programs then attend with the head norm and
     gate: the same output as ``qkv_gemv_rope`` then ``attention(gate=)`` over the written cache (within the op
     tolerance: the attention's sums run in the GEMV's warps), the same cache, launch after launch, every ticket
     given back at zero; a cache longer than ``ATTEND_MAX_KEYS`` is refused."""
     from musecore_triton.kernels import dense_gemv as dg
     from musecore_triton.kernels.attention import attention
-    capacity, dtype = 8, torch.float16
+    monkeypatch.setattr(dg, "ATTEND_BLOCK_N", step)  # keys per attention step in the tail
+    dtype = torch.float16
     x = torch.randn(1, k, device=DEVICE).to(dtype)
     w = (torch.randn((2 * nq + 2 * nkv) * d, k, device=DEVICE) * 0.1).to(dtype)
     cos, sin = rope_tables(1, 1, d) if rope else (None, None)
@@ -206,7 +209,7 @@ def test_qkv_attention_gives_qkv_gemv_rope_then_gated_attention(nq, nkv, d, k, r
     for position in (5, 11):
         pos = torch.tensor([[position]], device=DEVICE)
         caches = [[torch.randn(1, capacity + 1, nkv, d, device=DEVICE).half() for _ in range(2)]
-                  + [torch.randint(-1, 9, (1, capacity + 1), device=DEVICE)] for _ in range(2)]
+                  + [torch.randint(-1, capacity + 1, (1, capacity + 1), device=DEVICE)] for _ in range(2)]
         caches[1] = [c.clone() for c in caches[0]]
         y, q = dg.qkv_gemv_rope(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[0], pos, capacity, ring, counters[0])
         gate = y.view(1, 1, -1, d)[:, :, nq + 2 * nkv:]

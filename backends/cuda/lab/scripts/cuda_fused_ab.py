@@ -11,7 +11,8 @@ write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_g
 ``lm_head_unrolled``: only the lm_head (N > 16384) through the GEMV with that cut instead of cuBLAS; ``attn_bn64`` /
 ``attn_bn256``: decode attention with 64 (before session 51) / 256 keys per loop step (``attention.DECODE_BLOCK_N``,
 128; run 56 also timed 32); ``attend_in_qkv``: attention in the q/k/v/gate GEMV's launch (``fused.ATTENTION_IN_QKV``,
-off; session 51, not timed yet); ``triton_argmax``: greedy sampling through the Triton argmax
+off; session 51, not timed yet; 4 warps, 64 keys a step; ``_w2_32``: 2 warps, 32 keys; ``_w4_128``: 4 warps, 128
+keys); ``triton_argmax``: greedy sampling through the Triton argmax
 (``musecore_cuda.backend.TRITON_ARGMAX``, off, not timed yet); ``both_new``: both. Same random weights, same
 prompt, alternated ``--rounds`` times; ``--modes`` picks some; ``--pad-mb`` holds device buffers of random sizes while
 each (round, mode) captures (``cuda_decode_host_probe.placement_pad``).
@@ -40,7 +41,8 @@ from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import router_topk_one_launch
 
 MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate",
-         "attn_bn64", "attn_bn256", "attend_in_qkv", "triton_argmax", "both_new")
+         "attn_bn64", "attn_bn256", "attend_in_qkv", "attend_in_qkv_w2_32", "attend_in_qkv_w4_128", "triton_argmax",
+         "both_new")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -76,6 +78,9 @@ def patches(model, mode: str) -> list[tuple]:
         "attn_bn64": [(attention_module, "DECODE_BLOCK_N", 64)],
         "attn_bn256": [(attention_module, "DECODE_BLOCK_N", 256)],
         "attend_in_qkv": [(fused, "ATTENTION_IN_QKV", True)],
+        "attend_in_qkv_w2_32": [(fused, "ATTENTION_IN_QKV", True), (dense_gemv_module, "ATTEND_WARPS", 2),
+                                (dense_gemv_module, "ATTEND_BLOCK_N", 32)],
+        "attend_in_qkv_w4_128": [(fused, "ATTENTION_IN_QKV", True), (dense_gemv_module, "ATTEND_BLOCK_N", 128)],
         "triton_argmax": [(cuda_backend, "TRITON_ARGMAX", True)],
         "both_new": [(fused, "ATTENTION_IN_QKV", True), (cuda_backend, "TRITON_ARGMAX", True)],
         "apart": [(fused, "router_pooler_one_launch", router_then_pooler)],

@@ -256,9 +256,14 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
     return y, q_out
 
 
-# Longest cache qkv_attention takes: one program per KV head steps through it (attention.DECODE_BLOCK_N keys a step);
-# beyond, attention() splits the keys over more programs.
+# Longest cache qkv_attention takes: one program per KV head steps through it (ATTEND_BLOCK_N keys a step); beyond,
+# attention() splits the keys over more programs.
 ATTEND_MAX_KEYS = 512
+# qkv_attention's warps per program and keys per attention step. The whole launch gets the registers of its widest
+# part: SM90 compiles of muse-small's kernel (session 51) took 242 registers at 2 warps and 128 keys (the plain
+# q/k/v/gate GEMV: 122), 126 at 2 warps and 32 keys, 116 at 4 warps and 64 keys (the plain GEMV at 4 warps: 69),
+# 158 at 4 warps and 128 keys. 4 warps x 116 keeps the routed GEMV's 512 threads per SM. Not timed yet.
+ATTEND_WARPS, ATTEND_BLOCK_N = 4, 64
 
 
 def qkv_attention(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
@@ -271,7 +276,8 @@ def qkv_attention(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
     ``KVCache.stored()`` gives them, after this launch's write), in one launch: the last program to finish a KV head's
     group (its q heads' and k head's steps, its gate rows) attends for that group. Returns the gated attention output
     ``[1, 1, nq, d]``. ``counters``: ``nq + 2 nkv`` int32 zeros (the heads' tickets, then the groups'). Takes
-    ``nq / nkv <= 16`` heads per group and ``S <= ATTEND_MAX_KEYS``."""
+    ``nq / nkv <= 16`` heads per group and ``S <= ATTEND_MAX_KEYS``; runs ``ATTEND_WARPS`` warps per program and
+    ``ATTEND_BLOCK_N`` keys per attention step."""
     k_view, v_view, kpos = view
     S = k_view.shape[1]
     if nq % nkv or nq // nkv > 16 or not 0 < S <= ATTEND_MAX_KEYS or k_view.shape != (1, S, nkv, cache_k.shape[-1]) \
@@ -283,11 +289,12 @@ def qkv_attention(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
     y, q_out, args, meta = _qkv_launch("qkv_attention", x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v,
                                        cache_pos, pos_new, capacity, ring, counters, nq + 2 * nkv)
     o = torch.empty_like(q_out)
-    block_n = attention.DECODE_BLOCK_N
+    block_n = ATTEND_BLOCK_N
     qkv_attention_kernel[(triton.cdiv(w.shape[0], meta["BLOCK_N"]),)](
         *args, counters.view(-1)[nq + nkv:], k_view, v_view, kpos, o, *k_view.stride()[:3], *v_view.stride()[:3], S,
         window if window is not None else 0, scale * attention.LOG2E, triton.cdiv(S, block_n) * block_n, gate_eps,
-        **meta, BLOCK_M=16, ATT_BLOCK_N=block_n, MODE=attention.dot_mode(q_out.dtype), HAS_WINDOW=window is not None)
+        **{**meta, "num_warps": ATTEND_WARPS}, BLOCK_M=16, ATT_BLOCK_N=block_n, MODE=attention.dot_mode(q_out.dtype),
+        HAS_WINDOW=window is not None)
     return o
 
 
