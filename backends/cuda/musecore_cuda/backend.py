@@ -177,9 +177,7 @@ class CudaBackend(TritonOps, Backend):
         (``musecore_triton.kernels.sampling``: two short launches; PyTorch's argmax is one ~16 us reduction at a
         65536-entry vocabulary on the H200), the same index as ``torch.argmax``; otherwise the reference's
         sampling."""
-        if TRITON_ARGMAX and temperature <= 0.0 and (logits.is_cuda or self.interpreted) \
-                and logits.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-                and 0 < logits.shape[-1] <= sampling.MAX_V:
+        if TRITON_ARGMAX and temperature <= 0.0 and (logits.is_cuda or self.interpreted) and sampling.takes(logits):
             return sampling.argmax(logits)
         return TritonOps.sample(logits, temperature, top_k, top_p, generator)
 

@@ -61,8 +61,8 @@ import torch
 
 from musecore.model import Attention, MoE
 from musecore_triton.kernels.attention import attention
-from musecore_triton.kernels import dense_gemv as dense_gemv_module
-from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES, dense_gemv, qkv_attention, qkv_gemv_rope
+from musecore_triton.kernels.dense_gemv import (DENSE_GEMV_MAX_BYTES, attention_fits, dense_gemv, qkv_attention,
+                                                qkv_gemv_rope)
 from musecore_triton.kernels.embed import model_decode_embed
 from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_pooler_one_launch
 
@@ -258,7 +258,7 @@ class FusedAttention(_Fused):
         nq, nkv, d = block.nq, block.nkv, block.d
         cos, sin = rope if block.rope else (None, None)  # NoPE on the full-attention layers
         view = lc.stored()  # views of the cache: the launch's KV write shows through them
-        if ATTENTION_IN_QKV and view.k.shape[1] <= dense_gemv_module.ATTEND_MAX_KEYS and nq // nkv <= 16:
+        if ATTENTION_IN_QKV and attention_fits(nq, nkv, view.k.shape[1]):
             o = qkv_attention(a.reshape(1, -1), in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v,
                               lc.positions, positions, lc.capacity, lc.ring, self.counters[1:],
                               (view.k, view.v, view.positions), block.window, block.scale, block.eps)

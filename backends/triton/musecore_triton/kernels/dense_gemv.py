@@ -266,6 +266,12 @@ ATTEND_MAX_KEYS = 512
 ATTEND_WARPS, ATTEND_BLOCK_N = 4, 64
 
 
+def attention_fits(nq: int, nkv: int, keys: int) -> bool:
+    """Whether :func:`qkv_attention` attends for ``nq`` query heads over ``nkv`` KV heads and a cache of ``keys``: a
+    group of up to 16 heads fills one query tile, and one program per group steps through the whole cache."""
+    return nq % nkv == 0 and nq // nkv <= 16 and 0 < keys <= ATTEND_MAX_KEYS
+
+
 def qkv_attention(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
                   sin: torch.Tensor | None, eps: float, q_scale: float, cache_k: torch.Tensor, cache_v: torch.Tensor,
                   cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool, counters: torch.Tensor,
@@ -280,7 +286,7 @@ def qkv_attention(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
     ``ATTEND_BLOCK_N`` keys per attention step."""
     k_view, v_view, kpos = view
     S = k_view.shape[1]
-    if nq % nkv or nq // nkv > 16 or not 0 < S <= ATTEND_MAX_KEYS or k_view.shape != (1, S, nkv, cache_k.shape[-1]) \
+    if not attention_fits(nq, nkv, S) or k_view.shape != (1, S, nkv, cache_k.shape[-1]) \
             or v_view.shape != k_view.shape or kpos.shape != (1, S) or not kpos.is_contiguous() \
             or k_view.stride(3) != 1 or v_view.stride(3) != 1:
         raise ValueError(f"qkv_attention takes up to 16 q heads per KV head and a cache view of 1..{ATTEND_MAX_KEYS} "

@@ -44,7 +44,7 @@ def logit_softcap_kernel(x_ptr, y_ptr, n, x_stride, multiplier, cap, BLOCK: tl.c
     tl.store(y_ptr + row * n + offs, tl.where(t < 0, -th, th) * cap, mask=mask)
 
 
-def _rows2d(x: torch.Tensor) -> torch.Tensor:
+def rows2d(x: torch.Tensor) -> torch.Tensor:
     """``x [...,n]`` as ``[rows, n]`` with unit column stride: a view when the layout allows, else a copy."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -56,7 +56,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul: gate {list(gate.shape)} and up {list(up.shape)} must have one shape")
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel():
-        g2, u2 = _rows2d(gate), _rows2d(up)
+        g2, u2 = rows2d(gate), rows2d(up)
         n = g2.shape[1]
         silu_mul_kernel[(g2.shape[0], triton.cdiv(n, BLOCK))](g2, u2, y, n, g2.stride(0), u2.stride(0), BLOCK=BLOCK,
                                                             **hooks.launch_options(gate.device, "silu_mul"))
@@ -69,7 +69,7 @@ def logit_softcap(logits: torch.Tensor, multiplier: float, cap: float) -> torch.
         raise ValueError(f"logit_softcap: cap must be positive; got {cap}")
     y = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     if logits.numel():
-        x2 = _rows2d(logits)
+        x2 = rows2d(logits)
         n = x2.shape[1]
         grid = (x2.shape[0], triton.cdiv(n, BLOCK))
         logit_softcap_kernel[grid](x2, y, n, x2.stride(0), float(multiplier), float(cap), BLOCK=BLOCK,

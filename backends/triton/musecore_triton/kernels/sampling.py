@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from musecore_triton import hooks
+from musecore_triton.kernels.elementwise import rows2d
 
 BLOCK = 2048  # logits per partial program: 32 programs per 65536-entry row, 99 per 202048
 MAX_V = 1 << 22  # the final program holds a row's partials: up to 2048
@@ -59,16 +60,18 @@ def argmax_final_kernel(key_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr,
     tl.store(out_ptr + row, tl.min(tl.where(k == best, i, 2147483647), axis=0).to(tl.int64))
 
 
+def takes(logits: torch.Tensor) -> bool:
+    """Whether :func:`argmax` takes ``logits``: 16- or 32-bit floats, 1 .. ``MAX_V`` entries per row."""
+    return logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.dim() > 0 \
+        and 0 < logits.shape[-1] <= MAX_V
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` (int64, ``logits.shape[:-1]``) for 16- or 32-bit float logits of 1 .. ``MAX_V``
-    entries per row."""
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.dim() == 0 \
-            or not 0 < logits.shape[-1] <= MAX_V:
+    """``logits.argmax(-1)`` (int64, ``logits.shape[:-1]``) for the logits :func:`takes`."""
+    if not takes(logits):
         raise ValueError(f"argmax takes float logits [..., V] with 0 < V <= {MAX_V}; got {logits.dtype} "
                          f"{list(logits.shape)}")
-    x = logits.reshape(-1, logits.shape[-1])
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = rows2d(logits)
     rows, n = x.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows:
