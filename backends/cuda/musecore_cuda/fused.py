@@ -68,9 +68,10 @@ from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_p
 
 FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
 # Attention in the q/k/v/gate GEMV's launch (``qkv_attention``: each KV head's group attends in the last program to
-# finish it; 2 launches per attention block instead of 3, caches up to ``ATTEND_MAX_KEYS``). Off: written in session
-# 51 after its last device call, tested in the interpreter and compiled for SM90, not yet timed (A/B mode
-# ``attend_in_qkv`` of backends/cuda/lab/scripts/cuda_fused_ab.py).
+# finish it; 2 launches per attention block instead of 3, caches up to ``ATTEND_MAX_KEYS``). Off: it passes the GPU
+# tests but is slower in muse-small's decode graph (session 52, run 61, cuda_fused_ab.py mode ``attend_in_qkv``: 700.2
+# against 684.7 us per replay, 749.1 against 717.9 us per generated token; 2 warps with 32-key steps: 787.4). The
+# group's attention runs in one program after its GEMV rows, where the separate kernel overlapped the GEMV's tail.
 ATTENTION_IN_QKV = False
 log = logging.getLogger("musecore.cuda")
 

@@ -6,7 +6,11 @@ greedy graphs are captured one after another on caches of their own (nothing els
 back in alternated rounds (GPU time per replay); then one replay of each runs under the profiler, and the kernels
 whose summed time differs most between the first graph and the last are printed.
 
-    python backends/cuda/lab/scripts/cuda_capture_probe.py [--room 64] [--out capture.json]
+    python backends/cuda/lab/scripts/cuda_capture_probe.py [--room 64] [--dump DIR] [--out capture.json]
+
+``--dump DIR`` captures every graph in torch's debug mode and writes each one's DOT (``graph{i}.dot``: every node's
+kernel, grid, block, shared memory and arguments) with ``graph{i}.diff``, the lines of graph i's DOT that differ
+from graph 0's once the device addresses are masked: empty when the graphs differ only in where their buffers lie.
 
 Run 51 used room 200 (a 232-key cache; attention 142.8 vs 119.1 us per replay between graph 0 and 2); ``--room 64``
 (the default since) gives the 96-key cache of ``generate(prompt of 32, max_new_tokens=64)``, as the A/B scripts run.
@@ -15,8 +19,13 @@ Run 51 used room 200 (a 232-key cache; attention 142.8 vs 119.1 us per replay be
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import json
+import os
+import re
 from collections import defaultdict
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -38,6 +47,36 @@ def greedy_step(model, prompt: list[list[int]], room: int):
     return step, restart
 
 
+class DebugGraph(torch.cuda.CUDAGraph):
+    """A ``torch.cuda.CUDAGraph`` that keeps its ``cudaGraph_t`` for :meth:`debug_dump` (``keep_graph=True``, given
+    to ``__init__`` too: pybind11 constructs there; debug mode alone dumps nothing, run 62; instantiated at the first
+    replay)."""
+
+    def __new__(cls, keep_graph: bool = True):
+        return super().__new__(cls, keep_graph=True)
+
+    def __init__(self, keep_graph: bool = True) -> None:
+        super().__init__(keep_graph=True)
+
+
+def dump_graphs(steps: list, folder: str) -> list[int]:
+    """Each graph's DOT into ``folder``, and how many lines of each differ from graph 0's with addresses masked."""
+    os.makedirs(folder, exist_ok=True)
+    masked = []
+    for i, (step, _) in enumerate(steps):
+        path = os.path.join(folder, f"graph{i}.dot")
+        step.graph.debug_dump(path)
+        with open(path) as f:
+            masked.append([re.sub(r"0x[0-9a-f]{6,}", "ADDR", line) for line in f])
+    changed = []
+    for i, lines in enumerate(masked):
+        diff = [d for d in difflib.unified_diff(masked[0], lines, n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]
+        with open(os.path.join(folder, f"graph{i}.diff"), "w") as f:
+            f.writelines(diff)
+        changed.append(len(diff))
+    return changed
+
+
 def kernels(fn) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -54,10 +93,14 @@ def main() -> None:
     p.add_argument("--out", default="cuda_capture_probe.json")
     p.add_argument("--graphs", type=int, default=3)
     p.add_argument("--room", type=int, default=64, help="cache positions after the 32-token prompt")
+    p.add_argument("--dump", default=None, help="folder for each graph's DOT (debug mode) and its diff to graph 0's")
     args = p.parse_args()
     model = load_random("muse-small", "h200", checkpoint_format="nvfp4")
     prompt = torch.randint(0, 65536, (1, 32), generator=torch.Generator().manual_seed(1)).tolist()
-    steps = [greedy_step(model, prompt, args.room) for _ in range(args.graphs)]
+    with mock.patch.object(torch.cuda, "CUDAGraph", DebugGraph) if args.dump else contextlib.nullcontext():
+        steps = [greedy_step(model, prompt, args.room) for _ in range(args.graphs)]
+    if args.dump:
+        print("DOT lines differing from graph 0's (addresses masked):", dump_graphs(steps, args.dump), flush=True)
     times: dict = defaultdict(list)
     for _ in range(3):
         for i, (step, restart) in enumerate(steps):

@@ -13,9 +13,12 @@ write as their own launch after the q/k/v/gate GEMV (before session 50's ``qkv_g
 128; run 56 also timed 32); ``attend_in_qkv``: attention in the q/k/v/gate GEMV's launch (``fused.ATTENTION_IN_QKV``,
 off; session 51, not timed yet; 4 warps, 64 keys a step; ``_w2_32``: 2 warps, 32 keys; ``_w4_128``: 4 warps, 128
 keys); ``triton_argmax``: greedy sampling through the Triton argmax
-(``musecore_cuda.backend.TRITON_ARGMAX``, off, not timed yet); ``both_new``: both. Same random weights, same
+(``musecore_cuda.backend.TRITON_ARGMAX``, on since session 52) and ``torch_argmax`` through PyTorch's;
+``both_new``: both; ``shared_pool``: every graph captured into one memory pool (``torch.cuda.graph(pool=)``), so a
+later capture places its intermediates where the first did (is where they lie the reason only a process's first
+greedy capture runs fast? session 51). Same random weights, same
 prompt, alternated ``--rounds`` times; ``--modes`` picks some; ``--pad-mb`` holds device buffers of random sizes while
-each (round, mode) captures (``cuda_decode_host_probe.placement_pad``).
+each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the kept generation cache is freed).
 
     python backends/cuda/lab/scripts/cuda_fused_ab.py [--preset muse-small] [--pad-mb 16] [--out ab.json]
 """
@@ -42,7 +45,7 @@ from musecore_triton.kernels.router import router_topk_one_launch
 
 MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate",
          "attn_bn64", "attn_bn256", "attend_in_qkv", "attend_in_qkv_w2_32", "attend_in_qkv_w4_128", "triton_argmax",
-         "both_new")
+         "torch_argmax", "both_new", "shared_pool")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -82,9 +85,26 @@ def patches(model, mode: str) -> list[tuple]:
                                 (dense_gemv_module, "ATTEND_BLOCK_N", 32)],
         "attend_in_qkv_w4_128": [(fused, "ATTENTION_IN_QKV", True), (dense_gemv_module, "ATTEND_BLOCK_N", 128)],
         "triton_argmax": [(cuda_backend, "TRITON_ARGMAX", True)],
+        "torch_argmax": [(cuda_backend, "TRITON_ARGMAX", False)],
+        "shared_pool": [(torch.cuda, "graph", shared_pool_graph)],
         "both_new": [(fused, "ATTENTION_IN_QKV", True), (cuda_backend, "TRITON_ARGMAX", True)],
         "apart": [(fused, "router_pooler_one_launch", router_then_pooler)],
     }.get(mode, [])
+
+
+_POOL: list = []
+
+
+def shared_pool_graph(cuda_graph, **kwargs):
+    """``torch.cuda.graph(cuda_graph)`` in the one pool every ``shared_pool`` capture of the process shares. The
+    first graph captured into it is kept, so the pool outlives the graphs freed between rounds (a pool whose graphs
+    are all gone may not take another capture: run 63's assert)."""
+    if not _POOL:
+        _POOL.extend([torch.cuda.graph_pool_handle(), cuda_graph])
+    return GRAPH(cuda_graph, pool=_POOL[0], **kwargs)
+
+
+GRAPH = torch.cuda.graph
 
 
 @contextlib.contextmanager
@@ -112,6 +132,7 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for i, mode in enumerate(modes):
+            model.release_generation_cache()  # (else the new cache reuses the old one's blocks, pad or not)
             pad = placement_pad(args.pad_mb, 1000 * r + i)  # held while the mode captures and runs
             with mode_of(model, mode):
                 row = {"round": r, "mode": mode, **decode_numbers(model, prompt, kernels=False)}

@@ -22,7 +22,8 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-from cuda_decode_host_probe import _prefilled_step, gpu_us, placement_pad
+from cuda_decode_host_probe import _prefilled_step, gpu_us, placement_pad, replay_timeline
+from cuda_capture_probe import kernels
 from musecore.api import load_random
 
 
@@ -42,15 +43,32 @@ def triton_variants() -> dict:
     return out
 
 
-def generate_us(model, prompt: list[list[int]]) -> float:
-    """``generate`` per token: a new capture (8 tokens), then the median of 3 runs of 64 tokens."""
+def generate_us(model, prompt: list[list[int]]) -> dict:
+    """``generate`` per token: a new capture (8 tokens), then the median of 3 runs of 64 tokens; and a fourth run's
+    timeline (``cuda_decode_host_probe.replay_timeline``: each replay's GPU time, the GPU's idle time between
+    replays, the host's loop): is a slower capture's token slower on the GPU or between replays?"""
     model.release_generation_cache()
     model.generate(prompt, max_new_tokens=8)
     gen = []
     for _ in range(3):
         model.generate(prompt, max_new_tokens=64)
         gen.append(1e6 / model.last_generation_stats.decode_tokens_per_s)
-    return round(sorted(gen)[1], 1)
+    return {"generate_us_per_token": round(sorted(gen)[1], 1), **replay_timeline(model, prompt, 64)}
+
+
+@torch.inference_mode()  # (generate's cache is made of inference tensors)
+def greedy_kernels(model, prompt: list[list[int]], n: int = 20) -> dict:
+    """GPU microseconds per replay of each kernel of the greedy graph ``generate`` kept (the last capture), over ``n``
+    replays from the prompt's end on its cache (reset and prefilled again), under the profiler."""
+    _, cache, steps = model._generation_cache
+    step = steps["greedy"]
+    cache.reset()
+    model.forward(torch.tensor(prompt, device="cuda"), cache=cache)
+    step.start(torch.zeros(1, dtype=torch.long, device="cuda"),
+               torch.full((1,), len(prompt[0]), dtype=torch.long, device="cuda"),
+               torch.ones(1, dtype=torch.bool, device="cuda"))
+    torch.cuda.synchronize()
+    return {k: round(v / n, 2) for k, v in kernels(lambda: [step() for _ in range(n)]).items()}
 
 
 def main() -> None:
@@ -58,13 +76,23 @@ def main() -> None:
     p.add_argument("--out", default="cuda_history_probe.json")
     p.add_argument("--sequence", default=SEQUENCE,
                    help="comma-separated events, each followed by a timed generate: " + ", ".join(EVENTS))
+    p.add_argument("--kernels", action="store_true",
+                   help="after each event's generate, its greedy graph's kernels under the profiler (20 replays from "
+                        "the prompt's end), and the kernels whose time differs most from the first event's")
     args = p.parse_args()
     prompt = torch.randint(0, 65536, (1, 32), generator=torch.Generator().manual_seed(1)).tolist()
     state = {"model": load_random("muse-small", "h200", checkpoint_format="nvfp4"), "prompt": prompt}
     rows, seen = [], {}
     for event in args.sequence.split(","):
         extra = EVENTS[event](state)
-        row = {"after": event, "generate_us_per_token": generate_us(state["model"], prompt), **(extra or {})}
+        row = {"after": event, **generate_us(state["model"], prompt), **(extra or {})}
+        if args.kernels:
+            row["kernels"] = greedy_kernels(state["model"], prompt)
+            first = rows[0]["kernels"] if rows else row["kernels"]
+            print(f"kernels: us per replay here minus after {rows[0]['after'] if rows else event!r}")
+            for d, k in sorted((row["kernels"].get(k, 0.0) - first.get(k, 0.0), k) for k in {*first, *row["kernels"]}
+                               )[-6:]:
+                print(f"{d:+8.2f}  {first.get(k, 0):8.2f} -> {row['kernels'].get(k, 0):8.2f}  {k}")
         variants = triton_variants()
         row["new_triton_variants"] = {k: n - seen.get(k, 0) for k, n in variants.items() if n != seen.get(k, 0)}
         seen = variants
@@ -109,6 +137,7 @@ def _release_empty(state: dict) -> None:  # the kept graph and cache freed, and 
 
 
 def _pad(state: dict) -> dict:  # buffers of random sizes held from here on: later allocations land elsewhere
+    state["model"].release_generation_cache()  # (else the next cache reuses the freed one's blocks, pad or not)
     pads = state.setdefault("pads", [])
     pads.append(placement_pad(16, len(pads) + 1))
     return {"pad_bytes": sum(t.numel() for t in pads[-1])}

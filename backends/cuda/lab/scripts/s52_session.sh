@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Device calls (one H200) for issue 26, session 52 (backends/cuda/lab/NOTES.md), each step time-boxed:
+#   1. cuda_capture_probe.py (greedy graphs captured one after another: timed, kernels compared; CAPTURE_ARGS, e.g.
+#      "--dump $OUT/dots" for each graph's DOT and its diff to the first's);
+#   2. cuda_history_probe.py (--sequence from HISTORY, e.g. fresh,again,pad,pad);
+#   3. the tests named in TESTS (unmarked ones too);  4. cuda_fused_ab.py (AB_MODES, AB_ARGS);  5. targets;
+#   6. the GPU suite (SUITE, SUITE_S).
+# Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [CAPTURE_ARGS=...] [HISTORY=...] [TESTS="..."]
+#        [AB_MODES=...] [AB_ARGS="--rounds 6 --pad-mb 16"] bash backends/cuda/lab/scripts/s52_session.sh
+set -u
+LIMIT=${LIMIT:-580}
+STEPS=${STEPS:-12}
+source "$(dirname "$0")/device_prelude.sh"
+step1() {
+  (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_capture_probe.py --out $OUT/capture_probe.json \
+    ${CAPTURE_ARGS:-} > $OUT/capture_probe.log 2>&1)
+  echo "1. capture probe at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/capture_probe.log | tail -19 | cut -c1-200
+}
+step2() {
+  (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_history_probe.py --out $OUT/history_probe.json \
+    ${HISTORY:+--sequence $HISTORY} ${HISTORY_ARGS:-} > $OUT/history_probe.log 2>&1)
+  echo "2. history probe at ${SECONDS}s (rc $?):"; grep -v "Warn\|warn_once" $OUT/history_probe.log | tail -24 | cut -c1-250
+}
+step3() { TESTS_ALL=1 tests_step 3; }
+step4() { fused_ab_step 4; }
+step5() { targets_step 5; }
+step6() { gpu_suite_step 6; }
+run_steps s52
