@@ -6,7 +6,12 @@ greedy graphs are captured one after another on caches of their own (nothing els
 back in alternated rounds (GPU time per replay); then one replay of each runs under the profiler, and the kernels
 whose summed time differs most between the first graph and the last are printed.
 
-    python backends/cuda/lab/scripts/cuda_capture_probe.py [--room 64] [--dump DIR] [--out capture.json]
+    python backends/cuda/lab/scripts/cuda_capture_probe.py [--room 64] [--each [--release]] [--dump DIR]
+        [--out capture.json]
+
+``--each`` times each graph right after its capture (so it is replayed before the next capture; run 64 captured all
+first: 690-693 us each), ``--release`` then frees it as ``generate`` frees its old graph: does a process's first
+graph keep its PDL overlap (run 68: 85 us per token against 50 later) only until another graph is replayed, or freed?
 
 ``--dump DIR`` captures every graph in torch's debug mode and writes each one's DOT (``graph{i}.dot``: every node's
 kernel, grid, block, shared memory and arguments) with ``graph{i}.diff``, the lines of graph i's DOT that differ
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import gc
 import json
 import os
 import re
@@ -93,13 +99,29 @@ def main() -> None:
     p.add_argument("--out", default="cuda_capture_probe.json")
     p.add_argument("--graphs", type=int, default=3)
     p.add_argument("--room", type=int, default=64, help="cache positions after the 32-token prompt")
+    p.add_argument("--each", action="store_true",
+                   help="time each graph right after its capture, before the next one is captured")
+    p.add_argument("--release", action="store_true", help="with --each: free each graph but the last after timing it")
     p.add_argument("--dump", default=None, help="folder for each graph's DOT (debug mode) and its diff to graph 0's")
     args = p.parse_args()
     model = load_random("muse-small", "h200", checkpoint_format="nvfp4")
     prompt = torch.randint(0, 65536, (1, 32), generator=torch.Generator().manual_seed(1)).tolist()
-    with mock.patch.object(torch.cuda, "CUDAGraph", DebugGraph) if args.dump else contextlib.nullcontext():
-        steps = [greedy_step(model, prompt, args.room) for _ in range(args.graphs)]
-    if args.dump:
+    steps, at_capture = [], []
+    for i in range(args.graphs):
+        with mock.patch.object(torch.cuda, "CUDAGraph", DebugGraph) if args.dump else contextlib.nullcontext():
+            step, restart = greedy_step(model, prompt, args.room)
+        if args.each:  # timed (so replayed) before the next capture
+            t = []
+            for _ in range(3):
+                restart()
+                t.append(gpu_us(step, n=min(50, args.room - 2)))
+            at_capture.append(round(sorted(t)[1], 1))
+            print(json.dumps({"graph": i, "replay_us_at_capture": at_capture[-1]}), flush=True)
+        if not args.release or i == args.graphs - 1:
+            steps.append((step, restart))
+        del step, restart
+        gc.collect()
+    if args.dump and not args.release:
         print("DOT lines differing from graph 0's (addresses masked):", dump_graphs(steps, args.dump), flush=True)
     times: dict = defaultdict(list)
     for _ in range(3):
@@ -120,7 +142,7 @@ def main() -> None:
     for d, k in diff[:5] + diff[-8:]:
         print(f"{d:+8.2f}  {first.get(k, 0) / 5:8.2f} -> {last.get(k, 0) / 5:8.2f}  {k}")
     with open(args.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows,
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "at_capture_us": at_capture,
                    "kernels_first": first, "kernels_last": last}, f, indent=1)
 
 

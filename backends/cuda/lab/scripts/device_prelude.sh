@@ -9,7 +9,8 @@
 # `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step`
 # (cuda_moe_runs_probe.py, at $BATCHES when set),
 # `fused_ab_step` (cuda_fused_ab.py, its --modes from $AB_MODES when set, more arguments in $AB_ARGS),
-# `profile_step` (the kernels of the decode step, into $OUT/$2),
+# `profile_step` (the kernels of the decode step, into $OUT/$2), `e2e_step` (bench_e2e alone: muse-small batch 1,
+# NVFP4 and BF16, the targets case's decode row, in a fresh process),
 # `profile_b16_step` (the same at batch 16) and `serve_step` (benchmarks/serve_bench.py in process, muse-small NVFP4).
 export PYTHONUNBUFFERED=1
 cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
@@ -44,6 +45,12 @@ fused_ab_step() {
   timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json \
     ${AB_MODES:+--modes $AB_MODES} ${AB_ARGS:-} > $OUT/fused_ab.log 2>&1
   echo "$1. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
+}
+e2e_step() {
+  echo "$1. e2e alone from $(date +%T)"
+  timeout $(cap 120) python3 -c 'from musecore_cuda.bench import bench_e2e
+import json
+for r in bench_e2e(batches=(1,)): print(json.dumps(r))' 2>&1 | grep -v Warn | cut -c1-330
 }
 profile_step() {
   timeout $(cap 120) python3 backends/cuda/lab/scripts/cuda_profile_decode.py --rows 40 > $OUT/$2 2>&1

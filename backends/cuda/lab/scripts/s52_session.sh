@@ -4,7 +4,7 @@
 #      "--dump $OUT/dots" for each graph's DOT and its diff to the first's);
 #   2. cuda_history_probe.py (--sequence from HISTORY, e.g. fresh,again,pad,pad);
 #   3. the tests named in TESTS (unmarked ones too);  4. cuda_fused_ab.py (AB_MODES, AB_ARGS);  5. targets;
-#   6. the GPU suite (SUITE, SUITE_S).
+#   6. the GPU suite (SUITE, SUITE_S);  7. bench_e2e alone (the targets' muse-small row).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [CAPTURE_ARGS=...] [HISTORY=...] [TESTS="..."]
 #        [AB_MODES=...] [AB_ARGS="--rounds 6 --pad-mb 16"] bash backends/cuda/lab/scripts/s52_session.sh
 set -u
@@ -25,4 +25,5 @@ step3() { TESTS_ALL=1 tests_step 3; }
 step4() { fused_ab_step 4; }
 step5() { targets_step 5; }
 step6() { gpu_suite_step 6; }
+step7() { e2e_step 7; }
 run_steps s52
