@@ -9,6 +9,8 @@
 # `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step`
 # (cuda_moe_runs_probe.py, at $BATCHES when set),
 # `fused_ab_step` (cuda_fused_ab.py, its --modes from $AB_MODES when set, more arguments in $AB_ARGS),
+# `capture_probe_step` (cuda_capture_probe.py, more arguments in $CAPTURE_ARGS), `history_probe_step`
+# (cuda_history_probe.py, its --sequence from $HISTORY when set, more arguments in $HISTORY_ARGS),
 # `profile_step` (the kernels of the decode step, into $OUT/$2), `e2e_step` (bench_e2e alone: muse-small batch 1,
 # NVFP4 and BF16, the targets case's decode row, in a fresh process),
 # `profile_b16_step` (the same at batch 16) and `serve_step` (benchmarks/serve_bench.py in process, muse-small NVFP4).
@@ -45,6 +47,16 @@ fused_ab_step() {
   timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_fused_ab.py --out $OUT/cuda_fused_ab.json \
     ${AB_MODES:+--modes $AB_MODES} ${AB_ARGS:-} > $OUT/fused_ab.log 2>&1
   echo "$1. fused A/B at ${SECONDS}s (rc $?):"; tail -4 $OUT/fused_ab.log | cut -c1-250
+}
+capture_probe_step() {
+  (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_capture_probe.py --out $OUT/capture_probe.json \
+    ${CAPTURE_ARGS:-} > $OUT/capture_probe.log 2>&1)
+  echo "$1. capture probe at ${SECONDS}s (rc $?):"; grep -v "Warn\|warn_once" $OUT/capture_probe.log | tail -19 | cut -c1-200
+}
+history_probe_step() {
+  (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_history_probe.py --out $OUT/history_probe.json \
+    ${HISTORY:+--sequence $HISTORY} ${HISTORY_ARGS:-} > $OUT/history_probe.log 2>&1)
+  echo "$1. history probe at ${SECONDS}s (rc $?):"; grep -v "Warn\|warn_once" $OUT/history_probe.log | tail -24 | cut -c1-250
 }
 e2e_step() {
   echo "$1. e2e alone from $(date +%T)"

@@ -35,14 +35,6 @@ step4() { TESTS_ALL=1 tests_step 4; }
 step5() { fused_ab_step 5; }
 step6() { targets_step 6; }
 step7() { gpu_suite_step 7; }
-step8() {
-  (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_history_probe.py --out $OUT/history_probe.json \
-    > $OUT/history_probe.log 2>&1)
-  echo "8. history probe at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/history_probe.log | tail -9 | cut -c1-250
-}
-step9() {
-  (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_capture_probe.py --out $OUT/capture_probe.json \
-    > $OUT/capture_probe.log 2>&1)
-  echo "9. capture probe at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/capture_probe.log | tail -18 | cut -c1-200
-}
+step8() { history_probe_step 8; }
+step9() { capture_probe_step 9; }
 run_steps s51

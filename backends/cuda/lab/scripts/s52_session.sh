@@ -11,16 +11,8 @@ set -u
 LIMIT=${LIMIT:-580}
 STEPS=${STEPS:-12}
 source "$(dirname "$0")/device_prelude.sh"
-step1() {
-  (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_capture_probe.py --out $OUT/capture_probe.json \
-    ${CAPTURE_ARGS:-} > $OUT/capture_probe.log 2>&1)
-  echo "1. capture probe at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/capture_probe.log | tail -19 | cut -c1-200
-}
-step2() {
-  (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_history_probe.py --out $OUT/history_probe.json \
-    ${HISTORY:+--sequence $HISTORY} ${HISTORY_ARGS:-} > $OUT/history_probe.log 2>&1)
-  echo "2. history probe at ${SECONDS}s (rc $?):"; grep -v "Warn\|warn_once" $OUT/history_probe.log | tail -24 | cut -c1-250
-}
+step1() { capture_probe_step 1; }
+step2() { history_probe_step 2; }
 step3() { TESTS_ALL=1 tests_step 3; }
 step4() { fused_ab_step 4; }
 step5() { targets_step 5; }
