@@ -1,5 +1,5 @@
-"""``CudaBackend.sample``: greedy sampling through the shared Triton argmax when ``TRITON_ARGMAX`` is on (the default; in the
-interpreter on a CPU machine, natively on a GPU), the reference's sampling otherwise."""
+"""``CudaBackend.sample``: greedy sampling through the shared Triton argmax when ``TRITON_ARGMAX`` is on (the
+default; in the interpreter on a CPU machine, natively on a GPU), the reference's sampling otherwise."""
 
 from __future__ import annotations
 
