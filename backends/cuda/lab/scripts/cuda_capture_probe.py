@@ -13,9 +13,10 @@ whose summed time differs most between the first graph and the last are printed.
 first: 690-693 us each), ``--release`` then frees it as ``generate`` frees its old graph: does a process's first
 graph keep its PDL overlap (run 68: 85 us per token against 50 later) only until another graph is replayed, or freed?
 
-``--dump DIR`` captures every graph in torch's debug mode and writes each one's DOT (``graph{i}.dot``: every node's
-kernel, grid, block, shared memory and arguments) with ``graph{i}.diff``, the lines of graph i's DOT that differ
-from graph 0's once the device addresses are masked: empty when the graphs differ only in where their buffers lie.
+``--dump DIR`` keeps every graph after capture and writes each one's DOT (``graph{i}.dot``: every node's kernel,
+grid, block and shared memory) with ``graph{i}.diff``, the lines of graph i's DOT that differ from graph 0's once the
+device addresses are masked (empty when the graphs differ only in where their buffers lie), and its edges' types and
+ports (``graph{i}.edges.json``, ``graph_edges.py``: programmatic or default, which the DOT does not show).
 
 Run 51 used room 200 (a 232-key cache; attention 142.8 vs 119.1 us per replay between graph 0 and 2); ``--room 64``
 (the default since) gives the 96-key cache of ``generate(prompt of 32, max_new_tokens=64)``, as the A/B scripts run.
@@ -36,6 +37,7 @@ from unittest import mock
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import graph_edges
 from cuda_decode_host_probe import gpu_us
 from musecore.api import load_random
 
@@ -74,6 +76,13 @@ def dump_graphs(steps: list, folder: str) -> list[int]:
         step.graph.debug_dump(path)
         with open(path) as f:
             masked.append([re.sub(r"0x[0-9a-f]{6,}", "ADDR", line) for line in f])
+    described = [graph_edges.describe(step.graph) for step, _ in steps]
+    for i, (rows, line) in enumerate(described):
+        print(f"graph {i}: {line}", flush=True)
+        with open(os.path.join(folder, f"graph{i}.edges.json"), "w") as f:
+            json.dump(rows, f, indent=0)
+        for d in graph_edges.differences(described[0][0], rows)[:20] if i else ():
+            print(f"  differs from graph 0 at {d}")
     changed = []
     for i, lines in enumerate(masked):
         diff = [d for d in difflib.unified_diff(masked[0], lines, n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]

@@ -17,13 +17,15 @@ import argparse
 import gc
 import json
 import sys
+from unittest import mock
 
 import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
+import graph_edges
+from cuda_capture_probe import DebugGraph, kernels
 from cuda_decode_host_probe import _prefilled_step, gpu_us, placement_pad, replay_timeline
-from cuda_capture_probe import kernels
 from musecore.api import load_random
 
 
@@ -79,7 +81,12 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true",
                    help="after each event's generate, its greedy graph's kernels under the profiler (20 replays from "
                         "the prompt's end), and the kernels whose time differs most from the first event's")
+    p.add_argument("--edges", action="store_true",
+                   help="keep every graph after capture (cuda_capture_probe.DebugGraph) and print each event's greedy "
+                        "graph's edge types (graph_edges.py), and where they differ from the first event's")
     args = p.parse_args()
+    if args.edges:
+        mock.patch.object(torch.cuda, "CUDAGraph", DebugGraph).start()
     prompt = torch.randint(0, 65536, (1, 32), generator=torch.Generator().manual_seed(1)).tolist()
     state = {"model": load_random("muse-small", "h200", checkpoint_format="nvfp4"), "prompt": prompt}
     rows, seen = [], {}
@@ -93,6 +100,13 @@ def main() -> None:
             for d, k in sorted((row["kernels"].get(k, 0.0) - first.get(k, 0.0), k) for k in {*first, *row["kernels"]}
                                )[-6:]:
                 print(f"{d:+8.2f}  {first.get(k, 0):8.2f} -> {row['kernels'].get(k, 0):8.2f}  {k}")
+        if args.edges:
+            rows_now, line = graph_edges.describe(state["model"]._generation_cache[2]["greedy"].graph)
+            print(f"edges after {event!r}: {line}", flush=True)
+            row["edges"] = graph_edges.summary(rows_now)
+            state.setdefault("first_edges", rows_now)
+            for d in graph_edges.differences(state["first_edges"], rows_now)[:20]:
+                print(f"  differs from the first graph's at {d}")
         variants = triton_variants()
         row["new_triton_variants"] = {k: n - seen.get(k, 0) for k, n in variants.items() if n != seen.get(k, 0)}
         seen = variants
