@@ -92,14 +92,20 @@ def dump_graphs(steps: list, folder: str) -> list[int]:
     return changed
 
 
-def kernels(fn) -> dict:
+def kernels(fn, gaps: bool = False) -> dict:
+    """GPU microseconds of each kernel (name cut to 70 characters) summed over ``fn``'s run under the profiler; with
+    ``gaps``, also ``gap before <name>``: the summed time from the end of the kernel before to this one's start
+    (negative where they overlapped: programmatic dependent launch starts a kernel under its predecessor's tail,
+    if the profiler lets it)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     out: dict = defaultdict(float)
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            out[e.name[:70]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    device = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    for i, e in enumerate(device):
+        out[e.name[:70]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if gaps and i:
+            out["gap before " + e.name[:59]] += e.time_range.start - device[i - 1].time_range.end
     return out
 
 

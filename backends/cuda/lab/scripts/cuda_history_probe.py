@@ -58,6 +58,10 @@ def generate_us(model, prompt: list[list[int]]) -> dict:
     return {"generate_us_per_token": round(sorted(gen)[1], 1), **replay_timeline(model, prompt, 64)}
 
 
+def sum_gaps(kernels: dict) -> float:
+    return sum(v for k, v in kernels.items() if k.startswith("gap before "))
+
+
 @torch.inference_mode()  # (generate's cache is made of inference tensors)
 def greedy_kernels(model, prompt: list[list[int]], n: int = 20) -> dict:
     """GPU microseconds per replay of each kernel of the greedy graph ``generate`` kept (the last capture), over ``n``
@@ -70,7 +74,7 @@ def greedy_kernels(model, prompt: list[list[int]], n: int = 20) -> dict:
                torch.full((1,), len(prompt[0]), dtype=torch.long, device="cuda"),
                torch.ones(1, dtype=torch.bool, device="cuda"))
     torch.cuda.synchronize()
-    return {k: round(v / n, 2) for k, v in kernels(lambda: [step() for _ in range(n)]).items()}
+    return {k: round(v / n, 2) for k, v in kernels(lambda: [step() for _ in range(n)], gaps=True).items()}
 
 
 def main() -> None:
@@ -79,8 +83,8 @@ def main() -> None:
     p.add_argument("--sequence", default=SEQUENCE,
                    help="comma-separated events, each followed by a timed generate: " + ", ".join(EVENTS))
     p.add_argument("--kernels", action="store_true",
-                   help="after each event's generate, its greedy graph's kernels under the profiler (20 replays from "
-                        "the prompt's end), and the kernels whose time differs most from the first event's")
+                   help="after each event's generate, its greedy graph's kernels and the gaps between them under the "
+                        "profiler (20 replays from the prompt's end), and those differing most from the first event's")
     p.add_argument("--edges", action="store_true",
                    help="keep every graph after capture (cuda_capture_probe.DebugGraph) and print each event's greedy "
                         "graph's edge types (graph_edges.py), and where they differ from the first event's")
@@ -96,9 +100,11 @@ def main() -> None:
         if args.kernels:
             row["kernels"] = greedy_kernels(state["model"], prompt)
             first = rows[0]["kernels"] if rows else row["kernels"]
-            print(f"kernels: us per replay here minus after {rows[0]['after'] if rows else event!r}")
+            print(f"kernels and the gaps before them: us per replay here minus after "
+                  f"{rows[0]['after'] if rows else event!r}; all gaps {sum_gaps(first):+.2f} -> "
+                  f"{sum_gaps(row['kernels']):+.2f}")
             for d, k in sorted((row["kernels"].get(k, 0.0) - first.get(k, 0.0), k) for k in {*first, *row["kernels"]}
-                               )[-6:]:
+                               )[-8:]:
                 print(f"{d:+8.2f}  {first.get(k, 0):8.2f} -> {row['kernels'].get(k, 0):8.2f}  {k}")
         if args.edges:
             rows_now, line = graph_edges.describe(state["model"]._generation_cache[2]["greedy"].graph)
