@@ -2,7 +2,8 @@
 row-op epilogues and an fp32 input, the one-launch router alone and beside the pooler, the q/k norms writing the KV
 cache, attention with the head norm and gate, and the split keys' merge; since session 48 the decode embed, since
 session 50 the q/k/v/gate GEMV running the q/k norms in its heads' last programs, since session 51 that GEMV also
-attending per KV-head group, ``qkv_attention``, and greedy sampling's argmax) for a GPU
+attending per KV-head group, ``qkv_attention``, and greedy sampling's argmax, since session 52 attention prefetching
+its next step's key positions) for a GPU
 target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49):
 ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
 and constexprs its wrapper chose, never run);
@@ -31,6 +32,7 @@ def main(arch: str) -> None:
         from musecore_triton import hooks
         hooks._l2_warm = lambda device: True
     from musecore_triton.kernels import norms, router, sampling
+    from musecore_triton.kernels import attention as attention_module
     from musecore_triton.kernels.attention import attention
     from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_attention, qkv_gemv_rope
     from musecore_triton.kernels.embed import decode_embed
@@ -64,6 +66,9 @@ def main(arch: str) -> None:
                       1024 if ring else None, d ** -0.5, 1e-6)
     qn = torch.randn(1, 1, nq, d).to(dt)
     attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
+    attention_module.PREFETCH_POSITIONS = True  # the next step's key positions loaded during this one (session 52)
+    attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
+    attention_module.PREFETCH_POSITIONS = False
     long = 1024  # keys split over programs: the merge kernel, with and without the gate's epilogue
     kl, vl = (torch.zeros(1, long, nkv, d).to(dt) for _ in range(2))
     for g in (None, (gate, 1e-6)):

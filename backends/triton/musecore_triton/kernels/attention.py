@@ -35,6 +35,11 @@ LOG2E = 1.4426950408889634
 # range is then rounded to whole steps, which at some lengths leaves one split fewer).
 DECODE_BLOCK_N = 128
 SPLIT_UNIT = 64
+# A one-token program loads the next step's key positions while it works on this step's keys (the loop's loads are
+# not software-pipelined by Triton: they sit in the step's condition), so a step after the first, e.g. the empty second
+# block of a 256-slot generation cache, costs no memory round trip of its own. Off: written in session 52 after its
+# last device call, tested in the interpreter, not yet timed (A/B mode attn_prefetch of cuda_fused_ab.py).
+PREFETCH_POSITIONS = False
 
 
 def key_splits(S: int, programs: int, block_n: int, sms: int) -> tuple[int, int]:
@@ -67,12 +72,13 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
                      T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     SPLIT: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False):
+                     SPLIT: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False):
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
     attend_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), q_ptr, k_ptr, v_ptr,
                 qpos_ptr, kpos_ptr, o_ptr, ml_ptr, sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t,
                 so_h, T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
-                G, D, BLOCK_M, BLOCK_N, MODE, KV_FP8, HAS_WINDOW, SPLIT, GATE)
+                G, D, BLOCK_M, BLOCK_N, MODE, KV_FP8, HAS_WINDOW, SPLIT, GATE, PREFETCH)
 
 
 @triton.jit
@@ -81,10 +87,11 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
                 T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                GATE: tl.constexpr):
+                GATE: tl.constexpr, PREFETCH: tl.constexpr):
     """Query rows ``pid_m * BLOCK_M ..`` (token-major, ``G`` heads per token) of (batch, KV head) ``pid_bh`` against
     key split ``pid_s`` (``programs_bh`` (batch, KV head) pairs in all): the output rows (with the head norm and gate
-    when ``GATE``), or with ``SPLIT`` the split's unnormalised partial and its (max, sum) for the merge kernel."""
+    when ``GATE``), or with ``SPLIT`` the split's unnormalised partial and its (max, sum) for the merge kernel. With
+    ``PREFETCH`` each step's key positions are loaded during the step before (:data:`PREFETCH_POSITIONS`)."""
     b = pid_bh // nkv
     kvh = pid_bh % nkv
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,10 +113,19 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
     s_end = tl.minimum(S, s_begin + keys_per_split)
     k_base = k_ptr + b.to(tl.int64) * sk_b + kvh * sk_h
     v_base = v_ptr + b.to(tl.int64) * sv_b + kvh * sv_h
+    kpos_base = kpos_ptr + b.to(tl.int64) * S
+    if PREFETCH:
+        first = s_begin + tl.arange(0, BLOCK_N)
+        kp_next = tl.load(kpos_base + first, mask=first < s_end, other=-1)
     for s0 in range(s_begin, s_end, BLOCK_N):
         offs_s = s0 + tl.arange(0, BLOCK_N)
         s_mask = offs_s < s_end
-        kp = tl.load(kpos_ptr + b.to(tl.int64) * S + offs_s, mask=s_mask, other=-1)
+        if PREFETCH:
+            kp = kp_next
+            following = offs_s + BLOCK_N  # (the last step's is masked off: no memory access)
+            kp_next = tl.load(kpos_base + following, mask=following < s_end, other=-1)
+        else:
+            kp = tl.load(kpos_base + offs_s, mask=s_mask, other=-1)
         visible = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
         if HAS_WINDOW:
             visible = visible & ((qp[:, None] - kp[None, :]) < window)
@@ -251,7 +267,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         T, S, nkv, rows_pad, window if window is not None else 0, qk_scale,
         v_scale if v_scale is not None else 1.0, keys_per_split, *gate_args,
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, KV_FP8=kv_fp8,
-        HAS_WINDOW=window is not None, SPLIT=splits > 1, GATE=gate is not None and splits == 1, num_warps=4,
+        HAS_WINDOW=window is not None, SPLIT=splits > 1, GATE=gate is not None and splits == 1,
+        PREFETCH=PREFETCH_POSITIONS and T == 1, num_warps=4,
         num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
         **hooks.launch_options(q.device, "attention"))
     if splits > 1:

@@ -235,7 +235,8 @@ def qkv_attention_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr
             attention.attend_tile(0, group, 0, NKV, q_out_ptr, k_ptr, v_ptr, pos_ptr, kpos_ptr, o_ptr, o_ptr,
                                   NQ * D, NQ * D, D, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, NQ * D, NQ * D, D,
                                   1, S, NKV, BLOCK_M, window, qk_scale, 1.0, keys, y_ptr + (NQ + 2 * NKV) * D, N, N,
-                                  gate_eps, NQ // NKV, D, BLOCK_M, ATT_BLOCK_N, MODE, False, HAS_WINDOW, False, True)
+                                  gate_eps, NQ // NKV, D, BLOCK_M, ATT_BLOCK_N, MODE, False, HAS_WINDOW, False, True,
+                                  False)
 
 
 def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
