@@ -19,6 +19,15 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
+from musecore_triton.kernels import sampling
+
+
+# The greedy step's position update as one Triton launch (``sampling.greedy_positions``) instead of five PyTorch
+# kernels (not, masked_fill's copy and fill, the bool's cast, the add) at the head of every greedy replay. Off: written
+# in session 52 after its last device call, tested in the interpreter, not yet run in a graph or timed (A/B mode
+# greedy_positions of backends/cuda/lab/scripts/cuda_fused_ab.py).
+FUSED_POSITIONS = False
+
 
 def graph_unavailable(device: torch.device) -> Optional[str]:
     """Why a decode step cannot be captured as a graph on ``device``, or None when it can."""
@@ -115,8 +124,11 @@ class GreedyGraphStep:
         self.live = torch.zeros(batch, dtype=torch.bool, device=model.device)  # warm-up and capture: padding only
 
         def body() -> torch.Tensor:
-            positions = self.next_position.masked_fill(~self.live, -1)[:, None]
-            self.next_position.add_(self.live.long())
+            if FUSED_POSITIONS and self.tokens.is_cuda:
+                positions = sampling.greedy_positions(self.next_position, self.live)
+            else:
+                positions = self.next_position.masked_fill(~self.live, -1)[:, None]
+                self.next_position.add_(self.live.long())
             logits = model.forward(self.tokens[:, None], positions=positions, cache=cache)
             self.tokens.copy_(model.ops.sample(logits[:, -1], 0.0, 0, 1.0, None))
             return logits

@@ -78,6 +78,7 @@ def main(arch: str) -> None:
         decode_embed(torch.tensor([[3]]), pos, torch.zeros(1, dtype=torch.long), torch.randn(65536, H).to(dt),
                      torch.tensor([4, 5, 6]), torch.ones(H).to(dt), 1e-6, inv_freq, factor, dt)
     sampling.argmax(torch.randn(1, 65536))  # greedy sampling (session 51)
+    sampling.greedy_positions(torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.bool))  # (session 52)
     print(json.dumps(RESULTS))
 
 

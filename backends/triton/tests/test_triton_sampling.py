@@ -1,12 +1,13 @@
 """Greedy sampling's argmax (``musecore_triton.kernels.sampling``) against ``torch.argmax``: ties, NaN, infinities,
-signed zeros, 16-bit logits, strided rows, vocabularies that do not fill the last block."""
+signed zeros, 16-bit logits, strided rows, vocabularies that do not fill the last block; and greedy decoding's position
+update (``greedy_positions``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from musecore_triton.kernels.sampling import BLOCK, MAX_V, argmax
+from musecore_triton.kernels.sampling import BLOCK, MAX_V, argmax, greedy_positions
 from musecore_triton.testing import DEVICE
 
 
@@ -58,3 +59,21 @@ def test_argmax_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="argmax takes"):
         argmax(torch.zeros(1, MAX_V + 1, dtype=torch.float16, device=DEVICE))
 
+
+
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_greedy_positions_is_the_masked_fill_and_the_add(B):
+    """``greedy_positions``: the greedy step's positions (-1 for a row that ended) and the loop's advance, as
+    ``GreedyGraphStep`` computes them with PyTorch ops."""
+    gen = torch.Generator().manual_seed(B)
+    start = torch.randint(0, 1000, (B,), generator=gen)
+    live = torch.rand(B, generator=gen) < 0.6
+    live[0] = True
+    live[-1] = B == 1  # (a row that ended, wherever there are two)
+    nxt = start.clone().to(DEVICE)
+    got = greedy_positions(nxt, live.to(DEVICE))
+    want = start.masked_fill(~live, -1)[:, None]
+    assert got.dtype == torch.long and torch.equal(got.cpu(), want), f"positions {got.tolist()} vs {want.tolist()}"
+    assert torch.equal(nxt.cpu(), start + live.long()), f"advanced {nxt.tolist()} vs {(start + live.long()).tolist()}"
+    with pytest.raises(ValueError, match="contiguous int64"):
+        greedy_positions(nxt.int(), live.to(DEVICE))

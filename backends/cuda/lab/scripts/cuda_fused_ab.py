@@ -17,7 +17,9 @@ keys); ``triton_argmax``: greedy sampling through the Triton argmax
 ``both_new``: both; ``shared_pool``: every graph captured into one memory pool (``torch.cuda.graph(pool=)``), so a
 later capture places its intermediates where the first did (is where they lie the reason only a process's first
 greedy capture runs fast? session 51; run 64: no); ``attn_prefetch``: decode attention loading each step's key
-positions during the step before (``attention.PREFETCH_POSITIONS``, off; session 52, not timed yet). Same random weights, same
+positions during the step before (``attention.PREFETCH_POSITIONS``, off; session 52, not timed yet);
+``greedy_positions``: the greedy graph's position update in one Triton launch (``musecore_triton.graphs``
+``FUSED_POSITIONS``, off; session 52, not timed yet). Same random weights, same
 prompt, alternated ``--rounds`` times; ``--modes`` picks some; ``--pad-mb`` holds device buffers of random sizes while
 each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the kept generation cache is freed).
 
@@ -37,7 +39,7 @@ from musecore.api import load_random
 from musecore.model import separate_ops
 from musecore_cuda import backend as cuda_backend
 from musecore_cuda import fused
-from musecore_triton import hooks
+from musecore_triton import graphs, hooks
 from musecore_triton.kernels import attention as attention_module
 from musecore_triton.kernels import dense_gemv as dense_gemv_module
 from musecore_triton.kernels.dense_gemv import dense_gemv
@@ -46,7 +48,7 @@ from musecore_triton.kernels.router import router_topk_one_launch
 
 MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate",
          "attn_bn64", "attn_bn256", "attend_in_qkv", "attend_in_qkv_w2_32", "attend_in_qkv_w4_128", "triton_argmax",
-         "torch_argmax", "both_new", "shared_pool", "attn_prefetch")
+         "torch_argmax", "both_new", "shared_pool", "attn_prefetch", "greedy_positions")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -82,6 +84,7 @@ def patches(model, mode: str) -> list[tuple]:
         "attn_bn64": [(attention_module, "DECODE_BLOCK_N", 64)],
         "attn_bn256": [(attention_module, "DECODE_BLOCK_N", 256)],
         "attn_prefetch": [(attention_module, "PREFETCH_POSITIONS", True)],
+        "greedy_positions": [(graphs, "FUSED_POSITIONS", True)],
         "attend_in_qkv": [(fused, "ATTENTION_IN_QKV", True)],
         "attend_in_qkv_w2_32": [(fused, "ATTENTION_IN_QKV", True), (dense_gemv_module, "ATTEND_WARPS", 2),
                                 (dense_gemv_module, "ATTEND_BLOCK_N", 32)],

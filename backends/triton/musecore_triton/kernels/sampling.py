@@ -5,6 +5,9 @@ At muse-small's 65536-entry vocabulary PyTorch's argmax is one reduction kernel 
 Here ``argmax_partial_kernel`` has ``ceil(V / BLOCK)`` programs per row, each reducing ``BLOCK`` logits to the
 largest and the first index holding it, and ``argmax_final_kernel`` reduces those partials per row.
 
+:func:`greedy_positions` is greedy decoding's position update in one launch (``GreedyGraphStep``'s
+``where(live, next_position, -1)`` and ``next_position += live``: five PyTorch kernels otherwise).
+
 Ties and special values follow ``torch.argmax``: the first index of the largest value; NaN counts as larger than
 everything (the first NaN wins), ``+0`` and ``-0`` are equal. Values compare through an order-preserving int32 key
 of their fp32 bits (:func:`_key`), so ties are exact.
@@ -58,6 +61,34 @@ def argmax_final_kernel(key_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr,
     i = tl.load(idx_ptr + row * parts + offs, mask=mask, other=2147483647)
     best = tl.max(k, axis=0)
     tl.store(out_ptr + row, tl.min(tl.where(k == best, i, 2147483647), axis=0).to(tl.int64))
+
+
+@triton.jit
+def greedy_positions_kernel(next_ptr, live_ptr, pos_ptr, B, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    hooks.pdl_wait(PDL)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < B
+    nxt = tl.load(next_ptr + offs, mask=mask, other=0)
+    live = tl.load(live_ptr + offs, mask=mask, other=0) != 0
+    tl.store(pos_ptr + offs, tl.where(live, nxt, -1), mask=mask)
+    tl.store(next_ptr + offs, nxt + live.to(tl.int64), mask=mask)
+
+
+def greedy_positions(next_position: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``where(live, next_position, -1)[:, None]`` (int64 ``[B, 1]``), then ``next_position += live`` in place: a
+    greedy step's positions (a row that ended runs at -1) and the loop's advance, in one launch.
+    ``next_position``: int64 ``[B]``, contiguous; ``live``: bool ``[B]``."""
+    if next_position.dtype != torch.long or live.dtype != torch.bool or next_position.dim() != 1 \
+            or live.shape != next_position.shape or not next_position.is_contiguous():
+        raise ValueError(f"greedy_positions takes a contiguous int64 [B] next_position and a bool [B] live; got "
+                         f"{next_position.dtype} {list(next_position.shape)} and {live.dtype} {list(live.shape)}")
+    B = next_position.shape[0]
+    positions = torch.empty(B, 1, dtype=torch.long, device=next_position.device)
+    if B:
+        greedy_positions_kernel[(1,)](next_position, live.contiguous(), positions, B,
+                                      BLOCK=triton.next_power_of_2(B), num_warps=1,
+                                      **hooks.launch_options(next_position.device, "greedy_positions"))
+    return positions
 
 
 def takes(logits: torch.Tensor) -> bool:
