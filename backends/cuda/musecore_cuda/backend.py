@@ -177,9 +177,20 @@ class CudaBackend(TritonOps, Backend):
         (``musecore_triton.kernels.sampling``: two short launches; PyTorch's argmax is one ~16 us reduction at a
         65536-entry vocabulary on the H200), the same index as ``torch.argmax``; otherwise the reference's
         sampling."""
-        if TRITON_ARGMAX and temperature <= 0.0 and (logits.is_cuda or self.interpreted) and sampling.takes(logits):
+        if temperature <= 0.0 and self._triton_argmax(logits):
             return sampling.argmax(logits)
         return TritonOps.sample(logits, temperature, top_k, top_p, generator)
+
+    def _triton_argmax(self, logits: torch.Tensor) -> bool:
+        return TRITON_ARGMAX and (logits.is_cuda or self.interpreted) and sampling.takes(logits)
+
+    def argmax_into(self, logits: torch.Tensor, tokens: torch.Tensor) -> bool:
+        """Greedy tokens written into ``tokens`` (the greedy graph's static buffer) by the Triton argmax, where
+        :meth:`sample` would take that path (True), else nothing (False: the caller samples and copies)."""
+        if not self._triton_argmax(logits):
+            return False
+        sampling.argmax(logits, out=tokens)
+        return True
 
     # --- discovery -------------------------------------------------------------------------
     def probe(self) -> Probe:
@@ -349,7 +360,7 @@ class CudaBackend(TritonOps, Backend):
     def make_greedy_decode_step(self, model, cache):
         """A greedy decode step (position update, step and argmax) replayed from one captured CUDA graph."""
         from musecore_cuda.graphs import make_graphed_greedy_step
-        return make_graphed_greedy_step(model, cache)
+        return make_graphed_greedy_step(model, cache, argmax_into=self.argmax_into)
 
     def make_prefill_step(self, model, cache, tokens):
         """A prefill of ``tokens`` positions into ``cache``'s rows, replayed from a captured CUDA graph."""

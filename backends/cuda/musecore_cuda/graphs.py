@@ -9,7 +9,7 @@ programmatic dependent launch (each kernel starts under the previous one's tail;
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,9 +22,10 @@ def make_graphed_decode_step(model: Any, cache: Any) -> Callable[[torch.Tensor, 
     return graphs.make_graphed_decode_step(model, cache, scope=_pdl_scope)
 
 
-def make_graphed_greedy_step(model: Any, cache: Any) -> graphs.GreedyGraphStep:
+def make_graphed_greedy_step(model: Any, cache: Any, argmax_into: Optional[graphs.ArgmaxInto] = None
+                             ) -> graphs.GreedyGraphStep:
     """The shared greedy decode step (its argmax in the graph), captured inside the same PDL scope."""
-    return graphs.make_graphed_greedy_step(model, cache, scope=_pdl_scope)
+    return graphs.make_graphed_greedy_step(model, cache, scope=_pdl_scope, argmax_into=argmax_into)
 
 
 def _pdl_scope(batch: int):

@@ -66,13 +66,14 @@ def test_cuda_graph_decode_gives_the_same_tokens_as_plain_decode():
     assert graphed == plain, f"graphed {graphed!r} != plain {plain!r}"
 
 
-@pytest.mark.parametrize("fused_positions", [False, True])
-def test_greedy_graph_gives_the_tokens_of_the_graphed_step_sampled_after_it(monkeypatch, fused_positions):
+@pytest.mark.parametrize("fused_state", [False, True])
+def test_greedy_graph_gives_the_tokens_of_the_graphed_step_sampled_after_it(monkeypatch, fused_state):
     """Greedy generate() replays one graph that also updates the positions and takes the argmax on the device
-    (``GreedyGraphStep``; the position update through PyTorch ops or ``sampling.greedy_positions``,
-    ``graphs.FUSED_POSITIONS``); with the backend's greedy step taken away it replays the decode step and samples
-    after it. Same tokens, with a row that ends early (a stop id) and so runs at position -1 afterwards."""
-    monkeypatch.setattr(graphs, "FUSED_POSITIONS", fused_positions)
+    (``GreedyGraphStep``; with ``graphs.FUSED_STATE`` the position update through ``sampling.greedy_positions`` and
+    the argmax written into the tokens by ``CudaBackend.argmax_into``); with the backend's greedy step taken away it
+    replays the decode step and samples after it. Same tokens, with a row that ends early (a stop id) and so runs at
+    position -1 afterwards."""
+    monkeypatch.setattr(graphs, "FUSED_STATE", fused_state)
     model = musecore.load("muse-tiny", device="h200")
     prompts = [model.tokenizer.encode("def fibonacci(n):"), model.tokenizer.encode("import os\n")]
     full = model.generate(prompts, max_new_tokens=32)

@@ -26,3 +26,17 @@ def test_the_cuda_backend_samples_greedily_through_it_when_switched_on(monkeypat
     torch.manual_seed(0)
     got = be.sample(x, 0.7, 5, 1.0, torch.Generator(device=x.device).manual_seed(1))
     assert got.shape == (3,) and len(calls) == 1, "a temperature goes through the reference's sampling"
+
+
+def test_argmax_into_writes_the_greedy_tokens_where_sample_would_use_the_kernel(monkeypatch):
+    """``CudaBackend.argmax_into`` (the greedy graph's ``argmax_into``): with ``TRITON_ARGMAX`` the argmax lands in the
+    given buffer (True); without it nothing is written (False: the graph samples and copies)."""
+    be = cuda_backend.CudaBackend(DEVICE if DEVICE != "cpu" else "cpu")
+    if DEVICE == "cpu" and not be.interpreted:
+        pytest.skip("the CPU backend object runs Triton only under TRITON_INTERPRET=1")
+    x = torch.randn(2, 3000, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    tokens = torch.full((2,), -1, dtype=torch.long, device=DEVICE)
+    monkeypatch.setattr(cuda_backend, "TRITON_ARGMAX", False)
+    assert be.argmax_into(x, tokens) is False and tokens.tolist() == [-1, -1]
+    monkeypatch.setattr(cuda_backend, "TRITON_ARGMAX", True)
+    assert be.argmax_into(x, tokens) is True and torch.equal(tokens.cpu(), x.cpu().argmax(-1))

@@ -15,6 +15,7 @@ slots and leave the cache as the prefill left it.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -22,11 +23,13 @@ import torch
 from musecore_triton.kernels import sampling
 
 
-# The greedy step's position update as one Triton launch (``sampling.greedy_positions``) instead of five PyTorch
-# kernels (not, masked_fill's copy and fill, the bool's cast, the add) at the head of every greedy replay. Off: written
-# in session 52 after its last device call, tested in the interpreter, not yet run in a graph or timed (A/B mode
-# greedy_positions of backends/cuda/lab/scripts/cuda_fused_ab.py).
-FUSED_POSITIONS = False
+# The greedy step's state through Triton launches: the position update in one (``sampling.greedy_positions``) instead
+# of five PyTorch kernels (not, masked_fill's copy and fill, the bool's cast, the add) at the head of every greedy
+# replay, and the argmax written straight into the tokens the next replay reads (the backend's ``argmax_into``)
+# instead of a device copy after it. Off: written in session 52 after its last device call, tested in the interpreter,
+# not yet run in a graph or timed (A/B mode greedy_state of backends/cuda/lab/scripts/cuda_fused_ab.py).
+FUSED_STATE = False
+ArgmaxInto = Callable[[torch.Tensor, torch.Tensor], bool]  # (logits [B,V], tokens [B]) -> whether it wrote them
 
 
 def graph_unavailable(device: torch.device) -> Optional[str]:
@@ -60,10 +63,11 @@ def make_graphed_decode_step(model: Any, cache: Any, *, scope: Callable[[int], C
     return make_graphed_step(model, cache, tokens=1, scope=scope)
 
 
-def make_graphed_greedy_step(model: Any, cache: Any, *, scope: Callable[[int], ContextManager] = _no_scope
-                              ) -> "GreedyGraphStep":
-    """A :class:`GreedyGraphStep` on ``cache``: a decode step that takes its argmax tokens on the device."""
-    return GreedyGraphStep(model, cache, scope)
+def make_graphed_greedy_step(model: Any, cache: Any, *, scope: Callable[[int], ContextManager] = _no_scope,
+                             argmax_into: Optional[ArgmaxInto] = None) -> "GreedyGraphStep":
+    """A :class:`GreedyGraphStep` on ``cache``: a decode step that takes its argmax tokens on the device
+    (``argmax_into``: see :class:`GreedyGraphStep`)."""
+    return GreedyGraphStep(model, cache, scope, argmax_into)
 
 
 def make_graphed_prefill_step(model: Any, cache: Any, tokens: int
@@ -109,6 +113,10 @@ class GreedyGraphStep:
         positions = where(live, next_position, -1); next_position += live
         logits = model.forward(tokens[:, None], positions[:, None], cache); tokens = argmax(logits[:, -1])
 
+    With :data:`FUSED_STATE` on a GPU the position update is one Triton launch, and ``argmax_into(logits, tokens)``
+    (a backend's greedy argmax writing into the given buffer; it returns False where it does not take the logits)
+    replaces the sampling op and the copy into ``tokens``.
+
     Example::
 
         step = GreedyGraphStep(model, cache)          # cache = model.new_cache(B, L, static=True), prefilled
@@ -117,20 +125,23 @@ class GreedyGraphStep:
             tokens = step()                           # static: copy it out before the next call overwrites it
     """
 
-    def __init__(self, model: Any, cache: Any, scope: Callable[[int], ContextManager] = _no_scope) -> None:
+    def __init__(self, model: Any, cache: Any, scope: Callable[[int], ContextManager] = _no_scope,
+                 argmax_into: Optional[ArgmaxInto] = None) -> None:
         batch = cache.next_position.shape[0]
         self.tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
         self.next_position = torch.zeros(batch, dtype=torch.long, device=model.device)
         self.live = torch.zeros(batch, dtype=torch.bool, device=model.device)  # warm-up and capture: padding only
 
         def body() -> torch.Tensor:
-            if FUSED_POSITIONS and self.tokens.is_cuda:
+            fused = FUSED_STATE and (self.tokens.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+            if fused:
                 positions = sampling.greedy_positions(self.next_position, self.live)
             else:
                 positions = self.next_position.masked_fill(~self.live, -1)[:, None]
                 self.next_position.add_(self.live.long())
             logits = model.forward(self.tokens[:, None], positions=positions, cache=cache)
-            self.tokens.copy_(model.ops.sample(logits[:, -1], 0.0, 0, 1.0, None))
+            if not (fused and argmax_into is not None and argmax_into(logits[:, -1], self.tokens)):
+                self.tokens.copy_(model.ops.sample(logits[:, -1], 0.0, 0, 1.0, None))
             return logits
 
         self.graph, self.logits = _capture(model, cache, scope, body)

@@ -77,3 +77,15 @@ def test_greedy_positions_is_the_masked_fill_and_the_add(B):
     assert torch.equal(nxt.cpu(), start + live.long()), f"advanced {nxt.tolist()} vs {(start + live.long()).tolist()}"
     with pytest.raises(ValueError, match="contiguous int64"):
         greedy_positions(nxt.int(), live.to(DEVICE))
+
+
+def test_argmax_writes_into_a_given_buffer():
+    """``argmax(out=)``: the indices land in the caller's int64 buffer (a greedy graph's static tokens) and that
+    buffer is returned; a buffer of the wrong type, size or layout is refused."""
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    out = torch.full((3,), -5, dtype=torch.long, device=DEVICE)
+    got = argmax(x, out=out)
+    assert torch.equal(out.cpu(), x.cpu().argmax(-1)) and got.data_ptr() == out.data_ptr()
+    for bad in (out.int(), out[:2], torch.zeros(3, 2, dtype=torch.long, device=DEVICE)[:, 0]):
+        with pytest.raises(ValueError, match="out= must be"):
+            argmax(x, out=bad)

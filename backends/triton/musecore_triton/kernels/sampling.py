@@ -97,14 +97,19 @@ def takes(logits: torch.Tensor) -> bool:
         and 0 < logits.shape[-1] <= MAX_V
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` (int64, ``logits.shape[:-1]``) for the logits :func:`takes`."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits.argmax(-1)`` (int64, ``logits.shape[:-1]``) for the logits :func:`takes`; written into ``out`` (a
+    contiguous int64 tensor of that many elements, e.g. a graph's static token buffer) when given, and returned."""
     if not takes(logits):
         raise ValueError(f"argmax takes float logits [..., V] with 0 < V <= {MAX_V}; got {logits.dtype} "
                          f"{list(logits.shape)}")
     x = rows2d(logits)
     rows, n = x.shape
-    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    elif out.dtype != torch.long or out.numel() != rows or not out.is_contiguous() or out.device != logits.device:
+        raise ValueError(f"argmax out= must be a contiguous int64 tensor of {rows} elements on {logits.device}; got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
     if rows:
         parts = triton.cdiv(n, BLOCK)
         key = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
@@ -113,4 +118,4 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
                                              **hooks.launch_options(logits.device, "argmax"))
         argmax_final_kernel[(rows,)](key, idx, out, parts, BLOCK_P=triton.next_power_of_2(parts), num_warps=4,
                                      **hooks.launch_options(logits.device, "argmax_final"))
-    return out.view(logits.shape[:-1])
+    return out.view(logits.shape[:-1])  # (out= given: the same storage)
