@@ -27,7 +27,6 @@ What is native here, and why (``supports`` answers from this table, never optimi
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -41,7 +40,7 @@ from musecore_cuda.fp8 import TOKEN_ACT, Fp8Resident, fp8_linear, fp8_linear_row
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan
 from musecore_cuda.kernels.fp8_moe import fp8_moe
 from musecore_cuda.kernels.moe_decode import moe_decode_gemv, use_gemv
-from musecore_triton.kernels import sampling
+from musecore_triton.kernels import interpreted, sampling
 from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_triton.kernels.moe import moe_forward
@@ -218,7 +217,7 @@ class CudaBackend(TritonOps, Backend):
     @property
     def interpreted(self) -> bool:
         """Kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 on a "cpu" backend): for tests."""
-        return self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        return interpreted(self.device)
 
     def supports(self, op: str, spec: OpSpec) -> Support:
         if self.interpreted:  # the SM90 code paths, run by the interpreter: correct but never fast

@@ -27,7 +27,6 @@ moves the arch into :data:`VERIFIED_ARCHES`. In Triton's CPU interpreter
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -44,6 +43,7 @@ from musecore_rocm.arch import ARCHES, DEVICE_ARCH, find_rocm_device
 from musecore_rocm.fp8 import Fp8Resident, fp8_linear, prepare_fp8
 from musecore_triton.graphs import (graph_unavailable, make_graphed_decode_step, make_graphed_greedy_step,
                                     make_graphed_prefill_step)
+from musecore_triton.kernels import interpreted
 from musecore_triton.kernels.embed import model_decode_embed
 from musecore_triton.kernels.fp4_gemm import w4a16_linear
 from musecore_triton.kernels.moe import moe_forward
@@ -105,7 +105,7 @@ class RocmBackend(TritonOps, Backend):
     @property
     def interpreted(self) -> bool:
         """Kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 on a "cpu" backend): for tests."""
-        return self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        return interpreted(self.device)
 
     def arch(self) -> Optional[str]:
         """The gfx arch the kernels run for: the probe's, or in the interpreter the one it stands in for."""

@@ -15,12 +15,11 @@ slots and leave the cache as the prefill left it.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
-from musecore_triton.kernels import sampling
+from musecore_triton.kernels import interpreted, sampling
 
 
 # The greedy step's state through Triton launches: the position update in one (``sampling.greedy_positions``) instead
@@ -133,7 +132,7 @@ class GreedyGraphStep:
         self.live = torch.zeros(batch, dtype=torch.bool, device=model.device)  # warm-up and capture: padding only
 
         def body() -> torch.Tensor:
-            fused = FUSED_STATE and (self.tokens.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+            fused = FUSED_STATE and (self.tokens.is_cuda or interpreted(self.tokens.device))
             if fused:
                 positions = sampling.greedy_positions(self.next_position, self.live)
             else:

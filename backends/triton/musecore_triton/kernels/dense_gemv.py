@@ -263,7 +263,8 @@ ATTEND_MAX_KEYS = 512
 # qkv_attention's warps per program and keys per attention step. The whole launch gets the registers of its widest
 # part: SM90 compiles of muse-small's kernel (session 51) took 242 registers at 2 warps and 128 keys (the plain
 # q/k/v/gate GEMV: 122), 126 at 2 warps and 32 keys, 116 at 4 warps and 64 keys (the plain GEMV at 4 warps: 69),
-# 158 at 4 warps and 128 keys. 4 warps x 116 keeps the routed GEMV's 512 threads per SM. Not timed yet.
+# 158 at 4 warps and 128 keys. 4 warps x 116 keeps the routed GEMV's 512 threads per SM. In the decode graph
+# the launch was slower at either cut (session 52, run 61; musecore_cuda.fused.ATTENTION_IN_QKV).
 ATTEND_WARPS, ATTEND_BLOCK_N = 4, 64
 
 
