@@ -3,7 +3,7 @@ row-op epilogues and an fp32 input, the one-launch router alone and beside the p
 cache, attention with the head norm and gate, and the split keys' merge; since session 48 the decode embed, since
 session 50 the q/k/v/gate GEMV running the q/k norms in its heads' last programs, since session 51 that GEMV also
 attending per KV-head group, ``qkv_attention``, and greedy sampling's argmax, since session 52 attention prefetching
-its next step's key positions) for a GPU
+its next step's key positions and, since session 53, loading its first step's k and v with their positions) for a GPU
 target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49):
 ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
 and constexprs its wrapper chose, never run);
@@ -66,9 +66,12 @@ def main(arch: str) -> None:
                       1024 if ring else None, d ** -0.5, 1e-6)
     qn = torch.randn(1, 1, nq, d).to(dt)
     attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
-    attention_module.PREFETCH_POSITIONS = True  # the next step's key positions loaded during this one (session 52)
-    attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
-    attention_module.PREFETCH_POSITIONS = False
+    for prefetch, eager in ((True, False), (False, True), (True, True)):
+        # the next step's key positions loaded during this one (session 52), the first step's k and v with its
+        # positions (session 53)
+        attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP = prefetch, eager
+        attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
+    attention_module.PREFETCH_POSITIONS = attention_module.EAGER_FIRST_STEP = False
     long = 1024  # keys split over programs: the merge kernel, with and without the gate's epilogue
     kl, vl = (torch.zeros(1, long, nkv, d).to(dt) for _ in range(2))
     for g in (None, (gate, 1e-6)):

@@ -104,19 +104,21 @@ def test_attention_with_the_head_norm_gate_equals_the_two_ops(S, window):
         attention(q, k, v, q_pos, k_pos, window, d ** -0.5, gate=(gate[..., :32], 1e-6))
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch,eager", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
 @pytest.mark.parametrize("block_n", [32, 64, 128, 256])
 @pytest.mark.parametrize("S,window,layout", [(100, None, "static"), (300, 37, "static"), (600, None, "static"),
                                              (300, None, "half"), (300, 90, "ring")])
-def test_decode_attention_keys_per_step(monkeypatch, block_n, S, window, layout, dtype, prefetch):
+def test_decode_attention_keys_per_step(monkeypatch, block_n, S, window, layout, dtype, prefetch, eager):
     """One-token attention with ``DECODE_BLOCK_N`` keys per loop step (session 51: 128, was 64), with each step's key
-    positions loaded during the step before or not (``PREFETCH_POSITIONS``, session 52): the reference's values for
+    positions loaded during the step before or not (``PREFETCH_POSITIONS``, session 52), and the first step's k and v
+    loaded with its positions or not (``EAGER_FIRST_STEP``, session 53): the reference's values for
     caches shorter than one step, several steps and split keys; a cache whose second half is empty (``half``: the
     later steps see no key, as a 256-slot generation cache's second block); a ring whose slots hold positions out of
     order (``ring``: a step's visible keys are found by the positions it loaded, not by slot)."""
     monkeypatch.setattr(attention_module, "DECODE_BLOCK_N", block_n)
     monkeypatch.setattr(attention_module, "PREFETCH_POSITIONS", prefetch)
+    monkeypatch.setattr(attention_module, "EAGER_FIRST_STEP", eager)
     B, T, nq, nkv, d = 1, 1, 8, 2, 64
     q, k, v = case(B, T, S, nq, nkv, d, dtype)
     k_pos = torch.arange(S, device=DEVICE)[None].clone()
@@ -132,7 +134,7 @@ def test_decode_attention_keys_per_step(monkeypatch, block_n, S, window, layout,
     want = ref.attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
     got = attention(q, k, v, q_pos, k_pos, window, d ** -0.5)
     assert_nmse(want, got, tolerance("attention"),
-                f"decode attention, {block_n} keys per step, S={S}, {layout}, prefetch={prefetch}")
+                f"decode attention, {block_n} keys per step, S={S}, {layout}, prefetch={prefetch}, eager={eager}")
 
 
 @pytest.mark.parametrize("S", [0, 1, 100, 255, 256, 300, 600, 4096, 131072])

@@ -18,7 +18,7 @@ import pytest
 
 SCRIPT = Path(__file__).with_name("decode_compile.py")
 KERNELS = {"dense_gemv_kernel": 4, "router_one_launch_kernel": 1, "router_pooler_kernel": 1, "qk_norm_rope_kernel": 4,
-           "qkv_gemv_rope_kernel": 2, "qkv_attention_kernel": 2, "attention_kernel": 4, "merge_splits_kernel": 2,
+           "qkv_gemv_rope_kernel": 2, "qkv_attention_kernel": 2, "attention_kernel": 6, "merge_splits_kernel": 2,
            "decode_embed_kernel": 2, "argmax_partial_kernel": 1, "argmax_final_kernel": 1,
            "greedy_positions_kernel": 1}
 

@@ -40,6 +40,15 @@ SPLIT_UNIT = 64
 # block of a 256-slot generation cache, costs no memory round trip of its own. Off: written in session 52 after its
 # last device call, tested in the interpreter, not yet timed (A/B mode attn_prefetch of cuda_fused_ab.py).
 PREFETCH_POSITIONS = False
+# A one-token program loads its first step's k and v together with that step's key positions, where the loop reads
+# them only once a position there is visible: one memory round trip fewer per call (a muse-small step has 16), at the
+# price of reading k and v even when none of the step's keys is visible. Later steps keep the lazy loads, so with
+# PREFETCH_POSITIONS an empty later step (a 256-slot generation cache's second block) still costs nothing. Run 59
+# (session 51) timed the older form, which loaded k and v eagerly in every step of caches up to 256 keys: the plain
+# step's replay 685.6 -> 679.3 us, greedy generate 719.8 -> 728.9 (a 256-slot cache, whose empty second step then read
+# its k and v). Off: this form was written in session 53 with no GPU lent, tested in the interpreter, not yet timed
+# (A/B modes attn_eager and attn_eager_prefetch of cuda_fused_ab.py).
+EAGER_FIRST_STEP = False
 
 
 def key_splits(S: int, programs: int, block_n: int, sms: int) -> tuple[int, int]:
@@ -73,12 +82,12 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      SPLIT: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = False, EAGER: tl.constexpr = False):
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
     attend_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), q_ptr, k_ptr, v_ptr,
                 qpos_ptr, kpos_ptr, o_ptr, ml_ptr, sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t,
                 so_h, T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
-                G, D, BLOCK_M, BLOCK_N, MODE, KV_FP8, HAS_WINDOW, SPLIT, GATE, PREFETCH)
+                G, D, BLOCK_M, BLOCK_N, MODE, KV_FP8, HAS_WINDOW, SPLIT, GATE, PREFETCH, EAGER)
 
 
 @triton.jit
@@ -87,11 +96,12 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
                 T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                GATE: tl.constexpr, PREFETCH: tl.constexpr):
+                GATE: tl.constexpr, PREFETCH: tl.constexpr, EAGER: tl.constexpr = False):
     """Query rows ``pid_m * BLOCK_M ..`` (token-major, ``G`` heads per token) of (batch, KV head) ``pid_bh`` against
     key split ``pid_s`` (``programs_bh`` (batch, KV head) pairs in all): the output rows (with the head norm and gate
     when ``GATE``), or with ``SPLIT`` the split's unnormalised partial and its (max, sum) for the merge kernel. With
-    ``PREFETCH`` each step's key positions are loaded during the step before (:data:`PREFETCH_POSITIONS`)."""
+    ``PREFETCH`` each step's key positions are loaded during the step before (:data:`PREFETCH_POSITIONS`); with
+    ``EAGER`` the first step's k and v are loaded with its positions (:data:`EAGER_FIRST_STEP`)."""
     b = pid_bh // nkv
     kvh = pid_bh % nkv
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,10 +124,21 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
     k_base = k_ptr + b.to(tl.int64) * sk_b + kvh * sk_h
     v_base = v_ptr + b.to(tl.int64) * sv_b + kvh * sv_h
     kpos_base = kpos_ptr + b.to(tl.int64) * S
+    s_loop = s_begin
+    if EAGER:  # the first step peeled: its positions, k and v in flight together
+        offs_s = s_begin + tl.arange(0, BLOCK_N)
+        s_mask = offs_s < s_end
+        kp = tl.load(kpos_base + offs_s, mask=s_mask, other=-1)
+        k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
+        v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
+        visible = _visible(kp, qp, window, HAS_WINDOW)
+        if tl.max(tl.max(visible.to(tl.int32), axis=1), axis=0) > 0:
+            m_i, l_i, acc = _accumulate(q, k, v, visible, m_i, l_i, acc, qk_scale, MODE, KV_FP8)
+        s_loop = s_begin + BLOCK_N
     if PREFETCH:
-        first = s_begin + tl.arange(0, BLOCK_N)
+        first = s_loop + tl.arange(0, BLOCK_N)
         kp_next = tl.load(kpos_base + first, mask=first < s_end, other=-1)
-    for s0 in range(s_begin, s_end, BLOCK_N):
+    for s0 in range(s_loop, s_end, BLOCK_N):
         offs_s = s0 + tl.arange(0, BLOCK_N)
         s_mask = offs_s < s_end
         if PREFETCH:
@@ -126,24 +147,11 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
             kp_next = tl.load(kpos_base + following, mask=following < s_end, other=-1)
         else:
             kp = tl.load(kpos_base + offs_s, mask=s_mask, other=-1)
-        visible = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
-        if HAS_WINDOW:
-            visible = visible & ((qp[:, None] - kp[None, :]) < window)
+        visible = _visible(kp, qp, window, HAS_WINDOW)
         if tl.max(tl.max(visible.to(tl.int32), axis=1), axis=0) > 0:
             k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
             v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
-            if KV_FP8:
-                k = _e4m3_to(k.to(tl.int32), MODE)
-                v = _e4m3_to(v.to(tl.int32), MODE)
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _accumulate(q, k, v, visible, m_i, l_i, acc, qk_scale, MODE, KV_FP8)
 
     if SPLIT:
         part = (pid_s * programs_bh + pid_bh).to(tl.int64) * rows_pad + r
@@ -153,6 +161,32 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
     else:
         out = tl.where(l_i[:, None] > 0, acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
         _store_rows(o_ptr, out, g, b, t, h, r_valid, so_b, so_t, so_h, gate_eps, D, GATE)
+
+
+@triton.jit
+def _visible(kp, qp, window, HAS_WINDOW: tl.constexpr):
+    """Which (query row, key) pairs attend: the key's slot holds a position, not after the query's, in the window."""
+    visible = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
+    if HAS_WINDOW:
+        visible = visible & ((qp[:, None] - kp[None, :]) < window)
+    return visible
+
+
+@triton.jit
+def _accumulate(q, k, v, visible, m_i, l_i, acc, qk_scale, MODE: tl.constexpr, KV_FP8: tl.constexpr):
+    """One step of the online softmax over the step's keys ``k`` / values ``v``: the updated (max, sum, output)."""
+    if KV_FP8:
+        k = _e4m3_to(k.to(tl.int32), MODE)
+        v = _e4m3_to(v.to(tl.int32), MODE)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -268,7 +302,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         v_scale if v_scale is not None else 1.0, keys_per_split, *gate_args,
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, KV_FP8=kv_fp8,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, GATE=gate is not None and splits == 1,
-        PREFETCH=PREFETCH_POSITIONS and T == 1, num_warps=4,
+        PREFETCH=PREFETCH_POSITIONS and T == 1, EAGER=EAGER_FIRST_STEP and T == 1, num_warps=4,
         num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
         **hooks.launch_options(q.device, "attention"))
     if splits > 1:
