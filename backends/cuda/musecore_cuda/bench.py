@@ -195,48 +195,69 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
     return rows
 
 
-def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = (1, 16, 256, 4096)) -> list[dict]:
-    """The peer PERF.md names, side by side: gemlite's A16W4 MXFP4 (Triton; carried as a package, never
-    copied) next to this backend's MXFP4 and BF16 cuBLAS, same shapes, same process, same timing.
-    A case gemlite cannot run (not installed, a kernel that does not compile) is a row with its error."""
+GEMLITE_LAYERS = {"nvfp4": "A16W4_NVFP", "mxfp4": "A16W4_MXFP"}  # gemlite.helper's weight-only layer per format
+GEMLITE_MS = (1, 16, 64, 256, 4096)
+
+
+def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = GEMLITE_MS,
+                  formats: tuple[str, ...] = ("nvfp4", "mxfp4")) -> list[dict]:
+    """The peer PERF.md names, side by side: gemlite's weight-only FP4 layers (``A16W4_NVFP``, ``A16W4_MXFP``;
+    Triton, carried as a package, never copied) next to this backend's default path in the same format and BF16
+    cuBLAS: the 816B shapes, the same model-like values (gemlite quantizes the BF16 weight itself), the same process
+    and timing (interleaved rounds from ``INTERLEAVE_M``). Each row also has its output's NMSE against the BF16
+    product (``nmse_vs_bf16``): a peer that computes something else is seen, not timed as if it were the same work.
+    What gemlite cannot do (not installed, a layer it cannot build, a call that fails) is a row with its error."""
     try:
-        from gemlite.helper import A16W4_MXFP
+        from gemlite import helper
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
         return [{"backend": "gemlite", "case": "linear", "error": f"gemlite is not importable: {exc!r}"[:300]}]
+    from musecore.testing import nmse
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
     rows = []
-    for name in shapes or ["q_proj", "expert_down"]:
+    for name in shapes or list(LINEAR_SHAPES):
         n, k = LINEAR_SHAPES[name]
-
-        def make_gemlite() -> torch.nn.Module:
-            linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-            return A16W4_MXFP(device="cuda", dtype=torch.bfloat16).from_linear(linear)
-        try:
-            peers = _rotating(make_gemlite, n * k // 2)
-        except Exception as exc:  # noqa: BLE001
-            rows.append({"backend": "gemlite", "case": "linear", "shape": f"{name} {k}->{n}",
-                         "error": f"A16W4_MXFP.from_linear failed: {exc!r}"[:300]})
-            continue
-        ours = _rotating(lambda: be.prepare_weight(random_fp4("mxfp4", (n, k)), name).data, n * k // 2)
-        bf16_ws = _rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
+        shape = f"{name} {k}->{n}"
+        bf16_ws, ours = model_like_weights(be, name, n, k, formats)
+        peers = {}
+        for fmt in formats:
+            def make_peer(fmt: str = fmt, source: torch.Tensor = bf16_ws[0]) -> torch.nn.Module:
+                linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+                with torch.no_grad():
+                    linear.weight.copy_(source)
+                return getattr(helper, GEMLITE_LAYERS[fmt])(device="cuda", dtype=torch.bfloat16).from_linear(linear)
+            try:
+                peers[fmt] = _rotating(make_peer, n * k // 2)
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"backend": "gemlite", "case": "linear", "format": fmt, "shape": shape,
+                             "error": f"{GEMLITE_LAYERS[fmt]}.from_linear failed: {exc!r}"[:300]})
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = time_us(cycle(bf16_ws, lambda w: F.linear(x, w))) / len(bf16_ws)
+            want = F.linear(x, bf16_ws[0]).float()
+            calls = {("cuda", "bf16", ""): (bf16_ws, lambda w: F.linear(x, w))}
+            errors = {("cuda", "bf16", ""): 0.0}
+            for fmt in formats:
+                path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
+                calls[("cuda", fmt, path)] = (ours[fmt], lambda w: fp4_linear(x, w))
+                errors[("cuda", fmt, path)] = nmse(want, fp4_linear(x, ours[fmt][0]).float())
+                if fmt not in peers:
+                    continue
+                try:  # one call first: a failure here is the peer's row, not the end of the shape
+                    errors[("gemlite", fmt, GEMLITE_LAYERS[fmt])] = nmse(want, peers[fmt][0](x).float())
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"backend": "gemlite", "case": "linear", "format": fmt, "shape": shape, "M": m,
+                                 "error": f"{exc!r}"[:300]})
+                    continue
+                calls[("gemlite", fmt, GEMLITE_LAYERS[fmt])] = (peers[fmt], lambda layer: layer(x))
+            times = time_calls(calls, interleave=m >= INTERLEAVE_M)
+            t_bf16 = times[("cuda", "bf16", "")]
             act_bytes = (m * k + m * n) * 2
-            nbytes = ours[0].nbytes + act_bytes  # both hold MXFP4: 4.25 bits per weight
-            t = time_us(cycle(ours, lambda w: fp4_linear(x, w))) / len(ours)
-            rows.append(_linear_row("mxfp4", name, n, k, m, t, t_bf16, nbytes, ceiling,
-                                    fp4_linear_path(m, x.dtype, x.device, n * k, weight_format="mxfp4")))
-            try:
-                t = time_us(cycle(peers, lambda layer: layer(x))) / len(peers)
-            except Exception as exc:  # noqa: BLE001
-                rows.append({"backend": "gemlite", "case": "linear", "shape": f"{name} {k}->{n}", "M": m,
-                             "error": f"{exc!r}"[:300]})
-                continue
-            rows.append({**_linear_row("mxfp4", name, n, k, m, t, t_bf16, nbytes, ceiling, "gemlite A16W4_MXFP"),
-                         "backend": "gemlite"})
-        del peers, ours, bf16_ws
+            for (backend, fmt, path), t in times.items():
+                # both sides' FP4 bytes are the format's: 4.5 (NVFP4) / 4.25 (MXFP4) bits per weight
+                nbytes = (n * k * 2 if fmt == "bf16" else ours[fmt][0].nbytes) + act_bytes
+                rows.append({**_linear_row(fmt, name, n, k, m, t, t_bf16, nbytes, ceiling, path),
+                             "backend": backend, "nmse_vs_bf16": float(f"{errors[(backend, fmt, path)]:.3g}")})
+        del bf16_ws, ours, peers
         torch.cuda.empty_cache()
     return rows
 
@@ -497,7 +518,8 @@ def bound_rows(linear: list[dict], ms: tuple[int, ...] = BOUND_MS) -> list[dict]
 def bench_targets() -> list[dict]:
     """Issue 26's table of targets from one run: the linear sweep (every 816B shape, NVFP4's default path
     and the others side by side, BF16 cuBLAS), the MoE layer at decode batch 1-16, muse-small's batch-1
-    decode end to end, and the FP8 option at high M; then one summary row per target (worst and median
+    decode end to end, the FP8 option at high M, and the peer gemlite's NVFP4 layer on the same shapes
+    (:func:`bench_gemlite`, M in ``GEMLITE_MS``); then one summary row per target (worst and median
     over its shapes, the goal, met or not). Detail rows keep their own case names; the summary rows are
     case ``targets``."""
     gpu = gpu_name()
@@ -509,6 +531,10 @@ def bench_targets() -> list[dict]:
         e2e, e2e_error = [{**r, "gpu": gpu} for r in bench_e2e(batches=(1,))], None
     except Exception as exc:  # noqa: BLE001 - reported in its summary row; the rest of the table stands
         e2e, e2e_error = [], f"{exc!r}"[:300]
+    try:  # the peer beside the NVFP4 rows (side by side, not a target): gemlite's A16W4_NVFP on the same shapes
+        peers = [{**r, "gpu": gpu} for r in bench_gemlite(formats=("nvfp4",))]
+    except Exception as exc:  # noqa: BLE001 - the peer's failure is its row; the table stands
+        peers = [{"backend": "gemlite", "case": "linear", "error": f"{exc!r}"[:300], "gpu": gpu}]
     ceiling = memory_ceiling_gbps()
 
     def summary(target: str, goal: float, unit: str, values: list[float], detail: str,
@@ -548,7 +574,7 @@ def bench_targets() -> list[dict]:
                 "format": "fp8"})
     out.append({**summary("FP8 option vs BF16, MoE prefill 8192 tokens", 1.0, "x", fp8_moe, "816B layer"),
                 "format": "fp8"})
-    return out + linear + bounds + moe + e2e + fp8
+    return out + linear + bounds + moe + e2e + fp8 + peers
 
 
 def benchmarks() -> dict[str, Callable[..., list[dict]]]:

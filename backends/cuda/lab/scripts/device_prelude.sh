@@ -4,7 +4,7 @@
 # limit in $OUT/gpu.txt. Needs OUT and LIMIT set. `run_steps TAG` runs step$n for each digit n of $STEPS, in order, then
 # packs everything under $OUT into $OUT/TAG.tgz (the device returns only a few files per call).
 # Steps the session scripts share (argument: the step's number, for the log): `targets_step` (musecore bench --case
-# targets into $OUT), `gpu_suite_step` (the whole GPU suite, or the folders in $SUITE in that order, SIGINT at its
+# targets into $OUT, capped at $TARGETS_S or 170 s), `gpu_suite_step` (the whole GPU suite, or the folders in $SUITE in that order, SIGINT at its
 # cap of $SUITE_S or 330 s so pytest still prints the summary; which tests ran in $OUT/gpu_suite.xml),
 # `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step`
 # (cuda_moe_runs_probe.py, at $BATCHES when set),
@@ -19,6 +19,12 @@ cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? le
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
   .whl/stevedore-5.9.1-py3-none-any.whl -e ./quant -e . -e ./backends/triton -e ./backends/cuda -e ./backends/rocm \
   -e ./backends/xeon > $OUT/install.log 2>&1 || { tail $OUT/install.log; exit 1; }
+# The peer (bench_gemlite; the targets case's gemlite rows) when its sdist is carried: `pip download gemlite==0.6.0.post2
+# --no-deps -d .whl` here, and `.whl/gemlite-0.6.0.post2.tar.gz` in the call's carry list.
+if [ -z "${SKIP_INSTALL:-}" ] && ls .whl/gemlite-*.tar.gz > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .whl/gemlite-*.tar.gz \
+    >> $OUT/install.log 2>&1 || echo "gemlite did not install (its rows will say so): $(tail -2 $OUT/install.log)"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > $OUT/gpu.txt 2>&1
 run_steps() {
   for n in $(echo $STEPS | grep -o .); do step$n; done
@@ -26,7 +32,7 @@ run_steps() {
   tar czf /tmp/$1.tgz -C $OUT . && mv /tmp/$1.tgz $OUT/
 }
 targets_step() {
-  timeout $(cap 170) musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
+  timeout $(cap ${TARGETS_S:-170}) musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
   echo "$1. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
 }
 gpu_suite_step() {
