@@ -13,7 +13,9 @@
 # (cuda_history_probe.py, its --sequence from $HISTORY when set, more arguments in $HISTORY_ARGS),
 # `profile_step` (the kernels of the decode step, into $OUT/$2), `e2e_step` (bench_e2e alone: muse-small batch 1,
 # NVFP4 and BF16, the targets case's decode row, in a fresh process),
-# `profile_b16_step` (the same at batch 16) and `serve_step` (benchmarks/serve_bench.py in process, muse-small NVFP4).
+# `profile_b16_step` (the same at batch 16), `serve_step` (benchmarks/serve_bench.py in process, muse-small NVFP4),
+# `persistent_probe_step` (cuda_persistent_probe.py, more arguments in $PERSISTENT_ARGS) and `gemlite_step`
+# (musecore bench --case gemlite: the peer on every 816B shape, NVFP4 and MXFP4).
 export PYTHONUNBUFFERED=1
 cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
@@ -87,4 +89,13 @@ runs_probe_step() {
   timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_moe_runs_probe.py ${BATCHES:+--batches $BATCHES} \
     --out $OUT/cuda_moe_runs_probe.json > $OUT/moe_runs_probe.log 2>&1
   echo "$1. MoE runs probe at ${SECONDS}s (rc $?):"; tail -12 $OUT/moe_runs_probe.log | cut -c1-250
+}
+persistent_probe_step() {
+  timeout $(cap ${PROBE_S:-200}) python3 backends/cuda/lab/scripts/cuda_persistent_probe.py \
+    --out $OUT/cuda_persistent_probe.json ${PERSISTENT_ARGS:-} > $OUT/persistent_probe.log 2>&1
+  echo "$1. persistent probe at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/persistent_probe.log | tail -16 | cut -c1-250
+}
+gemlite_step() {
+  timeout $(cap ${GEMLITE_S:-240}) musecore bench --backend cuda --case gemlite --out-dir $OUT > $OUT/bench_gemlite.txt 2>&1
+  echo "$1. gemlite at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/bench_gemlite.txt | tail -24 | cut -c1-200
 }

@@ -1,0 +1,131 @@
+"""Is a persistent decode kernel worth writing? A chain of dependent 16-bit GEMVs run two ways (issue 26, session 53).
+
+muse-small's decode step is ~133 dependent kernels (16 layers of q/k/v/gate, attention, o_proj, router + pooler,
+expert up and down, finalize, unpooler); at ~5 us each it runs near 26% of its bandwidth limit, and 50% needs the
+step in ~370 us. Every kernel boundary costs a launch, the ramp of a new grid and the tail of the old one, which
+programmatic dependent launch (PDL) only partly overlaps. A persistent kernel replaces the boundaries with grid-wide
+barriers and can fetch the next phase's weights while it waits, since weights depend on no activation. Whether that
+wins on the H200 is an open question: session 45's per-assignment hand-off and session 51's attention in the
+q/k/v/gate launch, both intra-kernel dependencies, measured slower than kernel boundaries under PDL.
+
+The probe answers it on the simplest chain that has the decode step's shape: ``P`` phases ``y[p + 1] = W[p] @ y[p]``
+(``W [P, D, D]`` 16-bit, ``y [P + 1, D]``), each phase a GEMV whose input is the phase before's output:
+
+* ``chain``: ``P`` launches of the backend's ``dense_gemv`` (its cut, its PDL hooks), in one CUDA graph, with PDL
+  and without;
+* ``persistent``: one launch of :func:`persistent_chain_kernel` whose programs take ``dense_gemv``'s row blocks
+  (``dense_gemv.gemv_program``, the same cut and body) and meet at a grid-wide barrier between phases
+  (:func:`grid_barrier`); ``PREFETCH`` has each program fetch its next phase's weight rows into L2 before it waits.
+
+Same weights, same cut, same body: the difference is the kernel boundary against the barrier. The barrier spins at
+most ``spin_limit`` times, then raises ``flag`` and goes on (a grid too large to be resident fails, it does not hang).
+The timing script is ``scripts/cuda_persistent_probe.py``; the interpreter test ``tests/test_persistent_probe.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from musecore_triton import hooks
+from musecore_triton.kernels.dense_gemv import gemv_blocks, gemv_program, last_ticket, NUM_WARPS
+
+LINE = 64  # 16-bit elements per 128-byte line (one L2 prefetch each)
+
+
+@triton.jit
+def grid_barrier(count_ptr, target, spin_limit, flag_ptr):
+    """Wait until ``target`` programs have arrived at ``count`` (this one included): every thread's stores issued,
+    one release add per program, then acquire reads until the count is reached or ``spin_limit`` reads went by (then
+    ``flag`` is set to 1 and the program goes on: the caller checks it)."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(count_ptr, 1, sem="release") + 1
+    spins = tl.full((), 0, tl.int32)
+    while (seen < target) & (spins < spin_limit):
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+        spins += 1
+    if seen < target:
+        tl.store(flag_ptr, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, pid, programs, nblocks, D, BLOCK_N: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Every line of this program's row blocks of the ``[D, D]`` weight at ``w_ptr``, into L2."""
+    cols = tl.arange(0, LINES) * LINE
+    for rb in range(pid, nblocks, programs):
+        rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        ptrs = w_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
+        hooks.prefetch_l2(ptrs, (rows[:, None] < D) & (cols[None, :] < D))
+
+
+@triton.jit
+def persistent_chain_kernel(w_ptr, y_ptr, count_ptr, flag_ptr, D, P, spin_limit,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STATIC: tl.constexpr,
+                            PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
+    """``P`` phases ``y[p + 1] = W[p] @ y[p]`` in one launch: program ``pid`` of ``programs`` computes row blocks
+    ``pid, pid + programs, ..`` of each phase (``dense_gemv``'s ``BLOCK_N`` rows each), then waits at the barrier.
+    ``count`` holds two int32: the barrier's arrivals (monotonic over the phases) and the exit tickets; the last
+    program out resets both, so the next launch starts from zero."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    nblocks = tl.cdiv(D, BLOCK_N)
+    row = D.to(tl.int64)
+    for p in range(P):
+        x = y_ptr + p * row
+        w = w_ptr + p * row * D
+        for rb in range(pid, nblocks, programs):
+            gemv_program(rb, pid * 0, nblocks, x, w, w, count_ptr, x + row, D, D, D, 0, 1,
+                         count_ptr, x, x, x, x, x, x, x, 0.0, 0.0, BLOCK_N, BLOCK_K, False, False, False, False,
+                         False, 0, False, False, 1, False, K_STATIC)
+        if p + 1 < P:
+            if PREFETCH:
+                _prefetch_rows(w + row * D, pid, programs, nblocks, D, BLOCK_N, LINES, LINE)
+            grid_barrier(count_ptr, programs * (p + 1), spin_limit, flag_ptr)
+    if last_ticket(count_ptr + 1, programs):
+        tl.store(count_ptr, 0)
+
+
+def chain_inputs(P: int, D: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W [P, D, D], y [P + 1, D])``: weights scaled so each phase keeps its input's norm, ``y[0]`` the input."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = (torch.randn(P, D, D, generator=g) / D ** 0.5).to(dtype).to(device)
+    y = torch.zeros(P + 1, D, dtype=dtype, device=device)
+    y[0] = torch.randn(D, generator=g).to(dtype)
+    return w, y
+
+
+def reference_chain(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The chain in fp32 with each phase's output rounded to the weights' dtype, as the kernels store it."""
+    y = x.float()
+    for p in range(w.shape[0]):
+        y = (w[p].float() @ y).to(w.dtype).float()
+    return y
+
+
+def persistent_chain(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch.Tensor, programs: int,
+                     prefetch: bool = False, spin_limit: int = 1 << 20) -> torch.Tensor:
+    """Run :func:`persistent_chain_kernel` on ``programs`` programs (every one of them must be resident at once on
+    a GPU; one in the interpreter). ``counters``: two int32 zeros (left zero); ``flag``: one int32, set to 1 when a
+    barrier gave up. Returns ``y[P]``."""
+    launch(w, y, counters, flag, programs, prefetch, spin_limit)
+    return y[w.shape[0]]
+
+
+def launch(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch.Tensor, programs: int,
+           prefetch: bool = False, spin_limit: int = 1 << 20):
+    """:func:`persistent_chain`'s launch; returns what Triton's launch returns (on a GPU the compiled kernel, whose
+    ``n_regs`` and ``metadata`` say how many programs can be resident)."""
+    P, D, _ = w.shape
+    block_n, block_k, k_static = gemv_blocks(D)
+    return persistent_chain_kernel[(programs,)](
+        w, y, counters, flag, D, P, spin_limit, BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
+        PREFETCH=prefetch and hooks.l2_warm(w.device), LINES=triton.next_power_of_2(triton.cdiv(D, LINE)), LINE=LINE,
+        num_warps=NUM_WARPS)
+
+
+def row_blocks(D: int) -> int:
+    """How many programs ``dense_gemv`` launches for a ``[D, D]`` weight (one row block each)."""
+    return triton.cdiv(D, gemv_blocks(D)[0])

@@ -1,0 +1,127 @@
+"""Time a chain of dependent 16-bit GEMVs as one kernel per phase and as one persistent kernel with grid-wide barriers
+(``backends/cuda/lab/persistent_probe.py`` says why; issue 26, session 53). For each width ``D`` (``P`` phases of a
+``[D, D]`` bf16 weight, ``P * D * D * 2`` bytes in all, past L2 at the defaults), every mode is captured in a CUDA
+graph and the graphs' replays are timed in alternating rounds (``P`` is raised where the weights would stay in L2):
+
+* ``chain_pdl`` / ``chain``: ``P`` launches of ``dense_gemv`` with programmatic dependent launch / without;
+* ``persistent`` / ``persistent_prefetch``: one launch, one program per ``dense_gemv`` row block (the chain's grid),
+  when the device can hold them all at once; ``_prefetch`` fetches each program's next-phase rows into L2 before it
+  waits at the barrier;
+* ``persistent_sms`` / ``persistent_sms_prefetch``: one program per SM, each taking every SM-count-th row block.
+
+Every mode's output is checked against the chain's (the same body and cut: the same bits expected). Per mode: us per
+replay and per phase, the weight bytes' GB/s and % of the measured memory ceiling. One JSON row per line::
+
+    python backends/cuda/lab/scripts/cuda_persistent_probe.py [--dims 768,1536,3072] [--phases 32] [--rounds 5]
+        [--out backends/cuda/lab/results/cuda_persistent_probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from musecore_cuda.bench import capture_graph, memory_ceiling_gbps, replay_us
+from musecore_cuda.kernels import pdl
+from musecore_triton.kernels.dense_gemv import dense_gemv
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
+import persistent_probe as pp  # noqa: E402
+
+MAX_BLOCKS_PER_SM, MAX_THREADS_PER_SM, REGISTERS_PER_SM = 32, 2048, 65536  # SM90
+MIN_BYTES = 160 << 20  # the chain's weights: ~3x the H200's 50 MB L2
+
+
+def resident_programs(compiled, sms: int) -> int:
+    """How many programs of ``compiled`` (a launched Triton kernel) the GPU holds at once, by registers, threads,
+    blocks and shared memory per SM."""
+    threads = 32 * compiled.metadata.num_warps
+    per_sm = min(MAX_BLOCKS_PER_SM, MAX_THREADS_PER_SM // threads, REGISTERS_PER_SM // max(1, compiled.n_regs * threads))
+    shared = compiled.metadata.shared
+    if shared:
+        per_sm = min(per_sm, torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor // shared)
+    return per_sm * sms
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dims", default="768,1536,3072")
+    p.add_argument("--phases", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default="backends/cuda/lab/results/cuda_persistent_probe.json")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ceiling = memory_ceiling_gbps()["ceiling_gbps"]
+    rows = []
+    for D in (int(d) for d in args.dims.split(",")):
+        P = max(args.phases, -(-MIN_BYTES // (D * D * 2)))  # enough phases that the weights stream from HBM
+        w, y = pp.chain_inputs(P, D, torch.bfloat16, dev)
+        counters = torch.zeros(2, dtype=torch.int32, device=dev)
+        flag = torch.zeros(1, dtype=torch.int32, device=dev)
+        blocks = pp.row_blocks(D)
+
+        def chain() -> torch.Tensor:
+            x = y[0][None]
+            for i in range(P):
+                x = dense_gemv(x, w[i])
+            return x[0]
+
+        want = chain()  # eager, without PDL
+        kernel = pp.launch(w, y, counters, flag, 1)  # compiles; one program is always resident
+        torch.cuda.synchronize()
+        fits = resident_programs(kernel, sms)
+        plans = [("chain_pdl", chain, True, blocks), ("chain", chain, False, blocks)]
+        for name, programs, prefetch in (("persistent", blocks, False), ("persistent_prefetch", blocks, True),
+                                         ("persistent_sms", sms, False), ("persistent_sms_prefetch", sms, True)):
+            if programs > fits:
+                rows.append({"D": D, "mode": name, "programs": programs, "skipped":
+                             f"{programs} programs; the GPU holds {fits} at once (n_regs {kernel.n_regs})"})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            plans.append((name, lambda programs=programs, prefetch=prefetch: pp.persistent_chain(
+                w, y, counters, flag, programs, prefetch=prefetch), False, programs))
+        graphs, outputs, programs_of = {}, {}, {}
+        for name, fn, on, programs in plans:
+            def keep(fn=fn, name=name) -> None:  # the last call (the captured one) leaves the graph's output here
+                outputs[name] = fn()
+            with pdl.scope(on):
+                graphs[name] = capture_graph(keep)
+            programs_of[name] = programs
+        times: dict[str, list[float]] = {name: [] for name in graphs}
+        checks: dict[str, tuple[float, bool]] = {}  # mode: (max |output - chain's|, a barrier gave up)
+        names = list(graphs)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                flag.zero_()
+                graphs[name].replay()
+                torch.cuda.synchronize()
+                times[name] += [replay_us(graphs[name]) for _ in range(args.reps)]
+                gave_up = bool(int(flag)) or checks.get(name, (0.0, False))[1]
+                checks[name] = (float((outputs[name].float() - want.float()).abs().max()), gave_up)
+        for name in names:
+            ts = sorted(times[name])
+            t = ts[len(ts) // 2]
+            diff, gave_up = checks[name]
+            nbytes = P * D * D * 2
+            row = {"D": D, "phases": P, "mode": name, "programs": programs_of[name], "resident_max": fits,
+                   "us": round(t, 2), "us_per_phase": round(t / P, 3), "gbps": round(nbytes / t / 1e3, 1),
+                   "pct_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), "barrier_gave_up": gave_up,
+                   "max_diff_vs_chain": diff}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        graphs.clear()
+        outputs.clear()
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+
+
+if __name__ == "__main__":
+    main()
