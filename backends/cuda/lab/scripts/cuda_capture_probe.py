@@ -16,7 +16,9 @@ graph keep its PDL overlap (run 68: 85 us per token against 50 later) only until
 ``--dump DIR`` keeps every graph after capture and writes each one's DOT (``graph{i}.dot``: every node's kernel,
 grid, block and shared memory) with ``graph{i}.diff``, the lines of graph i's DOT that differ from graph 0's once the
 device addresses are masked (empty when the graphs differ only in where their buffers lie), and its edges' types and
-ports (``graph{i}.edges.json``, ``graph_edges.py``: programmatic or default, which the DOT does not show).
+ports (``graph{i}.edges.json``, ``graph_edges.py``: programmatic or default, which the DOT does not show), and
+each node's launch and function attributes (``graph{i}.nodes.json``, session 53; session 52's masking missed the
+DOT's upper-case addresses, so its diff counts, 2200 lines, were addresses too).
 
 Run 51 used room 200 (a 232-key cache; attention 142.8 vs 119.1 us per replay between graph 0 and 2); ``--room 64``
 (the default since) gives the 96-key cache of ``generate(prompt of 32, max_new_tokens=64)``, as the A/B scripts run.
@@ -75,7 +77,7 @@ def dump_graphs(steps: list, folder: str) -> list[int]:
         path = os.path.join(folder, f"graph{i}.dot")
         step.graph.debug_dump(path)
         with open(path) as f:
-            masked.append([re.sub(r"0x[0-9a-f]{6,}", "ADDR", line) for line in f])
+            masked.append([re.sub(r"0x[0-9a-fA-F]{6,}", "ADDR", line) for line in f])  # (the DOT prints upper case)
     described = [graph_edges.describe(step.graph) for step, _ in steps]
     for i, (rows, line) in enumerate(described):
         print(f"graph {i}: {line}", flush=True)
@@ -83,6 +85,13 @@ def dump_graphs(steps: list, folder: str) -> list[int]:
             json.dump(rows, f, indent=0)
         for d in graph_edges.differences(described[0][0], rows)[:20] if i else ():
             print(f"  differs from graph 0 at {d}")
+    nodes = [graph_edges.describe_nodes(step.graph) for step, _ in steps]
+    for i, (rows, line) in enumerate(nodes):
+        print(f"graph {i}: {line}", flush=True)
+        with open(os.path.join(folder, f"graph{i}.nodes.json"), "w") as f:
+            f.write("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+        for d in graph_edges.attribute_differences(nodes[0][0], rows)[:20] if i else ():
+            print(f"  attributes differ from graph 0's at {d}")
     changed = []
     for i, lines in enumerate(masked):
         diff = [d for d in difflib.unified_diff(masked[0], lines, n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]

@@ -87,7 +87,8 @@ def main() -> None:
                         "profiler (20 replays from the prompt's end), and those differing most from the first event's")
     p.add_argument("--edges", action="store_true",
                    help="keep every graph after capture (cuda_capture_probe.DebugGraph) and print each event's greedy "
-                        "graph's edge types (graph_edges.py), and where they differ from the first event's")
+                        "graph's edge types and node attributes (graph_edges.py), and where they differ from the "
+                        "first event's")
     args = p.parse_args()
     if args.edges:
         mock.patch.object(torch.cuda, "CUDAGraph", DebugGraph).start()
@@ -113,6 +114,12 @@ def main() -> None:
             state.setdefault("first_edges", rows_now)
             for d in graph_edges.differences(state["first_edges"], rows_now)[:20]:
                 print(f"  differs from the first graph's at {d}")
+            nodes_now, line = graph_edges.describe_nodes(state["model"]._generation_cache[2]["greedy"].graph)
+            print(f"nodes after {event!r}: {line}", flush=True)
+            state.setdefault("first_nodes", nodes_now)
+            row["attribute_differences"] = graph_edges.attribute_differences(state["first_nodes"], nodes_now)[:20]
+            for d in row["attribute_differences"]:
+                print(f"  attributes differ from the first graph's at {d}")
         variants = triton_variants()
         row["new_triton_variants"] = {k: n - seen.get(k, 0) for k, n in variants.items() if n != seen.get(k, 0)}
         seen = variants

@@ -40,7 +40,8 @@ def resident_programs(compiled, sms: int) -> int:
     """How many programs of ``compiled`` (a launched Triton kernel) the GPU holds at once, by registers, threads,
     blocks and shared memory per SM."""
     threads = 32 * compiled.metadata.num_warps
-    per_sm = min(MAX_BLOCKS_PER_SM, MAX_THREADS_PER_SM // threads, REGISTERS_PER_SM // max(1, compiled.n_regs * threads))
+    per_sm = min(MAX_BLOCKS_PER_SM, MAX_THREADS_PER_SM // threads,
+                 REGISTERS_PER_SM // max(1, compiled.n_regs * threads))
     shared = compiled.metadata.shared
     if shared:
         per_sm = min(per_sm, torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor // shared)

@@ -8,6 +8,10 @@ from port 1 or 2); a default edge (type 0) makes it wait for the whole kernel be
 programmatic edges, the driver turned some launches back into plain ones; if they have the same, the difference is at
 run time.
 
+Session 53 adds each kernel node's launch attributes and its function's attributes (:func:`node_attributes`), which
+neither the DOT (it prints the access policy window, cooperative and priority only) nor the edges show: the memory
+synchronization domain and its map, cluster shape and scheduling preference, the shared-memory carveout, registers.
+
 The graph must be kept after capture: ``torch.cuda.CUDAGraph(keep_graph=True)`` (``cuda_capture_probe.DebugGraph``);
 ``raw_cuda_graph()`` is then its ``cudaGraph_t``.
 """
@@ -57,34 +61,94 @@ def node_name(cuda: Any, node: int) -> str:
     return "kernel"
 
 
-def edges(graph: Any) -> list[dict]:
-    """Every edge of ``graph`` (a ``torch.cuda.CUDAGraph`` kept after capture): ``{"from", "to"}`` (the nodes' names),
-    ``type`` (0 default, 1 programmatic), ``from_port`` (0 default, 1 programmatic, 2 launch order), ``to_port``; in
-    the graph's order from its root when it is a chain (a decode step is), else as the driver lists them."""
-    cuda = _libcuda()
-    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+# CUlaunchAttributeID values a kernel node takes (cuGraphKernelNodeGetAttribute); the programmatic ones are edges.
+NODE_ATTRIBUTES = {1: "access_policy_window", 2: "cooperative", 4: "cluster_dimension",
+                   5: "cluster_scheduling_policy", 8: "priority", 9: "mem_sync_domain_map", 10: "mem_sync_domain",
+                   11: "preferred_cluster_dimension", 13: "device_updatable", 14: "preferred_shared_memory_carveout"}
+# CUfunction_attribute values (cuFuncGetAttribute) of the node's function.
+FUNC_ATTRIBUTES = {1: "shared_size_bytes", 3: "local_size_bytes", 4: "num_regs", 8: "max_dynamic_shared_size_bytes",
+                   9: "preferred_shared_memory_carveout", 11: "required_cluster_width",
+                   14: "non_portable_cluster_size_allowed", 15: "cluster_scheduling_policy_preference"}
+
+
+class AttrValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes
+    _fields_ = [("words", ctypes.c_uint * 16)]
+
+
+def _chain(cuda: Any, handle: Any) -> tuple[list, list]:
+    """``(nodes, edges)``: the graph's nodes from its root when it is a chain (a decode step is), else as the driver
+    lists them; ``edges`` as ``(from, to, EdgeData)`` in the same order."""
     count = ctypes.c_size_t(0)
     _check(cuda.cuGraphGetEdges_v2(handle, None, None, None, ctypes.byref(count)), "cuGraphGetEdges_v2 (count)")
     n = count.value
     src, dst, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (EdgeData * n)()
     _check(cuda.cuGraphGetEdges_v2(handle, src, dst, data, ctypes.byref(count)), "cuGraphGetEdges_v2")
+    out = {src[i]: (dst[i], data[i]) for i in range(n)}
+    starts = set(out) - {dst[i] for i in range(n)}
+    if len(out) == n and len(starts) == 1:  # a chain: walk it from its root
+        node, rows = starts.pop(), []
+        while node in out:
+            nxt, d = out[node]
+            rows.append((node, nxt, d))
+            node = nxt
+        return [r[0] for r in rows] + ([rows[-1][1]] if rows else []), rows
+    rows = [(src[i], dst[i], data[i]) for i in range(n)]
+    nodes = list(dict.fromkeys([a for a, _, _ in rows] + [b for _, b, _ in rows]))
+    return nodes, rows
+
+
+def node_attributes(graph: Any) -> list[dict]:
+    """Each node of ``graph`` (kept after capture), in :func:`edges`' order: ``name``, and for a kernel node ``attrs``
+    (each of :data:`NODE_ATTRIBUTES` as the value's first four 32-bit words, or ``"error N"`` where the driver
+    refuses the query) and ``func`` (each of :data:`FUNC_ATTRIBUTES` of its function, where it has a handle)."""
+    cuda = _libcuda()
+    nodes, _ = _chain(cuda, ctypes.c_void_p(graph.raw_cuda_graph()))
+    rows = []
+    for node in nodes:
+        row = {"name": node_name(cuda, node)[:60]}
+        kind = ctypes.c_int()
+        _check(cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cuGraphNodeGetType")
+        if kind.value == 0:
+            attrs = {}
+            for attr, label in NODE_ATTRIBUTES.items():
+                value = AttrValue()
+                status = cuda.cuGraphKernelNodeGetAttribute(ctypes.c_void_p(node), attr, ctypes.byref(value))
+                attrs[label] = list(value.words[:4]) if status == 0 else f"error {status}"
+            row["attrs"] = attrs
+            params = KernelNodeParams()
+            _check(cuda.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(node), ctypes.byref(params)),
+                   "cuGraphKernelNodeGetParams_v2")
+            if params.func:
+                func = {}
+                for attr, label in FUNC_ATTRIBUTES.items():
+                    value = ctypes.c_int()
+                    status = cuda.cuFuncGetAttribute(ctypes.byref(value), attr, ctypes.c_void_p(params.func))
+                    func[label] = value.value if status == 0 else f"error {status}"
+                row["func"] = func
+        rows.append(row)
+    return rows
+
+
+def attribute_differences(first: list[dict], other: list[dict]) -> list[str]:
+    """The nodes (by position) whose launch or function attributes differ between two graphs."""
+    if [r["name"] for r in first] != [r["name"] for r in other]:
+        return [f"the graphs' nodes differ ({len(first)} against {len(other)})"]
+    return [f"{i}: {a['name']}: {key} {a.get(key)} / {b.get(key)}" for i, (a, b) in enumerate(zip(first, other))
+            for key in ("attrs", "func") if a.get(key) != b.get(key)]
+
+
+def edges(graph: Any) -> list[dict]:
+    """Every edge of ``graph`` (a ``torch.cuda.CUDAGraph`` kept after capture): ``{"from", "to"}`` (the nodes' names),
+    ``type`` (0 default, 1 programmatic), ``from_port`` (0 default, 1 programmatic, 2 launch order), ``to_port``; in
+    the graph's order from its root when it is a chain (a decode step is), else as the driver lists them."""
+    cuda = _libcuda()
+    _, rows = _chain(cuda, ctypes.c_void_p(graph.raw_cuda_graph()))
     names: dict = {}
 
     def name(node: int) -> str:
         if node not in names:
             names[node] = node_name(cuda, node)
         return names[node]
-    out = {src[i]: (dst[i], data[i]) for i in range(n)}
-    rows = []
-    starts = set(out) - {dst[i] for i in range(n)}
-    if len(out) == n and len(starts) == 1:  # a chain: walk it from its root
-        node = starts.pop()
-        while node in out:
-            nxt, d = out[node]
-            rows.append((node, nxt, d))
-            node = nxt
-    else:
-        rows = [(src[i], dst[i], data[i]) for i in range(n)]
     return [{"from": name(a)[:60], "to": name(b)[:60], "type": d.type, "from_port": d.from_port,
              "to_port": d.to_port} for a, b, d in rows]
 
@@ -112,3 +176,18 @@ def describe(graph: Any) -> tuple[list[dict], str]:
     except Exception as e:  # noqa: BLE001  (an older driver, a graph not kept)
         return [], f"edges not read: {type(e).__name__}: {e}"
     return rows, f"{len(rows)} edges: {summary(rows)}"
+
+
+def describe_nodes(graph: Any) -> tuple[list[dict], str]:
+    """``(node attributes, one line)`` as :func:`describe` does for edges (never raises)."""
+    try:
+        rows = node_attributes(graph)
+    except Exception as e:  # noqa: BLE001
+        return [], f"node attributes not read: {type(e).__name__}: {e}"
+    kernels = [r for r in rows if "attrs" in r]
+    kinds = Counter(json_key(r["attrs"]) for r in kernels)
+    return rows, f"{len(rows)} nodes, {len(kernels)} kernels, {len(kinds)} distinct launch-attribute sets"
+
+
+def json_key(value: Any) -> str:
+    return repr(sorted(value.items())) if isinstance(value, dict) else repr(value)
