@@ -7,7 +7,7 @@ back in alternated rounds (GPU time per replay); then one replay of each runs un
 whose summed time differs most between the first graph and the last are printed.
 
     python backends/cuda/lab/scripts/cuda_capture_probe.py [--room 64] [--each [--release]] [--dump DIR]
-        [--out capture.json]
+        [--reinstantiate] [--out capture.json]
 
 ``--each`` times each graph right after its capture (so it is replayed before the next capture; run 64 captured all
 first: 690-693 us each), ``--release`` then frees it as ``generate`` frees its old graph: does a process's first
@@ -19,6 +19,11 @@ device addresses are masked (empty when the graphs differ only in where their bu
 ports (``graph{i}.edges.json``, ``graph_edges.py``: programmatic or default, which the DOT does not show), and
 each node's launch and function attributes (``graph{i}.nodes.json``, session 53; session 52's masking missed the
 DOT's upper-case addresses, so its diff counts, 2200 lines, were addresses too).
+
+``--reinstantiate`` (session 53) keeps every graph and, after the rounds above, instantiates each one again through
+the driver (``graph_edges.Exec``) and times that executable in the same way: if graph 0's new executable runs like
+the later graphs, the loss comes with when a graph is instantiated (or first launched); if it stays fast and the
+later graphs' new executables stay slow, it is in what was captured.
 
 Run 51 used room 200 (a 232-key cache; attention 142.8 vs 119.1 us per replay between graph 0 and 2); ``--room 64``
 (the default since) gives the 96-key cache of ``generate(prompt of 32, max_new_tokens=64)``, as the A/B scripts run.
@@ -127,12 +132,15 @@ def main() -> None:
                    help="time each graph right after its capture, before the next one is captured")
     p.add_argument("--release", action="store_true", help="with --each: free each graph but the last after timing it")
     p.add_argument("--dump", default=None, help="folder for each graph's DOT (debug mode) and its diff to graph 0's")
+    p.add_argument("--reinstantiate", action="store_true",
+                   help="keep every graph; after the rounds, time a new executable of each (graph_edges.Exec)")
     args = p.parse_args()
+    keep = bool(args.dump) or args.reinstantiate
     model = load_random("muse-small", "h200", checkpoint_format="nvfp4")
     prompt = torch.randint(0, 65536, (1, 32), generator=torch.Generator().manual_seed(1)).tolist()
     steps, at_capture = [], []
     for i in range(args.graphs):
-        with mock.patch.object(torch.cuda, "CUDAGraph", DebugGraph) if args.dump else contextlib.nullcontext():
+        with mock.patch.object(torch.cuda, "CUDAGraph", DebugGraph) if keep else contextlib.nullcontext():
             step, restart = greedy_step(model, prompt, args.room)
         if args.each:  # timed (so replayed) before the next capture
             t = []
@@ -153,6 +161,21 @@ def main() -> None:
             restart()
             times[i].append(gpu_us(step, n=min(50, args.room - 2)))
     rows = [{"graph": i, "replay_us": sorted(t)[1], "rounds": [round(x, 1) for x in t]} for i, t in times.items()]
+    if args.reinstantiate:
+        again: dict = defaultdict(list)
+        execs = [graph_edges.Exec(step.graph) for step, _ in steps]  # all instantiated now, after every replay above
+        for _ in range(3):
+            for i, (step, restart) in enumerate(steps):
+                own, step.graph = step.graph, execs[i]
+                try:
+                    restart()
+                    again[i].append(gpu_us(step, n=min(50, args.room - 2)))
+                finally:
+                    step.graph = own
+        for i, ex in enumerate(execs):
+            ex.close()
+            rows[i]["reinstantiated_us"] = sorted(again[i])[1]
+            rows[i]["reinstantiated_rounds"] = [round(x, 1) for x in again[i]]
     for r in rows:
         print(json.dumps(r), flush=True)
     profiles = []

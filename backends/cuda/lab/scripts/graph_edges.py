@@ -12,6 +12,10 @@ Session 53 adds each kernel node's launch attributes and its function's attribut
 neither the DOT (it prints the access policy window, cooperative and priority only) nor the edges show: the memory
 synchronization domain and its map, cluster shape and scheduling preference, the shared-memory carveout, registers.
 
+:class:`Exec` instantiates a kept graph again through the driver and launches that executable instead of torch's:
+is a later capture's loss in what was captured, or in when it was instantiated (``cuda_capture_probe.py
+--reinstantiate``)?
+
 The graph must be kept after capture: ``torch.cuda.CUDAGraph(keep_graph=True)`` (``cuda_capture_probe.DebugGraph``);
 ``raw_cuda_graph()`` is then its ``cudaGraph_t``.
 """
@@ -191,3 +195,28 @@ def describe_nodes(graph: Any) -> tuple[list[dict], str]:
 
 def json_key(value: Any) -> str:
     return repr(sorted(value.items())) if isinstance(value, dict) else repr(value)
+
+
+class Exec:
+    """A new executable of a graph kept after capture (``cuGraphInstantiateWithFlags``, no flags), launched on the
+    current stream by :meth:`replay` (``cuGraphLaunch``): a stand-in for ``torch.cuda.CUDAGraph`` wherever only
+    ``replay()`` is called. :meth:`close` destroys it."""
+
+    def __init__(self, graph: Any) -> None:
+        self.cuda = _libcuda()
+        self.handle = ctypes.c_void_p()
+        _check(self.cuda.cuGraphInstantiateWithFlags(ctypes.byref(self.handle), ctypes.c_void_p(graph.raw_cuda_graph()),
+                                                     ctypes.c_ulonglong(0)), "cuGraphInstantiateWithFlags")
+
+    def replay(self, stream: int | None = None) -> None:
+        """Launch on ``stream`` (a ``CUstream`` handle), by default torch's current stream."""
+        if stream is None:
+            import torch
+            stream = torch.cuda.current_stream().cuda_stream
+        _check(self.cuda.cuGraphLaunch(self.handle, ctypes.c_void_p(stream)), "cuGraphLaunch")
+
+    def close(self) -> None:
+        if self.handle:
+            _check(self.cuda.cuGraphExecDestroy(self.handle), "cuGraphExecDestroy")
+            self.handle = ctypes.c_void_p()
+

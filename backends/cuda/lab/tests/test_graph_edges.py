@@ -26,6 +26,7 @@ class FakeDriver:
         self.edges = [(COPY, LAST, ge.EdgeData(0, 0, 0)),
                       (ROOT, COPY, ge.EdgeData(1, 0, 1) if programmatic else ge.EdgeData(0, 0, 0))]
         self.priority, self.refuse = priority, refuse
+        self.launched: list = []
 
     def cuGraphGetEdges_v2(self, handle, src, dst, data, count):
         count._obj.value = len(self.edges)
@@ -57,6 +58,18 @@ class FakeDriver:
 
     def cuFuncGetAttribute(self, value, attr, func):
         value._obj.value = 128 if attr == 4 else 0
+        return 0
+
+    def cuGraphInstantiateWithFlags(self, exec_, graph, flags):
+        assert graph.value == 55 and flags.value == 0
+        exec_._obj.value = 9000
+        return 0
+
+    def cuGraphLaunch(self, exec_, stream):
+        self.launched.append((exec_.value, stream.value))
+        return 0 if exec_.value else 400  # CUDA_ERROR_INVALID_HANDLE
+
+    def cuGraphExecDestroy(self, exec_):
         return 0
 
 
@@ -115,3 +128,13 @@ def test_describe_never_raises(monkeypatch):
 
 def test_attribute_value_is_the_drivers_64_bytes():
     assert ctypes.sizeof(ge.AttrValue) == 64 and ctypes.sizeof(ge.EdgeData) == 8
+
+
+def test_exec_instantiates_launches_and_closes(driver):
+    ex = ge.Exec(FakeGraph())
+    ex.replay(stream=77)
+    assert driver.launched[-1] == (9000, 77)
+    ex.close()
+    with pytest.raises(RuntimeError, match="cuGraphLaunch failed with CUresult 400"):
+        ex.replay(stream=77)
+
