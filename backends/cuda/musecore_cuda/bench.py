@@ -197,68 +197,94 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
 
 GEMLITE_LAYERS = {"nvfp4": "A16W4_NVFP", "mxfp4": "A16W4_MXFP"}  # gemlite.helper's weight-only layer per format
 GEMLITE_MS = (1, 16, 64, 256, 4096)
+GEMLITE_TARGETS_BUDGET_S = 150  # the targets case's time for the peer (gemlite autotunes each new shape and M)
 
 
 def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = GEMLITE_MS,
-                  formats: tuple[str, ...] = ("nvfp4", "mxfp4")) -> list[dict]:
+                  formats: tuple[str, ...] = ("nvfp4", "mxfp4"), budget_s: Optional[float] = None) -> list[dict]:
     """The peer PERF.md names, side by side: gemlite's weight-only FP4 layers (``A16W4_NVFP``, ``A16W4_MXFP``;
     Triton, carried as a package, never copied) next to this backend's default path in the same format and BF16
     cuBLAS: the 816B shapes, the same model-like values (gemlite quantizes the BF16 weight itself), the same process
     and timing (interleaved rounds from ``INTERLEAVE_M``). Each row also has its output's NMSE against the BF16
     product (``nmse_vs_bf16``): a peer that computes something else is seen, not timed as if it were the same work.
-    What gemlite cannot do (not installed, a layer it cannot build, a call that fails) is a row with its error."""
+    What gemlite cannot do (not installed, a layer it cannot build, a call that fails) is a row with its error.
+    gemlite autotunes each new shape and M on its first call; past ``budget_s`` seconds the shapes and M not yet
+    measured are one row saying so (the targets case gives it a budget so that its own rows always land)."""
     try:
         from gemlite import helper
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
         return [{"backend": "gemlite", "case": "linear", "error": f"gemlite is not importable: {exc!r}"[:300]}]
-    from musecore.testing import nmse
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
+    rows: list[dict] = []
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    todo = [(name, m) for name in shapes or list(LINEAR_SHAPES) for m in ms]
+    weights = None  # (shape name, BF16 copies, ours per format, gemlite's per format) of the shape being measured
+    for i, (name, m) in enumerate(todo):
+        if deadline is not None and time.perf_counter() > deadline:
+            rows.append({"backend": "gemlite", "case": "linear", "error": f"not measured (past the {budget_s:g} s "
+                         "budget): " + ", ".join(f"{s} M={mm}" for s, mm in todo[i:])})
+            break
+        if weights is None or weights[0] != name:
+            weights = None
+            torch.cuda.empty_cache()
+            weights = (name, *_gemlite_weights(be, helper, name, formats, rows))
+        rows += _gemlite_rows(name, m, *weights[1:], ceiling)
+    return rows
+
+
+def _gemlite_weights(be: CudaBackend, helper, name: str, formats: tuple[str, ...], rows: list[dict]
+                     ) -> tuple[list, dict, dict]:
+    """Rotated copies of shape ``name``'s model-like weight: BF16, ours and gemlite's in each format (a gemlite
+    layer that cannot be built is an error row in ``rows``, and no entry)."""
+    n, k = LINEAR_SHAPES[name]
+    bf16_ws, ours = model_like_weights(be, name, n, k, formats)
+    peers = {}
+    for fmt in formats:
+        def make_peer(fmt: str = fmt) -> torch.nn.Module:
+            linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                linear.weight.copy_(bf16_ws[0])
+            return getattr(helper, GEMLITE_LAYERS[fmt])(device="cuda", dtype=torch.bfloat16).from_linear(linear)
+        try:
+            peers[fmt] = _rotating(make_peer, n * k // 2)
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"backend": "gemlite", "case": "linear", "format": fmt, "shape": f"{name} {k}->{n}",
+                         "error": f"{GEMLITE_LAYERS[fmt]}.from_linear failed: {exc!r}"[:300]})
+    return bf16_ws, ours, peers
+
+
+def _gemlite_rows(name: str, m: int, bf16_ws: list, ours: dict, peers: dict, ceiling: dict) -> list[dict]:
+    """:func:`bench_gemlite`'s rows of one shape at one M: BF16 cuBLAS, ours and gemlite's in each format, timed
+    together, each with its output's NMSE against the BF16 product (a gemlite call that fails is its error row)."""
+    from musecore.testing import nmse
+    n, k = LINEAR_SHAPES[name]
     rows = []
-    for name in shapes or list(LINEAR_SHAPES):
-        n, k = LINEAR_SHAPES[name]
-        shape = f"{name} {k}->{n}"
-        bf16_ws, ours = model_like_weights(be, name, n, k, formats)
-        peers = {}
-        for fmt in formats:
-            def make_peer(fmt: str = fmt, source: torch.Tensor = bf16_ws[0]) -> torch.nn.Module:
-                linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-                with torch.no_grad():
-                    linear.weight.copy_(source)
-                return getattr(helper, GEMLITE_LAYERS[fmt])(device="cuda", dtype=torch.bfloat16).from_linear(linear)
-            try:
-                peers[fmt] = _rotating(make_peer, n * k // 2)
-            except Exception as exc:  # noqa: BLE001
-                rows.append({"backend": "gemlite", "case": "linear", "format": fmt, "shape": shape,
-                             "error": f"{GEMLITE_LAYERS[fmt]}.from_linear failed: {exc!r}"[:300]})
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            want = F.linear(x, bf16_ws[0]).float()
-            calls = {("cuda", "bf16", ""): (bf16_ws, lambda w: F.linear(x, w))}
-            errors = {("cuda", "bf16", ""): 0.0}
-            for fmt in formats:
-                path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
-                calls[("cuda", fmt, path)] = (ours[fmt], lambda w: fp4_linear(x, w))
-                errors[("cuda", fmt, path)] = nmse(want, fp4_linear(x, ours[fmt][0]).float())
-                if fmt not in peers:
-                    continue
-                try:  # one call first: a failure here is the peer's row, not the end of the shape
-                    errors[("gemlite", fmt, GEMLITE_LAYERS[fmt])] = nmse(want, peers[fmt][0](x).float())
-                except Exception as exc:  # noqa: BLE001
-                    rows.append({"backend": "gemlite", "case": "linear", "format": fmt, "shape": shape, "M": m,
-                                 "error": f"{exc!r}"[:300]})
-                    continue
-                calls[("gemlite", fmt, GEMLITE_LAYERS[fmt])] = (peers[fmt], lambda layer: layer(x))
-            times = time_calls(calls, interleave=m >= INTERLEAVE_M)
-            t_bf16 = times[("cuda", "bf16", "")]
-            act_bytes = (m * k + m * n) * 2
-            for (backend, fmt, path), t in times.items():
-                # both sides' FP4 bytes are the format's: 4.5 (NVFP4) / 4.25 (MXFP4) bits per weight
-                nbytes = (n * k * 2 if fmt == "bf16" else ours[fmt][0].nbytes) + act_bytes
-                rows.append({**_linear_row(fmt, name, n, k, m, t, t_bf16, nbytes, ceiling, path),
-                             "backend": backend, "nmse_vs_bf16": float(f"{errors[(backend, fmt, path)]:.3g}")})
-        del bf16_ws, ours, peers
-        torch.cuda.empty_cache()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x, bf16_ws[0]).float()
+    calls = {("cuda", "bf16", ""): (bf16_ws, lambda w: F.linear(x, w))}
+    errors = {("cuda", "bf16", ""): 0.0}
+    for fmt in ours:
+        path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
+        calls[("cuda", fmt, path)] = (ours[fmt], lambda w: fp4_linear(x, w))
+        errors[("cuda", fmt, path)] = nmse(want, fp4_linear(x, ours[fmt][0]).float())
+        if fmt not in peers:
+            continue
+        try:  # one call first: a failure here is the peer's row, not the end of the shape
+            errors[("gemlite", fmt, GEMLITE_LAYERS[fmt])] = nmse(want, peers[fmt][0](x).float())
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"backend": "gemlite", "case": "linear", "format": fmt, "shape": f"{name} {k}->{n}", "M": m,
+                         "error": f"{exc!r}"[:300]})
+            continue
+        calls[("gemlite", fmt, GEMLITE_LAYERS[fmt])] = (peers[fmt], lambda layer: layer(x))
+    times = time_calls(calls, interleave=m >= INTERLEAVE_M)
+    t_bf16 = times[("cuda", "bf16", "")]
+    act_bytes = (m * k + m * n) * 2
+    for (backend, fmt, path), t in times.items():
+        # both sides' FP4 bytes are the format's: 4.5 (NVFP4) / 4.25 (MXFP4) bits per weight
+        nbytes = (n * k * 2 if fmt == "bf16" else ours[fmt][0].nbytes) + act_bytes
+        rows.append({**_linear_row(fmt, name, n, k, m, t, t_bf16, nbytes, ceiling, path),
+                     "backend": backend, "nmse_vs_bf16": float(f"{errors[(backend, fmt, path)]:.3g}")})
     return rows
 
 
@@ -532,7 +558,7 @@ def bench_targets() -> list[dict]:
     except Exception as exc:  # noqa: BLE001 - reported in its summary row; the rest of the table stands
         e2e, e2e_error = [], f"{exc!r}"[:300]
     try:  # the peer beside the NVFP4 rows (side by side, not a target): gemlite's A16W4_NVFP on the same shapes
-        peers = [{**r, "gpu": gpu} for r in bench_gemlite(formats=("nvfp4",))]
+        peers = [{**r, "gpu": gpu} for r in bench_gemlite(formats=("nvfp4",), budget_s=GEMLITE_TARGETS_BUDGET_S)]
     except Exception as exc:  # noqa: BLE001 - the peer's failure is its row; the table stands
         peers = [{"backend": "gemlite", "case": "linear", "error": f"{exc!r}"[:300], "gpu": gpu}]
     ceiling = memory_ceiling_gbps()
