@@ -106,26 +106,29 @@ def reference_chain(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def persistent_chain(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch.Tensor, programs: int,
-                     prefetch: bool = False, spin_limit: int = 1 << 20) -> torch.Tensor:
+                     prefetch: bool = False, spin_limit: int = 1 << 20,
+                     blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Run :func:`persistent_chain_kernel` on ``programs`` programs (every one of them must be resident at once on
-    a GPU; one in the interpreter). ``counters``: two int32 zeros (left zero); ``flag``: one int32, set to 1 when a
-    barrier gave up. Returns ``y[P]``."""
-    launch(w, y, counters, flag, programs, prefetch, spin_limit)
+    a GPU; one in the interpreter) with ``dense_gemv``'s cut, or ``blocks = (BLOCK_N, BLOCK_K, K_STATIC)`` as
+    ``dense_gemv(blocks=)`` takes it. ``counters``: two int32 zeros (left zero); ``flag``: one int32, set to 1 when
+    a barrier gave up. Returns ``y[P]``."""
+    launch(w, y, counters, flag, programs, prefetch, spin_limit, blocks)
     return y[w.shape[0]]
 
 
 def launch(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch.Tensor, programs: int,
-           prefetch: bool = False, spin_limit: int = 1 << 20):
+           prefetch: bool = False, spin_limit: int = 1 << 20, blocks: tuple[int, int, int] | None = None):
     """:func:`persistent_chain`'s launch; returns what Triton's launch returns (on a GPU the compiled kernel, whose
     ``n_regs`` and ``metadata`` say how many programs can be resident)."""
     P, D, _ = w.shape
-    block_n, block_k, k_static = gemv_blocks(D)
+    block_n, block_k, k_static = blocks or gemv_blocks(D)
     return persistent_chain_kernel[(programs,)](
         w, y, counters, flag, D, P, spin_limit, BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
         PREFETCH=prefetch and hooks.l2_warm(w.device), LINES=triton.next_power_of_2(triton.cdiv(D, LINE)), LINE=LINE,
         num_warps=NUM_WARPS)
 
 
-def row_blocks(D: int) -> int:
-    """How many programs ``dense_gemv`` launches for a ``[D, D]`` weight (one row block each)."""
-    return triton.cdiv(D, gemv_blocks(D)[0])
+def row_blocks(D: int, blocks: tuple[int, int, int] | None = None) -> int:
+    """How many programs ``dense_gemv`` launches for a ``[D, D]`` weight (one row block each) with its cut or
+    ``blocks``."""
+    return triton.cdiv(D, (blocks or gemv_blocks(D))[0])

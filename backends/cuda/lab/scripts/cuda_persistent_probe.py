@@ -7,13 +7,16 @@ graph and the graphs' replays are timed in alternating rounds (``P`` is raised w
 * ``persistent`` / ``persistent_prefetch``: one launch, one program per ``dense_gemv`` row block (the chain's grid),
   when the device can hold them all at once; ``_prefetch`` fetches each program's next-phase rows into L2 before it
   waits at the barrier;
-* ``persistent_sms`` / ``persistent_sms_prefetch``: one program per SM, each taking every SM-count-th row block.
+* ``persistent_sms`` / ``persistent_sms_prefetch`` (``dense_gemv``'s cut only): one program per SM, each taking every
+  SM-count-th row block.
 
-Every mode's output is checked against the chain's (the same body and cut: the same bits expected). Per mode: us per
+Each cut of ``--cuts`` runs all of them: ``dense_gemv``'s own (at K = 1536, 2 rows x 2048 columns: 213 registers in
+the persistent kernel's SM90 SASS, so 4 programs per SM, fewer than its 768 row blocks) and narrower K chunks whose
+one-program-per-row-block grid fits. Every mode's output is checked against the chain's (the same body and cut: the same bits expected). Per mode: us per
 replay and per phase, the weight bytes' GB/s and % of the measured memory ceiling. One JSON row per line::
 
-    python backends/cuda/lab/scripts/cuda_persistent_probe.py [--dims 768,1536,3072] [--phases 32] [--rounds 5]
-        [--out backends/cuda/lab/results/cuda_persistent_probe.json]
+    python backends/cuda/lab/scripts/cuda_persistent_probe.py [--dims 768,1536,3072] [--cuts default,2x512,4x512]
+        [--phases 32] [--rounds 5] [--out backends/cuda/lab/results/cuda_persistent_probe.json]
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from musecore_cuda.bench import capture_graph, memory_ceiling_gbps, replay_us
 from musecore_cuda.kernels import pdl
-from musecore_triton.kernels.dense_gemv import dense_gemv
+from musecore_triton.kernels.dense_gemv import dense_gemv, gemv_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
 import persistent_probe as pp  # noqa: E402
@@ -48,10 +51,84 @@ def resident_programs(compiled, sms: int) -> int:
     return per_sm * sms
 
 
+def parse_cut(cut: str, D: int) -> tuple[int, int, int]:
+    """``default`` (``dense_gemv``'s cut for K = D) or ``NxK``: ``N`` rows per program, ``K``-column chunks."""
+    if cut == "default":
+        return gemv_blocks(D)
+    n, k = (int(v) for v in cut.split("x"))
+    return n, k, 0
+
+
+def probe(w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], sms: int, ceiling: float, rounds: int,
+          reps: int, with_sms: bool) -> list[dict]:
+    """One cut's rows: the chain with and without PDL, and the persistent kernel where its grid can be resident."""
+    P, D, _ = w.shape
+    counters = torch.zeros(2, dtype=torch.int32, device=w.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=w.device)
+    blocks_n = pp.row_blocks(D, blocks)
+    cut = f"{blocks[0]}x{blocks[1]}" + (f" unrolled {blocks[2]}" if blocks[2] else "")
+    rows = []
+
+    def chain() -> torch.Tensor:
+        x = y[0][None]
+        for i in range(P):
+            x = dense_gemv(x, w[i], blocks)
+        return x[0]
+
+    want = chain()  # eager, without PDL
+    kernel = pp.launch(w, y, counters, flag, 1, blocks=blocks)  # compiles; one program is always resident
+    torch.cuda.synchronize()
+    fits = resident_programs(kernel, sms)
+    plans = [("chain_pdl", chain, True, blocks_n), ("chain", chain, False, blocks_n)]
+    persistent = [("persistent", blocks_n, False), ("persistent_prefetch", blocks_n, True)]
+    if with_sms:
+        persistent += [("persistent_sms", sms, False), ("persistent_sms_prefetch", sms, True)]
+    for name, programs, prefetch in persistent:
+        if programs > fits:
+            rows.append({"D": D, "cut": cut, "mode": name, "programs": programs, "skipped":
+                         f"{programs} programs; the GPU holds {fits} at once (n_regs {kernel.n_regs})"})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        plans.append((name, lambda programs=programs, prefetch=prefetch: pp.persistent_chain(
+            w, y, counters, flag, programs, prefetch=prefetch, blocks=blocks), False, programs))
+    graphs, outputs, programs_of = {}, {}, {}
+    for name, fn, on, programs in plans:
+        def keep(fn=fn, name=name) -> None:  # the last call (the captured one) leaves the graph's output here
+            outputs[name] = fn()
+        with pdl.scope(on):
+            graphs[name] = capture_graph(keep)
+        programs_of[name] = programs
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    checks: dict[str, tuple[float, bool]] = {}  # mode: (max |output - chain's|, a barrier gave up)
+    names = list(graphs)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            flag.zero_()
+            graphs[name].replay()
+            torch.cuda.synchronize()
+            times[name] += [replay_us(graphs[name]) for _ in range(reps)]
+            gave_up = bool(int(flag)) or checks.get(name, (0.0, False))[1]
+            checks[name] = (float((outputs[name].float() - want.float()).abs().max()), gave_up)
+    for name in names:
+        ts = sorted(times[name])
+        t = ts[len(ts) // 2]
+        diff, gave_up = checks[name]
+        nbytes = P * D * D * 2
+        rows.append({"D": D, "phases": P, "cut": cut, "mode": name, "programs": programs_of[name],
+                     "resident_max": fits, "n_regs": kernel.n_regs, "us": round(t, 2), "us_per_phase": round(t / P, 3),
+                     "gbps": round(nbytes / t / 1e3, 1), "pct_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1),
+                     "barrier_gave_up": gave_up, "max_diff_vs_chain": diff})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dims", default="768,1536,3072")
     p.add_argument("--phases", type=int, default=32)
+    p.add_argument("--cuts", default="default,2x512,4x512",
+                   help="comma list: default (dense_gemv's) or NxK (rows per program x K chunk); the chain and the "
+                        "persistent kernel run each")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="backends/cuda/lab/results/cuda_persistent_probe.json")
@@ -63,62 +140,9 @@ def main() -> None:
     for D in (int(d) for d in args.dims.split(",")):
         P = max(args.phases, -(-MIN_BYTES // (D * D * 2)))  # enough phases that the weights stream from HBM
         w, y = pp.chain_inputs(P, D, torch.bfloat16, dev)
-        counters = torch.zeros(2, dtype=torch.int32, device=dev)
-        flag = torch.zeros(1, dtype=torch.int32, device=dev)
-        blocks = pp.row_blocks(D)
-
-        def chain() -> torch.Tensor:
-            x = y[0][None]
-            for i in range(P):
-                x = dense_gemv(x, w[i])
-            return x[0]
-
-        want = chain()  # eager, without PDL
-        kernel = pp.launch(w, y, counters, flag, 1)  # compiles; one program is always resident
-        torch.cuda.synchronize()
-        fits = resident_programs(kernel, sms)
-        plans = [("chain_pdl", chain, True, blocks), ("chain", chain, False, blocks)]
-        for name, programs, prefetch in (("persistent", blocks, False), ("persistent_prefetch", blocks, True),
-                                         ("persistent_sms", sms, False), ("persistent_sms_prefetch", sms, True)):
-            if programs > fits:
-                rows.append({"D": D, "mode": name, "programs": programs, "skipped":
-                             f"{programs} programs; the GPU holds {fits} at once (n_regs {kernel.n_regs})"})
-                print(json.dumps(rows[-1]), flush=True)
-                continue
-            plans.append((name, lambda programs=programs, prefetch=prefetch: pp.persistent_chain(
-                w, y, counters, flag, programs, prefetch=prefetch), False, programs))
-        graphs, outputs, programs_of = {}, {}, {}
-        for name, fn, on, programs in plans:
-            def keep(fn=fn, name=name) -> None:  # the last call (the captured one) leaves the graph's output here
-                outputs[name] = fn()
-            with pdl.scope(on):
-                graphs[name] = capture_graph(keep)
-            programs_of[name] = programs
-        times: dict[str, list[float]] = {name: [] for name in graphs}
-        checks: dict[str, tuple[float, bool]] = {}  # mode: (max |output - chain's|, a barrier gave up)
-        names = list(graphs)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                flag.zero_()
-                graphs[name].replay()
-                torch.cuda.synchronize()
-                times[name] += [replay_us(graphs[name]) for _ in range(args.reps)]
-                gave_up = bool(int(flag)) or checks.get(name, (0.0, False))[1]
-                checks[name] = (float((outputs[name].float() - want.float()).abs().max()), gave_up)
-        for name in names:
-            ts = sorted(times[name])
-            t = ts[len(ts) // 2]
-            diff, gave_up = checks[name]
-            nbytes = P * D * D * 2
-            row = {"D": D, "phases": P, "mode": name, "programs": programs_of[name], "resident_max": fits,
-                   "us": round(t, 2), "us_per_phase": round(t / P, 3), "gbps": round(nbytes / t / 1e3, 1),
-                   "pct_ceiling": round(100 * nbytes / t / 1e3 / ceiling, 1), "barrier_gave_up": gave_up,
-                   "max_diff_vs_chain": diff}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        graphs.clear()
-        outputs.clear()
-        torch.cuda.empty_cache()
+        for cut in args.cuts.split(","):
+            rows += probe(w, y, parse_cut(cut, D), sms, ceiling, args.rounds, args.reps, with_sms=cut == "default")
+            torch.cuda.empty_cache()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")

@@ -21,22 +21,23 @@ TOLERANCE = 1e-5  # NMSE against the fp32 chain that rounds each phase's output 
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
-@pytest.mark.parametrize("P,D", [(1, 64), (3, 96), (4, 256)])
+@pytest.mark.parametrize("P,D,blocks", [(1, 64, None), (3, 96, None), (4, 256, None), (3, 256, (4, 64, 0))])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_persistent_chain_is_the_chain_of_gemvs(P, D, dtype, prefetch):
+def test_persistent_chain_is_the_chain_of_gemvs(P, D, blocks, dtype, prefetch):
     w, y = pp.chain_inputs(P, D, dtype, DEVICE)
     counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    programs = min(pp.row_blocks(D), 132) if HAS_GPU else 1
-    got = pp.persistent_chain(w, y, counters, flag, programs, prefetch=prefetch).clone()
+    programs = min(pp.row_blocks(D, blocks), 132) if HAS_GPU else 1
+    got = pp.persistent_chain(w, y, counters, flag, programs, prefetch=prefetch, blocks=blocks).clone()
     assert int(flag) == 0, "a barrier gave up"
     assert counters.tolist() == [0, 0], f"the counters were not reset: {counters.tolist()}"
     assert_nmse(pp.reference_chain(w, y[0]), got.float(), TOLERANCE, f"persistent chain P={P} D={D} {dtype}")
     x = y[0][None]
     for p in range(P):  # the backend's GEMV once per phase: the same cut and body, so the same bits
-        x = dense_gemv(x, w[p])
+        x = dense_gemv(x, w[p], blocks)
     assert torch.equal(got, x[0]), f"persistent vs dense_gemv chain: max diff {(got.float() - x[0].float()).abs().max()}"
-    again = pp.persistent_chain(w, torch.cat([y[:1], torch.zeros_like(y[1:])]), counters, flag, programs)
+    again = pp.persistent_chain(w, torch.cat([y[:1], torch.zeros_like(y[1:])]), counters, flag, programs,
+                                blocks=blocks)
     assert torch.equal(again, got), "a second launch (counters reset by the first) differs"
 
 
