@@ -15,7 +15,7 @@ from pathlib import Path
 
 from musecore.cli import UsageError
 
-COLUMNS = ("case", "format", "shape", "M", "time_us", "speedup_vs_bf16", "pct_memory_ceiling")
+COLUMNS = ("backend", "case", "format", "path", "shape", "M", "time_us", "speedup_vs_bf16", "pct_memory_ceiling")
 
 
 def add_parser(sub) -> None:
@@ -89,6 +89,7 @@ def print_table(title: str, rows: list[dict]) -> None:
     table = Table(title=title)
     for col in COLUMNS:
         table.add_column(col)
-    for row in rows:
+    for row in rows:  # a row that could not be measured says why where its shape goes
+        row = {**row, "shape": f"{row.get('shape', '')} error: {row['error']}".strip()} if "error" in row else row
         table.add_row(*[f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in COLUMNS])
     data_console().print(table)
