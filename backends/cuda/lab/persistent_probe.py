@@ -18,7 +18,8 @@ The probe answers it on the simplest chain that has the decode step's shape: ``P
   (:func:`grid_barrier`); ``PREFETCH`` has each program fetch its next phase's weight rows into L2 before it waits.
 
 Same weights, same cut, same body: the difference is the kernel boundary against the barrier. The barrier spins at
-most ``spin_limit`` times, then raises ``flag`` and goes on (a grid too large to be resident fails, it does not hang).
+most ``spin_limit`` times (65536 acquire reads by default: tens of milliseconds, against a phase's few microseconds),
+then raises ``flag`` and goes on (a grid too large to be resident fails, it does not hang).
 The timing script is ``scripts/cuda_persistent_probe.py``; the interpreter test ``tests/test_persistent_probe.py``.
 """
 
@@ -106,7 +107,7 @@ def reference_chain(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def persistent_chain(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch.Tensor, programs: int,
-                     prefetch: bool = False, spin_limit: int = 1 << 20,
+                     prefetch: bool = False, spin_limit: int = 1 << 16,
                      blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Run :func:`persistent_chain_kernel` on ``programs`` programs (every one of them must be resident at once on
     a GPU; one in the interpreter) with ``dense_gemv``'s cut, or ``blocks = (BLOCK_N, BLOCK_K, K_STATIC)`` as
@@ -117,7 +118,7 @@ def persistent_chain(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, f
 
 
 def launch(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch.Tensor, programs: int,
-           prefetch: bool = False, spin_limit: int = 1 << 20, blocks: tuple[int, int, int] | None = None):
+           prefetch: bool = False, spin_limit: int = 1 << 16, blocks: tuple[int, int, int] | None = None):
     """:func:`persistent_chain`'s launch; returns what Triton's launch returns (on a GPU the compiled kernel, whose
     ``n_regs`` and ``metadata`` say how many programs can be resident)."""
     P, D, _ = w.shape
