@@ -10,8 +10,8 @@ def test_the_table_names_backend_path_and_errors(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # rich wraps to the terminal's width
     rows = [{"backend": "cuda", "case": "linear", "format": "nvfp4", "path": "mma", "shape": "q_proj 8192->8192",
              "M": 1, "time_us": 19.96, "speedup_vs_bf16": 1.76, "pct_memory_ceiling": 50.9},
-            {"backend": "gemlite", "case": "linear", "format": "nvfp4", "path": "A16W4_NVFP", "shape": "q_proj 8192->8192",
-             "M": 1, "time_us": 30.5, "speedup_vs_bf16": 1.15, "pct_memory_ceiling": 33.3},
+            {"backend": "gemlite", "case": "linear", "format": "nvfp4", "path": "A16W4_NVFP",
+             "shape": "q_proj 8192->8192", "M": 1, "time_us": 30.5, "speedup_vs_bf16": 1.15, "pct_memory_ceiling": 33.3},
             {"backend": "gemlite", "case": "linear", "error": "gemlite is not importable: ModuleNotFoundError"}]
     bench.print_table("cuda gemlite", rows)
     out = capsys.readouterr().out

@@ -12,8 +12,9 @@ graph and the graphs' replays are timed in alternating rounds (``P`` is raised w
 
 Each cut of ``--cuts`` runs all of them: ``dense_gemv``'s own (at K = 1536, 2 rows x 2048 columns: 213 registers in
 the persistent kernel's SM90 SASS, so 4 programs per SM, fewer than its 768 row blocks) and narrower K chunks whose
-one-program-per-row-block grid fits. Every mode's output is checked against the chain's (the same body and cut: the same bits expected). Per mode: us per
-replay and per phase, the weight bytes' GB/s and % of the measured memory ceiling. One JSON row per line::
+one-program-per-row-block grid fits. Every mode's output is checked against the chain's (the same body and cut: the
+same bits expected). Per mode: us per replay and per phase, the weight bytes' GB/s and % of the measured memory
+ceiling. One JSON row per line::
 
     python backends/cuda/lab/scripts/cuda_persistent_probe.py [--dims 768,1536,3072] [--cuts default,2x512,4x512]
         [--phases 32] [--rounds 5] [--out backends/cuda/lab/results/cuda_persistent_probe.json]

@@ -35,7 +35,8 @@ def test_persistent_chain_is_the_chain_of_gemvs(P, D, blocks, dtype, prefetch):
     x = y[0][None]
     for p in range(P):  # the backend's GEMV once per phase: the same cut and body, so the same bits
         x = dense_gemv(x, w[p], blocks)
-    assert torch.equal(got, x[0]), f"persistent vs dense_gemv chain: max diff {(got.float() - x[0].float()).abs().max()}"
+    diff = (got.float() - x[0].float()).abs().max()
+    assert torch.equal(got, x[0]), f"persistent vs dense_gemv chain: max diff {diff}"
     again = pp.persistent_chain(w, torch.cat([y[:1], torch.zeros_like(y[1:])]), counters, flag, programs,
                                 blocks=blocks)
     assert torch.equal(again, got), "a second launch (counters reset by the first) differs"
