@@ -47,9 +47,14 @@ def test_prefill_attention_follows_the_mask_contract(window, dtype):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 3)])
-def test_decode_attention_splits_long_contexts(fp8, B, T):
+@pytest.mark.parametrize("eager", [False, True])
+def test_decode_attention_splits_long_contexts(monkeypatch, fp8, B, T, eager):
     """Keys split over programs and merged by the merge kernel; with two rows, the second a padding row (position
-    -1: sees nothing, gives zeros) and three queries each (the merge's rows map to tokens and heads)."""
+    -1: sees nothing, gives zeros) and three queries each (the merge's rows map to tokens and heads). ``eager``: one
+    token's first step loads its k and v (fp8 too) with the positions, later steps' positions prefetched (session 53;
+    several queries per row keep the lazy loads)."""
+    monkeypatch.setattr(attention_module, "EAGER_FIRST_STEP", eager)
+    monkeypatch.setattr(attention_module, "PREFETCH_POSITIONS", eager)
     S, nq, nkv, d = 600, 8, 2, 64  # S long enough for several splits
     q, k, v = case(B, T, S, nq, nkv, d, torch.float16)
     k_pos = torch.arange(S, device=DEVICE).repeat(B, 1)
@@ -64,7 +69,7 @@ def test_decode_attention_splits_long_contexts(fp8, B, T):
         v = (v.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     out = attention(q, k, v, q_pos, k_pos, 128, d ** -0.5, k_scale, v_scale)
     expected = ref.attention(q, k, v, q_pos, k_pos, 128, d ** -0.5, k_scale, v_scale)
-    assert_nmse(expected, out, tolerance("attention"), f"decode fp8={fp8} B={B} T={T}")
+    assert_nmse(expected, out, tolerance("attention"), f"decode fp8={fp8} B={B} T={T} eager={eager}")
     if B > 1:
         assert torch.equal(out[1].float(), torch.zeros_like(out[1].float())), "a padding row saw keys"
 
