@@ -6,7 +6,6 @@ bad base64, zero-length audio, a file of the wrong kind, arrays of the wrong sha
 the media packages missing (musecore itself must still import).
 """
 
-import os
 import struct
 import subprocess
 import sys
@@ -37,7 +36,8 @@ def png_header(width: int, height: int) -> bytes:
 def files(tmp_path: Path) -> Path:
     from PIL import Image
     (tmp_path / "empty.png").write_bytes(b"")
-    (tmp_path / "junk.png").write_bytes(os.urandom(600))
+    junk = np.random.default_rng(0)  # fixed junk: os.urandom's made PyAV find a stream-less container ~1 in 300 runs
+    (tmp_path / "junk.png").write_bytes(junk.bytes(600))
     (tmp_path / "folder").mkdir()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 60, 3), dtype=np.uint8)).save(tmp_path / "ok.png")
     data = (tmp_path / "ok.png").read_bytes()
@@ -45,8 +45,8 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "huge.png").write_bytes(png_header(9000, 9000))
     sf.write(str(tmp_path / "zero.wav"), np.zeros(0), 16000)
     sf.write(str(tmp_path / "ok.wav"), np.zeros(100), 16000)
-    (tmp_path / "junk.wav").write_bytes(os.urandom(1000))
-    (tmp_path / "junk.mp4").write_bytes(os.urandom(3000))
+    (tmp_path / "junk.wav").write_bytes(junk.bytes(1000))
+    (tmp_path / "junk.mp4").write_bytes(junk.bytes(3000))
     (tmp_path / "text.mp4").write_text("not a video\n" * 40)
     return tmp_path
 
