@@ -15,7 +15,10 @@ The probe answers it on the simplest chain that has the decode step's shape: ``P
   and without;
 * ``persistent``: one launch of :func:`persistent_chain_kernel` whose programs take ``dense_gemv``'s row blocks
   (``dense_gemv.gemv_program``, the same cut and body) and meet at a grid-wide barrier between phases
-  (:func:`grid_barrier`); ``PREFETCH`` has each program fetch its next phase's weight rows into L2 before it waits.
+  (:func:`barrier_arrive`, :func:`barrier_wait`); ``PREFETCH`` has each program fetch its next phase's weight rows
+  into L2 between its arrival and its wait;
+* ``hold``: :func:`persistent_hold_kernel`, one program per row block holding its next phase's rows in registers
+  while it waits, as a persistent decode kernel would.
 
 Same weights, same cut, same body: the difference is the kernel boundary against the barrier. The barrier spins at
 most ``spin_limit`` times (65536 acquire reads by default: tens of milliseconds, against a phase's few microseconds),
@@ -36,12 +39,18 @@ LINE = 64  # 16-bit elements per 128-byte line (one L2 prefetch each)
 
 
 @triton.jit
-def grid_barrier(count_ptr, target, spin_limit, flag_ptr):
-    """Wait until ``target`` programs have arrived at ``count`` (this one included): every thread's stores issued,
-    one release add per program, then acquire reads until the count is reached or ``spin_limit`` reads went by (then
-    ``flag`` is set to 1 and the program goes on: the caller checks it)."""
+def barrier_arrive(count_ptr):
+    """This program's arrival at the barrier on ``count``: every thread's stores issued, then one release add (the
+    program's stores before it). Returns the count it made. Loads issued after it (the next phase's weights) are not
+    held back by its release, so they stream while the program waits (:func:`barrier_wait`)."""
     tl.debug_barrier()
-    seen = tl.atomic_add(count_ptr, 1, sem="release") + 1
+    return tl.atomic_add(count_ptr, 1, sem="release") + 1
+
+
+@triton.jit
+def barrier_wait(count_ptr, seen, target, spin_limit, flag_ptr):
+    """Acquire reads of ``count`` until ``target`` programs have arrived or ``spin_limit`` reads went by (then
+    ``flag`` is set to 1 and the program goes on: the caller checks it)."""
     spins = tl.full((), 0, tl.int32)
     while (seen < target) & (spins < spin_limit):
         seen = tl.atomic_add(count_ptr, 0, sem="acquire")
@@ -49,6 +58,12 @@ def grid_barrier(count_ptr, target, spin_limit, flag_ptr):
     if seen < target:
         tl.store(flag_ptr, 1)
     tl.debug_barrier()
+
+
+@triton.jit
+def grid_barrier(count_ptr, target, spin_limit, flag_ptr):
+    """:func:`barrier_arrive`, then :func:`barrier_wait`."""
+    barrier_wait(count_ptr, barrier_arrive(count_ptr), target, spin_limit, flag_ptr)
 
 
 @triton.jit
@@ -81,9 +96,39 @@ def persistent_chain_kernel(w_ptr, y_ptr, count_ptr, flag_ptr, D, P, spin_limit,
                          count_ptr, x, x, x, x, x, x, x, 0.0, 0.0, BLOCK_N, BLOCK_K, False, False, False, False,
                          False, 0, False, False, 1, False, K_STATIC)
         if p + 1 < P:
-            if PREFETCH:
+            seen = barrier_arrive(count_ptr)
+            if PREFETCH:  # after the arrival: its release does not wait for them
                 _prefetch_rows(w + row * D, pid, programs, nblocks, D, BLOCK_N, LINES, LINE)
-            grid_barrier(count_ptr, programs * (p + 1), spin_limit, flag_ptr)
+            barrier_wait(count_ptr, seen, programs * (p + 1), spin_limit, flag_ptr)
+    if last_ticket(count_ptr + 1, programs):
+        tl.store(count_ptr, 0)
+
+
+@triton.jit
+def persistent_hold_kernel(w_ptr, y_ptr, count_ptr, flag_ptr, D, P, spin_limit,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The chain with each program's next-phase weights in registers before it waits: program ``pid`` owns row block
+    ``pid`` of every phase (the grid is ``cdiv(D, BLOCK_N)`` programs, all resident), holds its ``[BLOCK_N, D]`` rows
+    of the next phase (``BLOCK_K >= D``), arrives, loads them, waits, then reads only the phase's input. What a
+    persistent decode kernel would do; its fp32 sums are grouped as one ``tl.sum`` per row (not ``gemv_program``'s
+    chunks), so it matches the chain to rounding, not bit for bit."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    row = D.to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < D) & (cols[None, :] < D)
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    w_next = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    for p in range(P):
+        w_cur = w_next
+        x = tl.load(y_ptr + p * row + cols, mask=cols < D, other=0.0)
+        acc = tl.sum(w_cur.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        tl.store(y_ptr + (p + 1) * row + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < D)
+        if p + 1 < P:
+            seen = barrier_arrive(count_ptr)
+            w_next = tl.load(w_ptr + (p + 1) * row * D + offs, mask=mask, other=0.0)  # streams while it waits
+            barrier_wait(count_ptr, seen, programs * (p + 1), spin_limit, flag_ptr)
     if last_ticket(count_ptr + 1, programs):
         tl.store(count_ptr, 0)
 
@@ -127,6 +172,16 @@ def launch(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch
         w, y, counters, flag, D, P, spin_limit, BLOCK_N=block_n, BLOCK_K=block_k, K_STATIC=k_static,
         PREFETCH=prefetch and hooks.l2_warm(w.device), LINES=triton.next_power_of_2(triton.cdiv(D, LINE)), LINE=LINE,
         num_warps=NUM_WARPS)
+
+
+def persistent_hold(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch.Tensor, block_n: int,
+                    num_warps: int = NUM_WARPS, spin_limit: int = 1 << 16):
+    """Run :func:`persistent_hold_kernel` (``cdiv(D, block_n)`` programs, which must all be resident on a GPU; one
+    in the interpreter, where ``D <= block_n``). Returns what Triton's launch returns (the compiled kernel on a GPU)."""
+    P, D, _ = w.shape
+    return persistent_hold_kernel[(triton.cdiv(D, block_n),)](
+        w, y, counters, flag, D, P, spin_limit, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(D),
+        num_warps=num_warps)
 
 
 def row_blocks(D: int, blocks: tuple[int, int, int] | None = None) -> int:

@@ -8,13 +8,15 @@ graph and the graphs' replays are timed in alternating rounds (``P`` is raised w
   when the device can hold them all at once; ``_prefetch`` fetches each program's next-phase rows into L2 before it
   waits at the barrier;
 * ``persistent_sms`` / ``persistent_sms_prefetch`` (``dense_gemv``'s cut only): one program per SM, each taking every
-  SM-count-th row block.
+  SM-count-th row block;
+* ``hold_{rows}x{warps}w`` (beside ``dense_gemv``'s cut): ``persistent_probe.persistent_hold_kernel``, one program per
+  row block holding its next phase's rows in registers while it waits (sums grouped otherwise: equal to rounding).
 
 Each cut of ``--cuts`` runs all of them: ``dense_gemv``'s own (at K = 1536, 2 rows x 2048 columns: 213 registers in
 the persistent kernel's SM90 SASS, so 4 programs per SM, fewer than its 768 row blocks) and narrower K chunks whose
 one-program-per-row-block grid fits. Every mode's output is checked against the chain's (the same body and cut: the
-same bits expected). Per mode: us per replay and per phase, the weight bytes' GB/s and % of the measured memory
-ceiling. One JSON row per line::
+same bits expected, except ``hold``). Per mode: us per replay and per phase, the weight bytes' GB/s and % of the
+measured memory ceiling. One JSON row per line::
 
     python backends/cuda/lab/scripts/cuda_persistent_probe.py [--dims 768,1536,3072] [--cuts default,2x512,4x512]
         [--phases 32] [--rounds 5] [--out backends/cuda/lab/results/cuda_persistent_probe.json]
@@ -38,6 +40,9 @@ import persistent_probe as pp  # noqa: E402
 
 MAX_BLOCKS_PER_SM, MAX_THREADS_PER_SM, REGISTERS_PER_SM = 32, 2048, 65536  # SM90
 MIN_BYTES = 160 << 20  # the chain's weights: ~3x the H200's 50 MB L2
+# persistent_hold's (rows per program, warps): at D = 1536 their SM90 SASS takes 151 / 225 / 141 / 254 registers,
+# so 768 / 384 / 384 / 96 programs fit (792 / 528 / 396 / 132 resident); at D = 3072 none fits (255 registers, spills)
+HOLD_CUTS = ((2, 2), (4, 2), (4, 4), (16, 8))
 
 
 def resident_programs(compiled, sms: int) -> int:
@@ -84,6 +89,18 @@ def probe(w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], sms: i
     persistent = [("persistent", blocks_n, False), ("persistent_prefetch", blocks_n, True)]
     if with_sms:
         persistent += [("persistent_sms", sms, False), ("persistent_sms_prefetch", sms, True)]
+        for block_n, warps in HOLD_CUTS:  # (beside dense_gemv's cut: the baseline the step runs today)
+            name = f"hold_{block_n}x{warps}w"
+            hold = pp.persistent_hold(w, y, counters, flag, block_n, warps)  # compiles; checked for residency below
+            torch.cuda.synchronize()
+            programs, fits_hold = -(-D // block_n), resident_programs(hold, sms)
+            if programs > fits_hold:
+                rows.append({"D": D, "mode": name, "programs": programs, "skipped":
+                             f"{programs} programs; the GPU holds {fits_hold} at once (n_regs {hold.n_regs})"})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            plans.append((name, lambda block_n=block_n, warps=warps: (pp.persistent_hold(
+                w, y, counters, flag, block_n, warps), y[P])[1], False, programs))
     for name, programs, prefetch in persistent:
         if programs > fits:
             rows.append({"D": D, "cut": cut, "mode": name, "programs": programs, "skipped":

@@ -52,3 +52,17 @@ def test_a_barrier_that_cannot_be_met_raises_the_flag_instead_of_hanging():
     pp.persistent_chain(w, y, counters, flag, programs=2, spin_limit=3)
     assert int(flag) == 1
     assert counters.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+@pytest.mark.parametrize("P,D,block_n", [(1, 64, 64), (3, 96, 128), (4, 200, 256)])
+def test_the_holding_kernel_is_the_chain_to_rounding(P, D, block_n, dtype):
+    """One program per row block holding its next phase's rows; in the interpreter one program, so ``block_n >= D``
+    (on a GPU smaller blocks, all resident)."""
+    w, y = pp.chain_inputs(P, D, dtype, DEVICE)
+    counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    block = min(block_n, 16) if HAS_GPU else block_n
+    pp.persistent_hold(w, y, counters, flag, block)
+    assert int(flag) == 0 and counters.tolist() == [0, 0]
+    assert_nmse(pp.reference_chain(w, y[0]), y[P].float(), TOLERANCE, f"holding chain P={P} D={D} {dtype}")
