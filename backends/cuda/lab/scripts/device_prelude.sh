@@ -28,6 +28,7 @@ if [ -z "${SKIP_INSTALL:-}" ] && ls .whl/gemlite-*.tar.gz > /dev/null 2>&1; then
     >> $OUT/install.log 2>&1 || echo "gemlite did not install (its rows will say so): $(tail -2 $OUT/install.log)"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > $OUT/gpu.txt 2>&1
+echo "profilers: nsys $(command -v nsys || echo absent), ncu $(command -v ncu || echo absent)" >> $OUT/gpu.txt
 run_steps() {
   for n in $(echo $STEPS | grep -o .); do step$n; done
   echo "done at ${SECONDS}s; load $(cat /proc/loadavg)"
