@@ -87,6 +87,22 @@ def test_greedy_graph_gives_the_tokens_of_the_graphed_step_sampled_after_it(monk
     assert greedy == stepped and len(greedy[1]) < 32, f"greedy graph {greedy} != step + argmax {stepped}"
 
 
+def test_attention_load_switches_give_the_same_tokens(monkeypatch):
+    """Decode attention with its first step's k and v loaded with the key positions and the later steps' positions
+    prefetched (``attention.EAGER_FIRST_STEP``, ``PREFETCH_POSITIONS``; off by default until timed) runs the same
+    sums as without, so greedy generate gives the same tokens (two rows, the static cache's empty later blocks)."""
+    from musecore_triton.kernels import attention as attention_module
+
+    model = musecore.load("muse-tiny", device="h200")
+    prompts = ["def fibonacci(n):", "import os\n"]
+    want = model.generate(prompts, max_new_tokens=48)
+    model.release_generation_cache()
+    monkeypatch.setattr(attention_module, "EAGER_FIRST_STEP", True)
+    monkeypatch.setattr(attention_module, "PREFETCH_POSITIONS", True)
+    got = model.generate(prompts, max_new_tokens=48)
+    assert got == want, f"with the attention switches {got!r} != without {want!r}"
+
+
 def test_nvfp4_checkpoint_generates_through_w4a16_kernels_and_agrees_with_emulation(nvfp4_tiny):
     native = musecore.load(nvfp4_tiny, device="h200")
     experts = native.layers[1].mlp.experts
