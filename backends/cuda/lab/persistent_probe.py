@@ -175,11 +175,13 @@ def launch(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch
 
 
 def persistent_hold(w: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, flag: torch.Tensor, block_n: int,
-                    num_warps: int = NUM_WARPS, spin_limit: int = 1 << 16):
+                    num_warps: int = NUM_WARPS, spin_limit: int = 1 << 16, programs: int | None = None):
     """Run :func:`persistent_hold_kernel` (``cdiv(D, block_n)`` programs, which must all be resident on a GPU; one
-    in the interpreter, where ``D <= block_n``). Returns what Triton's launch returns (the compiled kernel on a GPU)."""
+    in the interpreter, where ``D <= block_n``). ``programs=1`` runs the first row block only, which is always
+    resident: a compile, whose kernel says how many programs fit. Returns what Triton's launch returns (the compiled
+    kernel on a GPU)."""
     P, D, _ = w.shape
-    return persistent_hold_kernel[(triton.cdiv(D, block_n),)](
+    return persistent_hold_kernel[(programs or triton.cdiv(D, block_n),)](
         w, y, counters, flag, D, P, spin_limit, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(D),
         num_warps=num_warps)
 

@@ -91,7 +91,7 @@ def probe(w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], sms: i
         persistent += [("persistent_sms", sms, False), ("persistent_sms_prefetch", sms, True)]
         for block_n, warps in HOLD_CUTS:  # (beside dense_gemv's cut: the baseline the step runs today)
             name = f"hold_{block_n}x{warps}w"
-            hold = pp.persistent_hold(w, y, counters, flag, block_n, warps)  # compiles; checked for residency below
+            hold = pp.persistent_hold(w, y, counters, flag, block_n, warps, programs=1)  # compiles: always resident
             torch.cuda.synchronize()
             programs, fits_hold = -(-D // block_n), resident_programs(hold, sms)
             if programs > fits_hold:
