@@ -189,12 +189,8 @@ def describe_nodes(graph: Any) -> tuple[list[dict], str]:
     except Exception as e:  # noqa: BLE001
         return [], f"node attributes not read: {type(e).__name__}: {e}"
     kernels = [r for r in rows if "attrs" in r]
-    kinds = Counter(json_key(r["attrs"]) for r in kernels)
+    kinds = {repr(sorted(r["attrs"].items())) for r in kernels}
     return rows, f"{len(rows)} nodes, {len(kernels)} kernels, {len(kinds)} distinct launch-attribute sets"
-
-
-def json_key(value: Any) -> str:
-    return repr(sorted(value.items())) if isinstance(value, dict) else repr(value)
 
 
 class Exec:
