@@ -4,8 +4,9 @@
 # limit in $OUT/gpu.txt. Needs OUT and LIMIT set. `run_steps TAG` runs step$n for each digit n of $STEPS, in order, then
 # packs everything under $OUT into $OUT/TAG.tgz (the device returns only a few files per call).
 # Steps the session scripts share (argument: the step's number, for the log): `targets_step` (musecore bench --case
-# targets into $OUT, capped at $TARGETS_S or 170 s), `gpu_suite_step` (the whole GPU suite, or the folders in $SUITE in that order, SIGINT at its
-# cap of $SUITE_S or 330 s so pytest still prints the summary; which tests ran in $OUT/gpu_suite.xml),
+# targets into $OUT, capped at $TARGETS_S or 170 s), `gpu_suite_step` (the whole GPU suite, or the folders in $SUITE
+# in that order, SIGINT at its cap of $SUITE_S or 330 s so pytest still prints the summary; which tests ran in
+# $OUT/gpu_suite.xml),
 # `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step`
 # (cuda_moe_runs_probe.py, at $BATCHES when set),
 # `fused_ab_step` (cuda_fused_ab.py, its --modes from $AB_MODES when set, more arguments in $AB_ARGS),
@@ -21,8 +22,8 @@ cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? le
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
   .whl/stevedore-5.9.1-py3-none-any.whl -e ./quant -e . -e ./backends/triton -e ./backends/cuda -e ./backends/rocm \
   -e ./backends/xeon > $OUT/install.log 2>&1 || { tail $OUT/install.log; exit 1; }
-# The peer (bench_gemlite; the targets case's gemlite rows) when its sdist is carried: `pip download gemlite==0.6.0.post2
-# --no-deps -d .whl` here, and `.whl/gemlite-0.6.0.post2.tar.gz` in the call's carry list.
+# The peer (bench_gemlite; the targets case's gemlite rows) when its sdist is carried: `pip download
+# gemlite==0.6.0.post2 --no-deps -d .whl` here, and `.whl/gemlite-0.6.0.post2.tar.gz` in the call's carry list.
 if [ -z "${SKIP_INSTALL:-}" ] && ls .whl/gemlite-*.tar.gz > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir .whl/gemlite-*.tar.gz \
     >> $OUT/install.log 2>&1 || echo "gemlite did not install (its rows will say so): $(tail -2 $OUT/install.log)"
@@ -35,7 +36,8 @@ run_steps() {
   tar czf /tmp/$1.tgz -C $OUT . && mv /tmp/$1.tgz $OUT/
 }
 targets_step() {
-  timeout $(cap ${TARGETS_S:-170}) musecore bench --backend cuda --case targets --out-dir $OUT > $OUT/bench_targets.txt 2>&1
+  timeout $(cap ${TARGETS_S:-170}) musecore bench --backend cuda --case targets --out-dir $OUT \
+    > $OUT/bench_targets.txt 2>&1
   echo "$1. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
 }
 gpu_suite_step() {
@@ -60,12 +62,14 @@ fused_ab_step() {
 capture_probe_step() {
   (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_capture_probe.py --out $OUT/capture_probe.json \
     ${CAPTURE_ARGS:-} > $OUT/capture_probe.log 2>&1)
-  echo "$1. capture probe at ${SECONDS}s (rc $?):"; grep -v "Warn\|warn_once" $OUT/capture_probe.log | tail -19 | cut -c1-200
+  echo "$1. capture probe at ${SECONDS}s (rc $?):"
+  grep -v "Warn\|warn_once" $OUT/capture_probe.log | tail -19 | cut -c1-200
 }
 history_probe_step() {
   (cd backends/cuda/lab/scripts && timeout $(cap 200) python3 cuda_history_probe.py --out $OUT/history_probe.json \
     ${HISTORY:+--sequence $HISTORY} ${HISTORY_ARGS:-} > $OUT/history_probe.log 2>&1)
-  echo "$1. history probe at ${SECONDS}s (rc $?):"; grep -v "Warn\|warn_once" $OUT/history_probe.log | tail -24 | cut -c1-250
+  echo "$1. history probe at ${SECONDS}s (rc $?):"
+  grep -v "Warn\|warn_once" $OUT/history_probe.log | tail -24 | cut -c1-250
 }
 e2e_step() {
   echo "$1. e2e alone from $(date +%T)"
@@ -97,6 +101,7 @@ persistent_probe_step() {
   echo "$1. persistent probe at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/persistent_probe.log | tail -16 | cut -c1-250
 }
 gemlite_step() {
-  timeout $(cap ${GEMLITE_S:-240}) musecore bench --backend cuda --case gemlite --out-dir $OUT > $OUT/bench_gemlite.txt 2>&1
+  timeout $(cap ${GEMLITE_S:-240}) musecore bench --backend cuda --case gemlite --out-dir $OUT \
+    > $OUT/bench_gemlite.txt 2>&1
   echo "$1. gemlite at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/bench_gemlite.txt | tail -24 | cut -c1-200
 }
