@@ -868,19 +868,27 @@ def convert_exclude(dense_groups: Sequence[str]) -> tuple[str, ...]:
     return tuple(p for p in DEFAULT_EXCLUDE if not (LM_HEAD in dense_groups and "lm_head" in p))
 
 
-def cli_calibrator(src: Union[str, Path], dst: Union[str, Path], *, calibration: Union[str, Path],
-                   progress: bool = True, resume: bool = True) -> Any:
-    """``musecore-quant convert SRC DST --to int4 --method autoround --calibration FILE``: the calibrator
-    that musecore registers under the ``musecore_quant.calibrators`` entry point (default options)."""
+def run_calibrated_convert(convert_fn: Any, src: Union[str, Path], dst: Union[str, Path], *,
+                           calibration: Union[str, Path], progress: bool, resume: bool) -> Any:
+    """``convert_fn(folder, dst, calibration_ids, progress=, resume=)`` (:func:`convert_autoround`,
+    ``calibrate_gptq.convert_gptq``) on ``src`` resolved to its folder, the calibration read with the
+    checkpoint's tokenizer; returns the conversion report (what ``musecore-quant convert`` prints)."""
     from musecore.api import resolve_model
     from musecore.tokenizer import load_tokenizer
     _, folder = resolve_model(src)
     if folder is None:
         raise ValueError(f"{src} is a preset without weights; pass a checkpoint folder")
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-    conversion, _ = convert_autoround(folder, dst, read_calibration(calibration, tokenizer), progress=progress,
-                                      resume=resume)
+    conversion, _ = convert_fn(folder, dst, read_calibration(calibration, tokenizer), progress=progress, resume=resume)
     return conversion
+
+
+def cli_calibrator(src: Union[str, Path], dst: Union[str, Path], *, calibration: Union[str, Path],
+                   progress: bool = True, resume: bool = True) -> Any:
+    """``musecore-quant convert SRC DST --to int4 --method autoround --calibration FILE``: the calibrator
+    that musecore registers under the ``musecore_quant.calibrators`` entry point (default options)."""
+    return run_calibrated_convert(convert_autoround, src, dst, calibration=calibration, progress=progress,
+                                  resume=resume)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -43,7 +43,8 @@ from musecore_quant import QTensor, dequantize, fake_quantize_activation, quanti
 from musecore_quant.gptq import GPTQ_FORMATS, gptq_quantize, input_hessian
 
 from musecore.calibrate import (AutoRoundQuantizer, CalibratedDense, _dense_experts, _sparse, calibration_windows,
-                                capture_linear_inputs, convert_exclude, quantize_layerwise, routed_inputs)
+                                capture_linear_inputs, convert_exclude, quantize_layerwise, routed_inputs,
+                                run_calibrated_convert)
 from musecore.model import MuseModel
 from musecore.names import expert_patterns, expert_weight, quantized_expert_layers
 
@@ -282,13 +283,4 @@ def cli_calibrator(src: Union[str, Path], dst: Union[str, Path], *, calibration:
                    progress: bool = True, resume: bool = True) -> Any:
     """``musecore-quant convert SRC DST --to int4 --method gptq --calibration FILE``: routed experts by GPTQ
     (default options), registered under the ``musecore_quant.calibrators`` entry point beside AutoRound's."""
-    from musecore.api import resolve_model
-    from musecore.calibrate import read_calibration
-    from musecore.tokenizer import load_tokenizer
-    _, folder = resolve_model(src)
-    if folder is None:
-        raise ValueError(f"{src} is a preset without weights; pass a checkpoint folder")
-    tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-    conversion, _ = convert_gptq(folder, dst, read_calibration(calibration, tokenizer), progress=progress,
-                                 resume=resume)
-    return conversion
+    return run_calibrated_convert(convert_gptq, src, dst, calibration=calibration, progress=progress, resume=resume)

@@ -16,6 +16,30 @@ def add_quantize_dense(parser) -> None:
                              "them (MODEL.md's plan: only the routed experts are converted)")
 
 
+DEFAULT_MODEL = "muse-tiny"
+
+
+def add_model(parser) -> None:
+    """What to load and where, for the commands that run a model: ``--model``, ``--device``, ``--emulate``,
+    ``--quantize-dense`` / ``--no-quantize-dense`` and ``--download``."""
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"checkpoint folder, Hub id (org/name, from the local Hugging Face cache) or preset name "
+                             f"(default: {DEFAULT_MODEL}, the bundled model)")
+    parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="run the device's numerics with reference kernels on this machine")
+    add_quantize_dense(parser)
+    add_download(parser)
+
+
+def add_sampling(parser) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k`` and ``--seed``, as ``model.generate`` takes them."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0 = off (default: 0)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same text)")
+
+
 def add_download(parser) -> None:
     """``--download``: fetch a Hub id's snapshot when the local Hugging Face cache lacks it."""
     parser.add_argument("--download", action="store_true",

@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from musecore.commands import MEDIA_KINDS, add_download, add_media, add_quantize_dense, check_media_files, media_parts
+from musecore.commands import MEDIA_KINDS, add_media, add_model, add_sampling, check_media_files, media_parts
 
-DEFAULT_MODEL = "muse-tiny"
 HELP = ("commands: /image PATH, /video PATH, /audio PATH attach a file to your next message, /reset forgets the "
         "conversation, /exit (or end of input) leaves")
 
@@ -29,20 +28,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("chat", help="an interactive chat through the model's chat template",
                                    description="Chat with a Muse model: each line you type is a user turn; the "
                                                f"reply streams back. {HELP}.")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"checkpoint folder, Hub id (org/name) or preset (default: {DEFAULT_MODEL})")
-    parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
-    parser.add_argument("--emulate", action="store_true",
-                        help="run the device's numerics with reference kernels on this machine")
-    add_quantize_dense(parser)
-    add_download(parser)
+    add_model(parser)
     parser.add_argument("--system", default=None, help="a system message that opens the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="at most this many tokens per reply "
                                                                         "(default: 256)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0 = off (default: 0)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    add_sampling(parser)
     add_media(parser, "attached to your first message")
     parser.set_defaults(run=run)
     return parser

@@ -17,34 +17,21 @@ import json
 import sys
 from typing import Any
 
-from musecore.commands import (add_download, add_media, add_mesh, add_quantize_dense, check_media_files,
-                               media_parts)
-
-DEFAULT_MODEL = "muse-tiny"
+from musecore.commands import add_media, add_mesh, add_model, add_sampling, check_media_files, media_parts
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("generate", help="continue a prompt, streaming the text",
                                    description="Continue a prompt with a Muse model, streaming the text to stdout "
                                                "and the throughput to stderr.")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"checkpoint folder, Hub id (org/name, from the local Hugging Face cache) or preset name "
-                             f"(default: {DEFAULT_MODEL}, the bundled model)")
-    parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
-    parser.add_argument("--emulate", action="store_true",
-                        help="run the device's numerics with reference kernels on this machine")
-    add_quantize_dense(parser)
-    add_download(parser)
+    add_model(parser)
     add_mesh(parser)
     parser.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT",
                         help="the text to continue (or --prompt TEXT; default: read from stdin)")
     parser.add_argument("--prompt", help="the text to continue (default: read from stdin)")
     add_media(parser, "to put in the prompt (the prompt is then a chat turn through the chat template)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default: 64)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0 = off (default: 0)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same text)")
+    add_sampling(parser)
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         help="stop at this text (repeatable); it is not printed")
     parser.add_argument("--json", action="store_true",

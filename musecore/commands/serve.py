@@ -10,22 +10,14 @@ import argparse
 import sys
 from typing import Any
 
-from musecore.commands import add_download, add_quantize_dense
-
-DEFAULT_MODEL = "muse-tiny"
+from musecore.commands import add_model
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                                    description="Serve a Muse model over an OpenAI-compatible HTTP API. Requests "
                                                "join the running decode batch at the next step and leave when done.")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"checkpoint folder, Hub id (org/name) or preset (default: {DEFAULT_MODEL})")
-    parser.add_argument("--device", default="auto", help="device profile or torch device (default: auto)")
-    parser.add_argument("--emulate", action="store_true",
-                        help="run the device's numerics with reference kernels on this machine")
-    add_quantize_dense(parser)
-    add_download(parser)
+    add_model(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--served-model-name", default=None,
