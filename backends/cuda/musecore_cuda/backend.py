@@ -45,7 +45,8 @@ from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
 from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
-from musecore_triton.ops import ACT_DTYPES, DENSE_FORMATS, DTYPE_FORMAT, TritonOps, format_of, shared_kernel_limit
+from musecore_triton.ops import (ACT_DTYPES, DENSE_FORMATS, TritonOps, dense_experts, dense_weight, format_of,
+                                 shared_kernel_limit)
 from musecore_triton.towers import TOWER_REASONS
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
@@ -303,10 +304,8 @@ class CudaBackend(TritonOps, Backend):
             resident = prepare_fp4(weight, self.device)
             return Weight(data=resident, format=fmt, out_features=resident.out_features,
                           in_features=resident.in_features)
-        if fmt in DENSE_FORMATS:  # kept in the model dtype, and labelled so (the plan keys linears by it)
-            data = weight.to(device=self.device, dtype=dtype).contiguous()
-            return Weight(data=data, format=DTYPE_FORMAT[dtype], out_features=data.shape[0] if data.dim() > 1 else 1,
-                          in_features=data.shape[-1])
+        if fmt in DENSE_FORMATS:
+            return dense_weight(weight, self.device, dtype)
         raise NotImplementedError(f"{role}: {fmt} weights are not implemented in the CUDA backend")
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
@@ -324,12 +323,11 @@ class CudaBackend(TritonOps, Backend):
         if fmt in FP4_FORMATS:
             stacks = [prepare_fp4(w, self.device) for w in (gate, up, down)]
             share_fold(stacks[0], stacks[1])  # gate and up run in one launch with one fold
-        elif fmt in DENSE_FORMATS:
-            stacks = [w.to(device=self.device, dtype=dtype).contiguous() for w in (gate, up, down)]
-        else:
-            raise NotImplementedError(f"experts: {fmt} weights are not implemented in the CUDA backend")
-        num_experts = stacks[0].packed.shape[0] if fmt in FP4_FORMATS else stacks[0].shape[0]
-        return ExpertWeights(gate=stacks[0], up=stacks[1], down=stacks[2], format=fmt, num_experts=num_experts)
+            return ExpertWeights(gate=stacks[0], up=stacks[1], down=stacks[2], format=fmt,
+                                 num_experts=stacks[0].packed.shape[0])
+        if fmt in DENSE_FORMATS:
+            return dense_experts(gate, up, down, self.device, dtype)
+        raise NotImplementedError(f"experts: {fmt} weights are not implemented in the CUDA backend")
 
     def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
         return choices.kernel_choices(linears, profile)

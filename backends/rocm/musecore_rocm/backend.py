@@ -50,7 +50,7 @@ from musecore_triton.kernels.moe import moe_forward
 from musecore_triton.kernels.mx_gemm import BLOCK_K, MX_BLOCK, mxfp4_linear
 from musecore_triton.kernels.mx_moe import MxExperts, mx_experts, mx_moe_forward
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
-from musecore_triton.ops import (ACT_DTYPES, DENSE_FORMATS, DTYPE_FORMAT, TritonOps, format_of,
+from musecore_triton.ops import (ACT_DTYPES, DENSE_FORMATS, TritonOps, dense_experts, dense_weight, format_of,
                                  shared_kernel_limit)
 from musecore_triton.towers import TOWER_REASONS
 
@@ -228,10 +228,8 @@ class RocmBackend(TritonOps, Backend):
             resident = prepare_fp4(weight, self.device)
             return Weight(data=resident, format=fmt, out_features=resident.out_features,
                           in_features=resident.in_features)
-        if fmt in DENSE_FORMATS:  # kept in the model dtype, and labelled so (the plan keys linears by it)
-            data = weight.to(device=self.device, dtype=dtype).contiguous()
-            return Weight(data=data, format=DTYPE_FORMAT[dtype], out_features=data.shape[0] if data.dim() > 1 else 1,
-                          in_features=data.shape[-1])
+        if fmt in DENSE_FORMATS:
+            return dense_weight(weight, self.device, dtype)
         raise NotImplementedError(f"{role}: {fmt} weights are not implemented in the ROCm backend")
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
@@ -260,9 +258,7 @@ class RocmBackend(TritonOps, Backend):
             share_fold(fp4[0], fp4[1])  # gate and up run in one launch with one fold
             return ExpertWeights(gate=fp4[0], up=fp4[1], down=fp4[2], format=fmt, num_experts=fp4[0].packed.shape[0])
         if fmt in DENSE_FORMATS:
-            dense = [w.to(device=self.device, dtype=dtype).contiguous() for w in (gate, up, down)]
-            return ExpertWeights(gate=dense[0], up=dense[1], down=dense[2], format=DTYPE_FORMAT[dtype],
-                                 num_experts=dense[0].shape[0])
+            return dense_experts(gate, up, down, self.device, dtype)
         raise NotImplementedError(f"experts: {fmt} weights are not implemented in the ROCm backend")
 
     def kernel_choices(self, linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:

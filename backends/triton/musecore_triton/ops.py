@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from musecore.ops import OpSpec, Weight
+from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore.ops import reference as ref
 from musecore_triton import towers
 from musecore_triton.kernels import attention, elementwise, kv_cache, norms, router
@@ -31,6 +31,21 @@ def format_of(weight) -> str:
             return DTYPE_FORMAT[weight.dtype]
         raise TypeError(f"dense weights must be bf16, fp16 or fp32; got {weight.dtype}")
     return weight.format
+
+
+def dense_weight(weight: torch.Tensor, device: torch.device, dtype: torch.dtype) -> Weight:
+    """A dense linear weight kept in the model dtype on ``device``, and labelled so (the plan keys linears by it)."""
+    data = weight.to(device=device, dtype=dtype).contiguous()
+    return Weight(data=data, format=DTYPE_FORMAT[dtype], out_features=data.shape[0] if data.dim() > 1 else 1,
+                  in_features=data.shape[-1])
+
+
+def dense_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, device: torch.device,
+                  dtype: torch.dtype) -> ExpertWeights:
+    """Dense expert stacks ``[E, ., .]`` in the model dtype on ``device``, labelled like :func:`dense_weight`."""
+    stacks = [w.to(device=device, dtype=dtype).contiguous() for w in (gate, up, down)]
+    return ExpertWeights(gate=stacks[0], up=stacks[1], down=stacks[2], format=DTYPE_FORMAT[dtype],
+                         num_experts=stacks[0].shape[0])
 
 
 def shared_kernel_limit(op: str, spec: OpSpec) -> Optional[str]:
