@@ -16,7 +16,8 @@ Each cut of ``--cuts`` runs all of them: ``dense_gemv``'s own (at K = 1536, 2 ro
 the persistent kernel's SM90 SASS, so 4 programs per SM, fewer than its 768 row blocks) and narrower K chunks whose
 one-program-per-row-block grid fits. Every mode's output is checked against the chain's (the same body and cut: the
 same bits expected, except ``hold``). Per mode: us per replay and per phase, the weight bytes' GB/s and % of the
-measured memory ceiling. One JSON row per line::
+measured memory ceiling. The last row is :func:`verdict`, session 53's decision rule applied to the run. One JSON row
+per line::
 
     python backends/cuda/lab/scripts/cuda_persistent_probe.py [--dims 768,1536,3072] [--cuts default,2x512,4x512]
         [--phases 32] [--rounds 5] [--out backends/cuda/lab/results/cuda_persistent_probe.json]
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -55,6 +57,36 @@ def resident_programs(compiled, sms: int) -> int:
     if shared:
         per_sm = min(per_sm, torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor // shared)
     return per_sm * sms
+
+
+# Session 53's decision rule (lab NOTES): a per-layer persistent decode kernel is worth writing if the best one-launch
+# form beats the PDL chain by more than this many us per phase at muse-small's width.
+VERDICT_D, VERDICT_MARGIN_US = 1536, 1.0
+ONE_LAUNCH_MODES = ("persistent_prefetch", "hold_")
+
+
+def verdict(rows: list[dict], D: int = VERDICT_D, margin_us: float = VERDICT_MARGIN_US) -> dict:
+    """The decision rule on one run's rows: the best valid one-launch row at width ``D`` (``persistent_prefetch`` of
+    any cut, or a ``hold_*`` row; its barrier did not give up, its output is finite, and a persistent row's equals
+    the chain's)
+    against the PDL chain of ``dense_gemv``'s own cut, in us per phase. ``write`` is True when the one-launch form
+    wins by more than ``margin_us``, False when it does not, None when a side is missing (the reason says which)."""
+    timed = [r for r in rows if r.get("D") == D and "us_per_phase" in r and not r.get("barrier_gave_up")]
+    chain = [r for r in timed if r["mode"] == "chain_pdl" and "unrolled" not in r["cut"]]
+    default = gemv_blocks(D)
+    chain = [r for r in chain if r["cut"] == f"{default[0]}x{default[1]}"] or chain
+    one = [r for r in timed if r["mode"].startswith(ONE_LAUNCH_MODES) and math.isfinite(r["max_diff_vs_chain"])
+           and (r["mode"].startswith("hold_") or r["max_diff_vs_chain"] == 0.0)]
+    if not chain or not one:
+        return {"verdict": None, "D": D, "reason": f"no {'chain_pdl' if not chain else 'valid one-launch'} row at D={D}"}
+    base, best = chain[0], min(one, key=lambda r: r["us_per_phase"])
+    gain = round(base["us_per_phase"] - best["us_per_phase"], 3)
+    return {"verdict": gain > margin_us, "D": D, "chain_pdl_us_per_phase": base["us_per_phase"],
+            "best_mode": best["mode"], "best_cut": best.get("cut"), "best_us_per_phase": best["us_per_phase"],
+            "gain_us_per_phase": gain, "margin_us": margin_us,
+            "reading": ("write the per-layer persistent kernel" if gain > margin_us else
+                        "fewer launches alone will not reach the target: the grid barrier costs about what a "
+                        "PDL kernel boundary does")}
 
 
 def parse_cut(cut: str, D: int) -> tuple[int, int, int]:
@@ -161,6 +193,8 @@ def main() -> None:
         for cut in args.cuts.split(","):
             rows += probe(w, y, parse_cut(cut, D), sms, ceiling, args.rounds, args.reps, with_sms=cut == "default")
             torch.cuda.empty_cache()
+    rows.append(verdict(rows))
+    print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
