@@ -78,7 +78,8 @@ def verdict(rows: list[dict], D: int = VERDICT_D, margin_us: float = VERDICT_MAR
     one = [r for r in timed if r["mode"].startswith(ONE_LAUNCH_MODES) and math.isfinite(r["max_diff_vs_chain"])
            and (r["mode"].startswith("hold_") or r["max_diff_vs_chain"] == 0.0)]
     if not chain or not one:
-        return {"verdict": None, "D": D, "reason": f"no {'chain_pdl' if not chain else 'valid one-launch'} row at D={D}"}
+        missing = "chain_pdl" if not chain else "valid one-launch"
+        return {"verdict": None, "D": D, "reason": f"no {missing} row at D={D}"}
     base, best = chain[0], min(one, key=lambda r: r["us_per_phase"])
     gain = round(base["us_per_phase"] - best["us_per_phase"], 3)
     return {"verdict": gain > margin_us, "D": D, "chain_pdl_us_per_phase": base["us_per_phase"],
