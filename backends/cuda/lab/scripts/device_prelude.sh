@@ -15,8 +15,9 @@
 # `profile_step` (the kernels of the decode step, into $OUT/$2), `e2e_step` (bench_e2e alone: muse-small batch 1,
 # NVFP4 and BF16, the targets case's decode row, in a fresh process),
 # `profile_b16_step` (the same at batch 16), `serve_step` (benchmarks/serve_bench.py in process, muse-small NVFP4),
-# `persistent_probe_step` (cuda_persistent_probe.py, more arguments in $PERSISTENT_ARGS) and `gemlite_step`
-# (musecore bench --case gemlite: the peer on every 816B shape, NVFP4 and MXFP4).
+# `persistent_probe_step` (cuda_persistent_probe.py, more arguments in $PERSISTENT_ARGS), `gemlite_step`
+# (musecore bench --case gemlite: the peer on every 816B shape, NVFP4 and MXFP4) and `ncu_misses_step` (ncu of the
+# kernels behind each missed target's worst row, as session 41's step 4 did; $NCU_SPECS overrides the list).
 export PYTHONUNBUFFERED=1
 cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
@@ -104,4 +105,24 @@ gemlite_step() {
   timeout $(cap ${GEMLITE_S:-240}) musecore bench --backend cuda --case gemlite --out-dir $OUT \
     > $OUT/bench_gemlite.txt 2>&1
   echo "$1. gemlite at ${SECONDS}s (rc $?):"; grep -v Warn $OUT/bench_gemlite.txt | tail -24 | cut -c1-200
+}
+# One spec per missed target (run 58's worst row of each): "tag kernel-regex skip count cuda_profile_gemv.py args";
+# cuda_profile_gemv.py calls the op 6 times, so skip = 3 calls' worth of matching launches.
+NCU_MISSES="k_proj_m8 fp4_gemv 3 1 --shape k_proj --m 8;expert_down_m64 fp4_gluon 3 1 --shape expert_down --m 64;\
+k_proj_m256 fp4_gluon 3 1 --shape k_proj --m 256;expert_up_m4096 fp4_dequant|nvjet|xmma 6 2 --shape expert_up --m 4096;\
+moe_b1 fp4_gemv 6 2 --moe-batch 1"
+ncu_misses_step() {
+  local sections="--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis" spec
+  command -v ncu > /dev/null || { echo "$1. ncu: not installed on this machine"; return; }
+  IFS=';' read -ra specs <<< "${NCU_SPECS:-$NCU_MISSES}"
+  for spec in "${specs[@]}"; do
+    set -- "$1" $spec; local n=$1 tag=$2 kern=$3 skip=$4 count=$5; shift 5
+    timeout $(cap ${NCU_S:-60}) ncu --clock-control none -k "regex:$kern" --launch-skip $skip --launch-count $count \
+      $sections python3 backends/cuda/lab/scripts/cuda_profile_gemv.py "$@" > $OUT/ncu_$tag.txt 2>&1
+    echo "$n. ncu $tag at ${SECONDS}s (rc $?):"; grep -E "^  [a-z_0-9]+.*\(|Duration|Registers Per|Achieved Occupancy|\
+Theoretical Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Waves Per SM" \
+      $OUT/ncu_$tag.txt | cut -c1-160 | head -30
+    set -- "$n"
+  done
 }

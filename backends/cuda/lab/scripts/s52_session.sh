@@ -7,6 +7,7 @@
 #   6. the GPU suite (SUITE, SUITE_S);  7. bench_e2e alone (the targets' muse-small row);
 #   since session 53: 8. cuda_persistent_probe.py (PERSISTENT_ARGS);  9. musecore bench --case gemlite (needs
 #   .whl/gemlite-0.6.0.post2.tar.gz carried). TARGETS_S caps step 5 (170 s; with the carried gemlite ~330).
+#   since session 54: 0. ncu of the kernels behind each missed target's worst row (device_prelude.sh's NCU_MISSES).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=12] [CAPTURE_ARGS=...] [HISTORY=...] [TESTS="..."]
 #        [AB_MODES=...] [AB_ARGS="--rounds 6 --pad-mb 16"] bash backends/cuda/lab/scripts/s52_session.sh
 set -u
@@ -22,4 +23,5 @@ step6() { gpu_suite_step 6; }
 step7() { e2e_step 7; }
 step8() { persistent_probe_step 8; }
 step9() { gemlite_step 9; }
+step0() { ncu_misses_step 0; }
 run_steps s52
