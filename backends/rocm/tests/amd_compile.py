@@ -159,6 +159,23 @@ def main(arch: str) -> None:
                 kv = torch.randn(2, 16, nkv, d).to(kv_dtype)
                 be.attention(q[:, :t].contiguous(), kv, kv.clone(), qp[:, :t].contiguous(),
                              torch.arange(16)[None].expand(2, 16).contiguous(), window, 0.125, *scales)
+    # the shared decode switches (off by default; a later session may route them for both vendors): attention's
+    # prefetched key positions and eager first step, the greedy graph's fused position update, the Triton argmax
+    from musecore_triton.kernels import attention as attention_module, sampling
+    defaults = attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP
+    try:
+        for prefetch, eager in ((True, False), (False, True), (True, True)):
+            attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP = prefetch, eager
+            for window in (None, 8):
+                variant[0] = f"attention decode prefetch {prefetch} eager {eager} window {window}"
+                kv = torch.randn(2, 16, nkv, d).to(dt)
+                be.attention(q[:, :1].contiguous(), kv, kv.clone(), qp[:, :1].contiguous(),
+                             torch.arange(16)[None].expand(2, 16).contiguous(), window, 0.125, None, None)
+    finally:
+        attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP = defaults
+    variant[0] = "sampling"
+    sampling.greedy_positions(torch.zeros(2, dtype=torch.long), torch.tensor([True, False]))
+    sampling.argmax(torch.randn(2, 5000).to(dt))
     variant[0] = "kv write"
     cache_k = torch.zeros(2, 17, nkv, d, dtype=dt)
     for ring in (False, True):

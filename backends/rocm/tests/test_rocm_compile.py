@@ -24,7 +24,8 @@ EXPECTED_KERNELS = {"mx_gemm_kernel", "mxfp4_quantize_kernel", "w4a16_gemm_kerne
                     "dense_gemv_kernel", "rms_norm_kernel", "residual_norm_kernel", "qk_norm_rope_kernel",
                     "head_norm_gate_kernel", "silu_mul_kernel", "logit_softcap_kernel", "router_topk_kernel",
                     "router_gemv_kernel",
-                    "attention_kernel", "kv_write_kernel", "decode_embed_kernel"}
+                    "attention_kernel", "kv_write_kernel", "decode_embed_kernel", "greedy_positions_kernel",
+                    "argmax_partial_kernel", "argmax_final_kernel"}
 
 
 def _has_amd_backend() -> bool:
@@ -88,3 +89,18 @@ def test_router_gemv_multiplies_in_full_fp32(compiled, arch):
     for r in rows:
         assert r["mfma"] and all(m.endswith("_f32") and "xf32" not in m for m in r["mfma"]), r
         assert r["scratch_bytes"] == 0 and r["lds_bytes"] <= 64 * 1024, r
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_shared_decode_switches_compile_without_scratch(compiled, arch):
+    """The shared kernels' off-by-default decode switches (attention's prefetched key positions and eager first
+    step; the greedy graph's fused position update and the Triton argmax) compile for AMD too, so routing one for
+    CUDA does not leave ROCm with a kernel never compiled for it. Register pressure is printed, not bounded: with
+    the prefetch the gfx9xx decode attention takes 256 VGPRs and some AGPRs (occupancy 1; 205 VGPRs without)."""
+    switched = [r for r in compiled[arch] if r["variant"].startswith("attention decode prefetch")]
+    assert {(r["constexprs"]["PREFETCH"], r["constexprs"]["EAGER"]) for r in switched} == \
+        {("True", "False"), ("False", "True"), ("True", "True")}, switched
+    sampling = {r["kernel"] for r in compiled[arch] if r["variant"] == "sampling"}
+    assert sampling == {"greedy_positions_kernel", "argmax_partial_kernel", "argmax_final_kernel"}, sampling
+    for r in switched + [r for r in compiled[arch] if r["variant"] == "sampling"]:
+        assert r["scratch_bytes"] == 0, f"{arch} {r['kernel']} ({r['variant']}) spills {r['scratch_bytes']} B"

@@ -49,6 +49,11 @@ PREFETCH_POSITIONS = False
 # its k and v). Off: this form was written in session 53 with no GPU lent, tested in the interpreter, not yet timed
 # (A/B modes attn_eager and attn_eager_prefetch of cuda_fused_ab.py).
 EAGER_FIRST_STEP = False
+# Both switches are shared by every backend that launches this kernel (ROCm too). Compiled for AMD without a GPU
+# (backends/rocm/tests/test_rocm_compile.py, session 54), the one-token program with PREFETCH_POSITIONS takes 256 VGPRs
+# and 45-76 AGPRs on gfx950 / gfx942 (occupancy 1) against 205 VGPRs (occupancy 2) without it, no scratch; EAGER alone
+# leaves it at 205. Routing PREFETCH_POSITIONS on an H200 measurement alone would move ROCm too: measure it there, or
+# keep it per vendor.
 
 
 def key_splits(S: int, programs: int, block_n: int, sms: int) -> tuple[int, int]:
