@@ -88,8 +88,7 @@ def launch(device: str, nproc: int, *extra: str, timeout_s: float = 1800) -> lis
                    *mesh, *extra, "--out", out]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             if done.returncode != 0:
-                tail = [line for line in done.stderr.splitlines() if "Error" in line][-3:]
-                raise RuntimeError(f"distributed benchmark with {world} rank(s) failed: {' | '.join(tail)}")
+                raise RuntimeError(f"distributed benchmark with {world} rank(s) failed: {rank_errors(done.stderr)}")
             with open(out) as f:
                 results[world] = json.load(f)
     one, many = results[1], results[nproc]
@@ -106,6 +105,15 @@ def launch(device: str, nproc: int, *extra: str, timeout_s: float = 1800) -> lis
                          one["logits_checksum"]["sample"], many["logits_checksum"]["sample"])),
                      "hardware": many["hardware"]})
     return rows
+
+
+def rank_errors(stderr: str) -> str:
+    """The ranks' own error lines from a failed launch's stderr (not torchrun's summary that only says a rank
+    died, nor traceback source lines), the last three joined; the last line when none names an error."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    own = [line for line in lines if "Error" in line and "ChildFailedError" not in line
+           and not line.startswith(("raise ", "File "))]
+    return " | ".join(own[-3:]) or (lines[-1] if lines else "no output")
 
 
 def _free_port() -> int:

@@ -217,3 +217,35 @@ def test_cli_generate_across_ranks_prints_once(tmp_path):
                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env())
     assert len(lines) == 1, done.stdout
     assert lines[0]["completion"] == json.loads(one.stdout)["completion"]
+
+
+# -- the distributed benchmark (musecore bench --case distributed) ---------------------------------
+
+def test_distributed_bench_rows_on_two_gloo_ranks(monkeypatch):
+    """``musecore.distributed_bench.launch``: one layer of muse-tiny on one rank and on TP2/EP2, decode at batch 1
+    and 2 and one prefill, each row with both throughputs, the scaling, the all-to-all bus bandwidth measured in the
+    run and the largest difference of the sampled logits from one rank (muse-tiny's BF16 tolerance, as above)."""
+    from musecore.distributed_bench import launch as bench_launch
+    for key, value in env().items():
+        monkeypatch.setenv(key, value)
+    rows = bench_launch("cpu", 2, "--preset", "muse-tiny", "--layers", "1", "--batches", "1,2", "--prefill", "16",
+                        "--steps", "2", timeout_s=LAUNCH_TIMEOUT_S)
+    assert [(r["shape"], r["M"]) for r in rows] == [("muse-tiny x1 layers, decode", 1),
+                                                  ("muse-tiny x1 layers, decode", 2),
+                                                  ("muse-tiny x1 layers, prefill", 16)], rows
+    for r in rows:
+        assert r["ranks"] == 2 and r["case"] == "distributed" and r["format"] == "bf16", r
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_one_rank"] > 0, r
+        assert r["scaling_efficiency"] == pytest.approx(r["tokens_per_s"] / r["tokens_per_s_one_rank"] / 2), r
+        assert r["all_to_all_bus_GBps"] > 0 and r["hardware"]["torch"] == torch.__version__, r
+        assert r["logits_max_abs_diff_vs_one_rank"] <= BF16_TOL, r
+
+
+def test_distributed_bench_failure_names_the_ranks_error():
+    """A rank that fails (here: an unknown preset) is one clear line, not torchrun's summary of which rank died."""
+    from musecore.distributed_bench import launch as bench_launch
+    with pytest.raises(RuntimeError) as failed:
+        bench_launch("cpu", 2, "--preset", "nope", timeout_s=LAUNCH_TIMEOUT_S)
+    message = str(failed.value)
+    assert message.startswith("distributed benchmark with 1 rank(s) failed: ValueError: unknown preset 'nope'"), message
+    assert "ChildFailedError" not in message and "\n" not in message, message
