@@ -134,8 +134,7 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
         offs_s = s_begin + tl.arange(0, BLOCK_N)
         s_mask = offs_s < s_end
         kp = tl.load(kpos_base + offs_s, mask=s_mask, other=-1)
-        k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
-        v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
+        k, v = _step_kv(k_base, v_base, offs_s, s_mask, sk_s, sv_s, d)
         visible = _visible(kp, qp, window, HAS_WINDOW)
         if tl.max(tl.max(visible.to(tl.int32), axis=1), axis=0) > 0:
             m_i, l_i, acc = _accumulate(q, k, v, visible, m_i, l_i, acc, qk_scale, MODE, KV_FP8)
@@ -154,8 +153,7 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
             kp = tl.load(kpos_base + offs_s, mask=s_mask, other=-1)
         visible = _visible(kp, qp, window, HAS_WINDOW)
         if tl.max(tl.max(visible.to(tl.int32), axis=1), axis=0) > 0:
-            k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
-            v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
+            k, v = _step_kv(k_base, v_base, offs_s, s_mask, sk_s, sv_s, d)
             m_i, l_i, acc = _accumulate(q, k, v, visible, m_i, l_i, acc, qk_scale, MODE, KV_FP8)
 
     if SPLIT:
@@ -166,6 +164,14 @@ def attend_tile(pid_m, pid_bh, pid_s, programs_bh, q_ptr, k_ptr, v_ptr, qpos_ptr
     else:
         out = tl.where(l_i[:, None] > 0, acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
         _store_rows(o_ptr, out, g, b, t, h, r_valid, so_b, so_t, so_h, gate_eps, D, GATE)
+
+
+@triton.jit
+def _step_kv(k_base, v_base, offs_s, s_mask, sk_s, sv_s, d):
+    """A step's keys and values ``[BLOCK_N, D]`` at slots ``offs_s`` (masked-off slots read as 0), as stored."""
+    k = tl.load(k_base + offs_s[:, None].to(tl.int64) * sk_s + d[None, :], mask=s_mask[:, None], other=0)
+    v = tl.load(v_base + offs_s[:, None].to(tl.int64) * sv_s + d[None, :], mask=s_mask[:, None], other=0)
+    return k, v
 
 
 @triton.jit
