@@ -213,7 +213,7 @@ def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = GEML
     try:
         from gemlite import helper
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
-        return [{"backend": "gemlite", "case": "linear", "error": f"gemlite is not importable: {exc!r}"[:300]}]
+        return [peer_error(f"gemlite is not importable: {exc!r}"[:300])]
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
     rows: list[dict] = []
@@ -222,8 +222,8 @@ def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = GEML
     weights = None  # (shape name, BF16 copies, ours per format, gemlite's per format) of the shape being measured
     for i, (name, m) in enumerate(todo):
         if deadline is not None and time.perf_counter() > deadline:
-            rows.append({"backend": "gemlite", "case": "linear", "error": f"not measured (past the {budget_s:g} s "
-                         "budget): " + ", ".join(f"{s} M={mm}" for s, mm in todo[i:])})
+            rows.append(peer_error(f"not measured (past the {budget_s:g} s budget): "
+                                   + ", ".join(f"{s} M={mm}" for s, mm in todo[i:])))
             break
         if weights is None or weights[0] != name:
             weights = None
@@ -231,6 +231,11 @@ def bench_gemlite(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = GEML
             weights = (name, *_gemlite_weights(be, helper, name, formats, rows))
         rows += _gemlite_rows(name, m, *weights[1:], ceiling)
     return rows
+
+
+def peer_error(error: str, **where) -> dict:
+    """A gemlite row that could not be measured: where (format, shape, M, ...) and why."""
+    return {"backend": "gemlite", "case": "linear", **where, "error": error}
 
 
 def _gemlite_weights(be: CudaBackend, helper, name: str, formats: tuple[str, ...], rows: list[dict]
@@ -249,8 +254,8 @@ def _gemlite_weights(be: CudaBackend, helper, name: str, formats: tuple[str, ...
         try:
             peers[fmt] = _rotating(make_peer, n * k // 2)
         except Exception as exc:  # noqa: BLE001
-            rows.append({"backend": "gemlite", "case": "linear", "format": fmt, "shape": f"{name} {k}->{n}",
-                         "error": f"{GEMLITE_LAYERS[fmt]}.from_linear failed: {exc!r}"[:300]})
+            rows.append(peer_error(f"{GEMLITE_LAYERS[fmt]}.from_linear failed: {exc!r}"[:300], format=fmt,
+                                   shape=f"{name} {k}->{n}"))
     return bf16_ws, ours, peers
 
 
@@ -273,8 +278,7 @@ def _gemlite_rows(name: str, m: int, bf16_ws: list, ours: dict, peers: dict, cei
         try:  # one call first: a failure here is the peer's row, not the end of the shape
             errors[("gemlite", fmt, GEMLITE_LAYERS[fmt])] = nmse(want, peers[fmt][0](x).float())
         except Exception as exc:  # noqa: BLE001
-            rows.append({"backend": "gemlite", "case": "linear", "format": fmt, "shape": f"{name} {k}->{n}", "M": m,
-                         "error": f"{exc!r}"[:300]})
+            rows.append(peer_error(f"{exc!r}"[:300], format=fmt, shape=f"{name} {k}->{n}", M=m))
             continue
         calls[("gemlite", fmt, GEMLITE_LAYERS[fmt])] = (peers[fmt], lambda layer: layer(x))
     times = time_calls(calls, interleave=m >= INTERLEAVE_M)
@@ -560,7 +564,7 @@ def bench_targets() -> list[dict]:
     try:  # the peer beside the NVFP4 rows (side by side, not a target): gemlite's A16W4_NVFP on the same shapes
         peers = [{**r, "gpu": gpu} for r in bench_gemlite(formats=("nvfp4",), budget_s=GEMLITE_TARGETS_BUDGET_S)]
     except Exception as exc:  # noqa: BLE001 - the peer's failure is its row; the table stands
-        peers = [{"backend": "gemlite", "case": "linear", "error": f"{exc!r}"[:300], "gpu": gpu}]
+        peers = [peer_error(f"{exc!r}"[:300], gpu=gpu)]
     ceiling = memory_ceiling_gbps()
 
     def summary(target: str, goal: float, unit: str, values: list[float], detail: str,
