@@ -112,17 +112,17 @@ NCU_MISSES="k_proj_m8 fp4_gemv 3 1 --shape k_proj --m 8;expert_down_m64 fp4_gluo
 k_proj_m256 fp4_gluon 3 1 --shape k_proj --m 256;expert_up_m4096 fp4_dequant|nvjet|xmma 6 2 --shape expert_up --m 4096;\
 moe_b1 fp4_gemv 6 2 --moe-batch 1"
 ncu_misses_step() {
+  local n=$1 spec tag kern skip count args
   local sections="--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis" spec
-  command -v ncu > /dev/null || { echo "$1. ncu: not installed on this machine"; return; }
+    --section SchedulerStats --section MemoryWorkloadAnalysis"
+  command -v ncu > /dev/null || { echo "$n. ncu: not installed on this machine"; return; }
   IFS=';' read -ra specs <<< "${NCU_SPECS:-$NCU_MISSES}"
   for spec in "${specs[@]}"; do
-    set -- "$1" $spec; local n=$1 tag=$2 kern=$3 skip=$4 count=$5; shift 5
+    read -r tag kern skip count args <<< "$spec"
     timeout $(cap ${NCU_S:-60}) ncu --clock-control none -k "regex:$kern" --launch-skip $skip --launch-count $count \
-      $sections python3 backends/cuda/lab/scripts/cuda_profile_gemv.py "$@" > $OUT/ncu_$tag.txt 2>&1
+      $sections python3 backends/cuda/lab/scripts/cuda_profile_gemv.py $args > $OUT/ncu_$tag.txt 2>&1
     echo "$n. ncu $tag at ${SECONDS}s (rc $?):"; grep -E "^  [a-z_0-9]+.*\(|Duration|Registers Per|Achieved Occupancy|\
 Theoretical Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Waves Per SM" \
       $OUT/ncu_$tag.txt | cut -c1-160 | head -30
-    set -- "$n"
   done
 }
