@@ -83,20 +83,14 @@ def dump_graphs(steps: list, folder: str) -> list[int]:
         step.graph.debug_dump(path)
         with open(path) as f:
             masked.append([re.sub(r"0x[0-9a-fA-F]{6,}", "ADDR", line) for line in f])  # (the DOT prints upper case)
-    described = [graph_edges.describe(step.graph) for step, _ in steps]
-    for i, (rows, line) in enumerate(described):
-        print(f"graph {i}: {line}", flush=True)
+    first = None
+    for i, (step, _) in enumerate(steps):
+        edge_rows, node_rows, _ = graph_edges.compare(step.graph, f"graph {i}", first)
+        first = first or (edge_rows, node_rows)
         with open(os.path.join(folder, f"graph{i}.edges.json"), "w") as f:
-            json.dump(rows, f, indent=0)
-        for d in graph_edges.differences(described[0][0], rows)[:20] if i else ():
-            print(f"  differs from graph 0 at {d}")
-    nodes = [graph_edges.describe_nodes(step.graph) for step, _ in steps]
-    for i, (rows, line) in enumerate(nodes):
-        print(f"graph {i}: {line}", flush=True)
+            json.dump(edge_rows, f, indent=0)
         with open(os.path.join(folder, f"graph{i}.nodes.json"), "w") as f:
-            f.write("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
-        for d in graph_edges.attribute_differences(nodes[0][0], rows)[:20] if i else ():
-            print(f"  attributes differ from graph 0's at {d}")
+            f.write("[\n" + ",\n".join(json.dumps(r) for r in node_rows) + "\n]\n")
     changed = []
     for i, lines in enumerate(masked):
         diff = [d for d in difflib.unified_diff(masked[0], lines, n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]

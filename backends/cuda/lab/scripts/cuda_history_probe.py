@@ -108,18 +108,10 @@ def main() -> None:
                                )[-8:]:
                 print(f"{d:+8.2f}  {first.get(k, 0):8.2f} -> {row['kernels'].get(k, 0):8.2f}  {k}")
         if args.edges:
-            rows_now, line = graph_edges.describe(state["model"]._generation_cache[2]["greedy"].graph)
-            print(f"edges after {event!r}: {line}", flush=True)
-            row["edges"] = graph_edges.summary(rows_now)
-            state.setdefault("first_edges", rows_now)
-            for d in graph_edges.differences(state["first_edges"], rows_now)[:20]:
-                print(f"  differs from the first graph's at {d}")
-            nodes_now, line = graph_edges.describe_nodes(state["model"]._generation_cache[2]["greedy"].graph)
-            print(f"nodes after {event!r}: {line}", flush=True)
-            state.setdefault("first_nodes", nodes_now)
-            row["attribute_differences"] = graph_edges.attribute_differences(state["first_nodes"], nodes_now)[:20]
-            for d in row["attribute_differences"]:
-                print(f"  attributes differ from the first graph's at {d}")
+            edge_rows, node_rows, row["attribute_differences"] = graph_edges.compare(
+                state["model"]._generation_cache[2]["greedy"].graph, f"after {event!r}", state.get("first_graph"))
+            row["edges"] = graph_edges.summary(edge_rows)
+            state.setdefault("first_graph", (edge_rows, node_rows))
         variants = triton_variants()
         row["new_triton_variants"] = {k: n - seen.get(k, 0) for k, n in variants.items() if n != seen.get(k, 0)}
         seen = variants

@@ -193,6 +193,25 @@ def describe_nodes(graph: Any) -> tuple[list[dict], str]:
     return rows, f"{len(rows)} nodes, {len(kernels)} kernels, {len(kinds)} distinct launch-attribute sets"
 
 
+def compare(graph: Any, label: str, first: tuple[list, list] | None = None, most: int = 20
+            ) -> tuple[list[dict], list[dict], list[str]]:
+    """Print ``label``'s edges and node attributes (:func:`describe`, :func:`describe_nodes`: one line each) and, given
+    ``first = (edges, nodes)`` of another graph, the first ``most`` places where they differ from it. Returns
+    ``(edges, nodes, attribute differences)`` (never raises)."""
+    edge_rows, line = describe(graph)
+    print(f"{label} edges: {line}", flush=True)
+    node_rows, line = describe_nodes(graph)
+    print(f"{label} nodes: {line}", flush=True)
+    attributes: list[str] = []
+    if first is not None:
+        for d in differences(first[0], edge_rows)[:most]:
+            print(f"  edges differ from the first graph's at {d}")
+        attributes = attribute_differences(first[1], node_rows)[:most]
+        for d in attributes:
+            print(f"  attributes differ from the first graph's at {d}")
+    return edge_rows, node_rows, attributes
+
+
 class Exec:
     """A new executable of a graph kept after capture (``cuGraphInstantiateWithFlags``, no flags), launched on the
     current stream by :meth:`replay` (``cuGraphLaunch``): a stand-in for ``torch.cuda.CUDAGraph`` wherever only

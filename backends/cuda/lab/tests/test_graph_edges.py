@@ -138,3 +138,14 @@ def test_exec_instantiates_launches_and_closes(driver):
     with pytest.raises(RuntimeError, match="cuGraphLaunch failed with CUresult 400"):
         ex.replay(stream=77)
 
+
+
+def test_compare_prints_each_graph_and_where_it_differs(driver, monkeypatch, capsys):
+    first = ge.compare(FakeGraph(), "graph 0")
+    assert first[2] == [] and "graph 0 edges: 2 edges" in capsys.readouterr().out
+    monkeypatch.setattr(ge, "_libcuda", lambda: FakeDriver(priority=3, programmatic=False))
+    edge_rows, node_rows, attributes = ge.compare(FakeGraph(), "graph 1", first[:2])
+    out = capsys.readouterr().out
+    assert "edges differ from the first graph's at 0: decode_embed_kernel -> memcpy: type 1/0" in out, out
+    assert len(attributes) == 1 and attributes[0].startswith("2: dense_gemv_kernel: attrs") and attributes[0] in out
+    assert [r["type"] for r in edge_rows] == [0, 0] and len(node_rows) == 3
