@@ -62,6 +62,13 @@ def greedy_step(model, prompt: list[list[int]], room: int):
     return step, restart
 
 
+def replay_us(step, restart, room: int) -> float:
+    """GPU microseconds per replay of ``step``, from the prompt's end (``restart`` first) over up to 50 replays of the
+    cache's ``room`` positions."""
+    restart()
+    return gpu_us(step, n=min(50, room - 2))
+
+
 class DebugGraph(torch.cuda.CUDAGraph):
     """A ``torch.cuda.CUDAGraph`` that keeps its ``cudaGraph_t`` for :meth:`debug_dump` (``keep_graph=True``, given
     to ``__init__`` too: pybind11 constructs there; debug mode alone dumps nothing, run 62; instantiated at the first
@@ -137,10 +144,7 @@ def main() -> None:
         with mock.patch.object(torch.cuda, "CUDAGraph", DebugGraph) if keep else contextlib.nullcontext():
             step, restart = greedy_step(model, prompt, args.room)
         if args.each:  # timed (so replayed) before the next capture
-            t = []
-            for _ in range(3):
-                restart()
-                t.append(gpu_us(step, n=min(50, args.room - 2)))
+            t = [replay_us(step, restart, args.room) for _ in range(3)]
             at_capture.append(round(sorted(t)[1], 1))
             print(json.dumps({"graph": i, "replay_us_at_capture": at_capture[-1]}), flush=True)
         if not args.release or i == args.graphs - 1:
@@ -152,8 +156,7 @@ def main() -> None:
     times: dict = defaultdict(list)
     for _ in range(3):
         for i, (step, restart) in enumerate(steps):
-            restart()
-            times[i].append(gpu_us(step, n=min(50, args.room - 2)))
+            times[i].append(replay_us(step, restart, args.room))
     rows = [{"graph": i, "replay_us": sorted(t)[1], "rounds": [round(x, 1) for x in t]} for i, t in times.items()]
     if args.reinstantiate:
         again: dict = defaultdict(list)
@@ -162,8 +165,7 @@ def main() -> None:
             for i, (step, restart) in enumerate(steps):
                 own, step.graph = step.graph, execs[i]
                 try:
-                    restart()
-                    again[i].append(gpu_us(step, n=min(50, args.room - 2)))
+                    again[i].append(replay_us(step, restart, args.room))
                 finally:
                     step.graph = own
         for i, ex in enumerate(execs):
