@@ -60,7 +60,6 @@ def test_argmax_refuses_what_it_cannot_take():
         argmax(torch.zeros(1, MAX_V + 1, dtype=torch.float16, device=DEVICE))
 
 
-
 @pytest.mark.parametrize("B", [1, 3, 16])
 def test_greedy_positions_is_the_masked_fill_and_the_add(B):
     """``greedy_positions``: the greedy step's positions (-1 for a row that ended) and the loop's advance, as
