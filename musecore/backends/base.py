@@ -98,6 +98,9 @@ class Backend:
 
     name: ClassVar[str] = ""
     api_version: ClassVar[tuple[int, int]] = API_VERSION
+    verified_on: ClassVar[str] = ""
+    """One line that ``musecore doctor`` shows on any host: the real chips this backend's kernels have run and
+    been checked on, and those it serves but has never run on (empty: the plugin does not say)."""
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")

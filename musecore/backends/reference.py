@@ -39,6 +39,8 @@ def dense_values(weight: WeightIn, dtype: torch.dtype) -> torch.Tensor:
 
 class ReferenceBackend(Backend):
     name = "reference"
+    verified_on = ("run on x86-64 CPUs; plain PyTorch with nothing chip-specific (the oracle every backend is checked "
+                   "against)")
 
     def probe(self) -> Probe:
         return Probe(available=True, score=1, devices=["cpu"],

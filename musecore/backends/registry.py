@@ -190,11 +190,18 @@ class PluginRecord:
                 "loaded": self.loaded, "error": self.error, "traceback": self.traceback,
                 "api_version": list(getattr(self.backend_class, "api_version", ()) or ()),
                 "available": probe.available if probe else False, "score": probe.score if probe else 0,
-                "devices": probe.devices if probe else [], "probe": probe.reason if probe else ""}
+                "devices": probe.devices if probe else [], "probe": probe.reason if probe else "",
+                "verified_on": _verified_on(self.backend_class) if self.loaded else ""}
 
     def __repr__(self) -> str:
         state = "not imported" if self._entry_point is not None else ("broken" if self._error else "loaded")
         return f"PluginRecord({self.name!r}, {self.target!r}, {self.distribution!r}, {state})"
+
+
+def _verified_on(cls: type) -> str:
+    """The class's ``verified_on`` line; a plugin's malformed one is shown as such, not fatal."""
+    said = getattr(cls, "verified_on", "")
+    return said if isinstance(said, str) else f"(malformed verified_on: {type(said).__name__}, not a string)"
 
 
 def _check_api(name: str, cls: Any) -> Optional[str]:

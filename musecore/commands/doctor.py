@@ -1,6 +1,7 @@
 """``musecore doctor``: every discovered backend, loaded or broken and why (an import or probe that
 raised, exited, hung past ``$MUSECORE_PLUGIN_TIMEOUT`` or returned a malformed Probe), its hardware
-and score, and the environment variables each backend reads that are set now (they change kernel choices)."""
+and score, the real chips each backend's kernels have run on (and those they never have: said on any host, not only
+on that chip's), and the environment variables each backend reads that are set now (they change kernel choices)."""
 
 from __future__ import annotations
 
@@ -22,19 +23,27 @@ def run(args) -> int:
 
     records = resolve_all(discover())
     env = {name: settings(r) for name, r in records.items()}
+    rows = {name: r.to_dict() for name, r in records.items()}
     if args.json:
-        print(json.dumps([{**r.to_dict(), "env": [vars(e) for e in env[r.name]]} for r in records.values()], indent=2))
+        print(json.dumps([{**rows[name], "env": [vars(e) for e in env[name]]} for name in records], indent=2))
         return 0
     table = Table(title="musecore backends")
     for col in ("backend", "status", "score", "devices", "details"):
         table.add_column(col)
     for r in records.values():
-        d = r.to_dict()
+        d = rows[r.name]
         status = (Text("failed", style="red") if not r.loaded else
                   Text("ready", style="green") if d["available"] else Text("no hardware", style="yellow"))
         table.add_row(r.name, status, str(d["score"]), ", ".join(d["devices"]), r.error or d["probe"])
+    ran = Table(title="real hardware each backend's kernels have run on")
+    for col in ("backend", "verified on"):
+        ran.add_column(col)
+    for r in records.values():
+        if r.loaded:
+            ran.add_row(r.name, rows[r.name]["verified_on"] or "not stated by the plugin (Backend.verified_on)")
     console = data_console()
     console.print(table)
+    console.print(ran)
     overrides = [(name, e) for name, found in env.items() for e in found if e.value is not None]
     if overrides:
         shown = Table(title="environment overrides in force")

@@ -79,3 +79,51 @@ def test_doctor_json_names_the_distribution_of_every_backend(capsys):
     records = json.loads(capsys.readouterr().out)
     assert records and all(r["distribution"] for r in records), [(r["name"], r["distribution"]) for r in records]
     assert {r["name"]: r["distribution"] for r in records}["reference"] == "musecore"
+
+
+def test_doctor_says_where_every_first_party_backend_has_run(capsys):
+    assert main(["doctor", "--json"]) == 0
+    records = [r for r in json.loads(capsys.readouterr().out) if r["distribution"].startswith("musecore")]
+    assert records and all(r["verified_on"] for r in records if r["loaded"]), [(r["name"], r["verified_on"])
+                                                                              for r in records]
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "real hardware each backend's kernels have run on" in out, out
+    assert all(r["verified_on"] in out for r in records), out
+
+
+def test_doctor_shows_an_unstated_or_malformed_verified_on_as_such(monkeypatch, capsys):
+    import musecore.backends.registry as registry
+    from musecore.backends.base import Backend, Probe
+
+    class Silent(Backend):
+        name = "silent"
+
+        def probe(self) -> Probe:
+            return Probe(False, reason="no device")
+
+    class Malformed(Silent):
+        name = "malformed"
+        verified_on = 3  # type: ignore[assignment]
+
+    fakes = {cls.name: PluginRecord(cls.name, f"fake:{cls.__name__}", "fake-dist", backend_class=cls)
+             for cls in (Silent, Malformed)}
+    monkeypatch.setattr(registry, "discover", lambda *a, **k: fakes)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "not stated by the plugin (Backend.verified_on)" in out, out
+    assert "(malformed verified_on: int, not a string)" in out, out
+    assert main(["doctor", "--json"]) == 0
+    said = {r["name"]: r["verified_on"] for r in json.loads(capsys.readouterr().out)}
+    assert said == {"silent": "", "malformed": "(malformed verified_on: int, not a string)"}, said
+
+
+def test_readme_quotes_the_verified_on_lines_as_doctor_prints_them(capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("| backend | verified on |"):].split("\n\n", 1)[0].splitlines()[2:]
+    quoted = dict(row.strip("| ").split(" | ", 1) for row in table)
+    assert main(["doctor", "--json"]) == 0
+    said = {r["name"]: r["verified_on"] for r in json.loads(capsys.readouterr().out) if r["loaded"]}
+    assert quoted and {name: said.get(name) for name in quoted} == quoted, (quoted, said)

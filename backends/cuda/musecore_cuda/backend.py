@@ -52,6 +52,21 @@ from musecore_triton.towers import TOWER_REASONS
 FP4_FORMATS = ("nvfp4", "mxfp4")
 SM_DEVICES = {9: ["h200", "h100", "h200-fp8", "h100-fp8"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
+RAN_ON = {9: ("H200",)}  # the chips of each verified SM major they ran on
+
+
+def verified_on(verified: Sequence[int] = VERIFIED_SM) -> str:
+    """``CudaBackend.verified_on`` (what ``musecore doctor`` says on any host), from ``verified`` and ``RAN_ON``."""
+    def chips(sm: int) -> list[str]:
+        return [d.upper() for d in SM_DEVICES[sm] if not d.endswith("-fp8")]  # -fp8: plans, not chips
+    ran = []
+    for sm in verified:
+        others = [c for c in chips(sm) if c not in RAN_ON[sm]]
+        ran.append(f"the {' / '.join(RAN_ON[sm])} (SM{sm}0"
+                   + (f"; the same code paths never run on the {' / '.join(others)})" if others else ")"))
+    never = [f"SM{sm}0 ({' / '.join(chips(sm))})" for sm in SM_DEVICES if sm not in verified]
+    return ("run and checked on " + "; ".join(ran)
+            + (f"; never run on {', '.join(never)}: its kernels are reported 'emulated'" if never else ""))
 
 def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     """``x @ W.T`` for an FP4 resident weight through the kernel ``fp4_linear_path`` picks for its M."""
@@ -166,6 +181,7 @@ class CudaBackend(TritonOps, Backend):
     """
 
     name = "cuda"
+    verified_on = verified_on()
     wants_static_cache = True  # decode steps are captured as CUDA graphs (musecore_cuda.graphs)
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None) -> None:

@@ -93,3 +93,17 @@ def test_head_kernels_refuse_a_head_dim_they_cannot_hold(on_sm):
     for op in ("attention", "qk_norm_rope", "head_norm_gate"):
         support = be.supports(op, OpSpec(op, shape=(("head_dim", 96),)))
         assert support.tier is Tier.NO and "96" in support.reason, (op, support.reason)
+
+
+def test_doctor_line_names_the_chips_run_on_and_those_never_run_on():
+    from musecore_cuda.backend import RAN_ON, SM_DEVICES, VERIFIED_SM, CudaBackend
+
+    line = CudaBackend.verified_on
+    ran, _, never = line.partition("; never run on ")
+    assert set(VERIFIED_SM) <= set(RAN_ON), (VERIFIED_SM, RAN_ON)
+    for sm in VERIFIED_SM:
+        assert f"SM{sm}0" in ran and all(chip in ran for chip in RAN_ON[sm]), line
+        untried = [d.upper() for d in SM_DEVICES[sm] if not d.endswith("-fp8") and d.upper() not in RAN_ON[sm]]
+        assert not untried or all(chip in ran.partition("never run on")[2] for chip in untried), line
+    for sm in set(SM_DEVICES) - set(VERIFIED_SM):
+        assert f"SM{sm}0" in never and all(d.upper() in never for d in SM_DEVICES[sm]), line

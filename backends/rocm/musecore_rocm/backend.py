@@ -56,6 +56,18 @@ from musecore_triton.towers import TOWER_REASONS
 
 VERIFIED_ARCHES: tuple[str, ...] = ()  # archs the kernels have run and been checked on: none yet
 
+
+def verified_on(verified: Sequence[str] = VERIFIED_ARCHES) -> str:
+    """``RocmBackend.verified_on`` (what ``musecore doctor`` says on any host), from ``verified``."""
+    def named(names: list[str]) -> str:
+        return ", ".join(f"{a} ({' / '.join(d.upper() for d in ARCHES[a].devices)})" for a in names)
+    never = [a for a in ARCHES if a not in verified]
+    untried = f"{named(never)} (compiled here for the arch without a device; numerics in Triton's CPU interpreter)"
+    if not verified:
+        return "never run on AMD hardware: " + untried
+    return f"run and checked on {named(list(verified))}" + (f"; never run on {untried}" if never else "")
+
+
 log = logging.getLogger("musecore.rocm")
 
 
@@ -82,6 +94,7 @@ class RocmBackend(TritonOps, Backend):
     """
 
     name = "rocm"
+    verified_on = verified_on()
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None, *, arch: Optional[str] = None) -> None:
         super().__init__(device if device is not None else "cuda")

@@ -151,3 +151,17 @@ def test_arch_table_matches_the_catalog_formats():
         for device in arch.devices:
             profile = CATALOG[device]
             assert ("mxfp4" in profile.activation_formats) == arch.mxfp4_w4a4
+
+
+def test_doctor_line_says_which_archs_never_ran_and_moves_with_verified_arches():
+    from musecore_rocm.backend import VERIFIED_ARCHES, verified_on
+
+    line = RocmBackend.verified_on
+    assert line == verified_on(VERIFIED_ARCHES)
+    assert line.startswith("never run on AMD hardware") == (not VERIFIED_ARCHES), line
+    for arch in set(ARCHES) - set(VERIFIED_ARCHES):
+        assert arch in line.partition("never run on")[2], line
+    one = verified_on(("gfx950",))
+    ran, _, never = one.partition("; never run on ")
+    assert "gfx950 (MI355X / MI350X)" in ran and "gfx950" not in never and "gfx942 (MI300X)" in never, one
+    assert "never" not in verified_on(tuple(ARCHES)), verified_on(tuple(ARCHES))

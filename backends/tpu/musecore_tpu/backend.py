@@ -150,6 +150,8 @@ class TpuBackend(Backend):
     """Pallas kernels on a TPU through torch_tpu, or in JAX's TPU interpreter on a CPU."""
 
     name = "tpu"
+    verified_on = (f"{NEVER_RUN} ({', '.join(CHIPS)}): the Pallas kernels checked in JAX's TPU interpreter on CPU, "
+                   "the decode step compiled by torch.compile's aot_eager on CPU")
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None, *,
                  interpret: Optional[Union[bool, str]] = None) -> None:

@@ -38,6 +38,13 @@ def test_probe_without_torch_tpu_says_so() -> None:
     assert "never run on a TPU" in probe.details["kernels"]
 
 
+def test_doctor_line_says_no_tpu_chip_has_run_it() -> None:
+    from musecore_tpu import TpuBackend
+    from musecore_tpu.chips import CHIPS
+    line = TpuBackend.verified_on
+    assert line.startswith("never run on a TPU") and all(chip in line for chip in CHIPS), line
+
+
 def test_probe_without_a_tpu_device_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch_tpu importable but no chip: 'no TPU device' (simulated: torch_tpu is not installed here)."""
     import sys

@@ -96,6 +96,9 @@ class XeonBackend(Backend):
     """INT4 weight-only and BF16 inference on x86-64 CPUs with PyTorch's CPU kernels."""
 
     name = "xeon"
+    verified_on = ("run and checked on x86-64 hosts of each ISA tier the probe names: Intel Xeon with AMX, Intel Xeon "
+                   "with AVX512_BF16 and no AMX exposed (Emerald Rapids class), AMD EPYC Zen 5 (AVX512_BF16), AMD EPYC "
+                   "with AVX2 only; the speed of one tier says nothing of another (backends/xeon/README.md)")
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None, *,
                  num_threads: Optional[int] = None) -> None:
