@@ -778,6 +778,19 @@ def calibration_windows(stream: Union[Sequence[int], torch.Tensor], tokens: int,
     return stream[:n * seq_len].view(n, seq_len)
 
 
+def calibration_model(src: Union[str, Path], calibration: Union[str, Sequence[int], torch.Tensor], tokens: int,
+                      seq_len: int) -> tuple[Any, torch.Tensor]:
+    """``src`` loaded on the CPU in fp32 as the calibrators run it, and ``calibration`` (text, tokenized with its
+    tokenizer, or token ids) as :func:`calibration_windows`."""
+    import musecore
+    model = musecore.load(src, device="cpu", dtype=torch.float32, progress=False, quantize_dense=False)
+    if isinstance(calibration, str):
+        if model.tokenizer is None:
+            raise ValueError(f"{src} has no tokenizer.json; pass calibration token ids instead of text")
+        calibration = model.tokenizer.encode(calibration)
+    return model, calibration_windows(calibration, tokens, seq_len)
+
+
 def read_calibration(path: Union[str, Path], tokenizer: Any) -> torch.Tensor:
     """Token ids from a calibration file: ``.txt`` (text), ``.jsonl`` (one ``{"text": ...}`` per line,
     each framed with the tokenizer's BOS/EOS like training) or ``.i16`` (raw int16 ids, the training
@@ -824,14 +837,8 @@ def convert_autoround(src: Union[str, Path], dst: Union[str, Path],
         conv, calib = convert_autoround("muse-bf16", "muse-int4-ar", text, iters=200)
         calib.summary()["rtn_fallback"]
     """
-    import musecore
     from musecore_quant.convert import convert
-    model = musecore.load(src, device="cpu", dtype=torch.float32, progress=False, quantize_dense=False)
-    if isinstance(calibration, str):
-        if model.tokenizer is None:
-            raise ValueError(f"{src} has no tokenizer.json; pass calibration token ids instead of text")
-        calibration = model.tokenizer.encode(calibration)
-    ids = calibration_windows(calibration, tokens, seq_len)
+    model, ids = calibration_model(src, calibration, tokens, seq_len)
     if expert_checkpoint is None:
         quantizer: Any = autoround_quantizer(model, ids, layers=layers, progress=progress, **options)
         opts, calib_report, include = quantizer.options, quantizer.report, quantizer.include_patterns()

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from musecore_quant import QTensor, dequantize, fake_quantize_activation, quantize
 from musecore_quant.gptq import GPTQ_FORMATS, gptq_quantize, input_hessian
 
-from musecore.calibrate import (AutoRoundQuantizer, CalibratedDense, _dense_experts, _sparse, calibration_windows,
+from musecore.calibrate import (AutoRoundQuantizer, CalibratedDense, _dense_experts, _sparse, calibration_model,
                                 capture_linear_inputs, convert_exclude, quantize_layerwise, routed_inputs,
                                 run_calibrated_convert)
 from musecore.model import MuseModel
@@ -254,16 +254,10 @@ def convert_gptq(src: Union[str, Path], dst: Union[str, Path], calibration: Unio
 
         conv, rep = convert_gptq("muse-bf16", "muse-mxfp4-gptq", ids, fmt="mxfp4", act_format="mxfp4")
     """
-    import musecore
     from musecore_quant.convert import convert
     if dense_groups and fmt != "int4":
         raise ValueError(f"dense groups are quantized to INT4 (what xeon6 runs); got fmt={fmt!r} with dense_groups")
-    model = musecore.load(src, device="cpu", dtype=torch.float32, progress=False, quantize_dense=False)
-    if isinstance(calibration, str):
-        if model.tokenizer is None:
-            raise ValueError(f"{src} has no tokenizer.json; pass calibration token ids instead of text")
-        calibration = model.tokenizer.encode(calibration)
-    ids = calibration_windows(calibration, tokens, seq_len)
+    model, ids = calibration_model(src, calibration, tokens, seq_len)
     started = time.perf_counter()
     expert_q = ExpertGPTQQuantizer(model, ids, fmt=fmt, layers=layers, act_format=act_format, options=options,
                                    experts=experts, progress=progress)
