@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -91,6 +91,15 @@ class EnvSetting:
 
 
 WeightIn = Union[torch.Tensor, "musecore_quant.QTensor"]  # noqa: F821
+
+
+def expert_format(formats: Iterable[str]) -> str:
+    """The one format of an expert triple's gate, up and down (what ``prepare_experts`` takes); a ValueError
+    naming them where they differ."""
+    found = set(formats)
+    if len(found) != 1:
+        raise ValueError(f"gate, up and down must share one format; got {sorted(found)}")
+    return found.pop()
 
 
 class Backend:

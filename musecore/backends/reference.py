@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from musecore_quant import QTensor
 
-from musecore.backends.base import Backend, Probe, Support, WeightIn
+from musecore.backends.base import Backend, Probe, Support, WeightIn, expert_format
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore.ops import reference as ref
 
@@ -58,9 +58,10 @@ class ReferenceBackend(Backend):
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
                         act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
+        fmt = expert_format(weight_format_of(w) for w in (gate, up, down))
         values = [dense_values(w, dtype).to(self.device) for w in (gate, up, down)]
         return ExpertWeights(gate=values[0], up=values[1], down=values[2],
-                             format=weight_format_of(gate if isinstance(gate, QTensor) else values[0]),
+                             format=fmt if isinstance(gate, QTensor) else weight_format_of(values[0]),
                              num_experts=values[0].shape[0], act_format=act_format,
                              gate_up_input_scale=getattr(gate, "input_scale", None),
                              down_input_scale=getattr(down, "input_scale", None))

@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
+from musecore.backends.base import (Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn,
+                                    expert_format)
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_cuda import choices
 from musecore_cuda.choices import DEQUANT_MIN_M, GEMM_MIN_M  # noqa: F401  (the crossovers, re-exported)
@@ -326,10 +327,7 @@ class CudaBackend(TritonOps, Backend):
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
                         act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
-        fmts = {format_of(w) for w in (gate, up, down)}
-        if len(fmts) != 1:
-            raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
-        fmt = fmts.pop()
+        fmt = expert_format(format_of(w) for w in (gate, up, down))
         if fmt == "fp8" and act_format == TOKEN_ACT:
             stacks = [prepare_fp8(w, self.device, per_token=True) for w in (gate, up, down)]
             return ExpertWeights(gate=stacks[0], up=stacks[1], down=stacks[2], format=fmt,

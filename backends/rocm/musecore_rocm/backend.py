@@ -32,7 +32,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
+from musecore.backends.base import (Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn,
+                                    expert_format)
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_rocm import choices
 from musecore_rocm.aiter_adapter import (AiterApi, AiterExperts, AiterLinear, aiter_a16w4_fits, aiter_a16w4_selected,
@@ -247,10 +248,7 @@ class RocmBackend(TritonOps, Backend):
 
     def prepare_experts(self, gate: WeightIn, up: WeightIn, down: WeightIn, *,
                         act_format: Optional[str] = None, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
-        fmts = {format_of(w) for w in (gate, up, down)}
-        if len(fmts) != 1:
-            raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
-        fmt = fmts.pop()
+        fmt = expert_format(format_of(w) for w in (gate, up, down))
         if fmt == "mxfp4" and act_format in (None, "mxfp4"):
             stacks = mx_experts(gate, up, down, self.device)
             api = self.aiter_api() if act_format == "mxfp4" else None

@@ -29,7 +29,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
+from musecore.backends.base import (Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn,
+                                    expert_format)
 from musecore.backends.reference import weight_format_of
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore.ops import reference as ref
@@ -292,10 +293,7 @@ class TpuBackend(Backend):
         if act_format is not None:
             raise ValueError(NO_ACT_QUANT.format(fmt=act_format))
         prepared = [self._resident(w, dtype) for w in (gate, up, down)]
-        fmts = {p[0] for p in prepared}
-        if len(fmts) != 1:
-            raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
-        fmt = fmts.pop()
+        fmt = expert_format(p[0] for p in prepared)
         groups = {p[2] for p in prepared}
         if len(groups) != 1:
             raise ValueError(f"gate, up and down must share one group size; got {sorted(groups)}")

@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from musecore.backends.base import Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn
+from musecore.backends.base import (Backend, EnvSetting, KernelChoice, LinearShape, Probe, Support, WeightIn,
+                                    expert_format)
 from musecore.backends.reference import weight_format_of
 from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_quant.qtensor import QTensor
@@ -195,10 +196,7 @@ class XeonBackend(Backend):
         The returned ``ExpertWeights.gate`` holds the fused ``[gate; up]`` per expert (``up`` is None)
         and ``extra["xeon"]`` the :class:`XeonExperts` that ``moe`` runs.
         """
-        fmts = {self._check_format(w, act_format) for w in (gate, up, down)}
-        if len(fmts) != 1:
-            raise ValueError(f"gate, up and down must share one format; got {sorted(fmts)}")
-        fmt = fmts.pop()
+        fmt = expert_format(self._check_format(w, act_format) for w in (gate, up, down))
         shape = lambda w: tuple(w.shape)  # noqa: E731  (QTensor.shape is the logical shape too)
         (E, inter, hidden), down_shape = shape(gate), shape(down)
         if shape(up) != (E, inter, hidden) or down_shape != (E, hidden, inter):
