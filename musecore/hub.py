@@ -47,7 +47,8 @@ def resolve(hub_id: str, download: bool = False) -> Path:
     repo_id, _, revision = hub_id.partition("@")
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                            RepositoryNotFoundError, RevisionNotFoundError)
     except ImportError as e:
         raise FileNotFoundError(f"{hub_id!r} looks like a Hub id, but huggingface_hub is not installed ({e}); "
                                 "pip install huggingface_hub, or pass a checkpoint folder") from None
@@ -60,8 +61,28 @@ def resolve(hub_id: str, download: bool = False) -> Path:
         folder = snapshot_download(repo_id, revision=revision or None, cache_dir=str(cache),
                                    local_files_only=not download,
                                    allow_patterns=CHECKPOINT_FILES if download else None)
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as err:
+        if download:  # huggingface_hub's answer when the Hub cannot be reached and nothing is cached
+            raise FileNotFoundError(f"could not download {hub_id}: the Hub was not reachable and no snapshot is cached "
+                                    f"in {cache} ({_first_line(err)}); check the network (HF_ENDPOINT, proxy "
+                                    f"settings), or fetch it on a machine that has one with `{fetch}`") from None
         raise FileNotFoundError(f"{hub_id} is not in the Hugging Face cache ({cache}); fetch it with "
                                 f"`{fetch}`, or pass --download (download=True) to let musecore fetch it") from None
+    except GatedRepoError:
+        raise FileNotFoundError(f"{repo_id} is gated on the Hub: accept its terms on its page, log in with "
+                                "`hf auth login` (or set HF_TOKEN), then try again") from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"no repository {repo_id} on the Hub (or it is private: log in with `hf auth login` "
+                                "or set HF_TOKEN); check the id") from None
+    except RevisionNotFoundError:
+        raise FileNotFoundError(f"{repo_id} has no revision {revision!r} on the Hub; pass a branch, tag or commit "
+                                "that exists (org/name@revision)") from None
+    except HfHubHTTPError as err:
+        raise FileNotFoundError(f"downloading {hub_id} failed: {_first_line(err)}; try again, or fetch it with "
+                                f"`{fetch}`") from None
     return Path(folder)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 

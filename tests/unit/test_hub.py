@@ -78,3 +78,33 @@ def test_hub_cache_location_follows_the_environment(monkeypatch, tmp_path):
                                           ("./org/name", False), ("/abs/path", False), ("a/b/c", False)])
 def test_what_counts_as_a_hub_id(name, is_hub):
     assert hub.looks_like_hub_id(name) is is_hub
+
+
+def http_error(cls, status: int):
+    import httpx
+    response = httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api/models/x"))
+    return cls(f"{status} Client Error: something\nmore detail", response=response)
+
+
+@pytest.mark.parametrize("error, said", [
+    (lambda e: e.LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub"),
+     "could not download nobody/absent: the Hub was not reachable and no snapshot is cached"),
+    (lambda e: http_error(e.GatedRepoError, 403), "nobody/absent is gated on the Hub"),
+    (lambda e: http_error(e.RepositoryNotFoundError, 404), "no repository nobody/absent on the Hub"),
+    (lambda e: http_error(e.RevisionNotFoundError, 404), "nobody/absent has no revision 'v9'"),
+    (lambda e: http_error(e.HfHubHTTPError, 500), "downloading nobody/absent@v9 failed: 500 Client Error: something;"),
+], ids=["unreachable", "gated", "no-repo", "no-revision", "http"])
+def test_a_failed_download_says_why_in_one_line(cache, monkeypatch, capsys, error, said):
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    def fail(*args, **kwargs):
+        raise error(errors)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the fixture's guard; the fake never reaches the network
+    hub_id = "nobody/absent@v9" if "revision" in said or "failed" in said else "nobody/absent"
+    with pytest.raises(FileNotFoundError) as raised:
+        hub.resolve(hub_id, download=True)
+    message = str(raised.value)
+    assert said in message and "\n" not in message and "pass --download" not in message, message
