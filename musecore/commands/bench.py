@@ -61,9 +61,14 @@ def benchmark_cases(backend: str) -> dict:
     """``{case: callable}`` from the ``musecore.benchmarks`` entry point named ``backend``."""
     from stevedore import ExtensionManager
 
-    from musecore.backends.registry import get_backend_class
+    from musecore.backends.registry import discover, get_backend_class
 
-    get_backend_class(backend)  # not installed / failed to load: that error, with its cause, first
+    records = discover(probe=False)
+    get_backend_class(backend, records)  # not installed / failed to load: that error, with its cause, first
+    probe = records[backend].probe
+    if probe is None or not probe.available:  # its cases time its hardware: say why it is not here, not a traceback
+        why = records[backend].error or (probe.reason if probe else "its probe returned nothing")
+        raise UsageError(f"musecore bench --backend {backend} needs that backend's hardware, and it is not here: {why}")
     errors: list[str] = []
     ExtensionManager.ENTRY_POINT_CACHE.pop(GROUP, None)
     manager = ExtensionManager(GROUP, invoke_on_load=False,

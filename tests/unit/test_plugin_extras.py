@@ -101,3 +101,14 @@ def test_doctor_shows_the_environment_overrides_in_force(root, monkeypatch, caps
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "environment overrides in force" in out and "BENCHY_KNOB" in out, out
+
+
+def test_bench_without_the_backends_hardware_says_why_in_one_line(root, capsys):
+    absent = BACKEND.replace('Probe(available=True, devices=["cpu"], reason="test plugin")',
+                             'Probe(available=False, reason="no benchy card: the driver is not loaded")')
+    install(root, "nohw", {"musecore.backends": {"nohw": "nohw:BenchyBackend"},
+                           "musecore.benchmarks": {"nohw": "nohw.bench:benchmarks"}},
+            {"__init__.py": absent, "bench.py": CASES.replace("for n in (2, 3)", "for n in (1 / 0,)")})
+    assert main(["bench", "--backend", "nohw", "--case", "square"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs that backend's hardware" in err and "no benchy card" in err, err
