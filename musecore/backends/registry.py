@@ -300,9 +300,16 @@ def resolve_all(records: dict[str, PluginRecord]) -> dict[str, PluginRecord]:
 
 
 def install_hint(backend: str) -> str:
-    """How to install a backend package: they are not published, so from a musecore checkout."""
-    return (f"musecore-{backend} is not on PyPI: install it from a musecore checkout with "
-            f"`pip install -e ./backends/{backend}`")
+    """How to install a backend package: musecore's own are not published, so from a musecore checkout; another
+    name is a third-party plugin (or a typo), installed from wherever its vendor ships it."""
+    from musecore.devices import CATALOG
+
+    ours = sorted({profile.backend for profile in CATALOG.values()} - {"reference"})
+    if backend in ours:
+        return (f"musecore-{backend} is not on PyPI: install it from a musecore checkout with "
+                f"`pip install -e ./backends/{backend}`")
+    return (f"musecore's own backends are {ours}; {backend!r} would be a third-party plugin: install the package "
+            "that provides it (its 'musecore.backends' entry point), or check the name")
 
 
 def unavailable_reason(records: dict[str, PluginRecord], backend: str, device: Optional[str] = None) -> Optional[str]:

@@ -1,5 +1,7 @@
 """Errors a user can act on leave the CLI as one line and exit status 2, never a traceback."""
 
+import pytest
+
 from musecore.cli import main
 
 
@@ -14,7 +16,14 @@ def test_a_missing_backend_is_reported_without_a_traceback(capsys):
     assert main(["bench", "--backend", "nosuchbackend"]) == 2
     err = capsys.readouterr().err
     assert "not installed" in err and "Traceback" not in err, err
-    assert "pip install -e ./backends/nosuchbackend" in err and "not on PyPI" in err, err
+    assert "'nosuchbackend' would be a third-party plugin" in err and "./backends/nosuchbackend" not in err, err
+
+
+def test_a_missing_first_party_backend_names_its_folder_in_the_checkout():
+    from musecore.backends.registry import BackendError, get_backend_class
+
+    with pytest.raises(BackendError, match=r"musecore-rocm is not on PyPI: .*`pip install -e \./backends/rocm`"):
+        get_backend_class("rocm", records={})
 
 
 def test_a_shared_cache_directory_is_reported_without_a_traceback(tmp_path, monkeypatch, capsys):
