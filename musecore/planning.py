@@ -28,7 +28,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Collection, Optional, Union
 
-from musecore_quant.formats.facts import FACTS, block_size, bytes_per_value, weight_bytes
+from musecore_quant.formats.facts import FACTS, block_size, weight_bytes
 
 from musecore.backends.base import Backend, KernelChoice, LinearShape, Support, Tier
 from musecore.backends.registry import unavailable_reason
@@ -41,7 +41,8 @@ from musecore.names import (AUDIO, DENSE_QUANTIZABLE, TOWER_GROUPS, TOWERS, VISI
                             expert_key, fusable_projections, fused_expert_name, is_fp32_tensor, layer_of,
                             op_of_weight, projection_of, tower_of, weight_group)
 from musecore.ops import TEXT_OPS, OpSpec
-from musecore.planning_mesh import USABLE, MeshPlan, devices_per_node, mesh_choices, plan_mesh, propose_mesh
+from musecore.planning_mesh import (USABLE, MeshPlan, devices_per_node, kv_bytes_for_heads, mesh_choices, plan_mesh,
+                                    propose_mesh)
 
 QUANTIZED = tuple(name for name, f in FACTS.items() if f.quantized)
 DENSE = tuple(name for name, f in FACTS.items() if not f.quantized)
@@ -478,9 +479,8 @@ def host_memory_bytes() -> int:
 
 
 def kv_bytes(config: MuseConfig, context: int, kv_format: str) -> int:
-    per_token_layer = int(2 * config.num_key_value_heads * config.head_dim * bytes_per_value(kv_format))
-    return sum(per_token_layer * (min(context, config.sliding_window) if t == "sliding_attention" else context)
-               for t in config.layer_types)
+    """The KV cache of every KV head for ``context`` tokens at batch 1 (sliding layers keep their window)."""
+    return kv_bytes_for_heads(config, context, kv_format, config.num_key_value_heads)
 
 
 def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False, allow_emulation: bool = False,

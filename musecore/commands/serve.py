@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
                          "pip install -e \".[serve]\"") from None
     if args.max_batch < 1 or args.max_waiting < 0:
         raise UsageError("--max-batch must be >= 1 and --max-waiting >= 0")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise UsageError(f"--max-model-len must be >= 1 (or left out: the model's context); got {args.max_model_len}")
+    check_listen(args.host, args.port)  # before the load, which can take minutes
     import os
 
     from musecore.threads import NUM_THREADS_ENV, configure_threads
@@ -82,3 +85,25 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def check_listen(host: str, port: int) -> None:
+    """A UsageError when the server could not listen on ``host:port`` (a port out of range, a host that does not
+    resolve, an address in use), found by binding a socket as uvicorn will and closing it."""
+    import socket
+
+    from musecore.cli import UsageError
+
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in 0..65535; got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} does not resolve ({e.strerror}); pass an address of this machine") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host, or stop "
+                             "what holds it") from None

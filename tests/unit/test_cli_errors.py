@@ -43,3 +43,27 @@ def test_a_shared_cache_directory_is_reported_without_a_traceback(tmp_path, monk
     assert main(["devices"]) == 2
     err = capsys.readouterr().err
     assert "writable by other users" in err and "Traceback" not in err, err
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(monkeypatch, capsys):
+    import socket
+
+    import musecore
+
+    monkeypatch.setattr(musecore, "load", lambda *a, **k: pytest.fail("loaded a model before checking the address"))
+    assert main(["serve", "--port", "99999"]) == 2
+    assert "--port must be in 0..65535; got 99999" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err, err
+
+    def unresolved(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    assert main(["serve", "--host", "nowhere.invalid"]) == 2
+    assert "--host 'nowhere.invalid' does not resolve (Name or service not known)" in capsys.readouterr().err

@@ -73,6 +73,31 @@ def test_limits_are_checked_on_submit(model):
         engine.submit(Request([1, 2], Sampling(max_tokens=4), lambda e: None, tok))
 
 
+
+def test_max_model_len_is_checked_and_capped_at_the_models_context(model, caplog):
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="max_model_len must be an integer >= 1"):
+            Engine(model, max_batch=1, max_model_len=bad)
+    limit = model.config.max_position_embeddings
+    with caplog.at_level("WARNING", logger="musecore.serve"):
+        assert Engine(model, max_batch=1, max_model_len=limit * 1000).max_model_len == limit
+    assert f"max_model_len {limit * 1000} is beyond" in caplog.text, caplog.text
+
+
+def test_a_kv_cache_beyond_the_free_memory_is_refused_before_it_is_allocated(model, monkeypatch):
+    from musecore.planning_mesh import kv_bytes_for_heads
+    from musecore.serve import engine as engine_module
+
+    need = 4 * kv_bytes_for_heads(model.config, 256, "bf16", model.config.num_key_value_heads)
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: need - 1)
+    monkeypatch.setattr(model, "new_cache", lambda *a, **k: pytest.fail("the cache was allocated"))
+    with pytest.raises(ValueError, match=r"KV cache \(4 rows x 256 positions, bf16\) needs .* lower --max-model-len"):
+        Engine(model, max_batch=4, max_model_len=256)
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: need)
+    with pytest.raises(pytest.fail.Exception, match="the cache was allocated"):  # it fits: allocated
+        Engine(model, max_batch=4, max_model_len=256)
+
+
 @pytest.mark.parametrize("path", ["plain", "graphed"])
 def test_nan_logits_stop_the_engine_with_the_error_for_every_client(path):
     """Broken weights never become tokens in the server either: every waiting client gets the error."""
