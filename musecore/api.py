@@ -35,6 +35,21 @@ BUNDLED = Path(str(files("musecore") / "data"))
 log = logging.getLogger("musecore.load")
 TORCH_DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "tpu": "tpu", "xeon": "cpu", REFERENCE: "cpu"}
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {name: dtype for dtype, label in DTYPE_LABELS.items()
+               for name in (label, str(dtype).removeprefix("torch."))}  # "bf16", "bfloat16", ...
+
+
+def model_dtype(dtype: Union[None, str, torch.dtype]) -> torch.dtype:
+    """The activation dtype a model runs in: ``dtype`` (a torch dtype or its name), bf16 when None; a ValueError
+    naming the choices for anything else."""
+    if dtype is None:
+        return torch.bfloat16
+    found = (DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else
+             dtype if isinstance(dtype, torch.dtype) and dtype in DTYPE_LABELS else None)
+    if found is None:
+        raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or one of "
+                         f"{sorted(DTYPE_NAMES)}); got {dtype!r}")
+    return found
 
 
 def resolve_model(model: Union[str, Path], download: bool = False) -> tuple[str, Optional[Path]]:
@@ -133,7 +148,7 @@ def resolve_target(device: str, emulate: bool, records: Optional[dict] = None) -
     return resolve_device(device, records)
 
 
-def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch.dtype] = None,
+def plan(model: Union[str, Path], device: str = "auto", *, dtype: Union[None, str, torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
          kv_format: str = "bf16", checkpoint_format: str = "bf16", quantize_dense: DenseGroups = None,
          tp: Optional[int] = None, ep: Optional[int] = None, sp: bool = False, towers: Towers = None) -> Plan:
@@ -151,7 +166,7 @@ def plan(model: Union[str, Path], device: str = "auto", *, dtype: Optional[torch
     records = discover()
     name, _ = resolve_target(device, emulate, records)
     return make_plan(summary, name, emulate=emulate, allow_emulation=allow_emulation, allow_reference=allow_reference,
-                     dtype_label=DTYPE_LABELS[dtype or torch.bfloat16], kv_format=kv_format, records=records,
+                     dtype_label=DTYPE_LABELS[model_dtype(dtype)], kv_format=kv_format, records=records,
                      quantize_dense=quantize_dense, mesh=mesh_of(tp, ep, sp), towers=towers)
 
 
@@ -190,7 +205,7 @@ def _dispatcher(op: str, impls: dict[tuple, Any]):
     return dispatch_moe if op == "moe" else dispatch
 
 
-def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: Optional[torch.dtype] = None,
+def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: Union[None, str, torch.dtype] = None,
          emulate: bool = False, allow_emulation: bool = False, allow_reference: bool = False,
          kv_format: str = "bf16", progress: Optional[bool] = None, quantize_dense: DenseGroups = None,
          download: bool = False, tp: Optional[int] = None, ep: Optional[int] = None, sp: bool = False,
@@ -219,7 +234,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
 
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
-    dtype = dtype or torch.bfloat16
+    dtype = model_dtype(dtype)
     comm = join(mesh_of(tp, ep, sp), device, emulate)
     try:
         summary, reader = summarize(model, download=download)
@@ -247,7 +262,7 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
 
 
 def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpoint_format: str = "bf16",
-                dtype: Optional[torch.dtype] = None, emulate: bool = False, seed: int = 0, std: float = 0.02,
+                dtype: Union[None, str, torch.dtype] = None, emulate: bool = False, seed: int = 0, std: float = 0.02,
                 allow_reference: bool = False, quantize_dense: DenseGroups = None, tp: Optional[int] = None,
                 ep: Optional[int] = None, sp: bool = False) -> MuseModel:
     """A model with random weights (MODEL.md initialisation) through the same plan and placement as
@@ -261,7 +276,7 @@ def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpo
     from musecore_quant import quantize
 
     config = preset if isinstance(preset, MuseConfig) else MuseConfig.from_name(preset)
-    dtype = dtype or torch.bfloat16
+    dtype = model_dtype(dtype)
     summary = preset_summary(preset if isinstance(preset, str) else "custom config", config, checkpoint_format)
 
     def tensors(_placer: Placer, torch_device: torch.device):
@@ -300,6 +315,7 @@ def assemble(summary: CheckpointSummary, device: str,
     """Plan ``summary`` on ``device`` (raising on gaps), make the backends, and fill a model with
     ``tensors(placer, torch_device)`` converted and prepared per the plan: what every loader shares.
     With ``comm``, this process is one rank of a ``torchrun`` launch and keeps its pieces only."""
+    dtype = model_dtype(dtype)
     records = discover()
     name, torch_device = resolve_target(device, emulate, records)
     if comm is not None:

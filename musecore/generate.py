@@ -106,7 +106,8 @@ def _normalise_prompt(prompt: Prompt) -> tuple[list[Any], str, bool]:
     raise TypeError(f"{usage}; got a list mixing {kinds}")
 
 
-def _validate_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+def _validate_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                      seed: Optional[int] = None) -> None:
     if not _is_token_id(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
     if not temperature >= 0:  # also rejects NaN
@@ -115,6 +116,8 @@ def _validate_options(max_new_tokens: int, temperature: float, top_p: float, top
         raise ValueError(f"top_p must be in (0, 1] (1 = off); got {top_p!r}")
     if not _is_token_id(top_k) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off); got {top_k!r}")
+    if seed is not None and not _is_token_id(seed):
+        raise ValueError(f"seed must be an int (or None: torch's global RNG); got {seed!r}")
 
 
 def _eos_ids(model: Any) -> set[int]:
@@ -389,7 +392,7 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
         ids = generate(model, [1, 2, 3], temperature=0.8, top_p=0.95, seed=0)
         outs = generate(model, ["a short one", "a much longer prompt"], stream=lambda i, s: print(i, s))
     """
-    _validate_options(max_new_tokens, temperature, top_p, top_k)
+    _validate_options(max_new_tokens, temperature, top_p, top_k, seed)
     prompts, mode, is_batch = _normalise_prompt(prompt)
     is_text = mode != "ids"
     tokenizer = model.tokenizer

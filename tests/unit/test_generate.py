@@ -205,6 +205,8 @@ def test_eos_token_ends_generation(ids_model):
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be an int >= 0"),
+    (dict(temperature=0.5, seed="a"), "seed must be an int .*; got 'a'"),
+    (dict(temperature=0.5, seed=1.5), "seed must be an int .*; got 1.5"),
 ])
 def test_invalid_options_are_rejected(ids_model, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -350,3 +352,15 @@ def test_greedy_decode_step_takes_the_tokens_on_the_device_and_equals_the_plain_
     sampled = model.generate(prompts, max_new_tokens=6, temperature=0.7, seed=1)
     assert sampled == ids_model.generate(prompts, max_new_tokens=6, temperature=0.7, seed=1)
     assert (backend.greedy_captures, backend.captures) == (1, 1)
+
+
+@pytest.mark.parametrize("dtype, expected", [(None, torch.bfloat16), ("fp32", torch.float32),
+                                             ("float32", torch.float32), (torch.float32, torch.float32)])
+def test_load_takes_a_dtype_or_its_name(dtype, expected):
+    assert musecore.load("muse-tiny", device="cpu", dtype=dtype, progress=False).dtype == expected
+
+
+@pytest.mark.parametrize("dtype", ["float8", torch.int8, [1]])
+def test_load_refuses_another_dtype_naming_the_choices(dtype):
+    with pytest.raises(ValueError, match=r"dtype must be torch.bfloat16, torch.float16 or torch.float32 .*; got "):
+        musecore.load("muse-tiny", device="cpu", dtype=dtype, progress=False)
