@@ -22,7 +22,7 @@ from musecore.backends.reference import ReferenceBackend
 from musecore.backends.registry import best_device, discover, unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
-from musecore.distributed import Comm, Mesh, connect, keeps_expert, leading_ranges, tensor_piece
+from musecore.distributed import Comm, Mesh, MeshError, connect, keeps_expert, leading_ranges, tensor_piece
 from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
 from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
@@ -301,6 +301,8 @@ def mesh_of(tp: Optional[int], ep: Optional[int], sp: bool) -> Optional[Mesh]:
 def join(mesh: Optional[Mesh], device: str, emulate: bool) -> Optional[Comm]:
     """This rank's :class:`~musecore.distributed.Comm` in the ``torchrun`` launch ``mesh`` needs (NCCL on
     CUDA devices, gloo on the CPU); None for one device. Raises when the launch does not fit the mesh."""
+    if mesh is not None and mesh.size_problem() is not None:  # before the launch's size is compared with it
+        raise MeshError(mesh.size_problem())
     if mesh is None or mesh.world == 1:
         return None
     _name, torch_device = resolve_target(device, emulate, discover())

@@ -75,12 +75,18 @@ class Mesh:
         """How many copies of each expert range there are (``world / ep``)."""
         return self.world // self.ep
 
-    def problems(self, config: Any) -> list[str]:
-        """Every reason this mesh cannot split ``config`` (empty when it can)."""
-        out = []
+    def size_problem(self) -> Optional[str]:
+        """Why ``tp`` or ``ep`` is not a size at all (not a positive integer), whatever the model; None if both are."""
         for name, value in (("tp", self.tp), ("ep", self.ep)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                return [f"{name} must be a positive integer, got {value!r}"]
+                return f"{name} must be a positive integer, got {value!r}"
+        return None
+
+    def problems(self, config: Any) -> list[str]:
+        """Every reason this mesh cannot split ``config`` (empty when it can)."""
+        if self.size_problem() is not None:
+            return [self.size_problem()]
+        out = []
         world = self.world
         if self.tp not in (1, world):
             out.append(f"tp={self.tp} must be 1 or the world size ({world})")

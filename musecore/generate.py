@@ -393,6 +393,8 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
         outs = generate(model, ["a short one", "a much longer prompt"], stream=lambda i, s: print(i, s))
     """
     _validate_options(max_new_tokens, temperature, top_p, top_k, seed)
+    if stream is not None and not callable(stream):
+        raise TypeError(f"stream must be a callable (piece) or (index, piece), or None; got {type(stream).__name__}")
     prompts, mode, is_batch = _normalise_prompt(prompt)
     is_text = mode != "ids"
     tokenizer = model.tokenizer

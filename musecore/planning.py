@@ -34,6 +34,7 @@ from musecore.backends.base import Backend, KernelChoice, LinearShape, Support, 
 from musecore.backends.registry import unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import DeviceProfile, get_profile
+from musecore.kv_cache import KV_FORMATS
 from musecore.distributed import Mesh, MeshError
 from musecore.loader import fusable_format
 from musecore.model import checkpoint_shapes
@@ -508,6 +509,9 @@ def make_plan(summary: CheckpointSummary, device: str, *, emulate: bool = False,
     ``towers``: which vision/audio towers to load (:func:`plan_towers`; default: those the checkpoint
     has and the plan can run, the others skipped with the reason in ``towers_skipped`` and the notes).
     """
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {KV_FORMATS} ('bf16': K and V in the model's dtype, 'fp8': E4M3 "
+                         f"with per-tensor scales); got {kv_format!r}")
     from musecore.backends.registry import discover
 
     if mesh is not None:

@@ -364,3 +364,14 @@ def test_load_takes_a_dtype_or_its_name(dtype, expected):
 def test_load_refuses_another_dtype_naming_the_choices(dtype):
     with pytest.raises(ValueError, match=r"dtype must be torch.bfloat16, torch.float16 or torch.float32 .*; got "):
         musecore.load("muse-tiny", device="cpu", dtype=dtype, progress=False)
+
+
+def test_bad_launch_options_are_refused_before_anything_runs(ids_model):
+    with pytest.raises(TypeError, match="stream must be a callable .*; got int"):
+        ids_model.generate([1, 2], stream=5)
+    with pytest.raises(ValueError, match=r"kv_format must be one of \('bf16', 'fp8'\) .*; got 'nvfp4'"):
+        musecore.load("muse-tiny", device="cpu", kv_format="nvfp4", progress=False)
+    for kw, said in ((dict(tp=2.5), "tp must be a positive integer, got 2.5"),
+                     (dict(ep=0), "ep must be a positive integer, got 0")):  # ep=0 made a one-rank mesh and loaded
+        with pytest.raises(musecore.distributed.MeshError, match=said):
+            musecore.load("muse-tiny", device="cpu", progress=False, **kw)
