@@ -115,6 +115,12 @@ def test_nan_or_inf_in_a_weight_is_an_error(fmt, bad):
         quantize(w, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4", "fp8", "int8"])
+def test_an_empty_weight_is_an_error_naming_its_shape(fmt):
+    with pytest.raises(ValueError, match=r"got an empty weight \(shape \[0, 128\]\)"):
+        quantize(torch.empty(0, 128), fmt)
+
+
 def test_a_one_dimensional_or_integer_weight_is_an_error():
     with pytest.raises(ValueError, match=r"\[..., out_features, in_features\]"):
         quantize(torch.randn(64), "nvfp4")

@@ -61,6 +61,9 @@ def require_weight(w: object, label: str) -> torch.Tensor:
     if w.dim() < 2:
         raise ValueError(f"{label} quantization expects a weight of shape [..., out_features, in_features]; "
                          f"got shape {list(w.shape)}")
+    if w.numel() == 0:
+        raise ValueError(f"{label} quantization got an empty weight (shape {list(w.shape)}); a checkpoint's weights "
+                         "are never empty: fix the source tensor or exclude this layer (--exclude)")
     require_finite(w, label)
     return w
 
