@@ -127,7 +127,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except user_errors() as e:
         if args.debug or os.environ.get("MUSECORE_DEBUG"):  # the full traceback, for bug reports
             raise
-        print(f"musecore {args.command}: error: {e}", file=sys.stderr)
+        # One write per line: under torchrun every rank reports, and print's two writes (text, then newline)
+        # interleaved two ranks' errors on one line; each line names its rank there.
+        rank = f"[rank {os.environ.get('RANK', '?')}] " if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
+        sys.stderr.write(f"{rank}musecore {args.command}: error: {e}\n")
+        sys.stderr.flush()
         return 2
     except KeyboardInterrupt:
         return 130

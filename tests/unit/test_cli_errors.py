@@ -67,3 +67,11 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(monkeypatch
     monkeypatch.setattr(socket, "getaddrinfo", unresolved)
     assert main(["serve", "--host", "nowhere.invalid"]) == 2
     assert "--host 'nowhere.invalid' does not resolve (Name or service not known)" in capsys.readouterr().err
+
+
+def test_under_torchrun_each_ranks_error_is_one_whole_line_naming_the_rank(monkeypatch, capfd):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["generate", "--prompt", "x", "--device", "nope"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("[rank 1] musecore generate: error: unknown device 'nope'") and err.count("\n") == 1, err
