@@ -21,7 +21,7 @@ from typing import Any
 from musecore.commands import MEDIA_KINDS, add_media, add_model, add_sampling, check_media_files, media_parts
 
 HELP = ("commands: /image PATH, /video PATH, /audio PATH attach a file to your next message, /reset forgets the "
-        "conversation, /exit (or end of input) leaves")
+        "conversation, /help shows this, /exit (or end of input) leaves; '//' starts a message with '/'")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -79,7 +79,15 @@ def run(args: argparse.Namespace) -> int:
             messages, pending = list(opening), []
             print("(conversation reset)", file=sys.stderr)
             continue
+        if text == "/help":
+            print(f"({HELP})", file=sys.stderr)
+            continue
         command, _, path = text.partition(" ")
+        if text.startswith("//"):  # an escaped slash: a message, not a command
+            line = line.replace("//", "/", 1)
+        elif command.startswith("/") and command[1:].isalpha() and command[1:] not in MEDIA_KINDS:  # a mistyped command
+            print(f"(unknown command {command}; {HELP})", file=sys.stderr)
+            continue
         if command[1:] in MEDIA_KINDS and command.startswith("/"):
             kind, path = command[1:], path.strip()
             if not path:

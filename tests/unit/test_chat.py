@@ -151,6 +151,20 @@ def test_chat_command_keeps_history_resets_and_exits_at_end_of_input(model, monk
     assert "conversation reset" in err and "Traceback" not in err
 
 
+
+def test_chat_command_answers_help_and_unknown_commands_and_sends_escaped_or_path_like_slashes(model, monkeypatch,
+                                                                                                 capsys):
+    seen = []
+    monkeypatch.setattr(model, "chat", lambda messages, **kwargs: seen.append(messages[-1]["content"]) or "ok")
+    monkeypatch.setattr(musecore, "load", lambda *a, **k: model)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/help\n/imgae cat.png\n//reset is a command\n/usr/bin is a dir\n"
+                                                  "hello there\n"))
+    assert main(["chat", "--device", "cpu", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert seen == ["/reset is a command", "/usr/bin is a dir", "hello there"], seen
+    assert "(unknown command /imgae; commands: /image PATH" in err and err.count("/help shows this") == 2, err
+
+
 def test_chat_command_runs_with_piped_input_and_exits_cleanly_at_eof():
     run = subprocess.run([sys.executable, "-m", "musecore.cli", "chat", "--device", "cpu", "--max-new-tokens", "8"],
                          input="hello\n/reset\nhello\n", capture_output=True, text=True, timeout=120)
