@@ -27,8 +27,8 @@ from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
 from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
 from musecore.ops import Ops
-from musecore.planning import (DENSE, QUANTIZED, REFERENCE, CheckpointSummary, DenseGroups, Plan, PlanError, Towers,
-                               make_plan)
+from musecore.planning import (DENSE, QUANTIZED, REFERENCE, CheckpointSummary, DenseGroups, FitError, Plan, PlanError,
+                               Towers, host_memory_bytes, make_plan)
 
 # Package data (an installed wheel has it too): the bundled models, each a checkpoint folder.
 BUNDLED = Path(str(files("musecore") / "data"))
@@ -331,6 +331,9 @@ def assemble(summary: CheckpointSummary, device: str,
                          towers=towers)
     if the_plan.gaps:
         raise PlanError(the_plan)
+    problem = the_plan.fit_problem(emulated_on=host_memory_bytes() if emulate else 0)
+    if problem is not None:  # before a weight is read, not an exhausted memory part way through the load
+        raise FitError(the_plan, problem)
     backends: dict[str, Any] = {REFERENCE: ReferenceBackend(torch_device)}
     if the_plan.backend != REFERENCE:
         backends[the_plan.backend] = records[the_plan.backend].backend_class(torch_device)

@@ -60,6 +60,15 @@ class PlanError(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class FitError(PlanError):
+    """The plan has no gaps, but the model (or one rank of its mesh) would not fit the device's memory: refused
+    before a weight is read, instead of running out of memory part way through the load."""
+
+    def __init__(self, plan: "Plan", problem: str) -> None:
+        self.plan = plan
+        RuntimeError.__init__(self, problem)
+
+
 @dataclass
 class GroupPlan:
     """One weight group (e.g. the experts of the quantized layers) and what loading does to it."""
@@ -114,6 +123,32 @@ class Plan:
     def fits(self) -> bool:
         """Every rank of the mesh fits; without a mesh, the whole model on one device."""
         return self.mesh.fits if self.mesh is not None else self.memory_bytes <= USABLE * self.device_memory_bytes
+
+    def fit_problem(self, emulated_on: int = 0) -> Optional[str]:
+        """Why loading this plan would run out of memory, with what to do; None when it fits (or the memory is not
+        known). ``emulated_on``: the bytes of the host an emulated load runs on (its weights live there, not on the
+        device; the plan's bytes, the device's own, are then a lower bound)."""
+        gib = 2**30
+        if emulated_on:
+            if self.memory_bytes <= USABLE * emulated_on:
+                return None
+            return (f"cannot emulate {self.model!r} on {self.device!r} on this host: it needs more than "
+                    f"{self.memory_bytes / gib:.1f} GiB (the {self.device}'s own bytes; the reference keeps quantized "
+                    f"weights dequantized, which takes more) and this host has {emulated_on / gib:.1f} GiB, 90% "
+                    "usable; emulate a smaller model (muse-small, muse-tiny) or use a host with more memory")
+        if self.fits or not self.device_memory_bytes:
+            return None
+        if self.mesh is not None:
+            need, what = self.mesh.rank_bytes, f"a rank of {self.mesh.label} needs"
+            fix = "launch more ranks (a larger --tp/--ep)"
+        else:
+            need, what = self.memory_bytes, "it needs"
+            fix = (f"run it on {self.devices_needed} or more {self.device} devices with torchrun and --tp/--ep "
+                   f"(`musecore plan` proposes a mesh)" if devices_per_node(self.profile) is not None else
+                   "use a host with more memory")
+        return (f"cannot load {self.model!r} on {self.device!r}: {what} {need / gib:.1f} GiB (weights and a KV cache "
+                f"for {self.kv_context} tokens) and one {self.device} has {self.device_memory_bytes / gib:.1f} GiB, 90% "
+                f"usable; {fix}, or load a smaller checkpoint format")
 
     @property
     def devices_needed(self) -> int:
