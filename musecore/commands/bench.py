@@ -35,6 +35,7 @@ def run(args) -> int:
     unknown = [c for c in cases if c not in table]
     if unknown:
         raise UsageError(f"unknown case(s) {unknown} for backend {args.backend!r}; choose from {sorted(table)}")
+    require_hardware(args.backend)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     all_rows = []
@@ -61,14 +62,9 @@ def benchmark_cases(backend: str) -> dict:
     """``{case: callable}`` from the ``musecore.benchmarks`` entry point named ``backend``."""
     from stevedore import ExtensionManager
 
-    from musecore.backends.registry import discover, get_backend_class
+    from musecore.backends.registry import get_backend_class
 
-    records = discover(probe=False)
-    get_backend_class(backend, records)  # not installed / failed to load: that error, with its cause, first
-    probe = records[backend].probe
-    if probe is None or not probe.available:  # its cases time its hardware: say why it is not here, not a traceback
-        why = records[backend].error or (probe.reason if probe else "its probe returned nothing")
-        raise UsageError(f"musecore bench --backend {backend} needs that backend's hardware, and it is not here: {why}")
+    get_backend_class(backend)  # not installed / failed to load: that error, with its cause, first
     errors: list[str] = []
     ExtensionManager.ENTRY_POINT_CACHE.pop(GROUP, None)
     manager = ExtensionManager(GROUP, invoke_on_load=False,
@@ -84,6 +80,17 @@ def benchmark_cases(backend: str) -> dict:
     if not isinstance(table, dict) or not all(callable(f) for f in table.values()):
         raise UsageError(f"the {GROUP!r} entry point {backend!r} did not return a dict of case -> callable")
     return table
+
+
+def require_hardware(backend: str) -> None:
+    """A UsageError naming the probe's reason when ``backend``'s hardware is not here: its cases time that hardware
+    (listing them, :func:`benchmark_cases`, needs none)."""
+    from musecore.backends.registry import discover
+
+    record = discover(probe=False)[backend]
+    if record.probe is None or not record.probe.available:
+        why = record.error or (record.probe.reason if record.probe else "its probe returned nothing")
+        raise UsageError(f"musecore bench --backend {backend} needs that backend's hardware, and it is not here: {why}")
 
 
 def print_table(title: str, rows: list[dict]) -> None:
