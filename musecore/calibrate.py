@@ -876,8 +876,8 @@ def convert_exclude(dense_groups: Sequence[str]) -> tuple[str, ...]:
 
 
 def run_calibrated_convert(convert_fn: Any, src: Union[str, Path], dst: Union[str, Path], *,
-                           calibration: Union[str, Path], progress: bool, resume: bool) -> Any:
-    """``convert_fn(folder, dst, calibration_ids, progress=, resume=)`` (:func:`convert_autoround`,
+                           calibration: Union[str, Path], progress: bool, resume: bool, **options: Any) -> Any:
+    """``convert_fn(folder, dst, calibration_ids, progress=, resume=, **options)`` (:func:`convert_autoround`,
     ``calibrate_gptq.convert_gptq``) on ``src`` resolved to its folder, the calibration read with the
     checkpoint's tokenizer; returns the conversion report (what ``musecore-quant convert`` prints)."""
     from musecore.api import resolve_model
@@ -886,7 +886,8 @@ def run_calibrated_convert(convert_fn: Any, src: Union[str, Path], dst: Union[st
     if folder is None:
         raise ValueError(f"{src} is a preset without weights; pass a checkpoint folder")
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-    conversion, _ = convert_fn(folder, dst, read_calibration(calibration, tokenizer), progress=progress, resume=resume)
+    conversion, _ = convert_fn(folder, dst, read_calibration(calibration, tokenizer), progress=progress, resume=resume,
+                               **options)
     return conversion
 
 

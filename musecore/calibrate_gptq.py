@@ -274,7 +274,12 @@ def convert_gptq(src: Union[str, Path], dst: Union[str, Path], calibration: Unio
 
 
 def cli_calibrator(src: Union[str, Path], dst: Union[str, Path], *, calibration: Union[str, Path],
-                   progress: bool = True, resume: bool = True) -> Any:
-    """``musecore-quant convert SRC DST --to int4 --method gptq --calibration FILE``: routed experts by GPTQ
-    (default options), registered under the ``musecore_quant.calibrators`` entry point beside AutoRound's."""
-    return run_calibrated_convert(convert_gptq, src, dst, calibration=calibration, progress=progress, resume=resume)
+                   progress: bool = True, resume: bool = True, fmt: str = "int4") -> Any:
+    """``musecore-quant convert SRC DST --to int4|mxfp4 --method gptq --calibration FILE``: routed experts by GPTQ
+    (default options), registered under the ``musecore_quant.calibrators`` entry point beside AutoRound's. MXFP4
+    experts are fitted to MXFP4 activations (what mi355x runs: the matrix's ``mxfp4-gptq`` recipe)."""
+    return run_calibrated_convert(convert_gptq, src, dst, calibration=calibration, progress=progress, resume=resume,
+                                  fmt=fmt, act_format="mxfp4" if fmt == "mxfp4" else None)
+
+
+cli_calibrator.formats = GPTQ_FORMATS  # type: ignore[attr-defined]  (the --to formats musecore-quant offers)

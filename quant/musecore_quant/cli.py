@@ -191,21 +191,26 @@ CALIBRATORS = "musecore_quant.calibrators"  # entry-point group: methods that ne
 def _calibrated_convert(args: argparse.Namespace) -> Any:
     """``--method autoround``: tuning needs the model's own activations, which this model-agnostic
     package cannot compute; a package that knows the model registers a calibrator under
-    ``musecore_quant.calibrators`` (musecore does: ``musecore.calibrate:cli_calibrator``)."""
+    ``musecore_quant.calibrators`` (musecore does: ``musecore.calibrate:cli_calibrator``). A calibrator is called
+    ``calibrate(src, dst, calibration=, progress=, resume=)``; one with a ``formats`` attribute (the ``--to``
+    formats it produces) also gets ``fmt=``; without it, it produces INT4."""
     from importlib.metadata import entry_points
     found = [ep for ep in entry_points(group=CALIBRATORS) if ep.name == args.method]
     if not found:
         raise CheckpointError(f"--method {args.method} tunes weights on the model's own activations and needs a "
                               f"calibrator plugin ({CALIBRATORS!r} entry point); install musecore, which registers 'gptq' "
                               "and, with its [autoround] extra (pip install -e '.[autoround]'), 'autoround'")
-    if args.to != "int4":
-        raise CheckpointError(f"--method {args.method} produces INT4; use --to int4 (got --to {args.to})")
+    calibrate = found[0].load()
+    formats = tuple(getattr(calibrate, "formats", ("int4",)))  # a calibrator without the attribute makes INT4
+    if args.to not in formats:
+        raise CheckpointError(f"--method {args.method} produces {' or '.join(f.upper() for f in formats)}; use "
+                              f"--to {' or --to '.join(formats)} (got --to {args.to})")
     if args.calibration is None:
         raise CheckpointError(f"--method {args.method} needs --calibration FILE (.txt, .jsonl or .i16 token ids)")
-    calibrate = found[0].load()
+    extra = {"fmt": args.to} if hasattr(calibrate, "formats") else {}  # only calibrators that declare formats take it
     try:
         return calibrate(args.src, args.dst, calibration=args.calibration, progress=not args.no_progress,
-                         resume=not args.no_resume)
+                         resume=not args.no_resume, **extra)
     except ValueError as e:  # the calibrators' bad-input errors (too few calibration tokens, a preset without weights)
         raise CheckpointError(f"--method {args.method}: {e}") from e
 
@@ -360,10 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dst")
     s.add_argument("--to", required=True, choices=TARGETS)
     s.add_argument("--method", default="rtn", choices=METHODS,
-                   help="rtn (round to nearest) or autoround (tuned per routed expert; needs --calibration and "
-                        "musecore's calibrator plugin)")
+                   help="rtn (round to nearest), autoround (INT4, tuned per routed expert) or gptq (INT4 or "
+                        "MXFP4, Hessian error feedback); the last two need --calibration and musecore's calibrator "
+                        "plugins")
     s.add_argument("--calibration", type=Path, default=None, metavar="FILE",
-                   help="calibration text for --method autoround: .txt, .jsonl ({'text': ...} per line) or .i16 ids")
+                   help="calibration text for --method autoround/gptq: .txt, .jsonl ({'text': ...} per line) or .i16 "
+                        "ids")
     s.add_argument("--include", action="append", metavar="REGEX",
                    help="weights to quantize, replacing the default rule; each pattern must match a weight "
                         "(default: the Muse rule for a Muse checkpoint, see --muse-rule; every routed expert "

@@ -47,3 +47,47 @@ def test_cli_gptq_too_little_calibration_is_one_line(tmp_path):
     assert len(lines) == 1 and "--method gptq" in lines[0] and "calibration has" in lines[0], run.stderr
     assert "internal error" not in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+def test_the_gptq_calibrator_offers_mxfp4_fitted_to_mxfp4_activations(monkeypatch, tmp_path):
+    from musecore import calibrate_gptq
+
+    assert tuple(calibrate_gptq.cli_calibrator.formats) == ("int4", "mxfp4")
+    seen = {}
+    monkeypatch.setattr(calibrate_gptq, "convert_gptq", lambda folder, dst, ids, **kw: (seen.update(kw), None))
+    (tmp_path / "calib.txt").write_text("x = 1\n" * 200)
+    calibrate_gptq.cli_calibrator(MUSE_TINY, tmp_path / "out", calibration=tmp_path / "calib.txt", fmt="mxfp4")
+    assert seen["fmt"] == "mxfp4" and seen["act_format"] == "mxfp4", seen
+    calibrate_gptq.cli_calibrator(MUSE_TINY, tmp_path / "out", calibration=tmp_path / "calib.txt")
+    assert seen["fmt"] == "int4" and seen["act_format"] is None, seen
+
+
+@pytest.mark.parametrize("declares, to, passed", [(("int4", "mxfp4"), "mxfp4", {"fmt": "mxfp4"}),
+                                                  (None, "int4", {}), (None, "mxfp4", "produces INT4; use --to int4")])
+def test_musecore_quant_passes_to_only_to_calibrators_that_declare_formats(monkeypatch, capsys, tmp_path, declares,
+                                                                             to, passed):
+    import importlib.metadata
+
+    from musecore_quant.cli import main
+
+    calls = []
+
+    def calibrator(src, dst, **kwargs):
+        calls.append({k: v for k, v in kwargs.items() if k not in ("calibration", "progress", "resume")})
+        raise ValueError("stop here")
+
+    if declares:
+        calibrator.formats = declares
+    entry = type("EP", (), {"name": "gptq", "load": lambda self: calibrator})()  # a third-party calibrator's place
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda **kw: [entry] if kw.get("group") == "musecore_quant.calibrators" else real(**kw))
+    (tmp_path / "calib.txt").write_text("x")
+    code = main(["convert", str(MUSE_TINY), str(tmp_path / "out"), "--to", to, "--method", "gptq",
+                 "--calibration", str(tmp_path / "calib.txt")])
+    err = capsys.readouterr().err
+    assert code == 2
+    if isinstance(passed, str):
+        assert passed in err and not calls, err
+    else:
+        assert calls == [passed] and "--method gptq: stop here" in err, (calls, err)
