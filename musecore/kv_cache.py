@@ -190,6 +190,43 @@ class LayerCache:
                 self.used = max(self.used, pos + 1)
 
 
+def cache_bytes(config: MuseConfig, batch: int, max_length: int, kv_heads: int, kv_format: str, dtype: torch.dtype,
+                static: bool) -> int:
+    """The bytes :class:`KVCache` allocates for these arguments: K, V and the positions of every layer's slots."""
+    value = 1 if kv_format == "fp8" else torch.empty((), dtype=dtype).element_size()
+    per_slot = 2 * kv_heads * config.head_dim * value + 8  # K and V, and the int64 position
+    slots = sum((min(config.sliding_window, max_length) if kind == SLIDING else max_length) + int(static)
+                for kind in config.layer_types)
+    return batch * slots * per_slot
+
+
+def check_fits(config: MuseConfig, batch: int, max_length: int, kv_heads: int, kv_format: str, dtype: torch.dtype,
+               device: torch.device, static: bool) -> None:
+    """A ValueError with the cache's size and what to lower when it would not fit in the memory free on ``device``
+    now (where that is known), before a byte of it is allocated: not an allocator error part way through."""
+    need = cache_bytes(config, batch, max_length, kv_heads, kv_format, dtype, static)
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(f"a KV cache of {batch} rows x {max_length} positions ({kv_format}) needs {need / 2**30:.1f} "
+                         f"GiB and {device} has {free / 2**30:.1f} GiB free; use fewer rows (a smaller batch, "
+                         "--max-batch) or fewer positions (max_new_tokens, --max-model-len)")
+
+
+def free_memory_bytes(device: torch.device) -> Optional[int]:
+    """Bytes free for new tensors on ``device`` now: the GPU's own count, the host's available memory for the CPU;
+    None where it is not known (a TPU, another platform)."""
+    if device.type == "cuda":  # not while a graph is captured: no driver query inside a capture
+        return None if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":  # Linux's MemAvailable counts the page cache it can drop (free pages alone do not)
+        try:
+            with open("/proc/meminfo") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            return int(fields["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return None
+    return None
+
+
 class KVCache:
     """One :class:`LayerCache` per layer, sized by the config: ``KVCache(config, batch, max_length)``.
 
@@ -206,6 +243,7 @@ class KVCache:
                  row_writer: Optional[RowWriter] = None) -> None:
         device = torch.device(device)
         kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads  # a rank's share (TP)
+        check_fits(config, batch, max_length, kv_heads, kv_format, dtype, device, static)
         self.static = static
         self.layers = []
         for kind in config.layer_types:

@@ -56,36 +56,6 @@ PREFILL_GRAPHS = ("short", "all", "off")
 Sink = Callable[[dict], None]  # gets {"type": "text", "text"} ... then one {"type": "done", ...}
 
 
-def check_cache_fits(model: Any, rows: int, positions: int, kv_format: str) -> None:
-    """A ValueError saying what to lower when a KV cache of ``rows`` x ``positions`` would not fit in the memory
-    free on the model's device now (where that is known), before a byte of it is allocated."""
-    from musecore.planning_mesh import kv_bytes_for_heads
-
-    heads = model.layers[0].self_attn.nkv  # this rank's KV heads
-    need = rows * kv_bytes_for_heads(model.config, positions, kv_format, heads)
-    free = free_memory_bytes(model.device)
-    if free is not None and need > free:
-        raise ValueError(f"the server's KV cache ({rows} rows x {positions} positions, {kv_format}) needs "
-                         f"{need / 2**30:.1f} GiB and {model.device} has {free / 2**30:.1f} GiB free; lower "
-                         "--max-model-len (max_model_len) or --max-batch (max_batch)")
-
-
-def free_memory_bytes(device: torch.device) -> Optional[int]:
-    """Bytes free for new tensors on ``device`` now: the GPU's own count, the host's available memory for the CPU;
-    None where it is not known (a TPU, an unknown platform)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":  # Linux's MemAvailable counts the page cache it can drop (free pages alone do not)
-        try:
-            with open("/proc/meminfo") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            return int(fields["MemAvailable"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            return None
-    return None
-
-
 class EngineFull(Exception):
     """More requests than the server accepts at once (running plus waiting)."""
 
@@ -200,9 +170,8 @@ class Engine:
         self.max_model_len = min(max_model_len or limit, limit)
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self.graphs = bool(model.wants_static_cache)  # decode steps replayed from graphs captured per bucket
-        kv_format = getattr(model, "kv_format", "bf16")
-        check_cache_fits(model, max_batch, self.max_model_len, kv_format)
-        self.cache = model.new_cache(max_batch, self.max_model_len, kv_format=kv_format, static=self.graphs)
+        self.cache = model.new_cache(max_batch, self.max_model_len, kv_format=getattr(model, "kv_format", "bf16"),
+                                     static=self.graphs)  # checked against the free memory before it is allocated
         self._steps: dict[tuple[int, int], Callable] = {}  # (rows, length bound) -> a captured decode step
         # Short prompts' prefills replay graphs too, captured per (rows, prompt length) bucket on a staging cache whose
         # rows are then copied into the joiners' rows (see _prefill_graphed); None: the backend captures none

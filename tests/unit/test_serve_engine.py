@@ -85,17 +85,29 @@ def test_max_model_len_is_checked_and_capped_at_the_models_context(model, caplog
 
 
 def test_a_kv_cache_beyond_the_free_memory_is_refused_before_it_is_allocated(model, monkeypatch):
-    from musecore.planning_mesh import kv_bytes_for_heads
-    from musecore.serve import engine as engine_module
+    from musecore import kv_cache
 
-    need = 4 * kv_bytes_for_heads(model.config, 256, "bf16", model.config.num_key_value_heads)
-    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: need - 1)
-    monkeypatch.setattr(model, "new_cache", lambda *a, **k: pytest.fail("the cache was allocated"))
-    with pytest.raises(ValueError, match=r"KV cache \(4 rows x 256 positions, bf16\) needs .* lower --max-model-len"):
+    need = kv_cache.cache_bytes(model.config, 4, 256, model.config.num_key_value_heads, "bf16", model.dtype, False)
+    monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: need - 1)
+    monkeypatch.setattr(kv_cache, "LayerCache", lambda *a, **k: pytest.fail("a layer's cache was allocated"))
+    with pytest.raises(ValueError, match=r"KV cache of 4 rows x 256 positions \(bf16\) needs .* --max-model-len"):
         Engine(model, max_batch=4, max_model_len=256)
-    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: need)
-    with pytest.raises(pytest.fail.Exception, match="the cache was allocated"):  # it fits: allocated
+    with pytest.raises(ValueError, match=r"KV cache of 200000 rows"):  # generate() sizes its cache the same way
+        model.generate(["x"] * 200000, max_new_tokens=8)
+    monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: need)
+    with pytest.raises(pytest.fail.Exception, match="a layer's cache was allocated"):  # it fits: allocated
         Engine(model, max_batch=4, max_model_len=256)
+
+
+def test_cache_bytes_are_what_the_cache_allocates(model):
+    from musecore import kv_cache
+
+    for kv_format, static in (("bf16", False), ("fp8", True)):
+        cache = model.new_cache(3, 100, kv_format=kv_format, static=static)
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.k, layer.v, layer.positions))
+        assert held == kv_cache.cache_bytes(model.config, 3, 100, model.config.num_key_value_heads, kv_format,
+                                            model.dtype, static), (kv_format, static, held)
+
 
 
 @pytest.mark.parametrize("path", ["plain", "graphed"])
