@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import logging
 import os
@@ -113,6 +114,18 @@ def user_errors() -> tuple[type, ...]:
     return (UsageError, FileNotFoundError, ValueError, PlanError, BackendError, CacheError, DistributedError)
 
 
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def say_error(command: str, message: str) -> int:
+    """One whole line on stderr (one write: under torchrun every rank reports, and print's two writes, the text and
+    the newline, interleaved two ranks' errors on one line; each line names its rank there); exit status 2."""
+    rank = f"[rank {os.environ.get('RANK', '?')}] " if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
+    sys.stderr.write(f"{rank}musecore {command}: error: {message}\n")
+    sys.stderr.flush()
+    return 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parse(build_parser(), argv)
@@ -127,12 +140,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except user_errors() as e:
         if args.debug or os.environ.get("MUSECORE_DEBUG"):  # the full traceback, for bug reports
             raise
-        # One write per line: under torchrun every rank reports, and print's two writes (text, then newline)
-        # interleaved two ranks' errors on one line; each line names its rank there.
-        rank = f"[rank {os.environ.get('RANK', '?')}] " if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
-        sys.stderr.write(f"{rank}musecore {args.command}: error: {e}\n")
-        sys.stderr.flush()
-        return 2
+        return say_error(args.command, str(e))
+    except OSError as e:  # a full disk, a read-only place: the user's to fix, said in one line; other OSErrors are bugs
+        if e.errno not in STORAGE_ERRNOS or args.debug or os.environ.get("MUSECORE_DEBUG"):
+            raise
+        where = e.filename or "the output"
+        return say_error(args.command, f"cannot write {where}: {e.strerror}; free space or write somewhere else")
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `musecore ... | head`: the reader left; not an error of ours

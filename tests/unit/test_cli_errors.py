@@ -75,3 +75,25 @@ def test_under_torchrun_each_ranks_error_is_one_whole_line_naming_the_rank(monke
     assert main(["generate", "--prompt", "x", "--device", "nope"]) == 2
     err = capfd.readouterr().err
     assert err.startswith("[rank 1] musecore generate: error: unknown device 'nope'") and err.count("\n") == 1, err
+
+
+def test_a_full_disk_is_one_line_and_other_os_errors_stay_loud(monkeypatch, capsys):
+    import errno
+
+    from musecore.commands import devices
+
+    def full(_args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/out.json")
+
+    monkeypatch.setattr(devices, "run", full)
+    assert main(["devices"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("musecore devices: error: cannot write /data/out.json: No space left on device; free space or "
+                   "write somewhere else\n"), err
+
+    def bug(_args):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(devices, "run", bug)
+    with pytest.raises(OSError, match="Bad file descriptor"):  # not the user's to fix: the traceback stays
+        main(["devices"])
