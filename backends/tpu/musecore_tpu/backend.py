@@ -151,8 +151,9 @@ class TpuBackend(Backend):
     """Pallas kernels on a TPU through torch_tpu, or in JAX's TPU interpreter on a CPU."""
 
     name = "tpu"
-    verified_on = (f"{NEVER_RUN} ({', '.join(CHIPS)}): the Pallas kernels checked in JAX's TPU interpreter on CPU, "
-                   "the decode step compiled by torch.compile's aot_eager on CPU")
+    verified_on = (f"{NEVER_RUN} ({', '.join(CHIPS)}): the Pallas kernels checked in JAX's TPU interpreter on CPU "
+                   "and compiled ahead of time for v6e and v7 by libtpu (where installed), the decode step compiled by "
+                   "torch.compile's aot_eager on CPU")
 
     def __init__(self, device: Optional[Union[str, torch.device]] = None, *,
                  interpret: Optional[Union[bool, str]] = None) -> None:
