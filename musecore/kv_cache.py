@@ -216,7 +216,10 @@ def free_memory_bytes(device: torch.device) -> Optional[int]:
     """Bytes free for new tensors on ``device`` now: the GPU's own count, the host's available memory for the CPU;
     None where it is not known (a TPU, another platform)."""
     if device.type == "cuda":  # not while a graph is captured: no driver query inside a capture
-        return None if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's, free to reuse
+        return torch.cuda.mem_get_info(device)[0] + cached
     if device.type == "cpu":  # Linux's MemAvailable counts the page cache it can drop (free pages alone do not)
         try:
             with open("/proc/meminfo") as f:
