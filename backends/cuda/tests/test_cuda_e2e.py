@@ -138,3 +138,19 @@ def test_serve_engine_graph_buckets_give_the_tokens_of_its_plain_decode():
     plain, engine = _serve(model, prompts, lengths)
     assert not engine.graphs and not engine.captured_steps and not engine.captured_prefills
     assert graphed == plain, f"graphed {graphed!r} != plain {plain!r}"
+
+
+def test_a_kv_cache_counts_torchs_cached_blocks_as_free_and_refuses_what_does_not_fit():
+    """Written without a GPU (session 55): the CUDA side of ``musecore.kv_cache.free_memory_bytes``."""
+    from musecore import kv_cache
+
+    device = torch.device("cuda")
+    block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    del block  # 256 MiB left in torch's caching allocator: the driver counts it used, a cache may take it
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    driver_free = torch.cuda.mem_get_info(device)[0]
+    assert cached >= 256 << 20, cached
+    assert abs(kv_cache.free_memory_bytes(device) - (driver_free + cached)) < 64 << 20
+    model = musecore.load("muse-tiny", device="h200", progress=False)
+    with pytest.raises(ValueError, match=r"a KV cache of 1000000 rows x 4096 positions"):
+        model.new_cache(1_000_000, 4096)  # hundreds of GB: refused before any of it is allocated
