@@ -34,8 +34,8 @@ from musecore.backends.base import Backend, KernelChoice, LinearShape, Support, 
 from musecore.backends.registry import unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import DeviceProfile, get_profile
-from musecore.kv_cache import KV_FORMATS
 from musecore.distributed import Mesh, MeshError
+from musecore.kv_cache import KV_FORMATS
 from musecore.loader import fusable_format
 from musecore.model import checkpoint_shapes
 from musecore.names import (AUDIO, DENSE_QUANTIZABLE, TOWER_GROUPS, TOWERS, VISION,  # noqa: F401 (re-export)
