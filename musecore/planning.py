@@ -147,8 +147,8 @@ class Plan:
                    f"(`musecore plan` proposes a mesh)" if devices_per_node(self.profile) is not None else
                    "use a host with more memory")
         return (f"cannot load {self.model!r} on {self.device!r}: {what} {need / gib:.1f} GiB (weights and a KV cache "
-                f"for {self.kv_context} tokens) and one {self.device} has {self.device_memory_bytes / gib:.1f} GiB, 90% "
-                f"usable; {fix}, or load a smaller checkpoint format")
+                f"for {self.kv_context} tokens) and one {self.device} has {self.device_memory_bytes / gib:.1f} GiB, "
+                f"90% usable; {fix}, or load a smaller checkpoint format")
 
     @property
     def devices_needed(self) -> int:
