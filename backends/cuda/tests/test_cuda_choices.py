@@ -285,3 +285,19 @@ def test_runs_by_default_from_8_tokens_or_past_e_assignments():
     assert not on_runs_by_default(4, 32, 256) and not on_runs_by_default(7, 56, 256)
     assert on_runs_by_default(RUNS_FROM_TOKENS, 64, 256) and on_runs_by_default(RUNS_MIN_TOKENS, 16, 12)
     assert not on_runs_by_default(3, 12, 8)
+
+
+def test_the_eager_first_attention_step_is_the_cuda_backends_choice(monkeypatch):
+    """Run 69 routed it for CUDA only: on gfx950 it costs the windowed one-token program its second wave."""
+    from musecore_cuda.kernels import triton_hooks
+    from musecore_triton import hooks
+    from musecore_triton.kernels import attention
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert triton_hooks.eager_first_step(gpu) and not triton_hooks.eager_first_step(cpu)
+    assert not hooks._default_eager_first_step(gpu)  # the portable default (ROCm keeps it): off
+    assert hooks.owner() == "cuda" and attention.EAGER_FIRST_STEP is None and attention.eager_first_step(gpu)
+    monkeypatch.setattr(attention, "EAGER_FIRST_STEP", False)
+    assert not attention.eager_first_step(gpu)
+    monkeypatch.setattr(attention, "EAGER_FIRST_STEP", True)
+    assert attention.eager_first_step(cpu)

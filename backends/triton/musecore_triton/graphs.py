@@ -25,9 +25,11 @@ from musecore_triton.kernels import interpreted, sampling
 # The greedy step's state through Triton launches: the position update in one (``sampling.greedy_positions``) instead
 # of five PyTorch kernels (not, masked_fill's copy and fill, the bool's cast, the add) at the head of every greedy
 # replay, and the argmax written straight into the tokens the next replay reads (the backend's ``argmax_into``)
-# instead of a device copy after it. Off: written in session 52 after its last device call, tested in the interpreter,
-# not yet run in a graph or timed (A/B mode greedy_state of backends/cuda/lab/scripts/cuda_fused_ab.py).
-FUSED_STATE = False
+# instead of a device copy after it. On since run 69 (session 55, muse-small NVFP4 greedy decode on the H200, 4 rounds,
+# medians): replay 687.2 -> 686.0 us, generate 709.0 -> 701.5 us/token; with EAGER_FIRST_STEP and PREFETCH_POSITIONS
+# too 698.7 -> 691.3 (A/B modes greedy_state, all_new53 of backends/cuda/lab/scripts/cuda_fused_ab.py). ROCm's HIP
+# graphs take it too: greedy_positions compiles for gfx950 / gfx942 without scratch (test_rocm_compile.py), never run.
+FUSED_STATE = True
 ArgmaxInto = Callable[[torch.Tensor, torch.Tensor], bool]  # (logits [B,V], tokens [B]) -> whether it wrote them
 
 

@@ -15,7 +15,10 @@ only one vendor has enters here, with a portable default that changes nothing:
 * **L2 warming**: where :func:`l2_warm` says so (a kernel's ``WARM`` constexpr), the decode GEMVs whose last program
   runs a row op (``dense_gemv``'s epilogues, the router's choice) call :func:`prefetch_l2` on their slice of that row
   op's constant operands, so that the launch's serial tail finds them in L2 instead of memory. Default: off, and
-  ``prefetch_l2`` does nothing.
+  ``prefetch_l2`` does nothing;
+* **eager first attention step**: where :func:`eager_first_step` says so, the one-token decode attention loads its
+  first step's k and v together with that step's key positions (its ``EAGER`` constexpr): one memory round trip
+  fewer per call, for more registers. Default: off (on AMD it costs the windowed program its second wave).
 
 A backend installs its versions once, at import, before any kernel is compiled::
 
@@ -86,6 +89,10 @@ def _default_l2_warm(device: torch.device) -> bool:
     return False
 
 
+def _default_eager_first_step(device: torch.device) -> bool:
+    return False
+
+
 def _default_num_sms(device: torch.device) -> int:
     if device.type == "cuda":  # torch's name for any GPU device, NVIDIA or AMD
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -97,6 +104,7 @@ _early_trigger: Callable[[torch.device, str], bool] = _default_early_trigger
 _launch_features: Callable[[torch.device], dict] = _default_launch_features
 _num_sms: Callable[[torch.device], int] = _default_num_sms
 _l2_warm: Callable[[torch.device], bool] = _default_l2_warm
+_eager_first_step: Callable[[torch.device], bool] = _default_eager_first_step
 _owner: Optional[str] = None
 
 
@@ -126,6 +134,12 @@ def l2_warm(device: torch.device) -> bool:
     return _l2_warm(device)
 
 
+def eager_first_step(device: torch.device) -> bool:
+    """Whether the one-token decode attention on ``device`` loads its first step's k and v with the step's key
+    positions (the ``EAGER`` constexpr; ``attention.EAGER_FIRST_STEP`` overrides it when not None)."""
+    return _eager_first_step(device)
+
+
 def owner() -> Optional[str]:
     """The backend whose hooks are installed, or None (the portable defaults)."""
     return _owner
@@ -136,11 +150,12 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
             launch_features: Optional[Callable[[torch.device], dict]] = None,
             num_sms: Optional[Callable[[torch.device], int]] = None,
             l2_warm: Optional[Callable[[torch.device], bool]] = None,
+            eager_first_step: Optional[Callable[[torch.device], bool]] = None,
             pdl_wait: Any = None, pdl_launch_dependents: Any = None, fp4x2_bf16_scaled: Any = None,
             prefetch_l2: Any = None) -> None:
     """Install ``backend``'s hooks (those not given keep the portable default). Call once, at import,
     before any kernel is compiled: Triton resolves the jit hooks when it compiles a kernel."""
-    global _launch_options, _early_trigger, _launch_features, _num_sms, _l2_warm, _owner
+    global _launch_options, _early_trigger, _launch_features, _num_sms, _l2_warm, _eager_first_step, _owner
     if _owner is not None and _owner != backend:
         raise RuntimeError(f"musecore_triton hooks are already installed by backend {_owner!r}; {backend!r} cannot "
                            "replace them (install a backend's hooks only where its torch build runs)")
@@ -155,6 +170,7 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
     _launch_features = launch_features or _launch_features
     _num_sms = num_sms or _num_sms
     _l2_warm = l2_warm or _l2_warm
+    _eager_first_step = eager_first_step or _eager_first_step
     module = globals()
     for name, fn in jit.items():
         if fn is not None:

@@ -66,12 +66,13 @@ def main(arch: str) -> None:
                       1024 if ring else None, d ** -0.5, 1e-6)
     qn = torch.randn(1, 1, nq, d).to(dt)
     attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
-    for prefetch, eager in ((True, False), (False, True), (True, True)):
+    defaults = attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP
+    for prefetch, eager in ((True, False), (False, True), (True, True), (False, False)):
         # the next step's key positions loaded during this one (session 52), the first step's k and v with its
         # positions (session 53)
         attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP = prefetch, eager
         attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))
-    attention_module.PREFETCH_POSITIONS = attention_module.EAGER_FIRST_STEP = False
+    attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP = defaults
     long = 1024  # keys split over programs: the merge kernel, with and without the gate's epilogue
     kl, vl = (torch.zeros(1, long, nkv, d).to(dt) for _ in range(2))
     for g in (None, (gate, 1e-6)):

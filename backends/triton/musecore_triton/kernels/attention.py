@@ -37,8 +37,9 @@ DECODE_BLOCK_N = 128
 SPLIT_UNIT = 64
 # A one-token program loads the next step's key positions while it works on this step's keys (the loop's loads are
 # not software-pipelined by Triton: they sit in the step's condition), so a step after the first, e.g. the empty second
-# block of a 256-slot generation cache, costs no memory round trip of its own. Off: written in session 52 after its
-# last device call, tested in the interpreter, not yet timed (A/B mode attn_prefetch of cuda_fused_ab.py).
+# block of a 256-slot generation cache, costs no memory round trip of its own. Off: run 69 (session 55, muse-small
+# NVFP4 greedy decode on the H200, 4 rounds) timed it at replay 687.2 -> 685.3 us, and on top of EAGER_FIRST_STEP
+# 678.2 -> 678.3 us (generate 701.3 -> 698.7 us/token), too little for what it costs AMD (below).
 PREFETCH_POSITIONS = False
 # A one-token program loads its first step's k and v together with that step's key positions, where the loop reads
 # them only once a position there is visible: one memory round trip fewer per call (a muse-small step has 16), at the
@@ -46,14 +47,20 @@ PREFETCH_POSITIONS = False
 # PREFETCH_POSITIONS an empty later step (a 256-slot generation cache's second block) still costs nothing. Run 59
 # (session 51) timed the older form, which loaded k and v eagerly in every step of caches up to 256 keys: the plain
 # step's replay 685.6 -> 679.3 us, greedy generate 719.8 -> 728.9 (a 256-slot cache, whose empty second step then read
-# its k and v). Off: this form was written in session 53 with no GPU lent, tested in the interpreter, not yet timed
-# (A/B modes attn_eager and attn_eager_prefetch of cuda_fused_ab.py).
-EAGER_FIRST_STEP = False
-# Both switches are shared by every backend that launches this kernel (ROCm too). Compiled for AMD without a GPU
-# (backends/rocm/tests/test_rocm_compile.py, session 54), the one-token program with PREFETCH_POSITIONS takes 256 VGPRs
-# and 45-76 AGPRs on gfx950 / gfx942 (occupancy 1) against 205 VGPRs (occupancy 2) without it, no scratch; EAGER alone
-# leaves it at 205. Routing PREFETCH_POSITIONS on an H200 measurement alone would move ROCm too: measure it there, or
-# keep it per vendor.
+# its k and v). Run 69 (session 55, this form, 4 rounds on the H200): replay 687.2 -> 678.2 us per muse-small NVFP4
+# step, greedy generate 709.0 -> 701.3 us/token (medians; A/B mode attn_eager of cuda_fused_ab.py). So it is the
+# backend's choice (hooks.eager_first_step: the CUDA backend's on, the portable default off); None here follows it,
+# True / False force it (tests, A/B).
+EAGER_FIRST_STEP: Optional[bool] = None
+# Compiled for AMD without a GPU (backends/rocm/tests/test_rocm_compile.py, sessions 54-55), the one-token program
+# takes on gfx950 205 VGPRs (2 waves) plain, 256 + 45-76 AGPRs (1 wave) with PREFETCH_POSITIONS, and with EAGER 205
+# without a window but 256 + 7 AGPRs (1 wave, against 252 and 2 waves) with one, and 256 + 44-48 AGPRs with an FP8 KV
+# cache: neither is on for ROCm.
+
+
+def eager_first_step(device: torch.device) -> bool:
+    """:data:`EAGER_FIRST_STEP` where set, else the backend's choice (``musecore_triton.hooks.eager_first_step``)."""
+    return hooks.eager_first_step(device) if EAGER_FIRST_STEP is None else EAGER_FIRST_STEP
 
 
 def key_splits(S: int, programs: int, block_n: int, sms: int) -> tuple[int, int]:
@@ -313,7 +320,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         v_scale if v_scale is not None else 1.0, keys_per_split, *gate_args,
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, KV_FP8=kv_fp8,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, GATE=gate is not None and splits == 1,
-        PREFETCH=PREFETCH_POSITIONS and T == 1, EAGER=EAGER_FIRST_STEP and T == 1, num_warps=4,
+        PREFETCH=PREFETCH_POSITIONS and T == 1, EAGER=eager_first_step(q.device) and T == 1, num_warps=4,
         num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
         **hooks.launch_options(q.device, "attention"))
     if splits > 1:
