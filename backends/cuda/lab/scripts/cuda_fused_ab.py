@@ -17,11 +17,13 @@ keys); ``triton_argmax``: greedy sampling through the Triton argmax
 ``both_new``: both; ``shared_pool``: every graph captured into one memory pool (``torch.cuda.graph(pool=)``), so a
 later capture places its intermediates where the first did (is where they lie the reason only a process's first
 greedy capture runs fast? session 51; run 64: no); ``attn_prefetch``: decode attention loading each step's key
-positions during the step before (``attention.PREFETCH_POSITIONS``, off; session 52, not timed yet);
+positions during the step before (``attention.PREFETCH_POSITIONS``, off: run 69 timed -2 us);
 ``greedy_state``: the greedy graph's position update in one Triton launch and its argmax written straight into
-the tokens (``musecore_triton.graphs.FUSED_STATE``, off; session 52, not timed yet); ``attn_eager``: decode attention
-loading its first step's k and v with that step's key positions (``attention.EAGER_FIRST_STEP``, off; session 53, not
-timed yet), ``attn_eager_prefetch`` that and ``attn_prefetch`` together, ``all_new53`` both and ``greedy_state``.
+the tokens (``musecore_triton.graphs.FUSED_STATE``, on since run 69; ``greedy_torch_state`` forces it off);
+``attn_eager``: decode attention loading its first step's k and v with that step's key positions
+(``attention.EAGER_FIRST_STEP``; since run 69 the CUDA backend's default through ``hooks.eager_first_step``;
+``attn_lazy`` forces it off), ``attn_eager_prefetch`` that and ``attn_prefetch`` together, ``all_new53`` both and
+``greedy_state``.
 Same random weights, same
 prompt, alternated ``--rounds`` times; ``--modes`` picks some; ``--pad-mb`` holds device buffers of random sizes while
 each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the kept generation cache is freed).
@@ -52,7 +54,7 @@ from musecore_triton.kernels.router import router_topk_one_launch
 MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate",
          "attn_bn64", "attn_bn256", "attend_in_qkv", "attend_in_qkv_w2_32", "attend_in_qkv_w4_128", "triton_argmax",
          "torch_argmax", "both_new", "shared_pool", "attn_prefetch", "greedy_state",
-         "attn_eager", "attn_eager_prefetch", "all_new53")
+         "attn_eager", "attn_eager_prefetch", "all_new53", "attn_lazy", "greedy_torch_state")
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -94,6 +96,8 @@ def patches(model, mode: str) -> list[tuple]:
         "all_new53": [(attention_module, "EAGER_FIRST_STEP", True), (attention_module, "PREFETCH_POSITIONS", True),
                       (graphs, "FUSED_STATE", True)],
         "greedy_state": [(graphs, "FUSED_STATE", True)],
+        "greedy_torch_state": [(graphs, "FUSED_STATE", False)],
+        "attn_lazy": [(attention_module, "EAGER_FIRST_STEP", False)],
         "attend_in_qkv": [(fused, "ATTENTION_IN_QKV", True)],
         "attend_in_qkv_w2_32": [(fused, "ATTENTION_IN_QKV", True), (dense_gemv_module, "ATTEND_WARPS", 2),
                                 (dense_gemv_module, "ATTEND_BLOCK_N", 32)],
