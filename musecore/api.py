@@ -301,8 +301,9 @@ def mesh_of(tp: Optional[int], ep: Optional[int], sp: bool) -> Optional[Mesh]:
 def join(mesh: Optional[Mesh], device: str, emulate: bool) -> Optional[Comm]:
     """This rank's :class:`~musecore.distributed.Comm` in the ``torchrun`` launch ``mesh`` needs (NCCL on
     CUDA devices, gloo on the CPU); None for one device. Raises when the launch does not fit the mesh."""
-    if mesh is not None and mesh.size_problem() is not None:  # before the launch's size is compared with it
-        raise MeshError(mesh.size_problem())
+    size = None if mesh is None else mesh.size_problem()
+    if size is not None:  # before the launch's size is compared with it
+        raise MeshError(size)
     if mesh is None or mesh.world == 1:
         return None
     _name, torch_device = resolve_target(device, emulate, discover())

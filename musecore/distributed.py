@@ -84,8 +84,9 @@ class Mesh:
 
     def problems(self, config: Any) -> list[str]:
         """Every reason this mesh cannot split ``config`` (empty when it can)."""
-        if self.size_problem() is not None:
-            return [self.size_problem()]
+        size = self.size_problem()
+        if size is not None:
+            return [size]
         out = []
         world = self.world
         if self.tp not in (1, world):
