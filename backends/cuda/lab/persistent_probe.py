@@ -122,7 +122,10 @@ def persistent_hold_kernel(w_ptr, y_ptr, count_ptr, flag_ptr, D, P, spin_limit,
     w_next = tl.load(w_ptr + offs, mask=mask, other=0.0)
     for p in range(P):
         w_cur = w_next
-        x = tl.load(y_ptr + p * row + cols, mask=cols < D, other=0.0)
+        # volatile: the phase's input was written by other programs after the barrier; a plain load may be served
+        # from a line this SM cached in an earlier phase (rows of D 16-bit elements need not start on a line), or be
+        # issued ahead of the wait
+        x = tl.load(y_ptr + p * row + cols, mask=cols < D, other=0.0, volatile=True)
         acc = tl.sum(w_cur.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         tl.store(y_ptr + (p + 1) * row + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < D)
         if p + 1 < P:

@@ -10,6 +10,10 @@ rotated past L2)::
     dequantize          the dequantize kernel alone (random codes), and its bandwidth
     dequant path        fp4_dequant_linear on the random-code weight (what ``musecore bench`` reports)
     dequant path, q     fp4_dequant_linear on the quantized model-like weight
+    bf16 = nvfp4 unscaled  cuBLAS on the quantized model-like weight dequantized without its per-tensor scale
+                        (code * group scale * 2**-fold: at most 6 significant bits, exact)
+    unscaled + alpha    that dequantize, then ``torch.addmm(beta=0, alpha=out_scale)``: cuBLAS applies the
+                        per-tensor scale to the fp32 sums (random codes; ", q": the quantized weight)
 
 ``nvidia-smi`` samples SM clock and power every 100 ms beside it (``--smi FILE``); ``--interleave 0`` times the
 rows one after the other instead of in interleaved rounds::
@@ -34,10 +38,17 @@ from musecore_cuda.bench import LINEAR_SHAPES, _rotating, gpu_name, memory_ceili
 from musecore_cuda.kernels import fp4_gemv_cuda
 
 
-def dense_of(w) -> torch.Tensor:
+def dense_of(w, os: torch.Tensor = None) -> torch.Tensor:
+    """W as bf16 times ``os`` (default: its per-tensor scale)."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16, device="cuda")
-    return fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2,
+    os = w.out_scale if os is None else os
+    return fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], os, wfmt=w.wfmt, fold_log2=w.fold_log2,
                                     n=w.out_features, k=w.in_features, out=out)
+
+
+def unscaled_alpha_linear(x: torch.Tensor, w, alpha: float, ones: torch.Tensor) -> torch.Tensor:
+    """The dequant path with the per-tensor scale moved into cuBLAS's alpha (``alpha``: a host float)."""
+    return torch.addmm(ones[:1].view(()), x, dense_of(w, ones).t(), beta=0, alpha=alpha)
 
 
 def main() -> None:
@@ -64,7 +75,8 @@ def main() -> None:
             dense = {"bf16 randn": lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
                      "bf16 model-like": lambda: model_like.to(torch.bfloat16),
                      "bf16 = nvfp4 values": lambda: dense_of(quantized),
-                     "bf16 = random codes": lambda: dense_of(randcode)}
+                     "bf16 = random codes": lambda: dense_of(randcode),
+                     "bf16 = nvfp4 unscaled": lambda: dense_of(quantized, torch.ones(1, device="cuda"))}
             for m in [int(v) for v in args.ms.split(",")]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 calls = {label: (_rotating(make, n * k * 2), lambda w: F.linear(x, w)) for label, make in dense.items()}
@@ -74,10 +86,18 @@ def main() -> None:
                     w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k, out=out))
                 calls["dequant path"] = (rc, lambda w: fp4_dequant_linear(x, w))
                 calls["dequant path, q"] = ([quantized], lambda w: fp4_dequant_linear(x, w))
+                ones = torch.ones(1, device="cuda")
+                alpha_rc, alpha_q = float(rc[0].out_scale[0]), float(quantized.out_scale[0])  # (rc: one global scale)
+                calls["unscaled + alpha"] = (rc, lambda w: unscaled_alpha_linear(x, w, alpha_rc, ones))
+                calls["unscaled + alpha, q"] = ([quantized], lambda w: unscaled_alpha_linear(x, w, alpha_q, ones))
+                ref = fp4_dequant_linear(x, quantized).float()
+                got = unscaled_alpha_linear(x, quantized, alpha_q, ones).float()
+                nmse_alpha = float(((got - ref) ** 2).mean() / (ref ** 2).mean())
                 times = time_calls(calls, interleave=bool(args.interleave))
                 base = times["bf16 randn"]
                 row = {"shape": f"{name} {k}->{n}", "M": m, "times_us": {a: round(t, 2) for a, t in times.items()},
                        "vs_bf16_randn": {a: round(base / t, 3) for a, t in times.items()},
+                       "nmse_alpha_vs_dequant_path": float(f"{nmse_alpha:.3g}"),
                        "dequantize_pct_ceiling": round(100 * (randcode.nbytes + 2 * n * k) / times["dequantize"]
                                                        / 1e3 / ceiling["ceiling_gbps"], 1)}
                 rows.append(row)

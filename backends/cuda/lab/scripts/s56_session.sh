@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Device calls (one H200) for issue 26, session 56 (backends/cuda/lab/NOTES.md), each step time-boxed:
+#   1. cuda_large_m_probe.py: the large-M dequant path with the NVFP4 per-tensor scale left out of the bf16 copy
+#      and applied as cuBLAS's alpha (LARGE_M_ARGS, e.g. "--shapes q_proj,unpooler --ms 4096");
+#   2. the persistent probe's lab tests (the holding kernel's input load made volatile);
+#   3. the GPU suite (SUITE, SUITE_S);  4. targets (TARGETS_S).
+# Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
+#        bash backends/cuda/lab/scripts/s56_session.sh
+set -u
+LIMIT=${LIMIT:-580}
+STEPS=${STEPS:-123}
+source "$(dirname "$0")/device_prelude.sh"
+step1() {
+  timeout $(cap 240) python3 backends/cuda/lab/scripts/cuda_large_m_probe.py --out $OUT/cuda_large_m_probe.json \
+    --smi $OUT/smi_large_m.csv ${LARGE_M_ARGS:-} > $OUT/large_m.log 2>&1
+  echo "1. large-M probe at ${SECONDS}s (rc $?):"; tail -c 3000 $OUT/large_m.log
+}
+step2() { TESTS="backends/cuda/lab/tests/test_persistent_probe.py" TESTS_ALL=1 tests_step 2; }
+step3() { gpu_suite_step 3; }
+step4() { targets_step 4; }
+run_steps s56
