@@ -48,7 +48,7 @@ def dense_of(w, os: torch.Tensor = None) -> torch.Tensor:
 
 def unscaled_alpha_linear(x: torch.Tensor, w, alpha: float, ones: torch.Tensor) -> torch.Tensor:
     """The dequant path with the per-tensor scale moved into cuBLAS's alpha (``alpha``: a host float)."""
-    return torch.addmm(ones[:1].view(()), x, dense_of(w, ones).t(), beta=0, alpha=alpha)
+    return torch.addmm(x.new_zeros(()), x, dense_of(w, ones).t(), beta=0, alpha=alpha)
 
 
 def main() -> None:

@@ -273,6 +273,10 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
 // and {2t+8, 2t+9} of mma 2i + j. The activations are staged in shared memory in that same pair
 // order ([token][chunk][word][pair] as bf16x2), so B is one 16-byte load per word.
 
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
+}
+
 __device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
     u32 d; asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d;
 }
@@ -329,20 +333,21 @@ __device__ __forceinline__ uint4 ld_stream(const u32 *p) {
 }
 
 template <int NT, int WFMT>
-__device__ __forceinline__ void stage_load(const u32 *const (&wrow)[NT][2], const u8 *const (&srow)[NT][2], int c,
-                                           int t, Stage<NT> &st) {
+__device__ __forceinline__ void stage_load(const u32 *(&wrow)[NT][2], const u8 *(&srow)[NT][2], Stage<NT> &st) {
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            st.w[i][h] = ld_stream(wrow[i][h] + c * 16 + t * 4);
+            st.w[i][h] = ld_stream(wrow[i][h]);
             if (WFMT == 1) {
-                const uint2 s = __ldg(reinterpret_cast<const uint2 *>(srow[i][h] + c * 8));
+                const uint2 s = __ldg(reinterpret_cast<const uint2 *>(srow[i][h]));
                 st.s[i][h][0] = s.x;
                 st.s[i][h][1] = s.y;
             } else {
-                st.s[i][h][0] = __ldg(reinterpret_cast<const u32 *>(srow[i][h] + c * 4));
+                st.s[i][h][0] = __ldg(reinterpret_cast<const u32 *>(srow[i][h]));
             }
+            wrow[i][h] += 16;                       // the next chunk of the row
+            srow[i][h] += WFMT == 1 ? 8 : 4;
         }
 }
 
@@ -350,9 +355,18 @@ __device__ __forceinline__ void stage_load(const u32 *const (&wrow)[NT][2], cons
 // each), MXFP4 groups t / 2 and t / 2 + 2 (32 elements each).
 template <int WFMT>
 __device__ __forceinline__ void half_mults(const u32 (&s)[2], int t, int fold, u32 &ml, u32 &mh) {
-    if (WFMT == 1) {
-        ml = group_mult_bf16x2<WFMT>((s[0] >> (8 * t)) & 255u, fold);
-        mh = group_mult_bf16x2<WFMT>((s[1] >> (8 * t)) & 255u, fold);
+    if (WFMT == 1) {  // group_mult_bf16x2 for both bytes at once: one byte select, one e4m3x2 -> f16x2 convert
+        const u32 two = prmt(s[0], s[1], (u32)t | ((u32)(t + 4) << 4));  // byte t of s[0], byte t of s[1]
+        u32 h2;
+        float lo, hi;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((u16)two));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)h2));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(h2 >> 16)));
+        const float f = __uint_as_float((u32)(127 + 126 - fold) << 23);
+        lo *= f;
+        hi *= f;
+        ml = prmt(__float_as_uint(lo), 0u, 0x3232u);  // the bf16 (top half) in both halves: exact, at most 4 bits
+        mh = prmt(__float_as_uint(hi), 0u, 0x3232u);
     } else {
         ml = group_mult_bf16x2<WFMT>((s[0] >> (8 * (t >> 1))) & 255u, fold);
         mh = group_mult_bf16x2<WFMT>((s[0] >> (8 * (t >> 1) + 16)) & 255u, fold);
@@ -421,10 +435,6 @@ __global__ void __launch_bounds__(256) fp4_dequant(const u32 *__restrict__ w, co
                                                  bf16x2_scaled(a[3] >> 16, a[1] >> 16, os));
     *reinterpret_cast<uint2 *>(row + 64) = make_uint2(bf16x2_scaled(a[2] & 0xFFFFu, a[0] & 0xFFFFu, os),
                                                       bf16x2_scaled(a[2] >> 16, a[0] >> 16, os));
-}
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
 }
 
 __device__ __forceinline__ void cluster_sync() {
@@ -499,15 +509,16 @@ __device__ __forceinline__ void gemv_mma_body(
         for (int h = 0; h < 2; ++h) {
             int n = n0 + (i % RT) * 16 + h * 8 + g;
             n = n < N ? n : N - 1;  // rows past N compute a copy of the last row, never stored
-            wrow[i][h] = wb + (long long)n * w_n;
-            srow[i][h] = sb + (long long)n * s_n;
+            wrow[i][h] = wb + (long long)n * w_n + 16 * cw_begin + 4 * t;  // running: the next chunk to load
+            srow[i][h] = sb + (long long)n * s_n + (WFMT == 1 ? 8 : 4) * cw_begin;
         }
     }
     constexpr int SLOTS = PF + 1;  // ring: chunk x lives in slot (x - cw_begin) % SLOTS
     Stage<NT> st[SLOTS];
     if (rows_valid) {
 #pragma unroll
-        for (int p = 0; p < PF; ++p) stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
+        for (int p = 0; p < PF; ++p)
+            if (cw_begin + p < cw_end) stage_load<NT, WFMT>(wrow, srow, st[p]);
     }
     if (!EXPERTS) pdl_wait();  // the first weight chunks are in flight under the previous kernel's tail
 
@@ -528,13 +539,11 @@ __device__ __forceinline__ void gemv_mma_body(
     }
     __syncthreads();
 
-    bool has_token[NG];
+    // Token column g of group ng; a column past the tokens reads token 0's row instead: mma column n of the output
+    // depends only on column n of B, and those columns are never stored (no zeroing, no predicated loads).
     const u32 *xt[NG];
 #pragma unroll
-    for (int ng = 0; ng < NG; ++ng) {
-        has_token[ng] = ng * 8 + g < rows;
-        xt[ng] = smem + (has_token[ng] ? ng * 8 + g : 0) * pairs;
-    }
+    for (int ng = 0; ng < NG; ++ng) xt[ng] = smem + (ng * 8 + g < rows ? ng * 8 + g : 0) * pairs;
     float acc[4][NG][NT][4];
     float *sums = &acc[0][0][0][0];  // chain 0, then the final sums
     constexpr int PER = NG * NT * 4;  // accumulators per chain and thread
@@ -546,15 +555,13 @@ __device__ __forceinline__ void gemv_mma_body(
             for (int p = 0; p < SLOTS; ++p) {  // unrolled: slot indices are static, no register copies
                 const int c = c0 + p;
                 if (c >= cw_end) break;
-                if (c + PF < cw_end) stage_load<NT, WFMT>(wrow, srow, c + PF, t, st[(p + PF) % SLOTS]);
+                if (c + PF < cw_end) stage_load<NT, WFMT>(wrow, srow, st[(p + PF) % SLOTS]);
                 uint4 b[NG][4];
 #pragma unroll
                 for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
                     for (int q = 0; q < 4; ++q)
-                        b[ng][q] = has_token[ng]
-                            ? *reinterpret_cast<const uint4 *>(xt[ng] + ((c - c_begin) * 16 + 4 * t + q) * 4)
-                            : make_uint4(0u, 0u, 0u, 0u);
+                        b[ng][q] = *reinterpret_cast<const uint4 *>(xt[ng] + ((c - c_begin) * 16 + 4 * t + q) * 4);
                 stage_mma<NG, NT, WFMT>(st[p], b, t, fold, acc);
             }
         }
