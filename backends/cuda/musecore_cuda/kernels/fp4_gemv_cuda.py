@@ -172,12 +172,24 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
     return plan
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-            k_warps: int = 1, prefetch: int = 2, early: bool = False):
+def kernel_name(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
+                k_warps: int = 1, prefetch: int = 2, early: bool = False) -> str:
+    """The template instantiation of ``csrc/fp4_gemv.cu`` that runs a plan (NVRTC's name expression)."""
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    name = (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}>"
+    return (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}>"
             if kind == "mma" else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}, {str(early).lower()}>")
+
+
+def plan_kernel_name(plan: GemvPlan, wfmt: int, experts: bool = False, swiglu: bool = False,
+                     early: bool = False) -> str:
+    """:func:`kernel_name` of ``plan``, as :func:`launch` picks it."""
+    mma = plan.kind == "mma"
+    return kernel_name(plan.kind, plan.tile, plan.m, wfmt, experts, swiglu, plan.split_k if mma else 1,
+                       plan.k_warps if mma else 1, plan.prefetch if mma else 2, early)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str):
     return torch.cuda._compile_kernel(SOURCE, name)
 
 
@@ -192,8 +204,8 @@ def _probe() -> bool:
         reason = f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC; PyTorch >= 2.8)"
     else:
         try:
-            _kernel("mma", 1, 1, WFMT_NVFP4, False, False)
-            _kernel("fma", 8, 1, WFMT_NVFP4, False, False)
+            _kernel(kernel_name("mma", 1, 1, WFMT_NVFP4, False, False))
+            _kernel(kernel_name("fma", 8, 1, WFMT_NVFP4, False, False))
             return True
         except Exception as exc:  # NVRTC missing or a compile error: say why, use the Triton GEMM
             reason = f"compiling the CUDA C++ decode kernels with NVRTC failed ({type(exc).__name__}: {str(exc)[:300]})"
@@ -245,9 +257,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError(f"a hand-off joins two MMA expert launches of {handoff[0].programs} programs; got a "
                          f"{plan.kind} launch of {None if ids is None else ids.numel()}")
     producer = handoff is not None and handoff[1] == PRODUCER
-    kern = _kernel(plan.kind, plan.tile, m, wfmt, ids is not None, packed2 is not None,
-                   plan.split_k if mma else 1, plan.k_warps if mma else 1, plan.prefetch if mma else 2,
-                   producer or pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"))
+    kern = _kernel(plan_kernel_name(
+        plan, wfmt, ids is not None, packed2 is not None,
+        producer or pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}")))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     ids_arg = ids if ids is not None else out_scale  # (a placeholder pointer, never read without EXPERTS)
     ids_args = [ids_arg, ids_arg if perm is None else perm, int(perm is not None)] if mma else [ids_arg]
