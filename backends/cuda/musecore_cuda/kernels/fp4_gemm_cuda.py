@@ -118,11 +118,14 @@ def blocks_per_sm(plan: GemmPlan) -> int:
     return count.value if status == 0 and count.value > 0 else 1
 
 
+def kernel_name(plan: GemmPlan, wfmt: int) -> str:
+    """The template instantiation of ``csrc/fp4_gemm.cu`` that runs ``plan`` (NVRTC's name expression)."""
+    return f"fp4_gemm_mma<{plan.tile}, {plan.groups}, {plan.warps}, {plan.prefetch}, {plan.stages}, {wfmt}, {plan.split}>"
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(plan: GemmPlan, wfmt: int):
-    name = (f"fp4_gemm_mma<{plan.tile}, {plan.groups}, {plan.warps}, {plan.prefetch}, {plan.stages}, {wfmt}, "
-            f"{plan.split}>")
-    kern = torch.cuda._compile_kernel(SOURCE, name)
+    kern = torch.cuda._compile_kernel(SOURCE, kernel_name(plan, wfmt))
     if plan.smem > SMEM_DEFAULT:
         if not hasattr(kern, "set_shared_memory_config"):
             raise ValueError(f"{plan} needs {plan.smem} bytes of shared memory; this torch cannot opt in")
