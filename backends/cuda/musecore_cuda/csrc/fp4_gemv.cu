@@ -479,7 +479,7 @@ __device__ __forceinline__ void gemv_mma_body(
                                          // load instruction fall in alternate halves of the banks
     long long e = 0, x_row = 0, y_row = 0;
     int rows = m_rows;  // tokens of this program
-    const long long *perm = runs ? perm_in : nullptr;
+    const long long *perm = EXPERTS && runs ? perm_in : nullptr;  // (a constant nullptr for a linear)
     if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
     if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
         if (!handed) pdl_wait();  // (handed: the producer's hand-off for this program has been acquired instead)
@@ -524,8 +524,10 @@ __device__ __forceinline__ void gemv_mma_body(
 
     // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
     // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
-    for (int i = threadIdx.x; i < rows * chunks * 16; i += WARPS * 32) {
-        const int m = i / (chunks * 16), r = i - m * (chunks * 16), c = r >> 4, v = r & 15;
+    // Item r of token m's row (16 bytes each); (m, r) stepped by the block size, no division in the loop.
+    const int per_row = chunks * 16;
+    for (int m = threadIdx.x / per_row, r = threadIdx.x % per_row; m < rows;) {
+        const int c = r >> 4, v = r & 15;
         const long long row = token_row(perm, blockIdx.z, m, x_row, a_div, handed);
         const uint4 *src = reinterpret_cast<const uint4 *>(x + row * (long long)x_stride + (c_begin + c) * 128 + v * 8);
         const uint4 raw = handed ? __ldcg(src) : __ldg(src);  // handed: written while this kernel runs (no nc path)
@@ -536,6 +538,7 @@ __device__ __forceinline__ void gemv_mma_body(
         dst[q0 * 4 + po] = prmt(raw.x, raw.y, 0x7632u);
         dst[q0 * 4 + 4 + pe] = prmt(raw.z, raw.w, 0x5410u);
         dst[q0 * 4 + 4 + po] = prmt(raw.z, raw.w, 0x7632u);
+        for (r += WARPS * 32; r >= per_row; r -= per_row) ++m;
     }
     __syncthreads();
 
