@@ -3,7 +3,9 @@
 #   1. cuda_large_m_probe.py: the large-M dequant path with the NVFP4 per-tensor scale left out of the bf16 copy
 #      and applied as cuBLAS's alpha (LARGE_M_ARGS, e.g. "--shapes q_proj,unpooler --ms 4096");
 #   2. the persistent probe's lab tests (the holding kernel's input load made volatile);
-#   3. the GPU suite (SUITE, SUITE_S);  4. targets (TARGETS_S).
+#   3. the GPU suite (SUITE, SUITE_S);  4. targets (TARGETS_S);
+#   5. cuda_gemv_ab.py: the decode GEMV of this session against session 55's, same process (GEMV_AB_ARGS);
+#   6. the decode kernels' GPU tests (linear, MoE, PDL, choices).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -18,4 +20,13 @@ step1() {
 step2() { TESTS="backends/cuda/lab/tests/test_persistent_probe.py" TESTS_ALL=1 tests_step 2; }
 step3() { gpu_suite_step 3; }
 step4() { targets_step 4; }
+step5() {
+  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_gemv_ab.py --out $OUT/cuda_gemv_ab.json ${GEMV_AB_ARGS:-} \
+    > $OUT/gemv_ab.log 2>&1
+  echo "5. GEMV A/B at ${SECONDS}s (rc $?):"; tail -c 4000 $OUT/gemv_ab.log
+}
+step6() {
+  TESTS="backends/cuda/tests/test_cuda_linear.py backends/cuda/tests/test_cuda_moe.py backends/cuda/tests/test_cuda_pdl.py
+         backends/cuda/tests/test_cuda_choices.py" tests_step 6
+}
 run_steps s56

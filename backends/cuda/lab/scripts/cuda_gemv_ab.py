@@ -1,0 +1,105 @@
+"""Session 56's decode GEMV against session 55's, in one process (issue 26): the same plans and launches, the kernels
+compiled from ``csrc/fp4_gemv.cu`` (new) or ``lab/csrc/fp4_gemv_s55.cu`` (old, commit 7bc2548), each captured in its
+own CUDA graph and timed in interleaved rounds (``bench.time_calls``). Rows: NVFP4 linears through the MMA decode
+kernel at M = 1..16 (816B shapes, weights rotated past L2), and the 816B MoE layer (256 experts, top-8) at decode
+batches. Outputs of old and new are compared bit for bit (the arithmetic is the same)::
+
+    python3 backends/cuda/lab/scripts/cuda_gemv_ab.py [--shapes q_proj,k_proj,expert_down] [--ms 1,4,16]
+        [--batches 1,4,16] [--out cuda_gemv_ab.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from musecore_cuda import CudaBackend
+from musecore_cuda.backend import fp4_decode_linear
+from musecore_cuda.bench import (LINEAR_SHAPES, _rotating, copy_resident, gpu_name, memory_ceiling_gbps, random_fp4,
+                                 time_calls)
+from musecore_cuda.kernels import fp4_gemv_cuda, sources
+
+OLD = sources.read("pdl.cuh") + (Path(__file__).resolve().parents[1] / "csrc" / "fp4_gemv_s55.cu").read_text()
+NEW = fp4_gemv_cuda.SOURCE
+ACTIVE = {"source": NEW}
+_compiled: dict = {}
+
+
+def _kernel(name: str):
+    """fp4_gemv_cuda._kernel, per source: the one ACTIVE names when a launch (or its graph capture) asks."""
+    key = (ACTIVE["source"] is OLD, name)
+    if key not in _compiled:
+        _compiled[key] = torch.cuda._compile_kernel(ACTIVE["source"], name)
+    return _compiled[key]
+
+
+def with_source(source: str, fn):
+    def call():
+        ACTIVE["source"] = source
+        try:
+            return fn()
+        finally:
+            ACTIVE["source"] = NEW
+    return call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="q_proj,k_proj,expert_up,expert_down")
+    p.add_argument("--ms", default="1,2,4,8,16")
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--out", default="cuda_gemv_ab.json")
+    args = p.parse_args()
+    fp4_gemv_cuda._kernel = _kernel  # (launch looks the name up through the module)
+    be = CudaBackend("cuda")
+    ceiling = memory_ceiling_gbps()
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = LINEAR_SHAPES[name]
+        w0 = be.prepare_weight(random_fp4("nvfp4", (n, k)), name).data
+        ws = _rotating(lambda: copy_resident(w0), n * k // 2)
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            call = lambda w: fp4_decode_linear(x, w, "mma")  # noqa: E731
+            same = torch.equal(with_source(OLD, lambda: call(w0))(), with_source(NEW, lambda: call(w0))())
+            times = time_calls({"old": (ws, lambda w: with_source(OLD, lambda: call(w))()),
+                                "new": (ws, lambda w: with_source(NEW, lambda: call(w))())}, interleave=True)
+            row = {"case": "linear", "shape": f"{name} {k}->{n}", "M": m, "old_us": round(times["old"], 2),
+                   "new_us": round(times["new"], 2), "speedup": round(times["old"] / times["new"], 3),
+                   "new_pct_ceiling": round(100 * w0.nbytes / times["new"] / 1e3 / ceiling["ceiling_gbps"], 1),
+                   "bit_equal": same}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    experts, topk, width, inter, hidden = 256, 8, 4096, 4096, 8192
+    fp4 = be.prepare_experts(random_fp4("nvfp4", (experts, inter, width)), random_fp4("nvfp4", (experts, inter, width)),
+                             random_fp4("nvfp4", (experts, width, inter)))
+    per_expert = sum(s.nbytes for s in (fp4.gate, fp4.up, fp4.down)) // experts
+    post_norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
+    router = torch.randn(experts, hidden, device="cuda") * hidden ** -0.5
+    bias = torch.randn(experts, device="cuda") * 0.01
+    for t in [int(v) for v in args.batches.split(",")]:
+        hid = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = be.router_topk(hid, router, bias, topk, (hidden / 256) ** -0.5, 1.0)
+        z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
+        call = lambda: be.moe(z, weights, ids, fp4, post_norm, 1e-8)  # noqa: E731
+        same = torch.equal(with_source(OLD, call)(), with_source(NEW, call)())
+        times = time_calls({"old": ([0], lambda _: with_source(OLD, call)()),
+                            "new": ([0], lambda _: with_source(NEW, call)())}, interleave=True)
+        nbytes = int(ids.unique().numel()) * per_expert
+        row = {"case": "moe", "batch": t, "old_us": round(times["old"], 1), "new_us": round(times["new"], 1),
+               "speedup": round(times["old"] / times["new"], 3),
+               "new_pct_ceiling": round(100 * nbytes / times["new"] / 1e3 / ceiling["ceiling_gbps"], 1),
+               "bit_equal": same}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": {"gpu": gpu_name(), "torch": torch.__version__, **ceiling}, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
