@@ -22,17 +22,17 @@ from musecore_cuda.bench import (LINEAR_SHAPES, _rotating, copy_resident, gpu_na
                                  time_calls)
 from musecore_cuda.kernels import fp4_gemv_cuda, sources
 
-OLD = sources.read("pdl.cuh") + (Path(__file__).resolve().parents[1] / "csrc" / "fp4_gemv_s55.cu").read_text()
-NEW = fp4_gemv_cuda.SOURCE
-ACTIVE = {"source": NEW}
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+SOURCES = {"old": sources.read("pdl.cuh") + (CSRC / "fp4_gemv_s55.cu").read_text(), "new": fp4_gemv_cuda.SOURCE}
+ACTIVE = {"source": "new"}
 _compiled: dict = {}
 
 
 def _kernel(name: str):
     """fp4_gemv_cuda._kernel, per source: the one ACTIVE names when a launch (or its graph capture) asks."""
-    key = (ACTIVE["source"] is OLD, name)
+    key = (ACTIVE["source"], name)
     if key not in _compiled:
-        _compiled[key] = torch.cuda._compile_kernel(ACTIVE["source"], name)
+        _compiled[key] = torch.cuda._compile_kernel(SOURCES[ACTIVE["source"]], name)
     return _compiled[key]
 
 
@@ -42,8 +42,15 @@ def with_source(source: str, fn):
         try:
             return fn()
         finally:
-            ACTIVE["source"] = NEW
+            ACTIVE["source"] = "new"
     return call
+
+
+def row_times(times: dict, nbytes: int, ceiling: dict) -> dict:
+    """Each source's time, its speedup over the old kernel, and the new kernel's share of the ceiling."""
+    return {"us": {v: round(t, 2) for v, t in times.items()},
+            "speedup_vs_old": {v: round(times["old"] / t, 3) for v, t in times.items()},
+            "new_pct_ceiling": round(100 * nbytes / times["new"] / 1e3 / ceiling["ceiling_gbps"], 1)}
 
 
 def main() -> None:
@@ -52,7 +59,10 @@ def main() -> None:
     p.add_argument("--ms", default="1,2,4,8,16")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--out", default="cuda_gemv_ab.json")
+    p.add_argument("--variants", default="", help="more sources: names of lab/csrc/s56_variants/NAME.cu")
     args = p.parse_args()
+    for v in filter(None, args.variants.split(",")):
+        SOURCES[v] = sources.read("pdl.cuh") + (CSRC / "s56_variants" / f"{v}.cu").read_text()
     fp4_gemv_cuda._kernel = _kernel  # (launch looks the name up through the module)
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
@@ -64,12 +74,11 @@ def main() -> None:
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             call = lambda w: fp4_decode_linear(x, w, "mma")  # noqa: E731
-            same = torch.equal(with_source(OLD, lambda: call(w0))(), with_source(NEW, lambda: call(w0))())
-            times = time_calls({"old": (ws, lambda w: with_source(OLD, lambda: call(w))()),
-                                "new": (ws, lambda w: with_source(NEW, lambda: call(w))())}, interleave=True)
-            row = {"case": "linear", "shape": f"{name} {k}->{n}", "M": m, "old_us": round(times["old"], 2),
-                   "new_us": round(times["new"], 2), "speedup": round(times["old"] / times["new"], 3),
-                   "new_pct_ceiling": round(100 * w0.nbytes / times["new"] / 1e3 / ceiling["ceiling_gbps"], 1),
+            ref = with_source("old", lambda: call(w0))()
+            same = all(torch.equal(ref, with_source(v, lambda: call(w0))()) for v in SOURCES)
+            times = time_calls({v: (ws, lambda w, v=v: with_source(v, lambda: call(w))()) for v in SOURCES},
+                               interleave=True)
+            row = {"case": "linear", "shape": f"{name} {k}->{n}", "M": m, **row_times(times, w0.nbytes, ceiling),
                    "bit_equal": same}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -87,14 +96,11 @@ def main() -> None:
         weights, ids = be.router_topk(hid, router, bias, topk, (hidden / 256) ** -0.5, 1.0)
         z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
         call = lambda: be.moe(z, weights, ids, fp4, post_norm, 1e-8)  # noqa: E731
-        same = torch.equal(with_source(OLD, call)(), with_source(NEW, call)())
-        times = time_calls({"old": ([0], lambda _: with_source(OLD, call)()),
-                            "new": ([0], lambda _: with_source(NEW, call)())}, interleave=True)
+        ref = with_source("old", call)()
+        same = all(torch.equal(ref, with_source(v, call)()) for v in SOURCES)
+        times = time_calls({v: ([0], lambda _, v=v: with_source(v, call)()) for v in SOURCES}, interleave=True)
         nbytes = int(ids.unique().numel()) * per_expert
-        row = {"case": "moe", "batch": t, "old_us": round(times["old"], 1), "new_us": round(times["new"], 1),
-               "speedup": round(times["old"] / times["new"], 3),
-               "new_pct_ceiling": round(100 * nbytes / times["new"] / 1e3 / ceiling["ceiling_gbps"], 1),
-               "bit_equal": same}
+        row = {"case": "moe", "batch": t, **row_times(times, nbytes, ceiling), "bit_equal": same}
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:

@@ -21,7 +21,7 @@ step2() { TESTS="backends/cuda/lab/tests/test_persistent_probe.py" TESTS_ALL=1 t
 step3() { gpu_suite_step 3; }
 step4() { targets_step 4; }
 step5() {
-  timeout $(cap 200) python3 backends/cuda/lab/scripts/cuda_gemv_ab.py --out $OUT/cuda_gemv_ab.json ${GEMV_AB_ARGS:-} \
+  timeout $(cap ${AB_S:-200}) python3 backends/cuda/lab/scripts/cuda_gemv_ab.py --out $OUT/cuda_gemv_ab.json ${GEMV_AB_ARGS:-} \
     > $OUT/gemv_ab.log 2>&1
   echo "5. GEMV A/B at ${SECONDS}s (rc $?):"; tail -c 4000 $OUT/gemv_ab.log
 }

@@ -332,23 +332,54 @@ __device__ __forceinline__ uint4 ld_stream(const u32 *p) {
     return v;
 }
 
+// The rows a thread streams: tile i reads weight words w[i] + wo[i][h] and scale bytes s[i] + so[i][h] for its rows g
+// and g + 8 (h), the offsets (32-bit: one weight's rows) pointing at the next chunk to load. Offsets instead of 64-bit
+// row pointers keep the registers of the session 55 kernel, whose addresses were recomputed from the row index for
+// every load (~28 instructions per chunk).
+template <int NT>
+struct Rows {
+    const u32 *w[NT];
+    const u8 *s[NT];
+    u32 wo[NT][2], so[NT][2];
+};
+
 template <int NT, int WFMT>
-__device__ __forceinline__ void stage_load(const u32 *(&wrow)[NT][2], const u8 *(&srow)[NT][2], Stage<NT> &st) {
+__device__ __forceinline__ void stage_load(Rows<NT> &rows, Stage<NT> &st) {
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            st.w[i][h] = ld_stream(wrow[i][h]);
+            st.w[i][h] = ld_stream(rows.w[i] + rows.wo[i][h]);
             if (WFMT == 1) {
-                const uint2 s = __ldg(reinterpret_cast<const uint2 *>(srow[i][h]));
+                const uint2 s = __ldg(reinterpret_cast<const uint2 *>(rows.s[i] + rows.so[i][h]));
                 st.s[i][h][0] = s.x;
                 st.s[i][h][1] = s.y;
             } else {
-                st.s[i][h][0] = __ldg(reinterpret_cast<const u32 *>(srow[i][h]));
+                st.s[i][h][0] = __ldg(reinterpret_cast<const u32 *>(rows.s[i] + rows.so[i][h]));
             }
-            wrow[i][h] += 16;                       // the next chunk of the row
-            srow[i][h] += WFMT == 1 ? 8 : 4;
+            rows.wo[i][h] += 16;  // the next chunk of the row
+            rows.so[i][h] += WFMT == 1 ? 8 : 4;
         }
+}
+
+// Rows<NT> of tiles of 16 rows from row n0 (tile i: rows n0 + (i % rt) * 16 + {g, g + 8}, clamped to N - 1: rows past N
+// compute a copy of the last row, never stored), from chunk c0 on; tiles rt.. read the second weight (SwiGLU's up).
+template <int NT, int WFMT>
+__device__ __forceinline__ Rows<NT> make_rows(const u32 *w, const u8 *s, const u32 *w2, const u8 *s2, int rt, int n0,
+                                             int N, int w_n, int s_n, int c0, int g, int t) {
+    Rows<NT> rows;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        rows.w[i] = i < rt ? w : w2;
+        rows.s[i] = i < rt ? s : s2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 n = (u32)min(n0 + (i % rt) * 16 + h * 8 + g, N - 1);
+            rows.wo[i][h] = n * (u32)w_n + 16u * (u32)c0 + 4u * (u32)t;
+            rows.so[i][h] = n * (u32)s_n + (WFMT == 1 ? 8u : 4u) * (u32)c0;
+        }
+    }
+    return rows;
 }
 
 // The chunk's low/high-half group multipliers of a thread: NVFP4 groups t and t + 4 (16 elements
@@ -498,27 +529,14 @@ __device__ __forceinline__ void gemv_mma_body(
     const int cw_begin = c_begin + kw * per_warp, cw_end = cw_begin + per_warp;
     const bool rows_valid = n0 < N;
 
-    const u32 *wrow[NT][2];
-    const u8 *srow[NT][2];
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-        const bool second = SWIGLU && i >= RT;
-        const u32 *wb = (second ? w2 : w) + e * (long long)w_e;
-        const u8 *sb = (second ? s2 : s) + e * (long long)s_e;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            int n = n0 + (i % RT) * 16 + h * 8 + g;
-            n = n < N ? n : N - 1;  // rows past N compute a copy of the last row, never stored
-            wrow[i][h] = wb + (long long)n * w_n + 16 * cw_begin + 4 * t;  // running: the next chunk to load
-            srow[i][h] = sb + (long long)n * s_n + (WFMT == 1 ? 8 : 4) * cw_begin;
-        }
-    }
+    Rows<NT> wrows = make_rows<NT, WFMT>(w + e * (long long)w_e, s + e * (long long)s_e, w2 + e * (long long)w_e,
+                                         s2 + e * (long long)s_e, RT, n0, N, w_n, s_n, cw_begin, g, t);
     constexpr int SLOTS = PF + 1;  // ring: chunk x lives in slot (x - cw_begin) % SLOTS
     Stage<NT> st[SLOTS];
     if (rows_valid) {
 #pragma unroll
         for (int p = 0; p < PF; ++p)
-            if (cw_begin + p < cw_end) stage_load<NT, WFMT>(wrow, srow, st[p]);
+            if (cw_begin + p < cw_end) stage_load<NT, WFMT>(wrows, st[p]);
     }
     if (!EXPERTS) pdl_wait();  // the first weight chunks are in flight under the previous kernel's tail
 
@@ -558,7 +576,7 @@ __device__ __forceinline__ void gemv_mma_body(
             for (int p = 0; p < SLOTS; ++p) {  // unrolled: slot indices are static, no register copies
                 const int c = c0 + p;
                 if (c >= cw_end) break;
-                if (c + PF < cw_end) stage_load<NT, WFMT>(wrow, srow, st[(p + PF) % SLOTS]);
+                if (c + PF < cw_end) stage_load<NT, WFMT>(wrows, st[(p + PF) % SLOTS]);
                 uint4 b[NG][4];
 #pragma unroll
                 for (int ng = 0; ng < NG; ++ng)
