@@ -7,14 +7,17 @@ issue-bound (lab NOTES, session 56), so instructions per chunk are its speed."""
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-import nvrtc_sass
-from musecore_cuda.bench import LINEAR_SHAPES
-from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda
-from musecore_triton.kernels.fp4_gemm import WFMT_MXFP4, WFMT_NVFP4
+sys.path.insert(0, str(Path(__file__).parent))  # (the helper beside this file; pytest runs from the repository root)
+import nvrtc_sass  # noqa: E402
+from musecore_cuda.bench import LINEAR_SHAPES  # noqa: E402
+from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda  # noqa: E402
+from musecore_triton.kernels.fp4_gemm import WFMT_MXFP4, WFMT_NVFP4  # noqa: E402
 
 pytestmark = pytest.mark.skipif(nvrtc_sass.missing() is not None, reason=str(nvrtc_sass.missing()))
 
