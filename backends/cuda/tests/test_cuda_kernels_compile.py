@@ -2,7 +2,7 @@
 every decode-GEMV instantiation the plans pick for the 816B shapes (linear M = 1..16, the MoE decode's SwiGLU and
 down launches with and without runs, NVFP4 and MXFP4), the dequantize and the tiled GEMM's plans. Each must compile
 without spills, and the q_proj M = 1 decode GEMV's K loop must stay within its instruction budget: that kernel is
-issue-bound (lab NOTES, session 56), so instructions per chunk are its speed."""
+issue-bound (lab NOTES, session 56), so instructions per chunk are its speed at M = 1."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from musecore_triton.kernels.fp4_gemm import WFMT_MXFP4, WFMT_NVFP4  # noqa: E40
 pytestmark = pytest.mark.skipif(nvrtc_sass.missing() is not None, reason=str(nvrtc_sass.missing()))
 
 CUDA = torch.device("cuda")  # (the MMA plans read no device property)
-# Warp instructions per 128-element chunk of the q_proj M = 1 K loop: 246 before session 56, 202 after (running
-# weight pointers, no zeroed B columns, one convert per NVFP4 scale pair). The budget leaves room for compiler drift.
-Q_PROJ_M1_BUDGET = 210
+# Warp instructions per 128-element chunk of the q_proj M = 1 K loop (that kernel is issue-bound): 246 in the shipped
+# kernel. Session 56's variants (lab/csrc/s56_variants) reach 202-206 but take the split-8 instantiation from 80 to 92-95
+# registers, which made M = 2..16 slower on the H200 (run 77); none is shipped until one is faster at every M.
+Q_PROJ_M1_BUDGET = 250
 
 
 def decode_kernel_names() -> list[str]:

@@ -26,12 +26,20 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32) fp4_
     const int tokens = min(TOK, m_rows - m0);
     const bool rows_valid = n0 < N;
 
-    Rows<RT> wrows = make_rows<RT, WFMT>(w, s, w, s, RT, n0, N, w_n, s_n, c_begin, g, t);
+    const u32 *wrow[RT][2];
+    const u8 *srow[RT][2];
+#pragma unroll
+    for (int i = 0; i < RT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n = min(n0 + i * 16 + h * 8 + g, N - 1);  // rows past N: a copy of the last, never stored
+            wrow[i][h] = w + (long long)n * w_n;
+            srow[i][h] = s + (long long)n * s_n;
+        }
     Stage<RT> st[SLOTS];  // chunk c_begin + x lives in slot x % SLOTS
     if (rows_valid) {
 #pragma unroll
-        for (int p = 0; p < PF; ++p)
-            if (p < chunks) stage_load<RT, WFMT>(wrows, st[p]);
+        for (int p = 0; p < PF; ++p) stage_load<RT, WFMT>(wrow, srow, c_begin + min(p, chunks - 1), t, st[p]);
     }
     pdl_wait();  // the activations are the previous kernel's output (the weights above are not)
     const u32 ring = (u32)__cvta_generic_to_shared(gsm);
@@ -72,7 +80,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(WARPS * 32) fp4_
             if (ci + STAGES - 1 < chunks) stage_x(ci + STAGES - 1);
             cp_async_commit();
             if (!rows_valid) continue;
-            if (ci + PF < chunks) stage_load<RT, WFMT>(wrows, st[(p + PF) % SLOTS]);
+            if (ci + PF < chunks) stage_load<RT, WFMT>(wrow, srow, c_begin + ci + PF, t, st[(p + PF) % SLOTS]);
             const unsigned char *xs = gsm + (ci % STAGES) * STAGE_BYTES + g * GEMM_ROW_BYTES + 32 * t;
             u32 ml[RT][2], mh[RT][2];
 #pragma unroll
