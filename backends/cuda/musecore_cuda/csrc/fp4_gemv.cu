@@ -273,6 +273,10 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(
 // and {2t+8, 2t+9} of mma 2i + j. The activations are staged in shared memory in that same pair
 // order ([token][chunk][word][pair] as bf16x2), so B is one 16-byte load per word.
 
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
+}
+
 __device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
     u32 d; asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d;
 }
@@ -346,11 +350,73 @@ __device__ __forceinline__ void stage_load(const u32 *const (&wrow)[NT][2], cons
         }
 }
 
+// The rows a thread streams: tile i reads weight words w[i] + wo[i][h] and scale bytes s[i] + so[i][h] for its rows g
+// and g + 8 (h), the offsets (32-bit: one weight's rows) pointing at the next chunk to load. Offsets instead of 64-bit
+// row pointers save the ~28 instructions per chunk that recomputing four row addresses from the row index costs (the
+// lean kernel's; see gemv_mma_body).
+template <int NT>
+struct Rows {
+    const u32 *w[NT];
+    const u8 *s[NT];
+    u32 wo[NT][2], so[NT][2];
+};
+
+template <int NT, int WFMT>
+__device__ __forceinline__ void stage_load(Rows<NT> &rows, Stage<NT> &st) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            st.w[i][h] = ld_stream(rows.w[i] + rows.wo[i][h]);
+            if (WFMT == 1) {
+                const uint2 s = __ldg(reinterpret_cast<const uint2 *>(rows.s[i] + rows.so[i][h]));
+                st.s[i][h][0] = s.x;
+                st.s[i][h][1] = s.y;
+            } else {
+                st.s[i][h][0] = __ldg(reinterpret_cast<const u32 *>(rows.s[i] + rows.so[i][h]));
+            }
+            rows.wo[i][h] += 16;  // the next chunk of the row
+            rows.so[i][h] += WFMT == 1 ? 8 : 4;
+        }
+}
+
+// Rows<NT> of tiles of 16 rows from row n0 (tile i: rows n0 + (i % rt) * 16 + {g, g + 8}, clamped to N - 1: rows past N
+// compute a copy of the last row, never stored), from chunk c0 on; tiles rt.. read the second weight (SwiGLU's up).
+template <int NT, int WFMT>
+__device__ __forceinline__ Rows<NT> make_rows(const u32 *w, const u8 *s, const u32 *w2, const u8 *s2, int rt, int n0,
+                                             int N, int w_n, int s_n, int c0, int g, int t) {
+    Rows<NT> rows;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        rows.w[i] = i < rt ? w : w2;
+        rows.s[i] = i < rt ? s : s2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 n = (u32)min(n0 + (i % rt) * 16 + h * 8 + g, N - 1);
+            rows.wo[i][h] = n * (u32)w_n + 16u * (u32)c0 + 4u * (u32)t;
+            rows.so[i][h] = n * (u32)s_n + (WFMT == 1 ? 8u : 4u) * (u32)c0;
+        }
+    }
+    return rows;
+}
+
 // The chunk's low/high-half group multipliers of a thread: NVFP4 groups t and t + 4 (16 elements
 // each), MXFP4 groups t / 2 and t / 2 + 2 (32 elements each).
-template <int WFMT>
+template <int WFMT, bool PAIRED = false>
 __device__ __forceinline__ void half_mults(const u32 (&s)[2], int t, int fold, u32 &ml, u32 &mh) {
-    if (WFMT == 1) {
+    if (WFMT == 1 && PAIRED) {  // group_mult_bf16x2 of both bytes at once: one byte select, one e4m3x2 -> f16x2 convert
+        const u32 two = prmt(s[0], s[1], (u32)t | ((u32)(t + 4) << 4));  // byte t of s[0], byte t of s[1]
+        u32 h2;
+        float lo, hi;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((u16)two));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)h2));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(h2 >> 16)));
+        const float f = __uint_as_float((u32)(127 + 126 - fold) << 23);
+        lo *= f;
+        hi *= f;
+        ml = prmt(__float_as_uint(lo), 0u, 0x3232u);  // the bf16 (top half) in both halves: exact, at most 4 bits
+        mh = prmt(__float_as_uint(hi), 0u, 0x3232u);
+    } else if (WFMT == 1) {
         ml = group_mult_bf16x2<WFMT>((s[0] >> (8 * t)) & 255u, fold);
         mh = group_mult_bf16x2<WFMT>((s[1] >> (8 * t)) & 255u, fold);
     } else {
@@ -361,14 +427,14 @@ __device__ __forceinline__ void half_mults(const u32 (&s)[2], int t, int fold, u
 
 // Four independent accumulator chains per tile (word parity x mma of the word), so consecutive
 // mmas of a warp do not wait on each other.
-template <int NG, int NT, int WFMT>
+template <int NG, int NT, int WFMT, bool LEAN>
 __device__ __forceinline__ void stage_mma(const Stage<NT> &st, const uint4 (&b)[NG][4], int t, int fold,
                                           float (&acc)[4][NG][NT][4]) {
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
         u32 ml0, mh0, ml1, mh1;
-        half_mults<WFMT>(st.s[i][0], t, fold, ml0, mh0);
-        half_mults<WFMT>(st.s[i][1], t, fold, ml1, mh1);
+        half_mults<WFMT, LEAN>(st.s[i][0], t, fold, ml0, mh0);
+        half_mults<WFMT, LEAN>(st.s[i][1], t, fold, ml1, mh1);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const uint4 &v0 = st.w[i][0], &v1 = st.w[i][1];
@@ -423,10 +489,6 @@ __global__ void __launch_bounds__(256) fp4_dequant(const u32 *__restrict__ w, co
                                                       bf16x2_scaled(a[2] >> 16, a[0] >> 16, os));
 }
 
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
-}
-
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
@@ -470,6 +532,12 @@ __device__ __forceinline__ void gemv_mma_body(
     long long e = 0, x_row = 0, y_row = 0;
     int rows = m_rows;  // tokens of this program
     const long long *perm = runs ? perm_in : nullptr;
+    // The lean kernel (KW > 1: the M = 1 cuts) spends ~18% fewer instructions per chunk: row offsets stepped per
+    // chunk (Rows), B read from token 0's row for absent token columns instead of zeroed (mma columns are
+    // independent and those are never stored), the two NVFP4 scale bytes through one convert, staging without a
+    // division per item. It also takes more registers (the split-8 cut of M = 2..8: 80 -> 95), which made the
+    // multi-wave grids of KW = 1 slower on the H200 (lab NOTES, session 56), so those keep the plain code.
+    constexpr bool LEAN = KW > 1;
     if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
     if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
         if (!handed) pdl_wait();  // (handed: the producer's hand-off for this program has been acquired instead)
@@ -490,6 +558,11 @@ __device__ __forceinline__ void gemv_mma_body(
 
     const u32 *wrow[NT][2];
     const u8 *srow[NT][2];
+    Rows<NT> wrows;
+    if constexpr (LEAN)
+        wrows = make_rows<NT, WFMT>(w + e * (long long)w_e, s + e * (long long)s_e, w2 + e * (long long)w_e,
+                                    s2 + e * (long long)s_e, RT, n0, N, w_n, s_n, cw_begin, g, t);
+    else
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
         const bool second = SWIGLU && i >= RT;
@@ -507,14 +580,20 @@ __device__ __forceinline__ void gemv_mma_body(
     Stage<NT> st[SLOTS];
     if (rows_valid) {
 #pragma unroll
-        for (int p = 0; p < PF; ++p) stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
+        for (int p = 0; p < PF; ++p) {
+            if constexpr (LEAN) {
+                if (cw_begin + p < cw_end) stage_load<NT, WFMT>(wrows, st[p]);
+            } else {
+                stage_load<NT, WFMT>(wrow, srow, min(cw_begin + p, cw_end - 1), t, st[p]);
+            }
+        }
     }
     if (!EXPERTS) pdl_wait();  // the first weight chunks are in flight under the previous kernel's tail
 
     // Stage: 16 bytes (8 activations: words q0 = 2v', q1 = q0 + 1 of one half chunk) per load, stored as
     // pairs (e0,e2) (e1,e3) (e4,e6) (e5,e7) = pairs 3,1 (low half) or 2,0 (high half) of q0 and q1.
-    for (int i = threadIdx.x; i < rows * chunks * 16; i += WARPS * 32) {
-        const int m = i / (chunks * 16), r = i - m * (chunks * 16), c = r >> 4, v = r & 15;
+    auto stage = [&](int m, int r) {  // item r (16 bytes) of token m's row
+        const int c = r >> 4, v = r & 15;
         const long long row = token_row(perm, blockIdx.z, m, x_row, a_div, handed);
         const uint4 *src = reinterpret_cast<const uint4 *>(x + row * (long long)x_stride + (c_begin + c) * 128 + v * 8);
         const uint4 raw = handed ? __ldcg(src) : __ldg(src);  // handed: written while this kernel runs (no nc path)
@@ -525,6 +604,15 @@ __device__ __forceinline__ void gemv_mma_body(
         dst[q0 * 4 + po] = prmt(raw.x, raw.y, 0x7632u);
         dst[q0 * 4 + 4 + pe] = prmt(raw.z, raw.w, 0x5410u);
         dst[q0 * 4 + 4 + po] = prmt(raw.z, raw.w, 0x7632u);
+    };
+    const int per_row = chunks * 16;
+    if constexpr (LEAN) {  // (m, r) stepped by the block size: no division per item
+        for (int m = threadIdx.x / per_row, r = threadIdx.x % per_row; m < rows;) {
+            stage(m, r);
+            for (r += WARPS * 32; r >= per_row; r -= per_row) ++m;
+        }
+    } else {
+        for (int i = threadIdx.x; i < rows * per_row; i += WARPS * 32) stage(i / per_row, i % per_row);
     }
     __syncthreads();
 
@@ -546,16 +634,19 @@ __device__ __forceinline__ void gemv_mma_body(
             for (int p = 0; p < SLOTS; ++p) {  // unrolled: slot indices are static, no register copies
                 const int c = c0 + p;
                 if (c >= cw_end) break;
-                if (c + PF < cw_end) stage_load<NT, WFMT>(wrow, srow, c + PF, t, st[(p + PF) % SLOTS]);
+                if (c + PF < cw_end) {
+                    if constexpr (LEAN) stage_load<NT, WFMT>(wrows, st[(p + PF) % SLOTS]);
+                    else stage_load<NT, WFMT>(wrow, srow, c + PF, t, st[(p + PF) % SLOTS]);
+                }
                 uint4 b[NG][4];
 #pragma unroll
                 for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
                     for (int q = 0; q < 4; ++q)
-                        b[ng][q] = has_token[ng]
+                        b[ng][q] = LEAN || has_token[ng]
                             ? *reinterpret_cast<const uint4 *>(xt[ng] + ((c - c_begin) * 16 + 4 * t + q) * 4)
                             : make_uint4(0u, 0u, 0u, 0u);
-                stage_mma<NG, NT, WFMT>(st[p], b, t, fold, acc);
+                stage_mma<NG, NT, WFMT, LEAN>(st[p], b, t, fold, acc);
             }
         }
     }
