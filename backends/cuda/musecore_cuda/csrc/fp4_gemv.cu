@@ -531,13 +531,14 @@ __device__ __forceinline__ void gemv_mma_body(
                                          // load instruction fall in alternate halves of the banks
     long long e = 0, x_row = 0, y_row = 0;
     int rows = m_rows;  // tokens of this program
-    const long long *perm = runs ? perm_in : nullptr;
-    // The lean kernel (KW > 1: the M = 1 cuts) spends ~18% fewer instructions per chunk: row offsets stepped per
-    // chunk (Rows), B read from token 0's row for absent token columns instead of zeroed (mma columns are
-    // independent and those are never stored), the two NVFP4 scale bytes through one convert, staging without a
-    // division per item. It also takes more registers (the split-8 cut of M = 2..8: 80 -> 95), which made the
-    // multi-wave grids of KW = 1 slower on the H200 (lab NOTES, session 56), so those keep the plain code.
-    constexpr bool LEAN = KW > 1;
+    // The lean kernel spends ~18% fewer instructions per chunk: row offsets stepped per chunk (Rows), B read from
+    // token 0's row for absent token columns instead of zeroed (mma columns are independent and those are never
+    // stored), the two NVFP4 scale bytes through one convert, staging without a division per item. It also takes
+    // more registers (the split-8 cut of linears at M = 2..8: 80 -> 95), which made those multi-wave grids 2-9%
+    // slower on the H200, while the M = 1 linear cuts (KW > 1) ran 2-8% faster and the MoE decode's expert GEMVs
+    // 5-8% faster at batch 1-4, 2.5% slower at 16 (lab NOTES, session 56): lean for those two, plain for the rest.
+    constexpr bool LEAN = KW > 1 || EXPERTS;
+    const long long *perm = runs && (EXPERTS || !LEAN) ? perm_in : nullptr;  // (lean: a constant nullptr in a linear)
     if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
     if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
         if (!handed) pdl_wait();  // (handed: the producer's hand-off for this program has been acquired instead)
@@ -612,7 +613,10 @@ __device__ __forceinline__ void gemv_mma_body(
             for (r += WARPS * 32; r >= per_row; r -= per_row) ++m;
         }
     } else {
-        for (int i = threadIdx.x; i < rows * per_row; i += WARPS * 32) stage(i / per_row, i % per_row);
+        for (int i = threadIdx.x; i < rows * per_row; i += WARPS * 32) {
+            const int m = i / per_row;
+            stage(m, i - m * per_row);
+        }
     }
     __syncthreads();
 
