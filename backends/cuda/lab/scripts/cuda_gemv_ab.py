@@ -1,8 +1,10 @@
-"""Session 56's decode GEMV against session 55's, in one process (issue 26): the same plans and launches, the kernels
-compiled from ``csrc/fp4_gemv.cu`` (new) or ``lab/csrc/fp4_gemv_s55.cu`` (old, commit 7bc2548), each captured in its
-own CUDA graph and timed in interleaved rounds (``bench.time_calls``). Rows: NVFP4 linears through the MMA decode
+"""The decode GEMV's lean path against its plain one (session 55's code), in one process (issue 26): the same plans and
+launches, the kernels compiled from ``csrc/fp4_gemv.cu`` as shipped (new) or with ``MUSECORE_GEMV_PLAIN`` defined
+(old), each captured in its own CUDA graph and timed in interleaved rounds (``bench.time_calls``). Rows: NVFP4 linears through the MMA decode
 kernel at M = 1..16 (816B shapes, weights rotated past L2), and the 816B MoE layer (256 experts, top-8) at decode
-batches. Outputs of old and new are compared bit for bit (the arithmetic is the same)::
+batches. Outputs of old and new are compared bit for bit (the arithmetic is the same). ``--variants`` adds other
+sources, ``lab/csrc/s56_variants/NAME.cu`` without ``pdl.cuh`` (session 56's, run 78: restore them with
+``git show 49e7704:backends/cuda/lab/csrc/s56_variants/NAME.cu``)::
 
     python3 backends/cuda/lab/scripts/cuda_gemv_ab.py [--shapes q_proj,k_proj,expert_down] [--ms 1,4,16]
         [--batches 1,4,16] [--out cuda_gemv_ab.json]
@@ -23,7 +25,7 @@ from musecore_cuda.bench import (LINEAR_SHAPES, _rotating, copy_resident, gpu_na
 from musecore_cuda.kernels import fp4_gemv_cuda, sources
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = {"old": sources.read("pdl.cuh") + (CSRC / "fp4_gemv_s55.cu").read_text(), "new": fp4_gemv_cuda.SOURCE}
+SOURCES = {"old": "#define MUSECORE_GEMV_PLAIN 1\n" + fp4_gemv_cuda.SOURCE, "new": fp4_gemv_cuda.SOURCE}
 ACTIVE = {"source": "new"}
 _compiled: dict = {}
 

@@ -1,4 +1,8 @@
 // FP4 decode GEMVs and dequantize; compiled after pdl.cuh (musecore_cuda/kernels/sources.py joins them).
+// MUSECORE_GEMV_PLAIN 1: every decode GEMV without the lean path (session 55's code; the lab A/B's baseline).
+#ifndef MUSECORE_GEMV_PLAIN
+#define MUSECORE_GEMV_PLAIN 0
+#endif
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -537,7 +541,7 @@ __device__ __forceinline__ void gemv_mma_body(
     // more registers (the split-8 cut of linears at M = 2..8: 80 -> 95), which made those multi-wave grids 2-9%
     // slower on the H200, while the M = 1 linear cuts (KW > 1) ran 2-8% faster and the MoE decode's expert GEMVs
     // 5-8% faster at batch 1-4, 2.5% slower at 16 (lab NOTES, session 56): lean for those two, plain for the rest.
-    constexpr bool LEAN = KW > 1 || EXPERTS;
+    constexpr bool LEAN = (KW > 1 || EXPERTS) && !MUSECORE_GEMV_PLAIN;
     const long long *perm = runs && (EXPERTS || !LEAN) ? perm_in : nullptr;  // (lean: a constant nullptr in a linear)
     if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
     if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
