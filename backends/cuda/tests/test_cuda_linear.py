@@ -374,3 +374,15 @@ def test_fp4_linear_gluon_path_replays_from_a_cuda_graph(monkeypatch):
             assert torch.equal(captured, eager), f"{n}x{k} {cfg.label()}: replay differs from eager"
         else:  # atomics add the splits in any order
             assert_nmse(eager.float(), captured.float(), 1e-6, f"{n}x{k} {cfg.label()} replay vs eager")
+
+
+def test_decode_launch_refuses_a_weight_beyond_its_32_bit_offsets():
+    """The lean path addresses one weight's words with 32-bit offsets: a [2**20, 2**15] weight (2**32 words) is refused
+    before any launch, with what to do (no weight is allocated: the check comes first)."""
+    n, k = 1 << 20, 1 << 15
+    plan = fp4_gemv_cuda.make_plan(1, n, k, torch.bfloat16, torch.device("cuda"))
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    dummy = torch.zeros(1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="32 bits.*split the layer"):
+        fp4_gemv_cuda.launch(x, dummy, dummy, torch.ones(1), wfmt=1, fold_log2=9, n=n, k=k,
+                             out=torch.empty(1, n, dtype=torch.bfloat16), plan=plan)

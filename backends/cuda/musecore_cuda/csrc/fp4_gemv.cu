@@ -355,7 +355,7 @@ __device__ __forceinline__ void stage_load(const u32 *const (&wrow)[NT][2], cons
 }
 
 // The rows a thread streams: tile i reads weight words w[i] + wo[i][h] and scale bytes s[i] + so[i][h] for its rows g
-// and g + 8 (h), the offsets (32-bit: one weight's rows) pointing at the next chunk to load. Offsets instead of 64-bit
+// and g + 8 (h), the offsets (32-bit: one weight's words, which launch() checks fit) pointing at the next chunk to load. Offsets instead of 64-bit
 // row pointers save the ~28 instructions per chunk that recomputing four row addresses from the row index costs (the
 // lean kernel's; see gemv_mma_body).
 template <int NT>
@@ -540,7 +540,7 @@ __device__ __forceinline__ void gemv_mma_body(
     // stored), the two NVFP4 scale bytes through one convert, staging without a division per item. It also takes
     // more registers (the split-8 cut of linears at M = 2..8: 80 -> 95), which made those multi-wave grids 2-9%
     // slower on the H200, while the M = 1 linear cuts (KW > 1) ran 2-8% faster and the MoE decode's expert GEMVs
-    // 5-8% faster at batch 1-4, 2.5% slower at 16 (lab NOTES, session 56): lean for those two, plain for the rest.
+    // 6-8% faster at batch 1-4, 3-4% slower at 8-16 (lab NOTES, session 56): lean for those two, plain for the rest.
     constexpr bool LEAN = (KW > 1 || EXPERTS) && !MUSECORE_GEMV_PLAIN;
     const long long *perm = runs && (EXPERTS || !LEAN) ? perm_in : nullptr;  // (lean: a constant nullptr in a linear)
     if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)

@@ -245,6 +245,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     if k % CHUNK_K or (k // CHUNK_K) % (plan.split_k * plan.k_warps):
         raise ValueError(f"the {plan.kind} decode kernel splits K = {k} into {plan.split_k * plan.k_warps} parts of "
                          f"whole {CHUNK_K}-element chunks; {plan} does not divide it")
+    if n * (k // 8) >= 1 << 32:  # (the lean kernel's row offsets are 32-bit word counts within one weight)
+        raise ValueError(f"the CUDA decode kernel addresses one weight's words with 32 bits; [{n}, {k}] is too large: "
+                         "split the layer")
     if ids is not None and ids.dtype != torch.int64:
         ids = ids.to(torch.int64)
     smem = plan.smem(k, swiglu=packed2 is not None)
