@@ -201,13 +201,14 @@ def _calibrated_convert(args: argparse.Namespace) -> Any:
                               f"calibrator plugin ({CALIBRATORS!r} entry point); install musecore, which registers 'gptq' "
                               "and, with its [autoround] extra (pip install -e '.[autoround]'), 'autoround'")
     calibrate = found[0].load()
-    formats = tuple(getattr(calibrate, "formats", ("int4",)))  # a calibrator without the attribute makes INT4
+    declared = getattr(calibrate, "formats", None)  # the --to formats it makes; a calibrator without them makes INT4
+    formats = tuple(declared) if declared is not None else ("int4",)
     if args.to not in formats:
         raise CheckpointError(f"--method {args.method} produces {' or '.join(f.upper() for f in formats)}; use "
                               f"--to {' or --to '.join(formats)} (got --to {args.to})")
     if args.calibration is None:
         raise CheckpointError(f"--method {args.method} needs --calibration FILE (.txt, .jsonl or .i16 token ids)")
-    extra = {"fmt": args.to} if hasattr(calibrate, "formats") else {}  # only calibrators that declare formats take it
+    extra = {"fmt": args.to} if declared is not None else {}  # only calibrators that declare formats take it
     try:
         return calibrate(args.src, args.dst, calibration=args.calibration, progress=not args.no_progress,
                          resume=not args.no_resume, **extra)

@@ -159,13 +159,14 @@ def main(arch: str) -> None:
                 kv = torch.randn(2, 16, nkv, d).to(kv_dtype)
                 be.attention(q[:, :t].contiguous(), kv, kv.clone(), qp[:, :t].contiguous(),
                              torch.arange(16)[None].expand(2, 16).contiguous(), window, 0.125, *scales)
-    # the shared decode switches, both settings of each (routed on the H200 in session 55: EAGER_FIRST_STEP and the
-    # greedy graph's fused position update on, PREFETCH_POSITIONS off): attention's prefetched key positions and eager
-    # first step, the greedy graph's fused position update, the Triton argmax
+    # the shared decode switches turned on (the plain decode compile above has both off; routed on the H200 in session
+    # 55: EAGER_FIRST_STEP for CUDA only and the greedy graph's fused position update on, PREFETCH_POSITIONS off):
+    # attention's prefetched key positions and eager first step, the greedy graph's fused position update, the Triton
+    # argmax
     from musecore_triton.kernels import attention as attention_module, sampling
     defaults = attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP
     try:
-        for prefetch, eager in ((True, False), (False, True), (True, True), (False, False)):
+        for prefetch, eager in ((True, False), (False, True), (True, True)):
             attention_module.PREFETCH_POSITIONS, attention_module.EAGER_FIRST_STEP = prefetch, eager
             for window in (None, 8):
                 variant[0] = f"attention decode prefetch {prefetch} eager {eager} window {window}"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ from musecore_cuda.bench import LINEAR_SHAPES, _rotating, gpu_name, memory_ceili
 from musecore_cuda.kernels import fp4_gemv_cuda
 
 
-def dense_of(w, os: torch.Tensor = None) -> torch.Tensor:
+def dense_of(w, os: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W as bf16 times ``os`` (default: its per-tensor scale)."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16, device="cuda")
     os = w.out_scale if os is None else os
