@@ -39,8 +39,9 @@ def decode_kernel_names() -> list[str]:
             down = fp4_gemv_cuda.make_plan(1, 4096, 4096, torch.bfloat16, CUDA, programs=programs)
             for plan, swiglu in ((up, True), (down, False)):
                 runs = fp4_gemv_cuda.run_plan(plan, 4096, swiglu=swiglu)
-                for p in (plan, runs) if runs else (plan,):
-                    names |= {fp4_gemv_cuda.plan_kernel_name(p, wfmt, True, swiglu, early=e) for e in (False, True)}
+                for p, on_runs in ((plan, False), (runs, True)) if runs else ((plan, False),):
+                    names |= {fp4_gemv_cuda.plan_kernel_name(p, wfmt, True, swiglu, early=e, runs=on_runs)
+                              for e in (False, True)}
     return sorted(names)
 
 

@@ -114,6 +114,21 @@ def _cuda_decode(x, w, n, k, kind, split=None, **cut):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_cuda_decode_lean_and_plain_paths_give_the_same_bits(fmt):
+    """The MMA kernel's lean path (fp4_gemv_cuda.lean_path) changes instructions, not arithmetic: forced on and off
+    on the same cuts (one warp per K range and warps splitting K, M = 1 / 2 / 9), the same bits."""
+    n, k = 192, 1024
+    w = prepare_fp4(musecore_quant.quantize(torch.randn(n, k) * 0.02, fmt), torch.device("cuda"))
+    for m in (1, 2, 9):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for kw in (1, 2):
+            lean, plain = (_cuda_decode(x, w, n, k, "mma", split=1, k_warps=kw, lean=v) for v in (True, False))
+            assert torch.equal(lean, plain), \
+                f"{fmt} M={m} k_warps={kw}: max |diff| {(lean.float() - plain.float()).abs().max().item():.3g}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["mma", "fma"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_cuda_decode_upcasts_every_code_exactly(fmt, kind):
@@ -125,6 +140,10 @@ def test_cuda_decode_upcasts_every_code_exactly(fmt, kind):
     assert fp4_gemv_cuda.available(torch.device("cuda")), fp4_gemv_cuda.UNAVAILABLE
     rows = 2 if kind == "fma" else 16
     _check_every_code(fmt, rows, lambda x, w, n, k: _cuda_decode(x, w, n, k, kind), kind)
+    if kind == "mma":  # both paths of the MMA kernel (fp4_gemv_cuda.lean_path), whichever the plan picks
+        for lean in (True, False):
+            _check_every_code(fmt, rows, lambda x, w, n, k: _cuda_decode(x, w, n, k, kind, split=1, lean=lean),
+                              f"{kind} lean={lean}")
 
 
 def _check_every_code(fmt, rows, run, what):

@@ -114,6 +114,41 @@ def test_run_plan_fits_the_staged_rows_of_a_run_in_shared_memory():
             fp4_gemv_cuda.run_plan(plan, 4096)
 
 
+def test_lean_path_for_split_k_linears_and_expert_gemvs_off_runs():
+    """The MMA kernel's lean path where it measured faster on the H200 (lab NOTES, session 56): linear cuts whose
+    warps split K, expert GEMVs with one program per assignment; plain for the split-8 linear cut and on runs; a
+    plan's own ``lean`` wins. The kernel's name carries the choice (its last template argument)."""
+    lean = fp4_gemv_cuda.lean_path
+    assert lean(GemvPlan("mma", 1, 1, k_warps=4), experts=False)
+    assert not lean(GemvPlan("mma", 2, 1, split_k=8), experts=False)
+    assert lean(GemvPlan("mma", 1, 1), experts=True)
+    assert not lean(GemvPlan("mma", 5, 1), experts=True, runs=True)
+    assert not lean(GemvPlan("mma", 1, 1, lean=False), experts=True)
+    assert lean(GemvPlan("mma", 2, 1, split_k=8, lean=True), experts=False)
+    up = GemvPlan("mma", 1, 1)
+    runs = fp4_gemv_cuda.run_plan(up, 4096, swiglu=True)
+    name = fp4_gemv_cuda.plan_kernel_name
+    assert name(up, 1, True, True).endswith(", true>")
+    assert name(runs, 1, True, True, runs=True).endswith(", false>")
+
+
+@pytest.mark.gpu
+def test_moe_decode_lean_and_plain_paths_give_the_same_bits():
+    """The lean path changes instructions, not arithmetic: both expert GEMVs forced onto it and off it, for a cut with
+    one warp per K range and one whose warps split K, with and without runs: the same bits."""
+    be, prepared, _, norm = make_layer("nvfp4", experts=6, width=512, inter=512, dtype=torch.bfloat16,
+                                       device="cuda")
+    weights, ids = route(4, 6, 2, "cuda")
+    z = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    args = (z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-8)
+    for kw in (1, 2):
+        for runs in (False, True):
+            outs = {lean: moe_decode_gemv(*args, plans=(GemvPlan("mma", 1, 1, k_warps=kw, lean=lean),) * 2,
+                                          runs=runs) for lean in (True, False)}
+            assert torch.equal(outs[True], outs[False]), \
+                f"k_warps={kw} runs={runs}: max |diff| {(outs[True] - outs[False]).abs().max().item():.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("width,inter,experts,tokens", [
     (128, 256, 20, 10),               # experts 0 and 1 chosen by 9 tokens: runs chunked at 8 staged rows

@@ -518,7 +518,8 @@ __device__ __forceinline__ float cluster_load(const float *p, u32 rank) {
 // fp32 buffer, no conversion kernel).
 // Expert mode with runs != 0 (``perm_in`` read, see run_chunk): m_rows is the chunk capacity (the staged rows
 // allocated), and each program computes its run chunk's tokens, or nothing.
-template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
+template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY,
+          bool LEAN_PATH>
 __device__ __forceinline__ void gemv_mma_body(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids,
         const long long *__restrict__ perm_in, int runs, int a_div,
@@ -535,13 +536,13 @@ __device__ __forceinline__ void gemv_mma_body(
                                          // load instruction fall in alternate halves of the banks
     long long e = 0, x_row = 0, y_row = 0;
     int rows = m_rows;  // tokens of this program
-    // The lean kernel spends ~18% fewer instructions per chunk: row offsets stepped per chunk (Rows), B read from
-    // token 0's row for absent token columns instead of zeroed (mma columns are independent and those are never
-    // stored), the two NVFP4 scale bytes through one convert, staging without a division per item. It also takes
-    // more registers (the split-8 cut of linears at M = 2..8: 80 -> 95), which made those multi-wave grids 2-9%
-    // slower on the H200, while the M = 1 linear cuts (KW > 1) ran 2-8% faster and the MoE decode's expert GEMVs
-    // 6-8% faster at batch 1-4, 3-4% slower at 8-16 (lab NOTES, session 56): lean for those two, plain for the rest.
-    constexpr bool LEAN = (KW > 1 || EXPERTS) && !MUSECORE_GEMV_PLAIN;
+    // LEAN_PATH (the plan's choice, fp4_gemv_cuda.lean_path): the lean kernel spends ~18% fewer instructions per
+    // chunk: row offsets stepped per chunk (Rows), B read from token 0's row for absent token columns instead of
+    // zeroed (mma columns are independent and those are never stored), the two NVFP4 scale bytes through one
+    // convert, staging without a division per item. It also takes more registers (the split-8 cut of linears at
+    // M = 2..8: 80 -> 95), which made those multi-wave grids 2-9% slower on the H200. The plain path is session 55's
+    // code (the same SASS).
+    constexpr bool LEAN = LEAN_PATH && !MUSECORE_GEMV_PLAIN;
     const long long *perm = runs && (EXPERTS || !LEAN) ? perm_in : nullptr;  // (lean: a constant nullptr in a linear)
     if (EARLY) pdl_trigger();  // (kernels/pdl.py: only the decode GEMVs signal the next kernel early)
     if (EXPERTS) {  // the expert id is an input: wait before it picks the weights
@@ -749,7 +750,8 @@ __device__ __forceinline__ void handoff_publish(int *sync) {
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sync + HANDOFF_STRIDE * blockIdx.z) : "memory");
 }
 
-template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY>
+template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY,
+          bool LEAN_PATH>
 __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids,
         const long long *__restrict__ perm_in, int runs, int a_div,
@@ -759,7 +761,7 @@ __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mm
         void *__restrict__ y, int y_stride, int ot, int m_rows, int N, int K, int split,
         int *sync, int role, int need) {
     if (EXPERTS && role == 2) handoff_wait(sync, need);
-    gemv_mma_body<RT, KW, PF, NG, WFMT, EXPERTS, SWIGLU, SPLIT, EARLY>(
+    gemv_mma_body<RT, KW, PF, NG, WFMT, EXPERTS, SWIGLU, SPLIT, EARLY, LEAN_PATH>(
         x, x_stride, ids, perm_in, runs, a_div, w, s, w2, s2, w_e, w_n, s_e, s_n, out_scale, out_scale2, fold, y,
         y_stride, ot, m_rows, N, K, split, EXPERTS && role == 2);
     if (EXPERTS && role == 1) handoff_publish(sync);

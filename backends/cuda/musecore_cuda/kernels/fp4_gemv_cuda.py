@@ -77,6 +77,7 @@ class GemvPlan:
     split_k: int = 1
     k_warps: int = 1     # MMA: warps of a block splitting its K range
     prefetch: int = 2    # MMA: chunks each thread keeps in flight
+    lean: Optional[bool] = None  # MMA: the kernel's lean path (None: lean_path's measured rule; sweeps force it)
 
     @property
     def token_groups(self) -> int:  # MMA: groups of 8 activation rows (mma n8 each)
@@ -172,20 +173,35 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
     return plan
 
 
+def lean_path(plan: GemvPlan, experts: bool, runs: bool = False) -> bool:
+    """Whether the MMA kernel runs ``plan`` on its lean path (``plan.lean`` when set): fewer instructions per chunk,
+    more registers (``gemv_mma_body`` in ``csrc/fp4_gemv.cu``). Measured on the H200 against the plain path, same
+    process, bit-equal (lab NOTES, session 56, runs 77 and 79): the M = 1 linear cuts (warps of a block splitting K)
+    1.02-1.08x faster; the split-8 linear cut of M = 2..16 0.88-0.97x (80 -> 92-95 registers: 5 blocks per SM instead
+    of 6 on a multi-wave grid); the 816B MoE decode's expert GEMVs 1.06-1.08x at batch 1-4 (one program per
+    assignment) and 0.96-0.97x at batch 8-16 (runs of one expert). So: lean for linears whose warps split K, and for
+    expert GEMVs not on runs."""
+    if plan.lean is not None:
+        return plan.lean
+    return not runs if experts else plan.k_warps > 1
+
+
 def kernel_name(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-                k_warps: int = 1, prefetch: int = 2, early: bool = False) -> str:
+                k_warps: int = 1, prefetch: int = 2, early: bool = False, lean: bool = False) -> str:
     """The template instantiation of ``csrc/fp4_gemv.cu`` that runs a plan (NVRTC's name expression)."""
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
-    return (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}>"
+    return (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}, "
+            f"{str(lean).lower()}>"
             if kind == "mma" else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}, {str(early).lower()}>")
 
 
 def plan_kernel_name(plan: GemvPlan, wfmt: int, experts: bool = False, swiglu: bool = False,
-                     early: bool = False) -> str:
-    """:func:`kernel_name` of ``plan``, as :func:`launch` picks it."""
+                     early: bool = False, runs: bool = False) -> str:
+    """:func:`kernel_name` of ``plan``, as :func:`launch` picks it (``runs``: launched with ``perm``)."""
     mma = plan.kind == "mma"
     return kernel_name(plan.kind, plan.tile, plan.m, wfmt, experts, swiglu, plan.split_k if mma else 1,
-                       plan.k_warps if mma else 1, plan.prefetch if mma else 2, early)
+                       plan.k_warps if mma else 1, plan.prefetch if mma else 2, early,
+                       mma and lean_path(plan, experts, runs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,7 +278,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     producer = handoff is not None and handoff[1] == PRODUCER
     kern = _kernel(plan_kernel_name(
         plan, wfmt, ids is not None, packed2 is not None,
-        producer or pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}")))
+        producer or pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"),
+        runs=perm is not None))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     ids_arg = ids if ids is not None else out_scale  # (a placeholder pointer, never read without EXPERTS)
     ids_args = [ids_arg, ids_arg if perm is None else perm, int(perm is not None)] if mma else [ids_arg]
