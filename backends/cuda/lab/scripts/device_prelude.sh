@@ -111,18 +111,30 @@ gemlite_step() {
 NCU_MISSES="k_proj_m8 fp4_gemv 3 1 --shape k_proj --m 8;expert_down_m64 fp4_gluon 3 1 --shape expert_down --m 64;\
 k_proj_m256 fp4_gluon 3 1 --shape k_proj --m 256;expert_up_m4096 fp4_dequant|nvjet|xmma 6 2 --shape expert_up --m 4096;\
 moe_b1 fp4_gemv 6 2 --moe-batch 1"
+# Session 57's question (NCU_SPECS=decode NCU_DETAIL=1): where the decode GEMV's cycles go. Its instructions
+# would issue in ~7 us on the H200's 528 schedulers (q_proj M = 1: 512 tiles x 64 chunks x 206), it takes 18.6: so
+# per-warp latency with ~4 warps per scheduler, not the issue rate, bounds it. The stall reasons (all of them, not
+# only ncu's top hint) and the pipes' utilization say which latency: weight loads (long scoreboard), the shared B
+# loads (short scoreboard / MIO), the ALU chain of the upcast (wait / math pipe throttle) or the mma.
+NCU_DECODE="q_proj_m1 fp4_gemv 3 1 --shape q_proj --m 1;q_proj_m4 fp4_gemv 3 1 --shape q_proj --m 4;\
+moe_b1 fp4_gemv 6 2 --moe-batch 1;moe_b16 fp4_gemv 6 2 --moe-batch 16"
 ncu_misses_step() {
   local n=$1 spec tag kern skip count args
   local sections="--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis"
+  [ "${NCU_DETAIL:-0}" = 1 ] && sections="$sections --section ComputeWorkloadAnalysis --section InstructionStats \
+    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,\
+regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active"
   command -v ncu > /dev/null || { echo "$n. ncu: not installed on this machine"; return; }
-  IFS=';' read -ra specs <<< "${NCU_SPECS:-$NCU_MISSES}"
+  local list=${NCU_SPECS:-$NCU_MISSES}
+  [ "$list" = decode ] && list=$NCU_DECODE
+  IFS=';' read -ra specs <<< "$list"
   for spec in "${specs[@]}"; do
     read -r tag kern skip count args <<< "$spec"
     timeout $(cap ${NCU_S:-60}) ncu --clock-control none -k "regex:$kern" --launch-skip $skip --launch-count $count \
       $sections python3 backends/cuda/lab/scripts/cuda_profile_gemv.py $args > $OUT/ncu_$tag.txt 2>&1
     echo "$n. ncu $tag at ${SECONDS}s (rc $?):"; grep -E "^  [a-z_0-9]+.*\(|Duration|Registers Per|Achieved Occupancy|\
-Theoretical Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Waves Per SM" \
-      $OUT/ncu_$tag.txt | cut -c1-160 | head -30
+Theoretical Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Waves Per SM|stalled|pipe_" \
+      $OUT/ncu_$tag.txt | cut -c1-160 | head -80
   done
 }

@@ -5,7 +5,9 @@
 #   2. the persistent probe's lab tests (the holding kernel's input load made volatile);
 #   3. the GPU suite (SUITE, SUITE_S);  4. targets (TARGETS_S);
 #   5. cuda_gemv_ab.py: the decode GEMV of this session against session 55's, same process (GEMV_AB_ARGS);
-#   6. the decode kernels' GPU tests (linear, MoE, PDL, choices).
+#   6. the decode kernels' GPU tests (linear, MoE, PDL, choices);
+#   7. (session 57) ncu of the decode GEMVs with every stall reason and the pipes (NCU_SPECS=decode NCU_DETAIL=1 by
+#      default here; device_prelude.sh's NCU_DECODE).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -29,4 +31,5 @@ step6() {
   TESTS="backends/cuda/tests/test_cuda_linear.py backends/cuda/tests/test_cuda_moe.py backends/cuda/tests/test_cuda_pdl.py
          backends/cuda/tests/test_cuda_choices.py" tests_step 6
 }
+step7() { NCU_SPECS=${NCU_SPECS:-decode} NCU_DETAIL=${NCU_DETAIL:-1} ncu_misses_step 7; }
 run_steps s56
