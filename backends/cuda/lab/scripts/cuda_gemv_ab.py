@@ -4,16 +4,25 @@ launches, the kernels compiled from ``csrc/fp4_gemv.cu`` as shipped (new) or wit
 kernel at M = 1..16 (816B shapes, weights rotated past L2), and the 816B MoE layer (256 experts, top-8) at decode
 batches. Outputs of old and new are compared bit for bit (the arithmetic is the same). ``--variants`` adds other
 sources, ``lab/csrc/s56_variants/NAME.cu`` without ``pdl.cuh`` (session 56's, run 78: restore them with
-``git show 49e7704:backends/cuda/lab/csrc/s56_variants/NAME.cu``)::
+``git show 49e7704:backends/cuda/lab/csrc/s56_variants/NAME.cu``).
+
+``--cut NAME:FIELD=V,...`` (repeatable) adds a variant that runs the linears at M = 1 on another cut of the shipped
+kernel: ``GemvPlan`` fields (``split_k``, ``k_warps``, ``prefetch``, ``tile``, ``lean``) and ``min_blocks`` (the
+kernel's ``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64). Session 57's question: the
+q_proj M = 1 GEMV issues its instructions in ~7 us of the 18.6 it takes, with ~4 warps per scheduler (a 512-block grid
+at 95 registers); ``--cut tlp:split_k=2,prefetch=1,min_blocks=8`` doubles its warps (1024 blocks, 8 per SM at 64
+registers) with the same bytes in flight. A cut sums in another order, so its rows report the largest relative
+difference from the old kernel instead of bit equality::
 
     python3 backends/cuda/lab/scripts/cuda_gemv_ab.py [--shapes q_proj,k_proj,expert_down] [--ms 1,4,16]
-        [--batches 1,4,16] [--out cuda_gemv_ab.json]
+        [--batches 1,4,16] [--cut NAME:split_k=2,min_blocks=8] [--out cuda_gemv_ab.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +36,32 @@ from musecore_cuda.kernels import fp4_gemv_cuda, sources
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = {"old": "#define MUSECORE_GEMV_PLAIN 1\n" + fp4_gemv_cuda.SOURCE, "new": fp4_gemv_cuda.SOURCE}
 ACTIVE = {"source": "new"}
+CUTS: dict[str, dict] = {}  # --cut variants: the GemvPlan fields each forces on the linears' M = 1 plans
 _compiled: dict = {}
+_make_plan = fp4_gemv_cuda.make_plan
+
+
+def _plan(m, n, k, dtype, device, **kw):
+    """fp4_gemv_cuda.make_plan, with the ACTIVE --cut variant's fields on linear M = 1 plans."""
+    plan = _make_plan(m, n, k, dtype, device, **kw)
+    cut = CUTS.get(ACTIVE["source"])
+    return replace(plan, **cut) if cut and m == 1 and kw.get("programs", 1) == 1 else plan
+
+
+def add_cut(spec: str) -> None:
+    """``NAME:FIELD=V,...``: a source (the shipped one, ``min_blocks`` in its launch bounds) and plan fields."""
+    name, _, fields = spec.partition(":")
+    cut = {}
+    for item in filter(None, fields.split(",")):
+        key, _, value = item.partition("=")
+        cut[key] = value.lower() == "true" if key == "lean" else int(value)
+    bound = "__launch_bounds__(128) fp4_gemv_mma"
+    source = fp4_gemv_cuda.SOURCE
+    if "min_blocks" in cut:
+        source = source.replace(bound, f"__launch_bounds__(128, {cut.pop('min_blocks')}) fp4_gemv_mma")
+        if source == fp4_gemv_cuda.SOURCE:
+            raise SystemExit(f"--cut {spec}: the kernel's launch bounds are not '{bound}' any more")
+    SOURCES[name], CUTS[name] = source, cut
 
 
 def _kernel(name: str):
@@ -62,10 +96,14 @@ def main() -> None:
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--out", default="cuda_gemv_ab.json")
     p.add_argument("--variants", default="", help="more sources: names of lab/csrc/s56_variants/NAME.cu")
+    p.add_argument("--cut", action="append", default=[], help="NAME:FIELD=V,...: the M = 1 linears on another cut")
     args = p.parse_args()
     for v in filter(None, args.variants.split(",")):
         SOURCES[v] = sources.read("pdl.cuh") + (CSRC / "s56_variants" / f"{v}.cu").read_text()
+    for spec in args.cut:
+        add_cut(spec)
     fp4_gemv_cuda._kernel = _kernel  # (launch looks the name up through the module)
+    fp4_gemv_cuda.make_plan = _plan
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
     rows = []
@@ -77,11 +115,15 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             call = lambda w: fp4_decode_linear(x, w, "mma")  # noqa: E731
             ref = with_source("old", lambda: call(w0))()
-            same = all(torch.equal(ref, with_source(v, lambda: call(w0))()) for v in SOURCES)
+            outs = {v: with_source(v, lambda: call(w0))() for v in SOURCES}
+            same = all(torch.equal(ref, outs[v]) for v in SOURCES if v not in CUTS)
             times = time_calls({v: (ws, lambda w, v=v: with_source(v, lambda: call(w))()) for v in SOURCES},
                                interleave=True)
             row = {"case": "linear", "shape": f"{name} {k}->{n}", "M": m, **row_times(times, w0.nbytes, ceiling),
                    "bit_equal": same}
+            if CUTS:  # another summation order: how far from the old kernel, relative to its largest output
+                row["cut_max_rel_diff"] = {v: float((outs[v].float() - ref.float()).abs().max()
+                                                    / ref.float().abs().max()) for v in CUTS}
             rows.append(row)
             print(json.dumps(row), flush=True)
         del ws
@@ -99,8 +141,9 @@ def main() -> None:
         z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
         call = lambda: be.moe(z, weights, ids, fp4, post_norm, 1e-8)  # noqa: E731
         ref = with_source("old", call)()
-        same = all(torch.equal(ref, with_source(v, call)()) for v in SOURCES)
-        times = time_calls({v: ([0], lambda _, v=v: with_source(v, call)()) for v in SOURCES}, interleave=True)
+        moe_sources = [v for v in SOURCES if v not in CUTS]  # (a cut's launch bounds would squeeze the expert GEMVs)
+        same = all(torch.equal(ref, with_source(v, call)()) for v in moe_sources)
+        times = time_calls({v: ([0], lambda _, v=v: with_source(v, call)()) for v in moe_sources}, interleave=True)
         nbytes = int(ids.unique().numel()) * per_expert
         row = {"case": "moe", "batch": t, **row_times(times, nbytes, ceiling), "bit_equal": same}
         rows.append(row)
