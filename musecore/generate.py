@@ -106,18 +106,21 @@ def _normalise_prompt(prompt: Prompt) -> tuple[list[Any], str, bool]:
     raise TypeError(f"{usage}; got a list mixing {kinds}")
 
 
+SEEDS = (-(1 << 63), 1 << 64)  # the seeds torch.Generator.manual_seed takes: [low, high)
+
+
 def _validate_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                       seed: Optional[int] = None) -> None:
     if not _is_token_id(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature!r}")
+    if not 0 <= temperature < float("inf"):  # also rejects NaN
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 = off); got {top_p!r}")
     if not _is_token_id(top_k) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off); got {top_k!r}")
-    if seed is not None and not _is_token_id(seed):
-        raise ValueError(f"seed must be an int (or None: torch's global RNG); got {seed!r}")
+    if seed is not None and (not _is_token_id(seed) or not SEEDS[0] <= seed < SEEDS[1]):
+        raise ValueError(f"seed must be an int in [{SEEDS[0]}, {SEEDS[1]}) (or None: torch's global RNG); got {seed!r}")
 
 
 def _eos_ids(model: Any) -> set[int]:
@@ -150,6 +153,8 @@ def _split_stop(stop: Stop, tokenizer: Any, is_text: bool) -> tuple[set[int], li
             else:
                 raise ValueError(f"stop string {item!r} with a token-id prompt: it is not a single token of the "
                                  "vocabulary, so it cannot be matched on ids; pass a str prompt or stop token ids")
+        elif isinstance(item, str):
+            raise ValueError("a stop string must not be empty (it would stop before the first token)")
         else:
             raise TypeError(f"each stop must be a non-empty str or an int token id; got {item!r}")
     return ids, strings

@@ -11,6 +11,7 @@ of turn) and ``<|eom|>`` (end of message) when the vocabulary has them. A checkp
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -65,6 +66,13 @@ class MuseTokenizer:
                              "(tokenizer_config.json has no chat_template)")
         text = self.chat_template.render(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: a text of ``n`` tokens has at most about ``n`` times this many
+        characters (byte-level entries spell one character per byte), so longer text cannot fit a context of ``n``
+        (the server refuses it before tokenizing it)."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def token_id(self, token: str) -> int:
         """The id of one vocabulary entry (e.g. ``"<|eot|>"``); raises if the vocabulary lacks it."""

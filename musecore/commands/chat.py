@@ -111,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             reply = model.chat(messages, stream=show, **options)
         except ValueError as e:  # bad media or a message the model cannot take: say so, keep the conversation
+            if not interactive:
+                raise  # (the command's one error line)
             messages.pop()
             print(f"error: {e}", file=sys.stderr)
-            if not interactive:
-                raise
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()

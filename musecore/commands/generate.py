@@ -71,6 +71,9 @@ def _load(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
+    if not prompt and not args.media:
+        from musecore.cli import UsageError
+        raise UsageError("the prompt is empty: pass the text with --prompt or on stdin")
     check_media_files(args.media)
     model = _load(args)
     if args.media:  # one user turn: the media parts, then the text; the reply is the completion

@@ -176,7 +176,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     logits = logits.float()
     if temperature <= 0.0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    # Shifted so the largest is 0 before the division: a tiny temperature then sends the others to -inf (greedy in
+    # the limit) instead of every logit to +-inf and the softmax to NaN.
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

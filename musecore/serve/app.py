@@ -24,9 +24,18 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from musecore.generate import SEEDS
 from musecore.serve.engine import Engine, EngineFull, Request, Sampling
 
 POLL_DISCONNECT_S = 0.25  # how often a non-streaming request checks that its client is still there
+MAX_BODY_BYTES = 64 << 20  # a request body beyond this gets HTTP 413 (inline media included); make_app's max_body_bytes
+ROLES = ("system", "developer", "user", "assistant")  # the chat roles the server takes (OpenAI's, without tools)
+# Sampling parameters this server does not implement: a request that sets one to anything but its no-op value gets a
+# 400 naming it, never an answer that silently ignored it.
+UNSUPPORTED = (("n", (1,)), ("best_of", (1,)), ("logprobs", (False,)), ("top_logprobs", (0,)), ("echo", (False,)),
+               ("suffix", ("",)), ("tools", ([],)), ("tool_choice", ("none",)), ("functions", ([],)),
+               ("function_call", ("none",)), ("logit_bias", ({},)), ("presence_penalty", (0, 0.0)),
+               ("frequency_penalty", (0, 0.0)), ("response_format", ({"type": "text"},)))
 
 
 class ApiError(Exception):
@@ -40,9 +49,12 @@ class ApiError(Exception):
 
 
 def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_batch: int = 16,
-             max_waiting: int = 64, max_model_len: Optional[int] = None, prefill_graphs: str = "short") -> Any:
+             max_waiting: int = 64, max_model_len: Optional[int] = None, prefill_graphs: str = "short",
+             max_body_bytes: int = MAX_BODY_BYTES) -> Any:
     """A FastAPI app serving ``model`` under ``model_name``; its engine starts and stops with the app."""
     from contextlib import asynccontextmanager
+
+    from starlette.exceptions import HTTPException
 
     engine = engine or Engine(model, max_batch=max_batch, max_model_len=max_model_len, max_waiting=max_waiting,
                               prefill_graphs=prefill_graphs)
@@ -67,6 +79,12 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
     async def bad_json(_request: Any, e: RequestValidationError) -> Any:
         return JSONResponse(ApiError(400, f"the request body is not valid: {e.errors()[:3]}").body(), status_code=400)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Any, e: HTTPException) -> Any:  # 404 / 405 in OpenAI's shape too
+        error = ApiError(e.status_code, f"{e.detail} (this server serves /v1/completions, /v1/chat/completions, "
+                                        "/v1/models, /health and /metrics)", code=str(e.status_code).lower())
+        return JSONResponse(error.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
     @app.get("/health")
     async def health() -> Any:
         if engine.error is not None:
@@ -82,16 +100,31 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
     async def metrics() -> Any:
         return PlainTextResponse(prometheus(engine, model_name), media_type="text/plain; version=0.0.4")
 
+    def check_text(texts: list[str], param: str) -> None:
+        """Text that cannot fit the context is refused before it is tokenized (tokenizing megabytes takes seconds
+        and gigabytes), and text must be valid UTF-8 (JSON can carry lone surrogates)."""
+        from musecore.generate import _check_text
+        chars, bound = sum(map(len, texts)), engine.max_model_len * model.tokenizer.max_token_chars
+        if chars > bound:
+            raise ApiError(400, f"the {param} has {chars} characters, more than {engine.max_model_len} tokens of this "
+                                f"server's context can hold (at most {model.tokenizer.max_token_chars} characters a "
+                                "token): shorten it", param, "context_length_exceeded")
+        try:
+            _check_text(texts, model)
+        except ValueError as e:
+            raise ApiError(400, str(e), param) from None
+
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Any:
-        body = await _json(http)
+        body = await _json(http, max_body_bytes)
         _check_model(body, model_name)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
             from musecore.generate import _encode_text
-            ids = _encode_text(model, prompt) if prompt else []
+            check_text([prompt], "prompt")
+            ids = await asyncio.to_thread(_encode_text, model, prompt) if prompt else []
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
@@ -101,12 +134,14 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Any:
-        body = await _json(http)
+        body = await _json(http, max_body_bytes)
         _check_model(body, model_name)
         from musecore.chat import end_ids
         from musecore.multimodal import prepare
         messages = _plain_messages(body.get("messages"))
+        check_text(_texts(messages), "messages")
         try:
+            _check_roles(messages)
             _check_inline_media(messages)
             # Media is decoded and processed off the event loop; the towers run in the scheduler thread.
             prepared = await asyncio.to_thread(prepare, model, [messages])
@@ -119,6 +154,7 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
                      media: Any = None):
         sampling = _sampling(body, len(ids), engine.max_model_len, model.tokenizer, chat)
         sampling.stop_ids |= set(extra_stop_ids)
+        stream, include_usage = _streaming(body)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         def sink(event: dict) -> None:  # called by the scheduler thread
@@ -135,19 +171,22 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
         except RuntimeError as e:
             raise ApiError(503, str(e), code="engine_stopped", kind="server_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream:
             return StreamingResponse(_stream(request, events, rid, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, done = [], None
         try:
+            checked = time.monotonic()
             while done is None:
                 try:
                     event = await asyncio.wait_for(events.get(), POLL_DISCONNECT_S)
                 except asyncio.TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= POLL_DISCONNECT_S:  # also while tokens keep coming
+                    checked = time.monotonic()
                     if await http.is_disconnected():
-                        request.cancel()
-                        return JSONResponse({}, status_code=499)
+                        return JSONResponse({}, status_code=499)  # (the request is cancelled below)
+                if event is None:
                     continue
                 if event["type"] == "text":
                     text.append(event["text"])
@@ -207,14 +246,62 @@ def make_app(model: Any, model_name: str, engine: Optional[Engine] = None, max_b
     return app
 
 
-async def _json(http: Any) -> dict:
+async def _json(http: Any, max_bytes: int = MAX_BODY_BYTES) -> dict:
+    """The request body as a JSON object, read up to ``max_bytes`` (HTTP 413 past that, before reading it all)."""
+    declared = http.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the request body is {int(declared)} bytes; this server takes at most {max_bytes}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the request body is over {max_bytes} bytes, this server's limit",
+                           code="request_too_large")
+        chunks.append(chunk)
     try:
-        body = await http.json()
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not JSON this server reads: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage), checked before the request is submitted."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false; got {stream!r}", "stream")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, f"stream_options must be an object; got {options!r}", "stream_options")
+    usage = (options or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise ApiError(400, f"stream_options.include_usage must be true or false; got {usage!r}", "stream_options")
+    return bool(stream), bool(usage)
+
+
+def _texts(messages: Any) -> list[str]:
+    """The text the chat template renders from ``messages``: roles, string contents and text parts (not media)."""
+    out = []
+    for m in messages if isinstance(messages, list) else []:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        out += [v for v in [m.get("role")] + [p.get("text") for p in parts if isinstance(p, dict)
+                                              and p.get("type") == "text"] if isinstance(v, str)]
+    return out
+
+
+def _check_roles(messages: Any) -> None:
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        role = m.get("role") if isinstance(m, dict) else None
+        if isinstance(role, str) and role not in ROLES:
+            extra = " (tools are not supported)" if role in ("tool", "function") else ""
+            raise ValueError(f"message {i}: role {role!r} is not one of {', '.join(ROLES)}{extra}")
 
 
 def _check_model(body: dict, model_name: str) -> None:
@@ -266,10 +353,9 @@ def _number(body: dict, name: str, default: Any, kind: type, low: float, high: f
 
 
 def _sampling(body: dict, prompt_len: int, max_model_len: int, tokenizer: Any, chat: bool) -> Sampling:
-    for unsupported, default in (("n", 1), ("best_of", 1), ("logprobs", None), ("echo", False),
-                                 ("suffix", None), ("tools", None), ("logit_bias", None)):
+    for unsupported, no_ops in UNSUPPORTED:
         value = body.get(unsupported)
-        if value not in (None, default) and not (unsupported == "logprobs" and value is False):
+        if value is not None and not any(type(value) is type(v) and value == v for v in no_ops):
             raise ApiError(400, f"{unsupported}={value!r} is not supported by this server", unsupported)
     room = max_model_len - prompt_len
     if room < 1:
@@ -289,8 +375,8 @@ def _sampling(body: dict, prompt_len: int, max_model_len: int, tokenizer: Any, c
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
         raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, f"seed must be an integer; got {seed!r}", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEEDS[0] <= seed < SEEDS[1]):
+        raise ApiError(400, f"seed must be an integer in [{SEEDS[0]}, {SEEDS[1]}); got {seed!r}", "seed")
     return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
                     top_p=_number(body, "top_p", 1.0, float, 1e-9, 1.0),
                     top_k=_number(body, "top_k", 0, int, 0, 1 << 20),

@@ -152,6 +152,17 @@ def test_chat_command_keeps_history_resets_and_exits_at_end_of_input(model, monk
 
 
 
+def test_piped_chat_input_the_model_cannot_take_is_one_error_line(model, monkeypatch, capsys):
+    """Piped input ends the command at a message the model cannot take, with one error line (it was printed twice:
+    the conversation's "error:" and the command's)."""
+    monkeypatch.setattr(musecore, "load", lambda *a, **k: model)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello " * 9000 + "\n"))
+    assert main(["chat", "--device", "cpu", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "max_position_embeddings" in errors[0] and "Traceback" not in err, err
+
+
 def test_chat_command_answers_help_and_unknown_commands_and_sends_escaped_or_path_like_slashes(model, monkeypatch,
                                                                                                  capsys):
     seen = []

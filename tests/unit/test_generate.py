@@ -201,12 +201,14 @@ def test_eos_token_ends_generation(ids_model):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_new_tokens=-1), "max_new_tokens must be an int >= 0; got -1"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be an int >= 0"),
     (dict(temperature=0.5, seed="a"), "seed must be an int .*; got 'a'"),
     (dict(temperature=0.5, seed=1.5), "seed must be an int .*; got 1.5"),
+    (dict(temperature=0.5, seed=1 << 64), r"seed must be an int in \[-9223372036854775808, 18446744073709551616\)"),
 ])
 def test_invalid_options_are_rejected(ids_model, kwargs, message):
     with pytest.raises(ValueError, match=message):

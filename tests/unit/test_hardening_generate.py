@@ -96,3 +96,30 @@ def test_nan_reached_only_by_the_first_generated_token_is_caught_at_the_first_de
     monkeypatch.setenv("MUSECORE_DEBUG", "1")
     with pytest.raises(NonFiniteLogitsError, match="first decode step.*the first non-finite output is the embedding"):
         model.generate(prompt, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "x", "--stop", ""], "a stop string must not be empty"),
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "x", "--temperature", "inf"], "temperature must be a finite number"),
+    (["--prompt", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be an int in"),
+])
+def test_bad_generate_options_are_one_line_exit_2(capsys, argv, message):
+    from musecore.cli import main
+
+    assert main(["generate", "--model", "muse-tiny", "--device", "cpu", "--max-new-tokens", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in err and message in errors[0], err
+
+
+def test_a_tiny_temperature_generates_like_greedy(capsys):
+    """1e-40 sent every logit to +-inf and the softmax to NaN (a traceback); shifted first, it is greedy."""
+    from musecore.cli import main
+
+    outs = []
+    for t in ("1e-40", "0"):
+        assert main(["generate", "--model", "muse-tiny", "--device", "cpu", "--max-new-tokens", "4",
+                     "--prompt", "def f():", "--temperature", t]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1], outs

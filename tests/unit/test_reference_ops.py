@@ -181,3 +181,10 @@ def test_sample_greedy_and_seeded_top_p():
 def test_embedding_looks_up_rows():
     table = torch.randn(10, 4)
     assert torch.equal(ref.embedding(torch.tensor([[3, 1]]), Weight(table, "fp32", 10, 4))[0], table[[3, 1]])
+
+
+def test_sample_at_a_tiny_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[1.0, 30.0, 29.0, -5.0], [float("-inf"), 2.0, 2.5, 0.0]])
+    for t in (1e-40, 1e-30, 1e-8):
+        got = ref.sample(logits, t, generator=torch.Generator().manual_seed(0))
+        assert got.tolist() == [1, 2], f"temperature {t}: {got.tolist()}"

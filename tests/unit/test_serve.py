@@ -4,6 +4,7 @@ The server runs in a thread on a free port and is always shut down (fixture tear
 request has a timeout and no retries, so a broken server fails the tests instead of hanging CI.
 """
 
+import json
 import socket
 import threading
 import time
@@ -222,3 +223,79 @@ def test_the_serve_command_starts_answers_and_stops():
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(15)
+
+
+def test_a_tiny_temperature_samples_and_the_server_keeps_serving(client, server):
+    """temperature=1e-40 divided the logits to +-inf and the softmax to NaN: a 500 that stopped the scheduler for
+    every later request. Sampling now shifts the logits first, so it is greedy in the limit."""
+    tiny = client.completions.create(model="muse-tiny", prompt="def f():", max_tokens=4, temperature=1e-40)
+    greedy = client.completions.create(model="muse-tiny", prompt="def f():", max_tokens=4, temperature=0)
+    assert tiny.choices[0].text == greedy.choices[0].text
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT).json()["status"] == "ok"
+
+
+HUGE_NESTING = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("completions", {"prompt": "a", "stream": True, "stream_options": "x"}, "stream_options"),
+    ("completions", {"prompt": "a", "stream": "false"}, "stream"),
+    ("completions", {"prompt": "a", "seed": 1 << 64}, "seed"),
+    ("completions", {"prompt": "abc\ud800def"}, "prompt"),
+    ("completions", {"prompt": "a", "presence_penalty": 2}, "presence_penalty"),
+    ("completions", {"prompt": "a", "top_logprobs": 5}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi \udfff"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    pytest.param("completions", HUGE_NESTING, None, id="deep_nesting"),
+])
+def test_bad_requests_get_a_400_and_leave_nothing_running(server, route, body, param):
+    with httpx.Client(timeout=TIMEOUT) as http:
+        if not isinstance(body, bytes):  # (json.dumps escapes lone surrogates as JSON allows; httpx's json= cannot)
+            body = json.dumps({"model": "muse-tiny", "max_tokens": 4, **body}).encode()
+        response = http.post(f"{server.url}/v1/{route}", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["message"] and error["param"] == param, error
+        health = http.get(server.url + "/health").json()
+        assert health["status"] == "ok" and health["running"] == 0, health  # nothing submitted and left behind
+
+
+def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(server, model):
+    chars = server_context(server) * model.tokenizer.max_token_chars + 1
+    with httpx.Client(timeout=TIMEOUT) as http:
+        response = http.post(server.url + "/v1/completions", json={"prompt": "x" * chars, "max_tokens": 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"], error
+
+
+def server_context(server):
+    return httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["max_model_len"]
+
+
+def test_a_body_over_the_limit_is_a_413_and_an_unknown_route_is_a_json_404(model):
+    with Server(make_app(model, "muse-tiny", max_batch=1, max_body_bytes=1000)) as small:
+        with httpx.Client(timeout=TIMEOUT) as http:
+            big = http.post(small.url + "/v1/completions", json={"prompt": "x" * 2000})
+            assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large", big.text
+            chunked = http.post(small.url + "/v1/completions", content=iter([b'{"prompt": "', b"x" * 2000, b'"}']))
+            assert chunked.status_code == 413, chunked.text  # no Content-Length: counted while read
+            missing = http.get(small.url + "/v1/engines")
+            assert missing.status_code == 404 and missing.json()["error"]["message"], missing.text
+
+
+def test_a_non_streaming_client_that_disconnects_is_cancelled_while_tokens_flow(server):
+    before = metric(server, "musecore_requests_cancelled_total")
+    body = {"model": "muse-tiny", "prompt": "def g():", "max_tokens": 3000, "temperature": 0}
+    with httpx.Client(timeout=httpx.Timeout(TIMEOUT, read=1.0)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(server.url + "/v1/completions", json=body)
+    deadline = time.monotonic() + TIMEOUT
+    while metric(server, "musecore_requests_cancelled_total") == before:
+        assert time.monotonic() < deadline, "the disconnected request was never cancelled"
+        time.sleep(0.05)
+    while metric(server, "musecore_requests_running") != 0:
+        assert time.monotonic() < deadline, "the cancelled request still runs"
+        time.sleep(0.05)
