@@ -44,19 +44,20 @@ class ChatTemplate:
     @classmethod
     def from_folder(cls, folder: Union[str, Path]) -> Optional["ChatTemplate"]:
         """The template of a checkpoint folder, or None when it ships none."""
+        from musecore.tokenizer import inside
         folder = Path(folder)
         config_path = folder / TOKENIZER_CONFIG
         config: dict = {}
         if config_path.is_file():
             try:
-                config = json.loads(config_path.read_text())
+                config = json.loads(inside(folder, config_path).read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{config_path} is not valid JSON ({e}); fix or re-export the file") from e
         specials = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
         specials.update({k: v["content"] for k, v in config.items()
                          if k.endswith("_token") and isinstance(v, dict) and isinstance(v.get("content"), str)})
         if (folder / TEMPLATE_FILE).is_file():
-            return cls((folder / TEMPLATE_FILE).read_text(), specials, str(folder / TEMPLATE_FILE))
+            return cls(inside(folder, folder / TEMPLATE_FILE).read_text(), specials, str(folder / TEMPLATE_FILE))
         source = config.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}]: transformers uses "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}

@@ -181,6 +181,22 @@ def check_rope_parameters(params: Any) -> None:
                           original)
 
 
+def check_audio_sizes(audio_config: dict[str, Any]) -> None:
+    """What ``audio_shapes`` computes the audio tower's tensors from, checked before anything iterates
+    over it: ``depths`` (conv blocks per stage) positive integers adding up to at most :data:`MAX_LAYERS`
+    (a depth of 10**9 would build a billion blocks' names and hang), ``mlp_ratio`` a positive finite number."""
+    depths = audio_config.get("depths")
+    if not isinstance(depths, (list, tuple)) or not all(_is_int(d) and 1 <= d <= MAX_LAYERS for d in depths):
+        raise ConfigError("audio_config.depths", f"must be a list of positive integers (conv blocks per stage, at "
+                          f"most {MAX_LAYERS} each)", depths)
+    if sum(depths) > MAX_LAYERS:
+        raise ConfigError("audio_config.depths", f"add up to {sum(depths)} conv blocks, over musecore's limit of "
+                          f"{MAX_LAYERS}; a real audio tower has a few", depths)
+    ratio = audio_config.get("mlp_ratio")
+    if not (_is_number(ratio) and math.isfinite(ratio) and ratio > 0):
+        raise ConfigError("audio_config.mlp_ratio", "must be a positive finite number", ratio)
+
+
 def weight_bytes(config: Any) -> int:
     """Bytes of the text decoder's weights in BF16, in closed form (no per-layer loop, nothing built):
     what :func:`check_budget` bounds before any list or tensor is made from the config."""
@@ -341,6 +357,7 @@ class MuseConfig:
             raise ConfigError("attention_bias", "must be false: musecore's attention has no biases, as Muse Spark")
         if self.hidden_act != "silu":
             raise ConfigError("hidden_act", f"{self.hidden_act!r} is not supported; Muse Spark's experts use 'silu'")
+        check_audio_sizes(self.audio_config)
         if self.audio_config.get("out_hidden_size") != self.hidden_size:
             raise ConfigError("audio_config.out_hidden_size", f"({_short(self.audio_config.get('out_hidden_size'))})"
                               f" must equal hidden_size ({self.hidden_size}): audio features are spliced into the "

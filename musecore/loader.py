@@ -26,6 +26,11 @@ class CheckpointMismatch(ValueError):
     """The checkpoint's tensors do not match what the config says the model has."""
 
 
+class ConversionError(ValueError):
+    """A tensor the plan converts while loading that cannot be: the quantizer refused it, or the result has
+    NaN/Inf scales or values, or lost most of a matrix to zero (one line, naming the tensor)."""
+
+
 def logical_shape(value: Any) -> tuple[int, ...]:
     return tuple(value.shape)  # a QTensor's shape is its logical (unpacked) shape
 
@@ -272,7 +277,19 @@ class Placer:
                     bar.update(1)
 
     def convert(self, name: str, value: Any) -> Any:
+        """``value`` in the plan's format for ``name``; a ValueError naming the tensor when it cannot be
+        (a quantizer's refusal, or a result :meth:`_record` refuses)."""
         target, _act = self.plan.weight_targets[name]
+        try:
+            return self._convert(name, value, target)
+        except ConversionError:
+            raise
+        except ValueError as e:  # the quantizer's refusal (e.g. an INT4 scale over fp16's range)
+            source = value.format if not isinstance(value, torch.Tensor) else str(value.dtype).replace("torch.", "")
+            raise ConversionError(f"tensor {name!r}: cannot convert it from {source} to {target} while loading: "
+                                  f"{e}") from e
+
+    def _convert(self, name: str, value: Any, target: str) -> Any:
         if isinstance(value, torch.Tensor):
             if target in ("bf16", "fp16", "fp32"):
                 return value
@@ -294,7 +311,14 @@ class Placer:
         import math
 
         from musecore_quant import dequantize, quant_error
-        err = quant_error(before.float(), dequantize(after, torch.float32))
+        from musecore_quant.metrics import conversion_problem
+        reference, approx = before.float(), dequantize(after, torch.float32)
+        problem = conversion_problem(reference, approx, after)
+        if problem:  # never placed: a model with NaN/Inf or erased weights computes garbage silently
+            raise ConversionError(f"tensor {name!r} converted from {source} to {after.format} while loading: "
+                                  f"{problem}; fix the tensor in the checkpoint, or convert the checkpoint offline "
+                                  "keeping it in BF16 (musecore-quant convert --exclude REGEX)")
+        err = quant_error(reference, approx)
         rule, producer_db = "producer", None
         if search is not None:
             rule = "least error"

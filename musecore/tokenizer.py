@@ -90,6 +90,13 @@ class MuseTokenizer:
                 f"eos_ids={list(self.eos_ids)}, pad_id={self.pad_id})")
 
 
+def inside(folder: Path, path: Path) -> Path:
+    """``path`` (a file of the checkpoint ``folder``), refused in one line when a symlink takes it outside the
+    folder (as the checkpoint reader refuses such a config.json or shard)."""
+    from musecore_quant.checkpoint.safetensors_io import require_inside
+    return require_inside(folder, path, path.name)
+
+
 def _config_ids(folder: Path) -> tuple[list[int], Optional[int], Optional[int]]:
     """``eos_token_id`` (int or list), ``pad_token_id`` and ``bos_token_id`` from config.json (its
     ``text_config`` in transformers' nested layout) and
@@ -102,7 +109,7 @@ def _config_ids(folder: Path) -> tuple[list[int], Optional[int], Optional[int]]:
         if not path.is_file():
             continue
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(inside(folder, path).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); fix or re-export the file") from e
         if not isinstance(data, dict):
@@ -139,7 +146,7 @@ def load_tokenizer(folder: Union[str, Path], eos_token_id: Union[int, Sequence[i
     if not path.is_file():
         return None
     try:
-        inner = Tokenizer.from_file(str(path))
+        inner = Tokenizer.from_file(str(inside(folder, path)))
     except Exception as e:  # tokenizers raises a bare Exception for every parse failure
         raise ValueError(f"{path} is not a valid tokenizer.json ({e}); re-export it with "
                          "tokenizers.Tokenizer.save(), or remove it to generate from token ids only") from e

@@ -35,7 +35,9 @@ AudioState = dict[tuple[int, int], torch.Tensor]
 
 def audio_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     """Every tensor of the audio tower (transformers' names) and its shape."""
+    from musecore.config import check_audio_sizes
     a = config.audio_config
+    check_audio_sizes(a)  # bounded before the loop below builds names per conv block
     shapes: dict[str, tuple[int, ...]] = {}
     for i, (patch, width, depth) in enumerate(zip(a["patch_sizes"], a["hidden_sizes"], a["depths"])):
         q = f"{TOWER}layers.{i}."
@@ -56,15 +58,16 @@ def audio_shapes(config: Any) -> dict[str, tuple[int, ...]]:
 
 def check_audio_config(config: Any) -> None:
     """What the tower needs of ``audio_config``; ConfigError naming the field."""
-    from musecore.config import ConfigError
+    from musecore.config import ConfigError, check_audio_sizes
     from musecore.towers import gelu_approximation
     a = config.audio_config
+    check_audio_sizes(a)
     lengths = [len(a[k]) for k in ("patch_sizes", "hidden_sizes", "depths")]
     if len(set(lengths)) != 1 or lengths[0] != a["num_hidden_layers"] or not lengths[0]:
         raise ConfigError("audio_config.num_hidden_layers", "must equal the lengths of patch_sizes, hidden_sizes and "
                           f"depths (got {lengths})", a["num_hidden_layers"])
     for key in ("patch_sizes", "hidden_sizes"):
-        if any(not isinstance(n, int) or n < 1 for n in a[key]):
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in a[key]):
             raise ConfigError(f"audio_config.{key}", "must be positive integers", a[key])
     if not isinstance(a["conv_kernel_size"], int) or a["conv_kernel_size"] < 1:
         raise ConfigError("audio_config.conv_kernel_size", "must be a positive integer", a["conv_kernel_size"])

@@ -217,14 +217,19 @@ def _calibrated_convert(args: argparse.Namespace) -> Any:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .checkpoint.experts import muse_rule, num_hidden_layers
+    from .checkpoint.experts import check_layer_count, muse_rule, num_hidden_layers
     from .convert import CLI_DEFAULT_INCLUDE, DEFAULT_EXCLUDE, convert, default_include, unmatched_includes
     chosen = [flag for flag, on in (("--include", bool(args.include)), ("--muse-rule", args.muse_rule),
                                     ("--all-experts", args.all_experts)) if on]
     if len(chosen) > 1:
         raise CheckpointError(f"{' and '.join(chosen)} each choose the weights to quantize; pass one")
+    if args.max_shard_bytes is not None and args.max_shard_bytes <= 0:
+        raise CheckpointError(f"--max-shard-bytes must be a positive number of bytes, got {args.max_shard_bytes}; "
+                              "leave it out for the default (5 GB shards)")
+    _check_top(args.top)
     with open_checkpoint(args.src) as reader:  # headers only: what the selection is checked against
         config = dict(reader.config or {})
+        names, config_path = reader.weight_names(), reader.folder / "config.json"
         if args.include:
             unmatched = unmatched_includes(reader, args.include)
             if unmatched:
@@ -236,12 +241,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     elif args.include:
         include, selection = args.include, "--include"
     elif args.muse_rule:
-        include = muse_rule(num_hidden_layers(config))
-        selection = f"--muse-rule: routed experts of layers 1..{num_hidden_layers(config) - 2}"
+        layers = num_hidden_layers(config)
+        check_layer_count(layers, names, config_path)
+        include, selection = muse_rule(layers), f"--muse-rule: routed experts of layers 1..{layers - 2}"
     elif args.all_experts:
         include, selection = [CLI_DEFAULT_INCLUDE], "--all-experts: every routed expert"
     else:
-        include, selection = default_include(config)
+        include, selection = default_include(config, names, config_path)
     if args.method != "rtn":
         report = _calibrated_convert(args)
     else:
@@ -249,7 +255,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                          exclude=args.exclude if args.exclude is not None else DEFAULT_EXCLUDE, include=include,
                          quantize_options=dict(_parse_option(o) for o in args.option),
                          progress=not args.no_progress, resume=not args.no_resume, fuse_experts=args.fuse_experts,
-                         **({"max_shard_bytes": args.max_shard_bytes} if args.max_shard_bytes else {}))
+                         **({"max_shard_bytes": args.max_shard_bytes} if args.max_shard_bytes is not None else {}))
     report.selection = selection
     if args.json:
         print(_dump(report.to_dict()))
@@ -323,7 +329,15 @@ def diff_checkpoints(a: CheckpointReader, b: CheckpointReader, progress: bool = 
     return result
 
 
+def _check_top(top: int) -> None:
+    if top < 0:
+        raise CheckpointError(f"--top must be 0 or more (how many tensors to list), got {top}")
+
+
 def _cmd_diff(args: argparse.Namespace) -> int:
+    _check_top(args.top)
+    if args.min_sqnr is not None and not math.isfinite(args.min_sqnr):
+        raise CheckpointError(f"--min-sqnr must be a finite number of dB, got {args.min_sqnr}")
     with open_checkpoint(args.a) as a, open_checkpoint(args.b) as b:
         result = diff_checkpoints(a, b, progress=not args.json)
     below = [t for t in result["tensors"] if args.min_sqnr is not None and t["sqnr_db"] < args.min_sqnr]
@@ -392,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: embeddings, lm_head, norms; giving --exclude replaces the defaults)")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="quantizer option, e.g. rounding=away, group_size=128, block_size=128")
-    s.add_argument("--max-shard-bytes", type=int, default=None)
+    s.add_argument("--max-shard-bytes", type=int, default=None, metavar="N",
+                   help="start a new shard before one would exceed N bytes (N > 0; default 5 GB)")
     s.add_argument("--no-resume", action="store_true", help="discard a partial conversion and start over")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--top", type=int, default=10, help="worst tensors to list")

@@ -52,13 +52,15 @@ import torch
 
 from .api import dequantize, quantize, requantize
 from .checkpoint import CheckpointError, CheckpointWriter, open_checkpoint
-from .checkpoint.experts import FUSED_EXPERT, check_fused_shape, fuse, fuse_groups, muse_rule, num_hidden_layers
+from .checkpoint.errors import translate
+from .checkpoint.experts import (FUSED_EXPERT, check_fused_shape, check_layer_count, fuse, fuse_groups, muse_rule,
+                                 num_hidden_layers)
 from .checkpoint.reader import INDEX_NAME, CheckpointReader
-from .checkpoint.safetensors_io import dtype_name
+from .checkpoint.safetensors_io import dtype_name, require_inside
 from .checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, TARGET_PRODUCERS
 from .formats.nvfp4 import nvfp4_shared_global_amax
 from .formats.requant import nvfp4_exact_weight_scale_2
-from .metrics import quant_error
+from .metrics import conversion_problem, quant_error
 from .progress import progress as stage
 from .qtensor import QTensor
 
@@ -166,12 +168,17 @@ def is_muse_config(config: Mapping[str, Any]) -> bool:
     return config.get("model_type") in MUSE_MODEL_TYPES
 
 
-def default_include(config: Mapping[str, Any]) -> tuple[list[str], str]:
+def default_include(config: Mapping[str, Any], names: Optional[Iterable[str]] = None,
+                    source: Union[str, Path] = "config.json") -> tuple[list[str], str]:
     """The ``include`` regexes musecore-quant uses when none is given, and why: for a Muse checkpoint its
     own rule (the routed experts of layers 1..L-2, as the releases ship; layers 0 and L-1 keep BF16
-    experts), for any other model every routed expert (``CLI_DEFAULT_INCLUDE``)."""
+    experts), for any other model every routed expert (``CLI_DEFAULT_INCLUDE``). ``names``: the
+    checkpoint's weight names, against which config.json's layer count is checked (``check_layer_count``);
+    ``source``: the config.json path, for that error."""
     if is_muse_config(config):
         layers = num_hidden_layers(config)
+        if names is not None:
+            check_layer_count(layers, names, source)
         return muse_rule(layers), (f"the Muse rule: routed experts of layers 1..{layers - 2} (config.json model_type "
                                    f"{config.get('model_type')!r}, num_hidden_layers {layers})")
     return [CLI_DEFAULT_INCLUDE], "every routed expert (not a Muse config.json: no model rule applies)"
@@ -206,6 +213,8 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
       redoes its shard and every later one). Only one conversion writes a destination at a time.
     - An ``include``/``exclude`` that selects nothing (target other than bf16) is an error; a failing
       conversion leaves its ``.partial`` folder only when it holds finished shards (to resume).
+    - A converted weight whose scales or values are NaN/Inf, or a matrix of which most nonzero values
+      become 0 (a range the format cannot hold, ``metrics.conversion_problem``), is an error naming it.
     - ``siblings``: groups of module suffixes sharing the NVFP4 global scale under one parent.
     - ``fuse_experts`` (``to="bf16"`` only): stack per-expert ``P.{e}.{gate,up,down}_proj.weight`` into
       ``P.gate_up_proj`` / ``P.down_proj`` (the transformers 5 layout). None: when the source already
@@ -270,12 +279,13 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
     groups.update((m, tuple(fused_groups[f])) for m, f in owner.items())
     sources = _SourceDigests(reader, {**{f: tuple(ms) for f, ms in fused_groups.items()}, **groups})
 
+    side_files = _side_files(src)  # checked before any work: a conversion never fails once the work is done
     key = _resume_key(reader, to, method, include, exclude, options, calibrated_quantizer, siblings, fuse_experts)
     writer = CheckpointWriter(dst, config=reader.config, format=to, max_shard_bytes=max_shard_bytes,
                               resume_key=key, resume=resume, keep_shard=sources.unchanged)
     try:
         _run(reader, writer, report, to, options, calibrated_quantizer, selected, groups, owner, files, names,
-             sources, src, progress, started)
+             sources, side_files, progress, started)
     except BaseException:
         writer.abort()  # keeps the .partial folder (refused by readers) only when it holds finished shards
         raise
@@ -285,7 +295,7 @@ def convert(src: Union[str, Path], dst: Union[str, Path], to: str = "nvfp4", met
 def _run(reader: CheckpointReader, writer: CheckpointWriter, report: ConversionReport, to: str,
          options: dict[str, Any], calibrated_quantizer: Optional[CalibratedQuantizer], selected: set[str],
          groups: dict[str, tuple[str, ...]], owner: dict[str, str], files: dict[str, str], names: list[str],
-         sources: "_SourceDigests", src: Path, progress: bool, started: float) -> None:
+         sources: "_SourceDigests", side_files: list[Path], progress: bool, started: float) -> None:
     dst = writer.folder
     for other in sorted(dst.parent.glob(f"{dst.name}.partial-*")):
         if other != writer.partial_folder:
@@ -319,10 +329,8 @@ def _run(reader: CheckpointReader, writer: CheckpointWriter, report: ConversionR
                     bar.set_postfix(last_sqnr_db=f"{converter.last_sqnr:.1f}")
     assert not pending, f"sibling groups never completed: {sorted(pending)[:3]}"
 
-    for path in sorted(src.iterdir()):
-        if (path.is_file() and not path.name.startswith(".") and path.name not in _NOT_COPIED
-                and path.suffix not in _WEIGHT_SUFFIXES):
-            writer.add_file(path)
+    for path in side_files:
+        writer.add_file(path)
     writer.flush()
     records = {n: TensorRecord(**r["meta"]["record"]) for n, r in writer.completed.items() if "record" in r["meta"]}
     ordered = dict.fromkeys(owner.get(n, n) for n in names)
@@ -332,6 +340,19 @@ def _run(reader: CheckpointReader, writer: CheckpointWriter, report: ConversionR
     report.seconds = time.perf_counter() - started
     report.throughput_mb_s = report.source_bytes_read / 1e6 / max(report.seconds, 1e-9)
     writer.close(extra_json={REPORT_NAME: report.to_dict()})
+
+
+def _side_files(src: Path) -> list[Path]:
+    """The files of ``src`` copied beside the converted weights (tokenizer, generation config...). A symlink
+    is copied as the file it points to, so one that leads out of ``src`` (``passwd.txt -> /etc/passwd``) is
+    refused, naming it, as the reader refuses such a config.json or shard."""
+    try:
+        paths = sorted(src.iterdir())
+    except OSError as e:
+        raise translate(e, src, "listing the source folder") from e
+    return [require_inside(src, path, "side file " + repr(path.name)) for path in paths
+            if path.is_file() and not path.name.startswith(".") and path.name not in _NOT_COPIED
+            and path.suffix not in _WEIGHT_SUFFIXES]
 
 
 class _Converter:
@@ -370,10 +391,21 @@ class _Converter:
             return
         source = fuse(name, [(n, _fp32(v)) for n, v in batch], files)
         record = TensorRecord(name, "dequantize", _format(batch[0][1]), _format(out), list(out.shape))
+        self._refuse_broken(name, batch[0][1], source, out.to(torch.float32), out)
         err = quant_error(source, out.to(torch.float32))
         record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
             err.sqnr_db, err.max_abs_error, err.rmse, err.nmse)
         self.writer.add(name, out, meta={"record": asdict(record), "source_sha256": self.source_sha256})
+
+    def _refuse_broken(self, name: str, source: Weight, reference: torch.Tensor, approx: torch.Tensor,
+                       out: Weight) -> None:
+        """A converted weight with NaN/Inf scales or values, or whose range the format cannot hold (most of a
+        matrix flushed to zero), is never written: ``metrics.conversion_problem`` says why."""
+        problem = conversion_problem(reference, approx, out)
+        if problem:
+            raise CheckpointError(f"cannot convert {name!r} ({_format(source)}{list(source.shape)}) to "
+                                  f"{_format(out)}: {problem}; exclude this tensor (--exclude REGEX), fix its values "
+                                  "in the source, or choose another format", tensor=name)
 
     def _keep(self, name: str, value: Weight) -> None:
         if isinstance(value, QTensor) and (self.to == "bf16" or not self.writer.accepts(value, name)):
@@ -411,7 +443,9 @@ class _Converter:
     def _add(self, name: str, source: Weight, out: Weight, action: str) -> None:
         record = TensorRecord(name, action, _format(source), _format(out), list(source.shape))
         if action not in ("copy", "fuse"):
-            err = quant_error(_fp32(source), _fp32(out))
+            reference, approx = _fp32(source), _fp32(out)
+            self._refuse_broken(name, source, reference, approx, out)
+            err = quant_error(reference, approx)
             record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
                 err.sqnr_db, err.max_abs_error, err.rmse, err.nmse)
             self.last_sqnr = err.sqnr_db if math.isfinite(err.sqnr_db) else self.last_sqnr
@@ -424,7 +458,10 @@ def _check_storable(reader: CheckpointReader, selected: set[str], to: str, optio
     block = {"nvfp4": 16, "mxfp4": 32}.get(to)
     if to == "int4":
         g = options.get("group_size", DEFAULT_GROUP_SIZE)
-        block = g if isinstance(g, int) and g > 0 else None
+        if isinstance(g, bool) or not isinstance(g, int) or not (g > 0 or g == -1):  # True is an int in Python
+            raise CheckpointError(f"the int4 group_size option is {g!r}; it must be a positive int or -1 (one group "
+                                  "per row): pass e.g. --option group_size=128")
+        block = g if g > 0 else None
     bad = []
     for name in sorted(selected):
         *_, out_features, in_features = reader.weight_shape(name)

@@ -81,14 +81,37 @@ class QTensor:
                 f"data={self.data.dtype}{list(self.data.shape)}, scale={self.scale.dtype}{list(self.scale.shape)})")
 
 
+INT4_IMPLIED_ZERO = 8  # an INT4 QTensor without zero points is symmetric: every zero point is 8
+
+
+def _with_zero_points(parts: list[QTensor]) -> list[QTensor]:
+    """``parts``, where INT4 ones disagree on having zero points, with the implied zero point (8) of the
+    symmetric ones materialised: the same values, one layout. A reader decides symmetric-or-not per tensor
+    from its zeros, so an asymmetric checkpoint's expert whose zero points all happen to be 8 arrives
+    without them beside experts that have them."""
+    if {p.zero is None for p in parts} != {True, False} or parts[0].format != "int4":
+        return parts
+    return [p if p.zero is not None else
+            replace(p, zero=torch.full(p.scale.shape, INT4_IMPLIED_ZERO, dtype=torch.uint8, device=p.scale.device))
+            for p in parts]
+
+
 def stack_qtensors(parts: list[QTensor]) -> QTensor:
-    """Stack same-format, same-shape QTensors (e.g. the experts of one layer) along a new dim 0."""
+    """Stack same-format, same-shape QTensors (e.g. the experts of one layer) along a new dim 0.
+
+    INT4 parts with and without zero points stack with the implied zero point (8) made explicit."""
     first = parts[0]
     for i, p in enumerate(parts):
         if (p.format, p.shape, p.group_size) != (first.format, first.shape, first.group_size):
             raise ValueError(f"cannot stack QTensor {i} ({p!r}) with QTensor 0 ({first!r}): "
                              "format, shape and group size must match")
-    stack = lambda name: (None if getattr(first, name) is None  # noqa: E731
+    parts = _with_zero_points(parts)
+    for name in ("global_scale", "zero", "input_scale"):
+        present = [getattr(p, name) is not None for p in parts]
+        if any(present) and not all(present):
+            raise ValueError(f"cannot stack {first.format} QTensor {present.index(not present[0])} with QTensor 0: "
+                             f"one has a {name} and the other not; every part needs the same companions")
+    stack = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
                           else torch.stack([getattr(p, name) for p in parts]))
     return QTensor(format=first.format, data=stack("data"), scale=stack("scale"),
                    shape=(len(parts), *first.shape), group_size=first.group_size,
@@ -101,6 +124,7 @@ ROW_SCALED = ("mxfp4", "int4", "int8")  # formats whose every scale belongs to o
 
 def concat_problem(parts: list[QTensor]) -> Optional[str]:
     """Why :func:`concat_qtensors` cannot join ``parts`` (``None`` when it can)."""
+    parts = _with_zero_points(parts)
     first = parts[0]
     if first.format not in ROW_SCALED:
         return (f"cannot concatenate {first.format} QTensors without requantizing: only {ROW_SCALED} keep every "
@@ -124,6 +148,7 @@ def concat_qtensors(parts: list[QTensor]) -> QTensor:
     problem = concat_problem(parts)
     if problem:
         raise ValueError(problem)
+    parts = _with_zero_points(parts)
     first = parts[0]
     cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
     return QTensor(format=first.format, data=cat("data"), scale=cat("scale"),

@@ -84,3 +84,19 @@ def test_unknown_token_error_names_the_token(tokenizer_folder):
     tok = load_tokenizer(tokenizer_folder)
     with pytest.raises(ValueError, match=r"'<\|nope\|>' is not in the vocabulary"):
         tok.token_id("<|nope|>")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_linked_from_outside_the_checkpoint_is_refused(tokenizer_folder, tmp_path, name):
+    """The shards' containment applies to every file the tokenizer reads: a link out of the folder is one line."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tokenizer_folder, folder)
+    outside = tmp_path / f"outside-{name}"
+    shutil.copy(folder / name, outside) if (folder / name).exists() else outside.write_text("{}")
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(outside)
+    with pytest.raises(ValueError, match="outside the checkpoint folder") as info:
+        load_tokenizer(folder)
+    assert "\n" not in str(info.value), str(info.value)

@@ -53,6 +53,7 @@ transformers 5 loads, when writing BF16.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -69,6 +70,11 @@ Weight = Union[torch.Tensor, QTensor]
 def is_fused_expert(name: str) -> bool:
     """Whether ``name`` is a fused 3-D expert weight (``*.experts.gate_up_proj`` / ``*.experts.down_proj``)."""
     return FUSED_EXPERT.match(name) is not None
+
+
+# The most decoder layers a Muse config may declare (musecore.config.MAX_LAYERS): a bound checked before
+# anything is built from num_hidden_layers, so an absurd value is a one-line error, never a hang.
+MAX_LAYERS = 1024
 
 
 def muse_quantized_layers(num_hidden_layers: int) -> range:
@@ -88,23 +94,55 @@ def muse_rule(num_hidden_layers: int) -> list[str]:
 
         convert(src, dst, to="nvfp4", include=muse_rule(62))
     """
-    if isinstance(num_hidden_layers, bool) or not isinstance(num_hidden_layers, int) or num_hidden_layers < 1:
-        raise CheckpointError(f"muse_rule needs num_hidden_layers as a positive int, got {num_hidden_layers!r}")
+    if (isinstance(num_hidden_layers, bool) or not isinstance(num_hidden_layers, int)
+            or not 1 <= num_hidden_layers <= MAX_LAYERS):
+        raise CheckpointError(f"muse_rule needs num_hidden_layers as an int in 1..{MAX_LAYERS}, got "
+                              f"{num_hidden_layers!r}")
     layers = muse_quantized_layers(num_hidden_layers)
     if not layers:
         return []
-    alt = "|".join(str(i) for i in layers)
+    alt = "|".join(str(i) for i in layers)  # (at most MAX_LAYERS - 2 of them)
     return [rf"(^|\.)layers\.(?:{alt})\.mlp\.experts\.(?:gate_up_proj|down_proj|\d+\.(?:gate|up|down)_proj\.weight)$"]
 
 
 def num_hidden_layers(config: Mapping) -> int:
-    """``num_hidden_layers`` of a (possibly nested, ``text_config``) model config."""
+    """``num_hidden_layers`` of a (possibly nested, ``text_config``) model config, in ``1..MAX_LAYERS``."""
     for section in (config.get("text_config") or {}, config):
         n = section.get("num_hidden_layers") if isinstance(section, Mapping) else None
         if isinstance(n, int) and not isinstance(n, bool):
+            if not 1 <= n <= MAX_LAYERS:
+                raise CheckpointError(f"config.json num_hidden_layers is {n}; a Muse config has 1..{MAX_LAYERS} "
+                                      "decoder layers: fix num_hidden_layers in config.json (or pass --include "
+                                      "patterns instead of the Muse rule)")
             return n
     raise CheckpointError("config.json has no integer num_hidden_layers (nor text_config.num_hidden_layers); "
                           "the Muse rule needs it: pass --include patterns instead")
+
+
+_DECODER_LAYER = re.compile(r"^(?P<stack>(?:.*\.)?layers)\.(?P<i>\d+)\.(?P<rest>.*)$")
+
+
+def check_layer_count(layers: int, names: Iterable[str], source: Union[str, Path] = "config.json") -> None:
+    """``num_hidden_layers`` (``layers``) against the decoder layers the checkpoint's tensors hold: the
+    layers of the stack whose layers hold routed experts (``*.layers.{i}.mlp.experts.*``; not the vision
+    or audio towers' ``layers``) must end at ``layers - 1``, or the Muse rule would quantize the wrong
+    layers (a config saying 10 over a 6-layer checkpoint would quantize its last layer, which stays BF16).
+    Nothing is checked when no layer holds routed experts (the rule then selects nothing)."""
+    found: dict[str, set[int]] = {}
+    decoders = set()
+    for name in names:
+        m = _DECODER_LAYER.match(name)
+        if m:
+            found.setdefault(m["stack"], set()).add(int(m["i"]))
+            if m["rest"].startswith("mlp.experts."):
+                decoders.add(m["stack"])
+    indices = set().union(*(found[s] for s in decoders)) if decoders else set()
+    if indices and max(indices) + 1 != layers:
+        raise CheckpointError(f"{source}: num_hidden_layers is {layers}, but the checkpoint's tensors hold decoder "
+                              f"layers {min(indices)}..{max(indices)}: config.json contradicts the checkpoint, so the "
+                              "Muse rule cannot tell which layers keep BF16 experts; fix num_hidden_layers (or use "
+                              "the config.json these weights came with), or pass --include patterns",
+                              path=source)
 
 
 # ------------------------------------------------------------------------------ checks

@@ -30,7 +30,7 @@ from .detect import Scheme, check_entries, detect_scheme
 from .errors import CheckpointError, translate
 from .experts import check_fused_headers
 from .layout import Weight, WeightEntry, check_finite, decode_plain, group_tensors, plain_entry
-from .safetensors_io import TensorHeader, read_header, read_json, resolve_inside
+from .safetensors_io import TensorHeader, read_header, read_json, require_inside, resolve_inside
 from .scales import check_scales
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -44,9 +44,14 @@ _DECODERS = {"plain": decode_plain, **dense.DECODERS, **autoround.DECODERS,
              **compressed_tensors.DECODERS, **gpt_oss.DECODERS}
 
 
+def is_partial_name(name: str) -> bool:
+    """True for a folder name readers take for an unfinished conversion (``*.partial``, ``*.partial-*``)."""
+    return bool(_PARTIAL_NAME.search(name))
+
+
 def is_partial(folder: Path) -> bool:
     """True for a folder the checkpoint writer has not finished (by name or marker file)."""
-    return bool(_PARTIAL_NAME.search(folder.name)) or (folder / PARTIAL_MARKER).exists()
+    return is_partial_name(folder.name) or (folder / PARTIAL_MARKER).exists()
 
 
 def open_checkpoint(folder: str | Path) -> "CheckpointReader":
@@ -73,13 +78,14 @@ def _open(folder: Path) -> "CheckpointReader":
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: config.json is missing; a Hugging Face checkpoint folder "
                               "needs it: copy it from the model repository", path=config_path)
-    config = read_json(config_path, "config.json")
+    config = read_json(require_inside(folder, config_path, "config.json"), "config.json")
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path}: config.json is a JSON {type(config).__name__}, expected an "
                               "object; fix it", path=config_path)
     hf_quant = None
     if (folder / "hf_quant_config.json").is_file():
-        hf_quant = read_json(folder / "hf_quant_config.json", "hf_quant_config.json")
+        hf_quant = read_json(require_inside(folder, folder / "hf_quant_config.json", "hf_quant_config.json"),
+                             "hf_quant_config.json")
         if not isinstance(hf_quant, dict):
             raise CheckpointError(f"{folder / 'hf_quant_config.json'}: expected a JSON object",
                                   path=folder / "hf_quant_config.json")
@@ -94,7 +100,7 @@ def _open(folder: Path) -> "CheckpointReader":
 def _read_headers(folder: Path) -> tuple[list[Path], dict[str, TensorHeader]]:
     index_path = folder / INDEX_NAME
     if index_path.is_file():
-        index = read_json(index_path, "the safetensors index")
+        index = read_json(require_inside(folder, index_path, "the safetensors index"), "the safetensors index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: expected an object with a non-empty 'weight_map' "
@@ -104,6 +110,10 @@ def _read_headers(folder: Path) -> tuple[list[Path], dict[str, TensorHeader]]:
             by_file.setdefault(resolve_inside(folder, name, source=index_path, tensor=key), []).append(key)
         headers: dict[str, TensorHeader] = {}
         for shard, keys in by_file.items():
+            if shard.is_dir():
+                raise CheckpointError(
+                    f"{index_path}: shard {shard.name!r} (listed for {len(keys)} tensors, e.g. {keys[0]!r}) is a "
+                    "directory, not a file; put the shard file there (re-download it)", path=shard, tensor=keys[0])
             if not shard.is_file():
                 raise CheckpointError(
                     f"{index_path}: shard {shard.name!r} (listed for {len(keys)} tensors, e.g. {keys[0]!r}) "
@@ -271,7 +281,13 @@ class CheckpointReader:
         if finite:
             check_finite(entry, tensors)
         check_scales(entry, tensors)  # finite scales that would decode silently wrong: always refused
-        return _DECODERS[entry.kind](entry, tensors)
+        try:
+            return _DECODERS[entry.kind](entry, tensors)
+        except CheckpointError:
+            raise
+        except ValueError as e:  # a codec's refusal (act-order g_idx, inconsistent packed shapes): name the file
+            h = next(iter(entry.parts.values()))
+            raise CheckpointError(f"{h.file}: weight {entry.name!r}: {e}", path=h.file, tensor=entry.name) from e
 
     def can_slice(self, name: str) -> bool:
         """Whether :meth:`iter_shards` can read a range of ``name``'s first dimension alone (one stored,

@@ -216,9 +216,23 @@ def resolve_inside(folder: Path, relative: str, *, source: Path, tensor: str | N
     if not relative.endswith(".safetensors"):
         raise _fail(source, f"{what} is not a .safetensors file; only safetensors are read "
                             "(never pickle): convert the weights to safetensors", tensor)
+    _require_inside(folder, folder / rel, source, what, tensor)
+    return folder / rel
+
+
+def require_inside(folder: Path, path: Path, what: str) -> Path:
+    """``path`` (a file of ``folder``: config.json, a tokenizer...) unless it resolves outside ``folder``
+    through a symlink; as :func:`resolve_inside` allows, a Hugging Face cache snapshot's links into its
+    repo's ``blobs`` pass. Every file a checkpoint reader or the converter opens goes through one of
+    the two, so a link to ``/etc/passwd`` is never read nor copied into a converted checkpoint."""
+    _require_inside(folder, path, path, what, None)
+    return path
+
+
+def _require_inside(folder: Path, path: Path, source: Path, what: str, tensor: str | None) -> None:
     try:
         base = folder.resolve()
-        target = (folder / rel).resolve()
+        target = path.resolve()
         blobs = _hub_blobs(folder)
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop before Python 3.13
         if not isinstance(e, OSError):
@@ -226,8 +240,7 @@ def resolve_inside(folder: Path, relative: str, *, source: Path, tensor: str | N
         raise translate(e, source, f"resolving {what}", tensor=tensor) from e
     if base not in target.parents and not (blobs is not None and target.parent == blobs):
         raise _fail(source, f"{what} resolves to {target}, outside the checkpoint folder {base} "
-                            "(a symlink escapes it); copy the file into the folder", tensor)
-    return folder / rel
+                            "(a symlink escapes it); copy the file into the folder (or remove the link)", tensor)
 
 
 def _hub_blobs(folder: Path) -> Path | None:

@@ -50,7 +50,7 @@ from ..qtensor import QTensor
 from . import autoround, modelopt, quark
 from .errors import CheckpointError, ConversionLockedError, translate
 from .experts import FUSED_EXPERT, check_fused_qtensor, unfuse
-from .reader import INDEX_NAME, PARTIAL_MARKER
+from .reader import INDEX_NAME, PARTIAL_MARKER, is_partial_name
 from .safetensors_io import dtype_name, fsync_path, sha256_file, write_error, write_json, write_safetensors
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -95,6 +95,10 @@ class CheckpointWriter:
 
     def _check_destination(self) -> None:
         parent = self.folder.parent
+        if is_partial_name(self.folder.name):
+            raise CheckpointError(f"{self.folder}: a destination named *.partial or *.partial-* could never be "
+                                  "read (readers take such a folder for an unfinished conversion); choose another "
+                                  "name", path=self.folder)
         if os.path.lexists(self.folder):
             what = "is a symlink (dangling or not)" if self.folder.is_symlink() else "already exists"
             raise CheckpointError(f"{self.folder}: destination {what}; choose a new folder or "
@@ -222,7 +226,9 @@ class CheckpointWriter:
         self._buffer_bytes += nbytes
 
     def add_file(self, source: Union[str, Path], name: Optional[str] = None) -> None:
-        """Copy a side file (tokenizer, generation config...) into the checkpoint."""
+        """Copy a side file (tokenizer, generation config...) into the checkpoint. A symlink is copied as
+        the file it points to: the caller checks that it stays inside the source folder
+        (``safetensors_io.require_inside``)."""
         target = self.partial_folder / (name or Path(source).name)
         try:
             shutil.copyfile(source, target)

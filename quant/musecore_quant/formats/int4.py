@@ -70,6 +70,8 @@ _NIBBLES_PER_WORD = 8
 
 
 def _resolve_group_size(group_size: int, in_features: int) -> int:
+    if isinstance(group_size, bool):      # True == 1 in Python, but no config means a group of one by it
+        raise ValueError(f"group_size must be a positive int or -1 (per channel); got {group_size!r}")
     if group_size == -1:                  # AutoRound/GPTQ spelling of "one group per row"
         return in_features
     if not isinstance(group_size, int) or group_size <= 0:
@@ -193,9 +195,25 @@ def _round_to_nearest(rows: torch.Tensor, g: int, sym: bool,
         span = (group_max - group_min).to(via).float()
         scale = divide(span, INT4_MAX_CODE).to(via).to(torch.float16).clamp(min=Q_SCALE_THRESHOLD)
         zero = torch.round(quotient(-group_min, scale)).clamp(0, INT4_MAX_CODE)
+    _check_scales_fit(scale, group_min, group_max, sym)
     q = torch.round(quotient(groups, scale.unsqueeze(-1))) + zero.unsqueeze(-1)
     codes = q.clamp(0, INT4_MAX_CODE).to(torch.uint8).flatten(-2)
     return codes, scale, zero.to(torch.uint8)
+
+
+def _check_scales_fit(scale: torch.Tensor, group_min: torch.Tensor, group_max: torch.Tensor, sym: bool) -> None:
+    """INT4 scales are fp16: a group whose extreme (symmetric, / 8) or span (asymmetric, / 15) exceeds fp16's
+    65504 gets an infinite scale, and dequantizes to NaN/Inf. Refused here, never written."""
+    overflow = torch.isinf(scale)
+    if not bool(overflow.any()):
+        return
+    row, group = overflow.nonzero()[0].tolist()
+    extreme = max(-float(group_min[row, group]), float(group_max[row, group]))
+    rule = "extreme / 8" if sym else "(max - min) / 15"
+    raise ValueError(f"INT4 scale overflows fp16: {int(overflow.sum())} group(s) need a scale over "
+                     f"{float(torch.finfo(torch.float16).max):.0f} (the first, row {row} group {group}, has |w| up to "
+                     f"{extreme:.4g}; the scale is {rule}). Exclude this tensor (--exclude) or use another format "
+                     "(nvfp4, mxfp4 or fp8 keep wider scales)")
 
 
 def _zero_points(qt: QTensor) -> torch.Tensor:
@@ -256,6 +274,9 @@ def _scales_as_fp16(scales: torch.Tensor) -> torch.Tensor:
 
 def _qtensor_from_codes(codes_out_in: torch.Tensor, zeros_out_groups: torch.Tensor,
                         scales_out_groups: torch.Tensor, group_size: int) -> QTensor:
+    # Decided per tensor from its data: an asymmetric checkpoint's tensor whose zero points all happen to
+    # be 8 reads as symmetric (zero None), which is the same values; stacking such a tensor with asymmetric
+    # ones materialises its zeros again (qtensor.stack_qtensors).
     symmetric = bool((zeros_out_groups == INT4_SYMMETRIC_ZERO).all())
     return QTensor(format="int4", data=pack_nibbles(codes_out_in), scale=scales_out_groups.contiguous(),
                    shape=tuple(codes_out_in.shape), group_size=group_size,
