@@ -79,6 +79,17 @@ def metric(server, name):
     raise AssertionError(f"{name} not in /metrics:\n{text}")
 
 
+def wait_cancelled(server, before):
+    """Until the cancelled counter passes ``before`` and nothing runs (each within TIMEOUT)."""
+    deadline = time.monotonic() + TIMEOUT
+    while metric(server, "musecore_requests_cancelled_total") == before:
+        assert time.monotonic() < deadline, "the disconnected request was never cancelled"
+        time.sleep(0.05)
+    while metric(server, "musecore_requests_running") != 0:
+        assert time.monotonic() < deadline, "the cancelled request still runs"
+        time.sleep(0.05)
+
+
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is Python?"}]
 
 
@@ -144,13 +155,7 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled(server):
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
-    deadline = time.monotonic() + TIMEOUT
-    while metric(server, "musecore_requests_cancelled_total") == before:
-        assert time.monotonic() < deadline, "the disconnected request was never cancelled"
-        time.sleep(0.05)
-    while metric(server, "musecore_requests_running") != 0:
-        assert time.monotonic() < deadline, "the cancelled request still runs"
-        time.sleep(0.05)
+    wait_cancelled(server, before)
     assert metric(server, "musecore_generation_tokens_total") < 10_000
 
 
@@ -292,10 +297,4 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled_while_tokens_flow(
     with httpx.Client(timeout=httpx.Timeout(TIMEOUT, read=1.0)) as http:
         with pytest.raises(httpx.ReadTimeout):
             http.post(server.url + "/v1/completions", json=body)
-    deadline = time.monotonic() + TIMEOUT
-    while metric(server, "musecore_requests_cancelled_total") == before:
-        assert time.monotonic() < deadline, "the disconnected request was never cancelled"
-        time.sleep(0.05)
-    while metric(server, "musecore_requests_running") != 0:
-        assert time.monotonic() < deadline, "the cancelled request still runs"
-        time.sleep(0.05)
+    wait_cancelled(server, before)
