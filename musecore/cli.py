@@ -18,7 +18,7 @@ import importlib
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 COMMANDS = ("generate", "chat", "serve", "plan", "devices", "doctor", "matrix", "bench")
 # CPU threads set from the free cores (musecore.threads); serve chooses its own (commands/serve.py says why)
@@ -114,7 +114,12 @@ def user_errors() -> tuple[type, ...]:
     return (UsageError, FileNotFoundError, ValueError, PlanError, BackendError, CacheError, DistributedError)
 
 
-STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST)
+
+
+def debug_requested(args: Any = None) -> bool:
+    """``--debug``, or ``MUSECORE_DEBUG`` set to anything but empty or 0: show tracebacks."""
+    return bool(getattr(args, "debug", False)) or os.environ.get("MUSECORE_DEBUG", "") not in ("", "0")
 
 
 def say_error(command: str, message: str) -> int:
@@ -138,20 +143,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             configure_threads()
         return int(args.run(args) or 0)
     except user_errors() as e:
-        if args.debug or os.environ.get("MUSECORE_DEBUG"):  # the full traceback, for bug reports
+        if debug_requested(args):  # the full traceback, for bug reports
             raise
         return say_error(args.command, str(e))
-    except OSError as e:  # a full disk, a read-only place: the user's to fix, said in one line; other OSErrors are bugs
-        if e.errno not in STORAGE_ERRNOS or args.debug or os.environ.get("MUSECORE_DEBUG"):
-            raise
-        where = e.filename or "the output"
-        return say_error(args.command, f"cannot write {where}: {e.strerror}; free space or write somewhere else")
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `musecore ... | head`: the reader left; not an error of ours
+    except BrokenPipeError:  # `musecore ... | head`: the reader left; not an error of ours (before OSError: a subclass)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python flushes stdout at exit: let that flush go nowhere
         return 0
+    except OSError as e:  # a full disk, a read-only place, a file where a folder goes: the user's to fix, one line
+        if e.errno not in STORAGE_ERRNOS or debug_requested(args):
+            raise
+        where = e.filename or "the output"
+        fix = ("a file is in the way of a folder: remove it or write somewhere else"
+               if e.errno in (errno.ENOTDIR, errno.EEXIST) else "free space or write somewhere else")
+        return say_error(args.command, f"cannot write {where}: {e.strerror}; {fix}")
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -29,9 +29,18 @@ def is_terminal(stream: Optional[IO] = None) -> bool:
         return False
 
 
+class DataConsole(Console):
+    """rich's Console, except that a reader who left (``musecore devices | head``) is not an error: rich exits
+    with status 1 there; this raises BrokenPipeError, which the command line ends with status 0."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def data_console(file: Optional[IO] = None) -> Console:
     """A console for data: no markup, no highlighting; full width and no colour when not a terminal."""
     out = file if file is not None else sys.stdout
     if is_terminal(out):
-        return Console(file=out, markup=False, highlight=False)
-    return Console(file=out, markup=False, highlight=False, width=UNBOUNDED, color_system=None, soft_wrap=True)
+        return DataConsole(file=out, markup=False, highlight=False)
+    return DataConsole(file=out, markup=False, highlight=False, width=UNBOUNDED, color_system=None, soft_wrap=True)

@@ -67,8 +67,9 @@ def free_cores(load: Optional[float] = None) -> int:
 def thread_count(requested: Optional[int] = None) -> tuple[int, str]:
     """``(threads, why)``: ``requested``, else ``MUSECORE_NUM_THREADS`` (a number or ``all``), else the free cores."""
     if requested is not None:
-        if requested < 1:
-            raise ValueError(f"thread count must be >= 1; got {requested}")
+        if not 1 <= requested <= max_threads():
+            raise ValueError(f"thread count must be in 1..{max_threads()} (4x the {usable_cores()} usable cores); "
+                             f"got {requested}")
         return requested, "asked for"
     raw = os.environ.get(NUM_THREADS_ENV, "").strip()
     if raw.lower() == "all":
@@ -81,6 +82,9 @@ def thread_count(requested: Optional[int] = None) -> tuple[int, str]:
         if count < 1:
             raise ValueError(f"{NUM_THREADS_ENV}={raw!r} is not a thread count; set it to a number >= 1 (e.g. 4), "
                              "to 'all' for every usable core, or unset it for the cores free now")
+        if count > max_threads():  # thousands of OpenMP threads crash the process (libgomp, a segfault)
+            raise ValueError(f"{NUM_THREADS_ENV}={raw} is over 4x this machine's {usable_cores()} usable cores "
+                             f"({max_threads()}); set at most that, 'all' for every usable core, or unset it")
         return count, f"{NUM_THREADS_ENV}={raw}"
     ranks = local_ranks()  # torchrun's ranks on this host share its cores
     per_rank = f", shared by {ranks} ranks on this host" if ranks > 1 else ""
@@ -90,6 +94,11 @@ def thread_count(requested: Optional[int] = None) -> tuple[int, str]:
         return max(1, usable_cores() // ranks), f"every usable core (no load average on this platform){per_rank}"
     return (max(1, free_cores(load) // ranks),
             f"free cores: {usable_cores()} usable, 1-minute load average {load:.2f}{per_rank}")
+
+
+def max_threads() -> int:
+    """The most threads musecore sets: 4x the usable cores (more only oversubscribes; thousands crash OpenMP)."""
+    return 4 * usable_cores()
 
 
 def local_ranks() -> int:

@@ -269,6 +269,7 @@ def discover(probe: bool = True) -> dict[str, PluginRecord]:
     Plugins installed since the last call are seen."""
     from importlib.metadata import entry_points
 
+    timeout_s()  # a bad $MUSECORE_PLUGIN_TIMEOUT is one error here, not one per probe thread later
     refresh_stevedore()
     records: dict[str, PluginRecord] = {}
     targets: dict[str, list[str]] = {}
@@ -290,6 +291,7 @@ def discover(probe: bool = True) -> dict[str, PluginRecord]:
 def resolve_all(records: dict[str, PluginRecord]) -> dict[str, PluginRecord]:
     """Import and probe every record at once, one thread each, so that hung plugins cost one timeout
     together rather than one each (``device="auto"`` and ``musecore doctor`` need them all)."""
+    timeout_s()  # (checked in this thread: the probe threads would each die of it)
     pending = [r for r in records.values() if not r._probed or r._entry_point is not None]
     threads = [threading.Thread(target=r._run_probe, name=f"musecore-plugin: {r.name}", daemon=True) for r in pending]
     for thread in threads:

@@ -28,7 +28,18 @@ def run(args) -> int:
         nv, bf = p.conversion("nvfp4"), p.conversion("bf16")
         table.add_row(p.name, p.backend, p.arch, f"{p.memory_gib:g} GiB" if p.memory_gib else "host",
                       ", ".join(p.weight_formats), ", ".join(p.activation_formats) or "16-bit",
-                      f"{nv.action('nvfp4')}, {'W4A' + ('4' if nv.act_format else '16') if nv.target != 'bf16' else 'BF16'}",
+                      f"{nv.action('nvfp4')}, {_bits(nv)}",
                       bf.action("bf16"))
     data_console().print(table)
     return 0
+
+
+BITS = {"nvfp4": 4, "mxfp4": 4, "int4": 4, "fp8": 8, "int8": 8, None: 16}
+
+
+def _bits(conversion) -> str:
+    """``W4A16``-style: the weights' and the activations' bits as loading leaves them (``BF16`` when dequantized)."""
+    if conversion.target in ("bf16", "fp16", "fp32"):
+        return conversion.target.upper()
+    act = conversion.act_format.split("-")[0] if conversion.act_format else None  # ("fp8-token": per-token scales)
+    return f"W{BITS.get(conversion.target, '?')}A{BITS.get(act, '?')}"

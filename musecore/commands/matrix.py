@@ -55,7 +55,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--png needs matplotlib: pip install 'musecore[matrix]' (or pip install matplotlib)")
     if args.tokens is not None and args.tokens < 2:
         raise UsageError(f"--tokens must be at least 2 (one prediction); got {args.tokens}")
+    if args.seq_len < 2:
+        raise UsageError(f"--seq-len must be at least 2 (a window predicts its tokens after the first); "
+                         f"got {args.seq_len}")
     sizes = tuple(s.strip() for s in args.op_sizes.split(",") if s.strip())
+    from musecore.testing.cases import SIZES
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:  # before any row runs (they take minutes)
+        raise UsageError(f"--op-sizes: unknown size(s) {unknown}; choose from {list(SIZES)}, or '' to skip the table")
     show = sys.stderr.isatty()
     report = run_matrix(args.model, rows=args.rows, tokens=args.tokens, seq_len=args.seq_len,
                         eval_text=args.eval_text, random_tokens=args.random_tokens, cache_dir=args.cache_dir,

@@ -245,7 +245,7 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
 
 
 def _pdl_choice() -> KernelChoice:
-    setting = os.environ.get(pdl.ENV)
+    setting = pdl.env_setting()  # (a value that is neither on, off nor kernel names: a one-line error here)
     if setting is None:
         return KernelChoice("programmatic dependent launch (PDL)",
                             f"on in decode CUDA graphs of batch <= {pdl.MAX_BATCH}, off elsewhere",

@@ -57,3 +57,19 @@ def test_never_on_a_cpu_or_without_sm90(monkeypatch):
     assert not pdl.enabled(torch.device("cpu"), "rms_norm")
     monkeypatch.setattr(pdl, "_supported", lambda index: False)
     assert not pdl.enabled(GPU, "rms_norm")
+
+
+@pytest.mark.parametrize("raw, setting", [("1", "1"), ("on", "1"), (" TRUE ", "1"), ("yes", "1"), ("0", "0"),
+                                          ("off", "0"), ("false", "0"), ("fp4_gemv_mma, dense_gemv",
+                                                                          "fp4_gemv_mma,dense_gemv")])
+def test_the_pdl_switch_takes_on_off_words_and_kernel_names(monkeypatch, raw, setting):
+    """``on`` used to be read as a kernel named "on" (so PDL silently off everywhere)."""
+    monkeypatch.setenv(pdl.ENV, raw)
+    assert pdl.env_setting() == setting
+
+
+@pytest.mark.parametrize("raw", ["garbage!", "1,", "on off"])
+def test_a_pdl_switch_that_is_neither_is_one_line(monkeypatch, raw):
+    monkeypatch.setenv(pdl.ENV, raw)
+    with pytest.raises(ValueError, match="set 1 \\(on\\), 0 \\(off\\) or a comma list of kernel names"):
+        pdl.env_setting()

@@ -86,12 +86,32 @@ def supported(device: torch.device) -> bool:
                                                 else torch.cuda.current_device())
 
 
+_SYNONYMS = {"1": "1", "on": "1", "true": "1", "yes": "1", "0": "0", "off": "0", "false": "0", "no": "0"}
+
+
+def env_setting() -> str | None:
+    """``MUSECORE_CUDA_PDL`` as ``"1"``, ``"0"`` or a comma list of kernel names (None when unset); ``on`` /
+    ``true`` / ``yes`` and ``off`` / ``false`` / ``no`` are ``1`` and ``0``, and anything else must be kernel names
+    (a ValueError otherwise: ``on`` used to mean "the kernel named on", so PDL silently off)."""
+    raw = os.environ.get(ENV)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _SYNONYMS:
+        return _SYNONYMS[value]
+    names = [n.strip() for n in value.split(",")]
+    if not all(n.isidentifier() for n in names):
+        raise ValueError(f"{ENV}={raw!r}: set 1 (on), 0 (off) or a comma list of kernel names (e.g. "
+                         "fp4_gemv_mma,dense_gemv)")
+    return ",".join(names)
+
+
 def enabled(device: torch.device, name: str = "") -> bool:
     """Whether kernel ``name`` on ``device`` is launched with PDL: SM90+, a Triton with grid dependency
     control, and either ``MUSECORE_CUDA_PDL`` (``1``, ``0`` or a comma list of kernel names; it overrides
-    everything, for A/B runs) or, when it is unset, the innermost :func:`scope`. Read at each launch (a
-    captured CUDA graph keeps how it was captured)."""
-    setting = os.environ.get(ENV)
+    everything, for A/B runs; :func:`env_setting`) or, when it is unset, the innermost :func:`scope`. Read at
+    each launch (a captured CUDA graph keeps how it was captured)."""
+    setting = env_setting()
     if setting is None:
         setting = "1" if _scope.get() else "0"
     if device.type != "cuda" or setting == "0" or (setting != "1" and name not in setting.split(",")):
@@ -178,7 +198,7 @@ def launch(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequenc
         raise RuntimeError(f"kernel needs {shared_mem} bytes of shared memory; call set_shared_memory_config first")
     keep, array = _c_args(args)
     attrs, count = None, 0
-    if enabled(device, name) or (dependent and os.environ.get(ENV) != "0" and supported(device)):
+    if enabled(device, name) or (dependent and env_setting() != "0" and supported(device)):
         attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         attr.value[0] = 1
         attrs, count = ctypes.pointer(attr), 1
