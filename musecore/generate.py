@@ -24,6 +24,8 @@ so ``generate`` keeps the plain "str in -> str out" signature of DESIGN.md.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 import time
 from dataclasses import dataclass
@@ -73,7 +75,9 @@ class GenerationStats:
 # -- inputs ---------------------------------------------------------------------------------------
 
 def _is_token_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer (``int``, ``numpy.int64``, any ``numbers.Integral``) but not a bool. Callers convert what
+    passes with ``operator.index`` so that only Python ints go further."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_conversation(x: Any) -> bool:
@@ -93,13 +97,13 @@ def _normalise_prompt(prompt: Prompt) -> tuple[list[Any], str, bool]:
     if len(prompt) == 0:
         raise ValueError("prompt is empty: give at least one token (or one prompt in a batch)")
     if all(_is_token_id(x) for x in prompt):
-        return [list(prompt)], "ids", False
+        return [[operator.index(x) for x in prompt]], "ids", False
     if all(isinstance(x, Mapping) for x in prompt):
         return [list(prompt)], "chat", False
     if all(isinstance(x, str) for x in prompt):
         return list(prompt), "text", True
     if all(isinstance(x, (list, tuple)) and all(_is_token_id(t) for t in x) for x in prompt):
-        return [list(x) for x in prompt], "ids", True
+        return [[operator.index(t) for t in x] for x in prompt], "ids", True
     if all(_is_conversation(x) for x in prompt):
         return [list(x) for x in prompt], "chat", True
     kinds = sorted({type(x).__name__ for x in prompt})
@@ -110,7 +114,9 @@ SEEDS = (-(1 << 63), 1 << 64)  # the seeds torch.Generator.manual_seed takes: [l
 
 
 def _validate_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                      seed: Optional[int] = None) -> None:
+                      seed: Optional[int] = None) -> tuple[int, float, float, int, Optional[int]]:
+    """Raise ValueError on a bad option; return the options with integers as Python ints (numpy's too).
+    Needs no model: ``musecore generate`` / ``chat`` call it before loading the weights."""
     if not _is_token_id(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
     if not 0 <= temperature < float("inf"):  # also rejects NaN
@@ -121,6 +127,8 @@ def _validate_options(max_new_tokens: int, temperature: float, top_p: float, top
         raise ValueError(f"top_k must be an int >= 0 (0 = off); got {top_k!r}")
     if seed is not None and (not _is_token_id(seed) or not SEEDS[0] <= seed < SEEDS[1]):
         raise ValueError(f"seed must be an int in [{SEEDS[0]}, {SEEDS[1]}) (or None: torch's global RNG); got {seed!r}")
+    return (operator.index(max_new_tokens), float(temperature), float(top_p), operator.index(top_k),
+            None if seed is None else operator.index(seed))
 
 
 def _eos_ids(model: Any) -> set[int]:
@@ -137,14 +145,14 @@ def _split_stop(stop: Stop, tokenizer: Any, is_text: bool) -> tuple[set[int], li
     """Stop ids and stop strings. With id prompts a stop string must be one vocabulary token."""
     if stop is None:
         return set(), []
-    items = [stop] if isinstance(stop, (str, int)) else stop
+    items = [stop] if isinstance(stop, str) or _is_token_id(stop) else stop
     if not isinstance(items, (list, tuple, set)):
         raise TypeError(f"stop must be a str, an int token id, or a list of them; got {type(stop).__name__}")
     ids: set[int] = set()
     strings: list[str] = []
     for item in items:
         if _is_token_id(item):
-            ids.add(int(item))
+            ids.add(operator.index(item))
         elif isinstance(item, str) and item:
             if is_text:
                 strings.append(item)
@@ -201,7 +209,37 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, config: Any) -
                              f"lower max_new_tokens to at most {limit - len(ids)}")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{where} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise _outside_vocabulary(where, bad, vocab)
+
+
+def _outside_vocabulary(where: str, bad: list[int], vocab: int) -> ValueError:
+    return ValueError(f"{where} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+
+ID_DTYPES = (torch.long, torch.int32)  # what the embedding takes
+
+
+def check_input_ids(input_ids: Any, vocab: int) -> None:
+    """``MuseModel.forward``'s input check: ``input_ids`` must be a non-empty integer tensor ``[B,T]`` of
+    ids in ``[0, vocab)``. The type, dtype and shape checks read only metadata; the ids' range is checked
+    only on a CPU tensor, where reading the values waits for no device (see ``MuseModel.forward``)."""
+    if not isinstance(input_ids, torch.Tensor):
+        hint = ": wrap them, torch.tensor([ids])" if isinstance(input_ids, (list, tuple)) else ""
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [batch, tokens]; got "
+                        f"{type(input_ids).__name__}{hint}")
+    if input_ids.dtype not in ID_DTYPES:
+        raise TypeError(f"input_ids must hold integer token ids (torch.long); got dtype {input_ids.dtype}: "
+                        "pass input_ids.long()")
+    if input_ids.dim() != 2:
+        hint = ": for one sequence pass input_ids[None]" if input_ids.dim() == 1 else ""
+        raise ValueError(f"input_ids must be 2-D [batch, tokens]; got shape {list(input_ids.shape)}{hint}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {list(input_ids.shape)}): give at least one token per row")
+    if input_ids.device.type == "cpu":
+        low, high = torch.aminmax(input_ids)
+        if int(low) < 0 or int(high) >= vocab:
+            bad = input_ids[(input_ids < 0) | (input_ids >= vocab)].unique().tolist()
+            raise _outside_vocabulary("input_ids", bad, vocab)
 
 
 # -- non-finite logits ---------------------------------------------------------------------------
@@ -397,7 +435,8 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
         ids = generate(model, [1, 2, 3], temperature=0.8, top_p=0.95, seed=0)
         outs = generate(model, ["a short one", "a much longer prompt"], stream=lambda i, s: print(i, s))
     """
-    _validate_options(max_new_tokens, temperature, top_p, top_k, seed)
+    max_new_tokens, temperature, top_p, top_k, seed = _validate_options(max_new_tokens, temperature, top_p, top_k,
+                                                                        seed)
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a callable (piece) or (index, piece), or None; got {type(stream).__name__}")
     prompts, mode, is_batch = _normalise_prompt(prompt)

@@ -9,6 +9,7 @@ resident layout. Read :class:`MoE.__call__` for the MoE order of operations.
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Mapping, Optional
 
@@ -17,6 +18,7 @@ import torch
 from musecore.backends.base import Backend
 from musecore.config import MuseConfig
 from musecore.distributed import Comm, head_shard
+from musecore.generate import _is_token_id, check_input_ids
 from musecore.kv_cache import KVCache
 from musecore.names import (ATTENTION_INPUTS, DENSE_MLP_INPUTS, FP32_TENSORS, FUSED_EXPERT_TENSORS,  # noqa: F401
                             PREFIX, is_fp32_tensor)
@@ -340,7 +342,17 @@ class MuseModel:
         ``media`` maps a placeholder id (``config.image_token_id`` / ``video_token_id`` /
         ``audio_token_id``) to feature rows ``[n, H]`` (``encode_images`` / ``encode_videos`` /
         ``encode_audio``, concatenated) that replace that id's ``n`` placeholders, in order, row-major
-        over the batch (transformers' ``masked_scatter``); see :meth:`splice`."""
+        over the batch (transformers' ``masked_scatter``); see :meth:`splice`.
+
+        Bad ``input_ids`` (not an integer tensor ``[B,T]``, empty, ids outside the vocabulary) raise a
+        TypeError / ValueError naming the problem."""
+        # The type, dtype and shape checks read metadata only: free on every call, inside a CUDA graph capture too.
+        # The id-range check reads the values, so check_input_ids runs it only on ids the host holds (a tensor a
+        # user built, generate's prefill, the serve engine's eager steps): microseconds, no device sync. Ids already
+        # on an accelerator are not range-checked: the check would wait for the device at every decode step
+        # (generate's and the serve engine's steps feed back the device's own samples, always in range) and cannot
+        # run inside a graph capture at all.
+        check_input_ids(input_ids, self.config.vocab_size)
         x, a, positions, rope = self.embed(input_ids, positions, cache, media)
         comm = self.comm
         tokens = positions.numel()
@@ -608,6 +620,11 @@ class MuseModel:
         return self.backend.wants_static_cache and self.comm is None  # no captured graphs across ranks yet
 
     def new_cache(self, batch: int, max_length: int, kv_format: str = "bf16", static: bool = False) -> KVCache:
+        """A KV cache for ``batch`` sequences of up to ``max_length`` tokens each (``kv_format``: bf16 or fp8)."""
+        for name, value in (("batch", batch), ("max_length", max_length)):
+            if not _is_token_id(value) or value < 1:
+                raise ValueError(f"new_cache: {name} must be an int >= 1; got {value!r}")
+        batch, max_length = operator.index(batch), operator.index(max_length)
         return KVCache(self.config, batch, max_length, kv_format=kv_format, dtype=self.dtype, device=self.device,
                        static=static, writer=self.backend.kv_write, num_kv_heads=self.layers[0].self_attn.nkv,
                        row_writer=getattr(self.backend, "kv_write_row", None))

@@ -40,7 +40,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import musecore
+    from musecore.generate import _validate_options
 
+    # Bad options fail here, before a weight is read, with generate()'s own message.
+    _validate_options(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     check_media_files(args.media)
     interactive = sys.stdin is not None and sys.stdin.isatty()
     if interactive:

@@ -70,6 +70,10 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from musecore.generate import _validate_options
+
+    # Bad options fail here, before a weight is read (or stdin waited on), with generate()'s own message.
+    _validate_options(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     prompt = _read_prompt(args)
     if not prompt and not args.media:
         from musecore.cli import UsageError
