@@ -70,7 +70,7 @@ INT_FIELDS: dict[str, tuple[int, int]] = {
 # name -> (lowest, whether the lowest itself is allowed, highest or None); every value must be finite.
 NUMBER_FIELDS: dict[str, tuple[float, bool, Optional[float]]] = {
     "rms_norm_eps": (0.0, False, 1.0), "post_norm_eps": (0.0, False, 1.0), "initializer_range": (0.0, True, None),
-    "attention_dropout": (0.0, True, 1.0), "final_logit_softcapping": (0.0, False, None),
+    "attention_dropout": (0.0, True, 1.0), "final_logit_softcapping": (1.0, True, None),
     "qk_scale_factor": (0.0, False, None), "output_multiplier": (0.0, False, None),
     "residual_gate_temperature": (0.0, False, None), "routed_scaling_factor": (0.0, False, None),
 }

@@ -191,6 +191,9 @@ def _encode_text(model: Any, text: str) -> list[int]:
     tokenizer = model.tokenizer
     ids = tokenizer.encode(text)
     bos = tokenizer.bos_id if tokenizer.bos_id is not None else model.config.bos_token_id
+    if bos is not None and not 0 <= bos < model.config.vocab_size:  # (not the prompt's fault: say whose it is)
+        raise ValueError(f"bos_token_id {bos} (config.json or generation_config.json) is outside the vocabulary "
+                         f"(vocab_size {model.config.vocab_size}): fix it to the id the tokenizer gives the BOS token")
     return [int(bos)] + ids if bos is not None and ids[:1] != [bos] else ids
 
 

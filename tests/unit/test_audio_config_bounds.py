@@ -63,3 +63,13 @@ def test_plan_with_huge_audio_depths_is_one_line_exit_2(tmp_path, capsys):
 def test_the_bundled_audio_config_still_loads():
     config = MuseConfig.from_pretrained(TINY)
     assert config.audio_config["depths"] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("cap", [1e-300, 0.5])
+def test_a_softcap_below_one_is_a_config_error(cap):
+    """A cap below 1 squeezes every logit into (-cap, cap): near-uniform sampling, silently (the QA pass generated
+    "<|start|>" four times at 1e-300)."""
+    data = json.loads((TINY / "config.json").read_text())
+    (data.get("text_config") or data)["final_logit_softcapping"] = cap
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        MuseConfig.from_dict(data)

@@ -123,3 +123,19 @@ def test_a_tiny_temperature_generates_like_greedy(capsys):
                      "--prompt", "def f():", "--temperature", t]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1], outs
+
+
+def test_a_bos_outside_the_vocabulary_is_blamed_on_the_config_not_the_prompt(tmp_path, capsys):
+    import json
+    import shutil
+
+    from musecore.cli import main
+
+    folder = tmp_path / "bad_bos"
+    shutil.copytree(musecore.__path__[0] + "/data/muse-tiny", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (config.get("text_config") or config)["bos_token_id"] = 999_999
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--model", str(folder), "--device", "cpu", "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "bos_token_id 999999" in err and "outside the vocabulary" in err and "Traceback" not in err, err
