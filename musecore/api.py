@@ -22,7 +22,8 @@ from musecore.backends.reference import ReferenceBackend
 from musecore.backends.registry import best_device, discover, unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
-from musecore.distributed import Comm, Mesh, MeshError, connect, keeps_expert, leading_ranges, tensor_piece
+from musecore.distributed import (Comm, Mesh, MeshError, connect, digest, keeps_expert, leading_ranges,
+                                  tensor_piece)
 from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
 from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
@@ -50,6 +51,36 @@ def model_dtype(dtype: Union[None, str, torch.dtype]) -> torch.dtype:
         raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or one of "
                          f"{sorted(DTYPE_NAMES)}); got {dtype!r}")
     return found
+
+
+def check_arguments(model: Any = "muse-tiny", device: Any = "auto", *, flags: Optional[dict[str, Any]] = None,
+                    optional_flags: Optional[dict[str, Any]] = None, groups: Optional[dict[str, Any]] = None,
+                    names: Optional[dict[str, Any]] = None) -> None:
+    """A ValueError of one line naming the argument, for the argument types ``load``/``plan`` take: ``model`` a
+    str or Path, ``device`` a str, ``flags`` bools (``optional_flags``: bool or None), ``groups`` None, a bool, a
+    str or a collection of str (``quantize_dense``, ``towers``), ``names`` a str (``kv_format``,
+    ``checkpoint_format``)."""
+    if not isinstance(model, (str, Path)):
+        raise ValueError(f"model must be a checkpoint folder, a bundled model, a preset or a Hub id (a str or "
+                         f"Path); got {type(model).__name__} {model!r}")
+    if not isinstance(device, str):
+        raise ValueError(f"device must be a str (a catalog name such as 'h200', 'auto', or a torch device string "
+                         f"such as 'cpu' or 'cuda:0'); got {type(device).__name__} {device!r}")
+    for name, value in (flags or {}).items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; got {type(value).__name__} {value!r}")
+    for name, value in (optional_flags or {}).items():
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True, False or None; got {type(value).__name__} {value!r}")
+    for name, value in (groups or {}).items():
+        if value is None or isinstance(value, (bool, str)):
+            continue
+        if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{name} must be None, True, False, a name or a list of names (str); got "
+                             f"{type(value).__name__} {value!r}")
+    for name, value in (names or {}).items():
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a str; got {type(value).__name__} {value!r}")
 
 
 def resolve_model(model: Union[str, Path], download: bool = False) -> tuple[str, Optional[Path]]:
@@ -93,9 +124,16 @@ def summarize(model: Union[str, Path], checkpoint_format: str = "bf16",
     return CheckpointSummary(name, config, {n: reader.weight_format(n) for n in names}, shapes), reader
 
 
+def check_checkpoint_format(checkpoint_format: str) -> None:
+    """A ValueError listing the formats a preset's quantized experts can be planned in, for any other."""
+    if checkpoint_format not in QUANTIZED + DENSE:
+        raise ValueError(f"checkpoint_format must be one of {list(QUANTIZED + DENSE)}; got {checkpoint_format!r}")
+
+
 def preset_summary(name: str, config: MuseConfig, checkpoint_format: str) -> CheckpointSummary:
     """A checkpoint as MODEL.md section 2 ships it: routed experts of the quantized layers in
     ``checkpoint_format``, everything else BF16 (for presets, which have no files to read)."""
+    check_checkpoint_format(checkpoint_format)
     shapes = checkpoint_shapes(config)
     quantized_layers = set(quantized_expert_layers(config))
     formats = {}
@@ -162,6 +200,11 @@ def plan(model: Union[str, Path], device: str = "auto", *, dtype: Union[None, st
     named ones of them with the device's rule for BF16 weights, or keeps them (False); None, the
     default, takes the device's choice: all three on ``xeon``/``xeon6`` (see
     :func:`musecore.planning.make_plan`)."""
+    check_arguments(model, device, flags={"emulate": emulate, "allow_emulation": allow_emulation,
+                                          "allow_reference": allow_reference, "sp": sp},
+                    groups={"quantize_dense": quantize_dense, "towers": towers},
+                    names={"kv_format": kv_format, "checkpoint_format": checkpoint_format})
+    check_checkpoint_format(checkpoint_format)  # before the config is read: the same answer for every model
     summary, _ = summarize(model, checkpoint_format)
     records = discover()
     name, _ = resolve_target(device, emulate, records)
@@ -234,6 +277,10 @@ def load(model: Union[str, Path] = "muse-tiny", device: str = "auto", *, dtype: 
 
     Raises :class:`~musecore.planning.PlanError` listing every gap.
     """
+    check_arguments(model, device, flags={"emulate": emulate, "allow_emulation": allow_emulation,
+                                          "allow_reference": allow_reference, "download": download, "sp": sp},
+                    optional_flags={"progress": progress}, groups={"quantize_dense": quantize_dense, "towers": towers},
+                    names={"kv_format": kv_format})
     dtype = model_dtype(dtype)
     comm = join(mesh_of(tp, ep, sp), device, emulate)
     try:
@@ -275,6 +322,9 @@ def load_random(preset: Union[str, MuseConfig], device: str = "auto", *, checkpo
     """
     from musecore_quant import quantize
 
+    check_arguments(preset if isinstance(preset, str) else "custom config", device,
+                    flags={"emulate": emulate, "allow_reference": allow_reference, "sp": sp},
+                    groups={"quantize_dense": quantize_dense}, names={"checkpoint_format": checkpoint_format})
     config = preset if isinstance(preset, MuseConfig) else MuseConfig.from_name(preset)
     dtype = model_dtype(dtype)
     summary = preset_summary(preset if isinstance(preset, str) else "custom config", config, checkpoint_format)
@@ -301,9 +351,9 @@ def mesh_of(tp: Optional[int], ep: Optional[int], sp: bool) -> Optional[Mesh]:
 def join(mesh: Optional[Mesh], device: str, emulate: bool) -> Optional[Comm]:
     """This rank's :class:`~musecore.distributed.Comm` in the ``torchrun`` launch ``mesh`` needs (NCCL on
     CUDA devices, gloo on the CPU); None for one device. Raises when the launch does not fit the mesh."""
-    size = None if mesh is None else mesh.size_problem()
-    if size is not None:  # before the launch's size is compared with it
-        raise MeshError(size)
+    problems = [] if mesh is None else mesh.shape_problems()
+    if problems:  # before the launch's size is compared with it, and before a one-rank mesh is taken as no mesh
+        raise MeshError(f"mesh tp={mesh.tp} ep={mesh.ep}{' sp' if mesh.sp else ''}: " + "; ".join(problems))
     if mesh is None or mesh.world == 1:
         return None
     _name, torch_device = resolve_target(device, emulate, discover())
@@ -322,6 +372,8 @@ def assemble(summary: CheckpointSummary, device: str,
     records = discover()
     name, torch_device = resolve_target(device, emulate, records)
     if comm is not None:
+        comm.agree_on(load_fingerprint(summary, name, torch_device, emulate, allow_emulation, allow_reference, dtype,
+                                       kv_format, quantize_dense, towers, comm.mesh), f"loading {summary.name}")
         comm.mesh.check(summary.config)  # the same answer on every rank: no rank waits for another
         mesh = comm.mesh
         if torch_device.type == "cuda":
@@ -330,6 +382,10 @@ def assemble(summary: CheckpointSummary, device: str,
                          allow_reference=allow_reference, dtype_label=DTYPE_LABELS[dtype], kv_format=kv_format,
                          records=records, quantize_dense=quantize_dense, mesh=None if comm is None else comm.mesh,
                          towers=towers)
+    if comm is not None:  # another host's backends or kernels could make another plan
+        plan_digest = digest(plan_fingerprint(the_plan))
+        shown = f"backend {the_plan.backend}, mode {the_plan.mode}, {len(the_plan.gaps)} gap(s), digest {plan_digest}"
+        comm.agree_on({"plan": (plan_digest, shown)}, f"loading {summary.name}")
     if the_plan.gaps:
         raise PlanError(the_plan)
     problem = the_plan.fit_problem(emulated_on=host_memory_bytes() if emulate else 0)
@@ -362,3 +418,24 @@ def assemble(summary: CheckpointSummary, device: str,
     muse.plan, muse.conversion_report, muse.kv_format = the_plan, placer.report, kv_format
     muse.fuse_blocks()
     return muse
+
+
+def load_fingerprint(summary: CheckpointSummary, device_name: str, torch_device: torch.device, emulate: bool,
+                     allow_emulation: bool, allow_reference: bool, dtype: torch.dtype, kv_format: str,
+                     quantize_dense: DenseGroups, towers: Towers, mesh: Mesh) -> dict[str, Any]:
+    """What every rank of a launch must have been given alike (:meth:`~musecore.distributed.Comm.agree_on`): the
+    checkpoint (its config, tensor formats and shapes, wherever its folder is), the device, the options, the mesh."""
+    model = digest((summary.config.to_dict(), sorted(summary.formats.items()), sorted(summary.shapes.items())))
+    return {"mesh": f"tp={mesh.tp} ep={mesh.ep} sp={mesh.sp}", "model": (model, f"{summary.name} (digest {model})"),
+            "device": f"{device_name} ({torch_device.type})", "dtype": DTYPE_LABELS[dtype], "emulate": emulate,
+            "allow_emulation": allow_emulation, "allow_reference": allow_reference, "kv_format": kv_format,
+            "quantize_dense": quantize_dense if quantize_dense is None or isinstance(quantize_dense, (bool, str))
+            else sorted(quantize_dense),
+            "towers": towers if towers is None or isinstance(towers, (bool, str)) else sorted(towers)}
+
+
+def plan_fingerprint(the_plan: Plan) -> Any:
+    """The parts of a plan every rank must share: backend, mode, formats and the implementation of every op."""
+    whole = the_plan.to_dict()
+    return [whole[key] for key in ("device", "backend", "mode", "checkpoint_format", "groups", "ops", "kernels",
+                                   "towers", "gaps")]

@@ -82,8 +82,8 @@ class Mesh:
                 return f"{name} must be a positive integer, got {value!r}"
         return None
 
-    def problems(self, config: Any) -> list[str]:
-        """Every reason this mesh cannot split ``config`` (empty when it can)."""
+    def shape_problems(self) -> list[str]:
+        """Every reason this mesh is not a mesh at all, whatever the model (empty when it is one)."""
         size = self.size_problem()
         if size is not None:
             return [size]
@@ -93,8 +93,17 @@ class Mesh:
             out.append(f"tp={self.tp} must be 1 or the world size ({world})")
         if world % self.ep:
             out.append(f"ep={self.ep} does not divide the world size {world}")
-        if self.sp and self.tp == 1:
+        if not isinstance(self.sp, bool):
+            out.append(f"sp must be True or False, got {self.sp!r}")
+        elif self.sp and self.tp == 1:
             out.append("sp=True needs tp > 1 (sequence parallelism shards the tensor-parallel ranks' tokens)")
+        return out
+
+    def problems(self, config: Any) -> list[str]:
+        """Every reason this mesh cannot split ``config`` (empty when it can)."""
+        out = self.shape_problems()
+        if self.size_problem() is not None:
+            return out
         tp = self.tp
         if tp > 1:
             nq, nkv = config.num_attention_heads, config.num_key_value_heads
@@ -311,6 +320,19 @@ class Comm:
         self.sp_tokens = 0
         self.replicated_limit = replicated_moe_limit()
 
+    def _collective(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a collective: its failure (a peer's connection closed, a wait past the
+        timeout) becomes one :class:`DistributedError` line naming ``op``, the original kept as ``__cause__``."""
+        try:
+            return fn(*args, **kwargs)
+        except DistributedError:
+            raise
+        except RuntimeError as e:  # torch.distributed.DistBackendError and gloo's errors are RuntimeErrors
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise DistributedError(f"rank {self.rank}: collective {op} failed ({first}): another rank probably died "
+                                   f"or stalled (see its own error); collectives wait up to MUSECORE_DIST_TIMEOUT="
+                                   f"{timeout_seconds():g} s") from e
+
     def reset_traffic(self) -> None:
         self.traffic.clear()
 
@@ -338,7 +360,7 @@ class Comm:
         local = self._padded(x, c)
         out = local.new_empty((c * self.world, *x.shape[1:]))
         self._count("all_gather", local)
-        self._all_gather(out, local, group=self.group)
+        self._collective("all_gather", self._all_gather, out, local, group=self.group)
         return out[:n]
 
     def gather_cols(self, x: torch.Tensor) -> torch.Tensor:
@@ -346,7 +368,7 @@ class Comm:
         x = x.contiguous()
         out = x.new_empty((self.world * x.shape[0], x.shape[1]))
         self._count("all_gather", x)
-        self._all_gather(out, x, group=self.group)
+        self._collective("all_gather", self._all_gather, out, x, group=self.group)
         return out.view(self.world, x.shape[0], x.shape[1]).permute(1, 0, 2).reshape(x.shape[0], self.world * x.shape[1])
 
     def cols_to_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -357,7 +379,7 @@ class Comm:
         out = x.new_empty((w * mine, x.shape[1]))
         x = x.contiguous()
         self._count("all_to_all", x)
-        self.dist.all_to_all_single(out, x, [mine] * w, sizes, group=self.group)
+        self._collective("all_to_all", self.dist.all_to_all_single, out, x, [mine] * w, sizes, group=self.group)
         return out.view(w, mine, x.shape[1]).permute(1, 0, 2).reshape(mine, w * x.shape[1])
 
     def dispatch_combine(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_per_rank: int,
@@ -378,7 +400,7 @@ class Comm:
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=w)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        self._collective("all_to_all", dist.all_to_all_single, recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
         rows = z[order // k].contiguous()
         local_ids = (flat[order] % experts_per_rank).to(torch.int32)
@@ -386,12 +408,12 @@ class Comm:
         got_ids = local_ids.new_empty((sum(recv),))
         self._count("all_to_all", rows)
         self._count("all_to_all", local_ids)
-        dist.all_to_all_single(got_rows, rows, recv, send, group=self.group)
-        dist.all_to_all_single(got_ids, local_ids, recv, send, group=self.group)
+        self._collective("all_to_all", dist.all_to_all_single, got_rows, rows, recv, send, group=self.group)
+        self._collective("all_to_all", dist.all_to_all_single, got_ids, local_ids, recv, send, group=self.group)
         out = run(got_rows, got_ids.long()) if got_rows.shape[0] else got_rows.new_zeros((0, h), dtype=torch.float32)
         back = out.new_empty((n * k, h))
         self._count("all_to_all", out)
-        dist.all_to_all_single(back, out.contiguous(), send, recv, group=self.group)
+        self._collective("all_to_all", dist.all_to_all_single, back, out.contiguous(), send, recv, group=self.group)
         per_slot = torch.empty_like(back)
         per_slot[order] = back
         return weighted_sum(per_slot.view(n, k, h), weights, ids)
@@ -414,7 +436,7 @@ class Comm:
         if mine.numel():
             per_slot[mine] = run(z[mine // k], flat[mine] % experts_per_rank)
         self._count("all_reduce", per_slot)
-        self.dist.all_reduce(per_slot, group=self.group)
+        self._collective("all_reduce", self.dist.all_reduce, per_slot, group=self.group)
         return weighted_sum(per_slot.view(n, k, -1), weights, ids)
 
     def replicated_moe(self, tokens: int) -> bool:
@@ -428,7 +450,7 @@ class Comm:
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (e.g. a sampling seed)."""
         t = torch.tensor([value], dtype=torch.long, device=self._object_device())
-        self.dist.broadcast(t, 0, group=self.group)
+        self._collective("broadcast", self.dist.broadcast, t, 0, group=self.group)
         return int(t.item())
 
     def _object_device(self) -> torch.device:
@@ -440,11 +462,63 @@ class Comm:
         the failed ranks (instead of the healthy ranks waiting in the next collective until the timeout)."""
         message = None if error is None else (str(error).splitlines()[0] if str(error) else type(error).__name__)
         everyone: list[Optional[str]] = [None] * self.world
-        self.dist.all_gather_object(everyone, message, group=self.group)
+        self._collective("all_gather_object", self.dist.all_gather_object, everyone, message, group=self.group)
         failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
         if failed:
             detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
             raise DistributedError(f"{what} failed on {len(failed)} of {self.world} ranks: {detail}") from error
+
+    def agree_on(self, fields: dict[str, Any], what: str) -> None:
+        """Every rank compares ``fields`` (name -> value, or ``(value, label)`` where the label is what the error
+        shows) with the other ranks'; the first field that differs raises :class:`DistributedError` on every rank,
+        naming it and each rank's value. Ranks given different options would otherwise run mismatched collectives:
+        wrong output, a gloo error or a wait until the timeout.
+
+        Example::
+
+            comm.agree_on({"device": "cpu", "kv_format": "bf16"}, "loading muse-tiny")
+        """
+        mine = {name: (repr(v[0]), str(v[1])) if isinstance(v, tuple) and len(v) == 2 and name in _LABELLED
+                else (repr(v), repr(v)) for name, v in fields.items()}
+        everyone: list[Optional[dict]] = [None] * self.world
+        self._collective("all_gather_object", self.dist.all_gather_object, everyone, mine, group=self.group)
+        for name in mine:
+            seen = [ranks.get(name, (None, "(missing)")) if ranks is not None else (None, "(missing)")
+                    for ranks in everyone]
+            if any(key != seen[0][0] for key, _label in seen):
+                values = ", ".join(f"rank {r}: {label}" for r, (_key, label) in enumerate(seen))
+                raise DistributedError(f"{what}: the ranks were given different {name} ({values}); every rank "
+                                       "must get the same options")
+
+
+# Fields of Comm.agree_on whose value is a (compared value, shown label) pair: a digest shown with a readable name.
+_LABELLED = frozenset({"model", "plan", "prompt"})
+
+
+def digest(value: Any) -> str:
+    """A short stable hash of ``value``'s ``repr`` (what ranks compare of a checkpoint, a plan, a prompt)."""
+    import hashlib
+    return hashlib.sha256(repr(value).encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+def agree_request(comm: Optional[Comm], prompt_ids: Any, max_new_tokens: int, temperature: float, top_p: float,
+                  top_k: int, seed: Optional[int], stop: Any, kv_format: Optional[str] = None) -> None:
+    """Before a distributed generation's first collective: every rank must have been asked the same thing
+    (the prompts' token ids and the sampling options); the first that differs raises :class:`DistributedError`
+    on every rank. Nothing to do without ``comm`` (one device).
+
+    Example (in ``musecore.generate.generate``, once the prompts are token ids)::
+
+        agree_request(model.comm, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop, kv_format)
+    """
+    if comm is None:
+        return
+    ids = [list(map(int, p)) for p in prompt_ids]
+    comm.agree_on({"prompt": (digest(ids), f"{len(ids)} prompt(s) of {[len(p) for p in ids]} tokens, "
+                                           f"ids digest {digest(ids)}"),
+                   "max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": float(top_p),
+                   "top_k": top_k, "seed": seed, "stop": stop if stop is None or isinstance(stop, (str, int)) else
+                   sorted(map(repr, stop)), "kv_format": kv_format}, "generating")
 
 
 def replicated_moe_limit() -> int:

@@ -465,6 +465,9 @@ def generate(model: Any, prompt: Prompt, max_new_tokens: int = 64, temperature: 
     else:
         prompt_ids = prompts
     _check_lengths(prompt_ids, max_new_tokens, model.config)
+    from musecore.distributed import agree_request  # across ranks: every rank asked the same, or one error line
+    agree_request(getattr(model, "comm", None), prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop,
+                  kv_format)
     if prepared is not None:
         media = prepared.features(model)  # the towers run here (or their outputs come from the cache)
     ends = _eos_ids(model) | stop_ids

@@ -632,8 +632,11 @@ class MuseModel:
     def generate(self, prompt: Any, **kwargs: Any) -> Any:
         """str -> str, list[int] -> list[int], or a batch of either; see :func:`musecore.generate.generate`."""
         from musecore.generate import generate
-        if self.comm is not None and kwargs.get("temperature", 0.0) > 0 and kwargs.get("seed") is None:
-            import random  # every rank must draw the same samples: rank 0's seed
+        if self.comm is not None and kwargs.get("seed") is None:
+            # Every rank must draw the same samples: rank 0's seed. Broadcast whatever the temperature (a greedy
+            # step ignores it): a broadcast on some ranks only would pair with another collective on the rest,
+            # before generate's check that the ranks were asked the same thing could say so.
+            import random
             kwargs["seed"] = self.comm.broadcast_int(random.getrandbits(62))
         return generate(self, prompt, **kwargs)
 
