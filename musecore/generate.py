@@ -225,7 +225,8 @@ ID_DTYPES = (torch.long, torch.int32)  # what the embedding takes
 def check_input_ids(input_ids: Any, vocab: int) -> None:
     """``MuseModel.forward``'s input check: ``input_ids`` must be a non-empty integer tensor ``[B,T]`` of
     ids in ``[0, vocab)``. The type, dtype and shape checks read only metadata; the ids' range is checked
-    only on a CPU tensor, where reading the values waits for no device (see ``MuseModel.forward``)."""
+    only on a CPU tensor, where reading the values waits for no device (see ``MuseModel.forward``), and not while
+    ``torch.compile`` / ``torch.export`` traces ``forward`` (the TPU backend's compiled step)."""
     if not isinstance(input_ids, torch.Tensor):
         hint = ": wrap them, torch.tensor([ids])" if isinstance(input_ids, (list, tuple)) else ""
         raise TypeError(f"input_ids must be a torch.Tensor of token ids [batch, tokens]; got "
@@ -238,7 +239,7 @@ def check_input_ids(input_ids: Any, vocab: int) -> None:
         raise ValueError(f"input_ids must be 2-D [batch, tokens]; got shape {list(input_ids.shape)}{hint}")
     if input_ids.numel() == 0:
         raise ValueError(f"input_ids is empty (shape {list(input_ids.shape)}): give at least one token per row")
-    if input_ids.device.type == "cpu":
+    if input_ids.device.type == "cpu" and not torch.compiler.is_compiling():  # (a traced step has no values)
         low, high = torch.aminmax(input_ids)
         if int(low) < 0 or int(high) >= vocab:
             bad = input_ids[(input_ids < 0) | (input_ids >= vocab)].unique().tolist()
