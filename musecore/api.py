@@ -22,7 +22,7 @@ from musecore.backends.reference import ReferenceBackend
 from musecore.backends.registry import best_device, discover, unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
-from musecore.distributed import (Comm, Mesh, MeshError, connect, digest, keeps_expert, leading_ranges,
+from musecore.distributed import (Comm, Mesh, MeshError, Shown, connect, digest, keeps_expert, leading_ranges,
                                   tensor_piece)
 from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
@@ -385,7 +385,7 @@ def assemble(summary: CheckpointSummary, device: str,
     if comm is not None:  # another host's backends or kernels could make another plan
         plan_digest = digest(plan_fingerprint(the_plan))
         shown = f"backend {the_plan.backend}, mode {the_plan.mode}, {len(the_plan.gaps)} gap(s), digest {plan_digest}"
-        comm.agree_on({"plan": (plan_digest, shown)}, f"loading {summary.name}")
+        comm.agree_on({"plan": Shown(plan_digest, shown)}, f"loading {summary.name}")
     if the_plan.gaps:
         raise PlanError(the_plan)
     problem = the_plan.fit_problem(emulated_on=host_memory_bytes() if emulate else 0)
@@ -426,7 +426,7 @@ def load_fingerprint(summary: CheckpointSummary, device_name: str, torch_device:
     """What every rank of a launch must have been given alike (:meth:`~musecore.distributed.Comm.agree_on`): the
     checkpoint (its config, tensor formats and shapes, wherever its folder is), the device, the options, the mesh."""
     model = digest((summary.config.to_dict(), sorted(summary.formats.items()), sorted(summary.shapes.items())))
-    return {"mesh": f"tp={mesh.tp} ep={mesh.ep} sp={mesh.sp}", "model": (model, f"{summary.name} (digest {model})"),
+    return {"mesh": f"tp={mesh.tp} ep={mesh.ep} sp={mesh.sp}", "model": Shown(model, f"{summary.name} (digest {model})"),
             "device": f"{device_name} ({torch_device.type})", "dtype": DTYPE_LABELS[dtype], "emulate": emulate,
             "allow_emulation": allow_emulation, "allow_reference": allow_reference, "kv_format": kv_format,
             "quantize_dense": quantize_dense if quantize_dense is None or isinstance(quantize_dense, (bool, str))

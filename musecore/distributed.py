@@ -36,7 +36,7 @@ import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -469,7 +469,7 @@ class Comm:
             raise DistributedError(f"{what} failed on {len(failed)} of {self.world} ranks: {detail}") from error
 
     def agree_on(self, fields: dict[str, Any], what: str) -> None:
-        """Every rank compares ``fields`` (name -> value, or ``(value, label)`` where the label is what the error
+        """Every rank compares ``fields`` (name -> value, or a :class:`Shown` value whose label is what the error
         shows) with the other ranks'; the first field that differs raises :class:`DistributedError` on every rank,
         naming it and each rank's value. Ranks given different options would otherwise run mismatched collectives:
         wrong output, a gloo error or a wait until the timeout.
@@ -478,8 +478,8 @@ class Comm:
 
             comm.agree_on({"device": "cpu", "kv_format": "bf16"}, "loading muse-tiny")
         """
-        mine = {name: (repr(v[0]), str(v[1])) if isinstance(v, tuple) and len(v) == 2 and name in _LABELLED
-                else (repr(v), repr(v)) for name, v in fields.items()}
+        mine = {name: (repr(v.value), v.label) if isinstance(v, Shown) else (repr(v), repr(v))
+                for name, v in fields.items()}
         everyone: list[Optional[dict]] = [None] * self.world
         self._collective("all_gather_object", self.dist.all_gather_object, everyone, mine, group=self.group)
         for name in mine:
@@ -491,8 +491,10 @@ class Comm:
                                        "must get the same options")
 
 
-# Fields of Comm.agree_on whose value is a (compared value, shown label) pair: a digest shown with a readable name.
-_LABELLED = frozenset({"model", "plan", "prompt"})
+class Shown(NamedTuple):
+    """A :meth:`Comm.agree_on` field compared by ``value`` and shown by ``label`` (a digest with a readable name)."""
+    value: Any
+    label: str
 
 
 def digest(value: Any) -> str:
@@ -514,8 +516,8 @@ def agree_request(comm: Optional[Comm], prompt_ids: Any, max_new_tokens: int, te
     if comm is None:
         return
     ids = [list(map(int, p)) for p in prompt_ids]
-    comm.agree_on({"prompt": (digest(ids), f"{len(ids)} prompt(s) of {[len(p) for p in ids]} tokens, "
-                                           f"ids digest {digest(ids)}"),
+    key = digest(ids)
+    comm.agree_on({"prompt": Shown(key, f"{len(ids)} prompt(s) of {[len(p) for p in ids]} tokens, ids digest {key}"),
                    "max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": float(top_p),
                    "top_k": top_k, "seed": seed, "stop": stop if stop is None or isinstance(stop, (str, int)) else
                    sorted(map(repr, stop)), "kv_format": kv_format}, "generating")

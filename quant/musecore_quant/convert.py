@@ -391,8 +391,9 @@ class _Converter:
             return
         source = fuse(name, [(n, _fp32(v)) for n, v in batch], files)
         record = TensorRecord(name, "dequantize", _format(batch[0][1]), _format(out), list(out.shape))
-        self._refuse_broken(name, batch[0][1], source, out.to(torch.float32), out)
-        err = quant_error(source, out.to(torch.float32))
+        approx = out.to(torch.float32)
+        self._refuse_broken(name, batch[0][1], source, approx, out)
+        err = quant_error(source, approx)
         record.sqnr_db, record.max_abs_error, record.rmse, record.nmse = (
             err.sqnr_db, err.max_abs_error, err.rmse, err.nmse)
         self.writer.add(name, out, meta={"record": asdict(record), "source_sha256": self.source_sha256})
