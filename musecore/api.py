@@ -22,8 +22,8 @@ from musecore.backends.reference import ReferenceBackend
 from musecore.backends.registry import best_device, discover, unavailable_reason
 from musecore.config import MuseConfig
 from musecore.devices import CATALOG
-from musecore.distributed import (Comm, Mesh, MeshError, Shown, connect, digest, keeps_expert, leading_ranges,
-                                  tensor_piece)
+from musecore.distributed import (Comm, Mesh, MeshError, Shown, announce_alone, connect, digest, keeps_expert,
+                                  leading_ranges, tensor_piece)
 from musecore.loader import CheckpointMismatch, Placer, fill_model
 from musecore.model import MuseModel, checkpoint_shapes, initial_value
 from musecore.names import FUSED_EXPERT_TENSORS, expert_weight, is_fp32_tensor, quantized_expert_layers
@@ -355,6 +355,7 @@ def join(mesh: Optional[Mesh], device: str, emulate: bool) -> Optional[Comm]:
     if problems:  # before the launch's size is compared with it, and before a one-rank mesh is taken as no mesh
         raise MeshError(f"mesh tp={mesh.tp} ep={mesh.ep}{' sp' if mesh.sp else ''}: " + "; ".join(problems))
     if mesh is None or mesh.world == 1:
+        announce_alone()  # under torchrun: a rank given a mesh refuses at once rather than waiting for this one
         return None
     _name, torch_device = resolve_target(device, emulate, discover())
     return connect(mesh, torch_device.type)

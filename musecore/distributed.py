@@ -34,6 +34,7 @@ import atexit
 import datetime
 import math
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -52,6 +53,8 @@ class DistributedError(RuntimeError):
 
 
 DEFAULT_TIMEOUT_S = 600.0  # collectives (and the rendezvous) give up after this; MUSECORE_DIST_TIMEOUT overrides
+STORE_CONNECT_S = 10.0  # reaching torchrun's store for the launch checks (launch_store)
+STORE_POLL_S = 0.05  # how often a rank waiting for the others looks at that store
 
 
 @dataclass(frozen=True)
@@ -596,6 +599,7 @@ def connect(mesh: Mesh, device_type: str) -> Comm:
     elif device_type == "tpu" and torch.accelerator.device_count() > local_rank:
         torch.accelerator.set_device_index(local_rank)  # one chip per rank when this host shows several
     if not dist.is_initialized():
+        wait_for_the_other_ranks(mesh, rank, world)
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds()))
             # Leave the group before the interpreter tears down: a gloo group destroyed with its threads
@@ -608,6 +612,60 @@ def connect(mesh: Mesh, device_type: str) -> Comm:
                                    "and that every rank started") from None
     device_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("model",))
     return Comm(mesh, rank, device_mesh.get_group("model"), device_mesh)
+
+
+def launch_store() -> Any:
+    """A client of the key-value store ``torchrun``'s agent keeps for this launch (``TORCHELASTIC_USE_AGENT_STORE``),
+    under a prefix of its own per run and restart; None outside ``torchrun`` or when the store does not answer
+    within :data:`STORE_CONNECT_S` (the checks that use it are then skipped: the rendezvous still bounds the wait)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=STORE_CONNECT_S), wait_for_workers=False)
+    except (KeyError, ValueError, RuntimeError):
+        return None
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(f"musecore/{run}/", store)
+
+
+def announce_alone() -> None:
+    """This rank of a ``torchrun`` launch of several loads a model on its own (no tp/ep/sp: independent replicas,
+    e.g. data parallel). It never waits for the other ranks; it leaves a note in the launch's store, so that a rank
+    given a mesh (:func:`wait_for_the_other_ranks`) refuses at once instead of waiting for this one until the
+    rendezvous timeout."""
+    rank, world, _local = launched_world()
+    store = launch_store() if world > 1 else None
+    if store is not None:
+        store.set(f"alone/{rank}", "1")
+        store.add("alone", 1)
+
+
+def wait_for_the_other_ranks(mesh: Mesh, rank: int, world: int) -> None:
+    """Under ``torchrun``, before the rendezvous: wait until every rank of the launch has come to join a mesh, and
+    raise :class:`MeshError` at once if one loads its model alone (:func:`announce_alone`: started without the
+    ``--tp``/``--ep`` this rank was given), or :class:`DistributedError` after ``MUSECORE_DIST_TIMEOUT``."""
+    store = launch_store()
+    if store is None:
+        return
+    store.add("meshed", 1)
+    limit = timeout_seconds()
+    deadline = time.monotonic() + limit
+    while True:
+        if store.add("alone", 0) > 0:
+            alone = [r for r in range(world) if store.check([f"alone/{r}"])]
+            raise MeshError(f"rank {rank} was given mesh tp={mesh.tp} ep={mesh.ep}{' sp' if mesh.sp else ''} but "
+                            f"rank{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))} of this launch load"
+                            f"{'' if len(alone) > 1 else 's'} the model alone (no tp/ep/sp): give every rank the same "
+                            "--tp/--ep/--sp")
+        arrived = store.add("meshed", 0)
+        if arrived >= world:
+            return
+        if time.monotonic() > deadline:
+            raise DistributedError(f"rank {rank}: could not join the process group (only {arrived} of {world} ranks "
+                                   f"came within MUSECORE_DIST_TIMEOUT={limit:g} s); check that every rank started")
+        time.sleep(STORE_POLL_S)
 
 
 def _leave() -> None:

@@ -107,3 +107,33 @@ def test_a_failed_collective_becomes_a_distributed_error_keeping_the_original():
     assert "\n" not in message and "Connection closed" in message, message
     assert message.startswith("rank 1: collective all_gather failed ("), message
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_rank_started_without_the_mesh_makes_the_others_refuse_at_once(tmp_path):
+    """Rank 1 loads alone (no tp/ep) while rank 0 was given tp=2: rank 0 refuses naming rank 1 instead of waiting for
+    it until the rendezvous timeout (30 s here; the whole launch must end well before), and rank 1 loads alone."""
+    import time
+    start = time.monotonic()
+    done, reports = launch_script(tmp_path, """
+        try:
+            if RANK == 0:
+                musecore.load("muse-tiny", device="cpu", tp=2, ep=2, progress=False)
+            else:
+                musecore.load("muse-tiny", device="cpu", progress=False)
+            report("loaded")
+        except Exception as e:
+            report(f"{type(e).__name__}: {e}")
+    """)
+    took = time.monotonic() - start
+    assert reports.get(0, "").startswith("MeshError: rank 0 was given mesh tp=2 ep=2 but rank 1 of this launch loads "
+                                         "the model alone"), (reports, done.stderr[-3000:])
+    assert took < 25, f"the launch took {took:.1f} s: rank 0 waited for the rendezvous timeout (30 s)"
+
+
+def test_ranks_that_all_load_alone_each_get_the_whole_model(tmp_path):
+    """Independent replicas under torchrun (data parallel): no rank waits for another, every rank loads."""
+    done, reports = launch_script(tmp_path, """
+        musecore.load("muse-tiny", device="cpu", progress=False)
+        report("loaded")
+    """)
+    assert reports == {0: "loaded", 1: "loaded"}, done.stderr[-3000:]
