@@ -8,14 +8,18 @@ sources, ``lab/csrc/s56_variants/NAME.cu`` without ``pdl.cuh`` (session 56's, ru
 
 ``--cut NAME:FIELD=V,...`` (repeatable) adds a variant that runs the linears at M = 1 on another cut of the shipped
 kernel: ``GemvPlan`` fields (``split_k``, ``k_warps``, ``prefetch``, ``tile``, ``lean``) and ``min_blocks`` (the
-kernel's ``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64). Session 57's question: the
+kernel's ``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64), and ``on`` (``linear``, the default; ``up``, ``down`` or ``moe``: the 816B MoE's expert GEMVs
+instead, its gate/up, down or both). Session 57's question: the
 q_proj M = 1 GEMV issues its instructions in ~7 us of the 18.6 it takes, with ~4 warps per scheduler (a 512-block grid
 at 95 registers); ``--cut tlp:split_k=2,prefetch=1,min_blocks=8`` doubles its warps (1024 blocks, 8 per SM at 64
 registers) with the same bytes in flight. A cut sums in another order, so its rows report the largest relative
-difference from the old kernel instead of bit equality::
+difference from the old kernel instead of bit equality. Session 58's: the MoE's gate/up GEMV at batch 1 runs 512
+blocks at 159 registers, 3 per SM: 1.29 waves; ``--cut up4:on=up,prefetch=1,min_blocks=4`` fits it in one wave (128
+registers, no spill at one chunk in flight; NVRTC)::
 
     python3 backends/cuda/lab/scripts/cuda_gemv_ab.py [--shapes q_proj,k_proj,expert_down] [--ms 1,4,16]
-        [--batches 1,4,16] [--cut NAME:split_k=2,min_blocks=8] [--out cuda_gemv_ab.json]
+        [--batches 1,4,16] [--cut NAME:split_k=2,min_blocks=8] [--cut NAME:on=up,prefetch=1,min_blocks=4]
+        [--out cuda_gemv_ab.json]
 """
 
 from __future__ import annotations
@@ -31,37 +35,56 @@ from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_decode_linear
 from musecore_cuda.bench import (LINEAR_SHAPES, _rotating, copy_resident, gpu_name, memory_ceiling_gbps, random_fp4,
                                  time_calls)
-from musecore_cuda.kernels import fp4_gemv_cuda, sources
+from musecore_cuda.kernels import fp4_gemv_cuda, moe_decode, sources
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = {"old": "#define MUSECORE_GEMV_PLAIN 1\n" + fp4_gemv_cuda.SOURCE, "new": fp4_gemv_cuda.SOURCE}
 ACTIVE = {"source": "new"}
-CUTS: dict[str, dict] = {}  # --cut variants: the GemvPlan fields each forces on the linears' M = 1 plans
+CUTS: dict[str, dict] = {}  # --cut variants: the GemvPlan fields each forces, and on which plans ("on")
+MOE_ON = ("up", "down", "moe")
 _compiled: dict = {}
 _make_plan = fp4_gemv_cuda.make_plan
+_moe_plans = moe_decode._plans.__wrapped__  # (uncached: each source's graph is captured with its own plans)
 
 
 def _plan(m, n, k, dtype, device, **kw):
     """fp4_gemv_cuda.make_plan, with the ACTIVE --cut variant's fields on linear M = 1 plans."""
     plan = _make_plan(m, n, k, dtype, device, **kw)
     cut = CUTS.get(ACTIVE["source"])
-    return replace(plan, **cut) if cut and m == 1 and kw.get("programs", 1) == 1 else plan
+    if cut and cut["on"] == "linear" and m == 1 and kw.get("programs", 1) == 1:
+        return replace(plan, **cut["fields"])
+    return plan
+
+
+def _moe_plans_cut(width, inter, dtype, device, programs, runs):
+    """moe_decode._plans, with the ACTIVE --cut variant's fields on its gate/up and/or down plans."""
+    up, down, on_runs = _moe_plans(width, inter, dtype, device, programs, runs)
+    cut = CUTS.get(ACTIVE["source"])
+    if cut and cut["on"] in MOE_ON:
+        up = replace(up, **cut["fields"]) if cut["on"] in ("up", "moe") else up
+        down = replace(down, **cut["fields"]) if cut["on"] in ("down", "moe") else down
+    return up, down, on_runs
 
 
 def add_cut(spec: str) -> None:
     """``NAME:FIELD=V,...``: a source (the shipped one, ``min_blocks`` in its launch bounds) and plan fields."""
     name, _, fields = spec.partition(":")
-    cut = {}
+    cut, on = {}, "linear"
     for item in filter(None, fields.split(",")):
         key, _, value = item.partition("=")
-        cut[key] = value.lower() == "true" if key == "lean" else int(value)
+        if key == "on":
+            if value not in ("linear", *MOE_ON):
+                raise SystemExit(f"--cut {spec}: on={value}? (linear, {', '.join(MOE_ON)})")
+            on = value
+        else:
+            cut[key] = value.lower() == "true" if key == "lean" else int(value)
     bound = "__launch_bounds__(128) fp4_gemv_mma"
     source = fp4_gemv_cuda.SOURCE
     if "min_blocks" in cut:
         source = source.replace(bound, f"__launch_bounds__(128, {cut.pop('min_blocks')}) fp4_gemv_mma")
         if source == fp4_gemv_cuda.SOURCE:
             raise SystemExit(f"--cut {spec}: the kernel's launch bounds are not '{bound}' any more")
-    SOURCES[name], CUTS[name] = source, cut
+    SOURCES[name], CUTS[name] = source, {"on": on, "fields": cut}
 
 
 def _kernel(name: str):
@@ -89,6 +112,11 @@ def row_times(times: dict, nbytes: int, ceiling: dict) -> dict:
             "new_pct_ceiling": round(100 * nbytes / times["new"] / 1e3 / ceiling["ceiling_gbps"], 1)}
 
 
+def max_rel_diffs(outs: dict, ref: torch.Tensor, cuts: list[str]) -> dict:
+    """A cut may sum in another order: how far each is from the old kernel, relative to its largest output."""
+    return {v: float((outs[v].float() - ref.float()).abs().max() / ref.float().abs().max()) for v in cuts}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="q_proj,k_proj,expert_up,expert_down")
@@ -104,6 +132,11 @@ def main() -> None:
         add_cut(spec)
     fp4_gemv_cuda._kernel = _kernel  # (launch looks the name up through the module)
     fp4_gemv_cuda.make_plan = _plan
+    moe_decode._plans = _moe_plans_cut
+    linear_sources = [v for v in SOURCES if CUTS.get(v, {}).get("on", "linear") == "linear"]
+    moe_sources = [v for v in SOURCES if CUTS.get(v, {}).get("on", "moe") in MOE_ON]
+    linear_cuts = [v for v in linear_sources if v in CUTS]
+    moe_cuts = [v for v in moe_sources if v in CUTS]
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
     rows = []
@@ -115,15 +148,14 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             call = lambda w: fp4_decode_linear(x, w, "mma")  # noqa: E731
             ref = with_source("old", lambda: call(w0))()
-            outs = {v: with_source(v, lambda: call(w0))() for v in SOURCES}
-            same = all(torch.equal(ref, outs[v]) for v in SOURCES if v not in CUTS)
-            times = time_calls({v: (ws, lambda w, v=v: with_source(v, lambda: call(w))()) for v in SOURCES},
+            outs = {v: with_source(v, lambda: call(w0))() for v in linear_sources}
+            same = all(torch.equal(ref, outs[v]) for v in linear_sources if v not in CUTS)
+            times = time_calls({v: (ws, lambda w, v=v: with_source(v, lambda: call(w))()) for v in linear_sources},
                                interleave=True)
             row = {"case": "linear", "shape": f"{name} {k}->{n}", "M": m, **row_times(times, w0.nbytes, ceiling),
                    "bit_equal": same}
-            if CUTS:  # another summation order: how far from the old kernel, relative to its largest output
-                row["cut_max_rel_diff"] = {v: float((outs[v].float() - ref.float()).abs().max()
-                                                    / ref.float().abs().max()) for v in CUTS}
+            if linear_cuts:
+                row["cut_max_rel_diff"] = max_rel_diffs(outs, ref, linear_cuts)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del ws
@@ -141,11 +173,13 @@ def main() -> None:
         z = torch.randn(t, width, device="cuda", dtype=torch.bfloat16)
         call = lambda: be.moe(z, weights, ids, fp4, post_norm, 1e-8)  # noqa: E731
         ref = with_source("old", call)()
-        moe_sources = [v for v in SOURCES if v not in CUTS]  # (a cut's launch bounds would squeeze the expert GEMVs)
-        same = all(torch.equal(ref, with_source(v, call)()) for v in moe_sources)
+        outs = {v: with_source(v, call)() for v in moe_sources}
+        same = all(torch.equal(ref, outs[v]) for v in moe_sources if v not in CUTS)
         times = time_calls({v: ([0], lambda _, v=v: with_source(v, call)()) for v in moe_sources}, interleave=True)
         nbytes = int(ids.unique().numel()) * per_expert
         row = {"case": "moe", "batch": t, **row_times(times, nbytes, ceiling), "bit_equal": same}
+        if moe_cuts:
+            row["cut_max_rel_diff"] = max_rel_diffs(outs, ref, moe_cuts)
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:
