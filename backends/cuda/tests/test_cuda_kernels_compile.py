@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,17 @@ def test_q_proj_m1_decode_loop_stays_within_its_instruction_budget():
     assert ops["HMMA"] == 8 * (plan.prefetch + 1), f"expected 8 mma per chunk: {dict(ops)}"
     assert per_chunk <= Q_PROJ_M1_BUDGET, (
         f"{per_chunk:.0f} warp instructions per chunk > budget {Q_PROJ_M1_BUDGET}: {ops.most_common(12)}")
+
+
+@pytest.mark.parametrize("min_blocks,cap", [(4, 128), (8, 64)])
+def test_a_plans_min_blocks_caps_the_decode_gemvs_registers(min_blocks, cap):
+    """``GemvPlan.min_blocks`` reaches the kernel's ``__launch_bounds__``: the MoE's SwiGLU GEMV (159 registers
+    uncapped) at one chunk in flight fits ``min_blocks`` blocks of 128 threads per SM."""
+    plan = fp4_gemv_cuda.make_plan(1, 4096, 4096, torch.bfloat16, CUDA, programs=8, swiglu=True)
+    free = compiled(fp4_gemv_cuda.SOURCE, fp4_gemv_cuda.plan_kernel_name(plan, WFMT_NVFP4, True, True))
+    capped = replace(plan, prefetch=1, min_blocks=min_blocks)
+    c = compiled(fp4_gemv_cuda.SOURCE, fp4_gemv_cuda.plan_kernel_name(capped, WFMT_NVFP4, True, True))
+    assert free.registers > 128 and c.registers <= cap, (free.registers, c.registers)
 
 
 @pytest.mark.parametrize("wfmt", [WFMT_NVFP4, WFMT_MXFP4])

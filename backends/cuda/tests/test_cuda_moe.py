@@ -117,7 +117,7 @@ def test_run_plan_fits_the_staged_rows_of_a_run_in_shared_memory():
 def test_lean_path_for_split_k_linears_and_expert_gemvs_off_runs():
     """The MMA kernel's lean path where it measured faster on the H200 (lab NOTES, session 56): linear cuts whose
     warps split K, expert GEMVs with one program per assignment; plain for the split-8 linear cut and on runs; a
-    plan's own ``lean`` wins. The kernel's name carries the choice (its last template argument)."""
+    plan's own ``lean`` wins. The kernel's name carries the choice (its template argument before ``min_blocks``)."""
     lean = fp4_gemv_cuda.lean_path
     assert lean(GemvPlan("mma", 1, 1, k_warps=4), experts=False)
     assert not lean(GemvPlan("mma", 2, 1, split_k=8), experts=False)
@@ -128,8 +128,8 @@ def test_lean_path_for_split_k_linears_and_expert_gemvs_off_runs():
     up = GemvPlan("mma", 1, 1)
     runs = fp4_gemv_cuda.run_plan(up, 4096, swiglu=True)
     name = fp4_gemv_cuda.plan_kernel_name
-    assert name(up, 1, True, True).endswith(", true>")
-    assert name(runs, 1, True, True, runs=True).endswith(", false>")
+    assert name(up, 1, True, True).endswith(", true, 0>")
+    assert name(runs, 1, True, True, runs=True).endswith(", false, 0>")
 
 
 @pytest.mark.gpu

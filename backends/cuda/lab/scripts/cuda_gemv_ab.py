@@ -7,7 +7,7 @@ sources, ``lab/csrc/s56_variants/NAME.cu`` without ``pdl.cuh`` (session 56's, ru
 ``git show 49e7704:backends/cuda/lab/csrc/s56_variants/NAME.cu``).
 
 ``--cut NAME:FIELD=V,...`` (repeatable) adds a variant that runs the linears at M = 1 on another cut of the shipped
-kernel: ``GemvPlan`` fields (``split_k``, ``k_warps``, ``prefetch``, ``tile``, ``lean``) and ``min_blocks`` (the
+kernel: ``GemvPlan`` fields (``split_k``, ``k_warps``, ``prefetch``, ``tile``, ``lean``, ``min_blocks``: the
 kernel's ``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64), and ``on`` (``linear``, the default; ``up``, ``down`` or ``moe``: the 816B MoE's expert GEMVs
 instead, its gate/up, down or both). Session 57's question: the
 q_proj M = 1 GEMV issues its instructions in ~7 us of the 18.6 it takes, with ~4 warps per scheduler (a 512-block grid
@@ -67,7 +67,7 @@ def _moe_plans_cut(width, inter, dtype, device, programs, runs):
 
 
 def add_cut(spec: str) -> None:
-    """``NAME:FIELD=V,...``: a source (the shipped one, ``min_blocks`` in its launch bounds) and plan fields."""
+    """``NAME:FIELD=V,...``: the shipped source with other plan fields (``on``: which plans)."""
     name, _, fields = spec.partition(":")
     cut, on = {}, "linear"
     for item in filter(None, fields.split(",")):
@@ -78,13 +78,7 @@ def add_cut(spec: str) -> None:
             on = value
         else:
             cut[key] = value.lower() == "true" if key == "lean" else int(value)
-    bound = "__launch_bounds__(128) fp4_gemv_mma"
-    source = fp4_gemv_cuda.SOURCE
-    if "min_blocks" in cut:
-        source = source.replace(bound, f"__launch_bounds__(128, {cut.pop('min_blocks')}) fp4_gemv_mma")
-        if source == fp4_gemv_cuda.SOURCE:
-            raise SystemExit(f"--cut {spec}: the kernel's launch bounds are not '{bound}' any more")
-    SOURCES[name], CUTS[name] = source, {"on": on, "fields": cut}
+    SOURCES[name], CUTS[name] = fp4_gemv_cuda.SOURCE, {"on": on, "fields": cut}
 
 
 def _kernel(name: str):

@@ -3,7 +3,7 @@
 its longest loops counted by opcode. For instruction-count work on the decode GEMV (issue-bound: lab NOTES, session
 56) on the CPU host::
 
-    python3 backends/cuda/lab/scripts/gemv_sass.py --name "fp4_gemv_mma<1, 4, 2, 1, 1, false, false, 1, false>"
+    python3 backends/cuda/lab/scripts/gemv_sass.py --name "fp4_gemv_mma<1, 4, 2, 1, 1, false, false, 1, false, true, 0>"
         [--source FILE.cu (default: the package's pdl.cuh + fp4_gemv.cu + fp4_gemm.cu)] [--arch sm_90] [--dump F]
 """
 
@@ -20,7 +20,7 @@ from musecore_cuda.kernels import fp4_gemm_cuda  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--name", default="fp4_gemv_mma<1, 4, 2, 1, 1, false, false, 1, false>")
+    p.add_argument("--name", default="fp4_gemv_mma<1, 4, 2, 1, 1, false, false, 1, false, true, 0>")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--source", default="")
     p.add_argument("--dump", default="", help="write the SASS here")

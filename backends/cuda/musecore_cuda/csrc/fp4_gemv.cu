@@ -750,9 +750,11 @@ __device__ __forceinline__ void handoff_publish(int *sync) {
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sync + HANDOFF_STRIDE * blockIdx.z) : "memory");
 }
 
+// MIN_BLOCKS: __launch_bounds__'s minimum blocks per SM (the plan's min_blocks): it caps the registers (4: 128,
+// 8: 64), so that more blocks of a grid fit in one wave (fp4_gemv_cuda.GemvPlan).
 template <int RT, int KW, int PF, int NG, int WFMT, bool EXPERTS, bool SWIGLU, int SPLIT, bool EARLY,
-          bool LEAN_PATH>
-__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128) fp4_gemv_mma(
+          bool LEAN_PATH, int MIN_BLOCKS>
+__global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(128, MIN_BLOCKS) fp4_gemv_mma(
         const u16 *__restrict__ x, int x_stride, const long long *__restrict__ ids,
         const long long *__restrict__ perm_in, int runs, int a_div,
         const u32 *__restrict__ w, const u8 *__restrict__ s, const u32 *__restrict__ w2, const u8 *__restrict__ s2,

@@ -78,6 +78,7 @@ class GemvPlan:
     k_warps: int = 1     # MMA: warps of a block splitting its K range
     prefetch: int = 2    # MMA: chunks each thread keeps in flight
     lean: Optional[bool] = None  # MMA: the kernel's lean path (None: lean_path's measured rule; sweeps force it)
+    min_blocks: int = 0  # MMA: blocks per SM the kernel's registers must allow (__launch_bounds__: 4 -> 128, 8 -> 64)
 
     @property
     def token_groups(self) -> int:  # MMA: groups of 8 activation rows (mma n8 each)
@@ -187,11 +188,12 @@ def lean_path(plan: GemvPlan, experts: bool, runs: bool = False) -> bool:
 
 
 def kernel_name(kind: str, tile: int, m: int, wfmt: int, experts: bool, swiglu: bool, split: int = 1,
-                k_warps: int = 1, prefetch: int = 2, early: bool = False, lean: bool = False) -> str:
+                k_warps: int = 1, prefetch: int = 2, early: bool = False, lean: bool = False,
+                min_blocks: int = 0) -> str:
     """The template instantiation of ``csrc/fp4_gemv.cu`` that runs a plan (NVRTC's name expression)."""
     flags = f"{wfmt}, {str(experts).lower()}, {str(swiglu).lower()}"
     return (f"fp4_gemv_mma<{tile}, {k_warps}, {prefetch}, {-(-m // 8)}, {flags}, {split}, {str(early).lower()}, "
-            f"{str(lean).lower()}>"
+            f"{str(lean).lower()}, {min_blocks}>"
             if kind == "mma" else f"fp4_gemv<{tile}, {m}, {FMA_WARPS}, {flags}, {str(early).lower()}>")
 
 
@@ -201,7 +203,7 @@ def plan_kernel_name(plan: GemvPlan, wfmt: int, experts: bool = False, swiglu: b
     mma = plan.kind == "mma"
     return kernel_name(plan.kind, plan.tile, plan.m, wfmt, experts, swiglu, plan.split_k if mma else 1,
                        plan.k_warps if mma else 1, plan.prefetch if mma else 2, early,
-                       mma and lean_path(plan, experts, runs))
+                       mma and lean_path(plan, experts, runs), plan.min_blocks if mma else 0)
 
 
 @functools.lru_cache(maxsize=None)
