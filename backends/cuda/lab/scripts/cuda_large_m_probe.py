@@ -14,12 +14,17 @@ rotated past L2)::
                         (code * group scale * 2**-fold: at most 6 significant bits, exact)
     unscaled + alpha    that dequantize, then ``torch.addmm(beta=0, alpha=out_scale)``: cuBLAS applies the
                         per-tensor scale to the fp32 sums (random codes; ", q": the quantized weight)
+    overlap P           (session 58) the dequant path in P pieces of rows on a side stream, each piece's GEMM
+                        (``torch.mm`` into its column slice of the output) on the main stream as soon as it is
+                        dequantized: the dequantize (memory-bound, ~7% of the M = 4096 path) under the GEMMs
+                        (compute-bound) but the first piece's; each row reports its largest difference from the
+                        dequant path (cuBLAS may pick another kernel for N / P columns)
 
 ``nvidia-smi`` samples SM clock and power every 100 ms beside it (``--smi FILE``); ``--interleave 0`` times the
 rows one after the other instead of in interleaved rounds::
 
     python backends/cuda/lab/scripts/cuda_large_m_probe.py [--ms 4096] [--shapes q_proj,k_proj,expert_down]
-        [--out cuda_large_m_probe.json]
+        [--pieces 2,4,8] [--only "bf16 randn,dequant path,overlap 4"] [--out cuda_large_m_probe.json]
 """
 
 from __future__ import annotations
@@ -52,18 +57,44 @@ def unscaled_alpha_linear(x: torch.Tensor, w, alpha: float, ones: torch.Tensor) 
     return torch.addmm(x.new_zeros(()), x, dense_of(w, ones).t(), beta=0, alpha=alpha)
 
 
+def overlap_dequant_linear(x: torch.Tensor, w, pieces: int, side: torch.cuda.Stream) -> torch.Tensor:
+    """``fp4_dequant_linear`` with the dequantize of row piece i + 1 (on ``side``) under the GEMM of piece i."""
+    n, k = w.out_features, w.in_features
+    dense = torch.empty(n, k, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    step = (-(-n // pieces) + 127) // 128 * 128  # rows per piece, whole 128-row tiles of the GEMM
+    bounds = [(r, min(n, r + step)) for r in range(0, n, step)]
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)  # (x and the weights were written on the main stream)
+    ready = []
+    with torch.cuda.stream(side):
+        for r0, r1 in bounds:
+            fp4_gemv_cuda.dequantize(w.packed[0][r0:r1], w.scales[0][r0:r1], w.out_scale, wfmt=w.wfmt,
+                                     fold_log2=w.fold_log2, n=r1 - r0, k=k, out=dense[r0:r1])
+            ready.append(torch.cuda.Event())
+            ready[-1].record(side)
+    for (r0, r1), event in zip(bounds, ready):
+        main.wait_event(event)
+        torch.mm(x, dense[r0:r1].t(), out=y[:, r0:r1])
+    return y
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="4096")
     p.add_argument("--shapes", default="q_proj,k_proj,expert_down")
     p.add_argument("--out", default="cuda_large_m_probe.json")
     p.add_argument("--smi", default="")
+    p.add_argument("--pieces", default="2,4,8", help="the overlap rows' pieces ('': none)")
+    p.add_argument("--only", default="", help="time only these rows (labels, comma-separated; 'bf16 randn' always)")
     p.add_argument("--interleave", type=int, default=1, help="1: interleaved rounds (bench.time_us_interleaved); "
                    "0: one after the other, as musecore bench timed every row before session 41")
     args = p.parse_args()
     smi = (subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
                              "--format=csv", "-lms", "100"], stdout=open(args.smi, "w"))
            if args.smi else None)
+    keep = {"bf16 randn", *args.only.split(",")} if args.only else None
+    wanted = lambda label: keep is None or label in keep  # noqa: E731
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
     rows = []
@@ -80,7 +111,8 @@ def main() -> None:
                      "bf16 = nvfp4 unscaled": lambda: dense_of(quantized, torch.ones(1, device="cuda"))}
             for m in [int(v) for v in args.ms.split(",")]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                calls = {label: (_rotating(make, n * k * 2), lambda w: F.linear(x, w)) for label, make in dense.items()}
+                calls = {label: (_rotating(make, n * k * 2), lambda w: F.linear(x, w)) for label, make in dense.items()
+                         if wanted(label)}
                 rc = _rotating(lambda: be.prepare_weight(random_fp4("nvfp4", (n, k)), name).data, n * k // 2)
                 out = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
                 calls["dequantize"] = (rc, lambda w: fp4_gemv_cuda.dequantize(
@@ -91,16 +123,27 @@ def main() -> None:
                 alpha_rc, alpha_q = float(rc[0].out_scale[0]), float(quantized.out_scale[0])  # (rc: one global scale)
                 calls["unscaled + alpha"] = (rc, lambda w: unscaled_alpha_linear(x, w, alpha_rc, ones))
                 calls["unscaled + alpha, q"] = ([quantized], lambda w: unscaled_alpha_linear(x, w, alpha_q, ones))
+                side = torch.cuda.Stream()
+                overlap_diff = {}
+                for pieces in [int(v) for v in filter(None, args.pieces.split(","))]:
+                    calls[f"overlap {pieces}"] = (rc, lambda w, pieces=pieces: overlap_dequant_linear(x, w, pieces,
+                                                                                                       side))
+                    plain = fp4_dequant_linear(x, quantized).float()
+                    diff = (overlap_dequant_linear(x, quantized, pieces, side).float() - plain).abs().max()
+                    overlap_diff[f"overlap {pieces}"] = float(diff / plain.abs().max())
                 ref = fp4_dequant_linear(x, quantized).float()
                 got = unscaled_alpha_linear(x, quantized, alpha_q, ones).float()
                 nmse_alpha = float(((got - ref) ** 2).mean() / (ref ** 2).mean())
+                calls = {label: call for label, call in calls.items() if wanted(label)}
                 times = time_calls(calls, interleave=bool(args.interleave))
                 base = times["bf16 randn"]
                 row = {"shape": f"{name} {k}->{n}", "M": m, "times_us": {a: round(t, 2) for a, t in times.items()},
                        "vs_bf16_randn": {a: round(base / t, 3) for a, t in times.items()},
                        "nmse_alpha_vs_dequant_path": float(f"{nmse_alpha:.3g}"),
+                       "overlap_max_rel_diff_vs_dequant_path": overlap_diff,
                        "dequantize_pct_ceiling": round(100 * (randcode.nbytes + 2 * n * k) / times["dequantize"]
-                                                       / 1e3 / ceiling["ceiling_gbps"], 1)}
+                                                       / 1e3 / ceiling["ceiling_gbps"], 1) if "dequantize" in times
+                       else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
