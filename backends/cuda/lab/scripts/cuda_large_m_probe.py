@@ -24,7 +24,7 @@ rotated past L2)::
 rows one after the other instead of in interleaved rounds::
 
     python backends/cuda/lab/scripts/cuda_large_m_probe.py [--ms 4096] [--shapes q_proj,k_proj,expert_down]
-        [--pieces 2,4,8] [--only "bf16 randn,dequant path,overlap 4"] [--out cuda_large_m_probe.json]
+        [--pieces 2,4,8] [--only dequant_path,overlap_4] [--out cuda_large_m_probe.json]
 """
 
 from __future__ import annotations
@@ -86,15 +86,15 @@ def main() -> None:
     p.add_argument("--out", default="cuda_large_m_probe.json")
     p.add_argument("--smi", default="")
     p.add_argument("--pieces", default="2,4,8", help="the overlap rows' pieces ('': none)")
-    p.add_argument("--only", default="", help="time only these rows (labels, comma-separated; 'bf16 randn' always)")
+    p.add_argument("--only", default="", help="time only these rows (labels with _ for spaces, comma-separated; 'bf16 randn' always)")
     p.add_argument("--interleave", type=int, default=1, help="1: interleaved rounds (bench.time_us_interleaved); "
                    "0: one after the other, as musecore bench timed every row before session 41")
     args = p.parse_args()
     smi = (subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
                              "--format=csv", "-lms", "100"], stdout=open(args.smi, "w"))
            if args.smi else None)
-    keep = {"bf16 randn", *args.only.split(",")} if args.only else None
-    wanted = lambda label: keep is None or label in keep  # noqa: E731
+    keep = {"bf16_randn", *args.only.split(",")} if args.only else None
+    wanted = lambda label: keep is None or label.replace(" ", "_") in keep  # noqa: E731
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
     rows = []
