@@ -14,9 +14,9 @@ rotated past L2)::
                         (code * group scale * 2**-fold: at most 6 significant bits, exact)
     unscaled + alpha    that dequantize, then ``torch.addmm(beta=0, alpha=out_scale)``: cuBLAS applies the
                         per-tensor scale to the fp32 sums (random codes; ", q": the quantized weight)
-    overlap P           (session 58) the dequant path in P pieces of rows on a side stream, each piece's GEMM
-                        (``torch.mm`` into its column slice of the output) on the main stream as soon as it is
-                        dequantized: the dequantize (memory-bound, ~7% of the M = 4096 path) under the GEMMs
+    overlap P           (session 58) the dequant path in P pieces of rows (``fp4_dequant_linear(x, w, P)``), each
+                        piece's dequantize on a side stream and its GEMM (``torch.mm`` into its column slice of the
+                        output) on the main stream as soon as it is dequantized: the dequantize (memory-bound, ~7% of the M = 4096 path) under the GEMMs
                         (compute-bound) but the first piece's; each row reports its largest difference from the
                         dequant path (cuBLAS may pick another kernel for N / P columns)
 
@@ -55,28 +55,6 @@ def dense_of(w, os: Optional[torch.Tensor] = None) -> torch.Tensor:
 def unscaled_alpha_linear(x: torch.Tensor, w, alpha: float, ones: torch.Tensor) -> torch.Tensor:
     """The dequant path with the per-tensor scale moved into cuBLAS's alpha (``alpha``: a host float)."""
     return torch.addmm(x.new_zeros(()), x, dense_of(w, ones).t(), beta=0, alpha=alpha)
-
-
-def overlap_dequant_linear(x: torch.Tensor, w, pieces: int, side: torch.cuda.Stream) -> torch.Tensor:
-    """``fp4_dequant_linear`` with the dequantize of row piece i + 1 (on ``side``) under the GEMM of piece i."""
-    n, k = w.out_features, w.in_features
-    dense = torch.empty(n, k, dtype=torch.bfloat16, device=x.device)
-    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
-    step = (-(-n // pieces) + 127) // 128 * 128  # rows per piece, whole 128-row tiles of the GEMM
-    bounds = [(r, min(n, r + step)) for r in range(0, n, step)]
-    main = torch.cuda.current_stream()
-    side.wait_stream(main)  # (x and the weights were written on the main stream)
-    ready = []
-    with torch.cuda.stream(side):
-        for r0, r1 in bounds:
-            fp4_gemv_cuda.dequantize(w.packed[0][r0:r1], w.scales[0][r0:r1], w.out_scale, wfmt=w.wfmt,
-                                     fold_log2=w.fold_log2, n=r1 - r0, k=k, out=dense[r0:r1])
-            ready.append(torch.cuda.Event())
-            ready[-1].record(side)
-    for (r0, r1), event in zip(bounds, ready):
-        main.wait_event(event)
-        torch.mm(x, dense[r0:r1].t(), out=y[:, r0:r1])
-    return y
 
 
 def main() -> None:
@@ -123,13 +101,11 @@ def main() -> None:
                 alpha_rc, alpha_q = float(rc[0].out_scale[0]), float(quantized.out_scale[0])  # (rc: one global scale)
                 calls["unscaled + alpha"] = (rc, lambda w: unscaled_alpha_linear(x, w, alpha_rc, ones))
                 calls["unscaled + alpha, q"] = ([quantized], lambda w: unscaled_alpha_linear(x, w, alpha_q, ones))
-                side = torch.cuda.Stream()
                 overlap_diff = {}
                 for pieces in [int(v) for v in filter(None, args.pieces.split(","))]:
-                    calls[f"overlap {pieces}"] = (rc, lambda w, pieces=pieces: overlap_dequant_linear(x, w, pieces,
-                                                                                                       side))
+                    calls[f"overlap {pieces}"] = (rc, lambda w, pieces=pieces: fp4_dequant_linear(x, w, pieces))
                     plain = fp4_dequant_linear(x, quantized).float()
-                    diff = (overlap_dequant_linear(x, quantized, pieces, side).float() - plain).abs().max()
+                    diff = (fp4_dequant_linear(x, quantized, pieces).float() - plain).abs().max()
                     overlap_diff[f"overlap {pieces}"] = float(diff / plain.abs().max())
                 ref = fp4_dequant_linear(x, quantized).float()
                 got = unscaled_alpha_linear(x, quantized, alpha_q, ones).float()
