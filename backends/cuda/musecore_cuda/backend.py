@@ -27,7 +27,6 @@ What is native here, and why (``supports`` answers from this table, never optimi
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -105,46 +104,18 @@ def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: i
     return path
 
 
-def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident, pieces: Optional[int] = None) -> torch.Tensor:
+def fp4_dequant_linear(x2: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     """2-D ``x2 @ W.T`` for large M: W dequantized to a transient bf16 copy, then cuBLAS.
 
     At M >= ``DEQUANT_MIN_M`` the GEMM is compute-bound and cuBLAS's BF16 tensor-core kernel beats
     the Triton W4A16 GEMM by more than the dequantization costs (one read of the FP4 bytes, one
     write of 2 bytes per weight); vLLM's AWQ path makes the same switch at 256 tokens.
-
-    With ``pieces`` > 1 (default: ``choices.dequant_pieces``) the weight is dequantized in that many pieces of rows
-    on a side stream and each piece's GEMM runs on the caller's stream into its columns of the output as soon as the
-    piece is ready: the dequantize (memory-bound) runs under the GEMMs (compute-bound) but for the first piece. The
-    streams fork and join through events, so this also runs inside a CUDA graph capture.
     """
     n, k = w.out_features, w.in_features
     dense = torch.empty(n, k, dtype=torch.bfloat16, device=x2.device)
-    pieces = choices.dequant_pieces(x2.shape[0], n) if pieces is None else pieces
-    if pieces <= 1:
-        fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n,
-                                 k=k, out=dense)
-        return F.linear(x2, dense)
-    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
-    main, side = torch.cuda.current_stream(x2.device), _side_stream(x2.device)
-    side.wait_stream(main)  # (x2 and the weight's last writes were on the caller's stream)
-    bounds = choices.row_pieces(n, pieces)
-    ready = []
-    with torch.cuda.stream(side):
-        for r0, r1 in bounds:
-            fp4_gemv_cuda.dequantize(w.packed[0][r0:r1], w.scales[0][r0:r1], w.out_scale, wfmt=w.wfmt,
-                                     fold_log2=w.fold_log2, n=r1 - r0, k=k, out=dense[r0:r1])
-            ready.append(torch.cuda.Event())
-            ready[-1].record(side)
-    for (r0, r1), event in zip(bounds, ready):
-        main.wait_event(event)
-        torch.mm(x2, dense[r0:r1].t(), out=y[:, r0:r1])
-    return y
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream ``fp4_dequant_linear`` dequantizes on, one per device."""
-    return torch.cuda.Stream(device)
+    fp4_gemv_cuda.dequantize(w.packed[0], w.scales[0], w.out_scale, wfmt=w.wfmt, fold_log2=w.fold_log2, n=n, k=k,
+                             out=dense)
+    return F.linear(x2, dense)
 
 
 def fp4_gluon_linear(x2: torch.Tensor, w: Fp4Resident,

@@ -49,22 +49,6 @@ GLUON_ENV = "MUSECORE_CUDA_GLUON"
 GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
 
 
-# The dequant path in pieces of rows, each piece's dequantize on a side stream under the previous piece's GEMM
-# (backend.fp4_dequant_linear): not measured yet (lab cuda_large_m_probe.py's "overlap P" rows), so one piece.
-DEQUANT_PIECES, DEQUANT_PIECES_MIN_M = 1, 2048
-
-
-def dequant_pieces(m: int, n: int) -> int:
-    """How many row pieces the dequant path of ``m`` rows against ``n`` output features overlaps (1: none)."""
-    return DEQUANT_PIECES if m >= DEQUANT_PIECES_MIN_M and n >= 128 * DEQUANT_PIECES else 1
-
-
-def row_pieces(n: int, pieces: int) -> list[tuple[int, int]]:
-    """``[r0, r1)`` bounds of ``pieces`` near-equal pieces of ``n`` rows, in whole 128-row GEMM tiles."""
-    step = (-(-n // pieces) + 127) // 128 * 128
-    return [(r, min(n, r + step)) for r in range(0, n, step)]
-
-
 def gluon_enabled() -> bool:
     """False when ``MUSECORE_CUDA_GLUON=0``; unset or 1: the Gluon GEMM is used where it can run."""
     setting = os.environ.get(GLUON_ENV, "1")

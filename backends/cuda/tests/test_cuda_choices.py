@@ -301,12 +301,3 @@ def test_the_eager_first_attention_step_is_the_cuda_backends_choice(monkeypatch)
     assert not attention.eager_first_step(gpu)
     monkeypatch.setattr(attention, "EAGER_FIRST_STEP", True)
     assert attention.eager_first_step(cpu)
-
-
-@pytest.mark.parametrize("n,pieces", [(1000, 3), (1000, 8), (8192, 4), (1024, 2), (100, 4)])
-def test_row_pieces_cover_every_row_once_in_whole_gemm_tiles(n, pieces):
-    from musecore_cuda.choices import row_pieces
-    bounds = row_pieces(n, pieces)
-    assert bounds[0][0] == 0 and bounds[-1][1] == n and len(bounds) <= pieces, bounds
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), bounds
-    assert all(r0 % 128 == 0 and r1 > r0 for r0, r1 in bounds), bounds

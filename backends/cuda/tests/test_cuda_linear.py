@@ -405,33 +405,3 @@ def test_decode_launch_refuses_a_weight_beyond_its_32_bit_offsets():
     with pytest.raises(ValueError, match="32 bits.*split the layer"):
         fp4_gemv_cuda.launch(x, dummy, dummy, torch.ones(1), wfmt=1, fold_log2=9, n=n, k=k,
                              out=torch.empty(1, n, dtype=torch.bfloat16), plan=plan)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_dequant_path_in_pieces_matches_one_piece_eager_and_in_a_cuda_graph(fmt):
-    """``fp4_dequant_linear(x, w, pieces)``: each piece dequantized on a side stream, its GEMM into its columns on
-    the caller's stream. The same values as one piece (cuBLAS may pick another kernel for fewer columns: within 2**-7
-    of the largest output, one bf16 step) and as the reference (NMSE), rows not a multiple of the pieces included, and
-    the same bits replayed from a CUDA graph as eager (the streams fork and join through events)."""
-    from musecore_cuda.backend import fp4_dequant_linear
-    n, k, m = 1000, 512, 300
-    qt = musecore_quant.quantize(torch.randn(n, k) * 0.05, fmt)
-    be = CudaBackend("cuda")
-    w = be.prepare_weight(qt, "test").data
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    one = fp4_dequant_linear(x, w, 1).float()
-    scale = one.abs().max()
-    for pieces in (2, 3, 8):
-        got = fp4_dequant_linear(x, w, pieces)
-        assert got.shape == (m, n) and got.dtype == torch.bfloat16
-        diff = float((got.float() - one).abs().max() / scale)
-        assert diff <= 2 ** -7, f"{fmt} {pieces} pieces: largest difference {diff:.3g} of the largest output"
-        assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"{fmt} dequant path in {pieces} pieces")
-    eager = fp4_dequant_linear(x, w, 3)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fp4_dequant_linear(x, w, 3)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager), float((captured.float() - eager.float()).abs().max())

@@ -14,17 +14,12 @@ rotated past L2)::
                         (code * group scale * 2**-fold: at most 6 significant bits, exact)
     unscaled + alpha    that dequantize, then ``torch.addmm(beta=0, alpha=out_scale)``: cuBLAS applies the
                         per-tensor scale to the fp32 sums (random codes; ", q": the quantized weight)
-    overlap P           (session 58) the dequant path in P pieces of rows (``fp4_dequant_linear(x, w, P)``), each
-                        piece's dequantize on a side stream and its GEMM (``torch.mm`` into its column slice of the
-                        output) on the main stream as soon as it is dequantized: the dequantize (memory-bound, ~7% of the M = 4096 path) under the GEMMs
-                        (compute-bound) but the first piece's; each row reports its largest difference from the
-                        dequant path (cuBLAS may pick another kernel for N / P columns)
 
 ``nvidia-smi`` samples SM clock and power every 100 ms beside it (``--smi FILE``); ``--interleave 0`` times the
 rows one after the other instead of in interleaved rounds::
 
     python backends/cuda/lab/scripts/cuda_large_m_probe.py [--ms 4096] [--shapes q_proj,k_proj,expert_down]
-        [--pieces 2,4,8] [--only dequant_path,overlap_4] [--out cuda_large_m_probe.json]
+        [--out cuda_large_m_probe.json]
 """
 
 from __future__ import annotations
@@ -63,16 +58,12 @@ def main() -> None:
     p.add_argument("--shapes", default="q_proj,k_proj,expert_down")
     p.add_argument("--out", default="cuda_large_m_probe.json")
     p.add_argument("--smi", default="")
-    p.add_argument("--pieces", default="2,4,8", help="the overlap rows' pieces ('': none)")
-    p.add_argument("--only", default="", help="time only these rows (labels with _ for spaces, comma-separated; 'bf16 randn' always)")
     p.add_argument("--interleave", type=int, default=1, help="1: interleaved rounds (bench.time_us_interleaved); "
                    "0: one after the other, as musecore bench timed every row before session 41")
     args = p.parse_args()
     smi = (subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
                              "--format=csv", "-lms", "100"], stdout=open(args.smi, "w"))
            if args.smi else None)
-    keep = {"bf16_randn", *args.only.split(",")} if args.only else None
-    wanted = lambda label: keep is None or label.replace(" ", "_") in keep  # noqa: E731
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
     rows = []
@@ -89,8 +80,7 @@ def main() -> None:
                      "bf16 = nvfp4 unscaled": lambda: dense_of(quantized, torch.ones(1, device="cuda"))}
             for m in [int(v) for v in args.ms.split(",")]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                calls = {label: (_rotating(make, n * k * 2), lambda w: F.linear(x, w)) for label, make in dense.items()
-                         if wanted(label)}
+                calls = {label: (_rotating(make, n * k * 2), lambda w: F.linear(x, w)) for label, make in dense.items()}
                 rc = _rotating(lambda: be.prepare_weight(random_fp4("nvfp4", (n, k)), name).data, n * k // 2)
                 out = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
                 calls["dequantize"] = (rc, lambda w: fp4_gemv_cuda.dequantize(
@@ -101,25 +91,16 @@ def main() -> None:
                 alpha_rc, alpha_q = float(rc[0].out_scale[0]), float(quantized.out_scale[0])  # (rc: one global scale)
                 calls["unscaled + alpha"] = (rc, lambda w: unscaled_alpha_linear(x, w, alpha_rc, ones))
                 calls["unscaled + alpha, q"] = ([quantized], lambda w: unscaled_alpha_linear(x, w, alpha_q, ones))
-                overlap_diff = {}
-                for pieces in [int(v) for v in filter(None, args.pieces.split(","))]:
-                    calls[f"overlap {pieces}"] = (rc, lambda w, pieces=pieces: fp4_dequant_linear(x, w, pieces))
-                    plain = fp4_dequant_linear(x, quantized).float()
-                    diff = (fp4_dequant_linear(x, quantized, pieces).float() - plain).abs().max()
-                    overlap_diff[f"overlap {pieces}"] = float(diff / plain.abs().max())
                 ref = fp4_dequant_linear(x, quantized).float()
                 got = unscaled_alpha_linear(x, quantized, alpha_q, ones).float()
                 nmse_alpha = float(((got - ref) ** 2).mean() / (ref ** 2).mean())
-                calls = {label: call for label, call in calls.items() if wanted(label)}
                 times = time_calls(calls, interleave=bool(args.interleave))
                 base = times["bf16 randn"]
                 row = {"shape": f"{name} {k}->{n}", "M": m, "times_us": {a: round(t, 2) for a, t in times.items()},
                        "vs_bf16_randn": {a: round(base / t, 3) for a, t in times.items()},
                        "nmse_alpha_vs_dequant_path": float(f"{nmse_alpha:.3g}"),
-                       "overlap_max_rel_diff_vs_dequant_path": overlap_diff,
                        "dequantize_pct_ceiling": round(100 * (randcode.nbytes + 2 * n * k) / times["dequantize"]
-                                                       / 1e3 / ceiling["ceiling_gbps"], 1) if "dequantize" in times
-                       else None}
+                                                       / 1e3 / ceiling["ceiling_gbps"], 1)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
