@@ -638,8 +638,11 @@ def announce_alone() -> None:
     rank, world, _local = launched_world()
     store = launch_store() if world > 1 else None
     if store is not None:
-        store.set(f"alone/{rank}", "1")
-        store.add("alone", 1)
+        try:
+            store.set(f"alone/{rank}", "1")
+            store.add("alone", 1)
+        except RuntimeError:  # the store went away: the others' rendezvous timeout still ends their wait
+            pass
 
 
 def wait_for_the_other_ranks(mesh: Mesh, rank: int, world: int) -> None:
@@ -649,8 +652,19 @@ def wait_for_the_other_ranks(mesh: Mesh, rank: int, world: int) -> None:
     store = launch_store()
     if store is None:
         return
-    store.add("meshed", 1)
     limit = timeout_seconds()
+    try:
+        _wait_for_the_other_ranks(store, mesh, rank, world, limit)
+    except RuntimeError as e:  # a store error (DistStoreError is a RuntimeError); our own DistributedError passes
+        if isinstance(e, DistributedError):
+            raise
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DistributedError(f"rank {rank}: torchrun's store stopped answering while the ranks gathered ({first}); "
+                               "did torchrun stop?") from None
+
+
+def _wait_for_the_other_ranks(store: Any, mesh: Mesh, rank: int, world: int, limit: float) -> None:
+    store.add("meshed", 1)
     deadline = time.monotonic() + limit
     while True:
         if store.add("alone", 0) > 0:

@@ -8,9 +8,9 @@ sources, ``lab/csrc/s56_variants/NAME.cu`` without ``pdl.cuh`` (session 56's, ru
 
 ``--cut NAME:FIELD=V,...`` (repeatable) adds a variant that runs the linears at M = 1 on another cut of the shipped
 kernel: ``GemvPlan`` fields (``split_k``, ``k_warps``, ``prefetch``, ``tile``, ``lean``, ``min_blocks``: the
-kernel's ``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64), and ``on`` (``linear``, the default; ``up``, ``down`` or ``moe``: the 816B MoE's expert GEMVs
-instead, its gate/up, down or both). Session 57's question: the
-q_proj M = 1 GEMV issues its instructions in ~7 us of the 18.6 it takes, with ~4 warps per scheduler (a 512-block grid
+kernel's ``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64), and ``on`` (``linear``,
+the default; ``up``, ``down`` or ``moe``: the 816B MoE's expert GEMVs instead, its gate/up, down or both). Session
+57's question: the q_proj M = 1 GEMV issues its instructions in ~7 us of the 18.6 it takes, with ~4 warps per scheduler (a 512-block grid
 at 95 registers); ``--cut tlp:split_k=2,prefetch=1,min_blocks=8`` doubles its warps (1024 blocks, 8 per SM at 64
 registers) with the same bytes in flight. A cut sums in another order, so its rows report the largest relative
 difference from the old kernel instead of bit equality. Session 58's: the MoE's gate/up GEMV at batch 1 runs 512
