@@ -1,17 +1,17 @@
 """The decode GEMV's lean path against its plain one (session 55's code), in one process (issue 26): the same plans and
 launches, the kernels compiled from ``csrc/fp4_gemv.cu`` as shipped (new) or with ``MUSECORE_GEMV_PLAIN`` defined
-(old), each captured in its own CUDA graph and timed in interleaved rounds (``bench.time_calls``). Rows: NVFP4 linears through the MMA decode
-kernel at M = 1..16 (816B shapes, weights rotated past L2), and the 816B MoE layer (256 experts, top-8) at decode
-batches. Outputs of old and new are compared bit for bit (the arithmetic is the same). ``--variants`` adds other
-sources, ``lab/csrc/s56_variants/NAME.cu`` without ``pdl.cuh`` (session 56's, run 78: restore them with
-``git show 49e7704:backends/cuda/lab/csrc/s56_variants/NAME.cu``).
+(old), each captured in its own CUDA graph and timed in interleaved rounds (``bench.time_calls``). Rows: NVFP4 linears
+through the MMA decode kernel at M = 1..16 (816B shapes, weights rotated past L2), and the 816B MoE layer (256
+experts, top-8) at decode batches. Outputs of old and new are compared bit for bit (the arithmetic is the same).
+``--variants`` adds other sources, ``lab/csrc/s56_variants/NAME.cu`` without ``pdl.cuh`` (session 56's, run 78:
+restore them with ``git show 49e7704:backends/cuda/lab/csrc/s56_variants/NAME.cu``).
 
 ``--cut NAME:FIELD=V,...`` (repeatable) adds a variant that runs the linears at M = 1 on another cut of the shipped
-kernel: ``GemvPlan`` fields (``split_k``, ``k_warps``, ``prefetch``, ``tile``, ``lean``, ``min_blocks``: the
-kernel's ``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64), and ``on`` (``linear``,
-the default; ``up``, ``down`` or ``moe``: the 816B MoE's expert GEMVs instead, its gate/up, down or both). Session
-57's question: the q_proj M = 1 GEMV issues its instructions in ~7 us of the 18.6 it takes, with ~4 warps per scheduler (a 512-block grid
-at 95 registers); ``--cut tlp:split_k=2,prefetch=1,min_blocks=8`` doubles its warps (1024 blocks, 8 per SM at 64
+kernel: ``GemvPlan`` fields (``split_k``, ``k_warps``, ``prefetch``, ``tile``, ``lean``, ``min_blocks``: the kernel's
+``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64), and ``on`` (``linear``, the default;
+``up``, ``down`` or ``moe``: the 816B MoE's expert GEMVs instead, its gate/up, down or both). Session 57's question:
+the q_proj M = 1 GEMV issues its instructions in ~7 us of the 18.6 it takes, with ~4 warps per scheduler (a 512-block
+grid at 95 registers); ``--cut tlp:split_k=2,prefetch=1,min_blocks=8`` doubles its warps (1024 blocks, 8 per SM at 64
 registers) with the same bytes in flight. A cut sums in another order, so its rows report the largest relative
 difference from the old kernel instead of bit equality. Session 58's: the MoE's gate/up GEMV at batch 1 runs 512
 blocks at 159 registers, 3 per SM: 1.29 waves; ``--cut up4:on=up,prefetch=1,min_blocks=4`` fits it in one wave (128
