@@ -353,7 +353,7 @@ def join(mesh: Optional[Mesh], device: str, emulate: bool) -> Optional[Comm]:
     CUDA devices, gloo on the CPU); None for one device. Raises when the launch does not fit the mesh."""
     problems = [] if mesh is None else mesh.shape_problems()
     if problems:  # before the launch's size is compared with it, and before a one-rank mesh is taken as no mesh
-        raise MeshError(f"mesh tp={mesh.tp} ep={mesh.ep}{' sp' if mesh.sp else ''}: " + "; ".join(problems))
+        raise MeshError(f"mesh {mesh.options}: " + "; ".join(problems))
     if mesh is None or mesh.world == 1:
         announce_alone()  # under torchrun: a rank given a mesh refuses at once rather than waiting for this one
         return None

@@ -74,6 +74,12 @@ class Mesh:
         return max(self.tp, self.ep)
 
     @property
+    def options(self) -> str:
+        """The mesh as the options that ask for it, as errors name it: ``tp=2 ep=2``, `` sp`` appended (plans show
+        ``planning_mesh.mesh_label``'s ``TP2/EP2``)."""
+        return f"tp={self.tp} ep={self.ep}{' sp' if self.sp else ''}"
+
+    @property
     def replicas(self) -> int:
         """How many copies of each expert range there are (``world / ep``)."""
         return self.world // self.ep
@@ -128,7 +134,7 @@ class Mesh:
     def check(self, config: Any) -> None:
         problems = self.problems(config)
         if problems:
-            raise MeshError(f"mesh tp={self.tp} ep={self.ep}{' sp' if self.sp else ''} cannot split this model: "
+            raise MeshError(f"mesh {self.options} cannot split this model: "
                             + "; ".join(problems))
 
 
@@ -655,9 +661,9 @@ def wait_for_the_other_ranks(mesh: Mesh, rank: int, world: int) -> None:
     limit = timeout_seconds()
     try:
         _wait_for_the_other_ranks(store, mesh, rank, world, limit)
-    except RuntimeError as e:  # a store error (DistStoreError is a RuntimeError); our own DistributedError passes
-        if isinstance(e, DistributedError):
-            raise
+    except DistributedError:
+        raise
+    except RuntimeError as e:  # a store error (DistStoreError is a RuntimeError)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DistributedError(f"rank {rank}: torchrun's store stopped answering while the ranks gathered ({first}); "
                                "did torchrun stop?") from None
@@ -669,10 +675,10 @@ def _wait_for_the_other_ranks(store: Any, mesh: Mesh, rank: int, world: int, lim
     while True:
         if store.add("alone", 0) > 0:
             alone = [r for r in range(world) if store.check([f"alone/{r}"])]
-            raise MeshError(f"rank {rank} was given mesh tp={mesh.tp} ep={mesh.ep}{' sp' if mesh.sp else ''} but "
-                            f"rank{'s' if len(alone) > 1 else ''} {', '.join(map(str, alone))} of this launch load"
-                            f"{'' if len(alone) > 1 else 's'} the model alone (no tp/ep/sp): give every rank the same "
-                            "--tp/--ep/--sp")
+            many = len(alone) > 1
+            raise MeshError(f"rank {rank} was given mesh {mesh.options} but rank{'s' if many else ''} "
+                            f"{', '.join(map(str, alone))} of this launch load{'' if many else 's'} the model alone "
+                            "(no tp/ep/sp): give every rank the same --tp/--ep/--sp")
         arrived = store.add("meshed", 0)
         if arrived >= world:
             return
