@@ -38,7 +38,7 @@ from musecore.ops import ExpertWeights, OpSpec, Weight
 from musecore_cuda import choices
 from musecore_cuda.choices import DEQUANT_MIN_M, GEMM_MIN_M  # noqa: F401  (the crossovers, re-exported)
 from musecore_cuda.fp8 import TOKEN_ACT, Fp8Resident, fp8_linear, fp8_linear_rows, prepare_fp8
-from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan
+from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan, moe_prefill
 from musecore_cuda.kernels.fp8_moe import fp8_moe
 from musecore_cuda.kernels.moe_decode import moe_decode_gemv, use_gemv
 from musecore_triton.kernels import interpreted, sampling
@@ -409,6 +409,9 @@ class CudaBackend(TritonOps, Backend):
         if z.shape[0] and use_gemv(experts.gate, ids.numel(), experts.num_experts, tokens=ids.shape[0],
                                    dtype=z.dtype):  # decode: the CUDA C++ GEMVs
             return moe_decode_gemv(z, weights, ids, experts.gate, experts.up, experts.down, post_norm, post_eps)
+        if z.shape[0] and moe_prefill.unavailable_reason(z, experts.gate, experts.up, experts.down) is None:
+            return moe_prefill.moe_forward_gluon(z, weights, ids, experts.gate, experts.up, experts.down,
+                                                 experts.num_experts, post_norm, post_eps)
         return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
                            post_norm, post_eps)
 

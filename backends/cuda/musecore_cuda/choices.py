@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
-from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_decode, pdl
+from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_decode, moe_prefill, pdl
 from musecore_cuda import fused
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES
 from musecore_triton.kernels.fp4_gemm import tile_regime
@@ -232,16 +232,30 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
                              "at 16 tokens, 972 -> 862 at 12, even at 6-8; at 4, where few experts repeat, one "
                              "program per assignment is ahead, 358 vs 414); 1.7-2.0x the grouped GEMM at 64-128 "
                              "tokens; the kernel's plain path (the lean one ran 0.96-0.97x at 8-16 tokens)"),
-                KernelChoice(f"{label}, T > {limit} tokens",
-                             "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, finalize)",
-                             f"each routed expert streamed once per block of its tokens; "
-                             f"{_triton_gemm_note(max(1, (limit + 1) * top_k // e))} at T = {limit + 1}")]
+                _expert_prefill_choice(shape, label, width, inter, limit)]
     if shape.weight_format in ("bf16", "fp16"):
         limit = next(t for t in range(1, 1 << 20) if not uses_dense_decode(t * top_k, e)) - 1
         return [KernelChoice(f"{label}, T <= {limit} tokens", "Triton expert GEMV (16-bit) + finalize",
                              "three launches instead of the grouped path's ~20"),
                 KernelChoice(f"{label}, T > {limit} tokens", "Triton grouped GEMM (16-bit weights)")]
     return [KernelChoice(label, "none", f"{shape.weight_format} experts are not implemented in the CUDA backend")]
+
+
+def _expert_prefill_choice(shape: LinearShape, label: str, width: int, inter: int, limit: int) -> KernelChoice:
+    """FP4 experts beyond the decode GEMVs: the grouped Triton GEMM, or the grouped Gluon GEMM when opted in."""
+    e, top_k = shape.experts, max(1, shape.top_k)
+    problem = (moe_prefill.shape_problem(shape.weight_format, width, inter, (9, 9, 9)) if moe_prefill.enabled()
+               else f"{moe_prefill.GLUON_MOE_ENV}=1 would take the grouped Gluon GEMM (not yet measured on a GPU)")
+    if problem is None:
+        cfg = fp4_gluon_plan.pick_moe_config((limit + 1) * top_k, e, 2 * inter, width, 132)
+        return KernelChoice(f"{label}, T > {limit} tokens",
+                            "Gluon grouped W4A16 GEMM (align, gather, gate+up+SwiGLU, down; fp4_gemm_gluon), Triton "
+                            "finalize", f"opted in with {moe_prefill.GLUON_MOE_ENV}=1; not yet measured on the H200; "
+                            f"tiles 64 x {cfg.block_m} at T = {limit + 1} on 132 SMs (SM count and Gluon checked at "
+                            "load)", env=moe_prefill.GLUON_MOE_ENV)
+    return KernelChoice(f"{label}, T > {limit} tokens", "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, "
+                        "finalize)", f"each routed expert streamed once per block of its tokens; "
+                        f"{_triton_gemm_note(max(1, (limit + 1) * top_k // e))} at T = {limit + 1}; {problem}")
 
 
 def _pdl_choice() -> KernelChoice:
@@ -344,6 +358,9 @@ def env_settings() -> list[EnvSetting]:
         EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16) "
                    "take the Gluon GEMM on SM 9.x with Triton's Gluon Hopper API",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
+        EnvSetting(moe_prefill.GLUON_MOE_ENV, os.environ.get(moe_prefill.GLUON_MOE_ENV), "0: NVFP4 experts beyond "
+                   "the decode GEMVs take the grouped Triton GEMM", "1 takes the grouped Gluon GEMM (SM 9.x with "
+                   "Triton's Gluon Hopper API; not yet measured on a GPU)"),
         EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "
                    "attention sublayers in 4, at one-token decode; the decode embed in 1",
                    "0 runs the separate ops (10, 7 and ~18 launches)"),

@@ -57,6 +57,29 @@ def compile_cut(cfg: "gk.GluonConfig", maxnreg: int | None = None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_grouped(cfg: "gk.GluonConfig", swiglu: bool):
+    """:func:`gk.fp4_gluon_moe_kernel` for ``cfg`` (gate/up with SwiGLU, or down)."""
+    fn = gk.fp4_gluon_moe_kernel
+    box = [cfg.block_n // 2 if swiglu else cfg.block_n, 64]
+    w_sig = desc_sig("u8", box, gl.NVMMASharedLayout.get_default_for(box, gl.uint8))
+    sig = {"w_desc": w_sig, "w2_desc": w_sig,
+           "x_desc": desc_sig("bf16", [cfg.block_m, 64], gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64],
+                                                                                               gl.bfloat16)),
+           "s_ptr": "*i64", "s2_ptr": "*i64", "stride_s": "i32", "out_scale_ptr": "*fp32", "out_scale2_ptr": "*fp32",
+           "blk_expert_ptr": "*i32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32"}
+    const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
+             "FOLD": 9, "SWIGLU": swiglu, "num_warps": cfg.num_warps}
+    names = list(fn.arg_names)
+    for name in const:
+        sig[name] = "constexpr"
+    constexprs = {(names.index(k),): v for k, v in const.items()}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("s_ptr", "s2_ptr", "c_ptr", "out_scale_ptr",
+                                                                    "out_scale2_ptr", "blk_expert_ptr", "stride_cm",
+                                                                    "K", "N", "M")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+
+
 def ptxas_info(ptx: str) -> str:
     """Registers, spills and the wgmma-serialization warning (C7513) from the wheel's ptxas for sm_90a."""
     import subprocess
@@ -126,6 +149,8 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/gluon_ir")
     parser.add_argument("--routed", action="store_true", help="the configs pick_config returns (see --ms)")
     parser.add_argument("--ms", default="17,32,64,128,256")
+    parser.add_argument("--grouped", action="store_true",
+                        help="compile the grouped (MoE) kernel instead: every cut as gate/up with SwiGLU and as down")
     parser.add_argument("--maxnreg", type=int, default=0,
                         help="Triton's maxnreg option; Triton 3.6 still raises the default partition to 256 "
                              "(setmaxnreg), more than a 192-register launch leaves it: inspect, do not run")
@@ -148,6 +173,13 @@ def main() -> None:
         bn, bm, split, stages = map(int, (bn, bm, split, stages))
         cfg = gk.GluonConfig(bn, bm, split, stages, upcast=mode, ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1,
                              fixup=len(rest) > 2 and rest[2] == "fixup")
+        if args.grouped:
+            for swiglu in (True, False):
+                k = compile_grouped(cfg, swiglu)
+                tag = f"moe_{'gate_up' if swiglu else 'down'}_bn{bn}_bm{bm}_s{stages}"
+                (out / f"gluon_{tag}.ptx").write_text(k.asm["ptx"])
+                print(tag, summarize(k), flush=True)
+            continue
         k = compile_cut(cfg, args.maxnreg or cfg.maxnreg)
         if k.metadata.shared > SMEM_BYTES + 8 * 1024:  # what the launch would refuse (227 KiB per block on SM90)
             print(f"{cut}: {k.metadata.shared} bytes of shared memory, over the SM90 limit", flush=True)

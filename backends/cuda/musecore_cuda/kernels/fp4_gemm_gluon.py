@@ -52,15 +52,24 @@ WFMT_NVFP4 = 1
 
 
 @gluon.jit
-def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks,
-            STAGES: gl.constexpr):
-    nbytes: gl.constexpr = w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
+def _loader(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks,
+            STAGES: gl.constexpr, HALF: gl.constexpr):
+    """Per chunk: the packed weight bytes, then the activations' two 64-element halves, into stage ``i % STAGES``.
+    With ``HALF`` > 0 the weight tile is two boxes of ``HALF`` rows, ``w_desc``'s then ``w2_desc``'s, both from row
+    ``off_n`` (a gate/up pair of the grouped kernel); otherwise one box of ``w_desc``."""
+    nbytes: gl.constexpr = (2 if HALF > 0 else 1) * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
     for i in range(n_chunks):
         s = i % STAGES
         mbarrier.wait(empty.index(s), (i // STAGES) & 1)
         mbarrier.expect(ready.index(s), nbytes)
         kc = first + i
-        tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(s), w_smem.index(s))
+        if HALF > 0:
+            tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(s),
+                                            w_smem.index(s).slice(0, HALF, dim=0))
+            tma.async_copy_global_to_shared(w2_desc, [off_n, kc * 64], ready.index(s),
+                                            w_smem.index(s).slice(HALF, HALF, dim=0))
+        else:
+            tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(s), w_smem.index(s))
         tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128], ready.index(s), x_smem.index(2 * s))
         tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128 + 64], ready.index(s), x_smem.index(2 * s + 1))
 
@@ -227,8 +236,7 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_
     """Per chunk: eight wgmmas issued back to back from registers, then the next chunk's upcast while they run,
     then one wait. No register that an in-flight wgmma reads is written before that wait (ptxas would
     otherwise serialize the wgmmas: warning C7513)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
+    mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
     row_ok = rows < N
@@ -290,9 +298,9 @@ def _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, l: gl.constexpr, a_layout: gl.c
 
 
 @gluon.jit
-def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
+def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     HALF: gl.constexpr, num_warps: gl.constexpr):
     """:func:`_consumer` with the packed upcast, pipelined per half chunk instead of per chunk. A chunk is issued
     as four K=32 ``warpgroup_mma`` ops (two wgmmas behind one fence and one commit group each), in the order of
     its slices: steps 0-1 (low nibbles of slices 0-1), 4-5 (their high nibbles), 2-3, 6-7. The next chunk's
@@ -300,17 +308,22 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, fi
     registers those read, and issued; then slices 2-3 the same way. So the A fragments stay in the one set of 32
     registers that ptxas keeps for wgmma operands (the per-chunk double buffer of the other modes costs 32 moves
     a chunk, and an unrolled a/b pair of sets made ptxas sink half the upcasts past the wait), and four wgmmas run
-    while each half chunk is upcast. The summation order over k differs from the other modes."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
+    while each half chunk is upcast. The summation order over k differs from the other modes. With ``HALF`` > 0,
+    tile rows ``HALF..`` are the second weight's (``s2_ptr``'s scales) at the same rows ``off_n..`` as the first's."""
+    mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     u_layout: gl.constexpr = _pairs_layout(BLOCK_N, num_warps)
     # the multiplier 2**(EB - FOLD) as a bf16 pair
     km = gl.full([BLOCK_N], (EB - FOLD + 127) * 128 * 65537, gl.int32, layout=gl.SliceLayout(1, a_layout))
     sel = gl.inline_asm_elementwise(_SCALE_SEL_ASM, "=r,r", [km], dtype=gl.int32, is_pure=True, pack=1)
-    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    if HALF > 0:
+        rows = off_n + r % HALF
+        s_ptrs = gl.where(r < HALF, s_ptr, s2_ptr) + rows.to(gl.int64) * stride_s + first
+    else:
+        rows = off_n + r
+        s_ptrs = s_ptr + rows.to(gl.int64) * stride_s + first
     row_ok = rows < N
-    s_ptrs = s_ptr + rows.to(gl.int64) * stride_s + first
     last = n_chunks - 1
     word = _load_word(s_ptrs, row_ok)
     nxt = _load_word(s_ptrs + gl.minimum(1, last), row_ok)  # the scale word one chunk ahead
@@ -356,6 +369,38 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, fi
 
 
 @gluon.jit
+def _tile(pid, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+    """Program ``pid``'s (token tile, weight tile): ``GROUP_M`` token tiles x every weight tile, token tile fastest,
+    so that consecutive programs share a weight tile (and, in the grouped kernel, its expert)."""
+    per_group = GROUP_M * tiles_n
+    first_m = pid // per_group * GROUP_M
+    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@gluon.jit
+def _ring(w_desc, x_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The shared ring: per stage a packed weight tile ``[BLOCK_N, 64]`` (``w_desc``'s boxes may be half of it) and
+    the activations' two halves, a ``ready`` mbarrier (the loader's TMA copies landed) and an ``empty`` one (the
+    consumer's wgmmas that read the stage retired)."""
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 64], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.arrive(empty.index(s), count=1)  # every stage starts free
+    return w_smem, x_smem, ready, empty
+
+
+@constexpr_function
+def _acc_layout(block_m, num_warps):
+    """The accumulator's layout: wgmma v3 tiles of 16 weight rows per warp by ``block_m`` tokens."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
+
+
+@gluon.jit
 def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K, ws_ptr, cnt_ptr,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
@@ -368,44 +413,30 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     ``c_ptr``'s dtype: no zeroed output, no atomics on the data, no cast kernel, and no split waits for another."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * tiles_n  # GROUP_M token tiles x every weight tile, token tile fastest
-    group = pid // per_group
-    first_m = group * GROUP_M
-    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = _tile(pid, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
     off_n = pid_n * BLOCK_N
     off_m = pid_m * BLOCK_M
     n_chunks = K // CHUNK_K // gl.num_programs(1)
     first = pid_k * n_chunks
 
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.arrive(empty.index(s), count=1)  # every stage starts free
-
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, BLOCK_N, STAGES)
     MULT: gl.constexpr = 2.0 ** (EB - FOLD)
     if UPCAST == 2:
         acc, = gl.warp_specialize([
-            (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
-                                BLOCK_N, BLOCK_M, STAGES, FOLD, num_warps)),
-            (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES)),
+            (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, s_ptr, stride_s, off_n, N, first, n_chunks,
+                                BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps)),
+            (_loader, (w_desc, w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES,
+                       0)),
         ], [1], [40])
     else:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
                          BLOCK_N, BLOCK_M, STAGES, MULT, UPCAST == 1, num_warps)),
-            (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES)),
+            (_loader, (w_desc, w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES,
+                       0)),
         ], [1], [40])
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
+    mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     acc = acc * gl.load(out_scale_ptr)
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
@@ -427,6 +458,62 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
             gl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@gluon.jit
+def fp4_gluon_moe_kernel(w_desc, w2_desc, x_desc, s_ptr, s2_ptr, stride_s, out_scale_ptr, out_scale2_ptr,
+                         blk_expert_ptr, c_ptr, stride_cm, M, N, K,
+                         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                         FOLD: gl.constexpr, SWIGLU: gl.constexpr, num_warps: gl.constexpr):
+    """The grouped (MoE) GEMM on the same mainloop: ``X [M, K]`` holds the token-expert assignments sorted by expert,
+    each expert's segment padded to a multiple of ``BLOCK_M`` rows, and token tile ``t`` belongs to expert
+    ``blk_expert[t]`` (-1: past the last used tile; its programs return at once). The weights are an expert stack
+    viewed as ``[E * N, K/2]`` (scales ``[E * N, K/128]`` int64, per-expert ``out_scale [E]``).
+
+    ``SWIGLU``: ``C[M, N] = silu(X @ G[e]^T) * (X @ U[e]^T)`` with ``G`` in ``w_desc`` and ``U`` in ``w2_desc``: a
+    program's tile holds ``BLOCK_N / 2`` rows of each (its ring stage gets two TMA boxes), and the epilogue pairs
+    them through shared memory in fp32 (MODEL.md's SwiGLU in fp32, then rounded once to ``c_ptr``'s dtype).
+    Otherwise ``C[M, N] = X @ W[e]^T``. ``N`` must be a multiple of the output tile (the host checks it): no
+    program's rows cross into the next expert's."""
+    OUT_N: gl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
+    pid_m, pid_n = _tile(gl.program_id(0), M // BLOCK_M, N // OUT_N, GROUP_M)
+    expert = gl.load(blk_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    off_m = pid_m * BLOCK_M
+    off_n = expert * N + pid_n * OUT_N  # the tile's first row in the [E * N, K/2] stack
+    n_chunks = K // CHUNK_K
+
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, BLOCK_N, STAGES)
+    HALF: gl.constexpr = OUT_N if SWIGLU else 0
+    acc, = gl.warp_specialize([
+        (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, expert * N + N, 0,
+                            n_chunks, BLOCK_N, BLOCK_M, STAGES, FOLD, HALF, num_warps)),
+        (_loader, (w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, 0, n_chunks, STAGES, HALF)),
+    ], [1], [40])
+
+    mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    if SWIGLU:
+        mult = gl.where(r < HALF, gl.load(out_scale_ptr + expert), gl.load(out_scale2_ptr + expert))
+        acc = acc * mult[:, None]
+        # gate row j and up row j sit in different warps: pair them through shared memory, N contiguous
+        epi = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
+                                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1]))
+        epi.store(acc)
+        gl.thread_barrier()
+        out: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [0, 1])
+        gate = epi.slice(0, HALF, dim=0).load(out)
+        up = epi.slice(HALF, HALF, dim=0).load(out)
+        h = gate / (1.0 + gl.exp(-gate)) * up
+        offs_n = pid_n * OUT_N + gl.arange(0, OUT_N, layout=gl.SliceLayout(1, out))
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
+        gl.store(c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None], h.to(c_ptr.dtype.element_ty))
+    else:
+        acc = acc * gl.load(out_scale_ptr + expert)
+        offs_n = pid_n * OUT_N + r
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        gl.store(c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None], acc.to(c_ptr.dtype.element_ty))
 
 
 def descriptors(x: torch.Tensor, packed: torch.Tensor, cfg: GluonConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -476,4 +563,59 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,
                                            UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, num_warps=cfg.num_warps,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    return out
+
+
+def _expert_stack(packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, n: int, k: int,
+                  what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An NVFP4 expert stack ``[E, N, K/2]`` / ``[E, N, K/16]`` / ``[E]`` as the kernel's 2-D views: packed
+    ``[E * N, K/2]`` and the scales' int64 words ``[E * N, K/128]``."""
+    e = packed.shape[0]
+    if (packed.shape != (e, n, k // 2) or scales.shape != (e, n, k // 16) or out_scale.shape != (e,)
+            or not (packed.is_contiguous() and scales.is_contiguous())):
+        raise ValueError(f"the grouped Gluon GEMM's {what} stack must be contiguous packed [E, {n}, {k // 2}], scales "
+                         f"[E, {n}, {k // 16}] and out_scale [E]; got {tuple(packed.shape)}, {tuple(scales.shape)}, "
+                         f"{tuple(out_scale.shape)}")
+    return packed.view(e * n, k // 2), scales.view(e * n, k // 16).view(torch.int64)
+
+
+def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: torch.Tensor, *, fold_log2: int,
+                   cfg: GluonConfig, stack2: tuple | None = None) -> torch.Tensor:
+    """Launch :func:`fp4_gluon_moe_kernel`. ``x [rows, K]`` bf16: the assignments in ``align_assignments``' sorted,
+    ``cfg.block_m``-aligned order (``musecore_triton.kernels.moe``), ``blk_expert`` int32 ``[rows / block_m]``.
+    ``stack`` (and ``stack2`` for gate/up with SwiGLU) is ``(packed [E, N, K/2], scales [E, N, K/16], out_scale
+    [E])`` of an NVFP4 expert stack in the resident layout (both with ``fold_log2``); ``out`` is ``[rows, N]``."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        raise TypeError(f"the grouped Gluon GEMM takes contiguous 2-D bf16 activations; got {x.dtype} "
+                        f"{tuple(x.shape)}")
+    rows, k = x.shape
+    if cfg.upcast != "packed" or cfg.split_k != 1 or cfg.ctas_per_sm != 1:
+        raise ValueError(f"the grouped Gluon GEMM runs the packed upcast without split-K on one CTA per SM; got "
+                         f"{cfg.label()}")
+    if not 7 <= fold_log2 <= 116:
+        raise ValueError(f"the packed upcast is exact for 7 <= fold_log2 <= 116; got {fold_log2}")
+    n = stack[0].shape[1]
+    out_n = cfg.block_n // 2 if stack2 is not None else cfg.block_n
+    if k % CHUNK_K.value or n % out_n or rows % cfg.block_m or blk_expert.shape != (rows // cfg.block_m,):
+        raise ValueError(f"the grouped Gluon GEMM needs K % {CHUNK_K.value} == 0 (K={k}), N a multiple of {out_n} "
+                         f"(N={n}), rows a multiple of block_m {cfg.block_m} (rows={rows}) and one expert per token "
+                         f"tile (blk_expert {tuple(blk_expert.shape)})")
+    if blk_expert.dtype != torch.int32 or out.shape != (rows, n) or out.stride(-1) != 1:
+        raise ValueError(f"expected int32 blk_expert and an output [{rows}, {n}] contiguous along N; got "
+                         f"{blk_expert.dtype}, {tuple(out.shape)} {out.stride()}")
+    w, words = _expert_stack(*stack, n, k, "first" if stack2 is not None else "weight")
+    w2, words2 = _expert_stack(*stack2, n, k, "second") if stack2 is not None else (w, words)
+    box = [out_n if stack2 is not None else cfg.block_n, 64]
+    w_layout = gl.NVMMASharedLayout.get_default_for(box, gl.uint8)
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64], gl.bfloat16)
+    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), box, w_layout)
+    w2_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), box, w_layout)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, 64], x_layout)
+    scale2 = stack2[2] if stack2 is not None else stack[2]
+    grid = (rows // cfg.block_m * (n // out_n),)
+    if rows:
+        fp4_gluon_moe_kernel[grid](w_desc, w2_desc, x_desc, words, words2, words.stride(0), stack[2], scale2,
+                                   blk_expert, out, out.stride(0), rows, n, k, BLOCK_N=cfg.block_n,
+                                   BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m, FOLD=fold_log2,
+                                   SWIGLU=stack2 is not None, num_warps=cfg.num_warps)
     return out

@@ -136,6 +136,36 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     return GluonConfig(64, block_m, split, min(4, SMEM_BYTES // stage), upcast="packed")
 
 
+def expected_tiles(n_assign: int, experts: int, block_m: int) -> float:
+    """Token tiles that ``n_assign`` assignments spread evenly over ``experts`` experts fill once each expert's segment
+    is padded to a multiple of ``block_m`` (``musecore_triton.kernels.moe.align_assignments``): about half a tile of
+    padding per expert, and at least one tile each."""
+    active = max(1, min(experts, n_assign))
+    return active * max(1.0, n_assign / active / block_m + 0.5)
+
+
+@functools.lru_cache(maxsize=4096)
+def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int) -> GluonConfig:
+    """The grouped (MoE) Gluon GEMM's launch for ``n_assign`` token-expert assignments over ``experts`` experts
+    against ``[rows_out, k]`` weight rows per expert (gate and up together: ``2 I``): :func:`predicted_us`'s model
+    with the token tiles of :func:`expected_tiles` (padding included) instead of ``cdiv(M, block_m)``; block_n 64,
+    no split-K (a prefill has tiles enough), as many ring stages as fit, at most 4. One block_m serves both of a
+    layer's GEMMs (they share the alignment), so callers pick it for gate/up. Not measured on a GPU yet: the model is
+    the dense kernel's, fitted at M 16-256."""
+    if n_assign < 1 or experts < 1 or rows_out % 64 or k % CHUNK_K:
+        raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 64 and K of {CHUNK_K}; "
+                         f"got {n_assign}, {experts}, {rows_out}, {k}")
+    chunks = k // CHUNK_K
+
+    def cost(block_m: int) -> float:
+        ctas = math.ceil(expected_tiles(n_assign, experts, block_m)) * (rows_out // 64)
+        return math.ceil(ctas / sms) * chunks * (CHUNK_US + CHUNK_US_PER_TOKEN * block_m) + LAUNCH_US
+
+    block_m = min(BLOCK_MS, key=cost)
+    stage = GluonConfig(64, block_m, 1, 2, upcast="packed").smem_bytes() // 2
+    return GluonConfig(64, block_m, 1, min(4, SMEM_BYTES // stage), upcast="packed")
+
+
 def unavailable_reason(device: torch.device) -> Optional[str]:
     """Why the Gluon GEMM cannot run on ``device``, or None when it can: SM 9.x (wgmma, TMA; not SM100, whose
     tensor cores the kernel was not written for), a CUDA torch and a Triton with ``triton.experimental.gluon``'s

@@ -1,0 +1,88 @@
+"""The MoE op beyond decode through the grouped Gluon W4A16 GEMM (issue 26 item 1's grouped variant): the dense
+Gluon GEMM's mainloop (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`) over the assignments sorted by expert.
+
+Steps, for NVFP4 experts and bf16 activations:
+
+1. ``align_assignments`` (the portable Triton path's, :mod:`musecore_triton.kernels.moe`) sorts the ``T * k``
+   assignments by expert and pads each expert's segment to the GEMM's ``block_m``;
+2. one ``index_select`` gathers each sorted row's token (the TMA loads need the rows contiguous: Hopper's TMA has no
+   row gather), padding rows read the last token and are never read back;
+3. gate and up in one grouped launch (each program holds 32 rows of each, SwiGLU in fp32 in its epilogue) -> ``h``;
+4. down in a second grouped launch over ``h`` (already in sorted order) -> the expert outputs in the activation
+   dtype (the rounding the finalize would apply first);
+5. the portable finalize (post-expert norm, routing weight, fp32 sum per token).
+
+Off by default (``MUSECORE_CUDA_GLUON_MOE=1`` turns it on): it has not yet run on a GPU, so it is not the plan's
+choice until the H200 measures it against the Triton grouped GEMM (``backends/cuda/lab/NOTES.md``, session 59).
+:func:`unavailable_reason` says why a layer keeps the Triton path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from musecore_cuda.kernels import fp4_gluon_plan
+from musecore_triton.kernels.moe import ExpertStack, align_assignments, finalize
+from musecore_triton.layouts import Fp4Resident
+
+GLUON_MOE_ENV = "MUSECORE_CUDA_GLUON_MOE"
+
+
+def enabled() -> bool:
+    """True when ``MUSECORE_CUDA_GLUON_MOE=1``; unset or 0: the grouped Triton GEMM (the default until measured)."""
+    setting = os.environ.get(GLUON_MOE_ENV, "0")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{GLUON_MOE_ENV} must be 0 (off, the default) or 1 (on); got {setting!r}")
+    return setting == "1"
+
+
+def shape_problem(fmt: str, width: int, inter: int, folds: tuple[int, ...]) -> Optional[str]:
+    """Why experts of ``fmt`` with these dimensions and folds cannot take the grouped Gluon GEMM (no device needed)."""
+    if fmt != "nvfp4":
+        return f"the grouped Gluon GEMM takes NVFP4 experts (e4m3 group-16 scales); these are {fmt}"
+    if width % 128 or inter % 128:
+        return f"the grouped Gluon GEMM needs h and I divisible by 128; got h={width}, I={inter}"
+    if len(set(folds[:2])) != 1 or not all(7 <= f <= 116 for f in folds):
+        return f"the grouped Gluon GEMM needs gate and up to share one fold in 7-116; got folds {folds}"
+    return None
+
+
+def unavailable_reason(z: torch.Tensor, gate: ExpertStack, up: ExpertStack, down: ExpertStack) -> Optional[str]:
+    """Why this MoE call keeps the grouped Triton GEMM, or None when it takes the grouped Gluon GEMM."""
+    if not enabled():
+        return f"the grouped Gluon GEMM is off until measured on the H200 ({GLUON_MOE_ENV}=1 turns it on)"
+    if not all(isinstance(s, Fp4Resident) for s in (gate, up, down)):
+        return "the grouped Gluon GEMM takes FP4 expert stacks; these are 16-bit"
+    if z.dtype != torch.bfloat16:
+        return f"the grouped Gluon GEMM takes bf16 activations; got {z.dtype}"
+    problem = shape_problem(gate.format, gate.in_features, gate.out_features,
+                            (gate.fold_log2, up.fold_log2, down.fold_log2))
+    return problem or fp4_gluon_plan.unavailable_reason(z.device)
+
+
+def moe_forward_gluon(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident, up: Fp4Resident,
+                      down: Fp4Resident, num_experts: int, post_norm: torch.Tensor, post_eps: float,
+                      cfg: Optional[fp4_gluon_plan.GluonConfig] = None) -> torch.Tensor:
+    """The ``moe`` op through the grouped Gluon GEMM (see the module docstring); returns fp32 ``[T, h]``.
+    ``cfg`` overrides :func:`fp4_gluon_plan.pick_moe_config`'s launch (lab sweeps, tests); both GEMMs use it."""
+    from musecore_cuda.kernels import fp4_gemm_gluon  # needs Gluon: imported once unavailable_reason said None
+
+    T, topk = ids.shape
+    width, inter = gate.in_features, gate.out_features
+    n_assign = T * topk
+    if cfg is None:
+        index = z.device.index if z.device.index is not None else torch.cuda.current_device()
+        cfg = fp4_gluon_plan.pick_moe_config(n_assign, num_experts, 2 * inter, width, fp4_gluon_plan.sm_count(index))
+    sorted_ids, blk_expert, position = align_assignments(ids, num_experts, cfg.block_m)
+    rows = sorted_ids.numel()
+    xs = z.contiguous().index_select(0, (sorted_ids // topk).clamp_(max=T - 1))
+    h = torch.empty(rows, inter, dtype=z.dtype, device=z.device)
+    fp4_gemm_gluon.launch_grouped(xs, blk_expert, (gate.packed, gate.scales, gate.out_scale), h,
+                                  fold_log2=gate.fold_log2, cfg=cfg, stack2=(up.packed, up.scales, up.out_scale))
+    o = torch.empty(rows, width, dtype=z.dtype, device=z.device)
+    fp4_gemm_gluon.launch_grouped(h, blk_expert, (down.packed, down.scales, down.out_scale), o,
+                                  fold_log2=down.fold_log2, cfg=cfg)
+    return finalize(o, position, ids, weights, post_norm, post_eps, sorted_rows=True, act_dtype=z.dtype)
