@@ -301,3 +301,27 @@ def test_the_eager_first_attention_step_is_the_cuda_backends_choice(monkeypatch)
     assert not attention.eager_first_step(gpu)
     monkeypatch.setattr(attention, "EAGER_FIRST_STEP", True)
     assert attention.eager_first_step(cpu)
+
+
+def test_pick_moe_config_grows_the_token_tile_with_the_assignments_and_fits_shared_memory():
+    """The grouped Gluon GEMM's launch (unmeasured; the dense kernel's cost model with expected padding)."""
+    picks = [fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132) for t in (129, 1024, 8192)]
+    assert [c.block_m for c in picks] == sorted(c.block_m for c in picks) and picks[0].block_m < picks[-1].block_m
+    for cfg in picks:
+        assert cfg.split_k == 1 and cfg.upcast == "packed" and cfg.smem_bytes() <= SMEM_BYTES
+    assert fp4_gluon_plan.expected_tiles(8, 256, 16) == 8  # fewer assignments than experts: one tile each
+    assert fp4_gluon_plan.expected_tiles(65536, 256, 128) == 256 * 2.5
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fp4_gluon_plan.pick_moe_config(64, 8, 100, 4096, 132)
+
+
+def test_gluon_moe_shows_in_the_plan_only_when_opted_in(monkeypatch):
+    from musecore_cuda.kernels import moe_prefill
+    monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
+    plan = lambda: CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200"))  # noqa: E731
+    off = _choice(plan(), "experts down", "T > 128 tokens")
+    assert "Triton grouped W4A16 GEMM" in off.choice and "MUSECORE_CUDA_GLUON_MOE=1 would" in off.reason
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "1")
+    on = _choice(plan(), "experts down", "T > 128 tokens")
+    assert "Gluon grouped W4A16 GEMM" in on.choice and "not yet measured" in on.reason
+    assert on.env == moe_prefill.GLUON_MOE_ENV

@@ -12,7 +12,7 @@ from musecore.ops import reference as ref
 from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse, nmse
 
 from musecore_cuda import CudaBackend
-from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan
 from musecore_cuda.kernels.fp4_gemv_cuda import GemvPlan
 from musecore_cuda.kernels.moe_decode import RUNS_FROM_TOKENS, moe_decode_gemv, use_gemv
 from musecore_triton.kernels.moe import align_assignments, moe_decode_dense
@@ -344,3 +344,156 @@ def test_be_moe_takes_runs_past_e_assignments_and_matches_the_reference():
     z = torch.randn(tokens, 128, device="cuda", dtype=torch.bfloat16)
     y = be.moe(z, weights, ids, prepared, norm, 1e-8)
     assert_nmse(ref.moe(z, weights, ids, reference, norm, 1e-8), y, tolerance("moe"), "moe on runs, 48 assignments")
+
+
+# --- the grouped Gluon GEMM (moe_prefill; opt-in with MUSECORE_CUDA_GLUON_MOE=1 until measured) --------------------
+
+def _needs_gluon_moe() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reason = fp4_gluon_plan.unavailable_reason(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+
+
+def skewed_ids(tokens: int, experts: int, topk: int, device) -> torch.Tensor:
+    """Every token chooses expert 0 (a segment of several token tiles) and ``topk - 1`` distinct others among
+    1..E-2; expert E-1 none."""
+    others = torch.rand(tokens, experts - 2, device=device).argsort(dim=1)[:, :topk - 1] + 1
+    return torch.cat([torch.zeros(tokens, 1, dtype=torch.long, device=device), others], dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m,stages", [(16, 4), (64, 4), (128, 4), (256, 3)])
+def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_m, stages):
+    """Both grouped launches against each sorted row's own expert in fp32: gate/up with SwiGLU (h) and down (o),
+    on routing with a multi-tile expert, empty experts and spare tiles (blk_expert -1)."""
+    _needs_gluon_moe()
+    from musecore_cuda.kernels import fp4_gemm_gluon
+    experts, topk, tokens, width, inter = 6, 2, 150, 256, 384
+    _, prepared, reference, _ = make_layer("nvfp4", experts, width, inter, torch.bfloat16, "cuda")
+    ids = skewed_ids(tokens, experts, topk, "cuda")
+    cfg = fp4_gluon_plan.GluonConfig(64, block_m, 1, stages, upcast="packed")
+    sorted_ids, blk_expert, _ = align_assignments(ids, experts, block_m)
+    rows = sorted_ids.numel()
+    z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    xs = z.index_select(0, (sorted_ids // topk).clamp(max=tokens - 1))
+    g, u, d = prepared.gate, prepared.up, prepared.down
+    h = torch.full((rows, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fp4_gemm_gluon.launch_grouped(xs, blk_expert, (g.packed, g.scales, g.out_scale), h, fold_log2=g.fold_log2, cfg=cfg,
+                                  stack2=(u.packed, u.scales, u.out_scale))
+    o = torch.full((rows, width), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fp4_gemm_gluon.launch_grouped(h, blk_expert, (d.packed, d.scales, d.out_scale), o, fold_log2=d.fold_log2, cfg=cfg)
+    real = (sorted_ids < tokens * topk).nonzero().squeeze(1)
+    expert = blk_expert[real // block_m].long()
+    assert (expert >= 0).all()
+    x = xs[real].float()
+    h_ref = (torch.nn.functional.silu(torch.einsum("rk,rnk->rn", x, reference.gate[expert]))
+             * torch.einsum("rk,rnk->rn", x, reference.up[expert]))
+    assert_nmse(h_ref, h[real].float(), tolerance("linear"), f"grouped gate/up+SwiGLU block_m={block_m}")
+    o_ref = torch.einsum("rk,rnk->rn", h[real].float(), reference.down[expert])
+    assert_nmse(o_ref, o[real].float(), tolerance("linear"), f"grouped down block_m={block_m}")
+    assert not o[real].isnan().any() and not h[real].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width,inter,experts,topk,tokens", [(256, 256, 6, 2, 600), (4096, 4096, 16, 8, 200)])
+def test_be_moe_takes_the_gluon_grouped_gemm_when_opted_in(width, inter, experts, topk, tokens, monkeypatch):
+    """Beyond the decode GEMVs, with MUSECORE_CUDA_GLUON_MOE=1: the whole op against the reference, and within the
+    MoE tolerance of the grouped Triton GEMM it replaces (the 816B expert shapes in the second case)."""
+    _needs_gluon_moe()
+    from musecore_cuda.kernels import moe_prefill
+    be, prepared, reference, norm = make_layer("nvfp4", experts, width, inter, torch.bfloat16, "cuda")
+    weights, ids = route(tokens, experts, topk, "cuda")
+    assert not use_gemv(prepared.gate, tokens * topk, experts, tokens=tokens, dtype=torch.bfloat16)
+    z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "0")
+    triton_y = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "1")
+    assert moe_prefill.unavailable_reason(z, prepared.gate, prepared.up, prepared.down) is None
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    assert y.dtype == torch.float32 and y.shape == (tokens, width)
+    assert_nmse(ref.moe(z, weights, ids, reference, norm, 1e-8), y, tolerance("moe"), f"gluon moe T={tokens}")
+    assert_nmse(triton_y, y, tolerance("moe"), f"gluon moe vs the Triton grouped GEMM T={tokens}")
+
+
+def _emulated_grouped_launch(dense: dict):
+    """``fp4_gemm_gluon.launch_grouped``'s contract in PyTorch (its argument checks are the real ones): each token tile
+    of an expert against that expert's dense weights (``dense`` maps a stack's ``packed`` pointer to them)."""
+    from musecore_cuda.kernels import fp4_gemm_gluon
+
+    def launch(x, blk_expert, stack, out, *, fold_log2, cfg, stack2=None):
+        fp4_gemm_gluon.check_grouped(x, blk_expert, stack, out, fold_log2=fold_log2, cfg=cfg, stack2=stack2)
+        for tile, e in enumerate(blk_expert.tolist()):
+            if e >= 0:
+                rows = slice(tile * cfg.block_m, (tile + 1) * cfg.block_m)
+                y = x[rows].float() @ dense[stack[0].data_ptr()][e].T
+                if stack2 is not None:
+                    y = torch.nn.functional.silu(y) * (x[rows].float() @ dense[stack2[0].data_ptr()][e].T)
+                out[rows] = y.to(out.dtype)
+        return out
+    return launch
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_gluon_moe_steps_around_the_kernel_match_the_reference(block_m, monkeypatch):
+    """moe_prefill's alignment, gather, padding rows and finalize, with the grouped kernel replaced by its contract in
+    PyTorch (the kernel itself: the GPU tests above): skewed routing, a multi-tile expert, an empty one."""
+    from musecore_cuda.kernels import fp4_gemm_gluon, moe_prefill
+    experts, topk, tokens, width = 6, 2, 40, 256
+    _, prepared, reference, norm = make_layer("nvfp4", experts, width, width, torch.bfloat16, DEVICE)
+    dense = {prepared.gate.packed.data_ptr(): reference.gate, prepared.up.packed.data_ptr(): reference.up,
+             prepared.down.packed.data_ptr(): reference.down}
+    monkeypatch.setattr(fp4_gemm_gluon, "launch_grouped", _emulated_grouped_launch(dense))
+    ids = skewed_ids(tokens, experts, topk, DEVICE)
+    weights = torch.rand(tokens, topk, device=DEVICE)
+    z = torch.randn(tokens, width, device=DEVICE).to(torch.bfloat16)
+    cfg = fp4_gluon_plan.GluonConfig(64, block_m, 1, 4, upcast="packed")
+    y = moe_prefill.moe_forward_gluon(z, weights, ids, prepared.gate, prepared.up, prepared.down, experts, norm, 1e-8,
+                                      cfg=cfg)
+    assert_nmse(ref.moe(z, weights, ids, reference, norm, 1e-8), y, tolerance("moe"), f"gluon moe steps {block_m}")
+
+
+def test_gluon_moe_is_opt_in_and_says_why_a_layer_keeps_the_triton_gemm(monkeypatch):
+    from musecore_cuda.kernels import moe_prefill
+    _, prepared, _, _ = make_layer("nvfp4", 4, 128, 128, torch.bfloat16, DEVICE)
+    z = torch.zeros(2, 128, dtype=torch.bfloat16, device=DEVICE)
+    stacks = (prepared.gate, prepared.up, prepared.down)
+    monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
+    assert "MUSECORE_CUDA_GLUON_MOE=1" in moe_prefill.unavailable_reason(z, *stacks)
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "yes")
+    with pytest.raises(ValueError, match="MUSECORE_CUDA_GLUON_MOE must be 0"):
+        moe_prefill.unavailable_reason(z, *stacks)
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "1")
+    assert "bf16 activations" in moe_prefill.unavailable_reason(z.half(), *stacks)
+    if DEVICE == "cpu":
+        assert "NVIDIA" in moe_prefill.unavailable_reason(z, *stacks)
+    assert "NVFP4" in moe_prefill.shape_problem("mxfp4", 128, 128, (9, 9, 9))
+    assert "divisible by 128" in moe_prefill.shape_problem("nvfp4", 128, 192, (9, 9, 9))
+    assert "one fold" in moe_prefill.shape_problem("nvfp4", 128, 128, (9, 10, 9))
+    assert moe_prefill.shape_problem("nvfp4", 4096, 4096, (9, 9, 9)) is None
+
+
+def test_gluon_grouped_launch_refuses_what_it_cannot_run():
+    from musecore_cuda.kernels import fp4_gemm_gluon
+    _, prepared, _, _ = make_layer("nvfp4", 4, 128, 128, torch.bfloat16, DEVICE)
+    g = prepared.gate
+    stack = (g.packed, g.scales, g.out_scale)
+    cfg = fp4_gluon_plan.GluonConfig(64, 16, 1, 4, upcast="packed")
+    x = torch.zeros(32, 128, dtype=torch.bfloat16, device=DEVICE)
+    tiles = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(32, 128, dtype=torch.bfloat16, device=DEVICE)
+    fp4_gemm_gluon.check_grouped(x, tiles, stack, out, fold_log2=9, cfg=cfg)  # the valid call
+    with pytest.raises(TypeError, match="bf16"):
+        fp4_gemm_gluon.check_grouped(x.half(), tiles, stack, out, fold_log2=9, cfg=cfg)
+    with pytest.raises(ValueError, match="rows a multiple of block_m"):
+        fp4_gemm_gluon.check_grouped(x[:24], tiles, stack, out[:24], fold_log2=9, cfg=cfg)
+    with pytest.raises(ValueError, match="7 <= fold_log2 <= 116"):
+        fp4_gemm_gluon.check_grouped(x, tiles, stack, out, fold_log2=3, cfg=cfg)
+    with pytest.raises(ValueError, match="without split-K"):
+        fp4_gemm_gluon.check_grouped(x, tiles, stack, out, fold_log2=9,
+                                     cfg=fp4_gluon_plan.GluonConfig(64, 16, 2, 4, upcast="packed"))
+    with pytest.raises(ValueError, match="stack must be contiguous"):
+        fp4_gemm_gluon.check_grouped(x, tiles, (g.packed, g.scales[..., :4], g.out_scale), out, fold_log2=9, cfg=cfg)
+    with pytest.raises(ValueError, match="output"):
+        fp4_gemm_gluon.check_grouped(x, tiles, stack, out[:, :64], fold_log2=9, cfg=cfg)

@@ -579,12 +579,10 @@ def _expert_stack(packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.T
     return packed.view(e * n, k // 2), scales.view(e * n, k // 16).view(torch.int64)
 
 
-def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: torch.Tensor, *, fold_log2: int,
-                   cfg: GluonConfig, stack2: tuple | None = None) -> torch.Tensor:
-    """Launch :func:`fp4_gluon_moe_kernel`. ``x [rows, K]`` bf16: the assignments in ``align_assignments``' sorted,
-    ``cfg.block_m``-aligned order (``musecore_triton.kernels.moe``), ``blk_expert`` int32 ``[rows / block_m]``.
-    ``stack`` (and ``stack2`` for gate/up with SwiGLU) is ``(packed [E, N, K/2], scales [E, N, K/16], out_scale
-    [E])`` of an NVFP4 expert stack in the resident layout (both with ``fold_log2``); ``out`` is ``[rows, N]``."""
+def check_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: torch.Tensor, *, fold_log2: int,
+                  cfg: GluonConfig, stack2: tuple | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`launch_grouped`'s arguments checked (a ValueError or TypeError naming what is wrong); returns the
+    stacks' 2-D views ``(w, words, w2, words2)`` (``stack``'s again without ``stack2``)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
         raise TypeError(f"the grouped Gluon GEMM takes contiguous 2-D bf16 activations; got {x.dtype} "
                         f"{tuple(x.shape)}")
@@ -605,17 +603,29 @@ def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out:
                          f"{blk_expert.dtype}, {tuple(out.shape)} {out.stride()}")
     w, words = _expert_stack(*stack, n, k, "first" if stack2 is not None else "weight")
     w2, words2 = _expert_stack(*stack2, n, k, "second") if stack2 is not None else (w, words)
-    box = [out_n if stack2 is not None else cfg.block_n, 64]
+    return w, words, w2, words2
+
+
+def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: torch.Tensor, *, fold_log2: int,
+                   cfg: GluonConfig, stack2: tuple | None = None) -> torch.Tensor:
+    """Launch :func:`fp4_gluon_moe_kernel`. ``x [rows, K]`` bf16: the assignments in ``align_assignments``' sorted,
+    ``cfg.block_m``-aligned order (``musecore_triton.kernels.moe``), ``blk_expert`` int32 ``[rows / block_m]``.
+    ``stack`` (and ``stack2`` for gate/up with SwiGLU) is ``(packed [E, N, K/2], scales [E, N, K/16], out_scale
+    [E])`` of an NVFP4 expert stack in the resident layout (both with ``fold_log2``); ``out`` is ``[rows, N]``."""
+    w, words, w2, words2 = check_grouped(x, blk_expert, stack, out, fold_log2=fold_log2, cfg=cfg, stack2=stack2)
+    rows, k = x.shape
+    n = out.shape[1]
+    out_n = cfg.block_n // 2 if stack2 is not None else cfg.block_n
+    box = [out_n, 64]
     w_layout = gl.NVMMASharedLayout.get_default_for(box, gl.uint8)
     x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64], gl.bfloat16)
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), box, w_layout)
     w2_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), box, w_layout)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, 64], x_layout)
     scale2 = stack2[2] if stack2 is not None else stack[2]
-    grid = (rows // cfg.block_m * (n // out_n),)
     if rows:
-        fp4_gluon_moe_kernel[grid](w_desc, w2_desc, x_desc, words, words2, words.stride(0), stack[2], scale2,
-                                   blk_expert, out, out.stride(0), rows, n, k, BLOCK_N=cfg.block_n,
-                                   BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m, FOLD=fold_log2,
-                                   SWIGLU=stack2 is not None, num_warps=cfg.num_warps)
+        fp4_gluon_moe_kernel[(rows // cfg.block_m * (n // out_n),)](
+            w_desc, w2_desc, x_desc, words, words2, words.stride(0), stack[2], scale2, blk_expert, out, out.stride(0),
+            rows, n, k, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+            FOLD=fold_log2, SWIGLU=stack2 is not None, num_warps=cfg.num_warps)
     return out
