@@ -328,15 +328,42 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
         t_fp4 = time_us(lambda: be.moe(z, weights, ids, fp4, post_norm, 1e-8), reps=10)
         t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, post_norm, 1e-8), reps=10)
         flops = 2 * t * topk * 3 * width * inter
-        rows.append({"backend": "cuda", "case": "moe", "format": "nvfp4",
-                     "path": ("grouped" if not use_gemv(fp4.gate, t * topk, experts, tokens=t)
-                              else "gemv runs" if t >= RUNS_MIN_TOKENS else "gemv"),
-                     "shape": f"E{experts} top{topk} {width}x{inter}", "M": t, "routed_experts": routed,
-                     "time_us": round(t_fp4, 1), "bf16_experts_time_us": round(t_bf16, 1),
-                     "router_time_us": round(t_router, 1), "speedup_vs_bf16": round(t_bf16 / t_fp4, 3),
-                     "pct_memory_ceiling": round(100 * nbytes / t_fp4 / 1e3 / ceiling["ceiling_gbps"], 1),
-                     "tflops": round(flops / t_fp4 / 1e6, 1)})
+        grouped = not use_gemv(fp4.gate, t * topk, experts, tokens=t)
+        row = {"backend": "cuda", "case": "moe", "format": "nvfp4",
+               "path": "grouped" if grouped else "gemv runs" if t >= RUNS_MIN_TOKENS else "gemv",
+               "shape": f"E{experts} top{topk} {width}x{inter}", "M": t, "routed_experts": routed,
+               "time_us": round(t_fp4, 1), "bf16_experts_time_us": round(t_bf16, 1),
+               "router_time_us": round(t_router, 1), "speedup_vs_bf16": round(t_bf16 / t_fp4, 3),
+               "pct_memory_ceiling": round(100 * nbytes / t_fp4 / 1e3 / ceiling["ceiling_gbps"], 1),
+               "tflops": round(flops / t_fp4 / 1e6, 1)}
+        if grouped:
+            row.update(_gluon_moe_columns(z, weights, ids, fp4, experts, post_norm, t_fp4, t_bf16, flops))
+        rows.append(row)
     return rows
+
+
+def _gluon_moe_columns(z, weights, ids, fp4, experts, post_norm, t_default, t_bf16, flops) -> dict:
+    """The grouped Gluon GEMM (``moe_prefill``, opt-in until measured) beside the default grouped path of the same
+    row: its time, speedups and output NMSE against the default's; an ``gluon_error`` where it cannot run."""
+    from musecore.testing import nmse
+    from musecore_cuda.kernels import moe_prefill
+    reason = (fp4_gluon_plan.unavailable_reason(z.device) or moe_prefill.shape_problem(
+        fp4.gate.format, fp4.gate.in_features, fp4.gate.out_features,
+        (fp4.gate.fold_log2, fp4.up.fold_log2, fp4.down.fold_log2)))
+    if reason:
+        return {"gluon_error": reason}
+
+    def gluon() -> torch.Tensor:
+        return moe_prefill.moe_forward_gluon(z, weights, ids, fp4.gate, fp4.up, fp4.down, experts, post_norm, 1e-8)
+    try:
+        got = gluon()
+        t = time_us(gluon, reps=10)
+    except Exception as exc:  # a compile or launch failure is this column's result, not the case's
+        return {"gluon_error": f"{type(exc).__name__}: {exc}"[:300]}
+    default = CudaBackend("cuda").moe(z, weights, ids, fp4, post_norm, 1e-8)
+    return {"gluon_time_us": round(t, 1), "gluon_speedup_vs_bf16": round(t_bf16 / t, 3),
+            "gluon_vs_default": round(t_default / t, 3), "gluon_tflops": round(flops / t / 1e6, 1),
+            "gluon_nmse_vs_default": float(nmse(default, got))}
 
 
 def bench_attention(contexts: tuple[int, ...] = (4096, 32768, 131072), batch: int = 1) -> list[dict]:

@@ -132,8 +132,13 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
                 best = (t, block_m, split)
             split *= 2
     _, block_m, split = best
-    stage = GluonConfig(64, block_m, split, 2, upcast="packed").smem_bytes() // 2
-    return GluonConfig(64, block_m, split, min(4, SMEM_BYTES // stage), upcast="packed")
+    return GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed")
+
+
+def ring_stages(block_m: int) -> int:
+    """As many ring stages as fit :data:`SMEM_BYTES` at block_n 64 and ``block_m`` tokens, at most 4 (4 and 8
+    measured alike; 3 at block_m 256)."""
+    return min(4, SMEM_BYTES // (GluonConfig(64, block_m, 1, 2, upcast="packed").smem_bytes() // 2))
 
 
 def expected_tiles(n_assign: int, experts: int, block_m: int) -> float:
@@ -155,15 +160,14 @@ def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int
     if n_assign < 1 or experts < 1 or rows_out % 64 or k % CHUNK_K:
         raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 64 and K of {CHUNK_K}; "
                          f"got {n_assign}, {experts}, {rows_out}, {k}")
-    chunks = k // CHUNK_K
+    block_m = min(BLOCK_MS, key=lambda b: predicted_moe_us(n_assign, experts, rows_out, k, b, sms))
+    return GluonConfig(64, block_m, 1, ring_stages(block_m), upcast="packed")
 
-    def cost(block_m: int) -> float:
-        ctas = math.ceil(expected_tiles(n_assign, experts, block_m)) * (rows_out // 64)
-        return math.ceil(ctas / sms) * chunks * (CHUNK_US + CHUNK_US_PER_TOKEN * block_m) + LAUNCH_US
 
-    block_m = min(BLOCK_MS, key=cost)
-    stage = GluonConfig(64, block_m, 1, 2, upcast="packed").smem_bytes() // 2
-    return GluonConfig(64, block_m, 1, min(4, SMEM_BYTES // stage), upcast="packed")
+def predicted_moe_us(n_assign: int, experts: int, rows_out: int, k: int, block_m: int, sms: int) -> float:
+    """The model's microseconds for one grouped launch at block_n 64 (see :func:`pick_moe_config`)."""
+    ctas = math.ceil(expected_tiles(n_assign, experts, block_m)) * (rows_out // 64)
+    return math.ceil(ctas / sms) * (k // CHUNK_K) * (CHUNK_US + CHUNK_US_PER_TOKEN * block_m) + LAUNCH_US
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:

@@ -1,0 +1,81 @@
+"""The grouped Gluon W4A16 GEMM (``moe_prefill.moe_forward_gluon``, session 59; opt-in until measured) against the
+grouped Triton GEMM it would replace and the BF16 experts, on one full-size 816B MoE layer (NVFP4, E 256, top-8,
+h = I = 4096) at prefill sizes, in one process. Per T: the Triton path (``moe_forward``), the Gluon path at the
+config ``pick_moe_config`` picks and at every other token tile (``--block-ms``), the BF16 experts through the CUDA
+backend; each Gluon output is checked against the Triton path's (NMSE) before it is timed, and a cut that fails to
+compile or run is recorded with its error. The answer decides whether ``MUSECORE_CUDA_GLUON_MOE`` becomes the
+default and which token tile the model should pick::
+
+    python backends/cuda/lab/scripts/cuda_gluon_moe_probe.py [--tokens 256,1024,4096,8192]
+        [--block-ms 16,32,64,128,256] [--out cuda_gluon_moe_probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from musecore.testing import nmse
+from musecore_cuda.bench import time_us
+from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill
+from musecore_triton.kernels.moe import moe_forward
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_moe_runs_probe import Layer816B  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="256,1024,4096,8192")
+    p.add_argument("--block-ms", default="16,32,64,128,256")
+    p.add_argument("--out", default="cuda_gluon_moe_probe.json")
+    args = p.parse_args()
+    layer = Layer816B()
+    fp4, norm, E, topk = layer.fp4, layer.norm, layer.experts, layer.topk
+    bf16 = layer.be.prepare_experts(*(torch.randn(E, a, b, device="cuda", dtype=torch.bfloat16) * 0.02
+                                      for a, b in ((layer.inter, layer.width),) * 2 + ((layer.width, layer.inter),)))
+    sms = fp4_gluon_plan.sm_count(torch.cuda.current_device())
+    rows = []
+    for t in map(int, args.tokens.split(",")):
+        z, weights, ids = layer.route(t)
+        flops = 2 * t * topk * 3 * layer.width * layer.inter
+
+        def triton_path() -> torch.Tensor:
+            return moe_forward(z, weights, ids, fp4.gate, fp4.up, fp4.down, E, norm, 1e-8)
+        want = triton_path()
+        t_triton = time_us(triton_path, reps=10)
+        t_bf16 = time_us(lambda: layer.be.moe(z, weights, ids, bf16, norm, 1e-8), reps=10)
+        picked = fp4_gluon_plan.pick_moe_config(t * topk, E, 2 * layer.inter, layer.width, sms)
+        row = {"T": t, "assignments": t * topk, "routed_experts": int(ids.unique().numel()),
+               "triton_us": round(t_triton, 1), "bf16_experts_us": round(t_bf16, 1),
+               "triton_vs_bf16": round(t_bf16 / t_triton, 3), "picked": picked.label(), "cuts": []}
+        for block_m in map(int, args.block_ms.split(",")):
+            cfg = fp4_gluon_plan.GluonConfig(64, block_m, 1, fp4_gluon_plan.ring_stages(block_m), upcast="packed")
+
+            def gluon() -> torch.Tensor:
+                return moe_prefill.moe_forward_gluon(z, weights, ids, fp4.gate, fp4.up, fp4.down, E, norm, 1e-8,
+                                                     cfg=cfg)
+            cut = {"config": cfg.label(), "picked": cfg == picked}
+            try:
+                cut["nmse_vs_triton"] = float(nmse(want, gluon()))
+                us = time_us(gluon, reps=10)
+                cut.update(us=round(us, 1), vs_triton=round(t_triton / us, 3), vs_bf16=round(t_bf16 / us, 3),
+                           tflops=round(flops / us / 1e6, 1),
+                           predicted_gate_up_us=round(fp4_gluon_plan.predicted_moe_us(
+                               t * topk, E, 2 * layer.inter, layer.width, block_m, sms), 1))
+            except Exception as exc:  # a cut that does not compile or run is a result of the probe
+                cut["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            row["cuts"].append(cut)
+            print(json.dumps({"T": t, **cut}), flush=True)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "cuts"}), flush=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "sms": sms, "rows": rows},
+                                         indent=1))
+
+
+if __name__ == "__main__":
+    main()
