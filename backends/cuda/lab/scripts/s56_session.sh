@@ -8,6 +8,8 @@
 #   6. the decode kernels' GPU tests (linear, MoE, PDL, choices);
 #   7. (session 57) ncu of the decode GEMVs with every stall reason and the pipes (NCU_SPECS=decode NCU_DETAIL=1 by
 #      default here; device_prelude.sh's NCU_DECODE).
+#   8. (session 59) the grouped Gluon MoE GEMM: its GPU tests, then cuda_gluon_moe_probe.py (its token tiles against
+#      the grouped Triton GEMM and the BF16 experts at prefill sizes; GLUON_MOE_ARGS, GLUON_MOE_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -32,4 +34,13 @@ step6() {
          backends/cuda/tests/test_cuda_choices.py" tests_step 6
 }
 step7() { NCU_SPECS=${NCU_SPECS:-decode} NCU_DETAIL=${NCU_DETAIL:-1} ncu_misses_step 7; }
+step8() {
+  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_moe.py -k gluon \
+    > $OUT/gluon_moe_tests.log 2>&1
+  echo "8. grouped Gluon MoE tests at ${SECONDS}s (rc $?):"; grep -E "passed|failed|FAILED|Error|assert" \
+    $OUT/gluon_moe_tests.log | tail -12
+  timeout $(cap ${GLUON_MOE_S:-300}) python3 backends/cuda/lab/scripts/cuda_gluon_moe_probe.py \
+    --out $OUT/cuda_gluon_moe_probe.json ${GLUON_MOE_ARGS:-} > $OUT/gluon_moe_probe.log 2>&1
+  echo "8. grouped Gluon MoE probe at ${SECONDS}s (rc $?):"; tail -c 4000 $OUT/gluon_moe_probe.log
+}
 run_steps s56
