@@ -331,6 +331,21 @@ def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut, fixup):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cut", [(128, 256, 1, 3), (128, 128, 1, 4)])
+def test_fp4_gluon_linear_two_warpgroups_match_reference(cut):
+    """Two consumer warpgroups (128 weight rows) over 256 / 128 tokens, the large-M cuts the sweep times since session
+    59 (0 spills on SM90 at 3 stages): partial tiles (M = 300, N = 1000) within the linear tolerance."""
+    _needs_gluon()
+    n, k, m = 1000, 4096, 300
+    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+    w = prepare_fp4(qt, torch.device("cuda"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed")
+    assert_nmse(reference_linear(x, qt), fp4_gluon_linear(x, w, cfg), tolerance("linear"),
+                f"Gluon GEMM {cfg.label()} M={m} N={n}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cut", [(64, 16, 1, 4), (64, 64, 1, 4), (64, 64, 4, 4), (64, 128, 2, 2)])
 def test_fp4_gluon_linear_two_ctas_per_sm_match_reference(cut):
     """The launch at 128 registers per thread (two CTAs per SM; Triton's setmaxnreg gives the consumer 232): split-K

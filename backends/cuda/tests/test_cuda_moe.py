@@ -364,8 +364,9 @@ def skewed_ids(tokens: int, experts: int, topk: int, device) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,stages", [(16, 4), (64, 4), (128, 4), (256, 3)])
-def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_m, stages):
+@pytest.mark.parametrize("block_n,block_m,stages", [(64, 16, 4), (64, 64, 4), (64, 128, 4), (64, 256, 3), (128, 64, 4),
+                                                   (128, 256, 3)])
+def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stages):
     """Both grouped launches against each sorted row's own expert in fp32: gate/up with SwiGLU (h) and down (o),
     on routing with a multi-tile expert, empty experts and spare tiles (blk_expert -1)."""
     _needs_gluon_moe()
@@ -373,7 +374,7 @@ def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_m, stages):
     experts, topk, tokens, width, inter = 6, 2, 150, 256, 384
     _, prepared, reference, _ = make_layer("nvfp4", experts, width, inter, torch.bfloat16, "cuda")
     ids = skewed_ids(tokens, experts, topk, "cuda")
-    cfg = fp4_gluon_plan.GluonConfig(64, block_m, 1, stages, upcast="packed")
+    cfg = fp4_gluon_plan.GluonConfig(block_n, block_m, 1, stages, upcast="packed")
     sorted_ids, blk_expert, _ = align_assignments(ids, experts, block_m)
     rows = sorted_ids.numel()
     z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
@@ -390,9 +391,9 @@ def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_m, stages):
     x = xs[real].float()
     h_ref = (torch.nn.functional.silu(torch.einsum("rk,rnk->rn", x, reference.gate[expert]))
              * torch.einsum("rk,rnk->rn", x, reference.up[expert]))
-    assert_nmse(h_ref, h[real].float(), tolerance("linear"), f"grouped gate/up+SwiGLU block_m={block_m}")
+    assert_nmse(h_ref, h[real].float(), tolerance("linear"), f"grouped gate/up+SwiGLU {cfg.label()}")
     o_ref = torch.einsum("rk,rnk->rn", h[real].float(), reference.down[expert])
-    assert_nmse(o_ref, o[real].float(), tolerance("linear"), f"grouped down block_m={block_m}")
+    assert_nmse(o_ref, o[real].float(), tolerance("linear"), f"grouped down {cfg.label()}")
     assert not o[real].isnan().any() and not h[real].isnan().any()
 
 

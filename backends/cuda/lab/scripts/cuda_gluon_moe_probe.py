@@ -1,18 +1,19 @@
 """The grouped Gluon W4A16 GEMM (``moe_prefill.moe_forward_gluon``, session 59; opt-in until measured) against the
 grouped Triton GEMM it would replace and the BF16 experts, on one full-size 816B MoE layer (NVFP4, E 256, top-8,
 h = I = 4096) at prefill sizes, in one process. Per T: the Triton path (``moe_forward``), the Gluon path at the
-config ``pick_moe_config`` picks and at every other token tile (``--block-ms``), the BF16 experts through the CUDA
-backend; each Gluon output is checked against the Triton path's (NMSE) before it is timed, and a cut that fails to
+config ``pick_moe_config`` picks and at every other tile (``--block-ms``, ``--block-ns``), the BF16 experts through
+the CUDA backend; each Gluon output is checked against the Triton path's (NMSE) before it is timed, and a cut that fails to
 compile or run is recorded with its error. The answer decides whether ``MUSECORE_CUDA_GLUON_MOE`` becomes the
 default and which token tile the model should pick::
 
     python backends/cuda/lab/scripts/cuda_gluon_moe_probe.py [--tokens 256,1024,4096,8192]
-        [--block-ms 16,32,64,128,256] [--out cuda_gluon_moe_probe.json]
+        [--block-ms 16,32,64,128,256] [--block-ns 64,128] [--out cuda_gluon_moe_probe.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -32,6 +33,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="256,1024,4096,8192")
     p.add_argument("--block-ms", default="16,32,64,128,256")
+    p.add_argument("--block-ns", default="64,128", help="weight rows per program (128: two consumer warpgroups "
+                   "sharing each activation tile, half the L2 reads of 64)")
     p.add_argument("--out", default="cuda_gluon_moe_probe.json")
     args = p.parse_args()
     layer = Layer816B()
@@ -53,8 +56,10 @@ def main() -> None:
         row = {"T": t, "assignments": t * topk, "routed_experts": int(ids.unique().numel()),
                "triton_us": round(t_triton, 1), "bf16_experts_us": round(t_bf16, 1),
                "triton_vs_bf16": round(t_bf16 / t_triton, 3), "picked": picked.label(), "cuts": []}
-        for block_m in map(int, args.block_ms.split(",")):
-            cfg = fp4_gluon_plan.GluonConfig(64, block_m, 1, fp4_gluon_plan.ring_stages(block_m), upcast="packed")
+        tiles = itertools.product(map(int, args.block_ns.split(",")), map(int, args.block_ms.split(",")))
+        for block_n, block_m in tiles:
+            cfg = fp4_gluon_plan.GluonConfig(block_n, block_m, 1, fp4_gluon_plan.ring_stages(block_m, block_n),
+                                             upcast="packed")
 
             def gluon() -> torch.Tensor:
                 return moe_prefill.moe_forward_gluon(z, weights, ids, fp4.gate, fp4.up, fp4.down, E, norm, 1e-8,

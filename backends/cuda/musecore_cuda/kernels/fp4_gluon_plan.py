@@ -135,10 +135,10 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     return GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed")
 
 
-def ring_stages(block_m: int) -> int:
-    """As many ring stages as fit :data:`SMEM_BYTES` at block_n 64 and ``block_m`` tokens, at most 4 (4 and 8
-    measured alike; 3 at block_m 256)."""
-    return min(4, SMEM_BYTES // (GluonConfig(64, block_m, 1, 2, upcast="packed").smem_bytes() // 2))
+def ring_stages(block_m: int, block_n: int = 64) -> int:
+    """As many ring stages as fit :data:`SMEM_BYTES` at ``block_n`` weight rows and ``block_m`` tokens, at most 4
+    (4 and 8 measured alike; 3 at block_m 256)."""
+    return min(4, SMEM_BYTES // (GluonConfig(block_n, block_m, 1, 2, upcast="packed").smem_bytes() // 2))
 
 
 def expected_tiles(n_assign: int, experts: int, block_m: int) -> float:
