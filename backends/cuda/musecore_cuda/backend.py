@@ -54,6 +54,8 @@ FP4_FORMATS = ("nvfp4", "mxfp4")
 SM_DEVICES = {9: ["h200", "h100", "h200-fp8", "h100-fp8"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
 RAN_ON = {9: ("H200",)}  # the chips of each verified SM major they ran on
+# Opt-in kernels written and compiled for SM90 without a GPU: doctor names them until a device has run their tests
+NEVER_RAN = ("the opt-in grouped Gluon MoE GEMM (MUSECORE_CUDA_GLUON_MOE=1)",)
 
 
 def verified_on(verified: Sequence[int] = VERIFIED_SM) -> str:
@@ -67,7 +69,8 @@ def verified_on(verified: Sequence[int] = VERIFIED_SM) -> str:
                    + (f"; the same code paths never run on the {' / '.join(others)})" if others else ")"))
     never = [f"SM{sm}0 ({' / '.join(chips(sm))})" for sm in SM_DEVICES if sm not in verified]
     return ("run and checked on " + "; ".join(ran)
-            + (f"; never run on {', '.join(never)}: its kernels are reported 'emulated'" if never else ""))
+            + (f"; never run on {', '.join(never)}: its kernels are reported 'emulated'" if never else "")
+            + (f"; never run on any GPU yet: {', '.join(NEVER_RAN)}" if NEVER_RAN else ""))
 
 def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     """``x @ W.T`` for an FP4 resident weight through the kernel ``fp4_linear_path`` picks for its M."""
