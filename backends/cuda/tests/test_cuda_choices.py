@@ -149,6 +149,20 @@ print([(c.what, c.reason) for c in out if "M 16-127" in c.what])
     assert "no usable triton.experimental.gluon Hopper API" in res.stdout, res.stdout
 
 
+def test_a_triton_other_than_the_gluon_kernels_one_keeps_the_other_paths_and_says_why(monkeypatch):
+    """Gluon's API moves between Triton minors (3.9 imports the module but cannot compile the kernels): only the
+    version they were written and run with takes the Gluon paths; the reason names both versions."""
+    import triton
+    monkeypatch.setattr(fp4_gluon_plan, "importlib", type("I", (), {"import_module": staticmethod(lambda name: None)}))
+    for version, ok in (("3.6.0", True), ("3.6.1", True), ("3.9.0", False), ("3.5.1", False), ("3.60.0", False)):
+        monkeypatch.setattr(triton, "__version__", version)
+        fp4_gluon_plan.import_problem.cache_clear()
+        problem = fp4_gluon_plan.import_problem()
+        assert (problem is None) == ok, (version, problem)
+        assert ok or (f"triton {version}" in problem and "Triton 3.6" in problem), problem
+    fp4_gluon_plan.import_problem.cache_clear()
+
+
 # The sweep's best block_n 64 cut at the points it measured (H200, 132 SMs; cuda_gluon_sweep_s40_packed.json)
 @pytest.mark.parametrize("m,n,k,cut", [
     (64, 8192, 8192, "64,64,1,4,packed"),     # q_proj: 28.7 us
@@ -180,6 +194,16 @@ def test_gluon_config_validates():
     with pytest.raises(ValueError, match="upcast must be one of"):
         fp4_gluon_plan.GluonConfig(64, 32, 1, 4, upcast="fp8")
     assert fp4_gluon_plan.GluonConfig(64, 32, 1, 4, asm_upcast=True).upcast == "asm"
+    with pytest.raises(ValueError, match="persistent launch runs the packed upcast without split-K"):
+        fp4_gluon_plan.GluonConfig(64, 32, 2, 4, upcast="packed", persistent=True)
+
+
+@pytest.mark.parametrize("cfg", [fp4_gluon_plan.GluonConfig(64, 32, 1, 4),
+                                 fp4_gluon_plan.GluonConfig(128, 256, 1, 3, upcast="packed", persistent=True),
+                                 fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", fixup=True),
+                                 fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", ctas_per_sm=2)])
+def test_gluon_config_label_parses_back(cfg):
+    assert fp4_gluon_plan.GluonConfig.parse(cfg.label()) == cfg, cfg.label()
 
 
 def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():

@@ -346,6 +346,24 @@ def test_fp4_gluon_linear_two_warpgroups_match_reference(cut):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cut", [(64, 64, 1, 3), (128, 256, 1, 3)])
+def test_fp4_gluon_linear_persistent_matches_reference(cut):
+    """The persistent grid (one program per SM over ~1000 tiles): the ring's stages and phases carried from tile to
+    tile (8 chunks per tile on 3 stages), partial last tiles (M = 2100, N = 2000); within the linear tolerance and
+    the same bits as the one-tile-per-program launch (the same mainloop and summation order)."""
+    _needs_gluon()
+    n, k, m = 2000, 1024, 2100
+    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+    w = prepare_fp4(qt, torch.device("cuda"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", persistent=True)
+    got = fp4_gluon_linear(x, w, cfg)
+    assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"Gluon GEMM {cfg.label()} M={m} N={n}")
+    plain = fp4_gluon_linear(x, w, dataclasses.replace(cfg, persistent=False))
+    assert torch.equal(got, plain), f"{cfg.label()}: differs from one tile per program by {(got - plain).abs().max()}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cut", [(64, 16, 1, 4), (64, 64, 1, 4), (64, 64, 4, 4), (64, 128, 2, 2)])
 def test_fp4_gluon_linear_two_ctas_per_sm_match_reference(cut):
     """The launch at 128 registers per thread (two CTAs per SM; Triton's setmaxnreg gives the consumer 232): split-K

@@ -38,6 +38,7 @@ UPCASTS = _UPCAST_SETS.get(os.environ.get("GLUON_UPCAST", "packed"),
                            tuple(os.environ.get("GLUON_UPCAST", "packed").split(",")))
 CTAS = int(os.environ.get("GLUON_CTAS", "1"))  # 2: also the two-CTAs-per-SM cuts (GluonConfig.ctas_per_sm)
 FIXUP = os.environ.get("GLUON_FIXUP", "0") == "1"  # 1: every split-K cut also with the workspace fixup
+PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"  # 1: packed split-1 cuts also on a persistent grid
 BLOCK_NS = tuple(int(b) for b in os.environ.get("GLUON_BLOCK_NS", "64,128").split(","))  # weight rows per program
 
 
@@ -71,12 +72,15 @@ def routed(m: int, n: int, k: int):
 
 
 def cuts(m: int, n: int, k: int):
-    """The sweep's cuts (:func:`_cuts`), and with ``GLUON_FIXUP=1`` each split-K one again with the fixup."""
+    """The sweep's cuts (:func:`_cuts`), and with ``GLUON_FIXUP=1`` each split-K one again with the fixup, with
+    ``GLUON_PERSISTENT=1`` each packed split-1 one again on a persistent grid."""
     import dataclasses
     for cfg in _cuts(m, n, k):
         yield cfg
         if FIXUP and cfg.split_k > 1:  # (at split 1 fixup=True is the same launch)
             yield dataclasses.replace(cfg, fixup=True)
+        if PERSISTENT and cfg.split_k == 1 and cfg.upcast == "packed" and cfg.ctas_per_sm == 1:
+            yield dataclasses.replace(cfg, persistent=True)
 
 
 def _cuts(m: int, n: int, k: int):
@@ -195,9 +199,7 @@ def profile_cut(spec: str, m: int, shape: str) -> None:
     from musecore_cuda.bench import random_fp4
     from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
     from musecore_triton.layouts import prepare_fp4
-    bn, bm, sk, st, *rest = spec.split(",")
-    cfg = GluonConfig(int(bn), int(bm), int(sk), int(st), upcast=rest[0] if rest else "packed",
-                      ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1, fixup=len(rest) > 2 and rest[2] == "fixup")
+    cfg = GluonConfig.parse(spec if spec.count(",") >= 4 else spec + ",packed")  # the upcast defaults to packed
     n, k = LINEAR_SHAPES[shape]
     w = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -35,7 +35,8 @@ def desc_sig(dtype: str, block: list[int], layout) -> str:
 
 
 def compile_cut(cfg: "gk.GluonConfig", maxnreg: int | None = None):
-    fn = gk.fp4_gluon_kernel
+    """The dense kernel for ``cfg`` (:func:`gk.fp4_gluon_persistent_kernel` when ``cfg.persistent``)."""
+    fn = gk.fp4_gluon_persistent_kernel if cfg.persistent else gk.fp4_gluon_kernel
     w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, 64], gl.uint8)
     x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64], gl.bfloat16)
     sig = {"w_desc": desc_sig("u8", [cfg.block_n, 64], w_layout),
@@ -47,11 +48,13 @@ def compile_cut(cfg: "gk.GluonConfig", maxnreg: int | None = None):
              "FOLD": 9, "ATOMIC": cfg.atomic, "UPCAST": gk.UPCASTS[cfg.upcast], "FIXUP": cfg.fixup,
              "num_warps": cfg.num_warps}
     names = list(fn.arg_names)
+    sig = {k: v for k, v in sig.items() if k in names}
+    const = {k: v for k, v in const.items() if k in names}
     for name in const:
         sig[name] = "constexpr"
     constexprs = {(names.index(k),): v for k, v in const.items()}
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("s_ptr", "c_ptr", "out_scale_ptr", "stride_cm", "ws_ptr", "cnt_ptr",
-                                                                    "K", "N")}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("s_ptr", "c_ptr", "out_scale_ptr", "stride_cm",
+                                                                    "ws_ptr", "cnt_ptr", "K", "N") if k in names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": cfg.num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -168,11 +171,8 @@ def main() -> None:
     else:
         cuts = args.cuts.split(";")
     for cut in cuts:
-        bn, bm, split, stages, *rest = cut.split(",")
-        mode = {"0": "int16", "1": "asm"}.get(rest[0], rest[0]) if rest else "int16"
-        bn, bm, split, stages = map(int, (bn, bm, split, stages))
-        cfg = gk.GluonConfig(bn, bm, split, stages, upcast=mode, ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1,
-                             fixup=len(rest) > 2 and rest[2] == "fixup")
+        cfg = gk.GluonConfig.parse(cut)
+        bn, bm, split, stages = cfg.block_n, cfg.block_m, cfg.split_k, cfg.stages
         if args.grouped:
             for swiglu in (True, False):
                 k = compile_grouped(cfg, swiglu)
@@ -184,7 +184,7 @@ def main() -> None:
         if k.metadata.shared > SMEM_BYTES + 8 * 1024:  # what the launch would refuse (227 KiB per block on SM90)
             print(f"{cut}: {k.metadata.shared} bytes of shared memory, over the SM90 limit", flush=True)
         tag = (f"bn{bn}_bm{bm}_k{split}_s{stages}" + ("" if cfg.upcast == "int16" else "_" + cfg.upcast)
-               + (f"_r{args.maxnreg}" if args.maxnreg else ""))
+               + ("_persistent" if cfg.persistent else "") + (f"_r{args.maxnreg}" if args.maxnreg else ""))
         for ext in ("ttgir", "ptx"):
             (out / f"gluon_{tag}.{ext}").write_text(k.asm[ext])
         print(tag, summarize(k), flush=True)

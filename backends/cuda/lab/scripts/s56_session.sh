@@ -11,8 +11,8 @@
 #   8. (session 59) the grouped Gluon MoE GEMM: its GPU tests, then cuda_gluon_moe_probe.py (its token tiles against
 #      the grouped Triton GEMM and the BF16 experts at prefill sizes; GLUON_MOE_ARGS, GLUON_MOE_S).
 #   9. (session 59) the Gluon GEMM at large M with two consumer warpgroups (block_n 128, block_m 256: half the
-#      activation tiles' L2 reads of block_n 64) against dequantize + cuBLAS and BF16: cuda_gluon_sweep.py with
-#      GLUON_BLOCK_NS=128 (LARGE_GLUON_ARGS, default --ms 1024,4096 on the four 816B shapes; LARGE_GLUON_S).
+#      activation tiles' L2 reads of block_n 64), each also on a persistent grid, against dequantize + cuBLAS and
+#      BF16: cuda_gluon_sweep.py with GLUON_BLOCK_NS=128 GLUON_PERSISTENT=1 (LARGE_GLUON_ARGS, default --ms 1024,4096 on the four 816B shapes; LARGE_GLUON_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -47,7 +47,7 @@ step8() {
   echo "8. grouped Gluon MoE probe at ${SECONDS}s (rc $?):"; tail -c 4000 $OUT/gluon_moe_probe.log
 }
 step9() {
-  GLUON_BLOCK_NS=128 timeout $(cap ${LARGE_GLUON_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
+  GLUON_BLOCK_NS=128 GLUON_PERSISTENT=1 timeout $(cap ${LARGE_GLUON_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
     --out $OUT/cuda_gluon_sweep_large_m.json ${LARGE_GLUON_ARGS:---ms 1024,4096} > $OUT/gluon_large_m.log 2>&1
   echo "9. large-M Gluon sweep at ${SECONDS}s (rc $?):"; tail -c 3000 $OUT/gluon_large_m.log
 }

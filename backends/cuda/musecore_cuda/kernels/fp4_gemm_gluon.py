@@ -54,13 +54,21 @@ WFMT_NVFP4 = 1
 @gluon.jit
 def _loader(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks,
             STAGES: gl.constexpr, HALF: gl.constexpr):
-    """Per chunk: the packed weight bytes, then the activations' two 64-element halves, into stage ``i % STAGES``.
+    """The loader partition of one output tile: :func:`_load_chunks` from the ring's first stage."""
+    _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, 0, STAGES, HALF)
+
+
+@gluon.jit
+def _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, base,
+                 STAGES: gl.constexpr, HALF: gl.constexpr):
+    """Per chunk: the packed weight bytes, then the activations' two 64-element halves, into stage
+    ``(base + i) % STAGES`` (``base``: chunks this partition loaded before, for a persistent program's later tiles).
     With ``HALF`` > 0 the weight tile is two boxes of ``HALF`` rows, ``w_desc``'s then ``w2_desc``'s, both from row
     ``off_n`` (a gate/up pair of the grouped kernel); otherwise one box of ``w_desc``."""
     nbytes: gl.constexpr = (2 if HALF > 0 else 1) * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
     for i in range(n_chunks):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), (i // STAGES) & 1)
+        s = (base + i) % STAGES
+        mbarrier.wait(empty.index(s), ((base + i) // STAGES) & 1)
         mbarrier.expect(ready.index(s), nbytes)
         kc = first + i
         if HALF > 0:
@@ -301,6 +309,16 @@ def _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, l: gl.constexpr, a_layout: gl.c
 def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
                      HALF: gl.constexpr, num_warps: gl.constexpr):
+    """The consumer partition of one output tile: :func:`_mainloop_packed` from the ring's first stage."""
+    acc, _, _ = _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
+                                 gl.to_tensor(0), gl.to_tensor(0), BLOCK_N, BLOCK_M, STAGES, FOLD, HALF, num_warps)
+    return (acc, )
+
+
+@gluon.jit
+def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks, s, phase,
+                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+                     HALF: gl.constexpr, num_warps: gl.constexpr):
     """:func:`_consumer` with the packed upcast, pipelined per half chunk instead of per chunk. A chunk is issued
     as four K=32 ``warpgroup_mma`` ops (two wgmmas behind one fence and one commit group each), in the order of
     its slices: steps 0-1 (low nibbles of slices 0-1), 4-5 (their high nibbles), 2-3, 6-7. The next chunk's
@@ -309,7 +327,9 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     registers that ptxas keeps for wgmma operands (the per-chunk double buffer of the other modes costs 32 moves
     a chunk, and an unrolled a/b pair of sets made ptxas sink half the upcasts past the wait), and four wgmmas run
     while each half chunk is upcast. The summation order over k differs from the other modes. With ``HALF`` > 0,
-    tile rows ``HALF..`` are the second weight's (``s2_ptr``'s scales) at the same rows ``off_n..`` as the first's."""
+    tile rows ``HALF..`` are the second weight's (``s2_ptr``'s scales) at the same rows ``off_n..`` as the first's.
+    The tile's first chunk is in stage ``s`` with ready phase ``phase``; returns the accumulator and the stage and
+    phase of the chunk after its last (a persistent program's next tile)."""
     mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     u_layout: gl.constexpr = _pairs_layout(BLOCK_N, num_warps)
@@ -327,8 +347,8 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     last = n_chunks - 1
     word = _load_word(s_ptrs, row_ok)
     nxt = _load_word(s_ptrs + gl.minimum(1, last), row_ok)  # the scale word one chunk ahead
-    mbarrier.wait(ready.index(0), 0)
-    w16 = w_smem.index(0)._reinterpret(gl.uint16, [BLOCK_N, 32],
+    mbarrier.wait(ready.index(s), phase)
+    w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
                                        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
     m0, m1, m2, m3 = _packed_scales(word, km, sel)
     l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
@@ -336,10 +356,9 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
     l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    acc = _issue_two_pairs(l0, h0, l1, h1, x_smem.index(0), x_smem.index(1), 0, a_layout, acc)
-    acc = _issue_two_pairs(l2, h2, l3, h3, x_smem.index(0), x_smem.index(1), 2, a_layout, acc)
-    s = 0  # chunk i's stage and ready phase, stepped instead of i % STAGES, (i // STAGES) & 1 (a division for 3, 6)
-    phase = 0
+    acc = _issue_two_pairs(l0, h0, l1, h1, x_smem.index(2 * s), x_smem.index(2 * s + 1), 0, a_layout, acc)
+    acc = _issue_two_pairs(l2, h2, l3, h3, x_smem.index(2 * s), x_smem.index(2 * s + 1), 2, a_layout, acc)
+    # chunk i's stage and ready phase, stepped instead of (s0 + i) % STAGES and its phase (a division for 3, 6)
     for i in range(1, n_chunks):
         prev = s
         s += 1
@@ -365,7 +384,11 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
         acc = _issue_two_pairs(l2, h2, l3, h3, x_lo, x_hi, 2, a_layout, acc)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l0, h0, l1, h1, l2, h2, l3, h3))[0]
     mbarrier.arrive(empty.index(s), count=1)
-    return (acc, )
+    s += 1
+    if s == STAGES:
+        s = 0
+        phase ^= 1
+    return acc, s, phase
 
 
 @gluon.jit
@@ -436,12 +459,8 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                        0)),
         ], [1], [40])
 
-    mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     acc = acc * gl.load(out_scale_ptr)
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    c_ptrs = c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None]
-    c_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    c_ptrs, c_mask, offs_m, offs_n = _out_tile(c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps)
     if ATOMIC:
         gl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")  # the default (acq_rel) fences every element
     elif FIXUP:
@@ -459,6 +478,68 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
+
+@gluon.jit
+def _out_tile(c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+              num_warps: gl.constexpr):
+    """Pointers and mask of an output tile ``C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N]`` in the
+    accumulator's layout (weight rows down, tokens across), and the token and weight-row offsets."""
+    mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    c_ptrs = c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None]
+    return c_ptrs, (offs_m < M)[None, :] & (offs_n < N)[:, None], offs_m, offs_n
+
+
+@gluon.jit
+def _loader_persistent(w_desc, x_desc, w_smem, x_smem, ready, empty, M, N, n_chunks, BLOCK_N: gl.constexpr,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """The loader of a persistent program: every tile ``pid, pid + programs, ...`` in turn, one ring throughout."""
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    base = gl.to_tensor(0)
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile(tile, tiles_m, tiles_n, GROUP_M)
+        _load_chunks(w_desc, w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, pid_m * BLOCK_M, 0,
+                     n_chunks, base, STAGES, 0)
+        base += n_chunks
+
+
+@gluon.jit
+def _consumer_persistent(w_smem, x_smem, ready, empty, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N,
+                         n_chunks, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         GROUP_M: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
+    """The consumer of a persistent program: per tile the packed mainloop, then its store, while the loader already
+    fills the freed stages with the next tile's chunks."""
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    scale = gl.load(out_scale_ptr)
+    s = gl.to_tensor(0)
+    phase = gl.to_tensor(0)
+    for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile(tile, tiles_m, tiles_n, GROUP_M)
+        acc, s, phase = _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s_ptr, stride_s, pid_n * BLOCK_N, N, 0,
+                                         n_chunks, s, phase, BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps)
+        c_ptrs, c_mask, _, _ = _out_tile(c_ptr, stride_cm, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, BLOCK_N, BLOCK_M,
+                                         num_warps)
+        gl.store(c_ptrs, (acc * scale).to(c_ptr.dtype.element_ty), mask=c_mask)
+    return (s, )
+
+
+@gluon.jit
+def fp4_gluon_persistent_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K,
+                                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                                GROUP_M: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
+    """:func:`fp4_gluon_kernel` (packed upcast, no split-K) on a persistent grid of at most one program per SM: each
+    program takes tiles ``pid, pid + programs, ...`` (in ``_tile``'s order), so the last wave is not a partial one
+    and a tile's store overlaps the loads of the next."""
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, BLOCK_N, STAGES)
+    gl.warp_specialize([
+        (_consumer_persistent, (w_smem, x_smem, ready, empty, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N,
+                                K // CHUNK_K, BLOCK_N, BLOCK_M, STAGES, GROUP_M, FOLD, num_warps)),
+        (_loader_persistent, (w_desc, x_desc, w_smem, x_smem, ready, empty, M, N, K // CHUNK_K, BLOCK_N, BLOCK_M,
+                              STAGES, GROUP_M)),
+    ], [1], [40])
 
 @gluon.jit
 def fp4_gluon_moe_kernel(w_desc, w2_desc, x_desc, s_ptr, s2_ptr, stride_s, out_scale_ptr, out_scale2_ptr,
@@ -492,9 +573,8 @@ def fp4_gluon_moe_kernel(w_desc, w2_desc, x_desc, s_ptr, s2_ptr, stride_s, out_s
         (_loader, (w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, 0, n_chunks, STAGES, HALF)),
     ], [1], [40])
 
-    mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
-    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     if SWIGLU:
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _acc_layout(BLOCK_M, num_warps)))
         mult = gl.where(r < HALF, gl.load(out_scale_ptr + expert), gl.load(out_scale2_ptr + expert))
         acc = acc * mult[:, None]
         # gate row j and up row j sit in different warps: pair them through shared memory, N contiguous
@@ -510,10 +590,9 @@ def fp4_gluon_moe_kernel(w_desc, w2_desc, x_desc, s_ptr, s2_ptr, stride_s, out_s
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
         gl.store(c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None], h.to(c_ptr.dtype.element_ty))
     else:
-        acc = acc * gl.load(out_scale_ptr + expert)
-        offs_n = pid_n * OUT_N + r
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        gl.store(c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None], acc.to(c_ptr.dtype.element_ty))
+        # no mask: the tile lies inside C (rows a multiple of BLOCK_M, N of BLOCK_N), and a mask of 256 x 128 spilled
+        c_ptrs, _, _, _ = _out_tile(c_ptr, stride_cm, off_m, pid_n * OUT_N, M, N, BLOCK_N, BLOCK_M, num_warps)
+        gl.store(c_ptrs, (acc * gl.load(out_scale_ptr + expert)).to(c_ptr.dtype.element_ty))
 
 
 def descriptors(x: torch.Tensor, packed: torch.Tensor, cfg: GluonConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -558,6 +637,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     else:  # unused by the kernel: no allocation, no memset on the routed path
         ws = counts = out_scale
+    if cfg.persistent:
+        fp4_gluon_persistent_kernel[(min(tiles, cfg.programs(x.device)), )](
+            w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n, k, BLOCK_N=cfg.block_n,
+            BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m, FOLD=fold_log2, num_warps=cfg.num_warps)
+        return out
     fp4_gluon_kernel[(tiles, cfg.split_k)](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n,
                                            k, ws, counts, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,

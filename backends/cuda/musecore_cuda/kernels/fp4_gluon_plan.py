@@ -40,6 +40,7 @@ class GluonConfig:
     ctas_per_sm: int = 1      # 2: launched at 128 registers per thread so that two CTAs share an SM (session 41)
     fixup: bool = False       # split-K through a workspace summed by the last split of a tile (session 41), not atomics;
                               # False at split_k 1, where there is nothing to sum
+    persistent: bool = False  # one program per SM looping over the tiles (session 59; unmeasured): packed, no split-K
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -50,6 +51,9 @@ class GluonConfig:
             object.__setattr__(self, "upcast", "asm")
         object.__setattr__(self, "asm_upcast", self.upcast == "asm")
         object.__setattr__(self, "fixup", self.fixup and self.split_k > 1)
+        if self.persistent and (self.split_k != 1 or self.upcast != "packed" or self.ctas_per_sm != 1):
+            raise ValueError(f"a persistent launch runs the packed upcast without split-K, one CTA per SM; got "
+                             f"split_k={self.split_k}, upcast={self.upcast!r}, ctas_per_sm={self.ctas_per_sm}")
         if self.block_n not in (64, 128):
             raise ValueError(f"block_n is one or two consumer warpgroups: 64 or 128; got {self.block_n}")
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -81,12 +85,25 @@ class GluonConfig:
         and the loader's warpgroup 24-40 through ``setmaxnreg``, within the CTA's 128 x 256)."""
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
+    def programs(self, device: torch.device) -> int:
+        """A persistent launch's programs (before capping at the tiles): one per SM of ``device``."""
+        return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup]]``: the cut syntax of the lab scripts (gluon_ir.py
-        --cuts); ``ctas`` (CTAs per SM) only when it is 2 or ``fixup`` follows."""
-        tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or self.fixup else ""
-        tail += ",fixup" if self.fixup else ""
-        return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}"
+        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|persistent]]``: the cut syntax of the lab scripts
+        (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
+        flags = "".join(f",{name}" for name in ("fixup", "persistent") if getattr(self, name))
+        tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or flags else ""
+        return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}{flags}"
+
+    @classmethod
+    def parse(cls, cut: str) -> "GluonConfig":
+        """The inverse of :meth:`label` (an upcast of "0" / "1" means int16 / asm, as session 11's cuts wrote it)."""
+        bn, bm, split, stages, *rest = cut.split(",")
+        upcast = {"0": "int16", "1": "asm"}.get(rest[0], rest[0]) if rest else "int16"
+        return cls(int(bn), int(bm), int(split), int(stages), upcast=upcast,
+                   ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1, fixup="fixup" in rest[2:],
+                   persistent="persistent" in rest[2:])
 
 
 # The cost model behind pick_config, fitted to the H200 sweep of session 40 (backends/cuda/lab/results/
@@ -192,6 +209,12 @@ def _device_reason(index: int) -> Optional[str]:
     return problem
 
 
+# The Triton minor version the Gluon kernels were written, compiled and run with (the GPU machine's). Gluon is
+# experimental and its API moves between minors: on Triton 3.9 the module imports but the kernels do not compile
+# (``shared_memory_descriptor`` has no ``_reinterpret`` there), so any other version keeps the other paths.
+GLUON_TRITON = "3.6"
+
+
 @functools.lru_cache(maxsize=1)
 def import_problem() -> Optional[str]:
     try:
@@ -199,6 +222,10 @@ def import_problem() -> Optional[str]:
     except ImportError as exc:  # no Triton, or one without Gluon's Hopper API: the reason goes to the plan
         version = getattr(sys.modules.get("triton"), "__version__", "(not importable)")
         return f"triton {version} has no usable triton.experimental.gluon Hopper API ({exc})"
+    version = sys.modules["triton"].__version__
+    if not version.startswith(GLUON_TRITON + "."):
+        return (f"the Gluon kernels are written for Triton {GLUON_TRITON}'s Gluon API and not tested with triton "
+                f"{version} (3.9 does not compile them); install triton=={GLUON_TRITON}.* to use them")
     return None
 
 
