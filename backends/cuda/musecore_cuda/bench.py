@@ -347,9 +347,7 @@ def _gluon_moe_columns(z, weights, ids, fp4, experts, post_norm, t_default, t_bf
     row: its time, speedups and output NMSE against the default's; an ``gluon_error`` where it cannot run."""
     from musecore.testing import nmse
     from musecore_cuda.kernels import moe_prefill
-    reason = (fp4_gluon_plan.unavailable_reason(z.device) or moe_prefill.shape_problem(
-        fp4.gate.format, fp4.gate.in_features, fp4.gate.out_features,
-        (fp4.gate.fold_log2, fp4.up.fold_log2, fp4.down.fold_log2)))
+    reason = moe_prefill.cannot_run(z, fp4.gate, fp4.up, fp4.down)
     if reason:
         return {"gluon_error": reason}
 

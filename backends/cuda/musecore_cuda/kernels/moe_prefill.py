@@ -54,6 +54,11 @@ def unavailable_reason(z: torch.Tensor, gate: ExpertStack, up: ExpertStack, down
     """Why this MoE call keeps the grouped Triton GEMM, or None when it takes the grouped Gluon GEMM."""
     if not enabled():
         return f"the grouped Gluon GEMM is off until measured on the H200 ({GLUON_MOE_ENV}=1 turns it on)"
+    return cannot_run(z, gate, up, down)
+
+
+def cannot_run(z: torch.Tensor, gate: ExpertStack, up: ExpertStack, down: ExpertStack) -> Optional[str]:
+    """Why the grouped Gluon GEMM cannot run these experts on ``z``'s device, switched on or not (None: it can)."""
     if not all(isinstance(s, Fp4Resident) for s in (gate, up, down)):
         return "the grouped Gluon GEMM takes FP4 expert stacks; these are 16-bit"
     if z.dtype != torch.bfloat16:
