@@ -54,3 +54,19 @@ def test_dense_expert_moe_takes_the_gemv_at_decode_and_the_grouped_gemm_beyond(t
     assert uses_dense_decode(tokens * 2, 8) == (tokens == 1)
     y = moe_forward(z, weights, ids, g, u, d, 8, norm, 1e-8)
     assert_nmse(expected, y, tolerance("moe"), f"16-bit MoE T={tokens}")
+
+
+@pytest.mark.parametrize("block_m,width", [(16, 96), (64, 256)])
+def test_gather_token_rows_copies_each_used_tiles_rows_and_skips_the_spare_tiles(block_m, width):
+    """The sorted rows' activations for a TMA-fed grouped GEMM: rows of tiles holding an expert equal their token's
+    (padding rows the last token's), rows of spare tiles stay as allocated; K not a power of two (96) included."""
+    from musecore_triton.kernels.moe import align_assignments, gather_token_rows
+    tokens, topk, experts = 37, 2, 5
+    ids = torch.stack([torch.randperm(experts, device=DEVICE)[:topk] for _ in range(tokens)])
+    z = torch.randn(tokens, width, device=DEVICE)
+    sorted_ids, blk_expert, _ = align_assignments(ids, experts, block_m)
+    xs = gather_token_rows(z, sorted_ids, blk_expert, topk, block_m)
+    used = blk_expert.repeat_interleave(block_m) >= 0
+    want = z[(sorted_ids // topk).clamp(max=tokens - 1).long()]
+    assert xs.shape == (sorted_ids.numel(), width) and used.any() and not used.all()
+    assert torch.equal(xs[used], want[used]), (xs[used] - want[used]).abs().max()

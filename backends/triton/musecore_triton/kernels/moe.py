@@ -67,6 +67,38 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, blk_expert, position
 
 
+@triton.jit
+def gather_rows_kernel(z_ptr, sorted_ptr, blk_expert_ptr, xs_ptr, T, K, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``xs[r] = z[min(sorted[r] // TOPK, T - 1)]`` for ``ROWS`` rows and ``BLOCK_K`` columns per program, only in
+    token tiles of ``BLOCK_M`` rows that hold an expert (padding rows read the last token)."""
+    r0 = tl.program_id(0) * ROWS
+    if tl.load(blk_expert_ptr + r0 // BLOCK_M) >= 0:
+        rows = r0 + tl.arange(0, ROWS)
+        tok = tl.minimum(tl.load(sorted_ptr + rows) // TOPK, T - 1).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (cols < K)[None, :]
+        v = tl.load(z_ptr + tok[:, None] * K + cols[None, :], mask=mask)
+        tl.store(xs_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], v, mask=mask)
+
+
+def gather_token_rows(z: torch.Tensor, sorted_ids: torch.Tensor, blk_expert: torch.Tensor, topk: int,
+                      block_m: int) -> torch.Tensor:
+    """Each sorted row's token activations ``[rows, K]`` (a GEMM that reads them with TMA needs the rows contiguous),
+    for the token tiles that hold an expert; rows of the spare tiles past the last used one are left unwritten (no
+    kernel reads them), padding rows inside a used tile read the last token."""
+    T, K = z.shape
+    rows = sorted_ids.numel()
+    xs = torch.empty(rows, K, dtype=z.dtype, device=z.device)
+    rows_per_program = min(16, block_m)
+    if rows and T:
+        block_k = min(256, triton.next_power_of_2(K))
+        gather_rows_kernel[(rows // rows_per_program, triton.cdiv(K, block_k))](
+            z.contiguous(), sorted_ids, blk_expert, xs, T, K, TOPK=topk, BLOCK_M=block_m, ROWS=rows_per_program,
+            BLOCK_K=block_k, num_warps=4)
+    return xs
+
+
 ACT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
