@@ -20,6 +20,7 @@ At decode, 16-bit expert stacks take one GEMV per assignment instead (:func:`moe
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Union
 
@@ -90,7 +91,7 @@ def gather_token_rows(z: torch.Tensor, sorted_ids: torch.Tensor, blk_expert: tor
     T, K = z.shape
     rows = sorted_ids.numel()
     xs = torch.empty(rows, K, dtype=z.dtype, device=z.device)
-    rows_per_program = min(16, block_m)
+    rows_per_program = math.gcd(16, block_m)  # a power of two that divides the tile
     if rows and T:
         block_k = min(256, triton.next_power_of_2(K))
         gather_rows_kernel[(rows // rows_per_program, triton.cdiv(K, block_k))](
