@@ -118,6 +118,9 @@ moe_b1 fp4_gemv 6 2 --moe-batch 1"
 # loads (short scoreboard / MIO), the ALU chain of the upcast (wait / math pipe throttle) or the mma.
 NCU_DECODE="q_proj_m1 fp4_gemv 3 1 --shape q_proj --m 1;q_proj_m4 fp4_gemv 3 1 --shape q_proj --m 4;\
 moe_b1 fp4_gemv 6 2 --moe-batch 1;moe_b16 fp4_gemv 6 2 --moe-batch 16"
+# Session 59's question (NCU_SPECS=gluon NCU_DETAIL=1): why the Gluon GEMM's single consumer warpgroup per SM is
+# stalled in 64-76% of cycles at M = 64 (run 71): every stall reason and the pipes, on the worst M = 64 shape and q_proj.
+NCU_GLUON="expert_down_m64 fp4_gluon 3 1 --shape expert_down --m 64;q_proj_m64 fp4_gluon 3 1 --shape q_proj --m 64"
 ncu_misses_step() {
   local n=$1 spec tag kern skip count args
   local sections="--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
@@ -128,6 +131,7 @@ regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active"
   command -v ncu > /dev/null || { echo "$n. ncu: not installed on this machine"; return; }
   local list=${NCU_SPECS:-$NCU_MISSES}
   [ "$list" = decode ] && list=$NCU_DECODE
+  [ "$list" = gluon ] && list=$NCU_GLUON
   IFS=';' read -ra specs <<< "$list"
   for spec in "${specs[@]}"; do
     read -r tag kern skip count args <<< "$spec"
