@@ -309,6 +309,14 @@ def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatc
                     f"{name} {k}->{n} M={m} through the Gluon GEMM {cfg.label()}")
 
 
+def _gluon_case(n: int, k: int, m: int):
+    """An NVFP4 weight ``[n, k]`` (its QTensor and resident layout) and bf16 activations ``[m, k]`` on the GPU, for a
+    Gluon GEMM test (skipped where the Gluon GEMM cannot run)."""
+    _needs_gluon()
+    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+    return qt, prepare_fp4(qt, torch.device("cuda")), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fixup", [False, True], ids=["atomics", "fixup"])
 @pytest.mark.parametrize("cut", [(64, 32, 2, 4), (64, 64, 4, 3), (64, 128, 8, 2), (64, 16, 1, 4)])
@@ -317,11 +325,8 @@ def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut, fixup):
     by the tile's last split), ring wrap-around, a partial token tile (M=100) and a partial weight tile (N=1000)
     through the backend's wrapper; NMSE within 1e-4, and with fixup two calls give the same bits (the per-tile
     counts start at zero each call)."""
-    _needs_gluon()
     n, k, m = 1000, 4096, 100
-    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
-    w = prepare_fp4(qt, torch.device("cuda"))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    qt, w, x = _gluon_case(n, k, m)
     cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", fixup=fixup)
     got = fp4_gluon_linear(x, w, cfg)
     assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"Gluon GEMM {cfg.label()} M={m} N={n}")
@@ -335,11 +340,8 @@ def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut, fixup):
 def test_fp4_gluon_linear_two_warpgroups_match_reference(cut):
     """Two consumer warpgroups (128 weight rows) over 256 / 128 tokens, the large-M cuts the sweep times since session
     59 (0 spills on SM90 at 3 stages): partial tiles (M = 300, N = 1000) within the linear tolerance."""
-    _needs_gluon()
     n, k, m = 1000, 4096, 300
-    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
-    w = prepare_fp4(qt, torch.device("cuda"))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    qt, w, x = _gluon_case(n, k, m)
     cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed")
     assert_nmse(reference_linear(x, qt), fp4_gluon_linear(x, w, cfg), tolerance("linear"),
                 f"Gluon GEMM {cfg.label()} M={m} N={n}")
@@ -351,11 +353,8 @@ def test_fp4_gluon_linear_persistent_matches_reference(cut):
     """The persistent grid (one program per SM over ~1000 tiles): the ring's stages and phases carried from tile to
     tile (8 chunks per tile on 3 stages), partial last tiles (M = 2100, N = 2000); within the linear tolerance and
     the same bits as the one-tile-per-program launch (the same mainloop and summation order)."""
-    _needs_gluon()
     n, k, m = 2000, 1024, 2100
-    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
-    w = prepare_fp4(qt, torch.device("cuda"))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    qt, w, x = _gluon_case(n, k, m)
     cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", persistent=True)
     got = fp4_gluon_linear(x, w, cfg)
     assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"Gluon GEMM {cfg.label()} M={m} N={n}")
@@ -369,12 +368,9 @@ def test_fp4_gluon_linear_two_ctas_per_sm_match_reference(cut):
     """The launch at 128 registers per thread (two CTAs per SM; Triton's setmaxnreg gives the consumer 232): split-K
     and not, partial token and weight tiles, ring wrap-around; NMSE within 1e-4, and the compiled kernel did take
     128 registers (else the second CTA would not fit)."""
-    _needs_gluon()
-    from musecore_cuda.kernels import fp4_gemm_gluon
     n, k, m = 1000, 4096, 100
-    qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
-    w = prepare_fp4(qt, torch.device("cuda"))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    qt, w, x = _gluon_case(n, k, m)
+    from musecore_cuda.kernels import fp4_gemm_gluon
     cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", ctas_per_sm=2)
     assert_nmse(reference_linear(x, qt), fp4_gluon_linear(x, w, cfg), tolerance("linear"),
                 f"Gluon GEMM {cfg.label()} M={m} N={n}")
