@@ -491,9 +491,11 @@ def test_gluon_grouped_launch_refuses_what_it_cannot_run():
         fp4_gemm_gluon.check_grouped(x[:24], tiles, stack, out[:24], fold_log2=9, cfg=cfg)
     with pytest.raises(ValueError, match="7 <= fold_log2 <= 116"):
         fp4_gemm_gluon.check_grouped(x, tiles, stack, out, fold_log2=3, cfg=cfg)
-    with pytest.raises(ValueError, match="without split-K"):
-        fp4_gemm_gluon.check_grouped(x, tiles, stack, out, fold_log2=9,
-                                     cfg=fp4_gluon_plan.GluonConfig(64, 16, 2, 4, upcast="packed"))
+    for cut in ((64, 16, 2, 4), (64, 16, 1, 4, True)):  # split-K; a persistent grid (not written for this kernel)
+        with pytest.raises(ValueError, match="without split-K"):
+            fp4_gemm_gluon.check_grouped(x, tiles, stack, out, fold_log2=9,
+                                         cfg=fp4_gluon_plan.GluonConfig(*cut[:4], upcast="packed",
+                                                                        persistent=cut[4:] == (True,)))
     with pytest.raises(ValueError, match="stack must be contiguous"):
         fp4_gemm_gluon.check_grouped(x, tiles, (g.packed, g.scales[..., :4], g.out_scale), out, fold_log2=9, cfg=cfg)
     with pytest.raises(ValueError, match="output"):

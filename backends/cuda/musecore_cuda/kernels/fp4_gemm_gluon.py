@@ -671,9 +671,9 @@ def check_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: 
         raise TypeError(f"the grouped Gluon GEMM takes contiguous 2-D bf16 activations; got {x.dtype} "
                         f"{tuple(x.shape)}")
     rows, k = x.shape
-    if cfg.upcast != "packed" or cfg.split_k != 1 or cfg.ctas_per_sm != 1:
-        raise ValueError(f"the grouped Gluon GEMM runs the packed upcast without split-K on one CTA per SM; got "
-                         f"{cfg.label()}")
+    if cfg.upcast != "packed" or cfg.split_k != 1 or cfg.ctas_per_sm != 1 or cfg.persistent:
+        raise ValueError(f"the grouped Gluon GEMM runs the packed upcast without split-K on one CTA per SM, one tile "
+                         f"per program; got {cfg.label()}")
     if not 7 <= fold_log2 <= 116:
         raise ValueError(f"the packed upcast is exact for 7 <= fold_log2 <= 116; got {fold_log2}")
     n = stack[0].shape[1]
