@@ -1,0 +1,55 @@
+"""The Gluon kernels compiled for SM90 (the H200's ISA) on a host with no GPU, with Triton 3.6 (``gluon_sm90.py``):
+every launch ``fp4_gluon_plan.pick_config`` makes for the 816B linears, the large-M and persistent cuts the sweeps
+time, and the grouped (MoE) kernel's gate/up and down at every token tile the MoE probe times. Each must compile
+without spills and without ptxas serializing its wgmmas (C7513), and the packed consumer loop must stay within its
+instruction budget per 128-element chunk (that loop's issue rate is its speed at M 9-256: lab NOTES, sessions 12
+and 40). The grouped kernel has never run on a GPU (session 59), so this is what checks it between device sessions;
+a mask on its 256 x 128 down tile spilled 926 bytes before this test existed."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # (the helper beside this file; pytest runs from the repository root)
+import gluon_sm90  # noqa: E402
+from musecore_cuda.bench import LINEAR_SHAPES  # noqa: E402
+from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig, pick_config  # noqa: E402
+
+pytestmark = pytest.mark.skipif(gluon_sm90.missing() is not None, reason=str(gluon_sm90.missing()))
+
+# SASS per chunk of the packed consumer loop: 242 one tile per program at block_m <= 128 (session 12), 245-246 at
+# 256, 247-250 persistent (the stage and phase carried across tiles), 252 for the grouped gate/up at 128 x 256.
+PACKED_CHUNK_BUDGET = 252
+
+
+def routed_cuts() -> set[str]:
+    """The launches the Gluon path makes for the 816B linears at M 8-256 on the H200's 132 SMs."""
+    return {pick_config(m, n, k, 132).label() for n, k in LINEAR_SHAPES.values() for m in (8, 9, 16, 17, 32, 64, 128,
+                                                                                             256)}
+
+
+SWEPT = ("128,256,1,3,packed", "128,128,1,4,packed", "64,128,1,4,packed,1,persistent",
+         "128,256,1,3,packed,1,persistent")
+GROUPED = tuple(f"grouped:{GluonConfig(bn, bm, 1, 3 if bm == 256 else 4, upcast='packed').label()}"
+                for bn, bm in ((64, 16), (64, 64), (64, 128), (64, 256), (128, 64), (128, 256)))
+
+
+@functools.lru_cache(maxsize=1)
+def reports() -> dict[tuple[str, str], dict]:
+    """Every cut compiled once, in one subprocess (the test environment's own Triton is another version)."""
+    cuts = sorted(routed_cuts()) + list(SWEPT) + list(GROUPED)
+    return {(r["cut"], r["kernel"]): r for r in gluon_sm90.compile_in_subprocess(cuts)}
+
+
+@pytest.mark.parametrize("cut", sorted(routed_cuts()) + list(SWEPT) + list(GROUPED))
+def test_gluon_kernels_compile_for_sm90_without_spills_within_budget(cut):
+    found = {kind: r for (c, kind), r in reports().items() if c == cut}
+    assert found and set(found) == ({"gate_up", "down"} if cut.startswith("grouped:") else {"dense"}), found
+    for kind, r in found.items():
+        assert r["spill_bytes"] == 0 and not r["c75"], f"{cut} {kind}: {r['ptxas']}"
+        assert r["per_chunk"] <= PACKED_CHUNK_BUDGET, f"{cut} {kind}: {r['per_chunk']} SASS per chunk"
+        assert r["shared"] <= 227 * 1024, f"{cut} {kind}: {r['shared']} bytes of shared memory"
