@@ -622,6 +622,16 @@ def bench_targets() -> list[dict]:
                       [r["pct_memory_ceiling"] for r in e2e if r["format"] == "nvfp4" and r["cuda_graphs"]],
                       "NVFP4, CUDA graphs, weight bytes per step at the ceiling"),
             **({"error": e2e_error} if e2e_error else {})}]
+    # item 1's grouped (MoE) GEMM for prefill: at least as fast as the BF16 experts, on the default path and on the
+    # opt-in grouped Gluon GEMM (MUSECORE_CUDA_GLUON_MOE=1; its error, where it cannot run, is its row's)
+    prefill = [r for r in moe if r["M"] == 8192]
+    gluon_errors = [r["gluon_error"] for r in prefill if "gluon_error" in r]
+    out += [summary("MoE prefill 8192 tokens (NVFP4 vs BF16 experts), default path", 1.0, "x",
+                    [r["speedup_vs_bf16"] for r in prefill], "816B layer, the grouped Triton GEMM"),
+            {**summary("MoE prefill 8192 tokens, grouped Gluon GEMM (opt-in)", 1.0, "x",
+                       [r["gluon_speedup_vs_bf16"] for r in prefill if "gluon_speedup_vs_bf16" in r],
+                       "816B layer, MUSECORE_CUDA_GLUON_MOE=1's path"),
+             **({"error": gluon_errors[0]} if gluon_errors else {})}]
     fp8_lin = [r["speedup_vs_bf16"] for r in fp8
                if r["format"] == "fp8" and r["path"].startswith("per-token") and r["M"] == 4096]
     fp8_moe = [r["speedup_vs_bf16"] for r in fp8 if r["format"] == "fp8" and r["path"] == "moe" and r["M"] == 8192]

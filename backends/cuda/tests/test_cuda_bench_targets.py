@@ -1,0 +1,55 @@
+"""``musecore bench --case targets``' summary rows from given detail rows (no GPU: every measurement is replaced by a
+row of known values), so that a device call's table is not lost to a bug in the arithmetic after the measurements:
+each target's worst and median, met or not, and the grouped Gluon MoE's row with its error where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from musecore_cuda import bench
+
+
+def _linear(fmt: str, m: int, speedup: float) -> dict:
+    return {"format": fmt, "M": m, "shape": "q_proj 8192->8192", "speedup_vs_bf16": speedup, "default": True,
+            "time_us": 10.0}
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    def moe(batches, prefill):
+        rows = [{"M": b, "pct_memory_ceiling": 50.0 + b, "speedup_vs_bf16": 2.0} for b in batches]
+        return rows + [{"M": prefill, "pct_memory_ceiling": 5.0, "speedup_vs_bf16": 0.8, **gluon}]
+
+    gluon = {"gluon_speedup_vs_bf16": 1.7}
+    monkeypatch.setattr(bench, "gpu_name", lambda: "fake H200")
+    monkeypatch.setattr(bench, "memory_ceiling_gbps", lambda: {"ceiling_gbps": 4000.0})
+    monkeypatch.setattr(bench, "bench_linear", lambda ms, formats: [_linear("nvfp4", m, 1.0 + m / 1000) for m in ms])
+    monkeypatch.setattr(bench, "bench_moe", moe)
+    monkeypatch.setattr(bench, "bench_fp8", lambda ms, moe_tokens: [
+        {"format": "fp8", "path": "per-token", "M": 4096, "speedup_vs_bf16": 1.2},
+        {"format": "fp8", "path": "moe", "M": 8192, "speedup_vs_bf16": 2.0}])
+    monkeypatch.setattr(bench, "bench_e2e", lambda batches: [{"format": "nvfp4", "cuda_graphs": True,
+                                                              "pct_memory_ceiling": 25.0}])
+    monkeypatch.setattr(bench, "bench_gemlite", lambda formats, budget_s: [])
+    return gluon
+
+
+def _targets() -> dict:
+    return {r["target"]: r for r in bench.bench_targets() if r.get("case") == "targets"}
+
+
+def test_targets_summarize_each_goal_and_the_grouped_moe_rows(fake_runs):
+    rows = _targets()
+    assert rows["linear M=4096"]["worst"] == pytest.approx(5.096) and rows["linear M=4096"]["met"]
+    assert not rows["MoE decode batch 1-16 (% of memory ceiling over routed bytes)"]["met"]
+    default = rows["MoE prefill 8192 tokens (NVFP4 vs BF16 experts), default path"]
+    assert default["worst"] == pytest.approx(0.8) and not default["met"]
+    gluon = rows["MoE prefill 8192 tokens, grouped Gluon GEMM (opt-in)"]
+    assert gluon["worst"] == pytest.approx(1.7) and gluon["met"] and "error" not in gluon
+
+
+def test_the_grouped_moe_row_carries_the_reason_it_could_not_run(fake_runs):
+    fake_runs.clear()
+    fake_runs["gluon_error"] = "triton 3.9.0: not the Gluon kernels' 3.6"
+    gluon = _targets()["MoE prefill 8192 tokens, grouped Gluon GEMM (opt-in)"]
+    assert gluon["n"] == 0 and not gluon["met"] and gluon["error"].startswith("triton 3.9.0")
