@@ -8,7 +8,8 @@
 #   6. the decode kernels' GPU tests (linear, MoE, PDL, choices);
 #   7. (session 57) ncu of the decode GEMVs with every stall reason and the pipes (NCU_SPECS=decode NCU_DETAIL=1 by
 #      default here; device_prelude.sh's NCU_DECODE).
-#   8. (session 59) the grouped Gluon MoE GEMM: its GPU tests, then cuda_gluon_moe_probe.py (its token tiles against
+#   8. (session 59) the grouped Gluon MoE GEMM: its GPU tests (with the Gluon linears' and the grouped conformance
+#      cases), then cuda_gluon_moe_probe.py (its token tiles against
 #      the grouped Triton GEMM and the BF16 experts at prefill sizes; GLUON_MOE_ARGS, GLUON_MOE_S).
 #   9. (session 59) the Gluon GEMM at large M with two consumer warpgroups (block_n 128, block_m 256: half the
 #      activation tiles' L2 reads of block_n 64), each also on a persistent grid, against dequantize + cuBLAS and
@@ -38,7 +39,8 @@ step6() {
 }
 step7() { NCU_SPECS=${NCU_SPECS:-decode} NCU_DETAIL=${NCU_DETAIL:-1} ncu_misses_step 7; }
 step8() {
-  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_moe.py -k gluon \
+  timeout $(cap 180) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_moe.py \
+    backends/cuda/tests/test_cuda_conformance.py backends/cuda/tests/test_cuda_linear.py -k "gluon or grouped" \
     > $OUT/gluon_moe_tests.log 2>&1
   echo "8. grouped Gluon MoE tests at ${SECONDS}s (rc $?):"; grep -E "passed|failed|FAILED|Error|assert" \
     $OUT/gluon_moe_tests.log | tail -12
