@@ -6,7 +6,7 @@ CUDA C++ tensor-core GEMV up to 15 rows, the CUDA C++ tiled GEMM from ``GEMM_MIN
 ``DEQUANT_MIN_M`` rows a transient bf16 copy of the weight and cuBLAS (compute-bound there, where
 cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). NVFP4 weights at
 ``GLUON_MIN_M``-``GLUON_MAX_M`` rows (from ``GLUON_WIDE_M`` for weights of ``GLUON_WIDE_WEIGHTS`` elements and
-more) take the Gluon GEMM instead where it can run (SM 9.x, Triton's
+more) take the Gluon GEMM instead where it can run (SM 9.x, Triton 3.6's
 Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0`` turns it off). What depends on the GPU itself (SM count,
 occupancy, whether NVRTC compiles, whether Gluon runs) is decided at load and says so.
 """
@@ -356,11 +356,11 @@ def env_settings() -> list[EnvSetting]:
         EnvSetting(pdl.EARLY_ENV, os.environ.get(pdl.EARLY_ENV), "1: " + ",".join(pdl.EARLY_DEFAULT),
                    "kernels (launched with PDL) that let the next one start from their top: 1, 0 or names"),
         EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16) "
-                   "take the Gluon GEMM on SM 9.x with Triton's Gluon Hopper API",
+                   "take the Gluon GEMM on SM 9.x with Triton 3.6's Gluon",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
         EnvSetting(moe_prefill.GLUON_MOE_ENV, os.environ.get(moe_prefill.GLUON_MOE_ENV), "0: NVFP4 experts beyond "
                    "the decode GEMVs take the grouped Triton GEMM", "1 takes the grouped Gluon GEMM (SM 9.x with "
-                   "Triton's Gluon Hopper API; not yet measured on a GPU)"),
+                   "Triton 3.6's Gluon; not yet measured on a GPU)"),
         EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "
                    "attention sublayers in 4, at one-token decode; the decode embed in 1",
                    "0 runs the separate ops (10, 7 and ~18 launches)"),
