@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -467,6 +469,8 @@ def test_gluon_moe_is_opt_in_and_says_why_a_layer_keeps_the_triton_gemm(monkeypa
         moe_prefill.unavailable_reason(z, *stacks)
     monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "1")
     assert "bf16 activations" in moe_prefill.unavailable_reason(z.half(), *stacks)
+    strided = dataclasses.replace(prepared.down, packed=prepared.down.packed.transpose(1, 2))
+    assert "not contiguous" in moe_prefill.unavailable_reason(z, prepared.gate, prepared.up, strided)
     if DEVICE == "cpu":
         assert "NVIDIA" in moe_prefill.unavailable_reason(z, *stacks)
     assert "NVFP4" in moe_prefill.shape_problem("mxfp4", 128, 128, (9, 9, 9))

@@ -64,6 +64,8 @@ def cannot_run(z: torch.Tensor, gate: ExpertStack, up: ExpertStack, down: Expert
         return "the grouped Gluon GEMM takes FP4 expert stacks; these are 16-bit"
     if z.dtype != torch.bfloat16:
         return f"the grouped Gluon GEMM takes bf16 activations; got {z.dtype}"
+    if not all(t.is_contiguous() for s in (gate, up, down) for t in (s.packed, s.scales)):
+        return "the grouped Gluon GEMM reads each expert stack as one 2-D tensor; these are not contiguous"
     problem = shape_problem(gate.format, gate.in_features, gate.out_features,
                             (gate.fold_log2, up.fold_log2, down.fold_log2))
     return problem or fp4_gluon_plan.unavailable_reason(z.device)
