@@ -54,8 +54,8 @@ FP4_FORMATS = ("nvfp4", "mxfp4")
 SM_DEVICES = {9: ["h200", "h100", "h200-fp8", "h100-fp8"], 10: ["b200", "gb200", "b300", "gb300"]}
 VERIFIED_SM = (9,)  # the kernels have been run and checked on these SM majors
 RAN_ON = {9: ("H200",)}  # the chips of each verified SM major they ran on
-# Opt-in kernels written and compiled for SM90 without a GPU: doctor names them until a device has run their tests
-NEVER_RAN = ("the opt-in grouped Gluon MoE GEMM (MUSECORE_CUDA_GLUON_MOE=1)",)
+# Kernels written and compiled for SM90 without a GPU: doctor names them until a device has run their tests
+NEVER_RAN: tuple[str, ...] = ()
 
 
 def verified_on(verified: Sequence[int] = VERIFIED_SM) -> str:
@@ -80,7 +80,8 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*lead, w.out_features)
-    path = fp4_linear_path(x2.shape[0], x.dtype, x.device, w.out_features * w.in_features, weight_format=w.format)
+    path = fp4_linear_path(x2.shape[0], x.dtype, x.device, w.out_features * w.in_features, weight_format=w.format,
+                           out_features=w.out_features)
     if path == "gluon":
         y = fp4_gluon_linear(x2, w)
     elif path in ("mma", "fma"):
@@ -94,14 +95,17 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
     return y.reshape(*lead, w.out_features)
 
 
-def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int, *, weight_format: str) -> str:
+def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int, *, weight_format: str,
+                    out_features: int = 0) -> str:
     """Which kernel ``fp4_linear`` runs for ``m`` rows against a ``weight_format`` ("nvfp4" / "mxfp4") weight of
-    ``weights`` elements: "gluon" (the Gluon GEMM: NVFP4, bf16, M 9-256 or 8-256 for weights of
-    32M elements and more, where it runs and is not switched off),
+    ``weights`` elements (``out_features`` rows): "gluon" (the Gluon GEMM: NVFP4, bf16, M 9-256 or 8-256 for weights
+    of 32M elements and more, and past 256 where its 128 x 256 tiles fill the GPU; where it runs and is not switched
+    off),
     "mma" / "fma" (CUDA C++ decode kernels), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
     "tiled" (Triton W4A16 GEMM: fp16 activations beyond the decode kernels, or no NVRTC)."""
     gluon = choices.gluon_enabled() and fp4_gluon_plan.available(device)
-    path = choices.fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights)
+    path = choices.fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights,
+                                out_features=out_features)
     if path != "gluon" and not fp4_gemv_cuda.available(device):
         return "tiled"
     return path

@@ -45,6 +45,13 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # GLUON_WIDE_WEIGHTS elements take it from M=8. M 5-7 is unmeasured.
 GLUON_MIN_M, GLUON_MAX_M = 9, 256
 GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 8, 4096 * 8192
+# Past GLUON_MAX_M rows: the Gluon GEMM with two consumer warpgroups over 256 tokens (fp4_gluon_plan.LARGE_M_CONFIG)
+# where its grid fills the GPU (>= GLUON_LARGE_MIN_TILES output tiles of 128 x 256), else dequantize + cuBLAS. H200,
+# session 59, run 80 (benchmarks/results/h200_issue26/run80_s59_call1_gluon_moe_large_m/), us, Gluon vs dequant +
+# cuBLAS, same process: M = 1024 q_proj 188 vs 235, expert_up 95 vs 122, expert_down 48 vs 60 (128 tiles), k_proj
+# (32 tiles) 81 vs 34 (the reason for the tile floor); M = 4096 q_proj 808 vs 850, k_proj (128 tiles) 101 vs 105,
+# expert_up 426 vs 428, expert_down 214 vs 215. M 257-1023 and 1025-4095 are unmeasured (between two wins).
+GLUON_LARGE_MIN_TILES = 128
 GLUON_ENV = "MUSECORE_CUDA_GLUON"
 GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
 
@@ -62,14 +69,27 @@ def gluon_min_m(weights: int) -> int:
     return GLUON_WIDE_M if weights >= GLUON_WIDE_WEIGHTS else GLUON_MIN_M
 
 
+def gluon_large(m: int, out_features: int) -> bool:
+    """Whether ``m`` rows past ``GLUON_MAX_M`` take the Gluon GEMM's large-M launch against ``out_features`` weight
+    rows: when its 128 x 256 output tiles number at least ``GLUON_LARGE_MIN_TILES``."""
+    tiles = -(-out_features // fp4_gluon_plan.LARGE_M_CONFIG.block_n) * -(-m // fp4_gluon_plan.LARGE_M_CONFIG.block_m)
+    return m > GLUON_MAX_M and tiles >= GLUON_LARGE_MIN_TILES
+
+
+def gluon_large_first_m(out_features: int) -> int:
+    """The fewest rows past ``GLUON_MAX_M`` that :func:`gluon_large` takes for ``out_features`` weight rows."""
+    n_tiles = -(-out_features // fp4_gluon_plan.LARGE_M_CONFIG.block_n)
+    return max(GLUON_MAX_M + 1, fp4_gluon_plan.LARGE_M_CONFIG.block_m * (-(-GLUON_LARGE_MIN_TILES // n_tiles) - 1) + 1)
+
+
 def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gluon: bool = False,
-                 weights: int = 0) -> str:
-    """The FP4 linear kernel for ``m`` rows of ``dtype`` activations against a weight of ``weights`` elements when
-    NVRTC is available: "gluon" (the Gluon W4A16 GEMM, only when ``gluon``: it can run here and is not switched
-    off), "mma" / "fma" (CUDA C++ decode GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
-    "tiled" (Triton W4A16 GEMM)."""
+                 weights: int = 0, out_features: int = 0) -> str:
+    """The FP4 linear kernel for ``m`` rows of ``dtype`` activations against a weight of ``weights`` elements
+    (``out_features`` rows) when NVRTC is available: "gluon" (the Gluon W4A16 GEMM, only when ``gluon``: it can run
+    here and is not switched off), "mma" / "fma" (CUDA C++ decode GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant"
+    (bf16 copy + cuBLAS) or "tiled" (Triton W4A16 GEMM)."""
     if (gluon and dtype == torch.bfloat16 and weight_format in GLUON_FORMATS
-            and gluon_min_m(weights) <= m <= GLUON_MAX_M):
+            and (gluon_min_m(weights) <= m <= GLUON_MAX_M or gluon_large(m, out_features))):
         return "gluon"
     if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
         return "dequant" if m >= DEQUANT_MIN_M else "gemm"
@@ -93,15 +113,17 @@ PATH_NAMES = {
 }
 
 
-def _m_ranges(dtype: torch.dtype, *, weight_format: str = "nvfp4", weights: int = 0,
+def _m_ranges(dtype: torch.dtype, *, weight_format: str = "nvfp4", weights: int = 0, out_features: int = 0,
               gluon: bool = False) -> list[tuple[int, Optional[int], str]]:
-    """Consecutive M ranges ``(first, last or None, path)`` over which :func:`fp4_path_for` is constant."""
+    """Consecutive M ranges ``(first, last or None, path)`` over which :func:`fp4_path_for` is constant (the Gluon
+    GEMM's launches below and past ``GLUON_MAX_M`` differ, so they are separate ranges)."""
     ranges: list[tuple[int, Optional[int], str]] = []
     edges = sorted({1, 2, 3, fp4_gemv_cuda.FMA_MAX_M + 1, fp4_gemv_cuda.MAX_M + 1, GEMM_MIN_M, DEQUANT_MIN_M,
-                    GLUON_WIDE_M, GLUON_MIN_M, GLUON_MAX_M + 1})
+                    GLUON_WIDE_M, GLUON_MIN_M, GLUON_MAX_M + 1, gluon_large_first_m(out_features or 1)})
     for m in edges:
-        path = fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights)
-        if ranges and ranges[-1][2] == path:
+        path = fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights,
+                            out_features=out_features)
+        if ranges and ranges[-1][2] == path and (path != "gluon" or m != GLUON_MAX_M + 1):
             continue
         if ranges:
             ranges[-1] = (ranges[-1][0], m - 1, ranges[-1][2])
@@ -133,6 +155,11 @@ GLUON_PLAN_SMS = 132  # the H200's SM count, for the config the plan shows; at l
 
 def _gluon_reason(n: int, k: int, first: int) -> str:
     cfg = fp4_gluon_plan.pick_config(first, n, k, GLUON_PLAN_SMS)
+    if first > GLUON_MAX_M:
+        return (f"NVFP4 past M={GLUON_MAX_M} where {GLUON_LARGE_MIN_TILES}+ output tiles of {cfg.block_n} x "
+                f"{cfg.block_m} fill the GPU: two consumer warpgroups over 256 tokens ({cfg.label()}); H200, 816B "
+                "shapes: 1.20-1.25x dequantize + cuBLAS at M=1024, 1.00-1.05x at M=4096 (0.82-0.98x BF16); "
+                "today's rule applies if the GPU at load is not SM 9.x or Triton is not 3.6")
     return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of 32M elements and more): beat "
             f"today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256); launch from M, N, K and the SM "
             f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}); "
@@ -145,7 +172,7 @@ def _fp4_linear_choices(shape: LinearShape, arch: str = "") -> list[KernelChoice
     fallback = gluon_fallback_reason(shape.weight_format, arch)
     out = []
     for first, last, path in _m_ranges(torch.bfloat16, weight_format=shape.weight_format, weights=n * k,
-                                       gluon=fallback is None):
+                                       out_features=n, gluon=fallback is None):
         if path == "gluon":
             reason = _gluon_reason(n, k, first)
         elif path == "mma":
@@ -242,20 +269,26 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
 
 
 def _expert_prefill_choice(shape: LinearShape, label: str, width: int, inter: int, limit: int) -> KernelChoice:
-    """FP4 experts beyond the decode GEMVs: the grouped Triton GEMM, or the grouped Gluon GEMM when opted in."""
+    """FP4 experts beyond the decode GEMVs: the grouped Gluon GEMM where it can run, else the grouped Triton GEMM."""
     e, top_k = shape.experts, max(1, shape.top_k)
     problem = (moe_prefill.shape_problem(shape.weight_format, width, inter, (9, 9, 9)) if moe_prefill.enabled()
-               else f"{moe_prefill.GLUON_MOE_ENV}=1 would take the grouped Gluon GEMM (not yet measured on a GPU)")
+               else f"the grouped Gluon GEMM is switched off ({moe_prefill.GLUON_MOE_ENV}=0)")
     if problem is None:
-        cfg = fp4_gluon_plan.pick_moe_config((limit + 1) * top_k, e, 2 * inter, width, 132)
+        problem = fp4_gluon_plan.import_problem()
+    if problem is None:
+        cfg = fp4_gluon_plan.pick_moe_config((limit + 1) * top_k, e, 2 * inter, width, GLUON_PLAN_SMS)
         return KernelChoice(f"{label}, T > {limit} tokens",
                             "Gluon grouped W4A16 GEMM (align, gather, gate+up+SwiGLU, down; fp4_gemm_gluon), Triton "
-                            "finalize", f"opted in with {moe_prefill.GLUON_MOE_ENV}=1; not yet measured on the H200; "
-                            f"tiles 64 x {cfg.block_m} at T = {limit + 1} on 132 SMs (SM count and Gluon checked at "
-                            "load)", env=moe_prefill.GLUON_MOE_ENV)
+                            "finalize", "the dense Gluon GEMM's mainloop over the assignments sorted by expert (H200, "
+                            "816B layer: 15.2 ms at 8192 tokens, 1.54x the BF16 experts, against the Triton grouped "
+                            f"GEMM's 28.5; 4.6 vs 9.8 ms at 1024); tile {cfg.block_n} x {cfg.block_m} at T = "
+                            f"{limit + 1} on {GLUON_PLAN_SMS} SMs (SM count and Gluon checked at load)",
+                            env=moe_prefill.GLUON_MOE_ENV)
     return KernelChoice(f"{label}, T > {limit} tokens", "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, "
                         "finalize)", f"each routed expert streamed once per block of its tokens; "
-                        f"{_triton_gemm_note(max(1, (limit + 1) * top_k // e))} at T = {limit + 1}; {problem}")
+                        f"{_triton_gemm_note(max(1, (limit + 1) * top_k // e))} at T = {limit + 1}; not the grouped "
+                        f"Gluon GEMM: {problem}",
+                        env=moe_prefill.GLUON_MOE_ENV if moe_prefill.GLUON_MOE_ENV in problem else "")
 
 
 def _pdl_choice() -> KernelChoice:
@@ -358,9 +391,9 @@ def env_settings() -> list[EnvSetting]:
         EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16) "
                    "take the Gluon GEMM on SM 9.x with Triton 3.6's Gluon",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
-        EnvSetting(moe_prefill.GLUON_MOE_ENV, os.environ.get(moe_prefill.GLUON_MOE_ENV), "0: NVFP4 experts beyond "
-                   "the decode GEMVs take the grouped Triton GEMM", "1 takes the grouped Gluon GEMM (SM 9.x with "
-                   "Triton 3.6's Gluon; not yet measured on a GPU)"),
+        EnvSetting(moe_prefill.GLUON_MOE_ENV, os.environ.get(moe_prefill.GLUON_MOE_ENV), "1: NVFP4 experts beyond "
+                   "the decode GEMVs take the grouped Gluon GEMM on SM 9.x with Triton 3.6's Gluon",
+                   "0 keeps the grouped Triton GEMM there"),
         EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "
                    "attention sublayers in 4, at one-token decode; the decode embed in 1",
                    "0 runs the separate ops (10, 7 and ~18 launches)"),

@@ -59,8 +59,11 @@ def test_fp4_linear_names_each_path_per_m_range(choices):
     assert "64,16,1,4,packed" in gluon.reason  # the launch at M=8 on an H200's 132 SMs
     k_proj = _choice(choices, "k_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}")
     assert "64,16,8,4,packed" in k_proj.reason  # narrow N: split-K fills the SMs
-    dequant = _choice(choices, "q_proj", f"M >= {GLUON_MAX_M + 1}")
-    assert "bf16 copy + cuBLAS" in dequant.choice and "128 MiB" in dequant.reason  # the transient copy
+    large = _choice(choices, "q_proj", f"M >= {GLUON_MAX_M + 1}")  # 64 weight tiles of 128: 128 tiles at M = 257
+    assert "Gluon W4A16 GEMM" in large.choice and "128,256,1,3,packed" in large.reason
+    dequant = _choice(choices, "k_proj", "M 257-3840")  # 8 weight tiles: the GPU fills from M = 3841
+    assert "bf16 copy + cuBLAS" in dequant.choice and "16 MiB" in dequant.reason  # the transient copy
+    assert "Gluon W4A16 GEMM" in _choice(choices, "k_proj", "M >= 3841").choice
     assert "Triton W4A16 GEMM" in _choice(choices, "fp16 activations").choice
 
 
@@ -229,7 +232,7 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
 def test_moe_names_the_gemv_then_runs_up_to_1024_assignments_and_the_grouped_gemm_beyond(choices):
     assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 7 tokens").reason
     assert "runs of one expert" in _choice(choices, "experts gate/up", "T 8-128 tokens").choice  # 128 x 8 = 1024
-    assert "Triton grouped W4A16 GEMM" in _choice(choices, "experts down", "T > 128 tokens").choice
+    assert "Gluon grouped W4A16 GEMM" in _choice(choices, "experts down", "T > 128 tokens").choice
 
 
 def test_moe_gemv_rule_takes_more_than_e_assignments_only_on_runs():
@@ -327,25 +330,43 @@ def test_the_eager_first_attention_step_is_the_cuda_backends_choice(monkeypatch)
     assert attention.eager_first_step(cpu)
 
 
-def test_pick_moe_config_grows_the_token_tile_with_the_assignments_and_fits_shared_memory():
-    """The grouped Gluon GEMM's launch (unmeasured; the dense kernel's cost model with expected padding)."""
-    picks = [fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132) for t in (129, 1024, 8192)]
-    assert [c.block_m for c in picks] == sorted(c.block_m for c in picks) and picks[0].block_m < picks[-1].block_m
-    for cfg in picks:
+def test_pick_moe_config_picks_run_80s_best_tiles_and_fits_shared_memory():
+    """The grouped Gluon GEMM's launch: the measured best of six tiles on the 816B layer at 1024 and 8192 tokens
+    (H200, run 80: 128 x 64 in 4.6 ms, 128 x 256 in 15.2 ms), split 1, within the ring's shared memory."""
+    assert fp4_gluon_plan.pick_moe_config(1024 * 8, 256, 8192, 4096, 132).label() == "128,64,1,4,packed"
+    assert fp4_gluon_plan.pick_moe_config(8192 * 8, 256, 8192, 4096, 132).label() == "128,256,1,3,packed"
+    for t in (129, 1024, 8192, 32768):
+        cfg = fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132)
         assert cfg.split_k == 1 and cfg.upcast == "packed" and cfg.smem_bytes() <= SMEM_BYTES
     assert fp4_gluon_plan.expected_tiles(8, 256, 16) == 8  # fewer assignments than experts: one tile each
     assert fp4_gluon_plan.expected_tiles(65536, 256, 128) == 256 * 2.5
-    with pytest.raises(ValueError, match="multiple of 64"):
-        fp4_gluon_plan.pick_moe_config(64, 8, 100, 4096, 132)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp4_gluon_plan.pick_moe_config(64, 8, 192, 4096, 132)
 
 
-def test_gluon_moe_shows_in_the_plan_only_when_opted_in(monkeypatch):
+def test_large_m_takes_the_gluon_gemm_where_its_tiles_fill_the_gpu():
+    """Past 256 rows: two warpgroups over 256 tokens where 128+ output tiles of 128 x 256 fill an H200 (run 80: it
+    beat dequantize + cuBLAS on every such shape at M = 1024 and 4096, and lost on k_proj's 32 tiles at 1024)."""
+    from musecore_cuda.choices import gluon_large, gluon_large_first_m
+    assert fp4_gluon_plan.pick_config(1024, 8192, 8192, 132) == fp4_gluon_plan.LARGE_M_CONFIG
+    assert gluon_large(257, 8192) and gluon_large(1024, 4096) and not gluon_large(1024, 1024)
+    assert gluon_large(4096, 1024) and not gluon_large(256, 8192)
+    for n in (1024, 4096, 8192, 10240, 1000):
+        first = gluon_large_first_m(n)
+        assert gluon_large(first, n) and (first == 257 or not gluon_large(first - 1, n)), (n, first)
+
+
+def test_gluon_moe_is_the_plans_choice_unless_switched_off_or_triton_is_not_3_6(monkeypatch):
     from musecore_cuda.kernels import moe_prefill
-    monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
     plan = lambda: CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200"))  # noqa: E731
-    off = _choice(plan(), "experts down", "T > 128 tokens")
-    assert "Triton grouped W4A16 GEMM" in off.choice and "MUSECORE_CUDA_GLUON_MOE=1 would" in off.reason
-    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "1")
+    monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
+    monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: None)
     on = _choice(plan(), "experts down", "T > 128 tokens")
-    assert "Gluon grouped W4A16 GEMM" in on.choice and "not yet measured" in on.reason
-    assert on.env == moe_prefill.GLUON_MOE_ENV
+    assert "Gluon grouped W4A16 GEMM" in on.choice and "15.2 ms" in on.reason and on.env == moe_prefill.GLUON_MOE_ENV
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "0")
+    off = _choice(plan(), "experts down", "T > 128 tokens")
+    assert "Triton grouped W4A16 GEMM" in off.choice and "MUSECORE_CUDA_GLUON_MOE=0" in off.reason
+    monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV)
+    monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: "triton 3.9.0: not 3.6")
+    other = _choice(plan(), "experts down", "T > 128 tokens")
+    assert "Triton grouped W4A16 GEMM" in other.choice and "triton 3.9.0" in other.reason and not other.env

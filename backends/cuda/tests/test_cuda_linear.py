@@ -399,6 +399,10 @@ def test_fp4_linear_gluon_path_is_switched_off_by_env_and_skips_mxfp4(monkeypatc
     assert fp4_linear_path(GLUON_MIN_M, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "gluon"
     assert fp4_linear_path(GLUON_MIN_M - 1, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "mma"
     assert fp4_linear_path(257, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "dequant"
+    big = dict(weight_format="nvfp4", out_features=8192)  # 64 weight tiles of 128: the large-M launch from M = 257
+    assert fp4_linear_path(257, torch.bfloat16, cuda, 8192 * 8192, **big) == "gluon"
+    assert fp4_linear_path(1024, torch.bfloat16, cuda, 1024 * 8192, weight_format="nvfp4", out_features=1024) == \
+        "dequant"  # 32 tiles: dequantize + cuBLAS measured faster
 
 
 @pytest.mark.gpu

@@ -457,13 +457,13 @@ def test_gluon_moe_steps_around_the_kernel_match_the_reference(block_m, monkeypa
     assert_nmse(ref.moe(z, weights, ids, reference, norm, 1e-8), y, tolerance("moe"), f"gluon moe steps {block_m}")
 
 
-def test_gluon_moe_is_opt_in_and_says_why_a_layer_keeps_the_triton_gemm(monkeypatch):
+def test_gluon_moe_says_why_a_layer_keeps_the_triton_gemm(monkeypatch):
     from musecore_cuda.kernels import moe_prefill
     _, prepared, _, _ = make_layer("nvfp4", 4, 128, 128, torch.bfloat16, DEVICE)
     z = torch.zeros(2, 128, dtype=torch.bfloat16, device=DEVICE)
     stacks = (prepared.gate, prepared.up, prepared.down)
-    monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
-    assert "MUSECORE_CUDA_GLUON_MOE=1" in moe_prefill.unavailable_reason(z, *stacks)
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "0")
+    assert "MUSECORE_CUDA_GLUON_MOE=0" in moe_prefill.unavailable_reason(z, *stacks)
     monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "yes")
     with pytest.raises(ValueError, match="MUSECORE_CUDA_GLUON_MOE must be 0"):
         moe_prefill.unavailable_reason(z, *stacks)

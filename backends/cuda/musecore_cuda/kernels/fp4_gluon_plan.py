@@ -125,6 +125,17 @@ def predicted_us(m: int, n: int, k: int, block_m: int, split_k: int, sms: int) -
     return t
 
 
+# Past 256 rows: two consumer warpgroups over 256 tokens, one tile per program (H200, session 59, run 80: the fastest
+# cut at M = 1024 and 4096 on q_proj, expert_up, expert_down and k_proj at 4096; the persistent grid within +-5% of
+# it either way, so not taken; block_n 64 at 256 tokens was 0.65-0.77x BF16 at M = 4096, this one 0.82-0.92x).
+# ``musecore_cuda.choices.gluon_large`` decides where it runs.
+LARGE_M_CONFIG = GluonConfig(128, 256, 1, 3, upcast="packed")
+# A 128-row tile's chunk costs this many times a 64-row one's (two consumer warpgroups on one SM): session 40's
+# q_proj M = 4096 sweep (0.96 vs 0.57 us at 128 tokens); it makes pick_moe_config pick the measured best tile of
+# run 80's MoE probe at 1024 and 8192 tokens.
+BN128_CHUNK_FACTOR = 1.69
+
+
 @functools.lru_cache(maxsize=4096)  # ~35 model evaluations: cached, fp4_linear asks per call
 def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     """The packed-upcast launch for ``m`` tokens against an ``[n, k]`` NVFP4 weight on ``sms`` SMs.
@@ -138,6 +149,8 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     """
     if m < 1 or n < 1 or k % CHUNK_K:
         raise ValueError(f"pick_config needs M, N >= 1 and K divisible by {CHUNK_K}; got M={m}, N={n}, K={k}")
+    if m > BLOCK_MS[-1]:
+        return LARGE_M_CONFIG
     chunks = k // CHUNK_K
     cover = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
     best: Optional[tuple[float, int, int]] = None
@@ -170,21 +183,25 @@ def expected_tiles(n_assign: int, experts: int, block_m: int) -> float:
 def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int) -> GluonConfig:
     """The grouped (MoE) Gluon GEMM's launch for ``n_assign`` token-expert assignments over ``experts`` experts
     against ``[rows_out, k]`` weight rows per expert (gate and up together: ``2 I``): :func:`predicted_us`'s model
-    with the token tiles of :func:`expected_tiles` (padding included) instead of ``cdiv(M, block_m)``; block_n 64,
-    no split-K (a prefill has tiles enough), as many ring stages as fit, at most 4. One block_m serves both of a
-    layer's GEMMs (they share the alignment), so callers pick it for gate/up. Not measured on a GPU yet: the model is
-    the dense kernel's, fitted at M 16-256."""
-    if n_assign < 1 or experts < 1 or rows_out % 64 or k % CHUNK_K:
-        raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 64 and K of {CHUNK_K}; "
-                         f"got {n_assign}, {experts}, {rows_out}, {k}")
-    block_m = min(BLOCK_MS, key=lambda b: predicted_moe_us(n_assign, experts, rows_out, k, b, sms))
-    return GluonConfig(64, block_m, 1, ring_stages(block_m), upcast="packed")
+    with the token tiles of :func:`expected_tiles` (padding included) instead of ``cdiv(M, block_m)``, over block_n
+    64 and 128 (:data:`BN128_CHUNK_FACTOR`), no split-K (a prefill has tiles enough), as many ring stages as fit, at
+    most 4. One tile serves both of a layer's GEMMs (they share the alignment), so callers pick it for gate/up. On
+    the H200 (run 80, the 816B layer) it picks the measured best of six tiles at 1024 and 8192 tokens: 128 x 64 and
+    128 x 256; its times run 0.9-1.4x under the measured ones."""
+    if n_assign < 1 or experts < 1 or rows_out % 128 or k % CHUNK_K:
+        raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 128 and K of "
+                         f"{CHUNK_K}; got {n_assign}, {experts}, {rows_out}, {k}")
+    tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS]
+    block_n, block_m = min(tiles, key=lambda t: predicted_moe_us(n_assign, experts, rows_out, k, t[1], sms, t[0]))
+    return GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
 
 
-def predicted_moe_us(n_assign: int, experts: int, rows_out: int, k: int, block_m: int, sms: int) -> float:
-    """The model's microseconds for one grouped launch at block_n 64 (see :func:`pick_moe_config`)."""
-    ctas = math.ceil(expected_tiles(n_assign, experts, block_m)) * (rows_out // 64)
-    return math.ceil(ctas / sms) * (k // CHUNK_K) * (CHUNK_US + CHUNK_US_PER_TOKEN * block_m) + LAUNCH_US
+def predicted_moe_us(n_assign: int, experts: int, rows_out: int, k: int, block_m: int, sms: int,
+                     block_n: int = 64) -> float:
+    """The model's microseconds for one grouped launch (see :func:`pick_moe_config`)."""
+    ctas = math.ceil(expected_tiles(n_assign, experts, block_m)) * (rows_out // block_n)
+    chunk = (CHUNK_US + CHUNK_US_PER_TOKEN * block_m) * (BN128_CHUNK_FACTOR if block_n == 128 else 1.0)
+    return math.ceil(ctas / sms) * (k // CHUNK_K) * chunk + LAUNCH_US
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
