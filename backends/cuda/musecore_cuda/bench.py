@@ -23,8 +23,9 @@ import musecore_quant
 from musecore.benchmarking import cycle, rotating
 from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear,
                                    fp4_gluon_linear, fp4_linear, fp4_linear_path, fp4_tiled_linear)
-from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan
+from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_prefill
 from musecore_cuda.kernels.moe_decode import RUNS_MIN_TOKENS, use_gemv
+from musecore_triton.kernels.moe import moe_forward
 
 LINEAR_SHAPES = {  # name: (N, K) of the 816B preset (H 8192, 128 q heads and 16 kv heads x 64, h = I = 4096)
     "q_proj": (8192, 8192), "k_proj": (1024, 8192), "o_proj": (8192, 8192),
@@ -329,39 +330,37 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
         t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, post_norm, 1e-8), reps=10)
         flops = 2 * t * topk * 3 * width * inter
         grouped = not use_gemv(fp4.gate, t * topk, experts, tokens=t)
+        gluon = grouped and moe_prefill.unavailable_reason(z, fp4.gate, fp4.up, fp4.down) is None
         row = {"backend": "cuda", "case": "moe", "format": "nvfp4",
-               "path": "grouped" if grouped else "gemv runs" if t >= RUNS_MIN_TOKENS else "gemv",
+               "path": ("grouped gluon" if gluon else "grouped triton") if grouped
+               else "gemv runs" if t >= RUNS_MIN_TOKENS else "gemv",
                "shape": f"E{experts} top{topk} {width}x{inter}", "M": t, "routed_experts": routed,
                "time_us": round(t_fp4, 1), "bf16_experts_time_us": round(t_bf16, 1),
                "router_time_us": round(t_router, 1), "speedup_vs_bf16": round(t_bf16 / t_fp4, 3),
                "pct_memory_ceiling": round(100 * nbytes / t_fp4 / 1e3 / ceiling["ceiling_gbps"], 1),
                "tflops": round(flops / t_fp4 / 1e6, 1)}
         if grouped:
-            row.update(_gluon_moe_columns(z, weights, ids, fp4, experts, post_norm, t_fp4, t_bf16, flops))
+            row.update(_triton_moe_columns(z, weights, ids, fp4, experts, post_norm, t_fp4, t_bf16, gluon))
         rows.append(row)
     return rows
 
 
-def _gluon_moe_columns(z, weights, ids, fp4, experts, post_norm, t_default, t_bf16, flops) -> dict:
-    """The grouped Gluon GEMM (``moe_prefill``, opt-in until measured) beside the default grouped path of the same
-    row: its time, speedups and output NMSE against the default's; an ``gluon_error`` where it cannot run."""
+def _triton_moe_columns(z, weights, ids, fp4, experts, post_norm, t_default, t_bf16, gluon: bool) -> dict:
+    """The grouped Triton GEMM (the path before the grouped Gluon GEMM, and where that cannot run) beside a grouped
+    row: its time and speedup, and when the row ran the Gluon GEMM, how much faster that was and its output's NMSE
+    against Triton's."""
     from musecore.testing import nmse
-    from musecore_cuda.kernels import moe_prefill
-    reason = moe_prefill.cannot_run(z, fp4.gate, fp4.up, fp4.down)
-    if reason:
-        return {"gluon_error": reason}
 
-    def gluon() -> torch.Tensor:
-        return moe_prefill.moe_forward_gluon(z, weights, ids, fp4.gate, fp4.up, fp4.down, experts, post_norm, 1e-8)
-    try:
-        got = gluon()
-        t = time_us(gluon, reps=10)
-    except Exception as exc:  # a compile or launch failure is this column's result, not the case's
-        return {"gluon_error": f"{type(exc).__name__}: {exc}"[:300]}
-    default = CudaBackend("cuda").moe(z, weights, ids, fp4, post_norm, 1e-8)
-    return {"gluon_time_us": round(t, 1), "gluon_speedup_vs_bf16": round(t_bf16 / t, 3),
-            "gluon_vs_default": round(t_default / t, 3), "gluon_tflops": round(flops / t / 1e6, 1),
-            "gluon_nmse_vs_default": float(nmse(default, got))}
+    def triton_path() -> torch.Tensor:
+        return moe_forward(z, weights, ids, fp4.gate, fp4.up, fp4.down, experts, post_norm, 1e-8)
+    t = t_default if not gluon else time_us(triton_path, reps=10)
+    out = {"triton_time_us": round(t, 1), "triton_speedup_vs_bf16": round(t_bf16 / t, 3)}
+    if gluon:
+        default = CudaBackend("cuda").moe(z, weights, ids, fp4, post_norm, 1e-8)
+        out.update(gluon_vs_triton=round(t / t_default, 3), gluon_nmse_vs_triton=float(nmse(triton_path(), default)))
+    else:
+        out["gluon_error"] = moe_prefill.unavailable_reason(z, fp4.gate, fp4.up, fp4.down)
+    return out
 
 
 def bench_attention(contexts: tuple[int, ...] = (4096, 32768, 131072), batch: int = 1) -> list[dict]:
@@ -622,16 +621,13 @@ def bench_targets() -> list[dict]:
                       [r["pct_memory_ceiling"] for r in e2e if r["format"] == "nvfp4" and r["cuda_graphs"]],
                       "NVFP4, CUDA graphs, weight bytes per step at the ceiling"),
             **({"error": e2e_error} if e2e_error else {})}]
-    # item 1's grouped (MoE) GEMM for prefill: at least as fast as the BF16 experts, on the default path and on the
-    # opt-in grouped Gluon GEMM (MUSECORE_CUDA_GLUON_MOE=1; its error, where it cannot run, is its row's)
+    # item 1's grouped (MoE) GEMM for prefill: at least as fast as the BF16 experts on the default path (the grouped
+    # Gluon GEMM where it runs; the row says which ran, and the grouped Triton GEMM's ratio beside it)
     prefill = [r for r in moe if r["M"] == 8192]
-    gluon_errors = [r["gluon_error"] for r in prefill if "gluon_error" in r]
-    out += [summary("MoE prefill 8192 tokens (NVFP4 vs BF16 experts), default path", 1.0, "x",
-                    [r["speedup_vs_bf16"] for r in prefill], "816B layer, the grouped Triton GEMM"),
-            {**summary("MoE prefill 8192 tokens, grouped Gluon GEMM (opt-in)", 1.0, "x",
-                       [r["gluon_speedup_vs_bf16"] for r in prefill if "gluon_speedup_vs_bf16" in r],
-                       "816B layer, MUSECORE_CUDA_GLUON_MOE=1's path"),
-             **({"error": gluon_errors[0]} if gluon_errors else {})}]
+    detail = "; ".join(f"816B layer, {r['path']}; the grouped Triton GEMM {r['triton_speedup_vs_bf16']}x"
+                       + (f" (not Gluon: {r['gluon_error']})" if r.get("gluon_error") else "") for r in prefill)
+    out.append(summary("MoE prefill 8192 tokens (NVFP4 vs BF16 experts)", 1.0, "x",
+                       [r["speedup_vs_bf16"] for r in prefill], detail))
     fp8_lin = [r["speedup_vs_bf16"] for r in fp8
                if r["format"] == "fp8" and r["path"].startswith("per-token") and r["M"] == 4096]
     fp8_moe = [r["speedup_vs_bf16"] for r in fp8 if r["format"] == "fp8" and r["path"] == "moe" and r["M"] == 8192]

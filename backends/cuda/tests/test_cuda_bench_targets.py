@@ -18,9 +18,9 @@ def _linear(fmt: str, m: int, speedup: float) -> dict:
 def fake_runs(monkeypatch):
     def moe(batches, prefill):
         rows = [{"M": b, "pct_memory_ceiling": 50.0 + b, "speedup_vs_bf16": 2.0} for b in batches]
-        return rows + [{"M": prefill, "pct_memory_ceiling": 5.0, "speedup_vs_bf16": 0.8, **gluon}]
+        return rows + [{"M": prefill, "pct_memory_ceiling": 5.0, **grouped}]
 
-    gluon = {"gluon_speedup_vs_bf16": 1.7}
+    grouped = {"path": "grouped gluon", "speedup_vs_bf16": 1.54, "triton_speedup_vs_bf16": 0.83}
     monkeypatch.setattr(bench, "gpu_name", lambda: "fake H200")
     monkeypatch.setattr(bench, "memory_ceiling_gbps", lambda: {"ceiling_gbps": 4000.0})
     monkeypatch.setattr(bench, "bench_linear", lambda ms, formats: [_linear("nvfp4", m, 1.0 + m / 1000) for m in ms])
@@ -31,25 +31,23 @@ def fake_runs(monkeypatch):
     monkeypatch.setattr(bench, "bench_e2e", lambda batches: [{"format": "nvfp4", "cuda_graphs": True,
                                                               "pct_memory_ceiling": 25.0}])
     monkeypatch.setattr(bench, "bench_gemlite", lambda formats, budget_s: [])
-    return gluon
+    return grouped
 
 
 def _targets() -> dict:
     return {r["target"]: r for r in bench.bench_targets() if r.get("case") == "targets"}
 
 
-def test_targets_summarize_each_goal_and_the_grouped_moe_rows(fake_runs):
+def test_targets_summarize_each_goal_and_the_moe_prefill_row(fake_runs):
     rows = _targets()
     assert rows["linear M=4096"]["worst"] == pytest.approx(5.096) and rows["linear M=4096"]["met"]
     assert not rows["MoE decode batch 1-16 (% of memory ceiling over routed bytes)"]["met"]
-    default = rows["MoE prefill 8192 tokens (NVFP4 vs BF16 experts), default path"]
-    assert default["worst"] == pytest.approx(0.8) and not default["met"]
-    gluon = rows["MoE prefill 8192 tokens, grouped Gluon GEMM (opt-in)"]
-    assert gluon["worst"] == pytest.approx(1.7) and gluon["met"] and "error" not in gluon
+    prefill = rows["MoE prefill 8192 tokens (NVFP4 vs BF16 experts)"]
+    assert prefill["worst"] == pytest.approx(1.54) and prefill["met"]
+    assert "grouped gluon" in prefill["detail"] and "Triton GEMM 0.83x" in prefill["detail"]
 
 
-def test_the_grouped_moe_row_carries_the_reason_it_could_not_run(fake_runs):
-    fake_runs.clear()
-    fake_runs["gluon_error"] = "triton 3.9.0: not the Gluon kernels' 3.6"
-    gluon = _targets()["MoE prefill 8192 tokens, grouped Gluon GEMM (opt-in)"]
-    assert gluon["n"] == 0 and not gluon["met"] and gluon["error"].startswith("triton 3.9.0")
+def test_the_moe_prefill_row_says_why_the_gluon_gemm_did_not_run(fake_runs):
+    fake_runs.update(path="grouped triton", speedup_vs_bf16=0.83, gluon_error="triton 3.9.0: not 3.6")
+    prefill = _targets()["MoE prefill 8192 tokens (NVFP4 vs BF16 experts)"]
+    assert not prefill["met"] and "not Gluon: triton 3.9.0" in prefill["detail"]
