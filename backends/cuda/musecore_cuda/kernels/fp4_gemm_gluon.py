@@ -3,8 +3,8 @@ specialization): ``fp4_linear``'s path "gluon" for bf16 activations at M 9-256 a
 tiles fill the GPU (:mod:`musecore_cuda.choices`), launched with
 :func:`musecore_cuda.kernels.fp4_gluon_plan.pick_config`'s packed-upcast config; and its grouped (MoE) variant on the
 same mainloop, :func:`fp4_gluon_moe_kernel` (:mod:`musecore_cuda.kernels.moe_prefill`). This module needs Triton
-3.6's Gluon Hopper API and is imported only when ``fp4_gluon_plan.available`` says so. Launched without programmatic dependent launch (no ``griddepcontrol``), so it
-is ordered like any PyTorch kernel.
+3.6's Gluon Hopper API and is imported only when ``fp4_gluon_plan.available`` says so. Launched without
+programmatic dependent launch (no ``griddepcontrol``), so it is ordered like any PyTorch kernel.
 
 Sessions 6 and 10 ended on the same advice: Triton's ``tl.dot`` cannot express the Machete-class design
 (a producer warp streaming packed weights and activations through a ring of stages with mbarriers,
