@@ -96,7 +96,7 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
 
 
 def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int, *, weight_format: str,
-                    out_features: int = 0) -> str:
+                    out_features: int) -> str:
     """Which kernel ``fp4_linear`` runs for ``m`` rows against a ``weight_format`` ("nvfp4" / "mxfp4") weight of
     ``weights`` elements (``out_features`` rows): "gluon" (the Gluon GEMM: NVFP4, bf16, M 9-256 or 8-256 for weights
     of 32M elements and more, and past 256 where its 128 x 256 tiles fill the GPU; where it runs and is not switched

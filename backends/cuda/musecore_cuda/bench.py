@@ -170,7 +170,7 @@ def bench_linear(shapes: Optional[list[str]] = None, ms: tuple[int, ...] = M_SWE
             calls = {("bf16", ""): (bf16_ws, lambda w: F.linear(x, w))}
             routed = {}  # format: the path fp4_linear takes for this weight at this M
             for fmt, ws in fp4.items():
-                path = routed[fmt] = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
+                path = routed[fmt] = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt, out_features=n)
                 calls[(fmt, path)] = (ws, lambda w: fp4_linear(x, w))
                 if fmt == "nvfp4":  # the other paths at the same M, for comparison
                     others = {"tiled": fp4_tiled_linear, "dequant": fp4_dequant_linear, "gemm": fp4_gemm_linear}
@@ -271,7 +271,7 @@ def _gemlite_rows(name: str, m: int, bf16_ws: list, ours: dict, peers: dict, cei
     calls = {("cuda", "bf16", ""): (bf16_ws, lambda w: F.linear(x, w))}
     errors = {("cuda", "bf16", ""): 0.0}
     for fmt in ours:
-        path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
+        path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt, out_features=n)
         calls[("cuda", fmt, path)] = (ours[fmt], lambda w: fp4_linear(x, w))
         errors[("cuda", fmt, path)] = nmse(want, fp4_linear(x, ours[fmt][0]).float())
         if fmt not in peers:
@@ -491,7 +491,7 @@ def bench_fp8(shapes: tuple[str, ...] = FP8_LINEAR_SHAPES, ms: tuple[int, ...] =
                                          ("fp8", "per-token quantize + row-wise _scaled_mm", t_fp8, n * k + act),
                                          ("fp8", "row-wise _scaled_mm alone (rows pre-quantized)", t_mm, n * k + act),
                                          ("nvfp4", fp4_linear_path(m, x.dtype, x.device, n * k,
-                                                                   weight_format="nvfp4"), t_fp4,
+                                                                   weight_format="nvfp4", out_features=n), t_fp4,
                                           fp4_ws[0].nbytes + act)):
                 rows.append({**_linear_row(fmt, name, n, k, m, t, t_bf16, nbytes, ceiling, path), "case": "fp8",
                              "gpu": gpu})

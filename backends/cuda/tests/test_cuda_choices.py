@@ -115,7 +115,8 @@ def test_fp4_path_for_takes_gluon_only_for_nvfp4_bf16_in_its_m_range():
 
 def test_fp4_linear_path_without_a_gpu_never_takes_gluon():
     assert fp4_gluon_plan.unavailable_reason(torch.device("cpu")).startswith("the Gluon GEMM runs on NVIDIA GPUs")
-    assert fp4_linear_path(64, torch.bfloat16, torch.device("cpu"), 1, weight_format="nvfp4") == "tiled"
+    assert fp4_linear_path(64, torch.bfloat16, torch.device("cpu"), 1, weight_format="nvfp4",
+                           out_features=1) == "tiled"
 
 
 def test_sm90_without_gluon_warns_that_the_slower_path_runs(monkeypatch):

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # (the helper beside this file; pytest runs from the repository root)
 import nvrtc_sass  # noqa: E402
 from musecore_cuda.bench import LINEAR_SHAPES  # noqa: E402
-from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda  # noqa: E402
+from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, moe_decode  # noqa: E402
 from musecore_triton.kernels.fp4_gemm import WFMT_MXFP4, WFMT_NVFP4  # noqa: E402
 
 pytestmark = pytest.mark.skipif(nvrtc_sass.missing() is not None, reason=str(nvrtc_sass.missing()))
@@ -38,6 +38,10 @@ def decode_kernel_names() -> list[str]:
         for programs in (8, 64):  # the 816B MoE decode (4096 x 4096 experts) at batch 1 and 8
             up = fp4_gemv_cuda.make_plan(1, 4096, 4096, torch.bfloat16, CUDA, programs=programs, swiglu=True)
             down = fp4_gemv_cuda.make_plan(1, 4096, 4096, torch.bfloat16, CUDA, programs=programs)
+            for width in (4096, 768):  # what moe_decode runs (one program per assignment): 816B and muse-small
+                per_up, per_down, _ = moe_decode._plans(width, width, torch.bfloat16, CUDA, programs, False)
+                names |= {fp4_gemv_cuda.plan_kernel_name(p, wfmt, True, sw, early=e)
+                          for p, sw in ((per_up, True), (per_down, False)) for e in (False, True)}
             for plan, swiglu in ((up, True), (down, False)):
                 runs = fp4_gemv_cuda.run_plan(plan, 4096, swiglu=swiglu)
                 for p, on_runs in ((plan, False), (runs, True)) if runs else ((plan, False),):

@@ -300,10 +300,11 @@ def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatc
     w = be.prepare_weight(qt, name)
     sms = fp4_gluon_plan.sm_count(torch.cuda.current_device())
     first = gluon_min_m(n * k)  # 8 for q_proj and expert_up, 9 for k_proj and expert_down
-    assert fp4_linear_path(first - 1, torch.bfloat16, torch.device("cuda"), n * k, weight_format="nvfp4") == "mma"
+    assert fp4_linear_path(first - 1, torch.bfloat16, torch.device("cuda"), n * k, weight_format="nvfp4",
+                           out_features=n) == "mma"
     for m in (first, 16, 17, 32, 64, 100, 256):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        assert fp4_linear_path(m, x.dtype, x.device, n * k, weight_format="nvfp4") == "gluon"
+        assert fp4_linear_path(m, x.dtype, x.device, n * k, weight_format="nvfp4", out_features=n) == "gluon"
         cfg = fp4_gluon_plan.pick_config(m, n, k, sms)
         assert_nmse(reference_linear(x, qt), be.linear(x, w), tolerance("linear"),
                     f"{name} {k}->{n} M={m} through the Gluon GEMM {cfg.label()}")
@@ -392,13 +393,13 @@ def test_fp4_linear_gluon_path_is_switched_off_by_env_and_skips_mxfp4(monkeypatc
     _needs_gluon()
     cuda = torch.device("cuda")
     monkeypatch.setenv(GLUON_ENV, "0")
-    assert fp4_linear_path(64, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "gemm"
+    assert fp4_linear_path(64, torch.bfloat16, cuda, 1, weight_format="nvfp4", out_features=0) == "gemm"
     monkeypatch.delenv(GLUON_ENV)
-    assert fp4_linear_path(64, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "gluon"
-    assert fp4_linear_path(64, torch.bfloat16, cuda, 1, weight_format="mxfp4") == "gemm"
-    assert fp4_linear_path(GLUON_MIN_M, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "gluon"
-    assert fp4_linear_path(GLUON_MIN_M - 1, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "mma"
-    assert fp4_linear_path(257, torch.bfloat16, cuda, 1, weight_format="nvfp4") == "dequant"
+    assert fp4_linear_path(64, torch.bfloat16, cuda, 1, weight_format="nvfp4", out_features=0) == "gluon"
+    assert fp4_linear_path(64, torch.bfloat16, cuda, 1, weight_format="mxfp4", out_features=0) == "gemm"
+    assert fp4_linear_path(GLUON_MIN_M, torch.bfloat16, cuda, 1, weight_format="nvfp4", out_features=0) == "gluon"
+    assert fp4_linear_path(GLUON_MIN_M - 1, torch.bfloat16, cuda, 1, weight_format="nvfp4", out_features=0) == "mma"
+    assert fp4_linear_path(257, torch.bfloat16, cuda, 1, weight_format="nvfp4", out_features=0) == "dequant"
     big = dict(weight_format="nvfp4", out_features=8192)  # 64 weight tiles of 128: the large-M launch from M = 257
     assert fp4_linear_path(257, torch.bfloat16, cuda, 8192 * 8192, **big) == "gluon"
     assert fp4_linear_path(1024, torch.bfloat16, cuda, 1024 * 8192, weight_format="nvfp4", out_features=1024) == \

@@ -52,7 +52,7 @@ def point_rows(p, fmt: str, ceiling: float, rows: list[dict]) -> tuple[Callable[
         return r
 
     row("bf16", t_bf16)
-    path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt)
+    path = fp4_linear_path(m, x.dtype, x.device, n * k, weight_format=fmt, out_features=n)
     now = row(f"fp4_linear ({path})", checked_time(p, lambda x, w: fp4_linear(x, w), path)[0])
     deq = row("dequant", checked_time(p, lambda x, w: fp4_dequant_linear(x, w), "dequant")[0])
     return row, now, deq
