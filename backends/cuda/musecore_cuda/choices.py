@@ -45,13 +45,14 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # GLUON_WIDE_WEIGHTS elements take it from M=8. M 5-7 is unmeasured.
 GLUON_MIN_M, GLUON_MAX_M = 9, 256
 GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 8, 4096 * 8192
-# Past GLUON_MAX_M rows: the Gluon GEMM with two consumer warpgroups over 256 tokens (fp4_gluon_plan.LARGE_M_CONFIG)
-# where its grid fills the GPU (>= GLUON_LARGE_MIN_TILES output tiles of 128 x 256), else dequantize + cuBLAS. H200,
-# session 59, run 80 (benchmarks/results/h200_issue26/run80_s59_call1_gluon_moe_large_m/), us, Gluon vs dequant +
-# cuBLAS, same process: M = 1024 q_proj 188 vs 235, expert_up 95 vs 122, expert_down 48 vs 60 (128 tiles), k_proj
-# (32 tiles) 81 vs 34 (the reason for the tile floor); M = 4096 q_proj 808 vs 850, k_proj (128 tiles) 101 vs 105,
-# expert_up 426 vs 428, expert_down 214 vs 215. M 257-1023 and 1025-4095 are unmeasured (between two wins).
-GLUON_LARGE_MIN_TILES = 128
+# GLUON_MAX_M < M <= GLUON_LARGE_MAX_M: the Gluon GEMM with two consumer warpgroups over 256 tokens
+# (fp4_gluon_plan.LARGE_M_CONFIG) where its grid fills the GPU (>= GLUON_LARGE_MIN_TILES output tiles of 128 x 256),
+# else dequantize + cuBLAS. Session 59 (benchmarks/results/h200_issue26/NOTES.md, runs 80-83), us, Gluon vs
+# dequantize + cuBLAS, same process: H200 M = 1024 q_proj 188 vs 235, expert_up 95 vs 122, expert_down 48 vs 60 (128
+# tiles), k_proj (32 tiles) 81 vs 34 (the reason for the tile floor); H100 M = 512 q_proj 89 vs ~147, M = 2048 q_proj
+# 359-387 vs 444, expert_down 104-106 vs 113. At M = 4096 the two were even and the sign moved with the machine (H200
+# 1.00-1.05x, one H100 1.03-1.13x, another 0.87-0.96x): dequantize + cuBLAS stays there.
+GLUON_LARGE_MIN_TILES, GLUON_LARGE_MAX_M = 128, 2048
 GLUON_ENV = "MUSECORE_CUDA_GLUON"
 GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
 
@@ -70,10 +71,10 @@ def gluon_min_m(weights: int) -> int:
 
 
 def gluon_large(m: int, out_features: int) -> bool:
-    """Whether ``m`` rows past ``GLUON_MAX_M`` take the Gluon GEMM's large-M launch against ``out_features`` weight
-    rows: when its 128 x 256 output tiles number at least ``GLUON_LARGE_MIN_TILES``."""
+    """Whether ``m`` rows past ``GLUON_MAX_M`` (up to ``GLUON_LARGE_MAX_M``) take the Gluon GEMM's large-M launch
+    against ``out_features`` weight rows: when its 128 x 256 output tiles number at least ``GLUON_LARGE_MIN_TILES``."""
     tiles = -(-out_features // fp4_gluon_plan.LARGE_M_CONFIG.block_n) * -(-m // fp4_gluon_plan.LARGE_M_CONFIG.block_m)
-    return m > GLUON_MAX_M and tiles >= GLUON_LARGE_MIN_TILES
+    return GLUON_MAX_M < m <= GLUON_LARGE_MAX_M and tiles >= GLUON_LARGE_MIN_TILES
 
 
 def gluon_large_first_m(out_features: int) -> int:
@@ -119,7 +120,8 @@ def _m_ranges(dtype: torch.dtype, *, weight_format: str = "nvfp4", weights: int 
     GEMM's launches below and past ``GLUON_MAX_M`` differ, so they are separate ranges)."""
     ranges: list[tuple[int, Optional[int], str]] = []
     edges = sorted({1, 2, 3, fp4_gemv_cuda.FMA_MAX_M + 1, fp4_gemv_cuda.MAX_M + 1, GEMM_MIN_M, DEQUANT_MIN_M,
-                    GLUON_WIDE_M, GLUON_MIN_M, GLUON_MAX_M + 1, gluon_large_first_m(out_features or 1)})
+                    GLUON_WIDE_M, GLUON_MIN_M, GLUON_MAX_M + 1, gluon_large_first_m(out_features or 1),
+                    GLUON_LARGE_MAX_M + 1})
     for m in edges:
         path = fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights,
                             out_features=out_features)
@@ -157,9 +159,10 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
     cfg = fp4_gluon_plan.pick_config(first, n, k, GLUON_PLAN_SMS)
     if first > GLUON_MAX_M:
         return (f"NVFP4 past M={GLUON_MAX_M} where {GLUON_LARGE_MIN_TILES}+ output tiles of {cfg.block_n} x "
-                f"{cfg.block_m} fill the GPU: two consumer warpgroups over 256 tokens ({cfg.label()}); H200, 816B "
-                "shapes: 1.20-1.25x dequantize + cuBLAS at M=1024, 1.00-1.05x at M=4096 (0.82-0.98x BF16); "
-                "today's rule applies if the GPU at load is not SM 9.x or Triton is not 3.6")
+                f"{cfg.block_m} fill the GPU, up to M={GLUON_LARGE_MAX_M}: two consumer warpgroups over 256 tokens "
+                f"({cfg.label()}); 816B shapes: 1.20-1.25x dequantize + cuBLAS at M=1024 (H200), 1.07-1.65x at 512 "
+                "and 2048 (H100); even at 4096, where dequantize + cuBLAS stays; today's rule applies if the GPU "
+                "at load is not SM 9.x or Triton is not 3.6")
     return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of 32M elements and more): beat "
             f"today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256); launch from M, N, K and the SM "
             f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}); "

@@ -59,11 +59,11 @@ def test_fp4_linear_names_each_path_per_m_range(choices):
     assert "64,16,1,4,packed" in gluon.reason  # the launch at M=8 on an H200's 132 SMs
     k_proj = _choice(choices, "k_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}")
     assert "64,16,8,4,packed" in k_proj.reason  # narrow N: split-K fills the SMs
-    large = _choice(choices, "q_proj", f"M >= {GLUON_MAX_M + 1}")  # 64 weight tiles of 128: 128 tiles at M = 257
+    large = _choice(choices, "q_proj", f"M {GLUON_MAX_M + 1}-2048")  # 64 weight tiles of 128: 128 tiles at M = 257
     assert "Gluon W4A16 GEMM" in large.choice and "128,256,1,3,packed" in large.reason
-    dequant = _choice(choices, "k_proj", "M 257-3840")  # 8 weight tiles: the GPU fills from M = 3841
+    assert "bf16 copy + cuBLAS" in _choice(choices, "q_proj", "M >= 2049").choice  # even at 4096
+    dequant = _choice(choices, "k_proj", f"M >= {GLUON_MAX_M + 1}")  # 8 weight tiles: never 128 tiles by M = 2048
     assert "bf16 copy + cuBLAS" in dequant.choice and "16 MiB" in dequant.reason  # the transient copy
-    assert "Gluon W4A16 GEMM" in _choice(choices, "k_proj", "M >= 3841").choice
     assert "Triton W4A16 GEMM" in _choice(choices, "fp16 activations").choice
 
 
@@ -346,13 +346,14 @@ def test_pick_moe_config_picks_run_80s_best_tiles_and_fits_shared_memory():
 
 
 def test_large_m_takes_the_gluon_gemm_where_its_tiles_fill_the_gpu():
-    """Past 256 rows: two warpgroups over 256 tokens where 128+ output tiles of 128 x 256 fill an H200 (run 80: it
-    beat dequantize + cuBLAS on every such shape at M = 1024 and 4096, and lost on k_proj's 32 tiles at 1024)."""
+    """Past 256 rows up to 2048: two warpgroups over 256 tokens where 128+ output tiles of 128 x 256 fill the GPU (runs
+    80-82: it beat dequantize + cuBLAS on every such shape at M = 512-2048, lost on k_proj's 32 tiles at 1024, and
+    was even at 4096)."""
     from musecore_cuda.choices import gluon_large, gluon_large_first_m
     assert fp4_gluon_plan.pick_config(1024, 8192, 8192, 132) == fp4_gluon_plan.LARGE_M_CONFIG
     assert gluon_large(257, 8192) and gluon_large(1024, 4096) and not gluon_large(1024, 1024)
-    assert gluon_large(4096, 1024) and not gluon_large(256, 8192)
-    for n in (1024, 4096, 8192, 10240, 1000):
+    assert not gluon_large(4096, 8192) and not gluon_large(256, 8192)  # even with dequantize + cuBLAS at 4096
+    for n in (4096, 8192, 10240, 2048):
         first = gluon_large_first_m(n)
         assert gluon_large(first, n) and (first == 257 or not gluon_large(first - 1, n)), (n, first)
 

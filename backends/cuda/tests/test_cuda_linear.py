@@ -404,6 +404,7 @@ def test_fp4_linear_gluon_path_is_switched_off_by_env_and_skips_mxfp4(monkeypatc
     assert fp4_linear_path(257, torch.bfloat16, cuda, 8192 * 8192, **big) == "gluon"
     assert fp4_linear_path(1024, torch.bfloat16, cuda, 1024 * 8192, weight_format="nvfp4", out_features=1024) == \
         "dequant"  # 32 tiles: dequantize + cuBLAS measured faster
+    assert fp4_linear_path(4096, torch.bfloat16, cuda, 8192 * 8192, **big) == "dequant"  # even there: kept
 
 
 @pytest.mark.gpu

@@ -126,9 +126,9 @@ def predicted_us(m: int, n: int, k: int, block_m: int, split_k: int, sms: int) -
 
 
 # Past 256 rows: two consumer warpgroups over 256 tokens, one tile per program (H200, session 59, run 80: the fastest
-# cut at M = 1024 and 4096 on q_proj, expert_up, expert_down and k_proj at 4096; the persistent grid within +-5% of
-# it either way, so not taken; block_n 64 at 256 tokens was 0.65-0.77x BF16 at M = 4096, this one 0.82-0.92x).
-# ``musecore_cuda.choices.gluon_large`` decides where it runs.
+# cut swept at M = 1024 and 4096 on q_proj, expert_up, expert_down and k_proj at 4096; the persistent grid within
+# +-5% of it either way, so not taken; block_n 64 at 256 tokens was 0.65-0.77x BF16 at M = 4096, this one
+# 0.82-0.92x). ``musecore_cuda.choices.gluon_large`` decides where it runs (up to M = 2048).
 LARGE_M_CONFIG = GluonConfig(128, 256, 1, 3, upcast="packed")
 # A 128-row tile's chunk costs this many times a 64-row one's (two consumer warpgroups on one SM): session 40's
 # q_proj M = 4096 sweep (0.96 vs 0.57 us at 128 tokens); it makes pick_moe_config pick the measured best tile of
