@@ -75,8 +75,9 @@ INTERLEAVE_M = 1024  # from here the linears are compute-bound: power-limited cl
 
 def time_us_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5, reps: int = 4,
                         warm_s: float = 0.3) -> dict[str, float]:
-    """Median microseconds of each ``fns`` entry, measured in ``rounds`` interleaved rounds (order rotated each
-    round) after ``warm_s`` seconds of the first one, so that all see the same power-limited clock. Compute-bound
+    """Median microseconds of each ``fns`` entry, measured in at least ``rounds`` interleaved rounds (two per entry;
+    order rotated each round and reversed every other one) after ``warm_s`` seconds of all of them in turn, so that
+    all see the same power-limited clock. Compute-bound
     GEMMs on the H200 run at 1.6-2.0 GHz depending on how long the GPU has been busy (nvidia-smi: 650-675 W of a
     700 W limit while they run): timed one after the other, the first of four GEMMs of one shape was 13% faster
     than the others, in interleaved rounds within 4% (benchmarks/results/h200_issue26/run5_s41_call3_probe_ncu/
@@ -85,12 +86,17 @@ def time_us_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5, r
     labels = list(graphs)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    while time.perf_counter() - start < warm_s:
-        graphs[labels[0]].replay()
+    while time.perf_counter() - start < warm_s:  # every entry in turn: none starts on a cooler GPU than the others
+        for label in labels:
+            graphs[label].replay()
         torch.cuda.synchronize()
     times: dict[str, list[float]] = {label: [] for label in labels}
-    for r in range(rounds):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+    for r in range(max(rounds, 2 * len(labels))):
+        # rotated each round and reversed every other one, so each entry follows every other about equally often:
+        # the one right after BF16 cuBLAS (the most power-hungry) measured 10-15% slower at M = 4096 on an H100
+        # (session 59, runs 81-84: whichever FP4 path came second lost to the other)
+        order = labels[r % len(labels):] + labels[:r % len(labels)]
+        for label in (order[::-1] if r % 2 else order):
             times[label] += [replay_us(graphs[label]) for _ in range(reps)]
     return {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
 
