@@ -132,7 +132,7 @@ def fp4_gluon_linear(x2: torch.Tensor, w: Fp4Resident,
     from musecore_cuda.kernels import fp4_gemm_gluon  # needs Gluon: imported once fp4_linear_path said "gluon"
     m, n, k = x2.shape[0], w.out_features, w.in_features
     if cfg is None:
-        cfg = fp4_gluon_plan.pick_config(m, n, k, fp4_gluon_plan.sm_count(x2.device.index))
+        cfg = fp4_gluon_plan.pick_config(m, n, k, fp4_gluon_plan.device_sms(x2.device))
     x2 = x2.contiguous()
     if x2.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         x2 = x2.clone()

@@ -336,7 +336,8 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
         t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, post_norm, 1e-8), reps=10)
         flops = 2 * t * topk * 3 * width * inter
         grouped = not use_gemv(fp4.gate, t * topk, experts, tokens=t)
-        gluon = grouped and moe_prefill.unavailable_reason(z, fp4.gate, fp4.up, fp4.down) is None
+        no_gluon = moe_prefill.unavailable_reason(z, fp4.gate, fp4.up, fp4.down) if grouped else None
+        gluon = grouped and no_gluon is None
         row = {"backend": "cuda", "case": "moe", "format": "nvfp4",
                "path": ("grouped gluon" if gluon else "grouped triton") if grouped
                else "gemv runs" if t >= RUNS_MIN_TOKENS else "gemv",
@@ -346,27 +347,28 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
                "pct_memory_ceiling": round(100 * nbytes / t_fp4 / 1e3 / ceiling["ceiling_gbps"], 1),
                "tflops": round(flops / t_fp4 / 1e6, 1)}
         if grouped:
-            row.update(_triton_moe_columns(z, weights, ids, fp4, experts, post_norm, t_fp4, t_bf16, gluon))
+            row.update(_triton_moe_columns(be, z, weights, ids, fp4, experts, post_norm, t_fp4, t_bf16, no_gluon))
         rows.append(row)
     return rows
 
 
-def _triton_moe_columns(z, weights, ids, fp4, experts, post_norm, t_default, t_bf16, gluon: bool) -> dict:
-    """The grouped Triton GEMM (the path before the grouped Gluon GEMM, and where that cannot run) beside a grouped
-    row: its time and speedup, and when the row ran the Gluon GEMM, how much faster that was and its output's NMSE
-    against Triton's."""
+def _triton_moe_columns(be, z, weights, ids, fp4, experts, post_norm, t_default, t_bf16,
+                        no_gluon: Optional[str]) -> dict:
+    """The grouped Triton GEMM (the path before the grouped Gluon GEMM, and where that cannot run: ``no_gluon`` says
+    why) beside a grouped row: its time and speedup, and when the row ran the Gluon GEMM, how much faster that was
+    and its output's NMSE against Triton's."""
     from musecore.testing import nmse
+
+    if no_gluon is not None:  # the row's default path was the Triton GEMM
+        return {"triton_time_us": round(t_default, 1), "triton_speedup_vs_bf16": round(t_bf16 / t_default, 3),
+                "gluon_error": no_gluon}
 
     def triton_path() -> torch.Tensor:
         return moe_forward(z, weights, ids, fp4.gate, fp4.up, fp4.down, experts, post_norm, 1e-8)
-    t = t_default if not gluon else time_us(triton_path, reps=10)
-    out = {"triton_time_us": round(t, 1), "triton_speedup_vs_bf16": round(t_bf16 / t, 3)}
-    if gluon:
-        default = CudaBackend("cuda").moe(z, weights, ids, fp4, post_norm, 1e-8)
-        out.update(gluon_vs_triton=round(t / t_default, 3), gluon_nmse_vs_triton=float(nmse(triton_path(), default)))
-    else:
-        out["gluon_error"] = moe_prefill.unavailable_reason(z, fp4.gate, fp4.up, fp4.down)
-    return out
+    t = time_us(triton_path, reps=10)
+    return {"triton_time_us": round(t, 1), "triton_speedup_vs_bf16": round(t_bf16 / t, 3),
+            "gluon_vs_triton": round(t / t_default, 3),
+            "gluon_nmse_vs_triton": float(nmse(triton_path(), be.moe(z, weights, ids, fp4, post_norm, 1e-8)))}
 
 
 def bench_attention(contexts: tuple[int, ...] = (4096, 32768, 131072), batch: int = 1) -> list[dict]:

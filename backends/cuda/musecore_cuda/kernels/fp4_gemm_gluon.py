@@ -46,7 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from musecore_cuda.kernels.fp4_gluon_plan import UPCASTS, GluonConfig
+from musecore_cuda.kernels.fp4_gluon_plan import UPCASTS, GluonConfig, device_sms
 
 CHUNK_K = gl.constexpr(128)   # elements of K per resident chunk and per ring stage
 EB = gl.constexpr(126)        # the upcast's bf16 bits give code * 2**-126 (musecore_triton.kernels.fp4_gemm.EXP_OFFSET)
@@ -597,13 +597,15 @@ def fp4_gluon_moe_kernel(w_desc, w2_desc, x_desc, s_ptr, s2_ptr, stride_s, out_s
         gl.store(c_ptrs, (acc * gl.load(out_scale_ptr + expert)).to(c_ptr.dtype.element_ty))
 
 
+def _descriptor(t: torch.Tensor, box: list[int], dtype) -> TensorDescriptor:
+    """A TMA descriptor of the 2-D ``t`` copying ``box`` tiles into the default NVMMA shared layout of ``dtype``."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+
 def descriptors(x: torch.Tensor, packed: torch.Tensor, cfg: GluonConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the packed weight ``[N, K/2]`` (box ``[block_n, 64]`` bytes) and the activations
     ``[M, K]`` (box ``[block_m, 64]`` bf16). Rows past M or N read zeros."""
-    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, 64], gl.uint8)
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64], gl.bfloat16)
-    return (TensorDescriptor(packed, list(packed.shape), list(packed.stride()), [cfg.block_n, 64], w_layout),
-            TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, 64], x_layout))
+    return _descriptor(packed, [cfg.block_n, 64], gl.uint8), _descriptor(x, [cfg.block_m, 64], gl.bfloat16)
 
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *, wfmt: int,
@@ -640,7 +642,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     else:  # unused by the kernel: no allocation, no memset on the routed path
         ws = counts = out_scale
     if cfg.persistent:
-        fp4_gluon_persistent_kernel[(min(tiles, cfg.programs(x.device)), )](
+        fp4_gluon_persistent_kernel[(min(tiles, device_sms(x.device)), )](
             w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n, k, BLOCK_N=cfg.block_n,
             BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m, FOLD=fold_log2, num_warps=cfg.num_warps)
         return out
@@ -666,9 +668,10 @@ def _expert_stack(packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.T
 
 
 def check_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: torch.Tensor, *, fold_log2: int,
-                  cfg: GluonConfig, stack2: tuple | None = None) -> tuple[torch.Tensor, ...]:
+                  cfg: GluonConfig, stack2: tuple | None = None) -> tuple:
     """:func:`launch_grouped`'s arguments checked (a ValueError or TypeError naming what is wrong); returns the
-    stacks' 2-D views ``(w, words, w2, words2)`` (``stack``'s again without ``stack2``)."""
+    stacks' 2-D views ``(w, words, w2, words2)`` (``stack``'s again without ``stack2``) and the output columns of
+    one program."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
         raise TypeError(f"the grouped Gluon GEMM takes contiguous 2-D bf16 activations; got {x.dtype} "
                         f"{tuple(x.shape)}")
@@ -689,7 +692,7 @@ def check_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: 
                          f"{blk_expert.dtype}, {tuple(out.shape)} {out.stride()}")
     w, words = _expert_stack(*stack, n, k, "first" if stack2 is not None else "weight")
     w2, words2 = _expert_stack(*stack2, n, k, "second") if stack2 is not None else (w, words)
-    return w, words, w2, words2
+    return w, words, w2, words2, out_n
 
 
 def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: torch.Tensor, *, fold_log2: int,
@@ -698,16 +701,12 @@ def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out:
     ``cfg.block_m``-aligned order (``musecore_triton.kernels.moe``), ``blk_expert`` int32 ``[rows / block_m]``.
     ``stack`` (and ``stack2`` for gate/up with SwiGLU) is ``(packed [E, N, K/2], scales [E, N, K/16], out_scale
     [E])`` of an NVFP4 expert stack in the resident layout (both with ``fold_log2``); ``out`` is ``[rows, N]``."""
-    w, words, w2, words2 = check_grouped(x, blk_expert, stack, out, fold_log2=fold_log2, cfg=cfg, stack2=stack2)
+    w, words, w2, words2, out_n = check_grouped(x, blk_expert, stack, out, fold_log2=fold_log2, cfg=cfg,
+                                                stack2=stack2)
     rows, k = x.shape
     n = out.shape[1]
-    out_n = cfg.block_n // 2 if stack2 is not None else cfg.block_n
-    box = [out_n, 64]
-    w_layout = gl.NVMMASharedLayout.get_default_for(box, gl.uint8)
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 64], gl.bfloat16)
-    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), box, w_layout)
-    w2_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), box, w_layout)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, 64], x_layout)
+    w_desc, w2_desc = _descriptor(w, [out_n, 64], gl.uint8), _descriptor(w2, [out_n, 64], gl.uint8)
+    x_desc = _descriptor(x, [cfg.block_m, 64], gl.bfloat16)
     scale2 = stack2[2] if stack2 is not None else stack[2]
     if rows:
         fp4_gluon_moe_kernel[(rows // cfg.block_m * (n // out_n),)](

@@ -85,10 +85,6 @@ class GluonConfig:
         and the loader's warpgroup 24-40 through ``setmaxnreg``, within the CTA's 128 x 256)."""
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
-    def programs(self, device: torch.device) -> int:
-        """A persistent launch's programs (before capping at the tiles): one per SM of ``device``."""
-        return sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
     def label(self) -> str:
         """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|persistent]]``: the cut syntax of the lab scripts
         (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
@@ -211,7 +207,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     if device.type != "cuda" or torch.version.hip is not None:
         return f"the Gluon GEMM runs on NVIDIA GPUs; this is {device.type}" + (" (ROCm torch)" if torch.version.hip
                                                                                 else "")
-    return _device_reason(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_reason(device_index(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,3 +250,13 @@ def available(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_index(device: torch.device) -> int:
+    """``device``'s CUDA index (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_sms(device: torch.device) -> int:
+    """The SM count of ``device``: what the launches' grids and the cost models size against."""
+    return sm_count(device_index(device))

@@ -84,8 +84,8 @@ def moe_forward_gluon(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     width, inter = gate.in_features, gate.out_features
     n_assign = T * topk
     if cfg is None:
-        index = z.device.index if z.device.index is not None else torch.cuda.current_device()
-        cfg = fp4_gluon_plan.pick_moe_config(n_assign, num_experts, 2 * inter, width, fp4_gluon_plan.sm_count(index))
+        cfg = fp4_gluon_plan.pick_moe_config(n_assign, num_experts, 2 * inter, width,
+                                             fp4_gluon_plan.device_sms(z.device))
     sorted_ids, blk_expert, position = align_assignments(ids, num_experts, cfg.block_m)
     rows = sorted_ids.numel()
     xs = gather_token_rows(z, sorted_ids, blk_expert, topk, cfg.block_m)
