@@ -205,6 +205,7 @@ def test_gluon_config_validates():
 @pytest.mark.parametrize("cfg", [fp4_gluon_plan.GluonConfig(64, 32, 1, 4),
                                  fp4_gluon_plan.GluonConfig(128, 256, 1, 3, upcast="packed", persistent=True),
                                  fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", fixup=True),
+                                 fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", finish=True),
                                  fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", ctas_per_sm=2)])
 def test_gluon_config_label_parses_back(cfg):
     assert fp4_gluon_plan.GluonConfig.parse(cfg.label()) == cfg, cfg.label()
@@ -228,6 +229,11 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
     assert fixup.label() == "64,64,4,4,packed,1,fixup" and fixup.maxnreg is None and not fixup.atomic
     assert fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed").atomic
     assert not fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", fixup=True).fixup  # nothing to sum at split 1
+    finish = fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", finish=True)
+    assert finish.label() == "64,64,4,4,packed,1,finish" and not finish.atomic and not finish.fixup
+    assert not fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", finish=True).finish
+    with pytest.raises(ValueError, match="either by fixup or by finish"):
+        fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", fixup=True, finish=True)
 
 
 def test_moe_names_the_gemv_then_runs_up_to_1024_assignments_and_the_grouped_gemm_beyond(choices):

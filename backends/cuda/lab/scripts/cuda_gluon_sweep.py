@@ -16,6 +16,7 @@ checks it (``best_config`` / ``routed_vs_best`` on the routed row)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import multiprocessing as mp
@@ -38,6 +39,7 @@ UPCASTS = _UPCAST_SETS.get(os.environ.get("GLUON_UPCAST", "packed"),
                            tuple(os.environ.get("GLUON_UPCAST", "packed").split(",")))
 CTAS = int(os.environ.get("GLUON_CTAS", "1"))  # 2: also the two-CTAs-per-SM cuts (GluonConfig.ctas_per_sm)
 FIXUP = os.environ.get("GLUON_FIXUP", "0") == "1"  # 1: every split-K cut also with the workspace fixup
+FINISH = os.environ.get("GLUON_FINISH", "0") == "1"  # 1: every split-K cut also with finish (no cast kernel)
 PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"  # 1: packed split-1 cuts also on a persistent grid
 BLOCK_NS = tuple(int(b) for b in os.environ.get("GLUON_BLOCK_NS", "64,128").split(","))  # weight rows per program
 
@@ -72,13 +74,14 @@ def routed(m: int, n: int, k: int):
 
 
 def cuts(m: int, n: int, k: int):
-    """The sweep's cuts (:func:`_cuts`), and with ``GLUON_FIXUP=1`` each split-K one again with the fixup, with
-    ``GLUON_PERSISTENT=1`` each packed split-1 one again on a persistent grid."""
-    import dataclasses
+    """The sweep's cuts (:func:`_cuts`), and with ``GLUON_FIXUP=1`` / ``GLUON_FINISH=1`` each split-K one again with
+    the fixup / finish, with ``GLUON_PERSISTENT=1`` each packed split-1 one again on a persistent grid."""
     for cfg in _cuts(m, n, k):
         yield cfg
         if FIXUP and cfg.split_k > 1:  # (at split 1 fixup=True is the same launch)
             yield dataclasses.replace(cfg, fixup=True)
+        if FINISH and cfg.split_k > 1:
+            yield dataclasses.replace(cfg, finish=True)
         if PERSISTENT and cfg.split_k == 1 and cfg.upcast == "packed" and cfg.ctas_per_sm == 1:
             yield dataclasses.replace(cfg, persistent=True)
 
@@ -146,9 +149,11 @@ def precompile(ms, shapes, procs):
     for name in shapes:
         n, k = LINEAR_SHAPES[name]
         for m in ms:
-            for cfg in [routed(m, n, k)] + list(cuts(m, n, k)):
+            chosen = routed(m, n, k)
+            twin = [dataclasses.replace(chosen, finish=True)] if FINISH and chosen.split_k > 1 else []
+            for cfg in [chosen] + twin + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
-                                 cfg.fixup), (n, k, cfg))
+                                 cfg.fixup, cfg.finish), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
@@ -166,7 +171,9 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
         name, n, k, m = p.case.name, p.case.n, p.case.k, p.m
         row, now, deq = point_rows(p, "nvfp4", ceiling, rows)
         results, chosen = [], routed(m, n, k)
-        for impl, cfg in [("gluon routed", chosen)] + ([] if routed_only else [("gluon", c) for c in cuts(m, n, k)]):
+        twin = [("gluon routed finish", dataclasses.replace(chosen, finish=True))] if FINISH and chosen.split_k > 1 else []
+        for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
+                                                               [("gluon", c) for c in cuts(m, n, k)]):
             try:
                 t, err = checked_time(p, lambda x, w: run(x, w, cfg), f"{impl} {cfg.label()}")
             except SystemExit as e:  # wrong result: recorded, never timed

@@ -14,6 +14,9 @@
 #   9. (session 59) the Gluon GEMM at large M with two consumer warpgroups (block_n 128, block_m 256: half the
 #      activation tiles' L2 reads of block_n 64), each also on a persistent grid, against dequantize + cuBLAS and
 #      BF16: cuda_gluon_sweep.py with GLUON_BLOCK_NS=128 GLUON_PERSISTENT=1 (LARGE_GLUON_ARGS, default --ms 1024,4096 on the four 816B shapes; LARGE_GLUON_S).
+#   a. (session 60) split-K "finish" (16-byte atomics into a zeroed workspace, the tile's last split stores bf16: no
+#      cast kernel): its GPU tests, then cuda_gluon_sweep.py with GLUON_FINISH=1 GLUON_BLOCK_NS=64 against the atomic
+#      split cuts (FINISH_ARGS, default the small-N and K=4096 shapes at M 16 / 64 / 256; FINISH_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -52,5 +55,14 @@ step9() {
   GLUON_BLOCK_NS=128 GLUON_PERSISTENT=1 timeout $(cap ${LARGE_GLUON_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
     --out $OUT/cuda_gluon_sweep_large_m.json ${LARGE_GLUON_ARGS:---ms 1024,4096} > $OUT/gluon_large_m.log 2>&1
   echo "9. large-M Gluon sweep at ${SECONDS}s (rc $?):"; tail -c 3000 $OUT/gluon_large_m.log
+}
+stepa() {
+  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
+    -k "split_k" > $OUT/finish_tests.log 2>&1
+  echo "a. split-K tests at ${SECONDS}s (rc $?):"; grep -E "passed|failed|FAILED|Error|assert" $OUT/finish_tests.log | tail -8
+  GLUON_FINISH=1 GLUON_BLOCK_NS=64 timeout $(cap ${FINISH_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
+    --precompile 12 --out $OUT/cuda_gluon_sweep_finish.json \
+    ${FINISH_ARGS:---ms 16,64,256 --shapes k_proj,expert_down,pooler,unpooler} > $OUT/gluon_finish.log 2>&1
+  echo "a. finish sweep at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_finish.log | tail -c 3000
 }
 run_steps s56

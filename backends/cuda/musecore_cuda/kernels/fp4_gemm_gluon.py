@@ -429,13 +429,16 @@ def _acc_layout(block_m, num_warps):
 def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K, ws_ptr, cnt_ptr,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     FINISH: gl.constexpr, num_warps: gl.constexpr):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
 
     Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
     split stores its partial tile to the fp32 workspace ``ws_ptr [split, M, N]`` and counts itself in ``cnt_ptr``
     (one zeroed int32 per output tile); the split that arrives last sums the partials and stores the tile in
-    ``c_ptr``'s dtype: no zeroed output, no atomics on the data, no cast kernel, and no split waits for another."""
+    ``c_ptr``'s dtype: no zeroed output, no atomics on the data, no cast kernel, and no split waits for another.
+    Or (``FINISH``) each split adds its partial into the zeroed fp32 workspace ``ws_ptr [M, N]`` with 16-byte
+    atomics, counts itself like ``FIXUP``, and the last split reads the sum back (one tile, not one per split) and
+    stores it in ``c_ptr``'s dtype: the atomics of ``ATOMIC`` without its cast kernel."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m, pid_n = _tile(pid, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
@@ -477,8 +480,35 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
             for split in range(gl.num_programs(1)):
                 total += gl.load(ws_ptr + split * mn + part, mask=c_mask, other=0.0, cache_modifier=".cg")
             gl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
+    elif FINISH:
+        _finish_split(acc, ws_ptr, cnt_ptr + pid, c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps)
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@gluon.jit
+def _finish_split(acc, ws_ptr, cnt_ptr, c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N: gl.constexpr,
+                  BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """Split-K's ``FINISH`` epilogue for one output tile: the partial ``acc`` added into the zeroed fp32 workspace
+    ``ws_ptr [M, N]`` (row stride N), the split counted in the tile's zeroed ``cnt_ptr``, and by the tile's last
+    split the sum stored in ``c_ptr``'s dtype. The tile first moves (through shared memory) to a layout with four
+    consecutive weight rows per thread, so each thread adds 16 contiguous bytes per atomic (``atom .v4.f32``, SM90)
+    and a warp covers 64 rows of two tokens, where the accumulator's layout gives each thread two tokens of one row
+    (scalar atomics, 32 bytes per token row and warp)."""
+    epi: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])
+    part = gl.convert_layout(acc, epi)
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, epi))
+    mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    ws_ptrs = ws_ptr + offs_m.to(gl.int64)[None, :] * N + offs_n[:, None]
+    gl.atomic_add(ws_ptrs, part, mask=mask, sem="relaxed")
+    gl.thread_barrier()  # every thread's atomics are issued before the count releases them
+    arrived = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == gl.num_programs(1) - 1:  # the last split of this tile: every split's atomics are visible in L2
+        gl.thread_barrier()
+        total = gl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        c_ptrs = c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None]
+        gl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -612,7 +642,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
            group: int, fold_log2: int, n: int, k: int, out: torch.Tensor, cfg: GluonConfig) -> torch.Tensor:
     """Launch :func:`fp4_gluon_kernel` for one NVFP4 weight (``packed``/``scales`` ``[N, K/2]``/``[N, K/16]``, or
     the ``[1, ...]`` resident stack). ``out`` is ``[M, N]``: fp32 and zeroed when ``cfg.split_k > 1`` with atomics,
-    any dtype with ``cfg.fixup`` (the workspace and the per-tile counts are allocated here)."""
+    any dtype with ``cfg.fixup`` or ``cfg.finish`` (their workspace and per-tile counts are allocated here)."""
     if wfmt != WFMT_NVFP4 or group != 16:
         raise ValueError(f"the Gluon GEMM takes NVFP4 weights (e4m3 scales, group 16); got wfmt={wfmt}, group={group}")
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
@@ -633,12 +663,15 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     w_desc, x_desc = descriptors(x, w2, cfg)
     m = x.shape[0]
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if (cfg.fixup or cfg.finish) and (out.shape != (m, n) or out.stride() != (n, 1)):
+        raise ValueError(f"split-K {'fixup' if cfg.fixup else 'finish'} writes a contiguous [{m}, {n}] output; got "
+                         f"{tuple(out.shape)} {out.stride()}")
     if cfg.fixup:  # the workspace is written before it is read; the counts start at zero (one memset of `tiles` ints)
-        if out.shape != (m, n) or out.stride() != (n, 1):
-            raise ValueError(f"split-K fixup writes a contiguous [{m}, {n}] output; got {tuple(out.shape)} "
-                             f"{out.stride()}")
         ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
         counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    elif cfg.finish:  # one memset zeroes the workspace the atomics add into and, behind it, the per-tile counts
+        ws = torch.zeros(m * n + tiles, dtype=torch.float32, device=x.device)
+        counts = ws[m * n:].view(torch.int32)
     else:  # unused by the kernel: no allocation, no memset on the routed path
         ws = counts = out_scale
     if cfg.persistent:
@@ -649,7 +682,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     fp4_gluon_kernel[(tiles, cfg.split_k)](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n,
                                            k, ws, counts, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,
-                                           UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, num_warps=cfg.num_warps,
+                                           UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, FINISH=cfg.finish,
+                                           num_warps=cfg.num_warps,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 

@@ -41,6 +41,8 @@ class GluonConfig:
     fixup: bool = False       # split-K through a workspace summed by the last split of a tile (session 41), not atomics;
                               # False at split_k 1, where there is nothing to sum
     persistent: bool = False  # one program per SM looping over the tiles (session 59; unmeasured): packed, no split-K
+    finish: bool = False      # split-K through 16-byte fp32 atomics into a zeroed workspace whose last split of a tile
+                              # stores the output in its dtype (session 60): ATOMIC's sums without its cast kernel
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -51,6 +53,9 @@ class GluonConfig:
             object.__setattr__(self, "upcast", "asm")
         object.__setattr__(self, "asm_upcast", self.upcast == "asm")
         object.__setattr__(self, "fixup", self.fixup and self.split_k > 1)
+        object.__setattr__(self, "finish", self.finish and self.split_k > 1)
+        if self.fixup and self.finish:
+            raise ValueError("split-K sums either by fixup or by finish, not both")
         if self.persistent and (self.split_k != 1 or self.upcast != "packed" or self.ctas_per_sm != 1):
             raise ValueError(f"a persistent launch runs the packed upcast without split-K, one CTA per SM; got "
                              f"split_k={self.split_k}, upcast={self.upcast!r}, ctas_per_sm={self.ctas_per_sm}")
@@ -76,7 +81,7 @@ class GluonConfig:
     @property
     def atomic(self) -> bool:
         """Split-K through fp32 atomics into a zeroed fp32 output (the launch's caller allocates it so)."""
-        return self.split_k > 1 and not self.fixup
+        return self.split_k > 1 and not (self.fixup or self.finish)
 
     @property
     def maxnreg(self) -> Optional[int]:
@@ -86,9 +91,9 @@ class GluonConfig:
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|persistent]]``: the cut syntax of the lab scripts
-        (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
-        flags = "".join(f",{name}" for name in ("fixup", "persistent") if getattr(self, name))
+        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent]]``: the cut syntax of the lab
+        scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
+        flags = "".join(f",{name}" for name in ("fixup", "finish", "persistent") if getattr(self, name))
         tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or flags else ""
         return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}{flags}"
 
@@ -99,7 +104,7 @@ class GluonConfig:
         upcast = {"0": "int16", "1": "asm"}.get(rest[0], rest[0]) if rest else "int16"
         return cls(int(bn), int(bm), int(split), int(stages), upcast=upcast,
                    ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1, fixup="fixup" in rest[2:],
-                   persistent="persistent" in rest[2:])
+                   finish="finish" in rest[2:], persistent="persistent" in rest[2:])
 
 
 # The cost model behind pick_config, fitted to the H200 sweep of session 40 (backends/cuda/lab/results/
