@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -185,7 +186,8 @@ def report(kernel) -> dict:
     info = ptxas_info(kernel.asm["ptx"])
     spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill", info))
     return {"ptxas": info, "spill_bytes": spills, "c75": "C75" in info.replace("no C75xx", ""),
-            "shared": kernel.metadata.shared, "per_chunk": consumer_loop_sass(kernel.asm["cubin"])["per_chunk"]}
+            "shared": kernel.metadata.shared, "per_chunk": consumer_loop_sass(kernel.asm["cubin"])["per_chunk"],
+            "atomics": dict(Counter(re.findall(r"\batom\.global\.[\w.]*add\.(v4\.f32|f32)", kernel.asm["ptx"])))}
 
 
 def main(cuts: list[str]) -> None:
