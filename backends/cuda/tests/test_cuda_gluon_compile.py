@@ -1,6 +1,6 @@
 """The Gluon kernels compiled for SM90 (the H200's ISA) on a host with no GPU, with Triton 3.6 (``gluon_sm90.py``):
-every launch ``fp4_gluon_plan.pick_config`` makes for the 816B linears, the large-M, persistent and split-K finish
-cuts the sweeps time (finish's atomics must be 16 bytes wide), and the grouped (MoE) kernel's gate/up and down at
+every launch ``fp4_gluon_plan.pick_config`` makes for the 816B linears, the large-M, persistent, split-K finish and
+paired-stage cuts the sweeps time (finish's atomics must be 16 bytes wide), and the grouped (MoE) kernel's gate/up and down at
 every token tile the MoE probe times. Each must compile without spills and without ptxas serializing its wgmmas (C7513), and the packed consumer loop must stay within its
 instruction budget per 128-element chunk (that loop's issue rate is its speed at M 9-256: lab NOTES, sessions 12
 and 40). The grouped kernel has never run on a GPU (session 59), so this is what checks it between device sessions;
@@ -33,7 +33,8 @@ def routed_cuts() -> set[str]:
 
 
 SWEPT = ("128,256,1,3,packed", "128,128,1,4,packed", "64,128,1,4,packed,1,persistent",
-         "128,256,1,3,packed,1,persistent", "64,64,8,4,packed,1,finish", "64,256,4,3,packed,1,finish")
+         "128,256,1,3,packed,1,persistent", "64,64,8,4,packed,1,finish", "64,256,4,3,packed,1,finish",
+         "64,64,1,8,packed,1,pair", "64,16,8,4,packed,1,finish,pair", "128,128,1,4,packed,1,pair")
 GROUPED = tuple(f"grouped:{GluonConfig(bn, bm, 1, 3 if bm == 256 else 4, upcast='packed').label()}"
                 for bn, bm in ((64, 16), (64, 64), (64, 128), (64, 256), (128, 64), (128, 256)))
 
@@ -53,5 +54,5 @@ def test_gluon_kernels_compile_for_sm90_without_spills_within_budget(cut):
         assert r["spill_bytes"] == 0 and not r["c75"], f"{cut} {kind}: {r['ptxas']}"
         assert r["per_chunk"] <= PACKED_CHUNK_BUDGET, f"{cut} {kind}: {r['per_chunk']} SASS per chunk"
         assert r["shared"] <= 227 * 1024, f"{cut} {kind}: {r['shared']} bytes of shared memory"
-        if cut.endswith(",finish"):  # split-K finish adds 16 bytes per atomic (its layout's point), never 4
+        if ",finish" in cut:  # split-K finish adds 16 bytes per atomic (its layout's point), never 4
             assert r["atomics"].get("v4.f32") and not r["atomics"].get("f32"), f"{cut}: atomics {r['atomics']}"

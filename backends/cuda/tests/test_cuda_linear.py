@@ -341,6 +341,26 @@ def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cut", [(64, 16, 1, 4), (64, 64, 1, 8), (64, 64, 4, 4), (64, 128, 8, 2), (128, 128, 1, 4)])
+def test_fp4_gluon_linear_paired_stages_give_the_same_bits(cut):
+    """Paired ring stages (``GluonConfig.pair``: one ready/empty mbarrier pair per two stages, the consumer waiting
+    and releasing once per two chunks) change only the synchronization, not the order of the sums: the same bits
+    as the unpaired launch (split 1 and split-K finish, ring wrap-around at 2 stages = 1 pair, partial tiles, two
+    warpgroups), and within the linear tolerance of the reference."""
+    n, k, m = 1000, 4096, 100
+    qt, w, x = _gluon_case(n, k, m)
+    base = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", finish=cut[2] > 1)
+    paired = dataclasses.replace(base, pair=True)
+    got = fp4_gluon_linear(x, w, paired)
+    assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"Gluon GEMM {paired.label()} M={m} N={n}")
+    want = fp4_gluon_linear(x, w, base)
+    if base.split_k == 1:
+        assert torch.equal(got, want), f"{paired.label()}: differs from unpaired by {(got - want).abs().max():.3g}"
+    else:  # split-K finish adds its partials in arrival order: equal within that order's last bits
+        assert_nmse(want.float(), got, 1e-5, f"Gluon GEMM {paired.label()} against {base.label()}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cut", [(128, 256, 1, 3), (128, 128, 1, 4)])
 def test_fp4_gluon_linear_two_warpgroups_match_reference(cut):
     """Two consumer warpgroups (128 weight rows) over 256 / 128 tokens, the large-M cuts the sweep times since session

@@ -40,6 +40,7 @@ UPCASTS = _UPCAST_SETS.get(os.environ.get("GLUON_UPCAST", "packed"),
 CTAS = int(os.environ.get("GLUON_CTAS", "1"))  # 2: also the two-CTAs-per-SM cuts (GluonConfig.ctas_per_sm)
 FIXUP = os.environ.get("GLUON_FIXUP", "0") == "1"  # 1: every split-K cut also with the workspace fixup
 FINISH = os.environ.get("GLUON_FINISH", "0") == "1"  # 1: every split-K cut also with finish (no cast kernel)
+PAIR = os.environ.get("GLUON_PAIR", "0") == "1"  # 1: every packed cut with even stages also with paired stages
 PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"  # 1: packed split-1 cuts also on a persistent grid
 BLOCK_NS = tuple(int(b) for b in os.environ.get("GLUON_BLOCK_NS", "64,128").split(","))  # weight rows per program
 
@@ -67,6 +68,12 @@ def fill_split(m: int, n: int, k: int, bn: int, bm: int, sms: int = 132) -> int:
     return split
 
 
+def pairable(cfg, k: int) -> bool:
+    """Whether ``cfg`` can run with paired ring stages (``GluonConfig.pair``) at this K."""
+    return (cfg.upcast == "packed" and not cfg.persistent and not cfg.pair and cfg.stages % 2 == 0
+            and (k // 128 // cfg.split_k) % 2 == 0)
+
+
 def routed(m: int, n: int, k: int):
     """The launch ``fp4_linear``'s gluon path picks for this point on this GPU."""
     from musecore_cuda.kernels.fp4_gluon_plan import pick_config, sm_count
@@ -82,6 +89,8 @@ def cuts(m: int, n: int, k: int):
             yield dataclasses.replace(cfg, fixup=True)
         if FINISH and cfg.split_k > 1:
             yield dataclasses.replace(cfg, finish=True)
+        if PAIR and pairable(cfg, k):
+            yield dataclasses.replace(cfg, pair=True)
         if PERSISTENT and cfg.split_k == 1 and cfg.upcast == "packed" and cfg.ctas_per_sm == 1:
             yield dataclasses.replace(cfg, persistent=True)
 
@@ -151,9 +160,10 @@ def precompile(ms, shapes, procs):
         for m in ms:
             chosen = routed(m, n, k)
             twin = [dataclasses.replace(chosen, finish=True)] if FINISH and chosen.split_k > 1 else []
+            twin += [dataclasses.replace(chosen, pair=True)] if PAIR and pairable(chosen, k) else []
             for cfg in [chosen] + twin + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
-                                 cfg.fixup, cfg.finish), (n, k, cfg))
+                                 cfg.fixup, cfg.finish, cfg.pair), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
@@ -172,6 +182,7 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
         row, now, deq = point_rows(p, "nvfp4", ceiling, rows)
         results, chosen = [], routed(m, n, k)
         twin = [("gluon routed finish", dataclasses.replace(chosen, finish=True))] if FINISH and chosen.split_k > 1 else []
+        twin += [("gluon routed pair", dataclasses.replace(chosen, pair=True))] if PAIR and pairable(chosen, k) else []
         for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):
             try:

@@ -55,33 +55,39 @@ WFMT_NVFP4 = 1
 
 @gluon.jit
 def _loader(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks,
-            STAGES: gl.constexpr, HALF: gl.constexpr):
+            STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1):
     """The loader partition of one output tile: :func:`_load_chunks` from the ring's first stage."""
-    _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, 0, STAGES, HALF)
+    _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, 0, STAGES, HALF,
+                 PAIR)
 
 
 @gluon.jit
 def _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, base,
-                 STAGES: gl.constexpr, HALF: gl.constexpr):
+                 STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1):
     """Per chunk: the packed weight bytes, then the activations' two 64-element halves, into stage
     ``(base + i) % STAGES`` (``base``: chunks this partition loaded before, for a persistent program's later tiles).
     With ``HALF`` > 0 the weight tile is two boxes of ``HALF`` rows, ``w_desc``'s then ``w2_desc``'s, both from row
-    ``off_n`` (a gate/up pair of the grouped kernel); otherwise one box of ``w_desc``."""
+    ``off_n`` (a gate/up pair of the grouped kernel); otherwise one box of ``w_desc``. With ``PAIR`` = 2 two
+    consecutive stages share one ``ready`` and one ``empty`` mbarrier (:func:`_ring`): their chunks are loaded
+    together once the consumer has released both (``n_chunks`` even, ``base`` 0)."""
     nbytes: gl.constexpr = (2 if HALF > 0 else 1) * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
-    for i in range(n_chunks):
+    for i in range(0, n_chunks, PAIR):
         s = (base + i) % STAGES
-        mbarrier.wait(empty.index(s), ((base + i) // STAGES) & 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        kc = first + i
-        if HALF > 0:
-            tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(s),
-                                            w_smem.index(s).slice(0, HALF, dim=0))
-            tma.async_copy_global_to_shared(w2_desc, [off_n, kc * 64], ready.index(s),
-                                            w_smem.index(s).slice(HALF, HALF, dim=0))
-        else:
-            tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(s), w_smem.index(s))
-        tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128], ready.index(s), x_smem.index(2 * s))
-        tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128 + 64], ready.index(s), x_smem.index(2 * s + 1))
+        bar = s // PAIR
+        mbarrier.wait(empty.index(bar), ((base + i) // STAGES) & 1)
+        mbarrier.expect(ready.index(bar), PAIR * nbytes)
+        for j in gl.static_range(PAIR):
+            kc = first + i + j
+            if HALF > 0:
+                tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(bar),
+                                                w_smem.index(s + j).slice(0, HALF, dim=0))
+                tma.async_copy_global_to_shared(w2_desc, [off_n, kc * 64], ready.index(bar),
+                                                w_smem.index(s + j).slice(HALF, HALF, dim=0))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(bar), w_smem.index(s + j))
+            tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128], ready.index(bar), x_smem.index(2 * (s + j)))
+            tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128 + 64], ready.index(bar),
+                                            x_smem.index(2 * (s + j) + 1))
 
 
 @gluon.jit
@@ -310,17 +316,18 @@ def _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, l: gl.constexpr, a_layout: gl.c
 @gluon.jit
 def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
-                     HALF: gl.constexpr, num_warps: gl.constexpr):
+                     HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1):
     """The consumer partition of one output tile: :func:`_mainloop_packed` from the ring's first stage."""
     acc, _, _ = _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
-                                 gl.to_tensor(0), gl.to_tensor(0), BLOCK_N, BLOCK_M, STAGES, FOLD, HALF, num_warps)
+                                 gl.to_tensor(0), gl.to_tensor(0), BLOCK_N, BLOCK_M, STAGES, FOLD, HALF, num_warps,
+                                 PAIR)
     return (acc, )
 
 
 @gluon.jit
 def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks, s, phase,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
-                     HALF: gl.constexpr, num_warps: gl.constexpr):
+                     HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1):
     """:func:`_consumer` with the packed upcast, pipelined per half chunk instead of per chunk. A chunk is issued
     as four K=32 ``warpgroup_mma`` ops (two wgmmas behind one fence and one commit group each), in the order of
     its slices: steps 0-1 (low nibbles of slices 0-1), 4-5 (their high nibbles), 2-3, 6-7. The next chunk's
@@ -331,7 +338,13 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     while each half chunk is upcast. The summation order over k differs from the other modes. With ``HALF`` > 0,
     tile rows ``HALF..`` are the second weight's (``s2_ptr``'s scales) at the same rows ``off_n..`` as the first's.
     The tile's first chunk is in stage ``s`` with ready phase ``phase``; returns the accumulator and the stage and
-    phase of the chunk after its last (a persistent program's next tile)."""
+    phase of the chunk after its last (a persistent program's next tile).
+
+    With ``PAIR`` = 2 (``n_chunks`` even, ``s`` 0) two stages share their mbarriers (:func:`_ring`), so the
+    consumer waits for ``ready`` and arrives on ``empty`` once per two chunks. Each of those is a CTA barrier
+    here besides the mbarrier: Triton's shared-memory barrier analysis puts a ``bar.sync`` of the warpgroup before
+    every mbarrier wait that follows an arrive and on both sides of every arrive (one thread arrives for all), and
+    ncu (session 60, run 86) had the M = 64 kernels' warps stalled on those barriers for 40% of their cycles."""
     mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     u_layout: gl.constexpr = _pairs_layout(BLOCK_N, num_warps)
@@ -349,7 +362,7 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     last = n_chunks - 1
     word = _load_word(s_ptrs, row_ok)
     nxt = _load_word(s_ptrs + gl.minimum(1, last), row_ok)  # the scale word one chunk ahead
-    mbarrier.wait(ready.index(s), phase)
+    mbarrier.wait(ready.index(s // PAIR), phase)
     w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
                                        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
     m0, m1, m2, m3 = _packed_scales(word, km, sel)
@@ -360,37 +373,64 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     acc = _issue_two_pairs(l0, h0, l1, h1, x_smem.index(2 * s), x_smem.index(2 * s + 1), 0, a_layout, acc)
     acc = _issue_two_pairs(l2, h2, l3, h3, x_smem.index(2 * s), x_smem.index(2 * s + 1), 2, a_layout, acc)
-    # chunk i's stage and ready phase, stepped instead of (s0 + i) % STAGES and its phase (a division for 3, 6)
-    for i in range(1, n_chunks):
-        prev = s
-        s += 1
-        if s == STAGES:
-            s = 0
-            phase ^= 1
-        x_lo = x_smem.index(2 * s)
-        x_hi = x_smem.index(2 * s + 1)
-        mbarrier.wait(ready.index(s), phase)
-        w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
-                                           gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
-        m0, m1, m2, m3 = _packed_scales(nxt, km, sel)
-        nxt = _load_word(s_ptrs + gl.minimum(i + 1, last), row_ok)
-        # two slices per wait, issued as two K=32 wgmma ops (one fence and one commit group each)
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l0, h0, l1, h1))[0]
-        l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
-        l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
-        acc = _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, 0, a_layout, acc)
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l2, h2, l3, h3))[0]
-        mbarrier.arrive(empty.index(prev), count=1)  # chunk i - 1's wgmmas have all retired
-        l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
-        l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
-        acc = _issue_two_pairs(l2, h2, l3, h3, x_lo, x_hi, 2, a_layout, acc)
+    state = (acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase)
+    if PAIR == 1:
+        for i in range(1, n_chunks):
+            state = _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
+                                  a_layout, BLOCK_N, STAGES, 1, True)
+    else:  # chunk 1 shares chunk 0's mbarriers; then per pair, the first chunk waits and releases the pair before
+        state = _packed_chunk(state, 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
+                              a_layout, BLOCK_N, STAGES, PAIR, False)
+        for j in range(1, n_chunks // 2):
+            state = _packed_chunk(state, 2 * j, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
+                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, True)
+            state = _packed_chunk(state, 2 * j + 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
+                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, False)
+    acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase = state
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l0, h0, l1, h1, l2, h2, l3, h3))[0]
-    mbarrier.arrive(empty.index(s), count=1)
+    mbarrier.arrive(empty.index(s // PAIR), count=1)
     s += 1
     if s == STAGES:
         s = 0
         phase ^= 1
     return acc, s, phase
+
+
+@gluon.jit
+def _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout: gl.constexpr,
+                  a_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+                  SYNC: gl.constexpr):
+    """Chunk ``i`` (>= 1) of :func:`_mainloop_packed`: its stage and ready phase stepped from the previous chunk's
+    (instead of (s0 + i) % STAGES and its phase: a division for 3 and 6 stages), its upcast and wgmmas in two
+    halves behind ``wgmma.wait_group 2``. With ``SYNC`` it first waits for its stage's ``ready`` mbarrier and,
+    once chunk i - 1's wgmmas have all retired, arrives on that chunk's ``empty`` one (at ``PAIR`` = 2, only the
+    first chunk of a pair does: the pair's data came together and the previous pair is free at once)."""
+    acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase = state
+    prev = s
+    s += 1
+    if s == STAGES:
+        s = 0
+        phase ^= 1
+    x_lo = x_smem.index(2 * s)
+    x_hi = x_smem.index(2 * s + 1)
+    if SYNC:
+        mbarrier.wait(ready.index(s // PAIR), phase)
+    w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
+    m0, m1, m2, m3 = _packed_scales(nxt, km, sel)
+    nxt = _load_word(s_ptrs + gl.minimum(i + 1, last), row_ok)
+    # two slices per wait, issued as two K=32 wgmma ops (one fence and one commit group each)
+    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l0, h0, l1, h1))[0]
+    l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
+    l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
+    acc = _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, 0, a_layout, acc)
+    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l2, h2, l3, h3))[0]
+    if SYNC:
+        mbarrier.arrive(empty.index(prev // PAIR), count=1)  # chunk i - 1's wgmmas have all retired
+    l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
+    l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
+    acc = _issue_two_pairs(l2, h2, l3, h3, x_lo, x_hi, 2, a_layout, acc)
+    return acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase
 
 
 @gluon.jit
@@ -404,15 +444,15 @@ def _tile(pid, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _ring(w_desc, x_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _ring(w_desc, x_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr = 1):
     """The shared ring: per stage a packed weight tile ``[BLOCK_N, 64]`` (``w_desc``'s boxes may be half of it) and
     the activations' two halves, a ``ready`` mbarrier (the loader's TMA copies landed) and an ``empty`` one (the
-    consumer's wgmmas that read the stage retired)."""
+    consumer's wgmmas that read the stage retired); with ``PAIR`` = 2 one of each per two stages."""
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 64], w_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES // PAIR, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES // PAIR, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES // PAIR):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
         mbarrier.arrive(empty.index(s), count=1)  # every stage starts free
@@ -429,7 +469,7 @@ def _acc_layout(block_m, num_warps):
 def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K, ws_ptr, cnt_ptr,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
-                     FINISH: gl.constexpr, num_warps: gl.constexpr):
+                     FINISH: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
 
     Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
@@ -438,7 +478,8 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     ``c_ptr``'s dtype: no zeroed output, no atomics on the data, no cast kernel, and no split waits for another.
     Or (``FINISH``) each split adds its partial into the zeroed fp32 workspace ``ws_ptr [M, N]`` with 16-byte
     atomics, counts itself like ``FIXUP``, and the last split reads the sum back (one tile, not one per split) and
-    stores it in ``c_ptr``'s dtype: the atomics of ``ATOMIC`` without its cast kernel."""
+    stores it in ``c_ptr``'s dtype: the atomics of ``ATOMIC`` without its cast kernel. ``PAIR`` = 2: two ring stages
+    per mbarrier pair (:func:`_mainloop_packed`; the packed upcast, an even number of chunks per split)."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m, pid_n = _tile(pid, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
@@ -447,14 +488,14 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     n_chunks = K // CHUNK_K // gl.num_programs(1)
     first = pid_k * n_chunks
 
-    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, BLOCK_N, STAGES)
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, BLOCK_N, STAGES, PAIR)
     MULT: gl.constexpr = 2.0 ** (EB - FOLD)
     if UPCAST == 2:
         acc, = gl.warp_specialize([
             (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, s_ptr, stride_s, off_n, N, first, n_chunks,
-                                BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps)),
+                                BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps, PAIR)),
             (_loader, (w_desc, w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES,
-                       0)),
+                       0, PAIR)),
         ], [1], [40])
     else:
         acc, = gl.warp_specialize([
@@ -649,6 +690,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise TypeError(f"the Gluon GEMM takes 2-D bf16 activations contiguous along K; got {x.dtype} {x.shape}")
     if k % (CHUNK_K.value * cfg.split_k):
         raise ValueError(f"the Gluon GEMM needs K divisible by {CHUNK_K.value} x split_k={cfg.split_k}; got K={k}")
+    if cfg.pair and (k // CHUNK_K.value // cfg.split_k) % 2:
+        raise ValueError(f"paired ring stages take chunks two at a time: K / {CHUNK_K.value} / split_k must be even; "
+                         f"got K={k}, split_k={cfg.split_k}")
     if cfg.atomic and out.dtype != torch.float32:
         raise TypeError("split-K with atomics accumulates into a zeroed float32 output")
     if cfg.upcast == "packed" and not 7 <= fold_log2 <= 116:
@@ -683,7 +727,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                                            k, ws, counts, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,
                                            UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, FINISH=cfg.finish,
-                                           num_warps=cfg.num_warps,
+                                           num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 

@@ -43,6 +43,8 @@ class GluonConfig:
     persistent: bool = False  # one program per SM looping over the tiles (session 59; unmeasured): packed, no split-K
     finish: bool = False      # split-K through 16-byte fp32 atomics into a zeroed workspace whose last split of a tile
                               # stores the output in its dtype (session 60): ATOMIC's sums without its cast kernel
+    pair: bool = False        # two ring stages per ready/empty mbarrier pair: half the consumer's CTA barriers (session
+                              # 60): packed, an even number of stages, an even number of chunks per split
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -56,6 +58,9 @@ class GluonConfig:
         object.__setattr__(self, "finish", self.finish and self.split_k > 1)
         if self.fixup and self.finish:
             raise ValueError("split-K sums either by fixup or by finish, not both")
+        if self.pair and (self.upcast != "packed" or self.stages % 2 or self.persistent):
+            raise ValueError(f"paired ring stages need the packed upcast, an even number of stages and one tile per "
+                             f"program; got upcast={self.upcast!r}, stages={self.stages}, persistent={self.persistent}")
         if self.persistent and (self.split_k != 1 or self.upcast != "packed" or self.ctas_per_sm != 1):
             raise ValueError(f"a persistent launch runs the packed upcast without split-K, one CTA per SM; got "
                              f"split_k={self.split_k}, upcast={self.upcast!r}, ctas_per_sm={self.ctas_per_sm}")
@@ -91,9 +96,9 @@ class GluonConfig:
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent]]``: the cut syntax of the lab
+        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair]]``: the cut syntax of the lab
         scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
-        flags = "".join(f",{name}" for name in ("fixup", "finish", "persistent") if getattr(self, name))
+        flags = "".join(f",{name}" for name in ("fixup", "finish", "persistent", "pair") if getattr(self, name))
         tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or flags else ""
         return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}{flags}"
 
@@ -104,7 +109,7 @@ class GluonConfig:
         upcast = {"0": "int16", "1": "asm"}.get(rest[0], rest[0]) if rest else "int16"
         return cls(int(bn), int(bm), int(split), int(stages), upcast=upcast,
                    ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1, fixup="fixup" in rest[2:],
-                   finish="finish" in rest[2:], persistent="persistent" in rest[2:])
+                   finish="finish" in rest[2:], persistent="persistent" in rest[2:], pair="pair" in rest[2:])
 
 
 # The cost model behind pick_config, fitted to the H200 sweep of session 40 (backends/cuda/lab/results/
