@@ -207,6 +207,7 @@ def test_gluon_config_validates():
                                  fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", fixup=True),
                                  fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", finish=True),
                                  fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", finish=True, pair=True),
+                                 fp4_gluon_plan.GluonConfig(64, 64, 4, 6, upcast="packed", pair=True, late=True),
                                  fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", ctas_per_sm=2)])
 def test_gluon_config_label_parses_back(cfg):
     assert fp4_gluon_plan.GluonConfig.parse(cfg.label()) == cfg, cfg.label()
@@ -239,6 +240,8 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
         fp4_gluon_plan.GluonConfig(64, 64, 1, 3, upcast="packed", pair=True)  # an odd number of stages
     with pytest.raises(ValueError, match="paired ring stages need"):
         fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="int16", pair=True)
+    with pytest.raises(ValueError, match="late release needs"):
+        fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", pair=True, late=True)  # 2 pairs: no loads ahead
 
 
 def test_moe_names_the_gemv_then_runs_up_to_1024_assignments_and_the_grouped_gemm_beyond(choices):

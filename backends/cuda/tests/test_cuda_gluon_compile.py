@@ -1,6 +1,6 @@
 """The Gluon kernels compiled for SM90 (the H200's ISA) on a host with no GPU, with Triton 3.6 (``gluon_sm90.py``):
-every launch ``fp4_gluon_plan.pick_config`` makes for the 816B linears, the large-M, persistent, split-K finish and
-paired-stage cuts the sweeps time (finish's atomics must be 16 bytes wide), and the grouped (MoE) kernel's gate/up and down at
+every launch ``fp4_gluon_plan.pick_config`` makes for the 816B linears, the large-M, persistent, split-K finish,
+paired-stage and late-release cuts the sweeps time (finish's atomics must be 16 bytes wide), and the grouped (MoE) kernel's gate/up and down at
 every token tile the MoE probe times. Each must compile without spills and without ptxas serializing its wgmmas (C7513), and the packed consumer loop must stay within its
 instruction budget per 128-element chunk (that loop's issue rate is its speed at M 9-256: lab NOTES, sessions 12
 and 40). The grouped kernel has never run on a GPU (session 59), so this is what checks it between device sessions;
@@ -34,7 +34,8 @@ def routed_cuts() -> set[str]:
 
 SWEPT = ("128,256,1,3,packed", "128,128,1,4,packed", "64,128,1,4,packed,1,persistent",
          "128,256,1,3,packed,1,persistent", "64,64,8,4,packed,1,finish", "64,256,4,3,packed,1,finish",
-         "64,64,1,8,packed,1,pair", "64,16,8,4,packed,1,finish,pair", "128,128,1,4,packed,1,pair")
+         "64,64,1,8,packed,1,pair", "64,16,8,4,packed,1,finish,pair", "128,128,1,4,packed,1,pair",
+         "64,64,1,4,packed,1,late", "64,64,1,8,packed,1,pair,late", "64,128,8,6,packed,1,finish,pair,late")
 GROUPED = tuple(f"grouped:{GluonConfig(bn, bm, 1, 3 if bm == 256 else 4, upcast='packed').label()}"
                 for bn, bm in ((64, 16), (64, 64), (64, 128), (64, 256), (128, 64), (128, 256)))
 

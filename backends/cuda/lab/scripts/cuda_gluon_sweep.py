@@ -41,6 +41,7 @@ CTAS = int(os.environ.get("GLUON_CTAS", "1"))  # 2: also the two-CTAs-per-SM cut
 FIXUP = os.environ.get("GLUON_FIXUP", "0") == "1"  # 1: every split-K cut also with the workspace fixup
 FINISH = os.environ.get("GLUON_FINISH", "0") == "1"  # 1: every split-K cut also with finish (no cast kernel)
 PAIR = os.environ.get("GLUON_PAIR", "0") == "1"  # 1: every packed cut with even stages also with paired stages
+LATE = os.environ.get("GLUON_LATE", "0") == "1"  # 1: every cut that can also with late release (and paired + late)
 PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"  # 1: packed split-1 cuts also on a persistent grid
 BLOCK_NS = tuple(int(b) for b in os.environ.get("GLUON_BLOCK_NS", "64,128").split(","))  # weight rows per program
 
@@ -68,10 +69,19 @@ def fill_split(m: int, n: int, k: int, bn: int, bm: int, sms: int = 132) -> int:
     return split
 
 
-def pairable(cfg, k: int) -> bool:
-    """Whether ``cfg`` can run with paired ring stages (``GluonConfig.pair``) at this K."""
-    return (cfg.upcast == "packed" and not cfg.persistent and not cfg.pair and cfg.stages % 2 == 0
-            and (k // 128 // cfg.split_k) % 2 == 0)
+def variants(cfg, k: int):
+    """``cfg`` with paired stages (``GLUON_PAIR=1``), late release (``GLUON_LATE=1``) and both, where they can run
+    at this K (packed, one tile per program; pairs: even stages and chunks per split; late: 3+ stages, 6+ paired)."""
+    if cfg.upcast != "packed" or cfg.persistent or cfg.pair or cfg.late:
+        return
+    pairs = cfg.stages % 2 == 0 and (k // 128 // cfg.split_k) % 2 == 0
+    if PAIR and pairs:
+        yield dataclasses.replace(cfg, pair=True)
+    if LATE and cfg.stages >= 3:
+        yield dataclasses.replace(cfg, late=True)
+    deep = max((st for st in (6, 8) if dataclasses.replace(cfg, stages=st).smem_bytes() <= SMEM), default=0)
+    if PAIR and LATE and pairs and max(deep, cfg.stages) >= 6:  # 3+ pairs keep loads ahead of a late release
+        yield dataclasses.replace(cfg, stages=max(deep, cfg.stages), pair=True, late=True)
 
 
 def routed(m: int, n: int, k: int):
@@ -89,8 +99,8 @@ def cuts(m: int, n: int, k: int):
             yield dataclasses.replace(cfg, fixup=True)
         if FINISH and cfg.split_k > 1:
             yield dataclasses.replace(cfg, finish=True)
-        if PAIR and pairable(cfg, k):
-            yield dataclasses.replace(cfg, pair=True)
+        for variant in variants(cfg, k):
+            yield variant
         if PERSISTENT and cfg.split_k == 1 and cfg.upcast == "packed" and cfg.ctas_per_sm == 1:
             yield dataclasses.replace(cfg, persistent=True)
 
@@ -160,10 +170,10 @@ def precompile(ms, shapes, procs):
         for m in ms:
             chosen = routed(m, n, k)
             twin = [dataclasses.replace(chosen, finish=True)] if FINISH and chosen.split_k > 1 else []
-            twin += [dataclasses.replace(chosen, pair=True)] if PAIR and pairable(chosen, k) else []
+            twin += list(variants(chosen, k))
             for cfg in [chosen] + twin + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
-                                 cfg.fixup, cfg.finish, cfg.pair), (n, k, cfg))
+                                 cfg.fixup, cfg.finish, cfg.pair, cfg.late), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
@@ -182,7 +192,7 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
         row, now, deq = point_rows(p, "nvfp4", ceiling, rows)
         results, chosen = [], routed(m, n, k)
         twin = [("gluon routed finish", dataclasses.replace(chosen, finish=True))] if FINISH and chosen.split_k > 1 else []
-        twin += [("gluon routed pair", dataclasses.replace(chosen, pair=True))] if PAIR and pairable(chosen, k) else []
+        twin += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
         for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):
             try:

@@ -316,18 +316,20 @@ def _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, l: gl.constexpr, a_layout: gl.c
 @gluon.jit
 def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
-                     HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1):
+                     HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
+                     LATE: gl.constexpr = False):
     """The consumer partition of one output tile: :func:`_mainloop_packed` from the ring's first stage."""
     acc, _, _ = _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
                                  gl.to_tensor(0), gl.to_tensor(0), BLOCK_N, BLOCK_M, STAGES, FOLD, HALF, num_warps,
-                                 PAIR)
+                                 PAIR, LATE)
     return (acc, )
 
 
 @gluon.jit
 def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks, s, phase,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
-                     HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1):
+                     HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
+                     LATE: gl.constexpr = False):
     """:func:`_consumer` with the packed upcast, pipelined per half chunk instead of per chunk. A chunk is issued
     as four K=32 ``warpgroup_mma`` ops (two wgmmas behind one fence and one commit group each), in the order of
     its slices: steps 0-1 (low nibbles of slices 0-1), 4-5 (their high nibbles), 2-3, 6-7. The next chunk's
@@ -344,7 +346,10 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     consumer waits for ``ready`` and arrives on ``empty`` once per two chunks. Each of those is a CTA barrier
     here besides the mbarrier: Triton's shared-memory barrier analysis puts a ``bar.sync`` of the warpgroup before
     every mbarrier wait that follows an arrive and on both sides of every arrive (one thread arrives for all), and
-    ncu (session 60, run 86) had the M = 64 kernels' warps stalled on those barriers for 40% of their cycles."""
+    ncu (session 60, run 86) had the M = 64 kernels' warps stalled on those barriers for 40% of their cycles.
+    With ``LATE`` a stage is released at the top of the chunk that follows the next one, right before that chunk's
+    wait on ``ready`` (one barrier then serves both: two per release instead of three), one and a half chunks later
+    than the earliest point; no stage is released after the last chunk (one tile per program)."""
     mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     u_layout: gl.constexpr = _pairs_layout(BLOCK_N, num_warps)
@@ -374,18 +379,35 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     acc = _issue_two_pairs(l0, h0, l1, h1, x_smem.index(2 * s), x_smem.index(2 * s + 1), 0, a_layout, acc)
     acc = _issue_two_pairs(l2, h2, l3, h3, x_smem.index(2 * s), x_smem.index(2 * s + 1), 2, a_layout, acc)
     state = (acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase)
-    if PAIR == 1:
+    # release: 1 = chunk i - 1's stage in the middle of chunk i, 2 = the stage (pair) of chunk i - 1 - PAIR at the top
+    # of chunk i (LATE; nothing to release before chunk 1 + PAIR), 0 = none (the second chunk of a pair)
+    if PAIR == 1 and not LATE:
         for i in range(1, n_chunks):
             state = _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                                  a_layout, BLOCK_N, STAGES, 1, True)
-    else:  # chunk 1 shares chunk 0's mbarriers; then per pair, the first chunk waits and releases the pair before
+                                  a_layout, BLOCK_N, STAGES, 1, True, 1)
+    elif PAIR == 1:  # LATE: chunk 1 has nothing to release yet
+        if n_chunks > 1:
+            state = _packed_chunk(state, 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
+                                  a_layout, BLOCK_N, STAGES, 1, True, 0)
+        for i in range(2, n_chunks):
+            state = _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
+                                  a_layout, BLOCK_N, STAGES, 1, True, 2)
+    else:  # chunk 1 shares chunk 0's mbarriers; then per pair, the first chunk waits (and releases a pair)
         state = _packed_chunk(state, 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                              a_layout, BLOCK_N, STAGES, PAIR, False)
-        for j in range(1, n_chunks // 2):
+                              a_layout, BLOCK_N, STAGES, PAIR, False, 0)
+        first_pair = 1
+        if LATE:  # the second pair has nothing to release yet
+            if n_chunks > 2:
+                state = _packed_chunk(state, 2, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
+                                      u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 0)
+                state = _packed_chunk(state, 3, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
+                                      u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0)
+            first_pair = 2
+        for j in range(first_pair, n_chunks // 2):
             state = _packed_chunk(state, 2 * j, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, True)
+                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 2 if LATE else 1)
             state = _packed_chunk(state, 2 * j + 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, False)
+                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0)
     acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase = state
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l0, h0, l1, h1, l2, h2, l3, h3))[0]
     mbarrier.arrive(empty.index(s // PAIR), count=1)
@@ -399,12 +421,14 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
 @gluon.jit
 def _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout: gl.constexpr,
                   a_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                  SYNC: gl.constexpr):
+                  SYNC: gl.constexpr, RELEASE: gl.constexpr):
     """Chunk ``i`` (>= 1) of :func:`_mainloop_packed`: its stage and ready phase stepped from the previous chunk's
     (instead of (s0 + i) % STAGES and its phase: a division for 3 and 6 stages), its upcast and wgmmas in two
-    halves behind ``wgmma.wait_group 2``. With ``SYNC`` it first waits for its stage's ``ready`` mbarrier and,
-    once chunk i - 1's wgmmas have all retired, arrives on that chunk's ``empty`` one (at ``PAIR`` = 2, only the
-    first chunk of a pair does: the pair's data came together and the previous pair is free at once)."""
+    halves behind ``wgmma.wait_group 2``. With ``SYNC`` it first waits for its stage's ``ready`` mbarrier (at
+    ``PAIR`` = 2 only the first chunk of a pair does: the pair's data came together). ``RELEASE`` 1: once chunk
+    i - 1's wgmmas have all retired (the second ``wait_group``), it arrives on that chunk's ``empty`` mbarrier;
+    2: before its wait, on the ``empty`` one of chunk i - 1 - PAIR (retired by chunk i - 1's second
+    ``wait_group``; at ``PAIR`` = 2 the last chunk of the pair before the previous one); 0: neither."""
     acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase = state
     prev = s
     s += 1
@@ -413,6 +437,11 @@ def _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, 
         phase ^= 1
     x_lo = x_smem.index(2 * s)
     x_hi = x_smem.index(2 * s + 1)
+    if RELEASE == 2:
+        old = prev - PAIR
+        if old < 0:
+            old += STAGES
+        mbarrier.arrive(empty.index(old // PAIR), count=1)  # chunk i - 1 - PAIR's wgmmas have all retired
     if SYNC:
         mbarrier.wait(ready.index(s // PAIR), phase)
     w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
@@ -425,7 +454,7 @@ def _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, 
     l1, h1 = _upcast_step_packed(w16, 1, m1, u_layout, a_layout)
     acc = _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, 0, a_layout, acc)
     acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l2, h2, l3, h3))[0]
-    if SYNC:
+    if RELEASE == 1:
         mbarrier.arrive(empty.index(prev // PAIR), count=1)  # chunk i - 1's wgmmas have all retired
     l2, h2 = _upcast_step_packed(w16, 2, m2, u_layout, a_layout)
     l3, h3 = _upcast_step_packed(w16, 3, m3, u_layout, a_layout)
@@ -469,7 +498,8 @@ def _acc_layout(block_m, num_warps):
 def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stride_cm, M, N, K, ws_ptr, cnt_ptr,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
-                     FINISH: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1):
+                     FINISH: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
+                     LATE: gl.constexpr = False):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
 
     Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
@@ -479,7 +509,8 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     Or (``FINISH``) each split adds its partial into the zeroed fp32 workspace ``ws_ptr [M, N]`` with 16-byte
     atomics, counts itself like ``FIXUP``, and the last split reads the sum back (one tile, not one per split) and
     stores it in ``c_ptr``'s dtype: the atomics of ``ATOMIC`` without its cast kernel. ``PAIR`` = 2: two ring stages
-    per mbarrier pair (:func:`_mainloop_packed`; the packed upcast, an even number of chunks per split)."""
+    per mbarrier pair (:func:`_mainloop_packed`; the packed upcast, an even number of chunks per split); ``LATE``:
+    stages released right before a later wait (:func:`_mainloop_packed`)."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m, pid_n = _tile(pid, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
@@ -493,7 +524,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     if UPCAST == 2:
         acc, = gl.warp_specialize([
             (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, s_ptr, stride_s, off_n, N, first, n_chunks,
-                                BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps, PAIR)),
+                                BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps, PAIR, LATE)),
             (_loader, (w_desc, w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES,
                        0, PAIR)),
         ], [1], [40])
@@ -727,7 +758,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                                            k, ws, counts, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,
                                            UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, FINISH=cfg.finish,
-                                           num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1,
+                                           num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1, LATE=cfg.late,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
