@@ -344,17 +344,21 @@ def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut, mode):
 @pytest.mark.parametrize("cut,flags", [((64, 16, 1, 4), "pair"), ((64, 64, 1, 8), "pair"), ((64, 64, 4, 4), "pair"),
                                        ((64, 128, 8, 2), "pair"), ((128, 128, 1, 4), "pair"), ((64, 64, 1, 4), "late"),
                                        ((64, 16, 8, 3), "late"), ((64, 64, 1, 8), "pair,late"),
-                                       ((64, 128, 4, 6), "pair,late"), ((64, 32, 16, 6), "pair,late")])
+                                       ((64, 128, 4, 6), "pair,late"), ((64, 32, 16, 6), "pair,late"),
+                                       ((64, 64, 1, 4), "ahead2"), ((64, 16, 16, 4), "ahead2"),
+                                       ((64, 64, 1, 8), "pair,late,ahead2")])
 def test_fp4_gluon_linear_paired_stages_and_late_release_give_the_same_bits(cut, flags):
     """Paired ring stages (``GluonConfig.pair``: one ready/empty mbarrier pair per two stages, the consumer waiting
-    and releasing once per two chunks) and late release (``late``: a stage freed right before a later chunk's wait)
-    change only the synchronization, not the order of the sums: the same bits as the plain launch (split 1 and
+    and releasing once per two chunks), late release (``late``: a stage freed right before a later chunk's wait) and
+    scale words loaded two chunks ahead (``ahead``; 2 chunks per split at 16) change only the synchronization and
+    the loads' timing, not the order of the sums: the same bits as the plain launch (split 1 and
     split-K finish, ring wrap-around, 1 pair, splits of 2 chunks where the late pair path skips its peeled pair,
     partial tiles, two warpgroups), and within the linear tolerance of the reference."""
     n, k, m = 1000, 4096, 100
     qt, w, x = _gluon_case(n, k, m)
     base = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", finish=cut[2] > 1)
-    paired = dataclasses.replace(base, pair="pair" in flags, late="late" in flags)
+    paired = dataclasses.replace(base, pair="pair" in flags, late="late" in flags,
+                                 ahead=2 if "ahead2" in flags else 1)
     got = fp4_gluon_linear(x, w, paired)
     assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"Gluon GEMM {paired.label()} M={m} N={n}")
     want = fp4_gluon_linear(x, w, base)

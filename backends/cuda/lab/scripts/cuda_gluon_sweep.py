@@ -42,6 +42,7 @@ FIXUP = os.environ.get("GLUON_FIXUP", "0") == "1"  # 1: every split-K cut also w
 FINISH = os.environ.get("GLUON_FINISH", "0") == "1"  # 1: every split-K cut also with finish (no cast kernel)
 PAIR = os.environ.get("GLUON_PAIR", "0") == "1"  # 1: every packed cut with even stages also with paired stages
 LATE = os.environ.get("GLUON_LATE", "0") == "1"  # 1: every cut that can also with late release (and paired + late)
+AHEAD = os.environ.get("GLUON_AHEAD", "0") == "1"  # 1: also with the scale words loaded two chunks ahead
 PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"  # 1: packed split-1 cuts also on a persistent grid
 BLOCK_NS = tuple(int(b) for b in os.environ.get("GLUON_BLOCK_NS", "64,128").split(","))  # weight rows per program
 
@@ -70,10 +71,13 @@ def fill_split(m: int, n: int, k: int, bn: int, bm: int, sms: int = 132) -> int:
 
 
 def variants(cfg, k: int):
-    """``cfg`` with paired stages (``GLUON_PAIR=1``), late release (``GLUON_LATE=1``) and both, where they can run
+    """``cfg`` with the scale words two chunks ahead (``GLUON_AHEAD=1``), paired stages (``GLUON_PAIR=1``), late
+    release (``GLUON_LATE=1``) and the last two (with and without the first), where they can run
     at this K (packed, one tile per program; pairs: even stages and chunks per split; late: 3+ stages, 6+ paired)."""
-    if cfg.upcast != "packed" or cfg.persistent or cfg.pair or cfg.late:
+    if cfg.upcast != "packed" or cfg.persistent or cfg.pair or cfg.late or cfg.ahead != 1:
         return
+    if AHEAD:
+        yield dataclasses.replace(cfg, ahead=2)
     pairs = cfg.stages % 2 == 0 and (k // 128 // cfg.split_k) % 2 == 0
     if PAIR and pairs:
         yield dataclasses.replace(cfg, pair=True)
@@ -82,6 +86,8 @@ def variants(cfg, k: int):
     deep = max((st for st in (6, 8) if dataclasses.replace(cfg, stages=st).smem_bytes() <= SMEM), default=0)
     if PAIR and LATE and pairs and max(deep, cfg.stages) >= 6:  # 3+ pairs keep loads ahead of a late release
         yield dataclasses.replace(cfg, stages=max(deep, cfg.stages), pair=True, late=True)
+        if AHEAD:
+            yield dataclasses.replace(cfg, stages=max(deep, cfg.stages), pair=True, late=True, ahead=2)
 
 
 def routed(m: int, n: int, k: int):
@@ -173,7 +179,7 @@ def precompile(ms, shapes, procs):
             twin += list(variants(chosen, k))
             for cfg in [chosen] + twin + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
-                                 cfg.fixup, cfg.finish, cfg.pair, cfg.late), (n, k, cfg))
+                                 cfg.fixup, cfg.finish, cfg.pair, cfg.late, cfg.ahead), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])

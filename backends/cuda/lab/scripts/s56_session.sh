@@ -18,8 +18,9 @@
 #      cast kernel): its GPU tests, then cuda_gluon_sweep.py with GLUON_FINISH=1 GLUON_BLOCK_NS=64 against the atomic
 #      split cuts (FINISH_ARGS, default the small-N and K=4096 shapes at M 16 / 64 / 256; FINISH_S).
 #   b. (session 60) paired ring stages (one ready/empty mbarrier pair per two stages) and late release (a stage freed
-#      right before a later wait): 3 -> 1.5 / 2 / 1 CTA barriers per chunk in the consumer; the Gluon linear GPU tests,
-#      then cuda_gluon_sweep.py with GLUON_PAIR=1 GLUON_LATE=1 GLUON_BLOCK_NS=64 (PAIR_ARGS, default every 816B
+#      right before a later wait): 3 -> 1.5 / 2 / 1 CTA barriers per chunk in the consumer, and the scale words two
+#      chunks ahead; the Gluon linear GPU tests, then cuda_gluon_sweep.py with GLUON_PAIR=1 GLUON_LATE=1 GLUON_AHEAD=1
+#      GLUON_BLOCK_NS=64 (PAIR_ARGS, default every 816B
 #      shape at M 16 / 64 / 256; PAIR_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
@@ -73,7 +74,7 @@ stepb() {
   timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
     -k "gluon" > $OUT/pair_tests.log 2>&1
   echo "b. Gluon linear tests at ${SECONDS}s (rc $?):"; grep -E "passed|failed|FAILED|Error|assert" $OUT/pair_tests.log | tail -8
-  GLUON_PAIR=1 GLUON_LATE=1 GLUON_BLOCK_NS=64 timeout $(cap ${PAIR_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
+  GLUON_PAIR=1 GLUON_LATE=1 GLUON_AHEAD=1 GLUON_BLOCK_NS=64 timeout $(cap ${PAIR_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
     --precompile 12 --out $OUT/cuda_gluon_sweep_pair.json \
     ${PAIR_ARGS:---ms 16,64,256 --shapes q_proj,k_proj,o_proj,pooler,unpooler,expert_up,expert_down} \
     > $OUT/gluon_pair.log 2>&1

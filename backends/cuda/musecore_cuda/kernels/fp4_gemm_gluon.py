@@ -317,11 +317,11 @@ def _issue_two_pairs(l0, h0, l1, h1, x_lo, x_hi, l: gl.constexpr, a_layout: gl.c
 def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
                      HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
-                     LATE: gl.constexpr = False):
+                     LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1):
     """The consumer partition of one output tile: :func:`_mainloop_packed` from the ring's first stage."""
     acc, _, _ = _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks,
                                  gl.to_tensor(0), gl.to_tensor(0), BLOCK_N, BLOCK_M, STAGES, FOLD, HALF, num_warps,
-                                 PAIR, LATE)
+                                 PAIR, LATE, AHEAD)
     return (acc, )
 
 
@@ -329,7 +329,7 @@ def _consumer_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
 def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, N, first, n_chunks, s, phase,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
                      HALF: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
-                     LATE: gl.constexpr = False):
+                     LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1):
     """:func:`_consumer` with the packed upcast, pipelined per half chunk instead of per chunk. A chunk is issued
     as four K=32 ``warpgroup_mma`` ops (two wgmmas behind one fence and one commit group each), in the order of
     its slices: steps 0-1 (low nibbles of slices 0-1), 4-5 (their high nibbles), 2-3, 6-7. The next chunk's
@@ -349,7 +349,9 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     ncu (session 60, run 86) had the M = 64 kernels' warps stalled on those barriers for 40% of their cycles.
     With ``LATE`` a stage is released at the top of the chunk that follows the next one, right before that chunk's
     wait on ``ready`` (one barrier then serves both: two per release instead of three), one and a half chunks later
-    than the earliest point; no stage is released after the last chunk (one tile per program)."""
+    than the earliest point; no stage is released after the last chunk (one tile per program). The scale words are
+    loaded ``AHEAD`` chunks before their chunk (1, or 2: ncu of run 86 had the M = 64 consumer's warps waiting on
+    global loads for 15% of their cycles, and these are its only ones)."""
     mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     u_layout: gl.constexpr = _pairs_layout(BLOCK_N, num_warps)
@@ -367,6 +369,8 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     last = n_chunks - 1
     word = _load_word(s_ptrs, row_ok)
     nxt = _load_word(s_ptrs + gl.minimum(1, last), row_ok)  # the scale word one chunk ahead
+    if AHEAD == 2:  # and two chunks ahead
+        nxt = (nxt, _load_word(s_ptrs + gl.minimum(2, last), row_ok))
     mbarrier.wait(ready.index(s // PAIR), phase)
     w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
                                        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
@@ -384,30 +388,30 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     if PAIR == 1 and not LATE:
         for i in range(1, n_chunks):
             state = _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                                  a_layout, BLOCK_N, STAGES, 1, True, 1)
+                                  a_layout, BLOCK_N, STAGES, 1, True, 1, AHEAD)
     elif PAIR == 1:  # LATE: chunk 1 has nothing to release yet
         if n_chunks > 1:
             state = _packed_chunk(state, 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                                  a_layout, BLOCK_N, STAGES, 1, True, 0)
+                                  a_layout, BLOCK_N, STAGES, 1, True, 0, AHEAD)
         for i in range(2, n_chunks):
             state = _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                                  a_layout, BLOCK_N, STAGES, 1, True, 2)
+                                  a_layout, BLOCK_N, STAGES, 1, True, 2, AHEAD)
     else:  # chunk 1 shares chunk 0's mbarriers; then per pair, the first chunk waits (and releases a pair)
         state = _packed_chunk(state, 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                              a_layout, BLOCK_N, STAGES, PAIR, False, 0)
+                              a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
         first_pair = 1
         if LATE:  # the second pair has nothing to release yet
             if n_chunks > 2:
                 state = _packed_chunk(state, 2, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                      u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 0)
+                                      u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 0, AHEAD)
                 state = _packed_chunk(state, 3, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                      u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0)
+                                      u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
             first_pair = 2
         for j in range(first_pair, n_chunks // 2):
             state = _packed_chunk(state, 2 * j, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 2 if LATE else 1)
+                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 2 if LATE else 1, AHEAD)
             state = _packed_chunk(state, 2 * j + 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0)
+                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
     acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase = state
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l0, h0, l1, h1, l2, h2, l3, h3))[0]
     mbarrier.arrive(empty.index(s // PAIR), count=1)
@@ -421,7 +425,7 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
 @gluon.jit
 def _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout: gl.constexpr,
                   a_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                  SYNC: gl.constexpr, RELEASE: gl.constexpr):
+                  SYNC: gl.constexpr, RELEASE: gl.constexpr, AHEAD: gl.constexpr):
     """Chunk ``i`` (>= 1) of :func:`_mainloop_packed`: its stage and ready phase stepped from the previous chunk's
     (instead of (s0 + i) % STAGES and its phase: a division for 3 and 6 stages), its upcast and wgmmas in two
     halves behind ``wgmma.wait_group 2``. With ``SYNC`` it first waits for its stage's ``ready`` mbarrier (at
@@ -446,8 +450,13 @@ def _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, 
         mbarrier.wait(ready.index(s // PAIR), phase)
     w16 = w_smem.index(s)._reinterpret(gl.uint16, [BLOCK_N, 32],
                                        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16))
-    m0, m1, m2, m3 = _packed_scales(nxt, km, sel)
-    nxt = _load_word(s_ptrs + gl.minimum(i + 1, last), row_ok)
+    if AHEAD == 1:
+        m0, m1, m2, m3 = _packed_scales(nxt, km, sel)
+        nxt = _load_word(s_ptrs + gl.minimum(i + 1, last), row_ok)
+    else:
+        cur, later = nxt
+        m0, m1, m2, m3 = _packed_scales(cur, km, sel)
+        nxt = (later, _load_word(s_ptrs + gl.minimum(i + 2, last), row_ok))
     # two slices per wait, issued as two K=32 wgmma ops (one fence and one commit group each)
     acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l0, h0, l1, h1))[0]
     l0, h0 = _upcast_step_packed(w16, 0, m0, u_layout, a_layout)
@@ -499,7 +508,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
                      FINISH: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
-                     LATE: gl.constexpr = False):
+                     LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
 
     Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
@@ -510,7 +519,8 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     atomics, counts itself like ``FIXUP``, and the last split reads the sum back (one tile, not one per split) and
     stores it in ``c_ptr``'s dtype: the atomics of ``ATOMIC`` without its cast kernel. ``PAIR`` = 2: two ring stages
     per mbarrier pair (:func:`_mainloop_packed`; the packed upcast, an even number of chunks per split); ``LATE``:
-    stages released right before a later wait (:func:`_mainloop_packed`)."""
+    stages released right before a later wait; ``AHEAD``: chunks between a scale word's load and its use
+    (:func:`_mainloop_packed`)."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m, pid_n = _tile(pid, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
@@ -524,7 +534,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     if UPCAST == 2:
         acc, = gl.warp_specialize([
             (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, s_ptr, stride_s, off_n, N, first, n_chunks,
-                                BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps, PAIR, LATE)),
+                                BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps, PAIR, LATE, AHEAD)),
             (_loader, (w_desc, w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES,
                        0, PAIR)),
         ], [1], [40])
@@ -759,6 +769,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,
                                            UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, FINISH=cfg.finish,
                                            num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1, LATE=cfg.late,
+                                           AHEAD=cfg.ahead,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 

@@ -47,6 +47,8 @@ class GluonConfig:
                               # 60): packed, an even number of stages, an even number of chunks per split
     late: bool = False        # a stage released right before a later chunk's wait (one CTA barrier serves both;
                               # session 60): packed, one tile per program, 3+ stages (6+ paired)
+    ahead: int = 1            # chunks between a scale word's load and its use (session 60): 1, or 2 (packed, one tile
+                              # per program)
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -63,6 +65,9 @@ class GluonConfig:
         if self.pair and (self.upcast != "packed" or self.stages % 2 or self.persistent):
             raise ValueError(f"paired ring stages need the packed upcast, an even number of stages and one tile per "
                              f"program; got upcast={self.upcast!r}, stages={self.stages}, persistent={self.persistent}")
+        if self.ahead not in (1, 2) or (self.ahead == 2 and (self.upcast != "packed" or self.persistent)):
+            raise ValueError(f"scale words load 1 chunk ahead, or 2 with the packed upcast and one tile per program; "
+                             f"got ahead={self.ahead}, upcast={self.upcast!r}, persistent={self.persistent}")
         if self.late and (self.upcast != "packed" or self.persistent or self.stages < (6 if self.pair else 3)):
             raise ValueError(f"late release needs the packed upcast, one tile per program and 3 stages (6 paired) to "
                              f"keep loads ahead; got upcast={self.upcast!r}, persistent={self.persistent}, "
@@ -102,10 +107,10 @@ class GluonConfig:
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late]]``: the cut syntax of the lab
+        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late][,ahead2]]``: the cut syntax of the lab
         scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
         flags = "".join(f",{name}" for name in ("fixup", "finish", "persistent", "pair", "late")
-                        if getattr(self, name))
+                        if getattr(self, name)) + (",ahead2" if self.ahead == 2 else "")
         tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or flags else ""
         return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}{flags}"
 
@@ -117,7 +122,7 @@ class GluonConfig:
         return cls(int(bn), int(bm), int(split), int(stages), upcast=upcast,
                    ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1, fixup="fixup" in rest[2:],
                    finish="finish" in rest[2:], persistent="persistent" in rest[2:], pair="pair" in rest[2:],
-                   late="late" in rest[2:])
+                   late="late" in rest[2:], ahead=2 if "ahead2" in rest[2:] else 1)
 
 
 # The cost model behind pick_config, fitted to the H200 sweep of session 40 (backends/cuda/lab/results/
