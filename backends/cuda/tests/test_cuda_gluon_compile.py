@@ -1,10 +1,11 @@
 """The Gluon kernels compiled for SM90 (the H200's ISA) on a host with no GPU, with Triton 3.6 (``gluon_sm90.py``):
 every launch ``fp4_gluon_plan.pick_config`` makes for the 816B linears, the large-M, persistent, split-K finish,
-paired-stage and late-release cuts the sweeps time (finish's atomics must be 16 bytes wide), and the grouped (MoE) kernel's gate/up and down at
-every token tile the MoE probe times. Each must compile without spills and without ptxas serializing its wgmmas (C7513), and the packed consumer loop must stay within its
-instruction budget per 128-element chunk (that loop's issue rate is its speed at M 9-256: lab NOTES, sessions 12
-and 40). The grouped kernel has never run on a GPU (session 59), so this is what checks it between device sessions;
-a mask on its 256 x 128 down tile spilled 926 bytes before this test existed."""
+paired-stage and late-release cuts the sweeps time (finish's atomics must be 16 bytes wide), and the grouped (MoE)
+kernel's gate/up and down at every token tile the MoE probe times. Each must compile without spills and without
+ptxas serializing its wgmmas (C7513), and the packed consumer loop must stay within its instruction budget per
+128-element chunk (that loop's issue rate is its speed at M 9-256: lab NOTES, sessions 12 and 40). The grouped
+kernel has never run on a GPU (session 59), so this is what checks it between device sessions; a mask on its 256 x
+128 down tile spilled 926 bytes before this test existed."""
 
 from __future__ import annotations
 

@@ -197,7 +197,8 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
         name, n, k, m = p.case.name, p.case.n, p.case.k, p.m
         row, now, deq = point_rows(p, "nvfp4", ceiling, rows)
         results, chosen = [], routed(m, n, k)
-        twin = [("gluon routed finish", dataclasses.replace(chosen, finish=True))] if FINISH and chosen.split_k > 1 else []
+        twin = ([("gluon routed finish", dataclasses.replace(chosen, finish=True))] if FINISH and chosen.split_k > 1
+                else [])
         twin += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
         for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):

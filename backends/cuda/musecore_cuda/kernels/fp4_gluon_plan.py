@@ -107,8 +107,8 @@ class GluonConfig:
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late][,ahead2]]``: the cut syntax of the lab
-        scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
+        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late][,ahead2]]``: the cut
+        syntax of the lab scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
         flags = "".join(f",{name}" for name in ("fixup", "finish", "persistent", "pair", "late")
                         if getattr(self, name)) + (",ahead2" if self.ahead == 2 else "")
         tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or flags else ""
