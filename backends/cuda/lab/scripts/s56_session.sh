@@ -72,7 +72,7 @@ stepa() {
 }
 stepb() {
   timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
-    -k "gluon" > $OUT/pair_tests.log 2>&1
+    -k "${PAIR_TESTS_K:-gluon}" > $OUT/pair_tests.log 2>&1
   echo "b. Gluon linear tests at ${SECONDS}s (rc $?):"; grep -E "passed|failed|FAILED|Error|assert" $OUT/pair_tests.log | tail -8
   GLUON_PAIR=1 GLUON_LATE=1 GLUON_AHEAD=1 GLUON_BLOCK_NS=64 timeout $(cap ${PAIR_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
     --precompile 12 --out $OUT/cuda_gluon_sweep_pair.json \
