@@ -343,11 +343,12 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     phase of the chunk after its last (a persistent program's next tile).
 
     With ``PAIR`` = 2 (``n_chunks`` even, ``s`` 0) two stages share their mbarriers (:func:`_ring`), so the
-    consumer waits for ``ready`` and arrives on ``empty`` once per two chunks. Each of those is a CTA barrier
-    here besides the mbarrier: Triton's shared-memory barrier analysis puts a ``bar.sync`` of the warpgroup before
-    every mbarrier wait that follows an arrive and on both sides of every arrive (one thread arrives for all), and
-    ncu (session 60, run 86) had the M = 64 kernels' warps stalled on those barriers for 40% of their cycles.
-    With ``LATE`` a stage is released at the top of the chunk that follows the next one, right before that chunk's
+    consumer waits for ``ready`` and arrives on ``empty`` once per two chunks. Each of those costs a warpgroup
+    ``bar.sync`` besides the mbarrier: Triton's shared-memory barrier analysis puts one before every mbarrier wait
+    that follows an arrive and one on both sides of every arrive (one thread arrives for all): 3 per chunk, 1.5
+    paired. (ncu's "barrier" stalls of the M = 64 kernels, session 60, run 86, are mostly the warp-specialized
+    launch's three spare warps, which wait at a barrier for the whole kernel; how much these cost is what the sweep
+    of ``pair`` and ``LATE`` measures.) With ``LATE`` a stage is released at the top of the chunk that follows the next one, right before that chunk's
     wait on ``ready`` (one barrier then serves both: two per release instead of three), one and a half chunks later
     than the earliest point; no stage is released after the last chunk (one tile per program). The scale words are
     loaded ``AHEAD`` chunks before their chunk (1, or 2: ncu of run 86 had the M = 64 consumer's warps waiting on
