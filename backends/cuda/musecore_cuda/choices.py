@@ -165,8 +165,10 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
                 "at load is not SM 9.x or Triton is not 3.6")
     return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of 32M elements and more): beat "
             f"today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256); launch from M, N, K and the SM "
-            f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}); "
-            "today's rule applies if the GPU at load is not SM 9.x or Triton lacks Gluon's Hopper API")
+            f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}"
+            + (f": split-K {cfg.split_k}, the tile's last split storing the bf16 sum, no cast kernel" if cfg.finish
+               else "")
+            + "); today's rule applies if the GPU at load is not SM 9.x or its Triton is not 3.6 (Gluon's API)")
 
 
 def _fp4_linear_choices(shape: LinearShape, arch: str = "") -> list[KernelChoice]:
