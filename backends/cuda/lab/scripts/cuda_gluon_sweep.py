@@ -175,7 +175,8 @@ def precompile(ms, shapes, procs):
         n, k = LINEAR_SHAPES[name]
         for m in ms:
             chosen = routed(m, n, k)
-            twin = [dataclasses.replace(chosen, finish=True)] if FINISH and chosen.split_k > 1 else []
+            finish = FINISH and chosen.split_k > 1 and not chosen.finish
+            twin = [dataclasses.replace(chosen, finish=True)] if finish else []
             twin += list(variants(chosen, k))
             for cfg in [chosen] + twin + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
@@ -197,8 +198,8 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
         name, n, k, m = p.case.name, p.case.n, p.case.k, p.m
         row, now, deq = point_rows(p, "nvfp4", ceiling, rows)
         results, chosen = [], routed(m, n, k)
-        twin = ([("gluon routed finish", dataclasses.replace(chosen, finish=True))] if FINISH and chosen.split_k > 1
-                else [])
+        twin = ([("gluon routed finish", dataclasses.replace(chosen, finish=True))]
+                if FINISH and chosen.split_k > 1 and not chosen.finish else [])
         twin += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
         for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):
