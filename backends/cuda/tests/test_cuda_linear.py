@@ -472,3 +472,57 @@ def test_decode_launch_refuses_a_weight_beyond_its_32_bit_offsets():
     with pytest.raises(ValueError, match="32 bits.*split the layer"):
         fp4_gemv_cuda.launch(x, dummy, dummy, torch.ones(1), wfmt=1, fold_log2=9, n=n, k=k,
                              out=torch.empty(1, n, dtype=torch.bfloat16), plan=plan)
+
+
+class _RecordedLaunch:
+    """A stand-in for ``fp4_gluon_kernel``: ``kernel[grid](*args, **kwargs)`` records the launch instead of running."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def _recorded_gluon_launch(monkeypatch, m: int, n: int, k: int, cfg, out_dtype=torch.bfloat16):
+    """``fp4_gemm_gluon.launch`` on CPU tensors with the kernel and its TMA descriptors stubbed: what the host side
+    allocates and passes (the kernel itself: the GPU tests above)."""
+    from musecore_cuda.kernels import fp4_gemm_gluon
+    kernel = _RecordedLaunch()
+    monkeypatch.setattr(fp4_gemm_gluon, "fp4_gluon_kernel", kernel)
+    monkeypatch.setattr(fp4_gemm_gluon, "descriptors", lambda x, w, c: ("w_desc", "x_desc"))
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    packed = torch.zeros(n, k // 2, dtype=torch.uint8)
+    scales = torch.zeros(n, k // 16, dtype=torch.uint8)
+    out = torch.empty(m, n, dtype=out_dtype)
+    fp4_gemm_gluon.launch(x, packed, scales, torch.ones(1), wfmt=fp4_gemm_gluon.WFMT_NVFP4, group=16, fold_log2=9,
+                          n=n, k=k, out=out, cfg=cfg)
+    return kernel.calls
+
+
+def test_gluon_launch_finish_allocates_one_zeroed_workspace_with_the_counts_behind_it(monkeypatch):
+    """Split-K finish: one ``torch.zeros`` of M x N fp32 partial sums plus one int32 count per output tile (the same
+    storage, so one memset), a bf16 output straight from the kernel, FINISH on and ATOMIC off."""
+    m, n, k = 100, 1000, 4096
+    cfg = fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", finish=True)
+    [(grid, args, kwargs)] = _recorded_gluon_launch(monkeypatch, m, n, k, cfg)
+    tiles = -(-m // 64) * -(-n // 64)
+    assert grid == (tiles, 4)
+    ws, counts = args[10], args[11]
+    assert ws.dtype == torch.float32 and ws.numel() == m * n + tiles and not ws.any()
+    assert counts.dtype == torch.int32 and counts.numel() == tiles and not counts.any()
+    assert counts.untyped_storage().data_ptr() == ws.untyped_storage().data_ptr()
+    assert kwargs["FINISH"] and not kwargs["ATOMIC"] and not kwargs["FIXUP"]
+    with pytest.raises(TypeError, match="zeroed float32 output"):  # atomics into bf16 are refused, finish is not
+        _recorded_gluon_launch(monkeypatch, m, n, k, dataclasses.replace(cfg, finish=False))
+
+
+def test_gluon_launch_passes_pair_late_ahead_and_refuses_odd_chunks_in_pairs(monkeypatch):
+    cfg = fp4_gluon_plan.GluonConfig(64, 64, 1, 8, upcast="packed", pair=True, late=True, ahead=2)
+    [(_, _, kwargs)] = _recorded_gluon_launch(monkeypatch, 64, 128, 4096, cfg)
+    assert (kwargs["PAIR"], kwargs["LATE"], kwargs["AHEAD"]) == (2, True, 2)
+    [(_, _, kwargs)] = _recorded_gluon_launch(monkeypatch, 64, 128, 4096, fp4_gluon_plan.GluonConfig(64, 64, 1, 4))
+    assert (kwargs["PAIR"], kwargs["LATE"], kwargs["AHEAD"]) == (1, False, 1)
+    with pytest.raises(ValueError, match="two at a time"):  # 4096 / 128 / 32 = 1 chunk per split
+        _recorded_gluon_launch(monkeypatch, 64, 128, 4096, fp4_gluon_plan.GluonConfig(64, 64, 32, 4, upcast="packed",
+                                                                                       finish=True, pair=True))
