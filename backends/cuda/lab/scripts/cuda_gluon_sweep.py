@@ -226,6 +226,11 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
                   f"gluon best {best['time_us']:8.2f} ({best['speedup_vs_bf16']:.2f}x, "
                   f"{now['time_us'] / best['time_us']:.2f}x today) {best['config']} | routed {chosen.label()} "
                   f"{mine['time_us'] if mine else float('nan'):8.2f}", flush=True)
+            for r in results:  # the routed cut's variants (GLUON_FINISH / PAIR / LATE / AHEAD): speedup over it
+                if mine is not None and r["impl"].startswith("gluon routed "):
+                    r["vs_routed"] = round(mine["time_us"] / r["time_us"], 3)
+                    print(f"vs routed: {name} M={m} {r['config']} {r['time_us']:.2f} us = {r['vs_routed']:.3f}x",
+                          flush=True)
         Path(out_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return rows
 
