@@ -348,11 +348,11 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     that follows an arrive and one on both sides of every arrive (one thread arrives for all): 3 per chunk, 1.5
     paired. (ncu's "barrier" stalls of the M = 64 kernels, session 60, run 86, are mostly the warp-specialized
     launch's three spare warps, which wait at a barrier for the whole kernel; how much these cost is what the sweep
-    of ``pair`` and ``LATE`` measures.) With ``LATE`` a stage is released at the top of the chunk that follows the next one, right before that chunk's
-    wait on ``ready`` (one barrier then serves both: two per release instead of three), one and a half chunks later
-    than the earliest point; no stage is released after the last chunk (one tile per program). The scale words are
-    loaded ``AHEAD`` chunks before their chunk (1, or 2: ncu of run 86 had the M = 64 consumer's warps waiting on
-    global loads for 15% of their cycles, and these are its only ones)."""
+    of ``pair`` and ``LATE`` measures.) With ``LATE`` a stage is released at the top of the chunk that follows the
+    next one, right before that chunk's wait on ``ready`` (one barrier then serves both: two per release instead of
+    three), one and a half chunks later than the earliest point; no stage is released after the last chunk (one
+    tile per program). The scale words are loaded ``AHEAD`` chunks before their chunk (1, or 2: ncu of run 86 had
+    the M = 64 consumer's warps waiting on global loads for 15% of their cycles, and these are its only ones)."""
     mma: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     u_layout: gl.constexpr = _pairs_layout(BLOCK_N, num_warps)
@@ -555,9 +555,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
         mn = M.to(gl.int64) * N
         part = offs_m.to(gl.int64)[None, :] * N + offs_n[:, None]
         gl.store(ws_ptr + pid_k * mn + part, acc, mask=c_mask)
-        gl.thread_barrier()  # every thread's partial is written before the count releases them
-        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == gl.num_programs(1) - 1:  # the last split of this tile: the others' partials are visible
+        if _last_split(cnt_ptr + pid):  # the others' partials are visible
             gl.thread_barrier()
             total = gl.zeros_like(acc)
             for split in range(gl.num_programs(1)):
@@ -567,6 +565,16 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
         _finish_split(acc, ws_ptr, cnt_ptr + pid, c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps)
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@gluon.jit
+def _last_split(cnt_ptr):
+    """Counts this split of an output tile in the tile's zeroed int32 ``cnt_ptr`` once every thread of the program
+    has issued its partial (a CTA barrier, then one acq_rel gpu-scope add that releases them) and says whether it
+    was the tile's last split: the one that may read the others' partials (split-K ``FIXUP`` and ``FINISH``)."""
+    gl.thread_barrier()
+    arrived = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    return arrived == gl.num_programs(1) - 1
 
 
 @gluon.jit
@@ -585,9 +593,7 @@ def _finish_split(acc, ws_ptr, cnt_ptr, c_ptr, stride_cm, off_m, off_n, M, N, BL
     mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     ws_ptrs = ws_ptr + offs_m.to(gl.int64)[None, :] * N + offs_n[:, None]
     gl.atomic_add(ws_ptrs, part, mask=mask, sem="relaxed")
-    gl.thread_barrier()  # every thread's atomics are issued before the count releases them
-    arrived = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == gl.num_programs(1) - 1:  # the last split of this tile: every split's atomics are visible in L2
+    if _last_split(cnt_ptr):  # every split's atomics are visible in L2
         gl.thread_barrier()
         total = gl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
         c_ptrs = c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None]
