@@ -384,35 +384,29 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
     acc = _issue_two_pairs(l0, h0, l1, h1, x_smem.index(2 * s), x_smem.index(2 * s + 1), 0, a_layout, acc)
     acc = _issue_two_pairs(l2, h2, l3, h3, x_smem.index(2 * s), x_smem.index(2 * s + 1), 2, a_layout, acc)
     state = (acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase)
+    ctx = (w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel)  # what every chunk reads and nothing changes
     # release: 1 = chunk i - 1's stage in the middle of chunk i, 2 = the stage (pair) of chunk i - 1 - PAIR at the top
     # of chunk i (LATE; nothing to release before chunk 1 + PAIR), 0 = none (the second chunk of a pair)
     if PAIR == 1 and not LATE:
         for i in range(1, n_chunks):
-            state = _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                                  a_layout, BLOCK_N, STAGES, 1, True, 1, AHEAD)
+            state = _packed_chunk(state, i, ctx, u_layout, a_layout, BLOCK_N, STAGES, 1, True, 1, AHEAD)
     elif PAIR == 1:  # LATE: chunk 1 has nothing to release yet
         if n_chunks > 1:
-            state = _packed_chunk(state, 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                                  a_layout, BLOCK_N, STAGES, 1, True, 0, AHEAD)
+            state = _packed_chunk(state, 1, ctx, u_layout, a_layout, BLOCK_N, STAGES, 1, True, 0, AHEAD)
         for i in range(2, n_chunks):
-            state = _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                                  a_layout, BLOCK_N, STAGES, 1, True, 2, AHEAD)
+            state = _packed_chunk(state, i, ctx, u_layout, a_layout, BLOCK_N, STAGES, 1, True, 2, AHEAD)
     else:  # chunk 1 shares chunk 0's mbarriers; then per pair, the first chunk waits (and releases a pair)
-        state = _packed_chunk(state, 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout,
-                              a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
+        state = _packed_chunk(state, 1, ctx, u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
         first_pair = 1
         if LATE:  # the second pair has nothing to release yet
             if n_chunks > 2:
-                state = _packed_chunk(state, 2, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                      u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 0, AHEAD)
-                state = _packed_chunk(state, 3, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                      u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
+                state = _packed_chunk(state, 2, ctx, u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 0, AHEAD)
+                state = _packed_chunk(state, 3, ctx, u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
             first_pair = 2
         for j in range(first_pair, n_chunks // 2):
-            state = _packed_chunk(state, 2 * j, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, True, 2 if LATE else 1, AHEAD)
-            state = _packed_chunk(state, 2 * j + 1, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel,
-                                  u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
+            state = _packed_chunk(state, 2 * j, ctx, u_layout, a_layout, BLOCK_N, STAGES, PAIR, True,
+                                  2 if LATE else 1, AHEAD)
+            state = _packed_chunk(state, 2 * j + 1, ctx, u_layout, a_layout, BLOCK_N, STAGES, PAIR, False, 0, AHEAD)
     acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase = state
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l0, h0, l1, h1, l2, h2, l3, h3))[0]
     mbarrier.arrive(empty.index(s // PAIR), count=1)
@@ -424,17 +418,19 @@ def _mainloop_packed(w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_
 
 
 @gluon.jit
-def _packed_chunk(state, i, w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel, u_layout: gl.constexpr,
-                  a_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                  SYNC: gl.constexpr, RELEASE: gl.constexpr, AHEAD: gl.constexpr):
-    """Chunk ``i`` (>= 1) of :func:`_mainloop_packed`: its stage and ready phase stepped from the previous chunk's
-    (instead of (s0 + i) % STAGES and its phase: a division for 3 and 6 stages), its upcast and wgmmas in two
-    halves behind ``wgmma.wait_group 2``. With ``SYNC`` it first waits for its stage's ``ready`` mbarrier (at
+def _packed_chunk(state, i, ctx, u_layout: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, PAIR: gl.constexpr, SYNC: gl.constexpr, RELEASE: gl.constexpr,
+                  AHEAD: gl.constexpr):
+    """Chunk ``i`` (>= 1) of :func:`_mainloop_packed` (``state``: what chunk i - 1 left, returned for chunk i + 1;
+    ``ctx``: the ring, its mbarriers and the scale words' pointers, the same for every chunk): its stage and ready
+    phase stepped from the previous chunk's (instead of (s0 + i) % STAGES and its phase: a division for 3 and 6
+    stages), its upcast and wgmmas in two halves behind ``wgmma.wait_group 2``. With ``SYNC`` it first waits for its stage's ``ready`` mbarrier (at
     ``PAIR`` = 2 only the first chunk of a pair does: the pair's data came together). ``RELEASE`` 1: once chunk
     i - 1's wgmmas have all retired (the second ``wait_group``), it arrives on that chunk's ``empty`` mbarrier;
     2: before its wait, on the ``empty`` one of chunk i - 1 - PAIR (retired by chunk i - 1's second
     ``wait_group``; at ``PAIR`` = 2 the last chunk of the pair before the previous one); 0: neither."""
     acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase = state
+    w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel = ctx
     prev = s
     s += 1
     if s == STAGES:
