@@ -424,11 +424,11 @@ def _packed_chunk(state, i, ctx, u_layout: gl.constexpr, a_layout: gl.constexpr,
     """Chunk ``i`` (>= 1) of :func:`_mainloop_packed` (``state``: what chunk i - 1 left, returned for chunk i + 1;
     ``ctx``: the ring, its mbarriers and the scale words' pointers, the same for every chunk): its stage and ready
     phase stepped from the previous chunk's (instead of (s0 + i) % STAGES and its phase: a division for 3 and 6
-    stages), its upcast and wgmmas in two halves behind ``wgmma.wait_group 2``. With ``SYNC`` it first waits for its stage's ``ready`` mbarrier (at
-    ``PAIR`` = 2 only the first chunk of a pair does: the pair's data came together). ``RELEASE`` 1: once chunk
-    i - 1's wgmmas have all retired (the second ``wait_group``), it arrives on that chunk's ``empty`` mbarrier;
-    2: before its wait, on the ``empty`` one of chunk i - 1 - PAIR (retired by chunk i - 1's second
-    ``wait_group``; at ``PAIR`` = 2 the last chunk of the pair before the previous one); 0: neither."""
+    stages), its upcast and wgmmas in two halves behind ``wgmma.wait_group 2``. With ``SYNC`` it first waits for its
+    stage's ``ready`` mbarrier (at ``PAIR`` = 2 only the first chunk of a pair does: the pair's data came together).
+    ``RELEASE`` 1: once chunk i - 1's wgmmas have all retired (the second ``wait_group``), it arrives on that
+    chunk's ``empty`` mbarrier; 2: before its wait, on the ``empty`` one of chunk i - 1 - PAIR (retired by chunk
+    i - 1's second ``wait_group``; at ``PAIR`` = 2 the last chunk of the pair before the previous one); 0: neither."""
     acc, l0, h0, l1, h1, l2, h2, l3, h3, nxt, s, phase = state
     w_smem, x_smem, ready, empty, s_ptrs, row_ok, last, km, sel = ctx
     prev = s
