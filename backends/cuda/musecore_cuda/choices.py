@@ -168,6 +168,8 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
             f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}"
             + (f": split-K {cfg.split_k}, the tile's last split storing the bf16 sum, no cast kernel" if cfg.finish
                else "")
+            + (f": {cfg.stages} ring stages paired per mbarrier, released late, scale words 2 chunks ahead" if cfg.pair
+               else ": ring stages released late" if cfg.late else "")
             + "); today's rule applies if the GPU at load is not SM 9.x or its Triton is not 3.6 (Gluon's API)")
 
 

@@ -56,9 +56,10 @@ def test_fp4_linear_names_each_path_per_m_range(choices):
     assert "tensor-core GEMV" in _choice(choices, "k_proj", f"M 1-{GLUON_MIN_M - 1}").choice   # 8M weights
     gluon = _choice(choices, "q_proj", f"M {GLUON_WIDE_M}-{GLUON_MAX_M}")
     assert "Gluon W4A16 GEMM" in gluon.choice and gluon.env == GLUON_ENV
-    assert "64,16,1,4,packed" in gluon.reason  # the launch at M=8 on an H200's 132 SMs
+    # the launch at M=8 on an H200's 132 SMs
+    assert "64,16,1,8,packed,1,pair,late,ahead2" in gluon.reason and "paired" in gluon.reason
     k_proj = _choice(choices, "k_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}")
-    assert "64,16,8,4,packed" in k_proj.reason  # narrow N: split-K fills the SMs
+    assert "64,16,8,8,packed,1,finish,pair,late,ahead2" in k_proj.reason  # narrow N: split-K fills the SMs
     large = _choice(choices, "q_proj", f"M {GLUON_MAX_M + 1}-2048")  # 64 weight tiles of 128: 128 tiles at M = 257
     assert "Gluon W4A16 GEMM" in large.choice and "128,256,1,3,packed" in large.reason
     assert "bf16 copy + cuBLAS" in _choice(choices, "q_proj", "M >= 2049").choice  # even at 4096
@@ -167,14 +168,15 @@ def test_a_triton_other_than_the_gluon_kernels_one_keeps_the_other_paths_and_say
     fp4_gluon_plan.import_problem.cache_clear()
 
 
-# The sweep's best block_n 64 cut at the points it measured (H200, 132 SMs; cuda_gluon_sweep_s40_packed.json)
+# The sweep's best block_n 64 cut at the points it measured (H200, 132 SMs; tiles from cuda_gluon_sweep_s40_packed.json,
+# consumer variants from session 61's run 87, benchmarks/results/h200_issue26/run87_s61_call1_pair_h200)
 @pytest.mark.parametrize("m,n,k,cut", [
-    (64, 8192, 8192, "64,64,1,4,packed"),     # q_proj: 28.7 us
-    (256, 8192, 8192, "64,256,1,3,packed"),   # 49.1 us
-    (64, 8192, 4096, "64,64,1,4,packed"),     # expert_up: 15.9 us
-    (256, 8192, 4096, "64,256,1,3,packed"),   # 26.5 us
-    (64, 4096, 4096, "64,32,1,4,packed"),     # expert_down: 14.3 us (32 tokens: 128 CTAs)
-    (256, 4096, 4096, "64,128,1,4,packed"),   # 18.5 us (stages 6: same time)
+    (64, 8192, 8192, "64,64,1,8,packed,1,pair,late,ahead2"),    # q_proj: 26.99 us (4 stages plain: 28.55)
+    (256, 8192, 8192, "64,256,1,3,packed"),                      # 48.88 us (late: 55.12)
+    (64, 8192, 4096, "64,64,1,8,packed,1,pair,late,ahead2"),    # expert_up: 15.23 us (15.95)
+    (256, 8192, 4096, "64,256,1,3,packed"),                      # 26.80 us
+    (64, 4096, 4096, "64,32,1,8,packed,1,pair,late,ahead2"),    # expert_down: 13.67 us (32 tokens: 128 CTAs; 14.23)
+    (256, 4096, 4096, "64,128,1,4,packed,1,late"),               # 17.93 us (18.58)
 ])
 def test_pick_config_picks_the_measured_best_cut(m, n, k, cut):
     assert pick_config(m, n, k, 132).label() == cut
@@ -188,6 +190,7 @@ def test_pick_config_fits_shared_memory_and_divides_k(n, k):
             chunks = k // 128
             assert cfg.smem_bytes() <= SMEM_BYTES and cfg.stages >= 2, cfg
             assert chunks % cfg.split_k == 0 and (cfg.split_k == 1 or chunks // cfg.split_k >= 2), cfg
+            assert not cfg.pair or (chunks // cfg.split_k) % 2 == 0, cfg  # paired stages take chunks two at a time
             assert cfg.block_m >= min(m, 16) and cfg.block_n == 64 and cfg.upcast == "packed", cfg
     assert pick_config(64, 1024, 8192, 132).split_k > 1  # 16 weight tiles on 132 SMs: split-K
 

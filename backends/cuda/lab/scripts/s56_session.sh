@@ -22,6 +22,9 @@
 #      chunks ahead; the Gluon linear GPU tests, then cuda_gluon_sweep.py with GLUON_PAIR=1 GLUON_LATE=1 GLUON_AHEAD=1
 #      GLUON_BLOCK_NS=64 (PAIR_ARGS, default every 816B
 #      shape at M 16 / 64 / 256; PAIR_S).
+#   c. (session 61) the Gluon linear GPU tests of the routed consumer variants (paired stages, late release, scale
+#      words two chunks ahead: the same bits as the plain launch, the 816B shapes through pick_config, every code, a
+#      CUDA-graph replay; VARIANT_TESTS_K, VARIANT_TESTS_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -79,5 +82,12 @@ stepb() {
     ${PAIR_ARGS:---ms 16,64,256 --shapes q_proj,k_proj,o_proj,pooler,unpooler,expert_up,expert_down} \
     > $OUT/gluon_pair.log 2>&1
   echo "b. paired-stage sweep at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_pair.log | tail -c 4000
+}
+stepc() {
+  timeout $(cap ${VARIANT_TESTS_S:-240}) python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
+    backends/cuda/tests/test_cuda_linear.py backends/cuda/tests/test_cuda_choices.py \
+    -k "${VARIANT_TESTS_K:-paired_stages or 816b_shapes or every_code or cuda_graph or choices}" > $OUT/variant_tests.log 2>&1
+  echo "c. routed-variant tests at ${SECONDS}s (rc $?):"
+  grep -E "passed|failed|FAILED|Error|assert" $OUT/variant_tests.log | tail -12
 }
 run_steps s56

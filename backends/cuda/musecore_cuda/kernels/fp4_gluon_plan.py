@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -169,6 +170,7 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     (session 60, run 86) it ran each routed split cut 3-6% faster than the zeroed-fp32-and-cast atomics (k_proj
     M = 16 / 64 / 256: 8.86 -> 8.39, 10.29 -> 9.67, 15.87 -> 14.98 us) and was the fastest cut swept at every
     point where a split won; the model's split penalty, fitted to the atomics, is kept (it only has to rank).
+    The tile then takes the consumer-loop variant measured fastest at its token count (:func:`consumer_variant`).
     """
     if m < 1 or n < 1 or k % CHUNK_K:
         raise ValueError(f"pick_config needs M, N >= 1 and K divisible by {CHUNK_K}; got M={m}, N={n}, K={k}")
@@ -185,7 +187,28 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
                 best = (t, block_m, split)
             split *= 2
     _, block_m, split = best
-    return GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed", finish=True)
+    return consumer_variant(GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed", finish=True),
+                            chunks // split)
+
+
+# The consumer-loop variants of session 60 as the H200 sweep of session 61 (run 87, backends/cuda/lab/results/
+# NOTES.md) ranked them against the routed cuts: up to 64 tokens, 8 stages paired with late release and the scale
+# words two chunks ahead ran 0.7-5.8% faster at all ten points swept (q_proj M = 64 28.55 -> 26.99 us, expert_up
+# 15.95 -> 15.23, pooler 18.91 -> 18.35); at 128 tokens late release alone 2.6-6.6% (pooler M = 256 33.94 -> 31.84);
+# at 256 tokens (3 stages) late release lost (q_proj 0.89x) and nothing is changed.
+PAIRED_STAGES = 8
+
+
+def consumer_variant(cfg: GluonConfig, chunks_per_split: int) -> GluonConfig:
+    """``cfg`` with the consumer-loop variant measured fastest at its token tile (see :data:`PAIRED_STAGES`): paired
+    stages need an even number of chunks per split and the 8-stage ring within :data:`SMEM_BYTES`; otherwise, and
+    at block_m 128, late release alone when the ring has 3+ stages."""
+    paired = dataclasses.replace(cfg, stages=PAIRED_STAGES, pair=True, late=True, ahead=2)
+    if cfg.block_m <= 64 and chunks_per_split % 2 == 0 and paired.smem_bytes() <= SMEM_BYTES:
+        return paired
+    if cfg.block_m <= 128 and cfg.stages >= 3:
+        return dataclasses.replace(cfg, late=True)
+    return cfg
 
 
 def ring_stages(block_m: int, block_n: int = 64) -> int:
