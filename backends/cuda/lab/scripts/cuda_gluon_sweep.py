@@ -43,6 +43,7 @@ FINISH = os.environ.get("GLUON_FINISH", "0") == "1"  # 1: every split-K cut also
 PAIR = os.environ.get("GLUON_PAIR", "0") == "1"  # 1: every packed cut with even stages also with paired stages
 LATE = os.environ.get("GLUON_LATE", "0") == "1"  # 1: every cut that can also with late release (and paired + late)
 AHEAD = os.environ.get("GLUON_AHEAD", "0") == "1"  # 1: also with the scale words loaded two chunks ahead
+WIDE = os.environ.get("GLUON_WIDE", "0") == "1"  # 1: the routed cut again with two consumer warpgroups (wide())
 PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"  # 1: packed split-1 cuts also on a persistent grid
 BLOCK_NS = tuple(int(b) for b in os.environ.get("GLUON_BLOCK_NS", "64,128").split(","))  # weight rows per program
 
@@ -88,6 +89,26 @@ def variants(cfg, k: int):
         yield dataclasses.replace(cfg, stages=max(deep, cfg.stages), pair=True, late=True)
         if AHEAD:
             yield dataclasses.replace(cfg, stages=max(deep, cfg.stages), pair=True, late=True, ahead=2)
+
+
+def wide(cfg, k: int):
+    """``cfg`` (block_n 64) with two consumer warpgroups (block_n 128) at its split and at twice it (the same CTA
+    count on half the weight tiles; finish sums the splits), as many ring stages as fit (at most 8), paired with
+    late release and the scale words two chunks ahead where the ring and the chunks allow, else late release alone
+    (4+ stages; at 3, run 87's late lost): whether a second warpgroup's upcasts fill the issue slots one leaves idle at small M (session 61)."""
+    from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
+    if cfg.block_n != 64 or cfg.upcast != "packed" or cfg.persistent or cfg.ctas_per_sm != 1:
+        return
+    stage = 128 * 64 + cfg.block_m * 256
+    stages = min(8, SMEM // stage)
+    for split in (cfg.split_k, 2 * cfg.split_k):
+        chunks = k // 128
+        if chunks % split or chunks // split < 2 or stages < 3:
+            continue
+        pair = stages >= 6 and (chunks // split) % 2 == 0
+        even = stages - stages % 2 if pair else stages
+        yield GluonConfig(128, cfg.block_m, split, even, upcast="packed", finish=split > 1, pair=pair,
+                          late=stages >= 4, ahead=2 if pair else 1)
 
 
 def routed(m: int, n: int, k: int):
@@ -177,7 +198,7 @@ def precompile(ms, shapes, procs):
             chosen = routed(m, n, k)
             finish = FINISH and chosen.split_k > 1 and not chosen.finish
             twin = [dataclasses.replace(chosen, finish=True)] if finish else []
-            twin += list(variants(chosen, k))
+            twin += list(variants(chosen, k)) + (list(wide(chosen, k)) if WIDE else [])
             for cfg in [chosen] + twin + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
                                  cfg.fixup, cfg.finish, cfg.pair, cfg.late, cfg.ahead), (n, k, cfg))
@@ -201,6 +222,7 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
         twin = ([("gluon routed finish", dataclasses.replace(chosen, finish=True))]
                 if FINISH and chosen.split_k > 1 and not chosen.finish else [])
         twin += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
+        twin += [("gluon routed wide", v) for v in (wide(chosen, k) if WIDE else ())]
         for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):
             try:

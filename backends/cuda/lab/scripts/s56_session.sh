@@ -24,7 +24,9 @@
 #      shape at M 16 / 64 / 256; PAIR_S).
 #   c. (session 61) the Gluon linear GPU tests of the routed consumer variants (paired stages, late release, scale
 #      words two chunks ahead: the same bits as the plain launch, the 816B shapes through pick_config, every code, a
-#      CUDA-graph replay; VARIANT_TESTS_K, VARIANT_TESTS_S).
+#      CUDA-graph replay; five pytest processes side by side, VARIANT_TESTS_S).
+#   d. (session 61) the routed cut beside two consumer warpgroups at its split and twice it (GLUON_WIDE=1;
+#      WIDE_ARGS, WIDE_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -83,11 +85,24 @@ stepb() {
     > $OUT/gluon_pair.log 2>&1
   echo "b. paired-stage sweep at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_pair.log | tail -c 4000
 }
-stepc() {
-  timeout $(cap ${VARIANT_TESTS_S:-240}) python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
-    backends/cuda/tests/test_cuda_linear.py backends/cuda/tests/test_cuda_choices.py \
-    -k "${VARIANT_TESTS_K:-paired_stages or 816b_shapes or every_code or cuda_graph or choices}" > $OUT/variant_tests.log 2>&1
-  echo "c. routed-variant tests at ${SECONDS}s (rc $?):"
-  grep -E "passed|failed|FAILED|Error|assert" $OUT/variant_tests.log | tail -12
+stepc() {  # five pytest processes side by side: each Gluon test spends ~18 s compiling its kernels (run 88)
+  local groups=("paired_stages and (cut0 or cut2 or cut3 or cut4 or cut5 or cut6)"
+                "paired_stages and (cut1 or cut7 or cut8 or cut9)" "816b_shapes and proj" "816b_shapes and expert"
+                "every_code or cuda_graph or choices or two_warpgroups")
+  for i in 0 1 2 3 4; do
+    timeout $(cap ${VARIANT_TESTS_S:-240}) python3 -m pytest -v -p no:cacheprovider -m gpu -rs \
+      backends/cuda/tests/test_cuda_linear.py backends/cuda/tests/test_cuda_choices.py -k "${groups[$i]}" \
+      > $OUT/variant_tests_$i.log 2>&1 &
+  done
+  wait
+  echo "c. routed-variant tests at ${SECONDS}s:"
+  grep -hE "PASSED|FAILED|passed|failed|Error|assert" $OUT/variant_tests_*.log | grep -v "^backends.*PASSED" | tail -16
+  echo "c. $(grep -h PASSED $OUT/variant_tests_*.log | wc -l) tests passed"
+}
+stepd() {  # (session 61) the routed cut beside two consumer warpgroups (cuda_gluon_sweep.wide)
+  GLUON_WIDE=1 timeout $(cap ${WIDE_S:-200}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py --precompile 12 \
+    --routed-only --out $OUT/cuda_gluon_sweep_wide.json ${WIDE_ARGS:---ms 16,64,256 --shapes \
+    q_proj,k_proj,o_proj,pooler,unpooler,expert_up,expert_down} > $OUT/gluon_wide.log 2>&1
+  echo "d. wide sweep at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_wide.log | tail -c 5000
 }
 run_steps s56
