@@ -195,6 +195,18 @@ def test_pick_config_fits_shared_memory_and_divides_k(n, k):
     assert pick_config(64, 1024, 8192, 132).split_k > 1  # 16 weight tiles on 132 SMs: split-K
 
 
+def test_consumer_variant_pairs_only_even_chunks_in_the_ring_and_leaves_256_tokens_alone():
+    """Run 87's ranking: up to 64 tokens 8 paired stages + late release + scale words two ahead, where the chunks per
+    split are even (else late release alone); 128 tokens late release; 256 tokens (3 stages) unchanged."""
+    plain = fp4_gluon_plan.GluonConfig(64, 64, 2, 4, upcast="packed", finish=True)
+    assert fp4_gluon_plan.consumer_variant(plain, 16).label() == "64,64,2,8,packed,1,finish,pair,late,ahead2"
+    assert fp4_gluon_plan.consumer_variant(plain, 15).label() == "64,64,2,4,packed,1,finish,late"
+    wide_tile = fp4_gluon_plan.GluonConfig(64, 128, 1, 4, upcast="packed")
+    assert fp4_gluon_plan.consumer_variant(wide_tile, 32).label() == "64,128,1,4,packed,1,late"
+    full = fp4_gluon_plan.GluonConfig(64, 256, 1, 3, upcast="packed")
+    assert fp4_gluon_plan.consumer_variant(full, 32) == full
+
+
 def test_gluon_config_validates():
     with pytest.raises(ValueError, match="block_n"):
         fp4_gluon_plan.GluonConfig(96, 32, 1, 4)
