@@ -346,14 +346,14 @@ def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut, mode):
                                        ((64, 16, 8, 3), "late"), ((64, 64, 1, 8), "pair,late"),
                                        ((64, 128, 4, 6), "pair,late"), ((64, 32, 16, 6), "pair,late"),
                                        ((64, 64, 1, 4), "ahead2"), ((64, 16, 16, 4), "ahead2"),
-                                       ((64, 64, 1, 8), "pair,late,ahead2")])
+                                       ((64, 64, 1, 8), "pair,late,ahead2"), ((128, 64, 2, 8), "pair,late,ahead2")])
 def test_fp4_gluon_linear_paired_stages_and_late_release_give_the_same_bits(cut, flags):
     """Paired ring stages (``GluonConfig.pair``: one ready/empty mbarrier pair per two stages, the consumer waiting
     and releasing once per two chunks), late release (``late``: a stage freed right before a later chunk's wait) and
     scale words loaded two chunks ahead (``ahead``; 2 chunks per split at 16) change only the synchronization and
     the loads' timing, not the order of the sums: the same bits as the plain launch (split 1 and
     split-K finish, ring wrap-around, 1 pair, splits of 2 chunks where the late pair path skips its peeled pair,
-    partial tiles, two warpgroups), and within the linear tolerance of the reference."""
+    partial tiles, two warpgroups, with split-K too), and within the linear tolerance of the reference."""
     n, k, m = 1000, 4096, 100
     qt, w, x = _gluon_case(n, k, m)
     base = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", finish=cut[2] > 1)
