@@ -342,7 +342,7 @@ def test_fp4_gluon_linear_split_k_and_partial_tiles_match_reference(cut, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cut,flags", [((64, 16, 1, 4), "pair"), ((64, 64, 1, 8), "pair"), ((64, 64, 4, 4), "pair"),
-                                       ((64, 128, 8, 2), "pair"), ((128, 128, 1, 4), "pair"), ((64, 64, 1, 4), "late"),
+                                       ((64, 128, 8, 4), "pair"), ((128, 128, 1, 4), "pair"), ((64, 64, 1, 4), "late"),
                                        ((64, 16, 8, 3), "late"), ((64, 64, 1, 8), "pair,late"),
                                        ((64, 128, 4, 6), "pair,late"), ((64, 32, 16, 6), "pair,late"),
                                        ((64, 64, 1, 4), "ahead2"), ((64, 16, 16, 4), "ahead2"),

@@ -74,12 +74,12 @@ def fill_split(m: int, n: int, k: int, bn: int, bm: int, sms: int = 132) -> int:
 def variants(cfg, k: int):
     """``cfg`` with the scale words two chunks ahead (``GLUON_AHEAD=1``), paired stages (``GLUON_PAIR=1``), late
     release (``GLUON_LATE=1``) and the last two (with and without the first), where they can run
-    at this K (packed, one tile per program; pairs: even stages and chunks per split; late: 3+ stages, 6+ paired)."""
+    at this K (packed, one tile per program; pairs: even stages, 4+, and chunks per split; late: 3+ stages, 6+ paired)."""
     if cfg.upcast != "packed" or cfg.persistent or cfg.pair or cfg.late or cfg.ahead != 1:
         return
     if AHEAD:
         yield dataclasses.replace(cfg, ahead=2)
-    pairs = cfg.stages % 2 == 0 and (k // 128 // cfg.split_k) % 2 == 0
+    pairs = cfg.stages % 2 == 0 and cfg.stages >= 4 and (k // 128 // cfg.split_k) % 2 == 0  # 2+ pairs
     if PAIR and pairs:
         yield dataclasses.replace(cfg, pair=True)
     if LATE and cfg.stages >= 3:

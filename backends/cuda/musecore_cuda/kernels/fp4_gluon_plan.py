@@ -45,7 +45,7 @@ class GluonConfig:
     finish: bool = False      # split-K through 16-byte fp32 atomics into a zeroed workspace whose last split of a tile
                               # stores the output in its dtype (session 60): ATOMIC's sums without its cast kernel
     pair: bool = False        # two ring stages per ready/empty mbarrier pair: half the consumer's CTA barriers (session
-                              # 60): packed, an even number of stages, an even number of chunks per split
+                              # 60): packed, an even number of stages (4+), an even number of chunks per split
     late: bool = False        # a stage released right before a later chunk's wait (one CTA barrier serves both;
                               # session 60): packed, one tile per program, 3+ stages (6+ paired)
     ahead: int = 1            # chunks between a scale word's load and its use (session 60): 1, or 2 (packed, one tile
@@ -63,9 +63,11 @@ class GluonConfig:
         object.__setattr__(self, "finish", self.finish and self.split_k > 1)
         if self.fixup and self.finish:
             raise ValueError("split-K sums either by fixup or by finish, not both")
-        if self.pair and (self.upcast != "packed" or self.stages % 2 or self.persistent):
-            raise ValueError(f"paired ring stages need the packed upcast, an even number of stages and one tile per "
-                             f"program; got upcast={self.upcast!r}, stages={self.stages}, persistent={self.persistent}")
+        if self.pair and (self.upcast != "packed" or self.stages % 2 or self.stages < 4 or self.persistent):
+            # one pair deadlocks: the consumer waits for the next load before it releases the pair (run 89's hang)
+            raise ValueError(f"paired ring stages need the packed upcast, an even number of stages, 4 or more (two "
+                             f"pairs), and one tile per program; got upcast={self.upcast!r}, stages={self.stages}, "
+                             f"persistent={self.persistent}")
         if self.ahead not in (1, 2) or (self.ahead == 2 and (self.upcast != "packed" or self.persistent)):
             raise ValueError(f"scale words load 1 chunk ahead, or 2 with the packed upcast and one tile per program; "
                              f"got ahead={self.ahead}, upcast={self.upcast!r}, persistent={self.persistent}")
@@ -170,7 +172,8 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     (session 60, run 86) it ran each routed split cut 3-6% faster than the zeroed-fp32-and-cast atomics (k_proj
     M = 16 / 64 / 256: 8.86 -> 8.39, 10.29 -> 9.67, 15.87 -> 14.98 us) and was the fastest cut swept at every
     point where a split won; the model's split penalty, fitted to the atomics, is kept (it only has to rank).
-    The tile then takes the consumer-loop variant measured fastest at its token count (:func:`consumer_variant`).
+    The tile then takes the consumer-loop variant measured fastest at its token count (:func:`consumer_variant`), or
+    two consumer warpgroups at twice the split where those measured faster (:func:`wide_variant`).
     """
     if m < 1 or n < 1 or k % CHUNK_K:
         raise ValueError(f"pick_config needs M, N >= 1 and K divisible by {CHUNK_K}; got M={m}, N={n}, K={k}")
@@ -187,8 +190,8 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
                 best = (t, block_m, split)
             split *= 2
     _, block_m, split = best
-    return consumer_variant(GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed", finish=True),
-                            chunks // split)
+    cfg = GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed", finish=True)
+    return wide_variant(cfg, chunks) or consumer_variant(cfg, chunks // split)
 
 
 # The consumer-loop variants of session 60 as the H200 sweep of session 61 (run 87, backends/cuda/lab/results/
@@ -197,6 +200,29 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
 # 15.95 -> 15.23, pooler 18.91 -> 18.35); at 128 tokens late release alone 2.6-6.6% (pooler M = 256 33.94 -> 31.84);
 # at 256 tokens (3 stages) late release lost (q_proj 0.89x) and nothing is changed.
 PAIRED_STAGES = 8
+
+
+# Two consumer warpgroups (block_n 128) at twice the split, the same number of CTAs: a 128-row chunk costs 1.66x a
+# 64-row one at 16 tokens and 1.85x at 64 (the H200 sweep of run 89, both with the paired variant), so the CTAs finish
+# sooner wherever the split's finish is paid already (pooler M = 16 / 64 16.43 -> 14.47, 18.77 -> 17.67 us; expert_down
+# M = 16 10.91 -> 10.35) or 64 chunks at 16 tokens outweigh it (q_proj, o_proj M = 16 24.32 -> 22.99, 24.63 -> 23.10),
+# and lost everywhere else swept: split 1 over 32 chunks (expert_up, unpooler M = 16: 0.94x), 4 chunks per split
+# (k_proj: 0.93-1.00x), split 1 at 64 tokens (q_proj 0.98x) or at 32 (expert_down M = 64 0.92x).
+WIDE_MIN_CHUNKS = 8
+
+
+def wide_variant(cfg: GluonConfig, chunks: int) -> Optional[GluonConfig]:
+    """The two-warpgroup launch that replaces ``cfg`` (block_n 64, ``chunks`` chunks of K) where run 89 measured it
+    faster (see :data:`WIDE_MIN_CHUNKS`), else None: up to 64 tokens, 8+ chunks per split, even (paired stages), and
+    either a split already or 16 tokens over 64+ chunks."""
+    split = 2 * cfg.split_k
+    if cfg.block_m > 64 or chunks % split or chunks // split < WIDE_MIN_CHUNKS or (chunks // split) % 2:
+        return None
+    if cfg.split_k == 1 and not (cfg.block_m == 16 and chunks >= 64):
+        return None
+    wide = GluonConfig(128, cfg.block_m, split, PAIRED_STAGES, upcast="packed", finish=True, pair=True, late=True,
+                       ahead=2)
+    return wide if wide.smem_bytes() <= SMEM_BYTES else None
 
 
 def consumer_variant(cfg: GluonConfig, chunks_per_split: int) -> GluonConfig:
