@@ -214,9 +214,11 @@ WIDE_MIN_CHUNKS = 8
 def wide_variant(cfg: GluonConfig, chunks: int) -> Optional[GluonConfig]:
     """The two-warpgroup launch that replaces ``cfg`` (block_n 64, ``chunks`` chunks of K) where run 89 measured it
     faster (see :data:`WIDE_MIN_CHUNKS`), else None: up to 64 tokens, 8+ chunks per split, even (paired stages), and
-    either a split already or 16 tokens over 64+ chunks."""
+    either a split of 2 already or 16 tokens over 64+ chunks (the wins measured doubled splits of 1 and 2; k_proj's
+    8 lost)."""
     split = 2 * cfg.split_k
-    if cfg.block_m > 64 or chunks % split or chunks // split < WIDE_MIN_CHUNKS or (chunks // split) % 2:
+    if cfg.block_m > 64 or cfg.split_k > 2 or chunks % split or chunks // split < WIDE_MIN_CHUNKS or (
+            chunks // split) % 2:
         return None
     if cfg.split_k == 1 and not (cfg.block_m == 16 and chunks >= 64):
         return None
