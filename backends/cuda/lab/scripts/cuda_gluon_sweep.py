@@ -74,7 +74,8 @@ def fill_split(m: int, n: int, k: int, bn: int, bm: int, sms: int = 132) -> int:
 def variants(cfg, k: int):
     """``cfg`` with the scale words two chunks ahead (``GLUON_AHEAD=1``), paired stages (``GLUON_PAIR=1``), late
     release (``GLUON_LATE=1``) and the last two (with and without the first), where they can run
-    at this K (packed, one tile per program; pairs: even stages, 4+, and chunks per split; late: 3+ stages, 6+ paired)."""
+    at this K (packed, one tile per program; pairs: even stages, 4+, and even chunks per split; late: 3+ stages, 6+
+    paired)."""
     if cfg.upcast != "packed" or cfg.persistent or cfg.pair or cfg.late or cfg.ahead != 1:
         return
     if AHEAD:
@@ -95,7 +96,8 @@ def wide(cfg, k: int):
     """``cfg`` (block_n 64) with two consumer warpgroups (block_n 128) at its split and at twice it (the same CTA
     count on half the weight tiles; finish sums the splits), as many ring stages as fit (at most 8), paired with
     late release and the scale words two chunks ahead where the ring and the chunks allow, else late release alone
-    (4+ stages; at 3, run 87's late lost): whether a second warpgroup's upcasts fill the issue slots one leaves idle at small M (session 61)."""
+    (4+ stages; at 3, run 87's late lost): whether a second warpgroup's upcasts fill the issue slots one leaves idle
+    at small M (session 61)."""
     from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
     if cfg.block_n != 64 or cfg.upcast != "packed" or cfg.persistent or cfg.ctas_per_sm != 1:
         return

@@ -162,7 +162,7 @@ BN128_CHUNK_FACTOR = 1.69
 def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     """The packed-upcast launch for ``m`` tokens against an ``[n, k]`` NVFP4 weight on ``sms`` SMs.
 
-    block_n 64 (one consumer warpgroup: two per CTA doubled the time per chunk, session 11); block_m from the
+    The model ranks block_n 64 (one consumer warpgroup; a second costs 1.66-1.85x per chunk, run 89); block_m from the
     token tile covering M down to 16, and split-K over the powers of two that divide K's chunks leaving >= 2 per
     split, whichever the model above predicts fastest (split-K only when it wins by :data:`SPLIT_MARGIN`); as many
     ring stages as fit :data:`SMEM_BYTES`, at most 4 (4 and 8 measured alike; 3 at block_m 256).
@@ -194,7 +194,7 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     return wide_variant(cfg, chunks) or consumer_variant(cfg, chunks // split)
 
 
-# The consumer-loop variants of session 60 as the H200 sweep of session 61 (run 87, backends/cuda/lab/results/
+# The consumer-loop variants of session 60 as the H200 sweep of session 61 (run 87, benchmarks/results/h200_issue26/
 # NOTES.md) ranked them against the routed cuts: up to 64 tokens, 8 stages paired with late release and the scale
 # words two chunks ahead ran 0.7-5.8% faster at all ten points swept (q_proj M = 64 28.55 -> 26.99 us, expert_up
 # 15.95 -> 15.23, pooler 18.91 -> 18.35); at 128 tokens late release alone 2.6-6.6% (pooler M = 256 33.94 -> 31.84);
