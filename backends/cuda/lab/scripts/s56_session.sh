@@ -25,8 +25,9 @@
 #   c. (session 61) the Gluon linear GPU tests of the routed consumer variants (paired stages, late release, scale
 #      words two chunks ahead: the same bits as the plain launch, the 816B shapes through pick_config, every code, a
 #      CUDA-graph replay; five pytest processes side by side, VARIANT_TESTS_S).
-#   d. (session 61) the routed cut beside two consumer warpgroups at its split and twice it (GLUON_WIDE=1;
-#      WIDE_ARGS, WIDE_S).
+#   d. (session 61) the routed cut beside two consumer warpgroups at its split and twice it, or, where it is such a
+#      launch, beside the one-warpgroup launch it replaced (GLUON_WIDE=1; WIDE_ARGS, WIDE_S; e.g. WIDE_ARGS="--ms
+#      24,32,48 --shapes pooler,expert_down" for the points routed wide but not measured in run 89).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
