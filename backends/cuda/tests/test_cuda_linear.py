@@ -369,28 +369,6 @@ def test_fp4_gluon_linear_paired_stages_and_late_release_give_the_same_bits(cut,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cut,flags", [((64, 64, 4, 4), ""), ((64, 16, 8, 8), "pair,late,ahead2"),
-                                       ((128, 64, 4, 8), "pair,late,ahead2")])
-def test_fp4_gluon_linear_rezero_leaves_the_workspace_zeroed_and_matches_finish(cut, flags):
-    """Split-K finish with ``rezero`` (the last split zeroes the tile's sums and count again; the stream's workspace
-    is kept): calls of several shapes in a row (partial tiles, a smaller M into the larger workspace) each match
-    plain finish within the atomics' order and the linear tolerance of the reference, and the kept workspace is all
-    zeros after each."""
-    from musecore_cuda.kernels import fp4_gemm_gluon
-    base = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", finish=True, pair="pair" in flags, late="late" in flags,
-                                      ahead=2 if "ahead2" in flags else 1)
-    cfg = dataclasses.replace(base, rezero=True)
-    for n, k, m in ((1000, 4096, 100), (1000, 4096, 37), (4096, 8192, 64), (1000, 4096, 100)):
-        qt, w, x = _gluon_case(n, k, m)
-        got = fp4_gluon_linear(x, w, cfg)
-        torch.cuda.synchronize()
-        kept = fp4_gemm_gluon._FINISH_WORKSPACES[(x.device.index, torch.cuda.current_stream().cuda_stream)]
-        assert not kept.any(), f"{cfg.label()} M={m} N={n}: {int(kept.count_nonzero())} workspace words left nonzero"
-        assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"Gluon GEMM {cfg.label()} M={m} N={n}")
-        assert_nmse(fp4_gluon_linear(x, w, base).float(), got, 1e-5, f"{cfg.label()} against {base.label()}")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("cut", [(128, 256, 1, 3), (128, 128, 1, 4)])
 def test_fp4_gluon_linear_two_warpgroups_match_reference(cut):
     """Two consumer warpgroups (128 weight rows) over 256 / 128 tokens, the large-M cuts the sweep times since session
@@ -537,41 +515,6 @@ def test_gluon_launch_finish_allocates_one_zeroed_workspace_with_the_counts_behi
     assert kwargs["FINISH"] and not kwargs["ATOMIC"] and not kwargs["FIXUP"]
     with pytest.raises(TypeError, match="zeroed float32 output"):  # atomics into bf16 are refused, finish is not
         _recorded_gluon_launch(monkeypatch, m, n, k, dataclasses.replace(cfg, finish=False))
-
-
-def test_gluon_launch_rezero_keeps_one_zeroed_workspace_per_stream_and_none_in_a_capture(monkeypatch):
-    """Finish with ``rezero``: the kernel's last splits zero the workspace again, so launches on one stream share one
-    zeroed workspace (replaced by a larger one when a launch needs more) and allocate nothing per launch; another
-    stream has its own; a launch inside a CUDA graph capture zeroes a workspace of its own with REZERO off."""
-    from types import SimpleNamespace
-    from musecore_cuda.kernels import fp4_gemm_gluon
-    monkeypatch.setattr(fp4_gemm_gluon, "_FINISH_WORKSPACES", {})
-    now = {"stream": 7, "capturing": False}
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(
-        device=SimpleNamespace(index=0), cuda_stream=now["stream"]))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: now["capturing"])
-    cfg = fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", finish=True, rezero=True)
-    n, k = 1000, 4096
-
-    def launch(m):
-        [(_, args, kwargs)] = _recorded_gluon_launch(monkeypatch, m, n, k, cfg)
-        tiles = -(-m // 64) * -(-n // 64)
-        ws, counts = args[10], args[11]
-        assert ws.numel() == m * n + tiles and counts.numel() == tiles and not ws.any(), (m, ws.numel())
-        return ws.untyped_storage().data_ptr(), kwargs["REZERO"]
-
-    first = launch(100)
-    assert first[1] and launch(37) == first  # smaller: the same workspace, no allocation
-    grown = launch(256)
-    assert grown[1] and grown[0] != first[0] and launch(100) == grown  # larger: replaced once, then shared
-    now["stream"] = 8
-    other = launch(100)
-    assert other[1] and other[0] != grown[0]  # another stream: its own
-    now["capturing"] = True
-    captured = launch(100)
-    assert not captured[1] and captured[0] not in (grown[0], other[0])  # a capture: a workspace of its own, zeroed
-    assert not fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", finish=True, rezero=True).rezero  # no split
-    assert fp4_gluon_plan.GluonConfig.parse(cfg.label()) == cfg and cfg.label().endswith(",finish,rezero")
 
 
 def test_gluon_launch_passes_pair_late_ahead_and_refuses_odd_chunks_in_pairs(monkeypatch):

@@ -43,7 +43,6 @@ FINISH = os.environ.get("GLUON_FINISH", "0") == "1"  # 1: every split-K cut also
 PAIR = os.environ.get("GLUON_PAIR", "0") == "1"  # 1: every packed cut with even stages also with paired stages
 LATE = os.environ.get("GLUON_LATE", "0") == "1"  # 1: every cut that can also with late release (and paired + late)
 AHEAD = os.environ.get("GLUON_AHEAD", "0") == "1"  # 1: also with the scale words loaded two chunks ahead
-REZERO = os.environ.get("GLUON_REZERO", "0") == "1"  # 1: a routed finish cut again with its workspace kept zeroed
 WIDE = os.environ.get("GLUON_WIDE", "0") == "1"  # 1: the routed cut again with two consumer warpgroups (wide())
 PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"  # 1: packed split-1 cuts also on a persistent grid
 BLOCK_NS = tuple(int(b) for b in os.environ.get("GLUON_BLOCK_NS", "64,128").split(","))  # weight rows per program
@@ -207,10 +206,9 @@ def precompile(ms, shapes, procs):
             finish = FINISH and chosen.split_k > 1 and not chosen.finish
             twin = [dataclasses.replace(chosen, finish=True)] if finish else []
             twin += list(variants(chosen, k)) + (list(wide(chosen, k)) if WIDE else [])
-            twin += [dataclasses.replace(chosen, rezero=True)] if REZERO and chosen.finish else []
             for cfg in [chosen] + twin + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
-                                 cfg.fixup, cfg.finish, cfg.pair, cfg.late, cfg.ahead, cfg.rezero), (n, k, cfg))
+                                 cfg.fixup, cfg.finish, cfg.pair, cfg.late, cfg.ahead), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
@@ -232,7 +230,6 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
                 if FINISH and chosen.split_k > 1 and not chosen.finish else [])
         twin += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
         twin += [("gluon routed wide", v) for v in (wide(chosen, k) if WIDE else ())]
-        twin += [("gluon routed rezero", dataclasses.replace(chosen, rezero=True))] if REZERO and chosen.finish else []
         for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):
             try:

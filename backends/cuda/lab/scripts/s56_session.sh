@@ -27,8 +27,7 @@
 #      CUDA-graph replay; five pytest processes side by side, VARIANT_TESTS_S).
 #   d. (session 61) the routed cut beside two consumer warpgroups at its split and twice it, or, where it is such a
 #      launch, beside the one-warpgroup launch it replaced (GLUON_WIDE=1; WIDE_ARGS, WIDE_S; e.g. WIDE_ARGS="--ms
-#      24,32,48 --shapes pooler,expert_down" for the points routed wide but not measured in run 89); with
-#      GLUON_REZERO=1 each routed split cut also with its finish workspace kept zeroed (no memset per launch).
+#      24,32,48 --shapes pooler,expert_down" for the points routed wide but not measured in run 89).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -90,7 +89,7 @@ stepb() {
 stepc() {  # five pytest processes side by side: each Gluon test spends ~18 s compiling its kernels (run 88)
   local groups=("paired_stages and (cut0 or cut2 or cut3 or cut4 or cut5 or cut6)"
                 "paired_stages and (cut1 or cut7 or cut8 or cut9)" "816b_shapes and proj" "816b_shapes and expert"
-                "every_code or cuda_graph or choices or two_warpgroups or rezero")
+                "every_code or cuda_graph or choices or two_warpgroups")
   for i in 0 1 2 3 4; do
     timeout $(cap ${VARIANT_TESTS_S:-240}) python3 -m pytest -v -p no:cacheprovider -m gpu -rs \
       backends/cuda/tests/test_cuda_linear.py backends/cuda/tests/test_cuda_choices.py -k "${groups[$i]}" \

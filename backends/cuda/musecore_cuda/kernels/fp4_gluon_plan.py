@@ -50,8 +50,6 @@ class GluonConfig:
                               # session 60): packed, one tile per program, 3+ stages (6+ paired)
     ahead: int = 1            # chunks between a scale word's load and its use (session 60): 1, or 2 (packed, one tile
                               # per program)
-    rezero: bool = False      # finish's last split zeroes the tile's sums and count again, so the stream's workspace
-                              # is kept and needs no memset per launch (session 61; unmeasured); False without finish
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -63,7 +61,6 @@ class GluonConfig:
         object.__setattr__(self, "asm_upcast", self.upcast == "asm")
         object.__setattr__(self, "fixup", self.fixup and self.split_k > 1)
         object.__setattr__(self, "finish", self.finish and self.split_k > 1)
-        object.__setattr__(self, "rezero", self.rezero and self.finish)
         if self.fixup and self.finish:
             raise ValueError("split-K sums either by fixup or by finish, not both")
         if self.pair and (self.upcast != "packed" or self.stages % 2 or self.stages < 4 or self.persistent):
@@ -113,12 +110,10 @@ class GluonConfig:
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late][,ahead2]
-        [,rezero]]``: the cut syntax of the lab scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2
-        or a flag follows."""
+        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late][,ahead2]]``: the cut
+        syntax of the lab scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
         flags = "".join(f",{name}" for name in ("fixup", "finish", "persistent", "pair", "late")
-                        if getattr(self, name)) + (",ahead2" if self.ahead == 2 else "") + (",rezero" if self.rezero
-                                                                                            else "")
+                        if getattr(self, name)) + (",ahead2" if self.ahead == 2 else "")
         tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or flags else ""
         return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}{flags}"
 
@@ -130,7 +125,7 @@ class GluonConfig:
         return cls(int(bn), int(bm), int(split), int(stages), upcast=upcast,
                    ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1, fixup="fixup" in rest[2:],
                    finish="finish" in rest[2:], persistent="persistent" in rest[2:], pair="pair" in rest[2:],
-                   late="late" in rest[2:], ahead=2 if "ahead2" in rest[2:] else 1, rezero="rezero" in rest[2:])
+                   late="late" in rest[2:], ahead=2 if "ahead2" in rest[2:] else 1)
 
 
 # The cost model behind pick_config, fitted to the H200 sweep of session 40 (backends/cuda/lab/results/
