@@ -98,16 +98,13 @@ def wide(cfg, k: int):
     late release and the scale words two chunks ahead where the ring and the chunks allow, else late release alone
     (4+ stages; at 3, run 87's late lost): whether a second warpgroup's upcasts fill the issue slots one leaves idle
     at small M (session 61). Where the routed cut is such a launch already, the one-warpgroup launch it replaced."""
-    from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig, consumer_variant, ring_stages
+    from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig, one_warpgroup, ring_stages
     if cfg.block_n == 128 and cfg.split_k > 1 and cfg.block_m <= 64:  # routed wide: the one-warpgroup launch instead
-        half = cfg.split_k // 2
-        yield consumer_variant(GluonConfig(64, cfg.block_m, half, ring_stages(cfg.block_m), upcast="packed",
-                                           finish=True), k // 128 // half)
+        yield one_warpgroup(cfg.block_m, cfg.split_k // 2, k // 128)
         return
     if cfg.block_n != 64 or cfg.upcast != "packed" or cfg.persistent or cfg.ctas_per_sm != 1:
         return
-    stage = 128 * 64 + cfg.block_m * 256
-    stages = min(8, SMEM // stage)
+    stages = ring_stages(cfg.block_m, 128, most=8)
     for split in (cfg.split_k, 2 * cfg.split_k):
         chunks = k // 128
         if chunks % split or chunks // split < 2 or stages < 3:

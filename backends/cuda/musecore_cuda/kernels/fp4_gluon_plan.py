@@ -190,8 +190,14 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
                 best = (t, block_m, split)
             split *= 2
     _, block_m, split = best
-    cfg = GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed", finish=True)
-    return wide_variant(cfg, chunks) or consumer_variant(cfg, chunks // split)
+    return wide_variant(block_m, split, chunks) or one_warpgroup(block_m, split, chunks)
+
+
+def one_warpgroup(block_m: int, split_k: int, chunks: int) -> GluonConfig:
+    """The block_n 64 launch of ``block_m`` tokens at ``split_k`` over ``chunks`` chunks of K: as many ring stages
+    as :func:`ring_stages` fits, split-K summed by ``finish``, and its :func:`consumer_variant`."""
+    cfg = GluonConfig(64, block_m, split_k, ring_stages(block_m), upcast="packed", finish=True)
+    return consumer_variant(cfg, chunks // split_k)
 
 
 # The consumer-loop variants of session 60 as the H200 sweep of session 61 (run 87, benchmarks/results/h200_issue26/
@@ -211,27 +217,30 @@ PAIRED_STAGES = 8
 WIDE_MIN_CHUNKS = 8
 
 
-def wide_variant(cfg: GluonConfig, chunks: int) -> Optional[GluonConfig]:
-    """The two-warpgroup launch that replaces ``cfg`` (block_n 64, ``chunks`` chunks of K) where run 89 measured it
-    faster (see :data:`WIDE_MIN_CHUNKS`), else None: up to 64 tokens, 8+ chunks per split, even (paired stages), and
-    either a split of 2 already or 16 tokens over 64+ chunks (the wins measured doubled splits of 1 and 2; k_proj's
-    8 lost)."""
-    split = 2 * cfg.split_k
-    if cfg.block_m > 64 or cfg.split_k > 2 or chunks % split or chunks // split < WIDE_MIN_CHUNKS or (
-            chunks // split) % 2:
+def wide_variant(block_m: int, split_k: int, chunks: int) -> Optional[GluonConfig]:
+    """The two-warpgroup launch that replaces :func:`one_warpgroup`'s (``block_m`` tokens at ``split_k`` over
+    ``chunks`` chunks of K) where run 89 measured it faster (see :data:`WIDE_MIN_CHUNKS`), else None: up to 64
+    tokens, 8+ chunks per split, even (paired stages), and either a split of 2 already or 16 tokens over 64+ chunks
+    (the wins measured doubled splits of 1 and 2; k_proj's 8 lost)."""
+    split = 2 * split_k
+    if block_m > 64 or split_k > 2 or chunks % split or chunks // split < WIDE_MIN_CHUNKS or (chunks // split) % 2:
         return None
-    if cfg.split_k == 1 and not (cfg.block_m == 16 and chunks >= 64):
+    if split_k == 1 and not (block_m == 16 and chunks >= 64):
         return None
-    wide = GluonConfig(128, cfg.block_m, split, PAIRED_STAGES, upcast="packed", finish=True, pair=True, late=True,
-                       ahead=2)
+    wide = _paired(GluonConfig(128, block_m, split, 2, upcast="packed", finish=True))
     return wide if wide.smem_bytes() <= SMEM_BYTES else None
+
+
+def _paired(cfg: GluonConfig) -> GluonConfig:
+    """``cfg`` on :data:`PAIRED_STAGES` stages, paired, released late, the scale words two chunks ahead."""
+    return dataclasses.replace(cfg, stages=PAIRED_STAGES, pair=True, late=True, ahead=2)
 
 
 def consumer_variant(cfg: GluonConfig, chunks_per_split: int) -> GluonConfig:
     """``cfg`` with the consumer-loop variant measured fastest at its token tile (see :data:`PAIRED_STAGES`): paired
     stages need an even number of chunks per split and the 8-stage ring within :data:`SMEM_BYTES`; otherwise, and
     at block_m 128, late release alone when the ring has 3+ stages."""
-    paired = dataclasses.replace(cfg, stages=PAIRED_STAGES, pair=True, late=True, ahead=2)
+    paired = _paired(cfg)
     if cfg.block_m <= 64 and chunks_per_split % 2 == 0 and paired.smem_bytes() <= SMEM_BYTES:
         return paired
     if cfg.block_m <= 128 and cfg.stages >= 3:
@@ -239,10 +248,10 @@ def consumer_variant(cfg: GluonConfig, chunks_per_split: int) -> GluonConfig:
     return cfg
 
 
-def ring_stages(block_m: int, block_n: int = 64) -> int:
-    """As many ring stages as fit :data:`SMEM_BYTES` at ``block_n`` weight rows and ``block_m`` tokens, at most 4
-    (4 and 8 measured alike; 3 at block_m 256)."""
-    return min(4, SMEM_BYTES // (GluonConfig(block_n, block_m, 1, 2, upcast="packed").smem_bytes() // 2))
+def ring_stages(block_m: int, block_n: int = 64, most: int = 4) -> int:
+    """As many ring stages as fit :data:`SMEM_BYTES` at ``block_n`` weight rows and ``block_m`` tokens, at most
+    ``most`` (4 by default: 4 and 8 measured alike without pairs; 3 at block_m 256)."""
+    return min(most, SMEM_BYTES // (GluonConfig(block_n, block_m, 1, 2, upcast="packed").smem_bytes() // 2))
 
 
 def expected_tiles(n_assign: int, experts: int, block_m: int) -> float:
