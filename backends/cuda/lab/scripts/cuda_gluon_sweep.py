@@ -44,6 +44,9 @@ PAIR = os.environ.get("GLUON_PAIR", "0") == "1"  # 1: every packed cut with even
 LATE = os.environ.get("GLUON_LATE", "0") == "1"  # 1: every cut that can also with late release (and paired + late)
 AHEAD = os.environ.get("GLUON_AHEAD", "0") == "1"  # 1: also with the scale words loaded two chunks ahead
 WIDE = os.environ.get("GLUON_WIDE", "0") == "1"  # 1: the routed cut again with two consumer warpgroups (wide())
+# 1: a routed split-K finish cut again with one more memset of its workspace's size per call (run_memset): what a
+# memset node costs in a graph's chain, i.e. what a workspace that needs no zeroing per launch could save at most
+MEMSET = os.environ.get("GLUON_MEMSET", "0") == "1"
 PERSISTENT = os.environ.get("GLUON_PERSISTENT", "0") == "1"  # 1: packed split-1 cuts also on a persistent grid
 BLOCK_NS = tuple(int(b) for b in os.environ.get("GLUON_BLOCK_NS", "64,128").split(","))  # weight rows per program
 
@@ -177,6 +180,15 @@ def run(x, w, cfg):
     return fp4_gluon_linear(x, w, cfg)
 
 
+def run_memset(x, w, cfg):
+    """:func:`run`, then one more zeroed fp32 buffer of the finish workspace's size (sums and per-tile counts)."""
+    out = run(x, w, cfg)
+    n = w.out_features
+    tiles = -(-x.shape[0] // cfg.block_m) * -(-n // cfg.block_n)
+    torch.zeros(x.shape[0] * n + tiles, dtype=torch.float32, device=x.device)
+    return out
+
+
 def _compile_worker(jobs):
     importlib.import_module("musecore_cuda.backend")
     from musecore_cuda.bench import random_fp4
@@ -227,10 +239,12 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
                 if FINISH and chosen.split_k > 1 and not chosen.finish else [])
         twin += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
         twin += [("gluon routed wide", v) for v in (wide(chosen, k) if WIDE else ())]
+        twin += [("gluon routed +memset", chosen)] if MEMSET and chosen.finish else []
         for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):
             try:
-                t, err = checked_time(p, lambda x, w: run(x, w, cfg), f"{impl} {cfg.label()}")
+                launch = run_memset if impl.endswith("+memset") else run
+                t, err = checked_time(p, lambda x, w: launch(x, w, cfg), f"{impl} {cfg.label()}")
             except SystemExit as e:  # wrong result: recorded, never timed
                 print(f"    FAILED {e}", flush=True)
                 rows.append({"shape": f"{name} {k}->{n}", "M": m, "impl": impl, "config": cfg.label(),

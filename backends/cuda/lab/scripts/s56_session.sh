@@ -10,7 +10,8 @@
 #      default here; device_prelude.sh's NCU_DECODE).
 #   8. (session 59) the grouped Gluon MoE GEMM: its GPU tests (with the Gluon linears' and the grouped conformance
 #      cases), then cuda_gluon_moe_probe.py (its token tiles against
-#      the grouped Triton GEMM and the BF16 experts at prefill sizes; GLUON_MOE_ARGS, GLUON_MOE_S).
+#      the grouped Triton GEMM and the BF16 experts at prefill sizes; GLUON_MOE_ARGS, GLUON_MOE_S; GLUON_MOE_TESTS=0:
+#      the probe alone).
 #   9. (session 59) the Gluon GEMM at large M with two consumer warpgroups (block_n 128, block_m 256: half the
 #      activation tiles' L2 reads of block_n 64), each also on a persistent grid, against dequantize + cuBLAS and
 #      BF16: cuda_gluon_sweep.py with GLUON_BLOCK_NS=128 GLUON_PERSISTENT=1 (LARGE_GLUON_ARGS, default --ms 1024,4096 on the four 816B shapes; LARGE_GLUON_S).
@@ -27,7 +28,9 @@
 #      CUDA-graph replay; five pytest processes side by side, VARIANT_TESTS_S).
 #   d. (session 61) the routed cut beside two consumer warpgroups at its split and twice it, or, where it is such a
 #      launch, beside the one-warpgroup launch it replaced (GLUON_WIDE=1; WIDE_ARGS, WIDE_S; e.g. WIDE_ARGS="--ms
-#      24,32,48 --shapes pooler,expert_down" for the points routed wide but not measured in run 89).
+#      24,32,48 --shapes pooler,expert_down" for the points routed wide but not measured in run 89). (session 62)
+#      GLUON_MEMSET=1: each routed finish cut also with one more memset of its workspace per call (what the memset
+#      node costs in the graph's chain).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -53,14 +56,17 @@ step6() {
 }
 step7() { NCU_SPECS=${NCU_SPECS:-decode} NCU_DETAIL=${NCU_DETAIL:-1} ncu_misses_step 7; }
 step8() {
+  [ "${GLUON_MOE_TESTS:-1}" = 0 ] || step8_tests
+  timeout $(cap ${GLUON_MOE_S:-300}) python3 backends/cuda/lab/scripts/cuda_gluon_moe_probe.py \
+    --out $OUT/cuda_gluon_moe_probe.json ${GLUON_MOE_ARGS:-} > $OUT/gluon_moe_probe.log 2>&1
+  echo "8. grouped Gluon MoE probe at ${SECONDS}s (rc $?):"; tail -c 4000 $OUT/gluon_moe_probe.log
+}
+step8_tests() {
   timeout $(cap 180) python3 -m pytest -q -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_moe.py \
     backends/cuda/tests/test_cuda_conformance.py backends/cuda/tests/test_cuda_linear.py -k "gluon or grouped" \
     > $OUT/gluon_moe_tests.log 2>&1
   echo "8. grouped Gluon MoE tests at ${SECONDS}s (rc $?):"; grep -E "passed|failed|FAILED|Error|assert" \
     $OUT/gluon_moe_tests.log | tail -12
-  timeout $(cap ${GLUON_MOE_S:-300}) python3 backends/cuda/lab/scripts/cuda_gluon_moe_probe.py \
-    --out $OUT/cuda_gluon_moe_probe.json ${GLUON_MOE_ARGS:-} > $OUT/gluon_moe_probe.log 2>&1
-  echo "8. grouped Gluon MoE probe at ${SECONDS}s (rc $?):"; tail -c 4000 $OUT/gluon_moe_probe.log
 }
 step9() {
   GLUON_BLOCK_NS=128 GLUON_PERSISTENT=1 timeout $(cap ${LARGE_GLUON_S:-240}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py \
