@@ -23,7 +23,7 @@ import musecore_quant
 from musecore.benchmarking import cycle, rotating
 from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear,
                                    fp4_gluon_linear, fp4_linear, fp4_linear_path, fp4_tiled_linear)
-from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_prefill
+from musecore_cuda.kernels import finish_workspace, fp4_gemv_cuda, fp4_gluon_plan, moe_prefill
 from musecore_cuda.kernels.moe_decode import RUNS_MIN_TOKENS, use_gemv
 from musecore_triton.kernels.moe import moe_forward
 
@@ -36,18 +36,21 @@ ROTATE_BYTES = 512 << 20  # rotate weight copies until this much is touched per 
 
 
 def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """``fn`` warmed up (compiles, allocations) and captured in a CUDA graph."""
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
+    """``fn`` warmed up (compiles, allocations) and captured in a CUDA graph, inside the split-K finish's graph
+    scope like the decode graphs (``kernels/finish_workspace.py``: the graphs share one kept-zero workspace, so
+    they are replayed one at a time, as every timing here does)."""
+    with finish_workspace.graph_scope():
+        fn()  # compile / warm up outside the capture
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     return graph
 
 

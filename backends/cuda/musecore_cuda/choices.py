@@ -167,8 +167,8 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
             f"today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256); launch from M, N, K and the SM "
             f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}"
             + (": two consumer warpgroups (128 weight rows)" if cfg.block_n == 128 else "")
-            + (f": split-K {cfg.split_k}, the tile's last split storing the bf16 sum, no cast kernel" if cfg.finish
-               else "")
+            + (f": split-K {cfg.split_k}, the tile's last split storing the bf16 sum, no cast kernel"
+               + (", and zeroing its sums again (no memset per launch)" if cfg.rezero else "") if cfg.finish else "")
             + (f": {cfg.stages} ring stages paired per mbarrier, released late, scale words 2 chunks ahead" if cfg.pair
                else ": ring stages released late" if cfg.late else "")
             + "); today's rule applies if the GPU at load is not SM 9.x or its Triton is not 3.6 (Gluon's API)")

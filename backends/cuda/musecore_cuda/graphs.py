@@ -4,16 +4,19 @@ The capture itself (static inputs, warm-up with every position at -1, capture, r
 portable :func:`musecore_triton.graphs.make_graphed_decode_step` (and its greedy twin, which takes the argmax
 tokens in the graph), shared with the ROCm backend's
 HIP graphs. What is CUDA's own: up to ``pdl.MAX_BATCH`` sequences, the step is captured with
-programmatic dependent launch (each kernel starts under the previous one's tail; ``kernels/pdl.py``).
+programmatic dependent launch (each kernel starts under the previous one's tail; ``kernels/pdl.py``), and
+split-K finish launches use the device's kept-zero graph workspace instead of a memset each
+(``kernels/finish_workspace.py``; the decode graphs replay one at a time).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from musecore_cuda.kernels import pdl
+from musecore_cuda.kernels import finish_workspace, pdl
 from musecore_triton import graphs
 
 
@@ -28,5 +31,7 @@ def make_graphed_greedy_step(model: Any, cache: Any, argmax_into: Optional[graph
     return graphs.make_graphed_greedy_step(model, cache, scope=_pdl_scope, argmax_into=argmax_into)
 
 
-def _pdl_scope(batch: int):
-    return pdl.scope(batch <= pdl.MAX_BATCH)
+@contextlib.contextmanager
+def _pdl_scope(batch: int) -> Iterator[None]:
+    with pdl.scope(batch <= pdl.MAX_BATCH), finish_workspace.graph_scope():
+        yield

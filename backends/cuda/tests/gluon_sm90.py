@@ -91,7 +91,7 @@ def compile_cut(cfg, maxnreg: Optional[int] = None):
     const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
              "FOLD": 9, "ATOMIC": cfg.atomic, "UPCAST": gk.UPCASTS[cfg.upcast], "FIXUP": cfg.fixup,
              "FINISH": cfg.finish, "num_warps": cfg.num_warps, "PAIR": 2 if cfg.pair else 1,
-             "LATE": cfg.late, "AHEAD": cfg.ahead}
+             "LATE": cfg.late, "AHEAD": cfg.ahead, "REZERO": cfg.rezero}
     names = list(fn.arg_names)
     sig = {k: v for k, v in sig.items() if k in names}
     const = {k: v for k, v in const.items() if k in names}

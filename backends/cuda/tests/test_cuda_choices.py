@@ -57,9 +57,9 @@ def test_fp4_linear_names_each_path_per_m_range(choices):
     gluon = _choice(choices, "q_proj", f"M {GLUON_WIDE_M}-{GLUON_MAX_M}")
     assert "Gluon W4A16 GEMM" in gluon.choice and gluon.env == GLUON_ENV
     # the launch at M=8 on an H200's 132 SMs
-    assert "128,16,2,8,packed,1,finish,pair,late,ahead2" in gluon.reason and "paired" in gluon.reason
+    assert "128,16,2,8,packed,1,finish,pair,late,ahead2,rezero" in gluon.reason and "paired" in gluon.reason
     k_proj = _choice(choices, "k_proj", f"M {GLUON_MIN_M}-{GLUON_MAX_M}")
-    assert "64,16,8,8,packed,1,finish,pair,late,ahead2" in k_proj.reason  # narrow N: split-K fills the SMs
+    assert "64,16,8,8,packed,1,finish,pair,late,ahead2,rezero" in k_proj.reason  # narrow N: split-K fills the SMs
     large = _choice(choices, "q_proj", f"M {GLUON_MAX_M + 1}-2048")  # 64 weight tiles of 128: 128 tiles at M = 257
     assert "Gluon W4A16 GEMM" in large.choice and "128,256,1,3,packed" in large.reason
     assert "bf16 copy + cuBLAS" in _choice(choices, "q_proj", "M >= 2049").choice  # even at 4096
@@ -178,12 +178,12 @@ def test_a_triton_other_than_the_gluon_kernels_one_keeps_the_other_paths_and_say
     (64, 4096, 4096, "64,32,1,8,packed,1,pair,late,ahead2"),    # expert_down: 13.67 us (32 tokens: 128 CTAs; 14.23)
     (256, 4096, 4096, "64,128,1,4,packed,1,late"),               # 17.93 us (18.58)
     # two consumer warpgroups at twice the split (run 89, benchmarks/results/h200_issue26/run89_s61_call3_*)
-    (16, 8192, 8192, "128,16,2,8,packed,1,finish,pair,late,ahead2"),  # q_proj: 22.99 us (one warpgroup: 24.32)
-    (16, 4096, 8192, "128,16,4,8,packed,1,finish,pair,late,ahead2"),  # pooler: 14.47 us (16.43)
-    (64, 4096, 8192, "128,64,4,8,packed,1,finish,pair,late,ahead2"),  # pooler: 17.67 us (18.77)
-    (16, 4096, 4096, "128,16,4,8,packed,1,finish,pair,late,ahead2"),  # expert_down: 10.35 us (10.91)
+    (16, 8192, 8192, "128,16,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # q_proj: 22.99 us (one warpgroup: 24.32)
+    (16, 4096, 8192, "128,16,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # pooler: 14.47 us (16.43)
+    (64, 4096, 8192, "128,64,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # pooler: 17.67 us (18.77)
+    (16, 4096, 4096, "128,16,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 10.35 us (10.91)
     (16, 8192, 4096, "64,16,1,8,packed,1,pair,late,ahead2"),          # expert_up: 13.89 us (two: 14.69)
-    (16, 1024, 8192, "64,16,8,8,packed,1,finish,pair,late,ahead2"),   # k_proj: 8.25 us (two: 8.28)
+    (16, 1024, 8192, "64,16,8,8,packed,1,finish,pair,late,ahead2,rezero"),   # k_proj: 8.25 us (two: 8.28)
 ])
 def test_pick_config_picks_the_measured_best_cut(m, n, k, cut):
     assert pick_config(m, n, k, 132).label() == cut

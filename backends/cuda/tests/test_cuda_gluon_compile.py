@@ -37,7 +37,8 @@ SWEPT = ("128,256,1,3,packed", "128,128,1,4,packed", "64,128,1,4,packed,1,persis
          "128,256,1,3,packed,1,persistent", "64,64,8,4,packed,1,finish", "64,256,4,3,packed,1,finish",
          "64,64,1,8,packed,1,pair", "64,16,8,4,packed,1,finish,pair", "128,128,1,4,packed,1,pair",
          "64,64,1,4,packed,1,late", "64,64,1,8,packed,1,pair,late", "64,128,8,6,packed,1,finish,pair,late",
-         "64,64,1,4,packed,1,ahead2", "64,256,1,3,packed,1,ahead2", "64,64,1,8,packed,1,pair,late,ahead2")
+         "64,64,1,4,packed,1,ahead2", "64,256,1,3,packed,1,ahead2", "64,64,1,8,packed,1,pair,late,ahead2",
+         "64,16,8,8,packed,1,finish,pair,late,ahead2,rezero", "128,64,4,8,packed,1,finish,pair,late,ahead2,rezero")
 GROUPED = tuple(f"grouped:{GluonConfig(bn, bm, 1, 3 if bm == 256 else 4, upcast='packed').label()}"
                 for bn, bm in ((64, 16), (64, 64), (64, 128), (64, 256), (128, 64), (128, 256)))
 

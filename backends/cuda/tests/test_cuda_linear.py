@@ -369,6 +369,69 @@ def test_fp4_gluon_linear_paired_stages_and_late_release_give_the_same_bits(cut,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cut,flags", [((64, 64, 4, 4), ""), ((64, 16, 8, 8), "pair,late,ahead2"),
+                                       ((128, 64, 4, 8), "pair,late,ahead2")])
+def test_fp4_gluon_linear_rezero_leaves_the_workspace_zeroed_and_matches_finish(cut, flags):
+    """Split-K finish with ``rezero`` (the last split zeroes the tile's sums and count again; the stream's workspace
+    is kept): calls of several shapes in a row (partial tiles, a smaller M into the larger workspace) each match
+    plain finish within the atomics' order and the linear tolerance of the reference, and the kept workspace is all
+    zeros after each."""
+    from musecore_cuda.kernels import finish_workspace
+    base = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", finish=True, pair="pair" in flags, late="late" in flags,
+                                      ahead=2 if "ahead2" in flags else 1)
+    cfg = dataclasses.replace(base, rezero=True)
+    for n, k, m in ((1000, 4096, 100), (1000, 4096, 37), (4096, 8192, 64), (1000, 4096, 100)):
+        qt, w, x = _gluon_case(n, k, m)
+        got = fp4_gluon_linear(x, w, cfg)
+        torch.cuda.synchronize()
+        kept = finish_workspace._EAGER[(x.device.index, torch.cuda.current_stream().cuda_stream)]
+        assert not kept.any(), f"{cfg.label()} M={m} N={n}: {int(kept.count_nonzero())} workspace words left nonzero"
+        assert_nmse(reference_linear(x, qt), got, tolerance("linear"), f"Gluon GEMM {cfg.label()} M={m} N={n}")
+        assert_nmse(fp4_gluon_linear(x, w, base).float(), got, 1e-5, f"{cfg.label()} against {base.label()}")
+
+
+@pytest.mark.gpu
+def test_fp4_gluon_linear_rezero_in_a_graph_scope_replays_right_without_memsets():
+    """Split-K finish with ``rezero`` captured in a CUDA graph inside ``finish_workspace.graph_scope`` (as the decode
+    graphs and ``musecore bench`` capture): three launches of different shapes in one graph share the device's graph
+    workspace; replayed three times with new activations, every output matches plain finish run eagerly (within the
+    atomics' order) and the linear tolerance of the reference, the graph workspace is all zeros after each replay,
+    and the graph holds no memset of its own (the captured launches allocate no zeroed workspace)."""
+    from musecore_cuda.kernels import finish_workspace
+    cfg = fp4_gluon_plan.GluonConfig(64, 16, 8, 8, upcast="packed", finish=True, pair=True, late=True, ahead=2,
+                                     rezero=True)
+    cases = [_gluon_case(n, k, m) for n, k, m in ((1000, 4096, 16), (4096, 8192, 13), (1024, 8192, 16))]
+    xs = [x.clone() for _, _, x in cases]
+
+    def body():
+        return [fp4_gluon_linear(x, w, cfg) for x, (_, w, _) in zip(xs, cases)]
+
+    zeros = []
+    with finish_workspace.graph_scope():
+        body()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        real_zeros = torch.zeros
+        with pytest.MonkeyPatch.context() as mp:  # a zeroed allocation while capturing would be a memset node
+            mp.setattr(torch, "zeros", lambda *a, **kw: zeros.append(a) or real_zeros(*a, **kw))
+            with torch.cuda.graph(graph):
+                outs = body()
+    assert not zeros, f"the capture zeroed {len(zeros)} workspaces of its own: {zeros}"
+    for replay in range(3):
+        for x, (_, _, fresh) in zip(xs, cases):
+            x.copy_(torch.randn_like(fresh))
+        graph.replay()
+        torch.cuda.synchronize()
+        kept = finish_workspace._GRAPH[xs[0].device.index][-1]
+        assert not kept.any(), f"replay {replay}: {int(kept.count_nonzero())} graph workspace words left nonzero"
+        for x, out, (qt, w, _) in zip(xs, outs, cases):
+            what = f"replay {replay} {cfg.label()} M={x.shape[0]} N={w.out_features}"
+            assert_nmse(reference_linear(x, qt), out, tolerance("linear"), what)
+            plain = fp4_gluon_linear(x, w, dataclasses.replace(cfg, rezero=False))
+            assert_nmse(plain.float(), out, 1e-5, what + " against plain finish")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cut", [(128, 256, 1, 3), (128, 128, 1, 4)])
 def test_fp4_gluon_linear_two_warpgroups_match_reference(cut):
     """Two consumer warpgroups (128 weight rows) over 256 / 128 tokens, the large-M cuts the sweep times since session
@@ -515,6 +578,63 @@ def test_gluon_launch_finish_allocates_one_zeroed_workspace_with_the_counts_behi
     assert kwargs["FINISH"] and not kwargs["ATOMIC"] and not kwargs["FIXUP"]
     with pytest.raises(TypeError, match="zeroed float32 output"):  # atomics into bf16 are refused, finish is not
         _recorded_gluon_launch(monkeypatch, m, n, k, dataclasses.replace(cfg, finish=False))
+
+
+def test_gluon_launch_rezero_shares_kept_workspaces_per_stream_and_per_graph_scope(monkeypatch):
+    """Finish with ``rezero``: the kernel's last splits zero the workspace again, so eager launches on one stream
+    share one zeroed workspace (replaced by a larger one when a launch needs more) and allocate nothing per launch;
+    another stream has its own; a capture outside ``graph_scope`` zeroes a workspace of its own with REZERO off; in
+    the scope the warm-up grows the device's graph workspace (never the eager one's) and the capture uses it on its
+    first stream only, falling back to a zeroed workspace of its own on a second stream or past the warm-up's size,
+    and a larger graph workspace keeps the older one alive for the graphs captured on it."""
+    from types import SimpleNamespace
+    from musecore_cuda.kernels import finish_workspace
+    for name in ("_EAGER", "_GRAPH", "_CAPTURE_STREAM"):
+        monkeypatch.setattr(finish_workspace, name, {})
+    now = {"stream": 7, "capturing": False}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=now["stream"]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: now["capturing"])
+    cfg = fp4_gluon_plan.GluonConfig(64, 64, 4, 4, upcast="packed", finish=True, rezero=True)
+    n, k = 1000, 4096
+
+    def launch(m):
+        [(_, args, kwargs)] = _recorded_gluon_launch(monkeypatch, m, n, k, cfg)
+        tiles = -(-m // 64) * -(-n // 64)
+        ws, counts = args[10], args[11]
+        assert ws.numel() == m * n + tiles and counts.numel() == tiles and not ws.any(), (m, ws.numel())
+        return ws.untyped_storage().data_ptr(), kwargs["REZERO"]
+
+    first = launch(100)
+    assert first[1] and launch(37) == first  # smaller: the same workspace, no allocation
+    grown = launch(256)
+    assert grown[1] and grown[0] != first[0] and launch(100) == grown  # larger: replaced once, then shared
+    assert not finish_workspace._GRAPH  # outside the scope no graph workspace
+    now["stream"] = 8
+    other = launch(100)
+    assert other[1] and other[0] != grown[0]  # another stream: its own
+    now["capturing"] = True
+    captured = launch(100)
+    assert not captured[1] and captured[0] not in (grown[0], other[0])  # a capture: a workspace of its own, zeroed
+    with finish_workspace.graph_scope():
+        now["capturing"] = False
+        warm = launch(100)  # the warm-up: the stream's eager workspace, and the graph workspace grown beside it
+        assert warm == other and len(finish_workspace._GRAPH[0]) == 1
+        graph_ws = finish_workspace._GRAPH[0][0].untyped_storage().data_ptr()
+        now["capturing"] = True
+        assert launch(100) == (graph_ws, True) and launch(37) == (graph_ws, True)  # captured: the graph workspace
+        assert launch(256)[1] is False  # past the warm-up's size: a zeroed workspace of its own
+        now["stream"] = 9
+        assert launch(37)[1] is False  # a second stream of the capture: its own too
+        now["capturing"] = False
+        launch(256)  # the next warm-up grows it: a new graph workspace, the old one kept for the graph captured on it
+        assert [w.untyped_storage().data_ptr() for w in finish_workspace._GRAPH[0]][0] == graph_ws
+        assert len(finish_workspace._GRAPH[0]) == 2
+        now["capturing"] = True
+        assert launch(37)[0] == finish_workspace._GRAPH[0][1].untyped_storage().data_ptr()  # stream 9 binds now
+    assert launch(100)[1] is False  # the scope closed: captures zero their own again
+    assert not fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", finish=True, rezero=True).rezero  # no split
+    assert fp4_gluon_plan.GluonConfig.parse(cfg.label()) == cfg and cfg.label().endswith(",finish,rezero")
 
 
 def test_gluon_launch_passes_pair_late_ahead_and_refuses_odd_chunks_in_pairs(monkeypatch):

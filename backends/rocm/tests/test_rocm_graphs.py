@@ -143,6 +143,10 @@ def test_cuda_backend_uses_the_shared_capture_with_its_pdl_scope(fake_graph_api,
                         lambda model, cache, scope: seen.append(scope) or real(model, cache, scope=scope))
     step = cuda_graphs.make_graphed_decode_step(TinyModel(), TinyCache(1))
     assert seen and callable(step)
+    from musecore_cuda.kernels import finish_workspace, pdl
+    with seen[0](1):  # the decode capture's scope: PDL at batch 1, and split-K finish's kept graph workspace
+        assert pdl._scope.get() and finish_workspace._in_graph_scope.get()
+    assert not finish_workspace._in_graph_scope.get()
 
 
 def test_graphs_are_unavailable_off_the_gpu_and_the_backend_falls_back_to_forward():

@@ -43,6 +43,8 @@ FINISH = os.environ.get("GLUON_FINISH", "0") == "1"  # 1: every split-K cut also
 PAIR = os.environ.get("GLUON_PAIR", "0") == "1"  # 1: every packed cut with even stages also with paired stages
 LATE = os.environ.get("GLUON_LATE", "0") == "1"  # 1: every cut that can also with late release (and paired + late)
 AHEAD = os.environ.get("GLUON_AHEAD", "0") == "1"  # 1: also with the scale words loaded two chunks ahead
+# 1: a routed finish cut again with its workspace kept zeroed (rezero) or, where it is so routed, memset per launch
+REZERO = os.environ.get("GLUON_REZERO", "0") == "1"
 WIDE = os.environ.get("GLUON_WIDE", "0") == "1"  # 1: the routed cut again with two consumer warpgroups (wide())
 # 1: a routed split-K finish cut again with one more memset of its workspace's size per call (run_memset): what a
 # memset node costs in a graph's chain, i.e. what a workspace that needs no zeroing per launch could save at most
@@ -215,9 +217,10 @@ def precompile(ms, shapes, procs):
             finish = FINISH and chosen.split_k > 1 and not chosen.finish
             twin = [dataclasses.replace(chosen, finish=True)] if finish else []
             twin += list(variants(chosen, k)) + (list(wide(chosen, k)) if WIDE else [])
+            twin += [dataclasses.replace(chosen, rezero=not chosen.rezero)] if REZERO and chosen.finish else []
             for cfg in [chosen] + twin + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
-                                 cfg.fixup, cfg.finish, cfg.pair, cfg.late, cfg.ahead), (n, k, cfg))
+                                 cfg.fixup, cfg.finish, cfg.pair, cfg.late, cfg.ahead, cfg.rezero), (n, k, cfg))
     todo = list(jobs.values())
     with mp.get_context("spawn").Pool(procs) as pool:
         failed = sum(pool.map(_compile_worker, [todo[i::procs] for i in range(procs)]), [])
@@ -240,6 +243,8 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
         twin += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
         twin += [("gluon routed wide", v) for v in (wide(chosen, k) if WIDE else ())]
         twin += [("gluon routed +memset", chosen)] if MEMSET and chosen.finish else []
+        twin += ([("gluon routed " + ("memset" if chosen.rezero else "rezero"),
+                   dataclasses.replace(chosen, rezero=not chosen.rezero))] if REZERO and chosen.finish else [])
         for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):
             try:

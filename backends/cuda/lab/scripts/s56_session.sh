@@ -30,7 +30,11 @@
 #      launch, beside the one-warpgroup launch it replaced (GLUON_WIDE=1; WIDE_ARGS, WIDE_S; e.g. WIDE_ARGS="--ms
 #      24,32,48 --shapes pooler,expert_down" for the points routed wide but not measured in run 89). (session 62)
 #      GLUON_MEMSET=1: each routed finish cut also with one more memset of its workspace per call (what the memset
-#      node costs in the graph's chain).
+#      node costs in the graph's chain); GLUON_REZERO=1: each routed finish cut also with its workspace kept zeroed
+#      by the kernel (no memset per launch).
+#   e. (session 62) split-K finish with its workspace kept zeroed by the kernel (rezero, routed): the GPU tests (eager
+#      and in a graph scope), then the routed finish cuts against the same launch with a memset per call (REZERO_ARGS,
+#      REZERO_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -95,7 +99,7 @@ stepb() {
 stepc() {  # five pytest processes side by side: each Gluon test spends ~18 s compiling its kernels (run 88)
   local groups=("paired_stages and (cut0 or cut2 or cut3 or cut4 or cut5 or cut6)"
                 "paired_stages and (cut1 or cut7 or cut8 or cut9)" "816b_shapes and proj" "816b_shapes and expert"
-                "every_code or cuda_graph or choices or two_warpgroups")
+                "every_code or cuda_graph or choices or two_warpgroups or rezero")
   for i in 0 1 2 3 4; do
     timeout $(cap ${VARIANT_TESTS_S:-240}) python3 -m pytest -v -p no:cacheprovider -m gpu -rs \
       backends/cuda/tests/test_cuda_linear.py backends/cuda/tests/test_cuda_choices.py -k "${groups[$i]}" \
@@ -111,5 +115,16 @@ stepd() {  # (session 61) the routed cut beside two consumer warpgroups (cuda_gl
     --routed-only --out $OUT/cuda_gluon_sweep_wide.json ${WIDE_ARGS:---ms 16,64,256 --shapes \
     q_proj,k_proj,o_proj,pooler,unpooler,expert_up,expert_down} > $OUT/gluon_wide.log 2>&1
   echo "d. wide sweep at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_wide.log | tail -c 5000
+}
+stepe() {  # (session 62) split-K finish's kept workspace (rezero): its GPU tests, then the routed finish cuts (rezero)
+  # against the same launch zeroing a workspace per call, each in a CUDA graph (bench's graph scope)
+  timeout $(cap 150) python3 -m pytest -v -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py \
+    -k "rezero or (split_k and finish)" > $OUT/rezero_tests.log 2>&1
+  echo "e. rezero / split-K tests at ${SECONDS}s (rc $?):"
+  grep -hE "FAILED|passed|failed|Error|assert" $OUT/rezero_tests.log | tail -10
+  GLUON_REZERO=1 timeout $(cap ${REZERO_S:-150}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py --precompile 12 \
+    --routed-only --out $OUT/cuda_gluon_sweep_rezero.json ${REZERO_ARGS:---ms 16,64,128,256 --shapes \
+    q_proj,k_proj,pooler,expert_down} > $OUT/gluon_rezero.log 2>&1
+  echo "e. rezero sweep at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_rezero.log | tail -c 4000
 }
 run_steps s56

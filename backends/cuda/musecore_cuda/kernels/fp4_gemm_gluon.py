@@ -46,6 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from musecore_cuda.kernels import finish_workspace
 from musecore_cuda.kernels.fp4_gluon_plan import UPCASTS, GluonConfig, device_sms
 
 CHUNK_K = gl.constexpr(128)   # elements of K per resident chunk and per ring stage
@@ -505,7 +506,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
                      FINISH: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
-                     LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1):
+                     LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1, REZERO: gl.constexpr = False):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
 
     Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
@@ -514,7 +515,9 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     ``c_ptr``'s dtype: no zeroed output, no atomics on the data, no cast kernel, and no split waits for another.
     Or (``FINISH``) each split adds its partial into the zeroed fp32 workspace ``ws_ptr [M, N]`` with 16-byte
     atomics, counts itself like ``FIXUP``, and the last split reads the sum back (one tile, not one per split) and
-    stores it in ``c_ptr``'s dtype: the atomics of ``ATOMIC`` without its cast kernel. ``PAIR`` = 2: two ring stages
+    stores it in ``c_ptr``'s dtype: the atomics of ``ATOMIC`` without its cast kernel; with ``REZERO`` it then
+    zeroes the tile's sums and count again, so that the workspace is left as it was found (all zeros) for the next
+    launch on the stream, which needs no memset. ``PAIR`` = 2: two ring stages
     per mbarrier pair (:func:`_mainloop_packed`; the packed upcast, an even number of chunks per split); ``LATE``:
     stages released right before a later wait; ``AHEAD``: chunks between a scale word's load and its use
     (:func:`_mainloop_packed`)."""
@@ -558,7 +561,8 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                 total += gl.load(ws_ptr + split * mn + part, mask=c_mask, other=0.0, cache_modifier=".cg")
             gl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
     elif FINISH:
-        _finish_split(acc, ws_ptr, cnt_ptr + pid, c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps)
+        _finish_split(acc, ws_ptr, cnt_ptr + pid, c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps,
+                      REZERO)
     else:
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
@@ -575,13 +579,14 @@ def _last_split(cnt_ptr):
 
 @gluon.jit
 def _finish_split(acc, ws_ptr, cnt_ptr, c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N: gl.constexpr,
-                  BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+                  BLOCK_M: gl.constexpr, num_warps: gl.constexpr, REZERO: gl.constexpr = False):
     """Split-K's ``FINISH`` epilogue for one output tile: the partial ``acc`` added into the zeroed fp32 workspace
     ``ws_ptr [M, N]`` (row stride N), the split counted in the tile's zeroed ``cnt_ptr``, and by the tile's last
     split the sum stored in ``c_ptr``'s dtype. The tile first moves (through shared memory) to a layout with four
     consecutive weight rows per thread, so each thread adds 16 contiguous bytes per atomic (``atom .v4.f32``, SM90)
     and a warp covers 64 rows of two tokens, where the accumulator's layout gives each thread two tokens of one row
-    (scalar atomics, 32 bytes per token row and warp)."""
+    (scalar atomics, 32 bytes per token row and warp). With ``REZERO`` the last split stores zeros over the sums it
+    read and over the count (no other split touches the tile after it): the workspace is all zeros again."""
     epi: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])
     part = gl.convert_layout(acc, epi)
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
@@ -594,6 +599,9 @@ def _finish_split(acc, ws_ptr, cnt_ptr, c_ptr, stride_cm, off_m, off_n, M, N, BL
         total = gl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
         c_ptrs = c_ptr + offs_m.to(gl.int64)[None, :] * stride_cm + offs_n[:, None]
         gl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
+        if REZERO:
+            gl.store(ws_ptrs, gl.zeros_like(total), mask=mask)
+            gl.store(cnt_ptr, 0)
 
 
 @gluon.jit
@@ -727,7 +735,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
            group: int, fold_log2: int, n: int, k: int, out: torch.Tensor, cfg: GluonConfig) -> torch.Tensor:
     """Launch :func:`fp4_gluon_kernel` for one NVFP4 weight (``packed``/``scales`` ``[N, K/2]``/``[N, K/16]``, or
     the ``[1, ...]`` resident stack). ``out`` is ``[M, N]``: fp32 and zeroed when ``cfg.split_k > 1`` with atomics,
-    any dtype with ``cfg.fixup`` or ``cfg.finish`` (their workspace and per-tile counts are allocated here)."""
+    any dtype with ``cfg.fixup`` or ``cfg.finish`` (their workspace and per-tile counts are allocated here, or with
+    ``cfg.rezero`` kept: :mod:`musecore_cuda.kernels.finish_workspace` says which launches share one)."""
     if wfmt != WFMT_NVFP4 or group != 16:
         raise ValueError(f"the Gluon GEMM takes NVFP4 weights (e4m3 scales, group 16); got wfmt={wfmt}, group={group}")
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
@@ -754,11 +763,14 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     if (cfg.fixup or cfg.finish) and (out.shape != (m, n) or out.stride() != (n, 1)):
         raise ValueError(f"split-K {'fixup' if cfg.fixup else 'finish'} writes a contiguous [{m}, {n}] output; got "
                          f"{tuple(out.shape)} {out.stride()}")
+    kept = None  # finish's workspace kept zeroed by the kernel (cfg.rezero), when there is one
     if cfg.fixup:  # the workspace is written before it is read; the counts start at zero (one memset of `tiles` ints)
         ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
         counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     elif cfg.finish:  # one memset zeroes the workspace the atomics add into and, behind it, the per-tile counts
-        ws = torch.zeros(m * n + tiles, dtype=torch.float32, device=x.device)
+        kept = finish_workspace.workspace(x.device, m * n + tiles) if cfg.rezero else None
+        ws = kept[:m * n + tiles] if kept is not None else torch.zeros(m * n + tiles, dtype=torch.float32,
+                                                                       device=x.device)
         counts = ws[m * n:].view(torch.int32)
     else:  # unused by the kernel: no allocation, no memset on the routed path
         ws = counts = out_scale
@@ -772,7 +784,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,
                                            UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, FINISH=cfg.finish,
                                            num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1, LATE=cfg.late,
-                                           AHEAD=cfg.ahead,
+                                           AHEAD=cfg.ahead, REZERO=kept is not None,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 

@@ -50,6 +50,8 @@ class GluonConfig:
                               # session 60): packed, one tile per program, 3+ stages (6+ paired)
     ahead: int = 1            # chunks between a scale word's load and its use (session 60): 1, or 2 (packed, one tile
                               # per program)
+    rezero: bool = False      # finish's last split zeroes the tile's sums and count again, so a kept workspace needs
+                              # no memset per launch (kernels/finish_workspace.py; session 62); False without finish
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -61,6 +63,7 @@ class GluonConfig:
         object.__setattr__(self, "asm_upcast", self.upcast == "asm")
         object.__setattr__(self, "fixup", self.fixup and self.split_k > 1)
         object.__setattr__(self, "finish", self.finish and self.split_k > 1)
+        object.__setattr__(self, "rezero", self.rezero and self.finish)
         if self.fixup and self.finish:
             raise ValueError("split-K sums either by fixup or by finish, not both")
         if self.pair and (self.upcast != "packed" or self.stages % 2 or self.stages < 4 or self.persistent):
@@ -110,10 +113,12 @@ class GluonConfig:
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
     def label(self) -> str:
-        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late][,ahead2]]``: the cut
-        syntax of the lab scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2 or a flag follows."""
+        """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late][,ahead2]
+        [,rezero]]``: the cut syntax of the lab scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2
+        or a flag follows."""
         flags = "".join(f",{name}" for name in ("fixup", "finish", "persistent", "pair", "late")
-                        if getattr(self, name)) + (",ahead2" if self.ahead == 2 else "")
+                        if getattr(self, name)) + (",ahead2" if self.ahead == 2 else "") + (",rezero" if self.rezero
+                                                                                            else "")
         tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or flags else ""
         return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}{flags}"
 
@@ -125,7 +130,7 @@ class GluonConfig:
         return cls(int(bn), int(bm), int(split), int(stages), upcast=upcast,
                    ctas_per_sm=int(rest[1]) if len(rest) > 1 else 1, fixup="fixup" in rest[2:],
                    finish="finish" in rest[2:], persistent="persistent" in rest[2:], pair="pair" in rest[2:],
-                   late="late" in rest[2:], ahead=2 if "ahead2" in rest[2:] else 1)
+                   late="late" in rest[2:], ahead=2 if "ahead2" in rest[2:] else 1, rezero="rezero" in rest[2:])
 
 
 # The cost model behind pick_config, fitted to the H200 sweep of session 40 (backends/cuda/lab/results/
@@ -195,8 +200,9 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
 
 def one_warpgroup(block_m: int, split_k: int, chunks: int) -> GluonConfig:
     """The block_n 64 launch of ``block_m`` tokens at ``split_k`` over ``chunks`` chunks of K: as many ring stages
-    as :func:`ring_stages` fits, split-K summed by ``finish``, and its :func:`consumer_variant`."""
-    cfg = GluonConfig(64, block_m, split_k, ring_stages(block_m), upcast="packed", finish=True)
+    as :func:`ring_stages` fits, split-K summed by ``finish`` into a kept workspace (``rezero``: no memset per
+    launch where :mod:`musecore_cuda.kernels.finish_workspace` has one), and its :func:`consumer_variant`."""
+    cfg = GluonConfig(64, block_m, split_k, ring_stages(block_m), upcast="packed", finish=True, rezero=True)
     return consumer_variant(cfg, chunks // split_k)
 
 
@@ -227,7 +233,7 @@ def wide_variant(block_m: int, split_k: int, chunks: int) -> Optional[GluonConfi
         return None
     if split_k == 1 and not (block_m == 16 and chunks >= 64):
         return None
-    wide = _paired(GluonConfig(128, block_m, split, 2, upcast="packed", finish=True))
+    wide = _paired(GluonConfig(128, block_m, split, 2, upcast="packed", finish=True, rezero=True))
     return wide if wide.smem_bytes() <= SMEM_BYTES else None
 
 
