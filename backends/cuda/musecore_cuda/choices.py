@@ -5,8 +5,8 @@ The crossovers were measured on the H200 (backends/cuda/lab/NOTES.md): for bf16 
 CUDA C++ tensor-core GEMV up to 15 rows, the CUDA C++ tiled GEMM from ``GEMM_MIN_M`` rows, and from
 ``DEQUANT_MIN_M`` rows a transient bf16 copy of the weight and cuBLAS (compute-bound there, where
 cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). NVFP4 weights at
-``GLUON_MIN_M``-``GLUON_MAX_M`` rows (from ``GLUON_WIDE_M`` for weights of ``GLUON_WIDE_WEIGHTS`` elements and
-more) take the Gluon GEMM instead where it can run (SM 9.x, Triton 3.6's
+``GLUON_MIN_M``-``GLUON_MAX_M`` rows (from ``GLUON_WIDE_M`` = 2 for weights of ``GLUON_WIDE_WEIGHTS`` elements and
+more: the GEMV keeps one row there) take the Gluon GEMM instead where it can run (SM 9.x, Triton 3.6's
 Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0`` turns it off). What depends on the GPU itself (SM count,
 occupancy, whether NVRTC compiles, whether Gluon runs) is decided at load and says so.
 """
@@ -42,9 +42,15 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # session 42 (run 7, run7_s42_call2_runs_targets/cuda_gluon_sweep_small_m.json) repeated it: at M=8 the Gluon GEMM
 # took 25.1 / 17.0 / 14.2 us against the GEMV's 29.3 / 20.8 / 17.8 on q_proj, pooler and expert_up (weights of
 # 32M elements and more), 8.8 vs 9.1 on k_proj (8M) and 11.5 vs 10.4 on expert_down (16M); so weights of at least
-# GLUON_WIDE_WEIGHTS elements take it from M=8. M 5-7 is unmeasured.
+# GLUON_WIDE_WEIGHTS elements took it from M=8. Session 62 (an H100, run 93, benchmarks/results/h200_issue26/
+# run93_s62_call4_small_m_h100/): with split-K finish's kept workspace (no memset node per launch) the Gluon GEMM beat
+# the tensor-core GEMV at every M of 2-8 on all seven 816B shapes, 1.05-1.61x (k_proj M = 2 / 8 7.16 / 7.17 vs 8.00 /
+# 9.60 us, expert_down 9.17 / 9.24 vs 9.77 / 10.90, q_proj 22.75 / 22.97 vs 28.98 / 30.22 at M = 4, unpooler and
+# expert_up M = 2 1.05x); at M = 1 it lost on unpooler and expert_up (0.88 / 0.90x) and won by 1-5% elsewhere, so one
+# row keeps the GEMV (the decode graph's PDL chain at batch 1 overlaps it with its neighbours). Weights smaller than
+# k_proj's 8M elements (muse-small's) are unmeasured below M = 9 and keep the GEMV there.
 GLUON_MIN_M, GLUON_MAX_M = 9, 256
-GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 8, 4096 * 8192
+GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 2, 1024 * 8192
 # GLUON_MAX_M < M <= GLUON_LARGE_MAX_M: the Gluon GEMM with two consumer warpgroups over 256 tokens
 # (fp4_gluon_plan.LARGE_M_CONFIG) where its grid fills the GPU (>= GLUON_LARGE_MIN_TILES output tiles of 128 x 256),
 # else dequantize + cuBLAS. Session 59 (benchmarks/results/h200_issue26/NOTES.md, runs 80-83), us, Gluon vs
@@ -163,8 +169,9 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
                 f"({cfg.label()}); 816B shapes: 1.20-1.25x dequantize + cuBLAS at M=1024 (H200), 1.07-1.65x at 512 "
                 "and 2048 (H100); even at 4096, where dequantize + cuBLAS stays; today's rule applies if the GPU "
                 "at load is not SM 9.x or Triton is not 3.6")
-    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of 32M elements and more): beat "
-            f"today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256); launch from M, N, K and the SM "
+    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of 8M elements and more): beat "
+            f"today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256; H100, M=2-8 1.05-1.61x); launch "
+            f"from M, N, K and the SM "
             f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}"
             + (": two consumer warpgroups (128 weight rows)" if cfg.block_n == 128 else "")
             + (f": split-K {cfg.split_k}, the tile's last split storing the bf16 sum, no cast kernel"
