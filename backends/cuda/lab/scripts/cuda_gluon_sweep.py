@@ -128,13 +128,13 @@ def routed(m: int, n: int, k: int):
 
 def cuts(m: int, n: int, k: int):
     """The sweep's cuts (:func:`_cuts`), and with ``GLUON_FIXUP=1`` / ``GLUON_FINISH=1`` each split-K one again with
-    the fixup / finish, with ``GLUON_PERSISTENT=1`` each packed split-1 one again on a persistent grid."""
+    the fixup / finish (finish with rezero, as routed), with ``GLUON_PERSISTENT=1`` each packed split-1 one again on a persistent grid."""
     for cfg in _cuts(m, n, k):
         yield cfg
         if FIXUP and cfg.split_k > 1:  # (at split 1 fixup=True is the same launch)
             yield dataclasses.replace(cfg, fixup=True)
-        if FINISH and cfg.split_k > 1:
-            yield dataclasses.replace(cfg, finish=True)
+        if FINISH and cfg.split_k > 1:  # as routed since session 62: its workspace kept zeroed (rezero)
+            yield dataclasses.replace(cfg, finish=True, rezero=True)
         for variant in variants(cfg, k):
             yield variant
         if PERSISTENT and cfg.split_k == 1 and cfg.upcast == "packed" and cfg.ctas_per_sm == 1:
