@@ -69,9 +69,20 @@ class Point:
     t_bf16: float
 
 
+def shape_nk(name: str) -> tuple[int, int]:
+    """``(N, K)`` of an 816B shape's name (``LINEAR_SHAPES``) or of a literal ``NxK`` (e.g. muse-small's
+    ``1536x1536``)."""
+    if name in LINEAR_SHAPES:
+        return LINEAR_SHAPES[name]
+    n, sep, k = name.partition("x")
+    if not (sep and n.isdigit() and k.isdigit()):
+        raise SystemExit(f"unknown shape {name!r}: one of {sorted(LINEAR_SHAPES)} or NxK (out x in features)")
+    return int(n), int(k)
+
+
 def sweep_points(ms: list[int], shapes: list[str], fmt: str) -> Iterator[Point]:
     for name in shapes:
-        n, k = LINEAR_SHAPES[name]
+        n, k = shape_nk(name)
         qt = musecore_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
         case = ShapeCase(name, n, k, prepare_fp4(qt, torch.device("cuda")), musecore_quant.dequantize(qt).float().cuda(),
                          _rotating(lambda: prepare_fp4(random_fp4(fmt, (n, k)), torch.device("cuda")), n * k // 2),

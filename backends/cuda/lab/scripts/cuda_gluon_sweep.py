@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from musecore_cuda.bench import LINEAR_SHAPES, memory_ceiling_gbps
+from musecore_cuda.bench import memory_ceiling_gbps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the GEMV / GEMM sweeps' helpers
 
@@ -209,9 +209,10 @@ def _compile_worker(jobs):
 
 
 def precompile(ms, shapes, procs):
+    from cuda_gemv_sweep import shape_nk
     jobs = {}
     for name in shapes:
-        n, k = LINEAR_SHAPES[name]
+        n, k = shape_nk(name)
         for m in ms:
             chosen = routed(m, n, k)
             finish = FINISH and chosen.split_k > 1 and not chosen.finish
@@ -285,8 +286,9 @@ def profile_cut(spec: str, m: int, shape: str) -> None:
     from musecore_cuda.bench import random_fp4
     from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
     from musecore_triton.layouts import prepare_fp4
+    from cuda_gemv_sweep import shape_nk
     cfg = GluonConfig.parse(spec if spec.count(",") >= 4 else spec + ",packed")  # the upcast defaults to packed
-    n, k = LINEAR_SHAPES[shape]
+    n, k = shape_nk(shape)
     w = prepare_fp4(random_fp4("nvfp4", (n, k)), torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     for _ in range(5):
