@@ -377,6 +377,8 @@ def test_pick_moe_config_picks_run_80s_best_tiles_and_fits_shared_memory():
     (H200, run 80: 128 x 64 in 4.6 ms, 128 x 256 in 15.2 ms), split 1, within the ring's shared memory."""
     assert fp4_gluon_plan.pick_moe_config(1024 * 8, 256, 8192, 4096, 132).label() == "128,64,1,4,packed"
     assert fp4_gluon_plan.pick_moe_config(8192 * 8, 256, 8192, 4096, 132).label() == "128,256,1,3,packed"
+    for t in (129, 160, 256, 512):  # run 91 (H100): 128 x 32 the fastest tile swept at 160 / 256 / 512 tokens
+        assert fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132).label() == "128,32,1,4,packed", t
     for t in (129, 1024, 8192, 32768):
         cfg = fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132)
         assert cfg.split_k == 1 and cfg.upcast == "packed" and cfg.smem_bytes() <= SMEM_BYTES

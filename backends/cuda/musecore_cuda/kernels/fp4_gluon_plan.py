@@ -268,6 +268,12 @@ def expected_tiles(n_assign: int, experts: int, block_m: int) -> float:
     return active * max(1.0, n_assign / active / block_m + 0.5)
 
 
+# Grouped tiles the model would rank first somewhere but that have not run on a GPU: 128 x 16 (its model time led at
+# 129-256 tokens of the 816B layer; its row-by-row GPU test and SM90 compile are in place, session 62). Until a GPU
+# run checks and times it against 128 x 32 (cuda_gluon_moe_probe.py --block-ms 16,32 --block-ns 128), not picked.
+MOE_UNRUN_TILES = frozenset({(128, 16)})
+
+
 @functools.lru_cache(maxsize=4096)
 def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int) -> GluonConfig:
     """The grouped (MoE) Gluon GEMM's launch for ``n_assign`` token-expert assignments over ``experts`` experts
@@ -276,11 +282,13 @@ def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int
     64 and 128 (:data:`BN128_CHUNK_FACTOR`), no split-K (a prefill has tiles enough), as many ring stages as fit, at
     most 4. One tile serves both of a layer's GEMMs (they share the alignment), so callers pick it for gate/up. On
     the H200 (run 80, the 816B layer) it picks the measured best of six tiles at 1024 and 8192 tokens: 128 x 64 and
-    128 x 256; its times run 0.9-1.4x under the measured ones."""
+    128 x 256; its times run 0.9-1.4x under the measured ones. From 129 tokens (past the decode GEMVs) to ~500 it
+    picks 128 x 32: on an H100 (run 91) the fastest of six tiles swept at 160, 256 and 512 tokens (1.7-2.4x the
+    grouped Triton GEMM, 2.3-2.8x the BF16 experts). The tiles of :data:`MOE_UNRUN_TILES` are left out."""
     if n_assign < 1 or experts < 1 or rows_out % 128 or k % CHUNK_K:
         raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 128 and K of "
                          f"{CHUNK_K}; got {n_assign}, {experts}, {rows_out}, {k}")
-    tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS]
+    tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS if (bn, bm) not in MOE_UNRUN_TILES]
     block_n, block_m = min(tiles, key=lambda t: predicted_moe_us(n_assign, experts, rows_out, k, t[1], sms, t[0]))
     return GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
 
