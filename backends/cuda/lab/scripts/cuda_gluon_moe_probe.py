@@ -1,7 +1,8 @@
 """The grouped Gluon W4A16 GEMM (``moe_prefill.moe_forward_gluon``, session 59; opt-in until measured) against the
 grouped Triton GEMM it would replace and the BF16 experts, on one full-size 816B MoE layer (NVFP4, E 256, top-8,
 h = I = 4096) at prefill sizes, in one process. Per T: the Triton path (``moe_forward``), the Gluon path at the
-config ``pick_moe_config`` picks and at every other tile (``--block-ms``, ``--block-ns``), the BF16 experts through
+config ``pick_moe_config`` picks (always, whatever ``--block-ms`` / ``--block-ns`` say) and at every other tile
+(``--block-ms``, ``--block-ns``), the BF16 experts through
 the CUDA backend; each Gluon output is checked against the Triton path's (NMSE) before it is timed, and a cut that fails to
 compile or run is recorded with its error. The answer decides whether ``MUSECORE_CUDA_GLUON_MOE`` becomes the
 default and which token tile the model should pick::
@@ -56,7 +57,8 @@ def main() -> None:
         row = {"T": t, "assignments": t * topk, "routed_experts": int(ids.unique().numel()),
                "triton_us": round(t_triton, 1), "bf16_experts_us": round(t_bf16, 1),
                "triton_vs_bf16": round(t_bf16 / t_triton, 3), "picked": picked.label(), "cuts": []}
-        tiles = itertools.product(map(int, args.block_ns.split(",")), map(int, args.block_ms.split(",")))
+        tiles = list(itertools.product(map(int, args.block_ns.split(",")), map(int, args.block_ms.split(","))))
+        tiles += [] if (picked.block_n, picked.block_m) in tiles else [(picked.block_n, picked.block_m)]  # always timed
         for block_n, block_m in tiles:
             cfg = fp4_gluon_plan.GluonConfig(block_n, block_m, 1, fp4_gluon_plan.ring_stages(block_m, block_n),
                                              upcast="packed")
@@ -71,7 +73,7 @@ def main() -> None:
                 cut.update(us=round(us, 1), vs_triton=round(t_triton / us, 3), vs_bf16=round(t_bf16 / us, 3),
                            tflops=round(flops / us / 1e6, 1),
                            predicted_gate_up_us=round(fp4_gluon_plan.predicted_moe_us(
-                               t * topk, E, 2 * layer.inter, layer.width, block_m, sms), 1))
+                               t * topk, E, 2 * layer.inter, layer.width, block_m, sms, block_n), 1))
             except Exception as exc:  # a cut that does not compile or run is a result of the probe
                 cut["error"] = f"{type(exc).__name__}: {exc}"[:400]
             row["cuts"].append(cut)
