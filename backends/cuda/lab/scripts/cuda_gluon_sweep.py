@@ -120,6 +120,21 @@ def wide(cfg, k: int):
                           late=stages >= 4, ahead=2 if pair else 1)
 
 
+def twins(chosen, k: int) -> list[tuple[str, object]]:
+    """``(impl, cfg)`` of the routed cut's twins the environment asks for, timed beside it (``vs routed``) and
+    precompiled with it: finish (``GLUON_FINISH``), the consumer variants (``GLUON_PAIR`` / ``LATE`` / ``AHEAD``),
+    two warpgroups (``GLUON_WIDE``), the same launch with one more memset (``GLUON_MEMSET``) and with rezero flipped
+    (``GLUON_REZERO``)."""
+    out = ([("gluon routed finish", dataclasses.replace(chosen, finish=True))]
+           if FINISH and chosen.split_k > 1 and not chosen.finish else [])
+    out += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
+    out += [("gluon routed wide", v) for v in (wide(chosen, k) if WIDE else ())]
+    out += [("gluon routed +memset", chosen)] if MEMSET and chosen.finish else []
+    out += ([("gluon routed " + ("memset" if chosen.rezero else "rezero"),
+              dataclasses.replace(chosen, rezero=not chosen.rezero))] if REZERO and chosen.finish else [])
+    return out
+
+
 def routed(m: int, n: int, k: int):
     """The launch ``fp4_linear``'s gluon path picks for this point on this GPU."""
     from musecore_cuda.kernels.fp4_gluon_plan import pick_config, sm_count
@@ -128,7 +143,8 @@ def routed(m: int, n: int, k: int):
 
 def cuts(m: int, n: int, k: int):
     """The sweep's cuts (:func:`_cuts`), and with ``GLUON_FIXUP=1`` / ``GLUON_FINISH=1`` each split-K one again with
-    the fixup / finish (finish with rezero, as routed), with ``GLUON_PERSISTENT=1`` each packed split-1 one again on a persistent grid."""
+    the fixup / finish (finish with rezero, as routed), with ``GLUON_PERSISTENT=1`` each packed split-1 one again on
+    a persistent grid."""
     for cfg in _cuts(m, n, k):
         yield cfg
         if FIXUP and cfg.split_k > 1:  # (at split 1 fixup=True is the same launch)
@@ -215,11 +231,7 @@ def precompile(ms, shapes, procs):
         n, k = shape_nk(name)
         for m in ms:
             chosen = routed(m, n, k)
-            finish = FINISH and chosen.split_k > 1 and not chosen.finish
-            twin = [dataclasses.replace(chosen, finish=True)] if finish else []
-            twin += list(variants(chosen, k)) + (list(wide(chosen, k)) if WIDE else [])
-            twin += [dataclasses.replace(chosen, rezero=not chosen.rezero)] if REZERO and chosen.finish else []
-            for cfg in [chosen] + twin + list(cuts(m, n, k)):
+            for cfg in [chosen] + [cfg for _, cfg in twins(chosen, k)] + list(cuts(m, n, k)):
                 jobs.setdefault((cfg.block_n, cfg.block_m, cfg.stages, cfg.split_k > 1, cfg.upcast, cfg.ctas_per_sm,
                                  cfg.fixup, cfg.finish, cfg.pair, cfg.late, cfg.ahead, cfg.rezero), (n, k, cfg))
     todo = list(jobs.values())
@@ -239,14 +251,7 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
         name, n, k, m = p.case.name, p.case.n, p.case.k, p.m
         row, now, deq = point_rows(p, "nvfp4", ceiling, rows)
         results, chosen = [], routed(m, n, k)
-        twin = ([("gluon routed finish", dataclasses.replace(chosen, finish=True))]
-                if FINISH and chosen.split_k > 1 and not chosen.finish else [])
-        twin += [("gluon routed " + v.label().split(",", 6)[-1], v) for v in variants(chosen, k)]
-        twin += [("gluon routed wide", v) for v in (wide(chosen, k) if WIDE else ())]
-        twin += [("gluon routed +memset", chosen)] if MEMSET and chosen.finish else []
-        twin += ([("gluon routed " + ("memset" if chosen.rezero else "rezero"),
-                   dataclasses.replace(chosen, rezero=not chosen.rezero))] if REZERO and chosen.finish else [])
-        for impl, cfg in [("gluon routed", chosen)] + twin + ([] if routed_only else
+        for impl, cfg in [("gluon routed", chosen)] + twins(chosen, k) + ([] if routed_only else
                                                                [("gluon", c) for c in cuts(m, n, k)]):
             try:
                 launch = run_memset if impl.endswith("+memset") else run

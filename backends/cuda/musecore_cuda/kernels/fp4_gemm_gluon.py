@@ -767,10 +767,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     if cfg.fixup:  # the workspace is written before it is read; the counts start at zero (one memset of `tiles` ints)
         ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
         counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
-    elif cfg.finish:  # one memset zeroes the workspace the atomics add into and, behind it, the per-tile counts
-        kept = finish_workspace.workspace(x.device, m * n + tiles) if cfg.rezero else None
-        ws = kept[:m * n + tiles] if kept is not None else torch.zeros(m * n + tiles, dtype=torch.float32,
-                                                                       device=x.device)
+    elif cfg.finish:  # the sums the atomics add into and, behind them, the per-tile counts: kept zeroed by the
+        # kernel (rezero) where finish_workspace has a workspace for this launch, else zeroed here (one memset)
+        numel = m * n + tiles
+        kept = finish_workspace.workspace(x.device, numel) if cfg.rezero else None
+        ws = torch.zeros(numel, dtype=torch.float32, device=x.device) if kept is None else kept[:numel]
         counts = ws[m * n:].view(torch.int32)
     else:  # unused by the kernel: no allocation, no memset on the routed path
         ws = counts = out_scale

@@ -117,8 +117,8 @@ class GluonConfig:
         [,rezero]]``: the cut syntax of the lab scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2
         or a flag follows."""
         flags = "".join(f",{name}" for name in ("fixup", "finish", "persistent", "pair", "late")
-                        if getattr(self, name)) + (",ahead2" if self.ahead == 2 else "") + (",rezero" if self.rezero
-                                                                                            else "")
+                        if getattr(self, name))
+        flags += (",ahead2" if self.ahead == 2 else "") + (",rezero" if self.rezero else "")
         tail = f",{self.ctas_per_sm}" if self.ctas_per_sm != 1 or flags else ""
         return f"{self.block_n},{self.block_m},{self.split_k},{self.stages},{self.upcast}{tail}{flags}"
 
