@@ -116,8 +116,8 @@ def wide(cfg, k: int):
             continue
         pair = stages >= 6 and (chunks // split) % 2 == 0
         even = stages - stages % 2 if pair else stages
-        yield GluonConfig(128, cfg.block_m, split, even, upcast="packed", finish=split > 1, pair=pair,
-                          late=stages >= 4, ahead=2 if pair else 1)
+        yield GluonConfig(128, cfg.block_m, split, even, upcast="packed", finish=split > 1, rezero=True, pair=pair,
+                          late=stages >= 4, ahead=2 if pair else 1)  # rezero as routed (off without a split)
 
 
 def twins(chosen, k: int) -> list[tuple[str, object]]:
