@@ -132,7 +132,19 @@ def twins(chosen, k: int) -> list[tuple[str, object]]:
     out += [("gluon routed +memset", chosen)] if MEMSET and chosen.finish else []
     out += ([("gluon routed " + ("memset" if chosen.rezero else "rezero"),
               dataclasses.replace(chosen, rezero=not chosen.rezero))] if REZERO and chosen.finish else [])
+    out += [("gluon cut", cfg) for cfg in EXTRA_CUTS if fits(cfg, k) and cfg != chosen]
     return out
+
+
+# --cuts: literal cuts (GluonConfig labels) timed beside the routed one at every point where K's chunks divide by
+# their split leaving 2+ per split (session 63: the two-warpgroup cuts the model does not rank)
+EXTRA_CUTS: list = []
+
+
+def fits(cfg, k: int) -> bool:
+    chunks = k // 128
+    return chunks % cfg.split_k == 0 and chunks // cfg.split_k >= 2 and (
+        not cfg.pair or (chunks // cfg.split_k) % 2 == 0)
 
 
 def routed(m: int, n: int, k: int):
@@ -278,7 +290,7 @@ def sweep(ms, shapes, out_path, meta, routed_only=False):
                   f"{now['time_us'] / best['time_us']:.2f}x today) {best['config']} | routed {chosen.label()} "
                   f"{mine['time_us'] if mine else float('nan'):8.2f}", flush=True)
             for r in results:  # the routed cut's variants (GLUON_FINISH / PAIR / LATE / AHEAD): speedup over it
-                if mine is not None and r["impl"].startswith("gluon routed "):
+                if mine is not None and (r["impl"].startswith("gluon routed ") or r["impl"] == "gluon cut"):
                     r["vs_routed"] = round(mine["time_us"] / r["time_us"], 3)
                     print(f"vs routed: {name} M={m} {r['config']} {r['time_us']:.2f} us = {r['vs_routed']:.3f}x",
                           flush=True)
@@ -309,6 +321,8 @@ def main() -> None:
     parser.add_argument("--precompile", type=int, default=0)
     parser.add_argument("--only-precompile", action="store_true")
     parser.add_argument("--routed-only", action="store_true", help="time only the routed config per point")
+    parser.add_argument("--cuts", default="", help="cut labels separated by ';' (block_n,block_m,split_k,stages,"
+                        "upcast[,ctas,flags...]): each also timed beside the routed cut at every point it fits")
     parser.add_argument("--profile-cut", default="", help="block_n,block_m,split_k,stages[,upcast]: five launches of "
                         "that cut at the first --ms and --shapes (for ncu), no sweep")
     args = parser.parse_args()
@@ -318,6 +332,8 @@ def main() -> None:
         profile_cut(args.profile_cut, ms[0], args.shapes.split(",")[0])
         return
     shapes = args.shapes.split(",")
+    from musecore_cuda.kernels.fp4_gluon_plan import GluonConfig
+    EXTRA_CUTS.extend(GluonConfig.parse(c.strip()) for c in args.cuts.split(";") if c.strip())
     started = time.time()
     if args.precompile:
         precompile(ms, shapes, args.precompile)

@@ -35,6 +35,11 @@
 #   e. (session 62) split-K finish with its workspace kept zeroed by the kernel (rezero, routed): the GPU tests (eager
 #      and in a graph scope), then the routed finish cuts against the same launch with a memset per call (REZERO_ARGS,
 #      REZERO_S).
+#   f. (session 63) literal cuts beside the routed one (cuda_gluon_sweep.py --cuts; CUTS, CUTS_ARGS, CUTS_S): by
+#      default the two-warpgroup cuts pick_config does not rank (block_n 128 at 64 tokens split 4, at 128 tokens split
+#      1-8) at M 48-256 on every 816B shape.
+#   g. (session 63) muse-small's linears (weights under 8M elements, kept on the GEMV at M 1-8) at M 1-8: the routed
+#      launch ("now") against the Gluon GEMM's pick (SMALL_ARGS, SMALL_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -126,5 +131,20 @@ stepe() {  # (session 62) split-K finish's kept workspace (rezero): its GPU test
     --routed-only --out $OUT/cuda_gluon_sweep_rezero.json ${REZERO_ARGS:---ms 16,64,128,256 --shapes \
     q_proj,k_proj,pooler,expert_down} > $OUT/gluon_rezero.log 2>&1
   echo "e. rezero sweep at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_rezero.log | tail -c 4000
+}
+CUTS=${CUTS:-"128,64,4,8,packed,1,finish,pair,late,ahead2,rezero;128,64,2,8,packed,1,finish,pair,late,ahead2,rezero;\
+128,128,1,4,packed,1,late;128,128,2,4,packed,1,finish,late,rezero;128,128,4,4,packed,1,finish,late,rezero;\
+128,128,8,4,packed,1,finish,late,rezero"}
+stepf() {
+  timeout $(cap ${CUTS_S:-200}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py --precompile 12 --routed-only \
+    --cuts "$CUTS" --out $OUT/cuda_gluon_sweep_cuts.json ${CUTS_ARGS:---ms 48,64,128,256 --shapes \
+    q_proj,k_proj,o_proj,pooler,unpooler,expert_up,expert_down} > $OUT/gluon_cuts.log 2>&1
+  echo "f. literal cuts at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_cuts.log | tail -c 6000
+}
+stepg() {
+  timeout $(cap ${SMALL_S:-120}) python3 backends/cuda/lab/scripts/cuda_gluon_sweep.py --precompile 12 --routed-only \
+    --out $OUT/cuda_gluon_sweep_small.json ${SMALL_ARGS:---ms 1,2,4,8 --shapes \
+    1536x1536,192x1536,768x1536,1536x768,3072x1536,1536x3072} > $OUT/gluon_small.log 2>&1
+  echo "g. muse-small's linears at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_small.log | tail -c 3000
 }
 run_steps s56
