@@ -42,15 +42,19 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # session 42 (run 7, run7_s42_call2_runs_targets/cuda_gluon_sweep_small_m.json) repeated it: at M=8 the Gluon GEMM
 # took 25.1 / 17.0 / 14.2 us against the GEMV's 29.3 / 20.8 / 17.8 on q_proj, pooler and expert_up (weights of
 # 32M elements and more), 8.8 vs 9.1 on k_proj (8M) and 11.5 vs 10.4 on expert_down (16M); so weights of at least
-# GLUON_WIDE_WEIGHTS elements took it from M=8. Session 62 (an H100, run 93, benchmarks/results/h200_issue26/
+# 8M elements took it from M=8. Session 62 (an H100, run 93, benchmarks/results/h200_issue26/
 # run93_s62_call4_small_m_h100/): with split-K finish's kept workspace (no memset node per launch) the Gluon GEMM beat
 # the tensor-core GEMV at every M of 2-8 on all seven 816B shapes, 1.05-1.61x (k_proj M = 2 / 8 7.16 / 7.17 vs 8.00 /
 # 9.60 us, expert_down 9.17 / 9.24 vs 9.77 / 10.90, q_proj 22.75 / 22.97 vs 28.98 / 30.22 at M = 4, unpooler and
 # expert_up M = 2 1.05x); at M = 1 it lost on unpooler and expert_up (0.88 / 0.90x) and won by 1-5% elsewhere, so one
-# row keeps the GEMV (the decode graph's PDL chain at batch 1 overlaps it with its neighbours). Weights smaller than
-# k_proj's 8M elements (muse-small's) are unmeasured below M = 9 and keep the GEMV there.
+# row keeps the GEMV (the decode graph's PDL chain at batch 1 overlaps it with its neighbours). Session 63 (an H100,
+# run 96, run96_s63_call2_cuts_small_moe_h100/) measured muse-small's six linears (192 x 1536 to 1536 x 3072, 0.3-4.7M
+# elements) the same way: the Gluon GEMM beat the GEMV at every M of 2-8 on all six, 1.01-1.29x (1536 x 1536 M = 8
+# 6.31 vs 7.72 us, 192 x 1536 M = 2 6.04 vs 6.20), and lost at M = 1 (0.58-0.86x); so weights of 192 x 1536 elements
+# and more (the smallest measured) take it from M = 2; smaller ones (muse-tiny's) are unmeasured and keep the GEMV
+# below M = 9.
 GLUON_MIN_M, GLUON_MAX_M = 9, 256
-GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 2, 1024 * 8192
+GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 2, 192 * 1536
 # GLUON_MAX_M < M <= GLUON_LARGE_MAX_M: the Gluon GEMM with two consumer warpgroups over 256 tokens
 # (fp4_gluon_plan.LARGE_M_CONFIG) where its grid fills the GPU (>= GLUON_LARGE_MIN_TILES output tiles of 128 x 256),
 # else dequantize + cuBLAS. Session 59 (benchmarks/results/h200_issue26/NOTES.md, runs 80-83), us, Gluon vs
@@ -169,8 +173,9 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
                 f"({cfg.label()}); 816B shapes: 1.20-1.25x dequantize + cuBLAS at M=1024 (H200), 1.07-1.65x at 512 "
                 "and 2048 (H100); even at 4096, where dequantize + cuBLAS stays; today's rule applies if the GPU "
                 "at load is not SM 9.x or Triton is not 3.6")
-    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of 8M elements and more): beat "
-            f"today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256; H100, M=2-8 1.05-1.61x); launch "
+    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of {GLUON_WIDE_WEIGHTS} elements "
+            f"and more): beat today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256; H100, M=2-8 "
+            f"1.05-1.61x), 1.01-1.29x on muse-small's at M=2-8 (H100); launch "
             f"from M, N, K and the SM "
             f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}"
             + (": two consumer warpgroups (128 weight rows)" if cfg.block_n == 128 else "")

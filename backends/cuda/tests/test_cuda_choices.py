@@ -107,7 +107,9 @@ def test_fp4_path_for_takes_gluon_only_for_nvfp4_bf16_in_its_m_range():
     assert paths == {8: "mma", 9: "gluon", 16: "gluon", 17: "gluon", 100: "gluon", 256: "gluon", 257: "dequant"}
     wide = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 8192) for m in (1, 2, 8)}
     assert wide == {1: "mma", 2: "gluon", 8: "gluon"}  # k_proj (8M) and wider take it from M=2 (run 93)
-    assert fp4_path_for(8, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 4096) == "mma"  # unmeasured
+    small = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=192 * 1536) for m in (1, 2, 8)}
+    assert small == {1: "mma", 2: "gluon", 8: "gluon"}  # muse-small's smallest linear too (run 96)
+    assert fp4_path_for(8, bf16, weight_format="nvfp4", gluon=True, weights=256 * 512) == "mma"  # unmeasured
     assert fp4_path_for(16, bf16, weight_format="nvfp4", gluon=False) == "gemm"
     assert fp4_path_for(64, bf16, weight_format="mxfp4", gluon=True) == "gemm"
     assert fp4_path_for(64, torch.float16, weight_format="nvfp4", gluon=True) == "tiled"
@@ -175,7 +177,7 @@ def test_a_triton_other_than_the_gluon_kernels_one_keeps_the_other_paths_and_say
     (256, 8192, 8192, "64,256,1,3,packed"),                      # 48.88 us (late: 55.12)
     (64, 8192, 4096, "64,64,1,8,packed,1,pair,late,ahead2"),    # expert_up: 15.23 us (15.95)
     (256, 8192, 4096, "64,256,1,3,packed"),                      # 26.80 us
-    (64, 4096, 4096, "64,32,1,8,packed,1,pair,late,ahead2"),    # expert_down: 13.67 us (32 tokens: 128 CTAs; 14.23)
+    (32, 4096, 4096, "128,32,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 10.09 us (H100, run 95)
     (256, 4096, 4096, "64,128,1,4,packed,1,late"),               # 17.93 us (18.58)
     # two consumer warpgroups at twice the split (run 89, benchmarks/results/h200_issue26/run89_s61_call3_*)
     (16, 8192, 8192, "128,16,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # q_proj: 22.99 us (one warpgroup: 24.32)
@@ -183,6 +185,9 @@ def test_a_triton_other_than_the_gluon_kernels_one_keeps_the_other_paths_and_say
     (64, 4096, 8192, "128,64,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # pooler: 17.67 us (18.77)
     (16, 4096, 4096, "128,16,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 10.35 us (10.91)
     (16, 8192, 4096, "64,16,1,8,packed,1,pair,late,ahead2"),          # expert_up: 13.89 us (two: 14.69)
+    # H100 (session 63, run 96, benchmarks/results/h200_issue26/run96_s63_call2_cuts_small_moe_h100): one 64-token
+    # tile on two warpgroups at split 4, not two 32-token tiles on one at split 1 (run 87's H200 pick, 13.67 us)
+    (64, 4096, 4096, "128,64,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 12.24 us (13.96)
     (16, 1024, 8192, "64,16,8,8,packed,1,finish,pair,late,ahead2,rezero"),   # k_proj: 8.25 us (two: 8.28)
 ])
 def test_pick_config_picks_the_measured_best_cut(m, n, k, cut):

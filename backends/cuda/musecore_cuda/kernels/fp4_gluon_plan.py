@@ -140,7 +140,14 @@ class GluonConfig:
 # is issue-bound, the wgmmas grow with block_m), plus ~2 us of launch; split-K adds a zeroed fp32 output, relaxed
 # atomics and the cast back (1.5 us + 2 us per doubling, + 2.5 us per million atomics).
 CHUNK_US, CHUNK_US_PER_TOKEN, LAUNCH_US = 0.38, 0.0015, 2.0
-SPLIT_MARGIN = 1.1  # a split must win by 10%: at the three points where the fit and the sweep disagree, split 1 won
+# A one-warpgroup split must win by 10% (at the three points where the fit and the sweep disagreed, split 1 won); a
+# split that wide_variant() runs on two warpgroups needs no margin: those launches beat their one-warpgroup split
+# wherever routed (runs 89-90), and with the margin the model kept expert_down M = 57-64 on split 1 over two 32-token
+# tiles, which the two-warpgroup 64-token tile at split 4 beat 12.24 vs 13.96 us (H100, session 63, run 96). Session
+# 63 refit the split penalty to run 95's finish + rezero cuts (H100, block_n 64, M 32-256): chunk time x 0.88, and in
+# the model's units 3.3 us + 1.1 per doubling + 3.4 per million atomics against the 1.5 + 2 + 2.5 kept here: no
+# smaller for a finish split than for the atomics it was fitted to, so the constants stand (lab NOTES, session 63).
+SPLIT_MARGIN = 1.1
 
 
 def predicted_us(m: int, n: int, k: int, block_m: int, split_k: int, sms: int) -> float:
@@ -169,7 +176,8 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
 
     The model ranks block_n 64 (one consumer warpgroup; a second costs 1.66-1.85x per chunk, run 89); block_m from the
     token tile covering M down to 16, and split-K over the powers of two that divide K's chunks leaving >= 2 per
-    split, whichever the model above predicts fastest (split-K only when it wins by :data:`SPLIT_MARGIN`); as many
+    split, whichever the model above predicts fastest (a one-warpgroup split only when it wins by
+    :data:`SPLIT_MARGIN`); as many
     ring stages as fit :data:`SMEM_BYTES`, at most 4 (4 and 8 measured alike; 3 at block_m 256).
     At the measured points this picks the sweep's best 64-row cut (q_proj, expert_up M=64/256: one token tile;
     expert_down: 32 / 128 tokens for 128 CTAs) and split-K on k_proj, whose 16 weight tiles leave 116 SMs idle.
@@ -190,7 +198,8 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     for block_m in (b for b in BLOCK_MS if b <= cover):
         split = 1
         while split == 1 or (chunks % split == 0 and chunks // split >= 2):
-            t = predicted_us(m, n, k, block_m, split, sms) * (SPLIT_MARGIN if split > 1 else 1.0)
+            margin = SPLIT_MARGIN if split > 1 and wide_variant(block_m, split, chunks) is None else 1.0
+            t = predicted_us(m, n, k, block_m, split, sms) * margin
             if best is None or t < best[0]:
                 best = (t, block_m, split)
             split *= 2
@@ -268,10 +277,11 @@ def expected_tiles(n_assign: int, experts: int, block_m: int) -> float:
     return active * max(1.0, n_assign / active / block_m + 0.5)
 
 
-# Grouped tiles the model would rank first somewhere but that have not run on a GPU: 128 x 16 (its model time led at
-# 129-256 tokens of the 816B layer; its row-by-row GPU test and SM90 compile are in place, session 62). Until a GPU
-# run checks and times it against 128 x 32 (cuda_gluon_moe_probe.py --block-ms 16,32 --block-ns 128), not picked.
-MOE_UNRUN_TILES = frozenset({(128, 16)})
+# Grouped tiles the model ranks first somewhere but measurement does not back: 128 x 16 led the model at 129-289 tokens
+# of the 816B layer; on an H100 (session 63, run 96; its row-by-row GPU test passed first) it ran 1.04x 128 x 32 at
+# 160 tokens (3451 vs 3594 us) and 0.97x at 256 (3677 vs 3552): a wash, so 128 x 32, measured best there against five
+# other tiles in run 91, keeps that range.
+MOE_LEFT_OUT_TILES = frozenset({(128, 16)})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -282,13 +292,13 @@ def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int
     64 and 128 (:data:`BN128_CHUNK_FACTOR`), no split-K (a prefill has tiles enough), as many ring stages as fit, at
     most 4. One tile serves both of a layer's GEMMs (they share the alignment), so callers pick it for gate/up. On
     the H200 (run 80, the 816B layer) it picks the measured best of six tiles at 1024 and 8192 tokens: 128 x 64 and
-    128 x 256; its times run 0.9-1.4x under the measured ones. From 129 tokens (past the decode GEMVs) to ~500 it
+    128 x 256; its times run 0.9-1.4x under the measured ones. From 129 tokens (past the decode GEMVs) to ~630 it
     picks 128 x 32: on an H100 (run 91) the fastest of six tiles swept at 160, 256 and 512 tokens (1.7-2.4x the
-    grouped Triton GEMM, 2.3-2.8x the BF16 experts). The tiles of :data:`MOE_UNRUN_TILES` are left out."""
+    grouped Triton GEMM, 2.3-2.8x the BF16 experts). The tiles of :data:`MOE_LEFT_OUT_TILES` are left out."""
     if n_assign < 1 or experts < 1 or rows_out % 128 or k % CHUNK_K:
         raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 128 and K of "
                          f"{CHUNK_K}; got {n_assign}, {experts}, {rows_out}, {k}")
-    tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS if (bn, bm) not in MOE_UNRUN_TILES]
+    tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS if (bn, bm) not in MOE_LEFT_OUT_TILES]
     block_n, block_m = min(tiles, key=lambda t: predicted_moe_us(n_assign, experts, rows_out, k, t[1], sms, t[0]))
     return GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
 
