@@ -228,19 +228,23 @@ PAIRED_STAGES = 8
 # sooner wherever the split's finish is paid already (pooler M = 16 / 64 16.43 -> 14.47, 18.77 -> 17.67 us; expert_down
 # M = 16 10.91 -> 10.35) or 64 chunks at 16 tokens outweigh it (q_proj, o_proj M = 16 24.32 -> 22.99, 24.63 -> 23.10),
 # and lost everywhere else swept: split 1 over 32 chunks (expert_up, unpooler M = 16: 0.94x), 4 chunks per split
-# (k_proj: 0.93-1.00x), split 1 at 64 tokens (q_proj 0.98x) or at 32 (expert_down M = 64 0.92x).
+# (k_proj: 0.93-1.00x), split 1 at 64 tokens (q_proj 0.98x) or at 32 (expert_down M = 64 0.92x). Session 63 (an H100,
+# run 97) swept split 1 over 64 chunks at 32 and 64 tokens: on q_proj and o_proj at M 20-56 two warpgroups at split 2
+# won 1.03-1.16x (q_proj M = 20 26.55 -> 23.71 us, M = 40 31.07 -> 26.97; o_proj M = 48 29.42 -> 27.24) and tied at
+# M = 64 (1.000x both; run 89's H200 0.98x there), so split 1 over 64+ chunks takes them at every token tile up to 64;
+# over 32 chunks (unpooler, expert_up) 128 x 32 at split 2 won 1.00-1.07x at M 20-24 and lost at 32 (0.99x): not taken.
 WIDE_MIN_CHUNKS = 8
 
 
 def wide_variant(block_m: int, split_k: int, chunks: int) -> Optional[GluonConfig]:
     """The two-warpgroup launch that replaces :func:`one_warpgroup`'s (``block_m`` tokens at ``split_k`` over
     ``chunks`` chunks of K) where run 89 measured it faster (see :data:`WIDE_MIN_CHUNKS`), else None: up to 64
-    tokens, 8+ chunks per split, even (paired stages), and either a split of 2 already or 16 tokens over 64+ chunks
-    (the wins measured doubled splits of 1 and 2; k_proj's 8 lost)."""
+    tokens, 8+ chunks per split, even (paired stages), and either a split of 2 already or 64+ chunks (the wins
+    measured doubled splits of 1 and 2; k_proj's 8 lost)."""
     split = 2 * split_k
     if block_m > 64 or split_k > 2 or chunks % split or chunks // split < WIDE_MIN_CHUNKS or (chunks // split) % 2:
         return None
-    if split_k == 1 and not (block_m == 16 and chunks >= 64):
+    if split_k == 1 and chunks < 64:
         return None
     wide = _paired(GluonConfig(128, block_m, split, 2, upcast="packed", finish=True, rezero=True))
     return wide if wide.smem_bytes() <= SMEM_BYTES else None
