@@ -187,7 +187,7 @@ def test_a_triton_other_than_the_gluon_kernels_one_keeps_the_other_paths_and_say
     # H100 (session 63, run 96, benchmarks/results/h200_issue26/run96_s63_call2_cuts_small_moe_h100): one 64-token
     # tile on two warpgroups at split 4, not two 32-token tiles on one at split 1 (run 87's H200 pick, 13.67 us)
     (64, 4096, 4096, "128,64,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 12.24 us (13.96)
-    # (run 97) 64 chunks at split 1 on two warpgroups at split 2, to 64 tokens (the H200's paired one-warpgroup cut at
+    # (run 99) 64 chunks at split 1 on two warpgroups at split 2, to 64 tokens (the H200's paired one-warpgroup cut at
     # M = 64, run 87: 26.99 us, 1.02x the two-warpgroup one in run 89; on the H100 even, 28.21 both)
     (20, 8192, 8192, "128,32,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # q_proj: 23.71 us (26.56)
     (48, 8192, 8192, "128,64,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # o_proj: 27.24 us (29.42)

@@ -229,10 +229,11 @@ PAIRED_STAGES = 8
 # M = 16 10.91 -> 10.35) or 64 chunks at 16 tokens outweigh it (q_proj, o_proj M = 16 24.32 -> 22.99, 24.63 -> 23.10),
 # and lost everywhere else swept: split 1 over 32 chunks (expert_up, unpooler M = 16: 0.94x), 4 chunks per split
 # (k_proj: 0.93-1.00x), split 1 at 64 tokens (q_proj 0.98x) or at 32 (expert_down M = 64 0.92x). Session 63 (an H100,
-# run 97) swept split 1 over 64 chunks at 32 and 64 tokens: on q_proj and o_proj at M 20-56 two warpgroups at split 2
-# won 1.03-1.16x (q_proj M = 20 26.55 -> 23.71 us, M = 40 31.07 -> 26.97; o_proj M = 48 29.42 -> 27.24) and tied at
-# M = 64 (1.000x both; run 89's H200 0.98x there), so split 1 over 64+ chunks takes them at every token tile up to 64;
-# over 32 chunks (unpooler, expert_up) 128 x 32 at split 2 won 1.00-1.07x at M 20-24 and lost at 32 (0.99x): not taken.
+# run 99; run 100 at the routed code) swept split 1 over 64 chunks at 32 and 64 tokens: on q_proj and o_proj at M 20-56
+# two warpgroups at split 2 won 1.03-1.16x (q_proj M = 20 26.55 -> 23.71 us, M = 40 31.07 -> 26.97; o_proj M = 48
+# 29.42 -> 27.24) and tied at M = 64 (1.000x both; run 89's H200 0.98x there), so split 1 over 64+ chunks takes them
+# at every token tile up to 64; over 32 chunks (unpooler, expert_up) 128 x 32 at split 2 won 1.00-1.07x at M 20-24
+# and lost at 32 (0.99x): not taken.
 WIDE_MIN_CHUNKS = 8
 
 
