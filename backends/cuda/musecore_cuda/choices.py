@@ -39,7 +39,7 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # (q_proj 25.5 vs 31.7 us, unpooler 14.3 vs 21.1, k_proj 8.7 vs 9.8; expert_down tied, 11.7 vs 11.8), and beat the
 # M=8 tensor-core GEMV (one mma n8 token group; M 9-15 take two) on five of seven (q_proj 25.5 vs 28.9 us); on
 # k_proj and expert_down the M=8 GEMV was 5-12% faster, so M <= 8 keeps the decode GEMV there. The small-M sweep of
-# session 42 (run 7, run7_s42_call2_runs_targets/cuda_gluon_sweep_small_m.json) repeated it: at M=8 the Gluon GEMM
+# session 42 (run 7, run7_s42_call2_runs_targets/cuda_gluon_sweep_small_m.json.gz) repeated it: at M=8 the Gluon GEMM
 # took 25.1 / 17.0 / 14.2 us against the GEMV's 29.3 / 20.8 / 17.8 on q_proj, pooler and expert_up (weights of
 # 32M elements and more), 8.8 vs 9.1 on k_proj (8M) and 11.5 vs 10.4 on expert_down (16M); so weights of at least
 # 8M elements took it from M=8. Session 62 (an H100, run 93, benchmarks/results/h200_issue26/
