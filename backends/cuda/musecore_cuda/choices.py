@@ -65,7 +65,7 @@ GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 2, 192 * 1536
 # M = 4096 in one process, and over four runs (88 on an H200, 94 / 97 / 101 on three H100s) the Gluon launch beat
 # dequantize + cuBLAS in 15 of 16 comparisons on the K = 8192 shapes (q_proj 0.929-0.966 vs 0.877-0.920 of BF16,
 # k_proj 0.958-0.980 vs 0.911-0.924, o_proj 0.942-0.957 vs 0.894-0.951, pooler 0.933-0.962 vs 0.921-0.966) and lost
-# in 8 of 12 on the K = 4096 ones (expert_down 0.891-0.911 vs 0.917-0.956 in all four). So weights of
+# in 9 of 12 on the K = 4096 ones (expert_down 0.891-0.911 vs 0.917-0.956 in all four). So weights of
 # GLUON_LARGE_DEEP_K input features and more take it up to GLUON_LARGE_DEEP_MAX_M; with that rule each run's worst
 # M = 4096 row is as good or better (run 101 0.877 -> 0.910, run 94 0.908 -> 0.915). Past 4096: unmeasured.
 GLUON_LARGE_MIN_TILES, GLUON_LARGE_MAX_M = 128, 2048

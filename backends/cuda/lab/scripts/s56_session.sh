@@ -38,8 +38,9 @@
 #   f. (session 63) literal cuts beside the routed one (cuda_gluon_sweep.py --cuts; CUTS, CUTS_ARGS, CUTS_S): by
 #      default the two-warpgroup cuts pick_config does not rank (block_n 128 at 64 tokens split 4, at 128 tokens split
 #      1-8) at M 48-256 on every 816B shape.
-#   g. (session 63) muse-small's linears (weights under 8M elements, kept on the GEMV at M 1-8) at M 1-8: the routed
-#      launch ("now") against the Gluon GEMM's pick (SMALL_ARGS, SMALL_S).
+#   g. (session 63) muse-small's linears (weights under 8M elements; on the GEMV at M 1-8 until run 96 measured them,
+#      now the Gluon GEMM from M = 2) at M 1-8: the routed launch ("now") against the Gluon GEMM's pick (SMALL_ARGS,
+#      SMALL_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u

@@ -177,8 +177,8 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     The model ranks block_n 64 (one consumer warpgroup; a second costs 1.66-1.85x per chunk, run 89); block_m from the
     token tile covering M down to 16, and split-K over the powers of two that divide K's chunks leaving >= 2 per
     split, whichever the model above predicts fastest (a one-warpgroup split only when it wins by
-    :data:`SPLIT_MARGIN`); as many
-    ring stages as fit :data:`SMEM_BYTES`, at most 4 (4 and 8 measured alike; 3 at block_m 256).
+    :data:`SPLIT_MARGIN`); as many ring stages as fit :data:`SMEM_BYTES`, at most 4 (4 and 8 measured alike; 3 at
+    block_m 256).
     At the measured points this picks the sweep's best 64-row cut (q_proj, expert_up M=64/256: one token tile;
     expert_down: 32 / 128 tokens for 128 CTAs) and split-K on k_proj, whose 16 weight tiles leave 116 SMs idle.
     Split-K launches sum by ``finish`` (the tile's last split stores the output: no cast kernel): on an H100
@@ -239,7 +239,7 @@ WIDE_MIN_CHUNKS = 8
 
 def wide_variant(block_m: int, split_k: int, chunks: int) -> Optional[GluonConfig]:
     """The two-warpgroup launch that replaces :func:`one_warpgroup`'s (``block_m`` tokens at ``split_k`` over
-    ``chunks`` chunks of K) where run 89 measured it faster (see :data:`WIDE_MIN_CHUNKS`), else None: up to 64
+    ``chunks`` chunks of K) where runs 89 and 99 measured it faster (see :data:`WIDE_MIN_CHUNKS`), else None: up to 64
     tokens, 8+ chunks per split, even (paired stages), and either a split of 2 already or 64+ chunks (the wins
     measured doubled splits of 1 and 2; k_proj's 8 lost)."""
     split = 2 * split_k
