@@ -213,9 +213,7 @@ def run(x, w, cfg):
 def run_memset(x, w, cfg):
     """:func:`run`, then one more zeroed fp32 buffer of the finish workspace's size (sums and per-tile counts)."""
     out = run(x, w, cfg)
-    n = w.out_features
-    tiles = -(-x.shape[0] // cfg.block_m) * -(-n // cfg.block_n)
-    torch.zeros(x.shape[0] * n + tiles, dtype=torch.float32, device=x.device)
+    torch.zeros(cfg.finish_numel(x.shape[0], w.out_features), dtype=torch.float32, device=x.device)
     return out
 
 

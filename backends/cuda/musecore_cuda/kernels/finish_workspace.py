@@ -62,12 +62,14 @@ def workspace(device: torch.device, numel: int) -> Optional[torch.Tensor]:
     if _in_graph_scope.get():  # a warm-up before a capture in the scope: the graph workspace grows here, uncaptured
         _CAPTURE_STREAM.pop(index, None)
         if not kept or kept[-1].numel() < numel:
-            _GRAPH.setdefault(index, []).append(_zeros(max(numel, 2 * kept[-1].numel() if kept else 0), device))
+            _GRAPH.setdefault(index, []).append(_grown(kept[-1] if kept else None, numel, device))
     ws = _EAGER.get((index, stream))
     if ws is None or ws.numel() < numel:
-        ws = _EAGER[(index, stream)] = _zeros(max(numel, 2 * ws.numel() if ws is not None else 0), device)
+        ws = _EAGER[(index, stream)] = _grown(ws, numel, device)
     return ws
 
 
-def _zeros(numel: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(numel, dtype=torch.float32, device=device)
+def _grown(old: Optional[torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
+    """A zeroed fp32 workspace to replace ``old``: ``numel`` elements, or twice ``old``'s if that is more (a few
+    growing launches reallocate a few times, not once each)."""
+    return torch.zeros(max(numel, 2 * old.numel() if old is not None else 0), dtype=torch.float32, device=device)

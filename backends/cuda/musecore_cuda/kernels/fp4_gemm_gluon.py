@@ -39,7 +39,6 @@ lab baselines (backends/cuda/lab/NOTES.md sessions 11, 12 and 40).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
@@ -759,7 +758,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     words = s2.view(torch.int64)  # [N, K/128]: the 8 group scales of one chunk per word
     w_desc, x_desc = descriptors(x, w2, cfg)
     m = x.shape[0]
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = cfg.tiles(m, n)
     if (cfg.fixup or cfg.finish) and (out.shape != (m, n) or out.stride() != (n, 1)):
         raise ValueError(f"split-K {'fixup' if cfg.fixup else 'finish'} writes a contiguous [{m}, {n}] output; got "
                          f"{tuple(out.shape)} {out.stride()}")
@@ -769,7 +768,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     elif cfg.finish:  # the sums the atomics add into and, behind them, the per-tile counts: kept zeroed by the
         # kernel (rezero) where finish_workspace has a workspace for this launch, else zeroed here (one memset)
-        numel = m * n + tiles
+        numel = cfg.finish_numel(m, n)
         kept = finish_workspace.workspace(x.device, numel) if cfg.rezero else None
         ws = torch.zeros(numel, dtype=torch.float32, device=x.device) if kept is None else kept[:numel]
         counts = ws[m * n:].view(torch.int32)

@@ -96,6 +96,14 @@ class GluonConfig:
     def num_warps(self) -> int:
         return self.block_n // 16
 
+    def tiles(self, m: int, n: int) -> int:
+        """Output tiles of ``m`` tokens x ``n`` weight rows: the launch's programs per split."""
+        return math.ceil(m / self.block_m) * math.ceil(n / self.block_n)
+
+    def finish_numel(self, m: int, n: int) -> int:
+        """fp32 words of split-K finish's workspace: the ``[m, n]`` sums, then one counter per tile."""
+        return m * n + self.tiles(m, n)
+
     def smem_bytes(self) -> int:
         """Shared memory of the ring: per stage the packed weight bytes and two bf16 activation halves."""
         return self.stages * (self.block_n * 64 + 2 * self.block_m * 64 * 2)
