@@ -76,9 +76,9 @@ def desc_sig(dtype: str, block: list[int], layout) -> str:
     return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout}>"
 
 
-def compile_cut(cfg, maxnreg: Optional[int] = None):
+def compile_cut(cfg, maxnreg: Optional[int] = None, pdl: bool = False):
     """The dense kernel for ``cfg`` (a ``GluonConfig``; :func:`gk.fp4_gluon_persistent_kernel` when
-    ``cfg.persistent``)."""
+    ``cfg.persistent``), with ``pdl`` as launched with programmatic dependent launch."""
     triton, GPUTarget, gl, GluonASTSource, gk = _triton()
     fn = gk.fp4_gluon_persistent_kernel if cfg.persistent else gk.fp4_gluon_kernel
     w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, 64], gl.uint8)
@@ -91,7 +91,7 @@ def compile_cut(cfg, maxnreg: Optional[int] = None):
     const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
              "FOLD": 9, "ATOMIC": cfg.atomic, "UPCAST": gk.UPCASTS[cfg.upcast], "FIXUP": cfg.fixup,
              "FINISH": cfg.finish, "num_warps": cfg.num_warps, "PAIR": 2 if cfg.pair else 1,
-             "LATE": cfg.late, "AHEAD": cfg.ahead, "REZERO": cfg.rezero}
+             "LATE": cfg.late, "AHEAD": cfg.ahead, "REZERO": cfg.rezero, "PDL": pdl}
     names = list(fn.arg_names)
     sig = {k: v for k, v in sig.items() if k in names}
     const = {k: v for k, v in const.items() if k in names}
@@ -188,16 +188,17 @@ def report(kernel) -> dict:
     spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill", info))
     return {"ptxas": info, "spill_bytes": spills, "c75": "C75" in info.replace("no C75xx", ""),
             "shared": kernel.metadata.shared, "per_chunk": consumer_loop_sass(kernel.asm["cubin"])["per_chunk"],
-            "atomics": dict(Counter(re.findall(r"\batom\.global\.[\w.]*add\.(v4\.f32|f32)", kernel.asm["ptx"])))}
+            "atomics": dict(Counter(re.findall(r"\batom\.global\.[\w.]*add\.(v4\.f32|f32)", kernel.asm["ptx"]))),
+            "gdc_waits": kernel.asm["ptx"].count("griddepcontrol.wait")}
 
 
 def main(cuts: list[str]) -> None:
     gk = _triton()[4]
     for cut in cuts:
         grouped = cut.startswith("grouped:")
-        cfg = gk.GluonConfig.parse(cut.removeprefix("grouped:"))
+        cfg = gk.GluonConfig.parse(cut.removeprefix("grouped:").removeprefix("pdl:"))
         kernels = ({"gate_up": compile_grouped(cfg, True), "down": compile_grouped(cfg, False)} if grouped
-                   else {"dense": compile_cut(cfg)})
+                   else {"dense": compile_cut(cfg, pdl=cut.startswith("pdl:"))})
         for kind, kernel in kernels.items():
             print(json.dumps({"cut": cut, "kernel": kind, **report(kernel)}), flush=True)
 

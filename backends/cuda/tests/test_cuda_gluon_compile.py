@@ -46,7 +46,7 @@ GROUPED = tuple(f"grouped:{GluonConfig(bn, bm, 1, 3 if bm == 256 else 4, upcast=
 @functools.lru_cache(maxsize=1)
 def reports() -> dict[tuple[str, str], dict]:
     """Every cut compiled once, in one subprocess (the test environment's own Triton is another version)."""
-    cuts = sorted(routed_cuts()) + list(SWEPT) + list(GROUPED)
+    cuts = sorted(routed_cuts()) + list(SWEPT) + list(GROUPED) + [f"pdl:{c}" for c in sorted(routed_cuts())]
     return {(r["cut"], r["kernel"]): r for r in gluon_sm90.compile_in_subprocess(cuts)}
 
 
@@ -60,3 +60,14 @@ def test_gluon_kernels_compile_for_sm90_without_spills_within_budget(cut):
         assert r["shared"] <= 227 * 1024, f"{cut} {kind}: {r['shared']} bytes of shared memory"
         if ",finish" in cut:  # split-K finish adds 16 bytes per atomic (its layout's point), never 4
             assert r["atomics"].get("v4.f32") and not r["atomics"].get("f32"), f"{cut}: atomics {r['atomics']}"
+
+
+@pytest.mark.parametrize("cut", sorted(routed_cuts()))
+def test_gluon_linear_with_pdl_waits_before_activations_and_keeps_its_loop(cut):
+    """Launched with PDL (the decode graphs' launches), each routed cut waits in its loader (before the activations,
+    after the first lap's weights) and before its epilogue, and its consumer loop is the one it runs without PDL."""
+    plain, pdl = reports()[(cut, "dense")], reports()[(f"pdl:{cut}", "dense")]
+    # the loader's wait and the epilogue's (LLVM may copy the loader's into both arms of its first loop: 3 in the PTX)
+    assert plain["gdc_waits"] == 0 and pdl["gdc_waits"] >= 2, (plain["gdc_waits"], pdl["gdc_waits"])
+    assert pdl["spill_bytes"] == 0 and not pdl["c75"], pdl["ptxas"]
+    assert pdl["per_chunk"] == plain["per_chunk"], (pdl["per_chunk"], plain["per_chunk"])

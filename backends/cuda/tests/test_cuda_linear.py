@@ -542,6 +542,59 @@ def test_fp4_linear_gluon_path_replays_from_a_cuda_graph(monkeypatch):
             assert_nmse(eager.float(), captured.float(), 1e-6, f"{n}x{k} {cfg.label()} replay vs eager")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [13, 16, 64])
+def test_fp4_gluon_linear_chain_with_pdl_matches_the_chain_without(m, monkeypatch):
+    """Three Gluon linears in a dependent chain (each reads the one before's output), launched with programmatic
+    dependent launch: each loader requests its first ring lap's weights before ``griddepcontrol.wait`` and the
+    activations after it, so a wait in the wrong place reads the previous output half-written. Captured in a CUDA
+    graph inside the PDL and finish-workspace scopes (as the decode graphs are), and eagerly with
+    ``MUSECORE_CUDA_PDL=1``, each replayed on fresh inputs: the outputs equal the chain launched without PDL (split-K
+    finish adds in any order: NMSE 1e-6) and the kept workspace is zeros again. The first link's cut reads 4 chunks
+    per split into an 8-stage ring (fewer chunks than one lap); the others are pick_config's at M."""
+    from musecore_cuda.kernels import finish_workspace, pdl
+    if not pdl.supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs SM90+ and a Triton with grid dependency control")
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    short = fp4_gluon_plan.GluonConfig(64, 16, 8, 8, upcast="packed", finish=True, pair=True, late=True, ahead=2,
+                                       rezero=True)
+    links = [(_gluon_case(n, k, m)[1], cfg) for n, k, cfg in ((4096, 4096, short), (8192, 4096, None),
+                                                               (4096, 8192, None))]
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        y = x
+        for w, cfg in links:
+            y = fp4_gluon_linear(y, w, cfg)
+        return y
+
+    def check(got, what):
+        want = chain()  # PDL off: outside every scope, the variable unset
+        torch.cuda.synchronize()
+        assert_nmse(want.float(), got.float(), 1e-6, f"M={m} {what} against the chain without PDL")
+
+    with finish_workspace.graph_scope(), pdl.scope(True):
+        chain()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain()
+    for replay in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        kept = finish_workspace._GRAPH[x.device.index][-1]
+        assert not kept.any(), f"replay {replay}: {int(kept.count_nonzero())} graph workspace words left nonzero"
+        check(captured, f"graph replay {replay} (PDL)")
+    monkeypatch.setenv(pdl.ENV, "1")
+    for call in range(2):
+        x.copy_(torch.randn_like(x))
+        got = chain()  # eager launches with PDL, back to back on one stream
+        monkeypatch.setenv(pdl.ENV, "0")
+        check(got, f"eager call {call} (MUSECORE_CUDA_PDL=1)")
+        monkeypatch.setenv(pdl.ENV, "1")
+
+
 def test_decode_launch_refuses_a_weight_beyond_its_32_bit_offsets():
     """The lean path addresses one weight's words with 32-bit offsets: a [2**20, 2**15] weight (2**32 words) is refused
     before any launch, with what to do (no weight is allocated: the check comes first)."""

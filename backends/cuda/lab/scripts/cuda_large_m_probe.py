@@ -14,19 +14,29 @@ rotated past L2)::
                         (code * group scale * 2**-fold: at most 6 significant bits, exact)
     unscaled + alpha    that dequantize, then ``torch.addmm(beta=0, alpha=out_scale)``: cuBLAS applies the
                         per-tensor scale to the fp32 sums (random codes; ", q": the quantized weight)
+    chunked /C          (session 64, ``--chunks``) the dequant path in C slices of the output features: each slice
+                        dequantized into one reused bf16 scratch (small enough to stay in L2 while cuBLAS reads it)
+                        and multiplied straight into its columns of the output (``torch.mm(out=)``, ldc = N)
+    chunked /C, 2 streams  the same with two scratch slices: slice c+1 dequantized on a side stream while cuBLAS
+                        multiplies slice c (the dequantize's memory traffic under the compute-bound GEMM)
+    pieces /C           the control: session 46's pipelining (``cuda_dequant_pieces_probe.py``: every piece
+                        dequantized ahead on the side stream into one whole bf16 copy; slower in run 21)
+    gluon               the Gluon GEMM at ``pick_config``'s launch for M (``fp4_gluon_linear``), where it runs
 
 ``nvidia-smi`` samples SM clock and power every 100 ms beside it (``--smi FILE``); ``--interleave 0`` times the
 rows one after the other instead of in interleaved rounds::
 
     python backends/cuda/lab/scripts/cuda_large_m_probe.py [--ms 4096] [--shapes q_proj,k_proj,expert_down]
-        [--out cuda_large_m_probe.json]
+        [--chunks 2,4,8] [--rows "bf16 randn,dequant path,chunked,pieces,gluon"] [--out cuda_large_m_probe.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
+import sys
 from typing import Optional
 
 import torch
@@ -34,9 +44,12 @@ import torch.nn.functional as F
 
 import musecore_quant
 from musecore_cuda import CudaBackend
-from musecore_cuda.backend import fp4_dequant_linear
+from musecore_cuda.backend import fp4_dequant_linear, fp4_gluon_linear
 from musecore_cuda.bench import LINEAR_SHAPES, _rotating, gpu_name, memory_ceiling_gbps, random_fp4, time_calls
-from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_dequant_pieces_probe import dequant_linear_pieces  # noqa: E402  (a lab script beside this one)
 
 
 def dense_of(w, os: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -52,12 +65,45 @@ def unscaled_alpha_linear(x: torch.Tensor, w, alpha: float, ones: torch.Tensor) 
     return torch.addmm(x.new_zeros(()), x, dense_of(w, ones).t(), beta=0, alpha=alpha)
 
 
+def chunked_linear(x: torch.Tensor, w, scratch: list, side: Optional[torch.cuda.Stream]) -> torch.Tensor:
+    """``x @ W.T`` in ``len`` slices of W's rows (output features), each dequantized into a scratch slice
+    (``scratch``: one or two bf16 [rows, K] tensors) and multiplied into its output columns; with ``side`` (and two
+    scratch slices) slice c+1 is dequantized on ``side`` while slice c is multiplied on the current stream."""
+    n, k = w.out_features, w.in_features
+    rows = scratch[0].shape[0]
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    cur = torch.cuda.current_stream()
+    if side is not None:
+        side.wait_stream(cur)
+    done, used = [], []
+    for c in range(n // rows):
+        part = slice(c * rows, (c + 1) * rows)
+        buf = scratch[c % len(scratch)]
+        with torch.cuda.stream(side if side is not None else cur):
+            if side is not None and c >= len(scratch):
+                side.wait_event(used[c - len(scratch)])
+            fp4_gemv_cuda.dequantize(w.packed[0][part], w.scales[0][part], w.out_scale, wfmt=w.wfmt,
+                                     fold_log2=w.fold_log2, n=rows, k=k, out=buf)
+            done.append(torch.cuda.Event())
+            done[-1].record()
+        cur.wait_event(done[-1])
+        torch.mm(x, buf.t(), out=out[:, part])
+        used.append(torch.cuda.Event())
+        used[-1].record(cur)
+    if side is not None:
+        cur.wait_stream(side)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="4096")
     p.add_argument("--shapes", default="q_proj,k_proj,expert_down")
     p.add_argument("--out", default="cuda_large_m_probe.json")
     p.add_argument("--smi", default="")
+    p.add_argument("--chunks", default="", help="comma list of slice counts C for the chunked rows (empty: none)")
+    p.add_argument("--rows", default="",
+                   help="comma list of row-label prefixes to time, _ for a space (empty: every row)")
     p.add_argument("--interleave", type=int, default=1, help="1: interleaved rounds (bench.time_us_interleaved); "
                    "0: one after the other, as musecore bench timed every row before session 41")
     args = p.parse_args()
@@ -91,16 +137,36 @@ def main() -> None:
                 alpha_rc, alpha_q = float(rc[0].out_scale[0]), float(quantized.out_scale[0])  # (rc: one global scale)
                 calls["unscaled + alpha"] = (rc, lambda w: unscaled_alpha_linear(x, w, alpha_rc, ones))
                 calls["unscaled + alpha, q"] = ([quantized], lambda w: unscaled_alpha_linear(x, w, alpha_q, ones))
+                side = torch.cuda.Stream()
+                for c in [int(v) for v in args.chunks.split(",") if v]:
+                    one = [torch.empty(n // c, k, dtype=torch.bfloat16, device="cuda")]
+                    two = one + [torch.empty_like(one[0])]
+                    calls[f"chunked /{c}"] = (rc, lambda w, one=one: chunked_linear(x, w, one, None))
+                    calls[f"chunked /{c}, 2 streams"] = (rc, lambda w, two=two: chunked_linear(x, w, two, side))
+                    calls[f"pieces /{c}"] = (rc, lambda w, c=c: dequant_linear_pieces(x, w, pieces=c))
+                if fp4_gluon_plan.available(x.device):
+                    calls["gluon"] = (rc, lambda w: fp4_gluon_linear(x, w))
+                keep = [r for r in args.rows.split(",") if r]
+                keep = [r.replace("_", " ") for r in keep]
+                calls = {a: c for a, c in calls.items() if not keep or any(a.startswith(r) for r in keep)}
                 ref = fp4_dequant_linear(x, quantized).float()
+                chunk_err = {}
+                for label, (_, fn) in calls.items():
+                    if label.startswith(("chunked", "pieces", "gluon")):
+                        got = fn(quantized).float()
+                        torch.cuda.synchronize()
+                        chunk_err[label] = float(((got - ref) ** 2).mean() / (ref ** 2).mean())
                 got = unscaled_alpha_linear(x, quantized, alpha_q, ones).float()
                 nmse_alpha = float(((got - ref) ** 2).mean() / (ref ** 2).mean())
                 times = time_calls(calls, interleave=bool(args.interleave))
-                base = times["bf16 randn"]
+                base = times.get("bf16 randn", 1.0)
                 row = {"shape": f"{name} {k}->{n}", "M": m, "times_us": {a: round(t, 2) for a, t in times.items()},
                        "vs_bf16_randn": {a: round(base / t, 3) for a, t in times.items()},
                        "nmse_alpha_vs_dequant_path": float(f"{nmse_alpha:.3g}"),
+                       "nmse_chunked_vs_dequant_path": {a: float(f"{e:.3g}") for a, e in chunk_err.items()},
                        "dequantize_pct_ceiling": round(100 * (randcode.nbytes + 2 * n * k) / times["dequantize"]
-                                                       / 1e3 / ceiling["ceiling_gbps"], 1)}
+                                                       / 1e3 / ceiling["ceiling_gbps"], 1) if "dequantize" in times
+                       else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()

@@ -7,8 +7,8 @@ GEMVs, each in its own process, alternating for ``--rounds`` rounds::
 
 Cases: ``e2e`` (muse-small decode, batch 1 and 32, CUDA graphs), ``moe`` (the full-size layer at
 decode batches: gate+up, down and finalize are three dependent kernels in one graph replay) and
-``linear`` (decode linears; the benchmark replays one graph of back-to-back calls over rotated
-weight copies, so with PDL each call's start overlaps the previous call's tail, as in a decode
+``linear`` (decode linears, ``--linear-shapes`` at ``--linear-ms``; the benchmark replays one graph of back-to-back
+calls over rotated weight copies, so with PDL each call's start overlaps the previous call's tail, as in a decode
 step where a linear follows another kernel). Every row is printed next to its counterparts with the
 ratios (first setting / each other one); the best of the rounds is kept per setting. ``default`` is what
 ships (no variable set: PDL only inside decode graphs of up to ``pdl.MAX_BATCH`` sequences).
@@ -26,7 +26,7 @@ from pathlib import Path
 CASES = ("e2e", "moe", "linear")
 
 
-def child(cases: list[str], path: Path, e2e_batches: tuple[int, ...]) -> None:
+def child(cases: list[str], path: Path, e2e_batches: tuple[int, ...], shapes: list[str], ms: tuple[int, ...]) -> None:
     import torch
     from musecore_cuda import bench
 
@@ -37,8 +37,7 @@ def child(cases: list[str], path: Path, e2e_batches: tuple[int, ...]) -> None:
         elif case == "moe":
             rows += bench.bench_moe(batches=(1, 4, 16), prefill=64)
         elif case == "linear":
-            rows += bench.bench_linear(shapes=["q_proj", "k_proj", "expert_down"], ms=(1, 8, 16, 64),
-                                       formats=("nvfp4",))
+            rows += bench.bench_linear(shapes=shapes, ms=ms, formats=("nvfp4",))
         torch.cuda.empty_cache()
     path.write_text(json.dumps(rows))
 
@@ -60,12 +59,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--settings", default=",".join(SETTINGS), help="which of " + ", ".join(SETTINGS))
     parser.add_argument("--e2e-batches", default="1,32")
+    parser.add_argument("--linear-shapes", default="q_proj,k_proj,expert_down")
+    parser.add_argument("--linear-ms", default="1,8,16,64")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cases = args.cases.split(",")
     if args.child:
-        child(cases, args.child, tuple(int(b) for b in args.e2e_batches.split(",")))
+        child(cases, args.child, tuple(int(b) for b in args.e2e_batches.split(",")), args.linear_shapes.split(","),
+              tuple(int(m) for m in args.linear_ms.split(",")))
         return
     names = args.settings.split(",")
     best: dict[str, dict[tuple, dict]] = {name: {} for name in names}
@@ -74,6 +76,7 @@ def main() -> None:
             tmp = Path(f"/tmp/cuda_pdl_ab_{name}.json")
             env = {k: v for k, v in os.environ.items() if k not in VARS} | SETTINGS[name]
             subprocess.run([sys.executable, __file__, "--cases", args.cases, "--e2e-batches", args.e2e_batches,
+                            "--linear-shapes", args.linear_shapes, "--linear-ms", args.linear_ms,
                             "--child", str(tmp)], env=env, check=True)
             for row in json.loads(tmp.read_text()):
                 k = key(row)

@@ -41,6 +41,10 @@
 #   g. (session 63) muse-small's linears (weights under 8M elements; on the GEMV at M 1-8 until run 96 measured them,
 #      now the Gluon GEMM from M = 2) at M 1-8: the routed launch ("now") against the Gluon GEMM's pick (SMALL_ARGS,
 #      SMALL_S).
+#   h. (session 64) the Gluon linear launched with PDL (its loader requests the first ring lap's weights before
+#      griddepcontrol.wait): its GPU tests (a dependent chain in a PDL graph and eagerly; the Gluon linear tests and
+#      the PDL policy tests with MUSECORE_CUDA_PDL=1, three processes), then cuda_pdl_ab.py (PDL off / waits only /
+#      early GEMVs, each in its own process: PDL_AB_ARGS, PDL_AB_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -48,7 +52,7 @@ LIMIT=${LIMIT:-580}
 STEPS=${STEPS:-123}
 source "$(dirname "$0")/device_prelude.sh"
 step1() {
-  timeout $(cap 240) python3 backends/cuda/lab/scripts/cuda_large_m_probe.py --out $OUT/cuda_large_m_probe.json \
+  timeout $(cap ${LARGE_M_S:-240}) python3 backends/cuda/lab/scripts/cuda_large_m_probe.py --out $OUT/cuda_large_m_probe.json \
     --smi $OUT/smi_large_m.csv ${LARGE_M_ARGS:-} > $OUT/large_m.log 2>&1
   echo "1. large-M probe at ${SECONDS}s (rc $?):"; tail -c 3000 $OUT/large_m.log
 }
@@ -147,5 +151,21 @@ stepg() {
     --out $OUT/cuda_gluon_sweep_small.json ${SMALL_ARGS:---ms 1,2,4,8 --shapes \
     1536x1536,192x1536,768x1536,1536x768,3072x1536,1536x3072} > $OUT/gluon_small.log 2>&1
   echo "g. muse-small's linears at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/gluon_small.log | tail -c 3000
+}
+steph() {
+  local groups=("chain_with_pdl or replays or rezero" "gluon and (816b_shapes or every_code)" "gluon and split_k")
+  local pdl_env=("-u MUSECORE_CUDA_PDL" "MUSECORE_CUDA_PDL=1" "MUSECORE_CUDA_PDL=1")  # the chain test sets its own
+  for i in 0 1 2; do
+    env ${pdl_env[$i]} timeout $(cap ${PDL_TESTS_S:-200}) python3 -m pytest -v \
+      -p no:cacheprovider -m gpu -rs backends/cuda/tests/test_cuda_linear.py backends/cuda/tests/test_cuda_pdl.py \
+      -k "${groups[$i]}" > $OUT/pdl_tests_$i.log 2>&1 &
+  done
+  wait
+  echo "h. PDL tests at ${SECONDS}s:"
+  grep -hE "FAILED|passed|failed|Error|assert" $OUT/pdl_tests_*.log | grep -v "^backends.*PASSED" | tail -16
+  timeout $(cap ${PDL_AB_S:-300}) python3 backends/cuda/lab/scripts/cuda_pdl_ab.py --settings off,waits,early \
+    --out $OUT/cuda_pdl_ab.json ${PDL_AB_ARGS:---cases linear,e2e --e2e-batches 1,4,16 --linear-ms 1,2,8,16,64,256 \
+    --linear-shapes q_proj,k_proj,pooler,expert_up,expert_down} > $OUT/pdl_ab.log 2>&1
+  echo "h. PDL A/B at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/pdl_ab.log | tail -c 7000
 }
 run_steps s56

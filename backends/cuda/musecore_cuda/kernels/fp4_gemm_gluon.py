@@ -3,8 +3,10 @@ specialization): ``fp4_linear``'s path "gluon" for bf16 activations at M 9-256 a
 tiles fill the GPU (:mod:`musecore_cuda.choices`), launched with
 :func:`musecore_cuda.kernels.fp4_gluon_plan.pick_config`'s packed-upcast config; and its grouped (MoE) variant on the
 same mainloop, :func:`fp4_gluon_moe_kernel` (:mod:`musecore_cuda.kernels.moe_prefill`). This module needs Triton
-3.6's Gluon Hopper API and is imported only when ``fp4_gluon_plan.available`` says so. Launched without
-programmatic dependent launch (no ``griddepcontrol``), so it is ordered like any PyTorch kernel.
+3.6's Gluon Hopper API and is imported only when ``fp4_gluon_plan.available`` says so. The linear kernel is
+launched with programmatic dependent launch where :func:`musecore_cuda.kernels.pdl.enabled` says so (name
+``fp4_gluon``; the contract of :mod:`~musecore_cuda.kernels.pdl`: before ``griddepcontrol.wait`` it reads only its
+weights), otherwise it is ordered like any PyTorch kernel; the grouped and persistent kernels never take PDL.
 
 Sessions 6 and 10 ended on the same advice: Triton's ``tl.dot`` cannot express the Machete-class design
 (a producer warp streaming packed weights and activations through a ring of stages with mbarriers,
@@ -45,49 +47,80 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from musecore_cuda.kernels import finish_workspace
+from musecore_cuda.kernels import finish_workspace, pdl
 from musecore_cuda.kernels.fp4_gluon_plan import UPCASTS, GluonConfig, device_sms
 
 CHUNK_K = gl.constexpr(128)   # elements of K per resident chunk and per ring stage
 EB = gl.constexpr(126)        # the upcast's bf16 bits give code * 2**-126 (musecore_triton.kernels.fp4_gemm.EXP_OFFSET)
 WFMT_NVFP4 = 1
+PDL_NAME = "fp4_gluon"  # the linear kernel's name for musecore_cuda.kernels.pdl (MUSECORE_CUDA_PDL=fp4_gluon, ...)
 
 
 @gluon.jit
 def _loader(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks,
-            STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1):
+            STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = False):
     """The loader partition of one output tile: :func:`_load_chunks` from the ring's first stage."""
     _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, 0, STAGES, HALF,
-                 PAIR)
+                 PAIR, PDL)
 
 
 @gluon.jit
 def _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, base,
-                 STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1):
+                 STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = False):
     """Per chunk: the packed weight bytes, then the activations' two 64-element halves, into stage
     ``(base + i) % STAGES`` (``base``: chunks this partition loaded before, for a persistent program's later tiles).
     With ``HALF`` > 0 the weight tile is two boxes of ``HALF`` rows, ``w_desc``'s then ``w2_desc``'s, both from row
     ``off_n`` (a gate/up pair of the grouped kernel); otherwise one box of ``w_desc``. With ``PAIR`` = 2 two
     consecutive stages share one ``ready`` and one ``empty`` mbarrier (:func:`_ring`): their chunks are loaded
-    together once the consumer has released both (``n_chunks`` even, ``base`` 0)."""
+    together once the consumer has released both (``n_chunks`` even, ``base`` 0). With ``PDL`` (a launch with
+    programmatic dependent launch, ``base`` 0) the weight bytes of the ring's first lap are requested before
+    ``griddepcontrol.wait`` (weights are no kernel's output: :mod:`musecore_cuda.kernels.pdl`'s contract), the
+    activations of that lap after it; each stage's mbarrier expects both from the start."""
     nbytes: gl.constexpr = (2 if HALF > 0 else 1) * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
-    for i in range(0, n_chunks, PAIR):
+    start = 0
+    if PDL:
+        start = gl.minimum(n_chunks, STAGES)
+        for i in range(0, start, PAIR):
+            mbarrier.wait(empty.index(i // PAIR), 0)
+            mbarrier.expect(ready.index(i // PAIR), PAIR * nbytes)
+            for j in gl.static_range(PAIR):
+                _load_weight(w_desc, w2_desc, w_smem, ready.index(i // PAIR), i + j, off_n, first + i + j, HALF)
+        pdl_wait()
+        for i in range(0, start, PAIR):
+            for j in gl.static_range(PAIR):
+                _load_x(x_desc, x_smem, ready.index(i // PAIR), i + j, off_m, first + i + j)
+    for i in range(start, n_chunks, PAIR):
         s = (base + i) % STAGES
         bar = s // PAIR
         mbarrier.wait(empty.index(bar), ((base + i) // STAGES) & 1)
         mbarrier.expect(ready.index(bar), PAIR * nbytes)
         for j in gl.static_range(PAIR):
-            kc = first + i + j
-            if HALF > 0:
-                tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(bar),
-                                                w_smem.index(s + j).slice(0, HALF, dim=0))
-                tma.async_copy_global_to_shared(w2_desc, [off_n, kc * 64], ready.index(bar),
-                                                w_smem.index(s + j).slice(HALF, HALF, dim=0))
-            else:
-                tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], ready.index(bar), w_smem.index(s + j))
-            tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128], ready.index(bar), x_smem.index(2 * (s + j)))
-            tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128 + 64], ready.index(bar),
-                                            x_smem.index(2 * (s + j) + 1))
+            _load_weight(w_desc, w2_desc, w_smem, ready.index(bar), s + j, off_n, first + i + j, HALF)
+            _load_x(x_desc, x_smem, ready.index(bar), s + j, off_m, first + i + j)
+
+
+@gluon.jit
+def _load_weight(w_desc, w2_desc, w_smem, bar, s, off_n, kc, HALF: gl.constexpr):
+    """Chunk ``kc``'s packed weight bytes into stage ``s`` (two ``HALF``-row boxes of a gate/up pair when > 0)."""
+    if HALF > 0:
+        tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], bar, w_smem.index(s).slice(0, HALF, dim=0))
+        tma.async_copy_global_to_shared(w2_desc, [off_n, kc * 64], bar, w_smem.index(s).slice(HALF, HALF, dim=0))
+    else:
+        tma.async_copy_global_to_shared(w_desc, [off_n, kc * 64], bar, w_smem.index(s))
+
+
+@gluon.jit
+def _load_x(x_desc, x_smem, bar, s, off_m, kc):
+    """Chunk ``kc``'s activations, two 64-element halves, into stage ``s``."""
+    tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128], bar, x_smem.index(2 * s))
+    tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128 + 64], bar, x_smem.index(2 * s + 1))
+
+
+@gluon.jit
+def pdl_wait():
+    """``griddepcontrol.wait``: returns once the kernel before this one (in a PDL launch) has completed and its writes
+    are visible; a no-op in a launch without PDL."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -505,7 +538,8 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
                      FINISH: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
-                     LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1, REZERO: gl.constexpr = False):
+                     LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1, REZERO: gl.constexpr = False,
+                     PDL: gl.constexpr = False):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
 
     Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
@@ -519,7 +553,9 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     launch on the stream, which needs no memset. ``PAIR`` = 2: two ring stages
     per mbarrier pair (:func:`_mainloop_packed`; the packed upcast, an even number of chunks per split); ``LATE``:
     stages released right before a later wait; ``AHEAD``: chunks between a scale word's load and its use
-    (:func:`_mainloop_packed`)."""
+    (:func:`_mainloop_packed`). ``PDL``: launched with programmatic dependent launch; the loader requests the first
+    ring lap's weights before ``griddepcontrol.wait`` and everything else after it (:func:`_load_chunks`), and every
+    thread waits again before the epilogue writes (free by then: the earlier kernel has completed)."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m, pid_n = _tile(pid, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
@@ -535,16 +571,18 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
             (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, s_ptr, stride_s, off_n, N, first, n_chunks,
                                 BLOCK_N, BLOCK_M, STAGES, FOLD, 0, num_warps, PAIR, LATE, AHEAD)),
             (_loader, (w_desc, w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES,
-                       0, PAIR)),
+                       0, PAIR, PDL)),
         ], [1], [40])
     else:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, s_ptr, stride_s, off_n, N, first, n_chunks,
                          BLOCK_N, BLOCK_M, STAGES, MULT, UPCAST == 1, num_warps)),
             (_loader, (w_desc, w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, STAGES,
-                       0)),
+                       0, 1, PDL)),
         ], [1], [40])
 
+    if PDL:
+        pdl_wait()
     acc = acc * gl.load(out_scale_ptr)
     c_ptrs, c_mask, offs_m, offs_n = _out_tile(c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps)
     if ATOMIC:
@@ -785,7 +823,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                                            UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, FINISH=cfg.finish,
                                            num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1, LATE=cfg.late,
                                            AHEAD=cfg.ahead, REZERO=kept is not None,
-                                           **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                                           **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+                                           **pdl.triton_options(x.device, PDL_NAME))
     return out
 
 
