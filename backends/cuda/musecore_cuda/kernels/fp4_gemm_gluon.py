@@ -54,11 +54,15 @@ CHUNK_K = gl.constexpr(128)   # elements of K per resident chunk and per ring st
 EB = gl.constexpr(126)        # the upcast's bf16 bits give code * 2**-126 (musecore_triton.kernels.fp4_gemm.EXP_OFFSET)
 WFMT_NVFP4 = 1
 PDL_NAME = "fp4_gluon"  # the linear kernel's name for musecore_cuda.kernels.pdl (MUSECORE_CUDA_PDL=fp4_gluon, ...)
+# A PDL launch's loader: 1 requests the first ring lap's weights before griddepcontrol.wait, 2 waits before any load;
+# 0 launches this kernel without PDL even where pdl.enabled says yes (a lab A/B: backends/cuda/lab/scripts/
+# cuda_pdl_ab.py sets it in its child processes).
+PDL_MODE = 1
 
 
 @gluon.jit
 def _loader(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks,
-            STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = False):
+            STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = 0):
     """The loader partition of one output tile: :func:`_load_chunks` from the ring's first stage."""
     _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, 0, STAGES, HALF,
                  PAIR, PDL)
@@ -66,7 +70,7 @@ def _loader(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m,
 
 @gluon.jit
 def _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, base,
-                 STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = False):
+                 STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = 0):
     """Per chunk: the packed weight bytes, then the activations' two 64-element halves, into stage
     ``(base + i) % STAGES`` (``base``: chunks this partition loaded before, for a persistent program's later tiles).
     With ``HALF`` > 0 the weight tile is two boxes of ``HALF`` rows, ``w_desc``'s then ``w2_desc``'s, both from row
@@ -78,7 +82,9 @@ def _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, o
     activations of that lap after it; each stage's mbarrier expects both from the start."""
     nbytes: gl.constexpr = (2 if HALF > 0 else 1) * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
     start = 0
-    if PDL:
+    if PDL == 2:
+        pdl_wait()
+    if PDL == 1:
         start = gl.minimum(n_chunks, STAGES)
         for i in range(0, start, PAIR):
             mbarrier.wait(empty.index(i // PAIR), 0)
@@ -539,7 +545,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
                      FINISH: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
                      LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1, REZERO: gl.constexpr = False,
-                     PDL: gl.constexpr = False):
+                     PDL: gl.constexpr = 0):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
 
     Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
@@ -581,7 +587,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                        0, 1, PDL)),
         ], [1], [40])
 
-    if PDL:
+    if PDL > 0:
         pdl_wait()
     acc = acc * gl.load(out_scale_ptr)
     c_ptrs, c_mask, offs_m, offs_n = _out_tile(c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps)
@@ -824,8 +830,14 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                                            num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1, LATE=cfg.late,
                                            AHEAD=cfg.ahead, REZERO=kept is not None,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-                                           **pdl.triton_options(x.device, PDL_NAME))
+                                           **_pdl_options(x.device))
     return out
+
+
+def _pdl_options(device: torch.device) -> dict:
+    """:func:`pdl.triton_options` for the linear kernel, its ``PDL`` constexpr the loader's :data:`PDL_MODE` when on."""
+    options = pdl.triton_options(device, PDL_NAME)
+    return {**options, "PDL": PDL_MODE} if options["PDL"] and PDL_MODE else {"PDL": 0}
 
 
 def _expert_stack(packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, n: int, k: int,
