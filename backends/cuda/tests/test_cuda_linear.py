@@ -546,12 +546,12 @@ def test_fp4_linear_gluon_path_replays_from_a_cuda_graph(monkeypatch):
 @pytest.mark.parametrize("m", [13, 16, 64])
 def test_fp4_gluon_linear_chain_with_pdl_matches_the_chain_without(m, monkeypatch):
     """Three Gluon linears in a dependent chain (each reads the one before's output), launched with programmatic
-    dependent launch: each loader requests its first ring lap's weights before ``griddepcontrol.wait`` and the
-    activations after it, so a wait in the wrong place reads the previous output half-written. Captured in a CUDA
+    dependent launch: each may start while the one before finishes, so a missing or misplaced ``griddepcontrol.wait``
+    reads the previous output half-written (or adds into a workspace not yet zeroed again). Captured in a CUDA
     graph inside the PDL and finish-workspace scopes (as the decode graphs are), and eagerly with
     ``MUSECORE_CUDA_PDL=1``, each replayed on fresh inputs: the outputs equal the chain launched without PDL (split-K
     finish adds in any order: NMSE 1e-6) and the kept workspace is zeros again. The first link's cut reads 4 chunks
-    per split into an 8-stage ring (fewer chunks than one lap); the others are pick_config's at M."""
+    per split into an 8-stage ring; the others are pick_config's at M."""
     from musecore_cuda.kernels import finish_workspace, pdl
     if not pdl.supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs SM90+ and a Triton with grid dependency control")

@@ -29,9 +29,6 @@ CASES = ("e2e", "moe", "linear")
 def child(cases: list[str], path: Path, e2e_batches: tuple[int, ...], shapes: list[str], ms: tuple[int, ...]) -> None:
     import torch
     from musecore_cuda import bench
-    if os.environ.get("LAB_GLUON_PDL_MODE"):  # the Gluon linear's loader under PDL (fp4_gemm_gluon.PDL_MODE)
-        from musecore_cuda.kernels import fp4_gemm_gluon
-        fp4_gemm_gluon.PDL_MODE = int(os.environ["LAB_GLUON_PDL_MODE"])
 
     rows = []
     for case in cases:
@@ -53,11 +50,9 @@ SETTINGS = {"off": {"MUSECORE_CUDA_PDL": "0"},
             "default": {},  # what ships: PDL inside decode graphs of <= pdl.MAX_BATCH sequences, early GEMVs
             "waits": {"MUSECORE_CUDA_PDL": "1", "MUSECORE_CUDA_PDL_EARLY": "0"},
             "early": {"MUSECORE_CUDA_PDL": "1", "MUSECORE_CUDA_PDL_EARLY": "1"},
-            # (session 64) waits only, the Gluon linear's loader waiting before any load (no weights ahead)
-            "waits_top": {"MUSECORE_CUDA_PDL": "1", "MUSECORE_CUDA_PDL_EARLY": "0", "LAB_GLUON_PDL_MODE": "2"},
-            # (session 64) early GEMVs, PDL everywhere but the Gluon linear
-            "no_gluon": {"MUSECORE_CUDA_PDL": "1", "MUSECORE_CUDA_PDL_EARLY": "1", "LAB_GLUON_PDL_MODE": "0"}}
-VARS = ("MUSECORE_CUDA_PDL", "MUSECORE_CUDA_PDL_EARLY", "LAB_GLUON_PDL_MODE")
+            # (session 64) the Gluon linear alone (run 107's waits_top / no_gluon settings: commit 278f0df)
+            "gluon_only": {"MUSECORE_CUDA_PDL": "fp4_gluon"}}
+VARS = ("MUSECORE_CUDA_PDL", "MUSECORE_CUDA_PDL_EARLY")
 
 
 def main() -> None:

@@ -5,8 +5,8 @@ tiles fill the GPU (:mod:`musecore_cuda.choices`), launched with
 same mainloop, :func:`fp4_gluon_moe_kernel` (:mod:`musecore_cuda.kernels.moe_prefill`). This module needs Triton
 3.6's Gluon Hopper API and is imported only when ``fp4_gluon_plan.available`` says so. The linear kernel is
 launched with programmatic dependent launch where :func:`musecore_cuda.kernels.pdl.enabled` says so (name
-``fp4_gluon``; the contract of :mod:`~musecore_cuda.kernels.pdl`: before ``griddepcontrol.wait`` it reads only its
-weights), otherwise it is ordered like any PyTorch kernel; the grouped and persistent kernels never take PDL.
+``fp4_gluon``; it waits before it loads anything), otherwise it is ordered like any PyTorch kernel; the grouped and
+persistent kernels never take PDL.
 
 Sessions 6 and 10 ended on the same advice: Triton's ``tl.dot`` cannot express the Machete-class design
 (a producer warp streaming packed weights and activations through a ring of stages with mbarriers,
@@ -54,15 +54,11 @@ CHUNK_K = gl.constexpr(128)   # elements of K per resident chunk and per ring st
 EB = gl.constexpr(126)        # the upcast's bf16 bits give code * 2**-126 (musecore_triton.kernels.fp4_gemm.EXP_OFFSET)
 WFMT_NVFP4 = 1
 PDL_NAME = "fp4_gluon"  # the linear kernel's name for musecore_cuda.kernels.pdl (MUSECORE_CUDA_PDL=fp4_gluon, ...)
-# A PDL launch's loader: 1 requests the first ring lap's weights before griddepcontrol.wait, 2 waits before any load;
-# 0 launches this kernel without PDL even where pdl.enabled says yes (a lab A/B: backends/cuda/lab/scripts/
-# cuda_pdl_ab.py sets it in its child processes).
-PDL_MODE = 1
 
 
 @gluon.jit
 def _loader(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks,
-            STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = 0):
+            STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = False):
     """The loader partition of one output tile: :func:`_load_chunks` from the ring's first stage."""
     _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, 0, STAGES, HALF,
                  PAIR, PDL)
@@ -70,32 +66,20 @@ def _loader(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m,
 
 @gluon.jit
 def _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, first, n_chunks, base,
-                 STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = 0):
+                 STAGES: gl.constexpr, HALF: gl.constexpr, PAIR: gl.constexpr = 1, PDL: gl.constexpr = False):
     """Per chunk: the packed weight bytes, then the activations' two 64-element halves, into stage
     ``(base + i) % STAGES`` (``base``: chunks this partition loaded before, for a persistent program's later tiles).
     With ``HALF`` > 0 the weight tile is two boxes of ``HALF`` rows, ``w_desc``'s then ``w2_desc``'s, both from row
     ``off_n`` (a gate/up pair of the grouped kernel); otherwise one box of ``w_desc``. With ``PAIR`` = 2 two
     consecutive stages share one ``ready`` and one ``empty`` mbarrier (:func:`_ring`): their chunks are loaded
     together once the consumer has released both (``n_chunks`` even, ``base`` 0). With ``PDL`` (a launch with
-    programmatic dependent launch, ``base`` 0) the weight bytes of the ring's first lap are requested before
-    ``griddepcontrol.wait`` (weights are no kernel's output: :mod:`musecore_cuda.kernels.pdl`'s contract), the
-    activations of that lap after it; each stage's mbarrier expects both from the start."""
+    programmatic dependent launch) nothing is loaded before ``griddepcontrol.wait``: requesting the first ring lap's
+    weights ahead of it (they are no kernel's output) measured 0.88-0.98x of no PDL, waiting first 1.02-1.07x
+    (session 64, run 107 in benchmarks/results/h200_issue26/NOTES.md)."""
     nbytes: gl.constexpr = (2 if HALF > 0 else 1) * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
-    start = 0
-    if PDL == 2:
+    if PDL:
         pdl_wait()
-    if PDL == 1:
-        start = gl.minimum(n_chunks, STAGES)
-        for i in range(0, start, PAIR):
-            mbarrier.wait(empty.index(i // PAIR), 0)
-            mbarrier.expect(ready.index(i // PAIR), PAIR * nbytes)
-            for j in gl.static_range(PAIR):
-                _load_weight(w_desc, w2_desc, w_smem, ready.index(i // PAIR), i + j, off_n, first + i + j, HALF)
-        pdl_wait()
-        for i in range(0, start, PAIR):
-            for j in gl.static_range(PAIR):
-                _load_x(x_desc, x_smem, ready.index(i // PAIR), i + j, off_m, first + i + j)
-    for i in range(start, n_chunks, PAIR):
+    for i in range(0, n_chunks, PAIR):
         s = (base + i) % STAGES
         bar = s // PAIR
         mbarrier.wait(empty.index(bar), ((base + i) // STAGES) & 1)
@@ -545,7 +529,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                      FOLD: gl.constexpr, ATOMIC: gl.constexpr, UPCAST: gl.constexpr, FIXUP: gl.constexpr,
                      FINISH: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
                      LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1, REZERO: gl.constexpr = False,
-                     PDL: gl.constexpr = 0):
+                     PDL: gl.constexpr = False):
     """C[M, N] (+)= X[M, K] @ W[N, K]^T for one NVFP4 weight; ``s_ptr`` is the scales' int64 view ``[N, K/128]``.
 
     Split-K either adds fp32 partials into a zeroed fp32 ``c_ptr`` with atomics (``ATOMIC``), or (``FIXUP``) each
@@ -559,9 +543,9 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
     launch on the stream, which needs no memset. ``PAIR`` = 2: two ring stages
     per mbarrier pair (:func:`_mainloop_packed`; the packed upcast, an even number of chunks per split); ``LATE``:
     stages released right before a later wait; ``AHEAD``: chunks between a scale word's load and its use
-    (:func:`_mainloop_packed`). ``PDL``: launched with programmatic dependent launch; the loader requests the first
-    ring lap's weights before ``griddepcontrol.wait`` and everything else after it (:func:`_load_chunks`), and every
-    thread waits again before the epilogue writes (free by then: the earlier kernel has completed)."""
+    (:func:`_mainloop_packed`). ``PDL``: launched with programmatic dependent launch; the loader waits
+    (``griddepcontrol.wait``) before its first load (:func:`_load_chunks`), and every thread waits before the
+    epilogue writes (free by then: the earlier kernel has completed)."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m, pid_n = _tile(pid, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
@@ -587,7 +571,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
                        0, 1, PDL)),
         ], [1], [40])
 
-    if PDL > 0:
+    if PDL:
         pdl_wait()
     acc = acc * gl.load(out_scale_ptr)
     c_ptrs, c_mask, offs_m, offs_n = _out_tile(c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps)
@@ -830,14 +814,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
                                            num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1, LATE=cfg.late,
                                            AHEAD=cfg.ahead, REZERO=kept is not None,
                                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-                                           **_pdl_options(x.device))
+                                           **pdl.triton_options(x.device, PDL_NAME))
     return out
-
-
-def _pdl_options(device: torch.device) -> dict:
-    """:func:`pdl.triton_options` for the linear kernel, its ``PDL`` constexpr the loader's :data:`PDL_MODE` when on."""
-    options = pdl.triton_options(device, PDL_NAME)
-    return {**options, "PDL": PDL_MODE} if options["PDL"] and PDL_MODE else {"PDL": 0}
 
 
 def _expert_stack(packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, n: int, k: int,
