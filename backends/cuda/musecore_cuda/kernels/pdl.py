@@ -31,7 +31,9 @@ The portable Triton kernels (:mod:`musecore_triton`) take a ``PDL`` constexpr an
 :func:`wait` and :func:`trigger` here; they are launched with ``launch_pdl=`` :func:`enabled`. The
 NVRTC kernels (CUDA C++) call ``pdl_trigger()`` / ``pdl_wait()`` from ``csrc/pdl.cuh`` and are
 launched through :func:`launch` (``cuLaunchKernelEx``), since ``torch.cuda._compile_kernel``'s
-launcher takes no launch attributes.
+launcher takes no launch attributes. The Gluon linear (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`, name
+``fp4_gluon``) waits before it loads anything: requesting its first weights ahead of the wait measured slower
+(session 64, backends/cuda/lab/NOTES.md).
 """
 
 from __future__ import annotations
