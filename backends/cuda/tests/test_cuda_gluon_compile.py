@@ -63,7 +63,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills_within_budget(cut):
 
 
 @pytest.mark.parametrize("cut", sorted(routed_cuts()))
-def test_gluon_linear_with_pdl_waits_before_activations_and_keeps_its_loop(cut):
+def test_gluon_linear_with_pdl_waits_before_its_first_load_and_keeps_its_loop(cut):
     """Launched with PDL, each routed cut waits in its loader (before its first load) and before its epilogue, and its
     consumer loop is the one it runs without PDL."""
     plain, pdl = reports()[(cut, "dense")], reports()[(f"pdl:{cut}", "dense")]

@@ -569,7 +569,7 @@ def test_fp4_gluon_linear_chain_with_pdl_matches_the_chain_without(m, monkeypatc
         return y
 
     def check(got, what):
-        want = chain()  # PDL off: outside every scope, the variable unset
+        want = chain()  # PDL off (outside every scope; the variable unset or 0)
         torch.cuda.synchronize()
         assert_nmse(want.float(), got.float(), 1e-6, f"M={m} {what} against the chain without PDL")
 
