@@ -51,7 +51,8 @@ import triton.language as tl
 
 ENV = "MUSECORE_CUDA_PDL"
 # Decode graphs of up to this many sequences are captured with PDL: it won at batch 1 and lost a little at
-# 8-32 (backends/cuda/lab/NOTES.md).
+# 8-32 (backends/cuda/lab/NOTES.md); on an H100 (session 64, benchmarks/results/h200_issue26/ runs 106-108) muse-small
+# gained 1.07x at batch 1 and lost ~2% at 2-16, also with the Gluon linear left out.
 MAX_BATCH = 1
 _scope: contextvars.ContextVar[bool] = contextvars.ContextVar("musecore_cuda_pdl_scope", default=False)
 
