@@ -49,7 +49,7 @@ from musecore_cuda.bench import LINEAR_SHAPES, _rotating, gpu_name, memory_ceili
 from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_dequant_pieces_probe import dequant_linear_pieces  # noqa: E402  (a lab script beside this one)
+from cuda_dequant_pieces_probe import _side_stream, dequant_linear_pieces  # noqa: E402  (a lab script beside this)
 
 
 def dense_of(w, os: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -137,7 +137,7 @@ def main() -> None:
                 alpha_rc, alpha_q = float(rc[0].out_scale[0]), float(quantized.out_scale[0])  # (rc: one global scale)
                 calls["unscaled + alpha"] = (rc, lambda w: unscaled_alpha_linear(x, w, alpha_rc, ones))
                 calls["unscaled + alpha, q"] = ([quantized], lambda w: unscaled_alpha_linear(x, w, alpha_q, ones))
-                side = torch.cuda.Stream()
+                side = _side_stream(x.device)
                 for c in [int(v) for v in args.chunks.split(",") if v]:
                     one = [torch.empty(n // c, k, dtype=torch.bfloat16, device="cuda")]
                     two = one + [torch.empty_like(one[0])]
@@ -146,8 +146,7 @@ def main() -> None:
                     calls[f"pieces /{c}"] = (rc, lambda w, c=c: dequant_linear_pieces(x, w, pieces=c))
                 if fp4_gluon_plan.available(x.device):
                     calls["gluon"] = (rc, lambda w: fp4_gluon_linear(x, w))
-                keep = [r for r in args.rows.split(",") if r]
-                keep = [r.replace("_", " ") for r in keep]
+                keep = [r.replace("_", " ") for r in args.rows.split(",") if r]
                 calls = {a: c for a, c in calls.items() if not keep or any(a.startswith(r) for r in keep)}
                 ref = fp4_dequant_linear(x, quantized).float()
                 chunk_err = {}

@@ -41,8 +41,7 @@
 #   g. (session 63) muse-small's linears (weights under 8M elements; on the GEMV at M 1-8 until run 96 measured them,
 #      now the Gluon GEMM from M = 2) at M 1-8: the routed launch ("now") against the Gluon GEMM's pick (SMALL_ARGS,
 #      SMALL_S).
-#   h. (session 64) the Gluon linear launched with PDL (its loader requests the first ring lap's weights before
-#      griddepcontrol.wait): its GPU tests (a dependent chain in a PDL graph and eagerly; the Gluon linear tests and
+#   h. (session 64) the Gluon linear launched with PDL (its loader waits before its first load): its GPU tests (a dependent chain in a PDL graph and eagerly; the Gluon linear tests and
 #      the PDL policy tests with MUSECORE_CUDA_PDL=1, three processes), then cuda_pdl_ab.py (PDL off / waits only /
 #      early GEMVs, each in its own process: PDL_AB_ARGS, PDL_AB_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]

@@ -46,6 +46,7 @@ from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_wait  # griddepcontrol.wait: a no-op in a launch without PDL
 
 from musecore_cuda.kernels import finish_workspace, pdl
 from musecore_cuda.kernels.fp4_gluon_plan import UPCASTS, GluonConfig, device_sms
@@ -78,7 +79,7 @@ def _load_chunks(w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, o
     (session 64, run 107 in benchmarks/results/h200_issue26/NOTES.md)."""
     nbytes: gl.constexpr = (2 if HALF > 0 else 1) * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
     if PDL:
-        pdl_wait()
+        gdc_wait()
     for i in range(0, n_chunks, PAIR):
         s = (base + i) % STAGES
         bar = s // PAIR
@@ -104,13 +105,6 @@ def _load_x(x_desc, x_smem, bar, s, off_m, kc):
     """Chunk ``kc``'s activations, two 64-element halves, into stage ``s``."""
     tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128], bar, x_smem.index(2 * s))
     tma.async_copy_global_to_shared(x_desc, [off_m, kc * 128 + 64], bar, x_smem.index(2 * s + 1))
-
-
-@gluon.jit
-def pdl_wait():
-    """``griddepcontrol.wait``: returns once the kernel before this one (in a PDL launch) has completed and its writes
-    are visible; a no-op in a launch without PDL."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -572,7 +566,7 @@ def fp4_gluon_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, c_ptr, stri
         ], [1], [40])
 
     if PDL:
-        pdl_wait()
+        gdc_wait()
     acc = acc * gl.load(out_scale_ptr)
     c_ptrs, c_mask, offs_m, offs_n = _out_tile(c_ptr, stride_cm, off_m, off_n, M, N, BLOCK_N, BLOCK_M, num_warps)
     if ATOMIC:
