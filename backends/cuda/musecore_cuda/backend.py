@@ -413,10 +413,11 @@ class CudaBackend(TritonOps, Backend):
         if experts.format in DENSE_FORMATS and experts.gate.dtype != z.dtype:
             raise TypeError(f"moe: dense experts are {experts.gate.dtype} but z is {z.dtype}; prepare them with "
                             f"dtype={z.dtype}")
+        gluon = bool(z.shape[0]) and moe_prefill.unavailable_reason(z, experts.gate, experts.up, experts.down) is None
         if z.shape[0] and use_gemv(experts.gate, ids.numel(), experts.num_experts, tokens=ids.shape[0],
-                                   dtype=z.dtype):  # decode: the CUDA C++ GEMVs
+                                   dtype=z.dtype, gluon=gluon):  # decode: the CUDA C++ GEMVs
             return moe_decode_gemv(z, weights, ids, experts.gate, experts.up, experts.down, post_norm, post_eps)
-        if z.shape[0] and moe_prefill.unavailable_reason(z, experts.gate, experts.up, experts.down) is None:
+        if gluon:
             return moe_prefill.moe_forward_gluon(z, weights, ids, experts.gate, experts.up, experts.down,
                                                  experts.num_experts, post_norm, post_eps)
         return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,

@@ -121,11 +121,13 @@ def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gl
     return fp4_gemv_cuda.kind_for(m, dtype) or "tiled"
 
 
-def moe_uses_gemv(n_assign: int, num_experts: int, tokens: int, width: int, inter: int) -> bool:
+def moe_uses_gemv(n_assign: int, num_experts: int, tokens: int, width: int, inter: int, gluon: bool = False) -> bool:
     """Whether bf16 FP4 experts take the CUDA C++ decode GEMVs (``musecore_cuda.kernels.moe_decode.use_gemv``,
     without the device): one per assignment up to ``E`` assignments, on runs of one expert from
-    ``RUNS_MIN_TOKENS`` tokens up to ``RUNS_MAX_ASSIGNMENTS``; the grouped Triton GEMM beyond."""
-    return moe_decode.gemv_rule(n_assign, num_experts, tokens, width, inter, torch.bfloat16, torch.device("cpu"))
+    ``RUNS_MIN_TOKENS`` tokens up to ``RUNS_MAX_ASSIGNMENTS``; a grouped GEMM beyond, and with ``gluon`` (the grouped
+    Gluon GEMM can run) from ``moe_prefill.DECODE_FROM_TOKENS`` tokens on experts as large as the 816B layer's."""
+    return moe_decode.gemv_rule(n_assign, num_experts, tokens, width, inter, torch.bfloat16, torch.device("cpu"),
+                                gluon)
 
 
 PATH_NAMES = {
@@ -278,23 +280,28 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
         # (width h, intermediate I): gate/up is [2I, h] (gate and up stacked), down [h, I]
         down = "down" in shape.name
         width, inter = (shape.out_features, shape.in_features) if down else (shape.in_features, shape.out_features // 2)
-        limit = next(t for t in range(1, 1 << 20) if not moe_uses_gemv(t * top_k, e, t, width, inter)) - 1
+        gluon_problem = _gluon_moe_problem(shape.weight_format, width, inter)
+        limit = next(t for t in range(1, 1 << 20)
+                     if not moe_uses_gemv(t * top_k, e, t, width, inter, gluon_problem is None)) - 1
         runs = next((t for t in range(1, limit + 1) if moe_decode.on_runs_by_default(t, t * top_k, e)), limit + 1)
-        return [KernelChoice(f"{label}, T <= {runs - 1} tokens",
-                             "CUDA C++ expert GEMVs (NVRTC): gate+up+SwiGLU, down, Triton finalize",
-                             f"one program per assignment: up to E = {e} assignments experts rarely repeat, and the "
-                             "GEMV streams at about twice the grouped GEMM's bandwidth; no sort or gathers; the "
-                             "kernel's lean path (H200, 816B layer: 1.06-1.08x the plain one at 1-4 tokens)"),
-                KernelChoice(f"{label}, T {runs}-{limit} tokens",
-                             "CUDA C++ expert GEMVs on runs of one expert (a one-program Triton sort, then the same "
-                             "GEMVs), Triton finalize",
-                             "each program computes up to 5-8 of one expert's assignments (as many as its staged "
-                             "activations fit in shared memory), so an expert several tokens chose streams once per "
-                             "run, with the same bits as one program per assignment (H200, 816B layer: 1285 -> 1137 us "
-                             "at 16 tokens, 972 -> 862 at 12, even at 6-8; at 4, where few experts repeat, one "
-                             "program per assignment is ahead, 358 vs 414); 1.7-2.0x the grouped GEMM at 64-128 "
-                             "tokens; the kernel's plain path (the lean one ran 0.96-0.97x at 8-16 tokens)"),
-                _expert_prefill_choice(shape, label, width, inter, limit)]
+        choices = [KernelChoice(f"{label}, T <= {runs - 1} tokens",
+                                "CUDA C++ expert GEMVs (NVRTC): gate+up+SwiGLU, down, Triton finalize",
+                                f"one program per assignment: up to E = {e} assignments experts rarely repeat, and "
+                                "the GEMV streams at about twice the grouped Triton GEMM's bandwidth; no sort or "
+                                "gathers; the kernel's lean path (H200, 816B layer: 1.06-1.08x the plain one at 1-4 "
+                                "tokens)")]
+        if runs <= limit:
+            choices.append(KernelChoice(
+                f"{label}, T {runs}-{limit} tokens",
+                "CUDA C++ expert GEMVs on runs of one expert (a one-program Triton sort, then the same GEMVs), Triton "
+                "finalize",
+                "each program computes up to 5-8 of one expert's assignments (as many as its staged activations fit "
+                "in shared memory), so an expert several tokens chose streams once per run, with the same bits as one "
+                "program per assignment (H200, 816B layer: 1285 -> 1137 us at 16 tokens, 972 -> 862 at 12, even at "
+                "6-8; at 4, where few experts repeat, one program per assignment is ahead, 358 vs 414); 1.7-2.0x the "
+                "grouped Triton GEMM at 64-128 tokens; the kernel's plain path (the lean one ran 0.96-0.97x at 8-16 "
+                "tokens)"))
+        return choices + [_expert_grouped_choice(shape, label, width, inter, limit, gluon_problem)]
     if shape.weight_format in ("bf16", "fp16"):
         limit = next(t for t in range(1, 1 << 20) if not uses_dense_decode(t * top_k, e)) - 1
         return [KernelChoice(f"{label}, T <= {limit} tokens", "Triton expert GEMV (16-bit) + finalize",
@@ -303,20 +310,29 @@ def _expert_choices(shape: LinearShape) -> list[KernelChoice]:
     return [KernelChoice(label, "none", f"{shape.weight_format} experts are not implemented in the CUDA backend")]
 
 
-def _expert_prefill_choice(shape: LinearShape, label: str, width: int, inter: int, limit: int) -> KernelChoice:
-    """FP4 experts beyond the decode GEMVs: the grouped Gluon GEMM where it can run, else the grouped Triton GEMM."""
+def _gluon_moe_problem(weight_format: str, width: int, inter: int) -> Optional[str]:
+    """Why FP4 experts of this shape would not take the grouped Gluon GEMM (no device: the SM count and the GPU are
+    checked at load), or None."""
+    if not moe_prefill.enabled():
+        return f"the grouped Gluon GEMM is switched off ({moe_prefill.GLUON_MOE_ENV}=0)"
+    return moe_prefill.shape_problem(weight_format, width, inter, (9, 9, 9)) or fp4_gluon_plan.import_problem()
+
+
+def _expert_grouped_choice(shape: LinearShape, label: str, width: int, inter: int, limit: int,
+                           problem: Optional[str]) -> KernelChoice:
+    """FP4 experts beyond the decode GEMVs: the grouped Gluon GEMM where it can run (``problem`` None), else the
+    grouped Triton GEMM."""
     e, top_k = shape.experts, max(1, shape.top_k)
-    problem = (moe_prefill.shape_problem(shape.weight_format, width, inter, (9, 9, 9)) if moe_prefill.enabled()
-               else f"the grouped Gluon GEMM is switched off ({moe_prefill.GLUON_MOE_ENV}=0)")
-    if problem is None:
-        problem = fp4_gluon_plan.import_problem()
     if problem is None:
         cfg = fp4_gluon_plan.pick_moe_config((limit + 1) * top_k, e, 2 * inter, width, GLUON_PLAN_SMS)
+        decode = (f"; from {moe_prefill.DECODE_FROM_TOKENS} tokens ahead of the decode GEMVs on experts this large "
+                  "(H100, 816B layer: 1.04-1.34x at 6-128 tokens, 0.92x at 4)"
+                  if moe_prefill.takes_decode(limit + 1, width, inter) else "")
         return KernelChoice(f"{label}, T > {limit} tokens",
                             "Gluon grouped W4A16 GEMM (align, gather, gate+up+SwiGLU, down; fp4_gemm_gluon), Triton "
                             "finalize", "the dense Gluon GEMM's mainloop over the assignments sorted by expert (H200, "
                             "816B layer: 15.2 ms at 8192 tokens, 1.54x the BF16 experts, against the Triton grouped "
-                            f"GEMM's 28.5; 4.6 vs 9.8 ms at 1024); tile {cfg.block_n} x {cfg.block_m} at T = "
+                            f"GEMM's 28.5; 4.6 vs 9.8 ms at 1024){decode}; tile {cfg.block_n} x {cfg.block_m} at T = "
                             f"{limit + 1} on {GLUON_PLAN_SMS} SMs (SM count and Gluon checked at load)",
                             env=moe_prefill.GLUON_MOE_ENV)
     return KernelChoice(f"{label}, T > {limit} tokens", "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, "

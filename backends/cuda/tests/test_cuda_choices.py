@@ -15,7 +15,7 @@ from musecore.devices import get_profile
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_linear_path
 from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, GLUON_WIDE_M, fp4_path_for, moe_uses_gemv
-from musecore_cuda.kernels import fp4_gluon_plan, pdl
+from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill, pdl
 from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
 from musecore_cuda.kernels.moe_decode import RUNS_FROM_TOKENS, RUNS_MIN_TOKENS, on_runs_by_default
 from musecore_triton.layouts import prepare_fp4
@@ -281,10 +281,12 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
         fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", pair=True, late=True)  # 2 pairs: no loads ahead
 
 
-def test_moe_names_the_gemv_then_runs_up_to_1024_assignments_and_the_grouped_gemm_beyond(choices):
-    assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 7 tokens").reason
-    assert "runs of one expert" in _choice(choices, "experts gate/up", "T 8-128 tokens").choice  # 128 x 8 = 1024
-    assert "Gluon grouped W4A16 GEMM" in _choice(choices, "experts down", "T > 128 tokens").choice
+def test_moe_names_the_gemv_then_the_grouped_gluon_gemm_from_6_tokens_on_the_816b_experts(choices):
+    assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 5 tokens").reason
+    grouped = _choice(choices, "experts down", "T > 5 tokens")
+    assert "Gluon grouped W4A16 GEMM" in grouped.choice and "from 6 tokens ahead of the decode GEMVs" in grouped.reason
+    assert "tile 128 x 16 at T = 6" in grouped.reason
+    assert not [c for c in choices if "runs of one expert" in c.choice]
 
 
 def test_moe_gemv_rule_takes_more_than_e_assignments_only_on_runs():
@@ -295,6 +297,26 @@ def test_moe_gemv_rule_takes_more_than_e_assignments_only_on_runs():
     assert not moe_uses_gemv(12, 8, 3, 4096, 4096)  # 3 tokens: no runs, and 12 > E = 8
     assert moe_uses_gemv(16, 8, 4, 4096, 4096)
     assert not moe_uses_gemv(16, 8, 4, 22 * 1024, 22 * 1024)  # K = 22K: not even 2 staged rows fit
+
+
+def test_moe_gemv_rule_gives_way_to_the_grouped_gluon_gemm_from_6_tokens_on_large_experts_only():
+    """Where the grouped Gluon GEMM can run it takes decode batches from DECODE_FROM_TOKENS tokens on the 816B
+    experts (session 65: 1.04-1.34x the GEMVs at 6-128 tokens, 0.92x at 4), never on muse-small's (h = I = 768:
+    0.24-0.41x at 1-32 tokens)."""
+    assert moe_prefill.DECODE_FROM_TOKENS == 6
+    assert moe_uses_gemv(40, 256, 5, 4096, 4096, gluon=True) and not moe_uses_gemv(48, 256, 6, 4096, 4096, gluon=True)
+    assert not moe_uses_gemv(1024, 256, 128, 4096, 4096, gluon=True)
+    assert moe_uses_gemv(48, 256, 6, 4096, 4096, gluon=False)
+    for t in (6, 16, 32, 128):
+        assert moe_uses_gemv(t * 8, 64, t, 768, 768, gluon=True), t
+
+
+def test_pick_moe_config_takes_128x16_up_to_1024_assignments_and_128x32_beyond():
+    """Session 65 (H100, runs 110-112): 128 x 16 1.025-1.058x 128 x 32 at 1-128 tokens of the 816B layer; from 129
+    tokens it is left out (a wash at 160-256, run 96)."""
+    for t in (1, 6, 8, 16, 64, 128):
+        assert fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132).label() == "128,16,1,4,packed", t
+    assert fp4_gluon_plan.pick_moe_config(1025, 256, 8192, 4096, 132).label() == "128,32,1,4,packed"
 
 
 def test_dense_linear_takes_the_gemv_only_on_small_weights(choices):
@@ -420,11 +442,14 @@ def test_gluon_moe_is_the_plans_choice_unless_switched_off_or_triton_is_not_3_6(
     plan = lambda: CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200"))  # noqa: E731
     monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
     monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: None)
-    on = _choice(plan(), "experts down", "T > 128 tokens")
+    on = _choice(plan(), "experts down", "T > 5 tokens")
     assert "Gluon grouped W4A16 GEMM" in on.choice and "15.2 ms" in on.reason and on.env == moe_prefill.GLUON_MOE_ENV
-    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "0")
-    off = _choice(plan(), "experts down", "T > 128 tokens")
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "0")  # the decode GEMVs keep T <= 128, on runs from 8 tokens
+    off_plan = plan()
+    off = _choice(off_plan, "experts down", "T > 128 tokens")
     assert "Triton grouped W4A16 GEMM" in off.choice and "MUSECORE_CUDA_GLUON_MOE=0" in off.reason
+    assert "one program per assignment" in _choice(off_plan, "experts gate/up", "T <= 7 tokens").reason
+    assert "runs of one expert" in _choice(off_plan, "experts gate/up", "T 8-128 tokens").choice  # 128 x 8 = 1024
     monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV)
     monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: "triton 3.9.0: not 3.6")
     other = _choice(plan(), "experts down", "T > 128 tokens")

@@ -423,6 +423,39 @@ def test_be_moe_takes_the_gluon_grouped_gemm_when_opted_in(width, inter, experts
     assert_nmse(triton_y, y, tolerance("moe"), f"gluon moe vs the Triton grouped GEMM T={tokens}")
 
 
+@pytest.mark.gpu
+def test_be_moe_takes_the_gluon_grouped_gemm_at_decode_batches_of_816b_sized_experts(monkeypatch):
+    """From moe_prefill.DECODE_FROM_TOKENS tokens on experts of the 816B layer's size the grouped Gluon GEMM takes the
+    batch from the decode GEMVs (session 65): the op against the reference and the GEMVs, and its CUDA-graph replay
+    (the decode loop's form) bit-equal to the eager call on the same inputs."""
+    _needs_gluon_moe()
+    from musecore_cuda.kernels import moe_prefill
+    monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
+    experts, topk, tokens, width = 16, 8, moe_prefill.DECODE_FROM_TOKENS, 4096
+    be, prepared, reference, norm = make_layer("nvfp4", experts, width, width, torch.bfloat16, "cuda")
+    weights, ids = route(tokens, experts, topk, "cuda")
+    z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    assert moe_prefill.unavailable_reason(z, prepared.gate, prepared.up, prepared.down) is None
+    assert not use_gemv(prepared.gate, tokens * topk, experts, tokens=tokens, gluon=True)
+    assert use_gemv(prepared.gate, (tokens - 1) * topk, experts, tokens=tokens - 1, gluon=True)
+    calls = []
+    gluon_forward = moe_prefill.moe_forward_gluon
+    monkeypatch.setattr(moe_prefill, "moe_forward_gluon", lambda *a, **k: calls.append(1) or gluon_forward(*a, **k))
+    y = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    assert calls, "be.moe did not take the grouped Gluon GEMM"
+    assert_nmse(ref.moe(z, weights, ids, reference, norm, 1e-8), y, tolerance("moe"), f"gluon moe decode T={tokens}")
+    gemv = moe_decode_gemv(z, weights, ids, prepared.gate, prepared.up, prepared.down, norm, 1e-8)
+    assert_nmse(gemv, y, tolerance("moe"), f"gluon moe vs the decode GEMVs T={tokens}")
+    graph, out = torch.cuda.CUDAGraph(), {}
+    with torch.cuda.graph(graph):
+        out["y"] = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    z.copy_(torch.randn_like(z))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = be.moe(z, weights, ids, prepared, norm, 1e-8)
+    assert torch.equal(out["y"], eager), f"graph replay differs from eager: {(out['y'] - eager).abs().max().item()}"
+
+
 def _emulated_grouped_launch(dense: dict):
     """``fp4_gemm_gluon.launch_grouped``'s contract in PyTorch (its argument checks are the real ones): each token tile
     of an expert against that expert's dense weights (``dense`` maps a stack's ``packed`` pointer to them)."""

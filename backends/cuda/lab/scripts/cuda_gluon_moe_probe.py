@@ -10,7 +10,9 @@ compile or run is recorded with its error. The answer decides whether ``MUSECORE
 default and which token tile the model should pick::
 
     python backends/cuda/lab/scripts/cuda_gluon_moe_probe.py [--tokens 256,1024,4096,8192]
-        [--block-ms 16,32,64,128,256] [--block-ns 64,128] [--out cuda_gluon_moe_probe.json]
+        [--block-ms 16,32,64,128,256] [--block-ns 64,128] [--layer 816b|small] [--out cuda_gluon_moe_probe.json]
+
+``--layer small`` (session 65) runs muse-small's MoE layer (E 64, h = I = 768) instead.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill
 from musecore_triton.kernels.moe import moe_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_moe_runs_probe import Layer816B  # noqa: E402
+from cuda_moe_runs_probe import Layer816B, LayerSmall  # noqa: E402
 
 
 def main() -> None:
@@ -38,9 +40,10 @@ def main() -> None:
     p.add_argument("--block-ms", default="16,32,64,128,256")
     p.add_argument("--block-ns", default="64,128", help="weight rows per program (128: two consumer warpgroups "
                    "sharing each activation tile, half the L2 reads of 64)")
+    p.add_argument("--layer", choices=("816b", "small"), default="816b", help="small: muse-small's MoE layer")
     p.add_argument("--out", default="cuda_gluon_moe_probe.json")
     args = p.parse_args()
-    layer = Layer816B()
+    layer = LayerSmall() if args.layer == "small" else Layer816B()
     fp4, norm, E, topk = layer.fp4, layer.norm, layer.experts, layer.topk
     bf16 = layer.be.prepare_experts(*(torch.randn(E, a, b, device="cuda", dtype=torch.bfloat16) * 0.02
                                       for a, b in ((layer.inter, layer.width),) * 2 + ((layer.width, layer.inter),)))
@@ -85,7 +88,7 @@ def main() -> None:
             print(json.dumps({"T": t, **cut}), flush=True)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "cuts"}), flush=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "sms": sms,
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "sms": sms, "layer": args.layer,
                                           "ceiling_gbps": layer.ceiling, "rows": rows}, indent=1))
 
 

@@ -51,6 +51,12 @@ class Layer816B:
         return round(100 * int(ids.unique().numel()) * self.per_expert / us / 1e3 / self.ceiling, 1)
 
 
+class LayerSmall(Layer816B):
+    """muse-small's MoE layer (E 64, top-8, h = I = 768 behind the pooler, hidden 1536), the same way."""
+
+    experts, topk, width, inter, hidden = 64, 8, 768, 768, 1536
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="8,16,32,48,64,96,128")

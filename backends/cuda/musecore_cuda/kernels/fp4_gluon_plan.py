@@ -290,11 +290,12 @@ def expected_tiles(n_assign: int, experts: int, block_m: int) -> float:
     return active * max(1.0, n_assign / active / block_m + 0.5)
 
 
-# Grouped tiles the model ranks first somewhere but measurement does not back: 128 x 16 led the model at 129-289 tokens
-# of the 816B layer; on an H100 (session 63, run 96; its row-by-row GPU test passed first) it ran 1.04x 128 x 32 at
-# 160 tokens (3451 vs 3594 us) and 0.97x at 256 (3677 vs 3552): a wash, so 128 x 32, measured best there against five
-# other tiles in run 91, keeps that range.
-MOE_LEFT_OUT_TILES = frozenset({(128, 16)})
+# Grouped tiles the model ranks first somewhere but measurement does not back, and the assignments from which they are
+# left out. 128 x 16 led the model at 129-289 tokens of the 816B layer; on an H100 (session 63, run 96; its row-by-row
+# GPU test passed first) it ran 1.04x 128 x 32 at 160 tokens (3451 vs 3594 us) and 0.97x at 256 (3677 vs 3552): a
+# wash, so 128 x 32, measured best there against five other tiles in run 91, keeps that range. Up to 128 tokens (1024
+# assignments) it is ahead: 1.025-1.058x 128 x 32 at 1-128 tokens in all 13 rows of session 65's runs 110-112 (H100).
+MOE_LEFT_OUT_TILES = {(128, 16): 1025}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -305,13 +306,15 @@ def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int
     64 and 128 (:data:`BN128_CHUNK_FACTOR`), no split-K (a prefill has tiles enough), as many ring stages as fit, at
     most 4. One tile serves both of a layer's GEMMs (they share the alignment), so callers pick it for gate/up. On
     the H200 (run 80, the 816B layer) it picks the measured best of six tiles at 1024 and 8192 tokens: 128 x 64 and
-    128 x 256; its times run 0.9-1.4x under the measured ones. From 129 tokens (past the decode GEMVs) to ~630 it
-    picks 128 x 32: on an H100 (run 91) the fastest of six tiles swept at 160, 256 and 512 tokens (1.7-2.4x the
-    grouped Triton GEMM, 2.3-2.8x the BF16 experts). The tiles of :data:`MOE_LEFT_OUT_TILES` are left out."""
+    128 x 256; its times run 0.9-1.4x under the measured ones. From 129 tokens to ~630 it picks 128 x 32: on an H100
+    (run 91) the fastest of six tiles swept at 160, 256 and 512 tokens (1.7-2.4x the grouped Triton GEMM, 2.3-2.8x the
+    BF16 experts); up to 128 tokens 128 x 16 (session 65). The tiles of :data:`MOE_LEFT_OUT_TILES` are left out from
+    their number of assignments."""
     if n_assign < 1 or experts < 1 or rows_out % 128 or k % CHUNK_K:
         raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 128 and K of "
                          f"{CHUNK_K}; got {n_assign}, {experts}, {rows_out}, {k}")
-    tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS if (bn, bm) not in MOE_LEFT_OUT_TILES]
+    tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS
+             if n_assign < MOE_LEFT_OUT_TILES.get((bn, bm), n_assign + 1)]
     block_n, block_m = min(tiles, key=lambda t: predicted_moe_us(n_assign, experts, rows_out, k, t[1], sms, t[0]))
     return GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
 

@@ -11,8 +11,9 @@ program computes a run of one expert's assignments together (``fp4_gemv_cuda.lau
 several tokens chose streams once per run chunk instead of once per assignment. At batch 1 top-k never repeats an
 expert, and at 2 a repeat is rare (~0.25 of 16 assignments over 256 experts), not worth the sort's launches.
 
-:func:`use_gemv` is the choice between this path and the grouped Triton GEMM of
-:func:`musecore_triton.kernels.moe.moe_forward`; ``CudaBackend.moe`` makes it, and
+:func:`use_gemv` is the choice between this path and a grouped GEMM (the Gluon one of
+:mod:`musecore_cuda.kernels.moe_prefill` from a few tokens on large experts, where it can run, else the Triton one of
+:func:`musecore_triton.kernels.moe.moe_forward`); ``CudaBackend.moe`` makes it, and
 ``CudaBackend.kernel_choices`` shows it.
 """
 
@@ -25,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from musecore_cuda.kernels import fp4_gemv_cuda
+from musecore_cuda.kernels import fp4_gemv_cuda, moe_prefill
 from musecore_triton.kernels.moe import ExpertStack, finalize
 from musecore_triton.kernels.sort import MAX_ASSIGNMENTS, MAX_EXPERTS, sort_assignments
 from musecore_triton.layouts import Fp4Resident
@@ -51,9 +52,10 @@ RUNS_MAX_ASSIGNMENTS = 1024
 
 
 def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int, *, tokens: int = 1,
-             dtype: torch.dtype = torch.bfloat16) -> bool:
-    """The decode GEMVs (this module) rather than the grouped GEMM, for ``n_assign`` assignments of ``tokens``
-    tokens with ``dtype`` activations.
+             dtype: torch.dtype = torch.bfloat16, gluon: bool = False) -> bool:
+    """The decode GEMVs (this module) rather than a grouped GEMM, for ``n_assign`` assignments of ``tokens``
+    tokens with ``dtype`` activations; ``gluon``: the grouped Gluon GEMM can take these experts
+    (``moe_prefill.unavailable_reason`` is None), and then it takes the batches of ``moe_prefill.takes_decode``.
 
     One program per assignment streams its expert's weights once per assignment, so an expert chosen by two
     tokens is read twice: ``n`` assignments spread over ``E`` experts read ``n / (E (1 - (1 - 1/E)^n))`` times the
@@ -64,13 +66,15 @@ def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int, *, tokens: int
     """
     return (isinstance(stack, Fp4Resident) and fp4_gemv_cuda.available(stack.packed.device)  # (M = 1 kernels)
             and gemv_rule(n_assign, num_experts, tokens, stack.in_features, stack.out_features, dtype,
-                          stack.packed.device))
+                          stack.packed.device, gluon))
 
 
 def gemv_rule(n_assign: int, num_experts: int, tokens: int, width: int, inter: int, dtype: torch.dtype,
-              device: torch.device) -> bool:
+              device: torch.device, gluon: bool = False) -> bool:
     """:func:`use_gemv`'s rule for experts ``gate/up [2I, h]``, ``down [h, I]`` (``width`` h, ``inter`` I), without
     the weights (the plan shows it with no GPU: the runs plans need no device for bf16)."""
+    if gluon and moe_prefill.takes_decode(tokens, width, inter):
+        return False
     if n_assign <= max(1, num_experts):
         return True
     return (n_assign <= RUNS_MAX_ASSIGNMENTS and tokens >= RUNS_MIN_TOKENS

@@ -1,5 +1,7 @@
-"""The MoE op beyond decode through the grouped Gluon W4A16 GEMM (issue 26 item 1's grouped variant): the dense
-Gluon GEMM's mainloop (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`) over the assignments sorted by expert.
+"""The MoE op beyond the decode GEMVs through the grouped Gluon W4A16 GEMM (issue 26 item 1's grouped variant): the
+dense Gluon GEMM's mainloop (:mod:`musecore_cuda.kernels.fp4_gemm_gluon`) over the assignments sorted by expert. It
+takes prefills, and (:func:`takes_decode`) decode batches from :data:`DECODE_FROM_TOKENS` tokens on experts of at least
+:data:`DECODE_MIN_WEIGHTS` elements.
 
 Steps, for NVFP4 experts and bf16 activations:
 
@@ -40,6 +42,23 @@ def enabled() -> bool:
     if setting not in ("0", "1"):
         raise ValueError(f"{GLUON_MOE_ENV} must be 0 (off) or 1 (on, the default); got {setting!r}")
     return setting == "1"
+
+
+# The grouped Gluon GEMM against the decode GEMVs (one program per assignment, or runs of one expert) on the 816B layer
+# (E 256, top-8, h = I = 4096), in one process, CUDA graphs (session 65, runs 110-112, three H100s,
+# backends/cuda/lab/scripts/cuda_gluon_moe_probe.py, tile 128 x 16): 0.58 / 0.77 / 0.92x at 1 / 2 / 4 tokens, then
+# 1.06x at 6, 1.04 / 1.09x at 8, 1.13x at 12, 1.06 / 1.13x at 16, 1.13x at 24, 1.11x at 32, 1.15x at 64, 1.34x at
+# 128. Its fixed cost (alignment, gathers: ~70 us at one token) is what the GEMVs avoid, so on muse-small's experts
+# (E 64, h = I = 768) it lost at every batch measured (0.24-0.41x at 1-32 tokens): it takes decode batches only for
+# experts of the measured size and larger.
+DECODE_FROM_TOKENS = 6
+DECODE_MIN_WEIGHTS = 4096 * 4096  # elements of one expert's gate (h x I)
+
+
+def takes_decode(tokens: int, width: int, inter: int) -> bool:
+    """Whether the grouped Gluon GEMM, where it can run, takes a batch of ``tokens`` tokens from the decode GEMVs for
+    experts ``gate/up [I, h]`` (``width`` h, ``inter`` I)."""
+    return tokens >= DECODE_FROM_TOKENS and width * inter >= DECODE_MIN_WEIGHTS
 
 
 def shape_problem(fmt: str, width: int, inter: int, folds: tuple[int, ...]) -> Optional[str]:
