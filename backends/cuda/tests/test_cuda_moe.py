@@ -157,10 +157,13 @@ def test_moe_decode_lean_and_plain_paths_give_the_same_bits():
     (4096, 4096, 24, 12),             # the 816B expert shape: runs of 9 chunked at 5 (K = 4096 fills shared memory)
     (4096, 4096, 24, RUNS_FROM_TOKENS),
 ])
-def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts, tokens):
+def test_moe_decode_runs_of_one_expert_give_the_same_bits(width, inter, experts, tokens, monkeypatch):
     """Sorted assignments, each GEMV program computing a run (chunk) of one expert's tokens: the same bits as one
     program per assignment (mma columns are independent), for the default cut, a cluster split-K cut and a cut
-    whose warps split K; NMSE against the reference; and replayed from a CUDA graph (the sort included)."""
+    whose warps split K; NMSE against the reference; and replayed from a CUDA graph (the sort included). The grouped
+    Gluon GEMM, which takes these batches of the 816B-sized experts where it can run, is switched off."""
+    from musecore_cuda.kernels import moe_prefill
+    monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "0")
     be, prepared, reference, norm = make_layer("nvfp4", experts=experts, width=width, inter=inter,
                                                dtype=torch.bfloat16, device="cuda")
     topk = 2  # T x 2 <= E assignments: be.moe takes the GEMVs
