@@ -1,5 +1,6 @@
 """The one-program sort of the decode MoE's assignments (``musecore_triton.kernels.sort``) equals
-``torch.sort(stable=True)``: in Triton's CPU interpreter without a GPU, on the GPU with one."""
+``torch.sort(stable=True)``, and the one-program alignment (``moe.align_assignments`` up to its MAX_ASSIGNMENTS)
+the PyTorch ops': in Triton's CPU interpreter without a GPU, on the GPU with one."""
 
 from __future__ import annotations
 
@@ -22,3 +23,26 @@ def test_sort_assignments_equals_a_stable_torch_sort(n, experts):
 def test_sort_assignments_refuses_what_it_cannot_key():
     with pytest.raises(ValueError, match="1..2048 expert ids"):
         sort_assignments(torch.zeros(2049, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("n,experts,block_m", [(1, 4, 16), (8, 256, 16), (37, 6, 16), (48, 256, 16), (64, 16, 32),
+                                               (128, 64, 16), (200, 3, 64), (1024, 256, 16), (2048, 256, 128),
+                                               (96, 8, 256)])
+def test_align_in_one_program_equals_the_torch_ops(n, experts, block_m, monkeypatch):
+    """``align_assignments``' one-program kernel (up to MAX_ASSIGNMENTS) gives exactly the PyTorch ops' three tensors:
+    random routing, a single expert holding every assignment (n = 200, E = 3: skewed) and unused experts."""
+    from musecore_triton.kernels import moe
+    want_fn = moe._align_torch
+    gen = torch.Generator().manual_seed(n * 7 + block_m)
+    ids = torch.randint(0, experts, (n,), generator=gen)
+    if experts == 3:
+        ids[: n // 2] = 1
+    ids = ids.reshape(-1, 1 if n % 8 else 8).to(DEVICE)
+    want = want_fn(ids, experts, block_m)
+    monkeypatch.setattr(moe, "_align_torch", lambda *a: pytest.fail("align_assignments took the PyTorch ops"))
+    got = moe.align_assignments(ids, experts, block_m)
+    for name, g, w in zip(("sorted_ids", "blk_expert", "position"), got, want):
+        assert g.dtype == w.dtype == torch.int32 and g.shape == w.shape, (name, g.dtype, g.shape, w.shape)
+        bad = (g != w).nonzero()
+        assert bad.numel() == 0, f"{name}: {bad.shape[0]} of {g.numel()} differ, first at {bad[0].tolist()}: " \
+                                 f"{g[bad[0]].tolist()} vs {w[bad[0]].tolist()}"

@@ -32,6 +32,7 @@ import triton.language as tl
 from musecore_triton import hooks
 from musecore_triton.kernels.fp4_gemm import WFMT_DENSE, launch_gemm, pick_config
 from musecore_triton.kernels.dense_gemv import expert_gemv
+from musecore_triton.kernels.sort import INDEX_BITS, MAX_ASSIGNMENTS, MAX_EXPERTS
 from musecore_triton.layouts import Fp4Resident
 
 ExpertStack = Union[Fp4Resident, torch.Tensor]
@@ -44,8 +45,23 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
     Returns ``sorted_ids`` int32 ``[max_blocks*block_m]`` (assignment ``t*k+j`` per row, ``T*k`` for
     padding), ``blk_expert`` int32 ``[max_blocks]`` (-1 past the last used block) and ``position``
     int32 ``[T*k]`` (the row of each assignment). ``max_blocks`` is an upper bound known without a
-    sync: every expert wastes less than one block.
+    sync: every expert wastes less than one block. Up to ``sort.MAX_ASSIGNMENTS`` assignments one Triton program
+    computes all three (:func:`align_assignments_kernel`; ~20 small PyTorch kernels otherwise, each a node of a
+    decode step's CUDA graph); the same values either way.
     """
+    n = ids.numel()
+    if 0 < n <= MAX_ASSIGNMENTS and num_experts <= MAX_EXPERTS:
+        return _align_one_program(ids.reshape(-1), num_experts, block_m)
+    return _align_torch(ids, num_experts, block_m)
+
+
+def _max_blocks(n: int, num_experts: int, block_m: int) -> int:
+    return triton.cdiv(n, block_m) + min(num_experts, n)
+
+
+def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`align_assignments` in PyTorch ops (any number of assignments)."""
     flat = ids.reshape(-1)
     n = flat.numel()
     device = ids.device
@@ -54,7 +70,7 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
     blocks = (counts + block_m - 1) // block_m
     blk_end = torch.cumsum(blocks, 0)
     blk_start = blk_end - blocks
-    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    max_blocks = _max_blocks(n, num_experts, block_m)
     blk_expert = torch.searchsorted(blk_end, torch.arange(max_blocks, device=device), right=True)
     blk_expert = torch.where(blk_expert < num_experts, blk_expert, -1).to(torch.int32)
     sorted_experts, order = torch.sort(flat, stable=True)
@@ -65,6 +81,59 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
     sorted_ids[pos] = order.to(torch.int32)
     position = torch.empty(n, dtype=torch.int32, device=device)
     position[order] = pos.to(torch.int32)
+    return sorted_ids, blk_expert, position
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def align_assignments_kernel(ids_ptr, experts_ptr, sorted_ptr, blk_expert_ptr, position_ptr, n, rows, blocks,
+                             BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr,
+                             INDEX_BITS: tl.constexpr):
+    """One program: the ``n`` assignments sorted by ``expert << INDEX_BITS | index`` (``sort.sort_assignments``'
+    keys: stable), each expert's segment padded to ``BLOCK_M`` rows. A sorted position's rank in its segment is its
+    distance from the segment's first position (a running maximum over the segment starts); the padding before it is
+    the running sum of the earlier segments' pads, each counted at its segment's last position."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    e = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    keys = tl.sort(tl.where(mask, (e << INDEX_BITS) | offs, 2147483647), 0)  # padding sorts last
+    expert = keys >> INDEX_BITS
+    index = keys & ((1 << INDEX_BITS) - 1)
+    tl.store(experts_ptr + offs, expert, mask=mask)  # (read back shifted by one below)
+    for start in range(0, rows, FILL):
+        o = start + tl.arange(0, FILL)
+        tl.store(sorted_ptr + o, n, mask=o < rows)
+    for start in range(0, blocks, FILL):
+        o = start + tl.arange(0, FILL)
+        tl.store(blk_expert_ptr + o, -1, mask=o < blocks)
+    tl.debug_barrier()
+    before = tl.load(experts_ptr + offs - 1, mask=mask & (offs > 0), other=-1)
+    after = tl.load(experts_ptr + offs + 1, mask=offs + 1 < n, other=-1)
+    first = tl.associative_scan(tl.where(expert != before, offs, 0), 0, _maximum)
+    rank = offs - first
+    pad = tl.where(mask & (expert != after), (BLOCK_M - (rank + 1) % BLOCK_M) % BLOCK_M, 0)
+    pos = offs + tl.cumsum(pad, 0) - pad
+    tl.store(sorted_ptr + pos, index, mask=mask)
+    tl.store(position_ptr + index, pos, mask=mask)
+    tl.store(blk_expert_ptr + pos // BLOCK_M, expert, mask=mask & (rank % BLOCK_M == 0))
+
+
+def _align_one_program(flat: torch.Tensor, num_experts: int, block_m: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = flat.numel()
+    max_blocks = _max_blocks(n, num_experts, block_m)
+    device = flat.device
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    blk_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    position = torch.empty(n, dtype=torch.int32, device=device)
+    experts = torch.empty(n, dtype=torch.int32, device=device)  # the sorted experts, for the neighbours' reads
+    align_assignments_kernel[(1,)](flat, experts, sorted_ids, blk_expert, position, n, sorted_ids.numel(), max_blocks,
+                                   BLOCK_M=block_m, BLOCK=max(16, triton.next_power_of_2(n)), FILL=1024,
+                                   INDEX_BITS=INDEX_BITS, num_warps=4 if n <= 256 else 8)
     return sorted_ids, blk_expert, position
 
 
