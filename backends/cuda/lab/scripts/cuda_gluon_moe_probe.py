@@ -12,7 +12,8 @@ default and which token tile the model should pick::
     python backends/cuda/lab/scripts/cuda_gluon_moe_probe.py [--tokens 256,1024,4096,8192]
         [--block-ms 16,32,64,128,256] [--block-ns 64,128] [--layer 816b|small] [--out cuda_gluon_moe_probe.json]
 
-``--layer small`` (session 65) runs muse-small's MoE layer (E 64, h = I = 768) instead.
+``--layer small`` (session 65) runs muse-small's MoE layer (E 64, h = I = 768) instead; ``--align-ab`` times each
+cut also with ``align_assignments``' PyTorch ops (before its one-program kernel).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from musecore.testing import nmse
 from musecore_cuda.bench import time_us
 from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill
+from musecore_triton.kernels import moe as triton_moe
 from musecore_triton.kernels.moe import moe_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,6 +43,8 @@ def main() -> None:
     p.add_argument("--block-ns", default="64,128", help="weight rows per program (128: two consumer warpgroups "
                    "sharing each activation tile, half the L2 reads of 64)")
     p.add_argument("--layer", choices=("816b", "small"), default="816b", help="small: muse-small's MoE layer")
+    p.add_argument("--align-ab", action="store_true", help="each cut also with align_assignments' PyTorch ops (the "
+                   "path before session 65's one-program kernel): torch_align_us")
     p.add_argument("--out", default="cuda_gluon_moe_probe.json")
     args = p.parse_args()
     layer = LayerSmall() if args.layer == "small" else Layer816B()
@@ -77,6 +81,12 @@ def main() -> None:
             try:
                 cut["nmse_vs_triton"] = float(nmse(want, gluon()))
                 us = time_us(gluon, reps=10)
+                if args.align_ab:
+                    moe_prefill.align_assignments = triton_moe._align_torch
+                    try:
+                        cut["torch_align_us"] = round(time_us(gluon, reps=10), 1)
+                    finally:
+                        moe_prefill.align_assignments = triton_moe.align_assignments
                 cut.update(us=round(us, 1), vs_triton=round(t_triton / us, 3), vs_bf16=round(t_bf16 / us, 3),
                            vs_default=round(t_default / us, 3), pct_ceiling=layer.pct_ceiling(ids, us),
                            tflops=round(flops / us / 1e6, 1),
