@@ -21,6 +21,7 @@ At decode, 16-bit expert stacks take one GEMV per assignment instead (:func:`moe
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from typing import Union
 
@@ -50,7 +51,8 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int
     decode step's CUDA graph); the same values either way.
     """
     n = ids.numel()
-    if 0 < n <= MAX_ASSIGNMENTS and num_experts <= MAX_EXPERTS:
+    on_triton = ids.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"  # (CPU ids on a GPU machine)
+    if on_triton and 0 < n <= MAX_ASSIGNMENTS and num_experts <= MAX_EXPERTS:
         return _align_one_program(ids.reshape(-1), num_experts, block_m)
     return _align_torch(ids, num_experts, block_m)
 
