@@ -326,7 +326,7 @@ def _expert_grouped_choice(shape: LinearShape, label: str, width: int, inter: in
     if problem is None:
         cfg = fp4_gluon_plan.pick_moe_config((limit + 1) * top_k, e, 2 * inter, width, GLUON_PLAN_SMS)
         decode = (f"; from {moe_prefill.DECODE_FROM_TOKENS} tokens ahead of the decode GEMVs on experts this large "
-                  "(H100, 816B layer: 1.04-1.34x at 6-128 tokens, 0.92x at 4)"
+                  "(H100s, 816B layer: 1.00-1.34x at 4-128 tokens, 0.94x at 2)"
                   if moe_prefill.takes_decode(limit + 1, width, inter) else "")
         return KernelChoice(f"{label}, T > {limit} tokens",
                             "Gluon grouped W4A16 GEMM (align, gather, gate+up+SwiGLU, down; fp4_gemm_gluon), Triton "

@@ -434,7 +434,7 @@ def test_be_moe_takes_the_gluon_grouped_gemm_at_decode_batches_of_816b_sized_exp
     _needs_gluon_moe()
     from musecore_cuda.kernels import moe_prefill
     monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
-    experts, topk, tokens, width = 16, 8, moe_prefill.DECODE_FROM_TOKENS, 4096
+    experts, topk, tokens, width = 32, 8, moe_prefill.DECODE_FROM_TOKENS, 4096  # (T - 1) * k <= E: the GEMVs below
     be, prepared, reference, norm = make_layer("nvfp4", experts, width, width, torch.bfloat16, "cuda")
     weights, ids = route(tokens, experts, topk, "cuda")
     z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)

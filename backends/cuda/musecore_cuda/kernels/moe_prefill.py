@@ -45,13 +45,15 @@ def enabled() -> bool:
 
 
 # The grouped Gluon GEMM against the decode GEMVs (one program per assignment, or runs of one expert) on the 816B layer
-# (E 256, top-8, h = I = 4096), in one process, CUDA graphs (session 65, runs 110-112, three H100s,
-# backends/cuda/lab/scripts/cuda_gluon_moe_probe.py, tile 128 x 16): 0.58 / 0.77 / 0.92x at 1 / 2 / 4 tokens, then
-# 1.06x at 6, 1.04 / 1.09x at 8, 1.13x at 12, 1.06 / 1.13x at 16, 1.13x at 24, 1.11x at 32, 1.15x at 64, 1.34x at
-# 128. Its fixed cost (alignment, gathers: ~70 us at one token) is what the GEMVs avoid, so on muse-small's experts
-# (E 64, h = I = 768) it lost at every batch measured (0.24-0.41x at 1-32 tokens): it takes decode batches only for
-# experts of the measured size and larger.
-DECODE_FROM_TOKENS = 6
+# (E 256, top-8, h = I = 4096), in one process, CUDA graphs, tile 128 x 16 (backends/cuda/lab/scripts/
+# cuda_gluon_moe_probe.py; session 65, H100s). With the PyTorch alignment (runs 110-112): 0.58 / 0.77 / 0.92x at
+# 1 / 2 / 4 tokens, then 1.06x at 6, 1.04 / 1.09x at 8, 1.13x at 12, 1.06 / 1.13x at 16, 1.13x at 24, 1.11x at 32,
+# 1.15x at 64, 1.34x at 128. The one-program alignment saved 50-60 us per call (run 114, another H100, where the
+# GEMVs ran 10-25% faster than on the others): 0.94x at 2 tokens, 1.09x at 4 and 5, 1.00-1.01x at 6-16. Its fixed
+# cost (alignment, gathers, finalize) is what the GEMVs avoid, so on muse-small's experts (E 64, h = I = 768) it lost
+# at every batch measured (0.24-0.41x at 1-32 tokens, run 112): it takes decode batches only for experts of the
+# measured size and larger.
+DECODE_FROM_TOKENS = 4
 DECODE_MIN_WEIGHTS = 4096 * 4096  # elements of one expert's gate (h x I)
 
 
