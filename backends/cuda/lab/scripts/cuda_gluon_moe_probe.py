@@ -3,9 +3,10 @@ grouped Triton GEMM it would replace and the BF16 experts, on one full-size 816B
 h = I = 4096) at prefill sizes, in one process. Per T: the Triton path (``moe_forward``), the Gluon path at the
 config ``pick_moe_config`` picks (always, whatever ``--block-ms`` / ``--block-ns`` say) and at every other tile
 (``--block-ms``, ``--block-ns``), the BF16 experts through
-the CUDA backend, and (session 64) the backend's default path for the FP4 experts at T (the decode GEMVs up to
-``moe_decode.RUNS_MAX_ASSIGNMENTS`` assignments: whether the grouped Gluon GEMM could take decode batches too, with
-each row's % of the memory ceiling over the routed experts' bytes, the MoE decode target's measure); each Gluon output is checked against the Triton path's (NMSE) before it is timed, and a cut that fails to
+the CUDA backend, (session 64) the backend's default path for the FP4 experts at T, with each row's % of the memory
+ceiling over the routed experts' bytes (the MoE decode target's measure), and (session 65, since the grouped Gluon
+GEMM takes decode batches) the decode GEMVs themselves up to ``moe_decode.RUNS_MAX_ASSIGNMENTS`` assignments
+(``gemv_us``, each cut's ``vs_gemv``); each Gluon output is checked against the Triton path's (NMSE) before it is timed, and a cut that fails to
 compile or run is recorded with its error. The answer decides whether ``MUSECORE_CUDA_GLUON_MOE`` becomes the
 default and which token tile the model should pick::
 
@@ -29,6 +30,7 @@ import torch
 from musecore.testing import nmse
 from musecore_cuda.bench import time_us
 from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill
+from musecore_cuda.kernels.moe_decode import RUNS_MAX_ASSIGNMENTS, moe_decode_gemv
 from musecore_triton.kernels import moe as triton_moe
 from musecore_triton.kernels.moe import moe_forward
 
@@ -63,11 +65,14 @@ def main() -> None:
         t_triton = time_us(triton_path, reps=10)
         t_bf16 = time_us(lambda: layer.be.moe(z, weights, ids, bf16, norm, 1e-8), reps=10)
         t_default = time_us(lambda: layer.be.moe(z, weights, ids, fp4, norm, 1e-8), reps=10)
+        t_gemv = (time_us(lambda: moe_decode_gemv(z, weights, ids, fp4.gate, fp4.up, fp4.down, norm, 1e-8), reps=10)
+                  if t * topk <= RUNS_MAX_ASSIGNMENTS else None)  # the decode GEMVs, whatever the default is
         picked = fp4_gluon_plan.pick_moe_config(t * topk, E, 2 * layer.inter, layer.width, sms)
         row = {"T": t, "assignments": t * topk, "routed_experts": int(ids.unique().numel()),
                "triton_us": round(t_triton, 1), "bf16_experts_us": round(t_bf16, 1),
                "triton_vs_bf16": round(t_bf16 / t_triton, 3), "default_fp4_us": round(t_default, 1),
-               "default_pct_ceiling": layer.pct_ceiling(ids, t_default), "picked": picked.label(), "cuts": []}
+               "default_pct_ceiling": layer.pct_ceiling(ids, t_default), "picked": picked.label(), "cuts": [],
+               "gemv_us": t_gemv and round(t_gemv, 1)}
         tiles = list(itertools.product(map(int, args.block_ns.split(",")), map(int, args.block_ms.split(","))))
         tiles += [] if (picked.block_n, picked.block_m) in tiles else [(picked.block_n, picked.block_m)]  # always timed
         for block_n, block_m in tiles:
@@ -88,7 +93,8 @@ def main() -> None:
                     finally:
                         moe_prefill.align_assignments = triton_moe.align_assignments
                 cut.update(us=round(us, 1), vs_triton=round(t_triton / us, 3), vs_bf16=round(t_bf16 / us, 3),
-                           vs_default=round(t_default / us, 3), pct_ceiling=layer.pct_ceiling(ids, us),
+                           vs_default=round(t_default / us, 3), vs_gemv=t_gemv and round(t_gemv / us, 3),
+                           pct_ceiling=layer.pct_ceiling(ids, us),
                            tflops=round(flops / us / 1e6, 1),
                            predicted_gate_up_us=round(fp4_gluon_plan.predicted_moe_us(
                                t * topk, E, 2 * layer.inter, layer.width, block_m, sms, block_n), 1))
