@@ -373,10 +373,9 @@ def skewed_ids(tokens: int, experts: int, topk: int, device) -> torch.Tensor:
                                                    (128, 32, 4), (128, 64, 4), (128, 256, 3)])
 def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stages):
     """Both grouped launches against each sorted row's own expert in fp32: gate/up with SwiGLU (h) and down (o),
-    on routing with a multi-tile expert, empty experts and spare tiles (blk_expert -1). 128 x 32 is what
-    pick_moe_config takes for the 816B layer from 129 tokens (past the decode GEMVs) to ~630; 128 x 16, which its
-    model ranks first at 129-289, first passed here in session 63 (run 96) and is left out on its times
-    (MOE_LEFT_OUT_TILES)."""
+    on routing with a multi-tile expert, empty experts and spare tiles (blk_expert -1). pick_moe_config takes
+    128 x 16 for the 816B layer up to 128 tokens (decode batches from 4 tokens, session 65) and 128 x 32 from 129 to
+    ~630 (128 x 16, which its model ranks first at 129-289, is left out there on its times: MOE_LEFT_OUT_TILES)."""
     _needs_gluon_moe()
     from musecore_cuda.kernels import fp4_gemm_gluon
     experts, topk, tokens, width, inter = 6, 2, 150, 256, 384

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import nvrtc_sass  # noqa: E402
 from musecore_cuda.bench import LINEAR_SHAPES  # noqa: E402
-from musecore_cuda.kernels import fp4_gemv_cuda as g  # noqa: E402
+from musecore_cuda.kernels import fp4_gemv_cuda as g, moe_decode  # noqa: E402
 from musecore_triton.kernels.fp4_gemm import WFMT_NVFP4  # noqa: E402
 
 # H200 (SM90) per-SM limits: 64K registers allocated per warp in units of 256 (8 per thread), 64 warps, 32 blocks,
@@ -47,13 +47,15 @@ def blocks_per_sm(regs: int, smem: int, warps: int = g.MMA_WARPS) -> int:
     return min(REGS // (per_warp * warps), WARPS // warps, BLOCKS, SMEM // (smem + SMEM_RESERVED))
 
 
-def row(label: str, plan: g.GemvPlan, n: int, k: int, programs: int, experts: bool, swiglu: bool) -> dict:
-    name = g.plan_kernel_name(plan, WFMT_NVFP4, experts, swiglu)
+def row(label: str, plan: g.GemvPlan, n: int, k: int, programs: int, experts: bool, swiglu: bool,
+        runs: bool = False) -> dict:
+    name = g.plan_kernel_name(plan, WFMT_NVFP4, experts, swiglu, runs=runs)
     regs, smem = registers(name), plan.smem(k, swiglu)
     grid = -(-n // plan.rows_per_block) * plan.split_k * programs
     per_sm = blocks_per_sm(regs, smem)
     waves = grid / (per_sm * SMS)
-    return {"case": label, "plan": f"tile {plan.tile} k_warps {plan.k_warps} split {plan.split_k} pf {plan.prefetch}",
+    return {"case": label, "plan": f"tile {plan.tile} k_warps {plan.k_warps} split {plan.split_k} pf {plan.prefetch}"
+                                   + (f" min_blocks {plan.min_blocks}" if plan.min_blocks else ""),
             "kernel": name, "registers": regs, "smem": smem, "blocks_per_sm": per_sm, "grid": grid,
             "waves": round(waves, 2), "last_wave_full": round(waves / -(-waves // 1), 2)}
 
@@ -77,13 +79,14 @@ def alternatives(plan: g.GemvPlan, k: int) -> list[g.GemvPlan]:
 def cases(ms: list[int], batches: list[int]):
     for name, (n, k) in LINEAR_SHAPES.items():
         for m in ms:
-            yield f"{name} M={m}", g.make_plan(m, n, k, torch.bfloat16, CUDA), n, k, 1, False, False
-    for b in batches:  # the 816B MoE decode without runs (batch < 8): one program per assignment, top-8
-        programs = 8 * b
-        up = g.make_plan(1, 4096, 4096, torch.bfloat16, CUDA, programs=programs, swiglu=True)
-        down = g.make_plan(1, 4096, 4096, torch.bfloat16, CUDA, programs=programs)
-        yield f"moe b{b} gate/up", up, 4096, 4096, programs, True, True
-        yield f"moe b{b} down", down, 4096, 4096, programs, True, False
+            yield f"{name} M={m}", g.make_plan(m, n, k, torch.bfloat16, CUDA), n, k, 1, False, False, False
+    for b in batches:  # the 816B MoE decode's GEMVs as moe_decode plans them (per assignment, or runs), top-8
+        programs = 8 * b  # (on runs only the programs that start a run chunk work: at most this many)
+        runs = moe_decode.on_runs_by_default(b, programs, 256)
+        up, down, on_runs = moe_decode._plans(4096, 4096, torch.bfloat16, CUDA, programs, runs)
+        tag = " runs" if on_runs else ""
+        yield f"moe b{b}{tag} gate/up", up, 4096, 4096, programs, True, True, on_runs
+        yield f"moe b{b}{tag} down", down, 4096, 4096, programs, True, False, on_runs
 
 
 def main() -> None:
@@ -96,9 +99,9 @@ def main() -> None:
     if nvrtc_sass.missing():
         sys.exit(nvrtc_sass.missing())
     rows = []
-    for label, plan, n, k, programs, experts, swiglu in cases([int(v) for v in args.ms.split(",")],
-                                                             [int(v) for v in args.batches.split(",")]):
-        r = row(label, plan, n, k, programs, experts, swiglu)
+    for label, plan, n, k, programs, experts, swiglu, runs in cases([int(v) for v in args.ms.split(",")],
+                                                                   [int(v) for v in args.batches.split(",")]):
+        r = row(label, plan, n, k, programs, experts, swiglu, runs)
         rows.append(r)
         print(f"{label:22s} {r['plan']:34s} regs {r['registers']:3d} smem {r['smem']:6d} "
               f"{r['blocks_per_sm']:2d}/SM grid {r['grid']:5d} waves {r['waves']:5.2f}", flush=True)
@@ -106,7 +109,7 @@ def main() -> None:
             for alt in alternatives(plan, k):
                 if alt.smem(k, swiglu) >= g.SMEM_LIMIT:
                     continue
-                a = row(label, alt, n, k, programs, experts, swiglu)
+                a = row(label, alt, n, k, programs, experts, swiglu, runs)
                 a["alternative"] = True
                 rows.append(a)
                 print(f"{'':22s}   {a['plan']:32s} regs {a['registers']:3d} smem {a['smem']:6d} "
