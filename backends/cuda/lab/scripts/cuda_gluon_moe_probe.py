@@ -1,14 +1,13 @@
-"""The grouped Gluon W4A16 GEMM (``moe_prefill.moe_forward_gluon``, session 59; opt-in until measured) against the
-grouped Triton GEMM it would replace and the BF16 experts, on one full-size 816B MoE layer (NVFP4, E 256, top-8,
-h = I = 4096) at prefill sizes, in one process. Per T: the Triton path (``moe_forward``), the Gluon path at the
-config ``pick_moe_config`` picks (always, whatever ``--block-ms`` / ``--block-ns`` say) and at every other tile
-(``--block-ms``, ``--block-ns``), the BF16 experts through
-the CUDA backend, (session 64) the backend's default path for the FP4 experts at T, with each row's % of the memory
-ceiling over the routed experts' bytes (the MoE decode target's measure), and (session 65, since the grouped Gluon
-GEMM takes decode batches) the decode GEMVs themselves up to ``moe_decode.RUNS_MAX_ASSIGNMENTS`` assignments
-(``gemv_us``, each cut's ``vs_gemv``); each Gluon output is checked against the Triton path's (NMSE) before it is timed, and a cut that fails to
-compile or run is recorded with its error. The answer decides whether ``MUSECORE_CUDA_GLUON_MOE`` becomes the
-default and which token tile the model should pick::
+"""The grouped Gluon W4A16 GEMM (``moe_prefill.moe_forward_gluon``, session 59) against the grouped Triton GEMM it
+replaced and the BF16 experts, on one full-size 816B MoE layer (NVFP4, E 256, top-8, h = I = 4096), in one process.
+Per T: the Triton path (``moe_forward``), the Gluon path at the config ``pick_moe_config`` picks (always, whatever
+``--block-ms`` / ``--block-ns`` say) and at every other tile (``--block-ms``, ``--block-ns``), the BF16 experts
+through the CUDA backend, (session 64) the backend's default path for the FP4 experts at T, with each row's % of the
+memory ceiling over the routed experts' bytes (the MoE decode target's measure), and (session 65, since the grouped
+Gluon GEMM takes decode batches) the decode GEMVs themselves up to ``moe_decode.RUNS_MAX_ASSIGNMENTS`` assignments
+(``gemv_us``, each cut's ``vs_gemv``). Each Gluon output is checked against the Triton path's (NMSE) before it is
+timed, and a cut that fails to compile or run is recorded with its error. It decided the grouped Gluon GEMM's default
+(prefill, then decode batches from 4 tokens) and the token tiles the model picks::
 
     python backends/cuda/lab/scripts/cuda_gluon_moe_probe.py [--tokens 256,1024,4096,8192]
         [--block-ms 16,32,64,128,256] [--block-ns 64,128] [--layer 816b|small] [--out cuda_gluon_moe_probe.json]
