@@ -117,6 +117,11 @@ def main(arch: str) -> None:
     nstacks = [musecore_quant.quantize(torch.randn(E, o, i) * 0.05, "nvfp4") for o, i in ((inter, h), (inter, h), (h, inter))]
     variant[0] = "moe nvfp4 w4a16"
     be.moe(z, wts, ids, be.prepare_experts(*nstacks), torch.ones(h, dtype=dt), 1e-6)
+    # the grouped paths' alignment: one Triton program on the GPU (CPU ids here take the PyTorch ops, so called as such)
+    from musecore_triton.kernels import moe as triton_moe
+    for n, block_m in ((12, 16), (2048, 64)):
+        variant[0] = f"moe align n={n} block_m={block_m}"
+        triton_moe._align_one_program(torch.randint(0, E, (n,)), E, block_m)
     dense = [torch.randn(E, o, i).to(dt) * 0.05 for o, i in ((inter, h), (inter, h), (h, inter))]
     for t in (1, 64):
         variant[0] = f"moe bf16 T={t}"

@@ -25,7 +25,7 @@ EXPECTED_KERNELS = {"mx_gemm_kernel", "mxfp4_quantize_kernel", "w4a16_gemm_kerne
                     "head_norm_gate_kernel", "silu_mul_kernel", "logit_softcap_kernel", "router_topk_kernel",
                     "router_gemv_kernel",
                     "attention_kernel", "kv_write_kernel", "decode_embed_kernel", "greedy_positions_kernel",
-                    "argmax_partial_kernel", "argmax_final_kernel"}
+                    "argmax_partial_kernel", "argmax_final_kernel", "align_assignments_kernel"}
 
 
 def _has_amd_backend() -> bool:
