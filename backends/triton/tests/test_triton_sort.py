@@ -46,3 +46,13 @@ def test_align_in_one_program_equals_the_torch_ops(n, experts, block_m, monkeypa
         bad = (g != w).nonzero()
         assert bad.numel() == 0, f"{name}: {bad.shape[0]} of {g.numel()} differ, first at {bad[0].tolist()}: " \
                                  f"{g[bad[0]].tolist()} vs {w[bad[0]].tolist()}"
+
+
+def test_align_in_one_program_stays_inside_its_outputs_for_ids_past_the_experts():
+    """Ids at or past ``num_experts`` break the contract (the router never gives them) and more segments than the
+    outputs' bound can hold: the kernel's writes stay inside its outputs (rows past the bound are dropped)."""
+    from musecore_triton.kernels import moe
+    ids = torch.arange(64).to(DEVICE)  # 64 one-row segments of 16-row blocks, with num_experts 2: room for 6 blocks
+    sorted_ids, blk_expert, position = moe._align_one_program(ids, 2, 16)
+    assert sorted_ids.shape == (96,) and blk_expert.shape == (6,) and position.shape == (64,)
+    assert int(sorted_ids[0]) == 0 and int(blk_expert[5]) == 5 and int(position[5]) == 80

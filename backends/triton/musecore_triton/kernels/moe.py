@@ -119,9 +119,10 @@ def align_assignments_kernel(ids_ptr, experts_ptr, sorted_ptr, blk_expert_ptr, p
     rank = offs - first
     pad = tl.where(mask & (expert != after), (BLOCK_M - (rank + 1) % BLOCK_M) % BLOCK_M, 0)
     pos = offs + tl.cumsum(pad, 0) - pad
-    tl.store(sorted_ptr + pos, index, mask=mask)
-    tl.store(position_ptr + index, pos, mask=mask)
-    tl.store(blk_expert_ptr + pos // BLOCK_M, expert, mask=mask & (rank % BLOCK_M == 0))
+    inside = mask & (pos < rows)  # (always, for ids below num_experts; ids past it must not write out of bounds)
+    tl.store(sorted_ptr + pos, index, mask=inside)
+    tl.store(position_ptr + index, pos, mask=inside)
+    tl.store(blk_expert_ptr + pos // BLOCK_M, expert, mask=inside & (rank % BLOCK_M == 0))
 
 
 def _align_one_program(flat: torch.Tensor, num_experts: int, block_m: int
