@@ -59,10 +59,11 @@ def use_gemv(stack: ExpertStack, n_assign: int, num_experts: int, *, tokens: int
 
     One program per assignment streams its expert's weights once per assignment, so an expert chosen by two
     tokens is read twice: ``n`` assignments spread over ``E`` experts read ``n / (E (1 - (1 - 1/E)^n))`` times the
-    routed bytes, 1.58x at ``n = E`` and 2.3x at ``2E``. The GEMV streams at about twice the grouped GEMM's
+    routed bytes, 1.58x at ``n = E`` and 2.3x at ``2E``. The GEMV streams at about twice the grouped Triton GEMM's
     bandwidth (measured on the H200), so it wins up to ``n = E``; the routing also needs no sort, no alignment and
     no gathers. On runs of one expert (from :data:`RUNS_MIN_TOKENS` tokens, bf16) an expert streams once per run
-    chunk instead, and the GEMVs win up to :data:`RUNS_MAX_ASSIGNMENTS`.
+    chunk instead, and the GEMVs beat the grouped Triton GEMM up to :data:`RUNS_MAX_ASSIGNMENTS`. The grouped Gluon
+    GEMM streams as fast as the GEMVs on large experts, so it takes over from a few tokens there (``gluon``).
     """
     return (isinstance(stack, Fp4Resident) and fp4_gemv_cuda.available(stack.packed.device)  # (M = 1 kernels)
             and gemv_rule(n_assign, num_experts, tokens, stack.in_features, stack.out_features, dtype,
