@@ -402,14 +402,18 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
 
 def _handoff_choice() -> KernelChoice:
     what = "decode MoE, down GEMV after gate/up"
-    if not moe_decode.handoff_by_default():
-        return KernelChoice(what, "launched after the gate/up GEMV has completed",
-                            "the hand-off (down started in gate/up's last wave) measured slower at batch 1 on the "
-                            f"H200 (816B layer 111-116 vs 97-99 us); {moe_decode.HANDOFF_ENV}=1 turns it on",
-                            moe_decode.HANDOFF_ENV)
-    return KernelChoice(what, "hand-off: started in the gate/up GEMV's last wave (PDL attribute, SM90), each block "
-                        "waiting for its own assignment's gate/up warps (acquire/release counters)",
-                        f"{moe_decode.HANDOFF_ENV}={os.environ.get(moe_decode.HANDOFF_ENV)}", moe_decode.HANDOFF_ENV)
+    forced = os.environ.get(moe_decode.HANDOFF_ENV, "").strip()
+    if forced == "0":
+        return KernelChoice(what, "launched after the gate/up GEMV has completed, at every batch",
+                            f"{moe_decode.HANDOFF_ENV}=0", moe_decode.HANDOFF_ENV)
+    how = ("hand-off: started in the gate/up GEMV's last wave (PDL attribute, SM90), each block waiting for its own "
+           "assignment's gate/up warps (acquire/release counters)")
+    if forced == "1":
+        return KernelChoice(what, how + ", at every batch", f"{moe_decode.HANDOFF_ENV}=1", moe_decode.HANDOFF_ENV)
+    return KernelChoice(what, f"{how}, from {moe_decode.HANDOFF_FROM_TOKENS} tokens on experts of 4096 x 4096 and "
+                        "more; after the gate/up GEMV has completed otherwise",
+                        "816B layer on H100s: 1.04-1.06x at 2-4 tokens, 0.96x at 1; muse-small's 768 x 768 experts "
+                        f"0.89-1.02x; {moe_decode.HANDOFF_ENV}=1 / 0 forces it on / off", moe_decode.HANDOFF_ENV)
 
 
 def _fused_choice() -> list[KernelChoice]:
@@ -449,8 +453,9 @@ def env_settings() -> list[EnvSetting]:
         EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "
                    "attention sublayers in 4, at one-token decode; the decode embed in 1",
                    "0 runs the separate ops (10, 7 and ~18 launches)"),
-        EnvSetting(moe_decode.HANDOFF_ENV, os.environ.get(moe_decode.HANDOFF_ENV), "off: the decode MoE's down GEMV "
-                   "launches after the gate/up GEMV", "1 starts it in the gate/up GEMV's last wave (slower at batch 1)"),
+        EnvSetting(moe_decode.HANDOFF_ENV, os.environ.get(moe_decode.HANDOFF_ENV), "unset: the decode MoE's down "
+                   "GEMV starts in the gate/up GEMV's last wave from 2 tokens on experts of 4096 x 4096 and more",
+                   "1 at every batch (slower at batch 1), 0 never"),
         EnvSetting(INTERPRET_ENV, os.environ.get(INTERPRET_ENV), "unset",
                    "1 runs the Triton kernels in Triton's CPU interpreter on a 'cpu' backend (tests only)"),
     ]

@@ -17,7 +17,8 @@ from musecore_cuda.backend import fp4_linear_path
 from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, GLUON_WIDE_M, fp4_path_for, moe_uses_gemv
 from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill, pdl
 from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
-from musecore_cuda.kernels.moe_decode import RUNS_FROM_TOKENS, RUNS_MIN_TOKENS, on_runs_by_default
+from musecore_cuda.kernels.moe_decode import (HANDOFF_ENV, RUNS_FROM_TOKENS, RUNS_MIN_TOKENS, handoff_by_default,
+                                              on_runs_by_default)
 from musecore_triton.layouts import prepare_fp4
 
 # The 816B preset's shapes (H 8192, h = I = 4096, 256 experts, top-8): FP4 linears as an all-NVFP4
@@ -354,6 +355,28 @@ def test_fused_sublayers_show_in_choices_and_their_switch_turns_them_off(choices
     assert _choice(off, "attention sublayer").choice == "the separate ops (7 launches)"
     assert _choice(off, "embedding stage").choice == "the separate ops (~18 launches)"
     assert {s.name: s for s in CudaBackend().env_settings()}[FUSED_ENV].value == "0"
+
+
+def test_moe_handoff_from_2_tokens_on_large_experts_unless_forced(monkeypatch):
+    """The down GEMV's early start: off at batch 1 and on muse-small's 768 x 768 experts, on from 2 tokens on the
+    816B layer's; the switch forces it either way at every batch, and says what it takes when it is mistyped."""
+    monkeypatch.delenv(HANDOFF_ENV, raising=False)
+    assert [handoff_by_default(t, 4096, 4096) for t in (1, 2, 3, 16)] == [False, True, True, True]
+    assert not any(handoff_by_default(t, 768, 768) for t in (1, 2, 8))
+    be = CudaBackend()
+    handoff = _choice(be.kernel_choices(LINEARS_816B, get_profile("h200")), "down GEMV")
+    assert "from 2 tokens on experts of 4096 x 4096" in handoff.choice and handoff.env == HANDOFF_ENV
+    monkeypatch.setenv(HANDOFF_ENV, "1")
+    assert handoff_by_default(1, 768, 768)
+    assert "at every batch" in _choice(be.kernel_choices(LINEARS_816B, get_profile("h200")), "down GEMV").choice
+    monkeypatch.setenv(HANDOFF_ENV, "0")
+    assert not handoff_by_default(16, 4096, 4096)
+    assert "completed, at every batch" in _choice(be.kernel_choices(LINEARS_816B, get_profile("h200")),
+                                                  "down GEMV").choice
+    assert {s.name: s for s in be.env_settings()}[HANDOFF_ENV].value == "0"
+    monkeypatch.setenv(HANDOFF_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{HANDOFF_ENV} must be 0 .never., 1 .at every batch. or unset"):
+        handoff_by_default(2, 4096, 4096)
 
 
 def test_blackwell_profile_says_the_kernels_are_unverified_there():

@@ -1,9 +1,10 @@
 """The MoE op at decode through the CUDA C++ expert GEMVs (NVRTC): one FP4 GEMV per token-expert
 assignment for gate+up+SwiGLU and one for down, then the portable Triton finalize.
 
-With ``MUSECORE_CUDA_MOE_HANDOFF=1`` the down GEMV is launched with the PDL attribute and a hand-off
-(``fp4_gemv_cuda.Handoff``): its blocks start in the gate/up GEMV's last wave, each waiting only for the gate/up
-warps of its own assignment (or run chunk). Off by default: it measured slower at batch 1 (:func:`handoff_by_default`).
+From :data:`HANDOFF_FROM_TOKENS` tokens on large experts the down GEMV is launched with the PDL attribute and a
+hand-off (``fp4_gemv_cuda.Handoff``): its blocks start in the gate/up GEMV's last wave, each waiting only for the
+gate/up warps of its own assignment (or run chunk). It loses at batch 1 and on small experts
+(:func:`handoff_by_default`); ``MUSECORE_CUDA_MOE_HANDOFF`` forces it on (``1``) or off (``0``) at every batch.
 
 From :data:`RUNS_MIN_TOKENS` tokens the assignments are sorted by expert first (one Triton program,
 ``musecore_triton.kernels.sort``), and each GEMV
@@ -110,14 +111,27 @@ UP_PER_ASSIGNMENT = {"prefetch": 1, "min_blocks": 4}
 
 
 HANDOFF_ENV = "MUSECORE_CUDA_MOE_HANDOFF"
+# Where the hand-off is on without the switch: from 2 tokens on experts of at least 4096 x 4096. 816B layer, the
+# GEMVs at every batch, same process, bit-equal (cuda_handoff_ab.py, session 66, two H100s): 0.96x at batch 1
+# (111.1 vs 106.7 us), 1.04-1.06x at 2-4 (221.6 vs 231.1 us at 2, 325.7 vs 344.2 at 3, 423.9 vs 444.0 at 4), 1.01-1.03x
+# at 6-16. muse-small's experts (768 x 768): 0.89x at batch 1, 0.96-1.02x at 2-4, 0.97x at 8, so they keep it off.
+HANDOFF_FROM_TOKENS = 2
+HANDOFF_MIN_WEIGHTS = 4096 * 4096
 
 
-def handoff_by_default() -> bool:
-    """Whether the down GEMV starts in the gate/up GEMV's last wave (``fp4_gemv_cuda.Handoff``): only with
-    ``MUSECORE_CUDA_MOE_HANDOFF=1``. Off by default: on the H200 it lost at batch 1 (816B layer 111-116 us against
-    97-99 without; muse-small decode 851 against 826 us per step) and gained ~3% at batch 4 only, in two runs
-    (backends/cuda/lab/NOTES.md, session 45)."""
-    return os.environ.get(HANDOFF_ENV, "0").strip().lower() in ("1", "on", "yes", "true")
+def handoff_by_default(tokens: int, width: int, inter: int) -> bool:
+    """Whether the down GEMV starts in the gate/up GEMV's last wave (``fp4_gemv_cuda.Handoff``) for ``tokens`` tokens
+    on experts ``gate/up [I, h]`` (``width`` h, ``inter`` I): ``MUSECORE_CUDA_MOE_HANDOFF`` (``1`` / ``0``) if set,
+    else from :data:`HANDOFF_FROM_TOKENS` tokens on experts of :data:`HANDOFF_MIN_WEIGHTS` or more. At batch 1 the
+    gate/up GEMV fits one wave, so the down blocks that start early only take its SMs (816B layer: 111 vs 107 us on
+    an H100, 111-116 vs 97-99 on the H200 in session 45)."""
+    forced = os.environ.get(HANDOFF_ENV, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{HANDOFF_ENV} must be 0 (never), 1 (at every batch) or unset (from "
+                         f"{HANDOFF_FROM_TOKENS} tokens on large experts); got {forced!r}")
+    if forced:
+        return forced == "1"
+    return tokens >= HANDOFF_FROM_TOKENS and width * inter >= HANDOFF_MIN_WEIGHTS
 
 
 def sort_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,8 +171,8 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     order, perm = sort_by_expert(flat, gate.packed.shape[0]) if on_runs else (flat, None)
     o = torch.empty(flat.numel(), width, dtype=torch.float32, device=z.device)
     hand = None
-    if (handoff_by_default() if handoff is None else handoff) and plan_up.kind == plan_down.kind == "mma" \
-            and fp4_gemv_cuda.Handoff.possible(flat.numel(), z.device):
+    on_handoff = handoff_by_default(T, width, inter) if handoff is None else handoff
+    if on_handoff and plan_up.kind == plan_down.kind == "mma" and fp4_gemv_cuda.Handoff.possible(flat.numel(), z.device):
         hand = fp4_gemv_cuda.Handoff(plan_up, inter, flat.numel(), z.device)
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
                          n=inter, k=width, out=h, plan=plan_up, ids=order, a_div=topk, packed2=up.packed,
