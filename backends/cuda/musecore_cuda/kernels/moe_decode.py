@@ -99,6 +99,8 @@ def _plans(width: int, inter: int, dtype: torch.dtype, device: torch.device, pro
             return run_up, run_down, True
     if split and up.k_warps == 1:  # one program per assignment: the gate/up GEMV in one wave (UP_PER_ASSIGNMENT)
         up = replace(up, **UP_PER_ASSIGNMENT)
+    if split and down.k_warps == 1:  # and the down GEMV with more chunks in flight (DOWN_PER_ASSIGNMENT)
+        down = replace(down, **DOWN_PER_ASSIGNMENT)
     return up, down, False
 
 
@@ -108,6 +110,12 @@ def _plans(width: int, inter: int, dtype: torch.dtype, device: torch.device, pro
 # 122.9 -> 106.6 us, at batch 4 472.5 -> 451.1 us. Only for one warp per K range (the cut measured): where warps
 # split K (muse-small's 768-wide experts) the cap spills. Runs of one expert keep their own plan (unmeasured there).
 UP_PER_ASSIGNMENT = {"prefetch": 1, "min_blocks": 4}
+# The down GEMV with one program per assignment keeps three chunks in flight (two by make_plan). Same process,
+# bit-equal, the 816B layer, with the hand-off from 2 tokens (session 66, runs 120-121 on one H100,
+# cuda_gemv_ab.py --cut dpf3:on=down,prefetch=3): 104.3 vs 106.6 us at batch 1, 219.0-219.7 vs 235.7 at 2, 314.8-323.1
+# vs 335.7-345.7 at 3 (1.02 / 1.07 / 1.07x); four in flight 1.00-1.05x, three at 4 or 5 blocks per SM 1.00-1.05x.
+# Only for one warp per K range, as UP_PER_ASSIGNMENT (muse-small's 768-wide experts split K: unmeasured there).
+DOWN_PER_ASSIGNMENT = {"prefetch": 3}
 
 
 HANDOFF_ENV = "MUSECORE_CUDA_MOE_HANDOFF"
