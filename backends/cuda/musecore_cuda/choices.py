@@ -326,7 +326,7 @@ def _expert_grouped_choice(shape: LinearShape, label: str, width: int, inter: in
     if problem is None:
         cfg = fp4_gluon_plan.pick_moe_config((limit + 1) * top_k, e, 2 * inter, width, GLUON_PLAN_SMS)
         decode = (f"; from {moe_prefill.DECODE_FROM_TOKENS} tokens ahead of the decode GEMVs on experts this large "
-                  "(H100s, 816B layer: 1.00-1.34x at 4-128 tokens, 0.94x at 2)"
+                  "(H100s, 816B layer: 1.04-1.34x at 8-128 tokens; 0.84-0.96x at 2-6 against session 66's GEMVs)"
                   if moe_prefill.takes_decode(limit + 1, width, inter) else "")
         return KernelChoice(f"{label}, T > {limit} tokens",
                             "Gluon grouped W4A16 GEMM (align, gather, gate+up+SwiGLU, down; fp4_gemm_gluon), Triton "
@@ -447,7 +447,7 @@ def env_settings() -> list[EnvSetting]:
                    "take the Gluon GEMM on SM 9.x with Triton 3.6's Gluon",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
         EnvSetting(moe_prefill.GLUON_MOE_ENV, os.environ.get(moe_prefill.GLUON_MOE_ENV), "1: NVFP4 experts beyond "
-                   "the decode GEMVs, and 816B-sized experts from 4 tokens, take the grouped Gluon GEMM on SM 9.x "
+                   "the decode GEMVs, and 816B-sized experts from 8 tokens, take the grouped Gluon GEMM on SM 9.x "
                    "with Triton 3.6's Gluon", "0 keeps the grouped Triton GEMM there and the decode GEMVs up to 128 "
                    "tokens"),
         EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "

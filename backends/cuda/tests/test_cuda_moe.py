@@ -374,7 +374,7 @@ def skewed_ids(tokens: int, experts: int, topk: int, device) -> torch.Tensor:
 def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stages):
     """Both grouped launches against each sorted row's own expert in fp32: gate/up with SwiGLU (h) and down (o),
     on routing with a multi-tile expert, empty experts and spare tiles (blk_expert -1). pick_moe_config takes
-    128 x 16 for the 816B layer up to 128 tokens (decode batches from 4 tokens, session 65) and 128 x 32 from 129 to
+    128 x 16 for the 816B layer up to 128 tokens (decode batches from 8 tokens, session 66) and 128 x 32 from 129 to
     ~630 (128 x 16, which its model ranks first at 129-289, is left out there on its times: MOE_LEFT_OUT_TILES)."""
     _needs_gluon_moe()
     from musecore_cuda.kernels import fp4_gemm_gluon
@@ -433,7 +433,7 @@ def test_be_moe_takes_the_gluon_grouped_gemm_at_decode_batches_of_816b_sized_exp
     _needs_gluon_moe()
     from musecore_cuda.kernels import moe_prefill
     monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
-    experts, topk, tokens, width = 32, 8, moe_prefill.DECODE_FROM_TOKENS, 4096  # (T - 1) * k <= E: the GEMVs below
+    experts, topk, tokens, width = 64, 8, moe_prefill.DECODE_FROM_TOKENS, 4096  # (T - 1) * k <= E: the GEMVs below
     be, prepared, reference, norm = make_layer("nvfp4", experts, width, width, torch.bfloat16, "cuda")
     weights, ids = route(tokens, experts, topk, "cuda")
     z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)

@@ -52,8 +52,11 @@ def enabled() -> bool:
 # GEMVs ran 10-25% faster than on the others): 0.94x at 2 tokens, 1.09x at 4 and 5, 1.00-1.01x at 6-16. Its fixed
 # cost (alignment, gathers, finalize) is what the GEMVs avoid, so on muse-small's experts (E 64, h = I = 768) it lost
 # at every batch measured (0.24-0.41x at 1-32 tokens, run 112): it takes decode batches only for experts of the
-# measured size and larger.
-DECODE_FROM_TOKENS = 4
+# measured size and larger. Session 66 made the GEMVs faster at 2-7 tokens (the hand-off from 2 tokens, the down GEMV
+# with three chunks in flight): on run 122's H100 the Gluon GEMM ran 0.84 / 0.89 / 0.86 / 0.89 / 0.96x them at 2 / 3 / 4
+# / 5 / 6 tokens (run 119's, with the hand-off alone: 1.01-1.05x at 3-6). From 8 tokens the GEMVs take runs of one
+# expert (no three-chunk cut there), where the Gluon GEMM led by 1.04-1.15x on every machine; so it starts at 8.
+DECODE_FROM_TOKENS = 8
 DECODE_MIN_WEIGHTS = 4096 * 4096  # elements of one expert's gate (h x I)
 
 
