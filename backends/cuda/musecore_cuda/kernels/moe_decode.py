@@ -180,7 +180,8 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     o = torch.empty(flat.numel(), width, dtype=torch.float32, device=z.device)
     hand = None
     on_handoff = handoff_by_default(T, width, inter) if handoff is None else handoff
-    if on_handoff and plan_up.kind == plan_down.kind == "mma" and fp4_gemv_cuda.Handoff.possible(flat.numel(), z.device):
+    if on_handoff and plan_up.kind == plan_down.kind == "mma" \
+            and fp4_gemv_cuda.Handoff.possible(flat.numel(), z.device):
         hand = fp4_gemv_cuda.Handoff(plan_up, inter, flat.numel(), z.device)
     fp4_gemv_cuda.launch(z, gate.packed, gate.scales, gate.out_scale, wfmt=gate.wfmt, fold_log2=gate.fold_log2,
                          n=inter, k=width, out=h, plan=plan_up, ids=order, a_div=topk, packed2=up.packed,
