@@ -24,7 +24,7 @@ from musecore.benchmarking import cycle, rotating
 from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear,
                                    fp4_gluon_linear, fp4_linear, fp4_linear_path, fp4_tiled_linear)
 from musecore_cuda.kernels import finish_workspace, fp4_gemv_cuda, fp4_gluon_plan, moe_prefill
-from musecore_cuda.kernels.moe_decode import on_runs_by_default, use_gemv
+from musecore_cuda.kernels.moe_decode import handoff_by_default, on_runs_by_default, use_gemv
 from musecore_triton.kernels.moe import moe_forward
 
 LINEAR_SHAPES = {  # name: (N, K) of the 816B preset (H 8192, 128 q heads and 16 kv heads x 64, h = I = 4096)
@@ -341,9 +341,10 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
         no_gluon = moe_prefill.unavailable_reason(z, fp4.gate, fp4.up, fp4.down)
         grouped = not use_gemv(fp4.gate, t * topk, experts, tokens=t, gluon=no_gluon is None)
         gluon = grouped and no_gluon is None
+        gemv = ("gemv runs" if on_runs_by_default(t, t * topk, experts) else "gemv") \
+            + (" + hand-off" if handoff_by_default(t, width, inter) else "")
         row = {"backend": "cuda", "case": "moe", "format": "nvfp4",
-               "path": ("grouped gluon" if gluon else "grouped triton") if grouped
-               else "gemv runs" if on_runs_by_default(t, t * topk, experts) else "gemv",
+               "path": ("grouped gluon" if gluon else "grouped triton") if grouped else gemv,
                "shape": f"E{experts} top{topk} {width}x{inter}", "M": t, "routed_experts": routed,
                "time_us": round(t_fp4, 1), "bf16_experts_time_us": round(t_bf16, 1),
                "router_time_us": round(t_router, 1), "speedup_vs_bf16": round(t_bf16 / t_fp4, 3),
