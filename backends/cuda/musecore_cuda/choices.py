@@ -402,6 +402,7 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
 
 def _handoff_choice() -> KernelChoice:
     what = "decode MoE, down GEMV after gate/up"
+    moe_decode.handoff_by_default(1, 0, 0)  # a mistyped switch is an error in the plan too, not the default's text
     forced = os.environ.get(moe_decode.HANDOFF_ENV, "").strip()
     if forced == "0":
         return KernelChoice(what, "launched after the gate/up GEMV has completed, at every batch",

@@ -377,6 +377,8 @@ def test_moe_handoff_from_2_tokens_on_large_experts_unless_forced(monkeypatch):
     monkeypatch.setenv(HANDOFF_ENV, "yes")
     with pytest.raises(ValueError, match=f"{HANDOFF_ENV} must be 0 .never., 1 .at every batch. or unset"):
         handoff_by_default(2, 4096, 4096)
+    with pytest.raises(ValueError, match=f"{HANDOFF_ENV} must be"):
+        be.kernel_choices(LINEARS_816B, get_profile("h200"))
 
 
 def test_per_assignment_cuts_reach_only_experts_whose_warps_do_not_split_k():
