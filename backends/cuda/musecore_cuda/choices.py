@@ -402,14 +402,13 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
 
 def _handoff_choice() -> KernelChoice:
     what = "decode MoE, down GEMV after gate/up"
-    moe_decode.handoff_by_default(1, 0, 0)  # a mistyped switch is an error in the plan too, not the default's text
-    forced = os.environ.get(moe_decode.HANDOFF_ENV, "").strip()
-    if forced == "0":
+    forced = moe_decode.handoff_forced()  # (a mistyped switch is an error in the plan too)
+    if forced is False:
         return KernelChoice(what, "launched after the gate/up GEMV has completed, at every batch",
                             f"{moe_decode.HANDOFF_ENV}=0", moe_decode.HANDOFF_ENV)
     how = ("hand-off: started in the gate/up GEMV's last wave (PDL attribute, SM90), each block waiting for its own "
            "assignment's gate/up warps (acquire/release counters)")
-    if forced == "1":
+    if forced:
         return KernelChoice(what, how + ", at every batch", f"{moe_decode.HANDOFF_ENV}=1", moe_decode.HANDOFF_ENV)
     return KernelChoice(what, f"{how}, from {moe_decode.HANDOFF_FROM_TOKENS} tokens on experts of 4096 x 4096 and "
                         "more; after the gate/up GEMV has completed otherwise",

@@ -127,18 +127,25 @@ HANDOFF_FROM_TOKENS = 2
 HANDOFF_MIN_WEIGHTS = 4096 * 4096
 
 
-def handoff_by_default(tokens: int, width: int, inter: int) -> bool:
-    """Whether the down GEMV starts in the gate/up GEMV's last wave (``fp4_gemv_cuda.Handoff``) for ``tokens`` tokens
-    on experts ``gate/up [I, h]`` (``width`` h, ``inter`` I): ``MUSECORE_CUDA_MOE_HANDOFF`` (``1`` / ``0``) if set,
-    else from :data:`HANDOFF_FROM_TOKENS` tokens on experts of :data:`HANDOFF_MIN_WEIGHTS` or more. At batch 1 the
-    gate/up GEMV fits one wave, so the down blocks that start early only take its SMs (816B layer: 111 vs 107 us on
-    an H100, 111-116 vs 97-99 on the H200 in session 45)."""
+def handoff_forced() -> Optional[bool]:
+    """``MUSECORE_CUDA_MOE_HANDOFF``: True (``1``: at every batch), False (``0``: never) or None (unset: the rule of
+    :func:`handoff_by_default`); any other value is a ValueError."""
     forced = os.environ.get(HANDOFF_ENV, "").strip()
     if forced not in ("", "0", "1"):
         raise ValueError(f"{HANDOFF_ENV} must be 0 (never), 1 (at every batch) or unset (from "
                          f"{HANDOFF_FROM_TOKENS} tokens on large experts); got {forced!r}")
-    if forced:
-        return forced == "1"
+    return None if not forced else forced == "1"
+
+
+def handoff_by_default(tokens: int, width: int, inter: int) -> bool:
+    """Whether the down GEMV starts in the gate/up GEMV's last wave (``fp4_gemv_cuda.Handoff``) for ``tokens`` tokens
+    on experts ``gate/up [I, h]`` (``width`` h, ``inter`` I): as :func:`handoff_forced` says if the switch is set,
+    else from :data:`HANDOFF_FROM_TOKENS` tokens on experts of :data:`HANDOFF_MIN_WEIGHTS` or more. At batch 1 the
+    gate/up GEMV fits one wave, so the down blocks that start early only take its SMs (816B layer: 111 vs 107 us on
+    an H100, 111-116 vs 97-99 on the H200 in session 45)."""
+    forced = handoff_forced()
+    if forced is not None:
+        return forced
     return tokens >= HANDOFF_FROM_TOKENS and width * inter >= HANDOFF_MIN_WEIGHTS
 
 
