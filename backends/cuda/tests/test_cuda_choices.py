@@ -383,14 +383,17 @@ def test_moe_handoff_from_2_tokens_on_large_experts_unless_forced(monkeypatch):
 
 def test_per_assignment_cuts_reach_only_experts_whose_warps_do_not_split_k():
     """One program per assignment: the 816B experts' gate/up GEMV fits one wave at one chunk in flight and the down
-    GEMV keeps three; muse-small's 768-wide experts (warps splitting K, never measured with those cuts) keep
-    make_plan's."""
+    GEMV keeps three (on runs too); muse-small's 768-wide experts (never measured with those cuts) keep make_plan's."""
     from musecore_cuda.kernels import moe_decode
     cpu = torch.device("cpu")
     up, down, runs = moe_decode._plans(4096, 4096, torch.bfloat16, cpu, 16, False)
     assert not runs and (up.prefetch, up.min_blocks, down.prefetch) == (1, 4, 3), (up, down)
     up, down, _ = moe_decode._plans(768, 768, torch.bfloat16, cpu, 16, False)
     assert up.k_warps > 1 and down.k_warps > 1 and (up.prefetch, up.min_blocks, down.prefetch) == (2, 0, 2), (up, down)
+    up, down, runs = moe_decode._plans(4096, 4096, torch.bfloat16, cpu, 64, True)  # runs: the down cut only
+    assert runs and (up.prefetch, up.min_blocks, down.prefetch) == (2, 0, 3) and down.m > 1, (up, down)
+    up, down, runs = moe_decode._plans(768, 768, torch.bfloat16, cpu, 128, True)  # muse-small's runs: unmeasured
+    assert runs and down.k_warps == 1 and (up.prefetch, down.prefetch) == (2, 2), (up, down)
 
 
 def test_blackwell_profile_says_the_kernels_are_unverified_there():

@@ -38,10 +38,11 @@ def decode_kernel_names() -> list[str]:
         for programs in (8, 64):  # the 816B MoE decode (4096 x 4096 experts) at batch 1 and 8
             up = fp4_gemv_cuda.make_plan(1, 4096, 4096, torch.bfloat16, CUDA, programs=programs, swiglu=True)
             down = fp4_gemv_cuda.make_plan(1, 4096, 4096, torch.bfloat16, CUDA, programs=programs)
-            for width in (4096, 768):  # what moe_decode runs (one program per assignment): 816B and muse-small
-                per_up, per_down, _ = moe_decode._plans(width, width, torch.bfloat16, CUDA, programs, False)
-                names |= {fp4_gemv_cuda.plan_kernel_name(p, wfmt, True, sw, early=e)
-                          for p, sw in ((per_up, True), (per_down, False)) for e in (False, True)}
+            for width in (4096, 768):  # what moe_decode runs (per assignment, on runs): 816B and muse-small
+                for ask_runs in (False, True):
+                    per_up, per_down, runs = moe_decode._plans(width, width, torch.bfloat16, CUDA, programs, ask_runs)
+                    names |= {fp4_gemv_cuda.plan_kernel_name(p, wfmt, True, sw, early=e, runs=runs)
+                              for p, sw in ((per_up, True), (per_down, False)) for e in (False, True)}
             for plan, swiglu in ((up, True), (down, False)):
                 runs = fp4_gemv_cuda.run_plan(plan, 4096, swiglu=swiglu)
                 for p, on_runs in ((plan, False), (runs, True)) if runs else ((plan, False),):

@@ -96,6 +96,8 @@ def _plans(width: int, inter: int, dtype: torch.dtype, device: torch.device, pro
     if runs and split:
         run_up, run_down = fp4_gemv_cuda.run_plan(up, width, swiglu=True), fp4_gemv_cuda.run_plan(down, inter)
         if run_up and run_down:
+            if run_down.k_warps == 1 and width * inter >= DOWN_ON_RUNS_MIN_WEIGHTS:  # as DOWN_PER_ASSIGNMENT
+                run_down = replace(run_down, **DOWN_PER_ASSIGNMENT)
             return run_up, run_down, True
     if split and up.k_warps == 1:  # one program per assignment: the gate/up GEMV in one wave (UP_PER_ASSIGNMENT)
         up = replace(up, **UP_PER_ASSIGNMENT)
@@ -116,6 +118,11 @@ UP_PER_ASSIGNMENT = {"prefetch": 1, "min_blocks": 4}
 # vs 335.7-345.7 at 3 (1.02 / 1.07 / 1.07x); four in flight 1.00-1.05x, three at 4 or 5 blocks per SM 1.00-1.05x.
 # Only for one warp per K range, as UP_PER_ASSIGNMENT (muse-small's 768-wide experts split K: unmeasured there).
 DOWN_PER_ASSIGNMENT = {"prefetch": 3}
+# The runs' down GEMV (5 staged rows on the 816B layer) takes the same cut: 127 registers, 4 blocks per SM, no spill;
+# 809.3 vs 879.9 us at batch 8, 1334.1 vs 1439.6 at 16 (1.09 / 1.08x, bit-equal; session 67, run 125, one H100,
+# MUSECORE_CUDA_GLUON_MOE=0 cuda_gemv_ab.py --batches 8,16 --cut dpf3:on=down,prefetch=3). Measured only there:
+# muse-small's runs (768 x 768, 8 staged rows, one warp per K range too) keep make_plan's two chunks.
+DOWN_ON_RUNS_MIN_WEIGHTS = 4096 * 4096
 
 
 HANDOFF_ENV = "MUSECORE_CUDA_MOE_HANDOFF"
