@@ -117,7 +117,8 @@ def compile_grouped(cfg, swiglu: bool):
            "s_ptr": "*i64", "s2_ptr": "*i64", "stride_s": "i32", "out_scale_ptr": "*fp32", "out_scale2_ptr": "*fp32",
            "blk_expert_ptr": "*i32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32"}
     const = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "GROUP_M": cfg.group_m,
-             "FOLD": 9, "SWIGLU": swiglu, "num_warps": cfg.num_warps}
+             "FOLD": 9, "SWIGLU": swiglu, "num_warps": cfg.num_warps, "PAIR": 2 if cfg.pair else 1,
+             "LATE": cfg.late, "AHEAD": cfg.ahead}
     names = list(fn.arg_names)
     for name in const:
         sig[name] = "constexpr"

@@ -314,10 +314,17 @@ def test_moe_gemv_rule_gives_way_to_the_grouped_gluon_gemm_from_8_tokens_on_larg
 
 def test_pick_moe_config_takes_128x16_up_to_1024_assignments_and_128x32_beyond():
     """Session 65 (H100, runs 110-112): 128 x 16 1.025-1.058x 128 x 32 at 1-128 tokens of the 816B layer; from 129
-    tokens it is left out (a wash at 160-256, run 96)."""
-    for t in (1, 6, 8, 16, 64, 128):
+    tokens it is left out (a wash at 160-256, run 96). Up to 16 tokens it runs the consumer variants (session 67, run
+    126: 1.02-1.03x at 4-16 tokens); past them, and on muse-small's experts, the plain launch (unmeasured there)."""
+    for t in (1, 6, 8, 16):
+        assert (fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132).label()
+                == "128,16,1,8,packed,1,pair,late,ahead2"), t
+        assert fp4_gluon_plan.pick_moe_config(t * 8, 64, 1536, 768, 132).label() == "128,16,1,4,packed", t
+    for t in (17, 64, 128):
         assert fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132).label() == "128,16,1,4,packed", t
     assert fp4_gluon_plan.pick_moe_config(1025, 256, 8192, 4096, 132).label() == "128,32,1,4,packed"
+    odd = fp4_gluon_plan.pick_moe_config(64, 256, 2 * 4224, 4224, 132)  # 33 chunks of K: no pairs
+    assert not odd.pair and odd.label() == "128,16,1,4,packed", odd
 
 
 def test_dense_linear_takes_the_gemv_only_on_small_weights(choices):

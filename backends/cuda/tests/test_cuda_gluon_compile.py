@@ -41,6 +41,8 @@ SWEPT = ("128,256,1,3,packed", "128,128,1,4,packed", "64,128,1,4,packed,1,persis
          "64,16,8,8,packed,1,finish,pair,late,ahead2,rezero", "128,64,4,8,packed,1,finish,pair,late,ahead2,rezero")
 GROUPED = tuple(f"grouped:{GluonConfig(bn, bm, 1, 3 if bm == 256 else 4, upcast='packed').label()}"
                 for bn, bm in ((64, 16), (64, 64), (64, 128), (64, 256), (128, 16), (128, 32), (128, 64), (128, 256)))
+GROUPED += ("grouped:128,16,1,8,packed,1,pair,late,ahead2", "grouped:128,32,1,8,packed,1,pair,late,ahead2",
+            "grouped:128,16,1,4,packed,1,late,ahead2")  # the linear's consumer variants (session 67's MoE decode cuts)
 
 
 @functools.lru_cache(maxsize=1)

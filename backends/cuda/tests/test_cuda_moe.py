@@ -368,6 +368,19 @@ def skewed_ids(tokens: int, experts: int, topk: int, device) -> torch.Tensor:
     return torch.cat([torch.zeros(tokens, 1, dtype=torch.long, device=device), others], dim=1)
 
 
+def _grouped_launches(xs: torch.Tensor, blk_expert: torch.Tensor, prepared, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both grouped launches on sorted, aligned rows ``xs``: gate/up with SwiGLU (h), then down (o), into outputs
+    filled with NaN (a row the kernel skips stays NaN)."""
+    from musecore_cuda.kernels import fp4_gemm_gluon
+    g, u, d = prepared.gate, prepared.up, prepared.down
+    h = torch.full((xs.shape[0], g.out_features), float("nan"), device=xs.device, dtype=torch.bfloat16)
+    fp4_gemm_gluon.launch_grouped(xs, blk_expert, (g.packed, g.scales, g.out_scale), h, fold_log2=g.fold_log2, cfg=cfg,
+                                  stack2=(u.packed, u.scales, u.out_scale))
+    o = torch.full((xs.shape[0], d.out_features), float("nan"), device=xs.device, dtype=torch.bfloat16)
+    fp4_gemm_gluon.launch_grouped(h, blk_expert, (d.packed, d.scales, d.out_scale), o, fold_log2=d.fold_log2, cfg=cfg)
+    return h, o
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n,block_m,stages", [(64, 16, 4), (64, 64, 4), (64, 128, 4), (64, 256, 3), (128, 16, 4),
                                                    (128, 32, 4), (128, 64, 4), (128, 256, 3)])
@@ -386,12 +399,7 @@ def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stag
     rows = sorted_ids.numel()
     z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
     xs = z.index_select(0, (sorted_ids // topk).clamp(max=tokens - 1))
-    g, u, d = prepared.gate, prepared.up, prepared.down
-    h = torch.full((rows, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
-    fp4_gemm_gluon.launch_grouped(xs, blk_expert, (g.packed, g.scales, g.out_scale), h, fold_log2=g.fold_log2, cfg=cfg,
-                                  stack2=(u.packed, u.scales, u.out_scale))
-    o = torch.full((rows, width), float("nan"), device="cuda", dtype=torch.bfloat16)
-    fp4_gemm_gluon.launch_grouped(h, blk_expert, (d.packed, d.scales, d.out_scale), o, fold_log2=d.fold_log2, cfg=cfg)
+    h, o = _grouped_launches(xs, blk_expert, prepared, cfg)
     real = (sorted_ids < tokens * topk).nonzero().squeeze(1)
     expert = blk_expert[real // block_m].long()
     assert (expert >= 0).all()
@@ -402,6 +410,30 @@ def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stag
     o_ref = torch.einsum("rk,rnk->rn", h[real].float(), reference.down[expert])
     assert_nmse(o_ref, o[real].float(), tolerance("linear"), f"grouped down {cfg.label()}")
     assert not o[real].isnan().any() and not h[real].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cut", ["128,16,1,8,packed,1,pair,late,ahead2", "128,32,1,8,packed,1,pair,late,ahead2",
+                                 "128,16,1,4,packed,1,late,ahead2", "64,16,1,6,packed,1,pair,late", "128,16,1,8,packed"])
+def test_gluon_grouped_consumer_variants_give_the_plain_launchs_bits(cut):
+    """The linear's consumer variants in the grouped kernel (paired ring stages, late release, scale words two
+    chunks ahead; session 67) and a deeper ring: the same bits as the plain launch of that tile, on 4 and 6 chunks of
+    K (pairs need an even number) with a multi-tile expert, empty experts and spare tiles."""
+    _needs_gluon_moe()
+    cfg = fp4_gluon_plan.GluonConfig.parse(cut)
+    experts, topk, tokens, width, inter = 6, 2, 150, 512, 768
+    _, prepared, _, _ = make_layer("nvfp4", experts, width, inter, torch.bfloat16, "cuda")
+    ids = skewed_ids(tokens, experts, topk, "cuda")
+    sorted_ids, blk_expert, _ = align_assignments(ids, experts, cfg.block_m)
+    z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    xs = z.index_select(0, (sorted_ids // topk).clamp(max=tokens - 1))
+    plain = fp4_gluon_plan.GluonConfig(cfg.block_n, cfg.block_m, 1, 4, upcast="packed")
+    real = (sorted_ids < tokens * topk).nonzero().squeeze(1)
+    for what, got, want in zip(("gate/up", "down"), _grouped_launches(xs, blk_expert, prepared, cfg),
+                               _grouped_launches(xs, blk_expert, prepared, plain)):
+        assert not want[real].isnan().any()
+        diff = (got[real].float() - want[real].float()).abs().max().item()
+        assert torch.equal(got[real], want[real]), f"{cut} {what}: max |diff| {diff} against {plain.label()}"
 
 
 @pytest.mark.gpu
@@ -540,5 +572,8 @@ def test_gluon_grouped_launch_refuses_what_it_cannot_run():
                                                                         persistent=cut[4:] == (True,)))
     with pytest.raises(ValueError, match="stack must be contiguous"):
         fp4_gemm_gluon.check_grouped(x, tiles, (g.packed, g.scales[..., :4], g.out_scale), out, fold_log2=9, cfg=cfg)
+    with pytest.raises(ValueError, match="even number of 128-element chunks; K=128"):
+        fp4_gemm_gluon.check_grouped(x, tiles, stack, out, fold_log2=9,
+                                     cfg=fp4_gluon_plan.GluonConfig(64, 16, 1, 4, upcast="packed", pair=True))
     with pytest.raises(ValueError, match="output"):
         fp4_gemm_gluon.check_grouped(x, tiles, stack, out[:, :64], fold_log2=9, cfg=cfg)

@@ -13,7 +13,8 @@ timed, and a cut that fails to compile or run is recorded with its error. It dec
         [--block-ms 16,32,64,128,256] [--block-ns 64,128] [--layer 816b|small] [--out cuda_gluon_moe_probe.json]
 
 ``--layer small`` (session 65) runs muse-small's MoE layer (E 64, h = I = 768) instead; ``--align-ab`` times each
-cut also with ``align_assignments``' PyTorch ops (before its one-program kernel).
+cut also with ``align_assignments``' PyTorch ops (before its one-program kernel); ``--cuts`` (session 67) times
+literal launches too (``GluonConfig`` labels separated by ``;``: the linear's consumer variants, deeper rings).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     p.add_argument("--layer", choices=("816b", "small"), default="816b", help="small: muse-small's MoE layer")
     p.add_argument("--align-ab", action="store_true", help="each cut also with align_assignments' PyTorch ops (the "
                    "path before session 65's one-program kernel): torch_align_us")
+    p.add_argument("--cuts", type=lambda v: [c for c in v.split(";") if c], default=[],
+                   help="more launches, GluonConfig labels separated by ';' (e.g. 128,16,1,8,packed,1,pair,late,ahead2)")
     p.add_argument("--out", default="cuda_gluon_moe_probe.json")
     args = p.parse_args()
     layer = LayerSmall() if args.layer == "small" else Layer816B()
@@ -74,9 +77,10 @@ def main() -> None:
                "gemv_us": t_gemv and round(t_gemv, 1)}
         tiles = list(itertools.product(map(int, args.block_ns.split(",")), map(int, args.block_ms.split(","))))
         tiles += [] if (picked.block_n, picked.block_m) in tiles else [(picked.block_n, picked.block_m)]  # always timed
-        for block_n, block_m in tiles:
-            cfg = fp4_gluon_plan.GluonConfig(block_n, block_m, 1, fp4_gluon_plan.ring_stages(block_m, block_n),
-                                             upcast="packed")
+        cfgs = [fp4_gluon_plan.GluonConfig(bn, bm, 1, fp4_gluon_plan.ring_stages(bm, bn), upcast="packed")
+                for bn, bm in tiles] + [fp4_gluon_plan.GluonConfig.parse(c) for c in args.cuts]
+        for cfg in cfgs:
+            block_n, block_m = cfg.block_n, cfg.block_m
 
             def gluon() -> torch.Tensor:
                 return moe_prefill.moe_forward_gluon(z, weights, ids, fp4.gate, fp4.up, fp4.down, E, norm, 1e-8,

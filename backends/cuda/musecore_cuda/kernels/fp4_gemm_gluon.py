@@ -691,7 +691,8 @@ def fp4_gluon_persistent_kernel(w_desc, x_desc, s_ptr, stride_s, out_scale_ptr, 
 def fp4_gluon_moe_kernel(w_desc, w2_desc, x_desc, s_ptr, s2_ptr, stride_s, out_scale_ptr, out_scale2_ptr,
                          blk_expert_ptr, c_ptr, stride_cm, M, N, K,
                          BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                         FOLD: gl.constexpr, SWIGLU: gl.constexpr, num_warps: gl.constexpr):
+                         FOLD: gl.constexpr, SWIGLU: gl.constexpr, num_warps: gl.constexpr, PAIR: gl.constexpr = 1,
+                         LATE: gl.constexpr = False, AHEAD: gl.constexpr = 1):
     """The grouped (MoE) GEMM on the same mainloop: ``X [M, K]`` holds the token-expert assignments sorted by expert,
     each expert's segment padded to a multiple of ``BLOCK_M`` rows, and token tile ``t`` belongs to expert
     ``blk_expert[t]`` (-1: past the last used tile; its programs return at once). The weights are an expert stack
@@ -701,7 +702,8 @@ def fp4_gluon_moe_kernel(w_desc, w2_desc, x_desc, s_ptr, s2_ptr, stride_s, out_s
     program's tile holds ``BLOCK_N / 2`` rows of each (its ring stage gets two TMA boxes), and the epilogue pairs
     them through shared memory in fp32 (MODEL.md's SwiGLU in fp32, then rounded once to ``c_ptr``'s dtype).
     Otherwise ``C[M, N] = X @ W[e]^T``. ``N`` must be a multiple of the output tile (the host checks it): no
-    program's rows cross into the next expert's."""
+    program's rows cross into the next expert's. ``PAIR``, ``LATE`` and ``AHEAD``: the linear's consumer variants
+    (:func:`_mainloop_packed`; the same bits)."""
     OUT_N: gl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
     pid_m, pid_n = _tile(gl.program_id(0), M // BLOCK_M, N // OUT_N, GROUP_M)
     expert = gl.load(blk_expert_ptr + pid_m)
@@ -711,12 +713,13 @@ def fp4_gluon_moe_kernel(w_desc, w2_desc, x_desc, s_ptr, s2_ptr, stride_s, out_s
     off_n = expert * N + pid_n * OUT_N  # the tile's first row in the [E * N, K/2] stack
     n_chunks = K // CHUNK_K
 
-    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, BLOCK_N, STAGES)
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, BLOCK_N, STAGES, PAIR)
     HALF: gl.constexpr = OUT_N if SWIGLU else 0
     acc, = gl.warp_specialize([
         (_consumer_packed, (w_smem, x_smem, ready, empty, s_ptr, s2_ptr, stride_s, off_n, expert * N + N, 0,
-                            n_chunks, BLOCK_N, BLOCK_M, STAGES, FOLD, HALF, num_warps)),
-        (_loader, (w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, 0, n_chunks, STAGES, HALF)),
+                            n_chunks, BLOCK_N, BLOCK_M, STAGES, FOLD, HALF, num_warps, PAIR, LATE, AHEAD)),
+        (_loader, (w_desc, w2_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, 0, n_chunks, STAGES, HALF,
+                   PAIR)),
     ], [1], [40])
 
     if SWIGLU:
@@ -845,6 +848,8 @@ def check_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: 
         raise ValueError(f"the grouped Gluon GEMM needs K % {CHUNK_K.value} == 0 (K={k}), N a multiple of {out_n} "
                          f"(N={n}), rows a multiple of block_m {cfg.block_m} (rows={rows}) and one expert per token "
                          f"tile (blk_expert {tuple(blk_expert.shape)})")
+    if cfg.pair and (k // CHUNK_K.value) % 2:
+        raise ValueError(f"paired ring stages need an even number of {CHUNK_K.value}-element chunks; K={k}")
     if blk_expert.dtype != torch.int32 or out.shape != (rows, n) or out.stride(-1) != 1:
         raise ValueError(f"expected int32 blk_expert and an output [{rows}, {n}] contiguous along N; got "
                          f"{blk_expert.dtype}, {tuple(out.shape)} {out.stride()}")
@@ -870,5 +875,6 @@ def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out:
         fp4_gluon_moe_kernel[(rows // cfg.block_m * (n // out_n),)](
             w_desc, w2_desc, x_desc, words, words2, words.stride(0), stack[2], scale2, blk_expert, out, out.stride(0),
             rows, n, k, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-            FOLD=fold_log2, SWIGLU=stack2 is not None, num_warps=cfg.num_warps)
+            FOLD=fold_log2, SWIGLU=stack2 is not None, num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1,
+            LATE=cfg.late, AHEAD=cfg.ahead)
     return out

@@ -308,15 +308,33 @@ def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int
     the H200 (run 80, the 816B layer) it picks the measured best of six tiles at 1024 and 8192 tokens: 128 x 64 and
     128 x 256; its times run 0.9-1.4x under the measured ones. From 129 tokens to ~630 it picks 128 x 32: on an H100
     (run 91) the fastest of six tiles swept at 160, 256 and 512 tokens (1.7-2.4x the grouped Triton GEMM, 2.3-2.8x the
-    BF16 experts); up to 128 tokens 128 x 16 (session 65). The tiles of :data:`MOE_LEFT_OUT_TILES` are left out from
-    their number of assignments."""
+    BF16 experts); up to 128 tokens 128 x 16 (session 65), with the consumer variants of :data:`MOE_PAIRED_TILES`
+    on the 816B experts (session 67). The tiles of :data:`MOE_LEFT_OUT_TILES` are left out from their number of
+    assignments."""
     if n_assign < 1 or experts < 1 or rows_out % 128 or k % CHUNK_K:
         raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 128 and K of "
                          f"{CHUNK_K}; got {n_assign}, {experts}, {rows_out}, {k}")
     tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS
              if n_assign < MOE_LEFT_OUT_TILES.get((bn, bm), n_assign + 1)]
     block_n, block_m = min(tiles, key=lambda t: predicted_moe_us(n_assign, experts, rows_out, k, t[1], sms, t[0]))
-    return GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
+    cfg = GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
+    inter = rows_out // 2  # the down GEMM's K: the same launch serves it, so its chunks must pair too
+    paired = _paired(cfg)
+    if ((block_n, block_m) in MOE_PAIRED_TILES and n_assign <= MOE_PAIRED_MAX_ASSIGNMENTS
+            and k * inter >= MOE_PAIRED_MIN_WEIGHTS and (k // CHUNK_K) % 2 == 0 and (inter // CHUNK_K) % 2 == 0 and paired.smem_bytes() <= SMEM_BYTES):
+        return paired
+    return cfg
+
+
+# The grouped tiles that take the linear's consumer variants (paired stages on an 8-stage ring, late release, scale
+# words two chunks ahead: _paired), and from which expert size. The 816B layer's decode batches, same process (session
+# 67, run 126, one H100): 128 x 16 at 4 / 8 / 16 tokens 453.3 / 744.7 / 1190.2 us against 461.2 / 757.5 / 1226.3 on
+# four stages (1.02 / 1.02 / 1.03x); the 8-stage ring alone 0.96-0.98x, late release and scales ahead alone 0.96-0.97x
+# (as for the linear: only all three together win). Other tiles, smaller experts and 128 x 16 past 16 tokens of top-8
+# (its prefill range, 17-128 tokens) are unmeasured with them and keep the plain launch.
+MOE_PAIRED_TILES = {(128, 16)}
+MOE_PAIRED_MIN_WEIGHTS = 4096 * 4096
+MOE_PAIRED_MAX_ASSIGNMENTS = 128
 
 
 def predicted_moe_us(n_assign: int, experts: int, rows_out: int, k: int, block_m: int, sms: int,
