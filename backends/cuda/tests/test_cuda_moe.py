@@ -390,13 +390,11 @@ def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stag
     128 x 16 for the 816B layer up to 128 tokens (decode batches from 8 tokens, session 66) and 128 x 32 from 129 to
     ~630 (128 x 16, which its model ranks first at 129-289, is left out there on its times: MOE_LEFT_OUT_TILES)."""
     _needs_gluon_moe()
-    from musecore_cuda.kernels import fp4_gemm_gluon
     experts, topk, tokens, width, inter = 6, 2, 150, 256, 384
     _, prepared, reference, _ = make_layer("nvfp4", experts, width, inter, torch.bfloat16, "cuda")
     ids = skewed_ids(tokens, experts, topk, "cuda")
     cfg = fp4_gluon_plan.GluonConfig(block_n, block_m, 1, stages, upcast="packed")
     sorted_ids, blk_expert, _ = align_assignments(ids, experts, block_m)
-    rows = sorted_ids.numel()
     z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
     xs = z.index_select(0, (sorted_ids // topk).clamp(max=tokens - 1))
     h, o = _grouped_launches(xs, blk_expert, prepared, cfg)
@@ -414,7 +412,8 @@ def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stag
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cut", ["128,16,1,8,packed,1,pair,late,ahead2", "128,32,1,8,packed,1,pair,late,ahead2",
-                                 "128,16,1,4,packed,1,late,ahead2", "64,16,1,6,packed,1,pair,late", "128,16,1,8,packed"])
+                                 "128,16,1,4,packed,1,late,ahead2", "64,16,1,6,packed,1,pair,late",
+                                 "128,16,1,8,packed"])
 def test_gluon_grouped_consumer_variants_give_the_plain_launchs_bits(cut):
     """The linear's consumer variants in the grouped kernel (paired ring stages, late release, scale words two
     chunks ahead; session 67) and a deeper ring: the same bits as the plain launch of that tile, on 4 and 6 chunks of

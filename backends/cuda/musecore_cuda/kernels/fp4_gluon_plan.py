@@ -321,7 +321,8 @@ def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int
     inter = rows_out // 2  # the down GEMM's K: the same launch serves it, so its chunks must pair too
     paired = _paired(cfg)
     if ((block_n, block_m) in MOE_PAIRED_TILES and n_assign <= MOE_PAIRED_MAX_ASSIGNMENTS
-            and k * inter >= MOE_PAIRED_MIN_WEIGHTS and (k // CHUNK_K) % 2 == 0 and (inter // CHUNK_K) % 2 == 0 and paired.smem_bytes() <= SMEM_BYTES):
+            and k * inter >= MOE_PAIRED_MIN_WEIGHTS and (k // CHUNK_K) % 2 == 0 and (inter // CHUNK_K) % 2 == 0
+            and paired.smem_bytes() <= SMEM_BYTES):
         return paired
     return cfg
 
