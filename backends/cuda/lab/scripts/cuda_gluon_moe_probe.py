@@ -48,7 +48,8 @@ def main() -> None:
     p.add_argument("--align-ab", action="store_true", help="each cut also with align_assignments' PyTorch ops (the "
                    "path before session 65's one-program kernel): torch_align_us")
     p.add_argument("--cuts", type=lambda v: [c for c in v.split(";") if c], default=[],
-                   help="more launches: GluonConfig labels separated by ';' (e.g. 128,16,1,8,packed,1,pair,late,ahead2)")
+                   help="more launches: GluonConfig labels separated by ';' "
+                   "(e.g. 128,16,1,8,packed,1,pair,late,ahead2)")
     p.add_argument("--out", default="cuda_gluon_moe_probe.json")
     args = p.parse_args()
     layer = LayerSmall() if args.layer == "small" else Layer816B()
