@@ -328,12 +328,15 @@ def _expert_grouped_choice(shape: LinearShape, label: str, width: int, inter: in
         decode = (f"; from {moe_prefill.DECODE_FROM_TOKENS} tokens ahead of the decode GEMVs on experts this large "
                   "(H100s, 816B layer: 1.04-1.34x at 8-128 tokens; 0.84-0.96x at 2-6 against session 66's GEMVs)"
                   if moe_prefill.takes_decode(limit + 1, width, inter) else "")
+        variant = (f" with paired ring stages, late release and scale words two chunks ahead up to "
+                   f"{fp4_gluon_plan.MOE_PAIRED_MAX_ASSIGNMENTS // top_k} tokens (1.02-1.03x, H100, 816B layer)"
+                   if cfg.pair else "")
         return KernelChoice(f"{label}, T > {limit} tokens",
                             "Gluon grouped W4A16 GEMM (align, gather, gate+up+SwiGLU, down; fp4_gemm_gluon), Triton "
                             "finalize", "the dense Gluon GEMM's mainloop over the assignments sorted by expert (H200, "
                             "816B layer: 15.2 ms at 8192 tokens, 1.54x the BF16 experts, against the Triton grouped "
                             f"GEMM's 28.5; 4.6 vs 9.8 ms at 1024){decode}; tile {cfg.block_n} x {cfg.block_m} at T = "
-                            f"{limit + 1} on {GLUON_PLAN_SMS} SMs (SM count and Gluon checked at load)",
+                            f"{limit + 1}{variant} on {GLUON_PLAN_SMS} SMs (SM count and Gluon checked at load)",
                             env=moe_prefill.GLUON_MOE_ENV)
     return KernelChoice(f"{label}, T > {limit} tokens", "Triton grouped W4A16 GEMM (align, gate+up+SwiGLU, down, "
                         "finalize)", f"each routed expert streamed once per block of its tokens; "

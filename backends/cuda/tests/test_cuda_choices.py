@@ -286,7 +286,8 @@ def test_moe_names_the_gemv_then_the_grouped_gluon_gemm_from_8_tokens_on_the_816
     assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 7 tokens").reason
     grouped = _choice(choices, "experts down", "T > 7 tokens")
     assert "Gluon grouped W4A16 GEMM" in grouped.choice and "from 8 tokens ahead of the decode GEMVs" in grouped.reason
-    assert "tile 128 x 16 at T = 8" in grouped.reason
+    assert "tile 128 x 16 at T = 8 with paired ring stages, late release and scale words two chunks ahead up to 16 " \
+        "tokens" in grouped.reason, grouped.reason
     assert not [c for c in choices if "runs of one expert" in c.choice]
 
 
