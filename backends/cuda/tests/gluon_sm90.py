@@ -127,7 +127,8 @@ def compile_grouped(cfg, swiglu: bool):
                                                                     "out_scale2_ptr", "blk_expert_ptr", "stride_cm",
                                                                     "K", "N", "M")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    options = {"num_warps": cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_info(ptx: str) -> str:

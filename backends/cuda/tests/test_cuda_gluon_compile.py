@@ -42,7 +42,8 @@ SWEPT = ("128,256,1,3,packed", "128,128,1,4,packed", "64,128,1,4,packed,1,persis
 GROUPED = tuple(f"grouped:{GluonConfig(bn, bm, 1, 3 if bm == 256 else 4, upcast='packed').label()}"
                 for bn, bm in ((64, 16), (64, 64), (64, 128), (64, 256), (128, 16), (128, 32), (128, 64), (128, 256)))
 GROUPED += ("grouped:128,16,1,8,packed,1,pair,late,ahead2", "grouped:128,32,1,8,packed,1,pair,late,ahead2",
-            "grouped:128,16,1,4,packed,1,late,ahead2")  # the linear's consumer variants (session 67's MoE decode cuts)
+            "grouped:128,16,1,4,packed,1,late,ahead2",  # the linear's consumer variants (session 67's MoE decode cuts)
+            "grouped:64,16,1,4,packed,2", "grouped:64,16,1,8,packed,2,pair,late,ahead2")  # two CTAs per SM (lab)
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,6 +61,8 @@ def test_gluon_kernels_compile_for_sm90_without_spills_within_budget(cut):
         assert r["spill_bytes"] == 0 and not r["c75"], f"{cut} {kind}: {r['ptxas']}"
         assert r["per_chunk"] <= PACKED_CHUNK_BUDGET, f"{cut} {kind}: {r['per_chunk']} SASS per chunk"
         assert r["shared"] <= 227 * 1024, f"{cut} {kind}: {r['shared']} bytes of shared memory"
+        if GluonConfig.parse(cut.removeprefix("grouped:")).ctas_per_sm == 2:  # two CTAs' registers fit one SM
+            assert "Used 128 registers" in r["ptxas"], f"{cut} {kind}: {r['ptxas']}"
         if ",finish" in cut:  # split-K finish adds 16 bytes per atomic (its layout's point), never 4
             assert r["atomics"].get("v4.f32") and not r["atomics"].get("f32"), f"{cut}: atomics {r['atomics']}"
 

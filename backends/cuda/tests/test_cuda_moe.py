@@ -413,11 +413,12 @@ def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stag
 @pytest.mark.gpu
 @pytest.mark.parametrize("cut", ["128,16,1,8,packed,1,pair,late,ahead2", "128,32,1,8,packed,1,pair,late,ahead2",
                                  "128,16,1,4,packed,1,late,ahead2", "64,16,1,6,packed,1,pair,late",
-                                 "128,16,1,8,packed"])
+                                 "128,16,1,8,packed", "64,16,1,4,packed,2", "64,16,1,8,packed,2,pair,late,ahead2"])
 def test_gluon_grouped_consumer_variants_give_the_plain_launchs_bits(cut):
     """The linear's consumer variants in the grouped kernel (paired ring stages, late release, scale words two
-    chunks ahead; session 67) and a deeper ring: the same bits as the plain launch of that tile, on 4 and 6 chunks of
-    K (pairs need an even number) with a multi-tile expert, empty experts and spare tiles."""
+    chunks ahead; session 67), a deeper ring and two CTAs per SM (128 registers): the same bits as the plain launch
+    of that tile, on 4 and 6 chunks of K (pairs need an even number) with a multi-tile expert, empty experts and
+    spare tiles."""
     _needs_gluon_moe()
     cfg = fp4_gluon_plan.GluonConfig.parse(cut)
     experts, topk, tokens, width, inter = 6, 2, 150, 512, 768

@@ -837,9 +837,9 @@ def check_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out: 
         raise TypeError(f"the grouped Gluon GEMM takes contiguous 2-D bf16 activations; got {x.dtype} "
                         f"{tuple(x.shape)}")
     rows, k = x.shape
-    if cfg.upcast != "packed" or cfg.split_k != 1 or cfg.ctas_per_sm != 1 or cfg.persistent:
-        raise ValueError(f"the grouped Gluon GEMM runs the packed upcast without split-K on one CTA per SM, one tile "
-                         f"per program; got {cfg.label()}")
+    if cfg.upcast != "packed" or cfg.split_k != 1 or cfg.persistent:
+        raise ValueError(f"the grouped Gluon GEMM runs the packed upcast without split-K, one tile per program; got "
+                         f"{cfg.label()}")
     if not 7 <= fold_log2 <= 116:
         raise ValueError(f"the packed upcast is exact for 7 <= fold_log2 <= 116; got {fold_log2}")
     n = stack[0].shape[1]
@@ -876,5 +876,5 @@ def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out:
             w_desc, w2_desc, x_desc, words, words2, words.stride(0), stack[2], scale2, blk_expert, out, out.stride(0),
             rows, n, k, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m,
             FOLD=fold_log2, SWIGLU=stack2 is not None, num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1,
-            LATE=cfg.late, AHEAD=cfg.ahead)
+            LATE=cfg.late, AHEAD=cfg.ahead, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
