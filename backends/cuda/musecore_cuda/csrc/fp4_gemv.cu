@@ -5,6 +5,8 @@
 #endif
 // MUSECORE_GEMV_CHAINS 2: the MMA kernel's accumulators in two independent chains per tile instead of four (lab A/B
 // only, cuda_gemv_ab.py --cut NAME:chains=2: 8 x tiles x token groups fewer registers, another order of the sums).
+// Measured once (session 67, run 125, H100): the MoE gate/up GEMV at two chunks in flight, 4 blocks per SM, 0.92x the
+// shipped cut at batch 1-3; not adopted.
 #ifndef MUSECORE_GEMV_CHAINS
 #define MUSECORE_GEMV_CHAINS 4
 #endif
