@@ -84,22 +84,6 @@ def test_a_plans_min_blocks_caps_the_decode_gemvs_registers(min_blocks, cap):
     assert free.registers > 128 and c.registers <= cap, (free.registers, c.registers)
 
 
-def test_the_two_chain_lab_variant_compiles_with_the_same_mmas_and_only_two_or_four_chains():
-    """``MUSECORE_GEMV_CHAINS 2`` (cuda_gemv_ab.py --cut NAME:chains=2): the MoE's per-assignment GEMVs compile
-    without spills and issue the same mmas per chunk in fewer registers; any other count is a compile error."""
-    up, down, _ = moe_decode._plans(4096, 4096, torch.bfloat16, CUDA, 16, False)
-    two = "#define MUSECORE_GEMV_CHAINS 2\n" + fp4_gemv_cuda.SOURCE
-    for plan, swiglu in ((up, True), (down, False)):
-        name = fp4_gemv_cuda.plan_kernel_name(plan, WFMT_NVFP4, True, swiglu)
-        four, c = compiled(fp4_gemv_cuda.SOURCE, name), compiled(two, name)
-        assert c.stack == 0 and c.registers < four.registers, (name, four.registers, c.registers, c.stack)
-        mmas = [nvrtc_sass.opcode_counts(x.main_loop())["HMMA"] for x in (four, c)]
-        assert mmas[0] == mmas[1] > 0, (name, mmas)
-    with pytest.raises(RuntimeError, match="MUSECORE_GEMV_CHAINS"):
-        nvrtc_sass.compile_cubin("#define MUSECORE_GEMV_CHAINS 3\n" + fp4_gemv_cuda.SOURCE,
-                                 fp4_gemv_cuda.plan_kernel_name(down, WFMT_NVFP4, True, False))
-
-
 @pytest.mark.parametrize("wfmt", [WFMT_NVFP4, WFMT_MXFP4])
 def test_dequantize_compiles_for_sm90(wfmt):
     c = compiled(fp4_gemv_cuda.SOURCE, f"fp4_dequant<{wfmt}>")

@@ -8,8 +8,7 @@ restore them with ``git show 49e7704:backends/cuda/lab/csrc/s56_variants/NAME.cu
 
 ``--cut NAME:FIELD=V,...`` (repeatable) adds a variant that runs the linears at M = 1 on another cut of the shipped
 kernel: ``GemvPlan`` fields (``split_k``, ``k_warps``, ``prefetch``, ``tile``, ``lean``, ``min_blocks``: the kernel's
-``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64), ``chains`` (2: the source compiled
-with ``MUSECORE_GEMV_CHAINS 2``, two accumulator chains per tile instead of four), and ``on`` (``linear``, the default;
+``__launch_bounds__`` minimum blocks per SM, which caps its registers: 8 -> 64), and ``on`` (``linear``, the default;
 ``up``, ``down`` or ``moe``: the 816B MoE's expert GEMVs instead, its gate/up, down or both). Session 57's question:
 the q_proj M = 1 GEMV issues its instructions in ~7 us of the 18.6 it takes, with ~4 warps per scheduler (a 512-block
 grid at 95 registers); ``--cut tlp:split_k=2,prefetch=1,min_blocks=8`` doubles its warps (1024 blocks, 8 per SM at 64
@@ -68,23 +67,18 @@ def _moe_plans_cut(width, inter, dtype, device, programs, runs):
 
 
 def add_cut(spec: str) -> None:
-    """``NAME:FIELD=V,...``: the shipped source with other plan fields (``on``: which plans; ``chains``: the MMA
-    kernel's accumulator chains, ``MUSECORE_GEMV_CHAINS`` 2 or 4, a define of the source rather than a plan field)."""
+    """``NAME:FIELD=V,...``: the shipped source with other plan fields (``on``: which plans)."""
     name, _, fields = spec.partition(":")
-    cut, on, source = {}, "linear", fp4_gemv_cuda.SOURCE
+    cut, on = {}, "linear"
     for item in filter(None, fields.split(",")):
         key, _, value = item.partition("=")
         if key == "on":
             if value not in ("linear", *MOE_ON):
                 raise SystemExit(f"--cut {spec}: on={value}? (linear, {', '.join(MOE_ON)})")
             on = value
-        elif key == "chains":
-            if value not in ("2", "4"):
-                raise SystemExit(f"--cut {spec}: chains={value}? (2 or 4)")
-            source = f"#define MUSECORE_GEMV_CHAINS {value}\n" + fp4_gemv_cuda.SOURCE
         else:
             cut[key] = value.lower() == "true" if key == "lean" else int(value)
-    SOURCES[name], CUTS[name] = source, {"on": on, "fields": cut}
+    SOURCES[name], CUTS[name] = fp4_gemv_cuda.SOURCE, {"on": on, "fields": cut}
 
 
 def _kernel(name: str):

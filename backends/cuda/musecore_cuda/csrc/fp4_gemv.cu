@@ -3,15 +3,6 @@
 #ifndef MUSECORE_GEMV_PLAIN
 #define MUSECORE_GEMV_PLAIN 0
 #endif
-// MUSECORE_GEMV_CHAINS 2: the MMA kernel's accumulators in two independent chains per tile instead of four (lab A/B
-// only, cuda_gemv_ab.py --cut NAME:chains=2: 8 x tiles x token groups fewer registers, another order of the sums).
-// Measured once (session 67, run 125, H100): the MoE gate/up GEMV at two chunks in flight, 4 blocks per SM, 0.92x the
-// shipped cut at batch 1-3; not adopted.
-#ifndef MUSECORE_GEMV_CHAINS
-#define MUSECORE_GEMV_CHAINS 4
-#endif
-static_assert(MUSECORE_GEMV_CHAINS == 2 || MUSECORE_GEMV_CHAINS == 4, "MUSECORE_GEMV_CHAINS: 2 or 4");
-constexpr int CHAINS = MUSECORE_GEMV_CHAINS;
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -439,10 +430,10 @@ __device__ __forceinline__ void half_mults(const u32 (&s)[2], int t, int fold, u
 }
 
 // Four independent accumulator chains per tile (word parity x mma of the word), so consecutive
-// mmas of a warp do not wait on each other (CHAINS 2: the mma of the word only).
+// mmas of a warp do not wait on each other.
 template <int NG, int NT, int WFMT, bool LEAN>
 __device__ __forceinline__ void stage_mma(const Stage<NT> &st, const uint4 (&b)[NG][4], int t, int fold,
-                                          float (&acc)[CHAINS][NG][NT][4]) {
+                                          float (&acc)[4][NG][NT][4]) {
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
         u32 ml0, mh0, ml1, mh1;
@@ -458,9 +449,8 @@ __device__ __forceinline__ void stage_mma(const Stage<NT> &st, const uint4 (&b)[
             decode_bf16x2(w1, ml1, mh1, a1);
 #pragma unroll
             for (int ng = 0; ng < NG; ++ng) {  // one upcast feeds every group of 8 tokens
-                constexpr int step = CHAINS == 4 ? 2 : 0;  // (q & 1) picks the chain pair only with 4 chains
-                mma16816(acc[step * (q & 1)][ng][i], a0[0], a1[0], a0[1], a1[1], b[ng][q].x, b[ng][q].y);
-                mma16816(acc[step * (q & 1) + 1][ng][i], a0[2], a1[2], a0[3], a1[3], b[ng][q].z, b[ng][q].w);
+                mma16816(acc[2 * (q & 1)][ng][i], a0[0], a1[0], a0[1], a1[1], b[ng][q].x, b[ng][q].y);
+                mma16816(acc[2 * (q & 1) + 1][ng][i], a0[2], a1[2], a0[3], a1[3], b[ng][q].z, b[ng][q].w);
             }
         }
     }
@@ -642,11 +632,11 @@ __device__ __forceinline__ void gemv_mma_body(
         has_token[ng] = ng * 8 + g < rows;
         xt[ng] = smem + (has_token[ng] ? ng * 8 + g : 0) * pairs;
     }
-    float acc[CHAINS][NG][NT][4];
+    float acc[4][NG][NT][4];
     float *sums = &acc[0][0][0][0];  // chain 0, then the final sums
     constexpr int PER = NG * NT * 4;  // accumulators per chain and thread
 #pragma unroll
-    for (int i = 0; i < CHAINS * PER; ++i) sums[i] = 0.f;
+    for (int i = 0; i < 4 * PER; ++i) sums[i] = 0.f;
     if (rows_valid) {
         for (int c0 = cw_begin; c0 < cw_end; c0 += SLOTS) {
 #pragma unroll
@@ -670,10 +660,7 @@ __device__ __forceinline__ void gemv_mma_body(
         }
     }
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        if constexpr (CHAINS == 4) sums[i] += sums[PER + i] + sums[2 * PER + i] + sums[3 * PER + i];
-        else sums[i] += sums[PER + i];
-    }
+    for (int i = 0; i < PER; ++i) sums[i] += sums[PER + i] + sums[2 * PER + i] + sums[3 * PER + i];
 
     if (KW > 1 || SPLIT > 1) {
         float *red = reinterpret_cast<float *>(smem) + m_rows * pairs;
