@@ -326,11 +326,10 @@ def _expert_grouped_choice(shape: LinearShape, label: str, width: int, inter: in
     if problem is None:
         cfg = fp4_gluon_plan.pick_moe_config((limit + 1) * top_k, e, 2 * inter, width, GLUON_PLAN_SMS)
         decode = (f"; from {moe_prefill.DECODE_FROM_TOKENS} tokens ahead of the decode GEMVs on experts this large "
-                  "(H100s, 816B layer: 1.04-1.34x at 8-128 tokens; 0.84-0.96x at 2-6 against session 66's GEMVs)"
+                  "(H100, 816B layer: 1.06-1.07x at 6-7 tokens, 1.14-1.46x at 8-128; 0.98x at 4)"
                   if moe_prefill.takes_decode(limit + 1, width, inter) else "")
-        variant = (f" with paired ring stages, late release and scale words two chunks ahead up to "
-                   f"{fp4_gluon_plan.MOE_PAIRED_MAX_ASSIGNMENTS // top_k} tokens (1.02-1.03x, H100, 816B layer)"
-                   if cfg.pair else "")
+        variant = (f" at two CTAs per SM up to {fp4_gluon_plan.MOE_TWO_CTA_MAX_ASSIGNMENTS // top_k} tokens (H100, "
+                   "816B layer: 1.03-1.08x the one-CTA tiles at 4-256 tokens)" if cfg.ctas_per_sm == 2 else "")
         return KernelChoice(f"{label}, T > {limit} tokens",
                             "Gluon grouped W4A16 GEMM (align, gather, gate+up+SwiGLU, down; fp4_gemm_gluon), Triton "
                             "finalize", "the dense Gluon GEMM's mainloop over the assignments sorted by expert (H200, "

@@ -282,12 +282,11 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
         fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed", pair=True, late=True)  # 2 pairs: no loads ahead
 
 
-def test_moe_names_the_gemv_then_the_grouped_gluon_gemm_from_8_tokens_on_the_816b_experts(choices):
-    assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 7 tokens").reason
-    grouped = _choice(choices, "experts down", "T > 7 tokens")
-    assert "Gluon grouped W4A16 GEMM" in grouped.choice and "from 8 tokens ahead of the decode GEMVs" in grouped.reason
-    assert "tile 128 x 16 at T = 8 with paired ring stages, late release and scale words two chunks ahead up to 16 " \
-        "tokens" in grouped.reason, grouped.reason
+def test_moe_names_the_gemv_then_the_grouped_gluon_gemm_from_6_tokens_on_the_816b_experts(choices):
+    assert "one program per assignment" in _choice(choices, "experts gate/up", "T <= 5 tokens").reason
+    grouped = _choice(choices, "experts down", "T > 5 tokens")
+    assert "Gluon grouped W4A16 GEMM" in grouped.choice and "from 6 tokens ahead of the decode GEMVs" in grouped.reason
+    assert "tile 64 x 16 at T = 6 at two CTAs per SM up to 256 tokens" in grouped.reason, grouped.reason
     assert not [c for c in choices if "runs of one expert" in c.choice]
 
 
@@ -301,31 +300,30 @@ def test_moe_gemv_rule_takes_more_than_e_assignments_only_on_runs():
     assert not moe_uses_gemv(16, 8, 4, 22 * 1024, 22 * 1024)  # K = 22K: not even 2 staged rows fit
 
 
-def test_moe_gemv_rule_gives_way_to_the_grouped_gluon_gemm_from_8_tokens_on_large_experts_only():
+def test_moe_gemv_rule_gives_way_to_the_grouped_gluon_gemm_from_6_tokens_on_large_experts_only():
     """Where the grouped Gluon GEMM can run it takes decode batches from DECODE_FROM_TOKENS tokens on the 816B
-    experts (sessions 65-66: 1.04-1.34x the GEMVs at 8-128 tokens, 0.84-0.96x at 2-6 against session 66's GEMVs),
-    never on muse-small's (h = I = 768: 0.24-0.41x at 1-32 tokens)."""
-    assert moe_prefill.DECODE_FROM_TOKENS == 8
-    assert moe_uses_gemv(56, 256, 7, 4096, 4096, gluon=True) and not moe_uses_gemv(64, 256, 8, 4096, 4096, gluon=True)
+    experts (session 68, H100, at two CTAs per SM: 1.06-1.07x the GEMVs at 6-7 tokens, 1.14-1.46x at 8-128, 0.98x at
+    4), never on muse-small's (h = I = 768: 0.24-0.41x at 1-32 tokens, session 65)."""
+    assert moe_prefill.DECODE_FROM_TOKENS == 6
+    assert moe_uses_gemv(40, 256, 5, 4096, 4096, gluon=True) and not moe_uses_gemv(48, 256, 6, 4096, 4096, gluon=True)
     assert not moe_uses_gemv(1024, 256, 128, 4096, 4096, gluon=True)
     assert moe_uses_gemv(48, 256, 6, 4096, 4096, gluon=False)
     for t in (4, 6, 16, 32, 128):
         assert moe_uses_gemv(t * 8, 64, t, 768, 768, gluon=True), t
 
 
-def test_pick_moe_config_takes_128x16_up_to_1024_assignments_and_128x32_beyond():
-    """Session 65 (H100, runs 110-112): 128 x 16 1.025-1.058x 128 x 32 at 1-128 tokens of the 816B layer; from 129
-    tokens it is left out (a wash at 160-256, run 96). Up to 16 tokens it runs the consumer variants (session 67, run
-    126: 1.02-1.03x at 4-16 tokens); past them, and on muse-small's experts, the plain launch (unmeasured there)."""
-    for t in (1, 6, 8, 16):
-        assert (fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132).label()
-                == "128,16,1,8,packed,1,pair,late,ahead2"), t
+def test_pick_moe_config_takes_two_ctas_per_sm_on_816b_experts_up_to_256_tokens():
+    """Session 68 (H100, runs 128-130): on the 816B layer 64 x 16 at two CTAs per SM ran 1.03-1.08x the one-CTA
+    picks at 4-256 tokens and 0.80x 128 x 32 at 512, so it takes up to 2048 assignments there. Elsewhere the model's
+    pick as in session 65: 128 x 16 up to 1024 assignments, 128 x 32 beyond; muse-small's experts keep it (unmeasured
+    at two CTAs)."""
+    for t in (1, 6, 8, 16, 64, 256):
+        cfg = fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132)
+        assert cfg == fp4_gluon_plan.MOE_TWO_CTA and cfg.label() == "64,16,1,4,packed,2", t
+    assert fp4_gluon_plan.pick_moe_config(257 * 8, 256, 8192, 4096, 132).label() == "128,32,1,4,packed"
+    for t in (1, 8):
         assert fp4_gluon_plan.pick_moe_config(t * 8, 64, 1536, 768, 132).label() == "128,16,1,4,packed", t
-    for t in (17, 64, 128):
-        assert fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132).label() == "128,16,1,4,packed", t
-    assert fp4_gluon_plan.pick_moe_config(1025, 256, 8192, 4096, 132).label() == "128,32,1,4,packed"
-    odd = fp4_gluon_plan.pick_moe_config(64, 256, 2 * 4224, 4224, 132)  # 33 chunks of K: no pairs
-    assert not odd.pair and odd.label() == "128,16,1,4,packed", odd
+    assert fp4_gluon_plan.pick_moe_config(1025, 64, 1536, 768, 132).label() == "128,32,1,4,packed"
 
 
 def test_dense_linear_takes_the_gemv_only_on_small_weights(choices):
@@ -457,7 +455,8 @@ def test_pick_moe_config_picks_run_80s_best_tiles_and_fits_shared_memory():
     (H200, run 80: 128 x 64 in 4.6 ms, 128 x 256 in 15.2 ms), split 1, within the ring's shared memory."""
     assert fp4_gluon_plan.pick_moe_config(1024 * 8, 256, 8192, 4096, 132).label() == "128,64,1,4,packed"
     assert fp4_gluon_plan.pick_moe_config(8192 * 8, 256, 8192, 4096, 132).label() == "128,256,1,3,packed"
-    for t in (129, 160, 256, 512):  # run 91 (H100): 128 x 32 the fastest tile swept at 160 / 256 / 512 tokens
+    for t in (257, 512):  # run 91 (H100): 128 x 32 the fastest tile swept at 160 / 256 / 512 tokens (until session
+        # 68's two CTAs per SM took up to 256: MOE_TWO_CTA_MAX_ASSIGNMENTS)
         assert fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132).label() == "128,32,1,4,packed", t
     for t in (129, 1024, 8192, 32768):
         cfg = fp4_gluon_plan.pick_moe_config(t * 8, 256, 8192, 4096, 132)
@@ -490,7 +489,7 @@ def test_gluon_moe_is_the_plans_choice_unless_switched_off_or_triton_is_not_3_6(
     plan = lambda: CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200"))  # noqa: E731
     monkeypatch.delenv(moe_prefill.GLUON_MOE_ENV, raising=False)
     monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: None)
-    on = _choice(plan(), "experts down", "T > 7 tokens")
+    on = _choice(plan(), "experts down", "T > 5 tokens")
     assert "Gluon grouped W4A16 GEMM" in on.choice and "15.2 ms" in on.reason and on.env == moe_prefill.GLUON_MOE_ENV
     monkeypatch.setenv(moe_prefill.GLUON_MOE_ENV, "0")  # the decode GEMVs keep T <= 128, on runs from 8 tokens
     off_plan = plan()

@@ -308,34 +308,33 @@ def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int
     the H200 (run 80, the 816B layer) it picks the measured best of six tiles at 1024 and 8192 tokens: 128 x 64 and
     128 x 256; its times run 0.9-1.4x under the measured ones. From 129 tokens to ~630 it picks 128 x 32: on an H100
     (run 91) the fastest of six tiles swept at 160, 256 and 512 tokens (1.7-2.4x the grouped Triton GEMM, 2.3-2.8x the
-    BF16 experts); up to 128 tokens 128 x 16 (session 65), with the consumer variants of :data:`MOE_PAIRED_TILES`
-    on the 816B experts (session 67). The tiles of :data:`MOE_LEFT_OUT_TILES` are left out from their number of
-    assignments."""
+    BF16 experts); up to 128 tokens 128 x 16 (session 65). On experts of the 816B layer's size and up to
+    :data:`MOE_TWO_CTA_MAX_ASSIGNMENTS` assignments it takes :data:`MOE_TWO_CTA` instead: 64 x 16 at two CTAs per SM
+    (session 68). The tiles of :data:`MOE_LEFT_OUT_TILES` are left out from their number of assignments."""
     if n_assign < 1 or experts < 1 or rows_out % 128 or k % CHUNK_K:
         raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 128 and K of "
                          f"{CHUNK_K}; got {n_assign}, {experts}, {rows_out}, {k}")
     tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS
              if n_assign < MOE_LEFT_OUT_TILES.get((bn, bm), n_assign + 1)]
     block_n, block_m = min(tiles, key=lambda t: predicted_moe_us(n_assign, experts, rows_out, k, t[1], sms, t[0]))
-    cfg = GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
-    inter = rows_out // 2  # the down GEMM's K: the same launch serves it, so its chunks must pair too
-    paired = _paired(cfg)
-    if ((block_n, block_m) in MOE_PAIRED_TILES and n_assign <= MOE_PAIRED_MAX_ASSIGNMENTS
-            and k * inter >= MOE_PAIRED_MIN_WEIGHTS and (k // CHUNK_K) % 2 == 0 and (inter // CHUNK_K) % 2 == 0
-            and paired.smem_bytes() <= SMEM_BYTES):
-        return paired
-    return cfg
+    if n_assign <= MOE_TWO_CTA_MAX_ASSIGNMENTS and k * (rows_out // 2) >= MOE_TWO_CTA_MIN_WEIGHTS:
+        return MOE_TWO_CTA
+    return GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
 
 
-# The grouped tiles that take the linear's consumer variants (paired stages on an 8-stage ring, late release, scale
-# words two chunks ahead: _paired), and from which expert size. The 816B layer's decode batches, same process (session
-# 67, run 126, one H100): 128 x 16 at 4 / 8 / 16 tokens 453.3 / 744.7 / 1190.2 us against 461.2 / 757.5 / 1226.3 on
-# four stages (1.02 / 1.02 / 1.03x); the 8-stage ring alone 0.96-0.98x, late release and scales ahead alone 0.96-0.97x
-# (as for the linear: only all three together win). Other tiles, smaller experts and 128 x 16 past 16 tokens of top-8
-# (its prefill range, 17-128 tokens) are unmeasured with them and keep the plain launch.
-MOE_PAIRED_TILES = {(128, 16)}
-MOE_PAIRED_MIN_WEIGHTS = 4096 * 4096
-MOE_PAIRED_MAX_ASSIGNMENTS = 128
+# The grouped launch at two CTAs per SM (64 weight rows and 16 tokens each, 128 registers, a 4-stage ring of 33 KB per
+# CTA: the same warps per SM as one 128-row CTA, each warpgroup with its own ring and barriers), and where it runs. The
+# 816B layer (E 256, top-8, h = I = 4096), same process, CUDA graphs (session 68, runs 128-130, one H100), us against
+# the launch picked before it (128 x 16 on 8 paired stages up to 16 tokens, 4 plain stages to 128, 128 x 32 beyond):
+# 4 / 6 / 7 / 8 / 16 tokens 422.5 / 572.2 / 669.2 / 728.4 / 1277.7 against 448.9 / 601.7 / 705.8 / 765.9 / 1328.4
+# (1.04-1.06x); 32 / 64 / 128 2036 / 2693 / 2980 against 2166 / 2831 / 3209 (1.05-1.08x); 256 3411 against 3525 (128 x
+# 32, 1.03x); at 512 tokens 4759 against 3830 (0.80x: larger tiles win from there). The consumer variants on top
+# (8 paired stages, late release, scales two ahead) moved it -1..+1.5%: not taken. The issue-bound consumer (one
+# 168-register CTA per SM, 50% of issue slots busy, run 125) is what a second CTA per SM feeds. Smaller experts
+# (muse-small's 768 x 768) are unmeasured with it and keep the model's pick.
+MOE_TWO_CTA = GluonConfig(64, 16, 1, 4, upcast="packed", ctas_per_sm=2)
+MOE_TWO_CTA_MIN_WEIGHTS = 4096 * 4096
+MOE_TWO_CTA_MAX_ASSIGNMENTS = 2048
 
 
 def predicted_moe_us(n_assign: int, experts: int, rows_out: int, k: int, block_m: int, sms: int,

@@ -55,8 +55,11 @@ def enabled() -> bool:
 # measured size and larger. Session 66 made the GEMVs faster at 2-7 tokens (the hand-off from 2 tokens, the down GEMV
 # with three chunks in flight): on run 122's H100 the Gluon GEMM ran 0.84 / 0.89 / 0.86 / 0.89 / 0.96x them at 2 / 3 / 4
 # / 5 / 6 tokens (run 119's, with the hand-off alone: 1.01-1.05x at 3-6). From 8 tokens the GEMVs take runs of one
-# expert (no three-chunk cut there), where the Gluon GEMM led by 1.04-1.15x on every machine; so it starts at 8.
-DECODE_FROM_TOKENS = 8
+# expert (no three-chunk cut there), where the Gluon GEMM led by 1.04-1.15x on every machine; so it started at 8.
+# Session 68 launched it at two CTAs per SM on these experts (fp4_gluon_plan.MOE_TWO_CTA; run 129, H100): against the
+# GEMVs 0.980 / 1.073 / 1.060x at 4 / 6 / 7 tokens (422.5 vs 413.9, 572.2 vs 613.7, 669.2 vs 709.5 us); so it starts
+# at 6 (5 unmeasured).
+DECODE_FROM_TOKENS = 6
 DECODE_MIN_WEIGHTS = 4096 * 4096  # elements of one expert's gate (h x I)
 
 
