@@ -382,18 +382,20 @@ def _grouped_launches(xs: torch.Tensor, blk_expert: torch.Tensor, prepared, cfg)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,block_m,stages", [(64, 16, 4), (64, 64, 4), (64, 128, 4), (64, 256, 3), (128, 16, 4),
-                                                   (128, 32, 4), (128, 64, 4), (128, 256, 3)])
-def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stages):
+@pytest.mark.parametrize("block_n,block_m,stages,ctas", [(64, 16, 4, 1), (64, 64, 4, 1), (64, 128, 4, 1), (64, 256, 3, 1),
+                                                        (128, 16, 4, 1), (128, 32, 4, 1), (128, 64, 4, 1),
+                                                        (128, 256, 3, 1), (64, 16, 4, 2)])
+def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stages, ctas):
     """Both grouped launches against each sorted row's own expert in fp32: gate/up with SwiGLU (h) and down (o),
     on routing with a multi-tile expert, empty experts and spare tiles (blk_expert -1). pick_moe_config takes
-    128 x 16 for the 816B layer up to 128 tokens (decode batches from 8 tokens, session 66) and 128 x 32 from 129 to
-    ~630 (128 x 16, which its model ranks first at 129-289, is left out there on its times: MOE_LEFT_OUT_TILES)."""
+    64 x 16 at two CTAs per SM for the 816B layer up to 256 tokens (decode batches from 6 tokens, session 68), and
+    elsewhere 128 x 16 up to 128 tokens and 128 x 32 from 129 to ~630 (128 x 16, which its model ranks first at
+    129-289, is left out there on its times: MOE_LEFT_OUT_TILES)."""
     _needs_gluon_moe()
     experts, topk, tokens, width, inter = 6, 2, 150, 256, 384
     _, prepared, reference, _ = make_layer("nvfp4", experts, width, inter, torch.bfloat16, "cuda")
     ids = skewed_ids(tokens, experts, topk, "cuda")
-    cfg = fp4_gluon_plan.GluonConfig(block_n, block_m, 1, stages, upcast="packed")
+    cfg = fp4_gluon_plan.GluonConfig(block_n, block_m, 1, stages, upcast="packed", ctas_per_sm=ctas)
     sorted_ids, blk_expert, _ = align_assignments(ids, experts, block_m)
     z = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
     xs = z.index_select(0, (sorted_ids // topk).clamp(max=tokens - 1))
