@@ -450,8 +450,8 @@ def env_settings() -> list[EnvSetting]:
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
         EnvSetting(moe_prefill.GLUON_MOE_ENV, os.environ.get(moe_prefill.GLUON_MOE_ENV), "1: NVFP4 experts beyond "
                    f"the decode GEMVs, and 816B-sized experts from {moe_prefill.DECODE_FROM_TOKENS} tokens, take the "
-                   "grouped Gluon GEMM on SM 9.x with Triton 3.6's Gluon", "0 keeps the grouped Triton GEMM there and the decode GEMVs up to 128 "
-                   "tokens"),
+                   "grouped Gluon GEMM on SM 9.x with Triton 3.6's Gluon",
+                   "0 keeps the grouped Triton GEMM there and the decode GEMVs up to 128 tokens"),
         EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "
                    "attention sublayers in 4, at one-token decode; the decode embed in 1",
                    "0 runs the separate ops (10, 7 and ~18 launches)"),

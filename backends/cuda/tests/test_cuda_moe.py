@@ -382,9 +382,9 @@ def _grouped_launches(xs: torch.Tensor, blk_expert: torch.Tensor, prepared, cfg)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,block_m,stages,ctas", [(64, 16, 4, 1), (64, 64, 4, 1), (64, 128, 4, 1), (64, 256, 3, 1),
-                                                        (128, 16, 4, 1), (128, 32, 4, 1), (128, 64, 4, 1),
-                                                        (128, 256, 3, 1), (64, 16, 4, 2)])
+@pytest.mark.parametrize("block_n,block_m,stages,ctas", [(64, 16, 4, 1), (64, 64, 4, 1), (64, 128, 4, 1),
+                                                        (64, 256, 3, 1), (128, 16, 4, 1), (128, 32, 4, 1),
+                                                        (128, 64, 4, 1), (128, 256, 3, 1), (64, 16, 4, 2)])
 def test_gluon_grouped_gemms_match_the_experts_row_by_row(block_n, block_m, stages, ctas):
     """Both grouped launches against each sorted row's own expert in fp32: gate/up with SwiGLU (h) and down (o),
     on routing with a multi-tile expert, empty experts and spare tiles (blk_expert -1). pick_moe_config takes
