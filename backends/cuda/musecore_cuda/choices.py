@@ -196,6 +196,7 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
             f"from M, N, K and the SM "
             f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}"
             + (": two consumer warpgroups (128 weight rows)" if cfg.block_n == 128 else "")
+            + (": two CTAs per SM (128 registers)" if cfg.ctas_per_sm == 2 else "")
             + (f": split-K {cfg.split_k}, the tile's last split storing the bf16 sum, no cast kernel"
                + (", and zeroing its sums again (no memset per launch)" if cfg.rezero else "") if cfg.finish else "")
             + (f": {cfg.stages} ring stages paired per mbarrier, released late, scale words 2 chunks ahead" if cfg.pair

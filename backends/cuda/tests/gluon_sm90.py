@@ -78,7 +78,8 @@ def desc_sig(dtype: str, block: list[int], layout) -> str:
 
 def compile_cut(cfg, maxnreg: Optional[int] = None, pdl: bool = False):
     """The dense kernel for ``cfg`` (a ``GluonConfig``; :func:`gk.fp4_gluon_persistent_kernel` when
-    ``cfg.persistent``), with ``pdl`` as launched with programmatic dependent launch."""
+    ``cfg.persistent``), with ``pdl`` as launched with programmatic dependent launch, at ``maxnreg`` registers per
+    thread (by default the launch's own: ``cfg.maxnreg``)."""
     triton, GPUTarget, gl, GluonASTSource, gk = _triton()
     fn = gk.fp4_gluon_persistent_kernel if cfg.persistent else gk.fp4_gluon_kernel
     w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, 64], gl.uint8)
@@ -101,6 +102,7 @@ def compile_cut(cfg, maxnreg: Optional[int] = None, pdl: bool = False):
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("s_ptr", "c_ptr", "out_scale_ptr", "stride_cm",
                                                                     "ws_ptr", "cnt_ptr", "K", "N") if k in names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    maxnreg = maxnreg or cfg.maxnreg
     options = {"num_warps": cfg.num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

@@ -178,22 +178,22 @@ def test_a_triton_other_than_the_gluon_kernels_one_keeps_the_other_paths_and_say
     (256, 8192, 8192, "64,256,1,3,packed"),                      # 48.88 us (late: 55.12)
     (64, 8192, 4096, "64,64,1,8,packed,1,pair,late,ahead2"),    # expert_up: 15.23 us (15.95)
     (256, 8192, 4096, "64,256,1,3,packed"),                      # 26.80 us
-    (32, 4096, 4096, "128,32,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 10.09 us (H100, run 95)
+    (32, 4096, 4096, "64,32,4,4,packed,2,finish,rezero"),       # expert_down: 9.65 us (wide: 10.18; H100, run 133)
     (256, 4096, 4096, "64,128,1,4,packed,1,late"),               # 17.93 us (18.58)
     # two consumer warpgroups at twice the split (run 89, benchmarks/results/h200_issue26/run89_s61_call3_*)
     (16, 8192, 8192, "128,16,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # q_proj: 22.99 us (one warpgroup: 24.32)
     (16, 4096, 8192, "128,16,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # pooler: 14.47 us (16.43)
-    (64, 4096, 8192, "128,64,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # pooler: 17.67 us (18.77)
+    (64, 4096, 8192, "64,64,4,4,packed,2,finish,rezero"),       # pooler: 16.29 us (wide: 17.21; H100, run 133)
     (16, 4096, 4096, "128,16,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 10.35 us (10.91)
     (16, 8192, 4096, "64,16,1,8,packed,1,pair,late,ahead2"),          # expert_up: 13.89 us (two: 14.69)
     # H100 (session 63, run 96, benchmarks/results/h200_issue26/run96_s63_call2_cuts_small_moe_h100): one 64-token
     # tile on two warpgroups at split 4, not two 32-token tiles on one at split 1 (run 87's H200 pick, 13.67 us)
-    (64, 4096, 4096, "128,64,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 12.24 us (13.96)
+    (64, 4096, 4096, "64,64,4,4,packed,2,finish,rezero"),  # expert_down: 11.23 us (wide 12.17; run 133: two CTAs)
     # (run 99) 64 chunks at split 1 on two warpgroups at split 2, to 64 tokens (the H200's paired one-warpgroup cut at
     # M = 64, run 87: 26.99 us, 1.02x the two-warpgroup one in run 89; on the H100 even, 28.21 both)
     (20, 8192, 8192, "128,32,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # q_proj: 23.71 us (26.56)
-    (48, 8192, 8192, "128,64,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # o_proj: 27.24 us (29.42)
-    (64, 8192, 8192, "128,64,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # q_proj: 28.21 us (28.21)
+    (48, 8192, 8192, "64,64,2,4,packed,2,finish,rezero"),  # q_proj: 25.43 us (wide 26.54; run 133: two CTAs)
+    (64, 8192, 8192, "64,64,2,4,packed,2,finish,rezero"),  # q_proj: 26.39 us (wide 28.01; run 133: two CTAs)
     (16, 1024, 8192, "64,16,8,8,packed,1,finish,pair,late,ahead2,rezero"),   # k_proj: 8.25 us (two: 8.28)
 ])
 def test_pick_config_picks_the_measured_best_cut(m, n, k, cut):
@@ -211,6 +211,7 @@ def test_pick_config_fits_shared_memory_and_divides_k(n, k):
             assert not cfg.pair or (chunks // cfg.split_k) % 2 == 0, cfg  # paired stages take chunks two at a time
             assert cfg.block_m >= min(m, 16) and cfg.upcast == "packed", cfg
             assert cfg.block_n == 64 or (cfg.split_k > 1 and cfg.finish and cfg.pair and cfg.block_m <= 64), cfg
+            assert cfg.ctas_per_sm == 1 or (cfg.block_n == 64 and cfg.split_k > 1 and cfg.finish), cfg
     assert pick_config(64, 1024, 8192, 132).split_k > 1  # 16 weight tiles on 132 SMs: split-K
 
 

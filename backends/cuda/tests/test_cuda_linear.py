@@ -459,15 +459,18 @@ def test_fp4_gluon_linear_persistent_matches_reference(cut):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cut", [(64, 16, 1, 4), (64, 64, 1, 4), (64, 64, 4, 4), (64, 128, 2, 2)])
+@pytest.mark.parametrize("cut", ["64,16,1,4,packed,2", "64,64,1,4,packed,2", "64,64,4,4,packed,2",
+                                 "64,128,2,2,packed,2", "64,64,4,4,packed,2,finish,rezero",
+                                 "64,32,4,4,packed,2,finish,rezero"])
 def test_fp4_gluon_linear_two_ctas_per_sm_match_reference(cut):
     """The launch at 128 registers per thread (two CTAs per SM; Triton's setmaxnreg gives the consumer 232): split-K
-    and not, partial token and weight tiles, ring wrap-around; NMSE within 1e-4, and the compiled kernel did take
-    128 registers (else the second CTA would not fit)."""
+    (atomics, and the finish with its kept workspace that pick_config routes at 32-64 tokens since session 68) and
+    not, partial token and weight tiles, ring wrap-around; NMSE within 1e-4, and the compiled kernel did take 128
+    registers (else the second CTA would not fit)."""
     n, k, m = 1000, 4096, 100
     qt, w, x = _gluon_case(n, k, m)
     from musecore_cuda.kernels import fp4_gemm_gluon
-    cfg = fp4_gluon_plan.GluonConfig(*cut, upcast="packed", ctas_per_sm=2)
+    cfg = fp4_gluon_plan.GluonConfig.parse(cut)
     assert_nmse(reference_linear(x, qt), fp4_gluon_linear(x, w, cfg), tolerance("linear"),
                 f"Gluon GEMM {cfg.label()} M={m} N={n}")
     kernels = [kern for cache in fp4_gemm_gluon.fp4_gluon_kernel.device_caches.values() for kern in cache[0].values()

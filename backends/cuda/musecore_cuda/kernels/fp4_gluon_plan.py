@@ -194,7 +194,8 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     M = 16 / 64 / 256: 8.86 -> 8.39, 10.29 -> 9.67, 15.87 -> 14.98 us) and was the fastest cut swept at every
     point where a split won; the model's split penalty, fitted to the atomics, is kept (it only has to rank).
     The tile then takes the consumer-loop variant measured fastest at its token count (:func:`consumer_variant`), or
-    two consumer warpgroups at twice the split where those measured faster (:func:`wide_variant`).
+    two consumer warpgroups at twice the split where those measured faster (:func:`wide_variant`), or in their place
+    two 64-row CTAs per SM at that split where those measured faster still (:func:`two_cta_variant`).
     """
     if m < 1 or n < 1 or k % CHUNK_K:
         raise ValueError(f"pick_config needs M, N >= 1 and K divisible by {CHUNK_K}; got M={m}, N={n}, K={k}")
@@ -212,7 +213,8 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
                 best = (t, block_m, split)
             split *= 2
     _, block_m, split = best
-    return wide_variant(block_m, split, chunks) or one_warpgroup(block_m, split, chunks)
+    wide = wide_variant(block_m, split, chunks)
+    return (wide and two_cta_variant(wide)) or wide or one_warpgroup(block_m, split, chunks)
 
 
 def one_warpgroup(block_m: int, split_k: int, chunks: int) -> GluonConfig:
@@ -257,6 +259,27 @@ def wide_variant(block_m: int, split_k: int, chunks: int) -> Optional[GluonConfi
         return None
     wide = _paired(GluonConfig(128, block_m, split, 2, upcast="packed", finish=True, rezero=True))
     return wide if wide.smem_bytes() <= SMEM_BYTES else None
+
+
+# Two 64-row CTAs per SM (128 registers, 4 plain stages) in place of the two-warpgroup launch, at its split: twice its
+# CTAs, the same warps per SM, each CTA with its own ring and barriers (as the grouped kernel's MOE_TWO_CTA). Session 68
+# (one H100, runs 131 and 133, `cuda_gluon_sweep.py --cuts`; every cut checked against the fp32 product, NMSE <=
+# 2.8e-6): at 64 tokens expert_down 11.23 / 11.26 against 12.17 / 12.13 us (1.08x), pooler 16.29 against 17.21 (1.06x),
+# q_proj 26.39 against 28.01 (1.06x); at 48 tokens 1.03-1.05x on those three; at 32 tokens (split 4) expert_down 9.65
+# against 10.18 and pooler 13.71 against 14.45 (1.05x). Other splits lost (64 x 64 at twice or half the wide split,
+# 64 x 32 at 48-64 tokens: 0.3-0.9x), and k_proj / expert_up never take the wide launch. Block_m 32 at split 2 (q_proj
+# and o_proj at 17-32 tokens) and block_m 16 are unmeasured and keep it. Block_m -> the least split measured faster:
+TWO_CTA_MIN_SPLIT = {64: 2, 32: 4}
+
+
+def two_cta_variant(wide: GluonConfig) -> Optional[GluonConfig]:
+    """Two 64-row CTAs per SM at ``wide``'s token tile and split where :data:`TWO_CTA_MIN_SPLIT` says they measured
+    faster than the two-warpgroup launch ``wide``, else None."""
+    least = TWO_CTA_MIN_SPLIT.get(wide.block_m)
+    if least is None or wide.split_k < least:
+        return None
+    return GluonConfig(64, wide.block_m, wide.split_k, ring_stages(wide.block_m), upcast="packed", finish=True,
+                       rezero=True, ctas_per_sm=2)
 
 
 def _paired(cfg: GluonConfig) -> GluonConfig:
