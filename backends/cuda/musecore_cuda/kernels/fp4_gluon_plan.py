@@ -337,11 +337,11 @@ def pick_moe_config(n_assign: int, experts: int, rows_out: int, k: int, sms: int
     if n_assign < 1 or experts < 1 or rows_out % 128 or k % CHUNK_K:
         raise ValueError(f"pick_moe_config needs assignments, experts >= 1, rows a multiple of 128 and K of "
                          f"{CHUNK_K}; got {n_assign}, {experts}, {rows_out}, {k}")
+    if n_assign <= MOE_TWO_CTA_MAX_ASSIGNMENTS and k * (rows_out // 2) >= MOE_TWO_CTA_MIN_WEIGHTS:
+        return MOE_TWO_CTA
     tiles = [(bn, bm) for bn in (64, 128) for bm in BLOCK_MS
              if n_assign < MOE_LEFT_OUT_TILES.get((bn, bm), n_assign + 1)]
     block_n, block_m = min(tiles, key=lambda t: predicted_moe_us(n_assign, experts, rows_out, k, t[1], sms, t[0]))
-    if n_assign <= MOE_TWO_CTA_MAX_ASSIGNMENTS and k * (rows_out // 2) >= MOE_TWO_CTA_MIN_WEIGHTS:
-        return MOE_TWO_CTA
     return GluonConfig(block_n, block_m, 1, ring_stages(block_m, block_n), upcast="packed")
 
 
