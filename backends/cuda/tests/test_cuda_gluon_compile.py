@@ -43,7 +43,8 @@ GROUPED = tuple(f"grouped:{GluonConfig(bn, bm, 1, 3 if bm == 256 else 4, upcast=
                 for bn, bm in ((64, 16), (64, 64), (64, 128), (64, 256), (128, 16), (128, 32), (128, 64), (128, 256)))
 GROUPED += ("grouped:128,16,1,8,packed,1,pair,late,ahead2", "grouped:128,32,1,8,packed,1,pair,late,ahead2",
             "grouped:128,16,1,4,packed,1,late,ahead2",  # the linear's consumer variants (session 67's MoE decode cuts)
-            "grouped:64,16,1,4,packed,2", "grouped:64,16,1,8,packed,2,pair,late,ahead2")  # two CTAs per SM (lab)
+            "grouped:64,16,1,4,packed,2",  # two CTAs per SM (routed: fp4_gluon_plan.MOE_TWO_CTA)
+            "grouped:64,16,1,8,packed,2,pair,late,ahead2")
 
 
 @functools.lru_cache(maxsize=1)
