@@ -90,7 +90,8 @@ def variants(cfg, k: int):
         yield dataclasses.replace(cfg, pair=True)
     if LATE and cfg.stages >= 3:
         yield dataclasses.replace(cfg, late=True)
-    deep = max((st for st in (6, 8) if dataclasses.replace(cfg, stages=st).smem_bytes() <= SMEM), default=0)
+    per_stage, room = cfg.smem_bytes() // cfg.stages, SMEM // cfg.ctas_per_sm  # two CTAs per SM: half the SM each
+    deep = max((st for st in (6, 8) if st * per_stage <= room), default=0)
     if PAIR and LATE and pairs and max(deep, cfg.stages) >= 6:  # 3+ pairs keep loads ahead of a late release
         yield dataclasses.replace(cfg, stages=max(deep, cfg.stages), pair=True, late=True)
         if AHEAD:

@@ -28,7 +28,12 @@ def test_extra_cuts_join_the_routed_launchs_twins_once_and_never_repeat_it(monke
     routed = pick_config(64, 4096, 4096, 132)
     monkeypatch.setattr(sweep, "EXTRA_CUTS", [GluonConfig.parse(WIDE), routed, GluonConfig.parse("64,64,1,4,packed")])
     cuts = [(impl, cfg.label()) for impl, cfg in sweep.twins(routed, 4096) if impl == "gluon cut"]
-    assert routed.label() == WIDE  # session 63's expert_down M = 64 pick: the cut equal to it is not timed twice
-    assert cuts == [("gluon cut", "64,64,1,4,packed")]
+    # session 68's expert_down M = 64 pick (session 63's was WIDE): the cut equal to it is not timed twice
+    assert routed.label() == "64,64,4,4,packed,2,finish,rezero"
+    assert cuts == [("gluon cut", WIDE), ("gluon cut", "64,64,1,4,packed")]
+    monkeypatch.setattr(sweep, "PAIR", True)  # a two-CTA pick's consumer variants stay within half the SM
+    monkeypatch.setattr(sweep, "LATE", True)
+    assert [v.label() for v in sweep.variants(routed, 4096)] == ["64,64,4,4,packed,2,finish,pair,rezero",
+                                                                  "64,64,4,4,packed,2,finish,late,rezero"]
     monkeypatch.setattr(sweep, "EXTRA_CUTS", [GluonConfig.parse(WIDE)])
     assert [c.label() for i, c in sweep.twins(pick_config(64, 8192, 768, 132), 768) if i == "gluon cut"] == []
