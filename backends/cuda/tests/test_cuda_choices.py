@@ -58,9 +58,9 @@ def test_fp4_linear_names_each_path_per_m_range(choices):
     gluon = _choice(choices, "q_proj", f"M {GLUON_WIDE_M}-{GLUON_MAX_M}")
     assert "Gluon W4A16 GEMM" in gluon.choice and gluon.env == GLUON_ENV
     # the launch at M=8 on an H200's 132 SMs
-    assert "128,16,2,8,packed,1,finish,pair,late,ahead2,rezero" in gluon.reason and "paired" in gluon.reason
+    assert "64,16,2,4,packed,2,finish,rezero" in gluon.reason and "two CTAs per SM" in gluon.reason
     k_proj = _choice(choices, "k_proj", f"M {GLUON_WIDE_M}-{GLUON_MAX_M}")
-    assert "64,16,8,8,packed,1,finish,pair,late,ahead2,rezero" in k_proj.reason  # narrow N: split-K fills the SMs
+    assert "64,16,16,4,packed,2,finish,rezero" in k_proj.reason  # narrow N: split-K fills the SMs, two CTAs on each
     large = _choice(choices, "q_proj", f"M {GLUON_MAX_M + 1}-4096")  # 64 weight tiles of 128: 128 tiles at M = 257
     assert "Gluon W4A16 GEMM" in large.choice and "128,256,1,3,packed" in large.reason and "M=4096" in large.reason
     assert "bf16 copy + cuBLAS" in _choice(choices, "q_proj", "M >= 4097").choice  # unmeasured past 4096
@@ -181,20 +181,24 @@ def test_a_triton_other_than_the_gluon_kernels_one_keeps_the_other_paths_and_say
     (32, 4096, 4096, "64,32,4,4,packed,2,finish,rezero"),       # expert_down: 9.65 us (wide: 10.18; H100, run 133)
     (256, 4096, 4096, "64,128,1,4,packed,1,late"),               # 17.93 us (18.58)
     # two consumer warpgroups at twice the split (run 89, benchmarks/results/h200_issue26/run89_s61_call3_*)
-    (16, 8192, 8192, "128,16,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # q_proj: 22.99 us (one warpgroup: 24.32)
-    (16, 4096, 8192, "128,16,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # pooler: 14.47 us (16.43)
+    # (H100, session 69, run 135: two 64-row CTAs per SM at the wide launch's split, which beat one warpgroup in run 89)
+    (16, 8192, 8192, "64,16,2,4,packed,2,finish,rezero"),  # q_proj: 21.85 us (wide 23.13; one warpgroup, run 89: 24.32)
+    (16, 4096, 8192, "64,16,4,4,packed,2,finish,rezero"),  # pooler: 13.02 us (wide 13.85)
     (64, 4096, 8192, "64,64,4,4,packed,2,finish,rezero"),       # pooler: 16.29 us (wide: 17.21; H100, run 133)
-    (16, 4096, 4096, "128,16,4,8,packed,1,finish,pair,late,ahead2,rezero"),  # expert_down: 10.35 us (10.91)
-    (16, 8192, 4096, "64,16,1,8,packed,1,pair,late,ahead2"),          # expert_up: 13.89 us (two: 14.69)
+    (16, 4096, 4096, "64,16,4,4,packed,2,finish,rezero"),  # expert_down: 9.00 us (wide 9.51; run 135)
+    (16, 8192, 4096, "64,16,2,4,packed,2,finish,rezero"),  # expert_up: 12.89 us (split 1 paired: 14.04; run 136)
+    (32, 8192, 4096, "64,32,2,4,packed,2,finish,rezero"),  # expert_up: 13.86 us (14.65)
+    (64, 8192, 4096, "64,64,1,8,packed,1,pair,late,ahead2"),  # expert_up: 15.32 us (two CTAs at split 2: 16.04)
     # H100 (session 63, run 96, benchmarks/results/h200_issue26/run96_s63_call2_cuts_small_moe_h100): one 64-token
     # tile on two warpgroups at split 4, not two 32-token tiles on one at split 1 (run 87's H200 pick, 13.67 us)
     (64, 4096, 4096, "64,64,4,4,packed,2,finish,rezero"),  # expert_down: 11.23 us (wide 12.17; run 133: two CTAs)
     # (run 99) 64 chunks at split 1 on two warpgroups at split 2, to 64 tokens (the H200's paired one-warpgroup cut at
     # M = 64, run 87: 26.99 us, 1.02x the two-warpgroup one in run 89; on the H100 even, 28.21 both)
-    (20, 8192, 8192, "128,32,2,8,packed,1,finish,pair,late,ahead2,rezero"),  # q_proj: 23.71 us (26.56)
+    (20, 8192, 8192, "64,32,2,4,packed,2,finish,rezero"),  # q_proj: 23.16 us (wide 24.14, run 135; one: 26.56)
     (48, 8192, 8192, "64,64,2,4,packed,2,finish,rezero"),  # q_proj: 25.43 us (wide 26.54; run 133: two CTAs)
     (64, 8192, 8192, "64,64,2,4,packed,2,finish,rezero"),  # q_proj: 26.39 us (wide 28.01; run 133: two CTAs)
-    (16, 1024, 8192, "64,16,8,8,packed,1,finish,pair,late,ahead2,rezero"),   # k_proj: 8.25 us (two: 8.28)
+    (16, 1024, 8192, "64,16,16,4,packed,2,finish,rezero"),  # k_proj: 7.00 us (one warpgroup at split 8: 7.19)
+    (64, 1024, 8192, "64,64,8,8,packed,1,finish,pair,late,ahead2,rezero"),  # k_proj: 8.46 us (two CTAs: 9.05)
 ])
 def test_pick_config_picks_the_measured_best_cut(m, n, k, cut):
     assert pick_config(m, n, k, 132).label() == cut
@@ -311,6 +315,19 @@ def test_moe_gemv_rule_gives_way_to_the_grouped_gluon_gemm_from_6_tokens_on_larg
     assert moe_uses_gemv(48, 256, 6, 4096, 4096, gluon=False)
     for t in (4, 6, 16, 32, 128):
         assert moe_uses_gemv(t * 8, 64, t, 768, 768, gluon=True), t
+
+
+def test_doubled_two_cta_only_where_measured():
+    """Two CTAs per SM at twice a one-warpgroup split (run 136): up to 32 tokens, on weights of k_proj's size and more,
+    4+ chunks per split, and a grid of at most two CTAs per SM; nowhere else."""
+    doubled = fp4_gluon_plan.doubled_two_cta
+    cfg = doubled(16, 1024, 8192, 16, 8, 132)
+    assert cfg.label() == "64,16,16,4,packed,2,finish,rezero"
+    assert doubled(64, 1024, 8192, 64, 8, 132) is None                  # 64 tokens lost (0.94x)
+    assert doubled(16, 768, 768, 16, 1, 132) is None                    # muse-small: unmeasured
+    assert doubled(16, 1024, 8192, 16, 16, 132) is None                 # 2 chunks per split
+    assert doubled(16, 8192, 4096, 16, 1, 100) is None                  # 256 CTAs on 100 SMs: more than two per SM
+    assert doubled(16, 8192, 4096, 16, 1, 128).ctas_per_sm == 2
 
 
 def test_pick_moe_config_takes_two_ctas_per_sm_on_816b_experts_up_to_256_tokens():

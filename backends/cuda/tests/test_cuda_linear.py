@@ -461,7 +461,7 @@ def test_fp4_gluon_linear_persistent_matches_reference(cut):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cut", ["64,16,1,4,packed,2", "64,64,1,4,packed,2", "64,64,4,4,packed,2",
                                  "64,128,2,2,packed,2", "64,64,4,4,packed,2,finish,rezero",
-                                 "64,32,4,4,packed,2,finish,rezero"])
+                                 "64,32,4,4,packed,2,finish,rezero", "64,16,16,4,packed,2,finish,rezero"])
 def test_fp4_gluon_linear_two_ctas_per_sm_match_reference(cut):
     """The launch at 128 registers per thread (two CTAs per SM; Triton's setmaxnreg gives the consumer 232): split-K
     (atomics, and the finish with its kept workspace that pick_config routes at 32-64 tokens since session 68) and

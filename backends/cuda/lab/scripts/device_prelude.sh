@@ -19,6 +19,7 @@
 # (musecore bench --case gemlite: the peer on every 816B shape, NVFP4 and MXFP4) and `ncu_misses_step` (ncu of the
 # kernels behind each missed target's worst row, as session 41's step 4 did; $NCU_SPECS overrides the list).
 export PYTHONUNBUFFERED=1
+mkdir -p $OUT  # a sub-folder of the call's $OUT for a second session script in one call
 cap() { local left=$((LIMIT - SECONDS - 5)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
   .whl/stevedore-5.9.1-py3-none-any.whl -e ./quant -e . -e ./backends/triton -e ./backends/cuda -e ./backends/rocm \

@@ -193,9 +193,10 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
     (session 60, run 86) it ran each routed split cut 3-6% faster than the zeroed-fp32-and-cast atomics (k_proj
     M = 16 / 64 / 256: 8.86 -> 8.39, 10.29 -> 9.67, 15.87 -> 14.98 us) and was the fastest cut swept at every
     point where a split won; the model's split penalty, fitted to the atomics, is kept (it only has to rank).
-    The tile then takes the consumer-loop variant measured fastest at its token count (:func:`consumer_variant`), or
-    two consumer warpgroups at twice the split where those measured faster (:func:`wide_variant`), or in their place
-    two 64-row CTAs per SM at that split where those measured faster still (:func:`two_cta_variant`).
+    The tile then takes the consumer-loop variant measured fastest at its token count (:func:`consumer_variant`), or,
+    where two consumer warpgroups at twice the split measured faster (:func:`wide_variant`), two 64-row CTAs per SM
+    at that split, which measured faster still (:func:`two_cta_variant`); elsewhere up to 32 tokens on large
+    weights, two 64-row CTAs per SM at twice the one-warpgroup split (:func:`doubled_two_cta`).
     """
     if m < 1 or n < 1 or k % CHUNK_K:
         raise ValueError(f"pick_config needs M, N >= 1 and K divisible by {CHUNK_K}; got M={m}, N={n}, K={k}")
@@ -214,7 +215,9 @@ def pick_config(m: int, n: int, k: int, sms: int) -> GluonConfig:
             split *= 2
     _, block_m, split = best
     wide = wide_variant(block_m, split, chunks)
-    return (wide and two_cta_variant(wide)) or wide or one_warpgroup(block_m, split, chunks)
+    if wide:
+        return two_cta_variant(wide)
+    return doubled_two_cta(m, n, k, block_m, split, sms) or one_warpgroup(block_m, split, chunks)
 
 
 def one_warpgroup(block_m: int, split_k: int, chunks: int) -> GluonConfig:
@@ -262,24 +265,49 @@ def wide_variant(block_m: int, split_k: int, chunks: int) -> Optional[GluonConfi
 
 
 # Two 64-row CTAs per SM (128 registers, 4 plain stages) in place of the two-warpgroup launch, at its split: twice its
-# CTAs, the same warps per SM, each CTA with its own ring and barriers (as the grouped kernel's MOE_TWO_CTA). Session 68
-# (one H100, runs 131 and 133, `cuda_gluon_sweep.py --cuts`; every cut checked against the fp32 product, NMSE <=
-# 2.8e-6): at 64 tokens expert_down 11.23 / 11.26 against 12.17 / 12.13 us (1.08x), pooler 16.29 against 17.21 (1.06x),
-# q_proj 26.39 against 28.01 (1.06x); at 48 tokens 1.03-1.05x on those three; at 32 tokens (split 4) expert_down 9.65
-# against 10.18 and pooler 13.71 against 14.45 (1.05x). Other splits lost (64 x 64 at twice or half the wide split,
-# 64 x 32 at 48-64 tokens: 0.3-0.9x), and k_proj / expert_up never take the wide launch. Block_m 32 at split 2 (q_proj
-# and o_proj at 17-32 tokens) and block_m 16 are unmeasured and keep it. Block_m -> the least split measured faster:
-TWO_CTA_MIN_SPLIT = {64: 2, 32: 4}
+# CTAs, the same warps per SM, each CTA with its own ring and barriers (as the grouped kernel's MOE_TWO_CTA). Measured
+# on H100s with `cuda_gluon_sweep.py --cuts`, every cut checked against the fp32 product (NMSE <= 2.8e-6), at every
+# token tile where the wide launch routes: session 68 (runs 131, 133) at 64 tokens expert_down 11.23 / 11.26 against
+# 12.17 / 12.13 us (1.08x), pooler 16.29 against 17.21 (1.06x), q_proj 26.39 against 28.01 (1.06x); at 48 tokens
+# 1.03-1.05x on those three; at 32 tokens (split 4) expert_down 9.65 against 10.18 and pooler 13.71 against 14.45
+# (1.05x). Session 69 (run 135) at 16 tokens expert_down 9.00 against 9.51 (1.06x), pooler 13.02 against 13.85 (1.06x),
+# q_proj (split 2) 21.85 against 23.13 (1.06x); q_proj at 20 / 32 tokens (block_m 32, split 2) 23.16 / 23.47 against
+# 24.14 / 24.80 (1.04 / 1.06x). Other splits lost (64 x 64 at twice or half the wide split, 64 x 32 at 48-64 tokens,
+# 64 x 16 at half the wide split on expert_down / pooler: 0.3-0.93x), and k_proj / expert_up never take the wide
+# launch. So the wide launch is no longer routed anywhere; wide_variant() still says where two CTAs per SM run.
 
 
-def two_cta_variant(wide: GluonConfig) -> Optional[GluonConfig]:
-    """Two 64-row CTAs per SM at ``wide``'s token tile and split where :data:`TWO_CTA_MIN_SPLIT` says they measured
-    faster than the two-warpgroup launch ``wide``, else None."""
-    least = TWO_CTA_MIN_SPLIT.get(wide.block_m)
-    if least is None or wide.split_k < least:
-        return None
+def two_cta_variant(wide: GluonConfig) -> GluonConfig:
+    """Two 64-row CTAs per SM at ``wide``'s token tile and split: measured faster than the two-warpgroup launch
+    ``wide`` at every tile where that routes (see above)."""
     return GluonConfig(64, wide.block_m, wide.split_k, ring_stages(wide.block_m), upcast="packed", finish=True,
                        rezero=True, ctas_per_sm=2)
+
+
+# Where the wide launch does not route (k_proj: 4 chunks per doubled split; expert_up / unpooler: split 1 over 32
+# chunks), two 64-row CTAs per SM at twice the one-warpgroup split, up to 32 tokens. Session 69 (one H100, run 136,
+# `cuda_gluon_sweep.py --cuts`, NMSE checked): k_proj 64 x 16 at split 16 6.87 / 7.00 us against the paired 64 x 16 at
+# split 8, 7.26 / 7.19 (M = 2 / 16: 1.06 / 1.03x), 64 x 32 at 32 tokens 7.48 against 7.53 (a tie); expert_up 64 x 16
+# at split 2 13.38 / 12.89 against split 1 paired 14.42 / 14.04 (M = 2 / 16: 1.08 / 1.09x), 64 x 32 13.86 against
+# 14.65 (M = 32, 1.06x); unpooler 1.07 / 1.09 / 1.06x at the same points. At 64 tokens both lost (0.94-0.96x), as did
+# 64 x 16 at 32 tokens and 64 x 64 at 16 (0.57-0.98x). Unmeasured, so left on one warpgroup: weights under k_proj's
+# 1024 x 8192 (muse-small's), fewer than 4 chunks per doubled split, and grids of more than two CTAs per SM.
+DOUBLED_TWO_CTA_MAX_BLOCK_M = 32
+DOUBLED_TWO_CTA_MIN_WEIGHTS = 1024 * 8192
+DOUBLED_TWO_CTA_MIN_CHUNKS = 4
+
+
+def doubled_two_cta(m: int, n: int, k: int, block_m: int, split_k: int, sms: int) -> Optional[GluonConfig]:
+    """Two 64-row CTAs per SM at twice the one-warpgroup split ``split_k`` for ``m`` tokens in ``block_m`` tiles
+    against an ``[n, k]`` weight, where :data:`DOUBLED_TWO_CTA_MAX_BLOCK_M` and its neighbours say that measured
+    faster, else None."""
+    split, chunks = 2 * split_k, k // CHUNK_K
+    ctas = math.ceil(n / 64) * math.ceil(m / block_m) * split
+    if (block_m > DOUBLED_TWO_CTA_MAX_BLOCK_M or n * k < DOUBLED_TWO_CTA_MIN_WEIGHTS or chunks % split
+            or chunks // split < DOUBLED_TWO_CTA_MIN_CHUNKS or ctas > 2 * sms):
+        return None
+    return GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed", finish=True, rezero=True,
+                       ctas_per_sm=2)
 
 
 def _paired(cfg: GluonConfig) -> GluonConfig:
