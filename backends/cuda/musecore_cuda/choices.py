@@ -6,7 +6,7 @@ CUDA C++ tensor-core GEMV up to 15 rows, the CUDA C++ tiled GEMM from ``GEMM_MIN
 ``DEQUANT_MIN_M`` rows a transient bf16 copy of the weight and cuBLAS (compute-bound there, where
 cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). NVFP4 weights at
 ``GLUON_MIN_M``-``GLUON_MAX_M`` rows (from ``GLUON_WIDE_M`` = 2 for weights of ``GLUON_WIDE_WEIGHTS`` elements and
-more: the GEMV keeps one row there) take the Gluon GEMM instead where it can run (SM 9.x, Triton 3.6's
+more, from one row for weights of ``GLUON_ONE_ROW_WEIGHTS`` and more) take the Gluon GEMM instead where it can run (SM 9.x, Triton 3.6's
 Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0`` turns it off). What depends on the GPU itself (SM count,
 occupancy, whether NVRTC compiles, whether Gluon runs) is decided at load and says so.
 """
@@ -55,6 +55,11 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # below M = 9.
 GLUON_MIN_M, GLUON_MAX_M = 9, 256
 GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 2, 192 * 1536
+# One row on the 816B shapes (k_proj's 1024 x 8192 the smallest): since the two-CTA launches (session 69, run 137,
+# H100, same process) the Gluon GEMM beat the tensor-core GEMV at M = 1 on q_proj / k_proj / o_proj / pooler /
+# expert_down 1.05-1.11x (k_proj 6.88 vs 7.55 us, pooler 12.72 vs 14.08) and tied on unpooler / expert_up (0.99 /
+# 1.00x); session 62 (run 93), before them, had it 0.88-0.90x there and even elsewhere. Smaller weights: unmeasured.
+GLUON_ONE_ROW_WEIGHTS = 1024 * 8192
 # GLUON_MAX_M < M <= GLUON_LARGE_MAX_M: the Gluon GEMM with two consumer warpgroups over 256 tokens
 # (fp4_gluon_plan.LARGE_M_CONFIG) where its grid fills the GPU (>= GLUON_LARGE_MIN_TILES output tiles of 128 x 256),
 # else dequantize + cuBLAS. Session 59 (benchmarks/results/h200_issue26/NOTES.md, runs 80-83), us, Gluon vs
@@ -84,6 +89,8 @@ def gluon_enabled() -> bool:
 
 def gluon_min_m(weights: int) -> int:
     """The fewest rows that take the Gluon GEMM for a weight of ``weights`` elements."""
+    if weights >= GLUON_ONE_ROW_WEIGHTS:
+        return 1
     return GLUON_WIDE_M if weights >= GLUON_WIDE_WEIGHTS else GLUON_MIN_M
 
 
@@ -190,9 +197,10 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
                 f"at 512 and 2048 (H100); at 4096 ahead on K={GLUON_LARGE_DEEP_K} (15 of 16 in four runs, H200 and "
                 "H100), behind on K=4096, where dequantize + cuBLAS stays; today's rule applies if the GPU at load "
                 "is not SM 9.x or Triton is not 3.6")
-    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M={GLUON_WIDE_M} for weights of {GLUON_WIDE_WEIGHTS} elements "
-            f"and more): beat today's path 1.0-2.3x on the 816B shapes (H200, M=8-16, 64 and 256; H100, M=2-8 "
-            f"1.05-1.61x), 1.01-1.29x on muse-small's at M=2-8 (H100); launch "
+    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M=1 for weights of {GLUON_ONE_ROW_WEIGHTS} elements and more, "
+            f"from M={GLUON_WIDE_M} for {GLUON_WIDE_WEIGHTS} and more): beat today's path 1.0-2.3x on the 816B "
+            f"shapes (H200, M=8-16, 64 and 256; H100, M=2-8 1.05-1.61x, M=1 0.99-1.11x), 1.01-1.29x on "
+            f"muse-small's at M=2-8 (H100); launch "
             f"from M, N, K and the SM "
             f"count (at M={first} on {GLUON_PLAN_SMS} SMs: {cfg.label()}"
             + (": two consumer warpgroups (128 weight rows)" if cfg.block_n == 128 else "")

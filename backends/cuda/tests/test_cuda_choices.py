@@ -53,13 +53,11 @@ def _choice(choices, *words):
 
 
 def test_fp4_linear_names_each_path_per_m_range(choices):
-    assert "tensor-core GEMV" in _choice(choices, "q_proj", "M = 1").choice  # 64M weights: one row keeps the GEMV
-    assert "tensor-core GEMV" in _choice(choices, "k_proj", "M = 1").choice   # 8M weights: the same from M = 2
-    gluon = _choice(choices, "q_proj", f"M {GLUON_WIDE_M}-{GLUON_MAX_M}")
+    gluon = _choice(choices, "q_proj", f"M 1-{GLUON_MAX_M}")  # the 816B shapes from one row (run 137)
     assert "Gluon W4A16 GEMM" in gluon.choice and gluon.env == GLUON_ENV
     # the launch at M=8 on an H200's 132 SMs
     assert "64,16,2,4,packed,2,finish,rezero" in gluon.reason and "two CTAs per SM" in gluon.reason
-    k_proj = _choice(choices, "k_proj", f"M {GLUON_WIDE_M}-{GLUON_MAX_M}")
+    k_proj = _choice(choices, "k_proj", f"M 1-{GLUON_MAX_M}")
     assert "64,16,16,4,packed,2,finish,rezero" in k_proj.reason  # narrow N: split-K fills the SMs, two CTAs on each
     large = _choice(choices, "q_proj", f"M {GLUON_MAX_M + 1}-4096")  # 64 weight tiles of 128: 128 tiles at M = 257
     assert "Gluon W4A16 GEMM" in large.choice and "128,256,1,3,packed" in large.reason and "M=4096" in large.reason
@@ -108,7 +106,9 @@ def test_fp4_path_for_takes_gluon_only_for_nvfp4_bf16_in_its_m_range():
     paths = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True) for m in (8, 9, 16, 17, 100, 256, 257)}
     assert paths == {8: "mma", 9: "gluon", 16: "gluon", 17: "gluon", 100: "gluon", 256: "gluon", 257: "dequant"}
     wide = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 8192) for m in (1, 2, 8)}
-    assert wide == {1: "mma", 2: "gluon", 8: "gluon"}  # k_proj (8M) and wider take it from M=2 (run 93)
+    assert wide == {1: "gluon", 2: "gluon", 8: "gluon"}  # k_proj (8M) and wider: from M=2 (run 93), M=1 (run 137)
+    under = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 8192 - 1) for m in (1, 2)}
+    assert under == {1: "mma", 2: "gluon"}
     small = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=192 * 1536) for m in (1, 2, 8)}
     assert small == {1: "mma", 2: "gluon", 8: "gluon"}  # muse-small's smallest linear too (run 96)
     assert fp4_path_for(8, bf16, weight_format="nvfp4", gluon=True, weights=256 * 512) == "mma"  # unmeasured
