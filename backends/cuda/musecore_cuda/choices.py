@@ -454,8 +454,8 @@ def env_settings() -> list[EnvSetting]:
                    "programmatic dependent launch: 1 every kernel, 0 none, or a comma list of kernel names"),
         EnvSetting(pdl.EARLY_ENV, os.environ.get(pdl.EARLY_ENV), "1: " + ",".join(pdl.EARLY_DEFAULT),
                    "kernels (launched with PDL) that let the next one start from their top: 1, 0 or names"),
-        EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16) "
-                   "take the Gluon GEMM on SM 9.x with Triton 3.6's Gluon",
+        EnvSetting(GLUON_ENV, os.environ.get(GLUON_ENV), f"1: NVFP4 linears at M {GLUON_MIN_M}-{GLUON_MAX_M} (bf16; "
+                   "from M = 1-2 on large weights) take the Gluon GEMM on SM 9.x with Triton 3.6's Gluon",
                    "0 keeps the CUDA C++ GEMM / dequant + cuBLAS there"),
         EnvSetting(moe_prefill.GLUON_MOE_ENV, os.environ.get(moe_prefill.GLUON_MOE_ENV), "1: NVFP4 experts beyond "
                    f"the decode GEMVs, and 816B-sized experts from {moe_prefill.DECODE_FROM_TOKENS} tokens, take the "
