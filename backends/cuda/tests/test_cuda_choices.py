@@ -14,7 +14,7 @@ from musecore.devices import get_profile
 
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_linear_path
-from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, GLUON_WIDE_M, fp4_path_for, moe_uses_gemv
+from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, fp4_path_for, moe_uses_gemv
 from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill, pdl
 from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
 from musecore_cuda.kernels.moe_decode import (HANDOFF_ENV, RUNS_FROM_TOKENS, RUNS_MIN_TOKENS, handoff_by_default,

@@ -288,8 +288,8 @@ GLUON_SHAPES = {"q_proj": (8192, 8192), "k_proj": (1024, 8192), "expert_up": (81
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GLUON_SHAPES))
 def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatch):
-    """fp4_linear routes NVFP4 x bf16 at M 1-256 on these shapes (from 2 or 9 on smaller weights) to the Gluon GEMM with pick_config's
-    launch (split-K on k_proj);
+    """fp4_linear routes NVFP4 x bf16 at M 1-256 on these shapes (from 2 or 9 on smaller weights) to the Gluon GEMM
+    with pick_config's launch (split-K on k_proj);
     each M against the fp32 product of the dequantized weight, NMSE within the linear op's 1e-4 (exact products and
     fp32 sums: the measured NMSE is the bf16 output rounding, ~3e-6)."""
     _needs_gluon()
