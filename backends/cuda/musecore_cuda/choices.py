@@ -7,8 +7,8 @@ CUDA C++ tensor-core GEMV up to 15 rows, the CUDA C++ tiled GEMM from ``GEMM_MIN
 cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). NVFP4 weights at
 ``GLUON_MIN_M``-``GLUON_MAX_M`` rows (from ``GLUON_WIDE_M`` = 2 for weights of ``GLUON_WIDE_WEIGHTS`` elements and
 more, from one row for weights of ``GLUON_ONE_ROW_WEIGHTS`` and more) take the Gluon GEMM instead where it can
-run (SM 9.x, Triton 3.6's Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0`` turns it off). What depends on the GPU itself (SM count,
-occupancy, whether NVRTC compiles, whether Gluon runs) is decided at load and says so.
+run (SM 9.x, Triton 3.6's Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0`` turns it off). What depends on the GPU
+itself (SM count, occupancy, whether NVRTC compiles, whether Gluon runs) is decided at load and says so.
 """
 
 from __future__ import annotations

@@ -274,7 +274,8 @@ def wide_variant(block_m: int, split_k: int, chunks: int) -> Optional[GluonConfi
 # q_proj (split 2) 21.85 against 23.13 (1.06x); q_proj at 20 / 32 tokens (block_m 32, split 2) 23.16 / 23.47 against
 # 24.14 / 24.80 (1.04 / 1.06x); at 2 and 8 tokens (run 136) the wide launch ran 0.94-0.95x on all three. Other
 # splits lost (64 x 64 at twice or half the wide split, 64 x 32 at 48-64 tokens, 64 x 16 at half the wide split on
-# expert_down / pooler: 0.3-0.93x), and k_proj / expert_up never take the wide launch (see doubled_two_cta). So the wide launch is no longer routed anywhere; wide_variant() still says where two CTAs per SM run.
+# expert_down / pooler: 0.3-0.93x), and k_proj / expert_up never take the wide launch (see doubled_two_cta). So the
+# wide launch is no longer routed anywhere; wide_variant() still says where two CTAs per SM run.
 
 
 def two_cta_variant(wide: GluonConfig) -> GluonConfig:
