@@ -281,8 +281,14 @@ def wide_variant(block_m: int, split_k: int, chunks: int) -> Optional[GluonConfi
 def two_cta_variant(wide: GluonConfig) -> GluonConfig:
     """Two 64-row CTAs per SM at ``wide``'s token tile and split: measured faster than the two-warpgroup launch
     ``wide`` at every tile where that routes (see above)."""
-    return GluonConfig(64, wide.block_m, wide.split_k, ring_stages(wide.block_m), upcast="packed", finish=True,
-                       rezero=True, ctas_per_sm=2)
+    return _two_ctas(wide.block_m, wide.split_k)
+
+
+def _two_ctas(block_m: int, split_k: int) -> GluonConfig:
+    """The 64-row launch of ``block_m`` tokens at ``split_k`` at 128 registers, two CTAs per SM: 4 plain stages,
+    split-K summed by ``finish`` into the kept workspace (``rezero``)."""
+    return GluonConfig(64, block_m, split_k, ring_stages(block_m), upcast="packed", finish=True, rezero=True,
+                       ctas_per_sm=2)
 
 
 # Where the wide launch does not route (k_proj: 4 chunks per doubled split; expert_up / unpooler: split 1 over 32
@@ -307,8 +313,7 @@ def doubled_two_cta(m: int, n: int, k: int, block_m: int, split_k: int, sms: int
     if (block_m > DOUBLED_TWO_CTA_MAX_BLOCK_M or n * k < DOUBLED_TWO_CTA_MIN_WEIGHTS or chunks % split
             or chunks // split < DOUBLED_TWO_CTA_MIN_CHUNKS or ctas > 2 * sms):
         return None
-    return GluonConfig(64, block_m, split, ring_stages(block_m), upcast="packed", finish=True, rezero=True,
-                       ctas_per_sm=2)
+    return _two_ctas(block_m, split)
 
 
 def _paired(cfg: GluonConfig) -> GluonConfig:
