@@ -6,9 +6,10 @@ CUDA C++ tensor-core GEMV up to 15 rows, the CUDA C++ tiled GEMM from ``GEMM_MIN
 ``DEQUANT_MIN_M`` rows a transient bf16 copy of the weight and cuBLAS (compute-bound there, where
 cuBLAS's BF16 kernel beats W4A16 by more than the dequantization costs). NVFP4 weights at
 ``GLUON_MIN_M``-``GLUON_MAX_M`` rows (from ``GLUON_WIDE_M`` = 2 for weights of ``GLUON_WIDE_WEIGHTS`` elements and
-more, from one row for weights of ``GLUON_ONE_ROW_WEIGHTS`` and more) take the Gluon GEMM instead where it can
-run (SM 9.x, Triton 3.6's Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0`` turns it off). What depends on the GPU
-itself (SM count, occupancy, whether NVRTC compiles, whether Gluon runs) is decided at load and says so.
+more, from one row for weights of ``GLUON_ONE_ROW_WEIGHTS`` and more over ``GLUON_ONE_ROW_MIN_K`` inputs or more)
+take the Gluon GEMM instead where it can run (SM 9.x, Triton 3.6's Gluon Hopper API; ``MUSECORE_CUDA_GLUON=0``
+turns it off). What depends on the GPU itself (SM count, occupancy, whether NVRTC compiles, whether Gluon runs) is
+decided at load and says so.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ GLUON_WIDE_M, GLUON_WIDE_WEIGHTS = 2, 192 * 1536
 # One row on the 816B shapes (k_proj's 1024 x 8192 the smallest): since the two-CTA launches (session 69, run 137,
 # H100, same process) the Gluon GEMM beat the tensor-core GEMV at M = 1 on q_proj / k_proj / o_proj / pooler /
 # expert_down 1.05-1.11x (k_proj 6.88 vs 7.55 us, pooler 12.72 vs 14.08) and tied on unpooler / expert_up (0.99 /
-# 1.00x); session 62 (run 93), before them, had it 0.88-0.90x there and even elsewhere. Smaller weights: unmeasured.
-GLUON_ONE_ROW_WEIGHTS = 1024 * 8192
+# 1.00x); session 62 (run 93), before them, had it 0.88-0.90x there and even elsewhere. Smaller weights, and weights
+# of fewer than 4096 input features (a quantized lm_head of muse-small's, 65536 x 1536): unmeasured, on the GEMV.
+GLUON_ONE_ROW_WEIGHTS, GLUON_ONE_ROW_MIN_K = 1024 * 8192, 4096
 # GLUON_MAX_M < M <= GLUON_LARGE_MAX_M: the Gluon GEMM with two consumer warpgroups over 256 tokens
 # (fp4_gluon_plan.LARGE_M_CONFIG) where its grid fills the GPU (>= GLUON_LARGE_MIN_TILES output tiles of 128 x 256),
 # else dequantize + cuBLAS. Session 59 (benchmarks/results/h200_issue26/NOTES.md, runs 80-83), us, Gluon vs
@@ -87,9 +89,10 @@ def gluon_enabled() -> bool:
     return setting == "1"
 
 
-def gluon_min_m(weights: int) -> int:
-    """The fewest rows that take the Gluon GEMM for a weight of ``weights`` elements."""
-    if weights >= GLUON_ONE_ROW_WEIGHTS:
+def gluon_min_m(weights: int, in_features: int = 0) -> int:
+    """The fewest rows that take the Gluon GEMM for a weight of ``weights`` elements over ``in_features`` (K; 0:
+    unknown)."""
+    if weights >= GLUON_ONE_ROW_WEIGHTS and in_features >= GLUON_ONE_ROW_MIN_K:
         return 1
     return GLUON_WIDE_M if weights >= GLUON_WIDE_WEIGHTS else GLUON_MIN_M
 
@@ -120,7 +123,7 @@ def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gl
     here and is not switched off), "mma" / "fma" (CUDA C++ decode GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant"
     (bf16 copy + cuBLAS) or "tiled" (Triton W4A16 GEMM)."""
     if (gluon and dtype == torch.bfloat16 and weight_format in GLUON_FORMATS
-            and (gluon_min_m(weights) <= m <= GLUON_MAX_M
+            and (gluon_min_m(weights, weights // out_features if out_features else 0) <= m <= GLUON_MAX_M
                  or gluon_large(m, out_features, weights // out_features if out_features else 0))):
         return "gluon"
     if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
@@ -197,7 +200,8 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
                 f"at 512 and 2048 (H100); at 4096 ahead on K={GLUON_LARGE_DEEP_K} (15 of 16 in four runs, H200 and "
                 "H100), behind on K=4096, where dequantize + cuBLAS stays; today's rule applies if the GPU at load "
                 "is not SM 9.x or Triton is not 3.6")
-    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M=1 for weights of {GLUON_ONE_ROW_WEIGHTS} elements and more, "
+    return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M=1 for weights of {GLUON_ONE_ROW_WEIGHTS} elements and more "
+            f"over K >= {GLUON_ONE_ROW_MIN_K}, "
             f"from M={GLUON_WIDE_M} for {GLUON_WIDE_WEIGHTS} and more): beat today's path 1.0-2.3x on the 816B "
             f"shapes (H200, M=8-16, 64 and 256; H100, M=2-8 1.05-1.61x, M=1 0.99-1.11x), 1.01-1.29x on "
             f"muse-small's at M=2-8 (H100); launch "

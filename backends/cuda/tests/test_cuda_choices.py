@@ -105,10 +105,15 @@ def test_fp4_path_for_takes_gluon_only_for_nvfp4_bf16_in_its_m_range():
     bf16 = torch.bfloat16
     paths = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True) for m in (8, 9, 16, 17, 100, 256, 257)}
     assert paths == {8: "mma", 9: "gluon", 16: "gluon", 17: "gluon", 100: "gluon", 256: "gluon", 257: "dequant"}
-    wide = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 8192) for m in (1, 2, 8)}
+    wide = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 8192, out_features=1024)
+            for m in (1, 2, 8)}
     assert wide == {1: "gluon", 2: "gluon", 8: "gluon"}  # k_proj (8M) and wider: from M=2 (run 93), M=1 (run 137)
-    under = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 8192 - 1) for m in (1, 2)}
+    under = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 8192 - 64, out_features=1024)
+             for m in (1, 2)}
     assert under == {1: "mma", 2: "gluon"}
+    # muse-small's lm_head quantized (65536 x 1536): large, but K < 4096 is unmeasured at one row
+    assert fp4_path_for(1, bf16, weight_format="nvfp4", gluon=True, weights=65536 * 1536, out_features=65536) == "mma"
+    assert fp4_path_for(1, bf16, weight_format="nvfp4", gluon=True, weights=1024 * 8192) == "mma"  # K unknown
     small = {m: fp4_path_for(m, bf16, weight_format="nvfp4", gluon=True, weights=192 * 1536) for m in (1, 2, 8)}
     assert small == {1: "mma", 2: "gluon", 8: "gluon"}  # muse-small's smallest linear too (run 96)
     assert fp4_path_for(8, bf16, weight_format="nvfp4", gluon=True, weights=256 * 512) == "mma"  # unmeasured

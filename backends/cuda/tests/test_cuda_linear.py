@@ -299,7 +299,7 @@ def test_fp4_linear_gluon_path_matches_reference_at_816b_shapes(name, monkeypatc
     be = CudaBackend("cuda")
     w = be.prepare_weight(qt, name)
     sms = fp4_gluon_plan.sm_count(torch.cuda.current_device())
-    first = gluon_min_m(n * k)  # 1 for the 816B shapes (2 for weights of 192 x 1536 and more: one row keeps the GEMV)
+    first = gluon_min_m(n * k, k)  # 1 for the 816B shapes (2 for weights of 192 x 1536 and more: the GEMV keeps one)
     assert first == 1 or fp4_linear_path(first - 1, torch.bfloat16, torch.device("cuda"), n * k,
                                          weight_format="nvfp4", out_features=n) == "mma"
     for m in (first, 16, 17, 32, 64, 100, 256):
