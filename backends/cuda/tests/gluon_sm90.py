@@ -102,8 +102,7 @@ def compile_cut(cfg, maxnreg: Optional[int] = None, pdl: bool = False):
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("s_ptr", "c_ptr", "out_scale_ptr", "stride_cm",
                                                                     "ws_ptr", "cnt_ptr", "K", "N") if k in names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    maxnreg = maxnreg or cfg.maxnreg
-    options = {"num_warps": cfg.num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    options = {**cfg.launch_options, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -129,8 +128,7 @@ def compile_grouped(cfg, swiglu: bool):
                                                                     "out_scale2_ptr", "blk_expert_ptr", "stride_cm",
                                                                     "K", "N", "M")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options)
 
 
 def ptxas_info(ptx: str) -> str:

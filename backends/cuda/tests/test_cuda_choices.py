@@ -269,6 +269,7 @@ def test_gluon_config_two_ctas_per_sm_halves_registers_and_ring():
     assert two.label() == "64,64,1,4,packed,2"
     one = fp4_gluon_plan.GluonConfig(64, 64, 1, 4, upcast="packed")
     assert one.maxnreg is None and one.label() == "64,64,1,4,packed"
+    assert two.launch_options == {"num_warps": 4, "maxnreg": 128} and one.launch_options == {"num_warps": 4}
     with pytest.raises(ValueError, match="ctas_per_sm"):
         fp4_gluon_plan.GluonConfig(128, 64, 1, 4, upcast="packed", ctas_per_sm=2)
     with pytest.raises(ValueError, match="ctas_per_sm"):

@@ -802,15 +802,14 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
     if cfg.persistent:
         fp4_gluon_persistent_kernel[(min(tiles, device_sms(x.device)), )](
             w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n, k, BLOCK_N=cfg.block_n,
-            BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m, FOLD=fold_log2, num_warps=cfg.num_warps)
+            BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m, FOLD=fold_log2, **cfg.launch_options)
         return out
     fp4_gluon_kernel[(tiles, cfg.split_k)](w_desc, x_desc, words, words.stride(0), out_scale, out, out.stride(0), m, n,
                                            k, ws, counts, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                                            GROUP_M=cfg.group_m, FOLD=fold_log2, ATOMIC=cfg.atomic,
                                            UPCAST=UPCASTS[cfg.upcast], FIXUP=cfg.fixup, FINISH=cfg.finish,
-                                           num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1, LATE=cfg.late,
-                                           AHEAD=cfg.ahead, REZERO=kept is not None,
-                                           **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+                                           PAIR=2 if cfg.pair else 1, LATE=cfg.late, AHEAD=cfg.ahead,
+                                           REZERO=kept is not None, **cfg.launch_options,
                                            **pdl.triton_options(x.device, PDL_NAME))
     return out
 
@@ -875,6 +874,6 @@ def launch_grouped(x: torch.Tensor, blk_expert: torch.Tensor, stack: tuple, out:
         fp4_gluon_moe_kernel[(rows // cfg.block_m * (n // out_n),)](
             w_desc, w2_desc, x_desc, words, words2, words.stride(0), stack[2], scale2, blk_expert, out, out.stride(0),
             rows, n, k, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-            FOLD=fold_log2, SWIGLU=stack2 is not None, num_warps=cfg.num_warps, PAIR=2 if cfg.pair else 1,
-            LATE=cfg.late, AHEAD=cfg.ahead, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+            FOLD=fold_log2, SWIGLU=stack2 is not None, PAIR=2 if cfg.pair else 1, LATE=cfg.late, AHEAD=cfg.ahead,
+            **cfg.launch_options)
     return out

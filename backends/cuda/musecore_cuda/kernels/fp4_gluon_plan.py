@@ -120,6 +120,11 @@ class GluonConfig:
         and the loader's warpgroup 24-40 through ``setmaxnreg``, within the CTA's 128 x 256)."""
         return None if self.ctas_per_sm == 1 else 65536 // (2 * (self.num_warps + 4) * 32)
 
+    @property
+    def launch_options(self) -> dict:
+        """Triton's launch / compile options for this config: ``num_warps``, and ``maxnreg`` where it has one."""
+        return {"num_warps": self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {})}
+
     def label(self) -> str:
         """``block_n,block_m,split_k,stages,upcast[,ctas[,fixup|finish|persistent][,pair][,late][,ahead2]
         [,rezero]]``: the cut syntax of the lab scripts (gluon_ir.py --cuts); ``ctas`` (CTAs per SM) only when it is 2
