@@ -100,11 +100,9 @@ def fp4_linear(x: torch.Tensor, w: Fp4Resident) -> torch.Tensor:
 def fp4_linear_path(m: int, dtype: torch.dtype, device: torch.device, weights: int, *, weight_format: str,
                     out_features: int) -> str:
     """Which kernel ``fp4_linear`` runs for ``m`` rows against a ``weight_format`` ("nvfp4" / "mxfp4") weight of
-    ``weights`` elements (``out_features`` rows): "gluon" (the Gluon GEMM: NVFP4, bf16, M 9-256 or 8-256 for weights
-    of 32M elements and more, and past 256 where its 128 x 256 tiles fill the GPU; where it runs and is not switched
-    off),
-    "mma" / "fma" (CUDA C++ decode kernels), "gemm" (CUDA C++ tiled GEMM), "dequant" (bf16 copy + cuBLAS) or
-    "tiled" (Triton W4A16 GEMM: fp16 activations beyond the decode kernels, or no NVRTC)."""
+    ``weights`` elements (``out_features`` rows): :func:`musecore_cuda.choices.fp4_path_for`'s answer ("gluon" only
+    where the Gluon GEMM runs and is not switched off), or "tiled" (the Triton W4A16 GEMM) for any other answer when
+    NVRTC is missing."""
     gluon = choices.gluon_enabled() and fp4_gluon_plan.available(device)
     path = choices.fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights,
                                 out_features=out_features)
