@@ -310,6 +310,28 @@ def _linear_row(fmt: str, name: str, n: int, k: int, m: int, t: float, t_bf16: f
             "tflops": round(2 * m * n * k / t / 1e6, 1), "ceiling_gbps": round(ceiling["ceiling_gbps"])}
 
 
+def seeded_router(experts: int, hidden: int, device: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The MoE rows' router: fp32 weight ``[experts, hidden]`` (as the checkpoint keeps it), correction bias and logit
+    multiplier, from a CPU generator seeded 0, so every run and machine has the same."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden ** -0.5).to(device)
+    bias = (torch.randn(experts, generator=gen) * 0.01).to(device)
+    return weight, bias, (hidden / 256) ** -0.5
+
+
+def seeded_moe_batch(router_topk: Callable, router: tuple[torch.Tensor, torch.Tensor, float], tokens: int, topk: int,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE rows' inputs at ``tokens`` tokens, from a CPU generator seeded ``tokens``: the hidden states ``m``, the
+    routing ``weights`` / ``ids`` that ``router_topk`` (a backend's op) gives them through ``router``
+    (:func:`seeded_router`), and the experts' input ``z`` (bf16, ``width`` wide), on the router's device."""
+    weight, bias, multiplier = router
+    gen = torch.Generator().manual_seed(tokens)
+    m = torch.randn(tokens, weight.shape[1], generator=gen).to(weight.device, torch.bfloat16)
+    weights, ids = router_topk(m, weight, bias, topk, multiplier, 1.0)
+    z = torch.randn(tokens, width, generator=gen).to(weight.device, torch.bfloat16)
+    return m, weights, ids, z
+
+
 def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int = 8192,
               experts: int = 256, topk: int = 8, width: int = 4096, inter: int = 4096,
               hidden: int = 8192) -> list[dict]:
@@ -327,19 +349,14 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
     bf16 = be.prepare_experts(*(torch.randn(experts, a, b, device="cuda", dtype=torch.bfloat16) * 0.02
                                 for a, b in ((inter, width), (inter, width), (width, inter))))
     post_norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(0)
-    router = (torch.randn(experts, hidden, generator=gen) * hidden ** -0.5).cuda()  # fp32, as the checkpoint keeps it
-    bias = (torch.randn(experts, generator=gen) * 0.01).cuda()
-    multiplier = (hidden / 256) ** -0.5
+    router = seeded_router(experts, hidden, "cuda")
+    weight, bias, multiplier = router
     rows = []
     for t in (*batches, prefill):
-        gen = torch.Generator().manual_seed(t)
-        m = torch.randn(t, hidden, generator=gen).to("cuda", torch.bfloat16)
-        weights, ids = be.router_topk(m, router, bias, topk, multiplier, 1.0)
-        z = torch.randn(t, width, generator=gen).to("cuda", torch.bfloat16)
+        m, weights, ids, z = seeded_moe_batch(be.router_topk, router, t, topk, width)
         routed = int(ids.unique().numel())
         nbytes = routed * per_expert + t * width * (2 + 4)
-        t_router = time_us(lambda: be.router_topk(m, router, bias, topk, multiplier, 1.0))
+        t_router = time_us(lambda: be.router_topk(m, weight, bias, topk, multiplier, 1.0))
         t_fp4 = time_us(lambda: be.moe(z, weights, ids, fp4, post_norm, 1e-8), reps=10)
         t_bf16 = time_us(lambda: be.moe(z, weights, ids, bf16, post_norm, 1e-8), reps=10)
         flops = 2 * t * topk * 3 * width * inter

@@ -5,6 +5,7 @@ each target's worst and median, met or not, and the grouped Gluon MoE's row with
 from __future__ import annotations
 
 import pytest
+import torch
 
 from musecore_cuda import bench
 
@@ -51,3 +52,18 @@ def test_the_moe_prefill_row_says_why_the_gluon_gemm_did_not_run(fake_runs):
     fake_runs.update(path="grouped triton", speedup_vs_bf16=0.83, gluon_error="triton 3.9.0: not 3.6")
     prefill = _targets()["MoE prefill 8192 tokens (NVFP4 vs BF16 experts)"]
     assert not prefill["met"] and "not Gluon: triton 3.9.0" in prefill["detail"]
+
+
+def test_the_moe_rows_route_the_same_experts_everywhere():
+    """The seeded MoE inputs (the bench's rows and the lab's ncu of them) route the distinct experts the GPU runs
+    recorded (runs 131-138: 8 / 16 / 31 / 56 / 100 at 1 / 2 / 4 / 8 / 16 tokens); here through the reference router,
+    the same fp32 sigmoid + bias top-k, on the CPU."""
+    from musecore.ops.reference import router_topk
+
+    router = bench.seeded_router(256, 8192, "cpu")
+    routed = {t: int(bench.seeded_moe_batch(router_topk, router, t, 8, 4096)[2].unique().numel())
+              for t in (1, 2, 4, 8, 16)}
+    assert routed == {1: 8, 2: 16, 4: 31, 8: 56, 16: 100}, routed
+    again = bench.seeded_moe_batch(router_topk, bench.seeded_router(256, 8192, "cpu"), 2, 8, 4096)
+    first = bench.seeded_moe_batch(router_topk, router, 2, 8, 4096)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))

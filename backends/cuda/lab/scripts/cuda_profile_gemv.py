@@ -16,7 +16,7 @@ import torch
 from musecore.config import MuseConfig
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_linear
-from musecore_cuda.bench import LINEAR_SHAPES, random_fp4
+from musecore_cuda.bench import LINEAR_SHAPES, random_fp4, seeded_moe_batch, seeded_router
 from musecore_cuda.kernels import fp4_gemm_cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab: the wgmma GEMM
@@ -31,20 +31,17 @@ parser.add_argument("--moe-batch", type=int, help="instead: the 816B MoE layer (
 args = parser.parse_args()
 
 n, k = LINEAR_SHAPES[args.shape]
-if args.moe_batch:  # the MoE case of `musecore bench`: experts gate/up [E, I, h], down [E, h, I], one shared post norm
+if args.moe_batch:  # the MoE rows of `musecore bench`: the same seeded inputs, so the same experts as the targets
     cfg = MuseConfig.from_name("muse-spark-open-816b-a42b")
     E, topk, H = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size
     width, inter = cfg.moe_hidden_size, cfg.moe_intermediate_size
     be = CudaBackend("cuda")
     experts = be.prepare_experts(*(random_fp4("nvfp4", (E, *shape)) for shape in ((inter, width), (inter, width),
                                                                                    (width, inter))))
-    router = torch.randn(E, H, device="cuda") * H ** -0.5  # fp32, as the checkpoint keeps it
-    bias = torch.randn(E, device="cuda") * 0.01
-    weights, ids = be.router_topk(torch.randn(args.moe_batch, H, device="cuda", dtype=torch.bfloat16), router, bias,
-                                  topk, cfg.output_multiplier, cfg.routed_scaling_factor)
-    z = torch.randn(args.moe_batch, width, device="cuda", dtype=torch.bfloat16)
+    _, weights, ids, z = seeded_moe_batch(be.router_topk, seeded_router(E, H, "cuda"), args.moe_batch, topk, width)
+    print(f"MoE batch {args.moe_batch}: {int(ids.unique().numel())} distinct experts", flush=True)
     norm = torch.ones(width, device="cuda", dtype=torch.bfloat16)
-    call = lambda: be.moe(z, weights, ids, experts, norm, cfg.post_norm_eps)  # noqa: E731
+    call = lambda: be.moe(z, weights, ids, experts, norm, 1e-8)  # noqa: E731 (the bench's post-norm eps)
 else:
     w = CudaBackend("cuda").prepare_weight(random_fp4("nvfp4", (n, k)), args.shape).data
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
