@@ -44,6 +44,8 @@
 #   h. (session 64) the Gluon linear launched with PDL (its loader waits before its first load): its GPU tests (a dependent chain in a PDL graph and eagerly; the Gluon linear tests and
 #      the PDL policy tests with MUSECORE_CUDA_PDL=1, three processes), then cuda_pdl_ab.py (PDL off / waits only /
 #      early GEMVs, each in its own process: PDL_AB_ARGS, PDL_AB_S).
+#   i. (session 70) the residual norm in every program of the consumer GEMV against the producer's last program:
+#      the prologue probe's tests (natively), then cuda_prologue_probe.py (PROLOGUE_ARGS, PROLOGUE_S).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -166,5 +168,13 @@ steph() {
     --out $OUT/cuda_pdl_ab.json ${PDL_AB_ARGS:---cases linear,e2e --e2e-batches 1,4,16 --linear-ms 1,2,8,16,64,256 \
     --linear-shapes q_proj,k_proj,pooler,expert_up,expert_down} > $OUT/pdl_ab.log 2>&1
   echo "h. PDL A/B at ${SECONDS}s (rc $?):"; grep -v "^ " $OUT/pdl_ab.log | tail -c 7000
+}
+stepi() {  # (session 70) the residual norm in the consumer GEMV's prologue against the producer's last program
+  timeout $(cap 120) python3 -m pytest -q -p no:cacheprovider backends/cuda/lab/tests/test_prologue_probe.py \
+    > $OUT/prologue_tests.log 2>&1
+  echo "i. prologue tests at ${SECONDS}s (rc $?):"; tail -3 $OUT/prologue_tests.log
+  timeout $(cap ${PROLOGUE_S:-150}) python3 backends/cuda/lab/scripts/cuda_prologue_probe.py \
+    --out $OUT/cuda_prologue_probe.json ${PROLOGUE_ARGS:-} > $OUT/prologue_probe.log 2>&1
+  echo "i. prologue probe at ${SECONDS}s (rc $?):"; tail -c 4000 $OUT/prologue_probe.log
 }
 run_steps s56

@@ -1,0 +1,114 @@
+"""Time the residual norm in the producer GEMV's last program (today) against the same row op in every program of the
+consumer GEMV (``backends/cuda/lab/prologue_probe.py`` says why; issue 26, session 70).
+
+For each width ``D``: a chain of ``P`` pairs of ``[D, D]`` bf16 GEMVs with one ``residual_norm`` between the two GEMVs
+of each pair (``P`` raised until the weights are past L2), captured in a CUDA graph per mode and replayed in
+alternating rounds:
+
+* ``tail``: ``dense_gemv(residual_norm=...)`` then ``dense_gemv`` (today's o_proj / unpooler and the GEMV after);
+* ``prologue_{rows}x{warps}w``: a plain ``dense_gemv`` then ``prologue_gemv`` at that cut (``dense_gemv``'s is 2 rows
+  on 2 warps; wider cuts read the row fewer times).
+
+Each with programmatic dependent launch (``_pdl``, as the decode step at batch 1) and without. Every mode's chain output
+is checked against ``tail``'s (NMSE). Per mode: us per replay and per pair, and the gain per pair against the tail of
+the same PDL setting. The last row is the verdict: the best prologue cut with PDL at least ``--margin-us`` per pair
+faster than the tail with PDL (then moving the product's row ops into their consumers is worth writing). One JSON row
+per line::
+
+    python backends/cuda/lab/scripts/cuda_prologue_probe.py [--dims 1536] [--cuts 2x2,4x4,8x8,16x16] [--rounds 5]
+        [--out backends/cuda/lab/results/cuda_prologue_probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from musecore.testing import nmse
+from musecore_cuda.bench import capture_graph, replay_us
+from musecore_cuda.kernels import pdl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
+import prologue_probe as pr  # noqa: E402
+
+MIN_BYTES = 160 << 20  # the chain's weights: ~3x the H200's 50 MB L2
+TOLERANCE = 1e-4  # NMSE of a chain's output against the tail chain's (bf16 roundings in another order, P pairs deep)
+
+
+def verdict(rows: list[dict], margin_us: float) -> dict:
+    """Whether the best valid prologue cut with PDL beats the tail with PDL by ``margin_us`` per pair or more."""
+    timed = [r for r in rows if "us_per_pair" in r and r["pdl"]]
+    tail = next((r for r in timed if r["mode"] == "tail"), None)
+    best = min((r for r in timed if r["mode"] != "tail" and r["nmse_vs_tail"] <= TOLERANCE),
+               key=lambda r: r["us_per_pair"], default=None)
+    if tail is None or best is None:
+        return {"verdict": None, "why": "no timed tail or valid prologue row with PDL"}
+    gain = tail["us_per_pair"] - best["us_per_pair"]
+    return {"verdict": gain >= margin_us, "best": best["mode"], "gain_us_per_pair": round(gain, 3),
+            "margin_us": margin_us, "D": best["D"],
+            "why": f"{best['mode']} {best['us_per_pair']} against tail {tail['us_per_pair']} us per pair"}
+
+
+def probe(d: int, cuts: list[tuple[int, int]], rounds: int, reps: int) -> list[dict]:
+    pairs = max(16, -(-MIN_BYTES // (2 * d * d * 2)))
+    inputs = pr.pair_inputs(pairs, d, torch.bfloat16, torch.device("cuda"))
+    plans = {"tail": pr.tail_pair(inputs)}
+    for rows, warps in cuts:
+        plans[f"prologue_{rows}x{warps}w"] = pr.prologue_pair(inputs, block_n=rows, num_warps=warps)
+    graphs, outputs = {}, {}
+    for name, pair in plans.items():
+        for on in (True, False):
+            key = (name, on)
+
+            def keep(pair=pair, key=key) -> None:  # the captured call leaves the chain's output here
+                outputs[key] = pr.run_chain(inputs, *pair)[0]
+            with pdl.scope(on):
+                graphs[key] = capture_graph(keep)
+    times: dict = {key: [] for key in graphs}
+    keys = list(graphs)
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            graphs[key].replay()
+            torch.cuda.synchronize()
+            times[key] += [replay_us(graphs[key]) for _ in range(reps)]
+    rows = []
+    for key in keys:
+        name, on = key
+        ts = sorted(times[key])
+        t = ts[len(ts) // 2]
+        tail = sorted(times[("tail", on)])[len(times[("tail", on)]) // 2]
+        rows.append({"D": d, "pairs": pairs, "mode": name, "pdl": on, "us": round(t, 2),
+                     "us_per_pair": round(t / pairs, 3), "gain_us_per_pair_vs_tail": round((tail - t) / pairs, 3),
+                     "nmse_vs_tail": float(nmse(outputs[("tail", on)].float(), outputs[key].float())),
+                     "gpu": torch.cuda.get_device_name()})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dims", default="1536")
+    p.add_argument("--cuts", default="2x2,4x4,8x8,16x16", help="the prologue consumer's rows per program x warps")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--margin-us", type=float, default=0.5)
+    p.add_argument("--out", default="backends/cuda/lab/results/cuda_prologue_probe.json")
+    args = p.parse_args()
+    cuts = [tuple(int(v) for v in c.split("x")) for c in args.cuts.split(",")]
+    rows = []
+    for d in (int(v) for v in args.dims.split(",")):
+        rows += probe(d, cuts, args.rounds, args.reps)
+        torch.cuda.empty_cache()
+    rows.append(verdict(rows, args.margin_us))
+    print(json.dumps(rows[-1]), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+
+
+if __name__ == "__main__":
+    main()
