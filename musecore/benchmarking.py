@@ -8,8 +8,10 @@ together exceed the cache, and take one call's time as the cycle's time over the
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence, Union
 
 
 def copies_needed(nbytes_per_copy: int, total_bytes: int, min_copies: int = 1) -> int:
@@ -41,3 +43,12 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_rows(path: Union[str, Path], rows: Sequence[dict]) -> Path:
+    """``rows`` as a JSON list at ``path``, one row per line (diffs of result files stay row by row); its folder is
+    made first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+    return path

@@ -1,10 +1,12 @@
-"""The backends' shared cold-weight rotation (musecore.benchmarking)."""
+"""The backends' shared cold-weight rotation and result rows (musecore.benchmarking)."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from musecore.benchmarking import copies_needed, cycle, rotating
+from musecore.benchmarking import copies_needed, cycle, rotating, write_rows
 
 
 def test_copies_reach_the_total_with_at_least_the_minimum() -> None:
@@ -20,3 +22,11 @@ def test_rotating_makes_independent_copies_and_cycle_calls_each_in_order() -> No
     seen: list[int] = []
     cycle([2, 0, 1], seen.append)()
     assert seen == [2, 0, 1]
+
+
+def test_write_rows_is_a_json_list_one_row_per_line(tmp_path):
+    rows = [{"mode": "tail", "us": 1.5}, {"mode": "prologue", "us": 1.25, "ok": True}]
+    path = write_rows(tmp_path / "sub" / "rows.json", rows)
+    text = path.read_text()
+    assert json.loads(text) == rows
+    assert text.splitlines()[1:-1] == [json.dumps(rows[0]) + ",", json.dumps(rows[1])], text

@@ -47,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 import graph_edges
 from cuda_decode_host_probe import gpu_us
 from musecore.api import load_random
+from musecore.benchmarking import write_rows
 
 
 def greedy_step(model, prompt: list[list[int]], room: int):
@@ -96,8 +97,7 @@ def dump_graphs(steps: list, folder: str) -> list[int]:
         first = first or (edge_rows, node_rows)
         with open(os.path.join(folder, f"graph{i}.edges.json"), "w") as f:
             json.dump(edge_rows, f, indent=0)
-        with open(os.path.join(folder, f"graph{i}.nodes.json"), "w") as f:
-            f.write("[\n" + ",\n".join(json.dumps(r) for r in node_rows) + "\n]\n")
+        write_rows(os.path.join(folder, f"graph{i}.nodes.json"), node_rows)
     changed = []
     for i, lines in enumerate(masked):
         diff = [d for d in difflib.unified_diff(masked[0], lines, n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]

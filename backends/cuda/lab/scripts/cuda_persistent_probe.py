@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from musecore.benchmarking import write_rows
 from musecore_cuda.bench import capture_graph, memory_ceiling_gbps, replay_us
 from musecore_cuda.kernels import pdl
 from musecore_triton.kernels.dense_gemv import dense_gemv, gemv_blocks
@@ -196,9 +197,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     rows.append(verdict(rows))
     print(json.dumps(rows[-1]), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from musecore.testing import nmse
+from musecore.benchmarking import write_rows
 from musecore_cuda.bench import capture_graph, replay_us
 from musecore_cuda.kernels import pdl
 
@@ -105,9 +106,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     rows.append(verdict(rows, args.margin_us))
     print(json.dumps(rows[-1]), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
