@@ -122,9 +122,9 @@ def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gl
     (``out_features`` rows) when NVRTC is available: "gluon" (the Gluon W4A16 GEMM, only when ``gluon``: it can run
     here and is not switched off), "mma" / "fma" (CUDA C++ decode GEMVs), "gemm" (CUDA C++ tiled GEMM), "dequant"
     (bf16 copy + cuBLAS) or "tiled" (Triton W4A16 GEMM)."""
+    in_features = weights // out_features if out_features else 0  # (0: unknown)
     if (gluon and dtype == torch.bfloat16 and weight_format in GLUON_FORMATS
-            and (gluon_min_m(weights, weights // out_features if out_features else 0) <= m <= GLUON_MAX_M
-                 or gluon_large(m, out_features, weights // out_features if out_features else 0))):
+            and (gluon_min_m(weights, in_features) <= m <= GLUON_MAX_M or gluon_large(m, out_features, in_features))):
         return "gluon"
     if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
         return "dequant" if m >= DEQUANT_MIN_M else "gemm"

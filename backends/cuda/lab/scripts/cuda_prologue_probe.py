@@ -76,12 +76,11 @@ def probe(d: int, cuts: list[tuple[int, int]], rounds: int, reps: int) -> list[d
             graphs[key].replay()
             torch.cuda.synchronize()
             times[key] += [replay_us(graphs[key]) for _ in range(reps)]
+    median = {key: sorted(ts)[len(ts) // 2] for key, ts in times.items()}
     rows = []
     for key in keys:
         name, on = key
-        ts = sorted(times[key])
-        t = ts[len(ts) // 2]
-        tail = sorted(times[("tail", on)])[len(times[("tail", on)]) // 2]
+        t, tail = median[key], median[("tail", on)]
         rows.append({"D": d, "pairs": pairs, "mode": name, "pdl": on, "us": round(t, 2),
                      "us_per_pair": round(t / pairs, 3), "gain_us_per_pair_vs_tail": round((tail - t) / pairs, 3),
                      "nmse_vs_tail": float(nmse(outputs[("tail", on)].float(), outputs[key].float())),
