@@ -41,17 +41,18 @@ TOLERANCE = 1e-4  # NMSE of a chain's output against the tail chain's (bf16 roun
 
 
 def verdict(rows: list[dict], margin_us: float) -> dict:
-    """Whether the best valid prologue cut with PDL beats the tail with PDL by ``margin_us`` per pair or more."""
+    """Whether the best valid prologue cut with PDL beats the tail with PDL of its own width ``D`` by ``margin_us`` per
+    pair or more (over several ``--dims``, the largest such gain)."""
     timed = [r for r in rows if "us_per_pair" in r and r["pdl"]]
-    tail = next((r for r in timed if r["mode"] == "tail"), None)
-    best = min((r for r in timed if r["mode"] != "tail" and r["nmse_vs_tail"] <= TOLERANCE),
-               key=lambda r: r["us_per_pair"], default=None)
-    if tail is None or best is None:
-        return {"verdict": None, "why": "no timed tail or valid prologue row with PDL"}
-    gain = tail["us_per_pair"] - best["us_per_pair"]
+    tails = {r["D"]: r["us_per_pair"] for r in timed if r["mode"] == "tail"}
+    gains = [(tails[r["D"]] - r["us_per_pair"], r) for r in timed
+             if r["mode"] != "tail" and r["D"] in tails and r["nmse_vs_tail"] <= TOLERANCE]
+    if not gains:
+        return {"verdict": None, "why": "no timed tail with a valid prologue row of its width, with PDL"}
+    gain, best = max(gains, key=lambda g: g[0])
     return {"verdict": gain >= margin_us, "best": best["mode"], "gain_us_per_pair": round(gain, 3),
             "margin_us": margin_us, "D": best["D"],
-            "why": f"{best['mode']} {best['us_per_pair']} against tail {tail['us_per_pair']} us per pair"}
+            "why": f"{best['mode']} {best['us_per_pair']} against tail {tails[best['D']]} us per pair (D {best['D']})"}
 
 
 def probe(d: int, cuts: list[tuple[int, int]], rounds: int, reps: int) -> list[dict]:

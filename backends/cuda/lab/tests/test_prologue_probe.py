@@ -69,8 +69,8 @@ def test_prologue_gemv_refuses_a_row_wider_than_one_chunk():
         pr.prologue_gemv(row, row, vec, vec, vec, vec, EPS, EPS, w)
 
 
-def verdict_row(mode: str, us_per_pair: float, pdl: bool = True, err: float = 0.0) -> dict:
-    return {"D": 1536, "mode": mode, "pdl": pdl, "us_per_pair": us_per_pair, "nmse_vs_tail": err}
+def verdict_row(mode: str, us_per_pair: float, pdl: bool = True, err: float = 0.0, d: int = 1536) -> dict:
+    return {"D": d, "mode": mode, "pdl": pdl, "us_per_pair": us_per_pair, "nmse_vs_tail": err}
 
 
 def test_the_verdict_takes_the_best_valid_prologue_with_pdl():
@@ -85,3 +85,17 @@ def test_the_verdict_takes_the_best_valid_prologue_with_pdl():
     v = script.verdict(rows[:3], margin_us=0.5)  # 0.2 us per pair: under the margin
     assert v["verdict"] is False and v["best"] == "prologue_2x2w", v
     assert script.verdict(rows[:2], margin_us=0.5)["verdict"] is None
+
+
+def test_the_verdict_compares_each_prologue_with_the_tail_of_its_own_width():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import cuda_prologue_probe as script
+
+    # at D = 4096 the prologue is faster than D = 1536's tail but 0.1 us slower than its own: no gain there
+    rows = [verdict_row("tail", 9.0), verdict_row("prologue_4x4w", 8.8), verdict_row("tail", 20.0, d=4096),
+            verdict_row("prologue_4x4w", 20.1, d=4096)]
+    v = script.verdict(rows, margin_us=0.5)
+    assert v["verdict"] is False and v["D"] == 1536 and v["gain_us_per_pair"] == 0.2, v
+    rows[3] = verdict_row("prologue_8x8w", 19.0, d=4096)
+    v = script.verdict(rows, margin_us=0.5)
+    assert v["verdict"] is True and (v["D"], v["best"], v["gain_us_per_pair"]) == (4096, "prologue_8x8w", 1.0), v
