@@ -39,14 +39,13 @@ import platform
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from muse_tiny import (BOS_ID, EOS_ID, PAD_ID, PROMPTS, SLICE, STOP_IDS, TOKENIZER, TRAINED_PREFIXES,  # noqa: E402
+from muse_tiny import (BOS_ID, PAD_ID, PROMPTS, SLICE, STOP_IDS, TOKENIZER, TRAINED_PREFIXES,  # noqa: E402
                        muse_tiny_config, start_run, perplexity, slice_stream)
 
 

@@ -34,14 +34,13 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from .formats.fp4 import fp4_encode, pack_nibbles
 from .formats.int4 import (DEFAULT_GROUP_SIZE, INT4_MAX_CODE, INT4_SYMMETRIC_ZERO, int4_quantize,
                            int4_quantize_min_error)
-from .formats.mxfp4 import E8M0_BIAS, MXFP4_BLOCK_SIZE, e8m0_to_float, fp4_round, mxfp4_quantize
+from .formats.mxfp4 import MXFP4_BLOCK_SIZE, e8m0_to_float, fp4_round, mxfp4_quantize
 from .qtensor import QTensor
 
 GPTQ_FORMATS = ("int4", "mxfp4")
