@@ -24,7 +24,8 @@ from musecore.benchmarking import cycle, rotating
 from musecore_cuda.backend import (CudaBackend, fp4_decode_linear, fp4_dequant_linear, fp4_gemm_linear,
                                    fp4_gluon_linear, fp4_linear, fp4_linear_path, fp4_tiled_linear)
 from musecore_cuda.kernels import finish_workspace, fp4_gemv_cuda, fp4_gluon_plan, moe_prefill
-from musecore_cuda.kernels.moe_decode import handoff_by_default, on_runs_by_default, use_gemv
+from musecore_cuda.kernels.moe_decode import (RUNS_MAX_ASSIGNMENTS, handoff_by_default, moe_decode_gemv,
+                                              on_runs_by_default, use_gemv)
 from musecore_triton.kernels.moe import moe_forward
 
 LINEAR_SHAPES = {  # name: (N, K) of the 816B preset (H 8192, 128 q heads and 16 kv heads x 64, h = I = 4096)
@@ -374,8 +375,29 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
                "tflops": round(flops / t_fp4 / 1e6, 1)}
         if grouped:
             row.update(_triton_moe_columns(be, z, weights, ids, fp4, experts, post_norm, t_fp4, t_bf16, no_gluon))
+            if t * topk <= RUNS_MAX_ASSIGNMENTS:
+                try:
+                    row.update(_gemv_moe_columns(be, z, weights, ids, fp4, post_norm, t_fp4, nbytes, ceiling))
+                except Exception as exc:  # noqa: BLE001 - a side column; the row and the table stand
+                    row["gemv_error"] = f"{exc!r}"[:300]
         rows.append(row)
     return rows
+
+
+def _gemv_moe_columns(be, z, weights, ids, fp4, post_norm, t_default, nbytes: int, ceiling: dict) -> dict:
+    """The decode GEMVs beside a decode batch that the grouped GEMM took (``moe_decode.use_gemv`` hands batches to it
+    from a crossover measured on H100s; the H200's bandwidth speeds up the GEMVs, not the grouped Gluon GEMM, run 139):
+    their time, % of the ceiling, the default's speed-up over them (below 1: the GEMVs were faster on this GPU) and
+    their output's NMSE against the default's."""
+    from musecore.testing import nmse
+
+    def gemvs() -> torch.Tensor:
+        return moe_decode_gemv(z, weights, ids, fp4.gate, fp4.up, fp4.down, post_norm, 1e-8)
+    t = time_us(gemvs, reps=10)
+    return {"gemv_time_us": round(t, 1),
+            "gemv_pct_memory_ceiling": round(100 * nbytes / t / 1e3 / ceiling["ceiling_gbps"], 1),
+            "default_vs_gemv": round(t / t_default, 3),
+            "gemv_nmse_vs_default": float(nmse(gemvs(), be.moe(z, weights, ids, fp4, post_norm, 1e-8)))}
 
 
 def _triton_moe_columns(be, z, weights, ids, fp4, experts, post_norm, t_default, t_bf16,
@@ -650,7 +672,9 @@ def bench_targets() -> list[dict]:
            summary("linear M=256", 1.0, "x", default_ratio((256,)), "7 shapes"),
            summary("linear M=4096", 0.9, "x", default_ratio((4096,)), "7 shapes"),
            summary("MoE decode batch 1-16 (% of memory ceiling over routed bytes)", 75.0, "%",
-                   [r["pct_memory_ceiling"] for r in moe if r["M"] <= 16], "816B layer, NVFP4 experts"),
+                   [r["pct_memory_ceiling"] for r in moe if r["M"] <= 16], "816B layer, NVFP4 experts"
+                   + "".join(f"; at {r['M']} the {r['path']} {r['pct_memory_ceiling']}%, the GEMVs beside "
+                             f"{r['gemv_pct_memory_ceiling']}%" for r in moe if r["M"] <= 16 and "gemv_time_us" in r)),
            {**summary("muse-small decode batch 1 (% of its bandwidth limit)", 50.0, "%",
                       [r["pct_memory_ceiling"] for r in e2e if r["format"] == "nvfp4" and r["cuda_graphs"]],
                       "NVFP4, CUDA graphs, weight bytes per step at the ceiling"),

@@ -54,6 +54,43 @@ def test_the_moe_prefill_row_says_why_the_gluon_gemm_did_not_run(fake_runs):
     assert not prefill["met"] and "not Gluon: triton 3.9.0" in prefill["detail"]
 
 
+def test_the_moe_decode_row_names_the_gemvs_beside_the_grouped_batches(fake_runs, monkeypatch):
+    """Where the grouped GEMM took a decode batch, the GEMVs timed beside it (``_gemv_moe_columns``) are named in the
+    MoE decode target's detail, so one targets run says on which side of the crossover its GPU sits; the target is
+    still judged on the default path's percentages."""
+    def moe(batches, prefill):
+        rows = [{"M": b, "path": "gemv", "pct_memory_ceiling": 70.0} for b in batches if b < 8]
+        rows += [{"M": b, "path": "grouped gluon", "pct_memory_ceiling": 60.0 + b / 8, "gemv_time_us": 600.0,
+                  "gemv_pct_memory_ceiling": 68.5} for b in batches if b >= 8]
+        return rows + [{"M": prefill, "pct_memory_ceiling": 5.0, **fake_runs}]
+    monkeypatch.setattr(bench, "bench_moe", moe)
+    row = _targets()["MoE decode batch 1-16 (% of memory ceiling over routed bytes)"]
+    assert row["worst"] == pytest.approx(61.0) and not row["met"]
+    assert "at 8 the grouped gluon 61.0%, the GEMVs beside 68.5%" in row["detail"], row["detail"]
+    assert "at 16 the grouped gluon 62.0%, the GEMVs beside 68.5%" in row["detail"], row["detail"]
+    assert "at 4 " not in row["detail"]
+
+
+def test_the_gemv_columns_beside_a_grouped_decode_batch(monkeypatch):
+    """``_gemv_moe_columns``' arithmetic with the kernels stood in for (CPU tensors, fixed times): % of the ceiling
+    over the row's bytes, the default's speed-up over the GEMVs and the NMSE of their outputs."""
+    out = torch.ones(4, 8)
+    monkeypatch.setattr(bench, "moe_decode_gemv", lambda *args: out * 1.01)
+    monkeypatch.setattr(bench, "time_us", lambda fn, reps=1: 500.0)
+
+    class Backend:
+        def moe(self, *args):
+            return out
+
+    class Experts:
+        gate = up = down = None
+    cols = bench._gemv_moe_columns(Backend(), None, None, None, Experts(), None, 400.0, 2_000_000_000,
+                                   {"ceiling_gbps": 4000.0})
+    assert cols["gemv_time_us"] == 500.0 and cols["default_vs_gemv"] == pytest.approx(1.25)
+    assert cols["gemv_pct_memory_ceiling"] == pytest.approx(100.0)  # 2 GB in 500 us = 4000 GB/s
+    assert cols["gemv_nmse_vs_default"] == pytest.approx(1e-4 / 1.01 ** 2, rel=1e-3)  # against the GEMVs' power
+
+
 def test_the_moe_rows_route_the_same_experts_everywhere():
     """The seeded MoE inputs (the bench's rows and the lab's ncu of them) route the distinct experts the GPU runs
     recorded (runs 131-138: 8 / 16 / 31 / 56 / 100 at 1 / 2 / 4 / 8 / 16 tokens); here through the reference router,
