@@ -6,7 +6,8 @@
 # logs are removed, the archive keeping them).
 # Steps the session scripts share (argument: the step's number, for the log): `targets_step` (musecore bench --case
 # targets into $OUT, capped at $TARGETS_S or 170 s), `gpu_suite_step` (the whole GPU suite, or the folders in $SUITE
-# in that order, SIGINT at its cap of $SUITE_S or 330 s so pytest still prints the summary; which tests ran in
+# in that order, SIGINT at its cap of $SUITE_S or 330 s so pytest still prints the summary, across
+# $SUITE_WORKERS processes when set; which tests ran in
 # $OUT/gpu_suite.xml),
 # `tests_step` (the GPU tests named in $TESTS; with TESTS_ALL=1 the unmarked ones too), `runs_probe_step`
 # (cuda_moe_runs_probe.py, at $BATCHES when set),
@@ -50,8 +51,10 @@ targets_step() {
   echo "$1. bench targets at ${SECONDS}s (rc $?):"; head -14 $OUT/bench_targets.txt | cut -c1-200
 }
 gpu_suite_step() {
+  # SUITE_WORKERS=N: N pytest-xdist processes on the one GPU (the device image has pytest-xdist; most of a Gluon test's
+  # time is its kernels' compile on the CPU, as step c's five processes side by side showed)
   timeout -s INT $(cap ${SUITE_S:-330}) python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$OUT/gpu_suite.xml \
-    ${SUITE:-backends/cuda/tests backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests} \
+    ${SUITE_WORKERS:+-n $SUITE_WORKERS} ${SUITE:-backends/cuda/tests backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests} \
     > $OUT/gpu_suite.log 2>&1
   echo "rc=$?" >> $OUT/gpu_suite.log
   echo "$1. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
