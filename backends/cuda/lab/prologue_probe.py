@@ -19,6 +19,13 @@ wider cuts are the ones to time.
 :func:`prologue_gemv` is that consumer; its numerics are the tail's (the same roundings, the row's sums perhaps in
 another order). The timing script is ``scripts/cuda_prologue_probe.py``; the interpreter test
 ``tests/test_prologue_probe.py``.
+
+Session 72 adds a second chain (:func:`finalize_gemv`): the MoE block's finalize (each token's top-k expert rows through
+the shared post-expert norm, weighted and summed; ``moe.finalize``, its own launch today) in every program of the
+unpooler GEMV after it, so muse-small's step would lose a launch per layer (16) rather than a serial tail. Each
+program re-reads the token's ``topk x h`` fp32 rows (24 KB at muse-small's top-8 x 768): fewer, wider programs again.
+Compiled for sm90 on the CPU (Triton 3.6, ``cuobjdump -res-usage``), top-8, h = 768: 195 registers at 2 rows x 2 warps,
+127 at 4 x 4, 100 at 8 x 8, 80 at 16 x 16, no spills.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import triton.language as tl
 
 from musecore_triton import hooks
 from musecore_triton.kernels import norms
-from musecore_triton.kernels.dense_gemv import BLOCK_N, MAX_BLOCK_K, NUM_WARPS, dense_gemv
+from musecore_triton.kernels.dense_gemv import BLOCK_N, MAX_BLOCK_K, NUM_WARPS, dense_gemv, expert_gemv
+from musecore_triton.kernels.moe import ACT_DTYPES, finalize
 
 
 @triton.jit
@@ -141,3 +149,95 @@ def prologue_pair(inputs: dict, post: bool = True, nxt: bool = True, eps: float 
         return prologue_gemv(o, residual, post_w, inputs["alpha"], inputs["beta"], next_w, eps, eps, wb, block_n,
                              num_warps)
     return producer, consumer
+
+
+@triton.jit
+def finalize_gemv_kernel(o_ptr, wt_ptr, norm_ptr, w_ptr, y_ptr, N, L, stride_w, post_eps, TOPK: tl.constexpr,
+                         KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
+                         PDL: tl.constexpr, EARLY: tl.constexpr):
+    """``y[rows] = W[rows] @ round(finalize(o))`` for one token: every program runs ``moe_finalize_kernel``'s steps
+    and roundings on the token's ``TOPK`` rows of ``o [TOPK, L]`` (fp32) and keeps the sum in registers as its ``x``,
+    rounded to ``ACT`` as ``dense_gemv`` rounds an fp32 ``x`` when it loads it."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    offs = tl.arange(0, BLOCK_K)
+    lmask = offs < L
+    wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + offs[None, :], mask=rmask[:, None] & lmask[None, :],
+                 other=0.0)  # the weights depend on no kernel: loaded before the wait
+    nw = tl.load(norm_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
+    hooks.pdl_launch_dependents(EARLY)
+    hooks.pdl_wait(PDL)
+    j = tl.arange(0, KP)
+    jm = j < TOPK
+    wt = tl.load(wt_ptr + j, mask=jm, other=0.0).to(tl.float32)
+    expert_rows = tl.load(o_ptr + j[:, None] * L + offs[None, :], mask=jm[:, None] & lmask[None, :],
+                          other=0.0).to(ACT).to(tl.float32)
+    s = (expert_rows * nw[None, :]).to(ACT).to(tl.float32)  # moe_finalize_kernel's steps and roundings
+    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / L + post_eps)
+    normed = (s * r[:, None]).to(ACT).to(tl.float32)
+    x = tl.sum(normed * wt[:, None], axis=0).to(ACT).to(tl.float32)  # the fp32 sum, rounded as dense_gemv loads it
+    y = tl.sum(wv.to(tl.float32) * x[None, :], axis=1)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+def finalize_gemv(o: torch.Tensor, weights: torch.Tensor, post_norm: torch.Tensor, post_eps: float, w: torch.Tensor,
+                  block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """``W @ finalize(o) [1, N]`` for one token's expert rows ``o [topk, L]`` (fp32, unsorted: row j is the token's
+    j-th choice), routing ``weights [1, topk]`` and the shared post-expert norm ``[L]``; ``w [N, L]`` 16-bit,
+    ``L <= MAX_BLOCK_K``: what ``moe.finalize`` then ``dense_gemv(y, w)`` compute, with the finalize in this
+    launch's prologue."""
+    n, k = w.shape
+    topk = weights.shape[-1]
+    if k > MAX_BLOCK_K or o.shape != (topk, k) or o.dtype != torch.float32 or weights.shape != (1, topk) \
+            or post_norm.shape != (k,) or w.stride(1) != 1 or w.dtype not in ACT_DTYPES:
+        raise ValueError(f"finalize_gemv takes o [topk, L] fp32, weights [1, topk], post_norm [L] and a 16-bit w "
+                         f"[N, L], L <= {MAX_BLOCK_K}; got o {o.dtype} {list(o.shape)}, weights "
+                         f"{list(weights.shape)}, post_norm {list(post_norm.shape)}, w {w.dtype} {list(w.shape)}")
+    y = torch.empty(1, n, dtype=w.dtype, device=w.device)
+    finalize_gemv_kernel[(triton.cdiv(n, block_n),)](
+        o.contiguous(), weights.contiguous(), post_norm.contiguous(), w, y, n, k, w.stride(0), post_eps, TOPK=topk,
+        KP=triton.next_power_of_2(topk), BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), ACT=ACT_DTYPES[w.dtype],
+        num_warps=num_warps, EARLY=hooks.early_trigger(w.device, "dense_gemv"),
+        **hooks.launch_options(w.device, "dense_gemv"))
+    return y
+
+
+def moe_chain_inputs(pairs: int, d: int, topk: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
+    """A chain of ``pairs`` MoE tails: each a down-projection stack ``[topk, d, d]`` (the token's ``topk`` experts,
+    one GEMV per assignment, fp32 out as the decode MoE's), the finalize and an unpooler ``[d, d]``; the first input
+    ``x [1, d]``, the routing weights and the post-expert norm."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+    weights = torch.softmax(torch.randn(1, topk, generator=gen), -1).to(device)
+    return {"down": randn(pairs, topk, d, d, scale=d ** -0.5), "wb": randn(pairs, d, d, scale=d ** -0.5),
+            "x": randn(1, d), "weights": weights, "ids": torch.arange(topk, device=device).view(1, topk),
+            "post_norm": 1 + randn(d, scale=0.1)}
+
+
+def run_moe_chain(inputs: dict, tail: callable) -> torch.Tensor:
+    """The chain's last output: for each pair the down GEMVs (``expert_gemv``, one per assignment, fp32 rows) then
+    ``tail(o, wb[i])``, the finalize and the unpooler GEMV in one way or the other."""
+    x, ids = inputs["x"], inputs["ids"]
+    for i in range(inputs["down"].shape[0]):
+        o = expert_gemv(x.expand(ids.shape[1], -1), inputs["down"][i], ids, 1, out_dtype=torch.float32)
+        x = tail(o, inputs["wb"][i])
+    return x
+
+
+def finalize_tails(inputs: dict, post_eps: float = 1e-6, block_n: int = BLOCK_N,
+                   num_warps: int = NUM_WARPS) -> dict[str, callable]:
+    """The two ``tail``s for :func:`run_moe_chain`: ``separate`` (today: ``moe.finalize``'s launch, then
+    ``dense_gemv`` rounding its fp32 output as it loads) and ``prologue`` (:func:`finalize_gemv` at ``block_n`` rows
+    on ``num_warps`` warps)."""
+    ids, weights, norm = inputs["ids"], inputs["weights"], inputs["post_norm"]
+
+    def separate(o: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        return dense_gemv(finalize(o, ids.reshape(-1), ids, weights, norm, post_eps, sorted_rows=False,
+                                   act_dtype=wb.dtype), wb)
+
+    def prologue(o: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        return finalize_gemv(o, weights, norm, post_eps, wb, block_n, num_warps)
+    return {"separate": separate, "prologue": prologue}

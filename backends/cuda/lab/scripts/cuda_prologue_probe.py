@@ -16,7 +16,14 @@ faster than the tail with PDL (then moving the product's row ops into their cons
 per line::
 
     python backends/cuda/lab/scripts/cuda_prologue_probe.py [--dims 1536] [--cuts 2x2,4x4,8x8,16x16] [--rounds 5]
+        [--chains residual,finalize] [--finalize-dims 768] [--topk 8]
         [--out backends/cuda/lab/results/cuda_prologue_probe.json]
+
+Session 72 adds the ``finalize`` chain (``prologue_probe.finalize_gemv``): per pair ``--topk`` down GEMVs (one per
+assignment, fp32 rows), then ``separate`` (``moe.finalize``'s own launch and the unpooler GEMV, today's) against the
+finalize in every program of the unpooler GEMV at each cut; square ``[h, h]`` unpoolers (muse-small's is 1536 x 768:
+the launch structure is what is timed). A verdict row per chain; a yes there would take one launch per MoE layer out
+of the decode step.
 """
 
 from __future__ import annotations
@@ -40,34 +47,61 @@ MIN_BYTES = 160 << 20  # the chain's weights: ~3x the H200's 50 MB L2
 TOLERANCE = 1e-4  # NMSE of a chain's output against the tail chain's (bf16 roundings in another order, P pairs deep)
 
 
-def verdict(rows: list[dict], margin_us: float) -> dict:
-    """Whether the best valid prologue cut with PDL beats the tail with PDL of its own width ``D`` by ``margin_us`` per
-    pair or more (over several ``--dims``, the largest such gain)."""
-    timed = [r for r in rows if "us_per_pair" in r and r["pdl"]]
-    tails = {r["D"]: r["us_per_pair"] for r in timed if r["mode"] == "tail"}
+def verdict(rows: list[dict], margin_us: float, chain: str = "residual") -> dict:
+    """Whether the best valid prologue cut with PDL of ``chain`` beats its baseline (``BASELINES``) with PDL of its
+    own width ``D`` by ``margin_us`` per pair or more (over several ``--dims``, the largest such gain)."""
+    base = BASELINES[chain]
+    timed = [r for r in rows if "us_per_pair" in r and r["pdl"] and r.get("chain", "residual") == chain]
+    tails = {r["D"]: r["us_per_pair"] for r in timed if r["mode"] == base}
     gains = [(tails[r["D"]] - r["us_per_pair"], r) for r in timed
-             if r["mode"] != "tail" and r["D"] in tails and r["nmse_vs_tail"] <= TOLERANCE]
+             if r["mode"] != base and r["D"] in tails and r["nmse_vs_tail"] <= TOLERANCE]
     if not gains:
-        return {"verdict": None, "why": "no timed tail with a valid prologue row of its width, with PDL"}
+        return {"chain": chain, "verdict": None, "why": f"no timed {base} with a valid prologue row of its width, "
+                "with PDL"}
     gain, best = max(gains, key=lambda g: g[0])
-    return {"verdict": gain >= margin_us, "best": best["mode"], "gain_us_per_pair": round(gain, 3),
+    return {"chain": chain, "verdict": gain >= margin_us, "best": best["mode"], "gain_us_per_pair": round(gain, 3),
             "margin_us": margin_us, "D": best["D"],
-            "why": f"{best['mode']} {best['us_per_pair']} against tail {tails[best['D']]} us per pair (D {best['D']})"}
+            "why": f"{best['mode']} {best['us_per_pair']} against {base} {tails[best['D']]} us per pair "
+                   f"(D {best['D']})"}
+
+
+BASELINES = {"residual": "tail", "finalize": "separate"}  # each chain's mode of today's kernels
 
 
 def probe(d: int, cuts: list[tuple[int, int]], rounds: int, reps: int) -> list[dict]:
+    """The residual-norm chain (session 70): ``tail`` against ``prologue_{rows}x{warps}w``."""
     pairs = max(16, -(-MIN_BYTES // (2 * d * d * 2)))
     inputs = pr.pair_inputs(pairs, d, torch.bfloat16, torch.device("cuda"))
     plans = {"tail": pr.tail_pair(inputs)}
     for rows, warps in cuts:
         plans[f"prologue_{rows}x{warps}w"] = pr.prologue_pair(inputs, block_n=rows, num_warps=warps)
+    runs = {name: (lambda pair=pair: pr.run_chain(inputs, *pair)[0]) for name, pair in plans.items()}
+    return time_chains(runs, "residual", d, pairs, rounds, reps)
+
+
+def probe_finalize(d: int, topk: int, cuts: list[tuple[int, int]], rounds: int, reps: int) -> list[dict]:
+    """The finalize chain (session 72): per pair ``topk`` down GEMVs, then ``separate`` (``moe.finalize``'s launch
+    and the unpooler GEMV) against ``prologue_{rows}x{warps}w`` (``finalize_gemv``); square ``[d, d]`` unpoolers."""
+    pairs = max(16, -(-MIN_BYTES // ((topk + 1) * d * d * 2)))
+    inputs = pr.moe_chain_inputs(pairs, d, topk, torch.bfloat16, torch.device("cuda"))
+    runs = {"separate": lambda: pr.run_moe_chain(inputs, pr.finalize_tails(inputs)["separate"])}
+    for rows, warps in cuts:
+        tail = pr.finalize_tails(inputs, block_n=rows, num_warps=warps)["prologue"]
+        runs[f"prologue_{rows}x{warps}w"] = lambda tail=tail: pr.run_moe_chain(inputs, tail)
+    return time_chains(runs, "finalize", d, pairs, rounds, reps)
+
+
+def time_chains(runs: dict, chain: str, d: int, pairs: int, rounds: int, reps: int) -> list[dict]:
+    """Each run (a callable giving the chain's output) captured in a CUDA graph with PDL and without, replayed in
+    alternating rounds; one row per (run, PDL) with its time, gain against the chain's baseline and NMSE to it."""
+    base = BASELINES[chain]
     graphs, outputs = {}, {}
-    for name, pair in plans.items():
+    for name, run in runs.items():
         for on in (True, False):
             key = (name, on)
 
-            def keep(pair=pair, key=key) -> None:  # the captured call leaves the chain's output here
-                outputs[key] = pr.run_chain(inputs, *pair)[0]
+            def keep(run=run, key=key) -> None:  # the captured call leaves the chain's output here
+                outputs[key] = run()
             with pdl.scope(on):
                 graphs[key] = capture_graph(keep)
     times: dict = {key: [] for key in graphs}
@@ -81,10 +115,10 @@ def probe(d: int, cuts: list[tuple[int, int]], rounds: int, reps: int) -> list[d
     rows = []
     for key in keys:
         name, on = key
-        t, tail = median[key], median[("tail", on)]
-        rows.append({"D": d, "pairs": pairs, "mode": name, "pdl": on, "us": round(t, 2),
+        t, tail = median[key], median[(base, on)]
+        rows.append({"chain": chain, "D": d, "pairs": pairs, "mode": name, "pdl": on, "us": round(t, 2),
                      "us_per_pair": round(t / pairs, 3), "gain_us_per_pair_vs_tail": round((tail - t) / pairs, 3),
-                     "nmse_vs_tail": float(nmse(outputs[("tail", on)].float(), outputs[key].float())),
+                     "nmse_vs_tail": float(nmse(outputs[(base, on)].float(), outputs[key].float())),
                      "gpu": torch.cuda.get_device_name()})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -97,15 +131,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--margin-us", type=float, default=0.5)
+    p.add_argument("--chains", default="residual,finalize", help="residual: the norm after o_proj / the unpooler; "
+                   "finalize: the MoE finalize before the unpooler (at --finalize-dims, top --topk)")
+    p.add_argument("--finalize-dims", default="768", help="the experts' width h (muse-small: 768)")
+    p.add_argument("--topk", type=int, default=8)
     p.add_argument("--out", default="backends/cuda/lab/results/cuda_prologue_probe.json")
     args = p.parse_args()
     cuts = [tuple(int(v) for v in c.split("x")) for c in args.cuts.split(",")]
+    chains = args.chains.split(",")
     rows = []
-    for d in (int(v) for v in args.dims.split(",")):
+    for d in (int(v) for v in args.dims.split(",")) if "residual" in chains else ():
         rows += probe(d, cuts, args.rounds, args.reps)
         torch.cuda.empty_cache()
-    rows.append(verdict(rows, args.margin_us))
-    print(json.dumps(rows[-1]), flush=True)
+    for d in (int(v) for v in args.finalize_dims.split(",")) if "finalize" in chains else ():
+        rows += probe_finalize(d, args.topk, cuts, args.rounds, args.reps)
+        torch.cuda.empty_cache()
+    for chain in chains:
+        rows.append(verdict(rows, args.margin_us, chain))
+        print(json.dumps(rows[-1]), flush=True)
     write_rows(args.out, rows)
 
 

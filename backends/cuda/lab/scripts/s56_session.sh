@@ -45,7 +45,9 @@
 #      the PDL policy tests with MUSECORE_CUDA_PDL=1, three processes), then cuda_pdl_ab.py (PDL off / waits only /
 #      early GEMVs, each in its own process: PDL_AB_ARGS, PDL_AB_S).
 #   i. (session 70) the residual norm in every program of the consumer GEMV against the producer's last program:
-#      the prologue probe's tests (natively), then cuda_prologue_probe.py (PROLOGUE_ARGS, PROLOGUE_S).
+#      the prologue probe's tests (natively), then cuda_prologue_probe.py (PROLOGUE_ARGS, PROLOGUE_S); (session 72)
+#      also the MoE finalize in every program of the unpooler GEMV against its own launch (PROLOGUE_ARGS="--chains
+#      finalize" for that chain alone).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u

@@ -99,3 +99,62 @@ def test_the_verdict_compares_each_prologue_with_the_tail_of_its_own_width():
     rows[3] = verdict_row("prologue_8x8w", 19.0, d=4096)
     v = script.verdict(rows, margin_us=0.5)
     assert v["verdict"] is True and (v["D"], v["best"], v["gain_us_per_pair"]) == (4096, "prologue_8x8w", 1.0), v
+
+
+def test_each_chain_has_its_own_verdict_against_its_own_baseline():
+    """The finalize chain's rows are judged against its ``separate`` mode, never against the residual chain's tail
+    (rows without a ``chain`` are the residual chain's, as session 70's were)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import cuda_prologue_probe as script
+
+    rows = [verdict_row("tail", 9.0), verdict_row("prologue_4x4w", 8.8),
+            {**verdict_row("separate", 12.0, d=768), "chain": "finalize"},
+            {**verdict_row("prologue_16x16w", 10.5, d=768), "chain": "finalize"}]
+    v = script.verdict(rows, margin_us=0.5, chain="finalize")
+    assert v["verdict"] is True and (v["chain"], v["best"], v["gain_us_per_pair"]) == ("finalize",
+                                                                                      "prologue_16x16w", 1.5), v
+    v = script.verdict(rows, margin_us=0.5)
+    assert v["verdict"] is False and (v["chain"], v["gain_us_per_pair"]) == ("residual", 0.2), v
+    assert script.verdict(rows[:2], margin_us=0.5, chain="finalize")["verdict"] is None
+
+
+def reference_moe_chain(inputs: dict, eps: float) -> torch.Tensor:
+    """The finalize chain in PyTorch: each pair's down rows (fp32 products), the finalize's roundings (expert row,
+    norm-scaled row and normed row to the activations' dtype, the weighted sum in fp32) and the unpooler on the sum
+    rounded to the activations' dtype."""
+    x, weights, norm = inputs["x"], inputs["weights"].float(), inputs["post_norm"].float()
+    dtype = x.dtype
+    for i in range(inputs["down"].shape[0]):
+        o = torch.stack([x.float()[0] @ w.float().T for w in inputs["down"][i]])
+        s = (o.to(dtype).float() * norm).to(dtype).float()
+        normed = (s * torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)).to(dtype).float()
+        y = (normed * weights.T).sum(0, keepdim=True)
+        x = (y.to(dtype).float() @ inputs["wb"][i].float().T).to(dtype)
+    return x
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+@pytest.mark.parametrize("pairs,d,topk", [(1, 64, 2), (2, 96, 8), (2, 200, 5)])
+def test_the_finalize_in_the_unpooler_prologue_is_the_separate_chain(pairs, d, topk, dtype):
+    """finalize_gemv: moe.finalize's launch then dense_gemv, in one launch, at dense_gemv's cut and a wide one."""
+    inputs = pr.moe_chain_inputs(pairs, d, topk, dtype, DEVICE)
+    want = reference_moe_chain(inputs, EPS)
+    separate = pr.run_moe_chain(inputs, pr.finalize_tails(inputs, EPS)["separate"])
+    what = f"pairs={pairs} d={d} top-{topk} {dtype}"
+    assert_nmse(want.float(), separate.float(), TOLERANCE, f"separate finalize chain, {what}")
+    for block_n, num_warps in ((pr.BLOCK_N, pr.NUM_WARPS), (16, 16)):
+        got = pr.run_moe_chain(inputs, pr.finalize_tails(inputs, EPS, block_n, num_warps)["prologue"])
+        assert_nmse(want.float(), got.float(), TOLERANCE, f"finalize prologue chain, {block_n}x{num_warps}, {what}")
+        assert_nmse(separate.float(), got.float(), TOLERANCE, f"prologue against separate, {block_n}x{num_warps}, "
+                    f"{what}")
+
+
+def test_finalize_gemv_refuses_what_it_does_not_take():
+    w = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    o = torch.zeros(4, 64, device=DEVICE)
+    weights, norm = torch.ones(1, 4, device=DEVICE), torch.ones(64, device=DEVICE)
+    for bad in (dict(o=o.to(torch.bfloat16)), dict(o=o[:, :32]), dict(weights=weights[:, :3]),
+                dict(post_norm=norm[:32])):
+        args = dict(o=o, weights=weights, post_norm=norm, post_eps=EPS, w=w) | bad
+        with pytest.raises(ValueError, match="finalize_gemv takes"):
+            pr.finalize_gemv(**args)
