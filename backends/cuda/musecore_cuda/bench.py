@@ -340,7 +340,9 @@ def bench_moe(batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), prefill: int 
     experts; the router (fp32 product over the hidden width, then top-k) timed beside it. The router and each batch's
     inputs come from seeded CPU generators, so every run and machine routes the same experts (at 1 / 2 / 4 / 8 / 16
     tokens 8 / 16 / 31 / 56 / 100 distinct, about what uniform top-8 routing gives on average): before session 68 a
-    run's draw moved a row's % of the ceiling by up to 10 points (a batch of 2 routed to 14 distinct experts)."""
+    run's draw moved a row's % of the ceiling by up to 10 points (a batch of 2 routed to 14 distinct experts). A
+    grouped row carries the grouped Triton GEMM beside it (:func:`_triton_moe_columns`) and, at decode sizes, the
+    decode GEMVs (:func:`_gemv_moe_columns`)."""
     be = CudaBackend("cuda")
     ceiling = memory_ceiling_gbps()
     fp4 = be.prepare_experts(random_fp4("nvfp4", (experts, inter, width)),
