@@ -37,7 +37,26 @@ import triton.language as tl
 from musecore_triton import hooks
 from musecore_triton.kernels import norms
 from musecore_triton.kernels.dense_gemv import BLOCK_N, MAX_BLOCK_K, NUM_WARPS, dense_gemv, expert_gemv
-from musecore_triton.kernels.moe import ACT_DTYPES, finalize
+from musecore_triton.kernels.moe import ACT_DTYPES, finalize, finalize_sum
+
+
+@triton.jit
+def _weight_tile(w_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A consumer program's rows of ``W [N, K]`` (all of K in one chunk): ``(rows, rmask, kk, kmask, w tile)``."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < K
+    wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                 other=0.0)
+    return rows, rmask, kk, kmask, wv
+
+
+@triton.jit
+def _store_product(wv, x, y_ptr, rows, rmask):
+    """``y[rows] = W[rows] @ x`` (fp32 sums) in ``y``'s dtype."""
+    y = tl.sum(wv.to(tl.float32) * x[None, :], axis=1)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -46,13 +65,7 @@ def prologue_gemv_kernel(o_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """``y[rows] = W[rows] @ normed`` where ``(new_res, normed) = residual_norm(res, o, ...)`` of the kernel before's
     product ``o``; every program computes the row op, program 0 stores ``new_res``."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
-    wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                 other=0.0)  # the weights depend on no kernel: loaded before the wait
+    rows, rmask, kk, kmask, wv = _weight_tile(w_ptr, N, K, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
     hooks.pdl_launch_dependents(EARLY)
     hooks.pdl_wait(PDL)
     o = tl.load(o_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
@@ -65,12 +78,11 @@ def prologue_gemv_kernel(o_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w
     h = norms._norm(o, post, kmask, K, post_eps, HAS_POST, True, o_ptr.dtype.element_ty)
     h = h.to(o_ptr.dtype.element_ty).to(tl.float32)
     new_res = (alpha * res + beta * h).to(new_res_ptr.dtype.element_ty)
-    if pid == 0:
+    if tl.program_id(0) == 0:
         tl.store(new_res_ptr + kk, new_res, mask=kmask)
     x = norms._norm(new_res.to(tl.float32), nxt, kmask, K, eps, HAS_NEXT, False, new_res_ptr.dtype.element_ty)
     x = x.to(new_res_ptr.dtype.element_ty).to(tl.float32)  # the normed row as the tail stores it, as x is loaded
-    y = tl.sum(wv.to(tl.float32) * x[None, :], axis=1)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+    _store_product(wv, x, y_ptr, rows, rmask)
 
 
 def prologue_gemv(o: torch.Tensor, residual: torch.Tensor, post_w: torch.Tensor | None, alpha: torch.Tensor,
@@ -158,27 +170,16 @@ def finalize_gemv_kernel(o_ptr, wt_ptr, norm_ptr, w_ptr, y_ptr, N, L, stride_w, 
     """``y[rows] = W[rows] @ round(finalize(o))`` for one token: every program runs ``moe_finalize_kernel``'s steps
     and roundings on the token's ``TOPK`` rows of ``o [TOPK, L]`` (fp32) and keeps the sum in registers as its ``x``,
     rounded to ``ACT`` as ``dense_gemv`` rounds an fp32 ``x`` when it loads it."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    offs = tl.arange(0, BLOCK_K)
-    lmask = offs < L
-    wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + offs[None, :], mask=rmask[:, None] & lmask[None, :],
-                 other=0.0)  # the weights depend on no kernel: loaded before the wait
+    rows, rmask, offs, lmask, wv = _weight_tile(w_ptr, N, L, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
     nw = tl.load(norm_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
     hooks.pdl_launch_dependents(EARLY)
     hooks.pdl_wait(PDL)
     j = tl.arange(0, KP)
     jm = j < TOPK
     wt = tl.load(wt_ptr + j, mask=jm, other=0.0).to(tl.float32)
-    expert_rows = tl.load(o_ptr + j[:, None] * L + offs[None, :], mask=jm[:, None] & lmask[None, :],
-                          other=0.0).to(ACT).to(tl.float32)
-    s = (expert_rows * nw[None, :]).to(ACT).to(tl.float32)  # moe_finalize_kernel's steps and roundings
-    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / L + post_eps)
-    normed = (s * r[:, None]).to(ACT).to(tl.float32)
-    x = tl.sum(normed * wt[:, None], axis=0).to(ACT).to(tl.float32)  # the fp32 sum, rounded as dense_gemv loads it
-    y = tl.sum(wv.to(tl.float32) * x[None, :], axis=1)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+    expert_rows = tl.load(o_ptr + j[:, None] * L + offs[None, :], mask=jm[:, None] & lmask[None, :], other=0.0)
+    x = finalize_sum(expert_rows, wt, nw, L, post_eps, ACT)  # moe_finalize_kernel's steps and roundings
+    _store_product(wv, x.to(ACT).to(tl.float32), y_ptr, rows, rmask)  # the sum rounded as dense_gemv loads it
 
 
 def finalize_gemv(o: torch.Tensor, weights: torch.Tensor, post_norm: torch.Tensor, post_eps: float, w: torch.Tensor,

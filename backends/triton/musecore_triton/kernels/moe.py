@@ -196,11 +196,18 @@ def moe_finalize_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, norm_ptr, y_ptr, L, eps,
     else:
         p = t * TOPK + j
     wt = tl.load(w_ptr + t * TOPK + j, mask=jm, other=0.0).to(tl.float32)
-    rows = tl.load(o_ptr + p[:, None] * L + offs[None, :], mask=mask, other=0.0).to(ACT).to(tl.float32)
-    s = (rows * nw[None, :]).to(ACT).to(tl.float32)  # the post-expert norm scales first, then rounds
+    rows = tl.load(o_ptr + p[:, None] * L + offs[None, :], mask=mask, other=0.0)
+    tl.store(y_ptr + t * L + offs, finalize_sum(rows, wt, nw, L, eps, ACT), mask=offs < L)
+
+
+@triton.jit
+def finalize_sum(rows, wt, nw, L, eps, ACT: tl.constexpr):
+    """One token's finalize: its expert rows ``[KP, BLOCK]`` (as loaded), routing weights ``[KP]`` and the shared
+    post-expert norm ``[BLOCK]`` (fp32) -> ``sum_j wt[j] * rms(round(round(rows[j]) * nw))``, fp32 ``[BLOCK]``."""
+    s = (rows.to(ACT).to(tl.float32) * nw[None, :]).to(ACT).to(tl.float32)  # the norm scales first, then rounds
     r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / L + eps)
     normed = (s * r[:, None]).to(ACT).to(tl.float32)
-    tl.store(y_ptr + t * L + offs, tl.sum(normed * wt[:, None], axis=0), mask=offs < L)
+    return tl.sum(normed * wt[:, None], axis=0)
 
 
 def check_post_norm(post_norm: torch.Tensor, width: int) -> None:
