@@ -84,7 +84,8 @@ def probe_finalize(d: int, topk: int, cuts: list[tuple[int, int]], rounds: int, 
     and the unpooler GEMV) against ``prologue_{rows}x{warps}w`` (``finalize_gemv``); square ``[d, d]`` unpoolers."""
     pairs = max(16, -(-MIN_BYTES // ((topk + 1) * d * d * 2)))
     inputs = pr.moe_chain_inputs(pairs, d, topk, torch.bfloat16, torch.device("cuda"))
-    runs = {"separate": lambda: pr.run_moe_chain(inputs, pr.finalize_tails(inputs)["separate"])}
+    separate = pr.finalize_tails(inputs)["separate"]
+    runs = {"separate": lambda: pr.run_moe_chain(inputs, separate)}
     for rows, warps in cuts:
         tail = pr.finalize_tails(inputs, block_n=rows, num_warps=warps)["prologue"]
         runs[f"prologue_{rows}x{warps}w"] = lambda tail=tail: pr.run_moe_chain(inputs, tail)
@@ -131,22 +132,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--margin-us", type=float, default=0.5)
-    p.add_argument("--chains", default="residual,finalize", help="residual: the norm after o_proj / the unpooler; "
-                   "finalize: the MoE finalize before the unpooler (at --finalize-dims, top --topk)")
+    p.add_argument("--chains", default="residual,finalize", type=lambda v: v.split(","),
+                   help="residual: the norm after o_proj / the unpooler; finalize: the MoE finalize before the "
+                   "unpooler (at --finalize-dims, top --topk)")
     p.add_argument("--finalize-dims", default="768", help="the experts' width h (muse-small: 768)")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--out", default="backends/cuda/lab/results/cuda_prologue_probe.json")
     args = p.parse_args()
     cuts = [tuple(int(v) for v in c.split("x")) for c in args.cuts.split(",")]
-    chains = args.chains.split(",")
+    chains = {"residual": (args.dims, lambda d: probe(d, cuts, args.rounds, args.reps)),
+              "finalize": (args.finalize_dims, lambda d: probe_finalize(d, args.topk, cuts, args.rounds, args.reps))}
+    unknown = sorted(set(args.chains) - set(chains))
+    if unknown:
+        p.error(f"--chains: unknown {', '.join(unknown)}; the chains are {', '.join(chains)}")
     rows = []
-    for d in (int(v) for v in args.dims.split(",")) if "residual" in chains else ():
-        rows += probe(d, cuts, args.rounds, args.reps)
-        torch.cuda.empty_cache()
-    for d in (int(v) for v in args.finalize_dims.split(",")) if "finalize" in chains else ():
-        rows += probe_finalize(d, args.topk, cuts, args.rounds, args.reps)
-        torch.cuda.empty_cache()
-    for chain in chains:
+    for chain in args.chains:
+        dims, run = chains[chain]
+        for d in (int(v) for v in dims.split(",")):
+            rows += run(d)
+            torch.cuda.empty_cache()
+    for chain in args.chains:
         rows.append(verdict(rows, args.margin_us, chain))
         print(json.dumps(rows[-1]), flush=True)
     write_rows(args.out, rows)
