@@ -54,7 +54,8 @@ gpu_suite_step() {
   # SUITE_WORKERS=N: N pytest-xdist processes on the one GPU (the device image has pytest-xdist; most of a Gluon test's
   # time is its kernels' compile on the CPU, as step c's five processes side by side showed)
   timeout -s INT $(cap ${SUITE_S:-330}) python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$OUT/gpu_suite.xml \
-    ${SUITE_WORKERS:+-n $SUITE_WORKERS} ${SUITE:-backends/cuda/tests backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests} \
+    ${SUITE_WORKERS:+-n $SUITE_WORKERS} \
+    ${SUITE:-backends/cuda/tests backends/cuda/lab/tests backends/triton/tests tests backends/rocm/tests} \
     > $OUT/gpu_suite.log 2>&1
   echo "rc=$?" >> $OUT/gpu_suite.log
   echo "$1. GPU suite at ${SECONDS}s:"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_suite.log | tail -12
