@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from musecore.ops.reference import residual_norm
+from musecore.ops.reference import residual_norm, rms_norm as reference_rms_norm
 from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
@@ -119,15 +119,14 @@ def test_each_chain_has_its_own_verdict_against_its_own_baseline():
 
 
 def reference_moe_chain(inputs: dict, eps: float) -> torch.Tensor:
-    """The finalize chain in PyTorch: each pair's down rows (fp32 products), the finalize's roundings (expert row,
-    norm-scaled row and normed row to the activations' dtype, the weighted sum in fp32) and the unpooler on the sum
-    rounded to the activations' dtype."""
-    x, weights, norm = inputs["x"], inputs["weights"].float(), inputs["post_norm"].float()
+    """The finalize chain in PyTorch: each pair's down rows (fp32 products, rounded to the activations' dtype), the
+    reference's scale-first post-expert norm, the routing-weighted sum in fp32 (as the reference ``moe`` op) and the
+    unpooler on the sum rounded to the activations' dtype."""
+    x, weights = inputs["x"], inputs["weights"].float()
     dtype = x.dtype
     for i in range(inputs["down"].shape[0]):
-        o = torch.stack([x.float()[0] @ w.float().T for w in inputs["down"][i]])
-        s = (o.to(dtype).float() * norm).to(dtype).float()
-        normed = (s * torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)).to(dtype).float()
+        o = torch.stack([x.float()[0] @ w.float().T for w in inputs["down"][i]]).to(dtype)
+        normed = reference_rms_norm(o, inputs["post_norm"], eps, scale_first=True).float()
         y = (normed * weights.T).sum(0, keepdim=True)
         x = (y.to(dtype).float() @ inputs["wb"][i].float().T).to(dtype)
     return x
