@@ -169,9 +169,19 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
                     plans: Optional[tuple[fp4_gemv_cuda.GemvPlan, fp4_gemv_cuda.GemvPlan]] = None,
                     runs: Optional[bool] = None, handoff: Optional[bool] = None) -> torch.Tensor:
     """The ``moe`` op at decode: gate+up+SwiGLU and down as one FP4 GEMV per token-expert assignment
-    (``plans`` overrides ``make_plan``'s cuts for the two launches, for sweeps; ``runs`` forces runs of one
-    expert on or off, default :func:`on_runs_by_default`; ``handoff`` the down GEMV's early start, default
-    :func:`handoff_by_default`; the output bits are the same either way)."""
+    (:func:`moe_decode_rows`), then the finalize (post-expert norm, routing weight, fp32 sum per token)."""
+    o, flat = moe_decode_rows(z, ids, gate, up, down, plans, runs, handoff)
+    return finalize(o, flat, ids, weights, post_norm, post_eps, sorted_rows=False, act_dtype=z.dtype)
+
+
+def moe_decode_rows(z: torch.Tensor, ids: torch.Tensor, gate: Fp4Resident, up: Fp4Resident, down: Fp4Resident,
+                    plans: Optional[tuple[fp4_gemv_cuda.GemvPlan, fp4_gemv_cuda.GemvPlan]] = None,
+                    runs: Optional[bool] = None, handoff: Optional[bool] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode GEMVs without the finalize: ``(o [T * k, h] fp32, flat ids [T * k])``, row ``a`` the down
+    product of assignment ``a`` in ``ids``' order (``plans`` overrides ``make_plan``'s cuts for the two launches,
+    for sweeps; ``runs`` forces runs of one expert on or off, default :func:`on_runs_by_default`; ``handoff`` the
+    down GEMV's early start, default :func:`handoff_by_default`; the output bits are the same either way)."""
     T, topk = ids.shape
     width, inter = z.shape[-1], gate.out_features
     flat = ids.reshape(-1).contiguous()
@@ -208,6 +218,6 @@ def moe_decode_gemv(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
         if hand is not None:  # the producer has counted: left as it is, the next consumer would not wait
             hand.counters.zero_()
         raise
-    return finalize(o, flat, ids, weights, post_norm, post_eps, sorted_rows=False, act_dtype=z.dtype)
+    return o, flat
 
 
