@@ -148,9 +148,15 @@ def test_a_kv_cache_counts_torchs_cached_blocks_as_free_and_refuses_what_does_no
     block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     del block  # 256 MiB left in torch's caching allocator: the driver counts it used, a cache may take it
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    driver_free = torch.cuda.mem_get_info(device)[0]
     assert cached >= 256 << 20, cached
-    assert abs(kv_cache.free_memory_bytes(device) - (driver_free + cached)) < 64 << 20
+    for _ in range(5):  # the driver's count is the GPU's: read it again if another process (pytest -n) moved it
+        before = torch.cuda.mem_get_info(device)[0]
+        got = kv_cache.free_memory_bytes(device)
+        driver_free = torch.cuda.mem_get_info(device)[0]
+        if abs(driver_free - before) < 16 << 20:
+            break
+    assert abs(got - (driver_free + cached)) < 64 << 20, \
+        f"free_memory_bytes {got} vs the driver's free {driver_free} + torch's cached {cached}"
     model = musecore.load("muse-tiny", device="h200", progress=False)
     with pytest.raises(ValueError, match=r"a KV cache of 1000000 rows x 4096 positions"):
         model.new_cache(1_000_000, 4096)  # hundreds of GB: refused before any of it is allocated
