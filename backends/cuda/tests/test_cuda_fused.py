@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from musecore.api import load_random
 from musecore.model import MoE, separate_ops
 from musecore.testing import fused_blocks, nmse, through_separate_ops
 from musecore_triton.kernels import router
-from musecore_triton.testing import HAS_GPU, check_decode_embed
+from musecore_triton.testing import HAS_GPU, check_decode_embed, count_kernels
 
 from musecore_cuda import fused
 from musecore_cuda.fused import FUSED_ENV, fuse_block, fuse_embed
@@ -25,14 +24,6 @@ def model(request):
     if not HAS_GPU:
         pytest.skip("needs a GPU")
     return load_random("muse-tiny", "h200", checkpoint_format=request.param, seed=0)
-
-
-def kernels(fn) -> int:
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy"))
 
 
 @pytest.mark.gpu
@@ -55,7 +46,8 @@ def test_the_fused_moe_block_matches_the_separate_ops_in_four_fewer_launches(mod
                 err = nmse(want.float(), got.float())
                 assert err <= TOLERANCE, f"layer {block.layer}, call {repeat}: NMSE {err:.3g} > {TOLERANCE:g}"
             assert not block.fused.counters.any(), f"layer {block.layer}: counters {block.fused.counters.tolist()}"
-            fused_n, separate_n = kernels(lambda: block.fused(m)), kernels(lambda: through_separate_ops(block, m))
+            fused_n = count_kernels(lambda: block.fused(m))
+            separate_n = count_kernels(lambda: through_separate_ops(block, m))
             assert fused_n == separate_n - 4, f"layer {block.layer}: {fused_n} launches fused, {separate_n} separate"
 
 
@@ -113,8 +105,8 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
         block = fused_blocks(model, "attention")[0]
         positions = torch.tensor([[20]], device="cuda")
         rope = model.rope(positions)
-        fused_n = kernels(lambda: block.fused(a, positions, rope, caches[0]))
-        separate_n = kernels(lambda: through_separate_ops(block, a, positions, rope, caches[1]))
+        fused_n = count_kernels(lambda: block.fused(a, positions, rope, caches[0]))
+        separate_n = count_kernels(lambda: through_separate_ops(block, a, positions, rope, caches[1]))
         assert fused_n == separate_n - 3 - attend_in_qkv, f"{fused_n} launches fused, {separate_n} separate"
         assert not block.fused.counters.any(), f"counters {block.fused.counters.tolist()}"
         assert block.fused(torch.cat([a, a], 1), positions.repeat(1, 2), model.rope(positions.repeat(1, 2)),
@@ -157,13 +149,13 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
                 err = nmse(w.float(), g.float())
                 assert g.shape == w.shape and g.dtype == w.dtype and err <= TOLERANCE, \
                     f"layer {i} MoE sublayer {name}: NMSE {err:.3g} > {TOLERANCE:g}"
-            fused_n = kernels(lambda: model.feedforward_sublayer(i, x, a))
+            fused_n = count_kernels(lambda: model.feedforward_sublayer(i, x, a))
             with separate_ops(model):
-                separate_n = kernels(lambda: model.feedforward_sublayer(i, x, a))
+                separate_n = count_kernels(lambda: model.feedforward_sublayer(i, x, a))
             assert (fused_n, separate_n) == (5, 10), f"layer {i} MoE sublayer: {fused_n} launches fused, {separate_n}"
-        fused_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[0]))
+        fused_n = count_kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[0]))
         with separate_ops(model):
-            separate_n = kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[1]))
+            separate_n = count_kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[1]))
         assert (fused_n, separate_n) == (3, 7), f"attention sublayer: {fused_n} launches fused, {separate_n}"
         moe = fused_blocks(model, "moe")[0]
         assert moe.fused.sublayer(torch.zeros(1, 1, H, device="cuda"), (None,) * 6, x) is None  # fp32 residual
@@ -188,9 +180,9 @@ def test_the_fused_embed_gives_the_ops_embed_in_one_launch(model):
         with separate_ops(model):
             want = model.embed(ids, positions, cache)
         check_decode_embed(got, want, got_next, cache.next_position)
-        fused_n = kernels(lambda: model.embed(ids, positions, cache))
+        fused_n = count_kernels(lambda: model.embed(ids, positions, cache))
         with separate_ops(model):
-            separate_n = kernels(lambda: model.embed(ids, positions, cache))
+            separate_n = count_kernels(lambda: model.embed(ids, positions, cache))
     assert fused_n == 1 and separate_n >= 8, f"{fused_n} launches fused, {separate_n} through the ops"
 
 

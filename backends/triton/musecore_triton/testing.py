@@ -52,3 +52,14 @@ def check_decode_embed(got: tuple, want: tuple, got_next: torch.Tensor, want_nex
         assert err <= 1e-5, f"{name}: NMSE {err:.3g} > 1e-5 (bit-equal: {torch.equal(g, w)})"
     err = max((g - w).abs().max().item() for g, w in zip(got[3], want[3]))
     assert err <= 2e-6, f"rotary rows: max |error| {err:.3g} > 2e-6"
+
+
+def count_kernels(fn) -> int:
+    """The GPU kernels ``fn()`` launches, counted under the profiler (copies left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from musecore.ops.reference import residual_norm, rms_norm as reference_rms_norm
-from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse, count_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
 import prologue_probe as pr  # noqa: E402
@@ -192,19 +192,10 @@ def test_fused_moe_run_with_the_finalize_in_the_unpooler_matches_the_product_in_
     launches where the product takes 5."""
     from unittest import mock
 
-    from torch.profiler import ProfilerActivity, profile
-
     from musecore.api import load_random
     from musecore.model import MoE
     from musecore.testing import fused_blocks, nmse
     from musecore_cuda import fused
-
-    def kernels(fn) -> int:
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy"))
 
     model = load_random("muse-tiny", "h200", checkpoint_format="nvfp4", seed=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -217,7 +208,7 @@ def test_fused_moe_run_with_the_finalize_in_the_unpooler_matches_the_product_in_
             block = layer.mlp
             x, a = (torch.randn(1, 1, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
             want_out, want_pair = block.fused(a), model.feedforward_sublayer(i, x, a)
-            product_n = kernels(lambda: model.feedforward_sublayer(i, x, a))
+            product_n = count_kernels(lambda: model.feedforward_sublayer(i, x, a))
             with mock.patch.object(fused.FusedMoE, "_run", pr.fused_moe_run(block_n, num_warps)):
                 for repeat in range(2):
                     got_out, got_pair = block.fused(a), model.feedforward_sublayer(i, x, a)
@@ -226,5 +217,5 @@ def test_fused_moe_run_with_the_finalize_in_the_unpooler_matches_the_product_in_
                         assert g.shape == w.shape and g.dtype == w.dtype and err <= tol, \
                             f"layer {i} {name}, call {repeat}, {block_n}x{num_warps}: NMSE {err:.3g} > {tol:g}"
                     assert not block.fused.counters.any(), f"layer {i}: counters {block.fused.counters.tolist()}"
-                got_n = kernels(lambda: model.feedforward_sublayer(i, x, a))
+                got_n = count_kernels(lambda: model.feedforward_sublayer(i, x, a))
             assert (got_n, product_n) == (4, 5), f"layer {i}: {got_n} launches with the prologue, {product_n} without"
