@@ -36,8 +36,8 @@ import triton.language as tl
 
 from musecore_triton import hooks
 from musecore_triton.kernels import norms
-from musecore_triton.kernels.dense_gemv import (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, _check_epilogue, dense_gemv,
-                                                 expert_gemv, last_ticket)
+from musecore_triton.kernels.dense_gemv import (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, dense_gemv, expert_gemv,
+                                                 last_ticket, residual_norm_operands)
 from musecore_triton.kernels.moe import ACT_DTYPES, finalize, finalize_sum
 
 
@@ -172,7 +172,7 @@ def finalize_gemv_kernel(o_ptr, wt_ptr, norm_ptr, w_ptr, y_ptr, N, L, stride_w, 
                          HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr):
     """``y[rows] = W[rows] @ round(finalize(o))`` for one token: every program runs ``moe_finalize_kernel``'s steps
     and roundings on the token's ``TOPK`` rows of ``o [TOPK, L]`` (fp32) and keeps the sum in registers as its ``x``,
-    rounded to ``ACT`` as ``dense_gemv`` rounds an fp32 ``x`` when it loads it. With ``EPILOGUE`` the program that
+    rounded to ``ACT`` as ``dense_gemv`` rounds an fp32 ``x`` when it loads it. With ``EPILOGUE`` 2 the program that
     draws the launch's last ticket runs the residual norm on ``y``, as ``dense_gemv(residual_norm=...)`` does."""
     rows, rmask, offs, lmask, wv = _weight_tile(w_ptr, N, L, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
     nw = tl.load(norm_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
@@ -184,7 +184,7 @@ def finalize_gemv_kernel(o_ptr, wt_ptr, norm_ptr, w_ptr, y_ptr, N, L, stride_w, 
     expert_rows = tl.load(o_ptr + j[:, None] * L + offs[None, :], mask=jm[:, None] & lmask[None, :], other=0.0)
     x = finalize_sum(expert_rows, wt, nw, L, post_eps, ACT)  # moe_finalize_kernel's steps and roundings
     _store_product(wv, x.to(ACT).to(tl.float32), y_ptr, rows, rmask)  # the sum rounded as dense_gemv loads it
-    if EPILOGUE:
+    if EPILOGUE == 2:  # dense_gemv's code for the residual norm (residual_norm_operands)
         tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
         if last_ticket(count_ptr, tl.num_programs(0)):
             norms.residual_norm_row(res_ptr, y_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr,
@@ -208,15 +208,9 @@ def finalize_gemv(o: torch.Tensor, weights: torch.Tensor, post_norm: torch.Tenso
                          f"{list(weights.shape)}, post_norm {list(post_norm.shape)}, w {w.dtype} {list(w.shape)}")
     y = torch.empty(1, n, dtype=w.dtype, device=w.device)
     if residual_norm is None:
-        tail, flags = (y,) * 8 + (0.0, 0.0), dict(EPILOGUE=False, HAS_POST=False, HAS_NEXT=False, BLOCK_NORM=1)
+        tail, flags = (y,) * 8 + (0.0, 0.0), dict(EPILOGUE=0, HAS_POST=False, HAS_NEXT=False, BLOCK_NORM=1)
     else:
-        residual, post_w, alpha, beta, next_w, res_post_eps, eps, counter = residual_norm
-        _check_epilogue(n, counter, residual=residual, alpha=alpha, beta=beta, post_w=post_w, next_w=next_w)
-        new_res, normed = torch.empty_like(residual), torch.empty_like(residual)
-        tail = (counter, residual.contiguous(), y if post_w is None else post_w.contiguous(), alpha.contiguous(),
-                beta.contiguous(), y if next_w is None else next_w.contiguous(), new_res, normed, res_post_eps, eps)
-        flags = dict(EPILOGUE=True, HAS_POST=post_w is not None, HAS_NEXT=next_w is not None,
-                     BLOCK_NORM=triton.next_power_of_2(n))
+        tail, flags, new_res, normed = residual_norm_operands(residual_norm, y)
     finalize_gemv_kernel[(triton.cdiv(n, block_n),)](
         o.contiguous(), weights.contiguous(), post_norm.contiguous(), w, y, n, k, w.stride(0), post_eps, *tail,
         TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k),

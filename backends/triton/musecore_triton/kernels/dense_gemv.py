@@ -384,13 +384,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | 
         args = (counter, y, y, y, y, norm_w.contiguous(), y, normed, 0.0, eps)
         extra = dict(EPILOGUE=1, HAS_NEXT=True, BLOCK_NORM=triton.next_power_of_2(n))
     elif residual_norm is not None:
-        residual, post_w, alpha, beta, next_w, post_eps, eps, counter = residual_norm
-        _check_epilogue(n, counter, residual=residual, alpha=alpha, beta=beta, post_w=post_w, next_w=next_w)
-        new_res, normed = torch.empty_like(residual), torch.empty_like(residual)
-        args = (counter, residual.contiguous(), y if post_w is None else post_w.contiguous(), alpha.contiguous(),
-                beta.contiguous(), y if next_w is None else next_w.contiguous(), new_res, normed, post_eps, eps)
-        extra = dict(EPILOGUE=2, HAS_POST=post_w is not None, HAS_NEXT=next_w is not None,
-                     BLOCK_NORM=triton.next_power_of_2(n))
+        args, extra, new_res, normed = residual_norm_operands(residual_norm, y)
     else:
         args = (y,) * 8 + (0.0, 0.0)
     dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](x.contiguous(), w, w, x, y, n, k, w.stride(0), 0, 1, *args,
@@ -405,6 +399,21 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | 
     if residual_norm is not None:
         return new_res, normed
     return y
+
+
+def residual_norm_operands(residual_norm: tuple, y: torch.Tensor) -> tuple[tuple, dict, torch.Tensor, torch.Tensor]:
+    """A launch's operands for the ``residual_norm`` row op on its product ``y [1, N]`` in the last program
+    (``residual_norm`` as :func:`dense_gemv` takes it): ``(the kernel's ten row-op arguments from its counter on,
+    its constexprs, new_res, normed)``."""
+    residual, post_w, alpha, beta, next_w, post_eps, eps, counter = residual_norm
+    n = y.shape[1]
+    _check_epilogue(n, counter, residual=residual, alpha=alpha, beta=beta, post_w=post_w, next_w=next_w)
+    new_res, normed = torch.empty_like(residual), torch.empty_like(residual)
+    args = (counter, residual.contiguous(), y if post_w is None else post_w.contiguous(), alpha.contiguous(),
+            beta.contiguous(), y if next_w is None else next_w.contiguous(), new_res, normed, post_eps, eps)
+    extra = dict(EPILOGUE=2, HAS_POST=post_w is not None, HAS_NEXT=next_w is not None,
+                 BLOCK_NORM=triton.next_power_of_2(n))
+    return args, extra, new_res, normed
 
 
 def _check_epilogue(n: int, counter: torch.Tensor, **vectors: torch.Tensor | None) -> None:
