@@ -271,15 +271,14 @@ def fused_moe_run(block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> callabl
     product = fused.FusedMoE._run
 
     def _run(self, m: torch.Tensor, then: tuple | None):
-        block, pooler, experts = self.block, self.pooler, self.block.experts
-        H = pooler.shape[1]
-        if (m.numel() != H or m.dtype != pooler.dtype or m.device != pooler.device or not self.bound()
-                or experts.act_format is not None or self.unpooler.shape[1] > MAX_BLOCK_K
+        block, experts = self.block, self.block.experts
+        if (experts.act_format is not None or self.unpooler.shape[1] > MAX_BLOCK_K
                 or not use_gemv(experts.gate, block.top_k, experts.num_experts, tokens=1, dtype=m.dtype)):
             return product(self, m, then)
-        weights, ids, z = fused.router_pooler_one_launch(m.reshape(1, H), block.router, block.correction_bias,
-                                                         block.top_k, block.multiplier, block.scaling, pooler,
-                                                         block.pre_expert_norm, block.eps, self.counters[:2])
+        routed = self._route(m)  # (the product's guard: None where its _run returns None)
+        if routed is None:
+            return None
+        weights, ids, z = routed
         o, _ = moe_decode_rows(z, ids, experts.gate, experts.up, experts.down)
         args = (o, weights, block.post_expert_norm, block.post_eps, self.unpooler, block_n, num_warps)
         if then is None:

@@ -184,16 +184,23 @@ class FusedMoE(_Fused):
         return self._run(m, (residual, norm))
 
     def _run(self, m: torch.Tensor, then: Optional[tuple]) -> Any:
+        routed = self._route(m)
+        if routed is None:
+            return None
+        (weights, ids, z), block = routed, self.block
+        y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
+        return _unpool(y, self.unpooler, m.shape, then, self.counters[2])  # y rounded to the model dtype as it loads
+
+    def _route(self, m: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The router + pooler launch on one token ``m``: ``(weights, ids, z [1, h])``, or None where ``m`` is not
+        the one token of the pooler's dtype and device this block was fused for, or the block's weights changed."""
         block, pooler = self.block, self.pooler
         H = pooler.shape[1]
         if m.numel() != H or m.dtype != pooler.dtype or m.device != pooler.device or not self.bound():
             return None
-        x = m.reshape(1, H)
-        weights, ids, z = router_pooler_one_launch(x, block.router, block.correction_bias, block.top_k,
-                                                   block.multiplier, block.scaling, pooler, block.pre_expert_norm,
-                                                   block.eps, self.counters[:2])
-        y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
-        return _unpool(y, self.unpooler, m.shape, then, self.counters[2])  # y rounded to the model dtype as it loads
+        return router_pooler_one_launch(m.reshape(1, H), block.router, block.correction_bias, block.top_k,
+                                        block.multiplier, block.scaling, pooler, block.pre_expert_norm, block.eps,
+                                        self.counters[:2])
 
 
 def _unpool(y: torch.Tensor, weight: torch.Tensor, shape: torch.Size, then: Optional[tuple], counter: torch.Tensor
