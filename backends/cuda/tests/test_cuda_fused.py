@@ -1,6 +1,6 @@
 """The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 5 launches
 instead of 10, attention 3 instead of 7) against the separate ops on the GPU, the inputs they are not bound for, and
-their switch."""
+their switch; without a GPU, the fused MoE block's glue with its launches in Triton's interpreter."""
 
 from __future__ import annotations
 
