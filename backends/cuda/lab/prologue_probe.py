@@ -20,7 +20,8 @@ wider cuts are the ones to time.
 another order). The timing script is ``scripts/cuda_prologue_probe.py``; the interpreter test
 ``tests/test_prologue_probe.py``.
 
-Session 72 adds a second chain (:func:`finalize_gemv`): the MoE block's finalize (each token's top-k expert rows through
+Session 72 adds a second chain (``finalize_gemv``, in the product since session 75 as
+``musecore_triton.kernels.moe.finalize_gemv``): the MoE block's finalize (each token's top-k expert rows through
 the shared post-expert norm, weighted and summed; ``moe.finalize``, its own launch today) in every program of the
 unpooler GEMV after it, so muse-small's step would lose a launch per layer (16) rather than a serial tail. Each
 program re-reads the token's ``topk x h`` fp32 rows (24 KB at muse-small's top-8 x 768): fewer, wider programs again.
@@ -37,27 +38,8 @@ import triton.language as tl
 from musecore_triton import hooks
 from musecore_triton.kernels import norms
 from musecore_triton.kernels.dense_gemv import (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, dense_gemv, expert_gemv,
-                                                 last_ticket, residual_norm_operands)
-from musecore_triton.kernels.moe import ACT_DTYPES, finalize, finalize_sum
-
-
-@triton.jit
-def _weight_tile(w_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A consumer program's rows of ``W [N, K]`` (all of K in one chunk): ``(rows, rmask, kk, kmask, w tile)``."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
-    wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                 other=0.0)
-    return rows, rmask, kk, kmask, wv
-
-
-@triton.jit
-def _store_product(wv, x, y_ptr, rows, rmask):
-    """``y[rows] = W[rows] @ x`` (fp32 sums) in ``y``'s dtype."""
-    y = tl.sum(wv.to(tl.float32) * x[None, :], axis=1)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+                                                 store_row_products, whole_k_tile)
+from musecore_triton.kernels.moe import finalize, finalize_gemv
 
 
 @triton.jit
@@ -66,7 +48,7 @@ def prologue_gemv_kernel(o_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """``y[rows] = W[rows] @ normed`` where ``(new_res, normed) = residual_norm(res, o, ...)`` of the kernel before's
     product ``o``; every program computes the row op, program 0 stores ``new_res``."""
-    rows, rmask, kk, kmask, wv = _weight_tile(w_ptr, N, K, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
+    rows, rmask, kk, kmask, wv = whole_k_tile(w_ptr, N, K, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
     hooks.pdl_launch_dependents(EARLY)
     hooks.pdl_wait(PDL)
     o = tl.load(o_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
@@ -83,7 +65,7 @@ def prologue_gemv_kernel(o_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w
         tl.store(new_res_ptr + kk, new_res, mask=kmask)
     x = norms._norm(new_res.to(tl.float32), nxt, kmask, K, eps, HAS_NEXT, False, new_res_ptr.dtype.element_ty)
     x = x.to(new_res_ptr.dtype.element_ty).to(tl.float32)  # the normed row as the tail stores it, as x is loaded
-    _store_product(wv, x, y_ptr, rows, rmask)
+    store_row_products(wv, x, y_ptr, rows, rmask)
 
 
 def prologue_gemv(o: torch.Tensor, residual: torch.Tensor, post_w: torch.Tensor | None, alpha: torch.Tensor,
@@ -164,61 +146,6 @@ def prologue_pair(inputs: dict, post: bool = True, nxt: bool = True, eps: float 
     return producer, consumer
 
 
-@triton.jit
-def finalize_gemv_kernel(o_ptr, wt_ptr, norm_ptr, w_ptr, y_ptr, N, L, stride_w, post_eps, count_ptr, res_ptr,
-                         post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr, res_post_eps, eps,
-                         TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         ACT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EPILOGUE: tl.constexpr,
-                         HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr):
-    """``y[rows] = W[rows] @ round(finalize(o))`` for one token: every program runs ``moe_finalize_kernel``'s steps
-    and roundings on the token's ``TOPK`` rows of ``o [TOPK, L]`` (fp32) and keeps the sum in registers as its ``x``,
-    rounded to ``ACT`` as ``dense_gemv`` rounds an fp32 ``x`` when it loads it. With ``EPILOGUE`` 2 the program that
-    draws the launch's last ticket runs the residual norm on ``y``, as ``dense_gemv(residual_norm=...)`` does."""
-    rows, rmask, offs, lmask, wv = _weight_tile(w_ptr, N, L, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
-    nw = tl.load(norm_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
-    hooks.pdl_launch_dependents(EARLY)
-    hooks.pdl_wait(PDL)
-    j = tl.arange(0, KP)
-    jm = j < TOPK
-    wt = tl.load(wt_ptr + j, mask=jm, other=0.0).to(tl.float32)
-    expert_rows = tl.load(o_ptr + j[:, None] * L + offs[None, :], mask=jm[:, None] & lmask[None, :], other=0.0)
-    x = finalize_sum(expert_rows, wt, nw, L, post_eps, ACT)  # moe_finalize_kernel's steps and roundings
-    _store_product(wv, x.to(ACT).to(tl.float32), y_ptr, rows, rmask)  # the sum rounded as dense_gemv loads it
-    if EPILOGUE == 2:  # dense_gemv's code for the residual norm (residual_norm_operands)
-        tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
-        if last_ticket(count_ptr, tl.num_programs(0)):
-            norms.residual_norm_row(res_ptr, y_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr,
-                                    normed_ptr, 0, N, res_post_eps, eps, HAS_POST, HAS_NEXT, BLOCK_NORM, True)
-
-
-def finalize_gemv(o: torch.Tensor, weights: torch.Tensor, post_norm: torch.Tensor, post_eps: float, w: torch.Tensor,
-                  block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, residual_norm: tuple | None = None
-                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``W @ finalize(o) [1, N]`` for one token's expert rows ``o [topk, L]`` (fp32, unsorted: row j is the token's
-    j-th choice), routing ``weights [1, topk]`` and the shared post-expert norm ``[L]``; ``w [N, L]`` 16-bit,
-    ``L <= MAX_BLOCK_K``: what ``moe.finalize`` then ``dense_gemv(y, w)`` compute, with the finalize in this
-    launch's prologue. ``residual_norm``: as ``dense_gemv``'s (``(residual [1, N], post_weight | None, alpha, beta,
-    next_weight | None, post_eps, eps, counter)``), returning its pair ``(residual', normed)``."""
-    n, k = w.shape
-    topk = weights.shape[-1]
-    if k > MAX_BLOCK_K or o.shape != (topk, k) or o.dtype != torch.float32 or weights.shape != (1, topk) \
-            or post_norm.shape != (k,) or w.stride(1) != 1 or w.dtype not in ACT_DTYPES:
-        raise ValueError(f"finalize_gemv takes o [topk, L] fp32, weights [1, topk], post_norm [L] and a 16-bit w "
-                         f"[N, L], L <= {MAX_BLOCK_K}; got o {o.dtype} {list(o.shape)}, weights "
-                         f"{list(weights.shape)}, post_norm {list(post_norm.shape)}, w {w.dtype} {list(w.shape)}")
-    y = torch.empty(1, n, dtype=w.dtype, device=w.device)
-    if residual_norm is None:
-        tail, flags = (y,) * 8 + (0.0, 0.0), dict(EPILOGUE=0, HAS_POST=False, HAS_NEXT=False, BLOCK_NORM=1)
-    else:
-        tail, flags, new_res, normed = residual_norm_operands(residual_norm, y)
-    finalize_gemv_kernel[(triton.cdiv(n, block_n),)](
-        o.contiguous(), weights.contiguous(), post_norm.contiguous(), w, y, n, k, w.stride(0), post_eps, *tail,
-        TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k),
-        ACT=ACT_DTYPES[w.dtype], num_warps=num_warps, EARLY=hooks.early_trigger(w.device, "dense_gemv"), **flags,
-        **hooks.launch_options(w.device, "dense_gemv"))
-    return y if residual_norm is None else (new_res, normed)
-
-
 def moe_chain_inputs(pairs: int, d: int, topk: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
     """A chain of ``pairs`` MoE tails: each a down-projection stack ``[topk, d, d]`` (the token's ``topk`` experts,
     one GEMV per assignment, fp32 out as the decode MoE's), the finalize and an unpooler ``[d, d]``; the first input
@@ -257,33 +184,3 @@ def finalize_tails(inputs: dict, post_eps: float = 1e-6, block_n: int = BLOCK_N,
     def prologue(o: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
         return finalize_gemv(o, weights, norm, post_eps, wb, block_n, num_warps)
     return {"separate": separate, "prologue": prologue}
-
-
-def fused_moe_run(block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> callable:
-    """A stand-in for ``musecore_cuda.fused.FusedMoE._run`` (for ``cuda_fused_ab.py``'s ``fin_*`` modes and the GPU
-    test): where the block's experts take the decode GEMVs (FP4, 16-bit activations, one token), the router + pooler
-    launch, the two expert GEMVs (``moe_decode.moe_decode_rows``) and :func:`finalize_gemv` at ``block_n`` rows on
-    ``num_warps`` warps with the residual norm in its last program: four launches where the product has five
-    (``backend.moe``'s finalize is its own). Elsewhere the product's own ``_run``."""
-    from musecore_cuda import fused
-    from musecore_cuda.kernels.moe_decode import moe_decode_rows, use_gemv
-
-    product = fused.FusedMoE._run
-
-    def _run(self, m: torch.Tensor, then: tuple | None):
-        block, experts = self.block, self.block.experts
-        if (experts.act_format is not None or self.unpooler.shape[1] > MAX_BLOCK_K
-                or not use_gemv(experts.gate, block.top_k, experts.num_experts, tokens=1, dtype=m.dtype)):
-            return product(self, m, then)
-        routed = self._route(m)  # (the product's guard: None where its _run returns None)
-        if routed is None:
-            return None
-        weights, ids, z = routed
-        o, _ = moe_decode_rows(z, ids, experts.gate, experts.up, experts.down)
-        args = (o, weights, block.post_expert_norm, block.post_eps, self.unpooler, block_n, num_warps)
-        if then is None:
-            return finalize_gemv(*args).view(m.shape)
-        residual, norm = then
-        new_res, normed = finalize_gemv(*args, residual_norm=(residual.reshape(1, -1), *norm, self.counters[2]))
-        return new_res.view(m.shape), normed.view(m.shape)
-    return _run

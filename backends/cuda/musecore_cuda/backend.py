@@ -40,11 +40,11 @@ from musecore_cuda.choices import DEQUANT_MIN_M, GEMM_MIN_M  # noqa: F401  (the 
 from musecore_cuda.fp8 import TOKEN_ACT, Fp8Resident, fp8_linear, fp8_linear_rows, prepare_fp8
 from musecore_cuda.kernels import fp4_gemm_cuda, fp4_gemv_cuda, fp4_gluon_plan, moe_prefill
 from musecore_cuda.kernels.fp8_moe import fp8_moe
-from musecore_cuda.kernels.moe_decode import moe_decode_gemv, use_gemv
+from musecore_cuda.kernels.moe_decode import moe_decode_rows, use_gemv
 from musecore_triton.kernels import interpreted, sampling
 from musecore_triton.kernels.dense_gemv import dense_gemv, use_dense_gemv
 from musecore_triton.kernels.fp4_gemm import launch_gemm, pick_config
-from musecore_triton.kernels.moe import moe_forward
+from musecore_triton.kernels.moe import finalize, moe_decode_dense_rows, moe_forward, uses_dense_decode
 from musecore_triton.layouts import Fp4Resident, prepare_fp4, share_fold
 from musecore_triton.ops import (ACT_DTYPES, DENSE_FORMATS, TritonOps, dense_experts, dense_weight, format_of,
                                  shared_kernel_limit)
@@ -414,13 +414,35 @@ class CudaBackend(TritonOps, Backend):
             raise TypeError(f"moe: dense experts are {experts.gate.dtype} but z is {z.dtype}; prepare them with "
                             f"dtype={z.dtype}")
         gluon = bool(z.shape[0]) and moe_prefill.unavailable_reason(z, experts.gate, experts.up, experts.down) is None
-        if z.shape[0] and use_gemv(experts.gate, ids.numel(), experts.num_experts, tokens=ids.shape[0],
-                                   dtype=z.dtype, gluon=gluon):  # decode: the CUDA C++ GEMVs
-            return moe_decode_gemv(z, weights, ids, experts.gate, experts.up, experts.down, post_norm, post_eps)
+        rows = self.moe_rows(z, ids, experts, gluon)
+        if rows is not None:  # decode: one GEMV per assignment, then the finalize
+            return finalize(rows, ids.reshape(-1), ids, weights, post_norm, post_eps, sorted_rows=False,
+                            act_dtype=z.dtype)
         if gluon:
             return moe_prefill.moe_forward_gluon(z, weights, ids, experts.gate, experts.up, experts.down,
                                                  experts.num_experts, post_norm, post_eps)
         return moe_forward(z, weights, ids, experts.gate, experts.up, experts.down, experts.num_experts,
                            post_norm, post_eps)
+
+    def moe_rows(self, z: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights,
+                 gluon: Optional[bool] = None) -> Optional[torch.Tensor]:
+        """:meth:`moe`'s expert rows before its finalize, where it runs one GEMV per token-expert assignment (decode:
+        FP4 experts on the CUDA C++ GEMVs, ``moe_decode``; 16-bit experts on ``expert_gemv``): fp32 ``[T * k, h]``,
+        row ``a`` assignment ``a`` of ``ids``. None where :meth:`moe` takes a grouped GEMM or another path.
+        ``gluon``: whether the grouped Gluon GEMM can run these experts (worked out when not given).
+        ``FusedMoE`` runs the finalize of these rows in the unpooler GEMV (``moe.finalize_gemv``)."""
+        if experts.act_format is not None or not z.shape[0]:
+            return None
+        if isinstance(experts.gate, Fp4Resident):
+            if gluon is None:
+                gluon = moe_prefill.unavailable_reason(z, experts.gate, experts.up, experts.down) is None
+            if use_gemv(experts.gate, ids.numel(), experts.num_experts, tokens=ids.shape[0], dtype=z.dtype,
+                        gluon=gluon):  # the CUDA C++ GEMVs
+                return moe_decode_rows(z, ids, experts.gate, experts.up, experts.down)[0]
+            return None
+        if experts.format in DENSE_FORMATS and experts.gate.dtype == z.dtype \
+                and uses_dense_decode(ids.numel(), experts.num_experts):  # the first and last layers' 16-bit experts
+            return moe_decode_dense_rows(z, ids, experts.gate, experts.up, experts.down)
+        return None
 
     # embedding, norms, router, elementwise, attention, kv_write, sample: musecore_triton.ops.TritonOps

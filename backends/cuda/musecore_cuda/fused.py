@@ -7,12 +7,16 @@ boundaries removed.
 
 ``musecore.model.MoE`` through the separate ops is nine launches: the router's split-K GEMV and its choice, the pooler
 GEMV, the pre-expert norm, the experts' gate/up and down GEMVs and their finalize, the fp32 -> bf16 cast, the
-unpooler GEMV. :class:`FusedMoE` runs five:
+unpooler GEMV. :class:`FusedMoE` runs four at decode (five where the experts take a grouped GEMM):
 
 * the router and the pooler in one launch (:func:`musecore_triton.kernels.router.router_pooler_one_launch`; both
   read only the block's input, so they run side by side): the program that finishes the router's split-K product
   last makes the choice, the pooler GEMV's last program applies the pre-expert norm;
-* the unpooler GEMV reading the experts' fp32 output and rounding it as it loads (the cast's bits, no cast kernel).
+* the experts' gate/up and down GEMVs, one per assignment (``CUDABackend.moe_rows``);
+* the unpooler GEMV with the finalize in every program (:func:`musecore_triton.kernels.moe.finalize_gemv`: each
+  program re-reads the token's top-k fp32 rows and keeps their finalized sum, rounded as the cast rounds it, as its
+  ``x``). Where the experts take a grouped GEMM, the finalize is its own launch and the unpooler GEMV reads its fp32
+  output, rounding it as it loads (the cast's bits, no cast kernel).
 
 ``musecore.model.Attention`` is six: the q/k/v/gate GEMV, the q/k norms and RoPE, the KV write, attention, the head
 norm and gate, o_proj. :class:`FusedAttention` runs three: the q/k/v/gate GEMV runs each q/k head's norms and RoPE in
@@ -26,8 +30,9 @@ kernel's epilogue (``attention(gate=)``; after the merge when long contexts spli
 
 Both blocks also fuse the ``residual_norm`` op the model applies after the block (``sublayer``, see
 ``Backend.fuse_block``): it runs in the last program of the block's final GEMV (o_proj, the unpooler;
-``dense_gemv(residual_norm=)``). A MoE sublayer is then five launches instead of ten, an attention sublayer three
-instead of seven: muse-small's decode step 294 -> 150 (133 with ``fuse_embed``).
+``dense_gemv(residual_norm=)``). A MoE sublayer is then four launches instead of ten, an attention sublayer three
+instead of seven: muse-small's decode step 294 -> 150 (133 with ``fuse_embed``, 117 with the finalize in the unpooler
+GEMV).
 
 The last-program steps take a ticket on an int32 counter that each fused block owns (zeroed once here, reset by
 the kernel that used it), so one block's launches must not overlap one another: a block runs on one stream at a
@@ -53,6 +58,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, Optional
@@ -61,9 +67,10 @@ import torch
 
 from musecore.model import Attention, MoE
 from musecore_triton.kernels.attention import attention
-from musecore_triton.kernels.dense_gemv import (DENSE_GEMV_MAX_BYTES, attention_fits, dense_gemv, qkv_attention,
-                                                qkv_gemv_rope)
+from musecore_triton.kernels.dense_gemv import (DENSE_GEMV_MAX_BYTES, MAX_BLOCK_K, attention_fits, dense_gemv,
+                                                qkv_attention, qkv_gemv_rope)
 from musecore_triton.kernels.embed import model_decode_embed
+from musecore_triton.kernels.moe import finalize_gemv
 from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_pooler_one_launch
 
 FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
@@ -73,6 +80,10 @@ FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
 # against 684.7 us per replay, 749.1 against 717.9 us per generated token; 2 warps with 32-key steps: 787.4). The
 # group's attention runs in one program after its GEMV rows, where the separate kernel overlapped the GEMV's tail.
 ATTENTION_IN_QKV = False
+# The MoE finalize in every program of the unpooler GEMV (``moe.finalize_gemv``), where the experts take one GEMV per
+# assignment and the unpooler's K fits one chunk: one launch per MoE block fewer. On: muse-small's decode graph 715.5
+# against 734.0 us per replay on an H100 (session 75, run 141, cuda_fused_ab.py ``fin_apart`` is it switched off).
+FINALIZE_IN_UNPOOLER = True
 log = logging.getLogger("musecore.cuda")
 
 
@@ -188,8 +199,15 @@ class FusedMoE(_Fused):
         if routed is None:
             return None
         (weights, ids, z), block = routed, self.block
-        y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
-        return _unpool(y, self.unpooler, m.shape, then, self.counters[2])  # y rounded to the model dtype as it loads
+        rows = (self.backend.moe_rows(z, ids, block.experts)
+                if FINALIZE_IN_UNPOOLER and self.unpooler.shape[1] <= MAX_BLOCK_K else None)
+        if rows is not None:  # the expert rows [k, h] fp32; their finalize runs in every program of the unpooler
+            unpool = functools.partial(finalize_gemv, rows, weights, block.post_expert_norm, block.post_eps,
+                                       self.unpooler)
+        else:
+            y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
+            unpool = functools.partial(dense_gemv, y, self.unpooler)  # y rounded to the model dtype as it loads
+        return _unpool(unpool, m.shape, then, self.counters[2])
 
     def _route(self, m: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The router + pooler launch on one token ``m``: ``(weights, ids, z [1, h])``, or None where ``m`` is not
@@ -203,14 +221,13 @@ class FusedMoE(_Fused):
                                         self.counters[:2])
 
 
-def _unpool(y: torch.Tensor, weight: torch.Tensor, shape: torch.Size, then: Optional[tuple], counter: torch.Tensor
-            ) -> Any:
-    """The block's last GEMV: its output ``[shape]``, or with ``then = (residual, norm)`` the residual_norm op's
-    pair."""
+def _unpool(gemv: Callable[..., Any], shape: torch.Size, then: Optional[tuple], counter: torch.Tensor) -> Any:
+    """The block's last GEMV (``gemv(residual_norm=None)``, ``dense_gemv``'s keyword): its output ``[shape]``, or
+    with ``then = (residual, norm)`` the residual_norm op's pair."""
     if then is None:
-        return dense_gemv(y, weight).view(shape)
+        return gemv().view(shape)
     residual, norm = then
-    new_res, normed = dense_gemv(y, weight, residual_norm=(residual.reshape(1, -1), *norm, counter))
+    new_res, normed = gemv(residual_norm=(residual.reshape(1, -1), *norm, counter))
     return new_res.view(shape), normed.view(shape)
 
 
@@ -270,9 +287,11 @@ class FusedAttention(_Fused):
             o = qkv_attention(a.reshape(1, -1), in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v,
                               lc.positions, positions, lc.capacity, lc.ring, self.counters[1:],
                               (view.k, view.v, view.positions), block.window, block.scale, block.eps)
-            return _unpool(o.reshape(1, nq * d), self.o_proj, a.shape, then, self.counters[0])
+            return _unpool(functools.partial(dense_gemv, o.reshape(1, nq * d), self.o_proj), a.shape, then,
+                           self.counters[0])
         y, q = qkv_gemv_rope(a.reshape(1, -1), in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v,
                              lc.positions, positions, lc.capacity, lc.ring, self.counters[1:])
         gate = y.view(1, 1, -1, d)[:, :, nq + 2 * nkv:]  # [1,1, nq + 2 nkv + nq, d]: q, k, v, gate heads
         o = attention(q, view.k, view.v, positions, view.positions, block.window, block.scale, gate=(gate, block.eps))
-        return _unpool(o.reshape(1, nq * d), self.o_proj, a.shape, then, self.counters[0])
+        return _unpool(functools.partial(dense_gemv, o.reshape(1, nq * d), self.o_proj), a.shape, then,
+                       self.counters[0])

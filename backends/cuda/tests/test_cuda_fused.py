@@ -1,4 +1,4 @@
-"""The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 5 launches
+"""The fused blocks and sublayers of the CUDA backend (``musecore_cuda.fused``: at one-token decode, MoE 4 launches
 instead of 10, attention 3 instead of 7) against the separate ops on the GPU, the inputs they are not bound for, and
 their switch; without a GPU, the fused MoE block's glue with its launches in Triton's interpreter."""
 
@@ -14,6 +14,7 @@ from musecore.model import MoE, separate_ops
 from musecore.ops import reference as ref
 from musecore.testing import fused_blocks, nmse, through_separate_ops
 from musecore_triton.kernels import router
+from musecore_triton.kernels.moe import moe_decode_dense_rows
 from musecore_triton.testing import HAS_GPU, check_decode_embed, count_kernels
 
 from musecore_cuda import fused
@@ -30,7 +31,11 @@ def model(request):
 
 
 @pytest.mark.gpu
-def test_the_fused_moe_block_matches_the_separate_ops_in_four_fewer_launches(model):
+@pytest.mark.parametrize("finalize_in_unpooler", [True, False])
+def test_the_fused_moe_block_matches_the_separate_ops_in_fewer_launches(model, finalize_in_unpooler, monkeypatch):
+    """9 launches -> 4 (the finalize in the unpooler GEMV: every muse-tiny layer's experts, BF16 or NVFP4, take one
+    GEMV per assignment at one token), or 5 with ``FINALIZE_IN_UNPOOLER`` off."""
+    monkeypatch.setattr(fused, "FINALIZE_IN_UNPOOLER", finalize_in_unpooler)
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode():
         for block in fused_blocks(model, "moe"):
@@ -51,7 +56,9 @@ def test_the_fused_moe_block_matches_the_separate_ops_in_four_fewer_launches(mod
             assert not block.fused.counters.any(), f"layer {block.layer}: counters {block.fused.counters.tolist()}"
             fused_n = count_kernels(lambda: block.fused(m))
             separate_n = count_kernels(lambda: through_separate_ops(block, m))
-            assert fused_n == separate_n - 4, f"layer {block.layer}: {fused_n} launches fused, {separate_n} separate"
+            fewer = 5 if finalize_in_unpooler else 4
+            assert fused_n == separate_n - fewer, \
+                f"layer {block.layer} ({block.experts.format}): {fused_n} launches fused, {separate_n} separate"
 
 
 # Triton's interpreter rounds fp32 to bf16 toward zero where a GPU rounds to nearest (dense_gemv alone, K = 768:
@@ -59,17 +66,24 @@ def test_the_fused_moe_block_matches_the_separate_ops_in_four_fewer_launches(mod
 INTERPRETER_TOLERANCE = 3e-4
 
 
-def test_the_fused_moe_block_glue_in_the_interpreter_matches_the_separate_ops():
-    """Without a GPU: ``FusedMoE`` (its guard, the router + pooler launch, the backend's ``moe``, the unpooler GEMV
-    and its residual-norm tail) on muse-tiny's first MoE block, its launches in Triton's interpreter and the experts
-    through the reference ops, against the block's separate ops; the counters back to zero; inputs it is not bound
-    for give None. (On a GPU the tests above run the compiled kernels through the CUDA backend.)"""
+@pytest.mark.parametrize("rows", [True, False])
+def test_the_fused_moe_block_glue_in_the_interpreter_matches_the_separate_ops(rows):
+    """Without a GPU: ``FusedMoE`` (its guard, the router + pooler launch, the experts, the unpooler GEMV and its
+    residual-norm tail) on muse-tiny's first MoE block, its launches in Triton's interpreter, against the block's
+    separate ops; the counters back to zero; inputs it is not bound for give None. ``rows``: the experts' rows from
+    ``moe_decode_dense_rows`` (its GEMVs in the interpreter) and their finalize in the unpooler GEMV
+    (``moe.finalize_gemv``), as ``CUDABackend.moe_rows`` gives them for 16-bit experts; else the backend's ``moe``
+    (the reference op) and the plain unpooler GEMV. (On a GPU the tests above run the compiled kernels through the
+    CUDA backend.)"""
     if HAS_GPU:
         pytest.skip("a GPU is here: the GPU tests above cover FusedMoE with the compiled kernels")
     model = load_random("muse-tiny", "cpu", seed=0)
     block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
-    reference_moe = SimpleNamespace(moe=model.ops.moe)
-    fused_moe = fused.FusedMoE(reference_moe, block, block.pre_expert_proj.data, block.post_expert_proj.data)
+
+    def moe_rows(z, ids, experts):
+        return moe_decode_dense_rows(z, ids, experts.gate, experts.up, experts.down) if rows else None
+    backend = SimpleNamespace(moe=model.ops.moe, moe_rows=moe_rows)
+    fused_moe = fused.FusedMoE(backend, block, block.pre_expert_proj.data, block.post_expert_proj.data)
     H = model.config.hidden_size
     gen = torch.Generator().manual_seed(0)
     m, residual = (torch.randn(1, 1, H, generator=gen).to(torch.bfloat16) for _ in range(2))
@@ -158,7 +172,7 @@ def test_the_fused_attention_block_matches_the_separate_ops_and_writes_the_same_
 def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
     """``MuseModel.attention_sublayer`` / ``feedforward_sublayer`` through the fused blocks' ``sublayer`` (the residual
     norm in the last GEMV's last program): the pair (residual', normed) within TOLERANCE of the separate ops, the
-    caches' v bit for bit and k within TOLERANCE, and 3 launches for 7 (attention), 5 for 10 (MoE)."""
+    caches' v bit for bit and k within TOLERANCE, and 3 launches for 7 (attention), 4 for 10 (MoE)."""
     prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -192,7 +206,7 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
             fused_n = count_kernels(lambda: model.feedforward_sublayer(i, x, a))
             with separate_ops(model):
                 separate_n = count_kernels(lambda: model.feedforward_sublayer(i, x, a))
-            assert (fused_n, separate_n) == (5, 10), f"layer {i} MoE sublayer: {fused_n} launches fused, {separate_n}"
+            assert (fused_n, separate_n) == (4, 10), f"layer {i} MoE sublayer: {fused_n} launches fused, {separate_n}"
         fused_n = count_kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[0]))
         with separate_ops(model):
             separate_n = count_kernels(lambda: model.attention_sublayer(0, x, a, positions, rope, caches[1]))

@@ -24,8 +24,8 @@ the tokens (``musecore_triton.graphs.FUSED_STATE``, on since run 69; ``greedy_to
 (``attention.EAGER_FIRST_STEP``; since run 69 the CUDA backend's default through ``hooks.eager_first_step``;
 ``attn_lazy`` forces it off), ``attn_eager_prefetch`` that and ``attn_prefetch`` together, ``all_new53`` both and
 ``greedy_state``; ``fin_2x2`` / ``fin_4x4`` / ``fin_8x8`` / ``fin_16x16``: the MoE block's finalize in every program
-of the unpooler GEMV at that many rows x warps per program (``prologue_probe.fused_moe_run``, session 73), one
-launch per MoE layer fewer.
+of the unpooler GEMV (``moe.finalize_gemv``, on since session 75 at 16 x 16) at that many rows x warps per program;
+``fin_apart``: the finalize its own launch (``fused.FINALIZE_IN_UNPOOLER`` off, before session 75).
 Same random weights, same
 prompt, alternated ``--rounds`` times; ``--modes`` picks some; ``--pad-mb`` holds device buffers of random sizes while
 each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the kept generation cache is freed).
@@ -36,8 +36,6 @@ each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -51,18 +49,16 @@ from musecore_cuda import fused
 from musecore_triton import graphs, hooks
 from musecore_triton.kernels import attention as attention_module
 from musecore_triton.kernels import dense_gemv as dense_gemv_module
+from musecore_triton.kernels import moe as moe_module
 from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import router_topk_one_launch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
-import prologue_probe  # noqa: E402
 
 MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_ops", "stepped", "apart", "separate",
          "attn_bn64", "attn_bn256", "attend_in_qkv", "attend_in_qkv_w2_32", "attend_in_qkv_w4_128", "triton_argmax",
          "torch_argmax", "both_new", "shared_pool", "attn_prefetch", "greedy_state",
          "attn_eager", "attn_eager_prefetch", "all_new53", "attn_lazy", "greedy_torch_state",
-         "fin_2x2", "fin_4x4", "fin_8x8", "fin_16x16")
+         "fin_2x2", "fin_4x4", "fin_8x8", "fin_16x16", "fin_apart")
 FINALIZE_CUTS = {"fin_2x2": (2, 2), "fin_4x4": (4, 4), "fin_8x8": (8, 8), "fin_16x16": (16, 16)}
 
 
@@ -116,7 +112,9 @@ def patches(model, mode: str) -> list[tuple]:
         "shared_pool": [(torch.cuda, "graph", shared_pool_graph)],
         "both_new": [(fused, "ATTENTION_IN_QKV", True), (cuda_backend, "TRITON_ARGMAX", True)],
         "apart": [(fused, "router_pooler_one_launch", router_then_pooler)],
-        **{name: [(fused.FusedMoE, "_run", prologue_probe.fused_moe_run(*cut))] for name, cut in FINALIZE_CUTS.items()},
+        "fin_apart": [(fused, "FINALIZE_IN_UNPOOLER", False)],
+        **{name: [(moe_module, "FINALIZE_GEMV_BLOCK_N", rows), (moe_module, "FINALIZE_GEMV_WARPS", warps)]
+           for name, (rows, warps) in FINALIZE_CUTS.items()},
     }.get(mode, [])
 
 

@@ -48,9 +48,9 @@
 #      the prologue probe's tests (natively), then cuda_prologue_probe.py (PROLOGUE_ARGS, PROLOGUE_S); (session 72)
 #      also the MoE finalize in every program of the unpooler GEMV against its own launch (PROLOGUE_ARGS="--chains
 #      finalize" for that chain alone).
-#   j. (session 73) the same finalize in muse-small's decode step: cuda_fused_ab.py with the product's fused MoE block
-#      against prologue_probe.fused_moe_run at three cuts (AB_MODES, default fused,fin_4x4,fin_8x8,fin_16x16; step
-#      i's tests check it against the product on a GPU).
+#   j. (session 73) the same finalize in muse-small's decode step: cuda_fused_ab.py (AB_MODES, default
+#      fused,fin_apart,fin_4x4,fin_8x8; since session 75 the product runs the finalize in the unpooler GEMV at 16 x 16,
+#      fin_apart is it switched off).
 # Usage: OUT=out [SKIP_INSTALL=1] [LIMIT=580] [STEPS=123] [LARGE_M_ARGS=...] [SUITE=...] [SUITE_S=...]
 #        bash backends/cuda/lab/scripts/s56_session.sh
 set -u
@@ -182,5 +182,5 @@ stepi() {  # (session 70) the residual norm in the consumer GEMV's prologue agai
     --out $OUT/cuda_prologue_probe.json ${PROLOGUE_ARGS:-} > $OUT/prologue_probe.log 2>&1
   echo "i. prologue probe at ${SECONDS}s (rc $?):"; tail -c 4000 $OUT/prologue_probe.log
 }
-stepj() { AB_MODES=${AB_MODES:-fused,fin_4x4,fin_8x8,fin_16x16} fused_ab_step j; }
+stepj() { AB_MODES=${AB_MODES:-fused,fin_apart,fin_4x4,fin_8x8} fused_ab_step j; }
 run_steps s56

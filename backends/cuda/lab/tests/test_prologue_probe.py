@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from musecore.ops.reference import residual_norm, rms_norm as reference_rms_norm
-from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse, count_kernels
+from musecore_triton.testing import DEVICE, SMALL_DTYPES, assert_nmse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # backends/cuda/lab
 import prologue_probe as pr  # noqa: E402
@@ -146,86 +146,3 @@ def test_the_finalize_in_the_unpooler_prologue_is_the_separate_chain(pairs, d, t
         assert_nmse(want.float(), got.float(), TOLERANCE, f"finalize prologue chain, {block_n}x{num_warps}, {what}")
         assert_nmse(separate.float(), got.float(), TOLERANCE, f"prologue against separate, {block_n}x{num_warps}, "
                     f"{what}")
-
-
-def test_finalize_gemv_refuses_what_it_does_not_take():
-    w = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
-    o = torch.zeros(4, 64, device=DEVICE)
-    weights, norm = torch.ones(1, 4, device=DEVICE), torch.ones(64, device=DEVICE)
-    for bad in (dict(o=o.to(torch.bfloat16)), dict(o=o[:, :32]), dict(weights=weights[:, :3]),
-                dict(post_norm=norm[:32])):
-        args = dict(o=o, weights=weights, post_norm=norm, post_eps=EPS, w=w) | bad
-        with pytest.raises(ValueError, match="finalize_gemv takes"):
-            pr.finalize_gemv(**args)
-
-
-@pytest.mark.parametrize("dtype", SMALL_DTYPES)
-@pytest.mark.parametrize("d,topk,post,nxt", [(64, 2, True, True), (96, 8, False, True), (200, 5, True, False)])
-def test_finalize_gemv_with_the_residual_norm_tail_is_dense_gemvs(d, topk, dtype, post, nxt):
-    """finalize_gemv(residual_norm=...): the fused MoE block's last launch with the finalize in its prologue gives the
-    pair that moe.finalize then dense_gemv(residual_norm=...) give, twice through one counter (given back as 0)."""
-    inputs = pr.moe_chain_inputs(1, d, topk, dtype, DEVICE)
-    row = pr.pair_inputs(1, d, dtype, DEVICE, seed=1)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    norm = (row["residual"], row["post_w"] if post else None, row["alpha"], row["beta"],
-            row["next_w"] if nxt else None, EPS, EPS, counter)
-    o = torch.randn(topk, d, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    ids, weights, post_norm, w = inputs["ids"], inputs["weights"], inputs["post_norm"], inputs["wb"][0]
-    y = pr.finalize(o, ids.reshape(-1), ids, weights, post_norm, EPS, sorted_rows=False, act_dtype=dtype)
-    want_res, want_normed = pr.dense_gemv(y, w, residual_norm=norm)
-    assert int(counter.item()) == 0
-    what = f"d={d} top-{topk} {dtype} post={post} next={nxt}"
-    for block_n, num_warps in ((pr.BLOCK_N, pr.NUM_WARPS), (16, 16)):
-        for _ in range(2):
-            got_res, got_normed = pr.finalize_gemv(o, weights, post_norm, EPS, w, block_n, num_warps,
-                                                   residual_norm=norm)
-            assert int(counter.item()) == 0, f"counter left at {int(counter.item())}, {what}"
-            assert_nmse(want_res.float(), got_res.float(), TOLERANCE, f"residual, {block_n}x{num_warps}, {what}")
-            assert_nmse(want_normed.float(), got_normed.float(), TOLERANCE, f"normed, {block_n}x{num_warps}, {what}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_n,num_warps", [(pr.BLOCK_N, pr.NUM_WARPS), (16, 16)])
-def test_fused_moe_run_with_the_finalize_in_the_unpooler_matches_the_product_in_one_launch_fewer(block_n, num_warps):
-    """``fused_moe_run`` (``cuda_fused_ab.py``'s ``fin_*`` modes) on muse-tiny's NVFP4 MoE blocks: the block's output
-    and the MoE sublayer's pair within 1e-5 NMSE of the product's fused block, its counters given back zero, in 4
-    launches where the product takes 5 on the layers whose experts take the decode GEMVs (FP4); the same 5 on the
-    others (muse-tiny's first and last MoE layers keep BF16 experts, as the checkpoint's ignore list says), where the
-    stand-in is the product's own ``_run``."""
-    from unittest import mock
-
-    from musecore.api import load_random
-    from musecore.model import MoE
-    from musecore.testing import fused_blocks, nmse
-    from musecore_cuda import fused
-    from musecore_cuda.kernels.moe_decode import use_gemv
-
-    model = load_random("muse-tiny", "h200", checkpoint_format="nvfp4", seed=0)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    H, tol = model.config.hidden_size, 1e-5
-    fused_blocks(model, "moe")  # (asserts that loading fused every MoE block)
-    fewer = []
-    with torch.inference_mode():
-        for i, layer in enumerate(model.layers):
-            if not isinstance(layer.mlp, MoE):
-                continue
-            block = layer.mlp
-            experts = block.experts
-            on_gemvs = use_gemv(experts.gate, block.top_k, experts.num_experts, tokens=1, dtype=torch.bfloat16)
-            x, a = (torch.randn(1, 1, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
-            want_out, want_pair = block.fused(a), model.feedforward_sublayer(i, x, a)
-            product_n = count_kernels(lambda: model.feedforward_sublayer(i, x, a))
-            with mock.patch.object(fused.FusedMoE, "_run", pr.fused_moe_run(block_n, num_warps)):
-                for repeat in range(2):
-                    got_out, got_pair = block.fused(a), model.feedforward_sublayer(i, x, a)
-                    for name, w, g in (("out", want_out, got_out), *zip(("x", "a"), want_pair, got_pair)):
-                        err = nmse(w.float(), g.float())
-                        assert g.shape == w.shape and g.dtype == w.dtype and err <= tol, \
-                            f"layer {i} {name}, call {repeat}, {block_n}x{num_warps}: NMSE {err:.3g} > {tol:g}"
-                    assert not block.fused.counters.any(), f"layer {i}: counters {block.fused.counters.tolist()}"
-                got_n = count_kernels(lambda: model.feedforward_sublayer(i, x, a))
-            want_n = (4, 5) if on_gemvs else (5, 5)
-            assert (got_n, product_n) == want_n, \
-                f"layer {i} ({experts.format} experts): {got_n} launches with the prologue, {product_n} without"
-            fewer.append(on_gemvs)
-    assert any(fewer), f"no MoE layer took the decode GEMVs (layers' experts on them: {fewer})"

@@ -160,6 +160,27 @@ def _chunk_products(acc, acc2, wv, w2v, k0, x_ptr, K, BLOCK_K: tl.constexpr, SWI
 
 
 @triton.jit
+def whole_k_tile(w_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program's rows of ``W [N, K]`` with all of K in one chunk (``K <= BLOCK_K``), for GEMVs whose ``x`` a
+    program works out itself (``moe.finalize_gemv_kernel``): ``(rows, rmask, kk, kmask, w tile)``."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < K
+    wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                 other=0.0)
+    return rows, rmask, kk, kmask, wv
+
+
+@triton.jit
+def store_row_products(wv, x, y_ptr, rows, rmask):
+    """``y[rows] = W[rows] @ x`` for :func:`whole_k_tile`'s tile ``wv`` and an fp32 ``x [BLOCK_K]`` (fp32 sums),
+    stored in ``y``'s dtype."""
+    y = tl.sum(wv.to(tl.float32) * x[None, :], axis=1)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
 def last_ticket(count_ptr, programs):
     """Whether this program is the last of ``programs`` to take a ticket on the int32 ``count``: an acq_rel add (this
     program's stores released before it; in the last program every earlier program's stores visible after it), and

@@ -16,6 +16,9 @@ Only routed experts run, and each expert's weight is streamed once per block of 
 At decode, 16-bit expert stacks take one GEMV per assignment instead (:func:`moe_decode_dense`,
 :func:`uses_dense_decode`); a backend with a faster FP4 decode kernel calls it before
 :func:`moe_forward` (the CUDA backend's CUDA C++ expert GEMVs), reusing :func:`finalize`.
+
+:func:`finalize_gemv` runs one token's finalize in every program of the GEMV that follows the block (the unpooler),
+so a fused decode block saves the finalize's launch (``musecore_cuda.fused.FusedMoE``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import triton.language as tl
 
 from musecore_triton import hooks
 from musecore_triton.kernels.fp4_gemm import WFMT_DENSE, launch_gemm, pick_config
-from musecore_triton.kernels.dense_gemv import expert_gemv
+from musecore_triton.kernels import norms
+from musecore_triton.kernels.dense_gemv import (MAX_BLOCK_K, expert_gemv, last_ticket, residual_norm_operands,
+                                                 store_row_products, whole_k_tile)
 from musecore_triton.kernels.sort import INDEX_BITS, MAX_ASSIGNMENTS, MAX_EXPERTS
 from musecore_triton.layouts import Fp4Resident
 
@@ -210,6 +215,70 @@ def finalize_sum(rows, wt, nw, L, eps, ACT: tl.constexpr):
     return tl.sum(normed * wt[:, None], axis=0)
 
 
+# finalize_gemv's cut: 16 rows per program on 16 warps (80 registers at top-8, h = 768 on sm90, no spills). In
+# muse-small's decode graph on an H100 (run 141, cuda_fused_ab.py, three rounds): 715.5 us per replay against 734.0
+# with the finalize its own launch; 4 x 4 717.9, 8 x 8 731.2 (lab NOTES, session 75). Not timed on an H200 yet.
+FINALIZE_GEMV_BLOCK_N, FINALIZE_GEMV_WARPS = 16, 16
+
+
+@triton.jit
+def finalize_gemv_kernel(o_ptr, wt_ptr, norm_ptr, w_ptr, y_ptr, N, L, stride_w, post_eps, count_ptr, res_ptr,
+                         post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr, res_post_eps, eps,
+                         TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         ACT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, EPILOGUE: tl.constexpr,
+                         HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_NORM: tl.constexpr):
+    """``y[rows] = W[rows] @ round(finalize(o))`` for one token: every program runs ``moe_finalize_kernel``'s steps
+    and roundings on the token's ``TOPK`` rows of ``o [TOPK, L]`` (fp32) and keeps the sum in registers as its ``x``,
+    rounded to ``ACT`` as ``dense_gemv`` rounds an fp32 ``x`` when it loads it. With ``EPILOGUE`` 2 the program that
+    draws the launch's last ticket runs the residual norm on ``y``, as ``dense_gemv(residual_norm=...)`` does."""
+    rows, rmask, offs, lmask, wv = whole_k_tile(w_ptr, N, L, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
+    nw = tl.load(norm_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
+    hooks.pdl_launch_dependents(EARLY)
+    hooks.pdl_wait(PDL)
+    j = tl.arange(0, KP)
+    jm = j < TOPK
+    wt = tl.load(wt_ptr + j, mask=jm, other=0.0).to(tl.float32)
+    expert_rows = tl.load(o_ptr + j[:, None] * L + offs[None, :], mask=jm[:, None] & lmask[None, :], other=0.0)
+    x = finalize_sum(expert_rows, wt, nw, L, post_eps, ACT)  # moe_finalize_kernel's steps and roundings
+    store_row_products(wv, x.to(ACT).to(tl.float32), y_ptr, rows, rmask)  # the sum rounded as dense_gemv loads it
+    if EPILOGUE == 2:  # dense_gemv's code for the residual norm (residual_norm_operands)
+        tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
+        if last_ticket(count_ptr, tl.num_programs(0)):
+            norms.residual_norm_row(res_ptr, y_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr,
+                                    normed_ptr, 0, N, res_post_eps, eps, HAS_POST, HAS_NEXT, BLOCK_NORM, True)
+
+
+def finalize_gemv(o: torch.Tensor, weights: torch.Tensor, post_norm: torch.Tensor, post_eps: float, w: torch.Tensor,
+                  block_n: int | None = None, num_warps: int | None = None,
+                  residual_norm: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``W @ finalize(o) [1, N]`` for one token's expert rows ``o [topk, L]`` (fp32, unsorted: row j is the token's
+    j-th choice), routing ``weights [1, topk]`` and the shared post-expert norm ``[L]``; ``w [N, L]`` 16-bit,
+    ``L <= MAX_BLOCK_K``: what :func:`finalize` then ``dense_gemv(y, w)`` compute, in one launch. ``residual_norm``:
+    as ``dense_gemv``'s (``(residual [1, N], post_weight | None, alpha, beta, next_weight | None, post_eps, eps,
+    counter)``), returning its pair ``(residual', normed)``. ``block_n`` rows per program on ``num_warps`` warps:
+    by default :data:`FINALIZE_GEMV_BLOCK_N` and :data:`FINALIZE_GEMV_WARPS`."""
+    n, k = w.shape
+    topk = weights.shape[-1]
+    if k > MAX_BLOCK_K or o.shape != (topk, k) or o.dtype != torch.float32 or weights.shape != (1, topk) \
+            or post_norm.shape != (k,) or w.stride(1) != 1 or w.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"finalize_gemv takes o [topk, L] fp32, weights [1, topk], post_norm [L] and a 16-bit w "
+                         f"[N, L], L <= {MAX_BLOCK_K}; got o {o.dtype} {list(o.shape)}, weights "
+                         f"{list(weights.shape)}, post_norm {list(post_norm.shape)}, w {w.dtype} {list(w.shape)}")
+    y = torch.empty(1, n, dtype=w.dtype, device=w.device)
+    if residual_norm is None:
+        tail, flags = (y,) * 8 + (0.0, 0.0), dict(EPILOGUE=0, HAS_POST=False, HAS_NEXT=False, BLOCK_NORM=1)
+    else:
+        tail, flags, new_res, normed = residual_norm_operands(residual_norm, y)
+    # launched as the GEMV it replaces: dense_gemv's PDL wait and early signal
+    block_n, num_warps = block_n or FINALIZE_GEMV_BLOCK_N, num_warps or FINALIZE_GEMV_WARPS
+    finalize_gemv_kernel[(triton.cdiv(n, block_n),)](
+        o.contiguous(), weights.contiguous(), post_norm.contiguous(), w, y, n, k, w.stride(0), post_eps, *tail,
+        TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k),
+        ACT=ACT_DTYPES[w.dtype], num_warps=num_warps, EARLY=hooks.early_trigger(w.device, "dense_gemv"), **flags,
+        **hooks.launch_options(w.device, "dense_gemv"))
+    return y if residual_norm is None else (new_res, normed)
+
+
 def check_post_norm(post_norm: torch.Tensor, width: int) -> None:
     if post_norm.shape != (width,):
         raise ValueError(f"moe: the post-expert norm is one weight [h] = [{width}] shared by every expert; got "
@@ -293,7 +362,13 @@ def moe_decode_dense(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     """The ``moe`` op at decode on 16-bit expert stacks (the first and last layers): gate+up+SwiGLU and
     down as one GEMV per token-expert assignment (:func:`expert_gemv`), then the finalize. Three
     launches instead of the grouped path's sort, alignment, gathers and two GEMMs (~20)."""
-    topk = ids.shape[1]
-    h = expert_gemv(z, gate, ids, topk, up=up)
-    o = expert_gemv(h, down, ids, 1, out_dtype=torch.float32)
+    o = moe_decode_dense_rows(z, ids, gate, up, down)
     return finalize(o, ids.reshape(-1), ids, weights, post_norm, post_eps, sorted_rows=False, act_dtype=z.dtype)
+
+
+def moe_decode_dense_rows(z: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                          down: torch.Tensor) -> torch.Tensor:
+    """:func:`moe_decode_dense` without its finalize: ``o [T * k, h]`` fp32, row ``a`` the down product of
+    assignment ``a`` in ``ids``' order."""
+    h = expert_gemv(z, gate, ids, ids.shape[1], up=up)
+    return expert_gemv(h, down, ids, 1, out_dtype=torch.float32)
