@@ -432,9 +432,9 @@ def _handoff_choice() -> KernelChoice:
 
 
 def _fused_choice() -> list[KernelChoice]:
-    blocks = (("MoE sublayer at one-token decode", "10", "5 launches (one launch for the router and the pooler GEMV + "
-               "pre-expert norm, expert GEMVs and finalize, unpooler GEMV reading the experts' fp32 output + the "
-               "residual norm)",
+    blocks = (("MoE sublayer at one-token decode", "10", "4 launches (one launch for the router and the pooler GEMV + "
+               "pre-expert norm, the expert GEMVs, the unpooler GEMV with the finalize in every program + the "
+               "residual norm; 5 where the experts take a grouped GEMM: the finalize its own launch)",
                "with 16-bit pooler/unpooler and an fp32 router"),
               ("attention sublayer at one-token decode", "7", "3 launches (q/k/v/gate GEMV with each head's q/k "
                "norms + RoPE + KV write in its last program, attention + head norm and gate, o_proj + the residual "
@@ -465,8 +465,8 @@ def env_settings() -> list[EnvSetting]:
                    f"the decode GEMVs, and 816B-sized experts from {moe_prefill.DECODE_FROM_TOKENS} tokens, take the "
                    "grouped Gluon GEMM on SM 9.x with Triton 3.6's Gluon",
                    "0 keeps the grouped Triton GEMM there and the decode GEMVs up to 128 tokens"),
-        EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 5 launches, "
-                   "attention sublayers in 4, at one-token decode; the decode embed in 1",
+        EnvSetting(fused.FUSED_ENV, os.environ.get(fused.FUSED_ENV), "on: MoE sublayers in 4 launches, "
+                   "attention sublayers in 3, at one-token decode; the decode embed in 1",
                    "0 runs the separate ops (10, 7 and ~18 launches)"),
         EnvSetting(moe_decode.HANDOFF_ENV, os.environ.get(moe_decode.HANDOFF_ENV), "unset: the decode MoE's down "
                    "GEMV starts in the gate/up GEMV's last wave from 2 tokens on experts of 4096 x 4096 and more",

@@ -376,7 +376,7 @@ def test_pdl_override_shows_in_choices_and_env_settings(monkeypatch):
 
 def test_fused_sublayers_show_in_choices_and_their_switch_turns_them_off(choices, monkeypatch):
     from musecore_cuda.fused import FUSED_ENV
-    assert "fused: 5 launches" in _choice(choices, "MoE sublayer").choice
+    assert "fused: 4 launches" in _choice(choices, "MoE sublayer").choice
     assert "fused: 3 launches" in _choice(choices, "attention sublayer").choice
     assert "fused: 1 launch" in _choice(choices, "embedding stage").choice
     monkeypatch.setenv(FUSED_ENV, "0")
