@@ -81,8 +81,9 @@ FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
 # group's attention runs in one program after its GEMV rows, where the separate kernel overlapped the GEMV's tail.
 ATTENTION_IN_QKV = False
 # The MoE finalize in every program of the unpooler GEMV (``moe.finalize_gemv``), where the experts take one GEMV per
-# assignment and the unpooler's K fits one chunk: one launch per MoE block fewer. On: muse-small's decode graph 715.5
-# against 734.0 us per replay on an H100 (session 75, run 141, cuda_fused_ab.py ``fin_apart`` is it switched off).
+# assignment and the unpooler's K fits one chunk: one launch per MoE block fewer. On: muse-small's decode graph 714.5
+# against 733.1 us per replay on an H100, 117 kernels per step against 133 (session 75, run 144; cuda_fused_ab.py's
+# ``fin_apart`` is it switched off).
 FINALIZE_IN_UNPOOLER = True
 log = logging.getLogger("musecore.cuda")
 

@@ -3,7 +3,8 @@ row-op epilogues and an fp32 input, the one-launch router alone and beside the p
 cache, attention with the head norm and gate, and the split keys' merge; since session 48 the decode embed, since
 session 50 the q/k/v/gate GEMV running the q/k norms in its heads' last programs, since session 51 that GEMV also
 attending per KV-head group, ``qkv_attention``, and greedy sampling's argmax, since session 52 attention prefetching
-its next step's key positions and, since session 53, loading its first step's k and v with their positions) for a GPU
+its next step's key positions and, since session 53, loading its first step's k and v with their positions; since
+session 75 the unpooler GEMV with the MoE finalize in its programs, ``moe.finalize_gemv``) for a GPU
 target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49):
 ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
 and constexprs its wrapper chose, never run);
@@ -36,6 +37,7 @@ def main(arch: str) -> None:
     from musecore_triton.kernels.attention import attention
     from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_attention, qkv_gemv_rope
     from musecore_triton.kernels.embed import decode_embed
+    from musecore_triton.kernels.moe import finalize_gemv
 
     dt, H, h = torch.bfloat16, 1536, 768  # muse-small's widths
     x, w = torch.randn(1, H).to(dt), torch.randn(h, H).to(dt)
@@ -46,6 +48,10 @@ def main(arch: str) -> None:
     for post in (None, torch.ones(H).to(dt)):
         dense_gemv(torch.randn(1, h), torch.randn(H, h).to(dt),  # fp32 input (the experts' output), residual norm
                    residual_norm=(x, post, vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6, counter))
+    o8, wt8 = torch.randn(8, h), torch.softmax(torch.randn(1, 8), -1)  # one token's top-8 expert rows (session 75)
+    finalize_gemv(o8, wt8, torch.ones(h).to(dt), 1e-6, torch.randn(H, h).to(dt))
+    finalize_gemv(o8, wt8, torch.ones(h).to(dt), 1e-6, torch.randn(H, h).to(dt),
+                  residual_norm=(x, torch.ones(H).to(dt), vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6, counter))
     router.router_topk_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, counter)
     router.router_pooler_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w, torch.ones(h).to(dt),
                                     1e-6, torch.zeros(2, dtype=torch.int32))

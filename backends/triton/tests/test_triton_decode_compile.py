@@ -1,9 +1,10 @@
 """The decode kernels of the CUDA backend's fused sublayers (``dense_gemv``'s row-op epilogues and fp32 input, the
 one-launch router alone and beside the pooler, the q/k norms writing the KV cache, attention with the head norm and
-gate, the split keys' merge, the q/k/v/gate GEMV with the q/k norms and with attention in its tails, greedy sampling's argmax) compile for SM90 with no GPU (``decode_compile.py`` in a subprocess: the interpreter the
-other tests enable neither compiles nor type-checks both sides of an ``if``, which let a kernel that Triton refuses
-pass every CPU test once). Numerics: the
-interpreter tests beside this one and, on a GPU, ``backends/cuda/tests/test_cuda_fused.py``."""
+gate, the split keys' merge, the q/k/v/gate GEMV with the q/k norms and with attention in its tails, greedy sampling's
+argmax, the unpooler GEMV with the MoE finalize) compile for SM90 with no GPU (``decode_compile.py`` in a subprocess:
+the interpreter the other tests enable neither compiles nor type-checks both sides of an ``if``, which let a kernel
+that Triton refuses pass every CPU test once). Numerics: the interpreter tests beside this one and, on a GPU,
+``backends/cuda/tests/test_cuda_fused.py``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ SCRIPT = Path(__file__).with_name("decode_compile.py")
 KERNELS = {"dense_gemv_kernel": 4, "router_one_launch_kernel": 1, "router_pooler_kernel": 1, "qk_norm_rope_kernel": 4,
            "qkv_gemv_rope_kernel": 2, "qkv_attention_kernel": 2, "attention_kernel": 6, "merge_splits_kernel": 2,
            "decode_embed_kernel": 2, "argmax_partial_kernel": 1, "argmax_final_kernel": 1,
-           "greedy_positions_kernel": 1}
+           "greedy_positions_kernel": 1, "finalize_gemv_kernel": 2}
 
 
 @pytest.mark.slow
