@@ -20,8 +20,8 @@ per line::
         [--out backends/cuda/lab/results/cuda_prologue_probe.json]
 
 Session 72 adds the ``finalize`` chain (``finalize_gemv``, in the product since session 75 as
-``musecore_triton.kernels.moe.finalize_gemv``): per pair ``--topk`` down GEMVs (one per
-assignment, fp32 rows), then ``separate`` (``moe.finalize``'s own launch and the unpooler GEMV, the product's before session 75) against the
+``musecore_triton.kernels.moe.finalize_gemv``): per pair ``--topk`` down GEMVs (one per assignment, fp32 rows), then
+``separate`` (``moe.finalize``'s own launch and the unpooler GEMV, the product's before session 75) against the
 finalize in every program of the unpooler GEMV at each cut; square ``[h, h]`` unpoolers (muse-small's is 1536 x 768:
 the launch structure is what is timed). A verdict row per chain; a yes there would take one launch per MoE layer out
 of the decode step.
