@@ -49,12 +49,17 @@ def test_router_in_one_launch_matches_the_reference(e, k, hidden):
         router.router_topk_one_launch(torch.cat([x, x]), weight, bias, k, 1.0, 1.0, counter)
 
 
-@pytest.mark.parametrize("e,k,hidden,n", [(64, 8, 1536, 768), (12, 3, 96, 40), (256, 8, 200, 130)])
-def test_router_and_pooler_in_one_launch_equal_the_two_launches(e, k, hidden, n):
+@pytest.mark.parametrize("e,k,hidden,n,cut", [(64, 8, 1536, 768, None), (12, 3, 96, 40, None),
+                                             (256, 8, 200, 130, None), (12, 3, 96, 130, (16, 4))])
+def test_router_and_pooler_in_one_launch_equal_the_two_launches(e, k, hidden, n, cut, monkeypatch):
     """The router's programs beside the pooler GEMV's (its norm in its last program) in one launch against
     ``router_topk_one_launch`` and ``dense_gemv(norm=)`` launched one after the other: the same ids, the same pooler
     bits, the weights within the op tolerance (on a GPU the choice runs in the pooler's two warps, not one: its sums
-    group differently, ~1e-8), both counters back at zero."""
+    group differently, ~1e-8), both counters back at zero. ``cut``: the pooler at that many rows x warps per program
+    (``ROUTER_POOLER_BLOCK_N`` / ``_WARPS``; 130 rows: a last program of 2)."""
+    if cut is not None:
+        monkeypatch.setattr(router, "ROUTER_POOLER_BLOCK_N", cut[0])
+        monkeypatch.setattr(router, "ROUTER_POOLER_WARPS", cut[1])
     x, weight, bias = router_case(1, e, hidden, torch.bfloat16)
     pooler = (torch.randn(n, hidden, device=DEVICE) * hidden ** -0.5).to(torch.bfloat16)
     norm_w = (1 + 0.1 * torch.randn(n, device=DEVICE)).to(torch.bfloat16)

@@ -117,11 +117,17 @@ def test_dense_gemv_with_the_norm_in_its_last_program_matches_the_separate_ops(d
         dense_gemv(x, w, norm=(norm_w, 1e-6, counter.long()))
 
 
-@pytest.mark.parametrize("post", ["weightless", "scale_first"])
-@pytest.mark.parametrize("n,k", [(96, 64), (768, 1536)])
-def test_dense_gemv_with_the_residual_norm_in_its_last_program_matches_the_separate_ops(post, n, k):
+@pytest.mark.parametrize("post,n,k,cut", [("weightless", 96, 64, None), ("scale_first", 96, 64, None),
+                                          ("weightless", 768, 1536, None), ("scale_first", 768, 1536, None),
+                                          ("scale_first", 100, 64, (16, 4))])
+def test_dense_gemv_with_the_residual_norm_in_its_last_program_matches_the_separate_ops(post, n, k, cut, monkeypatch):
     """``dense_gemv(residual_norm=)``: the product, then the residual_norm op on it, in one launch; an fp32 x (the
-    experts' output reaching the unpooler) rounded as it loads."""
+    experts' output reaching the unpooler) rounded as it loads. ``cut``: the launch at that many rows x warps per
+    program (``RESIDUAL_NORM_BLOCK_N`` / ``_WARPS``; 100 rows: a last program of 4 rows)."""
+    from musecore_triton.kernels import dense_gemv as module
+    if cut is not None:
+        monkeypatch.setattr(module, "RESIDUAL_NORM_BLOCK_N", cut[0])
+        monkeypatch.setattr(module, "RESIDUAL_NORM_WARPS", cut[1])
     dtype = SMALL_DTYPES[-1]
     x = torch.randn(1, k, device=DEVICE)
     w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)

@@ -154,14 +154,21 @@ def test_qk_norm_rope_kv_write_gives_the_cache_of_the_two_ops(ring, position, ro
         assert torch.equal(want, got), f"cache {name} differs (ring={ring}, position {position})"
 
 
-@pytest.mark.parametrize("nq,nkv,d,k,ring,rope", [(4, 2, 32, 64, False, True), (6, 1, 64, 200, True, True),
-                                                  (4, 2, 32, 96, False, False)])
-def test_qkv_gemv_rope_gives_the_gemv_then_qk_norm_rope_kv_write(nq, nkv, d, k, ring, rope):
+@pytest.mark.parametrize("nq,nkv,d,k,ring,rope,cut", [(4, 2, 32, 64, False, True, None),
+                                                      (6, 1, 64, 200, True, True, None),
+                                                      (4, 2, 32, 96, False, False, None),
+                                                      (6, 1, 64, 200, True, True, (16, 4))])
+def test_qkv_gemv_rope_gives_the_gemv_then_qk_norm_rope_kv_write(nq, nkv, d, k, ring, rope, cut, monkeypatch):
     """``qkv_gemv_rope``: the fused q/k/v/gate GEMV whose heads' last programs run the q/k norms, RoPE and the KV
     write: the same projection, the same normed q and cache as ``dense_gemv`` then ``qk_norm_rope_kv_write`` (the
     norms' sums may group differently in another number of warps on a GPU: q and k within the op tolerance, exact
-    in the interpreter), launch after launch, the head tickets given back at zero."""
+    in the interpreter), launch after launch, the head tickets given back at zero. ``cut``: the launch at that many
+    rows x warps per program (``QKV_BLOCK_N`` / ``QKV_WARPS``: 4 programs per head, each ticket counting them)."""
+    from musecore_triton.kernels import dense_gemv as module
     from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_gemv_rope
+    if cut is not None:
+        monkeypatch.setattr(module, "QKV_BLOCK_N", cut[0])
+        monkeypatch.setattr(module, "QKV_WARPS", cut[1])
     capacity, dtype = 8, torch.float16
     x = torch.randn(1, k, device=DEVICE).to(dtype)
     w = (torch.randn((2 * nq + 2 * nkv) * d, k, device=DEVICE) * 0.1).to(dtype)

@@ -25,7 +25,12 @@ the tokens (``musecore_triton.graphs.FUSED_STATE``, on since run 69; ``greedy_to
 ``attn_lazy`` forces it off), ``attn_eager_prefetch`` that and ``attn_prefetch`` together, ``all_new53`` both and
 ``greedy_state``; ``fin_2x2`` / ``fin_4x4`` / ``fin_8x8`` / ``fin_16x16``: the MoE block's finalize in every program
 of the unpooler GEMV (``moe.finalize_gemv``, on since session 75 at 16 x 16) at that many rows x warps per program;
-``fin_apart``: the finalize its own launch (``fused.FINALIZE_IN_UNPOOLER`` off, before session 75).
+``fin_apart``: the finalize its own launch (``fused.FINALIZE_IN_UNPOOLER`` off, before session 75); ``rn_RxW`` /
+``rp_RxW`` / ``qkv_RxW`` (session 76): the launches whose last program runs a row op over the whole row at R rows x W
+warps per program instead of ``dense_gemv``'s 2 x 2: the GEMVs with the residual norm (o_proj; the unpooler beside
+16-bit experts: ``dense_gemv.RESIDUAL_NORM_BLOCK_N`` / ``_WARPS``), the router + pooler launch (the pre-expert norm and
+the router's choice: ``router.ROUTER_POOLER_BLOCK_N`` / ``_WARPS``), the q/k/v/gate GEMV (each head's q/k norm and
+RoPE: ``dense_gemv.QKV_BLOCK_N`` / ``QKV_WARPS``).
 Same random weights, same
 prompt, alternated ``--rounds`` times; ``--modes`` picks some; ``--pad-mb`` holds device buffers of random sizes while
 each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the kept generation cache is freed).
@@ -50,6 +55,7 @@ from musecore_triton import graphs, hooks
 from musecore_triton.kernels import attention as attention_module
 from musecore_triton.kernels import dense_gemv as dense_gemv_module
 from musecore_triton.kernels import moe as moe_module
+from musecore_triton.kernels import router as router_module
 from musecore_triton.kernels.dense_gemv import dense_gemv
 from musecore_triton.kernels.norms import qk_norm_rope_kv_write
 from musecore_triton.kernels.router import router_topk_one_launch
@@ -58,8 +64,23 @@ MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_
          "attn_bn64", "attn_bn256", "attend_in_qkv", "attend_in_qkv_w2_32", "attend_in_qkv_w4_128", "triton_argmax",
          "torch_argmax", "both_new", "shared_pool", "attn_prefetch", "greedy_state",
          "attn_eager", "attn_eager_prefetch", "all_new53", "attn_lazy", "greedy_torch_state",
-         "fin_2x2", "fin_4x4", "fin_8x8", "fin_16x16", "fin_apart")
+         "fin_2x2", "fin_4x4", "fin_8x8", "fin_16x16", "fin_apart",
+         "rn_4x4", "rn_8x8", "rn_16x16", "rp_4x4", "rp_8x8", "rp_16x4", "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16")
 FINALIZE_CUTS = {"fin_2x2": (2, 2), "fin_4x4": (4, 4), "fin_8x8": (8, 8), "fin_16x16": (16, 16)}
+# (module, its rows constant, its warps constant) of each row-op launch's cut, by mode prefix
+ROW_OP_CUTS = {"rn": (dense_gemv_module, "RESIDUAL_NORM_BLOCK_N", "RESIDUAL_NORM_WARPS"),
+               "rp": (router_module, "ROUTER_POOLER_BLOCK_N", "ROUTER_POOLER_WARPS"),
+               "qkv": (dense_gemv_module, "QKV_BLOCK_N", "QKV_WARPS")}
+
+
+def row_op_cut_patches(mode: str) -> list[tuple]:
+    """``rn_RxW`` / ``rp_RxW`` / ``qkv_RxW``: that launch's cut constants patched; [] for other modes."""
+    prefix, _, cut = mode.rpartition("_")
+    if prefix not in ROW_OP_CUTS or "x" not in cut:
+        return []
+    module, rows_name, warps_name = ROW_OP_CUTS[prefix]
+    rows, warps = (int(v) for v in cut.split("x"))
+    return [(module, rows_name, rows), (module, warps_name, warps)]
 
 
 def router_then_pooler(x, weight, bias, k, multiplier, scaling, pooler, norm_weight, eps, counters):
@@ -115,7 +136,7 @@ def patches(model, mode: str) -> list[tuple]:
         "fin_apart": [(fused, "FINALIZE_IN_UNPOOLER", False)],
         **{name: [(moe_module, "FINALIZE_GEMV_BLOCK_N", rows), (moe_module, "FINALIZE_GEMV_WARPS", warps)]
            for name, (rows, warps) in FINALIZE_CUTS.items()},
-    }.get(mode, [])
+    }.get(mode, row_op_cut_patches(mode))
 
 
 _POOL: list = []

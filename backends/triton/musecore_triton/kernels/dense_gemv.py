@@ -28,6 +28,11 @@ MAX_BLOCK_K = 2048
 UNROLL_K, UNROLL_BLOCK_N, UNROLL_BLOCK_K, UNROLL_MAX_CHUNKS = False, 1, 256, 8
 DENSE_GEMV_MAX_BYTES = 64 << 20
 BLOCK_N, NUM_WARPS = 2, 2
+# Rows x warps per program of the launches whose last program runs a row op over the whole row, which its warps
+# share: a GEMV with the residual norm (o_proj's, the unpooler's beside 16-bit experts) and the q/k/v/gate GEMV with
+# the heads' q/k norms and RoPE. Read at call time (lab A/B: ``cuda_fused_ab.py``'s ``rn_*`` / ``qkv_*`` modes).
+RESIDUAL_NORM_BLOCK_N, RESIDUAL_NORM_WARPS = BLOCK_N, NUM_WARPS
+QKV_BLOCK_N, QKV_WARPS = BLOCK_N, NUM_WARPS
 
 
 def use_dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> bool:
@@ -336,6 +341,7 @@ def _qkv_launch(name: str, x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, 
     d = cache_k.shape[-1]
     n, k = w.shape
     block_n, block_k, k_static = gemv_blocks(k)
+    block_n, num_warps = row_op_cut(k, QKV_BLOCK_N, QKV_WARPS)
     if x.shape != (1, k) or x.dtype not in (w.dtype, torch.float32) or w.stride(1) != 1 \
             or w.dtype not in (torch.bfloat16, torch.float16) or n != 2 * (nq + nkv) * d or d % block_n \
             or d & (d - 1):
@@ -353,7 +359,7 @@ def _qkv_launch(name: str, x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, 
     args = (x.contiguous(), w, y, n, k, w.stride(0), counters, *(rows or (q_out, q_out)), q_out, cache_k, cache_v,
             cache_pos, pos_new.contiguous(), capacity + 1, capacity, eps, q_scale)
     meta = dict(NQ=nq, NKV=nkv, D=d, ROPE=rows is not None, RING=ring, BLOCK_N=block_n, BLOCK_K=block_k,
-                K_STATIC=k_static, ROUND_X=x.dtype != w.dtype, num_warps=NUM_WARPS,
+                K_STATIC=k_static, ROUND_X=x.dtype != w.dtype, num_warps=num_warps,
                 EARLY=hooks.early_trigger(x.device, "dense_gemv"), **hooks.launch_options(x.device, "dense_gemv"))
     return y, q_out, args, meta
 
@@ -369,17 +375,24 @@ def gemv_blocks(k: int) -> tuple[int, int, int]:
     return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K), 0
 
 
+def row_op_cut(k: int, block_n: int, num_warps: int) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` of a GEMV of depth ``k`` whose row op wants the cut ``block_n x num_warps``: that
+    cut, or :func:`gemv_blocks`' with :data:`NUM_WARPS` where K's chunks unroll (``UNROLL_K``)."""
+    return (gemv_blocks(k)[0], NUM_WARPS) if unrolled(k) else (block_n, num_warps)
+
+
 def unrolled(k: int) -> bool:
     """Whether :func:`gemv_blocks` unrolls K's chunks for a GEMV of depth ``k``."""
     return UNROLL_K and UNROLL_BLOCK_K < k <= UNROLL_BLOCK_K * UNROLL_MAX_CHUNKS
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | None = None,
-               num_warps: int = NUM_WARPS, *, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+               num_warps: int | None = None, *, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
                residual_norm: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [1,K] @ w[N,K].T`` -> ``[1,N]`` in w's dtype (fp32 accumulation, as cuBLAS); an fp32 ``x`` is rounded
     to w's dtype as it is loaded (the same bits as ``x.to(w.dtype)`` first). ``blocks = (BLOCK_N, BLOCK_K,
-    K_STATIC)`` overrides :func:`gemv_blocks` (for sweeps).
+    K_STATIC)`` and ``num_warps`` override :func:`gemv_blocks` and :data:`NUM_WARPS` (for sweeps); with
+    ``residual_norm`` the defaults are :func:`row_op_cut`'s.
 
     A row op on the product may run in the same launch, in the program that finishes last, given an int32 zero
     ``counter`` that the launch takes and gives back (owned by one call site whose launches do not overlap):
@@ -395,6 +408,9 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | 
     n, k = w.shape
     y = torch.empty(1, n, dtype=w.dtype, device=x.device)
     block_n, block_k, k_static = blocks or gemv_blocks(k)
+    cut_n, cut_warps = row_op_cut(k, RESIDUAL_NORM_BLOCK_N, RESIDUAL_NORM_WARPS) if residual_norm is not None \
+        else (block_n, NUM_WARPS)
+    block_n, num_warps = (block_n if blocks else cut_n), (num_warps or cut_warps)
     extra: dict = {}
     if norm is not None and residual_norm is not None:
         raise ValueError("dense_gemv: give norm or residual_norm, not both")

@@ -218,6 +218,10 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: in
 ONE_LAUNCH_BLOCK_E = 64  # experts per program of the one-launch router
 ONE_LAUNCH_BLOCK_K = 32  # hidden columns per program: 2048 fp32 weights per one-warp program
 ONE_LAUNCH_MAX_E = 1024  # the last program holds every expert's logit in one block
+# The router + pooler launch's pooler rows per program and warps per program (the router's programs run on as many
+# warps); the pooler's last program runs the pre-expert norm over the whole row on them. Read at call time (lab A/B:
+# ``cuda_fused_ab.py``'s ``rp_*`` modes).
+ROUTER_POOLER_BLOCK_N, ROUTER_POOLER_WARPS = dense_gemv.BLOCK_N, dense_gemv.NUM_WARPS
 
 
 def _one_token_router(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int
@@ -299,12 +303,13 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                          f"{pooler.stride()} (x {x.dtype}), norm {list(norm_weight.shape)}, counters {counters.dtype} "
                          f"{list(counters.shape)}")
     z, normed = (torch.empty(1, n, dtype=x.dtype, device=x.device) for _ in range(2))
-    gemv_n, gemv_k, gemv_k_static = dense_gemv.gemv_blocks(H)
+    _, gemv_k, gemv_k_static = dense_gemv.gemv_blocks(H)
+    gemv_n, warps = dense_gemv.row_op_cut(H, ROUTER_POOLER_BLOCK_N, ROUTER_POOLER_WARPS)
     flat = counters.view(-1)
     router_pooler_kernel[(n_e * n_s + triton.cdiv(n, gemv_n),)](
         x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
         scaling, pooler, z, flat[1:2], norm_weight.contiguous(), normed, n, eps, n_e, n_s, **constexprs,
         GEMV_N=gemv_n, GEMV_K=gemv_k, GEMV_K_STATIC=gemv_k_static, BLOCK_NORM=triton.next_power_of_2(n),
-        num_warps=dense_gemv.NUM_WARPS,
+        num_warps=warps,
         EARLY=hooks.early_trigger(x.device, "router_pooler"), **hooks.launch_options(x.device, "router_pooler"))
     return weights, ids, normed
