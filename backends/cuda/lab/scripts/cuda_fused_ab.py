@@ -30,7 +30,7 @@ of the unpooler GEMV (``moe.finalize_gemv``, on since session 75 at 16 x 16) at 
 warps per program instead of ``dense_gemv``'s 2 x 2: the GEMVs with the residual norm (o_proj; the unpooler beside
 16-bit experts: ``dense_gemv.RESIDUAL_NORM_BLOCK_N`` / ``_WARPS``), the router + pooler launch (the pre-expert norm and
 the router's choice: ``router.ROUTER_POOLER_BLOCK_N`` / ``_WARPS``), the q/k/v/gate GEMV (each head's q/k norm and
-RoPE: ``dense_gemv.QKV_BLOCK_N`` / ``QKV_WARPS``).
+RoPE: ``dense_gemv.QKV_BLOCK_N`` / ``QKV_WARPS``); modes joined by ``+`` (``rn_8x8+rp_4x4``) run together.
 Same random weights, same
 prompt, alternated ``--rounds`` times; ``--modes`` picks some; ``--pad-mb`` holds device buffers of random sizes while
 each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the kept generation cache is freed).
@@ -99,7 +99,9 @@ def gemv_then_rope(x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v, cach
 
 
 def patches(model, mode: str) -> list[tuple]:
-    """``(object, attribute, value)`` for each attribute ``mode`` replaces while it runs."""
+    """``(object, attribute, value)`` for each attribute ``mode`` replaces while it runs (``a+b``: both's)."""
+    if "+" in mode:
+        return [p for part in mode.split("+") for p in patches(model, part)]
     use, gemv = cuda_backend.use_dense_gemv, cuda_backend.dense_gemv
     wide = lambda w: w.shape[0] > 16384 and w.shape[1] <= 2048  # noqa: E731  (the lm_head)
     return {
@@ -169,7 +171,7 @@ def mode_of(model, mode: str):
 def main() -> None:
     args = ab_arguments("cuda_fused_ab.json")
     modes = args.modes.split(",") if args.modes else MODES
-    unknown = set(modes) - set(MODES)
+    unknown = {part for mode in modes for part in mode.split("+")} - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; the modes: {', '.join(MODES)}")
     model = load_random(args.preset, "h200", checkpoint_format=args.format)
