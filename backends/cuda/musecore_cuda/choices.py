@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
-from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_decode, moe_prefill, pdl
+from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_decode, moe_prefill, pdl, triton_hooks
 from musecore_cuda import fused
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES
 from musecore_triton.kernels.fp4_gemm import tile_regime
@@ -409,10 +409,19 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
         KernelChoice("router_topk", "Triton split-K fp32 GEMV + top-k kernel up to 16 tokens, cuBLAS fp32 GEMM + "
                      "top-k kernel beyond", "the fp32 router weight spread over every SM at decode"),
         *_fused_choice(),
+        _row_op_cut_choice(),
         _handoff_choice(),
         KernelChoice("norms, silu_mul, logit_softcap, kv_write", "Triton row kernels (musecore_triton), fp32 math"),
     ]
     return out
+
+
+def _row_op_cut_choice() -> KernelChoice:
+    cuts = ", ".join(f"{name} {rows} x {warps}" for name, (rows, warps) in triton_hooks.ROW_OP_CUTS.items())
+    return KernelChoice("decode launches with a row op in their last program (rows x warps per program)",
+                        f"{cuts}; the other 16-bit GEMVs 2 x 2",
+                        "the row op's warps are the program's: muse-small's decode graph on an H100 715.8 -> 707.7 us "
+                        "per replay (session 76); not timed on the H200")
 
 
 def _handoff_choice() -> KernelChoice:

@@ -18,7 +18,11 @@ only one vendor has enters here, with a portable default that changes nothing:
   ``prefetch_l2`` does nothing;
 * **eager first attention step**: where :func:`eager_first_step` says so, the one-token decode attention loads its
   first step's k and v together with that step's key positions (its ``EAGER`` constexpr): one memory round trip
-  fewer per call, for more registers. Default: off (on AMD it costs the windowed program its second wave).
+  fewer per call, for more registers. Default: off (on AMD it costs the windowed program its second wave);
+* **row-op cuts**: :func:`row_op_cut` gives the rows x warps per program of the decode launches whose last program
+  runs a row op over the whole row (``dense_gemv``'s residual norm, the router + pooler launch, the q/k/v/gate GEMV's
+  heads), where a backend has timed them. Default: None, the kernels' own cut (``dense_gemv.BLOCK_N`` x
+  ``NUM_WARPS``).
 
 A backend installs its versions once, at import, before any kernel is compiled::
 
@@ -93,6 +97,10 @@ def _default_eager_first_step(device: torch.device) -> bool:
     return False
 
 
+def _default_row_op_cut(device: torch.device, kernel: str) -> Optional[tuple[int, int]]:
+    return None
+
+
 def _default_num_sms(device: torch.device) -> int:
     if device.type == "cuda":  # torch's name for any GPU device, NVIDIA or AMD
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -105,6 +113,7 @@ _launch_features: Callable[[torch.device], dict] = _default_launch_features
 _num_sms: Callable[[torch.device], int] = _default_num_sms
 _l2_warm: Callable[[torch.device], bool] = _default_l2_warm
 _eager_first_step: Callable[[torch.device], bool] = _default_eager_first_step
+_row_op_cut: Callable[[torch.device, str], Optional[tuple[int, int]]] = _default_row_op_cut
 _owner: Optional[str] = None
 
 
@@ -140,6 +149,13 @@ def eager_first_step(device: torch.device) -> bool:
     return _eager_first_step(device)
 
 
+def row_op_cut(device: torch.device, kernel: str) -> Optional[tuple[int, int]]:
+    """``(rows, warps)`` per program for the row-op launch ``kernel`` on ``device`` (``"residual_norm"``: a
+    ``dense_gemv`` with the residual norm in its last program; ``"router_pooler"``; ``"qkv"``: the q/k/v/gate GEMV
+    with its heads' norms), or None: the kernel's own cut."""
+    return _row_op_cut(device, kernel)
+
+
 def owner() -> Optional[str]:
     """The backend whose hooks are installed, or None (the portable defaults)."""
     return _owner
@@ -151,11 +167,13 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
             num_sms: Optional[Callable[[torch.device], int]] = None,
             l2_warm: Optional[Callable[[torch.device], bool]] = None,
             eager_first_step: Optional[Callable[[torch.device], bool]] = None,
+            row_op_cut: Optional[Callable[[torch.device, str], Optional[tuple[int, int]]]] = None,
             pdl_wait: Any = None, pdl_launch_dependents: Any = None, fp4x2_bf16_scaled: Any = None,
             prefetch_l2: Any = None) -> None:
     """Install ``backend``'s hooks (those not given keep the portable default). Call once, at import,
     before any kernel is compiled: Triton resolves the jit hooks when it compiles a kernel."""
-    global _launch_options, _early_trigger, _launch_features, _num_sms, _l2_warm, _eager_first_step, _owner
+    global _launch_options, _early_trigger, _launch_features, _num_sms, _l2_warm, _eager_first_step, _row_op_cut
+    global _owner
     if _owner is not None and _owner != backend:
         raise RuntimeError(f"musecore_triton hooks are already installed by backend {_owner!r}; {backend!r} cannot "
                            "replace them (install a backend's hooks only where its torch build runs)")
@@ -171,6 +189,7 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
     _num_sms = num_sms or _num_sms
     _l2_warm = l2_warm or _l2_warm
     _eager_first_step = eager_first_step or _eager_first_step
+    _row_op_cut = row_op_cut or _row_op_cut
     module = globals()
     for name, fn in jit.items():
         if fn is not None:

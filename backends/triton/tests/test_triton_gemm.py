@@ -119,13 +119,18 @@ def test_dense_gemv_with_the_norm_in_its_last_program_matches_the_separate_ops(d
 
 @pytest.mark.parametrize("post,n,k,cut", [("weightless", 96, 64, None), ("scale_first", 96, 64, None),
                                           ("weightless", 768, 1536, None), ("scale_first", 768, 1536, None),
-                                          ("scale_first", 100, 64, (16, 4))])
+                                          ("scale_first", 100, 64, (16, 4)), ("weightless", 100, 64, "hook")])
 def test_dense_gemv_with_the_residual_norm_in_its_last_program_matches_the_separate_ops(post, n, k, cut, monkeypatch):
     """``dense_gemv(residual_norm=)``: the product, then the residual_norm op on it, in one launch; an fp32 x (the
     experts' output reaching the unpooler) rounded as it loads. ``cut``: the launch at that many rows x warps per
-    program (``RESIDUAL_NORM_BLOCK_N`` / ``_WARPS``; 100 rows: a last program of 4 rows)."""
+    program (``RESIDUAL_NORM_BLOCK_N`` / ``_WARPS``; 100 rows: a last program of 4 rows); ``"hook"``: at a backend's
+    ``hooks.row_op_cut`` (8 x 4), which the launch must ask for."""
+    from musecore_triton import hooks
     from musecore_triton.kernels import dense_gemv as module
-    if cut is not None:
+    asked: list = []
+    if cut == "hook":
+        monkeypatch.setattr(hooks, "_row_op_cut", lambda device, kernel: asked.append(kernel) or (8, 4))
+    elif cut is not None:
         monkeypatch.setattr(module, "RESIDUAL_NORM_BLOCK_N", cut[0])
         monkeypatch.setattr(module, "RESIDUAL_NORM_WARPS", cut[1])
     dtype = SMALL_DTYPES[-1]
@@ -143,5 +148,6 @@ def test_dense_gemv_with_the_residual_norm_in_its_last_program_matches_the_separ
         for name, a, b in zip(("residual", "normed"), want, got):
             assert b.shape == a.shape and b.dtype == a.dtype
             assert_nmse(a, b, tolerance("residual_norm"), f"dense_gemv + residual_norm {n}x{k} {post}: {name}")
+    assert asked == (["residual_norm"] * 2 if cut == "hook" else []), f"hooks.row_op_cut asked for {asked}"
     with pytest.raises(ValueError, match="has 95 elements"):
         dense_gemv(x, w, residual_norm=(residual, post_w, alpha[:95], beta, next_w, 1e-5, 1e-6, counter))

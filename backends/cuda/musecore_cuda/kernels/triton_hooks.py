@@ -1,6 +1,6 @@
 """What the CUDA backend installs into :mod:`musecore_triton.hooks`: programmatic dependent launch
-(:mod:`musecore_cuda.kernels.pdl`), hardware e4m3 conversion, a PTX upcast of packed FP4 to bf16, and an L2
-prefetch for the decode GEMVs' serial tails.
+(:mod:`musecore_cuda.kernels.pdl`), hardware e4m3 conversion, a PTX upcast of packed FP4 to bf16, an L2
+prefetch for the decode GEMVs' serial tails, and the cuts of the decode launches with a row op.
 Installed at import of :mod:`musecore_cuda` when this torch is a CUDA (not ROCm) build."""
 
 from __future__ import annotations
@@ -69,8 +69,20 @@ def eager_first_step(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+# Rows x warps per program of the decode launches whose last program runs a row op over the whole row (hooks.row_op_cut;
+# muse-small's decode graph on an H100, session 76, cuda_fused_ab.py, 8 rounds: 715.8 us per replay at the kernels'
+# 2 x 2, 707.7 with these two; the q/k/v/gate GEMV at 4 x 4 gained 0.8 more, within the rounds' spread, so it stays).
+ROW_OP_CUTS = {"residual_norm": (8, 8), "router_pooler": (4, 4)}
+
+
+def row_op_cut(device: torch.device, kernel: str) -> tuple[int, int] | None:
+    """On an NVIDIA GPU, :data:`ROW_OP_CUTS`; in the CPU interpreter the kernels' own."""
+    return ROW_OP_CUTS.get(kernel) if device.type == "cuda" else None
+
+
 def install() -> None:
     hooks.install("cuda", launch_options=pdl.triton_options, early_trigger=pdl.early,
                   launch_features=launch_features, l2_warm=l2_warm, eager_first_step=eager_first_step,
+                  row_op_cut=row_op_cut,
                   pdl_wait=pdl.wait,
                   pdl_launch_dependents=pdl.trigger, fp4x2_bf16_scaled=fp4x2_bf16_scaled, prefetch_l2=prefetch_l2)

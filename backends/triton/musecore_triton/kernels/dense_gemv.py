@@ -30,9 +30,12 @@ DENSE_GEMV_MAX_BYTES = 64 << 20
 BLOCK_N, NUM_WARPS = 2, 2
 # Rows x warps per program of the launches whose last program runs a row op over the whole row, which its warps
 # share: a GEMV with the residual norm (o_proj's, the unpooler's beside 16-bit experts) and the q/k/v/gate GEMV with
-# the heads' q/k norms and RoPE. Read at call time (lab A/B: ``cuda_fused_ab.py``'s ``rn_*`` / ``qkv_*`` modes).
-RESIDUAL_NORM_BLOCK_N, RESIDUAL_NORM_WARPS = BLOCK_N, NUM_WARPS
-QKV_BLOCK_N, QKV_WARPS = BLOCK_N, NUM_WARPS
+# the heads' q/k norms and RoPE. None: the backend's (``hooks.row_op_cut``), else ``BLOCK_N`` x ``NUM_WARPS``. Read at
+# call time; set, they override the backend's (lab A/B: ``cuda_fused_ab.py``'s ``rn_*`` / ``qkv_*`` modes).
+RESIDUAL_NORM_BLOCK_N: int | None = None
+RESIDUAL_NORM_WARPS: int | None = None
+QKV_BLOCK_N: int | None = None
+QKV_WARPS: int | None = None
 
 
 def use_dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> bool:
@@ -341,7 +344,7 @@ def _qkv_launch(name: str, x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, 
     d = cache_k.shape[-1]
     n, k = w.shape
     block_n, block_k, k_static = gemv_blocks(k)
-    block_n, num_warps = row_op_cut(k, QKV_BLOCK_N, QKV_WARPS)
+    block_n, num_warps = row_op_cut(k, x.device, "qkv", QKV_BLOCK_N, QKV_WARPS)
     if x.shape != (1, k) or x.dtype not in (w.dtype, torch.float32) or w.stride(1) != 1 \
             or w.dtype not in (torch.bfloat16, torch.float16) or n != 2 * (nq + nkv) * d or d % block_n \
             or d & (d - 1):
@@ -375,10 +378,17 @@ def gemv_blocks(k: int) -> tuple[int, int, int]:
     return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K), 0
 
 
-def row_op_cut(k: int, block_n: int, num_warps: int) -> tuple[int, int]:
-    """``(BLOCK_N, num_warps)`` of a GEMV of depth ``k`` whose row op wants the cut ``block_n x num_warps``: that
-    cut, or :func:`gemv_blocks`' with :data:`NUM_WARPS` where K's chunks unroll (``UNROLL_K``)."""
-    return (gemv_blocks(k)[0], NUM_WARPS) if unrolled(k) else (block_n, num_warps)
+def row_op_cut(k: int, device: torch.device, kernel: str, block_n: int | None,
+               num_warps: int | None) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` of the row-op launch ``kernel`` (as :func:`musecore_triton.hooks.row_op_cut` names
+    it) of depth ``k`` on ``device``: ``block_n`` x ``num_warps`` where given (a module's override), else the
+    backend's cut, else ``BLOCK_N`` x ``NUM_WARPS``; :func:`gemv_blocks`' with ``NUM_WARPS`` where K's chunks unroll
+    (``UNROLL_K``)."""
+    if unrolled(k):
+        return gemv_blocks(k)[0], NUM_WARPS
+    if block_n is not None and num_warps is not None:
+        return block_n, num_warps
+    return hooks.row_op_cut(device, kernel) or (BLOCK_N, NUM_WARPS)
 
 
 def unrolled(k: int) -> bool:
@@ -408,8 +418,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int] | 
     n, k = w.shape
     y = torch.empty(1, n, dtype=w.dtype, device=x.device)
     block_n, block_k, k_static = blocks or gemv_blocks(k)
-    cut_n, cut_warps = row_op_cut(k, RESIDUAL_NORM_BLOCK_N, RESIDUAL_NORM_WARPS) if residual_norm is not None \
-        else (block_n, NUM_WARPS)
+    cut_n, cut_warps = (row_op_cut(k, x.device, "residual_norm", RESIDUAL_NORM_BLOCK_N, RESIDUAL_NORM_WARPS)
+                        if residual_norm is not None else (block_n, NUM_WARPS))
     block_n, num_warps = (block_n if blocks else cut_n), (num_warps or cut_warps)
     extra: dict = {}
     if norm is not None and residual_norm is not None:

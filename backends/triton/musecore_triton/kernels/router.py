@@ -219,9 +219,10 @@ ONE_LAUNCH_BLOCK_E = 64  # experts per program of the one-launch router
 ONE_LAUNCH_BLOCK_K = 32  # hidden columns per program: 2048 fp32 weights per one-warp program
 ONE_LAUNCH_MAX_E = 1024  # the last program holds every expert's logit in one block
 # The router + pooler launch's pooler rows per program and warps per program (the router's programs run on as many
-# warps); the pooler's last program runs the pre-expert norm over the whole row on them. Read at call time (lab A/B:
-# ``cuda_fused_ab.py``'s ``rp_*`` modes).
-ROUTER_POOLER_BLOCK_N, ROUTER_POOLER_WARPS = dense_gemv.BLOCK_N, dense_gemv.NUM_WARPS
+# warps); the pooler's last program runs the pre-expert norm over the whole row on them. None: the backend's
+# (``hooks.row_op_cut``), else ``dense_gemv``'s. Read at call time (lab A/B: ``cuda_fused_ab.py``'s ``rp_*`` modes).
+ROUTER_POOLER_BLOCK_N: int | None = None
+ROUTER_POOLER_WARPS: int | None = None
 
 
 def _one_token_router(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int
@@ -304,7 +305,7 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                          f"{list(counters.shape)}")
     z, normed = (torch.empty(1, n, dtype=x.dtype, device=x.device) for _ in range(2))
     _, gemv_k, gemv_k_static = dense_gemv.gemv_blocks(H)
-    gemv_n, warps = dense_gemv.row_op_cut(H, ROUTER_POOLER_BLOCK_N, ROUTER_POOLER_WARPS)
+    gemv_n, warps = dense_gemv.row_op_cut(H, x.device, "router_pooler", ROUTER_POOLER_BLOCK_N, ROUTER_POOLER_WARPS)
     flat = counters.view(-1)
     router_pooler_kernel[(n_e * n_s + triton.cdiv(n, gemv_n),)](
         x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
