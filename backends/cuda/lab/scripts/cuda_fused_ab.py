@@ -171,7 +171,8 @@ def mode_of(model, mode: str):
 def main() -> None:
     args = ab_arguments("cuda_fused_ab.json")
     modes = args.modes.split(",") if args.modes else MODES
-    unknown = {part for mode in modes for part in mode.split("+")} - set(MODES)
+    unknown = {part for mode in modes for part in mode.split("+")
+               if part not in MODES and not row_op_cut_patches(part)}
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; the modes: {', '.join(MODES)}")
     model = load_random(args.preset, "h200", checkpoint_format=args.format)
