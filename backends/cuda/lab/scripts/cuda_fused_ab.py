@@ -30,7 +30,10 @@ of the unpooler GEMV (``moe.finalize_gemv``, on since session 75 at 16 x 16) at 
 warps per program instead of ``dense_gemv``'s 2 x 2: the GEMVs with the residual norm (o_proj; the unpooler beside
 16-bit experts: ``dense_gemv.RESIDUAL_NORM_BLOCK_N`` / ``_WARPS``), the router + pooler launch (the pre-expert norm and
 the router's choice: ``router.ROUTER_POOLER_BLOCK_N`` / ``_WARPS``), the q/k/v/gate GEMV (each head's q/k norm and
-RoPE: ``dense_gemv.QKV_BLOCK_N`` / ``QKV_WARPS``); modes joined by ``+`` (``rn_8x8+rp_4x4``) run together.
+RoPE: ``dense_gemv.QKV_BLOCK_N`` / ``QKV_WARPS``); modes joined by ``+`` (``rn_8x8+rp_4x4``) run together;
+``attn_early``: the one-token attention kernel lets the kernel after it (o_proj's GEMV) start right after its own
+wait (``pdl.EARLY_DEFAULT`` with ``attention``); ``set:module.NAME=value`` (``set:musecore_triton.kernels.router.
+ONE_LAUNCH_BLOCK_K=64``): that module constant set to that Python literal.
 Same random weights, same
 prompt, alternated ``--rounds`` times; ``--modes`` picks some; ``--pad-mb`` holds device buffers of random sizes while
 each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the kept generation cache is freed).
@@ -40,7 +43,9 @@ each (round, mode) captures (``cuda_decode_host_probe.placement_pad``, after the
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib
 from unittest import mock
 
 import torch
@@ -51,6 +56,7 @@ from musecore.api import load_random
 from musecore.model import separate_ops
 from musecore_cuda import backend as cuda_backend
 from musecore_cuda import fused
+from musecore_cuda.kernels import pdl
 from musecore_triton import graphs, hooks
 from musecore_triton.kernels import attention as attention_module
 from musecore_triton.kernels import dense_gemv as dense_gemv_module
@@ -65,12 +71,25 @@ MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_
          "torch_argmax", "both_new", "shared_pool", "attn_prefetch", "greedy_state",
          "attn_eager", "attn_eager_prefetch", "all_new53", "attn_lazy", "greedy_torch_state",
          "fin_2x2", "fin_4x4", "fin_8x8", "fin_16x16", "fin_apart",
-         "rn_4x4", "rn_8x8", "rn_16x16", "rp_4x4", "rp_8x8", "rp_16x4", "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16")
+         "attn_early", "rn_4x4", "rn_8x8", "rn_16x16", "rp_4x4", "rp_8x8", "rp_16x4", "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16")
 FINALIZE_CUTS = {"fin_2x2": (2, 2), "fin_4x4": (4, 4), "fin_8x8": (8, 8), "fin_16x16": (16, 16)}
 # (module, its rows constant, its warps constant) of each row-op launch's cut, by mode prefix
 ROW_OP_CUTS = {"rn": (dense_gemv_module, "RESIDUAL_NORM_BLOCK_N", "RESIDUAL_NORM_WARPS"),
                "rp": (router_module, "ROUTER_POOLER_BLOCK_N", "ROUTER_POOLER_WARPS"),
                "qkv": (dense_gemv_module, "QKV_BLOCK_N", "QKV_WARPS")}
+
+
+def set_patches(mode: str) -> list[tuple]:
+    """``set:module.NAME=value``: that constant patched (the module imported, the value a Python literal); [] for
+    other modes."""
+    if not mode.startswith("set:") or "=" not in mode:
+        return []
+    path, _, value = mode[4:].partition("=")
+    module, _, name = path.rpartition(".")
+    target = importlib.import_module(module)
+    if not hasattr(target, name):
+        raise SystemExit(f"mode {mode!r}: {module} has no {name}")
+    return [(target, name, ast.literal_eval(value))]
 
 
 def row_op_cut_patches(mode: str) -> list[tuple]:
@@ -136,9 +155,10 @@ def patches(model, mode: str) -> list[tuple]:
         "both_new": [(fused, "ATTENTION_IN_QKV", True), (cuda_backend, "TRITON_ARGMAX", True)],
         "apart": [(fused, "router_pooler_one_launch", router_then_pooler)],
         "fin_apart": [(fused, "FINALIZE_IN_UNPOOLER", False)],
+        "attn_early": [(pdl, "EARLY_DEFAULT", pdl.EARLY_DEFAULT + ("attention",))],
         **{name: [(moe_module, "FINALIZE_GEMV_BLOCK_N", rows), (moe_module, "FINALIZE_GEMV_WARPS", warps)]
            for name, (rows, warps) in FINALIZE_CUTS.items()},
-    }.get(mode, row_op_cut_patches(mode))
+    }.get(mode, row_op_cut_patches(mode) or set_patches(mode))
 
 
 _POOL: list = []
@@ -172,7 +192,7 @@ def main() -> None:
     args = ab_arguments("cuda_fused_ab.json")
     modes = args.modes.split(",") if args.modes else MODES
     unknown = {part for mode in modes for part in mode.split("+")
-               if part not in MODES and not row_op_cut_patches(part)}
+               if part not in MODES and not row_op_cut_patches(part) and not set_patches(part)}
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; the modes: {', '.join(MODES)}")
     model = load_random(args.preset, "h200", checkpoint_format=args.format)

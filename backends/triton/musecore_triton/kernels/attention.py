@@ -94,8 +94,11 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, o_ptr, ml_ptr,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MODE: tl.constexpr, KV_FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      SPLIT: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False, EAGER: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = False, EAGER: tl.constexpr = False, EARLY: tl.constexpr = False):
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    # EARLY: the kernel after (o_proj's GEMV) may start now and load its weights while this one attends; it starts
+    # after this kernel's wait, so at most this grid and the next are resident (as the early-signalling GEMVs keep it)
+    hooks.pdl_launch_dependents(EARLY)
     attend_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), q_ptr, k_ptr, v_ptr,
                 qpos_ptr, kpos_ptr, o_ptr, ml_ptr, sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_t,
                 so_h, T, S, nkv, rows_pad, window, qk_scale, v_scale, keys_per_split, g_ptr, sg_b, sg_t, gate_eps,
@@ -320,7 +323,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         v_scale if v_scale is not None else 1.0, keys_per_split, *gate_args,
         G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, KV_FP8=kv_fp8,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, GATE=gate is not None and splits == 1,
-        PREFETCH=PREFETCH_POSITIONS and T == 1, EAGER=eager_first_step(q.device) and T == 1, num_warps=4,
+        PREFETCH=PREFETCH_POSITIONS and T == 1, EAGER=eager_first_step(q.device) and T == 1,
+        EARLY=splits == 1 and hooks.early_trigger(q.device, "attention"), num_warps=4,
         num_stages=1 if kv_fp8 else 2,  # fp8 with 2 stages asked for 288 KB of shared memory on SM90
         **hooks.launch_options(q.device, "attention"))
     if splits > 1:
