@@ -124,8 +124,10 @@ def enabled(device: torch.device, name: str = "") -> bool:
 
 EARLY_ENV = "MUSECORE_CUDA_PDL_EARLY"
 # The plain decode GEMVs gain from an early signal; the expert GEMVs lost with it on the 816B MoE layer
-# (backends/cuda/lab/NOTES.md).
-EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv", "router_pooler")
+# (backends/cuda/lab/NOTES.md). The one-token attention kernel signals right after its own wait, so o_proj's GEMV
+# loads its weights while it attends (session 76, run 150, H100: muse-small's decode graph 708.0 -> 672.0 us per
+# replay; cuda_fused_ab.py mode attn_early).
+EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv", "router_pooler", "attention")
 
 
 def early(device: torch.device, name: str) -> bool:
