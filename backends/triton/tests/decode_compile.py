@@ -4,8 +4,9 @@ cache, attention with the head norm and gate, and the split keys' merge; since s
 session 50 the q/k/v/gate GEMV running the q/k norms in its heads' last programs, since session 51 that GEMV also
 attending per KV-head group, ``qkv_attention``, and greedy sampling's argmax, since session 52 attention prefetching
 its next step's key positions and, since session 53, loading its first step's k and v with their positions; since
-session 75 the unpooler GEMV with the MoE finalize in its programs, ``moe.finalize_gemv``) for a GPU
-target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49):
+session 75 the unpooler GEMV with the MoE finalize in its programs, ``moe.finalize_gemv``; since session 76, where
+``musecore_cuda`` is installed, the residual-norm GEMV and the router + pooler launch at the CUDA backend's row-op
+cuts and attention signalling its dependents early) for a GPU target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49):
 ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
 and constexprs its wrapper chose, never run);
 prints one JSON list: kernel, constexprs, options, shared memory bytes."""
@@ -89,6 +90,15 @@ def main(arch: str) -> None:
                      torch.tensor([4, 5, 6]), torch.ones(H).to(dt), 1e-6, inv_freq, factor, dt)
     sampling.argmax(torch.randn(1, 65536))  # greedy sampling (session 51)
     sampling.greedy_positions(torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.bool))  # (session 52)
+    if importlib.util.find_spec("musecore_cuda") is not None:  # the CUDA backend's launch choices (session 76)
+        from musecore_cuda.kernels import triton_hooks  # its hooks answer for CUDA devices only: asked as one here
+        hooks._row_op_cut = lambda device, kernel: triton_hooks.row_op_cut(torch.device("cuda"), kernel)
+        hooks._early_trigger = lambda device, kernel: kernel == "attention"
+        dense_gemv(torch.randn(1, h), torch.randn(H, h).to(dt),  # the residual-norm GEMV at its wider cut
+                   residual_norm=(x, None, vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6, counter))
+        router.router_pooler_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w,
+                                        torch.ones(h).to(dt), 1e-6, torch.zeros(2, dtype=torch.int32))
+        attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))  # EARLY
     print(json.dumps(RESULTS))
 
 

@@ -33,7 +33,11 @@ def test_fused_decode_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, str(SCRIPT), "sm90"], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, f"compiling the fused decode kernels for sm90 failed:\n{proc.stderr[-4000:]}"
     rows = json.loads(proc.stdout)
-    counts = {name: sum(r["kernel"] == name for r in rows) for name in KERNELS}
-    assert counts == KERNELS, f"compiled {counts}, expected {KERNELS}"
+    want = dict(KERNELS)
+    if importlib.util.find_spec("musecore_cuda") is not None:  # the CUDA backend's cuts and early attention too
+        for name in ("dense_gemv_kernel", "router_pooler_kernel", "attention_kernel"):
+            want[name] += 1
+    counts = {name: sum(r["kernel"] == name for r in rows) for name in want}
+    assert counts == want, f"compiled {counts}, expected {want}"
     over = [r for r in rows if r["shared_bytes"] > 227 * 1024]
     assert not over, f"shared memory over the H200's 227 KiB per block: {over}"
