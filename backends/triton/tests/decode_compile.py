@@ -7,8 +7,8 @@ its next step's key positions and, since session 53, loading its first step's k 
 session 75 the unpooler GEMV with the MoE finalize in its programs, ``moe.finalize_gemv``; since session 76, where
 ``musecore_cuda`` is installed, the residual-norm GEMV and the router + pooler launch at the CUDA backend's row-op
 cuts and attention signalling its dependents early) for a GPU target with no GPU, with the CUDA backend's hooks where
-it is installed (the GEMV tails' L2 prefetch, session 49): ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature
-and constexprs its wrapper chose, never run);
+it is installed (the GEMV tails' L2 prefetch, session 49): ``python decode_compile.py sm90``. Same recorder as
+``towers_compile.py`` (every launch compiled with the signature and constexprs its wrapper chose, never run);
 prints one JSON list: kernel, constexprs, options, shared memory bytes."""
 
 from __future__ import annotations
