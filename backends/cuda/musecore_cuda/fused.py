@@ -39,8 +39,8 @@ the kernel that used it), so one block's launches must not overlap one another: 
 time, as a model's forward does.
 
 Numerics: every step computes the separate ops' values. Some sums may group their fp32 terms differently: the
-pre-expert and residual norms' (in the GEMV's two warps, not the norm kernels' four), the q/k norms' (two warps, not
-one), the head norm's (in the attention kernel's tile) and the router's partials (another order than the op's
+pre-expert and residual norms' (in the GEMV's warps: 4 and 8, ``triton_hooks.ROW_OP_CUTS``; the norm kernels' 4), the
+q/k norms' (two warps, not one), the head norm's (in the attention kernel's tile) and the router's partials (another order than the op's
 split-K GEMV, about 1e-7 relative, so an expert choice can differ only where two ``score + bias`` values tie to
 that precision). ``test_cuda_fused.py`` checks each block against its separate ops on the GPU.
 

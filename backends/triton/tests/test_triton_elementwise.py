@@ -54,7 +54,7 @@ def test_router_in_one_launch_matches_the_reference(e, k, hidden):
 def test_router_and_pooler_in_one_launch_equal_the_two_launches(e, k, hidden, n, cut, monkeypatch):
     """The router's programs beside the pooler GEMV's (its norm in its last program) in one launch against
     ``router_topk_one_launch`` and ``dense_gemv(norm=)`` launched one after the other: the same ids, the same pooler
-    bits, the weights within the op tolerance (on a GPU the choice runs in the pooler's two warps, not one: its sums
+    bits, the weights within the op tolerance (on a GPU the choice runs in the pooler's warps, not one: its sums
     group differently, ~1e-8), both counters back at zero. ``cut``: the pooler at that many rows x warps per program
     (``ROUTER_POOLER_BLOCK_N`` / ``_WARPS``; 130 rows: a last program of 2)."""
     if cut is not None:

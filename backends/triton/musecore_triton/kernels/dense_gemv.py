@@ -343,7 +343,7 @@ def _qkv_launch(name: str, x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, 
     arguments, their constexprs and launch options)``."""
     d = cache_k.shape[-1]
     n, k = w.shape
-    block_n, block_k, k_static = gemv_blocks(k)
+    _, block_k, k_static = gemv_blocks(k)
     block_n, num_warps = row_op_cut(k, x.device, "qkv", QKV_BLOCK_N, QKV_WARPS)
     if x.shape != (1, k) or x.dtype not in (w.dtype, torch.float32) or w.stride(1) != 1 \
             or w.dtype not in (torch.bfloat16, torch.float16) or n != 2 * (nq + nkv) * d or d % block_n \

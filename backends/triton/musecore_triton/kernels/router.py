@@ -292,7 +292,8 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     router's programs run beside the pooler's instead of before them, and a MoE block at decode has one dependent
     kernel fewer. ``counters``: two int32 zeros (the router's ticket, the pooler's), given back zero, owned by one
     call site as in :func:`router_topk_one_launch`. The pooler's bits are the two calls'; the router's sums run in the
-    pooler's two warps instead of one, so they may group differently (weights within ~1e-8 on the H200)."""
+    pooler's warps (2, or the backend's ``hooks.row_op_cut``) instead of one, so they may group differently (weights
+    within ~1e-8 on the H200)."""
     E, H = weight.shape
     n_e, n_s, part, weights, ids, constexprs = _one_token_router("router_pooler_one_launch", x, weight, bias, k)
     n = pooler.shape[0]
