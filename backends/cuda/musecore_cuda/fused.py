@@ -40,9 +40,9 @@ time, as a model's forward does.
 
 Numerics: every step computes the separate ops' values. Some sums may group their fp32 terms differently: the
 pre-expert and residual norms' (in the GEMV's warps: 4 and 8, ``triton_hooks.ROW_OP_CUTS``; the norm kernels' 4), the
-q/k norms' (two warps, not one), the head norm's (in the attention kernel's tile) and the router's partials (another order than the op's
-split-K GEMV, about 1e-7 relative, so an expert choice can differ only where two ``score + bias`` values tie to
-that precision). ``test_cuda_fused.py`` checks each block against its separate ops on the GPU.
+q/k norms' (two warps, not one), the head norm's (in the attention kernel's tile) and the router's partials (another
+order than the op's split-K GEMV, about 1e-7 relative, so an expert choice can differ only where two ``score + bias``
+values tie to that precision). ``test_cuda_fused.py`` checks each block against its separate ops on the GPU.
 
 Taken for one token of one sequence (the model dtype) where the projections are 16-bit weights on the dense GEMV's
 path (and, MoE, the router is a contiguous fp32 ``[E, H]`` with a bias; attention, the loader fused q/k/v/gate and
