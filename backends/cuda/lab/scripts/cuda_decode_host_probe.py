@@ -47,21 +47,35 @@ def host_us(fn, n: int = 30) -> float:
     return total / n * 1e6
 
 
-def decode_numbers(model, prompt: list[list[int]], new_tokens: int = 64, kernels: bool = True) -> dict:
+def decode_numbers(model, prompt: list[list[int]], new_tokens: int = 64, kernels: bool = True,
+                   outputs: dict | None = None) -> dict:
     """One mode of the lab's A/B scripts (``cuda_fused_ab.py``, ``cuda_merge_ab.py``): ``generate`` per token after a
     fresh capture, the graph replay of one step on a static cache filled by ``prompt``, and (``kernels``) its kernels,
     counted under the profiler: later replays in the process may run slower after it (session 48, run 31), so an A/B
-    can count them after all its timed rounds instead (:func:`step_kernels`)."""
+    can count them after all its timed rounds instead (:func:`step_kernels`). ``outputs`` (a dict): filled with the
+    greedy tokens ``generate`` made and the replayed step's logits (fp32, on the host), for :func:`output_check`."""
     model.release_generation_cache()  # a new capture for this mode
     model.generate(prompt, max_new_tokens=8)
-    model.generate(prompt, max_new_tokens=new_tokens)
+    tokens = model.generate(prompt, max_new_tokens=new_tokens)
     gen_us = 1e6 / model.last_generation_stats.decode_tokens_per_s
     step, tok, pos = _prefilled_step(model, prompt, new_tokens)
     rep = gpu_us(lambda: step(tok, pos), warmup=3)
+    if outputs is not None:
+        outputs["tokens"] = tokens
+        outputs["logits"] = step(tok, pos).float().cpu()
     row = {"replay_us": round(rep, 1), "generate_us_per_token": round(gen_us, 1)}
     if kernels:
         row["kernels_per_step"] = _count_kernels(lambda: step(tok, pos))
     return row
+
+
+def output_check(outputs: dict, first: dict) -> dict:
+    """A mode's outputs (:func:`decode_numbers`' ``outputs``) against the first mode's of its round: whether the greedy
+    tokens are the same and the replayed step's logits' NMSE (a launch detail that races shows as a large or NaN
+    NMSE; one that only groups an fp32 sum differently, as ~1e-6 and perhaps a different token after a near tie)."""
+    a, b = outputs["logits"], first["logits"]
+    nmse = float(((a - b).square().sum() / b.square().sum().clamp_min(1e-30)).item())
+    return {"tokens_equal_first": outputs["tokens"] == first["tokens"], "logits_nmse_vs_first": nmse}
 
 
 def step_kernels(model, prompt: list[list[int]]) -> int:

@@ -54,7 +54,8 @@ from unittest import mock
 import torch
 
 # (this folder is sys.path[0] when run as a script)
-from cuda_decode_host_probe import ab_arguments, decode_numbers, placement_pad, print_medians, save_rows, step_kernels
+from cuda_decode_host_probe import (ab_arguments, decode_numbers, output_check, placement_pad, print_medians,
+                                    save_rows, step_kernels)
 from musecore.api import load_random
 from musecore.model import separate_ops
 from musecore_cuda import backend as cuda_backend
@@ -207,11 +208,15 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, 32)).tolist()
     rows = []
     for r in range(args.rounds):
+        first: dict = {}
         for i, mode in enumerate(modes):
             model.release_generation_cache()  # (else the new cache reuses the old one's blocks, pad or not)
             pad = placement_pad(args.pad_mb, 1000 * r + i)  # held while the mode captures and runs
             with mode_of(model, mode):
-                row = {"round": r, "mode": mode, **decode_numbers(model, prompt, kernels=False)}
+                outputs: dict = {}
+                row = {"round": r, "mode": mode, **decode_numbers(model, prompt, kernels=False, outputs=outputs)}
+                first = first or outputs  # each mode's tokens and logits against the round's first mode's
+                row.update(output_check(outputs, first))
                 if pad:
                     row["pad_bytes"] = sum(t.numel() for t in pad)
                 print(row)
@@ -224,6 +229,11 @@ def main() -> None:
             if row["mode"] == mode:
                 row["kernels_per_step"] = counted
     print_medians(rows, modes)
+    for mode in modes[1:]:
+        mine = [r for r in rows if r["mode"] == mode]
+        worst = max((r["logits_nmse_vs_first"] for r in mine), key=lambda v: (v != v, v))  # a NaN counts as worst
+        print(f"{mode}: logits NMSE vs {modes[0]} up to {worst:.3g}, tokens equal in "
+              f"{sum(r['tokens_equal_first'] for r in mine)} of {len(mine)} rounds")
     save_rows(args.out, args, rows)
 
 
