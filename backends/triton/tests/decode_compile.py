@@ -93,12 +93,14 @@ def main(arch: str) -> None:
     if importlib.util.find_spec("musecore_cuda") is not None:  # the CUDA backend's launch choices (session 76)
         from musecore_cuda.kernels import triton_hooks  # its hooks answer for CUDA devices only: asked as one here
         hooks._row_op_cut = lambda device, kernel: triton_hooks.row_op_cut(torch.device("cuda"), kernel)
-        hooks._early_trigger = lambda device, kernel: kernel == "attention"
+        hooks._early_trigger = lambda device, kernel: kernel in ("attention", "decode_embed")
         dense_gemv(torch.randn(1, h), torch.randn(H, h).to(dt),  # the residual-norm GEMV at its wider cut
                    residual_norm=(x, None, vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6, counter))
         router.router_pooler_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w,
                                         torch.ones(h).to(dt), 1e-6, torch.zeros(2, dtype=torch.int32))
         attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))  # EARLY
+        decode_embed(torch.tensor([[3]]), pos, torch.zeros(1, dtype=torch.long), torch.randn(65536, H).to(dt),
+                     torch.tensor([4, 5, 6]), torch.ones(H).to(dt), 1e-6, inv_freq, 1.0, dt)  # EARLY (lab mode only)
     print(json.dumps(RESULTS))
 
 

@@ -35,6 +35,7 @@ RoPE: ``dense_gemv.QKV_BLOCK_N`` / ``QKV_WARPS``); modes joined by ``+`` (``rn_8
 wait (``pdl.EARLY_DEFAULT`` with ``attention``; the default since session 76, ``attn_late`` without);
 ``experts_early``: the FP4 expert GEMVs (gate/up, down) signalling early too (the finalize + unpooler GEMV would load
 its weights during the down GEMV; the 816B layer alone measured 0.94x with it in session 8, within its noise);
+``embed_early``: the decode embed kernel signalling right after its wait (the first q/k/v/gate GEMV's weights);
 ``set:module.NAME=value`` (``set:musecore_triton.kernels.router.ONE_LAUNCH_BLOCK_K=64``): that module constant set to
 that Python literal.
 Same random weights, same
@@ -75,8 +76,8 @@ MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_
          "torch_argmax", "both_new", "shared_pool", "attn_prefetch", "greedy_state",
          "attn_eager", "attn_eager_prefetch", "all_new53", "attn_lazy", "greedy_torch_state",
          "fin_2x2", "fin_4x4", "fin_8x8", "fin_16x16", "fin_apart",
-         "attn_early", "attn_late", "experts_early", "rn_4x4", "rn_8x8", "rn_16x16", "rp_4x4", "rp_8x8", "rp_16x4",
-         "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16")
+         "attn_early", "attn_late", "experts_early", "embed_early", "rn_4x4", "rn_8x8", "rn_16x16", "rp_4x4", "rp_8x8",
+         "rp_16x4", "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16")
 FINALIZE_CUTS = {"fin_2x2": (2, 2), "fin_4x4": (4, 4), "fin_8x8": (8, 8), "fin_16x16": (16, 16)}
 # (module, its rows constant, its warps constant) of each row-op launch's cut, by mode prefix
 ROW_OP_CUTS = {"rn": (dense_gemv_module, "RESIDUAL_NORM_BLOCK_N", "RESIDUAL_NORM_WARPS"),
@@ -163,6 +164,7 @@ def patches(model, mode: str) -> list[tuple]:
         "attn_early": [(pdl, "EARLY_DEFAULT", tuple(dict.fromkeys(pdl.EARLY_DEFAULT + ("attention",))))],
         "attn_late": [(pdl, "EARLY_DEFAULT", tuple(n for n in pdl.EARLY_DEFAULT if n != "attention"))],
         "experts_early": [(pdl, "EARLY_DEFAULT", tuple(dict.fromkeys(pdl.EARLY_DEFAULT + ("fp4_gemv_mma_experts",))))],
+        "embed_early": [(pdl, "EARLY_DEFAULT", tuple(dict.fromkeys(pdl.EARLY_DEFAULT + ("decode_embed",))))],
         **{name: [(moe_module, "FINALIZE_GEMV_BLOCK_N", rows), (moe_module, "FINALIZE_GEMV_WARPS", warps)]
            for name, (rows, warps) in FINALIZE_CUTS.items()},
     }.get(mode, row_op_cut_patches(mode) or set_patches(mode))

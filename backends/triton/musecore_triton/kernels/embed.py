@@ -25,7 +25,7 @@ MAX_PLACEHOLDERS = 4  # the model's image, video and audio ids (padded to a powe
 @triton.jit
 def decode_embed_kernel(ids_ptr, pos_ptr, next_ptr, table_ptr, mm_ptr, n_mm, w_ptr, inv_freq_ptr, x_ptr, a_ptr,
                         cos_ptr, sin_ptr, V, H, eps, attention_factor, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                        N_MM: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+                        N_MM: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False):
     # Weights first, before the wait (nothing writes them), then every input at once: the program's chain of memory
     # round trips is the inputs, then the embedding row (its address needs the id), nothing after its reductions.
     offs = tl.arange(0, BLOCK_H)
@@ -34,6 +34,7 @@ def decode_embed_kernel(ids_ptr, pos_ptr, next_ptr, table_ptr, mm_ptr, n_mm, w_p
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + d % (D // 2))
     hooks.pdl_wait(PDL)  # the kernel before has finished (musecore_triton.hooks)
+    hooks.pdl_launch_dependents(EARLY)  # the first q/k/v/gate GEMV may start loading its weights (as attention's)
     b = tl.program_id(0).to(tl.int64)
     tok = tl.load(ids_ptr + b)
     p = tl.load(pos_ptr + b)
@@ -82,6 +83,7 @@ def decode_embed(ids: torch.Tensor, positions: torch.Tensor, next_position: torc
                                   placeholders.numel(), norm_weight.contiguous(), inv_freq.contiguous(), x, a, cos, sin,
                                   table.shape[0], H, eps, attention_factor, BLOCK_H=triton.next_power_of_2(H), D=D,
                                   N_MM=MAX_PLACEHOLDERS, SCALED=attention_factor != 1.0,
+                                  EARLY=hooks.early_trigger(ids.device, "decode_embed"),
                                   **hooks.launch_options(ids.device, "decode_embed"))
     return x, a, (cos, sin)
 
