@@ -98,6 +98,12 @@ def set_patches(mode: str) -> list[tuple]:
     return [(target, name, ast.literal_eval(value))]
 
 
+def early_set(kernel: str, early: bool) -> list[tuple]:
+    """``pdl.EARLY_DEFAULT`` with ``kernel`` in it (``early``) or out of it."""
+    names = tuple(n for n in pdl.EARLY_DEFAULT if n != kernel) + ((kernel,) if early else ())
+    return [(pdl, "EARLY_DEFAULT", names)]
+
+
 def row_op_cut_patches(mode: str) -> list[tuple]:
     """``rn_RxW`` / ``rp_RxW`` / ``qkv_RxW``: that launch's cut constants patched; [] for other modes."""
     prefix, _, cut = mode.rpartition("_")
@@ -161,10 +167,10 @@ def patches(model, mode: str) -> list[tuple]:
         "both_new": [(fused, "ATTENTION_IN_QKV", True), (cuda_backend, "TRITON_ARGMAX", True)],
         "apart": [(fused, "router_pooler_one_launch", router_then_pooler)],
         "fin_apart": [(fused, "FINALIZE_IN_UNPOOLER", False)],
-        "attn_early": [(pdl, "EARLY_DEFAULT", tuple(dict.fromkeys(pdl.EARLY_DEFAULT + ("attention",))))],
-        "attn_late": [(pdl, "EARLY_DEFAULT", tuple(n for n in pdl.EARLY_DEFAULT if n != "attention"))],
-        "experts_early": [(pdl, "EARLY_DEFAULT", tuple(dict.fromkeys(pdl.EARLY_DEFAULT + ("fp4_gemv_mma_experts",))))],
-        "embed_early": [(pdl, "EARLY_DEFAULT", tuple(dict.fromkeys(pdl.EARLY_DEFAULT + ("decode_embed",))))],
+        "attn_early": early_set("attention", True),
+        "attn_late": early_set("attention", False),
+        "experts_early": early_set("fp4_gemv_mma_experts", True),
+        "embed_early": early_set("decode_embed", True),
         **{name: [(moe_module, "FINALIZE_GEMV_BLOCK_N", rows), (moe_module, "FINALIZE_GEMV_WARPS", warps)]
            for name, (rows, warps) in FINALIZE_CUTS.items()},
     }.get(mode, row_op_cut_patches(mode) or set_patches(mode))
