@@ -5,6 +5,8 @@ Whether PDL itself keeps the kernels ordered is tested on the GPU by the whole s
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -42,12 +44,12 @@ def test_the_variable_overrides_the_scope(sm90):
     assert pdl.enabled(GPU, "moe_finalize") and not pdl.enabled(GPU, "rms_norm")
 
 
-def test_only_plain_decode_gemvs_and_attention_trigger_early(sm90):
+def test_only_decode_gemvs_and_attention_trigger_early(sm90):
     with pdl.scope(True):
         assert pdl.early(GPU, "fp4_gemv_mma") and pdl.early(GPU, "dense_gemv")
         assert pdl.early(GPU, "attention")  # after its own wait (run 150: 708.0 -> 672.0 us per muse-small replay)
         assert not pdl.early(GPU, "attention_merge")
-        assert not pdl.early(GPU, "fp4_gemv_mma_experts")  # 0.94x on the 816B MoE layer at batch 1
+        assert pdl.early(GPU, "fp4_gemv_mma_experts")  # on light grids only (fp4_gemv_cuda.signals_early)
         assert not pdl.early(GPU, "rms_norm")
         sm90.setenv(pdl.EARLY_ENV, "0")
         assert not pdl.early(GPU, "fp4_gemv_mma")
@@ -75,3 +77,25 @@ def test_a_pdl_switch_that_is_neither_is_one_line(monkeypatch, raw):
     monkeypatch.setenv(pdl.ENV, raw)
     with pytest.raises(ValueError, match="set 1 \\(on\\), 0 \\(off\\) or a comma list of kernel names"):
         pdl.env_setting()
+
+
+def test_expert_gemvs_signal_early_only_on_light_grids(sm90):
+    """muse-small's expert grids (192 blocks on 132 SMs) signal early; the 816B layer's batch-1 grid (512 blocks) does
+    not (run 153: 0.971x with it); plain GEMVs on any grid; nothing without the early set or outside a PDL scope."""
+    fp4_gemv_cuda = pytest.importorskip("musecore_cuda.kernels.fp4_gemv_cuda")
+    sm90.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=132))
+    small = fp4_gemv_cuda.make_plan(1, 768, 768, torch.bfloat16, GPU, programs=8, swiglu=True)
+    big = fp4_gemv_cuda.make_plan(1, 4096, 4096, torch.bfloat16, GPU, programs=8, swiglu=True)
+    grids = {plan: (-(-n // plan.rows_per_block), plan.split_k, 8) for plan, n in ((small, 768), (big, 4096))}
+    assert [g[0] * g[1] * g[2] for g in grids.values()] == [192, 512]
+
+    def early(plan, experts=True):
+        return fp4_gemv_cuda.signals_early(GPU, plan, grids[plan], experts=experts)
+
+    assert not early(small)  # no PDL scope
+    with pdl.scope(True):
+        assert early(small) and not early(big) and early(big, experts=False)
+        sm90.setattr(fp4_gemv_cuda, "EXPERTS_EARLY_BLOCKS_PER_SM", 4)
+        assert early(big)
+        sm90.setenv(pdl.EARLY_ENV, "fp4_gemv_mma")
+        assert not early(small) and early(big, experts=False)

@@ -33,8 +33,9 @@ the router's choice: ``router.ROUTER_POOLER_BLOCK_N`` / ``_WARPS``), the q/k/v/g
 RoPE: ``dense_gemv.QKV_BLOCK_N`` / ``QKV_WARPS``); modes joined by ``+`` (``rn_8x8+rp_4x4``) run together;
 ``attn_early``: the one-token attention kernel lets the kernel after it (o_proj's GEMV) start right after its own
 wait (``pdl.EARLY_DEFAULT`` with ``attention``; the default since session 76, ``attn_late`` without);
-``experts_early``: the FP4 expert GEMVs (gate/up, down) signalling early too (the finalize + unpooler GEMV would load
-its weights during the down GEMV; the 816B layer alone measured 0.94x with it in session 8, within its noise);
+``experts_early``: the FP4 expert GEMVs (gate/up, down) signalling early too (the finalize + unpooler GEMV loads
+its weights during the down GEMV; the default since session 77 on grids of at most
+``fp4_gemv_cuda.EXPERTS_EARLY_BLOCKS_PER_SM`` blocks per SM, which muse-small's are; ``experts_late`` without);
 ``embed_early``: the decode embed kernel signalling right after its wait (the first q/k/v/gate GEMV's weights);
 ``set:module.NAME=value`` (``set:musecore_triton.kernels.router.ONE_LAUNCH_BLOCK_K=64``): that module constant set to
 that Python literal.
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import importlib
 from unittest import mock
 
@@ -76,8 +78,8 @@ MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_
          "torch_argmax", "both_new", "shared_pool", "attn_prefetch", "greedy_state",
          "attn_eager", "attn_eager_prefetch", "all_new53", "attn_lazy", "greedy_torch_state",
          "fin_2x2", "fin_4x4", "fin_8x8", "fin_16x16", "fin_apart",
-         "attn_early", "attn_late", "experts_early", "embed_early", "rn_4x4", "rn_8x8", "rn_16x16", "rp_4x4", "rp_8x8",
-         "rp_16x4", "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16")
+         "attn_early", "attn_late", "experts_early", "experts_late", "embed_early", "rn_4x4", "rn_8x8", "rn_16x16",
+         "rp_4x4", "rp_8x8", "rp_16x4", "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16")
 FINALIZE_CUTS = {"fin_2x2": (2, 2), "fin_4x4": (4, 4), "fin_8x8": (8, 8), "fin_16x16": (16, 16)}
 # (module, its rows constant, its warps constant) of each row-op launch's cut, by mode prefix
 ROW_OP_CUTS = {"rn": (dense_gemv_module, "RESIDUAL_NORM_BLOCK_N", "RESIDUAL_NORM_WARPS"),
@@ -98,10 +100,17 @@ def set_patches(mode: str) -> list[tuple]:
     return [(target, name, ast.literal_eval(value))]
 
 
+@dataclasses.dataclass(frozen=True)
+class EarlyEdit:
+    """``kernel`` put into ``pdl.EARLY_DEFAULT`` (``early``) or taken out of it; :func:`patches` folds a joined
+    mode's edits into one set (each computed from the shipped set would keep only the last)."""
+
+    kernel: str
+    early: bool
+
+
 def early_set(kernel: str, early: bool) -> list[tuple]:
-    """``pdl.EARLY_DEFAULT`` with ``kernel`` in it (``early``) or out of it."""
-    names = tuple(n for n in pdl.EARLY_DEFAULT if n != kernel) + ((kernel,) if early else ())
-    return [(pdl, "EARLY_DEFAULT", names)]
+    return [(pdl, "EARLY_DEFAULT", EarlyEdit(kernel, early))]
 
 
 def row_op_cut_patches(mode: str) -> list[tuple]:
@@ -130,9 +139,18 @@ def gemv_then_rope(x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v, cach
 
 
 def patches(model, mode: str) -> list[tuple]:
-    """``(object, attribute, value)`` for each attribute ``mode`` replaces while it runs (``a+b``: both's)."""
-    if "+" in mode:
-        return [p for part in mode.split("+") for p in patches(model, part)]
+    """``(object, attribute, value)`` for each attribute ``mode`` replaces while it runs (``a+b``: both's; their
+    early-set edits applied in turn to the shipped set)."""
+    parts = [p for part in mode.split("+") for p in part_patches(model, part)]
+    edits = [value for _, _, value in parts if isinstance(value, EarlyEdit)]
+    names = pdl.EARLY_DEFAULT
+    for edit in edits:
+        names = tuple(n for n in names if n != edit.kernel) + ((edit.kernel,) if edit.early else ())
+    return [p for p in parts if not isinstance(p[2], EarlyEdit)] + ([(pdl, "EARLY_DEFAULT", names)] if edits else [])
+
+
+def part_patches(model, mode: str) -> list[tuple]:
+    """:func:`patches` of one mode (no ``+``)."""
     use, gemv = cuda_backend.use_dense_gemv, cuda_backend.dense_gemv
     wide = lambda w: w.shape[0] > 16384 and w.shape[1] <= 2048  # noqa: E731  (the lm_head)
     return {
@@ -170,6 +188,7 @@ def patches(model, mode: str) -> list[tuple]:
         "attn_early": early_set("attention", True),
         "attn_late": early_set("attention", False),
         "experts_early": early_set("fp4_gemv_mma_experts", True),
+        "experts_late": early_set("fp4_gemv_mma_experts", False),
         "embed_early": early_set("decode_embed", True),
         **{name: [(moe_module, "FINALIZE_GEMV_BLOCK_N", rows), (moe_module, "FINALIZE_GEMV_WARPS", warps)]
            for name, (rows, warps) in FINALIZE_CUTS.items()},

@@ -29,7 +29,10 @@ CASES = ("e2e", "moe", "linear")
 def child(cases: list[str], path: Path, e2e_batches: tuple[int, ...], shapes: list[str], ms: tuple[int, ...]) -> None:
     import torch
     from musecore_cuda import bench
+    from musecore_cuda.kernels import fp4_gemv_cuda
 
+    if "MUSECORE_AB_EXPERTS_EARLY_BLOCKS_PER_SM" in os.environ:  # (a lab knob, not a product variable)
+        fp4_gemv_cuda.EXPERTS_EARLY_BLOCKS_PER_SM = int(os.environ["MUSECORE_AB_EXPERTS_EARLY_BLOCKS_PER_SM"])
     rows = []
     for case in cases:
         if case == "e2e":
@@ -50,9 +53,17 @@ SETTINGS = {"off": {"MUSECORE_CUDA_PDL": "0"},
             "default": {},  # what ships: PDL inside decode graphs of <= pdl.MAX_BATCH sequences, early GEMVs
             "waits": {"MUSECORE_CUDA_PDL": "1", "MUSECORE_CUDA_PDL_EARLY": "0"},
             "early": {"MUSECORE_CUDA_PDL": "1", "MUSECORE_CUDA_PDL_EARLY": "1"},
+            # (session 77) run 153: the session-76 early set and the FP4 expert GEMVs, on every grid
+            # (EXPERTS_EARLY_BLOCKS_PER_SM did not exist yet; the default since is `early`, which limits them)
+            "experts_early": {"MUSECORE_CUDA_PDL": "1", "MUSECORE_CUDA_PDL_EARLY": (
+                "fp4_gemv_mma,fp4_gemv_fma,dense_gemv,router_pooler,attention,fp4_gemv_mma_experts"),
+                              "MUSECORE_AB_EXPERTS_EARLY_BLOCKS_PER_SM": "1000"},
+            # the early set without the expert GEMVs (session 76's)
+            "experts_late": {"MUSECORE_CUDA_PDL": "1", "MUSECORE_CUDA_PDL_EARLY": (
+                "fp4_gemv_mma,fp4_gemv_fma,dense_gemv,router_pooler,attention")},
             # (session 64) the Gluon linear alone (run 107's waits_top / no_gluon settings: commit 278f0df)
             "gluon_only": {"MUSECORE_CUDA_PDL": "fp4_gluon"}}
-VARS = ("MUSECORE_CUDA_PDL", "MUSECORE_CUDA_PDL_EARLY")
+VARS = ("MUSECORE_CUDA_PDL", "MUSECORE_CUDA_PDL_EARLY", "MUSECORE_AB_EXPERTS_EARLY_BLOCKS_PER_SM")
 
 
 def main() -> None:

@@ -27,7 +27,8 @@ def test_cuts_set_and_joined_modes_patch_what_they_name():
                                          ("QKV_BLOCK_N", 16), ("QKV_WARPS", 16)]
     assert named("set:musecore_triton.kernels.router.ONE_LAUNCH_BLOCK_K=64") == [("ONE_LAUNCH_BLOCK_K", 64)]
     early = dict(named("attn_late+experts_early"))["EARLY_DEFAULT"]
-    assert "fp4_gemv_mma_experts" in early
+    assert "fp4_gemv_mma_experts" in early and "attention" not in early
+    assert "fp4_gemv_mma_experts" not in dict(named("experts_late"))["EARLY_DEFAULT"]
     assert named("fused") == [] and named("rn_8") == [] and named("set:nothing") == []
     with pytest.raises(SystemExit, match="has no NOPE"):
         named("set:musecore_triton.kernels.router.NOPE=1")

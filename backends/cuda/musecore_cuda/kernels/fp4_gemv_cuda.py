@@ -233,6 +233,22 @@ def _probe() -> bool:
     return False
 
 
+# An expert GEMV signals its dependents at its top (under PDL, when ``fp4_gemv_mma_experts`` is in the early set)
+# only on a grid of at most this many blocks per SM: muse-small's (192 blocks of 128 threads on 132 SMs) then runs its
+# decode graph 671.4 -> 659.5 us per replay, while the 816B MoE layer's batch-1 launches (512 blocks, one full wave)
+# lost 102.4 -> 105.5 us with it (session 77, runs 152-153, H100: lab NOTES).
+EXPERTS_EARLY_BLOCKS_PER_SM = 2
+
+
+def signals_early(device: torch.device, plan: GemvPlan, grid: tuple[int, int, int], *, experts: bool) -> bool:
+    """Whether a launch of ``plan`` on ``grid`` signals ``launch_dependents`` at its top (``pdl.early``; an expert
+    launch only on a grid of at most :data:`EXPERTS_EARLY_BLOCKS_PER_SM` blocks per SM)."""
+    if not pdl.early(device, f"fp4_gemv_{plan.kind}{'_experts' if experts else ''}"):
+        return False
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return not experts or grid[0] * grid[1] * grid[2] <= EXPERTS_EARLY_BLOCKS_PER_SM * sms
+
+
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *,
            wfmt: int, fold_log2: int, n: int, k: int, out: torch.Tensor, plan: GemvPlan,
            ids: Optional[torch.Tensor] = None, a_div: int = 1, packed2: Optional[torch.Tensor] = None,
@@ -278,16 +294,16 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError(f"a hand-off joins two MMA expert launches of {handoff[0].programs} programs; got a "
                          f"{plan.kind} launch of {None if ids is None else ids.numel()}")
     producer = handoff is not None and handoff[1] == PRODUCER
-    kern = _kernel(plan_kernel_name(
-        plan, wfmt, ids is not None, packed2 is not None,
-        producer or pdl.early(x.device, f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}"),
-        runs=perm is not None))
+    grid = (-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel())
+    kern = _kernel(plan_kernel_name(plan, wfmt, ids is not None, packed2 is not None,
+                                    producer or signals_early(x.device, plan, grid, experts=ids is not None),
+                                    runs=perm is not None))
     head = [x, x.stride(0)] + ([] if plan.kind == "mma" else [_DTYPE_CODE[x.dtype]])
     ids_arg = ids if ids is not None else out_scale  # (a placeholder pointer, never read without EXPERTS)
     ids_args = [ids_arg, ids_arg if perm is None else perm, int(perm is not None)] if mma else [ids_arg]
     tail = ([] if not mma else [None, 0, 0] if handoff is None else
             [handoff[0].counters, handoff[1], handoff[0].need])
-    pdl.launch(kern, grid=(-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel()),
+    pdl.launch(kern, grid=grid,
                block=((MMA_WARPS if plan.kind == "mma" else FMA_WARPS) * 32, 1, 1), shared_mem=smem, device=x.device,
                name=f"fp4_gemv_{plan.kind}{'_experts' if ids is not None else ''}",
                dependent=handoff is not None and not producer,

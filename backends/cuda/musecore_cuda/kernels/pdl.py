@@ -13,8 +13,9 @@ Every musecore kernel that is launched with PDL follows one contract, so the cha
 * before ``wait`` it reads only weights (resident parameters, written once at load);
 * every block executes ``wait`` (none returns before it), so a kernel completes only after the
   one before it: kernels further back are ordered through the chain;
-* only the kernels named *early* (by default the plain decode GEMVs, whose long weight streams
-  leave a tail worth overlapping) signal ``launch_dependents`` at their top; every other kernel
+* only the kernels named *early* (by default the decode GEMVs, whose long weight streams leave a tail
+  worth overlapping: the expert GEMVs on light grids only) signal ``launch_dependents`` at their top,
+  and the one-token attention kernel right after its wait; every other kernel
   signals implicitly when its blocks exit, so at most a GEMV and the kernel after it are resident
   at once. Triggering early everywhere broke one long generate sequence (backends/cuda/lab/NOTES.md).
 
@@ -123,11 +124,13 @@ def enabled(device: torch.device, name: str = "") -> bool:
 
 
 EARLY_ENV = "MUSECORE_CUDA_PDL_EARLY"
-# The plain decode GEMVs gain from an early signal; the expert GEMVs lost with it on the 816B MoE layer
-# (backends/cuda/lab/NOTES.md). The one-token attention kernel signals right after its own wait, so o_proj's GEMV
+# The plain decode GEMVs gain from an early signal. The expert GEMVs do on a light grid (muse-small's) and lost with
+# it on the 816B MoE layer's full wave, so they signal early only on grids of a few blocks per SM
+# (``fp4_gemv_cuda.EXPERTS_EARLY_BLOCKS_PER_SM``; backends/cuda/lab/NOTES.md, sessions 8 and 77). The one-token attention kernel signals right after its own wait, so o_proj's GEMV
 # loads its weights while it attends (session 76, run 150, H100: muse-small's decode graph 708.0 -> 672.0 us per
 # replay; cuda_fused_ab.py mode attn_early).
-EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv", "router_pooler", "attention")
+EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv", "router_pooler", "attention",
+                 "fp4_gemv_mma_experts")
 
 
 def early(device: torch.device, name: str) -> bool:
