@@ -369,6 +369,21 @@ def _pdl_choice() -> KernelChoice:
                         f"overridden by {pdl.ENV}={setting} (SM90+ only, checked at load)", env=pdl.ENV)
 
 
+def _pdl_early_choice() -> KernelChoice:
+    what = "early launch_dependents (decode kernels letting the next one start before they finish)"
+    setting = os.environ.get(pdl.EARLY_ENV)
+    if setting not in (None, "1"):
+        return KernelChoice(what, "none" if setting == "0" else f"kernels {setting}",
+                            f"overridden by {pdl.EARLY_ENV}={setting}", env=pdl.EARLY_ENV)
+    experts = fp4_gemv_cuda.EXPERTS_EARLY_BLOCKS_PER_SM
+    return KernelChoice(what, f"the decode GEMVs at their top (the FP4 expert GEMVs on grids of <= {experts} blocks "
+                        "per SM), the router + pooler launch, one-token attention after its own wait",
+                        "the next kernel streams its weights meanwhile: muse-small's decode graph on an H100 708 -> "
+                        "672 us per replay with attention (session 76), 671 -> 663 with the expert GEMVs (session 77); "
+                        "the 816B MoE layer's full-wave expert grids lost 3% early and stay late; not timed on the "
+                        "H200", env=pdl.EARLY_ENV)
+
+
 def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelChoice]:
     """What :class:`~musecore_cuda.CudaBackend` runs for these linears on ``profile`` (see the module docstring)."""
     arch = getattr(profile, "arch", "") or ""
@@ -402,6 +417,7 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
                                 "checked once at load (torch.cuda._compile_kernel); announced as a RuntimeWarning"))
     out += [
         _pdl_choice(),
+        _pdl_early_choice(),
         KernelChoice("decode step", "replayed from a captured CUDA graph (static KV cache)",
                      "a decode step is a few hundred small kernels; launching them costs more than running them"),
         KernelChoice("attention", "Triton flash attention (musecore_triton), GQA heads packed into tile rows",

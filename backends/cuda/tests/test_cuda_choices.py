@@ -525,3 +525,13 @@ def test_gluon_moe_is_the_plans_choice_unless_switched_off_or_triton_is_not_3_6(
     monkeypatch.setattr(fp4_gluon_plan, "import_problem", lambda: "triton 3.9.0: not 3.6")
     other = _choice(plan(), "experts down", "T > 128 tokens")
     assert "Triton grouped W4A16 GEMM" in other.choice and "triton 3.9.0" in other.reason and not other.env
+
+
+def test_pdl_early_set_shows_in_choices_with_the_expert_grid_rule(monkeypatch):
+    monkeypatch.delenv(pdl.EARLY_ENV, raising=False)
+    row = _choice(CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200")), "early launch_dependents")
+    assert "expert GEMVs on grids of <= 2 blocks per SM" in row.choice and "attention" in row.choice
+    assert row.env == pdl.EARLY_ENV
+    monkeypatch.setenv(pdl.EARLY_ENV, "dense_gemv")
+    row = _choice(CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200")), "early launch_dependents")
+    assert row.choice == "kernels dense_gemv" and f"{pdl.EARLY_ENV}=dense_gemv" in row.reason
