@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 
 from musecore_cuda.kernels import pdl, sources
+from musecore_triton import hooks
 from musecore_triton.kernels.fp4_gemm import CHUNK_K, WFMT_NVFP4
 
 SOURCE = sources.read("pdl.cuh", "fp4_gemv.cu")
@@ -245,8 +246,7 @@ def signals_early(device: torch.device, plan: GemvPlan, grid: tuple[int, int, in
     launch only on a grid of at most :data:`EXPERTS_EARLY_BLOCKS_PER_SM` blocks per SM)."""
     if not pdl.early(device, f"fp4_gemv_{plan.kind}{'_experts' if experts else ''}"):
         return False
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return not experts or grid[0] * grid[1] * grid[2] <= EXPERTS_EARLY_BLOCKS_PER_SM * sms
+    return not experts or grid[0] * grid[1] * grid[2] <= EXPERTS_EARLY_BLOCKS_PER_SM * hooks.num_sms(device)
 
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor, *,

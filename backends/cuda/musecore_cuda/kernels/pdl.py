@@ -126,9 +126,9 @@ def enabled(device: torch.device, name: str = "") -> bool:
 EARLY_ENV = "MUSECORE_CUDA_PDL_EARLY"
 # The plain decode GEMVs gain from an early signal. The expert GEMVs do on a light grid (muse-small's) and lost with
 # it on the 816B MoE layer's full wave, so they signal early only on grids of a few blocks per SM
-# (``fp4_gemv_cuda.EXPERTS_EARLY_BLOCKS_PER_SM``; backends/cuda/lab/NOTES.md, sessions 8 and 77). The one-token attention kernel signals right after its own wait, so o_proj's GEMV
-# loads its weights while it attends (session 76, run 150, H100: muse-small's decode graph 708.0 -> 672.0 us per
-# replay; cuda_fused_ab.py mode attn_early).
+# (``fp4_gemv_cuda.EXPERTS_EARLY_BLOCKS_PER_SM``; backends/cuda/lab/NOTES.md, sessions 8 and 77). The one-token
+# attention kernel signals right after its own wait, so o_proj's GEMV loads its weights while it attends (session 76,
+# run 150, H100: muse-small's decode graph 708.0 -> 672.0 us per replay; cuda_fused_ab.py mode attn_early).
 EARLY_DEFAULT = ("fp4_gemv_mma", "fp4_gemv_fma", "dense_gemv", "router_pooler", "attention",
                  "fp4_gemv_mma_experts")
 
