@@ -25,6 +25,7 @@ from musecore_cuda import fused
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES
 from musecore_triton.kernels.fp4_gemm import tile_regime
 from musecore_triton.kernels.moe import uses_dense_decode
+from musecore_triton.kernels import router
 from musecore_triton.layouts import FP4_GROUP
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
@@ -426,6 +427,7 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
                      "top-k kernel beyond", "the fp32 router weight spread over every SM at decode"),
         *_fused_choice(),
         _row_op_cut_choice(),
+        _router_block_k_choice(),
         _handoff_choice(),
         KernelChoice("norms, silu_mul, logit_softcap, kv_write", "Triton row kernels (musecore_triton), fp32 math"),
     ]
@@ -438,6 +440,14 @@ def _row_op_cut_choice() -> KernelChoice:
                         f"{cuts}; the other 16-bit GEMVs 2 x 2",
                         "the row op's warps are the program's: muse-small's decode graph on an H100 715.8 -> 707.7 us "
                         "per replay (session 76); not timed on the H200")
+
+
+def _router_block_k_choice() -> KernelChoice:
+    return KernelChoice("one-token router launch (hidden columns per one-warp program)",
+                        f"{triton_hooks.ROUTER_BLOCK_K}; the portable kernel's {router.DEFAULT_ONE_LAUNCH_BLOCK_K} "
+                        "elsewhere",
+                        "half the programs and partials: muse-small's decode graph on an H100 660.3 -> 652.0 us per "
+                        "replay (session 78); not timed on the H200")
 
 
 def _handoff_choice() -> KernelChoice:

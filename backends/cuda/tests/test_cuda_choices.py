@@ -15,11 +15,12 @@ from musecore.devices import get_profile
 from musecore_cuda import CudaBackend
 from musecore_cuda.backend import fp4_linear_path
 from musecore_cuda.choices import GLUON_ENV, GLUON_MAX_M, GLUON_MIN_M, fp4_path_for, moe_uses_gemv
-from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill, pdl
+from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill, pdl, triton_hooks
 from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
 from musecore_cuda.kernels.moe_decode import (HANDOFF_ENV, RUNS_FROM_TOKENS, RUNS_MIN_TOKENS, handoff_by_default,
                                               on_runs_by_default)
 from musecore_triton.layouts import prepare_fp4
+from musecore_triton.kernels import router
 
 # The 816B preset's shapes (H 8192, h = I = 4096, 256 experts, top-8): FP4 linears as an all-NVFP4
 # checkpoint would have them, the routed experts, and BF16 projections below and above the GEMV limit.
@@ -460,7 +461,6 @@ def test_runs_by_default_from_8_tokens_or_past_e_assignments():
 
 def test_the_eager_first_attention_step_is_the_cuda_backends_choice(monkeypatch):
     """Run 69 routed it for CUDA only: on gfx950 it costs the windowed one-token program its second wave."""
-    from musecore_cuda.kernels import triton_hooks
     from musecore_triton import hooks
     from musecore_triton.kernels import attention
 
@@ -535,3 +535,22 @@ def test_pdl_early_set_shows_in_choices_with_the_expert_grid_rule(monkeypatch):
     monkeypatch.setenv(pdl.EARLY_ENV, "dense_gemv")
     row = _choice(CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200")), "early launch_dependents")
     assert row.choice == "kernels dense_gemv" and f"{pdl.EARLY_ENV}=dense_gemv" in row.reason
+
+
+def test_the_routers_64_columns_per_program_are_the_cuda_backends_choice(monkeypatch):
+    """Session 78 routed 64 hidden columns per one-token router program for CUDA only (the portable kernel's 32 never
+    timed on AMD); the lab's ``ONE_LAUNCH_BLOCK_K`` overrides the hook, and the plan names the choice."""
+    from musecore_triton import hooks
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert triton_hooks.router_block_k(gpu) == 64 and triton_hooks.router_block_k(cpu) is None
+    assert hooks._default_router_block_k(gpu) is None and hooks.owner() == "cuda"
+    asked: list = []
+    monkeypatch.setattr(hooks, "_router_block_k", lambda device: asked.append(device) or 64)
+    x, weight, bias = torch.zeros(1, 200), torch.zeros(12, 200), torch.zeros(12)
+    n_e, n_s, part, *_, constexprs = router._one_token_router("router", x, weight, bias, 3)
+    assert (n_s, constexprs["BLOCK_K"], part.shape[0]) == (4, 64, 4) and asked == [x.device]
+    monkeypatch.setattr(router, "ONE_LAUNCH_BLOCK_K", 32)
+    assert router._one_token_router("router", x, weight, bias, 3)[1] == 7 and len(asked) == 1
+    row = _choice(CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200")), "one-token router launch")
+    assert row.choice.startswith("64;") and "32 elsewhere" in row.choice

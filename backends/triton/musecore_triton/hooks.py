@@ -22,7 +22,9 @@ only one vendor has enters here, with a portable default that changes nothing:
 * **row-op cuts**: :func:`row_op_cut` gives the rows x warps per program of the decode launches whose last program
   runs a row op over the whole row (``dense_gemv``'s residual norm, the router + pooler launch, the q/k/v/gate GEMV's
   heads), where a backend has timed them. Default: None, the kernels' own cut (``dense_gemv.BLOCK_N`` x
-  ``NUM_WARPS``).
+  ``NUM_WARPS``);
+* **router columns**: :func:`router_block_k` gives the hidden columns per program of the one-token router launches
+  (``router_topk_one_launch``, the router + pooler launch). Default: None, the kernel's own (32).
 
 A backend installs its versions once, at import, before any kernel is compiled::
 
@@ -101,6 +103,10 @@ def _default_row_op_cut(device: torch.device, kernel: str) -> Optional[tuple[int
     return None
 
 
+def _default_router_block_k(device: torch.device) -> Optional[int]:
+    return None
+
+
 def _default_num_sms(device: torch.device) -> int:
     if device.type == "cuda":  # torch's name for any GPU device, NVIDIA or AMD
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -114,6 +120,7 @@ _num_sms: Callable[[torch.device], int] = _default_num_sms
 _l2_warm: Callable[[torch.device], bool] = _default_l2_warm
 _eager_first_step: Callable[[torch.device], bool] = _default_eager_first_step
 _row_op_cut: Callable[[torch.device, str], Optional[tuple[int, int]]] = _default_row_op_cut
+_router_block_k: Callable[[torch.device], Optional[int]] = _default_router_block_k
 _owner: Optional[str] = None
 
 
@@ -156,6 +163,11 @@ def row_op_cut(device: torch.device, kernel: str) -> Optional[tuple[int, int]]:
     return _row_op_cut(device, kernel)
 
 
+def router_block_k(device: torch.device) -> Optional[int]:
+    """Hidden columns per program of the one-token router launches on ``device``, or None: the kernel's own."""
+    return _router_block_k(device)
+
+
 def owner() -> Optional[str]:
     """The backend whose hooks are installed, or None (the portable defaults)."""
     return _owner
@@ -168,12 +180,13 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
             l2_warm: Optional[Callable[[torch.device], bool]] = None,
             eager_first_step: Optional[Callable[[torch.device], bool]] = None,
             row_op_cut: Optional[Callable[[torch.device, str], Optional[tuple[int, int]]]] = None,
+            router_block_k: Optional[Callable[[torch.device], Optional[int]]] = None,
             pdl_wait: Any = None, pdl_launch_dependents: Any = None, fp4x2_bf16_scaled: Any = None,
             prefetch_l2: Any = None) -> None:
     """Install ``backend``'s hooks (those not given keep the portable default). Call once, at import,
     before any kernel is compiled: Triton resolves the jit hooks when it compiles a kernel."""
     global _launch_options, _early_trigger, _launch_features, _num_sms, _l2_warm, _eager_first_step, _row_op_cut
-    global _owner
+    global _router_block_k, _owner
     if _owner is not None and _owner != backend:
         raise RuntimeError(f"musecore_triton hooks are already installed by backend {_owner!r}; {backend!r} cannot "
                            "replace them (install a backend's hooks only where its torch build runs)")
@@ -190,6 +203,7 @@ def install(backend: str, *, launch_options: Optional[Callable[[torch.device, st
     _l2_warm = l2_warm or _l2_warm
     _eager_first_step = eager_first_step or _eager_first_step
     _row_op_cut = row_op_cut or _row_op_cut
+    _router_block_k = router_block_k or _router_block_k
     module = globals()
     for name, fn in jit.items():
         if fn is not None:

@@ -33,10 +33,14 @@ def test_router_topk_matches_reference(e, k):
     assert_nmse(ew, w, tolerance("router_topk"), f"router weights E={e} k={k}")
 
 
-@pytest.mark.parametrize("e,k,hidden", [(64, 8, 1536), (12, 3, 96), (256, 8, 200), (40, 6, 33)])
-def test_router_in_one_launch_matches_the_reference(e, k, hidden):
+@pytest.mark.parametrize("e,k,hidden,block_k", [(64, 8, 1536, None), (12, 3, 96, None), (256, 8, 200, None),
+                                               (40, 6, 33, None), (64, 8, 1536, 64), (40, 6, 100, 64)])
+def test_router_in_one_launch_matches_the_reference(e, k, hidden, block_k, monkeypatch):
     """The split-K product and the choice in one launch (the last program chooses): the reference's ids, weights
-    within the op tolerance, and the counter back at zero after each launch."""
+    within the op tolerance, and the counter back at zero after each launch. ``block_k``: hidden columns per
+    program (``ONE_LAUNCH_BLOCK_K``; the CUDA backend's 64; 100 columns: a last K range of 36)."""
+    if block_k is not None:
+        monkeypatch.setattr(router, "ONE_LAUNCH_BLOCK_K", block_k)
     x, weight, bias = router_case(1, e, hidden, torch.float16)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     ew, eids = ref.router_topk(x, weight, bias, k, 0.1767766952966369, 2.5)

@@ -1,6 +1,7 @@
 """What the CUDA backend installs into :mod:`musecore_triton.hooks`: programmatic dependent launch
 (:mod:`musecore_cuda.kernels.pdl`), hardware e4m3 conversion, a PTX upcast of packed FP4 to bf16, an L2
-prefetch for the decode GEMVs' serial tails, and the cuts of the decode launches with a row op.
+prefetch for the decode GEMVs' serial tails, the cuts of the decode launches with a row op and the one-token
+router's columns per program.
 Installed at import of :mod:`musecore_cuda` when this torch is a CUDA (not ROCm) build."""
 
 from __future__ import annotations
@@ -80,9 +81,21 @@ def row_op_cut(device: torch.device, kernel: str) -> tuple[int, int] | None:
     return ROW_OP_CUTS.get(kernel) if device.type == "cuda" else None
 
 
+# Hidden columns per program of the one-token router launches (hooks.router_block_k): muse-small's decode graph on an
+# H100, session 78, cuda_fused_ab.py, 6 rounds: 660.3 us per replay at the kernel's 32 (658.9 .. 661.9), 652.0 at 64
+# (651.1 .. 654.7): half the programs, each one-warp program holding 64 x 64 fp32 weights, and half the partials for
+# the last program to sum. Not timed on the H200.
+ROUTER_BLOCK_K = 64
+
+
+def router_block_k(device: torch.device) -> int | None:
+    """On an NVIDIA GPU, :data:`ROUTER_BLOCK_K`; in the CPU interpreter the kernel's own."""
+    return ROUTER_BLOCK_K if device.type == "cuda" else None
+
+
 def install() -> None:
     hooks.install("cuda", launch_options=pdl.triton_options, early_trigger=pdl.early,
                   launch_features=launch_features, l2_warm=l2_warm, eager_first_step=eager_first_step,
-                  row_op_cut=row_op_cut,
+                  row_op_cut=row_op_cut, router_block_k=router_block_k,
                   pdl_wait=pdl.wait,
                   pdl_launch_dependents=pdl.trigger, fp4x2_bf16_scaled=fp4x2_bf16_scaled, prefetch_l2=prefetch_l2)

@@ -216,7 +216,10 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: in
 
 
 ONE_LAUNCH_BLOCK_E = 64  # experts per program of the one-launch router
-ONE_LAUNCH_BLOCK_K = 32  # hidden columns per program: 2048 fp32 weights per one-warp program
+# Hidden columns per program of the one-token router launches: None, the backend's (``hooks.router_block_k``), else
+# DEFAULT_ONE_LAUNCH_BLOCK_K (2048 fp32 weights per one-warp program at 64 experts). Read at call time (lab A/B).
+ONE_LAUNCH_BLOCK_K: int | None = None
+DEFAULT_ONE_LAUNCH_BLOCK_K = 32
 ONE_LAUNCH_MAX_E = 1024  # the last program holds every expert's logit in one block
 # The router + pooler launch's pooler rows per program and warps per program (the router's programs run on as many
 # warps); the pooler's last program runs the pre-expert norm over the whole row on them. None: the backend's
@@ -235,12 +238,13 @@ def _one_token_router(what: str, x: torch.Tensor, weight: torch.Tensor, bias: to
         raise ValueError(f"{what} takes one token x [1, {H}], an fp32 router [E, H] with E <= {ONE_LAUNCH_MAX_E}, an "
                          f"fp32 bias [E] and k in 1..min(E, {MAX_TOP_K}); got x {list(x.shape)}, router {weight.dtype} "
                          f"{list(weight.shape)}, bias {bias.dtype} {list(bias.shape)}, k {k}")
-    n_s = triton.cdiv(H, ONE_LAUNCH_BLOCK_K)
+    block_k = ONE_LAUNCH_BLOCK_K or hooks.router_block_k(x.device) or DEFAULT_ONE_LAUNCH_BLOCK_K
+    n_s = triton.cdiv(H, block_k)
     part = torch.empty(n_s, E, dtype=torch.float32, device=x.device)
     weights = torch.empty(1, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
     block = triton.next_power_of_2(E)
-    constexprs = dict(BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=ONE_LAUNCH_BLOCK_K, BLOCK_S=max(1, 2048 // block),
+    constexprs = dict(BLOCK_E=ONE_LAUNCH_BLOCK_E, BLOCK_K=block_k, BLOCK_S=max(1, 2048 // block),
                       K=triton.next_power_of_2(k), BLOCK=block, WARM=hooks.l2_warm(x.device))
     return triton.cdiv(E, ONE_LAUNCH_BLOCK_E), n_s, part, weights, ids, constexprs
 
