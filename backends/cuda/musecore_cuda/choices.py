@@ -22,10 +22,10 @@ import torch
 from musecore.backends.base import EnvSetting, KernelChoice, LinearShape
 from musecore_cuda.kernels import fp4_gemv_cuda, fp4_gluon_plan, moe_decode, moe_prefill, pdl, triton_hooks
 from musecore_cuda import fused
+from musecore_triton.kernels import router
 from musecore_triton.kernels.dense_gemv import DENSE_GEMV_MAX_BYTES
 from musecore_triton.kernels.fp4_gemm import tile_regime
 from musecore_triton.kernels.moe import uses_dense_decode
-from musecore_triton.kernels import router
 from musecore_triton.layouts import FP4_GROUP
 
 FP4_FORMATS = ("nvfp4", "mxfp4")

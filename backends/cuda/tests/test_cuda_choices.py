@@ -19,8 +19,8 @@ from musecore_cuda.kernels import fp4_gluon_plan, moe_prefill, pdl, triton_hooks
 from musecore_cuda.kernels.fp4_gluon_plan import SMEM_BYTES, pick_config
 from musecore_cuda.kernels.moe_decode import (HANDOFF_ENV, RUNS_FROM_TOKENS, RUNS_MIN_TOKENS, handoff_by_default,
                                               on_runs_by_default)
-from musecore_triton.layouts import prepare_fp4
 from musecore_triton.kernels import router
+from musecore_triton.layouts import prepare_fp4
 
 # The 816B preset's shapes (H 8192, h = I = 4096, 256 experts, top-8): FP4 linears as an all-NVFP4
 # checkpoint would have them, the routed experts, and BF16 projections below and above the GEMV limit.

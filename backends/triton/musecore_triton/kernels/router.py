@@ -217,7 +217,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: in
 
 ONE_LAUNCH_BLOCK_E = 64  # experts per program of the one-launch router
 # Hidden columns per program of the one-token router launches: None, the backend's (``hooks.router_block_k``), else
-# DEFAULT_ONE_LAUNCH_BLOCK_K (2048 fp32 weights per one-warp program at 64 experts). Read at call time (lab A/B).
+# DEFAULT_ONE_LAUNCH_BLOCK_K (32: 2048 fp32 weights per one-warp program at 64 experts). Read at call time (lab A/B).
 ONE_LAUNCH_BLOCK_K: int | None = None
 DEFAULT_ONE_LAUNCH_BLOCK_K = 32
 ONE_LAUNCH_MAX_E = 1024  # the last program holds every expert's logit in one block
