@@ -86,7 +86,7 @@ def test_expert_gemvs_signal_early_only_on_light_grids(sm90):
     sm90.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=132))
     small = fp4_gemv_cuda.make_plan(1, 768, 768, torch.bfloat16, GPU, programs=8, swiglu=True)
     big = fp4_gemv_cuda.make_plan(1, 4096, 4096, torch.bfloat16, GPU, programs=8, swiglu=True)
-    grids = {plan: (-(-n // plan.rows_per_block), plan.split_k, 8) for plan, n in ((small, 768), (big, 4096))}
+    grids = {plan: plan.grid(n, 8) for plan, n in ((small, 768), (big, 4096))}
     assert [g[0] * g[1] * g[2] for g in grids.values()] == [192, 512]
 
     def early(plan, experts=True):

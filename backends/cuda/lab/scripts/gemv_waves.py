@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -55,7 +56,7 @@ def row(label: str, plan: g.GemvPlan, n: int, k: int, programs: int, experts: bo
         runs: bool = False) -> dict:
     name = g.plan_kernel_name(plan, WFMT_NVFP4, experts, swiglu, runs=runs)
     regs, smem = registers(name), plan.smem(k, swiglu)
-    grid = -(-n // plan.rows_per_block) * plan.split_k * programs
+    grid = math.prod(plan.grid(n, programs))
     per_sm = blocks_per_sm(regs, smem)
     waves = grid / (per_sm * SMS)
     return {"case": label, "plan": f"tile {plan.tile} k_warps {plan.k_warps} split {plan.split_k} pf {plan.prefetch}"

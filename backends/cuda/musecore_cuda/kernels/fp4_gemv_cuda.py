@@ -40,6 +40,7 @@ and the backend uses the Triton GEMM (announced once as a RuntimeWarning).
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -90,6 +91,10 @@ class GemvPlan:
         if self.kind == "mma":
             return MMA_WARPS // self.k_warps * 16 * self.tile
         return FMA_WARPS * self.tile
+
+    def grid(self, n: int, programs: int = 1) -> tuple[int, int, int]:
+        """The launch grid for ``n`` output rows: row blocks x the cluster's split x ``programs`` (experts' grid z)."""
+        return -(-n // self.rows_per_block), self.split_k, programs
 
     @property
     def atomic(self) -> bool:
@@ -144,7 +149,7 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
     if kind == "mma":
         plan = GemvPlan(kind, m, 1)
         while allow_split or plan.smem(k, swiglu) >= SMEM_LIMIT:
-            warps = -(-n // plan.rows_per_block) * plan.split_k * MMA_WARPS * programs
+            warps = math.prod(plan.grid(n, programs)) * MMA_WARPS
             per_warp = chunks // (plan.split_k * plan.k_warps)
             target = MMA_TARGET_WARPS * (2 if m > 1 else 1)  # M > 1: more work per weight byte
             if warps >= target and plan.smem(k, swiglu) < SMEM_LIMIT:
@@ -164,7 +169,7 @@ def make_plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
         plan = replace(plan, prefetch=min(plan.prefetch, chunks // (plan.split_k * plan.k_warps)))
     else:
         plan = GemvPlan(kind, m, 8 if m == 1 else 4)
-        blocks, split = -(-n // plan.rows_per_block) * programs, 1
+        blocks, split = math.prod(plan.grid(n, programs)), 1
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while split < 16 and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4 and (
                 (allow_split and blocks * split < 2 * sms) or plan.smem(k) >= SMEM_LIMIT):
@@ -294,7 +299,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_scal
         raise ValueError(f"a hand-off joins two MMA expert launches of {handoff[0].programs} programs; got a "
                          f"{plan.kind} launch of {None if ids is None else ids.numel()}")
     producer = handoff is not None and handoff[1] == PRODUCER
-    grid = (-(-n // plan.rows_per_block), plan.split_k, 1 if ids is None else ids.numel())
+    grid = plan.grid(n, 1 if ids is None else ids.numel())
     kern = _kernel(plan_kernel_name(plan, wfmt, ids is not None, packed2 is not None,
                                     producer or signals_early(x.device, plan, grid, experts=ids is not None),
                                     runs=perm is not None))
@@ -355,7 +360,7 @@ class Handoff:
     def producer_warps(plan: GemvPlan, n: int) -> int:
         """The warps of one program (grid z) of an MMA launch of ``n`` output rows: row blocks x the cluster's split
         x 4 warps. Each publishes its end once, so the consumer waits for this many."""
-        return -(-n // plan.rows_per_block) * plan.split_k * MMA_WARPS
+        return math.prod(plan.grid(n)) * MMA_WARPS
 
     @staticmethod
     def possible(programs: int, device: torch.device) -> bool:
