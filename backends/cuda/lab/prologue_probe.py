@@ -48,7 +48,8 @@ def prologue_gemv_kernel(o_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """``y[rows] = W[rows] @ normed`` where ``(new_res, normed) = residual_norm(res, o, ...)`` of the kernel before's
     product ``o``; every program computes the row op, program 0 stores ``new_res``."""
-    rows, rmask, kk, kmask, wv = whole_k_tile(w_ptr, N, K, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
+    rows, rmask, kk, kmask, wv = whole_k_tile(tl.program_id(0), w_ptr, N, K, stride_w, BLOCK_N,
+                                              BLOCK_K)  # no kernel's: before the wait
     hooks.pdl_launch_dependents(EARLY)
     hooks.pdl_wait(PDL)
     o = tl.load(o_ptr + kk, mask=kmask, other=0.0).to(tl.float32)

@@ -120,3 +120,51 @@ def test_logit_softcap_matches_reference(dtype):
     assert y.dtype == torch.float32 and y.abs().max() <= 20.0
     assert_nmse(ref.logit_softcap(logits, 0.1767766952966369, 20.0), y, tolerance("logit_softcap"),
                 f"logit_softcap {dtype}")
+
+
+@pytest.mark.parametrize("e,k,hidden,n,post,cut", [(64, 8, 1536, 768, False, None), (12, 3, 96, 40, True, None),
+                                                   (40, 6, 100, 130, False, (16, 4)), (12, 3, 96, 72, True, (4, 4))])
+def test_router_and_pooler_take_the_deferred_residual_norm(e, k, hidden, n, post, cut, monkeypatch):
+    """``router_pooler_deferred``: the residual norm of the sublayer before (its output, the residual, a weightless
+    or scale-first post norm, the gate's alpha / beta, the next norm) run in the router + pooler launch's own
+    programs, against the ``residual_norm`` kernel and then ``router_pooler_one_launch`` on its normed row: the same
+    new residual and pooler output (bit for bit in the interpreter, whose sums over the row run in one order; within
+    the op tolerances on a GPU, whose warps may group them otherwise), the same ids, the weights within the router's
+    tolerance, both counters back at zero. 100 hidden columns: a ragged last router K range; 130 pooler rows at 16
+    per program: a last program of 2."""
+    from musecore_triton.kernels import norms
+
+    if cut is not None:
+        monkeypatch.setattr(router, "ROUTER_POOLER_BLOCK_N", cut[0])
+        monkeypatch.setattr(router, "ROUTER_POOLER_WARPS", cut[1])
+    dtype = SMALL_DTYPES[-1]
+    out, weight, bias = router_case(1, e, hidden, dtype)
+    residual = (torch.randn(1, hidden, device=DEVICE) * 3).to(dtype)
+    post_w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype) if post else None
+    alpha, beta = 1 + 0.1 * torch.randn(hidden, device=DEVICE), 0.5 * torch.randn(hidden, device=DEVICE)
+    next_w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    pooler = (torch.randn(n, hidden, device=DEVICE) * hidden ** -0.5).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(n, device=DEVICE)).to(dtype)
+    counters = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    want_res, want_normed = norms.residual_norm(residual, out, post_w, alpha, beta, next_w, 1e-6, 1e-5)
+    ew, eids, ez = router.router_pooler_one_launch(want_normed, weight, bias, k, 0.1767766952966369, 2.5, pooler,
+                                                   norm_w, 1e-6, counters)
+    deferred = (out, residual, post_w, alpha, beta, next_w, 1e-6, 1e-5)
+    for launch in range(2):
+        w, ids, z, new_res = router.router_pooler_deferred(deferred, weight, bias, k, 0.1767766952966369, 2.5, pooler,
+                                                           norm_w, 1e-6, counters)
+        assert torch.equal(ids, eids), f"E={e} k={k}: ids {ids.tolist()} vs the op then the launch {eids.tolist()}"
+        assert_nmse(ew, w, tolerance("router_topk"), f"router weights on the deferred norm E={e} k={k}")
+        if DEVICE.type == "cpu":
+            assert torch.equal(new_res, want_res), \
+                f"new residual differs by {(new_res.float() - want_res.float()).abs().max().item():.3g}"
+            assert torch.equal(z, ez), f"pooler {n}x{hidden}: normed output differs by {(z - ez).abs().max().item():.3g}"
+        assert_nmse(want_res, new_res, tolerance("residual_norm"), "the new residual")
+        assert_nmse(ez, z, tolerance("rms_norm"), "the pooler's normed output")
+        assert counters.tolist() == [[0], [0]], f"launch {launch}: counters left at {counters.tolist()}"
+    with pytest.raises(ValueError, match="residual norm's weights"):
+        router.router_pooler_deferred((out, residual, post_w, alpha[:-1], beta, next_w, 1e-6, 1e-5), weight, bias, k,
+                                      1.0, 1.0, pooler, norm_w, 1e-6, counters)
+    with pytest.raises(ValueError, match="router_pooler_deferred takes one token"):
+        router.router_pooler_deferred((torch.cat([out, out]),) + deferred[1:], weight, bias, k, 1.0, 1.0, pooler,
+                                      norm_w, 1e-6, counters)

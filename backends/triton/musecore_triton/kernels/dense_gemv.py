@@ -127,15 +127,22 @@ def gemv_program(pid, a, programs, x_ptr, w_ptr, w2_ptr, ids_ptr, y_ptr, N, K, s
         tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
         if last_ticket(count_ptr, programs):
             if EPILOGUE == 1:
-                offs_n = tl.arange(0, BLOCK_NORM)
-                nmask = offs_n < N
-                v = tl.load(y_ptr + offs_n, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                nw = tl.load(next_w_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-                z = norms._norm(v, nw, nmask, N, eps, HAS_NEXT, False, normed_ptr.dtype.element_ty)
-                tl.store(normed_ptr + offs_n, z.to(normed_ptr.dtype.element_ty), mask=nmask)
+                norm_row(y_ptr, next_w_ptr, normed_ptr, N, eps, HAS_NEXT, BLOCK_NORM)
             else:
                 norms.residual_norm_row(res_ptr, y_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr,
                                         normed_ptr, 0, N, post_eps, eps, HAS_POST, HAS_NEXT, BLOCK_NORM, True)
+
+
+@triton.jit
+def norm_row(y_ptr, w_ptr, normed_ptr, N, eps, HAS_WEIGHT: tl.constexpr, BLOCK_NORM: tl.constexpr):
+    """``normed = rms_norm(y, w)`` over the row ``y [N]`` that the launch's programs wrote (read past this SM's L1):
+    the ``norm=`` row op of :func:`dense_gemv`, in the program that draws the launch's last ticket."""
+    offs_n = tl.arange(0, BLOCK_NORM)
+    nmask = offs_n < N
+    v = tl.load(y_ptr + offs_n, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    nw = tl.load(w_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    z = norms._norm(v, nw, nmask, N, eps, HAS_WEIGHT, False, normed_ptr.dtype.element_ty)
+    tl.store(normed_ptr + offs_n, z.to(normed_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -168,10 +175,11 @@ def _chunk_products(acc, acc2, wv, w2v, k0, x_ptr, K, BLOCK_K: tl.constexpr, SWI
 
 
 @triton.jit
-def whole_k_tile(w_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A program's rows of ``W [N, K]`` with all of K in one chunk (``K <= BLOCK_K``), for GEMVs whose ``x`` a
-    program works out itself (``moe.finalize_gemv_kernel``): ``(rows, rmask, kk, kmask, w tile)``."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def whole_k_tile(pid, w_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row block ``pid`` of ``W [N, K]`` with all of K in one chunk (``K <= BLOCK_K``), for GEMVs whose ``x`` a
+    program works out itself (``moe.finalize_gemv_kernel``, ``router.pooler_pending_program``): ``(rows, rmask, kk,
+    kmask, w tile)``."""
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K

@@ -231,7 +231,8 @@ def finalize_gemv_kernel(o_ptr, wt_ptr, norm_ptr, w_ptr, y_ptr, N, L, stride_w, 
     and roundings on the token's ``TOPK`` rows of ``o [TOPK, L]`` (fp32) and keeps the sum in registers as its ``x``,
     rounded to ``ACT`` as ``dense_gemv`` rounds an fp32 ``x`` when it loads it. With ``EPILOGUE`` 2 the program that
     draws the launch's last ticket runs the residual norm on ``y``, as ``dense_gemv(residual_norm=...)`` does."""
-    rows, rmask, offs, lmask, wv = whole_k_tile(w_ptr, N, L, stride_w, BLOCK_N, BLOCK_K)  # no kernel's: before the wait
+    rows, rmask, offs, lmask, wv = whole_k_tile(tl.program_id(0), w_ptr, N, L, stride_w, BLOCK_N,
+                                                BLOCK_K)  # no kernel's: before the wait
     nw = tl.load(norm_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
     hooks.pdl_launch_dependents(EARLY)
     hooks.pdl_wait(PDL)

@@ -67,22 +67,85 @@ def residual_norm_row(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_
     were issued after its barrier, one memory round trip each (session 49: three in the SASS, now one)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    if OUT_L2:
-        o = tl.load(out_ptr + row * n + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        o = tl.load(out_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    post, alpha, beta, nxt = residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, offs, mask)
+    o, res = residual_norm_inputs(res_ptr + row * n, out_ptr + row * n, offs, mask, OUT_L2)
+    new_res, normed = pending_residual_norm(o, post, alpha, beta, res, nxt, mask, n, post_eps, eps, HAS_POST,
+                                            HAS_NEXT, out_ptr.dtype.element_ty, new_res_ptr.dtype.element_ty)
+    tl.store(new_res_ptr + row * n + offs, new_res, mask=mask)
+    tl.store(normed_ptr + row * n + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, offs, mask):
+    """The ``residual_norm`` op's weights at ``offs`` in fp32: ``(post, alpha, beta, next)`` (a program that defers
+    the op loads them before its PDL wait: no kernel writes them)."""
     post = tl.load(post_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     alpha = tl.load(alpha_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    res = tl.load(res_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
     nxt = tl.load(next_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # The post norm (weightless, or scale-first), rounded to out's dtype as the reference's rms_norm returns it.
-    h = _norm(o, post, mask, n, post_eps, HAS_POST, True, out_ptr.dtype.element_ty)
-    h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
-    new_res = (alpha * res + beta * h).to(new_res_ptr.dtype.element_ty)
-    tl.store(new_res_ptr + row * n + offs, new_res, mask=mask)
-    normed = _norm(new_res.to(tl.float32), nxt, mask, n, eps, HAS_NEXT, False, normed_ptr.dtype.element_ty)
-    tl.store(normed_ptr + row * n + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+    return post, alpha, beta, nxt
+
+
+@triton.jit
+def residual_norm_inputs(res_ptr, out_ptr, offs, mask, OUT_L2: tl.constexpr = True):
+    """The ``residual_norm`` op's activations at ``offs`` in fp32: ``(out, residual)`` (``OUT_L2``: ``out`` past this
+    SM's L1, as :func:`residual_norm_row` reads it)."""
+    if OUT_L2:
+        o = tl.load(out_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        o = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return o, res
+
+
+@triton.jit
+def _post_input(o, post, HAS_POST: tl.constexpr, ACT: tl.constexpr):
+    """What the post norm takes the rms of: ``round(o * post)`` (scale first, rounded to ``ACT``) or ``o``."""
+    if HAS_POST:
+        o = (o * post).to(ACT).to(tl.float32)
+    return o
+
+
+@triton.jit
+def _gated(o, post, alpha, beta, res, r_post, HAS_POST: tl.constexpr, ACT: tl.constexpr, RES: tl.constexpr):
+    """The new residual ``round(alpha * res + beta * h)`` for the post norm's rms factor ``r_post``: ``h`` the post
+    norm's output rounded to ``ACT`` as the reference's rms_norm returns it (``_norm``'s steps)."""
+    h = (_post_input(o, post, HAS_POST, ACT) * r_post).to(ACT).to(tl.float32)
+    return (alpha * res + beta * h).to(RES)
+
+
+@triton.jit
+def residual_norm_factors(o, post, alpha, beta, res, mask, n, post_eps, eps, HAS_POST: tl.constexpr,
+                          ACT: tl.constexpr, RES: tl.constexpr):
+    """The ``residual_norm`` op's two rms factors over a whole row held in registers (fp32 vectors, ``mask`` its
+    ``n`` elements): ``(r_post, r_next)``. With them :func:`pending_residual_norm_at` computes any slice of the row,
+    with the bits the whole row's op gives it."""
+    r_post = _rms(_post_input(o, post, HAS_POST, ACT), mask, n, post_eps)
+    new_res = _gated(o, post, alpha, beta, res, r_post, HAS_POST, ACT, RES).to(tl.float32)
+    return r_post, _rms(new_res, mask, n, eps)
+
+
+@triton.jit
+def pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST: tl.constexpr,
+                             HAS_NEXT: tl.constexpr, ACT: tl.constexpr, RES: tl.constexpr):
+    """``(new_res, normed fp32)`` of the ``residual_norm`` op on some elements of a row (the operands there) from the
+    whole row's :func:`residual_norm_factors`."""
+    new_res = _gated(o, post, alpha, beta, res, r_post, HAS_POST, ACT, RES)
+    normed = new_res.to(tl.float32) * r_next
+    if HAS_NEXT:
+        normed = normed * nxt
+    return new_res, normed
+
+
+@triton.jit
+def pending_residual_norm(o, post, alpha, beta, res, nxt, mask, n, post_eps, eps, HAS_POST: tl.constexpr,
+                          HAS_NEXT: tl.constexpr, ACT: tl.constexpr, RES: tl.constexpr):
+    """``(new_res, normed fp32)``: the ``residual_norm`` op on a whole row held in registers (``o`` the sublayer's
+    output, ``res`` the residual, both fp32; ``ACT`` ``o``'s dtype, ``RES`` the residual's), its roundings:
+    the post norm (weightless, or scale-first) rounded to ``ACT``, the gated sum to ``RES``; ``normed`` is rounded
+    by whoever stores or uses it."""
+    r_post, r_next = residual_norm_factors(o, post, alpha, beta, res, mask, n, post_eps, eps, HAS_POST, ACT, RES)
+    return pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST, HAS_NEXT, ACT, RES)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from musecore.ops import reference as ref
 from musecore_triton import hooks
-from musecore_triton.kernels import dense_gemv
+from musecore_triton.kernels import dense_gemv, norms
 
 MAX_TOP_K = 64  # the kernel keeps k rounds unrolled; larger k runs the reference's torch ops (same numerics)
 SPLIT_K_MAX_TOKENS = 16  # up to this many rows the product is the split-K GEMV (one 16-row dot tile)
@@ -123,18 +123,39 @@ def router_one_launch_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_p
 def router_program(pid_e, pid_s, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k,
                    multiplier, scaling, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                    K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr):
-    """Program (``pid_e``, ``pid_s``) of the ``n_e x n_s`` that make up :func:`router_one_launch_kernel` (``WARM``:
-    the first K range's programs prefetch the bias into L2 for the last program, as ``dense_gemv.gemv_program`` does
-    its row op's weights)."""
+    """Program (``pid_e``, ``pid_s``) of the ``n_e x n_s`` that make up :func:`router_one_launch_kernel`: its
+    weights (:func:`router_weights`), its slice of ``x`` once the kernel before has written it, then
+    :func:`router_partial`."""
+    offs_e, offs_k, em, km, w = router_weights(pid_e, pid_s, w_ptr, bias_ptr, E, H, BLOCK_E, BLOCK_K, WARM)
+    hooks.pdl_wait(PDL)  # x was written by the kernel before (musecore_triton.hooks)
+    x = tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
+    router_partial(pid_s, n_e, n_s, w, x, offs_e, em, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, k,
+                   multiplier, scaling, BLOCK_S, K, BLOCK)
+
+
+@triton.jit
+def router_weights(pid_e, pid_s, w_ptr, bias_ptr, E, H, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   WARM: tl.constexpr):
+    """A router program's expert block ``pid_e`` and K range ``pid_s`` and its fp32 weights ``[BLOCK_E, BLOCK_K]``
+    (no kernel writes them: loaded before the PDL wait): ``(offs_e, offs_k, emask, kmask, w)``. ``WARM``: the first
+    K range's programs prefetch the bias into L2 for the last program, as ``dense_gemv.gemv_program`` does its row
+    op's weights."""
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_k = pid_s * BLOCK_K + tl.arange(0, BLOCK_K)
     em, km = offs_e < E, offs_k < H
     if WARM:
         hooks.prefetch_l2(bias_ptr + offs_e, em & (pid_s == 0))
     w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * H + offs_k[None, :], mask=em[:, None] & km[None, :],
-                other=0.0)  # a weight: read before the wait
-    hooks.pdl_wait(PDL)  # x was written by the kernel before (musecore_triton.hooks)
-    x = tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
+                other=0.0)
+    return offs_e, offs_k, em, km, w
+
+
+@triton.jit
+def router_partial(pid_s, n_e, n_s, w, x, offs_e, em, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, k,
+                   multiplier, scaling, BLOCK_S: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    """A router program's fp32 partial ``W[e-block, K_s] . x[K_s]`` stored; the program that draws the last ticket
+    on ``count`` adds every expert's partials (a fixed tree over s: deterministic) and makes the choice
+    (:func:`_choose`)."""
     tl.store(part_ptr + pid_s * E + offs_e, tl.sum(w * x[None, :], axis=1), mask=em)
     tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
     if dense_gemv.last_ticket(count_ptr, n_e * n_s):
@@ -268,24 +289,94 @@ def router_topk_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 @triton.jit
 def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, E, H, k, multiplier, scaling,
                          pooler_ptr, z_ptr, pool_count_ptr, norm_w_ptr, normed_ptr, N, eps, n_e, n_s,
+                         res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, post_eps, res_eps,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, K: tl.constexpr,
                          BLOCK: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr, BLOCK_NORM: tl.constexpr,
                          PDL: tl.constexpr, EARLY: tl.constexpr, WARM: tl.constexpr = False,
-                         GEMV_K_STATIC: tl.constexpr = 0):
+                         GEMV_K_STATIC: tl.constexpr = 0, DEFERRED: tl.constexpr = False,
+                         HAS_POST: tl.constexpr = False, HAS_NEXT: tl.constexpr = False):
     """The router's ``n_e x n_s`` programs (:func:`router_program`) first, then the pooler GEMV's row blocks with the
     pre-expert norm in its last one (``dense_gemv.gemv_program``): two independent products of one input in one
-    launch, each with its own ticket."""
+    launch, each with its own ticket. ``DEFERRED``: that input is ``residual_norm(res, x, post_w, alpha, beta,
+    next_w, post_eps, res_eps)``'s normed row, which every program works out from the whole row
+    (:func:`deferred_input`; the pooler's programs in :func:`pooler_deferred_program`, whose first stores the new
+    residual)."""
     pid = tl.program_id(0)
     routers = n_e * n_s
     if pid < routers:
-        router_program(pid % n_e, pid // n_e, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr,
-                       E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K, BLOCK, PDL, WARM)
+        if DEFERRED:
+            offs_e, offs_k, em, km, w = router_weights(pid % n_e, pid // n_e, w_ptr, bias_ptr, E, H, BLOCK_E, BLOCK_K,
+                                                       WARM)
+            _, x = deferred_input(offs_k, km, x_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, H, post_eps,
+                                  res_eps, HAS_POST, HAS_NEXT, GEMV_K, False, PDL)
+            router_partial(pid // n_e, n_e, n_s, w, x, offs_e, em, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr,
+                           E, k, multiplier, scaling, BLOCK_S, K, BLOCK)
+        else:
+            router_program(pid % n_e, pid // n_e, n_e, n_s, x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr,
+                           ids_ptr, E, H, k, multiplier, scaling, BLOCK_E, BLOCK_K, BLOCK_S, K, BLOCK, PDL, WARM)
+    elif DEFERRED:
+        pooler_deferred_program(pid - routers, tl.num_programs(0) - routers, pooler_ptr, z_ptr, N, H, pool_count_ptr,
+                                norm_w_ptr, normed_ptr, eps, x_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr,
+                                next_w_ptr, new_res_ptr, post_eps, res_eps, HAS_POST, HAS_NEXT, GEMV_N, GEMV_K,
+                                BLOCK_NORM, PDL, EARLY, WARM)
     else:
         # GEMV number tl.program_id(1) = 0 of a 1-D grid (a tensor: gemv_program casts it)
         dense_gemv.gemv_program(pid - routers, tl.program_id(1), tl.num_programs(0) - routers, x_ptr, pooler_ptr,
                                 pooler_ptr, x_ptr, z_ptr, N, H, H, 0, 1, pool_count_ptr, z_ptr, z_ptr, z_ptr, z_ptr,
                                 norm_w_ptr, z_ptr, normed_ptr, 0.0, eps, GEMV_N, GEMV_K, False, False, PDL, EARLY,
                                 False, 1, False, True, BLOCK_NORM, WARM, GEMV_K_STATIC)
+
+
+@triton.jit
+def deferred_input(offs, mask, out_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, H, post_eps, eps,
+                   HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_ROW: tl.constexpr, WHOLE: tl.constexpr,
+                   PDL: tl.constexpr):
+    """``(new_res, normed)`` at ``offs`` of ``residual_norm(res, out, post_w, alpha, beta, next_w, post_eps, eps)`` on
+    the row ``[H]`` that the kernel before wrote (``out``): the op's weights loaded before the PDL wait, the whole
+    row's two rms factors after it (``BLOCK_ROW >= H``), then the elements at ``offs`` (``WHOLE``: ``offs`` is the
+    whole row, already in registers) with the op's roundings; ``normed`` fp32, rounded to the residual's dtype as the
+    op stores it and a GEMV loads it."""
+    row = tl.arange(0, BLOCK_ROW)
+    rmask = row < H
+    act, res_dt = out_ptr.dtype.element_ty, res_ptr.dtype.element_ty
+    post, alpha, beta, nxt = norms.residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, row, rmask)
+    hooks.pdl_wait(PDL)  # out (and the residual, earlier) written by the kernels before (musecore_triton.hooks)
+    o, res = norms.residual_norm_inputs(res_ptr, out_ptr, row, rmask)
+    r_post, r_next = norms.residual_norm_factors(o, post, alpha, beta, res, rmask, H, post_eps, eps, HAS_POST, act,
+                                                 res_dt)
+    if WHOLE:
+        new_res, normed = norms.pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST,
+                                                         HAS_NEXT, act, res_dt)
+    else:  # this program's elements, read again (from this SM's L1 or L2)
+        post_s, alpha_s, beta_s, nxt_s = norms.residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, offs,
+                                                                     mask)
+        o_s, res_s = norms.residual_norm_inputs(res_ptr, out_ptr, offs, mask)
+        new_res, normed = norms.pending_residual_norm_at(o_s, post_s, alpha_s, beta_s, res_s, nxt_s, r_post, r_next,
+                                                         HAS_POST, HAS_NEXT, act, res_dt)
+    return new_res, normed.to(res_dt).to(tl.float32)
+
+
+@triton.jit
+def pooler_deferred_program(pid, programs, pooler_ptr, z_ptr, N, H, count_ptr, norm_w_ptr, normed_ptr, eps, out_ptr,
+                            res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, post_eps, res_eps,
+                            HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                            WARM: tl.constexpr):
+    """Row block ``pid`` of the pooler GEMV whose input is the deferred residual norm's normed row
+    (:func:`deferred_input` over the whole row, ``H <= BLOCK_K``, as its ``x``; block 0 stores the new residual),
+    then the pre-expert norm in the program that draws the last of ``programs`` tickets, as ``dense_gemv(norm=)``."""
+    rows, rmask, kk, kmask, wv = dense_gemv.whole_k_tile(pid, pooler_ptr, N, H, H, BLOCK_N, BLOCK_K)  # a weight
+    if WARM:
+        hooks.prefetch_l2(norm_w_ptr + rows, rmask)
+    hooks.pdl_launch_dependents(EARLY)  # as dense_gemv: after its first weight loads
+    new_res, x = deferred_input(kk, kmask, out_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, H, post_eps,
+                                res_eps, HAS_POST, HAS_NEXT, BLOCK_K, True, PDL)
+    if pid == 0:
+        tl.store(new_res_ptr + kk, new_res, mask=kmask)
+    dense_gemv.store_row_products(wv, x, z_ptr, rows, rmask)
+    tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
+    if dense_gemv.last_ticket(count_ptr, programs):
+        dense_gemv.norm_row(z_ptr, norm_w_ptr, normed_ptr, N, eps, True, BLOCK_NORM)
 
 
 def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
@@ -298,24 +389,76 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     call site as in :func:`router_topk_one_launch`. The pooler's bits are the two calls'; the router's sums run in the
     pooler's warps (2, or the backend's ``hooks.row_op_cut``) instead of one, so they may group differently (weights
     within ~1e-8 on the H200)."""
+    return _router_pooler("router_pooler_one_launch", x, weight, bias, k, multiplier, scaling, pooler, norm_weight,
+                          eps, counters, None)[:3]
+
+
+def deferred_fits(hidden: int) -> bool:
+    """Whether :func:`router_pooler_deferred` takes a block of ``hidden`` columns: the pooler's programs hold the
+    whole row (one chunk of ``dense_gemv``, not unrolled)."""
+    _, block_k, k_static = dense_gemv.gemv_blocks(hidden)
+    return hidden <= block_k and not k_static
+
+
+def router_pooler_deferred(residual_norm: tuple, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
+                           scaling: float, pooler: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`router_pooler_one_launch` of ``residual_norm(residual, out, post_w, alpha, beta, next_w, post_eps,
+    res_eps)``'s normed row for one token, the op run in the launch's own programs rather than in the last program of
+    the GEMV that wrote ``out`` (a serial tail that launch no longer has): ``residual_norm = (out [1, H], residual [1,
+    H], post_w | None, alpha, beta, next_w | None, post_eps, res_eps)`` as ``MuseModel`` hands it on
+    (:class:`musecore.model.DeferredNorm`). Returns ``(weights, ids, normed, new_residual)``. Every program works out
+    the whole row's two rms factors (the op's sums, perhaps grouped otherwise than the op's kernel groups them) and
+    then its own elements with the op's roundings; the pooler's first program stores the new residual. Takes
+    ``H`` up to one chunk of the pooler's GEMV (:func:`deferred_fits`)."""
+    return _router_pooler("router_pooler_deferred", residual_norm[0], weight, bias, k, multiplier, scaling, pooler,
+                          norm_weight, eps, counters, residual_norm)
+
+
+def _router_pooler(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
+                   scaling: float, pooler: torch.Tensor, norm_weight: torch.Tensor, eps: float, counters: torch.Tensor,
+                   deferred: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router + pooler launch on ``x`` (``deferred``: the residual norm's operands, ``x`` its ``out``):
+    ``(weights, ids, normed, new_residual)``, the last ``x`` itself where nothing is deferred."""
     E, H = weight.shape
-    n_e, n_s, part, weights, ids, constexprs = _one_token_router("router_pooler_one_launch", x, weight, bias, k)
+    n_e, n_s, part, weights, ids, constexprs = _one_token_router(what, x, weight, bias, k)
     n = pooler.shape[0]
     if pooler.dim() != 2 or pooler.shape[1] != H or pooler.stride(1) != 1 or pooler.dtype != x.dtype \
             or pooler.dtype not in (torch.bfloat16, torch.float16) or norm_weight.shape != (n,) \
             or counters.dtype != torch.int32 or counters.numel() != 2:
-        raise ValueError(f"router_pooler_one_launch takes a row-major 16-bit pooler [n, {H}] of x's dtype, its norm "
-                         f"weight [n] and two int32 counters; got pooler {pooler.dtype} {list(pooler.shape)} strides "
-                         f"{pooler.stride()} (x {x.dtype}), norm {list(norm_weight.shape)}, counters {counters.dtype} "
+        raise ValueError(f"{what} takes a row-major 16-bit pooler [n, {H}] of x's dtype, its norm weight [n] and two "
+                         f"int32 counters; got pooler {pooler.dtype} {list(pooler.shape)} strides {pooler.stride()} (x "
+                         f"{x.dtype}), norm {list(norm_weight.shape)}, counters {counters.dtype} "
                          f"{list(counters.shape)}")
     z, normed = (torch.empty(1, n, dtype=x.dtype, device=x.device) for _ in range(2))
     _, gemv_k, gemv_k_static = dense_gemv.gemv_blocks(H)
     gemv_n, warps = dense_gemv.row_op_cut(H, x.device, "router_pooler", ROUTER_POOLER_BLOCK_N, ROUTER_POOLER_WARPS)
+    if deferred is None:
+        operands, flags, new_res = (x,) * 6 + (0.0, 0.0), {}, x
+    else:
+        operands, flags, new_res = _deferred_operands(what, deferred, H)
     flat = counters.view(-1)
     router_pooler_kernel[(n_e * n_s + triton.cdiv(n, gemv_n),)](
         x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
-        scaling, pooler, z, flat[1:2], norm_weight.contiguous(), normed, n, eps, n_e, n_s, **constexprs,
+        scaling, pooler, z, flat[1:2], norm_weight.contiguous(), normed, n, eps, n_e, n_s, *operands, **constexprs,
         GEMV_N=gemv_n, GEMV_K=gemv_k, GEMV_K_STATIC=gemv_k_static, BLOCK_NORM=triton.next_power_of_2(n),
-        num_warps=warps,
+        num_warps=warps, **flags,
         EARLY=hooks.early_trigger(x.device, "router_pooler"), **hooks.launch_options(x.device, "router_pooler"))
-    return weights, ids, normed
+    return weights, ids, normed, new_res
+
+
+def _deferred_operands(what: str, deferred: tuple, hidden: int) -> tuple[tuple, dict, torch.Tensor]:
+    """``router_pooler_kernel``'s eight residual-norm operands (from ``res_ptr`` on), its constexprs and the new
+    residual it fills, for ``deferred = (out, residual, post_w, alpha, beta, next_w, post_eps, eps)``."""
+    out, residual, post_w, alpha, beta, next_w, post_eps, eps = deferred
+    vectors = dict(alpha=alpha, beta=beta, post_w=post_w, next_w=next_w)
+    if not deferred_fits(hidden) or residual.shape != (1, hidden) or residual.dtype != out.dtype \
+            or any(v is not None and v.numel() != hidden for v in vectors.values()):
+        raise ValueError(f"{what} takes out and residual [1, H] of one dtype with H up to one GEMV chunk and the "
+                         f"residual norm's weights [H]; got H {hidden}, residual {residual.dtype} "
+                         f"{list(residual.shape)} (out {out.dtype}), "
+                         + ", ".join(f"{name} {list(v.shape)}" for name, v in vectors.items() if v is not None))
+    new_res = torch.empty_like(residual)
+    operands = (residual.contiguous(), out if post_w is None else post_w.contiguous(), alpha.contiguous(),
+                beta.contiguous(), out if next_w is None else next_w.contiguous(), new_res, post_eps, eps)
+    return operands, dict(DEFERRED=True, HAS_POST=post_w is not None, HAS_NEXT=next_w is not None), new_res
