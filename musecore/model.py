@@ -274,6 +274,24 @@ class Slot:
     fused: bool = False  # one of ``owner.INPUT_PROJECTIONS``: the loader may fuse it into ``owner.in_proj``
 
 
+@dataclass(frozen=True)
+class DeferredNorm:
+    """The ``residual_norm`` op after an attention sublayer, not yet run: ``residual_norm(residual, out, *norm)``.
+
+    A backend's fused attention block hands it on (its ``sublayer(..., defer=True)``, asked only where the MoE block
+    after it ``takes_deferred``), and that block's first launch runs the op in its own programs, so the attention
+    block's last GEMV ends without it (``Backend.fuse_block``). :meth:`resolve` runs the op wherever the MoE block
+    does not take it after all."""
+
+    residual: torch.Tensor
+    out: torch.Tensor
+    norm: tuple  # residual_norm's arguments after out: post_weight, alpha, beta, next_weight, post_eps, eps
+
+    def resolve(self, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual', normed)``: the op run by ``ops``."""
+        return ops.residual_norm(self.residual, self.out, *self.norm)
+
+
 @contextlib.contextmanager
 def separate_ops(model: "MuseModel") -> Iterator[None]:
     """Every attention and MoE block of ``model`` (and its embedding stage) through the separate ops inside the
@@ -361,7 +379,7 @@ class MuseModel:
             x, a = (comm.my_tokens(t.reshape(tokens, -1)).unsqueeze(0) for t in (x, a))
         try:
             for i in range(len(self.layers)):
-                h, m = self.attention_sublayer(i, x, a, positions, rope, cache)
+                h, m = self.attention_sublayer(i, x, a, positions, rope, cache, defer=observer is None)
                 x, a = self.feedforward_sublayer(i, h, m, observer=observer)
             if comm is not None and comm.sp_tokens:
                 a = comm.gather_tokens(a.reshape(-1, a.shape[-1]), tokens).view(*positions.shape, -1)
@@ -488,28 +506,48 @@ class MuseModel:
         return list(rows.split(counts))
 
     def attention_sublayer(self, i: int, x: torch.Tensor, a: torch.Tensor, positions: torch.Tensor, rope: Any,
-                           cache: Optional[KVCache] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s attention: ``(h, m)``, the residual after it and the feed-forward input."""
+                           cache: Optional[KVCache] = None, *, defer: bool = False) -> tuple[Any, Any]:
+        """Layer ``i``'s attention: ``(h, m)``, the residual after it and the feed-forward input. With ``defer``,
+        where the backend's fused attention and MoE blocks hand the residual norm between them
+        (:class:`DeferredNorm`), ``(DeferredNorm, None)``, which :meth:`feedforward_sublayer` takes as its ``h``
+        (``forward`` defers; a caller that reads ``h`` and ``m`` does not)."""
         layer, cfg = self.layers[i], self.config
         gate = layer.post_attention_residual_gate  # weightless post-attention norm, then the gated residual
         norm = (None, gate.alpha, gate.beta, layer.pre_feedforward_layernorm, cfg.post_norm_eps, cfg.rms_norm_eps)
         sublayer = getattr(layer.self_attn.fused, "sublayer", None)  # the backend's block + residual_norm, or None
-        out = sublayer(x, norm, a, positions, rope, cache) if sublayer is not None else None
+        out = None
+        if sublayer is not None:
+            if defer and getattr(getattr(layer.mlp, "fused", None), "takes_deferred", False):
+                out = sublayer(x, norm, a, positions, rope, cache, defer=True)
+            else:
+                out = sublayer(x, norm, a, positions, rope, cache)
+        if isinstance(out, DeferredNorm):
+            return out, None
         if out is not None:
             return out
         return self.ops.residual_norm(x, layer.self_attn(a, positions, rope, cache), *norm)
 
-    def feedforward_sublayer(self, i: int, h: torch.Tensor, m: torch.Tensor, *,
+    def feedforward_sublayer(self, i: int, h: Any, m: Optional[torch.Tensor], *,
                              observer: Optional[MoEObserver] = None, experts: Any = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s MoE (or dense MLP): ``(x, a)``, the residual and the next layer's normed input
-        (the final norm's after the last layer). ``experts`` stands in for the layer's own for this call."""
+        (the final norm's after the last layer). ``experts`` stands in for the layer's own for this call.
+        ``h`` may be :meth:`attention_sublayer`'s :class:`DeferredNorm` (``m`` None): the backend's fused MoE block
+        runs it, or the ops resolve it first."""
         layer, cfg = self.layers[i], self.config
         next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
         gate = layer.post_feedforward_residual_gate
         norm = (layer.post_feedforward_layernorm, gate.alpha, gate.beta, next_norm, cfg.post_norm_eps, cfg.rms_norm_eps)
-        sublayer = getattr(getattr(layer.mlp, "fused", None), "sublayer", None)
-        out = sublayer(h, norm, m) if sublayer is not None and observer is None and experts is None else None
+        fused = getattr(layer.mlp, "fused", None)
+        plain = observer is None and experts is None
+        if isinstance(h, DeferredNorm):
+            deferred = getattr(fused, "deferred_sublayer", None)
+            out = deferred(h, norm) if deferred is not None and plain else None
+            if out is not None:
+                return out
+            h, m = h.resolve(self.ops)
+        sublayer = getattr(fused, "sublayer", None)
+        out = sublayer(h, norm, m) if sublayer is not None and plain else None
         if out is not None:
             return out
         return self.ops.residual_norm(h, layer.mlp(m, observer, experts), *norm)

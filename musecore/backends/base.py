@@ -174,7 +174,14 @@ class Backend:
         ``residual_norm`` op the model applies after it, ``norm`` being that op's arguments after ``out``
         (``post_weight, alpha, beta, next_weight, post_eps, eps``); it returns ``(residual', normed)`` or None, and
         the model then runs the block and the op (the CUDA backend: the norm in the last program of the block's
-        final GEMV)."""
+        final GEMV).
+
+        The op between an attention block and the MoE block after it may also be handed on unrun
+        (``musecore.model.DeferredNorm``): where the MoE callable has ``takes_deferred`` true and a
+        ``deferred_sublayer(deferred, norm)`` method (``sublayer``'s, its input the deferred op), the model calls the
+        attention callable's ``sublayer(..., defer=True)``, which may return a ``DeferredNorm`` (the block's output,
+        the op not run), and then ``deferred_sublayer``; where that returns None the ops resolve it (the CUDA
+        backend: the norm in the router + pooler launch's programs instead of o_proj's last one)."""
         return None
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor,

@@ -265,3 +265,78 @@ def test_cpu_decode_write_matches_the_indexed_write_and_skips_padding(ring) -> N
         with pytest.raises(ValueError, match="exceeds the KV cache capacity 4"):
             one.write(torch.ones(3, 1, 2, 8), torch.ones(3, 1, 2, 8), torch.tensor([[1], [4], [-1]]))
         assert torch.equal(one.k, before)
+
+
+class _DeferringAttention:
+    """A stand-in for a backend's fused attention block: the block through the ops, and with ``defer`` its output
+    handed on as a ``DeferredNorm``; counts the calls of each kind."""
+
+    def __init__(self, block):
+        self.block, self.deferred, self.plain = block, 0, 0
+
+    def __call__(self, *args):
+        return None
+
+    def sublayer(self, residual, norm, a, positions, rope, cache, defer=False):
+        from musecore.model import DeferredNorm
+
+        out = self.block(a, positions, rope, cache)
+        if defer:
+            self.deferred += 1
+            return DeferredNorm(residual, out, norm)
+        self.plain += 1
+        return self.block.ops.residual_norm(residual, out, *norm)
+
+
+class _DeferredMoE:
+    """A stand-in for a fused MoE block that takes the deferred norm (``takes``), or says it does and then declines
+    (``accept`` False: the model must resolve it); counts what it ran."""
+
+    def __init__(self, block, takes=True, accept=True):
+        self.block, self.takes_deferred, self.accept, self.ran = block, takes, accept, 0
+
+    def __call__(self, m):
+        return None
+
+    def deferred_sublayer(self, deferred, norm):
+        if not self.accept:
+            return None
+        self.ran += 1
+        h, m = deferred.resolve(self.block.ops)
+        saved, self.block.fused = self.block.fused, None
+        try:
+            return self.block.ops.residual_norm(h, self.block(m), *norm)
+        finally:
+            self.block.fused = saved
+
+
+@pytest.mark.parametrize("takes,accept", [(True, True), (True, False), (False, True)],
+                         ids=["taken", "declined", "not-offered"])
+def test_the_attention_norm_handed_on_deferred_gives_the_same_logits(small_checkpoint, takes, accept):
+    """``MuseModel.forward`` hands the residual norm after attention from a fused attention block to the fused MoE
+    block after it (``DeferredNorm``) only where that block ``takes_deferred``; the logits are the ops' bit for bit
+    whether the MoE block runs it, declines it (the model resolves it) or is never offered it; calibration's
+    observer turns deferral off."""
+    from musecore.model import MoE
+
+    folder, config, _ = small_checkpoint
+    model = musecore.load(folder, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (1, 6))
+    want = model.forward(ids)
+    attns, moes = [], []
+    for layer in model.layers:
+        layer.self_attn.fused = _DeferringAttention(layer.self_attn)
+        attns.append(layer.self_attn.fused)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.fused = _DeferredMoE(layer.mlp, takes, accept)
+            moes.append(layer.mlp.fused)
+    assert moes, "the small config has no MoE layer to test"
+    got = model.forward(ids)
+    assert torch.equal(got, want), f"logits differ by {(got - want).abs().max().item():.3g}"
+    sparse = len(moes)
+    assert sum(a.deferred for a in attns) == (sparse if takes else 0)
+    assert sum(m.ran for m in moes) == (sparse if takes and accept else 0)
+    seen = []
+    model.forward(ids, observer=lambda *routing: seen.append(routing[0]))
+    assert len(seen) == sparse and sum(a.deferred for a in attns) == (sparse if takes else 0), \
+        "an observed forward deferred the norm"

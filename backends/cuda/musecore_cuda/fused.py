@@ -65,13 +65,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from musecore.model import Attention, MoE
+from musecore.model import Attention, DeferredNorm, MoE
 from musecore_triton.kernels.attention import attention
 from musecore_triton.kernels.dense_gemv import (DENSE_GEMV_MAX_BYTES, MAX_BLOCK_K, attention_fits, dense_gemv,
                                                 qkv_attention, qkv_gemv_rope)
 from musecore_triton.kernels.embed import model_decode_embed
 from musecore_triton.kernels.moe import finalize_gemv
-from musecore_triton.kernels.router import MAX_TOP_K, ONE_LAUNCH_MAX_E, router_pooler_one_launch
+from musecore_triton.kernels.router import (MAX_TOP_K, ONE_LAUNCH_MAX_E, deferred_fits, router_pooler_deferred,
+                                            router_pooler_one_launch)
 
 FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
 # Attention in the q/k/v/gate GEMV's launch (``qkv_attention``: each KV head's group attends in the last program to
@@ -85,6 +86,12 @@ ATTENTION_IN_QKV = False
 # against 733.1 us per replay on an H100, 117 kernels per step against 133 (session 75, run 144; cuda_fused_ab.py's
 # ``fin_apart`` is it switched off).
 FINALIZE_IN_UNPOOLER = True
+# The residual norm after attention run in the router + pooler launch's programs (``router_pooler_deferred``, the
+# model's ``DeferredNorm``) instead of in the last program of o_proj's GEMV: one serial tail per layer fewer, each
+# router + pooler program redoing the norm's two sums over the whole row. Off until timed in muse-small's decode graph
+# (cuda_fused_ab.py mode ``defer_norm``); session 72's probe (run 139, two chained [1536, 1536] GEMVs) put the tail
+# at 0.8-1.4 us.
+DEFER_RESIDUAL_NORM = False
 log = logging.getLogger("musecore.cuda")
 
 
@@ -195,11 +202,28 @@ class FusedMoE(_Fused):
             return None
         return self._run(m, (residual, norm))
 
-    def _run(self, m: torch.Tensor, then: Optional[tuple]) -> Any:
-        routed = self._route(m)
+    @property
+    def takes_deferred(self) -> bool:
+        """Whether :meth:`deferred_sublayer` runs (``DEFER_RESIDUAL_NORM``, and a hidden width the pooler's programs
+        hold whole)."""
+        return DEFER_RESIDUAL_NORM and deferred_fits(self.pooler.shape[1])
+
+    def deferred_sublayer(self, deferred: DeferredNorm, norm: tuple) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`sublayer` whose input is the attention sublayer's residual norm, not yet run: the router + pooler
+        launch runs it in its programs (``router_pooler_deferred``) and stores the new residual that this block's
+        own residual norm then takes. None where it does not fit (the model resolves the norm)."""
+        out, residual = deferred.out, deferred.residual
+        if not self.takes_deferred or residual.shape != out.shape or residual.dtype != out.dtype:
+            return None
+        return self._run(out, (None, norm), deferred)
+
+    def _run(self, m: torch.Tensor, then: Optional[tuple], deferred: Optional[DeferredNorm] = None) -> Any:
+        routed = self._route(m, deferred)
         if routed is None:
             return None
-        (weights, ids, z), block = routed, self.block
+        (weights, ids, z, new_res), block = routed, self.block
+        if deferred is not None:
+            then = (new_res.view(m.shape), then[1])
         rows = (self.backend.moe_rows(z, ids, block.experts)
                 if FINALIZE_IN_UNPOOLER and self.unpooler.shape[1] <= MAX_BLOCK_K else None)
         if rows is not None:  # the expert rows [k, h] fp32; their finalize runs in every program of the unpooler
@@ -210,16 +234,21 @@ class FusedMoE(_Fused):
             unpool = functools.partial(dense_gemv, y, self.unpooler)  # y rounded to the model dtype as it loads
         return _unpool(unpool, m.shape, then, self.counters[2])
 
-    def _route(self, m: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """The router + pooler launch on one token ``m``: ``(weights, ids, z [1, h])``, or None where ``m`` is not
-        the one token of the pooler's dtype and device this block was fused for, or the block's weights changed."""
+    def _route(self, m: torch.Tensor, deferred: Optional[DeferredNorm]
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """The router + pooler launch on one token ``m``: ``(weights, ids, z [1, h], new residual)``, or None where
+        ``m`` is not the one token of the pooler's dtype and device this block was fused for, or the block's weights
+        changed. ``deferred``: ``m`` is the attention block's output and the launch runs the residual norm after it
+        (the new residual [1, H]; otherwise None)."""
         block, pooler = self.block, self.pooler
         H = pooler.shape[1]
         if m.numel() != H or m.dtype != pooler.dtype or m.device != pooler.device or not self.bound():
             return None
-        return router_pooler_one_launch(m.reshape(1, H), block.router, block.correction_bias, block.top_k,
-                                        block.multiplier, block.scaling, pooler, block.pre_expert_norm, block.eps,
-                                        self.counters[:2])
+        route = (block.router, block.correction_bias, block.top_k, block.multiplier, block.scaling, pooler,
+                 block.pre_expert_norm, block.eps, self.counters[:2])
+        if deferred is None:
+            return router_pooler_one_launch(m.reshape(1, H), *route) + (None,)
+        return router_pooler_deferred((m.reshape(1, H), deferred.residual.reshape(1, H), *deferred.norm), *route)
 
 
 def _unpool(gemv: Callable[..., Any], shape: torch.Size, then: Optional[tuple], counter: torch.Tensor) -> Any:
@@ -267,10 +296,14 @@ class FusedAttention(_Fused):
         return self._run(a, positions, rope, cache, None)
 
     def sublayer(self, residual: torch.Tensor, norm: tuple, a: torch.Tensor, positions: torch.Tensor, rope: Any,
-                 cache: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The block, then ``residual_norm(residual, out, *norm)`` in the o_proj GEMV's last program."""
+                 cache: Any, defer: bool = False) -> Optional[Any]:
+        """The block, then ``residual_norm(residual, out, *norm)`` in the o_proj GEMV's last program; with ``defer``
+        the block alone, the norm handed on unrun (a ``DeferredNorm`` for the MoE block's router + pooler launch)."""
         if residual.shape != a.shape or residual.dtype != a.dtype:
             return None
+        if defer:
+            out = self._run(a, positions, rope, cache, None)
+            return None if out is None else DeferredNorm(residual, out, norm)
         return self._run(a, positions, rope, cache, (residual, norm))
 
     def _run(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any, then: Optional[tuple]) -> Any:

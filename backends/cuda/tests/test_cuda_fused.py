@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from musecore.api import load_random
-from musecore.model import MoE, separate_ops
+from musecore.model import DeferredNorm, MoE, separate_ops
 from musecore.ops import reference as ref
 from musecore.testing import fused_blocks, nmse, through_separate_ops
 from musecore_triton.kernels import router
@@ -103,6 +103,42 @@ def test_the_fused_moe_block_glue_in_the_interpreter_matches_the_separate_ops(ro
                     f"call {repeat}, sublayer {name}: NMSE {err:.3g} > {INTERPRETER_TOLERANCE:g}"
         assert not fused_moe.counters.any(), f"counters {fused_moe.counters.flatten().tolist()}"
         assert fused_moe(m.float()) is None and fused_moe(torch.cat([m, m], 1)) is None  # fp32; two tokens
+
+
+def test_the_attention_norm_deferred_into_the_router_pooler_launch_in_the_interpreter(monkeypatch):
+    """Without a GPU: ``FusedMoE.deferred_sublayer`` (the residual norm after attention run in the router + pooler
+    launch's programs, ``DEFER_RESIDUAL_NORM``) on muse-tiny's first MoE block, its launches in Triton's interpreter,
+    against the norm op and then the block's separate ops and its own residual norm; declined while the switch is
+    off or for a residual of another dtype."""
+    if HAS_GPU:
+        pytest.skip("a GPU is here: the GPU test below covers the deferred norm with the compiled kernels")
+    model = load_random("muse-tiny", "cpu", seed=0)
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    backend = SimpleNamespace(moe=model.ops.moe, moe_rows=lambda z, ids, experts: None)
+    fused_moe = fused.FusedMoE(backend, block, block.pre_expert_proj.data, block.post_expert_proj.data)
+    H = model.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    out, residual = (torch.randn(1, 1, H, generator=gen).to(torch.bfloat16) for _ in range(2))
+    norm_w = torch.rand(H, generator=gen).add(0.5).to(torch.bfloat16)
+    alpha, beta = torch.rand(H, generator=gen).add(0.5), torch.rand(H, generator=gen).sub(0.5)
+    attn_norm = (None, alpha, beta, norm_w, 1e-6, 1e-6)  # the model's: a weightless post norm
+    moe_norm = (norm_w.flip(0), alpha.flip(0), beta.flip(0), norm_w, 1e-6, 1e-6)
+    deferred = DeferredNorm(residual, out, attn_norm)
+    monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", False)
+    assert not fused_moe.takes_deferred and fused_moe.deferred_sublayer(deferred, moe_norm) is None
+    monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", True)
+    assert fused_moe.takes_deferred
+    with torch.inference_mode():
+        h, m = ref.residual_norm(residual, out, *attn_norm)
+        want = ref.residual_norm(h, through_separate_ops(block, m), *moe_norm)
+        for repeat in range(2):
+            got = fused_moe.deferred_sublayer(deferred, moe_norm)
+            for name, w, g in zip(("residual", "normed"), want, got):
+                err = nmse(w.float(), g.float())
+                assert g.shape == w.shape and err <= INTERPRETER_TOLERANCE, \
+                    f"call {repeat}, deferred sublayer {name}: NMSE {err:.3g} > {INTERPRETER_TOLERANCE:g}"
+        assert not fused_moe.counters.any(), f"counters {fused_moe.counters.flatten().tolist()}"
+        assert fused_moe.deferred_sublayer(DeferredNorm(residual.float(), out, attn_norm), moe_norm) is None
 
 
 @pytest.mark.gpu
@@ -213,6 +249,49 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
         assert (fused_n, separate_n) == (3, 7), f"attention sublayer: {fused_n} launches fused, {separate_n}"
         moe = fused_blocks(model, "moe")[0]
         assert moe.fused.sublayer(torch.zeros(1, 1, H, device="cuda"), (None,) * 6, x) is None  # fp32 residual
+
+
+@pytest.mark.gpu
+def test_the_attention_norm_deferred_into_the_moe_block_matches_the_separate_ops(model, monkeypatch):
+    """``DEFER_RESIDUAL_NORM``: ``attention_sublayer(defer=True)`` hands its residual norm on unrun (o_proj without
+    its tail) and ``feedforward_sublayer`` runs it in the router + pooler launch's programs: the MoE sublayer's pair
+    within TOLERANCE of the separate ops', 3 launches for attention and 4 for the MoE block as without deferral, and
+    a decode step's logits within TOLERANCE of the separate ops'."""
+    monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", True)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    H = model.config.hidden_size
+    with torch.inference_mode():
+        for cache in caches:
+            model.forward(prompt, cache=cache)
+        positions = torch.tensor([[12]], device="cuda")
+        rope = model.rope(positions)
+        sparse = 0
+        for i, layer in enumerate(model.layers):
+            if not isinstance(layer.mlp, MoE):
+                continue
+            sparse += 1
+            x, a = (torch.randn(1, 1, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+            deferred, none = model.attention_sublayer(i, x, a, positions, rope, caches[0], defer=True)
+            assert isinstance(deferred, DeferredNorm) and none is None, f"layer {i}: {type(deferred).__name__}"
+            got = model.feedforward_sublayer(i, deferred, None)
+            with separate_ops(model):
+                want = model.feedforward_sublayer(i, *model.attention_sublayer(i, x, a, positions, rope, caches[1]))
+            for name, w, g in zip(("x", "a"), want, got):
+                err = nmse(w.float(), g.float())
+                assert g.shape == w.shape and g.dtype == w.dtype and err <= TOLERANCE, \
+                    f"layer {i} deferred MoE sublayer {name}: NMSE {err:.3g} > {TOLERANCE:g}"
+            assert count_kernels(lambda: model.feedforward_sublayer(i, deferred, None)) == 4
+            assert count_kernels(lambda: model.attention_sublayer(i, x, a, positions, rope, caches[0],
+                                                                   defer=True)) == 3
+        assert sparse, "muse-tiny has no MoE layer"
+        step = torch.tensor([[7]], device="cuda")
+        got = model.forward(step, positions, cache=caches[0])
+        with separate_ops(model):
+            want = model.forward(step, positions, cache=caches[1])
+        err = nmse(want, got)
+        assert err <= TOLERANCE, f"decode step logits with the deferred norm: NMSE {err:.3g} > {TOLERANCE:g}"
 
 
 @pytest.mark.gpu

@@ -6,11 +6,11 @@ attending per KV-head group, ``qkv_attention``, and greedy sampling's argmax, si
 its next step's key positions and, since session 53, loading its first step's k and v with their positions; since
 session 75 the unpooler GEMV with the MoE finalize in its programs, ``moe.finalize_gemv``; since session 76, where
 ``musecore_cuda`` is installed, the residual-norm GEMV and the router + pooler launch at the CUDA backend's row-op
-cuts and attention signalling its dependents early, since session 78 the one-token router launches at its 64
-columns per program) for a GPU target with no GPU, with the CUDA backend's hooks where
-it is installed (the GEMV tails' L2 prefetch, session 49): ``python decode_compile.py sm90``. Same recorder as
-``towers_compile.py`` (every launch compiled with the signature and constexprs its wrapper chose, never run);
-prints one JSON list: kernel, constexprs, options, shared memory bytes."""
+cuts and attention signalling its dependents early, since session 78 the one-token router launches at its 64 columns
+per program, since session 79 the router + pooler launch running the residual norm deferred to it) for a GPU target
+with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49): ``python
+decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature and
+constexprs its wrapper chose, never run); prints one JSON list: kernel, constexprs, options, shared memory bytes."""
 
 from __future__ import annotations
 
@@ -101,6 +101,9 @@ def main(arch: str) -> None:
         router.router_pooler_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w,
                                         torch.ones(h).to(dt), 1e-6, torch.zeros(2, dtype=torch.int32))
         router.router_topk_one_launch(x, torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, counter)  # 64 columns
+        router.router_pooler_deferred((x, x, None, vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6),  # (session 79)
+                                      torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w, torch.ones(h).to(dt),
+                                      1e-6, torch.zeros(2, dtype=torch.int32))
         attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))  # EARLY
         decode_embed(torch.tensor([[3]]), pos, torch.zeros(1, dtype=torch.long), torch.randn(65536, H).to(dt),
                      torch.tensor([4, 5, 6]), torch.ones(H).to(dt), 1e-6, inv_freq, 1.0, dt)  # EARLY (lab mode only)

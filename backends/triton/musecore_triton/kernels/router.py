@@ -338,7 +338,8 @@ def deferred_input(offs, mask, out_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr
     op stores it and a GEMV loads it."""
     row = tl.arange(0, BLOCK_ROW)
     rmask = row < H
-    act, res_dt = out_ptr.dtype.element_ty, res_ptr.dtype.element_ty
+    act = out_ptr.dtype.element_ty
+    res_dt = res_ptr.dtype.element_ty
     post, alpha, beta, nxt = norms.residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, row, rmask)
     hooks.pdl_wait(PDL)  # out (and the residual, earlier) written by the kernels before (musecore_triton.hooks)
     o, res = norms.residual_norm_inputs(res_ptr, out_ptr, row, rmask)
