@@ -34,6 +34,12 @@ Both blocks also fuse the ``residual_norm`` op the model applies after the block
 instead of seven: muse-small's decode step 294 -> 150 (133 with ``fuse_embed``, 117 with the finalize in the unpooler
 GEMV).
 
+With ``DEFER_RESIDUAL_NORM`` the residual norm between a layer's attention and MoE blocks moves once more: the
+attention block's ``sublayer(..., defer=True)`` ends with o_proj's plain GEMV and hands the norm on unrun
+(``musecore.model.DeferredNorm``), and every program of the MoE block's router + pooler launch works it out over the
+whole row for itself (``router.router_pooler_deferred``; the pooler's first program stores the new residual): o_proj's
+launch loses its serial tail, the same launch count.
+
 The last-program steps take a ticket on an int32 counter that each fused block owns (zeroed once here, reset by
 the kernel that used it), so one block's launches must not overlap one another: a block runs on one stream at a
 time, as a model's forward does.
