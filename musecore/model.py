@@ -276,12 +276,12 @@ class Slot:
 
 @dataclass(frozen=True)
 class DeferredNorm:
-    """The ``residual_norm`` op after an attention sublayer, not yet run: ``residual_norm(residual, out, *norm)``.
+    """The ``residual_norm`` op after a sublayer, not yet run: ``residual_norm(residual, out, *norm)``.
 
-    A backend's fused attention block hands it on (its ``sublayer(..., defer=True)``, asked only where the MoE block
-    after it ``takes_deferred``), and that block's first launch runs the op in its own programs, so the attention
-    block's last GEMV ends without it (``Backend.fuse_block``). :meth:`resolve` runs the op wherever the MoE block
-    does not take it after all."""
+    A backend's fused block hands it on (its ``sublayer(..., defer=True)``, asked only where the fused block after
+    it ``takes_deferred``), and that block's first launch runs the op in its own programs, so the block before ends
+    without it (``Backend.fuse_block``). :meth:`resolve` runs the op wherever the next block does not take it after
+    all."""
 
     residual: torch.Tensor
     out: torch.Tensor
@@ -378,9 +378,10 @@ class MuseModel:
             comm.sp_tokens = tokens  # sequence-parallel prefill: the residual stream in token shards
             x, a = (comm.my_tokens(t.reshape(tokens, -1)).unsqueeze(0) for t in (x, a))
         try:
+            defer = observer is None  # the residual norms handed between fused blocks (DeferredNorm)
             for i in range(len(self.layers)):
-                h, m = self.attention_sublayer(i, x, a, positions, rope, cache, defer=observer is None)
-                x, a = self.feedforward_sublayer(i, h, m, observer=observer)
+                h, m = self.attention_sublayer(i, x, a, positions, rope, cache, defer=defer)
+                x, a = self.feedforward_sublayer(i, h, m, observer=observer, defer=defer)
             if comm is not None and comm.sp_tokens:
                 a = comm.gather_tokens(a.reshape(-1, a.shape[-1]), tokens).view(*positions.shape, -1)
         finally:
@@ -505,52 +506,53 @@ class MuseModel:
         rows = self.ops.rms_norm(rows, None, self.config.rms_norm_eps)  # the text embedding's weightless norm
         return list(rows.split(counts))
 
-    def attention_sublayer(self, i: int, x: torch.Tensor, a: torch.Tensor, positions: torch.Tensor, rope: Any,
+    def attention_sublayer(self, i: int, x: Any, a: Optional[torch.Tensor], positions: torch.Tensor, rope: Any,
                            cache: Optional[KVCache] = None, *, defer: bool = False) -> tuple[Any, Any]:
-        """Layer ``i``'s attention: ``(h, m)``, the residual after it and the feed-forward input. With ``defer``,
-        where the backend's fused attention and MoE blocks hand the residual norm between them
-        (:class:`DeferredNorm`), ``(DeferredNorm, None)``, which :meth:`feedforward_sublayer` takes as its ``h``
-        (``forward`` defers; a caller that reads ``h`` and ``m`` does not)."""
+        """Layer ``i``'s attention: ``(h, m)``, the residual after it and the feed-forward input. ``x`` may be the
+        layer before's :class:`DeferredNorm` (``a`` None). With ``defer``, where the backend's fused blocks hand the
+        residual norm on (:class:`DeferredNorm`), ``(DeferredNorm, None)``, which :meth:`feedforward_sublayer` takes
+        as its ``h`` (``forward`` defers; a caller that reads ``h`` and ``m`` does not)."""
         layer, cfg = self.layers[i], self.config
         gate = layer.post_attention_residual_gate  # weightless post-attention norm, then the gated residual
         norm = (None, gate.alpha, gate.beta, layer.pre_feedforward_layernorm, cfg.post_norm_eps, cfg.rms_norm_eps)
-        sublayer = getattr(layer.self_attn.fused, "sublayer", None)  # the backend's block + residual_norm, or None
-        out = None
-        if sublayer is not None:
-            if defer and getattr(getattr(layer.mlp, "fused", None), "takes_deferred", False):
-                out = sublayer(x, norm, a, positions, rope, cache, defer=True)
-            else:
-                out = sublayer(x, norm, a, positions, rope, cache)
-        if isinstance(out, DeferredNorm):
-            return out, None
-        if out is not None:
-            return out
-        return self.ops.residual_norm(x, layer.self_attn(a, positions, rope, cache), *norm)
+        return self._sublayer(layer.self_attn.fused, x, a, norm, (positions, rope, cache), defer and layer.mlp,
+                              lambda a: layer.self_attn(a, positions, rope, cache))
 
     def feedforward_sublayer(self, i: int, h: Any, m: Optional[torch.Tensor], *,
-                             observer: Optional[MoEObserver] = None, experts: Any = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             observer: Optional[MoEObserver] = None, experts: Any = None, defer: bool = False
+                             ) -> tuple[Any, Any]:
         """Layer ``i``'s MoE (or dense MLP): ``(x, a)``, the residual and the next layer's normed input
         (the final norm's after the last layer). ``experts`` stands in for the layer's own for this call.
-        ``h`` may be :meth:`attention_sublayer`'s :class:`DeferredNorm` (``m`` None): the backend's fused MoE block
-        runs it, or the ops resolve it first."""
+        ``h`` may be :meth:`attention_sublayer`'s :class:`DeferredNorm` (``m`` None); with ``defer``, this
+        sublayer's norm may be handed on to the next layer's attention the same way (``(DeferredNorm, None)``)."""
         layer, cfg = self.layers[i], self.config
-        next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+        last = i + 1 == len(self.layers)
+        next_norm = self.norm if last else self.layers[i + 1].input_layernorm
         gate = layer.post_feedforward_residual_gate
         norm = (layer.post_feedforward_layernorm, gate.alpha, gate.beta, next_norm, cfg.post_norm_eps, cfg.rms_norm_eps)
-        fused = getattr(layer.mlp, "fused", None)
-        plain = observer is None and experts is None
-        if isinstance(h, DeferredNorm):
-            deferred = getattr(fused, "deferred_sublayer", None)
-            out = deferred(h, norm) if deferred is not None and plain else None
-            if out is not None:
-                return out
-            h, m = h.resolve(self.ops)
+        fused = getattr(layer.mlp, "fused", None) if observer is None and experts is None else None
+        return self._sublayer(fused, h, m, norm, (), defer and not last and self.layers[i + 1].self_attn,
+                              lambda m: layer.mlp(m, observer, experts))
+
+    def _sublayer(self, fused: Any, residual: Any, x: Optional[torch.Tensor], norm: tuple, args: tuple, then: Any,
+                  block: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Any, Any]:
+        """A sublayer: the block on ``x``, then ``residual_norm(residual, out, *norm)``, through the backend's fused
+        form's ``sublayer`` where it has one (``Backend.fuse_block``). ``residual`` may be a :class:`DeferredNorm`
+        (``x`` None), which a fused form that ``takes_deferred`` runs in its own first launch and anything else
+        resolves first; ``then``, the block after this one (or a falsy value), is handed this sublayer's norm unrun
+        where both fused forms agree."""
         sublayer = getattr(fused, "sublayer", None)
-        out = sublayer(h, norm, m) if sublayer is not None and plain else None
-        if out is not None:
-            return out
-        return self.ops.residual_norm(h, layer.mlp(m, observer, experts), *norm)
+        deferred = isinstance(residual, DeferredNorm)
+        if sublayer is not None and (not deferred or getattr(fused, "takes_deferred", False)):
+            if then and getattr(getattr(then, "fused", None), "takes_deferred", False):
+                out = sublayer(residual, norm, x, *args, defer=True)
+            else:
+                out = sublayer(residual, norm, x, *args)
+            if out is not None:
+                return (out, None) if isinstance(out, DeferredNorm) else out
+        if deferred:
+            residual, x = residual.resolve(self.ops)
+        return self.ops.residual_norm(residual, block(x), *norm)
 
     def logits(self, a: torch.Tensor) -> torch.Tensor:
         """``a`` = the final RMSNorm of the residual -> soft-capped fp32 logits ``[B,T,V]``."""

@@ -176,12 +176,12 @@ class Backend:
         the model then runs the block and the op (the CUDA backend: the norm in the last program of the block's
         final GEMV).
 
-        The op between an attention block and the MoE block after it may also be handed on unrun
-        (``musecore.model.DeferredNorm``): where the MoE callable has ``takes_deferred`` true and a
-        ``deferred_sublayer(deferred, norm)`` method (``sublayer``'s, its input the deferred op), the model calls the
-        attention callable's ``sublayer(..., defer=True)``, which may return a ``DeferredNorm`` (the block's output,
-        the op not run), and then ``deferred_sublayer``; where that returns None the ops resolve it (the CUDA
-        backend: the norm in the router + pooler launch's programs instead of o_proj's last one)."""
+        A sublayer's op may also be handed to the next block's fused form unrun (``musecore.model.DeferredNorm``):
+        where that form has ``takes_deferred`` true, the model calls ``sublayer(..., defer=True)``, which may return
+        a ``DeferredNorm`` (the block's output, the op not run), and passes it on as the next ``sublayer``'s
+        ``residual`` (its block input None); that form runs the op in its own first launch, or returns None and the
+        model resolves it with the ops (the CUDA backend: the norm after attention in the router + pooler launch's
+        programs instead of o_proj's last one)."""
         return None
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_new: torch.Tensor,

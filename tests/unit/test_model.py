@@ -280,6 +280,7 @@ class _DeferringAttention:
     def sublayer(self, residual, norm, a, positions, rope, cache, defer=False):
         from musecore.model import DeferredNorm
 
+        assert not isinstance(residual, DeferredNorm), "handed a DeferredNorm without takes_deferred"
         out = self.block(a, positions, rope, cache)
         if defer:
             self.deferred += 1
@@ -290,7 +291,7 @@ class _DeferringAttention:
 
 class _DeferredMoE:
     """A stand-in for a fused MoE block that takes the deferred norm (``takes``), or says it does and then declines
-    (``accept`` False: the model must resolve it); counts what it ran."""
+    it (``accept`` False: the model must resolve it); counts what it ran."""
 
     def __init__(self, block, takes=True, accept=True):
         self.block, self.takes_deferred, self.accept, self.ran = block, takes, accept, 0
@@ -298,11 +299,16 @@ class _DeferredMoE:
     def __call__(self, m):
         return None
 
-    def deferred_sublayer(self, deferred, norm):
+    def sublayer(self, residual, norm, m, defer=False):
+        from musecore.model import DeferredNorm
+
+        assert not defer, "asked to defer before a block that does not take it"
+        if not isinstance(residual, DeferredNorm):
+            return None
         if not self.accept:
             return None
         self.ran += 1
-        h, m = deferred.resolve(self.block.ops)
+        h, m = residual.resolve(self.block.ops)
         saved, self.block.fused = self.block.fused, None
         try:
             return self.block.ops.residual_norm(h, self.block(m), *norm)

@@ -201,29 +201,32 @@ class FusedMoE(_Fused):
     def __call__(self, m: torch.Tensor) -> Optional[torch.Tensor]:
         return self._run(m, None)
 
-    def sublayer(self, residual: torch.Tensor, norm: tuple, m: torch.Tensor
-                 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The block, then ``residual_norm(residual, out, *norm)`` in the unpooler GEMV's last program."""
+    def sublayer(self, residual: Any, norm: tuple, m: Optional[torch.Tensor], defer: bool = False) -> Optional[Any]:
+        """The block, then ``residual_norm(residual, out, *norm)`` in the unpooler GEMV's last program. ``residual``
+        may be the attention sublayer's ``DeferredNorm`` (``m`` None; where :attr:`takes_deferred`): the router +
+        pooler launch runs it and stores the new residual this block's own norm takes. With ``defer`` this block's
+        norm is handed on unrun instead (a ``DeferredNorm``)."""
+        deferred = residual if isinstance(residual, DeferredNorm) else None
+        if deferred is not None:
+            if not self.takes_deferred:
+                return None
+            residual, m = deferred.residual, deferred.out
         if residual.shape != m.shape or residual.dtype != m.dtype:
             return None
-        return self._run(m, (residual, norm))
+        out = self._run(m, (residual, norm), deferred, defer)
+        return DeferredNorm(*out, norm) if defer and out is not None else out
 
     @property
     def takes_deferred(self) -> bool:
-        """Whether :meth:`deferred_sublayer` runs (``DEFER_RESIDUAL_NORM``, and a hidden width the pooler's programs
-        hold whole)."""
+        """Whether :meth:`sublayer` takes a ``DeferredNorm`` (``DEFER_RESIDUAL_NORM``, and a hidden width the
+        pooler's programs hold whole)."""
         return DEFER_RESIDUAL_NORM and deferred_fits(self.pooler.shape[1])
 
-    def deferred_sublayer(self, deferred: DeferredNorm, norm: tuple) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`sublayer` whose input is the attention sublayer's residual norm, not yet run: the router + pooler
-        launch runs it in its programs (``router_pooler_deferred``) and stores the new residual that this block's
-        own residual norm then takes. None where it does not fit (the model resolves the norm)."""
-        out, residual = deferred.out, deferred.residual
-        if not self.takes_deferred or residual.shape != out.shape or residual.dtype != out.dtype:
-            return None
-        return self._run(out, (None, norm), deferred)
-
-    def _run(self, m: torch.Tensor, then: Optional[tuple], deferred: Optional[DeferredNorm] = None) -> Any:
+    def _run(self, m: torch.Tensor, then: Optional[tuple], deferred: Optional[DeferredNorm] = None,
+             defer: bool = False) -> Any:
+        """The block's launches on ``m``: its output, or with ``then = (residual, norm)`` the residual norm's pair
+        (``defer``: ``(residual, output)``, the norm not run); ``deferred``: ``m`` is that norm's ``out``, and the
+        router + pooler launch runs it, its new residual standing in for ``then``'s."""
         routed = self._route(m, deferred)
         if routed is None:
             return None
@@ -238,6 +241,8 @@ class FusedMoE(_Fused):
         else:
             y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
             unpool = functools.partial(dense_gemv, y, self.unpooler)  # y rounded to the model dtype as it loads
+        if defer:
+            return then[0], _unpool(unpool, m.shape, None, self.counters[2])
         return _unpool(unpool, m.shape, then, self.counters[2])
 
     def _route(self, m: torch.Tensor, deferred: Optional[DeferredNorm]
@@ -301,11 +306,12 @@ class FusedAttention(_Fused):
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any) -> Optional[torch.Tensor]:
         return self._run(a, positions, rope, cache, None)
 
-    def sublayer(self, residual: torch.Tensor, norm: tuple, a: torch.Tensor, positions: torch.Tensor, rope: Any,
+    def sublayer(self, residual: Any, norm: tuple, a: Optional[torch.Tensor], positions: torch.Tensor, rope: Any,
                  cache: Any, defer: bool = False) -> Optional[Any]:
         """The block, then ``residual_norm(residual, out, *norm)`` in the o_proj GEMV's last program; with ``defer``
-        the block alone, the norm handed on unrun (a ``DeferredNorm`` for the MoE block's router + pooler launch)."""
-        if residual.shape != a.shape or residual.dtype != a.dtype:
+        the block alone, the norm handed on unrun (a ``DeferredNorm`` for the MoE block's router + pooler launch).
+        Takes no ``DeferredNorm`` as ``residual`` (:attr:`takes_deferred` False)."""
+        if isinstance(residual, DeferredNorm) or residual.shape != a.shape or residual.dtype != a.dtype:
             return None
         if defer:
             out = self._run(a, positions, rope, cache, None)

@@ -106,10 +106,10 @@ def test_the_fused_moe_block_glue_in_the_interpreter_matches_the_separate_ops(ro
 
 
 def test_the_attention_norm_deferred_into_the_router_pooler_launch_in_the_interpreter(monkeypatch):
-    """Without a GPU: ``FusedMoE.deferred_sublayer`` (the residual norm after attention run in the router + pooler
-    launch's programs, ``DEFER_RESIDUAL_NORM``) on muse-tiny's first MoE block, its launches in Triton's interpreter,
-    against the norm op and then the block's separate ops and its own residual norm; declined while the switch is
-    off or for a residual of another dtype."""
+    """Without a GPU: ``FusedMoE.sublayer`` on a ``DeferredNorm`` (the residual norm after attention run in the router
+    + pooler launch's programs, ``DEFER_RESIDUAL_NORM``) on muse-tiny's first MoE block, its launches in Triton's
+    interpreter, against the norm op and then the block's separate ops and its own residual norm, and with ``defer``
+    its own norm handed on unrun; declined while the switch is off or for a residual of another dtype."""
     if HAS_GPU:
         pytest.skip("a GPU is here: the GPU test below covers the deferred norm with the compiled kernels")
     model = load_random("muse-tiny", "cpu", seed=0)
@@ -125,20 +125,23 @@ def test_the_attention_norm_deferred_into_the_router_pooler_launch_in_the_interp
     moe_norm = (norm_w.flip(0), alpha.flip(0), beta.flip(0), norm_w, 1e-6, 1e-6)
     deferred = DeferredNorm(residual, out, attn_norm)
     monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", False)
-    assert not fused_moe.takes_deferred and fused_moe.deferred_sublayer(deferred, moe_norm) is None
+    assert not fused_moe.takes_deferred and fused_moe.sublayer(deferred, moe_norm, None) is None
     monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", True)
     assert fused_moe.takes_deferred
     with torch.inference_mode():
         h, m = ref.residual_norm(residual, out, *attn_norm)
         want = ref.residual_norm(h, through_separate_ops(block, m), *moe_norm)
         for repeat in range(2):
-            got = fused_moe.deferred_sublayer(deferred, moe_norm)
-            for name, w, g in zip(("residual", "normed"), want, got):
+            got = fused_moe.sublayer(deferred, moe_norm, None)
+            handed = fused_moe.sublayer(deferred, moe_norm, None, defer=True)
+            assert isinstance(handed, DeferredNorm) and handed.norm is moe_norm
+            for name, w, g in zip(("residual", "normed", "resolved residual", "resolved normed"), want * 2,
+                                  got + handed.resolve(model.ops)):
                 err = nmse(w.float(), g.float())
                 assert g.shape == w.shape and err <= INTERPRETER_TOLERANCE, \
                     f"call {repeat}, deferred sublayer {name}: NMSE {err:.3g} > {INTERPRETER_TOLERANCE:g}"
         assert not fused_moe.counters.any(), f"counters {fused_moe.counters.flatten().tolist()}"
-        assert fused_moe.deferred_sublayer(DeferredNorm(residual.float(), out, attn_norm), moe_norm) is None
+        assert fused_moe.sublayer(DeferredNorm(residual.float(), out, attn_norm), moe_norm, None) is None
 
 
 @pytest.mark.gpu
