@@ -267,82 +267,72 @@ def test_cpu_decode_write_matches_the_indexed_write_and_skips_padding(ring) -> N
         assert torch.equal(one.k, before)
 
 
-class _DeferringAttention:
-    """A stand-in for a backend's fused attention block: the block through the ops, and with ``defer`` its output
-    handed on as a ``DeferredNorm``; counts the calls of each kind."""
+class _Deferring:
+    """A stand-in for a backend's fused block (``Backend.fuse_block``): ``sublayer`` runs the block through the ops,
+    resolving a ``DeferredNorm`` residual itself where it ``takes_deferred`` (or declining it: ``accept`` False, the
+    model must resolve it), and with ``defer`` hands its own norm on unrun; counts what it took and handed on."""
 
-    def __init__(self, block):
-        self.block, self.deferred, self.plain = block, 0, 0
+    def __init__(self, block, takes=True, accept=True):
+        self.block, self.takes_deferred, self.accept = block, takes, accept
+        self.took = self.declined = self.handed = 0
 
     def __call__(self, *args):
         return None
 
-    def sublayer(self, residual, norm, a, positions, rope, cache, defer=False):
+    def sublayer(self, residual, norm, x, *args, defer=False):
         from musecore.model import DeferredNorm
 
-        assert not isinstance(residual, DeferredNorm), "handed a DeferredNorm without takes_deferred"
-        out = self.block(a, positions, rope, cache)
-        if defer:
-            self.deferred += 1
-            return DeferredNorm(residual, out, norm)
-        self.plain += 1
-        return self.block.ops.residual_norm(residual, out, *norm)
-
-
-class _DeferredMoE:
-    """A stand-in for a fused MoE block that takes the deferred norm (``takes``), or says it does and then declines
-    it (``accept`` False: the model must resolve it); counts what it ran."""
-
-    def __init__(self, block, takes=True, accept=True):
-        self.block, self.takes_deferred, self.accept, self.ran = block, takes, accept, 0
-
-    def __call__(self, m):
-        return None
-
-    def sublayer(self, residual, norm, m, defer=False):
-        from musecore.model import DeferredNorm
-
-        assert not defer, "asked to defer before a block that does not take it"
-        if not isinstance(residual, DeferredNorm):
-            return None
-        if not self.accept:
-            return None
-        self.ran += 1
-        h, m = residual.resolve(self.block.ops)
+        if isinstance(residual, DeferredNorm):
+            assert self.takes_deferred, "handed a DeferredNorm without takes_deferred"
+            if not self.accept:
+                self.declined += 1
+                return None
+            self.took += 1
+            residual, x = residual.resolve(self.block.ops)
         saved, self.block.fused = self.block.fused, None
         try:
-            return self.block.ops.residual_norm(h, self.block(m), *norm)
+            out = self.block(x, *args)
         finally:
             self.block.fused = saved
+        if defer:
+            self.handed += 1
+            return DeferredNorm(residual, out, norm)
+        return self.block.ops.residual_norm(residual, out, *norm)
 
 
 @pytest.mark.parametrize("takes,accept", [(True, True), (True, False), (False, True)],
                          ids=["taken", "declined", "not-offered"])
-def test_the_attention_norm_handed_on_deferred_gives_the_same_logits(small_checkpoint, takes, accept):
-    """``MuseModel.forward`` hands the residual norm after attention from a fused attention block to the fused MoE
-    block after it (``DeferredNorm``) only where that block ``takes_deferred``; the logits are the ops' bit for bit
-    whether the MoE block runs it, declines it (the model resolves it) or is never offered it; calibration's
-    observer turns deferral off."""
+def test_residual_norms_handed_on_deferred_give_the_same_logits(small_checkpoint, takes, accept):
+    """``MuseModel.forward`` hands each residual norm from a fused block to the fused block after it
+    (``DeferredNorm``) only where that block ``takes_deferred``, never past the last layer; the logits are the ops'
+    bit for bit whether the next block runs it, declines it (the model resolves it) or is never offered it;
+    calibration's observer turns deferral off."""
     from musecore.model import MoE
 
     folder, config, _ = small_checkpoint
     model = musecore.load(folder, device="cpu", dtype=torch.float32)
     ids = torch.randint(0, config.vocab_size, (1, 6))
     want = model.forward(ids)
-    attns, moes = [], []
+    stand_ins = []
     for layer in model.layers:
-        layer.self_attn.fused = _DeferringAttention(layer.self_attn)
-        attns.append(layer.self_attn.fused)
-        if isinstance(layer.mlp, MoE):
-            layer.mlp.fused = _DeferredMoE(layer.mlp, takes, accept)
-            moes.append(layer.mlp.fused)
-    assert moes, "the small config has no MoE layer to test"
+        for block in (layer.self_attn, layer.mlp):
+            if hasattr(block, "fused"):
+                block.fused = _Deferring(block, takes, accept)
+                stand_ins.append(block.fused)
+    assert any(isinstance(layer.mlp, MoE) for layer in model.layers), "the small config has no MoE layer to test"
     got = model.forward(ids)
     assert torch.equal(got, want), f"logits differ by {(got - want).abs().max().item():.3g}"
-    sparse = len(moes)
-    assert sum(a.deferred for a in attns) == (sparse if takes else 0)
-    assert sum(m.ran for m in moes) == (sparse if takes and accept else 0)
+    handed = sum(s.handed for s in stand_ins)
+    # every fused block hands its norm to the next fused block, but the last block's goes to the final norm
+    chain = sum(1 for a, b in zip(stand_ins, stand_ins[1:]) if a.block.layer + 1 >= b.block.layer)
+    took, declined = sum(s.took for s in stand_ins), sum(s.declined for s in stand_ins)
+    if not takes:
+        assert handed == took == declined == 0, f"{handed} norms handed on to blocks that do not take them"
+    elif accept:  # each block hands its norm on and the next takes it
+        assert handed == took == chain and declined == 0, f"{handed} handed on, {took} taken, {chain} neighbours"
+    else:  # a declining block runs the ops and its own norm with them: every other neighbour pair hands one on
+        assert 0 < handed == declined and took == 0, f"{handed} handed on, {declined} declined"
+    before = handed
     seen = []
     model.forward(ids, observer=lambda *routing: seen.append(routing[0]))
-    assert len(seen) == sparse and sum(a.deferred for a in attns) == (sparse if takes else 0), \
-        "an observed forward deferred the norm"
+    assert seen and sum(s.handed for s in stand_ins) == before, "an observed forward deferred a norm"

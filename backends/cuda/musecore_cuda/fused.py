@@ -73,11 +73,11 @@ import torch
 
 from musecore.model import Attention, DeferredNorm, MoE
 from musecore_triton.kernels.attention import attention
-from musecore_triton.kernels.dense_gemv import (DENSE_GEMV_MAX_BYTES, MAX_BLOCK_K, attention_fits, dense_gemv,
-                                                qkv_attention, qkv_gemv_rope)
+from musecore_triton.kernels.dense_gemv import (DENSE_GEMV_MAX_BYTES, MAX_BLOCK_K, attention_fits, deferred_fits,
+                                                dense_gemv, qkv_attention, qkv_gemv_rope, qkv_gemv_rope_deferred)
 from musecore_triton.kernels.embed import model_decode_embed
 from musecore_triton.kernels.moe import finalize_gemv
-from musecore_triton.kernels.router import (MAX_TOP_K, ONE_LAUNCH_MAX_E, deferred_fits, router_pooler_deferred,
+from musecore_triton.kernels.router import (MAX_TOP_K, ONE_LAUNCH_MAX_E, router_pooler_deferred,
                                             router_pooler_one_launch)
 
 FUSED_ENV = "MUSECORE_CUDA_FUSED_BLOCKS"
@@ -98,6 +98,10 @@ FINALIZE_IN_UNPOOLER = True
 # (cuda_fused_ab.py mode ``defer_norm``); session 72's probe (run 139, two chained [1536, 1536] GEMVs) put the tail
 # at 0.8-1.4 us.
 DEFER_RESIDUAL_NORM = False
+# The residual norm after the MoE block run in the next layer's q/k/v/gate launch's programs
+# (``dense_gemv.qkv_gemv_rope_deferred``) instead of in the last program of the unpooler's GEMV: the other serial tail
+# of each layer (the last layer's stays: the final norm before lm_head). Off until timed (``defer_moe_norm``).
+DEFER_MOE_NORM = False
 log = logging.getLogger("musecore.cuda")
 
 
@@ -310,15 +314,29 @@ class FusedAttention(_Fused):
                  cache: Any, defer: bool = False) -> Optional[Any]:
         """The block, then ``residual_norm(residual, out, *norm)`` in the o_proj GEMV's last program; with ``defer``
         the block alone, the norm handed on unrun (a ``DeferredNorm`` for the MoE block's router + pooler launch).
-        Takes no ``DeferredNorm`` as ``residual`` (:attr:`takes_deferred` False)."""
-        if isinstance(residual, DeferredNorm) or residual.shape != a.shape or residual.dtype != a.dtype:
+        ``residual`` may be the layer before's ``DeferredNorm`` (``a`` None; where :attr:`takes_deferred`): the
+        q/k/v/gate launch runs it (``qkv_gemv_rope_deferred``) and stores the new residual this block's norm takes."""
+        deferred = residual if isinstance(residual, DeferredNorm) else None
+        if deferred is not None:
+            if not self.takes_deferred:
+                return None
+            residual, a = deferred.residual, deferred.out
+        if residual.shape != a.shape or residual.dtype != a.dtype:
             return None
-        if defer:
-            out = self._run(a, positions, rope, cache, None)
-            return None if out is None else DeferredNorm(residual, out, norm)
-        return self._run(a, positions, rope, cache, (residual, norm))
+        out = self._run(a, positions, rope, cache, (residual, norm), deferred, defer)
+        return DeferredNorm(*out, norm) if defer and out is not None else out
 
-    def _run(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any, then: Optional[tuple]) -> Any:
+    @property
+    def takes_deferred(self) -> bool:
+        """Whether :meth:`sublayer` takes a ``DeferredNorm`` (``DEFER_MOE_NORM``, the q/k/v/gate GEMV holding the
+        whole row, attention not in its launch)."""
+        return DEFER_MOE_NORM and not ATTENTION_IN_QKV and deferred_fits(self.in_proj.shape[1])
+
+    def _run(self, a: torch.Tensor, positions: torch.Tensor, rope: Any, cache: Any, then: Optional[tuple],
+             deferred: Optional[DeferredNorm] = None, defer: bool = False) -> Any:
+        """The block's launches on ``a``: its output, or with ``then = (residual, norm)`` the residual norm's pair
+        (``defer``: ``(residual, output)``, the norm not run); ``deferred``: ``a`` is that norm's ``out``, and the
+        q/k/v/gate launch runs it, its new residual standing in for ``then``'s."""
         block, in_proj = self.block, self.in_proj
         if cache is None or positions.shape != (1, 1) or a.numel() != in_proj.shape[1] or a.dtype != in_proj.dtype \
                 or a.device != in_proj.device or not self.bound():
@@ -329,15 +347,23 @@ class FusedAttention(_Fused):
         nq, nkv, d = block.nq, block.nkv, block.d
         cos, sin = rope if block.rope else (None, None)  # NoPE on the full-attention layers
         view = lc.stored()  # views of the cache: the launch's KV write shows through them
-        if ATTENTION_IN_QKV and attention_fits(nq, nkv, view.k.shape[1]):
+        if ATTENTION_IN_QKV and attention_fits(nq, nkv, view.k.shape[1]) and deferred is None:
             o = qkv_attention(a.reshape(1, -1), in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v,
                               lc.positions, positions, lc.capacity, lc.ring, self.counters[1:],
                               (view.k, view.v, view.positions), block.window, block.scale, block.eps)
-            return _unpool(functools.partial(dense_gemv, o.reshape(1, nq * d), self.o_proj), a.shape, then,
-                           self.counters[0])
-        y, q = qkv_gemv_rope(a.reshape(1, -1), in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v,
-                             lc.positions, positions, lc.capacity, lc.ring, self.counters[1:])
-        gate = y.view(1, 1, -1, d)[:, :, nq + 2 * nkv:]  # [1,1, nq + 2 nkv + nq, d]: q, k, v, gate heads
-        o = attention(q, view.k, view.v, positions, view.positions, block.window, block.scale, gate=(gate, block.eps))
-        return _unpool(functools.partial(dense_gemv, o.reshape(1, nq * d), self.o_proj), a.shape, then,
-                       self.counters[0])
+        else:
+            qkv = (in_proj, nq, nkv, cos, sin, block.eps, block.q_scale, lc.k, lc.v, lc.positions, positions,
+                   lc.capacity, lc.ring, self.counters[1:])
+            if deferred is None:
+                y, q = qkv_gemv_rope(a.reshape(1, -1), *qkv)
+            else:
+                y, q, new_res = qkv_gemv_rope_deferred((a.reshape(1, -1), deferred.residual.reshape(1, -1),
+                                                        *deferred.norm), *qkv)
+                then = (new_res.view(a.shape), then[1])
+            gate = y.view(1, 1, -1, d)[:, :, nq + 2 * nkv:]  # [1,1, nq + 2 nkv + nq, d]: q, k, v, gate heads
+            o = attention(q, view.k, view.v, positions, view.positions, block.window, block.scale,
+                          gate=(gate, block.eps))
+        o_proj = functools.partial(dense_gemv, o.reshape(1, nq * d), self.o_proj)
+        if defer:
+            return then[0], _unpool(o_proj, a.shape, None, self.counters[0])
+        return _unpool(o_proj, a.shape, then, self.counters[0])

@@ -255,12 +255,16 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
 
 
 @pytest.mark.gpu
-def test_the_attention_norm_deferred_into_the_moe_block_matches_the_separate_ops(model, monkeypatch):
-    """``DEFER_RESIDUAL_NORM``: ``attention_sublayer(defer=True)`` hands its residual norm on unrun (o_proj without
-    its tail) and ``feedforward_sublayer`` runs it in the router + pooler launch's programs: the MoE sublayer's pair
-    within TOLERANCE of the separate ops', 3 launches for attention and 4 for the MoE block as without deferral, and
-    a decode step's logits within TOLERANCE of the separate ops'."""
-    monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", True)
+@pytest.mark.parametrize("after_attention,after_moe", [(True, False), (False, True), (True, True)])
+def test_residual_norms_deferred_to_the_next_block_match_the_separate_ops(model, after_attention, after_moe,
+                                                                           monkeypatch):
+    """``DEFER_RESIDUAL_NORM`` (the norm after attention run in the MoE block's router + pooler launch) and
+    ``DEFER_MOE_NORM`` (the norm after the MoE block run in the next layer's q/k/v/gate launch): each sublayer pair
+    with the norm handed on (``defer=True``, then a ``DeferredNorm`` as the next sublayer's residual) within TOLERANCE
+    of the separate ops', the launch counts of the undeferred blocks (3 for attention, 4 for the MoE block), and a
+    decode step's logits within TOLERANCE of the separate ops'."""
+    monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", after_attention)
+    monkeypatch.setattr(fused, "DEFER_MOE_NORM", after_moe)
     prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
     caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(6)
@@ -270,31 +274,51 @@ def test_the_attention_norm_deferred_into_the_moe_block_matches_the_separate_ops
             model.forward(prompt, cache=cache)
         positions = torch.tensor([[12]], device="cuda")
         rope = model.rope(positions)
-        sparse = 0
-        for i, layer in enumerate(model.layers):
+        pairs = 0
+        for i, layer in enumerate(model.layers[:-1]):
             if not isinstance(layer.mlp, MoE):
                 continue
-            sparse += 1
             x, a = (torch.randn(1, 1, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
-            deferred, none = model.attention_sublayer(i, x, a, positions, rope, caches[0], defer=True)
-            assert isinstance(deferred, DeferredNorm) and none is None, f"layer {i}: {type(deferred).__name__}"
-            got = model.feedforward_sublayer(i, deferred, None)
-            with separate_ops(model):
-                want = model.feedforward_sublayer(i, *model.attention_sublayer(i, x, a, positions, rope, caches[1]))
-            for name, w, g in zip(("x", "a"), want, got):
-                err = nmse(w.float(), g.float())
-                assert g.shape == w.shape and g.dtype == w.dtype and err <= TOLERANCE, \
-                    f"layer {i} deferred MoE sublayer {name}: NMSE {err:.3g} > {TOLERANCE:g}"
-            assert count_kernels(lambda: model.feedforward_sublayer(i, deferred, None)) == 4
-            assert count_kernels(lambda: model.attention_sublayer(i, x, a, positions, rope, caches[0],
-                                                                   defer=True)) == 3
-        assert sparse, "muse-tiny has no MoE layer"
+            if after_attention:  # attention (i) -> MoE (i)
+                deferred, none = model.attention_sublayer(i, x, a, positions, rope, caches[0], defer=True)
+                assert isinstance(deferred, DeferredNorm) and none is None, f"layer {i}: {type(deferred).__name__}"
+                got = model.feedforward_sublayer(i, deferred, None)
+                with separate_ops(model):
+                    want = model.feedforward_sublayer(i, *model.attention_sublayer(i, x, a, positions, rope,
+                                                                                    caches[1]))
+                check_pair(want, got, f"layer {i} MoE sublayer after the deferred attention norm")
+                assert count_kernels(lambda: model.feedforward_sublayer(i, deferred, None)) == 4
+                assert count_kernels(lambda: model.attention_sublayer(i, x, a, positions, rope, caches[0],
+                                                                       defer=True)) == 3
+                pairs += 1
+            if after_moe:  # MoE (i) -> attention (i + 1)
+                deferred, none = model.feedforward_sublayer(i, x, a, defer=True)
+                assert isinstance(deferred, DeferredNorm) and none is None, f"layer {i}: {type(deferred).__name__}"
+                got = model.attention_sublayer(i + 1, deferred, None, positions, rope, caches[0])
+                with separate_ops(model):
+                    want = model.attention_sublayer(i + 1, *model.feedforward_sublayer(i, x, a), positions, rope,
+                                                    caches[1])
+                check_pair(want, got, f"layer {i + 1} attention sublayer after the deferred MoE norm")
+                err = nmse(caches[1][i + 1].k.float(), caches[0][i + 1].k.float())
+                assert err <= TOLERANCE, f"layer {i + 1}: cache k NMSE {err:.3g} > {TOLERANCE:g}"
+                assert count_kernels(lambda: model.attention_sublayer(i + 1, deferred, None, positions, rope,
+                                                                       caches[0])) == 3
+                assert count_kernels(lambda: model.feedforward_sublayer(i, x, a, defer=True)) == 4
+                pairs += 1
+        assert pairs, "muse-tiny has no MoE layer before its last"
         step = torch.tensor([[7]], device="cuda")
         got = model.forward(step, positions, cache=caches[0])
         with separate_ops(model):
             want = model.forward(step, positions, cache=caches[1])
         err = nmse(want, got)
-        assert err <= TOLERANCE, f"decode step logits with the deferred norm: NMSE {err:.3g} > {TOLERANCE:g}"
+        assert err <= TOLERANCE, f"decode step logits with the deferred norms: NMSE {err:.3g} > {TOLERANCE:g}"
+
+
+def check_pair(want: tuple, got: tuple, what: str) -> None:
+    for name, w, g in zip(("residual", "normed"), want, got):
+        err = nmse(w.float(), g.float())
+        assert g.shape == w.shape and g.dtype == w.dtype and err <= TOLERANCE, \
+            f"{what}, {name}: NMSE {err:.3g} > {TOLERANCE:g}"
 
 
 @pytest.mark.gpu

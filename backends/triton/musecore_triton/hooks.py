@@ -159,7 +159,8 @@ def eager_first_step(device: torch.device) -> bool:
 def row_op_cut(device: torch.device, kernel: str) -> Optional[tuple[int, int]]:
     """``(rows, warps)`` per program for the row-op launch ``kernel`` on ``device`` (``"residual_norm"``: a
     ``dense_gemv`` with the residual norm in its last program; ``"router_pooler"``; ``"qkv"``: the q/k/v/gate GEMV
-    with its heads' norms), or None: the kernel's own cut."""
+    with its heads' norms; ``"qkv_deferred"``: that GEMV running the residual norm before it in every program), or
+    None: the kernel's own cut."""
     return _row_op_cut(device, kernel)
 
 

@@ -7,10 +7,11 @@ its next step's key positions and, since session 53, loading its first step's k 
 session 75 the unpooler GEMV with the MoE finalize in its programs, ``moe.finalize_gemv``; since session 76, where
 ``musecore_cuda`` is installed, the residual-norm GEMV and the router + pooler launch at the CUDA backend's row-op
 cuts and attention signalling its dependents early, since session 78 the one-token router launches at its 64 columns
-per program, since session 79 the router + pooler launch running the residual norm deferred to it) for a GPU target
-with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch, session 49): ``python
-decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with the signature and
-constexprs its wrapper chose, never run); prints one JSON list: kernel, constexprs, options, shared memory bytes."""
+per program, since session 79 the router + pooler and q/k/v/gate launches running the residual norm deferred to them)
+for a GPU target with no GPU, with the CUDA backend's hooks where it is installed (the GEMV tails' L2 prefetch,
+session 49): ``python decode_compile.py sm90``. Same recorder as ``towers_compile.py`` (every launch compiled with
+the signature and constexprs its wrapper chose, never run); prints one JSON list: kernel, constexprs, options, shared
+memory bytes."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def main(arch: str) -> None:
     from musecore_triton.kernels import norms, router, sampling
     from musecore_triton.kernels import attention as attention_module
     from musecore_triton.kernels.attention import attention
-    from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_attention, qkv_gemv_rope
+    from musecore_triton.kernels.dense_gemv import dense_gemv, qkv_attention, qkv_gemv_rope, qkv_gemv_rope_deferred
     from musecore_triton.kernels.embed import decode_embed
     from musecore_triton.kernels.moe import finalize_gemv
 
@@ -104,6 +105,9 @@ def main(arch: str) -> None:
         router.router_pooler_deferred((x, x, None, vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6),  # (session 79)
                                       torch.randn(64, H), torch.zeros(64), 8, 0.18, 1.0, w, torch.ones(h).to(dt),
                                       1e-6, torch.zeros(2, dtype=torch.int32))
+        qkv_gemv_rope_deferred((x, x, torch.ones(H).to(dt), vec32, vec32, torch.ones(H).to(dt), 1e-5, 1e-6),
+                               torch.randn(y.numel(), H).to(dt), nq, nkv, cos, sin, 1e-6, 0.5, ck, cv, cpos, pos, cap,
+                               True, torch.zeros(nq + nkv, dtype=torch.int32))  # at the qkv_deferred cut
         attention(qn, ck[:, :cap], cv[:, :cap], pos, cpos[:, :cap], 1024, d ** -0.5, gate=(gate, 1e-6))  # EARLY
         decode_embed(torch.tensor([[3]]), pos, torch.zeros(1, dtype=torch.long), torch.randn(65536, H).to(dt),
                      torch.tensor([4, 5, 6]), torch.ones(H).to(dt), 1e-6, inv_freq, 1.0, dt)  # EARLY (lab mode only)

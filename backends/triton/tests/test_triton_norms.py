@@ -195,6 +195,54 @@ def test_qkv_gemv_rope_gives_the_gemv_then_qk_norm_rope_kv_write(nq, nkv, d, k, 
         qkv_gemv_rope(x, w[:-d], nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity, ring, counters)
 
 
+@pytest.mark.parametrize("nq,nkv,d,k,post,cut", [(4, 2, 32, 64, True, None), (6, 1, 64, 200, False, None),
+                                                 (6, 1, 64, 200, True, (16, 4))])
+def test_qkv_gemv_rope_takes_the_deferred_residual_norm(nq, nkv, d, k, post, cut, monkeypatch):
+    """``qkv_gemv_rope_deferred``: the residual norm after the layer before (a scale-first or weightless post norm,
+    the gate's alpha / beta, this layer's input norm) run in every program of the q/k/v/gate launch, against the
+    ``residual_norm`` kernel then ``qkv_gemv_rope`` on its normed row: the same new residual, projection, q and
+    cache (bit for bit in the interpreter, whose row sums run in one order; on a GPU the projection within the
+    linear op's tolerance and q, k within the q/k norm's), the head tickets back at zero. ``cut``: as above."""
+    from musecore_triton.kernels import dense_gemv as module
+    from musecore_triton.kernels.dense_gemv import qkv_gemv_rope, qkv_gemv_rope_deferred
+    if cut is not None:
+        monkeypatch.setattr(module, "QKV_BLOCK_N", cut[0])
+        monkeypatch.setattr(module, "QKV_WARPS", cut[1])
+    capacity, dtype = 8, torch.float16
+    out, residual = torch.randn(1, k, device=DEVICE).to(dtype), (torch.randn(1, k, device=DEVICE) * 3).to(dtype)
+    post_w = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype) if post else None
+    alpha, beta = 1 + 0.1 * torch.randn(k, device=DEVICE), 0.5 * torch.randn(k, device=DEVICE)
+    next_w = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
+    w = (torch.randn((2 * nq + 2 * nkv) * d, k, device=DEVICE) * 0.1).to(dtype)
+    cos, sin = rope_tables(1, 1, d)
+    counters = torch.zeros(nq + nkv, 1, dtype=torch.int32, device=DEVICE)
+    want_res, x = norms.residual_norm(residual, out, post_w, alpha, beta, next_w, 1e-6, 1e-5)
+    pos = torch.tensor([[5]], device=DEVICE)
+    caches = [[torch.randn(1, capacity + 1, nkv, d, device=DEVICE).half() for _ in range(2)]
+              + [torch.randint(-1, 9, (1, capacity + 1), device=DEVICE)] for _ in range(2)]
+    caches[1] = [c.clone() for c in caches[0]]
+    want_y, want_q = qkv_gemv_rope(x, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[0], pos, capacity, False, counters)
+    deferred = (out, residual, post_w, alpha, beta, next_w, 1e-6, 1e-5)
+    for launch in range(2):
+        y, q, new_res = qkv_gemv_rope_deferred(deferred, w, nq, nkv, cos, sin, 1e-6, 0.7, *caches[1], pos, capacity,
+                                               False, counters)
+        assert counters.eq(0).all(), f"launch {launch}: tickets left at {counters.flatten().tolist()}"
+        if DEVICE.type == "cpu":
+            for name, want, got in (("new residual", want_res, new_res), ("projection", want_y, y), ("q", want_q, q),
+                                    ("cache k", caches[0][0], caches[1][0])):
+                assert torch.equal(want, got), f"{name} differs by {(want - got).abs().max().item():.3g}"
+        assert_nmse(want_res, new_res, tolerance("residual_norm"), "the new residual")
+        assert_nmse(want_y, y, tolerance("linear"), "the projection")
+        assert_nmse(want_q, q, tolerance("qk_norm_rope"), f"q, nq={nq} nkv={nkv} d={d}")
+        assert_nmse(caches[0][0], caches[1][0], tolerance("qk_norm_rope"), "cache k")
+        for name, want, got in zip(("v", "positions"), caches[0][1:], caches[1][1:]):
+            if DEVICE.type == "cpu" or name == "positions":
+                assert torch.equal(want, got), f"cache {name} differs"
+    with pytest.raises(ValueError, match="residual norm's weights"):
+        qkv_gemv_rope_deferred((out, residual, post_w, alpha[:-1], beta, next_w, 1e-6, 1e-5), w, nq, nkv, cos, sin,
+                               1e-6, 0.7, *caches[1], pos, capacity, False, counters)
+
+
 @pytest.mark.parametrize("nq,nkv,d,k,ring,rope,window,step,capacity", [
     (4, 2, 32, 64, False, True, None, 64, 8), (6, 1, 64, 200, True, True, 3, 64, 8),
     (4, 2, 32, 96, False, False, None, 64, 8), (4, 2, 32, 64, False, True, None, 32, 80),  # 81 keys: 3 steps

@@ -38,7 +38,9 @@ its weights during the down GEMV; the default since session 77 on grids of at mo
 ``fp4_gemv_cuda.EXPERTS_EARLY_BLOCKS_PER_SM`` blocks per SM, which muse-small's are; ``experts_late`` without);
 ``embed_early``: the decode embed kernel signalling right after its wait (the first q/k/v/gate GEMV's weights);
 ``defer_norm`` (session 79): the residual norm after attention run in the router + pooler launch's programs instead of
-o_proj's last one (``fused.DEFER_RESIDUAL_NORM``; ``norm_tail`` forces it off);
+o_proj's last one (``fused.DEFER_RESIDUAL_NORM``; ``norm_tail`` forces it off); ``defer_moe_norm``: the norm after the
+MoE block run in the next layer's q/k/v/gate launch instead of the unpooler's last program (``fused.DEFER_MOE_NORM``,
+at the backend's ``qkv_deferred`` cut); ``defer_both``: the two;
 ``set:module.NAME=value`` (``set:musecore_triton.kernels.router.ONE_LAUNCH_BLOCK_K=64``): that module constant set to
 that Python literal.
 Same random weights, same
@@ -81,7 +83,8 @@ MODES = ("fused", "unroll", "lm_head_unrolled", "rope_apart", "no_warm", "embed_
          "attn_eager", "attn_eager_prefetch", "all_new53", "attn_lazy", "greedy_torch_state",
          "fin_2x2", "fin_4x4", "fin_8x8", "fin_16x16", "fin_apart",
          "attn_early", "attn_late", "experts_early", "experts_late", "embed_early", "rn_4x4", "rn_8x8", "rn_16x16",
-         "rp_4x4", "rp_8x8", "rp_16x4", "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16", "defer_norm", "norm_tail")
+         "rp_4x4", "rp_8x8", "rp_16x4", "rp_16x16", "qkv_4x4", "qkv_8x8", "qkv_16x16", "defer_norm", "norm_tail",
+         "defer_moe_norm", "defer_both")
 FINALIZE_CUTS = {"fin_2x2": (2, 2), "fin_4x4": (4, 4), "fin_8x8": (8, 8), "fin_16x16": (16, 16)}
 # (module, its rows constant, its warps constant) of each row-op launch's cut, by mode prefix
 ROW_OP_CUTS = {"rn": (dense_gemv_module, "RESIDUAL_NORM_BLOCK_N", "RESIDUAL_NORM_WARPS"),
@@ -189,6 +192,8 @@ def part_patches(model, mode: str) -> list[tuple]:
         "fin_apart": [(fused, "FINALIZE_IN_UNPOOLER", False)],
         "defer_norm": [(fused, "DEFER_RESIDUAL_NORM", True)],
         "norm_tail": [(fused, "DEFER_RESIDUAL_NORM", False)],
+        "defer_moe_norm": [(fused, "DEFER_MOE_NORM", True)],
+        "defer_both": [(fused, "DEFER_RESIDUAL_NORM", True), (fused, "DEFER_MOE_NORM", True)],
         "attn_early": early_set("attention", True),
         "attn_late": early_set("attention", False),
         "experts_early": early_set("fp4_gemv_mma_experts", True),

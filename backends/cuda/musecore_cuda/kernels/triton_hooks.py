@@ -73,7 +73,10 @@ def eager_first_step(device: torch.device) -> bool:
 # Rows x warps per program of the decode launches whose last program runs a row op over the whole row (hooks.row_op_cut;
 # muse-small's decode graph on an H100, session 76, cuda_fused_ab.py, 8 rounds: 715.8 us per replay at the kernels'
 # 2 x 2, 707.7 with these two; the q/k/v/gate GEMV at 4 x 4 gained 0.8 more, within the rounds' spread, so it stays).
-ROW_OP_CUTS = {"residual_norm": (8, 8), "router_pooler": (4, 4)}
+# "qkv_deferred" (session 79): the q/k/v/gate GEMV that works out the residual norm before it over the whole row in
+# every program (musecore_cuda.fused.DEFER_MOE_NORM): six whole-row vectors per program beside its weights spill at
+# 2 x 2 (session 70's sm90 compile of the same prologue: 255 registers), 8 x 8 took 131; not timed yet.
+ROW_OP_CUTS = {"residual_norm": (8, 8), "router_pooler": (4, 4), "qkv_deferred": (8, 8)}
 
 
 def row_op_cut(device: torch.device, kernel: str) -> tuple[int, int] | None:

@@ -146,6 +146,24 @@ def norm_row(y_ptr, w_ptr, normed_ptr, N, eps, HAS_WEIGHT: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def deferred_gemv_program(pid, out_ptr, w_ptr, y_ptr, N, K, stride_w, res_ptr, post_w_ptr, alpha_ptr, beta_ptr,
+                          next_w_ptr, new_res_ptr, post_eps, eps, HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """Row block ``pid`` of ``y = W @ normed`` where ``normed`` is the ``residual_norm`` op's output on the row
+    ``out [K]`` that the kernel before wrote, the op deferred to here: every program loads its rows of ``W`` with all
+    of K in one chunk (``K <= BLOCK_K``) before its PDL wait, then works out the op over the whole row in registers
+    (``norms.deferred_input``) as its ``x``; block 0 stores the new residual. Signals its dependents as
+    :func:`gemv_program` does, after its weight loads."""
+    rows, rmask, kk, kmask, wv = whole_k_tile(pid, w_ptr, N, K, stride_w, BLOCK_N, BLOCK_K)  # a weight
+    hooks.pdl_launch_dependents(EARLY)
+    new_res, x = norms.deferred_input(kk, kmask, out_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, K,
+                                      post_eps, eps, HAS_POST, HAS_NEXT, BLOCK_K, True, PDL)
+    if pid == 0:
+        tl.store(new_res_ptr + kk, new_res, mask=kmask)
+    store_row_products(wv, x, y_ptr, rows, rmask)
+
+
+@triton.jit
 def _chunk_weights(k0, rows, rmask, w_ptr, w2_ptr, K, stride_w, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` weights of K's chunk at ``k0`` (and the up stack's with ``SWIGLU``), as stored."""
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -212,14 +230,26 @@ def last_ticket(count_ptr, programs):
 
 @triton.jit
 def qkv_gemv_rope_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, cv_ptr,
-                         cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, NQ: tl.constexpr, NKV: tl.constexpr,
+                         cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, res_ptr, post_w_ptr, alpha_ptr, beta_ptr,
+                         next_w_ptr, new_res_ptr, post_eps, res_eps, NQ: tl.constexpr, NKV: tl.constexpr,
                          D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, K_STATIC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                         ROUND_X: tl.constexpr):
-    """:func:`qkv_program` in every program."""
-    qkv_program(tl.program_id(0), x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr,
-                cv_ptr, cpos_ptr, pos_ptr, slots, capacity, eps, q_scale, NQ, NKV, D, ROPE, RING, BLOCK_N, BLOCK_K,
-                K_STATIC, PDL, EARLY, ROUND_X)
+                         ROUND_X: tl.constexpr, DEFERRED: tl.constexpr = False, HAS_POST: tl.constexpr = False,
+                         HAS_NEXT: tl.constexpr = False):
+    """:func:`qkv_program` in every program; with ``DEFERRED`` its GEMV's input is ``residual_norm(res, x, post_w,
+    alpha, beta, next_w, post_eps, res_eps)``'s normed row, which every program works out for itself
+    (:func:`deferred_gemv_program`)."""
+    pid = tl.program_id(0)
+    if DEFERRED:
+        deferred_gemv_program(pid, x_ptr, w_ptr, y_ptr, N, K, stride_w, res_ptr, post_w_ptr, alpha_ptr, beta_ptr,
+                              next_w_ptr, new_res_ptr, post_eps, res_eps, HAS_POST, HAS_NEXT, BLOCK_N, BLOCK_K, PDL,
+                              EARLY)
+    else:
+        gemv_program(pid, tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w_ptr, x_ptr, y_ptr, N, K, stride_w, 0,
+                     1, count_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, 0.0, 0.0, BLOCK_N, BLOCK_K, False,
+                     False, PDL, EARLY, ROUND_X, 0, False, False, 1, False, K_STATIC)
+    qkv_heads(pid, y_ptr, N, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, cv_ptr, cpos_ptr, pos_ptr, slots,
+              capacity, eps, q_scale, NQ, NKV, D, ROPE, RING, BLOCK_N)
 
 
 @triton.jit
@@ -228,12 +258,22 @@ def qkv_program(pid, x_ptr, w_ptr, y_ptr, N, K, stride_w, count_ptr, cos_ptr, si
                 D: tl.constexpr, ROPE: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, K_STATIC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
                 ROUND_X: tl.constexpr):
-    """:func:`gemv_program` over rows ``q | k | v | gate`` (heads of ``D``), then each head's last program to take
-    its ticket runs :func:`norms.qk_norm_rope_row` on that head (a k head's ticket counts its v rows too). Returns
-    the head whose step this program ran (q heads 0 .. NQ-1, k heads NQ ..), or -1."""
+    """:func:`gemv_program` over rows ``q | k | v | gate`` (heads of ``D``), then :func:`qkv_heads`. Returns the head
+    whose step this program ran (q heads 0 .. NQ-1, k heads NQ ..), or -1."""
     gemv_program(pid, tl.program_id(1), tl.num_programs(0), x_ptr, w_ptr, w_ptr, x_ptr, y_ptr, N, K, stride_w, 0, 1,
                  count_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, y_ptr, 0.0, 0.0, BLOCK_N, BLOCK_K, False, False,
                  PDL, EARLY, ROUND_X, 0, False, False, 1, False, K_STATIC)
+    return qkv_heads(pid, y_ptr, N, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, cv_ptr, cpos_ptr, pos_ptr, slots,
+                     capacity, eps, q_scale, NQ, NKV, D, ROPE, RING, BLOCK_N)
+
+
+@triton.jit
+def qkv_heads(pid, y_ptr, N, count_ptr, cos_ptr, sin_ptr, q_out_ptr, ck_ptr, cv_ptr, cpos_ptr, pos_ptr, slots,
+              capacity, eps, q_scale, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+              RING: tl.constexpr, BLOCK_N: tl.constexpr):
+    """After a program stored its ``BLOCK_N`` rows of the q/k/v/gate product ``y``: each q/k head's last program to
+    take its ticket runs :func:`norms.qk_norm_rope_row` on that head (a k head's ticket counts its v rows too).
+    Returns the head whose step this program ran (q heads 0 .. NQ-1, k heads NQ ..), or -1."""
     head = pid * BLOCK_N // D  # q heads 0 .. NQ-1, k heads NQ .., v heads NQ + NKV .., then the gate rows
     done = -1
     if head < NQ + 2 * NKV:
@@ -288,10 +328,37 @@ def qkv_gemv_rope(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
 
     ``counters``: ``nq + nkv`` int32 zeros (one ticket per q head and per k head, each reset by the program that
     drew its last), owned by one call site whose launches do not overlap."""
-    y, q_out, args, meta = _qkv_launch("qkv_gemv_rope", x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v,
-                                       cache_pos, pos_new, capacity, ring, counters, nq + nkv)
-    qkv_gemv_rope_kernel[(triton.cdiv(w.shape[0], meta["BLOCK_N"]),)](*args, **meta)
-    return y, q_out
+    return _qkv_gemv_rope("qkv_gemv_rope", x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v, cache_pos,
+                          pos_new, capacity, ring, counters, None)[:2]
+
+
+def qkv_gemv_rope_deferred(residual_norm: tuple, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
+                           sin: torch.Tensor | None, eps: float, q_scale: float, cache_k: torch.Tensor,
+                           cache_v: torch.Tensor, cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int,
+                           ring: bool, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`qkv_gemv_rope` of ``residual_norm(residual, out, post_w, alpha, beta, next_w, post_eps, res_eps)``'s
+    normed row, the op run in this launch's programs (:func:`deferred_gemv_program`) rather than in the last program
+    of the GEMV that wrote ``out``: ``residual_norm = (out [1, K], residual [1, K], post_w | None, alpha, beta, next_w
+    | None, post_eps, res_eps)`` (``musecore.model.DeferredNorm``'s). Returns ``(y, q, new_residual)``. Takes K up
+    to one chunk (:func:`deferred_fits`); runs the backend's ``qkv_deferred`` cut (``hooks.row_op_cut``): six
+    whole-row vectors per program beside its weights."""
+    return _qkv_gemv_rope("qkv_gemv_rope_deferred", residual_norm[0], w, nq, nkv, cos, sin, eps, q_scale, cache_k,
+                          cache_v, cache_pos, pos_new, capacity, ring, counters, residual_norm)
+
+
+def _qkv_gemv_rope(name: str, x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None, eps: float, q_scale: float, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                   cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool, counters: torch.Tensor,
+                   deferred: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, q_out, args, meta = _qkv_launch(name, x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v, cache_pos,
+                                       pos_new, capacity, ring, counters, nq + nkv,
+                                       "qkv" if deferred is None else "qkv_deferred")
+    if deferred is None:
+        operands, flags, new_res = (x,) * 6 + (0.0, 0.0), {}, x
+    else:
+        operands, flags, new_res = deferred_operands(name, deferred, w.shape[1])
+    qkv_gemv_rope_kernel[(triton.cdiv(w.shape[0], meta["BLOCK_N"]),)](*args, *operands, **meta, **flags)
+    return y, q_out, new_res
 
 
 # Longest cache qkv_attention takes: one program per KV head steps through it (ATTEND_BLOCK_N keys a step); beyond,
@@ -346,13 +413,13 @@ def qkv_attention(x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torc
 def _qkv_launch(name: str, x: torch.Tensor, w: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor | None,
                 sin: torch.Tensor | None, eps: float, q_scale: float, cache_k: torch.Tensor, cache_v: torch.Tensor,
                 cache_pos: torch.Tensor, pos_new: torch.Tensor, capacity: int, ring: bool, counters: torch.Tensor,
-                tickets: int) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
+                tickets: int, cut: str = "qkv") -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
     """Checks and outputs of :func:`qkv_gemv_rope` and :func:`qkv_attention`: ``(y, q_out, the kernels' shared
-    arguments, their constexprs and launch options)``."""
+    arguments, their constexprs and launch options)``; ``cut``: the row-op cut's name (``hooks.row_op_cut``)."""
     d = cache_k.shape[-1]
     n, k = w.shape
     _, block_k, k_static = gemv_blocks(k)
-    block_n, num_warps = row_op_cut(k, x.device, "qkv", QKV_BLOCK_N, QKV_WARPS)
+    block_n, num_warps = row_op_cut(k, x.device, cut, QKV_BLOCK_N, QKV_WARPS)
     if x.shape != (1, k) or x.dtype not in (w.dtype, torch.float32) or w.stride(1) != 1 \
             or w.dtype not in (torch.bfloat16, torch.float16) or n != 2 * (nq + nkv) * d or d % block_n \
             or d & (d - 1):
@@ -469,6 +536,31 @@ def residual_norm_operands(residual_norm: tuple, y: torch.Tensor) -> tuple[tuple
     extra = dict(EPILOGUE=2, HAS_POST=post_w is not None, HAS_NEXT=next_w is not None,
                  BLOCK_NORM=triton.next_power_of_2(n))
     return args, extra, new_res, normed
+
+
+def deferred_fits(k: int) -> bool:
+    """Whether a GEMV of depth ``k`` takes a deferred residual norm as its input (:func:`deferred_gemv_program`):
+    its programs hold the whole row, one chunk, not unrolled."""
+    _, block_k, k_static = gemv_blocks(k)
+    return k <= block_k and not k_static
+
+
+def deferred_operands(what: str, deferred: tuple, k: int) -> tuple[tuple, dict, torch.Tensor]:
+    """A launch's eight operands for a deferred residual norm on its input (``res_ptr, post_w_ptr, alpha_ptr,
+    beta_ptr, next_w_ptr, new_res_ptr, post_eps, eps``), its constexprs and the new residual it fills, for
+    ``deferred = (out [1, k], residual [1, k], post_w | None, alpha, beta, next_w | None, post_eps, eps)``."""
+    out, residual, post_w, alpha, beta, next_w, post_eps, eps = deferred
+    vectors = dict(alpha=alpha, beta=beta, post_w=post_w, next_w=next_w)
+    if not deferred_fits(k) or residual.shape != (1, k) or residual.dtype != out.dtype \
+            or any(v is not None and v.numel() != k for v in vectors.values()):
+        raise ValueError(f"{what} takes out and residual [1, K] of one dtype with K up to one GEMV chunk and the "
+                         f"residual norm's weights [K]; got K {k}, residual {residual.dtype} {list(residual.shape)} "
+                         f"(out {out.dtype}), "
+                         + ", ".join(f"{name} {list(v.shape)}" for name, v in vectors.items() if v is not None))
+    new_res = torch.empty_like(residual)
+    operands = (residual.contiguous(), out if post_w is None else post_w.contiguous(), alpha.contiguous(),
+                beta.contiguous(), out if next_w is None else next_w.contiguous(), new_res, post_eps, eps)
+    return operands, dict(DEFERRED=True, HAS_POST=post_w is not None, HAS_NEXT=next_w is not None), new_res
 
 
 def _check_epilogue(n: int, counter: torch.Tensor, **vectors: torch.Tensor | None) -> None:

@@ -149,6 +149,36 @@ def pending_residual_norm(o, post, alpha, beta, res, nxt, mask, n, post_eps, eps
 
 
 @triton.jit
+def deferred_input(offs, mask, out_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, H, post_eps, eps,
+                   HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_ROW: tl.constexpr, WHOLE: tl.constexpr,
+                   PDL: tl.constexpr):
+    """``(new_res, normed)`` at ``offs`` of ``residual_norm(res, out, post_w, alpha, beta, next_w, post_eps, eps)`` on
+    the row ``[H]`` that the kernel before wrote (``out``): the op's weights loaded before the PDL wait, the whole
+    row's two rms factors after it (``BLOCK_ROW >= H``), then the elements at ``offs`` (``WHOLE``: ``offs`` is the
+    whole row, already in registers) with the op's roundings; ``normed`` fp32, rounded to the residual's dtype as the
+    op stores it and a GEMV loads it."""
+    row = tl.arange(0, BLOCK_ROW)
+    rmask = row < H
+    act = out_ptr.dtype.element_ty
+    res_dt = res_ptr.dtype.element_ty
+    post, alpha, beta, nxt = residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, row, rmask)
+    hooks.pdl_wait(PDL)  # out (and the residual, earlier) written by the kernels before (musecore_triton.hooks)
+    o, res = residual_norm_inputs(res_ptr, out_ptr, row, rmask)
+    r_post, r_next = residual_norm_factors(o, post, alpha, beta, res, rmask, H, post_eps, eps, HAS_POST, act,
+                                                 res_dt)
+    if WHOLE:
+        new_res, normed = pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST,
+                                                         HAS_NEXT, act, res_dt)
+    else:  # this program's elements, read again (from this SM's L1 or L2)
+        post_s, alpha_s, beta_s, nxt_s = residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, offs,
+                                                                     mask)
+        o_s, res_s = residual_norm_inputs(res_ptr, out_ptr, offs, mask)
+        new_res, normed = pending_residual_norm_at(o_s, post_s, alpha_s, beta_s, res_s, nxt_s, r_post, r_next,
+                                                         HAS_POST, HAS_NEXT, act, res_dt)
+    return new_res, normed.to(res_dt).to(tl.float32)
+
+
+@triton.jit
 def residual_norm_kernel(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, normed_ptr,
                          n, post_eps, eps, HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):

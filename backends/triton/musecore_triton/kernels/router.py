@@ -299,7 +299,7 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
     pre-expert norm in its last one (``dense_gemv.gemv_program``): two independent products of one input in one
     launch, each with its own ticket. ``DEFERRED``: that input is ``residual_norm(res, x, post_w, alpha, beta,
     next_w, post_eps, res_eps)``'s normed row, which every program works out from the whole row
-    (:func:`deferred_input`; the pooler's programs in :func:`pooler_deferred_program`, whose first stores the new
+    (``norms.deferred_input``; the pooler's programs in :func:`pooler_deferred_program`, whose first stores the new
     residual)."""
     pid = tl.program_id(0)
     routers = n_e * n_s
@@ -307,8 +307,8 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
         if DEFERRED:
             offs_e, offs_k, em, km, w = router_weights(pid % n_e, pid // n_e, w_ptr, bias_ptr, E, H, BLOCK_E, BLOCK_K,
                                                        WARM)
-            _, x = deferred_input(offs_k, km, x_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, H, post_eps,
-                                  res_eps, HAS_POST, HAS_NEXT, GEMV_K, False, PDL)
+            _, x = norms.deferred_input(offs_k, km, x_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, H,
+                                        post_eps, res_eps, HAS_POST, HAS_NEXT, GEMV_K, False, PDL)
             router_partial(pid // n_e, n_e, n_s, w, x, offs_e, em, part_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr,
                            E, k, multiplier, scaling, BLOCK_S, K, BLOCK)
         else:
@@ -328,53 +328,20 @@ def router_pooler_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, wout_ptr, 
 
 
 @triton.jit
-def deferred_input(offs, mask, out_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, H, post_eps, eps,
-                   HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_ROW: tl.constexpr, WHOLE: tl.constexpr,
-                   PDL: tl.constexpr):
-    """``(new_res, normed)`` at ``offs`` of ``residual_norm(res, out, post_w, alpha, beta, next_w, post_eps, eps)`` on
-    the row ``[H]`` that the kernel before wrote (``out``): the op's weights loaded before the PDL wait, the whole
-    row's two rms factors after it (``BLOCK_ROW >= H``), then the elements at ``offs`` (``WHOLE``: ``offs`` is the
-    whole row, already in registers) with the op's roundings; ``normed`` fp32, rounded to the residual's dtype as the
-    op stores it and a GEMV loads it."""
-    row = tl.arange(0, BLOCK_ROW)
-    rmask = row < H
-    act = out_ptr.dtype.element_ty
-    res_dt = res_ptr.dtype.element_ty
-    post, alpha, beta, nxt = norms.residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, row, rmask)
-    hooks.pdl_wait(PDL)  # out (and the residual, earlier) written by the kernels before (musecore_triton.hooks)
-    o, res = norms.residual_norm_inputs(res_ptr, out_ptr, row, rmask)
-    r_post, r_next = norms.residual_norm_factors(o, post, alpha, beta, res, rmask, H, post_eps, eps, HAS_POST, act,
-                                                 res_dt)
-    if WHOLE:
-        new_res, normed = norms.pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST,
-                                                         HAS_NEXT, act, res_dt)
-    else:  # this program's elements, read again (from this SM's L1 or L2)
-        post_s, alpha_s, beta_s, nxt_s = norms.residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, offs,
-                                                                     mask)
-        o_s, res_s = norms.residual_norm_inputs(res_ptr, out_ptr, offs, mask)
-        new_res, normed = norms.pending_residual_norm_at(o_s, post_s, alpha_s, beta_s, res_s, nxt_s, r_post, r_next,
-                                                         HAS_POST, HAS_NEXT, act, res_dt)
-    return new_res, normed.to(res_dt).to(tl.float32)
-
-
-@triton.jit
 def pooler_deferred_program(pid, programs, pooler_ptr, z_ptr, N, H, count_ptr, norm_w_ptr, normed_ptr, eps, out_ptr,
                             res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, new_res_ptr, post_eps, res_eps,
                             HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
                             WARM: tl.constexpr):
     """Row block ``pid`` of the pooler GEMV whose input is the deferred residual norm's normed row
-    (:func:`deferred_input` over the whole row, ``H <= BLOCK_K``, as its ``x``; block 0 stores the new residual),
-    then the pre-expert norm in the program that draws the last of ``programs`` tickets, as ``dense_gemv(norm=)``."""
-    rows, rmask, kk, kmask, wv = dense_gemv.whole_k_tile(pid, pooler_ptr, N, H, H, BLOCK_N, BLOCK_K)  # a weight
+    (``dense_gemv.deferred_gemv_program``; block 0 stores the new residual), then the pre-expert norm in the program
+    that draws the last of ``programs`` tickets, as ``dense_gemv(norm=)``."""
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if WARM:
-        hooks.prefetch_l2(norm_w_ptr + rows, rmask)
-    hooks.pdl_launch_dependents(EARLY)  # as dense_gemv: after its first weight loads
-    new_res, x = deferred_input(kk, kmask, out_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, H, post_eps,
-                                res_eps, HAS_POST, HAS_NEXT, BLOCK_K, True, PDL)
-    if pid == 0:
-        tl.store(new_res_ptr + kk, new_res, mask=kmask)
-    dense_gemv.store_row_products(wv, x, z_ptr, rows, rmask)
+        hooks.prefetch_l2(norm_w_ptr + rows, rows < N)
+    dense_gemv.deferred_gemv_program(pid, out_ptr, pooler_ptr, z_ptr, N, H, H, res_ptr, post_w_ptr, alpha_ptr,
+                                     beta_ptr, next_w_ptr, new_res_ptr, post_eps, res_eps, HAS_POST, HAS_NEXT,
+                                     BLOCK_N, BLOCK_K, PDL, EARLY)
     tl.debug_barrier()  # every thread's rows are stored before the ticket is taken
     if dense_gemv.last_ticket(count_ptr, programs):
         dense_gemv.norm_row(z_ptr, norm_w_ptr, normed_ptr, N, eps, True, BLOCK_NORM)
@@ -394,13 +361,6 @@ def router_pooler_one_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                           eps, counters, None)[:3]
 
 
-def deferred_fits(hidden: int) -> bool:
-    """Whether :func:`router_pooler_deferred` takes a block of ``hidden`` columns: the pooler's programs hold the
-    whole row (one chunk of ``dense_gemv``, not unrolled)."""
-    _, block_k, k_static = dense_gemv.gemv_blocks(hidden)
-    return hidden <= block_k and not k_static
-
-
 def router_pooler_deferred(residual_norm: tuple, weight: torch.Tensor, bias: torch.Tensor, k: int, multiplier: float,
                            scaling: float, pooler: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -411,7 +371,7 @@ def router_pooler_deferred(residual_norm: tuple, weight: torch.Tensor, bias: tor
     (:class:`musecore.model.DeferredNorm`). Returns ``(weights, ids, normed, new_residual)``. Every program works out
     the whole row's two rms factors (the op's sums, perhaps grouped otherwise than the op's kernel groups them) and
     then its own elements with the op's roundings; the pooler's first program stores the new residual. Takes
-    ``H`` up to one chunk of the pooler's GEMV (:func:`deferred_fits`)."""
+    ``H`` up to one chunk of the pooler's GEMV (``dense_gemv.deferred_fits``)."""
     return _router_pooler("router_pooler_deferred", residual_norm[0], weight, bias, k, multiplier, scaling, pooler,
                           norm_weight, eps, counters, residual_norm)
 
@@ -437,7 +397,7 @@ def _router_pooler(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
     if deferred is None:
         operands, flags, new_res = (x,) * 6 + (0.0, 0.0), {}, x
     else:
-        operands, flags, new_res = _deferred_operands(what, deferred, H)
+        operands, flags, new_res = dense_gemv.deferred_operands(what, deferred, H)
     flat = counters.view(-1)
     router_pooler_kernel[(n_e * n_s + triton.cdiv(n, gemv_n),)](
         x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
@@ -446,20 +406,3 @@ def _router_pooler(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
         num_warps=warps, **flags,
         EARLY=hooks.early_trigger(x.device, "router_pooler"), **hooks.launch_options(x.device, "router_pooler"))
     return weights, ids, normed, new_res
-
-
-def _deferred_operands(what: str, deferred: tuple, hidden: int) -> tuple[tuple, dict, torch.Tensor]:
-    """``router_pooler_kernel``'s eight residual-norm operands (from ``res_ptr`` on), its constexprs and the new
-    residual it fills, for ``deferred = (out, residual, post_w, alpha, beta, next_w, post_eps, eps)``."""
-    out, residual, post_w, alpha, beta, next_w, post_eps, eps = deferred
-    vectors = dict(alpha=alpha, beta=beta, post_w=post_w, next_w=next_w)
-    if not deferred_fits(hidden) or residual.shape != (1, hidden) or residual.dtype != out.dtype \
-            or any(v is not None and v.numel() != hidden for v in vectors.values()):
-        raise ValueError(f"{what} takes out and residual [1, H] of one dtype with H up to one GEMV chunk and the "
-                         f"residual norm's weights [H]; got H {hidden}, residual {residual.dtype} "
-                         f"{list(residual.shape)} (out {out.dtype}), "
-                         + ", ".join(f"{name} {list(v.shape)}" for name, v in vectors.items() if v is not None))
-    new_res = torch.empty_like(residual)
-    operands = (residual.contiguous(), out if post_w is None else post_w.contiguous(), alpha.contiguous(),
-                beta.contiguous(), out if next_w is None else next_w.contiguous(), new_res, post_eps, eps)
-    return operands, dict(DEFERRED=True, HAS_POST=post_w is not None, HAS_NEXT=next_w is not None), new_res
