@@ -427,6 +427,7 @@ def kernel_choices(linears: Sequence[LinearShape], profile: Any) -> list[KernelC
                      "top-k kernel beyond", "the fp32 router weight spread over every SM at decode"),
         *_fused_choice(),
         _row_op_cut_choice(),
+        _deferred_norm_choice(),
         _router_block_k_choice(),
         _handoff_choice(),
         KernelChoice("norms, silu_mul, logit_softcap, kv_write", "Triton row kernels (musecore_triton), fp32 math"),
@@ -440,6 +441,19 @@ def _row_op_cut_choice() -> KernelChoice:
                         f"{cuts}; the other 16-bit GEMVs 2 x 2",
                         "the row op's warps are the program's: muse-small's decode graph on an H100 715.8 -> 707.7 us "
                         "per replay (session 76); not timed on the H200")
+
+
+def _deferred_norm_choice() -> KernelChoice:
+    moved = []
+    if fused.DEFER_RESIDUAL_NORM:
+        moved.append("after attention: in every program of the router + pooler launch (DEFER_RESIDUAL_NORM)")
+    if fused.DEFER_MOE_NORM:
+        moved.append("after the MoE block: in every program of the next layer's q/k/v/gate launch (DEFER_MOE_NORM)")
+    rest = "the others in" if moved else "both in"
+    return KernelChoice("residual norms between fused sublayers at one-token decode",
+                        "; ".join(moved + [f"{rest} the last program of the sublayer's final GEMV (o_proj, unpooler)"]),
+                        "deferred: each consumer program redoes the norm's two sums over the whole row and the "
+                        "producer's serial tail goes (musecore_cuda.fused)")
 
 
 def _router_block_k_choice() -> KernelChoice:

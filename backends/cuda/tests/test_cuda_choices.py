@@ -388,6 +388,16 @@ def test_fused_sublayers_show_in_choices_and_their_switch_turns_them_off(choices
     assert {s.name: s for s in CudaBackend().env_settings()}[FUSED_ENV].value == "0"
 
 
+def test_the_plan_says_where_the_residual_norms_between_fused_sublayers_run(monkeypatch):
+    from musecore_cuda import fused
+    for attention, moe in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", attention)
+        monkeypatch.setattr(fused, "DEFER_MOE_NORM", moe)
+        row = _choice(CudaBackend().kernel_choices(LINEARS_816B, get_profile("h200")), "residual norms").choice
+        assert ("router + pooler launch" in row) == attention and ("q/k/v/gate launch" in row) == moe, row
+        assert ("both in the last program" in row) == (not attention and not moe), row
+
+
 def test_moe_handoff_from_2_tokens_on_large_experts_unless_forced(monkeypatch):
     """The down GEMV's early start: off at batch 1 and on muse-small's 768 x 768 experts, on from 2 tokens on the
     816B layer's; the switch forces it either way at every batch, and says what it takes when it is mistyped."""
