@@ -94,14 +94,17 @@ ATTENTION_IN_QKV = False
 FINALIZE_IN_UNPOOLER = True
 # The residual norm after attention run in the router + pooler launch's programs (``router_pooler_deferred``, the
 # model's ``DeferredNorm``) instead of in the last program of o_proj's GEMV: one serial tail per layer fewer, each
-# router + pooler program redoing the norm's two sums over the whole row. Off until timed in muse-small's decode graph
-# (cuda_fused_ab.py mode ``defer_norm``); session 72's probe (run 139, two chained [1536, 1536] GEMVs) put the tail
-# at 0.8-1.4 us.
+# router + pooler program redoing the norm's two sums over the whole row. Off: muse-small's decode graph on an H100
+# (session 79, run 159, cuda_fused_ab.py, 5 rounds) 653.6 us per replay against 654.5, within the rounds' spread, and
+# beside DEFER_MOE_NORM 652.3 against 649.6 for that one alone (mode ``defer_norm`` / ``defer_both``).
 DEFER_RESIDUAL_NORM = False
-# The residual norm after the MoE block run in the next layer's q/k/v/gate launch's programs
-# (``dense_gemv.qkv_gemv_rope_deferred``) instead of in the last program of the unpooler's GEMV: the other serial tail
-# of each layer (the last layer's stays: the final norm before lm_head). Off until timed (``defer_moe_norm``).
-DEFER_MOE_NORM = False
+# The residual norm after the MoE block run in every program of the next layer's q/k/v/gate launch
+# (``dense_gemv.qkv_gemv_rope_deferred``, at the backend's ``qkv_deferred`` cut) instead of in the last program of the
+# unpooler's GEMV (the last layer's stays there: the final norm before lm_head). On: run 159 (an H100, 5 rounds)
+# 649.6 us per replay (648.9 .. 650.7) against 654.5 (654.3 .. 655.4), 663.8 against 668.1 us per generated token;
+# the q/k/v/gate launch at 16 x 16 instead of 8 x 8 lost (657.4). Its sums group otherwise than the tail's, so a
+# random-weight model's near-tied greedy tokens can differ. Not timed on an H200.
+DEFER_MOE_NORM = True
 log = logging.getLogger("musecore.cuda")
 
 

@@ -75,7 +75,8 @@ def eager_first_step(device: torch.device) -> bool:
 # 2 x 2, 707.7 with these two; the q/k/v/gate GEMV at 4 x 4 gained 0.8 more, within the rounds' spread, so it stays).
 # "qkv_deferred" (session 79): the q/k/v/gate GEMV that works out the residual norm before it over the whole row in
 # every program (musecore_cuda.fused.DEFER_MOE_NORM): six whole-row vectors per program beside its weights spill at
-# 2 x 2 (session 70's sm90 compile of the same prologue: 255 registers), 8 x 8 took 131; not timed yet.
+# 2 x 2 (session 70's sm90 compile of the same prologue: 255 registers), 8 x 8 took 131; 16 x 16 lost 7.8 us per
+# replay against 8 x 8 in muse-small's decode graph (run 159, an H100); 4 x 4 not timed.
 ROW_OP_CUTS = {"residual_norm": (8, 8), "router_pooler": (4, 4), "qkv_deferred": (8, 8)}
 
 
