@@ -1,0 +1,55 @@
+"""Session 79: muse-small's one-token decode logits with the MoE block's residual norm deferred into the next layer's
+q/k/v/gate launch (``fused.DEFER_MOE_NORM``) and without, eager and from the captured decode graph, each against the
+separate ops (NMSE), to tell a numerics change from a bug (run 160's A/B: the replayed step's logits 0.386 apart).
+
+    python backends/cuda/lab/scripts/cuda_defer_check.py [--preset muse-small] [--format nvfp4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from musecore.api import load_random
+from musecore.model import separate_ops
+from musecore_cuda import fused
+
+
+def nmse(want: torch.Tensor, got: torch.Tensor) -> float:
+    want, got = want.float(), got.float()
+    return float(((got - want).square().sum() / want.square().sum().clamp_min(1e-30)).item())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="muse-small")
+    p.add_argument("--format", default="nvfp4")
+    args = p.parse_args()
+    model = load_random(args.preset, "h200", checkpoint_format=args.format)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    pos = torch.full((1, 1), 32, dtype=torch.long, device="cuda")
+
+    def prefilled():
+        cache = model.new_cache(1, 40, static=True)
+        model.forward(prompt, cache=cache)
+        return cache
+
+    with torch.inference_mode():
+        with separate_ops(model):
+            want = model.forward(tok, pos, cache=prefilled())
+        for defer in (False, True, False, True):
+            fused.DEFER_MOE_NORM = defer
+            model.release_generation_cache()
+            eager = model.forward(tok, pos, cache=prefilled())
+            step = model.decode_step(prefilled())
+            graph = step(tok, pos).clone()
+            again = step(tok, pos).clone()
+            print(f"DEFER_MOE_NORM={defer}: eager vs separate {nmse(want, eager):.3g}, graph vs separate "
+                  f"{nmse(want, graph):.3g}, graph vs eager {nmse(eager, graph):.3g}, replay vs replay "
+                  f"{nmse(graph, again):.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
