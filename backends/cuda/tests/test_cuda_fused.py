@@ -5,6 +5,7 @@ their switch; without a GPU, the fused MoE block's glue with its launches in Tri
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -212,15 +213,10 @@ def test_fused_sublayers_match_the_separate_ops_in_fewer_launches(model):
     """``MuseModel.attention_sublayer`` / ``feedforward_sublayer`` through the fused blocks' ``sublayer`` (the residual
     norm in the last GEMV's last program): the pair (residual', normed) within TOLERANCE of the separate ops, the
     caches' v bit for bit and k within TOLERANCE, and 3 launches for 7 (attention), 4 for 10 (MoE)."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
-    caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(4)
     H = model.config.hidden_size
     with torch.inference_mode():
-        for cache in caches:
-            model.forward(prompt, cache=cache)
-        positions = torch.tensor([[12]], device="cuda")
-        rope = model.rope(positions)
+        caches, positions, rope = prefilled_pair(model, 3)
         for i, layer in enumerate(model.layers):
             x, a = (torch.randn(1, 1, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
             got = model.attention_sublayer(i, x, a, positions, rope, caches[0])
@@ -265,15 +261,10 @@ def test_residual_norms_deferred_to_the_next_block_match_the_separate_ops(model,
     decode step's logits within TOLERANCE of the separate ops'."""
     monkeypatch.setattr(fused, "DEFER_RESIDUAL_NORM", after_attention)
     monkeypatch.setattr(fused, "DEFER_MOE_NORM", after_moe)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
-    caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
     gen = torch.Generator(device="cuda").manual_seed(6)
     H = model.config.hidden_size
     with torch.inference_mode():
-        for cache in caches:
-            model.forward(prompt, cache=cache)
-        positions = torch.tensor([[12]], device="cuda")
-        rope = model.rope(positions)
+        caches, positions, rope = prefilled_pair(model, 5)
         pairs = 0
         for i, layer in enumerate(model.layers[:-1]):
             if not isinstance(layer.mlp, MoE):
@@ -312,6 +303,17 @@ def test_residual_norms_deferred_to_the_next_block_match_the_separate_ops(model,
             want = model.forward(step, positions, cache=caches[1])
         err = nmse(want, got)
         assert err <= TOLERANCE, f"decode step logits with the deferred norms: NMSE {err:.3g} > {TOLERANCE:g}"
+
+
+def prefilled_pair(model, seed: int) -> tuple[list, torch.Tensor, Any]:
+    """Two static caches (one for the fused blocks, one for the separate ops) filled by the same random 12-token
+    prompt, the next position ``[[12]]`` and its rotary rows."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(seed))
+    caches = [model.new_cache(1, 64, static=True) for _ in range(2)]
+    for cache in caches:
+        model.forward(prompt, cache=cache)
+    positions = torch.tensor([[12]], device="cuda")
+    return caches, positions, model.rope(positions)
 
 
 def check_pair(want: tuple, got: tuple, what: str) -> None:
