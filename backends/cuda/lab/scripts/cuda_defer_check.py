@@ -1,6 +1,8 @@
 """Session 79: muse-small's one-token decode logits with the MoE block's residual norm deferred into the next layer's
 q/k/v/gate launch (``fused.DEFER_MOE_NORM``) and without, eager and from the captured decode graph, each against the
-separate ops (NMSE), to tell a numerics change from a bug (run 160's A/B: the replayed step's logits 0.386 apart).
+separate ops (NMSE), to tell a numerics change from a bug (run 160's A/B: the replayed step's logits 0.386 apart);
+also the share of logits at the soft cap (saturation hides small differences) and any fused block's ticket counter
+left non-zero after the replays (a miscounted ticket would change later launches).
 
     python backends/cuda/lab/scripts/cuda_defer_check.py [--preset muse-small] [--format nvfp4]
 """
@@ -46,9 +48,15 @@ def main() -> None:
             step = model.decode_step(prefilled())
             graph = step(tok, pos).clone()
             again = step(tok, pos).clone()
+            torch.cuda.synchronize()
+            tickets = [(i, kind, b.fused.counters.flatten().tolist()) for i, layer in enumerate(model.layers)
+                       for kind, b in (("attention", layer.self_attn), ("moe", layer.mlp))
+                       if getattr(b, "fused", None) is not None and b.fused.counters.any()]
             print(f"DEFER_MOE_NORM={defer}: eager vs separate {nmse(want, eager):.3g}, graph vs separate "
                   f"{nmse(want, graph):.3g}, graph vs eager {nmse(eager, graph):.3g}, replay vs replay "
-                  f"{nmse(graph, again):.3g}", flush=True)
+                  f"{nmse(graph, again):.3g}; logits saturated at the cap: "
+                  f"{float((graph.abs() >= graph.abs().max()).float().mean()):.3f}; tickets left non-zero: "
+                  f"{tickets or 'none'}", flush=True)
 
 
 if __name__ == "__main__":
