@@ -196,13 +196,14 @@ def test_qkv_gemv_rope_gives_the_gemv_then_qk_norm_rope_kv_write(nq, nkv, d, k, 
 
 
 @pytest.mark.parametrize("nq,nkv,d,k,post,cut", [(4, 2, 32, 64, True, None), (6, 1, 64, 200, False, None),
-                                                 (6, 1, 64, 200, True, (16, 4))])
+                                                 (6, 1, 64, 200, True, (16, 4)), (4, 2, 32, 96, False, (8, 8))])
 def test_qkv_gemv_rope_takes_the_deferred_residual_norm(nq, nkv, d, k, post, cut, monkeypatch):
     """``qkv_gemv_rope_deferred``: the residual norm after the layer before (a scale-first or weightless post norm,
     the gate's alpha / beta, this layer's input norm) run in every program of the q/k/v/gate launch, against the
     ``residual_norm`` kernel then ``qkv_gemv_rope`` on its normed row: the same new residual, projection, q and
     cache (bit for bit in the interpreter, whose row sums run in one order; on a GPU the projection within the
-    linear op's tolerance and q, k within the q/k norm's), the head tickets back at zero. ``cut``: as above."""
+    linear op's tolerance and q, k within the q/k norm's), the head tickets back at zero. ``cut``: as above (8 x 8:
+    the CUDA backend's ``qkv_deferred`` cut)."""
     from musecore_triton.kernels import dense_gemv as module
     from musecore_triton.kernels.dense_gemv import qkv_gemv_rope, qkv_gemv_rope_deferred
     if cut is not None:
