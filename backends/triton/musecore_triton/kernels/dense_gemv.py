@@ -195,7 +195,7 @@ def _chunk_products(acc, acc2, wv, w2v, k0, x_ptr, K, BLOCK_K: tl.constexpr, SWI
 @triton.jit
 def whole_k_tile(pid, w_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row block ``pid`` of ``W [N, K]`` with all of K in one chunk (``K <= BLOCK_K``), for GEMVs whose ``x`` a
-    program works out itself (``moe.finalize_gemv_kernel``, ``router.pooler_pending_program``): ``(rows, rmask, kk,
+    program works out itself (``moe.finalize_gemv_kernel``, ``router.pooler_deferred_program``): ``(rows, rmask, kk,
     kmask, w tile)``."""
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -353,10 +353,7 @@ def _qkv_gemv_rope(name: str, x: torch.Tensor, w: torch.Tensor, nq: int, nkv: in
     y, q_out, args, meta = _qkv_launch(name, x, w, nq, nkv, cos, sin, eps, q_scale, cache_k, cache_v, cache_pos,
                                        pos_new, capacity, ring, counters, nq + nkv,
                                        "qkv" if deferred is None else "qkv_deferred")
-    if deferred is None:
-        operands, flags, new_res = (x,) * 6 + (0.0, 0.0), {}, x
-    else:
-        operands, flags, new_res = deferred_operands(name, deferred, w.shape[1])
+    operands, flags, new_res = deferred_operands(name, deferred, w.shape[1], x)
     qkv_gemv_rope_kernel[(triton.cdiv(w.shape[0], meta["BLOCK_N"]),)](*args, *operands, **meta, **flags)
     return y, q_out, new_res
 
@@ -545,10 +542,13 @@ def deferred_fits(k: int) -> bool:
     return k <= block_k and not k_static
 
 
-def deferred_operands(what: str, deferred: tuple, k: int) -> tuple[tuple, dict, torch.Tensor]:
+def deferred_operands(what: str, deferred: tuple | None, k: int, x: torch.Tensor) -> tuple[tuple, dict, torch.Tensor]:
     """A launch's eight operands for a deferred residual norm on its input (``res_ptr, post_w_ptr, alpha_ptr,
     beta_ptr, next_w_ptr, new_res_ptr, post_eps, eps``), its constexprs and the new residual it fills, for
-    ``deferred = (out [1, k], residual [1, k], post_w | None, alpha, beta, next_w | None, post_eps, eps)``."""
+    ``deferred = (out [1, k], residual [1, k], post_w | None, alpha, beta, next_w | None, post_eps, eps)``; for None
+    (nothing deferred) placeholders, no constexprs and the launch's own input ``x``."""
+    if deferred is None:
+        return (x,) * 6 + (0.0, 0.0), {}, x
     out, residual, post_w, alpha, beta, next_w, post_eps, eps = deferred
     vectors = dict(alpha=alpha, beta=beta, post_w=post_w, next_w=next_w)
     if not deferred_fits(k) or residual.shape != (1, k) or residual.dtype != out.dtype \

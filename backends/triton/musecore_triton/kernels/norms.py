@@ -69,8 +69,8 @@ def residual_norm_row(res_ptr, out_ptr, post_w_ptr, alpha_ptr, beta_ptr, next_w_
     mask = offs < n
     post, alpha, beta, nxt = residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, offs, mask)
     o, res = residual_norm_inputs(res_ptr + row * n, out_ptr + row * n, offs, mask, OUT_L2)
-    new_res, normed = pending_residual_norm(o, post, alpha, beta, res, nxt, mask, n, post_eps, eps, HAS_POST,
-                                            HAS_NEXT, out_ptr.dtype.element_ty, new_res_ptr.dtype.element_ty)
+    new_res, normed = residual_norm_values(o, post, alpha, beta, res, nxt, mask, n, post_eps, eps, HAS_POST,
+                                           HAS_NEXT, out_ptr.dtype.element_ty, new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * n + offs, new_res, mask=mask)
     tl.store(normed_ptr + row * n + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
 
@@ -118,7 +118,7 @@ def _gated(o, post, alpha, beta, res, r_post, HAS_POST: tl.constexpr, ACT: tl.co
 def residual_norm_factors(o, post, alpha, beta, res, mask, n, post_eps, eps, HAS_POST: tl.constexpr,
                           ACT: tl.constexpr, RES: tl.constexpr):
     """The ``residual_norm`` op's two rms factors over a whole row held in registers (fp32 vectors, ``mask`` its
-    ``n`` elements): ``(r_post, r_next)``. With them :func:`pending_residual_norm_at` computes any slice of the row,
+    ``n`` elements): ``(r_post, r_next)``. With them :func:`residual_norm_at` computes any slice of the row,
     with the bits the whole row's op gives it."""
     r_post = _rms(_post_input(o, post, HAS_POST, ACT), mask, n, post_eps)
     new_res = _gated(o, post, alpha, beta, res, r_post, HAS_POST, ACT, RES).to(tl.float32)
@@ -126,8 +126,8 @@ def residual_norm_factors(o, post, alpha, beta, res, mask, n, post_eps, eps, HAS
 
 
 @triton.jit
-def pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST: tl.constexpr,
-                             HAS_NEXT: tl.constexpr, ACT: tl.constexpr, RES: tl.constexpr):
+def residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST: tl.constexpr,
+                     HAS_NEXT: tl.constexpr, ACT: tl.constexpr, RES: tl.constexpr):
     """``(new_res, normed fp32)`` of the ``residual_norm`` op on some elements of a row (the operands there) from the
     whole row's :func:`residual_norm_factors`."""
     new_res = _gated(o, post, alpha, beta, res, r_post, HAS_POST, ACT, RES)
@@ -138,14 +138,14 @@ def pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS
 
 
 @triton.jit
-def pending_residual_norm(o, post, alpha, beta, res, nxt, mask, n, post_eps, eps, HAS_POST: tl.constexpr,
-                          HAS_NEXT: tl.constexpr, ACT: tl.constexpr, RES: tl.constexpr):
+def residual_norm_values(o, post, alpha, beta, res, nxt, mask, n, post_eps, eps, HAS_POST: tl.constexpr,
+                         HAS_NEXT: tl.constexpr, ACT: tl.constexpr, RES: tl.constexpr):
     """``(new_res, normed fp32)``: the ``residual_norm`` op on a whole row held in registers (``o`` the sublayer's
     output, ``res`` the residual, both fp32; ``ACT`` ``o``'s dtype, ``RES`` the residual's), its roundings:
     the post norm (weightless, or scale-first) rounded to ``ACT``, the gated sum to ``RES``; ``normed`` is rounded
     by whoever stores or uses it."""
     r_post, r_next = residual_norm_factors(o, post, alpha, beta, res, mask, n, post_eps, eps, HAS_POST, ACT, RES)
-    return pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST, HAS_NEXT, ACT, RES)
+    return residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST, HAS_NEXT, ACT, RES)
 
 
 @triton.jit
@@ -164,17 +164,15 @@ def deferred_input(offs, mask, out_ptr, res_ptr, post_w_ptr, alpha_ptr, beta_ptr
     post, alpha, beta, nxt = residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, row, rmask)
     hooks.pdl_wait(PDL)  # out (and the residual, earlier) written by the kernels before (musecore_triton.hooks)
     o, res = residual_norm_inputs(res_ptr, out_ptr, row, rmask)
-    r_post, r_next = residual_norm_factors(o, post, alpha, beta, res, rmask, H, post_eps, eps, HAS_POST, act,
-                                                 res_dt)
+    r_post, r_next = residual_norm_factors(o, post, alpha, beta, res, rmask, H, post_eps, eps, HAS_POST, act, res_dt)
     if WHOLE:
-        new_res, normed = pending_residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST,
-                                                         HAS_NEXT, act, res_dt)
+        new_res, normed = residual_norm_at(o, post, alpha, beta, res, nxt, r_post, r_next, HAS_POST, HAS_NEXT, act,
+                                           res_dt)
     else:  # this program's elements, read again (from this SM's L1 or L2)
-        post_s, alpha_s, beta_s, nxt_s = residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, offs,
-                                                                     mask)
+        post_s, alpha_s, beta_s, nxt_s = residual_norm_weights(post_w_ptr, alpha_ptr, beta_ptr, next_w_ptr, offs, mask)
         o_s, res_s = residual_norm_inputs(res_ptr, out_ptr, offs, mask)
-        new_res, normed = pending_residual_norm_at(o_s, post_s, alpha_s, beta_s, res_s, nxt_s, r_post, r_next,
-                                                         HAS_POST, HAS_NEXT, act, res_dt)
+        new_res, normed = residual_norm_at(o_s, post_s, alpha_s, beta_s, res_s, nxt_s, r_post, r_next, HAS_POST,
+                                           HAS_NEXT, act, res_dt)
     return new_res, normed.to(res_dt).to(tl.float32)
 
 

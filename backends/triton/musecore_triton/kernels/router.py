@@ -394,10 +394,7 @@ def _router_pooler(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
     z, normed = (torch.empty(1, n, dtype=x.dtype, device=x.device) for _ in range(2))
     _, gemv_k, gemv_k_static = dense_gemv.gemv_blocks(H)
     gemv_n, warps = dense_gemv.row_op_cut(H, x.device, "router_pooler", ROUTER_POOLER_BLOCK_N, ROUTER_POOLER_WARPS)
-    if deferred is None:
-        operands, flags, new_res = (x,) * 6 + (0.0, 0.0), {}, x
-    else:
-        operands, flags, new_res = dense_gemv.deferred_operands(what, deferred, H)
+    operands, flags, new_res = dense_gemv.deferred_operands(what, deferred, H, x)
     flat = counters.view(-1)
     router_pooler_kernel[(n_e * n_s + triton.cdiv(n, gemv_n),)](
         x.contiguous(), weight.contiguous(), part, flat[0:1], bias.contiguous(), weights, ids, E, H, k, multiplier,
