@@ -193,6 +193,22 @@ class _Fused:
         """Whether the block still holds the weights this was made from."""
         return all(now is then for now, then in zip(self.weights(self.block), self.held))
 
+    def _sublayer(self, residual: Any, norm: tuple, x: Optional[torch.Tensor], defer: bool,
+                  run: Callable[..., Any]) -> Optional[Any]:
+        """The ``sublayer`` method of both blocks: ``run(x, then, deferred, defer)`` (their ``_run`` with its other
+        arguments bound) on ``x`` with ``then = (residual, norm)``, where ``residual`` may be a ``DeferredNorm``
+        (``x`` None; only where :attr:`takes_deferred`: ``x`` is its ``out``), and with ``defer`` this block's own
+        norm handed on as a ``DeferredNorm``. None where the block does not take these inputs."""
+        deferred = residual if isinstance(residual, DeferredNorm) else None
+        if deferred is not None:
+            if not self.takes_deferred:
+                return None
+            residual, x = deferred.residual, deferred.out
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            return None
+        out = run(x, (residual, norm), deferred, defer)
+        return DeferredNorm(*out, norm) if defer and out is not None else out
+
 
 class FusedMoE(_Fused):
     """``fused(m)``: the MoE block's output for one token ``m [..., H]`` in the pooler's dtype, or None."""
@@ -216,15 +232,7 @@ class FusedMoE(_Fused):
         may be the attention sublayer's ``DeferredNorm`` (``m`` None; where :attr:`takes_deferred`): the router +
         pooler launch runs it and stores the new residual this block's own norm takes. With ``defer`` this block's
         norm is handed on unrun instead (a ``DeferredNorm``)."""
-        deferred = residual if isinstance(residual, DeferredNorm) else None
-        if deferred is not None:
-            if not self.takes_deferred:
-                return None
-            residual, m = deferred.residual, deferred.out
-        if residual.shape != m.shape or residual.dtype != m.dtype:
-            return None
-        out = self._run(m, (residual, norm), deferred, defer)
-        return DeferredNorm(*out, norm) if defer and out is not None else out
+        return self._sublayer(residual, norm, m, defer, self._run)
 
     @property
     def takes_deferred(self) -> bool:
@@ -251,9 +259,7 @@ class FusedMoE(_Fused):
         else:
             y = self.backend.moe(z, weights, ids, block.experts, block.post_expert_norm, block.post_eps)  # [1,h] fp32
             unpool = functools.partial(dense_gemv, y, self.unpooler)  # y rounded to the model dtype as it loads
-        if defer:
-            return then[0], _unpool(unpool, m.shape, None, self.counters[2])
-        return _unpool(unpool, m.shape, then, self.counters[2])
+        return _unpool(unpool, m.shape, then, self.counters[2], defer)
 
     def _route(self, m: torch.Tensor, deferred: Optional[DeferredNorm]
                ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
@@ -272,11 +278,15 @@ class FusedMoE(_Fused):
         return router_pooler_deferred((m.reshape(1, H), deferred.residual.reshape(1, H), *deferred.norm), *route)
 
 
-def _unpool(gemv: Callable[..., Any], shape: torch.Size, then: Optional[tuple], counter: torch.Tensor) -> Any:
+def _unpool(gemv: Callable[..., Any], shape: torch.Size, then: Optional[tuple], counter: torch.Tensor,
+            defer: bool = False) -> Any:
     """The block's last GEMV (``gemv(residual_norm=None)``, ``dense_gemv``'s keyword): its output ``[shape]``, or
-    with ``then = (residual, norm)`` the residual_norm op's pair."""
+    with ``then = (residual, norm)`` the residual_norm op's pair, or with ``defer`` as well ``(residual, output)``
+    (the op left to the next block)."""
     if then is None:
         return gemv().view(shape)
+    if defer:
+        return then[0], gemv().view(shape)
     residual, norm = then
     new_res, normed = gemv(residual_norm=(residual.reshape(1, -1), *norm, counter))
     return new_res.view(shape), normed.view(shape)
@@ -322,15 +332,8 @@ class FusedAttention(_Fused):
         the block alone, the norm handed on unrun (a ``DeferredNorm`` for the MoE block's router + pooler launch).
         ``residual`` may be the layer before's ``DeferredNorm`` (``a`` None; where :attr:`takes_deferred`): the
         q/k/v/gate launch runs it (``qkv_gemv_rope_deferred``) and stores the new residual this block's norm takes."""
-        deferred = residual if isinstance(residual, DeferredNorm) else None
-        if deferred is not None:
-            if not self.takes_deferred:
-                return None
-            residual, a = deferred.residual, deferred.out
-        if residual.shape != a.shape or residual.dtype != a.dtype:
-            return None
-        out = self._run(a, positions, rope, cache, (residual, norm), deferred, defer)
-        return DeferredNorm(*out, norm) if defer and out is not None else out
+        return self._sublayer(residual, norm, a, defer, lambda a, then, deferred, defer: self._run(
+            a, positions, rope, cache, then, deferred, defer))
 
     @property
     def takes_deferred(self) -> bool:
@@ -369,7 +372,5 @@ class FusedAttention(_Fused):
             gate = y.view(1, 1, -1, d)[:, :, nq + 2 * nkv:]  # [1,1, nq + 2 nkv + nq, d]: q, k, v, gate heads
             o = attention(q, view.k, view.v, positions, view.positions, block.window, block.scale,
                           gate=(gate, block.eps))
-        o_proj = functools.partial(dense_gemv, o.reshape(1, nq * d), self.o_proj)
-        if defer:
-            return then[0], _unpool(o_proj, a.shape, None, self.counters[0])
-        return _unpool(o_proj, a.shape, then, self.counters[0])
+        return _unpool(functools.partial(dense_gemv, o.reshape(1, nq * d), self.o_proj), a.shape, then,
+                       self.counters[0], defer)
