@@ -2,7 +2,9 @@
 q/k/v/gate launch (``fused.DEFER_MOE_NORM``) and without, eager and from the captured decode graph, each against the
 separate ops (NMSE), to tell a numerics change from a bug (run 160's A/B: the replayed step's logits 0.386 apart);
 also the share of logits at the soft cap (saturation hides small differences) and any fused block's ticket counter
-left non-zero after the replays (a miscounted ticket would change later launches).
+left non-zero after the replays (a miscounted ticket would change later launches). Session 80: then deferred with
+PDL off (``MUSECORE_CUDA_PDL=0``) and with no early PDL signal (``MUSECORE_CUDA_PDL_EARLY=0``), to tell a race in
+the PDL chain from an error in the launches themselves.
 
     python backends/cuda/lab/scripts/cuda_defer_check.py [--preset muse-small] [--format nvfp4]
 """
@@ -10,6 +12,7 @@ left non-zero after the replays (a miscounted ticket would change later launches
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -41,8 +44,13 @@ def main() -> None:
     with torch.inference_mode():
         with separate_ops(model):
             want = model.forward(tok, pos, cache=prefilled())
-        for defer in (False, True, False, True):
+        runs = [(False, {}), (True, {}), (False, {}), (True, {}), (True, {"MUSECORE_CUDA_PDL": "0"}),
+                (True, {"MUSECORE_CUDA_PDL_EARLY": "0"}), (False, {"MUSECORE_CUDA_PDL": "0"})]
+        for defer, env in runs:
             fused.DEFER_MOE_NORM = defer
+            for name in ("MUSECORE_CUDA_PDL", "MUSECORE_CUDA_PDL_EARLY"):
+                os.environ.pop(name, None)
+            os.environ.update(env)
             model.release_generation_cache()
             eager = model.forward(tok, pos, cache=prefilled())
             step = model.decode_step(prefilled())
@@ -52,7 +60,7 @@ def main() -> None:
             tickets = [(i, kind, b.fused.counters.flatten().tolist()) for i, layer in enumerate(model.layers)
                        for kind, b in (("attention", layer.self_attn), ("moe", layer.mlp))
                        if getattr(b, "fused", None) is not None and b.fused.counters.any()]
-            print(f"DEFER_MOE_NORM={defer}: eager vs separate {nmse(want, eager):.3g}, graph vs separate "
+            print(f"DEFER_MOE_NORM={defer} {env or ''}: eager vs separate {nmse(want, eager):.3g}, graph vs separate "
                   f"{nmse(want, graph):.3g}, graph vs eager {nmse(eager, graph):.3g}, replay vs replay "
                   f"{nmse(graph, again):.3g}; logits saturated at the cap: "
                   f"{float((graph.abs() >= graph.abs().max()).float().mean()):.3f}; tickets left non-zero: "
