@@ -196,7 +196,8 @@ def test_qkv_gemv_rope_gives_the_gemv_then_qk_norm_rope_kv_write(nq, nkv, d, k, 
 
 
 @pytest.mark.parametrize("nq,nkv,d,k,post,cut", [(4, 2, 32, 64, True, None), (6, 1, 64, 200, False, None),
-                                                 (6, 1, 64, 200, True, (16, 4)), (4, 2, 32, 96, False, (8, 8))])
+                                                 (6, 1, 64, 200, True, (16, 4)), (4, 2, 32, 96, False, (8, 8)),
+                                                 (24, 3, 64, 1536, True, (8, 8))])
 def test_qkv_gemv_rope_takes_the_deferred_residual_norm(nq, nkv, d, k, post, cut, monkeypatch):
     """``qkv_gemv_rope_deferred``: the residual norm after the layer before (a scale-first or weightless post norm,
     the gate's alpha / beta, this layer's input norm) run in every program of the q/k/v/gate launch, against the
