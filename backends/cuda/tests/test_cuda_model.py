@@ -10,6 +10,8 @@ runs natively (bf16), and the decode step replayed from a CUDA graph is checked 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +135,25 @@ def test_greedy_graph_step_updates_positions_and_takes_the_argmax_of_a_plain_ste
         next_position += live.long()
         ids = got
     assert torch.equal(step.next_position, next_position), (step.next_position, next_position)
+
+
+@pytest.mark.gpu
+def test_a_captured_step_holds_the_cache_it_writes(two_layer_model, tmp_path):
+    """A captured step reads and writes the cache it was captured on by address, so it holds that cache: a caller
+    that keeps only the step must not replay into freed memory that later tensors took (session 80: the lab's A/B
+    helper dropped its cache, and its replayed logits were garbage)."""
+    model = musecore.load(str(save_random(two_layer_model, tmp_path)), device="h200", progress=False)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache, plain_cache = (model.new_cache(1, 128, static=True) for _ in range(2))
+    for c in (cache, plain_cache):
+        model.forward(prompt, cache=c)
+    step, greedy = make_graphed_decode_step(model, cache), make_graphed_greedy_step(model, cache)
+    held = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert held() is not None, "the captured steps let their cache go"
+    taken = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(8)]  # what would reuse freed blocks
+    ids, positions = prompt[:, -1:].cuda(), torch.tensor([[12]], device="cuda")
+    graphed = step(ids, positions).clone()
+    assert_nmse(model.forward(ids, positions=positions, cache=plain_cache), graphed, 1e-6, "the held cache's step")
+    assert greedy.cache is held() and all(t.eq(7).all() for t in taken)

@@ -97,6 +97,7 @@ def make_graphed_step(model: Any, cache: Any, *, tokens: int = 1, last_only: boo
         graph.replay()
         return static_logits
 
+    step.cache = cache  # the graph reads and writes the cache's memory: it must outlive the step (see _capture)
     return step
 
 
@@ -146,6 +147,7 @@ class GreedyGraphStep:
             return logits
 
         self.graph, self.logits = _capture(model, cache, scope, body)
+        self.cache = cache  # the graph reads and writes its memory: held as long as the step (see _capture)
         # (the warm-ups ran the body: the state is garbage until start())
 
     def start(self, tokens: torch.Tensor, next_position: torch.Tensor, live: torch.Tensor) -> None:
@@ -168,7 +170,8 @@ class GreedyGraphStep:
 def _capture(model: Any, cache: Any, scope: Callable[[int], ContextManager],
              body: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
     """``(graph, output)``: ``body`` (a step on the static ``cache`` whose inputs are all at position -1) warmed up
-    twice on a side stream, then captured; the cache's next positions are put back as they were."""
+    twice on a side stream, then captured; the cache's next positions are put back as they were. The graph holds
+    the cache's memory by address only: whatever replays it must hold ``cache`` too."""
     batch = cache.next_position.shape[0]
     saved_next = cache.next_position.clone()
     side = torch.cuda.Stream(model.device)
