@@ -100,14 +100,14 @@ FINALIZE_IN_UNPOOLER = True
 DEFER_RESIDUAL_NORM = False
 # The residual norm after the MoE block run in every program of the next layer's q/k/v/gate launch
 # (``dense_gemv.qkv_gemv_rope_deferred``, at the backend's ``qkv_deferred`` cut) instead of in the last program of the
-# unpooler's GEMV (the last layer's stays there: the final norm before lm_head). Off until a GPU answers an open
-# question: run 159 (an H100, 5 rounds) timed it 649.6 us per replay (648.9 .. 650.7) against 654.5 (654.3 .. 655.4),
-# and run 160 (on by default, 4 rounds) 648.7 against 653.5, but run 160's replayed step's logits were 0.386 (NMSE)
-# from the undeferred graph's where run 159's were bit-equal, and its whole GPU suite (cut short at 300 s) showed
-# three failures it did not name. Eager, it matches the separate ops on the GPU (test_cuda_fused.py, run 159). The
-# next GPU call runs ``backends/cuda/lab/scripts/cuda_defer_check.py`` (eager and graphed logits, each way round)
-# and the whole suite with ``-rf``.
-DEFER_MOE_NORM = False
+# unpooler's GEMV (the last layer's stays there: the final norm before lm_head). On: muse-small's decode graph on an
+# H200 (session 80, run 164, cuda_fused_ab.py, 3 rounds twice) 611.0 and 611.2 us per replay against 613.6 and 614.8,
+# on an H100 (session 79, run 159) 649.6 against 654.5; at a 4 x 4 cut 628.7. The whole GPU suite passed with it on
+# (run 163, H200). Its q/k/v/gate sums run in another order than the plain launch's (8 rows per program), so a bf16
+# element now and then rounds the other way; on random weights that grows layer by layer into other router choices
+# (run 163, cuda_defer_chain.py: the first difference at layer 6, NMSE 1.5e-5, a flip at layer 11), as any one-ulp
+# change does (test_cuda_model.py). Session 79's "0.386 NMSE" came from a replayed step whose cache had been freed.
+DEFER_MOE_NORM = True
 log = logging.getLogger("musecore.cuda")
 
 
