@@ -10,19 +10,15 @@ pair matched alone (``cuda_defer_locate.py``): a bug of the chain, or a router n
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 import torch
 
-from musecore.api import load_random
+# (this folder is sys.path[0] when run as a script)
+from cuda_defer_check import load_model
 from musecore.model import DeferredNorm, MoE, separate_ops
+from musecore.testing import nmse
 from musecore_cuda import fused
-
-
-def nmse(want: torch.Tensor, got: torch.Tensor) -> float:
-    want, got = want.float(), got.float()
-    return float(((got - want).square().sum() / want.square().sum().clamp_min(1e-30)).item())
 
 
 def chain(model, tok, pos, cache) -> tuple[list, list, torch.Tensor]:
@@ -43,11 +39,7 @@ def chain(model, tok, pos, cache) -> tuple[list, list, torch.Tensor]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="muse-small")
-    p.add_argument("--format", default="nvfp4")
-    args = p.parse_args()
-    model = load_random(args.preset, "h200", checkpoint_format=args.format)
+    model = load_model(__doc__)
     prompt = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).cuda()
     tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     pos = torch.full((1, 1), 32, dtype=torch.long, device="cuda")

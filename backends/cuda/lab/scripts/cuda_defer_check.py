@@ -18,20 +18,22 @@ import torch
 
 from musecore.api import load_random
 from musecore.model import separate_ops
+from musecore.testing import nmse
 from musecore_cuda import fused
 
 
-def nmse(want: torch.Tensor, got: torch.Tensor) -> float:
-    want, got = want.float(), got.float()
-    return float(((got - want).square().sum() / want.square().sum().clamp_min(1e-30)).item())
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
+def load_model(doc: str):
+    """The model of the session 79-80 deferral probes (this one, ``cuda_defer_locate.py``, ``cuda_defer_chain.py``):
+    ``--preset`` (muse-small) in ``--format`` (nvfp4), random weights, on the GPU."""
+    p = argparse.ArgumentParser(description=doc)
     p.add_argument("--preset", default="muse-small")
     p.add_argument("--format", default="nvfp4")
     args = p.parse_args()
-    model = load_random(args.preset, "h200", checkpoint_format=args.format)
+    return load_random(args.preset, "h200", checkpoint_format=args.format)
+
+
+def main() -> None:
+    model = load_model(__doc__)
     prompt = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)).cuda()
     tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     pos = torch.full((1, 1), 32, dtype=torch.long, device="cuda")

@@ -15,28 +15,18 @@ separate ops (NMSE):
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from musecore.api import load_random
+# (this folder is sys.path[0] when run as a script)
+from cuda_defer_check import load_model
 from musecore.model import DeferredNorm, separate_ops
-from musecore.testing import through_separate_ops
+from musecore.testing import nmse, through_separate_ops
 from musecore_triton.kernels.dense_gemv import qkv_gemv_rope, qkv_gemv_rope_deferred
 from musecore_cuda import fused
 
 
-def nmse(want: torch.Tensor, got: torch.Tensor) -> float:
-    want, got = want.float(), got.float()
-    return float(((got - want).square().sum() / want.square().sum().clamp_min(1e-30)).item())
-
-
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="muse-small")
-    p.add_argument("--format", default="nvfp4")
-    args = p.parse_args()
-    model = load_random(args.preset, "h200", checkpoint_format=args.format)
+    model = load_model(__doc__)
     fused.DEFER_MOE_NORM = True
     H = model.config.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(1)
