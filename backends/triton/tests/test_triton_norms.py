@@ -204,7 +204,7 @@ def test_qkv_gemv_rope_takes_the_deferred_residual_norm(nq, nkv, d, k, post, cut
     ``residual_norm`` kernel then ``qkv_gemv_rope`` on its normed row: the same new residual, projection, q and
     cache (bit for bit in the interpreter, whose row sums run in one order; on a GPU the projection within the
     linear op's tolerance and q, k within the q/k norm's), the head tickets back at zero. ``cut``: as above (8 x 8:
-    the CUDA backend's ``qkv_deferred`` cut)."""
+    the CUDA backend's ``qkv_deferred`` cut; the last case muse-small's shapes, a K that is not a power of two)."""
     from musecore_triton.kernels import dense_gemv as module
     from musecore_triton.kernels.dense_gemv import qkv_gemv_rope, qkv_gemv_rope_deferred
     if cut is not None:
