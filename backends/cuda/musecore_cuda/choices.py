@@ -453,7 +453,8 @@ def _deferred_norm_choice() -> KernelChoice:
     return KernelChoice("residual norms between fused sublayers at one-token decode",
                         "; ".join(moved + [f"{rest} the last program of the sublayer's final GEMV (o_proj, unpooler)"]),
                         "deferred: each consumer program redoes the norm's two sums over the whole row and the "
-                        "producer's serial tail goes (musecore_cuda.fused)")
+                        "producer's serial tail goes; after the MoE block muse-small's decode graph on an H200 "
+                        "613.6 -> 611.0 us per replay (session 80), after attention no gain (musecore_cuda.fused)")
 
 
 def _router_block_k_choice() -> KernelChoice:
