@@ -38,7 +38,9 @@ With ``DEFER_RESIDUAL_NORM`` the residual norm between a layer's attention and M
 attention block's ``sublayer(..., defer=True)`` ends with o_proj's plain GEMV and hands the norm on unrun
 (``musecore.model.DeferredNorm``), and every program of the MoE block's router + pooler launch works it out over the
 whole row for itself (``router.router_pooler_deferred``; the pooler's first program stores the new residual): o_proj's
-launch loses its serial tail, the same launch count.
+launch loses its serial tail, the same launch count. ``DEFER_MOE_NORM`` (on) does the same with the norm after the MoE
+block: the unpooler's GEMV ends plain and every program of the next layer's q/k/v/gate launch runs the norm
+(``dense_gemv.qkv_gemv_rope_deferred``; its program 0 stores the new residual).
 
 The last-program steps take a ticket on an int32 counter that each fused block owns (zeroed once here, reset by
 the kernel that used it), so one block's launches must not overlap one another: a block runs on one stream at a
