@@ -75,7 +75,17 @@ def output_check(outputs: dict, first: dict) -> dict:
     NMSE; one that only groups an fp32 sum differently, as ~1e-6 and perhaps a different token after a near tie)."""
     a, b = outputs["logits"], first["logits"]
     nmse = float(((a - b).square().sum() / b.square().sum().clamp_min(1e-30)).item())
-    return {"tokens_equal_first": outputs["tokens"] == first["tokens"], "logits_nmse_vs_first": nmse}
+    # the logits' size and where their argmax falls, so that an NMSE of 0 from all-zero or unwritten logits (sessions
+    # 80-81: 0 in every mode, also where the generated tokens differ) shows as such
+    return {"tokens_equal_first": outputs["tokens"] == first["tokens"], "logits_nmse_vs_first": nmse,
+            "logits_rms": float(a.square().mean().sqrt()), "logits_argmax": int(a.flatten().argmax()),
+            "first_token_diff": next((i for i, (x, y) in enumerate(zip(_flat(outputs["tokens"]),
+                                                                        _flat(first["tokens"]))) if x != y), None)}
+
+
+def _flat(tokens) -> list[int]:
+    """``generate``'s tokens (nested lists or a tensor) as one list."""
+    return torch.as_tensor(tokens).flatten().tolist()
 
 
 def step_kernels(model, prompt: list[list[int]]) -> int:

@@ -38,8 +38,13 @@ def test_output_check_flags_other_tokens_and_logits():
     logits = torch.randn(1, 1, 50)
     first = {"tokens": [[1, 2, 3]], "logits": logits}
     same = output_check({"tokens": [[1, 2, 3]], "logits": logits.clone()}, first)
-    assert same == {"tokens_equal_first": True, "logits_nmse_vs_first": 0.0}
+    assert same == {"tokens_equal_first": True, "logits_nmse_vs_first": 0.0, "first_token_diff": None,
+                    "logits_rms": pytest.approx(float(logits.square().mean().sqrt())),
+                    "logits_argmax": int(logits.flatten().argmax())}
     other = output_check({"tokens": [[1, 2, 4]], "logits": logits * 1.1}, first)
     assert not other["tokens_equal_first"] and other["logits_nmse_vs_first"] == pytest.approx(0.01, rel=1e-4)
+    assert other["first_token_diff"] == 2
+    zeros = output_check({"tokens": [[1, 2, 3]], "logits": torch.zeros_like(logits)}, {**first, "logits": logits * 0})
+    assert zeros["logits_nmse_vs_first"] == 0.0 and zeros["logits_rms"] == 0.0  # all-zero logits show as such
     nan = output_check({"tokens": [[1, 2, 3]], "logits": logits * float("nan")}, first)
     assert nan["logits_nmse_vs_first"] != nan["logits_nmse_vs_first"]  # NaN stays NaN
