@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from musecore.api import load_random
+from musecore.testing import nmse
 
 
 def gpu_us(fn, n: int = 50, warmup: int = 1) -> float:
@@ -74,10 +75,9 @@ def output_check(outputs: dict, first: dict) -> dict:
     tokens are the same and the replayed step's logits' NMSE (a launch detail that races shows as a large or NaN
     NMSE; one that only groups an fp32 sum differently, as ~1e-6 and perhaps a different token after a near tie)."""
     a, b = outputs["logits"], first["logits"]
-    nmse = float(((a - b).square().sum() / b.square().sum().clamp_min(1e-30)).item())
     # the logits' size and where their argmax falls, so that an NMSE of 0 from all-zero or unwritten logits (sessions
     # 80-81: 0 in every mode, also where the generated tokens differ) shows as such
-    return {"tokens_equal_first": outputs["tokens"] == first["tokens"], "logits_nmse_vs_first": nmse,
+    return {"tokens_equal_first": outputs["tokens"] == first["tokens"], "logits_nmse_vs_first": nmse(b, a),
             "logits_rms": float(a.square().mean().sqrt()), "logits_argmax": int(a.flatten().argmax()),
             "first_token_diff": next((i for i, (x, y) in enumerate(zip(_flat(outputs["tokens"]),
                                                                         _flat(first["tokens"]))) if x != y), None)}
