@@ -105,10 +105,12 @@ DEFER_RESIDUAL_NORM = False
 # unpooler's GEMV (the last layer's stays there: the final norm before lm_head). On: muse-small's decode graph on an
 # H200 (session 80, run 164, cuda_fused_ab.py, 3 rounds twice) 611.0 and 611.2 us per replay against 613.6 and 614.8,
 # on an H100 (session 79, run 159) 649.6 against 654.5; at a 4 x 4 cut 628.7. The whole GPU suite passed with it on
-# (run 163, H200). Its q/k/v/gate sums run in another order than the plain launch's (8 rows per program), so a bf16
-# element now and then rounds the other way; on random weights that grows layer by layer into other router choices
-# (run 163, cuda_defer_chain.py: the first difference at layer 6, NMSE 1.5e-5, a flip at layer 11), as any one-ulp
-# change does (test_cuda_model.py). Session 79's "0.386 NMSE" came from a replayed step whose cache had been freed.
+# (run 163, H200; run 165, H100). Its sums run in another order than the undeferred path's (the q/k/v/gate GEMV over
+# 8 warps instead of 2, and the norm's own mean square; run 165: the plain launch at 8 x 8 too left the tokens
+# apart), so a bf16 element now and then rounds the other way; on random weights that grows layer by layer into
+# other router choices (run 163, cuda_defer_chain.py: the first difference at layer 6, NMSE 1.5e-5, a flip at layer
+# 11), as any one-ulp change does (test_cuda_model.py). Session 79's "0.386 NMSE" came from a replayed step whose
+# cache had been freed.
 DEFER_MOE_NORM = True
 log = logging.getLogger("musecore.cuda")
 
