@@ -51,18 +51,13 @@ def main() -> None:
             model.forward(prompt, cache=cache)
             with separate_ops(model) if name == "separate" else contextlib.nullcontext():
                 runs[name] = chain(model, tok, pos, cache)
-    want_res, want_ids, want_logits = runs["separate"]
-    for name in ("fused", "deferred"):
-        res, ids, logits = runs[name]
-        print(f"{name}: logits NMSE {nmse(want_logits, logits):.3g}; per layer residual NMSE "
+    for name, base in (("fused", "separate"), ("deferred", "separate"), ("deferred", "fused")):
+        (want_res, want_ids, want_logits), (res, ids, logits) = runs[base], runs[name]
+        print(f"{name} vs {base}: logits NMSE {nmse(want_logits, logits):.3g}; per layer residual NMSE "
               + " ".join(f"{nmse(w, g):.2g}" for w, g in zip(want_res, res)), flush=True)
         for j, (w, g) in enumerate(zip(want_ids, ids)):
             if w != g:
-                print(f"  MoE block {j}: router ids {g} where the separate ops chose {w}", flush=True)
-    res_f, _, logits_f = runs["fused"]
-    res_d, _, logits_d = runs["deferred"]
-    print("deferred vs fused: logits NMSE %.3g; per layer " % nmse(logits_f, logits_d)
-          + " ".join(f"{nmse(w, g):.2g}" for w, g in zip(res_f, res_d)), flush=True)
+                print(f"  MoE block {j}: router ids {g} where {base} chose {w}", flush=True)
 
 
 if __name__ == "__main__":
