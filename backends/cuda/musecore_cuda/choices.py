@@ -69,15 +69,15 @@ GLUON_ONE_ROW_WEIGHTS, GLUON_ONE_ROW_MIN_K = 1024 * 8192, 4096
 # dequantize + cuBLAS, same process: H200 M = 1024 q_proj 188 vs 235, expert_up 95 vs 122, expert_down 48 vs 60 (128
 # tiles), k_proj (32 tiles) 81 vs 34 (the reason for the tile floor); H100 M = 512 q_proj 89 vs ~147, M = 2048 q_proj
 # 359-387 vs 444, expert_down 104-106 vs 113. At M = 4096 the two were even and the sign moved with the machine (H200
-# 1.00-1.05x, one H100 1.03-1.13x, another 0.87-0.96x), and by K (session 63): the targets case times both paths at
-# M = 4096 in one process, and over four runs (88 on an H200, 94 / 97 / 101 on three H100s) the Gluon launch beat
-# dequantize + cuBLAS in 15 of 16 comparisons on the K = 8192 shapes (q_proj 0.929-0.966 vs 0.877-0.920 of BF16,
-# k_proj 0.958-0.980 vs 0.911-0.924, o_proj 0.942-0.957 vs 0.894-0.951, pooler 0.933-0.962 vs 0.921-0.966) and lost
-# in 9 of 12 on the K = 4096 ones (expert_down 0.891-0.911 vs 0.917-0.956 in all four). So weights of
-# GLUON_LARGE_DEEP_K input features and more take it up to GLUON_LARGE_DEEP_MAX_M; with that rule each run's worst
-# M = 4096 row is as good or better (run 101 0.877 -> 0.910, run 94 0.908 -> 0.915). Past 4096: unmeasured.
+# 1.00-1.05x, one H100 1.03-1.13x, another 0.87-0.96x). Session 63 (runs 88-101) had the Gluon launch ahead at
+# M = 4096 on the K = 8192 shapes in 15 of 16 comparisons, and weights of K >= 8192 took it up to 4096 until session
+# 82; the targets case has timed both paths there in every run since, and from session 66 on (runs 122-167, thirteen
+# runs, sessions 66-81's kernels) dequantize + cuBLAS led in 36 of 52 comparisons: 4 of 4 on the only H200 among them (run 139:
+# q_proj 0.937 vs 0.887 of BF16, k_proj 0.910 vs 0.876, o_proj 0.935 vs 0.890, pooler 0.944 vs 0.898), 3 of 4 on run
+# 167's H100. With it on every M = 4096 shape each run's worst row is as good or better in 12 of 13 (run 139 0.876
+# -> 0.910, run 137 0.882 -> 0.918; run 124 0.920 -> 0.907 the exception). So every K stops at GLUON_LARGE_MAX_M;
+# M = 2049-4095 is unmeasured on either path.
 GLUON_LARGE_MIN_TILES, GLUON_LARGE_MAX_M = 128, 2048
-GLUON_LARGE_DEEP_K, GLUON_LARGE_DEEP_MAX_M = 8192, 4096
 GLUON_ENV = "MUSECORE_CUDA_GLUON"
 GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
 
@@ -98,17 +98,11 @@ def gluon_min_m(weights: int, in_features: int = 0) -> int:
     return GLUON_WIDE_M if weights >= GLUON_WIDE_WEIGHTS else GLUON_MIN_M
 
 
-def gluon_large_max_m(in_features: int) -> int:
-    """The most rows :func:`gluon_large` takes for a weight of ``in_features`` columns (K)."""
-    return GLUON_LARGE_DEEP_MAX_M if in_features >= GLUON_LARGE_DEEP_K else GLUON_LARGE_MAX_M
-
-
-def gluon_large(m: int, out_features: int, in_features: int = 0) -> bool:
-    """Whether ``m`` rows past ``GLUON_MAX_M`` (up to :func:`gluon_large_max_m`) take the Gluon GEMM's large-M launch
-    against ``out_features`` x ``in_features`` weights: when its 128 x 256 output tiles number at least
-    ``GLUON_LARGE_MIN_TILES``."""
+def gluon_large(m: int, out_features: int) -> bool:
+    """Whether ``m`` rows past ``GLUON_MAX_M`` (up to ``GLUON_LARGE_MAX_M``) take the Gluon GEMM's large-M launch
+    against ``out_features`` weight rows: when its 128 x 256 output tiles number at least ``GLUON_LARGE_MIN_TILES``."""
     tiles = -(-out_features // fp4_gluon_plan.LARGE_M_CONFIG.block_n) * -(-m // fp4_gluon_plan.LARGE_M_CONFIG.block_m)
-    return GLUON_MAX_M < m <= gluon_large_max_m(in_features) and tiles >= GLUON_LARGE_MIN_TILES
+    return GLUON_MAX_M < m <= GLUON_LARGE_MAX_M and tiles >= GLUON_LARGE_MIN_TILES
 
 
 def gluon_large_first_m(out_features: int) -> int:
@@ -125,7 +119,7 @@ def fp4_path_for(m: int, dtype: torch.dtype, *, weight_format: str = "nvfp4", gl
     (bf16 copy + cuBLAS) or "tiled" (Triton W4A16 GEMM)."""
     in_features = weights // out_features if out_features else 0  # (0: unknown)
     if (gluon and dtype == torch.bfloat16 and weight_format in GLUON_FORMATS
-            and (gluon_min_m(weights, in_features) <= m <= GLUON_MAX_M or gluon_large(m, out_features, in_features))):
+            and (gluon_min_m(weights, in_features) <= m <= GLUON_MAX_M or gluon_large(m, out_features))):
         return "gluon"
     if dtype == torch.bfloat16 and m >= GEMM_MIN_M:
         return "dequant" if m >= DEQUANT_MIN_M else "gemm"
@@ -158,7 +152,7 @@ def _m_ranges(dtype: torch.dtype, *, weight_format: str = "nvfp4", weights: int 
     ranges: list[tuple[int, Optional[int], str]] = []
     edges = sorted({1, 2, 3, fp4_gemv_cuda.FMA_MAX_M + 1, fp4_gemv_cuda.MAX_M + 1, GEMM_MIN_M, DEQUANT_MIN_M,
                     GLUON_WIDE_M, GLUON_MIN_M, GLUON_MAX_M + 1, gluon_large_first_m(out_features or 1),
-                    GLUON_LARGE_MAX_M + 1, GLUON_LARGE_DEEP_MAX_M + 1})
+                    GLUON_LARGE_MAX_M + 1})
     for m in edges:
         path = fp4_path_for(m, dtype, weight_format=weight_format, gluon=gluon, weights=weights,
                             out_features=out_features)
@@ -196,11 +190,11 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
     cfg = fp4_gluon_plan.pick_config(first, n, k, GLUON_PLAN_SMS)
     if first > GLUON_MAX_M:
         return (f"NVFP4 past M={GLUON_MAX_M} where {GLUON_LARGE_MIN_TILES}+ output tiles of {cfg.block_n} x "
-                f"{cfg.block_m} fill the GPU, up to M={gluon_large_max_m(k)}: two consumer warpgroups over 256 "
+                f"{cfg.block_m} fill the GPU, up to M={GLUON_LARGE_MAX_M}: two consumer warpgroups over 256 "
                 f"tokens ({cfg.label()}); 816B shapes: 1.20-1.25x dequantize + cuBLAS at M=1024 (H200), 1.07-1.65x "
-                f"at 512 and 2048 (H100); at 4096 ahead on K={GLUON_LARGE_DEEP_K} (15 of 16 in four runs, H200 and "
-                "H100), behind on K=4096, where dequantize + cuBLAS stays; today's rule applies if the GPU at load "
-                "is not SM 9.x or Triton is not 3.6")
+                "at 512 and 2048 (H100); at 4096 behind it (36 of 52 comparisons in thirteen runs, 4 of 4 on the "
+                "H200), so dequantize + cuBLAS takes M > 2048; today's rule applies if the GPU at load is not SM 9.x "
+                "or Triton is not 3.6")
     return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M=1 for weights of {GLUON_ONE_ROW_WEIGHTS} elements and more "
             f"over K >= {GLUON_ONE_ROW_MIN_K}, "
             f"from M={GLUON_WIDE_M} for {GLUON_WIDE_WEIGHTS} and more): beat today's path 1.0-2.3x on the 816B "

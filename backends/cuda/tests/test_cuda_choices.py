@@ -60,12 +60,11 @@ def test_fp4_linear_names_each_path_per_m_range(choices):
     assert "64,16,2,4,packed,2,finish,rezero" in gluon.reason and "two CTAs per SM" in gluon.reason
     k_proj = _choice(choices, "k_proj", f"M 1-{GLUON_MAX_M}")
     assert "64,16,16,4,packed,2,finish,rezero" in k_proj.reason  # narrow N: split-K fills the SMs, two CTAs on each
-    large = _choice(choices, "q_proj", f"M {GLUON_MAX_M + 1}-4096")  # 64 weight tiles of 128: 128 tiles at M = 257
-    assert "Gluon W4A16 GEMM" in large.choice and "128,256,1,3,packed" in large.reason and "M=4096" in large.reason
-    assert "bf16 copy + cuBLAS" in _choice(choices, "q_proj", "M >= 4097").choice  # unmeasured past 4096
-    dequant = _choice(choices, "k_proj", f"M {GLUON_MAX_M + 1}-3840")  # 8 weight tiles: 128 tiles from M = 3841
+    large = _choice(choices, "q_proj", f"M {GLUON_MAX_M + 1}-2048")  # 64 weight tiles of 128: 128 tiles at M = 257
+    assert "Gluon W4A16 GEMM" in large.choice and "128,256,1,3,packed" in large.reason and "M=2048" in large.reason
+    assert "bf16 copy + cuBLAS" in _choice(choices, "q_proj", "M >= 2049").choice  # behind it at 4096 (session 82)
+    dequant = _choice(choices, "k_proj", f"M >= {GLUON_MAX_M + 1}")  # 8 weight tiles: never 128 up to M = 2048
     assert "bf16 copy + cuBLAS" in dequant.choice and "16 MiB" in dequant.reason  # the transient copy
-    assert "Gluon W4A16 GEMM" in _choice(choices, "k_proj", "M 3841-4096").choice  # K = 8192: to 4096
     assert "Triton W4A16 GEMM" in _choice(choices, "fp16 activations").choice
 
 
@@ -502,17 +501,18 @@ def test_pick_moe_config_picks_run_80s_best_tiles_and_fits_shared_memory():
 
 
 def test_large_m_takes_the_gluon_gemm_where_its_tiles_fill_the_gpu():
-    """Past 256 rows up to 2048, and to 4096 for K >= 8192: two warpgroups over 256 tokens where 128+ output tiles of
-    128 x 256 fill the GPU (runs 80-82: it beat dequantize + cuBLAS on every such shape at M = 512-2048, lost on
-    k_proj's 32 tiles at 1024; at 4096, runs 88-101: ahead in 15 of 16 on the K = 8192 shapes, behind on K = 4096)."""
+    """Past 256 rows up to 2048: two warpgroups over 256 tokens where 128+ output tiles of 128 x 256 fill the GPU
+    (runs 80-82: it beat dequantize + cuBLAS on every such shape at M = 512-2048, lost on k_proj's 32 tiles at 1024).
+    At 4096 dequantize + cuBLAS led in 36 of 52 comparisons of runs 122-167 (4 of 4 on run 139's H200), K = 8192
+    included, which took the Gluon launch to 4096 until session 82."""
     from musecore_cuda.choices import gluon_large, gluon_large_first_m
     assert fp4_gluon_plan.pick_config(1024, 8192, 8192, 132) == fp4_gluon_plan.LARGE_M_CONFIG
     assert gluon_large(257, 8192) and gluon_large(1024, 4096) and not gluon_large(1024, 1024)
     assert not gluon_large(256, 8192)
-    assert gluon_large(4096, 8192, 8192) and gluon_large(4096, 1024, 8192) and not gluon_large(4097, 8192, 8192)
-    assert not gluon_large(4096, 8192, 4096) and not gluon_large(4096, 8192)  # K = 4096 (or unknown): to 2048
-    assert fp4_path_for(4096, torch.bfloat16, gluon=True, weights=4096 * 8192, out_features=4096) == "gluon"
-    assert fp4_path_for(4096, torch.bfloat16, gluon=True, weights=8192 * 4096, out_features=8192) == "dequant"
+    assert gluon_large(2048, 8192) and not gluon_large(2049, 8192) and not gluon_large(4096, 8192)
+    for weights, n in ((4096 * 8192, 4096), (8192 * 8192, 8192), (8192 * 4096, 8192)):  # K = 8192 and K = 4096 alike
+        assert fp4_path_for(2048, torch.bfloat16, gluon=True, weights=weights, out_features=n) == "gluon"
+        assert fp4_path_for(4096, torch.bfloat16, gluon=True, weights=weights, out_features=n) == "dequant"
     for n in (4096, 8192, 10240, 2048):
         first = gluon_large_first_m(n)
         assert gluon_large(first, n) and (first == 257 or not gluon_large(first - 1, n)), (n, first)

@@ -502,24 +502,26 @@ def test_fp4_linear_gluon_path_is_switched_off_by_env_and_skips_mxfp4(monkeypatc
     assert fp4_linear_path(257, torch.bfloat16, cuda, 8192 * 8192, **big) == "gluon"
     assert fp4_linear_path(1024, torch.bfloat16, cuda, 1024 * 8192, weight_format="nvfp4", out_features=1024) == \
         "dequant"  # 32 tiles: dequantize + cuBLAS measured faster
-    assert fp4_linear_path(4096, torch.bfloat16, cuda, 8192 * 8192, **big) == "gluon"  # K = 8192: to 4096
-    assert fp4_linear_path(4097, torch.bfloat16, cuda, 8192 * 8192, **big) == "dequant"  # unmeasured past it
-    assert fp4_linear_path(4096, torch.bfloat16, cuda, 8192 * 4096, **big) == "dequant"  # K = 4096: to 2048
+    assert fp4_linear_path(2048, torch.bfloat16, cuda, 8192 * 8192, **big) == "gluon"
+    assert fp4_linear_path(2049, torch.bfloat16, cuda, 8192 * 8192, **big) == "dequant"  # every K: to 2048 (session 82)
+    assert fp4_linear_path(4096, torch.bfloat16, cuda, 8192 * 4096, **big) == "dequant"
 
 
 @pytest.mark.gpu
-def test_fp4_linear_routes_m_4096_on_k_8192_to_the_gluon_gemm_and_matches_reference(monkeypatch):
-    """M = 4096 against pooler's 4096 x 8192 weight (K = 8192, 128 output tiles of 128 x 256): fp4_linear takes the
-    large-M Gluon launch (session 63) and matches the fp32 product within the linear tolerance."""
+@pytest.mark.parametrize("m, path", [(2048, "gluon"), (4096, "dequant")])
+def test_fp4_linear_at_large_m_on_k_8192_takes_its_path_and_matches_reference(monkeypatch, m, path):
+    """Pooler's 4096 x 8192 weight (K = 8192, 256 output tiles of 128 x 256 at M = 2048): the large-M Gluon launch up
+    to M = 2048, dequantize + cuBLAS past it (since session 82: behind it at 4096 in 36 of 52 targets rows), each
+    matching the fp32 product within the linear tolerance."""
     _needs_gluon()
     monkeypatch.delenv(GLUON_ENV, raising=False)
-    n, k, m = 4096, 8192, 4096
+    n, k = 4096, 8192
     qt, _, x = _gluon_case(n, k, m)
     be = CudaBackend("cuda")
     w = be.prepare_weight(qt, "pooler")
-    assert fp4_linear_path(m, x.dtype, x.device, n * k, weight_format="nvfp4", out_features=n) == "gluon"
+    assert fp4_linear_path(m, x.dtype, x.device, n * k, weight_format="nvfp4", out_features=n) == path
     assert_nmse(reference_linear(x, qt), be.linear(x, w), tolerance("linear"),
-                f"fp4_linear M={m} {k}->{n} through the large-M Gluon launch")
+                f"fp4_linear M={m} {k}->{n} through {path}")
 
 
 @pytest.mark.gpu
