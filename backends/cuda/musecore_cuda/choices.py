@@ -72,10 +72,11 @@ GLUON_ONE_ROW_WEIGHTS, GLUON_ONE_ROW_MIN_K = 1024 * 8192, 4096
 # 1.00-1.05x, one H100 1.03-1.13x, another 0.87-0.96x). Session 63 (runs 88-101) had the Gluon launch ahead at
 # M = 4096 on the K = 8192 shapes in 15 of 16 comparisons, and weights of K >= 8192 took it up to 4096 until session
 # 82; the targets case has timed both paths there in every run since, and from session 66 on (runs 122-167, thirteen
-# runs, sessions 66-81's kernels) dequantize + cuBLAS led in 36 of 52 comparisons: 4 of 4 on the only H200 among them (run 139:
-# q_proj 0.937 vs 0.887 of BF16, k_proj 0.910 vs 0.876, o_proj 0.935 vs 0.890, pooler 0.944 vs 0.898), 3 of 4 on run
-# 167's H100. With it on every M = 4096 shape each run's worst row is as good or better in 12 of 13 (run 139 0.876
-# -> 0.910, run 137 0.882 -> 0.918; run 124 0.920 -> 0.907 the exception). So every K stops at GLUON_LARGE_MAX_M.
+# runs, sessions 66-81's kernels) dequantize + cuBLAS led in 36 of 52 comparisons: 4 of 4 on the only H200 among
+# them (run 139: q_proj 0.937 vs 0.887 of BF16, k_proj 0.910 vs 0.876, o_proj 0.935 vs 0.890, pooler 0.944 vs
+# 0.898), 3 of 4 on run 167's H100. With it on every M = 4096 shape each run's worst row is as good or better in
+# 12 of 13 (run 139 0.876 -> 0.910, run 137 0.882 -> 0.918; run 124 0.920 -> 0.907 the exception). So every K
+# stops at GLUON_LARGE_MAX_M.
 # M = 2049-4095 has no interleaved measurement (run 168's sequential sweep, H100: the Gluon launch 2-7% ahead at
 # 3072-4096, inside that harness's own 14% spread between timings of one kernel).
 GLUON_LARGE_MIN_TILES, GLUON_LARGE_MAX_M = 128, 2048
