@@ -77,8 +77,10 @@ GLUON_ONE_ROW_WEIGHTS, GLUON_ONE_ROW_MIN_K = 1024 * 8192, 4096
 # 0.898), 3 of 4 on run 167's H100. With it on every M = 4096 shape each run's worst row is as good or better in
 # 12 of 13 (run 139 0.876 -> 0.910, run 137 0.882 -> 0.918; run 124 0.920 -> 0.907 the exception). So every K
 # stops at GLUON_LARGE_MAX_M.
-# M = 2049-4095 has no interleaved measurement (run 168's sequential sweep, H100: the Gluon launch 2-7% ahead at
-# 3072-4096, inside that harness's own 14% spread between timings of one kernel).
+# M = 2049-4095 in the same interleaved rounds (session 83, runs 169-170, twice on one H100,
+# lab/scripts/cuda_large_m_crossover.py): the Gluon launch led on o_proj at every point, on q_proj at all but one,
+# and trailed on pooler at 2560 both times (320 tiles: three waves of 132 SMs). That H100 favours the launch where
+# run 167's and run 139's H200 favoured the copy; no H200 has timed 2049-4095, so the bound stays.
 GLUON_LARGE_MIN_TILES, GLUON_LARGE_MAX_M = 128, 2048
 GLUON_ENV = "MUSECORE_CUDA_GLUON"
 GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
