@@ -57,8 +57,14 @@ def _check_private(path: Path) -> None:
 
 
 def directory(*parts: str) -> Path:
-    """``root()/parts...``, created 0700 where missing; every level from the root down is checked private."""
+    """``root()/parts...``, created 0700 where missing; every level from the root down is checked private. The
+    root's missing parents are made too (a fresh machine may have no ``~/.cache``), 0700 as XDG asks, unchecked."""
     path = root()
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise CacheError(f"cannot create {path.parent} for the cache: {err.strerror}; set {ENV} to a writable "
+                         "private directory") from None
     levels = [path] + [path := path / part for part in parts]
     for level in levels:
         try:

@@ -32,6 +32,27 @@ def test_xdg_cache_home_is_the_default_root(tmp_path, monkeypatch):
 
 
 @posix_only
+def test_a_missing_cache_home_is_made_with_its_parents(tmp_path, monkeypatch):
+    """A fresh machine may have no ~/.cache at all (this CI host had none): the root's parents are made, not an
+    error."""
+    monkeypatch.delenv("MUSECORE_CACHE", raising=False)
+    home = tmp_path / "home" / ".cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    made = compile_cache.directory("xeon")
+    assert made == home / "musecore" / "xeon" and made.is_dir()
+    assert mode(home / "musecore") == 0o700 and mode(made) == 0o700
+
+
+@posix_only
+def test_a_cache_home_that_cannot_be_made_is_one_line_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.delenv("MUSECORE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "cache"))
+    with pytest.raises(CacheError, match=f"cannot create {tmp_path / 'file' / 'cache'} .*set MUSECORE_CACHE"):
+        compile_cache.directory("xeon")
+
+
+@posix_only
 @pytest.mark.parametrize("bad_mode", [0o777, 0o775, 0o722])
 def test_a_directory_others_can_write_is_refused_naming_it(tmp_path, monkeypatch, bad_mode):
     shared = tmp_path / "shared"
