@@ -65,7 +65,9 @@ def directory(*parts: str) -> Path:
     except OSError as err:
         raise CacheError(f"cannot create {path.parent} for the cache: {err.strerror}; set {ENV} to a writable "
                          "private directory") from None
-    levels = [path] + [path := path / part for part in parts]
+    levels = [path]
+    for part in parts:
+        levels.append(levels[-1] / part)
     for level in levels:
         try:
             level.mkdir(mode=0o700)

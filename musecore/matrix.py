@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from musecore_quant.formats.facts import producer_options
 
+from musecore import compile_cache
 from musecore.backends.registry import unavailable_reason
 from musecore.devices import CATALOG
 from musecore.evaluate import AccuracyMeter, batched_logits, eval_batches, evaluate, paired_bootstrap
@@ -52,7 +53,6 @@ from musecore.names import (EXPERT_PROJECTIONS, experts_prefix, fused_expert_nam
 # Held-out text shipped as package data: 22 standard-library files the bundled model never saw in
 # training, 66,222 tokens (issue 28 asks for >= 64K); its manifest beside it says which files and why.
 DEFAULT_EVAL_TEXT = Path(str(files("musecore") / "data" / "eval" / "stdlib_heldout_64k.jsonl.gz"))
-DEFAULT_CACHE = Path(os.environ.get("MUSECORE_CACHE", Path.home() / ".cache" / "musecore")) / "matrix"
 RECIPE_VERSION = 3  # bump when a recipe changes, so cached checkpoints are rebuilt
 BUILD_FILE = "matrix_build.json"  # how long a cached checkpoint took to build, written beside it
 JSON_KEYS = ("device", "format", "mode", "perplexity", "delta_perplexity_pct", "delta_perplexity_pct_ci", "kl",
@@ -603,7 +603,8 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
     """Measure every selected row (see the module doc) on the BF16 checkpoint ``model``.
 
     ``tokens`` caps the evaluation tokens; ``seq_len`` is the window; ``cache_dir`` holds the
-    converted checkpoints (default ``~/.cache/musecore/matrix``); ``native=False`` skips native
+    converted checkpoints (default ``matrix/`` under :func:`musecore.compile_cache.root`: ``$MUSECORE_CACHE``, else
+    ``$XDG_CACHE_HOME/musecore``, else ``~/.cache/musecore``); ``native=False`` skips native
     rows; ``op_sizes`` are the conformance sizes of the per-op table (``()`` skips it);
     ``autoround_iters`` the tuning steps per expert of the AutoRound row (auto-round's default 200).
     """
@@ -627,7 +628,8 @@ def run_matrix(model: Union[str, Path] = "muse-tiny", *, rows: Optional[Sequence
     calibration = calibration_tokens(config.vocab_size, folder, seed=1)
     gptq_calibration = (calibration_tokens(config.vocab_size, folder, tokens=GPTQ_CALIBRATION_TOKENS, seed=1)
                         if any(s.checkpoint in GPTQ_RECIPES for s in specs) else None)
-    cache = CheckpointCache(folder, config, Path(cache_dir) if cache_dir else DEFAULT_CACHE, calibration, seq_len,
+    cache_dir = Path(cache_dir) if cache_dir else compile_cache.root() / "matrix"
+    cache = CheckpointCache(folder, config, cache_dir, calibration, seq_len,
                             progress, autoround_iters, log=say, gptq_calibration=gptq_calibration)
     records = discover()
 

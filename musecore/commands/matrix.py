@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--random-tokens", action="store_true",
                    help="evaluate on random token ids (checkpoints without a tokenizer; numerics only)")
     p.add_argument("--cache-dir", type=Path, default=None,
-                   help="where converted checkpoints are kept (default: ~/.cache/musecore/matrix)")
+                   help="where converted checkpoints are kept (default: matrix/ under $MUSECORE_CACHE, "
+                        "$XDG_CACHE_HOME/musecore or ~/.cache/musecore)")
     p.add_argument("--no-native", action="store_true", help="emulated rows only, even where a backend is here")
     p.add_argument("--op-sizes", default="tiny",
                    help="conformance sizes of the per-op NMSE table, comma-separated (tiny,small,816b); '' skips it")
