@@ -79,8 +79,9 @@ GLUON_ONE_ROW_WEIGHTS, GLUON_ONE_ROW_MIN_K = 1024 * 8192, 4096
 # stops at GLUON_LARGE_MAX_M.
 # M = 2049-4095 in the same interleaved rounds (session 83, runs 169-170, twice on one H100,
 # lab/scripts/cuda_large_m_crossover.py): the Gluon launch led on o_proj at every point, on q_proj at all but one,
-# and trailed on pooler at 2560 both times (320 tiles: three waves of 132 SMs). That H100 favours the launch where
-# run 167's and run 139's H200 favoured the copy; no H200 has timed 2049-4095, so the bound stays.
+# and trailed on pooler at 2560 both times (320 tiles: three waves of 132 SMs). That H100, and run 171's at 4096
+# (4 of 4, by 0.6-6%: 36 of 56 for the copy since session 66), favour the launch where run 167's H100 and run 139's
+# H200 favoured the copy; no H200 has timed 2049-4095, so the bound stays.
 GLUON_LARGE_MIN_TILES, GLUON_LARGE_MAX_M = 128, 2048
 GLUON_ENV = "MUSECORE_CUDA_GLUON"
 GLUON_FORMATS = ("nvfp4",)  # the kernel reads NVFP4's e4m3 group-16 scales; MXFP4 (e8m0, group 32) keeps its paths
