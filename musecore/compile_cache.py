@@ -58,7 +58,8 @@ def _check_private(path: Path) -> None:
 
 def directory(*parts: str) -> Path:
     """``root()/parts...``, created 0700 where missing; every level from the root down is checked private. The
-    root's missing parents are made too (a fresh machine may have no ``~/.cache``), 0700 as XDG asks, unchecked."""
+    root's missing parents are made too (a fresh machine may have no ``~/.cache``), unchecked: its parent 0700 as XDG
+    asks, any above that by the umask."""
     path = root()
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ def test_a_missing_cache_home_is_made_with_its_parents(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
     made = compile_cache.directory("xeon")
     assert made == home / "musecore" / "xeon" and made.is_dir()
-    assert mode(home / "musecore") == 0o700 and mode(made) == 0o700
+    assert mode(home) == mode(home / "musecore") == mode(made) == 0o700
 
 
 @posix_only
