@@ -197,7 +197,7 @@ def _gluon_reason(n: int, k: int, first: int) -> str:
         return (f"NVFP4 past M={GLUON_MAX_M} where {GLUON_LARGE_MIN_TILES}+ output tiles of {cfg.block_n} x "
                 f"{cfg.block_m} fill the GPU, up to M={GLUON_LARGE_MAX_M}: two consumer warpgroups over 256 "
                 f"tokens ({cfg.label()}); 816B shapes: 1.20-1.25x dequantize + cuBLAS at M=1024 (H200), 1.07-1.65x "
-                "at 512 and 2048 (H100); at 4096 behind it (36 of 52 comparisons in thirteen runs, 4 of 4 on the "
+                "at 512 and 2048 (H100); at 4096 behind it (36 of 56 comparisons in fourteen runs, 4 of 4 on the "
                 "H200), so dequantize + cuBLAS takes M > 2048; today's rule applies if the GPU at load is not SM 9.x "
                 "or Triton is not 3.6")
     return (f"NVFP4, M {first}-{GLUON_MAX_M} (from M=1 for weights of {GLUON_ONE_ROW_WEIGHTS} elements and more "
